@@ -1,0 +1,490 @@
+"""The block index: which rank holds which chained block, on which storage tiers.
+
+Theory of operation
+-------------------
+Block keys are chained (see `keys.py`): a key names a block together with its whole prefix.
+So the index is a *flat* dict `key -> Node`; a node's position is implied by its key, and a
+prompt matches by one dict lookup per block, without walking child pointers. Nodes keep only
+what the flat layout cannot derive: the parent key (to prune upward), a child count (to know
+when a node may go), and who carries the block.
+
+Carriers are a bitmask over small rank indices. A rank gets the lowest free index when it
+first stores a block and gives it back when it is cleared, so masks stay one machine word for
+any realistic fleet and `prefix_depths` is a loop of `&`. Most carriers hold a block on the
+device tier only; the per-rank tier bits of the rest are kept aside in a dict that exists
+only on nodes that need it. The engine's block hash (an opaque id that `BlockRemoved` and
+`parent_block_hash` speak in) is one int shared by every carrier in the common case, and a
+per-rank dict only when carriers disagree.
+
+Each rank also has `engine hash -> key`, the only way to resolve a removal or a parent.
+Invariant: an entry exists exactly while that rank carries that key, under that engine hash.
+A store that re-announces a key under a new engine hash re-points the carrier and drops the
+old entry, so one (rank, key) pair never has two live engine hashes.
+
+Rules that are deliberate:
+- A store whose non-null parent hash the rank does not carry is dropped and counted: the
+  block's position is unknowable, and guessing would put false prefixes in the index.
+- A store with tier 0 (an unknown medium) is dropped and counted; a remove with tier None
+  (no medium, or an unknown one) clears every tier of that carrier.
+- A node with no carriers and no children is pruned at once, cascading to its ancestors, so
+  every leaf has a carrier and every node lies on a path to one.
+- Dict insertion order is always parent-before-child: a node is created only under an
+  existing parent, and a parent cannot be pruned while it has children. Snapshot export
+  relies on this instead of a tree walk.
+
+Nodes are `msgspec.Struct(gc=False)`: 56 bytes, and invisible to the cyclic garbage
+collector, which would otherwise rescan millions of them on every full collection.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import and_, attrgetter, neg
+
+import msgspec
+
+from cachetree.keys import block_keys, namespace_seed
+from cachetree.ranks import RankId
+from cachetree.tiers import ALL_TIERS, DEVICE, TIER_NAMES
+
+_TIER_BITS = tuple(TIER_NAMES)  # (DEVICE, HOST, DISK, EXTERNAL), index = count slot
+_get_mask = attrgetter("mask")
+_get_tiers = attrgetter("tiers")
+
+
+class Node(msgspec.Struct, gc=False):
+    parent: int | None
+    mask: int  # bit i set: rank index i carries the block on at least one tier
+    children: int
+    tiers: dict[int, int] | None = None  # rank index -> tier bits, for carriers not DEVICE-only
+    ehash: int | dict[int, int] | None = None  # one engine hash for all carriers, or per index
+
+
+@dataclass(slots=True)
+class _Rank:
+    rank: RankId
+    index: int
+    by_engine_hash: dict[int, int] = field(default_factory=dict)  # engine hash -> key
+    counts: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # per tier slot
+
+
+@dataclass(slots=True)
+class TreeStats:
+    """Events the tree refused or could not resolve. Each is a count of events or hashes."""
+
+    unknown_parent: int = 0  # stores dropped: parent hash not carried by the rank
+    unknown_tier: int = 0  # stores dropped: medium maps to no tier
+    wrong_block_size: int = 0  # stores dropped: block size differs from the tree's
+    malformed_store: int = 0  # stores dropped: token count does not match the hashes
+    unknown_removal: int = 0  # removed hashes the rank did not carry
+
+
+class PrefixDepths:
+    """Per rank, how many leading blocks of a prompt it holds contiguously from block 0.
+
+    `any_tier` counts a block held on any tier; `device` only blocks held on the device tier.
+    Ranks holding nothing are absent. Internally the answer is a few runs of
+    `(rank index mask, depth)`, because along one prompt the set of holders changes only a
+    few times; `depth_runs` exposes them for callers that score ranks by index.
+    """
+
+    __slots__ = ("_any", "_device", "_rank_of")
+
+    def __init__(
+        self,
+        any_runs: list[tuple[int, int]],
+        device_runs: list[tuple[int, int]],
+        rank_of: Callable[[int], RankId],
+    ) -> None:
+        self._any = any_runs
+        self._device = device_runs
+        self._rank_of = rank_of
+
+    @property
+    def any_tier(self) -> dict[RankId, int]:
+        return self._expand(self._any)
+
+    @property
+    def device(self) -> dict[RankId, int]:
+        return self._expand(self._device)
+
+    def depth_runs(self, device: bool = False) -> list[tuple[int, int]]:
+        return self._device if device else self._any
+
+    def _expand(self, runs: list[tuple[int, int]]) -> dict[RankId, int]:
+        rank_of = self._rank_of
+        return {rank_of(index): depth for mask, depth in runs for index in _indices(mask)}
+
+
+@dataclass(slots=True, frozen=True)
+class Match:
+    blocks: int  # leading blocks present in the index
+    carriers: tuple[tuple[RankId, int], ...]  # (rank, tier bits) of the deepest matched node
+
+
+class BlockTree:
+    """The index. Plain synchronous code; one writer at a time (the pump)."""
+
+    def __init__(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.block_size = block_size
+        self.stats = TreeStats()
+        self._nodes: dict[int, Node] = {}
+        self._ranks: dict[RankId, _Rank] = {}
+        self._by_index: list[_Rank | None] = []
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    @property
+    def node_count(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._nodes
+
+    def ranks(self) -> list[RankId]:
+        return list(self._ranks)
+
+    def block_count(self, rank: RankId, tier: int | None = None) -> int:
+        """Blocks `rank` holds on `tier` (a single tier bit), or on any tier when None."""
+        st = self._ranks.get(rank)
+        if st is None:
+            return 0
+        if tier is None:
+            return len(st.by_engine_hash)
+        return st.counts[_TIER_BITS.index(tier)]
+
+    def block_counts(self) -> dict[tuple[RankId, str], int]:
+        """Blocks per (rank, tier name), zero rows left out."""
+        out: dict[tuple[RankId, str], int] = {}
+        for rank, st in self._ranks.items():
+            for slot, n in enumerate(st.counts):
+                if n:
+                    out[(rank, TIER_NAMES[_TIER_BITS[slot]])] = n
+        return out
+
+    def carriers(self, key: int) -> dict[RankId, int]:
+        """Rank -> tier bits for the block `key` (empty when absent)."""
+        node = self._nodes.get(key)
+        if node is None:
+            return {}
+        return {self._rank_of(i): bits for i, bits in self._carrier_bits(node)}
+
+    def engine_hash(self, rank: RankId, key: int) -> int | None:
+        st = self._ranks.get(rank)
+        node = self._nodes.get(key)
+        if st is None or node is None or not node.mask >> st.index & 1:
+            return None
+        return _ehash_of(node, st.index)
+
+    def match(self, keys: Sequence[int]) -> Match:
+        nodes = self._nodes
+        depth = 0
+        deepest: Node | None = None
+        for key in keys:
+            node = nodes.get(key)
+            if node is None:
+                break
+            depth += 1
+            deepest = node
+        if deepest is None:
+            return Match(0, ())
+        carriers = tuple((self._rank_of(i), bits) for i, bits in self._carrier_bits(deepest))
+        return Match(depth, carriers)
+
+    def prefix_depths(self, keys: Sequence[int]) -> PrefixDepths:
+        """One pass down the prompt's keys; a rank's depth ends at the first block it lacks.
+
+        Blocks a rank holds deeper than a gap do not count: an engine can only reuse a cached
+        prefix that starts at block 0. The pass is a few C-level sweeps (lookups, masks, a
+        running AND) rather than a Python loop per block, which is what keeps a 125-block
+        prompt cheap; run boundaries are then found by bisection on the holder count, which
+        can only fall along the path.
+        """
+        found = list(map(self._nodes.get, keys))
+        if None in found:
+            del found[found.index(None) :]
+        if not found:
+            return PrefixDepths([], [], self._rank_of)
+        any_runs = _runs(list(accumulate(map(_get_mask, found), and_)))
+        if any(map(_get_tiers, found)):
+            device_masks = [
+                n.mask if n.tiers is None else n.mask & ~_off_device_mask(n.tiers) for n in found
+            ]
+            device_runs = _runs(list(accumulate(device_masks, and_)))
+        else:
+            device_runs = any_runs
+        return PrefixDepths(any_runs, device_runs, self._rank_of)
+
+    # -- mutations -------------------------------------------------------------------------
+
+    def store(
+        self,
+        rank: RankId,
+        parent_engine_hash: int | None,
+        engine_hashes: Sequence[int],
+        token_ids: Sequence[int],
+        block_size: int,
+        tier: int = DEVICE,
+        namespace: str | None = None,
+    ) -> int:
+        """Place each full block under its parent and OR `tier` into its carrier bits.
+
+        Returns the number of blocks placed (0 when the event was dropped and counted).
+        """
+        if not tier or tier & ~ALL_TIERS:
+            self.stats.unknown_tier += 1
+            return 0
+        if block_size != self.block_size:
+            self.stats.wrong_block_size += 1
+            return 0
+        if len(token_ids) != len(engine_hashes) * block_size:
+            self.stats.malformed_store += 1
+            return 0
+        st = self._ranks.get(rank)
+        if parent_engine_hash is None:
+            parent_key: int | None = None
+            seed = namespace_seed(namespace)
+        else:
+            parent_key = st.by_engine_hash.get(parent_engine_hash) if st is not None else None
+            if parent_key is None:
+                self.stats.unknown_parent += 1
+                return 0
+            seed = parent_key
+        keys = block_keys(token_ids, block_size, seed)
+        if st is None:
+            st = self._add_rank(rank)
+        self._place(st, parent_key, keys, engine_hashes, tier)
+        return len(keys)
+
+    def remove(self, rank: RankId, engine_hashes: Iterable[int], tier: int | None = None) -> int:
+        """Clear `tier` (every tier when None) from the rank's carriers of these blocks.
+
+        Returns how many of the hashes the rank carried.
+        """
+        st = self._ranks.get(rank)
+        hashes = list(engine_hashes)
+        if st is None:
+            self.stats.unknown_removal += len(hashes)
+            return 0
+        clear = ALL_TIERS if tier is None else tier
+        nodes = self._nodes
+        found = 0
+        for eh in hashes:
+            key = st.by_engine_hash.get(eh)
+            if key is None:
+                self.stats.unknown_removal += 1
+                continue
+            found += 1
+            node = nodes[key]
+            old = _bits_of(node, st.index)
+            new = old & ~clear
+            if new == old:
+                continue
+            _count(st.counts, old & ~new, -1)
+            if new:
+                _set_bits(node, st.index, new)
+            else:
+                del st.by_engine_hash[eh]
+                self._drop_carrier(key, node, st.index)
+        return found
+
+    def clear_rank(self, rank: RankId) -> int:
+        """Forget every block of `rank` (AllBlocksCleared, worker removal). Returns blocks."""
+        st = self._ranks.pop(rank, None)
+        if st is None:
+            return 0
+        nodes = self._nodes
+        for key in st.by_engine_hash.values():
+            self._drop_carrier(key, nodes[key], st.index)
+        self._by_index[st.index] = None
+        while self._by_index and self._by_index[-1] is None:
+            self._by_index.pop()
+        return len(st.by_engine_hash)
+
+    # -- package internals (snapshot.py) ---------------------------------------------------
+
+    def _iter_keys(self) -> list[int]:
+        return list(self._nodes)
+
+    def _node(self, key: int) -> Node | None:
+        return self._nodes.get(key)
+
+    def _rank_of(self, index: int) -> RankId:
+        st = self._by_index[index]
+        assert st is not None
+        return st.rank
+
+    def _carrier_bits(self, node: Node) -> Iterator[tuple[int, int]]:
+        """(rank index, tier bits) for each carrier of `node`, in index order."""
+        tiers = node.tiers
+        for index in _indices(node.mask):
+            yield index, DEVICE if tiers is None else tiers.get(index, DEVICE)
+
+    def _carriers_with_hash(self, node: Node) -> list[tuple[int, int, int]]:
+        return [(i, bits, _ehash_of(node, i)) for i, bits in self._carrier_bits(node)]
+
+    def _place(
+        self,
+        st: _Rank,
+        parent_key: int | None,
+        keys: Sequence[int],
+        engine_hashes: Sequence[int],
+        tier: int,
+    ) -> None:
+        """Create or extend the chain `keys` below `parent_key`, carried by `st` on `tier`."""
+        nodes = self._nodes
+        by_hash = st.by_engine_hash
+        counts = st.counts
+        index = st.index
+        bit = 1 << index
+        for key, eh in zip(keys, engine_hashes, strict=True):
+            node = nodes.get(key)
+            if node is None:
+                nodes[key] = Node(parent_key, bit, 0, None if tier == DEVICE else {index: tier}, eh)
+                if parent_key is not None:
+                    nodes[parent_key].children += 1
+                _count(counts, tier, 1)
+            elif not node.mask & bit:
+                node.mask |= bit
+                if tier != DEVICE:
+                    _set_bits(node, index, tier)
+                _set_ehash(node, index, bit, eh)
+                _count(counts, tier, 1)
+            else:
+                old = _bits_of(node, index)
+                if old | tier != old:
+                    _set_bits(node, index, old | tier)
+                    _count(counts, tier & ~old, 1)
+                old_eh = _ehash_of(node, index)
+                if old_eh != eh:
+                    if by_hash.get(old_eh) == key:
+                        del by_hash[old_eh]
+                    _set_ehash(node, index, bit, eh)
+            stale = by_hash.get(eh)
+            if stale is not None and stale != key:
+                # The engine reused a hash for another block (content-only hashes in old
+                # engines). The newest placement wins; the older one can no longer be removed
+                # by hash, so drop it rather than leave a carrier nothing can clear.
+                old_node = nodes[stale]
+                _count(counts, _bits_of(old_node, index), -1)
+                self._drop_carrier(stale, old_node, index)
+            by_hash[eh] = key
+            parent_key = key
+
+    def _add_rank(self, rank: RankId) -> _Rank:
+        try:
+            index = self._by_index.index(None)
+        except ValueError:
+            index = len(self._by_index)
+            self._by_index.append(None)
+        st = _Rank(rank, index)
+        self._by_index[index] = st
+        self._ranks[rank] = st
+        return st
+
+    def _drop_carrier(self, key: int, node: Node, index: int) -> None:
+        """Remove rank `index` from `node` entirely, then prune what is left bare."""
+        node.mask &= ~(1 << index)
+        if node.tiers is not None:
+            node.tiers.pop(index, None)
+            if not node.tiers:
+                node.tiers = None
+        if type(node.ehash) is dict:
+            node.ehash.pop(index, None)
+        nodes = self._nodes
+        while not node.mask and not node.children:
+            del nodes[key]
+            parent = node.parent
+            if parent is None:
+                return
+            node = nodes[parent]
+            node.children -= 1
+            key = parent
+
+
+def _indices(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _runs(held: list[int]) -> list[tuple[int, int]]:
+    """`held[i]`: ranks holding blocks 0..i. Returns (ranks whose depth is d, d) runs."""
+    if held[-1] == held[0]:
+        return [(held[0], len(held))] if held[0] else []
+    counts = list(map(neg, map(int.bit_count, held)))  # non-decreasing along the path
+    runs = []
+    i, n = 0, len(held)
+    while i < n and counts[i]:
+        j = bisect_left(counts, counts[i] + 1, i)
+        runs.append((held[i] & ~(held[j] if j < n else 0), j))
+        i = j
+    return runs
+
+
+def _off_device_mask(tiers: dict[int, int]) -> int:
+    mask = 0
+    for index, bits in tiers.items():
+        if not bits & DEVICE:
+            mask |= 1 << index
+    return mask
+
+
+def _bits_of(node: Node, index: int) -> int:
+    if not node.mask >> index & 1:
+        return 0
+    tiers = node.tiers
+    return DEVICE if tiers is None else tiers.get(index, DEVICE)
+
+
+def _set_bits(node: Node, index: int, bits: int) -> None:
+    """Set a carrier's (non-zero) tier bits; DEVICE-only carriers live in the mask alone."""
+    tiers = node.tiers
+    if bits == DEVICE:
+        if tiers is not None:
+            tiers.pop(index, None)
+            if not tiers:
+                node.tiers = None
+    elif tiers is None:
+        node.tiers = {index: bits}
+    else:
+        tiers[index] = bits
+
+
+def _ehash_of(node: Node, index: int) -> int:
+    eh = node.ehash
+    if type(eh) is dict:
+        return eh[index]
+    assert eh is not None
+    return eh
+
+
+def _set_ehash(node: Node, index: int, bit: int, eh: int) -> None:
+    """Record carrier `index`'s engine hash; `node.mask` already includes `bit`."""
+    current = node.ehash
+    if type(current) is dict:
+        current[index] = eh
+    elif node.mask == bit:
+        node.ehash = eh
+    elif current != eh:
+        shared = {i: current for i in _indices(node.mask & ~bit)}
+        shared[index] = eh
+        node.ehash = shared
+
+
+def _count(counts: list[int], bits: int, delta: int) -> None:
+    if bits == DEVICE:
+        counts[0] += delta
+        return
+    for slot, tier in enumerate(_TIER_BITS):
+        if bits & tier:
+            counts[slot] += delta

@@ -1,0 +1,429 @@
+"""The fake worker's HTTP surface (aiohttp): engine endpoints plus test controls.
+
+Engine endpoints behave like vLLM/SGLang's as far as a router can tell: `/health`,
+`/server_info` (SGLang's `kv_events` discovery block), `/v1/models`, `/v1/completions`,
+`/v1/chat/completions`, `/generate`, `/v1/loads` (smg schema), `/metrics`, and, with
+`--serve-kv-snapshot`, `/v1/kv-snapshot`. A request picks its dp rank with the
+`X-Data-Parallel-Rank` header, as the router sends it.
+
+Test controls under `/control/*` drive KV events by request, never on a timer, and every one
+answers with the `last_seq` of the rank it touched, so a test can wait until a subscriber has
+seen exactly that seq. See `engine.py` for how actions map to batches.
+
+Two response headers say what a generation request cost, for tests that assert costs:
+`X-Fake-Worker-DP-Rank` and `X-Fake-Worker-Cached-Tokens`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final
+
+import msgspec
+from aiohttp import web
+
+from cachetree.tiers import TIER_NAMES, tier_of_medium
+from fake_kv_worker.config import WorkerConfig
+from fake_kv_worker.engine import RankEngine
+from fake_kv_worker.metrics import loads_body, prometheus_text
+from fake_kv_worker.protocol import (
+    DP_RANK_HEADER,
+    ChatShape,
+    CompletionShape,
+    GenerateShape,
+    GenerationRequest,
+    RequestError,
+    ResponseShape,
+    Usage,
+    dp_rank_of,
+    error_body,
+    filler_piece,
+    filler_text,
+    get_int,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+    parse_json_object,
+    token_chains,
+)
+from fake_kv_worker.publisher import RankPublisher
+from router.tokenize import BytesTokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+CACHED_TOKENS_HEADER: Final = "X-Fake-Worker-Cached-Tokens"
+SERVED_RANK_HEADER: Final = "X-Fake-Worker-DP-Rank"
+
+
+class FailureBudget:
+    """The next `count` generation requests fail with `status` (`--fail-first`, /control/fail)."""
+
+    def __init__(self, count: int, status: int = 503) -> None:
+        self.count = count
+        self.status = status
+        self.failed = 0
+
+    def take(self) -> int | None:
+        if self.count <= 0:
+            return None
+        self.count -= 1
+        self.failed += 1
+        return self.status
+
+
+class WorkerState:
+    """Everything the routes read and drive. Built by `server.FakeWorker`."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        ranks: list[RankEngine],
+        publishers: list[RankPublisher],
+        *,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.ranks = ranks
+        self.publishers = publishers
+        self.tokenizer: Tokenizer = BytesTokenizer()
+        self.failures = FailureBudget(config.fail_first)
+        self._clock = clock
+        self._ready_at = clock() + config.startup_delay_s
+
+    def healthy(self) -> bool:
+        return self._clock() >= self._ready_at
+
+    def rank_from_body(self, body: Mapping[str, Any]) -> int:
+        return dp_rank_of(body.get("dp_rank"), self.config.dp_size, "dp_rank")
+
+
+STATE_KEY: Final = web.AppKey("fake_kv_worker_state", WorkerState)
+
+
+def _json(
+    body: object, status: int = 200, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(body),
+        status=status,
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+@web.middleware
+async def _errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except RequestError as exc:
+        log.info("%s %s rejected: %s (param %s)", request.method, request.path, exc, exc.param)
+        return _json(exc.body(), status=exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        # aiohttp's own refusals (404, 405, 413 body too large) get the same JSON shape.
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        keep = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        return _json(error_body(exc.reason, kind, None), status=exc.status, headers=keep)
+
+
+async def _read_body(request: web.Request) -> dict[str, Any]:
+    # `read` enforces client_max_size (413) before anything is parsed.
+    return parse_json_object(await request.read())
+
+
+# --- engine endpoints -----------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    if not state.healthy():
+        return _json(error_body("starting up", "service_unavailable", None), status=503)
+    return web.Response(status=200)
+
+
+async def server_info(request: web.Request) -> web.Response:
+    cfg = request.app[STATE_KEY].config
+    kv_events: dict[str, Any] = {
+        "publisher": "zmq",
+        "endpoint_host": cfg.host,
+        "endpoint_port_base": cfg.kv_port_base,
+        "topic": cfg.topic,
+        "block_size": cfg.block_size,
+        "dp_size": cfg.dp_size,
+    }
+    if cfg.replay_port_base > 0:
+        kv_events["replay_endpoint_port_base"] = cfg.replay_port_base
+    return _json(
+        {"served_model_name": cfg.model, "speculative_algorithm": None, "kv_events": kv_events}
+    )
+
+
+async def models(request: web.Request) -> web.Response:
+    cfg = request.app[STATE_KEY].config
+    model = {
+        "id": cfg.model,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "fake-kv-worker",
+        "root": cfg.model,
+        "max_model_len": cfg.cache_blocks * cfg.block_size,
+    }
+    return _json({"object": "list", "data": [model]})
+
+
+async def loads(request: web.Request) -> web.Response:
+    return _json(loads_body(request.app[STATE_KEY].ranks))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    text = prometheus_text(state.ranks, state.config.metrics_engine, state.config.model)
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+def _tier_name(medium: str) -> str | None:
+    # An unknown medium has no tier a router would count: report null rather than guess.
+    return TIER_NAMES.get(tier_of_medium(medium))
+
+
+async def kv_snapshot(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    # Built without an await, so every rank's blocks are exactly its state as of its last_seq.
+    body = {
+        "ranks": [rank.snapshot(_tier_name) for rank in state.ranks],
+        "block_size": state.config.block_size,
+    }
+    return _json(body)
+
+
+Parser = Callable[[Mapping[str, Any], int], GenerationRequest]
+ShapeFactory = Callable[[str], ResponseShape]
+
+
+def _generation_route(
+    parse: Parser, shape_factory: ShapeFactory
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        state = request.app[STATE_KEY]
+        status = state.failures.take()
+        if status is not None:
+            log.info(
+                "%s failed on purpose with %d (%d more to fail)",
+                request.path,
+                status,
+                state.failures.count,
+            )
+            return _json(error_body("injected failure", "server_error", None), status=status)
+        dp_rank = dp_rank_of(
+            request.headers.get(DP_RANK_HEADER), state.config.dp_size, DP_RANK_HEADER
+        )
+        req = parse(await _read_body(request), state.config.max_tokens_default)
+        tokens = req.prompt if isinstance(req.prompt, list) else state.tokenizer.encode(req.prompt)
+        if not tokens:
+            raise RequestError("the prompt is empty", req.prompt_param)
+        rank = state.ranks[dp_rank]
+        shape = shape_factory(state.config.model)
+        async with rank.serve(tokens) as served:
+            headers = {
+                SERVED_RANK_HEADER: str(dp_rank),
+                CACHED_TOKENS_HEADER: str(served.cached_tokens),
+            }
+            log.debug(
+                "dp rank %d serving %s: %d prompt tokens, %d cached, %d to generate",
+                dp_rank,
+                request.path,
+                served.prompt_tokens,
+                served.cached_tokens,
+                req.max_tokens,
+            )
+            if not req.stream:
+                for _ in range(req.max_tokens):
+                    await rank.decode_step()
+                usage = Usage(served.prompt_tokens, req.max_tokens, served.cached_tokens)
+                return _json(shape.full(filler_text(req.max_tokens), usage), headers=headers)
+            return await _stream(
+                request, rank, shape, req, served.prompt_tokens, served.cached_tokens, headers
+            )
+
+    return handle
+
+
+async def _stream(
+    request: web.Request,
+    rank: RankEngine,
+    shape: ResponseShape,
+    req: GenerationRequest,
+    prompt_tokens: int,
+    cached_tokens: int,
+    headers: dict[str, str],
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+
+    async def send(chunk: object) -> None:
+        await resp.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+
+    try:
+        for chunk in shape.opening_chunks():
+            await send(chunk)
+        text = ""
+        # max_tokens 0 still ends with one (empty) chunk carrying the finish reason.
+        for i in range(max(req.max_tokens, 1)):
+            piece = ""
+            if req.max_tokens:
+                await rank.decode_step()
+                piece = filler_piece(i)
+            text += piece
+            done = i + 1 if req.max_tokens else 0
+            usage = Usage(prompt_tokens, done, cached_tokens)
+            await send(shape.token_chunk(piece, text, i + 1 >= req.max_tokens, usage))
+        final = Usage(prompt_tokens, req.max_tokens, cached_tokens)
+        for chunk in shape.closing_chunks(final, req.include_usage):
+            await send(chunk)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionResetError:
+        log.debug("client went away during a %s stream", request.path)
+    return resp
+
+
+# --- test controls --------------------------------------------------------------------------
+
+
+async def control_store(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    body = await _read_body(request)
+    dp_rank = state.rank_from_body(body)
+    chains = token_chains(body)
+    medium = body.get("medium", "GPU")
+    if not isinstance(medium, str) or not medium:
+        raise RequestError("'medium' must be a non-empty string", "medium")
+    block_size = state.config.block_size
+    # Validate every chain first, so a bad request publishes nothing at all.
+    for chain in chains:
+        if len(chain) < block_size:
+            raise RequestError(
+                f"every chain needs at least one full block ({block_size} tokens)", "token_chains"
+            )
+    rank = state.ranks[dp_rank]
+    seqs = [rank.store_chain(chain, medium) for chain in chains]
+    log.info("dp rank %d stored %d chain(s) (%s) as seq(s) %s", dp_rank, len(chains), medium, seqs)
+    return _json({"dp_rank": dp_rank, "last_seq": rank.last_seq, "seqs": seqs})
+
+
+async def control_evict(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    body = await _read_body(request)
+    dp_rank = state.rank_from_body(body)
+    rank = state.ranks[dp_rank]
+    has_chains, has_count = "token_chains" in body, "count" in body
+    if has_chains == has_count:
+        raise RequestError("give exactly one of 'token_chains' and 'count'", "token_chains")
+    if has_chains:
+        chains = token_chains(body)
+        keep = get_int(body, "keep_blocks", 0, minimum=0, maximum=1 << 31)
+        evicted = rank.evict_chains(chains, keep)
+    else:
+        evicted = rank.evict_lru(get_int(body, "count", 1, minimum=0, maximum=1 << 31))
+    log.info("dp rank %d evicted %d block(s) on request", dp_rank, evicted)
+    return _json({"dp_rank": dp_rank, "last_seq": rank.last_seq, "evicted": evicted})
+
+
+async def control_clear(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    dp_rank = state.rank_from_body(await _read_body(request))
+    rank = state.ranks[dp_rank]
+    cleared = rank.clear()
+    log.info("dp rank %d cleared %d block(s) on request", dp_rank, cleared)
+    return _json({"dp_rank": dp_rank, "last_seq": rank.last_seq, "cleared": cleared})
+
+
+async def control_drop_next(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    body = await _read_body(request)
+    dp_rank = state.rank_from_body(body)
+    publisher = state.publishers[dp_rank]
+    publisher.drop_next(get_int(body, "count", 1, minimum=0, maximum=1 << 31))
+    log.info(
+        "dp rank %d will keep the next %d batch(es) off the live stream",
+        dp_rank,
+        publisher.drops_pending,
+    )
+    return _json(
+        {
+            "dp_rank": dp_rank,
+            "last_seq": publisher.last_seq,
+            "drops_pending": publisher.drops_pending,
+        }
+    )
+
+
+async def control_skip_seq(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    body = await _read_body(request)
+    dp_rank = state.rank_from_body(body)
+    count = get_int(body, "count", 1, minimum=1, maximum=1 << 31)
+    last_seq = state.publishers[dp_rank].skip_seq(count)
+    return _json({"dp_rank": dp_rank, "last_seq": last_seq})
+
+
+async def control_restart_publisher(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    dp_rank = state.rank_from_body(await _read_body(request))
+    rank = state.ranks[dp_rank]
+    rank.restart()
+    return _json({"dp_rank": dp_rank, "last_seq": rank.last_seq})
+
+
+async def control_fail(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    body = await _read_body(request)
+    count = get_int(body, "count", 1, minimum=0, maximum=1 << 31)
+    status = get_int(body, "status", 503, minimum=400, maximum=599)
+    state.failures.count, state.failures.status = count, status
+    log.info("the next %d generation request(s) will fail with %d", count, status)
+    return _json({"count": count, "status": status})
+
+
+async def control_state(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    return _json(
+        {
+            "ranks": [rank.state() for rank in state.ranks],
+            "pending_failures": state.failures.count,
+            "failure_status": state.failures.status,
+            "failed_requests": state.failures.failed,
+            "healthy": state.healthy(),
+        }
+    )
+
+
+def build_app(state: WorkerState) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=state.config.max_body_bytes)
+    app[STATE_KEY] = state
+    app.router.add_get("/health", health)
+    app.router.add_get("/server_info", server_info)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", _generation_route(parse_completion, CompletionShape))
+    app.router.add_post("/v1/chat/completions", _generation_route(parse_chat, ChatShape))
+    app.router.add_post("/generate", _generation_route(parse_generate, GenerateShape))
+    app.router.add_get("/v1/loads", loads)
+    app.router.add_get("/metrics", metrics)
+    if state.config.serve_kv_snapshot:
+        app.router.add_get("/v1/kv-snapshot", kv_snapshot)
+    app.router.add_post("/control/store", control_store)
+    app.router.add_post("/control/evict", control_evict)
+    app.router.add_post("/control/clear", control_clear)
+    app.router.add_post("/control/drop-next", control_drop_next)
+    app.router.add_post("/control/skip-seq", control_skip_seq)
+    app.router.add_post("/control/restart-publisher", control_restart_publisher)
+    app.router.add_post("/control/fail", control_fail)
+    app.router.add_get("/control/state", control_state)
+    return app

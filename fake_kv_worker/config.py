@@ -1,0 +1,90 @@
+"""The fake worker's settings, shared by the command line and in-process test harnesses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from fake_kv_worker.wire import WIRE_FLAVOURS, WireFlavour
+
+TOKENIZERS: Final = ("bytes",)
+ENGINES: Final = ("vllm", "sglang")
+DEFAULT_MAX_BODY_BYTES: Final = 16 * 1024 * 1024  # a 1M-token prompt as JSON ids fits
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8001  # 0: let the OS choose; the bound port is logged and printed
+    kv_port_base: int = 5557  # rank r publishes on kv_port_base + r; must be explicit
+    dp_size: int = 1
+    block_size: int = 16
+    cache_blocks: int = 4096  # per rank
+    wire: str = "vllm"
+    # Which engine's /metrics names to serve; None follows the wire flavour. The block hash
+    # chain always follows the wire flavour, since hash and wire ship together in an engine.
+    engine: Literal["vllm", "sglang"] | None = None
+    replay_port_base: int = 0  # 0: no replay sockets
+    prefill_us_per_token: float = 0.0  # charged per uncached prompt token
+    decode_ms_per_token: float = 0.0  # charged per generated token
+    tokenizer: str = "bytes"
+    startup_delay_s: float = 0.0  # /health answers 503 until this has passed
+    serve_kv_snapshot: bool = False
+    fail_first: int = 0  # the first N generation requests fail with 503
+    max_concurrency: int = 0  # per rank; 0 = unlimited, otherwise the rest queue
+    topic: str = ""
+    model: str = "fake-model"
+    max_tokens_default: int = 16
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    replay_buffer_steps: int = 10_000
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        if not 0 <= self.port <= 65535:
+            problems.append(f"port {self.port} is out of range")
+        if self.dp_size < 1:
+            problems.append("dp_size must be >= 1")
+        if self.kv_port_base < 1 or self.kv_port_base + self.dp_size - 1 > 65535:
+            problems.append(f"kv_port_base {self.kv_port_base} must be an explicit port 1..65535")
+        if self.replay_port_base and (
+            self.replay_port_base < 1 or self.replay_port_base + self.dp_size - 1 > 65535
+        ):
+            problems.append(f"replay_port_base {self.replay_port_base} is out of range")
+        if self.replay_port_base and _overlap(
+            self.kv_port_base, self.replay_port_base, self.dp_size
+        ):
+            problems.append("kv and replay port ranges overlap")
+        if self.block_size < 1:
+            problems.append("block_size must be >= 1")
+        if self.cache_blocks < 1:
+            problems.append("cache_blocks must be >= 1")
+        if self.wire not in WIRE_FLAVOURS:
+            problems.append(f"wire must be one of {sorted(WIRE_FLAVOURS)}")
+        if self.engine is not None and self.engine not in ENGINES:
+            problems.append(f"engine must be one of {list(ENGINES)}")
+        if self.tokenizer not in TOKENIZERS:
+            problems.append(f"tokenizer must be one of {list(TOKENIZERS)}")
+        for name in ("prefill_us_per_token", "decode_ms_per_token", "startup_delay_s"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0")
+        for name in ("fail_first", "max_concurrency", "max_tokens_default"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0")
+        if self.max_body_bytes < 1024:
+            problems.append("max_body_bytes must be >= 1024")
+        if self.replay_buffer_steps < 1:
+            problems.append("replay_buffer_steps must be >= 1")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def flavour(self) -> WireFlavour:
+        return WIRE_FLAVOURS[self.wire]
+
+    @property
+    def metrics_engine(self) -> Literal["vllm", "sglang"]:
+        return self.engine if self.engine is not None else self.flavour.engine
+
+
+def _overlap(a: int, b: int, n: int) -> bool:
+    return a < b + n and b < a + n

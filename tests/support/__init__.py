@@ -1,0 +1,1 @@
+"""Helpers shared by the unit, component and cluster tests (ports, fake workers, ZMQ taps)."""

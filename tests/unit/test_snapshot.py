@@ -1,0 +1,232 @@
+import random
+from array import array
+
+import pytest
+
+from cachetree.ranks import RankId
+from cachetree.snapshot import (
+    Snapshot,
+    SnapshotError,
+    SnapshotExport,
+    SnapshotRestore,
+    canonical_view,
+    export,
+    restore,
+)
+from cachetree.tiers import DEVICE, DISK, HOST
+from cachetree.tree import BlockTree
+
+BS = 4
+A = RankId("http://a:8000", 0)
+B = RankId("http://b:8000", 0)
+C = RankId("http://c:8000", 1)
+
+
+def populated(seed: int = 7, chains: int = 60) -> BlockTree:
+    """A tree with shared prefixes, several ranks, mixed tiers and a few removals."""
+    rng = random.Random(seed)
+    tree = BlockTree(BS)
+    prefixes = [[rng.randrange(1, 500) for _ in range(BS * 3)] for _ in range(5)]
+    next_hash = 1
+    for _ in range(chains):
+        rank = rng.choice([A, B, C])
+        tokens = rng.choice(prefixes) + [
+            rng.randrange(1, 500) for _ in range(BS * rng.randint(0, 4))
+        ]
+        n = len(tokens) // BS
+        hashes = list(range(next_hash, next_hash + n))
+        next_hash += n
+        tier = rng.choice([DEVICE, DEVICE, HOST, DISK | DEVICE])
+        tree.store(rank, None, hashes, tokens, BS, tier=tier)
+        if rng.random() < 0.3:
+            tree.remove(rank, hashes[-1:], rng.choice([None, HOST]))
+    return tree
+
+
+def test_round_trip_gives_an_identical_canonical_view() -> None:
+    tree = populated()
+    snap = export(tree)
+    copy = BlockTree(BS)
+    assert restore(copy, snap) == len(snap)
+    assert canonical_view(copy) == canonical_view(tree)
+    assert len(copy) == len(tree)
+    assert copy.block_counts() == tree.block_counts()
+
+
+def test_records_are_parent_before_child_and_only_on_carried_paths() -> None:
+    tree = populated()
+    snap = export(tree)
+    records = list(snap.records())
+    carried = [False] * len(records)
+    for i in range(len(records) - 1, -1, -1):
+        parent, _, carriers = records[i]
+        assert parent is None or parent < i
+        carried[i] = carried[i] or bool(carriers)
+        if parent is not None and carried[i]:
+            carried[parent] = True
+    assert all(carried)
+
+
+def test_restored_tree_resolves_later_removals_by_engine_hash() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10, 11], list(range(8)), BS)
+    copy = BlockTree(BS)
+    restore(copy, export(tree))
+    assert copy.remove(A, [11], None) == 1
+    assert copy.remove(A, [10], None) == 1
+    assert len(copy) == 0
+
+
+def test_restore_onto_a_non_empty_tree_unions_carriers_and_tiers() -> None:
+    source = BlockTree(BS)
+    source.store(A, None, [10, 11], list(range(8)), BS, tier=HOST)
+    target = BlockTree(BS)
+    target.store(A, None, [10], list(range(4)), BS)
+    target.store(B, None, [20], list(range(4)), BS)
+    restore(target, export(source))
+    from cachetree.keys import block_keys
+
+    k0, k1 = block_keys(list(range(8)), BS)
+    assert target.carriers(k0) == {A: DEVICE | HOST, B: DEVICE}
+    assert target.carriers(k1) == {A: HOST}
+
+
+def test_chunked_export_and_restore_equal_the_one_shot_versions() -> None:
+    tree = populated(chains=200)
+    job = SnapshotExport(tree)
+    steps = 0
+    while not job.step(7):
+        steps += 1
+    assert steps > 3
+    snap = job.result()
+    assert list(snap.records()) == list(export(tree).records())
+    copy = BlockTree(BS)
+    restore_job = SnapshotRestore(copy, snap)
+    while not restore_job.step(5):
+        pass
+    assert canonical_view(copy) == canonical_view(tree)
+
+
+def test_export_between_chunks_skips_subtrees_pruned_meanwhile() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [1, 2, 3], list(range(12)), BS)
+    tree.store(B, None, [9], list(range(100, 104)), BS)
+    job = SnapshotExport(tree)
+    job.step(1)  # the first root only
+    tree.remove(A, [3, 2], None)  # block 1 and 2 of A's chain vanish mid-export
+    while not job.step(1):
+        pass
+    snap = job.result()
+    copy = BlockTree(BS)
+    restore(copy, snap)
+    assert canonical_view(copy) == canonical_view(tree)
+
+
+def test_unfinished_export_has_no_result() -> None:
+    job = SnapshotExport(populated())
+    with pytest.raises(RuntimeError):
+        job.result()
+
+
+def bad_snapshots() -> dict[str, Snapshot]:
+    good = export(populated())
+    cases: dict[str, Snapshot] = {}
+
+    def variant(name: str, **columns: object) -> None:
+        fields = {f: getattr(good, f) for f in Snapshot.__slots__}
+        fields.update({k: v for k, v in columns.items()})
+        cases[name] = Snapshot(**fields)
+
+    parents = array("q", good.parents)
+    parents[3] = 5
+    variant("forward_parent", parents=parents)
+    parents = array("q", good.parents)
+    parents[4] = 4
+    variant("self_parent", parents=parents)
+    parents = array("q", good.parents)
+    parents[2] = -7
+    variant("negative_parent", parents=parents)
+    workers = array("I", good.carrier_workers)
+    workers[0] = len(good.workers)
+    variant("worker_out_of_range", carrier_workers=workers)
+    tiers = array("B", good.carrier_tiers)
+    tiers[0] = 16
+    variant("unknown_tier_bits", carrier_tiers=tiers)
+    tiers = array("B", good.carrier_tiers)
+    tiers[0] = 0
+    variant("empty_tier_bits", carrier_tiers=tiers)
+    keys = array("Q", good.keys)
+    keys[5] = keys[2]
+    variant("duplicate_key", keys=keys)
+    variant("short_parents", parents=array("q", good.parents[:-1]))
+    variant("carrier_count_mismatch", carrier_hashes=array("Q", good.carrier_hashes[:-1]))
+    counts = array("I", good.carrier_counts)
+    counts[0] += 1
+    variant("counts_do_not_add_up", carrier_counts=counts)
+    variant("duplicate_worker_row", workers=[*good.workers, good.workers[0]])
+    variant("malformed_worker_row", workers=[("http://x", -1)])
+    return cases
+
+
+@pytest.mark.parametrize("case", sorted(bad_snapshots()))
+def test_every_rejection_leaves_the_tree_untouched(case: str) -> None:
+    snap = bad_snapshots()[case]
+    target = BlockTree(BS)
+    target.store(A, None, [500], list(range(900, 904)), BS)
+    before = canonical_view(target)
+    with pytest.raises(SnapshotError):
+        restore(target, snap)
+    assert canonical_view(target) == before
+    assert target.ranks() == [A]
+
+
+def test_duplicate_carrier_in_one_record_is_rejected() -> None:
+    snap = Snapshot.from_records([A], [(None, 5, ((0, DEVICE, 1), (0, HOST, 2)))])
+    with pytest.raises(SnapshotError, match="listed twice"):
+        restore(BlockTree(BS), snap)
+
+
+def test_a_key_held_under_another_parent_is_rejected() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10, 11], list(range(8)), BS)
+    existing_child = list(tree._iter_keys())[1]
+    snap = Snapshot.from_records([B], [(None, existing_child, ((0, DEVICE, 1),))])
+    before = canonical_view(tree)
+    with pytest.raises(SnapshotError, match="another parent"):
+        restore(tree, snap)
+    assert canonical_view(tree) == before
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        [(None, -5, ())],
+        [(None, 2**64, ())],
+        [(None, "k", ())],
+        [(None, 5, ((0, DEVICE, -1),))],
+        [(None, 5, ((0, True, 1),))],
+        [(0.5, 5, ())],
+        [(None, 5, ((0, DEVICE),))],
+    ],
+)
+def test_malformed_records_are_refused_when_building_columns(records: list) -> None:
+    with pytest.raises(SnapshotError):
+        Snapshot.from_records([A], records)
+
+
+def test_records_without_a_carrier_below_them_are_not_grafted() -> None:
+    snap = Snapshot.from_records(
+        [A],
+        [(None, 1, ()), (0, 2, ()), (None, 3, ()), (2, 4, ((0, DEVICE, 44),))],
+    )
+    tree = BlockTree(BS)
+    assert restore(tree, snap) == 2
+    assert set(tree._iter_keys()) == {3, 4}
+
+
+def test_canonical_view_differs_when_a_tier_differs() -> None:
+    one = BlockTree(BS)
+    two = BlockTree(BS)
+    one.store(A, None, [10], list(range(4)), BS)
+    two.store(A, None, [10], list(range(4)), BS, tier=HOST)
+    assert canonical_view(one) != canonical_view(two)

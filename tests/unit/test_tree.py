@@ -1,0 +1,265 @@
+import pytest
+
+from cachetree.keys import block_keys
+from cachetree.ranks import RankId
+from cachetree.tiers import DEVICE, DISK, HOST
+from cachetree.tree import BlockTree
+
+BS = 4
+A = RankId("http://a:8000", 0)
+B = RankId("http://b:8000", 0)
+A1 = RankId("http://a:8000", 1)
+
+
+def toks(n_blocks: int, start: int = 1) -> list[int]:
+    return list(range(start, start + n_blocks * BS))
+
+
+def keys_of(tokens: list[int]) -> list[int]:
+    return block_keys(tokens, BS)
+
+
+def store_chain(tree: BlockTree, rank: RankId, tokens: list[int], first_hash: int, **kw) -> list:
+    hashes = list(range(first_hash, first_hash + len(tokens) // BS))
+    tree.store(rank, None, hashes, tokens, BS, **kw)
+    return hashes
+
+
+def test_store_places_each_block_under_the_root_chain() -> None:
+    tree = BlockTree(BS)
+    assert tree.store(A, None, [10, 11, 12], toks(3), BS) == 3
+    assert len(tree) == 3
+    assert tree.match(keys_of(toks(3))).blocks == 3
+    assert tree.carriers(keys_of(toks(3))[2]) == {A: DEVICE}
+    assert tree.block_count(A) == 3
+
+
+def test_store_under_a_known_parent_extends_that_chain() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10, 11], toks(2), BS)
+    tree.store(A, 11, [12], toks(1, start=9), BS)
+    assert tree.match(keys_of(toks(3))).blocks == 3
+    assert tree.stats.unknown_parent == 0
+
+
+def test_store_with_an_unknown_parent_is_dropped_and_counted() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10], toks(1), BS)
+    assert tree.store(A, 999, [12], toks(1, start=5), BS) == 0
+    assert tree.stats.unknown_parent == 1
+    assert len(tree) == 1
+
+
+def test_a_parent_carried_only_by_another_rank_is_unknown_for_this_rank() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10], toks(1), BS)
+    assert tree.store(B, 10, [11], toks(1, start=5), BS) == 0
+    assert tree.stats.unknown_parent == 1
+
+
+def test_store_without_medium_is_device_and_unknown_medium_is_dropped() -> None:
+    tree = BlockTree(BS)
+    assert tree.store(A, None, [10], toks(1), BS, tier=0) == 0
+    assert tree.stats.unknown_tier == 1
+    assert len(tree) == 0
+    assert tree.store(A, None, [10], toks(1), BS, tier=1 << 7) == 0
+    assert tree.stats.unknown_tier == 2
+
+
+def test_store_with_another_block_size_is_dropped_and_counted() -> None:
+    tree = BlockTree(BS)
+    assert tree.store(A, None, [10], list(range(8)), 8) == 0
+    assert tree.stats.wrong_block_size == 1
+
+
+def test_store_whose_tokens_do_not_fill_its_hashes_is_dropped() -> None:
+    tree = BlockTree(BS)
+    assert tree.store(A, None, [10, 11], toks(1), BS) == 0
+    assert tree.stats.malformed_store == 1
+    assert len(tree) == 0
+
+
+def test_tiers_are_or_ed_in_per_carrier() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10], toks(1), BS)
+    tree.store(A, None, [10], toks(1), BS, tier=HOST)
+    tree.store(B, None, [20], toks(1), BS, tier=DISK)
+    key = keys_of(toks(1))[0]
+    assert tree.carriers(key) == {A: DEVICE | HOST, B: DISK}
+    assert tree.block_count(A, DEVICE) == 1
+    assert tree.block_count(A, HOST) == 1
+    assert tree.block_count(B, DISK) == 1
+    assert tree.block_count(B, DEVICE) == 0
+
+
+def test_remove_with_a_known_tier_clears_only_that_bit() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10], toks(1), BS)
+    tree.store(A, None, [10], toks(1), BS, tier=HOST)
+    assert tree.remove(A, [10], HOST) == 1
+    assert tree.carriers(keys_of(toks(1))[0]) == {A: DEVICE}
+    assert tree.block_count(A, HOST) == 0
+
+
+def test_remove_without_tier_clears_every_tier_and_prunes() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10], toks(1), BS, tier=HOST | DISK)
+    tree.remove(A, [10], None)
+    assert len(tree) == 0
+    assert tree.block_counts() == {}
+
+
+def test_remove_of_a_tier_the_carrier_lacks_changes_nothing() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10], toks(1), BS)
+    tree.remove(A, [10], DISK)
+    assert tree.carriers(keys_of(toks(1))[0]) == {A: DEVICE}
+
+
+def test_removing_a_leaf_prunes_bare_ancestors_in_a_cascade() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10, 11, 12], toks(3), BS)
+    tree.remove(A, [10, 11], None)  # ancestors lose their carrier but keep a child
+    assert len(tree) == 3
+    tree.remove(A, [12], None)
+    assert len(tree) == 0
+
+
+def test_a_node_another_rank_still_carries_survives_removal() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10, 11], toks(2), BS)
+    tree.store(B, None, [20, 21], toks(2), BS)
+    tree.remove(A, [10, 11], None)
+    assert len(tree) == 2
+    assert tree.carriers(keys_of(toks(2))[1]) == {B: DEVICE}
+
+
+def test_removal_of_unknown_hashes_is_counted_and_harmless() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10], toks(1), BS)
+    assert tree.remove(A, [77, 78], None) == 0
+    assert tree.remove(B, [10], None) == 0
+    assert tree.stats.unknown_removal == 3
+    assert len(tree) == 1
+
+
+def test_clear_rank_forgets_only_that_rank_and_prunes() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10, 11], toks(2), BS)
+    tree.store(B, None, [20], toks(1), BS)
+    tree.store(A, None, [30], toks(1, start=100), BS)
+    assert tree.clear_rank(A) == 3
+    assert tree.ranks() == [B]
+    assert len(tree) == 1
+    assert tree.clear_rank(A) == 0
+
+
+def test_rank_indices_are_reused_after_clear_without_mixing_carriers() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10], toks(1), BS)
+    tree.store(B, None, [20], toks(1, start=50), BS)
+    tree.clear_rank(A)
+    tree.store(A1, None, [30], toks(1, start=90), BS)
+    assert tree.carriers(keys_of(toks(1, start=50))[0]) == {B: DEVICE}
+    assert tree.carriers(keys_of(toks(1, start=90))[0]) == {A1: DEVICE}
+
+
+def test_match_returns_depth_and_the_deepest_nodes_carriers() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10, 11, 12], toks(3), BS)
+    tree.store(B, None, [20, 21], toks(2), BS, tier=HOST)
+    m = tree.match(keys_of(toks(4)))
+    assert m.blocks == 3
+    assert m.carriers == ((A, DEVICE),)
+    assert tree.match(keys_of(toks(2, start=500))).blocks == 0
+    assert tree.match(keys_of(toks(2, start=500))).carriers == ()
+
+
+def test_prefix_depths_counts_contiguous_blocks_from_block_zero_per_rank() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10, 11, 12, 13], toks(4), BS)
+    tree.store(B, None, [20, 21], toks(2), BS)
+    tree.remove(A, [11], None)  # A keeps blocks 2 and 3 but loses block 1
+    depths = tree.prefix_depths(keys_of(toks(5)))
+    assert depths.any_tier == {A: 1, B: 2}
+    assert depths.device == {A: 1, B: 2}
+
+
+def test_prefix_depths_separates_device_from_lower_tiers() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10, 11, 12], toks(3), BS)
+    tree.store(A, 11, [12], toks(1, start=9), BS, tier=HOST)
+    tree.remove(A, [12], DEVICE)  # block 2 now only on host
+    tree.store(B, None, [20, 21, 22], toks(3), BS, tier=DISK)
+    depths = tree.prefix_depths(keys_of(toks(3)))
+    assert depths.any_tier == {A: 3, B: 3}
+    assert depths.device == {A: 2}
+
+
+def test_prefix_depths_of_an_unknown_prompt_is_empty() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10], toks(1), BS)
+    assert tree.prefix_depths(keys_of(toks(2, start=300))).any_tier == {}
+    assert tree.prefix_depths([]).any_tier == {}
+
+
+def test_prefix_depths_over_many_ranks() -> None:
+    tree = BlockTree(BS)
+    ranks = [RankId(f"http://w{i}", 0) for i in range(70)]
+    for i, rank in enumerate(ranks):
+        n = i % 5 + 1
+        tree.store(rank, None, list(range(1000 * i, 1000 * i + n)), toks(n), BS)
+    depths = tree.prefix_depths(keys_of(toks(6)))
+    assert depths.any_tier == {rank: i % 5 + 1 for i, rank in enumerate(ranks)}
+
+
+def test_reannouncing_a_block_under_a_new_engine_hash_repoints_removal() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10], toks(1), BS)
+    tree.store(A, None, [99], toks(1), BS)
+    assert tree.remove(A, [10], None) == 0  # the old hash no longer names the block
+    assert tree.block_count(A) == 1
+    assert tree.remove(A, [99], None) == 1
+    assert len(tree) == 0
+
+
+def test_an_engine_hash_reused_for_another_block_moves_the_carrier() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10], toks(1), BS)
+    tree.store(A, None, [10], toks(1, start=40), BS)
+    assert len(tree) == 1
+    assert tree.carriers(keys_of(toks(1, start=40))[0]) == {A: DEVICE}
+    assert tree.block_count(A, DEVICE) == 1
+
+
+def test_carriers_with_different_engine_hashes_keep_their_own() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10], toks(1), BS)
+    tree.store(B, None, [20], toks(1), BS)
+    key = keys_of(toks(1))[0]
+    assert tree.engine_hash(A, key) == 10
+    assert tree.engine_hash(B, key) == 20
+    tree.remove(B, [20], None)
+    assert tree.engine_hash(A, key) == 10
+    assert tree.engine_hash(B, key) is None
+
+
+def test_namespaced_stores_match_only_namespaced_prompts() -> None:
+    from cachetree.keys import namespace_seed
+
+    tree = BlockTree(BS)
+    tree.store(A, None, [10], toks(1), BS, namespace="lora-x")
+    assert tree.match(keys_of(toks(1))).blocks == 0
+    assert tree.match(block_keys(toks(1), BS, namespace_seed("lora-x"))).blocks == 1
+
+
+def test_block_counts_report_each_rank_and_tier() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10, 11], toks(2), BS, tier=DEVICE | HOST)
+    tree.store(B, None, [20], toks(1), BS)
+    assert tree.block_counts() == {(A, "device"): 2, (A, "host"): 2, (B, "device"): 1}
+
+
+def test_block_size_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        BlockTree(0)
