@@ -205,11 +205,11 @@ class BlockTree:
         Blocks a rank holds deeper than a gap do not count: an engine can only reuse a cached
         prefix that starts at block 0. The pass is a few C-level sweeps (lookups, masks, a
         running AND) rather than a Python loop per block, which is what keeps a 125-block
-        prompt cheap; run boundaries are then found by bisection on the holder count, which
-        can only fall along the path.
+        prompt cheap.
         """
         found = list(map(self._nodes.get, keys))
-        if None in found:
+        # A block's parent always exists, so the hits form a prefix of the lookups.
+        if found and found[-1] is None:
             del found[found.index(None) :]
         if not found:
             return PrefixDepths([], [], self._rank_of)
@@ -345,13 +345,16 @@ class BlockTree:
         counts = st.counts
         index = st.index
         bit = 1 << index
-        for key, eh in zip(keys, engine_hashes, strict=True):
+        parent = None if parent_key is None else nodes[parent_key]
+        created = 0
+        for key, eh in zip(keys, engine_hashes):  # noqa: B905 - lengths checked by callers
             node = nodes.get(key)
             if node is None:
-                nodes[key] = Node(parent_key, bit, 0, None if tier == DEVICE else {index: tier}, eh)
-                if parent_key is not None:
-                    nodes[parent_key].children += 1
-                _count(counts, tier, 1)
+                node = Node(parent_key, bit, 0, None if tier == DEVICE else {index: tier}, eh)
+                nodes[key] = node
+                if parent is not None:
+                    parent.children += 1
+                created += 1
             elif not node.mask & bit:
                 node.mask |= bit
                 if tier != DEVICE:
@@ -368,16 +371,18 @@ class BlockTree:
                     if by_hash.get(old_eh) == key:
                         del by_hash[old_eh]
                     _set_ehash(node, index, bit, eh)
-            stale = by_hash.get(eh)
-            if stale is not None and stale != key:
+            stale = by_hash.setdefault(eh, key)
+            if stale != key:
                 # The engine reused a hash for another block (content-only hashes in old
                 # engines). The newest placement wins; the older one can no longer be removed
                 # by hash, so drop it rather than leave a carrier nothing can clear.
                 old_node = nodes[stale]
                 _count(counts, _bits_of(old_node, index), -1)
                 self._drop_carrier(stale, old_node, index)
-            by_hash[eh] = key
-            parent_key = key
+                by_hash[eh] = key
+            parent_key, parent = key, node
+        if created:
+            _count(counts, tier, created)
 
     def _add_rank(self, rank: RankId) -> _Rank:
         try:
@@ -418,14 +423,18 @@ def _indices(mask: int) -> Iterator[int]:
 
 
 def _runs(held: list[int]) -> list[tuple[int, int]]:
-    """`held[i]`: ranks holding blocks 0..i. Returns (ranks whose depth is d, d) runs."""
+    """`held[i]`: ranks holding blocks 0..i. Returns (ranks whose depth is d, d) runs.
+
+    `held` only loses ranks along the path, so its popcount never rises and each run ends
+    where the popcount drops: found by bisection instead of a Python loop over blocks.
+    """
     if held[-1] == held[0]:
         return [(held[0], len(held))] if held[0] else []
-    counts = list(map(neg, map(int.bit_count, held)))  # non-decreasing along the path
+    negated_counts = list(map(neg, map(int.bit_count, held)))  # non-decreasing
     runs = []
     i, n = 0, len(held)
-    while i < n and counts[i]:
-        j = bisect_left(counts, counts[i] + 1, i)
+    while i < n and negated_counts[i]:
+        j = bisect_left(negated_counts, negated_counts[i] + 1, i)
         runs.append((held[i] & ~(held[j] if j < n else 0), j))
         i = j
     return runs

@@ -15,9 +15,12 @@ from cachetree.tree import BlockTree
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
-def apply_events(tree: BlockTree, rank: RankId, events: Iterable[KVEvent]) -> Counter[tuple]:
-    """Apply events in order; returns a tally keyed by (kind, medium) for metrics."""
-    tally: Counter[tuple] = Counter()
+def apply_events(
+    tree: BlockTree, rank: RankId, events: Iterable[KVEvent], tally: Counter[tuple] | None = None
+) -> None:
+    """Apply events in order, counting them into `tally` by (kind, medium) for metrics."""
+    if tally is None:
+        tally = Counter()
     for event in events:
         if type(event) is BlockStored:
             tree.store(
@@ -36,4 +39,3 @@ def apply_events(tree: BlockTree, rank: RankId, events: Iterable[KVEvent]) -> Co
         elif type(event) is AllBlocksCleared:
             tree.clear_rank(rank)
             tally["cleared", None] += 1
-    return tally

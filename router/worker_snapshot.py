@@ -1,0 +1,93 @@
+"""A worker's own `GET /v1/kv-snapshot`: decoding it and rebuilding a rank's index from it.
+
+Real vLLM and SGLang do not serve this route; our fake worker does, and an engine plugin can.
+The body lists, per dp rank, the last seq the state reflects and every cached block in
+parent-before-child order with its engine hash (as the engine puts it on the wire: SGLang's are
+signed), parent engine hash, token ids and tier name. The router replays it as stores, so the
+rank's index ends up exactly as if it had seen every event up to `last_seq`.
+
+A body that does not decode, or whose blocks do not fit together (a block size that differs,
+tokens that do not fill a block, a parent that comes later or not at all), is refused whole
+with `WorkerSnapshotError`; the rank's index is then left as it was.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from cachetree.ranks import RankId
+from cachetree.tiers import TIER_NAMES
+from cachetree.tree import BlockTree
+
+_TIER_BY_NAME = {name: bit for bit, name in TIER_NAMES.items()}
+_U64_MASK = (1 << 64) - 1
+MAX_BODY_BYTES = 512 * 1024 * 1024
+
+
+class WorkerSnapshotError(ValueError):
+    pass
+
+
+class SnapshotBlock(msgspec.Struct, gc=False):
+    engine_hash: int
+    parent_engine_hash: int | None
+    token_ids: list[int]
+    tier: str | None = "device"
+
+
+class SnapshotRank(msgspec.Struct):
+    dp_rank: int
+    last_seq: int
+    blocks: list[SnapshotBlock]
+
+
+class WorkerSnapshot(msgspec.Struct):
+    ranks: list[SnapshotRank]
+    block_size: int
+
+
+_decoder = msgspec.json.Decoder(WorkerSnapshot)
+
+
+def decode_worker_snapshot(body: bytes) -> WorkerSnapshot:
+    if len(body) > MAX_BODY_BYTES:
+        raise WorkerSnapshotError(f"body of {len(body)} bytes is over {MAX_BODY_BYTES}")
+    try:
+        return _decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise WorkerSnapshotError(f"not a kv-snapshot body: {exc}") from None
+
+
+def rebuild_rank(tree: BlockTree, rank: RankId, snap: SnapshotRank, block_size: int) -> int:
+    """Replace `rank`'s blocks in `tree` with those of `snap`. Returns blocks placed.
+
+    Checked before anything changes: the block size, each block's token count, and that each
+    parent is a block listed earlier. Blocks with a tier name we do not know are skipped (an
+    unknown medium is never indexed), and so are their descendants.
+    """
+    if block_size != tree.block_size:
+        raise WorkerSnapshotError(f"block size {block_size} differs from the index's")
+    seen: set[int] = set()
+    for i, block in enumerate(snap.blocks):
+        if len(block.token_ids) != block_size:
+            raise WorkerSnapshotError(f"block {i} has {len(block.token_ids)} tokens")
+        parent = block.parent_engine_hash
+        if parent is not None and parent & _U64_MASK not in seen:
+            raise WorkerSnapshotError(f"block {i}: parent is not an earlier block")
+        seen.add(block.engine_hash & _U64_MASK)
+    tree.clear_rank(rank)
+    placed = 0
+    for block in snap.blocks:
+        tier = _TIER_BY_NAME.get(block.tier) if block.tier is not None else None
+        if tier is None:
+            continue
+        parent = block.parent_engine_hash
+        placed += tree.store(
+            rank,
+            None if parent is None else parent & _U64_MASK,
+            (block.engine_hash & _U64_MASK,),
+            block.token_ids,
+            block_size,
+            tier,
+        )
+    return placed
