@@ -1,0 +1,105 @@
+"""Routing decision latency per policy, for 8 and 64 candidate ranks.
+
+Run: .venv/bin/python bench/bench_policy.py [--candidates 8,64] [--iterations 20000]
+Prints figures; asserts nothing. One core, one process.
+
+Two scenarios, both a 2,000-token prompt (125 blocks of 16) with an engine load on every rank:
+- `shared`: every rank holds the same 20-block system prompt, two ranks hold the whole
+  prompt; device tier only. What a fleet serving one application looks like.
+- `scattered`: every rank holds a prefix of a different random depth, a quarter of them
+  partly on the host tier only. The worst case for the depth lookups (one run per rank,
+  two depth maps).
+`prefix_depths` itself is not timed (see bench_tree.py). The `depth maps` row is the part of
+a decision spent expanding `PrefixDepths.any_tier` / `.device` into dicts (cachetree code).
+Each figure is the mean over `--iterations` decisions, best of `--repeats` runs, so that
+other processes on the machine inflate it less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import timeit
+from collections.abc import Callable
+
+from cachetree.keys import block_keys
+from cachetree.ranks import RankId
+from cachetree.tiers import DEVICE, HOST
+from cachetree.tree import BlockTree, PrefixDepths
+from router.loads import EngineLoad
+from router.policy import POLICY_NAMES, Candidate, Prompt, make_policy
+
+BLOCK = 16
+PROMPT_TOKENS = 2000
+SCENARIOS = ("shared", "scattered")
+
+
+def scenario(kind: str, n_ranks: int, seed: int = 7) -> tuple[list[Candidate], Prompt]:
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, 50_000) for _ in range(PROMPT_TOKENS)]
+    keys = block_keys(prompt, BLOCK)
+    tree = BlockTree(BLOCK)
+    candidates = []
+    for i in range(n_ranks):
+        rank = RankId(f"http://10.0.{i // 8}.{i % 8}:8000", i % 8)
+        if kind == "shared":
+            depth = len(keys) if i < 2 else 20
+        else:
+            depth = rng.randrange(1, len(keys) + 1)
+        hashes = list(range(i * 1000, i * 1000 + depth))
+        tree.store(rank, None, hashes, prompt[: depth * BLOCK], BLOCK)
+        if kind == "scattered" and i % 4 == 0:
+            # Also on the host tier, and the device copy of the second half evicted.
+            tree.store(rank, None, hashes, prompt[: depth * BLOCK], BLOCK, tier=HOST)
+            tree.remove(rank, hashes[depth // 2 :], tier=DEVICE)
+        load = EngineLoad(running=rng.randrange(0, 16), waiting=rng.randrange(0, 8), kv_usage=0.5)
+        candidates.append(Candidate(rank, inflight=rng.randrange(0, 8), engine=load))
+    depths = tree.prefix_depths(keys)
+    assert len(depths.any_tier) == n_ranks
+    return candidates, Prompt(tokens=PROMPT_TOKENS, block_size=BLOCK, depths=depths)
+
+
+def best_mean_us(fn: Callable[[], object], iterations: int, repeats: int) -> float:
+    """Mean over `iterations` calls, the best of `repeats` runs: the best run is the one
+    least disturbed by other processes, which is the decision's own cost."""
+    return min(timeit.repeat(fn, number=iterations, repeat=repeats)) / iterations * 1e6
+
+
+def depth_maps(depths: PrefixDepths) -> None:
+    depths.any_tier  # noqa: B018 - the expansion is what is timed
+    if depths.depth_runs(device=True) != depths.depth_runs():
+        depths.device  # noqa: B018
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--candidates", default="8,64")
+    parser.add_argument("--iterations", type=int, default=2_000)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    sizes = [int(x) for x in args.candidates.split(",")]
+    print(f"decision latency in us: mean of {args.iterations}, best of {args.repeats} runs")
+    print(
+        f"{'policy':<14} " + " ".join(f"{k + ' x' + str(n):>14}" for k in SCENARIOS for n in sizes)
+    )
+    rows: dict[str, list[float]] = {name: [] for name in (*POLICY_NAMES, "depth maps")}
+    for kind in SCENARIOS:
+        for n in sizes:
+            candidates, prompt = scenario(kind, n)
+            for name in POLICY_NAMES:
+                decide = make_policy(name, rng=random.Random(1)).decide
+                call = functools.partial(decide, candidates, prompt)
+                rows[name].append(best_mean_us(call, args.iterations, args.repeats))
+            assert prompt.depths is not None
+            call = functools.partial(depth_maps, prompt.depths)
+            rows["depth maps"].append(best_mean_us(call, args.iterations, args.repeats))
+    for name, figures in rows.items():
+        print(f"{name:<14} " + " ".join(f"{f:>14.1f}" for f in figures))
+    # Python speed differs threefold between machines; this line lets figures be compared.
+    calibration = best_mean_us(lambda: sum(range(1000)), args.iterations, args.repeats)
+    print(f"calibration: sum(range(1000)) takes {calibration:.1f} us on this machine")
+
+
+if __name__ == "__main__":
+    main()

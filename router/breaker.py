@@ -1,0 +1,156 @@
+"""Per-worker circuit breaker: stop sending requests to a worker that keeps failing.
+
+Theory of operation
+-------------------
+Three states, changed only by `allow`, `record_success`, `record_failure` and `release`:
+
+    closed     every request is allowed; `failure_threshold` consecutive failures -> open
+    open       nothing is allowed until `cooldown` has passed since it opened; then the next
+               `allow()` claims the one probe slot -> half_open
+    half_open  one probe request is out; everyone else is refused until it resolves:
+               success -> closed (cooldown back to base), failure -> open with the cooldown
+               doubled (capped at `max_cooldown_s`), `release()` -> open, cooldown already
+               passed, so the next `allow()` claims a fresh probe
+
+    state      | allow()                      | success          | failure
+    -----------+------------------------------+------------------+----------------------------
+    closed     | True                         | failures = 0     | failures += 1, maybe open
+    open       | cooldown passed: claim probe | ignored          | ignored
+    half_open  | False                        | close            | re-open, cooldown x2
+
+Why exactly one probe: after a worker comes back, letting every waiting request through at
+once would hit it with the whole backlog; if it is still broken they would all fail. One
+request is the cheapest question that gets an answer.
+
+Why verdicts in `open` are ignored: they come from requests admitted before the breaker
+opened (or dispatched anyway because every candidate was open). A late success says little
+about the worker now, and a late failure must not push the next probe further away.
+
+A verdict in `half_open` is taken as the probe's, even if it came from an older request:
+`allow()` returns a bool, not a ticket, so requests are indistinguishable. The cost is at worst
+one probe decided by a request that finished at the same moment, on the same worker.
+
+What counts as a failure is the caller's decision, and it must not count the client's own
+errors: a 4xx (including 429, which is the engine shedding load, not being broken) says the
+worker is alive and answering. Record those as `record_success()`, or `release()` if a probe
+ended that way and you prefer no verdict. Count connection errors, timeouts and 5xx.
+
+`failure_threshold=0` disables the breaker: it always allows and never opens.
+
+Plain synchronous code with an injected clock; no tasks, no timers: the cooldown is checked
+lazily on `allow()` / `is_open()`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Final, Literal
+
+BreakerState = Literal["closed", "open", "half_open"]
+
+CLOSED: Final = "closed"
+OPEN: Final = "open"
+HALF_OPEN: Final = "half_open"
+
+
+class CircuitBreaker:
+    def __init__(
+        self,
+        failure_threshold: int = 3,
+        cooldown_s: float = 5.0,
+        max_cooldown_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if failure_threshold < 0:
+            raise ValueError("failure_threshold must be >= 0")
+        if cooldown_s < 0 or max_cooldown_s < cooldown_s:
+            raise ValueError("need 0 <= cooldown_s <= max_cooldown_s")
+        self.failure_threshold = failure_threshold
+        self.base_cooldown_s = cooldown_s
+        self.max_cooldown_s = max_cooldown_s
+        self.trips = 0  # times it opened, from closed or from a failed probe
+        self._clock = clock
+        self._state: BreakerState = CLOSED
+        self._failures = 0  # consecutive, while closed
+        self._cooldown_s = cooldown_s  # the current one; doubles on each failed probe
+        self._opened_at = 0.0
+
+    @property
+    def state(self) -> BreakerState:
+        """`open` until a probe is claimed, even after the cooldown passed (see `is_open`)."""
+        return self._state
+
+    @property
+    def cooldown_s(self) -> float:
+        """The cooldown the breaker waits (or will wait) after its latest opening."""
+        return self._cooldown_s
+
+    @property
+    def consecutive_failures(self) -> int:
+        return self._failures
+
+    def allow(self) -> bool:
+        """May a request go to this worker now? In `open` past the cooldown, this call claims
+        the single half-open probe: the caller that gets True must report a verdict or
+        `release()`."""
+        state = self._state
+        if state == CLOSED:
+            return True
+        if state == HALF_OPEN:
+            return False
+        if self._cooldown_passed():
+            self._state = HALF_OPEN
+            return True
+        return False
+
+    def is_open(self) -> bool:
+        """True while the breaker refuses requests without offering a probe: `open` within its
+        cooldown, or `half_open` with the probe out. For the caller's "every candidate is open:
+        dispatch anyway" check; it claims nothing. An `open` breaker whose cooldown passed is
+        not open: its next `allow()` would say yes."""
+        if self._state == CLOSED:
+            return False
+        if self._state == HALF_OPEN:
+            return True
+        return not self._cooldown_passed()
+
+    def record_success(self) -> None:
+        if self._state == CLOSED:
+            self._failures = 0
+        elif self._state == HALF_OPEN:
+            self._state = CLOSED
+            self._failures = 0
+            self._cooldown_s = self.base_cooldown_s
+
+    def record_failure(self) -> None:
+        if not self.failure_threshold:
+            return
+        if self._state == CLOSED:
+            self._failures += 1
+            if self._failures >= self.failure_threshold:
+                self._open()
+        elif self._state == HALF_OPEN:
+            self._cooldown_s = min(self._cooldown_s * 2, self.max_cooldown_s)
+            self._open()
+
+    def release(self) -> None:
+        """A claimed probe ended without a verdict (a 4xx, the client went away): free the
+        slot so the next `allow()` probes again at once. A no-op in other states."""
+        if self._state == HALF_OPEN:
+            self._state = OPEN  # _opened_at is unchanged, so the cooldown has passed
+
+    def _open(self) -> None:
+        self._state = OPEN
+        self._failures = 0
+        self._opened_at = self._clock()
+        self.trips += 1
+
+    def _cooldown_passed(self) -> bool:
+        return self._clock() - self._opened_at >= self._cooldown_s
+
+    def __repr__(self) -> str:
+        return (
+            f"CircuitBreaker(state={self._state}, failures={self._failures}, "
+            f"cooldown_s={self._cooldown_s}, trips={self.trips})"
+        )

@@ -1,0 +1,199 @@
+"""Prometheus series, all prefixed `kvrouter_`.
+
+Request-path series are instruments updated as requests flow. Everything else (the index,
+the streams, breakers, load probes) is read from the components' own counters when Prometheus
+scrapes: the hot paths keep plain ints, and the scrape pays for the formatting.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import Counter as PromCounter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from router.index import Pump
+    from router.loads import LoadMonitor
+    from router.workers import WorkerRegistry
+
+_BREAKER_STATE = {"closed": 0, "open": 1, "half_open": 2}
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = PromCounter(
+            "kvrouter_requests",
+            "Client requests by route, the worker that answered and its status",
+            ["route", "worker", "status"],
+            registry=self.registry,
+        )
+        self.decisions = PromCounter(
+            "kvrouter_routing_decisions",
+            "Routing decisions by policy and outcome",
+            ["policy", "outcome"],
+            registry=self.registry,
+        )
+        self.matched_blocks = Histogram(
+            "kvrouter_matched_blocks",
+            "Leading prompt blocks the chosen rank held",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+            registry=self.registry,
+        )
+        self.upstream_failures = PromCounter(
+            "kvrouter_upstream_failures",
+            "Upstream attempts that failed before the first byte and were failed over",
+            ["worker", "reason"],
+            registry=self.registry,
+        )
+
+    def watch(self, pump: Pump, workers: WorkerRegistry, loads: LoadMonitor) -> None:
+        self.registry.register(_StateCollector(pump, workers, loads))
+
+
+class _StateCollector(Collector):
+    def __init__(self, pump: Pump, workers: WorkerRegistry, loads: LoadMonitor) -> None:
+        self._pump = pump
+        self._workers = workers
+        self._loads = loads
+
+    def collect(self) -> Iterator[Metric]:
+        rules = self._pump.rules
+        stats = rules.stats
+        tree = rules.tree
+        yield _gauge(
+            "kvrouter_block_size", "Fleet KV block size", [((), tree.block_size if tree else 0)]
+        )
+        yield _gauge(
+            "kvrouter_tree_nodes", "Nodes in the block index", [((), len(tree) if tree else 0)]
+        )
+        blocks = GaugeMetricFamily(
+            "kvrouter_tree_blocks",
+            "Blocks per rank and tier",
+            labels=["worker_url", "dp_rank", "tier"],
+        )
+        if tree is not None:
+            for (rank, tier), n in tree.block_counts().items():
+                blocks.add_metric([rank.worker_url, str(rank.dp_rank), tier], n)
+        yield blocks
+        yield _counter(
+            "kvrouter_kv_events",
+            "KV events applied by kind and medium",
+            ["event", "medium"],
+            {(kind, medium or "none"): n for (kind, medium), n in stats.events.items()},
+        )
+        yield _counter(
+            "kvrouter_kv_events_ignored",
+            "Valid KV events not indexed, by reason",
+            ["reason"],
+            {(reason,): n for reason, n in stats.ignored_events.items()},
+        )
+        yield _counter(
+            "kvrouter_kv_event_batches_lost",
+            "Batches a rank's stream skipped that replay did not recover",
+            ["worker_url", "dp_rank"],
+            {(r.worker_url, str(r.dp_rank)): n for r, n in stats.lost_batches.items()},
+        )
+        yield _counter(
+            "kvrouter_kv_batches",
+            "Event batches by what the pump did with them",
+            ["result"],
+            {
+                ("applied",): stats.batches_applied,
+                ("already_reflected",): stats.batches_skipped,
+                ("not_live",): stats.batches_dropped_not_live,
+            },
+        )
+        yield _counter(
+            "kvrouter_kv_publisher_resets",
+            "Engine restarts seen on a stream (END_SEQ, seq regression, or seq 0 again)",
+            [],
+            {(): stats.publisher_resets + stats.restarts_at_zero},
+        )
+        yield _gauge(
+            "kvrouter_pump_backlog", "Items queued for the pump", [((), self._pump.backlog)]
+        )
+        replay: Counter[str] = Counter()
+        decode_errors: Counter[str] = Counter()
+        bad_frames = 0
+        breaker_state = []
+        breaker_trips = {}
+        for worker in self._workers.workers():
+            for sub in worker.subscriber_stats.values():
+                replay.update(sub.replay)
+                decode_errors.update(sub.decode_errors)
+                bad_frames += sub.bad_frames
+            breaker_state.append(((worker.url,), _BREAKER_STATE.get(str(worker.breaker.state), 0)))
+            breaker_trips[(worker.url,)] = worker.breaker.trips
+        yield _counter(
+            "kvrouter_kv_replay",
+            "Replay requests by outcome",
+            ["outcome"],
+            {(k,): v for k, v in replay.items()},
+        )
+        yield _counter(
+            "kvrouter_kv_decode_errors",
+            "Event payloads dropped because they did not decode",
+            ["reason"],
+            {(k,): v for k, v in decode_errors.items()},
+        )
+        yield _counter(
+            "kvrouter_kv_bad_frames", "Malformed ZMQ messages dropped", [], {(): bad_frames}
+        )
+        yield _gauge(
+            "kvrouter_breaker_state",
+            "Circuit breaker: 0 closed, 1 open, 2 half-open",
+            breaker_state,
+            ["worker"],
+        )
+        yield _counter(
+            "kvrouter_breaker_trips", "Times a breaker opened", ["worker"], breaker_trips
+        )
+        registry_stats = self._workers.stats
+        yield _counter(
+            "kvrouter_workers_refused",
+            "Workers refused at registration, by reason",
+            ["reason"],
+            {(k,): v for k, v in registry_stats.refused.items()},
+        )
+        yield _counter(
+            "kvrouter_worker_snapshot_pulls",
+            "Pulls of workers' /v1/kv-snapshot by outcome",
+            ["outcome"],
+            {(k,): v for k, v in registry_stats.snapshot_pulls.items()},
+        )
+        yield _gauge(
+            "kvrouter_worker_healthy",
+            "1 when the worker passes its health check",
+            [((w.url,), int(w.healthy)) for w in self._workers.workers()],
+            ["worker"],
+        )
+        yield _counter(
+            "kvrouter_load_probe",
+            "Load probes of /v1/loads by outcome",
+            ["outcome"],
+            {(str(k),): v for k, v in self._loads.probe_outcomes.items()},
+        )
+
+
+def _gauge(
+    name: str, doc: str, rows: list[tuple[tuple[str, ...], float]], labels: list[str] | None = None
+) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=labels or [])
+    for values, value in rows:
+        family.add_metric(list(values), value)
+    return family
+
+
+def _counter(
+    name: str, doc: str, labels: list[str], rows: dict[tuple[str, ...], float]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for values, value in rows.items():
+        family.add_metric(list(values), value)
+    return family

@@ -1,0 +1,591 @@
+"""One engine rank's KV-event stream: a ZMQ SUB socket turned into ordered items for the pump.
+
+Rules of this file: the decisions (is a frame valid, did the publisher restart, which seqs are
+missing, which replay replies to keep) live in pure code at the top, `SequenceTracker` and a
+few functions, which never touch a socket and are tested as tables. `RankSubscriber` at the
+bottom is a thin shell: it owns the sockets, feeds frames to that code and awaits `deliver`
+for every item, in order. It never writes the index and never sees the pump's cursor.
+
+Theory of operation
+-------------------
+A live message is exactly 3 frames `[topic, seq, payload]`, where `seq` is 8 bytes big-endian
+(reference-bootstrap.md 2.2, reference-engine-wire.md 1.4). Anything else is dropped and
+counted (`bad_frames`). `seq == -1` (eight 0xff bytes, END_SEQ) means the publisher is shutting
+down: deliver `PublisherReset` and forget the last seq. Other negative seqs are bad frames.
+
+A payload is decoded before its seq counts. One that fails `decode_batch` is dropped and
+counted by reason, and the tracker never hears of it, so it surfaces as a gap when the next
+batch arrives (replay can repair it only if the replayed payload decodes).
+
+The tracker keeps `last`, the last seq delivered from this socket (never the pump's cursor).
+For a decoded batch at `seq`:
+
+    last      seq                          step               delivered before the batch
+    None      any                          FIRST              nothing (joined mid-stream)
+    n         n + 1                        NEXT               nothing
+    n         0                            RESTART_AT_ZERO    nothing: the pump resolves a
+                                                              restart at 0 itself
+    n         1 <= seq <= n                RESET              PublisherReset
+    n         seq > n + 1                  GAP [n+1, seq-1]   what replay recovers, in seq
+                                                              order, with an UnrepairedGap
+                                                              at every hole that remains
+
+After every step `last = seq`. END_SEQ sets `last = None`.
+
+A gap with a replay endpoint opens a DEALER to it and asks for everything from `n + 1`
+(`[b"", seq as 8 bytes]`). Replies are `[b"", topic, seq, payload]` (4 frames) or, from older
+engines, `[b"", seq, payload]`. Reading stops at the end marker (seq -1), at a seq >= the
+current batch's, once `seq - 1` itself arrived, or when `replay_timeout_s` has passed in total.
+Only strictly increasing seqs inside the missing range are kept, and only those whose payload
+decodes count as recovered. The replay is tallied `repaired` (every missing batch recovered),
+`incomplete` (some) or `failed` (none: no answer, timeout, socket error, or the batches were no
+longer buffered). Without a replay endpoint the whole range is one `UnrepairedGap`.
+`UnrepairedGap` is the pump's signal to re-pull the worker's snapshot; the pump counts lost
+batches from its own cursor jump.
+
+Backpressure: `deliver` is awaited for every item and nothing is read meanwhile, so a slow pump
+leaves frames queued in ZMQ and, past the high-water marks, dropped by the engine's publisher,
+where the next seq reveals the loss. Nothing is dropped silently inside the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+import zmq
+import zmq.asyncio
+
+from cachetree.ranks import RankId
+from router.events import EventBatch, EventDecodeError, decode_batch
+
+log = logging.getLogger(__name__)
+
+END_SEQ: Final = -1
+END_SEQ_BYTES: Final = b"\xff" * 8
+SEQ_BYTES: Final = 8
+
+CONNECT_BACKOFF_FIRST_S: Final = 0.05
+CONNECT_BACKOFF_MAX_S: Final = 2.0
+CONNECT_WARN_AFTER: Final = 5  # socket setups in a row without a frame before warning
+RECV_ERRORS_BEFORE_REBUILD: Final = 64
+
+ReplayOutcome = Literal["repaired", "incomplete", "failed"]
+
+
+# --- items handed to the pump ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankEndpoint:
+    rank: RankId
+    endpoint: str  # "tcp://host:port"
+    topic: bytes = b""
+    replay_endpoint: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LiveBatch:
+    """A decoded batch, in seq order per rank (replayed batches included)."""
+
+    rank: RankId
+    seq: int
+    batch: EventBatch
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherReset:
+    """END_SEQ, or seq regressed to a non-zero value: the engine restarted."""
+
+    rank: RankId
+
+
+@dataclass(frozen=True, slots=True)
+class UnrepairedGap:
+    """Batches [first, last] (inclusive) were lost and replay could not fetch them."""
+
+    rank: RankId
+    first: int
+    last: int
+
+
+SubscriberItem = LiveBatch | PublisherReset | UnrepairedGap
+Deliver = Callable[[SubscriberItem], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    frames: int = 0  # multipart messages received on the SUB socket
+    bad_frames: int = 0  # dropped: not 3 frames, seq not 8 bytes, negative seq other than -1
+    decode_errors: Counter[str] = field(default_factory=Counter)  # live or replayed payloads
+    batches: int = 0  # LiveBatch items delivered (live and replayed)
+    replayed: int = 0  # of which recovered through replay
+    resets: int = 0  # PublisherReset items delivered
+    gaps: int = 0  # forward seq jumps seen, repaired or not
+    replay: Counter[str] = field(default_factory=Counter)  # repaired / incomplete / failed
+    lost_batches: int = 0  # batches reported in UnrepairedGap items
+    socket_rebuilds: int = 0  # SUB sockets rebuilt after repeated recv errors
+
+
+# --- frames ---------------------------------------------------------------------------------
+
+
+class FrameError(ValueError):
+    """A live message that is not `[topic, 8-byte seq, payload]`; `reason` says what is off."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class LiveFrame:
+    topic: bytes
+    seq: int  # END_SEQ (-1) is the end marker
+    payload: bytes
+
+
+def parse_seq(raw: bytes) -> int:
+    """An 8-byte big-endian signed seq; raises `FrameError` on any other length."""
+    if len(raw) != SEQ_BYTES:
+        raise FrameError(f"seq frame is {len(raw)} bytes, not {SEQ_BYTES}")
+    return int.from_bytes(raw, "big", signed=True)
+
+
+def parse_live_frames(frames: Sequence[bytes]) -> LiveFrame:
+    """Validate one live message; raises `FrameError` for anything but a well-formed one."""
+    if len(frames) != 3:
+        raise FrameError(f"{len(frames)} frames, not 3")
+    topic, raw_seq, payload = frames
+    seq = parse_seq(raw_seq)
+    if seq < 0 and seq != END_SEQ:
+        raise FrameError(f"negative seq {seq}")
+    return LiveFrame(bytes(topic), seq, bytes(payload))
+
+
+# --- sequencing -----------------------------------------------------------------------------
+
+
+class Step(enum.Enum):
+    FIRST = "first"  # no last seq: the subscriber joined mid-stream; the pump decides
+    NEXT = "next"  # last + 1
+    RESTART_AT_ZERO = "restart_at_zero"  # 0 after a last: left for the pump to resolve
+    RESET = "reset"  # 1 <= seq <= last: PublisherReset, then the batch
+    GAP = "gap"  # seq > last + 1: batches [missing_first, missing_last] were not seen
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    step: Step
+    missing_first: int = 0  # GAP only
+    missing_last: int = -1  # GAP only, inclusive
+
+    @property
+    def missing(self) -> int:
+        return self.missing_last - self.missing_first + 1 if self.step is Step.GAP else 0
+
+
+class SequenceTracker:
+    """The per-socket sequencing state: the last seq seen on this socket, nothing else.
+
+    `advance` is called only for batches that decoded and will be delivered, so a batch that
+    failed to decode shows up as part of the next gap.
+    """
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: int | None = None
+
+    def advance(self, seq: int) -> Verdict:
+        """Classify a decoded batch at `seq` (>= 0) and make it the last seq seen."""
+        if seq < 0:
+            raise ValueError(f"seq {seq} is not a batch seq")
+        last, self.last = self.last, seq
+        if last is None:
+            return Verdict(Step.FIRST)
+        if seq == last + 1:
+            return Verdict(Step.NEXT)
+        if seq == 0:
+            return Verdict(Step.RESTART_AT_ZERO)
+        if seq <= last:
+            return Verdict(Step.RESET)
+        return Verdict(Step.GAP, last + 1, seq - 1)
+
+    def end(self) -> None:
+        """END_SEQ: the publisher is gone; its next incarnation starts a fresh stream."""
+        self.last = None
+
+
+# --- replay ---------------------------------------------------------------------------------
+
+
+class ReplayCollector:
+    """Filters the replies to one replay request for the missing range [first, stop).
+
+    Keeps strictly increasing seqs inside the range; `done` turns true at the end marker, at a
+    seq >= `stop`, or once `stop - 1` was kept. Malformed replies are ignored and counted.
+    """
+
+    __slots__ = ("done", "first", "ignored", "kept", "stop", "topic")
+
+    def __init__(self, first: int, stop: int, topic: bytes = b"") -> None:
+        if not 0 <= first < stop:
+            raise ValueError(f"empty replay range [{first}, {stop})")
+        self.first = first
+        self.stop = stop
+        self.topic = topic  # the SUB's prefix: a 4-frame reply on another topic is not ours
+        self.kept: list[tuple[int, bytes]] = []
+        self.ignored = 0
+        self.done = False
+
+    def feed(self, frames: Sequence[bytes]) -> None:
+        if self.done:
+            return
+        if len(frames) == 4 and frames[0] == b"":
+            topic, raw_seq, payload = frames[1], frames[2], frames[3]
+        elif len(frames) == 3 and frames[0] == b"":
+            topic, raw_seq, payload = None, frames[1], frames[2]
+        else:
+            self.ignored += 1
+            return
+        try:
+            seq = parse_seq(raw_seq)
+        except FrameError:
+            self.ignored += 1
+            return
+        if seq == END_SEQ or seq >= self.stop:
+            self.done = True
+            return
+        last_kept = self.kept[-1][0] if self.kept else self.first - 1
+        if seq <= last_kept or (topic is not None and not bytes(topic).startswith(self.topic)):
+            self.ignored += 1
+            return
+        self.kept.append((seq, bytes(payload)))
+        if seq == self.stop - 1:
+            self.done = True
+
+
+def replay_request(first: int) -> list[bytes]:
+    """What a DEALER sends to a replay ROUTER to get every buffered batch from `first`."""
+    return [b"", first.to_bytes(SEQ_BYTES, "big")]
+
+
+def fill_gap(
+    rank: RankId, first: int, stop: int, recovered: Sequence[tuple[int, EventBatch]]
+) -> list[LiveBatch | UnrepairedGap]:
+    """The items for the missing range [first, stop), in seq order.
+
+    `recovered` holds strictly increasing seqs inside the range. Every hole between them
+    becomes one `UnrepairedGap`, placed where it is in the stream.
+    """
+    items: list[LiveBatch | UnrepairedGap] = []
+    expected = first
+    for seq, batch in recovered:
+        if not expected <= seq < stop:
+            raise ValueError(f"recovered seq {seq} is outside [{expected}, {stop})")
+        if seq > expected:
+            items.append(UnrepairedGap(rank, expected, seq - 1))
+        items.append(LiveBatch(rank, seq, batch))
+        expected = seq + 1
+    if expected < stop:
+        items.append(UnrepairedGap(rank, expected, stop - 1))
+    return items
+
+
+def replay_outcome(missing: int, recovered: int) -> ReplayOutcome:
+    if recovered >= missing:
+        return "repaired"
+    return "incomplete" if recovered else "failed"
+
+
+def connect_backoff_s(setups: int) -> float:
+    """The wait before socket setup number `setups + 1`, after `setups` in a row (>= 1)."""
+    return min(CONNECT_BACKOFF_FIRST_S * 2 ** (setups - 1), CONNECT_BACKOFF_MAX_S)
+
+
+def _seqs(first: int, last: int) -> str:
+    return f"seq {first}" if first == last else f"seq {first}..{last}"
+
+
+def _often(count: int) -> bool:
+    """Log the first few of a repeating problem, then every thousandth."""
+    return count <= 3 or count % 1000 == 0
+
+
+# --- the socket shell -----------------------------------------------------------------------
+
+
+class RankSubscriber:
+    """Subscribes to one rank's publisher and delivers its items in order until cancelled."""
+
+    def __init__(
+        self,
+        endpoint: RankEndpoint,
+        deliver: Deliver,
+        *,
+        context: zmq.asyncio.Context,
+        replay_timeout_s: float = 2.0,
+        stats: SubscriberStats | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.endpoint = endpoint
+        self.rank = endpoint.rank
+        self.stats = stats if stats is not None else SubscriberStats()
+        self.tracker = SequenceTracker()
+        self._deliver = deliver
+        self._ctx = context
+        self._replay_timeout_s = replay_timeout_s
+        self._clock = clock
+        self._setups = 0  # socket setups since the last frame received
+
+    async def run(self) -> None:
+        """Receive until cancelled or the context is terminated; closes its sockets on exit.
+
+        An exception raised by `deliver` is not caught: it ends `run()`. The item it was
+        delivering already counts as seen, so a supervisor should start a new `RankSubscriber`
+        (a fresh stream: its first batch is never a gap) rather than call `run()` again.
+        """
+        try:
+            while True:
+                sock = await self._open()
+                try:
+                    await self._receive(sock)
+                finally:
+                    sock.close(linger=0)
+                self.stats.socket_rebuilds += 1
+        except zmq.ContextTerminated:
+            log.info("rank %s: ZMQ context terminated; subscriber stopped", self.rank)
+
+    # --- socket lifecycle -------------------------------------------------------------------
+
+    async def _open(self) -> zmq.asyncio.Socket:
+        while True:
+            if self._setups:
+                await asyncio.sleep(connect_backoff_s(self._setups))
+            self._setups += 1
+            sock = self._ctx.socket(zmq.SUB)
+            try:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.IPV6, int("[" in self.endpoint.endpoint))
+                sock.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic)
+                sock.connect(self.endpoint.endpoint)
+            except zmq.ContextTerminated:
+                sock.close(linger=0)
+                raise
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                level = logging.WARNING if self._setups >= CONNECT_WARN_AFTER else logging.DEBUG
+                log.log(
+                    level,
+                    "rank %s: cannot subscribe to %s (attempt %d: %s); retrying in %.2f s. "
+                    "Check the worker's kv_events endpoint.",
+                    self.rank,
+                    self.endpoint.endpoint,
+                    self._setups,
+                    exc,
+                    connect_backoff_s(self._setups),
+                )
+                continue
+            log.info(
+                "rank %s: subscribed to %s (topic %r, replay %s)",
+                self.rank,
+                self.endpoint.endpoint,
+                self.endpoint.topic,
+                self.endpoint.replay_endpoint or "off",
+            )
+            return sock
+
+    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+        """Handle frames until RECV_ERRORS_BEFORE_REBUILD recv errors in a row."""
+        errors = 0
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except zmq.ContextTerminated:
+                raise
+            except zmq.ZMQError as exc:
+                errors += 1
+                if errors >= RECV_ERRORS_BEFORE_REBUILD:
+                    log.warning(
+                        "rank %s: %d receive errors in a row (last: %s); rebuilding the socket. "
+                        "Batches published meanwhile surface as a gap.",
+                        self.rank,
+                        errors,
+                        exc,
+                    )
+                    return
+                continue
+            errors = 0
+            self._setups = 0
+            await self._on_message(frames)
+
+    # --- one live message -------------------------------------------------------------------
+
+    async def _on_message(self, frames: list[bytes]) -> None:
+        stats = self.stats
+        stats.frames += 1
+        try:
+            frame = parse_live_frames(frames)
+        except FrameError as exc:
+            stats.bad_frames += 1
+            if _often(stats.bad_frames):
+                log.warning(
+                    "rank %s: dropped a malformed message from %s (%s; %d so far). "
+                    "Is something other than an engine KV publisher on that port?",
+                    self.rank,
+                    self.endpoint.endpoint,
+                    exc.reason,
+                    stats.bad_frames,
+                )
+            return
+        if frame.seq == END_SEQ:
+            log.info(
+                "rank %s: publisher sent END_SEQ after seq %s (engine stopping); "
+                "its blocks are forgotten until it publishes again",
+                self.rank,
+                self.tracker.last,
+            )
+            self.tracker.end()
+            await self._reset()
+            return
+        batch = self._decode(frame.seq, frame.payload, replayed=False)
+        if batch is None:
+            return
+        verdict = self.tracker.advance(frame.seq)
+        if verdict.step is Step.FIRST:
+            log.info("rank %s: first batch seen is seq %d", self.rank, frame.seq)
+        elif verdict.step is Step.RESTART_AT_ZERO:
+            log.info("rank %s: seq restarted at 0 (engine restarted without END_SEQ)", self.rank)
+        elif verdict.step is Step.RESET:
+            log.warning(
+                "rank %s: seq went back to %d (engine restarted); resetting the rank's index",
+                self.rank,
+                frame.seq,
+            )
+            await self._reset()
+        elif verdict.step is Step.GAP:
+            await self._fill(verdict.missing_first, frame.seq)
+        await self._emit(LiveBatch(self.rank, frame.seq, batch))
+
+    def _decode(self, seq: int, payload: bytes, *, replayed: bool) -> EventBatch | None:
+        try:
+            return decode_batch(payload)
+        except EventDecodeError as exc:
+            self.stats.decode_errors[exc.reason] += 1
+            if _often(self.stats.decode_errors.total()):
+                log.warning(
+                    "rank %s: dropped %s batch seq %d that does not decode (%s); "
+                    "it will count as lost unless replay returns a good copy",
+                    self.rank,
+                    "replayed" if replayed else "live",
+                    seq,
+                    exc,
+                )
+            return None
+
+    async def _reset(self) -> None:
+        self.stats.resets += 1
+        await self._deliver(PublisherReset(self.rank))
+
+    async def _emit(self, item: LiveBatch | UnrepairedGap) -> None:
+        if type(item) is LiveBatch:
+            self.stats.batches += 1
+        else:
+            self.stats.lost_batches += item.last - item.first + 1
+        await self._deliver(item)
+
+    # --- gaps -------------------------------------------------------------------------------
+
+    async def _fill(self, first: int, stop: int) -> None:
+        """Deliver what can be had of the missing range [first, stop), holes included."""
+        self.stats.gaps += 1
+        missing = stop - first
+        replay_endpoint = self.endpoint.replay_endpoint
+        if replay_endpoint is None:
+            log.warning(
+                "rank %s: %d batch(es) lost (%s), replay unavailable; its index may miss "
+                "blocks until they are re-announced or the worker's snapshot is re-pulled",
+                self.rank,
+                missing,
+                _seqs(first, stop - 1),
+            )
+            await self._emit(UnrepairedGap(self.rank, first, stop - 1))
+            return
+        started = self._clock()
+        kept, problem = await self._fetch(replay_endpoint, first, stop)
+        recovered = [
+            (seq, batch)
+            for seq, payload in kept
+            if (batch := self._decode(seq, payload, replayed=True)) is not None
+        ]
+        outcome = replay_outcome(missing, len(recovered))
+        self.stats.replay[outcome] += 1
+        self.stats.replayed += len(recovered)
+        items = fill_gap(self.rank, first, stop, recovered)
+        elapsed_ms = (self._clock() - started) * 1000
+        if outcome == "repaired":
+            log.info(
+                "rank %s: %d batch(es) missed (%s), all recovered by replay in %.1f ms",
+                self.rank,
+                missing,
+                _seqs(first, stop - 1),
+                elapsed_ms,
+            )
+        else:
+            holes = [i for i in items if type(i) is UnrepairedGap]
+            log.warning(
+                "rank %s: %d batch(es) missed (%s); replay from %s %s (%s) and recovered %d; "
+                "lost %s. Its index may miss blocks until the worker's snapshot is re-pulled",
+                self.rank,
+                missing,
+                _seqs(first, stop - 1),
+                replay_endpoint,
+                outcome,
+                problem or "not buffered or did not decode",
+                len(recovered),
+                ", ".join(_seqs(h.first, h.last) for h in holes),
+            )
+        for item in items:
+            await self._emit(item)
+
+    async def _fetch(
+        self, replay_endpoint: str, first: int, stop: int
+    ) -> tuple[list[tuple[int, bytes]], str | None]:
+        """Ask the replay ROUTER for [first, stop). Returns what was kept and what went wrong."""
+        collector = ReplayCollector(first, stop, self.endpoint.topic)
+        deadline = self._clock() + self._replay_timeout_s
+        problem: str | None = None
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, int("[" in replay_endpoint))
+            sock.connect(replay_endpoint)
+            await sock.send_multipart(replay_request(first), flags=zmq.NOBLOCK)
+            while not collector.done:
+                remaining_ms = int((deadline - self._clock()) * 1000)
+                if remaining_ms <= 0 or not await sock.poll(remaining_ms, zmq.POLLIN):
+                    problem = f"timed out after {self._replay_timeout_s:g} s"
+                    break
+                collector.feed(await sock.recv_multipart(flags=zmq.NOBLOCK))
+        except zmq.ContextTerminated:
+            raise
+        except zmq.ZMQError as exc:
+            problem = f"socket error: {exc}"
+        finally:
+            sock.close(linger=0)
+        if collector.ignored:
+            log.warning(
+                "rank %s: ignored %d replay repl(ies) from %s (malformed, out of range or "
+                "out of order)",
+                self.rank,
+                collector.ignored,
+                replay_endpoint,
+            )
+        return collector.kept, problem

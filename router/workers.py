@@ -1,0 +1,408 @@
+"""The worker registry: which engines this replica routes to, and their KV-event streams.
+
+Workers come from `--worker` flags and the admin API (and, later, EndpointSlices); all go
+through `WorkerRegistry.add` / `remove`, so every source gets the same lifecycle:
+
+add(url), for a URL not yet known:
+  1. Read `GET {url}/server_info` for the `kv_events` block (SGLang style); without one, fall
+     back to the flags (port base, replay port base, dp size). A wildcard endpoint host means
+     the worker's own host.
+  2. Settle the fleet block size: `--block-size`, else the first worker that advertises one.
+     A worker that disagrees is refused: it stays listed with state `refused` and a reason,
+     and takes no traffic, because its events would key blocks the prompts never match.
+  3. Mark its ranks live in the pump, then start one subscriber per rank.
+  4. Pull its `/v1/kv-snapshot` at once (not on a later pass): blocks cached before we
+     subscribed are otherwise invisible. A 404 means the worker does not serve one; that is
+     remembered and it is never asked again. It is pulled again only after an unrepaired gap.
+Re-adding a known URL changes nothing and pulls nothing: discovery sources re-announce
+workers all the time, and a pull per announcement would stampede the fleet.
+
+remove(url): the ranks leave the live set and the tree (awaited through the pump, so the
+removal has taken effect when it returns), then the subscribers stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import msgspec
+import zmq.asyncio
+
+from cachetree.ranks import RankId
+from cachetree.tree import BlockTree
+from router.breaker import CircuitBreaker
+from router.index import Pump
+from router.loads import LoadMonitor
+from router.subscriber import RankEndpoint, RankSubscriber, SubscriberStats
+from router.worker_snapshot import WorkerSnapshotError, decode_worker_snapshot
+
+log = logging.getLogger(__name__)
+
+_WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsInfo:
+    host: str
+    port_base: int
+    topic: str
+    block_size: int | None
+    dp_size: int
+    replay_port_base: int | None
+    source: str  # "server_info" or "flags"
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryDefaults:
+    """Flag values used for a worker whose /server_info has no kv_events block."""
+
+    port_base: int = 5557
+    replay_port_base: int = 0
+    dp_size: int = 1
+    topic: str = ""
+
+
+def parse_server_info(body: Any, worker_url: str, defaults: DiscoveryDefaults) -> KvEventsInfo:
+    """The KV-event endpoints of a worker from its /server_info JSON (or the flags)."""
+    worker_host = urlsplit(worker_url).hostname or "127.0.0.1"
+    kv = body.get("kv_events") if isinstance(body, dict) else None
+    if not isinstance(kv, dict):
+        return KvEventsInfo(
+            worker_host,
+            defaults.port_base,
+            defaults.topic,
+            None,
+            defaults.dp_size,
+            defaults.replay_port_base or None,
+            "flags",
+        )
+    host = str(kv.get("endpoint_host") or "")
+    replay = kv.get("replay_endpoint_port_base")
+    block_size = kv.get("block_size")
+    return KvEventsInfo(
+        host=worker_host if host in _WILDCARD_HOSTS else host,
+        port_base=_int(kv.get("endpoint_port_base"), defaults.port_base),
+        topic=str(kv.get("topic") or ""),
+        block_size=block_size if isinstance(block_size, int) and block_size > 0 else None,
+        dp_size=max(1, _int(kv.get("dp_size"), defaults.dp_size)),
+        replay_port_base=replay if isinstance(replay, int) and replay > 0 else None,
+        source="server_info",
+    )
+
+
+def _int(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+@dataclass(slots=True)
+class Worker:
+    url: str
+    state: str = "discovering"  # discovering -> ready | refused
+    reason: str = ""
+    kv: KvEventsInfo | None = None
+    healthy: bool = False
+    draining: bool = False
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    snapshot_served: bool | None = None  # None: not asked yet; False: 404
+    subscriber_stats: dict[int, SubscriberStats] = field(default_factory=dict)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def dp_size(self) -> int:
+        return self.kv.dp_size if self.kv else 1
+
+    def ranks(self) -> list[RankId]:
+        return [RankId(self.url, r) for r in range(self.dp_size)]
+
+    @property
+    def routable(self) -> bool:
+        return self.state == "ready" and self.healthy and not self.draining
+
+
+@dataclass(slots=True)
+class RegistryStats:
+    refused: Counter[str] = field(default_factory=Counter)  # reason
+    snapshot_pulls: Counter[str] = field(default_factory=Counter)  # outcome
+    health_checks_failed: int = 0
+
+
+class WorkerRegistry:
+    def __init__(
+        self,
+        pump: Pump,
+        session: aiohttp.ClientSession,
+        loads: LoadMonitor,
+        *,
+        block_size: int | None,
+        defaults: DiscoveryDefaults = DiscoveryDefaults(),
+        breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker,
+        health_interval_s: float = 2.0,
+        request_timeout_s: float = 2.0,
+        replay_timeout_s: float = 2.0,
+        zmq_context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.pump = pump
+        self.session = session
+        self.loads = loads
+        self.block_size = block_size
+        self.defaults = defaults
+        self.stats = RegistryStats()
+        self._breaker_factory = breaker_factory
+        self._health_interval_s = health_interval_s
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self._replay_timeout_s = replay_timeout_s
+        self._zmq = zmq_context or zmq.asyncio.Context.instance()
+        self._workers: dict[str, Worker] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._pulls: dict[str, asyncio.Task[None]] = {}
+        self._repull: set[str] = set()
+        self._health_task: asyncio.Task[None] | None = None
+        pump.rules.set_loss_handler(self._on_rank_loss)
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def workers(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(_normalize(url))
+
+    def routable(self) -> list[Worker]:
+        return [w for w in self._workers.values() if w.routable]
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._health_task = asyncio.create_task(self._health_loop(), name="kvrouter-health")
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        for url in list(self._workers):
+            await self.remove(url)
+
+    async def add(self, url: str) -> Worker:
+        url = _normalize(url)
+        lock = self._locks.setdefault(url, asyncio.Lock())
+        async with lock:
+            known = self._workers.get(url)
+            if known is not None and known.state != "discovering":
+                return known  # re-registration: no new subscription, no new pull
+            worker = known or Worker(url, breaker=self._breaker_factory())
+            self._workers[url] = worker
+            await self._register(worker)
+            return worker
+
+    async def remove(self, url: str) -> bool:
+        url = _normalize(url)
+        worker = self._workers.pop(url, None)
+        if worker is None:
+            return False
+        ranks = worker.ranks()
+        # Leave the live set and the tree first, so nothing a subscriber still delivers
+        # can bring the ranks back.
+        await self.pump.call(lambda rules: rules.forget_ranks(ranks))
+        for task in worker.tasks:
+            task.cancel()
+        for task in worker.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        pull = self._pulls.pop(url, None)
+        if pull is not None:
+            pull.cancel()
+        self._repull.discard(url)
+        self.loads.remove_worker(url)
+        log.info("worker %s removed: its %d rank(s) left the index", url, len(ranks))
+        return True
+
+    async def _register(self, worker: Worker) -> None:
+        try:
+            body = await self._get_json(f"{worker.url}/server_info")
+        except _Absent:
+            body = None
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning(
+                "worker %s: /server_info unreadable (%s); using --kv-events-* flags",
+                worker.url,
+                exc,
+            )
+            body = None
+        info = parse_server_info(body, worker.url, self.defaults)
+        worker.kv = info
+        if info.block_size is not None:
+            if self.block_size is None:
+                self.block_size = info.block_size
+                log.info("fleet block size %d, learned from %s", info.block_size, worker.url)
+            elif info.block_size != self.block_size:
+                self._refuse(
+                    worker,
+                    "block_size",
+                    f"block size {info.block_size} differs from the fleet's {self.block_size}; "
+                    "start the engine with the fleet's page/block size",
+                )
+                return
+        if self.block_size is None:
+            self._refuse(
+                worker,
+                "no_block_size",
+                "no block size known: pass --block-size (vLLM does not advertise one)",
+            )
+            return
+        rules = self.pump.rules
+        if rules.tree is None:
+            rules.tree = BlockTree(self.block_size)
+        ranks = worker.ranks()
+        await self.pump.call(lambda r: r.add_ranks(ranks))
+        for rank in ranks:
+            stats = SubscriberStats()
+            worker.subscriber_stats[rank.dp_rank] = stats
+            endpoint = RankEndpoint(
+                rank=rank,
+                endpoint=_tcp(info.host, info.port_base + rank.dp_rank),
+                topic=info.topic.encode(),
+                replay_endpoint=(
+                    _tcp(info.host, info.replay_port_base + rank.dp_rank)
+                    if info.replay_port_base
+                    else None
+                ),
+            )
+            sub = RankSubscriber(
+                endpoint,
+                self.pump.deliver,
+                context=self._zmq,
+                replay_timeout_s=self._replay_timeout_s,
+                stats=stats,
+            )
+            worker.tasks.append(asyncio.create_task(sub.run(), name=f"kv-sub {rank}"))
+        worker.state = "ready"
+        worker.healthy = await self._check_health(worker)
+        self.loads.add_worker(worker.url, worker.dp_size)
+        log.info(
+            "worker %s registered: %d rank(s), events at %s:%d (%s)%s",
+            worker.url,
+            worker.dp_size,
+            info.host,
+            info.port_base,
+            info.source,
+            f", replay at :{info.replay_port_base}" if info.replay_port_base else "",
+        )
+        self._kick_snapshot_pull(worker.url)
+
+    def _refuse(self, worker: Worker, reason: str, message: str) -> None:
+        worker.state = "refused"
+        worker.reason = message
+        self.stats.refused[reason] += 1
+        log.error("worker %s refused: %s", worker.url, message)
+
+    # -- worker snapshots ------------------------------------------------------------------
+
+    def _on_rank_loss(self, rank: RankId) -> None:
+        worker = self._workers.get(rank.worker_url)
+        if worker is not None and worker.snapshot_served is not False:
+            self._kick_snapshot_pull(worker.url)
+
+    def _kick_snapshot_pull(self, url: str) -> None:
+        running = self._pulls.get(url)
+        if running is not None and not running.done():
+            self._repull.add(url)  # one more pull after this one, never a pile of them
+            return
+        self._pulls[url] = asyncio.create_task(self._pull_snapshot(url), name=f"snap {url}")
+
+    async def _pull_snapshot(self, url: str) -> None:
+        while True:
+            self._repull.discard(url)
+            worker = self._workers.get(url)
+            if worker is None or worker.snapshot_served is False:
+                return
+            outcome = await self._pull_once(worker)
+            self.stats.snapshot_pulls[outcome] += 1
+            if url not in self._repull:
+                return
+
+    async def _pull_once(self, worker: Worker) -> str:
+        try:
+            async with self.session.get(
+                f"{worker.url}/v1/kv-snapshot", timeout=self._timeout
+            ) as resp:
+                if resp.status == 404:
+                    worker.snapshot_served = False
+                    log.info("worker %s serves no /v1/kv-snapshot; not asking again", worker.url)
+                    return "not_served"
+                if resp.status != 200:
+                    return "error"
+                body = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("worker %s: /v1/kv-snapshot failed: %s", worker.url, exc)
+            return "error"
+        worker.snapshot_served = True
+        try:
+            snap = decode_worker_snapshot(body)
+        except WorkerSnapshotError as exc:
+            log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)
+            return "rejected"
+        applied = 0
+        for rank_snap in snap.ranks:
+            rank = RankId(worker.url, rank_snap.dp_rank)
+            ok = await self.pump.call(
+                lambda rules, rank=rank, rs=rank_snap: rules.replace_rank(rank, rs, snap.block_size)
+            )
+            applied += ok
+        return "applied" if applied else "stale"
+
+    # -- health ----------------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._health_interval_s)
+            workers = [w for w in self._workers.values() if w.state == "ready"]
+            results = await asyncio.gather(*(self._check_health(w) for w in workers))
+            for worker, healthy in zip(workers, results, strict=True):
+                if worker.healthy != healthy:
+                    log.warning(
+                        "worker %s is now %s", worker.url, "healthy" if healthy else "unhealthy"
+                    )
+                worker.healthy = healthy
+
+    async def _check_health(self, worker: Worker) -> bool:
+        try:
+            async with self.session.get(f"{worker.url}/health", timeout=self._timeout) as resp:
+                await resp.read()
+                ok = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            ok = False
+        if not ok:
+            self.stats.health_checks_failed += 1
+        return ok
+
+    async def _get_json(self, url: str) -> Any:
+        async with self.session.get(url, timeout=self._timeout) as resp:
+            if resp.status in (404, 405, 501):
+                raise _Absent
+            if resp.status != 200:
+                raise ValueError(f"HTTP {resp.status}")
+            try:
+                return msgspec.json.decode(await resp.read())
+            except msgspec.DecodeError as exc:
+                raise ValueError(f"not JSON: {exc}") from None
+
+
+class _Absent(Exception):
+    """The worker does not serve this route."""
+
+
+def _normalize(url: str) -> str:
+    return url.rstrip("/")

@@ -1,0 +1,170 @@
+"""The proxy path: streaming passthrough, failover, the breaker, client errors, disconnects."""
+
+from __future__ import annotations
+
+import contextlib
+
+import aiohttp
+
+from tests.support.fake_worker import fake_worker_in_process
+from tests.support.router import router_in_process
+from tests.support.waiting import eventually
+
+COMPLETION = {"prompt": "tell me a story about caches", "max_tokens": 8}
+
+
+async def test_streaming_passthrough_is_byte_identical_to_a_direct_request() -> None:
+    async with fake_worker_in_process() as fw, router_in_process(workers=[fw.url]) as rt:
+        body = {**COMPLETION, "stream": True}
+        async with rt.session.post(f"{fw.url}/v1/completions", json=body) as direct:
+            direct_bytes = await direct.read()
+        async with rt.session.post(f"{rt.url}/v1/completions", json=body) as routed:
+            assert routed.headers["Content-Type"].startswith("text/event-stream")
+            routed_bytes = await routed.read()
+        assert routed_bytes.endswith(b"data: [DONE]\n\n")
+        # Equal except the per-request id and timestamp the engine stamps into each event.
+        assert _without_ids(routed_bytes) == _without_ids(direct_bytes)
+        assert len(routed_bytes.split(b"\n\n")) == len(direct_bytes.split(b"\n\n"))
+
+
+def _without_ids(raw: bytes) -> list[bytes]:
+    import re
+
+    return [re.sub(rb'"(id|created)":\s*("[^"]*"|\d+)', b"", line) for line in raw.split(b"\n")]
+
+
+async def test_proxy_client_never_advertises_gzip_upstream() -> None:
+    seen: list[str | None] = []
+
+    async def record(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        seen.append(request.headers.get("Accept-Encoding"))
+        return aiohttp.web.json_response({"ok": True})
+
+    from aiohttp import web
+
+    from tests.support.ports import free_tcp_port
+
+    async def healthy(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", record)
+    app.router.add_get("/health", healthy)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_tcp_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with router_in_process(workers=[f"http://127.0.0.1:{port}"]) as rt:
+            status, _, _ = await rt.post(
+                "/v1/completions", COMPLETION, headers={"Accept-Encoding": "gzip"}
+            )
+            assert status == 200
+    finally:
+        await runner.cleanup()
+    assert seen == [None]
+
+
+async def test_failover_around_a_worker_that_always_503s_and_the_breaker_caps_its_tries() -> None:
+    async with (
+        fake_worker_in_process() as bad,
+        fake_worker_in_process() as good,
+        router_in_process(workers=[bad.url, good.url], policy="round_robin") as rt,
+    ):
+        await bad.post("/control/fail", {"count": 1000, "status": 503})
+        for _ in range(20):
+            status, body, _ = await rt.post("/v1/completions", COMPLETION)
+            assert status == 200, body
+        assert (await good.state(0))["requests"] == 20
+        assert (await bad.get("/control/state"))["failed_requests"] <= 3
+        worker = rt.replica.workers.get(bad.url)
+        assert worker is not None and worker.breaker.trips == 1
+
+
+async def test_without_the_breaker_the_failing_worker_is_tried_far_more_often() -> None:
+    async with (
+        fake_worker_in_process() as bad,
+        fake_worker_in_process() as good,
+        router_in_process(
+            workers=[bad.url, good.url], policy="round_robin", breaker_failure_threshold=0
+        ) as rt,
+    ):
+        await bad.post("/control/fail", {"count": 1000, "status": 503})
+        for _ in range(20):
+            status, _, _ = await rt.post("/v1/completions", COMPLETION)
+            assert status == 200
+        assert (await bad.get("/control/state"))["failed_requests"] >= 10
+
+
+async def test_a_4xx_is_passed_through_not_failed_over_and_not_counted() -> None:
+    async with (
+        fake_worker_in_process() as picky,
+        fake_worker_in_process() as other,
+        router_in_process(workers=[picky.url, other.url], policy="round_robin") as rt,
+    ):
+        await picky.post("/control/fail", {"count": 1000, "status": 400})
+        statuses = [(await rt.post("/v1/completions", COMPLETION))[0] for _ in range(10)]
+        assert statuses.count(400) == 5
+        assert statuses.count(200) == 5
+        assert (await other.state(0))["requests"] == 5
+        worker = rt.replica.workers.get(picky.url)
+        assert worker is not None
+        assert worker.breaker.trips == 0 and worker.breaker.consecutive_failures == 0
+
+
+async def test_all_workers_failing_gives_a_502_after_bounded_attempts() -> None:
+    async with (
+        fake_worker_in_process() as a,
+        fake_worker_in_process() as b,
+        router_in_process(workers=[a.url, b.url], policy="round_robin") as rt,
+    ):
+        for fw in (a, b):
+            await fw.post("/control/fail", {"count": 1000, "status": 500})
+        status, body, _ = await rt.post("/v1/completions", COMPLETION)
+        assert status == 502
+        assert "500" in body["error"]["message"]
+        failed = sum([(await fw.get("/control/state"))["failed_requests"] for fw in (a, b)])
+        assert failed == 2  # one attempt per worker, no more
+
+
+async def test_malformed_requests_are_400s_that_name_the_field() -> None:
+    async with fake_worker_in_process() as fw, router_in_process(workers=[fw.url]) as rt:
+        cases = [
+            ("/v1/completions", {"max_tokens": 3}, "prompt"),
+            ("/v1/completions", {"prompt": 5}, "prompt"),
+            ("/v1/chat/completions", {"messages": []}, "messages"),
+            ("/generate", {"sampling_params": {}}, "text"),
+        ]
+        for path, body, param in cases:
+            status, payload, _ = await rt.post(path, body)
+            assert status == 400, (path, payload)
+            assert payload["error"]["param"] == param
+        async with rt.session.post(f"{rt.url}/v1/completions", data=b"{not json") as resp:
+            assert resp.status == 400
+        assert (await fw.state(0))["requests"] == 0
+
+
+async def test_a_client_disconnect_cancels_the_upstream_request() -> None:
+    async with (
+        fake_worker_in_process(decode_ms_per_token=50) as fw,
+        router_in_process(workers=[fw.url]) as rt,
+    ):
+        body = {"prompt": "long answer please", "max_tokens": 400, "stream": True}
+        async with rt.session.post(f"{rt.url}/v1/completions", json=body) as resp:
+            await resp.content.readline()  # the stream has started
+
+        async def upstream_idle() -> bool:
+            return (await fw.state(0))["running"] == 0
+
+        await eventually(upstream_idle)
+        assert rt.replica.inflight.total == 0
+
+
+async def test_v1_models_is_the_union_of_the_workers_models() -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        a = await stack.enter_async_context(fake_worker_in_process(model="model-a"))
+        b = await stack.enter_async_context(fake_worker_in_process(model="model-b"))
+        rt = await stack.enter_async_context(router_in_process(workers=[a.url, b.url]))
+        status, body = await rt.get("/v1/models")
+        assert status == 200
+        assert sorted(m["id"] for m in body["data"]) == ["model-a", "model-b"]

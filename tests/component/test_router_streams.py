@@ -1,0 +1,164 @@
+"""A replica's view of worker streams: gaps, replay, holes, restarts, worker snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cachetree.ranks import RankId
+from cachetree.snapshot import canonical_view
+from cachetree.tree import BlockTree
+from router.worker_snapshot import decode_worker_snapshot, rebuild_rank
+from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
+from tests.support.router import RouterHandle, router_in_process
+from tests.support.waiting import eventually
+
+BS = 16
+
+
+def chain(start: int, blocks: int = 2) -> list[int]:
+    return list(range(start, start + blocks * BS))
+
+
+async def worker_view(fw: FakeWorkerHandle) -> frozenset:
+    async with fw.session.get(f"{fw.url}/v1/kv-snapshot") as resp:
+        snap = decode_worker_snapshot(await resp.read())
+    tree = BlockTree(BS)
+    rank = RankId(fw.url, 0)
+    rebuild_rank(tree, rank, snap.ranks[0], snap.block_size)
+    return canonical_view(tree)
+
+
+def replica_view(rt: RouterHandle) -> frozenset:
+    tree = rt.replica.pump.rules.tree
+    assert tree is not None
+    return canonical_view(tree)
+
+
+async def test_a_dropped_delivery_is_repaired_by_replay() -> None:
+    async with (
+        fake_worker_in_process(replay=True, serve_kv_snapshot=True) as fw,
+        router_in_process(workers=[fw.url]) as rt,
+    ):
+        await rt.gate(fw)
+        await fw.post("/control/drop-next", {"count": 2})
+        await fw.store([chain(100), chain(200)])  # never sent live
+        last = await fw.store([chain(300)])
+        await rt.wait_cursor(fw.url, 0, last)
+        assert replica_view(rt) == await worker_view(fw)
+        stats = rt.replica.pump.rules.stats
+        assert stats.lost_batches[RankId(fw.url, 0)] == 0
+        (sub,) = rt.replica.workers.get(fw.url).subscriber_stats.values()
+        assert sub.replay["repaired"] == 1
+
+
+async def test_a_hole_no_replay_can_fill_is_counted_as_lost() -> None:
+    async with (
+        fake_worker_in_process(replay=True) as fw,
+        router_in_process(workers=[fw.url]) as rt,
+    ):
+        await rt.gate(fw)
+        await fw.post("/control/skip-seq", {"dp_rank": 0})
+        last = await fw.store([chain(100)])
+        await rt.wait_cursor(fw.url, 0, last)
+        assert rt.replica.pump.rules.stats.lost_batches[RankId(fw.url, 0)] == 1
+
+
+async def test_a_gap_without_replay_is_counted_as_lost() -> None:
+    async with fake_worker_in_process() as fw, router_in_process(workers=[fw.url]) as rt:
+        await rt.gate(fw)
+        await fw.post("/control/drop-next", {"count": 3})
+        await fw.store([chain(100), chain(200), chain(300)])
+        last = await fw.store([chain(400)])
+        await rt.wait_cursor(fw.url, 0, last)
+        assert rt.replica.pump.rules.stats.lost_batches[RankId(fw.url, 0)] == 3
+
+
+async def test_a_publisher_restart_clears_the_rank_and_relearns_it() -> None:
+    async with fake_worker_in_process() as fw, router_in_process(workers=[fw.url]) as rt:
+        await rt.gate(fw)
+        last = await fw.store([chain(100, 4)])
+        view = await rt.wait_cursor(fw.url, 0, last)
+        assert view["blocks"] >= 4
+        await fw.post("/control/restart-publisher", {"dp_rank": 0})
+        seq = await fw.store([chain(900, 1)])
+        assert seq == 0
+
+        async def restarted() -> dict | None:
+            view = await rt.rank_view(fw.url, 0)
+            return view if view["cursor"] == 0 else None
+
+        view = await eventually(restarted)
+        assert view["blocks"] == 1
+        assert rt.replica.pump.rules.stats.restarts_at_zero == 1
+
+
+async def test_a_worker_registered_while_running_is_pulled_at_once() -> None:
+    async with (
+        fake_worker_in_process(serve_kv_snapshot=True) as fw,
+        router_in_process() as rt,
+    ):
+        await fw.store([chain(100, 3), chain(500, 2)])  # cached before any router listened
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        status, _, _ = await rt.post("/workers", {"url": fw.url})
+        assert status == 200
+        await eventually(lambda: rt.replica.workers.stats.snapshot_pulls["applied"], 0.3)
+        assert loop.time() - started < 0.3
+        assert (await rt.rank_view(fw.url, 0))["blocks"] == 5
+
+
+async def test_re_registering_a_known_worker_pulls_nothing() -> None:
+    async with (
+        fake_worker_in_process(serve_kv_snapshot=True) as fw,
+        router_in_process(workers=[fw.url]) as rt,
+    ):
+        pulls = rt.replica.workers.stats.snapshot_pulls
+        await eventually(lambda: sum(pulls.values()), 2)
+        for _ in range(5):
+            status, _, _ = await rt.post("/workers", {"url": fw.url})
+            assert status == 200
+        await rt.replica.pump.wait_idle()
+        assert sum(pulls.values()) == 1
+
+
+async def test_a_worker_without_a_snapshot_route_is_asked_once() -> None:
+    async with fake_worker_in_process() as fw, router_in_process(workers=[fw.url]) as rt:
+        pulls = rt.replica.workers.stats.snapshot_pulls
+        await eventually(lambda: pulls["not_served"], 2)
+        await rt.gate(fw)
+        await fw.post("/control/drop-next", {"count": 1})
+        await fw.store([chain(100)])
+        last = await fw.store([chain(200)])
+        await rt.wait_cursor(fw.url, 0, last)
+        assert rt.replica.workers.get(fw.url).snapshot_served is False
+        assert sum(pulls.values()) == 1
+
+
+async def test_removing_a_worker_clears_its_ranks_before_the_call_returns() -> None:
+    async with (
+        fake_worker_in_process() as fw,
+        fake_worker_in_process() as other,
+        router_in_process(workers=[fw.url, other.url]) as rt,
+    ):
+        await rt.gate(fw)
+        last = await fw.store([chain(100, 3)])
+        await rt.wait_cursor(fw.url, 0, last)
+        async with rt.session.delete(f"{rt.url}/workers", params={"url": fw.url}) as resp:
+            assert resp.status == 200
+        tree = rt.replica.pump.rules.tree
+        assert tree.block_count(RankId(fw.url, 0)) == 0
+        assert RankId(fw.url, 0) not in rt.replica.pump.rules.cursors
+
+
+async def test_a_worker_with_another_block_size_is_refused_and_listed() -> None:
+    async with (
+        fake_worker_in_process(block_size=32) as fw,
+        router_in_process(workers=[fw.url], block_size=16) as rt,
+    ):
+        status, body = await rt.get("/workers")
+        (worker,) = body["workers"]
+        assert worker["state"] == "refused"
+        assert "block size 32" in worker["reason"]
+        assert rt.replica.workers.stats.refused["block_size"] == 1
+        status, _ = await rt.get("/readyz")
+        assert status == 503

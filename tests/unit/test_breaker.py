@@ -1,0 +1,147 @@
+"""CircuitBreaker: failures open it, one probe per cooldown, backoff on failed probes."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.breaker import CircuitBreaker
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tripped(
+    clock: FakeClock, cooldown_s: float = 5.0, max_cooldown_s: float = 60.0
+) -> CircuitBreaker:
+    """A breaker with threshold 3 that just opened."""
+    b = CircuitBreaker(3, cooldown_s, max_cooldown_s, clock=clock)
+    for _ in range(b.failure_threshold):
+        b.record_failure()
+    assert b.state == "open"
+    return b
+
+
+def test_it_opens_after_exactly_threshold_consecutive_failures() -> None:
+    clock = FakeClock()
+    b = CircuitBreaker(failure_threshold=3, clock=clock)
+    b.record_failure()
+    b.record_failure()
+    assert (b.state, b.allow(), b.trips) == ("closed", True, 0)
+    b.record_failure()
+    assert (b.state, b.allow(), b.is_open(), b.trips) == ("open", False, True, 1)
+
+
+def test_a_success_resets_the_consecutive_failure_count() -> None:
+    b = CircuitBreaker(failure_threshold=3, clock=FakeClock())
+    for _ in range(2):
+        b.record_failure()
+    b.record_success()
+    for _ in range(2):
+        b.record_failure()
+    assert (b.state, b.consecutive_failures, b.trips) == ("closed", 2, 0)
+
+
+def test_an_open_breaker_refuses_until_the_cooldown_passes() -> None:
+    clock = FakeClock()
+    b = tripped(clock)
+    clock.now += 4.999
+    assert (b.allow(), b.is_open()) == (False, True)
+    clock.now += 0.001
+    assert b.is_open() is False  # cooldown passed: not open, though no probe is claimed yet
+    assert b.state == "open"
+
+
+def test_after_the_cooldown_exactly_one_caller_gets_the_probe() -> None:
+    clock = FakeClock()
+    b = tripped(clock)
+    clock.now += 5.0
+    answers = [b.allow() for _ in range(5)]
+    assert answers == [True, False, False, False, False]
+    assert b.state == "half_open"
+    assert b.is_open() is True  # the probe is out: everyone else is refused
+
+
+def test_a_successful_probe_closes_and_resets_the_cooldown_to_base() -> None:
+    clock = FakeClock()
+    b = tripped(clock)
+    clock.now += 5.0
+    assert b.allow()
+    b.record_failure()  # the first probe fails: cooldown doubles to 10
+    clock.now += 10.0
+    assert b.allow()
+    b.record_success()
+    assert (b.state, b.cooldown_s, b.trips) == ("closed", 5.0, 2)
+    assert all(b.allow() for _ in range(3))
+    for _ in range(3):  # next trip waits the base cooldown again
+        b.record_failure()
+    clock.now += 5.0
+    assert b.allow()
+
+
+def test_a_failed_probe_reopens_with_the_cooldown_doubled_up_to_the_max() -> None:
+    clock = FakeClock()
+    b = tripped(clock, cooldown_s=5.0, max_cooldown_s=30.0)
+    waited = []
+    for _ in range(5):
+        cooldown = b.cooldown_s
+        clock.now += cooldown - 0.01
+        assert b.allow() is False
+        clock.now += 0.01
+        assert b.allow() is True
+        waited.append(cooldown)
+        b.record_failure()
+        assert b.state == "open"
+    assert waited == [5.0, 10.0, 20.0, 30.0, 30.0]
+    assert b.trips == 6
+
+
+def test_release_frees_the_probe_slot_without_a_verdict() -> None:
+    clock = FakeClock()
+    b = tripped(clock)
+    clock.now += 5.0
+    assert b.allow()
+    b.release()  # e.g. the probe request was a 400, or the client went away
+    assert (b.state, b.cooldown_s, b.trips) == ("open", 5.0, 1)
+    assert b.allow() is True  # no new cooldown: the next caller probes at once
+    assert b.allow() is False
+
+
+def test_release_outside_half_open_changes_nothing() -> None:
+    clock = FakeClock()
+    b = CircuitBreaker(clock=clock)
+    b.record_failure()
+    b.release()
+    assert (b.state, b.consecutive_failures) == ("closed", 1)
+    b = tripped(clock)
+    b.release()
+    assert (b.state, b.allow()) == ("open", False)
+
+
+def test_verdicts_while_open_are_ignored() -> None:
+    clock = FakeClock()
+    b = tripped(clock)
+    clock.now += 4.0
+    b.record_failure()  # a late failure must not push the probe further away
+    b.record_success()  # a late success from before the trip does not close it
+    assert (b.state, b.trips, b.cooldown_s) == ("open", 1, 5.0)
+    clock.now += 1.0
+    assert b.allow() is True
+
+
+def test_threshold_zero_disables_the_breaker() -> None:
+    b = CircuitBreaker(failure_threshold=0, clock=FakeClock())
+    for _ in range(100):
+        b.record_failure()
+    assert (b.state, b.allow(), b.is_open(), b.trips) == ("closed", True, False, 0)
+
+
+def test_invalid_settings_are_refused() -> None:
+    with pytest.raises(ValueError):
+        CircuitBreaker(failure_threshold=-1)
+    with pytest.raises(ValueError):
+        CircuitBreaker(cooldown_s=10.0, max_cooldown_s=5.0)

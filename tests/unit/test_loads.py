@@ -1,0 +1,208 @@
+"""Load parsing and the /v1/loads probe verdicts, without sockets."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from router.loads import (
+    EngineLoad,
+    LoadsProbe,
+    ProbeOutcome,
+    classify_loads_response,
+    parse_loads_body,
+    parse_metrics_text,
+)
+
+# smg's mock_worker body, plus a second rank: the minimal real-world fixture.
+SMG_BODY = msgspec.json.encode(
+    {
+        "timestamp": "",
+        "dp_rank_count": 2,
+        "loads": [
+            {"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 5, "token_usage": 0.25},
+            {"dp_rank": 1, "num_running_reqs": 0, "num_waiting_reqs": 0, "token_usage": 0.0},
+        ],
+    }
+)
+
+
+# --- /v1/loads bodies -------------------------------------------------------------------------
+
+
+def test_a_load_body_maps_each_rank_to_its_counts_and_usage() -> None:
+    assert parse_loads_body(SMG_BODY) == {
+        0: EngineLoad(running=3, waiting=5, kv_usage=0.25),
+        1: EngineLoad(running=0, waiting=0, kv_usage=0.0),
+    }
+
+
+def test_sglang_bodies_without_dp_rank_count_and_with_extra_sections_parse() -> None:
+    body = {
+        "timestamp": "2026-01-01T00:00:00Z",
+        "version": "0.5.23",
+        "loads": [
+            {
+                "timestamp": "x",
+                "dp_rank": 1,
+                "num_running_reqs": 2,
+                "num_waiting_reqs": 1,
+                "token_usage": 0.5,
+                "memory": {"kv_cache_gb": 4.0},
+                "disaggregation": {"mode": "null"},
+            }
+        ],
+    }
+    assert parse_loads_body(msgspec.json.encode(body)) == {1: EngineLoad(2, 1, 0.5)}
+
+
+def test_missing_or_mistyped_fields_are_unknown_not_zero() -> None:
+    body = {"loads": [{"dp_rank": 0, "num_running_reqs": "3", "token_usage": -1}]}
+    assert parse_loads_body(msgspec.json.encode(body)) == {0: EngineLoad(None, None, None)}
+    body = {"loads": [{"dp_rank": 0, "num_running_reqs": True, "num_waiting_reqs": 2.0}]}
+    assert parse_loads_body(msgspec.json.encode(body)) == {0: EngineLoad(None, 2, None)}
+
+
+def test_an_entry_without_a_dp_rank_is_the_rank_at_its_position() -> None:
+    body = {"loads": [{"num_running_reqs": 1}, {"num_running_reqs": 2}]}
+    assert parse_loads_body(msgspec.json.encode(body)) == {
+        0: EngineLoad(running=1),
+        1: EngineLoad(running=2),
+    }
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"<html>not found</html>",
+        b"",
+        b"[]",
+        b'{"status": "ok"}',
+        b'{"loads": {"dp_rank": 0}}',
+        b'{"loads": [1, 2]}',
+    ],
+)
+def test_bodies_that_are_not_load_bodies_parse_to_none(body: bytes) -> None:
+    assert parse_loads_body(body) is None
+
+
+def test_an_empty_loads_array_is_an_empty_dict_not_none() -> None:
+    assert parse_loads_body(b'{"loads": []}') == {}
+
+
+# --- probe verdicts ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "outcome"),
+    [
+        (200, SMG_BODY, ProbeOutcome.AVAILABLE),
+        (404, None, ProbeOutcome.ABSENT),
+        (405, None, ProbeOutcome.ABSENT),
+        (501, None, ProbeOutcome.ABSENT),
+        (200, b"<html></html>", ProbeOutcome.ABSENT),
+        (200, b'{"loads": []}', ProbeOutcome.INCONCLUSIVE),
+        (503, None, ProbeOutcome.INCONCLUSIVE),
+        (500, None, ProbeOutcome.INCONCLUSIVE),
+        (401, None, ProbeOutcome.INCONCLUSIVE),
+        (403, None, ProbeOutcome.INCONCLUSIVE),
+        (None, None, ProbeOutcome.INCONCLUSIVE),  # timeout or connection error
+        (200, None, ProbeOutcome.INCONCLUSIVE),  # body too large to read
+    ],
+)
+def test_each_response_maps_to_its_probe_outcome(
+    status: int | None, body: bytes | None, outcome: ProbeOutcome
+) -> None:
+    assert classify_loads_response(status, body)[0] is outcome
+
+
+def test_absent_latches_and_inconclusive_never_demotes() -> None:
+    probe = LoadsProbe()
+    for _ in range(10):
+        assert probe.observe(503, None) == (ProbeOutcome.INCONCLUSIVE, None)
+    assert probe.absent is False
+    outcome, loads = probe.observe(200, SMG_BODY)
+    assert outcome is ProbeOutcome.AVAILABLE
+    assert loads is not None and loads[0] == EngineLoad(3, 5, 0.25)
+    probe.observe(404, None)
+    assert probe.absent is True
+
+
+# --- /metrics text ----------------------------------------------------------------------------
+
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 99.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.125
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3",model_name="m"} 1.0
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="m"} 1.0
+"""
+
+
+def test_vllm_metrics_map_per_engine_label() -> None:
+    assert parse_metrics_text(VLLM_METRICS) == {
+        0: EngineLoad(running=3, waiting=4, kv_usage=0.5),
+        1: EngineLoad(running=1, waiting=0, kv_usage=0.125),
+    }
+
+
+def test_the_old_vllm_usage_name_is_read_and_loses_to_the_new_one_when_both_exist() -> None:
+    old = 'vllm:gpu_cache_usage_perc{model_name="m"} 0.75\n'
+    assert parse_metrics_text(old) == {0: EngineLoad(kv_usage=0.75)}
+    both = old + 'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n'
+    assert parse_metrics_text(both) == {0: EngineLoad(kv_usage=0.5)}
+
+
+@pytest.mark.parametrize("prefix", ["sglang:", "sglang_"])
+def test_sglang_metrics_read_with_either_prefix_per_dp_rank(prefix: str) -> None:
+    text = (
+        f"# TYPE {prefix}num_running_reqs gauge\n"
+        f'{prefix}num_running_reqs{{model_name="m",dp_rank="0"}} 2.0\n'
+        f'{prefix}num_running_reqs{{model_name="m",dp_rank="1"}} 6.0\n'
+        f'{prefix}num_queue_reqs{{model_name="m",dp_rank="1"}} 3.0\n'
+        f'{prefix}token_usage{{model_name="m",dp_rank="0"}} 0.9\n'
+    )
+    assert parse_metrics_text(text) == {
+        0: EngineLoad(running=2, waiting=None, kv_usage=0.9),
+        1: EngineLoad(running=6, waiting=3, kv_usage=None),
+    }
+
+
+def test_label_sets_of_one_rank_add_up_counts_and_take_the_max_usage() -> None:
+    text = (
+        'sglang_num_running_reqs{model_name="a"} 2\n'
+        'sglang_num_running_reqs{model_name="b"} 3\n'
+        'sglang_token_usage{model_name="a"} 0.25\n'
+        'sglang_token_usage{model_name="b"} 0.5\n'
+    )
+    assert parse_metrics_text(text) == {0: EngineLoad(running=5, waiting=None, kv_usage=0.5)}
+
+
+def test_a_metric_absent_leaves_its_field_unknown_and_no_metric_gives_no_rank() -> None:
+    assert parse_metrics_text('vllm:num_requests_waiting{engine="0"} 1\n') == {
+        0: EngineLoad(running=None, waiting=1, kv_usage=None)
+    }
+    unrelated = "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 3\n"
+    assert parse_metrics_text(unrelated) == {}
+    assert parse_metrics_text("<html>garbage</html>") == {}
+
+
+def test_nan_and_negative_gauges_are_unknown() -> None:
+    text = 'vllm:num_requests_running{engine="0"} NaN\nvllm:num_requests_waiting{engine="0"} -1\n'
+    assert parse_metrics_text(text) == {}
+
+
+def test_a_broken_sample_line_of_a_gauge_we_read_raises_value_error() -> None:
+    with pytest.raises(ValueError, match="unparseable"):
+        parse_metrics_text('vllm:num_requests_running{engine="0"} lots\n')

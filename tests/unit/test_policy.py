@@ -1,0 +1,279 @@
+"""Routing policies: who comes first, at what cost, and with which outcome label.
+
+The prefix depths come from a real BlockTree. The prompt is 2,048 tokens = 128 blocks of 16;
+with the default weights a full cache hit is worth 2048 / 256 = 8 queued requests.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from cachetree.keys import block_keys
+from cachetree.ranks import RankId
+from cachetree.tiers import DEVICE, HOST
+from cachetree.tree import BlockTree
+from router.loads import EngineLoad
+from router.policy import (
+    POLICY_NAMES,
+    CacheAware,
+    CacheAwareWeights,
+    Candidate,
+    Prompt,
+    load_of,
+    make_policy,
+)
+
+BS = 16
+A, B, C, D = (RankId(f"http://{h}:8000", 0) for h in "abcd")
+PROMPT = [(i * 7919) % 50_000 + 3 for i in range(2048)]
+KEYS = block_keys(PROMPT, BS)
+assert len(KEYS) == 128
+
+
+class Fleet:
+    """A block tree plus the candidates built from it."""
+
+    def __init__(self) -> None:
+        self.tree = BlockTree(BS)
+        self._next_hash = 1
+
+    def hold(
+        self, rank: RankId, blocks: int, tier: int = DEVICE, tokens: list[int] = PROMPT
+    ) -> list[int]:
+        hashes = list(range(self._next_hash, self._next_hash + blocks))
+        self._next_hash += blocks
+        self.tree.store(rank, None, hashes, tokens[: blocks * BS], BS, tier=tier)
+        return hashes
+
+    def prompt(self, tokens: list[int] = PROMPT) -> Prompt:
+        return Prompt(len(tokens), BS, self.tree.prefix_depths(block_keys(tokens, BS)))
+
+
+def cand(rank: RankId, inflight: int = 0, waiting: int | None = None) -> Candidate:
+    engine = None if waiting is None else EngineLoad(running=0, waiting=waiting, kv_usage=0.1)
+    return Candidate(rank, inflight, engine)
+
+
+def heads(ranked: list[Candidate]) -> list[RankId]:
+    return [c.rank for c in ranked]
+
+
+# --- cache_aware ----------------------------------------------------------------------------
+
+
+def test_requests_sharing_a_long_prefix_go_to_the_rank_holding_it() -> None:
+    fleet = Fleet()
+    fleet.hold(C, 128)
+    fleet.hold(A, 2)  # a short shared system prompt elsewhere
+    policy = CacheAware(rng=random.Random(1))
+    candidates = [cand(A), cand(B), cand(C), cand(D)]
+    for suffix in ([1, 2, 3] * 40, [9] * 100):  # two requests, same 2,048-token prefix
+        tokens = PROMPT + suffix
+        decision = policy.decide(candidates, fleet.prompt(tokens))
+        assert heads(decision.ranked)[:2] == [C, A]
+        assert (decision.outcome, decision.matched_blocks) == ("cache_hit", 128)
+    costs = policy.costs(candidates, fleet.prompt())
+    assert costs == [2048 - 32, 2048, 0, 2048]
+
+
+@pytest.mark.parametrize(
+    ("queued", "first", "holder_cost"),
+    [
+        (7, A, 1792.0),  # 7 x 256 < 2048: the cache is worth the wait
+        (8, B, 2048.0),  # equal cost: the lower load wins
+        (9, B, 2304.0),  # 9 x 256 > 2048: the idle rank prefills faster than A's queue drains
+    ],
+)
+def test_a_holder_with_a_long_queue_loses_to_an_idle_rank_when_the_cost_says_so(
+    queued: int, first: RankId, holder_cost: float
+) -> None:
+    fleet = Fleet()
+    fleet.hold(A, 128)
+    policy = CacheAware(rng=random.Random(1))
+    # The queue is router in-flight plus engine waiting: 3 + (queued - 3).
+    candidates = [cand(A, inflight=3, waiting=queued - 3), cand(B)]
+    assert policy.costs(candidates, fleet.prompt()) == [holder_cost, 2048.0]
+    decision = policy.decide(candidates, fleet.prompt())
+    assert decision.ranked[0].rank == first
+    assert decision.outcome == ("cache_hit" if first == A else "cache_miss")
+    assert decision.matched_blocks == (128 if first == A else 0)
+
+
+def test_the_device_tier_beats_the_host_tier_which_beats_nothing() -> None:
+    fleet = Fleet()
+    fleet.hold(A, 128, tier=HOST)
+    fleet.hold(B, 128, tier=DEVICE)
+    policy = CacheAware(rng=random.Random(1))
+    candidates = [cand(A), cand(B), cand(C)]
+    # Host blocks are credited half (lower_tier_discount 0.5): 2048 - 128 * 16 * 0.5.
+    assert policy.costs(candidates, fleet.prompt()) == [1024.0, 0.0, 2048.0]
+    decision = policy.decide(candidates, fleet.prompt())
+    assert heads(decision.ranked) == [B, A, C]
+    assert (decision.outcome, decision.matched_blocks) == ("cache_hit", 128)
+
+
+def test_a_prefix_partly_evicted_to_the_host_is_credited_per_tier() -> None:
+    fleet = Fleet()
+    hashes = fleet.hold(A, 128)
+    fleet.tree.store(A, None, hashes, PROMPT, BS, tier=HOST)
+    fleet.tree.remove(A, hashes[64:], tier=DEVICE)  # blocks 64.. now only on the host
+    policy = CacheAware(weights=CacheAwareWeights(lower_tier_discount=0.25))
+    # 64 device blocks save 1024 tokens, 64 host blocks 64 * 16 * 0.25 = 256.
+    assert policy.costs([cand(A)], fleet.prompt()) == [2048 - 1024 - 256]
+
+
+def test_a_strongly_imbalanced_fleet_falls_back_to_least_load() -> None:
+    fleet = Fleet()
+    fleet.hold(A, 128)
+    candidates = [cand(A, inflight=5), cand(B, inflight=0), cand(C, inflight=40)]
+    decision = CacheAware(rng=random.Random(1)).decide(candidates, fleet.prompt())
+    assert heads(decision.ranked) == [B, A, C]
+    assert (decision.outcome, decision.matched_blocks) == ("imbalance_fallback", 0)
+    # Without the fallback the cost picks the holder: 5 x 256 = 1280 < 2048.
+    lenient = CacheAware(CacheAwareWeights(imbalance_abs=100), random.Random(1))
+    decision = lenient.decide(candidates, fleet.prompt())
+    assert heads(decision.ranked) == [A, B, C]
+    assert (decision.outcome, decision.matched_blocks) == ("cache_hit", 128)
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "imbalanced"),
+    [
+        (0, 32, False),  # a spread of exactly 32 is not over the absolute threshold
+        (0, 33, True),
+        (68, 101, False),  # over 32 apart, but 101 is not above 68 x 1.5 = 102
+        (68, 103, True),
+    ],
+)
+def test_imbalance_needs_both_the_absolute_and_the_relative_threshold(
+    low: int, high: int, imbalanced: bool
+) -> None:
+    assert CacheAware().imbalanced([low, (low + high) // 2, high]) is imbalanced
+
+
+def test_without_any_cached_prefix_cache_aware_orders_by_load_and_reports_a_miss() -> None:
+    fleet = Fleet()
+    candidates = [cand(A, inflight=3), cand(B, inflight=1, waiting=1), cand(C, inflight=1)]
+    policy = CacheAware(rng=random.Random(1))
+    for prompt in (fleet.prompt(), Prompt(2048, BS, None)):
+        decision = policy.decide(candidates, prompt)
+        assert heads(decision.ranked) == [C, B, A]
+        assert (decision.outcome, decision.matched_blocks) == ("cache_miss", 0)
+
+
+def test_equal_cost_and_load_are_broken_at_random() -> None:
+    fleet = Fleet()
+    fleet.hold(A, 128)
+    fleet.hold(B, 128)
+    policy = CacheAware(rng=random.Random(7))
+    candidates = [cand(A, inflight=1), cand(B, inflight=1), cand(C)]
+    firsts = Counter(policy.decide(candidates, fleet.prompt()).ranked[0].rank for _ in range(400))
+    assert set(firsts) == {A, B}
+    assert 150 < firsts[A] < 250
+
+
+def test_an_unknown_engine_load_counts_as_no_waiting() -> None:
+    assert load_of(Candidate(A, 2, None)) == 2
+    assert load_of(Candidate(A, 2, EngineLoad(running=9, waiting=None))) == 2
+    assert load_of(Candidate(A, 2, EngineLoad(running=9, waiting=4))) == 6
+
+
+def test_no_candidates_is_an_empty_decision_for_every_policy() -> None:
+    for name in POLICY_NAMES:
+        decision = make_policy(name, rng=random.Random(1)).decide([], Prompt(10, BS))
+        assert (decision.ranked, decision.outcome, decision.matched_blocks) == (
+            [],
+            "no_candidates",
+            0,
+        )
+
+
+# --- baselines ------------------------------------------------------------------------------
+
+
+def test_round_robin_cycles_through_the_candidates() -> None:
+    policy = make_policy("round_robin")
+    candidates = [cand(A), cand(B), cand(C)]
+    rankings = [heads(policy.decide(candidates, Prompt(10, BS)).ranked) for _ in range(4)]
+    assert rankings == [[A, B, C], [B, C, A], [C, A, B], [A, B, C]]
+
+
+def test_least_load_puts_the_least_loaded_first() -> None:
+    policy = make_policy("least_load", rng=random.Random(1))
+    candidates = [cand(A, 4), cand(B, 1, waiting=2), cand(C, 0, waiting=1), cand(D, 9)]
+    assert heads(policy.decide(candidates, Prompt(10, BS)).ranked) == [C, B, A, D]
+
+
+def test_power_of_two_puts_the_less_loaded_of_its_two_picks_first() -> None:
+    candidates = [cand(A, 0), cand(B, 5), cand(C, 10), cand(D, 20)]
+    policy = make_policy("power_of_two", rng=random.Random(3))
+    firsts: Counter[RankId] = Counter()
+    for _ in range(600):
+        ranked = policy.decide(candidates, Prompt(10, BS)).ranked
+        loads = [load_of(c) for c in ranked]
+        assert loads[0] < loads[1]  # the pair, less loaded first
+        assert loads[2:] == sorted(loads[2:])  # then everyone else by load
+        firsts[ranked[0].rank] += 1
+    # A is first whenever it is drawn (1/2 of pairs), B when drawn without A (1/3),
+    # C only with D (1/6), D never: the least loaded overall does not always win.
+    assert D not in firsts
+    assert 250 < firsts[A] < 350 and 150 < firsts[B] < 250 and 60 < firsts[C] < 140
+
+
+def test_seeded_policies_decide_identically() -> None:
+    candidates = [cand(r, inflight=i % 2) for i, r in enumerate((A, B, C, D))]
+    fleet = Fleet()
+    fleet.hold(A, 5)
+    fleet.hold(C, 5)
+    for name in POLICY_NAMES:
+        runs = []
+        for _ in range(2):
+            policy = make_policy(name, rng=random.Random(42))
+            runs.append(
+                [heads(policy.decide(candidates, fleet.prompt()).ranked) for _ in range(30)]
+            )
+        assert runs[0] == runs[1], name
+        if name != "round_robin":
+            assert len({tuple(r) for r in runs[0]}) > 1, name  # and it does use the rng
+
+
+def test_baselines_report_hit_or_miss_of_their_choice() -> None:
+    fleet = Fleet()
+    fleet.hold(B, 10)
+    policy = make_policy("round_robin")
+    candidates = [cand(A), cand(B)]
+    first = policy.decide(candidates, fleet.prompt())
+    second = policy.decide(candidates, fleet.prompt())
+    assert (first.outcome, first.matched_blocks) == ("cache_miss", 0)
+    assert (second.outcome, second.matched_blocks) == ("cache_hit", 10)
+
+
+# --- factory and settings -------------------------------------------------------------------
+
+
+def test_make_policy_knows_every_name_and_refuses_others() -> None:
+    assert {make_policy(name).name for name in POLICY_NAMES} == set(POLICY_NAMES)
+    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
+        make_policy("fastest")
+    with pytest.raises(ValueError, match="weights"):
+        make_policy("round_robin", weights=CacheAwareWeights())
+    custom = make_policy("cache_aware", weights=CacheAwareWeights(queued_request_tokens=64))
+    assert isinstance(custom, CacheAware) and custom.weights.queued_request_tokens == 64
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"prefill": -1.0},
+        {"queued_request_tokens": -5.0},
+        {"lower_tier_discount": 1.5},
+        {"imbalance_rel": 0.5},
+        {"imbalance_abs": -1},
+    ],
+)
+def test_invalid_weights_are_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        CacheAwareWeights(**bad)  # type: ignore[arg-type]

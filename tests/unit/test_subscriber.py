@@ -1,0 +1,374 @@
+"""The subscriber's decisions without sockets: frames, sequencing, replay filtering, gap items.
+
+The last tests drive `RankSubscriber` through a scripted fake ZMQ context, for what only the
+shell does (socket rebuilds, closing sockets on exit, decode errors surfacing as gaps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from cachetree.ranks import RankId
+from router.events import EventBatch
+from router.subscriber import (
+    RECV_ERRORS_BEFORE_REBUILD,
+    FrameError,
+    LiveBatch,
+    LiveFrame,
+    PublisherReset,
+    RankEndpoint,
+    RankSubscriber,
+    ReplayCollector,
+    SequenceTracker,
+    Step,
+    SubscriberItem,
+    UnrepairedGap,
+    Verdict,
+    connect_backoff_s,
+    fill_gap,
+    parse_live_frames,
+    replay_outcome,
+    replay_request,
+)
+
+pytestmark = pytest.mark.timeout(10)
+
+RANK = RankId("http://w0:8000", 1)
+END = b"\xff" * 8
+PAYLOAD = msgspec.msgpack.encode([1.5, [], 1])
+
+
+def seq_b(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=True)
+
+
+def batch(ts: float = 0.0) -> EventBatch:
+    return EventBatch(ts=ts, events=[], dp_rank=1)
+
+
+# --- frames ---------------------------------------------------------------------------------
+
+
+def test_a_well_formed_message_parses_to_topic_seq_and_payload() -> None:
+    assert parse_live_frames([b"kv", seq_b(7), b"p"]) == LiveFrame(b"kv", 7, b"p")
+    assert parse_live_frames([b"", seq_b(2**62), b""]).seq == 2**62
+
+
+def test_eight_ff_bytes_are_the_end_marker() -> None:
+    assert parse_live_frames([b"", END, b""]).seq == -1
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason"),
+    [
+        ([b"", seq_b(1)], "2 frames, not 3"),
+        ([b"", seq_b(1), PAYLOAD, b"x"], "4 frames, not 3"),
+        ([], "0 frames, not 3"),
+        ([b"", b"\x00" * 7, PAYLOAD], "seq frame is 7 bytes, not 8"),
+        ([b"", b"\x00" * 9, PAYLOAD], "seq frame is 9 bytes, not 8"),
+        ([b"", seq_b(-2), PAYLOAD], "negative seq -2"),
+    ],
+)
+def test_malformed_messages_are_refused_with_a_reason(frames: list[bytes], reason: str) -> None:
+    with pytest.raises(FrameError) as info:
+        parse_live_frames(frames)
+    assert info.value.reason == reason
+
+
+# --- sequencing -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("seqs", "verdicts"),
+    [
+        # The first batch seen is never a gap, wherever the stream is.
+        ([0], [Verdict(Step.FIRST)]),
+        ([41], [Verdict(Step.FIRST)]),
+        ([5, 6, 7], [Verdict(Step.FIRST), Verdict(Step.NEXT), Verdict(Step.NEXT)]),
+        # A jump names exactly the seqs that were not seen.
+        ([5, 6, 9], [Verdict(Step.FIRST), Verdict(Step.NEXT), Verdict(Step.GAP, 7, 8)]),
+        ([5, 7], [Verdict(Step.FIRST), Verdict(Step.GAP, 6, 6)]),
+        # Back to 0: a restart the pump resolves itself, not a reset.
+        ([5, 0, 1], [Verdict(Step.FIRST), Verdict(Step.RESTART_AT_ZERO), Verdict(Step.NEXT)]),
+        ([0, 0], [Verdict(Step.FIRST), Verdict(Step.RESTART_AT_ZERO)]),
+        # Back to a non-zero seq, or the same seq again: the publisher restarted.
+        ([5, 3, 4], [Verdict(Step.FIRST), Verdict(Step.RESET), Verdict(Step.NEXT)]),
+        ([5, 5], [Verdict(Step.FIRST), Verdict(Step.RESET)]),
+        ([5, 1, 3], [Verdict(Step.FIRST), Verdict(Step.RESET), Verdict(Step.GAP, 2, 2)]),
+    ],
+)
+def test_the_tracker_classifies_each_seq_against_the_last_one_seen(
+    seqs: list[int], verdicts: list[Verdict]
+) -> None:
+    tracker = SequenceTracker()
+    assert [tracker.advance(s) for s in seqs] == verdicts
+    assert tracker.last == seqs[-1]
+
+
+def test_end_seq_forgets_the_last_seq_so_the_next_batch_is_a_fresh_start() -> None:
+    tracker = SequenceTracker()
+    tracker.advance(10)
+    tracker.end()
+    assert tracker.last is None
+    assert tracker.advance(3) == Verdict(Step.FIRST)
+
+
+def test_a_gap_verdict_counts_its_missing_batches() -> None:
+    assert Verdict(Step.GAP, 7, 9).missing == 3
+    assert Verdict(Step.NEXT).missing == 0
+
+
+def test_the_tracker_refuses_a_negative_seq() -> None:
+    with pytest.raises(ValueError):
+        SequenceTracker().advance(-1)
+
+
+# --- replay ---------------------------------------------------------------------------------
+
+
+def reply(seq: int, payload: bytes = b"p", topic: bytes | None = b"") -> list[bytes]:
+    return [b"", seq_b(seq), payload] if topic is None else [b"", topic, seq_b(seq), payload]
+
+
+def collect(first: int, stop: int, replies: Sequence[list[bytes]], topic: bytes = b"") -> Any:
+    c = ReplayCollector(first, stop, topic)
+    for r in replies:
+        c.feed(r)
+    return c
+
+
+def test_replay_request_is_an_empty_delimiter_and_the_first_seq_big_endian() -> None:
+    assert replay_request(258) == [b"", b"\x00\x00\x00\x00\x00\x00\x01\x02"]
+
+
+def test_replay_keeps_the_missing_range_and_stops_at_the_current_seq() -> None:
+    c = collect(3, 6, [reply(3, b"a"), reply(4, b"b"), reply(5, b"c"), reply(6), reply(7)])
+    assert (c.kept, c.done, c.ignored) == ([(3, b"a"), (4, b"b"), (5, b"c")], True, 0)
+
+
+def test_replay_is_done_once_the_last_missing_seq_arrives() -> None:
+    c = collect(3, 5, [reply(3), reply(4)])
+    assert c.done
+    c.feed(reply(4))  # anything after is not read
+    assert [s for s, _ in c.kept] == [3, 4]
+
+
+def test_replay_ends_at_the_end_marker_in_both_shapes() -> None:
+    four = collect(3, 9, [reply(3), [b"", b"", END, b""]])
+    three = collect(3, 9, [reply(3, topic=None), [b"", END, b""]])
+    assert four.done and three.done
+    assert [s for s, _ in four.kept] == [s for s, _ in three.kept] == [3]
+
+
+def test_replay_stops_at_a_seq_past_the_range_even_if_the_range_was_not_filled() -> None:
+    c = collect(3, 5, [reply(5)])  # a hole replay cannot fill: the buffer skips past it
+    assert (c.kept, c.done) == ([], True)
+
+
+def test_replay_keeps_only_strictly_increasing_seqs_inside_the_range() -> None:
+    replies = [reply(1), reply(4), reply(3), reply(4), reply(6), reply(5), reply(7)]
+    c = collect(3, 8, replies)
+    assert [s for s, _ in c.kept] == [4, 6, 7]
+    assert (c.ignored, c.done) == (4, True)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [b"x", b"", seq_b(3), b"p"],  # no empty delimiter first
+        [b"", seq_b(3)],  # too few frames
+        [b"", b"", seq_b(3), b"p", b"q"],  # too many
+        [b"", b"", b"\x00" * 7, b"p"],  # short seq
+    ],
+)
+def test_malformed_replay_replies_are_ignored(bad: list[bytes]) -> None:
+    c = collect(3, 5, [bad, reply(3)])
+    assert ([s for s, _ in c.kept], c.ignored, c.done) == ([3], 1, False)
+
+
+def test_replay_replies_on_a_foreign_topic_are_ignored() -> None:
+    c = collect(3, 5, [reply(3, topic=b"other"), reply(4, topic=b"kv@a")], topic=b"kv@")
+    assert [s for s, _ in c.kept] == [4]
+    assert c.ignored == 1
+
+
+def test_an_empty_replay_range_is_refused() -> None:
+    with pytest.raises(ValueError):
+        ReplayCollector(5, 5)
+
+
+# --- what a gap delivers --------------------------------------------------------------------
+
+
+def test_a_fully_recovered_gap_is_the_missing_batches_in_order() -> None:
+    b3, b4 = batch(3), batch(4)
+    assert fill_gap(RANK, 3, 5, [(3, b3), (4, b4)]) == [
+        LiveBatch(RANK, 3, b3),
+        LiveBatch(RANK, 4, b4),
+    ]
+
+
+def test_an_unrecovered_gap_is_one_unrepaired_gap_with_the_exact_range() -> None:
+    assert fill_gap(RANK, 3, 7, []) == [UnrepairedGap(RANK, 3, 6)]
+
+
+def test_holes_become_unrepaired_gaps_where_they_are_in_the_stream() -> None:
+    b4, b6 = batch(4), batch(6)
+    assert fill_gap(RANK, 3, 9, [(4, b4), (6, b6)]) == [
+        UnrepairedGap(RANK, 3, 3),
+        LiveBatch(RANK, 4, b4),
+        UnrepairedGap(RANK, 5, 5),
+        LiveBatch(RANK, 6, b6),
+        UnrepairedGap(RANK, 7, 8),
+    ]
+
+
+def test_fill_gap_refuses_a_seq_outside_the_range_or_out_of_order() -> None:
+    with pytest.raises(ValueError):
+        fill_gap(RANK, 3, 5, [(5, batch())])
+    with pytest.raises(ValueError):
+        fill_gap(RANK, 3, 6, [(4, batch()), (4, batch())])
+
+
+@pytest.mark.parametrize(
+    ("missing", "recovered", "outcome"),
+    [(3, 3, "repaired"), (3, 1, "incomplete"), (3, 0, "failed"), (1, 0, "failed")],
+)
+def test_replay_outcome(missing: int, recovered: int, outcome: str) -> None:
+    assert replay_outcome(missing, recovered) == outcome
+
+
+def test_connect_backoff_doubles_from_50_ms_to_a_2_s_cap() -> None:
+    assert [connect_backoff_s(n) for n in range(1, 9)] == [
+        0.05,
+        0.1,
+        0.2,
+        0.4,
+        0.8,
+        1.6,
+        2.0,
+        2.0,
+    ]
+
+
+# --- the shell, on a scripted fake context --------------------------------------------------
+
+
+class FakeSocket:
+    """Plays a script: each recv returns the next frames or raises the next ZMQError."""
+
+    def __init__(self, kind: int, script: list[list[bytes] | zmq.ZMQError]) -> None:
+        self.kind = kind
+        self.script = script
+        self.options: dict[int, Any] = {}
+        self.connected: list[str] = []
+        self.closed = False
+
+    def setsockopt(self, option: int, value: Any) -> None:
+        self.options[option] = value
+
+    def connect(self, endpoint: str) -> None:
+        self.connected.append(endpoint)
+
+    def close(self, linger: int | None = None) -> None:
+        self.closed = True
+
+    async def recv_multipart(self) -> list[bytes]:
+        if not self.script:
+            await asyncio.Event().wait()  # nothing more: block until cancelled
+        step = self.script.pop(0)
+        if isinstance(step, zmq.ZMQError):
+            raise step
+        return step
+
+
+class FakeContext:
+    def __init__(self, *scripts: list[list[bytes] | zmq.ZMQError]) -> None:
+        self.scripts = list(scripts)
+        self.sockets: list[FakeSocket] = []
+
+    def socket(self, kind: int) -> FakeSocket:
+        sock = FakeSocket(kind, self.scripts.pop(0) if self.scripts else [])
+        self.sockets.append(sock)
+        return sock
+
+
+async def run_until(
+    ctx: FakeContext, n_items: int, endpoint: RankEndpoint | None = None
+) -> tuple[list[SubscriberItem], RankSubscriber]:
+    items: list[SubscriberItem] = []
+    done = asyncio.Event()
+
+    async def deliver(item: SubscriberItem) -> None:
+        items.append(item)
+        if len(items) >= n_items:
+            done.set()
+
+    ep = endpoint or RankEndpoint(RANK, "tcp://127.0.0.1:1", topic=b"kv")
+    sub = RankSubscriber(ep, deliver, context=ctx)  # type: ignore[arg-type]
+    task = asyncio.create_task(sub.run())
+    try:
+        async with asyncio.timeout(5):
+            await done.wait()
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    return items, sub
+
+
+def frames(seq: int, payload: bytes = PAYLOAD) -> list[bytes]:
+    return [b"kv", seq_b(seq), payload]
+
+
+async def test_64_receive_errors_in_a_row_rebuild_the_socket_and_the_stream_goes_on() -> None:
+    errors: list[list[bytes] | zmq.ZMQError] = [
+        zmq.ZMQError(zmq.EAGAIN) for _ in range(RECV_ERRORS_BEFORE_REBUILD)
+    ]
+    # 63 errors, a frame (resets the count), then 64 errors: one rebuild, not two.
+    first: list[list[bytes] | zmq.ZMQError] = [*errors[:-1], frames(4), *errors]
+    ctx = FakeContext(first, [frames(5)])
+    items, sub = await run_until(ctx, 2)
+    assert [(type(i), getattr(i, "seq", None)) for i in items] == [(LiveBatch, 4), (LiveBatch, 5)]
+    assert sub.stats.socket_rebuilds == 1
+    assert len(ctx.sockets) == 2
+    assert all(s.kind == zmq.SUB and s.closed for s in ctx.sockets)
+    assert ctx.sockets[1].options[zmq.SUBSCRIBE] == b"kv"
+    assert ctx.sockets[1].connected == ["tcp://127.0.0.1:1"]
+
+
+async def test_a_payload_that_does_not_decode_surfaces_as_a_gap_at_the_next_batch() -> None:
+    ctx = FakeContext([frames(4), frames(5, b"\xc1garbage"), frames(6)])
+    items, sub = await run_until(ctx, 3)
+    assert items[1] == UnrepairedGap(RANK, 5, 5)
+    assert isinstance(items[2], LiveBatch) and items[2].seq == 6
+    assert sub.stats.decode_errors == {"malformed_msgpack": 1}
+    assert (sub.stats.gaps, sub.stats.lost_batches, sub.stats.batches) == (1, 1, 2)
+
+
+async def test_a_regression_to_a_non_zero_seq_delivers_a_reset_before_the_batch() -> None:
+    ctx = FakeContext([frames(9), frames(3), frames(4)])
+    items, sub = await run_until(ctx, 4)
+    assert [type(i).__name__ for i in items] == [
+        "LiveBatch",
+        "PublisherReset",
+        "LiveBatch",
+        "LiveBatch",
+    ]
+    assert items[1] == PublisherReset(RANK)
+    assert [i.seq for i in items if isinstance(i, LiveBatch)] == [9, 3, 4]
+    assert (sub.stats.resets, sub.stats.gaps) == (1, 0)
+
+
+async def test_end_seq_then_a_new_stream_is_a_reset_and_a_fresh_start_not_a_gap() -> None:
+    ctx = FakeContext([frames(9), [b"kv", b"\xff" * 8, b""], frames(3)])
+    items, sub = await run_until(ctx, 3)
+    assert items[1] == PublisherReset(RANK)
+    assert isinstance(items[2], LiveBatch) and items[2].seq == 3
+    assert (sub.stats.resets, sub.stats.gaps, sub.stats.frames) == (1, 0, 3)
