@@ -39,7 +39,7 @@ collector, which would otherwise rescan millions of them on every full collectio
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import and_, attrgetter, neg
@@ -91,17 +91,19 @@ class PrefixDepths:
     few times; `depth_runs` exposes them for callers that score ranks by index.
     """
 
-    __slots__ = ("_any", "_device", "_rank_of")
+    __slots__ = ("_any", "_by_index", "_device")
 
     def __init__(
         self,
         any_runs: list[tuple[int, int]],
         device_runs: list[tuple[int, int]],
-        rank_of: Callable[[int], RankId],
+        by_index: list[_Rank | None],
     ) -> None:
         self._any = any_runs
         self._device = device_runs
-        self._rank_of = rank_of
+        # The tree's own index table: read it before the tree next changes (rank indices are
+        # reused after a rank is cleared).
+        self._by_index = by_index
 
     @property
     def any_tier(self) -> dict[RankId, int]:
@@ -115,8 +117,14 @@ class PrefixDepths:
         return self._device if device else self._any
 
     def _expand(self, runs: list[tuple[int, int]]) -> dict[RankId, int]:
-        rank_of = self._rank_of
-        return {rank_of(index): depth for mask, depth in runs for index in _indices(mask)}
+        by_index = self._by_index
+        out: dict[RankId, int] = {}
+        for mask, depth in runs:
+            while mask:
+                low = mask & -mask
+                out[by_index[low.bit_length() - 1].rank] = depth  # type: ignore[union-attr]
+                mask ^= low
+        return out
 
 
 @dataclass(slots=True, frozen=True)
@@ -212,7 +220,7 @@ class BlockTree:
         if found and found[-1] is None:
             del found[found.index(None) :]
         if not found:
-            return PrefixDepths([], [], self._rank_of)
+            return PrefixDepths([], [], self._by_index)
         any_runs = _runs(list(accumulate(map(_get_mask, found), and_)))
         if any(map(_get_tiers, found)):
             device_masks = [
@@ -221,7 +229,7 @@ class BlockTree:
             device_runs = _runs(list(accumulate(device_masks, and_)))
         else:
             device_runs = any_runs
-        return PrefixDepths(any_runs, device_runs, self._rank_of)
+        return PrefixDepths(any_runs, device_runs, self._by_index)
 
     # -- mutations -------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
+from router.graft import BootstrapRules
 from router.subscriber import LiveBatch, PublisherReset, SubscriberItem, UnrepairedGap
 from router.worker_snapshot import SnapshotRank, WorkerSnapshotError, rebuild_rank
 
@@ -103,6 +104,8 @@ class IndexRules:
         self.live: set[RankId] = set()
         self.stats = PumpStats()
         self._on_loss: Callable[[RankId], None] = lambda rank: None
+        # Set when peer bootstrap is on: it holds Pending ranks' batches and grafts.
+        self.bootstrap: BootstrapRules | None = None
 
     def set_loss_handler(self, on_loss: Callable[[RankId], None]) -> None:
         """Called when a rank provably missed batches, so its owner can re-pull a snapshot."""
@@ -117,19 +120,31 @@ class IndexRules:
         self.live.update(ranks)
 
     def forget_ranks(self, ranks: Iterable[RankId]) -> None:
+        ranks = list(ranks)
+        if self.bootstrap is not None:
+            self.bootstrap.forget(ranks)
         for rank in ranks:
             self.live.discard(rank)
-            self.cursors.pop(rank, None)
-            if self.tree is not None:
-                self.tree.clear_rank(rank)
+            self.clear_rank_state(rank)
+
+    def clear_rank_state(self, rank: RankId) -> None:
+        self.cursors.pop(rank, None)
+        if self.tree is not None:
+            self.tree.clear_rank(rank)
 
     def handle(self, item: SubscriberItem) -> None:
         if item.rank not in self.live:
             self.stats.batches_dropped_not_live += 1
             return
+        bootstrap = self.bootstrap
         if type(item) is LiveBatch:
-            self.apply_batch(item.rank, item.seq, item.batch)
+            if bootstrap is not None and bootstrap.intercepts(item.rank):
+                bootstrap.on_live_batch(item.rank, item.seq, item.batch)
+            else:
+                self.apply_batch(item.rank, item.seq, item.batch)
         elif type(item) is PublisherReset:
+            if bootstrap is not None:
+                bootstrap.on_publisher_reset(item.rank)
             self.reset_rank(item.rank)
         elif type(item) is UnrepairedGap:
             # The cursor jump on the next batch counts the loss; this only asks for repair.
@@ -141,6 +156,8 @@ class IndexRules:
             if seq == 0 and cursor > 0:
                 log.info("%s: stream restarted at seq 0 without END_SEQ; clearing the rank", rank)
                 self.stats.restarts_at_zero += 1
+                if self.bootstrap is not None:
+                    self.bootstrap.on_restart_at_zero(rank)
                 self._tree.clear_rank(rank)
             elif seq <= cursor:
                 self.stats.batches_skipped += 1
@@ -166,8 +183,7 @@ class IndexRules:
     def reset_rank(self, rank: RankId) -> None:
         log.info("%s: publisher reset (END_SEQ or seq regression); clearing the rank", rank)
         self.stats.publisher_resets += 1
-        self.cursors.pop(rank, None)
-        self._tree.clear_rank(rank)
+        self.clear_rank_state(rank)
 
     def replace_rank(self, rank: RankId, snap: SnapshotRank, block_size: int) -> bool:
         """Install a worker's own snapshot of `rank` unless the stream is already past it."""

@@ -1,0 +1,296 @@
+"""Bootstrap rules of the pump: holding a Pending rank's stream, grafting, proving the splice.
+
+Rules of this file: it is part of the pump's single writer. Every method runs on the pump,
+between two items, and changes the tree, cursors, held queues and proofs only through the
+`IndexRules` it is attached to. It never awaits and never does I/O; what must leave the pump
+(a gap retry for the coordinator) goes through a non-blocking callback.
+
+Theory of operation
+-------------------
+A booting replica subscribes first and fetches second. While a rank is Pending (per the
+`BootstrapTracker`), its live batches are *held*, not applied: a snapshot taken later will
+contain their effects, and applying them under it would let the snapshot's cursor filter a
+later removal as "already reflected". After the graft the snapshot's cursor for the rank is
+both a filter (held batches at or below it are in the snapshot) and a watermark (the stream
+must continue at `cursor + 1`).
+
+Pending rank, live batch (`last` = tail of the held queue, else the cursor):
+  - nothing held and seq 0          -> from origin: the stream starts with the engine's empty
+                                       cache, no snapshot is needed (Recovered, `from_origin`)
+  - seq < last: 0                   -> from origin
+  - seq < last: other               -> publisher restarted: fail `publisher_reset`, discard held
+  - held queue full                 -> fail `overflow`, replay held as live deltas (cold)
+  - otherwise                       -> hold it (token ids packed, a ninth of the list's memory)
+
+Graft (`apply_snapshot`): only obligations still owed (same epoch, live, Pending) count; the
+snapshot is filtered to their ranks and restored (failure: `tree_rejected` for all of them).
+Per owed rank: no cursor -> `uncovered`; first held seq past `cursor + 1` -> gap resolution;
+nothing held -> a deferred proof, judged by the first live batch or the splice probe. Then
+the cursor is seeded with max(existing, watermark), the rank is Recovered, and the held batches
+replay through the cursor filter; `warm` is counted only if a held batch proved the splice.
+
+Gap resolution: the rank is Failed; if the tracker grants its one retry and the coordinator
+takes it, the rank's tree state is cleared and its held queue *kept unapplied* (the retry's
+graft will need the filter again); otherwise `gap`, clear, replay held (cold).
+
+Every failure runs the rank cold (live deltas only), never wrong. Each outcome is counted
+once per rank per incarnation by the tracker.
+
+Deviation from the reference: held batches keep their token ids (packed as u32 arrays)
+instead of dropping them, because our block keys are computed from token ids; an engine
+hash alone cannot place a block in our index.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
+
+from cachetree.ranks import RankId
+from cachetree.snapshot import Snapshot, SnapshotError, restore
+from router.events import BlockStored, EventBatch
+
+if TYPE_CHECKING:
+    from router.index import IndexRules
+
+log = logging.getLogger(__name__)
+
+HELD_QUEUE_CAP = 1024
+MAX_UNKNOWN_PROBES = 3
+
+PENDING, RECOVERED, FAILED = "pending", "recovered", "failed"
+
+
+class Tracker(Protocol):
+    """What the pump needs of `peer.tracker.BootstrapTracker`."""
+
+    def is_pending(self, rank: RankId) -> bool: ...
+    def is_owed(self, rank: RankId, epoch: int) -> bool: ...
+    def epoch(self, rank: RankId) -> int | None: ...
+    def mark(self, rank: RankId, state: str) -> None: ...
+    def outcome(self, rank: RankId, outcome: str) -> bool: ...
+    def retry_after_gap(self, rank: RankId) -> Obligation | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Obligation:
+    rank: RankId
+    epoch: int
+
+
+class Grafted(Protocol):
+    """A vetted snapshot, as the pump needs it (`peer.vet.VettedSnapshot`)."""
+
+    snapshot: Snapshot
+    cursors: dict[RankId, int]
+
+    def retain_workers(self, keep: Iterable[RankId]) -> Grafted: ...
+
+
+@dataclass(slots=True)
+class PendingProof:
+    watermark: int
+    epoch: int
+    since: float
+    unknown_probes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class HeldBatch:
+    seq: int
+    batch: EventBatch
+
+
+class BootstrapRules:
+    def __init__(
+        self,
+        index: IndexRules,
+        tracker: Tracker,
+        enqueue_retry: Callable[[Obligation], bool],
+        clock: Callable[[], float],
+        held_cap: int = HELD_QUEUE_CAP,
+    ) -> None:
+        self.index = index
+        self.tracker = tracker
+        self._enqueue_retry = enqueue_retry
+        self._clock = clock
+        self._held_cap = held_cap
+        self.held: dict[RankId, list[HeldBatch]] = {}
+        self.proofs: dict[RankId, PendingProof] = {}
+
+    # -- live path -------------------------------------------------------------------------
+
+    def intercepts(self, rank: RankId) -> bool:
+        return rank in self.proofs or self.tracker.is_pending(rank)
+
+    def on_live_batch(self, rank: RankId, seq: int, batch: EventBatch) -> None:
+        proof = self.proofs.get(rank)
+        if proof is not None:
+            if seq > proof.watermark + 1:
+                self.held.setdefault(rank, []).append(HeldBatch(seq, _packed(batch)))
+                del self.proofs[rank]
+                self._resolve_gap(rank)
+                return
+            del self.proofs[rank]
+            self.tracker.outcome(rank, "warm")
+            self.index.apply_batch(rank, seq, batch)
+            return
+        if not self.tracker.is_pending(rank):
+            self.index.apply_batch(rank, seq, batch)
+            return
+        held = self.held.get(rank)
+        last = held[-1].seq if held else self.index.cursors.get(rank)
+        if not held and seq == 0:
+            self._from_origin(rank, seq, batch)
+        elif last is not None and seq < last:
+            if seq == 0:
+                self._from_origin(rank, seq, batch)
+            else:
+                self.fail(rank, "publisher_reset", discard_held=True)
+                self.index.apply_batch(rank, seq, batch)
+        elif held is not None and len(held) >= self._held_cap:
+            log.warning("%s: held queue full (%d); running the rank cold", rank, len(held))
+            self.fail(rank, "overflow", discard_held=False)
+            self.index.apply_batch(rank, seq, batch)
+        else:
+            self.held.setdefault(rank, []).append(HeldBatch(seq, _packed(batch)))
+
+    def on_publisher_reset(self, rank: RankId) -> None:
+        """Before the index clears the rank: settle any bootstrap state it had."""
+        if self.proofs.pop(rank, None) is not None:
+            self.tracker.outcome(rank, "publisher_reset")
+            self.tracker.mark(rank, FAILED)
+        elif self.tracker.is_pending(rank):
+            self.fail(rank, "publisher_reset", discard_held=True)
+
+    def on_restart_at_zero(self, rank: RankId) -> None:
+        if self.proofs.pop(rank, None) is not None:
+            self.tracker.outcome(rank, "from_origin")
+
+    # -- control messages ------------------------------------------------------------------
+
+    def apply_snapshot(self, obligations: Iterable[Obligation], vetted: Grafted) -> list[RankId]:
+        """Graft `vetted` for the obligations still owed; returns the ranks it covered."""
+        index = self.index
+        owed = [
+            o for o in obligations if o.rank in index.live and self.tracker.is_owed(o.rank, o.epoch)
+        ]
+        if not owed:
+            return []
+        owed_ranks = {o.rank for o in owed}
+        mine = vetted.retain_workers(owed_ranks)
+        try:
+            restore(index._tree, mine.snapshot)
+        except SnapshotError as exc:
+            log.warning("graft refused by the tree (%s); %d rank(s) run cold", exc, len(owed))
+            for o in owed:
+                self.fail(o.rank, "tree_rejected", discard_held=False)
+            return []
+        covered = []
+        for o in owed:
+            rank = o.rank
+            watermark = mine.cursors.get(rank)
+            if watermark is None:
+                self.fail(rank, "uncovered", discard_held=False)
+                continue
+            held = self.held.get(rank)
+            if held and held[0].seq > watermark + 1:
+                self._resolve_gap(rank)
+                continue
+            if not held:
+                self.proofs[rank] = PendingProof(watermark, o.epoch, self._clock())
+            index.cursors[rank] = max(index.cursors.get(rank, -1), watermark)
+            self.tracker.mark(rank, RECOVERED)
+            self._replay_held(rank)
+            if held:
+                self.tracker.outcome(rank, "warm")
+            covered.append(rank)
+        return covered
+
+    def abandon(self, obligations: Iterable[Obligation]) -> None:
+        for o in obligations:
+            if o.rank in self.index.live and self.tracker.is_owed(o.rank, o.epoch):
+                self.fail(o.rank, "abandoned", discard_held=False)
+
+    def probe_verdict(self, rank: RankId, epoch: int, watermark: int, verdict: str) -> None:
+        """A splice probe's judgment: `advanced`, `no_advance` or `unknown`."""
+        proof = self.proofs.get(rank)
+        if proof is None or proof.watermark != watermark or proof.epoch != epoch:
+            return  # stale: the proof was settled, regrafted or restarted meanwhile
+        if verdict == "advanced":
+            del self.proofs[rank]
+            if rank in self.index.live and not self.tracker.is_pending(rank):
+                self._resolve_gap(rank)
+        elif verdict == "no_advance":
+            del self.proofs[rank]
+            self.tracker.outcome(rank, "warm")
+        else:
+            proof.unknown_probes += 1
+            if proof.unknown_probes >= MAX_UNKNOWN_PROBES:
+                del self.proofs[rank]
+                self.tracker.outcome(rank, "warm_unwitnessed")
+
+    def due_proofs(self, timeout_s: float) -> list[tuple[RankId, int, int]]:
+        """Proofs at least `timeout_s` old, as (rank, watermark, epoch); restarts their clock."""
+        now = self._clock()
+        due = []
+        for rank, proof in self.proofs.items():
+            if now - proof.since >= timeout_s and self.tracker.epoch(rank) == proof.epoch:
+                proof.since = now
+                due.append((rank, proof.watermark, proof.epoch))
+        return due
+
+    def forget(self, ranks: Iterable[RankId]) -> None:
+        for rank in ranks:
+            self.held.pop(rank, None)
+            self.proofs.pop(rank, None)
+
+    # -- resolutions -----------------------------------------------------------------------
+
+    def fail(self, rank: RankId, outcome: str, *, discard_held: bool) -> None:
+        """Fail a Pending rank cold: clear it, then replay what was held unless discarded."""
+        if not self.tracker.is_pending(rank):
+            self.held.pop(rank, None)
+            return
+        self.tracker.mark(rank, FAILED)
+        self.tracker.outcome(rank, outcome)
+        self.index.clear_rank_state(rank)
+        if discard_held:
+            self.held.pop(rank, None)
+        else:
+            self._replay_held(rank)
+
+    def _from_origin(self, rank: RankId, seq: int, batch: EventBatch) -> None:
+        self.held.pop(rank, None)
+        self.index.clear_rank_state(rank)
+        self.tracker.mark(rank, RECOVERED)
+        self.tracker.outcome(rank, "from_origin")
+        self.index.apply_batch(rank, seq, batch)
+
+    def _resolve_gap(self, rank: RankId) -> None:
+        """Precondition: every live batch the rank received since the graft is held."""
+        self.tracker.mark(rank, FAILED)
+        retry = self.tracker.retry_after_gap(rank)
+        self.index.clear_rank_state(rank)
+        if retry is not None and self._enqueue_retry(retry):
+            log.info("%s: stream does not join the snapshot; retrying once", rank)
+            return  # Pending again; the held queue waits for the retry's graft
+        log.warning("%s: stream does not join the snapshot; running the rank cold", rank)
+        self.tracker.outcome(rank, "gap")
+        self._replay_held(rank)
+
+    def _replay_held(self, rank: RankId) -> None:
+        for held in self.held.pop(rank, []):
+            self.index.apply_batch(rank, held.seq, held.batch)
+
+
+def _packed(batch: EventBatch) -> EventBatch:
+    """The batch with token ids as u32 arrays: 4 bytes a token instead of ~36."""
+    events = [
+        replace(e, token_ids=array("I", e.token_ids)) if type(e) is BlockStored else e
+        for e in batch.events
+    ]
+    return EventBatch(batch.ts, events, batch.dp_rank, batch.ignored)
