@@ -1,0 +1,155 @@
+"""Single-flight sweeps: folding bursts of obligations into one fleet-wide fetch.
+
+Rules of this file: the coordinator owns the queue of `ObligationBatch`es and runs at most
+one sweep at a time. What a sweep does and how a result reaches the pump are injected.
+
+Theory of operation
+-------------------
+Workers are discovered in bursts (a Deployment starts, an EndpointSlice relists), and every
+new worker brings obligations for its ranks. Sweeping once per worker would fetch the same
+sibling snapshot N times, so the coordinator blocks for the first batch, then takes whatever
+else is already queued *without waiting* (no debounce to tune) and sweeps once for all of it.
+The sweep's freshness floor is the newest `holding_since` among the absorbed batches: a
+snapshot exported before a rank started holding its stream cannot be spliced onto it.
+
+While a sweep runs, more batches arrive. Afterwards:
+  - a discovery batch (`late_join=True`) rides along: its ranks started holding before the
+    delivery, and if the snapshot predates them they will gap and get their one retry;
+  - a gap-retry batch (`late_join=False`) newer than the frozen floor is deferred to the
+    next sweep: riding a snapshot taken before its gap would gap again by construction.
+  - `found` but some obligations have no cursor in it: each gets ONE more sweep (remembered
+    per (rank, epoch)) instead of being resolved `uncovered`, which is final.
+  - `ranks_resolved` sends nothing, so late joiners are re-queued for a sweep of their own.
+Obligations are never dropped: a full queue falls back to a detached sweep for that batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from peer.sweep import FOUND, RANKS_RESOLVED, SweepResult
+
+log = logging.getLogger(__name__)
+
+QUEUE_DEPTH = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ObligationBatch:
+    obligations: tuple[Any, ...]  # (rank, epoch) obligations
+    holding_since: float
+    late_join: bool = True  # discovery: may ride an in-flight sweep; gap retries may not
+
+
+@dataclass(slots=True)
+class CoordinatorDeps:
+    sweep: Callable[[list[Any], float], Awaitable[tuple[SweepResult, list[Any]]]]
+    deliver: Callable[[SweepResult, list[Any]], Awaitable[None]]
+    still_owed: Callable[[Sequence[Any]], list[Any]]
+    any_pending: Callable[[], bool]
+    record_result: Callable[[SweepResult], None]
+
+
+@dataclass(slots=True)
+class Coordinator:
+    deps: CoordinatorDeps
+    queue: asyncio.Queue[ObligationBatch] = field(
+        default_factory=lambda: asyncio.Queue(QUEUE_DEPTH)
+    )
+    retried_for_coverage: set[tuple[Any, int]] = field(default_factory=set)
+    detached: set[asyncio.Task[None]] = field(default_factory=set)
+    sweeps: int = 0
+
+    def enqueue(self, batch: ObligationBatch) -> bool:
+        """Queue a batch without blocking; False when the queue is full."""
+        try:
+            self.queue.put_nowait(batch)
+        except asyncio.QueueFull:
+            return False
+        return True
+
+    def enqueue_or_detach(self, batch: ObligationBatch) -> None:
+        """Never drop obligations: without room in the queue, sweep for them on the side."""
+        if self.enqueue(batch):
+            return
+        log.warning(
+            "bootstrap queue full; sweeping %d obligation(s) on the side", len(batch.obligations)
+        )
+        task = asyncio.create_task(self._round([batch]))
+        self.detached.add(task)
+        task.add_done_callback(self.detached.discard)
+
+    async def run(self) -> None:
+        while True:
+            first = await self.queue.get()
+            await self._round([first, *self._drain()])
+
+    async def close(self) -> None:
+        for task in list(self.detached):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _drain(self) -> list[ObligationBatch]:
+        out = []
+        while True:
+            try:
+                out.append(self.queue.get_nowait())
+            except asyncio.QueueEmpty:
+                return out
+
+    async def _round(self, batches: list[ObligationBatch]) -> None:
+        deps = self.deps
+        floor = max(b.holding_since for b in batches)
+        obligations = _dedupe(deps.still_owed([o for b in batches for o in b.obligations]))
+        if not obligations:
+            if not deps.any_pending():
+                deps.record_result(SweepResult(RANKS_RESOLVED))
+            return
+        self.sweeps += 1
+        result, settled_cold = await deps.sweep(obligations, floor)
+        joined: list[Any] = []
+        newest = floor
+        for batch in self._drain():
+            if not batch.late_join and batch.holding_since > floor:
+                self._requeue(batch)  # a gap retry must not ride an older snapshot
+                continue
+            joined.extend(batch.obligations)
+            newest = max(newest, batch.holding_since)
+        cold = set(settled_cold)
+        obligations = _dedupe(
+            deps.still_owed([o for o in [*obligations, *joined] if o not in cold])
+        )
+        if result.outcome == FOUND and result.vetted is not None:
+            covered = result.vetted.covered_ranks()
+            second_chance = [
+                o
+                for o in obligations
+                if o.rank not in covered and (o.rank, o.epoch) not in self.retried_for_coverage
+            ]
+            if second_chance:
+                self.retried_for_coverage.update((o.rank, o.epoch) for o in second_chance)
+                self._requeue(ObligationBatch(tuple(second_chance), newest, True))
+                obligations = [o for o in obligations if o not in second_chance]
+        elif result.outcome == RANKS_RESOLVED and joined:
+            self._requeue(ObligationBatch(tuple(joined), newest, True))
+        deps.record_result(result)
+        await deps.deliver(result, obligations)
+
+    def _requeue(self, batch: ObligationBatch) -> None:
+        self.enqueue_or_detach(batch)
+
+
+def _dedupe(obligations: Sequence[Any]) -> list[Any]:
+    seen: set[Any] = set()
+    out = []
+    for o in obligations:
+        if o not in seen:
+            seen.add(o)
+            out.append(o)
+    return out

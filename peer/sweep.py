@@ -1,0 +1,281 @@
+"""One bounded search of the siblings for a snapshot that covers the Pending ranks.
+
+Rules of this file: `SweepBook` is the sweep's memory and verdicts, plain synchronous code;
+`sweep()` is the loop that drives it, with every effect (fetching, vetting, the clock,
+sleeping, abandoning ranks) injected, so both run in tests without sockets.
+
+Theory of operation
+-------------------
+A sweep owns a set of obligations (rank, epoch). Every 250 ms it drops obligations no longer
+owed, makes one pass over the shuffled candidates, and reads the pass:
+
+  - a vetted body that has a cursor for at least one owed rank -> `found` (the caller grafts)
+  - every candidate rejected or cold-witnessed                 -> `fleet_cold` (run cold)
+  - some ranks every candidate says it holds nothing for       -> abandon just those ranks now,
+                                                                  keep sweeping for the rest
+  - the registry is synced, empty and never had peers          -> `no_peers`
+  - nothing owed any more                                      -> `ranks_resolved`
+  - the budget runs out                                        -> `timed_out`
+
+A peer vetoes every cold verdict until it has answered: silence is not evidence. A cold
+verdict reached while the candidate *set* changed during the pass (even at the same size) is
+discarded, because the newcomer was never asked.
+
+Per peer: a transport failure (`unreachable`) clears what it last told us; each retriable miss
+(unreachable, cold, or a body that covers none of our ranks) sits the peer out for
+min(4 x 2^(n-1), 120) passes; a `rejected` body (another format, key scheme or block size, a
+malformed structure) excludes the peer for the rest of the sweep. The freshness ratchet asks
+each peer for an export no older than the newer of the sweep's floor (when our ranks started
+holding their streams) and the arrival of that peer's previous body: a re-fetch must bring
+something newer than the useless answer already received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cachetree.ranks import RankId
+
+log = logging.getLogger(__name__)
+
+PASS_INTERVAL_S = 0.25
+MAX_SIT_OUT_PASSES = 120
+
+FETCHED_ACCEPTED = "accepted"
+FOUND, NO_PEERS, FLEET_COLD, TIMED_OUT, RANKS_RESOLVED = (
+    "found",
+    "no_peers",
+    "fleet_cold",
+    "timed_out",
+    "ranks_resolved",
+)
+
+
+def sit_out_passes(strikes: int) -> int:
+    """Passes a peer skips after its `strikes`-th retriable miss: 4, 8, 16, 32, 64, 120..."""
+    return min(4 * 2 ** (strikes - 1), MAX_SIT_OUT_PASSES)
+
+
+@dataclass(slots=True)
+class PeerRecord:
+    rejected: bool = False
+    answered: bool = False
+    cold_witness: bool = False  # its latest body had no nodes
+    empty_ranks: frozenset[RankId] = frozenset()  # ranks its latest body says it holds nothing of
+    last_arrival: float | None = None
+    strikes: int = 0
+    sit_out: int = 0
+
+
+@dataclass(slots=True)
+class SweepBook:
+    freshness_floor: float
+    peers: dict[str, PeerRecord] = field(default_factory=dict)
+
+    def record(self, peer: str) -> PeerRecord:
+        rec = self.peers.get(peer)
+        if rec is None:
+            rec = self.peers[peer] = PeerRecord()
+        return rec
+
+    def should_skip(self, peer: str) -> bool:
+        rec = self.record(peer)
+        if rec.rejected:
+            return True
+        if rec.sit_out > 0:
+            rec.sit_out -= 1
+            return True
+        return False
+
+    def max_age_s(self, peer: str, now: float) -> float:
+        """How old an export this peer may serve us: the freshness ratchet."""
+        rec = self.record(peer)
+        floor = self.freshness_floor
+        if rec.last_arrival is not None:
+            floor = max(floor, rec.last_arrival)
+        return max(0.0, now - floor)
+
+    def unreachable(self, peer: str) -> None:
+        rec = self.record(peer)
+        rec.answered = False
+        rec.cold_witness = False
+        rec.empty_ranks = frozenset()
+        self._strike(rec)
+
+    def answered(
+        self, peer: str, arrival: float, has_nodes: bool, empty_ranks: Iterable[RankId]
+    ) -> None:
+        rec = self.record(peer)
+        rec.answered = True
+        rec.last_arrival = arrival
+        rec.cold_witness = not has_nodes
+        rec.empty_ranks = frozenset(empty_ranks)
+
+    def miss(self, peer: str) -> None:
+        """A body we could not use now but may later (cold, or covering none of our ranks)."""
+        self._strike(self.record(peer))
+
+    def reject(self, peer: str) -> None:
+        rec = self.record(peer)
+        rec.rejected = True
+        self._strike(rec)
+
+    def fleet_is_cold(self, candidates: Collection[str]) -> bool:
+        if not candidates:
+            return False
+        return all(self._cold(self.peers.get(p)) for p in candidates)
+
+    def nothing_to_recover(self, rank: RankId, candidates: Collection[str]) -> bool:
+        if not candidates:
+            return False
+        for peer in candidates:
+            rec = self.peers.get(peer)
+            if self._cold(rec):
+                continue
+            if rec is None or not rec.answered or rank not in rec.empty_ranks:
+                return False
+        return True
+
+    @staticmethod
+    def _cold(rec: PeerRecord | None) -> bool:
+        return rec is not None and (rec.rejected or (rec.answered and rec.cold_witness))
+
+    @staticmethod
+    def _strike(rec: PeerRecord) -> None:
+        rec.strikes += 1
+        rec.sit_out = sit_out_passes(rec.strikes)
+
+
+class Vetted(Protocol):
+    def covers_any(self, ranks: Collection[RankId]) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FetchOutcome:
+    """What one fetch brought: a decoded body, or why there is none."""
+
+    body: Any | None  # peer.wire.PeerSnapshot
+    arrival: float
+    failure: str = ""
+
+
+class VetFailure(Exception):
+    """Raised by the injected vet function; `outcome` is `rejected` or `cold_peer`."""
+
+    def __init__(self, outcome: str, reason: str) -> None:
+        super().__init__(reason)
+        self.outcome = outcome
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    outcome: str
+    vetted: Any | None = None  # the accepted snapshot when `found`
+    peer: str | None = None
+    peers_tried: int = 0
+    last_reason: str = ""
+
+
+class Registry(Protocol):
+    version: int
+
+    def candidates(self) -> list[str]: ...
+    def known_to_have_no_peers(self) -> bool: ...
+    @property
+    def peers(self) -> Sequence[str]: ...
+
+
+@dataclass(slots=True)
+class SweepDeps:
+    """Everything a sweep touches outside itself."""
+
+    registry: Registry
+    fetch: Callable[[str, float], Awaitable[FetchOutcome]]  # (peer, max_age_s)
+    vet: Callable[[Any], Vetted]  # raises VetFailure
+    still_owed: Callable[[Sequence[Any]], list[Any]]  # obligations still Pending under epoch
+    abandon: Callable[[list[Any]], Awaitable[None]]  # per-rank cold settle
+    clock: Callable[[], float]
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    tally: Callable[[str], None] = lambda outcome: None  # per-fetch snapshot outcomes
+
+
+async def sweep(
+    obligations: Sequence[Any], deps: SweepDeps, budget_s: float, freshness_floor: float
+) -> tuple[SweepResult, list[Any]]:
+    """Search until found, cold, resolved, no peers, or `budget_s` runs out.
+
+    Returns the result and the obligations it settled cold mid-sweep (already abandoned).
+    """
+    book = SweepBook(freshness_floor)
+    settled_cold: list[Any] = []
+    last_reason = ""
+    try:
+        async with asyncio.timeout(budget_s):
+            owed = list(obligations)
+            while True:
+                owed = deps.still_owed(owed)
+                if not owed:
+                    return SweepResult(RANKS_RESOLVED), settled_cold
+                ranks = {o.rank for o in owed}
+                version = deps.registry.version
+                candidates = deps.registry.candidates()
+                for peer in candidates:
+                    if book.should_skip(peer):
+                        continue
+                    found, reason = await _try_peer(peer, book, deps, ranks)
+                    last_reason = reason or last_reason
+                    if found is not None:
+                        return SweepResult(FOUND, found, peer, 1), settled_cold
+                if deps.registry.version != version:
+                    log.info("sibling set changed during the pass; cold verdicts discarded")
+                elif book.fleet_is_cold(candidates):
+                    return SweepResult(FLEET_COLD, peers_tried=len(candidates)), settled_cold
+                else:
+                    barren = [o for o in owed if book.nothing_to_recover(o.rank, candidates)]
+                    if barren:
+                        await deps.abandon(barren)
+                        settled_cold.extend(barren)
+                        owed = [o for o in owed if o not in barren]
+                if deps.registry.known_to_have_no_peers():
+                    return SweepResult(NO_PEERS), settled_cold
+                await deps.sleep(PASS_INTERVAL_S)
+    except TimeoutError:
+        tried = len(deps.registry.peers)
+        return SweepResult(TIMED_OUT, peers_tried=tried, last_reason=last_reason), settled_cold
+
+
+async def _try_peer(
+    peer: str, book: SweepBook, deps: SweepDeps, ranks: set[RankId]
+) -> tuple[Any | None, str]:
+    outcome = await deps.fetch(peer, book.max_age_s(peer, deps.clock()))
+    body = outcome.body
+    if body is None:
+        book.unreachable(peer)
+        deps.tally("unreachable")
+        return None, f"{peer}: {outcome.failure}"
+    book.answered(peer, outcome.arrival, bool(body.nodes), _empty_ranks(body))
+    try:
+        vetted = deps.vet(body)
+    except VetFailure as exc:
+        if exc.outcome == "rejected":
+            log.warning("sibling %s rejected for this bootstrap: %s", peer, exc.reason)
+            book.reject(peer)
+        else:
+            book.miss(peer)
+        deps.tally(exc.outcome)
+        return None, f"{peer}: {exc.reason}"
+    if not vetted.covers_any(ranks):
+        book.miss(peer)
+        deps.tally("cold_peer")
+        return None, f"{peer}: covers none of the pending ranks"
+    deps.tally(FETCHED_ACCEPTED)
+    return vetted, ""
+
+
+def _empty_ranks(body: Any) -> list[RankId]:
+    return [RankId(w.url.rstrip("/"), w.dp_rank) for w in getattr(body, "empty_ranks", ())]

@@ -1,0 +1,234 @@
+"""The sweep's book and loop, with injected fetch, vet, clock and sleep."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachetree.ranks import RankId
+from peer.sweep import (
+    FETCHED_ACCEPTED,
+    FLEET_COLD,
+    FOUND,
+    NO_PEERS,
+    RANKS_RESOLVED,
+    TIMED_OUT,
+    FetchOutcome,
+    SweepBook,
+    SweepDeps,
+    VetFailure,
+    sit_out_passes,
+    sweep,
+)
+
+R1 = RankId("http://w1", 0)
+R2 = RankId("http://w2", 0)
+
+
+@dataclass(frozen=True)
+class Ob:
+    rank: RankId
+    epoch: int
+
+
+@dataclass
+class Body:
+    nodes: list
+    covers: frozenset = frozenset()
+    empty_ranks: list = field(default_factory=list)
+    rejected: str = ""
+
+
+@dataclass
+class W:
+    url: str
+    dp_rank: int
+
+
+class Vetted:
+    def __init__(self, covers: frozenset) -> None:
+        self.covers = covers
+
+    def covers_any(self, ranks: Any) -> bool:
+        return bool(self.covers & set(ranks))
+
+
+def vet(body: Body) -> Vetted:
+    if body.rejected:
+        raise VetFailure("rejected", body.rejected)
+    if not body.nodes:
+        raise VetFailure("cold_peer", "producer_cold")
+    return Vetted(body.covers)
+
+
+@dataclass
+class Registry:
+    peers: list[str]
+    version: int = 0
+    synced: bool = True
+    ever: bool = True
+
+    def candidates(self) -> list[str]:
+        return list(self.peers)
+
+    def known_to_have_no_peers(self) -> bool:
+        return self.synced and not self.peers and not self.ever
+
+
+class Fleet:
+    """Scripted peers: each peer answers with the next body in its list (the last repeats)."""
+
+    def __init__(self, answers: dict[str, list[Body | None]]) -> None:
+        self.answers = answers
+        self.asked: list[tuple[str, float]] = []
+        self.now = 100.0
+        self.tallies: list[str] = []
+        self.abandoned: list[Any] = []
+
+    async def fetch(self, peer: str, max_age_s: float) -> FetchOutcome:
+        self.asked.append((peer, max_age_s))
+        script = self.answers[peer]
+        body = script.pop(0) if len(script) > 1 else script[0]
+        return FetchOutcome(body, self.now, "" if body else "connection refused")
+
+    async def sleep(self, s: float) -> None:
+        self.now += s
+        await asyncio.sleep(0)
+
+    async def abandon(self, obs: list) -> None:
+        self.abandoned.extend(obs)
+
+    def deps(self, registry: Registry, owed: set | None = None) -> SweepDeps:
+        def still_owed(obs: list) -> list:
+            return [o for o in obs if owed is None or o in owed]
+
+        return SweepDeps(
+            registry=registry,
+            fetch=self.fetch,
+            vet=vet,
+            still_owed=still_owed,
+            abandon=self.abandon,
+            clock=lambda: self.now,
+            sleep=self.sleep,
+            tally=self.tallies.append,
+        )
+
+
+def test_cooldown_sits_a_peer_out_4_8_16_32_64_then_120_passes() -> None:
+    assert [sit_out_passes(n) for n in range(1, 8)] == [4, 8, 16, 32, 64, 120, 120]
+
+
+def test_a_peer_that_never_answered_vetoes_fleet_cold() -> None:
+    book = SweepBook(0.0)
+    book.answered("a", 1.0, has_nodes=False, empty_ranks=[])
+    assert not book.fleet_is_cold(["a", "b"])
+    book.answered("b", 1.0, has_nodes=False, empty_ranks=[])
+    assert book.fleet_is_cold(["a", "b"])
+    assert not book.fleet_is_cold([])
+
+
+def test_unreachable_clears_what_the_peer_last_said() -> None:
+    book = SweepBook(0.0)
+    book.answered("a", 1.0, has_nodes=False, empty_ranks=[R1])
+    book.unreachable("a")
+    assert not book.fleet_is_cold(["a"])
+    assert not book.nothing_to_recover(R1, ["a"])
+
+
+def test_nothing_to_recover_needs_every_peer_to_name_the_rank_or_be_cold() -> None:
+    book = SweepBook(0.0)
+    book.answered("a", 1.0, has_nodes=True, empty_ranks=[R1])
+    book.answered("b", 1.0, has_nodes=False, empty_ranks=[])
+    assert book.nothing_to_recover(R1, ["a", "b"])
+    assert not book.nothing_to_recover(R2, ["a", "b"])
+    assert not book.nothing_to_recover(R1, ["a", "b", "c"])  # c never answered
+
+
+def test_freshness_ratchet_demands_an_export_newer_than_the_last_answer() -> None:
+    book = SweepBook(freshness_floor=10.0)
+    assert book.max_age_s("a", now=15.0) == 5.0
+    book.answered("a", 13.0, has_nodes=True, empty_ranks=[])
+    assert book.max_age_s("a", now=15.0) == 2.0
+
+
+def test_sit_out_skips_exactly_that_many_passes() -> None:
+    book = SweepBook(0.0)
+    book.miss("a")
+    skipped = 0
+    while book.should_skip("a"):
+        skipped += 1
+    assert skipped == 4
+
+
+async def test_sweep_returns_the_first_body_that_covers_an_owed_rank() -> None:
+    fleet = Fleet({"a": [Body([1], covers=frozenset({R2}))], "b": [Body([1], frozenset({R1}))]})
+    result, cold = await sweep([Ob(R1, 1)], fleet.deps(Registry(["a", "b"])), 5.0, 99.0)
+    assert result.outcome == FOUND and result.peer == "b"
+    assert fleet.tallies == ["cold_peer", FETCHED_ACCEPTED]
+    assert cold == []
+    assert fleet.asked[0] == ("a", 1.0)  # max age from the freshness floor
+
+
+async def test_sweep_is_fleet_cold_when_every_peer_is_cold_or_rejected() -> None:
+    fleet = Fleet({"a": [Body([])], "b": [Body([1], rejected="block size 32")]})
+    result, _ = await sweep([Ob(R1, 1)], fleet.deps(Registry(["a", "b"])), 5.0, 100.0)
+    assert result.outcome == FLEET_COLD and result.peers_tried == 2
+
+
+async def test_a_membership_swap_of_the_same_size_discards_the_cold_verdict() -> None:
+    registry = Registry(["a"])
+    fleet = Fleet({"a": [Body([])], "b": [Body([1], frozenset({R1}))]})
+    original_fetch = fleet.fetch
+
+    async def fetch_and_swap(peer: str, max_age_s: float) -> FetchOutcome:
+        out = await original_fetch(peer, max_age_s)
+        if peer == "a" and registry.version == 0:
+            registry.peers, registry.version = ["b"], 1  # same size, another member
+        return out
+
+    fleet.fetch = fetch_and_swap  # type: ignore[method-assign]
+    result, _ = await sweep([Ob(R1, 1)], fleet.deps(registry), 5.0, 100.0)
+    assert result.outcome == FOUND and result.peer == "b"
+
+
+async def test_ranks_every_peer_holds_nothing_of_are_abandoned_mid_sweep() -> None:
+    fleet = Fleet(
+        {
+            "a": [Body([1], covers=frozenset(), empty_ranks=[W("http://w1", 0)])],
+        }
+    )
+    owed = {Ob(R1, 1), Ob(R2, 1)}
+    result, cold = await asyncio.wait_for(
+        sweep([Ob(R1, 1), Ob(R2, 1)], fleet.deps(Registry(["a"]), owed), 0.2, 100.0), 2
+    )
+    assert cold == [Ob(R1, 1)]
+    assert fleet.abandoned == [Ob(R1, 1)]
+    assert result.outcome == TIMED_OUT and result.peers_tried == 1
+
+
+async def test_no_peers_when_synced_empty_and_never_had_any() -> None:
+    fleet = Fleet({})
+    result, _ = await sweep([Ob(R1, 1)], fleet.deps(Registry([], ever=False)), 5.0, 100.0)
+    assert result.outcome == NO_PEERS
+
+
+async def test_an_empty_set_after_having_peers_is_a_dip_not_no_peers() -> None:
+    fleet = Fleet({})
+    result, _ = await sweep([Ob(R1, 1)], fleet.deps(Registry([], ever=True)), 0.1, 100.0)
+    assert result.outcome == TIMED_OUT and result.peers_tried == 0
+
+
+async def test_nothing_owed_any_more_resolves_the_sweep() -> None:
+    fleet = Fleet({"a": [None]})
+    result, _ = await sweep([Ob(R1, 1)], fleet.deps(Registry(["a"]), owed=set()), 5.0, 100.0)
+    assert result.outcome == RANKS_RESOLVED
+    assert fleet.asked == []
+
+
+async def test_unreachable_peers_time_out_with_the_last_reason() -> None:
+    fleet = Fleet({"a": [None]})
+    result, _ = await sweep([Ob(R1, 1)], fleet.deps(Registry(["a"])), 0.1, 100.0)
+    assert result.outcome == TIMED_OUT
+    assert "connection refused" in result.last_reason
+    assert fleet.tallies.count("unreachable") == len(fleet.asked) >= 1
