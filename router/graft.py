@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from cachetree.ranks import RankId
 from cachetree.snapshot import Snapshot, SnapshotError, restore
+from peer.tracker import BootstrapState, BootstrapTracker, Obligation
 from router.events import BlockStored, EventBatch
 
 if TYPE_CHECKING:
@@ -60,25 +61,6 @@ log = logging.getLogger(__name__)
 
 HELD_QUEUE_CAP = 1024
 MAX_UNKNOWN_PROBES = 3
-
-PENDING, RECOVERED, FAILED = "pending", "recovered", "failed"
-
-
-class Tracker(Protocol):
-    """What the pump needs of `peer.tracker.BootstrapTracker`."""
-
-    def is_pending(self, rank: RankId) -> bool: ...
-    def is_owed(self, rank: RankId, epoch: int) -> bool: ...
-    def epoch(self, rank: RankId) -> int | None: ...
-    def mark(self, rank: RankId, state: str) -> None: ...
-    def outcome(self, rank: RankId, outcome: str) -> bool: ...
-    def retry_after_gap(self, rank: RankId) -> Obligation | None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Obligation:
-    rank: RankId
-    epoch: int
 
 
 class Grafted(Protocol):
@@ -108,7 +90,7 @@ class BootstrapRules:
     def __init__(
         self,
         index: IndexRules,
-        tracker: Tracker,
+        tracker: BootstrapTracker,
         enqueue_retry: Callable[[Obligation], bool],
         clock: Callable[[], float],
         held_cap: int = HELD_QUEUE_CAP,
@@ -135,7 +117,7 @@ class BootstrapRules:
                 self._resolve_gap(rank)
                 return
             del self.proofs[rank]
-            self.tracker.outcome(rank, "warm")
+            self.tracker.record_outcome(rank, "warm")
             self.index.apply_batch(rank, seq, batch)
             return
         if not self.tracker.is_pending(rank):
@@ -161,14 +143,14 @@ class BootstrapRules:
     def on_publisher_reset(self, rank: RankId) -> None:
         """Before the index clears the rank: settle any bootstrap state it had."""
         if self.proofs.pop(rank, None) is not None:
-            self.tracker.outcome(rank, "publisher_reset")
-            self.tracker.mark(rank, FAILED)
+            self.tracker.record_outcome(rank, "publisher_reset")
+            self.tracker.set(rank, BootstrapState.FAILED)
         elif self.tracker.is_pending(rank):
             self.fail(rank, "publisher_reset", discard_held=True)
 
     def on_restart_at_zero(self, rank: RankId) -> None:
         if self.proofs.pop(rank, None) is not None:
-            self.tracker.outcome(rank, "from_origin")
+            self.tracker.record_outcome(rank, "from_origin")
 
     # -- control messages ------------------------------------------------------------------
 
@@ -203,10 +185,10 @@ class BootstrapRules:
             if not held:
                 self.proofs[rank] = PendingProof(watermark, o.epoch, self._clock())
             index.cursors[rank] = max(index.cursors.get(rank, -1), watermark)
-            self.tracker.mark(rank, RECOVERED)
+            self.tracker.set(rank, BootstrapState.RECOVERED)
             self._replay_held(rank)
             if held:
-                self.tracker.outcome(rank, "warm")
+                self.tracker.record_outcome(rank, "warm")
             covered.append(rank)
         return covered
 
@@ -226,12 +208,12 @@ class BootstrapRules:
                 self._resolve_gap(rank)
         elif verdict == "no_advance":
             del self.proofs[rank]
-            self.tracker.outcome(rank, "warm")
+            self.tracker.record_outcome(rank, "warm")
         else:
             proof.unknown_probes += 1
             if proof.unknown_probes >= MAX_UNKNOWN_PROBES:
                 del self.proofs[rank]
-                self.tracker.outcome(rank, "warm_unwitnessed")
+                self.tracker.record_outcome(rank, "warm_unwitnessed")
 
     def due_proofs(self, timeout_s: float) -> list[tuple[RankId, int, int]]:
         """Proofs at least `timeout_s` old, as (rank, watermark, epoch); restarts their clock."""
@@ -255,8 +237,8 @@ class BootstrapRules:
         if not self.tracker.is_pending(rank):
             self.held.pop(rank, None)
             return
-        self.tracker.mark(rank, FAILED)
-        self.tracker.outcome(rank, outcome)
+        self.tracker.set(rank, BootstrapState.FAILED)
+        self.tracker.record_outcome(rank, outcome)
         self.index.clear_rank_state(rank)
         if discard_held:
             self.held.pop(rank, None)
@@ -266,20 +248,22 @@ class BootstrapRules:
     def _from_origin(self, rank: RankId, seq: int, batch: EventBatch) -> None:
         self.held.pop(rank, None)
         self.index.clear_rank_state(rank)
-        self.tracker.mark(rank, RECOVERED)
-        self.tracker.outcome(rank, "from_origin")
+        self.tracker.set(rank, BootstrapState.RECOVERED)
+        self.tracker.record_outcome(rank, "from_origin")
         self.index.apply_batch(rank, seq, batch)
 
     def _resolve_gap(self, rank: RankId) -> None:
         """Precondition: every live batch the rank received since the graft is held."""
-        self.tracker.mark(rank, FAILED)
+        self.tracker.set(rank, BootstrapState.FAILED)
         retry = self.tracker.retry_after_gap(rank)
         self.index.clear_rank_state(rank)
-        if retry is not None and self._enqueue_retry(retry):
-            log.info("%s: stream does not join the snapshot; retrying once", rank)
-            return  # Pending again; the held queue waits for the retry's graft
+        if retry is not None:
+            if self._enqueue_retry(retry):
+                log.info("%s: stream does not join the snapshot; retrying once", rank)
+                return  # Pending again; the held queue waits for the retry's graft
+            self.tracker.set(rank, BootstrapState.FAILED)  # the retry could not be queued
         log.warning("%s: stream does not join the snapshot; running the rank cold", rank)
-        self.tracker.outcome(rank, "gap")
+        self.tracker.record_outcome(rank, "gap")
         self._replay_held(rank)
 
     def _replay_held(self, rank: RankId) -> None:
