@@ -50,9 +50,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from cachetree.ranks import RankId
-from cachetree.snapshot import Snapshot, SnapshotError, restore
+from cachetree.snapshot import Snapshot, SnapshotError, export, restore
+from cachetree.tree import BlockTree
 from peer.tracker import BootstrapState, BootstrapTracker, Obligation
 from router.events import BlockStored, EventBatch
+from router.worker_snapshot import WorkerSnapshot, rebuild_rank
 
 if TYPE_CHECKING:
     from router.index import IndexRules
@@ -70,6 +72,48 @@ class Grafted(Protocol):
     cursors: dict[RankId, int]
 
     def retain_workers(self, keep: Iterable[RankId]) -> Grafted: ...
+
+
+@dataclass(slots=True)
+class LocalGraft:
+    """A graft source built in this process: a worker's own `/v1/kv-snapshot`.
+
+    It is trusted like a vetted snapshot because its ranks were minted from our own worker
+    registry and its blocks were placed by our own tree code.
+    """
+
+    tree: BlockTree
+    cursors: dict[RankId, int]
+
+    @property
+    def snapshot(self) -> Snapshot:
+        return export(self.tree)
+
+    def covered_ranks(self) -> frozenset[RankId]:
+        return frozenset(self.cursors)
+
+    def retain_workers(self, keep: Iterable[RankId]) -> LocalGraft:
+        keep = set(keep)
+        copy = BlockTree(self.tree.block_size)
+        restore(copy, export(self.tree))
+        for rank in copy.ranks():
+            if rank not in keep:
+                copy.clear_rank(rank)
+        return LocalGraft(copy, {r: c for r, c in self.cursors.items() if r in keep})
+
+    @classmethod
+    def from_worker_snapshot(
+        cls, worker_url: str, snap: WorkerSnapshot, block_size: int
+    ) -> LocalGraft:
+        """Raises WorkerSnapshotError when the body does not fit together."""
+        tree = BlockTree(block_size)
+        cursors = {}
+        for rank_snap in snap.ranks:
+            rank = RankId(worker_url, rank_snap.dp_rank)
+            rebuild_rank(tree, rank, rank_snap, snap.block_size)
+            if rank_snap.last_seq >= 0:
+                cursors[rank] = rank_snap.last_seq
+        return cls(tree, cursors)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,318 @@
+"""The pump's bootstrap rules: holding, grafting, the watermark, gaps, proofs, outcomes."""
+
+from __future__ import annotations
+
+from cachetree.keys import block_keys
+from cachetree.ranks import RankId
+from cachetree.snapshot import Snapshot
+from cachetree.tiers import DEVICE
+from cachetree.tree import BlockTree
+from peer.tracker import BootstrapState, BootstrapTracker, Obligation
+from router.events import BlockRemoved, BlockStored, EventBatch
+from router.graft import BootstrapRules, LocalGraft
+from router.index import IndexRules
+from router.subscriber import LiveBatch, PublisherReset
+
+BS = 4
+R = RankId("http://w", 0)
+Q = RankId("http://q", 0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tokens(start: int) -> list[int]:
+    return list(range(start, start + BS))
+
+
+def stored(h: int, start: int, parent: int | None = None) -> EventBatch:
+    return EventBatch(0.0, [BlockStored([h], parent, tokens(start), BS, DEVICE, "GPU", None)], 0)
+
+
+def removed(h: int) -> EventBatch:
+    return EventBatch(0.0, [BlockRemoved([h], None, None)], 0)
+
+
+class Rig:
+    """An IndexRules with bootstrap on, a real tracker, and a record of retries queued."""
+
+    def __init__(self, *ranks: RankId, retry_accepts: bool = True) -> None:
+        self.clock = Clock()
+        self.tracker = BootstrapTracker(60.0, clock=self.clock)
+        self.index = IndexRules(BlockTree(BS))
+        self.retries: list[Obligation] = []
+        self.retry_accepts = retry_accepts
+        self.rules = BootstrapRules(self.index, self.tracker, self._enqueue, self.clock)
+        self.index.bootstrap = self.rules
+        ranks = ranks or (R,)
+        self.index.add_ranks(ranks)
+        self.obligations = self.tracker.register(ranks)
+
+    def _enqueue(self, ob: Obligation) -> bool:
+        self.retries.append(ob)
+        return self.retry_accepts
+
+    def live(self, rank: RankId, seq: int, batch: EventBatch) -> None:
+        self.index.handle(LiveBatch(rank, seq, batch))
+
+    def outcome(self, rank: RankId = R) -> str | None:
+        out = self.tracker.recorded_outcome(rank)
+        return None if out is None else out.value
+
+    def blocks(self, rank: RankId = R) -> int:
+        return self.index.tree.block_count(rank)
+
+
+def sibling_graft(cursor: int, *blocks: tuple[int, int], rank: RankId = R) -> LocalGraft:
+    """What a warm sibling holds for `rank`: blocks (hash, token start) at `cursor`."""
+    tree = BlockTree(BS)
+    for h, start in blocks:
+        tree.store(rank, None, [h], tokens(start), BS)
+    return LocalGraft(tree, {rank: cursor})
+
+
+def holds(rig: Rig, start: int, rank: RankId = R) -> bool:
+    return rank in rig.index.tree.carriers(block_keys(tokens(start), BS)[0])
+
+
+def test_held_batches_are_not_applied_while_pending() -> None:
+    rig = Rig()
+    rig.live(R, 4, stored(1, 100))
+    assert rig.blocks() == 0
+    assert [h.seq for h in rig.rules.held[R]] == [4]
+
+
+def test_seeded_cursor_filters_already_reflected_batches() -> None:
+    rig = Rig()
+    rig.live(R, 4, stored(1, 100))  # in the snapshot already
+    rig.live(R, 5, removed(1))  # in the snapshot already
+    rig.live(R, 6, stored(2, 200))  # after the watermark: applied on top
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)))
+    assert holds(rig, 300) and holds(rig, 200) and not holds(rig, 100)
+    assert rig.index.cursors[R] == 6
+    assert rig.outcome() == "warm"
+    assert rig.tracker.state(R) is BootstrapState.RECOVERED
+
+
+def test_watermark_5_seq_6_splices_on_the_held_path() -> None:
+    rig = Rig()
+    rig.live(R, 6, stored(2, 200))
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)))
+    assert rig.outcome() == "warm"
+    assert holds(rig, 300) and holds(rig, 200)
+
+
+def test_watermark_5_seq_7_gaps_on_the_held_path_and_the_retry_keeps_the_queue() -> None:
+    rig = Rig()
+    rig.live(R, 7, stored(2, 200))
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)))
+    assert rig.retries == [Obligation(R, rig.obligations[0].epoch)]
+    assert rig.tracker.is_pending(R)
+    assert rig.outcome() is None  # a granted retry records nothing
+    assert rig.blocks() == 0  # the graft was discarded
+    assert [h.seq for h in rig.rules.held[R]] == [7]  # kept unapplied for the retry
+    rig.rules.apply_snapshot(rig.retries, sibling_graft(6, (7, 300)))
+    assert rig.outcome() == "warm"
+    assert holds(rig, 300) and holds(rig, 200)
+
+
+def test_a_second_gap_runs_the_rank_cold_with_the_held_batches() -> None:
+    rig = Rig()
+    rig.live(R, 7, stored(2, 200))
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)))
+    rig.rules.apply_snapshot(rig.retries, sibling_graft(5, (7, 300)))
+    assert rig.outcome() == "gap"
+    assert rig.tracker.state(R) is BootstrapState.FAILED
+    assert holds(rig, 200) and not holds(rig, 300)
+
+
+def test_a_refused_retry_queue_settles_gap_at_once() -> None:
+    rig = Rig(retry_accepts=False)
+    rig.live(R, 7, stored(2, 200))
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)))
+    assert rig.outcome() == "gap"
+    assert holds(rig, 200)
+
+
+def test_watermark_5_seq_6_splices_on_the_deferred_path() -> None:
+    rig = Rig()
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)))
+    assert rig.outcome() is None and R in rig.rules.proofs
+    rig.live(R, 6, stored(2, 200))
+    assert rig.outcome() == "warm"
+    assert holds(rig, 300) and holds(rig, 200)
+
+
+def test_watermark_5_seq_7_gaps_on_the_deferred_path() -> None:
+    rig = Rig()
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)))
+    rig.live(R, 7, stored(2, 200))
+    assert rig.retries and rig.tracker.is_pending(R)
+    assert not holds(rig, 300)
+    assert [h.seq for h in rig.rules.held[R]] == [7]
+
+
+def test_a_stream_that_starts_at_seq_0_needs_no_snapshot() -> None:
+    rig = Rig()
+    rig.live(R, 0, stored(1, 100))
+    assert rig.outcome() == "from_origin"
+    assert holds(rig, 100)
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)))  # late: no-op
+    assert not holds(rig, 300)
+
+
+def test_a_first_held_batch_of_1_keeps_waiting() -> None:
+    rig = Rig()
+    rig.live(R, 1, stored(1, 100))
+    assert rig.tracker.is_pending(R)
+
+
+def test_a_regression_to_a_non_zero_seq_fails_publisher_reset_and_discards_held() -> None:
+    rig = Rig()
+    rig.live(R, 8, stored(1, 100))
+    rig.live(R, 3, stored(2, 200))
+    assert rig.outcome() == "publisher_reset"
+    assert not holds(rig, 100) and holds(rig, 200)
+
+
+def test_a_regression_to_0_resolves_from_origin() -> None:
+    rig = Rig()
+    rig.live(R, 8, stored(1, 100))
+    rig.live(R, 0, stored(2, 200))
+    assert rig.outcome() == "from_origin"
+    assert not holds(rig, 100) and holds(rig, 200)
+
+
+def test_a_full_held_queue_fails_overflow_and_replays_what_it_held() -> None:
+    rig = Rig()
+    rig.rules._held_cap = 3
+    for seq in range(5, 8):
+        rig.live(R, seq, stored(seq, seq * 100))
+    rig.live(R, 8, stored(8, 800))
+    assert rig.outcome() == "overflow"
+    assert all(holds(rig, s * 100) for s in range(5, 9))
+    assert rig.index.cursors[R] == 8
+
+
+def test_publisher_reset_mid_bootstrap_fails_the_rank_once() -> None:
+    rig = Rig()
+    rig.live(R, 4, stored(1, 100))
+    rig.index.handle(PublisherReset(R))
+    rig.index.handle(PublisherReset(R))
+    assert rig.outcome() == "publisher_reset"
+    assert rig.tracker.rank_outcomes["publisher_reset"] == 1
+    assert R not in rig.rules.held
+
+
+def test_a_snapshot_without_a_cursor_for_the_rank_is_uncovered() -> None:
+    rig = Rig(R, Q)
+    rig.live(R, 4, stored(1, 100))
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300), rank=Q))
+    assert rig.outcome(R) == "uncovered"
+    assert holds(rig, 100, R)  # ran cold: the held batch was replayed
+    assert rig.outcome(Q) is None  # Q's proof is deferred
+
+
+def test_abandon_fails_only_ranks_still_owed() -> None:
+    rig = Rig(R, Q)
+    rig.live(Q, 0, stored(1, 100))  # Q resolved from origin already
+    rig.live(R, 4, stored(2, 200))
+    rig.rules.abandon(rig.obligations)
+    assert rig.outcome(R) == "abandoned" and holds(rig, 200, R)
+    assert rig.outcome(Q) == "from_origin"
+
+
+def test_a_graft_for_a_stale_epoch_is_a_no_op() -> None:
+    rig = Rig()
+    stale = rig.obligations
+    rig.index.forget_ranks([R])
+    rig.tracker.forget([R])
+    rig.index.add_ranks([R])
+    rig.tracker.register([R])
+    rig.rules.apply_snapshot(stale, sibling_graft(5, (7, 300)))
+    assert rig.blocks() == 0 and rig.tracker.is_pending(R)
+
+
+def test_probe_advanced_demotes_an_unproven_graft() -> None:
+    rig = Rig(retry_accepts=False)
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)))
+    epoch = rig.obligations[0].epoch
+    rig.rules.probe_verdict(R, epoch, 4, "advanced")  # wrong watermark: ignored
+    assert holds(rig, 300)
+    rig.rules.probe_verdict(R, epoch, 5, "advanced")
+    assert rig.outcome() == "gap" and not holds(rig, 300)
+
+
+def test_probe_no_advance_proves_the_splice() -> None:
+    rig = Rig()
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)))
+    rig.rules.probe_verdict(R, rig.obligations[0].epoch, 5, "no_advance")
+    assert rig.outcome() == "warm" and holds(rig, 300)
+
+
+def test_three_unknown_probes_keep_the_graft_unwitnessed() -> None:
+    rig = Rig()
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)))
+    epoch = rig.obligations[0].epoch
+    for _ in range(2):
+        rig.rules.probe_verdict(R, epoch, 5, "unknown")
+        assert rig.outcome() is None
+    rig.rules.probe_verdict(R, epoch, 5, "unknown")
+    assert rig.outcome() == "warm_unwitnessed" and holds(rig, 300)
+
+
+def test_due_proofs_wait_for_the_timeout_and_restart_their_clock() -> None:
+    rig = Rig()
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)))
+    assert rig.rules.due_proofs(30.0) == []
+    rig.clock.now = 31.0
+    assert rig.rules.due_proofs(30.0) == [(R, 5, rig.obligations[0].epoch)]
+    assert rig.rules.due_proofs(30.0) == []
+
+
+def test_a_restart_at_zero_drops_the_proof_as_from_origin() -> None:
+    rig = Rig()
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)))
+    rig.live(R, 6, stored(2, 200))  # proves the splice: warm
+    assert rig.outcome() == "warm"
+    rig2 = Rig()
+    rig2.rules.apply_snapshot(rig2.obligations, sibling_graft(5, (7, 300)))
+    rig2.index.apply_batch(R, 0, stored(3, 400))
+    assert rig2.outcome() == "from_origin"
+    assert holds(rig2, 400) and not holds(rig2, 300)
+
+
+def test_forgetting_a_rank_drops_its_held_queue_and_proof() -> None:
+    rig = Rig(R, Q)
+    rig.live(R, 4, stored(1, 100))
+    rig.rules.apply_snapshot(rig.obligations[1:], sibling_graft(5, (7, 300), rank=Q))
+    rig.index.forget_ranks([R, Q])
+    assert rig.rules.held == {} and rig.rules.proofs == {}
+
+
+def test_the_tree_refusing_the_graft_fails_every_owed_rank() -> None:
+    rig = Rig()
+    rig.index.tree.store(Q, None, [50], tokens(300), BS)  # block 300 sits under the root here
+    rig.live(R, 6, stored(2, 200))
+    # A snapshot that puts the same key under a parent: the tree must refuse all of it.
+    key = block_keys(tokens(300), BS)[0]
+    bad = Snapshot.from_records([R], [(None, 1, ((0, DEVICE, 6),)), (0, key, ((0, DEVICE, 7),))])
+    rig.rules.apply_snapshot(rig.obligations, _Unfiltered(bad, {R: 5}))
+    assert rig.outcome() == "tree_rejected"
+    assert holds(rig, 200) and rig.index.tree.carriers(key) == {Q: DEVICE}
+
+
+class _Unfiltered:
+    """A graft source whose snapshot conflicts with the tree (vetting cannot see the tree)."""
+
+    def __init__(self, snapshot: Snapshot, cursors: dict) -> None:
+        self.snapshot = snapshot
+        self.cursors = cursors
+
+    def retain_workers(self, keep: object) -> _Unfiltered:
+        return self
