@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from cachetree.ranks import RankId
-from cachetree.snapshot import Snapshot, SnapshotError, export, restore
+from cachetree.snapshot import Snapshot, SnapshotError, SnapshotRestore, export, restore
 from cachetree.tree import BlockTree
 from peer.tracker import BootstrapState, BootstrapTracker, Obligation
 from router.events import BlockStored, EventBatch
@@ -114,6 +114,13 @@ class LocalGraft:
             if rank_snap.last_seq >= 0:
                 cursors[rank] = rank_snap.last_seq
         return cls(tree, cursors)
+
+
+@dataclass(slots=True)
+class GraftJob:
+    owed: list[Obligation]
+    vetted: Grafted
+    restore: SnapshotRestore
 
 
 @dataclass(slots=True)
@@ -199,26 +206,49 @@ class BootstrapRules:
     # -- control messages ------------------------------------------------------------------
 
     def apply_snapshot(self, obligations: Iterable[Obligation], vetted: Grafted) -> list[RankId]:
-        """Graft `vetted` for the obligations still owed; returns the ranks it covered."""
+        """Graft `vetted` in one go (small snapshots, tests); returns the ranks it covered."""
+        job = self.begin_graft(obligations, vetted)
+        if job is None:
+            return []
+        try:
+            while not job.restore.step(1 << 30):
+                pass
+        except SnapshotError as exc:
+            self.fail_graft(job.owed, exc)
+            return []
+        return self.finish_graft(job)
+
+    def begin_graft(self, obligations: Iterable[Obligation], vetted: Grafted) -> GraftJob | None:
+        """The owed part of `vetted`, ready to restore in chunks; None when nothing is owed.
+
+        Between `begin_graft` and `finish_graft` (or `fail_graft`) nothing else may write the
+        tree: the pump runs the chunks as one control call.
+        """
         index = self.index
         owed = [
             o for o in obligations if o.rank in index.live and self.tracker.is_owed(o.rank, o.epoch)
         ]
         if not owed:
-            return []
-        owed_ranks = {o.rank for o in owed}
-        mine = vetted.retain_workers(owed_ranks)
+            return None
+        mine = vetted.retain_workers({o.rank for o in owed})
         try:
-            restore(index._tree, mine.snapshot)
+            restore_job = SnapshotRestore(index._tree, mine.snapshot)
         except SnapshotError as exc:
-            log.warning("graft refused by the tree (%s); %d rank(s) run cold", exc, len(owed))
-            for o in owed:
-                self.fail(o.rank, "tree_rejected", discard_held=False)
-            return []
-        covered = []
+            self.fail_graft(owed, exc)
+            return None
+        return GraftJob(owed, mine, restore_job)
+
+    def fail_graft(self, owed: list[Obligation], exc: Exception) -> None:
+        log.warning("graft refused by the tree (%s); %d rank(s) run cold", exc, len(owed))
         for o in owed:
+            self.fail(o.rank, "tree_rejected", discard_held=False)
+
+    def finish_graft(self, job: GraftJob) -> list[RankId]:
+        index = self.index
+        covered = []
+        for o in job.owed:
             rank = o.rank
-            watermark = mine.cursors.get(rank)
+            watermark = job.vetted.cursors.get(rank)
             if watermark is None:
                 self.fail(rank, "uncovered", discard_held=False)
                 continue

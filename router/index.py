@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -189,6 +190,8 @@ class IndexRules:
         """Install a worker's own snapshot of `rank` unless the stream is already past it."""
         if rank not in self.live:
             return False
+        if self.bootstrap is not None and self.bootstrap.intercepts(rank):
+            return False  # a bootstrapping rank takes snapshots only through the graft path
         cursor = self.cursors.get(rank)
         if cursor is not None and snap.last_seq < cursor:
             self.stats.worker_snapshots_stale += 1
@@ -230,6 +233,17 @@ class Pump:
         self._wake.set()
         return await future
 
+    async def call_async(self, fn: Callable[[IndexRules], Awaitable[T]]) -> T:
+        """Like `call`, for a long operation that yields to the event loop between chunks.
+
+        Readers keep being served while it runs, but no item and no other control call is
+        applied until it finishes: it is still the only writer.
+        """
+
+        if self._task is None or self._task.done():
+            return await fn(self.rules)
+        return await self.call(fn)  # type: ignore[return-value] - the pump awaits it
+
     @property
     def backlog(self) -> int:
         return self._items.qsize()
@@ -260,7 +274,10 @@ class Pump:
                 if future.done():
                     continue
                 try:
-                    future.set_result(fn(rules))
+                    result = fn(rules)
+                    if inspect.isawaitable(result):
+                        result = await result
+                    future.set_result(result)
                 except Exception as exc:  # the caller gets it; the pump goes on
                     future.set_exception(exc)
             if items.empty():
