@@ -196,7 +196,7 @@ class SweepDeps:
 
     registry: Registry
     fetch: Callable[[str, float], Awaitable[FetchOutcome]]  # (peer, max_age_s)
-    vet: Callable[[Any], Vetted]  # raises VetFailure
+    vet: Callable[[Any], Awaitable[Vetted]]  # raises VetFailure; may yield between chunks
     still_owed: Callable[[Sequence[Any]], list[Any]]  # obligations still Pending under epoch
     abandon: Callable[[list[Any]], Awaitable[None]]  # per-rank cold settle
     clock: Callable[[], float]
@@ -260,7 +260,7 @@ async def _try_peer(
         return None, f"{peer}: {outcome.failure}"
     book.answered(peer, outcome.arrival, bool(body.nodes), _empty_ranks(body))
     try:
-        vetted = deps.vet(body)
+        vetted = await deps.vet(body)
     except VetFailure as exc:
         if exc.outcome == "rejected":
             log.warning("sibling %s rejected for this bootstrap: %s", peer, exc.reason)

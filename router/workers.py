@@ -26,10 +26,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -39,10 +40,15 @@ import zmq.asyncio
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from router.breaker import CircuitBreaker
+from router.graft import LocalGraft
 from router.index import Pump
 from router.loads import LoadMonitor
 from router.subscriber import RankEndpoint, RankSubscriber, SubscriberStats
-from router.worker_snapshot import WorkerSnapshotError, decode_worker_snapshot
+from router.worker_snapshot import WorkerSnapshot, WorkerSnapshotError, decode_worker_snapshot
+
+if TYPE_CHECKING:
+    from peer.tracker import Obligation
+    from router.bootstrap import PeerBootstrap
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +175,9 @@ class WorkerRegistry:
         self._pulls: dict[str, asyncio.Task[None]] = {}
         self._repull: set[str] = set()
         self._health_task: asyncio.Task[None] | None = None
+        self._bootstraps: set[asyncio.Task[None]] = set()
+        # Set by the app when peer bootstrap is on (a --peer or --kv-peer-selector is given).
+        self.bootstrap: PeerBootstrap | None = None
         pump.rules.set_loss_handler(self._on_rank_loss)
 
     # -- queries ---------------------------------------------------------------------------
@@ -192,6 +201,8 @@ class WorkerRegistry:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
+        for task in list(self._bootstraps):
+            task.cancel()
         for url in list(self._workers):
             await self.remove(url)
 
@@ -213,6 +224,8 @@ class WorkerRegistry:
         if worker is None:
             return False
         ranks = worker.ranks()
+        if self.bootstrap is not None:
+            self.bootstrap.forget_ranks(ranks)  # first: makes an in-flight graft a no-op
         # Leave the live set and the tree first, so nothing a subscriber still delivers
         # can bring the ranks back.
         await self.pump.call(lambda rules: rules.forget_ranks(ranks))
@@ -266,6 +279,7 @@ class WorkerRegistry:
         if rules.tree is None:
             rules.tree = BlockTree(self.block_size)
         ranks = worker.ranks()
+        obligations = self.bootstrap.register_ranks(ranks) if self.bootstrap else []
         await self.pump.call(lambda r: r.add_ranks(ranks))
         for rank in ranks:
             stats = SubscriberStats()
@@ -288,6 +302,7 @@ class WorkerRegistry:
                 stats=stats,
             )
             worker.tasks.append(asyncio.create_task(sub.run(), name=f"kv-sub {rank}"))
+        holding_since = time.monotonic()  # after the subscribers started holding
         worker.state = "ready"
         worker.healthy = await self._check_health(worker)
         self.loads.add_worker(worker.url, worker.dp_size)
@@ -300,7 +315,15 @@ class WorkerRegistry:
             info.source,
             f", replay at :{info.replay_port_base}" if info.replay_port_base else "",
         )
-        self._kick_snapshot_pull(worker.url)
+        if obligations:
+            task = asyncio.create_task(
+                self._bootstrap_worker(worker, obligations, holding_since),
+                name=f"bootstrap {worker.url}",
+            )
+            self._bootstraps.add(task)
+            task.add_done_callback(self._bootstraps.discard)
+        else:
+            self._kick_snapshot_pull(worker.url)
 
     def _refuse(self, worker: Worker, reason: str, message: str) -> None:
         worker.state = "refused"
@@ -309,6 +332,23 @@ class WorkerRegistry:
         log.error("worker %s refused: %s", worker.url, message)
 
     # -- worker snapshots ------------------------------------------------------------------
+
+    async def _bootstrap_worker(
+        self, worker: Worker, obligations: list[Obligation], holding_since: float
+    ) -> None:
+        """A worker that serves its own snapshot is the source for its ranks; else siblings."""
+        assert self.bootstrap is not None
+        outcome, snap = await self._fetch_worker_snapshot(worker)
+        self.stats.snapshot_pulls[outcome] += 1
+        rest: list[Obligation] = obligations
+        if snap is not None and self.block_size is not None:
+            try:
+                graft = LocalGraft.from_worker_snapshot(worker.url, snap, self.block_size)
+            except WorkerSnapshotError as exc:
+                log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)
+            else:
+                rest = await self.bootstrap.graft_from_worker(obligations, graft)
+        self.bootstrap.sweep_for(rest, holding_since)
 
     def _on_rank_loss(self, rank: RankId) -> None:
         worker = self._workers.get(rank.worker_url)
@@ -334,26 +374,9 @@ class WorkerRegistry:
                 return
 
     async def _pull_once(self, worker: Worker) -> str:
-        try:
-            async with self.session.get(
-                f"{worker.url}/v1/kv-snapshot", timeout=self._timeout
-            ) as resp:
-                if resp.status == 404:
-                    worker.snapshot_served = False
-                    log.info("worker %s serves no /v1/kv-snapshot; not asking again", worker.url)
-                    return "not_served"
-                if resp.status != 200:
-                    return "error"
-                body = await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("worker %s: /v1/kv-snapshot failed: %s", worker.url, exc)
-            return "error"
-        worker.snapshot_served = True
-        try:
-            snap = decode_worker_snapshot(body)
-        except WorkerSnapshotError as exc:
-            log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)
-            return "rejected"
+        outcome, snap = await self._fetch_worker_snapshot(worker)
+        if snap is None:
+            return outcome
         applied = 0
         for rank_snap in snap.ranks:
             rank = RankId(worker.url, rank_snap.dp_rank)
@@ -362,6 +385,28 @@ class WorkerRegistry:
             )
             applied += ok
         return "applied" if applied else "stale"
+
+    async def _fetch_worker_snapshot(self, worker: Worker) -> tuple[str, WorkerSnapshot | None]:
+        try:
+            async with self.session.get(
+                f"{worker.url}/v1/kv-snapshot", timeout=self._timeout
+            ) as resp:
+                if resp.status == 404:
+                    worker.snapshot_served = False
+                    log.info("worker %s serves no /v1/kv-snapshot; not asking again", worker.url)
+                    return "not_served", None
+                if resp.status != 200:
+                    return "error", None
+                body = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("worker %s: /v1/kv-snapshot failed: %s", worker.url, exc)
+            return "error", None
+        worker.snapshot_served = True
+        try:
+            return "fetched", decode_worker_snapshot(body)
+        except WorkerSnapshotError as exc:
+            log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)
+            return "rejected", None
 
     # -- health ----------------------------------------------------------------------------
 

@@ -54,7 +54,7 @@ class Vetted:
         return bool(self.covers & set(ranks))
 
 
-def vet(body: Body) -> Vetted:
+async def vet(body: Body) -> Vetted:
     if body.rejected:
         raise VetFailure("rejected", body.rejected)
     if not body.nodes:
