@@ -3,7 +3,13 @@
 Every `serve` flag also reads an environment variable, `KVROUTER_` plus the flag name in upper
 case with dashes as underscores (`--block-size` <- `KVROUTER_BLOCK_SIZE`); a flag on the
 command line wins. Repeatable flags take a comma-separated list from the environment.
-Invalid values stop the command at start with one line on stderr and exit code 2.
+Invalid values (a malformed number, an unknown choice, a worker that is not an http(s) URL, a
+tokenizer that does not load, ...) stop the command before it listens, with one line on stderr
+and exit code 2; a listen address that cannot be bound, with one line and exit code 1.
+
+SIGTERM or SIGINT (handled from the very start, so one that arrives during start-up or right
+after the ready line is a drain too): `/readyz` turns 503, in-flight requests keep running up
+to `--drain-timeout-s`, whatever is left is cut, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -16,14 +22,30 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields
-from typing import Any, NoReturn
+from typing import Any, Final, NoReturn
 
 from aiohttp import web
 
 from router.app import REPLICA, ServeConfig, build_app
 from router.policy import POLICY_NAMES
+from router.tokenize import load_tokenizer
+from router.workers import worker_url_problem
 
 log = logging.getLogger("kvrouter")
+
+LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+# After the drain, what handlers are still running get this long before they are cancelled.
+# The drain waited for every proxied request already; what is left was either cut by
+# --drain-timeout-s or is a short admin/health call. aiohttp's own default is 60 s, which
+# would let a stuck stream outlive the drain timeout by a minute.
+SHUTDOWN_GRACE_S: Final = 1.0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line (no usage dump), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        _fail(message)
 
 
 def _env(name: str) -> str:
@@ -35,6 +57,10 @@ class _Flags:
 
     def __init__(self, parser: argparse.ArgumentParser) -> None:
         self.parser = parser
+        # Repeatable flags: argparse's "append" would add command-line values to a default
+        # list, so the environment's list is applied after parsing, only when no flag is given.
+        self.repeat_defaults: dict[str, list[Any]] = {}
+        self.names: list[str] = []  # every flag, without the dashes
 
     def add(
         self,
@@ -46,21 +72,32 @@ class _Flags:
         repeat: bool = False,
         choices: Sequence[str] | None = None,
     ) -> None:
+        self.names.append(name)
         env = _env(name)
         raw = os.environ.get(env)
         if raw is not None:
             try:
                 default = [kind(v) for v in raw.split(",") if v] if repeat else kind(raw)
-            except ValueError:
+            except (ValueError, argparse.ArgumentTypeError):
                 _fail(f"{env}={raw!r} is not a valid value for --{name}")
+            # argparse checks choices on the command line only, never on a default.
+            if choices is not None and not repeat and default not in choices:
+                _fail(f"{env}={raw!r} is not one of {', '.join(choices)}")
+        if repeat:
+            self.repeat_defaults[name.replace("-", "_")] = default
         self.parser.add_argument(
             f"--{name}",
             type=kind,
-            default=default,
+            default=None if repeat else default,
             action="append" if repeat else "store",
             choices=choices,
             help=f"{help} [env {env}; default {default!r}]",
         )
+
+    def apply_repeat_defaults(self, args: argparse.Namespace) -> None:
+        for dest, default in self.repeat_defaults.items():
+            if getattr(args, dest) is None:
+                setattr(args, dest, list(default))
 
 
 def _flag_bool(raw: str) -> bool:
@@ -68,10 +105,11 @@ def _flag_bool(raw: str) -> bool:
         return True
     if raw.lower() in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(raw)
+    # argparse shows this message as it is (a ValueError would show "invalid _flag_bool").
+    raise argparse.ArgumentTypeError(f"{raw!r} is not a boolean (true/false, 1/0, yes/no, on/off)")
 
 
-def _serve_parser(sub: argparse._SubParsersAction) -> None:
+def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     p = sub.add_parser("serve", help="run one router replica")
     f = _Flags(p)
     f.add("host", str, "0.0.0.0", "listen address")
@@ -95,10 +133,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     f.add("expose-route-headers", _flag_bool, False, "add X-Kvrouter-Worker/-Dp-Rank to responses")
     f.add("internal-token", str, "", "bearer token required by /workers and /internal/*")
     f.add("drain-timeout-s", float, 30.0, "after SIGTERM, how long in-flight requests may run")
-    f.add("log-level", str, "info", "debug, info, warning or error")
+    f.add("log-level", str.lower, "info", "how much to log", choices=LOG_LEVELS)
+    return f
 
 
-def _config(args: argparse.Namespace) -> ServeConfig:
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The `serve` settings, checked before anything starts; exits 2 with one line if invalid."""
     checks = [
         (1 <= args.port <= 65535, "--port must be 1..65535"),
         (args.block_size >= 0, "--block-size must be >= 1, or 0 to learn it"),
@@ -110,16 +150,32 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             "--breaker-cooldown-s must be > 0 and <= --breaker-max-cooldown-s",
         ),
         (args.load_interval_ms > 0, "--load-interval-ms must be > 0"),
+        (args.health_interval_s > 0, "--health-interval-s must be > 0"),
         (args.max_request_bytes > 0, "--max-request-bytes must be > 0"),
         (args.drain_timeout_s >= 0, "--drain-timeout-s must be >= 0"),
-        (args.kv_events_port_base + args.dp_size - 1 <= 65535, "--kv-events-port-base too high"),
+        (
+            1 <= args.kv_events_port_base <= 65536 - args.dp_size,
+            "--kv-events-port-base must be 1..65535, with room for --dp-size ranks",
+        ),
+        (
+            args.kv_events_replay_port_base == 0
+            or 1 <= args.kv_events_replay_port_base <= 65536 - args.dp_size,
+            "--kv-events-replay-port-base must be 0 (no replay) or 1..65535, "
+            "with room for --dp-size ranks",
+        ),
     ]
     for ok, message in checks:
         if not ok:
             _fail(message)
     for url in args.worker:
-        if not url.startswith(("http://", "https://")):
-            _fail(f"--worker {url!r} is not an http(s) URL")
+        if (problem := worker_url_problem(url)) is not None:
+            _fail(f"--worker {url!r} is not an http(s) URL: {problem}")
+    try:
+        # Loaded here to fail before listening, with the loader's own message; the app loads
+        # it again at start-up (a second read of the same files).
+        load_tokenizer(args.tokenizer)
+    except (ValueError, ImportError) as exc:
+        _fail(f"--tokenizer: {exc}")
     known = {f.name for f in fields(ServeConfig)}
     values = {k: v for k, v in vars(args).items() if k in known}
     values["workers"] = list(args.worker)
@@ -128,55 +184,86 @@ def _config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(**values)
 
 
-def _fail(message: str) -> NoReturn:
+def _fail(message: str, status: int = 2) -> NoReturn:
     sys.stderr.write(f"kvrouter: error: {message}\n")
-    raise SystemExit(2)
+    raise SystemExit(status)
+
+
+class StartError(Exception):
+    """The server could not start (e.g. its port is taken); the message is one line."""
 
 
 async def serve(config: ServeConfig, ready: Callable[[str], None] | None = None) -> None:
-    app = build_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    replica = app[REPLICA]
-    port = runner.addresses[0][1] if runner.addresses else config.port
-    url = f"http://{config.host}:{port}"
-    log.info("kvrouter listening on %s (policy %s)", url, config.policy)
-    print(f"kvrouter listening on {url}", flush=True)
-    if ready is not None:
-        ready(url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Before anything else: a SIGTERM during start-up, or one sent as soon as the ready line
+    # is read, must drain and exit 0, not kill the process with the default disposition.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    replica.draining = True
-    log.info(
-        "draining: /readyz is 503; waiting up to %.0fs for in-flight requests",
-        config.drain_timeout_s,
+    app = build_app(config)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
     )
-    if not await replica.inflight.wait_idle(config.drain_timeout_s):
-        log.warning("drain timeout: %d request(s) still in flight are cut", replica.inflight.total)
-    await runner.cleanup()
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, config.host, config.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise StartError(
+                f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}"
+            ) from None
+        replica = app[REPLICA]
+        port = runner.addresses[0][1] if runner.addresses else config.port
+        url = f"http://{config.host}:{port}"
+        log.info("kvrouter listening on %s (policy %s)", url, config.policy)
+        print(f"kvrouter listening on {url}", flush=True)
+        if ready is not None:
+            ready(url)
+        await stop.wait()
+        replica.draining = True
+        log.info(
+            "draining: /readyz is 503; waiting up to %.0fs for in-flight requests",
+            config.drain_timeout_s,
+        )
+        # (`wait_idle(0)` reports a timeout even when idle, hence the check of `total`.)
+        if replica.inflight.total and not await replica.inflight.wait_idle(config.drain_timeout_s):
+            log.warning(
+                "drain timeout: %d request(s) still in flight are cut", replica.inflight.total
+            )
+    finally:
+        await runner.cleanup()
     log.info("stopped")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="kvrouter", description="cache-aware LLM router")
+def build_parser() -> tuple[argparse.ArgumentParser, _Flags]:
+    """The `kvrouter` parser and the `serve` flags (defaults read from the environment now)."""
+    parser = _Parser(prog="kvrouter", description="cache-aware LLM router")
     sub = parser.add_subparsers(dest="command", required=True)
-    _serve_parser(sub)
+    return parser, _serve_parser(sub)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line (and KVROUTER_ environment); exits 2 with one line when invalid."""
+    parser, serve_flags = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
-        config = _config(args)
+        serve_flags.apply_repeat_defaults(args)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.command == "serve":
         logging.basicConfig(
             level=args.log_level.upper(),
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
+        config = serve_config(args)
         try:
             asyncio.run(serve(config))
-        except ValueError as exc:  # e.g. a tokenizer that cannot load
-            _fail(str(exc))
+        except StartError as exc:
+            _fail(str(exc), status=1)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,8 @@ class InflightTracker:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once nothing is in flight, False if `timeout_s` passed first."""
+        if self._idle.is_set():
+            return True  # wait_for(..., 0) would time out even on a set event
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:

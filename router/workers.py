@@ -104,6 +104,20 @@ def parse_server_info(body: Any, worker_url: str, defaults: DiscoveryDefaults) -
     )
 
 
+def worker_url_problem(url: str) -> str | None:
+    """Why `url` cannot be a worker's base URL, or None when it can."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme not in ("http", "https"):
+        return "the scheme must be http or https"
+    if not parts.hostname:
+        return "no host"
+    return None
+
+
 def _int(value: object, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
@@ -207,6 +221,9 @@ class WorkerRegistry:
             await self.remove(url)
 
     async def add(self, url: str) -> Worker:
+        """Register a worker (idempotent). Raises ValueError for a URL that cannot be one."""
+        if (problem := worker_url_problem(url)) is not None:
+            raise ValueError(f"{url!r} is not a worker URL: {problem}")
         url = _normalize(url)
         lock = self._locks.setdefault(url, asyncio.Lock())
         async with lock:

@@ -1,0 +1,176 @@
+"""`kvrouter serve` settings: flags, KVROUTER_ variables, and the refusals before start.
+
+In-process (`parse_args` + `serve_config`, the whole validation path): the full matrix of
+invalid settings runs in milliseconds here. `tests/component/test_cli.py` checks the same
+contract on a real process for a representative few.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from router.app import ServeConfig
+from router.cli import build_parser, parse_args, serve_config
+
+
+@pytest.fixture(autouse=True)
+def no_kvrouter_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [k for k in os.environ if k.startswith("KVROUTER_")]:
+        monkeypatch.delenv(name)
+
+
+def config_of(*argv: str) -> ServeConfig:
+    return serve_config(parse_args(["serve", *argv]))
+
+
+def refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """The one stderr line of a refused command line (asserts exit code 2 and one line)."""
+    with pytest.raises(SystemExit) as exit_:
+        config_of(*argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("kvrouter: error: ")
+    return lines[0]
+
+
+# --- invalid settings -----------------------------------------------------------------------
+
+
+def invalid_settings(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], str]]:
+    """name -> (serve args, env, a word the error line must contain)."""
+    (tmp / "empty").mkdir()
+    (tmp / "broken.json").write_text("{not json")
+    return {
+        "port 0": (["--port", "0"], {}, "--port"),
+        "port not an int": (["--port", "abc"], {}, "--port"),
+        "port too high": (["--port", "70000"], {}, "--port"),
+        "dp-size 0": (["--dp-size", "0"], {}, "--dp-size"),
+        "block-size negative": (["--block-size", "-1"], {}, "--block-size"),
+        "max-attempts 0": (["--max-attempts", "0"], {}, "--max-attempts"),
+        "cooldown above max": (
+            ["--breaker-cooldown-s", "10", "--breaker-max-cooldown-s", "5"],
+            {},
+            "--breaker-cooldown-s",
+        ),
+        "cooldown 0": (["--breaker-cooldown-s", "0"], {}, "--breaker-cooldown-s"),
+        "load interval 0": (["--load-interval-ms", "0"], {}, "--load-interval-ms"),
+        "health interval 0": (["--health-interval-s", "0"], {}, "--health-interval-s"),
+        "drain timeout negative": (["--drain-timeout-s", "-1"], {}, "--drain-timeout-s"),
+        "request bytes 0": (["--max-request-bytes", "0"], {}, "--max-request-bytes"),
+        "kv port base 0": (["--kv-events-port-base", "0"], {}, "--kv-events-port-base"),
+        "kv ports past 65535": (
+            ["--kv-events-port-base", "65535", "--dp-size", "2"],
+            {},
+            "--kv-events-port-base",
+        ),
+        "negative replay port base": (
+            ["--kv-events-replay-port-base", "-1"],
+            {},
+            "--kv-events-replay-port-base",
+        ),
+        "worker not http": (["--worker", "ftp://x"], {}, "ftp://x"),
+        "worker without a scheme": (["--worker", "localhost:8000"], {}, "localhost:8000"),
+        "worker without a host": (["--worker", "http://"], {}, "no host"),
+        "worker with a broken host": (["--worker", "http://[bad"], {}, "http://[bad"),
+        "worker port out of range": (["--worker", "http://h:99999"], {}, "http://h:99999"),
+        "unknown policy": (["--policy", "nope"], {}, "nope"),
+        "bool not a bool": (["--expose-route-headers", "maybe"], {}, "'maybe' is not a boolean"),
+        "unknown log level": (["--log-level", "verbose"], {}, "--log-level"),
+        "unknown flag": (["--wrker", "http://x"], {}, "--wrker"),
+        "env int not an int": ([], {"KVROUTER_PORT": "abc"}, "KVROUTER_PORT='abc'"),
+        "env float not a float": ([], {"KVROUTER_DRAIN_TIMEOUT_S": "soon"}, "KVROUTER_DRAIN"),
+        "env bool not a bool": ([], {"KVROUTER_EXPOSE_ROUTE_HEADERS": "maybe"}, "KVROUTER_EXP"),
+        "env unknown policy": ([], {"KVROUTER_POLICY": "nope"}, "KVROUTER_POLICY='nope'"),
+        "env unknown log level": ([], {"KVROUTER_LOG_LEVEL": "loud"}, "KVROUTER_LOG_LEVEL"),
+        "env worker not http": ([], {"KVROUTER_WORKER": "http://a:1,ftp://b"}, "ftp://b"),
+        "tokenizer path missing": (["--tokenizer", str(tmp / "missing")], {}, "no such file"),
+        "tokenizer dir without tokenizer.json": (
+            ["--tokenizer", str(tmp / "empty")],
+            {},
+            "has no tokenizer.json",
+        ),
+        "tokenizer file broken": (["--tokenizer", str(tmp / "broken.json")], {}, "cannot load"),
+    }
+
+
+def test_every_invalid_setting_is_refused_with_one_line_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wrong = {}
+    for name, (args, env, word) in invalid_settings(tmp_path).items():
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            try:
+                line = refusal(capsys, *args)
+            except (AssertionError, pytest.fail.Exception) as exc:
+                wrong[name] = f"not refused properly: {exc}"
+                continue
+            if word not in line:
+                wrong[name] = f"{line!r} does not name {word!r}"
+    assert wrong == {}, "\n".join(f"{k}: {v}" for k, v in wrong.items())
+
+
+def test_a_tokenizer_without_the_hf_extra_is_refused_with_the_install_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # type: ignore[arg-type]
+    line = refusal(capsys, "--tokenizer", str(tmp_path))
+    assert "pip install 'kvrouter[hf]'" in line
+
+
+# --- the environment and the command line ---------------------------------------------------
+
+
+def test_the_environment_sets_every_kind_of_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVROUTER_PORT", "9001")
+    monkeypatch.setenv("KVROUTER_WORKER", "http://a:1,,http://b:2,")
+    monkeypatch.setenv("KVROUTER_POLICY", "round_robin")
+    monkeypatch.setenv("KVROUTER_BREAKER_COOLDOWN_S", "1.5")
+    monkeypatch.setenv("KVROUTER_EXPOSE_ROUTE_HEADERS", "yes")
+    monkeypatch.setenv("KVROUTER_INTERNAL_TOKEN", "s3cret")
+    monkeypatch.setenv("KVROUTER_LOG_LEVEL", "DEBUG")
+    args = parse_args(["serve"])
+    config = serve_config(args)
+    assert config.port == 9001
+    assert config.workers == ["http://a:1", "http://b:2"]
+    assert config.policy == "round_robin"
+    assert config.breaker_cooldown_s == 1.5
+    assert config.expose_route_headers is True
+    assert config.internal_token == "s3cret"
+    assert args.log_level == "debug"
+
+
+def test_a_flag_on_the_command_line_wins_over_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVROUTER_PORT", "9001")
+    monkeypatch.setenv("KVROUTER_WORKER", "http://from-env:1")
+    config = config_of("--port", "9002", "--worker", "http://a:1", "--worker", "http://b:2")
+    assert config.port == 9002
+    # Repeatable: the command line's list replaces the environment's, it does not extend it.
+    assert config.workers == ["http://a:1", "http://b:2"]
+    assert config_of().workers == ["http://from-env:1"]
+
+
+def test_defaults_without_flags_or_environment() -> None:
+    config = config_of()
+    assert (config.port, config.workers, config.policy) == (8080, [], "cache_aware")
+    assert (config.block_size, config.internal_token) == (None, None)  # "learn" and "open"
+
+
+def test_every_flag_but_the_log_level_reaches_the_serve_config() -> None:
+    # `serve_config` keeps only the arguments that name a ServeConfig field: a flag whose
+    # name does not match one would be parsed, documented, and silently ignored.
+    _, flags = build_parser()
+    config_fields = {f.name for f in fields(ServeConfig)}
+    dests = {"workers" if n == "worker" else n.replace("-", "_") for n in flags.names}
+    assert dests - {"log_level"} <= config_fields
