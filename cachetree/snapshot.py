@@ -104,7 +104,8 @@ class SnapshotExport:
 
     def __init__(self, tree: BlockTree) -> None:
         self._tree = tree
-        self._keys = tree._iter_keys()
+        # A u64 array, not a list: the garbage collector need not walk a million entries.
+        self._keys = array("Q", tree._iter_keys())
         self._pos = 0
         self._record_of: dict[int, int] = {}  # key -> record index
         self._table_of: dict[RankId, int] = {}

@@ -23,6 +23,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cachetree.keys import block_keys, namespace_seed
+from peer.fetch import SnapshotFetcher
+from peer.producer import SnapshotProducer, serve_snapshot
+from peer.registry import PeerRegistry
+from peer.tracker import BootstrapTracker
+from router.bootstrap import PeerBootstrap
 from router.breaker import CircuitBreaker
 from router.events import namespace_of
 from router.index import IndexRules, Pump
@@ -60,6 +65,17 @@ class ServeConfig:
     internal_token: str | None = None
     drain_timeout_s: float = 30.0
     seed: int | None = None
+    peer: list[str] = field(default_factory=list)  # static sibling replicas
+    kv_peer_selector: str | None = None  # EndpointSlice selector (wired with Kubernetes)
+    self_url: str | None = None  # this replica's own URL, never a candidate sibling
+    kv_bootstrap_timeout_ms: int = 120_000
+    kv_bootstrap_fetch_timeout_cap_ms: int = 300_000
+    kv_bootstrap_seed_required: bool = False
+    kv_bootstrap_max_body_mb: int = 1024
+
+    @property
+    def bootstrap_enabled(self) -> bool:
+        return bool(self.peer or self.kv_peer_selector)
 
 
 @dataclass(slots=True)
@@ -78,6 +94,8 @@ class Replica:
     sessions: list[aiohttp.ClientSession]
     draining: bool = False
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    producer: SnapshotProducer | None = None  # serves /internal/kv_snapshot
+    bootstrap: PeerBootstrap | None = None  # peer snapshot bootstrap, when siblings are known
 
 
 REPLICA: web.AppKey[Replica] = web.AppKey("replica", Replica)
@@ -95,6 +113,7 @@ def build_app(config: ServeConfig) -> web.Application:
     app.router.add_get("/workers", _list_workers)
     app.router.add_post("/workers", _add_worker)
     app.router.add_delete("/workers", _remove_worker)
+    app.router.add_get("/internal/kv_snapshot", _kv_snapshot, allow_head=False)
     return app
 
 
@@ -114,7 +133,26 @@ async def _start_replica(config: ServeConfig) -> Replica:
     policy = make_policy(config.policy, rng=rng)
     pump = Pump(IndexRules())
     pump.start()
-    control_session = aiohttp.ClientSession(auto_decompress=True)
+    # Only the peer snapshot fetcher may advertise gzip (the SSE proxy path must never get it).
+    control_session = aiohttp.ClientSession(skip_auto_headers=("Accept-Encoding",))
+    proxy_session = upstream_session()
+    try:
+        return await _compose(config, tokenizer, policy, pump, control_session, proxy_session)
+    except BaseException:
+        await pump.stop()
+        await control_session.close()
+        await proxy_session.close()
+        raise
+
+
+async def _compose(
+    config: ServeConfig,
+    tokenizer: RequestTokenizer,
+    policy: Policy,
+    pump: Pump,
+    control_session: aiohttp.ClientSession,
+    proxy_session: aiohttp.ClientSession,
+) -> Replica:
     loads = LoadMonitor(control_session, interval_s=config.load_interval_ms / 1000)
 
     def breaker() -> CircuitBreaker:
@@ -138,10 +176,11 @@ async def _start_replica(config: ServeConfig) -> Replica:
         health_interval_s=config.health_interval_s,
         zmq_context=zmq.asyncio.Context(),
     )
+    bootstrap = _bootstrap(config, pump, workers) if config.bootstrap_enabled else None
+    workers.bootstrap = bootstrap
     metrics = RouterMetrics()
-    metrics.watch(pump, workers, loads)
+    metrics.watch(pump, workers, loads, bootstrap)
     inflight = InflightTracker()
-    proxy_session = upstream_session()
     proxy = Proxy(
         proxy_session,
         workers,
@@ -150,6 +189,7 @@ async def _start_replica(config: ServeConfig) -> Replica:
         max_attempts=config.max_attempts,
         expose_route_headers=config.expose_route_headers,
     )
+    settled = bootstrap.tracker.settled if bootstrap is not None else (lambda: True)
     replica = Replica(
         config,
         pump,
@@ -161,15 +201,47 @@ async def _start_replica(config: ServeConfig) -> Replica:
         metrics,
         inflight,
         [control_session, proxy_session],
+        producer=SnapshotProducer(pump.rules, settled=settled),
+        bootstrap=bootstrap,
     )
     workers.start()
+    if bootstrap is not None:
+        bootstrap.start()
     replica.tasks.append(asyncio.create_task(loads.run(), name="kvrouter-loads"))
     for url in config.workers:
         await workers.add(url)
     return replica
 
 
+def _bootstrap(config: ServeConfig, pump: Pump, workers: WorkerRegistry) -> PeerBootstrap:
+    tracker = BootstrapTracker(
+        config.kv_bootstrap_timeout_ms / 1000,
+        config.kv_bootstrap_fetch_timeout_cap_ms / 1000,
+        seed_required=config.kv_bootstrap_seed_required,
+    )
+    if config.peer:
+        registry = PeerRegistry.static(config.peer, config.self_url)
+    else:
+        registry = PeerRegistry(config.self_url)  # synced by the EndpointSlice watch
+    fetcher = SnapshotFetcher(
+        max_body_bytes=config.kv_bootstrap_max_body_mb * 1024 * 1024,
+        per_fetch_s=tracker.fetch_timeout_s,
+        token=config.internal_token,
+    )
+    log.info(
+        "peer bootstrap on: %d static sibling(s), timeout %.0f s, per fetch %.0f s",
+        len(registry.peers),
+        tracker.timeout_s,
+        tracker.fetch_timeout_s,
+    )
+    return PeerBootstrap(pump, tracker, registry, fetcher, block_size=lambda: workers.block_size)
+
+
 async def _stop_replica(replica: Replica) -> None:
+    if replica.bootstrap is not None:
+        await replica.bootstrap.close()
+    if replica.producer is not None:
+        await replica.producer.aclose()
     for task in replica.tasks:
         task.cancel()
     for task in replica.tasks:
@@ -233,24 +305,31 @@ def _param_of(route: str) -> str:
 def _generation(route: str):
     async def handle(request: web.Request) -> web.StreamResponse:
         replica = request.app[REPLICA]
+
+        def answered_here(response: web.Response) -> web.Response:
+            replica.metrics.requests.labels(route, "none", str(response.status)).inc()
+            return response
+
         # A draining replica still serves what reaches it: /readyz already tells the load
         # balancer to stop sending, and refusing requests in the meantime would fail them.
         body_bytes = await request.read()
         try:
             body = msgspec.json.decode(body_bytes)
         except msgspec.DecodeError as exc:
-            return _bad_request(BadRequest(f"body is not valid JSON: {exc}"))
+            return answered_here(_bad_request(BadRequest(f"body is not valid JSON: {exc}")))
         if not isinstance(body, dict):
-            return _bad_request(BadRequest("body must be a JSON object"))
+            return answered_here(_bad_request(BadRequest("body must be a JSON object")))
         try:
             tokens = _prompt_tokens(route, body, replica.tokenizer)
         except BadRequest as exc:
-            return _bad_request(exc)
+            return answered_here(_bad_request(exc))
         routable = replica.workers.routable()
         if not routable:
             replica.metrics.decisions.labels(replica.policy.name, "no_candidates").inc()
-            return web.json_response(
-                {"error": {"message": "no healthy worker to route to"}}, status=503
+            return answered_here(
+                web.json_response(
+                    {"error": {"message": "no healthy worker to route to"}}, status=503
+                )
             )
         candidates = [
             Candidate(rank, replica.inflight[rank], replica.loads.get(w.url, rank.dp_rank))
@@ -310,6 +389,15 @@ async def _readyz(request: web.Request) -> web.Response:
         return web.json_response({"ready": False, "reason": "draining"}, status=503)
     if not replica.workers.routable():
         return web.json_response({"ready": False, "reason": "no healthy worker"}, status=503)
+    bootstrap = replica.bootstrap
+    # Asked last: it latches at the first True, so a later scale-up never un-readies us.
+    if bootstrap is not None and not bootstrap.admit_ready():
+        tracker = bootstrap.tracker
+        reason = "bootstrap pending" if not tracker.settled() else "seed gate closed"
+        return web.json_response(
+            {"ready": False, "reason": reason, "remaining_s": round(tracker.time_remaining(), 1)},
+            status=503,
+        )
     return web.json_response({"ready": True})
 
 
@@ -375,8 +463,19 @@ async def _add_worker(request: web.Request) -> web.Response:
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         return _bad_request(BadRequest("'url' must be an http(s) URL", "url"))
     replica = request.app[REPLICA]
-    worker = await replica.workers.add(url)
+    try:
+        worker = await replica.workers.add(url)
+    except ValueError as exc:
+        return _bad_request(BadRequest(str(exc), "url"))
     return web.json_response(_worker_view(replica, worker))
+
+
+async def _kv_snapshot(request: web.Request) -> web.StreamResponse:
+    if (denied := _authorized(request)) is not None:
+        return denied
+    producer = request.app[REPLICA].producer
+    assert producer is not None, "the producer is created with the replica"
+    return await serve_snapshot(producer, request)
 
 
 async def _remove_worker(request: web.Request) -> web.Response:

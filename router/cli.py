@@ -132,6 +132,17 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add("breaker-max-cooldown-s", float, 60.0, "longest open period (cooldown doubles)")
     f.add("expose-route-headers", _flag_bool, False, "add X-Kvrouter-Worker/-Dp-Rank to responses")
     f.add("internal-token", str, "", "bearer token required by /workers and /internal/*")
+    f.add(
+        "peer", str, [], "a sibling replica's base URL for peer bootstrap (repeatable)", repeat=True
+    )
+    f.add("kv-peer-selector", str, "", "EndpointSlice label selector naming sibling replicas")
+    f.add("self-url", str, "", "this replica's own base URL, never used as a sibling")
+    f.add("kv-bootstrap-timeout-ms", int, 120_000, "bound on the whole bootstrap and /readyz hold")
+    f.add("kv-bootstrap-fetch-timeout-cap-ms", int, 300_000, "cap on one sibling fetch")
+    f.add("kv-bootstrap-seed-required", _flag_bool, False, "hold /readyz after a timed-out sweep")
+    f.add(
+        "kv-bootstrap-max-body-mb", int, 1024, "largest sibling snapshot accepted (also inflated)"
+    )
     f.add("drain-timeout-s", float, 30.0, "after SIGTERM, how long in-flight requests may run")
     f.add("log-level", str.lower, "info", "how much to log", choices=LOG_LEVELS)
     return f
@@ -163,6 +174,12 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             "--kv-events-replay-port-base must be 0 (no replay) or 1..65535, "
             "with room for --dp-size ranks",
         ),
+        (args.kv_bootstrap_timeout_ms >= 0, "--kv-bootstrap-timeout-ms must be >= 0"),
+        (
+            args.kv_bootstrap_fetch_timeout_cap_ms >= 1000,
+            "--kv-bootstrap-fetch-timeout-cap-ms must be >= 1000",
+        ),
+        (args.kv_bootstrap_max_body_mb >= 1, "--kv-bootstrap-max-body-mb must be >= 1"),
     ]
     for ok, message in checks:
         if not ok:
@@ -170,6 +187,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     for url in args.worker:
         if (problem := worker_url_problem(url)) is not None:
             _fail(f"--worker {url!r} is not an http(s) URL: {problem}")
+    for url in [*args.peer, *([args.self_url] if args.self_url else [])]:
+        if (problem := worker_url_problem(url)) is not None:
+            _fail(f"--peer/--self-url {url!r} is not an http(s) URL: {problem}")
     try:
         # Loaded here to fail before listening, with the loader's own message; the app loads
         # it again at start-up (a second read of the same files).
@@ -181,6 +201,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     values["workers"] = list(args.worker)
     values["block_size"] = args.block_size or None
     values["internal_token"] = args.internal_token or None
+    values["kv_peer_selector"] = args.kv_peer_selector or None
+    values["self_url"] = args.self_url or None
+    values["peer"] = list(args.peer)
     return ServeConfig(**values)
 
 

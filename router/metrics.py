@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from router.bootstrap import PeerBootstrap
     from router.index import Pump
     from router.loads import LoadMonitor
     from router.workers import WorkerRegistry
@@ -52,8 +53,16 @@ class RouterMetrics:
             registry=self.registry,
         )
 
-    def watch(self, pump: Pump, workers: WorkerRegistry, loads: LoadMonitor) -> None:
+    def watch(
+        self,
+        pump: Pump,
+        workers: WorkerRegistry,
+        loads: LoadMonitor,
+        bootstrap: PeerBootstrap | None = None,
+    ) -> None:
         self.registry.register(_StateCollector(pump, workers, loads))
+        if bootstrap is not None:
+            self.registry.register(_BootstrapCollector(bootstrap))
 
 
 class _StateCollector(Collector):
@@ -179,6 +188,72 @@ class _StateCollector(Collector):
             ["outcome"],
             {(str(k),): v for k, v in self._loads.probe_outcomes.items()},
         )
+
+
+class _BootstrapCollector(Collector):
+    """The peer-bootstrap series (reference section 7.2, with our prefix)."""
+
+    def __init__(self, bootstrap: PeerBootstrap) -> None:
+        self._bootstrap = bootstrap
+
+    def collect(self) -> Iterator[Metric]:
+        b = self._bootstrap
+        tracker = b.tracker
+        yield _gauge(
+            "kvrouter_kv_bootstrap_settled",
+            "1 once bootstrap settled",
+            [((), int(tracker.settled()))],
+        )
+        yield _gauge(
+            "kvrouter_kv_bootstrap_seed_failed",
+            "1 while the seed gate holds readiness after a timed-out sweep",
+            [((), int(tracker.seed_failed))],
+        )
+        yield _gauge(
+            "kvrouter_kv_bootstrap_state",
+            "Per rank: 0 pending, 1 recovered, 2 failed",
+            [
+                ((rank.worker_url, str(rank.dp_rank)), state.gauge)
+                for rank, state in tracker.states().items()
+            ],
+            ["worker_url", "dp_rank"],
+        )
+        yield _counter(
+            "kvrouter_kv_peer_snapshot",
+            "Sibling snapshot fetches by outcome",
+            ["outcome"],
+            {(k,): v for k, v in b.snapshot_outcomes.items()},
+        )
+        yield _counter(
+            "kvrouter_kv_bootstrap_rank",
+            "Bootstrap verdicts, once per rank incarnation",
+            ["outcome"],
+            {(str(k),): v for k, v in tracker.rank_outcomes.items()},
+        )
+        yield _counter(
+            "kvrouter_kv_bootstrap_grafts",
+            "Ranks grafted, by source (a sibling, or the worker's own snapshot)",
+            ["source"],
+            {(k,): v for k, v in b.sources.items()},
+        )
+        yield _counter(
+            "kvrouter_kv_bootstrap_sweep",
+            "Bootstrap sweeps by result",
+            ["result"],
+            {(str(k),): v for k, v in tracker.sweep_outcomes.items()},
+        )
+        yield _gauge("kvrouter_kv_bootstrap_peers", "Known siblings", [((), len(b.registry.peers))])
+        yield _gauge(
+            "kvrouter_kv_bootstrap_peers_synced",
+            "1 once the sibling list was delivered",
+            [((), int(b.registry.synced))],
+        )
+        if b.ready_at is not None:
+            yield _gauge(
+                "kvrouter_kv_bootstrap_duration_seconds",
+                "From start to the first admitted readiness",
+                [((), b.ready_at - b.started_at)],
+            )
 
 
 def _gauge(

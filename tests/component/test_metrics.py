@@ -103,14 +103,18 @@ async def test_request_and_decision_series_count_exactly_what_the_workers_served
             assert status == 200, payload
             key = (route, headers["X-Kvrouter-Worker"])
             expected[key] = expected.get(key, 0) + 1
-        # Refused by the router itself: no worker, no decision, no request series.
+        # Refused by the router itself: no worker, no decision; counted with worker "none".
         status, _, _ = await rt.post("/v1/completions", {"max_tokens": 1})
         assert status == 400
         m = await scrape(rt)
 
         for (route, worker), n in expected.items():
             assert m.value("kvrouter_requests_total", route=route, worker=worker, status="200") == n
-        assert sum(m.series("kvrouter_requests_total").values()) == len(requests)
+        none_400 = m.value(
+            "kvrouter_requests_total", route="/v1/completions", worker="none", status="400"
+        )
+        assert none_400 == 1
+        assert sum(m.series("kvrouter_requests_total").values()) == len(requests) + 1
         for fw in (a, b):
             served = (await fw.state())["requests"] - served_before[fw.url]
             assert served == sum(n for (_, w), n in expected.items() if w == fw.url)

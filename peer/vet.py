@@ -1,0 +1,740 @@
+"""Vetting a sibling's snapshot: the only road from the wire to the tree.
+
+Rules of this file: no I/O, no asyncio, no tree. The input is a decoded `PeerSnapshot`
+(msgspec checked its shapes and types, nothing more) and this replica's own set of live ranks;
+the output is a `VettedSnapshot` whose columns `cachetree.snapshot.restore` can graft, or a
+`VetError` saying whether the peer is worth asking again. Nothing else in the code base turns
+wire data into tree data.
+
+Theory of operation
+-------------------
+A sibling is trusted for one thing: what its tree held, as of its cursors. It is not trusted
+about who our workers are. The wire *names* workers by (url, dp_rank); vetting looks each name
+up in the live set the caller passed (a trailing slash on the url is ignored) and uses the
+live set's own `RankId`. A name that matches no live rank is dropped, together with every
+carrier and cursor that points at it. So a rank this replica did not discover itself can never
+enter the tree through a sibling, which is what keeps a stale or confused peer from planting
+ranks that no stream will ever clear.
+
+A verdict is one of two outcomes:
+
+    rejected    the body is malformed, or was built for another fleet (format, key scheme,
+                block size). Permanent: the sweep never asks this peer again.
+    cold_peer   the body is sound but of no use yet (not ready, or nothing survives).
+                Retriable: the peer may warm up, or we may discover its workers later.
+
+A rejection depends only on the body and our block size, never on the live set. A permanent
+verdict must not hinge on worker churn, so duplicates are judged on wire identities and the
+carriers of unknown workers are type-checked like any other.
+
+The checks, in the order they run (the first failure wins). `REASONS` below is the same list
+as data, reason -> outcome.
+
+    header        format != 1                                  unknown_format       rejected
+                  key_scheme is not ours                       key_scheme_mismatch  rejected
+                  not producer_ready, or no nodes              producer_cold        cold_peer
+                  block size differs from ours (when known)    block_size_mismatch  rejected
+                  block size < 1 (ours unknown)                invalid_block_size   rejected
+    worker table  entry not (str, int)                         malformed_worker     rejected
+                  two entries name one worker                  duplicate_worker     rejected
+    cursors       entry not (int, int)                         malformed_cursor     rejected
+                  seq not a u64 (negative)                     invalid_seq          rejected
+                  one worker index twice                       duplicate_cursor     rejected
+    each node     parent not null and not an earlier index     invalid_parent       rejected
+                  key not a u64                                invalid_key          rejected
+                  carrier not (int, int, int)                  malformed_carrier    rejected
+                  tier bits negative                           invalid_tier_bits    rejected
+                  engine hash not a u64                        invalid_engine_hash  rejected
+                  one worker index twice in one node           duplicate_carrier    rejected
+                  a key seen at an earlier node                duplicate_key        rejected
+    result        no carrier of a live rank survives           nothing_usable       cold_peer
+
+The reference runs the node structure checks before the worker table; we check the tables
+first because they are small and every failure among them is the same verdict (rejected), so
+only the named reason can differ.
+
+What is dropped rather than refused (counted, never an error):
+- a worker that is not live (`dropped_workers`): expected during worker churn;
+- a carrier whose worker index is out of range or names a dropped worker, and a carrier whose
+  tier bits, masked to the tiers we know (`ALL_TIERS`), come out empty (`dropped_carriers`):
+  unknown bits are a newer producer's tiers, and our own tree drops a store on no known tier;
+- a cursor for an out-of-range index or a dropped worker;
+- an `empty_ranks` entry that names no live rank;
+- a node left with no carrier and no carrying descendant (pruned). Carrier-less nodes on a
+  path to a carrier are kept as structure, since a child's position needs its parent.
+
+A node that names one worker twice is refused, not repaired: our export never writes that,
+the two entries may disagree on the engine hash, and keeping the wrong one would leave a
+carrier that the rank's later `BlockRemoved` cannot clear, a permanent false cache hit.
+
+Pruning is one backward sweep. Parents precede children, so walking the carrier-less nodes
+from the last to the first, a node is kept if a kept node names it as parent; a kept node then
+marks its own parent. Only carrier-less nodes are visited one at a time; the carried nodes'
+parents are gathered with C-level set updates. Compaction then renumbers parents through a
+prefix sum of the keep mask. Pruning never removes a carrier, so the carrier columns survive
+it untouched. The result's worker table lists exactly the ranks that carry a surviving block
+(`restore` registers every rank in the table with the tree, so a rank carrying nothing must
+not appear there).
+
+Cost. A million-node body is a million msgspec structs, and a Python statement per node is
+what would make vetting slow. Each chunk is therefore handled column by column with C-level
+iteration (`map`, `compress`, `accumulate`, `array` constructors, `set.update`): one column of
+parents, one of keys, one flattened column per carrier field. Range checks come free from
+`array` (a 'Q' array refuses a negative or oversized value). Python-level loops run only to
+name the node behind a failure and, while pruning, over the carrier-less nodes. Apart from
+a transient set per node with three or more carriers, no container is made per node, so the
+cyclic garbage collector gets nothing new to trace.
+
+Chunking. `Vetting` and `Retaining` are jobs: the constructor runs the cheap checks (and
+raises at once), then `step(budget)` handles about `budget` nodes per call until it returns
+True, so a caller on the event loop can yield between steps (a 4096-node step takes a few
+milliseconds; at a million nodes a few steps take ~20 ms, when the key set grows).
+`VettedSnapshot.from_wire` and `retain_workers` run a job to completion in one call. A job
+reads only the wire object it was given (which the caller owns and must not change meanwhile)
+and its own columns, never the tree, so `asyncio.to_thread(VettedSnapshot.from_wire, ...)` is
+also safe; the live set is read once, in the constructor. Even in a thread the work stays
+chunked, because one C-level call over a million items would hold the GIL, and so the event
+loop, for its whole length. A `VettedSnapshot` is immutable by convention: its columns may be
+shared with the snapshot it was derived from.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Collection, Generator, Iterable
+from dataclasses import dataclass
+from itertools import accumulate, chain, compress, islice, repeat
+from operator import and_, attrgetter, eq, ge, gt, itemgetter, lt, ne, not_, sub, truth
+from typing import Final, Generic, TypeVar
+
+from cachetree.keys import KEY_SCHEME
+from cachetree.ranks import RankId
+from cachetree.snapshot import Snapshot
+from cachetree.tiers import ALL_TIERS
+from peer.wire import FORMAT, PeerSnapshot, WireWorker
+
+REJECTED: Final = "rejected"
+COLD_PEER: Final = "cold_peer"
+
+# reason -> outcome, in the order the checks run (see the table above).
+REASONS: Final[dict[str, str]] = {
+    "unknown_format": REJECTED,
+    "key_scheme_mismatch": REJECTED,
+    "producer_cold": COLD_PEER,
+    "block_size_mismatch": REJECTED,
+    "invalid_block_size": REJECTED,
+    "malformed_worker": REJECTED,
+    "duplicate_worker": REJECTED,
+    "malformed_cursor": REJECTED,
+    "invalid_seq": REJECTED,
+    "duplicate_cursor": REJECTED,
+    "invalid_parent": REJECTED,
+    "invalid_key": REJECTED,
+    "malformed_carrier": REJECTED,
+    "invalid_tier_bits": REJECTED,
+    "invalid_engine_hash": REJECTED,
+    "duplicate_carrier": REJECTED,
+    "duplicate_key": REJECTED,
+    "nothing_usable": COLD_PEER,
+}
+
+DEFAULT_BUDGET: Final = 4096  # nodes per step: a few milliseconds on a slow core
+_U64: Final = 1 << 64
+
+_get_parent = attrgetter("parent")
+_get_key = attrgetter("key")
+_get_carriers = attrgetter("carriers")
+_carrier_worker = itemgetter(0)
+_carrier_bits = itemgetter(1)
+_carrier_hash = itemgetter(2)
+_first = itemgetter(0)
+_second = itemgetter(1)
+
+
+class VetError(ValueError):
+    """A snapshot that may not touch the tree. `outcome` is `rejected` or `cold_peer`."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        self.reason = reason
+        self.outcome = REASONS[reason]
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+    @property
+    def retriable(self) -> bool:
+        return self.outcome == COLD_PEER
+
+
+@dataclass(frozen=True, slots=True)
+class VettedSnapshot:
+    """A peer snapshot that passed vetting, ready for `cachetree.snapshot.restore`.
+
+    `snapshot.workers` are live `RankId`s (the caller's own objects), each carrying at least
+    one record. `cursors` names the last seq the peer had applied per rank: the graft's filter
+    and watermark. A rank may have a cursor and no blocks (its cache was empty at that seq).
+    Treat every field as read-only; derived snapshots share unchanged columns.
+    """
+
+    snapshot: Snapshot
+    cursors: dict[RankId, int]
+    empty_ranks: frozenset[RankId]
+    block_size: int
+    dropped_workers: int = 0  # wire workers that named no live rank
+    dropped_carriers: int = 0  # carriers of unknown workers or on no known tier
+    wire_nodes: int = 0  # nodes in the body, before vetting
+
+    @classmethod
+    def from_wire(
+        cls, snap: PeerSnapshot, live: Collection[RankId], local_block_size: int | None
+    ) -> VettedSnapshot:
+        """Vet `snap` in one call; raises `VetError`. See `Vetting` for the chunked form."""
+        return Vetting(snap, live, local_block_size).run()
+
+    def covers_any(self, ranks: Iterable[RankId]) -> bool:
+        """True when the snapshot has a cursor for at least one of `ranks`."""
+        cursors = self.cursors
+        return any(rank in cursors for rank in ranks)
+
+    def covered_ranks(self) -> frozenset[RankId]:
+        """The ranks the snapshot has a cursor for."""
+        return frozenset(self.cursors)
+
+    def carrier_counts(self) -> tuple[int, int]:
+        """(nodes with a carrier, carrier-less nodes kept as structure)."""
+        structure = self.snapshot.carrier_counts.count(0)
+        return len(self.snapshot) - structure, structure
+
+    def retain_workers(self, keep: Collection[RankId]) -> VettedSnapshot:
+        """A new snapshot speaking only for `keep`: other ranks' carriers, cursors and
+        empty-rank entries are dropped and what they leave bare is pruned. Identities are
+        never re-resolved: a rank in `keep` that this snapshot does not name stays absent.
+        See `Retaining` for the chunked form."""
+        return Retaining(self, keep).run()
+
+
+# -- jobs ----------------------------------------------------------------------------------
+
+R = TypeVar("R")
+
+
+class _Job(Generic[R]):
+    """Drives a generator that yields after each chunk of work and returns the result."""
+
+    def __init__(self) -> None:
+        self._budget = DEFAULT_BUDGET
+        self._work: Generator[None, None, R] = self._run()
+        self._result: R | None = None
+        self._error: VetError | None = None
+
+    def _run(self) -> Generator[None, None, R]:  # pragma: no cover - abstract
+        raise NotImplementedError
+        yield
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def step(self, budget: int = DEFAULT_BUDGET) -> bool:
+        """Do about `budget` units of work; True once the result is ready.
+
+        Raises `VetError` when a check fails, and again on every later call.
+        """
+        if self._error is not None:
+            raise self._error
+        if self._result is not None:
+            return True
+        self._budget = max(1, budget)
+        try:
+            next(self._work)
+        except StopIteration as stop:
+            self._result = stop.value
+            return True
+        except VetError as exc:
+            self._error = exc
+            raise
+        return False
+
+    def result(self) -> R:
+        if self._result is None:
+            raise RuntimeError("job not finished: call step() until it returns True")
+        return self._result
+
+    def run(self, budget: int = DEFAULT_BUDGET) -> R:
+        """Step to the end in one call. Chunked all the same (it costs nothing measurable),
+        so that in a worker thread no single C-level call holds the GIL for long."""
+        while not self.step(budget):
+            pass
+        return self.result()
+
+    def _chunks(self, n: int) -> Generator[tuple[int, int], None, None]:
+        """[a, b) ranges over n items, each as large as the budget of the step running it."""
+        a = 0
+        while a < n:
+            b = min(n, a + self._budget)
+            yield a, b
+            a = b
+
+
+class Vetting(_Job[VettedSnapshot]):
+    """One vetting in chunks. The constructor checks the header and the tables and raises
+    `VetError` at once; `step(budget)` then vets about `budget` nodes per call."""
+
+    def __init__(
+        self, snap: PeerSnapshot, live: Collection[RankId], local_block_size: int | None
+    ) -> None:
+        _check_header(snap, local_block_size)
+        lookup = _live_lookup(live)
+        self._snap = snap
+        self._table: list[RankId] = []  # live ranks the wire names, in wire order
+        self._col_of: dict[int, int] = {}  # wire worker index -> position in _table
+        self._dropped_workers = 0
+        self._resolve_workers(snap.workers, lookup)
+        self._position = [self._col_of.get(i, -1) for i in range(len(snap.workers))]
+        self._cursors = self._resolve_cursors(snap.cursors)
+        self._empty_ranks = frozenset(
+            rank for rank in map(lookup.get, map(_identity, snap.empty_ranks)) if rank is not None
+        )
+        self._dropped_carriers = 0
+        super().__init__()
+
+    def _resolve_workers(self, workers: list[WireWorker], lookup: dict) -> None:
+        seen: set[tuple[str, int]] = set()
+        for i, worker in enumerate(workers):
+            ident = _identity(worker)
+            if ident in seen:
+                raise VetError("duplicate_worker", f"worker {i} repeats {ident[0]}#dp{ident[1]}")
+            seen.add(ident)
+            rank = lookup.get(ident)
+            if rank is None:
+                self._dropped_workers += 1
+            else:
+                self._col_of[i] = len(self._table)
+                self._table.append(rank)
+
+    def _resolve_cursors(self, entries: list[tuple[int, int]]) -> dict[RankId, int]:
+        cursors: dict[RankId, int] = {}
+        seen: set[int] = set()
+        for entry in entries:
+            try:
+                index, seq = entry
+            except (TypeError, ValueError):
+                raise VetError("malformed_cursor", f"{entry!r} is not [index, seq]") from None
+            if type(index) is not int or type(seq) is not int:
+                raise VetError("malformed_cursor", f"{entry!r} is not [index, seq]")
+            if not 0 <= seq < _U64:
+                raise VetError("invalid_seq", f"worker {index}: seq {seq} is not a u64")
+            if index in seen:
+                raise VetError("duplicate_cursor", f"worker {index} has two cursors")
+            seen.add(index)
+            col = self._col_of.get(index)
+            if col is not None:
+                cursors[self._table[col]] = seq
+        return cursors
+
+    def _run(self) -> Generator[None, None, VettedSnapshot]:
+        nodes = self._snap.nodes
+        cols = Snapshot()
+        zeros: list[int] = []  # nodes left with no carrier
+        used: set[int] = set()  # table positions that carry something
+        seen_keys: set[int] = set()
+        for a, b in self._chunks(len(nodes)):
+            self._vet_chunk(nodes[a:b], a, cols, zeros, used, seen_keys)
+            yield
+        seen_keys.clear()
+        if not used:
+            raise self._nothing_usable()
+        cols.workers = self._table
+        snapshot = yield from _prune(self, cols, zeros, used)
+        if not len(snapshot):  # pragma: no cover - a carried node is never pruned
+            raise self._nothing_usable()
+        return VettedSnapshot(
+            snapshot=snapshot,
+            cursors=self._cursors,
+            empty_ranks=self._empty_ranks,
+            block_size=self._snap.block_size,
+            dropped_workers=self._dropped_workers,
+            dropped_carriers=self._dropped_carriers,
+            wire_nodes=len(nodes),
+        )
+
+    def _nothing_usable(self) -> VetError:
+        return VetError(
+            "nothing_usable",
+            f"{len(self._snap.nodes)} wire nodes, {self._dropped_workers} dropped workers, "
+            f"{self._dropped_carriers} dropped carriers",
+        )
+
+    def _vet_chunk(
+        self,
+        chunk: list,
+        a: int,
+        cols: Snapshot,
+        zeros: list[int],
+        used: set[int],
+        seen_keys: set[int],
+    ) -> None:
+        """Vet nodes a .. a+len(chunk)-1 and append their columns, a column at a time."""
+        b = a + len(chunk)
+        # Parents: null is a root (-1); anything else must index an earlier node.
+        raw_parents = list(map(_get_parent, chunk))
+        parent_list = [-1 if p is None else p for p in raw_parents]
+        try:
+            parents = array("q", parent_list)
+        except (TypeError, OverflowError):
+            raise _bad_parent(raw_parents, a) from None
+        if min(parent_list) < -1 or -1 in raw_parents or not all(map(lt, parent_list, range(a, b))):
+            raise _bad_parent(raw_parents, a)
+
+        raw_keys = list(map(_get_key, chunk))
+        try:
+            keys = array("Q", raw_keys)
+        except (TypeError, OverflowError):
+            raise _first_bad(raw_keys, a, "invalid_key", "key", _is_u64) from None
+        before = len(seen_keys)
+        seen_keys.update(raw_keys)
+        if len(seen_keys) - before != b - a:
+            raise _duplicate_key(self._snap.nodes, b)
+
+        # Carriers, flattened into one column per field.
+        carrier_lists = list(map(_get_carriers, chunk))
+        try:
+            counts = list(map(len, carrier_lists))
+            flat = list(chain.from_iterable(carrier_lists))
+            workers = list(map(_carrier_worker, flat))
+            bits = list(map(_carrier_bits, flat))
+            raw_hashes = list(map(_carrier_hash, flat))
+        except (TypeError, IndexError, KeyError):
+            raise _bad_carrier_shape(carrier_lists, a) from None
+        cols.parents.extend(parents)
+        cols.keys.extend(keys)
+        if not flat:
+            cols.carrier_counts.extend(counts)
+            zeros.extend(range(a, b))
+            return
+        if not set(map(type, workers)) <= {int}:
+            raise _bad_carrier_shape(carrier_lists, a)
+        tiers = _tier_column(bits)
+        if tiers is None:
+            raise _bad_tier_bits(carrier_lists, a)
+        try:
+            hashes = array("Q", raw_hashes)
+        except (TypeError, OverflowError):
+            raise _bad_engine_hash(carrier_lists, a) from None
+        if max(counts) > 1:
+            _check_distinct_workers(carrier_lists, counts, a)
+
+        # Resolve wire worker index -> table position (-1: out of range or not live). When
+        # every wire worker is live the table is the wire table, and an in-range index is
+        # already its own position.
+        if min(workers) >= 0 and max(workers) < len(self._position):
+            if self._dropped_workers:
+                positions = list(map(self._position.__getitem__, workers))
+            else:
+                positions = workers
+        else:
+            positions = list(map(self._col_of.get, workers, repeat(-1)))
+        no_tier = 0 in tiers
+        if no_tier or (positions is not workers and -1 in positions):
+            keep = list(map(ge, positions, repeat(0)))
+            if no_tier:
+                keep = list(map(and_, keep, map(truth, tiers)))
+            counts = _recount(counts, keep)
+            positions = list(compress(positions, keep))
+            tiers = array("B", compress(tiers, keep))
+            hashes = array("Q", compress(hashes, keep))
+            self._dropped_carriers += len(keep) - len(positions)
+
+        cols.carrier_counts.extend(counts)
+        cols.carrier_workers.extend(positions)
+        cols.carrier_tiers.extend(tiers)
+        cols.carrier_hashes.extend(hashes)
+        if len(used) < len(self._table):  # once every rank was seen there is nothing to learn
+            used.update(positions)
+        if 0 in counts:
+            zeros.extend(compress(range(a, b), map(not_, counts)))
+
+
+class Retaining(_Job[VettedSnapshot]):
+    """`VettedSnapshot.retain_workers` in chunks: `step(budget)` filters about `budget` nodes
+    per call, then prunes and renumbers."""
+
+    def __init__(self, vetted: VettedSnapshot, keep: Collection[RankId]) -> None:
+        self._vetted = vetted
+        self._keep = frozenset(keep)
+        super().__init__()
+
+    def _run(self) -> Generator[None, None, VettedSnapshot]:
+        vetted, keep = self._vetted, self._keep
+        src = vetted.snapshot
+        cursors = {rank: seq for rank, seq in vetted.cursors.items() if rank in keep}
+        empty_ranks = vetted.empty_ranks & keep
+        if all(rank in keep for rank in src.workers):
+            snapshot = src  # every carrier stays, so nothing is pruned either
+        else:
+            position = [i if rank in keep else -1 for i, rank in enumerate(src.workers)]
+            n_kept = len(position) - position.count(-1)
+            cols = Snapshot(workers=src.workers, parents=src.parents, keys=src.keys)
+            zeros: list[int] = []
+            used: set[int] = set()
+            start = 0  # first carrier of the chunk
+            for a, b in self._chunks(len(src)):
+                counts = src.carrier_counts[a:b]
+                end = start + sum(counts)
+                positions = list(map(position.__getitem__, src.carrier_workers[start:end]))
+                tiers, hashes = src.carrier_tiers[start:end], src.carrier_hashes[start:end]
+                if -1 in positions:
+                    kept = list(map(ge, positions, repeat(0)))
+                    counts = _recount(counts, kept)
+                    positions = list(compress(positions, kept))
+                    tiers = array("B", compress(tiers, kept))
+                    hashes = array("Q", compress(hashes, kept))
+                cols.carrier_counts.extend(counts)
+                cols.carrier_workers.extend(positions)
+                cols.carrier_tiers.extend(tiers)
+                cols.carrier_hashes.extend(hashes)
+                if len(used) < n_kept:
+                    used.update(positions)
+                if 0 in counts:
+                    zeros.extend(compress(range(a, b), map(not_, counts)))
+                start = end
+                yield
+            snapshot = yield from _prune(self, cols, zeros, used)
+        return VettedSnapshot(
+            snapshot=snapshot,
+            cursors=cursors,
+            empty_ranks=empty_ranks,
+            block_size=vetted.block_size,
+            dropped_workers=vetted.dropped_workers,
+            dropped_carriers=vetted.dropped_carriers,
+            wire_nodes=vetted.wire_nodes,
+        )
+
+
+# -- pruning and renumbering (shared by both jobs) ----------------------------------------
+
+
+def _prune(
+    job: _Job, cols: Snapshot, zeros: list[int], used: set[int]
+) -> Generator[None, None, Snapshot]:
+    """Drop carrier-less nodes with no carrying descendant, and ranks that carry nothing.
+
+    `cols` holds every node in wire order with its carriers already filtered; `zeros` lists
+    the nodes left with no carrier (ascending) and `used` the table positions still carrying.
+    """
+    parents, counts = cols.parents, cols.carrier_counts
+    n = len(cols.keys)
+    keep = None
+    if zeros:
+        # Carrier-less nodes that some carried node names as parent ...
+        is_zero = bytearray(n)
+        for z in zeros:
+            is_zero[z] = 1
+        marked: set[int] = set()
+        for a, b in job._chunks(n):
+            named = list(compress(parents[a:b], counts[a:b]))
+            # (a root's -1 reads the last node's flag: harmless, -1 is never looked up)
+            marked.update(compress(named, map(is_zero.__getitem__, named)))
+            yield
+        # ... and, backwards, carrier-less nodes with a kept child. Children come after their
+        # parent, so a node's children are all settled when the walk reaches it.
+        keep = bytearray(b"\x01") * n
+        pruned = 0
+        for a, b in job._chunks(len(zeros)):
+            for z in reversed(zeros[len(zeros) - b : len(zeros) - a]):
+                if z in marked:
+                    marked.add(parents[z])
+                else:
+                    keep[z] = 0
+                    pruned += 1
+            yield
+        if not pruned:
+            keep = None
+    if keep is not None:
+        out = Snapshot(
+            workers=cols.workers,
+            carrier_workers=cols.carrier_workers,
+            carrier_tiers=cols.carrier_tiers,
+            carrier_hashes=cols.carrier_hashes,
+        )
+        # new_index[p]: node p's index after compaction (the number of kept nodes before it).
+        # The extra last slot stays -1, so a root's parent -1 maps to itself.
+        new_index = [-1] * (n + 1)
+        kept = 0
+        for a, b in job._chunks(n):
+            mask = keep[a:b]
+            before = list(accumulate(mask, initial=kept))
+            kept = before.pop()
+            new_index[a:b] = before
+            out.parents.extend(map(new_index.__getitem__, compress(parents[a:b], mask)))
+            out.keys.extend(compress(cols.keys[a:b], mask))
+            out.carrier_counts.extend(compress(counts[a:b], mask))
+            yield
+        cols = out
+    if len(used) < len(cols.workers):
+        # A rank left carrying nothing must leave the table: restore registers every rank it
+        # lists with the tree. Table order (wire order) is kept.
+        order = sorted(used)
+        renumber = [-1] * len(cols.workers)
+        for new, old in enumerate(order):
+            renumber[old] = new
+        out_workers = array("I")
+        source = cols.carrier_workers
+        for a, b in job._chunks(len(source)):
+            out_workers.extend(map(renumber.__getitem__, source[a:b]))
+            yield
+        cols = Snapshot(
+            workers=[cols.workers[i] for i in order],
+            parents=cols.parents,
+            keys=cols.keys,
+            carrier_counts=cols.carrier_counts,
+            carrier_workers=out_workers,
+            carrier_tiers=cols.carrier_tiers,
+            carrier_hashes=cols.carrier_hashes,
+        )
+    return cols
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _check_header(snap: PeerSnapshot, local_block_size: int | None) -> None:
+    if snap.format != FORMAT:
+        raise VetError("unknown_format", f"format {snap.format!r}, we read {FORMAT}")
+    if snap.key_scheme != KEY_SCHEME:
+        raise VetError("key_scheme_mismatch", f"{snap.key_scheme!r}, we hash {KEY_SCHEME!r}")
+    if not snap.producer_ready or not snap.nodes:
+        raise VetError(
+            "producer_cold", f"producer_ready={snap.producer_ready}, {len(snap.nodes)} nodes"
+        )
+    if local_block_size is not None and snap.block_size != local_block_size:
+        raise VetError(
+            "block_size_mismatch", f"peer block size {snap.block_size}, ours {local_block_size}"
+        )
+    if type(snap.block_size) is not int or snap.block_size < 1:
+        raise VetError("invalid_block_size", f"block size {snap.block_size!r}")
+
+
+def _identity(worker: WireWorker) -> tuple[str, int]:
+    url, dp_rank = getattr(worker, "url", None), getattr(worker, "dp_rank", None)
+    if type(url) is not str or type(dp_rank) is not int:
+        raise VetError("malformed_worker", f"{worker!r} is not (url, dp_rank)")
+    return url.rstrip("/"), dp_rank
+
+
+def _live_lookup(live: Iterable[RankId]) -> dict[tuple[str, int], RankId]:
+    """(url without trailing slash, dp_rank) -> the live RankId. Should the live set hold two
+    spellings of one worker, the one without a trailing slash wins."""
+    lookup: dict[tuple[str, int], RankId] = {}
+    for rank in live:
+        url = rank.worker_url.rstrip("/")
+        ident = (url, rank.dp_rank)
+        if ident not in lookup or rank.worker_url == url:
+            lookup[ident] = rank
+    return lookup
+
+
+def _recount(counts: list[int], keep: list[bool]) -> list[int]:
+    """Carriers per node once the flat carrier column is filtered by `keep`."""
+    kept_before = list(accumulate(keep, initial=0))  # [j]: kept among the first j carriers
+    at_bounds = list(map(kept_before.__getitem__, accumulate(counts, initial=0)))
+    return list(map(sub, islice(at_bounds, 1, None), at_bounds))
+
+
+def _tier_column(bits: list) -> array | None:
+    """Tier bits masked to the tiers we know, as a 'B' column; None if any is not a
+    non-negative int. A zero in the result marks a carrier on no known tier."""
+    try:
+        low, high = min(bits), max(bits)
+        if low < 0:
+            return None
+        if low > 0 and high <= ALL_TIERS:
+            return array("B", bits)  # all known already; 'B' refuses a float
+        return array("B", map(and_, bits, repeat(ALL_TIERS)))  # `&` refuses a float
+    except TypeError:
+        return None
+
+
+def _check_distinct_workers(carrier_lists: list, counts: list[int], a: int) -> None:
+    """Refuse a node that names one worker index twice. Two-carrier nodes (the common
+    shared-prefix case) compare their two indices; larger ones go through a set."""
+    multi = list(compress(range(len(counts)), map(gt, counts, repeat(1))))
+    multi_counts = list(map(counts.__getitem__, multi))
+    if max(multi_counts) == 2:
+        two, more = multi, []
+    else:
+        two = list(compress(multi, map(eq, multi_counts, repeat(2))))
+        more = list(compress(multi, map(gt, multi_counts, repeat(2))))
+    pairs = list(map(carrier_lists.__getitem__, two))
+    firsts = map(_carrier_worker, map(_first, pairs))
+    seconds = map(_carrier_worker, map(_second, pairs))
+    bad = next(compress(two, map(eq, firsts, seconds)), None)
+    if bad is None and more:
+        lists = map(carrier_lists.__getitem__, more)
+        distinct = map(len, map(set, map(map, repeat(_carrier_worker), lists)))
+        bad = next(compress(more, map(ne, distinct, map(counts.__getitem__, more))), None)
+    if bad is not None:
+        raise VetError("duplicate_carrier", f"node {a + bad} names one worker twice")
+
+
+def _is_u64(value: object) -> bool:
+    return type(value) is int and 0 <= value < _U64
+
+
+def _first_bad(values: list, a: int, reason: str, what: str, ok) -> VetError:
+    for k, value in enumerate(values):
+        if not ok(value):
+            return VetError(reason, f"node {a + k}: {what} {value!r}")
+    return VetError(reason, f"a {what} in nodes {a}..")  # pragma: no cover - found above
+
+
+def _bad_parent(raw_parents: list, a: int) -> VetError:
+    for k, parent in enumerate(raw_parents):
+        if parent is not None and not (type(parent) is int and 0 <= parent < a + k):
+            return VetError("invalid_parent", f"node {a + k}: parent {parent!r} is not earlier")
+    return VetError("invalid_parent", f"in nodes {a}..")  # pragma: no cover - found above
+
+
+def _carriers_of(carrier_lists: list, a: int) -> Iterable[tuple[int, object]]:
+    for k, carriers in enumerate(carrier_lists):
+        for carrier in carriers:
+            yield a + k, carrier
+
+
+def _bad_carrier_shape(carrier_lists: list, a: int) -> VetError:
+    for i, carriers in enumerate(carrier_lists, a):
+        try:
+            entries = list(carriers)
+        except TypeError:
+            return VetError("malformed_carrier", f"node {i}: carriers {carriers!r}")
+        for carrier in entries:
+            try:
+                worker = carrier[0]
+                carrier[1], carrier[2]
+            except (TypeError, IndexError, KeyError):
+                return VetError("malformed_carrier", f"node {i}: carrier {carrier!r}")
+            if type(worker) is not int:
+                return VetError("malformed_carrier", f"node {i}: worker index {worker!r}")
+    return VetError("malformed_carrier", f"in nodes {a}..")  # pragma: no cover - found above
+
+
+def _bad_tier_bits(carrier_lists: list, a: int) -> VetError:
+    for i, carrier in _carriers_of(carrier_lists, a):
+        bits = carrier[1]
+        if not isinstance(bits, int) or bits < 0:
+            return VetError("invalid_tier_bits", f"node {i}: tier bits {bits!r}")
+    return VetError("invalid_tier_bits", f"in nodes {a}..")  # pragma: no cover - found above
+
+
+def _bad_engine_hash(carrier_lists: list, a: int) -> VetError:
+    for i, carrier in _carriers_of(carrier_lists, a):
+        if not _is_u64(carrier[2]):
+            return VetError("invalid_engine_hash", f"node {i}: engine hash {carrier[2]!r}")
+    return VetError("invalid_engine_hash", f"in nodes {a}..")  # pragma: no cover - found above
+
+
+def _duplicate_key(nodes: list, end: int) -> VetError:
+    seen: dict[int, int] = {}
+    for i, key in enumerate(map(_get_key, nodes[:end])):
+        first = seen.setdefault(key, i)
+        if first != i:
+            return VetError("duplicate_key", f"node {i} repeats the key of node {first}")
+    return VetError("duplicate_key", f"in nodes ..{end}")  # pragma: no cover - found above
