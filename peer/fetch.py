@@ -104,6 +104,8 @@ class SnapshotFetcher:
         clock: Callable[[], float] = time.monotonic,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         stall_timeout_s: float = STALL_TIMEOUT_S,
+        accept: str = MSGPACK,
+        gzip: bool = True,
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError("max_body_bytes must be positive")
@@ -114,14 +116,17 @@ class SnapshotFetcher:
         self._connect_s = connect_timeout_s
         self._stall_s = stall_timeout_s
         self._session: aiohttp.ClientSession | None = None
+        # msgpack + gzip is the default and the fastest; the others exist for interop tests.
+        self._headers = {"Accept": accept, **({"Accept-Encoding": "gzip"} if gzip else {})}
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            headers = {"Accept": MSGPACK, "Accept-Encoding": "gzip"}
+            headers = dict(self._headers)
             if self._token:
                 headers["Authorization"] = f"Bearer {self._token}"
             self._session = aiohttp.ClientSession(
                 headers=headers,
+                skip_auto_headers=() if "Accept-Encoding" in headers else ("Accept-Encoding",),
                 auto_decompress=False,  # inflated here, with a bound
                 timeout=aiohttp.ClientTimeout(
                     total=None, connect=self._connect_s, sock_read=self._stall_s

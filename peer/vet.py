@@ -87,15 +87,15 @@ cyclic garbage collector gets nothing new to trace.
 
 Chunking. `Vetting` and `Retaining` are jobs: the constructor runs the cheap checks (and
 raises at once), then `step(budget)` handles about `budget` nodes per call until it returns
-True, so a caller on the event loop can yield between steps (a 4096-node step takes a few
-milliseconds; at a million nodes a few steps take ~20 ms, when the key set grows).
-`VettedSnapshot.from_wire` and `retain_workers` run a job to completion in one call. A job
-reads only the wire object it was given (which the caller owns and must not change meanwhile)
-and its own columns, never the tree, so `asyncio.to_thread(VettedSnapshot.from_wire, ...)` is
-also safe; the live set is read once, in the constructor. Even in a thread the work stays
-chunked, because one C-level call over a million items would hold the GIL, and so the event
-loop, for its whole length. A `VettedSnapshot` is immutable by convention: its columns may be
-shared with the snapshot it was derived from.
+True, so a caller on the event loop can yield between steps. A 4096-node step takes a few
+milliseconds; at a million nodes two or three steps take 20-35 ms, when the set of seen keys
+grows or is released. `VettedSnapshot.from_wire` and `retain_workers` run a job to the end in
+one call. A job reads only the wire object it was given (which the caller owns and must not
+change meanwhile) and its own columns, never the tree, so `asyncio.to_thread(
+VettedSnapshot.from_wire, ...)` is also safe; the live set is read once, in the constructor.
+Even then the work stays chunked, because one C-level call over a million items would hold
+the GIL, and with it the event loop, for its whole length. A `VettedSnapshot` is immutable by
+convention: its columns may be shared with the snapshot it was derived from.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 import random
 from array import array
+from collections.abc import Sequence
 
 import pytest
 
@@ -33,7 +34,7 @@ LIVE = frozenset({A0, A1, B0})
 
 def body(
     nodes: list,
-    workers: list = (A0, A1, B0),
+    workers: Sequence = (A0, A1, B0),
     cursors: list | None = None,
     **fields,
 ) -> PeerSnapshot:

@@ -1,0 +1,286 @@
+"""Peer bootstrap end to end: real replicas, real fake workers, real HTTP and ZMQ on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from cachetree.keys import block_keys
+from cachetree.ranks import RankId
+from cachetree.snapshot import canonical_view
+from peer import wire
+from peer.fetch import SnapshotFetcher
+from peer.wire import JSON, MSGPACK
+from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
+from tests.support.ports import free_tcp_port
+from tests.support.router import RouterHandle, router_in_process
+from tests.support.waiting import eventually
+
+BS = 16
+
+
+def chain(rng: random.Random, shared: list[int], blocks: int) -> list[int]:
+    return shared + [rng.randrange(3, 50_000) for _ in range(blocks * BS)]
+
+
+@contextlib.asynccontextmanager
+async def warm_fleet(n_chains: int = 40) -> AsyncIterator[tuple[list, RouterHandle, list]]:
+    """Two fake workers (one with 2 ranks) and a warm replica that indexed n_chains chains."""
+    rng = random.Random(5)
+    async with contextlib.AsyncExitStack() as stack:
+        workers = [
+            await stack.enter_async_context(fake_worker_in_process(cache_blocks=100_000)),
+            await stack.enter_async_context(
+                fake_worker_in_process(dp_size=2, cache_blocks=100_000)
+            ),
+        ]
+        warm = await stack.enter_async_context(router_in_process(workers=[w.url for w in workers]))
+        ranks = [(workers[0], 0), (workers[1], 0), (workers[1], 1)]
+        for fw, r in ranks:
+            await warm.gate(fw, r)
+        systems = [[rng.randrange(3, 50_000) for _ in range(4 * BS)] for _ in range(4)]
+        chains = []
+        for i in range(n_chains):
+            fw, r = ranks[i % len(ranks)]
+            tokens = chain(rng, rng.choice(systems), rng.randint(1, 6))
+            chains.append(tokens)
+            last = await fw.store([tokens], dp_rank=r)
+            await warm.wait_cursor(fw.url, r, last)
+        yield workers, warm, chains
+
+
+def view(rt: RouterHandle) -> frozenset:
+    return canonical_view(rt.replica.pump.rules.tree)
+
+
+def held_by(rt: RouterHandle, rank: RankId) -> set:
+    """(key, tier bits, engine hash) of every block `rank` carries in the replica's index."""
+    return {
+        (key, *carrier[2:])
+        for key, _, carriers in view(rt)
+        for carrier in carriers
+        if (carrier[0], carrier[1]) == rank
+    }
+
+
+async def ready(rt: RouterHandle, within_s: float = 15.0) -> None:
+    async def is_ready() -> bool:
+        status, _ = await rt.get("/readyz")
+        return status == 200
+
+    await eventually(is_ready, within_s)
+
+
+async def join(warm: RouterHandle, stack: contextlib.AsyncExitStack, **kw) -> RouterHandle:
+    """A new replica that knows `warm` as its sibling."""
+    kw.setdefault("kv_bootstrap_timeout_ms", 20_000)
+    return await stack.enter_async_context(router_in_process(peer=[warm.url], **kw))
+
+
+async def add_workers(rt: RouterHandle, workers: list[FakeWorkerHandle]) -> None:
+    for fw in workers:
+        status, body, _ = await rt.post("/workers", {"url": fw.url})
+        assert status == 200, body
+
+
+@pytest.mark.parametrize(
+    "accept,gzip", [(MSGPACK, True), (JSON, True), (JSON, False), (MSGPACK, False)]
+)
+async def test_a_joining_replica_answers_prefix_queries_like_the_warm_one(
+    accept: str, gzip: bool
+) -> None:
+    async with warm_fleet() as (workers, warm, chains), contextlib.AsyncExitStack() as stack:
+        new = await join(warm, stack)
+        bootstrap = new.replica.bootstrap
+        assert bootstrap is not None
+        await bootstrap.fetcher.close()
+        bootstrap.fetcher = SnapshotFetcher(accept=accept, gzip=gzip, per_fetch_s=10)
+        await add_workers(new, workers)
+        await ready(new)
+        assert view(new) == view(warm)
+        # Thousands of prompts: every stored chain, cut at every length, plus strangers.
+        rng = random.Random(9)
+        queries = [
+            c[: n * BS] + [rng.randrange(3, 50_000) for _ in range(rng.randrange(2 * BS))]
+            for c in chains
+            for n in range(1, len(c) // BS + 1)
+            for _ in range(5)
+        ]
+        queries += [[rng.randrange(3, 50_000) for _ in range(64)] for _ in range(1000)]
+        assert len(queries) > 2000
+        warm_tree, new_tree = warm.replica.pump.rules.tree, new.replica.pump.rules.tree
+        for tokens in queries:
+            keys = block_keys(tokens, BS)
+            assert new_tree.prefix_depths(keys).any_tier == warm_tree.prefix_depths(keys).any_tier
+            assert new_tree.match(keys) == warm_tree.match(keys)
+        assert bootstrap.snapshot_outcomes["accepted"] >= 1
+        assert bootstrap.sources["peer"] == 3
+
+
+async def test_the_joined_replica_keeps_up_and_proves_the_splice() -> None:
+    async with warm_fleet(n_chains=12) as (workers, warm, _), contextlib.AsyncExitStack() as s:
+        new = await join(warm, s, workers=[w.url for w in workers])
+        await ready(new)
+        rng = random.Random(3)
+        for fw, r in [(workers[0], 0), (workers[1], 0), (workers[1], 1)]:
+            last = await fw.store([chain(rng, [], 3)], dp_rank=r)
+            await warm.wait_cursor(fw.url, r, last)
+            await new.wait_cursor(fw.url, r, last)
+        assert view(new) == view(warm)
+        tracker = new.replica.bootstrap.tracker
+        assert tracker.rank_outcomes["warm"] == 3  # each rank's first live batch proved it
+        _, metrics = await new.get("/workers")
+        assert all(r["blocks"] > 0 for w in metrics["workers"] for r in w["ranks"])
+
+
+async def test_a_cold_sibling_is_not_used_and_the_replica_turns_ready_cold() -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        fw = await stack.enter_async_context(fake_worker_in_process())
+        cold = await stack.enter_async_context(router_in_process(workers=[fw.url]))
+        new = await join(cold, stack, workers=[fw.url])
+        await ready(new)
+        tracker = new.replica.bootstrap.tracker
+        assert tracker.rank_outcomes["abandoned"] == 1
+        assert tracker.sweep_outcomes["fleet_cold"] == 1
+        assert new.replica.bootstrap.sources["peer"] == 0
+
+
+async def broken_sibling(kind: str) -> tuple[web.AppRunner, str]:
+    """A sibling whose /internal/kv_snapshot misbehaves in one way."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if kind == "404":
+            return web.Response(status=404)
+        if kind == "garbage":
+            return web.Response(body=b"\x93not a snapshot", content_type="application/msgpack")
+        if kind == "truncated_gzip":
+            return web.Response(
+                body=b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03\xab\x56",
+                headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+            )
+        if kind == "oversized":
+            return web.Response(
+                body=b"{" + b" " * (3 * 1024 * 1024), content_type="application/json"
+            )
+        await asyncio.sleep(3600)  # hangs
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/internal/kv_snapshot", handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.2)
+    await runner.setup()
+    port = free_tcp_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("kind", ["404", "garbage", "truncated_gzip", "oversized", "hangs"])
+async def test_a_misbehaving_sibling_leaves_the_rank_cold_within_the_deadline(kind: str) -> None:
+    runner, url = await broken_sibling(kind)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            fw = await stack.enter_async_context(fake_worker_in_process())
+            new = await stack.enter_async_context(
+                router_in_process(
+                    workers=[fw.url],
+                    peer=[url],
+                    kv_bootstrap_timeout_ms=2_000,
+                    kv_bootstrap_max_body_mb=2,
+                )
+            )
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            await ready(new, within_s=10)
+            assert loop.time() - started < 6
+            tracker = new.replica.bootstrap.tracker
+            assert tracker.rank_outcomes["abandoned"] == 1
+            assert new.replica.bootstrap.snapshot_outcomes["accepted"] == 0
+            # It runs cold, and indexes what it hears from now on.
+            await new.gate(fw)
+            assert new.replica.pump.rules.tree.block_count(RankId(fw.url, 0)) >= 1
+    finally:
+        await runner.cleanup()
+
+
+async def lagging_proxy(warm: RouterHandle, lag: int) -> tuple[web.AppRunner, str, list]:
+    """A sibling that relays `warm`'s snapshot, claiming cursors `lag` batches older the first
+    time: the stream will not join that watermark, exactly like a snapshot taken too early."""
+    served: list[dict] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        async with warm.session.get(
+            warm.url + "/internal/kv_snapshot", params=request.query
+        ) as resp:
+            snap = wire.decode(await resp.read(), resp.headers["Content-Type"])
+        if not served and not request.query.get("cursors_only"):
+            snap.cursors = [(w, max(0, seq - lag)) for w, seq in snap.cursors]
+        served.append(dict(snap.cursors))
+        return web.Response(body=wire.encode(snap), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/internal/kv_snapshot", handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.2)
+    await runner.setup()
+    port = free_tcp_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}", served
+
+
+async def test_a_gap_between_snapshot_and_stream_is_retried_once_and_recovers() -> None:
+    async with warm_fleet(n_chains=9) as (workers, warm, _), contextlib.AsyncExitStack() as stack:
+        fw = workers[0]
+        runner, url, served = await lagging_proxy(warm, lag=2)
+        stack.push_async_callback(runner.cleanup)
+        new = await stack.enter_async_context(
+            router_in_process(peer=[url], kv_bootstrap_timeout_ms=20_000)
+        )
+        bootstrap = new.replica.bootstrap
+        await bootstrap.fetcher.close()
+        bootstrap.fetcher = SnapshotFetcher(accept=JSON, gzip=False, per_fetch_s=10)
+        await add_workers(new, [fw])
+        await ready(new)
+        rank = RankId(fw.url, 0)
+        tracker = bootstrap.tracker
+        assert tracker.recorded_outcome(rank) is None  # grafted, proof deferred
+        # The next live batch does not join the (lagging) watermark: gap, then one retry.
+        last = await fw.store([list(range(3, 3 + 2 * BS))])
+        await warm.wait_cursor(fw.url, 0, last)
+        await new.wait_cursor(fw.url, 0, last)
+        assert len(served) >= 2
+        assert str(tracker.recorded_outcome(rank)) == "warm"
+        assert tracker.rank_outcomes["gap"] == 0
+        # The new replica indexes only fw; compare what each holds for fw's rank.
+        assert held_by(new, rank) == held_by(warm, rank)
+        assert len(held_by(new, rank)) > 0
+
+
+async def test_seed_required_holds_readyz_after_a_timed_out_sweep_over_live_peers() -> None:
+    runner, url = await broken_sibling("hangs")
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            fw = await stack.enter_async_context(fake_worker_in_process())
+            new = await stack.enter_async_context(
+                router_in_process(
+                    workers=[fw.url],
+                    peer=[url],
+                    kv_bootstrap_timeout_ms=1_000,
+                    kv_bootstrap_seed_required=True,
+                )
+            )
+            tracker = new.replica.bootstrap.tracker
+            await eventually(lambda: tracker.sweep_outcomes["timed_out"], 10)
+            assert tracker.settled()
+            status, body = await new.get("/readyz")
+            assert status == 503 and body["reason"] == "seed gate closed"
+            # Without the flag, the same situation is ready.
+            other = await stack.enter_async_context(
+                router_in_process(workers=[fw.url], peer=[url], kv_bootstrap_timeout_ms=1_000)
+            )
+            await ready(other, within_s=10)
+    finally:
+        await runner.cleanup()
