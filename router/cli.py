@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -216,6 +217,20 @@ class StartError(Exception):
     """The server could not start (e.g. its port is taken); the message is one line."""
 
 
+def _tune_gc() -> None:
+    """Fewer, cheaper cyclic collections on the request path.
+
+    Everything allocated at start-up (modules, the app, sessions) is moved out of the
+    collector's sight, and the young generation may grow to 20k objects before a pass: with
+    CPython's default of 700, decoding event batches and serving requests triggered a
+    collection every few requests, and full passes over aiohttp's objects showed in p99.
+    The index itself is invisible to the collector (`gc=False` nodes).
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 50)
+
+
 async def serve(config: ServeConfig, ready: Callable[[str], None] | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -229,6 +244,7 @@ async def serve(config: ServeConfig, ready: Callable[[str], None] | None = None)
     )
     try:
         await runner.setup()
+        _tune_gc()
         site = web.TCPSite(runner, config.host, config.port)
         try:
             await site.start()

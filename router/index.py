@@ -57,11 +57,29 @@ DEFAULT_QUEUE_SIZE = 1024
 def apply_events(
     tree: BlockTree, rank: RankId, events: Iterable[KVEvent], tally: Counter[tuple] | None = None
 ) -> None:
-    """Apply events in order, counting them into `tally` by (kind, medium) for metrics."""
+    """Apply events in order, counting them into `tally` by (kind, medium) for metrics.
+
+    Consecutive removals of the same tier become one `tree.remove` call: an engine evicting
+    under pressure sends one BlockRemoved per block, dozens per batch.
+    """
     if tally is None:
         tally = Counter()
+    removing: list[int] = []
+    removing_tier: int | None = None
     for event in events:
-        if type(event) is BlockStored:
+        kind = type(event)
+        if kind is BlockRemoved:
+            if removing and event.tier != removing_tier:
+                tree.remove(rank, removing, removing_tier)
+                removing = []
+            removing_tier = event.tier
+            removing.extend(event.engine_hashes)
+            tally["removed", event.medium] += 1
+            continue
+        if removing:
+            tree.remove(rank, removing, removing_tier)
+            removing = []
+        if kind is BlockStored:
             tree.store(
                 rank,
                 event.parent_engine_hash,
@@ -72,12 +90,11 @@ def apply_events(
                 event.namespace,
             )
             tally["stored", event.medium] += 1
-        elif type(event) is BlockRemoved:
-            tree.remove(rank, event.engine_hashes, event.tier)
-            tally["removed", event.medium] += 1
-        elif type(event) is AllBlocksCleared:
+        elif kind is AllBlocksCleared:
             tree.clear_rank(rank)
             tally["cleared", None] += 1
+    if removing:
+        tree.remove(rank, removing, removing_tier)
 
 
 @dataclass(slots=True)
