@@ -40,7 +40,7 @@ from peer.sweep import (
     sweep,
 )
 from peer.tracker import BootstrapTracker, Obligation, below_floor_warning
-from peer.vet import VetError, VettedSnapshot, Vetting
+from peer.vet import Retaining, VetError, VettedSnapshot, Vetting
 from router.graft import BootstrapRules, Grafted, LocalGraft
 from router.index import IndexRules, Pump
 
@@ -189,6 +189,14 @@ class PeerBootstrap:
         await self.pump.call(lambda rules: _rules(rules).abandon(obligations))
 
     async def _graft(self, obligations: list[Obligation], vetted: Grafted) -> list[RankId]:
+        if isinstance(vetted, VettedSnapshot):
+            # Filtering a million-node snapshot to the owed ranks takes most of a second:
+            # do it in slices before the pump call; the graft re-checks what is still owed.
+            owed = {o.rank for o in self.tracker.still_owed(obligations)}
+            job = Retaining(vetted, owed)
+            await run_in_slices(job.step, VET_CHUNK)
+            vetted = job.result()
+
         async def run(rules: IndexRules) -> list[RankId]:
             bootstrap = _rules(rules)
             job = bootstrap.begin_graft(obligations, vetted)

@@ -230,7 +230,10 @@ class BootstrapRules:
         ]
         if not owed:
             return None
-        mine = vetted.retain_workers({o.rank for o in owed})
+        owed_ranks = {o.rank for o in owed}
+        # A caller may have filtered the snapshot already (in slices, off the pump).
+        filtered = set(vetted.snapshot.workers) <= owed_ranks and set(vetted.cursors) <= owed_ranks
+        mine = vetted if filtered else vetted.retain_workers(owed_ranks)
         try:
             restore_job = SnapshotRestore(index._tree, mine.snapshot)
         except SnapshotError as exc:

@@ -128,6 +128,7 @@ async def test_the_joined_replica_keeps_up_and_proves_the_splice() -> None:
         await ready(new)
         rng = random.Random(3)
         for fw, r in [(workers[0], 0), (workers[1], 0), (workers[1], 1)]:
+            await new.gate(fw, r)  # a subscription may still be joining after /readyz
             last = await fw.store([chain(rng, [], 3)], dp_rank=r)
             await warm.wait_cursor(fw.url, r, last)
             await new.wait_cursor(fw.url, r, last)
@@ -248,9 +249,9 @@ async def test_a_gap_between_snapshot_and_stream_is_retried_once_and_recovers() 
         tracker = bootstrap.tracker
         assert tracker.recorded_outcome(rank) is None  # grafted, proof deferred
         # The next live batch does not join the (lagging) watermark: gap, then one retry.
-        last = await fw.store([list(range(3, 3 + 2 * BS))])
+        # Probing until one is applied also covers a subscription still joining.
+        last = await new.gate(fw)
         await warm.wait_cursor(fw.url, 0, last)
-        await new.wait_cursor(fw.url, 0, last)
         assert len(served) >= 2
         assert str(tracker.recorded_outcome(rank)) == "warm"
         assert tracker.rank_outcomes["gap"] == 0
