@@ -285,3 +285,24 @@ async def test_seed_required_holds_readyz_after_a_timed_out_sweep_over_live_peer
             await ready(other, within_s=10)
     finally:
         await runner.cleanup()
+
+
+async def test_a_later_scale_up_never_unreadies_a_serving_replica() -> None:
+    runner, url = await broken_sibling("hangs")
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            first = await stack.enter_async_context(fake_worker_in_process())
+            second = await stack.enter_async_context(fake_worker_in_process())
+            new = await stack.enter_async_context(
+                router_in_process(workers=[first.url], peer=[url], kv_bootstrap_timeout_ms=2_000)
+            )
+            await ready(new, within_s=10)
+            # A worker discovered later bootstraps (Pending, held) but readiness is latched.
+            status, _, _ = await new.post("/workers", {"url": second.url})
+            assert status == 200
+            tracker = new.replica.bootstrap.tracker
+            assert tracker.is_pending(RankId(second.url, 0))
+            status, _ = await new.get("/readyz")
+            assert status == 200
+    finally:
+        await runner.cleanup()
