@@ -199,16 +199,22 @@ class SnapshotRestore:
     their subtree are dropped rather than grafted as bare structure.
     """
 
-    def __init__(self, tree: BlockTree, snapshot: Snapshot) -> None:
+    def __init__(self, tree: BlockTree, snapshot: Snapshot, *, prevalidated: bool = False) -> None:
+        """`prevalidated`: the snapshot's structure was already proven by the code that built it
+        (`peer.vet`, an export of our own tree) and has no carrier-less subtree. Only the
+        checks against this tree (a key held under another parent) still run: at a million
+        records the structural re-checks cost about a second."""
         self._tree = tree
         self._snap = snapshot
         self._workers = _validate_workers(snapshot.workers)
+        self._prevalidated = prevalidated
         self._pos = 0
         self._carrier_pos = 0
         self._validated = False
         self._keep: bytearray = bytearray()
         self.applied = 0
-        self._check_columns()
+        if not prevalidated:
+            self._check_columns()
 
     @property
     def done(self) -> bool:
@@ -241,33 +247,43 @@ class SnapshotRestore:
 
     def _validate_chunk(self, budget: int) -> None:
         snap = self._snap
-        parents, keys, counts = snap.parents, snap.keys, snap.carrier_counts
-        c_workers = snap.carrier_workers
-        nodes = self._tree._nodes
-        check_tree = bool(nodes)
-        end = min(self._pos + budget, len(keys))
-        cpos = self._carrier_pos
-        for i in range(self._pos, end):
-            parent = parents[i]
-            if not -1 <= parent < i:
-                raise SnapshotError(f"record {i}: parent {parent} is not an earlier record")
-            n = counts[i]
-            if n > 1 and len(set(c_workers[cpos : cpos + n])) != n:
-                raise SnapshotError(f"record {i}: a worker is listed twice")
-            cpos += n
-            if check_tree:
-                existing = nodes.get(keys[i])
-                if existing is not None and existing.parent != (
-                    None if parent < 0 else keys[parent]
-                ):
-                    raise SnapshotError(f"record {i}: key {keys[i]:#x} sits under another parent")
+        parents, counts = snap.parents, snap.carrier_counts
+        start, end = self._pos, min(self._pos + budget, len(snap.keys))
+        if not self._prevalidated:
+            c_workers = snap.carrier_workers
+            cpos = self._carrier_pos
+            for i in range(start, end):
+                parent = parents[i]
+                if not -1 <= parent < i:
+                    raise SnapshotError(f"record {i}: parent {parent} is not an earlier record")
+                n = counts[i]
+                if n > 1 and len(set(c_workers[cpos : cpos + n])) != n:
+                    raise SnapshotError(f"record {i}: a worker is listed twice")
+                cpos += n
+            self._carrier_pos = cpos
+        self._check_against_tree(start, end)
         self._pos = end
-        self._carrier_pos = cpos
-        if end >= len(keys):
-            self._keep = _carried_subtrees(parents, counts)
+        if end >= len(snap.keys):
+            if self._prevalidated:
+                self._keep = bytearray(b"\x01") * len(snap.keys)
+            else:
+                self._keep = _carried_subtrees(parents, counts)
             self._validated = True
             self._pos = 0
             self._carrier_pos = 0
+
+    def _check_against_tree(self, start: int, end: int) -> None:
+        """A key this tree already holds must sit under the same parent in the snapshot."""
+        nodes = self._tree._nodes
+        if not nodes:
+            return
+        parents, keys = self._snap.parents, self._snap.keys
+        for i in range(start, end):
+            existing = nodes.get(keys[i])
+            if existing is not None:
+                parent = parents[i]
+                if existing.parent != (None if parent < 0 else keys[parent]):
+                    raise SnapshotError(f"record {i}: key {keys[i]:#x} sits under another parent")
 
     def _graft_chunk(self, budget: int) -> None:
         tree = self._tree

@@ -235,7 +235,8 @@ class BootstrapRules:
         filtered = set(vetted.snapshot.workers) <= owed_ranks and set(vetted.cursors) <= owed_ranks
         mine = vetted if filtered else vetted.retain_workers(owed_ranks)
         try:
-            restore_job = SnapshotRestore(index._tree, mine.snapshot)
+            # Every graft source is vetted (`peer.vet`) or built by our own tree code.
+            restore_job = SnapshotRestore(index._tree, mine.snapshot, prevalidated=True)
         except SnapshotError as exc:
             self.fail_graft(owed, exc)
             return None

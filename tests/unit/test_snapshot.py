@@ -230,3 +230,22 @@ def test_canonical_view_differs_when_a_tier_differs() -> None:
     one.store(A, None, [10], list(range(4)), BS)
     two.store(A, None, [10], list(range(4)), BS, tier=HOST)
     assert canonical_view(one) != canonical_view(two)
+
+
+def test_a_prevalidated_restore_skips_only_structure_and_still_refuses_a_conflict() -> None:
+    tree = populated()
+    copy = BlockTree(BS)
+    job = SnapshotRestore(copy, export(tree), prevalidated=True)
+    while not job.step(7):
+        pass
+    assert canonical_view(copy) == canonical_view(tree)
+    other = BlockTree(BS)
+    other.store(A, None, [10, 11], list(range(8)), BS)
+    child = list(other._iter_keys())[1]
+    conflicting = Snapshot.from_records([B], [(None, child, ((0, DEVICE, 1),))])
+    before = canonical_view(other)
+    with pytest.raises(SnapshotError, match="another parent"):
+        restore_job = SnapshotRestore(other, conflicting, prevalidated=True)
+        while not restore_job.step():
+            pass
+    assert canonical_view(other) == before
