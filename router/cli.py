@@ -27,6 +27,7 @@ from typing import Any, Final, NoReturn
 
 from aiohttp import web
 
+from router import demo, view
 from router.app import REPLICA, ServeConfig, build_app
 from router.policy import POLICY_NAMES
 from router.tokenize import load_tokenizer
@@ -86,6 +87,8 @@ class _Flags:
                 _fail(f"{env}={raw!r} is not one of {', '.join(choices)}")
         if repeat:
             self.repeat_defaults[name.replace("-", "_")] = default
+        # A boolean flag may stand alone (`--expose-route-headers`) or take a value.
+        bare = {"nargs": "?", "const": True} if kind is _flag_bool else {}
         self.parser.add_argument(
             f"--{name}",
             type=kind,
@@ -93,6 +96,7 @@ class _Flags:
             action="append" if repeat else "store",
             choices=choices,
             help=f"{help} [env {env}; default {default!r}]",
+            **bare,
         )
 
     def apply_repeat_defaults(self, args: argparse.Namespace) -> None:
@@ -279,7 +283,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Flags]:
     """The `kvrouter` parser and the `serve` flags (defaults read from the environment now)."""
     parser = _Parser(prog="kvrouter", description="cache-aware LLM router")
     sub = parser.add_subparsers(dest="command", required=True)
-    return parser, _serve_parser(sub)
+    serve_flags = _serve_parser(sub)
+    demo.add_parser(sub)
+    view.add_parser(sub)
+    return parser, serve_flags
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -303,6 +310,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             asyncio.run(serve(config))
         except StartError as exc:
             _fail(str(exc), status=1)
+    elif args.command == "demo":
+        raise SystemExit(demo.run(args))
+    elif args.command == "view":
+        raise SystemExit(view.run(args))
 
 
 if __name__ == "__main__":

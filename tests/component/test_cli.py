@@ -179,8 +179,9 @@ async def test_help_exits_0_and_documents_every_flag_with_its_env_var() -> None:
     missing = []
     for flag in serve_flags():
         env = "KVROUTER_" + flag.upper().replace("-", "_")
-        # `--flag METAVAR  help text [env KVROUTER_FLAG; default ...]`
-        if not re.search(rf"--{flag} (?:[A-Z_]+|{{[^}}]*}}) [^\[]*\[env {env};", flat):
+        # `--flag METAVAR  help text [env KVROUTER_FLAG; default ...]`; a boolean's METAVAR is
+        # optional (`--flag [FLAG]`).
+        if not re.search(rf"--{flag} (?:\[?[A-Z_]+\]?|{{[^}}]*}}) [^\[]*\[env {env};", flat):
             missing.append(flag)
     assert missing == [], f"flags without their env var in --help: {missing}\n{out}"
 

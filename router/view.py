@@ -1,0 +1,453 @@
+"""`kvrouter view URL [URL ...]`: what each router replica's index holds, and whether they agree.
+
+For every replica it fetches the live cursor table (`/internal/kv_snapshot?cursors_only=true`),
+a fresh full export (`/internal/kv_snapshot?max_age_ms=0`, msgpack, gzip) and `/readyz`, with
+the same client the replicas use for their siblings (`peer.fetch.SnapshotFetcher`). Each body
+is restored into a `cachetree.tree.BlockTree` through the one wire -> columns road
+(`peer.vet.VettedSnapshot.from_wire`, then `cachetree.snapshot.restore`), with `live` = every
+rank any of the bodies names, so nothing a replica holds is dropped for being unknown here.
+The replicas' `canonical_view`s are then compared with the first replica's.
+
+Output, per replica: readiness, block size, node count, and per rank its cursor and blocks;
+then the verdict, and where views differ, per rank: blocks only in one of the two, and blocks
+in both whose parent, tiers or engine hash differ.
+
+Exit status: 0 when the views agree (one replica always agrees with itself), 1 when they
+differ, 2 on errors (a replica unreachable, a body that does not decode or fails vetting, a
+bad command line). `--cursors-only` fetches only the cursor tables and readiness: the verdict
+then compares cursors (every replica names the same ranks at the same seqs).
+
+A comparison means something only when every replica has applied the same stream: views
+taken while events flow can differ by the batches in flight. Compare after a quiesce (every
+replica's cursor per rank at the worker's last seq); the cursors are printed so a difference
+of that kind is visible as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import aiohttp
+import msgspec
+
+from cachetree.ranks import RankId
+from cachetree.snapshot import SnapshotError, canonical_view, restore
+from cachetree.tree import BlockTree
+from peer.fetch import Fetched, SnapshotFetcher
+from peer.vet import VetError, VettedSnapshot
+from peer.wire import PeerSnapshot
+
+TOKEN_ENV: Final = "KVROUTER_INTERNAL_TOKEN"
+DEFAULT_TIMEOUT_S: Final = 30.0
+EXAMPLES: Final = 3  # example keys shown per kind of difference
+
+CanonicalView = frozenset[tuple[int, int | None, tuple]]
+# key -> (parent key, tier bits, engine hash) of one rank's carried blocks
+RankBlocks = dict[int, tuple[int | None, int, int]]
+
+
+@dataclass(slots=True)
+class ReplicaView:
+    """One replica as `view` saw it. `error` set: the rest may be partial."""
+
+    url: str
+    ready: bool | None = None
+    ready_detail: str = ""
+    cursors: dict[RankId, int] = field(default_factory=dict)  # the live cursor table
+    ranks: set[RankId] = field(default_factory=set)  # every rank its bodies name
+    block_size: int = 0
+    producer_ready: bool = False
+    snapshot: PeerSnapshot | None = None  # the full export, None with --cursors-only
+    tree: BlockTree | None = None  # the export restored
+    canonical: CanonicalView | None = None
+    error: str | None = None
+
+    @property
+    def nodes(self) -> int | None:
+        return None if self.snapshot is None else len(self.snapshot.nodes)
+
+    def blocks(self, rank: RankId) -> int | None:
+        return None if self.tree is None else self.tree.block_count(rank)
+
+
+@dataclass(slots=True)
+class RankDiff:
+    rank: RankId
+    only_ref: list[int] = field(default_factory=list)  # keys carried only in the reference
+    only_other: list[int] = field(default_factory=list)
+    changed: list[int] = field(default_factory=list)  # same key, other parent/tiers/hash
+    cursor_ref: int | None = None
+    cursor_other: int | None = None
+
+
+@dataclass(slots=True)
+class PairDiff:
+    """How one replica differs from the reference (the first replica)."""
+
+    ref: str
+    other: str
+    ranks: list[RankDiff] = field(default_factory=list)
+    note: str = ""  # a difference not attributable to a rank (block size, structure)
+
+
+@dataclass(slots=True)
+class Comparison:
+    agree: bool
+    diffs: list[PairDiff] = field(default_factory=list)
+    cursors_only: bool = False
+
+
+# -- fetching -------------------------------------------------------------------------------
+
+
+def _rank(worker: Any) -> RankId:
+    return RankId(worker.url.rstrip("/"), worker.dp_rank)
+
+
+def _named_ranks(snap: PeerSnapshot) -> set[RankId]:
+    return {_rank(w) for w in snap.workers} | {_rank(w) for w in snap.empty_ranks}
+
+
+def _cursor_table(snap: PeerSnapshot) -> dict[RankId, int]:
+    out: dict[RankId, int] = {}
+    for index, seq in snap.cursors:
+        if 0 <= index < len(snap.workers):
+            out[_rank(snap.workers[index])] = seq
+    return out
+
+
+async def _readiness(
+    session: aiohttp.ClientSession, url: str, timeout_s: float
+) -> tuple[bool, str]:
+    async with session.get(
+        url.rstrip("/") + "/readyz", timeout=aiohttp.ClientTimeout(total=timeout_s)
+    ) as resp:
+        try:
+            body = await resp.json(content_type=None)
+        except ValueError:
+            body = None
+        reason = body.get("reason", "") if isinstance(body, dict) else ""
+        if resp.status == 200:
+            return True, ""
+        return False, reason or f"HTTP {resp.status}"
+
+
+async def fetch_view(
+    fetcher: SnapshotFetcher,
+    session: aiohttp.ClientSession,
+    url: str,
+    *,
+    cursors_only: bool = False,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> ReplicaView:
+    """Readiness, the cursor table and (unless `cursors_only`) a fresh full export."""
+    view = ReplicaView(url.rstrip("/"))
+    try:
+        view.ready, view.ready_detail = await _readiness(session, url, timeout_s)
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        view.error = f"/readyz: {type(exc).__name__}: {exc}"
+        return view
+    table = await fetcher.fetch_cursors(url, budget_s=timeout_s)
+    if not isinstance(table, Fetched):
+        view.error = f"cursor table: {table.reason}"
+        return view
+    view.cursors = _cursor_table(table.snapshot)
+    view.ranks |= _named_ranks(table.snapshot)
+    view.block_size = table.snapshot.block_size
+    view.producer_ready = table.snapshot.producer_ready
+    if cursors_only:
+        return view
+    # max_age_ms=0: an export that began after this request arrived, never a cached one.
+    full = await fetcher.fetch_snapshot(url, 0, budget_s=timeout_s)
+    if not isinstance(full, Fetched):
+        view.error = f"snapshot: {full.reason}"
+        return view
+    view.snapshot = full.snapshot
+    view.ranks |= _named_ranks(full.snapshot)
+    view.block_size = full.snapshot.block_size or view.block_size
+    view.producer_ready = full.snapshot.producer_ready
+    return view
+
+
+def restore_snapshot(snap: PeerSnapshot, live: set[RankId]) -> BlockTree | None:
+    """The export as a tree, through the path a booting replica takes (vet, then restore).
+
+    Readiness is not this tool's business, so a body from a replica that is not ready yet is
+    vetted as if it were. None when the replica has no tree (block size unknown yet).
+    Raises VetError or SnapshotError when the body cannot be restored.
+    """
+    if snap.block_size < 1:
+        return None
+    tree = BlockTree(snap.block_size)
+    if not snap.nodes:
+        return tree
+    vetted = VettedSnapshot.from_wire(
+        msgspec.structs.replace(snap, producer_ready=True), live, snap.block_size
+    )
+    restore(tree, vetted.snapshot)
+    return tree
+
+
+def restore_views(views: Sequence[ReplicaView]) -> None:
+    """Restore every fetched export, `live` being the union of the ranks all bodies name."""
+    live: set[RankId] = set()
+    for view in views:
+        live |= view.ranks
+    for view in views:
+        if view.error is not None or view.snapshot is None:
+            continue
+        try:
+            view.tree = restore_snapshot(view.snapshot, live)
+        except (VetError, SnapshotError) as exc:
+            view.error = f"snapshot does not restore: {exc}"
+            continue
+        view.canonical = frozenset() if view.tree is None else canonical_view(view.tree)
+
+
+async def collect(
+    urls: Sequence[str],
+    *,
+    token: str | None = None,
+    cursors_only: bool = False,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[ReplicaView]:
+    """Every replica's view, fetched concurrently and restored."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with (
+        SnapshotFetcher(token=token, per_fetch_s=timeout_s) as fetcher,
+        aiohttp.ClientSession(headers=headers) as session,
+    ):
+        views = list(
+            await asyncio.gather(
+                *(
+                    fetch_view(
+                        fetcher, session, url, cursors_only=cursors_only, timeout_s=timeout_s
+                    )
+                    for url in urls
+                )
+            )
+        )
+    if not cursors_only:
+        restore_views(views)
+    return views
+
+
+# -- comparing ------------------------------------------------------------------------------
+
+
+def rank_blocks(view: CanonicalView) -> dict[RankId, RankBlocks]:
+    """A canonical view regrouped per rank: key -> (parent, tier bits, engine hash)."""
+    out: dict[RankId, RankBlocks] = {}
+    for key, parent, carriers in view:
+        for url, dp_rank, bits, engine_hash in carriers:
+            out.setdefault(RankId(url, dp_rank), {})[key] = (parent, bits, engine_hash)
+    return out
+
+
+def _diff_views(ref: ReplicaView, other: ReplicaView) -> PairDiff:
+    diff = PairDiff(ref.url, other.url)
+    if ref.block_size != other.block_size:
+        diff.note = f"block size {ref.block_size} vs {other.block_size}"
+        return diff
+    assert ref.canonical is not None and other.canonical is not None
+    a, b = rank_blocks(ref.canonical), rank_blocks(other.canonical)
+    for rank in sorted(a.keys() | b.keys()):
+        ra, rb = a.get(rank, {}), b.get(rank, {})
+        if ra == rb:
+            continue
+        diff.ranks.append(
+            RankDiff(
+                rank,
+                only_ref=sorted(ra.keys() - rb.keys()),
+                only_other=sorted(rb.keys() - ra.keys()),
+                changed=sorted(k for k in ra.keys() & rb.keys() if ra[k] != rb[k]),
+                cursor_ref=ref.cursors.get(rank),
+                cursor_other=other.cursors.get(rank),
+            )
+        )
+    if not diff.ranks:
+        diff.note = "same blocks per rank, but the tree structure differs"
+    return diff
+
+
+def _diff_cursors(ref: ReplicaView, other: ReplicaView) -> PairDiff:
+    diff = PairDiff(ref.url, other.url)
+    for rank in sorted(ref.cursors.keys() | other.cursors.keys()):
+        a, b = ref.cursors.get(rank), other.cursors.get(rank)
+        if a != b:
+            diff.ranks.append(RankDiff(rank, cursor_ref=a, cursor_other=b))
+    return diff
+
+
+def compare(views: Sequence[ReplicaView], *, cursors_only: bool = False) -> Comparison:
+    """Every replica against the first. Views with errors are not compared."""
+    usable = [v for v in views if v.error is None]
+    result = Comparison(agree=True, cursors_only=cursors_only)
+    if not usable:
+        return result
+    ref = usable[0]
+    for other in usable[1:]:
+        if cursors_only:
+            same = ref.cursors == other.cursors
+            diff = None if same else _diff_cursors(ref, other)
+        else:
+            same = ref.block_size == other.block_size and ref.canonical == other.canonical
+            diff = None if same else _diff_views(ref, other)
+        if diff is not None:
+            result.agree = False
+            result.diffs.append(diff)
+    return result
+
+
+def exit_status(views: Sequence[ReplicaView], comparison: Comparison) -> int:
+    if any(v.error is not None for v in views):
+        return 2
+    return 0 if comparison.agree else 1
+
+
+# -- printing -------------------------------------------------------------------------------
+
+
+def _examples(keys: list[int]) -> str:
+    if not keys:
+        return ""
+    shown = ", ".join(f"{k:#018x}" for k in keys[:EXAMPLES])
+    more = f", ... ({len(keys) - EXAMPLES} more)" if len(keys) > EXAMPLES else ""
+    return f" [{shown}{more}]"
+
+
+def _seq(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def render(views: Sequence[ReplicaView], comparison: Comparison) -> list[str]:
+    lines: list[str] = []
+    for view in views:
+        if view.ready is None:
+            readiness = "readiness unknown"
+        elif view.ready:
+            readiness = "ready"
+        else:
+            readiness = f"not ready ({view.ready_detail})"
+        head = f"replica {view.url}: {readiness}"
+        if view.error is None or view.cursors:
+            head += f", block size {view.block_size or '-'}"
+            if view.nodes is not None:
+                head += f", {view.nodes} nodes"
+            if not view.producer_ready:
+                head += ", producer not ready"
+        lines.append(head)
+        if view.error is not None:
+            lines.append(f"  error: {view.error}")
+        ranks = sorted(view.ranks | view.cursors.keys())
+        if ranks:
+            width = max(len(str(r)) for r in ranks)
+            lines.append(f"  {'rank':<{width}}  {'cursor':>8}  {'blocks':>8}")
+            for rank in ranks:
+                blocks = view.blocks(rank)
+                lines.append(
+                    f"  {rank!s:<{width}}  {_seq(view.cursors.get(rank)):>8}  "
+                    f"{'-' if blocks is None else blocks:>8}"
+                )
+        elif view.error is None:
+            lines.append("  no ranks")
+    compared = [v for v in views if v.error is None]
+    what = "cursor tables" if comparison.cursors_only else "views"
+    if len(compared) < 2:
+        lines.append(f"{what}: nothing to compare ({len(compared)} replica(s) answered)")
+    elif comparison.agree:
+        if comparison.cursors_only:
+            detail = f"{len(compared[0].cursors)} ranks"
+        else:
+            detail = f"{compared[0].nodes} nodes, {len(compared[0].canonical or ())} in the view"
+        lines.append(f"{what}: agree ({len(compared)} replicas, {detail})")
+    else:
+        lines.append(f"{what}: differ")
+        for diff in comparison.diffs:
+            lines.append(f"  {diff.other} vs {diff.ref}:")
+            if diff.note:
+                lines.append(f"    {diff.note}")
+            for rd in diff.ranks:
+                cursors = f"cursor {_seq(rd.cursor_other)} vs {_seq(rd.cursor_ref)}"
+                if comparison.cursors_only:
+                    lines.append(f"    rank {rd.rank}: {cursors}")
+                    continue
+                lines.append(
+                    f"    rank {rd.rank}: {len(rd.only_other)} block(s) only in {diff.other}, "
+                    f"{len(rd.only_ref)} only in {diff.ref}, {len(rd.changed)} differ "
+                    f"(parent/tier/hash); {cursors}"
+                )
+                if rd.only_other:
+                    lines.append(f"      only in {diff.other}:{_examples(rd.only_other)}")
+                if rd.only_ref:
+                    lines.append(f"      only in {diff.ref}:{_examples(rd.only_ref)}")
+                if rd.changed:
+                    lines.append(f"      differ:{_examples(rd.changed)}")
+        if not comparison.cursors_only and any(
+            v.cursors != compared[0].cursors for v in compared[1:]
+        ):
+            lines.append(
+                "  (the cursors differ too: a replica that has not applied the same batches "
+                "yet differs by them; compare after a quiesce)"
+            )
+    return lines
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "view",
+        help="show and compare router replicas' KV indexes",
+        description="Fetch each replica's /internal/kv_snapshot and /readyz; print ranks, "
+        "cursors, node counts, readiness, and whether the canonical views agree. "
+        "Exit 0: they agree; 1: they differ; 2: errors.",
+    )
+    p.add_argument("urls", nargs="+", metavar="URL", help="a router replica's base URL")
+    p.add_argument(
+        "--cursors-only",
+        action="store_true",
+        help="fetch only the cursor tables (and readiness); the verdict compares cursors",
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get(TOKEN_ENV, ""),
+        help=f"bearer token for /internal/* [env {TOKEN_ENV}]",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"bound on each request [default {DEFAULT_TIMEOUT_S:g}]",
+    )
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """`kvrouter view`: print the report, return the exit status."""
+    for url in args.urls:
+        if not url.startswith(("http://", "https://")):
+            sys.stderr.write(f"kvrouter: error: {url!r} is not an http(s) URL\n")
+            return 2
+    if args.timeout_s <= 0:
+        sys.stderr.write("kvrouter: error: --timeout-s must be > 0\n")
+        return 2
+    views = asyncio.run(
+        collect(
+            args.urls,
+            token=args.token or None,
+            cursors_only=args.cursors_only,
+            timeout_s=args.timeout_s,
+        )
+    )
+    comparison = compare(views, cursors_only=args.cursors_only)
+    for line in render(views, comparison):
+        print(line)
+    return exit_status(views, comparison)

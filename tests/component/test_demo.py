@@ -1,0 +1,108 @@
+"""`kvrouter demo` as a user runs it: a subprocess that starts its own cluster, with a bound.
+
+Asserted from its output: both policies' cached-token ratios (cache_aware higher), the third
+replica ready, the three views equal, the routing check, exit 0; and afterwards every process
+it started is gone (each URL it printed refuses connections). A Ctrl-C mid-run stops them too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+URL = re.compile(r"http://127\.0\.0\.1:(\d+)")
+# Smaller than the default workload, and still enough for the policies to differ.
+SMALL = ["--conversations", "8", "--turns", "3", "--system-prompts", "3", "--concurrency", "4"]
+
+
+async def start_demo(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "router.cli",
+        "demo",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def ports_in(text: str) -> set[int]:
+    return {int(p) for p in URL.findall(text)}
+
+
+def log_sizes(log_dir: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in log_dir.iterdir()}
+
+
+def ratio(out: str, policy: str) -> float:
+    match = re.search(rf"^  {policy} +cached-token ratio (\d\.\d+) ", out, re.MULTILINE)
+    assert match, out
+    return float(match.group(1))
+
+
+@pytest.mark.timeout(60)
+async def test_the_demo_runs_checks_and_cleans_up(tmp_path: Path) -> None:
+    started = time.monotonic()
+    proc = await start_demo(*SMALL, "--log-dir", str(tmp_path))
+    out_b, err_b = await asyncio.wait_for(proc.communicate(), 45)
+    out, err = out_b.decode(), err_b.decode()
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
+
+    assert ratio(out, "cache_aware") > ratio(out, "round_robin"), out
+    assert re.search(r"^  ca-c ready \d+\.\d+ s after it was started", out, re.MULTILINE), out
+    assert re.search(r"/readyz 200 ready", out), out
+    assert "  views: agree (3 replicas" in out, out
+    routing = re.search(r"^  routing: (\d+)/(\d+) prompts routed to the same rank", out, re.M)
+    assert routing and routing.group(1) == routing.group(2) and int(routing.group(2)) > 0, out
+    assert "all checks passed" in out
+    # The progress bar went to stderr, not into the report.
+    assert "cache_aware [" in err and "[" not in out.split("summary")[-1]
+    assert elapsed < 40, f"the small demo took {elapsed:.1f} s"
+
+    # Every worker and router it started is stopped: nothing listens on their ports.
+    ports = ports_in(out)
+    assert len(ports) >= 4 + 4 + 1, out
+    assert [p for p in ports if listening(p)] == []
+    # The children's logs were kept where asked.
+    assert log_sizes(tmp_path)["router-ca-c.log"] > 0
+    assert "worker-w1.log" in log_sizes(tmp_path)
+
+
+@pytest.mark.timeout(60)
+async def test_ctrl_c_stops_every_child(tmp_path: Path) -> None:
+    proc = await start_demo(*SMALL, "--log-dir", str(tmp_path))
+    assert proc.stdout is not None
+    seen: list[str] = []
+
+    async def until_ready() -> None:
+        assert proc.stdout is not None
+        while True:
+            line = (await proc.stdout.readline()).decode()
+            assert line, "".join(seen)
+            seen.append(line)
+            if line.startswith("cluster ready"):
+                return
+
+    await asyncio.wait_for(until_ready(), 30)
+    ports = ports_in("".join(seen))
+    assert ports and all(listening(p) for p in ports)
+    proc.send_signal(signal.SIGINT)
+    _, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 130, err.decode()
+    assert "interrupted; every child process is stopped" in err.decode()
+    assert [p for p in ports if listening(p)] == []

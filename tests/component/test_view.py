@@ -1,0 +1,190 @@
+"""`kvrouter view` against in-process replicas fed by in-process fake workers, over real HTTP.
+
+The command itself runs as a subprocess (its exit status is the contract); the replicas and
+workers run in the test's loop, which keeps serving while the subprocess asks them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from cachetree.ranks import RankId
+from router import view
+from router.tokenize import BytesTokenizer
+from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
+from tests.support.router import RouterHandle, router_in_process
+
+TOK = BytesTokenizer()
+SYSTEM = "You are a careful assistant who answers in full sentences. " * 3  # 11 blocks
+FIRST = SYSTEM + "First question, and a follow-up of some length."  # 14 blocks
+OTHER = "Another conversation on rank one of the second worker."  # 3 blocks
+
+
+async def run_view(*args: str, within_s: float = 30.0) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "router.cli",
+        "view",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), within_s)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def gate_all(replicas: Sequence[RouterHandle], workers: Sequence[FakeWorkerHandle]) -> None:
+    """Every replica's subscription to every rank it knows is live."""
+    for rt in replicas:
+        known = {w["url"] for w in (await rt.get("/workers"))[1]["workers"]}
+        for fw in workers:
+            if fw.url in known:
+                for dp_rank in range(fw.config.dp_size):
+                    await rt.gate(fw, dp_rank)
+
+
+async def quiesce(replicas: Sequence[RouterHandle], workers: Sequence[FakeWorkerHandle]) -> None:
+    """Every replica's cursor reached each rank's last seq, where it knows the worker."""
+    for fw in workers:
+        for dp_rank in range(fw.config.dp_size):
+            last = (await fw.state(dp_rank))["last_seq"]
+            for rt in replicas:
+                if await rt.rank_view(fw.url, dp_rank) is not None:
+                    await rt.wait_cursor(fw.url, dp_rank, last)
+
+
+@contextlib.asynccontextmanager
+async def fleet(
+    *, b_workers: int = 2, **router_kw: Any
+) -> AsyncIterator[tuple[list[RouterHandle], list[FakeWorkerHandle]]]:
+    """Workers w1 (one rank) and w2 (two ranks); replica A knows both, B the first `b_workers`.
+
+    Both hold the system prompt and a conversation on w1, and one chain on each of w2's ranks.
+    """
+    async with (
+        fake_worker_in_process() as w1,
+        fake_worker_in_process(dp_size=2) as w2,
+        router_in_process(workers=[w1.url, w2.url], **router_kw) as a,
+        router_in_process(workers=[w1.url, w2.url][:b_workers], **router_kw) as b,
+    ):
+        workers, replicas = [w1, w2], [a, b]
+        await gate_all(replicas, workers)
+        await w1.store([TOK.encode(FIRST)])
+        await w2.store([TOK.encode(SYSTEM)], dp_rank=0)
+        await w2.store([TOK.encode(OTHER)], 1)
+        await quiesce(replicas, workers)
+        yield replicas, workers
+
+
+async def test_replicas_that_applied_the_same_stream_agree() -> None:
+    async with fleet() as ([a, b], [w1, w2]):
+        views = await view.collect([a.url, b.url])
+        comparison = view.compare(views)
+        assert comparison.agree and view.exit_status(views, comparison) == 0
+        assert all(v.ready for v in views)
+        rank = RankId(w1.url, 0)
+        assert views[0].cursors[rank] == (await w1.state(0))["last_seq"]
+        # The conversation's blocks and the live gate's probe block.
+        assert views[0].blocks(rank) == len(TOK.encode(FIRST)) // 16 + 1
+        # Nodes: the conversation (its first 11 shared with w2#dp0), the probe block (shared
+        # by every rank), and the other conversation.
+        nodes = len(TOK.encode(FIRST)) // 16 + 1 + len(TOK.encode(OTHER)) // 16
+        assert views[0].canonical == views[1].canonical
+        assert len(views[0].canonical or ()) == views[0].nodes == nodes
+
+        status, out, err = await run_view(a.url, b.url)
+        assert status == 0, out + err
+        for fw in (w1, w2):
+            for dp_rank in range(fw.config.dp_size):
+                seq = (await fw.state(dp_rank))["last_seq"]
+                # Each rank is listed per replica with its cursor.
+                rows = [
+                    line.split() for line in out.splitlines() if f"{fw.url}#dp{dp_rank}" in line
+                ]
+                assert len(rows) == 2, out
+                assert all(row[1] == str(seq) for row in rows), out
+        assert f"replica {a.url}: ready" in out and f"replica {b.url}: ready" in out
+        assert "views: agree (2 replicas" in out
+
+
+async def test_a_replica_not_subscribed_to_a_worker_differs_on_its_ranks() -> None:
+    async with fleet(b_workers=1) as ([a, b], [_, w2]):
+        status, out, err = await run_view(a.url, b.url)
+        assert status == 1, out + err
+        assert "views: differ" in out
+        differing = [line for line in out.splitlines() if line.strip().startswith("rank http")]
+        assert len(differing) == 2, out  # both ranks of w2, nothing of w1
+        assert all(f"{w2.url}#dp" in line for line in differing), out
+        # w2#dp0 holds the system prompt and the gate's probe block, all only in A.
+        blocks = len(TOK.encode(SYSTEM)) // 16 + 1
+        assert any(
+            f"{w2.url}#dp0: 0 block(s) only in {b.url}, {blocks} only in {a.url}" in line
+            for line in differing
+        ), out
+
+
+async def test_blocks_stored_into_one_replica_only_are_named_with_their_rank() -> None:
+    async with fleet() as ([a, b], [_, w2]):
+        extra = TOK.encode(SYSTEM + "A turn that only replica B believes is cached somewhere.")
+        extra = extra[: len(extra) // 16 * 16]  # whole blocks, as an engine announces them
+        rank = next(r for r in b.replica.pump.rules.tree.ranks() if r == RankId(w2.url, 0))
+
+        def plant(rules: Any) -> int:
+            # Engine hashes the real stream would never use: chained below nothing.
+            n = len(extra) // 16
+            return rules.tree.store(rank, None, list(range(1 << 40, (1 << 40) + n)), extra, 16)
+
+        planted = await b.replica.pump.call(plant)
+        assert planted > 0
+        views = await view.collect([a.url, b.url])
+        comparison = view.compare(views)
+        assert not comparison.agree and view.exit_status(views, comparison) == 1
+        [diff] = comparison.diffs
+        [rank_diff] = diff.ranks
+        assert rank_diff.rank == rank
+        # The system prompt's blocks now carry other engine hashes on B; the rest are new.
+        system_blocks = len(TOK.encode(SYSTEM)) // 16
+        assert len(rank_diff.changed) == system_blocks
+        assert len(rank_diff.only_other) == planted - system_blocks
+        assert rank_diff.only_ref == []
+
+        status, out, _ = await run_view(a.url, b.url)
+        assert status == 1
+        assert f"rank {rank}: {planted - system_blocks} block(s) only in {b.url}" in out, out
+
+
+async def test_cursors_only_compares_cursor_tables() -> None:
+    async with fleet() as ([a, b], _):
+        views = await view.collect([a.url, b.url], cursors_only=True)
+        assert all(v.snapshot is None and v.tree is None for v in views)
+        comparison = view.compare(views, cursors_only=True)
+        assert comparison.agree
+        status, out, err = await run_view("--cursors-only", a.url, b.url)
+        assert status == 0, out + err
+        assert "cursor tables: agree (2 replicas, 3 ranks)" in out
+
+
+async def test_the_bearer_token_is_sent_and_required() -> None:
+    async with (
+        fake_worker_in_process() as w1,
+        router_in_process(workers=[w1.url], internal_token="s3cret") as a,
+        router_in_process(workers=[w1.url], internal_token="s3cret") as b,
+    ):
+        status, out, _ = await run_view(a.url, b.url)
+        assert status == 2 and "HTTP 401" in out, out
+        status, out, err = await run_view("--token", "s3cret", a.url, b.url)
+        assert status == 0, out + err
+
+
+async def test_an_unreachable_replica_is_an_error() -> None:
+    async with fleet() as ([a, _b], _):
+        status, out, _ = await run_view(a.url, "http://127.0.0.1:9")
+        assert status == 2
+        assert "replica http://127.0.0.1:9: readiness unknown" in out
+        assert "error: /readyz" in out
