@@ -162,6 +162,12 @@ class BootstrapRules:
     def on_live_batch(self, rank: RankId, seq: int, batch: EventBatch) -> None:
         proof = self.proofs.get(rank)
         if proof is not None:
+            if seq == 0:
+                # The engine restarted: nothing is left to prove, the stream starts over.
+                del self.proofs[rank]
+                self.tracker.record_outcome(rank, "from_origin")
+                self.index.apply_batch(rank, seq, batch)
+                return
             if seq > proof.watermark + 1:
                 self.held.setdefault(rank, []).append(HeldBatch(seq, _packed(batch)))
                 del self.proofs[rank]
@@ -225,9 +231,9 @@ class BootstrapRules:
         tree: the pump runs the chunks as one control call.
         """
         index = self.index
-        owed = [
-            o for o in obligations if o.rank in index.live and self.tracker.is_owed(o.rank, o.epoch)
-        ]
+        # still_owed also drops a (rank, epoch) named twice: grafting it twice would open a
+        # stale deferred proof on a rank already proven.
+        owed = [o for o in self.tracker.still_owed(obligations) if o.rank in index.live]
         if not owed:
             return None
         owed_ranks = {o.rank for o in owed}

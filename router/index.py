@@ -171,7 +171,7 @@ class IndexRules:
     def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> None:
         cursor = self.cursors.get(rank)
         if cursor is not None:
-            if seq == 0 and cursor > 0:
+            if seq == 0:  # batch 0 again: a new incarnation, even right after batch 0
                 log.info("%s: stream restarted at seq 0 without END_SEQ; clearing the rank", rank)
                 self.stats.restarts_at_zero += 1
                 if self.bootstrap is not None:
