@@ -9,7 +9,6 @@ HTTP answers: a malformed request is a 400 naming the field, never a 500.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -35,6 +34,7 @@ from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
 from router.policy import Candidate, Policy, Prompt, make_policy
 from router.proxy import InflightTracker, Proxy, upstream_session
+from router.tasks import cancel_and_wait
 from router.tokenize import RequestTokenizer, load_tokenizer
 from router.workers import DiscoveryDefaults, WorkerRegistry
 
@@ -242,11 +242,7 @@ async def _stop_replica(replica: Replica) -> None:
         await replica.bootstrap.close()
     if replica.producer is not None:
         await replica.producer.aclose()
-    for task in replica.tasks:
-        task.cancel()
-    for task in replica.tasks:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    await cancel_and_wait(replica.tasks)
     await replica.workers.close()
     await replica.pump.stop()
     for session in replica.sessions:

@@ -18,7 +18,6 @@ Order for a worker that registers (the reference's `add_worker`):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -43,6 +42,7 @@ from peer.tracker import BootstrapTracker, Obligation, below_floor_warning
 from peer.vet import Retaining, VetError, VettedSnapshot, Vetting
 from router.graft import BootstrapRules, Grafted, LocalGraft
 from router.index import IndexRules, Pump
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +98,7 @@ class PeerBootstrap:
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks)
         await self.coordinator.close()
         await self.fetcher.close()
 

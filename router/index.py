@@ -33,7 +33,6 @@ no longer holds the ranks when it returns.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 from collections import Counter, deque
@@ -46,6 +45,7 @@ from cachetree.tree import BlockTree
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
 from router.graft import BootstrapRules
 from router.subscriber import LiveBatch, PublisherReset, SubscriberItem, UnrepairedGap
+from router.tasks import cancel_and_wait
 from router.worker_snapshot import SnapshotRank, WorkerSnapshotError, rebuild_rank
 
 log = logging.getLogger(__name__)
@@ -269,11 +269,8 @@ class Pump:
         self._task = asyncio.create_task(self._run(), name="kvrouter-pump")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait([self._task])
+        self._task = None
 
     async def wait_idle(self) -> None:
         """Until every item queued so far has been handled (tests and orderly shutdown)."""

@@ -24,7 +24,6 @@ removal has taken effect when it returns), then the subscribers stop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -44,6 +43,7 @@ from router.graft import LocalGraft
 from router.index import Pump
 from router.loads import LoadMonitor
 from router.subscriber import RankEndpoint, RankSubscriber, SubscriberStats
+from router.tasks import cancel_and_wait
 from router.worker_snapshot import WorkerSnapshot, WorkerSnapshotError, decode_worker_snapshot
 
 if TYPE_CHECKING:
@@ -211,12 +211,7 @@ class WorkerRegistry:
         self._health_task = asyncio.create_task(self._health_loop(), name="kvrouter-health")
 
     async def close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
-        for task in list(self._bootstraps):
-            task.cancel()
+        await cancel_and_wait([self._health_task, *self._bootstraps])
         for url in list(self._workers):
             await self.remove(url)
 
@@ -246,11 +241,7 @@ class WorkerRegistry:
         # Leave the live set and the tree first, so nothing a subscriber still delivers
         # can bring the ranks back.
         await self.pump.call(lambda rules: rules.forget_ranks(ranks))
-        for task in worker.tasks:
-            task.cancel()
-        for task in worker.tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(worker.tasks)
         pull = self._pulls.pop(url, None)
         if pull is not None:
             pull.cancel()

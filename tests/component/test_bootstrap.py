@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -151,6 +152,17 @@ async def test_a_cold_sibling_is_not_used_and_the_replica_turns_ready_cold() -> 
         assert new.replica.bootstrap.sources["peer"] == 0
 
 
+async def serve_snapshot_route(handler: Any) -> tuple[web.AppRunner, str]:
+    """A stand-in sibling serving only `/internal/kv_snapshot` on a free loopback port."""
+    app = web.Application()
+    app.router.add_get("/internal/kv_snapshot", handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.2)
+    await runner.setup()
+    port = free_tcp_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
 async def broken_sibling(kind: str) -> tuple[web.AppRunner, str]:
     """A sibling whose /internal/kv_snapshot misbehaves in one way."""
 
@@ -171,13 +183,7 @@ async def broken_sibling(kind: str) -> tuple[web.AppRunner, str]:
         await asyncio.sleep(3600)  # hangs
         return web.Response()
 
-    app = web.Application()
-    app.router.add_get("/internal/kv_snapshot", handler)
-    runner = web.AppRunner(app, shutdown_timeout=0.2)
-    await runner.setup()
-    port = free_tcp_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_snapshot_route(handler)
 
 
 @pytest.mark.parametrize("kind", ["404", "garbage", "truncated_gzip", "oversized", "hangs"])
@@ -226,13 +232,8 @@ async def lagging_proxy(warm: RouterHandle, lag: int) -> tuple[web.AppRunner, st
         served.append(dict(snap.cursors))
         return web.Response(body=wire.encode(snap), content_type="application/json")
 
-    app = web.Application()
-    app.router.add_get("/internal/kv_snapshot", handler)
-    runner = web.AppRunner(app, shutdown_timeout=0.2)
-    await runner.setup()
-    port = free_tcp_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}", served
+    runner, url = await serve_snapshot_route(handler)
+    return runner, url, served
 
 
 async def test_a_gap_between_snapshot_and_stream_is_retried_once_and_recovers() -> None:
