@@ -939,7 +939,9 @@ REQUIRED = [
     "outcome gap",  # gap resolution, run cold
     "gap retry granted",
     "gap retry refused",
-    "graft behind the held stream (gap)",
+    # "graft behind the held stream (gap)" is reached in most runs but not all: hypothesis'
+    # derandomized draws still depend on what ran before in the process. test_graft.py pins
+    # that path exactly (watermark 5, first held seq 7).
     "graft splices into the held stream",
     "graft ahead of everything held",
     "deferred proof",
