@@ -270,7 +270,16 @@ RANK = st.integers(0, 2)
 # joins exactly, 0 overlaps one, 2 is ahead. None: the sibling does not know the rank.
 Mark = tuple[str, int] | None
 MARK = st.sampled_from(
-    [("newest", 0), ("first", -2), ("first", -1), ("first", 0), ("first", 2), ("newest", -3), None]
+    [
+        ("newest", 0),
+        ("first", -2),
+        ("first", -1),
+        ("first", -3),
+        ("first", 0),
+        ("first", 2),
+        ("newest", -3),
+        None,
+    ]
 )
 VERDICT = st.sampled_from(["unknown", "no_advance", "advanced"])
 ACCEPT = st.booleans()  # does the coordinator's queue take a gap retry
@@ -347,10 +356,13 @@ class BootstrapMachine(RuleBasedStateMachine):
         assert self.tracker.epoch(ob.rank) == ob.epoch, "a retry under a different epoch"
         assert ob not in self.retried, f"a second gap retry for the incarnation {ob}"
         self.retried.add(ob)
-        self.retries.append((ob, self.retry_accept))
-        if self.retry_accept:
+        # The drawn answer, flipped for odd epochs: hypothesis favours one value of a boolean,
+        # and every run must see both answers.
+        accept = self.retry_accept != bool(ob.epoch % 2)
+        self.retries.append((ob, accept))
+        if accept:
             self.outstanding.append(ob)
-        return self.retry_accept
+        return accept
 
     def _rank(self, i: int) -> RankId:
         return self.ranks[i % len(self.ranks)]
@@ -795,7 +807,11 @@ class BootstrapMachine(RuleBasedStateMachine):
             wm = data.draw(st.integers(0, 8), label="watermark")
             targets = [(r, wm, epoch)]
         else:
-            targets = self.rules.due_proofs(due_after)
+            # One to three probe ticks, each judging every due proof alike.
+            verdict = data.draw(VERDICT, label="verdict")
+            for _ in range(data.draw(st.sampled_from([MAX_UNKNOWN_PROBES, 1, 2]), label="ticks")):
+                self._judge(self.rules.due_proofs(due_after), lambda: verdict)
+            return
         self._judge(targets, lambda: data.draw(VERDICT, label="verdict"))
 
     def _judge(self, targets: list[tuple[RankId, int, int]], verdicts: Any) -> None:
