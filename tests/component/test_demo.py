@@ -12,7 +12,6 @@ import re
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -56,11 +55,9 @@ def ratio(out: str, policy: str) -> float:
 
 @pytest.mark.timeout(60)
 async def test_the_demo_runs_checks_and_cleans_up(tmp_path: Path) -> None:
-    started = time.monotonic()
     proc = await start_demo(*SMALL, "--log-dir", str(tmp_path))
     out_b, err_b = await asyncio.wait_for(proc.communicate(), 45)
     out, err = out_b.decode(), err_b.decode()
-    elapsed = time.monotonic() - started
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
 
     assert ratio(out, "cache_aware") > ratio(out, "round_robin"), out
@@ -72,7 +69,6 @@ async def test_the_demo_runs_checks_and_cleans_up(tmp_path: Path) -> None:
     assert "all checks passed" in out
     # The progress bar went to stderr, not into the report.
     assert "cache_aware [" in err and "[" not in out.split("summary")[-1]
-    assert elapsed < 40, f"the small demo took {elapsed:.1f} s"
 
     # Every worker and router it started is stopped: nothing listens on their ports.
     ports = ports_in(out)

@@ -46,6 +46,10 @@ class RouterHandle:
         async with self.session.get(self.url + path) as resp:
             return resp.status, await resp.json(content_type=None)
 
+    async def text(self, path: str) -> tuple[int, str]:
+        async with self.session.get(self.url + path) as resp:
+            return resp.status, await resp.text()
+
     async def rank_view(self, worker_url: str, dp_rank: int) -> dict[str, Any] | None:
         _, body = await self.get("/workers")
         for worker in body["workers"]:

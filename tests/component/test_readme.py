@@ -1,0 +1,184 @@
+"""The README cannot rot: every shell block it shows is run here, and its tables are checked.
+
+Each ```bash block in README.md is preceded by `<!-- readme-test: LABEL -->`; a block without a
+label fails `test_every_readme_shell_block_is_run_by_a_test`. The `by-hand` blocks run as one
+bash script, exactly as written except that their port numbers are swapped for free ones (so
+the test cannot collide with anything else on the machine). The flags and metric names the
+README's tables promise are checked against the real parser and a real replica's `/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+
+from router.cli import build_parser
+from tests.support.ports import free_port_range, free_tcp_port
+from tests.support.router import router_in_process
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+LABELED_BLOCK = re.compile(r"<!-- readme-test: ([a-z-]+) -->\n```bash\n(.*?)```", re.S)
+ANY_BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
+# A port the README names -> how many consecutive ports it stands for (dp ranks, replay).
+README_PORTS = {8001: 1, 8002: 1, 8080: 1, 8081: 1, 5557: 1, 5567: 2, 5600: 2}
+
+
+def labeled_blocks(label: str) -> list[str]:
+    return [body for found, body in LABELED_BLOCK.findall(README) if found == label]
+
+
+def section(title: str) -> str:
+    start = README.index(f"## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start : end if end != -1 else len(README)]
+
+
+def test_every_readme_shell_block_is_run_by_a_test() -> None:
+    labels = [label for label, _ in LABELED_BLOCK.findall(README)]
+    assert len(labels) == len(ANY_BLOCK.findall(README)), "a ```bash block has no readme-test label"
+    assert set(labels) == {"commands", "by-hand"}
+
+
+def test_the_readme_test_command_is_what_ci_runs() -> None:
+    (commands,) = labeled_blocks("commands")
+    lines = [line for line in commands.splitlines() if line and not line.startswith("#")]
+    assert lines == ["./scripts/demo", "./scripts/test"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^\s*(exec\s+)?\./scripts/test\b", ci, re.M), ci
+
+
+@pytest.mark.timeout(180)
+async def test_the_readme_demo_command_runs_the_demo_to_a_verdict() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        "./scripts/demo",
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 150)
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.decode()
+    assert proc.returncode == 0, text
+    # The demo checks itself (cache_aware beats round_robin, views agree, same routing);
+    # test_demo.py pins each of those checks on a smaller workload.
+    assert "views: agree (3 replicas" in text, text
+    assert "all checks passed" in text, text
+
+
+def _with_free_ports(script: str) -> tuple[str, dict[int, int]]:
+    mapping = {port: free_port_range(count) for port, count in README_PORTS.items()}
+    for readme_port, count in README_PORTS.items():
+        for offset in range(count):
+            script = re.sub(
+                rf"(?<![0-9]){readme_port + offset}(?![0-9])",
+                str(mapping[readme_port] + offset),
+                script,
+            )
+    return script, mapping
+
+
+def json_documents(text: str) -> list[dict]:
+    """The JSON objects curl printed; its bodies carry no trailing newline, so they abut."""
+    decoder = json.JSONDecoder()
+    found: list[dict] = []
+    at = text.find("{")
+    while at != -1:
+        try:
+            document, end = decoder.raw_decode(text, at)
+        except ValueError:
+            end = at + 1
+        else:
+            found.append(document)
+        at = text.find("{", end)
+    return found
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.timeout(120)
+async def test_the_readme_by_hand_session_works_as_shown() -> None:
+    script, ports = _with_free_ports("\n".join(labeled_blocks("by-hand")))
+    proc = await asyncio.create_subprocess_exec(
+        "bash",
+        "-euo",
+        "pipefail",
+        "-c",
+        script,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 100)
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.decode()
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{text}\n{err.decode()[-4000:]}"
+
+    worker_a = f"http://127.0.0.1:{ports[8001]}"
+    worker_b = f"http://127.0.0.1:{ports[8002]}"
+    assert "HTTP/1.1 200 OK" in text
+    routed = re.search(r"^X-Kvrouter-Worker: (\S+)", text, re.M | re.I)
+    assert routed is not None and routed.group(1) in (worker_a, worker_b), text
+    documents = json_documents(text)
+    listing = next(d for d in documents if "workers" in d)
+    assert sorted(w["url"] for w in listing["workers"]) == sorted([worker_a, worker_b])
+    assert sum(len(w["ranks"]) for w in listing["workers"]) == 3
+    # Two full 16-token blocks (bytes tokenizer) from the routed prompt, one from each direct one;
+    # where the routed one went is the policy's (random) tie-break.
+    blocks = re.findall(r"^kvrouter_tree_blocks\{.*\} (\S+)", text, re.M)
+    assert sum(float(b) for b in blocks) == 4.0, text
+    assert re.search(r'^kvrouter_kv_peer_snapshot_total\{outcome="accepted"\} 1\.0', text, re.M)
+    assert "agree" in text and "differ" not in text, text
+    assert {"removed": worker_b} in documents
+    assert any(d.get("url") == worker_b and len(d["ranks"]) == 2 for d in documents)
+    # The cursor table alone: no nodes, and only this replica's workers named.
+    table = next(d for d in documents if "cursors" in d)
+    assert table["format"] == 1 and table["nodes"] == [], table
+    assert {w["url"] for w in table["workers"]} <= {worker_a, worker_b}, table
+    # `kill $(jobs -p); wait` stopped every process the session started.
+    assert not any(_listening(port) for port in ports.values())
+
+
+def test_every_flag_in_the_readme_table_is_a_serve_flag() -> None:
+    parser, _ = build_parser()
+    serve = parser.parse_args(["serve"])
+    known = {"--" + name.replace("_", "-") for name in vars(serve)}
+    table = section("Flags that matter")
+    named = set(re.findall(r"`(--[a-z][a-z-]*)", table))
+    assert len(named) >= 12
+    for flag in named:
+        if flag.endswith("-"):
+            assert any(k.startswith(flag) for k in known), flag
+        else:
+            assert flag in known, flag
+
+
+async def test_every_metric_the_readme_names_is_exported() -> None:
+    peer = f"http://127.0.0.1:{free_tcp_port()}"
+    async with router_in_process(workers=[], peer=[peer]) as rt:
+        status, exposition = await rt.text("/metrics")
+    assert status == 200
+    exported = set(re.findall(r"^# HELP (\S+)", exposition, re.M))
+    named = set(re.findall(r"`(kvrouter_[a-z_]+)`", README))
+    assert len(named) >= 15
+    missing = sorted(name for name in named if name not in exported)
+    assert not missing, missing
