@@ -10,32 +10,13 @@ import msgspec
 import pytest
 
 from fake_kv_worker.hashing import engine_block_hashes
+from tests.support.clock import GatedSleep, ManualClock
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 
 pytestmark = pytest.mark.timeout(20)
 
 PROMPT = "The quick brown fox jumps over the lazy dog."  # 44 bytes: 2 full blocks of 16
 PROMPT_IDS = [b + 3 for b in PROMPT.encode()]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class GatedSleep:
-    """A simulated-time sleep that holds every sleeper until the test releases them."""
-
-    def __init__(self) -> None:
-        self.release = asyncio.Event()
-        self.entered = asyncio.Event()
-
-    async def __call__(self, seconds: float) -> None:
-        self.entered.set()
-        await self.release.wait()
 
 
 async def loads_when(
@@ -239,7 +220,7 @@ async def test_injected_failures_fail_exactly_the_next_n_requests() -> None:
 
 
 async def test_health_is_503_until_the_startup_delay_has_passed() -> None:
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     async with fake_worker_in_process(startup_delay_s=5.0, clock=clock) as fw:
         async with fw.session.get(fw.url + "/health") as resp:
             assert resp.status == 503

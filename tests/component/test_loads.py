@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 
 from router.loads import EngineLoad, LoadMonitor
+from tests.support.clock import GatedSleep, ManualClock
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.ports import free_tcp_port
 
@@ -95,25 +96,7 @@ async def monitor(**kw: Any) -> AsyncIterator[LoadMonitor]:
         yield LoadMonitor(session, **kw)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 # --- the fake worker ------------------------------------------------------------------------
-
-
-class GatedSleep:
-    """The fake worker's simulated prefill time: holds every request until released."""
-
-    def __init__(self) -> None:
-        self.release = asyncio.Event()
-
-    async def __call__(self, seconds: float) -> None:
-        await self.release.wait()
 
 
 async def busy_rank_1(fw: FakeWorkerHandle) -> list[asyncio.Task[Any]]:
@@ -373,7 +356,7 @@ async def test_workers_are_polled_concurrently() -> None:
 
 
 async def test_figures_survive_failed_ticks_until_they_are_stale() -> None:
-    clock = FakeClock()
+    clock = ManualClock(50.0)
     scripts = {"/v1/loads": [reply(200, LOAD_BODY), reply(503)]}
     async with ScriptedEngine(scripts) as eng, monitor(stale_after_s=2.0, clock=clock) as mon:
         mon.add_worker(eng.url)
@@ -397,7 +380,7 @@ async def test_run_polls_every_interval_until_cancelled() -> None:
     scripts = {"/v1/loads": [reply(200, LOAD_BODY)]}
     async with (
         ScriptedEngine(scripts) as eng,
-        monitor(interval_s=0.25, clock=FakeClock(), sleep=sleep) as mon,
+        monitor(interval_s=0.25, clock=ManualClock(50.0), sleep=sleep) as mon,
     ):
         mon.add_worker(eng.url)
         task = asyncio.create_task(mon.run())

@@ -10,6 +10,7 @@ README's tables promise are checked against the real parser and a real replica's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -55,22 +56,31 @@ def test_the_readme_test_command_is_what_ci_runs() -> None:
     assert re.search(r"^\s*(exec\s+)?\./scripts/test\b", ci, re.M), ci
 
 
-@pytest.mark.timeout(180)
-async def test_the_readme_demo_command_runs_the_demo_to_a_verdict() -> None:
+async def run_from_root(argv: list[str], within_s: float) -> tuple[int | None, str]:
+    """Run `argv` in the repo root in its own process group; its exit code and output.
+
+    Whatever is still running when the bound passes (the command, or children it left behind)
+    is killed with the group.
+    """
     proc = await asyncio.create_subprocess_exec(
-        "./scripts/demo",
+        *argv,
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
     )
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), 150)
+        out, _ = await asyncio.wait_for(proc.communicate(), within_s)
     finally:
-        if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    text = out.decode()
-    assert proc.returncode == 0, text
+    return proc.returncode, out.decode()
+
+
+@pytest.mark.timeout(180)
+async def test_the_readme_demo_command_runs_the_demo_to_a_verdict() -> None:
+    code, text = await run_from_root(["./scripts/demo"], within_s=150)
+    assert code == 0, text
     # The demo checks itself (cache_aware beats round_robin, views agree, same routing);
     # test_demo.py pins each of those checks on a smaller workload.
     assert "views: agree (3 replicas" in text, text
@@ -114,24 +124,8 @@ def _listening(port: int) -> bool:
 @pytest.mark.timeout(120)
 async def test_the_readme_by_hand_session_works_as_shown() -> None:
     script, ports = _with_free_ports("\n".join(labeled_blocks("by-hand")))
-    proc = await asyncio.create_subprocess_exec(
-        "bash",
-        "-euo",
-        "pipefail",
-        "-c",
-        script,
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), 100)
-    finally:
-        if proc.returncode is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = out.decode()
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{text}\n{err.decode()[-4000:]}"
+    code, text = await run_from_root(["bash", "-euo", "pipefail", "-c", script], within_s=100)
+    assert code == 0, f"exit {code}\n{text}"
 
     worker_a = f"http://127.0.0.1:{ports[8001]}"
     worker_b = f"http://127.0.0.1:{ports[8002]}"

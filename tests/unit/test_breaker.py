@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from router.breaker import CircuitBreaker
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import ManualClock
 
 
 def tripped(
-    clock: FakeClock, cooldown_s: float = 5.0, max_cooldown_s: float = 60.0
+    clock: ManualClock, cooldown_s: float = 5.0, max_cooldown_s: float = 60.0
 ) -> CircuitBreaker:
     """A breaker with threshold 3 that just opened."""
     b = CircuitBreaker(3, cooldown_s, max_cooldown_s, clock=clock)
@@ -27,7 +20,7 @@ def tripped(
 
 
 def test_it_opens_after_exactly_threshold_consecutive_failures() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     b = CircuitBreaker(failure_threshold=3, clock=clock)
     b.record_failure()
     b.record_failure()
@@ -37,7 +30,7 @@ def test_it_opens_after_exactly_threshold_consecutive_failures() -> None:
 
 
 def test_a_success_resets_the_consecutive_failure_count() -> None:
-    b = CircuitBreaker(failure_threshold=3, clock=FakeClock())
+    b = CircuitBreaker(failure_threshold=3, clock=ManualClock(100.0))
     for _ in range(2):
         b.record_failure()
     b.record_success()
@@ -47,7 +40,7 @@ def test_a_success_resets_the_consecutive_failure_count() -> None:
 
 
 def test_an_open_breaker_refuses_until_the_cooldown_passes() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     b = tripped(clock)
     clock.now += 4.999
     assert (b.allow(), b.is_open()) == (False, True)
@@ -57,7 +50,7 @@ def test_an_open_breaker_refuses_until_the_cooldown_passes() -> None:
 
 
 def test_after_the_cooldown_exactly_one_caller_gets_the_probe() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     b = tripped(clock)
     clock.now += 5.0
     answers = [b.allow() for _ in range(5)]
@@ -67,7 +60,7 @@ def test_after_the_cooldown_exactly_one_caller_gets_the_probe() -> None:
 
 
 def test_a_successful_probe_closes_and_resets_the_cooldown_to_base() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     b = tripped(clock)
     clock.now += 5.0
     assert b.allow()
@@ -84,7 +77,7 @@ def test_a_successful_probe_closes_and_resets_the_cooldown_to_base() -> None:
 
 
 def test_a_failed_probe_reopens_with_the_cooldown_doubled_up_to_the_max() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     b = tripped(clock, cooldown_s=5.0, max_cooldown_s=30.0)
     waited = []
     for _ in range(5):
@@ -101,7 +94,7 @@ def test_a_failed_probe_reopens_with_the_cooldown_doubled_up_to_the_max() -> Non
 
 
 def test_release_frees_the_probe_slot_without_a_verdict() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     b = tripped(clock)
     clock.now += 5.0
     assert b.allow()
@@ -112,7 +105,7 @@ def test_release_frees_the_probe_slot_without_a_verdict() -> None:
 
 
 def test_release_outside_half_open_changes_nothing() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     b = CircuitBreaker(clock=clock)
     b.record_failure()
     b.release()
@@ -123,7 +116,7 @@ def test_release_outside_half_open_changes_nothing() -> None:
 
 
 def test_verdicts_while_open_are_ignored() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     b = tripped(clock)
     clock.now += 4.0
     b.record_failure()  # a late failure must not push the probe further away
@@ -134,7 +127,7 @@ def test_verdicts_while_open_are_ignored() -> None:
 
 
 def test_threshold_zero_disables_the_breaker() -> None:
-    b = CircuitBreaker(failure_threshold=0, clock=FakeClock())
+    b = CircuitBreaker(failure_threshold=0, clock=ManualClock(100.0))
     for _ in range(100):
         b.record_failure()
     assert (b.state, b.allow(), b.is_open(), b.trips) == ("closed", True, False, 0)

@@ -23,6 +23,7 @@ from peer.tracker import (
     SweepOutcome,
     TrackerError,
 )
+from tests.support.clock import ManualClock
 
 A = RankId("http://a:8000", 0)
 B = RankId("http://a:8000", 1)
@@ -31,30 +32,19 @@ HOUR = 3600.0
 PENDING, RECOVERED, FAILED = BootstrapState.PENDING, BootstrapState.RECOVERED, BootstrapState.FAILED
 
 
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> ManualClock:
+    return ManualClock()
 
 
-def tracker(clock: FakeClock, timeout_s: float = HOUR) -> BootstrapTracker:
+def tracker(clock: ManualClock, timeout_s: float = HOUR) -> BootstrapTracker:
     return BootstrapTracker(timeout_s, clock=clock)
 
 
 # -- the reference inventory (section 11, Tracker) ---------------------------------------------
 
 
-def test_reregistration_after_forget_mints_a_new_epoch(clock: FakeClock) -> None:
+def test_reregistration_after_forget_mints_a_new_epoch(clock: ManualClock) -> None:
     t = tracker(clock)
     [first] = t.register([A])
     assert t.register([A]) == [], "a registered rank's obligation is already held"
@@ -68,7 +58,7 @@ def test_reregistration_after_forget_mints_a_new_epoch(clock: FakeClock) -> None
     assert t.is_owed(A, second.epoch)
 
 
-def test_tracker_settles_when_all_ranks_terminal(clock: FakeClock) -> None:
+def test_tracker_settles_when_all_ranks_terminal(clock: ManualClock) -> None:
     t = tracker(clock)
     t.register([A, B])
     assert not t.settled()
@@ -78,13 +68,13 @@ def test_tracker_settles_when_all_ranks_terminal(clock: FakeClock) -> None:
     assert t.settled(), "Failed is terminal: running cold is a valid end"
 
 
-def test_fetch_cap_round_trips_through_the_tracker(clock: FakeClock) -> None:
+def test_fetch_cap_round_trips_through_the_tracker(clock: ManualClock) -> None:
     t = BootstrapTracker(120.0, 90.0, clock=clock)
     assert (t.timeout_s, t.fetch_cap_s) == (120.0, 90.0)
     assert BootstrapTracker(120.0, clock=clock).fetch_cap_s == DEFAULT_FETCH_CAP_S == 300.0
 
 
-def test_tracker_settles_on_deadline_with_pending_ranks(clock: FakeClock) -> None:
+def test_tracker_settles_on_deadline_with_pending_ranks(clock: ManualClock) -> None:
     t = tracker(clock, timeout_s=0.0)
     t.register([A])
     assert t.settled(), "a zero timeout settles at once"
@@ -92,7 +82,7 @@ def test_tracker_settles_on_deadline_with_pending_ranks(clock: FakeClock) -> Non
 
 
 def test_the_deadline_falls_exactly_one_timeout_after_the_first_registration(
-    clock: FakeClock,
+    clock: ManualClock,
 ) -> None:
     t = tracker(clock, timeout_s=20.0)
     t.register([A])
@@ -102,7 +92,7 @@ def test_the_deadline_falls_exactly_one_timeout_after_the_first_registration(
     assert t.settled()
 
 
-def test_settling_with_pending_ranks_leaves_one_notice(clock: FakeClock) -> None:
+def test_settling_with_pending_ranks_leaves_one_notice(clock: ManualClock) -> None:
     t = tracker(clock, timeout_s=20.0)
     t.register([A, B])
     t.set(B, RECOVERED)
@@ -114,7 +104,7 @@ def test_settling_with_pending_ranks_leaves_one_notice(clock: FakeClock) -> None
     assert t.take_notices() == [], "notices are handed out once"
 
 
-def test_settling_with_every_rank_terminal_leaves_no_notice(clock: FakeClock) -> None:
+def test_settling_with_every_rank_terminal_leaves_no_notice(clock: ManualClock) -> None:
     t = tracker(clock)
     t.register([A])
     t.set(A, FAILED)
@@ -122,7 +112,7 @@ def test_settling_with_every_rank_terminal_leaves_no_notice(clock: FakeClock) ->
     assert t.take_notices() == []
 
 
-def test_tracker_with_no_ranks_is_not_settled_before_deadline(clock: FakeClock) -> None:
+def test_tracker_with_no_ranks_is_not_settled_before_deadline(clock: ManualClock) -> None:
     t = tracker(clock)
     assert not t.settled()
     assert t.time_remaining() == HOUR, "the deadline is armed at construction"
@@ -131,14 +121,14 @@ def test_tracker_with_no_ranks_is_not_settled_before_deadline(clock: FakeClock) 
     assert not t.settled()
 
 
-def test_tracker_never_registered_still_settles(clock: FakeClock) -> None:
+def test_tracker_never_registered_still_settles(clock: ManualClock) -> None:
     assert tracker(clock, timeout_s=0.0).settled()
     t = tracker(clock, timeout_s=10.0)
     clock.advance(10.0)
     assert t.settled(), "an idle replica must not wait forever"
 
 
-def test_registration_keeps_the_deadline_armed(clock: FakeClock) -> None:
+def test_registration_keeps_the_deadline_armed(clock: ManualClock) -> None:
     t = tracker(clock)
     clock.advance(5.0)
     t.register([A])
@@ -147,14 +137,14 @@ def test_registration_keeps_the_deadline_armed(clock: FakeClock) -> None:
     assert not t.admit_ready()
 
 
-def test_disabled_tracker_is_settled_immediately(clock: FakeClock) -> None:
+def test_disabled_tracker_is_settled_immediately(clock: ManualClock) -> None:
     t = BootstrapTracker.disabled(clock=clock)
     assert t.settled()
     assert t.admit_ready()
     assert (t.timeout_s, t.time_remaining()) == (0.0, 0.0)
 
 
-def test_tracker_forget_removes_state(clock: FakeClock) -> None:
+def test_tracker_forget_removes_state(clock: ManualClock) -> None:
     t = tracker(clock)
     t.register([A])
     t.set(A, FAILED)
@@ -166,7 +156,7 @@ def test_tracker_forget_removes_state(clock: FakeClock) -> None:
     assert t.states() == {}
 
 
-def test_a_premature_settle_does_not_disarm_the_gate(clock: FakeClock) -> None:
+def test_a_premature_settle_does_not_disarm_the_gate(clock: ManualClock) -> None:
     t = tracker(clock, timeout_s=10.0)
     clock.advance(11.0)
     assert t.settled(), "an expiry before any registration still answers true"
@@ -177,7 +167,7 @@ def test_a_premature_settle_does_not_disarm_the_gate(clock: FakeClock) -> None:
     assert t.settled()
 
 
-def test_a_latched_tracker_stays_settled_across_a_later_registration(clock: FakeClock) -> None:
+def test_a_latched_tracker_stays_settled_across_a_later_registration(clock: ManualClock) -> None:
     t = tracker(clock)
     t.register([A])
     t.set(A, RECOVERED)
@@ -188,7 +178,7 @@ def test_a_latched_tracker_stays_settled_across_a_later_registration(clock: Fake
     assert t.settled(), "a scale-up never un-readies"
 
 
-def test_a_disabled_tracker_stays_settled_after_register(clock: FakeClock) -> None:
+def test_a_disabled_tracker_stays_settled_after_register(clock: ManualClock) -> None:
     t = BootstrapTracker.disabled(clock=clock)
     assert t.register([A]) == [], "a disabled tracker owes nothing"
     assert t.state(A) is None
@@ -197,7 +187,7 @@ def test_a_disabled_tracker_stays_settled_after_register(clock: FakeClock) -> No
 
 
 @pytest.mark.parametrize("absurd", [10**400, math.inf, 1e308], ids=["10**400", "inf", "1e308"])
-def test_an_absurd_timeout_does_not_panic(clock: FakeClock, absurd: float) -> None:
+def test_an_absurd_timeout_does_not_panic(clock: ManualClock, absurd: float) -> None:
     t = BootstrapTracker(absurd, seed_required=True, clock=clock)
     t.register([A])
     assert not t.settled()
@@ -211,7 +201,7 @@ def test_an_absurd_timeout_does_not_panic(clock: FakeClock, absurd: float) -> No
     assert t.seed_gate_open(), "and still finite"
 
 
-def test_retry_after_gap_is_one_shot_per_incarnation(clock: FakeClock) -> None:
+def test_retry_after_gap_is_one_shot_per_incarnation(clock: ManualClock) -> None:
     t = tracker(clock)
     [ob] = t.register([A])
     assert t.retry_after_gap(A) is None, "not from Pending"
@@ -230,7 +220,7 @@ def test_retry_after_gap_is_one_shot_per_incarnation(clock: FakeClock) -> None:
     assert t.retry_after_gap(A) == again, "forget gives the new incarnation its own retry"
 
 
-def test_enabled_survives_settling_so_late_workers_still_bootstrap(clock: FakeClock) -> None:
+def test_enabled_survives_settling_so_late_workers_still_bootstrap(clock: ManualClock) -> None:
     t = tracker(clock, timeout_s=0.0)
     t.register([A])
     assert t.settled()
@@ -238,12 +228,12 @@ def test_enabled_survives_settling_so_late_workers_still_bootstrap(clock: FakeCl
     assert t.register([B]) == [Obligation(B, t.epoch(B))]
 
 
-def test_disabled_tracker_is_not_enabled(clock: FakeClock) -> None:
+def test_disabled_tracker_is_not_enabled(clock: ManualClock) -> None:
     assert not BootstrapTracker.disabled(clock=clock).enabled
     assert tracker(clock).enabled
 
 
-def test_time_remaining_saturates_to_zero_once_expired(clock: FakeClock) -> None:
+def test_time_remaining_saturates_to_zero_once_expired(clock: ManualClock) -> None:
     t = tracker(clock, timeout_s=10.0)
     t.register([A])
     clock.advance(4.0)
@@ -255,7 +245,7 @@ def test_time_remaining_saturates_to_zero_once_expired(clock: FakeClock) -> None
 # -- the deadline's one-shot re-arm ------------------------------------------------------------
 
 
-def test_a_remove_and_re_add_flap_does_not_re_arm_the_deadline(clock: FakeClock) -> None:
+def test_a_remove_and_re_add_flap_does_not_re_arm_the_deadline(clock: ManualClock) -> None:
     t = tracker(clock, timeout_s=100.0)
     clock.advance(50.0)
     t.register([A])  # the one re-arm: the deadline is now 100 s away
@@ -267,7 +257,7 @@ def test_a_remove_and_re_add_flap_does_not_re_arm_the_deadline(clock: FakeClock)
     assert t.settled()
 
 
-def test_an_empty_registration_does_not_spend_the_re_arm(clock: FakeClock) -> None:
+def test_an_empty_registration_does_not_spend_the_re_arm(clock: ManualClock) -> None:
     t = tracker(clock, timeout_s=100.0)
     clock.advance(30.0)
     assert t.register([]) == []
@@ -279,7 +269,7 @@ def test_an_empty_registration_does_not_spend_the_re_arm(clock: FakeClock) -> No
 # -- registration, set, ownership --------------------------------------------------------------
 
 
-def test_register_issues_one_obligation_per_new_rank_with_fresh_epochs(clock: FakeClock) -> None:
+def test_register_issues_one_obligation_per_new_rank_with_fresh_epochs(clock: ManualClock) -> None:
     t = tracker(clock)
     first = t.register([A, B])
     assert [o.rank for o in first] == [A, B]
@@ -290,7 +280,7 @@ def test_register_issues_one_obligation_per_new_rank_with_fresh_epochs(clock: Fa
     assert {r: t.state(r) for r in (A, B, C)} == {A: PENDING, B: PENDING, C: PENDING}
 
 
-def test_set_never_creates_an_entry(clock: FakeClock) -> None:
+def test_set_never_creates_an_entry(clock: ManualClock) -> None:
     t = tracker(clock)
     assert not t.set(A, RECOVERED)
     assert t.state(A) is None and t.epoch(A) is None
@@ -298,7 +288,7 @@ def test_set_never_creates_an_entry(clock: FakeClock) -> None:
     assert t.state(A) is PENDING and t.is_owed(A, ob.epoch), "register starts it over"
 
 
-def test_set_refuses_to_make_a_rank_pending(clock: FakeClock) -> None:
+def test_set_refuses_to_make_a_rank_pending(clock: ManualClock) -> None:
     t = tracker(clock)
     t.register([A])
     t.set(A, FAILED)
@@ -308,7 +298,7 @@ def test_set_refuses_to_make_a_rank_pending(clock: FakeClock) -> None:
     assert t.state(A) is FAILED
 
 
-def test_set_takes_state_labels_and_refuses_unknown_ones(clock: FakeClock) -> None:
+def test_set_takes_state_labels_and_refuses_unknown_ones(clock: ManualClock) -> None:
     t = tracker(clock)
     t.register([A])
     assert t.set(A, "recovered") and t.state(A) is RECOVERED
@@ -318,7 +308,7 @@ def test_set_takes_state_labels_and_refuses_unknown_ones(clock: FakeClock) -> No
 
 
 def test_a_rank_is_owed_only_while_present_pending_and_under_the_same_epoch(
-    clock: FakeClock,
+    clock: ManualClock,
 ) -> None:
     t = tracker(clock)
     [ob] = t.register([A])
@@ -331,7 +321,7 @@ def test_a_rank_is_owed_only_while_present_pending_and_under_the_same_epoch(
     assert not t.is_owed(A, ob.epoch), "forgotten"
 
 
-def test_still_owed_keeps_each_pending_incarnation_once_in_order(clock: FakeClock) -> None:
+def test_still_owed_keeps_each_pending_incarnation_once_in_order(clock: ManualClock) -> None:
     t = tracker(clock)
     a, b, c = t.register([A, B, C])
     t.set(B, RECOVERED)
@@ -339,7 +329,7 @@ def test_still_owed_keeps_each_pending_incarnation_once_in_order(clock: FakeCloc
     assert t.still_owed([c, a, b, c, stale, a]) == [c, a]
 
 
-def test_any_pending_follows_the_pending_ranks(clock: FakeClock) -> None:
+def test_any_pending_follows_the_pending_ranks(clock: ManualClock) -> None:
     t = tracker(clock)
     assert not t.any_pending()
     t.register([A, B])
@@ -354,7 +344,7 @@ def test_any_pending_follows_the_pending_ranks(clock: FakeClock) -> None:
 # -- outcomes ----------------------------------------------------------------------------------
 
 
-def test_an_outcome_is_counted_once_per_incarnation(clock: FakeClock) -> None:
+def test_an_outcome_is_counted_once_per_incarnation(clock: ManualClock) -> None:
     t = tracker(clock)
     t.register([A])
     t.set(A, FAILED)
@@ -365,7 +355,7 @@ def test_an_outcome_is_counted_once_per_incarnation(clock: FakeClock) -> None:
     assert t.rank_outcomes == {RankOutcome.ABANDONED: 1}
 
 
-def test_a_new_incarnation_gets_its_own_outcome(clock: FakeClock) -> None:
+def test_a_new_incarnation_gets_its_own_outcome(clock: ManualClock) -> None:
     t = tracker(clock)
     t.register([A])
     t.set(A, RECOVERED)
@@ -379,7 +369,7 @@ def test_a_new_incarnation_gets_its_own_outcome(clock: FakeClock) -> None:
 
 
 def test_a_granted_gap_retry_records_nothing_and_its_final_verdict_counts_once(
-    clock: FakeClock,
+    clock: ManualClock,
 ) -> None:
     t = tracker(clock)
     t.register([A])
@@ -392,7 +382,7 @@ def test_a_granted_gap_retry_records_nothing_and_its_final_verdict_counts_once(
     assert t.rank_outcomes == {RankOutcome.WARM: 1}
 
 
-def test_a_verdict_for_a_pending_rank_is_refused(clock: FakeClock) -> None:
+def test_a_verdict_for_a_pending_rank_is_refused(clock: ManualClock) -> None:
     t = tracker(clock)
     t.register([A])
     with pytest.raises(TrackerError, match="Pending"):
@@ -405,7 +395,7 @@ def test_a_verdict_for_a_pending_rank_is_refused(clock: FakeClock) -> None:
     assert t.record_outcome(A, RankOutcome.GAP)
 
 
-def test_a_verdict_for_a_forgotten_rank_is_not_counted(clock: FakeClock) -> None:
+def test_a_verdict_for_a_forgotten_rank_is_not_counted(clock: ManualClock) -> None:
     t = tracker(clock)
     t.register([A])
     t.forget([A])
@@ -413,7 +403,7 @@ def test_a_verdict_for_a_forgotten_rank_is_not_counted(clock: FakeClock) -> None
     assert t.rank_outcomes == {}
 
 
-def test_an_unknown_outcome_label_is_refused(clock: FakeClock) -> None:
+def test_an_unknown_outcome_label_is_refused(clock: ManualClock) -> None:
     t = tracker(clock)
     t.register([A])
     t.set(A, FAILED)
@@ -421,7 +411,7 @@ def test_an_unknown_outcome_label_is_refused(clock: FakeClock) -> None:
         t.record_outcome(A, "cold")
 
 
-def test_a_gap_retry_is_refused_once_the_incarnation_has_its_outcome(clock: FakeClock) -> None:
+def test_a_gap_retry_is_refused_once_the_incarnation_has_its_outcome(clock: ManualClock) -> None:
     t = tracker(clock)
     t.register([A])
     t.set(A, FAILED)
@@ -430,7 +420,7 @@ def test_a_gap_retry_is_refused_once_the_incarnation_has_its_outcome(clock: Fake
     assert t.state(A) is FAILED
 
 
-def test_the_tallies_handed_out_are_copies(clock: FakeClock) -> None:
+def test_the_tallies_handed_out_are_copies(clock: ManualClock) -> None:
     t = tracker(clock)
     t.register([A])
     t.set(A, FAILED)
@@ -478,7 +468,7 @@ def test_outcome_labels_are_the_reference_label_values() -> None:
     [(-1.0, 300.0), (math.nan, 300.0), (-math.inf, 300.0), (60.0, 0.0), (60.0, -5.0)],
 )
 def test_nonsense_settings_raise_the_typed_error(
-    clock: FakeClock, timeout_s: float, cap_s: float
+    clock: ManualClock, timeout_s: float, cap_s: float
 ) -> None:
     with pytest.raises(TrackerError):
         BootstrapTracker(timeout_s, cap_s, clock=clock)
@@ -491,7 +481,7 @@ def test_nonsense_settings_raise_the_typed_error(
 def test_the_contract_holds_under_random_interleavings(seed: int) -> None:
     """Latches never unlatch; owed means Pending; one counted outcome per incarnation."""
     rng = random.Random(seed)
-    clock = FakeClock()
+    clock = ManualClock()
     t = BootstrapTracker(rng.choice([0.0, 5.0, 30.0]), seed_required=True, clock=clock)
     ranks = [RankId(f"http://w{i}", d) for i in range(3) for d in range(2)]
     counted: set[tuple[RankId, int]] = set()

@@ -17,29 +17,19 @@ from peer.tracker import (
     TrackerError,
     seed_gate_timeout,
 )
+from tests.support.clock import ManualClock
 
 A = RankId("http://a:8000", 0)
 B = RankId("http://b:8000", 0)
 RECOVERED, FAILED = BootstrapState.RECOVERED, BootstrapState.FAILED
 
 
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> ManualClock:
+    return ManualClock()
 
 
-def gated(clock: FakeClock, timeout_s: float = 20.0) -> BootstrapTracker:
+def gated(clock: ManualClock, timeout_s: float = 20.0) -> BootstrapTracker:
     """A seed-required tracker with A registered and already terminal, so only the gate waits."""
     t = BootstrapTracker(timeout_s, seed_required=True, clock=clock)
     t.register([A])
@@ -51,7 +41,7 @@ def gated(clock: FakeClock, timeout_s: float = 20.0) -> BootstrapTracker:
 @pytest.mark.parametrize("verdict", [SweepOutcome.NO_PEERS, SweepOutcome.FLEET_COLD])
 @pytest.mark.parametrize("peers_tried", [0, 3])
 def test_seed_gate_never_closes_on_a_nothing_to_inherit_verdict(
-    clock: FakeClock, verdict: SweepOutcome, peers_tried: int
+    clock: ManualClock, verdict: SweepOutcome, peers_tried: int
 ) -> None:
     t = gated(clock)
     t.record_sweep_result(verdict, peers_tried)
@@ -61,7 +51,7 @@ def test_seed_gate_never_closes_on_a_nothing_to_inherit_verdict(
 
 
 def test_seed_gate_closes_only_on_timed_out_over_a_non_empty_candidate_set(
-    clock: FakeClock,
+    clock: ManualClock,
 ) -> None:
     t = gated(clock)
     t.record_sweep_result(SweepOutcome.TIMED_OUT, 0)
@@ -75,7 +65,7 @@ def test_seed_gate_closes_only_on_timed_out_over_a_non_empty_candidate_set(
     assert not t.admit_ready()
 
 
-def test_seed_gate_reopens_when_a_later_sweep_finds_a_snapshot(clock: FakeClock) -> None:
+def test_seed_gate_reopens_when_a_later_sweep_finds_a_snapshot(clock: ManualClock) -> None:
     t = gated(clock)
     t.record_sweep_result(SweepOutcome.TIMED_OUT, 2)
     t.record_sweep_result(SweepOutcome.RANKS_RESOLVED, 0)
@@ -86,7 +76,7 @@ def test_seed_gate_reopens_when_a_later_sweep_finds_a_snapshot(clock: FakeClock)
     assert t.admit_ready()
 
 
-def test_seed_gate_is_inert_unless_required(clock: FakeClock) -> None:
+def test_seed_gate_is_inert_unless_required(clock: ManualClock) -> None:
     t = BootstrapTracker(20.0, clock=clock)
     t.register([A])
     assert t.seed_gate_open(), "no verdict is needed either"
@@ -97,7 +87,7 @@ def test_seed_gate_is_inert_unless_required(clock: FakeClock) -> None:
     assert t.admit_ready()
 
 
-def test_seed_gate_latches_open_once_readiness_has_passed(clock: FakeClock) -> None:
+def test_seed_gate_latches_open_once_readiness_has_passed(clock: ManualClock) -> None:
     t = gated(clock)
     t.record_sweep_result(SweepOutcome.FOUND, 1)
     assert t.admit_ready()
@@ -107,7 +97,7 @@ def test_seed_gate_latches_open_once_readiness_has_passed(clock: FakeClock) -> N
     assert t.admit_ready(), "a serving replica is never un-readied"
 
 
-def test_seed_gate_opens_when_the_hard_bound_expires(clock: FakeClock) -> None:
+def test_seed_gate_opens_when_the_hard_bound_expires(clock: ManualClock) -> None:
     t = gated(clock, timeout_s=20.0)  # bound: max(3 x 20 s, 60 s) = 60 s from registration
     t.record_sweep_result(SweepOutcome.TIMED_OUT, 1)
     clock.advance(59.999)
@@ -123,7 +113,7 @@ def test_seed_gate_opens_when_the_hard_bound_expires(clock: FakeClock) -> None:
     assert t.take_notices() == [], "and warns once"
 
 
-def test_disabled_tracker_never_gates(clock: FakeClock) -> None:
+def test_disabled_tracker_never_gates(clock: ManualClock) -> None:
     t = BootstrapTracker.disabled(clock=clock)
     assert t.seed_gate_open()
     t.record_sweep_result(SweepOutcome.TIMED_OUT, 5)
@@ -139,7 +129,7 @@ def test_seed_gate_timeout_scales_and_floors(timeout_s: float, bound_s: float) -
     assert seed_gate_timeout(timeout_s) == bound_s
 
 
-def test_the_seed_gate_bound_is_re_armed_at_first_registration(clock: FakeClock) -> None:
+def test_the_seed_gate_bound_is_re_armed_at_first_registration(clock: ManualClock) -> None:
     t = BootstrapTracker(20.0, seed_required=True, clock=clock)
     clock.advance(50.0)  # discovery is slow; the construction-time bound is nearly spent
     t.register([A])
@@ -151,7 +141,7 @@ def test_the_seed_gate_bound_is_re_armed_at_first_registration(clock: FakeClock)
 
 
 def test_a_seed_bound_that_expires_before_registration_does_not_open_the_gate_early(
-    clock: FakeClock,
+    clock: ManualClock,
 ) -> None:
     t = BootstrapTracker(20.0, seed_required=True, clock=clock)
     clock.advance(100.0)
@@ -161,7 +151,7 @@ def test_a_seed_bound_that_expires_before_registration_does_not_open_the_gate_ea
     assert not t.seed_gate_open(), "the registration re-armed the bound; the boot sweep is due"
 
 
-def test_seed_gate_holds_until_the_boot_sweep_reports(clock: FakeClock) -> None:
+def test_seed_gate_holds_until_the_boot_sweep_reports(clock: ManualClock) -> None:
     t = gated(clock)
     assert not t.seed_gate_open(), "every rank is terminal, but no sweep verdict yet"
     assert not t.admit_ready()
@@ -170,14 +160,14 @@ def test_seed_gate_holds_until_the_boot_sweep_reports(clock: FakeClock) -> None:
     assert t.admit_ready()
 
 
-def test_seed_gate_does_not_wait_for_a_sweep_that_cannot_run(clock: FakeClock) -> None:
+def test_seed_gate_does_not_wait_for_a_sweep_that_cannot_run(clock: ManualClock) -> None:
     t = gated(clock)
     t.record_sweep_result(SweepOutcome.RANKS_RESOLVED, 0)  # every obligation left first
     assert t.seed_gate_open()
     assert t.admit_ready()
 
 
-def test_first_registration_after_a_served_200_keeps_the_replica_ready(clock: FakeClock) -> None:
+def test_first_registration_after_a_served_200_keeps_the_replica_ready(clock: ManualClock) -> None:
     t = BootstrapTracker(10.0, seed_required=True, clock=clock)
     clock.advance(10.0)
     assert t.admit_ready(), "expired before any worker appeared; /readyz answered 200"
@@ -188,7 +178,7 @@ def test_first_registration_after_a_served_200_keeps_the_replica_ready(clock: Fa
     assert t.admit_ready()
 
 
-def test_admit_ready_waits_for_both_halves(clock: FakeClock) -> None:
+def test_admit_ready_waits_for_both_halves(clock: ManualClock) -> None:
     t = BootstrapTracker(20.0, seed_required=True, clock=clock)
     t.register([A, B])
     t.record_sweep_result(SweepOutcome.FOUND, 1)
@@ -199,13 +189,13 @@ def test_admit_ready_waits_for_both_halves(clock: FakeClock) -> None:
     assert t.admit_ready()
 
 
-def test_before_any_registration_the_gate_does_not_wait_for_a_verdict(clock: FakeClock) -> None:
+def test_before_any_registration_the_gate_does_not_wait_for_a_verdict(clock: ManualClock) -> None:
     t = BootstrapTracker(20.0, seed_required=True, clock=clock)
     assert t.seed_gate_open()
     assert not t.settled(), "settled() still holds readiness until the deadline"
 
 
-def test_sweep_verdicts_are_counted_for_metrics(clock: FakeClock) -> None:
+def test_sweep_verdicts_are_counted_for_metrics(clock: ManualClock) -> None:
     t = gated(clock)
     t.record_sweep_result(SweepOutcome.TIMED_OUT, 2)
     t.record_sweep_result("found", 1)
@@ -213,7 +203,7 @@ def test_sweep_verdicts_are_counted_for_metrics(clock: FakeClock) -> None:
     assert t.sweep_outcomes == {SweepOutcome.TIMED_OUT: 1, SweepOutcome.FOUND: 2}
 
 
-def test_a_bad_sweep_report_raises_the_typed_error(clock: FakeClock) -> None:
+def test_a_bad_sweep_report_raises_the_typed_error(clock: ManualClock) -> None:
     t = gated(clock)
     with pytest.raises(TrackerError):
         t.record_sweep_result(SweepOutcome.TIMED_OUT, -1)
