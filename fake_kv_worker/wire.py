@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 
@@ -240,56 +240,57 @@ def _int_parent(parent: WireHash | None) -> int | None:
     return None if parent is None else _int_hashes([parent])[0]
 
 
-def encode_vllm(ts: float, events: Sequence[Event], dp_rank: int) -> bytes:
-    out: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared] = []
-    for ev in events:
-        if isinstance(ev, Stored):
-            out.append(
-                VllmBlockStored(
-                    block_hashes=list(ev.block_hashes),
-                    parent_block_hash=ev.parent_block_hash,
-                    token_ids=ev.token_ids,
-                    block_size=ev.block_size,
-                    lora_id=None,
-                    medium=ev.medium,
-                    lora_name=None,
-                    group_idx=0,
-                )
-            )
-        elif isinstance(ev, Removed):
-            out.append(
-                VllmBlockRemoved(block_hashes=list(ev.block_hashes), medium=ev.medium, group_idx=0)
-            )
-        else:
-            out.append(VllmAllBlocksCleared())
-    return _encoder.encode(VllmEventBatch(ts=ts, events=out, data_parallel_rank=dp_rank))
+BatchEncoder = Callable[[float, Sequence[Event], int], bytes]
 
 
-def encode_vllm_legacy(ts: float, events: Sequence[Event], dp_rank: int) -> bytes:
-    out: list[VllmLegacyBlockStored | VllmLegacyBlockRemoved | VllmLegacyAllBlocksCleared] = []
-    for ev in events:
-        if isinstance(ev, Stored):
-            out.append(
-                VllmLegacyBlockStored(
-                    block_hashes=list(ev.block_hashes),
-                    parent_block_hash=ev.parent_block_hash,
-                    token_ids=ev.token_ids,
-                    block_size=ev.block_size,
-                    lora_id=None,
-                    medium=ev.medium,
-                    lora_name=None,
-                    group_idx=0,
+@dataclass(frozen=True, slots=True)
+class _VllmSchema:
+    """The struct types of one vLLM release's wire (they differ only in field layout)."""
+
+    stored: type[VllmBlockStored] | type[VllmLegacyBlockStored]
+    removed: type[VllmBlockRemoved] | type[VllmLegacyBlockRemoved]
+    cleared: type[VllmAllBlocksCleared] | type[VllmLegacyAllBlocksCleared]
+    batch: type[VllmEventBatch] | type[VllmLegacyEventBatch]
+
+
+def _vllm_encoder(schema: _VllmSchema) -> BatchEncoder:
+    def encode(ts: float, events: Sequence[Event], dp_rank: int) -> bytes:
+        out: list[Any] = []
+        for ev in events:
+            if isinstance(ev, Stored):
+                out.append(
+                    schema.stored(
+                        block_hashes=list(ev.block_hashes),
+                        parent_block_hash=ev.parent_block_hash,
+                        token_ids=ev.token_ids,
+                        block_size=ev.block_size,
+                        lora_id=None,
+                        medium=ev.medium,
+                        lora_name=None,
+                        group_idx=0,
+                    )
                 )
-            )
-        elif isinstance(ev, Removed):
-            out.append(
-                VllmLegacyBlockRemoved(
-                    block_hashes=list(ev.block_hashes), medium=ev.medium, group_idx=0
-                )
-            )
-        else:
-            out.append(VllmLegacyAllBlocksCleared())
-    return _encoder.encode(VllmLegacyEventBatch(ts=ts, events=out, data_parallel_rank=dp_rank))
+            elif isinstance(ev, Removed):
+                hashes = list(ev.block_hashes)
+                out.append(schema.removed(block_hashes=hashes, medium=ev.medium, group_idx=0))
+            else:
+                out.append(schema.cleared())
+        return _encoder.encode(schema.batch(ts=ts, events=out, data_parallel_rank=dp_rank))
+
+    return encode
+
+
+encode_vllm = _vllm_encoder(
+    _VllmSchema(VllmBlockStored, VllmBlockRemoved, VllmAllBlocksCleared, VllmEventBatch)
+)
+encode_vllm_legacy = _vllm_encoder(
+    _VllmSchema(
+        VllmLegacyBlockStored,
+        VllmLegacyBlockRemoved,
+        VllmLegacyAllBlocksCleared,
+        VllmLegacyEventBatch,
+    )
+)
 
 
 def encode_sglang(ts: float, events: Sequence[Event], dp_rank: int) -> bytes:
@@ -345,8 +346,6 @@ def encode_sglang_legacy(ts: float, events: Sequence[Event], dp_rank: int) -> by
 
 
 # --- flavours --------------------------------------------------------------------------------
-
-BatchEncoder = Callable[[float, Sequence[Event], int], bytes]
 
 
 @dataclass(frozen=True, slots=True)
