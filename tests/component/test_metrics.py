@@ -284,3 +284,17 @@ async def test_load_probes_count_each_outcome_and_absent_is_asked_once() -> None
         # /v1/loads is asked again on every tick where it answers; a 404 is remembered.
         assert m.value("kvrouter_load_probe_total", outcome="absent") == 1
         assert m.get("kvrouter_load_probe_total", outcome="inconclusive") in (None, 0)
+
+
+async def test_process_and_python_runtime_series_are_exported() -> None:
+    async with router_in_process(workers=[]) as rt:
+        first = await scrape(rt)
+        for _ in range(200):  # some work, so the process's CPU counter can move
+            await rt.get("/workers")
+        second = await scrape(rt)
+    assert first.value("process_resident_memory_bytes") > 10 * 2**20
+    assert first.value("process_open_fds") > 0
+    assert second.value("process_cpu_seconds_total") >= first.value("process_cpu_seconds_total")
+    assert second.value("python_gc_collections_total", generation="0") >= 0
+    (info,) = first.names("python_info")
+    assert info["implementation"] == "CPython"
