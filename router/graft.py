@@ -198,12 +198,17 @@ class BootstrapRules:
             self.held.setdefault(rank, []).append(HeldBatch(seq, _packed(batch)))
 
     def on_publisher_reset(self, rank: RankId) -> None:
-        """Before the index clears the rank: settle any bootstrap state it had."""
+        """Before the index clears the rank: settle any bootstrap state it had.
+
+        A Recovered rank turns Failed even when its splice was proven long ago: what it
+        inherited is being cleared, so the state gauge must stop saying "recovered".
+        """
         if self.proofs.pop(rank, None) is not None:
             self.tracker.record_outcome(rank, "publisher_reset")
-            self.tracker.set(rank, BootstrapState.FAILED)
-        elif self.tracker.is_pending(rank):
+        if self.tracker.is_pending(rank):
             self.fail(rank, "publisher_reset", discard_held=True)
+        elif self.tracker.state(rank) is BootstrapState.RECOVERED:
+            self.tracker.set(rank, BootstrapState.FAILED)
 
     def on_restart_at_zero(self, rank: RankId) -> None:
         if self.proofs.pop(rank, None) is not None:

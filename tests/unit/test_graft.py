@@ -209,6 +209,18 @@ def test_publisher_reset_mid_bootstrap_fails_the_rank_once() -> None:
     assert R not in rig.rules.held
 
 
+def test_publisher_reset_after_a_proven_graft_fails_the_rank_without_a_second_outcome() -> None:
+    rig = Rig()
+    rig.live(R, 6, stored(2, 200))
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)))
+    assert rig.outcome() == "warm" and rig.tracker.state(R) is BootstrapState.RECOVERED
+    rig.index.handle(PublisherReset(R))
+    assert rig.tracker.state(R) is BootstrapState.FAILED
+    assert rig.outcome() == "warm"  # the incarnation's one outcome stands
+    assert rig.tracker.rank_outcomes["publisher_reset"] == 0
+    assert rig.blocks() == 0 and R not in rig.index.cursors
+
+
 def test_a_snapshot_without_a_cursor_for_the_rank_is_uncovered() -> None:
     rig = Rig(R, Q)
     rig.live(R, 4, stored(1, 100))
