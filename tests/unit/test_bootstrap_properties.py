@@ -75,6 +75,13 @@ P4 Safety (run cold, never wrong). For every rank, let T be the blocks the tree 
    reflected", and a graft must never land on a rank it was not owed.
    A rank that is not live carries nothing, and has no cursor, held queue or proof.
 
+P5 Completeness (nothing missing where nothing was lost). A live rank that is not Pending, has
+   no open proof and nothing in flight, and lost no batch and saw no engine restart since it
+   registered, carries every block of its engine's cache, provided the engine published nothing
+   before the registration or the tree keeps a graft of the same incarnation at or after the
+   last seq published before it. So a duplicate batch applied, a held queue dropped, or a
+   filter that discards a batch the graft does not reflect, all fail here.
+
 Coverage: `hypothesis.event()` labels each interesting path (`--hypothesis-show-statistics`),
 and the test asserts that gaps, granted and refused retries, overflow, origin resolution,
 publisher resets (END_SEQ, regressions, batch 0 behind a cursor), stale grafts, deferred proofs
@@ -245,6 +252,8 @@ class View:
     introduced: set[int] = field(default_factory=set)  # blocks that reached the pump
     graft: tuple[int, int] | None = None  # (engine inc, watermark) of the graft the tree keeps
     sub: SequenceTracker = field(default_factory=SequenceTracker)
+    origin: tuple[int, int] = (0, 0)  # (engine inc, first seq published) after registration
+    lossy: bool = False  # a batch published since registration was lost, or the engine restarted
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,8 +389,9 @@ class BootstrapMachine(RuleBasedStateMachine):
         self.outstanding += obligations
         self.minted += obligations
         for o in obligations:
-            self.views[o.rank] = View(live=True)
-            self.engines[o.rank].inflight.clear()  # published before we subscribed: lost
+            eng = self.engines[o.rank]
+            self.views[o.rank] = View(live=True, origin=(eng.inc, eng.seq_next))
+            eng.inflight.clear()  # published before we subscribed: lost
         self._check()
 
     def _snap(self) -> dict[RankId, Before]:
@@ -521,7 +531,7 @@ class BootstrapMachine(RuleBasedStateMachine):
                 assert self.tracker.state(r) is RECOVERED and self.index.cursors[r] == wm
 
     def _check(self) -> None:
-        """P1, P2 (states) and P4 after any step."""
+        """P1, P2 (states), P4 and P5 after any step."""
         owed = {o for o in self.outstanding}
         for r in self.ranks:
             v = self.views[r]
@@ -547,6 +557,7 @@ class BootstrapMachine(RuleBasedStateMachine):
             if r in self.rules.held:
                 assert self.rules.held[r] and state is PENDING, f"{r}: held while {state}"
             self._check_safety(r)
+            self._check_complete(r)
 
     def _check_safety(self, r: RankId) -> None:
         """P4 for one live rank."""
@@ -575,6 +586,24 @@ class BootstrapMachine(RuleBasedStateMachine):
                 f"shown (cursor {self.index.cursors.get(r)}, state {self.tracker.state(r)})"
             )
             note("stale block excused: its removal was never delivered")
+
+    def _check_complete(self, r: RankId) -> None:
+        """P5 for one live rank: lossless since it registered, it carries exactly its cache."""
+        eng, v, tree = self.engines[r], self.views[r], self.index.tree
+        if v.lossy or eng.inflight or self.tracker.is_pending(r) or r in self.rules.proofs:
+            return
+        inc, first = v.origin
+        # Published before registration: known only through a graft at or after it.
+        if first > 0 and (v.graft is None or v.graft[0] != inc or v.graft[1] < first - 1):
+            return
+        carried = {b for b, key in eng.keys.items() if tree.engine_hash(r, key) == b}
+        missing = sorted(set(eng.cache) - carried)
+        assert not missing, (
+            f"{r}: lost nothing since it registered at {v.origin}, yet misses blocks {missing} "
+            f"(state {self.tracker.state(r)}, outcome {self.tracker.recorded_outcome(r)}, "
+            f"graft {v.graft}, cursor {self.index.cursors.get(r)})"
+        )
+        note("lossless rank carries its whole cache" + (" (grafted)" if first else ""))
 
     # -- delivery --------------------------------------------------------------------------
 
@@ -638,6 +667,7 @@ class BootstrapMachine(RuleBasedStateMachine):
             sent = eng.emit(plan)
             if fate == "lose":
                 note("batch lost")
+                self.views[r].lossy = True
                 continue
             eng.inflight.append(sent)
             if fate == "deliver":
@@ -657,6 +687,7 @@ class BootstrapMachine(RuleBasedStateMachine):
         eng = self.engines[r]
         if lose:
             eng.inflight.popleft()
+            self.views[r].lossy = True
             note("in-flight item lost")
             return
         self.retry_accept = accept
@@ -857,6 +888,7 @@ class BootstrapMachine(RuleBasedStateMachine):
         else:
             eng = self.engines[r]
             eng.restart()
+            self.views[r].lossy = True
             if kind == "announced restart":
                 eng.inflight.append(EndSeq(eng.inc))
             elif kind != "restart":
@@ -962,7 +994,8 @@ REQUIRED = [
     "graft ahead of everything held",
     "deferred proof",
     "outcome warm",
-    "outcome warm_unwitnessed",
+    # "outcome warm_unwitnessed" needs a deferred proof still open when an example ends (or
+    # three unknown probes in a row); some seeds reach it, not all. test_graft.py pins it.
     "outcome uncovered",
     "outcome abandoned",
     "outcome overflow",
@@ -977,6 +1010,8 @@ REQUIRED = [
     "graft for a rank not owed: ignored",
     "lost batches counted by the pump",
     "stale block excused: its removal was never delivered",
+    "lossless rank carries its whole cache",
+    "lossless rank carries its whole cache (grafted)",
     "item for a forgotten rank dropped",
     "rank registered again",
     "settled",
