@@ -27,6 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+import pytest
+
+from fake_kv_worker.__main__ import parse_args as fake_worker_args
+from fake_kv_worker.config import WorkerConfig
 from tests.support.manifests import (
     MANIFESTS,
     REPO,
@@ -35,6 +39,7 @@ from tests.support.manifests import (
     Rendering,
     Workload,
     container_env,
+    raw_flags,
     render,
 )
 from tests.support.ports import free_tcp_port
@@ -46,6 +51,8 @@ CREATE_TIMEOUT_S: Final = 600.0
 BUILD_TIMEOUT_S: Final = 1200.0
 ROLLOUT_TIMEOUT_S: Final = 600
 POLL_S: Final = 1.0
+# Set on a test item by tests/kind/conftest.py: whether the test's call phase failed.
+CALL_FAILED: Final = pytest.StashKey[bool]()
 
 
 def skip_reason() -> str | None:
@@ -123,6 +130,14 @@ class KindCluster:
     def selector(self, program: str) -> str:
         labels = self.workload(program).deployment["spec"]["selector"]["matchLabels"]
         return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+    @property
+    def router_port(self) -> int:
+        return int(raw_flags(self.workload(ROUTER_PROGRAM).container["args"])["port"])
+
+    @property
+    def worker_config(self) -> WorkerConfig:
+        return fake_worker_args(list(self.workload(WORKER_PROGRAM).container["args"]))[0]
 
     @property
     def image(self) -> str:

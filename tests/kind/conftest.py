@@ -6,6 +6,8 @@ from collections.abc import Generator
 
 import pytest
 
+from tests.kind.cluster import CALL_FAILED
+
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(
@@ -15,6 +17,3 @@ def pytest_runtest_makereport(
     if report.when == "call":
         item.stash[CALL_FAILED] = report.failed
     return report
-
-
-CALL_FAILED = pytest.StashKey[bool]()

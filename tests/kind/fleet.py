@@ -28,9 +28,6 @@ from tests.support.fake_worker import PROBE_TOKEN
 from tests.support.manifests import ROUTER_PROGRAM, WORKER_PROGRAM
 from tests.support.waiting import eventually
 
-BLOCK_SIZE = 16  # the fake workers' --block-size in the manifests
-ROUTER_PORT = 8080
-WORKER_PORT = 8000
 QUIESCE_S = 90.0
 GATE_ROUND_S = 3.0
 GATE_ROUNDS = 20
@@ -46,30 +43,18 @@ class Replica:
 class Worker:
     pod: Pod
     url: str  # through its own port-forward
+    port: int  # its HTTP port in the cluster
 
     @property
     def in_cluster(self) -> str:
-        return f"http://{self.pod.ip}:{WORKER_PORT}"
+        return f"http://{self.pod.ip}:{self.port}"
 
     @property
     def rank(self) -> RankId:
         return RankId(self.in_cluster, 0)
 
 
-def chains(tag: int, count: int, blocks: int) -> list[list[int]]:
-    """`count` token chains of `blocks` full blocks, distinct across tags and from the probe."""
-    return [
-        [tag * 1_000_000 + i * 1_000 + t + 3 for t in range(blocks * BLOCK_SIZE)]
-        for i in range(count)
-    ]
-
-
-def holds(view: CanonicalView, worker: Worker, tokens: Sequence[int]) -> bool:
-    """Whether the view carries the whole chain on the worker's rank, parent by parent."""
-    carried = rank_blocks(view).get(worker.rank, {})
-    keys = block_keys(tokens, BLOCK_SIZE)
-    parents = [None, *keys[:-1]]
-    return all(k in carried and carried[k][0] == p for k, p in zip(keys, parents, strict=True))
+Placed = dict[Worker, list[list[int]]]  # which worker stored which token chains
 
 
 @dataclass
@@ -78,16 +63,17 @@ class Fleet:
     forwards: PortForwards
     session: aiohttp.ClientSession
     workers: list[Worker]
+    block_size: int
 
     @classmethod
     async def reach(
         cls, cluster: KindCluster, forwards: PortForwards, session: aiohttp.ClientSession
     ) -> Fleet:
-        workload = cluster.rendering.workload(WORKER_PROGRAM)
-        assert workload is not None
-        pods = await cluster.wait_pods(WORKER_PROGRAM, workload.deployment["spec"]["replicas"])
-        workers = [Worker(p, await forwards.url(p, WORKER_PORT)) for p in pods]
-        return cls(cluster, forwards, session, workers)
+        config = cluster.worker_config
+        replicas = cluster.workload(WORKER_PROGRAM).deployment["spec"]["replicas"]
+        pods = await cluster.wait_pods(WORKER_PROGRAM, replicas)
+        workers = [Worker(p, await forwards.url(p, config.port), config.port) for p in pods]
+        return cls(cluster, forwards, session, workers, config.block_size)
 
     async def replicas(
         self, count: int, *, excluding: frozenset[str] = frozenset()
@@ -95,7 +81,27 @@ class Fleet:
         """Scale the routers to `count` and reach each ready pod once exactly `count` are."""
         await self.cluster.scale(count)
         pods = await self.cluster.wait_pods(ROUTER_PROGRAM, count, excluding=excluding)
-        return [Replica(p, await self.forwards.url(p, ROUTER_PORT)) for p in pods]
+        port = self.cluster.router_port
+        return [Replica(p, await self.forwards.url(p, port)) for p in pods]
+
+    # -- chains -----------------------------------------------------------------------------
+
+    def chains(self, tag: int, count: int, blocks: int = 3) -> list[list[int]]:
+        """`count` token chains of `blocks` full blocks, distinct across tags and from probes."""
+        length = blocks * self.block_size
+        return [[tag * 1_000_000 + i * 1_000 + t + 3 for t in range(length)] for i in range(count)]
+
+    def holds(self, view: CanonicalView, placed: Placed) -> bool:
+        """Whether the view carries every placed chain on its worker's rank, parent by parent."""
+        per_rank = rank_blocks(view)
+        for worker, mine in placed.items():
+            carried = per_rank.get(worker.rank, {})
+            for tokens in mine:
+                keys = block_keys(tokens, self.block_size)
+                for key, parent in zip(keys, [None, *keys[:-1]], strict=True):
+                    if key not in carried or carried[key][0] != parent:
+                        return False
+        return True
 
     # -- events -----------------------------------------------------------------------------
 
@@ -106,9 +112,9 @@ class Fleet:
             assert resp.status == 200, f"/control/store on {worker.pod.name}: {payload}"
             return payload["last_seq"]
 
-    async def spread(self, token_chains: list[list[int]]) -> dict[Worker, list[list[int]]]:
+    async def spread(self, token_chains: list[list[int]]) -> Placed:
         """Store the chains round-robin over the workers; which worker got which."""
-        placed: dict[Worker, list[list[int]]] = {w: [] for w in self.workers}
+        placed: Placed = {w: [] for w in self.workers}
         for i, chain in enumerate(token_chains):
             placed[self.workers[i % len(self.workers)]].append(chain)
         for worker, mine in placed.items():
@@ -173,7 +179,7 @@ class Fleet:
         A probe sent before a subscription was live is lost to that replica; the next round's
         probe is not.
         """
-        probe = [[PROBE_TOKEN] * BLOCK_SIZE]
+        probe = [[PROBE_TOKEN] * self.block_size]
         missed = AssertionError("no round ran")
         for _ in range(rounds):
             seqs = {w.rank: await self.store(w, probe) for w in self.workers}

@@ -16,9 +16,8 @@ import aiohttp
 import pytest
 
 from router.view import CanonicalView, collect
-from tests.kind.cluster import KindCluster, port_forwards, skip_reason
-from tests.kind.conftest import CALL_FAILED
-from tests.kind.fleet import Fleet, Replica, Worker, chains, holds
+from tests.kind.cluster import CALL_FAILED, KindCluster, port_forwards, skip_reason
+from tests.kind.fleet import Fleet, Placed, Replica
 
 SKIP_REASON = skip_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
@@ -41,14 +40,12 @@ async def fleet(cluster: KindCluster, request: pytest.FixtureRequest) -> AsyncIt
             print(await cluster.diagnostics())
 
 
-async def warm_start(
-    fleet: Fleet, tag: int, count: int
-) -> tuple[list[Replica], dict[Worker, list[list[int]]]]:
+async def warm_start(fleet: Fleet, tag: int, count: int) -> tuple[list[Replica], Placed]:
     """3 replicas with live streams, worker caches cleared, `count` chains stored, quiesced."""
     replicas = await fleet.replicas(3)
     await fleet.gate(replicas)
     await fleet.clear()
-    placed = await fleet.spread(chains(tag, count, blocks=3))
+    placed = await fleet.spread(fleet.chains(tag, count))
     await fleet.quiesce(replicas)
     return replicas, placed
 
@@ -58,15 +55,11 @@ async def tracks_new_events(
 ) -> None:
     """Past a live gate, new chains reach every replica: the views agree, grow, hold them."""
     await fleet.gate(replicas)
-    fresh = await fleet.spread(chains(tag, 8, blocks=3))
+    fresh = await fleet.spread(fleet.chains(tag, 8))
     await fleet.quiesce(replicas)
     tracked = await fleet.agreed_view(replicas)
     assert before < tracked
-    assert holds_all(tracked, fresh)
-
-
-def holds_all(view: CanonicalView, placed: dict[Worker, list[list[int]]]) -> bool:
-    return all(holds(view, worker, c) for worker, mine in placed.items() for c in mine)
+    assert fleet.holds(tracked, fresh)
 
 
 def names(replicas: list[Replica]) -> frozenset[str]:
@@ -93,7 +86,7 @@ async def test_the_router_account_may_read_endpointslices_and_nothing_else(
 async def test_new_replicas_match_the_warm_fleet_and_track_new_events(fleet: Fleet) -> None:
     warm_fleet, placed = await warm_start(fleet, tag=1, count=24)
     warm = await fleet.agreed_view(warm_fleet)
-    assert holds_all(warm, placed)
+    assert fleet.holds(warm, placed)
 
     grown = await fleet.replicas(5)
     joined = [r for r in grown if r.pod.name not in names(warm_fleet)]
@@ -122,7 +115,7 @@ async def test_the_view_survives_a_full_rolling_update(fleet: Fleet) -> None:
     await fleet.quiesce(new_fleet)
     after = await fleet.agreed_view(new_fleet)
     assert after == before
-    assert holds_all(after, placed)
+    assert fleet.holds(after, placed)
 
     await tracks_new_events(fleet, new_fleet, before, tag=4)
 

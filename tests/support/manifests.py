@@ -458,9 +458,12 @@ def unknown_issue_6_flags(rendering: Rendering) -> list[str]:
 # -- project rules --------------------------------------------------------------------------
 
 
+def pyproject() -> dict[str, Any]:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
 def console_scripts() -> set[str]:
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    return set(project["project"]["scripts"])
+    return set(pyproject()["project"]["scripts"])
 
 
 def _rule_objects(r: Rendering) -> list[str]:
