@@ -1,0 +1,460 @@
+"""manifests/ renders with `kubectl kustomize`, and every object passes the offline checks.
+
+The checks live in tests/support/manifests.py (strict schema decoding with kubernetes-asyncio's
+models, then the project's rules). The mutation table below proves each rule bites: one
+broken field at a time, and the validator must name what broke.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from router.cli import build_parser
+from tests.support.manifests import (
+    ISSUE_6_FLAGS,
+    MANIFESTS,
+    REPO,
+    RenderError,
+    Rendering,
+    kubectl,
+    problems,
+    pyproject,
+    render,
+    unknown_issue_6_flags,
+)
+
+pytestmark = pytest.mark.skipif(
+    kubectl() is None, reason="kubectl is not installed: the manifests render with kubectl"
+)
+
+Obj = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> list[Obj]:
+    return render()
+
+
+# -- helpers that find and break one thing --------------------------------------------------
+
+
+def find(objects: list[Obj], kind: str, name: str) -> Obj:
+    for obj in objects:
+        if obj["kind"] == kind and obj["metadata"]["name"] == name:
+            return obj
+    raise LookupError(f"{kind}/{name} is not rendered")
+
+
+def pod(objects: list[Obj], deployment: str) -> Obj:
+    return find(objects, "Deployment", deployment)["spec"]["template"]["spec"]
+
+
+def container(objects: list[Obj], deployment: str) -> Obj:
+    return pod(objects, deployment)["containers"][0]
+
+
+def router(objects: list[Obj]) -> Obj:
+    return container(objects, "kvrouter")
+
+
+def worker(objects: list[Obj]) -> Obj:
+    return container(objects, "fake-kv-worker")
+
+
+def set_flag(c: Obj, flag: str, value: str) -> None:
+    """Replace `--flag=...` in a container's args (or add it)."""
+    args = [a for a in c["args"] if not a.startswith(f"--{flag}=")]
+    c["args"] = [*args, f"--{flag}={value}"]
+
+
+def env_var(c: Obj, name: str) -> Obj:
+    return next(v for v in c["env"] if v["name"] == name)
+
+
+def drop_env(c: Obj, name: str) -> None:
+    c["env"] = [v for v in c["env"] if v["name"] != name]
+
+
+def role_rule(objects: list[Obj]) -> Obj:
+    return find(objects, "Role", "kvrouter-endpointslices")["rules"][0]
+
+
+def add_cluster_role(objects: list[Obj]) -> None:
+    objects.append(
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": "kvrouter-everything"},
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}],
+        }
+    )
+
+
+def secret(objects: list[Obj]) -> Obj:
+    return next(o for o in objects if o["kind"] == "Secret")
+
+
+# -- the shipped rendering ------------------------------------------------------------------
+
+
+def test_the_rendering_passes_every_check(rendered: list[Obj]) -> None:
+    assert problems(rendered) == []
+    kinds = sorted(f"{o['kind']}/{o['metadata']['name'].split('-')[0]}" for o in rendered)
+    assert kinds == [
+        "Deployment/fake",
+        "Deployment/kvrouter",
+        "Namespace/kvrouter",
+        "Role/kvrouter",
+        "RoleBinding/kvrouter",
+        "Secret/kvrouter",
+        "Service/fake",
+        "Service/kvrouter",
+        "ServiceAccount/kvrouter",
+    ]
+
+
+def test_the_router_runs_three_replicas_whose_probes_and_grace_outlast_bootstrap_and_drain(
+    rendered: list[Obj],
+) -> None:
+    deployment = find(rendered, "Deployment", "kvrouter")
+    c = router(rendered)
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert "--kv-bootstrap-timeout-ms=20000" in c["args"]
+    probe = c["readinessProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] == 60  # > 20 s of bootstrap
+    assert "--drain-timeout-s=20" in c["args"]
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert pod(rendered, "kvrouter")["terminationGracePeriodSeconds"] == 40  # > 5 + 20 s
+
+
+def test_the_internal_token_is_the_generated_secret_that_the_router_reads(
+    rendered: list[Obj],
+) -> None:
+    ref = env_var(router(rendered), "KVROUTER_INTERNAL_TOKEN")["valueFrom"]["secretKeyRef"]
+    generated = secret(rendered)
+    # kustomize appended the content hash to the name and rewrote the reference to match.
+    assert ref["name"] == generated["metadata"]["name"] != "kvrouter-internal-token"
+    assert ref["key"] in generated["data"]
+
+
+def test_every_flag_issue_6_adds_is_known_to_kvrouter_serve_once_the_watch_is_merged(
+    rendered: list[Obj],
+) -> None:
+    pending = unknown_issue_6_flags(Rendering(rendered))
+    # Merged: the watch's module is here, or serve knows any of the flags it adds.
+    merged = importlib.util.find_spec("peer.endpointslices") is not None or bool(
+        ISSUE_6_FLAGS & set(build_parser()[1].names) - {"kv-peer-selector"}
+    )
+    if pending and not merged:
+        pytest.xfail(
+            f"{pending} arrive with issue 6's EndpointSlice watch (peer/endpointslices.py), "
+            "not merged into this branch yet"
+        )
+    assert pending == []
+
+
+# -- the checks bite ------------------------------------------------------------------------
+
+Mutation = Callable[[list[Obj]], None]
+
+MUTATIONS: list[tuple[str, Mutation, str]] = [
+    (
+        "misspelt field",
+        lambda o: router(o).update(imagePullPolicyy="Always"),
+        "unknown field 'imagePullPolicyy' in V1Container",
+    ),
+    (
+        "replicas as a string",
+        lambda o: find(o, "Deployment", "kvrouter")["spec"].update(replicas="3"),
+        "spec.replicas: expected int, got str",
+    ),
+    (
+        "container without a name",
+        lambda o: router(o).pop("name"),
+        "Invalid value for `name`, must not be `None`",
+    ),
+    (
+        "unknown kind",
+        lambda o: o.append({"apiVersion": "v1", "kind": "Sevrice", "metadata": {"name": "x"}}),
+        "v1 Sevrice is not a Kubernetes type",
+    ),
+    (
+        "readiness budget shorter than the bootstrap",
+        lambda o: router(o)["readinessProbe"].update(failureThreshold=5),
+        "readiness failure budget (10 s) must be longer than --kv-bootstrap-timeout-ms (20 s)",
+    ),
+    (
+        "bootstrap longer than the readiness budget",
+        lambda o: set_flag(router(o), "kv-bootstrap-timeout-ms", "90000"),
+        "readiness failure budget (60 s) must be longer than --kv-bootstrap-timeout-ms (90 s)",
+    ),
+    (
+        "bootstrap longer than the progress deadline",
+        lambda o: find(o, "Deployment", "kvrouter")["spec"].update(progressDeadlineSeconds=15),
+        "progressDeadlineSeconds must outlast the bootstrap",
+    ),
+    (
+        "grace period shorter than preStop plus drain",
+        lambda o: pod(o, "kvrouter").update(terminationGracePeriodSeconds=20),
+        "terminationGracePeriodSeconds (20) must exceed the preStop sleep (5 s)",
+    ),
+    (
+        "drain longer than the grace period",
+        lambda o: set_flag(router(o), "drain-timeout-s", "60"),
+        "plus --drain-timeout-s (60 s)",
+    ),
+    (
+        "rollout that takes a replica down",
+        lambda o: find(o, "Deployment", "kvrouter")["spec"]["strategy"]["rollingUpdate"].update(
+            maxUnavailable=1
+        ),
+        "the rollout must surge",
+    ),
+    (
+        "rollout with no surge",
+        lambda o: find(o, "Deployment", "kvrouter")["spec"]["strategy"]["rollingUpdate"].update(
+            maxSurge="0%"
+        ),
+        "the rollout must surge (maxSurge >= 1, maxUnavailable 0, got 0 and 0)",
+    ),
+    (
+        "recreate rollout",
+        lambda o: find(o, "Deployment", "kvrouter")["spec"].update(strategy={"type": "Recreate"}),
+        "the rollout must surge",
+    ),
+    (
+        "a single replica",
+        lambda o: find(o, "Deployment", "kvrouter")["spec"].update(replicas=1),
+        "one replica has no sibling to bootstrap from",
+    ),
+    (
+        "RBAC verb beyond reading",
+        lambda o: role_rule(o)["verbs"].append("create"),
+        "only get/list/watch on discovery.k8s.io endpointslices is needed",
+    ),
+    (
+        "RBAC on pods",
+        lambda o: role_rule(o)["resources"].append("pods"),
+        "only get/list/watch on discovery.k8s.io endpointslices is needed",
+    ),
+    ("a ClusterRole", add_cluster_role, "ClusterRole/kvrouter-everything: nothing cluster-wide"),
+    (
+        "RoleBinding to another account",
+        lambda o: find(o, "RoleBinding", "kvrouter-endpointslices")["subjects"][0].update(
+            name="default"
+        ),
+        "no RoleBinding grants the router's ServiceAccount 'kvrouter' its Role",
+    ),
+    (
+        "Service selecting no pods",
+        lambda o: find(o, "Service", "kvrouter")["spec"].update(
+            selector={"app.kubernetes.io/name": "kv-router"}
+        ),
+        "Service/kvrouter: selects 0 workloads' pods",
+    ),
+    (
+        "Service port to no container port",
+        lambda o: find(o, "Service", "fake-kv-worker")["spec"]["ports"][1].update(targetPort=5558),
+        "port kv-events targets 5558, which is no container port",
+    ),
+    (
+        "Deployment selector off its pod labels",
+        lambda o: find(o, "Deployment", "fake-kv-worker")["spec"]["selector"].update(
+            matchLabels={"app": "fake-worker"}
+        ),
+        "does not match pod labels",
+    ),
+    (
+        "abbreviated flag",
+        lambda o: router(o)["args"].append("--kv-bootstrap-fetch-timeout=1000"),
+        "kvrouter serve does not know --kv-bootstrap-fetch-timeout",
+    ),
+    (
+        "unknown environment variable",
+        lambda o: router(o)["env"].append({"name": "KVROUTER_BOOTSTRAP_MS", "value": "1"}),
+        "kvrouter serve does not know KVROUTER_BOOTSTRAP_MS",
+    ),
+    (
+        "value serve refuses",
+        lambda o: set_flag(router(o), "port", "http"),
+        "kvrouter refuses its command line",
+    ),
+    (
+        "setting serve refuses",
+        lambda o: set_flag(router(o), "kv-bootstrap-fetch-timeout-cap-ms", "10"),
+        "--kv-bootstrap-fetch-timeout-cap-ms must be >= 1000",
+    ),
+    (
+        "service links into serve's environment",
+        lambda o: pod(o, "kvrouter").pop("enableServiceLinks"),
+        "KVROUTER_PORT='tcp://",
+    ),
+    (
+        "router listening on loopback",
+        lambda o: set_flag(router(o), "host", "127.0.0.1"),
+        "--host 127.0.0.1 is unreachable from other pods",
+    ),
+    (
+        "token as a literal",
+        lambda o: env_var(router(o), "KVROUTER_INTERNAL_TOKEN").update(value="t", valueFrom=None),
+        "KVROUTER_INTERNAL_TOKEN must come from a Secret",
+    ),
+    (
+        "token key missing from the Secret",
+        lambda o: secret(o).update(data={"other": "dA=="}),
+        "key 'token', which the rendering does not hold",
+    ),
+    (
+        "no downward-API pod IP",
+        lambda o: drop_env(router(o), "POD_IP"),
+        "env POD_IP must come from the downward API status.podIP",
+    ),
+    (
+        "liveness on the readiness route",
+        lambda o: router(o)["livenessProbe"]["httpGet"].update(path="/readyz"),
+        "livenessProbe must be an httpGet of /healthz on port 8080",
+    ),
+    (
+        "readiness on another port",
+        lambda o: router(o)["readinessProbe"]["httpGet"].update(port=8000),
+        "readinessProbe must be an httpGet of /readyz on port 8080",
+    ),
+    (
+        "peer selector naming no Service",
+        lambda o: set_flag(
+            router(o), "kv-peer-selector", "kubernetes.io/service-name=kvrouter-peers"
+        ),
+        "matches no Service's EndpointSlices",
+    ),
+    (
+        "no peer selector",
+        lambda o: router(o).update(
+            args=[a for a in router(o)["args"] if not a.startswith("--kv-peer-selector")]
+        ),
+        "--kv-peer-selector is not set",
+    ),
+    (
+        "peer selector naming the workers",
+        lambda o: set_flag(
+            router(o), "kv-peer-selector", "kubernetes.io/service-name=fake-kv-worker"
+        ),
+        "--kv-peer-selector names Service/fake-kv-worker, not the routers'",
+    ),
+    (
+        "worker selector matching nothing",
+        lambda o: set_flag(router(o), "worker-selector", "app=sglang"),
+        "--worker-selector 'app=sglang' matches no Service's EndpointSlices",
+    ),
+    (
+        "worker port the workers' slices do not list",
+        lambda o: set_flag(router(o), "worker-port", "8001"),
+        "no port reaches --worker-port 8001",
+    ),
+    (
+        "no resource requests",
+        lambda o: router(o)["resources"].pop("requests"),
+        "Deployment/kvrouter: no cpu request",
+    ),
+    (
+        "root user",
+        lambda o: pod(o, "kvrouter")["securityContext"].update(runAsNonRoot=False),
+        "Deployment/kvrouter: runAsNonRoot must be true",
+    ),
+    (
+        "writable root file system",
+        lambda o: worker(o)["securityContext"].update(readOnlyRootFilesystem=False),
+        "Deployment/fake-kv-worker: readOnlyRootFilesystem must be true",
+    ),
+    (
+        "image kind cannot side-load",
+        lambda o: router(o).update(image="kvrouter:latest"),
+        "needs a tag other than latest",
+    ),
+    (
+        "worker bound to loopback",
+        lambda o: set_flag(worker(o), "host", "127.0.0.1"),
+        "--host 127.0.0.1 is unreachable from the routers",
+    ),
+    (
+        "worker's KV-event port not declared",
+        lambda o: set_flag(worker(o), "kv-port-base", "6000"),
+        "dp rank 0's KV events (6000) is not a container port",
+    ),
+    (
+        "worker flag it refuses",
+        lambda o: set_flag(worker(o), "dp-size", "zero"),
+        "fake-kv-worker refuses its command line",
+    ),
+    (
+        "worker mounting an API token",
+        lambda o: pod(o, "fake-kv-worker").pop("automountServiceAccountToken"),
+        "mount no token",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [pytest.param(m, e, id=name) for name, m, e in MUTATIONS],
+)
+def test_a_broken_manifest_is_named_by_the_checks(
+    rendered: list[Obj], mutate: Mutation, expected: str
+) -> None:
+    broken = copy.deepcopy(rendered)
+    mutate(broken)
+    found = problems(broken)
+    assert any(expected in p for p in found), found
+
+
+def test_a_kustomization_naming_a_missing_file_fails_to_render(tmp_path: Path) -> None:
+    copied = tmp_path / "manifests"
+    shutil.copytree(MANIFESTS, copied)
+    kustomization = copied / "kustomization.yaml"
+    spec = yaml.safe_load(kustomization.read_text())
+    spec["resources"].append("router/missing.yaml")
+    kustomization.write_text(yaml.safe_dump(spec))
+    with pytest.raises(RenderError, match=re.escape("router/missing.yaml")):
+        render(copied)
+
+
+# -- the image and the kind cluster ---------------------------------------------------------
+
+
+def test_the_image_holds_every_package_and_runs_as_the_user_the_pods_require(
+    rendered: list[Obj],
+) -> None:
+    project = pyproject()
+    packages = project["tool"]["setuptools"]["packages"]
+    dockerfile = (REPO / "Dockerfile").read_text()
+    copied = set(re.findall(r"^COPY (\S+) ", dockerfile, re.M))
+    assert set(packages) <= copied, "every package must be copied into the build stage"
+    ignore = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert ignore[0] == "*", "an allowlist: .venv, .git and the rest stay out of the context"
+    for needed in [*packages, "pyproject.toml", project["project"]["readme"]]:
+        assert f"!{needed}" in ignore or f"!{needed}/" in ignore, needed
+    users = re.findall(r"^USER (\d+):(\d+)$", dockerfile, re.M)
+    assert users, "the final stage must switch to a numeric user (runAsNonRoot verifies it)"
+    uid = int(users[-1][0])
+    for deployment in ("kvrouter", "fake-kv-worker"):
+        assert pod(rendered, deployment)["securityContext"]["runAsUser"] == uid
+
+
+def test_the_kind_config_is_a_cluster_with_a_control_plane_and_workers() -> None:
+    config = yaml.safe_load((MANIFESTS / "kind-config.yaml").read_text())
+    assert (config["apiVersion"], config["kind"]) == ("kind.x-k8s.io/v1alpha4", "Cluster")
+    roles = [n["role"] for n in config["nodes"]]
+    assert roles.count("control-plane") == 1 and roles.count("worker") >= 1
