@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from peer.slices import Backend, EndpointSlice, Extraction, backends, merge
+from peer.slices import Backend, BackendSet, EndpointSlice, Extraction, backends
 
 ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"
 
@@ -54,6 +54,7 @@ class SliceView:
         self.rules = rules
         self.resource_version: str | None = None
         self._backends: dict[tuple[str, str], tuple[Backend, ...]] = {}
+        self._merged = BackendSet()
         self._buffer: dict[tuple[str, str], tuple[Backend, ...]] | None = None
         self._urls: tuple[str, ...] = ()
 
@@ -89,8 +90,11 @@ class SliceView:
         if self._buffer is None:
             return None
         self._backends, self._buffer = self._buffer, None
+        self._merged = BackendSet()
+        for group in self._backends.values():
+            self._merged.update((), group)
         self.resource_version = resource_version
-        self._urls = merge(self._backends.values())
+        self._urls = self._merged.urls
         return Relisted(self._urls, len(self._backends))
 
     def abandon_relist(self) -> None:
@@ -107,14 +111,18 @@ class SliceView:
         if self._buffer is not None:
             raise ViewError("a watch event during a relist")
         if kind == DELETED:
-            self._backends.pop(item.key, None)
+            new: tuple[Backend, ...] = ()
+            old = self._backends.pop(item.key, ())
         elif kind in (ADDED, MODIFIED):
-            self._backends[item.key] = backends(item, self.rules)
+            new = backends(item, self.rules)
+            old = self._backends.get(item.key, ())
+            self._backends[item.key] = new
         else:
             raise ViewError(f"unknown event type {kind!r}")
+        self._merged.update(old, new)
         if item.metadata.resource_version:
             self.resource_version = item.metadata.resource_version
-        urls = merge(self._backends.values())
+        urls = self._merged.urls
         if urls == self._urls:
             return None
         self._urls = urls

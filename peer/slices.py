@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from sortedcontainers import SortedList
 
 
 class ObjectReference(msgspec.Struct):
@@ -129,7 +131,8 @@ class SelfIdentity:
         return bool(self.pod_name or self.pod_ip)
 
     def owns(self, endpoint: Endpoint) -> bool:
-        if self.pod_ip and any(_same_ip(a, self.pod_ip) for a in endpoint.addresses or ()):
+        ip = self.pod_ip
+        if ip and any(a == ip or _same_ipv6(a, ip) for a in endpoint.addresses or ()):
             return True
         ref = endpoint.target_ref
         if ref is None or not self.pod_name or ref.kind not in (None, "Pod"):
@@ -192,27 +195,73 @@ def backends(slice_: EndpointSlice, rules: Extraction) -> tuple[Backend, ...]:
     return tuple(out)
 
 
-def merge(per_slice: Iterable[Iterable[Backend]]) -> tuple[str, ...]:
-    """One URL per backend key (the smallest), sorted and without repeats."""
-    chosen: dict[str, str] = {}
-    for group in per_slice:
-        for backend in group:
-            known = chosen.get(backend.key)
-            if known is None or backend.url < known:
-                chosen[backend.key] = backend.url
-    return tuple(sorted(set(chosen.values())))
+class BackendSet:
+    """Backends of many slices, merged: one URL per backend key (the smallest), sorted.
+
+    Kept up to date slice by slice: a watch event touches one slice, and re-merging every
+    backend of a large fleet for each event cost milliseconds per thousand endpoints.
+    """
+
+    def __init__(self) -> None:
+        self._offers: dict[str, Counter[str]] = {}  # key -> URL -> how many slices offer it
+        self._chosen: dict[str, str] = {}  # key -> its smallest offered URL
+        self._choosers: Counter[str] = Counter()  # URL -> how many keys chose it
+        self._urls: SortedList[str] = SortedList()  # the distinct chosen URLs
+
+    def update(self, removed: Iterable[Backend], added: Iterable[Backend]) -> None:
+        touched = set()
+        for b in removed:
+            offers = self._offers[b.key]
+            offers[b.url] -= 1
+            if offers[b.url] == 0:
+                del offers[b.url]
+                if not offers:
+                    del self._offers[b.key]
+            touched.add(b.key)
+        for b in added:
+            self._offers.setdefault(b.key, Counter())[b.url] += 1
+            touched.add(b.key)
+        for key in touched:
+            old = self._chosen.get(key)
+            offers = self._offers.get(key)
+            new = min(offers) if offers else None
+            if old == new:
+                continue
+            if old is not None:
+                self._choosers[old] -= 1
+                if self._choosers[old] == 0:
+                    del self._choosers[old]
+                    self._urls.remove(old)
+            if new is None:
+                del self._chosen[key]
+                continue
+            self._chosen[key] = new
+            self._choosers[new] += 1
+            if self._choosers[new] == 1:
+                self._urls.add(new)
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(self._urls)
 
 
 def urls(slices: Iterable[EndpointSlice], rules: Extraction) -> tuple[str, ...]:
-    return merge(backends(s, rules) for s in slices)
+    merged = BackendSet()
+    for s in slices:
+        merged.update((), backends(s, rules))
+    return merged.urls
 
 
 def _set(value: str | None) -> str | None:
     return value if value else None
 
 
-def _same_ip(a: str, b: str) -> bool:
+def _same_ipv6(a: str, b: str) -> bool:
+    """IPv6 has many spellings of one address (IPv4's dotted quad, as Kubernetes writes it,
+    has one), so only those are parsed: this runs for every endpoint of every slice."""
+    if ":" not in a or ":" not in b:
+        return False
     try:
         return ipaddress.ip_address(a) == ipaddress.ip_address(b)
     except ValueError:
-        return a == b
+        return False

@@ -127,17 +127,21 @@ async def test_a_too_old_resource_version_is_http_200_then_one_error_event() -> 
         assert event["object"]["message"].startswith("too old resource version: 1000")
 
 
-async def test_a_label_transition_is_delivered_as_deleted_with_the_old_content() -> None:
+async def test_label_transitions_are_delivered_as_deleted_with_the_old_content_and_added() -> None:
     async with FakeApiServer() as fake:
         fake.put(endpoint_slice("a", "kvrouter", [endpoint("10.0.0.2", "b")]))
+        fake.put(endpoint_slice("c", "other", [endpoint("10.0.0.3", "c")]))
         since = fake.resource_version
         fake.put(endpoint_slice("a", "renamed", [endpoint("10.0.0.9", "z")]))
-        (event,) = await watch_lines(
-            fake, 1, resourceVersion=since, labelSelector="kubernetes.io/service-name=kvrouter"
+        left_at = fake.resource_version
+        fake.put(endpoint_slice("c", "kvrouter", [endpoint("10.0.0.3", "c")]))
+        left, joined = await watch_lines(
+            fake, 2, resourceVersion=since, labelSelector="kubernetes.io/service-name=kvrouter"
         )
-        assert event["type"] == "DELETED"
-        assert event["object"]["endpoints"][0]["addresses"] == ["10.0.0.2"]  # the old content
-        assert event["object"]["metadata"]["resourceVersion"] == fake.resource_version
+        assert left["type"] == "DELETED"
+        assert left["object"]["endpoints"][0]["addresses"] == ["10.0.0.2"]  # the old content
+        assert left["object"]["metadata"]["resourceVersion"] == left_at
+        assert joined["type"] == "ADDED" and joined["object"]["metadata"]["name"] == "c"
 
 
 async def test_errors_are_status_objects() -> None:

@@ -34,7 +34,6 @@ resumes from a compacted resourceVersion and must relist.
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 import re
 import ssl
@@ -331,7 +330,7 @@ class FakeApiServer:
 
     def put(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Create or replace a slice (MODIFIED carries the whole new object); returns it."""
-        new = copy.deepcopy(dict(obj))
+        new = _copy(dict(obj))
         meta = new.setdefault("metadata", {})
         meta.setdefault("namespace", "default")
         key = (meta["namespace"], meta["name"])
@@ -343,7 +342,7 @@ class FakeApiServer:
         meta.setdefault("creationTimestamp", "2026-01-01T00:00:00Z")
         self._objects[key] = new
         self._record(_Change(self._rv, old, new))
-        return copy.deepcopy(new)
+        return _copy(new)
 
     def delete(self, name: str, namespace: str = "default") -> None:
         old = self._objects.pop((namespace, name))
@@ -499,34 +498,28 @@ class FakeApiServer:
         self, request: web.Request, flt: Filter, query: dict[str, str]
     ) -> web.StreamResponse:
         raw_rv = query.get("resourceVersion")
-        watcher = _Watcher(flt, query_bool(query.get("allowWatchBookmarks")), transport=None)
+        expired = False
         # Backlog and registration happen together, with no await between: no event is lost
         # or sent twice.
         if raw_rv in (None, "", "0"):
             backlog = [
-                {"type": "ADDED", "object": copy.deepcopy(obj)}
+                {"type": "ADDED", "object": _copy(obj)}
                 for _, obj in sorted(self._objects.items())
                 if flt.matches(obj)
             ]
         elif not raw_rv.isdigit():
             return _error(400, f"invalid resource version: {raw_rv!r}")
         elif int(raw_rv) < self._floor:
-            backlog = [
-                {
-                    "type": "ERROR",
-                    "object": status(
-                        410,
-                        "Expired",
-                        f"too old resource version: {raw_rv} ({self._floor + 1})",
-                    ),
-                }
-            ]
-            watcher = None  # type: ignore[assignment]
+            # Past authn/authz, a watch fails only as an ERROR event on an HTTP 200.
+            message = f"too old resource version: {raw_rv} ({self._floor + 1})"
+            backlog = [{"type": "ERROR", "object": status(410, "Expired", message)}]
+            expired = True
         else:
             since = int(raw_rv)
             converted = (_convert(c, flt) for c in self._history if c.rv > since)
             backlog = [e for e in converted if e is not None]
-        if watcher is not None:
+        watcher = _Watcher(flt, query_bool(query.get("allowWatchBookmarks")))
+        if not expired:
             self._watchers.add(watcher)
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         resp.enable_chunked_encoding()
@@ -534,7 +527,7 @@ class FakeApiServer:
             await resp.prepare(request)
             for event in backlog:
                 await resp.write(_line(event))
-            if watcher is None or self.end_watches_at_once:
+            if expired or self.end_watches_at_once:
                 await resp.write_eof()
                 return resp
             watcher.transport = request.transport
@@ -551,8 +544,7 @@ class FakeApiServer:
         except (ConnectionResetError, asyncio.CancelledError):
             return resp
         finally:
-            if watcher is not None:
-                self._watchers.discard(watcher)
+            self._watchers.discard(watcher)
 
 
 _RESOURCE = re.compile(
@@ -565,19 +557,24 @@ def _convert(change: _Change, flt: Filter) -> dict[str, Any] | None:
     """The event one watcher sees for a change, after its selector (the cacher's rule)."""
     was, now = flt.matches(change.old), flt.matches(change.new)
     if was and now:
-        return {"type": "MODIFIED", "object": copy.deepcopy(change.new)}
+        return {"type": "MODIFIED", "object": _copy(change.new)}
     if now:
-        return {"type": "ADDED", "object": copy.deepcopy(change.new)}
+        return {"type": "ADDED", "object": _copy(change.new)}
     if was:
         assert change.old is not None
-        gone = copy.deepcopy(change.old)
+        gone = _copy(change.old)
         gone["metadata"]["resourceVersion"] = str(change.rv)
         return {"type": "DELETED", "object": gone}
     return None
 
 
+def _copy(obj: Any) -> Any:
+    """A deep copy of a JSON value (several times faster than copy.deepcopy)."""
+    return msgspec.json.decode(msgspec.json.encode(obj))
+
+
 def _without_kind(obj: Mapping[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(dict(obj))
+    out = _copy(dict(obj))
     out.pop("kind", None)
     out.pop("apiVersion", None)
     return out
