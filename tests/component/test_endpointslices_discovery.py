@@ -3,11 +3,8 @@ through the fake API server, with real fake workers on loopback."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import os
 import random
-import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -15,6 +12,7 @@ import pytest
 
 from cachetree.ranks import RankId
 from cachetree.snapshot import canonical_view
+from tests.component.test_cli import run_cli
 from tests.support.fake_apiserver import FakeApiServer, endpoint, endpoint_slice
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.ports import free_tcp_port
@@ -176,26 +174,14 @@ async def test_a_replica_bootstraps_from_a_sibling_found_in_endpointslices(
 async def test_a_replica_that_cannot_reach_any_api_server_exits_1_saying_what_to_set(
     tmp_path: Path,
 ) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVROUTER_", "KUBERNETES_"))}
-    env["KUBECONFIG"] = str(tmp_path / "missing")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "router.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(free_tcp_port()),
-        "--worker-selector",
-        WORKERS,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+    # Not in a pod, and a kubeconfig that does not exist.
+    env = {"KUBERNETES_SERVICE_HOST": "", "KUBECONFIG": str(tmp_path / "missing")}
+    port = str(free_tcp_port())
+    status, out, err = await run_cli(
+        "serve", "--host", "127.0.0.1", "--port", port, "--worker-selector", WORKERS, env=env
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 1
-    last = err.decode().strip().splitlines()[-1]
+    assert status == 1
+    last = err.strip().splitlines()[-1]
     assert last.startswith("kvrouter: error: cannot reach the Kubernetes API")
     assert "KUBECONFIG" in last and "--kube-api-server" in last
-    assert b"listening" not in out
+    assert "listening" not in out

@@ -2,22 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from router.app import ServeConfig
-from router.cli import parse_args, serve_config
-
-
-@pytest.fixture(autouse=True)
-def no_kvrouter_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [k for k in os.environ if k.startswith("KVROUTER_")]:
-        monkeypatch.delenv(name)
-
-
-def config_of(*argv: str) -> ServeConfig:
-    return serve_config(parse_args(["serve", *argv]))
+# The same helpers and the same clean environment as the other flag tests.
+from tests.unit.test_cli_flags import config_of, no_kvrouter_env, refusal  # noqa: F401
 
 
 def test_discovery_is_off_and_the_namespace_unset_by_default() -> None:
@@ -69,8 +57,4 @@ def test_the_environment_sets_them_and_an_empty_namespace_means_all(
 def test_bad_discovery_settings_stop_it_with_one_line(
     argv: list[str], word: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        config_of(*argv)
-    assert exit_.value.code == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvrouter: error: ") and word in lines[0]
+    assert word in refusal(capsys, *argv)
