@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
@@ -23,8 +24,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cachetree.keys import block_keys, namespace_seed
 from peer.fetch import SnapshotFetcher
+from peer.kubeconfig import kube_api_client, resolve_namespace
 from peer.producer import SnapshotProducer, serve_snapshot
 from peer.registry import PeerRegistry
+from peer.slices import Extraction, Family, SelfIdentity, listen_family
 from peer.tracker import BootstrapTracker
 from router.bootstrap import PeerBootstrap
 from router.breaker import CircuitBreaker
@@ -37,6 +40,9 @@ from router.proxy import InflightTracker, Proxy, upstream_session
 from router.tasks import cancel_and_wait
 from router.tokenize import RequestTokenizer, load_tokenizer
 from router.workers import DiscoveryDefaults, WorkerRegistry
+
+if TYPE_CHECKING:
+    from peer.endpointslices import SliceDiscovery
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +72,12 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     seed: int | None = None
     peer: list[str] = field(default_factory=list)  # static sibling replicas
-    kv_peer_selector: str | None = None  # EndpointSlice selector (wired with Kubernetes)
+    kv_peer_selector: str | None = None  # EndpointSlice selector naming the siblings
     self_url: str | None = None  # this replica's own URL, never a candidate sibling
+    worker_selector: str | None = None  # EndpointSlice selector naming the workers
+    worker_port: int = 0  # the workers' port in their slices; 0: each slice's first port
+    namespace: str | None = None  # of both watches; "" = all; None = the pod's own
+    kube_api_server: str | None = None  # API server URL used without credentials
     kv_bootstrap_timeout_ms: int = 120_000
     kv_bootstrap_fetch_timeout_cap_ms: int = 300_000
     kv_bootstrap_seed_required: bool = False
@@ -96,6 +106,7 @@ class Replica:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     producer: SnapshotProducer | None = None  # serves /internal/kv_snapshot
     bootstrap: PeerBootstrap | None = None  # peer snapshot bootstrap, when siblings are known
+    discovery: SliceDiscovery | None = None  # EndpointSlice watches, when a selector is given
 
 
 REPLICA: web.AppKey[Replica] = web.AppKey("replica", Replica)
@@ -190,6 +201,10 @@ async def _compose(
         expose_route_headers=config.expose_route_headers,
     )
     settled = bootstrap.tracker.settled if bootstrap is not None else (lambda: True)
+    # Last of the fallible steps: nothing has started yet if it cannot reach the API server.
+    discovery = (
+        await _discovery(config) if config.kv_peer_selector or config.worker_selector else None
+    )
     replica = Replica(
         config,
         pump,
@@ -203,10 +218,13 @@ async def _compose(
         [control_session, proxy_session],
         producer=SnapshotProducer(pump.rules, settled=settled),
         bootstrap=bootstrap,
+        discovery=discovery,
     )
     workers.start()
     if bootstrap is not None:
         bootstrap.start()
+    if discovery is not None:
+        _watch(config, discovery, workers, bootstrap)
     replica.tasks.append(asyncio.create_task(loads.run(), name="kvrouter-loads"))
     for url in config.workers:
         await workers.add(url)
@@ -237,7 +255,39 @@ def _bootstrap(config: ServeConfig, pump: Pump, workers: WorkerRegistry) -> Peer
     return PeerBootstrap(pump, tracker, registry, fetcher, block_size=lambda: workers.block_size)
 
 
+async def _discovery(config: ServeConfig) -> SliceDiscovery:
+    # Imported here: kubernetes-asyncio takes seconds to import (see peer.kubeconfig).
+    from peer.endpointslices import SliceDiscovery
+
+    namespace, source = resolve_namespace(config.namespace, os.environ)
+    log.info("EndpointSlice namespace %r (from %s; empty: all)", namespace, source)
+    return SliceDiscovery(await kube_api_client(config.kube_api_server, os.environ), namespace)
+
+
+def _watch(
+    config: ServeConfig,
+    discovery: SliceDiscovery,
+    workers: WorkerRegistry,
+    bootstrap: PeerBootstrap | None,
+) -> None:
+    if config.kv_peer_selector and bootstrap is not None:
+        identity = SelfIdentity.from_env(os.environ)
+        if not identity.known:
+            log.warning(
+                "neither POD_NAME nor POD_IP is set: this replica cannot tell itself from its "
+                "siblings in the EndpointSlices; set both from the downward API"
+            )
+        rules = Extraction(listen_family(config.host), config.port, identity)
+        discovery.start("siblings", config.kv_peer_selector, rules, bootstrap.registry.replace)
+    if config.worker_selector:
+        # Outbound connections to workers do not depend on the family we listen on.
+        rules = Extraction(Family.ANY, config.worker_port or None)
+        discovery.start("workers", config.worker_selector, rules, workers.discovered)
+
+
 async def _stop_replica(replica: Replica) -> None:
+    if replica.discovery is not None:
+        await replica.discovery.close()
     if replica.bootstrap is not None:
         await replica.bootstrap.close()
     if replica.producer is not None:
@@ -423,6 +473,7 @@ def _worker_view(replica: Replica, worker: Any) -> dict[str, Any]:
         "state": worker.state,
         "reason": worker.reason,
         "healthy": worker.healthy,
+        "draining": worker.draining,
         "breaker": str(worker.breaker.state),
         "snapshot_served": worker.snapshot_served,
         "kv_events": msgspec.to_builtins(worker.kv) if worker.kv else None,

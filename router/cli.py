@@ -27,6 +27,7 @@ from typing import Any, Final, NoReturn
 
 from aiohttp import web
 
+from peer.kubeconfig import KubeConfigError
 from router import demo, view
 from router.app import REPLICA, ServeConfig, build_app
 from router.policy import POLICY_NAMES
@@ -141,6 +142,22 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         "peer", str, [], "a sibling replica's base URL for peer bootstrap (repeatable)", repeat=True
     )
     f.add("kv-peer-selector", str, "", "EndpointSlice label selector naming sibling replicas")
+    f.add("worker-selector", str, "", "EndpointSlice label selector naming the workers")
+    f.add("worker-port", int, 0, "the workers' port in their EndpointSlices; 0 = the first listed")
+    f.add(
+        "namespace",
+        str,
+        None,
+        "namespace of the EndpointSlices; empty = all; unset = POD_NAMESPACE, else the "
+        "service-account namespace, else default",
+    )
+    f.add(
+        "kube-api-server",
+        str,
+        "",
+        "Kubernetes API URL used without credentials (kubectl proxy); else in-cluster config "
+        "in a pod, else KUBECONFIG",
+    )
     f.add("self-url", str, "", "this replica's own base URL, never used as a sibling")
     f.add("kv-bootstrap-timeout-ms", int, 120_000, "bound on the whole bootstrap and /readyz hold")
     f.add("kv-bootstrap-fetch-timeout-cap-ms", int, 300_000, "cap on one sibling fetch")
@@ -185,6 +202,11 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             "--kv-bootstrap-fetch-timeout-cap-ms must be >= 1000",
         ),
         (args.kv_bootstrap_max_body_mb >= 1, "--kv-bootstrap-max-body-mb must be >= 1"),
+        (0 <= args.worker_port <= 65535, "--worker-port must be 0 (the first listed) or 1..65535"),
+        (
+            not (args.peer and args.kv_peer_selector),
+            "give siblings by --peer or by --kv-peer-selector, not both",
+        ),
     ]
     for ok, message in checks:
         if not ok:
@@ -195,6 +217,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     for url in [*args.peer, *([args.self_url] if args.self_url else [])]:
         if (problem := worker_url_problem(url)) is not None:
             _fail(f"--peer/--self-url {url!r} is not an http(s) URL: {problem}")
+    if args.kube_api_server and (problem := worker_url_problem(args.kube_api_server)):
+        _fail(f"--kube-api-server {args.kube_api_server!r} is not an http(s) URL: {problem}")
     try:
         # Loaded here to fail before listening, with the loader's own message; the app loads
         # it again at start-up (a second read of the same files).
@@ -208,6 +232,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     values["internal_token"] = args.internal_token or None
     values["kv_peer_selector"] = args.kv_peer_selector or None
     values["self_url"] = args.self_url or None
+    values["worker_selector"] = args.worker_selector or None
+    values["kube_api_server"] = args.kube_api_server or None
     values["peer"] = list(args.peer)
     return ServeConfig(**values)
 
@@ -308,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = serve_config(args)
         try:
             asyncio.run(serve(config))
-        except StartError as exc:
+        except (StartError, KubeConfigError) as exc:
             _fail(str(exc), status=1)
     elif args.command == "demo":
         raise SystemExit(demo.run(args))

@@ -1,7 +1,7 @@
 """The worker registry: which engines this replica routes to, and their KV-event streams.
 
-Workers come from `--worker` flags and the admin API (and, later, EndpointSlices); all go
-through `WorkerRegistry.add` / `remove`, so every source gets the same lifecycle:
+Workers come from `--worker` flags, the admin API and the `--worker-selector` EndpointSlice
+watch; all go through `WorkerRegistry.add` / `remove`, so every source gets the same lifecycle:
 
 add(url), for a URL not yet known:
   1. Read `GET {url}/server_info` for the `kv_events` block (SGLang style); without one, fall
@@ -19,6 +19,12 @@ workers all the time, and a pull per announcement would stampede the fleet.
 
 remove(url): the ranks leave the live set and the tree (awaited through the pump, so the
 removal has taken effect when it returns), then the subscribers stop.
+
+discovered(urls): the EndpointSlice watch's whole current set. A worker that left it (gone,
+unready, terminating) is marked draining at once, in the same call, so not one more request
+is routed to it; a background reconcile then removes it (requests already forwarded run to
+their end: the proxy holds their connections) and adds the newcomers. One that comes back
+before its removal simply stops draining. Only workers the watch named are removed by it.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -190,6 +196,11 @@ class WorkerRegistry:
         self._repull: set[str] = set()
         self._health_task: asyncio.Task[None] | None = None
         self._bootstraps: set[asyncio.Task[None]] = set()
+        self._discovered: set[str] = set()  # added by the EndpointSlice watch
+        self._wanted: set[str] = set()  # the watch's latest set
+        self._reconcile_wake = asyncio.Event()
+        self._reconciler: asyncio.Task[None] | None = None
+        self._closing = False
         # Set by the app when peer bootstrap is on (a --peer or --kv-peer-selector is given).
         self.bootstrap: PeerBootstrap | None = None
         pump.rules.set_loss_handler(self._on_rank_loss)
@@ -211,7 +222,12 @@ class WorkerRegistry:
         self._health_task = asyncio.create_task(self._health_loop(), name="kvrouter-health")
 
     async def close(self) -> None:
+        self._closing = True
+        self._reconcile_wake.set()
         await cancel_and_wait([self._health_task, *self._bootstraps])
+        if self._reconciler is not None:
+            # Awaited, not cancelled: a removal cut half-way would leave its subscribers running.
+            await self._reconciler
         for url in list(self._workers):
             await self.remove(url)
 
@@ -249,6 +265,45 @@ class WorkerRegistry:
         self.loads.remove_worker(url)
         log.info("worker %s removed: its %d rank(s) left the index", url, len(ranks))
         return True
+
+    # -- EndpointSlice discovery -----------------------------------------------------------
+
+    def discovered(self, urls: Iterable[str]) -> None:
+        """The discovered set changed: drain the departed now, reconcile in the background."""
+        if self._closing:
+            return
+        self._wanted = {_normalize(u) for u in urls}
+        for url in self._discovered:
+            worker = self._workers.get(url)
+            if worker is not None:
+                draining = url not in self._wanted
+                if draining and not worker.draining:
+                    log.info("worker %s left its EndpointSlices: no new requests", url)
+                worker.draining = draining
+        self._reconcile_wake.set()
+        if self._reconciler is None:
+            self._reconciler = asyncio.create_task(self._reconcile(), name="kvrouter-discovered")
+
+    async def _reconcile(self) -> None:
+        while True:
+            await self._reconcile_wake.wait()
+            self._reconcile_wake.clear()
+            if self._closing:
+                return
+            for url in sorted(self._discovered - self._wanted):
+                self._discovered.discard(url)
+                await self.remove(url)
+            new = sorted(self._wanted - self._discovered)
+            # Ours from the start of the add, so that leaving again mid-add drains it too.
+            self._discovered.update(new)
+            results = await asyncio.gather(*(self.add(u) for u in new), return_exceptions=True)
+            for url, result in zip(new, results, strict=True):
+                if isinstance(result, BaseException):
+                    self._discovered.discard(url)
+                    log.error("discovered worker %s not added: %s", url, result)
+                else:
+                    # It may have left before the add created it.
+                    result.draining = url not in self._wanted
 
     async def _register(self, worker: Worker) -> None:
         try:

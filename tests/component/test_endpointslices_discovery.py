@@ -1,0 +1,187 @@
+"""EndpointSlice discovery end to end: a real replica finds its workers and its siblings
+through the fake API server, with real fake workers on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from cachetree.ranks import RankId
+from cachetree.snapshot import canonical_view
+from tests.component.test_cli import run_cli
+from tests.support.fake_apiserver import FakeApiServer, endpoint, endpoint_slice
+from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
+from tests.support.ports import free_tcp_port
+from tests.support.router import RouterHandle, router_in_process
+from tests.support.waiting import eventually
+
+WORKERS = "kubernetes.io/service-name=fake-kv-worker"
+SIBLINGS = "kubernetes.io/service-name=kvrouter"
+
+
+def worker_slice(fw: FakeWorkerHandle, **conditions: bool | None) -> dict:
+    """One slice per worker: they share 127.0.0.1, so each keeps its own port."""
+    port = urlsplit(fw.url).port
+    assert port is not None
+    pod = endpoint("127.0.0.1", f"fake-kv-worker-{port}", **conditions)  # type: ignore[arg-type]
+    return endpoint_slice(f"fake-kv-worker-{port}", "fake-kv-worker", [pod], ports=[port])
+
+
+def routable(rt: RouterHandle) -> set[str]:
+    return {w.url for w in rt.replica.workers.routable()}
+
+
+async def served(fw: FakeWorkerHandle) -> int:
+    return (await fw.state())["requests"]
+
+
+async def send(rt: RouterHandle, n: int) -> None:
+    for i in range(n):
+        status, body, _ = await rt.post(
+            "/v1/completions", {"prompt": f"hello {i}", "max_tokens": 1}
+        )
+        assert status == 200, body
+
+
+async def requests_taken(workers: list[FakeWorkerHandle], rt: RouterHandle, n: int) -> list[int]:
+    """Send n requests; how many each worker served."""
+    before = [await served(fw) for fw in workers]
+    await send(rt, n)
+    return [await served(fw) - b for fw, b in zip(workers, before, strict=True)]
+
+
+async def test_discovered_workers_take_traffic_and_departed_ones_are_drained_and_removed() -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        fake = await stack.enter_async_context(FakeApiServer())
+        w1 = await stack.enter_async_context(fake_worker_in_process())
+        w2 = await stack.enter_async_context(fake_worker_in_process())
+        fake.put(worker_slice(w1))
+        rt = await stack.enter_async_context(
+            router_in_process(
+                worker_selector=WORKERS,
+                kube_api_server=fake.url,
+                namespace="default",
+                policy="round_robin",
+            )
+        )
+        await eventually(lambda: routable(rt) == {w1.url}, 10.0)
+        assert await requests_taken([w1, w2], rt, 4) == [4, 0]
+
+        fake.put(worker_slice(w2))
+        await eventually(lambda: routable(rt) == {w1.url, w2.url}, 10.0)
+        assert await requests_taken([w1, w2], rt, 4) == [2, 2]
+
+        fake.put(worker_slice(w1, ready=False, serving=True, terminating=True))
+        await eventually(lambda: rt.replica.workers.get(w1.url) is None, 10.0)
+        assert RankId(w1.url, 0) not in rt.replica.pump.rules.live
+        assert await requests_taken([w1, w2], rt, 4) == [0, 4]
+
+        # Back and ready: registered again. Not ready (no termination): drained and removed.
+        fake.put(worker_slice(w1))
+        fake.put(worker_slice(w2, ready=False))
+        await eventually(lambda: {w.url for w in rt.replica.workers.workers()} == {w1.url}, 10.0)
+        assert await requests_taken([w1, w2], rt, 4) == [4, 0]
+
+        fake.delete(worker_slice(w1)["metadata"]["name"])
+        await eventually(lambda: rt.replica.workers.workers() == [], 10.0)
+        status, _, _ = await rt.post("/v1/completions", {"prompt": "x", "max_tokens": 1})
+        assert status == 503
+        assert [await served(w) for w in (w1, w2)] == [10, 6]
+
+
+async def test_a_worker_leaving_the_discovered_set_is_out_of_routing_in_that_same_call() -> None:
+    async with (
+        fake_worker_in_process() as w1,
+        fake_worker_in_process() as w2,
+        router_in_process() as rt,
+    ):
+        registry = rt.replica.workers
+        registry.discovered([w1.url, w2.url])
+        await eventually(lambda: routable(rt) == {w1.url, w2.url}, 10.0)
+        first = registry.get(w1.url)
+        registry.discovered([w2.url])
+        assert routable(rt) == {w2.url}  # no await in between: no request can slip through
+        assert registry.get(w1.url) is first  # drained now, removed later
+        registry.discovered([w1.url, w2.url])  # back before its removal: it just stops draining
+        assert routable(rt) == {w1.url, w2.url}
+        registry.discovered([w2.url])
+        await eventually(lambda: registry.get(w1.url) is None, 10.0)
+        registry.discovered([w1.url, w2.url])
+        await eventually(lambda: routable(rt) == {w1.url, w2.url}, 10.0)
+        assert registry.get(w1.url) is not first  # registered anew after its removal
+        assert await requests_taken([w1, w2], rt, 4) == [2, 2]
+
+
+async def test_a_replica_bootstraps_from_a_sibling_found_in_endpointslices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rng = random.Random(11)
+    async with contextlib.AsyncExitStack() as stack:
+        fake = await stack.enter_async_context(FakeApiServer())
+        fw = await stack.enter_async_context(fake_worker_in_process(cache_blocks=10_000))
+        warm = await stack.enter_async_context(router_in_process(workers=[fw.url]))
+        await warm.gate(fw)
+        chains = [
+            [rng.randrange(3, 50_000) for _ in range(16 * rng.randint(1, 4))] for _ in range(12)
+        ]
+        last = await fw.store(chains)
+        await warm.wait_cursor(fw.url, 0, last)
+
+        warm_port = urlsplit(warm.url).port
+        assert warm_port is not None
+        # The warm sibling is ready; the joining replica itself is listed, still unready.
+        fake.put(
+            endpoint_slice(
+                "kvrouter-abcde",
+                "kvrouter",
+                [
+                    endpoint("127.0.0.1", "kvrouter-warm"),
+                    endpoint("127.0.0.1", "kvrouter-new", ready=False),
+                ],
+                ports=[warm_port],
+            )
+        )
+        monkeypatch.setenv("POD_NAME", "kvrouter-new")
+        monkeypatch.setenv("POD_NAMESPACE", "default")
+        monkeypatch.delenv("POD_IP", raising=False)
+        new = await stack.enter_async_context(
+            router_in_process(
+                workers=[fw.url],
+                kv_peer_selector=SIBLINGS,
+                kube_api_server=fake.url,
+                kv_bootstrap_timeout_ms=20_000,
+            )
+        )
+
+        async def is_ready() -> bool:
+            return (await new.get("/readyz"))[0] == 200
+
+        await eventually(is_ready, 20.0)
+        bootstrap = new.replica.bootstrap
+        assert bootstrap is not None
+        assert bootstrap.registry.peers == (warm.url,) and bootstrap.registry.synced
+        assert bootstrap.sources["peer"] == 1 and bootstrap.snapshot_outcomes["accepted"] >= 1
+        assert canonical_view(new.replica.pump.rules.tree) == canonical_view(
+            warm.replica.pump.rules.tree
+        )
+        assert len(canonical_view(new.replica.pump.rules.tree)) >= 12
+
+
+async def test_a_replica_that_cannot_reach_any_api_server_exits_1_saying_what_to_set(
+    tmp_path: Path,
+) -> None:
+    # Not in a pod, and a kubeconfig that does not exist.
+    env = {"KUBERNETES_SERVICE_HOST": "", "KUBECONFIG": str(tmp_path / "missing")}
+    port = str(free_tcp_port())
+    status, out, err = await run_cli(
+        "serve", "--host", "127.0.0.1", "--port", port, "--worker-selector", WORKERS, env=env
+    )
+    assert status == 1
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("kvrouter: error: cannot reach the Kubernetes API")
+    assert "KUBECONFIG" in last and "--kube-api-server" in last
+    assert "listening" not in out
