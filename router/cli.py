@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any, Final, NoReturn
 
 from aiohttp import web
@@ -55,14 +55,50 @@ def _env(name: str) -> str:
     return "KVROUTER_" + name.upper().replace("-", "_")
 
 
+@dataclass(frozen=True, slots=True)
+class _EnvValue:
+    """A flag's value from the environment, parsed only if the command line does not set it."""
+
+    env: str
+    raw: str
+    kind: Callable[[str], Any]
+    repeat: bool
+    choices: Sequence[str] | None
+
+    def parse(self) -> Any:
+        try:
+            value = (
+                [self.kind(v) for v in self.raw.split(",") if v]
+                if self.repeat
+                else (self.kind(self.raw))
+            )
+        except (ValueError, argparse.ArgumentTypeError):
+            _fail(f"{self.env}={self.raw!r} is not a valid value for --{_flag(self.env)}")
+        # argparse checks choices on the command line only, never on a default.
+        if self.choices is not None and not self.repeat and value not in self.choices:
+            _fail(f"{self.env}={self.raw!r} is not one of {', '.join(self.choices)}")
+        return value
+
+
+def _flag(env: str) -> str:
+    return env.removeprefix("KVROUTER_").lower().replace("_", "-")
+
+
 class _Flags:
-    """Adds flags whose defaults come from the environment, remembering how to parse them."""
+    """Adds flags whose defaults come from the environment, remembering how to parse them.
+
+    An environment value is parsed after the command line, and only for a flag the command
+    line leaves unset: a flag given explicitly wins even over a variable that does not parse.
+    Kubernetes injects `KVROUTER_PORT=tcp://...` into pods beside a Service named kvrouter,
+    which must not stop a replica started with `--port`.
+    """
 
     def __init__(self, parser: argparse.ArgumentParser) -> None:
         self.parser = parser
-        # Repeatable flags: argparse's "append" would add command-line values to a default
-        # list, so the environment's list is applied after parsing, only when no flag is given.
-        self.repeat_defaults: dict[str, list[Any]] = {}
+        # Unset flags come back as None; these fill them in afterwards. argparse's "append"
+        # would add command-line values to a default list, so repeatable flags need it too.
+        self.defaults: dict[str, Any] = {}
+        self.from_env: dict[str, _EnvValue] = {}
         self.names: list[str] = []  # every flag, without the dashes
 
     def add(
@@ -76,34 +112,32 @@ class _Flags:
         choices: Sequence[str] | None = None,
     ) -> None:
         self.names.append(name)
-        env = _env(name)
+        env, dest = _env(name), name.replace("-", "_")
         raw = os.environ.get(env)
         if raw is not None:
-            try:
-                default = [kind(v) for v in raw.split(",") if v] if repeat else kind(raw)
-            except (ValueError, argparse.ArgumentTypeError):
-                _fail(f"{env}={raw!r} is not a valid value for --{name}")
-            # argparse checks choices on the command line only, never on a default.
-            if choices is not None and not repeat and default not in choices:
-                _fail(f"{env}={raw!r} is not one of {', '.join(choices)}")
-        if repeat:
-            self.repeat_defaults[name.replace("-", "_")] = default
+            self.from_env[dest] = _EnvValue(env, raw, kind, repeat, choices)
+        self.defaults[dest] = default
+        shown = repr(default) if raw is None else f"{raw!r} from {env}"
         # A boolean flag may stand alone (`--expose-route-headers`) or take a value.
         bare = {"nargs": "?", "const": True} if kind is _flag_bool else {}
         self.parser.add_argument(
             f"--{name}",
             type=kind,
-            default=None if repeat else default,
+            default=None,
             action="append" if repeat else "store",
             choices=choices,
-            help=f"{help} [env {env}; default {default!r}]",
+            help=f"{help} [env {env}; default {shown}]",
             **bare,
         )
 
-    def apply_repeat_defaults(self, args: argparse.Namespace) -> None:
-        for dest, default in self.repeat_defaults.items():
-            if getattr(args, dest) is None:
-                setattr(args, dest, list(default))
+    def apply_defaults(self, args: argparse.Namespace) -> None:
+        """Fill every flag the command line left unset: from the environment, else the default."""
+        for dest, default in self.defaults.items():
+            if getattr(args, dest) is not None:
+                continue
+            env_value = self.from_env.get(dest)
+            value = env_value.parse() if env_value is not None else default
+            setattr(args, dest, list(value) if isinstance(value, list) else value)
 
 
 def _flag_bool(raw: str) -> bool:
@@ -320,7 +354,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser, serve_flags = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
-        serve_flags.apply_repeat_defaults(args)
+        serve_flags.apply_defaults(args)
     return args
 
 

@@ -211,7 +211,7 @@ def invalid_cases(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], str]]
             "--breaker-cooldown-s",
         ),
         "worker not http": (["--worker", "ftp://x"], {}, "ftp://x"),
-        "env int not an int": ([], {"KVROUTER_PORT": "abc"}, "KVROUTER_PORT"),
+        "env int not an int": ([], {"KVROUTER_DP_SIZE": "abc"}, "KVROUTER_DP_SIZE"),
         "unknown policy from env": ([], {"KVROUTER_POLICY": "nope"}, "nope"),
         "tokenizer path missing": (["--tokenizer", str(tmp / "missing")], {}, "missing"),
     }

@@ -413,12 +413,21 @@ def parse_router_command(rendering: Rendering, workload: Workload) -> RouterComm
         try:
             parser, flags = build_parser()
             args, extras = parser.parse_known_args(argv)
-            flags.apply_repeat_defaults(args)
+            flags.apply_defaults(args)
         except SystemExit:
             message = stderr.getvalue().strip()
             problems.append(f"{workload.label}: kvrouter refuses its command line: {message}")
             return RouterCommand(None, [], problems)
     known = set(flags.names)
+    if workload.pod_spec.get("enableServiceLinks", True):
+        # kvrouter ignores a variable whose flag is on the command line, but a link variable
+        # becomes the flag's value as soon as someone drops the flag from the manifest.
+        for name, value in _service_link_env(rendering.of_kind("Service")).items():
+            if name.startswith("KVROUTER_") and flag_of(name) in known:
+                problems.append(
+                    f"{workload.label}: the kubelet's service link {name}={value!r} is read as "
+                    f"--{flag_of(name)}; set enableServiceLinks: false"
+                )
     unknown = [f"--{name}" for name in raw_flags(argv[1:]) if name not in known]
     unknown += [
         v["name"]

@@ -161,6 +161,15 @@ def test_a_flag_on_the_command_line_wins_over_the_environment(
     assert config_of().workers == ["http://from-env:1"]
 
 
+def test_a_flag_on_the_command_line_makes_an_unparsable_variable_harmless(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # What the kubelet injects beside a Service named kvrouter (docker-link variables).
+    monkeypatch.setenv("KVROUTER_PORT", "tcp://10.96.0.10:8080")
+    assert config_of("--port", "8080").port == 8080
+    assert "KVROUTER_PORT='tcp://10.96.0.10:8080'" in refusal(capsys)
+
+
 def test_defaults_without_flags_or_environment() -> None:
     config = config_of()
     assert (config.port, config.workers, config.policy) == (8080, [], "cache_aware")
