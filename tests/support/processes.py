@@ -31,7 +31,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, NamedTuple
 
@@ -80,7 +80,6 @@ class Child:
     argv: list[str]
     log_path: Path
     proc: asyncio.subprocess.Process
-    started_at: float = field(default_factory=time.monotonic)
 
     @property
     def pid(self) -> int:
