@@ -110,8 +110,8 @@ class Options:
 
 
 @functools.cache
-def _pdeathsig() -> Callable[[], None] | None:
-    """Linux: a preexec_fn that has the child get SIGTERM when the demo dies, however it dies.
+def pdeathsig_preexec() -> Callable[[], None] | None:
+    """Linux: a preexec_fn that has the child get SIGTERM when its parent dies, however it dies.
 
     prctl is looked up here, in the parent: between fork and exec the child may only call it
     (a dlopen there could deadlock on a lock another thread of the parent held at the fork).
@@ -157,7 +157,7 @@ class Child:
                 stderr=asyncio.subprocess.STDOUT,
                 env=_child_env(),
                 start_new_session=True,  # Ctrl-C reaches the demo only; it stops the children
-                preexec_fn=_pdeathsig(),
+                preexec_fn=pdeathsig_preexec(),
             )
         self.started_at = time.monotonic()
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.tokenize import BytesTokenizer
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
+from tests.support.metrics import Scrape
 from tests.support.ports import free_tcp_port
 from tests.support.router import RouterHandle, router_in_process
 from tests.support.waiting import eventually
@@ -26,37 +25,11 @@ TOK = BytesTokenizer()
 BS = 16
 
 
-@dataclass(frozen=True)
-class Scrape:
-    samples: dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-    def get(self, name: str, **labels: str) -> float | None:
-        """One sample's value, None when the series is not exposed."""
-        return self.samples.get((name, frozenset(labels.items())))
-
-    def value(self, name: str, **labels: str) -> float:
-        """One sample's value; the series must be exposed."""
-        found = self.get(name, **labels)
-        assert found is not None, f"{name}{labels} not exposed; have {self.names(name)}"
-        return found
-
-    def names(self, name: str) -> list[dict[str, str]]:
-        return [dict(labels) for n, labels in self.samples if n == name]
-
-    def series(self, name: str) -> dict[frozenset[tuple[str, str]], float]:
-        return {labels: v for (n, labels), v in self.samples.items() if n == name}
-
-
 async def scrape(rt: RouterHandle) -> Scrape:
     async with rt.session.get(rt.url + "/metrics") as resp:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/plain;")
-        text = await resp.text()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
-    return Scrape(samples)
+        return Scrape.parse(await resp.text())
 
 
 async def settle(rt: RouterHandle, *workers: FakeWorkerHandle) -> None:

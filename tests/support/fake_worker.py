@@ -1,4 +1,4 @@
-"""Run fake KV workers for tests: in-process (fast, injectable clocks) or as a real process.
+"""Run fake KV workers for tests in-process (fast, injectable clocks), and drive any worker.
 
     async with fake_worker_in_process(dp_size=2, replay=True) as fw:
         async with KvTap(fw.kv_endpoint(0)) as tap:
@@ -6,28 +6,27 @@
             seq = await fw.store([list(range(1, 33))])
             ...
 
-Both context managers pick free loopback ports (HTTP, one KV port per rank, and replay ports
-when `replay=True`), yield a `FakeWorkerHandle`, and stop the worker on exit (END_SEQ
-included). Any other keyword is a `WorkerConfig` field.
+`fake_worker_in_process` picks free loopback ports (HTTP, one KV port per rank, and replay
+ports when `replay=True`), yields a `FakeWorkerHandle`, and stops the worker on exit (END_SEQ
+included). Any other keyword is a `WorkerConfig` field. A worker as a real process comes from
+`tests.support.cluster.Cluster.worker`, with the same handle.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any, Final
 
 import aiohttp
 
-from fake_kv_worker.__main__ import READY_LINE_PREFIX
 from fake_kv_worker.config import WorkerConfig
 from fake_kv_worker.engine import Sleep
 from fake_kv_worker.server import FakeWorker
 from tests.support.ports import free_port_range
+from tests.support.processes import Child
 
 # Token id 2 is never produced by the bytes tokenizer (it starts at 3), so probe blocks never
 # collide with a test's prompts.
@@ -55,7 +54,7 @@ class FakeWorkerHandle:
     url: str
     session: aiohttp.ClientSession
     worker: FakeWorker | None = None  # in-process only
-    process: asyncio.subprocess.Process | None = None  # subprocess only
+    child: Child | None = None  # a real process (`tests.support.cluster.Cluster.worker`)
     probes: int = field(default=0)
 
     def kv_endpoint(self, dp_rank: int = 0) -> str:
@@ -149,55 +148,6 @@ def cli_args(config: WorkerConfig) -> list[str]:
         elif value is not None:
             args += [flag, str(value)]
     return args
-
-
-@contextlib.asynccontextmanager
-async def fake_worker_subprocess(
-    *,
-    replay: bool = False,
-    ready_timeout: float = 15.0,
-    stop_timeout: float = 10.0,
-    **overrides: Any,
-) -> AsyncIterator[FakeWorkerHandle]:
-    """Run `python -m fake_kv_worker` as a child process; SIGTERM it on exit.
-
-    After the block, `handle.process.returncode` holds the exit status.
-    """
-    config = worker_config(replay=replay, **overrides)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "fake_kv_worker",
-        *cli_args(config),
-        stdout=asyncio.subprocess.PIPE,
-    )
-    try:
-        url = await asyncio.wait_for(_read_ready_url(proc), ready_timeout)
-        port = int(url.rsplit(":", 1)[1])
-        async with aiohttp.ClientSession() as session:
-            yield FakeWorkerHandle(
-                config=replace(config, port=port), url=url, session=session, process=proc
-            )
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), stop_timeout)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-
-
-async def _read_ready_url(proc: asyncio.subprocess.Process) -> str:
-    assert proc.stdout is not None
-    while True:
-        line = await proc.stdout.readline()
-        if not line:
-            status = await proc.wait()
-            raise RuntimeError(f"fake-kv-worker exited before listening (status {status})")
-        text = line.decode().strip()
-        if text.startswith(READY_LINE_PREFIX):
-            return text[len(READY_LINE_PREFIX) :]
 
 
 async def wait_healthy(handle: FakeWorkerHandle, within_s: float = 10.0) -> None:

@@ -1,18 +1,21 @@
-"""Run a kvrouter replica for tests: in-process on a free loopback port, with a client.
+"""A test's client for a kvrouter replica, and a replica run in-process on a free loopback port.
 
     async with router_in_process(workers=[fw.url]) as rt:
         await rt.wait_cursor(fw.url, 0, last_seq)
         resp = await rt.post("/v1/completions", {...})
 
-`wait_cursor` is how a test knows the replica has applied a batch: it polls the replica's
-observable `/workers` view (never a sleep) with a bounded timeout.
+`RouterClient` speaks only HTTP, so the same calls serve an in-process replica
+(`RouterHandle`, which also exposes the app) and a `kvrouter serve` process
+(`tests.support.cluster.RouterProcess`). `wait_cursor` is how a test knows the replica has
+applied a batch: it polls the replica's observable `/workers` view (never a sleep) with a
+bounded timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,18 +23,15 @@ import aiohttp
 from aiohttp import web
 
 from router.app import REPLICA, Replica, ServeConfig, build_app
+from tests.support.fake_worker import FakeWorkerHandle
+from tests.support.metrics import Scrape
 from tests.support.waiting import eventually
 
 
 @dataclass
-class RouterHandle:
+class RouterClient:
     url: str
     session: aiohttp.ClientSession
-    app: web.Application
-
-    @property
-    def replica(self) -> Replica:
-        return self.app[REPLICA]
 
     async def post(self, path: str, body: Any, **kw: Any) -> tuple[int, Any, dict[str, str]]:
         async with self.session.post(self.url + path, json=body, **kw) as resp:
@@ -49,6 +49,16 @@ class RouterHandle:
     async def text(self, path: str) -> tuple[int, str]:
         async with self.session.get(self.url + path) as resp:
             return resp.status, await resp.text()
+
+    async def readyz(self) -> tuple[int, str]:
+        """`/readyz`: the status and the reason it gives when not ready."""
+        status, body = await self.get("/readyz")
+        return status, body.get("reason", "") if isinstance(body, dict) else ""
+
+    async def scrape(self) -> Scrape:
+        async with self.session.get(self.url + "/metrics") as resp:
+            assert resp.status == 200, resp.status
+            return Scrape.parse(await resp.text())
 
     async def rank_view(self, worker_url: str, dp_rank: int) -> dict[str, Any] | None:
         _, body = await self.get("/workers")
@@ -72,17 +82,74 @@ class RouterHandle:
 
         return await eventually(reached, within_s)
 
-    async def gate(self, fw: Any, dp_rank: int = 0, within_s: float = 10.0) -> int:
+    async def gate(self, fw: FakeWorkerHandle, dp_rank: int = 0, within_s: float = 10.0) -> int:
         """Probe a worker until the replica's subscription is live; returns the applied seq."""
-        probe = fw.probe_for(dp_rank)
-        async with asyncio.timeout(within_s):
-            while True:
-                seq = await probe()
-                try:
-                    await self.wait_cursor(fw.url, dp_rank, seq, within_s=0.2)
-                    return seq
-                except TimeoutError:
-                    continue
+        return await gate([self], fw, dp_rank, within_s)
+
+
+async def gate(
+    replicas: Sequence[RouterClient],
+    fw: FakeWorkerHandle,
+    dp_rank: int = 0,
+    within_s: float = 10.0,
+    attempt_s: float = 0.2,
+) -> int:
+    """Probe one rank until every replica has applied the probe; returns the probe's seq.
+
+    A SUB socket misses what is published before its subscription reaches the publisher, and
+    nothing says when that happened: a probe that did not arrive within `attempt_s` is
+    followed by another one. Afterwards every replica receives every batch of the rank.
+    """
+    probe = fw.probe_for(dp_rank)
+    async with asyncio.timeout(within_s):
+        while True:
+            seq = await probe()
+            try:
+                await asyncio.gather(
+                    *(rt.wait_cursor(fw.url, dp_rank, seq, within_s=attempt_s) for rt in replicas)
+                )
+                return seq
+            except TimeoutError:
+                continue
+
+
+def ranks_of(workers: Sequence[FakeWorkerHandle]) -> list[tuple[FakeWorkerHandle, int]]:
+    """Every (worker, dp rank) of a fleet."""
+    return [(fw, dp_rank) for fw in workers for dp_rank in range(fw.config.dp_size)]
+
+
+async def gate_fleet(
+    replicas: Sequence[RouterClient], workers: Sequence[FakeWorkerHandle], within_s: float = 15.0
+) -> None:
+    """`gate` every rank of every worker: each replica's subscriptions are all live."""
+    for fw, dp_rank in ranks_of(workers):
+        await gate(replicas, fw, dp_rank, within_s)
+
+
+async def quiesce(
+    replicas: Sequence[RouterClient], workers: Sequence[FakeWorkerHandle], within_s: float = 15.0
+) -> dict[tuple[str, int], int]:
+    """Until every replica applied each rank's last published seq; returns those seqs.
+
+    Only after this may views be compared: before, they can differ by batches in flight.
+    """
+    last: dict[tuple[str, int], int] = {}
+    for fw, dp_rank in ranks_of(workers):
+        last[(fw.url, dp_rank)] = seq = (await fw.state(dp_rank))["last_seq"]
+        if seq >= 0:
+            await asyncio.gather(
+                *(rt.wait_cursor(fw.url, dp_rank, seq, within_s) for rt in replicas)
+            )
+    return last
+
+
+@dataclass
+class RouterHandle(RouterClient):
+    app: web.Application
+
+    @property
+    def replica(self) -> Replica:
+        return self.app[REPLICA]
 
 
 @contextlib.asynccontextmanager
