@@ -1,10 +1,11 @@
 """Router hop latency and router CPU per request, with real processes on loopback.
 
 Run: .venv/bin/python bench/bench_proxy.py [--requests 2000] [--latency-requests 1000]
-     [--workers 2] [--concurrency 32] [--cache-blocks 100000] [--quick] [--profile]
+     [--workers 2] [--concurrency 32] [--cache-blocks 100000] [--quick] [--profile] [--smg]
 Prints figures; asserts nothing. Takes ~1.5 minutes (~2 with --profile); --quick ~40 s.
 
-What runs, for each policy in turn (cache_aware, round_robin): `--workers` fresh fake workers
+What runs, for each policy in turn (cache_aware, round_robin; with `--smg` also smg's
+cache_aware, a Rust router from PyPI, measured the same way): `--workers` fresh fake workers
 (`fake-kv-worker`: no simulated prefill or decode time, `--cache-blocks` per rank, LRU) and
 one `kvrouter serve` in front of them (block size 16, `bytes` tokenizer, default poll
 intervals), so both policies start from the same state. Every request is a non-streaming
