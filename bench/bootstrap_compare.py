@@ -86,15 +86,16 @@ def match_ratio(text: str) -> tuple[float, float]:
 
 async def mean_match(
     session: aiohttp.ClientSession, smg: Any, bodies: list[bytes]
-) -> tuple[float, int]:
-    """Send `bodies` to `smg` one by one; its mean match ratio over them, and the errors."""
+) -> tuple[float | None, int]:
+    """Send `bodies` to `smg` one by one; its mean match ratio over them (None when its tree
+    was not consulted for any of them), and the errors."""
     before = match_ratio(await scrape(session, smg.metrics_url))
     result = bench_proxy.LoadResult()
     for body in bodies:
         await bench_proxy.one_request(session, smg.url + "/v1/completions", body, result)
     after = match_ratio(await scrape(session, smg.metrics_url))
     count = after[1] - before[1]
-    return ((after[0] - before[0]) / count if count else 0.0), result.errors
+    return ((after[0] - before[0]) / count if count else None), result.errors
 
 
 async def mesh_link(session: aiohttp.ClientSession, new: Any, warm: Any, within_s: float) -> float:
@@ -137,8 +138,11 @@ async def smg_row(ctx: Any, prompts_n: int, settle_s: float) -> dict[str, Any]:
         return flags + (["--mesh-peer-urls", f"127.0.0.1:{peer}"] if peer else [])
 
     async with contextlib.AsyncExitStack() as stack:
+        # A cache far larger than the prompts: a full one reports KV usage 1.0, and smg then
+        # treats every worker as overloaded and routes without consulting its tree.
         workers = [
-            await stack.enter_async_context(fake_worker_in_process()) for _ in range(SMG_WORKERS)
+            await stack.enter_async_context(fake_worker_in_process(cache_blocks=1 << 20))
+            for _ in range(SMG_WORKERS)
         ]
         urls = [w.url for w in workers]
         session = await stack.enter_async_context(aiohttp.ClientSession())
@@ -171,7 +175,7 @@ async def smg_row(ctx: Any, prompts_n: int, settle_s: float) -> dict[str, Any]:
         "settle_s": settle_s,
         "new_match": new_ratio,
         "warm_match": warm_ratio,
-        "share": new_ratio / warm_ratio if warm_ratio else None,
+        "share": new_ratio / warm_ratio if new_ratio is not None and warm_ratio else None,
         "errors": warmed.errors + new_errors + warm_errors,
     }
 
