@@ -1,6 +1,6 @@
 """`python -m bench` (or `kvrouter bench`): run the benchmarks side by side.
 
-    python -m bench                       # everything, full scale (~25 minutes here)
+    python -m bench                       # everything, full scale (~11 minutes here)
     python -m bench --quick               # everything, small scale (under 2 minutes)
     python -m bench --only index,routing  # a subset (repeatable, comma-separated)
 
