@@ -49,13 +49,13 @@ def removed(hashes: list[int]) -> dict:
     return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0}
 
 
-def stream(mixed: bool, seed: int = 1) -> tuple[list[bytes], int]:
+def stream(mixed: bool, seed: int = 1, batches: int = BATCHES) -> tuple[list[bytes], int]:
     rng = random.Random(seed)
     payloads: list[bytes] = []
     live: list[list[int]] = []  # chains whose blocks are all still cached
     next_hash = 1
     blocks = 0
-    for i in range(BATCHES):
+    for i in range(batches):
         events = []
         for j in range(EVENTS_PER_BATCH):
             if mixed and j % 2 and len(live) > 64:

@@ -1,10 +1,11 @@
 """Router hop latency and router CPU per request, with real processes on loopback.
 
 Run: .venv/bin/python bench/bench_proxy.py [--requests 2000] [--latency-requests 1000]
-     [--workers 2] [--concurrency 32] [--cache-blocks 100000] [--quick] [--profile]
+     [--workers 2] [--concurrency 32] [--cache-blocks 100000] [--quick] [--profile] [--smg]
 Prints figures; asserts nothing. Takes ~1.5 minutes (~2 with --profile); --quick ~40 s.
 
-What runs, for each policy in turn (cache_aware, round_robin): `--workers` fresh fake workers
+What runs, for each policy in turn (cache_aware, round_robin; with `--smg` also smg's
+cache_aware, a Rust router from PyPI, measured the same way): `--workers` fresh fake workers
 (`fake-kv-worker`: no simulated prefill or decode time, `--cache-blocks` per rank, LRU) and
 one `kvrouter serve` in front of them (block size 16, `bytes` tokenizer, default poll
 intervals), so both policies start from the same state. Every request is a non-streaming
@@ -57,6 +58,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import functools
 import importlib.metadata
 import json
 import math
@@ -104,6 +106,7 @@ CACHED_BLOCKS = SYSTEM_TOKENS // BLOCK_SIZE  # full blocks of a system prompt: 6
 NEW_BLOCKS = PROMPT_TOKENS // BLOCK_SIZE - CACHED_BLOCKS  # what a request stores: 63
 MODEL = "fake-model"
 POLICIES = ("cache_aware", "round_robin")
+SMG_POLICY = "cache_aware"
 REGIMES = ("not full", "full")
 BUDGET_US = 400
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -172,7 +175,8 @@ class Children:
     def __init__(self) -> None:
         self.items: list[Child] = []
 
-    def start(self, name: str, argv: list[str], ready_prefix: str, timeout_s: float = 30) -> Child:
+    def spawn(self, name: str, argv: list[str]) -> tuple[Child, queue.Queue[str | None]]:
+        """Start a child whose stdout is read into a queue (so a chatty one never blocks)."""
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         child = Child(name, argv, proc)
         self.items.append(child)
@@ -185,6 +189,12 @@ class Children:
             lines.put(None)
 
         threading.Thread(target=drain, daemon=True).start()
+        return child, lines
+
+    def start(self, name: str, argv: list[str], ready_prefix: str, timeout_s: float = 30) -> Child:
+        """Start a child and wait for its ready line; the rest of that line is its URL."""
+        child, lines = self.spawn(name, argv)
+        proc = child.proc
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -232,6 +242,49 @@ def router_args(port: int, workers: Sequence[str], policy: str) -> list[str]:
     for url in workers:
         args += ["--worker", url]
     return [*args, "--policy", policy, "--block-size", str(BLOCK_SIZE), "--log-level", "warning"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A router under test: kvrouter or smg (`smg_binary`), with a routing policy."""
+
+    router: str
+    policy: str
+    smg_binary: Path | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.router} {self.policy}"
+
+    @property
+    def ingests(self) -> bool:
+        """kvrouter applies the workers' KV events (and shows how far in `/workers`); smg's
+        HTTP mode sees none, so there is nothing to wait for."""
+        return self.router == "kvrouter"
+
+
+async def start_router(
+    session: aiohttp.ClientSession, children: Children, target: Target, workers: Sequence[Child]
+) -> Child:
+    """The router process, ready: kvrouter by its ready line and `/readyz`, smg by its
+    `/readiness` naming every worker healthy."""
+    urls = [w.url for w in workers]
+    port = free_port()
+    if target.smg_binary is None:
+        argv = [str(BIN / "kvrouter"), *router_args(port, urls, target.policy)]
+        log(f"[{target.label}] starting router: {shlex.join(argv)}")
+        router = children.start(target.label, argv, "kvrouter listening on ")
+        await wait_ready(session, router.url)
+        return router
+    from bench.smg import launch_argv
+    from bench.smg import wait_ready as smg_ready
+
+    argv = launch_argv(target.smg_binary, port, free_port(), urls, target.policy)
+    log(f"[{target.label}] starting router: {shlex.join(argv)}")
+    router, _ = children.spawn(target.label, argv)
+    router.url = f"http://127.0.0.1:{port}"
+    await smg_ready(session, router.url, lambda: router.proc.poll() is None, len(urls), 60)
+    return router
 
 
 def start_workers(children: Children, args: argparse.Namespace, label: str) -> list[Child]:
@@ -421,6 +474,7 @@ async def fill_caches(
     workers: Sequence[Child],
     prompts: Prompts,
     args: argparse.Namespace,
+    ingests: bool = True,
 ) -> None:
     """Store filler chains on every worker until its cache is full and evicting, and wait
     until the router has applied the events. The system prompts were used last, so LRU
@@ -438,7 +492,8 @@ async def fill_caches(
                     raise RuntimeError(f"/control/store -> {resp.status}: {await resp.text()}")
 
     await asyncio.gather(*(fill(w) for w in workers))
-    await wait_applied(session, router, workers)
+    if ingests:
+        await wait_applied(session, router, workers)
 
 
 # -- phases ---------------------------------------------------------------------------------
@@ -504,8 +559,10 @@ async def cpu_phase(
     workers: Sequence[Child],
     prompts: Prompts,
     args: argparse.Namespace,
-    label: str,
+    under_test: Target,
+    regime: str,
 ) -> Phase:
+    label = f"[{under_test.label}] c={args.concurrency}, caches {regime}"
     per_round = max(1, args.requests // args.rounds)
     progress = Progress(label, per_round * args.rounds)
     rounds, loaded = [], LoadResult()
@@ -520,8 +577,15 @@ async def cpu_phase(
             stat_cpu_seconds(router.proc.pid),
         )
 
-    await wait_applied(session, router.url, workers)
-    before_counters = await scrape(session, router.url)
+    async def settle() -> None:
+        if under_test.ingests:
+            await wait_applied(session, router.url, workers)
+
+    async def counters() -> dict[str, float]:
+        return await scrape(session, router.url) if under_test.ingests else {}
+
+    await settle()
+    before_counters = await counters()
     for _ in range(args.rounds):
         bodies = prompts.bodies(per_round)
         before = sample()
@@ -529,15 +593,15 @@ async def cpu_phase(
         res = await run_load(session, lambda i: target, bodies, args.concurrency, progress)
         wall = time.perf_counter() - t0
         # The round's CPU includes ingesting the events of all its requests.
-        await wait_applied(session, router.url, workers)
+        await settle()
         after = sample()
         rounds.append(
             Round(res.requests, wall, *(a - b for a, b in zip(after, before, strict=True)))
         )
         loaded.add(res)
-    after_counters = await scrape(session, router.url)
-    counters = {k: v - before_counters.get(k, 0.0) for k, v in after_counters.items()}
-    return Phase(rounds, loaded, counters)
+    after_counters = await counters()
+    deltas = {k: v - before_counters.get(k, 0.0) for k, v in after_counters.items()}
+    return Phase(rounds, loaded, deltas)
 
 
 async def warm_up(
@@ -548,24 +612,22 @@ async def warm_up(
     await run_load(session, lambda i: target, prompts.bodies(args.warmup), args.concurrency)
 
 
-async def bench_policy(
-    children: Children, policy: str, prompts: Prompts, args: argparse.Namespace
+async def bench_router(
+    children: Children, target: Target, prompts: Prompts, args: argparse.Namespace
 ) -> PolicyFigures:
+    policy = target.label
     workers = start_workers(children, args, policy)
-    argv = [str(BIN / "kvrouter"), *router_args(free_port(), [w.url for w in workers], policy)]
-    log(f"[{policy}] starting router: {shlex.join(argv)}")
-    router = children.start(f"kvrouter {policy}", argv, "kvrouter listening on ")
     phases: dict[str, Phase] = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        await wait_ready(session, router.url)
+        router = await start_router(session, children, target, workers)
         log(f"[{policy}] warm-up")
         await warm_up(session, router.url, prompts, args)
 
-        label = f"[{policy}] c={args.concurrency}, caches not full"
-        phases["not full"] = await cpu_phase(session, router, workers, prompts, args, label)
+        phase = functools.partial(cpu_phase, session, router, workers, prompts, args, target)
+        phases["not full"] = await phase("not full")
 
         log(f"[{policy}] filling the worker caches to capacity")
-        await fill_caches(session, router.url, workers, prompts, args)
+        await fill_caches(session, router.url, workers, prompts, args, target.ingests)
 
         # Hop latency at concurrency 1, direct and routed interleaved round by round.
         direct, routed = LoadResult(), LoadResult()
@@ -574,7 +636,7 @@ async def bench_policy(
         progress = Progress(f"[{policy}] c=1 latency, direct + routed", 2 * per_round * args.rounds)
         via_router = router.url + "/v1/completions"
         direct_urls = [w.url + "/v1/completions" for w in workers]
-        before = await scrape(session, router.url)
+        before = await scrape(session, router.url) if target.ingests else {}
         for r in range(args.rounds):
             legs = [
                 (direct, lambda i: direct_urls[i % len(direct_urls)]),
@@ -587,8 +649,9 @@ async def bench_policy(
                 if into is routed:
                     routed_cpu_s += cpu_seconds(router.proc.pid) - c0
                 into.add(res)
-        await wait_applied(session, router.url, workers)
-        after = await scrape(session, router.url)
+        if target.ingests:
+            await wait_applied(session, router.url, workers)
+        after = await scrape(session, router.url) if target.ingests else {}
         removed = after.get("kvrouter_kv_events_total:removed", 0.0) - before.get(
             "kvrouter_kv_events_total:removed", 0.0
         )
@@ -599,9 +662,9 @@ async def bench_policy(
         await asyncio.sleep(args.idle_s)
         idle = (cpu_seconds(router.proc.pid) - c0) / (time.perf_counter() - t0) * 1000
 
-        label = f"[{policy}] c={args.concurrency}, caches full"
-        phases["full"] = await cpu_phase(session, router, workers, prompts, args, label)
-    status = children.stop(router)
+        phases["full"] = await phase("full")
+    # smg's launcher prints a traceback on SIGINT; SIGTERM is its clean stop.
+    status = children.stop(router, signal.SIGTERM if target.smg_binary else signal.SIGINT)
     for w in workers:
         children.stop(w, signal.SIGTERM)
     return PolicyFigures(
@@ -809,7 +872,7 @@ def print_latency(figures: Sequence[PolicyFigures], args: argparse.Namespace) ->
             f"|  |  | {f.direct.errors} |  |"
         )
         print(
-            f"| kvrouter {f.policy} | {ms(percentile(r, 50))} | {ms(percentile(r, 90))} | "
+            f"| {f.policy} | {ms(percentile(r, 50))} | {ms(percentile(r, 90))} | "
             f"{ms(percentile(r, 99))} | {ms(statistics.fmean(r))} | "
             f"{ms(percentile(r, 50) - percentile(d, 50))} | "
             f"{ms(percentile(r, 99) - percentile(d, 99))} | {f.routed.errors} | "
@@ -917,7 +980,7 @@ def print_steps(
         f"| **+ ingest, caches full** | **{totals['full']:.1f}** |"
     )
     for f in figures:
-        if f.policy != "cache_aware":
+        if f.policy != "kvrouter cache_aware":
             continue
         parts = []
         for regime in REGIMES:
@@ -968,6 +1031,21 @@ def _group(func: tuple[str, int, str]) -> str:
     return path
 
 
+def own_time_by_module(stats: pstats.Stats) -> list[tuple[str, float]]:
+    """(module or C type, own seconds), largest first."""
+    groups: dict[str, float] = {}
+    for func, (_, _, tt, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        groups[_group(func)] = groups.get(_group(func), 0.0) + tt
+    return sorted(groups.items(), key=lambda kv: kv[1], reverse=True)
+
+
+def top_own_time(stats: pstats.Stats, top: int) -> list[tuple[str, float, int]]:
+    """(function, own seconds, calls) of the `top` functions by own time."""
+    entries = stats.stats  # type: ignore[attr-defined]
+    ranked = sorted(entries.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [(_where(func), tt, nc) for func, (_, nc, tt, _, _) in ranked]
+
+
 def print_profile(p: ProfileFigures, top: int = 15) -> None:
     entries = p.stats.stats  # type: ignore[attr-defined]
     total = sum(tt for _, _, tt, _, _ in entries.values())
@@ -995,13 +1073,10 @@ def print_profile(p: ProfileFigures, top: int = 15) -> None:
         for func, (_, nc, tt, ct, _) in ranked:
             print(f"| {tt / n * 1e6:.1f} | {ct / n * 1e6:.1f} | {nc / n:.1f} | {_where(func)} |")
         print()
-    groups: dict[str, float] = {}
-    for func, (_, _, tt, _, _) in entries.items():
-        groups[_group(func)] = groups.get(_group(func), 0.0) + tt
     print("Own time by module (us per request, share of profiled time):\n")
     print("| module | own us/req | share |")
     print("|---|---:|---:|")
-    for name, tt in sorted(groups.items(), key=lambda kv: kv[1], reverse=True)[:top]:
+    for name, tt in own_time_by_module(p.stats)[:top]:
         print(f"| {name} | {tt / n * 1e6:.1f} | {100 * tt / total:.0f}% |")
     gcs = ", ".join(
         f"gen{g}: {w['collections']} x, {w['cpu_ns'] / 1e6:.1f} ms CPU, longest "
@@ -1019,7 +1094,7 @@ def print_profile(p: ProfileFigures, top: int = 15) -> None:
 # -- main -----------------------------------------------------------------------------------
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000, help="c=32 requests per phase")
     parser.add_argument("--latency-requests", type=int, default=1000, help="c=1, per target")
@@ -1030,6 +1105,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=200, help="c=32 warm-up requests")
     parser.add_argument("--idle-s", type=float, default=2.0)
     parser.add_argument("--quick", action="store_true", help="fewer requests (~40 s in all)")
+    parser.add_argument(
+        "--smg",
+        action="store_true",
+        help=f"also measure smg {SMG_POLICY} (installed on first use into bench/results/smg-venv)",
+    )
     parser.add_argument("--profile", action="store_true", help="also profile cache_aware")
     parser.add_argument("--profile-requests", type=int, default=1000)
     parser.add_argument(
@@ -1040,7 +1120,7 @@ def parse_args() -> argparse.Namespace:
         "call-heavy code); wall: perf_counter (cheap, but charges preemption, mostly to "
         "socket send(), which wakes the receiving process)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.requests = min(args.requests, 500)
         args.latency_requests = min(args.latency_requests, 250)
@@ -1050,9 +1130,27 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-async def run(args: argparse.Namespace, children: Children) -> None:
+def targets(smg_binary: Path | None) -> list[Target]:
+    """kvrouter with each of POLICIES, then smg when it is installed."""
+    out = [Target("kvrouter", policy) for policy in POLICIES]
+    if smg_binary is not None:
+        out.append(Target("smg", SMG_POLICY, smg_binary))
+    return out
+
+
+@dataclass
+class Measured:
+    figures: list[PolicyFigures]
+    steps: list[tuple[str, float]]
+    calibration_us: float
+    profile: ProfileFigures | None
+
+
+async def measure(
+    args: argparse.Namespace, children: Children, routers: Sequence[Target]
+) -> Measured:
     prompts = Prompts()
-    figures = [await bench_policy(children, p, prompts, args) for p in POLICIES]
+    figures = [await bench_router(children, t, prompts, args) for t in routers]
     profile = None
     if args.profile:
         with tempfile.TemporaryDirectory() as tmp:
@@ -1061,15 +1159,30 @@ async def run(args: argparse.Namespace, children: Children) -> None:
     steps = time_steps(prompts, repeats=5, iterations=200 if args.quick else 500)
     # Python speed differs between machines and moments; this lets figures be compared.
     calibration = statistics.median(timeit.repeat(lambda: sum(range(1000)), number=2000))
-    calibration = calibration / 2000 * 1e6
-    print_latency(figures, args)
-    print_cpu(figures, args)
-    print_steps(steps, calibration, figures)
-    if profile is not None:
-        print_profile(profile)
+    return Measured(figures, steps, calibration / 2000 * 1e6, profile)
+
+
+async def run(args: argparse.Namespace, children: Children) -> None:
+    smg_binary = None
+    if args.smg:
+        from bench.smg import from_environment
+
+        smg = from_environment()
+        if smg.ensure(log):
+            smg_binary = smg.binary
+        else:
+            log(f"no smg row: {smg.reason}")
+    m = await measure(args, children, targets(smg_binary))
+    print_latency(m.figures, args)
+    print_cpu(m.figures, args)
+    print_steps(m.steps, m.calibration_us, m.figures)
+    if m.profile is not None:
+        print_profile(m.profile)
 
 
 def main() -> None:
+    if str(HERE.parent) not in sys.path:
+        sys.path.insert(0, str(HERE.parent))  # `bench.smg` and `tests.support`, as a script
     args = parse_args()
     cpu = "unknown CPU"
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:

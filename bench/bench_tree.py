@@ -38,8 +38,15 @@ def build_tree(n_blocks: int, n_ranks: int = 1, chain: int = 8, seed: int = 1) -
     return tree
 
 
-def bench_prefix_depths(n_ranks: int, adversarial: bool, prompt_tokens: int = 2000) -> dict:
-    """Latency of one `prefix_depths` over a 125-block prompt every rank holds part of.
+def bench_prefix_depths(
+    n_ranks: int,
+    adversarial: bool,
+    prompt_tokens: int = 2000,
+    tree_blocks: int = 200_000,
+    samples_n: int = 5000,
+) -> dict:
+    """Latency of one `prefix_depths` over a prompt (125 blocks by default) every rank holds
+    part of, in an index of `tree_blocks` other blocks.
 
     Realistic: every rank holds the 1,000-token system prompt, a quarter of them also the
     conversation so far (the whole prompt), so the holder set changes twice along the path.
@@ -49,7 +56,7 @@ def bench_prefix_depths(n_ranks: int, adversarial: bool, prompt_tokens: int = 20
     rng = random.Random(n_ranks)
     prompt = [rng.randrange(1, 50_000) for _ in range(prompt_tokens)]
     keys = block_keys(prompt, BLOCK)
-    tree = build_tree(200_000, n_ranks=n_ranks)
+    tree = build_tree(tree_blocks, n_ranks=n_ranks)
     for i in range(n_ranks):
         rank = RankId(f"http://10.0.0.{i}:8000", 0)
         if adversarial:
@@ -61,7 +68,7 @@ def bench_prefix_depths(n_ranks: int, adversarial: bool, prompt_tokens: int = 20
     depths = tree.prefix_depths(keys)
     assert len(depths.any_tier) == n_ranks
     samples = []
-    for _ in range(5000):
+    for _ in range(samples_n):
         t0 = time.perf_counter_ns()
         tree.prefix_depths(keys)
         samples.append((time.perf_counter_ns() - t0) / 1000)

@@ -20,6 +20,7 @@ import gc
 import logging
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -346,6 +347,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Flags]:
     serve_flags = _serve_parser(sub)
     demo.add_parser(sub)
     view.add_parser(sub)
+    sub.add_parser("bench", help="run the benchmarks of this source checkout (python -m bench)")
     return parser, serve_flags
 
 
@@ -359,6 +361,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    rest = list(sys.argv[1:] if argv is None else argv)
+    if rest[:1] == ["bench"]:  # its flags are bench/__main__.py's; it lives in the checkout only
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        if not os.path.isfile(os.path.join(root, "bench", "__main__.py")):
+            _fail("kvrouter bench runs from a source checkout (bench/ is not installed)")
+        raise SystemExit(subprocess.call([sys.executable, "-m", "bench", *rest[1:]], cwd=root))
     args = parse_args(argv)
     if args.command == "serve":
         logging.basicConfig(

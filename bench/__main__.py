@@ -1,0 +1,66 @@
+"""`python -m bench` (or `kvrouter bench`): run the benchmarks side by side.
+
+    python -m bench                       # everything, full scale (~11 minutes here)
+    python -m bench --quick               # everything, small scale (under 2 minutes)
+    python -m bench --only index,routing  # a subset (repeatable, comma-separated)
+
+Figures go to bench/results/<name>.json, plots to bench/results/*.png (with the `bench` extra),
+and the tables to BENCHMARKS.md between their `<!-- bench:NAME -->` markers. smg rows need smg
+from PyPI, installed on first use into bench/results/smg-venv; `--no-smg` leaves them out.
+Run from the repository root (the benchmarks start `fake-kv-worker` and `kvrouter` processes
+from this environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from bench import suite
+from bench.smg import from_environment
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="benchmarks: " + ", ".join(suite.NAMES),
+    )
+    parser.add_argument("--quick", action="store_true", help="small scale, under 2 minutes")
+    parser.add_argument(
+        "--only", action="append", default=[], metavar="NAME", help="run only these benchmarks"
+    )
+    parser.add_argument("--no-smg", action="store_true", help="leave out the smg rows")
+    parser.add_argument(
+        "--results", type=Path, default=suite.ROOT / "bench" / "results", help="JSON and PNG here"
+    )
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        default=suite.ROOT / "BENCHMARKS.md",
+        help="regenerate the tables in this file",
+    )
+    parser.add_argument(
+        "--no-markdown", action="store_true", help="print the tables, leave BENCHMARKS.md alone"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        names = suite.select(args.only)
+    except ValueError as exc:
+        sys.stderr.write(f"python -m bench: error: {exc}\n")
+        return 2
+    smg = from_environment()
+    if args.no_smg:
+        smg.skip("left out with --no-smg")
+    markdown = None if args.no_markdown else args.markdown
+    return suite.run(names, args.quick, args.results, markdown, smg)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""`python -m bench --quick` end to end, as a user runs it: a real process writing JSON, tables
+in a Markdown file between markers (its prose kept) and, where matplotlib is installed, PNGs.
+
+Only the `index` benchmark runs here (about ten seconds); the others start fleets of processes
+and take a minute each, so they are exercised by running `python -m bench --quick` by hand.
+Figures are checked to be numbers, never against a speed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _numbers(value: object) -> list[float]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int | float):
+        return [float(value)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _numbers(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in _numbers(v)]
+    return []
+
+
+@pytest.mark.timeout(180)
+def test_quick_index_run_writes_figures_tables_and_keeps_the_prose(tmp_path: Path) -> None:
+    markdown = tmp_path / "BENCHMARKS.md"
+    markdown.write_text(
+        "# Benchmarks\n\nHand-written.\n\n<!-- bench:index-apply -->\nstale\n"
+        "<!-- /bench:index-apply -->\n\nAfter.\n"
+    )
+    results = tmp_path / "results"
+    argv = [sys.executable, "-m", "bench", "--quick", "--only", "index", "--no-smg"]
+    argv += ["--results", str(results), "--markdown", str(markdown)]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    document = json.loads((results / "index.json").read_text())
+    assert document["benchmark"] == "index" and document["quick"] is True
+    result = document["result"]
+    assert {a["mix"] for a in result["apply"]} == {"store only", "store + evict"}
+    assert all(a["blocks_per_s"] > 0 for a in result["apply"])
+    assert [(d["prompt_tokens"], d["ranks"]) for d in result["prefix_depths"]] == [
+        (2000, 16),
+        (2000, 64),
+    ]
+    assert [s["blocks"] for s in result["snapshot"]] == [100_000]
+    figures = _numbers(result)
+    assert figures and all(math.isfinite(x) for x in figures)
+
+    text = markdown.read_text()
+    assert "Hand-written." in text and "After." in text and "stale" not in text
+    block = text.split("<!-- bench:index-apply -->")[1].split("<!-- /bench:index-apply -->")[0]
+    assert "decode + key + apply, store only" in block
+    assert "<!-- bench:index-depths -->" in text and "<!-- bench:index-snapshot -->" in text
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    assert (results / "index.png").exists() == has_matplotlib
+    if not has_matplotlib:
+        assert "matplotlib is not installed" in done.stderr
+
+
+def test_kvrouter_bench_runs_python_m_bench_and_passes_its_flags_on() -> None:
+    kvrouter = Path(sys.executable).parent / "kvrouter"
+    done = subprocess.run(
+        [str(kvrouter), "bench", "--only", "nope"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "unknown benchmark(s) nope; known: index, ingest, routing, proxy, bootstrap" in (
+        done.stderr
+    )

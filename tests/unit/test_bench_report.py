@@ -1,0 +1,96 @@
+"""The table regeneration behind `python -m bench`: hand-written prose stays, only marked
+blocks change, and a broken marker changes nothing."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import plots, suite
+from bench.report import MarkerError, cell, regenerate, table, update_file
+
+DOC = """# Benchmarks
+
+Prose written by hand.
+
+<!-- bench:routing -->
+| old | table |
+<!-- /bench:routing -->
+
+More prose, kept as it is.
+
+<!-- bench:proxy-cpu -->
+old proxy table
+<!-- /bench:proxy-cpu -->
+"""
+
+
+def test_regenerating_replaces_only_the_named_blocks_and_keeps_the_prose() -> None:
+    out = regenerate(DOC, {"routing": "| new | table |\n|---|---:|\n| a | 1 |"})
+    assert "| old | table |" not in out
+    assert "| new | table |\n|---|---:|\n| a | 1 |" in out
+    assert "Prose written by hand." in out and "More prose, kept as it is." in out
+    assert "old proxy table" in out  # not named: untouched
+    assert out.index("<!-- bench:routing -->") < out.index("| new | table |")
+    assert out.index("| a | 1 |") < out.index("<!-- /bench:routing -->")
+
+
+def test_regenerating_twice_gives_the_same_document() -> None:
+    tables = {"routing": "| x |\n|---|", "proxy-cpu": "| y |\n|---|"}
+    once = regenerate(DOC, tables)
+    assert regenerate(once, tables) == once
+
+
+def test_a_table_without_markers_is_appended_under_a_heading_once() -> None:
+    out = regenerate(DOC, {"ingest-ramp": "| r |\n|---|"})
+    assert out.count("<!-- bench:ingest-ramp -->") == 1
+    assert out.index("## Generated tables without a place yet") < out.index("| r |")
+    assert regenerate(out, {"ingest-ramp": "| s |\n|---|"}).count("bench:ingest-ramp") == 2
+
+
+@pytest.mark.parametrize(
+    ("broken", "message"),
+    [
+        ("<!-- bench:routing -->\nno end\n", "never closed"),
+        ("<!-- /bench:routing -->\n", "closes nothing"),
+        ("<!-- bench:a -->\n<!-- /bench:a -->\n<!-- bench:a -->\n<!-- /bench:a -->\n", "twice"),
+    ],
+)
+def test_a_broken_marker_is_an_error_and_leaves_the_file_unchanged(
+    tmp_path: Path, broken: str, message: str
+) -> None:
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text(broken)
+    with pytest.raises(MarkerError, match=message):
+        update_file(path, {"routing": "| x |"})
+    assert path.read_text() == broken
+
+
+def test_a_marker_name_outside_the_alphabet_is_refused() -> None:
+    with pytest.raises(MarkerError, match="not a marker name"):
+        regenerate(DOC, {"Routing Table": "x"})
+
+
+def test_cells_show_numbers_with_separators_and_missing_values_as_a_dash() -> None:
+    assert cell(1234567) == "1,234,567"
+    assert cell(1234.567) == "1,234.57"
+    assert cell(None) == "-" and cell(math.nan) == "-"
+    assert cell("a|b") == "a\\|b"
+    assert table(["a", "b"], [["x", 1.5]], digits=1) == "| a | b |\n|---|---:|\n| x | 1.5 |"
+    with pytest.raises(ValueError, match="2 columns"):
+        table(["a", "b"], [["only one"]])
+
+
+def test_selecting_benchmarks_keeps_suite_order_and_names_unknown_ones() -> None:
+    assert suite.select([]) == list(suite.NAMES)
+    assert suite.select(["bootstrap,index", "routing"]) == ["index", "routing", "bootstrap"]
+    with pytest.raises(ValueError, match="unknown benchmark\\(s\\) nope"):
+        suite.select(["index,nope"])
+
+
+def test_without_matplotlib_there_is_no_pyplot(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an absent package looks like
+    assert plots.pyplot() is None
