@@ -62,6 +62,7 @@ class ServeConfig:
     dp_size: int = 1
     load_interval_ms: int = 500
     health_interval_s: float = 2.0
+    worker_evict_after_s: float = 30.0
     max_request_bytes: int = 32 * 1024 * 1024
     max_attempts: int = 3
     breaker_failure_threshold: int = 3
@@ -185,6 +186,7 @@ async def _compose(
         ),
         breaker_factory=breaker,
         health_interval_s=config.health_interval_s,
+        evict_after_s=config.worker_evict_after_s,
         zmq_context=zmq.asyncio.Context(),
     )
     bootstrap = _bootstrap(config, pump, workers) if config.bootstrap_enabled else None

@@ -166,6 +166,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add("dp-size", int, 1, "data-parallel ranks per worker when /server_info has none")
     f.add("load-interval-ms", int, 500, "how often engine load is polled")
     f.add("health-interval-s", float, 2.0, "how often each worker's /health is polled")
+    f.add(
+        "worker-evict-after-s",
+        float,
+        30.0,
+        "a worker failing /health this long leaves the index until it answers again; 0 = never",
+    )
     f.add("max-request-bytes", int, 32 * 1024 * 1024, "largest request body accepted")
     f.add("max-attempts", int, 3, "upstream attempts per request, failovers included")
     f.add("breaker-failure-threshold", int, 3, "consecutive failures that open a breaker; 0 = off")
@@ -219,6 +225,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         ),
         (args.load_interval_ms > 0, "--load-interval-ms must be > 0"),
         (args.health_interval_s > 0, "--health-interval-s must be > 0"),
+        (args.worker_evict_after_s >= 0, "--worker-evict-after-s must be >= 0"),
         (args.max_request_bytes > 0, "--max-request-bytes must be > 0"),
         (args.drain_timeout_s >= 0, "--drain-timeout-s must be >= 0"),
         (

@@ -182,6 +182,12 @@ class _StateCollector(Collector):
             {(k,): v for k, v in registry_stats.refused.items()},
         )
         yield _counter(
+            "kvrouter_worker_evictions",
+            "Ready workers whose ranks left the index after failing /health too long",
+            [],
+            {(): registry_stats.evictions},
+        )
+        yield _counter(
             "kvrouter_worker_snapshot_pulls",
             "Pulls of workers' /v1/kv-snapshot by outcome",
             ["outcome"],

@@ -135,10 +135,11 @@ def _tcp(host: str, port: int) -> str:
 @dataclass(slots=True)
 class Worker:
     url: str
-    state: str = "discovering"  # discovering -> ready | refused
+    state: str = "discovering"  # discovering -> ready | refused; ready <-> down
     reason: str = ""
     kv: KvEventsInfo | None = None
     healthy: bool = False
+    unhealthy_since: float | None = None  # clock time of the first failed check in a row
     draining: bool = False
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     snapshot_served: bool | None = None  # None: not asked yet; False: 404
@@ -160,6 +161,7 @@ class Worker:
 @dataclass(slots=True)
 class RegistryStats:
     refused: Counter[str] = field(default_factory=Counter)  # reason
+    evictions: int = 0  # ready workers whose ranks left the index after failing /health
     snapshot_pulls: Counter[str] = field(default_factory=Counter)  # outcome
     health_checks_failed: int = 0
 
@@ -175,6 +177,8 @@ class WorkerRegistry:
         defaults: DiscoveryDefaults = DiscoveryDefaults(),
         breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker,
         health_interval_s: float = 2.0,
+        evict_after_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
         request_timeout_s: float = 2.0,
         replay_timeout_s: float = 2.0,
         zmq_context: zmq.asyncio.Context | None = None,
@@ -187,6 +191,8 @@ class WorkerRegistry:
         self.stats = RegistryStats()
         self._breaker_factory = breaker_factory
         self._health_interval_s = health_interval_s
+        self._evict_after_s = evict_after_s
+        self._clock = clock
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self._replay_timeout_s = replay_timeout_s
         self._zmq = zmq_context or zmq.asyncio.Context.instance()
@@ -239,7 +245,7 @@ class WorkerRegistry:
         lock = self._locks.setdefault(url, asyncio.Lock())
         async with lock:
             known = self._workers.get(url)
-            if known is not None and known.state != "discovering":
+            if known is not None and known.state not in ("discovering", "down"):
                 return known  # re-registration: no new subscription, no new pull
             worker = known or Worker(url, breaker=self._breaker_factory())
             self._workers[url] = worker
@@ -251,7 +257,14 @@ class WorkerRegistry:
         worker = self._workers.pop(url, None)
         if worker is None:
             return False
-        ranks = worker.ranks()
+        if worker.state != "down":  # a down worker left the index already
+            await self._detach(worker)
+        log.info("worker %s removed: its %d rank(s) left the index", url, worker.dp_size)
+        return True
+
+    async def _detach(self, worker: Worker) -> None:
+        """Take the worker's ranks out of bootstrap, the index, event ingest and load polling."""
+        url, ranks = worker.url, worker.ranks()
         if self.bootstrap is not None:
             self.bootstrap.forget_ranks(ranks)  # first: makes an in-flight graft a no-op
         # Leave the live set and the tree first, so nothing a subscriber still delivers
@@ -263,8 +276,8 @@ class WorkerRegistry:
             pull.cancel()
         self._repull.discard(url)
         self.loads.remove_worker(url)
-        log.info("worker %s removed: its %d rank(s) left the index", url, len(ranks))
-        return True
+        worker.tasks.clear()
+        worker.subscriber_stats.clear()
 
     # -- EndpointSlice discovery -----------------------------------------------------------
 
@@ -306,6 +319,7 @@ class WorkerRegistry:
                     result.draining = url not in self._wanted
 
     async def _register(self, worker: Worker) -> None:
+        worker.reason = ""
         try:
             body = await self._get_json(f"{worker.url}/server_info")
         except _Absent:
@@ -476,14 +490,44 @@ class WorkerRegistry:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self._health_interval_s)
-            workers = [w for w in self._workers.values() if w.state == "ready"]
-            results = await asyncio.gather(*(self._check_health(w) for w in workers))
-            for worker, healthy in zip(workers, results, strict=True):
-                if worker.healthy != healthy:
-                    log.warning(
-                        "worker %s is now %s", worker.url, "healthy" if healthy else "unhealthy"
-                    )
-                worker.healthy = healthy
+            await self.check_health_once()
+
+    async def check_health_once(self) -> None:
+        """Probe every ready or down worker; evict the long-dead, re-register the revived."""
+        workers = [w for w in self._workers.values() if w.state in ("ready", "down")]
+        results = await asyncio.gather(*(self._check_health(w) for w in workers))
+        now = self._clock()
+        for worker, healthy in zip(workers, results, strict=True):
+            if worker.state == "down":
+                if healthy and self._workers.get(worker.url) is worker:
+                    log.info("worker %s answers /health again: registering it anew", worker.url)
+                    await self.add(worker.url)
+                continue
+            if worker.healthy != healthy:
+                log.warning(
+                    "worker %s is now %s", worker.url, "healthy" if healthy else "unhealthy"
+                )
+            worker.healthy = healthy
+            if healthy:
+                worker.unhealthy_since = None
+                continue
+            if worker.unhealthy_since is None:
+                worker.unhealthy_since = now
+            if evict_due(worker.unhealthy_since, now, self._evict_after_s):
+                await self._evict(worker)
+
+    async def _evict(self, worker: Worker) -> None:
+        # Its cache is most likely gone (a crashed or rescheduled engine): keeping its ranks
+        # would hold stale blocks for good, and the engine's next start replays nothing old.
+        await self._detach(worker)
+        worker.state = "down"
+        worker.reason = (
+            f"/health failing for {self._evict_after_s:g} s: its ranks left the index; "
+            "registered anew when /health answers 200"
+        )
+        worker.unhealthy_since = None
+        self.stats.evictions += 1
+        log.warning("worker %s evicted: %s", worker.url, worker.reason)
 
     async def _check_health(self, worker: Worker) -> bool:
         try:
@@ -506,6 +550,13 @@ class WorkerRegistry:
                 return msgspec.json.decode(await resp.read())
             except msgspec.DecodeError as exc:
                 raise ValueError(f"not JSON: {exc}") from None
+
+
+def evict_due(unhealthy_since: float | None, now: float, evict_after_s: float) -> bool:
+    """Whether a worker failing /health since `unhealthy_since` leaves the index; 0 = never."""
+    if evict_after_s <= 0 or unhealthy_since is None:
+        return False
+    return now - unhealthy_since >= evict_after_s
 
 
 class _Absent(Exception):

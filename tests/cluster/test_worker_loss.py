@@ -2,9 +2,10 @@
 
 Real processes: fake workers and a `kvrouter serve` replica. A SIGKILLed worker sends
 nothing (no END_SEQ, no reset): the replica learns of it from failed attempts and its health
-check, and forgets its ranks when discovery drops it (here the admin API plays the part an
-EndpointSlice watch plays in Kubernetes). A worker whose publisher restarts announces nothing
-either: its next batch, numbered 0 again, is what tells the replica.
+check, and evicts its ranks from the index once /health has failed for
+`--worker-evict-after-s` (in Kubernetes the EndpointSlice watch usually drops it first). A
+worker whose publisher restarts announces nothing either: its next batch, numbered 0 again,
+is what tells the replica.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ async def test_a_worker_killed_mid_traffic_costs_no_client_request_and_its_ranks
         cluster.worker("doomed", decode_ms_per_token=DECODE_MS),
         cluster.worker("survivor", decode_ms_per_token=DECODE_MS),
     )
-    rt = await cluster.router("r", workers=[doomed, survivor])
+    rt = await cluster.router("r", "--worker-evict-after-s", "1", workers=[doomed, survivor])
     await rt.wait_ready()
     await gate_fleet([rt], [doomed, survivor])
     await doomed.store([whole_blocks(PREFIX)])  # so cache_aware sends the traffic there
@@ -112,9 +113,14 @@ async def test_a_worker_killed_mid_traffic_costs_no_client_request_and_its_ranks
     after = await rt.scrape()
     assert worker_series(after, "kvrouter_upstream_failures_total", doomed.url) == failed_over
 
-    # Discovery drops the dead worker: its ranks leave the index, the survivor's stay.
-    async with rt.session.delete(rt.url + "/workers", params={"url": doomed.url}) as resp:
-        assert resp.status == 200, await resp.text()
+    # Failing /health for a second evicts the dead worker: its ranks leave the index, the
+    # survivor's stay, and nobody had to remove it.
+    async def evicted() -> bool:
+        _, body = await rt.get("/workers")
+        return any(w["url"] == doomed.url and w["state"] == "down" for w in body["workers"])
+
+    await eventually(evicted, 15, poll_s=0.05)
+    assert (await rt.scrape()).value("kvrouter_worker_evictions_total") == 1
     await quiesce([rt], [survivor])
     held = rank_blocks((await agreed_view([rt])).canonical or frozenset())
     assert set(held) == {RankId(survivor.url, 0)}

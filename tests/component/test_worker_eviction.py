@@ -1,0 +1,93 @@
+"""A worker that dies leaves the index, and comes back as a new registration.
+
+A crashed engine sends no END_SEQ, and a static `--worker` list never removes it: without
+eviction its ranks would keep their blocks for good. Real fake workers and a real replica on
+loopback; the crash is `stop(send_end=False)`, the restart a new worker on the same ports.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from router.workers import evict_due
+from tests.support.fake_worker import fake_worker_in_process
+from tests.support.metrics import Scrape
+from tests.support.router import RouterHandle, router_in_process
+from tests.support.waiting import eventually
+
+BS = 16
+
+
+def chain(byte: int, blocks: int) -> list[int]:
+    return [byte] * (BS * blocks)
+
+
+async def worker_entry(rt: RouterHandle, url: str) -> dict:
+    _, body = await rt.get("/workers")
+    return next(w for w in body["workers"] if w["url"] == url)
+
+
+def test_eviction_is_due_only_after_the_whole_window_and_never_when_off() -> None:
+    assert not evict_due(None, 100.0, 30.0)
+    assert not evict_due(80.0, 109.9, 30.0)
+    assert evict_due(80.0, 110.0, 30.0)
+    assert not evict_due(0.0, 1e9, 0.0)
+
+
+async def test_a_dead_worker_leaves_the_index_and_a_restarted_one_is_learned_anew() -> None:
+    async with (
+        fake_worker_in_process() as survivor,
+        fake_worker_in_process() as doomed,
+        router_in_process(
+            workers=[survivor.url, doomed.url], health_interval_s=0.05, worker_evict_after_s=0.3
+        ) as rt,
+    ):
+        await rt.gate(doomed)
+        await rt.gate(survivor)
+        await rt.wait_cursor(doomed.url, 0, await doomed.store([chain(7, 3)]))
+        await rt.wait_cursor(survivor.url, 0, await survivor.store([chain(9, 2)]))
+        held = (await worker_entry(rt, doomed.url))["ranks"][0]["blocks"]
+        assert held == (await doomed.state())["blocks"] == 3 + 1  # the chain and the gate's probe
+
+        assert doomed.worker is not None
+        await doomed.worker.stop(send_end=False)  # a crash: no END_SEQ
+
+        async def evicted() -> dict | None:
+            entry = await worker_entry(rt, doomed.url)
+            return entry if entry["state"] == "down" else None
+
+        entry = await eventually(evicted, within_s=10)
+        assert entry["ranks"][0]["blocks"] == 0 and "ranks left the index" in entry["reason"]
+        scrape = Scrape.parse((await rt.text("/metrics"))[1])
+        assert scrape.value("kvrouter_worker_evictions_total") == 1
+        assert scrape.get(
+            "kvrouter_tree_blocks", dp_rank="0", tier="device", worker_url=doomed.url
+        ) in (
+            None,
+            0,
+        )
+        # Every request now goes to the survivor.
+        for i in range(4):
+            status, _, _ = await rt.post(
+                "/v1/completions", {"prompt": f"request {i} " * 4, "max_tokens": 1}
+            )
+            assert status == 200
+        assert (await survivor.state())["requests"] >= 4
+
+        # The engine comes back on the same ports, with a new publisher starting at seq 0.
+        port = urlsplit(doomed.url).port
+        async with fake_worker_in_process(
+            port=port, kv_port_base=doomed.config.kv_port_base
+        ) as reborn:
+
+            async def registered() -> dict | None:
+                entry = await worker_entry(rt, reborn.url)
+                return entry if entry["state"] == "ready" and entry["healthy"] else None
+
+            await eventually(registered, within_s=10)
+            await rt.gate(reborn)
+            seq = await reborn.store([chain(5, 2)])
+            view = await rt.wait_cursor(reborn.url, 0, seq)
+            # The gate's probe and the new chain; nothing of the dead incarnation's blocks.
+            assert view["blocks"] == (await reborn.state())["blocks"] == 1 + 2
+            assert rt.replica.workers.stats.evictions == 1
