@@ -962,7 +962,9 @@ REQUIRED = [
     "graft ahead of everything held",
     "deferred proof",
     "outcome warm",
-    "outcome warm_unwitnessed",
+    # "outcome warm_unwitnessed" (three unknown probes) is rarer still and, like the gap above,
+    # missed by some processes' draws; test_graft.py pins it exactly
+    # (test_three_unknown_probes_keep_the_graft_unwitnessed).
     "outcome uncovered",
     "outcome abandoned",
     "outcome overflow",
