@@ -504,18 +504,14 @@ class SnapshotRestore:
         node_tiers: Iterable[dict[int, int] | None] = repeat(None)
         if raw_tiers.count(DEVICE) != len(raw_tiers):
             node_tiers = _tier_fields(ranks, workers, tiers, counts)
-        children = Counter(parents)
-        outside = self._parents_outside(parents, new, a)
-        created = list(
-            map(
-                Node,
-                self._parent_keys(parents, keys if every else None, a),
-                masks,
-                map(children.get, records, repeat(0)),
-                node_tiers,
-                engine_hashes,
-            )
-        )
+        if every:
+            parent_keys, children, outside = self._chunk_links(parents, keys, a)
+        else:
+            parent_keys = self._parent_keys(parents, None, a)
+            counted = Counter(parents)
+            children = list(map(counted.get, records, repeat(0)))
+            outside = self._parents_outside(parents, new, a)
+        created = list(map(Node, parent_keys, masks, children, node_tiers, engine_hashes))
         before = len(nodes)
         placed = list(map(nodes.setdefault, keys, created))
         if len(nodes) - before != n:
@@ -539,8 +535,13 @@ class SnapshotRestore:
             _take_back(nodes, keys, placed, created)
             return False
         if raw_tiers.count(DEVICE) == len(raw_tiers):
-            for w, n_carried in Counter(workers).items():
-                ranks[w].counts[0] += n_carried
+            if len(ranks) < 256:  # one byte per carrier: counting is memchr-fast
+                by_worker = workers.tobytes()[:: workers.itemsize]
+                for w, st in enumerate(ranks):
+                    st.counts[0] += by_worker.count(w)
+            else:
+                for w, n_carried in Counter(workers).items():
+                    ranks[w].counts[0] += n_carried
         else:
             for w, st in enumerate(ranks):
                 rank_tiers = bytes(compress(raw_tiers, map(eq, workers, repeat(w))))
@@ -550,6 +551,42 @@ class SnapshotRestore:
         for parent, n_children in outside.items():
             nodes[all_keys[parent]].children += n_children
         return True
+
+    def _chunk_links(
+        self, parents: array, keys: list[int], a: int
+    ) -> tuple[list[int | None], list[int], Counter[int]]:
+        """(parent keys, child counts, parents outside) of a chunk whose every record is new.
+
+        Most records hang under the record just before them (a chain is stored block after
+        block), so both lists start as the chunk shifted by one, and only the other records
+        (roots, and branches off an older block) are looked at one by one."""
+        all_keys = self._snap.keys
+        n = len(parents)
+        follows = bytes(map(eq, parents, range(a - 1, a + n - 1)))
+        if a == 0 and follows[0]:  # a root at record 0: its -1 is no record
+            follows = b"\x00" + follows[1:]
+        parent_keys: list[int | None] = keys[:-1]
+        parent_keys.insert(0, all_keys[a - 1] if follows[0] else None)
+        children = list(follows[1:])
+        children.append(0)
+        outside: Counter[int] = Counter()
+        if follows[0]:
+            outside[a - 1] = 1
+        others = follows.translate(_FLIP)
+        for k, parent in zip(compress(range(n), others), compress(parents, others), strict=True):
+            if parent < 0:
+                parent_keys[k] = None
+            elif parent >= a:
+                parent_keys[k] = keys[parent - a]
+                children[parent - a] += 1
+            else:
+                parent_keys[k] = all_keys[parent]
+                outside[parent] += 1
+        nodes = self._tree._nodes
+        for parent in outside:
+            if all_keys[parent] not in nodes:
+                raise SnapshotError(f"record {parent}: the block left the tree during the graft")
+        return parent_keys, children, outside
 
     def _parent_keys(self, parents: array, keys: list[int] | None, a: int) -> list[int | None]:
         """The parent key of each new record. With `keys` (the chunk's keys, every record of
@@ -626,8 +663,10 @@ def _node_fields(
     )
     fields: list = list(map(hashes_padded.__getitem__, firsts))
     last_hashes = list(map(hashes_padded.__getitem__, lasts))
-    carried = map(truth, counts)  # (a carrier-less node read its neighbours' carriers)
-    differ = list(compress(range(n), map(and_, carried, map(ne, fields, last_hashes))))
+    differing = map(ne, fields, last_hashes)
+    if 0 in counts:  # a carrier-less node read its neighbours' carriers: leave it out
+        differing = map(and_, map(truth, counts), differing)
+    differ = list(compress(range(n), differing))
     if differ:
         index_of = [st.index for st in ranks]
         per_index = zip(
@@ -646,6 +685,8 @@ def _node_fields(
             strict=True,
         )
         deque(map(fields.__setitem__, differ, map(dict, per_index)), maxlen=0)
+    if counts.count(1) + counts.count(2) == n:
+        return masks, fields
     for i in compress(range(n), map(not_, map(_ONE_OR_TWO.__contains__, counts))):
         mask = 0
         per: dict[int, int] = {}
