@@ -326,3 +326,65 @@ def test_a_prevalidated_restore_skips_only_structure_and_still_refuses_a_conflic
         while not restore_job.step():
             pass
     assert canonical_view(other) == before
+
+
+# -- the column-wise walk and graft against their meaning, on random trees -------------------
+
+
+def random_tree(rng: random.Random, ops: int) -> BlockTree:
+    """Stores under known parents, engine hashes reused (a small range), mixed tiers,
+    removals by tier, cleared ranks: every shape the tree's rules produce."""
+    tree = BlockTree(BS)
+    stored: dict[RankId, list[int]] = {rank: [] for rank in (A, B, C)}
+    for _ in range(ops):
+        rank = rng.choice((A, B, C))
+        op = rng.random()
+        if op < 0.6:
+            parent = rng.choice(stored[rank]) if stored[rank] and rng.random() < 0.6 else None
+            hashes = [rng.randint(1, 30) for _ in range(rng.randint(1, 3))]
+            tokens = [rng.randint(1, 6) for _ in range(len(hashes) * BS)]
+            tier = rng.choice([DEVICE, DEVICE, HOST, DEVICE | DISK])
+            if tree.store(rank, parent, hashes, tokens, BS, tier=tier):
+                stored[rank] += hashes
+        elif op < 0.9 and stored[rank]:
+            tree.remove(rank, [rng.choice(stored[rank])], rng.choice([None, HOST, DEVICE]))
+        elif op >= 0.95:
+            tree.clear_rank(rank)
+            stored[rank] = []
+    return tree
+
+
+def spelled_out_export(tree: BlockTree) -> list[tuple]:
+    """The export's meaning: every node in the tree's order, its parent by record index and
+    its carriers as (rank, tier bits, engine hash) in rank-index order."""
+    index: dict[int, int] = {}
+    out = []
+    for key in tree._iter_keys():
+        node = tree._node(key)
+        assert node is not None
+        index[key] = len(out)
+        carriers = tuple(
+            (tree._rank_of(i), bits, eh) for i, bits, eh in tree._carriers_with_hash(node)
+        )
+        out.append((None if node.parent is None else index[node.parent], key, carriers))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(0, 300, 3))
+def test_the_walk_and_the_graft_mean_what_one_node_at_a_time_would(seed: int) -> None:
+    rng = random.Random(seed)
+    source = random_tree(rng, rng.randint(0, 40))
+    snap = export(source)
+    named = [
+        (parent, key, tuple((snap.workers[w], bits, eh) for w, bits, eh in carriers))
+        for parent, key, carriers in snap.records()
+    ]
+    assert named == spelled_out_export(source)
+    for warm_seed in (None, seed + 1):
+        budget = rng.choice([1, 3, 4096])
+        target = BlockTree(BS) if warm_seed is None else random_tree(random.Random(warm_seed), 30)
+        expected = BlockTree(BS) if warm_seed is None else random_tree(random.Random(warm_seed), 30)
+        graft_record_by_record(expected, snap)
+        prevalidated_graft(target, snap, budget)
+        assert canonical_view(target) == canonical_view(expected)
+        assert target.block_counts() == expected.block_counts()
