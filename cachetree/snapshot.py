@@ -59,6 +59,9 @@ _ROOT_PARENT = {-1: None}  # .get(parent index, parent key): a root's parent key
 _ONE_U32 = array("I", [0])  # padding, so a carrier-less last record can be read past
 _ONE_U64 = array("Q", [0])
 _ONE_OR_TWO = frozenset((1, 2))
+_IS_TWO = bytes(n == 2 for n in range(256))  # bytes.translate table: 2 -> 1, the rest -> 0
+# A node's carrier count -> its carriers' "begins a node" flags, one byte per carrier
+_NODE_OPENING = [b""] + [b"\x01" + bytes(n - 1) for n in range(1, 256)]
 _get_mask = attrgetter("mask")
 _get_children = attrgetter("children")
 _get_parent = attrgetter("parent")
@@ -495,13 +498,21 @@ class SnapshotRestore:
             parents = array("q", compress(parents, new))
             records = list(compress(records, new))
         n = len(keys)
-        single = counts.count(1) == n
+        ones = counts.count(1)
         bit_of = [1 << st.index for st in ranks]
-        if single:
+        # Carriers as (workers, engine hashes, keys) runs, for the rank maps below.
+        carriers: list[tuple[Sequence[int], Sequence[int], Sequence[int]]]
+        if ones == n:
             masks = list(map(bit_of.__getitem__, workers))
             engine_hashes: list = list(hashes)
+            carriers = [(workers, hashes, keys)]
+        elif ones + counts.count(2) == n:
+            masks, engine_hashes, carriers = _pair_fields(
+                ranks, bit_of, workers, hashes, counts, keys
+            )
         else:
             masks, engine_hashes = _node_fields(ranks, bit_of, workers, hashes, counts)
+            carriers = [(workers, hashes, list(chain.from_iterable(map(repeat, keys, counts))))]
         raw_tiers = tiers.tobytes()
         node_tiers: Iterable[dict[int, int] | None] = repeat(None)
         if raw_tiers.count(DEVICE) != len(raw_tiers):
@@ -520,20 +531,22 @@ class SnapshotRestore:
             _take_back(nodes, keys, placed, created)
             raise SnapshotError(f"records {a}..{b - 1}: a key appears twice in the snapshot")
 
-        # Each carrier's hash -> key goes into its rank's map, through one C-level pass that
-        # calls that map's setdefault.
-        carrier_keys = keys if single else list(chain.from_iterable(map(repeat, keys, counts)))
+        # Each carrier's hash -> key goes into its rank's map, through C-level passes that
+        # call that map's setdefault.
         maps = [st.by_engine_hash for st in ranks]
+        setdefaults = _setdefault_of(maps).__getitem__
         before = sum(map(len, maps))
-        mapped = list(
-            map(call, map(_setdefault_of(maps).__getitem__, workers), hashes, carrier_keys)
-        )
+        mapped = [
+            list(map(call, map(setdefaults, run_workers), run_hashes, run_keys))
+            for run_workers, run_hashes, run_keys in carriers
+        ]
         if sum(map(len, maps)) - before != len(hashes):
-            for w, engine_hash, value, key in zip(
-                workers, hashes, mapped, carrier_keys, strict=True
-            ):
-                if value is key and maps[w].get(engine_hash) is key:
-                    del maps[w][engine_hash]
+            for (run_workers, run_hashes, run_keys), values in zip(carriers, mapped, strict=True):
+                for w, engine_hash, value, key in zip(
+                    run_workers, run_hashes, values, run_keys, strict=True
+                ):
+                    if value is key and maps[w].get(engine_hash) is key:
+                        del maps[w][engine_hash]
             _take_back(nodes, keys, placed, created)
             return False
         if raw_tiers.count(DEVICE) == len(raw_tiers):
@@ -642,6 +655,55 @@ class SnapshotRestore:
                 continue
             for j in range(start, end):
                 tree._place(ranks[c_workers[j]], parent_key, (key,), (c_hashes[j],), c_tiers[j])
+
+
+def _pair_fields(
+    ranks: list[_Rank],
+    bit_of: list[int],
+    workers: array,
+    hashes: array,
+    counts: array,
+    keys: list[int],
+) -> tuple[list[int], list, list[tuple[Sequence[int], Sequence[int], Sequence[int]]]]:
+    """`_node_fields` for nodes of one or two carriers each (the shape of a real tree), and
+    the carriers as two runs, first carriers and second ones, with their nodes' keys.
+
+    A node's first carrier is picked out of the carrier columns by a byte mask (one byte
+    per carrier, 1 where a node begins), the second ones by the same mask flipped, so each
+    column is read by `compress` instead of an index per node."""
+    sizes = counts.tobytes()[:: counts.itemsize]  # counts are 1 or 2: one byte each
+    begins = b"".join(map(_NODE_OPENING.__getitem__, sizes))
+    seconds = begins.translate(_FLIP)
+    first_workers = list(compress(workers, begins))
+    first_hashes = list(compress(hashes, begins))
+    masks = list(map(bit_of.__getitem__, first_workers))
+    fields: list = list(first_hashes)
+    two = list(compress(range(len(sizes)), sizes.translate(_IS_TWO)))
+    second_workers = list(compress(workers, seconds))
+    second_hashes = list(compress(hashes, seconds))
+    two_keys = list(map(keys.__getitem__, two))
+    pair_masks = map(or_, map(masks.__getitem__, two), map(bit_of.__getitem__, second_workers))
+    deque(map(masks.__setitem__, two, pair_masks), maxlen=0)
+    differ = list(compress(range(len(two)), map(ne, map(fields.__getitem__, two), second_hashes)))
+    if differ:
+        index_of = [st.index for st in ranks]
+        where = list(map(two.__getitem__, differ))
+        per_index = zip(
+            zip(
+                map(index_of.__getitem__, map(first_workers.__getitem__, where)),
+                map(first_hashes.__getitem__, where),
+                strict=True,
+            ),
+            zip(
+                map(index_of.__getitem__, map(second_workers.__getitem__, differ)),
+                map(second_hashes.__getitem__, differ),
+                strict=True,
+            ),
+            strict=True,
+        )
+        deque(map(fields.__setitem__, where, map(dict, per_index)), maxlen=0)
+    runs = [(first_workers, first_hashes, keys), (second_workers, second_hashes, two_keys)]
+    return masks, fields, runs
 
 
 def _node_fields(
