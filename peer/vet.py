@@ -746,6 +746,8 @@ def _check_distinct_workers(workers: Sequence[int], counts: Sequence[int], a: in
     # carrier j: it and j+1 name one worker, and j+1 does not begin a node
     inside = int.from_bytes(same, "little") & ~int.from_bytes(begins[1:], "little")
     repeat_at = ((inside & -inside).bit_length() - 1) // 8 if inside else None
+    if repeat_at is None and top < 3:
+        return
     starts = list(accumulate(counts, initial=0))  # [i]: node i's first carrier
     if top > 2:
         for i in compress(range(len(counts)), map(gt, counts, repeat(2))):
