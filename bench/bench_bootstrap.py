@@ -36,13 +36,16 @@ What runs, per size (a fresh fleet each time):
   events flow), so what it holds is a subset of the warm view and equal counts mean equal
   views. (Checked exactly by the component tests; `canonical_view` at 1M would itself cost
   seconds on each side.)
-- Phases: the warm side stamps the snapshot request's arrival, the export (walk, encode,
-  join) and the body (gzip) by wrapping its producer; the new replica's log stamps its
-  registrations, the end of its sweep (fetch, inflate, decode, vet done) and its readiness.
-  For scale, the fetched msgpack+gzip body is then inflated, decoded, vetted and grafted into
-  an empty tree in this process (idle loop, same chunk sizes as the replica).
-- Wire size: `/internal/kv_snapshot` fetched from the warm replica as JSON, gzip(JSON),
-  msgpack and gzip(msgpack) (Accept / Accept-Encoding), body bytes as sent / nodes.
+- Phases: the warm side stamps the snapshot request's arrival, the export (walk, carrier
+  table) and the body (its encoding, made on first demand) by wrapping its producer; the
+  new replica's log stamps its registrations, the fetch (read and decode times, in its
+  fetch client's log line), the end of its sweep (vetting done) and its readiness. For
+  scale, the fetched columnar body is then decoded, vetted and grafted into an empty tree
+  in this process (idle loop, same chunk sizes as the replica).
+- Wire size: `/internal/kv_snapshot` fetched from the warm replica as columns,
+  gzip(columns), JSON, gzip(JSON), msgpack and gzip(msgpack) (Accept / Accept-Encoding),
+  body bytes as sent / nodes; and what gzip of the columnar body costs against what it
+  saves on loopback.
 
 `--profile-dir DIR` runs the new replica under `bench/profiled_router.py` (cProfile, wall
 clock), profiling from its "listening" line to its first `/readyz` 200, and prints its top
@@ -80,9 +83,8 @@ from cachetree.ranks import RankId
 from cachetree.snapshot import SnapshotRestore
 from cachetree.tiers import DEVICE
 from cachetree.tree import BlockTree
-from peer.fetch import decode_sliced
 from peer.vet import Vetting
-from peer.wire import JSON, MSGPACK
+from peer.wire import COLUMNS, JSON, MSGPACK, decode_columns
 from router.bootstrap import GRAFT_CHUNK, VET_CHUNK
 from router.events import BlockStored, EventBatch
 
@@ -103,6 +105,8 @@ SNAPSHOT = "/internal/kv_snapshot"
 ANY_AGE = "?max_age_ms=3600000"  # reuse the export the new replica caused
 LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (\w+) ([\w.]+): (.*)$")
 WIRE_VARIANTS = (  # (label, Accept, Accept-Encoding)
+    ("columns", COLUMNS, None),
+    ("gzip(columns)", COLUMNS, "gzip"),
     ("json", JSON, None),
     ("gzip(json)", JSON, "gzip"),
     ("msgpack", MSGPACK, None),
@@ -248,8 +252,16 @@ async def wait_ready(session: aiohttp.ClientSession, child: Child, port: int) ->
     return None
 
 
+FETCH_LINE = re.compile(
+    r"kv snapshot from \S+: (\d+) nodes, (\d+) B as sent \((.*)\) in ([\d.]+) s, "
+    r"decoded in ([\d.]+) s"
+)
+
+
 @dataclass
 class ChildLog:
+    fetched: float | None = None  # log stamp of the first full snapshot fetched and decoded
+    fetch: tuple[str, float, float] | None = None  # (encoding, seconds to read, to decode)
     registered: list[float] = field(default_factory=list)
     sweeps: list[tuple[float, str]] = field(default_factory=list)
     settled: float | None = None
@@ -267,6 +279,9 @@ def read_child_log(path: Path) -> ChildLog:
         level, message = m.group(2), m.group(4)
         if re.match(r"worker \S+ registered:", message):
             out.registered.append(stamp)
+        elif (f := FETCH_LINE.match(message)) and int(f.group(1)) and out.fetched is None:
+            out.fetched = stamp
+            out.fetch = (f.group(3), float(f.group(4)), float(f.group(5)))
         elif s := re.match(r"bootstrap sweep for (\d+) rank\(s\): (.*)", message):
             out.sweeps.append((stamp, f"{s.group(1)} rank(s): {s.group(2)}"))
         elif s := re.match(r"bootstrap settled after ([\d.]+) s", message):
@@ -407,10 +422,10 @@ async def run_size(n_blocks: int, args: argparse.Namespace, workdir: Path) -> Re
         if profile is not None and profile.exists():
             res.lines += top_functions(profile)
         progress(f"{n_blocks:,} blocks: measuring wire sizes")
-        gz_msgpack = await wire_sizes(session, warm.url, res)
-        if gz_msgpack is not None:
+        columns = await wire_sizes(session, warm.url, res)
+        if columns is not None:
             progress(f"{n_blocks:,} blocks: replaying the consumer's work in this process")
-            await consumer_costs(gz_msgpack, set(ranks), res)
+            await consumer_costs(columns, set(ranks), res)
     return res
 
 
@@ -481,15 +496,20 @@ def report_phases(
             res.reg_to_ready = ready_at - log.registered[0]
     export = replica.producer.cached if replica.producer is not None else None
     timings = export.timings if export is not None else {}
+    encodes = ", ".join(
+        f"{name.split()[1]} {seconds:.2f} s"
+        for name, seconds in timings.items()
+        if name.startswith("encode ")
+    )
     res.lines.append(
         "phases (from spawn; the new replica's log has ms stamps): "
         f"first worker registered {at(log.registered[0] if log.registered else None)}, "
         f"last {at(log.registered[-1] if log.registered else None)}; "
         f"listening {at(child.listening)}; "
         f"warm asked for a snapshot {at(stamps.asked)} ({stamps.requests} request(s)), "
-        f"export built {at(stamps.exported)} (walk {timings.get('walk', 0):.2f} s, encode "
-        f"{timings.get('encode', 0):.2f} s, join {timings.get('join', 0):.2f} s), "
-        f"body ready (gzip) {at(stamps.body)}; "
+        f"export built {at(stamps.exported)} (walk {timings.get('walk', 0):.2f} s, carrier "
+        f"table {timings.get('table', 0):.2f} s), body ready {at(stamps.body)} (encoded: "
+        f"{encodes or '-'}); fetched and decoded {at(log.fetched)}; "
         + "".join(f"sweep {text} {at(t)}; " for t, text in log.sweeps)
         + f"/readyz 200 {at(ready_at)}"
     )
@@ -497,17 +517,19 @@ def report_phases(
         res.lines[-1] += f" (its own bootstrap clock: {log.settled_after_s:.2f} s)"
     found = next((t for t, text in log.sweeps if ": found" in text), None)
     marks = [log.registered[0] if log.registered else None]
-    marks += [stamps.asked, stamps.exported, stamps.body, found, ready_at]
-    if all(m is not None for m in marks):
+    marks += [stamps.asked, stamps.exported, stamps.body, log.fetched, found, ready_at]
+    if all(m is not None for m in marks) and log.fetch is not None:
         names = (
             "registration -> snapshot asked",
-            "warm export",
-            "gzip",
-            "send + inflate + decode + vet",
+            "warm export (walk)",
+            "encode",
+            f"send + read ({log.fetch[0]}) + decode",
+            "vet",
             "graft + readiness",
         )
         spans = zip(names, marks[:-1], marks[1:], strict=True)
         steps = [f"{name} {b - a:.2f} s" for name, a, b in spans]
+        steps[3] += f" (of which decode {log.fetch[2]:.2f} s)"
         res.lines.append("durations: " + ", ".join(steps))
     if log.warnings:
         shown = "; ".join(log.warnings[:3])
@@ -548,12 +570,17 @@ def top_functions(profile: Path, n: int = 15) -> list[str]:
 
 
 async def wire_sizes(session: aiohttp.ClientSession, warm_url: str, res: Result) -> bytes | None:
-    """Fetch the warm export in each encoding; returns the gzip(msgpack) body."""
+    """Fetch the warm export in each encoding; returns the columnar body (identity). Also
+    weighs gzip for the columnar body on loopback: what it costs the producer (its first
+    gzip request, against the cached identity one) and the consumer (inflating) against the
+    bytes it saves."""
     kept = None
+    times: dict[str, float] = {}
     for label, accept, coding in WIRE_VARIANTS:
         headers = {"Accept": accept}
         if coding:
             headers["Accept-Encoding"] = coding
+        started = time.perf_counter()
         async with session.get(warm_url + SNAPSHOT + ANY_AGE, headers=headers) as resp:
             body = await resp.read()
             if resp.status != 200 or resp.headers.get("Content-Encoding") != coding:
@@ -562,43 +589,49 @@ async def wire_sizes(session: aiohttp.ClientSession, warm_url: str, res: Result)
                     f"{resp.headers.get('Content-Encoding')!r}"
                 )
                 continue
+        times[label] = time.perf_counter() - started
         res.wire[label] = len(body)
-        if label == "gzip(msgpack)":
+        if label == "columns":
             kept = body
+        elif label == "gzip(columns)":
+            started = time.perf_counter()
+            zlib.decompress(body, 31)
+            times["inflate"] = time.perf_counter() - started
+    if {"columns", "gzip(columns)", "inflate"} <= times.keys():
+        saved = res.wire["columns"] - res.wire["gzip(columns)"]
+        res.lines.append(
+            "gzip of the columnar body on loopback: first gzip request "
+            f"{times['gzip(columns)']:.2f} s against {times['columns']:.2f} s for the cached "
+            "identity body (compressing on the producer), inflating "
+            f"{times['inflate']:.2f} s on the consumer, to save "
+            f"{saved / 1e6:.1f} MB ({saved * 8 / 10e9:.3f} s at 10 Gbit/s)"
+        )
     return kept
 
 
 async def consumer_costs(body: bytes, live: set[RankId], res: Result) -> None:
     """What the new replica does with the body, replayed here with nothing else running.
 
-    The decoded body is dropped before the graft, as in the replica (its carrier lists are
-    tracked by the cyclic collector, which would otherwise slow the graft down)."""
+    The decoded body is dropped before the graft, as in the replica."""
     gc.collect()
     t0 = time.perf_counter()
-    raw = zlib.decompress(body, 31)
+    snap = decode_columns(body)
     t1 = time.perf_counter()
-    snap = await decode_sliced(raw, MSGPACK)
-    del raw
-    t2 = time.perf_counter()
     vetting = Vetting(snap, live, BLOCK)
     while not vetting.step(VET_CHUNK):
         pass
     vetted = vetting.result()
     del vetting, snap
-    t3 = time.perf_counter()
+    t2 = time.perf_counter()
     tree = BlockTree(BLOCK)
-    job = SnapshotRestore(tree, vetted.snapshot)
-    while not job._validated:  # the restore's own checks, before it writes the tree
-        job.step(GRAFT_CHUNK)
-    t4 = time.perf_counter()
+    job = SnapshotRestore(tree, vetted.snapshot, prevalidated=True)
     while not job.step(GRAFT_CHUNK):
         pass
-    t5 = time.perf_counter()
+    t3 = time.perf_counter()
     res.lines.append(
-        f"consumer work replayed in this process on the gzip(msgpack) body (idle loop): "
-        f"inflate {t1 - t0:.2f} s, decode {t2 - t1:.2f} s, vet {t3 - t2:.2f} s, restore's "
-        f"checks {t4 - t3:.2f} s, graft {t5 - t4:.2f} s ({len(tree):,} nodes); "
-        f"total {t5 - t0:.2f} s"
+        f"consumer work replayed in this process on the columnar body (idle loop): "
+        f"decode {t1 - t0:.2f} s, vet {t2 - t1:.2f} s, graft {t3 - t2:.2f} s "
+        f"({len(tree):,} nodes); total {t3 - t0:.2f} s"
     )
     del vetted, tree, job
     gc.collect()

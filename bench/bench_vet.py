@@ -1,12 +1,14 @@
-"""Vetting figures: `VettedSnapshot.from_wire` and `retain_workers` on real exported trees.
+"""Vetting figures: `VettedSnapshot.from_wire` and `retain_workers` on real exported trees,
+for both encodings of the body, and the graft of the vetted result.
 
 Run: .venv/bin/python bench/bench_vet.py [--sizes 100000,1000000]
 Prints figures; asserts only that the vetted snapshot restores to the exported tree.
 
 The wire object is what a consumer really holds: a tree built through `BlockTree.store`,
 exported with `cachetree.snapshot.export`, converted to format-1 wire nodes, encoded as
-msgpack and decoded by `peer.wire.decode`. Four ranks (two workers, two dp ranks each); one
-chain in four is also stored by a second rank, so some nodes have two carriers.
+msgpack (or as the columnar body) and decoded by `peer.wire.decode`. Four ranks (two workers,
+two dp ranks each); one chain in four is also stored by a second rank, so some nodes have
+two carriers.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 
 from cachetree.keys import KEY_SCHEME
 from cachetree.ranks import RankId
-from cachetree.snapshot import Snapshot, canonical_view, export, restore
+from cachetree.snapshot import Snapshot, SnapshotRestore, canonical_view, export, restore
 from cachetree.tree import BlockTree
 from peer import wire
 from peer.vet import DEFAULT_BUDGET, VettedSnapshot, Vetting
@@ -96,6 +98,25 @@ def bench(n_blocks: int, repeats: int) -> None:
     restore(copy, vetted.snapshot)
     assert canonical_view(copy) == canonical_view(tree)
     print(f"  vet, every worker live:                    {all_live}")
+    columnar = wire.encode(wire.as_format1(decoded), wire.COLUMNS)
+    columns_s, _, columns = timed(lambda: wire.decode(columnar, wire.COLUMNS))
+    print(f"  columnar body {len(columnar) / 1e6:.1f} MB, decode {columns_s:.2f} s")
+    col_live, col_vetted = best(lambda: VettedSnapshot.from_wire(columns, RANKS, BLOCK))
+    assert col_vetted == vetted
+    print(f"  vet columns, every worker live:            {col_live}")
+    col_three, _ = best(lambda: VettedSnapshot.from_wire(columns, RANKS[:3], BLOCK))
+    print(f"  vet columns, one rank of four unknown:     {col_three}")
+
+    def graft() -> BlockTree:
+        target = BlockTree(BLOCK)
+        job = SnapshotRestore(target, vetted.snapshot, prevalidated=True)
+        while not job.step(DEFAULT_BUDGET):
+            pass
+        return target
+
+    grafted, grafted_tree = best(graft)
+    assert canonical_view(grafted_tree) == canonical_view(tree)
+    print(f"  graft of the vetted snapshot (empty tree): {grafted}")
 
     three, partial = best(lambda: VettedSnapshot.from_wire(decoded, RANKS[:3], BLOCK))
     carried, structure = partial.carrier_counts()

@@ -12,7 +12,11 @@ a 1M-block export spent most of its time in the collector), a u64 column cannot 
 negative or oversized value, and most validation runs at C speed (`max`, `set`).
 
 Both directions are chunkable (`SnapshotExport.step`, `SnapshotRestore.step`) so a caller on
-an event loop can yield between chunks of a million-block tree.
+an event loop can yield between chunks of a million-block tree, and both work a column at a
+time with C-level passes (`map`, `compress`, `zip` into `dict.update`/`setdefault`, bytes
+operations), so a node costs no Python statement in the common case: one or two carriers on
+the device tier. At a million nodes a walk or a graft is a few dozen passes, not a million
+trips through the interpreter.
 
 Consistency: a chunked export is not one instant. A node pruned between chunks is skipped
 with the subtree below it, a node added after the export began is not included. A consumer
@@ -22,25 +26,47 @@ change again, and store/remove are idempotent, so nothing is lost.
 Restore validates everything before it mutates anything: a parent that is not an earlier
 record, a worker index out of range, unknown tier bits, a carrier listed twice, a duplicate
 key, or a key the tree already holds under a different parent rejects the whole snapshot with
-`SnapshotError` and leaves the tree untouched. Between a restore's first and last step nothing
+`SnapshotError` and leaves the tree untouched. A `prevalidated` restore (a vetted snapshot)
+skips the structural checks and finds a duplicate key while grafting instead, before placing
+the chunk that holds it (see `SnapshotRestore`). Between a restore's first and last step nothing
 else may write the tree; the pump, the only writer, guarantees that.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from bisect import bisect_right
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache, partial
+from itertools import accumulate, chain, compress, repeat
+from operator import and_, attrgetter, call, eq, itemgetter, lt, ne, not_, or_, sub, truth
 
 from cachetree.ranks import RankId
 from cachetree.tiers import ALL_TIERS, DEVICE
-from cachetree.tree import BlockTree, Node
+from cachetree.tree import BlockTree, Node, _count, _indices, _Rank
 
 Carrier = tuple[int, int, int]  # (worker index, tier bits, engine hash)
 NodeRecord = tuple[int | None, int, tuple[Carrier, ...]]
 
 DEFAULT_CHUNK = 4096
 _VALID_TIERS = frozenset(range(1, ALL_TIERS + 1))
+_DEVICE_BYTE = bytes([DEVICE])
+_FLIP = bytes([1, 0]) + bytes(254)  # bytes.translate table: 0 <-> 1
+_NO_KEY = object()  # compares unequal to every key and to None
+_ROOT_PARENT = {-1: None}  # .get(parent index, parent key): a root's parent key is None
+_ONE_U32 = array("I", [0])  # padding, so a carrier-less last record can be read past
+_ONE_U64 = array("Q", [0])
+_ONE_OR_TWO = frozenset((1, 2))
+_IS_TWO = bytes(n == 2 for n in range(256))  # bytes.translate table: 2 -> 1, the rest -> 0
+# A node's carrier count -> its carriers' "begins a node" flags, one byte per carrier
+_NODE_OPENING = [b""] + [b"\x01" + bytes(n - 1) for n in range(1, 256)]
+_get_mask = attrgetter("mask")
+_get_children = attrgetter("children")
+_get_parent = attrgetter("parent")
+_get_tiers = attrgetter("tiers")
+_get_ehash = attrgetter("ehash")
 
 
 class SnapshotError(ValueError):
@@ -100,75 +126,129 @@ def _strict_int(value: object) -> int:
 
 
 class SnapshotExport:
-    """A chunked export of `tree`: call `step()` until it returns True, then `result()`."""
+    """A chunked export of `tree`: call `step()` until it returns True, then `result()`.
+
+    The node objects are listed once, up front, in the dict's parent-before-child order; each
+    step then reads a run of them column by column (masks, tiers, engine hashes, parents) with
+    C-level passes, so a node costs no Python statement in the common case.
+
+    A node removed from the tree since the listing has no carrier and no child (that is the
+    only way one leaves), so it is recognised and skipped; its subtree left before it did. A
+    node still in the tree has had its parent in the tree since before the listing, so the
+    parent is an earlier record. Most parents are the record just before (a chain is stored
+    block after block); the others (a chain branching off an older prefix) are resolved by key
+    in a last pass, which is cheaper than a million-entry key -> record map.
+    """
 
     def __init__(self, tree: BlockTree) -> None:
         self._tree = tree
-        # A u64 array, not a list: the garbage collector need not walk a million entries.
-        self._keys = array("Q", tree._iter_keys())
+        nodes = tree._nodes
+        # Two C-level copies of references (~10 ms each at a million nodes, in one go: a
+        # dict cannot be iterated across a yield); converting the keys to a u64 array here
+        # would stall the loop three times as long.
+        self._keys: list[int] = list(nodes)
+        self._objs: list[Node] = list(nodes.values())
         self._pos = 0
-        self._record_of: dict[int, int] = {}  # key -> record index
+        self._last_key: object = _NO_KEY  # key of the last record written
+        self._branches: list[tuple[int, int]] = []  # (record, parent key) left to resolve
+        self._resolved = 0  # records scanned while resolving branches
         self._table_of: dict[RankId, int] = {}
         self._snap = Snapshot()
 
     @property
     def done(self) -> bool:
-        return self._pos >= len(self._keys)
+        return self._pos >= len(self._keys) and not self._branches
 
     def step(self, budget: int = DEFAULT_CHUNK) -> bool:
-        tree = self._tree
-        nodes = tree._nodes
-        record_of = self._record_of
-        snap = self._snap
-        add_parent, add_key, add_count = (
-            snap.parents.append,
-            snap.keys.append,
-            snap.carrier_counts.append,
-        )
-        add_worker, add_tier, add_hash = (
-            snap.carrier_workers.append,
-            snap.carrier_tiers.append,
-            snap.carrier_hashes.append,
-        )
-        # Rank indices are stable within one step but may be reused between steps, so the
-        # index -> table mapping is rebuilt per step from the ranks' identities.
-        table = [-1 if st is None else self._table_index(st.rank) for st in tree._by_index]
-        end = min(self._pos + budget, len(self._keys))
-        n_records = len(snap.keys)
-        for key in self._keys[self._pos : end]:
-            node = nodes.get(key)
-            if node is None:
-                continue
-            parent = node.parent
-            if parent is None:
-                parent_index = -1
-            else:
-                parent_index = record_of.get(parent, -1)
-                if parent_index < 0:
-                    continue  # its parent went away mid-export; skip this subtree
-            record_of[key] = n_records
-            n_records += 1
-            add_parent(parent_index)
-            add_key(key)
-            mask = node.mask
-            if mask & (mask - 1) == 0 and node.tiers is None and type(node.ehash) is int:
-                # At most one device-only carrier: the common case, without the generic path.
-                if mask:
-                    add_count(1)
-                    add_worker(table[mask.bit_length() - 1])
-                    add_tier(DEVICE)
-                    add_hash(node.ehash)
-                else:
-                    add_count(0)
-                continue
-            carriers = tree._carriers_with_hash(node)
-            add_count(len(carriers))
-            for index, bits, engine_hash in carriers:
-                add_worker(table[index])
-                add_tier(bits)
-                add_hash(engine_hash)
-        self._pos = end
+        if self._pos < len(self._keys):
+            self._walk(max(1, budget))
+        elif self._branches:
+            self._resolve(max(1, budget))
         return self.done
+
+    def _walk(self, budget: int) -> None:
+        a = self._pos
+        b = min(a + budget, len(self._keys))
+        self._pos = b
+        objs = self._objs[a:b]
+        keys = array("Q", self._keys[a:b])
+        masks = list(map(_get_mask, objs))
+        if 0 in masks:
+            # Carrier-less: structure above carriers, or a node that has left the tree.
+            alive = list(map(truth, map(or_, masks, map(_get_children, objs))))
+            if not all(alive):
+                objs = list(compress(objs, alive))
+                keys = array("Q", compress(keys, alive))
+                masks = list(compress(masks, alive))
+        if not objs:
+            return
+        snap = self._snap
+        first = len(snap.keys)
+        n = len(objs)
+        # Parents: mostly the previous record; the rest are roots or branches.
+        parent_keys = list(map(_get_parent, objs))
+        follows = bytes(map(eq, parent_keys, chain((self._last_key,), keys)))
+        parents = array("q", range(first - 1, first + n - 1))
+        if 0 in follows:
+            others = follows.translate(_FLIP)
+            for j, parent_key in zip(
+                compress(range(n), others), compress(parent_keys, others), strict=True
+            ):
+                if parent_key is None:
+                    parents[j] = -1
+                else:
+                    self._branches.append((first + j, parent_key))
+        self._last_key = keys[-1]
+        snap.parents.extend(parents)
+        snap.keys.extend(keys)
+        counts = array("I", map(int.bit_count, masks))
+        snap.carrier_counts.extend(counts)
+        # Rank indices are stable within one step but may be reused between steps, so the
+        # layout (mask -> carriers) is rebuilt per step from the ranks' identities.
+        layout = _Layout(self._tree, self._table_index)
+        snap.carrier_workers.extend(chain.from_iterable(map(layout.__getitem__, masks)))
+        tiers = list(map(_get_tiers, objs))
+        if tiers.count(None) == n:
+            snap.carrier_tiers.frombytes(_DEVICE_BYTE * sum(counts))
+        else:
+            per_node: list = list(map(repeat, repeat(DEVICE), counts))
+            for j in compress(range(n), tiers):
+                got = tiers[j].get  # type: ignore[union-attr]
+                per_node[j] = [got(i, DEVICE) for i in _bit_indices(masks[j])]
+            snap.carrier_tiers.extend(chain.from_iterable(per_node))
+        hashes = list(map(_get_ehash, objs))
+        per_carrier = list(map(isinstance, hashes, repeat(dict)))
+        if not any(per_carrier) and counts.count(1) == n:
+            snap.carrier_hashes.extend(hashes)
+        else:
+            # One engine hash shared by every carrier, or a dict read in carrier order.
+            per_node: list[Sequence[int]] = list(zip(hashes))
+            if counts.count(1) != n:
+                for j in compress(range(n), map(ne, counts, repeat(1))):
+                    if not per_carrier[j]:
+                        per_node[j] = (hashes[j],) * counts[j]  # type: ignore[operator]
+            where = compress(range(n), per_carrier)
+            getters = map(_carrier_getter, compress(masks, per_carrier))
+            values = map(call, getters, compress(hashes, per_carrier))
+            deque(map(per_node.__setitem__, where, values), maxlen=0)
+            snap.carrier_hashes.extend(chain.from_iterable(per_node))
+
+    def _resolve(self, budget: int) -> None:
+        """Find the branches' parents among the records, `budget` records per step."""
+        keys = self._snap.keys
+        if self._resolved == 0:
+            self._wanted: dict[int, int] = dict.fromkeys((k for _, k in self._branches), -1)
+        a = self._resolved
+        b = min(a + budget, len(keys))
+        wanted = self._wanted
+        for i in compress(range(a, b), map(wanted.__contains__, keys[a:b])):
+            wanted[keys[i]] = i
+        self._resolved = b
+        if b == len(keys):
+            parents = self._snap.parents
+            for record, parent_key in self._branches:
+                parents[record] = wanted[parent_key]
+            self._branches = []
 
     def result(self) -> Snapshot:
         if not self.done:
@@ -181,6 +261,48 @@ class SnapshotExport:
             index = self._table_of[rank] = len(self._snap.workers)
             self._snap.workers.append(rank)
         return index
+
+
+class _Layout(dict[int, tuple[int, ...]]):
+    """mask -> the worker-table index of each carrier, in rank-index order; filled on demand
+    (a tree has few distinct masks), so the lookup per node is a C-level dict hit."""
+
+    def __init__(self, tree: BlockTree, table_index: Callable[[RankId], int]) -> None:
+        super().__init__()
+        self._by_index = tree._by_index
+        self._table_index = table_index
+        # Every rank of the tree enters the table in index order, carrier or not (a caller
+        # trims the ones that carry nothing), so the table does not depend on the walk.
+        for st in self._by_index:
+            if st is not None:
+                table_index(st.rank)
+
+    def __missing__(self, mask: int) -> tuple[int, ...]:
+        by_index = self._by_index
+        out = self[mask] = tuple(
+            self._table_index(by_index[i].rank)  # type: ignore[union-attr]
+            for i in _bit_indices(mask)
+        )
+        return out
+
+
+@lru_cache(maxsize=4096)
+def _bit_indices(mask: int) -> tuple[int, ...]:
+    """The rank indices of `mask`'s bits, lowest first (cached: a tree has few masks)."""
+    return tuple(_indices(mask))
+
+
+@lru_cache(maxsize=4096)
+def _carrier_getter(mask: int) -> Callable[[dict[int, int]], Sequence[int]]:
+    """A C-level reader of a per-carrier dict's values, in `mask`'s carrier order."""
+    indices = _bit_indices(mask)
+    if len(indices) > 1:
+        return itemgetter(*indices)
+    return partial(_values_of, indices)  # itemgetter of one index returns a bare value
+
+
+def _values_of(indices: tuple[int, ...], values: dict[int, int]) -> list[int]:
+    return [values[i] for i in indices]
 
 
 def export(tree: BlockTree) -> Snapshot:
@@ -197,13 +319,27 @@ class SnapshotRestore:
     grafts in chunks: missing nodes are created, carriers and tiers are unioned onto existing
     ones, and each rank's engine-hash map is extended. Records with no carrier anywhere in
     their subtree are dropped rather than grafted as bare structure.
+
+    Grafting a chunk: the records whose key the tree did not hold are created together, with
+    C-level passes over the columns (masks, engine hashes, parent keys, child counts) and one
+    `dict.update` per map; only records with several carriers or off-device tiers take a
+    Python statement each. Records whose key the tree held, and a chunk in which an engine
+    hash is already taken by the rank (the tree's rule for that is "the newest placement
+    wins", which `BlockTree._place` implements), go through `_place` one carrier at a time.
+
+    A node's child count is raised as its children are created, never ahead of them, so a
+    graft stopped between chunks leaves a consistent tree: clearing the grafted ranks removes
+    everything it added.
     """
 
     def __init__(self, tree: BlockTree, snapshot: Snapshot, *, prevalidated: bool = False) -> None:
         """`prevalidated`: the snapshot's structure was already proven by the code that built it
         (`peer.vet`, an export of our own tree) and has no carrier-less subtree. Only the
-        checks against this tree (a key held under another parent) still run: at a million
-        records the structural re-checks cost about a second."""
+        checks against this tree (a key held under another parent) still run before the graft:
+        at a million records the structural re-checks cost about a second. A key that appears
+        twice is then found while grafting, at the chunk that repeats it: `step` raises
+        SnapshotError before placing anything of that chunk, and the ranks it grafted so far
+        must be cleared by the caller (the pump runs them cold)."""
         self._tree = tree
         self._snap = snapshot
         self._workers = _validate_workers(snapshot.workers)
@@ -211,7 +347,10 @@ class SnapshotRestore:
         self._pos = 0
         self._carrier_pos = 0
         self._validated = False
-        self._keep: bytearray = bytearray()
+        self._keep = b""
+        # Some record's key was in the tree before the graft. Until then every key is new,
+        # and stays new until its own record is grafted (keys are unique).
+        self._any_present = False
         self.applied = 0
         if not prevalidated:
             self._check_columns()
@@ -264,10 +403,11 @@ class SnapshotRestore:
         self._check_against_tree(start, end)
         self._pos = end
         if end >= len(snap.keys):
+            n = len(snap.keys)
             if self._prevalidated:
-                self._keep = bytearray(b"\x01") * len(snap.keys)
+                self._keep = b"\x01" * n
             else:
-                self._keep = _carried_subtrees(parents, counts)
+                self._keep = bytes(_carried_subtrees(parents, counts))
             self._validated = True
             self._pos = 0
             self._carrier_pos = 0
@@ -278,54 +418,376 @@ class SnapshotRestore:
         if not nodes:
             return
         parents, keys = self._snap.parents, self._snap.keys
-        for i in range(start, end):
-            existing = nodes.get(keys[i])
-            if existing is not None:
-                parent = parents[i]
-                if existing.parent != (None if parent < 0 else keys[parent]):
-                    raise SnapshotError(f"record {i}: key {keys[i]:#x} sits under another parent")
+        found = list(map(nodes.get, keys[start:end]))
+        if found.count(None) == len(found):
+            return
+        self._any_present = True
+        for i in compress(range(start, end), found):
+            existing = found[i - start]
+            parent = parents[i]
+            if existing.parent != (None if parent < 0 else keys[parent]):  # type: ignore[union-attr]
+                raise SnapshotError(f"record {i}: key {keys[i]:#x} sits under another parent")
 
     def _graft_chunk(self, budget: int) -> None:
         tree = self._tree
-        nodes = tree._nodes
-        snap = self._snap
-        parents, keys, counts, keep = snap.parents, snap.keys, snap.carrier_counts, self._keep
-        c_workers, c_tiers, c_hashes = snap.carrier_workers, snap.carrier_tiers, snap.carrier_hashes
+        counts = self._snap.carrier_counts
+        a, b = self._pos, min(self._pos + budget, len(self._snap))
+        c0 = self._carrier_pos
+        c1 = c0 + sum(counts[a:b])
         ranks = [tree._ranks.get(rank) or tree._add_rank(rank) for rank in self._workers]
-        end = min(self._pos + budget, len(keys))
-        cpos = self._carrier_pos
-        applied = 0
-        for i in range(self._pos, end):
-            n = counts[i]
-            start, cpos = cpos, cpos + n
-            if not keep[i]:
-                continue
-            applied += 1
+        kept = self._keep[a:b]
+        if self._any_present:
+            # Held now, not at validation: a block another rank's stale engine hash had
+            # pinned may have left the tree since, and is then created like any new one.
+            held_now = int.from_bytes(
+                bytes(map(tree._nodes.__contains__, self._snap.keys[a:b])), "little"
+            )
+            both = int.from_bytes(kept, "little")
+            new = (both & ~held_now).to_bytes(b - a, "little")
+            held = (both & held_now).to_bytes(b - a, "little")
+        else:
+            new, held = kept, b""
+        if 1 in new and not self._create(a, b, c0, c1, new, held, ranks):
+            # In record order, as the tree's rule for a reused engine hash is order-bound.
+            self._place_each(compress(range(a, b), kept), a, b, c0, ranks)
+        elif 1 in held:
+            self._place_each(compress(range(a, b), held), a, b, c0, ranks)
+        self._pos = b
+        self._carrier_pos = c1
+        self.applied += new.count(1) + held.count(1)
+
+    def _create(
+        self, a: int, b: int, c0: int, c1: int, new: bytes, held: bytes, ranks: list[_Rank]
+    ) -> bool:
+        """Create the chunk's new records at C speed. Returns False, having changed nothing,
+        when a rank already maps one of their engine hashes to a key, or a held record of
+        the chunk names it too: then the chunk must go through `_place`, which applies the
+        tree's rule for that ("the newest placement wins", so order matters). Raises
+        SnapshotError, having changed nothing, when a key appears twice in the snapshot.
+
+        Both maps are filled with `setdefault`, which never overwrites: a repeat shows as a
+        map that grew by less than it was given, and what this chunk inserted is taken out
+        again before refusing (the rare path; the common one pays no extra lookup)."""
+        snap = self._snap
+        nodes = self._tree._nodes
+        counts = snap.carrier_counts[a:b]
+        workers = snap.carrier_workers[c0:c1]
+        tiers = snap.carrier_tiers[c0:c1]
+        hashes = snap.carrier_hashes[c0:c1]
+        parents = snap.parents[a:b]
+        records: Sequence[int] = range(a, b)
+        if 1 in held:  # a held record's engine hash among the new ones: order matters
+            by_carrier = bytes(chain.from_iterable(map(repeat, held, counts)))
+            held_pairs = zip(
+                compress(workers, by_carrier), compress(hashes, by_carrier), strict=True
+            )
+            by_carrier = bytes(chain.from_iterable(map(repeat, new, counts)))
+            new_pairs = set(
+                zip(compress(workers, by_carrier), compress(hashes, by_carrier), strict=True)
+            )
+            if not new_pairs.isdisjoint(held_pairs):
+                return False
+        every = new.count(1) == len(new)
+        keys = list(snap.keys[a:b] if every else compress(snap.keys[a:b], new))
+        if not every:  # leave out the records that are not new
+            by_carrier = bytes(chain.from_iterable(map(repeat, new, counts)))
+            workers = array("I", compress(workers, by_carrier))
+            tiers = array("B", compress(tiers, by_carrier))
+            hashes = array("Q", compress(hashes, by_carrier))
+            counts = array("I", compress(counts, new))
+            parents = array("q", compress(parents, new))
+            records = list(compress(records, new))
+        n = len(keys)
+        ones = counts.count(1)
+        bit_of = [1 << st.index for st in ranks]
+        # Carriers as (workers, engine hashes, keys) runs, for the rank maps below.
+        carriers: list[tuple[Sequence[int], Sequence[int], Sequence[int]]]
+        if ones == n:
+            masks = list(map(bit_of.__getitem__, workers))
+            engine_hashes: list = list(hashes)
+            carriers = [(workers, hashes, keys)]
+        elif ones + counts.count(2) == n:
+            masks, engine_hashes, carriers = _pair_fields(
+                ranks, bit_of, workers, hashes, counts, keys
+            )
+        else:
+            masks, engine_hashes = _node_fields(ranks, bit_of, workers, hashes, counts)
+            carriers = [(workers, hashes, list(chain.from_iterable(map(repeat, keys, counts))))]
+        raw_tiers = tiers.tobytes()
+        node_tiers: Iterable[dict[int, int] | None] = repeat(None)
+        if raw_tiers.count(DEVICE) != len(raw_tiers):
+            node_tiers = _tier_fields(ranks, workers, tiers, counts)
+        if every:
+            parent_keys, children, outside = self._chunk_links(parents, keys, a)
+        else:
+            parent_keys = self._parent_keys(parents, None, a)
+            counted = Counter(parents)
+            children = list(map(counted.get, records, repeat(0)))
+            outside = self._parents_outside(parents, new, a)
+        created = list(map(Node, parent_keys, masks, children, node_tiers, engine_hashes))
+        before = len(nodes)
+        placed = list(map(nodes.setdefault, keys, created))
+        if len(nodes) - before != n:
+            _take_back(nodes, keys, placed, created)
+            raise SnapshotError(f"records {a}..{b - 1}: a key appears twice in the snapshot")
+
+        # Each carrier's hash -> key goes into its rank's map, through C-level passes that
+        # call that map's setdefault.
+        maps = [st.by_engine_hash for st in ranks]
+        setdefaults = _setdefault_of(maps).__getitem__
+        before = sum(map(len, maps))
+        mapped = [
+            list(map(call, map(setdefaults, run_workers), run_hashes, run_keys))
+            for run_workers, run_hashes, run_keys in carriers
+        ]
+        if sum(map(len, maps)) - before != len(hashes):
+            for (run_workers, run_hashes, run_keys), values in zip(carriers, mapped, strict=True):
+                for w, engine_hash, value, key in zip(
+                    run_workers, run_hashes, values, run_keys, strict=True
+                ):
+                    if value is key and maps[w].get(engine_hash) is key:
+                        del maps[w][engine_hash]
+            _take_back(nodes, keys, placed, created)
+            return False
+        if raw_tiers.count(DEVICE) == len(raw_tiers):
+            if len(ranks) < 256:  # one byte per carrier: counting is memchr-fast
+                by_worker = workers.tobytes()[:: workers.itemsize]
+                for w, st in enumerate(ranks):
+                    st.counts[0] += by_worker.count(w)
+            else:
+                for w, n_carried in Counter(workers).items():
+                    ranks[w].counts[0] += n_carried
+        else:
+            for w, st in enumerate(ranks):
+                rank_tiers = bytes(compress(raw_tiers, map(eq, workers, repeat(w))))
+                for bits in set(rank_tiers):
+                    _count(st.counts, bits, rank_tiers.count(bits))
+        all_keys = self._snap.keys
+        for parent, n_children in outside.items():
+            nodes[all_keys[parent]].children += n_children
+        return True
+
+    def _chunk_links(
+        self, parents: array, keys: list[int], a: int
+    ) -> tuple[list[int | None], list[int], Counter[int]]:
+        """(parent keys, child counts, parents outside) of a chunk whose every record is new.
+
+        Most records hang under the record just before them (a chain is stored block after
+        block), so both lists start as the chunk shifted by one, and only the other records
+        (roots, and branches off an older block) are looked at one by one."""
+        all_keys = self._snap.keys
+        n = len(parents)
+        follows = bytes(map(eq, parents, range(a - 1, a + n - 1)))
+        if a == 0 and follows[0]:  # a root at record 0: its -1 is no record
+            follows = b"\x00" + follows[1:]
+        parent_keys: list[int | None] = keys[:-1]
+        parent_keys.insert(0, all_keys[a - 1] if follows[0] else None)
+        children = list(follows[1:])
+        children.append(0)
+        outside: Counter[int] = Counter()
+        if follows[0]:
+            outside[a - 1] = 1
+        others = follows.translate(_FLIP)
+        for k, parent in zip(compress(range(n), others), compress(parents, others), strict=True):
+            if parent < 0:
+                parent_keys[k] = None
+            elif parent >= a:
+                parent_keys[k] = keys[parent - a]
+                children[parent - a] += 1
+            else:
+                parent_keys[k] = all_keys[parent]
+                outside[parent] += 1
+        nodes = self._tree._nodes
+        for parent in outside:
+            if all_keys[parent] not in nodes:
+                raise SnapshotError(f"record {parent}: the block left the tree during the graft")
+        return parent_keys, children, outside
+
+    def _parent_keys(self, parents: array, keys: list[int] | None, a: int) -> list[int | None]:
+        """The parent key of each new record. With `keys` (the chunk's keys, every record of
+        it new) a parent inside the chunk shares the int its own dict entry holds."""
+        all_keys = self._snap.keys
+        if keys is None:
+            return list(map(_ROOT_PARENT.get, parents, map(all_keys.__getitem__, parents)))
+        # (reads keys[0] for a parent before the chunk, a root's too; those are set below)
+        out = list(map(keys.__getitem__, map(sub, map(max, parents, repeat(a)), repeat(a))))
+        before = list(compress(range(len(parents)), map(lt, parents, repeat(a))))
+        if before:
+            outside = list(map(parents.__getitem__, before))
+            values = map(_ROOT_PARENT.get, outside, map(all_keys.__getitem__, outside))
+            deque(map(out.__setitem__, before, values), maxlen=0)
+        return out
+
+    def _parents_outside(self, parents: array, new: bytes, a: int) -> Counter[int]:
+        """The records outside this creation (earlier chunks, or held) that the new records
+        hang under, with how many each. Refuses one that is not in the tree: its record was
+        grafted, then the block left again (another record moved its engine hash away)."""
+        # new[p - a] marks a parent created with its children; p < a reads the padding 0.
+        flags = (new + b"\x00").__getitem__
+        inside = map(flags, map(max, map(sub, parents, repeat(a)), repeat(-1)))
+        outside = Counter(compress(parents, map(not_, inside)))
+        outside.pop(-1, None)  # roots
+        nodes, keys = self._tree._nodes, self._snap.keys
+        for parent in outside:
+            if keys[parent] not in nodes:
+                raise SnapshotError(f"record {parent}: the block left the tree during the graft")
+        return outside
+
+    def _place_each(
+        self, records: Iterable[int], a: int, b: int, c0: int, ranks: list[_Rank]
+    ) -> None:
+        """Place records of the chunk [a, b) one carrier at a time."""
+        tree = self._tree
+        snap = self._snap
+        parents, keys, counts = snap.parents, snap.keys, snap.carrier_counts
+        c_workers, c_tiers, c_hashes = snap.carrier_workers, snap.carrier_tiers, snap.carrier_hashes
+        firsts = list(accumulate(counts[a:b], initial=c0))
+        for i in records:
             parent = parents[i]
             parent_key = None if parent < 0 else keys[parent]
             key = keys[i]
-            if n == 1 and c_tiers[start] == DEVICE and key not in nodes:
-                st = ranks[c_workers[start]]
-                engine_hash = c_hashes[start]
-                if engine_hash not in st.by_engine_hash:
-                    # A new block with one device carrier: the common case, inlined.
-                    nodes[key] = Node(parent_key, 1 << st.index, 0, None, engine_hash)
+            start, end = firsts[i - a], firsts[i - a + 1]
+            if start == end:
+                if key not in tree._nodes:
+                    tree._nodes[key] = Node(parent_key, 0, 0)
                     if parent_key is not None:
-                        nodes[parent_key].children += 1
-                    st.by_engine_hash[engine_hash] = key
-                    st.counts[0] += 1
-                    continue
-            if n == 0:
-                if key not in nodes:
-                    nodes[key] = Node(parent_key, 0, 0)
-                    if parent_key is not None:
-                        nodes[parent_key].children += 1
+                        tree._nodes[parent_key].children += 1
                 continue
-            for j in range(start, cpos):
+            for j in range(start, end):
                 tree._place(ranks[c_workers[j]], parent_key, (key,), (c_hashes[j],), c_tiers[j])
-        self._pos = end
-        self._carrier_pos = cpos
-        self.applied += applied
+
+
+def _pair_fields(
+    ranks: list[_Rank],
+    bit_of: list[int],
+    workers: array,
+    hashes: array,
+    counts: array,
+    keys: list[int],
+) -> tuple[list[int], list, list[tuple[Sequence[int], Sequence[int], Sequence[int]]]]:
+    """`_node_fields` for nodes of one or two carriers each (the shape of a real tree), and
+    the carriers as two runs, first carriers and second ones, with their nodes' keys.
+
+    A node's first carrier is picked out of the carrier columns by a byte mask (one byte
+    per carrier, 1 where a node begins), the second ones by the same mask flipped, so each
+    column is read by `compress` instead of an index per node."""
+    sizes = counts.tobytes()[:: counts.itemsize]  # counts are 1 or 2: one byte each
+    begins = b"".join(map(_NODE_OPENING.__getitem__, sizes))
+    seconds = begins.translate(_FLIP)
+    first_workers = list(compress(workers, begins))
+    first_hashes = list(compress(hashes, begins))
+    masks = list(map(bit_of.__getitem__, first_workers))
+    fields: list = list(first_hashes)
+    two = list(compress(range(len(sizes)), sizes.translate(_IS_TWO)))
+    second_workers = list(compress(workers, seconds))
+    second_hashes = list(compress(hashes, seconds))
+    two_keys = list(map(keys.__getitem__, two))
+    pair_masks = map(or_, map(masks.__getitem__, two), map(bit_of.__getitem__, second_workers))
+    deque(map(masks.__setitem__, two, pair_masks), maxlen=0)
+    differ = list(compress(range(len(two)), map(ne, map(fields.__getitem__, two), second_hashes)))
+    if differ:
+        index_of = [st.index for st in ranks]
+        where = list(map(two.__getitem__, differ))
+        per_index = zip(
+            zip(
+                map(index_of.__getitem__, map(first_workers.__getitem__, where)),
+                map(first_hashes.__getitem__, where),
+                strict=True,
+            ),
+            zip(
+                map(index_of.__getitem__, map(second_workers.__getitem__, differ)),
+                map(second_hashes.__getitem__, differ),
+                strict=True,
+            ),
+            strict=True,
+        )
+        deque(map(fields.__setitem__, where, map(dict, per_index)), maxlen=0)
+    runs = [(first_workers, first_hashes, keys), (second_workers, second_hashes, two_keys)]
+    return masks, fields, runs
+
+
+def _node_fields(
+    ranks: list[_Rank], bit_of: list[int], workers: array, hashes: array, counts: array
+) -> tuple[list[int], list[int | dict[int, int] | None]]:
+    """Each node's mask and engine-hash field (one int when its carriers agree, else a dict
+    by rank index), for nodes with any number of carriers.
+
+    Nodes of one or two carriers (nearly all) are read at C speed from their first and last
+    carrier, which are the same carrier for one; a carrier-less node gets (0, None), a node
+    of three or more a loop of its own."""
+    n = len(counts)
+    ends = list(accumulate(counts))
+    firsts = list(map(sub, ends, counts))
+    lasts = list(map(sub, ends, repeat(1)))
+    carrier_bits = list(map(bit_of.__getitem__, workers))
+    carrier_bits.append(0)  # read by a carrier-less last node; patched below
+    hashes_padded = hashes + _ONE_U64
+    masks = list(
+        map(or_, map(carrier_bits.__getitem__, firsts), map(carrier_bits.__getitem__, lasts))
+    )
+    fields: list = list(map(hashes_padded.__getitem__, firsts))
+    last_hashes = list(map(hashes_padded.__getitem__, lasts))
+    differing = map(ne, fields, last_hashes)
+    if 0 in counts:  # a carrier-less node read its neighbours' carriers: leave it out
+        differing = map(and_, map(truth, counts), differing)
+    differ = list(compress(range(n), differing))
+    if differ:
+        index_of = [st.index for st in ranks]
+        per_index = zip(
+            zip(
+                map(
+                    index_of.__getitem__, map(workers.__getitem__, map(firsts.__getitem__, differ))
+                ),
+                map(fields.__getitem__, differ),
+                strict=True,
+            ),
+            zip(
+                map(index_of.__getitem__, map(workers.__getitem__, map(lasts.__getitem__, differ))),
+                map(last_hashes.__getitem__, differ),
+                strict=True,
+            ),
+            strict=True,
+        )
+        deque(map(fields.__setitem__, differ, map(dict, per_index)), maxlen=0)
+    if counts.count(1) + counts.count(2) == n:
+        return masks, fields
+    for i in compress(range(n), map(not_, map(_ONE_OR_TWO.__contains__, counts))):
+        mask = 0
+        per: dict[int, int] = {}
+        for j in range(firsts[i], ends[i]):
+            index = ranks[workers[j]].index
+            mask |= 1 << index
+            per[index] = hashes[j]
+        values = set(per.values())
+        masks[i] = mask
+        fields[i] = values.pop() if len(values) == 1 else per or None
+    return masks, fields
+
+
+def _take_back(mapping: dict, keys: Sequence, got: list, given: Sequence) -> None:
+    """Undo `got = list(map(mapping.setdefault, keys, given))`: drop the entries it added."""
+    for key, value, mine in zip(keys, got, given, strict=True):
+        if value is mine and mapping.get(key) is mine:
+            del mapping[key]
+
+
+def _tier_fields(
+    ranks: list[_Rank], workers: array, tiers: array, counts: array
+) -> list[dict[int, int] | None]:
+    """Each node's `tiers` field: rank index -> bits, for its carriers not on DEVICE alone."""
+    out: list[dict[int, int] | None] = [None] * len(counts)
+    firsts = list(accumulate(counts, initial=0))
+    for j in compress(range(len(tiers)), map(ne, tiers, repeat(DEVICE))):
+        i = bisect_right(firsts, j) - 1
+        entry = out[i]
+        if entry is None:
+            entry = out[i] = {}
+        entry[ranks[workers[j]].index] = tiers[j]
+    return out
+
+
+def _setdefault_of(maps: list[dict[int, int]]) -> list[Callable[[int, int], int]]:
+    return [m.setdefault for m in maps]
 
 
 def restore(tree: BlockTree, snapshot: Snapshot) -> int:

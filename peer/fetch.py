@@ -1,14 +1,21 @@
 """The consumer's HTTP client for siblings' `GET /internal/kv_snapshot`.
 
-Rules of this file: it turns one request into a decoded `PeerSnapshot` or a reason there is
+Rules of this file: it turns one request into a decoded body (`PeerBody`) or a reason there is
 none, and decides nothing else; whether a body may touch the tree is `peer.vet`'s business,
 which peer to ask and how fresh an export to demand is the sweep's.
 
 What it guarantees:
-- Its own aiohttp session, the only client in the process that advertises
+- Its own aiohttp session, the only client in the process that may advertise
   `Accept-Encoding: gzip` (the proxy must not: it relays SSE streams byte for byte). It asks
-  for msgpack (`Accept: application/msgpack`), follows no redirect (a 3xx is no body) and
-  sends the bearer token when one is configured.
+  for the columnar body first and msgpack second (`Accept: application/vnd.kvrouter.columns,
+  application/msgpack;q=0.5`: a sibling that only speaks format 1's JSON and msgpack answers
+  msgpack), follows no redirect (a 3xx is no body) and sends the bearer token when one is
+  configured.
+- No gzip by default. Between replicas on one network the columnar body is copied faster
+  than it is compressed: at a million nodes (36 MB) gzip costs the producer ~0.4 s and the
+  consumer ~0.15 s to save a transfer of well under that on a 10 Gbit/s pod network
+  (bench/bench_bootstrap.py prints both). `gzip=True` asks for it, and every encoding
+  honours it.
 - Bounded time: connect 10 s, a stall between two body chunks 60 s, and the whole fetch,
   decoding included, within the per-fetch budget.
 - Bounded memory: the body as received and its inflated size are each capped at
@@ -17,7 +24,8 @@ What it guarantees:
 - gzip is undone only when `Content-Encoding` is exactly `gzip` (any case); anything else
   is parsed as identity, so a mislabelled body fails to decode rather than being guessed at.
 - The loop keeps running, mostly: inflating goes in steps of 1 MiB of output with a yield
-  between them, and decoding is split into the envelope and chunks of nodes. msgspec holds
+  between them; a columnar body decodes in one copy per column (~20 ms at a million nodes);
+  a format-1 body is split into the envelope and chunks of nodes. msgspec holds
   the GIL while it decodes, so a worker thread does not help: on a 1M-node body (2-core box
   under load, bench/bench_export.py) one `decode` stalls the loop 1.3-1.5 s on the loop and
   1.2-1.4 s in `asyncio.to_thread`; sliced, the longest stall is 0.18-0.19 s. What is left
@@ -29,6 +37,7 @@ What it guarantees:
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 import time
 import zlib
@@ -39,7 +48,21 @@ from typing import Final
 import aiohttp
 import msgspec
 
-from peer.wire import JSON, MSGPACK, PeerSnapshot, WireDecodeError, WireNode, WireWorker
+from peer.wire import (
+    COLUMNS,
+    JSON,
+    MSGPACK,
+    Envelope,
+    PeerBody,
+    PeerSnapshot,
+    WireDecodeError,
+    WireNode,
+    decode_columns,
+    envelope,
+    media_type,
+)
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES: Final = 1024 * 1024 * 1024  # --kv-bootstrap-max-body-mb default
 DEFAULT_PER_FETCH_S: Final = 30.0
@@ -50,6 +73,7 @@ INFLATE_STEP: Final = 1 << 20  # output bytes per zlib call
 DECODE_CHUNK: Final = 2048  # nodes per decode call
 SLICE_S: Final = 0.002  # decoding work between two yields to the loop
 SNAPSHOT_PATH: Final = "/internal/kv_snapshot"
+ACCEPT: Final = f"{COLUMNS}, {MSGPACK};q=0.5"  # columns from siblings that have them
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +82,7 @@ class Fetched:
     export it carries was made no later than that."""
 
     peer: str
-    snapshot: PeerSnapshot
+    snapshot: PeerBody
     arrived_at: float
     received_bytes: int  # as sent, before inflating
 
@@ -104,8 +128,8 @@ class SnapshotFetcher:
         clock: Callable[[], float] = time.monotonic,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         stall_timeout_s: float = STALL_TIMEOUT_S,
-        accept: str = MSGPACK,
-        gzip: bool = True,
+        accept: str = ACCEPT,
+        gzip: bool = False,
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError("max_body_bytes must be positive")
@@ -116,7 +140,8 @@ class SnapshotFetcher:
         self._connect_s = connect_timeout_s
         self._stall_s = stall_timeout_s
         self._session: aiohttp.ClientSession | None = None
-        # msgpack + gzip is the default and the fastest; the others exist for interop tests.
+        # Columns without gzip is the default and the fastest; the others are for siblings
+        # on slow links and for interop tests.
         self._headers = {"Accept": accept, **({"Accept-Encoding": "gzip"} if gzip else {})}
 
     def _client(self) -> aiohttp.ClientSession:
@@ -175,6 +200,7 @@ class SnapshotFetcher:
         timeout = aiohttp.ClientTimeout(
             total=budget, connect=self._connect_s, sock_read=self._stall_s
         )
+        started = time.perf_counter()
         async with self._client().get(url, allow_redirects=False, timeout=timeout) as resp:
             arrived_at = self.clock()
             if not 200 <= resp.status < 300:
@@ -188,7 +214,18 @@ class SnapshotFetcher:
                 resp.close()  # drop the connection instead of draining the rest
                 raise
         content_type = resp.headers.get("Content-Type", JSON)
+        read = time.perf_counter()
         snapshot = await decode_sliced(body, content_type)
+        log.info(
+            "kv snapshot from %s: %d nodes, %d B as sent (%s%s) in %.2f s, decoded in %.2f s",
+            peer,
+            snapshot.node_count,
+            received,
+            media_type(content_type),
+            ", gzip" if resp.headers.get("Content-Encoding", "").strip().lower() == "gzip" else "",
+            read - started,
+            time.perf_counter() - read,
+        )
         return Fetched(peer, snapshot, arrived_at, received)
 
     async def _read_body(self, resp: aiohttp.ClientResponse) -> tuple[bytearray, int]:
@@ -253,17 +290,10 @@ class BoundedGunzip:
 # -- decoding in slices ------------------------------------------------------------------
 
 
-class _Envelope(msgspec.Struct):
-    """`PeerSnapshot` with each node left undecoded (a test holds the fields together)."""
+class _Envelope(Envelope, kw_only=True):
+    """`PeerSnapshot` with each node left undecoded."""
 
-    format: int
-    block_size: int
-    key_scheme: str
-    producer_ready: bool
-    workers: list[WireWorker]
-    cursors: list[tuple[int, int]]
     nodes: list[msgspec.Raw]
-    empty_ranks: list[WireWorker] = []
 
 
 _envelopes = {
@@ -282,13 +312,18 @@ async def decode_sliced(
     *,
     chunk: int = DECODE_CHUNK,
     slice_s: float = SLICE_S,
-) -> PeerSnapshot:
+) -> PeerBody:
     """`peer.wire.decode`, cut so the loop runs between slices of a couple of milliseconds.
 
-    The envelope is decoded first with every node kept as raw bytes (one call), then the
-    nodes in chunks: each chunk's raw nodes are joined into one array and decoded at once.
+    A columnar body is a copy per column and is not cut. Of a format-1 body the envelope is
+    decoded first with every node kept as raw bytes (one call), then the nodes in chunks:
+    each chunk's raw nodes are joined into one array and decoded at once.
     """
-    kind = MSGPACK if content_type.split(";")[0].strip().lower() == MSGPACK else JSON
+    kind = media_type(content_type)
+    if kind == COLUMNS:
+        return decode_columns(body)
+    if kind != MSGPACK:
+        kind = JSON
     try:
         env = _envelopes[kind].decode(body)
         raws = env.nodes
@@ -309,13 +344,4 @@ async def decode_sliced(
                 deadline = clock() + slice_s
     except msgspec.DecodeError as exc:
         raise WireDecodeError(f"not a format-1 snapshot body: {exc}") from None
-    return PeerSnapshot(
-        format=env.format,
-        block_size=env.block_size,
-        key_scheme=env.key_scheme,
-        producer_ready=env.producer_ready,
-        workers=env.workers,
-        cursors=env.cursors,
-        nodes=nodes,
-        empty_ranks=env.empty_ranks,
-    )
+    return PeerSnapshot(**envelope(env), nodes=nodes)

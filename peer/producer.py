@@ -4,9 +4,10 @@ Rules of this file: it reads the index through `IndexView` (the pump's tree, cur
 live set) and never writes it. Everything runs on the event loop that the pump runs on, so a
 read between two awaits never sees a half-applied batch; long work is cut into slices of
 half a millisecond with a yield to the loop between them, so `/healthz`, routing and the
-pump keep running while a million-block export is built (bench/bench_export.py: /healthz
-p99 ~25 ms during a 1M-block export on a loaded 2-core box, p50 ~4 ms). Only the byte
-copies (joining the body, gzip) leave the loop, for a worker thread: they release the GIL.
+pump keep running while a million-block export is built (bench/bench_export.py prints
+/healthz latency during the build and each first encoding; the budget is p99 < 50 ms).
+Only the byte copies (joining the body, gzip) leave the loop, for a worker thread: they
+release the GIL.
 
 Theory of operation
 -------------------
@@ -29,12 +30,13 @@ what matters is the order in which it samples the index:
    exported node. So the full body lists cursors only for carrier ranks.
 5. `empty_ranks` are the live ranks (read after the walk) that carry no exported node. That
    can only err toward a consumer settling a rank cold, never toward a wrong graft.
-6. The body is encoded in chunks too, as JSON and msgpack in the same pass: the per-node
-   conversion is the expensive part and is shared (for 1M nodes one encoding takes ~0.5 s,
-   both ~0.65 s, beside a walk of 2-3 s). A gzip of either is made on first demand, in a
-   worker thread, and kept with the export: our own fetch client always asks for
-   msgpack+gzip, a human with curl for JSON. A failed encode or compression is never
-   cached: that request answers 503, the next one tries again.
+6. An export keeps the walk's columns, not a body. Each encoding is made on the first
+   request that asks for it and kept with the export: the columnar body (`peer.wire`,
+   what our own fetch client asks for) is a join of the columns (~0.03 s for 1M nodes);
+   JSON and msgpack, for siblings that only speak format 1 and for humans with curl, are
+   encoded in slices (~0.5 s each for 1M nodes). A gzip of a body is made on first demand
+   too, in a worker thread. A failed encoding or compression is never kept: that request
+   answers 503, the next one tries again.
 
 Herd sharing: one build at a time. The in-flight build is a detached task and is itself the
 lock: a caller that finds one joins it (shielded), so a caller that goes away (a client that
@@ -59,6 +61,7 @@ import logging
 import struct
 import time
 import zlib
+from array import array
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -72,7 +75,19 @@ from cachetree.keys import KEY_SCHEME
 from cachetree.ranks import RankId
 from cachetree.snapshot import Snapshot, SnapshotExport
 from cachetree.tree import BlockTree
-from peer.wire import FORMAT, JSON, MSGPACK, PeerSnapshot, WireWorker
+from peer import wire
+from peer.wire import (
+    COLUMNS,
+    FORMAT,
+    JSON,
+    MSGPACK,
+    ColumnsHead,
+    Envelope,
+    PeerSnapshot,
+    WireColumns,
+    WireWorker,
+    envelope,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +97,9 @@ MAX_AGE_LIMIT_MS: Final = 2**64 - 1  # the largest value a u64 query parameter c
 # loop iterations (read, handler, write), and a busy export takes a slice in each, so the
 # slice sets /healthz latency during an export: measured p50 16 / 9.5 / 4 ms at 2 / 1 / 0.5 ms.
 SLICE_S: Final = 0.0005
-WALK_STEP: Final = 128  # nodes per SnapshotExport.step (~0.2 ms); a slice runs as many as fit
+WALK_STEP: Final = 512  # nodes per SnapshotExport.step (~0.2 ms); a slice runs as many as fit
 ENCODE_CHUNK: Final = 512  # nodes per encode call, both encodings (~0.4 ms)
-SCAN_CHUNK: Final = 16384  # carrier entries per step when listing the carrier ranks
+SCAN_CHUNK: Final = 16384  # carrier entries per step when listing or renumbering carriers
 GZIP_LEVEL: Final = 1  # the fastest level: 2.6x smaller JSON; level 6 saves 7% at 4.5x time
 GZIP_FEED: Final = 1 << 20  # bytes per zlib call, so the loop thread gets the GIL in between
 WRITE_CHUNK: Final = 1 << 20  # bytes per response write, so no write copies a whole body
@@ -153,13 +168,16 @@ class ProducerStats:
 
 @dataclass(slots=True)
 class Export:
-    """One cached export: its stamp and its bodies, identity and (once asked for) gzip."""
+    """One cached export: its stamp, its envelope and node columns, and its bodies, each
+    encoding made once, on first demand (identity, then gzip)."""
 
     exported_at: float
     producer_ready: bool
     nodes: int
-    bodies: dict[str, bytes]  # content type -> identity body
-    timings: dict[str, float] = field(default_factory=dict)  # build stage -> wall seconds
+    head: Envelope
+    columns: Snapshot  # carrier worker indices already in the envelope's table
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> wall seconds
+    bodies: dict[str, asyncio.Task[bytes]] = field(default_factory=dict)
     gzipped: dict[str, asyncio.Task[bytes]] = field(default_factory=dict)
 
 
@@ -275,25 +293,72 @@ class SnapshotProducer:
                 return entry
 
     async def body(self, entry: Export, content_type: str, gzip: bool) -> bytes:
-        """An export's body; its gzip is made once, on first demand, off the event loop."""
-        identity = entry.bodies[content_type]
+        """An export's body. Each encoding, and the gzip of it, is made once, on first
+        demand: JSON and msgpack in slices on the loop, the byte copies off it."""
+        identity = await self._once(
+            entry.bodies, content_type, lambda: self._encode(entry, content_type), "encoding"
+        )
         if not gzip:
             return identity
-        task = entry.gzipped.get(content_type)
+        return await self._once(
+            entry.gzipped, content_type, lambda: asyncio.to_thread(gzip_bytes, identity), "gzip"
+        )
+
+    async def _once(
+        self,
+        made: dict[str, asyncio.Task[bytes]],
+        content_type: str,
+        make: Callable[[], Awaitable[bytes]],
+        what: str,
+    ) -> bytes:
+        """Single flight for one product of an export; a failure is not kept."""
+        task = made.get(content_type)
         if task is None:
-            task = asyncio.create_task(asyncio.to_thread(gzip_bytes, identity))
+            task = asyncio.create_task(make())
             task.add_done_callback(_retrieve_exception)
-            entry.gzipped[content_type] = task
+            made[content_type] = task
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if entry.gzipped.get(content_type) is task:
-                del entry.gzipped[content_type]
+            if made.get(content_type) is task:
+                del made[content_type]
                 self.stats.failed += 1
-                log.error("kv snapshot: gzip failed: %r", exc)
+                log.error("kv snapshot: %s %s failed: %r", content_type, what, exc)
             raise SnapshotUnavailable(ENCODE_FAILED) from exc
+
+    async def _encode(self, entry: Export, content_type: str) -> bytes:
+        started = time.perf_counter()
+        columns = entry.columns
+        if content_type == COLUMNS:
+            head = ColumnsHead(
+                **envelope(entry.head), nodes=len(columns), carriers=len(columns.carrier_workers)
+            )
+            node_columns = WireColumns(
+                columns.parents,
+                columns.keys,
+                columns.carrier_counts,
+                columns.carrier_workers,
+                columns.carrier_tiers,
+                columns.carrier_hashes,
+            )
+            parts = wire.encode_columns(head, node_columns)
+        else:
+            nodes = NodeEncoder(columns, content_type, self.encode)
+            await self._sliced(lambda: nodes.step(self.encode_chunk))
+            parts = nodes.body_parts(self.encode(entry.head, content_type))
+        # A join of more than 1 MiB releases the GIL, so the copy costs the loop nothing.
+        body = await asyncio.to_thread(b"".join, parts)
+        entry.timings[f"encode {content_type}"] = time.perf_counter() - started
+        log.info(
+            "kv snapshot: %d nodes encoded as %s, %d B in %.2f s",
+            entry.nodes,
+            content_type,
+            len(body),
+            entry.timings[f"encode {content_type}"],
+        )
+        return body
 
     async def _run_build(self) -> Export | None:
         self.stats.builds += 1
@@ -324,16 +389,13 @@ class SnapshotProducer:
             await self._sliced(lambda: job.step(step))
             snap = job.result()
         walked = clock()
-        table, remap = await self._carrier_table(snap)
-        nodes = NodeEncoder(snap, remap, self.encode)
-        await self._sliced(lambda: nodes.step(self.encode_chunk))
-        encoded = clock()
+        table = await self._carrier_table(snap)
         live = view.live
         cursors = recheck_cursors(before, view.cursors, table)  # 4.
         carried = set(table)
         empty = sorted(rank for rank in live if rank not in carried)  # 5.
         ready = block_size > 0 and bool(self.settled()) and len(snap) > 0
-        head = _Head(
+        head = Envelope(
             format=FORMAT,
             block_size=block_size,
             key_scheme=KEY_SCHEME,
@@ -342,36 +404,23 @@ class SnapshotProducer:
             cursors=cursors,
             empty_ranks=[WireWorker(rank.worker_url, rank.dp_rank) for rank in empty],
         )
-        bodies = {}
-        for content_type in (JSON, MSGPACK):
-            parts = nodes.body_parts(self.encode(head, content_type), content_type)
-            # A join of more than 1 MiB releases the GIL, so the copy costs the loop nothing.
-            bodies[content_type] = await asyncio.to_thread(b"".join, parts)
-        nodes.release()
         done = clock()
-        timings = {
-            "walk": walked - started,
-            "encode": encoded - walked,
-            "join": done - encoded,
-            "total": done - started,
-        }
+        timings = {"walk": walked - started, "table": done - walked, "export": done - started}
         log.info(
-            "kv snapshot: %d nodes, %d ranks (%d empty) in %.2f s; json %d B, msgpack %d B",
+            "kv snapshot: %d nodes, %d ranks (%d empty) exported in %.2f s",
             len(snap),
             len(table),
             len(empty),
-            timings["total"],
-            len(bodies[JSON]),
-            len(bodies[MSGPACK]),
+            timings["export"],
         )
-        return Export(exported_at, ready, len(snap), bodies, timings)
+        return Export(exported_at, ready, len(snap), head, snap, timings)
 
-    async def _carrier_table(self, snap: Snapshot) -> tuple[list[RankId], list[int] | None]:
+    async def _carrier_table(self, snap: Snapshot) -> list[RankId]:
         """The worker table restricted to ranks that carry an exported node.
 
         The walk's table can name a rank that carries nothing (all its blocks went mid-walk,
         or it holds a slot with no blocks); such a rank must appear in `empty_ranks`, not in
-        the table. Returns the table and an index remap (None when nothing moved).
+        the table. When one is dropped, the carriers are renumbered in `snap` itself.
         """
         workers = snap.workers
         carriers = snap.carrier_workers
@@ -387,13 +436,25 @@ class SnapshotProducer:
         if carriers:
             await self._sliced(scan)
         if len(used) == len(workers):
-            return list(workers), None
+            return list(workers)
         remap = [-1] * len(workers)
         table = []
         for index in sorted(used):
             remap[index] = len(table)
             table.append(workers[index])
-        return table, remap
+        renumbered = array("I")
+        pos = 0
+
+        def renumber() -> bool:
+            nonlocal pos
+            renumbered.extend(map(remap.__getitem__, carriers[pos : pos + SCAN_CHUNK]))
+            pos += SCAN_CHUNK
+            return pos >= len(carriers)
+
+        await self._sliced(renumber)
+        snap.carrier_workers = renumbered
+        snap.workers = table
+        return table
 
     async def _sliced(self, step: Callable[[], bool]) -> None:
         """Run `step` until it returns True, yielding to the loop every `slice_s` seconds.
@@ -436,42 +497,24 @@ class SnapshotProducer:
         )
 
 
-class _Head(msgspec.Struct, omit_defaults=True):
-    """`PeerSnapshot` without `nodes`: the export's envelope, encoded once.
-
-    The nodes are encoded in chunks and appended as the map's last entry (JSON and msgpack
-    maps are unordered, so the body decodes as a `PeerSnapshot`). Its fields must stay those
-    of `PeerSnapshot` minus `nodes`; a test holds them together.
-    """
-
-    format: int
-    block_size: int
-    key_scheme: str
-    producer_ready: bool
-    workers: list[WireWorker]
-    cursors: list[tuple[int, int]]
-    empty_ranks: list[WireWorker] = []
-
-
 _root_to_none = {-1: None}.get  # map(_root_to_none, ps, ps): -1 -> None, any other p -> p
 
 
 class NodeEncoder:
-    """Encodes a `Snapshot`'s records as wire nodes, both encodings, a chunk per `step()`.
+    """Encodes a `Snapshot`'s records as format-1 wire nodes, a chunk per `step()`.
 
     A node is `[parent or null, key, [[worker, tier bits, engine hash], ...]]`, the layout of
     `peer.wire.WireNode`. Runs of nodes with exactly one carrier (nearly all of a real tree)
     are built by `zip` over the columns, at C speed; the others one by one.
     """
 
-    def __init__(self, snap: Snapshot, remap: list[int] | None, encode: Encode) -> None:
+    def __init__(self, snap: Snapshot, content_type: str, encode: Encode) -> None:
         self._snap = snap
-        self._remap = remap
+        self._content_type = content_type
         self._encode = encode
         self._pos = 0
         self._carrier_pos = 0
-        self._json: list[bytes | memoryview] = []
-        self._msgpack: list[bytes | memoryview] = []
+        self._parts: list[bytes | memoryview] = []
 
     def step(self, budget: int) -> bool:
         snap = self._snap
@@ -479,12 +522,13 @@ class NodeEncoder:
         b = min(a + budget, len(snap.keys))
         if a < b:
             chunk = self._chunk(a, b)
-            encoded = self._encode(chunk, JSON)
-            if self._json:
-                self._json.append(b",")
-            self._json.append(memoryview(encoded)[1:-1])
-            encoded = self._encode(chunk, MSGPACK)
-            self._msgpack.append(memoryview(encoded)[_array_header_len(len(chunk)) :])
+            encoded = memoryview(self._encode(chunk, self._content_type))
+            if self._content_type == MSGPACK:
+                self._parts.append(encoded[_array_header_len(len(chunk)) :])
+            else:
+                if self._parts:
+                    self._parts.append(b",")
+                self._parts.append(encoded[1:-1])
         self._pos = b
         return b >= len(snap.keys)
 
@@ -492,7 +536,6 @@ class NodeEncoder:
         snap = self._snap
         parents, keys, counts = snap.parents, snap.keys, snap.carrier_counts
         c_workers, c_tiers, c_hashes = snap.carrier_workers, snap.carrier_tiers, snap.carrier_hashes
-        remap = self._remap
         out: list[tuple[Any, ...]] = []
         cpos = self._carrier_pos
         run = a
@@ -502,13 +545,12 @@ class NodeEncoder:
             if run < i:  # nodes run..i-1 have one carrier each: carrier j is node run + j
                 n = i - run
                 ps = parents[run:i]
-                ws = c_workers[cpos : cpos + n]
                 out += zip(
                     map(_root_to_none, ps, ps),
                     keys[run:i],
                     zip(
                         zip(
-                            ws if remap is None else map(remap.__getitem__, ws),
+                            c_workers[cpos : cpos + n],
                             c_tiers[cpos : cpos + n],
                             c_hashes[cpos : cpos + n],
                             strict=True,
@@ -526,14 +568,7 @@ class NodeEncoder:
                 (
                     None if parent < 0 else parent,
                     keys[i],
-                    [
-                        (
-                            c_workers[j] if remap is None else remap[c_workers[j]],
-                            c_tiers[j],
-                            c_hashes[j],
-                        )
-                        for j in range(cpos, cpos + n)
-                    ],
+                    [(c_workers[j], c_tiers[j], c_hashes[j]) for j in range(cpos, cpos + n)],
                 )
             )
             cpos += n
@@ -541,10 +576,12 @@ class NodeEncoder:
         self._carrier_pos = cpos
         return out
 
-    def body_parts(self, head: bytes, content_type: str) -> list[bytes | memoryview]:
-        """The whole body as parts to join: the envelope with `nodes` appended last."""
+    def body_parts(self, head: bytes) -> list[bytes | memoryview]:
+        """The whole body as parts to join: the envelope with `nodes` appended as the map's
+        last entry (JSON and msgpack maps are unordered: the body decodes as a
+        `PeerSnapshot`)."""
         total = len(self._snap.keys)
-        if content_type == MSGPACK:
+        if self._content_type == MSGPACK:
             fields = head[0]
             if fields & 0xF0 != 0x80:
                 raise ValueError(f"envelope is not a small msgpack map (0x{fields:02x})")
@@ -553,15 +590,11 @@ class NodeEncoder:
                 memoryview(head)[1:],
                 _MSGPACK_NODES_KEY,
                 _array_header(total),
-                *self._msgpack,
+                *self._parts,
             ]
         if not head.endswith(b"}"):
             raise ValueError("envelope is not a JSON object")
-        return [memoryview(head)[:-1], b',"nodes":[', *self._json, b"]}"]
-
-    def release(self) -> None:
-        self._json = []
-        self._msgpack = []
+        return [memoryview(head)[:-1], b',"nodes":[', *self._parts, b"]}"]
 
 
 _MSGPACK_NODES_KEY: Final = msgspec.msgpack.encode("nodes")
@@ -641,6 +674,15 @@ def accepts(header: str | None, token: str) -> bool:
     return False
 
 
+def negotiate(accept: str | None) -> str:
+    """The body's encoding: columns, then msgpack, whichever `Accept` lists first in that
+    order of preference (q values only say yes or no); JSON otherwise."""
+    for content_type in (COLUMNS, MSGPACK):
+        if accepts(accept, content_type):
+            return content_type
+    return JSON
+
+
 def _q_value(params: str) -> float:
     for param in params.split(";"):
         key, _, value = param.partition("=")
@@ -662,10 +704,14 @@ async def serve_snapshot(producer: SnapshotProducer, request: web.Request) -> we
         query = parse_query(request.query)
     except BadQuery as exc:
         return _error(400, str(exc))
-    content_type = MSGPACK if accepts(request.headers.get("Accept"), MSGPACK) else JSON
+    content_type = negotiate(request.headers.get("Accept"))
     if query.cursors_only:
         try:
-            body = producer.encode(producer.cursor_table(), content_type)
+            table = producer.cursor_table()
+            if content_type == COLUMNS:
+                body = wire.encode(table, COLUMNS)
+            else:
+                body = producer.encode(table, content_type)
         except Exception:
             log.exception("kv snapshot: the cursor table could not be encoded")
             return _error(503, ENCODE_FAILED)

@@ -158,7 +158,7 @@ class Vetted(Protocol):
 class FetchOutcome:
     """What one fetch brought: a decoded body, or why there is none."""
 
-    body: Any | None  # peer.wire.PeerSnapshot
+    body: Any | None  # peer.wire.PeerBody
     arrival: float
     failure: str = ""
 
@@ -258,7 +258,7 @@ async def _try_peer(
         book.unreachable(peer)
         deps.tally("unreachable")
         return None, f"{peer}: {outcome.failure}"
-    book.answered(peer, outcome.arrival, bool(body.nodes), _empty_ranks(body))
+    book.answered(peer, outcome.arrival, body.node_count > 0, _empty_ranks(body))
     try:
         vetted = await deps.vet(body)
     except VetFailure as exc:

@@ -46,12 +46,22 @@ as data, reason -> outcome.
                   tier bits negative                           invalid_tier_bits    rejected
                   engine hash not a u64                        invalid_engine_hash  rejected
                   one worker index twice in one node           duplicate_carrier    rejected
-                  a key seen at an earlier node                duplicate_key        rejected
     result        no carrier of a live rank survives           nothing_usable       cold_peer
 
 The reference runs the node structure checks before the worker table; we check the tables
 first because they are small and every failure among them is the same verdict (rejected), so
 only the named reason can differ.
+
+The body may come in either encoding (`peer.wire`): format-1 nodes, whose every field must be
+type-checked, or the columnar body, whose typed columns can only hold u64 keys and hashes, u8
+tier bits and u32 worker indices, so only the whole-column checks are left (parents, tiers,
+workers named twice, unknown workers).
+
+A key repeated at two nodes is not looked for here. Finding one takes a set of every key (at
+a million nodes half a second, a tenth of the bootstrap budget), while the graft inserts each
+key into the tree's own index anyway: `cachetree.snapshot.SnapshotRestore` refuses the graft
+at the chunk holding the repeat, before it places it, and the pump runs the ranks cold
+(`tree_rejected`). This differs from a rejection in one way only: the peer may be asked again.
 
 What is dropped rather than refused (counted, never an error):
 - a worker that is not live (`dropped_workers`): expected during worker churn;
@@ -78,8 +88,8 @@ not appear there).
 
 Cost. A million-node body is a million msgspec structs, and a Python statement per node is
 what would make vetting slow. Each chunk is therefore handled column by column with C-level
-iteration (`map`, `compress`, `accumulate`, `array` constructors, `set.update`): one column of
-parents, one of keys, one flattened column per carrier field. Range checks come free from
+iteration (`map`, `compress`, `accumulate`, `array` constructors, `bytes` operations): one
+column of parents, one of keys, one flattened column per carrier field. Range checks come free from
 `array` (a 'Q' array refuses a negative or oversized value). Python-level loops run only to
 name the node behind a failure and, while pruning, over the carrier-less nodes. Apart from
 a transient set per node with three or more carriers, no container is made per node, so the
@@ -88,30 +98,32 @@ cyclic garbage collector gets nothing new to trace.
 Chunking. `Vetting` and `Retaining` are jobs: the constructor runs the cheap checks (and
 raises at once), then `step(budget)` handles about `budget` nodes per call until it returns
 True, so a caller on the event loop can yield between steps. A 4096-node step takes a few
-milliseconds; at a million nodes two or three steps take 20-35 ms, when the set of seen keys
-grows or is released. `VettedSnapshot.from_wire` and `retain_workers` run a job to the end in
-one call. A job reads only the wire object it was given (which the caller owns and must not
-change meanwhile) and its own columns, never the tree, so `asyncio.to_thread(
-VettedSnapshot.from_wire, ...)` is also safe; the live set is read once, in the constructor.
-Even then the work stays chunked, because one C-level call over a million items would hold
-the GIL, and with it the event loop, for its whole length. A `VettedSnapshot` is immutable by
-convention: its columns may be shared with the snapshot it was derived from.
+milliseconds of format-1 nodes and about a millisecond of columns. `VettedSnapshot.from_wire`
+and `retain_workers` run a job to the end in one call. A job reads only the wire object it was
+given (which the caller owns and must not change meanwhile) and its own columns, never the
+tree, so `asyncio.to_thread(VettedSnapshot.from_wire, ...)` is also safe; the live set is
+read once, in the constructor. Even then the work stays chunked, because one C-level call
+over a million items would hold the GIL, and with it the event loop, for its whole length.
+A `VettedSnapshot` is immutable by convention: its columns may be shared with the snapshot it
+was derived from.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Collection, Generator, Iterable
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Collection, Generator, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, chain, compress, islice, repeat
-from operator import and_, attrgetter, eq, ge, gt, itemgetter, lt, ne, not_, sub, truth
+from itertools import accumulate, chain, compress, count, islice, repeat
+from operator import and_, attrgetter, eq, ge, gt, itemgetter, lt, not_, sub, truth
 from typing import Final, Generic, TypeVar
 
 from cachetree.keys import KEY_SCHEME
 from cachetree.ranks import RankId
 from cachetree.snapshot import Snapshot
 from cachetree.tiers import ALL_TIERS
-from peer.wire import FORMAT, PeerSnapshot, WireWorker
+from peer.wire import FORMAT, PeerBody, PeerColumns, WireColumns, WireWorker
 
 REJECTED: Final = "rejected"
 COLD_PEER: Final = "cold_peer"
@@ -134,12 +146,16 @@ REASONS: Final[dict[str, str]] = {
     "invalid_tier_bits": REJECTED,
     "invalid_engine_hash": REJECTED,
     "duplicate_carrier": REJECTED,
-    "duplicate_key": REJECTED,
     "nothing_usable": COLD_PEER,
 }
 
 DEFAULT_BUDGET: Final = 4096  # nodes per step: a few milliseconds on a slow core
 _U64: Final = 1 << 64
+_KNOWN_TIERS: Final = bytes(b & ALL_TIERS for b in range(256))  # bytes.translate table
+_IS_ZERO: Final = b"\x01" + bytes(255)  # bytes.translate table: 0 -> 1, the rest -> 0
+# bytes.translate-like lookup: a node's carrier count -> its carriers' "begins a node" flags
+_NODE_OPENING: Final = [b""] + [b"\x01" + bytes(n - 1) for n in range(1, 256)]
+_KNOWN_NONZERO: Final = bytes(range(1, ALL_TIERS + 1))  # tier bytes that need no masking
 
 _get_parent = attrgetter("parent")
 _get_key = attrgetter("key")
@@ -184,7 +200,7 @@ class VettedSnapshot:
 
     @classmethod
     def from_wire(
-        cls, snap: PeerSnapshot, live: Collection[RankId], local_block_size: int | None
+        cls, snap: PeerBody, live: Collection[RankId], local_block_size: int | None
     ) -> VettedSnapshot:
         """Vet `snap` in one call; raises `VetError`. See `Vetting` for the chunked form."""
         return Vetting(snap, live, local_block_size).run()
@@ -279,7 +295,7 @@ class Vetting(_Job[VettedSnapshot]):
     `VetError` at once; `step(budget)` then vets about `budget` nodes per call."""
 
     def __init__(
-        self, snap: PeerSnapshot, live: Collection[RankId], local_block_size: int | None
+        self, snap: PeerBody, live: Collection[RankId], local_block_size: int | None
     ) -> None:
         _check_header(snap, local_block_size)
         lookup = _live_lookup(live)
@@ -331,15 +347,19 @@ class Vetting(_Job[VettedSnapshot]):
         return cursors
 
     def _run(self) -> Generator[None, None, VettedSnapshot]:
-        nodes = self._snap.nodes
+        snap = self._snap
         cols = Snapshot()
         zeros: list[int] = []  # nodes left with no carrier
         used: set[int] = set()  # table positions that carry something
-        seen_keys: set[int] = set()
-        for a, b in self._chunks(len(nodes)):
-            self._vet_chunk(nodes[a:b], a, cols, zeros, used, seen_keys)
-            yield
-        seen_keys.clear()
+        if isinstance(snap, PeerColumns):
+            carrier = 0  # first carrier of the chunk
+            for a, b in self._chunks(snap.node_count):
+                carrier = self._vet_columns(snap.columns, a, b, carrier, cols, zeros, used)
+                yield
+        else:
+            for a, b in self._chunks(snap.node_count):
+                self._vet_chunk(snap.nodes[a:b], a, cols, zeros, used)
+                yield
         if not used:
             raise self._nothing_usable()
         cols.workers = self._table
@@ -350,30 +370,24 @@ class Vetting(_Job[VettedSnapshot]):
             snapshot=snapshot,
             cursors=self._cursors,
             empty_ranks=self._empty_ranks,
-            block_size=self._snap.block_size,
+            block_size=snap.block_size,
             dropped_workers=self._dropped_workers,
             dropped_carriers=self._dropped_carriers,
-            wire_nodes=len(nodes),
+            wire_nodes=snap.node_count,
         )
 
     def _nothing_usable(self) -> VetError:
         return VetError(
             "nothing_usable",
-            f"{len(self._snap.nodes)} wire nodes, {self._dropped_workers} dropped workers, "
+            f"{self._snap.node_count} wire nodes, {self._dropped_workers} dropped workers, "
             f"{self._dropped_carriers} dropped carriers",
         )
 
     def _vet_chunk(
-        self,
-        chunk: list,
-        a: int,
-        cols: Snapshot,
-        zeros: list[int],
-        used: set[int],
-        seen_keys: set[int],
+        self, chunk: list, a: int, cols: Snapshot, zeros: list[int], used: set[int]
     ) -> None:
-        """Vet nodes a .. a+len(chunk)-1 and append their columns, a column at a time."""
-        b = a + len(chunk)
+        """Vet format-1 nodes a .. a+len(chunk)-1 and append their columns, a column at a
+        time."""
         # Parents: null is a root (-1); anything else must index an earlier node.
         raw_parents = list(map(_get_parent, chunk))
         parent_list = [-1 if p is None else p for p in raw_parents]
@@ -381,18 +395,15 @@ class Vetting(_Job[VettedSnapshot]):
             parents = array("q", parent_list)
         except (TypeError, OverflowError):
             raise _bad_parent(raw_parents, a) from None
-        if min(parent_list) < -1 or -1 in raw_parents or not all(map(lt, parent_list, range(a, b))):
+        if -1 in raw_parents:
             raise _bad_parent(raw_parents, a)
+        _check_parents(parents, a)
 
         raw_keys = list(map(_get_key, chunk))
         try:
             keys = array("Q", raw_keys)
         except (TypeError, OverflowError):
             raise _first_bad(raw_keys, a, "invalid_key", "key", _is_u64) from None
-        before = len(seen_keys)
-        seen_keys.update(raw_keys)
-        if len(seen_keys) - before != b - a:
-            raise _duplicate_key(self._snap.nodes, b)
 
         # Carriers, flattened into one column per field.
         carrier_lists = list(map(_get_carriers, chunk))
@@ -404,30 +415,87 @@ class Vetting(_Job[VettedSnapshot]):
             raw_hashes = list(map(_carrier_hash, flat))
         except (TypeError, IndexError, KeyError):
             raise _bad_carrier_shape(carrier_lists, a) from None
+        if flat:
+            if not set(map(type, workers)) <= {int}:
+                raise _bad_carrier_shape(carrier_lists, a)
+            tiers = _tier_column(bits)
+            if tiers is None:
+                raise _bad_tier_bits(carrier_lists, a)
+            try:
+                hashes = array("Q", raw_hashes)
+            except (TypeError, OverflowError):
+                raise _bad_engine_hash(carrier_lists, a) from None
+            _check_distinct_workers(array("q", workers), counts, a)
+        else:
+            tiers, hashes = array("B"), array("Q")
+        self._append(cols, a, parents, keys, counts, workers, tiers, hashes, zeros, used)
+
+    def _vet_columns(
+        self,
+        wire: WireColumns,
+        a: int,
+        b: int,
+        carrier: int,
+        cols: Snapshot,
+        zeros: list[int],
+        used: set[int],
+    ) -> int:
+        """Vet columnar nodes a .. b-1 (their carriers start at `carrier`) and append them.
+
+        The typed columns already hold only u64 keys and hashes and u8 tier bits, so what is
+        left are whole-column checks. Returns the first carrier of the next chunk."""
+        parents = wire.parents[a:b]
+        _check_parents(parents, a)
+        counts = wire.carrier_counts[a:b]
+        end = carrier + sum(counts)
+        workers = wire.carrier_workers[carrier:end]
+        bits = wire.carrier_tiers[carrier:end]
+        raw_bits = bits.tobytes()
+        if raw_bits.translate(None, _KNOWN_NONZERO):  # a zero, or bits we do not know
+            bits = array("B", raw_bits.translate(_KNOWN_TIERS))
+        _check_distinct_workers(workers, counts, a)
+        self._append(
+            cols,
+            a,
+            parents,
+            wire.keys[a:b],
+            counts,
+            workers,
+            bits,
+            wire.carrier_hashes[carrier:end],
+            zeros,
+            used,
+        )
+        return end
+
+    def _append(
+        self,
+        cols: Snapshot,
+        a: int,
+        parents: array,
+        keys: array,
+        counts: Sequence[int],
+        workers: Sequence[int],
+        tiers: array,
+        hashes: array,
+        zeros: list[int],
+        used: set[int],
+    ) -> None:
+        """Append vetted nodes a.. to `cols`, dropping the carriers of workers we do not know
+        and those on no known tier (a zero in `tiers`)."""
+        b = a + len(keys)
         cols.parents.extend(parents)
         cols.keys.extend(keys)
-        if not flat:
+        if not workers:
             cols.carrier_counts.extend(counts)
             zeros.extend(range(a, b))
             return
-        if not set(map(type, workers)) <= {int}:
-            raise _bad_carrier_shape(carrier_lists, a)
-        tiers = _tier_column(bits)
-        if tiers is None:
-            raise _bad_tier_bits(carrier_lists, a)
-        try:
-            hashes = array("Q", raw_hashes)
-        except (TypeError, OverflowError):
-            raise _bad_engine_hash(carrier_lists, a) from None
-        if max(counts) > 1:
-            _check_distinct_workers(carrier_lists, counts, a)
-
         # Resolve wire worker index -> table position (-1: out of range or not live). When
         # every wire worker is live the table is the wire table, and an in-range index is
         # already its own position.
         if min(workers) >= 0 and max(workers) < len(self._position):
             if self._dropped_workers:
-                positions = list(map(self._position.__getitem__, workers))
+                positions: Sequence[int] = list(map(self._position.__getitem__, workers))
             else:
                 positions = workers
         else:
@@ -437,7 +505,7 @@ class Vetting(_Job[VettedSnapshot]):
             keep = list(map(ge, positions, repeat(0)))
             if no_tier:
                 keep = list(map(and_, keep, map(truth, tiers)))
-            counts = _recount(counts, keep)
+            counts = _recount(list(counts), keep)
             positions = list(compress(positions, keep))
             tiers = array("B", compress(tiers, keep))
             hashes = array("Q", compress(hashes, keep))
@@ -596,14 +664,14 @@ def _prune(
 # -- helpers -------------------------------------------------------------------------------
 
 
-def _check_header(snap: PeerSnapshot, local_block_size: int | None) -> None:
+def _check_header(snap: PeerBody, local_block_size: int | None) -> None:
     if snap.format != FORMAT:
         raise VetError("unknown_format", f"format {snap.format!r}, we read {FORMAT}")
     if snap.key_scheme != KEY_SCHEME:
         raise VetError("key_scheme_mismatch", f"{snap.key_scheme!r}, we hash {KEY_SCHEME!r}")
-    if not snap.producer_ready or not snap.nodes:
+    if not snap.producer_ready or not snap.node_count:
         raise VetError(
-            "producer_cold", f"producer_ready={snap.producer_ready}, {len(snap.nodes)} nodes"
+            "producer_cold", f"producer_ready={snap.producer_ready}, {snap.node_count} nodes"
         )
     if local_block_size is not None and snap.block_size != local_block_size:
         raise VetError(
@@ -653,26 +721,49 @@ def _tier_column(bits: list) -> array | None:
         return None
 
 
-def _check_distinct_workers(carrier_lists: list, counts: list[int], a: int) -> None:
-    """Refuse a node that names one worker index twice. Two-carrier nodes (the common
-    shared-prefix case) compare their two indices; larger ones go through a set."""
-    multi = list(compress(range(len(counts)), map(gt, counts, repeat(1))))
-    multi_counts = list(map(counts.__getitem__, multi))
-    if max(multi_counts) == 2:
-        two, more = multi, []
+def _check_distinct_workers(workers: Sequence[int], counts: Sequence[int], a: int) -> None:
+    """Refuse a node that names one worker index twice (`workers` is the flat carrier
+    column of the nodes `counts` describes).
+
+    Two neighbouring carriers that name one worker are a repeat unless the second begins a
+    node; that covers every two-carrier node (the common shared-prefix case) with byte
+    strings of 0/1 combined as big integers, at C speed. Larger nodes also go through a set.
+    """
+    top = max(counts, default=0)
+    if top < 2:
+        return
+    if top < 256 and isinstance(workers, array) and max(workers) < 256:
+        # One byte per item (the low byte of each little-endian u32) does the comparing.
+        low = workers.tobytes()[:: workers.itemsize]
+        diff = int.from_bytes(low[:-1], "little") ^ int.from_bytes(low[1:], "little")
+        same = diff.to_bytes(len(low) - 1, "little").translate(_IS_ZERO)
+        sizes = array("I", counts).tobytes()[::4]
+        begins = b"".join(map(_NODE_OPENING.__getitem__, sizes)) + b"\x01"
     else:
-        two = list(compress(multi, map(eq, multi_counts, repeat(2))))
-        more = list(compress(multi, map(gt, multi_counts, repeat(2))))
-    pairs = list(map(carrier_lists.__getitem__, two))
-    firsts = map(_carrier_worker, map(_first, pairs))
-    seconds = map(_carrier_worker, map(_second, pairs))
-    bad = next(compress(two, map(eq, firsts, seconds)), None)
-    if bad is None and more:
-        lists = map(carrier_lists.__getitem__, more)
-        distinct = map(len, map(set, map(map, repeat(_carrier_worker), lists)))
-        bad = next(compress(more, map(ne, distinct, map(counts.__getitem__, more))), None)
-    if bad is not None:
-        raise VetError("duplicate_carrier", f"node {a + bad} names one worker twice")
+        same = bytes(map(eq, workers, islice(workers, 1, None)))
+        begins = bytearray(len(workers) + 1)
+        deque(map(begins.__setitem__, accumulate(counts, initial=0), repeat(1)), maxlen=0)
+    # carrier j: it and j+1 name one worker, and j+1 does not begin a node
+    inside = int.from_bytes(same, "little") & ~int.from_bytes(begins[1:], "little")
+    repeat_at = ((inside & -inside).bit_length() - 1) // 8 if inside else None
+    if repeat_at is None and top < 3:
+        return
+    starts = list(accumulate(counts, initial=0))  # [i]: node i's first carrier
+    if top > 2:
+        for i in compress(range(len(counts)), map(gt, counts, repeat(2))):
+            if repeat_at is not None and starts[i] > repeat_at:
+                break
+            if len(set(workers[starts[i] : starts[i + 1]])) != counts[i]:
+                raise VetError("duplicate_carrier", f"node {a + i} names one worker twice")
+    if repeat_at is not None:
+        node = bisect_right(starts, repeat_at) - 1
+        raise VetError("duplicate_carrier", f"node {a + node} names one worker twice")
+
+
+def _check_parents(parents: array, a: int) -> None:
+    """Node a+k's parent must be -1 (a root) or an earlier node."""
+    if parents and (min(parents) < -1 or not all(map(lt, parents, count(a)))):
+        raise _bad_parent([None if p == -1 else p for p in parents], a)
 
 
 def _is_u64(value: object) -> bool:
@@ -729,12 +820,3 @@ def _bad_engine_hash(carrier_lists: list, a: int) -> VetError:
         if not _is_u64(carrier[2]):
             return VetError("invalid_engine_hash", f"node {i}: engine hash {carrier[2]!r}")
     return VetError("invalid_engine_hash", f"in nodes {a}..")  # pragma: no cover - found above
-
-
-def _duplicate_key(nodes: list, end: int) -> VetError:
-    seen: dict[int, int] = {}
-    for i, key in enumerate(map(_get_key, nodes[:end])):
-        first = seen.setdefault(key, i)
-        if first != i:
-            return VetError("duplicate_key", f"node {i} repeats the key of node {first}")
-    return VetError("duplicate_key", f"in nodes ..{end}")  # pragma: no cover - found above

@@ -41,7 +41,7 @@ from cachetree.snapshot import SnapshotError, canonical_view, restore
 from cachetree.tree import BlockTree
 from peer.fetch import Fetched, SnapshotFetcher
 from peer.vet import VetError, VettedSnapshot
-from peer.wire import PeerSnapshot
+from peer.wire import MSGPACK, PeerSnapshot
 
 TOKEN_ENV: Final = "KVROUTER_INTERNAL_TOKEN"
 DEFAULT_TIMEOUT_S: Final = 30.0
@@ -220,7 +220,8 @@ async def collect(
     """Every replica's view, fetched concurrently and restored."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with (
-        SnapshotFetcher(token=token, per_fetch_s=timeout_s) as fetcher,
+        # Format 1 (msgpack, gzip) rather than the replicas' columns: this tool reads nodes.
+        SnapshotFetcher(token=token, per_fetch_s=timeout_s, accept=MSGPACK, gzip=True) as fetcher,
         aiohttp.ClientSession(headers=headers) as session,
     ):
         views = list(

@@ -15,8 +15,9 @@ from cachetree.keys import block_keys
 from cachetree.ranks import RankId
 from cachetree.snapshot import canonical_view
 from peer import wire
-from peer.fetch import SnapshotFetcher
-from peer.wire import JSON, MSGPACK
+from peer.fetch import ACCEPT, SnapshotFetcher
+from peer.producer import accepts
+from peer.wire import COLUMNS, JSON, MSGPACK
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.ports import free_tcp_port
 from tests.support.router import RouterHandle, router_in_process
@@ -90,7 +91,8 @@ async def add_workers(rt: RouterHandle, workers: list[FakeWorkerHandle]) -> None
 
 
 @pytest.mark.parametrize(
-    "accept,gzip", [(MSGPACK, True), (JSON, True), (JSON, False), (MSGPACK, False)]
+    "accept,gzip",
+    [(ACCEPT, False), (ACCEPT, True), (MSGPACK, True), (JSON, True), (JSON, False)],
 )
 async def test_a_joining_replica_answers_prefix_queries_like_the_warm_one(
     accept: str, gzip: bool
@@ -121,6 +123,43 @@ async def test_a_joining_replica_answers_prefix_queries_like_the_warm_one(
             assert new_tree.match(keys) == warm_tree.match(keys)
         assert bootstrap.snapshot_outcomes["accepted"] >= 1
         assert bootstrap.sources["peer"] == 3
+
+
+async def format_1_sibling(warm: RouterHandle) -> tuple[web.AppRunner, str, list[str]]:
+    """A sibling that predates the columnar body: it relays `warm`'s export, choosing the
+    encoding as such a sibling did (msgpack when `Accept` lists it, else JSON)."""
+    served: list[str] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        content_type = MSGPACK if accepts(request.headers.get("Accept"), MSGPACK) else JSON
+        async with warm.session.get(
+            warm.url + "/internal/kv_snapshot",
+            params=request.query,
+            headers={"Accept": content_type},
+        ) as resp:
+            body = await resp.read()
+        served.append(resp.headers["Content-Type"])
+        return web.Response(body=body, headers={"Content-Type": resp.headers["Content-Type"]})
+
+    runner, url = await serve_snapshot_route(handler)
+    return runner, url, served
+
+
+async def test_a_sibling_that_only_speaks_format_1_is_answered_in_msgpack_and_grafted() -> None:
+    async with warm_fleet() as (workers, warm, _), contextlib.AsyncExitStack() as stack:
+        runner, url, served = await format_1_sibling(warm)
+        stack.push_async_callback(runner.cleanup)
+        new = await stack.enter_async_context(
+            router_in_process(peer=[url], kv_bootstrap_timeout_ms=20_000)
+        )
+        await add_workers(new, workers)
+        await ready(new)
+        assert view(new) == view(warm)
+        assert served and set(served) == {MSGPACK}
+        assert new.replica.bootstrap.snapshot_outcomes["accepted"] >= 1
+        producer = warm.replica.producer
+        assert producer is not None and producer.cached is not None
+        assert COLUMNS not in producer.cached.bodies
 
 
 async def test_the_joined_replica_keeps_up_and_proves_the_splice() -> None:

@@ -10,13 +10,24 @@ import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+import pytest
 from aiohttp import web
 
 from cachetree.ranks import RankId
 from cachetree.snapshot import Snapshot, canonical_view, restore
 from cachetree.tree import BlockTree
 from peer.fetch import Fetched, SnapshotFetcher, Unreachable
-from peer.wire import JSON, MSGPACK, PeerSnapshot, WireNode, WireWorker, encode
+from peer.wire import (
+    COLUMNS,
+    JSON,
+    MSGPACK,
+    PeerColumns,
+    PeerSnapshot,
+    WireNode,
+    WireWorker,
+    as_format1,
+    encode,
+)
 from router.tokenize import BytesTokenizer
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.ports import free_tcp_port
@@ -139,7 +150,8 @@ async def test_the_client_fetches_a_replicas_export_and_cursor_table() -> None:
         result = await fetcher.fetch_snapshot(rt.url + "/", 0)
         assert isinstance(result, Fetched), result
         assert result.arrived_at == 42.0 and result.peer == rt.url + "/"
-        snap = result.snapshot
+        assert isinstance(result.snapshot, PeerColumns)  # a sibling that has columns sends them
+        snap = as_format1(result.snapshot)
         tree = BlockTree(snap.block_size)
         records = [(n.parent, n.key, tuple(n.carriers)) for n in snap.nodes]
         restore(tree, Snapshot.from_records([(w.url, w.dp_rank) for w in snap.workers], records))
@@ -148,9 +160,10 @@ async def test_the_client_fetches_a_replicas_export_and_cursor_table() -> None:
         assert canonical_view(tree) == canonical_view(rules.tree)
         producer = rt.replica.producer
         assert producer is not None and producer.cached is not None
-        assert result.received_bytes < len(producer.cached.bodies[MSGPACK])  # gzip was used
+        assert set(producer.cached.bodies) == {COLUMNS}  # format 1 was never encoded
+        assert not producer.cached.gzipped  # and nothing was compressed
         cursors = await fetcher.fetch_cursors(rt.url)
-        assert isinstance(cursors, Fetched) and cursors.snapshot.nodes == []
+        assert isinstance(cursors, Fetched) and cursors.snapshot.node_count == 0
         table = cursors.snapshot
         assert {
             RankId(table.workers[i].url, table.workers[i].dp_rank): s for i, s in table.cursors
@@ -177,6 +190,8 @@ async def test_the_client_decodes_every_encoding_a_peer_may_send() -> None:
         (MSGPACK, None),
         (MSGPACK, "GZip"),
         (f"{MSGPACK}; charset=binary", " gzip "),
+        (COLUMNS, None),
+        (COLUMNS, "gzip"),
     ]
     for content_type, coding in variants:
         body = encode(snap, content_type.split(";")[0])
@@ -187,12 +202,37 @@ async def test_the_client_decodes_every_encoding_a_peer_may_send() -> None:
         async with stub_peer(serving(body, **headers)) as peer, SnapshotFetcher() as fetcher:
             result = await fetcher.fetch_snapshot(peer.url, 250)
             assert isinstance(result, Fetched), (content_type, coding, result)
-            assert result.snapshot == snap
+            assert as_format1(result.snapshot) == snap
             (request,) = peer.requests
             assert request.path_qs == "/internal/kv_snapshot?max_age_ms=250"
-            assert request.headers["Accept"] == MSGPACK
-            assert request.headers["Accept-Encoding"] == "gzip"
+            assert request.headers["Accept"] == f"{COLUMNS}, {MSGPACK};q=0.5"
+            assert "Accept-Encoding" not in request.headers  # no gzip unless asked for
             assert "Authorization" not in request.headers
+
+
+async def test_a_client_that_asks_for_gzip_advertises_it() -> None:
+    body = gzip.compress(encode(sample(), COLUMNS))
+    handler = serving(body, **{"Content-Type": COLUMNS, "Content-Encoding": "gzip"})
+    async with stub_peer(handler) as peer, SnapshotFetcher(gzip=True) as fetcher:
+        result = await fetcher.fetch_snapshot(peer.url, None)
+        assert isinstance(result, Fetched) and as_format1(result.snapshot) == sample()
+        assert peer.requests[0].headers["Accept-Encoding"] == "gzip"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"KVRCOLS1",  # shorter than its prefix
+        encode(sample(), COLUMNS)[:-1],  # truncated
+        encode(sample(), COLUMNS) + b"\0",  # trailing bytes
+        b"KVRCOLS2" + encode(sample(), COLUMNS)[8:],  # another layout
+    ],
+)
+async def test_a_malformed_columnar_body_is_no_body(body: bytes) -> None:
+    handler = serving(body, **{"Content-Type": COLUMNS})
+    async with stub_peer(handler) as peer, SnapshotFetcher() as fetcher:
+        result = await fetcher.fetch_snapshot(peer.url, None)
+        assert isinstance(result, Unreachable) and "columnar body" in result.reason
 
 
 async def test_a_body_under_another_coding_is_not_guessed_at() -> None:

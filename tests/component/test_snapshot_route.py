@@ -16,7 +16,7 @@ from cachetree.ranks import RankId
 from cachetree.snapshot import Snapshot, canonical_view, restore
 from cachetree.tree import BlockTree
 from peer.producer import SnapshotProducer
-from peer.wire import JSON, MSGPACK, PeerSnapshot, decode
+from peer.wire import COLUMNS, JSON, MSGPACK, PeerColumns, PeerSnapshot, as_format1, decode
 from router.tokenize import BytesTokenizer
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.router import RouterHandle, router_in_process
@@ -266,7 +266,7 @@ async def test_cursors_only_is_read_live_and_never_builds() -> None:
         assert producer.stats.builds == 0 and producer.cached is None
 
 
-async def test_an_export_that_cannot_be_encoded_is_a_503_and_is_not_kept() -> None:
+async def test_an_encoding_that_fails_is_a_503_and_is_made_again_on_the_next_request() -> None:
     async with warm_replica() as (rt, _), plain_client() as client:
         producer = producer_of(rt)
         encode = producer.encode
@@ -277,11 +277,37 @@ async def test_an_export_that_cannot_be_encoded_is_a_503_and_is_not_kept() -> No
             return encode(value, content_type)
 
         producer.encode = failing
-        status, body, _headers = await get(client, rt)
+        status, body, _headers = await get(client, rt, Accept=MSGPACK)
         assert status == 503
         assert json.loads(body) == {"error": "snapshot could not be encoded"}
-        assert producer.cached is None
-        producer.encode = encode
-        status, body, _ = await get(client, rt)
+        entry = producer.cached
+        assert entry is not None and MSGPACK not in entry.bodies
+        status, body, _ = await get(client, rt)  # JSON still encodes
         assert status == 200 and decode(body).nodes
-        assert producer.stats.builds == 2
+        producer.encode = encode
+        status, body, _ = await get(client, rt, Accept=MSGPACK)
+        assert status == 200 and decode(body, MSGPACK).nodes
+        assert producer.stats.builds == 1 and producer.stats.failed == 1
+
+
+async def test_columns_are_served_to_who_asks_first_and_agree_with_format_1() -> None:
+    async with warm_replica() as (rt, _), plain_client() as client:
+        _, identity, _ = await get(client, rt)
+        accept = f"{MSGPACK};q=0.9, {COLUMNS};q=0.5"  # any positive q: columns win
+        status, body, headers = await get(client, rt, Accept=accept)
+        assert status == 200 and headers["Content-Type"] == COLUMNS
+        assert "Content-Encoding" not in headers
+        columns = decode(body, COLUMNS)
+        assert isinstance(columns, PeerColumns)
+        assert as_format1(columns) == decode(identity)
+        status, zipped, headers = await get(
+            client, rt, Accept=COLUMNS, **{"Accept-Encoding": "gzip"}
+        )
+        assert status == 200 and headers["Content-Encoding"] == "gzip"
+        assert gzip.decompress(zipped) == body
+        status, table, headers = await get(client, rt, "?cursors_only=true", Accept=COLUMNS)
+        assert headers["Content-Type"] == COLUMNS
+        cursor_table = decode(table, COLUMNS)
+        assert cursor_table.node_count == 0
+        assert cursors_of(as_format1(cursor_table)) == rt.replica.pump.rules.cursors
+        assert producer_of(rt).stats.builds == 1

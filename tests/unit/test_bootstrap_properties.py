@@ -101,7 +101,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -124,6 +124,7 @@ from router.subscriber import LiveBatch, PublisherReset, SequenceTracker, Step, 
 
 BS = 2
 EXAMPLES = int(os.environ.get("KVROUTER_PROPERTY_EXAMPLES", "0"))  # > 0: hunt, random
+SEED = 1  # the stable run's seed (see the test)
 TIMEOUT_S = 60.0
 PROOF_TIMEOUT_S = 30.0
 RANKS = [RankId("http://w", i) for i in range(3)]
@@ -987,15 +988,14 @@ REQUIRED = [
     "outcome gap",  # gap resolution, run cold
     "gap retry granted",
     "gap retry refused",
-    # "graft behind the held stream (gap)" is reached in most runs but not all: hypothesis'
-    # derandomized draws still depend on what ran before in the process. test_graft.py pins
-    # that path exactly (watermark 5, first held seq 7).
+    "graft behind the held stream (gap)",
     "graft splices into the held stream",
     "graft ahead of everything held",
     "deferred proof",
     "outcome warm",
-    # "outcome warm_unwitnessed" needs a deferred proof still open when an example ends (or
-    # three unknown probes in a row); some seeds reach it, not all. test_graft.py pins it.
+    # "outcome warm_unwitnessed" needs three unknown probes on one proof, or a deferred proof
+    # still open when an example ends: a few seeds of five miss it. test_graft.py pins it
+    # (test_three_unknown_probes_keep_the_graft_unwitnessed).
     "outcome uncovered",
     "outcome abandoned",
     "outcome overflow",
@@ -1019,19 +1019,27 @@ REQUIRED = [
 
 
 def test_bootstrap_contract_holds_under_random_interleavings() -> None:
-    """200 derandomized examples, so CI and the coverage check are stable (about 10 s);
-    KVROUTER_PROPERTY_EXAMPLES=N hunts with N random ones instead."""
+    """200 examples from a fixed seed, so CI and the coverage check are stable (about 6 s);
+    KVROUTER_PROPERTY_EXAMPLES=N hunts with N random ones instead.
+
+    A fixed seed rather than `derandomize`: hypothesis derives a derandomized run's seed from
+    the machine's source, so any edit of this file drew different examples, and that run's
+    examples were narrower (two REQUIRED paths went unreached after unrelated edits). Every
+    one of seeds 1-8 reaches every REQUIRED path, the rarest at least 4 times.
+    """
     COVERAGE.clear()
     quiet = [logging.getLogger(name) for name in ("router.index", "router.graft")]
     levels = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.ERROR)  # thousands of expected loss and gap warnings
     try:
+        machine = (
+            BootstrapMachine if EXAMPLES else seed(SEED)(type("Seeded", (BootstrapMachine,), {}))
+        )
         run_state_machine_as_test(
-            BootstrapMachine,
+            machine,
             settings=settings(
                 max_examples=EXAMPLES or 200,
-                derandomize=not EXAMPLES,
                 stateful_step_count=40,
                 deadline=None,
                 database=None,

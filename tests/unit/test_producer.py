@@ -21,13 +21,12 @@ from peer.producer import (
     BadQuery,
     SnapshotProducer,
     SnapshotUnavailable,
-    _Head,
     accepts,
     parse_query,
     recheck_cursors,
     reusable,
 )
-from peer.wire import JSON, MSGPACK, PeerSnapshot, decode
+from peer.wire import COLUMNS, JSON, MSGPACK, Envelope, PeerSnapshot, as_format1, decode
 from tests.support.waiting import eventually
 
 BS = 4
@@ -109,6 +108,12 @@ def restored(snap: PeerSnapshot, block_size: int = BS) -> BlockTree:
 
 def cursors_by_rank(snap: PeerSnapshot) -> dict[RankId, int]:
     return {RankId(snap.workers[i].url, snap.workers[i].dp_rank): seq for i, seq in snap.cursors}
+
+
+async def exported(producer: SnapshotProducer, content_type: str = JSON) -> PeerSnapshot:
+    """A fresh-enough export, decoded as format 1 whatever its encoding."""
+    entry = await producer.export()
+    return as_format1(decode(await producer.body(entry, content_type, gzip=False), content_type))
 
 
 def small_steps(view: View, **kw) -> SnapshotProducer:
@@ -211,7 +216,7 @@ def test_bad_query_parameters_are_refused(query: dict) -> None:
 
 
 def test_the_export_envelope_has_every_body_field_but_nodes() -> None:
-    head = [(f.name, f.type, f.default) for f in msgspec.structs.fields(_Head)]
+    head = [(f.name, f.type, f.default) for f in msgspec.structs.fields(Envelope)]
     body = [(f.name, f.type, f.default) for f in msgspec.structs.fields(PeerSnapshot)]
     assert head == [f for f in body if f[0] != "nodes"]
 
@@ -219,12 +224,15 @@ def test_the_export_envelope_has_every_body_field_but_nodes() -> None:
 # -- bodies ------------------------------------------------------------------------------
 
 
-async def test_both_encodings_restore_to_the_exported_tree() -> None:
+async def test_every_encoding_restores_to_the_exported_tree() -> None:
     tree = populated()
     producer = small_steps(view_of(tree))
     entry = await producer.export()
-    bodies = [decode(entry.bodies[ct], ct) for ct in (JSON, MSGPACK)]
-    assert bodies[0] == bodies[1]
+    bodies = [
+        as_format1(decode(await producer.body(entry, ct, gzip=False), ct))
+        for ct in (JSON, MSGPACK, COLUMNS)
+    ]
+    assert bodies[0] == bodies[1] == bodies[2]
     snap = bodies[0]
     assert any(len(n.carriers) > 1 for n in snap.nodes), "the slow path was not exercised"
     assert any(not n.carriers for n in snap.nodes), "no carrier-less node was exported"
@@ -235,10 +243,10 @@ async def test_both_encodings_restore_to_the_exported_tree() -> None:
 
 async def test_large_chunks_and_one_slice_give_the_same_body() -> None:
     tree = populated(seed=11, chains=200)
-    fine = await small_steps(view_of(tree)).export()
-    coarse = await SnapshotProducer(view_of(tree), encode_chunk=1 << 20).export()
-    for ct in (JSON, MSGPACK):
-        assert decode(fine.bodies[ct], ct) == decode(coarse.bodies[ct], ct)
+    fine = small_steps(view_of(tree))
+    coarse = SnapshotProducer(view_of(tree), walk_step=1 << 20, encode_chunk=1 << 20)
+    for ct in (JSON, MSGPACK, COLUMNS):
+        assert await exported(fine, ct) == await exported(coarse, ct)
 
 
 async def test_the_walk_yields_to_the_loop_between_slices() -> None:
@@ -266,7 +274,7 @@ async def test_a_rank_that_carries_nothing_is_an_empty_rank_with_no_cursor() -> 
     assert tree.block_count(E) == 0 and E in tree.ranks()
     view = view_of(tree)
     view.cursors[E] = 12
-    snap = decode((await small_steps(view).export()).bodies[JSON])
+    snap = await exported(small_steps(view))
     assert E not in [(w.url, w.dp_rank) for w in snap.workers]
     assert [(w.url, w.dp_rank) for w in snap.empty_ranks] == [E]
     assert cursors_by_rank(snap) == {A: 5, B: 5, C: 5}
@@ -274,14 +282,14 @@ async def test_a_rank_that_carries_nothing_is_an_empty_rank_with_no_cursor() -> 
 
 
 async def test_not_ready_without_a_block_size_without_nodes_or_while_bootstrapping() -> None:
-    snap = decode((await SnapshotProducer(View(None)).export()).bodies[JSON])
+    snap = await exported(SnapshotProducer(View(None)))
     assert (snap.block_size, snap.producer_ready, snap.nodes, snap.workers) == (0, False, [], [])
     empty = View(BlockTree(BS), {A: 3}, {A})
-    snap = decode((await SnapshotProducer(empty).export()).bodies[JSON])
+    snap = await exported(SnapshotProducer(empty), COLUMNS)
     assert (snap.block_size, snap.producer_ready, snap.nodes) == (BS, False, [])
     assert [(w.url, w.dp_rank) for w in snap.empty_ranks] == [A]
     settling = SnapshotProducer(view_of(populated()), settled=lambda: False)
-    snap = decode((await settling.export()).bodies[JSON])
+    snap = await exported(settling)
     assert snap.nodes and not snap.producer_ready
 
 
@@ -300,8 +308,7 @@ async def test_the_export_is_stamped_before_anything_is_sampled() -> None:
             view.cursors[A] = 9
         return 100.0
 
-    entry = await SnapshotProducer(view, clock=clock).export()
-    assert cursors_by_rank(decode(entry.bodies[JSON]))[A] == 9
+    assert cursors_by_rank(await exported(SnapshotProducer(view, clock=clock)))[A] == 9
 
 
 async def test_cursors_are_read_before_the_walk_and_rechecked_after_it() -> None:
@@ -322,7 +329,7 @@ async def test_cursors_are_read_before_the_walk_and_rechecked_after_it() -> None
         view.live.discard(C)
 
     producer.yield_point = pump_runs_between_slices
-    snap = decode((await producer.export()).bodies[MSGPACK], MSGPACK)
+    snap = await exported(producer, MSGPACK)
     assert cursors_by_rank(snap) == {A: 5, D: 5}  # the pre-walk value; B and C dropped
     # C is no longer live, so it is not an empty rank either; E carries nothing.
     assert [(w.url, w.dp_rank) for w in snap.empty_ranks] == [E]
@@ -397,20 +404,58 @@ async def test_a_request_accepts_a_build_that_began_after_it_arrived() -> None:
     assert producer.stats.builds == 2
 
 
-async def test_a_failed_encode_answers_unavailable_and_is_not_cached() -> None:
+async def test_a_failed_encoding_is_unavailable_not_kept_and_made_again_on_the_next_request() -> (
+    None
+):
     producer = SnapshotProducer(view_of(populated()))
+    entry = await producer.export()
+    calls = 0
 
     def failing(value: object, content_type: str) -> bytes:
+        nonlocal calls
+        calls += 1
         raise OverflowError("cannot encode")
 
     producer.encode = failing
     with pytest.raises(SnapshotUnavailable):
+        await producer.body(entry, JSON, gzip=False)
+    assert JSON not in entry.bodies and producer.stats.failed == 1 and calls == 1
+    assert gc.isenabled()  # the collector, paused within slices, is back on after a failure
+    # The columnar body does not go through the format-1 encoder.
+    assert decode(await producer.body(entry, COLUMNS, gzip=False), COLUMNS).node_count
+    producer.encode = producer_mod.encode_value
+    bodies = await asyncio.gather(*(producer.body(entry, JSON, gzip=False) for _ in range(3)))
+    assert bodies[0] == bodies[1] == bodies[2] and decode(bodies[0]).node_count
+    assert producer.cached is entry and producer.stats.builds == 1
+
+
+async def test_a_failed_build_answers_unavailable_and_is_not_cached() -> None:
+    view = view_of(populated())
+    producer = SnapshotProducer(view)
+    tree = view.tree
+    view.tree = BrokenTree()  # type: ignore[assignment]
+    with pytest.raises(SnapshotUnavailable):
         await producer.export()
     assert producer.cached is None and producer.stats.failed == 1
-    assert gc.isenabled()  # the collector, paused within slices, is back on after a failure
-    producer.encode = producer_mod.encode_value
+    assert gc.isenabled()
+    view.tree = tree
     entry = await producer.export()
     assert producer.cached is entry and producer.stats.builds == 2
+
+
+class BrokenTree(BlockTree):
+    """A tree whose walk cannot even begin."""
+
+    def __init__(self) -> None:
+        super().__init__(BS)
+
+    @property
+    def _nodes(self) -> dict:  # type: ignore[override]
+        raise RuntimeError("corrupt index")
+
+    @_nodes.setter
+    def _nodes(self, value: dict) -> None:
+        pass
 
 
 async def test_gzip_is_made_once_and_a_failed_one_is_not_kept(
@@ -437,7 +482,7 @@ async def test_gzip_is_made_once_and_a_failed_one_is_not_kept(
     monkeypatch.setattr(producer_mod, "gzip_bytes", counting)
     bodies = await asyncio.gather(*(producer.body(entry, MSGPACK, gzip=True) for _ in range(3)))
     assert made == 1 and bodies[0] == bodies[1] == bodies[2]
-    assert gzip.decompress(bodies[0]) == entry.bodies[MSGPACK]
+    assert gzip.decompress(bodies[0]) == await producer.body(entry, MSGPACK, gzip=False)
 
 
 # -- cursor tables -------------------------------------------------------------------------
@@ -452,7 +497,7 @@ async def test_the_cursor_table_keeps_witnesses_the_full_export_loses() -> None:
     table = producer.cursor_table()
     assert table.nodes == [] and table.producer_ready
     assert cursors_by_rank(table) == {A: 5, B: 41, C: 5, D: 5, E: 5}
-    full = decode((await producer.export()).bodies[JSON])
+    full = await exported(producer)
     assert B not in cursors_by_rank(full)
 
 

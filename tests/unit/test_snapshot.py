@@ -14,7 +14,7 @@ from cachetree.snapshot import (
     restore,
 )
 from cachetree.tiers import DEVICE, DISK, HOST
-from cachetree.tree import BlockTree
+from cachetree.tree import BlockTree, Node
 
 BS = 4
 A = RankId("http://a:8000", 0)
@@ -180,6 +180,83 @@ def test_every_rejection_leaves_the_tree_untouched(case: str) -> None:
     assert target.ranks() == [A]
 
 
+def prevalidated_graft(tree: BlockTree, snap: Snapshot, budget: int) -> SnapshotRestore:
+    job = SnapshotRestore(tree, snap, prevalidated=True)
+    while not job.step(budget):
+        pass
+    return job
+
+
+def test_a_prevalidated_graft_refuses_a_repeated_key_before_placing_its_chunk() -> None:
+    snap = export(populated())
+    keys = array("Q", snap.keys)
+    keys[7] = keys[2]  # records 2 and 7: one key, two places
+    repeated = Snapshot(
+        snap.workers,
+        snap.parents,
+        keys,
+        snap.carrier_counts,
+        snap.carrier_workers,
+        snap.carrier_tiers,
+        snap.carrier_hashes,
+    )
+    for budget in (len(snap), 5):  # one chunk; or the repeat in a later chunk than the first
+        tree = BlockTree(BS)
+        tree.store(A, None, [500], list(range(900, 904)), BS)
+        before = canonical_view(tree)
+        with pytest.raises(SnapshotError, match="appears twice"):
+            prevalidated_graft(tree, repeated, budget)
+        # What earlier chunks placed is consistent: clearing the grafted ranks restores it.
+        for rank in repeated.workers:
+            if rank != A:
+                tree.clear_rank(rank)
+        tree.clear_rank(A)
+        tree.store(A, None, [500], list(range(900, 904)), BS)
+        assert canonical_view(tree) == before and len(tree) == 1
+
+
+def test_a_graft_onto_an_engine_hash_the_rank_already_uses_moves_it_to_the_new_block() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [7], list(range(4)), BS)  # A maps engine hash 7 to this block
+    (old_key,) = tree._iter_keys()
+    snap = Snapshot.from_records([A, B], [(None, 99, ((0, DEVICE, 7), (1, HOST, 8)))])
+    prevalidated_graft(tree, snap, 4096)
+    assert tree.carriers(99) == {A: DEVICE, B: HOST}
+    assert old_key not in tree  # the newest placement of hash 7 wins; the old block is bare
+    assert tree.engine_hash(A, 99) == 7 and tree.block_count(A) == 1
+    assert tree.remove(A, [7]) == 1 and tree.carriers(99) == {B: HOST}
+
+
+def graft_record_by_record(tree: BlockTree, snap: Snapshot) -> None:
+    """The graft's meaning, spelled out: each record's carriers placed one at a time by the
+    tree's own `_place` (creating a carrier-less record as bare structure)."""
+    ranks = [tree._ranks.get(rank) or tree._add_rank(rank) for rank in snap.workers]
+    for parent, key, carriers in snap.records():
+        parent_key = None if parent is None else snap.keys[parent]
+        if not carriers and key not in tree:
+            tree._nodes[key] = Node(parent_key, 0, 0)
+            if parent_key is not None:
+                tree._nodes[parent_key].children += 1
+        for worker, bits, engine_hash in carriers:
+            tree._place(ranks[worker], parent_key, (key,), (engine_hash,), bits)
+
+
+@pytest.mark.parametrize("budget", [1, 3, 4096])
+def test_a_chunked_graft_onto_a_warm_tree_equals_placing_each_carrier(budget: int) -> None:
+    snap = export(populated(seed=3, chains=200))
+    # The same first 80 chains: the graft both creates blocks and merges into held ones.
+    warm, expected = populated(seed=3, chains=80), populated(seed=3, chains=80)
+    assert 0 < sum(key in warm for key in snap.keys) < len(snap)
+    graft_record_by_record(expected, snap)
+    prevalidated_graft(warm, snap, budget)
+    assert canonical_view(warm) == canonical_view(expected)
+    assert warm.block_counts() == expected.block_counts()
+    for key in warm._iter_keys():  # child counts are exact, so pruning will work
+        node = warm._node(key)
+        assert node is not None
+        assert node.children == sum(1 for k in warm._iter_keys() if warm._node(k).parent == key)
+
+
 def test_duplicate_carrier_in_one_record_is_rejected() -> None:
     snap = Snapshot.from_records([A], [(None, 5, ((0, DEVICE, 1), (0, HOST, 2)))])
     with pytest.raises(SnapshotError, match="listed twice"):
@@ -249,3 +326,65 @@ def test_a_prevalidated_restore_skips_only_structure_and_still_refuses_a_conflic
         while not restore_job.step():
             pass
     assert canonical_view(other) == before
+
+
+# -- the column-wise walk and graft against their meaning, on random trees -------------------
+
+
+def random_tree(rng: random.Random, ops: int) -> BlockTree:
+    """Stores under known parents, engine hashes reused (a small range), mixed tiers,
+    removals by tier, cleared ranks: every shape the tree's rules produce."""
+    tree = BlockTree(BS)
+    stored: dict[RankId, list[int]] = {rank: [] for rank in (A, B, C)}
+    for _ in range(ops):
+        rank = rng.choice((A, B, C))
+        op = rng.random()
+        if op < 0.6:
+            parent = rng.choice(stored[rank]) if stored[rank] and rng.random() < 0.6 else None
+            hashes = [rng.randint(1, 30) for _ in range(rng.randint(1, 3))]
+            tokens = [rng.randint(1, 6) for _ in range(len(hashes) * BS)]
+            tier = rng.choice([DEVICE, DEVICE, HOST, DEVICE | DISK])
+            if tree.store(rank, parent, hashes, tokens, BS, tier=tier):
+                stored[rank] += hashes
+        elif op < 0.9 and stored[rank]:
+            tree.remove(rank, [rng.choice(stored[rank])], rng.choice([None, HOST, DEVICE]))
+        elif op >= 0.95:
+            tree.clear_rank(rank)
+            stored[rank] = []
+    return tree
+
+
+def spelled_out_export(tree: BlockTree) -> list[tuple]:
+    """The export's meaning: every node in the tree's order, its parent by record index and
+    its carriers as (rank, tier bits, engine hash) in rank-index order."""
+    index: dict[int, int] = {}
+    out = []
+    for key in tree._iter_keys():
+        node = tree._node(key)
+        assert node is not None
+        index[key] = len(out)
+        carriers = tuple(
+            (tree._rank_of(i), bits, eh) for i, bits, eh in tree._carriers_with_hash(node)
+        )
+        out.append((None if node.parent is None else index[node.parent], key, carriers))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(0, 300, 3))
+def test_the_walk_and_the_graft_mean_what_one_node_at_a_time_would(seed: int) -> None:
+    rng = random.Random(seed)
+    source = random_tree(rng, rng.randint(0, 40))
+    snap = export(source)
+    named = [
+        (parent, key, tuple((snap.workers[w], bits, eh) for w, bits, eh in carriers))
+        for parent, key, carriers in snap.records()
+    ]
+    assert named == spelled_out_export(source)
+    for warm_seed in (None, seed + 1):
+        budget = rng.choice([1, 3, 4096])
+        target = BlockTree(BS) if warm_seed is None else random_tree(random.Random(warm_seed), 30)
+        expected = BlockTree(BS) if warm_seed is None else random_tree(random.Random(warm_seed), 30)
+        graft_record_by_record(expected, snap)
+        prevalidated_graft(target, snap, budget)
+        assert canonical_view(target) == canonical_view(expected)
+        assert target.block_counts() == expected.block_counts()

@@ -39,6 +39,10 @@ class Body:
     empty_ranks: list = field(default_factory=list)
     rejected: str = ""
 
+    @property
+    def node_count(self) -> int:
+        return len(self.nodes)
+
 
 @dataclass
 class W:

@@ -6,7 +6,14 @@ import pytest
 
 from cachetree.keys import KEY_SCHEME
 from cachetree.ranks import RankId
-from cachetree.snapshot import Snapshot, canonical_view, export, restore
+from cachetree.snapshot import (
+    Snapshot,
+    SnapshotError,
+    SnapshotRestore,
+    canonical_view,
+    export,
+    restore,
+)
 from cachetree.tiers import DEVICE, DISK, HOST
 from cachetree.tree import BlockTree
 from peer import wire
@@ -336,10 +343,15 @@ def test_carriers_that_are_not_a_list_are_rejected() -> None:
     assert "node 4" in str(error)
 
 
-def test_a_key_repeated_at_another_node_is_rejected() -> None:
-    error = refused(body([*CHAIN, (3, 12, [(0, DEVICE, 5)])]))
-    assert (error.outcome, error.reason) == (REJECTED, "duplicate_key")
-    assert "node 4 repeats the key of node 1" in str(error)
+def test_a_key_repeated_at_another_node_is_left_to_the_graft_which_refuses_it() -> None:
+    vetted = VettedSnapshot.from_wire(body([*CHAIN, (3, 12, [(0, DEVICE, 5)])]), LIVE, BS)
+    assert "duplicate_key" not in REASONS
+    tree = BlockTree(BS)
+    with pytest.raises(SnapshotError, match="appears twice"):
+        job = SnapshotRestore(tree, vetted.snapshot, prevalidated=True)
+        while not job.step():
+            pass
+    assert len(tree) == 0  # refused before the chunk that repeats it placed anything
 
 
 def test_a_negative_key_decoded_from_json_is_rejected() -> None:
@@ -585,3 +597,75 @@ def test_the_columns_are_typed_arrays_restore_accepts_as_is() -> None:
     snap = vetted.snapshot
     assert [c.typecode for c in columns(snap)[1:]] == ["q", "Q", "I", "I", "B", "Q"]
     assert snap.parents == array("q", [-1, 0, 1, -1])
+
+
+# -- the columnar body -----------------------------------------------------------------------
+
+
+def as_columns(snap: PeerSnapshot) -> wire.PeerColumns:
+    columns = wire.decode(wire.encode(snap, wire.COLUMNS), wire.COLUMNS)
+    assert isinstance(columns, wire.PeerColumns)
+    return columns
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("budget", [1, 5, 4096])
+def test_vetting_columns_gives_what_vetting_the_same_format_1_body_gives(
+    seed: int, budget: int
+) -> None:
+    tree = populated(seed)
+    snap = to_wire(export(tree), {A0: 3, B0: 4})
+    # A1 unknown (dropped, pruned, renumbered), a stranger in the table, an unknown tier bit.
+    snap.workers.append(WireWorker(STRANGER.worker_url, STRANGER.dp_rank))
+    snap.nodes.append(WireNode(None, 7, [(3, DEVICE, 1), (0, HOST | 64, 2)]))
+    for live in (LIVE, frozenset({A0, B0})):
+        expected = VettedSnapshot.from_wire(snap, live, BS)
+        got, _ = run_in_steps(Vetting(as_columns(snap), live, BS), budget)
+        assert got == expected and columns(got.snapshot) == columns(expected.snapshot)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "reason", "where"),
+    [
+        ([*CHAIN[:2], (2, 13, [(1, DEVICE, 303)])], "invalid_parent", "node 2"),
+        ([*CHAIN[:2], (7, 13, [(1, DEVICE, 303)])], "invalid_parent", "node 2"),
+        ([*CHAIN, (None, 31, [(0, DEVICE, 5), (0, HOST, 6)])], "duplicate_carrier", "node 4"),
+        (
+            [*CHAIN, (None, 31, [(1, DEVICE, 5), (2, DEVICE, 6), (1, DEVICE, 7)])],
+            "duplicate_carrier",
+            "node 4",
+        ),
+        (
+            [*CHAIN, (None, 31, [(3, DEVICE, 5), (3, DEVICE, 5)])],  # unknown to us, still refused
+            "duplicate_carrier",
+            "node 4",
+        ),
+    ],
+    ids=["self-parent", "forward-parent", "two", "three", "unknown"],
+)
+def test_a_columnar_body_is_refused_for_what_a_format_1_body_is_refused_for(
+    nodes: list, reason: str, where: str
+) -> None:
+    snap = body(nodes, workers=[A0, A1, B0, STRANGER])
+    for form in (snap, as_columns(snap)):
+        error = refused(form)  # type: ignore[arg-type]
+        assert (error.outcome, error.reason) == (REJECTED, reason)
+        assert where in str(error)
+
+
+def test_a_parent_below_minus_one_in_a_column_is_rejected() -> None:
+    columns_body = as_columns(body(CHAIN))
+    columns_body.columns.parents[2] = -2
+    error = refused(columns_body)  # type: ignore[arg-type]
+    assert error.reason == "invalid_parent" and "node 2" in str(error)
+
+
+def test_columns_carried_only_on_unknown_tiers_are_dropped_then_nothing_usable() -> None:
+    snap = as_columns(body([(None, 11, [(0, 0, 1)]), (None, 12, [(1, 64, 2)])]))
+    error = refused(snap)  # type: ignore[arg-type]
+    assert (error.outcome, error.reason) == (COLD_PEER, "nothing_usable")
+
+
+def test_a_cold_columnar_body_is_a_cold_peer() -> None:
+    error = refused(as_columns(body(CHAIN, producer_ready=False)))  # type: ignore[arg-type]
+    assert (error.outcome, error.reason) == (COLD_PEER, "producer_cold")
