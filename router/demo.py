@@ -1079,6 +1079,10 @@ class Demo:
             )
         outcomes = _counts(joined.boot.outcomes) or "none yet"
         out(f"  third replica: ready in {joined.ready_after_s:.2f} s; rank outcomes {outcomes}")
+        if joined.boot.outcomes.get("abandoned"):
+            # A rank no sibling holds a block of (idle since the caches were cleared) has nothing
+            # to inherit: it starts from its live stream, which is the right state, not a loss.
+            out("  (abandoned: ranks no sibling held a block of; they start from the live stream)")
         n = len(self.pairs["cache_aware"]) + 1
         out(f"  views: {'equal' if views_agree else 'DIFFER'} across {n} replicas")
         out(f"  routing: {same}/{routed} prompts routed to the same rank by all {n} replicas")
