@@ -33,6 +33,7 @@ import contextlib
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +81,16 @@ class Backoff:
         self.failures = 0
 
 
+@dataclass(slots=True)
+class WatchStats:
+    """What one watch has done, for the replica's metrics."""
+
+    relists: int = 0  # complete lists that replaced the view
+    events: Counter[str] = field(default_factory=Counter)  # ADDED/MODIFIED/DELETED/BOOKMARK
+    # expired, http_<status>, transport, short_watch, unexpected
+    failures: Counter[str] = field(default_factory=Counter)
+
+
 class EndpointSliceWatch:
     """Keeps one selector's URL set current and hands every new set to `publish`."""
 
@@ -111,6 +122,7 @@ class EndpointSliceWatch:
         self._sleep = sleep
         self._where = f"namespace {namespace}" if namespace else "all namespaces"
         self._expired_in_a_row = 0
+        self.stats = WatchStats()
 
     async def run(self) -> None:
         """Forever, until cancelled."""
@@ -123,18 +135,23 @@ class EndpointSliceWatch:
             except ApiException as exc:
                 self.view.abandon_relist()
                 if exc.status == 410:
+                    self.stats.failures["expired"] += 1
                     await self._on_expired(exc)
                 else:
+                    self.stats.failures[f"http_{exc.status}"] += 1
                     await self._back_off(_api_problem(exc, self.namespace))
             except (aiohttp.ClientError, TimeoutError, ValueError, _ShortWatch) as exc:
                 # ValueError: the client could not deserialize what the server sent.
                 self.view.abandon_relist()
+                short = isinstance(exc, _ShortWatch)
+                self.stats.failures["short_watch" if short else "transport"] += 1
                 await self._back_off(f"{type(exc).__name__}: {exc}")
             except Exception as exc:
                 # kubernetes-asyncio raises a bare Exception for a malformed event. Discovery
                 # must outlive anything one response can do to it; the traceback shows what.
                 log.exception("%s: unexpected failure in the EndpointSlice watch", self.what)
                 self.view.abandon_relist()
+                self.stats.failures["unexpected"] += 1
                 await self._back_off(f"{type(exc).__name__}: {exc}")
 
     # -- list ------------------------------------------------------------------------------
@@ -158,6 +175,7 @@ class EndpointSliceWatch:
         relisted = self.view.finish_relist(page.metadata.resource_version)
         assert relisted is not None, "begun above"
         self.backoff.reset()
+        self.stats.relists += 1
         if relisted.slices == 0:
             log.warning(
                 "%s: no EndpointSlice in %s matches %r; the selector applies to the slices' "
@@ -234,6 +252,7 @@ class EndpointSliceWatch:
         raw = event.get("raw_object")
         self.backoff.reset()
         self._expired_in_a_row = 0
+        self.stats.events[str(kind)] += 1
         if kind == "BOOKMARK":
             self.view.bookmark(raw["metadata"]["resourceVersion"])
             return

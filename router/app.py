@@ -227,6 +227,7 @@ async def _compose(
         bootstrap.start()
     if discovery is not None:
         _watch(config, discovery, workers, bootstrap)
+        metrics.watch_discovery(discovery)
     replica.tasks.append(asyncio.create_task(loads.run(), name="kvrouter-loads"))
     for url in config.workers:
         await workers.add(url)

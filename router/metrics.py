@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from peer.endpointslices import SliceDiscovery
     from router.bootstrap import PeerBootstrap
     from router.index import Pump
     from router.loads import LoadMonitor
@@ -74,6 +75,9 @@ class RouterMetrics:
         self.registry.register(_StateCollector(pump, workers, loads))
         if bootstrap is not None:
             self.registry.register(_BootstrapCollector(bootstrap))
+
+    def watch_discovery(self, discovery: SliceDiscovery) -> None:
+        self.registry.register(_DiscoveryCollector(discovery))
 
 
 class _StateCollector(Collector):
@@ -280,6 +284,40 @@ def _gauge(
     for values, value in rows:
         family.add_metric(list(values), value)
     return family
+
+
+class _DiscoveryCollector(Collector):
+    """The EndpointSlice watches: what each publishes, how often it relisted and failed."""
+
+    def __init__(self, discovery: SliceDiscovery) -> None:
+        self._discovery = discovery
+
+    def collect(self) -> Iterator[Metric]:
+        watches = self._discovery.watches
+        yield _gauge(
+            "kvrouter_discovery_urls",
+            "URLs the EndpointSlice watch currently publishes (siblings or workers)",
+            [((w.what,), len(w.view.urls)) for w in watches],
+            ["what"],
+        )
+        yield _counter(
+            "kvrouter_discovery_relists",
+            "Complete EndpointSlice lists that replaced the watch's view",
+            ["what"],
+            {(w.what,): w.stats.relists for w in watches},
+        )
+        yield _counter(
+            "kvrouter_discovery_events",
+            "EndpointSlice watch events by type",
+            ["what", "type"],
+            {(w.what, kind): n for w in watches for kind, n in w.stats.events.items()},
+        )
+        yield _counter(
+            "kvrouter_discovery_failures",
+            "EndpointSlice list/watch failures by reason (http_403: RBAC; expired: a relist)",
+            ["what", "reason"],
+            {(w.what, why): n for w in watches for why, n in w.stats.failures.items()},
+        )
 
 
 def _counter(

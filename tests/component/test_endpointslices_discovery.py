@@ -15,6 +15,7 @@ from cachetree.snapshot import canonical_view
 from tests.component.test_cli import run_cli
 from tests.support.fake_apiserver import FakeApiServer, endpoint, endpoint_slice
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
+from tests.support.metrics import Scrape
 from tests.support.ports import free_tcp_port
 from tests.support.router import RouterHandle, router_in_process
 from tests.support.waiting import eventually
@@ -91,6 +92,17 @@ async def test_discovered_workers_take_traffic_and_departed_ones_are_drained_and
         status, _, _ = await rt.post("/v1/completions", {"prompt": "x", "max_tokens": 1})
         assert status == 503
         assert [await served(w) for w in (w1, w2)] == [10, 6]
+        scrape = Scrape.parse((await rt.text("/metrics"))[1])
+        assert scrape.value("kvrouter_discovery_urls", what="workers") == 0
+        assert scrape.value("kvrouter_discovery_relists_total", what="workers") == 1
+        # After the list that found w1, the watch saw w2 added, w1 terminating, w1 back, w2
+        # unready, w1 deleted.
+        events = scrape.series("kvrouter_discovery_events_total")
+        assert {dict(labels)["type"]: n for labels, n in events.items()} == {
+            "ADDED": 1,
+            "MODIFIED": 3,
+            "DELETED": 1,
+        }
 
 
 async def test_a_worker_leaving_the_discovered_set_is_out_of_routing_in_that_same_call() -> None:

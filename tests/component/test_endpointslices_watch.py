@@ -194,6 +194,9 @@ async def test_an_expired_watch_relists_and_the_relist_replaces_rather_than_merg
             (url("10.0.0.3"), url("10.0.0.4")),
         ]
         assert len(h.sleeper.delays) == 1  # a 410 relists at once
+        stats = h.watch.stats
+        assert stats.relists == 2 and stats.failures == {"transport": 1, "expired": 1}
+        assert stats.events["DELETED"] == 0  # the deletion was learned by the relist
 
 
 async def test_a_relist_cut_off_between_pages_publishes_nothing_partial() -> None:
@@ -216,9 +219,11 @@ async def test_a_forbidden_list_backs_off_until_granted_then_syncs() -> None:
             h.sleeper.hold()
             await eventually(lambda: h.sleeper.delays, 5.0)
             assert h.published == []  # never synced: not even an empty set
+            assert h.watch.stats.relists == 0 and h.watch.stats.failures["http_403"] >= 1
             fake.fail("list", None)
             h.sleeper.release()
             await h.published_is(url("10.0.0.2"))
+            assert h.watch.stats.relists == 1
 
 
 async def test_watch_errors_keep_the_view_and_the_backoff_grows_until_recovery() -> None:

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from router.cli import build_parser
-from tests.support.ports import free_port_range, free_tcp_port
+from tests.support.fake_apiserver import FakeApiServer
+from tests.support.ports import free_port_range
 from tests.support.router import router_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -167,8 +168,16 @@ def test_every_flag_in_the_readme_table_is_a_serve_flag() -> None:
 
 
 async def test_every_metric_the_readme_names_is_exported() -> None:
-    peer = f"http://127.0.0.1:{free_tcp_port()}"
-    async with router_in_process(workers=[], peer=[peer]) as rt:
+    # Bootstrap and discovery on, so that their series are exported too.
+    async with (
+        FakeApiServer() as api,
+        router_in_process(
+            workers=[],
+            kv_peer_selector="kubernetes.io/service-name=kvrouter",
+            kube_api_server=api.url,
+            namespace="default",
+        ) as rt,
+    ):
         status, exposition = await rt.text("/metrics")
     assert status == 200
     exported = set(re.findall(r"^# HELP (\S+)", exposition, re.M))
