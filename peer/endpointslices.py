@@ -29,7 +29,6 @@ How the API client is made, and which namespace is watched: `peer.kubeconfig`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -45,6 +44,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from peer.slice_view import SliceView
 from peer.slices import EndpointSlice, Extraction, SliceError, decode_slice
+from peer.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -338,9 +338,5 @@ class SliceDiscovery:
         self._tasks.append(asyncio.create_task(w.run(), name=f"endpointslices {what}"))
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks)
         await self.client.close()

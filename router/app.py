@@ -28,6 +28,7 @@ from peer.kubeconfig import kube_api_client, resolve_namespace
 from peer.producer import SnapshotProducer, serve_snapshot
 from peer.registry import PeerRegistry
 from peer.slices import Extraction, Family, SelfIdentity, listen_family
+from peer.tasks import cancel_and_wait
 from peer.tracker import BootstrapTracker
 from router.bootstrap import PeerBootstrap
 from router.breaker import CircuitBreaker
@@ -37,7 +38,6 @@ from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
 from router.policy import Candidate, Policy, Prompt, make_policy
 from router.proxy import InflightTracker, Proxy, upstream_session
-from router.tasks import cancel_and_wait
 from router.tokenize import RequestTokenizer, load_tokenizer
 from router.workers import DiscoveryDefaults, WorkerRegistry
 

@@ -38,11 +38,11 @@ from peer.sweep import (
     VetFailure,
     sweep,
 )
+from peer.tasks import cancel_and_wait
 from peer.tracker import BootstrapTracker, Obligation, below_floor_warning
 from peer.vet import Retaining, VetError, VettedSnapshot, Vetting
 from router.graft import BootstrapRules, Grafted, LocalGraft
 from router.index import IndexRules, Pump
-from router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

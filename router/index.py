@@ -42,10 +42,10 @@ from typing import Any, TypeVar
 
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
+from peer.tasks import cancel_and_wait
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
 from router.graft import BootstrapRules
 from router.subscriber import LiveBatch, PublisherReset, SubscriberItem, UnrepairedGap
-from router.tasks import cancel_and_wait
 from router.worker_snapshot import SnapshotRank, WorkerSnapshotError, rebuild_rank
 
 log = logging.getLogger(__name__)

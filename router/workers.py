@@ -44,12 +44,12 @@ import zmq.asyncio
 
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
+from peer.tasks import cancel_and_wait
 from router.breaker import CircuitBreaker
 from router.graft import LocalGraft
 from router.index import Pump
 from router.loads import LoadMonitor
 from router.subscriber import RankEndpoint, RankSubscriber, SubscriberStats
-from router.tasks import cancel_and_wait
 from router.worker_snapshot import WorkerSnapshot, WorkerSnapshotError, decode_worker_snapshot
 
 if TYPE_CHECKING:

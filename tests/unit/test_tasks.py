@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from router.tasks import cancel_and_wait
+from peer.tasks import cancel_and_wait
 
 
 async def test_every_task_is_cancelled_and_finished_when_it_returns() -> None:

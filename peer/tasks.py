@@ -1,4 +1,4 @@
-"""Stopping background tasks: cancel them all, then wait for each to finish."""
+"""Stopping background tasks: cancel them all, then wait for each to finish (peer and router)."""
 
 from __future__ import annotations
 
