@@ -39,8 +39,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--markdown",
         type=Path,
-        default=suite.ROOT / "BENCHMARKS.md",
-        help="regenerate the tables in this file",
+        default=None,
+        help="regenerate the tables in this file (default: BENCHMARKS.md, except with --quick)",
     )
     parser.add_argument(
         "--no-markdown", action="store_true", help="print the tables, leave BENCHMARKS.md alone"
@@ -58,8 +58,20 @@ def main(argv: list[str] | None = None) -> int:
     smg = from_environment()
     if args.no_smg:
         smg.skip("left out with --no-smg")
-    markdown = None if args.no_markdown else args.markdown
-    return suite.run(names, args.quick, args.results, markdown, smg)
+    return suite.run(names, args.quick, args.results, tables_file(args), smg)
+
+
+def tables_file(args: argparse.Namespace) -> Path | None:
+    """Where the run's tables go: None prints them only.
+
+    Quick figures are a smoke test at a smaller scale: they never replace the full run's
+    tables in BENCHMARKS.md unless a file is named with --markdown.
+    """
+    if args.no_markdown:
+        return None
+    if args.markdown is not None:
+        return args.markdown
+    return None if args.quick else suite.ROOT / "BENCHMARKS.md"
 
 
 if __name__ == "__main__":

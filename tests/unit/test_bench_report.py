@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import plots, suite
+from bench.__main__ import parse, tables_file
 from bench.report import MarkerError, cell, regenerate, table, update_file
 
 DOC = """# Benchmarks
@@ -94,3 +95,12 @@ def test_selecting_benchmarks_keeps_suite_order_and_names_unknown_ones() -> None
 def test_without_matplotlib_there_is_no_pyplot(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an absent package looks like
     assert plots.pyplot() is None
+
+
+def test_a_quick_run_leaves_benchmarks_md_alone_unless_a_file_is_named(tmp_path: Path) -> None:
+    full = suite.ROOT / "BENCHMARKS.md"
+    named = tmp_path / "B.md"
+    assert tables_file(parse([])) == full
+    assert tables_file(parse(["--quick"])) is None
+    assert tables_file(parse(["--quick", "--markdown", str(named)])) == named
+    assert tables_file(parse(["--markdown", str(named), "--no-markdown"])) is None
