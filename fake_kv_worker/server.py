@@ -33,6 +33,7 @@ from fake_kv_worker.publisher import RankPublisher
 log = logging.getLogger(__name__)
 
 _HTTP_SHUTDOWN_TIMEOUT_S: Final = 2.0  # in-flight requests get this long on stop
+_TERM_LINGER_MS: Final = 1_000  # what the publishers give their last frames, at most
 
 
 class FakeWorker:
@@ -136,7 +137,10 @@ class FakeWorker:
         if self._ctx is not None:
             ctx, self._ctx = self._ctx, None
             # term() waits for lingering frames (the END_SEQ); keep that off the event loop.
-            await asyncio.to_thread(ctx.term)
+            # destroy(), not term(): it first closes, with a bounded linger, any socket still
+            # open on the context, where a bare term() was seen to wait forever (about one
+            # test run in ten hung at exit in that thread).
+            await asyncio.to_thread(ctx.destroy, _TERM_LINGER_MS)
 
     async def __aenter__(self) -> FakeWorker:
         await self.start()
