@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import socket
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.ports import listening
 
 URL = re.compile(r"http://127\.0\.0\.1:(\d+)")
 # Smaller than the default workload, and still enough for the policies to differ.
@@ -31,12 +32,6 @@ async def start_demo(*args: str) -> asyncio.subprocess.Process:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def ports_in(text: str) -> set[int]:

@@ -9,20 +9,16 @@ README's tables promise are checked against the real parser and a real replica's
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import os
 import re
-import signal
-import socket
 from pathlib import Path
 
 import pytest
 
 from router.cli import build_parser
 from tests.support.fake_apiserver import FakeApiServer
-from tests.support.ports import free_port_range
+from tests.support.ports import free_port_range, listening
+from tests.support.processes import run_to_end
 from tests.support.router import router_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,31 +53,10 @@ def test_the_readme_test_command_is_what_ci_runs() -> None:
     assert re.search(r"^\s*(exec\s+)?\./scripts/test\b", ci, re.M), ci
 
 
-async def run_from_root(argv: list[str], within_s: float) -> tuple[int | None, str]:
-    """Run `argv` in the repo root in its own process group; its exit code and output.
-
-    Whatever is still running when the bound passes (the command, or children it left behind)
-    is killed with the group.
-    """
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), within_s)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    return proc.returncode, out.decode()
-
-
 @pytest.mark.timeout(180)
 async def test_the_readme_demo_command_runs_the_demo_to_a_verdict() -> None:
-    code, text = await run_from_root(["./scripts/demo"], within_s=150)
-    assert code == 0, text
+    code, text, err = await run_to_end(["./scripts/demo"], within_s=150)
+    assert code == 0, f"{text}\n{err}"
     # The demo checks itself (cache_aware beats round_robin, views agree, same routing);
     # test_demo.py pins each of those checks on a smaller workload.
     assert "views: agree (3 replicas" in text, text
@@ -116,17 +91,11 @@ def json_documents(text: str) -> list[dict]:
     return found
 
 
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
 @pytest.mark.timeout(120)
 async def test_the_readme_by_hand_session_works_as_shown() -> None:
     script, ports = _with_free_ports("\n".join(labeled_blocks("by-hand")))
-    code, text = await run_from_root(["bash", "-euo", "pipefail", "-c", script], within_s=100)
-    assert code == 0, f"exit {code}\n{text}"
+    code, text, err = await run_to_end(["bash", "-euo", "pipefail", "-c", script], within_s=100)
+    assert code == 0, f"exit {code}\n{text}\n{err[-4000:]}"
 
     worker_a = f"http://127.0.0.1:{ports[8001]}"
     worker_b = f"http://127.0.0.1:{ports[8002]}"
@@ -150,7 +119,7 @@ async def test_the_readme_by_hand_session_works_as_shown() -> None:
     assert table["format"] == 1 and table["nodes"] == [], table
     assert {w["url"] for w in table["workers"]} <= {worker_a, worker_b}, table
     # `kill $(jobs -p); wait` stopped every process the session started.
-    assert not any(_listening(port) for port in ports.values())
+    assert not any(listening(port) for port in ports.values())
 
 
 def test_every_flag_in_the_readme_table_is_a_serve_flag() -> None:

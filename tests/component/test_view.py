@@ -6,9 +6,7 @@ workers run in the test's loop, which keeps serving while the subprocess asks th
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -16,6 +14,7 @@ from cachetree.ranks import RankId
 from router import view
 from router.tokenize import BytesTokenizer
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
+from tests.support.processes import kvrouter_argv, run_to_end
 from tests.support.router import RouterHandle, router_in_process
 
 TOK = BytesTokenizer()
@@ -25,18 +24,9 @@ OTHER = "Another conversation on rank one of the second worker."  # 3 blocks
 
 
 async def run_view(*args: str, within_s: float = 30.0) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "router.cli",
-        "view",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), within_s)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+    status, out, err = await run_to_end(kvrouter_argv("view", *args), within_s=within_s)
+    assert status is not None, f"kvrouter view still running after {within_s} s\n{err}"
+    return status, out, err
 
 
 async def gate_all(replicas: Sequence[RouterHandle], workers: Sequence[FakeWorkerHandle]) -> None:

@@ -75,3 +75,10 @@ def free_port_range(count: int, host: str = "127.0.0.1", attempts: int = 200) ->
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:
     return free_port_range(1, host)
+
+
+def listening(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts TCP connections on the port (a process we started, say)."""
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
