@@ -29,11 +29,13 @@ from fake_kv_worker.app import WorkerState, build_app
 from fake_kv_worker.config import WorkerConfig
 from fake_kv_worker.engine import RankEngine, Sleep
 from fake_kv_worker.publisher import RankPublisher
+from router.zmq_term import terminate_context
 
 log = logging.getLogger(__name__)
 
 _HTTP_SHUTDOWN_TIMEOUT_S: Final = 2.0  # in-flight requests get this long on stop
-_TERM_LINGER_MS: Final = 1_000  # what the publishers give their last frames, at most
+# The publishers linger 1 s at most for their last frames; term gets that and room to spare.
+_TERM_WITHIN_S: Final = 5.0
 
 
 class FakeWorker:
@@ -136,11 +138,8 @@ class FakeWorker:
             await publisher.close(send_end=send_end)
         if self._ctx is not None:
             ctx, self._ctx = self._ctx, None
-            # term() waits for lingering frames (the END_SEQ); keep that off the event loop.
-            # destroy(), not term(): it first closes, with a bounded linger, any socket still
-            # open on the context, where a bare term() was seen to wait forever (about one
-            # test run in ten hung at exit in that thread).
-            await asyncio.to_thread(ctx.destroy, _TERM_LINGER_MS)
+            # Term waits out the END_SEQ's linger; bounded, as libzmq can hang it for good.
+            await terminate_context(ctx, within_s=_TERM_WITHIN_S, what="fake-kv-worker")
 
     async def __aenter__(self) -> FakeWorker:
         await self.start()

@@ -40,6 +40,7 @@ from router.policy import Candidate, Policy, Prompt, make_policy
 from router.proxy import InflightTracker, Proxy, upstream_session
 from router.tokenize import RequestTokenizer, load_tokenizer
 from router.workers import DiscoveryDefaults, WorkerRegistry
+from router.zmq_term import terminate_context
 
 if TYPE_CHECKING:
     from peer.endpointslices import SliceDiscovery
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
+_ZMQ_TERM_WITHIN_S = 2.0  # the subscribers close with linger 0: term has nothing to wait for
 
 
 @dataclass(slots=True)
@@ -103,6 +105,7 @@ class Replica:
     metrics: RouterMetrics
     inflight: InflightTracker
     sessions: list[aiohttp.ClientSession]
+    zmq_context: zmq.asyncio.Context  # the worker subscriptions' sockets; terminated on stop
     draining: bool = False
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     producer: SnapshotProducer | None = None  # serves /internal/kv_snapshot
@@ -174,6 +177,7 @@ async def _compose(
             config.breaker_max_cooldown_s,
         )
 
+    zmq_context = zmq.asyncio.Context()
     workers = WorkerRegistry(
         pump,
         control_session,
@@ -187,7 +191,7 @@ async def _compose(
         breaker_factory=breaker,
         health_interval_s=config.health_interval_s,
         evict_after_s=config.worker_evict_after_s,
-        zmq_context=zmq.asyncio.Context(),
+        zmq_context=zmq_context,
     )
     bootstrap = _bootstrap(config, pump, workers) if config.bootstrap_enabled else None
     workers.bootstrap = bootstrap
@@ -218,6 +222,7 @@ async def _compose(
         metrics,
         inflight,
         [control_session, proxy_session],
+        zmq_context,
         producer=SnapshotProducer(pump.rules, settled=settled),
         bootstrap=bootstrap,
         discovery=discovery,
@@ -298,6 +303,9 @@ async def _stop_replica(replica: Replica) -> None:
     await cancel_and_wait(replica.tasks)
     await replica.workers.close()
     await replica.pump.stop()
+    # Every subscriber closed its sockets when its worker was removed, so this is quick;
+    # left to the collector, term would run on whatever thread collects the context.
+    await terminate_context(replica.zmq_context, within_s=_ZMQ_TERM_WITHIN_S, what="kvrouter")
     for session in replica.sessions:
         await session.close()
 

@@ -162,3 +162,15 @@ async def test_a_worker_with_another_block_size_is_refused_and_listed() -> None:
         assert rt.replica.workers.stats.refused["block_size"] == 1
         status, _ = await rt.get("/readyz")
         assert status == 503
+
+
+async def test_stopping_a_replica_terminates_its_zmq_context_with_every_socket_closed() -> None:
+    async with fake_worker_in_process(replay=True) as fw:
+        async with router_in_process(workers=[fw.url]) as rt:
+            await rt.gate(fw)
+            ctx = rt.replica.zmq_context
+            assert not ctx.closed
+        # Term only ends once every subscriber socket (live SUB and replay DEALER) is closed;
+        # a leaked one would leave the context open, and the collector would term it later
+        # on whatever thread collects it.
+        assert ctx.closed

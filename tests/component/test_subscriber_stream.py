@@ -31,6 +31,7 @@ from router.subscriber import (
     SubscriberItem,
     UnrepairedGap,
 )
+from router.zmq_term import terminate_context
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 
 pytestmark = pytest.mark.timeout(20)
@@ -99,7 +100,7 @@ async def subscribed(endpoint: RankEndpoint, **kwargs: Any) -> AsyncIterator[Har
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        await asyncio.wait_for(asyncio.to_thread(ctx.term), WITHIN_S)
+        assert await terminate_context(ctx, within_s=WITHIN_S, what="test")
 
 
 def endpoint_of(fw: FakeWorkerHandle, dp_rank: int = 0, *, replay: bool = True) -> RankEndpoint:
@@ -285,7 +286,7 @@ async def test_a_slow_deliver_loses_no_batches() -> None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            await asyncio.wait_for(asyncio.to_thread(ctx.term), WITHIN_S)
+            assert await terminate_context(ctx, within_s=WITHIN_S, what="test")
 
 
 # --- against hand-made sockets --------------------------------------------------------------
