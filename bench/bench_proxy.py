@@ -107,6 +107,8 @@ NEW_BLOCKS = PROMPT_TOKENS // BLOCK_SIZE - CACHED_BLOCKS  # what a request store
 MODEL = "fake-model"
 POLICIES = ("cache_aware", "round_robin")
 SMG_POLICY = "cache_aware"
+RELAY = "aiohttp"  # bench/relay_floor.py: the HTTP floor, no routing work
+RELAY_POLICY = "relay (floor)"  # round-robin, the only thing it decides
 REGIMES = ("not full", "full")
 BUDGET_US = 400
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -246,7 +248,8 @@ def router_args(port: int, workers: Sequence[str], policy: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Target:
-    """A router under test: kvrouter or smg (`smg_binary`), with a routing policy."""
+    """A router under test: kvrouter or smg (`smg_binary`) with a routing policy, or the bare
+    aiohttp relay (router `RELAY`, round-robin) that shows the floor under kvrouter's cost."""
 
     router: str
     policy: str
@@ -270,6 +273,13 @@ async def start_router(
     `/readiness` naming every worker healthy."""
     urls = [w.url for w in workers]
     port = free_port()
+    if target.router == RELAY:
+        from bench.relay_floor import READY_PREFIX
+
+        argv = [sys.executable, str(HERE / "relay_floor.py"), "--port", str(port)]
+        argv += [arg for url in urls for arg in ("--worker", url)]
+        log(f"[{target.label}] starting relay: {shlex.join(argv)}")
+        return children.start(target.label, argv, READY_PREFIX)
     if target.smg_binary is None:
         argv = [str(BIN / "kvrouter"), *router_args(port, urls, target.policy)]
         log(f"[{target.label}] starting router: {shlex.join(argv)}")
@@ -1131,10 +1141,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def targets(smg_binary: Path | None) -> list[Target]:
-    """kvrouter with each of POLICIES, then smg when it is installed."""
+    """kvrouter with each of POLICIES, then smg when it is installed, then the bare relay."""
     out = [Target("kvrouter", policy) for policy in POLICIES]
     if smg_binary is not None:
         out.append(Target("smg", SMG_POLICY, smg_binary))
+    out.append(Target(RELAY, RELAY_POLICY))
     return out
 
 

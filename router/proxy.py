@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 MAX_BUFFERED_BYTES = 16 * 1024 * 1024  # larger non-SSE answers are relayed in chunks
 
 # Headers that describe one hop, not the message; never forwarded either way.
-_HOP_BY_HOP = frozenset(
+HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
         "Connection",
@@ -124,7 +124,7 @@ class Proxy:
     async def forward(
         self, request: web.Request, route: str, body: bytes, ranked: Sequence[Candidate]
     ) -> web.StreamResponse:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         workers = [self._workers.get(c.rank.worker_url) for c in ranked]
         pairs = [(c.rank, w) for c, w in zip(ranked, workers, strict=True) if w is not None]
         every_breaker_open = all(w.breaker.is_open() for _, w in pairs)
@@ -234,7 +234,7 @@ class Proxy:
         rank: RankId,
     ) -> None:
         for name, value in upstream.headers.items():
-            if name.lower() not in _HOP_BY_HOP:
+            if name.lower() not in HOP_BY_HOP:
                 response.headers.add(name, value)
         if self._expose:
             response.headers["X-Kvrouter-Worker"] = worker_url
