@@ -284,24 +284,41 @@ class BlockTree:
             return 0
         clear = ALL_TIERS if tier is None else tier
         nodes = self._nodes
-        found = 0
+        by_hash = st.by_engine_hash
+        index = st.index
+        bit = 1 << index
+        found = dropped_device_only = 0
         for eh in hashes:
-            key = st.by_engine_hash.get(eh)
+            key = by_hash.get(eh)
             if key is None:
                 self.stats.unknown_removal += 1
                 continue
             found += 1
             node = nodes[key]
-            old = _bits_of(node, st.index)
+            tiers = node.tiers
+            if clear & DEVICE and (tiers is None or index not in tiers) and node.mask & bit:
+                # A device-only carrier, what engines evict nearly always: it goes whole.
+                # Inlined (no _bits_of/_count calls): under cache pressure an engine removes
+                # about as many blocks as it stores.
+                del by_hash[eh]
+                dropped_device_only += 1
+                node.mask ^= bit
+                if type(node.ehash) is dict:
+                    node.ehash.pop(index, None)
+                if not node.mask and not node.children:
+                    self._prune(key, node)
+                continue
+            old = _bits_of(node, index)
             new = old & ~clear
             if new == old:
                 continue
             _count(st.counts, old & ~new, -1)
             if new:
-                _set_bits(node, st.index, new)
+                _set_bits(node, index, new)
             else:
-                del st.by_engine_hash[eh]
-                self._drop_carrier(key, node, st.index)
+                del by_hash[eh]
+                self._drop_carrier(key, node, index)
+        st.counts[0] -= dropped_device_only
         return found
 
     def clear_rank(self, rank: RankId) -> int:
@@ -412,6 +429,10 @@ class BlockTree:
                 node.tiers = None
         if type(node.ehash) is dict:
             node.ehash.pop(index, None)
+        self._prune(key, node)
+
+    def _prune(self, key: int, node: Node) -> None:
+        """Delete `node` if it is left with no carrier and no child, then its bare ancestors."""
         nodes = self._nodes
         while not node.mask and not node.children:
             del nodes[key]

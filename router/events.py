@@ -91,7 +91,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Annotated, Any, Final, Union
+from typing import Annotated, Any, ClassVar, Final, Union
 
 import msgspec
 from msgspec import Meta, Raw, Struct
@@ -126,6 +126,10 @@ _PRIMARY_KINDS: Final = frozenset({"fullattention", "mlaattention", "sinkfullatt
 # Exact spellings engines send, looked up before `tier_of_medium`'s case-folding.
 _TIER_BY_MEDIUM: Final[dict[str | None, int]] = {
     m: tier_of_medium(m) for m in (None, "GPU", "CPU", "CPU_PINNED", "DISK", "STORAGE", "EXTERNAL")
+}
+# What a BlockRemoved on those media clears, as `_removed` computes it (None: every tier).
+_REMOVAL_TIER: Final[dict[str | None, int | None]] = {
+    m: None if m is None else tier or None for m, tier in _TIER_BY_MEDIUM.items()
 }
 
 
@@ -389,6 +393,7 @@ class _ArrayRemoved(Struct, array_like=True, tag="BlockRemoved", gc=False):
     block_hashes: _Hashes
     medium: str | None = None
     group_idx: int | None = None
+    locality: ClassVar[None] = None  # positional releases have no such slot
 
     def normalize(self) -> BlockRemoved | str:
         return _removed(self.block_hashes, self.medium, self.group_idx, None)
@@ -462,6 +467,21 @@ def _decode_typed(payload: bytes) -> EventBatch:
     out: list[KVEvent] = []
     ignored: dict[str, int] = {}
     for ev in batch.events:
+        kind = type(ev)
+        if kind is _MapRemoved or kind is _ArrayRemoved:
+            # An engine evicting under pressure sends one one-block BlockRemoved per block,
+            # dozens a batch: that shape is built here, the rest goes through `_removed`.
+            hashes, medium = ev.block_hashes, ev.medium
+            if (
+                len(hashes) == 1
+                and type(hashes[0]) is int
+                and hashes[0] >= 0
+                and not ev.group_idx
+                and ev.locality is None
+                and medium in _REMOVAL_TIER
+            ):
+                out.append(BlockRemoved(hashes, _REMOVAL_TIER[medium], medium))
+                continue
         result = ev.normalize()
         if type(result) is str:
             ignored[result] = ignored.get(result, 0) + 1

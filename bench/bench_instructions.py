@@ -1,0 +1,125 @@
+"""Instructions per block on the event-apply hot path, counted by callgrind: repeatable figures.
+
+Run: .venv/bin/python bench/bench_instructions.py [--workload NAME ...]
+Needs valgrind. Prints figures; asserts nothing. Takes about a minute.
+
+Wall-clock figures on a shared 2-core VM move by a third between runs, more than most changes
+to the hot path are worth. Callgrind counts the instructions a workload executes instead,
+which stays the same run after run whatever else the machine is doing, so a before/after pair
+can be told apart at the percent level. Each workload runs twice under callgrind, once set up
+only and once set up and measured; the difference, divided by the blocks it handled, is the
+figure.
+
+Workloads:
+- `tree-remove`: `BlockTree.remove` of 400 chains of 63 device-only blocks, leaf first, one
+  call per chain (as `apply_events` groups a run of removals).
+- `decode-removals`: `decode_batch` of a vLLM batch of 63 one-block BlockRemoved events (how
+  an engine reports eviction under cache pressure), 2,000 times.
+- `ingest-mixed`: `bench_ingest.py`'s store + evict stream (8-block events), decode + key +
+  apply, 1,500 batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from cachetree.ranks import RankId
+from cachetree.tree import BlockTree
+from router.events import decode_batch
+
+RANK = RankId("http://10.0.0.1:8000", 0)
+
+
+def tree_remove() -> tuple[Callable[[], None], int]:
+    tree = BlockTree(16)
+    rng = random.Random(1)
+    chains = []
+    for c in range(400):
+        tokens = [rng.randrange(3, 50_000) for _ in range(16 * 63)]
+        hashes = list(range(1 + 63 * c, 1 + 63 * (c + 1)))
+        tree.store(RANK, None, hashes, tokens, 16, 1, None)
+        chains.append(hashes)
+
+    def measured() -> None:
+        for hashes in chains:
+            tree.remove(RANK, hashes[::-1], None)
+
+    return measured, 400 * 63
+
+
+def decode_removals() -> tuple[Callable[[], None], int]:
+    events = [
+        {"type": "BlockRemoved", "block_hashes": [1000 + i], "medium": "GPU"} for i in range(63)
+    ]
+    payload = msgspec.msgpack.encode([1.5, events, 0])
+
+    def measured() -> None:
+        for _ in range(2000):
+            decode_batch(payload)
+
+    return measured, 2000 * 63
+
+
+def ingest_mixed() -> tuple[Callable[[], None], int]:
+    from bench import bench_ingest  # the repo root is on sys.path once main() runs
+
+    payloads, blocks = bench_ingest.stream(True, batches=1500)
+    return (lambda: bench_ingest.run(payloads) and None), blocks
+
+
+WORKLOADS: dict[str, Callable[[], tuple[Callable[[], None], int]]] = {
+    "tree-remove": tree_remove,
+    "decode-removals": decode_removals,
+    "ingest-mixed": ingest_mixed,
+}
+
+
+def instructions(name: str, measure: bool) -> int:
+    """Instructions callgrind counted for one run of this script's child mode."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
+        argv += [sys.executable, __file__, "--child", name]
+        if measure:
+            argv.append("--measure")
+        done = subprocess.run(argv, capture_output=True, text=True, check=True)
+        found = re.search(r"Collected : (\d+)", done.stderr)
+        if found is None:
+            raise RuntimeError(f"callgrind printed no total for {name}:\n{done.stderr[-2000:]}")
+        return int(found.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        measured, _ = WORKLOADS[args.child]()
+        if args.measure:
+            measured()
+        return
+    if shutil.which("valgrind") is None:
+        raise SystemExit("bench_instructions: valgrind is not installed (apt install valgrind)")
+    for name in args.workload or list(WORKLOADS):
+        print(f"{name}: running under callgrind (set-up only, then set-up + workload)...")
+        base, total = instructions(name, False), instructions(name, True)
+        _, blocks = WORKLOADS[name]()
+        print(f"{name}: {(total - base) / blocks:,.0f} instructions per block ({blocks:,} blocks)")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `bench`
+    main()
