@@ -75,7 +75,11 @@ def ingest_mixed() -> tuple[Callable[[], None], int]:
     from bench import bench_ingest  # the repo root is on sys.path once main() runs
 
     payloads, blocks = bench_ingest.stream(True, batches=1500)
-    return (lambda: bench_ingest.run(payloads) and None), blocks
+
+    def measured() -> None:
+        bench_ingest.run(payloads)
+
+    return measured, blocks
 
 
 WORKLOADS: dict[str, Callable[[], tuple[Callable[[], None], int]]] = {
@@ -85,8 +89,9 @@ WORKLOADS: dict[str, Callable[[], tuple[Callable[[], None], int]]] = {
 }
 
 
-def instructions(name: str, measure: bool) -> int:
-    """Instructions callgrind counted for one run of this script's child mode."""
+def instructions(name: str, measure: bool) -> tuple[int, int]:
+    """Instructions callgrind counted for one run of this script's child mode, and the blocks
+    the workload handles (the child reports them, so the parent never builds the workload)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
         argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
@@ -97,9 +102,10 @@ def instructions(name: str, measure: bool) -> int:
         env = {**os.environ, "PYTHONHASHSEED": "0"}
         done = subprocess.run(argv, capture_output=True, text=True, check=True, env=env)
         found = re.search(r"Collected : (\d+)", done.stderr)
-        if found is None:
+        blocks = re.search(r"^blocks (\d+)$", done.stdout, re.M)
+        if found is None or blocks is None:
             raise RuntimeError(f"callgrind printed no total for {name}:\n{done.stderr[-2000:]}")
-        return int(found.group(1))
+        return int(found.group(1)), int(blocks.group(1))
 
 
 def main() -> None:
@@ -109,16 +115,16 @@ def main() -> None:
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        measured, _ = WORKLOADS[args.child]()
+        measured, blocks = WORKLOADS[args.child]()
         if args.measure:
             measured()
+        print(f"blocks {blocks}")
         return
     if shutil.which("valgrind") is None:
         raise SystemExit("bench_instructions: valgrind is not installed (apt install valgrind)")
     for name in args.workload or list(WORKLOADS):
         print(f"{name}: running under callgrind (set-up only, then set-up + workload)...")
-        base, total = instructions(name, False), instructions(name, True)
-        _, blocks = WORKLOADS[name]()
+        (base, blocks), (total, _) = instructions(name, False), instructions(name, True)
         print(f"{name}: {(total - base) / blocks:,.0f} instructions per block ({blocks:,} blocks)")
 
 

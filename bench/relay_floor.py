@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import itertools
 import signal
-import socket
 from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
@@ -61,16 +60,14 @@ def build_app(workers: Sequence[str]) -> web.Application:
 
 
 async def serve(host: str, port: int, workers: Sequence[str]) -> None:
-    runner = web.AppRunner(build_app(workers), access_log=None)
-    await runner.setup()
-    sock = socket.create_server((host, port))
-    site = web.SockSite(runner, sock)
-    await site.start()
-    print(f"{READY_PREFIX}http://{host}:{sock.getsockname()[1]}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(build_app(workers), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    print(f"{READY_PREFIX}http://{host}:{runner.addresses[0][1]}", flush=True)
     try:
         await stop.wait()
     finally:
