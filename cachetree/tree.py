@@ -297,16 +297,12 @@ class BlockTree:
             node = nodes[key]
             tiers = node.tiers
             if clear & DEVICE and (tiers is None or index not in tiers) and node.mask & bit:
-                # A device-only carrier, what engines evict nearly always: it goes whole.
-                # Inlined (no _bits_of/_count calls): under cache pressure an engine removes
-                # about as many blocks as it stores.
+                # A device-only carrier, what engines evict nearly always: it goes whole, with
+                # no _bits_of/_count calls (under cache pressure an engine removes about as
+                # many blocks as it stores), and its count is settled once after the loop.
                 del by_hash[eh]
                 dropped_device_only += 1
-                node.mask ^= bit
-                if type(node.ehash) is dict:
-                    node.ehash.pop(index, None)
-                if not node.mask and not node.children:
-                    self._prune(key, node)
+                self._drop_carrier(key, node, index)
                 continue
             old = _bits_of(node, index)
             new = old & ~clear
@@ -429,10 +425,6 @@ class BlockTree:
                 node.tiers = None
         if type(node.ehash) is dict:
             node.ehash.pop(index, None)
-        self._prune(key, node)
-
-    def _prune(self, key: int, node: Node) -> None:
-        """Delete `node` if it is left with no carrier and no child, then its bare ancestors."""
         nodes = self._nodes
         while not node.mask and not node.children:
             del nodes[key]
