@@ -36,7 +36,7 @@ import aiohttp
 from bench import bench_ingest, bench_proxy, plots
 from bench.report import table
 from fake_kv_worker.wire import Cleared, encode_vllm
-from router import demo
+from router.tools import demo
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.ports import free_tcp_port
 

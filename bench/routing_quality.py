@@ -6,10 +6,10 @@ rank (the rest queue, which the routers see as load), so the time to first token
 measures is the simulated prefill plus queueing plus the router's hop.
 
 The trace (fixed seed, the same for every row): multi-turn chat conversations over a few
-shared system prompts (`router.demo.make_workload`, each turn resending the whole conversation),
-interleaved with one-off prompts whose long first message is unique. The fake workers' replies
-are deterministic, so every request of the trace is known before it runs. `concurrency`
-sessions run at a time, each sending its turns one after another (closed loop).
+shared system prompts (`router.tools.demo.make_workload`, each turn resending the whole
+conversation), interleaved with one-off prompts whose long first message is unique. The fake
+workers' replies are deterministic, so every request of the trace is known before it runs.
+`concurrency` sessions run at a time, each sending its turns one after another (closed loop).
 
 Rows, one after the other on the same fleet (caches cleared between rows, each router fresh):
 kvrouter `cache_aware`, `round_robin`, `least_load`, `power_of_two`, and smg `cache_aware`
@@ -47,7 +47,7 @@ from bench.smg import smg_router
 from fake_kv_worker.cache import PagedPrefixCache
 from fake_kv_worker.hashing import VllmSha256Hasher
 from fake_kv_worker.protocol import filler_text
-from router import demo
+from router.tools import demo
 from tests.support.fake_worker import cli_args, worker_config
 
 BLOCK: Final = 16

@@ -25,7 +25,7 @@ from typing import Final
 
 import aiohttp
 
-from router.demo import Child
+from router.tools.demo import Child
 from tests.support.ports import free_tcp_port
 
 SMG_REQUIREMENT: Final = "smg==1.13.0"

@@ -24,7 +24,6 @@ from typing import Any, Final
 import msgspec
 from aiohttp import web
 
-from cachetree.tiers import TIER_NAMES, tier_of_medium
 from fake_kv_worker.config import WorkerConfig
 from fake_kv_worker.engine import RankEngine
 from fake_kv_worker.metrics import loads_body, prometheus_text
@@ -49,7 +48,7 @@ from fake_kv_worker.protocol import (
     token_chains,
 )
 from fake_kv_worker.publisher import RankPublisher
-from router.tokenize import BytesTokenizer, Tokenizer
+from fake_kv_worker.text import ByteTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ class WorkerState:
         self.config = config
         self.ranks = ranks
         self.publishers = publishers
-        self.tokenizer: Tokenizer = BytesTokenizer()
+        self.tokenizer: Tokenizer = ByteTokenizer()
         self.failures = FailureBudget(config.fail_first)
         self._clock = clock
         self._ready_at = clock() + config.startup_delay_s
@@ -186,9 +185,21 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
+# The tier names of the snapshot body, by engine medium (vLLM's and SGLang's spellings).
+_MEDIUM_TIERS = {
+    "GPU": "device",
+    "CPU": "host",
+    "CPU_PINNED": "host",
+    "DISK": "disk",
+    "NVME": "disk",
+    "STORAGE": "disk",
+    "EXTERNAL": "external",
+}
+
+
 def _tier_name(medium: str) -> str | None:
     # An unknown medium has no tier a router would count: report null rather than guess.
-    return TIER_NAMES.get(tier_of_medium(medium))
+    return _MEDIUM_TIERS.get(medium.upper())
 
 
 async def kv_snapshot(request: web.Request) -> web.Response:

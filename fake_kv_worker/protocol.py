@@ -15,7 +15,7 @@ from typing import Any, Final, Protocol
 
 import msgspec
 
-from router.tokenize import render_chat_plain
+from fake_kv_worker.text import render_plain_chat
 
 MAX_TOKEN_ID: Final = (1 << 32) - 1  # engines carry token ids as u32 (SGLang hashes them so)
 MAX_GENERATED_TOKENS: Final = 100_000  # a fake worker has no reason to stream more than this
@@ -199,7 +199,7 @@ def parse_chat(body: Mapping[str, Any], default_max_tokens: int) -> GenerationRe
                 f"messages[{i}].content",
             )
     return GenerationRequest(
-        prompt=render_chat_plain(messages),
+        prompt=render_plain_chat(messages),
         max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens"), default_max_tokens),
         stream=get_bool(body, "stream", False),
         include_usage=_include_usage(body),

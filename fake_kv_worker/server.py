@@ -29,7 +29,7 @@ from fake_kv_worker.app import WorkerState, build_app
 from fake_kv_worker.config import WorkerConfig
 from fake_kv_worker.engine import RankEngine, Sleep
 from fake_kv_worker.publisher import RankPublisher
-from router.zmq_term import terminate_context
+from fake_kv_worker.zmq_close import close_context
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class FakeWorker:
         if self._ctx is not None:
             ctx, self._ctx = self._ctx, None
             # Term waits out the END_SEQ's linger; bounded, as libzmq can hang it for good.
-            await terminate_context(ctx, within_s=_TERM_WITHIN_S, what="fake-kv-worker")
+            await close_context(ctx, within_s=_TERM_WITHIN_S)
 
     async def __aenter__(self) -> FakeWorker:
         await self.start()

@@ -29,10 +29,10 @@ from typing import Any, Final, NoReturn
 from aiohttp import web
 
 from peer.kubeconfig import KubeConfigError
-from router import demo, view
 from router.app import REPLICA, ServeConfig, build_app
 from router.policy import POLICY_NAMES
 from router.tokenize import load_tokenizer
+from router.tools import demo, view
 from router.workers import worker_url_problem
 
 log = logging.getLogger("kvrouter")

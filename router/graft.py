@@ -47,7 +47,7 @@ import logging
 from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from cachetree.ranks import RankId
 from cachetree.snapshot import Snapshot, SnapshotError, SnapshotRestore, export, restore
@@ -56,13 +56,28 @@ from peer.tracker import BootstrapState, BootstrapTracker, Obligation
 from router.events import BlockStored, EventBatch
 from router.worker_snapshot import WorkerSnapshot, rebuild_rank
 
-if TYPE_CHECKING:
-    from router.index import IndexRules
-
 log = logging.getLogger(__name__)
 
 HELD_QUEUE_CAP = 1024
 MAX_UNKNOWN_PROBES = 3
+
+
+class IndexSurface(Protocol):
+    """What the bootstrap rules may touch of the index (`router.index.IndexRules`).
+
+    Declared here rather than imported, so the index depends on these rules and not the
+    other way round: the index attaches its `BootstrapRules`, which see it only through this.
+    """
+
+    cursors: dict[RankId, int]
+    live: set[RankId]
+
+    @property
+    def _tree(self) -> BlockTree: ...
+
+    def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> None: ...
+
+    def clear_rank_state(self, rank: RankId) -> None: ...
 
 
 class Grafted(Protocol):
@@ -140,7 +155,7 @@ class HeldBatch:
 class BootstrapRules:
     def __init__(
         self,
-        index: IndexRules,
+        index: IndexSurface,
         tracker: BootstrapTracker,
         enqueue_retry: Callable[[Obligation], bool],
         clock: Callable[[], float],

@@ -17,7 +17,7 @@ import pytest
 
 from cachetree.ranks import RankId
 from fake_kv_worker.protocol import filler_text
-from router.view import rank_blocks
+from router.tools.view import rank_blocks
 from tests.support.cluster import (
     BLOCK_SIZE,
     SYSTEM_PROMPTS,

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from cachetree.ranks import RankId
-from router import view
 from router.tokenize import BytesTokenizer
+from router.tools import view
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.processes import kvrouter_argv, run_to_end
 from tests.support.router import RouterHandle, router_in_process

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cachetree.keys import block_keys
 from cachetree.ranks import RankId
 from peer.fetch import SnapshotFetcher
-from router.view import CanonicalView, collect, compare, fetch_view, rank_blocks
+from router.tools.view import CanonicalView, collect, compare, fetch_view, rank_blocks
 from tests.kind.cluster import KindCluster, Pod, PortForwards
 from tests.support.fake_worker import PROBE_TOKEN
 from tests.support.manifests import ROUTER_PROGRAM, WORKER_PROGRAM

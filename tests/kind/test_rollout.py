@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 import aiohttp
 import pytest
 
-from router.view import CanonicalView, collect
+from router.tools.view import CanonicalView, collect
 from tests.kind.cluster import CALL_FAILED, KindCluster, port_forwards, skip_reason
 from tests.kind.fleet import Fleet, Placed, Replica
 

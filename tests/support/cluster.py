@@ -29,8 +29,8 @@ import aiohttp
 from cachetree.keys import block_keys
 from cachetree.ranks import RankId
 from fake_kv_worker.__main__ import READY_LINE_PREFIX as WORKER_READY
-from router import view
 from router.tokenize import BytesTokenizer
+from router.tools import view
 from tests.support.fake_worker import PROBE_TOKEN, FakeWorkerHandle, cli_args, worker_config
 from tests.support.ports import free_tcp_port
 from tests.support.processes import Child, Processes, fake_worker_argv, kvrouter_argv

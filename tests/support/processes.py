@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, NamedTuple
 
-from router.demo import pdeathsig_preexec
+from router.tools.demo import pdeathsig_preexec
 
 REPO: Final = Path(__file__).resolve().parents[2]
 POLL_S: Final = 0.01

@@ -67,8 +67,8 @@ from cachetree.keys import block_keys
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from peer.fetch import SnapshotFetcher
-from router import view as viewer
 from router.tokenize import BytesTokenizer, render_chat_plain
+from router.tools import view as viewer
 
 BLOCK_SIZE: Final = 16
 PROBE_TOKEN: Final = 2  # the bytes tokenizer never produces it: probe blocks collide with nothing

@@ -1,0 +1,1 @@
+"""Operator tools: `kvrouter demo` (a local cluster) and `kvrouter view` (compare replicas)."""
