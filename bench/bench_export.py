@@ -33,7 +33,9 @@ from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from peer.fetch import SnapshotFetcher, decode_sliced
 from peer.wire import COLUMNS, JSON, MSGPACK, decode
-from router.app import REPLICA, ServeConfig, build_app
+from router.app import build_app
+from router.control import REPLICA
+from router.replica import ServeConfig
 
 BLOCK = 16
 CHAIN = 8

@@ -29,8 +29,10 @@ from typing import Any, Final, NoReturn
 from aiohttp import web
 
 from peer.kubeconfig import KubeConfigError
-from router.app import REPLICA, ServeConfig, build_app
+from router.app import build_app
+from router.control import REPLICA
 from router.policy import POLICY_NAMES
+from router.replica import ServeConfig
 from router.tokenize import load_tokenizer
 from router.tools import demo, view
 from router.workers import worker_url_problem

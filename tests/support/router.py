@@ -22,7 +22,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from router.app import REPLICA, Replica, ServeConfig, build_app
+from router.app import build_app
+from router.control import REPLICA
+from router.replica import Replica, ServeConfig
 from tests.support.fake_worker import FakeWorkerHandle
 from tests.support.metrics import Scrape
 from tests.support.waiting import eventually

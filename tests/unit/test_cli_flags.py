@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from router.app import ServeConfig
 from router.cli import build_parser, parse_args, serve_config
+from router.replica import ServeConfig
 
 
 @pytest.fixture(autouse=True)
