@@ -106,9 +106,68 @@ class HfModel:
             raise Unrenderable("render", f"the chat template raised: {exc}") from None
 
     def _apply(self, call: RenderCall, tools: Any, template: str) -> str:
+        direct = self._direct_render(call, tools, template)
+        if direct is not None:
+            return direct
         return self._tokenizer.apply_chat_template(  # type: ignore[no-any-return]
             call.conversation, tools=tools, chat_template=template, tokenize=False, **call.kwargs
         )
+
+    def _direct_render(self, call: RenderCall, tools: Any, template: str) -> str | None:
+        """apply_chat_template(tokenize=False) without its defensive copies, or None.
+
+        A third of its cost is copying the request into fresh plain data (it may hold
+        pydantic objects, numpy scalars, media); ours is fresh JSON data already, built by
+        chat_rules. What is left of its wrapper is done here the same way: None-valued
+        message keys dropped, reasoning fields aliased, the special tokens as variables,
+        its own parameters kept out of the template's. Rare paths (continue_final_message,
+        which cuts the output, and any other of its parameters) go through transformers
+        itself. The fidelity tests hold this against apply_chat_template.
+        """
+        kwargs = call.kwargs
+        if (kwargs.keys() - _DIRECT_PARAMS) & self._apply_params or not call.conversation:
+            return None
+        if kwargs.get("continue_final_message"):
+            return None
+        if any(not isinstance(t, dict) for t in tools or ()):
+            return None  # transformers converts callables, or raises: let it
+        documents = kwargs.get("documents")
+        if any(not isinstance(d, dict) for d in documents or ()):
+            return None
+        variables = {k: v for k, v in kwargs.items() if k not in self._apply_params}
+        messages = [_as_transformers_sees_it(m) for m in call.conversation]
+        compiled = _compiled(template)
+        return compiled.render(  # type: ignore[no-any-return]
+            messages=messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=kwargs.get("add_generation_prompt", False),
+            **{**self._tokenizer.special_tokens_map, **variables},
+        )
+
+
+# apply_chat_template parameters the direct render handles itself.
+_DIRECT_PARAMS: Final = frozenset(
+    {"add_generation_prompt", "continue_final_message", "documents", "return_dict"}
+)
+_REASONING_FIELDS: Final = ("reasoning_content", "thinking", "reasoning")
+
+
+def _as_transformers_sees_it(message: dict[str, Any]) -> dict[str, Any]:
+    # Keys whose value is None are dropped (templates handle a missing key, not None), and a
+    # message's reasoning is also given as `thinking` and `reasoning_content`.
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
+
+
+def _compiled(template: str) -> Any:
+    # transformers' own compiled template (cached there): its sandbox, filters and globals.
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    return _compile_jinja_template(template)
 
 
 def _apply_chat_template_params(tokenizer: Any) -> frozenset[str]:
