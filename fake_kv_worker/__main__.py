@@ -15,7 +15,7 @@ import sys
 
 import zmq
 
-from fake_kv_worker.config import ENGINES, TOKENIZERS, WorkerConfig
+from fake_kv_worker.config import ENGINES, WorkerConfig
 from fake_kv_worker.server import FakeWorker
 from fake_kv_worker.wire import WIRE_FLAVOURS
 
@@ -68,7 +68,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
     )
     p.add_argument("--prefill-us-per-token", type=float, default=defaults.prefill_us_per_token)
     p.add_argument("--decode-ms-per-token", type=float, default=defaults.decode_ms_per_token)
-    p.add_argument("--tokenizer", choices=TOKENIZERS, default=defaults.tokenizer)
+    p.add_argument(
+        "--tokenizer",
+        default=defaults.tokenizer,
+        help="'bytes', or a model directory rendered and tokenized as --engine's chat server "
+        "does (needs transformers)",
+    )
     p.add_argument(
         "--startup-delay-s",
         type=float,

@@ -27,6 +27,7 @@ from aiohttp import web
 from fake_kv_worker.config import WorkerConfig
 from fake_kv_worker.engine import RankEngine
 from fake_kv_worker.metrics import loads_body, prometheus_text
+from fake_kv_worker.model_chat import ModelChat
 from fake_kv_worker.protocol import (
     DP_RANK_HEADER,
     ChatShape,
@@ -87,9 +88,21 @@ class WorkerState:
         self.ranks = ranks
         self.publishers = publishers
         self.tokenizer: Tokenizer = ByteTokenizer()
+        # A model directory: its tokenizer, and its chat template under the engine's chat rules.
+        self.model: ModelChat | None = None
+        if config.tokenizer != "bytes":
+            self.model = ModelChat(config.tokenizer, config.metrics_engine)
+            self.tokenizer = self.model
         self.failures = FailureBudget(config.fail_first)
         self._clock = clock
         self._ready_at = clock() + config.startup_delay_s
+
+    def prompt_ids(self, req: GenerationRequest) -> list[int]:
+        if isinstance(req.prompt, list):
+            return req.prompt
+        if self.model is not None and req.chat is not None:
+            return self.model.chat_ids(dict(req.chat))
+        return self.tokenizer.encode(req.prompt)
 
     def healthy(self) -> bool:
         return self._clock() >= self._ready_at
@@ -234,7 +247,7 @@ def _generation_route(
             request.headers.get(DP_RANK_HEADER), state.config.dp_size, DP_RANK_HEADER
         )
         req = parse(await _read_body(request), state.config.max_tokens_default)
-        tokens = req.prompt if isinstance(req.prompt, list) else state.tokenizer.encode(req.prompt)
+        tokens = state.prompt_ids(req)
         if not tokens:
             raise RequestError("the prompt is empty", req.prompt_param)
         rank = state.ranks[dp_rank]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final, Literal
 
 from fake_kv_worker.wire import WIRE_FLAVOURS, WireFlavour
 
-TOKENIZERS: Final = ("bytes",)
 ENGINES: Final = ("vllm", "sglang")
 DEFAULT_MAX_BODY_BYTES: Final = 16 * 1024 * 1024  # a 1M-token prompt as JSON ids fits
 
@@ -27,7 +27,7 @@ class WorkerConfig:
     replay_port_base: int = 0  # 0: no replay sockets
     prefill_us_per_token: float = 0.0  # charged per uncached prompt token
     decode_ms_per_token: float = 0.0  # charged per generated token
-    tokenizer: str = "bytes"
+    tokenizer: str = "bytes"  # or a model directory (needs transformers)
     startup_delay_s: float = 0.0  # /health answers 503 until this has passed
     serve_kv_snapshot: bool = False
     fail_first: int = 0  # the first N generation requests fail with 503
@@ -62,8 +62,8 @@ class WorkerConfig:
             problems.append(f"wire must be one of {sorted(WIRE_FLAVOURS)}")
         if self.engine is not None and self.engine not in ENGINES:
             problems.append(f"engine must be one of {list(ENGINES)}")
-        if self.tokenizer not in TOKENIZERS:
-            problems.append(f"tokenizer must be one of {list(TOKENIZERS)}")
+        if self.tokenizer != "bytes" and not (Path(self.tokenizer) / "tokenizer.json").is_file():
+            problems.append("tokenizer must be 'bytes' or a model directory with a tokenizer.json")
         for name in ("prefill_us_per_token", "decode_ms_per_token", "startup_delay_s"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0")

@@ -142,6 +142,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool  # OpenAI `stream_options.include_usage`
     prompt_param: str  # the field the prompt came from, for error messages
+    chat: Mapping[str, Any] | None = None  # a chat body, for a model's own chat rendering
 
 
 def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...], default: int) -> int:
@@ -204,6 +205,7 @@ def parse_chat(body: Mapping[str, Any], default_max_tokens: int) -> GenerationRe
         stream=get_bool(body, "stream", False),
         include_usage=_include_usage(body),
         prompt_param="messages",
+        chat=body,
     )
 
 

@@ -17,7 +17,7 @@ from router.control import REPLICA, BadRequest, add_control_routes, bad_request,
 from router.events import namespace_of
 from router.policy import Candidate, Prompt
 from router.replica import ServeConfig
-from router.tokenize import RequestTokenizer
+from router.tokenize import ChatRequestError, RequestTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +33,15 @@ def build_app(config: ServeConfig) -> web.Application:
     return app
 
 
-def _prompt_tokens(route: str, body: dict[str, Any], tokenizer: RequestTokenizer) -> list[int]:
+def _prompt_tokens(
+    route: str, body: dict[str, Any], tokenizer: RequestTokenizer
+) -> list[int] | str:
+    """The request's token ids, or for a chat the router cannot render as the engine would,
+    the failure reason (the request is then routed by load, as a miss)."""
     try:
         if route == "/v1/chat/completions":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise BadRequest("'messages' must be a non-empty list", "messages")
-            return tokenizer.encode_chat(messages)
+            encoded = tokenizer.encode_chat_request(body)
+            return encoded.failure or encoded.ids
         if route == "/generate":
             if "input_ids" in body:
                 return tokenizer.encode_prompt(_single(body["input_ids"], "input_ids"))
@@ -49,6 +51,8 @@ def _prompt_tokens(route: str, body: dict[str, Any], tokenizer: RequestTokenizer
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", "prompt")
         return tokenizer.encode_prompt(_single(body["prompt"], "prompt"))
+    except ChatRequestError as exc:
+        raise BadRequest(str(exc), exc.param) from None
     except ValueError as exc:
         raise BadRequest(str(exc), _param_of(route)) from None
 
@@ -87,6 +91,9 @@ def _generation(route: str):
             tokens = _prompt_tokens(route, body, replica.tokenizer)
         except BadRequest as exc:
             return answered_here(bad_request(exc))
+        if isinstance(tokens, str):
+            replica.metrics.tokenize_failures.labels(tokens).inc()
+            tokens = []  # no keys and no size: the policy ranks by load alone
         routable = replica.workers.routable()
         if not routable:
             replica.metrics.decisions.labels(replica.policy.name, "no_candidates").inc()

@@ -33,7 +33,7 @@ from router.app import build_app
 from router.control import REPLICA
 from router.policy import POLICY_NAMES
 from router.replica import ServeConfig
-from router.tokenize import load_tokenizer
+from router.tokenize import ENGINES, load_tokenizer
 from router.tools import demo, view
 from router.workers import worker_url_problem
 
@@ -160,7 +160,17 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add("worker", str, [], "a worker base URL (repeatable)", repeat=True)
     f.add("policy", str, "cache_aware", "routing policy", choices=POLICY_NAMES)
     f.add("block-size", int, 0, "KV block size of the fleet; 0 learns it from the first worker")
-    f.add("tokenizer", str, "bytes", "'bytes', or a tokenizer.json / model directory (hf extra)")
+    f.add(
+        "tokenizer", str, "bytes", "'bytes', or a model directory / its tokenizer.json (hf extra)"
+    )
+    f.add(
+        "chat-rules",
+        str,
+        "vllm",
+        "whose chat rendering the router reproduces: the engine the workers run",
+        choices=ENGINES,
+    )
+    f.add("tokenize-cache-mb", float, 64.0, "bound of the chat segment tokenization cache")
     f.add(
         "kv-events-port-base", int, 5557, "KV-event PUB port of rank 0 when /server_info has none"
     )
@@ -229,6 +239,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         (args.health_interval_s > 0, "--health-interval-s must be > 0"),
         (args.worker_evict_after_s >= 0, "--worker-evict-after-s must be >= 0"),
         (args.max_request_bytes > 0, "--max-request-bytes must be > 0"),
+        (args.tokenize_cache_mb >= 0, "--tokenize-cache-mb must be >= 0 (0 turns the cache off)"),
         (args.drain_timeout_s >= 0, "--drain-timeout-s must be >= 0"),
         (
             1 <= args.kv_events_port_base <= 65536 - args.dp_size,
@@ -266,7 +277,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     try:
         # Loaded here to fail before listening, with the loader's own message; the app loads
         # it again at start-up (a second read of the same files).
-        load_tokenizer(args.tokenizer)
+        load_tokenizer(args.tokenizer, engine=args.chat_rules, cache_mb=args.tokenize_cache_mb)
     except (ValueError, ImportError) as exc:
         _fail(f"--tokenizer: {exc}")
     known = {f.name for f in fields(ServeConfig)}

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from router.bootstrap import PeerBootstrap
     from router.index import Pump
     from router.loads import LoadMonitor
+    from router.tokenize import RequestTokenizer
     from router.workers import WorkerRegistry
 
 _BREAKER_STATE = {"closed": 0, "open": 1, "half_open": 2}
@@ -64,6 +65,16 @@ class RouterMetrics:
             ["worker", "reason"],
             registry=self.registry,
         )
+        self.tokenize_failures = PromCounter(
+            "kvrouter_tokenize_failures",
+            "Chat requests the router could not render as the engine would, routed by load as "
+            "misses, by reason (see router/tokenize/chat_rules.py FAILURE_REASONS)",
+            ["reason"],
+            registry=self.registry,
+        )
+
+    def watch_tokenizer(self, tokenizer: RequestTokenizer) -> None:
+        self.registry.register(_TokenizerCollector(tokenizer))
 
     def watch(
         self,
@@ -327,3 +338,26 @@ def _counter(
     for values, value in rows.items():
         family.add_metric(list(values), value)
     return family
+
+
+class _TokenizerCollector(Collector):
+    """The segment cache of the chat tokenizer (router/tokenize/segments.py), read at scrape."""
+
+    def __init__(self, tokenizer: RequestTokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def collect(self) -> Iterator[Metric]:
+        cache = self._tokenizer.segment_cache
+        if cache is None:
+            return
+        yield _counter(
+            "kvrouter_tokenize_cache_lookups",
+            "Chat segments looked up in the tokenization cache, by result",
+            ["result"],
+            {("hit",): cache.hits, ("miss",): cache.misses},
+        )
+        yield _gauge(
+            "kvrouter_tokenize_cache_bytes",
+            "Estimated bytes held by the tokenization cache (bounded by --tokenize-cache-mb)",
+            [((), cache.bytes)],
+        )

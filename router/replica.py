@@ -52,6 +52,8 @@ class ServeConfig:
     policy: str = "cache_aware"
     block_size: int | None = None
     tokenizer: str = "bytes"
+    chat_rules: str = "vllm"  # whose chat rendering the tokenizer follows: vllm or sglang
+    tokenize_cache_mb: float = 64.0  # bound of the chat segment tokenization cache
     kv_events_port_base: int = 5557
     kv_events_replay_port_base: int = 0
     dp_size: int = 1
@@ -107,7 +109,9 @@ class Replica:
 
 
 async def start_replica(config: ServeConfig) -> Replica:
-    tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer = load_tokenizer(
+        config.tokenizer, engine=config.chat_rules, cache_mb=config.tokenize_cache_mb
+    )
     rng = random.Random(config.seed)
     policy = make_policy(config.policy, rng=rng)
     pump = Pump(IndexRules())
@@ -161,6 +165,7 @@ async def _compose(
     workers.bootstrap = bootstrap
     metrics = RouterMetrics()
     metrics.watch(pump, workers, loads, bootstrap)
+    metrics.watch_tokenizer(tokenizer)
     inflight = InflightTracker()
     proxy = Proxy(
         proxy_session,

@@ -1,10 +1,8 @@
-"""A replica with a real HF tokenizer (`--tokenizer DIR`): routing keys, passthrough, 400s.
+"""A replica with a real model tokenizer (`--tokenizer DIR`): routing keys, passthrough, 400s.
 
-The tokenizer is built here, offline (a WordLevel vocabulary trained on a few sentences, and a
-`tokenizer_config.json` with a chat template), by the helpers of `tests/unit/test_tokenize.py`.
-The fake workers tokenize with the bytes tokenizer, so a request's own blocks never match what
-the router hashes; instead each test *stores* the HF token ids on one worker and checks that
-the request goes there: the router must have keyed it with the HF tokenizer and the template.
+The model directories are small tokenizers of each family saved as the hub ships them
+(tests/support/model_dirs.py). The engine's ids are computed by the fake worker's own model
+path (fake_kv_worker/model_chat.py, transformers driven as vLLM drives it), never by the router.
 """
 
 from __future__ import annotations
@@ -17,39 +15,41 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-pytest.importorskip("tokenizers", reason="needs the hf extra")
-pytest.importorskip("jinja2", reason="needs the hf extra")
+pytest.importorskip("transformers", reason="needs the hf extra")
 
+from fake_kv_worker.model_chat import ModelChat
+from tests.support.chat_shapes import SEARCH_TOOL, SYSTEM, WEATHER_TOOL
 from tests.support.fake_worker import fake_worker_in_process
+from tests.support.model_dirs import build_fixture_model, build_model_dir, fixture_template
 from tests.support.ports import free_tcp_port
 from tests.support.router import RouterHandle, router_in_process
-from tests.unit.test_tokenize import build_tokenizer, model_dir, standard_config
 
 BS = 16
-CONTENT = " ".join(["hello world"] * 20)  # 40 words of the vocabulary
-
-
-def hf_ids(text: str, *, special: bool) -> list[int]:
-    return build_tokenizer().encode(text, add_special_tokens=special).ids
+CONTENT = " ".join(["hello world"] * 20)
 
 
 @pytest.fixture
 def model(tmp_path: Path) -> str:
-    return str(model_dir(tmp_path / "model", standard_config()))
+    return str(build_fixture_model(tmp_path / "model", "qwen3.jinja"))
 
 
 async def served(*workers: Any) -> list[int]:
     return [(await fw.state())["requests"] for fw in workers]
 
 
-async def test_chat_text_and_token_id_prompts_route_by_the_hf_tokens(model: str) -> None:
-    # What the engine would see for the chat: the template rendered, tokenized without
-    # special tokens (the template writes <s> itself). Written out here, not by the router.
-    chat_ids = hf_ids(f"<s><|user|> {CONTENT}</s><|assistant|>", special=False)
-    assert len(chat_ids) == 44 and chat_ids[0] == build_tokenizer().token_to_id("<s>")
+async def matched_blocks_sum(rt: RouterHandle) -> float:
+    registry = rt.replica.metrics.registry
+    return registry.get_sample_value("kvrouter_matched_blocks_sum") or 0.0
+
+
+async def test_chat_text_and_token_id_prompts_route_by_the_engines_tokens(model: str) -> None:
+    engine = ModelChat(model, "vllm")
+    chat = {"model": "fake-model", "messages": [{"role": "user", "content": CONTENT}]}
+    chat_ids = engine.chat_ids(chat)
     text = "the quick brown fox jumps over the lazy dog " * 4
-    text_ids = hf_ids(text, special=True)  # a completion prompt gets BOS from the tokenizer
-    prompt_ids = hf_ids("you are a helpful assistant " * 8, special=False)
+    text_ids = engine.encode(text)
+    prompt_ids = engine.encode("you are a helpful assistant " * 8)
+    assert min(len(chat_ids), len(text_ids), len(prompt_ids)) >= 2 * BS
     async with (
         fake_worker_in_process() as a,
         fake_worker_in_process() as b,
@@ -60,16 +60,14 @@ async def test_chat_text_and_token_id_prompts_route_by_the_hf_tokens(model: str)
     ):
         for fw in (a, b, c):
             await rt.gate(fw)
-        # Two whole blocks of each prompt, each on its own worker.
+        # Two whole blocks of each prompt, each on its own worker (the workers tokenize with
+        # bytes: the stored chains are what make the router's keys land).
         await rt.wait_cursor(a.url, 0, await a.store([chat_ids[: 2 * BS]]))
         await rt.wait_cursor(b.url, 0, await b.store([text_ids[: 2 * BS]]))
         await rt.wait_cursor(c.url, 0, await c.store([prompt_ids[: 2 * BS]]))
         before = await served(a, b, c)
 
-        status, body, headers = await rt.post(
-            "/v1/chat/completions",
-            {"model": "fake-model", "messages": [{"role": "user", "content": CONTENT}]},
-        )
+        status, body, headers = await rt.post("/v1/chat/completions", chat)
         assert status == 200, body
         assert headers["X-Kvrouter-Worker"] == a.url
 
@@ -91,6 +89,52 @@ async def test_chat_text_and_token_id_prompts_route_by_the_hf_tokens(model: str)
         registry = rt.replica.metrics.registry
         labels = {"policy": "cache_aware", "outcome": "cache_hit"}
         assert registry.get_sample_value("kvrouter_routing_decisions_total", labels) == 3
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_repeated_chat_with_tools_matches_every_block_the_engine_cached(
+    tmp_path: Path, engine: str
+) -> None:
+    # The issue's case: Qwen3 puts the tool list in its system block, so a router that drops
+    # `tools` matches nothing. Here both sides run the same model directory; the engine (fake
+    # worker) renders it its own way and reports how many prompt tokens it found cached.
+    model = str(build_fixture_model(tmp_path / "qwen3", "qwen3.jinja"))
+    chat = {
+        "model": "fake-model",
+        "messages": [
+            {**SYSTEM, "content": "You are a helpful assistant. " * 6},
+            {"role": "user", "content": "What is the weather in Paris today? " * 4},
+        ],
+        "tools": [WEATHER_TOOL, SEARCH_TOOL],
+        "max_tokens": 1,
+    }
+    async with (
+        fake_worker_in_process(tokenizer=model, engine=engine) as a,
+        fake_worker_in_process(tokenizer=model, engine=engine) as b,
+        router_in_process(
+            workers=[a.url, b.url], tokenizer=model, chat_rules=engine, expose_route_headers=True
+        ) as rt,
+    ):
+        for fw in (a, b):
+            await rt.gate(fw)
+        status, first, headers = await rt.post("/v1/chat/completions", chat)
+        assert status == 200, first
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        worker = a if headers["X-Kvrouter-Worker"] == a.url else b
+        await rt.wait_cursor(worker.url, 0, (await worker.state())["last_seq"])
+        matched_before = await matched_blocks_sum(rt)
+
+        status, second, headers = await rt.post("/v1/chat/completions", chat)
+        assert status == 200, second
+        assert headers["X-Kvrouter-Worker"] == worker.url
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        prompt_tokens = second["usage"]["prompt_tokens"]
+        assert cached == prompt_tokens // BS * BS > 10 * BS  # every full block, tools included
+        assert await matched_blocks_sum(rt) - matched_before == cached // BS
+        failures = rt.replica.metrics.registry.get_sample_value(
+            "kvrouter_tokenize_failures_total", {"reason": "render"}
+        )
+        assert failures is None
 
 
 @contextlib.asynccontextmanager
@@ -167,23 +211,24 @@ async def test_malformed_chat_is_a_400_naming_messages_and_reaches_no_worker(
             assert payload["error"]["param"] == "messages", payload
             assert payload["error"]["type"] == "invalid_request_error"
         assert seen == []
-    # A template that refuses the conversation is the client's error too, not a 500.
-    strict = dict(standard_config())
-    strict["chat_template"] = (
+    # A template that refuses the conversation is the engine's call: routed, counted, never a
+    # 400 from the router (the engine may serve what the router cannot render).
+    strict = (
         "{% if messages[0]['role'] != 'user' %}"
         "{{ raise_exception('the first turn must be the user') }}{% endif %}"
-        + strict["chat_template"]
+        + fixture_template("chatml.jinja")
     )
-    refusing = str(model_dir(tmp_path / "strict", strict))
+    refusing = str(build_model_dir(tmp_path / "strict", "llama2", strict))
     async with router_on_recorder(refusing) as (rt, seen):
-        status, payload, _ = await rt.post(
+        status, _, _ = await rt.post(
             "/v1/chat/completions", {"messages": [{"role": "assistant", "content": "hi"}]}
         )
-        assert status == 400
-        assert payload["error"]["param"] == "messages"
-        assert "the first turn must be the user" in payload["error"]["message"]
+        assert status == 200
         status, _, _ = await rt.post(
             "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
         )
         assert status == 200
-        assert len(seen) == 1
+        assert len(seen) == 2
+        registry = rt.replica.metrics.registry
+        labels = {"reason": "render"}
+        assert registry.get_sample_value("kvrouter_tokenize_failures_total", labels) == 1

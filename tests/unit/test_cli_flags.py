@@ -46,7 +46,8 @@ def refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 def invalid_settings(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], str]]:
     """name -> (serve args, env, a word the error line must contain)."""
     (tmp / "empty").mkdir()
-    (tmp / "broken.json").write_text("{not json")
+    (tmp / "broken").mkdir()
+    (tmp / "broken" / "tokenizer.json").write_text("{not json")
     return {
         "port 0": (["--port", "0"], {}, "--port"),
         "port not an int": (["--port", "abc"], {}, "--port"),
@@ -90,13 +91,16 @@ def invalid_settings(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], st
         "env unknown policy": ([], {"KVROUTER_POLICY": "nope"}, "KVROUTER_POLICY='nope'"),
         "env unknown log level": ([], {"KVROUTER_LOG_LEVEL": "loud"}, "KVROUTER_LOG_LEVEL"),
         "env worker not http": ([], {"KVROUTER_WORKER": "http://a:1,ftp://b"}, "ftp://b"),
-        "tokenizer path missing": (["--tokenizer", str(tmp / "missing")], {}, "no such file"),
+        "tokenizer path missing": (["--tokenizer", str(tmp / "missing")], {}, "no such model"),
         "tokenizer dir without tokenizer.json": (
             ["--tokenizer", str(tmp / "empty")],
             {},
             "has no tokenizer.json",
         ),
-        "tokenizer file broken": (["--tokenizer", str(tmp / "broken.json")], {}, "cannot load"),
+        "tokenizer file broken": (["--tokenizer", str(tmp / "broken")], {}, "cannot load"),
+        "unknown chat rules": (["--chat-rules", "tgi"], {}, "--chat-rules"),
+        "env unknown chat rules": ([], {"KVROUTER_CHAT_RULES": "tgi"}, "KVROUTER_CHAT_RULES"),
+        "negative tokenize cache": (["--tokenize-cache-mb", "-1"], {}, "--tokenize-cache-mb"),
     }
 
 
@@ -122,7 +126,7 @@ def test_a_tokenizer_without_the_hf_extra_is_refused_with_the_install_hint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "tokenizer.json").write_text("{}")
-    monkeypatch.setitem(sys.modules, "tokenizers", None)  # type: ignore[arg-type]
+    monkeypatch.setitem(sys.modules, "transformers", None)  # type: ignore[arg-type]
     line = refusal(capsys, "--tokenizer", str(tmp_path))
     assert "pip install 'kvrouter[hf]'" in line
 

@@ -6,10 +6,13 @@ change to one that the other does not share shows up here before it becomes a si
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fake_kv_worker.config import WorkerConfig
 from fake_kv_worker.text import ByteTokenizer, render_plain_chat
 from router.tokenize import BytesTokenizer, render_chat_plain
 
@@ -50,3 +53,11 @@ def test_the_fake_engine_renders_plain_chat_as_the_router_does(messages: list[di
 def test_byte_tokens_are_utf8_bytes_plus_three(text: str, ids: list[int]) -> None:
     assert ByteTokenizer().encode(text) == ids
     assert BytesTokenizer().encode(text) == ids
+
+
+def test_the_fake_worker_takes_bytes_or_a_model_directory(tmp_path: Path) -> None:
+    assert WorkerConfig(tokenizer="bytes").tokenizer == "bytes"
+    with pytest.raises(ValueError, match=r"model directory with a tokenizer\.json"):
+        WorkerConfig(tokenizer=str(tmp_path / "missing"))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert WorkerConfig(tokenizer=str(tmp_path)).tokenizer == str(tmp_path)

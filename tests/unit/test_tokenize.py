@@ -1,70 +1,33 @@
-"""Request tokenizers: the bytes one, and HF tokenizer.json + chat template built here, offline."""
+"""Request tokenizers: the bytes one, model directories loaded as the engines load them, errors."""
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-from router.tokenize import BytesTokenizer, JinjaChat, load_tokenizer, render_chat_plain
-
-SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
-CORPUS = [
-    "hello world",
-    "the quick brown fox jumps over the lazy dog",
-    "you are a helpful assistant",
-    "hello there how are you",
-]
-# Renders like many real templates: BOS once, each turn closed by EOS, then the reply opener.
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{{ '<|' + m['role'] + '|>' }} {{ m['content'] }}{{ eos_token }}"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+from router.tokenize import (
+    BytesTokenizer,
+    ChatRequestError,
+    RequestTokenizer,
+    load_tokenizer,
+    render_chat_plain,
 )
+from tests.support.chat_shapes import SHAPES, WEATHER_TOOL
+from tests.support.model_dirs import build_fixture_model, build_model_dir, fixture_template
+
 MESSAGES = [
     {"role": "system", "content": "you are a helpful assistant"},
     {"role": "user", "content": "hello world"},
 ]
 
 
-def build_tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(CORPUS, trainers.WordLevelTrainer(special_tokens=SPECIALS))
-    # Like Llama's: a completion prompt gets BOS from the post-processor.
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-    )
-    return tok
-
-
-@pytest.fixture
-def hf() -> Tokenizer:
-    return build_tokenizer()
-
-
-def model_dir(
-    root: Path, config: dict[str, Any] | None = None, jinja_file: str | None = None
-) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    build_tokenizer().save(str(root / "tokenizer.json"))
-    if config is not None:
-        (root / "tokenizer_config.json").write_text(json.dumps(config))
-    if jinja_file is not None:
-        (root / "chat_template.jinja").write_text(jinja_file)
-    return root
-
-
-def standard_config() -> dict[str, Any]:
-    return {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}
-
-
-def ids(hf: Tokenizer, text: str) -> list[int]:
-    return hf.encode(text, add_special_tokens=False).ids
+def chat(messages: Any, **extra: Any) -> dict[str, Any]:
+    return {"messages": messages, **extra}
 
 
 # --- bytes ----------------------------------------------------------------------------------
@@ -78,7 +41,9 @@ def test_the_bytes_tokenizer_matches_the_fake_workers() -> None:
         == BytesTokenizer().encode("héllo")
         == [b + 3 for b in "héllo".encode()]
     )
-    assert tok.encode_chat(MESSAGES) == BytesTokenizer().encode(render_chat_plain(MESSAGES))
+    assert tok.encode_chat_request(chat(MESSAGES)).ids == BytesTokenizer().encode(
+        render_chat_plain(MESSAGES)
+    )
 
 
 # --- token id prompts -----------------------------------------------------------------------
@@ -109,163 +74,161 @@ def test_bad_prompts_raise_value_error_with_a_reason(prompt: Any, reason: str) -
 
 
 @pytest.mark.parametrize(
-    ("messages", "reason"),
+    ("body", "param", "reason"),
     [
-        ([], "non-empty list"),
-        ("hello", "non-empty list"),
-        (["hello"], r"messages\[0\] must be an object"),
-        ([{"content": "hi"}], r"messages\[0\].role"),
-        ([{"role": "user", "content": "hi"}, {"role": 3}], r"messages\[1\].role"),
+        (chat([]), "messages", "non-empty list"),
+        (chat("hello"), "messages", "non-empty list"),
+        (chat(["hello"]), "messages", r"messages\[0\] must be an object"),
+        (chat([{"content": "hi"}]), "messages", r"messages\[0\].role"),
+        (chat([{"role": "user", "content": "hi"}, {"role": 3}]), "messages", r"\[1\].role"),
+        (chat([{"role": "user", "content": 5}]), "messages", "string, a list or null"),
+        (chat([{"role": "user", "content": [7]}]), "messages", r"content\[0\] must be an obj"),
+        (chat([{"role": "assistant", "tool_calls": [{"id": "x"}]}]), "messages", "'function'"),
+        (chat(MESSAGES, tools=[{"type": "function"}]), "tools", "function.name"),
+        (chat(MESSAGES, tools={"a": 1}), "tools", "must be a list"),
+        (chat(MESSAGES, chat_template_kwargs=[1]), "chat_template_kwargs", "an object"),
+        (chat(MESSAGES, add_generation_prompt="yes"), "add_generation_prompt", "boolean"),
+        (
+            chat(MESSAGES, continue_final_message=True),
+            "continue_final_message",
+            "cannot set both",
+        ),
     ],
 )
-def test_bad_messages_raise_value_error_with_a_reason(messages: Any, reason: str) -> None:
-    with pytest.raises(ValueError, match=reason):
-        load_tokenizer("bytes").encode_chat(messages)
-
-
-# --- HF tokenizer.json + chat template ------------------------------------------------------
-
-
-def test_a_tokenizer_json_path_encodes_text_prompts_with_special_tokens(
-    tmp_path: Path, hf: Tokenizer
+def test_a_body_the_engine_refuses_is_a_chat_request_error_naming_the_field(
+    body: dict[str, Any], param: str, reason: str
 ) -> None:
-    path = model_dir(tmp_path) / "tokenizer.json"
-    tok = load_tokenizer(str(path))
-    assert tok.name == f"hf:{path}"
-    bos = hf.token_to_id("<s>")
-    assert tok.encode_prompt("hello world") == [bos, *ids(hf, "hello world")]
-    assert tok.encode_prompt([9, 8]) == [9, 8]
+    with pytest.raises(ChatRequestError, match=reason) as caught:
+        load_tokenizer("bytes").encode_chat_request(body)
+    assert caught.value.param == param
 
 
-def test_a_model_directory_renders_chat_with_its_template_and_no_extra_bos(
-    tmp_path: Path, hf: Tokenizer
-) -> None:
-    tok = load_tokenizer(str(model_dir(tmp_path, standard_config())))
-    rendered = "<s><|system|> you are a helpful assistant</s><|user|> hello world</s><|assistant|>"
-    expected = ids(hf, rendered)
-    assert expected.count(hf.token_to_id("<s>")) == 1  # from the template, not the processor
-    assert tok.encode_chat(MESSAGES) == expected
+# --- model directories ----------------------------------------------------------------------
 
 
-def test_a_growing_conversation_keeps_its_earlier_turns_as_a_token_prefix(
-    tmp_path: Path,
-) -> None:
-    tok = load_tokenizer(str(model_dir(tmp_path, standard_config())))
-    first = tok.encode_chat(MESSAGES)
-    reply = {"role": "assistant", "content": "hello there"}
-    later = tok.encode_chat([*MESSAGES, reply, {"role": "user", "content": "how are you"}])
-    assert later[: len(first)] == first
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_fixture_model(tmp_path_factory.mktemp("qwen"), "qwen3.jinja")
 
 
-def test_special_tokens_written_as_added_token_objects_are_read(
-    tmp_path: Path, hf: Tokenizer
-) -> None:
-    config = {
-        "chat_template": TEMPLATE,
-        "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False},
-        "eos_token": {"__type": "AddedToken", "content": "</s>"},
-    }
-    tok = load_tokenizer(str(model_dir(tmp_path, config)))
-    assert tok.encode_chat(MESSAGES[1:]) == ids(hf, "<s><|user|> hello world</s><|assistant|>")
+def test_a_tokenizer_json_path_means_its_model_directory(qwen: Path) -> None:
+    by_dir = load_tokenizer(str(qwen))
+    by_file = load_tokenizer(str(qwen / "tokenizer.json"))
+    assert by_file.name == by_dir.name == f"hf:{qwen}"
+    body = SHAPES["tools"]
+    assert by_file.encode_chat_request(body).ids == by_dir.encode_chat_request(body).ids != []
 
 
-def test_content_parts_are_flattened_to_their_text(tmp_path: Path) -> None:
-    tok = load_tokenizer(str(model_dir(tmp_path, standard_config())))
-    parts = [
-        {"type": "text", "text": "hello "},
-        {"type": "image_url", "image_url": {"url": "data:,"}},
-        {"type": "text", "text": "world"},
+def test_chat_template_jinja_is_used_over_the_config_template(tmp_path: Path) -> None:
+    directory = build_model_dir(tmp_path, "qwen", fixture_template("qwen3.jinja"))
+    (directory / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    tok = load_tokenizer(str(directory))
+    assert tok.encode_chat_request(chat(MESSAGES)).ids == tok.encode_prompt(MESSAGES[0]["content"])
+
+
+def test_named_templates_give_tool_use_to_requests_with_tools(tmp_path: Path) -> None:
+    directory = build_model_dir(tmp_path, "qwen", None)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "plain chat"},
+        {"name": "tool_use", "template": "chat with tools"},
     ]
-    assert tok.encode_chat([{"role": "user", "content": parts}]) == tok.encode_chat(
-        [{"role": "user", "content": "hello world"}]
-    )
+    config_path.write_text(json.dumps(config))
+    tok = load_tokenizer(str(directory))
+    assert tok.encode_chat_request(chat(MESSAGES)).ids == tok.encode_prompt("plain chat")
+    with_tools = tok.encode_chat_request(chat(MESSAGES, tools=[WEATHER_TOOL]))
+    assert with_tools.ids == tok.encode_prompt("chat with tools")
 
 
-def test_chat_template_jinja_overrides_the_config_and_an_explicit_template_overrides_both(
-    tmp_path: Path, hf: Tokenizer
+def failures_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "cannot render" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (
+            chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+            "content",
+        ),
+        (chat(MESSAGES, chat_template="{{ 'mine' }}"), "request_template"),
+        (chat(MESSAGES, chat_template_kwargs={"tokenize": True}), "render"),
+    ],
+)
+def test_what_the_router_cannot_render_is_routed_as_a_miss_and_logged_once(
+    qwen: Path, caplog: pytest.LogCaptureFixture, body: dict[str, Any], reason: str
 ) -> None:
-    directory = model_dir(tmp_path, standard_config(), jinja_file="{{ messages[0]['content'] }}")
-    assert load_tokenizer(str(directory)).encode_chat(MESSAGES) == ids(hf, MESSAGES[0]["content"])
-    explicit = load_tokenizer(str(directory), chat_template="{{ messages[1]['content'] }}")
-    assert explicit.encode_chat(MESSAGES) == ids(hf, "hello world")
+    tok = load_tokenizer(str(qwen))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert tok.encode_chat_request(body) == tok.encode_chat_request(body)
+            assert tok.encode_chat_request(body).failure == reason
+            assert tok.encode_chat_request(body).ids == []
+    logged = failures_logged(caplog)
+    assert len(logged) == 1 and reason in logged[0]
 
 
-def test_named_templates_use_the_default_one(tmp_path: Path, hf: Tokenizer) -> None:
-    config = {
-        "chat_template": [
-            {"name": "tool_use", "template": "the lazy dog"},
-            {"name": "default", "template": "the quick fox"},
-        ]
-    }
-    tok = load_tokenizer(str(model_dir(tmp_path, config)))
-    assert tok.encode_chat(MESSAGES) == ids(hf, "the quick fox")
-
-
-def test_without_a_template_chat_falls_back_to_the_plain_format(
-    tmp_path: Path, hf: Tokenizer
+def test_a_template_that_raises_is_a_render_failure_and_cannot_touch_the_request(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    tok = load_tokenizer(str(model_dir(tmp_path, {"bos_token": "<s>"})))
-    assert tok.encode_chat(MESSAGES) == ids(hf, render_chat_plain(MESSAGES))
+    directory = build_model_dir(tmp_path, "qwen", "{{ messages.append(1) }}")
+    tok = load_tokenizer(str(directory))
+    body = chat([{"role": "user", "content": "hi"}])
+    assert tok.encode_chat_request(body).failure == "render"
+    assert body == chat([{"role": "user", "content": "hi"}])
 
 
-def test_transformers_template_helpers_are_available() -> None:
-    chat = JinjaChat(
-        "{% generation %}{{ messages | tojson }}{% endgeneration %}"
-        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}|{{ m.role }}"
-        "{% endfor %}{{ strftime_now('%Y') | length }}",
-        {},
+def test_a_model_without_a_chat_template_routes_chats_as_misses(tmp_path: Path) -> None:
+    tok = load_tokenizer(str(build_model_dir(tmp_path, "qwen", None)))
+    assert tok.encode_chat_request(chat(MESSAGES)).failure == "no_template"
+    assert tok.encode_prompt("hello")  # completions still tokenize
+
+
+def test_the_segment_cache_is_exposed_for_metrics_and_can_be_turned_off(qwen: Path) -> None:
+    cached = load_tokenizer(str(qwen))
+    cached.encode_chat_request(SHAPES["multi_turn"])
+    cached.encode_chat_request(SHAPES["multi_turn"])
+    cache = cached.segment_cache
+    assert cache is not None and cache.hits > 0 and cache.bytes > 0
+    off = load_tokenizer(str(qwen), cache_mb=0)
+    assert off.segment_cache is None
+    assert off.encode_chat_request(SHAPES["multi_turn"]).ids == (
+        cached.encode_chat_request(SHAPES["multi_turn"]).ids
     )
-    out = chat.render([{"role": "user", "content": "héllo"}, {"role": "bot", "content": "x"}])
-    assert out == '[{"role": "user", "content": "héllo"}, {"role": "bot", "content": "x"}]|user4'
-
-
-def test_a_template_refusing_the_messages_is_a_value_error() -> None:
-    source = (
-        "{% if messages[0]['role'] != 'user' %}"
-        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
-    )
-    tok = load_tokenizer("bytes", chat_template=source)
-    with pytest.raises(ValueError, match="roles must alternate"):
-        tok.encode_chat(MESSAGES)
-    assert tok.encode_chat(MESSAGES[1:]) == []  # renders to nothing: accepted
-
-
-def test_the_template_runs_sandboxed_and_cannot_mutate_the_request() -> None:
-    tok = load_tokenizer("bytes", chat_template="{{ messages.append(1) }}")
-    messages = [{"role": "user", "content": "hi"}]
-    with pytest.raises(ValueError, match="chat template refused"):
-        tok.encode_chat(messages)
-    assert messages == [{"role": "user", "content": "hi"}]
+    assert load_tokenizer("bytes").segment_cache is None
 
 
 # --- loading errors -------------------------------------------------------------------------
 
 
 def test_loading_errors_name_the_problem(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="no such file or directory"):
+    with pytest.raises(ValueError, match="no such model directory"):
         load_tokenizer(str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"has no tokenizer\.json"):
         load_tokenizer(str(tmp_path / "empty"))
-    (tmp_path / "broken.json").write_text("{not json")
-    with pytest.raises(ValueError, match="cannot load"):
-        load_tokenizer(str(tmp_path / "broken.json"))
-    bad_config = model_dir(tmp_path / "m1")
-    (bad_config / "tokenizer_config.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match="not a JSON object"):
-        load_tokenizer(str(bad_config))
-    bad_template = model_dir(tmp_path / "m2", {"chat_template": "{% for %}"})
-    with pytest.raises(ValueError, match="does not compile"):
-        load_tokenizer(str(bad_template))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot load a tokenizer"):
+        load_tokenizer(str(broken))
+    with pytest.raises(ValueError, match="engine must be one of"):
+        load_tokenizer("bytes", engine="tgi")
+    with pytest.raises(ValueError, match=">= 0"):
+        load_tokenizer("bytes", cache_mb=-1)
 
 
-@pytest.mark.parametrize("module", ["tokenizers", "jinja2"])
 def test_a_missing_hf_extra_says_how_to_install_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str
+    qwen: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    directory = model_dir(tmp_path, standard_config())
-    for name in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
+    for name in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
         monkeypatch.setitem(sys.modules, name, None)  # type: ignore[arg-type]
-    monkeypatch.setitem(sys.modules, module, None)  # type: ignore[arg-type]
+    monkeypatch.setitem(sys.modules, "transformers", None)  # type: ignore[arg-type]
     with pytest.raises(ImportError, match=r"pip install 'kvrouter\[hf\]'"):
-        load_tokenizer(str(directory))
+        load_tokenizer(str(qwen))
+
+
+def test_repr_names_the_tokenizer() -> None:
+    assert repr(load_tokenizer("bytes")) == "RequestTokenizer('bytes')"
+    assert isinstance(load_tokenizer("bytes"), RequestTokenizer)

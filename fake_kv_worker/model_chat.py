@@ -1,0 +1,464 @@
+"""The fake engine on a real model directory: its tokenizer and chat rendering, as the engines do.
+
+`--tokenizer DIR` loads the directory with transformers' AutoTokenizer (what vLLM and SGLang
+call) and turns a chat request into prompt ids the way each engine's OpenAI server does:
+
+- vLLM: parse every message (content parts to a string joined with newlines, or kept as
+  `{"type": "text"}` parts when the template loops over a message's content; `developer` sent
+  as `system` unless the template names it), parse tool-call arguments, dump the tools as its
+  request model does, resolve the template kwargs (request fields over chat_template_kwargs,
+  filtered to the template's variables and apply_chat_template's parameters), render with
+  `apply_chat_template(tokenize=False)` and encode without special tokens.
+- SGLang: dump the messages as its request models do, flatten content with spaces, turn a
+  trailing assistant message into a user turn (or append it after the generation prompt with
+  `continue_final_message`), render with `add_generation_prompt=True` and retry with bare
+  function tools when the template refuses the wrapped ones.
+
+This is the engine's side of the bargain, written from the engines' code, independently of the
+router (which must not be imported here): the tests hold the router's ids against these, so a
+rule the router gets wrong shows up as a mismatch. A request the engine refuses raises
+RequestError (400), as the engine answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from fake_kv_worker.protocol import RequestError
+
+
+class ModelChat:
+    """A model directory's tokenizer and chat template, behind one engine's chat rules."""
+
+    def __init__(self, directory: str, engine: str) -> None:
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # torch is not needed
+        from transformers import AutoTokenizer, logging
+
+        logging.set_verbosity_error()
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            str(Path(directory)), local_files_only=True, trust_remote_code=False
+        )
+        self.engine = engine
+
+    def encode(self, text: str) -> list[int]:
+        """A completion prompt: the tokenizer adds its special tokens (BOS)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def chat_ids(self, body: dict[str, Any]) -> list[int]:
+        sglang = self.engine == "sglang"
+        text = self._sglang_prompt(body) if sglang else self._vllm_prompt(body)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # --- vLLM ---------------------------------------------------------------------------
+
+    def _vllm_prompt(self, body: dict[str, Any]) -> str:
+        if body.get("continue_final_message") and body.get("add_generation_prompt", True):
+            raise RequestError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "continue_final_message",
+            )
+        tools = body.get("tools")
+        tool_dicts = None if tools is None else [_vllm_dump_tool(t) for t in tools]
+        template = self._template(tool_dicts)
+        parts_format = _loops_over_message_content(template)
+        conversation = []
+        for message in body["messages"]:
+            conversation.append(_vllm_parse_message(message, parts_format, template))
+        for message in conversation:
+            _vllm_fix_tool_calls(message)
+        chat_kwargs = dict(body.get("chat_template_kwargs") or {})
+        for name, default in (
+            ("add_generation_prompt", True),
+            ("continue_final_message", False),
+            ("documents", None),
+            ("reasoning_effort", None),
+        ):
+            value = body.get(name, default)
+            if value is not None and value != "auto":
+                chat_kwargs[name] = value
+        if "tools" in chat_kwargs:
+            tool_dicts = chat_kwargs.pop("tools")
+        if "chat_template" in chat_kwargs or "tokenize" in chat_kwargs:
+            raise RequestError("Found unexpected chat template kwargs from request", "messages")
+        accepted = _template_variables(template) | _apply_params(self.tokenizer)
+        resolved = {k: v for k, v in chat_kwargs.items() if k in accepted}
+        try:
+            return self.tokenizer.apply_chat_template(  # type: ignore[no-any-return]
+                conversation,
+                tools=tool_dicts,
+                chat_template=template,
+                tokenize=False,
+                **resolved,
+            )
+        except Exception as exc:
+            raise RequestError(str(exc), "messages") from None
+
+    def _template(self, tools: Any) -> str:
+        try:
+            return self.tokenizer.get_chat_template(None, tools)  # type: ignore[no-any-return]
+        except ValueError as exc:
+            raise RequestError(str(exc), "messages") from None
+
+    # --- SGLang -------------------------------------------------------------------------
+
+    def _sglang_prompt(self, body: dict[str, Any]) -> str:
+        tools = None
+        if body.get("tools") and body.get("tool_choice", "auto") != "none":
+            tools = [_sglang_dump_tool(t) for t in body["tools"]]
+            choice = body.get("tool_choice")
+            if isinstance(choice, dict):
+                tools = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
+        template = self._template(tools)
+        keyword_parts = any(w in template for w in ("image", "audio", "video", "vision"))
+        parts_format = keyword_parts or _loops_over_fixed_names(template)
+        messages = []
+        for message in body["messages"]:
+            dumped = _sglang_dump_message(message)
+            if dumped["content"] is None:
+                dumped["content"] = ""
+            messages.append(_sglang_content(dumped, parts_format))
+        prefix = None
+        if messages[-1]["role"] == "assistant" and isinstance(messages[-1].get("content"), str):
+            if body.get("continue_final_message"):
+                prefix = messages.pop()["content"]
+            else:
+                messages[-1] = {"role": "user", "content": messages[-1]["content"]}
+        extra: dict[str, Any] = {}
+        if body.get("reasoning_effort") is not None:
+            extra["reasoning_effort"] = body["reasoning_effort"]
+        extra.update(body.get("chat_template_kwargs") or {})
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=True,
+                tools=tools,
+                return_dict=False,
+                **extra,
+            )
+        except Exception:
+            flat = [t.get("function", t) for t in tools] if tools else None
+            try:
+                rendered = self.tokenizer.apply_chat_template(
+                    messages,
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    tools=flat,
+                    return_dict=False,
+                    **extra,
+                )
+            except Exception as exc:
+                raise RequestError(str(exc), "messages") from None
+        return rendered + (prefix or "")
+
+
+# --- vLLM helpers ---------------------------------------------------------------------------
+
+_TEXT_TYPES = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+_PART_FIELDS = {
+    "type",
+    "text",
+    "refusal",
+    "thinking",
+    "closed",
+    "uuid",
+    "image_url",
+    "input_audio",
+    "audio_url",
+    "video_url",
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "data",
+    "image_pil",
+    "name",
+    "file",
+    "detail",
+}
+
+
+def _vllm_parse_message(message: dict[str, Any], parts_format: bool, template: str) -> dict:
+    role = message["role"]
+    content = message.get("content")
+    if content is None:
+        content = []
+    elif isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    pieces: list[Any] = []
+    for part in content:
+        if isinstance(part, str):
+            pieces.append({"type": "text", "text": part} if parts_format else part)
+            continue
+        kind = part.get("type")
+        if kind not in _TEXT_TYPES:
+            raise RequestError(f"unsupported content part {kind!r} for a text model", "messages")
+        text = part.get(_TEXT_TYPES[kind])
+        if text is None:
+            continue
+        if parts_format:
+            extra = {k: v for k, v in part.items() if k not in _PART_FIELDS}
+            pieces.append({"type": "text", "text": text, **extra})
+        else:
+            pieces.append(text)
+    result: dict[str, Any] = {
+        "role": role,
+        "content": pieces if parts_format else "\n".join(pieces),
+    }
+    if role == "assistant":
+        if message.get("tool_calls") is not None:
+            result["tool_calls"] = [
+                {**c, "function": dict(c["function"])} for c in message["tool_calls"]
+            ]
+        if message.get("reasoning") is not None:
+            result["reasoning"] = message["reasoning"]
+            result["reasoning_content"] = message["reasoning"]
+    elif role == "tool":
+        if "tool_call_id" in message:
+            result["tool_call_id"] = message["tool_call_id"]
+        if isinstance(result["content"], list):
+            if any(isinstance(p, dict) and p.get("type") != "text" for p in result["content"]):
+                pass
+            else:
+                texts = [p.get("text", "") for p in result["content"]]
+                result["content"] = "\n".join(texts) if texts else ""
+    if isinstance(message.get("name"), str):
+        result["name"] = message["name"]
+    if isinstance(message.get("task"), str):
+        result["task"] = message["task"]
+    if role == "developer":
+        if "developer" in template:
+            result["tools"] = message.get("tools")
+        else:
+            result["role"] = "system"
+    return result
+
+
+def _vllm_fix_tool_calls(message: dict[str, Any]) -> None:
+    if message["role"] != "assistant" or "tool_calls" not in message:
+        return
+    calls = message["tool_calls"]
+    if len(calls) == 0:
+        del message["tool_calls"]
+        return
+    for call in calls:
+        if call.get("type", "function") != "function":
+            raise RequestError("only function tool calls are supported", "tool_calls")
+        function = call["function"]
+        raw = function.get("arguments")
+        if not raw:
+            function["arguments"] = {}
+            continue
+        if isinstance(raw, dict):
+            continue
+        if isinstance(raw, str):
+            try:
+                parsed = json.loads(raw)
+            except json.JSONDecodeError:
+                parsed = None
+        else:
+            parsed = raw
+        function["arguments"] = parsed if isinstance(parsed, dict) else {}
+
+
+def _vllm_dump_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    if tool.get("type", "function") != "function":
+        raise RequestError("tools must be of type 'function'", "tools")
+    function = tool["function"]
+    dumped_fn = {
+        "name": function["name"],
+        "description": function.get("description"),
+        "parameters": function.get("parameters"),
+    }
+    for key, value in function.items():
+        dumped_fn.setdefault(key, value)
+    dumped = {"type": "function", "function": dumped_fn}
+    for key, value in tool.items():
+        dumped.setdefault(key, value)
+    return dumped
+
+
+def _jinja_ast(template: str) -> Any:
+    from transformers.utils import chat_template_utils
+
+    compiled = chat_template_utils._compile_jinja_template(template)
+    return compiled.environment.parse(template)
+
+
+def _template_variables(template: str) -> set[str]:
+    import jinja2.meta
+
+    return set(jinja2.meta.find_undeclared_variables(_jinja_ast(template)))
+
+
+def _apply_params(tokenizer: Any) -> set[str]:
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    names = set()
+    for fn in (tokenizer.apply_chat_template, PreTrainedTokenizerBase.apply_chat_template):
+        for p in inspect.signature(fn).parameters.values():
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                names.add(p.name)
+    return names - {"self"}
+
+
+def _is_access(node: Any, name: str, key: str | None) -> bool:
+    import jinja2.nodes as n
+
+    while isinstance(node, n.Filter | n.Test) or (
+        isinstance(node, n.Getitem) and isinstance(node.arg, n.Slice)
+    ):
+        node = node.node
+        if node is None:
+            return False
+    if key is None:
+        return isinstance(node, n.Name) and node.ctx == "load" and node.name == name
+    if isinstance(node, n.Getattr):
+        return node.attr == key and _is_access(node.node, name, None)
+    if isinstance(node, n.Getitem):
+        return (
+            isinstance(node.arg, n.Const)
+            and node.arg.value == key
+            and _is_access(node.node, name, None)
+        )
+    return False
+
+
+def _loops_over_message_content(template: str) -> bool:
+    """vLLM: a loop over `<message>['content']`, where `<message>` loops over `messages` or a
+    variable assigned from it."""
+    import jinja2.nodes as n
+
+    ast = _jinja_ast(template)
+    names = ["messages"]
+    pending = ["messages"]
+    while pending:
+        current = pending.pop(0)
+        for assign in ast.find_all(n.Assign):
+            if _is_access(assign.node, current, None) and isinstance(assign.target, n.Name):
+                names.append(assign.target.name)
+                if assign.target.name != current:
+                    pending.append(assign.target.name)
+    message_vars = [
+        loop.target.name
+        for loop in ast.find_all(n.For)
+        if isinstance(loop.target, n.Name) and any(_is_access(loop.iter, v, None) for v in names)
+    ]
+    return any(
+        _is_access(loop.iter, v, "content") for loop in ast.find_all(n.For) for v in message_vars
+    )
+
+
+# --- SGLang helpers -------------------------------------------------------------------------
+
+
+def _loops_over_fixed_names(template: str) -> bool:
+    import jinja2.nodes as n
+
+    return any(
+        _is_access(loop.iter, name, "content")
+        for loop in _jinja_ast(template).find_all(n.For)
+        for name in ("message", "msg", "m")
+    )
+
+
+def _sglang_dump_message(message: dict[str, Any]) -> dict[str, Any]:
+    role = message["role"].lower()
+    if role == "user":
+        return {"role": "user", "content": message.get("content")}
+    allowed = ("system", "assistant", "tool", "function", "developer", "latest_reminder")
+    if role not in allowed:
+        raise RequestError(f"'role' must be one of {allowed}", "messages")
+    calls = None
+    if message.get("tool_calls") is not None:
+        calls = []
+        for call in message["tool_calls"]:
+            arguments = call["function"].get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    raise RequestError(
+                        "function.arguments must be valid JSON", "messages"
+                    ) from None
+                if not isinstance(arguments, dict):
+                    raise RequestError("function.arguments must be a JSON object", "messages")
+            calls.append(
+                {
+                    "id": call.get("id"),
+                    "index": call.get("index"),
+                    "type": "function",
+                    "function": {"name": call["function"].get("name"), "arguments": arguments},
+                }
+            )
+    tools = message.get("tools")
+    return {
+        "role": role,
+        "content": message.get("content"),
+        "tool_call_id": message.get("tool_call_id"),
+        "name": message.get("name"),
+        "reasoning_content": message.get("reasoning_content"),
+        "tool_calls": calls,
+        "tools": None if tools is None else [_sglang_dump_tool(t) for t in tools],
+    }
+
+
+def _sglang_content(message: dict[str, Any], parts_format: bool) -> dict[str, Any]:
+    content = message["content"]
+    if not isinstance(content, list):
+        return {k: v for k, v in message.items() if v is not None}
+    if parts_format:
+        parts = []
+        for chunk in content:
+            kind = chunk.get("type") if isinstance(chunk, dict) else None
+            if kind in ("text", "input_text"):
+                parts.append({"type": "text", "text": chunk["text"]})
+            elif kind in ("image_url", "input_image", "video_url", "audio_url"):
+                raise RequestError("this model serves text only", "messages")
+        out = {k: v for k, v in message.items() if v is not None and k != "content"}
+        out["content"] = parts
+    else:
+        texts = [
+            c["text"]
+            for c in content
+            if isinstance(c, dict) and c.get("type") in ("text", "input_text")
+        ]
+        out = {k: v for k, v in {**message, "content": " ".join(texts)}.items() if v is not None}
+    parts = out["content"]
+    if (
+        out["role"] == "tool"
+        and isinstance(parts, list)
+        and all(isinstance(p, dict) and p.get("type") == "text" for p in parts)
+    ):
+        out["content"] = " ".join(p.get("text", "") for p in out["content"])
+    return out
+
+
+def _sglang_dump_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    function = tool["function"]
+    dumped_fn: dict[str, Any] = {
+        "description": function.get("description"),
+        "name": function["name"],
+        "parameters": function.get("parameters"),
+        "strict": function.get("strict", False),
+    }
+    defer = function.get("defer_loading")
+    if defer is None:
+        defer = tool.get("defer_loading")
+    if defer is not None:
+        dumped_fn["defer_loading"] = defer
+    return {
+        "type": tool.get("type", "function"),
+        "function": dumped_fn,
+        "defer_loading": tool.get("defer_loading"),
+    }

@@ -1,0 +1,475 @@
+"""A chat request body -> the call the engine makes to render it. Pure rules, no I/O, no templates.
+
+Theory of operation. An engine does not hand the OpenAI `messages` to the chat template as they
+came: it first rewrites them (content parts joined or kept, `null` content, tool-call arguments
+parsed, roles renamed, tools re-serialized by its request model) and chooses the template
+variables (`add_generation_prompt`, `continue_final_message`, `documents`, the request's
+`chat_template_kwargs` filtered against the template). Then it calls transformers'
+`apply_chat_template(tokenize=False)` and encodes the text without special tokens. The router's
+block keys hash the engine's token ids, so it has to make the same rewrite: this module is that
+rewrite, for each engine, as plain functions from a request body to a `RenderCall`.
+
+vLLM's rules are the default (`vllm/renderers/chat_utils`, `renderers/hf.py`, the OpenAI request
+models); SGLang's (`entrypoints/openai/serving_chat.py`, `parser/jinja_template_utils.py`) where
+they differ:
+
+- content as string or parts: vLLM passes parts when the template loops over a message's
+  content (else one string); SGLang too, and also whenever the template names image, audio,
+  video or vision.
+- text parts into a string: vLLM joins with a newline, SGLang with a space.
+- `content: null`: vLLM gives `""` (string format) or `[]`; SGLang `""`.
+- `developer`: vLLM sends it as `system` unless the template names `developer`; SGLang keeps it.
+- tool-call `arguments` as a JSON string: both parse it; malformed, vLLM uses `{}`, SGLang
+  refuses the request.
+- a last message from the assistant: vLLM renders it as it is; SGLang makes it a user turn, or
+  with `continue_final_message` appends its text after the generation prompt.
+- `add_generation_prompt`, `documents`: vLLM takes them from the request; SGLang always adds
+  the generation prompt and passes no documents.
+- `tools`: each engine's request model dump. vLLM: `{type, function: {name, description,
+  parameters, ...extra}}` (a missing description is `null`). SGLang: `{type, function:
+  {description, name, parameters, strict}, defer_loading}`, none when `tool_choice` is
+  `none`, only the named one for a named choice.
+
+Two outcomes besides a `RenderCall`: `ChatRequestError` for a body the engine refuses at
+validation (a 400 with the field), and `Unrenderable(reason)` for a request the engine may well
+serve but the router cannot reproduce (media parts, a per-request template): it is routed by load
+as a cache miss, never refused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Final
+
+
+class Engine(StrEnum):
+    VLLM = "vllm"
+    SGLANG = "sglang"
+
+
+ENGINES: Final = tuple(e.value for e in Engine)
+
+# Reasons a request is routed as a miss; the label values of kvrouter_tokenize_failures_total.
+FAILURE_REASONS: Final = (
+    "content",  # a content part that is not text (media, unknown types)
+    "request_template",  # the request brings its own chat template
+    "tool_arguments",  # SGLang refuses tool-call arguments that are not a JSON object
+    "role",  # SGLang refuses roles outside its list
+    "tools",  # a tool the engine's request model would not accept
+    "no_template",  # the model has no chat template
+    "render",  # the template raised (raise_exception, a type error, ...)
+    "encode",  # the tokenizer failed on the rendered text
+)
+
+
+class ChatRequestError(ValueError):
+    """A chat body the engine refuses while validating it: answered 400, naming the field."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Unrenderable(Exception):
+    """The router cannot render this request as the engine would: route it as a miss."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        assert reason in FAILURE_REASONS, reason
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateTraits:
+    """What the rules need to know of the chat template (see template_traits.py)."""
+
+    names_developer: bool  # the template handles a `developer` role itself
+    content_as_parts: bool  # vLLM's detection: the template loops over message content
+    content_as_parts_sglang: bool  # SGLang's detection (a keyword shortcut, fixed loop names)
+    accepted_kwargs: frozenset[str]  # template variables + apply_chat_template's own parameters
+
+
+@dataclass(slots=True)
+class RenderCall:
+    """The engine's `apply_chat_template(conversation, tools=..., **kwargs)`, and its aftermath."""
+
+    conversation: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    suffix: str = ""  # appended to the rendered text (SGLang's continued assistant message)
+    retry_with_bare_tools: bool = False  # SGLang renders again with `tool["function"]` on failure
+
+
+def render_call(body: dict[str, Any], traits: TemplateTraits, engine: Engine) -> RenderCall:
+    """The engine's render call for a chat body. Raises ChatRequestError or Unrenderable."""
+    messages = _checked_messages(body.get("messages"))
+    tools = _checked_tools(body.get("tools"))
+    template_kwargs = _checked_object(body.get("chat_template_kwargs"), "chat_template_kwargs")
+    add_generation_prompt = _checked_bool(body, "add_generation_prompt", True)
+    continue_final = _checked_bool(body, "continue_final_message", False)
+    if body.get("chat_template") is not None:
+        # vLLM refuses it unless started with --trust-request-chat-template; either way the
+        # router would have to run client-supplied template code to follow it.
+        raise Unrenderable("request_template", "the request carries its own chat_template")
+    if engine is Engine.SGLANG:
+        return _sglang_call(body, messages, tools, template_kwargs, continue_final, traits)
+    if continue_final and add_generation_prompt:
+        raise ChatRequestError(
+            "cannot set both continue_final_message and add_generation_prompt to true",
+            "continue_final_message",
+        )
+    return _vllm_call(
+        body, messages, tools, template_kwargs, add_generation_prompt, continue_final, traits
+    )
+
+
+# --- validation shared by both engines (their request models refuse these) -----------------
+
+
+def _checked_messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise ChatRequestError("'messages' must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ChatRequestError(f"messages[{i}] must be an object")
+        if not isinstance(m.get("role"), str):
+            raise ChatRequestError(f"messages[{i}].role must be a string")
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise ChatRequestError(f"messages[{i}].content must be a string, a list or null")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, str | dict):
+                    raise ChatRequestError(f"messages[{i}].content[{j}] must be an object")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise ChatRequestError(f"messages[{i}].tool_calls must be a list")
+            for j, call in enumerate(calls):
+                if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+                    raise ChatRequestError(
+                        f"messages[{i}].tool_calls[{j}] must be an object with a 'function' object"
+                    )
+    return messages
+
+
+def _checked_tools(tools: Any) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ChatRequestError("'tools' must be a list", "tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ChatRequestError(f"tools[{i}] must be an object with a function.name", "tools")
+    return tools
+
+
+def _checked_object(value: Any, param: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ChatRequestError(f"'{param}' must be an object", param)
+    return value
+
+
+def _checked_bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ChatRequestError(f"'{key}' must be a boolean", key)
+    return value
+
+
+# --- vLLM -----------------------------------------------------------------------------------
+
+_TEXT_PART_KEYS: Final = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}  # part type -> its key
+# Fields of the OpenAI content-part shapes; anything else on a text part rides along (vLLM keeps
+# a part's unknown keys when the template takes parts).
+_KNOWN_PART_FIELDS: Final = frozenset(
+    {
+        "type",
+        "text",
+        "refusal",
+        "thinking",
+        "closed",
+        "uuid",
+        "image_url",
+        "input_audio",
+        "audio_url",
+        "video_url",
+        "image_embeds",
+        "audio_embeds",
+        "video_embeds",
+        "data",
+        "image_pil",
+        "name",
+        "file",
+        "detail",
+    }
+)
+
+
+def _vllm_call(
+    body: dict[str, Any],
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any],
+    add_generation_prompt: bool,
+    continue_final: bool,
+    traits: TemplateTraits,
+) -> RenderCall:
+    conversation = [_vllm_message(m, traits) for m in messages]
+    tool_dicts = None if tools is None else [_vllm_tool(t) for t in tools]
+    # The request's chat_template_kwargs first, the request's own fields over them (unset ones
+    # do not count), then only what the template or apply_chat_template accepts.
+    merged = dict(template_kwargs)
+    explicit = {
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final,
+        "documents": body.get("documents"),
+        "reasoning_effort": body.get("reasoning_effort"),
+    }
+    merged.update({k: v for k, v in explicit.items() if v is not None and v != "auto"})
+    if "tools" in merged:  # a `tools` inside chat_template_kwargs wins over the request's
+        tool_dicts = merged.pop("tools")
+    if {"chat_template", "tokenize"} & merged.keys():
+        raise Unrenderable("render", "chat_template_kwargs may not set chat_template or tokenize")
+    kwargs = {k: v for k, v in merged.items() if k in traits.accepted_kwargs}
+    return RenderCall(conversation, tool_dicts, kwargs)
+
+
+def _vllm_message(message: dict[str, Any], traits: TemplateTraits) -> dict[str, Any]:
+    role = message["role"]
+    out: dict[str, Any] = {"role": role}
+    texts, parts = _vllm_parts(message.get("content"))
+    out["content"] = parts if traits.content_as_parts else "\n".join(texts)
+    if role == "assistant":
+        calls = message.get("tool_calls")
+        if calls is not None:
+            calls = [_vllm_tool_call(c) for c in calls]
+            if calls:  # an empty list would send templates down their tool-call path
+                out["tool_calls"] = calls
+        if message.get("reasoning") is not None:
+            out["reasoning"] = out["reasoning_content"] = message["reasoning"]
+    elif role == "tool":
+        if "tool_call_id" in message:
+            out["tool_call_id"] = message["tool_call_id"]
+        parts = out["content"]
+        # Most templates expect a tool result as a string: text-only part lists are joined.
+        if isinstance(parts, list) and all(p.get("type") == "text" for p in parts):
+            out["content"] = "\n".join(p["text"] for p in out["content"])
+    for key in ("name", "task"):
+        if isinstance(message.get(key), str):
+            out[key] = message[key]
+    if role == "developer":
+        if traits.names_developer:
+            out["tools"] = message.get("tools")
+        else:
+            out["role"] = "system"
+    return out
+
+
+def _vllm_parts(content: Any) -> tuple[list[str], list[dict[str, Any]]]:
+    """The text of each text part, and the parts as the template sees them (openai format)."""
+    if content is None:
+        return [], []
+    if isinstance(content, str):
+        return [content], [{"type": "text", "text": content}]
+    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+            parts.append({"type": "text", "text": part})
+            continue
+        key = _TEXT_PART_KEYS.get(part.get("type"))  # type: ignore[arg-type]
+        if key is None:
+            raise Unrenderable("content", f"a {part.get('type')!r} content part is not text")
+        text = part.get(key)
+        if text is None:
+            continue  # vLLM skips a text part without text
+        texts.append(text)
+        extra = {k: v for k, v in part.items() if k not in _KNOWN_PART_FIELDS}
+        parts.append({"type": "text", "text": text, **extra})
+    return texts, parts
+
+
+def _vllm_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    if call.get("type", "function") != "function":
+        raise ChatRequestError("assistant tool_calls must be of type 'function'", "tool_calls")
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if not arguments:
+        function["arguments"] = {}
+    elif isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = {}  # vLLM coerces malformed history so the conversation can go on
+        function["arguments"] = parsed if isinstance(parsed, dict) else {}
+    elif not isinstance(arguments, dict):
+        function["arguments"] = {}
+    return {**call, "function": function}
+
+
+def _vllm_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as vLLM's pydantic request model dumps it: declared fields first, in order, with
+    their defaults (a missing description is `null`), then the extra keys as they came."""
+    if tool.get("type", "function") != "function":
+        raise Unrenderable("tools", f"vLLM accepts function tools only, not {tool.get('type')!r}")
+    fn = tool["function"]
+    function = {
+        "name": fn["name"],
+        "description": fn.get("description"),
+        "parameters": fn.get("parameters"),
+    }
+    function.update({k: v for k, v in fn.items() if k not in function})
+    out: dict[str, Any] = {"type": "function", "function": function}
+    out.update({k: v for k, v in tool.items() if k not in out})
+    return out
+
+
+# --- SGLang ---------------------------------------------------------------------------------
+
+_SGLANG_ROLES: Final = frozenset(
+    {"system", "user", "assistant", "tool", "function", "developer", "latest_reminder"}
+)
+_SGLANG_TEXT_TYPES: Final = ("text", "input_text")
+_SGLANG_MEDIA: Final = {
+    "image_url": "image",
+    "input_image": "image",
+    "video_url": "video",
+    "audio_url": "audio",
+}
+
+
+def _sglang_call(
+    body: dict[str, Any],
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any],
+    continue_final: bool,
+    traits: TemplateTraits,
+) -> RenderCall:
+    conversation = [_sglang_message(m, traits.content_as_parts_sglang) for m in messages]
+    suffix = ""
+    last = conversation[-1]
+    if last["role"] == "assistant" and isinstance(last.get("content"), str):
+        if continue_final:
+            suffix = last["content"]
+            conversation.pop()
+        else:
+            conversation[-1] = {"role": "user", "content": last["content"]}
+    kwargs: dict[str, Any] = {"add_generation_prompt": True}
+    if body.get("reasoning_effort") is not None:
+        kwargs["reasoning_effort"] = body["reasoning_effort"]
+    kwargs.update(template_kwargs)
+    tool_dicts = _sglang_tools(tools, body.get("tool_choice"))
+    return RenderCall(conversation, tool_dicts, kwargs, suffix, retry_with_bare_tools=True)
+
+
+def _sglang_message(message: dict[str, Any], as_parts: bool) -> dict[str, Any]:
+    role = message["role"].lower()
+    if role not in _SGLANG_ROLES:
+        raise Unrenderable("role", f"SGLang refuses the role {message['role']!r}")
+    if role == "user":
+        dumped: dict[str, Any] = {"role": role, "content": message.get("content")}
+    else:
+        dumped = {"role": role, "content": message.get("content")}
+        for key in ("tool_call_id", "name", "reasoning_content"):
+            dumped[key] = message.get(key)
+        calls = message.get("tool_calls")
+        dumped["tool_calls"] = None if calls is None else [_sglang_tool_call(c) for c in calls]
+        tools = message.get("tools")
+        dumped["tools"] = None if tools is None else [_sglang_tool_dump(t) for t in tools]
+    if dumped["content"] is None:
+        dumped["content"] = ""
+    content = dumped["content"]
+    if isinstance(content, list):
+        if as_parts:
+            dumped["content"] = _sglang_parts(content)
+        else:
+            dumped["content"] = " ".join(
+                p["text"]
+                for p in content
+                if isinstance(p, dict) and p.get("type") in _SGLANG_TEXT_TYPES
+            )
+        if (
+            role == "tool"
+            and isinstance(dumped["content"], list)
+            and all(p.get("type") == "text" for p in dumped["content"])
+        ):
+            dumped["content"] = " ".join(p["text"] for p in dumped["content"])
+    return {k: v for k, v in dumped.items() if v is not None}
+
+
+def _sglang_parts(content: list[Any]) -> list[dict[str, Any]]:
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _SGLANG_TEXT_TYPES:
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind in _SGLANG_MEDIA:
+            raise Unrenderable("content", f"a {kind!r} content part is not text")
+    return parts
+
+
+def _sglang_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call["function"]
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise Unrenderable("tool_arguments", "tool-call arguments are not JSON") from None
+        if not isinstance(arguments, dict):
+            raise Unrenderable("tool_arguments", "tool-call arguments are not a JSON object")
+    return {
+        "id": call.get("id"),
+        "index": call.get("index"),
+        "type": "function",
+        "function": {"name": function.get("name"), "arguments": arguments},
+    }
+
+
+def _sglang_tools(tools: list[dict[str, Any]] | None, choice: Any) -> list[dict[str, Any]] | None:
+    if not tools or choice == "none":
+        return None
+    dumped = [_sglang_tool_dump(t) for t in tools]
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        dumped = [t for t in dumped if t["function"]["name"] == name]
+    return dumped
+
+
+def _sglang_tool_dump(tool: dict[str, Any]) -> dict[str, Any]:
+    fn = tool["function"]
+    function: dict[str, Any] = {
+        "description": fn.get("description"),
+        "name": fn["name"],
+        "parameters": fn.get("parameters"),
+        "strict": fn.get("strict", False),
+    }
+    defer = fn.get("defer_loading", tool.get("defer_loading"))
+    if defer is not None:
+        function["defer_loading"] = defer
+    return {
+        "type": tool.get("type", "function"),
+        "function": function,
+        "defer_loading": tool.get("defer_loading"),
+    }
+
+
+def bare_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """SGLang's second attempt: tools without the OpenAI wrapper (some templates want that)."""
+    return None if tools is None else [t.get("function", t) for t in tools]

@@ -1,0 +1,211 @@
+"""A model directory, loaded and rendered the way vLLM and SGLang do it: through transformers.
+
+Why transformers itself (the `hf` extra) rather than `tokenizers` + jinja2 on our own: the
+engines load with `AutoTokenizer.from_pretrained`, which does not always use `tokenizer.json`
+as written. For many model types it rebuilds the pipeline from the vocabulary (a Llama-family
+sentencepiece JSON gets a Metaspace pre-tokenizer instead of its legacy normalizer, so `You`
+after a special token stays `You` instead of becoming `▁You`), fills special tokens from the
+class defaults, reads `chat_template.jinja` or a dict of named templates, and renders with its
+own jinja2 environment, helpers and message normalization (None-valued keys dropped, reasoning
+fields aliased, `continue_final_message` cut). Re-implementing that per model type would drift
+with every transformers release; calling it cannot. Cost, measured in bench/bench_tokenize.py:
+the import (~0.7 s, once at start-up) and apply_chat_template's own copying of the request
+(tens of microseconds), while the expensive part, encoding, goes through our segment cache
+(segments.py) on the same `tokenizers` backend transformers built.
+
+What is ours: the engine's rewrite of the request before the template (chat_rules.py), the
+template inspection (template_traits.py) and the cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from pathlib import Path
+from typing import Any, Final
+
+from router.tokenize.chat_rules import (
+    Engine,
+    RenderCall,
+    TemplateTraits,
+    Unrenderable,
+    bare_tools,
+    render_call,
+)
+from router.tokenize.segments import SegmentEncoder
+from router.tokenize.template_traits import inspect_template
+
+log = logging.getLogger(__name__)
+
+HF_INSTALL_HINT: Final = "install the HF extra: pip install 'kvrouter[hf]'"
+
+
+class HfModel:
+    """One model's tokenizer and chat template, as the engine has them."""
+
+    def __init__(self, tokenizer: Any, engine: Engine, cache_bytes: int) -> None:
+        self._tokenizer = tokenizer
+        self._backend = tokenizer.backend_tokenizer
+        self.engine = engine
+        self.segments = SegmentEncoder(
+            self._backend, cache_bytes, split_special=bool(tokenizer.split_special_tokens)
+        )
+        self._apply_params = _apply_chat_template_params(tokenizer)
+        self._traits: dict[str, TemplateTraits] = {}
+
+    @property
+    def has_template(self) -> bool:
+        return self._tokenizer.chat_template is not None
+
+    def encode_text(self, text: str) -> list[int]:
+        """A completion prompt: encoded with the tokenizer's special tokens (BOS), as engines do."""
+        return list(self._backend.encode(text, add_special_tokens=True).ids)
+
+    def encode_chat(self, body: dict[str, Any]) -> list[int]:
+        """Raises ChatRequestError (a 400) or Unrenderable (route as a miss)."""
+        tools = body.get("tools")
+        template = self._template(tools if isinstance(tools, list) else None)
+        call = render_call(body, self._traits_of(template), self.engine)
+        text = self._render(call, template) + call.suffix
+        try:
+            return self.segments.encode(text)
+        except Exception as exc:  # the Rust side raises plain Exception subclasses
+            raise Unrenderable("encode", f"the tokenizer failed: {exc}") from None
+
+    def template_name(self, tools: Any) -> str:
+        """Which template a request uses, for logs: 'default', 'tool_use', or 'none'."""
+        chat_template = self._tokenizer.chat_template
+        if isinstance(chat_template, dict):
+            return "tool_use" if tools is not None and "tool_use" in chat_template else "default"
+        return "default" if chat_template is not None else "none"
+
+    def _template(self, tools: list[Any] | None) -> str:
+        try:
+            # transformers' own choice: a dict of templates gives "tool_use" to requests with
+            # tools when there is one, else "default".
+            return self._tokenizer.get_chat_template(None, tools)  # type: ignore[no-any-return]
+        except ValueError as exc:
+            raise Unrenderable("no_template", str(exc)) from None
+
+    def _traits_of(self, template: str) -> TemplateTraits:
+        traits = self._traits.get(template)
+        if traits is None:
+            traits = self._traits[template] = inspect_template(template, self._apply_params)
+        return traits
+
+    def _render(self, call: RenderCall, template: str) -> str:
+        try:
+            return self._apply(call, call.tools, template)
+        except Exception as first:  # the template is code run on client data: anything goes
+            if not (call.retry_with_bare_tools and call.tools):
+                raise Unrenderable("render", f"the chat template raised: {first}") from None
+        try:
+            return self._apply(call, bare_tools(call.tools), template)
+        except Exception as exc:
+            raise Unrenderable("render", f"the chat template raised: {exc}") from None
+
+    def _apply(self, call: RenderCall, tools: Any, template: str) -> str:
+        direct = self._direct_render(call, tools, template)
+        if direct is not None:
+            return direct
+        return self._tokenizer.apply_chat_template(  # type: ignore[no-any-return]
+            call.conversation, tools=tools, chat_template=template, tokenize=False, **call.kwargs
+        )
+
+    def _direct_render(self, call: RenderCall, tools: Any, template: str) -> str | None:
+        """apply_chat_template(tokenize=False) without its defensive copies, or None.
+
+        A third of its cost is copying the request into fresh plain data (it may hold
+        pydantic objects, numpy scalars, media); ours is fresh JSON data already, built by
+        chat_rules. What is left of its wrapper is done here the same way: None-valued
+        message keys dropped, reasoning fields aliased, the special tokens as variables,
+        its own parameters kept out of the template's. Rare paths (continue_final_message,
+        which cuts the output, and any other of its parameters) go through transformers
+        itself. The fidelity tests hold this against apply_chat_template.
+        """
+        kwargs = call.kwargs
+        if (kwargs.keys() - _DIRECT_PARAMS) & self._apply_params or not call.conversation:
+            return None
+        if kwargs.get("continue_final_message"):
+            return None
+        if any(not isinstance(t, dict) for t in tools or ()):
+            return None  # transformers converts callables, or raises: let it
+        documents = kwargs.get("documents")
+        if any(not isinstance(d, dict) for d in documents or ()):
+            return None
+        variables = {k: v for k, v in kwargs.items() if k not in self._apply_params}
+        messages = [_as_transformers_sees_it(m) for m in call.conversation]
+        compiled = _compiled(template)
+        return compiled.render(  # type: ignore[no-any-return]
+            messages=messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=kwargs.get("add_generation_prompt", False),
+            **{**self._tokenizer.special_tokens_map, **variables},
+        )
+
+
+# apply_chat_template parameters the direct render handles itself.
+_DIRECT_PARAMS: Final = frozenset(
+    {"add_generation_prompt", "continue_final_message", "documents", "return_dict"}
+)
+_REASONING_FIELDS: Final = ("reasoning_content", "thinking", "reasoning")
+
+
+def _as_transformers_sees_it(message: dict[str, Any]) -> dict[str, Any]:
+    # Keys whose value is None are dropped (templates handle a missing key, not None), and a
+    # message's reasoning is also given as `thinking` and `reasoning_content`.
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
+
+
+def _compiled(template: str) -> Any:
+    # transformers' own compiled template (cached there): its sandbox, filters and globals.
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    return _compile_jinja_template(template)
+
+
+def _apply_chat_template_params(tokenizer: Any) -> frozenset[str]:
+    """apply_chat_template's named parameters: vLLM passes a request kwarg through when the
+    method takes it by name, even if the template never reads it."""
+    from transformers import PreTrainedTokenizerBase
+
+    names: set[str] = set()
+    for fn in (type(tokenizer).apply_chat_template, PreTrainedTokenizerBase.apply_chat_template):
+        names.update(
+            p.name
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"
+        )
+    return frozenset(names)
+
+
+def load_model(directory: Path, engine: Engine, cache_bytes: int) -> HfModel:
+    """`AutoTokenizer.from_pretrained(directory)`, offline, no remote code.
+
+    Raises ValueError when the directory is not a loadable model, ImportError without the extra.
+    """
+    # Its import-time advice ("PyTorch was not found...") is for model code, not a tokenizer.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(f"a model tokenizer needs 'transformers': {HF_INSTALL_HINT}") from exc
+    transformers.logging.set_verbosity_error()  # its advice is for training code, not us
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            str(directory), local_files_only=True, trust_remote_code=False
+        )
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ...
+        raise ValueError(f"cannot load a tokenizer from {directory}: {exc}") from None
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise ValueError(
+            f"{directory}: {type(tokenizer).__name__} is not backed by a tokenizer.json; "
+            "kvrouter needs the fast (tokenizers) tokenizer the engines use"
+        )
+    return HfModel(tokenizer, engine, cache_bytes)

@@ -1,0 +1,150 @@
+"""`RequestTokenizer`: what the request path calls to turn a request into the engine's token ids.
+
+The contract, for the data plane:
+
+- `encode_prompt(prompt)` (completions, `/generate`): text is encoded with the tokenizer's
+  special tokens; a list of token ids is checked and used as it is. A malformed prompt raises
+  ValueError: answer 400.
+- `encode_chat_request(body)` (the whole `/v1/chat/completions` body) returns `ChatTokens`:
+  - `ids`: the ids the engine will compute for this request (its chat rules, template, tokenizer);
+  - or `failure`, one of `FAILURE_REASONS`, when the router cannot reproduce the engine's
+    rendering (media parts, a template that raised, ...): the request is still forwarded, routed
+    by load as a cache miss, and the caller counts `kvrouter_tokenize_failures_total{reason}`.
+    The first failure per template and reason is logged here, with what to do about it.
+  - It raises `ChatRequestError` (a ValueError with `.param`) only for a body the engine itself
+    refuses while validating (messages not a non-empty list of objects with a string role,
+    content neither string, list nor null, tools without function.name, non-boolean flags...):
+    answer 400 with that field.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+from router.tokenize.chat_rules import (
+    ChatRequestError,
+    Engine,
+    TemplateTraits,
+    Unrenderable,
+    render_call,
+)
+from router.tokenize.plain import BytesTokenizer, render_chat_plain
+from router.tokenize.segments import SegmentCache
+
+__all__ = ["ChatRequestError", "ChatTokens", "RequestTokenizer"]
+
+log = logging.getLogger(__name__)
+
+_MAX_TOKEN_ID: Final = 2**32  # block keys hash ids as u32
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTokens:
+    ids: list[int]  # empty when `failure` is set
+    failure: str | None = None  # a FAILURE_REASONS value: route by load, as a miss
+
+
+class ChatModel(Protocol):
+    """A tokenizer with its chat rendering (the bytes one, or hf.HfModel)."""
+
+    def encode_text(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, body: dict[str, Any]) -> list[int]: ...
+
+    def template_name(self, tools: Any) -> str: ...
+
+
+class RequestTokenizer:
+    def __init__(self, name: str, model: ChatModel) -> None:
+        self.name = name
+        self.model = model
+        self._logged: set[tuple[str, str]] = set()
+
+    @property
+    def segment_cache(self) -> SegmentCache | None:
+        """The prefix tokenization cache, when the model has one (for metrics)."""
+        segments = getattr(self.model, "segments", None)
+        return segments.cache if segments is not None and segments.enabled else None
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Text is tokenized with special tokens; token ids are checked and used as they are."""
+        if isinstance(prompt, str):
+            return self.model.encode_text(prompt)
+        if isinstance(prompt, list):
+            return _checked_ids(prompt)
+        raise ValueError("the prompt must be a string or a list of token ids")
+
+    def encode_chat_request(self, body: dict[str, Any]) -> ChatTokens:
+        """See the module docstring. Raises ChatRequestError for a 400."""
+        try:
+            return ChatTokens(self.model.encode_chat(body))
+        except Unrenderable as exc:
+            self._log_once(self.model.template_name(body.get("tools")), exc)
+            return ChatTokens([], exc.reason)
+
+    def _log_once(self, template: str, exc: Unrenderable) -> None:
+        if (template, exc.reason) in self._logged:
+            return
+        self._logged.add((template, exc.reason))
+        log.warning(
+            "tokenizer %s, %s chat template: cannot render a request as the engine would (%s: "
+            "%s); such requests are routed by load as cache misses and counted in "
+            "kvrouter_tokenize_failures_total{reason=%r}. Logged once per template and reason; "
+            "if the engine serves them, report the request shape.",
+            self.name,
+            template,
+            exc.reason,
+            exc,
+            exc.reason,
+        )
+
+    def __repr__(self) -> str:
+        return f"RequestTokenizer({self.name!r})"
+
+
+def _checked_ids(ids: list[Any]) -> list[int]:
+    if not ids:
+        raise ValueError("the prompt is an empty list of token ids")
+    # C-level passes only (the types as a set, then min/max), not a Python loop per id: a
+    # 100k-token prompt is checked in a few milliseconds. `type(t) is int` rather than
+    # isinstance, because bool is an int subclass and JSON `true` is not a token.
+    if set(map(type, ids)) != {int}:
+        raise ValueError("token ids must be integers")
+    if min(ids) < 0 or max(ids) >= _MAX_TOKEN_ID:
+        raise ValueError(f"token ids must be within [0, {_MAX_TOKEN_ID})")
+    return ids
+
+
+class BytesModel:
+    """The `bytes` tokenizer with the plain chat format (the demo fleet's, no model files)."""
+
+    def __init__(self) -> None:
+        self._tokenizer = BytesTokenizer()
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text)  # no special tokens in this vocabulary
+
+    def encode_chat(self, body: dict[str, Any]) -> list[int]:
+        _validated(body)
+        return self._tokenizer.encode(render_chat_plain(body["messages"]))
+
+    def template_name(self, tools: Any) -> str:
+        return "plain"
+
+
+def _validated(body: dict[str, Any]) -> None:
+    # The same 400s as a model's template path: validation is shared, the rendering is not.
+    # The plain format renders any text: only the malformed bodies are refused.
+    with contextlib.suppress(Unrenderable):
+        render_call(body, _PLAIN_TRAITS, Engine.VLLM)
+
+
+_PLAIN_TRAITS: Final = TemplateTraits(
+    names_developer=False,
+    content_as_parts=False,
+    content_as_parts_sglang=False,
+    accepted_kwargs=frozenset(),
+)

@@ -1,0 +1,125 @@
+"""Encode a rendered chat by segments, each segment encoded once: the prefix tokenization cache.
+
+Why it is exact. An HF `tokenizers` pipeline first cuts the text at its added tokens whose
+`normalized` flag is off (leftmost-longest match); each piece between two of them is then
+normalized, pre-tokenized and run through the model on its own. The ids of the whole text are
+the concatenation of the pieces' ids. What a piece yields depends only on its text and on what
+touches it: whether it starts the text (Metaspace's `prepend_scheme: first` adds `▁` only at
+offset 0) and the neighbouring added tokens (an `rstrip`/`lstrip` token swallows adjacent
+whitespace). So a segment is encoded together with its neighbours, `prev + text + next`, and the
+neighbours' two ids are dropped: that is exactly its share of the whole encoding, and the cache
+key `(prev, text, next)` holds all it depends on.
+
+Chat traffic repeats itself: the system prompt and tool list, every earlier turn. A rendered
+chat template puts special tokens between messages, so those repeats are whole segments, and a
+growing conversation costs the encoding of its new turn only.
+
+Not cached (encoded whole, as before): tokenizers with a `single_word` added token (its match
+depends on the characters around it, which a boundary split cannot see).
+
+The cache is an LRU bounded by an estimate of its memory: per entry the segment's characters,
+8 bytes per id and a fixed overhead. A segment larger than a tenth of the budget is encoded
+without being kept.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from typing import Any, Final, Protocol
+
+ENTRY_OVERHEAD: Final = 200  # bytes of a dict slot, the key tuple and the two objects
+
+
+class BackendTokenizer(Protocol):
+    """The part of `tokenizers.Tokenizer` used here."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> Any: ...
+
+    def get_added_tokens_decoder(self) -> dict[int, Any]: ...
+
+
+class SegmentCache:
+    """LRU of segment -> ids, bounded by an estimate of bytes held."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError("the tokenization cache size must be >= 0")
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[tuple[str, str, str], tuple[tuple[int, ...], int]] = (
+            OrderedDict()
+        )
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple[str, str, str]) -> tuple[int, ...] | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(key)
+        return entry[0]
+
+    def put(self, key: tuple[str, str, str], ids: tuple[int, ...]) -> None:
+        size = len(key[1]) + 8 * len(ids) + ENTRY_OVERHEAD
+        if size * 10 > self.max_bytes or key in self._entries:
+            return
+        self._entries[key] = (ids, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, evicted) = self._entries.popitem(last=False)
+            self.bytes -= evicted
+
+
+class SegmentEncoder:
+    """`encode(text)` equals `backend.encode(text, add_special_tokens=False).ids`, by segments."""
+
+    def __init__(
+        self, backend: BackendTokenizer, max_bytes: int, *, split_special: bool = False
+    ) -> None:
+        self._backend = backend
+        self.cache = SegmentCache(max_bytes)
+        added = backend.get_added_tokens_decoder()
+        boundaries = {
+            token.content: token_id
+            for token_id, token in added.items()
+            # With split_special_tokens a special token is encoded as text: no boundary.
+            if not token.normalized and not (split_special and token.special)
+        }
+        self._ids = boundaries
+        single_word = any(t.single_word for t in added.values() if not t.normalized)
+        self.enabled = bool(boundaries) and not single_word and max_bytes > 0
+        longest_first = sorted(boundaries, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+
+    def encode(self, text: str) -> list[int]:
+        if not self.enabled:
+            return list(self._backend.encode(text, add_special_tokens=False).ids)
+        # [text, token, text, token, ..., text]: even items are segments, odd ones boundaries.
+        pieces = self._split.split(text)
+        ids: list[int] = []
+        last = len(pieces) - 1
+        for i in range(0, len(pieces), 2):
+            segment = pieces[i]
+            prev = pieces[i - 1] if i else ""
+            nxt = pieces[i + 1] if i < last else ""
+            if segment:
+                ids.extend(self._segment(prev, segment, nxt))
+            if nxt:
+                ids.append(self._ids[nxt])
+        return ids
+
+    def _segment(self, prev: str, segment: str, nxt: str) -> tuple[int, ...]:
+        key = (prev, segment, nxt)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        encoded = self._backend.encode(prev + segment + nxt, add_special_tokens=False).ids
+        ids = tuple(encoded[(1 if prev else 0) : len(encoded) - (1 if nxt else 0)])
+        self.cache.put(key, ids)
+        return ids

@@ -1,0 +1,140 @@
+"""Chat completions bodies of every shape a router meets: the issue's table, and then some.
+
+Each is a plain JSON body a client could send. Tool-call ids are 9 alphanumerics, as Mistral's
+template demands. Used by the fidelity tests (router ids vs engine ids on every fixture template)
+and the tokenization benchmark.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+SYSTEM: Final = {"role": "system", "content": "You are a helpful assistant."}
+USER: Final = {"role": "user", "content": "What is the weather in Paris today?"}
+
+WEATHER_TOOL: Final = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "the city name"}},
+            "required": ["city"],
+        },
+    },
+}
+SEARCH_TOOL: Final = {  # no description: vLLM's request model dumps it as null
+    "type": "function",
+    "function": {"name": "search", "parameters": {"type": "object", "properties": {}}},
+}
+
+TOOL_CALL: Final = {
+    "id": "call12345",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+CALL_HISTORY: Final = [
+    USER,
+    {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+    {"role": "tool", "tool_call_id": "call12345", "content": "Sunny, 24 degrees."},
+]
+
+SHAPES: Final[dict[str, dict[str, Any]]] = {
+    "plain": {"messages": [SYSTEM, USER]},
+    "multi_turn": {
+        "messages": [
+            SYSTEM,
+            USER,
+            {"role": "assistant", "content": "It is sunny and warm."},
+            {"role": "user", "content": "Thank you! And tomorrow?"},
+        ]
+    },
+    "tools": {"messages": [SYSTEM, USER], "tools": [WEATHER_TOOL, SEARCH_TOOL]},
+    "tools_choice_none": {"messages": [USER], "tools": [WEATHER_TOOL], "tool_choice": "none"},
+    "developer": {"messages": [{"role": "developer", "content": "You are terse."}, USER]},
+    "text_parts": {
+        "messages": [
+            SYSTEM,
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is the weather"},
+                    {"type": "text", "text": "in Paris?"},
+                ],
+            },
+        ]
+    },
+    "tool_call_history": {"messages": [SYSTEM, *CALL_HISTORY], "tools": [WEATHER_TOOL]},
+    "tool_call_dict_arguments": {
+        "messages": [
+            USER,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        **TOOL_CALL,
+                        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call12345", "content": "Sunny."},
+        ],
+        "tools": [WEATHER_TOOL],
+    },
+    "tool_call_bad_arguments": {
+        "messages": [
+            USER,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {**TOOL_CALL, "function": {"name": "get_weather", "arguments": "{not json"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call12345", "content": "Sunny."},
+        ],
+        "tools": [WEATHER_TOOL],
+    },
+    "tool_result_parts": {
+        "messages": [
+            USER,
+            {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+            {
+                "role": "tool",
+                "tool_call_id": "call12345",
+                "content": [{"type": "text", "text": "Sunny"}, {"type": "text", "text": "24C"}],
+            },
+        ],
+        "tools": [WEATHER_TOOL],
+    },
+    "thinking_off": {
+        "messages": [SYSTEM, USER],
+        "chat_template_kwargs": {"enable_thinking": False},
+    },
+    "no_generation_prompt": {
+        "messages": [SYSTEM, USER, {"role": "assistant", "content": "It is sunny."}],
+        "add_generation_prompt": False,
+    },
+    "continue_final_message": {
+        "messages": [SYSTEM, USER, {"role": "assistant", "content": "The weather in Paris is"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    },
+    "documents": {
+        "messages": [USER],
+        "documents": [{"title": "Forecast", "text": "Paris: sunny all week."}],
+    },
+    "reasoning_history": {
+        "messages": [
+            USER,
+            {"role": "assistant", "content": "Sunny.", "reasoning": "The forecast says sun."},
+            {"role": "user", "content": "Thanks!"},
+        ]
+    },
+    "unicode": {"messages": [{"role": "user", "content": "東京の天気は? café résumé 😀 naïve"}]},
+    "special_text_in_content": {
+        "messages": [{"role": "user", "content": "Say <|im_end|> and [INST] and <s> literally"}]
+    },
+}

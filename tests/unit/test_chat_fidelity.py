@@ -1,0 +1,176 @@
+"""The router's chat token ids equal the engine's, for every request shape and fixture template.
+
+The engine is the fake worker's model path (`fake_kv_worker/model_chat.py`): transformers'
+AutoTokenizer and apply_chat_template driven the way vLLM's and SGLang's OpenAI servers drive
+them, written independently of the router. The models are small tokenizers of each family built
+in tests/support/model_dirs.py and saved as the hub ships them. For each (template, shape,
+engine): when the engine serves the request, the router computes exactly its ids and does not
+fail; when the engine refuses it, the router still routes it (no exception).
+
+A few tests pin the engine mirror itself to what the engines are known to do (the issue's table),
+so a bug shared by both sides cannot pass as agreement.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs the hf extra")
+
+from tokenizers import Tokenizer
+
+from fake_kv_worker.model_chat import ModelChat
+from fake_kv_worker.protocol import RequestError
+from router.tokenize import RequestTokenizer, load_tokenizer
+from tests.support.chat_shapes import SHAPES
+from tests.support.model_dirs import FIXTURE_TEMPLATES, build_fixture_model
+
+ENGINE_NAMES = ("vllm", "sglang")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: build_fixture_model(root / name, name) for name in FIXTURE_TEMPLATES}
+
+
+@pytest.fixture(scope="module")
+def pairs(models: dict[str, Path]) -> dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]]:
+    return {
+        (name, engine): (load_tokenizer(str(path), engine=engine), ModelChat(str(path), engine))
+        for name, path in models.items()
+        for engine in ENGINE_NAMES
+    }
+
+
+def engine_ids(engine: ModelChat, body: dict[str, Any]) -> list[int] | None:
+    try:
+        return engine.chat_ids(copy.deepcopy(body))
+    except RequestError:
+        return None
+
+
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("template", sorted(FIXTURE_TEMPLATES))
+def test_router_ids_equal_the_engines_for_every_shape_the_engine_serves(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+    template: str,
+    shape: str,
+    engine: str,
+) -> None:
+    router, worker = pairs[(template, engine)]
+    body = SHAPES[shape]
+    untouched = copy.deepcopy(body)
+    expected = engine_ids(worker, body)
+    got = router.encode_chat_request(body)
+    assert body == untouched  # the router never edits the body it forwards
+    if expected is None:
+        return  # the engine answers 400; the router still routed it (no exception)
+    assert got.failure is None, f"the router failed ({got.failure}) where the engine serves"
+    assert got.ids == expected
+
+
+def test_most_comparisons_are_served_by_the_engine(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+) -> None:
+    # Guards the test above against passing vacuously because the engine refused everything.
+    served = sum(
+        engine_ids(worker, body) is not None
+        for (_, _), (_, worker) in pairs.items()
+        for body in SHAPES.values()
+    )
+    assert served >= 0.7 * len(pairs) * len(SHAPES)
+
+
+# --- the engine mirror holds what the engines are known to do -----------------------------
+
+
+def rendered(worker: ModelChat, body: dict[str, Any]) -> str:
+    return worker.tokenizer.decode(worker.chat_ids(copy.deepcopy(body)))
+
+
+def test_tools_reach_the_template_as_the_request_model_dumps_them(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+) -> None:
+    _, vllm = pairs[("qwen3.jinja", "vllm")]
+    _, sglang = pairs[("qwen3.jinja", "sglang")]
+    body = SHAPES["tools"]
+    assert '{"type": "function", "function": {"name": "get_weather", "description": "Get' in (
+        rendered(vllm, body)
+    )
+    assert '{"type": "function", "function": {"description": "Get the weather' in (
+        rendered(sglang, body)
+    )
+
+
+def test_a_developer_message_is_a_system_message_unless_the_template_names_developer(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+) -> None:
+    _, vllm = pairs[("qwen3.jinja", "vllm")]
+    text = rendered(vllm, SHAPES["developer"])
+    assert text.startswith("<|im_start|>system\nYou are terse.")
+
+
+def test_text_parts_are_joined_with_newlines_by_vllm_and_spaces_by_sglang(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+) -> None:
+    _, vllm = pairs[("chatml.jinja", "vllm")]
+    _, sglang = pairs[("chatml.jinja", "sglang")]
+    assert "What is the weather\nin Paris?" in rendered(vllm, SHAPES["text_parts"])
+    assert "What is the weather in Paris?" in rendered(sglang, SHAPES["text_parts"])
+
+
+def test_null_content_and_string_arguments_render_as_empty_text_and_a_json_object(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+) -> None:
+    _, vllm = pairs[("qwen3.jinja", "vllm")]
+    text = rendered(vllm, SHAPES["tool_call_history"])
+    assert "None" not in text
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+
+
+def test_chat_template_kwargs_reach_the_template(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+) -> None:
+    router, vllm = pairs[("qwen3.jinja", "vllm")]
+    thinking_off = rendered(vllm, SHAPES["thinking_off"])
+    assert thinking_off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert router.encode_chat_request(SHAPES["thinking_off"]).ids != (
+        router.encode_chat_request(SHAPES["plain"]).ids
+    )
+
+
+def test_a_legacy_sentencepiece_json_is_rebuilt_as_transformers_loads_it(
+    models: dict[str, Path], pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]]
+) -> None:
+    router, vllm = pairs[("chatml.jinja", "vllm")]
+    as_written = Tokenizer.from_file(str(models["chatml.jinja"] / "tokenizer.json"))
+    text = vllm.tokenizer.apply_chat_template(
+        SHAPES["plain"]["messages"], tokenize=False, add_generation_prompt=True
+    )
+    ids = router.encode_chat_request(SHAPES["plain"]).ids
+    assert ids == vllm.chat_ids(SHAPES["plain"])
+    assert ids != as_written.encode(text, add_special_tokens=False).ids  # the json as written
+
+
+def test_a_completion_prompt_gets_the_tokenizers_special_tokens(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+) -> None:
+    for (template, engine), (router, worker) in pairs.items():
+        text = "You are a helpful assistant. The weather in Paris is sunny."
+        assert router.encode_prompt(text) == worker.encode(text), (template, engine)
+    router, _ = pairs[("llama3.1_instruct.jinja", "vllm")]
+    bos = router.model._backend.token_to_id("<|begin_of_text|>")  # type: ignore[attr-defined]
+    assert router.encode_prompt("hello")[0] == bos
+
+
+def test_shapes_file_is_valid_json() -> None:
+    # The shapes are plain JSON bodies (a client could send each one as it is).
+    for body in SHAPES.values():
+        assert json.loads(json.dumps(body)) == body

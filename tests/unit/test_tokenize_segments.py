@@ -1,0 +1,168 @@
+"""The segment cache's ids always equal a fresh full encode; its memory stays bounded.
+
+Property tests: random conversations rendered by every fixture template (each on its family's
+tokenizer, loaded as the engines load it), encoded by one long-lived SegmentEncoder per template
+(so later examples hit what earlier ones cached), compared with the backend's own encode of the
+whole text. A hand-built tokenizer adds the hard cases: added tokens that swallow whitespace
+(lstrip/rstrip) and a Metaspace pre-tokenizer that prefixes only the start of the text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs the hf extra")
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer
+
+from router.tokenize.segments import ENTRY_OVERHEAD, SegmentCache, SegmentEncoder
+from tests.support.model_dirs import FIXTURE_TEMPLATES, build_fixture_model, corpus
+
+TEXT = st.lists(
+    st.sampled_from(
+        [
+            *"abc XYZ.,\n\t",
+            *["  ", "東", "é", "😀", "<|im_end|>", "<|im_start|>", "[INST]", "<s>", "</s>"],
+            *["<eos>", "<|eot_id|>", "<think>", "<tool_call>", "<start_of_turn>", "▁", "\u00a0"],
+        ]
+    ),
+    max_size=40,
+).map("".join)
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": TEXT})
+CONVERSATION = st.lists(MESSAGE, min_size=1, max_size=6)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, SegmentEncoder]]:
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for name in FIXTURE_TEMPLATES:
+        tokenizer = AutoTokenizer.from_pretrained(str(build_fixture_model(root / name, name)))
+        out[name] = (tokenizer, SegmentEncoder(tokenizer.backend_tokenizer, 1 << 20))
+    return out
+
+
+def render(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    # Raw text around the template: the property is about encoding, whatever the template does.
+    body = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    try:
+        templated = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+    except Exception:  # the template refused the conversation: the raw text still counts
+        templated = ""
+    return templated + body
+
+
+@settings(max_examples=60, deadline=None)
+@given(conversation=CONVERSATION, grown=CONVERSATION)
+def test_cached_ids_equal_a_fresh_full_encode_on_every_fixture_template(
+    loaded: dict[str, tuple[Any, SegmentEncoder]],
+    conversation: list[dict[str, str]],
+    grown: list[dict[str, str]],
+) -> None:
+    for name, (tokenizer, encoder) in loaded.items():
+        backend = tokenizer.backend_tokenizer
+        for messages in (conversation, [*conversation, *grown], conversation):
+            text = render(tokenizer, messages)
+            fresh = backend.encode(text, add_special_tokens=False).ids
+            assert encoder.encode(text) == fresh, (name, text)
+
+
+def test_a_repeated_conversation_is_served_from_the_cache(
+    loaded: dict[str, tuple[Any, SegmentEncoder]],
+) -> None:
+    tokenizer, _ = loaded["qwen3.jinja"]
+    encoder = SegmentEncoder(tokenizer.backend_tokenizer, 1 << 20)
+    turns = [{"role": "user", "content": f"question {i} about the weather"} for i in range(8)]
+    encoder.encode(render(tokenizer, turns[:7]))
+    misses = encoder.cache.misses
+    encoder.encode(render(tokenizer, turns))  # one new turn
+    assert encoder.cache.misses - misses <= 4  # the new turn's segments, not the history's
+    assert encoder.cache.hits > 20
+
+
+def whitespace_eating_tokenizer() -> Tokenizer:
+    """Metaspace (prepend at the start only) and added tokens that strip whitespace."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.train_from_iterator(
+        corpus(), trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>"], show_progress=False)
+    )
+    tok.add_special_tokens(
+        [
+            AddedToken("<L>", lstrip=True, special=True, normalized=False),
+            AddedToken("<R>", rstrip=True, special=True, normalized=False),
+            AddedToken("<LR>", lstrip=True, rstrip=True, special=True, normalized=False),
+        ]
+    )
+    tok.add_tokens([AddedToken("<plain>", normalized=False)])
+    return tok
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.lists(
+        st.sampled_from([*"ab c\n", "  ", "<L>", "<R>", "<LR>", "<plain>", "<"]),
+        max_size=30,
+    ).map("".join)
+)
+def test_neighbouring_tokens_that_strip_whitespace_and_the_start_prefix_are_reproduced(
+    text: str,
+) -> None:
+    tok = whitespace_eating_tokenizer()
+    encoder = SegmentEncoder(tok, 1 << 20)
+    assert encoder.enabled
+    expected = tok.encode(text, add_special_tokens=False).ids
+    assert encoder.encode(text) == expected
+    assert encoder.encode(text) == expected  # from the cache
+
+
+def test_a_single_word_added_token_turns_the_cache_off_and_stays_exact() -> None:
+    tok = whitespace_eating_tokenizer()
+    tok.add_special_tokens([AddedToken("<W>", single_word=True, normalized=False)])
+    encoder = SegmentEncoder(tok, 1 << 20)
+    assert not encoder.enabled
+    for text in ("a<W>b", "a <W> b", "<R> x <W>"):
+        assert encoder.encode(text) == tok.encode(text, add_special_tokens=False).ids
+
+
+def test_split_special_tokens_makes_specials_text_not_boundaries() -> None:
+    tok = whitespace_eating_tokenizer()
+    tok.encode_special_tokens = True
+    encoder = SegmentEncoder(tok, 1 << 20, split_special=True)
+    for text in ("a<L> b", "<R>  c<plain>d"):
+        assert encoder.encode(text) == tok.encode(text, add_special_tokens=False).ids
+
+
+def test_the_cache_is_an_lru_bounded_by_its_byte_estimate() -> None:
+    cache = SegmentCache(max_bytes=10 * (ENTRY_OVERHEAD + 10 + 8))
+    for i in range(100):
+        cache.put(("", f"{i:010d}", ""), (i,))
+        assert cache.bytes <= cache.max_bytes
+    assert len(cache) == 10
+    assert cache.get(("", f"{90:010d}", "")) == (90,)  # refreshed: now the most recent
+    cache.put(("", "x" * 10, ""), (1,))
+    assert cache.get(("", f"{91:010d}", "")) is None  # the least recent went first
+    assert cache.get(("", f"{90:010d}", "")) == (90,)
+
+
+def test_a_segment_larger_than_a_tenth_of_the_budget_is_not_kept() -> None:
+    cache = SegmentCache(max_bytes=10_000)
+    cache.put(("", "y" * 2000, ""), (1, 2))
+    assert len(cache) == 0 and cache.bytes == 0
+    with pytest.raises(ValueError, match=">= 0"):
+        SegmentCache(-1)
+
+
+def test_a_zero_budget_encodes_whole_texts(tmp_path: Path) -> None:
+    tok = whitespace_eating_tokenizer()
+    encoder = SegmentEncoder(tok, 0)
+    assert not encoder.enabled
+    assert encoder.encode("a <R> b") == tok.encode("a <R> b", add_special_tokens=False).ids
