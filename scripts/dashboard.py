@@ -6,6 +6,11 @@ entry in `ROWS` (a title, a description, a unit, and its PromQL with a legend), 
 `python3 scripts/dashboard.py`. With `--check` it writes nothing and exits 1 when the
 checked-in JSON is not what the table generates (tests/unit/test_observability.py runs it).
 
+Counters of rare events that appear with their first one (a label per outcome or reason:
+failovers, lost batches, replays, discovery failures) are drawn as totals since the replica
+started, not as rates: `rate()` needs two samples of a series, so it never shows the event
+that created it, and the first failover would draw as a flat 0.
+
 Every router query filters on the dashboard's variables `namespace`, `job` and `instance`
 (`_sel`) and every panel reads from the `datasource` variable, never from a hard-coded data
 source UID, so the file imports into any Grafana, and the dashboard sidecar of
@@ -103,18 +108,28 @@ ROWS: Final = (
                 stack=True,
             ),
             Panel(
-                "Errors and failovers",
-                "Answers that were not 2xx, and upstream attempts that failed before the first "
-                "byte and went to the next ranked rank (kvrouter_upstream_failures_total).",
+                "Answers that were not 2xx",
+                "Answers per second that were not 2xx, by route and status: 4xx are the "
+                "clients' (a malformed body); 502 means every ranked attempt failed, 503 no "
+                "healthy worker.",
                 "reqps",
                 (
                     Query(
                         f"sum by (route, status) ({_rate('kvrouter_requests_total', NOT_2XX)})",
-                        "answered {{route}} {{status}}",
+                        "{{route}} {{status}}",
                     ),
+                ),
+            ),
+            Panel(
+                "Failed-over attempts",
+                "Upstream attempts that failed before the first byte and went to the next "
+                "ranked rank, since each replica started (kvrouter_upstream_failures_total): "
+                "a step is a failover the client did not see.",
+                "short",
+                (
                     Query(
-                        f"sum by (worker, reason) ({_rate('kvrouter_upstream_failures_total')})",
-                        "failed over {{worker}} {{reason}}",
+                        f"sum by (worker, reason) (kvrouter_upstream_failures_total{_sel()})",
+                        "{{worker}} {{reason}}",
                     ),
                 ),
             ),
@@ -253,27 +268,27 @@ ROWS: Final = (
             ),
             Panel(
                 "Lost batches per rank",
-                "Batches a rank's stream skipped that replay did not recover, per second "
-                "(kvrouter_kv_event_batches_lost_total). The rank's index may hold stale "
-                "blocks until they are evicted.",
-                "ops",
+                "Batches a rank's stream skipped that replay did not recover, since each "
+                "replica started (kvrouter_kv_event_batches_lost_total). The rank's index may "
+                "hold stale blocks until they are evicted.",
+                "short",
                 (
                     Query(
                         "sum by (instance, worker_url, dp_rank) "
-                        f"({_rate('kvrouter_kv_event_batches_lost_total')})",
+                        f"(kvrouter_kv_event_batches_lost_total{_sel()})",
                         "{{instance}} {{worker_url}} rank {{dp_rank}}",
                     ),
                 ),
             ),
             Panel(
                 "Replay outcomes",
-                "Requests to the engines' replay endpoints for gaps in a stream, by outcome "
-                "(kvrouter_kv_replay_total).",
-                "ops",
+                "Requests to the engines' replay endpoints for gaps in a stream, by outcome, "
+                "since each replica started (kvrouter_kv_replay_total).",
+                "short",
                 (
                     Query(
-                        f"sum by (outcome) ({_rate('kvrouter_kv_replay_total')})",
-                        "{{outcome}}",
+                        f"sum by (instance, outcome) (kvrouter_kv_replay_total{_sel()})",
+                        "{{instance}} {{outcome}}",
                     ),
                 ),
             ),

@@ -261,8 +261,8 @@ async def test_the_panels_show_who_served_what_failed_and_how_c_bootstrapped(fle
     prom, w = fleet.prom, fleet.workers
     urls = {(fw.url,) for fw in w.values()}
     await shows(prom, "Requests by worker", 0, lambda s: bool(s) and labels(s, "worker") <= urls)
-    await shows(prom, "Errors and failovers", 1, lambda s: labels(s, "worker") == {(w["w1"].url,)})
-    await shows(prom, "Errors and failovers", 0, lambda s: ("400",) in labels(s, "status"))
+    await shows(prom, "Failed-over attempts", 0, lambda s: labels(s, "worker") == {(w["w1"].url,)})
+    await shows(prom, "Answers that were not 2xx", 0, lambda s: ("400",) in labels(s, "status"))
     # Every replica subscribed when w3 skipped its seqs lost them; no other rank lost any.
     await shows(
         prom,
