@@ -9,10 +9,11 @@ with its own queries (`query_range`, the dashboard's variables bound to "All") a
 with matplotlib, one subplot per panel, legends as the panel's `legendFormat` with replicas
 and workers named as the demo names them. Writes docs/dashboard.png (`--out` to change).
 
-The demo runs a longer workload than its default (`DEMO_ARGS`), and while its third replica
-joins, three faults are injected through the fake workers' controls (a worker failing two
-requests, a batch replay repairs, a seq nothing repairs), so the error, replay and lost-batch
-panels show what they are for. The demo has no Kubernetes discovery: that panel stays empty.
+The demo runs a longer workload than its default (`DEMO_ARGS`), and three faults are
+injected through the fake workers' controls: a worker failing two requests while the third
+replica joins, then a batch replay repairs and a seq nothing repairs, so the failover, replay
+and lost-batch panels show what they are for. The demo has no Kubernetes discovery: that
+panel stays empty.
 
 Needs the `bench` extra (matplotlib) and Debian's prometheus package (scripts/test installs
 both). Takes about as long as the demo (a minute on a quiet 2-core machine).
@@ -77,26 +78,34 @@ def legend(fmt: str, labels: dict[str, str], names: dict[str, str]) -> str:
     return re.sub(r"\{\{([^}]+)\}\}", one, fmt).strip() or "value"
 
 
-async def inject_faults(prom: Prometheus, workers: dict[str, str]) -> None:
-    """While the third replica joins: w1 answers two requests 503 (failed over), w2 keeps
-    a batch off its live stream (replay repairs it), w3 skips a seq (nothing can: lost)."""
+async def _post(prom: Prometheus, url: str, body: dict[str, Any]) -> None:
+    async with prom.session.post(url, json=body) as resp:
+        resp.raise_for_status()
+
+
+async def fail_requests(prom: Prometheus, workers: dict[str, str]) -> None:
+    """While the third replica joins, under traffic: w1 answers two requests 503."""
     by_name = {name: url for url, name in workers.items()}
-    faults = [
-        ("w1", "/control/fail", {"count": 2, "status": 503}),
-        ("w2", "/control/drop-next", {"count": 1}),
-        ("w3", "/control/skip-seq", {"count": 1}),
-    ]
-    for name, path, body in faults:
-        if name in by_name:
-            async with prom.session.post(by_name[name] + path, json=body) as resp:
-                resp.raise_for_status()
+    await _post(prom, by_name["w1"] + "/control/fail", {"count": 2, "status": 503})
+
+
+async def break_streams(prom: Prometheus, workers: dict[str, str]) -> None:
+    """Once it is ready: w2 keeps a batch off its live stream and publishes the next, so the
+    replicas see the gap at once and replay repairs it; w3 skips a seq, which nothing can."""
+    by_name = {name: url for url, name in workers.items()}
+    chain = {"token_chains": [[7] * 16]}
+    await _post(prom, by_name["w2"] + "/control/drop-next", {"count": 1})
+    await _post(prom, by_name["w2"] + "/control/store", chain)
+    await _post(prom, by_name["w2"] + "/control/store", chain)
+    await _post(prom, by_name["w3"] + "/control/skip-seq", {"count": 1})
+    await _post(prom, by_name["w3"] + "/control/store", chain)
 
 
 async def follow_demo(demo: Any, prom: Prometheus) -> dict[str, str]:
     """Scrape the demo's processes as they appear, until its checks are done; URL -> name."""
     deadline = time.monotonic() + DEMO_WITHIN_S
     known: tuple[dict[str, str], dict[str, str]] = ({}, {})
-    injected = False
+    failed = broken = False
     while True:
         output = demo.output()
         found = names_in(output)
@@ -104,9 +113,12 @@ async def follow_demo(demo: Any, prom: Prometheus) -> dict[str, str]:
             known = found
             prom.set_targets("kvrouter", list(found[0]))
             prom.set_targets("engines", list(found[1]))
-        if not injected and "third replica" in output:
-            await inject_faults(prom, known[1])
-            injected = True
+        if not failed and "third replica" in output:
+            await fail_requests(prom, known[1])
+            failed = True
+        if not broken and "ca-c ready" in output:
+            await break_streams(prom, known[1])
+            broken = True
         if _DONE in output:
             break
         if demo.returncode is not None:
