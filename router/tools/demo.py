@@ -924,12 +924,13 @@ class Demo:
         """Start ca-c with both warm replicas as peers; show its bootstrap until it is ready."""
         out = self.out
         warm = self.pairs["cache_aware"]
+        joining = self.cluster.router("ca-c", "cache_aware", [r.url for r in warm])
         out()
         out(
-            f"third replica ca-c: kvrouter serve --policy cache_aware --peer {warm[0].url} "
-            f"--peer {warm[1].url}, joining while traffic continues through ca-a and ca-b"
+            f"third replica ca-c {joining.url}: kvrouter serve --policy cache_aware --peer "
+            f"{warm[0].url} --peer {warm[1].url}, joining while traffic continues through "
+            "ca-a and ca-b"
         )
-        joining = self.cluster.router("ca-c", "cache_aware", [r.url for r in warm])
         traffic_stop = asyncio.Event()
         traffic = asyncio.create_task(
             _background_traffic(session, warm, self.conversations, self.opts, traffic_stop)

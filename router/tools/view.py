@@ -12,6 +12,9 @@ Output, per replica: readiness, block size, node count, and per rank its cursor 
 then the verdict, and where views differ, per rank: blocks only in one of the two, and blocks
 in both whose parent, tiers or engine hash differ.
 
+`--watch` redraws a live picture every second instead (ranks, cursors, lag, blocks and
+bootstrap state per replica, differences marked) from cheap reads; see router/tools/watch.py.
+
 Exit status: 0 when the views agree (one replica always agrees with itself), 1 when they
 differ, 2 on errors (a replica unreachable, a body that does not decode or fails vetting, a
 bad command line). `--cursors-only` fetches only the cursor tables and readiness: the verdict
@@ -29,9 +32,9 @@ import argparse
 import asyncio
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TextIO
 
 import aiohttp
 import msgspec
@@ -42,6 +45,7 @@ from cachetree.tree import BlockTree
 from peer.fetch import Fetched, SnapshotFetcher
 from peer.vet import VetError, VettedSnapshot
 from peer.wire import MSGPACK, PeerSnapshot
+from router.tools import watch
 
 TOKEN_ENV: Final = "KVROUTER_INTERNAL_TOKEN"
 DEFAULT_TIMEOUT_S: Final = 30.0
@@ -428,7 +432,51 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=DEFAULT_TIMEOUT_S,
         help=f"bound on each request [default {DEFAULT_TIMEOUT_S:g}]",
     )
+    p.add_argument(
+        "--watch",
+        action="store_true",
+        help="redraw ranks, cursors, lag, blocks and bootstrap state per replica every "
+        "--interval-s, marking where replicas differ, until Ctrl-C (see router/tools/watch.py)",
+    )
+    p.add_argument(
+        "--interval-s", type=float, default=1.0, help="--watch: seconds between frames [1]"
+    )
+    p.add_argument(
+        "--count", type=int, default=0, help="--watch: stop after this many frames [0: never]"
+    )
     return p
+
+
+def _draw_on(stream: TextIO) -> Callable[[list[str]], None]:
+    """A terminal is cleared before each frame; anything else gets frames one after another."""
+    tty = stream.isatty()
+
+    def draw(lines: list[str]) -> None:
+        stream.write((watch.CLEAR if tty else "") + "\n".join(lines) + "\n" + ("" if tty else "\n"))
+        stream.flush()
+
+    return draw
+
+
+def run_watch(args: argparse.Namespace) -> int:
+    if args.interval_s <= 0 or args.count < 0:
+        sys.stderr.write("kvrouter: error: --interval-s must be > 0 and --count >= 0\n")
+        return 2
+    color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    try:
+        return asyncio.run(
+            watch.watch(
+                args.urls,
+                _draw_on(sys.stdout),
+                token=args.token or None,
+                interval_s=args.interval_s,
+                count=args.count,
+                color=color,
+                timeout_s=min(args.timeout_s, max(args.interval_s, 1.0)),
+            )
+        )
+    except KeyboardInterrupt:
+        return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -440,6 +488,8 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout_s <= 0:
         sys.stderr.write("kvrouter: error: --timeout-s must be > 0\n")
         return 2
+    if args.watch:
+        return run_watch(args)
     views = asyncio.run(
         collect(
             args.urls,

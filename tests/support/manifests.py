@@ -16,6 +16,13 @@ Two layers, both reporting problems as one line each (an empty list means deploy
   kubelet would give the container (downward API, Secret values, service links), so a flag
   or environment variable `kvrouter serve` does not know, or a value it refuses, fails here.
 
+The Prometheus Operator's objects (custom resources, no model) are decoded against the table
+in tests/support/monitoring_schema.py, and their rules are checked here: the ServiceMonitor
+scrapes the routers' Service on its HTTP port, the PodMonitor the workers' pods, every alert
+has a severity and a summary, and the dashboard ConfigMap holds importable JSON.
+`render_with_observability` renders the base with its optional component switched on, the
+way README tells a user to.
+
 Flags that issue 6's EndpointSlice watch adds (`ISSUE_6_FLAGS`) are reported apart by
 `unknown_issue_6_flags` until that code is on the branch; see tests/unit/test_manifests.py.
 """
@@ -43,6 +50,7 @@ from kubernetes_asyncio.client import models as k8s_models
 
 from fake_kv_worker.__main__ import parse_args as fake_worker_args
 from router.cli import build_parser, serve_config
+from tests.support import monitoring_schema
 
 REPO: Final = Path(__file__).resolve().parents[2]
 MANIFESTS: Final = REPO / "manifests"
@@ -69,6 +77,27 @@ class RenderError(RuntimeError):
 
 def kubectl() -> str | None:
     return shutil.which("kubectl")
+
+
+# The base's commented include of the observability component, and the same lines switched on.
+OBSERVABILITY_OFF: Final = "# components:\n#   - observability\n"
+OBSERVABILITY_ON: Final = "components:\n  - observability\n"
+
+
+def render_with_observability(scratch: Path) -> list[Obj]:
+    """The base with the component included as README says (uncommented), rendered.
+
+    The manifests are copied under `scratch` first; the checked-in kustomization is not
+    touched. RenderError when the commented include is not where README says it is.
+    """
+    copied = scratch / "manifests"
+    shutil.copytree(MANIFESTS, copied)
+    kustomization = copied / "kustomization.yaml"
+    text = kustomization.read_text()
+    if text.count(OBSERVABILITY_OFF) != 1:
+        raise RenderError(f"{kustomization} has no commented include of observability")
+    kustomization.write_text(text.replace(OBSERVABILITY_OFF, OBSERVABILITY_ON))
+    return render(copied)
 
 
 def render(directory: Path = MANIFESTS) -> list[Obj]:
@@ -161,6 +190,10 @@ def schema_problems(obj: Obj) -> list[str]:
     label = f"{kind}/{name}"
     if not isinstance(api_version, str) or not isinstance(kind, str):
         return [f"{label}: apiVersion and kind must be strings"]
+    if api_version == f"{monitoring_schema.GROUP}/v1":
+        problems = monitoring_schema.spec_problems(kind, obj, label)
+        _decode(obj.get("metadata"), "V1ObjectMeta", f"{label}.metadata", problems)
+        return problems + ([] if name else [f"{label}: metadata.name is missing"])
     type_name = model_name(api_version, kind)
     if getattr(k8s_models, type_name, None) is None:
         return [f"{label}: {api_version} {kind} is not a Kubernetes type (no {type_name})"]
@@ -731,6 +764,70 @@ def _router_finds_workers(
     return problems
 
 
+def _monitor_target_problems(monitor: Obj, endpoints_key: str, ports: set[str]) -> list[str]:
+    """Each scrape endpoint names one of `ports` and reads /metrics."""
+    problems = []
+    endpoints = monitor["spec"].get(endpoints_key) or []
+    if not endpoints:
+        problems.append(f"{label_of(monitor)}: no {endpoints_key}: it scrapes nothing")
+    for endpoint in endpoints:
+        if endpoint.get("port") not in ports:
+            problems.append(
+                f"{label_of(monitor)}: port {endpoint.get('port')!r} is not one of {sorted(ports)}"
+            )
+        if endpoint.get("path", "/metrics") != "/metrics":
+            problems.append(f"{label_of(monitor)}: path {endpoint.get('path')!r} is not /metrics")
+    return problems
+
+
+def _namespace_problems(monitor: Obj, namespace: str | None) -> list[str]:
+    chosen = monitor["spec"].get("namespaceSelector")
+    if chosen is None or chosen.get("any") or namespace in (chosen.get("matchNames") or []):
+        return []
+    return [f"{label_of(monitor)}: its namespaceSelector leaves out {namespace!r}"]
+
+
+def _rule_monitoring(r: Rendering, router: Workload, worker: Workload | None) -> list[str]:
+    """The Prometheus Operator's objects scrape what the dashboard and the alerts read."""
+    monitoring = [o for o in r.objects if o["apiVersion"].startswith(monitoring_schema.GROUP)]
+    dashboards = [
+        o
+        for o in r.of_kind("ConfigMap")
+        if monitoring_schema.DASHBOARD_LABEL in (o["metadata"].get("labels") or {})
+    ]
+    if not monitoring and not dashboards:
+        return []
+    problems = []
+    routers_scraped = False
+    for monitor in r.of_kind("ServiceMonitor"):
+        terms = monitor["spec"]["selector"].get("matchLabels") or {}
+        services = [
+            s for s in r.of_kind("Service") if _selects(terms, s["metadata"].get("labels") or {})
+        ]
+        if not services:
+            problems.append(f"{label_of(monitor)}: selects no Service")
+        for service in services:
+            ports = {p.get("name") for p in service["spec"].get("ports") or []}
+            problems += _monitor_target_problems(monitor, "endpoints", ports)
+            routers_scraped |= service in r.services_selecting(router)
+        problems += _namespace_problems(monitor, r.namespace())
+    if not routers_scraped:
+        problems.append("no ServiceMonitor scrapes the router replicas' Service")
+    for monitor in r.of_kind("PodMonitor"):
+        terms = monitor["spec"]["selector"].get("matchLabels") or {}
+        if worker is None or not _selects(terms, worker.pod_labels):
+            problems.append(f"{label_of(monitor)}: selects no worker pods")
+            continue
+        ports = {p.get("name") for p in worker.container.get("ports") or []}
+        problems += _monitor_target_problems(monitor, "podMetricsEndpoints", ports)
+        problems += _namespace_problems(monitor, r.namespace())
+    for rule in r.of_kind("PrometheusRule"):
+        problems += monitoring_schema.rule_problems(rule, label_of(rule))
+    for configmap in dashboards:
+        problems += monitoring_schema.dashboard_problems(configmap, label_of(configmap))
+    return problems
+
+
 def _rule_worker(w: Workload) -> list[str]:
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
@@ -770,6 +867,7 @@ def problems(objects: list[Obj]) -> list[str]:
     if router is not None:
         found += _rule_rbac(r, router)
         found += _rule_router(r, router, worker)
+        found += _rule_monitoring(r, router, worker)
     if worker is not None:
         found += _rule_worker(worker)
     return found

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import re
 import shutil
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from tests.support.manifests import (
     problems,
     pyproject,
     render,
+    render_with_observability,
     unknown_issue_6_flags,
 )
 
@@ -42,6 +44,12 @@ Obj = dict[str, Any]
 @pytest.fixture(scope="module")
 def rendered() -> list[Obj]:
     return render()
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory: pytest.TempPathFactory) -> list[Obj]:
+    """The base with its observability component included, as README tells users to."""
+    return render_with_observability(tmp_path_factory.mktemp("observed"))
 
 
 # -- helpers that find and break one thing --------------------------------------------------
@@ -161,6 +169,34 @@ def test_every_flag_issue_6_adds_is_known_to_kvrouter_serve_once_the_watch_is_me
             "not merged into this branch yet"
         )
     assert pending == []
+
+
+def test_the_base_leaves_the_observability_component_out_until_it_is_uncommented(
+    rendered: list[Obj], observed: list[Obj]
+) -> None:
+    assert not [o for o in rendered if o["apiVersion"].startswith("monitoring.coreos.com")]
+    assert problems(observed) == []
+    added = sorted(f"{o['kind']}/{o['metadata']['name']}" for o in observed if o not in rendered)
+    assert added == [
+        "ConfigMap/kvrouter-dashboard",
+        "PodMonitor/kvrouter-engines",
+        "PrometheusRule/kvrouter",
+        "ServiceMonitor/kvrouter",
+    ]
+    # The component's objects land in the base's namespace, with its labels.
+    for obj in observed:
+        if obj not in rendered:
+            assert obj["metadata"]["namespace"] == "kvrouter"
+            assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvrouter"
+
+
+def test_the_dashboard_configmap_holds_the_checked_in_dashboard_for_the_grafana_sidecar(
+    observed: list[Obj],
+) -> None:
+    configmap = find(observed, "ConfigMap", "kvrouter-dashboard")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = (MANIFESTS / "observability" / "dashboard.json").read_text()
+    assert configmap["data"] == {"kvrouter-fleet.json": shipped}
 
 
 # -- the checks bite ------------------------------------------------------------------------
@@ -411,6 +447,153 @@ def test_a_broken_manifest_is_named_by_the_checks(
     rendered: list[Obj], mutate: Mutation, expected: str
 ) -> None:
     broken = copy.deepcopy(rendered)
+    mutate(broken)
+    found = problems(broken)
+    assert any(expected in p for p in found), found
+
+
+def dashboard(objects: list[Obj]) -> dict[str, Any]:
+    return json.loads(
+        find(objects, "ConfigMap", "kvrouter-dashboard")["data"]["kvrouter-fleet.json"]
+    )
+
+
+def edit_dashboard(objects: list[Obj], edit: Callable[[dict[str, Any]], None]) -> None:
+    board = dashboard(objects)
+    edit(board)
+    find(objects, "ConfigMap", "kvrouter-dashboard")["data"]["kvrouter-fleet.json"] = json.dumps(
+        board
+    )
+
+
+def first_alert(objects: list[Obj]) -> Obj:
+    return find(objects, "PrometheusRule", "kvrouter")["spec"]["groups"][0]["rules"][0]
+
+
+def first_panel(board: dict[str, Any]) -> dict[str, Any]:
+    return next(p for p in board["panels"] if p["type"] != "row")
+
+
+MONITORING_MUTATIONS: list[tuple[str, Mutation, str]] = [
+    (
+        "misspelt ServiceMonitor field",
+        lambda o: find(o, "ServiceMonitor", "kvrouter")["spec"].update(endpoint=[]),
+        "ServiceMonitor/kvrouter.spec: unknown field 'endpoint'",
+    ),
+    (
+        "interval that is no duration",
+        lambda o: find(o, "ServiceMonitor", "kvrouter")["spec"]["endpoints"][0].update(
+            interval="15"
+        ),
+        "endpoints[0].interval: expected duration, got str '15'",
+    ),
+    (
+        "ServiceMonitor without a selector",
+        lambda o: find(o, "ServiceMonitor", "kvrouter")["spec"].pop("selector"),
+        "required field 'selector' is missing",
+    ),
+    (
+        "ServiceMonitor selecting no Service",
+        lambda o: find(o, "ServiceMonitor", "kvrouter")["spec"]["selector"].update(
+            matchLabels={"app.kubernetes.io/name": "kv-router"}
+        ),
+        "no ServiceMonitor scrapes the router replicas' Service",
+    ),
+    (
+        "ServiceMonitor on a port the Service does not name",
+        lambda o: find(o, "ServiceMonitor", "kvrouter")["spec"]["endpoints"][0].update(
+            port="metrics"
+        ),
+        "ServiceMonitor/kvrouter: port 'metrics' is not one of ['http']",
+    ),
+    (
+        "ServiceMonitor on another path",
+        lambda o: find(o, "ServiceMonitor", "kvrouter")["spec"]["endpoints"][0].update(
+            path="/stats"
+        ),
+        "path '/stats' is not /metrics",
+    ),
+    (
+        "ServiceMonitor looking in another namespace",
+        lambda o: find(o, "ServiceMonitor", "kvrouter")["spec"].update(
+            namespaceSelector={"matchNames": ["default"]}
+        ),
+        "its namespaceSelector leaves out 'kvrouter'",
+    ),
+    (
+        "PodMonitor selecting no worker",
+        lambda o: find(o, "PodMonitor", "kvrouter-engines")["spec"]["selector"].update(
+            matchLabels={"app": "vllm"}
+        ),
+        "PodMonitor/kvrouter-engines: selects no worker pods",
+    ),
+    (
+        "PodMonitor on the KV-event port's wrong name",
+        lambda o: find(o, "PodMonitor", "kvrouter-engines")["spec"]["podMetricsEndpoints"][
+            0
+        ].update(port="metrics"),
+        "port 'metrics' is not one of ['http', 'kv-events']",
+    ),
+    (
+        "alert without a severity",
+        lambda o: first_alert(o).update(labels={}),
+        "alert KvrouterRequestErrors has severity None",
+    ),
+    (
+        "alert without a summary",
+        lambda o: first_alert(o)["annotations"].pop("summary"),
+        "alert KvrouterRequestErrors has no summary annotation",
+    ),
+    (
+        "rule without an expression",
+        lambda o: first_alert(o).pop("expr"),
+        "rules[0]: required field 'expr' is missing",
+    ),
+    (
+        "'for' that is no duration",
+        lambda o: first_alert(o).update({"for": "five minutes"}),
+        "rules[0].for: expected duration",
+    ),
+    (
+        "panel with a hard-coded data source",
+        lambda o: edit_dashboard(
+            o, lambda b: first_panel(b).update(datasource={"type": "prometheus", "uid": "P1809F"})
+        ),
+        "is {'type': 'prometheus', 'uid': 'P1809F'}, not the ${datasource} variable",
+    ),
+    (
+        "no datasource variable",
+        lambda o: edit_dashboard(o, lambda b: b["templating"]["list"].pop(0)),
+        "no `datasource` variable of Prometheus data sources",
+    ),
+    (
+        "panel without a query",
+        lambda o: edit_dashboard(o, lambda b: first_panel(b).update(targets=[])),
+        "panel 'Requests by route and status' has a target with no query",
+    ),
+    (
+        "dashboard that is not JSON",
+        lambda o: find(o, "ConfigMap", "kvrouter-dashboard")["data"].update(
+            {"kvrouter-fleet.json": "{"}
+        ),
+        "kvrouter-fleet.json is not JSON",
+    ),
+    (
+        "dashboard too big for kubectl apply",
+        lambda o: edit_dashboard(o, lambda b: b.update(description="x" * 300_000)),
+        "above kubectl apply's bound",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [pytest.param(m, e, id=name) for name, m, e in MONITORING_MUTATIONS],
+)
+def test_a_broken_observability_object_is_named_by_the_checks(
+    observed: list[Obj], mutate: Mutation, expected: str
+) -> None:
+    broken = copy.deepcopy(observed)
     mutate(broken)
     found = problems(broken)
     assert any(expected in p for p in found), found

@@ -1,0 +1,233 @@
+"""`kvrouter view --watch URL [URL ...]`: the replicas' indexes redrawn every second.
+
+For the person running a rollout by hand: per replica its readiness, index size and ingest
+backlog; per rank (a row) and replica (a column) the applied cursor, how far it lags the
+replica furthest ahead on that rank, the blocks it holds and its bootstrap state. A rank on
+which a replica differs from the one furthest ahead (another cursor, other blocks, or the
+rank missing) is highlighted: reverse video on a terminal, a `*` elsewhere.
+
+Each frame costs every replica three small requests, so watching a replica with a million
+blocks is as cheap as watching an empty one: `/readyz`, the cursor table
+(`/internal/kv_snapshot?cursors_only=true`, with the bearer token as `kvrouter view` sends
+it) and `/metrics` (blocks per rank from `kvrouter_tree_blocks`, bootstrap state per rank
+from `kvrouter_kv_bootstrap_state`, `kvrouter_tree_nodes`, `kvrouter_pump_backlog`). It never
+exports the index: `kvrouter view` without `--watch` compares the blocks themselves.
+
+`frame` (what to draw from what was fetched) is plain code; `watch` is the loop around it,
+with the interval, the number of frames and where to draw injectable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from cachetree.ranks import RankId
+from peer.fetch import Fetched, SnapshotFetcher
+from peer.wire import MSGPACK
+
+# kvrouter_kv_bootstrap_state: 0 pending, 1 recovered, 2 failed (cold).
+BOOTSTRAP_STATES: Final = {0: "pending", 1: "recovered", 2: "cold"}
+HIGHLIGHT: Final = ("\x1b[7m", "\x1b[0m")  # reverse video
+CLEAR: Final = "\x1b[H\x1b[2J"  # cursor home, clear screen
+MARK: Final = "*"
+CELL_WIDTH: Final = 32  # cursor 7, lag 5, blocks 8, bootstrap 9, and the spaces between
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    """One replica as one frame saw it. `error` set: the rest may be missing."""
+
+    url: str
+    ready: bool | None = None
+    ready_detail: str = ""
+    cursors: dict[RankId, int] = field(default_factory=dict)
+    blocks: dict[RankId, int] = field(default_factory=dict)
+    bootstrap: dict[RankId, str] = field(default_factory=dict)
+    nodes: int | None = None
+    backlog: int | None = None
+    error: str | None = None
+
+
+# -- fetching -------------------------------------------------------------------------------
+
+
+def read_metrics(state: ReplicaState, text: str) -> None:
+    """The per-rank blocks and bootstrap states, node count and backlog from `/metrics`."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "kvrouter_tree_blocks":
+                rank = RankId(labels["worker_url"], int(labels["dp_rank"]))
+                state.blocks[rank] = state.blocks.get(rank, 0) + int(sample.value)
+            elif sample.name == "kvrouter_kv_bootstrap_state":
+                rank = RankId(labels["worker_url"], int(labels["dp_rank"]))
+                state.bootstrap[rank] = BOOTSTRAP_STATES.get(int(sample.value), "?")
+            elif sample.name == "kvrouter_tree_nodes":
+                state.nodes = int(sample.value)
+            elif sample.name == "kvrouter_pump_backlog":
+                state.backlog = int(sample.value)
+
+
+async def fetch_state(
+    fetcher: SnapshotFetcher, session: aiohttp.ClientSession, url: str, timeout_s: float
+) -> ReplicaState:
+    base = url.rstrip("/")
+    state = ReplicaState(base)
+    bound = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with session.get(base + "/readyz", timeout=bound) as resp:
+            state.ready = resp.status == 200
+            if not state.ready:
+                body = await resp.json(content_type=None)
+                reason = body.get("reason", "") if isinstance(body, dict) else ""
+                state.ready_detail = reason or f"HTTP {resp.status}"
+        async with session.get(base + "/metrics", timeout=bound) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                state.error = f"/metrics: HTTP {resp.status}"
+                return state
+        read_metrics(state, text)
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+        state.error = f"{type(exc).__name__}: {exc}"
+        return state
+    table = await fetcher.fetch_cursors(base, budget_s=timeout_s)
+    if not isinstance(table, Fetched):
+        state.error = f"cursor table: {table.reason}"
+        return state
+    snap = table.snapshot
+    for index, seq in snap.cursors:
+        if 0 <= index < len(snap.workers):
+            worker = snap.workers[index]
+            state.cursors[RankId(worker.url.rstrip("/"), worker.dp_rank)] = seq
+    return state
+
+
+# -- drawing --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    text: str
+    differs: bool
+
+
+def _reference(states: Sequence[ReplicaState], rank: RankId) -> ReplicaState | None:
+    """The replica furthest ahead on the rank (the first of them), or None if none has it."""
+    having = [s for s in states if rank in s.cursors]
+    return max(having, key=lambda s: s.cursors[rank]) if having else None
+
+
+def rank_cells(states: Sequence[ReplicaState], rank: RankId) -> list[Cell]:
+    """One cell per replica: cursor, lag behind the replica furthest ahead, blocks, state."""
+    ref = _reference(states, rank)
+    cells = []
+    for s in states:
+        if s.error is not None:
+            cells.append(Cell(f"{'error':<{CELL_WIDTH}}", False))
+            continue
+        if rank not in s.cursors and rank not in s.blocks:
+            cells.append(Cell(f"{'absent':<{CELL_WIDTH}}", True))
+            continue
+        cursor = s.cursors.get(rank)
+        lag = "" if ref is None or cursor is None else ref.cursors[rank] - cursor
+        blocks = s.blocks.get(rank, 0)
+        differs = ref is not None and (
+            cursor != ref.cursors.get(rank) or blocks != ref.blocks.get(rank, 0)
+        )
+        text = (
+            f"{'-' if cursor is None else cursor:>7} {f'-{lag}' if lag else '':>5} "
+            f"{blocks:>8} {s.bootstrap.get(rank, '-'):<9}"
+        )
+        cells.append(Cell(text, differs))
+    return cells
+
+
+def frame(states: Sequence[ReplicaState], *, color: bool, header: str = "") -> list[str]:
+    """The lines of one frame. Replicas are lettered A, B, ... in the order given."""
+    letters = [chr(ord("A") + i) for i in range(len(states))]
+    lines = [header] if header else []
+    for letter, s in zip(letters, states, strict=True):
+        if s.error is not None:
+            status = f"error: {s.error}"
+        elif s.ready:
+            status = "ready"
+        else:
+            status = f"not ready ({s.ready_detail})"
+        size = "" if s.nodes is None else f", {s.nodes} nodes"
+        backlog = "" if s.backlog is None else f", backlog {s.backlog}"
+        lines.append(f"{letter} {s.url}  {status}{size}{backlog}")
+    ranks = sorted({r for s in states for r in (*s.cursors, *s.blocks)})
+    if not ranks:
+        lines.append("no ranks yet")
+        return lines
+    width = max(len(str(r)) for r in ranks)
+    columns = "".join(
+        f" | {letter + ' cursor':>7} {'lag':>5} {'blocks':>8} {'bootstrap':<9} "
+        for letter in letters
+    )
+    lines.append(f"{'rank':<{width}}{columns}")
+    differing = 0
+    for rank in ranks:
+        cells = rank_cells(states, rank)
+        differing += any(c.differs for c in cells)
+        row = "".join(f" | {_mark(c, color)}" for c in cells)
+        lines.append(f"{rank!s:<{width}}{row}")
+    usable = sum(1 for s in states if s.error is None)
+    if differing:
+        lines.append(f"{differing} of {len(ranks)} ranks differ between replicas (marked)")
+    elif usable > 1:
+        lines.append(f"the {usable} replicas agree on cursors and blocks of {len(ranks)} ranks")
+    return lines
+
+
+def _mark(cell: Cell, color: bool) -> str:
+    if not cell.differs:
+        return f"{cell.text} "
+    if color:
+        return f"{HIGHLIGHT[0]}{cell.text}{HIGHLIGHT[1]} "
+    return f"{cell.text}{MARK}"
+
+
+# -- the loop -------------------------------------------------------------------------------
+
+
+async def watch(
+    urls: Sequence[str],
+    draw: Callable[[list[str]], None],
+    *,
+    token: str | None = None,
+    interval_s: float = 1.0,
+    count: int = 0,
+    color: bool = False,
+    timeout_s: float = 5.0,
+) -> int:
+    """Draw a frame every `interval_s` until `count` frames were drawn (0: until cancelled).
+
+    Returns 2 if the last frame had a replica it could not read, else 0. A frame that takes
+    longer than the interval is followed by the next one at once, never by a backlog.
+    """
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    drawn = 0
+    async with (
+        SnapshotFetcher(token=token, per_fetch_s=timeout_s, accept=MSGPACK) as fetcher,
+        aiohttp.ClientSession(headers=headers) as session,
+    ):
+        while True:
+            started = time.monotonic()
+            states = await asyncio.gather(
+                *(fetch_state(fetcher, session, url, timeout_s) for url in urls)
+            )
+            stamp = time.strftime("%H:%M:%S")
+            header = f"kvrouter view --watch: every {interval_s:g} s, {stamp}; Ctrl-C stops"
+            draw(frame(states, color=color, header=header))
+            drawn += 1
+            if count and drawn >= count:
+                return 2 if any(s.error is not None for s in states) else 0
+            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))

@@ -1,0 +1,557 @@
+#!/usr/bin/env python3
+"""Write manifests/observability/dashboard.json, the Grafana dashboard of a kvrouter fleet.
+
+The JSON is generated from the panel table below, so adding a panel for a new series is one
+entry in `ROWS` (a title, a description, a unit, and its PromQL with a legend), then running
+`python3 scripts/dashboard.py`. With `--check` it writes nothing and exits 1 when the
+checked-in JSON is not what the table generates (tests/unit/test_observability.py runs it).
+
+Counters of rare events that appear with their first one (a label per outcome or reason:
+failovers, lost batches, replays, discovery failures) are drawn as totals since the replica
+started, not as rates: `rate()` needs two samples of a series, so it never shows the event
+that created it, and the first failover would draw as a flat 0.
+
+Every router query filters on the dashboard's variables `namespace`, `job` and `instance`
+(`_sel`) and every panel reads from the `datasource` variable, never from a hard-coded data
+source UID, so the file imports into any Grafana, and the dashboard sidecar of
+kube-prometheus-stack loads it from the ConfigMap as it is. Rates use Grafana's
+`$__rate_interval` (at least four scrape intervals).
+
+Stdlib only: it runs with any python3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+OUT: Final = Path(__file__).resolve().parents[1] / "manifests" / "observability" / "dashboard.json"
+TITLE: Final = "kvrouter fleet"
+UID: Final = "kvrouter-fleet"  # the dashboard's own, so links and provisioning stay stable
+DATASOURCE: Final = {"type": "prometheus", "uid": "${datasource}"}
+RATE: Final = "$__rate_interval"
+ROUTED: Final = 'worker!="none"'  # answered by a worker, not by the router itself
+NOT_2XX: Final = 'status!~"2.."'
+GRID_WIDTH: Final = 24
+PANEL_HEIGHT: Final = 8
+
+
+def _sel(extra: str = "") -> str:
+    """The router replicas' selector (the ServiceMonitor's job is the Service name)."""
+    base = 'namespace=~"$namespace", job=~"$job", instance=~"$instance"'
+    return "{" + (f"{base}, {extra}" if extra else base) + "}"
+
+
+def _engines() -> str:
+    """The engines' selector: another job; the namespace is what ties them to this fleet."""
+    return '{namespace=~"$namespace"}'
+
+
+def _rate(series: str, extra: str = "") -> str:
+    return f"rate({series}{_sel(extra)}[{RATE}])"
+
+
+@dataclass(frozen=True)
+class Query:
+    expr: str
+    legend: str
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    description: str
+    unit: str
+    queries: tuple[Query, ...]
+    width: int = 8
+    stack: bool = False
+
+
+@dataclass(frozen=True)
+class Row:
+    title: str
+    panels: tuple[Panel, ...]
+
+
+ROWS: Final = (
+    Row(
+        "Requests",
+        (
+            Panel(
+                "Requests by route and status",
+                "Client requests answered per second (kvrouter_requests_total), by route and "
+                "HTTP status. A 4xx is the client's; a 502 or 503 is the fleet's.",
+                "reqps",
+                (
+                    Query(
+                        f"sum by (route, status) ({_rate('kvrouter_requests_total')})",
+                        "{{route}} {{status}}",
+                    ),
+                ),
+                stack=True,
+            ),
+            Panel(
+                "Requests by worker",
+                "Requests each worker answered per second, over all replicas: where the "
+                "routing sends the traffic.",
+                "reqps",
+                (
+                    Query(
+                        f"sum by (worker) ({_rate('kvrouter_requests_total', ROUTED)})",
+                        "{{worker}}",
+                    ),
+                ),
+                stack=True,
+            ),
+            Panel(
+                "Answers that were not 2xx",
+                "Answers per second that were not 2xx, by route and status: 4xx are the "
+                "clients' (a malformed body); 502 means every ranked attempt failed, 503 no "
+                "healthy worker.",
+                "reqps",
+                (
+                    Query(
+                        f"sum by (route, status) ({_rate('kvrouter_requests_total', NOT_2XX)})",
+                        "{{route}} {{status}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Failed-over attempts",
+                "Upstream attempts that failed before the first byte and went to the next "
+                "ranked rank, since each replica started (kvrouter_upstream_failures_total): "
+                "a step is a failover the client did not see.",
+                "short",
+                (
+                    Query(
+                        f"sum by (worker, reason) (kvrouter_upstream_failures_total{_sel()})",
+                        "{{worker}} {{reason}}",
+                    ),
+                ),
+            ),
+        ),
+    ),
+    Row(
+        "Routing",
+        (
+            Panel(
+                "Routing outcomes",
+                "Decisions per second by policy and outcome: cache_hit (the chosen rank holds "
+                "a leading block of the prompt), cache_miss, imbalance_fallback (load won over "
+                "the cache), no_candidates (no healthy worker).",
+                "ops",
+                (
+                    Query(
+                        f"sum by (policy, outcome) ({_rate('kvrouter_routing_decisions_total')})",
+                        "{{policy}} {{outcome}}",
+                    ),
+                ),
+                stack=True,
+            ),
+            Panel(
+                "Matched blocks per routed request",
+                "Leading prompt blocks the chosen rank held (kvrouter_matched_blocks): the "
+                "mean, and the median and 90th percentile from the histogram's buckets.",
+                "short",
+                (
+                    Query(
+                        f"sum({_rate('kvrouter_matched_blocks_sum')}) / "
+                        f"sum({_rate('kvrouter_matched_blocks_count')})",
+                        "mean",
+                    ),
+                    Query(
+                        "histogram_quantile(0.5, sum by (le) "
+                        f"({_rate('kvrouter_matched_blocks_bucket')}))",
+                        "p50",
+                    ),
+                    Query(
+                        "histogram_quantile(0.9, sum by (le) "
+                        f"({_rate('kvrouter_matched_blocks_bucket')}))",
+                        "p90",
+                    ),
+                ),
+            ),
+            Panel(
+                "Fleet cached-token ratio, as the engines report it",
+                "Prompt tokens the engines found in their prefix caches over prompt tokens "
+                "(vLLM: vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total; "
+                "SGLang: the mean of sglang:cache_hit_rate). The payoff of cache-aware routing.",
+                "percentunit",
+                (
+                    Query(
+                        f"sum(rate(vllm:prefix_cache_hits_total{_engines()}[{RATE}])) / "
+                        f"sum(rate(vllm:prefix_cache_queries_total{_engines()}[{RATE}]))",
+                        "vLLM",
+                    ),
+                    Query(f"avg(sglang:cache_hit_rate{_engines()})", "SGLang"),
+                ),
+            ),
+        ),
+    ),
+    Row(
+        "Index",
+        (
+            Panel(
+                "Index nodes per replica",
+                "Blocks in each replica's index (kvrouter_tree_nodes); replicas that agree hold "
+                "the same number.",
+                "short",
+                (Query(f"kvrouter_tree_nodes{_sel()}", "{{instance}}"),),
+            ),
+            Panel(
+                "Blocks per replica and tier",
+                "Blocks the index records, per replica and cache tier, summed over the ranks "
+                "(kvrouter_tree_blocks).",
+                "short",
+                (
+                    Query(
+                        f"sum by (instance, tier) (kvrouter_tree_blocks{_sel()})",
+                        "{{instance}} {{tier}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Where replicas differ: block spread per rank",
+                "Per rank, the most blocks any replica records minus the fewest: 0 when every "
+                "replica agrees; a lasting spread is a replica that lost events or bootstrapped "
+                "cold.",
+                "short",
+                (
+                    Query(
+                        "max by (worker_url, dp_rank) "
+                        f"(kvrouter_tree_blocks{_sel()}) - "
+                        f"min by (worker_url, dp_rank) (kvrouter_tree_blocks{_sel()})",
+                        "{{worker_url}} rank {{dp_rank}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Resident memory per replica",
+                "process_resident_memory_bytes: the index is about 200 bytes per block.",
+                "bytes",
+                (Query(f"process_resident_memory_bytes{_sel()}", "{{instance}}"),),
+            ),
+            Panel(
+                "CPU per replica",
+                "CPU seconds per second (process_cpu_seconds_total). One replica is one event "
+                "loop: near 1.0 it is at capacity.",
+                "short",
+                (Query(_rate("process_cpu_seconds_total"), "{{instance}}"),),
+            ),
+            Panel(
+                "KV events applied",
+                "Engine KV events applied to the index per second, by kind "
+                "(kvrouter_kv_events_total).",
+                "ops",
+                (
+                    Query(
+                        f"sum by (instance, event) ({_rate('kvrouter_kv_events_total')})",
+                        "{{instance}} {{event}}",
+                    ),
+                ),
+            ),
+        ),
+    ),
+    Row(
+        "Event streams",
+        (
+            Panel(
+                "Ingest backlog per replica",
+                "Items queued for the pump, the index's single writer (kvrouter_pump_backlog). "
+                "Above 1,000 for a minute the replica cannot keep up with the fleet's events.",
+                "short",
+                (Query(f"kvrouter_pump_backlog{_sel()}", "{{instance}}"),),
+            ),
+            Panel(
+                "Lost batches per rank",
+                "Batches a rank's stream skipped that replay did not recover, since each "
+                "replica started (kvrouter_kv_event_batches_lost_total). The rank's index may "
+                "hold stale blocks until they are evicted.",
+                "short",
+                (
+                    Query(
+                        "sum by (instance, worker_url, dp_rank) "
+                        f"(kvrouter_kv_event_batches_lost_total{_sel()})",
+                        "{{instance}} {{worker_url}} rank {{dp_rank}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Replay outcomes",
+                "Requests to the engines' replay endpoints for gaps in a stream, by outcome, "
+                "since each replica started (kvrouter_kv_replay_total).",
+                "short",
+                (
+                    Query(
+                        f"sum by (instance, outcome) (kvrouter_kv_replay_total{_sel()})",
+                        "{{instance}} {{outcome}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Publisher resets and malformed frames",
+                "Engine publishers that restarted (their rank is cleared and re-learned) and "
+                "ZMQ frames that did not decode (an engine version or wire format mismatch).",
+                "ops",
+                (
+                    Query(
+                        f"sum by (instance) ({_rate('kvrouter_kv_publisher_resets_total')})",
+                        "resets {{instance}}",
+                    ),
+                    Query(
+                        f"sum by (instance) ({_rate('kvrouter_kv_bad_frames_total')})",
+                        "bad frames {{instance}}",
+                    ),
+                ),
+            ),
+        ),
+    ),
+    Row(
+        "Bootstrap",
+        (
+            Panel(
+                "Bootstrap: rank outcomes",
+                "Ranks per bootstrap verdict since each replica started "
+                "(kvrouter_kv_bootstrap_rank_total): warm and from_origin inherited or needed "
+                "nothing; gap, abandoned, overflow and tree_rejected started cold.",
+                "short",
+                (
+                    Query(
+                        f"sum by (instance, outcome) (kvrouter_kv_bootstrap_rank_total{_sel()})",
+                        "{{instance}} {{outcome}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Sibling snapshot fetches",
+                "Snapshots fetched from siblings since each replica started, by outcome "
+                "(kvrouter_kv_peer_snapshot_total): accepted, unreachable, cold_peer, "
+                "rejected.",
+                "short",
+                (
+                    Query(
+                        f"sum by (instance, outcome) (kvrouter_kv_peer_snapshot_total{_sel()})",
+                        "{{instance}} {{outcome}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Time to ready, and settled",
+                "Seconds from start to the first admitted readiness "
+                "(kvrouter_kv_bootstrap_duration_seconds), and 1 once bootstrap settled.",
+                "s",
+                (
+                    Query(
+                        f"kvrouter_kv_bootstrap_duration_seconds{_sel()}",
+                        "time to ready {{instance}}",
+                    ),
+                    Query(f"kvrouter_kv_bootstrap_settled{_sel()}", "settled {{instance}}"),
+                ),
+            ),
+        ),
+    ),
+    Row(
+        "Workers and discovery",
+        (
+            Panel(
+                "Unhealthy workers",
+                "Per replica, workers failing their /health check (kvrouter_worker_healthy "
+                "0), and workers evicted from the index after failing it too long.",
+                "short",
+                (
+                    Query(
+                        f"sum by (instance) (1 - kvrouter_worker_healthy{_sel()})",
+                        "unhealthy {{instance}}",
+                    ),
+                    Query(
+                        f"sum by (instance) (kvrouter_worker_evictions_total{_sel()})",
+                        "evicted {{instance}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Circuit breakers",
+                "Per worker, the worst breaker state any replica holds: 0 closed, 1 open, "
+                "2 half-open (kvrouter_breaker_state).",
+                "short",
+                (
+                    Query(
+                        f"max by (worker) (kvrouter_breaker_state{_sel()})",
+                        "{{worker}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Discovery",
+                "URLs each EndpointSlice watch publishes (siblings or workers), and list or "
+                "watch failures per second by reason (http_403: RBAC; expired: a relist).",
+                "short",
+                (
+                    Query(
+                        f"sum by (instance, what) (kvrouter_discovery_urls{_sel()})",
+                        "{{what}} {{instance}}",
+                    ),
+                    Query(
+                        f"sum by (what, reason) ({_rate('kvrouter_discovery_failures_total')})",
+                        "failures {{what}} {{reason}}",
+                    ),
+                ),
+            ),
+        ),
+    ),
+)
+
+
+def _variable(name: str, label: str, query: str) -> dict[str, Any]:
+    """A multi-value query variable whose 'All' is a regex matching every value."""
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DATASOURCE,
+        "definition": query,
+        "query": {"query": query, "refId": f"{name}-values"},
+        "refresh": 2,  # on time range change: replicas come and go
+        "includeAll": True,
+        "allValue": ".*",
+        "multi": True,
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "sort": 1,
+        "hide": 0,
+    }
+
+
+def _panel(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
+    return {
+        "id": panel_id,
+        "type": "timeseries",
+        "title": panel.title,
+        "description": panel.description,
+        "datasource": DATASOURCE,
+        "gridPos": {"h": PANEL_HEIGHT, "w": panel.width, "x": x, "y": y},
+        "fieldConfig": {
+            "defaults": {
+                "unit": panel.unit,
+                "custom": {
+                    "drawStyle": "line",
+                    "lineWidth": 1,
+                    "fillOpacity": 10,
+                    "showPoints": "never",
+                    "stacking": {"mode": "normal" if panel.stack else "none", "group": "A"},
+                },
+            },
+            "overrides": [],
+        },
+        "options": {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+        "targets": [
+            {
+                "refId": chr(ord("A") + i),
+                "datasource": DATASOURCE,
+                "expr": q.expr,
+                "legendFormat": q.legend,
+                "range": True,
+            }
+            for i, q in enumerate(panel.queries)
+        ],
+    }
+
+
+def dashboard() -> dict[str, Any]:
+    panels: list[dict[str, Any]] = []
+    panel_id, y = 1, 0
+    for row in ROWS:
+        panels.append(
+            {
+                "id": panel_id,
+                "type": "row",
+                "title": row.title,
+                "collapsed": False,
+                "gridPos": {"h": 1, "w": GRID_WIDTH, "x": 0, "y": y},
+                "panels": [],
+            }
+        )
+        panel_id, y, x = panel_id + 1, y + 1, 0
+        for panel in row.panels:
+            if x + panel.width > GRID_WIDTH:
+                x, y = 0, y + PANEL_HEIGHT
+            panels.append(_panel(panel, panel_id, x, y))
+            panel_id, x = panel_id + 1, x + panel.width
+        y += PANEL_HEIGHT
+    return {
+        "title": TITLE,
+        "uid": UID,
+        "description": "A kvrouter Deployment: requests, routing, the replicas' indexes, the "
+        "engines' event streams, peer bootstrap, workers and discovery. Generated by "
+        "scripts/dashboard.py.",
+        "tags": ["kvrouter"],
+        "editable": True,
+        "graphTooltip": 1,
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "30s",
+        "time": {"from": "now-1h", "to": "now"},
+        "timezone": "",
+        "annotations": {"list": []},
+        "links": [],
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "label": "Data source",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "regex": "",
+                    "refresh": 1,
+                    "hide": 0,
+                    "current": {},
+                },
+                _variable("namespace", "Namespace", "label_values(kvrouter_tree_nodes, namespace)"),
+                _variable(
+                    "job",
+                    "Job",
+                    'label_values(kvrouter_tree_nodes{namespace=~"$namespace"}, job)',
+                ),
+                _variable(
+                    "instance",
+                    "Replica",
+                    'label_values(kvrouter_tree_nodes{namespace=~"$namespace", job=~"$job"}, '
+                    "instance)",
+                ),
+            ]
+        },
+        "panels": panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=1) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 when the file is stale"
+    )
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = OUT.read_text() if OUT.exists() else ""
+        if current != text:
+            sys.stderr.write(f"{OUT} is stale: run python3 scripts/dashboard.py\n")
+            return 1
+        return 0
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(text)
+    print(f"wrote {OUT} ({len(text):,} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""`kvrouter view --watch` against in-process replicas fed by in-process fake workers.
+
+The watch loop runs as a task drawing into a list at a short, injected interval; the test
+waits (bounded) for the frame that shows what it caused, never for a fixed time. The
+command itself runs as a subprocess with `--count`, which is its contract for scripts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+
+from cachetree.ranks import RankId
+from peer.fetch import SnapshotFetcher
+from router.tools import watch
+from tests.component.test_view import FIRST, TOK, fleet, run_view
+from tests.support.router import RouterHandle
+from tests.support.waiting import eventually
+
+INTERVAL_S = 0.02
+
+
+@contextlib.asynccontextmanager
+async def watching(
+    replicas: list[RouterHandle], **kw: object
+) -> AsyncIterator[Callable[[Callable[[list[str]], bool]], asyncio.Future]]:
+    """Run the watch loop; yields `frame_where(check)`, the first frame drawn after the call
+    for which `check(lines)` holds (bounded)."""
+    frames: list[list[str]] = []
+    task = asyncio.create_task(
+        watch.watch([r.url for r in replicas], frames.append, interval_s=INTERVAL_S, **kw)  # type: ignore[arg-type]
+    )
+
+    async def frame_where(check: Callable[[list[str]], bool]) -> list[str]:
+        start = len(frames)
+
+        def found() -> list[str] | None:
+            if task.done():
+                task.result()  # a loop that died says why
+            return next((f for f in frames[start:] if check(f)), None)
+
+        return await eventually(found, 10.0)
+
+    try:
+        yield frame_where  # type: ignore[misc]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def row(lines: list[str], rank: RankId) -> list[str]:
+    """The rank's cells, one per replica, as drawn (without the rank column)."""
+    line = next(line for line in lines if line.startswith(str(rank) + " "))
+    return [cell.strip() for cell in line.split(" | ")[1:]]
+
+
+async def test_agreeing_replicas_show_each_ranks_cursor_blocks_and_no_mark() -> None:
+    async with fleet() as ([a, b], [w1, _]), watching([a, b]) as frame_where:
+        seq = (await w1.state(0))["last_seq"]
+        lines = await frame_where(lambda f: "agree" in f[-1])
+        assert lines[-1] == "the 2 replicas agree on cursors and blocks of 3 ranks"
+        assert f"A {a.url}  ready" in lines[1] and f"B {b.url}  ready" in lines[2]
+        blocks = len(TOK.encode(FIRST)) // 16 + 1  # the conversation and the gate's probe
+        for cell in row(lines, RankId(w1.url, 0)):
+            assert cell.split() == [str(seq), str(blocks), "-"]  # no lag, no bootstrap
+        assert not any(watch.MARK in line for line in lines[3:-1])
+
+        # A batch on w1: the next frames follow both replicas' cursors and blocks.
+        more = TOK.encode(FIRST + " And a second question about the same thing.")
+        new_seq = await w1.store([more[: len(more) // 16 * 16]])
+        lines = await frame_where(
+            lambda f: "agree" in f[-1] and row(f, RankId(w1.url, 0))[0].split()[0] == str(new_seq)
+        )
+        assert [c.split()[0] for c in row(lines, RankId(w1.url, 0))] == [str(new_seq)] * 2
+        assert int(row(lines, RankId(w1.url, 0))[1].split()[1]) > blocks
+
+
+async def test_a_rank_one_replica_lacks_is_marked_absent_on_that_replica() -> None:
+    async with fleet(b_workers=1) as ([a, b], [w1, w2]), watching([a, b]) as frame_where:
+        lines = await frame_where(lambda f: "differ" in f[-1])
+        assert lines[-1] == "2 of 3 ranks differ between replicas (marked)"
+        for dp_rank in (0, 1):
+            held, absent = row(lines, RankId(w2.url, dp_rank))
+            assert not held.endswith(watch.MARK)  # A is the reference: it has the rank
+            assert absent.split() == ["absent", watch.MARK]
+        assert not any(c.endswith(watch.MARK) for c in row(lines, RankId(w1.url, 0)))
+
+
+def test_a_cursor_behind_the_replica_furthest_ahead_shows_its_lag_and_is_marked() -> None:
+    rank = RankId("http://w1:8000", 0)
+    ahead = watch.ReplicaState("http://a", ready=True, cursors={rank: 12}, blocks={rank: 40})
+    behind = watch.ReplicaState("http://b", ready=True, cursors={rank: 9}, blocks={rank: 40})
+    joining = watch.ReplicaState(
+        "http://c", ready=False, ready_detail="bootstrap", cursors={rank: 12}, blocks={rank: 40}
+    )
+    joining.bootstrap[rank] = "pending"
+    lines = watch.frame([behind, ahead, joining], color=False)
+    assert lines[2] == "C http://c  not ready (bootstrap)"
+    cells = row(lines, rank)
+    assert cells[0].split() == ["9", "-3", "40", "-", watch.MARK]  # 3 batches behind A
+    assert cells[1].split() == ["12", "40", "-"]
+    assert cells[2].split() == ["12", "40", "pending"]  # same cursor and blocks: no mark
+    assert lines[-1] == "1 of 1 ranks differ between replicas (marked)"
+    # Same cursor, other blocks: marked too.
+    behind.cursors[rank], behind.blocks[rank] = 12, 39
+    assert row(watch.frame([ahead, behind], color=False), rank)[1].endswith(watch.MARK)
+
+
+async def test_an_unreachable_replica_is_shown_as_an_error_and_the_others_still_drawn() -> None:
+    async with fleet() as ([a, _], [w1, _]):
+        states = await asyncio.gather(
+            *(
+                watch_state(url)
+                for url in (a.url, "http://127.0.0.1:9")  # port 9: discard, nobody listens
+            )
+        )
+        lines = watch.frame(states, color=True)
+        assert lines[1].startswith("B http://127.0.0.1:9  error: ")
+        assert row(lines, RankId(w1.url, 0))[1] == "error"
+        # Color: a differing cell is reverse video, not a star.
+        lacking = watch.ReplicaState("http://x", ready=True)
+        colored = watch.frame([states[0], lacking], color=True)
+        cell = row(colored, RankId(w1.url, 0))[1]
+        assert cell.startswith(f"{watch.HIGHLIGHT[0]}absent ") and cell.endswith(watch.HIGHLIGHT[1])
+
+
+async def watch_state(url: str) -> watch.ReplicaState:
+    async with SnapshotFetcher(per_fetch_s=2.0) as fetcher, aiohttp.ClientSession() as session:
+        return await watch.fetch_state(fetcher, session, url, 2.0)
+
+
+async def test_the_command_draws_count_frames_and_exits() -> None:
+    async with fleet() as ([a, b], [w1, _]):
+        status, out, err = await run_view(
+            "--watch", "--count", "2", "--interval-s", "0.05", a.url, b.url
+        )
+        assert status == 0, out + err
+        frames = [f for f in out.split("\n\n") if f.strip()]
+        assert len(frames) == 2, out
+        assert all(f.startswith("kvrouter view --watch: every 0.05 s") for f in frames)
+        assert all(str(RankId(w1.url, 0)) in f for f in frames)
+        status, _, err = await run_view("--watch", "--interval-s", "0", a.url)
+        assert status == 2 and "--interval-s must be > 0" in err

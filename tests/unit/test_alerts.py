@@ -1,0 +1,179 @@
+"""The alert rules of manifests/observability/, checked and unit-tested by the real promtool.
+
+`promtool check rules` on the PrometheusRule's groups; then `promtool test rules` on the
+scenarios of tests/fixtures/alerts/scenarios.yaml (a healthy fleet, a worker killed, lost
+batches, a replica that cannot reach its siblings, discovery failing, ...). At every
+evaluation time a scenario lists, the alerts it names must fire with exactly those labels and
+summaries, and every other alert must be quiet; every alert must fire in some scenario.
+README's alert table must hold a runbook line, with the same severity, for every alert.
+
+promtool comes with Debian's `prometheus` package, which `scripts/test` installs.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+import yaml
+
+from tests.support.manifests import MANIFESTS, REPO
+from tests.support.prometheus import binary
+
+RULES: Final = MANIFESTS / "observability" / "alerts.yaml"
+SCENARIOS: Final = REPO / "tests" / "fixtures" / "alerts" / "scenarios.yaml"
+COMMON_LABELS: Final = {"namespace": "kvrouter", "job": "kvrouter"}
+RUNBOOK: Final = "README.md#alerts"
+PROMTOOL_TIMEOUT_S: Final = 120
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    return binary("promtool")
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    spec = yaml.safe_load(RULES.read_text())["spec"]
+    return [r for g in spec["groups"] for r in g["rules"] if "alert" in r]
+
+
+def alert_names() -> list[str]:
+    return [r["alert"] for r in alert_rules()]
+
+
+def write_rules(directory: Path) -> Path:
+    """The PrometheusRule's groups as a plain rule file, which is what Prometheus loads."""
+    path = directory / "rules.yaml"
+    path.write_text(yaml.safe_dump(yaml.safe_load(RULES.read_text())["spec"]))
+    return path
+
+
+def promtool_run(promtool: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [promtool, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=PROMTOOL_TIMEOUT_S,
+    )
+
+
+def with_common_labels(series: str) -> str:
+    common = ", ".join(f'{k}="{v}"' for k, v in COMMON_LABELS.items())
+    name, brace, rest = series.partition("{")
+    return f"{name}{{{common}, {rest}" if brace else f"{name}{{{common}}}"
+
+
+def scenario_input(fixture: dict[str, Any], scenario: dict[str, Any]) -> list[dict[str, str]]:
+    """The healthy fleet's series, with the scenario's replacing those of the same name."""
+    series = {s["series"]: s["values"] for s in fixture["healthy"]}
+    for s in scenario.get("series") or []:
+        series[s["series"]] = s["values"]
+    return [{"series": with_common_labels(k), "values": v} for k, v in series.items()]
+
+
+def expected_alert(alert: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "exp_labels": {**COMMON_LABELS, **alert["labels"]},
+        "exp_annotations": {"summary": alert["summary"], "runbook": RUNBOOK},
+    }
+
+
+def promtool_tests(fixture: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The scenarios as a `promtool test rules` file: every alert checked at every time."""
+    tests = []
+    for scenario in fixture["scenarios"]:
+        checks = []
+        for at, firing in scenario["at"].items():
+            unknown = set(firing) - set(names)
+            assert not unknown, f"{scenario['name']} at {at}: no such alert {sorted(unknown)}"
+            for name in names:
+                alerts = [expected_alert(a) for a in firing.get(name) or []]
+                checks.append({"eval_time": at, "alertname": name, "exp_alerts": alerts})
+        tests.append(
+            {
+                "name": scenario["name"],
+                "interval": "1m",
+                "input_series": scenario_input(fixture, scenario),
+                "alert_rule_test": checks,
+            }
+        )
+    return {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": tests}
+
+
+def test_the_rules_pass_promtool_check(promtool: str, tmp_path: Path) -> None:
+    rules = write_rules(tmp_path)
+    done = promtool_run(promtool, "check", "rules", str(rules), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(alert_names())} rules found" in done.stdout
+
+
+def test_each_alert_fires_in_its_fault_and_every_alert_is_quiet_elsewhere(
+    promtool: str, tmp_path: Path
+) -> None:
+    fixture = yaml.safe_load(SCENARIOS.read_text())
+    names = alert_names()
+    write_rules(tmp_path)
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(promtool_tests(fixture, names)))
+    done = promtool_run(promtool, "test", "rules", "tests.yaml", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout
+    fired = {name for s in fixture["scenarios"] for firing in s["at"].values() for name in firing}
+    assert fired == set(names), f"no scenario fires {sorted(set(names) - fired)}"
+    healthy = next(s for s in fixture["scenarios"] if s["name"] == "a healthy fleet")
+    assert not healthy.get("series") and all(not f for f in healthy["at"].values())
+
+
+def test_a_scenario_that_expects_the_wrong_alert_fails_promtool(
+    promtool: str, tmp_path: Path
+) -> None:
+    """The harness bites: a healthy fleet said to fire an alert is refused by promtool."""
+    fixture = yaml.safe_load(SCENARIOS.read_text())
+    healthy = next(s for s in fixture["scenarios"] if s["name"] == "a healthy fleet")
+    healthy["at"]["10m"] = {
+        "KvrouterPumpBacklog": [
+            {"labels": {"instance": "a:8080", "severity": "warning"}, "summary": "x"}
+        ]
+    }
+    fixture["scenarios"] = [healthy]
+    write_rules(tmp_path)
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(promtool_tests(fixture, alert_names())))
+    done = promtool_run(promtool, "test", "rules", "tests.yaml", cwd=tmp_path)
+    assert done.returncode != 0
+    assert "KvrouterPumpBacklog" in done.stdout + done.stderr
+
+
+def readme_alert_rows() -> dict[str, list[str]]:
+    """README's "## Alerts" table: alert name -> its other cells."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## Alerts\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        match = re.fullmatch(r"`(Kvrouter\w+)`", cells[0]) if line.startswith("|") else None
+        if match:
+            rows[match.group(1)] = cells[1:]
+    return rows
+
+
+def test_readme_has_a_runbook_line_for_every_alert_with_its_severity() -> None:
+    rows = readme_alert_rows()
+    assert sorted(rows) == sorted(alert_names())
+    for rule in alert_rules():
+        severity, *rest = rows[rule["alert"]]
+        assert severity == rule["labels"]["severity"], rule["alert"]
+        assert all(rest), f"{rule['alert']}: an empty cell in README's alert table"
+        assert rule["annotations"]["runbook"] == RUNBOOK
+
+
+def test_the_dashboard_json_is_what_scripts_dashboard_generates() -> None:
+    done = subprocess.run(
+        ["python3", str(REPO / "scripts" / "dashboard.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
