@@ -168,6 +168,7 @@ class _StateCollector(Collector):
         decode_errors: Counter[str] = Counter()
         bad_frames = 0
         seq_jumps = stats.seq_jumps
+        disconnects = 0
         breaker_state = []
         breaker_trips = {}
         for worker in self._workers.workers():
@@ -176,6 +177,7 @@ class _StateCollector(Collector):
                 decode_errors.update(sub.decode_errors)
                 bad_frames += sub.bad_frames
                 seq_jumps += sub.seq_jumps
+                disconnects += sub.disconnects
             breaker_state.append(((worker.url,), _BREAKER_STATE.get(str(worker.breaker.state), 0)))
             breaker_trips[(worker.url,)] = worker.breaker.trips
         yield _counter(
@@ -198,6 +200,13 @@ class _StateCollector(Collector):
             "Forward seq jumps past 2**20 batches, handled as a new stream (not counted lost)",
             [],
             {(): seq_jumps},
+        )
+        yield _counter(
+            "kvrouter_kv_disconnects",
+            "Publisher connections that dropped (peer gone, or an oversized or malformed "
+            "message); the socket is rebuilt and the loss shows as a gap",
+            [],
+            {(): disconnects},
         )
         yield _gauge(
             "kvrouter_breaker_state",

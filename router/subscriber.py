@@ -58,10 +58,12 @@ where the next seq reveals the loss. Nothing is dropped silently inside the rout
 Size bound: every socket (SUB and replay DEALER) has `ZMQ_MAXMSGSIZE` set to
 `max_message_bytes` (`--kv-events-max-message-bytes`, 8 MiB by default; a real batch, one
 scheduler step, is far smaller: a 100k-token prefill is ~0.5 MB). libzmq refuses a larger
-message before allocating it and drops the connection to that publisher; the SUB reconnects
-by itself, and what was published meanwhile (the oversized batch included) shows up as a gap
-at the next batch: replayed if the replay buffer holds it within the bound, else an
-`UnrepairedGap` (counted lost, the worker's snapshot re-pulled).
+message before allocating it and drops the connection to that publisher, for good (it does
+not reconnect after a protocol error). A socket monitor reports the drop (`disconnects`, a
+warning); the socket is rebuilt and resubscribes, and what was published meanwhile (the
+oversized batch included) shows up as a gap at the next batch: replayed if the replay buffer
+holds it within the bound, else an `UnrepairedGap` (counted lost, the worker's snapshot
+re-pulled).
 
 How it receives: the SUB socket is a plain (blocking-API) socket whose file descriptor the
 event loop watches (`loop.add_reader`). On a wake-up every message already queued is read with
@@ -72,6 +74,7 @@ stream costs one wake-up per burst rather than a future and a task switch per me
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
@@ -82,6 +85,7 @@ from typing import Final, Literal
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from cachetree.ranks import RankId
 from router.events import EventBatch, EventDecodeError, decode_batch
@@ -156,6 +160,7 @@ class SubscriberStats:
     lost_batches: int = 0  # batches reported in UnrepairedGap items
     socket_rebuilds: int = 0  # SUB sockets rebuilt after repeated recv errors
     seq_jumps: int = 0  # forward jumps past MAX_SEQ_JUMP, delivered as PublisherReset
+    disconnects: int = 0  # publisher connections dropped (then the socket is rebuilt)
 
 
 # --- frames ---------------------------------------------------------------------------------
@@ -437,18 +442,29 @@ class RankSubscriber:
             return sock
 
     async def _receive(self, sock: zmq.Socket) -> None:
-        """Handle frames until RECV_ERRORS_BEFORE_REBUILD recv errors in a row.
+        """Handle frames until RECV_ERRORS_BEFORE_REBUILD recv errors in a row, or until the
+        connection to the publisher drops.
 
         The fd of a ZMQ socket signals edges, not levels: it is readable when the socket's
         state changed, not while messages wait. So every wake-up reads until EAGAIN, and
         before sleeping again the socket's own EVENTS are checked (a message that arrived
         during the reads may have spent its edge already).
+
+        A dropped connection is watched through a socket monitor because libzmq does not
+        always reconnect by itself: a message over ZMQ_MAXMSGSIZE is a protocol error, after
+        which it gives the endpoint up for good. A fresh socket resubscribes; what was
+        published meanwhile is a gap at the next batch.
         """
         loop = asyncio.get_running_loop()
         readable = asyncio.Event()
-        fd = sock.getsockopt(zmq.FD)
-        loop.add_reader(fd, readable.set)
+        address = f"inproc://kvrouter-sub-monitor-{id(self):x}-{self.stats.socket_rebuilds}"
+        sock.monitor(address, zmq.EVENT_DISCONNECTED)
+        monitor = self._ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
+        fds = [sock.getsockopt(zmq.FD), monitor.getsockopt(zmq.FD)]
         try:
+            monitor.connect(address)
+            for fd in fds:
+                loop.add_reader(fd, readable.set)
             errors = 0
             while True:
                 for _ in range(DRAIN_BATCH):
@@ -476,11 +492,35 @@ class RankSubscriber:
                 else:
                     await asyncio.sleep(0)  # a long burst: let the loop serve others
                     continue
+                if self._disconnected(monitor):
+                    return
                 readable.clear()
                 if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     await readable.wait()
         finally:
-            loop.remove_reader(fd)
+            for fd in fds:
+                loop.remove_reader(fd)
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            monitor.close(linger=0)
+
+    def _disconnected(self, monitor: zmq.Socket) -> bool:
+        """Whether the monitor reported the publisher's connection dropped (events drained)."""
+        dropped = False
+        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = monitor.recv_multipart(zmq.NOBLOCK)
+            dropped = dropped or parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED
+        if dropped:
+            self.stats.disconnects += 1
+            log.warning(
+                "rank %s: the connection to %s dropped (the publisher went away, or sent a "
+                "message over %d bytes, --kv-events-max-message-bytes, or a malformed one); "
+                "resubscribing. Batches published meanwhile surface as a gap at the next one",
+                self.rank,
+                self.endpoint.endpoint,
+                self._max_message_bytes,
+            )
+        return dropped
 
     # --- one live message -------------------------------------------------------------------
 

@@ -280,6 +280,7 @@ class FakeSocket:
         self.options: dict[int, Any] = {}
         self.connected: list[str] = []
         self.closed = False
+        self.monitored = 0
         self._pipe = os.pipe()
 
     def setsockopt(self, option: int, value: Any) -> None:
@@ -294,6 +295,12 @@ class FakeSocket:
 
     def connect(self, endpoint: str) -> None:
         self.connected.append(endpoint)
+
+    def monitor(self, address: str, events: int) -> None:
+        self.monitored = events
+
+    def disable_monitor(self) -> None:
+        pass
 
     def close(self, linger: int | None = None) -> None:
         self.closed = True
@@ -316,6 +323,8 @@ class FakeContext:
         self.sockets: list[FakeSocket] = []
 
     def socket(self, kind: int, socket_class: Any = None) -> FakeSocket:
+        if kind != zmq.SUB:  # the monitor's PAIR: it never reports a drop here
+            return FakeSocket(kind, [])
         sock = FakeSocket(kind, self.scripts.pop(0) if self.scripts else [])
         self.sockets.append(sock)
         return sock
@@ -364,6 +373,7 @@ async def test_64_receive_errors_in_a_row_rebuild_the_socket_and_the_stream_goes
     assert ctx.sockets[1].options[zmq.SUBSCRIBE] == b"kv"
     assert ctx.sockets[1].connected == ["tcp://127.0.0.1:1"]
     assert ctx.sockets[1].options[zmq.MAXMSGSIZE] == 8 << 20
+    assert ctx.sockets[1].monitored == zmq.EVENT_DISCONNECTED
 
 
 async def test_a_burst_of_ready_messages_is_drained_in_order_in_one_go() -> None:
