@@ -167,15 +167,15 @@ async def lost_batches(session: aiohttp.ClientSession, router: str) -> float:
     )
 
 
-async def one_round(
+async def start_router(
     code: Path,
     label: str,
     handles: Sequence[FakeWorkerHandle],
-    loads: Sequence[Workload],
-    rate: float,
     workdir: Path,
+    extra: Sequence[str] = (),
     profile: Path | None = None,
-) -> dict[str, Any]:
+) -> tuple[demo.Child, str]:
+    """A `kvrouter serve` child running the code in `code`, and its URL once it listens."""
     port = free_tcp_port()
     runner = ["-m", "router.cli"]
     if profile is not None:  # cProfile over the measured phase only (CPU clock)
@@ -186,8 +186,9 @@ async def one_round(
         *bench_proxy.router_args(port, [h.url for h in handles], "cache_aware"),
         # Ingest is what is measured: the worker polls stay out of the way.
         *("--load-interval-ms", "600000", "--health-interval-s", "600"),
+        *extra,
     ]
-    child = demo.Child(label, argv, workdir / f"churn-{label.split()[0]}.log")
+    child = demo.Child(label, argv, workdir / f"router-{label.split()[0]}.log")
     # The child imports `router` from `code` (PYTHONPATH comes before the editable install).
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(code)
@@ -199,7 +200,23 @@ async def one_round(
         else:
             os.environ["PYTHONPATH"] = saved
     try:
-        router = await child.wait_line(demo.ROUTER_READY)
+        return child, await child.wait_line(demo.ROUTER_READY)
+    except BaseException:
+        await child.stop()
+        raise
+
+
+async def one_round(
+    code: Path,
+    label: str,
+    handles: Sequence[FakeWorkerHandle],
+    loads: Sequence[Workload],
+    rate: float,
+    workdir: Path,
+    profile: Path | None = None,
+) -> dict[str, Any]:
+    child, router = await start_router(code, label, handles, workdir, profile=profile)
+    try:
         assert child.proc is not None
         pid = child.proc.pid
         async with aiohttp.ClientSession() as session:
@@ -258,7 +275,7 @@ def checkout(rev: str, into: Path) -> Path:
 
 def summary(rows: list[dict[str, Any]], key: str) -> str:
     values = sorted(r[key] for r in rows)
-    return f"{statistics.median(values):.2f} ({values[0]:.2f}-{values[-1]:.2f})"
+    return f"{statistics.median(values):,.2f} ({values[0]:,.2f}-{values[-1]:,.2f})"
 
 
 async def main_async(args: argparse.Namespace) -> None:

@@ -81,7 +81,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DEFAULT_QUEUE_SIZE = 1024
-SLICE_BLOCKS: Final = 4096  # blocks of work between two yields to the loop (~2-4 ms)
+SLICE_BLOCKS: Final = 1024  # blocks of work between two yields to the loop (~1 ms)
 # ~1 GiB of index at the ~250 bytes a carried block costs (README, "Memory").
 DEFAULT_INDEX_MAX_BLOCKS: Final = 4_000_000
 Steps = Generator[None, None, None]
