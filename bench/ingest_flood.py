@@ -4,11 +4,12 @@ One fake worker (in this process, a real ZMQ PUB on loopback) publishes `--block
 blocks on its rank as fast as the replica takes them: batches of one `BlockStored` of
 `--event-blocks` blocks each (4,096 by default, a 64k-token prefill step; 65,536 is the
 decoder's cap per event, the largest single piece of work one event can ask for), every one
-chained under the last, so every block is new. A real `kvrouter serve` child ingests them with `--kv-index-max-blocks` set
-below the flood. Meanwhile a client here polls the replica's `/healthz` at a steady rate
-(every `--healthz-ms`) and records each answer's latency. Printed: `/healthz` p50 / p99 /
-max during the flood, the time the flood took to be applied, the replica's peak RSS
-(VmHWM), the blocks its index holds at the end and the cap clears it counted.
+chained under the last, so every block is new. A real `kvrouter serve` child ingests them with
+`--kv-index-max-blocks` set below the flood. Meanwhile a client here polls the replica's
+`/healthz` at a steady rate (every `--healthz-ms`) and records each answer's latency. Printed:
+`/healthz` p50 / p99 / max during the flood, the time the flood took to be applied, the
+replica's peak RSS (VmHWM), the blocks its index holds at the end and the cap clears it
+counted.
 
 `--baseline REV` runs the same flood against another commit's code first (without the cap
 flag when that code has none), as `bench/ingest_churn.py` does.
