@@ -324,6 +324,18 @@ class BlockTree:
                 # many blocks as it stores), and its count is settled once after the loop.
                 del by_hash[eh]
                 dropped_device_only += 1
+                if node.mask == bit and not node.children:
+                    # Its only carrier, and a leaf (engines evict leaf first): the node goes,
+                    # and its parent is pruned only if that leaves it bare too.
+                    node.mask = 0
+                    del nodes[key]
+                    parent_key = node.parent
+                    if parent_key is not None:
+                        parent = nodes[parent_key]
+                        parent.children -= 1
+                        if not parent.children and not parent.mask:
+                            self._drop_carrier(parent_key, parent, index)
+                    continue
                 self._drop_carrier(key, node, index)
                 continue
             old = _bits_of(node, index)

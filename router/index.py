@@ -61,6 +61,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Final, TypeVar
 
 from cachetree.ranks import RankId
@@ -114,29 +115,39 @@ def apply_steps(
     removing_medium: str | None = None
     removals = 0  # events in the current run of removals
     work = 0  # blocks handled since the last yield; yields come before the next event
-    for event in events:
-        if work >= slice_blocks:
-            work = 0
-            yield
+    for event in chain(events, _END):
         kind = type(event)
-        if kind is BlockRemoved:
-            if removing and (event.tier != removing_tier or event.medium != removing_medium):
-                yield from _remove(tree, rank, removing, removing_tier, slice_blocks)
-                tally["removed", removing_medium] += removals
-                work += len(removing)
-                removing = []
-                removals = 0
+        if kind is BlockRemoved and (
+            not removing or (event.tier == removing_tier and event.medium == removing_medium)
+        ):
             removing_tier = event.tier
             removing_medium = event.medium
             removing.extend(event.engine_hashes)
             removals += 1
             continue
-        if removing:
-            yield from _remove(tree, rank, removing, removing_tier, slice_blocks)
+        if removing:  # the run of removals ends here
+            if len(removing) > slice_blocks:
+                for start in range(0, len(removing), slice_blocks):
+                    if start:
+                        yield
+                    tree.remove(rank, removing[start : start + slice_blocks], removing_tier)
+            else:
+                tree.remove(rank, removing, removing_tier)
             tally["removed", removing_medium] += removals
             work += len(removing)
             removing = []
             removals = 0
+            if kind is BlockRemoved:  # another tier starts the next run
+                removing_tier = event.tier
+                removing_medium = event.medium
+                removing.extend(event.engine_hashes)
+                removals = 1
+                continue
+        if kind is _End:
+            return
+        if work >= slice_blocks:
+            work = 0
+            yield
         if kind is BlockStored:
             n = len(event.engine_hashes)
             if n > slice_blocks:
@@ -156,21 +167,13 @@ def apply_steps(
         elif kind is AllBlocksCleared:
             yield from tree.clear_rank_steps(rank, slice_blocks)
             tally["cleared", None] += 1
-    if removing:
-        yield from _remove(tree, rank, removing, removing_tier, slice_blocks)
-        tally["removed", removing_medium] += removals
 
 
-def _remove(
-    tree: BlockTree, rank: RankId, hashes: list[int], tier: int | None, slice_blocks: int
-) -> Steps:
-    if len(hashes) <= slice_blocks:
-        tree.remove(rank, hashes, tier)
-        return
-    for start in range(0, len(hashes), slice_blocks):
-        if start:
-            yield
-        tree.remove(rank, hashes[start : start + slice_blocks], tier)
+class _End:
+    """Ends the event stream in `apply_steps`, so the last run of removals is flushed there."""
+
+
+_END: Final = (_End(),)
 
 
 def _store_sliced(tree: BlockTree, rank: RankId, event: BlockStored, slice_blocks: int) -> Steps:
