@@ -182,6 +182,7 @@ async def start_router(
         runner = [str(ROOT / "bench" / "profiled_router.py"), str(profile), "cpu"]
     argv = [
         sys.executable,
+        "-P",  # no current directory or script directory first on sys.path: `code` wins
         *runner,
         *bench_proxy.router_args(port, [h.url for h in handles], "cache_aware"),
         # Ingest is what is measured: the worker polls stay out of the way.
@@ -189,7 +190,8 @@ async def start_router(
         *extra,
     ]
     child = demo.Child(label, argv, workdir / f"router-{label.split()[0]}.log")
-    # The child imports `router` from `code` (PYTHONPATH comes before the editable install).
+    # The child imports `router` from `code`: PYTHONPATH comes before the editable install,
+    # and -P keeps the current directory (this checkout) off the front of sys.path.
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(code)
     try:
