@@ -17,6 +17,13 @@ Workloads:
   an engine reports eviction under cache pressure), 2,000 times.
 - `ingest-mixed`: `bench_ingest.py`'s store + evict stream (8-block events), decode + key +
   apply, 1,500 batches.
+- `ingest-churn`: `ingest_churn.py`'s full-cache requests (per batch ~63 one-block
+  BlockRemoved and one ~63-block BlockStored, from the fake worker's engine), decode + key +
+  apply, 400 batches; per stored block (each also evicts one).
+
+To compare with older code, run this script with that code first on PYTHONPATH (e.g. a
+`git archive` of the old commit): the index and decoder come from there, the workloads from
+here.
 """
 
 from __future__ import annotations
@@ -82,10 +89,27 @@ def ingest_mixed() -> tuple[Callable[[], None], int]:
     return measured, blocks
 
 
+def ingest_churn() -> tuple[Callable[[], None], int]:
+    from bench.ingest_churn import workload
+    from router.index import apply_events
+
+    load = workload(1, 2048, 400)
+    tree = BlockTree(16)
+    for payload in load.warm:
+        apply_events(tree, RANK, decode_batch(payload).events)
+
+    def measured() -> None:
+        for payload in load.measured:
+            apply_events(tree, RANK, decode_batch(payload).events)
+
+    return measured, load.stored_blocks
+
+
 WORKLOADS: dict[str, Callable[[], tuple[Callable[[], None], int]]] = {
     "tree-remove": tree_remove,
     "decode-removals": decode_removals,
     "ingest-mixed": ingest_mixed,
+    "ingest-churn": ingest_churn,
 }
 
 

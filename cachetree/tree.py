@@ -39,7 +39,7 @@ collector, which would otherwise rescan millions of them on every full collectio
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import and_, attrgetter, neg
@@ -144,6 +144,9 @@ class BlockTree:
         self._nodes: dict[int, Node] = {}
         self._ranks: dict[RankId, _Rank] = {}
         self._by_index: list[_Rank | None] = []
+        # Sum of the ranks' carried blocks, kept by store/remove/clear; `recount` after
+        # anything that fills `by_engine_hash` directly (snapshot restores).
+        self._carried = 0
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -159,6 +162,22 @@ class BlockTree:
 
     def ranks(self) -> list[RankId]:
         return list(self._ranks)
+
+    @property
+    def carried_blocks(self) -> int:
+        """(rank, block) pairs held, over every rank: what the index cap counts."""
+        return self._carried
+
+    def recount(self) -> int:
+        """Recompute `carried_blocks` from the ranks (after a snapshot restore filled them)."""
+        self._carried = sum(len(st.by_engine_hash) for st in self._ranks.values())
+        return self._carried
+
+    def largest_rank(self) -> RankId | None:
+        """The rank carrying the most blocks (None when the index is empty)."""
+        if not self._ranks:
+            return None
+        return max(self._ranks.values(), key=lambda st: len(st.by_engine_hash)).rank
 
     def block_count(self, rank: RankId, tier: int | None = None) -> int:
         """Blocks `rank` holds on `tier` (a single tier bit), or on any tier when None."""
@@ -269,7 +288,9 @@ class BlockTree:
         keys = block_keys(token_ids, block_size, seed)
         if st is None:
             st = self._add_rank(rank)
+        before = len(st.by_engine_hash)
         self._place(st, parent_key, keys, engine_hashes, tier)
+        self._carried += len(st.by_engine_hash) - before
         return len(keys)
 
     def remove(self, rank: RankId, engine_hashes: Iterable[int], tier: int | None = None) -> int:
@@ -285,6 +306,7 @@ class BlockTree:
         clear = ALL_TIERS if tier is None else tier
         nodes = self._nodes
         by_hash = st.by_engine_hash
+        before = len(by_hash)
         index = st.index
         bit = 1 << index
         found = dropped_device_only = 0
@@ -302,6 +324,18 @@ class BlockTree:
                 # many blocks as it stores), and its count is settled once after the loop.
                 del by_hash[eh]
                 dropped_device_only += 1
+                if node.mask == bit and not node.children:
+                    # Its only carrier, and a leaf (engines evict leaf first): the node goes,
+                    # and its parent is pruned only if that leaves it bare too.
+                    node.mask = 0
+                    del nodes[key]
+                    parent_key = node.parent
+                    if parent_key is not None:
+                        parent = nodes[parent_key]
+                        parent.children -= 1
+                        if not parent.children and not parent.mask:
+                            self._drop_carrier(parent_key, parent, index)
+                    continue
                 self._drop_carrier(key, node, index)
                 continue
             old = _bits_of(node, index)
@@ -315,20 +349,49 @@ class BlockTree:
                 del by_hash[eh]
                 self._drop_carrier(key, node, index)
         st.counts[0] -= dropped_device_only
+        self._carried -= before - len(by_hash)
         return found
 
     def clear_rank(self, rank: RankId) -> int:
         """Forget every block of `rank` (AllBlocksCleared, worker removal). Returns blocks."""
-        st = self._ranks.pop(rank, None)
+        steps = self.clear_rank_steps(rank, 1 << 62)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+    def clear_rank_steps(self, rank: RankId, chunk: int) -> Generator[None, None, int]:
+        """`clear_rank` in slices of `chunk` blocks, yielding between them; returns blocks.
+
+        Between slices the rank holds fewer blocks, as if its engine were evicting them (the
+        newest first, so a chain goes leaf first and each prune stops at once): every state a
+        reader sees is one the rank could be in. The caller (the pump) must not apply other
+        events of the rank before the generator is exhausted.
+        """
+        st = self._ranks.get(rank)
         if st is None:
             return 0
         nodes = self._nodes
-        for key in st.by_engine_hash.values():
-            self._drop_carrier(key, nodes[key], st.index)
-        self._by_index[st.index] = None
+        by_hash = st.by_engine_hash
+        counts = st.counts
+        index = st.index
+        total = len(by_hash)
+        while by_hash:
+            n = min(chunk, len(by_hash))
+            for _ in range(n):
+                key = by_hash.popitem()[1]
+                node = nodes[key]
+                _count(counts, _bits_of(node, index), -1)
+                self._drop_carrier(key, node, index)
+            self._carried -= n
+            if by_hash:
+                yield
+        del self._ranks[rank]
+        self._by_index[index] = None
         while self._by_index and self._by_index[-1] is None:
             self._by_index.pop()
-        return len(st.by_engine_hash)
+        return total
 
     # -- package internals (snapshot.py) ---------------------------------------------------
 

@@ -31,8 +31,10 @@ from aiohttp import web
 from peer.kubeconfig import KubeConfigError
 from router.app import build_app
 from router.control import REPLICA
+from router.index import DEFAULT_INDEX_MAX_BLOCKS
 from router.policy import POLICY_NAMES
 from router.replica import ServeConfig
+from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from router.tokenize import ENGINES, load_tokenizer
 from router.tools import demo, view
 from router.workers import worker_url_problem
@@ -218,6 +220,18 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add(
         "kv-bootstrap-max-body-mb", int, 1024, "largest sibling snapshot accepted (also inflated)"
     )
+    f.add(
+        "kv-events-max-message-bytes",
+        int,
+        DEFAULT_MAX_MESSAGE_BYTES,
+        "largest KV-event ZMQ message accepted; a larger one is dropped and seen as a gap",
+    )
+    f.add(
+        "kv-index-max-blocks",
+        int,
+        DEFAULT_INDEX_MAX_BLOCKS,
+        "cap on (rank, block) pairs in the index; over it the largest rank is cleared",
+    )
     f.add("drain-timeout-s", float, 30.0, "after SIGTERM, how long in-flight requests may run")
     f.add("log-level", str.lower, "info", "how much to log", choices=LOG_LEVELS)
     return f
@@ -257,6 +271,11 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             "--kv-bootstrap-fetch-timeout-cap-ms must be >= 1000",
         ),
         (args.kv_bootstrap_max_body_mb >= 1, "--kv-bootstrap-max-body-mb must be >= 1"),
+        (
+            4096 <= args.kv_events_max_message_bytes <= 1 << 30,
+            "--kv-events-max-message-bytes must be 4096..1073741824",
+        ),
+        (args.kv_index_max_blocks >= 1, "--kv-index-max-blocks must be >= 1"),
         (0 <= args.worker_port <= 65535, "--worker-port must be 0 (the first listed) or 1..65535"),
         (
             not (args.peer and args.kv_peer_selector),

@@ -2,9 +2,10 @@
 
 Rules of this file: everything that mutates the tree or the per-rank cursors happens in
 `IndexRules`, plain synchronous code driven by messages. `Pump` is the thin asyncio shell
-that feeds it: subscribers hand it items through a bounded queue (so backpressure reaches
-the engine's publisher, never a silent drop in the router), and everything else sends control
-calls, which always run before the next queued item.
+that feeds it: subscribers hand it items (applied at once when the pump is idle, else queued
+in a bounded queue, so backpressure reaches the engine's publisher, never a silent drop in the
+router), and everything else sends control calls, which always run before the next queued
+item.
 
 Theory of operation
 -------------------
@@ -15,6 +16,10 @@ A rank's *cursor* is the seq of the last batch whose effects are in the tree.
 - A batch with `seq > cursor + 1` is applied, and the `seq - cursor - 1` batches between are
   counted as lost: a lost `BlockRemoved` can leave a false cache hit, so a loss is always
   visible in metrics and logged, and it asks for the worker's snapshot to be pulled again.
+  Unless more than `MAX_SEQ_JUMP` (2**20) batches would be lost: no publisher does that (see
+  `router.subscriber`), so it is a new stream: the rank is cleared first, as for a restart at
+  0, the jump is counted in `seq_jumps`, nothing is counted lost, and the worker's snapshot is
+  asked for. A rogue seq cannot inflate the lost-batches counter.
 - A batch with `seq == 0` behind an existing cursor is an engine restart that sent no
   END_SEQ: the rank's state is cleared and batch 0 applied, since a new incarnation starts
   with an empty cache.
@@ -25,9 +30,27 @@ A rank's *cursor* is the seq of the last batch whose effects are in the tree.
 - `replace_rank` installs a worker's own snapshot: it replaces the rank's state and sets its
   cursor, unless the snapshot is older than what the stream already applied.
 
-Control calls (`Pump.call`) run between items, never inside one, so a reader on the event loop
-never observes a half-applied batch, and a removal that awaits `forget_ranks` knows the tree
-no longer holds the ranks when it returns.
+- Index cap (`max_blocks`, `--kv-index-max-blocks`): after a batch, if the index carries
+  more (rank, block) pairs than the cap, the rank carrying the most is cleared (repeated
+  until under the cap), counted per rank in `cap_clears`, and logged as an error naming the
+  flag. That rank keeps its cursor and re-warms from its next stores; its snapshot is not
+  re-pulled (it would overflow again). Why this policy: it only forgets, so the index is never
+  wrong (no false hit; stores under a forgotten parent are dropped as `unknown_parent`,
+  removals of forgotten blocks count as `unknown_removal`); one runaway or rogue rank, the
+  likely cause, is the one that loses its blocks, rather than every rank losing new stores;
+  and it is cheap, amortized: a clear of n blocks happens at most once per n blocks stored.
+  The overshoot is at most one batch (bounded by the ZMQ message size).
+
+Long work is sliced: an item is applied through `IndexRules.steps`, a generator that yields
+after every `SLICE_BLOCKS` blocks of work (a long event is cut into runs of that many blocks:
+a store as consecutive sub-chains under each other, a removal as consecutive hash runs; a
+rank clear as consecutive parts). The pump lets the loop run at each yield, so `/healthz` and
+routing stay responsive while millions of blocks arrive. A reader may then see a batch applied
+up to a slice boundary, which is a state the engine itself went through (its events are
+ordered, and a clear goes leaf first); the cursor moves only when the whole batch is applied,
+so it always lags the tree, as the snapshot producer requires. Control calls (`Pump.call`) and
+other items never run inside an item: a removal that awaits `forget_ranks` knows the tree no
+longer holds the ranks when it returns.
 """
 
 from __future__ import annotations
@@ -36,65 +59,149 @@ import asyncio
 import inspect
 import logging
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from itertools import chain
+from typing import Any, Final, TypeVar
 
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from peer.tasks import cancel_and_wait
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
 from router.graft import BootstrapRules
-from router.subscriber import LiveBatch, PublisherReset, SubscriberItem, UnrepairedGap
+from router.subscriber import (
+    MAX_SEQ_JUMP,
+    LiveBatch,
+    PublisherReset,
+    SubscriberItem,
+    UnrepairedGap,
+)
 from router.worker_snapshot import SnapshotRank, WorkerSnapshotError, rebuild_rank
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DEFAULT_QUEUE_SIZE = 1024
+SLICE_BLOCKS: Final = 1024  # blocks of work between two yields to the loop (~1 ms)
+# ~1 GiB of index at the ~250 bytes a carried block costs (README, "Memory").
+DEFAULT_INDEX_MAX_BLOCKS: Final = 4_000_000
+Steps = Generator[None, None, None]
 
 
 def apply_events(
     tree: BlockTree, rank: RankId, events: Iterable[KVEvent], tally: Counter[tuple] | None = None
 ) -> None:
-    """Apply events in order, counting them into `tally` by (kind, medium) for metrics.
+    """Apply events in order, counting them into `tally` by (kind, medium) for metrics."""
+    _exhaust(apply_steps(tree, rank, events, tally))
 
-    Consecutive removals of the same tier become one `tree.remove` call: an engine evicting
-    under pressure sends one BlockRemoved per block, dozens per batch.
+
+def apply_steps(
+    tree: BlockTree,
+    rank: RankId,
+    events: Iterable[KVEvent],
+    tally: Counter[tuple] | None = None,
+    slice_blocks: int = SLICE_BLOCKS,
+) -> Steps:
+    """`apply_events`, yielding after every `slice_blocks` blocks of work.
+
+    Consecutive removals of the same tier become one `tree.remove` call (and one tally
+    update): an engine evicting under pressure sends one BlockRemoved per block, dozens per
+    batch.
     """
     if tally is None:
         tally = Counter()
     removing: list[int] = []
     removing_tier: int | None = None
-    for event in events:
+    removing_medium: str | None = None
+    removals = 0  # events in the current run of removals
+    work = 0  # blocks handled since the last yield; yields come before the next event
+    for event in chain(events, _END):
         kind = type(event)
-        if kind is BlockRemoved:
-            if removing and event.tier != removing_tier:
-                tree.remove(rank, removing, removing_tier)
-                removing = []
+        if kind is BlockRemoved and (
+            not removing or (event.tier == removing_tier and event.medium == removing_medium)
+        ):
             removing_tier = event.tier
+            removing_medium = event.medium
             removing.extend(event.engine_hashes)
-            tally["removed", event.medium] += 1
+            removals += 1
             continue
-        if removing:
-            tree.remove(rank, removing, removing_tier)
+        if removing:  # the run of removals ends here
+            if len(removing) > slice_blocks:
+                for start in range(0, len(removing), slice_blocks):
+                    if start:
+                        yield
+                    tree.remove(rank, removing[start : start + slice_blocks], removing_tier)
+            else:
+                tree.remove(rank, removing, removing_tier)
+            tally["removed", removing_medium] += removals
+            work += len(removing)
             removing = []
+            removals = 0
+            if kind is BlockRemoved:  # another tier starts the next run
+                removing_tier = event.tier
+                removing_medium = event.medium
+                removing.extend(event.engine_hashes)
+                removals = 1
+                continue
+        if kind is _End:
+            return
+        if work >= slice_blocks:
+            work = 0
+            yield
         if kind is BlockStored:
-            tree.store(
-                rank,
-                event.parent_engine_hash,
-                event.engine_hashes,
-                event.token_ids,
-                event.block_size,
-                event.tier,
-                event.namespace,
-            )
+            n = len(event.engine_hashes)
+            if n > slice_blocks:
+                yield from _store_sliced(tree, rank, event, slice_blocks)
+            else:
+                tree.store(
+                    rank,
+                    event.parent_engine_hash,
+                    event.engine_hashes,
+                    event.token_ids,
+                    event.block_size,
+                    event.tier,
+                    event.namespace,
+                )
             tally["stored", event.medium] += 1
+            work += n
         elif kind is AllBlocksCleared:
-            tree.clear_rank(rank)
+            yield from tree.clear_rank_steps(rank, slice_blocks)
             tally["cleared", None] += 1
-    if removing:
-        tree.remove(rank, removing, removing_tier)
+
+
+class _End:
+    """Ends the event stream in `apply_steps`, so the last run of removals is flushed there."""
+
+
+_END: Final = (_End(),)
+
+
+def _store_sliced(tree: BlockTree, rank: RankId, event: BlockStored, slice_blocks: int) -> Steps:
+    """A long store as consecutive sub-chains, each under the last block of the one before.
+
+    The first sub-chain carries the event's checks (tier, block size, token count, parent);
+    if it places nothing, the rest is not tried, so a refused event is counted once.
+    """
+    hashes = event.engine_hashes
+    if len(event.token_ids) != len(hashes) * event.block_size:
+        tree.store(rank, None, hashes, event.token_ids, event.block_size, event.tier)
+        return  # refused and counted as malformed by the tree
+    tokens_per_slice = slice_blocks * event.block_size
+    parent = event.parent_engine_hash
+    for i, start in enumerate(range(0, len(hashes), slice_blocks)):
+        if start:
+            yield
+        part = hashes[start : start + slice_blocks]
+        tokens = event.token_ids[i * tokens_per_slice : (i + 1) * tokens_per_slice]
+        namespace = event.namespace if parent is None else None
+        if not tree.store(rank, parent, part, tokens, event.block_size, event.tier, namespace):
+            return
+        parent = part[-1]
+
+
+def _exhaust(steps: Iterator[None]) -> None:
+    for _ in steps:
+        pass
 
 
 @dataclass(slots=True)
@@ -105,6 +212,9 @@ class PumpStats:
     lost_batches: Counter[RankId] = field(default_factory=Counter)
     publisher_resets: int = 0
     restarts_at_zero: int = 0
+    seq_jumps: int = 0  # forward jumps past MAX_SEQ_JUMP: a new stream, not a loss
+    cap_clears: Counter[RankId] = field(default_factory=Counter)  # ranks cleared at the cap
+    cap_cleared_blocks: int = 0
     worker_snapshots_applied: int = 0
     worker_snapshots_stale: int = 0
     worker_snapshots_rejected: int = 0
@@ -115,9 +225,19 @@ class PumpStats:
 class IndexRules:
     """The tree, the cursors and the live set, changed only through these methods."""
 
-    def __init__(self, tree: BlockTree | None = None) -> None:
+    def __init__(
+        self,
+        tree: BlockTree | None = None,
+        *,
+        max_blocks: int | None = None,
+        slice_blocks: int = SLICE_BLOCKS,
+    ) -> None:
+        if max_blocks is not None and max_blocks < 1:
+            raise ValueError("max_blocks must be >= 1 (or None: no cap)")
         # None until the fleet block size is known; no rank is live before then.
         self.tree = tree
+        self.max_blocks = max_blocks
+        self.slice_blocks = slice_blocks
         self.cursors: dict[RankId, int] = {}
         self.live: set[RankId] = set()
         self.stats = PumpStats()
@@ -150,7 +270,16 @@ class IndexRules:
         if self.tree is not None:
             self.tree.clear_rank(rank)
 
+    def after_control(self) -> None:
+        """After a control call (a graft, a worker snapshot): recount what restores filled."""
+        if self.tree is not None:
+            self.tree.recount()
+
     def handle(self, item: SubscriberItem) -> None:
+        _exhaust(self.steps(item))
+
+    def steps(self, item: SubscriberItem) -> Steps:
+        """Handle one item, yielding between slices of long work (see the module docstring)."""
         if item.rank not in self.live:
             self.stats.batches_dropped_not_live += 1
             return
@@ -159,16 +288,25 @@ class IndexRules:
             if bootstrap is not None and bootstrap.intercepts(item.rank):
                 bootstrap.on_live_batch(item.rank, item.seq, item.batch)
             else:
-                self.apply_batch(item.rank, item.seq, item.batch)
+                yield from self.apply_batch_steps(item.rank, item.seq, item.batch)
         elif type(item) is PublisherReset:
             if bootstrap is not None:
                 bootstrap.on_publisher_reset(item.rank)
-            self.reset_rank(item.rank)
+            log.info(
+                "%s: publisher reset (END_SEQ or seq regression); clearing the rank", item.rank
+            )
+            self.stats.publisher_resets += 1
+            self.cursors.pop(item.rank, None)
+            if self.tree is not None:
+                yield from self.tree.clear_rank_steps(item.rank, self.slice_blocks)
         elif type(item) is UnrepairedGap:
             # The cursor jump on the next batch counts the loss; this only asks for repair.
             self._on_loss(item.rank)
 
     def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> None:
+        _exhaust(self.apply_batch_steps(rank, seq, batch))
+
+    def apply_batch_steps(self, rank: RankId, seq: int, batch: EventBatch) -> Steps:
         cursor = self.cursors.get(rank)
         if cursor is not None:
             if seq == 0:  # batch 0 again: a new incarnation, even right after batch 0
@@ -176,10 +314,24 @@ class IndexRules:
                 self.stats.restarts_at_zero += 1
                 if self.bootstrap is not None:
                     self.bootstrap.on_restart_at_zero(rank)
-                self._tree.clear_rank(rank)
+                yield from self._tree.clear_rank_steps(rank, self.slice_blocks)
             elif seq <= cursor:
                 self.stats.batches_skipped += 1
                 return
+            elif seq - cursor - 1 > MAX_SEQ_JUMP:
+                log.warning(
+                    "%s: seq jumped from %d to %d, more than %d batches: a new stream, not a "
+                    "loss; clearing the rank and asking for the worker's snapshot",
+                    rank,
+                    cursor,
+                    seq,
+                    MAX_SEQ_JUMP,
+                )
+                self.stats.seq_jumps += 1
+                if self.bootstrap is not None:
+                    self.bootstrap.on_restart_at_zero(rank)
+                yield from self._tree.clear_rank_steps(rank, self.slice_blocks)
+                self._on_loss(rank)
             elif seq > cursor + 1:
                 lost = seq - cursor - 1
                 self.stats.lost_batches[rank] += lost
@@ -192,16 +344,33 @@ class IndexRules:
                     seq - 1,
                 )
                 self._on_loss(rank)
-        apply_events(self._tree, rank, batch.events, self.stats.events)
+        tree = self._tree
+        yield from apply_steps(tree, rank, batch.events, self.stats.events, self.slice_blocks)
         if batch.ignored:
             self.stats.ignored_events.update(batch.ignored)
         self.cursors[rank] = seq
         self.stats.batches_applied += 1
+        if self.max_blocks is not None and tree.carried_blocks > self.max_blocks:
+            yield from self._shed(tree, self.max_blocks)
 
-    def reset_rank(self, rank: RankId) -> None:
-        log.info("%s: publisher reset (END_SEQ or seq regression); clearing the rank", rank)
-        self.stats.publisher_resets += 1
-        self.clear_rank_state(rank)
+    def _shed(self, tree: BlockTree, cap: int) -> Steps:
+        """Clear the largest rank until the index is under the cap (module docstring)."""
+        while tree.carried_blocks > cap and (largest := tree.largest_rank()) is not None:
+            held = tree.block_count(largest)
+            self.stats.cap_clears[largest] += 1
+            self.stats.cap_cleared_blocks += held
+            log.error(
+                "index cap reached: %d blocks carried, --kv-index-max-blocks is %d; cleared "
+                "%s, the rank carrying the most (%d blocks; %d clear(s) of it so far). It "
+                "re-warms from its next events. If the fleet's caches really hold this much, "
+                "raise the cap (README: memory per block) and the memory limit with it",
+                tree.carried_blocks,
+                cap,
+                largest,
+                held,
+                self.stats.cap_clears[largest],
+            )
+            yield from tree.clear_rank_steps(largest, self.slice_blocks)
 
     def replace_rank(self, rank: RankId, snap: SnapshotRank, block_size: int) -> bool:
         """Install a worker's own snapshot of `rank` unless the stream is already past it."""
@@ -227,19 +396,43 @@ class IndexRules:
 
 
 class Pump:
-    """Runs `IndexRules` as the only writer: queued items in order, control calls first."""
+    """Runs `IndexRules` as the only writer: items in order, control calls first.
+
+    An item delivered while the pump is parked (nothing queued, no control call pending or
+    running, no item half-applied) is applied at once by `deliver`, on the subscriber's turn
+    of the loop: still one writer at a time, without a queue round trip and a task switch per
+    batch. If it turns out long (its steps yield), the rest is handed to the pump task, which
+    finishes it in slices before anything else; items delivered meanwhile queue behind it.
+    """
 
     def __init__(self, rules: IndexRules, queue_size: int = DEFAULT_QUEUE_SIZE) -> None:
         self.rules = rules
-        self._items: asyncio.Queue[SubscriberItem] = asyncio.Queue(queue_size)
+        self._queue_size = queue_size
+        self._items: deque[SubscriberItem | Steps] = deque()  # an item, or one begun inline
+        self._room = asyncio.Event()  # set when a waiting deliverer may retry
         self._control: deque[tuple[Callable[[IndexRules], Any], asyncio.Future[Any]]] = deque()
         self._wake = asyncio.Event()
+        self._parked = False  # the task waits for work and nobody has woken it since
         self._task: asyncio.Task[None] | None = None
 
     async def deliver(self, item: SubscriberItem) -> None:
-        """Queue an item; waits while the queue is full (backpressure to the subscriber)."""
-        await self._items.put(item)
-        self._wake.set()
+        """Apply or queue an item; waits while the queue is full (backpressure)."""
+        if self._parked:
+            steps = self.rules.steps(item)
+            try:
+                if next(steps, _DONE) is _DONE:
+                    return
+            except Exception:
+                log.exception("pump: an item could not be applied; it was dropped")
+                return
+            self._items.appendleft(steps)  # long: the task finishes it before anything else
+            self._wake_up()
+            return
+        while len(self._items) >= self._queue_size:
+            self._room.clear()
+            await self._room.wait()
+        self._items.append(item)
+        self._wake_up()
 
     async def call(self, fn: Callable[[IndexRules], T]) -> T:
         """Run `fn(rules)` in the pump, before any item queued after or before it."""
@@ -247,7 +440,7 @@ class Pump:
             return fn(self.rules)  # not running (start-up, shutdown): nothing to race with
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._control.append((fn, future))
-        self._wake.set()
+        self._wake_up()
         return await future
 
     async def call_async(self, fn: Callable[[IndexRules], Awaitable[T]]) -> T:
@@ -263,20 +456,25 @@ class Pump:
 
     @property
     def backlog(self) -> int:
-        return self._items.qsize()
+        return len(self._items)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kvrouter-pump")
 
     async def stop(self) -> None:
+        self._parked = False
         await cancel_and_wait([self._task])
         self._task = None
 
     async def wait_idle(self) -> None:
         """Until every item queued so far has been handled (tests and orderly shutdown)."""
         await self.call(lambda rules: None)
-        while self._items.qsize():
+        while self._items:
             await self.call(lambda rules: None)
+
+    def _wake_up(self) -> None:
+        self._parked = False
+        self._wake.set()
 
     async def _run(self) -> None:
         rules = self.rules
@@ -294,15 +492,24 @@ class Pump:
                     future.set_result(result)
                 except Exception as exc:  # the caller gets it; the pump goes on
                     future.set_exception(exc)
-            if items.empty():
+                rules.after_control()
+            if not items:
                 self._wake.clear()
+                self._parked = True
                 await self._wake.wait()
                 continue
+            work = items.popleft()
+            self._room.set()
+            steps = work if inspect.isgenerator(work) else rules.steps(work)
             try:
-                rules.handle(items.get_nowait())
+                for _ in steps:
+                    await asyncio.sleep(0)  # a slice boundary: let readers and /healthz run
             except Exception:
                 log.exception("pump: an item could not be applied; it was dropped")
             handled += 1
             # Yield now and then so readers and control calls interleave with a long backlog.
             if handled % 64 == 0:
                 await asyncio.sleep(0)
+
+
+_DONE: Final = object()

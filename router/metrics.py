@@ -153,9 +153,33 @@ class _StateCollector(Collector):
         yield _gauge(
             "kvrouter_pump_backlog", "Items queued for the pump", [((), self._pump.backlog)]
         )
+        yield _gauge(
+            "kvrouter_index_carried_blocks",
+            "(rank, block) pairs in the index, what --kv-index-max-blocks caps",
+            [((), tree.carried_blocks if tree else 0)],
+        )
+        yield _gauge(
+            "kvrouter_index_max_blocks",
+            "The index cap (--kv-index-max-blocks); 0 when there is none",
+            [((), rules.max_blocks or 0)],
+        )
+        yield _counter(
+            "kvrouter_index_cap_clears",
+            "Ranks cleared because the index went over its cap (the rank carrying the most)",
+            ["worker_url", "dp_rank"],
+            {(r.worker_url, str(r.dp_rank)): n for r, n in stats.cap_clears.items()},
+        )
+        yield _counter(
+            "kvrouter_index_cap_cleared_blocks",
+            "Blocks forgotten by cap clears",
+            [],
+            {(): stats.cap_cleared_blocks},
+        )
         replay: Counter[str] = Counter()
         decode_errors: Counter[str] = Counter()
         bad_frames = 0
+        seq_jumps = stats.seq_jumps
+        disconnects = 0
         breaker_state = []
         breaker_trips = {}
         for worker in self._workers.workers():
@@ -163,6 +187,8 @@ class _StateCollector(Collector):
                 replay.update(sub.replay)
                 decode_errors.update(sub.decode_errors)
                 bad_frames += sub.bad_frames
+                seq_jumps += sub.seq_jumps
+                disconnects += sub.disconnects
             breaker_state.append(((worker.url,), _BREAKER_STATE.get(str(worker.breaker.state), 0)))
             breaker_trips[(worker.url,)] = worker.breaker.trips
         yield _counter(
@@ -179,6 +205,19 @@ class _StateCollector(Collector):
         )
         yield _counter(
             "kvrouter_kv_bad_frames", "Malformed ZMQ messages dropped", [], {(): bad_frames}
+        )
+        yield _counter(
+            "kvrouter_kv_seq_jumps",
+            "Forward seq jumps past 2**20 batches, handled as a new stream (not counted lost)",
+            [],
+            {(): seq_jumps},
+        )
+        yield _counter(
+            "kvrouter_kv_disconnects",
+            "Publisher connections that dropped (peer gone, or an oversized or malformed "
+            "message); the socket is rebuilt and the loss shows as a gap",
+            [],
+            {(): disconnects},
         )
         yield _gauge(
             "kvrouter_breaker_state",

@@ -27,11 +27,12 @@ from peer.tasks import cancel_and_wait
 from peer.tracker import BootstrapTracker
 from router.bootstrap import PeerBootstrap
 from router.breaker import CircuitBreaker
-from router.index import IndexRules, Pump
+from router.index import DEFAULT_INDEX_MAX_BLOCKS, IndexRules, Pump
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
 from router.policy import Policy, make_policy
 from router.proxy import InflightTracker, Proxy, upstream_session
+from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from router.tokenize import RequestTokenizer, load_tokenizer
 from router.workers import DiscoveryDefaults, WorkerRegistry
 from router.zmq_term import terminate_context
@@ -80,6 +81,8 @@ class ServeConfig:
     kv_bootstrap_fetch_timeout_cap_ms: int = 300_000
     kv_bootstrap_seed_required: bool = False
     kv_bootstrap_max_body_mb: int = 1024
+    kv_events_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    kv_index_max_blocks: int = DEFAULT_INDEX_MAX_BLOCKS
 
     @property
     def bootstrap_enabled(self) -> bool:
@@ -114,7 +117,7 @@ async def start_replica(config: ServeConfig) -> Replica:
     )
     rng = random.Random(config.seed)
     policy = make_policy(config.policy, rng=rng)
-    pump = Pump(IndexRules())
+    pump = Pump(IndexRules(max_blocks=config.kv_index_max_blocks))
     pump.start()
     # Only the peer snapshot fetcher may advertise gzip (the SSE proxy path must never get it).
     control_session = aiohttp.ClientSession(skip_auto_headers=("Accept-Encoding",))
@@ -160,6 +163,7 @@ async def _compose(
         health_interval_s=config.health_interval_s,
         evict_after_s=config.worker_evict_after_s,
         zmq_context=zmq_context,
+        max_message_bytes=config.kv_events_max_message_bytes,
     )
     bootstrap = _bootstrap(config, pump, workers) if config.bootstrap_enabled else None
     workers.bootstrap = bootstrap

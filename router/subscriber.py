@@ -26,11 +26,19 @@ For a decoded batch at `seq`:
     n         0                            RESTART_AT_ZERO    nothing: the pump resolves a
                                                               restart at 0 itself
     n         1 <= seq <= n                RESET              PublisherReset
-    n         seq > n + 1                  GAP [n+1, seq-1]   what replay recovers, in seq
+    n         n + 1 < seq <= n + 1 + J     GAP [n+1, seq-1]   what replay recovers, in seq
                                                               order, with an UnrepairedGap
                                                               at every hole that remains
+    n         seq > n + 1 + J              JUMP               PublisherReset
 
 After every step `last = seq`. END_SEQ sets `last = None`.
+
+J is `MAX_SEQ_JUMP` (2**20 batches). No publisher skips that many seqs and lives on: engines
+buffer 10,000 batches for replay, so a router that missed 2**20 could repair none of them, and
+at a busy engine's ~1,000 batches/s that is 17 minutes of a stream. A jump that long (a rogue
+or corrupted publisher, e.g. seq 2**63-1) is a new stream, not 9.2e18 lost batches: the rank
+is reset (cleared, a fresh cursor from this batch), counted as `seq_jumps`, and nothing is
+counted as lost, so no loss alert fires on a publisher's say-so.
 
 A gap with a replay endpoint opens a DEALER to it and asks for everything from `n + 1`
 (`[b"", seq as 8 bytes]`). Replies are `[b"", topic, seq, payload]` (4 frames) or, from older
@@ -46,11 +54,28 @@ batches from its own cursor jump.
 Backpressure: `deliver` is awaited for every item and nothing is read meanwhile, so a slow pump
 leaves frames queued in ZMQ and, past the high-water marks, dropped by the engine's publisher,
 where the next seq reveals the loss. Nothing is dropped silently inside the router.
+
+Size bound: every socket (SUB and replay DEALER) has `ZMQ_MAXMSGSIZE` set to
+`max_message_bytes` (`--kv-events-max-message-bytes`, 8 MiB by default; a real batch, one
+scheduler step, is far smaller: a 100k-token prefill is ~0.5 MB). libzmq refuses a larger
+message before allocating it and drops the connection to that publisher, for good (it does
+not reconnect after a protocol error). A socket monitor reports the drop (`disconnects`, a
+warning); the socket is rebuilt and resubscribes, and what was published meanwhile (the
+oversized batch included) shows up as a gap at the next batch: replayed if the replay buffer
+holds it within the bound, else an `UnrepairedGap` (counted lost, the worker's snapshot
+re-pulled).
+
+How it receives: the SUB socket is a plain (blocking-API) socket whose file descriptor the
+event loop watches (`loop.add_reader`). On a wake-up every message already queued is read with
+NOBLOCK and handled in turn, up to `DRAIN_BATCH` messages or `DRAIN_BYTES` of payload before
+yielding to the loop, so a busy stream costs one wake-up per burst rather than a future and a
+task switch per message, and a burst of huge batches still lets `/healthz` in between them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
@@ -61,6 +86,7 @@ from typing import Final, Literal
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from cachetree.ranks import RankId
 from router.events import EventBatch, EventDecodeError, decode_batch
@@ -75,6 +101,12 @@ CONNECT_BACKOFF_FIRST_S: Final = 0.05
 CONNECT_BACKOFF_MAX_S: Final = 2.0
 CONNECT_WARN_AFTER: Final = 5  # socket setups in a row without a frame before warning
 RECV_ERRORS_BEFORE_REBUILD: Final = 64
+MAX_SEQ_JUMP: Final = 1 << 20  # a longer forward jump is a new stream (see above)
+DEFAULT_MAX_MESSAGE_BYTES: Final = 8 << 20
+# Handled per turn of the loop at most, whichever comes first: a payload's bytes are what its
+# decoding costs (~20 ns a byte), so a burst of large batches cannot hold the loop either.
+DRAIN_BATCH: Final = 64  # messages
+DRAIN_BYTES: Final = 1 << 20
 
 ReplayOutcome = Literal["repaired", "incomplete", "failed"]
 
@@ -131,6 +163,8 @@ class SubscriberStats:
     replay: Counter[str] = field(default_factory=Counter)  # repaired / incomplete / failed
     lost_batches: int = 0  # batches reported in UnrepairedGap items
     socket_rebuilds: int = 0  # SUB sockets rebuilt after repeated recv errors
+    seq_jumps: int = 0  # forward jumps past MAX_SEQ_JUMP, delivered as PublisherReset
+    disconnects: int = 0  # publisher connections dropped (then the socket is rebuilt)
 
 
 # --- frames ---------------------------------------------------------------------------------
@@ -178,6 +212,7 @@ class Step(enum.Enum):
     RESTART_AT_ZERO = "restart_at_zero"  # 0 after a last: left for the pump to resolve
     RESET = "reset"  # 1 <= seq <= last: PublisherReset, then the batch
     GAP = "gap"  # seq > last + 1: batches [missing_first, missing_last] were not seen
+    JUMP = "jump"  # seq > last + 1 + MAX_SEQ_JUMP: a new stream, PublisherReset then the batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +251,8 @@ class SequenceTracker:
             return Verdict(Step.RESTART_AT_ZERO)
         if seq <= last:
             return Verdict(Step.RESET)
+        if seq - last - 1 > MAX_SEQ_JUMP:
+            return Verdict(Step.JUMP)
         return Verdict(Step.GAP, last + 1, seq - 1)
 
     def end(self) -> None:
@@ -334,7 +371,10 @@ class RankSubscriber:
         replay_timeout_s: float = 2.0,
         stats: SubscriberStats | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
+        if max_message_bytes < 1:
+            raise ValueError("max_message_bytes must be >= 1")
         self.endpoint = endpoint
         self.rank = endpoint.rank
         self.stats = stats if stats is not None else SubscriberStats()
@@ -343,6 +383,7 @@ class RankSubscriber:
         self._ctx = context
         self._replay_timeout_s = replay_timeout_s
         self._clock = clock
+        self._max_message_bytes = max_message_bytes
         self._setups = 0  # socket setups since the last frame received
 
     async def run(self) -> None:
@@ -365,14 +406,16 @@ class RankSubscriber:
 
     # --- socket lifecycle -------------------------------------------------------------------
 
-    async def _open(self) -> zmq.asyncio.Socket:
+    async def _open(self) -> zmq.Socket:
         while True:
             if self._setups:
                 await asyncio.sleep(connect_backoff_s(self._setups))
             self._setups += 1
-            sock = self._ctx.socket(zmq.SUB)
+            # A plain socket: `_receive` drains it non-blocking when the loop sees its fd.
+            sock = self._ctx.socket(zmq.SUB, socket_class=zmq.Socket)
             try:
                 sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
                 sock.setsockopt(zmq.IPV6, int("[" in self.endpoint.endpoint))
                 sock.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic)
                 sock.connect(self.endpoint.endpoint)
@@ -402,29 +445,91 @@ class RankSubscriber:
             )
             return sock
 
-    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
-        """Handle frames until RECV_ERRORS_BEFORE_REBUILD recv errors in a row."""
-        errors = 0
-        while True:
-            try:
-                frames = await sock.recv_multipart()
-            except zmq.ContextTerminated:
-                raise
-            except zmq.ZMQError as exc:
-                errors += 1
-                if errors >= RECV_ERRORS_BEFORE_REBUILD:
-                    log.warning(
-                        "rank %s: %d receive errors in a row (last: %s); rebuilding the socket. "
-                        "Batches published meanwhile surface as a gap.",
-                        self.rank,
-                        errors,
-                        exc,
-                    )
-                    return
-                continue
+    async def _receive(self, sock: zmq.Socket) -> None:
+        """Handle frames until RECV_ERRORS_BEFORE_REBUILD recv errors in a row, or until the
+        connection to the publisher drops.
+
+        The fd of a ZMQ socket signals edges, not levels: it is readable when the socket's
+        state changed, not while messages wait. So every wake-up reads until EAGAIN, and
+        before sleeping again the socket's own EVENTS are checked (a message that arrived
+        during the reads may have spent its edge already).
+
+        A dropped connection is watched through a socket monitor because libzmq does not
+        always reconnect by itself: a message over ZMQ_MAXMSGSIZE is a protocol error, after
+        which it gives the endpoint up for good. A fresh socket resubscribes; what was
+        published meanwhile is a gap at the next batch.
+        """
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        address = f"inproc://kvrouter-sub-monitor-{id(self):x}-{self.stats.socket_rebuilds}"
+        sock.monitor(address, zmq.EVENT_DISCONNECTED)
+        monitor = self._ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
+        fds = [sock.getsockopt(zmq.FD), monitor.getsockopt(zmq.FD)]
+        try:
+            monitor.connect(address)
+            for fd in fds:
+                loop.add_reader(fd, readable.set)
             errors = 0
-            self._setups = 0
-            await self._on_message(frames)
+            while True:
+                budget = DRAIN_BYTES
+                for _ in range(DRAIN_BATCH):
+                    if budget <= 0:
+                        await asyncio.sleep(0)  # a burst of large batches: a turn for others
+                        budget = DRAIN_BYTES
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except zmq.ContextTerminated:
+                        raise
+                    except zmq.ZMQError as exc:
+                        errors += 1
+                        if errors >= RECV_ERRORS_BEFORE_REBUILD:
+                            log.warning(
+                                "rank %s: %d receive errors in a row (last: %s); rebuilding the "
+                                "socket. Batches published meanwhile surface as a gap.",
+                                self.rank,
+                                errors,
+                                exc,
+                            )
+                            return
+                        continue
+                    errors = 0
+                    self._setups = 0
+                    budget -= len(frames[-1])
+                    await self._on_message(frames)
+                else:
+                    await asyncio.sleep(0)  # a long burst: let the loop serve others
+                    continue
+                if self._disconnected(monitor):
+                    return
+                readable.clear()
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    await readable.wait()
+        finally:
+            for fd in fds:
+                loop.remove_reader(fd)
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            monitor.close(linger=0)
+
+    def _disconnected(self, monitor: zmq.Socket) -> bool:
+        """Whether the monitor reported the publisher's connection dropped (events drained)."""
+        dropped = False
+        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = monitor.recv_multipart(zmq.NOBLOCK)
+            dropped = dropped or parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED
+        if dropped:
+            self.stats.disconnects += 1
+            log.warning(
+                "rank %s: the connection to %s dropped (the publisher went away, or sent a "
+                "message over %d bytes, --kv-events-max-message-bytes, or a malformed one); "
+                "resubscribing. Batches published meanwhile surface as a gap at the next one",
+                self.rank,
+                self.endpoint.endpoint,
+                self._max_message_bytes,
+            )
+        return dropped
 
     # --- one live message -------------------------------------------------------------------
 
@@ -458,6 +563,7 @@ class RankSubscriber:
         batch = self._decode(frame.seq, frame.payload, replayed=False)
         if batch is None:
             return
+        previous = self.tracker.last
         verdict = self.tracker.advance(frame.seq)
         if verdict.step is Step.FIRST:
             log.info("rank %s: first batch seen is seq %d", self.rank, frame.seq)
@@ -472,6 +578,22 @@ class RankSubscriber:
             await self._reset()
         elif verdict.step is Step.GAP:
             await self._fill(verdict.missing_first, frame.seq)
+        elif verdict.step is Step.JUMP:
+            self.stats.seq_jumps += 1
+            if _often(self.stats.seq_jumps):
+                log.warning(
+                    "rank %s: seq jumped from %d to %d, more than %d batches ahead: no "
+                    "publisher does that, so this is a new stream, not a loss; resetting the "
+                    "rank's index (%d such jumps so far). If it repeats, check what publishes "
+                    "on %s",
+                    self.rank,
+                    previous,
+                    frame.seq,
+                    MAX_SEQ_JUMP,
+                    self.stats.seq_jumps,
+                    self.endpoint.endpoint,
+                )
+            await self._reset()
         await self._emit(LiveBatch(self.rank, frame.seq, batch))
 
     def _decode(self, seq: int, payload: bytes, *, replayed: bool) -> EventBatch | None:
@@ -565,6 +687,7 @@ class RankSubscriber:
         sock = self._ctx.socket(zmq.DEALER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
             sock.setsockopt(zmq.IPV6, int("[" in replay_endpoint))
             sock.connect(replay_endpoint)
             await sock.send_multipart(replay_request(first), flags=zmq.NOBLOCK)

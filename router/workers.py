@@ -49,7 +49,12 @@ from router.breaker import CircuitBreaker
 from router.graft import LocalGraft
 from router.index import Pump
 from router.loads import LoadMonitor
-from router.subscriber import RankEndpoint, RankSubscriber, SubscriberStats
+from router.subscriber import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    RankEndpoint,
+    RankSubscriber,
+    SubscriberStats,
+)
 from router.worker_snapshot import WorkerSnapshot, WorkerSnapshotError, decode_worker_snapshot
 
 if TYPE_CHECKING:
@@ -182,6 +187,7 @@ class WorkerRegistry:
         request_timeout_s: float = 2.0,
         replay_timeout_s: float = 2.0,
         zmq_context: zmq.asyncio.Context | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.pump = pump
         self.session = session
@@ -195,6 +201,7 @@ class WorkerRegistry:
         self._clock = clock
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self._replay_timeout_s = replay_timeout_s
+        self._max_message_bytes = max_message_bytes
         self._zmq = zmq_context or zmq.asyncio.Context.instance()
         self._workers: dict[str, Worker] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -377,6 +384,7 @@ class WorkerRegistry:
                 context=self._zmq,
                 replay_timeout_s=self._replay_timeout_s,
                 stats=stats,
+                max_message_bytes=self._max_message_bytes,
             )
             worker.tasks.append(asyncio.create_task(sub.run(), name=f"kv-sub {rank}"))
         holding_since = time.monotonic()  # after the subscribers started holding

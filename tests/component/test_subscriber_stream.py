@@ -395,3 +395,45 @@ async def test_the_replay_deadline_follows_the_injected_clock() -> None:
             items = await h.until_seq(gate + 4, within_s=WITHIN_S)
         assert shape(items) == [("gap", gate + 1, gate + 3), ("batch", gate + 4)]
         assert h.stats.replay == {"failed": 1}
+
+
+async def test_an_oversized_message_is_refused_and_its_loss_shows_as_a_gap() -> None:
+    """libzmq refuses a message over ZMQ_MAXMSGSIZE before allocating it and drops the
+    connection; the SUB reconnects on its own and the refused batch (with whatever was
+    published while it reconnected) is reported as an UnrepairedGap at the next batch."""
+    limit = 64 * 1024
+    async with (
+        bound(zmq.PUB) as (pub, url),
+        subscribed(RankEndpoint(RANK, url), max_message_bytes=limit) as h,
+    ):
+        seqs = itertools.count()
+        gate = await h.gate(pub_probe(pub, seqs))
+        fits = msgspec.msgpack.encode([1.0, [], 0, b"x" * (limit - 100)])  # an extra element
+        await pub.send_multipart([b"", seq_b(next(seqs)), fits])
+        await h.until_seq(gate + 1)
+        h.items.clear()
+        frames_before = h.stats.frames
+        big = next(seqs)
+        await pub.send_multipart([b"", seq_b(big), b"\x00" * (1 << 20)])
+        # Reconnected: probes reach it again (those sent while it was away are lost too).
+        resumed = await h.gate(pub_probe(pub, seqs))
+        # The refused batch and the probes sent while it resubscribed: one gap, exactly them.
+        assert (h.stats.gaps, h.stats.lost_batches) == (1, resumed - big)
+        assert (h.stats.disconnects, h.stats.socket_rebuilds) == (1, 1)
+        assert h.stats.frames - frames_before == 1  # the 1 MiB frame never reached Python
+        assert h.stats.bad_frames == 0 and h.stats.decode_errors == {}
+
+
+async def test_a_real_publisher_jumping_its_seq_past_the_bound_is_reset_not_a_loss() -> None:
+    async with (
+        fake_worker_in_process(replay=True) as fw,
+        subscribed(endpoint_of(fw)) as h,
+    ):
+        gate = await h.gate(fw.probe)
+        await fw.post("/control/skip-seq", {"count": 1 << 21})
+        last = await fw.store([CHAIN_A])
+        items = await h.until_seq(last)
+        assert last == gate + (1 << 21) + 1
+        assert shape(items) == [("reset",), ("batch", last)]
+        assert (h.stats.seq_jumps, h.stats.lost_batches, h.stats.gaps) == (1, 0, 0)
+        assert h.stats.replay == {}  # nothing was asked of the replay endpoint

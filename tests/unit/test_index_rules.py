@@ -6,7 +6,7 @@ from cachetree.tiers import DEVICE
 from cachetree.tree import BlockTree
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from router.index import IndexRules
-from router.subscriber import LiveBatch, PublisherReset, UnrepairedGap
+from router.subscriber import MAX_SEQ_JUMP, LiveBatch, PublisherReset, UnrepairedGap
 from router.worker_snapshot import SnapshotBlock, SnapshotRank
 
 BS = 4
@@ -143,3 +143,114 @@ def test_worker_snapshot_with_the_wrong_block_size_is_refused_and_changes_nothin
     assert rules.stats.worker_snapshots_rejected == 1
     assert rules.tree.block_count(R) == 1
     assert rules.cursors[R] == 1
+
+
+# --- seq jumps past the bound -----------------------------------------------------------------
+
+
+def test_a_jump_past_the_bound_is_a_new_stream_counting_nothing_lost() -> None:
+    rules, losses = rules_with()
+    rules.apply_batch(R, 3, stored(1, 1))
+    rules.apply_batch(R, 2**63 - 1, stored(2, 100))
+    assert rules.stats.lost_batches[R] == 0
+    assert rules.stats.seq_jumps == 1
+    assert losses == [R]  # the worker's snapshot is asked for, the rank starts over
+    assert rules.tree.block_count(R) == 1  # block 1 went with the old stream
+    assert rules.tree.match(block_keys(list(range(100, 104)), BS)).blocks == 1
+    assert rules.cursors[R] == 2**63 - 1
+
+
+def test_a_jump_of_exactly_the_bound_is_still_counted_as_lost_batches() -> None:
+    rules, _ = rules_with()
+    rules.apply_batch(R, 3, stored(1, 1))
+    rules.apply_batch(R, 4 + MAX_SEQ_JUMP, stored(2, 100))
+    assert rules.stats.lost_batches[R] == MAX_SEQ_JUMP
+    assert rules.stats.seq_jumps == 0
+    assert rules.tree.block_count(R) == 2
+
+
+# --- slicing ------------------------------------------------------------------------------------
+
+
+def chain_batch(first_hash: int, n_blocks: int, start_token: int) -> EventBatch:
+    hashes = list(range(first_hash, first_hash + n_blocks))
+    tokens = list(range(start_token, start_token + n_blocks * BS))
+    return EventBatch(0.0, [BlockStored(hashes, None, tokens, BS, DEVICE, "GPU", None)], 0)
+
+
+def test_a_long_store_is_applied_in_slices_and_ends_as_one_chain() -> None:
+    rules = IndexRules(BlockTree(BS), slice_blocks=10)
+    rules.add_ranks([R])
+    steps = rules.steps(LiveBatch(R, 0, chain_batch(1, 35, 1)))
+    seen = []
+    for _ in steps:
+        seen.append((rules.tree.block_count(R), rules.cursors.get(R)))
+    # Every slice places a prefix of the chain; the cursor moves only at the end.
+    assert seen == [(10, None), (20, None), (30, None)]
+    assert rules.cursors[R] == 0
+    keys = block_keys(list(range(1, 1 + 35 * BS)), BS)
+    assert rules.tree.prefix_depths(keys).any_tier == {R: 35}
+    assert rules.stats.events["stored", "GPU"] == 1
+
+
+def test_a_sliced_store_under_an_unknown_parent_is_refused_once() -> None:
+    rules = IndexRules(BlockTree(BS), slice_blocks=10)
+    rules.add_ranks([R])
+    hashes = list(range(1, 36))
+    event = BlockStored(hashes, 999, list(range(1, 1 + 35 * BS)), BS, DEVICE, "GPU", None)
+    rules.handle(LiveBatch(R, 0, EventBatch(0.0, [event], 0)))
+    assert rules.tree.stats.unknown_parent == 1
+    assert rules.tree.block_count(R) == 0
+
+
+def test_a_long_removal_and_a_clear_are_sliced_too() -> None:
+    rules = IndexRules(BlockTree(BS), slice_blocks=10)
+    rules.add_ranks([R])
+    rules.handle(LiveBatch(R, 0, chain_batch(1, 35, 1)))
+    removal = EventBatch(0.0, [BlockRemoved([h], None, "GPU") for h in range(35, 10, -1)], 0)
+    counts = [rules.tree.block_count(R) for _ in rules.steps(LiveBatch(R, 1, removal))]
+    assert counts == [25, 15]
+    assert rules.tree.block_count(R) == 10
+    assert rules.stats.events["removed", "GPU"] == 25
+    clear = EventBatch(0.0, [AllBlocksCleared()], 0)
+    assert [rules.tree.block_count(R) for _ in rules.steps(LiveBatch(R, 2, clear))] == []
+    rules.handle(LiveBatch(R, 3, chain_batch(100, 25, 1000)))
+    counts = [rules.tree.block_count(R) for _ in rules.steps(PublisherReset(R))]
+    assert counts == [15, 5]
+    assert rules.tree.ranks() == [] and len(rules.tree) == 0
+    assert rules.tree.carried_blocks == 0
+
+
+# --- the index cap ------------------------------------------------------------------------------
+
+
+def test_over_the_cap_the_rank_carrying_the_most_is_cleared_and_counted() -> None:
+    rules = IndexRules(BlockTree(BS), max_blocks=30)
+    losses: list[RankId] = []
+    rules.set_loss_handler(losses.append)
+    rules.add_ranks([R, OTHER])
+    rules.handle(LiveBatch(OTHER, 0, chain_batch(1, 8, 1)))
+    rules.handle(LiveBatch(R, 0, chain_batch(1, 20, 5000)))
+    assert rules.tree.carried_blocks == 28  # under the cap: nothing happens
+    rules.handle(LiveBatch(R, 1, chain_batch(100, 5, 9000)))
+    # 33 > 30: R (25 blocks) goes, OTHER keeps all of its own.
+    assert rules.stats.cap_clears == {R: 1}
+    assert rules.stats.cap_cleared_blocks == 25
+    assert rules.tree.block_count(R) == 0 and rules.tree.block_count(OTHER) == 8
+    assert rules.tree.carried_blocks == 8
+    assert rules.cursors[R] == 1  # the stream goes on: R re-warms from its next stores
+    assert losses == []  # no re-pull: it would only overflow again
+    rules.handle(LiveBatch(R, 2, chain_batch(200, 3, 12000)))
+    assert rules.tree.block_count(R) == 3
+
+
+def test_the_carried_count_follows_stores_removals_clears_and_snapshot_restores() -> None:
+    rules, _ = rules_with(R, OTHER)
+    tree = rules.tree
+    rules.apply_batch(R, 0, chain_batch(1, 6, 1))
+    rules.apply_batch(OTHER, 0, chain_batch(1, 6, 1))  # the same blocks, another carrier
+    rules.apply_batch(R, 1, removed(6))
+    assert tree.carried_blocks == 11 == tree.recount()
+    assert rules.replace_rank(OTHER, snapshot(4, 1, 2, 3), BS)
+    rules.after_control()  # what the pump does after every control call
+    assert tree.carried_blocks == 8 == sum(tree.block_count(r) for r in (R, OTHER))

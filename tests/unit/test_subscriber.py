@@ -7,6 +7,7 @@ shell does (socket rebuilds, closing sockets on exit, decode errors surfacing as
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ import zmq
 from cachetree.ranks import RankId
 from router.events import EventBatch
 from router.subscriber import (
+    MAX_SEQ_JUMP,
     RECV_ERRORS_BEFORE_REBUILD,
     FrameError,
     LiveBatch,
@@ -101,6 +103,13 @@ def test_malformed_messages_are_refused_with_a_reason(frames: list[bytes], reaso
         ([5, 3, 4], [Verdict(Step.FIRST), Verdict(Step.RESET), Verdict(Step.NEXT)]),
         ([5, 5], [Verdict(Step.FIRST), Verdict(Step.RESET)]),
         ([5, 1, 3], [Verdict(Step.FIRST), Verdict(Step.RESET), Verdict(Step.GAP, 2, 2)]),
+        # Up to MAX_SEQ_JUMP missing batches is a gap; one more is a new stream.
+        ([5, 6 + MAX_SEQ_JUMP], [Verdict(Step.FIRST), Verdict(Step.GAP, 6, 5 + MAX_SEQ_JUMP)]),
+        (
+            [5, 7 + MAX_SEQ_JUMP, 8 + MAX_SEQ_JUMP],
+            [Verdict(Step.FIRST), Verdict(Step.JUMP), Verdict(Step.NEXT)],
+        ),
+        ([0, 2**63 - 1], [Verdict(Step.FIRST), Verdict(Step.JUMP)]),
     ],
 )
 def test_the_tracker_classifies_each_seq_against_the_last_one_seen(
@@ -261,7 +270,9 @@ def test_connect_backoff_doubles_from_50_ms_to_a_2_s_cap() -> None:
 
 
 class FakeSocket:
-    """Plays a script: each recv returns the next frames or raises the next ZMQError."""
+    """Plays a script: each non-blocking recv returns the next frames or raises the next
+    ZMQError; once the script is done it reports nothing to read (`zmq.Again`), and its fd (a
+    pipe nothing writes to) never wakes the reader, so the subscriber waits until cancelled."""
 
     def __init__(self, kind: int, script: list[list[bytes] | zmq.ZMQError]) -> None:
         self.kind = kind
@@ -269,19 +280,37 @@ class FakeSocket:
         self.options: dict[int, Any] = {}
         self.connected: list[str] = []
         self.closed = False
+        self.monitored = 0
+        self._pipe = os.pipe()
 
     def setsockopt(self, option: int, value: Any) -> None:
         self.options[option] = value
 
+    def getsockopt(self, option: int) -> int:
+        if option == zmq.FD:
+            return self._pipe[0]
+        if option == zmq.EVENTS:
+            return zmq.POLLIN if self.script else 0
+        raise AssertionError(f"unexpected getsockopt({option})")
+
     def connect(self, endpoint: str) -> None:
         self.connected.append(endpoint)
 
+    def monitor(self, address: str, events: int) -> None:
+        self.monitored = events
+
+    def disable_monitor(self) -> None:
+        pass
+
     def close(self, linger: int | None = None) -> None:
         self.closed = True
+        for fd in self._pipe:
+            os.close(fd)
 
-    async def recv_multipart(self) -> list[bytes]:
+    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+        assert flags == zmq.NOBLOCK, "the subscriber never blocks in recv"
         if not self.script:
-            await asyncio.Event().wait()  # nothing more: block until cancelled
+            raise zmq.Again()
         step = self.script.pop(0)
         if isinstance(step, zmq.ZMQError):
             raise step
@@ -293,7 +322,9 @@ class FakeContext:
         self.scripts = list(scripts)
         self.sockets: list[FakeSocket] = []
 
-    def socket(self, kind: int) -> FakeSocket:
+    def socket(self, kind: int, socket_class: Any = None) -> FakeSocket:
+        if kind != zmq.SUB:  # the monitor's PAIR: it never reports a drop here
+            return FakeSocket(kind, [])
         sock = FakeSocket(kind, self.scripts.pop(0) if self.scripts else [])
         self.sockets.append(sock)
         return sock
@@ -329,7 +360,7 @@ def frames(seq: int, payload: bytes = PAYLOAD) -> list[bytes]:
 
 async def test_64_receive_errors_in_a_row_rebuild_the_socket_and_the_stream_goes_on() -> None:
     errors: list[list[bytes] | zmq.ZMQError] = [
-        zmq.ZMQError(zmq.EAGAIN) for _ in range(RECV_ERRORS_BEFORE_REBUILD)
+        zmq.ZMQError(zmq.EFSM) for _ in range(RECV_ERRORS_BEFORE_REBUILD)
     ]
     # 63 errors, a frame (resets the count), then 64 errors: one rebuild, not two.
     first: list[list[bytes] | zmq.ZMQError] = [*errors[:-1], frames(4), *errors]
@@ -341,6 +372,15 @@ async def test_64_receive_errors_in_a_row_rebuild_the_socket_and_the_stream_goes
     assert all(s.kind == zmq.SUB and s.closed for s in ctx.sockets)
     assert ctx.sockets[1].options[zmq.SUBSCRIBE] == b"kv"
     assert ctx.sockets[1].connected == ["tcp://127.0.0.1:1"]
+    assert ctx.sockets[1].options[zmq.MAXMSGSIZE] == 8 << 20
+    assert ctx.sockets[1].monitored == zmq.EVENT_DISCONNECTED
+
+
+async def test_a_burst_of_ready_messages_is_drained_in_order_in_one_go() -> None:
+    ctx = FakeContext([frames(seq) for seq in range(10, 200)])
+    items, sub = await run_until(ctx, 190)
+    assert [i.seq for i in items if isinstance(i, LiveBatch)] == list(range(10, 200))
+    assert (sub.stats.frames, sub.stats.gaps, sub.stats.socket_rebuilds) == (190, 0, 0)
 
 
 async def test_a_payload_that_does_not_decode_surfaces_as_a_gap_at_the_next_batch() -> None:
@@ -372,3 +412,24 @@ async def test_end_seq_then_a_new_stream_is_a_reset_and_a_fresh_start_not_a_gap(
     assert items[1] == PublisherReset(RANK)
     assert isinstance(items[2], LiveBatch) and items[2].seq == 3
     assert (sub.stats.resets, sub.stats.gaps, sub.stats.frames) == (1, 0, 3)
+
+
+async def test_a_seq_jump_past_the_bound_is_a_reset_and_counts_no_lost_batch() -> None:
+    ctx = FakeContext([frames(4), frames(2**63 - 1), frames(5)])
+    items, sub = await run_until(ctx, 5)
+    assert [type(i).__name__ for i in items] == [
+        "LiveBatch",
+        "PublisherReset",
+        "LiveBatch",
+        "PublisherReset",  # 5 after 2**63-1 is a regression: the rogue stream ended
+        "LiveBatch",
+    ]
+    assert (sub.stats.seq_jumps, sub.stats.lost_batches, sub.stats.gaps) == (1, 0, 0)
+    assert sub.stats.replay.total() == 0  # no replay asked for 9.2e18 batches
+
+
+async def test_a_jump_of_exactly_the_bound_is_still_a_gap_reported_with_its_range() -> None:
+    ctx = FakeContext([frames(4), frames(5 + MAX_SEQ_JUMP)])
+    items, sub = await run_until(ctx, 3)
+    assert items[1] == UnrepairedGap(RANK, 5, 4 + MAX_SEQ_JUMP)
+    assert (sub.stats.seq_jumps, sub.stats.lost_batches) == (0, MAX_SEQ_JUMP)

@@ -1,0 +1,131 @@
+"""The pump's asyncio shell: items applied at once when it is idle, queued behind anything
+else, long items finished in slices with the loop running between them, backpressure."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cachetree.keys import block_keys
+from cachetree.ranks import RankId
+from cachetree.tiers import DEVICE
+from cachetree.tree import BlockTree
+from router.events import BlockStored, EventBatch
+from router.index import IndexRules, Pump
+from router.subscriber import LiveBatch
+
+pytestmark = pytest.mark.timeout(10)
+
+BS = 4
+R = RankId("http://w:1", 0)
+
+
+def chain(seq: int, first_hash: int, n_blocks: int, start_token: int) -> LiveBatch:
+    hashes = list(range(first_hash, first_hash + n_blocks))
+    tokens = list(range(start_token, start_token + n_blocks * BS))
+    event = BlockStored(hashes, None, tokens, BS, DEVICE, "GPU", None)
+    return LiveBatch(R, seq, EventBatch(0.0, [event], 0))
+
+
+async def started(slice_blocks: int = 4096, queue_size: int = 8) -> Pump:
+    rules = IndexRules(BlockTree(BS), slice_blocks=slice_blocks)
+    rules.add_ranks([R])
+    pump = Pump(rules, queue_size=queue_size)
+    pump.start()
+    await pump.wait_idle()  # the task has run once and parked
+    return pump
+
+
+async def test_an_item_delivered_to_an_idle_pump_is_applied_before_deliver_returns() -> None:
+    pump = await started()
+    try:
+        await pump.deliver(chain(0, 1, 3, 1))
+        # No other await in between: the pump task never ran for it.
+        assert pump.rules.cursors[R] == 0
+        assert pump.rules.tree is not None and pump.rules.tree.block_count(R) == 3
+        assert pump.backlog == 0
+    finally:
+        await pump.stop()
+
+
+async def test_items_queue_behind_a_pending_control_call_and_keep_their_order() -> None:
+    pump = await started()
+    order: list[str] = []
+    try:
+        control = asyncio.create_task(pump.call(lambda rules: order.append("control")))
+        await asyncio.sleep(0)  # the call is queued, the pump woken but not yet run
+        await pump.deliver(chain(0, 1, 1, 1))
+        await pump.deliver(chain(1, 2, 1, 100))
+        assert pump.rules.cursors.get(R) is None  # not applied inline: the pump was busy
+        await control
+        await pump.wait_idle()
+        assert order == ["control"]
+        assert pump.rules.cursors[R] == 1
+        assert pump.rules.stats.batches_applied == 2
+    finally:
+        await pump.stop()
+
+
+async def test_a_long_item_is_finished_in_slices_with_the_loop_running_between_them() -> None:
+    pump = await started(slice_blocks=10)
+    tree = pump.rules.tree
+    assert tree is not None
+    seen: list[int] = []
+
+    async def reader() -> None:  # a /healthz or a routing decision, between slices
+        while tree.block_count(R) < 45:
+            seen.append(tree.block_count(R))
+            await asyncio.sleep(0)
+
+    try:
+        task = asyncio.create_task(reader())
+        await asyncio.sleep(0)
+        await pump.deliver(chain(0, 1, 45, 1))  # begun inline, its first slice applied
+        assert tree.block_count(R) == 10
+        assert pump.backlog == 1
+        await pump.deliver(chain(1, 100, 1, 5000))  # queued behind the long one
+        await pump.wait_idle()
+        await task
+        assert pump.rules.cursors[R] == 1
+        assert {10, 20, 30, 40} <= set(seen)  # the reader ran between the slices
+        keys = block_keys(list(range(1, 1 + 45 * BS)), BS)
+        assert tree.prefix_depths(keys).any_tier == {R: 45}
+    finally:
+        await pump.stop()
+
+
+async def test_a_full_queue_holds_the_deliverer_until_the_pump_makes_room() -> None:
+    rules = IndexRules(BlockTree(BS))
+    rules.add_ranks([R])
+    pump = Pump(rules, queue_size=2)  # not started yet: nothing drains the queue
+    await pump.deliver(chain(0, 1, 1, 1))
+    await pump.deliver(chain(1, 2, 1, 100))
+    third = asyncio.create_task(pump.deliver(chain(2, 3, 1, 200)))
+    await asyncio.sleep(0.01)
+    assert not third.done() and pump.backlog == 2
+    pump.start()
+    try:
+        await asyncio.wait_for(third, 5)
+        await pump.wait_idle()
+        assert rules.cursors[R] == 2
+        assert rules.stats.batches_applied == 3
+    finally:
+        await pump.stop()
+
+
+async def test_an_item_that_fails_inline_is_logged_and_dropped_and_the_pump_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pump = await started()
+    bad = LiveBatch(R, 0, EventBatch(0.0, [object()], 0))  # type: ignore[list-item]
+    try:
+        await pump.deliver(chain(0, 1, 1, 1))
+        pump.rules.tree = None  # any exception from the rules will do
+        await pump.deliver(bad)
+        assert "could not be applied" in caplog.text
+        pump.rules.tree = BlockTree(BS)
+        await pump.deliver(chain(1, 5, 1, 300))
+        assert pump.rules.cursors[R] == 1
+    finally:
+        await pump.stop()
