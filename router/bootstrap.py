@@ -29,6 +29,7 @@ from peer.coordinator import Coordinator, CoordinatorDeps, ObligationBatch
 from peer.fetch import Fetched, SnapshotFetcher
 from peer.probe import PROOF_TIMEOUT_S, TICK_S, ProbeTarget, probe_once
 from peer.registry import PeerRegistry
+from peer.supervise import Supervisor
 from peer.sweep import (
     FOUND,
     RANKS_RESOLVED,
@@ -91,10 +92,10 @@ class PeerBootstrap:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, supervisor: Supervisor) -> None:
         self._tasks = [
-            asyncio.create_task(self.coordinator.run(), name="kv-bootstrap-coordinator"),
-            asyncio.create_task(self._probe_loop(), name="kv-bootstrap-probe"),
+            supervisor.spawn("bootstrap", "kv-bootstrap-coordinator", self.coordinator.run),
+            supervisor.spawn("bootstrap", "kv-bootstrap-probe", self._probe_loop),
         ]
 
     async def close(self) -> None:

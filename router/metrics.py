@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from peer.endpointslices import SliceDiscovery
+    from peer.supervise import Supervisor
     from router.bootstrap import PeerBootstrap
     from router.index import Pump
     from router.loads import LoadMonitor
@@ -78,6 +79,32 @@ class RouterMetrics:
 
     def watch_discovery(self, discovery: SliceDiscovery) -> None:
         self.registry.register(_DiscoveryCollector(discovery))
+
+    def watch_tasks(self, supervisor: Supervisor) -> None:
+        self.registry.register(_TaskCollector(supervisor))
+
+
+class _TaskCollector(Collector):
+    """Background loops (`peer.supervise`): their failures, and those that cannot be kept up."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self._supervisor = supervisor
+
+    def collect(self) -> Iterator[Metric]:
+        yield _counter(
+            "kvrouter_task_failures",
+            "Failures of background loops by kind (each logged with its traceback, then "
+            "retried with backoff)",
+            ["task"],
+            {(kind,): n for kind, n in self._supervisor.failures.items()},
+        )
+        failing = Counter(task.kind for task in self._supervisor.failing())
+        yield _gauge(
+            "kvrouter_tasks_failing",
+            "Background loops failing over and over (a critical one turns /readyz 503)",
+            [((kind,), n) for kind, n in failing.items()],
+            ["task"],
+        )
 
 
 class _StateCollector(Collector):

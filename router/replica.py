@@ -23,15 +23,19 @@ from peer.kubeconfig import kube_api_client, resolve_namespace
 from peer.producer import SnapshotProducer
 from peer.registry import PeerRegistry
 from peer.slices import Extraction, Family, SelfIdentity, listen_family
+from peer.supervise import Supervisor
 from peer.tasks import cancel_and_wait
 from peer.tracker import BootstrapTracker
+from router import socket_budget
 from router.bootstrap import PeerBootstrap
 from router.breaker import CircuitBreaker
 from router.index import IndexRules, Pump
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
+from router.origin import AllowList
 from router.policy import Policy, make_policy
 from router.proxy import InflightTracker, Proxy, upstream_session
+from router.socket_budget import SocketBudget
 from router.tokenize import RequestTokenizer, load_tokenizer
 from router.workers import DiscoveryDefaults, WorkerRegistry
 from router.zmq_term import terminate_context
@@ -78,6 +82,7 @@ class ServeConfig:
     kv_bootstrap_fetch_timeout_cap_ms: int = 300_000
     kv_bootstrap_seed_required: bool = False
     kv_bootstrap_max_body_mb: int = 1024
+    worker_allow_cidr: list[str] = field(default_factory=list)  # for admin-added workers
 
     @property
     def bootstrap_enabled(self) -> bool:
@@ -99,11 +104,14 @@ class Replica:
     inflight: InflightTracker
     sessions: list[aiohttp.ClientSession]
     zmq_context: zmq.asyncio.Context  # the worker subscriptions' sockets; terminated on stop
+    supervisor: Supervisor  # every background loop runs under it (peer.supervise)
+    socket_budget: SocketBudget
     draining: bool = False
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     producer: SnapshotProducer | None = None  # serves /internal/kv_snapshot
     bootstrap: PeerBootstrap | None = None  # peer snapshot bootstrap, when siblings are known
     discovery: SliceDiscovery | None = None  # EndpointSlice watches, when a selector is given
+    worker_allow: AllowList = field(default_factory=AllowList)  # where POST /workers may point
 
 
 async def start_replica(config: ServeConfig) -> Replica:
@@ -142,6 +150,8 @@ async def _compose(
         )
 
     zmq_context = zmq.asyncio.Context()
+    budget = socket_budget.apply(zmq_context)  # before the context's first socket
+    supervisor = Supervisor()
     workers = WorkerRegistry(
         pump,
         control_session,
@@ -156,11 +166,14 @@ async def _compose(
         health_interval_s=config.health_interval_s,
         evict_after_s=config.worker_evict_after_s,
         zmq_context=zmq_context,
+        supervisor=supervisor,
+        max_ranks=budget.max_ranks,
     )
     bootstrap = _bootstrap(config, pump, workers) if config.bootstrap_enabled else None
     workers.bootstrap = bootstrap
     metrics = RouterMetrics()
     metrics.watch(pump, workers, loads, bootstrap)
+    metrics.watch_tasks(supervisor)
     inflight = InflightTracker()
     proxy = Proxy(
         proxy_session,
@@ -173,7 +186,9 @@ async def _compose(
     settled = bootstrap.tracker.settled if bootstrap is not None else (lambda: True)
     # Last of the fallible steps: nothing has started yet if it cannot reach the API server.
     discovery = (
-        await _discovery(config) if config.kv_peer_selector or config.worker_selector else None
+        await _discovery(config, supervisor)
+        if config.kv_peer_selector or config.worker_selector
+        else None
     )
     replica = Replica(
         config,
@@ -187,17 +202,20 @@ async def _compose(
         inflight,
         [control_session, proxy_session],
         zmq_context,
+        supervisor,
+        budget,
         producer=SnapshotProducer(pump.rules, settled=settled),
         bootstrap=bootstrap,
         discovery=discovery,
+        worker_allow=AllowList.parse(config.worker_allow_cidr),
     )
     workers.start()
     if bootstrap is not None:
-        bootstrap.start()
+        bootstrap.start(supervisor)
     if discovery is not None:
         _watch(config, discovery, workers, bootstrap)
         metrics.watch_discovery(discovery)
-    replica.tasks.append(asyncio.create_task(loads.run(), name="kvrouter-loads"))
+    replica.tasks.append(supervisor.spawn("loads", "kvrouter-loads", loads.run))
     for url in config.workers:
         await workers.add(url)
     return replica
@@ -227,13 +245,14 @@ def _bootstrap(config: ServeConfig, pump: Pump, workers: WorkerRegistry) -> Peer
     return PeerBootstrap(pump, tracker, registry, fetcher, block_size=lambda: workers.block_size)
 
 
-async def _discovery(config: ServeConfig) -> SliceDiscovery:
+async def _discovery(config: ServeConfig, supervisor: Supervisor) -> SliceDiscovery:
     # Imported here: kubernetes-asyncio takes seconds to import (see peer.kubeconfig).
     from peer.endpointslices import SliceDiscovery
 
     namespace, source = resolve_namespace(config.namespace, os.environ)
     log.info("EndpointSlice namespace %r (from %s; empty: all)", namespace, source)
-    return SliceDiscovery(await kube_api_client(config.kube_api_server, os.environ), namespace)
+    client = await kube_api_client(config.kube_api_server, os.environ)
+    return SliceDiscovery(client, namespace, supervisor=supervisor)
 
 
 def _watch(

@@ -33,7 +33,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -44,11 +44,13 @@ import zmq.asyncio
 
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
+from peer.supervise import Supervisor
 from peer.tasks import cancel_and_wait
 from router.breaker import CircuitBreaker
 from router.graft import LocalGraft
 from router.index import Pump
 from router.loads import LoadMonitor
+from router.origin import canonical_origin, origin_problem
 from router.subscriber import RankEndpoint, RankSubscriber, SubscriberStats
 from router.worker_snapshot import WorkerSnapshot, WorkerSnapshotError, decode_worker_snapshot
 
@@ -111,17 +113,8 @@ def parse_server_info(body: Any, worker_url: str, defaults: DiscoveryDefaults) -
 
 
 def worker_url_problem(url: str) -> str | None:
-    """Why `url` cannot be a worker's base URL, or None when it can."""
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError for a port out of range
-    except ValueError as exc:
-        return str(exc)
-    if parts.scheme not in ("http", "https"):
-        return "the scheme must be http or https"
-    if not parts.hostname:
-        return "no host"
-    return None
+    """Why `url` cannot be a worker's base URL (an origin, `router.origin`), or None."""
+    return origin_problem(url)
 
 
 def _int(value: object, default: int) -> int:
@@ -182,6 +175,8 @@ class WorkerRegistry:
         request_timeout_s: float = 2.0,
         replay_timeout_s: float = 2.0,
         zmq_context: zmq.asyncio.Context | None = None,
+        supervisor: Supervisor | None = None,
+        max_ranks: int | None = None,
     ) -> None:
         self.pump = pump
         self.session = session
@@ -196,6 +191,9 @@ class WorkerRegistry:
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self._replay_timeout_s = replay_timeout_s
         self._zmq = zmq_context or zmq.asyncio.Context.instance()
+        self.supervisor = supervisor or Supervisor()
+        self.max_ranks = max_ranks  # the socket budget (router.socket_budget); None: unbounded
+        self.subscribed_ranks = 0  # ranks with subscribers now
         self._workers: dict[str, Worker] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._pulls: dict[str, asyncio.Task[None]] = {}
@@ -225,7 +223,7 @@ class WorkerRegistry:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._health_task = asyncio.create_task(self._health_loop(), name="kvrouter-health")
+        self._health_task = self.supervisor.spawn("health", "kvrouter-health", self._health_loop)
 
     async def close(self) -> None:
         self._closing = True
@@ -270,7 +268,9 @@ class WorkerRegistry:
         # Leave the live set and the tree first, so nothing a subscriber still delivers
         # can bring the ranks back.
         await self.pump.call(lambda rules: rules.forget_ranks(ranks))
-        await cancel_and_wait(worker.tasks)
+        if worker.tasks:
+            self.subscribed_ranks -= len(ranks)
+        await cancel_and_wait(worker.tasks)  # supervised: they end only by cancellation
         pull = self._pulls.pop(url, None)
         if pull is not None:
             pull.cancel()
@@ -295,7 +295,9 @@ class WorkerRegistry:
                 worker.draining = draining
         self._reconcile_wake.set()
         if self._reconciler is None:
-            self._reconciler = asyncio.create_task(self._reconcile(), name="kvrouter-discovered")
+            self._reconciler = self.supervisor.spawn(
+                "discovery", "kvrouter-discovered", self._reconcile
+            )
 
     async def _reconcile(self) -> None:
         while True:
@@ -352,10 +354,20 @@ class WorkerRegistry:
                 "no block size known: pass --block-size (vLLM does not advertise one)",
             )
             return
+        ranks = worker.ranks()
+        if self.max_ranks is not None and self.subscribed_ranks + len(ranks) > self.max_ranks:
+            self._refuse(
+                worker,
+                "socket_limit",
+                f"its {len(ranks)} rank(s) would take this replica past the {self.max_ranks} "
+                f"rank subscriptions its open-file and ZMQ socket limits allow "
+                f"({self.subscribed_ranks} in use); raise the container's RLIMIT_NOFILE "
+                "(ulimit -n) or split the fleet across router deployments",
+            )
+            return
         rules = self.pump.rules
         if rules.tree is None:
             rules.tree = BlockTree(self.block_size)
-        ranks = worker.ranks()
         obligations = self.bootstrap.register_ranks(ranks) if self.bootstrap else []
         await self.pump.call(lambda r: r.add_ranks(ranks))
         for rank in ranks:
@@ -371,14 +383,15 @@ class WorkerRegistry:
                     else None
                 ),
             )
-            sub = RankSubscriber(
-                endpoint,
-                self.pump.deliver,
-                context=self._zmq,
-                replay_timeout_s=self._replay_timeout_s,
-                stats=stats,
+            worker.tasks.append(
+                self.supervisor.spawn(
+                    "subscriber",
+                    subscriber_name(rank),
+                    self._subscriber(endpoint, stats),
+                    critical=False,
+                )
             )
-            worker.tasks.append(asyncio.create_task(sub.run(), name=f"kv-sub {rank}"))
+        self.subscribed_ranks += len(ranks)
         holding_since = time.monotonic()  # after the subscribers started holding
         worker.state = "ready"
         worker.healthy = await self._check_health(worker)
@@ -402,6 +415,23 @@ class WorkerRegistry:
         else:
             self._kick_snapshot_pull(worker.url)
 
+    def _subscriber(
+        self, endpoint: RankEndpoint, stats: SubscriberStats
+    ) -> Callable[[], Awaitable[None]]:
+        """A factory of runs: each restart is a new subscriber (a fresh stream), as
+        `RankSubscriber.run` asks; the stats carry over."""
+
+        def run() -> Awaitable[None]:
+            return RankSubscriber(
+                endpoint,
+                self.pump.deliver,
+                context=self._zmq,
+                replay_timeout_s=self._replay_timeout_s,
+                stats=stats,
+            ).run()
+
+        return run
+
     def _refuse(self, worker: Worker, reason: str, message: str) -> None:
         worker.state = "refused"
         worker.reason = message
@@ -415,16 +445,19 @@ class WorkerRegistry:
     ) -> None:
         """A worker that serves its own snapshot is the source for its ranks; else siblings."""
         assert self.bootstrap is not None
-        outcome, snap = await self._fetch_worker_snapshot(worker)
-        self.stats.snapshot_pulls[outcome] += 1
         rest: list[Obligation] = obligations
-        if snap is not None and self.block_size is not None:
-            try:
-                graft = LocalGraft.from_worker_snapshot(worker.url, snap, self.block_size)
-            except WorkerSnapshotError as exc:
-                log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)
-            else:
-                rest = await self.bootstrap.graft_from_worker(obligations, graft)
+        try:
+            outcome, snap = await self._fetch_worker_snapshot(worker)
+            self.stats.snapshot_pulls[outcome] += 1
+            if snap is not None and self.block_size is not None:
+                try:
+                    graft = LocalGraft.from_worker_snapshot(worker.url, snap, self.block_size)
+                except WorkerSnapshotError as exc:
+                    log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)
+                else:
+                    rest = await self.bootstrap.graft_from_worker(obligations, graft)
+        except Exception as exc:  # the siblings are still asked: nothing is left Pending
+            self.supervisor.failed("bootstrap", f"worker snapshot graft of {worker.url}", exc)
         self.bootstrap.sweep_for(rest, holding_since)
 
     def _on_rank_loss(self, rank: RankId) -> None:
@@ -445,7 +478,11 @@ class WorkerRegistry:
             worker = self._workers.get(url)
             if worker is None or worker.snapshot_served is False:
                 return
-            outcome = await self._pull_once(worker)
+            try:
+                outcome = await self._pull_once(worker)
+            except Exception as exc:
+                self.supervisor.failed("snapshot_pull", f"snapshot pull of {url}", exc)
+                outcome = "error"
             self.stats.snapshot_pulls[outcome] += 1
             if url not in self._repull:
                 return
@@ -498,23 +535,28 @@ class WorkerRegistry:
         results = await asyncio.gather(*(self._check_health(w) for w in workers))
         now = self._clock()
         for worker, healthy in zip(workers, results, strict=True):
-            if worker.state == "down":
-                if healthy and self._workers.get(worker.url) is worker:
-                    log.info("worker %s answers /health again: registering it anew", worker.url)
-                    await self.add(worker.url)
-                continue
-            if worker.healthy != healthy:
-                log.warning(
-                    "worker %s is now %s", worker.url, "healthy" if healthy else "unhealthy"
-                )
-            worker.healthy = healthy
-            if healthy:
-                worker.unhealthy_since = None
-                continue
-            if worker.unhealthy_since is None:
-                worker.unhealthy_since = now
-            if evict_due(worker.unhealthy_since, now, self._evict_after_s):
-                await self._evict(worker)
+            try:
+                await self._health_verdict(worker, healthy, now)
+            except Exception as exc:  # one worker's eviction or re-registration must not
+                # stop the others' checks, nor the loop (issue 13, row 1)
+                self.supervisor.failed("health", f"health verdict for {worker.url}", exc)
+
+    async def _health_verdict(self, worker: Worker, healthy: bool, now: float) -> None:
+        if worker.state == "down":
+            if healthy and self._workers.get(worker.url) is worker:
+                log.info("worker %s answers /health again: registering it anew", worker.url)
+                await self.add(worker.url)
+            return
+        if worker.healthy != healthy:
+            log.warning("worker %s is now %s", worker.url, "healthy" if healthy else "unhealthy")
+        worker.healthy = healthy
+        if healthy:
+            worker.unhealthy_since = None
+            return
+        if worker.unhealthy_since is None:
+            worker.unhealthy_since = now
+        if evict_due(worker.unhealthy_since, now, self._evict_after_s):
+            await self._evict(worker)
 
     async def _evict(self, worker: Worker) -> None:
         # Its cache is most likely gone (a crashed or rescheduled engine): keeping its ranks
@@ -552,6 +594,11 @@ class WorkerRegistry:
                 raise ValueError(f"not JSON: {exc}") from None
 
 
+def subscriber_name(rank: RankId) -> str:
+    """The supervised task name of a rank's subscriber (`Supervisor.state` looks it up)."""
+    return f"kv-sub {rank.worker_url}#dp{rank.dp_rank}"
+
+
 def evict_due(unhealthy_since: float | None, now: float, evict_after_s: float) -> bool:
     """Whether a worker failing /health since `unhealthy_since` leaves the index; 0 = never."""
     if evict_after_s <= 0 or unhealthy_since is None:
@@ -564,4 +611,4 @@ class _Absent(Exception):
 
 
 def _normalize(url: str) -> str:
-    return url.rstrip("/")
+    return canonical_origin(url)

@@ -31,7 +31,7 @@ from peer.wire import (
 from router.tokenize import BytesTokenizer
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.ports import free_tcp_port
-from tests.support.router import router_in_process
+from tests.support.router import TEST_TOKEN, router_in_process
 
 TOK = BytesTokenizer()
 MiB = 1 << 20
@@ -139,7 +139,7 @@ async def test_the_client_fetches_a_replicas_export_and_cursor_table() -> None:
     async with (
         fake_worker_in_process(dp_size=2) as fw,
         router_in_process(workers=[fw.url]) as rt,
-        SnapshotFetcher(clock=lambda: 42.0) as fetcher,
+        SnapshotFetcher(clock=lambda: 42.0, token=TEST_TOKEN) as fetcher,
     ):
         await rt.gate(fw, 0)
         await rt.gate(fw, 1)
