@@ -123,6 +123,7 @@ class Cluster:
         env: Mapping[str, str] | None = None,
         fleet_flags: bool = True,
         wait_listening: bool = True,
+        under: Sequence[str] = (),
     ) -> RouterProcess:
         """`kvrouter serve --host 127.0.0.1 --port PORT` with the fleet's flags, then `flags`.
 
@@ -131,6 +132,7 @@ class Cluster:
         (to "" for a replica without a token); the client sends the same.
         `fleet_flags=False` leaves out `FLEET_FLAGS` (a test of the command line itself).
         With `wait_listening` it returns once the ready line is printed; otherwise at once.
+        `under` is a command to run it under (`prlimit --nofile=128:128`).
         """
         port = free_tcp_port() if port is None else port
         if not port and not wait_listening:
@@ -144,7 +146,8 @@ class Cluster:
             argv += ["--peer", p if isinstance(p, str) else p.url]
         argv += flags
         env = {TOKEN_ENV: TEST_TOKEN, **(env or {})}
-        child = await self.processes.spawn(f"router-{name}", kvrouter_argv(*argv), env=env)
+        argv = [*under, *kvrouter_argv(*argv)]
+        child = await self.processes.spawn(f"router-{name}", argv, env=env)
         url = f"http://127.0.0.1:{port}"
         if wait_listening:
             url = await child.wait_line(ROUTER_READY, START_WITHIN_S)
