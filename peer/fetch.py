@@ -21,6 +21,8 @@ What it guarantees:
 - Bounded memory: the body as received and its inflated size are each capped at
   `max_body_bytes`, counted while streaming; a `Content-Length` over the cap is refused
   before a byte is read, and a gzip bomb is never inflated more than a byte past the cap.
+  Such a body, and one that does not decode, is `Refused`: unlike a transport failure
+  (`Unreachable`), asking again would only bring it again.
 - gzip is undone only when `Content-Encoding` is exactly `gzip` (any case); anything else
   is parsed as identity, so a mislabelled body fails to decode rather than being guessed at.
 - The loop keeps running, mostly: inflating goes in steps of 1 MiB of output with a yield
@@ -89,15 +91,25 @@ class Fetched:
 
 @dataclass(frozen=True, slots=True)
 class Unreachable:
-    """No usable body: a transport error, a timeout, a non-2xx answer (`status`), an
-    oversized or malformed body."""
+    """No body this time: a transport error, a timeout, a non-2xx answer (`status`).
+    `connection_refused`: nothing listens at the peer's address (no sibling runs there)."""
 
     peer: str
     reason: str
     status: int | None = None
+    connection_refused: bool = False
 
 
-FetchResult = Fetched | Unreachable
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A body that was refused as it was read or decoded: over the bound, a gzip bomb, not
+    gzip, not a snapshot. Asking again would bring the same: the sweep rejects the peer."""
+
+    peer: str
+    reason: str
+
+
+FetchResult = Fetched | Unreachable | Refused
 
 
 def snapshot_url(peer_url: str, max_age_ms: int | None) -> str:
@@ -189,12 +201,13 @@ class SnapshotFetcher:
             if isinstance(exc, aiohttp.ClientError):  # aiohttp's connect or stall timeout
                 return Unreachable(peer, f"timed out: {exc}")
             return Unreachable(peer, f"no answer within the {budget:g} s budget")
+        except aiohttp.ClientConnectorError as exc:
+            refused = isinstance(exc.os_error, ConnectionRefusedError)
+            return Unreachable(peer, f"transport: {type(exc).__name__}: {exc}", None, refused)
         except (aiohttp.ClientError, OSError) as exc:
             return Unreachable(peer, f"transport: {type(exc).__name__}: {exc}")
-        except BodyError as exc:
-            return Unreachable(peer, str(exc))
-        except WireDecodeError as exc:
-            return Unreachable(peer, str(exc))
+        except (BodyError, WireDecodeError) as exc:
+            return Refused(peer, str(exc))
 
     async def _get(self, peer: str, url: str, budget: float) -> FetchResult:
         timeout = aiohttp.ClientTimeout(

@@ -26,13 +26,16 @@ from typing import Any
 
 from cachetree.ranks import RankId
 from peer.coordinator import Coordinator, CoordinatorDeps, ObligationBatch
-from peer.fetch import Fetched, SnapshotFetcher
+from peer.fetch import Fetched, Refused, SnapshotFetcher
 from peer.probe import PROOF_TIMEOUT_S, TICK_S, ProbeTarget, probe_once
 from peer.registry import PeerRegistry
 from peer.supervise import Supervisor
 from peer.sweep import (
+    BODY_REFUSED,
+    CONNECTION_REFUSED,
     FOUND,
     RANKS_RESOLVED,
+    UNREACHABLE,
     FetchOutcome,
     SweepDeps,
     SweepResult,
@@ -214,7 +217,11 @@ class PeerBootstrap:
         result = await self.fetcher.fetch_snapshot(peer, int(max_age_s * 1000))
         if isinstance(result, Fetched):
             return FetchOutcome(result.snapshot, result.arrived_at)
-        return FetchOutcome(None, self._clock(), result.reason)
+        if isinstance(result, Refused):
+            kind = BODY_REFUSED
+        else:
+            kind = CONNECTION_REFUSED if result.connection_refused else UNREACHABLE
+        return FetchOutcome(None, self._clock(), result.reason, kind)
 
     async def _vet(self, body: Any) -> VettedSnapshot:
         live = set(self.pump.rules.live)

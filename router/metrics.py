@@ -206,6 +206,18 @@ class _StateCollector(Collector):
             "kvrouter_breaker_trips", "Times a breaker opened", ["worker"], breaker_trips
         )
         registry_stats = self._workers.stats
+        yield _gauge(
+            "kvrouter_rank_subscriptions",
+            "Worker ranks subscribed to, and how many the socket budget allows (open files, "
+            "ZMQ sockets); a worker past it is refused with reason socket_limit",
+            [(("in_use",), self._workers.subscribed_ranks)]
+            + (
+                [(("budget",), self._workers.max_ranks)]
+                if self._workers.max_ranks is not None
+                else []
+            ),
+            ["kind"],
+        )
         yield _counter(
             "kvrouter_workers_refused",
             "Workers refused at registration, by reason",

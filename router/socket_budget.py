@@ -76,5 +76,6 @@ def apply(context: zmq.Context) -> SocketBudget:
             log.warning("cannot raise the open-file limit from %d to %d: %s", soft, nofile, exc)
             _, budget = plan(soft, soft, context.get(zmq.SOCKET_LIMIT))
     context.set(zmq.MAX_SOCKETS, budget.max_sockets)
-    log.info("socket budget: %s", budget.describe())
+    # Debug: this runs before the listen, whose failure must stay the only line on stderr.
+    log.debug("socket budget: %s", budget.describe())
     return budget
