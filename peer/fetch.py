@@ -19,8 +19,9 @@ What it guarantees:
 - Bounded time: connect 10 s, a stall between two body chunks 60 s, and the whole fetch,
   decoding included, within the per-fetch budget.
 - Bounded memory: the body as received and its inflated size are each capped at
-  `max_body_bytes`, counted while streaming; a `Content-Length` over the cap is refused
-  before a byte is read, and a gzip bomb is never inflated more than a byte past the cap.
+  `max_body_bytes` (half that for format 1, `body_bound`), counted while streaming; a
+  `Content-Length` over the cap is refused before a byte is read, and a gzip bomb is never
+  inflated more than a byte past the cap.
   Such a body, and one that does not decode, is `Refused`: unlike a transport failure
   (`Unreachable`), asking again would only bring it again.
 - gzip is undone only when `Content-Encoding` is exactly `gzip` (any case); anything else
@@ -66,7 +67,8 @@ from peer.wire import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES: Final = 1024 * 1024 * 1024  # --kv-bootstrap-max-body-mb default
+DEFAULT_MAX_BODY_BYTES: Final = 24 * 1024 * 1024  # --kv-bootstrap-max-body-mb default
+FORMAT1_SHARE: Final = 0.5  # of the bound, for a JSON or msgpack body (`body_bound`)
 DEFAULT_PER_FETCH_S: Final = 30.0
 CONNECT_TIMEOUT_S: Final = 10.0
 STALL_TIMEOUT_S: Final = 60.0
@@ -122,6 +124,19 @@ def snapshot_url(peer_url: str, max_age_ms: int | None) -> str:
 
 def cursors_url(peer_url: str) -> str:
     return peer_url.rstrip("/") + SNAPSHOT_PATH + "?cursors_only=true"
+
+
+def body_bound(max_body_bytes: int, content_type: str) -> int:
+    """The bound on a body of this type, as received and as inflated.
+
+    Decoded and vetted, a columnar body takes about 6 times its size at its peak, a format-1
+    body (JSON, msgpack) 9 to 18 times: its nodes become Python objects. So format 1 gets
+    `FORMAT1_SHARE` of the bound, which keeps the worst case near the columnar one's
+    (README, "Memory").
+    """
+    if media_type(content_type) == COLUMNS:
+        return max_body_bytes
+    return max(1, int(max_body_bytes * FORMAT1_SHARE))
 
 
 class BodyError(Exception):
@@ -242,7 +257,7 @@ class SnapshotFetcher:
         return Fetched(peer, snapshot, arrived_at, received)
 
     async def _read_body(self, resp: aiohttp.ClientResponse) -> tuple[bytearray, int]:
-        limit = self.max_body_bytes
+        limit = body_bound(self.max_body_bytes, resp.headers.get("Content-Type", JSON))
         if resp.content_length is not None and resp.content_length > limit:
             raise BodyError(f"body of {resp.content_length} bytes exceeds the {limit}-byte bound")
         encoding = resp.headers.get("Content-Encoding", "").strip().lower()

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cachetree.ranks import RankId
+from peer.capacity import CapacityBlocks, unknown_capacity
 from peer.coordinator import Coordinator, CoordinatorDeps, ObligationBatch
 from peer.fetch import Fetched, Refused, SnapshotFetcher
 from peer.probe import PROOF_TIMEOUT_S, TICK_S, ProbeTarget, probe_once
@@ -64,6 +65,7 @@ class PeerBootstrap:
         *,
         block_size: Callable[[], int | None],
         clock: Callable[[], float] = time.monotonic,
+        capacity_blocks: CapacityBlocks = unknown_capacity,
     ) -> None:
         self.pump = pump
         self.tracker = tracker
@@ -71,6 +73,7 @@ class PeerBootstrap:
         self.fetcher = fetcher
         self._block_size = block_size
         self._clock = clock
+        self._capacity_blocks = capacity_blocks
         self.snapshot_outcomes: Counter[str] = Counter()  # per peer fetch
         self.sources: Counter[str] = Counter()  # grafts by source: peer / worker
         self.started_at = clock()
@@ -226,7 +229,7 @@ class PeerBootstrap:
     async def _vet(self, body: Any) -> VettedSnapshot:
         live = set(self.pump.rules.live)
         try:
-            job = Vetting(body, live, self._block_size())
+            job = Vetting(body, live, self._block_size(), self._capacity_blocks)
             await run_in_slices(job.step, VET_CHUNK)
         except VetError as exc:
             raise VetFailure(exc.outcome, exc.reason) from None

@@ -221,7 +221,16 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add("kv-bootstrap-fetch-timeout-cap-ms", int, 300_000, "cap on one sibling fetch")
     f.add("kv-bootstrap-seed-required", _flag_bool, False, "hold /readyz after a timed-out sweep")
     f.add(
-        "kv-bootstrap-max-body-mb", int, 1024, "largest sibling snapshot accepted (also inflated)"
+        "kv-bootstrap-max-body-mb",
+        int,
+        24,
+        "largest columnar sibling snapshot accepted, also inflated (JSON or msgpack: half)",
+    )
+    f.add(
+        "worker-snapshot-max-body-mb",
+        int,
+        32,
+        "largest worker /v1/kv-snapshot body accepted (read as it streams)",
     )
     f.add("drain-timeout-s", float, 30.0, "after SIGTERM, how long in-flight requests may run")
     f.add("log-level", str.lower, "info", "how much to log", choices=LOG_LEVELS)
@@ -261,6 +270,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             "--kv-bootstrap-fetch-timeout-cap-ms must be >= 1000",
         ),
         (args.kv_bootstrap_max_body_mb >= 1, "--kv-bootstrap-max-body-mb must be >= 1"),
+        (args.worker_snapshot_max_body_mb >= 1, "--worker-snapshot-max-body-mb must be >= 1"),
         (0 <= args.worker_port <= 65535, "--worker-port must be 0 (the first listed) or 1..65535"),
         (
             not (args.peer and args.kv_peer_selector),

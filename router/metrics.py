@@ -231,6 +231,13 @@ class _StateCollector(Collector):
             {(): registry_stats.evictions},
         )
         yield _counter(
+            "kvrouter_ranks_distrusted",
+            "Ranks cleared because the index held more device blocks than the engine reports "
+            "it can (made-up or lost removals); re-learned from the worker",
+            [],
+            {(): registry_stats.distrusted},
+        )
+        yield _counter(
             "kvrouter_worker_snapshot_pulls",
             "Pulls of workers' /v1/kv-snapshot by outcome",
             ["outcome"],

@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING
 import aiohttp
 import zmq.asyncio
 
+from cachetree.ranks import RankId
+from cachetree.tiers import DEVICE
+from peer.capacity import CapacityBlocks, overfull_ranks, unknown_capacity
 from peer.fetch import SnapshotFetcher
 from peer.kubeconfig import kube_api_client, resolve_namespace
 from peer.producer import SnapshotProducer
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+CAPACITY_CHECK_S = 10.0  # how often the index's per-rank counts meet the engines' capacity
 _ZMQ_TERM_WITHIN_S = 2.0  # the subscribers close with linger 0: term has nothing to wait for
 
 
@@ -81,7 +85,8 @@ class ServeConfig:
     kv_bootstrap_timeout_ms: int = 120_000
     kv_bootstrap_fetch_timeout_cap_ms: int = 300_000
     kv_bootstrap_seed_required: bool = False
-    kv_bootstrap_max_body_mb: int = 1024
+    kv_bootstrap_max_body_mb: int = 24  # README "Memory": derived from the manifest's limit
+    worker_snapshot_max_body_mb: int = 32
     worker_allow_cidr: list[str] = field(default_factory=list)  # for admin-added workers
 
     @property
@@ -168,8 +173,12 @@ async def _compose(
         zmq_context=zmq_context,
         supervisor=supervisor,
         max_ranks=budget.max_ranks,
+        snapshot_max_body_bytes=config.worker_snapshot_max_body_mb * 1024 * 1024,
     )
-    bootstrap = _bootstrap(config, pump, workers) if config.bootstrap_enabled else None
+    capacity_blocks = engine_capacity_blocks(loads)
+    bootstrap = (
+        _bootstrap(config, pump, workers, capacity_blocks) if config.bootstrap_enabled else None
+    )
     workers.bootstrap = bootstrap
     metrics = RouterMetrics()
     metrics.watch(pump, workers, loads, bootstrap)
@@ -216,12 +225,69 @@ async def _compose(
         _watch(config, discovery, workers, bootstrap)
         metrics.watch_discovery(discovery)
     replica.tasks.append(supervisor.spawn("loads", "kvrouter-loads", loads.run))
+    replica.tasks.append(
+        supervisor.spawn(
+            "capacity",
+            "kvrouter-capacity",
+            lambda: _capacity_loop(pump, workers, capacity_blocks, bootstrap),
+        )
+    )
     for url in config.workers:
         await workers.add(url)
     return replica
 
 
-def _bootstrap(config: ServeConfig, pump: Pump, workers: WorkerRegistry) -> PeerBootstrap:
+def engine_capacity_blocks(loads: LoadMonitor) -> CapacityBlocks:
+    """Each rank's device KV capacity in blocks, as its engine reports it; None while unknown.
+
+    The engines' capacity (SGLang `max_total_num_tokens` / page size, vLLM
+    `cache_config_info` `num_gpu_blocks`) is being added to `router.loads` by the routing
+    slice; the lead connects it here at merge. Until then every capacity is unknown, and the
+    checks that take this rule (sibling snapshots in `peer.vet`, the live index in
+    `check_capacity_once`) check nothing.
+    """
+    return unknown_capacity
+
+
+async def check_capacity_once(
+    pump: Pump,
+    workers: WorkerRegistry,
+    capacity_blocks: CapacityBlocks,
+    bootstrap: PeerBootstrap | None = None,
+) -> list[tuple[RankId, int, int]]:
+    """Clear and re-pull every ready rank whose index holds more device blocks than its
+    engine can (`peer.capacity`); ranks still bootstrapping are the graft's business."""
+    tree = pump.rules.tree
+    if tree is None:
+        return []
+    ranks = [
+        rank
+        for worker in workers.workers()
+        if worker.state == "ready"
+        for rank in worker.ranks()
+        if bootstrap is None or not bootstrap.tracker.is_pending(rank)
+    ]
+    over = overfull_ranks(ranks, lambda rank: tree.block_count(rank, DEVICE), capacity_blocks)
+    for rank, blocks, capacity in over:
+        why = f"{blocks} device blocks indexed, its engine reports room for {capacity}"
+        await workers.distrust(rank, why)
+    return over
+
+
+async def _capacity_loop(
+    pump: Pump,
+    workers: WorkerRegistry,
+    capacity_blocks: CapacityBlocks,
+    bootstrap: PeerBootstrap | None,
+) -> None:
+    while True:
+        await asyncio.sleep(CAPACITY_CHECK_S)
+        await check_capacity_once(pump, workers, capacity_blocks, bootstrap)
+
+
+def _bootstrap(
+    config: ServeConfig, pump: Pump, workers: WorkerRegistry, capacity_blocks: CapacityBlocks
+) -> PeerBootstrap:
     tracker = BootstrapTracker(
         config.kv_bootstrap_timeout_ms / 1000,
         config.kv_bootstrap_fetch_timeout_cap_ms / 1000,
@@ -242,7 +308,14 @@ def _bootstrap(config: ServeConfig, pump: Pump, workers: WorkerRegistry) -> Peer
         tracker.timeout_s,
         tracker.fetch_timeout_s,
     )
-    return PeerBootstrap(pump, tracker, registry, fetcher, block_size=lambda: workers.block_size)
+    return PeerBootstrap(
+        pump,
+        tracker,
+        registry,
+        fetcher,
+        block_size=lambda: workers.block_size,
+        capacity_blocks=capacity_blocks,
+    )
 
 
 async def _discovery(config: ServeConfig, supervisor: Supervisor) -> SliceDiscovery:

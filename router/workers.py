@@ -52,7 +52,13 @@ from router.index import Pump
 from router.loads import LoadMonitor
 from router.origin import canonical_origin, origin_problem
 from router.subscriber import RankEndpoint, RankSubscriber, SubscriberStats
-from router.worker_snapshot import WorkerSnapshot, WorkerSnapshotError, decode_worker_snapshot
+from router.worker_snapshot import (
+    DEFAULT_MAX_BODY_BYTES,
+    WorkerSnapshot,
+    WorkerSnapshotError,
+    decode_worker_snapshot,
+    read_body,
+)
 
 if TYPE_CHECKING:
     from peer.tracker import Obligation
@@ -156,6 +162,7 @@ class RegistryStats:
     refused: Counter[str] = field(default_factory=Counter)  # reason
     evictions: int = 0  # ready workers whose ranks left the index after failing /health
     snapshot_pulls: Counter[str] = field(default_factory=Counter)  # outcome
+    distrusted: int = 0  # ranks cleared because they carried more than their engine can hold
     health_checks_failed: int = 0
 
 
@@ -177,6 +184,7 @@ class WorkerRegistry:
         zmq_context: zmq.asyncio.Context | None = None,
         supervisor: Supervisor | None = None,
         max_ranks: int | None = None,
+        snapshot_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.pump = pump
         self.session = session
@@ -194,6 +202,9 @@ class WorkerRegistry:
         self.supervisor = supervisor or Supervisor()
         self.max_ranks = max_ranks  # the socket budget (router.socket_budget); None: unbounded
         self.subscribed_ranks = 0  # ranks with subscribers now
+        self.snapshot_max_body_bytes = snapshot_max_body_bytes
+        # One worker snapshot in memory at a time: each may take its bound several times over.
+        self._snapshot_slot = asyncio.Semaphore(1)
         self._workers: dict[str, Worker] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._pulls: dict[str, asyncio.Task[None]] = {}
@@ -447,18 +458,28 @@ class WorkerRegistry:
         assert self.bootstrap is not None
         rest: list[Obligation] = obligations
         try:
-            outcome, snap = await self._fetch_worker_snapshot(worker)
-            self.stats.snapshot_pulls[outcome] += 1
-            if snap is not None and self.block_size is not None:
-                try:
-                    graft = LocalGraft.from_worker_snapshot(worker.url, snap, self.block_size)
-                except WorkerSnapshotError as exc:
-                    log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)
-                else:
-                    rest = await self.bootstrap.graft_from_worker(obligations, graft)
+            async with self._snapshot_slot:
+                outcome, snap = await self._fetch_worker_snapshot(worker)
+                self.stats.snapshot_pulls[outcome] += 1
+                if snap is not None and self.block_size is not None:
+                    try:
+                        graft = LocalGraft.from_worker_snapshot(worker.url, snap, self.block_size)
+                    except WorkerSnapshotError as exc:
+                        log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)
+                    else:
+                        del snap  # the graft holds what it needs
+                        rest = await self.bootstrap.graft_from_worker(obligations, graft)
         except Exception as exc:  # the siblings are still asked: nothing is left Pending
             self.supervisor.failed("bootstrap", f"worker snapshot graft of {worker.url}", exc)
         self.bootstrap.sweep_for(rest, holding_since)
+
+    async def distrust(self, rank: RankId, why: str) -> None:
+        """Clear a rank whose index cannot be true, and pull the worker's snapshot again
+        when it serves one; otherwise the rank is re-learned from its live events."""
+        self.stats.distrusted += 1
+        log.warning("%s: %s; its index is cleared and re-learned", rank, why)
+        await self.pump.call(lambda rules: rules.clear_rank_state(rank))
+        self._on_rank_loss(rank)
 
     def _on_rank_loss(self, rank: RankId) -> None:
         worker = self._workers.get(rank.worker_url)
@@ -488,6 +509,10 @@ class WorkerRegistry:
                 return
 
     async def _pull_once(self, worker: Worker) -> str:
+        async with self._snapshot_slot:
+            return await self._pull_and_apply(worker)
+
+    async def _pull_and_apply(self, worker: Worker) -> str:
         outcome, snap = await self._fetch_worker_snapshot(worker)
         if snap is None:
             return outcome
@@ -511,13 +536,20 @@ class WorkerRegistry:
                     return "not_served", None
                 if resp.status != 200:
                     return "error", None
-                body = await resp.read()
+                worker.snapshot_served = True
+                try:
+                    body = await read_body(resp, self.snapshot_max_body_bytes)
+                except WorkerSnapshotError:
+                    resp.close()  # drop the connection rather than drain the rest
+                    raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("worker %s: /v1/kv-snapshot failed: %s", worker.url, exc)
             return "error", None
-        worker.snapshot_served = True
+        except WorkerSnapshotError as exc:
+            log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)
+            return "rejected", None
         try:
-            return "fetched", decode_worker_snapshot(body)
+            return "fetched", decode_worker_snapshot(body, self.snapshot_max_body_bytes)
         except WorkerSnapshotError as exc:
             log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)
             return "rejected", None
