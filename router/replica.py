@@ -294,7 +294,9 @@ def _bootstrap(
         seed_required=config.kv_bootstrap_seed_required,
     )
     if config.peer:
-        registry = PeerRegistry.static(config.peer, config.self_url)
+        # A seeded replica asks its siblings in a reproducible order (tests, benches).
+        rng = random.Random(config.seed) if config.seed is not None else None
+        registry = PeerRegistry.static(config.peer, config.self_url, rng)
     else:
         registry = PeerRegistry(config.self_url)  # synced by the EndpointSlice watch
     fetcher = SnapshotFetcher(

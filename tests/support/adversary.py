@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import aiohttp
+import zmq
 from aiohttp import web
 
+from fake_kv_worker.wire import Stored, encode_sglang
 from tests.support.ports import free_tcp_port
 
 MiB: Final = 1 << 20
@@ -62,10 +64,13 @@ async def stub_server(routes: dict[tuple[str, str], Handler]) -> AsyncIterator[s
 
 
 def stub_worker_routes(
-    extra: dict[tuple[str, str], Handler] | None = None, block_size: int = 16
+    extra: dict[tuple[str, str], Handler] | None = None,
+    block_size: int = 16,
+    kv_port: int | None = None,
 ) -> dict[tuple[str, str], Handler]:
-    """A worker's read-only routes; KV events at a port nothing listens on."""
-    kv_port = free_tcp_port()
+    """A worker's read-only routes; KV events at `kv_port` (a `RawPublisher`'s), else at a
+    port nothing listens on."""
+    kv_port = kv_port or free_tcp_port()
 
     async def server_info(request: web.Request) -> web.Response:
         kv = {"endpoint_host": "127.0.0.1", "endpoint_port_base": kv_port, "topic": ""}
@@ -107,6 +112,38 @@ def gzip_bomb(inflated: int) -> tuple[bytes, bytes, int]:
     head = z.compress(piece) + z.flush(zlib.Z_FULL_FLUSH)
     block = z.compress(piece) + z.flush(zlib.Z_FULL_FLUSH)
     return head, block, inflated // MiB
+
+
+class RawPublisher:
+    """A bound ZMQ PUB that sends whatever frames a test makes up, as a hostile engine would."""
+
+    def __init__(self) -> None:
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self.port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+
+    def send(self, seq: int, payload: bytes, topic: bytes = b"") -> None:
+        self._socket.send_multipart([topic, seq.to_bytes(8, "big", signed=True), payload])
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()
+
+
+def batch(events: list[Stored] | None = None) -> bytes:
+    """An SGLang event batch for rank 0 (no events: a probe that only moves the cursor)."""
+    return encode_sglang(time.time(), events or [], 0)
+
+
+def stored_chain(first_hash: int, blocks: int, block_size: int = 16) -> Stored:
+    """One BlockStored of `blocks` chained blocks whose tokens and hashes start at `first_hash`."""
+    return Stored(
+        block_hashes=list(range(first_hash, first_hash + blocks)),
+        parent_block_hash=None,
+        token_ids=[3 + (first_hash + i) % 50_000 for i in range(blocks * block_size)],
+        block_size=block_size,
+    )
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`peer.capacity`: block counts against the engines' reported capacity, with unknown = unchecked."""
+"""`peer.capacity`: block counts against the engines' capacity; unknown means unchecked."""
 
 from __future__ import annotations
 
