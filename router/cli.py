@@ -25,7 +25,6 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Final, NoReturn
-from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -33,7 +32,7 @@ from peer.kubeconfig import KubeConfigError
 from router.app import build_app
 from router.auth import TOKEN_ENV, token_problem
 from router.control import REPLICA
-from router.origin import AllowList, origin_problem
+from router.origin import AllowList, origin_problem, url_problem
 from router.policy import POLICY_NAMES
 from router.replica import ServeConfig
 from router.tokenize import load_tokenizer
@@ -317,19 +316,6 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     values["peer"] = list(args.peer)
     values["worker_allow_cidr"] = list(args.worker_allow_cidr)
     return ServeConfig(**values)
-
-
-def url_problem(url: str) -> str | None:
-    """Why `url` is not an http(s) URL with a host (a path is fine: API servers behind a
-    proxy have one), or None."""
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError for a port out of range
-    except ValueError as exc:
-        return str(exc)
-    if parts.scheme not in ("http", "https"):
-        return "the scheme must be http or https"
-    return None if parts.hostname else "no host"
 
 
 def _fail(message: str, status: int = 2) -> NoReturn:

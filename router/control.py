@@ -3,6 +3,8 @@
 An aiohttp application over a started `Replica` (`router.replica`). Nothing here is on the
 request path of a completion; these routes read the replica's parts or send them messages.
 Errors are JSON answers in the OpenAI error shape: a malformed call is a 400 naming the field.
+`/workers` and `/internal/*` are behind the bearer-token rule of `router.auth` (`_guard`);
+`/readyz` is 503 while a critical background loop cannot be kept alive (`peer.supervise`).
 """
 
 from __future__ import annotations

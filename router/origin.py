@@ -24,10 +24,8 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
-def origin_problem(url: str) -> str | None:
-    """Why `url` is not an http(s) origin, or None when it is one."""
-    if any(c.isspace() or ord(c) < 0x20 or c == "\\" for c in url):
-        return "whitespace, control characters or backslashes are not allowed"
+def url_problem(url: str) -> str | None:
+    """Why `url` is not an http(s) URL with a host (a path is fine), or None."""
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a port out of range
@@ -35,8 +33,16 @@ def origin_problem(url: str) -> str | None:
         return str(exc)
     if parts.scheme not in ("http", "https"):
         return "the scheme must be http or https"
-    if not parts.hostname:
-        return "no host"
+    return None if parts.hostname else "no host"
+
+
+def origin_problem(url: str) -> str | None:
+    """Why `url` is not an http(s) origin, or None when it is one."""
+    if any(c.isspace() or ord(c) < 0x20 or c == "\\" for c in url):
+        return "whitespace, control characters or backslashes are not allowed"
+    if (problem := url_problem(url)) is not None:
+        return problem
+    parts = urlsplit(url)
     if parts.username is not None or parts.password is not None:
         return "credentials are not allowed in a worker URL (an origin: scheme://host:port)"
     if parts.path not in ("", "/"):

@@ -28,6 +28,7 @@ from router.loads import LoadMonitor
 from router.replica import engine_capacity_blocks
 from tests.support.adversary import HealthWatch, MiB, gzip_bomb, peak_rss, stub_server
 from tests.support.cluster import Cluster, RouterProcess
+from tests.support.fake_worker import FakeWorkerHandle
 from tests.support.router import TEST_TOKEN, router_in_process
 from tests.support.waiting import eventually
 
@@ -155,31 +156,33 @@ def made_up_body(worker_url: str, cursor: int, blocks: int) -> bytes:
     return b"".join(bytes(part) for part in encode_columns(head, columns))
 
 
-@contextlib.asynccontextmanager
-async def rogue_sibling(worker_url: str, cursor: int, blocks: int):
-    body = made_up_body(worker_url, cursor, blocks)
+async def join_next_to_a_rogue(
+    cluster: Cluster, w: FakeWorkerHandle, blocks: int
+) -> tuple[RouterProcess, dict | None, list[str]]:
+    """A replica that joins with one sibling serving `blocks` made-up blocks for `w`'s rank
+    at its real cursor: (the replica, its view of the rank, the exports the rogue served)."""
+    body = made_up_body(w.url, await w.store([[5] * 16 * 4]), blocks)
     asked: list[str] = []
 
     async def serve(request: web.Request) -> web.Response:
-        asked.append(request.path_qs)
+        if is_export(request):
+            asked.append(request.path_qs)
         return web.Response(body=body, headers={"Content-Type": COLUMNS})
 
-    async with stub_server({SNAPSHOT: serve}) as url:
-        yield url, asked
+    async with stub_server({SNAPSHOT: serve}) as rogue:
+        joined = await cluster.router("join", workers=[w], peers=[rogue])
+        await joined.wait_ready()
+        return joined, await joined.rank_view(w.url, 0), asked
 
 
 async def test_a_workers_own_snapshot_wins_over_a_sibling_with_made_up_blocks(
     cluster: Cluster,
 ) -> None:
     w = await cluster.worker("w", serve_kv_snapshot=True)
-    cursor = await w.store([[5] * 16 * 4])
-    async with rogue_sibling(w.url, cursor, 200_000) as (rogue, asked):
-        joined = await cluster.router("join", workers=[w], peers=[rogue])
-        await joined.wait_ready()
-        held = await joined.rank_view(w.url, 0)
-        grafts = await counts(joined, "kvrouter_kv_bootstrap_grafts_total", "source")
+    joined, held, asked = await join_next_to_a_rogue(cluster, w, 200_000)
+    grafts = await counts(joined, "kvrouter_kv_bootstrap_grafts_total", "source")
     assert held is not None and held["blocks"] == (await w.state())["blocks"] == 4
-    assert grafts == {"worker": 1} and [a for a in asked if "cursors_only" not in a] == []
+    assert grafts == {"worker": 1} and asked == []
 
 
 async def test_a_sibling_claiming_more_blocks_than_the_engine_holds_is_rejected(
@@ -193,12 +196,8 @@ async def test_a_sibling_claiming_more_blocks_than_the_engine_holds_is_rejected(
                 "at merge; the rule itself is tested in tests/unit/test_vet.py"
             )
     w = await cluster.worker("w", cache_blocks=1000)
-    cursor = await w.store([[5] * 16 * 4])
-    async with rogue_sibling(w.url, cursor, 200_000) as (rogue, _):
-        joined = await cluster.router("join", workers=[w], peers=[rogue])
-        await joined.wait_ready()
-        held = await joined.rank_view(w.url, 0)
-        outcomes = await counts(joined, "kvrouter_kv_peer_snapshot_total", "outcome")
+    joined, held, _ = await join_next_to_a_rogue(cluster, w, 200_000)
+    outcomes = await counts(joined, "kvrouter_kv_peer_snapshot_total", "outcome")
     assert outcomes.get("rejected") == 1 and "accepted" not in outcomes, outcomes
     assert held is not None and held["blocks"] <= 1000
 
