@@ -9,6 +9,7 @@ removing the first raised. Real fake workers, a real pump, real HTTP and ZMQ on 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -16,11 +17,14 @@ import aiohttp
 import zmq
 import zmq.asyncio
 
+from peer.supervise import Supervisor
 from router.index import IndexRules, Pump
 from router.loads import LoadMonitor
 from router.workers import WorkerRegistry, subscriber_name
 from router.zmq_term import terminate_context
+from tests.support.clock import ManualClock
 from tests.support.fake_worker import fake_worker_in_process
+from tests.support.router import router_in_process
 from tests.support.waiting import eventually
 
 SOCKET_LIMIT = 4
@@ -95,3 +99,31 @@ async def test_the_health_loop_outlives_subscribers_that_cannot_get_a_socket() -
             assert workers.supervisor.failures["health"] == 0
     finally:
         await terminate_context(context, within_s=2.0, what="test")
+
+
+async def test_readyz_is_503_naming_a_critical_loop_that_cannot_be_kept_alive() -> None:
+    clock = ManualClock()
+
+    async def instant(seconds: float) -> None:
+        clock.advance(seconds)
+        await asyncio.sleep(0)
+
+    async def hopeless() -> None:
+        raise OSError(24, "Too many open files")
+
+    async with fake_worker_in_process() as fw, router_in_process(workers=[fw.url]) as rt:
+        assert (await rt.readyz())[0] == 200
+        supervisor = Supervisor(clock=clock, sleep=instant)
+        rt.replica.supervisor = supervisor  # a real supervisor whose backoff takes no time
+        loops = [
+            supervisor.spawn("health", "kvrouter-health", hopeless),
+            supervisor.spawn("subscriber", "kv-sub x#dp0", hopeless, critical=False),
+        ]
+        await eventually(lambda: len(supervisor.failing()) == 2, 5)
+        status, reason = await rt.readyz()
+        assert status == 503 and reason.startswith("background task failing: kvrouter-health")
+        assert "Too many open files" in reason and "kv-sub" not in reason  # per rank: no
+        for loop in loops:
+            loop.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        assert (await rt.readyz())[0] == 200
