@@ -221,12 +221,18 @@ async def new_replica(argv: list[str], log_path: Path) -> AsyncIterator[Child]:
             await child.stop()
 
 
-def replica_argv(port: int, warm_url: str, workers: list[str], profile: Path | None) -> list[str]:
+def replica_argv(
+    port: int, warm_url: str, workers: list[str], profile: Path | None, token: str
+) -> list[str]:
     args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--block-size", str(BLOCK)]
     args += ["--peer", warm_url]
     for url in workers:
         args += ["--worker", url]
     args += ["--kv-bootstrap-timeout-ms", "120000", "--log-level", "info"]
+    # The warm replica's token (router_in_process gives it tests.support.router's), and
+    # a body bound above the 1M-block columnar body (~37 MB): the default is sized for the
+    # manifest's 512 Mi memory limit (README, "Memory"), not for this bench's largest size.
+    args += ["--internal-token", token, "--kv-bootstrap-max-body-mb", "256"]
     if profile is not None:
         profiled = [sys.executable, str(ROOT / "bench" / "profiled_router.py")]
         return [*profiled, str(profile), "wall", *args]
@@ -397,11 +403,16 @@ async def run_size(n_blocks: int, args: argparse.Namespace, workdir: Path) -> Re
             profile = Path(args.profile_dir) / f"new-replica-{n_blocks}.prof"
             for stale in (profile, Path(f"{profile}.done"), Path(f"{profile}.gc.json")):
                 stale.unlink(missing_ok=True)
-        argv = replica_argv(port, warm.url, [w.url for w in workers], profile)
+        assert warm.token is not None
+        argv = replica_argv(port, warm.url, [w.url for w in workers], profile, warm.token)
         res.lines.append(f"new replica: {shlex.join(argv)}")
         log_path = workdir / f"new-replica-{n_blocks}.log"
         session = await stack.enter_async_context(
-            aiohttp.ClientSession(auto_decompress=False, skip_auto_headers=("Accept-Encoding",))
+            aiohttp.ClientSession(
+                auto_decompress=False,
+                skip_auto_headers=("Accept-Encoding",),
+                headers={"Authorization": f"Bearer {warm.token}"},  # /workers, /internal/*
+            )
         )
         async with new_replica(argv, log_path) as child:
             starter = asyncio.create_task(start_profile(child)) if profile else None

@@ -40,6 +40,7 @@ from router.replica import ServeConfig
 BLOCK = 16
 CHAIN = 8
 PATH = "/internal/kv_snapshot"
+TOKEN = "bench-export-token-0123456789abcdef"  # the app's bearer token for /internal/*
 ME = str(Path(__file__).resolve())
 
 
@@ -114,7 +115,9 @@ async def request(url: str) -> None:
     phases: list[dict[str, Any]] = []
     bodies: dict[str, bytes] = {}
     async with aiohttp.ClientSession(
-        auto_decompress=False, skip_auto_headers=("Accept-Encoding",)
+        auto_decompress=False,
+        skip_auto_headers=("Accept-Encoding",),
+        headers={"Authorization": f"Bearer {TOKEN}"},
     ) as session:
         for name, query, accept, coding in PHASES:
             headers = {"Accept": accept}
@@ -129,7 +132,10 @@ async def request(url: str) -> None:
                 bodies[accept] = body
         await asyncio.sleep(0.3)
         t0 = time.monotonic()
-        async with SnapshotFetcher(per_fetch_s=120) as fetcher:
+        # A bound above the 1M-block body (the default is sized for a 512 Mi pod).
+        async with SnapshotFetcher(
+            per_fetch_s=120, token=TOKEN, max_body_bytes=512 * 1024 * 1024
+        ) as fetcher:
             result = await fetcher.fetch_snapshot(url, 0)
         phases.append(
             {"name": "peer.fetch client (cold build+decode)", "t0": t0, "t1": time.monotonic()}
@@ -182,7 +188,7 @@ async def serve(args: argparse.Namespace) -> None:
     tree, ranks = build_tree(args.blocks, args.ranks)
     built = time.perf_counter() - t0
     print(f"tree: {len(tree):,} nodes over {len(ranks)} ranks, built in {built:.1f} s")
-    app = build_app(ServeConfig(host="127.0.0.1", port=0, block_size=BLOCK))
+    app = build_app(ServeConfig(host="127.0.0.1", port=0, block_size=BLOCK, internal_token=TOKEN))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -239,8 +239,13 @@ def worker_argv(kv_port: int, cache_blocks: int) -> list[str]:
     ]
 
 
+# The routers' bearer token for /workers (read by the benches to see how far ingest got).
+BENCH_TOKEN = "bench-internal-token-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {BENCH_TOKEN}"}
+
+
 def router_args(port: int, workers: Sequence[str], policy: str) -> list[str]:
-    args = ["serve", "--host", "127.0.0.1", "--port", str(port)]
+    args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--internal-token", BENCH_TOKEN]
     for url in workers:
         args += ["--worker", url]
     return [*args, "--policy", policy, "--block-size", str(BLOCK_SIZE), "--log-level", "warning"]
@@ -445,8 +450,10 @@ async def scrape(session: aiohttp.ClientSession, router: str) -> dict[str, float
     return out
 
 
-async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
-    async with session.get(url) as resp:
+async def get_json(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None
+) -> Any:
+    async with session.get(url, headers=headers) as resp:
         return await resp.json(content_type=None)
 
 
@@ -466,7 +473,7 @@ async def wait_applied(
     """Until the router's cursor for every worker reached the worker's last published seq."""
     async with asyncio.timeout(timeout_s):
         while True:
-            view = await get_json(session, router + "/workers")
+            view = await get_json(session, router + "/workers", AUTH)
             cursors = {w["url"]: w["ranks"][0]["cursor"] for w in view["workers"]}
             behind = 0
             for w in workers:

@@ -107,7 +107,7 @@ async def caught_up(
     start = time.perf_counter()
     want = {h.url: f.publisher.last_seq for h, f in zip(handles, feeds, strict=True)}
     while time.perf_counter() - start < CATCH_UP_BOUND_S:
-        async with session.get(router + "/workers") as resp:
+        async with session.get(router + "/workers", headers=bench_proxy.AUTH) as resp:
             view = await resp.json()
         cursors = {w["url"]: w["ranks"][0]["cursor"] for w in view["workers"]}
         if all((cursors.get(url) or -1) >= seq for url, seq in want.items()):
@@ -168,7 +168,9 @@ async def gate(session: aiohttp.ClientSession, router: str, handles: Sequence[An
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(0.3):
                         while True:
-                            async with session.get(router + "/workers") as resp:
+                            async with session.get(
+                                router + "/workers", headers=bench_proxy.AUTH
+                            ) as resp:
                                 view = await resp.json()
                             cursor = next(
                                 w["ranks"][0]["cursor"]

@@ -20,7 +20,9 @@ While a sweep runs, more batches arrive. Afterwards:
   - `found` but some obligations have no cursor in it: each gets ONE more sweep (remembered
     per (rank, epoch)) instead of being resolved `uncovered`, which is final.
   - `ranks_resolved` sends nothing, so late joiners are re-queued for a sweep of their own.
-Obligations are never dropped: a full queue falls back to a detached sweep for that batch.
+Obligations are never dropped: a full queue falls back to a detached sweep for that batch,
+and a round that fails half-way (a bug, an error nobody foresaw) runs its ranks cold, never
+Pending until the deadline, before the error ends `run` for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from peer.sweep import FOUND, RANKS_RESOLVED, SweepResult
 log = logging.getLogger(__name__)
 
 QUEUE_DEPTH = 1024
+ROUND_FAILED = "round_failed"  # not a sweep outcome: what a round that raised delivers
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +90,20 @@ class Coordinator:
     async def run(self) -> None:
         while True:
             first = await self.queue.get()
-            await self._round([first, *self._drain()])
+            batches = [first, *self._drain()]
+            try:
+                await self._round(batches)
+            except Exception:
+                await self._settle_cold(batches)
+                raise
+
+    async def _settle_cold(self, batches: list[ObligationBatch]) -> None:
+        try:
+            owed = self.deps.still_owed([o for b in batches for o in b.obligations])
+            if owed:
+                await self.deps.deliver(SweepResult(ROUND_FAILED), owed)
+        except Exception:  # the round's own error is the one worth reporting
+            log.exception("could not run the ranks of a failed bootstrap round cold")
 
     async def close(self) -> None:
         for task in list(self.detached):

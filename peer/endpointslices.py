@@ -44,6 +44,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from peer.slice_view import SliceView
 from peer.slices import EndpointSlice, Extraction, SliceError, decode_slice
+from peer.supervise import Supervisor
 from peer.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -315,9 +316,14 @@ class SliceDiscovery:
     """A replica's EndpointSlice watches, sharing one API client; `close` ends them all."""
 
     def __init__(
-        self, client: ApiClient, namespace: str, settings: WatchSettings = WatchSettings()
+        self,
+        client: ApiClient,
+        namespace: str,
+        settings: WatchSettings = WatchSettings(),
+        supervisor: Supervisor | None = None,
     ) -> None:
         self.client = client
+        self.supervisor = supervisor or Supervisor()
         self.api = DiscoveryV1Api(client)
         self.namespace = namespace
         self.settings = settings
@@ -335,7 +341,9 @@ class SliceDiscovery:
             settings=self.settings,
         )
         self.watches.append(w)
-        self._tasks.append(asyncio.create_task(w.run(), name=f"endpointslices {what}"))
+        # `run` survives every failure it knows of; the supervisor catches the rest (a
+        # `publish` callback that raises) and restarts it.
+        self._tasks.append(self.supervisor.spawn("discovery", f"endpointslices {what}", w.run))
 
     async def close(self) -> None:
         await cancel_and_wait(self._tasks)

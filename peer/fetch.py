@@ -19,8 +19,11 @@ What it guarantees:
 - Bounded time: connect 10 s, a stall between two body chunks 60 s, and the whole fetch,
   decoding included, within the per-fetch budget.
 - Bounded memory: the body as received and its inflated size are each capped at
-  `max_body_bytes`, counted while streaming; a `Content-Length` over the cap is refused
-  before a byte is read, and a gzip bomb is never inflated more than a byte past the cap.
+  `max_body_bytes` (half that for format 1, `body_bound`), counted while streaming; a
+  `Content-Length` over the cap is refused before a byte is read, and a gzip bomb is never
+  inflated more than a byte past the cap.
+  Such a body, and one that does not decode, is `Refused`: unlike a transport failure
+  (`Unreachable`), asking again would only bring it again.
 - gzip is undone only when `Content-Encoding` is exactly `gzip` (any case); anything else
   is parsed as identity, so a mislabelled body fails to decode rather than being guessed at.
 - The loop keeps running, mostly: inflating goes in steps of 1 MiB of output with a yield
@@ -64,7 +67,8 @@ from peer.wire import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES: Final = 1024 * 1024 * 1024  # --kv-bootstrap-max-body-mb default
+DEFAULT_MAX_BODY_BYTES: Final = 24 * 1024 * 1024  # --kv-bootstrap-max-body-mb default
+FORMAT1_SHARE: Final = 0.5  # of the bound, for a JSON or msgpack body (`body_bound`)
 DEFAULT_PER_FETCH_S: Final = 30.0
 CONNECT_TIMEOUT_S: Final = 10.0
 STALL_TIMEOUT_S: Final = 60.0
@@ -89,15 +93,25 @@ class Fetched:
 
 @dataclass(frozen=True, slots=True)
 class Unreachable:
-    """No usable body: a transport error, a timeout, a non-2xx answer (`status`), an
-    oversized or malformed body."""
+    """No body this time: a transport error, a timeout, a non-2xx answer (`status`).
+    `connection_refused`: nothing listens at the peer's address (no sibling runs there)."""
 
     peer: str
     reason: str
     status: int | None = None
+    connection_refused: bool = False
 
 
-FetchResult = Fetched | Unreachable
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A body that was refused as it was read or decoded: over the bound, a gzip bomb, not
+    gzip, not a snapshot. Asking again would bring the same: the sweep rejects the peer."""
+
+    peer: str
+    reason: str
+
+
+FetchResult = Fetched | Unreachable | Refused
 
 
 def snapshot_url(peer_url: str, max_age_ms: int | None) -> str:
@@ -110,6 +124,19 @@ def snapshot_url(peer_url: str, max_age_ms: int | None) -> str:
 
 def cursors_url(peer_url: str) -> str:
     return peer_url.rstrip("/") + SNAPSHOT_PATH + "?cursors_only=true"
+
+
+def body_bound(max_body_bytes: int, content_type: str) -> int:
+    """The bound on a body of this type, as received and as inflated.
+
+    Decoded and vetted, a columnar body takes about 6 times its size at its peak, a format-1
+    body (JSON, msgpack) 9 to 18 times: its nodes become Python objects. So format 1 gets
+    `FORMAT1_SHARE` of the bound, which keeps the worst case near the columnar one's
+    (README, "Memory").
+    """
+    if media_type(content_type) == COLUMNS:
+        return max_body_bytes
+    return max(1, int(max_body_bytes * FORMAT1_SHARE))
 
 
 class BodyError(Exception):
@@ -189,12 +216,13 @@ class SnapshotFetcher:
             if isinstance(exc, aiohttp.ClientError):  # aiohttp's connect or stall timeout
                 return Unreachable(peer, f"timed out: {exc}")
             return Unreachable(peer, f"no answer within the {budget:g} s budget")
+        except aiohttp.ClientConnectorError as exc:
+            refused = isinstance(exc.os_error, ConnectionRefusedError)
+            return Unreachable(peer, f"transport: {type(exc).__name__}: {exc}", None, refused)
         except (aiohttp.ClientError, OSError) as exc:
             return Unreachable(peer, f"transport: {type(exc).__name__}: {exc}")
-        except BodyError as exc:
-            return Unreachable(peer, str(exc))
-        except WireDecodeError as exc:
-            return Unreachable(peer, str(exc))
+        except (BodyError, WireDecodeError) as exc:
+            return Refused(peer, str(exc))
 
     async def _get(self, peer: str, url: str, budget: float) -> FetchResult:
         timeout = aiohttp.ClientTimeout(
@@ -229,7 +257,7 @@ class SnapshotFetcher:
         return Fetched(peer, snapshot, arrived_at, received)
 
     async def _read_body(self, resp: aiohttp.ClientResponse) -> tuple[bytearray, int]:
-        limit = self.max_body_bytes
+        limit = body_bound(self.max_body_bytes, resp.headers.get("Content-Type", JSON))
         if resp.content_length is not None and resp.content_length > limit:
             raise BodyError(f"body of {resp.content_length} bytes exceeds the {limit}-byte bound")
         encoding = resp.headers.get("Content-Encoding", "").strip().lower()

@@ -24,7 +24,17 @@ discarded, because the newcomer was never asked.
 Per peer: a transport failure (`unreachable`) clears what it last told us; each retriable miss
 (unreachable, cold, or a body that covers none of our ranks) sits the peer out for
 min(4 x 2^(n-1), 120) passes; a `rejected` body (another format, key scheme or block size, a
-malformed structure) excludes the peer for the rest of the sweep. The freshness ratchet asks
+malformed structure, a body over the size bound or a gzip bomb, an implausible one) excludes
+the peer for the rest of the sweep: fetching it again would bring the same. A peer whose
+address refuses the connection has no replica listening: that is a cold witness at once
+(`connection_refused`), not a silence that vetoes the fleet's cold verdict until the deadline.
+
+One pass asks its candidates hedged, not one at a time: the first fetch starts at once, and
+whenever `hedge_after_s` passes with no usable answer (or a fetch ends without one) the next
+starts, at most `max_in_flight` at a time. The first usable body wins and the fetches still
+running are cancelled. A sibling that trickles its body costs the others `hedge_after_s`,
+not its whole per-fetch deadline; the bound on fetches in flight bounds the memory that
+bodies being received can take. The freshness ratchet asks
 each peer for an export no older than the newer of the sweep's floor (when our ranks started
 holding their streams) and the arrival of that peer's previous body: a re-fetch must bring
 something newer than the useless answer already received.
@@ -34,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -44,6 +55,11 @@ log = logging.getLogger(__name__)
 
 PASS_INTERVAL_S = 0.25
 MAX_SIT_OUT_PASSES = 120
+HEDGE_AFTER_S = 1.0  # a fetch with no usable answer by then: ask the next candidate too
+MAX_IN_FLIGHT = 2  # fetches at once in a pass (each may hold a body up to the bound)
+
+# How a fetch came back without a body (`FetchOutcome.kind`).
+UNREACHABLE, CONNECTION_REFUSED, BODY_REFUSED = "unreachable", "connection_refused", "rejected"
 
 FETCHED_ACCEPTED = "accepted"
 FOUND, NO_PEERS, FLEET_COLD, TIMED_OUT, RANKS_RESOLVED = (
@@ -115,6 +131,15 @@ class SweepBook:
         rec.cold_witness = not has_nodes
         rec.empty_ranks = frozenset(empty_ranks)
 
+    def nobody_listening(self, peer: str) -> None:
+        """The peer's address refused the connection: no replica runs there, so it holds
+        nothing (a cold witness), and it is asked again only after a sit-out."""
+        rec = self.record(peer)
+        rec.answered = True
+        rec.cold_witness = True
+        rec.empty_ranks = frozenset()
+        self._strike(rec)
+
     def miss(self, peer: str) -> None:
         """A body we could not use now but may later (cold, or covering none of our ranks)."""
         self._strike(self.record(peer))
@@ -161,6 +186,7 @@ class FetchOutcome:
     body: Any | None  # peer.wire.PeerBody
     arrival: float
     failure: str = ""
+    kind: str = UNREACHABLE  # without a body: UNREACHABLE, CONNECTION_REFUSED, BODY_REFUSED
 
 
 class VetFailure(Exception):
@@ -202,6 +228,8 @@ class SweepDeps:
     clock: Callable[[], float]
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
     tally: Callable[[str], None] = lambda outcome: None  # per-fetch snapshot outcomes
+    hedge_after_s: float = HEDGE_AFTER_S
+    max_in_flight: int = MAX_IN_FLIGHT
 
 
 async def sweep(
@@ -224,13 +252,11 @@ async def sweep(
                 ranks = {o.rank for o in owed}
                 version = deps.registry.version
                 candidates = deps.registry.candidates()
-                for peer in candidates:
-                    if book.should_skip(peer):
-                        continue
-                    found, reason = await _try_peer(peer, book, deps, ranks)
-                    last_reason = reason or last_reason
-                    if found is not None:
-                        return SweepResult(FOUND, found, peer, 1), settled_cold
+                eligible = [peer for peer in candidates if not book.should_skip(peer)]
+                found, peer, reason = await _hedged_pass(eligible, book, deps, ranks)
+                last_reason = reason or last_reason
+                if found is not None:
+                    return SweepResult(FOUND, found, peer, 1), settled_cold
                 if deps.registry.version != version:
                     log.info("sibling set changed during the pass; cold verdicts discarded")
                 elif book.fleet_is_cold(candidates):
@@ -249,14 +275,55 @@ async def sweep(
         return SweepResult(TIMED_OUT, peers_tried=tried, last_reason=last_reason), settled_cold
 
 
+async def _hedged_pass(
+    peers: list[str], book: SweepBook, deps: SweepDeps, ranks: set[RankId]
+) -> tuple[Any | None, str | None, str]:
+    """Ask `peers` in order, hedged (see the module docstring); (vetted, peer, last reason)."""
+    waiting = list(reversed(peers))  # popped from the end: in order
+    running: dict[asyncio.Task[tuple[Any | None, str]], str] = {}
+    last_reason = ""
+    try:
+        while waiting or running:
+            if waiting and len(running) < max(1, deps.max_in_flight):
+                peer = waiting.pop()
+                running[asyncio.create_task(_try_peer(peer, book, deps, ranks))] = peer
+                if waiting and len(running) < deps.max_in_flight:
+                    # Another may start now unless this one answers usefully in time.
+                    done, _ = await asyncio.wait(
+                        running, timeout=deps.hedge_after_s, return_when=FIRST_COMPLETED
+                    )
+                else:
+                    done, _ = await asyncio.wait(running, return_when=FIRST_COMPLETED)
+            else:
+                done, _ = await asyncio.wait(running, return_when=FIRST_COMPLETED)
+            for task in done:
+                peer = running.pop(task)
+                found, reason = task.result()
+                last_reason = reason or last_reason
+                if found is not None:
+                    return found, peer, last_reason
+        return None, None, last_reason
+    finally:
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running)
+
+
 async def _try_peer(
     peer: str, book: SweepBook, deps: SweepDeps, ranks: set[RankId]
 ) -> tuple[Any | None, str]:
     outcome = await deps.fetch(peer, book.max_age_s(peer, deps.clock()))
     body = outcome.body
     if body is None:
-        book.unreachable(peer)
-        deps.tally("unreachable")
+        if outcome.kind == BODY_REFUSED:
+            log.warning("sibling %s rejected for this bootstrap: %s", peer, outcome.failure)
+            book.reject(peer)
+        elif outcome.kind == CONNECTION_REFUSED:
+            book.nobody_listening(peer)
+        else:
+            book.unreachable(peer)
+        deps.tally(outcome.kind)
         return None, f"{peer}: {outcome.failure}"
     book.answered(peer, outcome.arrival, body.node_count > 0, _empty_ranks(body))
     try:

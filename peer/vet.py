@@ -23,9 +23,14 @@ A verdict is one of two outcomes:
     cold_peer   the body is sound but of no use yet (not ready, or nothing survives).
                 Retriable: the peer may warm up, or we may discover its workers later.
 
-A rejection depends only on the body and our block size, never on the live set. A permanent
-verdict must not hinge on worker churn, so duplicates are judged on wire identities and the
-carriers of unknown workers are type-checked like any other.
+A rejection depends only on the body and our block size, never on the live set, with two
+exceptions for bodies that are implausible rather than stale: a rank of a worker we know
+that the worker does not have (`unknown_rank`: a dp rank past its dp size), and a rank
+carrying more device blocks than its engine reports it can hold (`over_capacity`,
+`peer.capacity`: made-up blocks no `BlockRemoved` would ever clear). Both end the peer's
+part in this sweep only. Otherwise a verdict must not hinge on worker churn, so duplicates
+are judged on wire identities and the carriers of unknown workers are type-checked like
+any other.
 
 The checks, in the order they run (the first failure wins). `REASONS` below is the same list
 as data, reason -> outcome.
@@ -37,6 +42,7 @@ as data, reason -> outcome.
                   block size < 1 (ours unknown)                invalid_block_size   rejected
     worker table  entry not (str, int)                         malformed_worker     rejected
                   two entries name one worker                  duplicate_worker     rejected
+                  a live worker's dp rank it does not have     unknown_rank         rejected
     cursors       entry not (int, int)                         malformed_cursor     rejected
                   seq not a u64 (negative)                     invalid_seq          rejected
                   one worker index twice                       duplicate_cursor     rejected
@@ -47,6 +53,7 @@ as data, reason -> outcome.
                   engine hash not a u64                        invalid_engine_hash  rejected
                   one worker index twice in one node           duplicate_carrier    rejected
     result        no carrier of a live rank survives           nothing_usable       cold_peer
+                  a rank's device blocks over its capacity     over_capacity        rejected
 
 The reference runs the node structure checks before the worker table; we check the tables
 first because they are small and every failure among them is the same verdict (rejected), so
@@ -112,7 +119,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_right
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Collection, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain, compress, count, islice, repeat
@@ -122,7 +129,8 @@ from typing import Final, Generic, TypeVar
 from cachetree.keys import KEY_SCHEME
 from cachetree.ranks import RankId
 from cachetree.snapshot import Snapshot
-from cachetree.tiers import ALL_TIERS
+from cachetree.tiers import ALL_TIERS, DEVICE
+from peer.capacity import CapacityBlocks, over_capacity, unknown_capacity
 from peer.wire import FORMAT, PeerBody, PeerColumns, WireColumns, WireWorker
 
 REJECTED: Final = "rejected"
@@ -137,6 +145,7 @@ REASONS: Final[dict[str, str]] = {
     "invalid_block_size": REJECTED,
     "malformed_worker": REJECTED,
     "duplicate_worker": REJECTED,
+    "unknown_rank": REJECTED,
     "malformed_cursor": REJECTED,
     "invalid_seq": REJECTED,
     "duplicate_cursor": REJECTED,
@@ -147,6 +156,7 @@ REASONS: Final[dict[str, str]] = {
     "invalid_engine_hash": REJECTED,
     "duplicate_carrier": REJECTED,
     "nothing_usable": COLD_PEER,
+    "over_capacity": REJECTED,
 }
 
 DEFAULT_BUDGET: Final = 4096  # nodes per step: a few milliseconds on a slow core
@@ -200,10 +210,14 @@ class VettedSnapshot:
 
     @classmethod
     def from_wire(
-        cls, snap: PeerBody, live: Collection[RankId], local_block_size: int | None
+        cls,
+        snap: PeerBody,
+        live: Collection[RankId],
+        local_block_size: int | None,
+        capacity_blocks: CapacityBlocks = unknown_capacity,
     ) -> VettedSnapshot:
         """Vet `snap` in one call; raises `VetError`. See `Vetting` for the chunked form."""
-        return Vetting(snap, live, local_block_size).run()
+        return Vetting(snap, live, local_block_size, capacity_blocks).run()
 
     def covers_any(self, ranks: Iterable[RankId]) -> bool:
         """True when the snapshot has a cursor for at least one of `ranks`."""
@@ -295,10 +309,17 @@ class Vetting(_Job[VettedSnapshot]):
     `VetError` at once; `step(budget)` then vets about `budget` nodes per call."""
 
     def __init__(
-        self, snap: PeerBody, live: Collection[RankId], local_block_size: int | None
+        self,
+        snap: PeerBody,
+        live: Collection[RankId],
+        local_block_size: int | None,
+        capacity_blocks: CapacityBlocks = unknown_capacity,
     ) -> None:
         _check_header(snap, local_block_size)
         lookup = _live_lookup(live)
+        self._live_urls = {url for url, _ in lookup}
+        self._capacity_blocks = capacity_blocks
+        self._device: Counter[int] = Counter()  # table position -> device-tier carriers
         self._snap = snap
         self._table: list[RankId] = []  # live ranks the wire names, in wire order
         self._col_of: dict[int, int] = {}  # wire worker index -> position in _table
@@ -320,6 +341,10 @@ class Vetting(_Job[VettedSnapshot]):
                 raise VetError("duplicate_worker", f"worker {i} repeats {ident[0]}#dp{ident[1]}")
             seen.add(ident)
             rank = lookup.get(ident)
+            if rank is None and ident[0] in self._live_urls:
+                raise VetError(
+                    "unknown_rank", f"worker {i}: {ident[0]} has no dp rank {ident[1]} here"
+                )
             if rank is None:
                 self._dropped_workers += 1
             else:
@@ -362,6 +387,14 @@ class Vetting(_Job[VettedSnapshot]):
                 yield
         if not used:
             raise self._nothing_usable()
+        table = self._table
+        found = over_capacity({table[p]: n for p, n in self._device.items()}, self._capacity_blocks)
+        if found is not None:
+            rank, blocks, capacity = found
+            raise VetError(
+                "over_capacity",
+                f"{rank} carries {blocks} device blocks; its engine holds {capacity}",
+            )
         cols.workers = self._table
         snapshot = yield from _prune(self, cols, zeros, used)
         if not len(snapshot):  # pragma: no cover - a carried node is never pruned
@@ -515,6 +548,7 @@ class Vetting(_Job[VettedSnapshot]):
         cols.carrier_workers.extend(positions)
         cols.carrier_tiers.extend(tiers)
         cols.carrier_hashes.extend(hashes)
+        self._device.update(compress(positions, map(and_, tiers, repeat(DEVICE))))
         if len(used) < len(self._table):  # once every rank was seen there is nothing to learn
             used.update(positions)
         if 0 in counts:

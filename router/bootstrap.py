@@ -25,13 +25,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cachetree.ranks import RankId
+from peer.capacity import CapacityBlocks, unknown_capacity
 from peer.coordinator import Coordinator, CoordinatorDeps, ObligationBatch
-from peer.fetch import Fetched, SnapshotFetcher
+from peer.fetch import Fetched, Refused, SnapshotFetcher
 from peer.probe import PROOF_TIMEOUT_S, TICK_S, ProbeTarget, probe_once
 from peer.registry import PeerRegistry
+from peer.supervise import Supervisor
 from peer.sweep import (
+    BODY_REFUSED,
+    CONNECTION_REFUSED,
     FOUND,
     RANKS_RESOLVED,
+    UNREACHABLE,
     FetchOutcome,
     SweepDeps,
     SweepResult,
@@ -60,6 +65,7 @@ class PeerBootstrap:
         *,
         block_size: Callable[[], int | None],
         clock: Callable[[], float] = time.monotonic,
+        capacity_blocks: CapacityBlocks = unknown_capacity,
     ) -> None:
         self.pump = pump
         self.tracker = tracker
@@ -67,6 +73,7 @@ class PeerBootstrap:
         self.fetcher = fetcher
         self._block_size = block_size
         self._clock = clock
+        self._capacity_blocks = capacity_blocks
         self.snapshot_outcomes: Counter[str] = Counter()  # per peer fetch
         self.sources: Counter[str] = Counter()  # grafts by source: peer / worker
         self.started_at = clock()
@@ -91,10 +98,10 @@ class PeerBootstrap:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, supervisor: Supervisor) -> None:
         self._tasks = [
-            asyncio.create_task(self.coordinator.run(), name="kv-bootstrap-coordinator"),
-            asyncio.create_task(self._probe_loop(), name="kv-bootstrap-probe"),
+            supervisor.spawn("bootstrap", "kv-bootstrap-coordinator", self.coordinator.run),
+            supervisor.spawn("bootstrap", "kv-bootstrap-probe", self._probe_loop),
         ]
 
     async def close(self) -> None:
@@ -213,12 +220,16 @@ class PeerBootstrap:
         result = await self.fetcher.fetch_snapshot(peer, int(max_age_s * 1000))
         if isinstance(result, Fetched):
             return FetchOutcome(result.snapshot, result.arrived_at)
-        return FetchOutcome(None, self._clock(), result.reason)
+        if isinstance(result, Refused):
+            kind = BODY_REFUSED
+        else:
+            kind = CONNECTION_REFUSED if result.connection_refused else UNREACHABLE
+        return FetchOutcome(None, self._clock(), result.reason, kind)
 
     async def _vet(self, body: Any) -> VettedSnapshot:
         live = set(self.pump.rules.live)
         try:
-            job = Vetting(body, live, self._block_size())
+            job = Vetting(body, live, self._block_size(), self._capacity_blocks)
             await run_in_slices(job.step, VET_CHUNK)
         except VetError as exc:
             raise VetFailure(exc.outcome, exc.reason) from None

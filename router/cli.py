@@ -30,14 +30,15 @@ from aiohttp import web
 
 from peer.kubeconfig import KubeConfigError
 from router.app import build_app
+from router.auth import TOKEN_ENV, token_problem
 from router.control import REPLICA
 from router.index import DEFAULT_INDEX_MAX_BLOCKS
+from router.origin import AllowList, origin_problem, url_problem
 from router.policy import POLICY_NAMES
 from router.replica import ServeConfig
 from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from router.tokenize import ENGINES, load_tokenizer
 from router.tools import demo, view
-from router.workers import worker_url_problem
 
 log = logging.getLogger("kvrouter")
 
@@ -192,7 +193,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add("breaker-cooldown-s", float, 5.0, "first open period of a breaker")
     f.add("breaker-max-cooldown-s", float, 60.0, "longest open period (cooldown doubles)")
     f.add("expose-route-headers", _flag_bool, False, "add X-Kvrouter-Worker/-Dp-Rank to responses")
-    f.add("internal-token", str, "", "bearer token required by /workers and /internal/*")
+    f.add(
+        "internal-token",
+        str,
+        "",
+        "bearer token of /workers and /internal/* (refused without one); the same on every replica",
+    )
     f.add(
         "peer", str, [], "a sibling replica's base URL for peer bootstrap (repeatable)", repeat=True
     )
@@ -214,11 +220,28 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         "in a pod, else KUBECONFIG",
     )
     f.add("self-url", str, "", "this replica's own base URL, never used as a sibling")
+    f.add(
+        "worker-allow-cidr",
+        str,
+        [],
+        "a network (CIDR) workers added through POST /workers must resolve into (repeatable); "
+        "none: any",
+        repeat=True,
+    )
     f.add("kv-bootstrap-timeout-ms", int, 120_000, "bound on the whole bootstrap and /readyz hold")
     f.add("kv-bootstrap-fetch-timeout-cap-ms", int, 300_000, "cap on one sibling fetch")
     f.add("kv-bootstrap-seed-required", _flag_bool, False, "hold /readyz after a timed-out sweep")
     f.add(
-        "kv-bootstrap-max-body-mb", int, 1024, "largest sibling snapshot accepted (also inflated)"
+        "kv-bootstrap-max-body-mb",
+        int,
+        24,
+        "largest columnar sibling snapshot accepted, also inflated (JSON or msgpack: half)",
+    )
+    f.add(
+        "worker-snapshot-max-body-mb",
+        int,
+        32,
+        "largest worker /v1/kv-snapshot body accepted (read as it streams)",
     )
     f.add(
         "kv-events-max-message-bytes",
@@ -276,6 +299,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             "--kv-events-max-message-bytes must be 4096..1073741824",
         ),
         (args.kv_index_max_blocks >= 1, "--kv-index-max-blocks must be >= 1"),
+        (args.worker_snapshot_max_body_mb >= 1, "--worker-snapshot-max-body-mb must be >= 1"),
         (0 <= args.worker_port <= 65535, "--worker-port must be 0 (the first listed) or 1..65535"),
         (
             not (args.peer and args.kv_peer_selector),
@@ -286,12 +310,23 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         if not ok:
             _fail(message)
     for url in args.worker:
-        if (problem := worker_url_problem(url)) is not None:
-            _fail(f"--worker {url!r} is not an http(s) URL: {problem}")
+        if (problem := origin_problem(url)) is not None:
+            _fail(f"--worker {url!r} is not an http(s) origin: {problem}")
     for url in [*args.peer, *([args.self_url] if args.self_url else [])]:
-        if (problem := worker_url_problem(url)) is not None:
-            _fail(f"--peer/--self-url {url!r} is not an http(s) URL: {problem}")
-    if args.kube_api_server and (problem := worker_url_problem(args.kube_api_server)):
+        if (problem := origin_problem(url)) is not None:
+            _fail(f"--peer/--self-url {url!r} is not an http(s) origin: {problem}")
+    try:
+        AllowList.parse(args.worker_allow_cidr)
+    except ValueError as exc:
+        _fail(f"--worker-allow-cidr: {exc}")
+    if args.internal_token and (problem := token_problem(args.internal_token)):
+        _fail(f"--internal-token ({TOKEN_ENV}) refused: {problem}")
+    if (args.peer or args.kv_peer_selector) and not args.internal_token:
+        _fail(
+            f"peer bootstrap (--peer, --kv-peer-selector) needs --internal-token ({TOKEN_ENV}): "
+            "siblings serve /internal/kv_snapshot only to replicas that present it"
+        )
+    if args.kube_api_server and (problem := url_problem(args.kube_api_server)):
         _fail(f"--kube-api-server {args.kube_api_server!r} is not an http(s) URL: {problem}")
     try:
         # Loaded here to fail before listening, with the loader's own message; the app loads
@@ -309,6 +344,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     values["worker_selector"] = args.worker_selector or None
     values["kube_api_server"] = args.kube_api_server or None
     values["peer"] = list(args.peer)
+    values["worker_allow_cidr"] = list(args.worker_allow_cidr)
     return ServeConfig(**values)
 
 

@@ -3,26 +3,33 @@
 An aiohttp application over a started `Replica` (`router.replica`). Nothing here is on the
 request path of a completion; these routes read the replica's parts or send them messages.
 Errors are JSON answers in the OpenAI error shape: a malformed call is a 400 naming the field.
+`/workers` and `/internal/*` are behind the bearer-token rule of `router.auth` (`_guard`);
+`/readyz` is 503 while a critical background loop cannot be kept alive (`peer.supervise`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import msgspec
-from aiohttp import web
+from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from cachetree.ranks import RankId
 from peer.producer import serve_snapshot
+from router import auth
+from router.origin import host_of, origin_problem
 from router.replica import Replica, ServeConfig, start_replica, stop_replica
+from router.workers import subscriber_name
 
 log = logging.getLogger(__name__)
 
 REPLICA: web.AppKey[Replica] = web.AppKey("replica", Replica)
+_RESOLVE_TIMEOUT_S = 2.0
 
 
 def add_control_routes(app: web.Application) -> None:
@@ -30,10 +37,31 @@ def add_control_routes(app: web.Application) -> None:
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
-    app.router.add_get("/workers", _list_workers)
-    app.router.add_post("/workers", _add_worker)
-    app.router.add_delete("/workers", _remove_worker)
-    app.router.add_get("/internal/kv_snapshot", _kv_snapshot, allow_head=False)
+    app.router.add_get("/workers", _guard(_list_workers))
+    app.router.add_post("/workers", _guard(_add_worker))
+    app.router.add_delete("/workers", _guard(_remove_worker))
+    app.router.add_get("/internal/kv_snapshot", _guard(_kv_snapshot), allow_head=False)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _guard(handler: Handler) -> Handler:
+    """The bearer-token rule (`router.auth`) in front of a handler."""
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        token = request.app[REPLICA].config.internal_token
+        denial = auth.check(token, request.headers.getall(hdrs.AUTHORIZATION, []))
+        if denial is None:
+            return await handler(request)
+        headers = {hdrs.WWW_AUTHENTICATE: 'Bearer realm="kvrouter"'} if denial.challenge else {}
+        return web.json_response(
+            {"error": {"message": denial.message, "type": "authentication_error"}},
+            status=denial.status,
+            headers=headers,
+        )
+
+    return guarded
 
 
 def replica_lifecycle(config: ServeConfig):
@@ -93,6 +121,16 @@ async def _readyz(request: web.Request) -> web.Response:
         return web.json_response({"ready": False, "reason": "draining"}, status=503)
     if not replica.workers.routable():
         return web.json_response({"ready": False, "reason": "no healthy worker"}, status=503)
+    failing = [task for task in replica.supervisor.failing() if task.critical]
+    if failing:
+        return web.json_response(
+            {
+                "ready": False,
+                "reason": "background task failing: "
+                + "; ".join(f"{task.name}: {task.error}" for task in failing),
+            },
+            status=503,
+        )
     bootstrap = replica.bootstrap
     # Asked last: it latches at the first True, so a later scale-up never un-readies us.
     if bootstrap is not None and not bootstrap.admit_ready():
@@ -116,13 +154,6 @@ async def _metrics(request: web.Request) -> web.Response:
 # -- worker admin ------------------------------------------------------------------------
 
 
-def _authorized(request: web.Request) -> web.Response | None:
-    token = request.app[REPLICA].config.internal_token
-    if token and request.headers.get("Authorization") != f"Bearer {token}":
-        return web.json_response({"error": {"message": "bearer token required"}}, status=401)
-    return None
-
-
 def _worker_view(replica: Replica, worker: Any) -> dict[str, Any]:
     rules = replica.pump.rules
     tree = rules.tree
@@ -141,6 +172,7 @@ def _worker_view(replica: Replica, worker: Any) -> dict[str, Any]:
                 "cursor": rules.cursors.get(rank),
                 "blocks": tree.block_count(rank) if tree is not None else 0,
                 "inflight": replica.inflight[rank],
+                "subscriber": _subscriber_view(replica, rank),
                 "load": msgspec.to_builtins(replica.loads.get(worker.url, rank.dp_rank)),
             }
             for rank in worker.ranks()
@@ -148,9 +180,15 @@ def _worker_view(replica: Replica, worker: Any) -> dict[str, Any]:
     }
 
 
+def _subscriber_view(replica: Replica, rank: RankId) -> str | None:
+    """None while the rank's subscriber runs untroubled (or there is none); else its trouble."""
+    state = replica.supervisor.state(subscriber_name(rank))
+    if state is None or not state.in_a_row:
+        return None
+    return f"restarted after {state.in_a_row} failure(s) in a row; last: {state.last_error}"
+
+
 async def _list_workers(request: web.Request) -> web.Response:
-    if (denied := _authorized(request)) is not None:
-        return denied
     replica = request.app[REPLICA]
     return web.json_response(
         {"workers": [_worker_view(replica, w) for w in replica.workers.workers()]}
@@ -158,16 +196,22 @@ async def _list_workers(request: web.Request) -> web.Response:
 
 
 async def _add_worker(request: web.Request) -> web.Response:
-    if (denied := _authorized(request)) is not None:
-        return denied
     try:
         body = msgspec.json.decode(await request.read())
     except msgspec.DecodeError:
         return bad_request(BadRequest("body is not valid JSON"))
     url = body.get("url") if isinstance(body, dict) else None
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        return bad_request(BadRequest("'url' must be an http(s) URL", "url"))
+    if not isinstance(url, str):
+        return bad_request(BadRequest("'url' must be an http(s) origin (a string)", "url"))
+    if (problem := origin_problem(url)) is not None:
+        return bad_request(BadRequest(f"'url' {url!r} is not an http(s) origin: {problem}", "url"))
     replica = request.app[REPLICA]
+    if (refusal := await _outside_allow_list(replica, url)) is not None:
+        log.warning("POST /workers %s refused: %s", url, refusal)
+        return web.json_response(
+            {"error": {"message": refusal, "type": "permission_error", "param": "url"}},
+            status=403,
+        )
     try:
         worker = await replica.workers.add(url)
     except ValueError as exc:
@@ -175,17 +219,29 @@ async def _add_worker(request: web.Request) -> web.Response:
     return web.json_response(_worker_view(replica, worker))
 
 
+async def _outside_allow_list(replica: Replica, url: str) -> str | None:
+    """Why `--worker-allow-cidr` refuses a worker at `url`; every address its host resolves
+    to must be inside. (Checked when it is added: a name that resolves elsewhere later, DNS
+    rebinding, is outside what this can see; SECURITY.md.)"""
+    allow = replica.worker_allow
+    if not allow.restricts:
+        return None
+    host = host_of(url)
+    try:
+        async with asyncio.timeout(_RESOLVE_TIMEOUT_S):
+            infos = await asyncio.get_running_loop().getaddrinfo(host, None)
+    except (OSError, TimeoutError) as exc:
+        return f"{host} does not resolve ({exc or 'timed out'})"
+    return allow.refusal(host, sorted({str(info[4][0]) for info in infos}))
+
+
 async def _kv_snapshot(request: web.Request) -> web.StreamResponse:
-    if (denied := _authorized(request)) is not None:
-        return denied
     producer = request.app[REPLICA].producer
     assert producer is not None, "the producer is created with the replica"
     return await serve_snapshot(producer, request)
 
 
 async def _remove_worker(request: web.Request) -> web.Response:
-    if (denied := _authorized(request)) is not None:
-        return denied
     url = request.query.get("url")
     if not url:
         return bad_request(BadRequest("query parameter 'url' is required", "url"))

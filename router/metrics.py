@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from peer.endpointslices import SliceDiscovery
+    from peer.supervise import Supervisor
     from router.bootstrap import PeerBootstrap
     from router.index import Pump
     from router.loads import LoadMonitor
@@ -89,6 +90,32 @@ class RouterMetrics:
 
     def watch_discovery(self, discovery: SliceDiscovery) -> None:
         self.registry.register(_DiscoveryCollector(discovery))
+
+    def watch_tasks(self, supervisor: Supervisor) -> None:
+        self.registry.register(_TaskCollector(supervisor))
+
+
+class _TaskCollector(Collector):
+    """Background loops (`peer.supervise`): their failures, and those that cannot be kept up."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self._supervisor = supervisor
+
+    def collect(self) -> Iterator[Metric]:
+        yield _counter(
+            "kvrouter_task_failures",
+            "Failures of background loops by kind (each logged with its traceback, then "
+            "retried with backoff)",
+            ["task"],
+            {(kind,): n for kind, n in self._supervisor.failures.items()},
+        )
+        failing = Counter(task.kind for task in self._supervisor.failing())
+        yield _gauge(
+            "kvrouter_tasks_failing",
+            "Background loops failing over and over (a critical one turns /readyz 503)",
+            [((kind,), n) for kind, n in failing.items()],
+            ["task"],
+        )
 
 
 class _StateCollector(Collector):
@@ -229,6 +256,18 @@ class _StateCollector(Collector):
             "kvrouter_breaker_trips", "Times a breaker opened", ["worker"], breaker_trips
         )
         registry_stats = self._workers.stats
+        yield _gauge(
+            "kvrouter_rank_subscriptions",
+            "Worker ranks subscribed to, and how many the socket budget allows (open files, "
+            "ZMQ sockets); a worker past it is refused with reason socket_limit",
+            [(("in_use",), self._workers.subscribed_ranks)]
+            + (
+                [(("budget",), self._workers.max_ranks)]
+                if self._workers.max_ranks is not None
+                else []
+            ),
+            ["kind"],
+        )
         yield _counter(
             "kvrouter_workers_refused",
             "Workers refused at registration, by reason",
@@ -240,6 +279,13 @@ class _StateCollector(Collector):
             "Ready workers whose ranks left the index after failing /health too long",
             [],
             {(): registry_stats.evictions},
+        )
+        yield _counter(
+            "kvrouter_ranks_distrusted",
+            "Ranks cleared because the index held more device blocks than the engine reports "
+            "it can (made-up or lost removals); re-learned from the worker",
+            [],
+            {(): registry_stats.distrusted},
         )
         yield _counter(
             "kvrouter_worker_snapshot_pulls",

@@ -18,20 +18,27 @@ from typing import TYPE_CHECKING
 import aiohttp
 import zmq.asyncio
 
+from cachetree.ranks import RankId
+from cachetree.tiers import DEVICE
+from peer.capacity import CapacityBlocks, overfull_ranks, unknown_capacity
 from peer.fetch import SnapshotFetcher
 from peer.kubeconfig import kube_api_client, resolve_namespace
 from peer.producer import SnapshotProducer
 from peer.registry import PeerRegistry
 from peer.slices import Extraction, Family, SelfIdentity, listen_family
+from peer.supervise import Supervisor
 from peer.tasks import cancel_and_wait
 from peer.tracker import BootstrapTracker
+from router import socket_budget
 from router.bootstrap import PeerBootstrap
 from router.breaker import CircuitBreaker
 from router.index import DEFAULT_INDEX_MAX_BLOCKS, IndexRules, Pump
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
+from router.origin import AllowList
 from router.policy import Policy, make_policy
 from router.proxy import InflightTracker, Proxy, upstream_session
+from router.socket_budget import SocketBudget
 from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from router.tokenize import RequestTokenizer, load_tokenizer
 from router.workers import DiscoveryDefaults, WorkerRegistry
@@ -42,6 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+CAPACITY_CHECK_S = 10.0  # how often the index's per-rank counts meet the engines' capacity
 _ZMQ_TERM_WITHIN_S = 2.0  # the subscribers close with linger 0: term has nothing to wait for
 
 
@@ -80,9 +88,11 @@ class ServeConfig:
     kv_bootstrap_timeout_ms: int = 120_000
     kv_bootstrap_fetch_timeout_cap_ms: int = 300_000
     kv_bootstrap_seed_required: bool = False
-    kv_bootstrap_max_body_mb: int = 1024
     kv_events_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     kv_index_max_blocks: int = DEFAULT_INDEX_MAX_BLOCKS
+    kv_bootstrap_max_body_mb: int = 24  # README "Memory": derived from the manifest's limit
+    worker_snapshot_max_body_mb: int = 32
+    worker_allow_cidr: list[str] = field(default_factory=list)  # for admin-added workers
 
     @property
     def bootstrap_enabled(self) -> bool:
@@ -104,11 +114,14 @@ class Replica:
     inflight: InflightTracker
     sessions: list[aiohttp.ClientSession]
     zmq_context: zmq.asyncio.Context  # the worker subscriptions' sockets; terminated on stop
+    supervisor: Supervisor  # every background loop runs under it (peer.supervise)
+    socket_budget: SocketBudget
     draining: bool = False
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     producer: SnapshotProducer | None = None  # serves /internal/kv_snapshot
     bootstrap: PeerBootstrap | None = None  # peer snapshot bootstrap, when siblings are known
     discovery: SliceDiscovery | None = None  # EndpointSlice watches, when a selector is given
+    worker_allow: AllowList = field(default_factory=AllowList)  # where POST /workers may point
 
 
 async def start_replica(config: ServeConfig) -> Replica:
@@ -149,6 +162,8 @@ async def _compose(
         )
 
     zmq_context = zmq.asyncio.Context()
+    budget = socket_budget.apply(zmq_context)  # before the context's first socket
+    supervisor = Supervisor()
     workers = WorkerRegistry(
         pump,
         control_session,
@@ -164,12 +179,19 @@ async def _compose(
         evict_after_s=config.worker_evict_after_s,
         zmq_context=zmq_context,
         max_message_bytes=config.kv_events_max_message_bytes,
+        supervisor=supervisor,
+        max_ranks=budget.max_ranks,
+        snapshot_max_body_bytes=config.worker_snapshot_max_body_mb * 1024 * 1024,
     )
-    bootstrap = _bootstrap(config, pump, workers) if config.bootstrap_enabled else None
+    capacity_blocks = engine_capacity_blocks(loads)
+    bootstrap = (
+        _bootstrap(config, pump, workers, capacity_blocks) if config.bootstrap_enabled else None
+    )
     workers.bootstrap = bootstrap
     metrics = RouterMetrics()
     metrics.watch(pump, workers, loads, bootstrap)
     metrics.watch_tokenizer(tokenizer)
+    metrics.watch_tasks(supervisor)
     inflight = InflightTracker()
     proxy = Proxy(
         proxy_session,
@@ -182,7 +204,9 @@ async def _compose(
     settled = bootstrap.tracker.settled if bootstrap is not None else (lambda: True)
     # Last of the fallible steps: nothing has started yet if it cannot reach the API server.
     discovery = (
-        await _discovery(config) if config.kv_peer_selector or config.worker_selector else None
+        await _discovery(config, supervisor)
+        if config.kv_peer_selector or config.worker_selector
+        else None
     )
     replica = Replica(
         config,
@@ -196,30 +220,92 @@ async def _compose(
         inflight,
         [control_session, proxy_session],
         zmq_context,
+        supervisor,
+        budget,
         producer=SnapshotProducer(pump.rules, settled=settled),
         bootstrap=bootstrap,
         discovery=discovery,
+        worker_allow=AllowList.parse(config.worker_allow_cidr),
     )
     workers.start()
     if bootstrap is not None:
-        bootstrap.start()
+        bootstrap.start(supervisor)
     if discovery is not None:
         _watch(config, discovery, workers, bootstrap)
         metrics.watch_discovery(discovery)
-    replica.tasks.append(asyncio.create_task(loads.run(), name="kvrouter-loads"))
+    replica.tasks.append(supervisor.spawn("loads", "kvrouter-loads", loads.run))
+    replica.tasks.append(
+        supervisor.spawn(
+            "capacity",
+            "kvrouter-capacity",
+            lambda: _capacity_loop(pump, workers, capacity_blocks, bootstrap),
+        )
+    )
     for url in config.workers:
         await workers.add(url)
     return replica
 
 
-def _bootstrap(config: ServeConfig, pump: Pump, workers: WorkerRegistry) -> PeerBootstrap:
+def engine_capacity_blocks(loads: LoadMonitor) -> CapacityBlocks:
+    """Each rank's device KV capacity in blocks, as its engine reports it; None while unknown.
+
+    The engines' capacity (SGLang `max_total_num_tokens` / page size, vLLM
+    `cache_config_info` `num_gpu_blocks`) is being added to `router.loads` by the routing
+    slice; the lead connects it here at merge. Until then every capacity is unknown, and the
+    checks that take this rule (sibling snapshots in `peer.vet`, the live index in
+    `check_capacity_once`) check nothing.
+    """
+    return unknown_capacity
+
+
+async def check_capacity_once(
+    pump: Pump,
+    workers: WorkerRegistry,
+    capacity_blocks: CapacityBlocks,
+    bootstrap: PeerBootstrap | None = None,
+) -> list[tuple[RankId, int, int]]:
+    """Clear and re-pull every ready rank whose index holds more device blocks than its
+    engine can (`peer.capacity`); ranks still bootstrapping are the graft's business."""
+    tree = pump.rules.tree
+    if tree is None:
+        return []
+    ranks = [
+        rank
+        for worker in workers.workers()
+        if worker.state == "ready"
+        for rank in worker.ranks()
+        if bootstrap is None or not bootstrap.tracker.is_pending(rank)
+    ]
+    over = overfull_ranks(ranks, lambda rank: tree.block_count(rank, DEVICE), capacity_blocks)
+    for rank, blocks, capacity in over:
+        why = f"{blocks} device blocks indexed, its engine reports room for {capacity}"
+        await workers.distrust(rank, why)
+    return over
+
+
+async def _capacity_loop(
+    pump: Pump,
+    workers: WorkerRegistry,
+    capacity_blocks: CapacityBlocks,
+    bootstrap: PeerBootstrap | None,
+) -> None:
+    while True:
+        await asyncio.sleep(CAPACITY_CHECK_S)
+        await check_capacity_once(pump, workers, capacity_blocks, bootstrap)
+
+
+def _bootstrap(
+    config: ServeConfig, pump: Pump, workers: WorkerRegistry, capacity_blocks: CapacityBlocks
+) -> PeerBootstrap:
     tracker = BootstrapTracker(
         config.kv_bootstrap_timeout_ms / 1000,
         config.kv_bootstrap_fetch_timeout_cap_ms / 1000,
         seed_required=config.kv_bootstrap_seed_required,
     )
     if config.peer:
-        registry = PeerRegistry.static(config.peer, config.self_url)
+        # A seeded replica asks its siblings in a reproducible order (tests, benches).
+        rng = random.Random(config.seed) if config.seed is not None else None
+        registry = PeerRegistry.static(config.peer, config.self_url, rng)
     else:
         registry = PeerRegistry(config.self_url)  # synced by the EndpointSlice watch
     fetcher = SnapshotFetcher(
@@ -233,16 +319,24 @@ def _bootstrap(config: ServeConfig, pump: Pump, workers: WorkerRegistry) -> Peer
         tracker.timeout_s,
         tracker.fetch_timeout_s,
     )
-    return PeerBootstrap(pump, tracker, registry, fetcher, block_size=lambda: workers.block_size)
+    return PeerBootstrap(
+        pump,
+        tracker,
+        registry,
+        fetcher,
+        block_size=lambda: workers.block_size,
+        capacity_blocks=capacity_blocks,
+    )
 
 
-async def _discovery(config: ServeConfig) -> SliceDiscovery:
+async def _discovery(config: ServeConfig, supervisor: Supervisor) -> SliceDiscovery:
     # Imported here: kubernetes-asyncio takes seconds to import (see peer.kubeconfig).
     from peer.endpointslices import SliceDiscovery
 
     namespace, source = resolve_namespace(config.namespace, os.environ)
     log.info("EndpointSlice namespace %r (from %s; empty: all)", namespace, source)
-    return SliceDiscovery(await kube_api_client(config.kube_api_server, os.environ), namespace)
+    client = await kube_api_client(config.kube_api_server, os.environ)
+    return SliceDiscovery(client, namespace, supervisor=supervisor)
 
 
 def _watch(

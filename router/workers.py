@@ -33,7 +33,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -44,18 +44,26 @@ import zmq.asyncio
 
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
+from peer.supervise import Supervisor
 from peer.tasks import cancel_and_wait
 from router.breaker import CircuitBreaker
 from router.graft import LocalGraft
 from router.index import Pump
 from router.loads import LoadMonitor
+from router.origin import canonical_origin, origin_problem
 from router.subscriber import (
     DEFAULT_MAX_MESSAGE_BYTES,
     RankEndpoint,
     RankSubscriber,
     SubscriberStats,
 )
-from router.worker_snapshot import WorkerSnapshot, WorkerSnapshotError, decode_worker_snapshot
+from router.worker_snapshot import (
+    DEFAULT_MAX_BODY_BYTES,
+    WorkerSnapshot,
+    WorkerSnapshotError,
+    decode_worker_snapshot,
+    read_body,
+)
 
 if TYPE_CHECKING:
     from peer.tracker import Obligation
@@ -116,17 +124,8 @@ def parse_server_info(body: Any, worker_url: str, defaults: DiscoveryDefaults) -
 
 
 def worker_url_problem(url: str) -> str | None:
-    """Why `url` cannot be a worker's base URL, or None when it can."""
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError for a port out of range
-    except ValueError as exc:
-        return str(exc)
-    if parts.scheme not in ("http", "https"):
-        return "the scheme must be http or https"
-    if not parts.hostname:
-        return "no host"
-    return None
+    """Why `url` cannot be a worker's base URL (an origin, `router.origin`), or None."""
+    return origin_problem(url)
 
 
 def _int(value: object, default: int) -> int:
@@ -168,6 +167,7 @@ class RegistryStats:
     refused: Counter[str] = field(default_factory=Counter)  # reason
     evictions: int = 0  # ready workers whose ranks left the index after failing /health
     snapshot_pulls: Counter[str] = field(default_factory=Counter)  # outcome
+    distrusted: int = 0  # ranks cleared because they carried more than their engine can hold
     health_checks_failed: int = 0
 
 
@@ -187,6 +187,9 @@ class WorkerRegistry:
         request_timeout_s: float = 2.0,
         replay_timeout_s: float = 2.0,
         zmq_context: zmq.asyncio.Context | None = None,
+        supervisor: Supervisor | None = None,
+        max_ranks: int | None = None,
+        snapshot_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.pump = pump
@@ -203,6 +206,12 @@ class WorkerRegistry:
         self._replay_timeout_s = replay_timeout_s
         self._max_message_bytes = max_message_bytes
         self._zmq = zmq_context or zmq.asyncio.Context.instance()
+        self.supervisor = supervisor or Supervisor()
+        self.max_ranks = max_ranks  # the socket budget (router.socket_budget); None: unbounded
+        self.subscribed_ranks = 0  # ranks with subscribers now
+        self.snapshot_max_body_bytes = snapshot_max_body_bytes
+        # One worker snapshot in memory at a time: each may take its bound several times over.
+        self._snapshot_slot = asyncio.Semaphore(1)
         self._workers: dict[str, Worker] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._pulls: dict[str, asyncio.Task[None]] = {}
@@ -232,7 +241,7 @@ class WorkerRegistry:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._health_task = asyncio.create_task(self._health_loop(), name="kvrouter-health")
+        self._health_task = self.supervisor.spawn("health", "kvrouter-health", self._health_loop)
 
     async def close(self) -> None:
         self._closing = True
@@ -277,7 +286,9 @@ class WorkerRegistry:
         # Leave the live set and the tree first, so nothing a subscriber still delivers
         # can bring the ranks back.
         await self.pump.call(lambda rules: rules.forget_ranks(ranks))
-        await cancel_and_wait(worker.tasks)
+        if worker.tasks:
+            self.subscribed_ranks -= len(ranks)
+        await cancel_and_wait(worker.tasks)  # supervised: they end only by cancellation
         pull = self._pulls.pop(url, None)
         if pull is not None:
             pull.cancel()
@@ -302,7 +313,9 @@ class WorkerRegistry:
                 worker.draining = draining
         self._reconcile_wake.set()
         if self._reconciler is None:
-            self._reconciler = asyncio.create_task(self._reconcile(), name="kvrouter-discovered")
+            self._reconciler = self.supervisor.spawn(
+                "discovery", "kvrouter-discovered", self._reconcile
+            )
 
     async def _reconcile(self) -> None:
         while True:
@@ -359,10 +372,20 @@ class WorkerRegistry:
                 "no block size known: pass --block-size (vLLM does not advertise one)",
             )
             return
+        ranks = worker.ranks()
+        if self.max_ranks is not None and self.subscribed_ranks + len(ranks) > self.max_ranks:
+            self._refuse(
+                worker,
+                "socket_limit",
+                f"its {len(ranks)} rank(s) would take this replica past the {self.max_ranks} "
+                f"rank subscriptions its open-file and ZMQ socket limits allow "
+                f"({self.subscribed_ranks} in use); raise the container's RLIMIT_NOFILE "
+                "(ulimit -n) or split the fleet across router deployments",
+            )
+            return
         rules = self.pump.rules
         if rules.tree is None:
             rules.tree = BlockTree(self.block_size)
-        ranks = worker.ranks()
         obligations = self.bootstrap.register_ranks(ranks) if self.bootstrap else []
         await self.pump.call(lambda r: r.add_ranks(ranks))
         for rank in ranks:
@@ -378,15 +401,15 @@ class WorkerRegistry:
                     else None
                 ),
             )
-            sub = RankSubscriber(
-                endpoint,
-                self.pump.deliver,
-                context=self._zmq,
-                replay_timeout_s=self._replay_timeout_s,
-                stats=stats,
-                max_message_bytes=self._max_message_bytes,
+            worker.tasks.append(
+                self.supervisor.spawn(
+                    "subscriber",
+                    subscriber_name(rank),
+                    self._subscriber(endpoint, stats),
+                    critical=False,
+                )
             )
-            worker.tasks.append(asyncio.create_task(sub.run(), name=f"kv-sub {rank}"))
+        self.subscribed_ranks += len(ranks)
         holding_since = time.monotonic()  # after the subscribers started holding
         worker.state = "ready"
         worker.healthy = await self._check_health(worker)
@@ -410,6 +433,24 @@ class WorkerRegistry:
         else:
             self._kick_snapshot_pull(worker.url)
 
+    def _subscriber(
+        self, endpoint: RankEndpoint, stats: SubscriberStats
+    ) -> Callable[[], Awaitable[None]]:
+        """A factory of runs: each restart is a new subscriber (a fresh stream), as
+        `RankSubscriber.run` asks; the stats carry over."""
+
+        def run() -> Awaitable[None]:
+            return RankSubscriber(
+                endpoint,
+                self.pump.deliver,
+                context=self._zmq,
+                replay_timeout_s=self._replay_timeout_s,
+                stats=stats,
+                max_message_bytes=self._max_message_bytes,
+            ).run()
+
+        return run
+
     def _refuse(self, worker: Worker, reason: str, message: str) -> None:
         worker.state = "refused"
         worker.reason = message
@@ -423,17 +464,30 @@ class WorkerRegistry:
     ) -> None:
         """A worker that serves its own snapshot is the source for its ranks; else siblings."""
         assert self.bootstrap is not None
-        outcome, snap = await self._fetch_worker_snapshot(worker)
-        self.stats.snapshot_pulls[outcome] += 1
         rest: list[Obligation] = obligations
-        if snap is not None and self.block_size is not None:
-            try:
-                graft = LocalGraft.from_worker_snapshot(worker.url, snap, self.block_size)
-            except WorkerSnapshotError as exc:
-                log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)
-            else:
-                rest = await self.bootstrap.graft_from_worker(obligations, graft)
+        try:
+            async with self._snapshot_slot:
+                outcome, snap = await self._fetch_worker_snapshot(worker)
+                self.stats.snapshot_pulls[outcome] += 1
+                if snap is not None and self.block_size is not None:
+                    try:
+                        graft = LocalGraft.from_worker_snapshot(worker.url, snap, self.block_size)
+                    except WorkerSnapshotError as exc:
+                        log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)
+                    else:
+                        del snap  # the graft holds what it needs
+                        rest = await self.bootstrap.graft_from_worker(obligations, graft)
+        except Exception as exc:  # the siblings are still asked: nothing is left Pending
+            self.supervisor.failed("bootstrap", f"worker snapshot graft of {worker.url}", exc)
         self.bootstrap.sweep_for(rest, holding_since)
+
+    async def distrust(self, rank: RankId, why: str) -> None:
+        """Clear a rank whose index cannot be true, and pull the worker's snapshot again
+        when it serves one; otherwise the rank is re-learned from its live events."""
+        self.stats.distrusted += 1
+        log.warning("%s: %s; its index is cleared and re-learned", rank, why)
+        await self.pump.call(lambda rules: rules.clear_rank_state(rank))
+        self._on_rank_loss(rank)
 
     def _on_rank_loss(self, rank: RankId) -> None:
         worker = self._workers.get(rank.worker_url)
@@ -453,12 +507,20 @@ class WorkerRegistry:
             worker = self._workers.get(url)
             if worker is None or worker.snapshot_served is False:
                 return
-            outcome = await self._pull_once(worker)
+            try:
+                outcome = await self._pull_once(worker)
+            except Exception as exc:
+                self.supervisor.failed("snapshot_pull", f"snapshot pull of {url}", exc)
+                outcome = "error"
             self.stats.snapshot_pulls[outcome] += 1
             if url not in self._repull:
                 return
 
     async def _pull_once(self, worker: Worker) -> str:
+        async with self._snapshot_slot:
+            return await self._pull_and_apply(worker)
+
+    async def _pull_and_apply(self, worker: Worker) -> str:
         outcome, snap = await self._fetch_worker_snapshot(worker)
         if snap is None:
             return outcome
@@ -482,13 +544,20 @@ class WorkerRegistry:
                     return "not_served", None
                 if resp.status != 200:
                     return "error", None
-                body = await resp.read()
+                worker.snapshot_served = True
+                try:
+                    body = await read_body(resp, self.snapshot_max_body_bytes)
+                except WorkerSnapshotError:
+                    resp.close()  # drop the connection rather than drain the rest
+                    raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("worker %s: /v1/kv-snapshot failed: %s", worker.url, exc)
             return "error", None
-        worker.snapshot_served = True
+        except WorkerSnapshotError as exc:
+            log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)
+            return "rejected", None
         try:
-            return "fetched", decode_worker_snapshot(body)
+            return "fetched", decode_worker_snapshot(body, self.snapshot_max_body_bytes)
         except WorkerSnapshotError as exc:
             log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)
             return "rejected", None
@@ -506,23 +575,28 @@ class WorkerRegistry:
         results = await asyncio.gather(*(self._check_health(w) for w in workers))
         now = self._clock()
         for worker, healthy in zip(workers, results, strict=True):
-            if worker.state == "down":
-                if healthy and self._workers.get(worker.url) is worker:
-                    log.info("worker %s answers /health again: registering it anew", worker.url)
-                    await self.add(worker.url)
-                continue
-            if worker.healthy != healthy:
-                log.warning(
-                    "worker %s is now %s", worker.url, "healthy" if healthy else "unhealthy"
-                )
-            worker.healthy = healthy
-            if healthy:
-                worker.unhealthy_since = None
-                continue
-            if worker.unhealthy_since is None:
-                worker.unhealthy_since = now
-            if evict_due(worker.unhealthy_since, now, self._evict_after_s):
-                await self._evict(worker)
+            try:
+                await self._health_verdict(worker, healthy, now)
+            except Exception as exc:  # one worker's eviction or re-registration must not
+                # stop the others' checks, nor the loop (issue 13, row 1)
+                self.supervisor.failed("health", f"health verdict for {worker.url}", exc)
+
+    async def _health_verdict(self, worker: Worker, healthy: bool, now: float) -> None:
+        if worker.state == "down":
+            if healthy and self._workers.get(worker.url) is worker:
+                log.info("worker %s answers /health again: registering it anew", worker.url)
+                await self.add(worker.url)
+            return
+        if worker.healthy != healthy:
+            log.warning("worker %s is now %s", worker.url, "healthy" if healthy else "unhealthy")
+        worker.healthy = healthy
+        if healthy:
+            worker.unhealthy_since = None
+            return
+        if worker.unhealthy_since is None:
+            worker.unhealthy_since = now
+        if evict_due(worker.unhealthy_since, now, self._evict_after_s):
+            await self._evict(worker)
 
     async def _evict(self, worker: Worker) -> None:
         # Its cache is most likely gone (a crashed or rescheduled engine): keeping its ranks
@@ -560,6 +634,11 @@ class WorkerRegistry:
                 raise ValueError(f"not JSON: {exc}") from None
 
 
+def subscriber_name(rank: RankId) -> str:
+    """The supervised task name of a rank's subscriber (`Supervisor.state` looks it up)."""
+    return f"kv-sub {rank.worker_url}#dp{rank.dp_rank}"
+
+
 def evict_due(unhealthy_since: float | None, now: float, evict_after_s: float) -> bool:
     """Whether a worker failing /health since `unhealthy_since` leaves the index; 0 = never."""
     if evict_after_s <= 0 or unhealthy_since is None:
@@ -572,4 +651,4 @@ class _Absent(Exception):
 
 
 def _normalize(url: str) -> str:
-    return url.rstrip("/")
+    return canonical_origin(url)

@@ -47,6 +47,7 @@ import functools
 import itertools
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -67,6 +68,7 @@ from cachetree.keys import block_keys
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from peer.fetch import SnapshotFetcher
+from router.auth import TOKEN_ENV
 from router.tokenize import BytesTokenizer, render_chat_plain
 from router.tools import view as viewer
 
@@ -130,10 +132,11 @@ def pdeathsig_preexec() -> Callable[[], None] | None:
     return preexec
 
 
-def _child_env() -> dict[str, str]:
-    # The demo configures its children entirely on the command line: a KVROUTER_ variable in
-    # the caller's environment (a token, a policy) must not change what it measures.
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
+def _child_env(extra: dict[str, str]) -> dict[str, str]:
+    # The demo configures its children itself: a KVROUTER_ variable in the caller's
+    # environment (a token, a policy) must not change what it measures.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
+    return {**env, **extra}
 
 
 def _open_log(path: Path) -> BinaryIO:
@@ -145,6 +148,7 @@ class Child:
     name: str
     argv: list[str]
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # on top of the demo's own, cleaned
     proc: asyncio.subprocess.Process | None = None
     started_at: float = 0.0
 
@@ -155,7 +159,7 @@ class Child:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,
-                env=_child_env(),
+                env=_child_env(self.env),
                 start_new_session=True,  # Ctrl-C reaches the demo only; it stops the children
                 preexec_fn=pdeathsig_preexec(),
             )
@@ -268,9 +272,12 @@ class Cluster:
         self.log_dir = log_dir
         self.children: list[Child] = []
         self.workers: list[Worker] = []
+        # The routers' bearer token for /workers and /internal/*, new for every run; handed
+        # over in the environment, not on a command line every local user can read.
+        self.token = secrets.token_hex(16)
 
-    def child(self, name: str, argv: list[str]) -> Child:
-        c = Child(name, argv, self.log_dir / f"{name}.log")
+    def child(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        c = Child(name, argv, self.log_dir / f"{name}.log", env=env or {})
         self.children.append(c)
         return c
 
@@ -331,7 +338,8 @@ class Cluster:
             argv += ["--worker", w.url]
         for peer in peers:
             argv += ["--peer", peer]
-        return Router(name, policy, url, self.child(f"router-{name}", argv), list(peers))
+        child = self.child(f"router-{name}", argv, {TOKEN_ENV: self.token})
+        return Router(name, policy, url, child, list(peers))
 
     async def start_routers(self, routers: Sequence[Router]) -> None:
         await asyncio.gather(*(r.child.start() for r in routers))
@@ -742,7 +750,7 @@ async def quiesce(
     counters = await worker_counters(session, cluster.workers)
     last = {rank: c.last_seq for rank, c in counters.items()}
     deadline = time.monotonic() + QUIESCE_TIMEOUT_S
-    async with SnapshotFetcher() as fetcher:
+    async with SnapshotFetcher(token=cluster.token) as fetcher:
         while True:
             tables = await asyncio.gather(
                 *(viewer.fetch_view(fetcher, session, r.url, cursors_only=True) for r in replicas)
@@ -986,7 +994,7 @@ class Demo:
                 "  (abandoned/uncovered: the siblings held no block of that rank when asked, "
                 "so it starts from the live stream, as they did)"
             )
-        views = await viewer.collect([r.url for r in replicas])
+        views = await viewer.collect([r.url for r in replicas], token=self.cluster.token)
         comparison = viewer.compare(views)
         status = viewer.exit_status(views, comparison)
         out(f"kvrouter view {' '.join(r.url for r in replicas)}  (exit {status})")
@@ -1025,7 +1033,7 @@ class Demo:
             messages = conv.messages(len(conv.replies))
             tokens = prompt_tokens(messages)
             await quiesce(session, self.cluster, replicas)
-            [ref] = await viewer.collect([replicas[0].url])
+            [ref] = await viewer.collect([replicas[0].url], token=self.cluster.token)
             if ref.error is not None or ref.tree is None:
                 raise DemoError(f"{replicas[0].name}: no view: {ref.error}")
             holder = deepest_holder(ref.tree, tokens)
@@ -1149,9 +1157,11 @@ def _print_try_it(out: Out, cluster: Cluster, replicas: Sequence[Router]) -> Non
         '"stream": false}'
     )
     out(f"  curl -si {url}/v1/chat/completions -H 'content-type: application/json' -d '{body}'")
-    out(f"  curl -s {url}/workers")
+    out(f"  export {TOKEN_ENV}={cluster.token}    # this run's token for the admin and peer API")
+    auth = f'-H "Authorization: Bearer ${TOKEN_ENV}"'
+    out(f"  curl -s {auth} {url}/workers")
     out(f"  curl -s {url}/metrics | grep ^kvrouter_kv_bootstrap")
-    out(f"  curl -s '{url}/internal/kv_snapshot?cursors_only=true'")
+    out(f"  curl -s {auth} '{url}/internal/kv_snapshot?cursors_only=true'")
     out(f"  kvrouter view {' '.join(r.url for r in replicas)}")
     for w in cluster.workers:
         out(f"  curl -s {w.url}/control/state    # worker {w.label}")

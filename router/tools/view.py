@@ -45,9 +45,9 @@ from cachetree.tree import BlockTree
 from peer.fetch import Fetched, SnapshotFetcher
 from peer.vet import VetError, VettedSnapshot
 from peer.wire import MSGPACK, PeerSnapshot
+from router.auth import TOKEN_ENV
 from router.tools import watch
 
-TOKEN_ENV: Final = "KVROUTER_INTERNAL_TOKEN"
 DEFAULT_TIMEOUT_S: Final = 30.0
 EXAMPLES: Final = 3  # example keys shown per kind of difference
 
@@ -159,7 +159,8 @@ async def fetch_view(
         return view
     table = await fetcher.fetch_cursors(url, budget_s=timeout_s)
     if not isinstance(table, Fetched):
-        view.error = f"cursor table: {table.reason}"
+        hint = f" (pass --token or set {TOKEN_ENV})" if table.status in (401, 403) else ""
+        view.error = f"cursor table: {table.reason}{hint}"
         return view
     view.cursors = _cursor_table(table.snapshot)
     view.ranks |= _named_ranks(table.snapshot)

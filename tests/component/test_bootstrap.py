@@ -102,7 +102,9 @@ async def test_a_joining_replica_answers_prefix_queries_like_the_warm_one(
         bootstrap = new.replica.bootstrap
         assert bootstrap is not None
         await bootstrap.fetcher.close()
-        bootstrap.fetcher = SnapshotFetcher(accept=accept, gzip=gzip, per_fetch_s=10)
+        bootstrap.fetcher = SnapshotFetcher(
+            accept=accept, gzip=gzip, per_fetch_s=10, token=new.token
+        )
         await add_workers(new, workers)
         await ready(new)
         assert view(new) == view(warm)
@@ -135,7 +137,7 @@ async def format_1_sibling(warm: RouterHandle) -> tuple[web.AppRunner, str, list
         async with warm.session.get(
             warm.url + "/internal/kv_snapshot",
             params=request.query,
-            headers={"Accept": content_type},
+            headers={"Accept": content_type, **warm.headers("/internal/kv_snapshot")},
         ) as resp:
             body = await resp.read()
         served.append(resp.headers["Content-Type"])
@@ -263,7 +265,9 @@ async def lagging_proxy(warm: RouterHandle, lag: int) -> tuple[web.AppRunner, st
 
     async def handler(request: web.Request) -> web.Response:
         async with warm.session.get(
-            warm.url + "/internal/kv_snapshot", params=request.query
+            warm.url + "/internal/kv_snapshot",
+            params=request.query,
+            headers=warm.headers("/internal/kv_snapshot"),
         ) as resp:
             snap = wire.decode(await resp.read(), resp.headers["Content-Type"])
         if not served and not request.query.get("cursors_only"):
@@ -285,7 +289,9 @@ async def test_a_gap_between_snapshot_and_stream_is_retried_once_and_recovers() 
         )
         bootstrap = new.replica.bootstrap
         await bootstrap.fetcher.close()
-        bootstrap.fetcher = SnapshotFetcher(accept=JSON, gzip=False, per_fetch_s=10)
+        bootstrap.fetcher = SnapshotFetcher(
+            accept=JSON, gzip=False, per_fetch_s=10, token=new.token
+        )
         await add_workers(new, [fw])
         await ready(new)
         rank = RankId(fw.url, 0)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from router.auth import PLACEHOLDER_TOKEN
 from router.cli import build_parser
 from tests.support.cluster import ROUTER_READY, Cluster
 from tests.support.fake_worker import fake_worker_in_process
@@ -82,6 +83,14 @@ def invalid_cases(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], str]]
         "env int not an int": ([], {"KVROUTER_DP_SIZE": "abc"}, "KVROUTER_DP_SIZE"),
         "unknown policy from env": ([], {"KVROUTER_POLICY": "nope"}, "nope"),
         "tokenizer path missing": (["--tokenizer", str(tmp / "missing")], {}, "missing"),
+        # what a pod given the manifests' placeholder Secret sees
+        "placeholder token from env": (
+            [],
+            {"KVROUTER_INTERNAL_TOKEN": PLACEHOLDER_TOKEN},
+            "placeholder",
+        ),
+        "peer without a token": (["--peer", "http://127.0.0.1:9"], {}, "--internal-token"),
+        "worker URL with a path": (["--worker", "http://127.0.0.1:9/meta#"], {}, "origin"),
     }
 
 

@@ -16,7 +16,7 @@ from aiohttp import web
 from cachetree.ranks import RankId
 from cachetree.snapshot import Snapshot, canonical_view, restore
 from cachetree.tree import BlockTree
-from peer.fetch import Fetched, SnapshotFetcher, Unreachable
+from peer.fetch import Fetched, Refused, SnapshotFetcher, Unreachable
 from peer.wire import (
     COLUMNS,
     JSON,
@@ -31,7 +31,7 @@ from peer.wire import (
 from router.tokenize import BytesTokenizer
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.ports import free_tcp_port
-from tests.support.router import router_in_process
+from tests.support.router import TEST_TOKEN, router_in_process
 
 TOK = BytesTokenizer()
 MiB = 1 << 20
@@ -139,7 +139,7 @@ async def test_the_client_fetches_a_replicas_export_and_cursor_table() -> None:
     async with (
         fake_worker_in_process(dp_size=2) as fw,
         router_in_process(workers=[fw.url]) as rt,
-        SnapshotFetcher(clock=lambda: 42.0) as fetcher,
+        SnapshotFetcher(clock=lambda: 42.0, token=TEST_TOKEN) as fetcher,
     ):
         await rt.gate(fw, 0)
         await rt.gate(fw, 1)
@@ -232,7 +232,7 @@ async def test_a_malformed_columnar_body_is_no_body(body: bytes) -> None:
     handler = serving(body, **{"Content-Type": COLUMNS})
     async with stub_peer(handler) as peer, SnapshotFetcher() as fetcher:
         result = await fetcher.fetch_snapshot(peer.url, None)
-        assert isinstance(result, Unreachable) and "columnar body" in result.reason
+        assert isinstance(result, Refused) and "columnar body" in result.reason
 
 
 async def test_a_body_under_another_coding_is_not_guessed_at() -> None:
@@ -240,14 +240,14 @@ async def test_a_body_under_another_coding_is_not_guessed_at() -> None:
     handler = serving(body, **{"Content-Type": MSGPACK, "Content-Encoding": "x-gzip"})
     async with stub_peer(handler) as peer, SnapshotFetcher() as fetcher:
         result = await fetcher.fetch_snapshot(peer.url, None)
-        assert isinstance(result, Unreachable) and "not a format-1" in result.reason
+        assert isinstance(result, Refused) and "not a format-1" in result.reason
 
 
 async def test_a_declared_oversized_body_is_refused_before_it_is_read() -> None:
     handler = streaming(b"x" * MiB, 256 * MiB, declare_length=True)
     async with stub_peer(handler) as peer, SnapshotFetcher(max_body_bytes=MiB) as fetcher:
         result = await fetcher.fetch_snapshot(peer.url, None)
-        assert isinstance(result, Unreachable) and "exceeds" in result.reason
+        assert isinstance(result, Refused) and "exceeds" in result.reason
         await peer.finished.wait()
         assert peer.sent < 64 * MiB
 
@@ -256,7 +256,8 @@ async def test_an_oversized_streamed_body_is_cut_off() -> None:
     handler = streaming(b"x" * MiB, 256 * MiB, declare_length=False)
     async with stub_peer(handler) as peer, SnapshotFetcher(max_body_bytes=MiB) as fetcher:
         result = await fetcher.fetch_snapshot(peer.url, None)
-        assert isinstance(result, Unreachable) and "exceeds the 1048576-byte bound" in result.reason
+        # a JSON body (no Content-Type) gets half the bound
+        assert isinstance(result, Refused) and "exceeds the 524288-byte bound" in result.reason
         await peer.finished.wait()
         assert peer.sent < 64 * MiB
 
@@ -281,7 +282,7 @@ async def test_a_gzip_bomb_is_refused_without_inflating_it() -> None:
 
     async with stub_peer(handler) as peer, SnapshotFetcher(max_body_bytes=bound) as fetcher:
         result = await fetcher.fetch_snapshot(peer.url, None)
-        assert isinstance(result, Unreachable), result
+        assert isinstance(result, Refused), result
         assert "inflated body exceeds" in result.reason  # ...but far above it inflated
         await peer.finished.wait()
         assert peer.sent < compressed // 4 and inflated > 1000 * bound
@@ -336,8 +337,18 @@ async def test_a_body_that_stalls_is_abandoned_after_the_stall_timeout() -> None
         assert isinstance(result, Unreachable) and "timed out" in result.reason
 
 
-async def test_a_peer_that_is_not_listening_is_unreachable() -> None:
+async def test_a_peer_that_is_not_listening_is_unreachable_with_the_connection_refused() -> None:
     async with SnapshotFetcher() as fetcher:
         result = await fetcher.fetch_snapshot(f"http://127.0.0.1:{free_tcp_port()}", None)
         assert isinstance(result, Unreachable) and result.status is None
-        assert result.reason.startswith("transport")
+        assert result.reason.startswith("transport") and result.connection_refused
+
+
+async def test_a_silent_peer_is_unreachable_but_not_refused() -> None:
+    async def silent(request: web.Request, peer: Peer) -> web.StreamResponse:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async with stub_peer(silent) as peer, SnapshotFetcher(per_fetch_s=0.2) as fetcher:
+        result = await fetcher.fetch_snapshot(peer.url, 0)
+        assert isinstance(result, Unreachable) and not result.connection_refused

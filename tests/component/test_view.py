@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from cachetree.ranks import RankId
+from router.auth import TOKEN_ENV
 from router.tokenize import BytesTokenizer
 from router.tools import view
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.processes import kvrouter_argv, run_to_end
-from tests.support.router import RouterHandle, router_in_process
+from tests.support.router import TEST_TOKEN, RouterHandle, router_in_process
 
 TOK = BytesTokenizer()
 SYSTEM = "You are a careful assistant who answers in full sentences. " * 3  # 11 blocks
@@ -23,8 +24,12 @@ FIRST = SYSTEM + "First question, and a follow-up of some length."  # 14 blocks
 OTHER = "Another conversation on rank one of the second worker."  # 3 blocks
 
 
-async def run_view(*args: str, within_s: float = 30.0) -> tuple[int, str, str]:
-    status, out, err = await run_to_end(kvrouter_argv("view", *args), within_s=within_s)
+async def run_view(
+    *args: str, token: str = TEST_TOKEN, within_s: float = 30.0
+) -> tuple[int, str, str]:
+    """`kvrouter view ARGS` with `token` in KVROUTER_INTERNAL_TOKEN ("": none)."""
+    env = {TOKEN_ENV: token} if token else {}
+    status, out, err = await run_to_end(kvrouter_argv("view", *args), env=env, within_s=within_s)
     assert status is not None, f"kvrouter view still running after {within_s} s\n{err}"
     return status, out, err
 
@@ -74,7 +79,7 @@ async def fleet(
 
 async def test_replicas_that_applied_the_same_stream_agree() -> None:
     async with fleet() as ([a, b], [w1, w2]):
-        views = await view.collect([a.url, b.url])
+        views = await view.collect([a.url, b.url], token=TEST_TOKEN)
         comparison = view.compare(views)
         assert comparison.agree and view.exit_status(views, comparison) == 0
         assert all(v.ready for v in views)
@@ -132,7 +137,7 @@ async def test_blocks_stored_into_one_replica_only_are_named_with_their_rank() -
 
         planted = await b.replica.pump.call(plant)
         assert planted > 0
-        views = await view.collect([a.url, b.url])
+        views = await view.collect([a.url, b.url], token=TEST_TOKEN)
         comparison = view.compare(views)
         assert not comparison.agree and view.exit_status(views, comparison) == 1
         [diff] = comparison.diffs
@@ -151,7 +156,7 @@ async def test_blocks_stored_into_one_replica_only_are_named_with_their_rank() -
 
 async def test_cursors_only_compares_cursor_tables() -> None:
     async with fleet() as ([a, b], _):
-        views = await view.collect([a.url, b.url], cursors_only=True)
+        views = await view.collect([a.url, b.url], token=TEST_TOKEN, cursors_only=True)
         assert all(v.snapshot is None and v.tree is None for v in views)
         comparison = view.compare(views, cursors_only=True)
         assert comparison.agree
@@ -166,9 +171,13 @@ async def test_the_bearer_token_is_sent_and_required() -> None:
         router_in_process(workers=[w1.url], internal_token="s3cret") as a,
         router_in_process(workers=[w1.url], internal_token="s3cret") as b,
     ):
-        status, out, _ = await run_view(a.url, b.url)
+        status, out, _ = await run_view(a.url, b.url, token="")
+        assert status == 2 and "HTTP 401" in out and f"set {TOKEN_ENV}" in out, out
+        status, out, _ = await run_view(a.url, b.url, token="wrong")
         assert status == 2 and "HTTP 401" in out, out
-        status, out, err = await run_view("--token", "s3cret", a.url, b.url)
+        status, out, err = await run_view("--token", "s3cret", a.url, b.url, token="")
+        assert status == 0, out + err
+        status, out, err = await run_view(a.url, b.url, token="s3cret")  # from the environment
         assert status == 0, out + err
 
 

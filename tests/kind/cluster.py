@@ -32,6 +32,7 @@ import pytest
 from fake_kv_worker.__main__ import parse_args as fake_worker_args
 from fake_kv_worker.config import WorkerConfig
 from tests.support.manifests import (
+    GEN_TOKEN,
     MANIFESTS,
     REPO,
     ROUTER_PROGRAM,
@@ -167,7 +168,10 @@ class KindCluster:
     @classmethod
     async def up(cls, workdir: Path) -> KindCluster:
         name = os.environ.get("KIND_CLUSTER_NAME", DEFAULT_NAME)
-        cluster = cls(name, workdir / "kubeconfig", Rendering(render()))
+        # The deploy step an operator runs: a token of its own in manifests/internal-token.env
+        # (git-ignored; kept if there is one), rendered and applied below.
+        await run(str(GEN_TOKEN))
+        cluster = cls(name, workdir / "kubeconfig", Rendering(render(MANIFESTS)))
         existing = (await run("kind", "get", "clusters")).split()
         if name in existing:
             await run(

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -29,12 +29,13 @@ import aiohttp
 from cachetree.keys import block_keys
 from cachetree.ranks import RankId
 from fake_kv_worker.__main__ import READY_LINE_PREFIX as WORKER_READY
+from router.auth import TOKEN_ENV
 from router.tokenize import BytesTokenizer
 from router.tools import view
 from tests.support.fake_worker import PROBE_TOKEN, FakeWorkerHandle, cli_args, worker_config
 from tests.support.ports import free_tcp_port
 from tests.support.processes import Child, Processes, fake_worker_argv, kvrouter_argv
-from tests.support.router import RouterClient, gate_fleet, quiesce, ranks_of
+from tests.support.router import TEST_TOKEN, RouterClient, gate_fleet, quiesce, ranks_of
 from tests.support.waiting import eventually
 
 ROUTER_READY: Final = "kvrouter listening on "
@@ -64,7 +65,7 @@ FLEET_FLAGS: Final = (
 class RouterProcess(RouterClient):
     """A `kvrouter serve` process and a client for it."""
 
-    child: Child
+    child: Child = field(kw_only=True)
 
     async def wait_ready(self, within_s: float = READY_WITHIN_S) -> None:
         """Until `/readyz` answers 200 (bootstrap settled, a worker routable)."""
@@ -122,12 +123,16 @@ class Cluster:
         env: Mapping[str, str] | None = None,
         fleet_flags: bool = True,
         wait_listening: bool = True,
+        under: Sequence[str] = (),
     ) -> RouterProcess:
         """`kvrouter serve --host 127.0.0.1 --port PORT` with the fleet's flags, then `flags`.
 
         `port` None picks a free one; 0 passes no `--port` (the test sets it through `env`).
+        The replica gets `TEST_TOKEN` through KVROUTER_INTERNAL_TOKEN unless `env` sets it
+        (to "" for a replica without a token); the client sends the same.
         `fleet_flags=False` leaves out `FLEET_FLAGS` (a test of the command line itself).
         With `wait_listening` it returns once the ready line is printed; otherwise at once.
+        `under` is a command to run it under (`prlimit --nofile=128:128`).
         """
         port = free_tcp_port() if port is None else port
         if not port and not wait_listening:
@@ -140,11 +145,13 @@ class Cluster:
         for p in peers:
             argv += ["--peer", p if isinstance(p, str) else p.url]
         argv += flags
-        child = await self.processes.spawn(f"router-{name}", kvrouter_argv(*argv), env=env)
+        env = {TOKEN_ENV: TEST_TOKEN, **(env or {})}
+        argv = [*under, *kvrouter_argv(*argv)]
+        child = await self.processes.spawn(f"router-{name}", argv, env=env)
         url = f"http://127.0.0.1:{port}"
         if wait_listening:
             url = await child.wait_line(ROUTER_READY, START_WITHIN_S)
-        return RouterProcess(url, self.session, child)
+        return RouterProcess(url, self.session, child=child, token=env[TOKEN_ENV] or None)
 
 
 async def wait_all_ready(replicas: Sequence[RouterProcess]) -> None:
@@ -157,7 +164,7 @@ async def agreed_view(replicas: Sequence[RouterClient]) -> view.ReplicaView:
 
     Call it after `quiesce`, or views differ by the batches in flight.
     """
-    got = await view.collect([r.url for r in replicas])
+    got = await view.collect([r.url for r in replicas], token=TEST_TOKEN)
     errors = {v.url: v.error for v in got if v.error is not None}
     assert errors == {}, errors
     comparison = view.compare(got)

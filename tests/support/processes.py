@@ -279,7 +279,11 @@ async def run_to_end(
         out, err = await asyncio.wait_for(proc.communicate(), within_s)
         status = proc.returncode
     except TimeoutError:
-        _kill_group(proc)
+        # The whole group, even when the command itself has exited: a shell script that
+        # stopped early (`set -e`) leaves its background jobs holding the pipes. Its pid
+        # cannot have been reused while they live: it is still their process group's id.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
         out, err = await proc.communicate()
         status = None
     finally:

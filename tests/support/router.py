@@ -4,7 +4,9 @@
         await rt.wait_cursor(fw.url, 0, last_seq)
         resp = await rt.post("/v1/completions", {...})
 
-`RouterClient` speaks only HTTP, so the same calls serve an in-process replica
+`RouterClient` speaks only HTTP and sends the bearer token (`TEST_TOKEN` unless told
+otherwise) to the routes that need it (`router.auth.guarded`); `router_in_process` configures
+the same token, as the cluster's replicas do. The same calls serve an in-process replica
 (`RouterHandle`, which also exposes the app) and a `kvrouter serve` process
 (`tests.support.cluster.RouterProcess`). `wait_cursor` is how a test knows the replica has
 applied a batch: it polls the replica's observable `/workers` view (never a sleep) with a
@@ -16,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Final
 
 import aiohttp
 from aiohttp import web
 
+from router import auth
 from router.app import build_app
 from router.control import REPLICA
 from router.replica import Replica, ServeConfig
@@ -29,13 +32,25 @@ from tests.support.fake_worker import FakeWorkerHandle
 from tests.support.metrics import Scrape
 from tests.support.waiting import eventually
 
+# What every test replica is given (in process, and `kvrouter serve` processes through
+# KVROUTER_INTERNAL_TOKEN) unless a test says otherwise.
+TEST_TOKEN: Final = "test-internal-token-0123456789abcdef"
+
 
 @dataclass
 class RouterClient:
     url: str
     session: aiohttp.ClientSession
+    token: str | None = field(default=TEST_TOKEN, kw_only=True)  # None: send none
+
+    def headers(self, path: str) -> dict[str, str]:
+        """The Authorization header for a guarded route, when the client has a token."""
+        if self.token is None or not auth.guarded(path.split("?", 1)[0]):
+            return {}
+        return {"Authorization": f"Bearer {self.token}"}
 
     async def post(self, path: str, body: Any, **kw: Any) -> tuple[int, Any, dict[str, str]]:
+        kw["headers"] = {**self.headers(path), **kw.get("headers", {})}
         async with self.session.post(self.url + path, json=body, **kw) as resp:
             raw = await resp.read()
             try:
@@ -45,11 +60,15 @@ class RouterClient:
             return resp.status, payload, dict(resp.headers)
 
     async def get(self, path: str) -> tuple[int, Any]:
-        async with self.session.get(self.url + path) as resp:
+        async with self.session.get(self.url + path, headers=self.headers(path)) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+    async def delete(self, path: str) -> tuple[int, Any]:
+        async with self.session.delete(self.url + path, headers=self.headers(path)) as resp:
             return resp.status, await resp.json(content_type=None)
 
     async def text(self, path: str) -> tuple[int, str]:
-        async with self.session.get(self.url + path) as resp:
+        async with self.session.get(self.url + path, headers=self.headers(path)) as resp:
             return resp.status, await resp.text()
 
     async def readyz(self) -> tuple[int, str]:
@@ -162,6 +181,7 @@ async def router_in_process(**config: Any) -> AsyncIterator[RouterHandle]:
     config.setdefault("health_interval_s", 0.2)
     config.setdefault("load_interval_ms", 100)
     config.setdefault("seed", 1)
+    config.setdefault("internal_token", TEST_TOKEN)
     app = build_app(ServeConfig(**config))
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -170,6 +190,8 @@ async def router_in_process(**config: Any) -> AsyncIterator[RouterHandle]:
     port = runner.addresses[0][1]
     try:
         async with aiohttp.ClientSession() as session:
-            yield RouterHandle(f"http://127.0.0.1:{port}", session, app)
+            yield RouterHandle(
+                f"http://127.0.0.1:{port}", session, app, token=config["internal_token"]
+            )
     finally:
         await runner.cleanup()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from router.auth import PLACEHOLDER_TOKEN
 from router.cli import build_parser, parse_args, serve_config
 from router.replica import ServeConfig
 
@@ -101,6 +102,25 @@ def invalid_settings(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], st
         "unknown chat rules": (["--chat-rules", "tgi"], {}, "--chat-rules"),
         "env unknown chat rules": ([], {"KVROUTER_CHAT_RULES": "tgi"}, "KVROUTER_CHAT_RULES"),
         "negative tokenize cache": (["--tokenize-cache-mb", "-1"], {}, "--tokenize-cache-mb"),
+        "placeholder token": (["--internal-token", PLACEHOLDER_TOKEN], {}, "placeholder"),
+        "env placeholder token": (
+            [],
+            {"KVROUTER_INTERNAL_TOKEN": PLACEHOLDER_TOKEN},
+            "placeholder",
+        ),
+        "token with a space": (["--internal-token", "two words"], {}, "whitespace"),
+        "peer without a token": (["--peer", "http://p:1"], {}, "--internal-token"),
+        "peer selector without a token": (["--kv-peer-selector", "a=b"], {}, "--internal-token"),
+        "worker with a path": (["--worker", "http://h:1/latest/meta-data"], {}, "path"),
+        "worker with a query": (["--worker", "http://h:1?x=1"], {}, "query"),
+        "worker with a fragment": (["--worker", "http://h:1#"], {}, "fragment"),
+        "worker with credentials": (["--worker", "http://u:p@h:1"], {}, "credentials"),
+        "peer with a path": (
+            ["--peer", "http://p:1/x", "--internal-token", "t" * 20],
+            {},
+            "path",
+        ),
+        "allow-cidr not a network": (["--worker-allow-cidr", "10.0.0.0/33"], {}, "33"),
     }
 
 

@@ -27,6 +27,8 @@ def test_the_flags_fill_the_config() -> None:
         "serving",
         "--kube-api-server",
         "http://127.0.0.1:8001",
+        "--internal-token",  # siblings found by selector are asked with it
+        "a-token-for-the-siblings-0123456789",
     )
     assert config.worker_selector == "app=fake-kv-worker" and config.worker_port == 8000
     assert config.kv_peer_selector == "kubernetes.io/service-name=kvrouter"

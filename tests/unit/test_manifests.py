@@ -12,6 +12,7 @@ import importlib.util
 import json
 import re
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,10 @@ from typing import Any
 import pytest
 import yaml
 
-from router.cli import build_parser
+from router.auth import PLACEHOLDER_TOKEN, token_problem
+from router.cli import build_parser, parse_args, serve_config
 from tests.support.manifests import (
+    GEN_TOKEN,
     ISSUE_6_FLAGS,
     MANIFESTS,
     REPO,
@@ -643,3 +646,42 @@ def test_the_kind_config_is_a_cluster_with_a_control_plane_and_workers() -> None
     assert (config["apiVersion"], config["kind"]) == ("kind.x-k8s.io/v1alpha4", "Cluster")
     roles = [n["role"] for n in config["nodes"]]
     assert roles.count("control-plane") == 1 and roles.count("worker") >= 1
+
+
+# -- the token: generated at deploy time, never shipped --------------------------------------
+
+
+def test_the_repository_ships_no_token_only_a_placeholder_a_pod_refuses(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tracked = subprocess.run(
+        ["git", "ls-files", "manifests"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert "manifests/internal-token.env" not in tracked
+    ignored = subprocess.run(
+        ["git", "check-ignore", "-q", "manifests/internal-token.env"], cwd=REPO, check=False
+    )
+    assert ignored.returncode == 0, "manifests/internal-token.env must be git-ignored"
+    example = (MANIFESTS / "internal-token.env.example").read_text()
+    assert example.strip() == f"token={PLACEHOLDER_TOKEN}"
+    # What a pod given the placeholder Secret does: refuse to start, one line, exit 2.
+    monkeypatch.setenv("KVROUTER_INTERNAL_TOKEN", PLACEHOLDER_TOKEN)
+    with pytest.raises(SystemExit) as exit_:
+        serve_config(parse_args(["serve"]))
+    assert exit_.value.code == 2
+    assert "placeholder" in capsys.readouterr().err
+
+
+def test_the_token_generator_writes_a_fresh_token_once_and_keeps_it(tmp_path: Path) -> None:
+    env_file = tmp_path / "internal-token.env"
+    env_file.write_text(f"token={PLACEHOLDER_TOKEN}\n")  # the example, copied: replaced
+    subprocess.run([str(GEN_TOKEN), str(env_file)], check=True, capture_output=True)
+    first = env_file.read_text()
+    token = first.strip().removeprefix("token=")
+    assert re.fullmatch(r"[0-9a-f]{64}", token) and token_problem(token) is None
+    assert env_file.stat().st_mode & 0o077 == 0  # its owner's only
+    subprocess.run([str(GEN_TOKEN), str(env_file)], check=True, capture_output=True)
+    assert env_file.read_text() == first  # kept: delete the file to rotate
+    other = tmp_path / "other.env"
+    subprocess.run([str(GEN_TOKEN), str(other)], check=True, capture_output=True)
+    assert other.read_text() != first

@@ -6,8 +6,12 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 from cachetree.ranks import RankId
 from peer.sweep import (
+    BODY_REFUSED,
+    CONNECTION_REFUSED,
     FETCHED_ACCEPTED,
     FLEET_COLD,
     FOUND,
@@ -21,6 +25,7 @@ from peer.sweep import (
     sit_out_passes,
     sweep,
 )
+from tests.support.waiting import eventually
 
 R1 = RankId("http://w1", 0)
 R2 = RankId("http://w2", 0)
@@ -236,3 +241,91 @@ async def test_unreachable_peers_time_out_with_the_last_reason() -> None:
     assert result.outcome == TIMED_OUT
     assert "connection refused" in result.last_reason
     assert fleet.tallies.count("unreachable") == len(fleet.asked) >= 1
+
+
+# -- hardening: bodies refused, addresses refused, hedged passes (issue 13 rows 6, 7) -------
+
+
+async def test_a_refused_body_rejects_the_peer_for_good_and_is_never_fetched_again() -> None:
+    fleet = Fleet({"bomb": [None], "cold": [Body([])]})
+    refused = {"bomb"}
+    plain_fetch = fleet.fetch
+
+    async def fetch(peer: str, max_age_s: float) -> FetchOutcome:
+        out = await plain_fetch(peer, max_age_s)
+        if peer in refused:
+            return FetchOutcome(None, fleet.now, "inflated body exceeds the bound", BODY_REFUSED)
+        return out
+
+    fleet.fetch = fetch  # type: ignore[method-assign]
+    result, _ = await sweep([Ob(R1, 1)], fleet.deps(Registry(["bomb", "cold"])), 60.0, 100.0)
+    assert result.outcome == FLEET_COLD  # the bomb counts as an answer: rejected
+    assert [peer for peer, _ in fleet.asked].count("bomb") == 1
+    assert fleet.tallies.count(BODY_REFUSED) == 1 and fleet.now < 110  # no deadline waited
+
+
+async def test_a_refused_connection_is_a_cold_witness_at_once() -> None:
+    fleet = Fleet({"gone": [None]})
+    plain_fetch = fleet.fetch
+
+    async def fetch(peer: str, max_age_s: float) -> FetchOutcome:
+        await plain_fetch(peer, max_age_s)
+        return FetchOutcome(None, fleet.now, "connection refused", CONNECTION_REFUSED)
+
+    fleet.fetch = fetch  # type: ignore[method-assign]
+    result, _ = await sweep([Ob(R1, 1)], fleet.deps(Registry(["gone"])), 120.0, 100.0)
+    assert result.outcome == FLEET_COLD and len(fleet.asked) == 1
+    assert fleet.tallies == [CONNECTION_REFUSED] and fleet.now == 100.0  # first pass
+
+
+class Hanging:
+    """A fetch per peer that never returns until cancelled (a sibling trickling 1 B / 20 s)."""
+
+    def __init__(self, fleet: Fleet, slow: set[str]) -> None:
+        self.fleet, self.slow = fleet, slow
+        self.plain = fleet.fetch
+        self.cancelled: list[str] = []
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    async def __call__(self, peer: str, max_age_s: float) -> FetchOutcome:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if peer in self.slow:
+                self.fleet.asked.append((peer, max_age_s))
+                await asyncio.Event().wait()
+            return await self.plain(peer, max_age_s)
+        except asyncio.CancelledError:
+            self.cancelled.append(peer)
+            raise
+        finally:
+            self.in_flight -= 1
+
+
+async def test_a_slow_sibling_first_in_line_does_not_hold_up_a_good_one() -> None:
+    fleet = Fleet({"slow": [None], "good": [Body([1], frozenset({R1}))]})
+    fleet.fetch = hanging = Hanging(fleet, {"slow"})  # type: ignore[method-assign]
+    deps = fleet.deps(Registry(["slow", "good"]))
+    deps.hedge_after_s = 0.0  # the hedge is due at once: what matters is that it happens
+    result, _ = await asyncio.wait_for(sweep([Ob(R1, 1)], deps, 120.0, 100.0), 5)
+    assert result.outcome == FOUND and result.peer == "good"
+    assert [p for p, _ in fleet.asked] == ["slow", "good"]
+    assert hanging.cancelled == ["slow"]  # the straggler is dropped with its partial body
+
+
+async def test_no_more_than_max_in_flight_fetches_run_at_once() -> None:
+    fleet = Fleet({p: [None] for p in ("s1", "s2", "s3")} | {"good": [Body([1], frozenset({R1}))]})
+    fleet.fetch = hanging = Hanging(fleet, {"s1", "s2", "s3"})  # type: ignore[method-assign]
+    deps = fleet.deps(Registry(["s1", "s2", "s3", "good"]))
+    deps.hedge_after_s = 0.0
+    task = asyncio.create_task(sweep([Ob(R1, 1)], deps, 120.0, 100.0))
+    await eventually(lambda: hanging.in_flight == 2, 5)
+    for _ in range(50):  # the pass has every chance to start another one; it must not
+        await asyncio.sleep(0)
+    assert hanging.most_in_flight == deps.max_in_flight == 2
+    assert [p for p, _ in fleet.asked] == ["s1", "s2"]  # s3 and good wait for a free slot
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sorted(hanging.cancelled) == ["s1", "s2"]

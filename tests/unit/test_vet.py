@@ -1,6 +1,6 @@
 import random
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -237,9 +237,10 @@ def test_a_malformed_worker_entry_is_rejected() -> None:
     assert (error.outcome, error.reason) == (REJECTED, "malformed_worker")
 
 
-def test_the_same_url_with_another_dp_rank_is_another_rank() -> None:
+def test_a_dp_rank_a_live_worker_does_not_have_is_implausible_and_rejected() -> None:
+    """Not churn (a worker's ranks come and go together): a rank the fleet does not have."""
     error = refused(body([(None, 11, [(0, DEVICE, 101)])], workers=[("http://a:8000", 5)]))
-    assert error.reason == "nothing_usable"
+    assert (error.outcome, error.reason) == (REJECTED, "unknown_rank")
 
 
 # -- cursors -------------------------------------------------------------------------------
@@ -512,14 +513,14 @@ def run_in_steps(job, budget: int) -> tuple[VettedSnapshot, int]:
 def test_vetting_in_small_steps_gives_what_one_call_gives(budget: int) -> None:
     tree = populated(seed=5)
     snap = to_wire(export(tree), {A0: 3, B0: 4})
-    live = [A0, B0]  # A1 unknown: carriers dropped, nodes pruned, the table renumbered
+    live = [A0, A1]  # worker b unknown: carriers dropped, nodes pruned, the table renumbered
     whole = VettedSnapshot.from_wire(snap, live, BS)
     chunked, steps = run_in_steps(Vetting(snap, live, BS), budget)
     assert steps > len(snap.nodes) // budget
     assert columns(chunked.snapshot) == columns(whole.snapshot)
     assert chunked == whole
-    kept, _ = run_in_steps(Retaining(whole, [B0]), budget)
-    assert columns(kept.snapshot) == columns(whole.retain_workers([B0]).snapshot)
+    kept, _ = run_in_steps(Retaining(whole, [A1]), budget)
+    assert columns(kept.snapshot) == columns(whole.retain_workers([A1]).snapshot)
 
 
 def test_a_failure_in_a_later_chunk_surfaces_from_step_and_stays() -> None:
@@ -566,12 +567,12 @@ def test_a_real_export_survives_the_wire_vetting_and_restore_unchanged(content_t
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_vetting_without_a_rank_equals_the_tree_that_rank_never_stored_in(seed: int) -> None:
+def test_vetting_without_a_worker_equals_the_tree_its_ranks_never_stored_in(seed: int) -> None:
     tree = populated(seed)
-    gone = random.Random(seed).choice([A0, A1, B0])
-    live = LIVE - {gone}
+    gone = random.Random(seed).choice([[A0, A1], [B0]])  # a worker goes with all its ranks
+    live = LIVE - set(gone)
     vetted = VettedSnapshot.from_wire(to_wire(export(tree)), live, BS)
-    assert canonical_view(restored(vetted)) == canonical_view(without(tree, gone))
+    assert canonical_view(restored(vetted)) == canonical_view(without(tree, *gone))
     assert set(vetted.snapshot.workers) <= live
 
 
@@ -615,10 +616,10 @@ def test_vetting_columns_gives_what_vetting_the_same_format_1_body_gives(
 ) -> None:
     tree = populated(seed)
     snap = to_wire(export(tree), {A0: 3, B0: 4})
-    # A1 unknown (dropped, pruned, renumbered), a stranger in the table, an unknown tier bit.
+    # Worker b unknown (dropped, pruned, renumbered), a stranger, an unknown tier bit.
     snap.workers.append(WireWorker(STRANGER.worker_url, STRANGER.dp_rank))
     snap.nodes.append(WireNode(None, 7, [(3, DEVICE, 1), (0, HOST | 64, 2)]))
-    for live in (LIVE, frozenset({A0, B0})):
+    for live in (LIVE, frozenset({A0, A1})):
         expected = VettedSnapshot.from_wire(snap, live, BS)
         got, _ = run_in_steps(Vetting(as_columns(snap), live, BS), budget)
         assert got == expected and columns(got.snapshot) == columns(expected.snapshot)
@@ -669,3 +670,52 @@ def test_columns_carried_only_on_unknown_tiers_are_dropped_then_nothing_usable()
 def test_a_cold_columnar_body_is_a_cold_peer() -> None:
     error = refused(as_columns(body(CHAIN, producer_ready=False)))  # type: ignore[arg-type]
     assert (error.outcome, error.reason) == (COLD_PEER, "producer_cold")
+
+
+# -- capacity: more device blocks than the engine holds (issue 13, row 8) ------------------
+
+
+def capacity_of(table: dict[RankId, int]) -> Callable[[RankId], int | None]:
+    return table.get
+
+
+def chain_on(worker: int, n: int, tier: int = DEVICE) -> list:
+    return [(None if i == 0 else i - 1, 1000 + i, [(worker, tier, 5000 + i)]) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    "capacity,accepted",
+    [
+        (None, True),  # unknown: nothing to check
+        (100, True),
+        (91, True),  # 100 <= 91 * 1.1: within the margin
+        (90, False),  # 100 > 99
+        (0, False),
+    ],
+)
+def test_a_rank_with_more_device_blocks_than_its_engine_holds_is_rejected(
+    capacity: int | None, accepted: bool
+) -> None:
+    snap = body(chain_on(0, 100), cursors=[(0, 5)])
+    table = {} if capacity is None else {A0: capacity}
+    if accepted:
+        assert len(VettedSnapshot.from_wire(snap, LIVE, BS, capacity_of(table)).snapshot) == 100
+    else:
+        with pytest.raises(VetError) as caught:
+            VettedSnapshot.from_wire(snap, LIVE, BS, capacity_of(table))
+        assert (caught.value.outcome, caught.value.reason) == (REJECTED, "over_capacity")
+        assert "A0" not in str(caught.value) and "100 device blocks" in str(caught.value)
+
+
+def test_blocks_on_slower_tiers_do_not_count_against_the_device_capacity() -> None:
+    snap = body(chain_on(0, 50, HOST), cursors=[(0, 5)])
+    vetted = VettedSnapshot.from_wire(snap, LIVE, BS, capacity_of({A0: 10}))
+    assert len(vetted.snapshot) == 50
+
+
+def test_the_capacity_check_gives_the_same_verdict_on_columns(budget: int = 7) -> None:
+    snap = body(chain_on(1, 40), cursors=[(1, 5)])
+    for encoded in (snap, as_columns(snap)):
+        job = Vetting(encoded, LIVE, BS, capacity_of({A1: 20}))
+        with pytest.raises(VetError, match="over_capacity"):
+            run_in_steps(job, budget)

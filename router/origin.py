@@ -1,0 +1,118 @@
+"""Worker and sibling URLs are origins: scheme, host and port, nothing else.
+
+Rules of this file: no I/O. `origin_problem` says why a URL cannot name a worker (or a
+sibling), `canonical_origin` spells an accepted one the one way the registry keys it, and
+`AllowList` is `--worker-allow-cidr`: the networks an admin-added worker may live in.
+
+Why origins only: the router appends its own paths (`/server_info`, `/health`, `/v1/loads`,
+`/v1/kv-snapshot`, the completion routes) to a worker's URL. A path, a query or a fragment
+would let whoever registers a worker choose what the router fetches and relays instead
+(`http://127.0.0.1:29999/latest/meta-data/iam#` turned every completion into a read of a
+metadata service, its answer relayed to the client). Credentials in a URL would be sent to
+every path and logged with it. So none of them is accepted, not even empty (`?` or `#` at
+the end), and nothing is silently dropped either: a caller learns what was wrong.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` is not an http(s) URL with a host (a path is fine), or None."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme not in ("http", "https"):
+        return "the scheme must be http or https"
+    return None if parts.hostname else "no host"
+
+
+def origin_problem(url: str) -> str | None:
+    """Why `url` is not an http(s) origin, or None when it is one."""
+    if any(c.isspace() or ord(c) < 0x20 or c == "\\" for c in url):
+        return "whitespace, control characters or backslashes are not allowed"
+    if (problem := url_problem(url)) is not None:
+        return problem
+    parts = urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        return "credentials are not allowed in a worker URL (an origin: scheme://host:port)"
+    if parts.path not in ("", "/"):
+        return f"path {parts.path!r} is not allowed (an origin: scheme://host:port)"
+    if "?" in url:
+        return "a query is not allowed (an origin: scheme://host:port)"
+    if "#" in url:
+        return "a fragment is not allowed (an origin: scheme://host:port)"
+    return None
+
+
+def canonical_origin(url: str) -> str:
+    """`scheme://host[:port]`, scheme and host in lower case, no trailing slash.
+
+    Only for URLs `origin_problem` accepts; anything else is returned with its trailing
+    slashes stripped, so a lookup of a malformed URL finds nothing rather than raising.
+    """
+    if origin_problem(url) is not None:
+        return url.rstrip("/")
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    port = f":{parts.port}" if parts.port is not None else ""
+    return f"{parts.scheme}://{host}{port}"
+
+
+def host_of(url: str) -> str:
+    return urlsplit(url).hostname or ""
+
+
+@dataclass(frozen=True, slots=True)
+class AllowList:
+    """`--worker-allow-cidr`: networks an admin-added worker's addresses must all be in.
+
+    Empty means no restriction (the bearer token is then the only gate).
+    """
+
+    networks: tuple[IPNetwork, ...] = ()
+
+    @classmethod
+    def parse(cls, cidrs: Iterable[str]) -> AllowList:
+        """Raises ValueError naming the entry that is not a network."""
+        networks = []
+        for cidr in cidrs:
+            try:
+                networks.append(ipaddress.ip_network(cidr.strip(), strict=False))
+            except ValueError as exc:
+                raise ValueError(f"{cidr!r} is not a CIDR network: {exc}") from None
+        return cls(tuple(networks))
+
+    @property
+    def restricts(self) -> bool:
+        return bool(self.networks)
+
+    def refusal(self, host: str, addresses: Sequence[str]) -> str | None:
+        """Why a worker at `host`, which resolves to `addresses`, is refused; None if allowed."""
+        if not self.networks:
+            return None
+        if not addresses:
+            return f"{host} resolves to no address"
+        for raw in addresses:
+            try:
+                address = ipaddress.ip_address(raw.split("%", 1)[0])
+            except ValueError:
+                return f"{host} resolves to {raw!r}, not an IP address"
+            mapped = getattr(address, "ipv4_mapped", None)
+            if mapped is not None:
+                address = mapped
+            if not any(address in net for net in self.networks):
+                allowed = ", ".join(str(n) for n in self.networks)
+                return f"{host} ({address}) is outside --worker-allow-cidr ({allowed})"
+        return None

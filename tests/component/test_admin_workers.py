@@ -1,0 +1,82 @@
+"""POST /workers over real HTTP: only origins, only inside --worker-allow-cidr, and a refused
+worker is never contacted."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from tests.support.fake_worker import fake_worker_in_process
+from tests.support.router import router_in_process
+
+
+@contextlib.asynccontextmanager
+async def listener() -> AsyncIterator[tuple[str, list[str]]]:
+    """An HTTP server on loopback that records every path asked of it (the SSRF target)."""
+    asked: list[str] = []
+
+    async def anything(request: web.Request) -> web.Response:
+        asked.append(request.path_qs)
+        return web.json_response({"secret": "instance credentials"})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", anything)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", asked
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_url_with_a_path_query_fragment_or_credentials_is_a_400_and_never_fetched() -> None:
+    async with listener() as (origin, asked), router_in_process() as rt:
+        for url in (
+            f"{origin}/latest/meta-data/iam#",
+            f"{origin}/latest/meta-data/iam",
+            f"{origin}?x=",
+            f"{origin}#",
+            origin.replace("http://", "http://user:pw@"),
+        ):
+            status, body, _ = await rt.post("/workers", {"url": url})
+            assert status == 400, (url, body)
+            assert body["error"]["param"] == "url" and "origin" in body["error"]["message"]
+        assert asked == []
+        assert rt.replica.workers.workers() == []
+
+
+async def test_outside_the_allow_list_a_worker_is_refused_with_403_and_never_fetched() -> None:
+    async with (
+        listener() as (origin, asked),
+        router_in_process(worker_allow_cidr=["10.0.0.0/8"]) as rt,
+    ):
+        status, body, _ = await rt.post("/workers", {"url": origin})
+        assert status == 403, body
+        assert "--worker-allow-cidr" in body["error"]["message"]
+        status, body, _ = await rt.post("/workers", {"url": "http://localhost:9"})
+        assert status == 403 and "outside" in body["error"]["message"], body
+        assert asked == [] and rt.replica.workers.workers() == []
+
+
+async def test_inside_the_allow_list_a_worker_is_added() -> None:
+    async with (
+        fake_worker_in_process() as fw,
+        router_in_process(worker_allow_cidr=["127.0.0.0/8"]) as rt,
+    ):
+        status, body, _ = await rt.post("/workers", {"url": fw.url + "/"})
+        assert status == 200, body
+        assert body["url"] == fw.url and body["state"] == "ready"
+        assert [w.url for w in rt.replica.workers.routable()] == [fw.url]
+
+
+async def test_flags_are_not_subject_to_the_allow_list() -> None:
+    """The list guards the admin API; the operator's own --worker flags are trusted."""
+    async with (
+        fake_worker_in_process() as fw,
+        router_in_process(workers=[fw.url], worker_allow_cidr=["10.0.0.0/8"]) as rt,
+    ):
+        assert [w.url for w in rt.replica.workers.routable()] == [fw.url]

@@ -1,0 +1,110 @@
+"""The control plane's guarded routes over real HTTP: refused without the token, and nothing
+changes when they are; the probes and the scrape stay open."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from router import auth
+from tests.support.fake_worker import fake_worker_in_process
+from tests.support.router import RouterHandle, router_in_process
+
+TOKEN = "component-test-token-0123456789"
+
+
+async def call(
+    rt: RouterHandle, method: str, path: str, headers: dict[str, str] | None = None, **kw
+) -> tuple[int, dict, dict[str, str]]:
+    async with (
+        aiohttp.ClientSession() as session,  # no default headers at all
+        session.request(method, rt.url + path, headers=headers or {}, **kw) as resp,
+    ):
+        return resp.status, await resp.json(content_type=None), dict(resp.headers)
+
+
+def guarded_calls(worker_url: str) -> list[tuple[str, str, dict]]:
+    return [
+        ("GET", "/workers", {}),
+        ("POST", "/workers", {"json": {"url": "http://127.0.0.1:9"}}),
+        ("DELETE", f"/workers?url={worker_url}", {}),
+        ("GET", "/internal/kv_snapshot", {}),
+        ("GET", "/internal/kv_snapshot?cursors_only=true", {}),
+    ]
+
+
+async def test_without_a_configured_token_every_guarded_route_is_refused_naming_the_flag() -> None:
+    async with (
+        fake_worker_in_process() as fw,
+        router_in_process(workers=[fw.url], internal_token=None) as rt,
+    ):
+        for method, path, kw in guarded_calls(fw.url):
+            for headers in ({}, {"Authorization": "Bearer "}, {"Authorization": "Bearer x"}):
+                status, body, _ = await call(rt, method, path, headers, **kw)
+                assert status == 403, (method, path, body)
+                assert "--internal-token" in body["error"]["message"]
+                assert auth.TOKEN_ENV in body["error"]["message"]
+        # nothing changed: the worker is still the only one, and routable
+        assert [w.url for w in rt.replica.workers.workers()] == [fw.url]
+        assert rt.replica.workers.routable()
+
+
+async def test_a_missing_or_wrong_token_is_a_401_challenge_and_changes_nothing() -> None:
+    async with (
+        fake_worker_in_process() as fw,
+        router_in_process(workers=[fw.url], internal_token=TOKEN) as rt,
+    ):
+        for method, path, kw in guarded_calls(fw.url):
+            for headers in (
+                {},
+                {"Authorization": "Bearer wrong"},
+                {"Authorization": f"Basic {TOKEN}"},
+                {"Authorization": f"Bearer {TOKEN}extra"},
+            ):
+                status, body, got = await call(rt, method, path, headers, **kw)
+                assert status == 401, (method, path, headers, body)
+                assert got["WWW-Authenticate"].startswith("Bearer")
+        assert [w.url for w in rt.replica.workers.workers()] == [fw.url]
+        assert rt.replica.workers.routable()
+        assert rt.replica.producer is not None and rt.replica.producer.stats.builds == 0
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])
+async def test_the_right_token_passes_whatever_the_case_of_the_scheme(scheme: str) -> None:
+    async with (
+        fake_worker_in_process() as fw,
+        router_in_process(workers=[fw.url], internal_token=TOKEN) as rt,
+    ):
+        headers = {"Authorization": f"{scheme} {TOKEN}"}
+        status, body, _ = await call(rt, "GET", "/workers", headers)
+        assert status == 200 and [w["url"] for w in body["workers"]] == [fw.url]
+        status, body, _ = await call(rt, "DELETE", f"/workers?url={fw.url}", headers)
+        assert status == 200 and rt.replica.workers.workers() == []
+
+
+async def test_every_registered_route_under_a_guarded_path_is_guarded() -> None:
+    """A route added later under /internal/ or /workers cannot forget the guard."""
+    async with router_in_process(internal_token=TOKEN) as rt:
+        routes = [
+            (route.method, route.resource.canonical)
+            for route in rt.app.router.routes()
+            if route.resource is not None and auth.guarded(route.resource.canonical)
+        ]
+        assert {path for _, path in routes} == {"/workers", "/internal/kv_snapshot"}
+        for method, path in routes:
+            if method == "HEAD":
+                continue
+            status, _, _ = await call(rt, method, path)
+            assert status == 401, (method, path)
+
+
+async def test_the_probes_the_scrape_and_the_model_list_stay_open() -> None:
+    async with (
+        fake_worker_in_process() as fw,
+        router_in_process(workers=[fw.url], internal_token=TOKEN) as rt,
+    ):
+        assert (await call(rt, "GET", "/healthz"))[0] == 200
+        assert (await call(rt, "GET", "/readyz"))[0] == 200
+        assert (await call(rt, "GET", "/v1/models"))[0] == 200
+        async with aiohttp.ClientSession() as session, session.get(rt.url + "/metrics") as resp:
+            assert resp.status == 200 and "kvrouter_tree_nodes" in await resp.text()

@@ -1,0 +1,129 @@
+"""Issue 13, row 1, at the registry: subscribers that cannot get a socket, and the health loop.
+
+A real ZMQ context whose socket limit is smaller than the worker's rank count makes the
+subscribers past it fail with "Too many open files" (the error a replica past 1,023 sockets
+saw). Before: those subscriber tasks died silently, the worker's eviction re-raised their
+error, and the health loop died with it: the next worker to die was never noticed, and
+removing the first raised. Real fake workers, a real pump, real HTTP and ZMQ on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import aiohttp
+import zmq
+import zmq.asyncio
+
+from peer.supervise import Supervisor
+from router.index import IndexRules, Pump
+from router.loads import LoadMonitor
+from router.workers import WorkerRegistry, subscriber_name
+from router.zmq_term import terminate_context
+from tests.support.clock import ManualClock
+from tests.support.fake_worker import fake_worker_in_process
+from tests.support.router import router_in_process
+from tests.support.waiting import eventually
+
+SOCKET_LIMIT = 4
+
+
+@contextlib.asynccontextmanager
+async def registry(context: zmq.asyncio.Context) -> AsyncIterator[WorkerRegistry]:
+    pump = Pump(IndexRules())
+    pump.start()
+    async with aiohttp.ClientSession() as session:
+        loads = LoadMonitor(session, interval_s=10)
+        workers = WorkerRegistry(
+            pump,
+            session,
+            loads,
+            block_size=16,
+            health_interval_s=0.05,
+            evict_after_s=0.2,
+            zmq_context=context,
+        )
+        workers.start()
+        try:
+            yield workers
+        finally:
+            await workers.close()
+            await pump.stop()
+
+
+async def test_the_health_loop_outlives_subscribers_that_cannot_get_a_socket() -> None:
+    context = zmq.asyncio.Context()
+    context.set(zmq.MAX_SOCKETS, SOCKET_LIMIT)  # before its first socket, or it is ignored
+    try:
+        async with (
+            fake_worker_in_process(dp_size=SOCKET_LIMIT + 4) as wide,
+            fake_worker_in_process() as other,
+            registry(context) as workers,
+        ):
+            await workers.add(wide.url)
+            ranks = workers.get(wide.url).ranks()  # type: ignore[union-attr]
+            supervised = [r for r in ranks if workers.supervisor.state(subscriber_name(r))]
+            assert supervised == ranks  # every rank has a supervised subscriber
+
+            async def refused_sockets() -> bool:
+                return workers.supervisor.failures["subscriber"] >= 4
+
+            await eventually(refused_sockets, 5)  # the ranks past the limit, restarting
+            states = [workers.supervisor.state(subscriber_name(r)) for r in ranks]
+            assert all(s is not None for s in states)  # none of them died
+            assert any("Too many open files" in s.last_error for s in states if s is not None)
+
+            await workers.add(other.url)
+            assert {w.url for w in workers.routable()} == {wide.url, other.url}
+            assert wide.worker is not None and other.worker is not None
+
+            # The wide worker crashes: it is evicted, its subscribers cancelled, nothing raised.
+            await wide.worker.stop(send_end=False)
+
+            async def evicted() -> bool:
+                return workers.get(wide.url).state == "down"  # type: ignore[union-attr]
+
+            await eventually(evicted, 10)
+            assert workers.stats.evictions == 1 and workers.subscribed_ranks == 1
+
+            # The health loop still runs: the next worker to crash is noticed.
+            await other.worker.stop(send_end=False)
+
+            async def noticed() -> bool:
+                return not workers.routable()
+
+            await eventually(noticed, 10)
+            assert await workers.remove(wide.url) and await workers.remove(other.url)
+            assert workers.supervisor.failures["health"] == 0
+    finally:
+        await terminate_context(context, within_s=2.0, what="test")
+
+
+async def test_readyz_is_503_naming_a_critical_loop_that_cannot_be_kept_alive() -> None:
+    clock = ManualClock()
+
+    async def instant(seconds: float) -> None:
+        clock.advance(seconds)
+        await asyncio.sleep(0)
+
+    async def hopeless() -> None:
+        raise OSError(24, "Too many open files")
+
+    async with fake_worker_in_process() as fw, router_in_process(workers=[fw.url]) as rt:
+        assert (await rt.readyz())[0] == 200
+        supervisor = Supervisor(clock=clock, sleep=instant)
+        rt.replica.supervisor = supervisor  # a real supervisor whose backoff takes no time
+        loops = [
+            supervisor.spawn("health", "kvrouter-health", hopeless),
+            supervisor.spawn("subscriber", "kv-sub x#dp0", hopeless, critical=False),
+        ]
+        await eventually(lambda: len(supervisor.failing()) == 2, 5)
+        status, reason = await rt.readyz()
+        assert status == 503 and reason.startswith("background task failing: kvrouter-health")
+        assert "Too many open files" in reason and "kv-sub" not in reason  # per rank: no
+        for loop in loops:
+            loop.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        assert (await rt.readyz())[0] == 200

@@ -1,0 +1,76 @@
+"""Worker URLs are origins (`router.origin`): the table of what is accepted and how it is spelt."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from router.origin import AllowList, canonical_origin, origin_problem
+
+
+@pytest.mark.parametrize(
+    "url,canonical",
+    [
+        ("http://127.0.0.1:8000", "http://127.0.0.1:8000"),
+        ("http://127.0.0.1:8000/", "http://127.0.0.1:8000"),
+        ("https://Worker-0.EXAMPLE:443", "https://worker-0.example:443"),
+        ("HTTP://w:1", "http://w:1"),
+        ("http://[::1]:8000", "http://[::1]:8000"),
+        ("http://w", "http://w"),
+    ],
+)
+def test_an_origin_is_accepted_and_spelt_one_way(url: str, canonical: str) -> None:
+    assert origin_problem(url) is None
+    assert canonical_origin(url) == canonical
+
+
+@pytest.mark.parametrize(
+    "url,word",
+    [
+        ("http://127.0.0.1:29999/latest/meta-data/iam#", "path"),  # the issue's SSRF
+        ("http://w:1/v1", "path"),
+        ("http://w:1//", "path"),
+        ("http://w:1?x=1", "query"),
+        ("http://w:1/?", "query"),
+        ("http://w:1?", "query"),
+        ("http://w:1#", "fragment"),
+        ("http://w:1/#x", "fragment"),
+        ("http://user:pass@w:1", "credentials"),
+        ("http://user@w:1", "credentials"),
+        ("ftp://w:1", "scheme"),
+        ("w:1", "scheme"),
+        ("http://", "no host"),
+        ("http://w:99999", "out of range"),
+        ("http://w:1\r\nX: y", "control"),
+        ("http://w :1", "whitespace"),
+        ("http://w:1\\@evil", "backslash"),
+    ],
+)
+def test_anything_but_an_origin_is_refused_with_the_reason(url: str, word: str) -> None:
+    problem = origin_problem(url)
+    assert problem is not None and word in problem, problem
+
+
+@pytest.mark.parametrize(
+    "cidrs,host,addresses,allowed",
+    [
+        ([], "anything", ["169.254.169.254"], True),  # no list: no restriction
+        (["10.0.0.0/8"], "w", ["10.1.2.3"], True),
+        (["10.0.0.0/8"], "w", ["10.1.2.3", "127.0.0.1"], False),  # every address must be in
+        (["10.0.0.0/8"], "169.254.169.254", ["169.254.169.254"], False),
+        (["10.0.0.0/8", "fd00::/8"], "w", ["fd00::1"], True),
+        (["10.0.0.0/8"], "w", ["::ffff:10.0.0.1"], True),  # v4-mapped is its v4 address
+        (["10.0.0.0/8"], "w", ["::ffff:127.0.0.1"], False),
+        (["10.0.0.0/8"], "w", [], False),
+        (["fe80::/10"], "w", ["fe80::1%eth0"], True),  # a scope id is not part of the address
+    ],
+)
+def test_the_allow_list(cidrs: list[str], host: str, addresses: list[str], allowed: bool) -> None:
+    refusal = AllowList.parse(cidrs).refusal(host, addresses)
+    assert (refusal is None) is allowed, refusal
+
+
+def test_an_allow_list_entry_that_is_not_a_network_is_named() -> None:
+    with pytest.raises(ValueError, match=re.escape("'10.0.0.0/33'")):
+        AllowList.parse(["10.0.0.0/8", "10.0.0.0/33"])
