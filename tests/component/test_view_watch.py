@@ -17,7 +17,7 @@ from cachetree.ranks import RankId
 from peer.fetch import SnapshotFetcher
 from router.tools import watch
 from tests.component.test_view import FIRST, TOK, fleet, run_view
-from tests.support.router import RouterHandle
+from tests.support.router import TEST_TOKEN, RouterHandle
 from tests.support.waiting import eventually
 
 INTERVAL_S = 0.02
@@ -30,6 +30,7 @@ async def watching(
     """Run the watch loop; yields `frame_where(check)`, the first frame drawn after the call
     for which `check(lines)` holds (bounded)."""
     frames: list[list[str]] = []
+    kw.setdefault("token", TEST_TOKEN)
     task = asyncio.create_task(
         watch.watch([r.url for r in replicas], frames.append, interval_s=INTERVAL_S, **kw)  # type: ignore[arg-type]
     )

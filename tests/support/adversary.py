@@ -137,11 +137,18 @@ def batch(events: list[Stored] | None = None) -> bytes:
 
 
 def stored_chain(first_hash: int, blocks: int, block_size: int = 16) -> Stored:
-    """One BlockStored of `blocks` chained blocks whose tokens and hashes start at `first_hash`."""
+    """One BlockStored of `blocks` chained blocks whose hashes start at `first_hash`.
+
+    Block `first_hash + b` opens with two tokens spelling its number, so chains that start at
+    different hashes never share a block key: N blocks sent are N blocks indexed."""
+    filler = [3] * (block_size - 2)
+    tokens: list[int] = []
+    for g in range(first_hash, first_hash + blocks):
+        tokens += [3 + g % 50_000, 3 + g // 50_000, *filler]
     return Stored(
         block_hashes=list(range(first_hash, first_hash + blocks)),
         parent_block_hash=None,
-        token_ids=[3 + (first_hash + i) % 50_000 for i in range(blocks * block_size)],
+        token_ids=tokens,
         block_size=block_size,
     )
 
