@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -18,11 +17,19 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from peer.producer import serve_snapshot
-from router.replica import Replica, ServeConfig, start_replica, stop_replica
+from router.replica import Replica
 
 log = logging.getLogger(__name__)
 
 REPLICA: web.AppKey[Replica] = web.AppKey("replica", Replica)
+
+
+def build_control_app(replica: Replica) -> web.Application:
+    """The control app over a started replica (served through the data plane's hand-off)."""
+    app = web.Application(client_max_size=replica.config.max_request_bytes)
+    app[REPLICA] = replica
+    add_control_routes(app)
+    return app
 
 
 def add_control_routes(app: web.Application) -> None:
@@ -34,18 +41,6 @@ def add_control_routes(app: web.Application) -> None:
     app.router.add_post("/workers", _add_worker)
     app.router.add_delete("/workers", _remove_worker)
     app.router.add_get("/internal/kv_snapshot", _kv_snapshot, allow_head=False)
-
-
-def replica_lifecycle(config: ServeConfig):
-    """An aiohttp cleanup context that starts the replica with the app and stops it after."""
-
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        replica = await start_replica(config)
-        app[REPLICA] = replica
-        yield
-        await stop_replica(replica)
-
-    return ctx
 
 
 class BadRequest(Exception):

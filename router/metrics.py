@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from peer.endpointslices import SliceDiscovery
     from router.bootstrap import PeerBootstrap
+    from router.dataplane.server import DataPlane
     from router.index import Pump
     from router.loads import LoadMonitor
     from router.workers import WorkerRegistry
@@ -78,6 +79,9 @@ class RouterMetrics:
 
     def watch_discovery(self, discovery: SliceDiscovery) -> None:
         self.registry.register(_DiscoveryCollector(discovery))
+
+    def watch_dataplane(self, plane: DataPlane) -> None:
+        self.registry.register(_DataPlaneCollector(plane))
 
 
 class _StateCollector(Collector):
@@ -327,3 +331,55 @@ def _counter(
     for values, value in rows.items():
         family.add_metric(list(values), value)
     return family
+
+
+class _DataPlaneCollector(Collector):
+    """The request path's connections: clients open, refused and closed; upstream pools."""
+
+    def __init__(self, plane: DataPlane) -> None:
+        self._plane = plane
+
+    def collect(self) -> Iterator[Metric]:
+        plane = self._plane
+        stats = plane.stats
+        yield _gauge(
+            "kvrouter_client_connections", "Open client connections", [((), len(plane.connections))]
+        )
+        yield _counter(
+            "kvrouter_client_connections_refused",
+            "Client connections refused at --max-connections (answered 503 and closed)",
+            [],
+            {(): stats.connections_refused},
+        )
+        yield _counter(
+            "kvrouter_client_connections_closed",
+            "Client connections the router closed, by reason (idle, head_timeout, "
+            "body_timeout, malformed, refused, cut, drain, ...)",
+            ["reason"],
+            {(k,): v for k, v in stats.closed.items()},
+        )
+        yield _counter(
+            "kvrouter_answers_broken",
+            "Answers that did not end cleanly: cut (the worker's stream broke after the first "
+            "byte) or gone (the client left first)",
+            ["outcome"],
+            {(k,): v for k, v in stats.ended.items()},
+        )
+        yield _counter(
+            "kvrouter_upstream_safe_retries",
+            "Requests resent once because a reused idle connection was found closed",
+            [],
+            {(): stats.safe_retries},
+        )
+        yield _counter(
+            "kvrouter_upstream_connects",
+            "Connections opened to workers",
+            [],
+            {(): stats.upstream_connects},
+        )
+        yield _gauge(
+            "kvrouter_upstream_connections",
+            "Connections to each worker (connecting, busy and idle)",
+            [((url,), pool.total) for url, pool in plane.pools.items()],
+            ["worker"],
+        )

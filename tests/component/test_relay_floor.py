@@ -1,13 +1,12 @@
-"""The benchmark's bare aiohttp relay (the HTTP floor under kvrouter's cost) over real HTTP."""
+"""The benchmark's relay floor (kvrouter's data plane, round-robin, no routing) over real HTTP."""
 
 from __future__ import annotations
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from bench.proxy_compare import FLOOR_LABEL, cpu_verdict
-from bench.relay_floor import build_app
+from bench.relay_floor import start
 from tests.support.fake_worker import fake_worker_in_process
 
 pytestmark = pytest.mark.timeout(20)
@@ -19,11 +18,8 @@ async def test_the_relay_round_robins_and_returns_each_answer_with_its_headers()
         fake_worker_in_process() as b,
         aiohttp.ClientSession() as client,
     ):
-        runner = web.AppRunner(build_app([a.url, b.url]), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
+        plane, control = await start("127.0.0.1", 0, [a.url, b.url])
+        url = f"http://127.0.0.1:{plane.addresses[0][1]}/v1/completions"
         try:
             cached = []
             for _ in range(4):
@@ -33,10 +29,13 @@ async def test_the_relay_round_robins_and_returns_each_answer_with_its_headers()
                     assert (await resp.json())["usage"]["prompt_tokens"] == 64
                     cached.append(resp.headers["X-Fake-Worker-Cached-Tokens"])
         finally:
-            await runner.cleanup()
+            await plane.close()
+            await control.cleanup()
         # Two requests each, alternating: the second one on each worker finds its 4 blocks.
         assert [(await a.state())["requests"], (await b.state())["requests"]] == [2, 2]
         assert cached == ["0", "0", "64", "64"]
+        # Keep-alive upstream: one connection per worker served both of its requests.
+        assert plane.stats.upstream_connects == 2
 
 
 def test_the_cpu_verdict_names_the_floor_beside_kvrouter_and_smg() -> None:

@@ -5,7 +5,7 @@
         resp = await rt.post("/v1/completions", {...})
 
 `RouterClient` speaks only HTTP, so the same calls serve an in-process replica
-(`RouterHandle`, which also exposes the app) and a `kvrouter serve` process
+(`RouterHandle`, which also exposes the replica and its data plane) and a `kvrouter serve` process
 (`tests.support.cluster.RouterProcess`). `wait_cursor` is how a test knows the replica has
 applied a batch: it polls the replica's observable `/workers` view (never a sleep) with a
 bounded timeout.
@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
-from router.app import build_app
-from router.control import REPLICA
+from router.dataplane.server import DataPlane
 from router.replica import Replica, ServeConfig
+from router.serving import Serving, start_serving, stop_serving
 from tests.support.fake_worker import FakeWorkerHandle
 from tests.support.metrics import Scrape
 from tests.support.waiting import eventually
@@ -147,11 +146,15 @@ async def quiesce(
 
 @dataclass
 class RouterHandle(RouterClient):
-    app: web.Application
+    serving: Serving
 
     @property
     def replica(self) -> Replica:
-        return self.app[REPLICA]
+        return self.serving.replica
+
+    @property
+    def plane(self) -> DataPlane:
+        return self.serving.plane
 
 
 @contextlib.asynccontextmanager
@@ -162,14 +165,9 @@ async def router_in_process(**config: Any) -> AsyncIterator[RouterHandle]:
     config.setdefault("health_interval_s", 0.2)
     config.setdefault("load_interval_ms", 100)
     config.setdefault("seed", 1)
-    app = build_app(ServeConfig(**config))
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    serving = await start_serving(ServeConfig(**config))
     try:
         async with aiohttp.ClientSession() as session:
-            yield RouterHandle(f"http://127.0.0.1:{port}", session, app)
+            yield RouterHandle(serving.url, session, serving)
     finally:
-        await runner.cleanup()
+        await stop_serving(serving)
