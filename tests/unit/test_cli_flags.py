@@ -176,10 +176,11 @@ def test_defaults_without_flags_or_environment() -> None:
     assert (config.block_size, config.internal_token) == (None, None)  # "learn" and "open"
 
 
-def test_every_flag_but_the_log_level_reaches_the_serve_config() -> None:
+def test_every_flag_but_the_process_ones_reaches_the_serve_config() -> None:
     # `serve_config` keeps only the arguments that name a ServeConfig field: a flag whose
-    # name does not match one would be parsed, documented, and silently ignored.
+    # name does not match one would be parsed, documented, and silently ignored. The log
+    # level and the event loop are the process's, set before the replica exists.
     _, flags = build_parser()
     config_fields = {f.name for f in fields(ServeConfig)}
     dests = {"workers" if n == "worker" else n.replace("-", "_") for n in flags.names}
-    assert dests - {"log_level"} <= config_fields
+    assert dests - {"log_level", "event_loop"} <= config_fields
