@@ -107,9 +107,11 @@ NEW_BLOCKS = PROMPT_TOKENS // BLOCK_SIZE - CACHED_BLOCKS  # what a request store
 MODEL = "fake-model"
 POLICIES = ("cache_aware", "round_robin")
 SMG_POLICY = "cache_aware"
-RELAY = "aiohttp"  # bench/relay_floor.py: the HTTP floor, no routing work
+RELAY = "bare"  # bench/relay_floor.py: kvrouter's data plane, no routing work
 RELAY_POLICY = "relay (floor)"  # round-robin, the only thing it decides
-REGIMES = ("not full", "full")
+SSE = "not full, SSE"  # 16-token streams, caches not full
+SSE_TOKENS = 16
+REGIMES = ("not full", SSE, "full")
 BUDGET_US = 400
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 BIN = Path(sys.executable).parent
@@ -249,7 +251,8 @@ def router_args(port: int, workers: Sequence[str], policy: str) -> list[str]:
 @dataclass(frozen=True)
 class Target:
     """A router under test: kvrouter or smg (`smg_binary`) with a routing policy, or the bare
-    aiohttp relay (router `RELAY`, round-robin) that shows the floor under kvrouter's cost."""
+    relay (router `RELAY`, round-robin: kvrouter's data plane without routing) that shows the
+    floor under kvrouter's cost."""
 
     router: str
     policy: str
@@ -321,7 +324,8 @@ class Prompts:
         # base64 of random bytes: ASCII, so one byte = one token; 3 bytes -> 4 characters.
         return base64.b64encode(self.rng.randbytes(n * 3 // 4 + 3)).decode()[:n]
 
-    def bodies(self, n: int) -> list[bytes]:
+    def bodies(self, n: int, stream_tokens: int = 0) -> list[bytes]:
+        """Non-streaming 1-token completions, or `stream_tokens`-token SSE streams."""
         out = []
         for _ in range(n):
             system = self.systems[self.count % SYSTEM_PROMPTS]
@@ -329,7 +333,11 @@ class Prompts:
             self.count += 1
             prompt = system + unique
             assert len(prompt.encode()) == PROMPT_TOKENS
-            body = f'{{"model": "{MODEL}", "prompt": "{prompt}", "max_tokens": 1}}'
+            if stream_tokens:
+                tail = f'"max_tokens": {stream_tokens}, "stream": true'
+            else:
+                tail = '"max_tokens": 1'
+            body = f'{{"model": "{MODEL}", "prompt": "{prompt}", {tail}}}'
             out.append(body.encode())
         return out
 
@@ -596,8 +604,9 @@ async def cpu_phase(
 
     await settle()
     before_counters = await counters()
+    stream_tokens = SSE_TOKENS if regime == SSE else 0
     for _ in range(args.rounds):
-        bodies = prompts.bodies(per_round)
+        bodies = prompts.bodies(per_round, stream_tokens)
         before = sample()
         t0 = time.perf_counter()
         res = await run_load(session, lambda i: target, bodies, args.concurrency, progress)
@@ -635,6 +644,7 @@ async def bench_router(
 
         phase = functools.partial(cpu_phase, session, router, workers, prompts, args, target)
         phases["not full"] = await phase("not full")
+        phases[SSE] = await phase(SSE)
 
         log(f"[{policy}] filling the worker caches to capacity")
         await fill_caches(session, router.url, workers, prompts, args, target.ingests)
@@ -993,7 +1003,7 @@ def print_steps(
         if f.policy != "kvrouter cache_aware":
             continue
         parts = []
-        for regime in REGIMES:
+        for regime in ("not full", "full"):
             cpu = statistics.median(f.phases[regime].cpu_us)
             parts.append(
                 f"caches {regime}: {cpu:.0f} us/req measured, ~{totals[regime]:.0f} in these "
@@ -1002,9 +1012,9 @@ def print_steps(
         print(
             "\ncache_aware at c=32, "
             + "; ".join(parts)
-            + ". 'Elsewhere' is HTTP serving and proxying (aiohttp server + client), the "
-            "asyncio loop, ZMQ receive and framing, GC, and these steps running slower on a "
-            "loaded machine than in a hot loop."
+            + ". 'Elsewhere' is HTTP serving and relaying (the data plane's Protocols and "
+            "httptools), the event loop, ZMQ receive and framing, GC, and these steps running "
+            "slower on a loaded machine than in a hot loop."
         )
 
 
