@@ -241,11 +241,14 @@ def worker_argv(kv_port: int, cache_blocks: int) -> list[str]:
     ]
 
 
-def router_args(port: int, workers: Sequence[str], policy: str) -> list[str]:
+def router_args(
+    port: int, workers: Sequence[str], policy: str, event_loop: str = "auto"
+) -> list[str]:
     args = ["serve", "--host", "127.0.0.1", "--port", str(port)]
     for url in workers:
         args += ["--worker", url]
-    return [*args, "--policy", policy, "--block-size", str(BLOCK_SIZE), "--log-level", "warning"]
+    args += ["--policy", policy, "--block-size", str(BLOCK_SIZE), "--log-level", "warning"]
+    return [*args, "--event-loop", event_loop]
 
 
 @dataclass(frozen=True)
@@ -270,7 +273,11 @@ class Target:
 
 
 async def start_router(
-    session: aiohttp.ClientSession, children: Children, target: Target, workers: Sequence[Child]
+    session: aiohttp.ClientSession,
+    children: Children,
+    target: Target,
+    workers: Sequence[Child],
+    event_loop: str = "auto",
 ) -> Child:
     """The router process, ready: kvrouter by its ready line and `/readyz`, smg by its
     `/readiness` naming every worker healthy."""
@@ -280,11 +287,12 @@ async def start_router(
         from bench.relay_floor import READY_PREFIX
 
         argv = [sys.executable, str(HERE / "relay_floor.py"), "--port", str(port)]
+        argv += ["--event-loop", event_loop]
         argv += [arg for url in urls for arg in ("--worker", url)]
         log(f"[{target.label}] starting relay: {shlex.join(argv)}")
         return children.start(target.label, argv, READY_PREFIX)
     if target.smg_binary is None:
-        argv = [str(BIN / "kvrouter"), *router_args(port, urls, target.policy)]
+        argv = [str(BIN / "kvrouter"), *router_args(port, urls, target.policy, event_loop)]
         log(f"[{target.label}] starting router: {shlex.join(argv)}")
         router = children.start(target.label, argv, "kvrouter listening on ")
         await wait_ready(session, router.url)
@@ -638,7 +646,7 @@ async def bench_router(
     workers = start_workers(children, args, policy)
     phases: dict[str, Phase] = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        router = await start_router(session, children, target, workers)
+        router = await start_router(session, children, target, workers, args.event_loop)
         log(f"[{policy}] warm-up")
         await warm_up(session, router.url, prompts, args)
 
@@ -719,7 +727,7 @@ async def profile_router(
         str(HERE / "profiled_router.py"),
         str(out),
         args.profile_clock,
-        *router_args(free_port(), [w.url for w in workers], "cache_aware"),
+        *router_args(free_port(), [w.url for w in workers], "cache_aware", args.event_loop),
     ]
     log(f"[profile] starting router: {shlex.join(argv)}")
     router = children.start("kvrouter profiled", argv, "kvrouter listening on ")
@@ -1125,6 +1133,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=200, help="c=32 warm-up requests")
     parser.add_argument("--idle-s", type=float, default=2.0)
     parser.add_argument("--quick", action="store_true", help="fewer requests (~40 s in all)")
+    parser.add_argument(
+        "--event-loop",
+        choices=("auto", "asyncio", "uvloop"),
+        default="auto",
+        help="kvrouter's and the bare relay's event loop (auto: uvloop when installed)",
+    )
     parser.add_argument(
         "--smg",
         action="store_true",

@@ -78,26 +78,38 @@ async def _models(request: web.Request) -> web.Response:
 # -- health and metrics ------------------------------------------------------------------
 
 
-async def _healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+def liveness(replica: Replica) -> tuple[int, dict[str, Any]]:
+    """`/healthz`: 200 while the loop runs. (The data plane answers it with this too.)"""
+    return 200, {"status": "ok"}
 
 
-async def _readyz(request: web.Request) -> web.Response:
-    replica = request.app[REPLICA]
+def readiness(replica: Replica) -> tuple[int, dict[str, Any]]:
+    """`/readyz`: the status and body. (The data plane answers it with this too.)"""
     if replica.draining:
-        return web.json_response({"ready": False, "reason": "draining"}, status=503)
+        return 503, {"ready": False, "reason": "draining"}
     if not replica.workers.routable():
-        return web.json_response({"ready": False, "reason": "no healthy worker"}, status=503)
+        return 503, {"ready": False, "reason": "no healthy worker"}
     bootstrap = replica.bootstrap
     # Asked last: it latches at the first True, so a later scale-up never un-readies us.
     if bootstrap is not None and not bootstrap.admit_ready():
         tracker = bootstrap.tracker
         reason = "bootstrap pending" if not tracker.settled() else "seed gate closed"
-        return web.json_response(
-            {"ready": False, "reason": reason, "remaining_s": round(tracker.time_remaining(), 1)},
-            status=503,
-        )
-    return web.json_response({"ready": True})
+        return 503, {
+            "ready": False,
+            "reason": reason,
+            "remaining_s": round(tracker.time_remaining(), 1),
+        }
+    return 200, {"ready": True}
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    status, body = liveness(request.app[REPLICA])
+    return web.json_response(body, status=status)
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    status, body = readiness(request.app[REPLICA])
+    return web.json_response(body, status=status)
 
 
 async def _metrics(request: web.Request) -> web.Response:

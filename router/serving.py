@@ -18,7 +18,7 @@ from typing import Final
 
 from aiohttp import web
 
-from router.control import build_control_app
+from router.control import build_control_app, liveness, readiness
 from router.dataplane.routing import RequestRouter
 from router.dataplane.server import DataPlane, Limits
 from router.replica import Replica, ServeConfig, start_replica, stop_replica
@@ -100,6 +100,10 @@ async def start_serving(config: ServeConfig) -> Serving:
             control.server,
             limits_of(config),
             expose_route_headers=config.expose_route_headers,
+            probes={
+                b"/healthz": lambda: liveness(replica),
+                b"/readyz": lambda: readiness(replica),
+            },
         )
         replica.workers.on_unhealthy = plane.worker_down
         replica.metrics.watch_dataplane(plane)

@@ -304,21 +304,40 @@ LAST_CHUNK: Final = b"0\r\n\r\n"
 
 def refusal_response(refusal: Refusal, *, client_11: bool, keep_alive: bool) -> bytes:
     """One of the data plane's own answers: the OpenAI error JSON."""
-    body = msgspec.json.encode(
-        {"error": {"message": refusal.message, "type": refusal.type, "param": refusal.param}}
+    body = {"error": {"message": refusal.message, "type": refusal.type, "param": refusal.param}}
+    return json_response(
+        refusal.status,
+        body,
+        client_11=client_11,
+        keep_alive=keep_alive and not refusal.close,
+        extra=refusal.extra,
     )
-    keep = keep_alive and not refusal.close
+
+
+def json_response(
+    status: int,
+    body: object,
+    *,
+    client_11: bool,
+    keep_alive: bool,
+    head_only: bool = False,
+    extra: tuple[tuple[bytes, bytes], ...] = (),
+) -> bytes:
+    """A complete answer with a JSON body (only its head for a HEAD request)."""
+    payload = msgspec.json.encode(body)
     parts = [
-        _STATUS_LINES.get(refusal.status) or b"HTTP/1.1 %d Error\r\n" % refusal.status,
-        b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body),
+        _STATUS_LINES.get(status) or b"HTTP/1.1 %d Error\r\n" % status,
+        b"Content-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n" % len(payload),
     ]
-    for name, value in refusal.extra:
+    for name, value in extra:
         parts += (name, b": ", value, b"\r\n")
-    if not keep:
+    if not keep_alive:
         parts.append(b"Connection: close\r\n")
     elif not client_11:
         parts.append(b"Connection: keep-alive\r\n")
-    parts += (b"\r\n", body)
+    parts.append(b"\r\n")
+    if not head_only:
+        parts.append(payload)
     return b"".join(parts)
 
 

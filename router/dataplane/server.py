@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections import Counter, deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, cast
+from typing import Any, Final, cast
 
 import httptools
 from aiohttp import web
@@ -32,6 +34,7 @@ from router.dataplane.exchange import (
     RequestHead,
     admit,
     body_too_large,
+    json_response,
     not_allowed,
     read_request_head,
     refusal_response,
@@ -50,6 +53,11 @@ log = logging.getLogger(__name__)
 # pipelining client gains nothing past a few; the bound keeps one read's worth of tiny
 # requests from queueing thousands of exchanges.
 MAX_PIPELINED: Final = 32
+# Routing work (decode, tokenize, keys, index, policy, the first write upstream) one turn of
+# the event loop may do before the rest waits for the next turn. On a saturated loop every
+# turn would otherwise route every request that arrived, and a turn of 64 routings takes
+# tens of milliseconds, which every probe, stream chunk and accept then waits for.
+ROUTING_SLICE_S: Final = 0.004
 _REFUSAL_LOG_EVERY_S: Final = 60.0
 
 
@@ -83,6 +91,10 @@ class DataPlaneStats:
     upstream_connects: int = 0
 
 
+# A health probe's answer: the status and a JSON-able body (`router.control.readiness`).
+Probe = Callable[[], tuple[int, Any]]
+
+
 class DataPlane:
     def __init__(
         self,
@@ -94,8 +106,13 @@ class DataPlane:
         limits: Limits,
         *,
         expose_route_headers: bool = False,
+        probes: Mapping[bytes, Probe] | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
+        # GET/HEAD on these paths is answered in the parser callback: every hop of the
+        # hand-off to the control app costs a loop iteration, and on a saturated loop an
+        # iteration takes tens of milliseconds, which a liveness probe must not wait for.
+        self.probes: Mapping[bytes, Probe] = probes or {}
         self.router = router
         self.workers = workers
         self.inflight = inflight
@@ -111,6 +128,9 @@ class DataPlane:
         self.addresses: list[tuple[str, int]] = []  # where it listens
         self._refusal_logged_at = float("-inf")
         self._refused_since_log = 0
+        self._waiting_to_route: deque[ClientConnection] = deque()
+        self._slice_spent = 0.0  # routing time spent in this turn of the loop
+        self._slice_scheduled = False
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -161,6 +181,35 @@ class DataPlane:
 
     def _connected(self) -> None:
         self.stats.upstream_connects += 1
+
+    def route_in_turn(self, conn: ClientConnection) -> None:
+        """Route `conn`'s request now if this turn's slice has room, else in a later turn."""
+        if self._waiting_to_route or self._slice_spent >= ROUTING_SLICE_S:
+            self._waiting_to_route.append(conn)
+            self._new_slice_soon()
+            return
+        self._route(conn)
+
+    def _route(self, conn: ClientConnection) -> None:
+        started = time.perf_counter()
+        conn.route_now()
+        self._slice_spent += time.perf_counter() - started
+        self._new_slice_soon()
+
+    def _new_slice_soon(self) -> None:
+        if not self._slice_scheduled:
+            self._slice_scheduled = True
+            self.loop.call_soon(self._new_slice)
+
+    def _new_slice(self) -> None:
+        """A new turn of the loop: a fresh slice, spent first on those who waited."""
+        self._slice_scheduled = False
+        self._slice_spent = 0.0
+        waiting = self._waiting_to_route
+        while waiting and self._slice_spent < ROUTING_SLICE_S:
+            self._route(waiting.popleft())
+        if waiting:
+            self._new_slice_soon()
 
     def worker_down(self, url: str) -> None:
         """Health declared a worker down: requests still waiting for its head fail over."""
@@ -253,6 +302,7 @@ class ClientConnection(asyncio.Protocol):
         self._stopped = False  # no more parsing: a refusal closes the connection
         self._closed = False
         self._head_size = 0  # bytes of the head being parsed, as far as known
+        self._deferred: tuple[RequestHead, bytes] | None = None  # waits for a routing slice
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -473,6 +523,10 @@ class ClientConnection(asyncio.Protocol):
         incoming.body = []
         route = route_of(head)
         if route == "control":
+            probe = self.plane.probes.get(head.path)
+            if probe is not None and head.method in (b"GET", b"HEAD"):
+                self._answer_probe(head, probe)
+                return
             relay: ControlRelay | WorkerRelay = ControlRelay(self, head, body)
             self._relay = relay
             relay.start()
@@ -480,6 +534,15 @@ class ClientConnection(asyncio.Protocol):
         if route == "not_allowed":
             self.refuse(not_allowed(head))
             return
+        self._deferred = (head, body)
+        self.plane.route_in_turn(self)
+
+    def route_now(self) -> None:
+        """Route the request waiting at the head of the queue (its turn in the slice came)."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None or self._closed:
+            return
+        head, body = deferred
         plane = self.plane
         path = head.path
         decision = plane.router.route(path, body)
@@ -490,6 +553,20 @@ class ClientConnection(asyncio.Protocol):
         relay = WorkerRelay(plane, self, head, body, decision.ranked)
         self._relay = relay
         relay.start()
+
+    def _answer_probe(self, head: RequestHead, probe: Probe) -> None:
+        status, body = probe()
+        keep = self.keep_alive(head)
+        self.write(
+            json_response(
+                status,
+                body,
+                client_11=head.http_11,
+                keep_alive=keep,
+                head_only=head.method == b"HEAD",
+            )
+        )
+        self.exchange_done(keep)
 
     def _send_continue(self, incoming: _Incoming) -> None:
         incoming.continue_due = False
