@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 from dataclasses import dataclass
 from typing import Final
 
@@ -28,6 +29,9 @@ log = logging.getLogger(__name__)
 # After the drain, what control handlers are still running get this long before they are
 # cancelled (aiohttp's own default is 60 s).
 SHUTDOWN_GRACE_S: Final = 1.0
+# File descriptors a replica needs besides its client connections: worker connections, ZMQ
+# sockets, the control session, logs. Only for the warning below; not a limit.
+_FD_RESERVE: Final = 256
 
 
 class StartError(Exception):
@@ -71,7 +75,22 @@ def limits_of(config: ServeConfig) -> Limits:
     )
 
 
+def check_file_limit(max_connections: int) -> None:
+    """Warn when --max-connections cannot be reached under the process's file limit: past
+    it, accepting fails (and asyncio logs it) instead of the clean 503 the limit gives."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and max_connections + _FD_RESERVE > soft:
+        log.warning(
+            "--max-connections %d does not fit the file limit of %d (ulimit -n) with about %d "
+            "kept for workers and events: raise the limit or lower --max-connections",
+            max_connections,
+            soft,
+            _FD_RESERVE,
+        )
+
+
 async def start_serving(config: ServeConfig) -> Serving:
+    check_file_limit(config.max_connections)
     replica = await start_replica(config)
     control = web.AppRunner(
         build_control_app(replica),

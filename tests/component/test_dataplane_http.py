@@ -771,3 +771,65 @@ async def test_a_malformed_request_line_is_a_400_and_a_close() -> None:
             b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
         )
         assert (await smuggle.answer()).status == 400  # type: ignore[union-attr]
+
+
+# -- backpressure ------------------------------------------------------------------------
+
+
+async def test_a_client_that_does_not_read_holds_the_worker_back_not_the_routers_memory() -> None:
+    total, piece = 96 * 1024 * 1024, 1024 * 1024
+    sent = 0
+
+    async def flood(request: Request, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+        block = b"x" * piece
+        while sent < total:
+            writer.write(block)
+            await writer.drain()
+            sent += piece
+
+    async with scripted_worker(flood) as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", COMPLETION))
+
+        def upstream_paused() -> bool:
+            pool = rt.plane.pools.get(w.url)
+            return pool is not None and any(
+                c.transport is not None and not c.transport.is_reading() for c in pool.busy
+            )
+
+        await eventually(upstream_paused, 10)
+        (conn,) = rt.plane.connections
+        assert conn.transport is not None
+        # The worker is held back by the kernel's buffers and the router's small one.
+        assert conn.transport.get_write_buffer_size() <= 1024 * 1024
+        held_at = sent
+        logging.getLogger(__name__).info("the worker was held at %d MiB", held_at >> 20)
+        assert held_at < total // 3
+        answer = await client.answer(within_s=60)
+        assert answer is not None and answer.complete and len(answer.body) == total
+        client.close()
+
+
+async def test_a_worker_that_does_not_read_pauses_reading_from_the_client() -> None:
+    big = b'{"prompt": "' + b"y" * (24 * 1024 * 1024) + b'", "max_tokens": 1}'
+    async with (
+        scripted_worker() as w,
+        router_in_process(
+            workers=[w.url], policy="round_robin", health_interval_s=60, max_request_bytes=len(big)
+        ) as rt,
+    ):
+        await routable(rt, w.url)
+        w.reading.clear()  # the worker stops reading its sockets
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", big))
+        await eventually(lambda: any(c.gate and c.gate.paused for c in rt.plane.connections), 20)
+        w.reading.set()
+        answer = await client.answer(within_s=60)
+        assert answer is not None and answer.status == 200
+        (got,) = w.posts()
+        assert got.body == big
+        assert not any(c.gate and c.gate.paused for c in rt.plane.connections)
+        client.close()

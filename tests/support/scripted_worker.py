@@ -93,6 +93,10 @@ class ScriptedWorker:
     writers: list[asyncio.StreamWriter] = field(default_factory=list)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set at each POST
     server: asyncio.Server | None = None
+    reading: asyncio.Event = field(default_factory=asyncio.Event)  # cleared: reads nothing
+
+    def __post_init__(self) -> None:
+        self.reading.set()
 
     async def stop(self) -> None:
         """Stop listening and drop every connection: from now on, connecting is refused."""
@@ -129,7 +133,7 @@ class ScriptedWorker:
     ) -> None:
         parsing = _RequestReader()
         try:
-            while data := await reader.read(65536):
+            while (await self.reading.wait()) and (data := await reader.read(65536)):
                 parsing.parser.feed_data(data)
                 while parsing.done:
                     out.put_nowait(parsing.done.pop(0))
