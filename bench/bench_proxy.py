@@ -1,7 +1,8 @@
 """Router hop latency and router CPU per request, with real processes on loopback.
 
 Run: .venv/bin/python bench/bench_proxy.py [--requests 2000] [--latency-requests 1000]
-     [--workers 2] [--concurrency 32] [--cache-blocks 100000] [--quick] [--profile] [--smg]
+     [--workers 2] [--concurrency 32] [--cache-blocks 200000] [--quick] [--profile] [--smg]
+     [--event-loop auto|asyncio|uvloop]
 Prints figures; asserts nothing. Takes ~1.5 minutes (~2 with --profile); --quick ~40 s.
 
 What runs, for each policy in turn (cache_aware, round_robin; with `--smg` also smg's
@@ -19,7 +20,9 @@ state. Both regimes are measured and labelled, with the KV events per request th
 
 Phases per policy:
 1. warm-up (c=1, then c=`--concurrency`), then `--requests` requests at c=`--concurrency`
-   with caches NOT full (no evictions; the KV events column shows it);
+   with caches NOT full (no evictions; the KV events column shows it); then as many 16-token
+   SSE streams (`stream: true`), caches still not full (the default `--cache-blocks` holds
+   both phases);
 2. fill every worker's cache to capacity through `/control/store` (chains of random tokens,
    ingested by the router like any events), wait until the router has applied them;
 3. hop latency at concurrency 1: the same kind of request sent directly to a worker (the
@@ -1128,7 +1131,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--latency-requests", type=int, default=1000, help="c=1, per target")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--cache-blocks", type=int, default=100_000, help="per worker")
+    parser.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=200_000,
+        help="per worker; enough for the two not-full phases without an eviction",
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=200, help="c=32 warm-up requests")
     parser.add_argument("--idle-s", type=float, default=2.0)

@@ -27,7 +27,7 @@ from bench.report import table
 def arguments(quick: bool) -> Any:
     if quick:
         argv = ["--requests", "160", "--latency-requests", "60", "--rounds", "4"]
-        argv += ["--warmup", "32", "--idle-s", "0.5", "--cache-blocks", "8000"]
+        argv += ["--warmup", "32", "--idle-s", "0.5", "--cache-blocks", "16000"]
     else:
         argv = ["--profile", "--profile-requests", "1000"]
     return bench_proxy.parse_args(argv)

@@ -98,6 +98,8 @@ class RequestHead:
     content_length: int | None
     chunked: bool
     expect: bytes | None  # the Expect field, lower-cased
+    names: list[bytes]  # the field names, lower-cased, in `headers` order
+    hop_by_hop: frozenset[bytes]  # fields its Connection header names
 
     @property
     def path(self) -> bytes:
@@ -105,9 +107,9 @@ class RequestHead:
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of a field (`name` lower-case)."""
-        for n, v in self.headers:
-            if n.lower() == name:
-                return v
+        for low, (_, value) in zip(self.names, self.headers, strict=True):
+            if low == name:
+                return value
         return None
 
 
@@ -122,8 +124,8 @@ def read_request_head(
     length: int | None = None
     chunked = False
     expect: bytes | None = None
-    for name, value in headers:
-        low = name.lower()
+    names = [name.lower() for name, _ in headers]
+    for low, (_, value) in zip(names, headers, strict=True):
         if low == b"content-length":
             if not value.strip().isdigit():
                 raise Malformed("Content-Length is not a number")
@@ -140,7 +142,10 @@ def read_request_head(
             expect = value.strip().lower()
     if chunked and length is not None:
         raise Malformed("both Content-Length and Transfer-Encoding")  # RFC 9112 6.1: smuggling
-    return RequestHead(method, target, http_11, headers, keep, length, chunked, expect)
+    named = _connection_tokens(names, headers) if b"connection" in names else frozenset()
+    return RequestHead(
+        method, target, http_11, headers, keep, length, chunked, expect, names, named
+    )
 
 
 Route = Literal["generation", "not_allowed", "control"]
@@ -203,12 +208,11 @@ def upstream_request(
     To a worker (`to_worker`) or to the control app, which keeps Accept-Encoding (a peer
     snapshot may come gzipped) and sees the client's Host.
     """
-    dropped = _connection_tokens(head.headers) | (
-        _TO_WORKER_DROPPED if to_worker else _TO_CONTROL_DROPPED
-    )
+    dropped = _TO_WORKER_DROPPED if to_worker else _TO_CONTROL_DROPPED
+    named = head.hop_by_hop
     parts = [head.method, b" ", head.target, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
-    for name, value in head.headers:
-        if name.lower() not in dropped:
+    for low, (name, value) in zip(head.names, head.headers, strict=True):
+        if low not in dropped and low not in named:
             parts += (name, b": ", value, b"\r\n")
     for name, value in extra or ():
         parts += (name, b": ", value, b"\r\n")
@@ -216,13 +220,13 @@ def upstream_request(
     return b"".join(parts)
 
 
-def _connection_tokens(headers: list[tuple[bytes, bytes]]) -> set[bytes]:
+def _connection_tokens(names: list[bytes], headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
     """Fields a `Connection` header names as hop-by-hop (RFC 9110 7.6.1)."""
     tokens: set[bytes] = set()
-    for name, value in headers:
-        if name.lower() == b"connection":
+    for low, (_, value) in zip(names, headers, strict=True):
+        if low == b"connection":
             tokens.update(t.strip().lower() for t in value.split(b","))
-    return tokens
+    return frozenset(tokens)
 
 
 def upstream_framing(
@@ -268,12 +272,14 @@ def plan_response(
     else:
         framing = Framing.CHUNKED if client_11 else Framing.CLOSE
     keep_alive = client_keep_alive and framing is not Framing.CLOSE
-    dropped = _connection_tokens(headers) | _RESPONSE_DROPPED
+    names = [name.lower() for name, _ in headers]
+    dropped = _RESPONSE_DROPPED
+    if b"connection" in names:
+        dropped = dropped | _connection_tokens(names, headers)
     sse = False
     # The reason phrase is informational (RFC 9112 4): a known status gets the standard one.
     parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d %b\r\n" % (status, reason)]
-    for name, value in headers:
-        low = name.lower()
+    for low, (name, value) in zip(names, headers, strict=True):
         if low in dropped:
             # A HEAD answer keeps its Content-Length: it describes the GET's body.
             if not (low == b"content-length" and upstream is Framing.NONE):

@@ -118,6 +118,12 @@ class Relay:
         self._end("cut")
         self.client.cut()
 
+    def upstream_reading(self, reading: bool) -> None:
+        if reading:
+            self.client.hold_writes()
+        else:
+            self.client.flush()
+
     def upstream_paused(self, paused: bool) -> None:
         gate = self.client.gate
         if gate is not None:

@@ -301,8 +301,9 @@ class ClientConnection(asyncio.Protocol):
         self._link: UpstreamConnection | None = None
         self._stopped = False  # no more parsing: a refusal closes the connection
         self._closed = False
-        self._head_size = 0  # bytes of the head being parsed, as far as known
+        self._head_size = 0  # bytes of reads that fell wholly inside the head being parsed
         self._deferred: tuple[RequestHead, bytes] | None = None  # waits for a routing slice
+        self._held: list[bytes] | None = None  # writes gathered by `hold_writes`
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -379,26 +380,27 @@ class ClientConnection(asyncio.Protocol):
         incoming = self._incoming
         assert incoming is not None
         incoming.url += url
-        self._head_size += len(url)
-        if self._head_size > self.plane.limits.max_head_bytes:
+        if len(incoming.url) > self.plane.limits.max_head_bytes:
             raise _Refused(Refusal(414, "request target too long", close=True))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        incoming = self._incoming
-        assert incoming is not None
-        incoming.headers.append((name, value))
-        self._head_size += len(name) + len(value) + 4
-        limits = self.plane.limits
-        if len(incoming.headers) > limits.max_header_count:
-            raise _Refused(
-                Refusal(431, f"more than {limits.max_header_count} header fields", close=True)
-            )
-        if self._head_size > limits.max_head_bytes:
-            raise _Refused(self._head_too_large())
+        # Checked at the end of the head (one call per field is the hot path): until then a
+        # head is bounded by one read, and across reads by `data_received`'s count.
+        self._incoming.headers.append((name, value))  # type: ignore[union-attr]
 
     def on_headers_complete(self) -> None:
         incoming = self._incoming
         assert incoming is not None
+        limits = self.plane.limits
+        headers = incoming.headers
+        if len(headers) > limits.max_header_count:
+            raise _Refused(
+                Refusal(431, f"more than {limits.max_header_count} header fields", close=True)
+            )
+        if len(incoming.url) + sum([len(n) + len(v) + 4 for n, v in headers]) > (
+            limits.max_head_bytes
+        ):
+            raise _Refused(self._head_too_large())
         parser = self._parser
         try:
             head = read_request_head(
@@ -450,8 +452,21 @@ class ClientConnection(asyncio.Protocol):
         return head.keep_alive and not self.plane.draining
 
     def write(self, data: bytes) -> None:
-        if self.transport is not None and not self._closed:
+        if self._held is not None:
+            self._held.append(data)
+        elif self.transport is not None and not self._closed:
             self.transport.write(data)
+
+    def hold_writes(self) -> None:
+        """Gather writes until `flush`: what one upstream read produced goes out in one send
+        (a response's head and body, several SSE events) instead of one per piece."""
+        if self._held is None:
+            self._held = []
+
+    def flush(self) -> None:
+        held, self._held = self._held, None
+        if held:
+            self.write(held[0] if len(held) == 1 else b"".join(held))
 
     def refuse(self, refusal: Refusal) -> None:
         """Answer the request being answered with one of the data plane's own answers."""
@@ -463,6 +478,7 @@ class ClientConnection(asyncio.Protocol):
 
     def exchange_done(self, keep_alive: bool) -> None:
         """The answer being written is complete."""
+        self.flush()
         self._relay = None
         self._answering = False
         if self._closed:
@@ -481,6 +497,7 @@ class ClientConnection(asyncio.Protocol):
 
     def cut(self) -> None:
         """The answer broke after its first byte: close, without a clean end."""
+        self.flush()
         self._relay = None
         self._close("cut")
 

@@ -58,6 +58,9 @@ class ResponseSink(Protocol):
     def upstream_paused(self, paused: bool) -> None:
         """The worker is (not) keeping up with the request bytes written to it."""
 
+    def upstream_reading(self, reading: bool) -> None:
+        """Around the parse of one read: what it relays may go out in one write."""
+
 
 class Acquirer(Protocol):
     def connection_ready(self, conn: UpstreamConnection) -> None: ...
@@ -147,14 +150,17 @@ class UpstreamConnection(asyncio.Protocol):
                 self.transport.close()
             return
         self._answered += len(data)
+        sink = self._sink
+        sink.upstream_reading(True)
         try:
             self._parser.feed_data(data)
+            if self._complete:
+                self._finish()
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._reusable = False
             self._stop(f"malformed response: {exc}")
-            return
-        if self._complete:
-            self._finish()
+        finally:
+            sink.upstream_reading(False)
 
     def eof_received(self) -> bool:
         return False  # close; connection_lost reports

@@ -833,3 +833,22 @@ async def test_a_worker_that_does_not_read_pauses_reading_from_the_client() -> N
         assert got.body == big
         assert not any(c.gate and c.gate.paused for c in rt.plane.connections)
         client.close()
+
+
+async def test_a_large_head_within_the_limit_is_accepted_however_it_is_split() -> None:
+    async with (
+        scripted_worker() as w,
+        router_in_process(workers=[w.url], max_head_bytes=8192) as rt,
+    ):
+        await routable(rt, w.url)
+        fields = b"".join(b"X-F%d: %s\r\n" % (i, b"v" * 1000) for i in range(6))  # ~6 KiB
+        request = post(b"/v1/completions", COMPLETION, fields.rstrip(b"\r\n"))
+        client = await RawClient.open(rt.url)
+        for i in range(0, len(request), 700):  # reads wholly inside the head, and not
+            client.send(request[i : i + 700])
+            await client.writer.drain()
+            await asyncio.sleep(0)  # a turn of the loop for the replica, not a timed wait
+        answer = await client.answer()
+        assert answer is not None and answer.status == 200
+        assert w.posts()[0].header(b"X-F5") == b"v" * 1000
+        client.close()
