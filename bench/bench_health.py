@@ -138,7 +138,7 @@ async def load(
             windows.append(("saturated", t0, t1))
             throughput.append(res.requests / (t1 - t0))
             bp.log(f"round {r + 1}: {res.requests / (t1 - t0):.0f} req/s, {res.errors} errors")
-    return windows, throughput
+    return windows, throughput, waiting
 
 
 PROBES = {"kvrouter": (b"/healthz", b"/readyz"), "smg": (b"/health", b"/readiness")}
