@@ -372,6 +372,13 @@ class _DataPlaneCollector(Collector):
             {(): stats.safe_retries},
         )
         yield _counter(
+            "kvrouter_routing_deferred",
+            "Requests that waited a turn of the event loop for routing: the replica is "
+            "saturated (routing work per turn is capped so probes and streams keep moving)",
+            [],
+            {(): stats.routing_deferred},
+        )
+        yield _counter(
             "kvrouter_upstream_connects",
             "Connections opened to workers",
             [],

@@ -52,9 +52,19 @@ class Serving:
         self.plane.begin_drain()
 
     async def drain(self, timeout_s: float) -> bool:
-        """Drain, and wait up to `timeout_s` for in-flight requests; False if some are left."""
+        """Drain, and wait up to `timeout_s` for in-flight requests; False if some are left.
+
+        A request waiting for its routing slice is not in flight yet, but will be within a
+        turn of the loop: it is waited for too.
+        """
         self.begin_drain()
-        return await self.replica.inflight.wait_idle(timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            idle = await self.replica.inflight.wait_idle(max(0.0, deadline - loop.time()))
+            if not idle or not self.plane.routing_backlog:
+                return idle
+            await asyncio.sleep(0)  # the backlog is routed in the next turns
 
 
 def limits_of(config: ServeConfig) -> Limits:

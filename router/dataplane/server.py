@@ -89,6 +89,7 @@ class DataPlaneStats:
     ended: Counter[str] = field(default_factory=Counter)  # exchanges that did not end well
     safe_retries: int = 0
     upstream_connects: int = 0
+    routing_deferred: int = 0  # requests that waited a loop turn for their routing slice
 
 
 # A health probe's answer: the status and a JSON-able body (`router.control.readiness`).
@@ -182,9 +183,15 @@ class DataPlane:
     def _connected(self) -> None:
         self.stats.upstream_connects += 1
 
+    @property
+    def routing_backlog(self) -> int:
+        """Complete requests waiting for a routing slice (not in flight yet)."""
+        return len(self._waiting_to_route)
+
     def route_in_turn(self, conn: ClientConnection) -> None:
         """Route `conn`'s request now if this turn's slice has room, else in a later turn."""
         if self._waiting_to_route or self._slice_spent >= ROUTING_SLICE_S:
+            self.stats.routing_deferred += 1
             self._waiting_to_route.append(conn)
             self._new_slice_soon()
             return
@@ -206,6 +213,8 @@ class DataPlane:
         self._slice_scheduled = False
         self._slice_spent = 0.0
         waiting = self._waiting_to_route
+        if waiting:
+            self._route(waiting.popleft())  # at least one a turn, whatever the slice
         while waiting and self._slice_spent < ROUTING_SLICE_S:
             self._route(waiting.popleft())
         if waiting:

@@ -17,6 +17,7 @@ import socket
 import aiohttp
 import pytest
 
+from router.dataplane import server
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.router import RouterHandle, router_in_process
 from tests.support.scripted_worker import (
@@ -852,3 +853,22 @@ async def test_a_large_head_within_the_limit_is_accepted_however_it_is_split() -
         assert answer is not None and answer.status == 200
         assert w.posts()[0].header(b"X-F5") == b"v" * 1000
         client.close()
+
+
+async def test_routing_past_a_turns_slice_waits_for_the_next_turn_and_every_request_is_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(server, "ROUTING_SLICE_S", 0.0)  # one routing per turn of the loop
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        clients = [await RawClient.open(rt.url) for _ in range(20)]
+        for client in clients:
+            client.send(post(b"/v1/completions", COMPLETION))
+        answers = await asyncio.gather(*(c.answer() for c in clients))
+        assert [a.status for a in answers if a] == [200] * 20
+        assert len(w.posts()) == 20
+        assert rt.plane.stats.routing_deferred >= 1 and rt.plane.routing_backlog == 0
+        scrape = await rt.scrape()
+        assert scrape.value("kvrouter_routing_deferred_total") == rt.plane.stats.routing_deferred
+        for client in clients:
+            client.close()
