@@ -382,7 +382,7 @@ class ClientConnection(asyncio.Protocol):
             raise _Refused(Refusal(429, "too many pipelined requests", close=True))
         self._incoming = _Incoming()
         self._head_size = 0
-        if self._phase == "idle":
+        if not self._answering:  # else its clock starts when the answer before it ends
             self._set_phase("head")
 
     def on_url(self, url: bytes) -> None:
@@ -498,11 +498,15 @@ class ClientConnection(asyncio.Protocol):
             return
         if self._queue:
             self._answer_next()
-            return
-        if self.gate is not None:
+        elif self.gate is not None:
             self.gate.resume(PIPELINED)
-        if self._incoming is None:
-            self._set_phase("idle")
+        if not self._answering:
+            # What the client owes now: nothing (idle), or the rest of a request's head or body.
+            incoming = self._incoming
+            if incoming is None:
+                self._set_phase("idle")
+            else:
+                self._set_phase("head" if incoming.head is None else "body")
 
     def cut(self) -> None:
         """The answer broke after its first byte: close, without a clean end."""

@@ -872,3 +872,21 @@ async def test_routing_past_a_turns_slice_waits_for_the_next_turn_and_every_requ
         assert scrape.value("kvrouter_routing_deferred_total") == rt.plane.stats.routing_deferred
         for client in clients:
             client.close()
+
+
+async def test_a_partial_request_pipelined_behind_an_answer_gets_the_head_timeout_after_it() -> (
+    None
+):
+    async with (
+        scripted_worker() as w,
+        router_in_process(workers=[w.url], client_header_timeout_s=0.3) as rt,
+    ):
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", COMPLETION) + b"POST /v1/completions HTTP/1.1\r\nHo")
+        first = await client.answer()
+        assert first is not None and first.status == 200
+        timed_out = await client.answer()  # the partial one is never finished
+        assert timed_out is not None and timed_out.status == 408
+        assert await client.closed()
+        assert rt.plane.stats.closed["head_timeout"] == 1
