@@ -13,9 +13,10 @@ COPY cachetree ./cachetree
 COPY peer ./peer
 COPY router ./router
 COPY fake_kv_worker ./fake_kv_worker
-# The hf extra lets a real deployment pass --tokenizer with a model's tokenizer.json.
+# The hf extra lets a real deployment pass --tokenizer with a model's tokenizer.json; the
+# fast extra adds uvloop, the replica's event loop by default when installed.
 # pip byte-compiles here: the read-only root fs would keep Python from caching it later.
-RUN /opt/kvrouter/bin/pip install '.[hf]' \
+RUN /opt/kvrouter/bin/pip install '.[hf,fast]' \
     && /opt/kvrouter/bin/pip uninstall --yes pip
 
 FROM python:3.12-slim-bookworm

@@ -10,7 +10,7 @@ What runs, per size (a fresh fleet each time):
 
 - Three fake workers in this process (`fake_kv_worker`, real HTTP and ZMQ on loopback), the
   second with dp 2: four ranks.
-- A warm replica in this process (the real app, `router.app.build_app`, through
+- A warm replica in this process (the real replica, `router.serving.start_serving`, through
   `tests.support.router.router_in_process`) registered with them. Its tree is filled through
   its own pump, `rules.apply_batch(rank, seq, batch)`, with synthetic `EventBatch`es of
   `BlockStored` events: chains of 8 blocks x 16 tokens, 16 chains per batch, engine hashes

@@ -3,7 +3,7 @@ replica's event loop meanwhile.
 
 Run: .venv/bin/python bench/bench_export.py [--blocks 1000000] [--ranks 8]
 
-This process runs the real router app (`router.app.build_app`) with its tree filled directly
+This process runs a real replica (`router.serving.start_serving`) with its tree filled directly
 through the pump's state (tree, live set, cursors) before serving. Two child processes do the
 asking, so their own work never delays the server's loop: a poller hits `/healthz` every
 ~5 ms for the whole run, and a requester fetches the snapshot in every variant, one after the
@@ -27,15 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from peer.fetch import SnapshotFetcher, decode_sliced
 from peer.wire import COLUMNS, JSON, MSGPACK, decode
-from router.app import build_app
-from router.control import REPLICA
 from router.replica import ServeConfig
+from router.serving import start_serving, stop_serving
 
 BLOCK = 16
 CHAIN = 8
@@ -188,13 +186,11 @@ async def serve(args: argparse.Namespace) -> None:
     tree, ranks = build_tree(args.blocks, args.ranks)
     built = time.perf_counter() - t0
     print(f"tree: {len(tree):,} nodes over {len(ranks)} ranks, built in {built:.1f} s")
-    app = build_app(ServeConfig(host="127.0.0.1", port=0, block_size=BLOCK, internal_token=TOKEN))
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    replica = app[REPLICA]
+    serving = await start_serving(
+        ServeConfig(host="127.0.0.1", port=0, block_size=BLOCK, internal_token=TOKEN)
+    )
+    url = serving.url
+    replica = serving.replica
     rules = replica.pump.rules
     rules.tree = tree
     rules.add_ranks(ranks)
@@ -227,7 +223,7 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         producer = replica.producer
         last = producer.cached if producer is not None else None
-        await runner.cleanup()
+        await stop_serving(serving)
     samples = [tuple(s) for s in json.loads(polled)]
     report = json.loads(out)
     idle = [d for t, d in samples if t < idle_end]

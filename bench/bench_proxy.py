@@ -1,7 +1,8 @@
 """Router hop latency and router CPU per request, with real processes on loopback.
 
 Run: .venv/bin/python bench/bench_proxy.py [--requests 2000] [--latency-requests 1000]
-     [--workers 2] [--concurrency 32] [--cache-blocks 100000] [--quick] [--profile] [--smg]
+     [--workers 2] [--concurrency 32] [--cache-blocks 200000] [--quick] [--profile] [--smg]
+     [--event-loop auto|asyncio|uvloop]
 Prints figures; asserts nothing. Takes ~1.5 minutes (~2 with --profile); --quick ~40 s.
 
 What runs, for each policy in turn (cache_aware, round_robin; with `--smg` also smg's
@@ -19,7 +20,9 @@ state. Both regimes are measured and labelled, with the KV events per request th
 
 Phases per policy:
 1. warm-up (c=1, then c=`--concurrency`), then `--requests` requests at c=`--concurrency`
-   with caches NOT full (no evictions; the KV events column shows it);
+   with caches NOT full (no evictions; the KV events column shows it); then as many 16-token
+   SSE streams (`stream: true`), caches still not full (the default `--cache-blocks` holds
+   both phases);
 2. fill every worker's cache to capacity through `/control/store` (chains of random tokens,
    ingested by the router like any events), wait until the router has applied them;
 3. hop latency at concurrency 1: the same kind of request sent directly to a worker (the
@@ -107,9 +110,11 @@ NEW_BLOCKS = PROMPT_TOKENS // BLOCK_SIZE - CACHED_BLOCKS  # what a request store
 MODEL = "fake-model"
 POLICIES = ("cache_aware", "round_robin")
 SMG_POLICY = "cache_aware"
-RELAY = "aiohttp"  # bench/relay_floor.py: the HTTP floor, no routing work
+RELAY = "bare"  # bench/relay_floor.py: kvrouter's data plane, no routing work
 RELAY_POLICY = "relay (floor)"  # round-robin, the only thing it decides
-REGIMES = ("not full", "full")
+SSE = "not full, SSE"  # 16-token streams, caches not full
+SSE_TOKENS = 16
+REGIMES = ("not full", SSE, "full")
 BUDGET_US = 400
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 BIN = Path(sys.executable).parent
@@ -244,17 +249,21 @@ BENCH_TOKEN = "bench-internal-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {BENCH_TOKEN}"}
 
 
-def router_args(port: int, workers: Sequence[str], policy: str) -> list[str]:
+def router_args(
+    port: int, workers: Sequence[str], policy: str, event_loop: str = "auto"
+) -> list[str]:
     args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--internal-token", BENCH_TOKEN]
     for url in workers:
         args += ["--worker", url]
-    return [*args, "--policy", policy, "--block-size", str(BLOCK_SIZE), "--log-level", "warning"]
+    args += ["--policy", policy, "--block-size", str(BLOCK_SIZE), "--log-level", "warning"]
+    return [*args, "--event-loop", event_loop]
 
 
 @dataclass(frozen=True)
 class Target:
     """A router under test: kvrouter or smg (`smg_binary`) with a routing policy, or the bare
-    aiohttp relay (router `RELAY`, round-robin) that shows the floor under kvrouter's cost."""
+    relay (router `RELAY`, round-robin: kvrouter's data plane without routing) that shows the
+    floor under kvrouter's cost."""
 
     router: str
     policy: str
@@ -272,7 +281,11 @@ class Target:
 
 
 async def start_router(
-    session: aiohttp.ClientSession, children: Children, target: Target, workers: Sequence[Child]
+    session: aiohttp.ClientSession,
+    children: Children,
+    target: Target,
+    workers: Sequence[Child],
+    event_loop: str = "auto",
 ) -> Child:
     """The router process, ready: kvrouter by its ready line and `/readyz`, smg by its
     `/readiness` naming every worker healthy."""
@@ -282,11 +295,12 @@ async def start_router(
         from bench.relay_floor import READY_PREFIX
 
         argv = [sys.executable, str(HERE / "relay_floor.py"), "--port", str(port)]
+        argv += ["--event-loop", event_loop]
         argv += [arg for url in urls for arg in ("--worker", url)]
         log(f"[{target.label}] starting relay: {shlex.join(argv)}")
         return children.start(target.label, argv, READY_PREFIX)
     if target.smg_binary is None:
-        argv = [str(BIN / "kvrouter"), *router_args(port, urls, target.policy)]
+        argv = [str(BIN / "kvrouter"), *router_args(port, urls, target.policy, event_loop)]
         log(f"[{target.label}] starting router: {shlex.join(argv)}")
         router = children.start(target.label, argv, "kvrouter listening on ")
         await wait_ready(session, router.url)
@@ -326,7 +340,8 @@ class Prompts:
         # base64 of random bytes: ASCII, so one byte = one token; 3 bytes -> 4 characters.
         return base64.b64encode(self.rng.randbytes(n * 3 // 4 + 3)).decode()[:n]
 
-    def bodies(self, n: int) -> list[bytes]:
+    def bodies(self, n: int, stream_tokens: int = 0) -> list[bytes]:
+        """Non-streaming 1-token completions, or `stream_tokens`-token SSE streams."""
         out = []
         for _ in range(n):
             system = self.systems[self.count % SYSTEM_PROMPTS]
@@ -334,7 +349,11 @@ class Prompts:
             self.count += 1
             prompt = system + unique
             assert len(prompt.encode()) == PROMPT_TOKENS
-            body = f'{{"model": "{MODEL}", "prompt": "{prompt}", "max_tokens": 1}}'
+            if stream_tokens:
+                tail = f'"max_tokens": {stream_tokens}, "stream": true'
+            else:
+                tail = '"max_tokens": 1'
+            body = f'{{"model": "{MODEL}", "prompt": "{prompt}", {tail}}}'
             out.append(body.encode())
         return out
 
@@ -603,8 +622,9 @@ async def cpu_phase(
 
     await settle()
     before_counters = await counters()
+    stream_tokens = SSE_TOKENS if regime == SSE else 0
     for _ in range(args.rounds):
-        bodies = prompts.bodies(per_round)
+        bodies = prompts.bodies(per_round, stream_tokens)
         before = sample()
         t0 = time.perf_counter()
         res = await run_load(session, lambda i: target, bodies, args.concurrency, progress)
@@ -636,12 +656,13 @@ async def bench_router(
     workers = start_workers(children, args, policy)
     phases: dict[str, Phase] = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        router = await start_router(session, children, target, workers)
+        router = await start_router(session, children, target, workers, args.event_loop)
         log(f"[{policy}] warm-up")
         await warm_up(session, router.url, prompts, args)
 
         phase = functools.partial(cpu_phase, session, router, workers, prompts, args, target)
         phases["not full"] = await phase("not full")
+        phases[SSE] = await phase(SSE)
 
         log(f"[{policy}] filling the worker caches to capacity")
         await fill_caches(session, router.url, workers, prompts, args, target.ingests)
@@ -716,7 +737,7 @@ async def profile_router(
         str(HERE / "profiled_router.py"),
         str(out),
         args.profile_clock,
-        *router_args(free_port(), [w.url for w in workers], "cache_aware"),
+        *router_args(free_port(), [w.url for w in workers], "cache_aware", args.event_loop),
     ]
     log(f"[profile] starting router: {shlex.join(argv)}")
     router = children.start("kvrouter profiled", argv, "kvrouter listening on ")
@@ -1000,7 +1021,7 @@ def print_steps(
         if f.policy != "kvrouter cache_aware":
             continue
         parts = []
-        for regime in REGIMES:
+        for regime in ("not full", "full"):
             cpu = statistics.median(f.phases[regime].cpu_us)
             parts.append(
                 f"caches {regime}: {cpu:.0f} us/req measured, ~{totals[regime]:.0f} in these "
@@ -1009,9 +1030,9 @@ def print_steps(
         print(
             "\ncache_aware at c=32, "
             + "; ".join(parts)
-            + ". 'Elsewhere' is HTTP serving and proxying (aiohttp server + client), the "
-            "asyncio loop, ZMQ receive and framing, GC, and these steps running slower on a "
-            "loaded machine than in a hot loop."
+            + ". 'Elsewhere' is HTTP serving and relaying (the data plane's Protocols and "
+            "httptools), the event loop, ZMQ receive and framing, GC, and these steps running "
+            "slower on a loaded machine than in a hot loop."
         )
 
 
@@ -1117,11 +1138,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--latency-requests", type=int, default=1000, help="c=1, per target")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--cache-blocks", type=int, default=100_000, help="per worker")
+    parser.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=200_000,
+        help="per worker; enough for the two not-full phases without an eviction",
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=200, help="c=32 warm-up requests")
     parser.add_argument("--idle-s", type=float, default=2.0)
     parser.add_argument("--quick", action="store_true", help="fewer requests (~40 s in all)")
+    parser.add_argument(
+        "--event-loop",
+        choices=("auto", "asyncio", "uvloop"),
+        default="auto",
+        help="kvrouter's and the bare relay's event loop (auto: uvloop when installed)",
+    )
     parser.add_argument(
         "--smg",
         action="store_true",

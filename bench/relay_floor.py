@@ -1,14 +1,15 @@
-"""The floor under any aiohttp router: a bare relay, measured beside kvrouter and smg.
+"""The floor under kvrouter's request path: its data plane relaying, with no routing work.
 
 Run: .venv/bin/python -m bench.relay_floor --port 0 --worker URL [--worker URL ...]
+     [--event-loop auto|asyncio|uvloop]
 
-It does the least a router must do per request and nothing else: read the request body, POST
-it to the next worker (round-robin), read the whole answer, send it back with a
-Content-Length, which is the path kvrouter's proxy takes for a bounded non-streaming answer.
-No tokenizing, keys, index, metrics, breaker or retries, and no KV events. Its CPU per request
-at c=32 is what CPython's asyncio plus aiohttp's server and client cost on this machine before
-a router decides anything, so a kvrouter row can be read as "floor + our own work", and a
-target below this floor is out of reach for any router built on this stack.
+It serves with kvrouter's own data plane (`router.dataplane`: the client Protocol and
+httptools parser, the keep-alive upstream pool, the relay) and does the least a router must
+do per request: read the body, send it to the next worker (round-robin), relay the answer as
+it arrives. No JSON decode, tokenizing, keys, index or policy, no health checks and no KV
+events. Its CPU per request at c=32 is what the HTTP hop costs on this machine before a router
+decides anything, so a kvrouter row reads as "floor + routing + ingest", and the difference
+between the two is the cost of the routing work alone.
 
 It prints "relay listening on URL" once it serves, and stops on SIGINT or SIGTERM.
 """
@@ -19,44 +20,52 @@ import argparse
 import asyncio
 import itertools
 import signal
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
-import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 
-from router.proxy import HOP_BY_HOP, upstream_session
+from cachetree.ranks import RankId
+from router.cli import loop_factory
+from router.dataplane.exchange import Refusal
+from router.dataplane.inflight import InflightTracker
+from router.dataplane.server import DataPlane, Limits
+from router.metrics import RouterMetrics
+from router.policy import Candidate, Decision
+from router.workers import Worker
 
 READY_PREFIX = "relay listening on "
 
 
-def build_app(workers: Sequence[str]) -> web.Application:
-    if not workers:
-        raise ValueError("the relay needs at least one --worker")
-    app = web.Application()
-    upstreams = itertools.cycle([w.rstrip("/") for w in workers])
-    session_key = web.AppKey("session", aiohttp.ClientSession)
+class RoundRobin:
+    """A `Router` that only takes turns (and the `WorkerLookup` of its fixed workers)."""
 
-    async def session_ctx(app: web.Application) -> AsyncIterator[None]:
-        async with upstream_session() as session:  # kvrouter's own upstream client
-            app[session_key] = session
-            yield
+    def __init__(self, workers: Sequence[str]) -> None:
+        if not workers:
+            raise ValueError("the relay needs at least one --worker")
+        self._workers = {url: Worker(url, state="ready", healthy=True) for url in workers}
+        ranks = [Candidate(RankId(url, 0)) for url in self._workers]
+        # Each decision lists every worker, starting with the next in turn (failover order).
+        self._turns = itertools.cycle(
+            [Decision(ranks[i:] + ranks[:i], "cache_miss", 0) for i in range(len(ranks))]
+        )
 
-    async def relay(request: web.Request) -> web.Response:
-        body = await request.read()
-        url = next(upstreams) + request.path_qs
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        async with app[session_key].post(url, data=body, headers=headers) as upstream:
-            payload = await upstream.read()
-            out = CIMultiDict(
-                (k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP
-            )
-            return web.Response(body=payload, status=upstream.status, headers=out)
+    def route(self, route: bytes, raw: bytes) -> Decision | Refusal:
+        return next(self._turns)
 
-    app.cleanup_ctx.append(session_ctx)
-    app.router.add_post("/v1/completions", relay)
-    app.router.add_post("/v1/chat/completions", relay)
-    return app
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(url)
+
+
+async def start(host: str, port: int, workers: Sequence[str]) -> tuple[DataPlane, web.AppRunner]:
+    """The relay, listening; returns its data plane (`.close()` it) and the empty control app."""
+    urls = [w.rstrip("/") for w in workers]
+    table = RoundRobin(urls)
+    control = web.AppRunner(web.Application(), access_log=None)  # every other path: 404
+    await control.setup()
+    assert control.server is not None
+    plane = DataPlane(table, table, InflightTracker(), RouterMetrics(), control.server, Limits())
+    await plane.listen(host, port)
+    return plane, control
 
 
 async def serve(host: str, port: int, workers: Sequence[str]) -> None:
@@ -64,14 +73,14 @@ async def serve(host: str, port: int, workers: Sequence[str]) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(build_app(workers), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    print(f"{READY_PREFIX}http://{host}:{runner.addresses[0][1]}", flush=True)
+    plane, control = await start(host, port, workers)
+    server_port = plane.addresses[0][1]
+    print(f"{READY_PREFIX}http://{host}:{server_port}", flush=True)
     try:
         await stop.wait()
     finally:
-        await runner.cleanup()
+        await plane.close()
+        await control.cleanup()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -79,8 +88,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: a free port")
     parser.add_argument("--worker", action="append", default=[], required=True)
+    parser.add_argument("--event-loop", default="auto", choices=("auto", "asyncio", "uvloop"))
     args = parser.parse_args(argv)
-    asyncio.run(serve(args.host, args.port, args.worker))
+    with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:
+        runner.run(serve(args.host, args.port, args.worker))
 
 
 if __name__ == "__main__":

@@ -26,16 +26,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Final, NoReturn
 
-from aiohttp import web
-
 from peer.kubeconfig import KubeConfigError
-from router.app import build_app
 from router.auth import TOKEN_ENV, token_problem
-from router.control import REPLICA
 from router.index import DEFAULT_INDEX_MAX_BLOCKS
 from router.origin import AllowList, origin_problem, url_problem
 from router.policy import POLICY_NAMES
 from router.replica import ServeConfig
+from router.serving import StartError, serve_until, start_serving, stop_serving
 from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from router.tokenize import ENGINES, load_tokenizer
 from router.tools import demo, view
@@ -43,11 +40,7 @@ from router.tools import demo, view
 log = logging.getLogger("kvrouter")
 
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
-# After the drain, what handlers are still running get this long before they are cancelled.
-# The drain waited for every proxied request already; what is left was either cut by
-# --drain-timeout-s or is a short admin/health call. aiohttp's own default is 60 s, which
-# would let a stuck stream outlive the drain timeout by a minute.
-SHUTDOWN_GRACE_S: Final = 1.0
+EVENT_LOOPS: Final = ("auto", "asyncio", "uvloop")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -188,6 +181,31 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         "a worker failing /health this long leaves the index until it answers again; 0 = never",
     )
     f.add("max-request-bytes", int, 32 * 1024 * 1024, "largest request body accepted")
+    f.add("max-connections", int, 4096, "open client connections; more are answered 503")
+    f.add("max-header-count", int, 100, "header fields in one request")
+    f.add("max-head-bytes", int, 64 * 1024, "size of a request's head (request line and fields)")
+    f.add("client-header-timeout-s", float, 30.0, "a request head must arrive within this")
+    f.add("client-body-timeout-s", float, 60.0, "a request body must arrive within this")
+    f.add("keepalive-timeout-s", float, 60.0, "an idle client connection is closed after this")
+    f.add("upstream-connect-timeout-s", float, 5.0, "connecting to a worker")
+    f.add("upstream-head-timeout-s", float, 300.0, "a worker's response head must come within")
+    f.add("stream-idle-timeout-s", float, 300.0, "the longest gap within a worker's answer")
+    f.add(
+        "upstream-idle-expiry-s",
+        float,
+        4.0,
+        "an idle connection to a worker is closed after this; keep it below the engines' "
+        "keep-alive timeout (uvicorn: 5 s)",
+    )
+    f.add("upstream-connections-per-worker", int, 256, "open connections to one worker at most")
+    f.add("control-port", int, 0, "also serve the control plane alone on this port; 0 = not")
+    f.add(
+        "event-loop",
+        str.lower,
+        "auto",
+        "auto: uvloop when installed (the fast extra), else asyncio",
+        choices=EVENT_LOOPS,
+    )
     f.add("max-attempts", int, 3, "upstream attempts per request, failovers included")
     f.add("breaker-failure-threshold", int, 3, "consecutive failures that open a breaker; 0 = off")
     f.add("breaker-cooldown-s", float, 5.0, "first open period of a breaker")
@@ -277,6 +295,25 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         (args.worker_evict_after_s >= 0, "--worker-evict-after-s must be >= 0"),
         (args.max_request_bytes > 0, "--max-request-bytes must be > 0"),
         (args.tokenize_cache_mb >= 0, "--tokenize-cache-mb must be >= 0 (0 turns the cache off)"),
+        (args.max_connections >= 1, "--max-connections must be >= 1"),
+        (args.max_header_count >= 1, "--max-header-count must be >= 1"),
+        (args.max_head_bytes >= 1024, "--max-head-bytes must be >= 1024"),
+        (args.client_header_timeout_s > 0, "--client-header-timeout-s must be > 0"),
+        (args.client_body_timeout_s > 0, "--client-body-timeout-s must be > 0"),
+        (args.keepalive_timeout_s > 0, "--keepalive-timeout-s must be > 0"),
+        (args.upstream_connect_timeout_s > 0, "--upstream-connect-timeout-s must be > 0"),
+        (args.upstream_head_timeout_s > 0, "--upstream-head-timeout-s must be > 0"),
+        (args.stream_idle_timeout_s > 0, "--stream-idle-timeout-s must be > 0"),
+        (args.upstream_idle_expiry_s > 0, "--upstream-idle-expiry-s must be > 0"),
+        (
+            args.upstream_connections_per_worker >= 1,
+            "--upstream-connections-per-worker must be >= 1",
+        ),
+        (
+            0 <= args.control_port <= 65535
+            and (not args.control_port or args.control_port != args.port),
+            "--control-port must be 0 (off) or 1..65535, other than --port",
+        ),
         (args.drain_timeout_s >= 0, "--drain-timeout-s must be >= 0"),
         (
             1 <= args.kv_events_port_base <= 65536 - args.dp_size,
@@ -353,18 +390,14 @@ def _fail(message: str, status: int = 2) -> NoReturn:
     raise SystemExit(status)
 
 
-class StartError(Exception):
-    """The server could not start (e.g. its port is taken); the message is one line."""
-
-
 def _tune_gc() -> None:
     """Fewer, cheaper cyclic collections on the request path.
 
-    Everything allocated at start-up (modules, the app, sessions) is moved out of the
-    collector's sight, and the young generation may grow to 20k objects before a pass: with
-    CPython's default of 700, decoding event batches and serving requests triggered a
-    collection every few requests, and full passes over aiohttp's objects showed in p99.
-    The index itself is invisible to the collector (`gc=False` nodes).
+    Everything allocated at start-up (modules, the app, the replica's parts) is moved out of
+    the collector's sight, and the young generation may grow to 20k objects before a pass:
+    with CPython's default of 700, decoding event batches and serving requests triggered a
+    collection every few requests, and full passes showed in p99. The index itself is
+    invisible to the collector (`gc=False` nodes).
     """
     gc.collect()
     gc.freeze()
@@ -378,41 +411,37 @@ async def serve(config: ServeConfig, ready: Callable[[str], None] | None = None)
     # is read, must drain and exit 0, not kill the process with the default disposition.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    app = build_app(config)
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
-    )
+    serving = await start_serving(config)
     try:
-        await runner.setup()
         _tune_gc()
-        site = web.TCPSite(runner, config.host, config.port)
-        try:
-            await site.start()
-        except OSError as exc:
-            raise StartError(
-                f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}"
-            ) from None
-        replica = app[REPLICA]
-        port = runner.addresses[0][1] if runner.addresses else config.port
-        url = f"http://{config.host}:{port}"
-        log.info("kvrouter listening on %s (policy %s)", url, config.policy)
+        url = serving.url
+        log.info(
+            "kvrouter listening on %s (policy %s, %s event loop)%s",
+            url,
+            config.policy,
+            type(loop).__module__.split(".")[0],
+            f", control plane also on {serving.control_url}" if serving.control_url else "",
+        )
         print(f"kvrouter listening on {url}", flush=True)
         if ready is not None:
             ready(url)
-        await stop.wait()
-        replica.draining = True
-        log.info(
-            "draining: /readyz is 503; waiting up to %.0fs for in-flight requests",
-            config.drain_timeout_s,
-        )
-        # (`wait_idle(0)` reports a timeout even when idle, hence the check of `total`.)
-        if replica.inflight.total and not await replica.inflight.wait_idle(config.drain_timeout_s):
-            log.warning(
-                "drain timeout: %d request(s) still in flight are cut", replica.inflight.total
-            )
+        await serve_until(serving, stop, config.drain_timeout_s)
     finally:
-        await runner.cleanup()
+        await stop_serving(serving)
     log.info("stopped")
+
+
+def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop `--event-loop` asks for; None: asyncio's default."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            _fail("--event-loop uvloop: uvloop is not installed (pip install 'kvrouter[fast]')")
+        return None
+    return uvloop.new_event_loop
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, _Flags]:
@@ -450,7 +479,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         config = serve_config(args)
         try:
-            asyncio.run(serve(config))
+            with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:
+                runner.run(serve(config))
         except (StartError, KubeConfigError) as exc:
             _fail(str(exc), status=1)
     elif args.command == "demo":

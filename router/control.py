@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -23,13 +23,21 @@ from cachetree.ranks import RankId
 from peer.producer import serve_snapshot
 from router import auth
 from router.origin import host_of, origin_problem
-from router.replica import Replica, ServeConfig, start_replica, stop_replica
+from router.replica import Replica
 from router.workers import subscriber_name
 
 log = logging.getLogger(__name__)
 
 REPLICA: web.AppKey[Replica] = web.AppKey("replica", Replica)
 _RESOLVE_TIMEOUT_S = 2.0
+
+
+def build_control_app(replica: Replica) -> web.Application:
+    """The control app over a started replica (served through the data plane's hand-off)."""
+    app = web.Application(client_max_size=replica.config.max_request_bytes)
+    app[REPLICA] = replica
+    add_control_routes(app)
+    return app
 
 
 def add_control_routes(app: web.Application) -> None:
@@ -62,18 +70,6 @@ def _guard(handler: Handler) -> Handler:
         )
 
     return guarded
-
-
-def replica_lifecycle(config: ServeConfig):
-    """An aiohttp cleanup context that starts the replica with the app and stops it after."""
-
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        replica = await start_replica(config)
-        app[REPLICA] = replica
-        yield
-        await stop_replica(replica)
-
-    return ctx
 
 
 class BadRequest(Exception):
@@ -111,36 +107,45 @@ async def _models(request: web.Request) -> web.Response:
 # -- health and metrics ------------------------------------------------------------------
 
 
-async def _healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+def liveness(replica: Replica) -> tuple[int, dict[str, Any]]:
+    """`/healthz`: 200 while the loop runs. (The data plane answers it with this too.)"""
+    return 200, {"status": "ok"}
 
 
-async def _readyz(request: web.Request) -> web.Response:
-    replica = request.app[REPLICA]
+def readiness(replica: Replica) -> tuple[int, dict[str, Any]]:
+    """`/readyz`: the status and body. (The data plane answers it with this too.)"""
     if replica.draining:
-        return web.json_response({"ready": False, "reason": "draining"}, status=503)
+        return 503, {"ready": False, "reason": "draining"}
     if not replica.workers.routable():
-        return web.json_response({"ready": False, "reason": "no healthy worker"}, status=503)
+        return 503, {"ready": False, "reason": "no healthy worker"}
     failing = [task for task in replica.supervisor.failing() if task.critical]
     if failing:
-        return web.json_response(
-            {
-                "ready": False,
-                "reason": "background task failing: "
-                + "; ".join(f"{task.name}: {task.error}" for task in failing),
-            },
-            status=503,
-        )
+        return 503, {
+            "ready": False,
+            "reason": "background task failing: "
+            + "; ".join(f"{task.name}: {task.error}" for task in failing),
+        }
     bootstrap = replica.bootstrap
     # Asked last: it latches at the first True, so a later scale-up never un-readies us.
     if bootstrap is not None and not bootstrap.admit_ready():
         tracker = bootstrap.tracker
         reason = "bootstrap pending" if not tracker.settled() else "seed gate closed"
-        return web.json_response(
-            {"ready": False, "reason": reason, "remaining_s": round(tracker.time_remaining(), 1)},
-            status=503,
-        )
-    return web.json_response({"ready": True})
+        return 503, {
+            "ready": False,
+            "reason": reason,
+            "remaining_s": round(tracker.time_remaining(), 1),
+        }
+    return 200, {"ready": True}
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    status, body = liveness(request.app[REPLICA])
+    return web.json_response(body, status=status)
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    status, body = readiness(request.app[REPLICA])
+    return web.json_response(body, status=status)
 
 
 async def _metrics(request: web.Request) -> web.Response:

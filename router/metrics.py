@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from peer.endpointslices import SliceDiscovery
     from peer.supervise import Supervisor
     from router.bootstrap import PeerBootstrap
+    from router.dataplane.server import DataPlane
     from router.index import Pump
     from router.loads import LoadMonitor
     from router.tokenize import RequestTokenizer
@@ -116,6 +117,9 @@ class _TaskCollector(Collector):
             [((kind,), n) for kind, n in failing.items()],
             ["task"],
         )
+
+    def watch_dataplane(self, plane: DataPlane) -> None:
+        self.registry.register(_DataPlaneCollector(plane))
 
 
 class _StateCollector(Collector):
@@ -445,4 +449,63 @@ class _TokenizerCollector(Collector):
             "kvrouter_tokenize_cache_bytes",
             "Estimated bytes held by the tokenization cache (bounded by --tokenize-cache-mb)",
             [((), cache.bytes)],
+        )
+
+
+class _DataPlaneCollector(Collector):
+    """The request path's connections: clients open, refused and closed; upstream pools."""
+
+    def __init__(self, plane: DataPlane) -> None:
+        self._plane = plane
+
+    def collect(self) -> Iterator[Metric]:
+        plane = self._plane
+        stats = plane.stats
+        yield _gauge(
+            "kvrouter_client_connections", "Open client connections", [((), len(plane.connections))]
+        )
+        yield _counter(
+            "kvrouter_client_connections_refused",
+            "Client connections refused at --max-connections (answered 503 and closed)",
+            [],
+            {(): stats.connections_refused},
+        )
+        yield _counter(
+            "kvrouter_client_connections_closed",
+            "Client connections the router closed, by reason (idle, head_timeout, "
+            "body_timeout, malformed, refused, cut, drain, ...)",
+            ["reason"],
+            {(k,): v for k, v in stats.closed.items()},
+        )
+        yield _counter(
+            "kvrouter_answers_broken",
+            "Answers that did not end cleanly: cut (the worker's stream broke after the first "
+            "byte) or gone (the client left first)",
+            ["outcome"],
+            {(k,): v for k, v in stats.ended.items()},
+        )
+        yield _counter(
+            "kvrouter_upstream_safe_retries",
+            "Requests resent once because a reused idle connection was found closed",
+            [],
+            {(): stats.safe_retries},
+        )
+        yield _counter(
+            "kvrouter_routing_deferred",
+            "Requests that waited a turn of the event loop for routing: the replica is "
+            "saturated (routing work per turn is capped so probes and streams keep moving)",
+            [],
+            {(): stats.routing_deferred},
+        )
+        yield _counter(
+            "kvrouter_upstream_connects",
+            "Connections opened to workers",
+            [],
+            {(): stats.upstream_connects},
+        )
+        yield _gauge(
+            "kvrouter_upstream_connections",
+            "Connections to each worker (connecting, busy and idle)",
+            [((url,), pool.total) for url, pool in plane.pools.items()],
+            ["worker"],
         )

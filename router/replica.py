@@ -32,12 +32,12 @@ from peer.tracker import BootstrapTracker
 from router import socket_budget
 from router.bootstrap import PeerBootstrap
 from router.breaker import CircuitBreaker
+from router.dataplane.inflight import InflightTracker
 from router.index import DEFAULT_INDEX_MAX_BLOCKS, IndexRules, Pump
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
 from router.origin import AllowList
 from router.policy import Policy, make_policy
-from router.proxy import InflightTracker, Proxy, upstream_session
 from router.socket_budget import SocketBudget
 from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from router.tokenize import RequestTokenizer, load_tokenizer
@@ -71,6 +71,19 @@ class ServeConfig:
     worker_evict_after_s: float = 30.0
     max_request_bytes: int = 32 * 1024 * 1024
     max_attempts: int = 3
+    # The data plane's bounds (router.dataplane.server.Limits; one flag each).
+    max_connections: int = 4096
+    max_header_count: int = 100
+    max_head_bytes: int = 64 * 1024
+    client_header_timeout_s: float = 30.0
+    client_body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 60.0
+    upstream_connect_timeout_s: float = 5.0
+    upstream_head_timeout_s: float = 300.0
+    stream_idle_timeout_s: float = 300.0
+    upstream_idle_expiry_s: float = 4.0
+    upstream_connections_per_worker: int = 256
+    control_port: int = 0  # also serve the control app alone on this port; 0 = not
     breaker_failure_threshold: int = 3
     breaker_cooldown_s: float = 5.0
     breaker_max_cooldown_s: float = 60.0
@@ -109,7 +122,6 @@ class Replica:
     loads: LoadMonitor
     policy: Policy
     tokenizer: RequestTokenizer
-    proxy: Proxy
     metrics: RouterMetrics
     inflight: InflightTracker
     sessions: list[aiohttp.ClientSession]
@@ -132,15 +144,13 @@ async def start_replica(config: ServeConfig) -> Replica:
     policy = make_policy(config.policy, rng=rng)
     pump = Pump(IndexRules(max_blocks=config.kv_index_max_blocks))
     pump.start()
-    # Only the peer snapshot fetcher may advertise gzip (the SSE proxy path must never get it).
+    # Only the peer snapshot fetcher may advertise gzip.
     control_session = aiohttp.ClientSession(skip_auto_headers=("Accept-Encoding",))
-    proxy_session = upstream_session()
     try:
-        return await _compose(config, tokenizer, policy, pump, control_session, proxy_session)
+        return await _compose(config, tokenizer, policy, pump, control_session)
     except BaseException:
         await pump.stop()
         await control_session.close()
-        await proxy_session.close()
         raise
 
 
@@ -150,7 +160,6 @@ async def _compose(
     policy: Policy,
     pump: Pump,
     control_session: aiohttp.ClientSession,
-    proxy_session: aiohttp.ClientSession,
 ) -> Replica:
     loads = LoadMonitor(control_session, interval_s=config.load_interval_ms / 1000)
 
@@ -193,14 +202,6 @@ async def _compose(
     metrics.watch_tokenizer(tokenizer)
     metrics.watch_tasks(supervisor)
     inflight = InflightTracker()
-    proxy = Proxy(
-        proxy_session,
-        workers,
-        metrics,
-        inflight,
-        max_attempts=config.max_attempts,
-        expose_route_headers=config.expose_route_headers,
-    )
     settled = bootstrap.tracker.settled if bootstrap is not None else (lambda: True)
     # Last of the fallible steps: nothing has started yet if it cannot reach the API server.
     discovery = (
@@ -215,10 +216,9 @@ async def _compose(
         loads,
         policy,
         tokenizer,
-        proxy,
         metrics,
         inflight,
-        [control_session, proxy_session],
+        [control_session],
         zmq_context,
         supervisor,
         budget,

@@ -225,6 +225,9 @@ class WorkerRegistry:
         self._closing = False
         # Set by the app when peer bootstrap is on (a --peer or --kv-peer-selector is given).
         self.bootstrap: PeerBootstrap | None = None
+        # Set by the data plane: told when health declares a worker down, so that requests
+        # still waiting for that worker's answer fail over at once.
+        self.on_unhealthy: Callable[[str], None] | None = None
         pump.rules.set_loss_handler(self._on_rank_loss)
 
     # -- queries ---------------------------------------------------------------------------
@@ -587,9 +590,12 @@ class WorkerRegistry:
                 log.info("worker %s answers /health again: registering it anew", worker.url)
                 await self.add(worker.url)
             return
+        went_down = worker.healthy and not healthy
         if worker.healthy != healthy:
             log.warning("worker %s is now %s", worker.url, "healthy" if healthy else "unhealthy")
         worker.healthy = healthy
+        if went_down and self.on_unhealthy is not None:
+            self.on_unhealthy(worker.url)
         if healthy:
             worker.unhealthy_since = None
             return

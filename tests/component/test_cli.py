@@ -169,3 +169,40 @@ async def test_env_vars_set_the_port_the_worker_list_and_a_bool(cluster: Cluster
         chosen = headers["X-Kvrouter-Worker"]
         served = {fw.url: (await fw.state())["requests"] for fw in (a, b)}
         assert served == {a.url: int(chosen == a.url), b.url: int(chosen == b.url)}
+
+
+# --- the data plane's process-level flags ---------------------------------------------------
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+async def test_the_event_loop_flag_picks_the_loop_and_either_serves(
+    cluster: Cluster, loop: str
+) -> None:
+    pytest.importorskip(loop, reason="uvloop is the fast extra: pip install 'kvrouter[fast]'")
+    control_port = free_tcp_port()
+    async with fake_worker_in_process() as fw:
+        rt = await cluster.router(
+            loop,
+            "--health-interval-s",
+            "0.2",
+            "--event-loop",
+            loop,
+            "--control-port",
+            str(control_port),
+            "--log-level",
+            "info",
+            workers=[fw.url],
+        )
+        await rt.wait_ready(10)
+        assert f"{loop} event loop" in rt.child.output()
+        status, payload, _ = await rt.post("/v1/completions", {"prompt": "hi", "max_tokens": 1})
+        assert status == 200, payload
+        assert (await fw.state())["requests"] == 1
+        # The control plane answers on its own port too, and only the control plane.
+        control = f"http://127.0.0.1:{control_port}"
+        async with rt.session.get(control + "/workers") as resp:
+            assert resp.status == 200
+            assert [w["url"] for w in (await resp.json())["workers"]] == [fw.url]
+        async with rt.session.post(control + "/v1/completions", json={"prompt": "x"}) as resp:
+            assert resp.status in (404, 405)
+        assert (await fw.state())["requests"] == 1

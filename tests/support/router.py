@@ -7,9 +7,9 @@
 `RouterClient` speaks only HTTP and sends the bearer token (`TEST_TOKEN` unless told
 otherwise) to the routes that need it (`router.auth.guarded`); `router_in_process` configures
 the same token, as the cluster's replicas do. The same calls serve an in-process replica
-(`RouterHandle`, which also exposes the app) and a `kvrouter serve` process
-(`tests.support.cluster.RouterProcess`). `wait_cursor` is how a test knows the replica has
-applied a batch: it polls the replica's observable `/workers` view (never a sleep) with a
+(`RouterHandle`, which also exposes the replica and its data plane) and a `kvrouter serve`
+process (`tests.support.cluster.RouterProcess`). `wait_cursor` is how a test knows the replica
+has applied a batch: it polls the replica's observable `/workers` view (never a sleep) with a
 bounded timeout.
 """
 
@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
-from aiohttp import web
 
 from router import auth
-from router.app import build_app
-from router.control import REPLICA
+from router.dataplane.server import DataPlane
 from router.replica import Replica, ServeConfig
+from router.serving import Serving, start_serving, stop_serving
 from tests.support.fake_worker import FakeWorkerHandle
 from tests.support.metrics import Scrape
 from tests.support.waiting import eventually
@@ -166,11 +165,15 @@ async def quiesce(
 
 @dataclass
 class RouterHandle(RouterClient):
-    app: web.Application
+    serving: Serving
 
     @property
     def replica(self) -> Replica:
-        return self.app[REPLICA]
+        return self.serving.replica
+
+    @property
+    def plane(self) -> DataPlane:
+        return self.serving.plane
 
 
 @contextlib.asynccontextmanager
@@ -182,16 +185,9 @@ async def router_in_process(**config: Any) -> AsyncIterator[RouterHandle]:
     config.setdefault("load_interval_ms", 100)
     config.setdefault("seed", 1)
     config.setdefault("internal_token", TEST_TOKEN)
-    app = build_app(ServeConfig(**config))
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    serving = await start_serving(ServeConfig(**config))
     try:
         async with aiohttp.ClientSession() as session:
-            yield RouterHandle(
-                f"http://127.0.0.1:{port}", session, app, token=config["internal_token"]
-            )
+            yield RouterHandle(serving.url, session, serving, token=config["internal_token"])
     finally:
-        await runner.cleanup()
+        await stop_serving(serving)

@@ -66,6 +66,21 @@ def invalid_settings(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], st
         "health interval 0": (["--health-interval-s", "0"], {}, "--health-interval-s"),
         "drain timeout negative": (["--drain-timeout-s", "-1"], {}, "--drain-timeout-s"),
         "request bytes 0": (["--max-request-bytes", "0"], {}, "--max-request-bytes"),
+        "connections 0": (["--max-connections", "0"], {}, "--max-connections"),
+        "header count 0": (["--max-header-count", "0"], {}, "--max-header-count"),
+        "head bytes tiny": (["--max-head-bytes", "100"], {}, "--max-head-bytes"),
+        "header timeout 0": (["--client-header-timeout-s", "0"], {}, "--client-header-timeout"),
+        "body timeout 0": (["--client-body-timeout-s", "0"], {}, "--client-body-timeout-s"),
+        "keep-alive 0": (["--keepalive-timeout-s", "0"], {}, "--keepalive-timeout-s"),
+        "connect timeout 0": (["--upstream-connect-timeout-s", "0"], {}, "--upstream-connect"),
+        "head timeout 0": (["--upstream-head-timeout-s", "0"], {}, "--upstream-head-timeout-s"),
+        "stream idle 0": (["--stream-idle-timeout-s", "0"], {}, "--stream-idle-timeout-s"),
+        "idle expiry 0": (["--upstream-idle-expiry-s", "0"], {}, "--upstream-idle-expiry-s"),
+        "per-worker 0": (["--upstream-connections-per-worker", "0"], {}, "--upstream-connections"),
+        "control port = port": (["--port", "9000", "--control-port", "9000"], {}, "--control-port"),
+        "control port too big": (["--control-port", "70000"], {}, "--control-port"),
+        "unknown event loop": (["--event-loop", "trio"], {}, "--event-loop"),
+        "env unknown event loop": ([], {"KVROUTER_EVENT_LOOP": "trio"}, "KVROUTER_EVENT_LOOP"),
         "kv port base 0": (["--kv-events-port-base", "0"], {}, "--kv-events-port-base"),
         "kv ports past 65535": (
             ["--kv-events-port-base", "65535", "--dp-size", "2"],
@@ -200,10 +215,11 @@ def test_defaults_without_flags_or_environment() -> None:
     assert (config.block_size, config.internal_token) == (None, None)  # "learn" and "open"
 
 
-def test_every_flag_but_the_log_level_reaches_the_serve_config() -> None:
+def test_every_flag_but_the_process_ones_reaches_the_serve_config() -> None:
     # `serve_config` keeps only the arguments that name a ServeConfig field: a flag whose
-    # name does not match one would be parsed, documented, and silently ignored.
+    # name does not match one would be parsed, documented, and silently ignored. The log
+    # level and the event loop are the process's, set before the replica exists.
     _, flags = build_parser()
     config_fields = {f.name for f in fields(ServeConfig)}
     dests = {"workers" if n == "worker" else n.replace("-", "_") for n in flags.names}
-    assert dests - {"log_level"} <= config_fields
+    assert dests - {"log_level", "event_loop"} <= config_fields

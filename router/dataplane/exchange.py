@@ -1,0 +1,386 @@
+"""The HTTP exchange rules of the relay: plain functions over parsed heads, no sockets.
+
+Everything the data plane decides about the bytes of an exchange lives here, so it can be read
+and tested as tables (tests/unit/test_exchange_rules.py); `server.py` and `upstream.py` only
+parse, call these and move bytes.
+
+Theory of operation
+-------------------
+A client request is parsed by httptools into a `RequestHead` (plus a body, which the relay
+always reads whole: routing needs the prompt). `admit` decides at the end of the head whether
+the request may be read at all (a declared body over the limit is a 413, an unknown
+expectation a 417; both close the connection, because the body is left unread). `route_of`
+says who answers: the data plane (a POST to a generation route), the data plane with a 405
+(another method on one), or the control app (every other path).
+
+The request goes upstream as `upstream_request`: the client's headers minus hop-by-hop ones
+(RFC 9110 7.6.1, including those the client's `Connection` header names), minus what the
+relay sets itself (Host, Content-Length, Expect; to a worker also Accept-Encoding: the relay
+never advertises gzip, so SSE reaches the client as the engine wrote it; and
+X-Data-Parallel-Rank: the rank is the router's choice, not the client's), with a
+Content-Length for the whole body.
+
+The upstream answer's own framing (`upstream_framing`, RFC 9112 6.3): none for a HEAD, 1xx,
+204 or 304; chunked; a Content-Length; else the body runs until the worker closes. The answer
+to the client (`plan_response`) keeps a Content-Length as it is, and re-frames the other two:
+chunked for an HTTP/1.1 client, close-delimited for an HTTP/1.0 one (which cannot read chunks),
+so a streamed answer to HTTP/1.0 ends with the connection. Interim 1xx answers are dropped:
+the relay sends the whole body upstream at once and never asks for `100 Continue` (it answers
+a client's `Expect: 100-continue` itself), and the final answer follows on the same
+connection.
+
+Failures (`FAILURES`): before the first byte reached the client, a failure of a worker (no
+connection, no head in time, a 5xx head, the connection lost, health declaring it down) is
+counted by its breaker and the next rank is tried; a reused idle connection found dead before
+it answered anything is the one safe retry (the worker never saw the request: it closed an
+idle connection), on a fresh connection to the same worker, and counts nowhere. After the
+first byte nothing is retried: a stream cut by its worker must not look complete
+(`cut_tail`): the client connection is closed without the terminating chunk, after an
+OpenAI-style `data: {"error": ...}` event when the answer is SSE, so every client library
+reports the failure. (A close-delimited answer to an HTTP/1.0 client cannot show a cut
+except through that SSE event: its end is the close.)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Final, Literal
+
+import msgspec
+
+GENERATION_ROUTES: Final = frozenset({b"/v1/completions", b"/v1/chat/completions", b"/generate"})
+
+# RFC 9110 7.6.1 hop-by-hop fields, plus Proxy-Connection (still sent by old clients).
+HOP_BY_HOP: Final = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+# Request fields the relay sets itself.
+_SET_BY_RELAY: Final = frozenset({b"host", b"content-length", b"expect"})
+_TO_CONTROL_DROPPED: Final = HOP_BY_HOP | _SET_BY_RELAY
+# To a worker, also: no gzip (SSE as the engine wrote it), and the rank is the router's.
+_TO_WORKER_DROPPED: Final = _TO_CONTROL_DROPPED | {b"accept-encoding", b"x-data-parallel-rank"}
+ROUTE_HEADERS: Final = (b"x-kvrouter-worker", b"x-kvrouter-dp-rank")
+_RESPONSE_DROPPED: Final = HOP_BY_HOP | {b"content-length", *ROUTE_HEADERS}
+
+_STATUS_LINES: Final = {
+    s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode("latin-1") for s in HTTPStatus
+}
+
+
+class Framing(enum.Enum):
+    """How a message's body ends."""
+
+    NONE = "none"  # no body (HEAD, 1xx, 204, 304)
+    LENGTH = "length"  # Content-Length bytes
+    CHUNKED = "chunked"  # chunked transfer coding, ends with the zero-length chunk
+    CLOSE = "close"  # the sender closes the connection
+
+
+@dataclass(slots=True)
+class RequestHead:
+    method: bytes
+    target: bytes  # the request target as sent: path and query
+    http_11: bool  # HTTP/1.1 (else 1.0)
+    headers: list[tuple[bytes, bytes]]
+    keep_alive: bool  # the parser's verdict: version, Connection header
+    content_length: int | None
+    chunked: bool
+    expect: bytes | None  # the Expect field, lower-cased
+    names: list[bytes]  # the field names, lower-cased, in `headers` order
+    hop_by_hop: frozenset[bytes]  # fields its Connection header names
+
+    @property
+    def path(self) -> bytes:
+        return self.target.split(b"?", 1)[0]
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of a field (`name` lower-case)."""
+        for low, (_, value) in zip(self.names, self.headers, strict=True):
+            if low == name:
+                return value
+        return None
+
+
+class Malformed(ValueError):
+    """A request head the relay refuses with a 400 (the message says why)."""
+
+
+def read_request_head(
+    method: bytes, target: bytes, http_11: bool, headers: list[tuple[bytes, bytes]], keep: bool
+) -> RequestHead:
+    """Collect the framing fields of a parsed head; raise `Malformed` for what llhttp let by."""
+    length: int | None = None
+    chunked = False
+    expect: bytes | None = None
+    names = [name.lower() for name, _ in headers]
+    for low, (_, value) in zip(names, headers, strict=True):
+        if low == b"content-length":
+            if not value.strip().isdigit():
+                raise Malformed("Content-Length is not a number")
+            n = int(value)
+            if length is not None and n != length:
+                raise Malformed("conflicting Content-Length fields")
+            length = n
+        elif low == b"transfer-encoding":
+            codings = [c.strip().lower() for c in value.split(b",")]
+            if codings[-1] != b"chunked":
+                raise Malformed("a request's Transfer-Encoding must end with chunked")
+            chunked = True
+        elif low == b"expect":
+            expect = value.strip().lower()
+    if chunked and length is not None:
+        raise Malformed("both Content-Length and Transfer-Encoding")  # RFC 9112 6.1: smuggling
+    named = _connection_tokens(names, headers) if b"connection" in names else frozenset()
+    return RequestHead(
+        method, target, http_11, headers, keep, length, chunked, expect, names, named
+    )
+
+
+Route = Literal["generation", "not_allowed", "control"]
+
+
+def route_of(head: RequestHead) -> Route:
+    if head.path in GENERATION_ROUTES:
+        return "generation" if head.method == b"POST" else "not_allowed"
+    return "control"
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """An answer the data plane gives itself."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    close: bool = False  # the connection closes after it (the body was left unread)
+    extra: tuple[tuple[bytes, bytes], ...] = ()
+
+
+def admit(head: RequestHead, max_body_bytes: int) -> Refusal | None:
+    """Whether the body may be read at all, decided at the end of the head."""
+    if head.expect is not None and head.expect != b"100-continue":
+        return Refusal(417, "only 'Expect: 100-continue' is supported", close=True)
+    if head.content_length is not None and head.content_length > max_body_bytes:
+        return body_too_large(max_body_bytes)
+    return None
+
+
+def body_too_large(max_body_bytes: int) -> Refusal:
+    return Refusal(
+        413, f"request body over the limit of {max_body_bytes} bytes", close=True, param="body"
+    )
+
+
+def not_allowed(head: RequestHead) -> Refusal:
+    return Refusal(
+        405,
+        f"{head.path.decode('latin-1')} accepts POST only",
+        extra=((b"Allow", b"POST"),),
+    )
+
+
+CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def upstream_request(
+    head: RequestHead,
+    body_length: int,
+    host: bytes,
+    extra: list[tuple[bytes, bytes]] | None = None,
+    *,
+    to_worker: bool = True,
+) -> bytes:
+    """The request head sent upstream (HTTP/1.1, keep-alive), without the body.
+
+    To a worker (`to_worker`) or to the control app, which keeps Accept-Encoding (a peer
+    snapshot may come gzipped) and sees the client's Host.
+    """
+    dropped = _TO_WORKER_DROPPED if to_worker else _TO_CONTROL_DROPPED
+    named = head.hop_by_hop
+    parts = [head.method, b" ", head.target, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
+    for low, (name, value) in zip(head.names, head.headers, strict=True):
+        if low not in dropped and low not in named:
+            parts += (name, b": ", value, b"\r\n")
+    for name, value in extra or ():
+        parts += (name, b": ", value, b"\r\n")
+    parts += (b"Content-Length: ", b"%d" % body_length, b"\r\n\r\n")
+    return b"".join(parts)
+
+
+def _connection_tokens(names: list[bytes], headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """Fields a `Connection` header names as hop-by-hop (RFC 9110 7.6.1)."""
+    tokens: set[bytes] = set()
+    for low, (_, value) in zip(names, headers, strict=True):
+        if low == b"connection":
+            tokens.update(t.strip().lower() for t in value.split(b","))
+    return frozenset(tokens)
+
+
+def upstream_framing(
+    status: int, headers: list[tuple[bytes, bytes]], request_method: bytes
+) -> tuple[Framing, int | None]:
+    """How the worker's answer body ends (RFC 9112 6.3), and its length when declared."""
+    if request_method == b"HEAD" or status < 200 or status in (204, 304):
+        return Framing.NONE, None
+    length: int | None = None
+    for name, value in headers:
+        low = name.lower()
+        if low == b"transfer-encoding":
+            return Framing.CHUNKED, None  # wins over a Content-Length (RFC 9112 6.3 item 3)
+        if low == b"content-length" and value.strip().isdigit():
+            length = int(value)
+    if length is not None:
+        return Framing.LENGTH, length
+    return Framing.CLOSE, None
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsePlan:
+    head: bytes
+    framing: Framing  # of the answer to the client
+    keep_alive: bool  # the client connection stays open after it
+    sse: bool  # text/event-stream: a cut sends an error event first
+
+
+def plan_response(
+    status: int,
+    reason: bytes,
+    headers: list[tuple[bytes, bytes]],
+    upstream: Framing,
+    length: int | None,
+    *,
+    client_11: bool,
+    client_keep_alive: bool,
+    route_headers: list[tuple[bytes, bytes]] | None = None,
+) -> ResponsePlan:
+    """The head and framing of the answer to the client, from the worker's final answer."""
+    if upstream is Framing.LENGTH or upstream is Framing.NONE:
+        framing = upstream
+    else:
+        framing = Framing.CHUNKED if client_11 else Framing.CLOSE
+    keep_alive = client_keep_alive and framing is not Framing.CLOSE
+    names = [name.lower() for name, _ in headers]
+    dropped = _RESPONSE_DROPPED
+    if b"connection" in names:
+        dropped = dropped | _connection_tokens(names, headers)
+    sse = False
+    # The reason phrase is informational (RFC 9112 4): a known status gets the standard one.
+    parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d %b\r\n" % (status, reason)]
+    for low, (name, value) in zip(names, headers, strict=True):
+        if low in dropped:
+            # A HEAD answer keeps its Content-Length: it describes the GET's body.
+            if not (low == b"content-length" and upstream is Framing.NONE):
+                continue
+        elif low == b"content-type" and value.startswith(b"text/event-stream"):
+            sse = True
+        parts += (name, b": ", value, b"\r\n")
+    for name, value in route_headers or ():
+        parts += (name, b": ", value, b"\r\n")
+    if framing is Framing.LENGTH:
+        parts.append(b"Content-Length: %d\r\n" % length)
+    elif framing is Framing.CHUNKED:
+        parts.append(b"Transfer-Encoding: chunked\r\n")
+    if not keep_alive:
+        parts.append(b"Connection: close\r\n")
+    elif not client_11:
+        parts.append(b"Connection: keep-alive\r\n")
+    parts.append(b"\r\n")
+    return ResponsePlan(b"".join(parts), framing, keep_alive, sse)
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+LAST_CHUNK: Final = b"0\r\n\r\n"
+
+
+def refusal_response(refusal: Refusal, *, client_11: bool, keep_alive: bool) -> bytes:
+    """One of the data plane's own answers: the OpenAI error JSON."""
+    body = {"error": {"message": refusal.message, "type": refusal.type, "param": refusal.param}}
+    return json_response(
+        refusal.status,
+        body,
+        client_11=client_11,
+        keep_alive=keep_alive and not refusal.close,
+        extra=refusal.extra,
+    )
+
+
+def json_response(
+    status: int,
+    body: object,
+    *,
+    client_11: bool,
+    keep_alive: bool,
+    head_only: bool = False,
+    extra: tuple[tuple[bytes, bytes], ...] = (),
+) -> bytes:
+    """A complete answer with a JSON body (only its head for a HEAD request)."""
+    payload = msgspec.json.encode(body)
+    parts = [
+        _STATUS_LINES.get(status) or b"HTTP/1.1 %d Error\r\n" % status,
+        b"Content-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n" % len(payload),
+    ]
+    for name, value in extra:
+        parts += (name, b": ", value, b"\r\n")
+    if not keep_alive:
+        parts.append(b"Connection: close\r\n")
+    elif not client_11:
+        parts.append(b"Connection: keep-alive\r\n")
+    parts.append(b"\r\n")
+    if not head_only:
+        parts.append(payload)
+    return b"".join(parts)
+
+
+# -- failures ----------------------------------------------------------------------------
+
+Failure = Literal["connect", "timeout", "status", "lost", "worker_down", "stale"]
+
+
+@dataclass(frozen=True, slots=True)
+class FailureRule:
+    fail_over: bool  # try the next rank (before the first byte only)
+    breaker: bool  # counts as a failure of the worker
+    same_worker: bool  # retried on the same worker, once, not as a failover
+
+
+FAILURES: Final[dict[Failure, FailureRule]] = {
+    "connect": FailureRule(fail_over=True, breaker=True, same_worker=False),  # refused, timeout
+    "timeout": FailureRule(fail_over=True, breaker=True, same_worker=False),  # no head in time
+    "status": FailureRule(fail_over=True, breaker=True, same_worker=False),  # a 5xx head
+    "lost": FailureRule(fail_over=True, breaker=True, same_worker=False),  # closed before a head
+    "worker_down": FailureRule(fail_over=True, breaker=True, same_worker=False),  # by health
+    "stale": FailureRule(fail_over=False, breaker=False, same_worker=True),  # reused idle, dead
+}
+
+
+def classify_lost(reused: bool, retried: bool, answered_bytes: int) -> Failure:
+    """A connection lost before any head: the safe retry, or a failure of the worker."""
+    if reused and not retried and answered_bytes == 0:
+        return "stale"
+    return "lost"
+
+
+def cut_tail(framing: Framing, sse: bool, reason: str) -> bytes:
+    """What the client gets before its connection is closed when a stream is cut."""
+    if not sse or framing not in (Framing.CHUNKED, Framing.CLOSE):
+        return b""  # a short Content-Length body, or a missing last chunk, shows the cut
+    event = b"data: %b\n\n" % msgspec.json.encode(
+        {"error": {"message": f"the worker's stream broke: {reason}", "type": "upstream_error"}}
+    )
+    return chunk(event) if framing is Framing.CHUNKED else event

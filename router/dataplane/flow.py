@@ -1,0 +1,86 @@
+"""Flow control and timers for the data plane's Protocols: no tasks, a few loop callbacks.
+
+`ReadGate` pauses a transport's reading for any of several reasons at once (the peer's write
+buffer is full; a pipelined request waits its turn) and resumes it only when none is left, so
+one reason going away never undoes another.
+
+`Deadline` is one `loop.call_later` handle per owner, re-armed lazily: moving a deadline later
+(every chunk of a stream moves the idle deadline) only stores a number; the handle, when it
+fires early, re-schedules itself for the stored time. A new handle is made only when a
+deadline moves earlier than the pending one, or none is pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Final
+
+PEER_BACKPRESSURE: Final = 1  # the other side's write buffer is over its high-water mark
+PIPELINED: Final = 2  # a complete request waits behind the one being answered
+
+
+class ReadGate:
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._reasons = 0
+
+    @property
+    def paused(self) -> bool:
+        return self._reasons != 0
+
+    def pause(self, reason: int) -> None:
+        if not self._reasons and not self._transport.is_closing():
+            self._transport.pause_reading()
+        self._reasons |= reason
+
+    def resume(self, reason: int) -> None:
+        if not self._reasons & reason:
+            return
+        self._reasons &= ~reason
+        if not self._reasons and not self._transport.is_closing():
+            self._transport.resume_reading()
+
+
+class Deadline:
+    """Calls `on_expiry` once the deadline set last passes, unless it is cleared first."""
+
+    __slots__ = ("_at", "_handle", "_loop", "_on_expiry")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_expiry: Callable[[], None]) -> None:
+        self._loop = loop
+        self._on_expiry = on_expiry
+        self._at: float | None = None
+        self._handle: asyncio.TimerHandle | None = None
+
+    def set(self, delay_s: float) -> None:
+        at = self._loop.time() + delay_s
+        self._at = at
+        handle = self._handle
+        if handle is not None:
+            if handle.when() <= at:
+                return  # fires early and re-arms itself for `at`
+            handle.cancel()
+        self._handle = self._loop.call_at(at, self._fire)
+
+    def clear(self) -> None:
+        """No deadline; a pending handle stays and does nothing when it fires."""
+        self._at = None
+
+    def cancel(self) -> None:
+        """No deadline and no pending handle (the owner is going away)."""
+        self._at = None
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _fire(self) -> None:
+        self._handle = None
+        at = self._at
+        if at is None:
+            return
+        if self._loop.time() < at:
+            self._handle = self._loop.call_at(at, self._fire)
+            return
+        self._at = None
+        self._on_expiry()

@@ -1,0 +1,335 @@
+"""One client request answered from upstream: the shell joining a client to a connection.
+
+`Relay` is the client half every answer shares: it writes the head `exchange.plan_response`
+chose, frames each piece of body as it arrives (never buffered: an SSE event is written the
+moment it is parsed), ends the exchange, or cuts the connection as `exchange.cut_tail` says.
+It carries backpressure both ways: the client's full write buffer pauses the upstream
+connection's reading, the worker's full write buffer pauses the client's.
+
+`WorkerRelay` answers a generation request from the ranks of a routing decision, failing
+over before the first byte as `exchange.FAILURES` says, with the breaker, the in-flight
+counts and the request metrics. `ControlRelay` answers any other path from the control app,
+over the client connection's in-process link (`control_link`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from cachetree.ranks import RankId
+from router.dataplane.exchange import (
+    FAILURES,
+    LAST_CHUNK,
+    Failure,
+    Framing,
+    Refusal,
+    RequestHead,
+    ResponsePlan,
+    chunk,
+    cut_tail,
+    plan_response,
+    upstream_request,
+)
+from router.dataplane.flow import PEER_BACKPRESSURE
+from router.dataplane.upstream import UpstreamConnection, UpstreamPool
+from router.policy import Candidate
+from router.workers import Worker
+
+if TYPE_CHECKING:
+    from router.dataplane.server import ClientConnection, DataPlane
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLookup(Protocol):
+    def get(self, url: str) -> Worker | None: ...
+
+
+class Relay:
+    def __init__(self, client: ClientConnection, head: RequestHead, body: bytes) -> None:
+        self.client = client
+        self.head = head
+        self.body = body
+        self.conn: UpstreamConnection | None = None
+        self.plan: ResponsePlan | None = None
+        self.done = False
+
+    # -- what subclasses decide ------------------------------------------------------------
+
+    def accept_head(self, status: int) -> bool:
+        """False: the head is a failure of the worker, and the relay moved on."""
+        return True
+
+    def route_headers(self) -> list[tuple[bytes, bytes]] | None:
+        return None
+
+    def settle(self, outcome: str) -> None:
+        """The exchange ended ("ok", "cut" or "gone"): release what it held."""
+
+    # -- ResponseSink ----------------------------------------------------------------------
+
+    def upstream_head(
+        self,
+        status: int,
+        reason: bytes,
+        headers: list[tuple[bytes, bytes]],
+        framing: Framing,
+        length: int | None,
+    ) -> None:
+        if not self.accept_head(status):
+            return
+        client = self.client
+        plan = plan_response(
+            status,
+            reason,
+            headers,
+            framing,
+            length,
+            client_11=self.head.http_11,
+            client_keep_alive=client.keep_alive(self.head),
+            route_headers=self.route_headers(),
+        )
+        self.plan = plan
+        client.write(plan.head)
+
+    def upstream_body(self, data: bytes) -> None:
+        plan = self.plan
+        if plan is None or not data:
+            return
+        self.client.write(chunk(data) if plan.framing is Framing.CHUNKED else data)
+
+    def upstream_end(self) -> None:
+        plan = self.plan
+        assert plan is not None
+        self.conn = None
+        if plan.framing is Framing.CHUNKED:
+            self.client.write(LAST_CHUNK)
+        self._end("ok")
+        self.client.exchange_done(plan.keep_alive)
+
+    def upstream_cut(self, reason: str) -> None:
+        plan = self.plan
+        assert plan is not None
+        self.conn = None
+        log.warning("%s: the answer broke after its first byte: %s", self.describe(), reason)
+        self.client.write(cut_tail(plan.framing, plan.sse, reason))
+        self._end("cut")
+        self.client.cut()
+
+    def upstream_reading(self, reading: bool) -> None:
+        if reading:
+            self.client.hold_writes()
+        else:
+            self.client.flush()
+
+    def upstream_paused(self, paused: bool) -> None:
+        gate = self.client.gate
+        if gate is not None:
+            if paused:
+                gate.pause(PEER_BACKPRESSURE)
+            else:
+                gate.resume(PEER_BACKPRESSURE)
+
+    def upstream_failed(self, failure: Failure, detail: str) -> None:
+        raise NotImplementedError
+
+    # -- from the client connection --------------------------------------------------------
+
+    def client_paused(self, paused: bool) -> None:
+        if self.conn is not None:
+            self.conn.hold_reading(paused)
+
+    def client_gone(self) -> None:
+        """The client left: the upstream request is dropped at once (the worker stops)."""
+        if self.done:
+            return
+        if self.conn is not None:
+            self.conn.abort()
+            self.conn = None
+        self._end("gone")
+
+    def describe(self) -> str:
+        return self.head.path.decode("latin-1")
+
+    def _end(self, outcome: str) -> None:
+        if not self.done:
+            self.done = True
+            self.settle(outcome)
+
+
+class WorkerRelay(Relay):
+    def __init__(
+        self,
+        plane: DataPlane,
+        client: ClientConnection,
+        head: RequestHead,
+        body: bytes,
+        ranked: Sequence[Candidate],
+    ) -> None:
+        super().__init__(client, head, body)
+        self.plane = plane
+        self.route = head.path.decode("latin-1")
+        workers = plane.workers
+        pairs = [(c.rank, workers.get(c.rank.worker_url)) for c in ranked]
+        self._pairs = [(rank, w) for rank, w in pairs if w is not None]
+        # When every candidate's breaker is open, requests go out anyway: refusing all
+        # traffic is worse than trying a worker that may have recovered.
+        self._every_open = all(w.breaker.is_open() for _, w in self._pairs)
+        self._next_pair = 0
+        self.attempts = 0
+        self.rank: RankId | None = None  # of the attempt in progress
+        self.worker: Worker | None = None
+        self.pool: UpstreamPool | None = None
+        self._retried = False  # the one safe retry on a dead reused connection
+        self._verdict = False  # the breaker heard about this attempt
+        self._last_failure = "no routable worker"
+
+    def start(self) -> None:
+        plane = self.plane
+        while self._next_pair < len(self._pairs) and self.attempts < plane.limits.max_attempts:
+            rank, worker = self._pairs[self._next_pair]
+            self._next_pair += 1
+            if not self._every_open and not worker.breaker.allow():
+                continue
+            self.attempts += 1
+            self.rank, self.worker, self._verdict = rank, worker, False
+            plane.inflight.begin(rank)
+            self.pool = plane.pool_for(worker.url)
+            self.pool.acquire(self)
+            return
+        self.done = True
+        plane.metrics.requests.labels(self.route, "none", "502").inc()
+        self.client.refuse(
+            Refusal(
+                502,
+                f"no worker answered ({self.attempts} attempt(s)): {self._last_failure}",
+                type="upstream_unavailable",
+            )
+        )
+
+    # -- Acquirer --------------------------------------------------------------------------
+
+    def connection_ready(self, conn: UpstreamConnection) -> None:
+        pool, worker, rank = self.pool, self.worker, self.rank
+        assert pool is not None and worker is not None and rank is not None
+        if self.done:
+            pool.release(conn, keep=True)
+            return
+        self.conn = conn
+        extra = [(b"X-Data-Parallel-Rank", b"%d" % rank.dp_rank)] if worker.dp_size > 1 else None
+        request = upstream_request(self.head, len(self.body), pool.host_header, extra)
+        conn.send(self, self.head.method, request, self.body, self.plane.limits.head_timeout_s)
+
+    def connection_failed(self, failure: Failure, detail: str) -> None:
+        self.upstream_failed(failure, detail)
+
+    # -- ResponseSink ----------------------------------------------------------------------
+
+    def accept_head(self, status: int) -> bool:
+        worker = self.worker
+        assert worker is not None
+        if status >= 500:
+            if self.conn is not None:
+                self.conn.discard()
+            self.upstream_failed("status", f"status {status}")
+            return False
+        if status >= 400:
+            worker.breaker.release()  # a client error says nothing about the worker
+        else:
+            worker.breaker.record_success()
+        self._verdict = True
+        self.plane.metrics.requests.labels(self.route, worker.url, str(status)).inc()
+        return True
+
+    def route_headers(self) -> list[tuple[bytes, bytes]] | None:
+        if not self.plane.expose_route_headers or self.worker is None or self.rank is None:
+            return None
+        return [
+            (b"X-Kvrouter-Worker", self.worker.url.encode("latin-1")),
+            (b"X-Kvrouter-Dp-Rank", b"%d" % self.rank.dp_rank),
+        ]
+
+    def upstream_failed(self, failure: Failure, detail: str) -> None:
+        self.conn = None
+        if self.done:
+            return
+        rank, worker, pool = self.rank, self.worker, self.pool
+        assert rank is not None and worker is not None and pool is not None
+        plane = self.plane
+        rule = FAILURES[failure]
+        if rule.same_worker and not self._retried:
+            # The worker closed an idle connection as we wrote into it: it never saw the
+            # request. Once, on a fresh connection, and no one counts it.
+            self._retried = True
+            plane.stats.safe_retries += 1
+            pool.acquire(self, fresh=True)
+            return
+        if failure == "stale":
+            failure = "lost"  # a second dead connection in a row is the worker's
+        plane.inflight.end(rank)
+        worker.breaker.record_failure()
+        self._verdict = True
+        plane.metrics.upstream_failures.labels(worker.url, failure).inc()
+        log.warning(
+            "%s %s failed before the first byte (%s); failing over", self.route, rank, detail
+        )
+        self._last_failure = f"{failure}: {detail}"
+        self.rank = None
+        self.start()
+
+    def worker_down(self) -> None:
+        """Health declared the worker down while this request waited for its head."""
+        if self.conn is not None:
+            self.conn.abort()
+        elif self.pool is not None:
+            self.pool.cancel(self)
+        self.upstream_failed("worker_down", "health marked the worker down before it answered")
+
+    def settle(self, outcome: str) -> None:
+        rank, worker = self.rank, self.worker
+        if rank is None or worker is None:
+            return
+        self.plane.inflight.end(rank)
+        self.rank = None
+        if outcome == "gone":
+            if self.pool is not None and self.conn is None:
+                self.pool.cancel(self)
+            if not self._verdict:
+                worker.breaker.release()  # a probe that ended without a verdict
+        if outcome != "ok":
+            self.plane.stats.ended[outcome] += 1
+
+    def describe(self) -> str:
+        return f"{self.route} {self.rank}"
+
+
+class ControlRelay(Relay):
+    """A request for the control app, over the client connection's in-process link."""
+
+    def __init__(self, client: ClientConnection, head: RequestHead, body: bytes) -> None:
+        super().__init__(client, head, body)
+        self._retried = False
+
+    def start(self) -> None:
+        conn = self.client.control_link()
+        self.conn = conn
+        host = self.head.header(b"host") or b"localhost"
+        request = upstream_request(self.head, len(self.body), host, to_worker=False)
+        conn.send(
+            self, self.head.method, request, self.body, self.client.plane.limits.head_timeout_s
+        )
+
+    def upstream_failed(self, failure: Failure, detail: str) -> None:
+        self.conn = None
+        if self.done:
+            return
+        if failure == "stale" and not self._retried:
+            self._retried = True  # the control app closed the idle link as we wrote into it
+            self.start()
+            return
+        self.done = True
+        self.client.refuse(
+            Refusal(502, f"the control plane did not answer: {detail}", type="internal_error")
+        )

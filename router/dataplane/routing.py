@@ -1,0 +1,163 @@
+"""What the router reads of a generation request, and the routing decision, as plain code.
+
+`RequestRouter.route(path, body)` runs synchronously when a request's body is complete (in
+the parser's callback, no task): decode the JSON body, read the prompt the route carries,
+tokenize it, key it, ask the index how deep each rank holds it, and let the policy rank the
+healthy ranks. It returns the `Decision` the relay walks (failing over down `ranked`), or a
+`Refusal` the client gets as is: a malformed body is a 400 naming the field (JSON nested too
+deep included, never a 500), no healthy worker a 503.
+
+The calls into the tokenizer and the policy sit in one small method, `choose`, so a change of
+either interface touches only it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+
+from cachetree.keys import block_keys, namespace_seed
+from router.dataplane.exchange import Refusal
+from router.dataplane.inflight import InflightTracker
+from router.events import namespace_of
+from router.index import IndexRules
+from router.loads import LoadMonitor
+from router.metrics import RouterMetrics
+from router.policy import Candidate, Decision, Policy, Prompt
+from router.tokenize import ChatRequestError, RequestTokenizer
+from router.workers import WorkerRegistry
+
+
+class Router(Protocol):
+    """What the data plane asks when a generation request's body is complete."""
+
+    def route(self, route: bytes, raw: bytes) -> Decision | Refusal: ...
+
+
+CHAT = b"/v1/chat/completions"
+GENERATE = b"/generate"
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object; `BadRequest` otherwise."""
+    try:
+        value = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        # msgspec's own depth guard; it is not a DecodeError, and must not become a 500.
+        raise BadRequest("body is not valid JSON: nested too deeply") from None
+    if not isinstance(value, dict):
+        raise BadRequest("body must be a JSON object")
+    return value
+
+
+def prompt_of(route: bytes, body: dict[str, Any]) -> Any:
+    """The prompt field of a completion or /generate body (one prompt of a batch)."""
+    if route == GENERATE:
+        if "input_ids" in body:
+            return single(body["input_ids"], "input_ids")
+        if "text" in body:
+            return single(body["text"], "text")
+        raise BadRequest("one of 'text' or 'input_ids' is required", "text")
+    if "prompt" not in body:
+        raise BadRequest("'prompt' is required", "prompt")
+    return single(body["prompt"], "prompt")
+
+
+def messages_of(body: dict[str, Any]) -> list[Any]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    return messages
+
+
+def single(prompt: Any, param: str) -> Any:
+    """A prompt, or the first of a batch of prompts (they are routed together)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return prompt[0]
+    if not isinstance(prompt, str | list):
+        raise BadRequest(f"'{param}' must be a string or a list of token ids", param)
+    return prompt
+
+
+def param_of(route: bytes) -> str:
+    return {CHAT: "messages", GENERATE: "text"}.get(route, "prompt")
+
+
+def namespace_for(body: dict[str, Any]) -> str | None:
+    """The key namespace of a request: its LoRA adapter and cache salt, as events carry them."""
+    return namespace_of(_str_or_none(body.get("lora_name")), _str_or_none(body.get("cache_salt")))
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+@dataclass(slots=True)
+class RequestRouter:
+    """The replica's parts a routing decision reads."""
+
+    tokenizer: RequestTokenizer
+    policy: Policy
+    workers: WorkerRegistry
+    loads: LoadMonitor
+    inflight: InflightTracker
+    rules: IndexRules
+    metrics: RouterMetrics
+
+    def route(self, route: bytes, raw: bytes) -> Decision | Refusal:
+        try:
+            body = decode_body(raw)
+        except BadRequest as exc:
+            return Refusal(400, str(exc), param=exc.param)
+        routable = self.workers.routable()
+        if not routable:
+            self.metrics.decisions.labels(self.policy.name, "no_candidates").inc()
+            return Refusal(503, "no healthy worker to route to", type="service_unavailable")
+        inflight, loads = self.inflight, self.loads
+        candidates = [
+            Candidate(rank, inflight[rank], loads.get(w.url, rank.dp_rank))
+            for w in routable
+            for rank in w.ranks()
+        ]
+        try:
+            decision = self.choose(route, body, candidates)
+        except BadRequest as exc:
+            return Refusal(400, str(exc), param=exc.param)
+        except ValueError as exc:  # the tokenizer's: a prompt it cannot take
+            return Refusal(400, str(exc), param=param_of(route))
+        self.metrics.decisions.labels(self.policy.name, decision.outcome).inc()
+        self.metrics.matched_blocks.observe(decision.matched_blocks)
+        return decision
+
+    def choose(self, route: bytes, body: dict[str, Any], candidates: list[Candidate]) -> Decision:
+        """Tokenize, key, look up and decide: every call into the tokenizer and the policy."""
+        if route == CHAT:
+            messages_of(body)
+            try:
+                encoded = self.tokenizer.encode_chat_request(body)
+            except ChatRequestError as exc:
+                raise BadRequest(str(exc), exc.param) from None
+            tokens = encoded.ids
+            if encoded.failure is not None:
+                # Rendered unlike the engine would: forwarded all the same, routed by load alone
+                # (no tokens, no keys), as a miss.
+                self.metrics.tokenize_failures.labels(encoded.failure).inc()
+        else:
+            tokens = self.tokenizer.encode_prompt(prompt_of(route, body))
+        tree = self.rules.tree
+        depths = None
+        if tree is not None and self.policy.name == "cache_aware":
+            keys = block_keys(tokens, tree.block_size, namespace_seed(namespace_for(body)))
+            depths = tree.prefix_depths(keys)
+        block_size = tree.block_size if tree is not None else 1
+        return self.policy.decide(candidates, Prompt(len(tokens), block_size, depths))

@@ -1,0 +1,666 @@
+"""The client side: one Protocol per connection, httptools' request parser, the listening server.
+
+`ClientConnection` parses requests with `httptools.HttpRequestParser` and answers them in
+order (pipelined requests wait their turn with reading paused). Its decisions come from
+`exchange` (admission, framing) and `routing` (the routing decision, run synchronously in the
+parser's message-complete callback); `relay` moves the answer. One `Deadline` per connection
+bounds, in turn, the request head, the request body and the idle time between requests.
+
+`DataPlane` holds what every connection shares: the limits, the routing parts, one
+`UpstreamPool` per worker, the control app's aiohttp server (for `control_link`), the open
+connections (at most `max_connections`: one more is answered with a 503 and closed, counted,
+and logged at most once a minute) and the counters behind the data plane's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, cast
+
+import httptools
+from aiohttp import web
+
+from router.dataplane.control_link import open_control_link
+from router.dataplane.exchange import (
+    CONTINUE,
+    Malformed,
+    Refusal,
+    RequestHead,
+    admit,
+    body_too_large,
+    json_response,
+    not_allowed,
+    read_request_head,
+    refusal_response,
+    route_of,
+)
+from router.dataplane.flow import PIPELINED, Deadline, ReadGate
+from router.dataplane.inflight import InflightTracker
+from router.dataplane.relay import ControlRelay, Relay, WorkerLookup, WorkerRelay
+from router.dataplane.routing import Router
+from router.dataplane.upstream import UpstreamConnection, UpstreamPool
+from router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+# Complete requests one connection may have waiting behind the one being answered. A
+# pipelining client gains nothing past a few; the bound keeps one read's worth of tiny
+# requests from queueing thousands of exchanges.
+MAX_PIPELINED: Final = 32
+# Routing work (decode, tokenize, keys, index, policy, the first write upstream) one turn of
+# the event loop may do before the rest waits for the next turn. On a saturated loop every
+# turn would otherwise route every request that arrived, and a turn of 64 routings takes
+# tens of milliseconds, which every probe, stream chunk and accept then waits for.
+ROUTING_SLICE_S: Final = 0.004
+_REFUSAL_LOG_EVERY_S: Final = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Every bound of the data plane (each one a `kvrouter serve` flag)."""
+
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_header_count: int = 100
+    max_head_bytes: int = 64 * 1024
+    max_connections: int = 4096
+    header_timeout_s: float = 30.0  # from a request's first byte (or the connection's start)
+    body_timeout_s: float = 60.0  # from the end of the head to the end of the body
+    keepalive_timeout_s: float = 60.0  # an idle client connection between requests
+    connect_timeout_s: float = 5.0
+    head_timeout_s: float = 300.0  # from sending a request upstream to its response head
+    stream_idle_timeout_s: float = 300.0  # the longest gap between pieces of an answer
+    upstream_idle_expiry_s: float = 4.0  # an idle pooled connection is closed after this
+    upstream_connections_per_worker: int = 256
+    max_attempts: int = 3
+
+
+@dataclass(slots=True)
+class DataPlaneStats:
+    """Read by the metrics collector at scrape time."""
+
+    connections_refused: int = 0
+    closed: Counter[str] = field(default_factory=Counter)  # client connections we closed, why
+    ended: Counter[str] = field(default_factory=Counter)  # exchanges that did not end well
+    safe_retries: int = 0
+    upstream_connects: int = 0
+    routing_deferred: int = 0  # requests that waited a loop turn for their routing slice
+
+
+# A health probe's answer: the status and a JSON-able body (`router.control.readiness`).
+Probe = Callable[[], tuple[int, Any]]
+
+
+class DataPlane:
+    def __init__(
+        self,
+        router: Router,
+        workers: WorkerLookup,
+        inflight: InflightTracker,
+        metrics: RouterMetrics,
+        control: web.Server,
+        limits: Limits,
+        *,
+        expose_route_headers: bool = False,
+        probes: Mapping[bytes, Probe] | None = None,
+    ) -> None:
+        self.loop = asyncio.get_running_loop()
+        # GET/HEAD on these paths is answered in the parser callback: every hop of the
+        # hand-off to the control app costs a loop iteration, and on a saturated loop an
+        # iteration takes tens of milliseconds, which a liveness probe must not wait for.
+        self.probes: Mapping[bytes, Probe] = probes or {}
+        self.router = router
+        self.workers = workers
+        self.inflight = inflight
+        self.metrics = metrics
+        self.control = control
+        self.limits = limits
+        self.expose_route_headers = expose_route_headers
+        self.stats = DataPlaneStats()
+        self.connections: set[ClientConnection] = set()
+        self.pools: dict[str, UpstreamPool] = {}
+        self.draining = False
+        self._servers: list[asyncio.Server] = []
+        self.addresses: list[tuple[str, int]] = []  # where it listens
+        self._refusal_logged_at = float("-inf")
+        self._refused_since_log = 0
+        self._waiting_to_route: deque[ClientConnection] = deque()
+        self._slice_spent = 0.0  # routing time spent in this turn of the loop
+        self._slice_scheduled = False
+
+    # -- serving ---------------------------------------------------------------------------
+
+    async def listen(self, host: str, port: int) -> list[tuple[str, int]]:
+        """Start accepting on `host:port`; the bound addresses (port 0 picks one)."""
+        server = await self.loop.create_server(
+            lambda: ClientConnection(self), host, port, reuse_address=True, backlog=1024
+        )
+        self._servers.append(server)
+        addresses = [s.getsockname()[:2] for s in server.sockets]
+        self.addresses += addresses
+        return addresses
+
+    def begin_drain(self) -> None:
+        """Answers from now on close their connection; idle connections close now."""
+        self.draining = True
+        for conn in list(self.connections):
+            conn.close_if_idle()
+
+    async def close(self) -> None:
+        """Stop listening and close every connection (what is still in flight is cut)."""
+        for server in self._servers:
+            server.close()
+        for conn in list(self.connections):
+            conn.abort("shutdown")
+        for pool in self.pools.values():
+            pool.close()
+        for server in self._servers:
+            await server.wait_closed()
+
+    # -- shared parts ----------------------------------------------------------------------
+
+    def pool_for(self, url: str) -> UpstreamPool:
+        pool = self.pools.get(url)
+        if pool is None:
+            limits = self.limits
+            pool = UpstreamPool(
+                self.loop,
+                url,
+                cap=limits.upstream_connections_per_worker,
+                connect_timeout_s=limits.connect_timeout_s,
+                idle_expiry_s=limits.upstream_idle_expiry_s,
+                idle_timeout_s=limits.stream_idle_timeout_s,
+                on_connect=self._connected,
+            )
+            self.pools[url] = pool
+        return pool
+
+    def _connected(self) -> None:
+        self.stats.upstream_connects += 1
+
+    @property
+    def routing_backlog(self) -> int:
+        """Complete requests waiting for a routing slice (not in flight yet)."""
+        return len(self._waiting_to_route)
+
+    def route_in_turn(self, conn: ClientConnection) -> None:
+        """Route `conn`'s request now if this turn's slice has room, else in a later turn."""
+        if self._waiting_to_route or self._slice_spent >= ROUTING_SLICE_S:
+            self.stats.routing_deferred += 1
+            self._waiting_to_route.append(conn)
+            self._new_slice_soon()
+            return
+        self._route(conn)
+
+    def _route(self, conn: ClientConnection) -> None:
+        started = time.perf_counter()
+        conn.route_now()
+        self._slice_spent += time.perf_counter() - started
+        self._new_slice_soon()
+
+    def _new_slice_soon(self) -> None:
+        if not self._slice_scheduled:
+            self._slice_scheduled = True
+            self.loop.call_soon(self._new_slice)
+
+    def _new_slice(self) -> None:
+        """A new turn of the loop: a fresh slice, spent first on those who waited."""
+        self._slice_scheduled = False
+        self._slice_spent = 0.0
+        waiting = self._waiting_to_route
+        if waiting:
+            self._route(waiting.popleft())  # at least one a turn, whatever the slice
+        while waiting and self._slice_spent < ROUTING_SLICE_S:
+            self._route(waiting.popleft())
+        if waiting:
+            self._new_slice_soon()
+
+    def worker_down(self, url: str) -> None:
+        """Health declared a worker down: requests still waiting for its head fail over."""
+        pool = self.pools.get(url)
+        if pool is None:
+            return
+        relays = [c.sink for c in pool.waiting_for_head()]
+        relays += pool.take_waiting()
+        for relay in relays:
+            if isinstance(relay, WorkerRelay) and not relay.done:
+                relay.worker_down()
+        if relays:
+            log.warning(
+                "worker %s declared down: %d request(s) waiting for its answer fail over",
+                url,
+                len(relays),
+            )
+
+    def admit_connection(self) -> bool:
+        if len(self.connections) < self.limits.max_connections:
+            return True
+        self.stats.connections_refused += 1
+        self._refused_since_log += 1
+        now = self.loop.time()
+        if now - self._refusal_logged_at >= _REFUSAL_LOG_EVERY_S:
+            log.warning(
+                "%d connection(s) refused: %d open, the --max-connections limit; raise it (and "
+                "the file limit) or add replicas",
+                self._refused_since_log,
+                len(self.connections),
+            )
+            self._refusal_logged_at = now
+            self._refused_since_log = 0
+        return False
+
+
+_BUSY: Final = refusal_response(
+    Refusal(503, "too many connections to this replica; retry", type="service_unavailable"),
+    client_11=True,
+    keep_alive=False,
+)
+
+
+class _Incoming:
+    """One request as it is parsed, then while it waits for its answer."""
+
+    __slots__ = (
+        "body",
+        "body_size",
+        "complete",
+        "continue_due",
+        "head",
+        "headers",
+        "refusal",
+        "url",
+    )
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.head: RequestHead | None = None
+        self.body: list[bytes] = []
+        self.body_size = 0
+        self.complete = False
+        self.refusal: Refusal | None = None
+        self.continue_due = False  # owes the client a 100 Continue when its turn comes
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing with this answer."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
+class ClientConnection(asyncio.Protocol):
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+        self.transport: asyncio.Transport | None = None
+        self.gate: ReadGate | None = None
+        self._parser = httptools.HttpRequestParser(self)
+        self._deadline = Deadline(plane.loop, self._expired)
+        self._phase = "head"  # what the deadline bounds: head, body, idle, or "" (answering)
+        self._incoming: _Incoming | None = None  # being parsed
+        self._queue: deque[_Incoming] = deque()  # parsed or being parsed, in order
+        self._answering = False
+        self._relay: Relay | None = None
+        self._link: UpstreamConnection | None = None
+        self._stopped = False  # no more parsing: a refusal closes the connection
+        self._closed = False
+        self._head_size = 0  # bytes of reads that fell wholly inside the head being parsed
+        self._deferred: tuple[RequestHead, bytes] | None = None  # waits for a routing slice
+        self._held: list[bytes] | None = None  # writes gathered by `hold_writes`
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = transport = cast(asyncio.Transport, transport)
+        plane = self.plane
+        if not plane.admit_connection():
+            self._closed = True
+            transport.write(_BUSY)
+            transport.close()
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        plane.connections.add(self)
+        self.gate = ReadGate(transport)
+        self._deadline.set(plane.limits.header_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self._stopped or self._closed:
+            return
+        mid_head = self._incoming is not None and self._incoming.head is None
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            refusal = cause.refusal if isinstance(cause, _Refused) else None
+            self._stop(refusal or Refusal(400, f"malformed HTTP request: {exc}", close=True))
+            return
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._stop(Refusal(400, f"malformed HTTP request: {exc}", close=True))
+            return
+        incoming = self._incoming
+        if mid_head and incoming is not None and incoming.head is None:
+            # The whole read fell inside one head: bound what the parser buffers of it.
+            self._head_size += len(data)
+            if self._head_size > self.plane.limits.max_head_bytes:
+                self._stop(self._head_too_large())
+
+    def eof_received(self) -> bool:
+        return False  # a client that stops sending is gone (as uvicorn and aiohttp see it)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._deadline.cancel()
+        self.plane.connections.discard(self)
+        relay, self._relay = self._relay, None
+        if relay is not None:
+            relay.client_gone()
+        link, self._link = self._link, None
+        if link is not None:
+            link.abort()
+
+    def pause_writing(self) -> None:
+        if self._relay is not None:
+            self._relay.client_paused(True)
+
+    def resume_writing(self) -> None:
+        if self._relay is not None:
+            self._relay.client_paused(False)
+
+    # -- httptools callbacks ---------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if len(self._queue) > MAX_PIPELINED:
+            raise _Refused(Refusal(429, "too many pipelined requests", close=True))
+        self._incoming = _Incoming()
+        self._head_size = 0
+        if not self._answering:  # else its clock starts when the answer before it ends
+            self._set_phase("head")
+
+    def on_url(self, url: bytes) -> None:
+        incoming = self._incoming
+        assert incoming is not None
+        incoming.url += url
+        if len(incoming.url) > self.plane.limits.max_head_bytes:
+            raise _Refused(Refusal(414, "request target too long", close=True))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # Checked at the end of the head (one call per field is the hot path): until then a
+        # head is bounded by one read, and across reads by `data_received`'s count.
+        self._incoming.headers.append((name, value))  # type: ignore[union-attr]
+
+    def on_headers_complete(self) -> None:
+        incoming = self._incoming
+        assert incoming is not None
+        limits = self.plane.limits
+        headers = incoming.headers
+        if len(headers) > limits.max_header_count:
+            raise _Refused(
+                Refusal(431, f"more than {limits.max_header_count} header fields", close=True)
+            )
+        if len(incoming.url) + sum([len(n) + len(v) + 4 for n, v in headers]) > (
+            limits.max_head_bytes
+        ):
+            raise _Refused(self._head_too_large())
+        parser = self._parser
+        try:
+            head = read_request_head(
+                parser.get_method(),
+                incoming.url,
+                parser.get_http_version() == "1.1",
+                incoming.headers,
+                parser.should_keep_alive(),
+            )
+        except Malformed as exc:
+            raise _Refused(Refusal(400, str(exc), close=True)) from None
+        incoming.head = head
+        refusal = admit(head, self.plane.limits.max_body_bytes)
+        if refusal is not None:
+            raise _Refused(refusal)
+        self._queue.append(incoming)
+        if head.expect is not None:
+            incoming.continue_due = True
+            if self._queue[0] is incoming:
+                self._send_continue(incoming)
+        if self._phase == "head":
+            self._set_phase("body")
+
+    def on_body(self, data: bytes) -> None:
+        incoming = self._incoming
+        assert incoming is not None
+        incoming.body.append(data)
+        incoming.body_size += len(data)
+        if incoming.body_size > self.plane.limits.max_body_bytes:
+            raise _Refused(body_too_large(self.plane.limits.max_body_bytes))
+
+    def on_message_complete(self) -> None:
+        incoming = self._incoming
+        assert incoming is not None
+        self._incoming = None
+        incoming.complete = True
+        incoming.continue_due = False
+        if self._phase == "body":
+            self._set_phase("")
+        if self._answering or self._queue[0] is not incoming:
+            if self.gate is not None:
+                self.gate.pause(PIPELINED)
+            return
+        self._answer_next()
+
+    # -- answering -------------------------------------------------------------------------
+
+    def keep_alive(self, head: RequestHead) -> bool:
+        return head.keep_alive and not self.plane.draining
+
+    def write(self, data: bytes) -> None:
+        if self._held is not None:
+            self._held.append(data)
+        elif self.transport is not None and not self._closed:
+            self.transport.write(data)
+
+    def hold_writes(self) -> None:
+        """Gather writes until `flush`: what one upstream read produced goes out in one send
+        (a response's head and body, several SSE events) instead of one per piece."""
+        if self._held is None:
+            self._held = []
+
+    def flush(self) -> None:
+        held, self._held = self._held, None
+        if held:
+            self.write(held[0] if len(held) == 1 else b"".join(held))
+
+    def refuse(self, refusal: Refusal) -> None:
+        """Answer the request being answered with one of the data plane's own answers."""
+        head = self._queue[0].head
+        client_11 = head.http_11 if head is not None else True
+        keep = head is not None and self.keep_alive(head) and not refusal.close
+        self.write(refusal_response(refusal, client_11=client_11, keep_alive=keep))
+        self.exchange_done(keep)
+
+    def exchange_done(self, keep_alive: bool) -> None:
+        """The answer being written is complete."""
+        self.flush()
+        self._relay = None
+        self._answering = False
+        if self._closed:
+            return
+        self._queue.popleft()
+        if not keep_alive:
+            self._close("answered")
+            return
+        if self._queue:
+            self._answer_next()
+        elif self.gate is not None:
+            self.gate.resume(PIPELINED)
+        if not self._answering:
+            # What the client owes now: nothing (idle), or the rest of a request's head or body.
+            incoming = self._incoming
+            if incoming is None:
+                self._set_phase("idle")
+            else:
+                self._set_phase("head" if incoming.head is None else "body")
+
+    def cut(self) -> None:
+        """The answer broke after its first byte: close, without a clean end."""
+        self.flush()
+        self._relay = None
+        self._close("cut")
+
+    def close_if_idle(self) -> None:
+        if not self._answering and not self._queue and self._incoming is None:
+            self._close("drain")
+
+    def abort(self, why: str) -> None:
+        self.plane.stats.closed[why] += 1
+        if self.transport is not None:
+            self.transport.abort()
+
+    def control_link(self) -> UpstreamConnection:
+        link = self._link
+        if link is None or link.closed:
+            plane = self.plane
+            assert self.transport is not None
+            extra = {
+                name: self.transport.get_extra_info(name)
+                for name in ("peername", "sockname", "socket")
+            }
+            link = open_control_link(
+                plane.loop, plane.control, extra, plane.limits.stream_idle_timeout_s
+            )
+            self._link = link
+        return link
+
+    def _answer_next(self) -> None:
+        incoming = self._queue[0]
+        if not incoming.complete:
+            if incoming.continue_due:
+                self._send_continue(incoming)
+            return
+        self._answering = True
+        head = incoming.head
+        if incoming.refusal is not None or head is None:
+            self.refuse(incoming.refusal or Refusal(400, "malformed request", close=True))
+            return
+        body = b"".join(incoming.body)
+        incoming.body = []
+        route = route_of(head)
+        if route == "control":
+            probe = self.plane.probes.get(head.path)
+            if probe is not None and head.method in (b"GET", b"HEAD"):
+                self._answer_probe(head, probe)
+                return
+            relay: ControlRelay | WorkerRelay = ControlRelay(self, head, body)
+            self._relay = relay
+            relay.start()
+            return
+        if route == "not_allowed":
+            self.refuse(not_allowed(head))
+            return
+        self._deferred = (head, body)
+        self.plane.route_in_turn(self)
+
+    def route_now(self) -> None:
+        """Route the request waiting at the head of the queue (its turn in the slice came)."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None or self._closed:
+            return
+        head, body = deferred
+        plane = self.plane
+        path = head.path
+        decision = plane.router.route(path, body)
+        if isinstance(decision, Refusal):
+            plane.metrics.requests.labels(path.decode(), "none", str(decision.status)).inc()
+            self.refuse(decision)
+            return
+        relay = WorkerRelay(plane, self, head, body, decision.ranked)
+        self._relay = relay
+        relay.start()
+
+    def _answer_probe(self, head: RequestHead, probe: Probe) -> None:
+        status, body = probe()
+        keep = self.keep_alive(head)
+        self.write(
+            json_response(
+                status,
+                body,
+                client_11=head.http_11,
+                keep_alive=keep,
+                head_only=head.method == b"HEAD",
+            )
+        )
+        self.exchange_done(keep)
+
+    def _send_continue(self, incoming: _Incoming) -> None:
+        incoming.continue_due = False
+        self.write(CONTINUE)
+
+    # -- ends ------------------------------------------------------------------------------
+
+    def _stop(self, refusal: Refusal) -> None:
+        """Parsing is over: queue `refusal` in this request's turn, then close."""
+        self._stopped = True
+        incoming = self._incoming or _Incoming()
+        self._incoming = None
+        incoming.refusal = refusal
+        incoming.complete = True
+        if not self._queue or self._queue[-1] is not incoming:
+            self._queue.append(incoming)
+        if self.gate is not None:
+            self.gate.pause(PIPELINED)
+        self.plane.stats.closed["malformed" if refusal.status == 400 else "refused"] += 1
+        if not self._answering and self._queue[0] is incoming:
+            self._answer_next()
+
+    def _head_too_large(self) -> Refusal:
+        return Refusal(
+            431, f"request head over {self.plane.limits.max_head_bytes} bytes", close=True
+        )
+
+    def _set_phase(self, phase: str) -> None:
+        self._phase = phase
+        limits = self.plane.limits
+        if phase == "head":
+            self._deadline.set(limits.header_timeout_s)
+        elif phase == "body":
+            self._deadline.set(limits.body_timeout_s)
+        elif phase == "idle":
+            self._deadline.set(limits.keepalive_timeout_s)
+        else:
+            self._deadline.clear()
+
+    def _expired(self) -> None:
+        phase = self._phase
+        if not phase or self._closed:
+            return
+        if phase == "idle":
+            self._close("idle")
+            return
+        # A client too slow with its head or body: 408 if nothing is being answered.
+        self.plane.stats.closed[f"{phase}_timeout"] += 1
+        self._closed = True
+        if self.transport is not None:
+            if not self._answering:
+                self.transport.write(
+                    refusal_response(
+                        Refusal(408, f"request {phase} not received in time", close=True),
+                        client_11=True,
+                        keep_alive=False,
+                    )
+                )
+            self.transport.close()
+
+    def _close(self, why: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.plane.stats.closed[why] += 1
+        if self.transport is not None:
+            self.transport.close()

@@ -1,0 +1,435 @@
+"""The upstream side: one keep-alive connection pool per worker, on Protocols and httptools.
+
+`UpstreamConnection` sends one request at a time and parses the answer with
+`httptools.HttpResponseParser`, reporting to the exchange that sent it (a `ResponseSink`):
+the final head (1xx answers are skipped, see `exchange`), each piece of body as it arrives,
+the end, or why it stopped. Its `Deadline` bounds the wait for the head, then every gap in
+the body (the stream idle timeout). It reports completion only after `feed_data` returns, so
+no sink ever re-enters the parser.
+
+`UpstreamPool` holds one worker's connections: idle ones are reused most-recent first and
+closed after `idle_expiry_s` (shorter than an engine's keep-alive: uvicorn closes idle
+connections after 5 s, and a request written into a connection the server is closing is the
+race the one safe retry covers); at most `cap` connections exist at once, and acquirers beyond
+it wait in order for one to come back. A connection attempt is the only task the data plane
+makes (the loop's `create_connection` is a coroutine), bounded by `connect_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol, cast
+
+import httptools
+
+from router.dataplane.exchange import Failure, Framing, upstream_framing
+from router.dataplane.flow import Deadline
+
+log = logging.getLogger(__name__)
+
+
+class ResponseSink(Protocol):
+    """The exchange an upstream connection answers to."""
+
+    def upstream_head(
+        self,
+        status: int,
+        reason: bytes,
+        headers: list[tuple[bytes, bytes]],
+        framing: Framing,
+        length: int | None,
+    ) -> None: ...
+
+    def upstream_body(self, data: bytes) -> None: ...
+
+    def upstream_end(self) -> None: ...
+
+    def upstream_failed(self, failure: Failure, detail: str) -> None:
+        """Stopped before a final head: `failure` says how (see `exchange.FAILURES`)."""
+
+    def upstream_cut(self, reason: str) -> None:
+        """Stopped after the head, before the end of the body."""
+
+    def upstream_paused(self, paused: bool) -> None:
+        """The worker is (not) keeping up with the request bytes written to it."""
+
+    def upstream_reading(self, reading: bool) -> None:
+        """Around the parse of one read: what it relays may go out in one write."""
+
+
+class Acquirer(Protocol):
+    def connection_ready(self, conn: UpstreamConnection) -> None: ...
+
+    def connection_failed(self, failure: Failure, detail: str) -> None: ...
+
+
+class UpstreamConnection(asyncio.Protocol):
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, pool: UpstreamPool | None, idle_timeout_s: float
+    ) -> None:
+        self.loop = loop
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.reused = False  # served an answer before the current request
+        self.idle_since = 0.0
+        self._idle_timeout_s = idle_timeout_s
+        self._parser = httptools.HttpResponseParser(self)
+        self._deadline = Deadline(loop, self._expired)
+        self._sink: ResponseSink | None = None  # the exchange in progress
+        self._method = b""
+        self._reason = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._head_done = False
+        self._framing = Framing.NONE
+        self._answered = 0  # bytes received for the current request
+        self._complete = False
+        self._keep_alive = False  # the worker keeps the connection open after this answer
+        self._reusable = True
+
+    # -- use -------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
+
+    def send(
+        self, sink: ResponseSink, method: bytes, head: bytes, body: bytes, head_timeout_s: float
+    ) -> None:
+        assert self.transport is not None and self._sink is None
+        self._sink = sink
+        self._method = method
+        self._reason = b""
+        self._headers = []
+        self._head_done = False
+        self._answered = 0
+        self._complete = False
+        self._deadline.set(head_timeout_s)
+        if body:
+            self.transport.writelines((head, body))
+        else:
+            self.transport.write(head)
+
+    def abort(self) -> None:
+        """Drop the current request: close without notifying the sink (which is gone)."""
+        self._sink = None
+        self._deadline.cancel()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def hold_reading(self, paused: bool) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            if paused:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
+
+    @property
+    def sink(self) -> ResponseSink | None:
+        return self._sink
+
+    @property
+    def waiting_for_head(self) -> bool:
+        return self._sink is not None and not self._head_done
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._sink is None:
+            # Bytes on an idle connection: the worker broke the protocol; never reuse it.
+            self._reusable = False
+            if self.transport is not None:
+                self.transport.close()
+            return
+        self._answered += len(data)
+        sink = self._sink
+        sink.upstream_reading(True)
+        try:
+            self._parser.feed_data(data)
+            if self._complete:
+                self._finish()
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._reusable = False
+            self._stop(f"malformed response: {exc}")
+        finally:
+            sink.upstream_reading(False)
+
+    def eof_received(self) -> bool:
+        return False  # close; connection_lost reports
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._deadline.cancel()
+        transport, self.transport = self.transport, None
+        if self.pool is not None and transport is not None:
+            self.pool.lost(self)
+        sink, self._sink = self._sink, None
+        if sink is None:
+            return
+        if self._head_done and self._framing is Framing.CLOSE:
+            sink.upstream_end()  # a close-delimited body ends here (RFC 9112 6.3 item 8)
+        elif self._head_done:
+            sink.upstream_cut(f"the worker closed the connection ({exc or 'EOF'})")
+        else:
+            stale = self.reused and self._answered == 0
+            sink.upstream_failed(
+                "stale" if stale else "lost", f"connection closed before a head ({exc or 'EOF'})"
+            )
+
+    def pause_writing(self) -> None:
+        if self._sink is not None:
+            self._sink.upstream_paused(True)
+
+    def resume_writing(self) -> None:
+        if self._sink is not None:
+            self._sink.upstream_paused(False)
+
+    # -- httptools callbacks ---------------------------------------------------------------
+
+    def on_status(self, reason: bytes) -> None:
+        self._reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        sink = self._sink
+        if sink is None:
+            return
+        if status < 200:
+            # An interim answer (RFC 9110 15.2): skipped; its own message end is ignored.
+            self._headers = []
+            self._reason = b""
+            return
+        self._head_done = True
+        # Asked now: llhttp forgets the message's flags once it completes.
+        self._keep_alive = self._parser.should_keep_alive()
+        framing, length = upstream_framing(status, self._headers, self._method)
+        self._framing = framing
+        if framing is Framing.NONE and self._method == b"HEAD":
+            # The parser cannot be told that a HEAD answer has no body: it would wait for the
+            # declared length. The answer ends here, and the connection is not reused.
+            self._reusable = False
+            self._complete = True
+        self._deadline.set(self._idle_timeout_s)
+        sink.upstream_head(status, self._reason, self._headers, framing, length)
+
+    def on_body(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is not None:
+            self._deadline.set(self._idle_timeout_s)
+            sink.upstream_body(data)
+
+    def on_message_complete(self) -> None:
+        if self._head_done:
+            self._complete = True
+
+    # -- ends ------------------------------------------------------------------------------
+
+    def _finish(self) -> None:
+        sink, self._sink = self._sink, None
+        if sink is None:
+            return  # discarded at its head
+        self._deadline.clear()
+        keep = self._reusable and self._keep_alive
+        self.reused = True
+        if self.pool is not None:
+            self.pool.release(self, keep)
+        elif not keep and self.transport is not None:
+            self.transport.close()
+        if sink is not None:
+            sink.upstream_end()
+
+    def discard(self) -> None:
+        """Close the connection after the current head, the sink done with it (a 5xx head)."""
+        self._sink = None
+        self._reusable = False
+        self._deadline.cancel()
+        if self.transport is not None:
+            self.transport.close()
+
+    def _expired(self) -> None:
+        if self._sink is None:
+            return
+        if self._head_done:
+            self._stop(f"no byte from the worker for {self._idle_timeout_s:g} s")
+        else:
+            sink, self._sink = self._sink, None
+            self.abort()
+            sink.upstream_failed("timeout", "no response head in time")
+
+    def _stop(self, reason: str) -> None:
+        sink, self._sink = self._sink, None
+        self.abort()
+        if sink is None:
+            return
+        if self._head_done:
+            sink.upstream_cut(reason)
+        else:
+            sink.upstream_failed("lost", reason)
+
+
+class UpstreamPool:
+    """Keep-alive connections to one worker (see the module docstring)."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        url: str,
+        *,
+        cap: int,
+        connect_timeout_s: float,
+        idle_expiry_s: float,
+        idle_timeout_s: float,
+        on_connect: Callable[[], None] | None = None,
+    ) -> None:
+        scheme, _, rest = url.partition("://")
+        host, _, port = rest.rpartition(":") if ":" in rest.split("]")[-1] else (rest, "", "")
+        self.url = url
+        self.host_header = rest.encode("latin-1")
+        self._host = host.strip("[]")
+        self._port = int(port) if port else (443 if scheme == "https" else 80)
+        self._ssl: ssl.SSLContext | None = (
+            ssl.create_default_context() if scheme == "https" else None
+        )
+        self._loop = loop
+        self.cap = cap
+        self._connect_timeout_s = connect_timeout_s
+        self._idle_expiry_s = idle_expiry_s
+        self._idle_timeout_s = idle_timeout_s
+        self._on_connect = on_connect
+        self.idle: deque[UpstreamConnection] = deque()  # oldest left, most recent right
+        self.busy: set[UpstreamConnection] = set()
+        self.total = 0  # connecting, busy and idle
+        self.waiting: deque[Acquirer] = deque()
+        self._connecting: dict[asyncio.Task[object], Acquirer | None] = {}
+        self._expiry = Deadline(loop, self._expire_idle)
+        self._closed = False
+
+    def acquire(self, who: Acquirer, fresh: bool = False) -> None:
+        """Hand `who` a connection now, after a connect, or when one comes back."""
+        while self.idle and not fresh:
+            conn = self.idle.pop()
+            if not conn.closed:
+                self.busy.add(conn)
+                who.connection_ready(conn)
+                return
+        if self.total < self.cap or fresh:
+            self._open(who)
+        else:
+            self.waiting.append(who)
+
+    def cancel(self, who: Acquirer) -> None:
+        """`who` no longer wants a connection (its client left, its worker went down)."""
+        with contextlib.suppress(ValueError):
+            self.waiting.remove(who)
+        for task, waiter in self._connecting.items():
+            if waiter is who:
+                self._connecting[task] = None  # the connection, once made, goes idle
+
+    def release(self, conn: UpstreamConnection, keep: bool) -> None:
+        self.busy.discard(conn)
+        if not keep or self._closed or conn.closed:
+            if conn.transport is not None:
+                conn.transport.close()
+            return
+        if self.waiting:
+            self.busy.add(conn)
+            self.waiting.popleft().connection_ready(conn)
+            return
+        conn.idle_since = self._loop.time()
+        self.idle.append(conn)
+        if len(self.idle) == 1:
+            self._expiry.set(self._idle_expiry_s)
+
+    def lost(self, conn: UpstreamConnection) -> None:
+        self.total -= 1
+        self.busy.discard(conn)
+        with contextlib.suppress(ValueError):
+            self.idle.remove(conn)
+        if self.waiting and self.total < self.cap and not self._closed:
+            self._open(self.waiting.popleft())
+
+    def waiting_for_head(self) -> list[UpstreamConnection]:
+        return [c for c in self.busy if c.waiting_for_head]
+
+    def take_waiting(self) -> list[Acquirer]:
+        """Every acquirer still without a connection (queued or connecting), now released."""
+        out = list(self.waiting)
+        self.waiting.clear()
+        for task, who in list(self._connecting.items()):
+            if who is not None:
+                out.append(who)
+                self._connecting[task] = None
+        return out
+
+    def close(self) -> None:
+        self._closed = True
+        self._expiry.cancel()
+        for conn in [*self.idle, *self.busy]:
+            if conn.transport is not None:
+                conn.transport.abort()
+        for task in self._connecting:
+            task.cancel()
+
+    # -- inside ----------------------------------------------------------------------------
+
+    def _open(self, who: Acquirer) -> None:
+        self.total += 1
+        loop = self._loop
+        task = loop.create_task(
+            loop.create_connection(
+                lambda: UpstreamConnection(loop, self, self._idle_timeout_s),
+                self._host,
+                self._port,
+                ssl=self._ssl,
+            )
+        )
+        self._connecting[task] = who
+        timer = loop.call_later(self._connect_timeout_s, task.cancel)
+        task.add_done_callback(lambda t: self._connected(t, timer))
+
+    def _connected(self, task: asyncio.Task[object], timer: asyncio.TimerHandle) -> None:
+        timer.cancel()
+        who = self._connecting.pop(task, None)
+        if task.cancelled() or task.exception() is not None:
+            self.total -= 1
+            if task.cancelled():
+                failure, detail = "connect", f"no connection within {self._connect_timeout_s:g} s"
+            else:
+                exc = task.exception()
+                failure, detail = "connect", f"{type(exc).__name__}: {exc}"
+            if who is not None:
+                who.connection_failed(failure, detail)  # type: ignore[arg-type]
+            elif self.waiting and self.total < self.cap and not self._closed:
+                self._open(self.waiting.popleft())
+            return
+        if self._on_connect is not None:
+            self._on_connect()
+        _, conn = task.result()  # type: ignore[misc]
+        if self._closed:
+            conn.transport.abort()
+            return
+        if who is None:
+            self.release(conn, keep=True)  # nobody waits for it any more: idle (or a waiter's)
+            return
+        self.busy.add(conn)
+        who.connection_ready(conn)
+
+    def _expire_idle(self) -> None:
+        now = self._loop.time()
+        idle = self.idle
+        while idle and (idle[0].closed or now - idle[0].idle_since >= self._idle_expiry_s):
+            conn = idle.popleft()
+            if conn.transport is not None:
+                conn.transport.close()
+        if idle:
+            self._expiry.set(idle[0].idle_since + self._idle_expiry_s - now)

@@ -1,0 +1,892 @@
+"""HTTP conformance of the data plane over real sockets: one case per promise of issue 11.
+
+Every case runs a replica in process (`router_in_process`) in front of fake workers or
+scripted ones (`tests.support.scripted_worker`: exact bytes, misbehaviour included), and
+talks to it with `RawClient` where the bytes on the wire are the point. Each asserts the cost
+as well: which worker got how many requests, over how many connections, how many attempts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+
+import aiohttp
+import pytest
+
+from router.dataplane import server
+from tests.support.fake_worker import fake_worker_in_process
+from tests.support.router import RouterHandle, router_in_process
+from tests.support.scripted_worker import (
+    RawClient,
+    Request,
+    post,
+    respond,
+    scripted_worker,
+)
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.timeout(30)
+
+COMPLETION = b'{"prompt": "tell me about caches", "max_tokens": 4}'
+STREAM = b'{"prompt": "tell me about caches", "max_tokens": 4, "stream": true}'
+
+
+async def routable(rt: RouterHandle, *urls: str) -> None:
+    """Until the replica routes to every one of `urls`."""
+
+    def ready() -> bool:
+        return {w.url for w in rt.replica.workers.routable()} >= set(urls)
+
+    await eventually(ready, 10)
+
+
+# -- section 1: the server side ------------------------------------------------------------
+
+
+async def test_keep_alive_serves_many_requests_over_one_client_and_one_worker_connection() -> None:
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        for _ in range(3):
+            client.send(post(b"/v1/completions", COMPLETION))
+            answer = await client.answer()
+            assert answer is not None and answer.status == 200 and answer.complete
+        assert len(rt.plane.connections) == 1
+        posts = w.posts()
+        assert len(posts) == 3
+        assert {p.connection for p in posts} == {posts[0].connection}  # one upstream connection
+        client.close()
+
+
+async def test_pipelined_requests_are_answered_in_order_even_when_the_first_is_slowest() -> None:
+    release = asyncio.Event()
+
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        n = json.loads(request.body)["max_tokens"]
+        if n == 1:
+            await release.wait()  # the first request's answer waits
+        writer.write(respond(200, b'{"n": %d}' % n))
+
+    async with scripted_worker(script) as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        bodies = [b'{"prompt": "p", "max_tokens": %d}' % n for n in (1, 2, 3)]
+        client.send(b"".join(post(b"/v1/completions", b) for b in bodies))
+        await eventually(lambda: len(w.posts()) == 1)
+        release.set()
+        answers = [await client.answer() for _ in bodies]
+        assert [json.loads(a.body)["n"] for a in answers if a] == [1, 2, 3]
+        # One after the other: the worker never had two of them at once.
+        assert len(w.posts()) == 3 and w.most_answering == 1
+        client.close()
+
+
+async def test_a_chunked_request_body_reaches_the_worker_whole_with_a_content_length() -> None:
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        body = COMPLETION
+        pieces = [body[:5], body[5:6], body[6:20], body[20:]]
+        client.send(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        for piece in pieces:
+            client.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+        client.send(b"0\r\n\r\n")
+        answer = await client.answer()
+        assert answer is not None and answer.status == 200
+        (got,) = w.posts()
+        assert got.body == body
+        assert got.header(b"Content-Length") == b"%d" % len(body)
+        assert got.header(b"Transfer-Encoding") is None
+        client.close()
+
+
+async def test_expect_100_continue_is_answered_before_the_body_is_sent() -> None:
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(COMPLETION)
+        )
+        await eventually(lambda: b"100 Continue" in client.raw or client._read(), 5)
+        assert bytes(client.raw) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        client.send(COMPLETION)
+        answer = await client.answer()
+        assert answer is not None and answer.status == 200
+        assert [p.header(b"Expect") for p in w.posts()] == [None]  # never sent upstream
+        client.close()
+
+
+async def test_expect_with_a_body_over_the_limit_is_a_413_and_no_100() -> None:
+    async with (
+        scripted_worker() as w,
+        router_in_process(workers=[w.url], max_request_bytes=100) as rt,
+    ):
+        client = await RawClient.open(rt.url)
+        client.send(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\n"
+            b"Content-Length: 101\r\n\r\n"
+        )
+        answer = await client.answer()
+        assert answer is not None and answer.status == 413
+        assert b"100 Continue" not in client.raw
+        assert await client.closed()
+        assert w.posts() == []
+
+
+async def test_an_http_1_0_client_gets_a_stream_de_chunked_and_the_connection_closed() -> None:
+    async with fake_worker_in_process() as fw, router_in_process(workers=[fw.url]) as rt:
+        await routable(rt, fw.url)
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", STREAM, version=b"1.0"))
+        await client.closed()
+        answer = await client.answer()
+        assert answer is not None and answer.status == 200
+        assert not answer.has(b"Transfer-Encoding") and not answer.has(b"Content-Length")
+        assert answer.header(b"Connection") == b"close"
+        assert answer.body.endswith(b"data: [DONE]\n\n")
+        assert b"\r\n0\r\n" not in answer.body  # no chunk framing inside
+        assert (await fw.state(0))["requests"] == 1
+
+
+async def test_an_http_1_0_client_asking_for_keep_alive_keeps_its_connection() -> None:
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        for _ in range(2):
+            client.send(
+                post(b"/v1/completions", COMPLETION, b"Connection: keep-alive", version=b"1.0")
+            )
+            answer = await client.answer()
+            assert answer is not None and answer.status == 200 and answer.complete
+            assert answer.header(b"Connection") == b"keep-alive"
+        assert len(w.posts()) == 2
+        client.close()
+
+
+async def test_head_is_answered_without_a_body_and_the_connection_stays_usable() -> None:
+    async with router_in_process() as rt:
+        client = await RawClient.open(rt.url)
+        client.send(b"HEAD /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        head = await client.answer(head_only=True)
+        assert head is not None and head.status == 200 and head.body == b""
+        assert int(head.header(b"Content-Length") or 0) > 0  # the GET's length
+        client.send(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        get = await client.answer()
+        assert get is not None and get.status == 200
+        assert len(get.body) == int(head.header(b"Content-Length") or 0)
+        client.send(b"HEAD /v1/completions HTTP/1.1\r\nHost: t\r\n\r\n")
+        refused = await client.answer(head_only=True)
+        assert refused is not None and refused.status == 405
+        assert refused.header(b"Allow") == b"POST"
+        client.close()
+
+
+async def test_hop_by_hop_headers_are_dropped_both_ways() -> None:
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            respond(
+                200,
+                b"{}",
+                b"Keep-Alive: timeout=5",
+                b"Connection: keep-alive, X-Upstream-Hop",
+                b"X-Upstream-Hop: 1",
+                b"X-Engine: kept",
+                b"X-Kvrouter-Worker: forged",
+            )
+        )
+
+    async with scripted_worker(script) as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(
+            post(
+                b"/v1/completions",
+                COMPLETION,
+                b"Connection: keep-alive, X-Client-Hop",
+                b"X-Client-Hop: 1",
+                b"Keep-Alive: 300",
+                b"TE: trailers",
+                b"Proxy-Authorization: Basic eDp5",
+                b"Accept-Encoding: gzip",
+                b"X-Data-Parallel-Rank: 7",
+                b"X-Request-Id: abc",
+            )
+        )
+        answer = await client.answer()
+        assert answer is not None and answer.status == 200
+        (got,) = w.posts()
+        sent = {n.lower() for n, _ in got.headers}
+        assert sent.isdisjoint(
+            {
+                b"connection",
+                b"x-client-hop",
+                b"keep-alive",
+                b"te",
+                b"proxy-authorization",
+                b"accept-encoding",
+                b"x-data-parallel-rank",
+            }
+        )
+        assert got.header(b"X-Request-Id") == b"abc"
+        assert got.header(b"Host") == w.url.removeprefix("http://").encode()
+        received = {n.lower() for n, _ in answer.headers}
+        assert received.isdisjoint({b"keep-alive", b"x-upstream-hop", b"x-kvrouter-worker"})
+        assert answer.header(b"X-Engine") == b"kept"
+        client.close()
+
+
+async def test_route_headers_are_added_and_the_rank_is_sent_to_a_multi_rank_worker() -> None:
+    async with (
+        fake_worker_in_process(dp_size=2) as fw,
+        router_in_process(workers=[fw.url], expose_route_headers=True, policy="round_robin") as rt,
+    ):
+        await routable(rt, fw.url)
+        ranks = []
+        for _ in range(4):
+            status, _, headers = await rt.post(
+                "/v1/completions",
+                json.loads(COMPLETION),
+                headers={"X-Data-Parallel-Rank": "1"},  # the client's wish is not the route
+            )
+            assert status == 200
+            assert headers["X-Kvrouter-Worker"] == fw.url
+            assert headers["X-Kvrouter-Dp-Rank"] == headers["X-Fake-Worker-DP-Rank"]
+            ranks.append(headers["X-Kvrouter-Dp-Rank"])
+        assert sorted(ranks) == ["0", "0", "1", "1"]
+        assert [(await fw.state(r))["requests"] for r in (0, 1)] == [2, 2]
+
+
+# -- section 1: the upstream side ------------------------------------------------------------
+
+
+async def close_delimited(request: Request, writer: asyncio.StreamWriter) -> None:
+    writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"n": 1, ')
+    await writer.drain()
+    writer.write(b'"end": true}')
+    writer.close()
+
+
+async def test_an_answer_ended_by_the_worker_closing_is_complete_and_re_chunked() -> None:
+    async with scripted_worker(close_delimited) as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        for _ in range(2):
+            client.send(post(b"/v1/completions", COMPLETION))
+            answer = await client.answer()
+            assert answer is not None and answer.complete
+            assert answer.header(b"Transfer-Encoding") == b"chunked"
+            assert json.loads(answer.body) == {"n": 1, "end": True}
+        # The worker's close ended each answer: a new upstream connection for the second.
+        assert [p.connection for p in w.posts()] == [0, 1] or len(
+            {p.connection for p in w.posts()}
+        ) == 2
+        assert rt.plane.stats.ended == {}
+        client.close()
+
+
+async def test_interim_1xx_answers_are_dropped_and_the_final_one_relayed() -> None:
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            b"HTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\n"
+            b"HTTP/1.1 100 Continue\r\n\r\n"
+        )
+        await writer.drain()
+        writer.write(respond(200, b'{"final": true}'))
+
+    async with scripted_worker(script) as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", COMPLETION))
+        answer = await client.answer()
+        assert answer is not None and answer.status == 200
+        assert json.loads(answer.body) == {"final": True}
+        assert bytes(client.raw).count(b"HTTP/1.1") == 1  # no interim answer reached us
+        assert not answer.has(b"Link")
+        # And the upstream connection stays in use.
+        client.send(post(b"/v1/completions", COMPLETION))
+        assert (await client.answer()).status == 200  # type: ignore[union-attr]
+        assert len({p.connection for p in w.posts()}) == 1
+        client.close()
+
+
+async def test_idle_upstream_connections_expire() -> None:
+    async with (
+        scripted_worker() as w,
+        router_in_process(workers=[w.url], upstream_idle_expiry_s=0.2) as rt,
+    ):
+        await routable(rt, w.url)
+        status, _, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
+        assert status == 200
+        first = w.posts()[0].connection
+        await eventually(lambda: first in w.closed_by_peer, 5)
+        assert rt.plane.pools[w.url].total == 0
+        status, _, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
+        assert status == 200
+        assert w.posts()[1].connection != first
+
+
+async def test_a_reused_connection_found_dead_is_retried_once_on_a_fresh_one_uncounted() -> None:
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        if request.index_on_connection == 1:
+            # The worker closes an idle connection just as the router reuses it.
+            writer.transport.abort()
+            return
+        writer.write(respond(200, b"{}"))
+
+    async with scripted_worker(script) as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        for _ in range(2):
+            status, _, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
+            assert status == 200
+        posts = w.posts()
+        # 1 answered, 1 dropped on the reused connection, 1 resent on a fresh connection.
+        assert [(p.connection, p.index_on_connection) for p in posts][1:] == [
+            (posts[0].connection, 1),
+            (posts[2].connection, 0),
+        ]
+        assert rt.plane.stats.safe_retries == 1
+        worker = rt.replica.workers.get(w.url)
+        assert worker is not None and worker.breaker.consecutive_failures == 0
+        scrape = await rt.scrape()
+        assert sum(scrape.series("kvrouter_upstream_failures_total").values()) == 0
+
+
+async def test_a_second_dead_connection_is_a_failure_of_the_worker() -> None:
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        if len([r for r in w.posts()]) > 1:
+            writer.transport.abort()
+            return
+        writer.write(respond(200, b"{}"))
+
+    async with (
+        scripted_worker(script) as w,
+        scripted_worker() as good,
+        router_in_process(workers=[w.url, good.url], policy="round_robin") as rt,
+    ):
+        await routable(rt, w.url, good.url)
+        statuses = [(await rt.post("/v1/completions", json.loads(COMPLETION)))[0] for _ in range(4)]
+        assert statuses == [200] * 4
+        # w: 1 answered, then (reused, dropped) + (fresh, dropped) = a failure, failed over.
+        assert len(w.posts()) == 3
+        assert len(good.posts()) == 3
+        assert rt.plane.stats.safe_retries == 1
+        assert rt.replica.workers.get(w.url).breaker.consecutive_failures == 1  # type: ignore[union-attr]
+
+
+async def test_connections_to_one_worker_are_capped_and_the_rest_wait_their_turn() -> None:
+    release = asyncio.Event()
+
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        await release.wait()
+        writer.write(respond(200, b"{}"))
+
+    async with (
+        scripted_worker(script) as w,
+        router_in_process(workers=[w.url], upstream_connections_per_worker=2) as rt,
+    ):
+        await routable(rt, w.url)
+        calls = [
+            asyncio.create_task(rt.post("/v1/completions", json.loads(COMPLETION)))
+            for _ in range(5)
+        ]
+        await eventually(lambda: len(w.posts()) == 2)
+        assert len(rt.plane.pools[w.url].waiting) == 3
+        release.set()
+        assert [status for status, _, _ in await asyncio.gather(*calls)] == [200] * 5
+        assert w.most_answering == 2
+        assert len({p.connection for p in w.posts()}) == 2
+
+
+async def test_an_sse_event_reaches_the_client_before_the_worker_sends_the_next() -> None:
+    next_event = asyncio.Event()
+
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        writer.write(b"b\r\ndata: one\n\n\r\n")
+        await writer.drain()
+        await next_event.wait()
+        writer.write(b"b\r\ndata: two\n\n\r\n0\r\n\r\n")
+
+    async with scripted_worker(script) as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        async with rt.session.post(f"{rt.url}/v1/completions", data=STREAM) as resp:
+            assert await resp.content.readuntil(b"\n\n") == b"data: one\n\n"
+            next_event.set()
+            assert await resp.content.read() == b"data: two\n\n"
+
+
+async def sse_then_death(request: Request, writer: asyncio.StreamWriter) -> None:
+    writer.write(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"b\r\ndata: one\n\n\r\n"
+    )
+    await writer.drain()
+    writer.transport.abort()
+
+
+async def test_a_worker_dying_mid_sse_sends_an_error_event_and_no_clean_end() -> None:
+    async with scripted_worker(sse_then_death) as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", STREAM))
+        await client.closed()
+        answer = await client.answer()
+        assert answer is not None and answer.status == 200
+        assert not answer.complete  # no terminating chunk
+        events = [e for e in answer.body.split(b"\n\n") if e]
+        assert events[0] == b"data: one"
+        assert "error" in json.loads(events[1].removeprefix(b"data: "))
+        assert not bytes(client.raw).endswith(b"0\r\n\r\n")
+        assert rt.plane.stats.ended["cut"] == 1
+        # After the first byte nothing is retried.
+        assert len(w.posts()) == 1
+        # And an aiohttp client reports the failure.
+        async with rt.session.post(f"{rt.url}/v1/completions", data=STREAM) as resp:
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.read()
+
+
+async def test_a_worker_dying_mid_body_of_known_length_leaves_it_short_and_closed() -> None:
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 40)
+        await writer.drain()
+        writer.transport.abort()
+
+    async with scripted_worker(script) as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", COMPLETION))
+        await client.closed()
+        answer = await client.answer()
+        assert answer is not None and not answer.complete and answer.body == b"x" * 40
+
+
+async def test_a_client_leaving_aborts_the_upstream_request_at_once() -> None:
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\nb\r\ndata: one\n\n\r\n"
+        )
+        await writer.drain()
+        await asyncio.Event().wait()  # a long generation
+
+    async with scripted_worker(script) as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", STREAM))
+        await eventually(lambda: b"data: one" in client.raw or client._read(), 5)
+        loop = asyncio.get_running_loop()
+        left = loop.time()
+        client.writer.transport.abort()
+        connection = w.posts()[0].connection
+        await eventually(lambda: connection in w.closed_by_peer, 5, poll_s=0.001)
+        # Reported, not asserted as a budget: the abort is synchronous in connection_lost.
+        logging.getLogger(__name__).info(
+            "upstream aborted %.1f ms after", (loop.time() - left) * 1e3
+        )
+        assert rt.replica.inflight.total == 0
+        assert rt.plane.stats.ended["gone"] == 1
+
+
+# -- section 2: what the current path promises ---------------------------------------------
+
+
+async def test_json_nested_1000_deep_is_a_400_with_the_openai_error_shape() -> None:
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        body = b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+        status, payload, _ = await rt.post("/v1/completions", None, data=body)
+        assert status == 400
+        assert payload["error"]["type"] == "invalid_request_error"
+        assert "nested" in payload["error"]["message"]
+        assert w.posts() == []
+
+
+async def test_bodies_over_the_limit_are_413_declared_or_chunked() -> None:
+    async with (
+        scripted_worker() as w,
+        router_in_process(workers=[w.url], max_request_bytes=64) as rt,
+    ):
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", b"x" * 65))
+        answer = await client.answer()
+        assert answer is not None and answer.status == 413
+        assert await client.closed()
+        client = await RawClient.open(rt.url)
+        client.send(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        for _ in range(3):
+            client.send(b"20\r\n" + b"y" * 32 + b"\r\n")
+        answer = await client.answer()
+        assert answer is not None and answer.status == 413
+        assert json.loads(answer.body)["error"]["param"] == "body"
+        assert w.posts() == []
+
+
+async def test_a_refused_connection_fails_over_and_the_breaker_counts_it() -> None:
+    async with (
+        scripted_worker() as gone,
+        scripted_worker() as good,
+        router_in_process(
+            workers=[gone.url, good.url], policy="round_robin", health_interval_s=60
+        ) as rt,
+    ):
+        await routable(rt, gone.url, good.url)
+        # Health will not look again for a minute: the worker is still routable, unreachable.
+        await gone.stop()
+        assert await _refusing(int(gone.url.rsplit(":", 1)[1]))
+        statuses = [(await rt.post("/v1/completions", json.loads(COMPLETION)))[0] for _ in range(4)]
+        assert statuses == [200] * 4
+        assert len(good.posts()) == 4
+        worker = rt.replica.workers.get(gone.url)
+        assert worker is not None and worker.breaker.consecutive_failures == 2
+        assert (await rt.scrape()).value(
+            "kvrouter_upstream_failures_total", worker=gone.url, reason="connect"
+        ) == 2
+
+
+async def _refusing(port: int) -> bool:
+    """Whether connecting to `port` is refused (nothing listens there any more)."""
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except ConnectionRefusedError:
+        return True
+    writer.close()
+    return False
+
+
+async def test_a_worker_that_health_declares_down_while_a_request_waits_is_failed_over() -> None:
+    async def never(request: Request, writer: asyncio.StreamWriter) -> None:
+        stuck.healthy = False  # the engine froze: its health check fails from now on
+        await asyncio.Event().wait()
+
+    async with (
+        scripted_worker(never) as stuck,
+        scripted_worker() as good,
+        router_in_process(
+            workers=[stuck.url, good.url], policy="round_robin", health_interval_s=0.1
+        ) as rt,
+    ):
+        await routable(rt, stuck.url, good.url)
+        # round_robin starts with the first worker.
+        status, _, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
+        assert status == 200
+        assert len(stuck.posts()) == 1 and len(good.posts()) == 1
+        assert (await rt.scrape()).value(
+            "kvrouter_upstream_failures_total", worker=stuck.url, reason="worker_down"
+        ) == 1
+        assert rt.replica.inflight.total == 0
+
+
+# -- section 4: timeouts and limits -----------------------------------------------------------
+
+
+async def test_a_head_not_finished_in_time_is_a_408_and_a_close() -> None:
+    async with router_in_process(client_header_timeout_s=0.2) as rt:
+        client = await RawClient.open(rt.url)
+        client.send(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n")  # and nothing more
+        answer = await client.answer()
+        assert answer is not None and answer.status == 408
+        assert await client.closed()
+        silent = await RawClient.open(rt.url)  # a connection that never sends a byte
+        assert await silent.closed()
+        assert rt.plane.stats.closed["head_timeout"] == 2
+
+
+async def test_a_body_not_finished_in_time_is_a_408_and_a_close() -> None:
+    async with router_in_process(client_body_timeout_s=0.2) as rt:
+        client = await RawClient.open(rt.url)
+        client.send(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 50\r\n\r\n{")
+        answer = await client.answer()
+        assert answer is not None and answer.status == 408
+        assert await client.closed()
+        assert rt.plane.stats.closed["body_timeout"] == 1
+
+
+async def test_an_idle_client_connection_is_closed_after_the_keep_alive_timeout() -> None:
+    async with router_in_process(keepalive_timeout_s=0.2) as rt:
+        client = await RawClient.open(rt.url)
+        client.send(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert (await client.answer()).status == 200  # type: ignore[union-attr]
+        assert await client.closed()
+        assert rt.plane.stats.closed["idle"] == 1
+        assert len(rt.plane.connections) == 0
+
+
+async def test_an_unreachable_worker_connect_times_out_and_fails_over() -> None:
+    # A listener whose accept queue is full: the kernel drops further SYNs, connect hangs.
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    port = full.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        s = socket.socket()
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            s.connect(("127.0.0.1", port))
+        fillers.append(s)
+    try:
+        async with (
+            scripted_worker() as hidden,
+            scripted_worker() as good,
+            router_in_process(
+                workers=[hidden.url, good.url],
+                policy="round_robin",
+                health_interval_s=60,
+                upstream_connect_timeout_s=0.3,
+            ) as rt,
+        ):
+            await routable(rt, hidden.url, good.url)
+            # Point the healthy-looking worker's pool at the full listener.
+            pool = rt.plane.pool_for(hidden.url)
+            pool._port = port
+            status, _, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
+            assert status == 200
+            assert hidden.posts() == [] and len(good.posts()) == 1
+            assert (await rt.scrape()).value(
+                "kvrouter_upstream_failures_total", worker=hidden.url, reason="connect"
+            ) == 1
+    finally:
+        for s in [*fillers, full]:
+            s.close()
+
+
+async def test_a_worker_without_a_head_in_time_is_failed_over_and_counted() -> None:
+    async def never(request: Request, writer: asyncio.StreamWriter) -> None:
+        await asyncio.Event().wait()
+
+    async with (
+        scripted_worker(never) as slow,
+        scripted_worker() as good,
+        router_in_process(
+            workers=[slow.url, good.url], policy="round_robin", upstream_head_timeout_s=0.3
+        ) as rt,
+    ):
+        await routable(rt, slow.url, good.url)
+        status, _, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
+        assert status == 200
+        assert len(slow.posts()) == 1 and len(good.posts()) == 1
+        await eventually(
+            lambda: 0 in slow.closed_by_peer or slow.posts()[0].connection in slow.closed_by_peer
+        )
+        worker = rt.replica.workers.get(slow.url)
+        assert worker is not None and worker.breaker.consecutive_failures == 1
+        assert (await rt.scrape()).value(
+            "kvrouter_upstream_failures_total", worker=slow.url, reason="timeout"
+        ) == 1
+
+
+async def test_a_stream_idle_too_long_is_cut_with_an_error_event() -> None:
+    async def stall(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\nb\r\ndata: one\n\n\r\n"
+        )
+        await writer.drain()
+        await asyncio.Event().wait()
+
+    async with (
+        scripted_worker(stall) as w,
+        router_in_process(workers=[w.url], stream_idle_timeout_s=0.3) as rt,
+    ):
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", STREAM))
+        await client.closed()
+        answer = await client.answer()
+        assert answer is not None and not answer.complete
+        assert b'"error"' in answer.body and b"no byte from the worker" in answer.body
+        assert rt.replica.inflight.total == 0
+
+
+async def test_connections_over_the_maximum_are_refused_with_a_503_and_few_log_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with router_in_process(max_connections=3) as rt:
+        held = [await RawClient.open(rt.url) for _ in range(3)]
+        await eventually(lambda: len(rt.plane.connections) == 3)
+        with caplog.at_level(logging.WARNING):
+            for _ in range(20):
+                extra = await RawClient.open(rt.url)
+                answer = await extra.answer()
+                assert answer is not None and answer.status == 503
+                assert await extra.closed()
+        assert rt.plane.stats.connections_refused == 20
+        assert len([r for r in caplog.records if "refused" in r.getMessage()]) == 1
+        # The held ones still work.
+        held[0].send(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert (await held[0].answer()).status == 200  # type: ignore[union-attr]
+        for client in held:
+            client.close()
+
+
+async def test_too_many_or_too_large_header_fields_are_431() -> None:
+    async with router_in_process(max_header_count=10, max_head_bytes=4096) as rt:
+        many = await RawClient.open(rt.url)
+        many.send(
+            b"GET /healthz HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(11)) + b"\r\n"
+        )
+        assert (await many.answer()).status == 431  # type: ignore[union-attr]
+        assert await many.closed()
+        large = await RawClient.open(rt.url)
+        large.send(b"GET /healthz HTTP/1.1\r\nX-Big: " + b"a" * 5000 + b"\r\n\r\n")
+        assert (await large.answer()).status == 431  # type: ignore[union-attr]
+        # A value that never ends, sent a piece at a time: refused once past the bound.
+        endless = await RawClient.open(rt.url)
+        endless.send(b"GET /healthz HTTP/1.1\r\nX-Endless: ")
+        answered = asyncio.create_task(endless.answer())
+        sent = 0
+        with contextlib.suppress(ConnectionError):  # the replica closed after its answer
+            while not answered.done() and sent < 1_000_000:
+                endless.send(b"b" * 1000)
+                sent += 1000
+                await endless.writer.drain()
+                await asyncio.sleep(0)  # a turn of the loop for the replica, not a timed wait
+        answer = await answered
+        assert answer is not None and answer.status == 431
+        assert sent < 100_000  # refused near the 4 KiB bound, not after a megabyte
+
+
+async def test_a_malformed_request_line_is_a_400_and_a_close() -> None:
+    async with router_in_process() as rt:
+        client = await RawClient.open(rt.url)
+        client.send(b"BLAH\x00 / HTTP/1.1\r\n\r\n")
+        answer = await client.answer()
+        assert answer is not None and answer.status == 400
+        assert await client.closed()
+        smuggle = await RawClient.open(rt.url)
+        smuggle.send(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+        )
+        assert (await smuggle.answer()).status == 400  # type: ignore[union-attr]
+
+
+# -- backpressure ------------------------------------------------------------------------
+
+
+async def test_a_client_that_does_not_read_holds_the_worker_back_not_the_routers_memory() -> None:
+    total, piece = 96 * 1024 * 1024, 1024 * 1024
+    sent = 0
+
+    async def flood(request: Request, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+        block = b"x" * piece
+        while sent < total:
+            writer.write(block)
+            await writer.drain()
+            sent += piece
+
+    async with scripted_worker(flood) as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", COMPLETION))
+
+        def upstream_paused() -> bool:
+            pool = rt.plane.pools.get(w.url)
+            return pool is not None and any(
+                c.transport is not None and not c.transport.is_reading() for c in pool.busy
+            )
+
+        await eventually(upstream_paused, 10)
+        (conn,) = rt.plane.connections
+        assert conn.transport is not None
+        # The worker is held back by the kernel's buffers and the router's small one.
+        assert conn.transport.get_write_buffer_size() <= 1024 * 1024
+        held_at = sent
+        logging.getLogger(__name__).info("the worker was held at %d MiB", held_at >> 20)
+        assert held_at < total // 3
+        answer = await client.answer(within_s=60)
+        assert answer is not None and answer.complete and len(answer.body) == total
+        client.close()
+
+
+async def test_a_worker_that_does_not_read_pauses_reading_from_the_client() -> None:
+    big = b'{"prompt": "' + b"y" * (24 * 1024 * 1024) + b'", "max_tokens": 1}'
+    async with (
+        scripted_worker() as w,
+        router_in_process(
+            workers=[w.url], policy="round_robin", health_interval_s=60, max_request_bytes=len(big)
+        ) as rt,
+    ):
+        await routable(rt, w.url)
+        w.reading.clear()  # the worker stops reading its sockets
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", big))
+        await eventually(lambda: any(c.gate and c.gate.paused for c in rt.plane.connections), 20)
+        w.reading.set()
+        answer = await client.answer(within_s=60)
+        assert answer is not None and answer.status == 200
+        (got,) = w.posts()
+        assert got.body == big
+        assert not any(c.gate and c.gate.paused for c in rt.plane.connections)
+        client.close()
+
+
+async def test_a_large_head_within_the_limit_is_accepted_however_it_is_split() -> None:
+    async with (
+        scripted_worker() as w,
+        router_in_process(workers=[w.url], max_head_bytes=8192) as rt,
+    ):
+        await routable(rt, w.url)
+        fields = b"".join(b"X-F%d: %s\r\n" % (i, b"v" * 1000) for i in range(6))  # ~6 KiB
+        request = post(b"/v1/completions", COMPLETION, fields.rstrip(b"\r\n"))
+        client = await RawClient.open(rt.url)
+        for i in range(0, len(request), 700):  # reads wholly inside the head, and not
+            client.send(request[i : i + 700])
+            await client.writer.drain()
+            await asyncio.sleep(0)  # a turn of the loop for the replica, not a timed wait
+        answer = await client.answer()
+        assert answer is not None and answer.status == 200
+        assert w.posts()[0].header(b"X-F5") == b"v" * 1000
+        client.close()
+
+
+async def test_routing_past_a_turns_slice_waits_for_the_next_turn_and_every_request_is_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(server, "ROUTING_SLICE_S", 0.0)  # one routing per turn of the loop
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        clients = [await RawClient.open(rt.url) for _ in range(20)]
+        for client in clients:
+            client.send(post(b"/v1/completions", COMPLETION))
+        answers = await asyncio.gather(*(c.answer() for c in clients))
+        assert [a.status for a in answers if a] == [200] * 20
+        assert len(w.posts()) == 20
+        assert rt.plane.stats.routing_deferred >= 1 and rt.plane.routing_backlog == 0
+        scrape = await rt.scrape()
+        assert scrape.value("kvrouter_routing_deferred_total") == rt.plane.stats.routing_deferred
+        for client in clients:
+            client.close()
+
+
+async def test_a_partial_request_pipelined_behind_an_answer_gets_the_head_timeout_after_it() -> (
+    None
+):
+    async with (
+        scripted_worker() as w,
+        router_in_process(workers=[w.url], client_header_timeout_s=0.3) as rt,
+    ):
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", COMPLETION) + b"POST /v1/completions HTTP/1.1\r\nHo")
+        first = await client.answer()
+        assert first is not None and first.status == 200
+        timed_out = await client.answer()  # the partial one is never finished
+        assert timed_out is not None and timed_out.status == 408
+        assert await client.closed()
+        assert rt.plane.stats.closed["head_timeout"] == 1

@@ -1,0 +1,133 @@
+"""Flow control and timers of the data plane, driven by a fake clock and transport."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from router.dataplane.flow import PEER_BACKPRESSURE, PIPELINED, Deadline, ReadGate
+
+
+@dataclass(order=True)
+class _Handle:
+    when_: float
+    seq: int
+    callback: Callable[[], None] = field(compare=False)
+    cancelled: bool = field(default=False, compare=False)
+
+    def when(self) -> float:
+        return self.when_
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeLoop:
+    """`time`, `call_at` and a clock that advances by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.handles: list[_Handle] = []
+        self.scheduled = 0
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> _Handle:
+        self.scheduled += 1
+        handle = _Handle(when, self.scheduled, callback)
+        heapq.heappush(self.handles, handle)
+        return handle
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        while self.handles and self.handles[0].when_ <= self.now:
+            handle = heapq.heappop(self.handles)
+            if not handle.cancelled:
+                handle.callback()
+
+
+def deadline() -> tuple[FakeLoop, Deadline, list[float]]:
+    loop = FakeLoop()
+    fired: list[float] = []
+    return loop, Deadline(loop, lambda: fired.append(loop.now)), fired  # type: ignore[arg-type]
+
+
+def test_a_deadline_fires_once_when_it_passes() -> None:
+    loop, d, fired = deadline()
+    d.set(1.0)
+    loop.advance(0.9)
+    assert fired == []
+    loop.advance(0.2)
+    loop.advance(5)
+    assert fired == [1.1]
+
+
+def test_moving_a_deadline_later_makes_no_new_timer_until_the_old_one_fires() -> None:
+    loop, d, fired = deadline()
+    d.set(1.0)
+    for _ in range(100):  # every chunk of a stream moves the idle deadline
+        loop.advance(0.005)
+        d.set(1.0)
+    assert loop.scheduled == 1
+    loop.advance(0.6)  # t=1.1: the first handle fired early and re-armed for t=1.5
+    assert fired == [] and loop.scheduled == 2
+    loop.advance(0.5)
+    assert len(fired) == 1 and 1.5 <= fired[0] < 1.7
+
+
+def test_moving_a_deadline_earlier_replaces_its_timer() -> None:
+    loop, d, fired = deadline()
+    d.set(10.0)
+    d.set(1.0)
+    loop.advance(1.0)
+    assert fired == [1.0]
+    loop.advance(20)
+    assert fired == [1.0]
+
+
+def test_a_cleared_deadline_never_fires_and_a_later_one_still_does() -> None:
+    loop, d, fired = deadline()
+    d.set(1.0)
+    d.clear()
+    loop.advance(2.0)
+    assert fired == []
+    d.set(1.0)
+    loop.advance(1.0)
+    assert fired == [3.0]
+    d.set(1.0)
+    d.cancel()
+    loop.advance(5.0)
+    assert fired == [3.0]
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.reading = True
+        self.calls: list[str] = []
+
+    def is_closing(self) -> bool:
+        return False
+
+    def pause_reading(self) -> None:
+        self.reading = False
+        self.calls.append("pause")
+
+    def resume_reading(self) -> None:
+        self.reading = True
+        self.calls.append("resume")
+
+
+def test_reading_resumes_only_when_every_reason_to_pause_is_gone() -> None:
+    transport = FakeTransport()
+    gate = ReadGate(transport)  # type: ignore[arg-type]
+    gate.pause(PEER_BACKPRESSURE)
+    gate.pause(PIPELINED)
+    gate.pause(PIPELINED)
+    gate.resume(PEER_BACKPRESSURE)
+    assert not transport.reading and gate.paused
+    gate.resume(PEER_BACKPRESSURE)  # not paused for it any more: nothing
+    gate.resume(PIPELINED)
+    assert transport.reading and not gate.paused
+    assert transport.calls == ["pause", "resume"]

@@ -1,0 +1,326 @@
+"""The relay's HTTP exchange rules as tables: framing, headers, admission, failures, cuts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.dataplane.exchange import (
+    FAILURES,
+    Framing,
+    Malformed,
+    RequestHead,
+    admit,
+    chunk,
+    cut_tail,
+    not_allowed,
+    plan_response,
+    read_request_head,
+    refusal_response,
+    route_of,
+    upstream_framing,
+    upstream_request,
+)
+
+
+def head(
+    method: bytes = b"POST",
+    target: bytes = b"/v1/completions",
+    *headers: tuple[bytes, bytes],
+    http_11: bool = True,
+    keep: bool = True,
+) -> RequestHead:
+    return read_request_head(method, target, http_11, list(headers), keep)
+
+
+def fields(raw: bytes) -> dict[bytes, bytes]:
+    lines = raw.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]
+    return {n.lower(): v for n, v in (line.split(b": ", 1) for line in lines)}
+
+
+# -- requests ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "problem"),
+    [
+        ([(b"Content-Length", b"x1")], "not a number"),
+        ([(b"Content-Length", b"3"), (b"Content-Length", b"4")], "conflicting"),
+        ([(b"Transfer-Encoding", b"gzip")], "must end with chunked"),
+        ([(b"Content-Length", b"3"), (b"Transfer-Encoding", b"chunked")], "both"),
+    ],
+)
+def test_request_heads_that_frame_their_body_ambiguously_are_malformed(
+    headers: list[tuple[bytes, bytes]], problem: str
+) -> None:
+    with pytest.raises(Malformed, match=problem):
+        head(b"POST", b"/v1/completions", *headers)
+
+
+def test_a_request_head_reads_its_framing_and_expectation() -> None:
+    h = head(
+        b"POST",
+        b"/generate?x=1",
+        (b"content-length", b"12"),
+        (b"Content-Length", b"12"),  # repeated, equal: allowed
+        (b"EXPECT", b"100-Continue"),
+    )
+    assert (h.content_length, h.chunked, h.expect, h.path) == (
+        12,
+        False,
+        b"100-continue",
+        b"/generate",
+    )
+    assert head(b"POST", b"/", (b"Transfer-Encoding", b"gzip, chunked")).chunked
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "route"),
+    [
+        (b"POST", b"/v1/completions", "generation"),
+        (b"POST", b"/v1/chat/completions?stream=1", "generation"),
+        (b"POST", b"/generate", "generation"),
+        (b"GET", b"/v1/completions", "not_allowed"),
+        (b"HEAD", b"/generate", "not_allowed"),
+        (b"GET", b"/healthz", "control"),
+        (b"POST", b"/workers", "control"),
+        (b"GET", b"/v1/models", "control"),
+        (b"POST", b"/v1/completions/", "control"),  # not the route: the control app's 404
+    ],
+)
+def test_who_answers_a_request(method: bytes, target: bytes, route: str) -> None:
+    assert route_of(head(method, target)) == route
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "close"),
+    [
+        ([], None, None),
+        ([(b"Content-Length", b"100")], None, None),
+        ([(b"Content-Length", b"101")], 413, True),
+        ([(b"Expect", b"100-continue"), (b"Content-Length", b"10")], None, None),
+        ([(b"Expect", b"something-else")], 417, True),
+    ],
+)
+def test_admission_at_the_end_of_the_head(
+    headers: list[tuple[bytes, bytes]], status: int | None, close: bool | None
+) -> None:
+    refusal = admit(head(b"POST", b"/v1/completions", *headers), max_body_bytes=100)
+    assert (refusal.status, refusal.close) == (status, close) if refusal else status is None
+
+
+def test_the_upstream_request_drops_hop_by_hop_and_relay_owned_fields() -> None:
+    h = head(
+        b"POST",
+        b"/v1/completions?a=b",
+        (b"Host", b"router:8080"),
+        (b"Connection", b"keep-alive, X-Named"),
+        (b"X-Named", b"1"),
+        (b"Keep-Alive", b"300"),
+        (b"TE", b"trailers"),
+        (b"Upgrade", b"h2c"),
+        (b"Proxy-Authorization", b"Basic x"),
+        (b"Accept-Encoding", b"gzip"),
+        (b"X-Data-Parallel-Rank", b"3"),
+        (b"Content-Length", b"2"),
+        (b"Expect", b"100-continue"),
+        (b"Authorization", b"Bearer k"),
+        (b"X-Request-Id", b"r1"),
+    )
+    raw = upstream_request(h, 2, b"worker:8000", [(b"X-Data-Parallel-Rank", b"1")])
+    assert raw.startswith(b"POST /v1/completions?a=b HTTP/1.1\r\n")
+    assert raw.endswith(b"\r\n\r\n")
+    assert fields(raw) == {
+        b"host": b"worker:8000",
+        b"authorization": b"Bearer k",
+        b"x-request-id": b"r1",
+        b"x-data-parallel-rank": b"1",
+        b"content-length": b"2",
+    }
+    # To the control app the client's Accept-Encoding (gzip snapshots) and rank header stay.
+    control = fields(upstream_request(h, 2, b"router:8080", to_worker=False))
+    assert control[b"accept-encoding"] == b"gzip" and control[b"x-data-parallel-rank"] == b"3"
+    assert b"x-named" not in control and b"connection" not in control
+
+
+# -- answers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "method", "framing", "length"),
+    [
+        (200, [(b"Content-Length", b"5")], b"POST", Framing.LENGTH, 5),
+        (200, [(b"Transfer-Encoding", b"chunked")], b"POST", Framing.CHUNKED, None),
+        # Chunked wins over a Content-Length (RFC 9112 6.3 item 3).
+        (
+            200,
+            [(b"Content-Length", b"5"), (b"Transfer-Encoding", b"chunked")],
+            b"POST",
+            Framing.CHUNKED,
+            None,
+        ),
+        (200, [], b"POST", Framing.CLOSE, None),
+        (200, [(b"Content-Length", b"5")], b"HEAD", Framing.NONE, None),
+        (204, [], b"POST", Framing.NONE, None),
+        (304, [(b"Content-Length", b"5")], b"GET", Framing.NONE, None),
+        (103, [], b"POST", Framing.NONE, None),
+    ],
+)
+def test_how_an_upstream_answer_ends(
+    status: int,
+    headers: list[tuple[bytes, bytes]],
+    method: bytes,
+    framing: Framing,
+    length: int | None,
+) -> None:
+    assert upstream_framing(status, headers, method) == (framing, length)
+
+
+@pytest.mark.parametrize(
+    ("upstream", "client_11", "keep", "framing", "keep_after", "connection", "te", "cl"),
+    [
+        (Framing.LENGTH, True, True, Framing.LENGTH, True, None, None, b"7"),
+        (Framing.LENGTH, False, True, Framing.LENGTH, True, b"keep-alive", None, b"7"),
+        (Framing.LENGTH, True, False, Framing.LENGTH, False, b"close", None, b"7"),
+        (Framing.CHUNKED, True, True, Framing.CHUNKED, True, None, b"chunked", None),
+        (Framing.CLOSE, True, True, Framing.CHUNKED, True, None, b"chunked", None),
+        # HTTP/1.0 cannot read chunks: the body runs to the close.
+        (Framing.CHUNKED, False, True, Framing.CLOSE, False, b"close", None, None),
+        (Framing.CLOSE, False, True, Framing.CLOSE, False, b"close", None, None),
+        # HEAD: the declared length stays, nothing follows.
+        (Framing.NONE, True, True, Framing.NONE, True, None, None, b"7"),
+    ],
+)
+def test_the_answer_to_the_client_is_framed_for_its_http_version(
+    upstream: Framing,
+    client_11: bool,
+    keep: bool,
+    framing: Framing,
+    keep_after: bool,
+    connection: bytes | None,
+    te: bytes | None,
+    cl: bytes | None,
+) -> None:
+    upstream_headers = [(b"Content-Type", b"application/json"), (b"Content-Length", b"7")]
+    if upstream is Framing.CHUNKED:
+        upstream_headers = [(b"Transfer-Encoding", b"chunked")]
+    elif upstream is Framing.CLOSE:
+        upstream_headers = []
+    plan = plan_response(
+        200,
+        b"OK",
+        upstream_headers,
+        upstream,
+        7 if upstream is Framing.LENGTH else None,
+        client_11=client_11,
+        client_keep_alive=keep,
+    )
+    got = fields(plan.head)
+    assert plan.head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert (plan.framing, plan.keep_alive) == (framing, keep_after)
+    assert (got.get(b"connection"), got.get(b"transfer-encoding"), got.get(b"content-length")) == (
+        connection,
+        te,
+        cl,
+    )
+
+
+def test_the_answer_head_drops_hop_by_hop_and_forged_route_headers_and_adds_ours() -> None:
+    plan = plan_response(
+        200,
+        b"Fine",
+        [
+            (b"Content-Type", b"text/event-stream; charset=utf-8"),
+            (b"Connection", b"keep-alive, X-Hop"),
+            (b"X-Hop", b"1"),
+            (b"Keep-Alive", b"timeout=5"),
+            (b"Transfer-Encoding", b"chunked"),
+            (b"X-Kvrouter-Worker", b"forged"),
+            (b"X-Engine", b"e"),
+        ],
+        Framing.CHUNKED,
+        None,
+        client_11=True,
+        client_keep_alive=True,
+        route_headers=[(b"X-Kvrouter-Worker", b"http://w:1"), (b"X-Kvrouter-Dp-Rank", b"0")],
+    )
+    assert plan.sse
+    assert fields(plan.head) == {
+        b"content-type": b"text/event-stream; charset=utf-8",
+        b"x-engine": b"e",
+        b"x-kvrouter-worker": b"http://w:1",
+        b"x-kvrouter-dp-rank": b"0",
+        b"transfer-encoding": b"chunked",
+    }
+
+
+def test_an_unknown_status_keeps_the_workers_reason() -> None:
+    plan = plan_response(
+        599, b"Odd", [], Framing.CLOSE, None, client_11=True, client_keep_alive=True
+    )
+    assert plan.head.startswith(b"HTTP/1.1 599 Odd\r\n")
+
+
+def test_a_refusal_is_openai_error_json_with_its_framing() -> None:
+    raw = refusal_response(not_allowed(head(b"GET")), client_11=True, keep_alive=True)
+    head_part, body = raw.split(b"\r\n\r\n", 1)
+    assert head_part.startswith(b"HTTP/1.1 405 Method Not Allowed")
+    assert fields(raw)[b"allow"] == b"POST"
+    assert int(fields(raw)[b"content-length"]) == len(body)
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    closing = refusal_response(
+        admit(head(b"POST", b"/", (b"Content-Length", b"9")), 1), client_11=False, keep_alive=True
+    )  # type: ignore[arg-type]
+    assert fields(closing)[b"connection"] == b"close"
+
+
+# -- failures and cuts -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("failure", "fail_over", "breaker", "same_worker"),
+    [
+        ("connect", True, True, False),
+        ("timeout", True, True, False),
+        ("status", True, True, False),
+        ("lost", True, True, False),
+        ("worker_down", True, True, False),
+        ("stale", False, False, True),
+    ],
+)
+def test_which_failures_fail_over_and_which_the_breaker_counts(
+    failure: str, fail_over: bool, breaker: bool, same_worker: bool
+) -> None:
+    rule = FAILURES[failure]  # type: ignore[index]
+    assert (rule.fail_over, rule.breaker, rule.same_worker) == (fail_over, breaker, same_worker)
+
+
+@pytest.mark.parametrize(
+    ("framing", "sse", "expect"),
+    [
+        (Framing.CHUNKED, True, "chunked event"),
+        (Framing.CLOSE, True, "bare event"),
+        (Framing.CHUNKED, False, ""),  # the missing last chunk shows the cut
+        (Framing.LENGTH, True, ""),  # the short body shows the cut
+        (Framing.LENGTH, False, ""),
+    ],
+)
+def test_what_a_cut_stream_sends_before_the_close(framing: Framing, sse: bool, expect: str) -> None:
+    tail = cut_tail(framing, sse, "the worker closed the connection")
+    if not expect:
+        assert tail == b""
+        return
+    event = tail
+    if expect == "chunked event":
+        size, event = tail.split(b"\r\n", 1)
+        assert int(size, 16) == len(event) - 2 and event.endswith(b"\r\n")
+        assert not tail.endswith(b"0\r\n\r\n")
+        event = event[:-2]
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    error = json.loads(event[len(b"data: ") :])["error"]
+    assert error["type"] == "upstream_error" and "closed the connection" in error["message"]
+
+
+def test_a_chunk_frames_its_length_in_hex() -> None:
+    assert chunk(b"x" * 26) == b"1a\r\n" + b"x" * 26 + b"\r\n"

@@ -1,0 +1,92 @@
+"""What the router reads of a generation request: the body, the prompt, the key namespace."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from router.dataplane.routing import (
+    BadRequest,
+    decode_body,
+    messages_of,
+    namespace_for,
+    param_of,
+    prompt_of,
+)
+
+
+@pytest.mark.parametrize(
+    ("raw", "problem"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", "nested too deeply"),
+        (b"[" * 100_000, "nested too deeply"),
+        (b'"a string"', "must be a JSON object"),
+        (b'{"prompt": "\xff"}', "not valid JSON"),  # invalid UTF-8
+        (b"", "not valid JSON"),
+    ],
+)
+def test_bodies_that_are_not_a_json_object_are_bad_requests(raw: bytes, problem: str) -> None:
+    with pytest.raises(BadRequest, match=problem):
+        decode_body(raw)
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "prompt"),
+    [
+        (b"/v1/completions", {"prompt": "hi"}, "hi"),
+        (
+            b"/v1/completions",
+            {"prompt": ["first", "second"]},
+            "first",
+        ),  # batch: routed by the first
+        (b"/v1/completions", {"prompt": [1, 2, 3]}, [1, 2, 3]),
+        (b"/v1/completions", {"prompt": [[4, 5], [6]]}, [4, 5]),
+        (b"/generate", {"text": "t"}, "t"),
+        (b"/generate", {"input_ids": [7, 8], "text": "ignored"}, [7, 8]),
+    ],
+)
+def test_the_prompt_a_route_carries(route: bytes, body: dict[str, Any], prompt: Any) -> None:
+    assert prompt_of(route, body) == prompt
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        (b"/v1/completions", {"max_tokens": 3}, "prompt"),
+        (b"/v1/completions", {"prompt": 5}, "prompt"),
+        (b"/v1/completions", {"prompt": None}, "prompt"),
+        (b"/generate", {"sampling_params": {}}, "text"),
+        (b"/generate", {"input_ids": {"a": 1}}, "input_ids"),
+    ],
+)
+def test_a_missing_or_mistyped_prompt_names_its_field(
+    route: bytes, body: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(BadRequest) as caught:
+        prompt_of(route, body)
+    assert caught.value.param == param
+
+
+def test_chat_messages_must_be_a_non_empty_list() -> None:
+    assert messages_of({"messages": [{"role": "user", "content": "x"}]})
+    for body in ({}, {"messages": []}, {"messages": "x"}):
+        with pytest.raises(BadRequest) as caught:
+            messages_of(body)
+        assert caught.value.param == "messages"
+    assert param_of(b"/v1/chat/completions") == "messages"
+
+
+@pytest.mark.parametrize(
+    ("body", "namespace"),
+    [
+        ({}, None),
+        ({"lora_name": "adapter"}, "adapter"),
+        ({"cache_salt": "s"}, "\x00s"),
+        ({"lora_name": "a", "cache_salt": "s"}, "a\x00s"),
+        ({"lora_name": "", "cache_salt": 5}, None),  # empty or not a string: no namespace
+    ],
+)
+def test_the_key_namespace_of_a_request(body: dict[str, Any], namespace: str | None) -> None:
+    assert namespace_for(body) == namespace
