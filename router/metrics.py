@@ -95,6 +95,9 @@ class RouterMetrics:
     def watch_tasks(self, supervisor: Supervisor) -> None:
         self.registry.register(_TaskCollector(supervisor))
 
+    def watch_dataplane(self, plane: DataPlane) -> None:
+        self.registry.register(_DataPlaneCollector(plane))
+
 
 class _TaskCollector(Collector):
     """Background loops (`peer.supervise`): their failures, and those that cannot be kept up."""
@@ -117,9 +120,6 @@ class _TaskCollector(Collector):
             [((kind,), n) for kind, n in failing.items()],
             ["task"],
         )
-
-    def watch_dataplane(self, plane: DataPlane) -> None:
-        self.registry.register(_DataPlaneCollector(plane))
 
 
 class _StateCollector(Collector):

@@ -200,7 +200,7 @@ async def test_the_event_loop_flag_picks_the_loop_and_either_serves(
         assert (await fw.state())["requests"] == 1
         # The control plane answers on its own port too, and only the control plane.
         control = f"http://127.0.0.1:{control_port}"
-        async with rt.session.get(control + "/workers") as resp:
+        async with rt.session.get(control + "/workers", headers=rt.headers("/workers")) as resp:
             assert resp.status == 200
             assert [w["url"] for w in (await resp.json())["workers"]] == [fw.url]
         async with rt.session.post(control + "/v1/completions", json={"prompt": "x"}) as resp:

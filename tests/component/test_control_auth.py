@@ -87,7 +87,7 @@ async def test_every_registered_route_under_a_guarded_path_is_guarded() -> None:
     async with router_in_process(internal_token=TOKEN) as rt:
         routes = [
             (route.method, route.resource.canonical)
-            for route in rt.app.router.routes()
+            for route in rt.serving.control.app.router.routes()
             if route.resource is not None and auth.guarded(route.resource.canonical)
         ]
         assert {path for _, path in routes} == {"/workers", "/internal/kv_snapshot"}
