@@ -299,8 +299,9 @@ class _StateCollector(Collector):
         )
         yield _gauge(
             "kvrouter_worker_healthy",
-            "1 when the worker passes its health check",
-            [((w.url,), int(w.healthy)) for w in self._workers.workers()],
+            "1 when the worker passes its health check (a refused worker is not checked and "
+            "not listed: kvrouter_workers_refused_total tells of it)",
+            [((w.url,), int(w.healthy)) for w in self._workers.workers() if w.state != "refused"],
             ["worker"],
         )
         yield _counter(

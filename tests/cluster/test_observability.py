@@ -93,6 +93,15 @@ async def traffic(replicas: list[RouterProcess], requests: int, prefix: str = PR
         assert status == 200, payload
 
 
+async def repeat_on_each_rank(fw: FakeWorkerHandle) -> None:
+    """One prompt twice on each of `fw`'s ranks, straight to the engine: whichever ranks the
+    routers chose, every rank has a cache hit to report (the SGLang ratio panel needs one)."""
+    body = {"prompt": PROMPT + "Asked twice on every rank.", "max_tokens": 1}
+    for dp_rank in range(fw.config.dp_size):
+        for _ in range(2):
+            await fw.post("/v1/completions", body, headers={"X-Data-Parallel-Rank": str(dp_rank)})
+
+
 async def failed_over(replicas: list[RouterProcess]) -> float:
     """Upstream attempts the replicas failed over, in all."""
     total = 0.0
@@ -201,6 +210,7 @@ async def fleet(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Fleet
                 await c.wait_ready()
                 prom.set_targets("kvrouter", [a.url, b.url, c.url])
                 await traffic([a, b, c], 15)
+                await repeat_on_each_rank(workers["w2"])
                 await prom.wait_scraped("kvrouter", 3)
                 await prom.wait_scraped("engines", 3)
                 yield Fleet(prom, {"a": a, "b": b, "c": c}, workers)

@@ -162,6 +162,11 @@ async def test_a_worker_with_another_block_size_is_refused_and_listed() -> None:
         assert rt.replica.workers.stats.refused["block_size"] == 1
         status, _ = await rt.get("/readyz")
         assert status == 503
+        # Refused, not unhealthy: it is not health-checked, so no worker_healthy 0 for it
+        # (an unhealthy-worker alert would fire on a worker nobody sends traffic to).
+        scrape = await rt.scrape()
+        assert scrape.names("kvrouter_worker_healthy") == []
+        assert scrape.value("kvrouter_workers_refused_total", reason="block_size") == 1
 
 
 async def test_stopping_a_replica_terminates_its_zmq_context_with_every_socket_closed() -> None:

@@ -65,8 +65,10 @@ class FakeWorkerHandle:
             raise ValueError("this worker was started without replay")
         return f"tcp://{self.config.host}:{self.config.replay_port_base + dp_rank}"
 
-    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with self.session.post(self.url + path, json=body) as resp:
+    async def post(
+        self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        async with self.session.post(self.url + path, json=body, headers=headers) as resp:
             payload = await resp.json()
             if resp.status != 200:
                 raise AssertionError(f"POST {path} -> {resp.status}: {payload}")
