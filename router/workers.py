@@ -347,7 +347,19 @@ class WorkerRegistry:
             body = await self._get_json(f"{worker.url}/server_info")
         except _Absent:
             body = None
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientError, TimeoutError, _Unavailable) as exc:
+            # Not up yet (a fleet and its routers start together): the flags' guess at its
+            # ranks could be wrong for good (an SGLang worker's dp size), so it waits, down,
+            # and the health loop registers it anew once /health answers.
+            worker.state = "down"
+            worker.reason = f"/server_info unreachable ({exc or type(exc).__name__})"
+            log.warning(
+                "worker %s: /server_info unreachable (%s); registering it once /health answers",
+                worker.url,
+                exc or type(exc).__name__,
+            )
+            return
+        except ValueError as exc:
             log.warning(
                 "worker %s: /server_info unreadable (%s); using --kv-events-* flags",
                 worker.url,
@@ -632,6 +644,8 @@ class WorkerRegistry:
         async with self.session.get(url, timeout=self._timeout) as resp:
             if resp.status in (404, 405, 501):
                 raise _Absent
+            if resp.status >= 500:
+                raise _Unavailable(f"HTTP {resp.status}")
             if resp.status != 200:
                 raise ValueError(f"HTTP {resp.status}")
             try:
@@ -654,6 +668,10 @@ def evict_due(unhealthy_since: float | None, now: float, evict_after_s: float) -
 
 class _Absent(Exception):
     """The worker does not serve this route."""
+
+
+class _Unavailable(Exception):
+    """The worker answered 5xx: up, but not serving yet (or failing)."""
 
 
 def _normalize(url: str) -> str:

@@ -9,6 +9,7 @@ from cachetree.snapshot import canonical_view
 from cachetree.tree import BlockTree
 from router.worker_snapshot import decode_worker_snapshot, rebuild_rank
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
+from tests.support.ports import free_tcp_port
 from tests.support.router import RouterHandle, router_in_process
 from tests.support.waiting import eventually
 
@@ -179,3 +180,27 @@ async def test_stopping_a_replica_terminates_its_zmq_context_with_every_socket_c
         # a leaked one would leave the context open, and the collector would term it later
         # on whatever thread collects it.
         assert ctx.closed
+
+
+async def test_a_worker_not_up_at_registration_waits_down_and_gets_its_own_dp_size() -> None:
+    """A router that starts before its worker must not guess the worker's ranks from the
+    flags (dp 1 here) for good: it waits, down, and registers it from its /server_info (dp 2)
+    once /health answers."""
+    port = free_tcp_port()
+    url = f"http://127.0.0.1:{port}"
+    async with router_in_process(workers=[url], health_interval_s=0.05) as rt:
+        status, body = await rt.get("/workers")
+        assert status == 200
+        (worker,) = body["workers"]
+        assert worker["state"] == "down" and "/server_info unreachable" in worker["reason"]
+        assert not rt.replica.pump.rules.live  # no rank subscribed on a guess
+        async with fake_worker_in_process(port=port, dp_size=2) as fw:
+
+            async def registered() -> dict | None:
+                _, listing = await rt.get("/workers")
+                (w,) = listing["workers"]
+                return w if w["state"] == "ready" else None
+
+            ready = await eventually(registered, 10.0)
+            assert [r["dp_rank"] for r in ready["ranks"]] == [0, 1]
+            await rt.gate(fw, dp_rank=1)
