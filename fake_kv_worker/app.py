@@ -181,7 +181,7 @@ async def models(request: web.Request) -> web.Response:
         "id": cfg.model,
         "object": "model",
         "created": int(time.time()),
-        "owned_by": "fake-kv-worker",
+        "owned_by": cfg.metrics_engine,  # as the engine it mimics names itself
         "root": cfg.model,
         "max_model_len": cfg.cache_blocks * cfg.block_size,
     }

@@ -31,7 +31,7 @@ from router.auth import TOKEN_ENV, token_problem
 from router.index import DEFAULT_INDEX_MAX_BLOCKS
 from router.origin import AllowList, origin_problem, url_problem
 from router.policy import POLICY_NAMES
-from router.replica import ServeConfig
+from router.replica import AUTO_CHAT_RULES_START, ServeConfig
 from router.serving import StartError, serve_until, start_serving, stop_serving
 from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from router.tokenize import ENGINES, load_tokenizer
@@ -162,9 +162,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add(
         "chat-rules",
         str,
-        "vllm",
-        "whose chat rendering the router reproduces: the engine the workers run",
-        choices=ENGINES,
+        "auto",
+        "whose chat rendering the router reproduces: the engine the workers run; auto reads it "
+        "from their /v1/models (owned_by)",
+        choices=("auto", *ENGINES),
     )
     f.add("tokenize-cache-mb", float, 64.0, "bound of the chat segment tokenization cache")
     f.add(
@@ -368,7 +369,11 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     try:
         # Loaded here to fail before listening, with the loader's own message; the app loads
         # it again at start-up (a second read of the same files).
-        load_tokenizer(args.tokenizer, engine=args.chat_rules, cache_mb=args.tokenize_cache_mb)
+        load_tokenizer(
+            args.tokenizer,
+            engine=AUTO_CHAT_RULES_START if args.chat_rules == "auto" else args.chat_rules,
+            cache_mb=args.tokenize_cache_mb,
+        )
     except (ValueError, ImportError) as exc:
         _fail(f"--tokenizer: {exc}")
     known = {f.name for f in fields(ServeConfig)}

@@ -170,6 +170,7 @@ def _worker_view(replica: Replica, worker: Any) -> dict[str, Any]:
         "draining": worker.draining,
         "breaker": str(worker.breaker.state),
         "snapshot_served": worker.snapshot_served,
+        "engine": worker.engine,
         "kv_events": msgspec.to_builtins(worker.kv) if worker.kv else None,
         "ranks": [
             {

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+AUTO_CHAT_RULES_START = "vllm"  # what --chat-rules auto renders by until a worker names its engine
+
 CAPACITY_CHECK_S = 10.0  # how often the index's per-rank counts meet the engines' capacity
 _ZMQ_TERM_WITHIN_S = 2.0  # the subscribers close with linger 0: term has nothing to wait for
 
@@ -61,7 +63,9 @@ class ServeConfig:
     policy: str = "cache_aware"
     block_size: int | None = None
     tokenizer: str = "bytes"
-    chat_rules: str = "vllm"  # whose chat rendering the tokenizer follows: vllm or sglang
+    # Whose chat rendering the tokenizer follows: vllm, sglang, or auto (the engine the
+    # workers' /v1/models name, vllm until one does).
+    chat_rules: str = "auto"
     tokenize_cache_mb: float = 64.0  # bound of the chat segment tokenization cache
     kv_events_port_base: int = 5557
     kv_events_replay_port_base: int = 0
@@ -138,7 +142,9 @@ class Replica:
 
 async def start_replica(config: ServeConfig) -> Replica:
     tokenizer = load_tokenizer(
-        config.tokenizer, engine=config.chat_rules, cache_mb=config.tokenize_cache_mb
+        config.tokenizer,
+        engine=AUTO_CHAT_RULES_START if config.chat_rules == "auto" else config.chat_rules,
+        cache_mb=config.tokenize_cache_mb,
     )
     rng = random.Random(config.seed)
     policy = make_policy(config.policy, rng=rng)
@@ -197,6 +203,8 @@ async def _compose(
         _bootstrap(config, pump, workers, capacity_blocks) if config.bootstrap_enabled else None
     )
     workers.bootstrap = bootstrap
+    if config.chat_rules == "auto":
+        workers.on_engine = ChatRulesFollower(tokenizer).worker_engine
     metrics = RouterMetrics()
     metrics.watch(pump, workers, loads, bootstrap)
     metrics.watch_tokenizer(tokenizer)
@@ -375,3 +383,32 @@ async def stop_replica(replica: Replica) -> None:
     await terminate_context(replica.zmq_context, within_s=_ZMQ_TERM_WITHIN_S, what="kvrouter")
     for session in replica.sessions:
         await session.close()
+
+
+@dataclass(slots=True)
+class ChatRulesFollower:
+    """`--chat-rules auto`: render chats by the rules of the engine the workers run.
+
+    The first worker whose `/v1/models` names its engine decides; a fleet is one engine in
+    practice. A worker naming another one is logged (its chats may render unlike the engine
+    would: set `--chat-rules`), never switched to, so routing does not flap between rules.
+    """
+
+    tokenizer: RequestTokenizer
+    decided_by: str | None = None
+
+    def worker_engine(self, worker_url: str, engine: str) -> None:
+        if self.decided_by is None:
+            self.decided_by = worker_url
+            if engine != self.tokenizer.engine:
+                self.tokenizer.follow_engine(engine)
+            log.info("chat requests render by %s's rules (named by %s)", engine, worker_url)
+        elif engine != self.tokenizer.engine:
+            log.warning(
+                "worker %s runs %s but chats render by %s's rules (named by %s): a mixed "
+                "fleet; set --chat-rules to the engine most traffic goes to",
+                worker_url,
+                engine,
+                self.tokenizer.engine,
+                self.decided_by,
+            )

@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -72,6 +72,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
+KNOWN_ENGINES: Final = ("vllm", "sglang")  # `owned_by` values of the engines' /v1/models
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +148,7 @@ class Worker:
     draining: bool = False
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     snapshot_served: bool | None = None  # None: not asked yet; False: 404
+    engine: str | None = None  # what its /v1/models calls itself (owned_by): vllm, sglang
     subscriber_stats: dict[int, SubscriberStats] = field(default_factory=dict)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -228,6 +230,8 @@ class WorkerRegistry:
         # Set by the data plane: told when health declares a worker down, so that requests
         # still waiting for that worker's answer fail over at once.
         self.on_unhealthy: Callable[[str], None] | None = None
+        # Set by the replica under --chat-rules auto: told which engine a worker runs.
+        self.on_engine: Callable[[str, str], None] | None = None
         pump.rules.set_loss_handler(self._on_rank_loss)
 
     # -- queries ---------------------------------------------------------------------------
@@ -368,6 +372,9 @@ class WorkerRegistry:
             body = None
         info = parse_server_info(body, worker.url, self.defaults)
         worker.kv = info
+        worker.engine = await self._engine_of(worker.url)
+        if worker.engine is not None and self.on_engine is not None:
+            self.on_engine(worker.url, worker.engine)
         if info.block_size is not None:
             if self.block_size is None:
                 self.block_size = info.block_size
@@ -639,6 +646,19 @@ class WorkerRegistry:
         if not ok:
             self.stats.health_checks_failed += 1
         return ok
+
+    async def _engine_of(self, url: str) -> str | None:
+        """The engine a worker runs, as its `/v1/models` names itself (`owned_by`: vLLM's
+        ModelCard says "vllm", SGLang's "sglang"); None when it does not say."""
+        try:
+            body = await self._get_json(f"{url}/v1/models")
+        except (_Absent, _Unavailable, aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+            return None
+        owner = data[0].get("owned_by")
+        return owner if owner in KNOWN_ENGINES else None
 
     async def _get_json(self, url: str) -> Any:
         async with self.session.get(url, timeout=self._timeout) as resp:

@@ -50,6 +50,8 @@ class ChatTokens:
 class ChatModel(Protocol):
     """A tokenizer with its chat rendering (the bytes one, or hf.HfModel)."""
 
+    engine: Engine  # whose chat rules it follows
+
     def encode_text(self, text: str) -> list[int]: ...
 
     def encode_chat(self, body: dict[str, Any]) -> list[int]: ...
@@ -62,6 +64,15 @@ class RequestTokenizer:
         self.name = name
         self.model = model
         self._logged: set[tuple[str, str]] = set()
+
+    @property
+    def engine(self) -> Engine:
+        """Whose chat rules requests are rendered by."""
+        return self.model.engine
+
+    def follow_engine(self, engine: str) -> None:
+        """Render by `engine`'s chat rules from now on (ValueError for an unknown one)."""
+        self.model.engine = Engine(engine)
 
     @property
     def segment_cache(self) -> SegmentCache | None:
@@ -123,6 +134,7 @@ class BytesModel:
 
     def __init__(self) -> None:
         self._tokenizer = BytesTokenizer()
+        self.engine = Engine.VLLM  # the plain format is the same whichever engine it names
 
     def encode_text(self, text: str) -> list[int]:
         return self._tokenizer.encode(text)  # no special tokens in this vocabulary
