@@ -251,7 +251,7 @@ def test_vllm_states_its_pool_in_the_labels_of_cache_config_info_per_engine() ->
     ],
 )
 def test_a_vllm_pool_that_is_not_stated_in_numbers_is_unknown(labels: str) -> None:
-    text = f"vllm:cache_config_info{{{labels},engine=\"0\"}} 1.0\n"
+    text = f'vllm:cache_config_info{{{labels},engine="0"}} 1.0\n'
     text += 'vllm:num_requests_running{engine="0"} 1.0\n'
     assert parse_metrics_text(text) == {0: EngineLoad(running=1)}
 
