@@ -102,6 +102,7 @@ def _generation(route: str):
         ]
         tree = replica.pump.rules.tree
         depths = None
+        keys: list[int] = []
         if tree is not None and replica.policy.name == "cache_aware":
             namespace = namespace_of(
                 _str_or_none(body.get("lora_name")), _str_or_none(body.get("cache_salt"))
@@ -109,7 +110,8 @@ def _generation(route: str):
             keys = block_keys(tokens, tree.block_size, namespace_seed(namespace))
             depths = tree.prefix_depths(keys)
         block_size = tree.block_size if tree is not None else 1
-        decision = replica.policy.decide(candidates, Prompt(len(tokens), block_size, depths))
+        prompt = Prompt(len(tokens), block_size, depths, keys)
+        decision = replica.policy.decide(candidates, prompt)
         replica.metrics.decisions.labels(replica.policy.name, decision.outcome).inc()
         replica.metrics.matched_blocks.observe(decision.matched_blocks)
         return await replica.proxy.forward(request, route, body_bytes, decision.ranked)

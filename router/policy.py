@@ -61,16 +61,21 @@ different depth, some on the host tier); a quarter to a third of it is expanding
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter
 from typing import ClassVar, Final, Protocol
 
+from xxhash import xxh3_64_intdigest
+
 from cachetree.ranks import RankId
+from cachetree.tiers import DEVICE
 from cachetree.tree import PrefixDepths
 from router.loads import EngineLoad
+from router.pressure import PressureLedger
 
 CACHE_HIT: Final = "cache_hit"
 CACHE_MISS: Final = "cache_miss"
@@ -88,11 +93,13 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """What a policy knows of the request: its size and, for cache_aware, the index's view."""
+    """What a policy knows of the request: its size and, for cache_aware, the index's view
+    and its block keys (which cache_aware books on the rank it picks)."""
 
     tokens: int
     block_size: int
     depths: PrefixDepths | None = None
+    keys: Sequence[int] = ()
 
     @property
     def blocks(self) -> int:
@@ -246,11 +253,13 @@ class CacheAwareWeights:
     queue: float = 1.0  # multiplier on the queue term
     queued_request_tokens: float = 256.0  # prefill tokens one queued request stands for
     lower_tier_discount: float = 0.5  # credit for a host/disk block, relative to device
+    evict: float = 1.0  # cost per token of recently demanded blocks a placement evicts
+    fill: float = 1.0  # surcharge per newly stored token, times the rank's demand / capacity
     imbalance_abs: int = 32  # fall back to least load when max - min load exceeds this ...
     imbalance_rel: float = 1.5  # ... and max load exceeds min load times this
 
     def __post_init__(self) -> None:
-        if min(self.prefill, self.queue, self.queued_request_tokens) < 0:
+        if min(self.prefill, self.queue, self.queued_request_tokens, self.evict, self.fill) < 0:
             raise ValueError("cost weights must be >= 0")
         if not 0.0 <= self.lower_tier_discount <= 1.0:
             raise ValueError("lower_tier_discount must be within [0, 1]")
@@ -258,12 +267,56 @@ class CacheAwareWeights:
             raise ValueError("need imbalance_abs >= 0 and imbalance_rel >= 1")
 
 
+class IndexView(Protocol):
+    """What cache_aware reads of the block index besides a prompt's depths (a BlockTree)."""
+
+    def block_count(self, rank: RankId, tier: int | None = None) -> int: ...
+
+    def engine_hash(self, rank: RankId, key: int) -> int | None: ...
+
+
+def _no_index() -> IndexView | None:
+    return None
+
+
+def _no_capacity(rank: RankId) -> int | None:
+    return None
+
+
+def _alone() -> int:
+    return 1
+
+
+@dataclass(slots=True)
+class SpillStats:
+    spills: int = 0  # decisions whose chosen rank must evict blocks of its recent demand
+    spilled_blocks: int = 0  # how many such blocks, in all
+
+
+@dataclass(slots=True)
+class _Pressure:
+    """Per candidate (in order): what the index, the engines and the ledger say of its cache."""
+
+    depth: list[int]  # leading prompt blocks held on the device, bookings included
+    booked: dict[RankId, int]  # ranks whose depth bookings extend, and to what
+    demand: list[float]  # the ledger's recent distinct blocks
+    capacity: list[int | None]  # device blocks the engine can hold; None when unknown
+    held: list[int]  # device blocks the index shows, plus those booked and not shown yet
+
+
 @dataclass(slots=True)
 class CacheAware:
-    """Lowest estimated time-to-first-token first: see the module docstring."""
+    """Lowest estimated time-to-first-token first, cache pressure included: see the module
+    docstring. `index` and `capacity` are read on every decision; the ledger is this
+    replica's own (demand and bookings)."""
 
     weights: CacheAwareWeights = field(default_factory=CacheAwareWeights)
     rng: random.Random = field(default_factory=random.Random)
+    ledger: PressureLedger = field(default_factory=PressureLedger)
+    index: Callable[[], IndexView | None] = _no_index
+    capacity: Callable[[RankId], int | None] = _no_capacity
+    replicas: Callable[[], int] = _alone  # replicas sharing the traffic, this one included
+    spill_stats: SpillStats = field(default_factory=SpillStats)
     name: ClassVar[str] = "cache_aware"
 
     def imbalanced(self, loads: Sequence[int]) -> bool:
@@ -273,27 +326,64 @@ class CacheAware:
 
     def costs(self, candidates: Sequence[Candidate], prompt: Prompt) -> list[float]:
         """The cost of each candidate, in order (exposed for tests and debugging)."""
-        return self._costs(candidates, _loads(candidates), prompt, *_depth_maps(prompt.depths))
+        any_tier, device = _depth_maps(prompt.depths)
+        index = self.index()
+        self.ledger.settle(None if index is None else _holds(index))
+        pressure = self._pressure(candidates, prompt, device, index)
+        return self._costs(candidates, _loads(candidates), prompt, any_tier, pressure)[0]
+
+    def pressure(self, rank: RankId) -> float | None:
+        """The rank's recent demand over its capacity; None when the capacity is unknown."""
+        capacity = self.capacity(rank)
+        return None if not capacity else self.ledger.demand(rank) / capacity
 
     def decide(self, candidates: Sequence[Candidate], prompt: Prompt) -> Decision:
         n = len(candidates)
         if not n:
             return Decision([], NO_CANDIDATES, 0)
+        index = self.index()
+        holds = None if index is None else _holds(index)
+        self.ledger.settle(holds)
         loads = _loads(candidates)
         any_tier, device = _depth_maps(prompt.depths)
         if n > 1 and self.imbalanced(loads):
             ranked = _by_load(candidates, loads, self.rng)
+            chosen = ranked[0].rank
+            self.ledger.record(chosen, prompt.keys, device.get(chosen, 0), holds)
             return Decision(ranked, IMBALANCE_FALLBACK, any_tier.get(ranked[0].rank, 0))
-        costs = self._costs(candidates, loads, prompt, any_tier, device)
+        pressure = self._pressure(candidates, prompt, device, index)
+        costs, evicted, room = self._costs(candidates, loads, prompt, any_tier, pressure)
         if len(set(costs)) == n:  # no ties: the cost alone orders them
             order = sorted(range(n), key=costs.__getitem__)
-        else:  # ties: lower load first, then at random
-            rnd = self.rng.random
-            keys = list(zip(costs, loads, [rnd() for _ in range(n)], strict=True))
+        else:  # ties: lower load, then more room, then an order every replica agrees on
+            rooms = [-r for r in room]
+            agreed = _rendezvous(candidates, prompt.keys, pressure.depth)
+            keys = list(zip(costs, loads, rooms, agreed, strict=True))
             order = sorted(range(n), key=keys.__getitem__)
         ranked = list(map(candidates.__getitem__, order))
-        matched = any_tier.get(ranked[0].rank, 0)
+        if evicted[order[0]]:
+            self.spill_stats.spills += 1
+            self.spill_stats.spilled_blocks += evicted[order[0]]
+        chosen = ranked[0].rank
+        self.ledger.record(chosen, prompt.keys, device.get(chosen, 0), holds)
+        matched = any_tier.get(chosen, 0)
         return Decision(ranked, CACHE_HIT if matched else CACHE_MISS, matched)
+
+    def _pressure(
+        self,
+        candidates: Sequence[Candidate],
+        prompt: Prompt,
+        device: dict[RankId, int],
+        index: IndexView | None,
+    ) -> _Pressure:
+        ranks = list(map(_rank, candidates))
+        booked = self.ledger.booked_depths(prompt.keys, device)
+        depth = [max(device.get(r, 0), booked.get(r, 0)) for r in ranks]
+        capacity = list(map(self.capacity, ranks))
+        held = self.ledger.pendings(ranks)
+        if index is not None:
+            held = [h + index.block_count(r, DEVICE) for h, r in zip(held, ranks, strict=True)]
+        return _Pressure(depth, booked, self.ledger.demands(ranks), capacity, held)
 
     def _costs(
         self,
@@ -301,33 +391,85 @@ class CacheAware:
         loads: Sequence[int],
         prompt: Prompt,
         any_tier: dict[RankId, int],
-        device: dict[RankId, int],
-    ) -> list[float]:
-        # Written as flat comprehensions over C-level maps: this runs for every candidate of
-        # every request, and per-candidate method calls would dominate the decision.
+        p: _Pressure,
+    ) -> tuple[list[float], list[int], list[float]]:
+        """(cost, demanded blocks the rank would evict, room) per candidate."""
         w = self.weights
         n = len(candidates)
         tokens = float(prompt.tokens)
         block = prompt.block_size
+        blocks = prompt.blocks
         per_token = w.prefill
         per_request = w.queue * w.queued_request_tokens
-        if not any_tier:  # nobody holds any of it: load alone decides
-            miss = per_token * tokens
-            return [miss + per_request * load for load in loads]
-        if device is any_tier:  # device tier only: every held block saves `block` tokens
-            held: list[float] = [any_tier.get(c.rank, 0) * block for c in candidates]
-        else:  # device blocks save `block` tokens each, lower-tier ones `lower` each
-            lower = block * w.lower_tier_discount
-            ranks = list(map(_rank, candidates))
-            held_any = list(map(any_tier.get, ranks, repeat(0, n)))
-            held_device = list(map(device.get, ranks, repeat(0, n)))
-            held = [
-                lower * a + (block - lower) * d for a, d in zip(held_any, held_device, strict=True)
-            ]
-        return [
-            per_token * (tokens - c if c < tokens else 0.0) + per_request * load
-            for c, load in zip(held, loads, strict=True)
+        ranks = list(map(_rank, candidates))
+        # Tokens each rank would not prefill: device blocks (bookings count as device
+        # blocks) save `block` tokens each, lower-tier ones `lower` each.
+        lower = block * w.lower_tier_discount
+        held_any = list(map(any_tier.get, ranks, repeat(0, n)))
+        saved = [
+            lower * a + (block - lower) * d if a > d else block * d
+            for a, d in zip(held_any, p.depth, strict=True)
         ]
+        costs = [
+            per_token * (tokens - s if s < tokens else 0.0) + per_request * load
+            for s, load in zip(saved, loads, strict=True)
+        ]
+        evicted = [0] * n
+        known = [c for c in p.capacity if c]
+        fallback = max(known) if known else 0
+        replicas = self.replicas()
+        unseen = 1.0 - 1.0 / replicas if replicas > 1 else 0.0
+        room: list[float] = []
+        for i, (capacity, demand, held, depth) in enumerate(
+            zip(p.capacity, p.demand, p.held, p.depth, strict=True)
+        ):
+            if not capacity:
+                room.append(2 * fallback - held - demand)
+                continue
+            room.append(2 * capacity - held - demand)
+            new = blocks - depth if depth < blocks else 0
+            if not new:
+                continue
+            # The rank's other demand: its recent blocks, less the ones this prompt reuses,
+            # plus the siblings' share of what it holds beyond this replica's demand.
+            other = demand - depth if demand > depth else 0.0
+            if unseen and held > demand:
+                other += unseen * (held - demand)
+            free = capacity - held if capacity > held else 0
+            # Storing `new` blocks first fills free slots, then evicts blocks nobody asked
+            # for lately, and only then blocks in demand: this prompt's own `depth` blocks
+            # stay, so `capacity - other - depth` can go before anything demanded does.
+            spill = new - max(free, capacity - other - depth)
+            if spill > 0:
+                evicted[i] = math.ceil(spill)
+            busy = other + depth
+            fullness = busy / capacity if busy < capacity else 1.0
+            costs[i] += block * (w.evict * max(spill, 0.0) + w.fill * fullness * new)
+        return costs, evicted, room
+
+
+def _rendezvous(
+    candidates: Sequence[Candidate], keys: Sequence[int], depth: Sequence[int]
+) -> list[int]:
+    """A per-prompt order of the candidates that every replica computes alike (rendezvous
+    hashing): replicas that cannot see each other's bookings still send the first requests of
+    a new prefix to the same rank. The anchor is the prompt's first block no rank holds (the
+    new prefix's own first block), or its last block when some rank holds it all."""
+    if not keys:
+        return [0] * len(candidates)
+    deepest = max(depth)
+    anchor = keys[deepest] if deepest < len(keys) else keys[-1]
+    return [
+        xxh3_64_intdigest(c.rank.worker_url.encode(), seed=anchor ^ c.rank.dp_rank)
+        for c in candidates
+    ]
+
+
+def _holds(index: IndexView) -> Callable[[RankId, int], bool]:
+    def holds(rank: RankId, key: int) -> bool:
+        return index.engine_hash(rank, key) is not None
+
+    return holds
 
 
 # --- factory --------------------------------------------------------------------------------
@@ -340,10 +482,15 @@ def make_policy(
     *,
     rng: random.Random | None = None,
     weights: CacheAwareWeights | None = None,
+    ledger: PressureLedger | None = None,
+    index: Callable[[], IndexView | None] = _no_index,
+    capacity: Callable[[RankId], int | None] = _no_capacity,
+    replicas: Callable[[], int] = _alone,
 ) -> Policy:
-    """A policy by name. `rng` seeds the randomized ones; `weights` is for cache_aware only."""
-    if weights is not None and name != "cache_aware":
-        raise ValueError(f"policy {name!r} takes no cache_aware weights")
+    """A policy by name. `rng` seeds the randomized ones; the rest is for cache_aware only:
+    its weights, its ledger, and where it reads the index and the ranks' capacities."""
+    if name != "cache_aware" and (weights is not None or ledger is not None):
+        raise ValueError(f"policy {name!r} takes no cache_aware weights or ledger")
     if name == "round_robin":
         return RoundRobin()
     if name == "random":
@@ -356,5 +503,9 @@ def make_policy(
         return CacheAware(
             weights if weights is not None else CacheAwareWeights(),
             rng if rng is not None else random.Random(),
+            ledger if ledger is not None else PressureLedger(),
+            index,
+            capacity,
+            replicas,
         )
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

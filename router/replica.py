@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 import zmq.asyncio
 
+from cachetree.ranks import RankId
 from peer.fetch import SnapshotFetcher
 from peer.kubeconfig import kube_api_client, resolve_namespace
 from peer.producer import SnapshotProducer
@@ -31,6 +32,7 @@ from router.index import IndexRules, Pump
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
 from router.policy import Policy, make_policy
+from router.pressure import PressureLedger, PressureSettings
 from router.proxy import InflightTracker, Proxy, upstream_session
 from router.tokenize import RequestTokenizer, load_tokenizer
 from router.workers import DiscoveryDefaults, WorkerRegistry
@@ -78,6 +80,9 @@ class ServeConfig:
     kv_bootstrap_fetch_timeout_cap_ms: int = 300_000
     kv_bootstrap_seed_required: bool = False
     kv_bootstrap_max_body_mb: int = 1024
+    booking_ttl_ms: int = 5000
+    demand_half_life_s: float = 30.0
+    pressure_max_tracked_blocks: int = 1_000_000
 
     @property
     def bootstrap_enabled(self) -> bool:
@@ -108,15 +113,13 @@ class Replica:
 
 async def start_replica(config: ServeConfig) -> Replica:
     tokenizer = load_tokenizer(config.tokenizer)
-    rng = random.Random(config.seed)
-    policy = make_policy(config.policy, rng=rng)
     pump = Pump(IndexRules())
     pump.start()
     # Only the peer snapshot fetcher may advertise gzip (the SSE proxy path must never get it).
     control_session = aiohttp.ClientSession(skip_auto_headers=("Accept-Encoding",))
     proxy_session = upstream_session()
     try:
-        return await _compose(config, tokenizer, policy, pump, control_session, proxy_session)
+        return await _compose(config, tokenizer, pump, control_session, proxy_session)
     except BaseException:
         await pump.stop()
         await control_session.close()
@@ -127,12 +130,12 @@ async def start_replica(config: ServeConfig) -> Replica:
 async def _compose(
     config: ServeConfig,
     tokenizer: RequestTokenizer,
-    policy: Policy,
     pump: Pump,
     control_session: aiohttp.ClientSession,
     proxy_session: aiohttp.ClientSession,
 ) -> Replica:
     loads = LoadMonitor(control_session, interval_s=config.load_interval_ms / 1000)
+    policy = _policy(config, pump, loads)
 
     def breaker() -> CircuitBreaker:
         return CircuitBreaker(
@@ -201,6 +204,31 @@ async def _compose(
     for url in config.workers:
         await workers.add(url)
     return replica
+
+
+def _policy(config: ServeConfig, pump: Pump, loads: LoadMonitor) -> Policy:
+    """The routing policy; cache_aware reads the index and the engines' stated capacities."""
+    if config.policy != "cache_aware":
+        return make_policy(config.policy, rng=random.Random(config.seed))
+
+    def capacity(rank: RankId) -> int | None:
+        tree = pump.rules.tree
+        if tree is None:
+            return None
+        return loads.capacity_blocks(rank.worker_url, rank.dp_rank, tree.block_size)
+
+    settings = PressureSettings(
+        booking_ttl_s=config.booking_ttl_ms / 1000,
+        demand_half_life_s=config.demand_half_life_s,
+        max_tracked_blocks=config.pressure_max_tracked_blocks,
+    )
+    return make_policy(
+        "cache_aware",
+        rng=random.Random(config.seed),
+        ledger=PressureLedger(settings),
+        index=lambda: pump.rules.tree,
+        capacity=capacity,
+    )
 
 
 def _bootstrap(config: ServeConfig, pump: Pump, workers: WorkerRegistry) -> PeerBootstrap:
