@@ -29,6 +29,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Final
 
 from cachetree.keys import block_keys
@@ -39,6 +40,7 @@ from fake_kv_worker.hashing import VllmSha256Hasher
 from router.loads import EngineLoad
 from router.policy import CacheAware, CacheAwareWeights, Candidate, Prompt, make_policy
 from router.pressure import PressureLedger, PressureSettings
+from router.tools.demo import prompt_tokens
 
 BLOCK: Final = 16
 IDEAL: Final = "ideal"
@@ -107,28 +109,42 @@ def workloads() -> list[Workload]:
 # -- the workload's requests ------------------------------------------------------------------
 
 
+_LETTERS: Final = "abcdefghijklmnopqrstuvwxyz      "
+
+
 @dataclass(frozen=True)
 class Request:
     prefix: int
-    tokens: list[int]
+    text: str  # the one user message; the prefix first, then this request's own tail
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": "user", "content": self.text}]
+
+    @cached_property
+    def tokens(self) -> list[int]:
+        """What the router and the fake worker tokenize (plain chat rendering, bytes)."""
+        return prompt_tokens(self.messages)
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    return "".join(rng.choice(_LETTERS) for _ in range(chars))
 
 
 def build_requests(w: Workload, seed: int) -> tuple[list[Request], list[int]]:
-    """The requests in arrival order, and each prefix's length in blocks."""
+    """The requests in arrival order, and each prefix's length in blocks.
+
+    Every request is one chat message: its prefix's text (a shared header first, when the
+    workload has one), then a tail of its own. The bytes tokenizer makes a character a token.
+    """
     rng = random.Random(seed)
-    header = [rng.randrange(3, 50_000) for _ in range(w.header_blocks * BLOCK)]
+    header = _text(rng, w.header_blocks * BLOCK)
     lengths = [rng.randint(*w.prefix_blocks) for _ in range(w.prefixes)]
-    prefixes = [
-        header + [rng.randrange(3, 50_000) for _ in range((n - w.header_blocks) * BLOCK)]
-        for n in lengths
-    ]
+    prefixes = [header + _text(rng, (n - w.header_blocks) * BLOCK) for n in lengths]
     order = [p for _ in range(w.requests_per_prefix) for p in range(w.prefixes)]
     if w.shuffled:
         rng.shuffle(order)
-    requests = []
-    for p in order:
-        tail = [rng.randrange(3, 50_000) for _ in range(rng.randint(*w.tail_tokens))]
-        requests.append(Request(p, prefixes[p] + tail))
+    requests = [Request(p, prefixes[p] + _text(rng, rng.randint(*w.tail_tokens))) for p in order]
     return requests, lengths
 
 
@@ -322,8 +338,9 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
     def route(i: int, req: Request) -> RankId:
         k = i % w.replicas
         candidates = [Candidate(r, inflight[r][k], fleet.loads.get(r)) for r in ranks]
-        keys = block_keys(req.tokens, BLOCK)
-        prompt = Prompt(len(req.tokens), BLOCK, fleet.tree.prefix_depths(keys), keys)
+        tokens = req.tokens
+        keys = block_keys(tokens, BLOCK)
+        prompt = Prompt(len(tokens), BLOCK, fleet.tree.prefix_depths(keys), keys)
         rank = routers[k].decide(candidates, prompt).ranked[0].rank
         inflight[rank][k] += 1
         return rank

@@ -135,7 +135,6 @@ async def _compose(
     proxy_session: aiohttp.ClientSession,
 ) -> Replica:
     loads = LoadMonitor(control_session, interval_s=config.load_interval_ms / 1000)
-    policy = _policy(config, pump, loads)
 
     def breaker() -> CircuitBreaker:
         return CircuitBreaker(
@@ -162,6 +161,7 @@ async def _compose(
     )
     bootstrap = _bootstrap(config, pump, workers) if config.bootstrap_enabled else None
     workers.bootstrap = bootstrap
+    policy = _policy(config, pump, loads, bootstrap)
     metrics = RouterMetrics()
     metrics.watch(pump, workers, loads, bootstrap)
     inflight = InflightTracker()
@@ -206,8 +206,11 @@ async def _compose(
     return replica
 
 
-def _policy(config: ServeConfig, pump: Pump, loads: LoadMonitor) -> Policy:
-    """The routing policy; cache_aware reads the index and the engines' stated capacities."""
+def _policy(
+    config: ServeConfig, pump: Pump, loads: LoadMonitor, bootstrap: PeerBootstrap | None
+) -> Policy:
+    """The routing policy. cache_aware reads the index, the engines' stated capacities, and
+    how many sibling replicas share the traffic (the peer registry's count)."""
     if config.policy != "cache_aware":
         return make_policy(config.policy, rng=random.Random(config.seed))
 
@@ -228,6 +231,7 @@ def _policy(config: ServeConfig, pump: Pump, loads: LoadMonitor) -> Policy:
         ledger=PressureLedger(settings),
         index=lambda: pump.rules.tree,
         capacity=capacity,
+        replicas=lambda: 1 + (len(bootstrap.registry.peers) if bootstrap is not None else 0),
     )
 
 
