@@ -363,10 +363,11 @@ def main() -> None:
     parser.add_argument("--policies", default="cache_aware,round_robin")
     parser.add_argument("--evict", type=float, default=CacheAwareWeights().evict)
     parser.add_argument("--fill", type=float, default=CacheAwareWeights().fill)
+    parser.add_argument("--tie-margin", type=float, default=CacheAwareWeights().tie_margin)
     parser.add_argument("--ttl-s", type=float, default=PressureSettings().booking_ttl_s)
     parser.add_argument("--half-life-s", type=float, default=PressureSettings().demand_half_life_s)
     args = parser.parse_args()
-    weights = CacheAwareWeights(evict=args.evict, fill=args.fill)
+    weights = CacheAwareWeights(evict=args.evict, fill=args.fill, tie_margin=args.tie_margin)
     settings = PressureSettings(booking_ttl_s=args.ttl_s, demand_half_life_s=args.half_life_s)
     wanted = {x for x in args.workloads.split(",") if x}
     policies = [p for p in args.policies.split(",") if p]

@@ -254,13 +254,15 @@ class CacheAwareWeights:
     queued_request_tokens: float = 256.0  # prefill tokens one queued request stands for
     lower_tier_discount: float = 0.5  # credit for a host/disk block, relative to device
     evict: float = 1.0  # cost per token of recently demanded blocks a placement evicts
-    fill: float = 1.0  # surcharge per newly stored token, times the rank's demand / capacity
+    fill: float = 2.0  # surcharge per newly stored token, times the rank's demand / capacity
+    tie_margin: float = 128.0  # with siblings, costs this close to the best tie (rendezvous)
     imbalance_abs: int = 32  # fall back to least load when max - min load exceeds this ...
     imbalance_rel: float = 1.5  # ... and max load exceeds min load times this
 
     def __post_init__(self) -> None:
-        if min(self.prefill, self.queue, self.queued_request_tokens, self.evict, self.fill) < 0:
-            raise ValueError("cost weights must be >= 0")
+        weights = (self.prefill, self.queue, self.queued_request_tokens, self.evict, self.fill)
+        if min(*weights, self.tie_margin) < 0:
+            raise ValueError("cost weights and the tie margin must be >= 0")
         if not 0.0 <= self.lower_tier_discount <= 1.0:
             raise ValueError("lower_tier_discount must be within [0, 1]")
         if self.imbalance_abs < 0 or self.imbalance_rel < 1.0:
@@ -327,10 +329,15 @@ class CacheAware:
     def costs(self, candidates: Sequence[Candidate], prompt: Prompt) -> list[float]:
         """The cost of each candidate, in order (exposed for tests and debugging)."""
         any_tier, device = _depth_maps(prompt.depths)
+        self.settle()
+        pressure = self._pressure(candidates, prompt, device, self.index())
+        return self._costs(candidates, _loads(candidates), prompt, any_tier, pressure)[0]
+
+    def settle(self) -> None:
+        """End the bookings the index has confirmed or whose TTL passed (decisions do this
+        too; a scrape calls it so that idle replicas report current figures)."""
         index = self.index()
         self.ledger.settle(None if index is None else _holds(index))
-        pressure = self._pressure(candidates, prompt, device, index)
-        return self._costs(candidates, _loads(candidates), prompt, any_tier, pressure)[0]
 
     def pressure(self, rank: RankId) -> float | None:
         """The rank's recent demand over its capacity; None when the capacity is unknown."""
@@ -353,13 +360,23 @@ class CacheAware:
             return Decision(ranked, IMBALANCE_FALLBACK, any_tier.get(ranked[0].rank, 0))
         pressure = self._pressure(candidates, prompt, device, index)
         costs, evicted, room = self._costs(candidates, loads, prompt, any_tier, pressure)
-        if len(set(costs)) == n:  # no ties: the cost alone orders them
+        # Alone, only equal costs tie; with siblings, costs within the margin do, so that
+        # replicas whose ledgers differ still agree where a new prefix goes and which of two
+        # copies of a prefix to keep using.
+        margin = self.weights.tie_margin if self.replicas() > 1 else 0.0
+        best = min(costs)
+        near = [i for i, c in enumerate(costs) if c <= best + margin]
+        if len(near) == 1:  # a clear winner: the cost orders them all
             order = sorted(range(n), key=costs.__getitem__)
         else:  # ties: lower load, then more room, then an order every replica agrees on
-            rooms = [-r for r in room]
             agreed = _rendezvous(candidates, prompt.keys, pressure.depth)
+            rooms = [-r for r in room]
             keys = list(zip(costs, loads, rooms, agreed, strict=True))
             order = sorted(range(n), key=keys.__getitem__)
+            if margin:
+                first = min(near, key=agreed.__getitem__)
+                order.remove(first)
+                order.insert(0, first)
         ranked = list(map(candidates.__getitem__, order))
         if evicted[order[0]]:
             self.spill_stats.spills += 1
@@ -458,7 +475,10 @@ def _rendezvous(
     if not keys:
         return [0] * len(candidates)
     deepest = max(depth)
-    anchor = keys[deepest] if deepest < len(keys) else keys[-1]
+    if min(depth) == deepest:  # nobody holds more than the others: the first new block
+        anchor = keys[deepest] if deepest < len(keys) else keys[-1]
+    else:  # the deepest block held, the same for every request of that prefix
+        anchor = keys[deepest - 1]
     return [
         xxh3_64_intdigest(c.rank.worker_url.encode(), seed=anchor ^ c.rank.dp_rank)
         for c in candidates

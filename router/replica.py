@@ -31,7 +31,7 @@ from router.breaker import CircuitBreaker
 from router.index import IndexRules, Pump
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
-from router.policy import Policy, make_policy
+from router.policy import CacheAware, Policy, make_policy
 from router.pressure import PressureLedger, PressureSettings
 from router.proxy import InflightTracker, Proxy, upstream_session
 from router.tokenize import RequestTokenizer, load_tokenizer
@@ -164,6 +164,8 @@ async def _compose(
     policy = _policy(config, pump, loads, bootstrap)
     metrics = RouterMetrics()
     metrics.watch(pump, workers, loads, bootstrap)
+    if isinstance(policy, CacheAware):
+        metrics.watch_pressure(policy, workers)
     inflight = InflightTracker()
     proxy = Proxy(
         proxy_session,

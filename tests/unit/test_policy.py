@@ -312,7 +312,12 @@ class Pressured:
     """A cache_aware over `fleet`'s index, with stated capacities and a manual clock."""
 
     def __init__(
-        self, fleet: Fleet, capacity: dict[RankId, int], ttl_s: float = 5.0, **weights: float
+        self,
+        fleet: Fleet,
+        capacity: dict[RankId, int],
+        ttl_s: float = 5.0,
+        replicas: int = 1,
+        **weights: float,
     ) -> None:
         self.clock = ManualClock()
         self.fleet = fleet
@@ -322,6 +327,7 @@ class Pressured:
             PressureLedger(PressureSettings(booking_ttl_s=ttl_s), self.clock),
             lambda: fleet.tree,
             capacity.get,
+            lambda: replicas,
         )
 
     def demand(self, rank: RankId, blocks: int, seed: int) -> None:
@@ -364,7 +370,7 @@ def test_a_rank_full_of_blocks_nobody_asked_for_is_as_good_as_an_empty_one() -> 
     p.demand(B, 40, seed=1)  # B has a little recent demand; A's blocks have none
     costs = p.policy.costs([cand(A), cand(C), cand(B)], p.prompt())
     assert costs[0] == costs[1] == 2048.0  # neither evicts anything in demand
-    assert costs[2] == 2048.0 + 16 * 128 * 40 / 256  # the fill surcharge: 128 new blocks
+    assert costs[2] == 2048.0 + 16 * 128 * 2 * 40 / 256  # the fill surcharge: 128 new blocks
     decision = p.policy.decide([cand(A), cand(B), cand(C)], p.prompt())
     # A and C tie on cost and load; C has more room (nothing held), so C comes first.
     assert [c.rank for c in decision.ranked] == [C, A, B]
@@ -393,9 +399,9 @@ def test_a_full_rank_pays_for_the_demanded_blocks_a_spill_evicts(
     candidates = [cand(A), cand(B)]
     new = 128 - held_on_a
     costs = p.policy.costs(candidates, p.prompt())
-    # A: prefill what it lacks, evict that many demanded blocks, and its fullness is 1.
-    assert costs[0] == 16 * new * (1 + 1 + 1)
-    assert costs[1] == 2048 + 16 * 128 * 100 / 256  # B: no spill, a 100/256 fill surcharge
+    # A: prefill what it lacks (x1), evict that many demanded blocks (x1), fill at 1 (x2).
+    assert costs[0] == 16 * new * (1 + 1 + 2)
+    assert costs[1] == 2048 + 16 * 128 * 2 * 100 / 256  # B: no spill, a 100/256 fill
     decision = p.policy.decide(candidates, p.prompt())
     assert decision.ranked[0].rank == first
     assert p.policy.spill_stats.spilled_blocks == spilled
@@ -440,6 +446,32 @@ def test_without_capacities_or_a_ledger_history_the_cost_is_the_plain_one() -> N
     fleet.hold(A, 2)
     p = Pressured(fleet, {}, ttl_s=0.0)
     assert p.policy.costs([cand(A), cand(B), cand(C)], p.prompt()) == [2048 - 32, 2048, 0]
+
+
+@pytest.mark.parametrize(
+    ("replicas", "agree"),
+    [(1, False), (2, True)],
+)
+def test_siblings_treat_costs_within_the_tie_margin_as_a_tie_so_they_agree(
+    replicas: int, agree: bool
+) -> None:
+    """Two replicas whose ledgers differ a little (each saw other requests) place the same new
+    prefixes alike when they know of each other; a lone replica follows its own ledger."""
+    disagreements = 0
+    for i in range(40):
+        tokens = [i + 3] * BS + PROMPT[BS:]  # a new prefix each time
+        picks = set()
+        for view in ((3, 0, 0), (0, 3, 0)):  # three blocks of demand on A, or on B
+            p = Pressured(Fleet(), even(), replicas=replicas)
+            for seed, (rank, blocks) in enumerate(zip((A, B, C), view, strict=True)):
+                if blocks:
+                    p.demand(rank, blocks, seed=seed)
+            picks.add(p.policy.decide([cand(A), cand(B), cand(C)], p.prompt(tokens)).ranked[0].rank)
+        disagreements += len(picks) > 1
+    # 3 blocks of demand are 16 * 2 * 3 / 256 * 128 = 48 cost apart: within the margin of 128.
+    assert (disagreements == 0) is agree
+    if not agree:  # alone: each follows its own ledger (C, or whichever of A/B is idle)
+        assert disagreements > 0
 
 
 @settings(max_examples=300, deadline=None)
