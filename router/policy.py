@@ -3,8 +3,9 @@
 Every policy is plain synchronous code: `decide(candidates, prompt)` returns a `Decision` whose
 `ranked` list the proxy walks in order, failing over to the next rank before the first byte.
 The caller builds the candidates (healthy ranks, their router-side in-flight count and the
-engine's last reported load) and, for `cache_aware`, the prompt's `PrefixDepths`. Randomness
-comes from an injected `random.Random`, so a seeded policy decides the same way every run.
+engine's last reported load) and, for `cache_aware`, the prompt's `PrefixDepths` and block
+keys. Randomness comes from an injected `random.Random`, so a seeded policy decides the same
+way every run; `cache_aware`'s ledger takes an injected clock.
 
 Load
 ----
@@ -19,12 +20,14 @@ their whole prefill.
 
 cache_aware: the cost function
 ------------------------------
-For each candidate rank, with B the block size, T the prompt's token count, and from the
-index `d_dev` (leading blocks held on the device tier) and `d_any` (on any tier, >= d_dev):
+For each candidate rank, with B the block size, T the prompt's token count, n = T // B its
+full blocks, and from the index `d_dev` (leading blocks held on the device tier) and `d_any`
+(on any tier, >= d_dev):
 
     cached   = B * (d_dev + (d_any - d_dev) * lower_tier_discount)
     new      = max(T - cached, 0)                    # prompt tokens this rank must prefill
     cost     = prefill * new + queue * queued_request_tokens * load
+             + B * (evict * spill + fill * fullness * stored)      # cache pressure, below
 
 The unit is "prefill-token equivalents": roughly the time before this request's first token.
 Its own prefill is `new` tokens; each request queued ahead of it costs about
@@ -32,16 +35,55 @@ Its own prefill is `new` tokens; each request queued ahead of it costs about
 block must be copied back before use, which is cheaper than recomputing it but not free:
 `lower_tier_discount` is the fraction of a device block's saving it is credited with.
 
-Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
-lower_tier_discount 0.5. So a fully cached 2,048-token prompt (128 blocks of 16) is worth
-2048 / 256 = 8 queued requests: the holder wins with up to 7 waiting, ties with an idle
-empty rank at 8 (the tie goes to the lower load, the idle one), and loses at 9.
+Cache pressure. A rank's cache is bounded: what a placement stores pushes something out once
+it is full, and what it pushes out may be a prefix another request needs next. Four inputs,
+per rank: its capacity C (device blocks, from what the engine states: `LoadMonitor`), what the
+index shows it holding (`held`, device tier, plus blocks this replica booked there that the
+index does not show yet), this replica's recent demand on it (`demand`: distinct blocks routed
+there, halving every `--demand-half-life-s`; `router.pressure`), and bookings: a routed
+prompt's new blocks count as held by the rank it went to until their store event arrives
+(or `--booking-ttl-ms` passes), so the requests of a new prefix that arrive before its first
+store event follow it rather than each looking like a miss. With `depth` = d_dev extended by
+bookings, `stored` = n - depth blocks the rank must newly store:
 
-Lowest cost first; ties by lower load, then at random. Before scoring, if the fleet is
-strongly imbalanced (max load - min load > imbalance_abs (32) AND max load > min load *
-imbalance_rel (1.5)), the cache is ignored and candidates are ordered by load
-(`imbalance_fallback`): a hot prefix should not keep piling onto one rank while others idle,
-and the cost's linear queue term can lag a sudden burst.
+    other    = max(demand - depth, 0) + unseen * max(held - demand, 0)
+    free     = max(C - held, 0)
+    spill    = max(stored - max(free, C - other - depth), 0)   # demanded blocks it evicts
+    fullness = min((other + depth) / C, 1)
+
+`other` is the demand the rank must keep besides this prompt. Storing fills free slots first,
+then evicts blocks nobody asked for lately (pre-filled or gone-quiet content costs nothing to
+evict), and only then blocks in demand: those are `spill`, each charged `evict` blocks of
+prefill, since it will be prefilled again when asked for. `fill` charges each newly stored
+block by how full of demand the rank is, so a new prefix goes where it is least likely to
+push anything out, before anything is certain to be: with equal loads, a miss goes to the
+least-demanded rank. `unseen` is the share of the blocks a rank holds beyond this replica's
+demand that are counted as demand: 0 for a lone replica (they are stale), (k-1)/k with k
+replicas sharing the traffic (the siblings' placements this replica cannot see). A rank whose
+capacity is unknown pays no pressure terms.
+
+Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
+lower_tier_discount 0.5, evict 1.0 (an evicted demanded block is prefilled again once),
+fill 2.0 (a new block on a rank full of demand costs its prefill twice over: it displaces a
+demanded block, which displaces another when it returns; 2 is what kept every workload of
+the pressure benchmark's family at the ideal partition's ratio in `bench/pressure_sim.py`,
+where 0.5 and 1 let a one-request load difference place a prefix on a fuller rank), and
+tie_margin 128. So a fully cached 2,048-token prompt (128 blocks of 16) is worth 2048 / 256
+= 8 queued requests against an empty idle rank with no demand: the holder wins with up to 7
+waiting, ties at 8 (the tie goes to the lower load, the idle one), and loses at 9; against a
+rank full of demand the move would also pay 2 x 2048 in fill, so the holder keeps it longer.
+
+Lowest cost first; ties by lower load, then more room (`2C - held - demand`: free and stale
+blocks), then an order every replica computes alike: rendezvous hashing of the rank against
+the prompt's first block nobody holds (a new prefix's own first block), or its deepest held
+block when some ranks hold more than others. With siblings (k > 1), costs within
+`tie_margin` (128 tokens, half a queued request) of the best also tie, and the rendezvous
+order alone picks among them: replicas whose ledgers differ a little then still send a new
+prefix's first requests to the same rank, and settle a prefix held twice on one copy. Before
+scoring, if the fleet is strongly imbalanced (max load - min load > imbalance_abs (32) AND
+max load > min load * imbalance_rel (1.5)), the cache is ignored and candidates are ordered
+by load (`imbalance_fallback`): a hot prefix should not keep piling onto one rank while
+others idle, and the cost's linear queue term can lag a sudden burst.
 
 Outcomes
 --------
