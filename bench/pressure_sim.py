@@ -12,7 +12,8 @@ queues for one of the rank's `max_running` slots, is admitted (its store and rem
 the index `event_lag_s` later), prefills its uncached tokens at `prefill_s_per_token` and
 decodes for `decode_s`; clients run a closed loop of `concurrency` slots, and with two
 replicas the requests alternate between them as a round-robin front would. Engine queue
-lengths reach the routers every `load_interval_s`, as the load monitor's polls do.
+lengths reach the routers every `load_interval_s`, as the load monitor's polls do, the first
+one at a point of the interval drawn from the seed.
 
 The ideal row routes each prefix to one worker, the prefixes spread over the workers by a
 greedy partition of their blocks (largest first onto the least filled worker): only each
@@ -194,6 +195,7 @@ class Fleet:
 
     def __init__(self, w: Workload, seed: int) -> None:
         self.w = w
+        self.seed = seed
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -304,7 +306,9 @@ class Fleet:
             done(i, rank)
             next_request()
 
-        self._poll_loads(lambda: active[0] == 0 and not self._events)
+        # The load monitor's first poll lands anywhere in its interval, as it does live.
+        phase = random.Random(self.seed).uniform(0, self.w.load_interval_s)
+        self.at(phase, lambda: self._poll_loads(lambda: active[0] == 0 and not self._events))
         for _ in range(self.w.concurrency):
             self.at(self.now, next_request)
         self._drain()

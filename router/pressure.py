@@ -9,11 +9,13 @@ Theory of operation
 -------------------
 Every routed prompt is recorded against the rank it went to, block key by block key:
 
-- Demand: each (rank, key) pair routed counts once, however often it is routed (distinct
-  blocks), with a weight that halves every `demand_half_life_s` since the pair was last
-  routed. A rank's demand is the sum: how many blocks its recent traffic asked it to keep.
-  Blocks nobody asked for lately (what an engine cached before this replica started, a
-  prefix gone quiet) weigh nothing, so a full cache of them is as good as an empty one.
+- Demand: each block key routed counts once, however often it is routed (distinct blocks),
+  on the rank this replica last sent it to, with a weight that halves every
+  `demand_half_life_s` since then. A rank's demand is the sum: how many blocks this
+  replica's recent traffic needs it to keep. Blocks nobody asked for lately (what an engine
+  cached before this replica started, a prefix gone quiet) weigh nothing, so a full cache of
+  them is as good as an empty one; and a prefix sent to another rank takes its demand along,
+  so the copy left behind stops counting as something its old rank must keep.
 - Bookings: a routed prompt's blocks beyond what the index already shows on the rank count
   as held by it until the index shows them (its store event arrived) or `booking_ttl_s`
   passes. Requests for a new prefix that arrive before its first request's store event then
@@ -104,6 +106,7 @@ class PressureLedger:
         self._ranks: dict[RankId, _RankLedger] = {}
         self._booking_ranks: set[RankId] = set()  # ranks with live bookings
         self._booked_blocks = 0  # over all live bookings
+        self._home: dict[int, RankId] = {}  # block key -> the rank its demand is counted on
         self._origin = self._clock()
         self._sweep_next = 0  # the rank the next record sweeps, by position
         self._tracked = 0  # pairs over all ranks
@@ -184,12 +187,18 @@ class PressureLedger:
             w = self._weight(now)
             weights = st.weights
             pop = weights.pop
+            home = self._home
             before = len(weights)
             dropped = 0.0
             for key in keys:
                 old = pop(key, None)
                 if old is not None:
                     dropped += old
+                else:
+                    moved_from = home.get(key)
+                    if moved_from is not None:  # this replica's traffic for it went elsewhere
+                        self._forget(moved_from, key)
+                    home[key] = rank
                 weights[key] = w
             self._tracked += len(weights) - before
             st.total += w * len(keys) - dropped
@@ -255,16 +264,27 @@ class PressureLedger:
         if not st.bookings:
             self._booking_ranks.discard(rank)
 
+    def _forget(self, rank: RankId, key: int) -> None:
+        st = self._ranks.get(rank)
+        if st is None:
+            return
+        w = st.weights.pop(key, None)
+        if w is not None:
+            st.total -= w
+            self._tracked -= 1
+
     def _prune(self, st: _RankLedger, now: float) -> None:
         """Drop the rank's pairs that weigh next to nothing, and its oldest beyond its share."""
         share = self.settings.max_tracked_blocks // max(1, len(self._ranks))
         floor = self._weight(now - _FORGET_AFTER_HALF_LIVES * self.settings.demand_half_life_s)
         weights = st.weights
+        home = self._home
         while weights:
             key, w = next(iter(weights.items()))
             if w >= floor and len(weights) <= share:
                 break
             del weights[key]
+            del home[key]
             st.total -= w
             self._tracked -= 1
         if not weights:

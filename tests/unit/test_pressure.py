@@ -64,7 +64,7 @@ def test_demand_counts_routed_blocks_and_halves_every_half_life(
     assert led.demands([A, B]) == [pytest.approx(demand), 0.0]
 
 
-def test_demand_counts_distinct_blocks_and_a_block_routed_again_is_refreshed() -> None:
+def test_demand_counts_distinct_blocks_where_they_were_last_routed() -> None:
     clock = ManualClock()
     led = ledger(clock, demand_half_life_s=10.0)
     shared = keys(1, 30)
@@ -73,8 +73,13 @@ def test_demand_counts_distinct_blocks_and_a_block_routed_again_is_refreshed() -
     led.record(A, shared + keys(3, 10))  # 30 refreshed to 1, 10 new at 1, 10 old at 1/2
     assert led.demand(A) == pytest.approx(30 + 10 + 5)
     assert led.tracked_blocks == 50
-    led.record(B, shared)  # the same blocks on another rank are that rank's demand
-    assert led.demand(B) == pytest.approx(30)
+    # Routed to another rank, the blocks' demand moves with this replica's traffic: a copy
+    # left behind on A is no longer something A must keep for it.
+    led.record(B, shared)
+    assert (led.demand(A), led.demand(B)) == (pytest.approx(10 + 5), pytest.approx(30))
+    assert led.tracked_blocks == 50
+    led.record(A, keys(2, 10))  # routed again where they are: refreshed, nothing moves
+    assert (led.demand(A), led.demand(B)) == (pytest.approx(10 + 10), pytest.approx(30))
 
 
 def test_blocks_nobody_routed_for_sixteen_half_lives_are_forgotten() -> None:
