@@ -49,37 +49,43 @@ bookings, `stored` = n - depth blocks the rank must newly store:
     other    = max(demand - depth, 0) + unseen * max(held - demand, 0)
     free     = max(C - held, 0)
     spill    = max(stored - max(free, C - other - depth), 0)   # demanded blocks it evicts
-    fullness = min((other + depth) / C, 1)
+    fleet    = min(sum(demand + unseen * max(held - demand, 0)) / sum(C), 1)   # candidates
+    fullness = min((other + depth) / C, 1) * fleet
 
 `other` is the demand the rank must keep besides this prompt. Storing fills free slots first,
 then evicts blocks nobody asked for lately (pre-filled or gone-quiet content costs nothing to
 evict), and only then blocks in demand: those are `spill`, each charged `evict` blocks of
 prefill, since it will be prefilled again when asked for. `fill` charges each newly stored
 block by how full of demand the rank is, so a new prefix goes where it is least likely to
-push anything out, before anything is certain to be: with equal loads, a miss goes to the
-least-demanded rank. `unseen` is the share of the blocks a rank holds beyond this replica's
+push anything out, before anything is certain to be (with equal loads, a miss goes to the
+least-demanded rank), scaled by how full of demand the fleet is: when the caches together
+have room, a second copy of a prefix (a request sent away from a busy holder) costs nothing
+later and the queue term alone decides; when they do not, the copy pushes some other prefix
+out sooner or later. `unseen` is the share of the blocks a rank holds beyond this replica's
 demand that are counted as demand: 0 for a lone replica (they are stale), (k-1)/k with k
 replicas sharing the traffic (the siblings' placements this replica cannot see). A rank whose
-capacity is unknown pays no pressure terms.
+capacity is unknown pays no pressure terms and counts in no fleet sum.
 
 Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
-lower_tier_discount 0.5, evict 1.0 (an evicted demanded block is prefilled again once),
-fill 2.0 (a new block on a rank full of demand costs its prefill twice over: it displaces a
-demanded block, which displaces another when it returns; 2 is what kept every workload of
-the pressure benchmark's family at the ideal partition's ratio in `bench/pressure_sim.py`,
-where 0.5 and 1 let a one-request load difference place a prefix on a fuller rank), and
-tie_margin 128. So a fully cached 2,048-token prompt (128 blocks of 16) is worth 2048 / 256
-= 8 queued requests against an empty idle rank with no demand: the holder wins with up to 7
-waiting, ties at 8 (the tie goes to the lower load, the idle one), and loses at 9; against a
-rank full of demand the move would also pay 2 x 2048 in fill, so the holder keeps it longer.
+lower_tier_discount 0.5, evict 1.0 (an evicted demanded block is prefilled again once), fill
+2.0 (a new block on a rank full of demand, in a fleet full of demand, displaces a demanded
+block, which displaces another when it returns; in `bench/pressure_sim.py` 2 kept every
+workload of the pressure benchmark's family at the ideal partition's ratio where 0.5 and 1
+let a one-request load difference place a prefix on a fuller rank; unscaled by the fleet it
+cost the routing trace 8% of TTFT p50, see BENCHMARKS.md), and tie_margin 32. So a fully
+cached 2,048-token prompt (128 blocks of 16) is worth 2048 / 256 = 8 queued requests against
+an empty idle rank with no demand: the holder wins with up to 7 waiting, ties at 8 (the tie
+goes to the lower load, the idle one), and loses at 9; against a rank full of demand in a
+full fleet the move would also pay 2 x 2048 in fill, so the holder keeps it up to 23.
 
 Lowest cost first; ties by lower load, then more room (`2C - held - demand`: free and stale
 blocks), then an order every replica computes alike: rendezvous hashing of the rank against
 the prompt's first block nobody holds (a new prefix's own first block), or its deepest held
 block when some ranks hold more than others. With siblings (k > 1), costs within
-`tie_margin` (128 tokens, half a queued request) of the best also tie, and the rendezvous
-order alone picks among them: replicas whose ledgers differ a little then still send a new
-prefix's first requests to the same rank, and settle a prefix held twice on one copy. Before
+`tie_margin` (32 tokens, an eighth of a queued request) of the best also tie, and the
+rendezvous order alone picks among them: replicas whose ledgers differ a little then still
+send a new prefix's first requests to the same rank, and settle a prefix held twice on one
+copy (the margin was chosen on live two-replica runs: 16-32 best, 0 and 128 worse). Before
 scoring, if the fleet is strongly imbalanced (max load - min load > imbalance_abs (32) AND
 max load > min load * imbalance_rel (1.5)), the cache is ignored and candidates are ordered
 by load (`imbalance_fallback`): a hot prefix should not keep piling onto one rank while
@@ -297,7 +303,7 @@ class CacheAwareWeights:
     lower_tier_discount: float = 0.5  # credit for a host/disk block, relative to device
     evict: float = 1.0  # cost per token of recently demanded blocks a placement evicts
     fill: float = 2.0  # surcharge per newly stored token, times the rank's demand / capacity
-    tie_margin: float = 128.0  # with siblings, costs this close to the best tie (rendezvous)
+    tie_margin: float = 32.0  # with siblings, costs this close to the best tie (rendezvous)
     imbalance_abs: int = 32  # fall back to least load when max - min load exceeds this ...
     imbalance_rel: float = 1.5  # ... and max load exceeds min load times this
 
@@ -478,6 +484,14 @@ class CacheAware:
         fallback = max(known) if known else 0
         replicas = self.replicas()
         unseen = 1.0 - 1.0 / replicas if replicas > 1 else 0.0
+        # How full of demand the fleet is: the fill surcharge scales with it, so it steers
+        # placements only when the caches together are short of room, not when they idle.
+        others = [
+            d + unseen * (h - d) if h > d else d
+            for c, d, h in zip(p.capacity, p.demand, p.held, strict=True)
+            if c
+        ]
+        fleet = min(sum(others) / sum(known), 1.0) if known else 0.0
         room: list[float] = []
         for i, (capacity, demand, held, depth) in enumerate(
             zip(p.capacity, p.demand, p.held, p.depth, strict=True)
@@ -503,7 +517,7 @@ class CacheAware:
                 evicted[i] = math.ceil(spill)
             busy = other + depth
             fullness = busy / capacity if busy < capacity else 1.0
-            costs[i] += block * (w.evict * max(spill, 0.0) + w.fill * fullness * new)
+            costs[i] += block * (w.evict * max(spill, 0.0) + w.fill * fleet * fullness * new)
         return costs, evicted, room
 
 
