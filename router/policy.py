@@ -81,7 +81,8 @@ full fleet the move would also pay 2 x 2048 in fill, so the holder keeps it up t
 Lowest cost first; ties by lower load, then more room (`2C - held - demand`: free and stale
 blocks), then an order every replica computes alike: rendezvous hashing of the rank against
 the prompt's first block nobody holds (a new prefix's own first block), or its deepest held
-block when some ranks hold more than others. With siblings (k > 1), costs within
+block when some ranks hold more than others (a prompt shorter than a block has no prefix to
+place: its ties go at random). With siblings (k > 1), costs within
 `tie_margin` (32 tokens, an eighth of a queued request) of the best also tie, and the
 rendezvous order alone picks among them: replicas whose ledgers differ a little then still
 send a new prefix's first requests to the same rank, and settle a prefix held twice on one
@@ -416,6 +417,10 @@ class CacheAware:
         near = [i for i, c in enumerate(costs) if c <= best + margin]
         if len(near) == 1:  # a clear winner: the cost orders them all
             order = sorted(range(n), key=costs.__getitem__)
+        elif not prompt.keys:  # not a full block: nothing to place, spread it at random
+            rnd = self.rng.random
+            keys = list(zip(costs, loads, [rnd() for _ in range(n)], strict=True))
+            order = sorted(range(n), key=keys.__getitem__)
         else:  # ties: lower load, then more room, then an order every replica agrees on
             agreed = _rendezvous(candidates, prompt.keys, pressure.depth)
             rooms = [-r for r in room]
@@ -528,8 +533,6 @@ def _rendezvous(
     hashing): replicas that cannot see each other's bookings still send the first requests of
     a new prefix to the same rank. The anchor is the prompt's first block no rank holds (the
     new prefix's own first block), or its last block when some rank holds it all."""
-    if not keys:
-        return [0] * len(candidates)
     deepest = max(depth)
     if min(depth) == deepest:  # nobody holds more than the others: the first new block
         anchor = keys[deepest] if deepest < len(keys) else keys[-1]

@@ -54,6 +54,7 @@ Holds = Callable[[RankId, int], bool]  # does the index hold this block key on t
 
 _FORGET_AFTER_HALF_LIVES = 16.0
 _REBASE_AFTER_HALF_LIVES = 256.0  # 2 ** 256 is far from overflowing a double
+_REFRESH_FACTOR = 2.0 ** (-1 / 64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,12 +186,20 @@ class PressureLedger:
             st = self._ranks[rank] = _RankLedger()
         if keys:
             w = self._weight(now)
+            # A block refreshed within the last 1/64 of a half-life keeps its weight and its
+            # place: a hot prefix routed again and again costs one lookup per block.
+            fresh = w * _REFRESH_FACTOR
             weights = st.weights
+            get = weights.get
             pop = weights.pop
             home = self._home
             before = len(weights)
             dropped = 0.0
+            added = 0
             for key in keys:
+                if get(key, 0.0) >= fresh:
+                    continue
+                added += 1
                 old = pop(key, None)
                 if old is not None:
                     dropped += old
@@ -201,7 +210,7 @@ class PressureLedger:
                     home[key] = rank
                 weights[key] = w
             self._tracked += len(weights) - before
-            st.total += w * len(keys) - dropped
+            st.total += w * added - dropped
             if held < len(keys) and self.settings.booking_ttl_s > 0:
                 self._book(now, rank, st, keys[held:], holds)
         self._prune(st, now)
