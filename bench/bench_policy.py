@@ -9,6 +9,9 @@ Two scenarios, both a 2,000-token prompt (125 blocks of 16) with an engine load 
 - `scattered`: every rank holds a prefix of a different random depth, a quarter of them
   partly on the host tier only. The worst case for the depth lookups (one run per rank,
   two depth maps).
+cache_aware runs with its cache-pressure inputs: the prompt's block keys, the tree as its
+index, every rank stating a 4,096-block capacity, and its ledger recording each decision (so
+it pays for demand, bookings and their settling as a replica does).
 `prefix_depths` itself is not timed (see bench_tree.py). The `depth maps` row is the part of
 a decision spent expanding `PrefixDepths.any_tier` / `.device` into dicts (cachetree code).
 Each figure is the mean over `--iterations` decisions, best of `--repeats` runs, so that
@@ -28,14 +31,14 @@ from cachetree.ranks import RankId
 from cachetree.tiers import DEVICE, HOST
 from cachetree.tree import BlockTree, PrefixDepths
 from router.loads import EngineLoad
-from router.policy import POLICY_NAMES, Candidate, Prompt, make_policy
+from router.policy import POLICY_NAMES, Candidate, Policy, Prompt, make_policy
 
 BLOCK = 16
 PROMPT_TOKENS = 2000
 SCENARIOS = ("shared", "scattered")
 
 
-def scenario(kind: str, n_ranks: int, seed: int = 7) -> tuple[list[Candidate], Prompt]:
+def scenario(kind: str, n_ranks: int, seed: int = 7) -> tuple[list[Candidate], Prompt, BlockTree]:
     rng = random.Random(seed)
     prompt = [rng.randrange(1, 50_000) for _ in range(PROMPT_TOKENS)]
     keys = block_keys(prompt, BLOCK)
@@ -57,7 +60,14 @@ def scenario(kind: str, n_ranks: int, seed: int = 7) -> tuple[list[Candidate], P
         candidates.append(Candidate(rank, inflight=rng.randrange(0, 8), engine=load))
     depths = tree.prefix_depths(keys)
     assert len(depths.any_tier) == n_ranks
-    return candidates, Prompt(tokens=PROMPT_TOKENS, block_size=BLOCK, depths=depths)
+    prompt_ = Prompt(tokens=PROMPT_TOKENS, block_size=BLOCK, depths=depths, keys=keys)
+    return candidates, prompt_, tree
+
+
+def policy(name: str, tree: BlockTree) -> Policy:
+    if name != "cache_aware":
+        return make_policy(name, rng=random.Random(1))
+    return make_policy(name, rng=random.Random(1), index=lambda: tree, capacity=lambda rank: 4096)
 
 
 def best_mean_us(fn: Callable[[], object], iterations: int, repeats: int) -> float:
@@ -86,9 +96,9 @@ def main() -> None:
     rows: dict[str, list[float]] = {name: [] for name in (*POLICY_NAMES, "depth maps")}
     for kind in SCENARIOS:
         for n in sizes:
-            candidates, prompt = scenario(kind, n)
+            candidates, prompt, tree = scenario(kind, n)
             for name in POLICY_NAMES:
-                decide = make_policy(name, rng=random.Random(1)).decide
+                decide = policy(name, tree).decide
                 call = functools.partial(decide, candidates, prompt)
                 rows[name].append(best_mean_us(call, args.iterations, args.repeats))
             assert prompt.depths is not None

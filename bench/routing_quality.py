@@ -146,12 +146,20 @@ def single_cache_bound(requests: Sequence[Messages], s: Spec) -> dict[str, float
 # -- the live fleet -------------------------------------------------------------------------
 
 
-async def start_fleet(cluster: demo.Cluster, s: Spec) -> None:
-    for i in range(WORKERS):
+async def start_fleet(
+    cluster: demo.Cluster,
+    workers: int,
+    cache_blocks: int,
+    prefill_us_per_token: float,
+    decode_ms_per_token: float = 0.0,
+) -> None:
+    """`workers` fake-kv-worker processes of one rank each, `MAX_RUNNING` running per rank."""
+    for i in range(workers):
         config = worker_config(
             block_size=BLOCK,
-            cache_blocks=s.cache_blocks,
-            prefill_us_per_token=s.prefill_us_per_token,
+            cache_blocks=cache_blocks,
+            prefill_us_per_token=prefill_us_per_token,
+            decode_ms_per_token=decode_ms_per_token,
             max_concurrency=MAX_RUNNING,
         )
         argv = [sys.executable, "-m", "fake_kv_worker", *cli_args(config), "--log-level", "WARNING"]
@@ -295,7 +303,7 @@ async def run_async(ctx: Any, s: Spec, sessions: list[list[Messages]]) -> list[R
     smg = Row("smg", "cache_aware")
     try:
         ctx.progress(f"starting {WORKERS} fake workers ({s.cache_blocks} blocks each)")
-        await start_fleet(cluster, s)
+        await start_fleet(cluster, WORKERS, s.cache_blocks, s.prefill_us_per_token)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             for turn in range(1, s.repeats + 1):
                 for row in ours:

@@ -3,6 +3,10 @@
 Both are computed from the ranks' live counters on each call; nothing is sampled on a timer.
 What is not simulated reads as 0.0 (`gen_throughput`), which a router must treat as "no
 signal", exactly as with an idle real engine.
+
+The KV pool's size is stated as the engines state it: SGLang's `max_total_num_tokens` (in
+`/v1/loads` and as the `sglang:max_total_num_tokens` gauge), and vLLM's info gauge
+`vllm:cache_config_info`, whose labels carry `num_gpu_blocks` and `block_size` (value 1).
 """
 
 from __future__ import annotations
@@ -105,6 +109,29 @@ def prometheus_text(
             "gauge",
             "KV-cache usage. 1 means 100 percent usage.",
             [(labels(r), _token_usage(r)) for r in ranks],
+        )
+        # vLLM's `log_metrics_info`: one sample per engine core, the CacheConfig fields as
+        # label values (None as "None"), the engine index last, and the value 1.
+        _family(
+            lines,
+            "vllm:cache_config_info",
+            "gauge",
+            "Information of the LLMEngine's cache_config",
+            [
+                (
+                    {
+                        "block_size": str(r.cache.block_size),
+                        "cache_dtype": "auto",
+                        "enable_prefix_caching": "True",
+                        "num_cpu_blocks": "None",
+                        "num_gpu_blocks": str(r.cache.capacity),
+                        "num_gpu_blocks_override": "None",
+                        "engine": str(r.dp_rank),
+                    },
+                    1.0,
+                )
+                for r in ranks
+            ],
         )
         _family(
             lines,

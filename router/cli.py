@@ -274,6 +274,20 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         DEFAULT_INDEX_MAX_BLOCKS,
         "cap on (rank, block) pairs in the index; over it the largest rank is cleared",
     )
+    f.add(
+        "booking-ttl-ms",
+        int,
+        5000,
+        "cache_aware: how long a routed prompt's blocks count as held before the index shows "
+        "them; 0 = no bookings",
+    )
+    f.add("demand-half-life-s", float, 30.0, "cache_aware: half-life of a rank's recent demand")
+    f.add(
+        "pressure-max-tracked-blocks",
+        int,
+        1_000_000,
+        "cache_aware: bound on (rank, block) pairs remembered for demand and bookings",
+    )
     f.add("drain-timeout-s", float, 30.0, "after SIGTERM, how long in-flight requests may run")
     f.add("log-level", str.lower, "info", "how much to log", choices=LOG_LEVELS)
     return f
@@ -338,6 +352,12 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         ),
         (args.kv_index_max_blocks >= 1, "--kv-index-max-blocks must be >= 1"),
         (args.worker_snapshot_max_body_mb >= 1, "--worker-snapshot-max-body-mb must be >= 1"),
+        (args.booking_ttl_ms >= 0, "--booking-ttl-ms must be >= 0 (0: no bookings)"),
+        (
+            0 < args.demand_half_life_s < float("inf"),
+            "--demand-half-life-s must be a finite number > 0",
+        ),
+        (args.pressure_max_tracked_blocks >= 1, "--pressure-max-tracked-blocks must be >= 1"),
         (0 <= args.worker_port <= 65535, "--worker-port must be 0 (the first listed) or 1..65535"),
         (
             not (args.peer and args.kv_peer_selector),

@@ -2,15 +2,19 @@
 
 The router's own in-flight count only sees requests this replica sent. Other replicas, and
 clients that bypass the router, load the same engines, so the policy also wants the engine's
-view: running and waiting requests and KV usage per dp rank. Engines offer it two ways:
+view: running and waiting requests, KV usage and KV capacity per dp rank. Engines offer it two
+ways:
 
 - `GET /v1/loads` (SGLang >= 0.5.x, smg's `WorkerLoadResponse`, our fake worker): JSON with a
-  `loads` array, one entry per dp rank. Cheap and exact, so it is asked first.
+  `loads` array, one entry per dp rank; the KV pool's size is `max_total_num_tokens`. Cheap
+  and exact, so it is asked first.
 - `GET /metrics` (every vLLM, older SGLang): Prometheus text. vLLM names
   `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (v0
-  called it `vllm:gpu_cache_usage_perc`), ranks told apart by the `engine` label; SGLang
-  `num_running_reqs`, `num_queue_reqs`, `token_usage`, with the `sglang:` prefix up to 0.5.3
-  and `sglang_` after, ranks by the `dp_rank` label.
+  called it `vllm:gpu_cache_usage_perc`), and states its pool in the labels of the info gauge
+  `vllm:cache_config_info{block_size="16",num_gpu_blocks="...",engine="0",...} 1`; ranks are
+  told apart by the `engine` label. SGLang: `num_running_reqs`, `num_queue_reqs`,
+  `token_usage`, `max_total_num_tokens`, with the `sglang:` prefix up to 0.5.3 and `sglang_`
+  after, ranks by the `dp_rank` label.
 
 Which one a worker serves is a tri-state probe per worker URL (`LoadsProbe`, pure):
 
@@ -32,6 +36,12 @@ A field the engine did not report is None ("unknown"), never 0: an idle-looking 
 attract every request. A tick that yields nothing keeps the previous figures, but `get`
 stops returning them once they are older than `stale_after_s`, so a worker that stopped
 answering does not keep looking idle (or busy) forever.
+
+Capacity (`capacity_tokens`, `capacity_blocks`) is the engine's configuration, not a load: the
+last value a read reported is kept while the worker stays registered, stale or not, and is
+forgotten when the worker is removed or registered again. A capacity of 0, a vLLM
+`num_gpu_blocks="None"` (an engine still profiling its memory) or a missing `block_size` label
+is unknown (None), never 0: a rank that seems to hold nothing would look full.
 
 The parsers and the probe are plain functions and a small class; `LoadMonitor` is the thin
 asyncio shell that does HTTP and keeps counters. Counters are plain `collections.Counter`s:
@@ -69,6 +79,7 @@ class EngineLoad:
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None  # 0..1
+    capacity_tokens: int | None = None  # the KV pool's size in tokens
 
 
 class ProbeOutcome(StrEnum):
@@ -107,8 +118,13 @@ def parse_loads_body(body: bytes) -> dict[int, EngineLoad] | None:
             running=_count(entry.get("num_running_reqs")),
             waiting=_count(entry.get("num_waiting_reqs")),
             kv_usage=_fraction(entry.get("token_usage")),
+            capacity_tokens=_positive(_count(entry.get("max_total_num_tokens"))),
         )
     return out
+
+
+def _positive(value: int | None) -> int | None:
+    return value if value else None
 
 
 def _count(value: object) -> int | None:
@@ -182,7 +198,11 @@ _USAGE_NAMES: Final = (
     "sglang:token_usage",
     "sglang_token_usage",
 )
-_WANTED: Final = frozenset(_RUNNING_NAMES + _WAITING_NAMES + _USAGE_NAMES)
+_CAPACITY_NAMES: Final = ("sglang:max_total_num_tokens", "sglang_max_total_num_tokens")
+_VLLM_CACHE_INFO: Final = "vllm:cache_config_info"
+_WANTED: Final = frozenset(
+    _RUNNING_NAMES + _WAITING_NAMES + _USAGE_NAMES + _CAPACITY_NAMES + (_VLLM_CACHE_INFO,)
+)
 _WANTED_PREFIXES: Final = ("#", *sorted(_WANTED))
 _RANK_LABELS: Final = ("dp_rank", "engine")  # SGLang's, then vLLM's (one engine core per rank)
 
@@ -192,8 +212,9 @@ def parse_metrics_text(text: str) -> dict[int, EngineLoad]:
 
     Ranks come from a `dp_rank` or `engine` label; samples without one (or with a value
     that is not a rank number) count as rank 0. Several label sets for the same rank (e.g.
-    per model name) are added up for the request counts; for KV usage, a fraction, the
-    largest one is taken. Raises ValueError when the text does not parse.
+    per model name) are added up for the request counts; for KV usage, a fraction, and for
+    capacity the largest one is taken. vLLM's capacity is `num_gpu_blocks * block_size` from
+    the labels of `vllm:cache_config_info`. Raises ValueError when the text does not parse.
 
     Only the lines of the gauges we read are handed to the parser: a vLLM `/metrics` is
     mostly histogram buckets, and the pure-Python parser would spend its time on them.
@@ -206,6 +227,9 @@ def parse_metrics_text(text: str) -> dict[int, EngineLoad]:
                 if sample.name not in _WANTED:
                     continue
                 value = float(sample.value)
+                if sample.name == _VLLM_CACHE_INFO:
+                    # An info gauge: the figures are in the labels, the value is always 1.
+                    value = _vllm_pool_tokens(sample.labels)
                 if not math.isfinite(value) or value < 0:
                     continue
                 rank = _rank_label(sample.labels)
@@ -215,14 +239,25 @@ def parse_metrics_text(text: str) -> dict[int, EngineLoad]:
     running = _pick(found, _RUNNING_NAMES, sum)
     waiting = _pick(found, _WAITING_NAMES, sum)
     usage = _pick(found, _USAGE_NAMES, max)
+    capacity = _pick(found, (_VLLM_CACHE_INFO, *_CAPACITY_NAMES), max)
     return {
         rank: EngineLoad(
             running=_rounded(running.get(rank)),
             waiting=_rounded(waiting.get(rank)),
             kv_usage=usage.get(rank),
+            capacity_tokens=_positive(_rounded(capacity.get(rank))),
         )
-        for rank in sorted(running.keys() | waiting.keys() | usage.keys())
+        for rank in sorted(running.keys() | waiting.keys() | usage.keys() | capacity.keys())
     }
+
+
+def _vllm_pool_tokens(labels: dict[str, str]) -> float:
+    """`num_gpu_blocks * block_size` from vLLM's cache config labels; NaN when either is not
+    a number (vLLM writes "None" before it has profiled its memory)."""
+    blocks, block_size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+    if not (blocks.isdecimal() and block_size.isdecimal()):
+        return math.nan
+    return float(int(blocks) * int(block_size))
 
 
 def _keep(line: str) -> bool:
@@ -269,6 +304,7 @@ class _Worker:
     dp_size: int
     probe: LoadsProbe = field(default_factory=LoadsProbe)
     loads: dict[int, EngineLoad] = field(default_factory=dict)
+    capacity: dict[int, int] = field(default_factory=dict)  # dp rank -> tokens, last reported
     read_at: float | None = None  # clock time of the last successful read
     source: str | None = None  # "loads" or "metrics": where `loads` came from
     failing: bool = False  # the last tick yielded nothing (for log de-duplication)
@@ -313,7 +349,8 @@ class LoadMonitor:
     def add_worker(self, url: str, dp_size: int = 1) -> None:
         """Register a worker, or register it again: either way `/v1/loads` is probed afresh
         on the next tick (the engine behind a URL may have changed). Figures already read
-        are kept until they go stale, except for ranks beyond a smaller `dp_size`."""
+        are kept until they go stale, except for ranks beyond a smaller `dp_size`; the
+        capacity is forgotten until the engine states it again."""
         if dp_size < 1:
             raise ValueError("dp_size must be >= 1")
         url = url.rstrip("/")
@@ -324,6 +361,7 @@ class LoadMonitor:
         w.dp_size = dp_size
         w.probe = LoadsProbe()
         w.loads = {r: load for r, load in w.loads.items() if r < dp_size}
+        w.capacity = {}
 
     def remove_worker(self, url: str) -> None:
         """Forget the worker: its probe verdict and its loads."""
@@ -342,6 +380,19 @@ class LoadMonitor:
         if self._clock() - w.read_at > self.stale_after_s:
             return None
         return w.loads.get(dp_rank)
+
+    def capacity_tokens(self, url: str, dp_rank: int = 0) -> int | None:
+        """The rank's KV pool in tokens, as its engine last stated it; None when unknown."""
+        w = self._workers.get(url.rstrip("/"))
+        return None if w is None else w.capacity.get(dp_rank)
+
+    def capacity_blocks(self, url: str, dp_rank: int, block_size: int) -> int | None:
+        """The rank's KV pool in blocks of `block_size` tokens (rounded down); None when
+        unknown. The most blocks of that size the engine can hold at once, on the device."""
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        tokens = self.capacity_tokens(url, dp_rank)
+        return None if tokens is None else tokens // block_size
 
     def source(self, url: str) -> str | None:
         """Where the worker's current figures came from: "loads", "metrics" or None."""
@@ -417,6 +468,9 @@ class LoadMonitor:
 
     def _store(self, w: _Worker, loads: dict[int, EngineLoad], source: str) -> None:
         w.loads = {rank: load for rank, load in loads.items() if 0 <= rank < w.dp_size}
+        for rank, load in w.loads.items():
+            if load.capacity_tokens is not None:
+                w.capacity[rank] = load.capacity_tokens
         w.read_at = self._clock()
         w.source = source
         if w.failing:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from router.dataplane.server import DataPlane
     from router.index import Pump
     from router.loads import LoadMonitor
+    from router.policy import CacheAware
     from router.tokenize import RequestTokenizer
     from router.workers import WorkerRegistry
 
@@ -97,6 +98,9 @@ class RouterMetrics:
 
     def watch_dataplane(self, plane: DataPlane) -> None:
         self.registry.register(_DataPlaneCollector(plane))
+
+    def watch_pressure(self, policy: CacheAware, workers: WorkerRegistry) -> None:
+        self.registry.register(_PressureCollector(policy, workers))
 
 
 class _TaskCollector(Collector):
@@ -418,6 +422,79 @@ class _DiscoveryCollector(Collector):
             "EndpointSlice list/watch failures by reason (http_403: RBAC; expired: a relist)",
             ["what", "reason"],
             {(w.what, why): n for w in watches for why, n in w.stats.failures.items()},
+        )
+
+
+class _PressureCollector(Collector):
+    """cache_aware's view of cache pressure: per rank what the engine can hold, this replica's
+    recent demand and bookings; the bookings' outcomes and the spills it chose."""
+
+    def __init__(self, policy: CacheAware, workers: WorkerRegistry) -> None:
+        self._policy = policy
+        self._workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        policy = self._policy
+        policy.settle()
+        ledger = policy.ledger
+        ranks = [rank for worker in self._workers.workers() for rank in worker.ranks()]
+        capacity, demand, booked, pressure = [], [], [], []
+        for rank, d in zip(ranks, ledger.demands(ranks), strict=True):
+            labels = (rank.worker_url, str(rank.dp_rank))
+            demand.append((labels, d))
+            booked.append((labels, ledger.pending(rank)))
+            blocks = policy.capacity(rank)
+            if blocks:
+                capacity.append((labels, blocks))
+                pressure.append((labels, d / blocks))
+        rank_labels = ["worker_url", "dp_rank"]
+        yield _gauge(
+            "kvrouter_rank_capacity_blocks",
+            "Blocks the rank's engine can hold (its stated KV pool over the block size)",
+            capacity,
+            rank_labels,
+        )
+        yield _gauge(
+            "kvrouter_rank_demand_blocks",
+            "This replica's recent demand on the rank: distinct blocks routed, decayed",
+            demand,
+            rank_labels,
+        )
+        yield _gauge(
+            "kvrouter_rank_pressure",
+            "Recent demand over capacity (above 1: the rank cannot keep what it is sent)",
+            pressure,
+            rank_labels,
+        )
+        yield _gauge(
+            "kvrouter_rank_booked_blocks",
+            "Blocks booked on the rank whose store events have not arrived yet",
+            booked,
+            rank_labels,
+        )
+        yield _gauge(
+            "kvrouter_bookings_held",
+            "Bookings (routed prompts) neither confirmed by the index nor expired yet",
+            [((), sum(ledger.live_bookings(rank) for rank in ledger.ranks()))],
+        )
+        stats = ledger.bookings
+        yield _counter(
+            "kvrouter_bookings",
+            "Bookings by how they ended: confirmed (the index showed the blocks) or expired",
+            ["outcome"],
+            {("confirmed",): stats.confirmed, ("expired",): stats.expired},
+        )
+        yield _counter(
+            "kvrouter_pressure_spills",
+            "Decisions whose chosen rank had to evict blocks of its recent demand",
+            [],
+            {(): policy.spill_stats.spills},
+        )
+        yield _counter(
+            "kvrouter_pressure_spilled_blocks",
+            "Blocks of recent demand those decisions evicted",
+            [],
+            {(): policy.spill_stats.spilled_blocks},
         )
 
 

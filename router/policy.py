@@ -3,8 +3,9 @@
 Every policy is plain synchronous code: `decide(candidates, prompt)` returns a `Decision` whose
 `ranked` list the proxy walks in order, failing over to the next rank before the first byte.
 The caller builds the candidates (healthy ranks, their router-side in-flight count and the
-engine's last reported load) and, for `cache_aware`, the prompt's `PrefixDepths`. Randomness
-comes from an injected `random.Random`, so a seeded policy decides the same way every run.
+engine's last reported load) and, for `cache_aware`, the prompt's `PrefixDepths` and block
+keys. Randomness comes from an injected `random.Random`, so a seeded policy decides the same
+way every run; `cache_aware`'s ledger takes an injected clock.
 
 Load
 ----
@@ -19,12 +20,14 @@ their whole prefill.
 
 cache_aware: the cost function
 ------------------------------
-For each candidate rank, with B the block size, T the prompt's token count, and from the
-index `d_dev` (leading blocks held on the device tier) and `d_any` (on any tier, >= d_dev):
+For each candidate rank, with B the block size, T the prompt's token count, n = T // B its
+full blocks, and from the index `d_dev` (leading blocks held on the device tier) and `d_any`
+(on any tier, >= d_dev):
 
     cached   = B * (d_dev + (d_any - d_dev) * lower_tier_discount)
     new      = max(T - cached, 0)                    # prompt tokens this rank must prefill
     cost     = prefill * new + queue * queued_request_tokens * load
+             + B * (evict * spill + fill * fullness * stored)      # cache pressure, below
 
 The unit is "prefill-token equivalents": roughly the time before this request's first token.
 Its own prefill is `new` tokens; each request queued ahead of it costs about
@@ -32,16 +35,62 @@ Its own prefill is `new` tokens; each request queued ahead of it costs about
 block must be copied back before use, which is cheaper than recomputing it but not free:
 `lower_tier_discount` is the fraction of a device block's saving it is credited with.
 
-Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
-lower_tier_discount 0.5. So a fully cached 2,048-token prompt (128 blocks of 16) is worth
-2048 / 256 = 8 queued requests: the holder wins with up to 7 waiting, ties with an idle
-empty rank at 8 (the tie goes to the lower load, the idle one), and loses at 9.
+Cache pressure. A rank's cache is bounded: what a placement stores pushes something out once
+it is full, and what it pushes out may be a prefix another request needs next. Four inputs,
+per rank: its capacity C (device blocks, from what the engine states: `LoadMonitor`), what the
+index shows it holding (`held`, device tier, plus blocks this replica booked there that the
+index does not show yet), this replica's recent demand on it (`demand`: distinct blocks routed
+there, halving every `--demand-half-life-s`; `router.pressure`), and bookings: a routed
+prompt's new blocks count as held by the rank it went to until their store event arrives
+(or `--booking-ttl-ms` passes), so the requests of a new prefix that arrive before its first
+store event follow it rather than each looking like a miss. With `depth` = d_dev extended by
+bookings, `stored` = n - depth blocks the rank must newly store:
 
-Lowest cost first; ties by lower load, then at random. Before scoring, if the fleet is
-strongly imbalanced (max load - min load > imbalance_abs (32) AND max load > min load *
-imbalance_rel (1.5)), the cache is ignored and candidates are ordered by load
-(`imbalance_fallback`): a hot prefix should not keep piling onto one rank while others idle,
-and the cost's linear queue term can lag a sudden burst.
+    other    = max(demand - depth, 0) + unseen * max(held - demand, 0)
+    free     = max(C - held, 0)
+    spill    = max(stored - max(free, C - other - depth), 0)   # demanded blocks it evicts
+    fleet    = min(sum(demand + unseen * max(held - demand, 0)) / sum(C), 1)   # candidates
+    fullness = min((other + depth) / C, 1) * fleet
+
+`other` is the demand the rank must keep besides this prompt. Storing fills free slots first,
+then evicts blocks nobody asked for lately (pre-filled or gone-quiet content costs nothing to
+evict), and only then blocks in demand: those are `spill`, each charged `evict` blocks of
+prefill, since it will be prefilled again when asked for. `fill` charges each newly stored
+block by how full of demand the rank is, so a new prefix goes where it is least likely to
+push anything out, before anything is certain to be (with equal loads, a miss goes to the
+least-demanded rank), scaled by how full of demand the fleet is: when the caches together
+have room, a second copy of a prefix (a request sent away from a busy holder) costs nothing
+later and the queue term alone decides; when they do not, the copy pushes some other prefix
+out sooner or later. `unseen` is the share of the blocks a rank holds beyond this replica's
+demand that are counted as demand: 0 for a lone replica (they are stale), (k-1)/k with k
+replicas sharing the traffic (the siblings' placements this replica cannot see). A rank whose
+capacity is unknown pays no pressure terms and counts in no fleet sum.
+
+Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
+lower_tier_discount 0.5, evict 1.0 (an evicted demanded block is prefilled again once), fill
+2.0 (a new block on a rank full of demand, in a fleet full of demand, displaces a demanded
+block, which displaces another when it returns; in `bench/pressure_sim.py` 2 kept every
+workload of the pressure benchmark's family at the ideal partition's ratio where 0.5 and 1
+let a one-request load difference place a prefix on a fuller rank; unscaled by the fleet it
+cost the routing trace 8% of TTFT p50, see BENCHMARKS.md), and tie_margin 32. So a fully
+cached 2,048-token prompt (128 blocks of 16) is worth 2048 / 256 = 8 queued requests against
+an empty idle rank with no demand: the holder wins with up to 7 waiting, ties at 8 (the tie
+goes to the lower load, the idle one), and loses at 9; against a rank full of demand in a
+full fleet the move would also pay 2 x 2048 in fill, so the holder keeps it up to 23.
+
+Lowest cost first; ties by lower load, then more room (`2C - held - demand`: free and stale
+blocks), then an order every replica computes alike: rendezvous hashing of the rank against
+the prompt's first block nobody holds (a new prefix's own first block), or its deepest held
+block when some ranks hold more than others (a prompt shorter than a block has no prefix to
+place: its ties go at random). With siblings (k > 1), costs within
+`tie_margin` (32 tokens, an eighth of a queued request) of the best also tie, and the
+rendezvous order alone picks among them: replicas whose ledgers differ a little then still
+send a new prefix's first requests to the same rank, and settle a prefix held twice on one
+copy (the margin was chosen on live two-replica runs: 16-32 best, 0 and 128 worse). Before
+scoring, if the fleet is strongly imbalanced (max load - min load > imbalance_abs (32) AND
+max load > min load * imbalance_rel (1.5)), the cache is ignored and candidates are ordered
+by load (`imbalance_fallback`): a hot prefix should not keep piling onto one rank while
+others idle, and the cost's linear queue term can lag a sudden burst.
 
 Outcomes
 --------
@@ -61,16 +110,21 @@ different depth, some on the host tier); a quarter to a third of it is expanding
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter
 from typing import ClassVar, Final, Protocol
 
+from xxhash import xxh3_64_intdigest
+
 from cachetree.ranks import RankId
+from cachetree.tiers import DEVICE
 from cachetree.tree import PrefixDepths
 from router.loads import EngineLoad
+from router.pressure import PressureLedger
 
 CACHE_HIT: Final = "cache_hit"
 CACHE_MISS: Final = "cache_miss"
@@ -88,11 +142,13 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """What a policy knows of the request: its size and, for cache_aware, the index's view."""
+    """What a policy knows of the request: its size and, for cache_aware, the index's view
+    and its block keys (which cache_aware books on the rank it picks)."""
 
     tokens: int
     block_size: int
     depths: PrefixDepths | None = None
+    keys: Sequence[int] = ()
 
     @property
     def blocks(self) -> int:
@@ -246,24 +302,72 @@ class CacheAwareWeights:
     queue: float = 1.0  # multiplier on the queue term
     queued_request_tokens: float = 256.0  # prefill tokens one queued request stands for
     lower_tier_discount: float = 0.5  # credit for a host/disk block, relative to device
+    evict: float = 1.0  # cost per token of recently demanded blocks a placement evicts
+    fill: float = 2.0  # surcharge per newly stored token, times the rank's demand / capacity
+    tie_margin: float = 32.0  # with siblings, costs this close to the best tie (rendezvous)
     imbalance_abs: int = 32  # fall back to least load when max - min load exceeds this ...
     imbalance_rel: float = 1.5  # ... and max load exceeds min load times this
 
     def __post_init__(self) -> None:
-        if min(self.prefill, self.queue, self.queued_request_tokens) < 0:
-            raise ValueError("cost weights must be >= 0")
+        weights = (self.prefill, self.queue, self.queued_request_tokens, self.evict, self.fill)
+        if min(*weights, self.tie_margin) < 0:
+            raise ValueError("cost weights and the tie margin must be >= 0")
         if not 0.0 <= self.lower_tier_discount <= 1.0:
             raise ValueError("lower_tier_discount must be within [0, 1]")
         if self.imbalance_abs < 0 or self.imbalance_rel < 1.0:
             raise ValueError("need imbalance_abs >= 0 and imbalance_rel >= 1")
 
 
+class IndexView(Protocol):
+    """What cache_aware reads of the block index besides a prompt's depths (a BlockTree)."""
+
+    def block_count(self, rank: RankId, tier: int | None = None) -> int: ...
+
+    def engine_hash(self, rank: RankId, key: int) -> int | None: ...
+
+
+def _no_index() -> IndexView | None:
+    return None
+
+
+def _no_capacity(rank: RankId) -> int | None:
+    return None
+
+
+def _alone() -> int:
+    return 1
+
+
+@dataclass(slots=True)
+class SpillStats:
+    spills: int = 0  # decisions whose chosen rank must evict blocks of its recent demand
+    spilled_blocks: int = 0  # how many such blocks, in all
+
+
+@dataclass(slots=True)
+class _Pressure:
+    """Per candidate (in order): what the index, the engines and the ledger say of its cache."""
+
+    depth: list[int]  # leading prompt blocks held on the device, bookings included
+    booked: dict[RankId, int]  # ranks whose depth bookings extend, and to what
+    demand: list[float]  # the ledger's recent distinct blocks
+    capacity: list[int | None]  # device blocks the engine can hold; None when unknown
+    held: list[int]  # device blocks the index shows, plus those booked and not shown yet
+
+
 @dataclass(slots=True)
 class CacheAware:
-    """Lowest estimated time-to-first-token first: see the module docstring."""
+    """Lowest estimated time-to-first-token first, cache pressure included: see the module
+    docstring. `index` and `capacity` are read on every decision; the ledger is this
+    replica's own (demand and bookings)."""
 
     weights: CacheAwareWeights = field(default_factory=CacheAwareWeights)
     rng: random.Random = field(default_factory=random.Random)
+    ledger: PressureLedger = field(default_factory=PressureLedger)
+    index: Callable[[], IndexView | None] = _no_index
+    capacity: Callable[[RankId], int | None] = _no_capacity
+    replicas: Callable[[], int] = _alone  # replicas sharing the traffic, this one included
+    spill_stats: SpillStats = field(default_factory=SpillStats)
     name: ClassVar[str] = "cache_aware"
 
     def imbalanced(self, loads: Sequence[int]) -> bool:
@@ -273,27 +377,83 @@ class CacheAware:
 
     def costs(self, candidates: Sequence[Candidate], prompt: Prompt) -> list[float]:
         """The cost of each candidate, in order (exposed for tests and debugging)."""
-        return self._costs(candidates, _loads(candidates), prompt, *_depth_maps(prompt.depths))
+        any_tier, device = _depth_maps(prompt.depths)
+        self.settle()
+        pressure = self._pressure(candidates, prompt, device, self.index())
+        return self._costs(candidates, _loads(candidates), prompt, any_tier, pressure)[0]
+
+    def settle(self) -> None:
+        """End the bookings the index has confirmed or whose TTL passed (decisions do this
+        too; a scrape calls it so that idle replicas report current figures)."""
+        index = self.index()
+        self.ledger.settle(None if index is None else _holds(index))
+
+    def pressure(self, rank: RankId) -> float | None:
+        """The rank's recent demand over its capacity; None when the capacity is unknown."""
+        capacity = self.capacity(rank)
+        return None if not capacity else self.ledger.demand(rank) / capacity
 
     def decide(self, candidates: Sequence[Candidate], prompt: Prompt) -> Decision:
         n = len(candidates)
         if not n:
             return Decision([], NO_CANDIDATES, 0)
+        index = self.index()
+        holds = None if index is None else _holds(index)
+        self.ledger.settle(holds)
         loads = _loads(candidates)
         any_tier, device = _depth_maps(prompt.depths)
         if n > 1 and self.imbalanced(loads):
             ranked = _by_load(candidates, loads, self.rng)
+            chosen = ranked[0].rank
+            self.ledger.record(chosen, prompt.keys, device.get(chosen, 0), holds)
             return Decision(ranked, IMBALANCE_FALLBACK, any_tier.get(ranked[0].rank, 0))
-        costs = self._costs(candidates, loads, prompt, any_tier, device)
-        if len(set(costs)) == n:  # no ties: the cost alone orders them
+        pressure = self._pressure(candidates, prompt, device, index)
+        costs, evicted, room = self._costs(candidates, loads, prompt, any_tier, pressure)
+        # Alone, only equal costs tie; with siblings, costs within the margin do, so that
+        # replicas whose ledgers differ still agree where a new prefix goes and which of two
+        # copies of a prefix to keep using.
+        margin = self.weights.tie_margin if self.replicas() > 1 else 0.0
+        best = min(costs)
+        near = [i for i, c in enumerate(costs) if c <= best + margin]
+        if len(near) == 1:  # a clear winner: the cost orders them all
             order = sorted(range(n), key=costs.__getitem__)
-        else:  # ties: lower load first, then at random
+        elif not prompt.keys:  # not a full block: nothing to place, spread it at random
             rnd = self.rng.random
             keys = list(zip(costs, loads, [rnd() for _ in range(n)], strict=True))
             order = sorted(range(n), key=keys.__getitem__)
+        else:  # ties: lower load, then more room, then an order every replica agrees on
+            agreed = _rendezvous(candidates, prompt.keys, pressure.depth)
+            rooms = [-r for r in room]
+            keys = list(zip(costs, loads, rooms, agreed, strict=True))
+            order = sorted(range(n), key=keys.__getitem__)
+            if margin:
+                first = min(near, key=agreed.__getitem__)
+                order.remove(first)
+                order.insert(0, first)
         ranked = list(map(candidates.__getitem__, order))
-        matched = any_tier.get(ranked[0].rank, 0)
+        if evicted[order[0]]:
+            self.spill_stats.spills += 1
+            self.spill_stats.spilled_blocks += evicted[order[0]]
+        chosen = ranked[0].rank
+        self.ledger.record(chosen, prompt.keys, device.get(chosen, 0), holds)
+        matched = any_tier.get(chosen, 0)
         return Decision(ranked, CACHE_HIT if matched else CACHE_MISS, matched)
+
+    def _pressure(
+        self,
+        candidates: Sequence[Candidate],
+        prompt: Prompt,
+        device: dict[RankId, int],
+        index: IndexView | None,
+    ) -> _Pressure:
+        ranks = list(map(_rank, candidates))
+        booked = self.ledger.booked_depths(prompt.keys, device)
+        depth = [max(device.get(r, 0), booked.get(r, 0)) for r in ranks]
+        capacity = list(map(self.capacity, ranks))
+        held = self.ledger.pendings(ranks)
+        if index is not None:
+            held = [h + index.block_count(r, DEVICE) for h, r in zip(held, ranks, strict=True)]
+        return _Pressure(depth, booked, self.ledger.demands(ranks), capacity, held)
 
     def _costs(
         self,
@@ -301,33 +461,94 @@ class CacheAware:
         loads: Sequence[int],
         prompt: Prompt,
         any_tier: dict[RankId, int],
-        device: dict[RankId, int],
-    ) -> list[float]:
-        # Written as flat comprehensions over C-level maps: this runs for every candidate of
-        # every request, and per-candidate method calls would dominate the decision.
+        p: _Pressure,
+    ) -> tuple[list[float], list[int], list[float]]:
+        """(cost, demanded blocks the rank would evict, room) per candidate."""
         w = self.weights
         n = len(candidates)
         tokens = float(prompt.tokens)
         block = prompt.block_size
+        blocks = prompt.blocks
         per_token = w.prefill
         per_request = w.queue * w.queued_request_tokens
-        if not any_tier:  # nobody holds any of it: load alone decides
-            miss = per_token * tokens
-            return [miss + per_request * load for load in loads]
-        if device is any_tier:  # device tier only: every held block saves `block` tokens
-            held: list[float] = [any_tier.get(c.rank, 0) * block for c in candidates]
-        else:  # device blocks save `block` tokens each, lower-tier ones `lower` each
-            lower = block * w.lower_tier_discount
-            ranks = list(map(_rank, candidates))
-            held_any = list(map(any_tier.get, ranks, repeat(0, n)))
-            held_device = list(map(device.get, ranks, repeat(0, n)))
-            held = [
-                lower * a + (block - lower) * d for a, d in zip(held_any, held_device, strict=True)
-            ]
-        return [
-            per_token * (tokens - c if c < tokens else 0.0) + per_request * load
-            for c, load in zip(held, loads, strict=True)
+        ranks = list(map(_rank, candidates))
+        # Tokens each rank would not prefill: device blocks (bookings count as device
+        # blocks) save `block` tokens each, lower-tier ones `lower` each.
+        lower = block * w.lower_tier_discount
+        held_any = list(map(any_tier.get, ranks, repeat(0, n)))
+        saved = [
+            lower * a + (block - lower) * d if a > d else block * d
+            for a, d in zip(held_any, p.depth, strict=True)
         ]
+        costs = [
+            per_token * (tokens - s if s < tokens else 0.0) + per_request * load
+            for s, load in zip(saved, loads, strict=True)
+        ]
+        evicted = [0] * n
+        known = [c for c in p.capacity if c]
+        fallback = max(known) if known else 0
+        replicas = self.replicas()
+        unseen = 1.0 - 1.0 / replicas if replicas > 1 else 0.0
+        # How full of demand the fleet is: the fill surcharge scales with it, so it steers
+        # placements only when the caches together are short of room, not when they idle.
+        others = [
+            d + unseen * (h - d) if h > d else d
+            for c, d, h in zip(p.capacity, p.demand, p.held, strict=True)
+            if c
+        ]
+        fleet = min(sum(others) / sum(known), 1.0) if known else 0.0
+        room: list[float] = []
+        for i, (capacity, demand, held, depth) in enumerate(
+            zip(p.capacity, p.demand, p.held, p.depth, strict=True)
+        ):
+            if not capacity:
+                room.append(2 * fallback - held - demand)
+                continue
+            room.append(2 * capacity - held - demand)
+            new = blocks - depth if depth < blocks else 0
+            if not new:
+                continue
+            # The rank's other demand: its recent blocks, less the ones this prompt reuses,
+            # plus the siblings' share of what it holds beyond this replica's demand.
+            other = demand - depth if demand > depth else 0.0
+            if unseen and held > demand:
+                other += unseen * (held - demand)
+            free = capacity - held if capacity > held else 0
+            # Storing `new` blocks first fills free slots, then evicts blocks nobody asked
+            # for lately, and only then blocks in demand: this prompt's own `depth` blocks
+            # stay, so `capacity - other - depth` can go before anything demanded does.
+            spill = new - max(free, capacity - other - depth)
+            if spill > 0:
+                evicted[i] = math.ceil(spill)
+            busy = other + depth
+            fullness = busy / capacity if busy < capacity else 1.0
+            costs[i] += block * (w.evict * max(spill, 0.0) + w.fill * fleet * fullness * new)
+        return costs, evicted, room
+
+
+def _rendezvous(
+    candidates: Sequence[Candidate], keys: Sequence[int], depth: Sequence[int]
+) -> list[int]:
+    """A per-prompt order of the candidates that every replica computes alike (rendezvous
+    hashing): replicas that cannot see each other's bookings still send the first requests of
+    a new prefix to the same rank. The anchor is the prompt's first block no rank holds (the
+    new prefix's own first block), or its last block when some rank holds it all."""
+    deepest = max(depth)
+    if min(depth) == deepest:  # nobody holds more than the others: the first new block
+        anchor = keys[deepest] if deepest < len(keys) else keys[-1]
+    else:  # the deepest block held, the same for every request of that prefix
+        anchor = keys[deepest - 1]
+    return [
+        xxh3_64_intdigest(c.rank.worker_url.encode(), seed=anchor ^ c.rank.dp_rank)
+        for c in candidates
+    ]
+
+
+def _holds(index: IndexView) -> Callable[[RankId, int], bool]:
+    def holds(rank: RankId, key: int) -> bool:
+        return index.engine_hash(rank, key) is not None
+
+    return holds
 
 
 # --- factory --------------------------------------------------------------------------------
@@ -340,10 +561,15 @@ def make_policy(
     *,
     rng: random.Random | None = None,
     weights: CacheAwareWeights | None = None,
+    ledger: PressureLedger | None = None,
+    index: Callable[[], IndexView | None] = _no_index,
+    capacity: Callable[[RankId], int | None] = _no_capacity,
+    replicas: Callable[[], int] = _alone,
 ) -> Policy:
-    """A policy by name. `rng` seeds the randomized ones; `weights` is for cache_aware only."""
-    if weights is not None and name != "cache_aware":
-        raise ValueError(f"policy {name!r} takes no cache_aware weights")
+    """A policy by name. `rng` seeds the randomized ones; the rest is for cache_aware only:
+    its weights, its ledger, and where it reads the index and the ranks' capacities."""
+    if name != "cache_aware" and (weights is not None or ledger is not None):
+        raise ValueError(f"policy {name!r} takes no cache_aware weights or ledger")
     if name == "round_robin":
         return RoundRobin()
     if name == "random":
@@ -356,5 +582,9 @@ def make_policy(
         return CacheAware(
             weights if weights is not None else CacheAwareWeights(),
             rng if rng is not None else random.Random(),
+            ledger if ledger is not None else PressureLedger(),
+            index,
+            capacity,
+            replicas,
         )
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

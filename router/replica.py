@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from cachetree.ranks import RankId
 from cachetree.tiers import DEVICE
-from peer.capacity import CapacityBlocks, overfull_ranks, unknown_capacity
+from peer.capacity import CapacityBlocks, overfull_ranks
 from peer.fetch import SnapshotFetcher
 from peer.kubeconfig import kube_api_client, resolve_namespace
 from peer.producer import SnapshotProducer
@@ -37,7 +37,8 @@ from router.index import DEFAULT_INDEX_MAX_BLOCKS, IndexRules, Pump
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
 from router.origin import AllowList
-from router.policy import Policy, make_policy
+from router.policy import CacheAware, Policy, make_policy
+from router.pressure import PressureLedger, PressureSettings
 from router.socket_budget import SocketBudget
 from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from router.tokenize import RequestTokenizer, load_tokenizer
@@ -110,6 +111,9 @@ class ServeConfig:
     kv_bootstrap_max_body_mb: int = 24  # README "Memory": derived from the manifest's limit
     worker_snapshot_max_body_mb: int = 32
     worker_allow_cidr: list[str] = field(default_factory=list)  # for admin-added workers
+    booking_ttl_ms: int = 5000
+    demand_half_life_s: float = 30.0
+    pressure_max_tracked_blocks: int = 1_000_000
 
     @property
     def bootstrap_enabled(self) -> bool:
@@ -146,14 +150,12 @@ async def start_replica(config: ServeConfig) -> Replica:
         engine=AUTO_CHAT_RULES_START if config.chat_rules == "auto" else config.chat_rules,
         cache_mb=config.tokenize_cache_mb,
     )
-    rng = random.Random(config.seed)
-    policy = make_policy(config.policy, rng=rng)
     pump = Pump(IndexRules(max_blocks=config.kv_index_max_blocks))
     pump.start()
     # Only the peer snapshot fetcher may advertise gzip.
     control_session = aiohttp.ClientSession(skip_auto_headers=("Accept-Encoding",))
     try:
-        return await _compose(config, tokenizer, policy, pump, control_session)
+        return await _compose(config, tokenizer, pump, control_session)
     except BaseException:
         await pump.stop()
         await control_session.close()
@@ -163,7 +165,6 @@ async def start_replica(config: ServeConfig) -> Replica:
 async def _compose(
     config: ServeConfig,
     tokenizer: RequestTokenizer,
-    policy: Policy,
     pump: Pump,
     control_session: aiohttp.ClientSession,
 ) -> Replica:
@@ -198,17 +199,20 @@ async def _compose(
         max_ranks=budget.max_ranks,
         snapshot_max_body_bytes=config.worker_snapshot_max_body_mb * 1024 * 1024,
     )
-    capacity_blocks = engine_capacity_blocks(loads)
+    capacity_blocks = engine_capacity_blocks(loads, pump)
     bootstrap = (
         _bootstrap(config, pump, workers, capacity_blocks) if config.bootstrap_enabled else None
     )
     workers.bootstrap = bootstrap
     if config.chat_rules == "auto":
         workers.on_engine = ChatRulesFollower(tokenizer).worker_engine
+    policy = _policy(config, pump, bootstrap, capacity_blocks)
     metrics = RouterMetrics()
     metrics.watch(pump, workers, loads, bootstrap)
     metrics.watch_tokenizer(tokenizer)
     metrics.watch_tasks(supervisor)
+    if isinstance(policy, CacheAware):
+        metrics.watch_pressure(policy, workers)
     inflight = InflightTracker()
     settled = bootstrap.tracker.settled if bootstrap is not None else (lambda: True)
     # Last of the fallible steps: nothing has started yet if it cannot reach the API server.
@@ -254,16 +258,44 @@ async def _compose(
     return replica
 
 
-def engine_capacity_blocks(loads: LoadMonitor) -> CapacityBlocks:
-    """Each rank's device KV capacity in blocks, as its engine reports it; None while unknown.
+def _policy(
+    config: ServeConfig,
+    pump: Pump,
+    bootstrap: PeerBootstrap | None,
+    capacity_blocks: CapacityBlocks,
+) -> Policy:
+    """The routing policy. cache_aware reads the index, the engines' stated capacities, and
+    how many sibling replicas share the traffic (the peer registry's count)."""
+    if config.policy != "cache_aware":
+        return make_policy(config.policy, rng=random.Random(config.seed))
 
-    The engines' capacity (SGLang `max_total_num_tokens` / page size, vLLM
-    `cache_config_info` `num_gpu_blocks`) is being added to `router.loads` by the routing
-    slice; the lead connects it here at merge. Until then every capacity is unknown, and the
-    checks that take this rule (sibling snapshots in `peer.vet`, the live index in
-    `check_capacity_once`) check nothing.
-    """
-    return unknown_capacity
+    settings = PressureSettings(
+        booking_ttl_s=config.booking_ttl_ms / 1000,
+        demand_half_life_s=config.demand_half_life_s,
+        max_tracked_blocks=config.pressure_max_tracked_blocks,
+    )
+    return make_policy(
+        "cache_aware",
+        rng=random.Random(config.seed),
+        ledger=PressureLedger(settings),
+        index=lambda: pump.rules.tree,
+        capacity=capacity_blocks,
+        replicas=lambda: 1 + (len(bootstrap.registry.peers) if bootstrap is not None else 0),
+    )
+
+
+def engine_capacity_blocks(loads: LoadMonitor, pump: Pump) -> CapacityBlocks:
+    """Each rank's device KV capacity in blocks, as its engine reports it (SGLang
+    `max_total_num_tokens`, vLLM `cache_config_info` `num_gpu_blocks`, read by the load
+    monitor); None while unknown, or before the fleet's block size is known."""
+
+    def capacity(rank: RankId) -> int | None:
+        tree = pump.rules.tree
+        if tree is None:
+            return None
+        return loads.capacity_blocks(rank.worker_url, rank.dp_rank, tree.block_size)
+
+    return capacity
 
 
 async def check_capacity_once(

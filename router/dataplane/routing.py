@@ -156,8 +156,9 @@ class RequestRouter:
             tokens = self.tokenizer.encode_prompt(prompt_of(route, body))
         tree = self.rules.tree
         depths = None
+        keys: list[int] = []
         if tree is not None and self.policy.name == "cache_aware":
             keys = block_keys(tokens, tree.block_size, namespace_seed(namespace_for(body)))
             depths = tree.prefix_depths(keys)
         block_size = tree.block_size if tree is not None else 1
-        return self.policy.decide(candidates, Prompt(len(tokens), block_size, depths))
+        return self.policy.decide(candidates, Prompt(len(tokens), block_size, depths, keys))

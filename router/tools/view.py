@@ -8,9 +8,12 @@ is restored into a `cachetree.tree.BlockTree` through the one wire -> columns ro
 rank any of the bodies names, so nothing a replica holds is dropped for being unknown here.
 The replicas' `canonical_view`s are then compared with the first replica's.
 
-Output, per replica: readiness, block size, node count, and per rank its cursor and blocks;
-then the verdict, and where views differ, per rank: blocks only in one of the two, and blocks
-in both whose parent, tiers or engine hash differ.
+Output, per replica: readiness, block size, node count, and per rank its cursor and blocks,
+and, from the replica's `/metrics` when its policy is cache_aware, what the rank's engine can
+hold (`capacity`, in blocks), the replica's bookings not yet in the index (`booked`) and its
+recent demand on the rank (`demand`: distinct blocks routed, decayed); then the verdict, and
+where views differ, per rank: blocks only in one of the two, and blocks in both whose parent,
+tiers or engine hash differ.
 
 `--watch` redraws a live picture every second instead (ranks, cursors, lag, blocks and
 bootstrap state per replica, differences marked) from cheap reads; see router/tools/watch.py.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -38,6 +42,7 @@ from typing import Any, Final, TextIO
 
 import aiohttp
 import msgspec
+from prometheus_client.parser import text_string_to_metric_families
 
 from cachetree.ranks import RankId
 from cachetree.snapshot import SnapshotError, canonical_view, restore
@@ -70,6 +75,7 @@ class ReplicaView:
     snapshot: PeerSnapshot | None = None  # the full export, None with --cursors-only
     tree: BlockTree | None = None  # the export restored
     canonical: CanonicalView | None = None
+    pressure: dict[RankId, RankPressure] = field(default_factory=dict)  # from /metrics
     error: str | None = None
 
     @property
@@ -78,6 +84,38 @@ class ReplicaView:
 
     def blocks(self, rank: RankId) -> int | None:
         return None if self.tree is None else self.tree.block_count(rank)
+
+
+@dataclass(slots=True)
+class RankPressure:
+    """cache_aware's figures for one rank, as the replica's /metrics states them."""
+
+    capacity: int | None = None
+    booked: int | None = None
+    demand: float | None = None
+
+
+_PRESSURE_SERIES: Final = {
+    "kvrouter_rank_capacity_blocks": "capacity",
+    "kvrouter_rank_booked_blocks": "booked",
+    "kvrouter_rank_demand_blocks": "demand",
+}
+
+
+def parse_pressure(text: str) -> dict[RankId, RankPressure]:
+    """The per-rank pressure series of a replica's /metrics text (empty when it has none)."""
+    out: dict[RankId, RankPressure] = {}
+    wanted = [line for line in text.splitlines() if line.partition("{")[0] in _PRESSURE_SERIES]
+    for family in text_string_to_metric_families("\n".join(wanted) + "\n"):
+        for sample in family.samples:
+            url, dp_rank = sample.labels.get("worker_url"), sample.labels.get("dp_rank", "")
+            if not url or not dp_rank.isdecimal() or not math.isfinite(sample.value):
+                continue
+            figures = out.setdefault(RankId(url, int(dp_rank)), RankPressure())
+            name = _PRESSURE_SERIES[sample.name]
+            value = sample.value if name == "demand" else round(sample.value)
+            setattr(figures, name, value)
+    return out
 
 
 @dataclass(slots=True)
@@ -142,6 +180,22 @@ async def _readiness(
         return False, reason or f"HTTP {resp.status}"
 
 
+async def _pressure(
+    session: aiohttp.ClientSession, url: str, timeout_s: float
+) -> dict[RankId, RankPressure]:
+    """The per-rank pressure figures of the replica's /metrics; empty when it does not have
+    them (another policy) or the text does not parse."""
+    async with session.get(
+        url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)
+    ) as resp:
+        if resp.status != 200:
+            return {}
+        try:
+            return parse_pressure(await resp.text())
+        except ValueError:
+            return {}
+
+
 async def fetch_view(
     fetcher: SnapshotFetcher,
     session: aiohttp.ClientSession,
@@ -154,6 +208,7 @@ async def fetch_view(
     view = ReplicaView(url.rstrip("/"))
     try:
         view.ready, view.ready_detail = await _readiness(session, url, timeout_s)
+        view.pressure = await _pressure(session, url, timeout_s)
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         view.error = f"/readyz: {type(exc).__name__}: {exc}"
         return view
@@ -354,13 +409,21 @@ def render(views: Sequence[ReplicaView], comparison: Comparison) -> list[str]:
         ranks = sorted(view.ranks | view.cursors.keys())
         if ranks:
             width = max(len(str(r)) for r in ranks)
-            lines.append(f"  {'rank':<{width}}  {'cursor':>8}  {'blocks':>8}")
+            head = f"  {'rank':<{width}}  {'cursor':>8}  {'blocks':>8}"
+            if view.pressure:
+                head += f"  {'capacity':>8}  {'booked':>8}  {'demand':>8}"
+            lines.append(head)
             for rank in ranks:
                 blocks = view.blocks(rank)
-                lines.append(
+                line = (
                     f"  {rank!s:<{width}}  {_seq(view.cursors.get(rank)):>8}  "
                     f"{'-' if blocks is None else blocks:>8}"
                 )
+                if view.pressure:
+                    p = view.pressure.get(rank, RankPressure())
+                    demand = "-" if p.demand is None else f"{p.demand:.1f}"
+                    line += f"  {_seq(p.capacity):>8}  {_seq(p.booked):>8}  {demand:>8}"
+                lines.append(line)
         elif view.error is None:
             lines.append("  no ranks")
     compared = [v for v in views if v.error is None]

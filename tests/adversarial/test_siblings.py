@@ -21,11 +21,8 @@ from aiohttp import web
 
 from cachetree.keys import KEY_SCHEME
 from cachetree.tiers import DEVICE
-from peer.capacity import unknown_capacity
 from peer.registry import PeerRegistry
 from peer.wire import COLUMNS, ColumnsHead, WireColumns, WireWorker, encode_columns
-from router.loads import LoadMonitor
-from router.replica import engine_capacity_blocks
 from tests.support.adversary import HealthWatch, MiB, gzip_bomb, peak_rss, stub_server
 from tests.support.cluster import Cluster, RouterProcess
 from tests.support.fake_worker import FakeWorkerHandle
@@ -188,13 +185,6 @@ async def test_a_workers_own_snapshot_wins_over_a_sibling_with_made_up_blocks(
 async def test_a_sibling_claiming_more_blocks_than_the_engine_holds_is_rejected(
     cluster: Cluster,
 ) -> None:
-    async with aiohttp.ClientSession() as session:
-        if engine_capacity_blocks(LoadMonitor(session)) is unknown_capacity:
-            pytest.skip(
-                "engine capacity (SGLang max_total_num_tokens, vLLM num_gpu_blocks) reaches "
-                "router.replica.engine_capacity_blocks from the routing slice's router.loads "
-                "at merge; the rule itself is tested in tests/unit/test_vet.py"
-            )
     w = await cluster.worker("w", cache_blocks=1000)
     joined, held, _ = await join_next_to_a_rogue(cluster, w, 200_000)
     outcomes = await counts(joined, "kvrouter_kv_peer_snapshot_total", "outcome")

@@ -75,6 +75,7 @@ def test_kvrouter_bench_runs_python_m_bench_and_passes_its_flags_on() -> None:
         [str(kvrouter), "bench", "--only", "nope"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2
-    assert "unknown benchmark(s) nope; known: index, ingest, routing, proxy, bootstrap" in (
-        done.stderr
+    assert (
+        "unknown benchmark(s) nope; known: index, ingest, routing, pressure, proxy, bootstrap"
+        in (done.stderr)
     )

@@ -318,13 +318,23 @@ async def test_metrics_use_vllm_or_sglang_names() -> None:
         assert metric_value(text, f"vllm:kv_cache_usage_perc{labels}") == 0.25
         assert metric_value(text, f"vllm:prefix_cache_queries_total{labels}") == 88
         assert metric_value(text, f"vllm:prefix_cache_hits_total{labels}") == 32
-    async with fake_worker_in_process(wire="sglang", dp_size=2) as fw:
+        # vLLM states its KV pool in the labels of an info gauge, one sample per engine core.
+        info = (
+            'vllm:cache_config_info{block_size="16",cache_dtype="auto",'
+            'enable_prefix_caching="True",num_cpu_blocks="None",num_gpu_blocks="8",'
+            'num_gpu_blocks_override="None",engine="0"}'
+        )
+        assert metric_value(text, info) == 1
+    async with fake_worker_in_process(wire="sglang", dp_size=2, cache_blocks=8) as fw:
         async with fw.session.get(fw.url + "/metrics") as resp:
             text = await resp.text()
         for name in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate"):
             for rank in (0, 1):
                 sample = f'sglang:{name}{{model_name="fake-model",dp_rank="{rank}"}}'
                 assert metric_value(text, sample) == 0
+        for rank in (0, 1):
+            sample = f'sglang:max_total_num_tokens{{model_name="fake-model",dp_rank="{rank}"}}'
+            assert metric_value(text, sample) == 8 * 16
 
 
 async def test_kv_snapshot_is_not_served_without_the_flag() -> None:

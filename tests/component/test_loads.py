@@ -129,14 +129,16 @@ async def test_the_fake_worker_is_read_via_v1_loads_per_rank() -> None:
         mon.add_worker(fw.url, dp_size=2)
         await mon.poll_once()
         reported = (await fw.get("/v1/loads"))["loads"][1]["token_usage"]
+        pool = fw.config.cache_blocks * fw.config.block_size
         assert mon.probe_outcomes == {"available": 1}
         assert mon.source(fw.url) == "loads"
-        assert mon.get(fw.url, 0) == EngineLoad(running=0, waiting=0, kv_usage=0.0)
-        assert mon.get(fw.url, 1) == EngineLoad(running=1, waiting=1, kv_usage=reported)
+        assert mon.get(fw.url, 0) == EngineLoad(0, 0, 0.0, capacity_tokens=pool)
+        assert mon.get(fw.url, 1) == EngineLoad(1, 1, reported, capacity_tokens=pool)
+        assert mon.capacity_blocks(fw.url, 1, fw.config.block_size) == fw.config.cache_blocks
         sleep.release.set()
         assert await asyncio.gather(*tasks) == [200, 200]
         await mon.poll_once()
-        assert mon.get(fw.url, 1) == EngineLoad(running=0, waiting=0, kv_usage=reported)
+        assert mon.get(fw.url, 1) == EngineLoad(0, 0, reported, capacity_tokens=pool)
 
 
 @contextlib.asynccontextmanager
@@ -168,8 +170,12 @@ async def test_a_worker_without_v1_loads_is_read_via_its_metrics_per_rank(engine
         assert mon.probe_outcomes == {"absent": 1}
         assert front.paths == ["/v1/loads", "/metrics"]  # absent: metrics on the same tick
         assert mon.source(front.url) == "metrics"
-        assert mon.get(front.url, 0) == EngineLoad(running=0, waiting=0, kv_usage=0.0)
-        assert mon.get(front.url, 1) == EngineLoad(running=1, waiting=1, kv_usage=reported)
+        # vLLM's num_gpu_blocks x block_size, or SGLang's max_total_num_tokens: the same pool.
+        pool = fw.config.cache_blocks * fw.config.block_size
+        assert mon.get(front.url, 0) == EngineLoad(0, 0, 0.0, capacity_tokens=pool)
+        assert mon.get(front.url, 1) == EngineLoad(1, 1, reported, capacity_tokens=pool)
+        assert mon.capacity_tokens(front.url, 1) == pool
+        assert mon.capacity_blocks(front.url, 1, 32) == fw.config.cache_blocks // 2
         await mon.poll_once()
         assert front.paths == ["/v1/loads", "/metrics", "/metrics"]  # absent is remembered
         assert mon.probe_outcomes == {"absent": 1}
@@ -366,6 +372,34 @@ async def test_figures_survive_failed_ticks_until_they_are_stale() -> None:
         assert mon.get(eng.url) == FROM_LOADS
         clock.now += 0.001
         assert mon.get(eng.url) is None
+
+
+async def test_capacity_outlives_stale_loads_and_is_forgotten_on_registering_again() -> None:
+    clock = ManualClock(50.0)
+    with_pool = msgspec.json.encode(
+        {"loads": [{"dp_rank": 0, "num_waiting_reqs": 1, "max_total_num_tokens": 4096}]}
+    )
+    without_pool = msgspec.json.encode({"loads": [{"dp_rank": 0, "num_waiting_reqs": 2}]})
+    scripts = {"/v1/loads": [reply(200, with_pool), reply(200, without_pool), reply(503)]}
+    async with ScriptedEngine(scripts) as eng, monitor(stale_after_s=2.0, clock=clock) as mon:
+        mon.add_worker(eng.url)
+        assert mon.capacity_tokens(eng.url) is None  # nothing read yet: unknown, not 0
+        await mon.poll_once()
+        assert mon.capacity_blocks(eng.url, 0, 16) == 256
+        await mon.poll_once()  # a read that does not state the pool keeps the last one
+        assert mon.get(eng.url) == EngineLoad(waiting=2)
+        assert mon.capacity_tokens(eng.url) == 4096
+        clock.now += 10.0
+        await mon.poll_once()  # 503, and the loads are stale: the configuration is not
+        assert mon.get(eng.url) is None
+        assert mon.capacity_tokens(eng.url) == 4096
+        assert mon.capacity_tokens(eng.url, 1) is None  # a rank never reported
+        mon.add_worker(eng.url)  # perhaps another engine behind the URL now
+        assert mon.capacity_tokens(eng.url) is None
+        mon.remove_worker(eng.url)
+        assert mon.capacity_blocks(eng.url, 0, 16) is None
+        with pytest.raises(ValueError, match="block_size"):
+            mon.capacity_blocks(eng.url, 0, 0)
 
 
 async def test_run_polls_every_interval_until_cancelled() -> None:

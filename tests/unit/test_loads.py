@@ -206,3 +206,64 @@ def test_nan_and_negative_gauges_are_unknown() -> None:
 def test_a_broken_sample_line_of_a_gauge_we_read_raises_value_error() -> None:
     with pytest.raises(ValueError, match="unparseable"):
         parse_metrics_text('vllm:num_requests_running{engine="0"} lots\n')
+
+
+# --- capacity ---------------------------------------------------------------------------------
+
+
+def test_a_load_body_states_the_pool_in_max_total_num_tokens_and_zero_is_unknown() -> None:
+    body = {
+        "loads": [
+            {"dp_rank": 0, "num_waiting_reqs": 1, "max_total_num_tokens": 65536},
+            {"dp_rank": 1, "num_waiting_reqs": 1, "max_total_num_tokens": 0},
+            {"dp_rank": 2, "num_waiting_reqs": 1, "max_total_num_tokens": "65536"},
+        ]
+    }
+    assert parse_loads_body(msgspec.json.encode(body)) == {
+        0: EngineLoad(waiting=1, capacity_tokens=65536),
+        1: EngineLoad(waiting=1),
+        2: EngineLoad(waiting=1),
+    }
+
+
+def test_vllm_states_its_pool_in_the_labels_of_cache_config_info_per_engine() -> None:
+    text = (
+        "# HELP vllm:cache_config_info Information of the LLMEngine's cache_config\n"
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",num_cpu_blocks="None",'
+        'num_gpu_blocks="573",engine="0"} 1.0\n'
+        'vllm:cache_config_info{block_size="32",num_gpu_blocks="100",engine="1"} 1.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+    )
+    assert parse_metrics_text(text) == {
+        0: EngineLoad(waiting=2, capacity_tokens=573 * 16),
+        1: EngineLoad(capacity_tokens=3200),
+    }
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        'block_size="16",num_gpu_blocks="None"',  # vLLM before it profiled its memory
+        'num_gpu_blocks="573"',  # no block size: the tokens are unknowable
+        'block_size="16",num_gpu_blocks="-5"',
+        'block_size="16",num_gpu_blocks="0"',
+    ],
+)
+def test_a_vllm_pool_that_is_not_stated_in_numbers_is_unknown(labels: str) -> None:
+    text = f'vllm:cache_config_info{{{labels},engine="0"}} 1.0\n'
+    text += 'vllm:num_requests_running{engine="0"} 1.0\n'
+    assert parse_metrics_text(text) == {0: EngineLoad(running=1)}
+
+
+@pytest.mark.parametrize("prefix", ["sglang:", "sglang_"])
+def test_sglang_states_its_pool_as_a_gauge_with_either_prefix(prefix: str) -> None:
+    text = (
+        f'{prefix}max_total_num_tokens{{model_name="m",dp_rank="0"}} 2048.0\n'
+        f'{prefix}max_total_num_tokens{{model_name="m",dp_rank="1"}} 0.0\n'
+        f'{prefix}num_queue_reqs{{model_name="m",dp_rank="1"}} 3.0\n'
+    )
+    assert parse_metrics_text(text) == {
+        0: EngineLoad(capacity_tokens=2048),
+        1: EngineLoad(waiting=3),
+    }

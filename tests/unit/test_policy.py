@@ -10,6 +10,8 @@ import random
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachetree.keys import block_keys
 from cachetree.ranks import RankId
@@ -25,6 +27,8 @@ from router.policy import (
     load_of,
     make_policy,
 )
+from router.pressure import PressureLedger, PressureSettings
+from tests.support.clock import ManualClock
 
 BS = 16
 A, B, C, D = (RankId(f"http://{h}:8000", 0) for h in "abcd")
@@ -164,15 +168,24 @@ def test_without_any_cached_prefix_cache_aware_orders_by_load_and_reports_a_miss
         assert (decision.outcome, decision.matched_blocks) == ("cache_miss", 0)
 
 
-def test_equal_cost_and_load_are_broken_at_random() -> None:
-    fleet = Fleet()
-    fleet.hold(A, 128)
-    fleet.hold(B, 128)
-    policy = CacheAware(rng=random.Random(7))
-    candidates = [cand(A, inflight=1), cand(B, inflight=1), cand(C)]
-    firsts = Counter(policy.decide(candidates, fleet.prompt()).ranked[0].rank for _ in range(400))
-    assert set(firsts) == {A, B}
-    assert 150 < firsts[A] < 250
+def test_equal_cost_load_and_room_are_broken_alike_by_every_replica() -> None:
+    candidates = [cand(A, inflight=1), cand(B, inflight=1), cand(C, inflight=1)]
+    firsts: Counter[RankId] = Counter()
+    for i in range(300):
+        tokens = [i + 3] * BS + PROMPT[BS:]  # a new prompt each time, held by nobody
+        keys = block_keys(tokens, BS)
+        # Two replicas (fresh policies, other seeds) agree: rendezvous, not their rngs.
+        picks = {
+            CacheAware(rng=random.Random(seed))
+            .decide(candidates, Prompt(2048, BS, None, keys))
+            .ranked[0]
+            .rank
+            for seed in (1, 2)
+        }
+        assert len(picks) == 1
+        firsts[picks.pop()] += 1
+    # Each prompt has its own order, so new prefixes still spread over the ranks.
+    assert set(firsts) == {A, B, C} and min(firsts.values()) > 70
 
 
 def test_an_unknown_engine_load_counts_as_no_waiting() -> None:
@@ -236,7 +249,8 @@ def test_seeded_policies_decide_identically() -> None:
                 [heads(policy.decide(candidates, fleet.prompt()).ranked) for _ in range(30)]
             )
         assert runs[0] == runs[1], name
-        if name != "round_robin":
+        # cache_aware breaks its ties by rendezvous, which every replica computes alike.
+        if name not in ("round_robin", "cache_aware"):
             assert len({tuple(r) for r in runs[0]}) > 1, name  # and it does use the rng
 
 
@@ -260,6 +274,8 @@ def test_make_policy_knows_every_name_and_refuses_others() -> None:
         make_policy("fastest")
     with pytest.raises(ValueError, match="weights"):
         make_policy("round_robin", weights=CacheAwareWeights())
+    with pytest.raises(ValueError, match="ledger"):
+        make_policy("least_load", ledger=PressureLedger())
     custom = make_policy("cache_aware", weights=CacheAwareWeights(queued_request_tokens=64))
     assert isinstance(custom, CacheAware) and custom.weights.queued_request_tokens == 64
 
@@ -272,8 +288,223 @@ def test_make_policy_knows_every_name_and_refuses_others() -> None:
         {"lower_tier_discount": 1.5},
         {"imbalance_rel": 0.5},
         {"imbalance_abs": -1},
+        {"evict": -0.5},
+        {"fill": -1.0},
     ],
 )
 def test_invalid_weights_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         CacheAwareWeights(**bad)  # type: ignore[arg-type]
+
+
+# --- cache_aware under cache pressure -------------------------------------------------------
+#
+# Capacities are 256 blocks per rank unless a test says otherwise; demand comes from the
+# policy's own ledger (its decisions), on a ManualClock. The prompt is 128 blocks.
+
+
+def other_keys(seed: int, blocks: int) -> list[int]:
+    """Keys of `blocks` blocks that share nothing with PROMPT or with another seed's."""
+    return block_keys([(seed * 131 + i) % 50_000 + 60_000 for i in range(blocks * BS)], BS)
+
+
+class Pressured:
+    """A cache_aware over `fleet`'s index, with stated capacities and a manual clock."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        capacity: dict[RankId, int],
+        ttl_s: float = 5.0,
+        replicas: int = 1,
+        **weights: float,
+    ) -> None:
+        self.clock = ManualClock()
+        self.fleet = fleet
+        self.policy = CacheAware(
+            CacheAwareWeights(**weights),  # type: ignore[arg-type]
+            random.Random(1),
+            PressureLedger(PressureSettings(booking_ttl_s=ttl_s), self.clock),
+            lambda: fleet.tree,
+            capacity.get,
+            lambda: replicas,
+        )
+
+    def demand(self, rank: RankId, blocks: int, seed: int) -> None:
+        """Make `blocks` of unrelated recent demand on `rank` (routed, and stored by it)."""
+        keys = other_keys(seed, blocks)
+        self.policy.ledger.record(rank, keys, held=len(keys))
+
+    def prompt(self, tokens: list[int] = PROMPT) -> Prompt:
+        keys = block_keys(tokens, BS)
+        return Prompt(len(tokens), BS, self.fleet.tree.prefix_depths(keys), keys)
+
+
+def even(capacity: int = 256) -> dict[RankId, int]:
+    return {A: capacity, B: capacity, C: capacity}
+
+
+@pytest.mark.parametrize(
+    ("demands", "first"),
+    [
+        ((120, 40, 80), B),
+        ((0, 200, 10), A),
+        ((250, 240, 200), C),  # all over their room for a 128-block prompt: the least spill
+        ((300, 300, 299), C),  # over capacity everywhere: still the least demanded
+    ],
+)
+def test_a_miss_goes_to_the_least_demanded_rank(demands: tuple[int, ...], first: RankId) -> None:
+    for capacity in (even(), {}):  # capacities stated, or unknown (then demand breaks ties)
+        p = Pressured(Fleet(), capacity)
+        for seed, (rank, blocks) in enumerate(zip((A, B, C), demands, strict=True)):
+            p.demand(rank, blocks, seed)
+        decision = p.policy.decide([cand(A), cand(B), cand(C)], p.prompt())
+        assert decision.ranked[0].rank == first, capacity
+        assert decision.outcome == "cache_miss"
+
+
+def test_a_rank_full_of_blocks_nobody_asked_for_is_as_good_as_an_empty_one() -> None:
+    fleet = Fleet()
+    fleet.hold(A, 256, tokens=[7] * BS + PROMPT[BS:] + PROMPT)  # a pre-filled cache
+    p = Pressured(fleet, even())
+    p.demand(B, 40, seed=1)  # B has a little recent demand; A's blocks have none
+    costs = p.policy.costs([cand(A), cand(C), cand(B)], p.prompt())
+    assert costs[0] == costs[1] == 2048.0  # neither evicts anything in demand
+    # B's fill surcharge: 128 new blocks, x2, x the fleet's fullness (40 of 768), x B's (40/256).
+    assert costs[2] == pytest.approx(2048.0 + 16 * 128 * 2 * (40 / 768) * (40 / 256))
+    decision = p.policy.decide([cand(A), cand(B), cand(C)], p.prompt())
+    # A and C tie on cost and load; C has more room (nothing held), so C comes first.
+    assert [c.rank for c in decision.ranked] == [C, A, B]
+
+
+@pytest.mark.parametrize(
+    ("held_on_a", "first", "spilled"),
+    [
+        (128, A, 0),  # a full hit: nothing to store, nothing spills
+        (112, A, 16),  # 16 blocks to store: A spills 16 demanded blocks, still the cheapest
+        (64, B, 0),  # half of it: storing 64 on A would evict 64 in demand; B has room
+        (0, B, 0),
+    ],
+)
+def test_a_full_rank_pays_for_the_demanded_blocks_a_spill_evicts(
+    held_on_a: int, first: RankId, spilled: int
+) -> None:
+    fleet = Fleet()
+    p = Pressured(fleet, even())
+    fleet.hold(A, 256 - held_on_a, tokens=[9] * BS + PROMPT[BS:] + PROMPT)
+    p.demand(A, 256 - held_on_a, seed=6)  # A's other blocks are all recent demand
+    if held_on_a:
+        fleet.hold(A, held_on_a)
+        p.policy.ledger.record(A, KEYS[:held_on_a], held=held_on_a)
+    p.demand(B, 100, seed=7)  # B: room for 156 more
+    candidates = [cand(A), cand(B)]
+    new = 128 - held_on_a
+    costs = p.policy.costs(candidates, p.prompt())
+    # A: prefill what it lacks (x1), evict that many demanded blocks (x1), and fill (x2)
+    # scaled by the fleet's fullness, 356 blocks of demand over 512, and A's, which is 1.
+    fleet = (256 + 100) / 512
+    assert costs[0] == pytest.approx(16 * new * (1 + 1 + 2 * fleet))
+    assert costs[1] == pytest.approx(2048 + 16 * 128 * 2 * fleet * 100 / 256)  # B: no spill
+    decision = p.policy.decide(candidates, p.prompt())
+    assert decision.ranked[0].rank == first
+    assert p.policy.spill_stats.spilled_blocks == spilled
+    assert p.policy.spill_stats.spills == (1 if spilled else 0)
+
+
+def test_a_booked_prompt_follows_its_first_request_until_the_booking_expires() -> None:
+    fleet = Fleet()
+    p = Pressured(fleet, even(), ttl_s=5.0)
+    candidates = [cand(A), cand(B), cand(C)]
+    first = p.policy.decide(candidates, p.prompt()).ranked[0].rank
+    # The store event has not arrived: the index shows nothing, the booking holds it all.
+    costs = p.policy.costs(candidates, p.prompt())
+    assert costs[candidates.index(cand(first))] == 0.0
+    second = p.policy.decide(candidates, p.prompt())
+    assert second.ranked[0].rank == first
+    assert (second.outcome, second.matched_blocks) == ("cache_miss", 0)  # the index's view
+    p.clock.advance(5.0)  # no store event within the TTL: both bookings expire
+    later = p.policy.costs(candidates, p.prompt())
+    assert later[candidates.index(cand(first))] > 2048.0  # a miss now, and its demand is high
+    p.policy.decide(candidates, p.prompt())
+    assert (p.policy.ledger.bookings.expired, p.policy.ledger.bookings.confirmed) == (2, 0)
+
+
+def test_a_booking_ends_when_the_store_arrives_so_a_later_eviction_shows() -> None:
+    fleet = Fleet()
+    p = Pressured(fleet, even())
+    candidates = [cand(A), cand(B), cand(C)]
+    first = p.policy.decide(candidates, p.prompt()).ranked[0].rank
+    hashes = fleet.hold(first, 128)  # the engine stored it: the store event arrived
+    p.policy.decide(candidates, p.prompt())  # settles: the booking is confirmed
+    assert (p.policy.ledger.bookings.confirmed, p.policy.ledger.bookings.expired) == (1, 0)
+    fleet.tree.remove(first, hashes[32:])  # the engine evicts all but 32 blocks
+    index = candidates.index(cand(first))
+    # 96 blocks to prefill and store again: no booking hides the eviction.
+    assert p.policy.costs(candidates, p.prompt())[index] >= 16 * 96
+
+
+def test_without_capacities_or_a_ledger_history_the_cost_is_the_plain_one() -> None:
+    fleet = Fleet()
+    fleet.hold(C, 128)
+    fleet.hold(A, 2)
+    p = Pressured(fleet, {}, ttl_s=0.0)
+    assert p.policy.costs([cand(A), cand(B), cand(C)], p.prompt()) == [2048 - 32, 2048, 0]
+
+
+@pytest.mark.parametrize(
+    ("replicas", "agree"),
+    [(1, False), (2, True)],
+)
+def test_siblings_treat_costs_within_the_tie_margin_as_a_tie_so_they_agree(
+    replicas: int, agree: bool
+) -> None:
+    """Two replicas whose ledgers differ a little (each saw other requests) place the same new
+    prefixes alike when they know of each other; a lone replica follows its own ledger."""
+    disagreements = 0
+    for i in range(40):
+        tokens = [i + 3] * BS + PROMPT[BS:]  # a new prefix each time
+        picks = set()
+        for view in ((3, 0, 0), (0, 3, 0)):  # three blocks of demand on A, or on B
+            p = Pressured(Fleet(), even(), replicas=replicas)
+            for seed, (rank, blocks) in enumerate(zip((A, B, C), view, strict=True)):
+                if blocks:
+                    p.demand(rank, blocks, seed=seed)
+            picks.add(p.policy.decide([cand(A), cand(B), cand(C)], p.prompt(tokens)).ranked[0].rank)
+        disagreements += len(picks) > 1
+    # 3 blocks of demand are a few tokens of fill apart: well within the margin of 128.
+    assert (disagreements == 0) is agree
+    if not agree:  # alone: each follows its own ledger (C, or whichever of A/B is idle)
+        assert disagreements > 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ranks=st.lists(
+        st.tuples(st.integers(0, 300), st.integers(0, 300)),  # (blocks held, demand)
+        min_size=2,
+        max_size=6,
+    ),
+    prompt_blocks=st.integers(1, 200),
+    load=st.integers(0, 5),
+)
+def test_no_rank_gets_a_new_prefix_while_another_has_more_room_and_less_demand(
+    ranks: list[tuple[int, int]], prompt_blocks: int, load: int
+) -> None:
+    fleet = Fleet()
+    rank_ids = [RankId(f"http://r{i}:8000", 0) for i in range(len(ranks))]
+    p = Pressured(fleet, dict.fromkeys(rank_ids, 256))
+    for i, (rank, (held, demand)) in enumerate(zip(rank_ids, ranks, strict=True)):
+        if held:
+            fleet.hold(rank, held, tokens=[i + 100] * BS * 300)  # unrelated to the prompt
+        if demand:
+            p.demand(rank, demand, seed=1000 + i)
+    tokens = [4] * BS + PROMPT[BS : prompt_blocks * BS]  # a new prefix: nobody holds block 0
+    candidates = [cand(r, inflight=load) for r in rank_ids]
+    demand = dict(zip(rank_ids, p.policy.ledger.demands(rank_ids), strict=True))
+    free = {r: 256 - fleet.tree.block_count(r) for r in rank_ids}
+    chosen = p.policy.decide(candidates, p.prompt(tokens)).ranked[0].rank
+    for other in rank_ids:
+        dominates = (free[other], -demand[other]) > (free[chosen], -demand[chosen]) and (
+            free[other] >= free[chosen] and demand[other] <= demand[chosen]
+        )
+        assert not dominates, (chosen, other, free, demand)

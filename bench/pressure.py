@@ -1,0 +1,401 @@
+"""Routing under cache pressure: fleet cached-token ratio against an ideal static partition.
+
+The regime (the workload family is `bench.pressure_sim.Workload`): shared prefixes whose
+working set is larger than one worker's prefix cache but within the fleet's combined cache
+(the prefixes fill `fill` of it, on average), each request a prefix plus a tail of its own,
+in cyclic or shuffled order, sent by `concurrency` closed-loop clients, into caches that are
+empty (cold) or full of unrelated blocks (pre-filled: a fleet that has been running), through
+one router replica or two behind a round-robin front. Fake workers as real processes, one
+rank each: a paged LRU prefix cache of `cache_blocks` blocks, 50 us of prefill per uncached
+token, 1 ms per generated token (8 per request), at most 2 requests running per worker (the
+rest queue). A workload's workers are started once; before every run their caches are
+cleared (and pre-filled again), and every router is a fresh process.
+
+Rows, per workload:
+- ideal partition: each prefix always sent to one worker, the prefixes spread over the
+  workers by a greedy partition of their blocks (largest first onto the least filled worker),
+  straight to the workers (no router hop, so its TTFT is lower by the hop): only each
+  prefix's first request misses, when every worker's share fits its cache;
+- kvrouter cache_aware, kvrouter round_robin: one replica, or two that know each other
+  (`--peer`), the client sending requests to them in turn;
+- smg cache_aware (smg's approximate tree of routed request text; over HTTP workers it sees
+  no KV events), one instance or two in turn.
+
+Each row runs `runs` times, with a different fixed seed per run (the rows of a run share it),
+the rows in turns so drift hits every row alike. A row shows its median ratio with the range;
+`x ideal` is that median over the ideal row's median. The target: cache_aware at least 0.97x
+the ideal's in every workload, and above smg's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import aiohttp
+
+from bench import plots
+from bench.pressure_sim import IDEAL, Request, Workload, build_requests, ideal_partition, workloads
+from bench.report import table
+from bench.routing_quality import start_fleet
+from bench.smg import smg_router
+from router.tools import demo
+
+PREFILL_US_PER_TOKEN: Final = 50.0
+DECODE_MS_PER_TOKEN: Final = 1.0
+MAX_TOKENS: Final = 8
+TARGET: Final = 0.97  # cache_aware's median over the ideal's, in every workload
+PREFILL_CHAIN_BLOCKS: Final = 16
+ROWS: Final = (
+    ("ideal", "partition"),
+    ("kvrouter", "cache_aware"),
+    ("kvrouter", "round_robin"),
+    ("smg", "cache_aware"),
+)
+FULL: Final = (
+    "3w-9p-cyclic",
+    "3w-9p-shuffled-prefilled",
+    "3w-9p-shuffled-c8",
+    "3w-9p-shuffled-c8-prefilled",
+    "8w-40p-shuffled-c8",
+    "4w-14p-mixed-c4-prefilled",
+    "5w-12p-header-c2",
+    "3w-9p-shuffled-c8-2rep",
+    "8w-40p-shuffled-c8-prefilled-2rep",
+)
+QUICK: Final = ("3w-9p-shuffled-c8-prefilled", "3w-9p-shuffled-c8-2rep")
+
+
+def selected(quick: bool) -> tuple[list[Workload], int]:
+    """The workloads and the runs per row at this scale."""
+    names = QUICK if quick else FULL
+    by_name = {w.name: w for w in workloads()}
+    return [by_name[n] for n in names], 1 if quick else 3
+
+
+@dataclass
+class Row:
+    router: str
+    policy: str
+    runs: list[demo.PhaseResult] = field(default_factory=list)
+    skipped: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.router} {self.policy}"
+
+    def figures(self) -> dict[str, Any]:
+        ratios = [p.ratio for p in self.runs if p.prompt_tokens]
+        pooled = demo.PhaseResult(self.policy, ttfts=[t for p in self.runs for t in p.ttfts])
+        measured = bool(pooled.ttfts)
+        return {
+            "router": self.router,
+            "policy": self.policy,
+            "ratio": statistics.median(ratios) if ratios else None,
+            "ratios": ratios,
+            "requests": sum(p.requests for p in self.runs),
+            "failed": sum(p.failed for p in self.runs),
+            "ttft_p50_ms": pooled.ttft_pct_ms(0.5) if measured else None,
+            "ttft_p99_ms": pooled.ttft_pct_ms(0.99) if measured else None,
+            "per_worker_requests": [n for p in self.runs for n in p.per_rank.values()],
+            "skipped": self.skipped,
+        }
+
+
+# -- one run ----------------------------------------------------------------------------------
+
+
+async def prefill(session: aiohttp.ClientSession, cluster: demo.Cluster, w: Workload) -> None:
+    """Fill every worker's cache with blocks no request shares (a fleet that has been
+    running): chains of random tokens, each stored as one batch, until the cache is full."""
+    rng = random.Random(0xF111)
+    chains = -(-w.cache_blocks // PREFILL_CHAIN_BLOCKS)
+
+    async def one(worker: demo.Worker) -> None:
+        for _ in range(chains):
+            chain = [rng.randrange(3, 250) for _ in range(PREFILL_CHAIN_BLOCKS * demo.BLOCK_SIZE)]
+            body = {"token_chains": [chain], "dp_rank": 0}
+            async with session.post(worker.url + "/control/store", json=body) as resp:
+                if resp.status != 200:
+                    raise demo.DemoError(f"/control/store on {worker.label}: {resp.status}")
+
+    await asyncio.gather(*(one(worker) for worker in cluster.workers))
+
+
+async def drive(
+    session: aiohttp.ClientSession,
+    cluster: demo.Cluster,
+    requests: Sequence[Request],
+    urls: Sequence[str],
+    w: Workload,
+    label: str,
+) -> demo.PhaseResult:
+    """The requests in order through `concurrency` closed-loop slots; request i goes to
+    `urls[i]` when there is one URL per request, else to the URLs in turn."""
+    phase = demo.PhaseResult(label)
+    before = await demo.worker_counters(session, cluster.workers)
+    pending = iter(enumerate(requests))
+    progress = demo.Progress(label, len(requests))
+
+    async def slot() -> None:
+        for i, req in pending:
+            url = urls[i] if len(urls) == len(requests) else urls[i % len(urls)]
+            reply = await demo.chat(session, url, req.messages, MAX_TOKENS)
+            phase.requests += 1
+            progress.advance()
+            if reply.status != 200:
+                phase.failed += 1
+            else:
+                phase.ttfts.append(reply.ttft_s)
+
+    started = asyncio.get_running_loop().time()
+    try:
+        await asyncio.gather(*(slot() for _ in range(w.concurrency)))
+    finally:
+        progress.close()
+    phase.wall_s = asyncio.get_running_loop().time() - started
+    after = await demo.worker_counters(session, cluster.workers)
+    for rank, now in after.items():
+        then = before[rank]
+        phase.prompt_tokens += now.prompt_tokens - then.prompt_tokens
+        phase.cached_tokens += now.cached_tokens - then.cached_tokens
+        phase.per_rank[rank] = now.requests - then.requests
+    return phase
+
+
+async def kvrouter_run(
+    session: aiohttp.ClientSession,
+    cluster: demo.Cluster,
+    row: Row,
+    w: Workload,
+    requests: Sequence[Request],
+    name: str,
+) -> None:
+    ports = [demo.free_ports(1) for _ in range(w.replicas)]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    routers = [
+        cluster.router(
+            f"{name}-{k}", row.policy, peers=[u for u in urls if u != urls[k]], port=ports[k]
+        )
+        for k in range(w.replicas)
+    ]
+    await cluster.start_routers(routers)
+    try:
+        await demo.wait_ready(session, routers)
+        await demo.probe_every_rank(session, cluster)
+        await demo.quiesce(session, cluster, routers)
+        if w.prefilled:
+            await prefill(session, cluster, w)
+            await demo.quiesce(session, cluster, routers)
+        row.runs.append(await drive(session, cluster, requests, urls, w, row.label))
+    finally:
+        await asyncio.gather(*(r.child.stop() for r in routers))
+
+
+async def smg_run(
+    session: aiohttp.ClientSession,
+    cluster: demo.Cluster,
+    ctx: Any,
+    row: Row,
+    w: Workload,
+    requests: Sequence[Request],
+) -> None:
+    """One run through fresh smg instances (two in turn for a two-replica workload); sets
+    `row.skipped` instead when smg is not there."""
+    if not ctx.smg.ensure(ctx.progress):
+        row.skipped = ctx.smg.reason
+        return
+    workers = [worker.url for worker in cluster.workers]
+    if w.prefilled:
+        await prefill(session, cluster, w)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            urls = [
+                (
+                    await stack.enter_async_context(
+                        smg_router(
+                            ctx.smg.binary, workers, "cache_aware", cluster.log_dir, name=f"smg-{k}"
+                        )
+                    )
+                ).url
+                for k in range(w.replicas)
+            ]
+            row.runs.append(await drive(session, cluster, requests, urls, w, row.label))
+    except RuntimeError as exc:
+        row.skipped = f"smg did not start: {str(exc).splitlines()[0]}"
+
+
+async def run_workload(
+    ctx: Any, session: aiohttp.ClientSession, w: Workload, runs: int
+) -> dict[str, Any]:
+    log_dir = ctx.workdir / "pressure" / w.name
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cluster = demo.Cluster(log_dir)
+    rows = [Row(router, policy) for router, policy in ROWS]
+    try:
+        await start_fleet(
+            cluster, w.workers, w.cache_blocks, PREFILL_US_PER_TOKEN, DECODE_MS_PER_TOKEN
+        )
+        for run in range(runs):
+            requests, lengths = build_requests(w, seed=run)
+            part = ideal_partition(lengths, w.workers)
+            direct = [cluster.workers[part[req.prefix]].url for req in requests]
+            for row in rows:
+                if row.skipped is not None:
+                    continue
+                ctx.progress(f"{w.name}: {row.label} (run {run + 1} of {runs})")
+                await demo.clear_caches(session, cluster)
+                if row.router == IDEAL:
+                    if w.prefilled:
+                        await prefill(session, cluster, w)
+                    row.runs.append(await drive(session, cluster, requests, direct, w, row.label))
+                elif row.router == "kvrouter":
+                    await kvrouter_run(session, cluster, row, w, requests, f"{row.policy}-{run}")
+                else:
+                    await smg_run(session, cluster, ctx, row, w, requests)
+    finally:
+        await cluster.stop_all()
+    return {
+        "workload": {**w.__dict__, "cache_blocks": w.cache_blocks},
+        "requests_per_run": w.prefixes * w.requests_per_prefix,
+        "rows": [r.figures() for r in rows],
+    }
+
+
+async def run_async(ctx: Any, chosen: Sequence[Workload], runs: int) -> list[dict[str, Any]]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        return [await run_workload(ctx, session, w, runs) for w in chosen]
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    chosen, runs = selected(ctx.quick)
+    return {"runs": runs, "workloads": asyncio.run(run_async(ctx, chosen, runs))}
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def _rows(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {f"{r['router']} {r['policy']}": r for r in result["rows"]}
+
+
+def judged(result: dict[str, Any]) -> tuple[float | None, bool | None, bool | None]:
+    """(cache_aware over ideal, that >= TARGET, cache_aware above smg) of one workload; None
+    where a row has no figures."""
+    rows = _rows(result)
+    ideal = rows["ideal partition"]["ratio"]
+    ours = rows["kvrouter cache_aware"]["ratio"]
+    smg = rows["smg cache_aware"]["ratio"]
+    if ideal is None or ours is None:
+        return None, None, None
+    rel = ours / ideal
+    return rel, rel >= TARGET, None if smg is None else ours > smg
+
+
+def verdict(results: Sequence[dict[str, Any]]) -> str:
+    missed, below_smg, unjudged = [], [], []
+    for result in results:
+        name = result["workload"]["name"]
+        rel, met, above = judged(result)
+        if rel is None:
+            unjudged.append(name)
+            continue
+        if not met:
+            missed.append(f"{name} ({rel:.3f}x)")
+        if above is False:
+            below_smg.append(name)
+    parts = [
+        f"cache_aware >= {TARGET}x the ideal partition in every workload: "
+        + ("met" if not missed else "NOT met in " + ", ".join(missed)),
+        "above smg in every workload: "
+        + ("met" if not below_smg else "NOT met in " + ", ".join(below_smg)),
+    ]
+    if unjudged:
+        parts.append("not judged (rows missing): " + ", ".join(unjudged))
+    return "Target: " + "; ".join(parts) + "."
+
+
+def _describe(w: dict[str, Any]) -> str:
+    order = "shuffled" if w["shuffled"] else "cyclic"
+    state = "pre-filled" if w["prefilled"] else "cold"
+    replicas = "2 replicas" if w["replicas"] == 2 else "1 replica"
+    return (
+        f"{w['workers']} workers x {w['cache_blocks']} blocks, {w['prefixes']} prefixes of "
+        f"{w['prefix_blocks'][0]}-{w['prefix_blocks'][1]} blocks x {w['requests_per_prefix']}, "
+        f"{order}, c={w['concurrency']}, {state}, {replicas}"
+    )
+
+
+def tables(result: dict[str, Any]) -> dict[str, str]:
+    rows = []
+    for res in result["workloads"]:
+        ideal = _rows(res)["ideal partition"]["ratio"]
+        for r in res["rows"]:
+            label = f"{r['router']} {r['policy']}"
+            if r["skipped"]:
+                rows.append([res["workload"]["name"], label, r["skipped"], *[None] * 5])
+                continue
+            ratios = r["ratios"]
+            ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
+            if len(ratios) > 1:
+                ratio += f" ({min(ratios):.3f}-{max(ratios):.3f})"
+            rel = r["ratio"] / ideal if ideal and r["ratio"] is not None else None
+            spread = r["per_worker_requests"]
+            rows.append(
+                [
+                    res["workload"]["name"],
+                    label,
+                    ratio,
+                    None if rel is None else f"{rel:.3f}",
+                    r["ttft_p50_ms"],
+                    r["ttft_p99_ms"],
+                    f"{min(spread)}-{max(spread)}" if spread else "-",
+                    r["failed"],
+                ]
+            )
+    described = "; ".join(
+        f"**{res['workload']['name']}**: {_describe(res['workload'])}"
+        for res in result["workloads"]
+    )
+    note = (
+        f"{result['runs']} run(s) per row in turns, one fixed seed per run; ratio: median "
+        f"(range); x ideal: the median over the ideal partition's. {described}. Every request: "
+        f"its prefix plus 8-40 tokens of its own; {PREFILL_US_PER_TOKEN:g} us prefill per "
+        f"uncached token, {MAX_TOKENS} tokens at {DECODE_MS_PER_TOKEN:g} ms, 2 running per "
+        f"worker. The ideal row goes straight to the workers (no router hop). "
+        f"{verdict(result['workloads'])}"
+    )
+    header = [
+        "workload",
+        "router, policy",
+        "cached-token ratio",
+        "x ideal",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "requests per worker",
+        "failed",
+    ]
+    return {"pressure": table(header, rows, digits=1, note=note)}
+
+
+def plot(result: dict[str, Any], plt: Any, out: Path) -> list[Path]:
+    names = [res["workload"]["name"] for res in result["workloads"]]
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(names)), 4))
+    width = 0.8 / len(ROWS)
+    for k, (router, policy) in enumerate(ROWS):
+        values = [_rows(res)[f"{router} {policy}"]["ratio"] or 0.0 for res in result["workloads"]]
+        ax.bar(
+            [i + k * width for i in range(len(names))], values, width, label=f"{router} {policy}"
+        )
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=30, ha="right")
+    ax.set_ylabel("fleet cached-token ratio")
+    ax.set_title("routing under cache pressure (higher is better)")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return [plots.save(plt, fig, out / "pressure.png")]

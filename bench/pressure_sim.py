@@ -1,0 +1,398 @@
+"""A simulated fleet under cache pressure: the pressure benchmark's regime, in one process.
+
+Run: .venv/bin/python -m bench.pressure_sim [--seeds 5] [--workloads NAME,...]
+Prints, per workload, the fleet cached-token ratio of each policy against the ideal static
+partition (median over seeds, with the range). Asserts nothing.
+
+What is real and what is simulated: the engines' prefix caches are the fake worker's
+(`fake_kv_worker.cache.PagedPrefixCache`, paged LRU over leaf blocks), the index is the
+router's `BlockTree` fed with the caches' stores and evictions, and the policies are the
+router's own, each with its own `PressureLedger` per replica. Time is simulated: a request
+queues for one of the rank's `max_running` slots, is admitted (its store and removals reach
+the index `event_lag_s` later), prefills its uncached tokens at `prefill_s_per_token` and
+decodes for `decode_s`; clients run a closed loop of `concurrency` slots, and with two
+replicas the requests alternate between them as a round-robin front would. Engine queue
+lengths reach the routers every `load_interval_s`, as the load monitor's polls do, the first
+one at a point of the interval drawn from the seed.
+
+The ideal row routes each prefix to one worker, the prefixes spread over the workers by a
+greedy partition of their blocks (largest first onto the least filled worker): only each
+prefix's first request misses, if every worker's share fits its cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import random
+import statistics
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Final
+
+from cachetree.keys import block_keys
+from cachetree.ranks import RankId
+from cachetree.tree import BlockTree
+from fake_kv_worker.cache import Admission, PagedPrefixCache
+from fake_kv_worker.hashing import VllmSha256Hasher
+from router.loads import EngineLoad
+from router.policy import CacheAware, CacheAwareWeights, Candidate, Prompt, make_policy
+from router.pressure import PressureLedger, PressureSettings
+from router.tools.demo import prompt_tokens
+
+BLOCK: Final = 16
+IDEAL: Final = "ideal"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One workload of the regime. Lengths are in blocks; tails in tokens."""
+
+    name: str
+    workers: int
+    prefixes: int
+    prefix_blocks: tuple[int, int]  # each prefix's length, drawn from this range
+    fill: float  # the prefixes' mean total over the fleet's cache: sets `cache_blocks`
+    requests_per_prefix: int
+    tail_tokens: tuple[int, int] = (8, 40)  # unique tokens after the prefix, per request
+    shuffled: bool = False  # False: cyclic order p0, p1, ..., p0, p1, ...
+    concurrency: int = 1
+    prefilled: bool = False  # caches full of unrelated blocks before the first request
+    replicas: int = 1
+    header_blocks: int = 0  # a header every prefix starts with (a shared system preamble)
+    max_running: int = 2
+    prefill_s_per_token: float = 50e-6
+    decode_s: float = 0.01
+    event_lag_s: float = 0.002
+    load_interval_s: float = 0.25
+
+    @property
+    def cache_blocks(self) -> int:
+        """Per worker: the prefixes fill `fill` of the fleet's caches, on average."""
+        mean = sum(self.prefix_blocks) / 2
+        return round(self.prefixes * mean / (self.workers * self.fill))
+
+
+def workloads() -> list[Workload]:
+    """The regime as the benchmark varies it: working set above one worker's cache, within
+    the fleet's; cyclic and shuffled; sequential and concurrent; cold and pre-filled."""
+    base = [
+        Workload("3w-9p-cyclic", 3, 9, (40, 56), 0.85, 8),
+        Workload("3w-9p-shuffled", 3, 9, (40, 56), 0.85, 8, shuffled=True),
+        Workload("3w-9p-shuffled-c8", 3, 9, (40, 56), 0.85, 8, shuffled=True, concurrency=8),
+        Workload("8w-40p-shuffled-c8", 8, 40, (24, 40), 0.85, 6, shuffled=True, concurrency=8),
+        Workload("4w-14p-mixed-c4", 4, 14, (16, 80), 0.8, 7, shuffled=True, concurrency=4),
+        Workload(
+            "5w-12p-header-c2",
+            5,
+            12,
+            (48, 64),
+            0.85,
+            6,
+            shuffled=True,
+            concurrency=2,
+            header_blocks=2,
+        ),
+    ]
+    out = []
+    for w in base:
+        out.append(w)
+        out.append(replace(w, name=w.name + "-prefilled", prefilled=True))
+    for w in out[:]:
+        if w.concurrency > 1:
+            out.append(replace(w, name=w.name + "-2rep", replicas=2))
+    return out
+
+
+# -- the workload's requests ------------------------------------------------------------------
+
+
+_LETTERS: Final = "abcdefghijklmnopqrstuvwxyz      "
+
+
+@dataclass(frozen=True)
+class Request:
+    prefix: int
+    text: str  # the one user message; the prefix first, then this request's own tail
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": "user", "content": self.text}]
+
+    @cached_property
+    def tokens(self) -> list[int]:
+        """What the router and the fake worker tokenize (plain chat rendering, bytes)."""
+        return prompt_tokens(self.messages)
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    return "".join(rng.choice(_LETTERS) for _ in range(chars))
+
+
+def build_requests(w: Workload, seed: int) -> tuple[list[Request], list[int]]:
+    """The requests in arrival order, and each prefix's length in blocks.
+
+    Every request is one chat message: its prefix's text (a shared header first, when the
+    workload has one), then a tail of its own. The bytes tokenizer makes a character a token.
+    """
+    rng = random.Random(seed)
+    header = _text(rng, w.header_blocks * BLOCK)
+    lengths = [rng.randint(*w.prefix_blocks) for _ in range(w.prefixes)]
+    prefixes = [header + _text(rng, (n - w.header_blocks) * BLOCK) for n in lengths]
+    order = [p for _ in range(w.requests_per_prefix) for p in range(w.prefixes)]
+    if w.shuffled:
+        rng.shuffle(order)
+    requests = [Request(p, prefixes[p] + _text(rng, rng.randint(*w.tail_tokens))) for p in order]
+    return requests, lengths
+
+
+def ideal_partition(lengths: Sequence[int], workers: int) -> list[int]:
+    """Prefix -> worker: largest prefix first, onto the worker with the fewest blocks so far."""
+    load = [0] * workers
+    out = [0] * len(lengths)
+    for p in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        target = min(range(workers), key=lambda k: (load[k], k))
+        out[p] = target
+        load[target] += lengths[p]
+    return out
+
+
+# -- the simulated fleet ----------------------------------------------------------------------
+
+
+def _engine_hash(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "little")
+
+
+@dataclass
+class _Rank:
+    rank: RankId
+    cache: PagedPrefixCache
+    slots: int
+    running: int = 0
+    queue: deque[Callable[[], None]] = field(default_factory=deque)
+
+
+@dataclass
+class Outcome:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    requests_per_rank: dict[RankId, int] = field(default_factory=dict)
+    ranks_per_prefix: float = 0.0
+    spills: int = 0
+    bookings_expired: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class Fleet:
+    """Simulated engines, one index, routers; `run` plays a workload through one policy."""
+
+    def __init__(self, w: Workload, seed: int) -> None:
+        self.w = w
+        self.seed = seed
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.tree = BlockTree(BLOCK)
+        self.ranks = [
+            _Rank(
+                RankId(f"http://w{i}:8000", 0),
+                PagedPrefixCache(w.cache_blocks, BLOCK, VllmSha256Hasher()),
+                w.max_running,
+            )
+            for i in range(w.workers)
+        ]
+        self.loads: dict[RankId, EngineLoad] = {}
+        if w.prefilled:
+            rng = random.Random(seed ^ 0x5EED)
+            for r in self.ranks:
+                while len(r.cache) < w.cache_blocks:
+                    chain = [rng.randrange(3, 50_000) for _ in range(16 * BLOCK)]
+                    self._apply(r.rank, r.cache.admit(chain, medium="GPU"))
+
+    # -- time ------------------------------------------------------------------------------
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def clock(self) -> float:
+        return self.now
+
+    def _drain(self) -> None:
+        while self._events:
+            t, _, fn = heapq.heappop(self._events)
+            self.now = t
+            fn()
+
+    # -- engines ---------------------------------------------------------------------------
+
+    def _apply(self, rank: RankId, admission: Admission) -> None:
+        if admission.evicted:
+            self.tree.remove(rank, [_engine_hash(b.digest) for b in admission.evicted])
+        if admission.stored:
+            parent = admission.parent
+            self.tree.store(
+                rank,
+                None if parent is None else _engine_hash(parent.digest),
+                [_engine_hash(b.digest) for b in admission.stored],
+                [t for b in admission.stored for t in b.token_ids],
+                BLOCK,
+            )
+
+    def _serve(self, r: _Rank, tokens: list[int], out: Outcome, done: Callable[[], None]) -> None:
+        def start() -> None:
+            r.running += 1
+            admission = r.cache.admit(tokens, medium="GPU")
+            cached = admission.hit_blocks * BLOCK
+            out.prompt_tokens += len(tokens)
+            out.cached_tokens += cached
+            self.at(self.now + self.w.event_lag_s, lambda: self._apply(r.rank, admission))
+            busy = (len(tokens) - cached) * self.w.prefill_s_per_token + self.w.decode_s
+            self.at(self.now + busy, finish)
+
+        def finish() -> None:
+            r.running -= 1
+            if r.queue:
+                r.queue.popleft()()
+            done()
+
+        if r.running < r.slots:
+            start()
+        else:
+            r.queue.append(start)
+
+    def _poll_loads(self, until: Callable[[], bool]) -> None:
+        self.loads = {
+            r.rank: EngineLoad(running=r.running, waiting=len(r.queue)) for r in self.ranks
+        }
+        if not until():
+            self.at(self.now + self.w.load_interval_s, lambda: self._poll_loads(until))
+
+    # -- a run -----------------------------------------------------------------------------
+
+    def run(
+        self,
+        requests: Sequence[Request],
+        route: Callable[[int, Request], RankId],
+        done: Callable[[int, RankId], None] = lambda i, rank: None,
+    ) -> Outcome:
+        """Play `requests` through `route(index, request) -> rank` in a closed loop;
+        `done(index, rank)` when a request finishes."""
+        out = Outcome()
+        by_rank = {r.rank: r for r in self.ranks}
+        pending = iter(enumerate(requests))
+        active = [0]
+        seen: dict[int, set[RankId]] = {}
+
+        def next_request() -> None:
+            item = next(pending, None)
+            if item is None:
+                return
+            i, req = item
+            active[0] += 1
+            rank = route(i, req)
+            out.requests_per_rank[rank] = out.requests_per_rank.get(rank, 0) + 1
+            seen.setdefault(req.prefix, set()).add(rank)
+            self._serve(by_rank[rank], req.tokens, out, lambda: finished(i, rank))
+
+        def finished(i: int, rank: RankId) -> None:
+            active[0] -= 1
+            done(i, rank)
+            next_request()
+
+        # The load monitor's first poll lands anywhere in its interval, as it does live.
+        phase = random.Random(self.seed).uniform(0, self.w.load_interval_s)
+        self.at(phase, lambda: self._poll_loads(lambda: active[0] == 0 and not self._events))
+        for _ in range(self.w.concurrency):
+            self.at(self.now, next_request)
+        self._drain()
+        out.ranks_per_prefix = statistics.fmean(len(s) for s in seen.values())
+        return out
+
+
+def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None = None,
+         settings: PressureSettings | None = None) -> Outcome:  # fmt: skip
+    """One workload, one seed, through `policy` (a kvrouter policy name, or "ideal")."""
+    requests, lengths = build_requests(w, seed)
+    fleet = Fleet(w, seed)
+    ranks = [r.rank for r in fleet.ranks]
+    if policy == IDEAL:
+        part = ideal_partition(lengths, w.workers)
+        return fleet.run(requests, lambda i, req: ranks[part[req.prefix]])
+    routers = []
+    for k in range(w.replicas):
+        kwargs = {}
+        if policy == "cache_aware":
+            kwargs = {
+                "weights": weights,
+                "ledger": PressureLedger(settings, fleet.clock),
+                "index": lambda: fleet.tree,
+                "capacity": lambda rank: w.cache_blocks,
+                "replicas": lambda: w.replicas,
+            }
+        routers.append(make_policy(policy, rng=random.Random(seed * 31 + k), **kwargs))
+    inflight = {r: [0] * w.replicas for r in ranks}
+
+    def route(i: int, req: Request) -> RankId:
+        k = i % w.replicas
+        candidates = [Candidate(r, inflight[r][k], fleet.loads.get(r)) for r in ranks]
+        tokens = req.tokens
+        keys = block_keys(tokens, BLOCK)
+        prompt = Prompt(len(tokens), BLOCK, fleet.tree.prefix_depths(keys), keys)
+        rank = routers[k].decide(candidates, prompt).ranked[0].rank
+        inflight[rank][k] += 1
+        return rank
+
+    def done(i: int, rank: RankId) -> None:
+        inflight[rank][i % w.replicas] -= 1
+
+    out = fleet.run(requests, route, done)
+    for policy_obj in routers:
+        if isinstance(policy_obj, CacheAware):
+            out.spills += policy_obj.spill_stats.spills
+            out.bookings_expired += policy_obj.ledger.bookings.expired
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--workloads", default="")
+    parser.add_argument("--policies", default="cache_aware,round_robin")
+    parser.add_argument("--evict", type=float, default=CacheAwareWeights().evict)
+    parser.add_argument("--fill", type=float, default=CacheAwareWeights().fill)
+    parser.add_argument("--tie-margin", type=float, default=CacheAwareWeights().tie_margin)
+    parser.add_argument("--ttl-s", type=float, default=PressureSettings().booking_ttl_s)
+    parser.add_argument("--half-life-s", type=float, default=PressureSettings().demand_half_life_s)
+    args = parser.parse_args()
+    weights = CacheAwareWeights(evict=args.evict, fill=args.fill, tie_margin=args.tie_margin)
+    settings = PressureSettings(booking_ttl_s=args.ttl_s, demand_half_life_s=args.half_life_s)
+    wanted = {x for x in args.workloads.split(",") if x}
+    policies = [p for p in args.policies.split(",") if p]
+    print(f"{'workload':<34} {'ideal':>6} " + " ".join(f"{p:>26}" for p in policies))
+    for w in workloads():
+        if wanted and w.name not in wanted:
+            continue
+        ideal = [play(w, s, IDEAL).ratio for s in range(args.seeds)]
+        cells = []
+        for p in policies:
+            runs = [play(w, s, p, weights, settings) for s in range(args.seeds)]
+            ratios = [r.ratio for r in runs]
+            rel = statistics.median(ratios) / statistics.median(ideal)
+            spread = statistics.fmean(r.ranks_per_prefix for r in runs)
+            cells.append(
+                f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) "
+                f"{rel:.2f}x {spread:.2f}"
+            )
+        ideal_median = statistics.median(ideal)
+        print(f"{w.name:<34} {ideal_median:6.3f} " + " ".join(f"{c:>26}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()

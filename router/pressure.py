@@ -1,0 +1,324 @@
+"""What this replica routed lately, per rank: recent demand and optimistic bookings.
+
+`cache_aware` reads the block index for what each rank holds; the index is the fleet's shared
+truth, but it learns of a block only when the engine's store event arrives, and it does not
+say which of the blocks a rank holds are still wanted. This ledger adds both from the
+replica's own decisions. Plain synchronous code with an injected clock.
+
+Theory of operation
+-------------------
+Every routed prompt is recorded against the rank it went to, block key by block key:
+
+- Demand: each block key routed counts once, however often it is routed (distinct blocks),
+  on the rank this replica last sent it to, with a weight that halves every
+  `demand_half_life_s` since then. A rank's demand is the sum: how many blocks this
+  replica's recent traffic needs it to keep. Blocks nobody asked for lately (what an engine
+  cached before this replica started, a prefix gone quiet) weigh nothing, so a full cache of
+  them is as good as an empty one; and a prefix sent to another rank takes its demand along,
+  so the copy left behind stops counting as something its old rank must keep.
+- Bookings: a routed prompt's blocks beyond what the index already shows on the rank count
+  as held by it until the index shows them (its store event arrived) or `booking_ttl_s`
+  passes. Requests for a new prefix that arrive before its first request's store event then
+  follow it instead of each looking like a miss. A booking ends `confirmed` when the index
+  holds its first block on the rank (an engine evicts a chain from its tail, so the first
+  block is the one still there if the rest went again before this replica looked), and
+  `expired` at the TTL otherwise (the engine queued the request longer than that, or it
+  failed over): many expired bookings mean the TTL is too short for the engines' queues.
+  Bookings are checked oldest first per rank on every decision (an engine admits in order),
+  so a confirmed booking stops counting at once: were it kept, it would hide the engine
+  evicting those blocks later.
+
+Weights are stored as 2 ** ((t - t0) / half_life) against a moving origin t0, so a rank's
+demand is one running sum scaled by 2 ** -((now - t0) / half_life): recording a block is O(1)
+and reading a demand is O(1), however many blocks are tracked.
+
+Bounds: each rank's pairs are kept in last-routed order; pairs older than 16 half-lives
+(weight < 1/65536) are dropped as the rank is recorded, and the whole ledger holds at most
+`max_tracked_blocks` pairs (each rank its share; a rank's oldest go first), so memory is
+bounded whatever the traffic. A rank no longer routed to is swept a little on every record.
+Booked blocks are bounded by the same figure: past it, the oldest booking ends early (and
+counts as expired).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from cachetree.ranks import RankId
+
+Holds = Callable[[RankId, int], bool]  # does the index hold this block key on this rank?
+
+_FORGET_AFTER_HALF_LIVES = 16.0
+_REBASE_AFTER_HALF_LIVES = 256.0  # 2 ** 256 is far from overflowing a double
+_REFRESH_FACTOR = 2.0 ** (-1 / 64)
+
+
+@dataclass(frozen=True, slots=True)
+class PressureSettings:
+    """The ledger's time constants and bound (README: `--booking-ttl-ms`,
+    `--demand-half-life-s`, `--pressure-max-tracked-blocks`)."""
+
+    booking_ttl_s: float = 5.0
+    demand_half_life_s: float = 30.0
+    max_tracked_blocks: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if not self.booking_ttl_s >= 0:
+            raise ValueError("booking_ttl_s must be >= 0")
+        if not self.demand_half_life_s > 0:
+            raise ValueError("demand_half_life_s must be > 0")
+        if self.max_tracked_blocks < 1:
+            raise ValueError("max_tracked_blocks must be >= 1")
+
+
+@dataclass(slots=True)
+class BookingStats:
+    made: int = 0
+    confirmed: int = 0  # the index held the booked blocks when the TTL ended
+    expired: int = 0  # it did not
+
+
+@dataclass(slots=True)
+class _Booking:
+    ends_at: float
+    keys: Sequence[int]  # the blocks it books, root first
+
+
+@dataclass(slots=True)
+class _RankLedger:
+    weights: OrderedDict[int, float] = field(default_factory=OrderedDict)  # key -> weight
+    total: float = 0.0  # sum of `weights`
+    bookings: deque[_Booking] = field(default_factory=deque)  # oldest first
+    booked: dict[int, int] = field(default_factory=dict)  # key -> live bookings holding it
+    booked_blocks: int = 0  # over its live bookings
+
+
+class PressureLedger:
+    def __init__(
+        self, settings: PressureSettings | None = None, clock: Callable[[], float] | None = None
+    ) -> None:
+        self.settings = settings if settings is not None else PressureSettings()
+        self._clock = clock if clock is not None else time.monotonic
+        self.bookings = BookingStats()
+        self._ranks: dict[RankId, _RankLedger] = {}
+        self._booking_ranks: set[RankId] = set()  # ranks with live bookings
+        self._booked_blocks = 0  # over all live bookings
+        self._home: dict[int, RankId] = {}  # block key -> the rank its demand is counted on
+        self._origin = self._clock()
+        self._sweep_next = 0  # the rank the next record sweeps, by position
+        self._tracked = 0  # pairs over all ranks
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def demand(self, rank: RankId) -> float:
+        """The rank's recent distinct routed blocks, decayed (see the module docstring)."""
+        st = self._ranks.get(rank)
+        if st is None or st.total <= 0.0:
+            return 0.0
+        return st.total * self._scale(self._clock())
+
+    def demands(self, ranks: Iterable[RankId]) -> list[float]:
+        scale = self._scale(self._clock())
+        get = self._ranks.get
+        return [0.0 if (st := get(r)) is None else max(st.total * scale, 0.0) for r in ranks]
+
+    def live_bookings(self, rank: RankId) -> int:
+        """Bookings (routed prompts) on the rank, neither confirmed nor expired yet."""
+        st = self._ranks.get(rank)
+        return 0 if st is None else len(st.bookings)
+
+    def pending(self, rank: RankId) -> int:
+        """Blocks booked on the rank and not in the index yet: room its cache will lose."""
+        st = self._ranks.get(rank)
+        return 0 if st is None else st.booked_blocks
+
+    def pendings(self, ranks: Iterable[RankId]) -> list[int]:
+        get = self._ranks.get
+        return [0 if (st := get(r)) is None else st.booked_blocks for r in ranks]
+
+    @property
+    def booked_blocks(self) -> int:
+        """Blocks booked over all live bookings."""
+        return self._booked_blocks
+
+    @property
+    def tracked_blocks(self) -> int:
+        return self._tracked
+
+    def ranks(self) -> list[RankId]:
+        return list(self._ranks)
+
+    def booked_depths(self, keys: Sequence[int], held: dict[RankId, int]) -> dict[RankId, int]:
+        """How deep each rank holds the prompt `keys` once bookings count as held.
+
+        `held` is each rank's depth in the index; from there a rank's depth extends over the
+        blocks booked on it. Only ranks where bookings add something are in the answer.
+        """
+        out: dict[RankId, int] = {}
+        n = len(keys)
+        if not n:
+            return out
+        for rank in self._booking_ranks:
+            start = depth = held.get(rank, 0)
+            booked = self._ranks[rank].booked
+            while depth < n and keys[depth] in booked:
+                depth += 1
+            if depth > start:
+                out[rank] = depth
+        return out
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def record(
+        self, rank: RankId, keys: Sequence[int], held: int = 0, holds: Holds | None = None
+    ) -> None:
+        """`keys` (a prompt's block keys, root first) were routed to `rank` now, which the
+        index shows holding the first `held` of them: the rest are booked on it."""
+        now = self._clock()
+        if now - self._origin > _REBASE_AFTER_HALF_LIVES * self.settings.demand_half_life_s:
+            self._rebase(now)
+        st = self._ranks.get(rank)
+        if st is None:
+            st = self._ranks[rank] = _RankLedger()
+        if keys:
+            w = self._weight(now)
+            # A block refreshed within the last 1/64 of a half-life keeps its weight and its
+            # place: a hot prefix routed again and again costs one lookup per block.
+            fresh = w * _REFRESH_FACTOR
+            weights = st.weights
+            get = weights.get
+            pop = weights.pop
+            home = self._home
+            before = len(weights)
+            dropped = 0.0
+            added = 0
+            for key in keys:
+                if get(key, 0.0) >= fresh:
+                    continue
+                added += 1
+                old = pop(key, None)
+                if old is not None:
+                    dropped += old
+                else:
+                    moved_from = home.get(key)
+                    if moved_from is not None:  # this replica's traffic for it went elsewhere
+                        self._forget(moved_from, key)
+                    home[key] = rank
+                weights[key] = w
+            self._tracked += len(weights) - before
+            st.total += w * added - dropped
+            if held < len(keys) and self.settings.booking_ttl_s > 0:
+                self._book(now, rank, st, keys[held:], holds)
+        self._prune(st, now)
+        self._sweep(now)
+
+    def settle(self, holds: Holds | None) -> None:
+        """End the bookings whose blocks the index now shows (`holds` asks it), or whose TTL
+        has passed: per rank oldest first, stopping at the first one still pending."""
+        if not self._booking_ranks:
+            return
+        now = self._clock()
+        for rank in list(self._booking_ranks):
+            st = self._ranks[rank]
+            queue = st.bookings
+            while queue:
+                booking = queue[0]
+                if holds is not None and holds(rank, booking.keys[0]):
+                    self.bookings.confirmed += 1
+                elif booking.ends_at <= now:
+                    self.bookings.expired += 1
+                else:
+                    break
+                self._release(rank, st, queue.popleft())
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _weight(self, t: float) -> float:
+        return 2.0 ** ((t - self._origin) / self.settings.demand_half_life_s)
+
+    def _scale(self, now: float) -> float:
+        return 2.0 ** (-(now - self._origin) / self.settings.demand_half_life_s)
+
+    def _book(
+        self, now: float, rank: RankId, st: _RankLedger, keys: Sequence[int], holds: Holds | None
+    ) -> None:
+        self.bookings.made += 1
+        st.bookings.append(_Booking(now + self.settings.booking_ttl_s, keys))
+        booked = st.booked
+        for key in keys:
+            booked[key] = booked.get(key, 0) + 1
+        self._booking_ranks.add(rank)
+        st.booked_blocks += len(keys)
+        self._booked_blocks += len(keys)
+        while self._booked_blocks > self.settings.max_tracked_blocks:
+            oldest = min(self._booking_ranks, key=lambda r: self._ranks[r].bookings[0].ends_at)
+            st_old = self._ranks[oldest]
+            self.bookings.expired += 1
+            self._release(oldest, st_old, st_old.bookings.popleft())
+
+    def _release(self, rank: RankId, st: _RankLedger, booking: _Booking) -> None:
+        booked = st.booked
+        for key in booking.keys:
+            left = booked[key] - 1
+            if left:
+                booked[key] = left
+            else:
+                del booked[key]
+        st.booked_blocks -= len(booking.keys)
+        self._booked_blocks -= len(booking.keys)
+        if not st.bookings:
+            self._booking_ranks.discard(rank)
+
+    def _forget(self, rank: RankId, key: int) -> None:
+        st = self._ranks.get(rank)
+        if st is None:
+            return
+        w = st.weights.pop(key, None)
+        if w is not None:
+            st.total -= w
+            self._tracked -= 1
+
+    def _prune(self, st: _RankLedger, now: float) -> None:
+        """Drop the rank's pairs that weigh next to nothing, and its oldest beyond its share."""
+        share = self.settings.max_tracked_blocks // max(1, len(self._ranks))
+        floor = self._weight(now - _FORGET_AFTER_HALF_LIVES * self.settings.demand_half_life_s)
+        weights = st.weights
+        home = self._home
+        while weights:
+            key, w = next(iter(weights.items()))
+            if w >= floor and len(weights) <= share:
+                break
+            del weights[key]
+            del home[key]
+            st.total -= w
+            self._tracked -= 1
+        if not weights:
+            st.total = 0.0  # no rounding residue on an empty rank
+
+    def _sweep(self, now: float) -> None:
+        """Prune one more rank per record, in turn, so ranks no longer routed to shrink too;
+        forget a rank once it has neither pairs nor live bookings."""
+        if not self._ranks:
+            return
+        ranks = list(self._ranks)
+        rank = ranks[self._sweep_next % len(ranks)]
+        self._sweep_next += 1
+        st = self._ranks[rank]
+        self._prune(st, now)
+        if not st.weights and not st.bookings:
+            del self._ranks[rank]
+
+    def _rebase(self, now: float) -> None:
+        """Move the weights' origin to `now` (keeps 2 ** x far from overflow), recomputing
+        each rank's sum exactly, which also clears rounding residue."""
+        factor = self._scale(now)
+        for st in self._ranks.values():
+            weights = st.weights
+            for key in weights:
+                weights[key] *= factor
+            st.total = math.fsum(weights.values())
+        self._origin = now

@@ -1,0 +1,235 @@
+"""The pressure ledger: recent demand per rank (decayed, distinct blocks) and bookings.
+
+The clock is a ManualClock; the index a booking is confirmed against is a real BlockTree.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cachetree.keys import block_keys
+from cachetree.ranks import RankId
+from cachetree.tree import BlockTree
+from router.pressure import PressureLedger, PressureSettings
+from tests.support.clock import ManualClock
+
+BS = 16
+A, B, C = (RankId(f"http://{h}:8000", 0) for h in "abc")
+
+
+def tokens(seed: int, blocks: int) -> list[int]:
+    return [(seed * 7919 + i * 104_729) % 50_000 + 3 for i in range(blocks * BS)]
+
+
+def keys(seed: int, blocks: int) -> list[int]:
+    return block_keys(tokens(seed, blocks), BS)
+
+
+def ledger(clock: ManualClock, **settings: float) -> PressureLedger:
+    return PressureLedger(PressureSettings(**settings), clock)  # type: ignore[arg-type]
+
+
+class Index:
+    """A real BlockTree, and a way to store a prompt on a rank as its engine would."""
+
+    def __init__(self) -> None:
+        self.tree = BlockTree(BS)
+        self._hash = 1
+
+    def store(self, rank: RankId, seed: int, blocks: int) -> list[int]:
+        hashes = list(range(self._hash, self._hash + blocks))
+        self._hash += blocks
+        self.tree.store(rank, None, hashes, tokens(seed, blocks), BS)
+        return hashes
+
+    def holds(self, rank: RankId, key: int) -> bool:
+        return self.tree.engine_hash(rank, key) is not None
+
+
+# --- demand ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("after_s", "demand"),
+    [(0.0, 40.0), (10.0, 20.0), (20.0, 10.0), (40.0, 2.5)],
+)
+def test_demand_counts_routed_blocks_and_halves_every_half_life(
+    after_s: float, demand: float
+) -> None:
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=10.0)
+    led.record(A, keys(1, 40))
+    clock.advance(after_s)
+    assert led.demand(A) == pytest.approx(demand)
+    assert led.demands([A, B]) == [pytest.approx(demand), 0.0]
+
+
+def test_demand_counts_distinct_blocks_where_they_were_last_routed() -> None:
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=10.0)
+    shared = keys(1, 30)
+    led.record(A, shared + keys(2, 10))  # 40 blocks
+    clock.advance(10.0)  # all of them weigh 1/2 now: 20
+    led.record(A, shared + keys(3, 10))  # 30 refreshed to 1, 10 new at 1, 10 old at 1/2
+    assert led.demand(A) == pytest.approx(30 + 10 + 5)
+    assert led.tracked_blocks == 50
+    # Routed to another rank, the blocks' demand moves with this replica's traffic: a copy
+    # left behind on A is no longer something A must keep for it.
+    led.record(B, shared)
+    assert (led.demand(A), led.demand(B)) == (pytest.approx(10 + 5), pytest.approx(30))
+    assert led.tracked_blocks == 50
+    led.record(A, keys(2, 10))  # routed again where they are: refreshed, nothing moves
+    assert (led.demand(A), led.demand(B)) == (pytest.approx(10 + 10), pytest.approx(30))
+
+
+def test_blocks_nobody_routed_for_sixteen_half_lives_are_forgotten() -> None:
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=1.0, booking_ttl_s=0.0)
+    led.record(A, keys(1, 20))
+    clock.advance(16.5)
+    led.record(A, keys(2, 5))  # recording a rank prunes its old pairs
+    assert led.tracked_blocks == 5
+    assert led.demand(A) == pytest.approx(5)
+
+
+def test_a_rank_no_longer_routed_to_is_swept_and_forgotten() -> None:
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=1.0, booking_ttl_s=0.0)
+    led.record(A, keys(1, 20))
+    clock.advance(20.0)
+    for seed in range(4):  # each record sweeps one more rank, in turn
+        led.record(B, keys(10 + seed, 1))
+    assert led.ranks() == [B]
+    assert led.tracked_blocks == 4
+
+
+def test_memory_is_bounded_each_rank_keeping_its_share_of_the_newest() -> None:
+    clock = ManualClock()
+    led = ledger(clock, max_tracked_blocks=100, booking_ttl_s=0.0)
+    led.record(A, keys(1, 80))
+    assert led.tracked_blocks == 80
+    led.record(B, keys(2, 80))  # two ranks now: 50 each, the oldest pairs go first
+    led.record(A, keys(3, 10))
+    assert led.tracked_blocks <= 100
+    assert led.demand(B) == pytest.approx(50)
+    assert led.demand(A) == pytest.approx(50)
+
+
+def test_demand_stays_exact_across_a_rebase_of_the_weights_origin() -> None:
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=1.0, booking_ttl_s=0.0)
+    led.record(A, keys(1, 8))
+    for step in range(300):  # far past 256 half-lives: the origin moves at least once
+        clock.advance(1.0)
+        led.record(A, keys(1, 8))
+        led.record(B, keys(2 + step % 3, 4))
+    assert led.demand(A) == pytest.approx(8)
+    # B's three prompts were routed one, two and three seconds ago: 4 * (1 + 1/2 + 1/4).
+    assert led.demand(B) == pytest.approx(4 * 1.75)
+
+
+# --- bookings -------------------------------------------------------------------------------
+
+
+def test_a_booking_extends_the_index_depth_until_the_index_shows_the_blocks() -> None:
+    clock = ManualClock()
+    index = Index()
+    led = ledger(clock, booking_ttl_s=5.0)
+    prompt = keys(1, 40)
+    index.store(A, 1, 10)  # the index already shows the first ten blocks on A
+    led.record(A, prompt, held=10, holds=index.holds)
+    assert led.live_bookings(A) == 1 and led.pending(A) == 30
+    assert led.booked_depths(prompt, {A: 10}) == {A: 40}
+    assert led.booked_depths(prompt, {}) == {}  # a booking starts where the index ends
+    assert led.booked_depths(keys(1, 20) + keys(9, 5), {A: 10}) == {A: 20}
+    # The store event arrives: the booking is confirmed and stops counting at once, so a
+    # later eviction is seen as it is, not hidden behind the booking.
+    hashes = index.store(A, 1, 40)
+    led.settle(index.holds)
+    assert (led.bookings.made, led.bookings.confirmed, led.bookings.expired) == (1, 1, 0)
+    assert led.live_bookings(A) == 0 and led.pending(A) == 0
+    index.tree.remove(A, hashes[20:])
+    assert led.booked_depths(prompt, {A: 20}) == {}
+
+
+@pytest.mark.parametrize(
+    ("after_s", "booked_depth", "expired"),
+    [(4.999, 40, 0), (5.0, None, 1), (60.0, None, 1)],
+)
+def test_a_booking_the_index_never_confirms_expires_at_its_ttl(
+    after_s: float, booked_depth: int | None, expired: int
+) -> None:
+    clock = ManualClock()
+    index = Index()
+    led = ledger(clock, booking_ttl_s=5.0)
+    prompt = keys(1, 40)
+    led.record(A, prompt, holds=index.holds)
+    clock.advance(after_s)
+    led.settle(index.holds)
+    expected = {} if booked_depth is None else {A: booked_depth}
+    assert led.booked_depths(prompt, {}) == expected
+    assert (led.bookings.expired, led.bookings.confirmed) == (expired, 0)
+    assert led.live_bookings(A) == 1 - expired
+    assert led.demand(A) > 0  # an expired booking is still recent demand
+
+
+def test_bookings_settle_oldest_first_per_rank_and_stop_at_one_still_pending() -> None:
+    clock = ManualClock()
+    index = Index()
+    led = ledger(clock, booking_ttl_s=5.0)
+    led.record(A, keys(1, 4), holds=index.holds)
+    led.record(A, keys(2, 4), holds=index.holds)
+    led.record(B, keys(3, 4), holds=index.holds)
+    index.store(A, 2, 4)  # the engine stored A's second prompt, not yet its first
+    index.store(B, 3, 4)
+    led.settle(index.holds)
+    assert (led.live_bookings(A), led.live_bookings(B)) == (2, 0)
+    index.store(A, 1, 4)
+    led.settle(index.holds)
+    assert led.live_bookings(A) == 0
+    assert (led.bookings.confirmed, led.bookings.expired) == (3, 0)
+
+
+def test_two_bookings_of_one_block_hold_it_until_both_end() -> None:
+    clock = ManualClock()
+    led = ledger(clock, booking_ttl_s=5.0)
+    prompt = keys(1, 8)
+    led.record(A, prompt)
+    clock.advance(3.0)
+    led.record(A, prompt)
+    clock.advance(2.5)  # the first booking ends, the second holds the blocks still
+    led.settle(None)
+    assert led.booked_depths(prompt, {}) == {A: 8}
+    clock.advance(3.0)
+    led.settle(None)
+    assert led.booked_depths(prompt, {}) == {}
+    assert led.bookings.expired == 2 and led.booked_blocks == 0
+
+
+def test_a_ttl_of_zero_books_nothing_and_booked_blocks_are_bounded() -> None:
+    clock = ManualClock()
+    off = ledger(clock, booking_ttl_s=0.0)
+    off.record(A, keys(1, 8))
+    assert off.booked_depths(keys(1, 8), {}) == {} and off.bookings.made == 0
+    bounded = ledger(clock, booking_ttl_s=5.0, max_tracked_blocks=20)
+    bounded.record(A, keys(1, 8))
+    clock.advance(0.1)
+    bounded.record(B, keys(2, 8))
+    clock.advance(0.1)
+    bounded.record(C, keys(3, 8))  # 24 booked > 20: the oldest booking (A's) ends early
+    assert bounded.booked_blocks == 16
+    assert bounded.live_bookings(A) == 0 and bounded.bookings.expired == 1
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"booking_ttl_s": -1.0},
+        {"demand_half_life_s": 0.0},
+        {"demand_half_life_s": float("nan")},
+        {"max_tracked_blocks": 0},
+    ],
+)
+def test_invalid_settings_are_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        PressureSettings(**bad)  # type: ignore[arg-type]
