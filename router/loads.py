@@ -413,6 +413,13 @@ class LoadMonitor:
             await self.poll_once()
             await self._sleep(max(0.0, self.interval_s - (self._clock() - started)))
 
+    async def poll_worker(self, url: str) -> None:
+        """Poll one registered worker now, outside the tick: a newly registered worker's
+        capacity is then known before its ranks' snapshots are vetted against it."""
+        w = self._workers.get(url.rstrip("/"))
+        if w is not None:
+            await self._poll_guarded(w)
+
     async def poll_once(self) -> None:
         """One tick: every registered worker, concurrently."""
         workers = list(self._workers.values())

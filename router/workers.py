@@ -436,6 +436,10 @@ class WorkerRegistry:
         worker.state = "ready"
         worker.healthy = await self._check_health(worker)
         self.loads.add_worker(worker.url, worker.dp_size)
+        if obligations:
+            # Its capacity bounds what a sibling's snapshot may claim for its ranks (peer.vet):
+            # read it before the bootstrap vets one, not at the next load tick.
+            await self.loads.poll_worker(worker.url)
         log.info(
             "worker %s registered: %d rank(s), events at %s:%d (%s)%s",
             worker.url,
