@@ -454,6 +454,11 @@ class Pump:
             return await fn(self.rules)
         return await self.call(fn)  # type: ignore[return-value] - the pump awaits it
 
+    async def hold(self, job: Callable[[], Awaitable[None]]) -> None:
+        """Run `job` while nothing is applied to the index; it may await (readers run
+        meanwhile). The snapshot producer lists the tree's nodes this way."""
+        await self.call_async(lambda rules: job())
+
     @property
     def backlog(self) -> int:
         return len(self._items)

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from peer.endpointslices import SliceDiscovery
+    from peer.producer import SnapshotProducer
     from router.bootstrap import PeerBootstrap
     from router.index import Pump
     from router.loads import LoadMonitor
@@ -89,6 +90,9 @@ class RouterMetrics:
 
     def watch_discovery(self, discovery: SliceDiscovery) -> None:
         self.registry.register(_DiscoveryCollector(discovery))
+
+    def watch_producer(self, producer: SnapshotProducer) -> None:
+        self.registry.register(_ProducerCollector(producer))
 
 
 class _StateCollector(Collector):
@@ -334,6 +338,28 @@ def _gauge(
     for values, value in rows:
         family.add_metric(list(values), value)
     return family
+
+
+class _ProducerCollector(Collector):
+    """The snapshot producer: what its cached export holds (dropped at its max_age)."""
+
+    def __init__(self, producer: SnapshotProducer) -> None:
+        self._producer = producer
+
+    def collect(self) -> Iterator[Metric]:
+        yield _gauge(
+            "kvrouter_kv_snapshot_cached_bytes",
+            "Bytes held by the cached export of the index served to siblings (0 once it "
+            "expired); count them in the replica's memory budget",
+            [((), self._producer.cached_bytes)],
+            [],
+        )
+        yield _counter(
+            "kvrouter_kv_snapshot_exports",
+            "Exports of the index built for siblings",
+            [],
+            {(): self._producer.stats.builds},
+        )
 
 
 class _DiscoveryCollector(Collector):

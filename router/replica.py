@@ -196,10 +196,12 @@ async def _compose(
         inflight,
         [control_session, proxy_session],
         zmq_context,
-        producer=SnapshotProducer(pump.rules, settled=settled),
+        producer=SnapshotProducer(pump.rules, settled=settled, hold_writer=pump.hold),
         bootstrap=bootstrap,
         discovery=discovery,
     )
+    if replica.producer is not None:
+        metrics.watch_producer(replica.producer)
     workers.start()
     if bootstrap is not None:
         bootstrap.start()
