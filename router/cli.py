@@ -32,6 +32,8 @@ from peer.kubeconfig import KubeConfigError
 from router.app import build_app
 from router.control import REPLICA
 from router.index import DEFAULT_INDEX_MAX_BLOCKS
+from router.ingest_pool import DEFAULT_INGEST_PROCESSES
+from router.ingest_pool import MAX_PROCESSES as MAX_INGEST_PROCESSES
 from router.policy import POLICY_NAMES
 from router.replica import ServeConfig
 from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
@@ -232,6 +234,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         DEFAULT_INDEX_MAX_BLOCKS,
         "cap on (rank, block) pairs in the index; over it the largest rank is cleared",
     )
+    f.add(
+        "kv-ingest-processes",
+        int,
+        DEFAULT_INGEST_PROCESSES,
+        "processes that receive, decode and key KV events for the pump (0: in the event loop)",
+    )
     f.add("drain-timeout-s", float, 30.0, "after SIGTERM, how long in-flight requests may run")
     f.add("log-level", str.lower, "info", "how much to log", choices=LOG_LEVELS)
     return f
@@ -276,6 +284,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             "--kv-events-max-message-bytes must be 4096..1073741824",
         ),
         (args.kv_index_max_blocks >= 1, "--kv-index-max-blocks must be >= 1"),
+        (
+            0 <= args.kv_ingest_processes <= MAX_INGEST_PROCESSES,
+            f"--kv-ingest-processes must be 0..{MAX_INGEST_PROCESSES}",
+        ),
         (0 <= args.worker_port <= 65535, "--worker-port must be 0 (the first listed) or 1..65535"),
         (
             not (args.peer and args.kv_peer_selector),

@@ -93,6 +93,8 @@ async def _readyz(request: web.Request) -> web.Response:
         return web.json_response({"ready": False, "reason": "draining"}, status=503)
     if not replica.workers.routable():
         return web.json_response({"ready": False, "reason": "no healthy worker"}, status=503)
+    if replica.ingest is not None and (trouble := replica.ingest.unhealthy) is not None:
+        return web.json_response({"ready": False, "reason": trouble}, status=503)
     bootstrap = replica.bootstrap
     # Asked last: it latches at the first True, so a later scale-up never un-readies us.
     if bootstrap is not None and not bootstrap.admit_ready():

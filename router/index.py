@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Final, TypeVar
 
+from cachetree.keys import namespace_seed
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from peer.tasks import cancel_and_wait
@@ -152,6 +153,10 @@ def apply_steps(
             n = len(event.engine_hashes)
             if n > slice_blocks:
                 yield from _store_sliced(tree, rank, event, slice_blocks)
+            elif event.keys is not None and _seed_holds(tree, rank, event):
+                tree.store_keyed(
+                    rank, event.parent_engine_hash, event.engine_hashes, event.keys, event.tier
+                )
             else:
                 tree.store(
                     rank,
@@ -167,6 +172,16 @@ def apply_steps(
         elif kind is AllBlocksCleared:
             yield from tree.clear_rank_steps(rank, slice_blocks)
             tally["cleared", None] += 1
+
+
+def _seed_holds(tree: BlockTree, rank: RankId, event: BlockStored) -> bool:
+    """Were the event's precomputed keys seeded with the parent key the tree has now?"""
+    if event.block_size != tree.block_size:
+        return False  # let `store` refuse and count it
+    parent = event.parent_engine_hash
+    if parent is None:
+        return event.seed == namespace_seed(event.namespace)
+    return event.seed is not None and tree.key_of(rank, parent) == event.seed
 
 
 class _End:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from peer.producer import SnapshotProducer
     from router.bootstrap import PeerBootstrap
     from router.index import Pump
+    from router.ingest_pool import IngestPool
     from router.loads import LoadMonitor
     from router.tokenize import RequestTokenizer
     from router.workers import WorkerRegistry
@@ -90,6 +91,9 @@ class RouterMetrics:
 
     def watch_discovery(self, discovery: SliceDiscovery) -> None:
         self.registry.register(_DiscoveryCollector(discovery))
+
+    def watch_ingest(self, pool: IngestPool) -> None:
+        self.registry.register(_IngestCollector(pool))
 
     def watch_producer(self, producer: SnapshotProducer) -> None:
         self.registry.register(_ProducerCollector(producer))
@@ -338,6 +342,34 @@ def _gauge(
     for values, value in rows:
         family.add_metric(list(values), value)
     return family
+
+
+class _IngestCollector(Collector):
+    """The ingest processes (--kv-ingest-processes): their restarts and what they sent."""
+
+    def __init__(self, pool: IngestPool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        pool = self._pool
+        yield _gauge(
+            "kvrouter_kv_ingest_ranks",
+            "Ranks each ingest process subscribes to",
+            [((str(i),), n) for i, n in enumerate(pool.ranks_per_process())],
+            ["process"],
+        )
+        yield _counter(
+            "kvrouter_kv_ingest_restarts",
+            "Ingest processes started again after they exited (their ranks see a gap)",
+            ["process"],
+            {(str(i),): pool.stats.restarts[i] for i in range(pool.processes)},
+        )
+        yield _counter(
+            "kvrouter_kv_ingest_bad_messages",
+            "Messages from ingest processes that did not decode (dropped; a bug)",
+            [],
+            {(): pool.stats.bad_messages},
+        )
 
 
 class _ProducerCollector(Collector):

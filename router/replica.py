@@ -28,6 +28,7 @@ from peer.tracker import BootstrapTracker
 from router.bootstrap import PeerBootstrap
 from router.breaker import CircuitBreaker
 from router.index import DEFAULT_INDEX_MAX_BLOCKS, IndexRules, Pump
+from router.ingest_pool import DEFAULT_INGEST_PROCESSES, IngestPool
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
 from router.policy import Policy, make_policy
@@ -83,6 +84,7 @@ class ServeConfig:
     kv_bootstrap_max_body_mb: int = 1024
     kv_events_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     kv_index_max_blocks: int = DEFAULT_INDEX_MAX_BLOCKS
+    kv_ingest_processes: int = DEFAULT_INGEST_PROCESSES
 
     @property
     def bootstrap_enabled(self) -> bool:
@@ -109,6 +111,7 @@ class Replica:
     producer: SnapshotProducer | None = None  # serves /internal/kv_snapshot
     bootstrap: PeerBootstrap | None = None  # peer snapshot bootstrap, when siblings are known
     discovery: SliceDiscovery | None = None  # EndpointSlice watches, when a selector is given
+    ingest: IngestPool | None = None  # ingest processes, with --kv-ingest-processes > 0
 
 
 async def start_replica(config: ServeConfig) -> Replica:
@@ -149,6 +152,16 @@ async def _compose(
         )
 
     zmq_context = zmq.asyncio.Context()
+    ingest = None
+    if config.kv_ingest_processes:
+        ingest = IngestPool(
+            config.kv_ingest_processes,
+            pump.deliver,
+            context=zmq_context,
+            max_message_bytes=config.kv_events_max_message_bytes,
+            log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
+        )
+        ingest.start()
     workers = WorkerRegistry(
         pump,
         control_session,
@@ -164,6 +177,7 @@ async def _compose(
         evict_after_s=config.worker_evict_after_s,
         zmq_context=zmq_context,
         max_message_bytes=config.kv_events_max_message_bytes,
+        subscribe=None if ingest is None else ingest.subscription,
     )
     bootstrap = _bootstrap(config, pump, workers) if config.bootstrap_enabled else None
     workers.bootstrap = bootstrap
@@ -199,9 +213,12 @@ async def _compose(
         producer=SnapshotProducer(pump.rules, settled=settled, hold_writer=pump.hold),
         bootstrap=bootstrap,
         discovery=discovery,
+        ingest=ingest,
     )
     if replica.producer is not None:
         metrics.watch_producer(replica.producer)
+    if ingest is not None:
+        metrics.watch_ingest(ingest)
     workers.start()
     if bootstrap is not None:
         bootstrap.start()
@@ -277,6 +294,8 @@ async def stop_replica(replica: Replica) -> None:
         await replica.producer.aclose()
     await cancel_and_wait(replica.tasks)
     await replica.workers.close()
+    if replica.ingest is not None:
+        await replica.ingest.close()
     await replica.pump.stop()
     # Every subscriber closed its sockets when its worker was removed, so this is quick;
     # left to the collector, term would run on whatever thread collects the context.

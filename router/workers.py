@@ -33,7 +33,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -129,6 +129,9 @@ def worker_url_problem(url: str) -> str | None:
     return None
 
 
+Subscribe = Callable[[RankEndpoint, SubscriberStats], Coroutine[None, None, None]]
+
+
 def _int(value: object, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
@@ -188,7 +191,10 @@ class WorkerRegistry:
         replay_timeout_s: float = 2.0,
         zmq_context: zmq.asyncio.Context | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        subscribe: Subscribe | None = None,
     ) -> None:
+        """`subscribe(endpoint, stats)`: the life of a rank's subscription as a coroutine
+        (`router.ingest_pool.IngestPool.subscription`); None runs a `RankSubscriber` here."""
         self.pump = pump
         self.session = session
         self.loads = loads
@@ -202,6 +208,7 @@ class WorkerRegistry:
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self._replay_timeout_s = replay_timeout_s
         self._max_message_bytes = max_message_bytes
+        self._subscribe = subscribe
         self._zmq = zmq_context or zmq.asyncio.Context.instance()
         self._workers: dict[str, Worker] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -378,15 +385,18 @@ class WorkerRegistry:
                     else None
                 ),
             )
-            sub = RankSubscriber(
-                endpoint,
-                self.pump.deliver,
-                context=self._zmq,
-                replay_timeout_s=self._replay_timeout_s,
-                stats=stats,
-                max_message_bytes=self._max_message_bytes,
-            )
-            worker.tasks.append(asyncio.create_task(sub.run(), name=f"kv-sub {rank}"))
+            if self._subscribe is not None:
+                subscription = self._subscribe(endpoint, stats)
+            else:
+                subscription = RankSubscriber(
+                    endpoint,
+                    self.pump.deliver,
+                    context=self._zmq,
+                    replay_timeout_s=self._replay_timeout_s,
+                    stats=stats,
+                    max_message_bytes=self._max_message_bytes,
+                ).run()
+            worker.tasks.append(asyncio.create_task(subscription, name=f"kv-sub {rank}"))
         holding_since = time.monotonic()  # after the subscribers started holding
         worker.state = "ready"
         worker.healthy = await self._check_health(worker)
