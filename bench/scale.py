@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import bench_proxy
 from bench.bench_bootstrap import read_child_log
-from bench.ingest_churn import ROOT, checkout, start_router
+from bench.ingest_churn import ROOT, checkout, loop_cpu, start_router
 from bench.report import table
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 
@@ -422,11 +422,18 @@ async def churn(
     session: aiohttp.ClientSession, router: str, pid: int, fleet: Fleet
 ) -> dict[str, Any]:
     payloads = list(churn_batches(len(fleet.ranks), CHURN_BATCHES))
-    cpu0 = family_cpu_s(pid)
+    cpu0, loop0 = family_cpu_s(pid), loop_cpu(pid)
     n, seconds = await publish_windowed(session, router, fleet, iter(payloads), CHURN_WINDOW)
-    cpu = family_cpu_s(pid) - cpu0
+    cpu, loop = family_cpu_s(pid) - cpu0, loop_cpu(pid) - loop0
     blocks = n * CHURN_LANES * 2
-    return {"churn_blocks_per_s": blocks / seconds, "churn_cores": cpu / seconds}
+    return {
+        "churn_blocks_per_s": blocks / seconds,
+        "churn_cores": cpu / seconds,
+        # The event loop's thread is the pump's: its CPU per block bounds capacity when the
+        # other work (ZMQ threads, ingest processes) has cores of its own.
+        "churn_loop_us_per_block": loop / blocks * 1e6,
+        "churn_all_us_per_block": cpu / blocks * 1e6,
+    }
 
 
 async def ingest_only(
@@ -576,10 +583,21 @@ def tables(result: dict[str, Any]) -> dict[str, str]:
                     "old (in the loop)" if count is None else f"new, {count} ingest process(es)",
                     _median_range([r["churn_blocks_per_s"] for r in rs], ",.0f"),
                     _median_range([r["churn_cores"] for r in rs], ".2f"),
+                    _median_range([r["churn_loop_us_per_block"] for r in rs], ".2f"),
+                    _median_range([r["churn_all_us_per_block"] for r in rs], ".2f"),
+                    _median_range([1e6 / r["churn_loop_us_per_block"] for r in rs], ",.0f"),
                 ]
             )
         tabs["scale-ingest"] = table(
-            ["replica", "blocks/s (stored + removed)", "replica CPU, cores"], ing
+            [
+                "replica",
+                "blocks/s (stored + removed)",
+                "replica CPU, cores",
+                "event-loop thread us/block",
+                "all processes us/block",
+                "loop-bound capacity blocks/s",
+            ],
+            ing,
         )
     return tabs
 

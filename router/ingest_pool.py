@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -116,7 +116,9 @@ class IngestPool:
         replay_timeout_s: float = 2.0,
         log_level: str = "info",
         clock: Callable[[], float] = time.monotonic,
+        command: Sequence[str] = (sys.executable, "-m", "router.ingest_child"),
     ) -> None:
+        """`command`: how a process is started (its flags are appended); tests replace it."""
         if not 1 <= processes <= MAX_PROCESSES:
             raise ValueError(f"ingest processes must be 1..{MAX_PROCESSES}")
         self._deliver = deliver
@@ -130,6 +132,7 @@ class IngestPool:
             log_level,
         ]
         self._clock = clock
+        self._command = list(command)
         self._dir = tempfile.mkdtemp(prefix="kvrouter-ingest-")  # mode 0700
         self._procs = [_Process(i) for i in range(processes)]
         self._tasks: list[asyncio.Task[None]] = []
@@ -205,9 +208,7 @@ class IngestPool:
             sock.bind(address)
             started = proc.started = self._clock()
             child = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "router.ingest_child",
+                *self._command,
                 "--control",
                 address,
                 "--parent",

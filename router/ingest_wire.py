@@ -31,7 +31,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 
@@ -43,20 +43,23 @@ from router.subscriber import LiveBatch, PublisherReset, SubscriberItem, Unrepai
 MIRROR_PER_RANK: Final = 4096  # recent blocks remembered per rank (parents of the next stores)
 
 
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
+
+
 class _Stored(msgspec.Struct, array_like=True, tag=1, gc=False):
-    hashes: bytes  # u64 little-endian
-    parent: int | None
+    hashes: list[U64]
+    parent: U64 | None
     tokens: bytes  # u32 little-endian
     block_size: int
     tier: int
     medium: str | None
     namespace: str | None
-    keys: bytes | None  # u64 little-endian, chained from `seed`
-    seed: int | None
+    keys: list[U64] | None  # chained from `seed`
+    seed: U64 | None
 
 
 class _Removed(msgspec.Struct, array_like=True, tag=2, gc=False):
-    hashes: bytes
+    hashes: list[U64]
     tier: int | None
     medium: str | None
 
@@ -169,22 +172,20 @@ def pack(item: SubscriberItem, mirror: KeyMirror) -> bytes:
                 keyed = mirror.keys_for(rank, event)
                 events.append(
                     _Stored(
-                        array("Q", event.engine_hashes).tobytes(),
+                        event.engine_hashes,
                         event.parent_engine_hash,
                         token_bytes(event.token_ids),
                         event.block_size,
                         event.tier,
                         event.medium,
                         event.namespace,
-                        None if keyed is None else array("Q", keyed[0]).tobytes(),
+                        None if keyed is None else keyed[0],
                         None if keyed is None else keyed[1],
                     )
                 )
             elif type(event) is BlockRemoved:
                 mirror.removed(rank, event.engine_hashes)
-                events.append(
-                    _Removed(array("Q", event.engine_hashes).tobytes(), event.tier, event.medium)
-                )
+                events.append(_Removed(event.engine_hashes, event.tier, event.medium))
             else:
                 mirror.forget(rank)
                 events.append(_Cleared())
@@ -226,33 +227,28 @@ def unpack(message: bytes | memoryview) -> SubscriberItem | Stats | Hello:
     return msg  # type: ignore[return-value] - Stats or Hello
 
 
-def _u64(raw: bytes) -> list[int]:
-    if len(raw) % 8:
-        raise ValueError("a u64 array of a length that is not a multiple of 8")
-    values = array("Q")
-    values.frombytes(raw)
-    return values.tolist()
-
-
 def _event(e: _Stored | _Removed | _Cleared) -> KVEvent:
     if type(e) is _Stored:
         if len(e.tokens) % 4:
             raise ValueError("a u32 array of a length that is not a multiple of 4")
-        tokens = array("I")
-        tokens.frombytes(e.tokens)
+        if e.keys is None:  # the pump keys these: one copy into the array the key code reads
+            tokens: Sequence[int] = array("I")
+            tokens.frombytes(e.tokens)  # type: ignore[attr-defined]
+        else:  # read only if the seed turns out stale: a view, no copy
+            tokens = memoryview(e.tokens).cast("I")
         return BlockStored(
-            _u64(e.hashes),
+            e.hashes,
             e.parent,
-            tokens,  # type: ignore[arg-type] - a u32 array: the key code reads its bytes
+            tokens,  # type: ignore[arg-type]
             e.block_size,
             e.tier,
             e.medium,
             e.namespace,
-            None if e.keys is None else _u64(e.keys),
+            e.keys,
             e.seed,
         )
     if type(e) is _Removed:
-        return BlockRemoved(_u64(e.hashes), e.tier, e.medium)
+        return BlockRemoved(e.hashes, e.tier, e.medium)
     return AllBlocksCleared()
 
 
