@@ -38,7 +38,7 @@ from router.policy import POLICY_NAMES
 from router.replica import ServeConfig
 from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from router.tokenize import ENGINES, load_tokenizer
-from router.tools import demo, view
+from router.tools import demo, pools, view
 from router.workers import worker_url_problem
 
 log = logging.getLogger("kvrouter")
@@ -430,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         except (StartError, KubeConfigError) as exc:
             _fail(str(exc), status=1)
     elif args.command == "demo":
-        raise SystemExit(demo.run(args))
+        raise SystemExit(pools.run(args) if args.pools != 1 else demo.run(args))
     elif args.command == "view":
         raise SystemExit(view.run(args))
 
