@@ -29,13 +29,14 @@ from bench.smg import Smg
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 # In the order they run: the cheap in-process ones first, so a broken setup shows early.
-NAMES: Final = ("index", "ingest", "routing", "proxy", "bootstrap")
+NAMES: Final = ("index", "ingest", "routing", "proxy", "bootstrap", "scale")
 MODULES: Final = {
     "index": "bench.index_figures",
     "ingest": "bench.ingest_zmq",
     "routing": "bench.routing_quality",
     "proxy": "bench.proxy_compare",
     "bootstrap": "bench.bootstrap_compare",
+    "scale": "bench.scale",
 }
 
 

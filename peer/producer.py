@@ -330,17 +330,18 @@ class SnapshotProducer:
         """Cache a finished build and arm its expiry."""
         self._drop_cached()
         self._cached = entry
-        if entry is None:
-            return
-        loop = asyncio.get_running_loop()
+        if entry is not None:
+            self._arm(entry)
 
-        def fire() -> None:
-            self._expiry = None
-            if self._cached is entry and not self.expire():
-                # The clock says it is not due yet (a test's fake clock): look again later.
-                self._expiry = loop.call_later(self.cache_ttl_s, fire)
+    def _arm(self, entry: Export) -> None:
+        # A bound method and an argument, not a closure that names itself: such a closure is
+        # a reference cycle, which would keep the export alive until a full collection.
+        self._expiry = asyncio.get_running_loop().call_later(self.cache_ttl_s, self._fire, entry)
 
-        self._expiry = loop.call_later(self.cache_ttl_s, fire)
+    def _fire(self, entry: Export) -> None:
+        self._expiry = None
+        if self._cached is entry and not self.expire():
+            self._arm(entry)  # the clock says it is not due yet (a test's fake clock)
 
     async def aclose(self) -> None:
         """Cancel a build in progress (shutdown); its waiters see the cancellation."""

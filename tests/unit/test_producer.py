@@ -6,6 +6,7 @@ import asyncio
 import gc
 import gzip
 import random
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -595,3 +596,19 @@ async def test_the_columnar_body_is_written_from_the_columns_not_a_copy() -> Non
     )
     zipped = await producer.body(entry, COLUMNS, gzip=True)
     assert gzip.decompress(zipped) == await producer.body(entry, COLUMNS, gzip=False)
+
+
+async def test_an_expired_export_is_freed_at_once_not_at_the_next_full_collection() -> None:
+    clock = Clock(100.0)
+    producer = SnapshotProducer(view_of(populated()), clock=clock, cache_ttl_s=0.05)
+    entry = await producer.export()
+    await producer.body(entry, JSON, gzip=False)
+    keys = weakref.ref(entry.columns.keys)
+    del entry
+    gc.disable()  # a reference cycle would survive until a collection
+    try:
+        clock.now = 101.0
+        await eventually(lambda: producer.cached is None)  # the timer's own call
+        assert keys() is None
+    finally:
+        gc.enable()
