@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import bench_proxy
 from bench.bench_bootstrap import read_child_log
 from bench.ingest_churn import ROOT, checkout, loop_cpu, start_router
+from bench.ingest_flood import metric
 from bench.report import table
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 
@@ -251,16 +252,6 @@ async def cursors(session: aiohttp.ClientSession, router: str) -> dict[tuple[str
         for w in view["workers"]
         for r in w["ranks"]
     }
-
-
-async def metric(session: aiohttp.ClientSession, router: str, name: str) -> float:
-    async with session.get(router + "/metrics") as resp:
-        text = await resp.text()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and not line.startswith("#")
-    )
 
 
 @dataclass

@@ -43,7 +43,8 @@ what matters is the order in which it samples the index:
    encoding or compression is never kept: that request answers 503, the next one tries again.
 7. Memory: the cached export is dropped `cache_ttl_s` after it was stamped (the default
    `max_age`, 2 s: a request stating a longer one gets a new build), by a timer, so a replica
-   that served one export does not keep its size for the rest of its life. Its bytes are
+   that served one export does not keep its size for the rest of its life; `release` then
+   hands the freed pages back to the OS (`router.heap.trim` in a replica). Its bytes are
    exported as `kvrouter_kv_snapshot_cached_bytes`, and README's sizing adds them to the
    index's (an export is about 33 B a node, a sixth of the index).
 
@@ -265,6 +266,7 @@ class SnapshotProducer:
         list_step: int = LIST_STEP,
         hold_writer: HoldWriter = _unheld,
         cache_ttl_s: float = DEFAULT_MAX_AGE_MS / 1000,
+        release: Callable[[], object] = lambda: None,
     ) -> None:
         self.view = view
         self.settled = settled
@@ -277,6 +279,7 @@ class SnapshotProducer:
         self.list_step = list_step
         self.hold_writer = hold_writer
         self.cache_ttl_s = cache_ttl_s
+        self.release = release
         self.stats = ProducerStats()
         self._cached: Export | None = None
         self._expiry: asyncio.TimerHandle | None = None
@@ -313,9 +316,10 @@ class SnapshotProducer:
         if entry is None or self.clock() - entry.exported_at < self.cache_ttl_s:
             return False
         self._drop_cached()
+        del entry
+        self.release()  # hand the freed columns back to the OS
         log.info(
-            "kv snapshot: the cached export (%d nodes) expired after %.1f s and was dropped",
-            entry.nodes,
+            "kv snapshot: the cached export expired after %.1f s and was dropped",
             self.cache_ttl_s,
         )
         return True

@@ -25,6 +25,7 @@ from peer.registry import PeerRegistry
 from peer.slices import Extraction, Family, SelfIdentity, listen_family
 from peer.tasks import cancel_and_wait
 from peer.tracker import BootstrapTracker
+from router import heap
 from router.bootstrap import PeerBootstrap
 from router.breaker import CircuitBreaker
 from router.index import DEFAULT_INDEX_MAX_BLOCKS, IndexRules, Pump
@@ -210,7 +211,9 @@ async def _compose(
         inflight,
         [control_session, proxy_session],
         zmq_context,
-        producer=SnapshotProducer(pump.rules, settled=settled, hold_writer=pump.hold),
+        producer=SnapshotProducer(
+            pump.rules, settled=settled, hold_writer=pump.hold, release=heap.trim
+        ),
         bootstrap=bootstrap,
         discovery=discovery,
         ingest=ingest,
