@@ -29,7 +29,7 @@ from bench.smg import Smg
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 # In the order they run: the cheap in-process ones first, so a broken setup shows early.
-NAMES: Final = ("index", "ingest", "routing", "pressure", "proxy", "bootstrap")
+NAMES: Final = ("index", "ingest", "routing", "pressure", "proxy", "bootstrap", "scale")
 MODULES: Final = {
     "index": "bench.index_figures",
     "ingest": "bench.ingest_zmq",
@@ -37,6 +37,7 @@ MODULES: Final = {
     "pressure": "bench.pressure",
     "proxy": "bench.proxy_compare",
     "bootstrap": "bench.bootstrap_compare",
+    "scale": "bench.scale",
 }
 
 

@@ -40,7 +40,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
-from itertools import accumulate, chain, compress, repeat
+from itertools import accumulate, chain, compress, islice, repeat
 from operator import and_, attrgetter, call, eq, itemgetter, lt, ne, not_, or_, sub, truth
 
 from cachetree.ranks import RankId
@@ -128,9 +128,19 @@ def _strict_int(value: object) -> int:
 class SnapshotExport:
     """A chunked export of `tree`: call `step()` until it returns True, then `result()`.
 
-    The node objects are listed once, up front, in the dict's parent-before-child order; each
+    The nodes are listed first, in the dict's parent-before-child order (`list_step`); each
     step then reads a run of them column by column (masks, tiers, engine hashes, parents) with
     C-level passes, so a node costs no Python statement in the common case.
+
+    Listing: the keys go into u64 arrays and the node objects into tuples, one pair per chunk
+    of `list_step`'s budget, so a caller can spread the listing of millions of nodes over
+    several turns of its event loop, as long as nothing writes the tree in between (a dict
+    iterator cannot survive a change; the pump, the only writer, is held meanwhile). Neither
+    arrays nor tuples of `gc=False` nodes are traced by the cyclic collector (a tuple of
+    untracked objects is untracked at its first collection), so a full collection during the
+    walk does not rescan millions of references, and each chunk is freed as soon as it is
+    walked, not a million references at once at the end. `step()` on an export not yet listed
+    lists the rest in one go first (a caller that holds no loop).
 
     A node removed from the tree since the listing has no carrier and no child (that is the
     only way one leaves), so it is recognised and skipped; its subtree left before it did. A
@@ -143,12 +153,13 @@ class SnapshotExport:
     def __init__(self, tree: BlockTree) -> None:
         self._tree = tree
         nodes = tree._nodes
-        # Two C-level copies of references (~10 ms each at a million nodes, in one go: a
-        # dict cannot be iterated across a yield); converting the keys to a u64 array here
-        # would stall the loop three times as long.
-        self._keys: list[int] = list(nodes)
-        self._objs: list[Node] = list(nodes.values())
-        self._pos = 0
+        self._total = len(nodes)
+        self._key_iter: Iterator[int] | None = iter(nodes)
+        self._obj_iter: Iterator[Node] | None = iter(nodes.values())
+        self._listed = 0
+        # Listed chunks not walked yet: (keys, node objects); the first one is being walked.
+        self._chunks: deque[tuple[array, tuple[Node, ...]]] = deque()
+        self._pos = 0  # within the first chunk
         self._last_key: object = _NO_KEY  # key of the last record written
         self._branches: list[tuple[int, int]] = []  # (record, parent key) left to resolve
         self._resolved = 0  # records scanned while resolving branches
@@ -156,22 +167,52 @@ class SnapshotExport:
         self._snap = Snapshot()
 
     @property
+    def listed(self) -> bool:
+        return self._key_iter is None
+
+    def list_step(self, budget: int = 1 << 16) -> bool:
+        """List up to `budget` more nodes; True once every node is listed. Nothing may write
+        the tree between the first call and the one that returns True."""
+        if self._key_iter is None or self._obj_iter is None:
+            return True
+        n = min(max(1, budget), self._total - self._listed)
+        keys = array("Q", islice(self._key_iter, n))
+        objs = tuple(islice(self._obj_iter, n))
+        if len(keys) != n or len(objs) != n or len(self._tree._nodes) != self._total:
+            raise RuntimeError("the tree changed while its nodes were being listed")
+        if n:
+            self._chunks.append((keys, objs))
+        self._listed += n
+        if self._listed >= self._total:
+            self._key_iter = self._obj_iter = None
+            return True
+        return False
+
+    @property
     def done(self) -> bool:
-        return self._pos >= len(self._keys) and not self._branches
+        return self.listed and not self._chunks and not self._branches
 
     def step(self, budget: int = DEFAULT_CHUNK) -> bool:
-        if self._pos < len(self._keys):
+        if not self.listed:
+            while not self.list_step(1 << 30):
+                pass
+        if self._chunks:
             self._walk(max(1, budget))
         elif self._branches:
             self._resolve(max(1, budget))
         return self.done
 
     def _walk(self, budget: int) -> None:
+        chunk_keys, chunk_objs = self._chunks[0]
         a = self._pos
-        b = min(a + budget, len(self._keys))
-        self._pos = b
-        objs = self._objs[a:b]
-        keys = array("Q", self._keys[a:b])
+        b = min(a + budget, len(chunk_keys))
+        if b == len(chunk_keys):
+            self._chunks.popleft()
+            self._pos = 0
+        else:
+            self._pos = b
+        objs: Sequence[Node] = chunk_objs[a:b]
+        keys = chunk_keys[a:b]
         masks = list(map(_get_mask, objs))
         if 0 in masks:
             # Carrier-less: structure above carriers, or a node that has left the tree.

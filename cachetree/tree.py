@@ -286,6 +286,49 @@ class BlockTree:
                 return 0
             seed = parent_key
         keys = block_keys(token_ids, block_size, seed)
+        return self._store_keys(st, rank, parent_key, engine_hashes, keys, tier)
+
+    def store_keyed(
+        self,
+        rank: RankId,
+        parent_engine_hash: int | None,
+        engine_hashes: Sequence[int],
+        keys: Sequence[int],
+        tier: int = DEVICE,
+    ) -> int:
+        """`store` for blocks whose chained keys were computed elsewhere (an ingest process,
+        from the tokens), seeded with the parent's key as `key_of` gives it now, or with the
+        namespace's seed for a chain root. The caller vouches for the keys; the tree checks
+        what it can (tier, lengths, parent carried). Returns the blocks placed."""
+        if not tier or tier & ~ALL_TIERS:
+            self.stats.unknown_tier += 1
+            return 0
+        if len(keys) != len(engine_hashes):
+            self.stats.malformed_store += 1
+            return 0
+        st = self._ranks.get(rank)
+        parent_key: int | None = None
+        if parent_engine_hash is not None:
+            parent_key = st.by_engine_hash.get(parent_engine_hash) if st is not None else None
+            if parent_key is None:
+                self.stats.unknown_parent += 1
+                return 0
+        return self._store_keys(st, rank, parent_key, engine_hashes, keys, tier)
+
+    def key_of(self, rank: RankId, engine_hash: int) -> int | None:
+        """The key `rank` carries under `engine_hash`, if any."""
+        st = self._ranks.get(rank)
+        return None if st is None else st.by_engine_hash.get(engine_hash)
+
+    def _store_keys(
+        self,
+        st: _Rank | None,
+        rank: RankId,
+        parent_key: int | None,
+        engine_hashes: Sequence[int],
+        keys: Sequence[int],
+        tier: int,
+    ) -> int:
         if st is None:
             st = self._add_rank(rank)
         before = len(st.by_engine_hash)

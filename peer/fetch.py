@@ -60,7 +60,7 @@ from peer.wire import (
     PeerSnapshot,
     WireDecodeError,
     WireNode,
-    decode_columns,
+    decode_columns_steps,
     envelope,
     media_type,
 )
@@ -343,13 +343,19 @@ async def decode_sliced(
 ) -> PeerBody:
     """`peer.wire.decode`, cut so the loop runs between slices of a couple of milliseconds.
 
-    A columnar body is a copy per column and is not cut. Of a format-1 body the envelope is
-    decoded first with every node kept as raw bytes (one call), then the nodes in chunks:
-    each chunk's raw nodes are joined into one array and decoded at once.
+    A columnar body is copied column by column, a few MiB at a time. Of a format-1 body the
+    envelope is decoded first with every node kept as raw bytes (one call), then the nodes in
+    chunks: each chunk's raw nodes are joined into one array and decoded at once.
     """
     kind = media_type(content_type)
     if kind == COLUMNS:
-        return decode_columns(body)
+        steps = decode_columns_steps(body)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            await asyncio.sleep(0)
     if kind != MSGPACK:
         kind = JSON
     try:

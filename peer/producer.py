@@ -21,22 +21,32 @@ what matters is the order in which it samples the index:
    tree: the consumer replays a few batches the snapshot already reflects, which is harmless
    (store and remove are idempotent). The other order could hand out a cursor ahead of the
    tree and silently lose a removal.
-3. The tree is walked in chunks (`cachetree.snapshot.SnapshotExport`). The pump keeps
-   applying batches between chunks; a node pruned mid-walk is skipped with its subtree, one
-   added mid-walk may be missing. Both are repaired by the replay from the pre-walk cursors.
+3. The tree's nodes are listed, then walked, in chunks (`cachetree.snapshot.SnapshotExport`).
+   The listing runs while the pump is held (`hold_writer`: a dict cannot be iterated across a
+   change), a slice at a time with the loop turning between slices, so neither it nor the
+   pump's queued batches stall the loop; at 6M nodes it takes ~0.2 s in all. During the walk
+   the pump keeps applying batches between chunks; a node pruned mid-walk is skipped with its
+   subtree, one added after the listing is missing. Both are repaired by the replay from the
+   pre-walk cursors.
 4. Each pre-walk cursor is checked against the live one after the walk. It is kept only if
    the live cursor is still at or past it (a lower or missing one means the publisher reset,
    or the rank was removed and maybe re-added, mid-walk) and the rank carries at least one
    exported node. So the full body lists cursors only for carrier ranks.
 5. `empty_ranks` are the live ranks (read after the walk) that carry no exported node. That
    can only err toward a consumer settling a rank cold, never toward a wrong graft.
-6. An export keeps the walk's columns, not a body. Each encoding is made on the first
-   request that asks for it and kept with the export: the columnar body (`peer.wire`,
-   what our own fetch client asks for) is a join of the columns (~0.03 s for 1M nodes);
-   JSON and msgpack, for siblings that only speak format 1 and for humans with curl, are
-   encoded in slices (~0.5 s each for 1M nodes). A gzip of a body is made on first demand
-   too, in a worker thread. A failed encoding or compression is never kept: that request
-   answers 503, the next one tries again.
+6. An export keeps the walk's columns, not a body. The columnar body (`peer.wire`, what our
+   own fetch client asks for) is the columns themselves, written from views of them: no copy
+   (~33 B a node, where a joined copy would double it). JSON and msgpack, for siblings that
+   only speak format 1 and for humans with curl, are encoded in slices (~0.5 s each for 1M
+   nodes) on the first request that asks for one and kept with the export as parts, never
+   joined. A gzip of a body is made on first demand too, in a worker thread. A failed
+   encoding or compression is never kept: that request answers 503, the next one tries again.
+7. Memory: the cached export is dropped `cache_ttl_s` after it was stamped (the default
+   `max_age`, 2 s: a request stating a longer one gets a new build), by a timer, so a replica
+   that served one export does not keep its size for the rest of its life; `release` then
+   hands the freed pages back to the OS (`router.heap.trim` in a replica). Its bytes are
+   exported as `kvrouter_kv_snapshot_cached_bytes`, and README's sizing adds them to the
+   index's (an export is about 33 B a node, a sixth of the index).
 
 Herd sharing: one build at a time. The in-flight build is a detached task and is itself the
 lock: a caller that finds one joins it (shielded), so a caller that goes away (a client that
@@ -66,7 +76,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import compress
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -98,6 +108,7 @@ MAX_AGE_LIMIT_MS: Final = 2**64 - 1  # the largest value a u64 query parameter c
 # slice sets /healthz latency during an export: measured p50 16 / 9.5 / 4 ms at 2 / 1 / 0.5 ms.
 SLICE_S: Final = 0.0005
 WALK_STEP: Final = 512  # nodes per SnapshotExport.step (~0.2 ms); a slice runs as many as fit
+LIST_STEP: Final = 16384  # nodes listed per SnapshotExport.list_step (~0.3 ms at 6M nodes)
 ENCODE_CHUNK: Final = 512  # nodes per encode call, both encodings (~0.4 ms)
 SCAN_CHUNK: Final = 16384  # carrier entries per step when listing or renumbering carriers
 GZIP_LEVEL: Final = 1  # the fastest level: 2.6x smaller JSON; level 6 saves 7% at 4.5x time
@@ -124,6 +135,14 @@ class IndexView(Protocol):
 
 
 Encode = Callable[[Any, str], bytes]  # (value, content type) -> body bytes
+Parts = list[bytes | memoryview]  # a body as buffers written one after the other
+T = TypeVar("T")
+HoldWriter = Callable[[Callable[[], Awaitable[None]]], Awaitable[None]]
+
+
+async def _unheld(job: Callable[[], Awaitable[None]]) -> None:
+    """The default `hold_writer`: no writer to hold (tests that write the tree themselves)."""
+    await job()
 
 
 def encode_value(value: Any, content_type: str) -> bytes:
@@ -177,8 +196,29 @@ class Export:
     head: Envelope
     columns: Snapshot  # carrier worker indices already in the envelope's table
     timings: dict[str, float] = field(default_factory=dict)  # stage -> wall seconds
-    bodies: dict[str, asyncio.Task[bytes]] = field(default_factory=dict)
-    gzipped: dict[str, asyncio.Task[bytes]] = field(default_factory=dict)
+    bodies: dict[str, asyncio.Task[Parts]] = field(default_factory=dict)
+    gzipped: dict[str, asyncio.Task[Parts]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the columns, and every encoding and gzip made so far."""
+        c = self.columns
+        held = sum(
+            a.itemsize * len(a)
+            for a in (
+                c.parents,
+                c.keys,
+                c.carrier_counts,
+                c.carrier_workers,
+                c.carrier_tiers,
+                c.carrier_hashes,
+            )
+        )
+        for tasks in (self.bodies, self.gzipped):
+            for content_type, task in tasks.items():
+                if content_type != COLUMNS and task.done() and not task.exception():
+                    held += sum(map(len, task.result()))
+        return held
 
 
 def reusable(exported_at: float, requested_at: float, max_age_s: float) -> bool:
@@ -209,7 +249,8 @@ class SnapshotProducer:
 
     `clock` (seconds, monotonic), `encode` and `yield_point` are attributes so a test can
     replace them on a running replica: a fake clock, an encoder that fails, a yield that
-    parks the build mid-walk.
+    parks the build mid-walk. `hold_writer(job)` runs `job` while the index's writer (the
+    pump) applies nothing; `cache_ttl_s` is how long a built export is kept.
     """
 
     def __init__(
@@ -222,6 +263,10 @@ class SnapshotProducer:
         slice_s: float = SLICE_S,
         walk_step: int = WALK_STEP,
         encode_chunk: int = ENCODE_CHUNK,
+        list_step: int = LIST_STEP,
+        hold_writer: HoldWriter = _unheld,
+        cache_ttl_s: float = DEFAULT_MAX_AGE_MS / 1000,
+        release: Callable[[], object] = lambda: None,
     ) -> None:
         self.view = view
         self.settled = settled
@@ -231,8 +276,13 @@ class SnapshotProducer:
         self.slice_s = slice_s
         self.walk_step = walk_step
         self.encode_chunk = encode_chunk
+        self.list_step = list_step
+        self.hold_writer = hold_writer
+        self.cache_ttl_s = cache_ttl_s
+        self.release = release
         self.stats = ProducerStats()
         self._cached: Export | None = None
+        self._expiry: asyncio.TimerHandle | None = None
         self._build: asyncio.Task[Export | None] | None = None
         self._waiting = 0
 
@@ -254,8 +304,52 @@ class SnapshotProducer:
         while (build := self._build) is not None:
             await asyncio.wait([build])
 
+    @property
+    def cached_bytes(self) -> int:
+        entry = self._cached
+        return 0 if entry is None else entry.nbytes
+
+    def expire(self) -> bool:
+        """Drop the cached export if `cache_ttl_s` has passed since it was stamped (the
+        timer's call; tests call it with a fake clock). True when one was dropped."""
+        entry = self._cached
+        if entry is None or self.clock() - entry.exported_at < self.cache_ttl_s:
+            return False
+        self._drop_cached()
+        del entry
+        self.release()  # hand the freed columns back to the OS
+        log.info(
+            "kv snapshot: the cached export expired after %.1f s and was dropped",
+            self.cache_ttl_s,
+        )
+        return True
+
+    def _drop_cached(self) -> None:
+        self._cached = None
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
+    def _keep(self, entry: Export | None) -> None:
+        """Cache a finished build and arm its expiry."""
+        self._drop_cached()
+        self._cached = entry
+        if entry is not None:
+            self._arm(entry)
+
+    def _arm(self, entry: Export) -> None:
+        # A bound method and an argument, not a closure that names itself: such a closure is
+        # a reference cycle, which would keep the export alive until a full collection.
+        self._expiry = asyncio.get_running_loop().call_later(self.cache_ttl_s, self._fire, entry)
+
+    def _fire(self, entry: Export) -> None:
+        self._expiry = None
+        if self._cached is entry and not self.expire():
+            self._arm(entry)  # the clock says it is not due yet (a test's fake clock)
+
     async def aclose(self) -> None:
         """Cancel a build in progress (shutdown); its waiters see the cancellation."""
+        self._drop_cached()
         build = self._build
         if build is not None:
             build.cancel()
@@ -278,7 +372,7 @@ class SnapshotProducer:
             build = self._build
             started_here = build is None
             if build is None:
-                self._cached = None  # a stale export goes before its successor is built
+                self._drop_cached()  # a stale export goes before its successor is built
                 build = self._build = asyncio.create_task(self._run_build(), name="kv-export")
             self._waiting += 1
             try:
@@ -293,24 +387,33 @@ class SnapshotProducer:
                 return entry
 
     async def body(self, entry: Export, content_type: str, gzip: bool) -> bytes:
-        """An export's body. Each encoding, and the gzip of it, is made once, on first
-        demand: JSON and msgpack in slices on the loop, the byte copies off it."""
+        """An export's body as one bytes object (a copy: tests and tools; the route writes
+        `body_parts`)."""
+        return b"".join(await self.body_parts(entry, content_type, gzip))
+
+    async def body_parts(self, entry: Export, content_type: str, gzip: bool) -> Parts:
+        """An export's body as parts to write in order. Each encoding, and the gzip of it,
+        is made once, on first demand: JSON and msgpack in slices on the loop, gzip off it;
+        the columnar body is views of the columns."""
         identity = await self._once(
             entry.bodies, content_type, lambda: self._encode(entry, content_type), "encoding"
         )
         if not gzip:
             return identity
         return await self._once(
-            entry.gzipped, content_type, lambda: asyncio.to_thread(gzip_bytes, identity), "gzip"
+            entry.gzipped,
+            content_type,
+            lambda: asyncio.to_thread(lambda: [gzip_bytes(identity)]),
+            "gzip",
         )
 
     async def _once(
         self,
-        made: dict[str, asyncio.Task[bytes]],
+        made: dict[str, asyncio.Task[Parts]],
         content_type: str,
-        make: Callable[[], Awaitable[bytes]],
+        make: Callable[[], Awaitable[Parts]],
         what: str,
-    ) -> bytes:
+    ) -> Parts:
         """Single flight for one product of an export; a failure is not kept."""
         task = made.get(content_type)
         if task is None:
@@ -328,7 +431,7 @@ class SnapshotProducer:
                 log.error("kv snapshot: %s %s failed: %r", content_type, what, exc)
             raise SnapshotUnavailable(ENCODE_FAILED) from exc
 
-    async def _encode(self, entry: Export, content_type: str) -> bytes:
+    async def _encode(self, entry: Export, content_type: str) -> Parts:
         started = time.perf_counter()
         columns = entry.columns
         if content_type == COLUMNS:
@@ -348,17 +451,15 @@ class SnapshotProducer:
             nodes = NodeEncoder(columns, content_type, self.encode)
             await self._sliced(lambda: nodes.step(self.encode_chunk))
             parts = nodes.body_parts(self.encode(entry.head, content_type))
-        # A join of more than 1 MiB releases the GIL, so the copy costs the loop nothing.
-        body = await asyncio.to_thread(b"".join, parts)
         entry.timings[f"encode {content_type}"] = time.perf_counter() - started
         log.info(
             "kv snapshot: %d nodes encoded as %s, %d B in %.2f s",
             entry.nodes,
             content_type,
-            len(body),
+            sum(map(len, parts)),
             entry.timings[f"encode {content_type}"],
         )
-        return body
+        return parts
 
     async def _run_build(self) -> Export | None:
         self.stats.builds += 1
@@ -370,7 +471,7 @@ class SnapshotProducer:
             entry = None
         finally:
             self._build = None
-        self._cached = entry
+        self._keep(entry)
         return entry
 
     async def _build_export(self) -> Export:
@@ -384,7 +485,13 @@ class SnapshotProducer:
             block_size, snap = 0, Snapshot()
         else:
             block_size = tree.block_size
-            job = SnapshotExport(tree)  # 3. the walk, in slices
+            job = SnapshotExport(tree)  # 3. the listing, writer held, then the walk
+
+            async def listing() -> None:
+                await self._sliced(lambda: job.list_step(self.list_step))
+
+            await self.hold_writer(listing)
+            listed = clock()
             step = self.walk_step
             await self._sliced(lambda: job.step(step))
             snap = job.result()
@@ -405,7 +512,12 @@ class SnapshotProducer:
             empty_ranks=[WireWorker(rank.worker_url, rank.dp_rank) for rank in empty],
         )
         done = clock()
-        timings = {"walk": walked - started, "table": done - walked, "export": done - started}
+        timings = {
+            "list": listed - started if tree is not None else 0.0,
+            "walk": walked - started,
+            "table": done - walked,
+            "export": done - started,
+        }
         log.info(
             "kv snapshot: %d nodes, %d ranks (%d empty) exported in %.2f s",
             len(snap),
@@ -612,13 +724,15 @@ def _array_header_len(n: int) -> int:
     return 1 if n < 16 else 3 if n < 1 << 16 else 5
 
 
-def gzip_bytes(data: bytes) -> bytes:
+def gzip_bytes(data: bytes | Parts) -> bytes:
     """gzip at the fastest level, fed in slices (each zlib call releases the GIL)."""
     z = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 31)  # wbits 31: gzip container, mtime 0
-    view = memoryview(data)
-    parts = [z.compress(view[i : i + GZIP_FEED]) for i in range(0, len(view), GZIP_FEED)]
-    parts.append(z.flush())
-    return b"".join(parts)
+    out = []
+    for part in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
+        view = memoryview(part).cast("B")
+        out += [z.compress(view[i : i + GZIP_FEED]) for i in range(0, len(view), GZIP_FEED)]
+    out.append(z.flush())
+    return b"".join(out)
 
 
 def _retrieve_exception(task: asyncio.Task[Any]) -> None:
@@ -719,22 +833,24 @@ async def serve_snapshot(producer: SnapshotProducer, request: web.Request) -> we
     gzip = accepts(request.headers.get("Accept-Encoding"), "gzip")
     try:
         entry = await producer.export(query.max_age_ms)
-        body = await producer.body(entry, content_type, gzip)
+        parts = await producer.body_parts(entry, content_type, gzip)
     except SnapshotUnavailable as exc:
         return _error(503, str(exc))
     headers = {"Content-Type": content_type, "Vary": VARY}
     if gzip:
         headers["Content-Encoding"] = "gzip"
     response = web.StreamResponse(headers=headers)
-    response.content_length = len(body)
+    response.content_length = sum(memoryview(part).nbytes for part in parts)
     await response.prepare(request)
-    for piece in _pieces(body):
+    for piece in _pieces(parts):
         await response.write(piece)
     await response.write_eof()
     return response
 
 
-def _pieces(body: bytes) -> Iterator[memoryview]:
-    view = memoryview(body)
-    for i in range(0, len(view), WRITE_CHUNK):
-        yield view[i : i + WRITE_CHUNK]
+def _pieces(parts: Parts) -> Iterator[memoryview]:
+    """The parts as byte views of at most WRITE_CHUNK bytes each."""
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for i in range(0, len(view), WRITE_CHUNK):
+            yield view[i : i + WRITE_CHUNK]

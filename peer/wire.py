@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import struct
 from array import array
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Annotated, Any, Final
@@ -208,6 +209,22 @@ def encode_columns(head: ColumnsHead, columns: WireColumns) -> list[bytes | memo
 
 def decode_columns(body: bytes | bytearray) -> PeerColumns:
     """Decode a columnar body; every length is checked against the body before a copy."""
+    steps = decode_columns_steps(body)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+COPY_PIECE: Final = 4 << 20  # bytes copied per step of `decode_columns_steps` (~1 ms)
+
+
+def decode_columns_steps(
+    body: bytes | bytearray, piece: int = COPY_PIECE
+) -> Generator[None, None, PeerColumns]:
+    """`decode_columns`, yielding after every `piece` bytes copied or summed, so a caller on
+    an event loop can let it run between them (a 6M-node body is ~200 MB: ~0.2 s of copies)."""
     view = memoryview(body)
     if len(view) < _PREFIX.size:
         raise WireDecodeError(f"columnar body of {len(view)} bytes: shorter than its prefix")
@@ -229,14 +246,23 @@ def decode_columns(body: bytes | bytearray) -> PeerColumns:
             f"{expected} bytes, the body has {len(view)}"
         )
     columns = WireColumns()
+    piece = max(8, piece - piece % 8)  # whole items of every column
     for name, _, size, per in _COLUMNS:
         end = offset + size * counts[per]
-        getattr(columns, name).frombytes(view[offset:end])
+        column = getattr(columns, name)
+        for start in range(offset, end, piece):
+            column.frombytes(view[start : min(start + piece, end)])
+            yield
         offset = end
-    if sum(columns.carrier_counts) != head.carriers:
+    carriers = 0
+    counts_column = columns.carrier_counts
+    step = piece // counts_column.itemsize
+    for start in range(0, len(counts_column), step):
+        carriers += sum(counts_column[start : start + step])
+        yield
+    if carriers != head.carriers:
         raise WireDecodeError(
-            f"columnar body: carrier counts add up to {sum(columns.carrier_counts)}, "
-            f"the header says {head.carriers}"
+            f"columnar body: carrier counts add up to {carriers}, the header says {head.carriers}"
         )
     return PeerColumns(**envelope(head), columns=columns)
 

@@ -29,13 +29,15 @@ from typing import Any, Final, NoReturn
 from peer.kubeconfig import KubeConfigError
 from router.auth import TOKEN_ENV, token_problem
 from router.index import DEFAULT_INDEX_MAX_BLOCKS
+from router.ingest_pool import DEFAULT_INGEST_PROCESSES
+from router.ingest_pool import MAX_PROCESSES as MAX_INGEST_PROCESSES
 from router.origin import AllowList, origin_problem, url_problem
 from router.policy import POLICY_NAMES
 from router.replica import AUTO_CHAT_RULES_START, ServeConfig
 from router.serving import StartError, serve_until, start_serving, stop_serving
 from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from router.tokenize import ENGINES, load_tokenizer
-from router.tools import demo, view
+from router.tools import demo, pools, view
 
 log = logging.getLogger("kvrouter")
 
@@ -288,6 +290,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         1_000_000,
         "cache_aware: bound on (rank, block) pairs remembered for demand and bookings",
     )
+    f.add(
+        "kv-ingest-processes",
+        int,
+        DEFAULT_INGEST_PROCESSES,
+        "processes that receive, decode and key KV events for the pump (0: in the event loop)",
+    )
     f.add("drain-timeout-s", float, 30.0, "after SIGTERM, how long in-flight requests may run")
     f.add("log-level", str.lower, "info", "how much to log", choices=LOG_LEVELS)
     return f
@@ -358,6 +366,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             "--demand-half-life-s must be a finite number > 0",
         ),
         (args.pressure_max_tracked_blocks >= 1, "--pressure-max-tracked-blocks must be >= 1"),
+        (
+            0 <= args.kv_ingest_processes <= MAX_INGEST_PROCESSES,
+            f"--kv-ingest-processes must be 0..{MAX_INGEST_PROCESSES}",
+        ),
         (0 <= args.worker_port <= 65535, "--worker-port must be 0 (the first listed) or 1..65535"),
         (
             not (args.peer and args.kv_peer_selector),
@@ -509,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         except (StartError, KubeConfigError) as exc:
             _fail(str(exc), status=1)
     elif args.command == "demo":
-        raise SystemExit(demo.run(args))
+        raise SystemExit(pools.run(args) if args.pools != 1 else demo.run(args))
     elif args.command == "view":
         raise SystemExit(view.run(args))
 

@@ -125,6 +125,8 @@ def readiness(replica: Replica) -> tuple[int, dict[str, Any]]:
             "reason": "background task failing: "
             + "; ".join(f"{task.name}: {task.error}" for task in failing),
         }
+    if replica.ingest is not None and (trouble := replica.ingest.unhealthy) is not None:
+        return 503, {"ready": False, "reason": trouble}
     bootstrap = replica.bootstrap
     # Asked last: it latches at the first True, so a later scale-up never un-readies us.
     if bootstrap is not None and not bootstrap.admit_ready():

@@ -151,6 +151,11 @@ class BlockStored:
     tier: int  # cachetree.tiers bit; 0 = unknown medium (the tree drops and counts it)
     medium: str | None
     namespace: str | None  # lora_name / cache_salt, mixed into key[0]'s seed
+    # Set by an ingest process (router.ingest): the blocks' chained keys, computed from
+    # `seed`, the parent's key as that process knew it (the namespace seed for a root). The
+    # pump uses them only if the tree's parent key is that seed; otherwise it keys the tokens.
+    keys: list[int] | None = None
+    seed: int | None = None
 
 
 @dataclass(slots=True)

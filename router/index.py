@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Final, TypeVar
 
+from cachetree.keys import namespace_seed
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from peer.tasks import cancel_and_wait
@@ -83,8 +84,20 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 DEFAULT_QUEUE_SIZE = 1024
 SLICE_BLOCKS: Final = 1024  # blocks of work between two yields to the loop (~1 ms)
-# ~1 GiB of index at the ~250 bytes a carried block costs (README, "Memory").
-DEFAULT_INDEX_MAX_BLOCKS: Final = 4_000_000
+DEFAULT_INDEX_MAX_BLOCKS: Final = 4_000_000  # a 1.7 GiB replica: see `max_blocks_for`
+# Memory sizing (README, "Index memory"; measured by bench/scale.py): a replica's resident
+# memory is about PROCESS_BYTES plus BYTES_PER_CARRIED_BLOCK per (rank, block) pair: ~300 B of
+# index (RSS, at 1.25 carriers a block with distinct engine hashes; ~250 B with one carrier),
+# ~33 B for the export a sibling may be fetching, and ~12% for a graft's peak.
+PROCESS_BYTES: Final = 200 << 20
+BYTES_PER_CARRIED_BLOCK: Final = 375
+
+
+def max_blocks_for(memory_limit_bytes: int) -> int:
+    """The `--kv-index-max-blocks` a replica with this memory limit can hold."""
+    return max(0, memory_limit_bytes - PROCESS_BYTES) // BYTES_PER_CARRIED_BLOCK
+
+
 Steps = Generator[None, None, None]
 
 
@@ -152,6 +165,10 @@ def apply_steps(
             n = len(event.engine_hashes)
             if n > slice_blocks:
                 yield from _store_sliced(tree, rank, event, slice_blocks)
+            elif event.keys is not None and _seed_holds(tree, rank, event):
+                tree.store_keyed(
+                    rank, event.parent_engine_hash, event.engine_hashes, event.keys, event.tier
+                )
             else:
                 tree.store(
                     rank,
@@ -167,6 +184,16 @@ def apply_steps(
         elif kind is AllBlocksCleared:
             yield from tree.clear_rank_steps(rank, slice_blocks)
             tally["cleared", None] += 1
+
+
+def _seed_holds(tree: BlockTree, rank: RankId, event: BlockStored) -> bool:
+    """Were the event's precomputed keys seeded with the parent key the tree has now?"""
+    if event.block_size != tree.block_size:
+        return False  # let `store` refuse and count it
+    parent = event.parent_engine_hash
+    if parent is None:
+        return event.seed == namespace_seed(event.namespace)
+    return event.seed is not None and tree.key_of(rank, parent) == event.seed
 
 
 class _End:
@@ -453,6 +480,11 @@ class Pump:
         if self._task is None or self._task.done():
             return await fn(self.rules)
         return await self.call(fn)  # type: ignore[return-value] - the pump awaits it
+
+    async def hold(self, job: Callable[[], Awaitable[None]]) -> None:
+        """Run `job` while nothing is applied to the index; it may await (readers run
+        meanwhile). The snapshot producer lists the tree's nodes this way."""
+        await self.call_async(lambda rules: job())
 
     @property
     def backlog(self) -> int:

@@ -24,10 +24,12 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from peer.endpointslices import SliceDiscovery
+    from peer.producer import SnapshotProducer
     from peer.supervise import Supervisor
     from router.bootstrap import PeerBootstrap
     from router.dataplane.server import DataPlane
     from router.index import Pump
+    from router.ingest_pool import IngestPool
     from router.loads import LoadMonitor
     from router.policy import CacheAware
     from router.tokenize import RequestTokenizer
@@ -102,6 +104,12 @@ class RouterMetrics:
     def watch_pressure(self, policy: CacheAware, workers: WorkerRegistry) -> None:
         self.registry.register(_PressureCollector(policy, workers))
 
+
+    def watch_ingest(self, pool: IngestPool) -> None:
+        self.registry.register(_IngestCollector(pool))
+
+    def watch_producer(self, producer: SnapshotProducer) -> None:
+        self.registry.register(_ProducerCollector(producer))
 
 class _TaskCollector(Collector):
     """Background loops (`peer.supervise`): their failures, and those that cannot be kept up."""
@@ -389,6 +397,56 @@ def _gauge(
     for values, value in rows:
         family.add_metric(list(values), value)
     return family
+
+
+class _IngestCollector(Collector):
+    """The ingest processes (--kv-ingest-processes): their restarts and what they sent."""
+
+    def __init__(self, pool: IngestPool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        pool = self._pool
+        yield _gauge(
+            "kvrouter_kv_ingest_ranks",
+            "Ranks each ingest process subscribes to",
+            [((str(i),), n) for i, n in enumerate(pool.ranks_per_process())],
+            ["process"],
+        )
+        yield _counter(
+            "kvrouter_kv_ingest_restarts",
+            "Ingest processes started again after they exited (their ranks see a gap)",
+            ["process"],
+            {(str(i),): pool.stats.restarts[i] for i in range(pool.processes)},
+        )
+        yield _counter(
+            "kvrouter_kv_ingest_bad_messages",
+            "Messages from ingest processes that did not decode (dropped; a bug)",
+            [],
+            {(): pool.stats.bad_messages},
+        )
+
+
+class _ProducerCollector(Collector):
+    """The snapshot producer: what its cached export holds (dropped at its max_age)."""
+
+    def __init__(self, producer: SnapshotProducer) -> None:
+        self._producer = producer
+
+    def collect(self) -> Iterator[Metric]:
+        yield _gauge(
+            "kvrouter_kv_snapshot_cached_bytes",
+            "Bytes held by the cached export of the index served to siblings (0 once it "
+            "expired); count them in the replica's memory budget",
+            [((), self._producer.cached_bytes)],
+            [],
+        )
+        yield _counter(
+            "kvrouter_kv_snapshot_exports",
+            "Exports of the index built for siblings",
+            [],
+            {(): self._producer.stats.builds},
+        )
 
 
 class _DiscoveryCollector(Collector):

@@ -29,11 +29,12 @@ from peer.slices import Extraction, Family, SelfIdentity, listen_family
 from peer.supervise import Supervisor
 from peer.tasks import cancel_and_wait
 from peer.tracker import BootstrapTracker
-from router import socket_budget
+from router import heap, socket_budget
 from router.bootstrap import PeerBootstrap
 from router.breaker import CircuitBreaker
 from router.dataplane.inflight import InflightTracker
 from router.index import DEFAULT_INDEX_MAX_BLOCKS, IndexRules, Pump
+from router.ingest_pool import DEFAULT_INGEST_PROCESSES, IngestPool
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
 from router.origin import AllowList
@@ -114,6 +115,7 @@ class ServeConfig:
     booking_ttl_ms: int = 5000
     demand_half_life_s: float = 30.0
     pressure_max_tracked_blocks: int = 1_000_000
+    kv_ingest_processes: int = DEFAULT_INGEST_PROCESSES
 
     @property
     def bootstrap_enabled(self) -> bool:
@@ -142,6 +144,7 @@ class Replica:
     bootstrap: PeerBootstrap | None = None  # peer snapshot bootstrap, when siblings are known
     discovery: SliceDiscovery | None = None  # EndpointSlice watches, when a selector is given
     worker_allow: AllowList = field(default_factory=AllowList)  # where POST /workers may point
+    ingest: IngestPool | None = None  # ingest processes, with --kv-ingest-processes > 0
 
 
 async def start_replica(config: ServeConfig) -> Replica:
@@ -180,6 +183,15 @@ async def _compose(
     zmq_context = zmq.asyncio.Context()
     budget = socket_budget.apply(zmq_context)  # before the context's first socket
     supervisor = Supervisor()
+    ingest = None
+    if config.kv_ingest_processes:
+        ingest = IngestPool(
+            config.kv_ingest_processes,
+            pump.deliver,
+            context=zmq_context,
+            max_message_bytes=config.kv_events_max_message_bytes,
+            log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
+        )
     workers = WorkerRegistry(
         pump,
         control_session,
@@ -198,6 +210,7 @@ async def _compose(
         supervisor=supervisor,
         max_ranks=budget.max_ranks,
         snapshot_max_body_bytes=config.worker_snapshot_max_body_mb * 1024 * 1024,
+        subscribe=None if ingest is None else ingest.subscription,
     )
     capacity_blocks = engine_capacity_blocks(loads, pump)
     bootstrap = (
@@ -234,11 +247,19 @@ async def _compose(
         zmq_context,
         supervisor,
         budget,
-        producer=SnapshotProducer(pump.rules, settled=settled),
+        producer=SnapshotProducer(
+            pump.rules, settled=settled, hold_writer=pump.hold, release=heap.trim
+        ),
         bootstrap=bootstrap,
         discovery=discovery,
         worker_allow=AllowList.parse(config.worker_allow_cidr),
+        ingest=ingest,
     )
+    if replica.producer is not None:
+        metrics.watch_producer(replica.producer)
+    if ingest is not None:
+        metrics.watch_ingest(ingest)
+        ingest.start()  # after the last fallible step: nothing to stop if one raised
     workers.start()
     if bootstrap is not None:
         bootstrap.start(supervisor)
@@ -409,6 +430,8 @@ async def stop_replica(replica: Replica) -> None:
         await replica.producer.aclose()
     await cancel_and_wait(replica.tasks)
     await replica.workers.close()
+    if replica.ingest is not None:
+        await replica.ingest.close()
     await replica.pump.stop()
     # Every subscriber closed its sockets when its worker was removed, so this is quick;
     # left to the collector, term would run on whatever thread collects the context.

@@ -33,7 +33,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
@@ -129,6 +129,9 @@ def worker_url_problem(url: str) -> str | None:
     return origin_problem(url)
 
 
+Subscribe = Callable[[RankEndpoint, SubscriberStats], Coroutine[None, None, None]]
+
+
 def _int(value: object, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
@@ -193,7 +196,10 @@ class WorkerRegistry:
         max_ranks: int | None = None,
         snapshot_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        subscribe: Subscribe | None = None,
     ) -> None:
+        """`subscribe(endpoint, stats)`: the life of a rank's subscription as a coroutine
+        (`router.ingest_pool.IngestPool.subscription`); None runs a `RankSubscriber` here."""
         self.pump = pump
         self.session = session
         self.loads = loads
@@ -207,6 +213,7 @@ class WorkerRegistry:
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self._replay_timeout_s = replay_timeout_s
         self._max_message_bytes = max_message_bytes
+        self._subscribe = subscribe
         self._zmq = zmq_context or zmq.asyncio.Context.instance()
         self.supervisor = supervisor or Supervisor()
         self.max_ranks = max_ranks  # the socket budget (router.socket_budget); None: unbounded
@@ -466,6 +473,8 @@ class WorkerRegistry:
         `RankSubscriber.run` asks; the stats carry over."""
 
         def run() -> Awaitable[None]:
+            if self._subscribe is not None:  # an ingest process subscribes for us
+                return self._subscribe(endpoint, stats)
             return RankSubscriber(
                 endpoint,
                 self.pump.deliver,

@@ -1191,6 +1191,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens per reply")
     p.add_argument("--seed", type=int, default=d.seed, help="the workload's random seed")
     p.add_argument("--keep-running", action="store_true", help="leave the cluster up until Ctrl-C")
+    p.add_argument(
+        "--pools",
+        type=int,
+        default=1,
+        help="2..8: instead, a fleet split into pools by model, each with its own router "
+        "replicas behind a model-name route (router/tools/pools.py, docs/scaling.md)",
+    )
     p.add_argument("--log-dir", default=None, help="keep the children's logs here")
     return p
 

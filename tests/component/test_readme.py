@@ -137,7 +137,7 @@ def test_every_flag_in_the_readme_table_is_a_serve_flag() -> None:
 
 
 async def test_every_metric_the_readme_names_is_exported() -> None:
-    # Bootstrap and discovery on, so that their series are exported too.
+    # Bootstrap, discovery and ingest processes on, so that their series are exported too.
     async with (
         FakeApiServer() as api,
         router_in_process(
@@ -145,6 +145,7 @@ async def test_every_metric_the_readme_names_is_exported() -> None:
             kv_peer_selector="kubernetes.io/service-name=kvrouter",
             kube_api_server=api.url,
             namespace="default",
+            kv_ingest_processes=1,
         ) as rt,
     ):
         status, exposition = await rt.text("/metrics")

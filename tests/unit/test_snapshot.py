@@ -388,3 +388,24 @@ def test_the_walk_and_the_graft_mean_what_one_node_at_a_time_would(seed: int) ->
         prevalidated_graft(target, snap, budget)
         assert canonical_view(target) == canonical_view(expected)
         assert target.block_counts() == expected.block_counts()
+
+
+def test_a_listing_in_chunks_exports_what_a_one_shot_listing_does() -> None:
+    tree = populated(chains=50)
+    job = SnapshotExport(tree)
+    chunks = 0
+    while not job.list_step(3):
+        chunks += 1
+    assert chunks == (len(tree) + 2) // 3 - 1
+    while not job.step(4):
+        pass
+    assert list(job.result().records()) == list(export(tree).records())
+
+
+def test_a_tree_written_between_listing_chunks_is_refused() -> None:
+    tree = populated(chains=50)
+    job = SnapshotExport(tree)
+    job.list_step(3)
+    tree.store(A, None, [7777], list(range(900, 900 + BS)), BS)
+    with pytest.raises(RuntimeError):
+        job.list_step(3)

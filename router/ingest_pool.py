@@ -1,0 +1,313 @@
+"""Ingest beyond one core: KV-event subscribers in child processes, the pump still the writer.
+
+Rules of this file: the replica's side of `--kv-ingest-processes N`. It starts N ingest
+processes (`router.ingest_child`), gives each rank to the one with the fewest, reads what they
+send and hands every item to the pump's `deliver`, in order per process (so per rank), exactly
+as an in-process `RankSubscriber` would. The decisions (which process takes a rank, how long
+to wait before a restart, when the pool is unhealthy) are the plain functions at the top.
+
+Theory of operation
+-------------------
+A replica's event loop spends most of its ingest time per message: receiving, decoding a
+Python int per token, hashing tokens into block keys. An ingest process does that for its
+ranks and sends compact, already-keyed batches (`router.ingest_wire`); the pump decodes each
+with a few C-level calls and applies it under its usual rules. So the pump's core does the
+tree work only, and decoding scales with processes (up to the machine's cores).
+
+Channels: one ZMQ PAIR per process incarnation, bound by the replica on an ipc path inside a
+directory created for it with mode 0700 (only the replica's user can connect: that is the
+channel's authentication), the child connecting. Commands go down, items and counters come up
+on it, in order. The replica drains it from the loop's watch of its fd, up to DRAIN_BATCH
+messages a turn, and awaits the pump for each item: when the pump is behind, the PAIR fills,
+the child's send waits, its subscribers stop reading and the engines' publishers hold or
+drop, which the next seq reveals (as in one process). A message that does not decode is
+counted (`bad_messages`) and dropped: a bug, never half applied.
+
+Supervision: a process that exits is started again after a backoff (0.1 s doubling to 5 s,
+reset after RESET_AFTER_S of life), its ranks resubscribed; counted in `restarts`. What its
+subscribers had not yet handed over is lost, and shows as a gap at each rank's next batch
+(counted lost, the worker's snapshot re-pulled), never silently. After UNHEALTHY_AFTER
+restarts in a row without RESET_AFTER_S of life, `unhealthy` names the process and its last
+exit status: `/readyz` reports it and answers 503 until a process lives again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from cachetree.ranks import RankId
+from peer.tasks import cancel_and_wait
+from router.ingest_wire import Hello, Stats, Subscribe, Unsubscribe, pack_command, unpack
+from router.subscriber import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Deliver,
+    RankEndpoint,
+    SubscriberStats,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_PROCESSES: Final = 64
+DEFAULT_INGEST_PROCESSES: Final = 0  # see README, "Ingest processes"
+BACKOFF_FIRST_S: Final = 0.1
+BACKOFF_MAX_S: Final = 5.0
+RESET_AFTER_S: Final = 30.0  # a process that lived this long starts its backoff afresh
+UNHEALTHY_AFTER: Final = 5  # restarts in a row, each dead within RESET_AFTER_S
+DRAIN_BATCH: Final = 64
+PAIR_HWM: Final = 1024  # messages queued each way before the sender waits
+
+
+def pick_process(loads: list[int]) -> int:
+    """The process that takes a new rank: the one with the fewest ranks (the lowest index
+    on a tie)."""
+    return min(range(len(loads)), key=loads.__getitem__)
+
+
+def restart_backoff_s(failures: int) -> float:
+    """The wait before restart number `failures` (>= 1) in a row."""
+    return min(BACKOFF_FIRST_S * 2 ** (failures - 1), BACKOFF_MAX_S)
+
+
+@dataclass(slots=True)
+class IngestStats:
+    restarts: Counter[int] = field(default_factory=Counter)  # process index -> restarts
+    bad_messages: int = 0
+    items: int = 0
+
+
+@dataclass(slots=True)
+class _Process:
+    index: int
+    ranks: dict[RankId, tuple[RankEndpoint, SubscriberStats]] = field(default_factory=dict)
+    socket: zmq.Socket | None = None
+    generation: int = 0
+    failures: int = 0  # restarts in a row without RESET_AFTER_S of life
+    last_status: int | None = None
+    started: float = 0.0
+    pid: int | None = None
+    up: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class IngestPool:
+    """N supervised ingest processes feeding `deliver` (the pump's)."""
+
+    def __init__(
+        self,
+        processes: int,
+        deliver: Deliver,
+        *,
+        context: zmq.asyncio.Context,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        replay_timeout_s: float = 2.0,
+        log_level: str = "info",
+        clock: Callable[[], float] = time.monotonic,
+        command: Sequence[str] = (sys.executable, "-m", "router.ingest_child"),
+    ) -> None:
+        """`command`: how a process is started (its flags are appended); tests replace it."""
+        if not 1 <= processes <= MAX_PROCESSES:
+            raise ValueError(f"ingest processes must be 1..{MAX_PROCESSES}")
+        self._deliver = deliver
+        self._ctx = zmq.Context.shadow(context.underlying)
+        self._child_args = [
+            "--max-message-bytes",
+            str(max_message_bytes),
+            "--replay-timeout-s",
+            str(replay_timeout_s),
+            "--log-level",
+            log_level,
+        ]
+        self._clock = clock
+        self._command = list(command)
+        self._dir = tempfile.mkdtemp(prefix="kvrouter-ingest-")  # mode 0700
+        self._procs = [_Process(i) for i in range(processes)]
+        self._tasks: list[asyncio.Task[None]] = []
+        self.stats = IngestStats()
+
+    @property
+    def processes(self) -> int:
+        return len(self._procs)
+
+    def pids(self) -> list[int | None]:
+        return [p.pid for p in self._procs]
+
+    def ranks_per_process(self) -> list[int]:
+        return [len(p.ranks) for p in self._procs]
+
+    @property
+    def unhealthy(self) -> str | None:
+        """Why the pool cannot keep its processes alive, or None."""
+        now = self._clock()
+        for p in self._procs:
+            alive_long = p.up.is_set() and now - p.started >= RESET_AFTER_S
+            if p.failures >= UNHEALTHY_AFTER and not alive_long:
+                return (
+                    f"ingest process {p.index} restarted {p.failures} times in a row "
+                    f"(last exit status {p.last_status})"
+                )
+        return None
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._supervise(p), name=f"ingest-{p.index}") for p in self._procs
+        ]
+
+    async def close(self) -> None:
+        await cancel_and_wait(self._tasks)
+        self._tasks = []
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def wait_up(self) -> None:
+        """Until every process has connected once (tests)."""
+        for p in self._procs:
+            await p.up.wait()
+
+    async def subscription(self, endpoint: RankEndpoint, stats: SubscriberStats) -> None:
+        """The life of one rank's subscription, as a task: it runs in an ingest process
+        until this coroutine is cancelled (the worker's removal)."""
+        proc = self._procs[pick_process(self.ranks_per_process())]
+        rank = endpoint.rank
+        proc.ranks[rank] = (endpoint, stats)
+        try:
+            if proc.up.is_set():  # else its Hello subscribes every rank it owns
+                self._send_now(proc, pack_command(_subscribe(endpoint)))
+            await asyncio.Event().wait()
+        finally:
+            proc.ranks.pop(rank, None)
+            with contextlib.suppress(zmq.ZMQError):
+                self._send_now(proc, pack_command(Unsubscribe(rank.worker_url, rank.dp_rank)))
+
+    # -- the processes ---------------------------------------------------------------------
+
+    def _send_now(self, proc: _Process, message: bytes) -> None:
+        if proc.socket is not None:
+            proc.socket.send(message, zmq.NOBLOCK)
+
+    async def _supervise(self, proc: _Process) -> None:
+        while True:
+            proc.generation += 1
+            address = f"ipc://{os.path.join(self._dir, f'{proc.index}-{proc.generation}.sock')}"
+            sock = self._ctx.socket(zmq.PAIR)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, PAIR_HWM)
+            sock.setsockopt(zmq.RCVHWM, PAIR_HWM)
+            sock.bind(address)
+            started = proc.started = self._clock()
+            child = await asyncio.create_subprocess_exec(
+                *self._command,
+                "--control",
+                address,
+                "--parent",
+                str(os.getpid()),
+                *self._child_args,
+                stdin=asyncio.subprocess.DEVNULL,
+            )
+            proc.pid = child.pid
+            proc.socket = sock
+            reader = asyncio.create_task(self._read(proc, sock), name=f"ingest-read-{proc.index}")
+            try:
+                status = await child.wait()
+            except asyncio.CancelledError:
+                with contextlib.suppress(ProcessLookupError):
+                    child.terminate()
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(child.wait()), 2.0)
+                with contextlib.suppress(ProcessLookupError):
+                    child.kill()
+                raise
+            finally:
+                proc.up.clear()
+                proc.socket = None
+                await cancel_and_wait([reader])
+                sock.close(linger=0)
+            lived = self._clock() - started
+            proc.failures = 1 if lived >= RESET_AFTER_S else proc.failures + 1
+            proc.last_status = status
+            self.stats.restarts[proc.index] += 1
+            wait = restart_backoff_s(proc.failures)
+            log.error(
+                "ingest process %d (pid %d) exited with status %s after %.1f s; its %d "
+                "rank(s) resubscribe in a new one in %.2f s (batches it held show as gaps)",
+                proc.index,
+                child.pid,
+                status,
+                lived,
+                len(proc.ranks),
+                wait,
+            )
+            await asyncio.sleep(wait)
+
+    async def _read(self, proc: _Process, sock: zmq.Socket) -> None:
+        """Drain the process's messages into the pump, in order (edge-triggered fd)."""
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        fd = sock.getsockopt(zmq.FD)
+        loop.add_reader(fd, readable.set)
+        try:
+            while True:
+                for _ in range(DRAIN_BATCH):
+                    try:
+                        message = sock.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    await self._handle(proc, message.buffer)
+                else:
+                    await asyncio.sleep(0)
+                    continue
+                readable.clear()
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    await readable.wait()
+        finally:
+            loop.remove_reader(fd)
+
+    async def _handle(self, proc: _Process, message: memoryview) -> None:
+        try:
+            item = unpack(message)
+        except (msgspec.DecodeError, ValueError) as exc:
+            self.stats.bad_messages += 1
+            log.error("ingest process %d sent a message that does not decode: %s", proc.index, exc)
+            return
+        if type(item) is Stats:
+            owned = proc.ranks.get(item.rank)
+            if owned is not None:
+                _copy_stats(owned[1], item.values)
+            return
+        if type(item) is Hello:
+            # Connected: every rank it owns, again (a new incarnation knows nothing).
+            for endpoint, _ in proc.ranks.values():
+                self._send_now(proc, pack_command(_subscribe(endpoint)))
+            proc.up.set()
+            log.info("ingest process %d (pid %d) is up", proc.index, item.pid)
+            return
+        self.stats.items += 1
+        await self._deliver(item)  # type: ignore[arg-type]
+
+
+def _subscribe(endpoint: RankEndpoint) -> Subscribe:
+    rank = endpoint.rank
+    return Subscribe(
+        rank.worker_url, rank.dp_rank, endpoint.endpoint, endpoint.topic, endpoint.replay_endpoint
+    )
+
+
+def _copy_stats(stats: SubscriberStats, values: dict[str, object]) -> None:
+    for name, value in values.items():
+        current = getattr(stats, name, None)
+        if isinstance(current, Counter) and isinstance(value, dict):
+            setattr(stats, name, Counter(value))
+        elif isinstance(current, int) and isinstance(value, int):
+            setattr(stats, name, value)

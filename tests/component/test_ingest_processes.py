@@ -1,0 +1,132 @@
+"""Ingest processes over real ZMQ and real child processes: a fake worker's stores reach the
+pump's tree through them, their counters reach the replica, and a process that dies is
+started again (counted), or reported unhealthy when it cannot be kept alive."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq.asyncio
+
+from cachetree.ranks import RankId
+from cachetree.tree import BlockTree
+from router.index import IndexRules, Pump
+from router.ingest_pool import UNHEALTHY_AFTER, IngestPool
+from router.subscriber import RankEndpoint, SubscriberStats
+from router.zmq_term import terminate_context
+from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+BS = 16
+
+
+class Fleet:
+    def __init__(self, fw: FakeWorkerHandle, pool: IngestPool, pump: Pump) -> None:
+        self.fw = fw
+        self.pool = pool
+        self.pump = pump
+        self.ranks = [RankId(fw.url, dp) for dp in range(fw.config.dp_size)]
+        self.stats = {rank: SubscriberStats() for rank in self.ranks}
+        self.tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def tree(self) -> BlockTree:
+        assert self.pump.rules.tree is not None
+        return self.pump.rules.tree
+
+    def subscribe(self) -> None:
+        for rank in self.ranks:
+            endpoint = RankEndpoint(rank, self.fw.kv_endpoint(rank.dp_rank))
+            self.tasks.append(
+                asyncio.create_task(self.pool.subscription(endpoint, self.stats[rank]))
+            )
+
+    async def gate(self) -> None:
+        """Probe every rank until its probe block is in the tree (subscriptions are live)."""
+        cursors = self.pump.rules.cursors
+        for rank in self.ranks:
+            probe = self.fw.probe_for(rank.dp_rank)
+            async with asyncio.timeout(30):
+                while True:  # a connecting SUB misses what was published before it joined
+                    seq = await probe()
+                    with contextlib.suppress(TimeoutError):
+                        await eventually(lambda r=rank, s=seq: cursors.get(r, -1) >= s, 0.3)
+                        break
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[Fleet]:
+    context = zmq.asyncio.Context()
+    rules = IndexRules(BlockTree(BS))
+    pump = Pump(rules)
+    pump.start()
+    async with fake_worker_in_process(dp_size=2) as fw:
+        rules.add_ranks([RankId(fw.url, dp) for dp in range(2)])
+        pool = IngestPool(2, pump.deliver, context=context)
+        pool.start()
+        f = Fleet(fw, pool, pump)
+        try:
+            yield f
+        finally:
+            for task in f.tasks:
+                task.cancel()
+            await asyncio.gather(*f.tasks, return_exceptions=True)
+            await pool.close()
+            await pump.stop()
+    await terminate_context(context, within_s=2.0, what="test")
+
+
+async def test_stores_reach_the_tree_through_one_process_per_rank(fleet: Fleet) -> None:
+    fleet.subscribe()
+    await fleet.gate()
+    assert fleet.pool.ranks_per_process() == [1, 1]
+    pids = fleet.pool.pids()
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    before = {rank: fleet.tree.block_count(rank) for rank in fleet.ranks}
+    await fleet.fw.store([list(range(100, 100 + 3 * BS))], dp_rank=0)
+    last = await fleet.fw.store([list(range(300, 300 + 2 * BS))], dp_rank=1)
+    await eventually(lambda: fleet.pump.rules.cursors.get(fleet.ranks[1], -1) >= last)
+    await eventually(lambda: fleet.tree.block_count(fleet.ranks[0]) == before[fleet.ranks[0]] + 3)
+    assert fleet.tree.block_count(fleet.ranks[1]) == before[fleet.ranks[1]] + 2
+    # The subscribers' counters, kept in the processes, reach the replica's stats objects.
+    await eventually(lambda: all(s.batches >= 2 for s in fleet.stats.values()), within_s=5)
+    assert fleet.pool.stats.bad_messages == 0
+
+
+async def test_a_killed_process_is_started_again_and_its_rank_resubscribes(fleet: Fleet) -> None:
+    fleet.subscribe()
+    await fleet.gate()
+    victim = fleet.pool.pids()[0]
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    await eventually(lambda: fleet.pool.stats.restarts[0] == 1, within_s=10)
+    await eventually(lambda: fleet.pool.pids()[0] not in (None, victim), within_s=10)
+    assert fleet.pool.stats.restarts[1] == 0
+    assert fleet.pool.unhealthy is None
+    await fleet.gate()  # both ranks deliver again
+    last = await fleet.fw.store([list(range(500, 500 + BS))], dp_rank=0)
+    await eventually(lambda: fleet.pump.rules.cursors.get(fleet.ranks[0], -1) >= last)
+    assert fleet.tree.block_count(fleet.ranks[0]) >= 2  # a probe block and the new one
+
+
+async def test_a_process_that_keeps_dying_makes_the_pool_unhealthy() -> None:
+    context = zmq.asyncio.Context()
+    pump = Pump(IndexRules(BlockTree(BS)))
+    dies = (sys.executable, "-c", "import sys; sys.exit(3)")
+    pool = IngestPool(1, pump.deliver, context=context, command=dies)
+    pool.start()
+    try:
+        await eventually(lambda: pool.unhealthy is not None, within_s=20)
+        assert pool.stats.restarts[0] >= UNHEALTHY_AFTER
+        assert "ingest process 0" in pool.unhealthy and "exit status 3" in pool.unhealthy
+    finally:
+        await pool.close()
+        await terminate_context(context, within_s=2.0, what="test")

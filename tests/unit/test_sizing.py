@@ -1,0 +1,51 @@
+"""The router Deployment's memory limit and its index cap agree with the measured sizing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from router.index import DEFAULT_INDEX_MAX_BLOCKS, max_blocks_for
+
+ROOT = Path(__file__).resolve().parents[2]
+UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+
+
+def quantity(text: str) -> int:
+    for suffix, factor in UNITS.items():
+        if text.endswith(suffix):
+            return int(text[: -len(suffix)]) * factor
+    return int(text)
+
+
+def router_container() -> dict:
+    deployment = yaml.safe_load((ROOT / "manifests/router/deployment.yaml").read_text())
+    (container,) = [
+        c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "kvrouter"
+    ]
+    return container
+
+
+def test_the_router_deployment_caps_its_index_at_what_its_memory_limit_holds() -> None:
+    container = router_container()
+    limit = quantity(container["resources"]["limits"]["memory"])
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    cap = int(env["KVROUTER_KV_INDEX_MAX_BLOCKS"])
+    assert cap <= max_blocks_for(limit)
+    assert cap >= max_blocks_for(limit) * 0.8  # and does not leave most of the limit unused
+
+
+@pytest.mark.parametrize(
+    ("limit", "at_least", "at_most"),
+    [("512Mi", 800_000, 900_000), ("2Gi", 5_000_000, 5_300_000), ("8Gi", 22_000_000, 23_000_000)],
+)
+def test_the_readme_sizing_rows_follow_from_the_rule(
+    limit: str, at_least: int, at_most: int
+) -> None:
+    assert at_least <= max_blocks_for(quantity(limit)) <= at_most
+
+
+def test_the_default_cap_needs_less_than_two_gib() -> None:
+    assert max_blocks_for(2 << 30) >= DEFAULT_INDEX_MAX_BLOCKS
