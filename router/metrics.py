@@ -104,12 +104,12 @@ class RouterMetrics:
     def watch_pressure(self, policy: CacheAware, workers: WorkerRegistry) -> None:
         self.registry.register(_PressureCollector(policy, workers))
 
-
     def watch_ingest(self, pool: IngestPool) -> None:
         self.registry.register(_IngestCollector(pool))
 
     def watch_producer(self, producer: SnapshotProducer) -> None:
         self.registry.register(_ProducerCollector(producer))
+
 
 class _TaskCollector(Collector):
     """Background loops (`peer.supervise`): their failures, and those that cannot be kept up."""
