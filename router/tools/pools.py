@@ -37,6 +37,7 @@ from typing import Any, Final
 import aiohttp
 from aiohttp import web
 
+from router.auth import TOKEN_ENV
 from router.tools.demo import (
     BLOCK_SIZE,
     ROUTER_READY,
@@ -151,7 +152,7 @@ async def start_pool(cluster: Cluster, index: int, workers: int) -> Pool:
             *(arg for w in pool.workers for arg in ("--worker", w.url)),
             *(arg for peer in pool.replicas if peer != url for arg in ("--peer", peer)),
         ]
-        children.append(cluster.child(f"router-p{index}r{r + 1}", argv))
+        children.append(cluster.child(f"router-p{index}r{r + 1}", argv, {TOKEN_ENV: cluster.token}))
     await asyncio.gather(*(c.start() for c in children))
     await asyncio.gather(*(c.wait_line(ROUTER_READY) for c in children))
     return pool
@@ -204,9 +205,10 @@ async def drive(
                     )
 
 
-async def ranks_indexed(session: aiohttp.ClientSession, replica: str) -> set[str]:
+async def ranks_indexed(session: aiohttp.ClientSession, replica: str, token: str) -> set[str]:
     """Worker URLs whose ranks hold blocks in this replica's index."""
-    async with session.get(replica + "/workers") as resp:
+    headers = {"Authorization": f"Bearer {token}"}
+    async with session.get(replica + "/workers", headers=headers) as resp:
         view: dict[str, Any] = await resp.json()
     return {w["url"] for w in view["workers"] if any(r["blocks"] for r in w["ranks"])}
 
@@ -227,7 +229,9 @@ async def run_pools(pools_n: int, workers: int, log_dir: Path) -> int:
             body = {"model": UNKNOWN_MODEL, "prompt": "hello", "max_tokens": 1}
             async with session.post(gateway_url + "/v1/completions", json=body) as resp:
                 unknown_status = resp.status
-            indexed = {r: await ranks_indexed(session, r) for p in pools for r in p.replicas}
+            indexed = {
+                r: await ranks_indexed(session, r, cluster.token) for p in pools for r in p.replicas
+            }
         return report(pools, tally, indexed, unknown_status, gateway.unrouted)
     except (DemoError, aiohttp.ClientError, OSError, TimeoutError) as exc:
         sys.stderr.write(f"kvrouter demo --pools: error: {exc!r}\n")
