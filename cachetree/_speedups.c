@@ -1,0 +1,598 @@
+/*
+ * cachetree._speedups: the compiled twin of the ingest hot spots (optional).
+ *
+ * Rules of this file: every function here has a pure-Python twin that defines its result
+ * (cachetree/keys.py, router/events.py); this file only computes the same thing without a
+ * Python object per token. The tests run against both and hold them bit-exact. Nothing here
+ * keeps state between calls. Which path is active is decided in cachetree/accel.py.
+ *
+ * Theory of operation
+ * -------------------
+ * Profiles of a replica ingesting full-cache churn put the per-token work first: msgspec made
+ * one Python int per token id, `array("I", ...)` packed them again, and each block's key was
+ * one Python-level xxh3 call over a sliced copy. Here:
+ *
+ * - `parse_tokens(raw, cap, pairs)` reads the msgpack array of token ids (flat ints, or with
+ *   `pairs` SGLang's bigram pairs, first element kept) straight into packed u32 little-endian
+ *   bytes, refusing exactly what the decoder's typed path refuses (a non-int, a bool, a
+ *   negative id, one >= 2**32, the other shape, a pair that is not two ints, more than `cap`).
+ *   The caller falls back to the reference decoder on any refusal, which names the error.
+ * - `block_keys(token_ids, block_size, seed)` chains XXH3-64 over the blocks of a list of
+ *   ints or of a u32 array, as cachetree/keys.py does: key[i] = xxh3_64(block i, seed=key[i-1]).
+ * - XXH3-64 is written from its published specification (xxHash's doc/xxhash_spec.md, "XXH3
+ *   algorithm description"), every length class including the seeded long-input path, and
+ *   tested bit-exact against the `xxhash` package. Engines' block sizes put a block in the
+ *   17-128 byte class (16 tokens = 64 bytes), which is a handful of 64x64->128 multiplies.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Token ids are hashed as native u32 arrays, which the key scheme defines as little-endian
+ * (cachetree/keys.py refuses other hosts too). The build is optional: failing here leaves the
+ * pure-Python path. */
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "cachetree._speedups needs a little-endian host (gcc or clang)"
+#endif
+
+/* ---- XXH3-64 (from the specification) --------------------------------------------------- */
+
+#define PRIME32_1 0x9E3779B1U
+#define PRIME32_2 0x85EBCA77U
+#define PRIME32_3 0xC2B2AE3DU
+#define PRIME64_1 0x9E3779B185EBCA87ULL
+#define PRIME64_2 0xC2B2AE3D27D4EB4FULL
+#define PRIME64_3 0x165667B19E3779F9ULL
+#define PRIME64_4 0x85EBCA77C2B2AE63ULL
+#define PRIME64_5 0x27D4EB2F165667C5ULL
+#define PRIME_MX1 0x165667919E3779F9ULL
+#define PRIME_MX2 0x9FB21C651E98DF25ULL
+
+#define SECRET_SIZE 192
+#define STRIPE_LEN 64
+#define STRIPES_PER_BLOCK ((SECRET_SIZE - STRIPE_LEN) / 8)
+#define BLOCK_LEN (STRIPE_LEN * STRIPES_PER_BLOCK)
+
+/* The specification's default secret. */
+static const uint8_t default_secret[SECRET_SIZE] = {
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
+    0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
+    0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
+    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c,
+    0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3,
+    0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
+    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d,
+    0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64,
+    0xea, 0xc5, 0xac, 0x83, 0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
+    0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e,
+    0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce,
+    0x45, 0xcb, 0x3a, 0x8f, 0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
+};
+
+/* Little-endian loads (the spec reads everything LE; the host is LE, checked above). */
+static inline uint32_t
+read32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline uint64_t
+read64(const uint8_t *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static inline void
+write64(uint8_t *p, uint64_t v)
+{
+    memcpy(p, &v, 8);
+}
+
+static inline uint32_t
+swap32(uint32_t x)
+{
+    return (x >> 24) | ((x >> 8) & 0xff00U) | ((x << 8) & 0xff0000U) | (x << 24);
+}
+
+static inline uint64_t
+swap64(uint64_t x)
+{
+    return (uint64_t)swap32((uint32_t)x) << 32 | swap32((uint32_t)(x >> 32));
+}
+
+static inline uint64_t
+rotl64(uint64_t x, int r)
+{
+    return (x << r) | (x >> (64 - r));
+}
+
+/* The low and high halves of the 128-bit product, xored together. */
+static inline uint64_t
+mul128_fold64(uint64_t a, uint64_t b)
+{
+#if defined(__SIZEOF_INT128__)
+    __uint128_t product = (__uint128_t)a * b;
+    return (uint64_t)product ^ (uint64_t)(product >> 64);
+#else
+    uint64_t lo_lo = (a & 0xFFFFFFFFULL) * (b & 0xFFFFFFFFULL);
+    uint64_t hi_lo = (a >> 32) * (b & 0xFFFFFFFFULL);
+    uint64_t lo_hi = (a & 0xFFFFFFFFULL) * (b >> 32);
+    uint64_t hi_hi = (a >> 32) * (b >> 32);
+    uint64_t cross = (lo_lo >> 32) + (hi_lo & 0xFFFFFFFFULL) + lo_hi;
+    uint64_t upper = (hi_lo >> 32) + (cross >> 32) + hi_hi;
+    uint64_t lower = (cross << 32) | (lo_lo & 0xFFFFFFFFULL);
+    return lower ^ upper;
+#endif
+}
+
+static inline uint64_t
+avalanche(uint64_t x)
+{
+    x ^= x >> 37;
+    x *= PRIME_MX1;
+    return x ^ (x >> 32);
+}
+
+static inline uint64_t
+avalanche_xxh64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= PRIME64_2;
+    x ^= x >> 29;
+    x *= PRIME64_3;
+    return x ^ (x >> 32);
+}
+
+static inline uint64_t
+mix_step(const uint8_t *data, const uint8_t *secret, uint64_t seed)
+{
+    return mul128_fold64(read64(data) ^ (read64(secret) + seed),
+                         read64(data + 8) ^ (read64(secret + 8) - seed));
+}
+
+static uint64_t
+xxh3_0to16(const uint8_t *in, size_t len, uint64_t seed)
+{
+    const uint8_t *s = default_secret;
+    if (len > 8) {
+        uint64_t lo = ((read64(s + 24) ^ read64(s + 32)) + seed) ^ read64(in);
+        uint64_t hi = ((read64(s + 40) ^ read64(s + 48)) - seed) ^ read64(in + len - 8);
+        return avalanche(len + swap64(lo) + hi + mul128_fold64(lo, hi));
+    }
+    if (len >= 4) {
+        uint64_t modified = seed ^ (uint64_t)swap32((uint32_t)seed) << 32;
+        uint64_t combined = (uint64_t)read32(in + len - 4) | (uint64_t)read32(in) << 32;
+        uint64_t v = ((read64(s + 8) ^ read64(s + 16)) - modified) ^ combined;
+        v ^= rotl64(v, 49) ^ rotl64(v, 24);
+        v *= PRIME_MX2;
+        v ^= (v >> 35) + len;
+        v *= PRIME_MX2;
+        return v ^ (v >> 28);
+    }
+    if (len > 0) {
+        uint32_t combined = (uint32_t)in[len - 1] | (uint32_t)len << 8 | (uint32_t)in[0] << 16
+                            | (uint32_t)in[len >> 1] << 24;
+        return avalanche_xxh64(((uint64_t)(read32(s) ^ read32(s + 4)) + seed) ^ combined);
+    }
+    return avalanche_xxh64(seed ^ read64(s + 56) ^ read64(s + 64));
+}
+
+static uint64_t
+xxh3_17to128(const uint8_t *in, size_t len, uint64_t seed)
+{
+    const uint8_t *s = default_secret;
+    uint64_t acc = len * PRIME64_1;
+    for (Py_ssize_t i = (Py_ssize_t)((len - 1) >> 5); i >= 0; i--) {
+        acc += mix_step(in + 16 * i, s + 32 * i, seed);
+        acc += mix_step(in + len - 16 - 16 * i, s + 32 * i + 16, seed);
+    }
+    return avalanche(acc);
+}
+
+static uint64_t
+xxh3_129to240(const uint8_t *in, size_t len, uint64_t seed)
+{
+    const uint8_t *s = default_secret;
+    uint64_t acc = len * PRIME64_1;
+    size_t chunks = len >> 4;
+    for (size_t i = 0; i < 8; i++) {
+        acc += mix_step(in + 16 * i, s + 16 * i, seed);
+    }
+    acc = avalanche(acc);
+    for (size_t i = 8; i < chunks; i++) {
+        acc += mix_step(in + 16 * i, s + 16 * (i - 8) + 3, seed);
+    }
+    acc += mix_step(in + len - 16, s + 119, seed);
+    return avalanche(acc);
+}
+
+static inline void
+accumulate(uint64_t *acc, const uint8_t *stripe, const uint8_t *secret)
+{
+    for (int i = 0; i < 8; i++) {
+        uint64_t value = read64(stripe + 8 * i);
+        uint64_t keyed = value ^ read64(secret + 8 * i);
+        acc[i ^ 1] += value;
+        acc[i] += (keyed & 0xFFFFFFFFULL) * (keyed >> 32);
+    }
+}
+
+static uint64_t
+xxh3_long(const uint8_t *in, size_t len, uint64_t seed)
+{
+    uint8_t derived[SECRET_SIZE];
+    const uint8_t *s = default_secret;
+    if (seed) {
+        for (int i = 0; i < SECRET_SIZE / 16; i++) {
+            write64(derived + 16 * i, read64(default_secret + 16 * i) + seed);
+            write64(derived + 16 * i + 8, read64(default_secret + 16 * i + 8) - seed);
+        }
+        s = derived;
+    }
+    uint64_t acc[8] = {PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3,
+                       PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1};
+    size_t blocks = (len - 1) / BLOCK_LEN;
+    for (size_t b = 0; b < blocks; b++) {
+        const uint8_t *block = in + b * BLOCK_LEN;
+        for (int n = 0; n < STRIPES_PER_BLOCK; n++) {
+            accumulate(acc, block + n * STRIPE_LEN, s + 8 * n);
+        }
+        for (int i = 0; i < 8; i++) {
+            acc[i] ^= acc[i] >> 47;
+            acc[i] ^= read64(s + SECRET_SIZE - STRIPE_LEN + 8 * i);
+            acc[i] *= PRIME32_1;
+        }
+    }
+    const uint8_t *last = in + blocks * BLOCK_LEN;
+    size_t stripes = (len - 1 - blocks * BLOCK_LEN) / STRIPE_LEN;
+    for (size_t n = 0; n < stripes; n++) {
+        accumulate(acc, last + n * STRIPE_LEN, s + 8 * n);
+    }
+    accumulate(acc, in + len - STRIPE_LEN, s + SECRET_SIZE - STRIPE_LEN - 7);
+    uint64_t result = len * PRIME64_1;
+    for (int i = 0; i < 4; i++) {
+        result += mul128_fold64(acc[2 * i] ^ read64(s + 11 + 16 * i),
+                                acc[2 * i + 1] ^ read64(s + 11 + 16 * i + 8));
+    }
+    return avalanche(result);
+}
+
+static uint64_t
+xxh3_64(const uint8_t *in, size_t len, uint64_t seed)
+{
+    if (len <= 16) {
+        return xxh3_0to16(in, len, seed);
+    }
+    if (len <= 128) {
+        return xxh3_17to128(in, len, seed);
+    }
+    if (len <= 240) {
+        return xxh3_129to240(in, len, seed);
+    }
+    return xxh3_long(in, len, seed);
+}
+
+/* ---- Python entry points ---------------------------------------------------------------- */
+
+static PyObject *
+py_xxh3_64(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "xxh3_64(data, seed) takes 2 arguments");
+        return NULL;
+    }
+    unsigned long long seed = PyLong_AsUnsignedLongLong(args[1]);
+    if (seed == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    uint64_t h = xxh3_64((const uint8_t *)view.buf, (size_t)view.len, seed);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+/* Chained keys over `nblocks` blocks of `block_bytes` bytes each. */
+static PyObject *
+chain(const uint8_t *data, Py_ssize_t nblocks, Py_ssize_t block_bytes, uint64_t seed)
+{
+    PyObject *keys = PyList_New(nblocks);
+    if (keys == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nblocks; i++) {
+        seed = xxh3_64(data + i * block_bytes, (size_t)block_bytes, seed);
+        PyObject *key = PyLong_FromUnsignedLongLong(seed);
+        if (key == NULL) {
+            Py_DECREF(keys);
+            return NULL;
+        }
+        PyList_SET_ITEM(keys, i, key);
+    }
+    return keys;
+}
+
+/* One token as u32, with array("I")'s rules: an int (or __index__) in [0, 2**32). */
+static int
+token_u32(PyObject *item, uint32_t *out)
+{
+    unsigned long value;
+    if (PyLong_Check(item)) {
+        value = PyLong_AsUnsignedLong(item);
+    }
+    else {
+        PyObject *index = PyNumber_Index(item);
+        if (index == NULL) {
+            return -1;
+        }
+        value = PyLong_AsUnsignedLong(index);
+        Py_DECREF(index);
+    }
+    if (value == (unsigned long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (value > 0xFFFFFFFFUL) {
+        PyErr_SetString(PyExc_OverflowError, "unsigned int is greater than maximum");
+        return -1;
+    }
+    *out = (uint32_t)value;
+    return 0;
+}
+
+static int
+is_u32_buffer(const Py_buffer *view)
+{
+    return view->itemsize == 4 && view->format != NULL && view->format[0] == 'I'
+           && view->format[1] == '\0';
+}
+
+static PyObject *
+py_block_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "block_keys(token_ids, block_size, seed) takes 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
+    if (block_size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    unsigned long long seed = PyLong_AsUnsignedLongLong(args[2]);
+    if (seed == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *tokens = args[0];
+    if (!PyList_CheckExact(tokens) && !PyTuple_CheckExact(tokens) && PyObject_CheckBuffer(tokens)) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
+            if (is_u32_buffer(&view)) {
+                PyObject *keys = NULL;
+                if (block_size <= 0) {
+                    PyErr_SetString(PyExc_ValueError, "block size must be positive");
+                }
+                else {
+                    Py_ssize_t n = view.len / 4;
+                    keys = chain((const uint8_t *)view.buf, n / block_size, block_size * 4, seed);
+                }
+                PyBuffer_Release(&view);
+                return keys;
+            }
+            PyBuffer_Release(&view);
+        }
+        else {
+            PyErr_Clear(); /* not a contiguous typed buffer: read it as a sequence below */
+        }
+    }
+    PyObject *seq = PySequence_Fast(tokens, "token_ids must be a sequence of ints");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint32_t stack[4096];
+    uint32_t *packed = n <= 4096 ? stack : PyMem_Malloc((size_t)n * 4);
+    PyObject *keys = NULL;
+    if (packed == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (token_u32(items[i], &packed[i]) < 0) {
+            goto done;
+        }
+    }
+    if (block_size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "block size must be positive");
+        goto done;
+    }
+    keys = chain((const uint8_t *)packed, n / block_size, block_size * 4, seed);
+done:
+    if (packed != stack) {
+        PyMem_Free(packed);
+    }
+    Py_DECREF(seq);
+    return keys;
+}
+
+/* ---- msgpack token ids -> packed u32 ---------------------------------------------------- */
+
+typedef struct {
+    const uint8_t *p;
+    const uint8_t *end;
+} Reader;
+
+static inline int
+need(const Reader *r, size_t n)
+{
+    return (size_t)(r->end - r->p) >= n;
+}
+
+static inline uint64_t
+be(const uint8_t *p, int n)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++) {
+        v = v << 8 | p[i];
+    }
+    return v;
+}
+
+/* An array header; -1 if the next object is not an array (or is truncated). */
+static Py_ssize_t
+read_array_len(Reader *r)
+{
+    if (!need(r, 1)) {
+        return -1;
+    }
+    uint8_t b = *r->p;
+    if ((b & 0xF0) == 0x90) {
+        r->p += 1;
+        return b & 0x0F;
+    }
+    if (b == 0xDC && need(r, 3)) {
+        r->p += 3;
+        return (Py_ssize_t)be(r->p - 2, 2);
+    }
+    if (b == 0xDD && need(r, 5)) {
+        r->p += 5;
+        return (Py_ssize_t)be(r->p - 4, 4);
+    }
+    return -1;
+}
+
+/* One token id; 0 on success, -1 if it is not an int in [0, 2**32). */
+static int
+read_token(Reader *r, uint32_t *out)
+{
+    if (!need(r, 1)) {
+        return -1;
+    }
+    uint8_t b = *r->p;
+    uint64_t v;
+    int width;
+    int is_signed = 0;
+    if (b <= 0x7F) {
+        *out = b;
+        r->p += 1;
+        return 0;
+    }
+    switch (b) {
+    case 0xCC: width = 1; break;
+    case 0xCD: width = 2; break;
+    case 0xCE: width = 4; break;
+    case 0xCF: width = 8; break;
+    case 0xD0: width = 1; is_signed = 1; break;
+    case 0xD1: width = 2; is_signed = 1; break;
+    case 0xD2: width = 4; is_signed = 1; break;
+    case 0xD3: width = 8; is_signed = 1; break;
+    default: return -1; /* nil, bool, float, str, negative fixint, containers ... */
+    }
+    if (!need(r, 1 + (size_t)width)) {
+        return -1;
+    }
+    v = be(r->p + 1, width);
+    if (is_signed && v >> (8 * width - 1)) {
+        return -1; /* negative */
+    }
+    if (v > 0xFFFFFFFFULL) {
+        return -1;
+    }
+    *out = (uint32_t)v;
+    r->p += 1 + width;
+    return 0;
+}
+
+static PyObject *
+py_parse_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "parse_tokens(raw, max_tokens, pairs) takes 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t cap = PyLong_AsSsize_t(args[1]);
+    if (cap == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int pairs = PyObject_IsTrue(args[2]);
+    if (pairs < 0) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    Reader r = {(const uint8_t *)view.buf, (const uint8_t *)view.buf + view.len};
+    PyObject *out = NULL;
+    const char *why = "token_ids is not an array";
+    Py_ssize_t n = read_array_len(&r);
+    if (n < 0) {
+        goto fail;
+    }
+    why = "too many token ids";
+    if (n > cap) {
+        goto fail;
+    }
+    out = PyBytes_FromStringAndSize(NULL, n * 4);
+    if (out == NULL) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
+    why = pairs ? "a bigram pair is not two token ids" : "a token id is not an int in [0, 2**32)";
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t token, second;
+        if (pairs) {
+            if (read_array_len(&r) != 2 || read_token(&r, &token) < 0
+                || read_token(&r, &second) < 0) {
+                goto fail;
+            }
+        }
+        else if (read_token(&r, &token) < 0) {
+            goto fail;
+        }
+        dst[4 * i] = (uint8_t)token;
+        dst[4 * i + 1] = (uint8_t)(token >> 8);
+        dst[4 * i + 2] = (uint8_t)(token >> 16);
+        dst[4 * i + 3] = (uint8_t)(token >> 24);
+    }
+    why = "bytes after the token ids";
+    if (r.p != r.end) {
+        goto fail;
+    }
+    PyBuffer_Release(&view);
+    return out;
+fail:
+    Py_XDECREF(out);
+    PyBuffer_Release(&view);
+    PyErr_SetString(PyExc_ValueError, why);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"xxh3_64", (PyCFunction)(void (*)(void))py_xxh3_64, METH_FASTCALL,
+     "xxh3_64(data, seed) -> int: XXH3-64 of a bytes-like object."},
+    {"block_keys", (PyCFunction)(void (*)(void))py_block_keys, METH_FASTCALL,
+     "block_keys(token_ids, block_size, seed) -> list[int]: chained keys of every full block."},
+    {"parse_tokens", (PyCFunction)(void (*)(void))py_parse_tokens, METH_FASTCALL,
+     "parse_tokens(raw, max_tokens, pairs) -> bytes: a msgpack array of token ids (of bigram "
+     "pairs if `pairs`) as packed u32 little-endian; ValueError for anything else."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "cachetree._speedups",
+    "Compiled twins of cachetree.keys and the event decoder's token parsing.", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+    return PyModule_Create(&module_def);
+}
