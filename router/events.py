@@ -96,7 +96,6 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Annotated, Any, ClassVar, Final, Union
 
@@ -165,8 +164,10 @@ class TokenIds(array):  # type: ignore[type-arg]
     __hash__ = None  # type: ignore[assignment]
 
 
-@dataclass(slots=True)
-class BlockStored:
+# The normalized events are msgspec Structs rather than dataclasses: one is built per event on
+# the ingest hot path (dozens per batch when an engine evicts), and msgspec builds them in C,
+# about 3x faster than a slots dataclass's __init__. gc=False: they hold no cycles.
+class BlockStored(Struct, gc=False):
     engine_hashes: list[int]  # normalized to u64
     parent_engine_hash: int | None  # normalized to u64
     # Flat, len == len(engine_hashes) * block_size: a list, or TokenIds from the compiled path.
@@ -177,27 +178,24 @@ class BlockStored:
     namespace: str | None  # lora_name / cache_salt, mixed into key[0]'s seed
 
 
-@dataclass(slots=True)
-class BlockRemoved:
+class BlockRemoved(Struct, gc=False):
     engine_hashes: list[int]
     tier: int | None  # None = every tier (no medium, or an unknown one)
     medium: str | None
 
 
-@dataclass(slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(Struct, gc=False):
     pass
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-@dataclass(slots=True)
-class EventBatch:
+class EventBatch(Struct, gc=False):
     ts: float
     events: list[KVEvent]
     dp_rank: int | None
-    ignored: dict[str, int] = field(default_factory=dict)  # reason -> events skipped
+    ignored: dict[str, int] = msgspec.field(default_factory=dict)  # reason -> events skipped
 
 
 def namespace_of(lora_name: str | None, cache_salt: str | None) -> str | None:
