@@ -19,6 +19,11 @@
  *   The caller falls back to the reference decoder on any refusal, which names the error.
  * - `block_keys(token_ids, block_size, seed)` chains XXH3-64 over the blocks of a list of
  *   ints or of a u32 array, as cachetree/keys.py does: key[i] = xxh3_64(block i, seed=key[i-1]).
+ * - `remove_run` and `place_run` are the device-only runs of `BlockTree.remove` and
+ *   `BlockTree._place` (cachetree/tree.py `_remove_run_py`, `_place_run_py`): they walk the
+ *   same dicts and change the same `Node` fields, read and written through the offsets of
+ *   Node's member descriptors (`bind_node`), and stop, having changed nothing for it, before
+ *   the first block that needs the general path, which the Python caller then handles.
  * - XXH3-64 is written from its published specification (xxHash's doc/xxhash_spec.md, "XXH3
  *   algorithm description"), every length class including the seeded long-input path, and
  *   tested bit-exact against the `xxhash` package. Engines' block sizes put a block in the
@@ -26,6 +31,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -575,6 +581,488 @@ fail:
     return NULL;
 }
 
+
+/* ---- BlockTree runs (twins of cachetree/tree.py _remove_run_py, _place_run_py) ---------- */
+
+/* Node (a msgspec Struct) keeps its fields in object slots; their offsets come from the
+ * type's member descriptors, checked once by bind_node. */
+static PyObject *node_type = NULL;
+static Py_ssize_t off_parent, off_mask, off_children, off_tiers, off_ehash;
+
+#define FIELD(obj, off) (*(PyObject **)((char *)(obj) + (off)))
+
+static inline void
+set_field(PyObject *obj, Py_ssize_t off, PyObject *value) /* steals `value` */
+{
+    PyObject *old = FIELD(obj, off);
+    FIELD(obj, off) = value;
+    Py_XDECREF(old);
+}
+
+static int
+member_offset(PyTypeObject *type, const char *name, Py_ssize_t *out)
+{
+    PyObject *descr = PyDict_GetItemString(type->tp_dict, name);
+    if (descr == NULL || !PyObject_TypeCheck(descr, &PyMemberDescr_Type)) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a member descriptor", type->tp_name, name);
+        return -1;
+    }
+    PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+    if (member->type != T_OBJECT_EX || (member->flags & READONLY)) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a writable object slot", type->tp_name, name);
+        return -1;
+    }
+    *out = member->offset;
+    return 0;
+}
+
+static PyObject *
+py_bind_node(PyObject *module, PyObject *type)
+{
+    if (!PyType_Check(type)) {
+        PyErr_SetString(PyExc_TypeError, "bind_node(Node) takes the Node type");
+        return NULL;
+    }
+    PyTypeObject *t = (PyTypeObject *)type;
+    if (member_offset(t, "parent", &off_parent) < 0 || member_offset(t, "mask", &off_mask) < 0
+        || member_offset(t, "children", &off_children) < 0
+        || member_offset(t, "tiers", &off_tiers) < 0 || member_offset(t, "ehash", &off_ehash) < 0) {
+        return NULL;
+    }
+    Py_INCREF(type);
+    Py_XSETREF(node_type, type);
+    Py_RETURN_NONE;
+}
+
+/* A node from `nodes`, borrowed; NULL with no error when absent or not a Node. */
+static inline PyObject *
+get_node(PyObject *nodes, PyObject *key)
+{
+    PyObject *node = PyDict_GetItemWithError(nodes, key);
+    if (node != NULL && Py_TYPE(node) != (PyTypeObject *)node_type) {
+        return NULL;
+    }
+    return node;
+}
+
+/* A mask or count field as u64; 0 when it is not a small non-negative int (the caller then
+ * takes the general path). */
+static inline int
+small_int(PyObject *value, uint64_t *out)
+{
+    if (!PyLong_CheckExact(value)) {
+        return 0;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(value);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+static inline int
+set_u64(PyObject *obj, Py_ssize_t off, uint64_t value)
+{
+    PyObject *v = PyLong_FromUnsignedLongLong(value);
+    if (v == NULL) {
+        return -1;
+    }
+    set_field(obj, off, v);
+    return 0;
+}
+
+/* field += delta for an int field of any size. */
+static inline int
+add_to(PyObject *obj, Py_ssize_t off, long delta)
+{
+    PyObject *d = PyLong_FromLong(delta);
+    if (d == NULL) {
+        return -1;
+    }
+    PyObject *v = PyNumber_Add(FIELD(obj, off), d);
+    Py_DECREF(d);
+    if (v == NULL) {
+        return -1;
+    }
+    set_field(obj, off, v);
+    return 0;
+}
+
+/* tree.py _drop_carrier: clear rank `index` (`index_obj`) from the node, prune what is bare. */
+static int
+drop_carrier(PyObject *nodes, PyObject *key, PyObject *node, PyObject *index_obj,
+             PyObject *not_bit)
+{
+    PyObject *mask = PyNumber_And(FIELD(node, off_mask), not_bit);
+    if (mask == NULL) {
+        return -1;
+    }
+    set_field(node, off_mask, mask);
+    PyObject *tiers = FIELD(node, off_tiers);
+    if (tiers != Py_None) {
+        if (!PyDict_Check(tiers)) {
+            PyErr_SetString(PyExc_TypeError, "Node.tiers is not a dict");
+            return -1;
+        }
+        if (PyDict_DelItem(tiers, index_obj) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
+                return -1;
+            }
+            PyErr_Clear();
+        }
+        if (PyDict_GET_SIZE(tiers) == 0) {
+            Py_INCREF(Py_None);
+            set_field(node, off_tiers, Py_None);
+        }
+    }
+    PyObject *ehash = FIELD(node, off_ehash);
+    if (PyDict_CheckExact(ehash) && PyDict_DelItem(ehash, index_obj) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
+            return -1;
+        }
+        PyErr_Clear();
+    }
+    Py_INCREF(key);
+    Py_INCREF(node);
+    int status = 0;
+    for (;;) {
+        int bare = PyObject_Not(FIELD(node, off_mask));
+        int leaf = bare > 0 ? PyObject_Not(FIELD(node, off_children)) : 0;
+        if (bare < 0 || leaf < 0) {
+            status = -1;
+            break;
+        }
+        if (!(bare && leaf)) {
+            break;
+        }
+        if (PyDict_DelItem(nodes, key) < 0) {
+            status = -1;
+            break;
+        }
+        PyObject *parent_key = FIELD(node, off_parent);
+        if (parent_key == Py_None) {
+            break;
+        }
+        PyObject *parent = PyDict_GetItemWithError(nodes, parent_key);
+        if (parent == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetObject(PyExc_KeyError, parent_key);
+            }
+            status = -1;
+            break;
+        }
+        Py_INCREF(parent_key);
+        Py_INCREF(parent);
+        Py_SETREF(key, parent_key);
+        Py_SETREF(node, parent);
+        if (add_to(node, off_children, -1) < 0) {
+            status = -1;
+            break;
+        }
+    }
+    Py_DECREF(key);
+    Py_DECREF(node);
+    return status;
+}
+
+static PyObject *
+run_result(Py_ssize_t stop, Py_ssize_t a, Py_ssize_t b, Py_ssize_t c, int n)
+{
+    return n == 2 ? Py_BuildValue("(nn)", stop, a) : Py_BuildValue("(nnnn)", stop, a, b, c);
+}
+
+/* remove_run(nodes, by_hash, hashes, start, index, device) -> (stop, found, dropped, unknown) */
+static PyObject *
+py_remove_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1])
+        || !PyList_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "remove_run(nodes: dict, by_hash: dict, hashes: list, start, index, device)");
+        return NULL;
+    }
+    if (node_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "bind_node(Node) was not called");
+        return NULL;
+    }
+    PyObject *nodes = args[0], *by_hash = args[1], *hashes = args[2], *index_obj = args[4];
+    Py_ssize_t start = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t index = PyLong_AsSsize_t(index_obj);
+    int device = PyObject_IsTrue(args[5]);
+    if ((start == -1 || index == -1 || device < 0) && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    Py_ssize_t found = 0, unknown = 0, i = start;
+    if (index < 0 || index > 62 || !device) {
+        return run_result(start < n ? start : n, 0, 0, 0, 4); /* all general */
+    }
+    uint64_t bit = 1ULL << index;
+    PyObject *not_bit = PyLong_FromLongLong(~(long long)bit);
+    if (not_bit == NULL) {
+        return NULL;
+    }
+    for (; i < n; i++) {
+        PyObject *eh = PyList_GET_ITEM(hashes, i);
+        PyObject *key = PyDict_GetItemWithError(by_hash, eh);
+        if (key == NULL) {
+            if (PyErr_Occurred()) {
+                goto error;
+            }
+            unknown++;
+            continue;
+        }
+        PyObject *node = get_node(nodes, key);
+        if (node == NULL) {
+            if (PyErr_Occurred()) {
+                goto error;
+            }
+            break; /* the general path raises or copes */
+        }
+        PyObject *tiers = FIELD(node, off_tiers);
+        if (tiers != Py_None) {
+            int has = PyDict_Check(tiers) ? PyDict_Contains(tiers, index_obj) : 1;
+            if (has < 0) {
+                goto error;
+            }
+            if (has) {
+                break;
+            }
+        }
+        uint64_t mask, children;
+        if (!small_int(FIELD(node, off_mask), &mask) || !(mask & bit)
+            || !small_int(FIELD(node, off_children), &children)) {
+            break;
+        }
+        /* A device-only carrier: it goes whole. Hold key and node across the deletions. */
+        Py_INCREF(key);
+        Py_INCREF(node);
+        found++;
+        int status = PyDict_DelItem(by_hash, eh);
+        if (status == 0 && mask == bit && children == 0) {
+            /* Its only carrier, and a leaf: the node goes; its parent only if left bare. */
+            status = set_u64(node, off_mask, 0);
+            if (status == 0) {
+                status = PyDict_DelItem(nodes, key);
+            }
+            PyObject *parent_key = FIELD(node, off_parent);
+            if (status == 0 && parent_key != Py_None) {
+                PyObject *parent = PyDict_GetItemWithError(nodes, parent_key);
+                if (parent == NULL) {
+                    if (!PyErr_Occurred()) {
+                        PyErr_SetObject(PyExc_KeyError, parent_key);
+                    }
+                    status = -1;
+                }
+                else {
+                    Py_INCREF(parent);
+                    status = add_to(parent, off_children, -1);
+                    if (status == 0) {
+                        int bare = PyObject_Not(FIELD(parent, off_children));
+                        if (bare > 0) {
+                            bare = PyObject_Not(FIELD(parent, off_mask));
+                        }
+                        if (bare < 0) {
+                            status = -1;
+                        }
+                        else if (bare) {
+                            status = drop_carrier(nodes, parent_key, parent, index_obj, not_bit);
+                        }
+                    }
+                    Py_DECREF(parent);
+                }
+            }
+        }
+        else if (status == 0) {
+            status = drop_carrier(nodes, key, node, index_obj, not_bit);
+        }
+        Py_DECREF(key);
+        Py_DECREF(node);
+        if (status < 0) {
+            goto error;
+        }
+    }
+    Py_DECREF(not_bit);
+    return run_result(i, found, found, unknown, 4);
+error:
+    Py_DECREF(not_bit);
+    return NULL;
+}
+
+/* place_run(nodes, by_hash, keys, hashes, start, parent_key, index) -> (stop, added) */
+static PyObject *
+py_place_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "place_run(nodes: dict, by_hash: dict, keys, hashes, "
+                                         "start, parent_key, index)");
+        return NULL;
+    }
+    if (node_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "bind_node(Node) was not called");
+        return NULL;
+    }
+    PyObject *nodes = args[0], *by_hash = args[1], *index_obj = args[6];
+    Py_ssize_t start = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t index = PyLong_AsSsize_t(index_obj);
+    if ((start == -1 || index == -1) && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *keys_seq = PySequence_Fast(args[2], "keys must be a sequence");
+    if (keys_seq == NULL) {
+        return NULL;
+    }
+    PyObject *hashes_seq = PySequence_Fast(args[3], "engine hashes must be a sequence");
+    if (hashes_seq == NULL) {
+        Py_DECREF(keys_seq);
+        return NULL;
+    }
+    PyObject **keys = PySequence_Fast_ITEMS(keys_seq);
+    PyObject **hashes = PySequence_Fast_ITEMS(hashes_seq);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys_seq);
+    if (PySequence_Fast_GET_SIZE(hashes_seq) < n) {
+        n = PySequence_Fast_GET_SIZE(hashes_seq); /* zip() semantics, as the general path */
+    }
+    Py_ssize_t added = 0, i = start < n ? start : n;
+    PyObject *result = NULL, *bit_obj = NULL, *zero = NULL, *parent = NULL;
+    PyObject *parent_key = args[5];
+    Py_INCREF(parent_key);
+    if (index < 0 || index > 62) {
+        goto done; /* a mask past one machine word: all general */
+    }
+    uint64_t bit = 1ULL << index;
+    bit_obj = PyLong_FromUnsignedLongLong(bit);
+    zero = PyLong_FromLong(0);
+    if (bit_obj == NULL || zero == NULL) {
+        goto error;
+    }
+    if (parent_key != Py_None) {
+        parent = PyDict_GetItemWithError(nodes, parent_key);
+        if (parent == NULL) {
+            if (PyErr_Occurred()) {
+                goto error;
+            }
+            goto done; /* the general path raises */
+        }
+        Py_INCREF(parent);
+    }
+    for (; i < n; i++) {
+        PyObject *key = keys[i], *eh = hashes[i];
+        PyObject *stale = PyDict_GetItemWithError(by_hash, eh);
+        if (stale == NULL && PyErr_Occurred()) {
+            goto error;
+        }
+        if (stale != NULL) {
+            int same = PyObject_RichCompareBool(stale, key, Py_EQ);
+            if (same < 0) {
+                goto error;
+            }
+            if (!same) {
+                break;
+            }
+        }
+        PyObject *node = PyDict_GetItemWithError(nodes, key);
+        if (node == NULL) {
+            if (PyErr_Occurred()) {
+                goto error;
+            }
+            PyObject *fields[5] = {parent_key, bit_obj, zero, Py_None, eh};
+            node = PyObject_Vectorcall(node_type, fields, 5, NULL);
+            if (node == NULL) {
+                goto error;
+            }
+            int status = PyDict_SetItem(nodes, key, node);
+            Py_DECREF(node); /* the dict holds it */
+            if (status < 0 || (parent != NULL && add_to(parent, off_children, 1) < 0)) {
+                goto error;
+            }
+            added++;
+        }
+        else {
+            if (Py_TYPE(node) != (PyTypeObject *)node_type) {
+                break;
+            }
+            PyObject *tiers = FIELD(node, off_tiers);
+            if (tiers != Py_None) {
+                int has = PyDict_Check(tiers) ? PyDict_Contains(tiers, index_obj) : 1;
+                if (has < 0) {
+                    goto error;
+                }
+                if (has) {
+                    break;
+                }
+            }
+            uint64_t mask;
+            if (!small_int(FIELD(node, off_mask), &mask)) {
+                break;
+            }
+            PyObject *ehash = FIELD(node, off_ehash);
+            if (!(mask & bit)) {
+                if (PyDict_CheckExact(ehash)) {
+                    if (PyDict_SetItem(ehash, index_obj, eh) < 0) {
+                        goto error;
+                    }
+                }
+                else if (mask == 0) {
+                    Py_INCREF(eh);
+                    set_field(node, off_ehash, eh);
+                }
+                else {
+                    int same = PyObject_RichCompareBool(ehash, eh, Py_EQ);
+                    if (same < 0) {
+                        goto error;
+                    }
+                    if (!same) {
+                        break;
+                    }
+                }
+                if (set_u64(node, off_mask, mask | bit) < 0) {
+                    goto error;
+                }
+                added++;
+            }
+            else {
+                PyObject *old = ehash;
+                if (PyDict_CheckExact(ehash)) {
+                    old = PyDict_GetItemWithError(ehash, index_obj);
+                    if (old == NULL) {
+                        if (PyErr_Occurred()) {
+                            goto error;
+                        }
+                        break;
+                    }
+                }
+                int same = PyObject_RichCompareBool(old, eh, Py_EQ);
+                if (same < 0) {
+                    goto error;
+                }
+                if (!same) {
+                    break;
+                }
+            }
+        }
+        if (stale == NULL && PyDict_SetItem(by_hash, eh, key) < 0) {
+            goto error;
+        }
+        Py_INCREF(key);
+        Py_SETREF(parent_key, key);
+        Py_INCREF(node);
+        Py_XSETREF(parent, node);
+    }
+done:
+    result = run_result(i, added, 0, 0, 2);
+error:
+    Py_XDECREF(parent);
+    Py_DECREF(parent_key);
+    Py_XDECREF(bit_obj);
+    Py_XDECREF(zero);
+    Py_DECREF(keys_seq);
+    Py_DECREF(hashes_seq);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"xxh3_64", (PyCFunction)(void (*)(void))py_xxh3_64, METH_FASTCALL,
      "xxh3_64(data, seed) -> int: XXH3-64 of a bytes-like object."},
@@ -583,6 +1071,14 @@ static PyMethodDef methods[] = {
     {"parse_tokens", (PyCFunction)(void (*)(void))py_parse_tokens, METH_FASTCALL,
      "parse_tokens(raw, max_tokens, pairs) -> bytes: a msgpack array of token ids (of bigram "
      "pairs if `pairs`) as packed u32 little-endian; ValueError for anything else."},
+    {"bind_node", (PyCFunction)py_bind_node, METH_O,
+     "bind_node(Node): the tree's node type, whose slot offsets the runs use."},
+    {"remove_run", (PyCFunction)(void (*)(void))py_remove_run, METH_FASTCALL,
+     "remove_run(nodes, by_hash, hashes, start, index, device) -> (stop, found, dropped, "
+     "unknown): cachetree.tree._remove_run_py in C."},
+    {"place_run", (PyCFunction)(void (*)(void))py_place_run, METH_FASTCALL,
+     "place_run(nodes, by_hash, keys, hashes, start, parent_key, index) -> (stop, added): "
+     "cachetree.tree._place_run_py in C."},
     {NULL, NULL, 0, NULL},
 };
 

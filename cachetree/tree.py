@@ -46,6 +46,7 @@ from operator import and_, attrgetter, neg
 
 import msgspec
 
+from cachetree.accel import speedups
 from cachetree.keys import block_keys, namespace_seed
 from cachetree.ranks import RankId
 from cachetree.tiers import ALL_TIERS, DEVICE, TIER_NAMES
@@ -320,10 +321,13 @@ class BlockTree:
             unknown += u
             if i == n:
                 break
-            found += 1
             eh = hashes[i]
             i += 1
-            key = by_hash[eh]
+            key = by_hash.get(eh)
+            if key is None:  # a run that could not start (another tier) stops at any hash
+                unknown += 1
+                continue
+            found += 1
             node = nodes[key]
             old = _bits_of(node, index)
             new = old & ~clear
@@ -602,8 +606,13 @@ def _place_run_py(
     return len(keys), added
 
 
-_remove_run = _remove_run_py
-_place_run = _place_run_py
+if speedups is None:
+    _remove_run = _remove_run_py
+    _place_run = _place_run_py
+else:
+    speedups.bind_node(Node)
+    _remove_run = speedups.remove_run
+    _place_run = speedups.place_run
 
 
 def _indices(mask: int) -> Iterator[int]:
