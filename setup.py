@@ -10,12 +10,7 @@ import os
 
 from setuptools import Extension, setup
 
-ACCELERATOR = Extension(
-    "cachetree._speedups",
-    ["cachetree/_speedups.c"],
-    optional=True,
-    extra_compile_args=["-O2"] if os.name == "posix" else [],
-)
+ACCELERATOR = Extension("cachetree._speedups", ["cachetree/_speedups.c"], optional=True)
 
 
 def extensions() -> list[Extension]:

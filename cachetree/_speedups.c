@@ -24,6 +24,9 @@
  *   same dicts and change the same `Node` fields, read and written through the offsets of
  *   Node's member descriptors (`bind_node`), and stop, having changed nothing for it, before
  *   the first block that needs the general path, which the Python caller then handles.
+ * - `normalize_events` is the decoder's loop from typed events to normalized ones
+ *   (router/events.py `_normalize_events_py`): the one-block removals an evicting engine sends
+ *   dozens of per batch are built here; every other event calls its own `normalize()`.
  * - XXH3-64 is written from its published specification (xxHash's doc/xxhash_spec.md, "XXH3
  *   algorithm description"), every length class including the seeded long-input path, and
  *   tested bit-exact against the `xxhash` package. Engines' block sizes put a block in the
@@ -473,26 +476,14 @@ read_array_len(Reader *r)
     return -1;
 }
 
-/* One token id; 0 on success, -1 if it is not an int in [0, 2**32). */
+/* One token id in any other int encoding; 0 on success, -1 if it is not in [0, 2**32). */
 static int
-read_token(Reader *r, uint32_t *out)
+read_token_slow(Reader *r, uint32_t *out)
 {
-    if (!need(r, 1)) {
-        return -1;
-    }
     uint8_t b = *r->p;
-    uint64_t v;
     int width;
     int is_signed = 0;
-    if (b <= 0x7F) {
-        *out = b;
-        r->p += 1;
-        return 0;
-    }
     switch (b) {
-    case 0xCC: width = 1; break;
-    case 0xCD: width = 2; break;
-    case 0xCE: width = 4; break;
     case 0xCF: width = 8; break;
     case 0xD0: width = 1; is_signed = 1; break;
     case 0xD1: width = 2; is_signed = 1; break;
@@ -503,16 +494,55 @@ read_token(Reader *r, uint32_t *out)
     if (!need(r, 1 + (size_t)width)) {
         return -1;
     }
-    v = be(r->p + 1, width);
-    if (is_signed && v >> (8 * width - 1)) {
-        return -1; /* negative */
-    }
-    if (v > 0xFFFFFFFFULL) {
-        return -1;
+    uint64_t v = be(r->p + 1, width);
+    if ((is_signed && v >> (8 * width - 1)) || v > 0xFFFFFFFFULL) {
+        return -1; /* negative, or past u32 */
     }
     *out = (uint32_t)v;
     r->p += 1 + width;
     return 0;
+}
+
+/* One token id; 0 on success, -1 if it is not an int in [0, 2**32). The encodings msgpack
+ * writers choose for ids (fixint, uint8/16/32: the smallest that fits) are read inline. */
+static inline int
+read_token(Reader *r, uint32_t *out)
+{
+    const uint8_t *p = r->p;
+    size_t left = (size_t)(r->end - p);
+    if (left == 0) {
+        return -1;
+    }
+    switch (p[0]) {
+    case 0xCC:
+        if (left < 2) {
+            return -1;
+        }
+        *out = p[1];
+        r->p = p + 2;
+        return 0;
+    case 0xCD:
+        if (left < 3) {
+            return -1;
+        }
+        *out = (uint32_t)p[1] << 8 | p[2];
+        r->p = p + 3;
+        return 0;
+    case 0xCE:
+        if (left < 5) {
+            return -1;
+        }
+        *out = (uint32_t)p[1] << 24 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 8 | p[4];
+        r->p = p + 5;
+        return 0;
+    default:
+        if (p[0] <= 0x7F) {
+            *out = p[0];
+            r->p = p + 1;
+            return 0;
+        }
+        return read_token_slow(r, out);
+    }
 }
 
 static PyObject *
@@ -563,10 +593,7 @@ py_parse_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         else if (read_token(&r, &token) < 0) {
             goto fail;
         }
-        dst[4 * i] = (uint8_t)token;
-        dst[4 * i + 1] = (uint8_t)(token >> 8);
-        dst[4 * i + 2] = (uint8_t)(token >> 16);
-        dst[4 * i + 3] = (uint8_t)(token >> 24);
+        memcpy(dst + 4 * i, &token, 4); /* little-endian host */
     }
     why = "bytes after the token ids";
     if (r.p != r.end) {
@@ -1063,6 +1090,120 @@ error:
     return result;
 }
 
+
+/* ---- decoded events -> normalized events (twin of router/events.py _normalize_events_py) - */
+
+static PyObject *str_block_hashes, *str_medium, *str_group_idx, *str_locality, *str_normalize;
+
+/* The one-block removal with a u64 hash, primary group, local, on a known medium: the
+ * BlockRemoved built at once (new reference); NULL with no error when the event is not it. */
+static PyObject *
+quick_removal(PyObject *ev, PyObject *block_removed, PyObject *removal_tiers, PyObject *zero)
+{
+    PyObject *result = NULL, *tier;
+    PyObject *hashes = PyObject_GetAttr(ev, str_block_hashes);
+    PyObject *medium = PyObject_GetAttr(ev, str_medium);
+    PyObject *group = PyObject_GetAttr(ev, str_group_idx);
+    PyObject *locality = PyObject_GetAttr(ev, str_locality);
+    if (hashes == NULL || medium == NULL || group == NULL || locality == NULL) {
+        goto done;
+    }
+    if (!PyList_CheckExact(hashes) || PyList_GET_SIZE(hashes) != 1
+        || !PyLong_CheckExact(PyList_GET_ITEM(hashes, 0)) || locality != Py_None) {
+        goto done;
+    }
+    int ok = PyObject_RichCompareBool(PyList_GET_ITEM(hashes, 0), zero, Py_GE);
+    if (ok > 0) {
+        ok = PyObject_Not(group);
+    }
+    if (ok <= 0) {
+        goto done;
+    }
+    tier = PyDict_GetItemWithError(removal_tiers, medium);
+    if (tier == NULL) {
+        goto done;
+    }
+    PyObject *fields[3] = {hashes, tier, medium};
+    result = PyObject_Vectorcall(block_removed, fields, 3, NULL);
+done:
+    Py_XDECREF(hashes);
+    Py_XDECREF(medium);
+    Py_XDECREF(group);
+    Py_XDECREF(locality);
+    return result;
+}
+
+/* normalize_events(events, removed_types, BlockRemoved, removal_tiers) -> (out, ignored) */
+static PyObject *
+py_normalize_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyList_CheckExact(args[0]) || !PyTuple_CheckExact(args[1])
+        || !PyDict_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "normalize_events(events: list, removed_types: tuple, "
+                                         "BlockRemoved, removal_tiers: dict)");
+        return NULL;
+    }
+    PyObject *events = args[0], *removed_types = args[1], *block_removed = args[2];
+    PyObject *removal_tiers = args[3];
+    PyObject *zero = PyLong_FromLong(0);
+    PyObject *out = PyList_New(0);
+    PyObject *ignored = PyDict_New();
+    if (zero == NULL || out == NULL || ignored == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
+        PyObject *ev = PyList_GET_ITEM(events, i);
+        PyObject *result = NULL;
+        int removal = 0;
+        for (Py_ssize_t t = 0; t < PyTuple_GET_SIZE(removed_types); t++) {
+            removal |= (PyObject *)Py_TYPE(ev) == PyTuple_GET_ITEM(removed_types, t);
+        }
+        if (removal) {
+            result = quick_removal(ev, block_removed, removal_tiers, zero);
+            if (result == NULL && PyErr_Occurred()) {
+                goto error;
+            }
+        }
+        if (result == NULL) {
+            result = PyObject_CallMethodNoArgs(ev, str_normalize);
+            if (result == NULL) {
+                goto error;
+            }
+            if (PyUnicode_CheckExact(result)) { /* a reason the event is ignored */
+                PyObject *count = PyDict_GetItemWithError(ignored, result);
+                PyObject *next = NULL;
+                if (count != NULL) {
+                    PyObject *one = PyLong_FromLong(1);
+                    next = one == NULL ? NULL : PyNumber_Add(count, one);
+                    Py_XDECREF(one);
+                }
+                else if (!PyErr_Occurred()) {
+                    next = PyLong_FromLong(1);
+                }
+                int status = next == NULL ? -1 : PyDict_SetItem(ignored, result, next);
+                Py_XDECREF(next);
+                Py_DECREF(result);
+                if (status < 0) {
+                    goto error;
+                }
+                continue;
+            }
+        }
+        int status = PyList_Append(out, result);
+        Py_DECREF(result);
+        if (status < 0) {
+            goto error;
+        }
+    }
+    Py_DECREF(zero);
+    return Py_BuildValue("(NN)", out, ignored);
+error:
+    Py_XDECREF(zero);
+    Py_XDECREF(out);
+    Py_XDECREF(ignored);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"xxh3_64", (PyCFunction)(void (*)(void))py_xxh3_64, METH_FASTCALL,
      "xxh3_64(data, seed) -> int: XXH3-64 of a bytes-like object."},
@@ -1079,6 +1220,9 @@ static PyMethodDef methods[] = {
     {"place_run", (PyCFunction)(void (*)(void))py_place_run, METH_FASTCALL,
      "place_run(nodes, by_hash, keys, hashes, start, parent_key, index) -> (stop, added): "
      "cachetree.tree._place_run_py in C."},
+    {"normalize_events", (PyCFunction)(void (*)(void))py_normalize_events, METH_FASTCALL,
+     "normalize_events(events, removed_types, BlockRemoved, removal_tiers) -> (out, ignored): "
+     "router.events._normalize_events_py in C."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1090,5 +1234,14 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
+    str_block_hashes = PyUnicode_InternFromString("block_hashes");
+    str_medium = PyUnicode_InternFromString("medium");
+    str_group_idx = PyUnicode_InternFromString("group_idx");
+    str_locality = PyUnicode_InternFromString("locality");
+    str_normalize = PyUnicode_InternFromString("normalize");
+    if (str_block_hashes == NULL || str_medium == NULL || str_group_idx == NULL
+        || str_locality == NULL || str_normalize == NULL) {
+        return NULL;
+    }
     return PyModule_Create(&module_def);
 }

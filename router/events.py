@@ -550,9 +550,18 @@ def _normalized(batch: Any) -> EventBatch:
     ts = batch.ts
     if not math.isfinite(ts):
         raise EventDecodeError("bad_ts", f"ts is {ts}")
+    out, ignored = _normalize_events(batch.events)
+    return EventBatch(float(ts), out, batch.dp_rank, ignored)
+
+
+def _normalize_events_py(events: list[Any]) -> tuple[list[KVEvent], dict[str, int]]:
+    """The typed events as `KVEvent`s in order, and the ignored ones counted by reason.
+
+    The compiled twin is `_speedups.normalize_events`.
+    """
     out: list[KVEvent] = []
     ignored: dict[str, int] = {}
-    for ev in batch.events:
+    for ev in events:
         kind = type(ev)
         if kind is _MapRemoved or kind is _ArrayRemoved:
             # An engine evicting under pressure sends one one-block BlockRemoved per block,
@@ -573,7 +582,18 @@ def _normalized(batch: Any) -> EventBatch:
             ignored[result] = ignored.get(result, 0) + 1
         else:
             out.append(result)
-    return EventBatch(float(ts), out, batch.dp_rank, ignored)
+    return out, ignored
+
+
+def _normalize_events_compiled(events: list[Any]) -> tuple[list[KVEvent], dict[str, int]]:
+    assert speedups is not None
+    return speedups.normalize_events(  # type: ignore[no-any-return]
+        events, _REMOVED_TYPES, BlockRemoved, _REMOVAL_TIER
+    )
+
+
+_REMOVED_TYPES: Final = (_MapRemoved, _ArrayRemoved)
+_normalize_events = _normalize_events_py if speedups is None else _normalize_events_compiled
 
 
 # --- generic path: the reference decoder, and the one that names errors ---------------------
