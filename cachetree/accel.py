@@ -24,8 +24,11 @@ from typing import Final
 NO_EXTENSIONS_ENV: Final = "KVROUTER_NO_EXTENSIONS"
 
 
+FORCED_PURE: Final = os.environ.get(NO_EXTENSIONS_ENV, "") not in ("", "0")
+
+
 def _load() -> tuple[ModuleType | None, str]:
-    if os.environ.get(NO_EXTENSIONS_ENV, "") not in ("", "0"):
+    if FORCED_PURE:
         return None, f"{NO_EXTENSIONS_ENV} is set"
     try:
         from cachetree import _speedups

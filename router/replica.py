@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 import zmq.asyncio
 
+from cachetree import accel
 from peer.fetch import SnapshotFetcher
 from peer.kubeconfig import kube_api_client, resolve_namespace
 from peer.producer import SnapshotProducer
@@ -112,6 +113,18 @@ class Replica:
 
 
 async def start_replica(config: ServeConfig) -> Replica:
+    if accel.speedups is not None:
+        log.info("ingest accelerator: compiled (cachetree._speedups)")
+    else:
+        # Forced by the variable: a choice, said once. Not built: a fault to fix.
+        log.log(
+            logging.INFO if accel.FORCED_PURE else logging.WARNING,
+            "ingest accelerator: pure Python, %s; KV events cost about twice the CPU of the "
+            "compiled path. To build it, install with a C compiler and the Python headers "
+            "(README, 'The compiled accelerator'); to use it, leave %s unset",
+            accel.REASON,
+            accel.NO_EXTENSIONS_ENV,
+        )
     tokenizer = load_tokenizer(
         config.tokenizer, engine=config.chat_rules, cache_mb=config.tokenize_cache_mb
     )

@@ -8,10 +8,7 @@ it to its twins in both passes of the suite; the rest of the suite exercises whi
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 from array import array
 from pathlib import Path
 from typing import Annotated, Any
@@ -230,75 +227,3 @@ def test_parse_tokens_refuses_more_ids_than_the_cap_before_reading_them() -> Non
     assert _parsed(_enc([1] * 10)) == [1] * 10
     with pytest.raises(ValueError, match="too many"):
         speedups.parse_tokens(_enc([1] * 10), 9, False)
-
-
-# --- the switch ------------------------------------------------------------------------------
-
-
-def _implementation(env: dict[str, str]) -> str:
-    code = (
-        "import cachetree.accel as a, cachetree.keys as k; print(a.IMPLEMENTATION, k._block_keys)"
-    )
-    clean = {k: v for k, v in os.environ.items() if k != "KVROUTER_NO_EXTENSIONS"}
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**clean, **env},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    return done.stdout.strip()
-
-
-@pytest.mark.parametrize(
-    ("env", "want"),
-    [
-        ({}, "compiled <built-in function block_keys>"),
-        ({"KVROUTER_NO_EXTENSIONS": "0"}, "compiled <built-in function block_keys>"),
-        ({"KVROUTER_NO_EXTENSIONS": "1"}, "pure <function block_keys_py"),
-        ({"KVROUTER_NO_EXTENSIONS": "yes"}, "pure <function block_keys_py"),
-    ],
-)
-def test_kvrouter_no_extensions_forces_the_pure_path(env: dict[str, str], want: str) -> None:
-    assert _implementation(env).startswith(want)
-
-
-def _build_ext(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], list[Path]]:
-    """setup.py's build_ext into `tmp_path`, as pip runs it; returns what it built."""
-    script = (
-        "import sys; sys.argv = ['setup.py']\n"
-        "from setuptools import Distribution\n"
-        "import setup\n"
-        "dist = Distribution({'ext_modules': setup.extensions(), 'script_name': 'setup.py'})\n"
-        "cmd = dist.get_command_obj('build_ext')\n"
-        f"cmd.build_lib = {str(tmp_path / 'lib')!r}\n"
-        f"cmd.build_temp = {str(tmp_path / 'tmp')!r}\n"
-        "dist.run_command('build_ext')\n"
-    )
-    clean = {k: v for k, v in os.environ.items() if k != "KVROUTER_NO_EXTENSIONS"}
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        env={**clean, **env},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return done, list((tmp_path / "lib").rglob("_speedups*"))
-
-
-def test_a_failed_compile_leaves_a_working_install_on_the_pure_path(tmp_path: Path) -> None:
-    """What `pip install` does without a compiler: build_ext warns and goes on (optional=True)."""
-    cc = str(tmp_path / "no-such-compiler")
-    done, built = _build_ext(tmp_path, CC=cc, LDSHARED=cc)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert 'building extension "cachetree._speedups" failed' in done.stdout + done.stderr
-    assert built == []
-
-
-def test_the_same_build_with_a_compiler_produces_the_extension(tmp_path: Path) -> None:
-    done, built = _build_ext(tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert [p.name.split(".")[0] for p in built] == ["_speedups"]
