@@ -178,7 +178,7 @@ async def replica_metrics(session: aiohttp.ClientSession, router: str) -> tuple[
 class Code:
     label: str
     path: Path  # first on the child's PYTHONPATH
-    env: dict[str, str]  # more environment for the child
+    env: dict[str, str]  # KVROUTER_ variables for the child
 
 
 async def start_router(
@@ -193,7 +193,9 @@ async def start_router(
     runner = ["-m", "router.cli"]
     if profile is not None:  # cProfile over the measured phase only (CPU clock)
         runner = [str(ROOT / "bench" / "profiled_router.py"), str(profile), "cpu"]
+    # demo.Child drops KVROUTER_ variables from the environment it passes on: `env` sets them.
     argv = [
+        *(["env", *(f"{k}={v}" for k, v in code.env.items())] if code.env else []),
         sys.executable,
         "-P",  # no current directory or script directory first on sys.path: `code` wins
         *runner,
@@ -205,17 +207,15 @@ async def start_router(
     child = demo.Child(code.label, argv, workdir / f"router-{code.label.split()[0]}.log")
     # The child imports `router` from `code`: PYTHONPATH comes before the editable install,
     # and -P keeps the current directory (this checkout) off the front of sys.path.
-    env = {"PYTHONPATH": str(code.path), "KVROUTER_NO_EXTENSIONS": "", **code.env}
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(code.path)
     try:
         await child.start()
     finally:
-        for name, value in saved.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
     try:
         return child, await child.wait_line(demo.ROUTER_READY)
     except BaseException:

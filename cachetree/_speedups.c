@@ -27,6 +27,12 @@
  * - `normalize_events` is the decoder's loop from typed events to normalized ones
  *   (router/events.py `_normalize_events_py`): the one-block removals an evicting engine sends
  *   dozens of per batch are built here; every other event calls its own `normalize()`.
+ * - `decode_map_batch` takes a whole batch of tagged-map events (what vLLM >= 0.24 and
+ *   SGLang >= 0.5.20 send): the root, ts and dp_rank are read here, a one-block BlockRemoved
+ *   of the usual shape becomes a BlockRemoved without any intermediate object, and every
+ *   other event's bytes are handed to the Python decoder of single events. Anything else about
+ *   the batch (positional events, extra root elements, odd encodings) returns None, and the
+ *   Python decoders take the whole batch: they alone name errors.
  * - XXH3-64 is written from its published specification (xxHash's doc/xxhash_spec.md, "XXH3
  *   algorithm description"), every length class including the seeded long-input path, and
  *   tested bit-exact against the `xxhash` package. Engines' block sizes put a block in the
@@ -36,6 +42,7 @@
 #include <Python.h>
 #include <structmember.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 /* Token ids are hashed as native u32 arrays, which the key scheme defines as little-endian
@@ -1204,6 +1211,411 @@ error:
     return NULL;
 }
 
+
+/* ---- whole batches of map events (twin: router/events.py _decode_typed, then generic) ---- */
+
+/* Past this nesting the batch is left to the Python decoders (which have their own limits). */
+#define MAX_SKIP_DEPTH 32
+
+/* A map or array header; -1 if the next object is neither (or is truncated). */
+static Py_ssize_t
+read_container_len(Reader *r, int map)
+{
+    if (!need(r, 1)) {
+        return -1;
+    }
+    uint8_t b = *r->p;
+    if ((b & 0xF0) == (map ? 0x80 : 0x90)) {
+        r->p += 1;
+        return b & 0x0F;
+    }
+    if (b == (map ? 0xDE : 0xDC) && need(r, 3)) {
+        r->p += 3;
+        return (Py_ssize_t)be(r->p - 2, 2);
+    }
+    if (b == (map ? 0xDF : 0xDD) && need(r, 5)) {
+        r->p += 5;
+        return (Py_ssize_t)be(r->p - 4, 4);
+    }
+    return -1;
+}
+
+/* A str's bytes; 0 if the next object is not a str (or is truncated). */
+static int
+read_str(Reader *r, const uint8_t **data, size_t *len)
+{
+    if (!need(r, 1)) {
+        return 0;
+    }
+    uint8_t b = *r->p;
+    size_t head, n;
+    if ((b & 0xE0) == 0xA0) {
+        head = 1;
+        n = b & 0x1F;
+    }
+    else if (b == 0xD9 && need(r, 2)) {
+        head = 2;
+        n = r->p[1];
+    }
+    else if (b == 0xDA && need(r, 3)) {
+        head = 3;
+        n = (size_t)be(r->p + 1, 2);
+    }
+    else if (b == 0xDB && need(r, 5)) {
+        head = 5;
+        n = (size_t)be(r->p + 1, 4);
+    }
+    else {
+        return 0;
+    }
+    if (!need(r, head + n)) {
+        return 0;
+    }
+    *data = r->p + head;
+    *len = n;
+    r->p += head + n;
+    return 1;
+}
+
+static inline int
+str_is(const uint8_t *data, size_t len, const char *want)
+{
+    return strlen(want) == len && memcmp(data, want, len) == 0;
+}
+
+/* Step over one well-formed object; 0 if it is malformed, truncated, or too deep. */
+static int
+skip(Reader *r, int depth)
+{
+    if (!need(r, 1) || depth > MAX_SKIP_DEPTH) {
+        return 0;
+    }
+    uint8_t b = *r->p;
+    size_t n;
+    if (b <= 0x7F || b >= 0xE0 || b == 0xC0 || b == 0xC2 || b == 0xC3) {
+        r->p += 1;
+        return 1;
+    }
+    if ((b & 0xE0) == 0xA0 || b == 0xD9 || b == 0xDA || b == 0xDB) {
+        const uint8_t *data;
+        return read_str(r, &data, &n);
+    }
+    if ((b & 0xF0) == 0x90 || (b & 0xF0) == 0x80 || b == 0xDC || b == 0xDD || b == 0xDE
+        || b == 0xDF) {
+        int map = (b & 0xF0) == 0x80 || b == 0xDE || b == 0xDF;
+        Py_ssize_t items = read_container_len(r, map);
+        if (items < 0) {
+            return 0;
+        }
+        for (Py_ssize_t i = 0; i < items * (map ? 2 : 1); i++) {
+            if (!skip(r, depth + 1)) {
+                return 0;
+            }
+        }
+        return 1;
+    }
+    switch (b) {
+    case 0xC4: n = need(r, 2) ? 2 + r->p[1] : 0; break;                         /* bin 8 */
+    case 0xC5: n = need(r, 3) ? 3 + (size_t)be(r->p + 1, 2) : 0; break;         /* bin 16 */
+    case 0xC6: n = need(r, 5) ? 5 + (size_t)be(r->p + 1, 4) : 0; break;         /* bin 32 */
+    case 0xCA: n = 5; break;
+    case 0xCB: n = 9; break;
+    case 0xCC: case 0xD0: n = 2; break;
+    case 0xCD: case 0xD1: n = 3; break;
+    case 0xCE: case 0xD2: n = 5; break;
+    case 0xCF: case 0xD3: n = 9; break;
+    default: return 0; /* ext types, the reserved byte: the Python decoders decide */
+    }
+    if (n == 0 || !need(r, n)) {
+        return 0;
+    }
+    r->p += n;
+    return 1;
+}
+
+/* A non-negative int of any encoding as u64; 0 if the next object is not one. */
+static int
+read_u64(Reader *r, uint64_t *out)
+{
+    if (!need(r, 1)) {
+        return 0;
+    }
+    uint8_t b = *r->p;
+    if (b <= 0x7F) {
+        *out = b;
+        r->p += 1;
+        return 1;
+    }
+    int width;
+    int is_signed = b >= 0xD0;
+    switch (b) {
+    case 0xCC: case 0xD0: width = 1; break;
+    case 0xCD: case 0xD1: width = 2; break;
+    case 0xCE: case 0xD2: width = 4; break;
+    case 0xCF: case 0xD3: width = 8; break;
+    default: return 0;
+    }
+    if (!need(r, 1 + (size_t)width)) {
+        return 0;
+    }
+    uint64_t v = be(r->p + 1, width);
+    if (is_signed && v >> (8 * width - 1)) {
+        return 0;
+    }
+    *out = v;
+    r->p += 1 + width;
+    return 1;
+}
+
+static inline int
+read_nil(Reader *r)
+{
+    if (need(r, 1) && *r->p == 0xC0) {
+        r->p += 1;
+        return 1;
+    }
+    return 0;
+}
+
+/* An event map that is the one-block removal an evicting engine sends:
+ * {"type": "BlockRemoved", "block_hashes": [u64], "medium": str|nil, "group_idx": 0|nil,
+ *  "locality": nil} with no other key and no key twice, its medium among `removal_tiers`.
+ * Returns the BlockRemoved (new reference), or NULL with no error when the event is any other
+ * (the reader is then left anywhere: the caller rewinds). */
+static PyObject *
+quick_removal_map(Reader *r, PyObject *removal_tiers, PyObject *block_removed)
+{
+    Py_ssize_t keys = read_container_len(r, 1);
+    int seen_type = 0, seen_hashes = 0, seen_medium = 0, seen_group = 0, seen_locality = 0;
+    uint64_t hash = 0;
+    const uint8_t *medium = NULL;
+    size_t medium_len = 0;
+    if (keys < 2) {
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < keys; k++) {
+        const uint8_t *key, *value;
+        size_t key_len, value_len;
+        if (!read_str(r, &key, &key_len)) {
+            return NULL;
+        }
+        if (str_is(key, key_len, "type") && !seen_type++) {
+            if (!read_str(r, &value, &value_len) || !str_is(value, value_len, "BlockRemoved")) {
+                return NULL;
+            }
+        }
+        else if (str_is(key, key_len, "block_hashes") && !seen_hashes++) {
+            if (read_container_len(r, 0) != 1 || !read_u64(r, &hash)) {
+                return NULL;
+            }
+        }
+        else if (str_is(key, key_len, "medium") && !seen_medium++) {
+            if (!read_nil(r)) {
+                if (!read_str(r, &medium, &medium_len)) {
+                    return NULL;
+                }
+                for (size_t i = 0; i < medium_len; i++) {
+                    if (medium[i] >= 0x80) {
+                        return NULL; /* the Python decoders check the UTF-8 */
+                    }
+                }
+            }
+        }
+        else if (str_is(key, key_len, "group_idx") && !seen_group++) {
+            uint64_t group;
+            if (!read_nil(r) && !(read_u64(r, &group) && group == 0)) {
+                return NULL;
+            }
+        }
+        else if (str_is(key, key_len, "locality") && !seen_locality++) {
+            if (!read_nil(r)) {
+                return NULL;
+            }
+        }
+        else {
+            return NULL; /* another key, or one twice */
+        }
+    }
+    if (!seen_type || !seen_hashes) {
+        return NULL;
+    }
+    PyObject *medium_obj = Py_None;
+    Py_INCREF(medium_obj);
+    if (medium != NULL) {
+        Py_SETREF(medium_obj, PyUnicode_DecodeASCII((const char *)medium, medium_len, NULL));
+        if (medium_obj == NULL) {
+            return NULL;
+        }
+    }
+    PyObject *result = NULL, *hash_obj = NULL, *hashes = NULL;
+    PyObject *tier = PyDict_GetItemWithError(removal_tiers, medium_obj);
+    if (tier == NULL) {
+        goto done; /* an unusual medium (or an error, which the caller sees) */
+    }
+    hash_obj = PyLong_FromUnsignedLongLong(hash);
+    hashes = hash_obj == NULL ? NULL : PyList_New(1);
+    if (hashes == NULL) {
+        goto done;
+    }
+    Py_INCREF(hash_obj);
+    PyList_SET_ITEM(hashes, 0, hash_obj);
+    PyObject *fields[3] = {hashes, tier, medium_obj};
+    result = PyObject_Vectorcall(block_removed, fields, 3, NULL);
+done:
+    Py_XDECREF(hash_obj);
+    Py_XDECREF(hashes);
+    Py_DECREF(medium_obj);
+    return result;
+}
+
+/* decode_map_batch(payload, removal_tiers, BlockRemoved, EventBatch, decode_event)
+ *   -> EventBatch, or None when the batch is not `[ts, [map event, ...], dp_rank?]` as
+ *   engines send it (the caller then runs the Python decoders, which decide everything).
+ * One-block removals are built here; every other event's bytes go to `decode_event`, which
+ * returns its normalized event or the reason it is ignored, or raises. */
+static PyObject *
+py_decode_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyDict_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "decode_map_batch(payload, removal_tiers: dict, "
+                                         "BlockRemoved, EventBatch, decode_event)");
+        return NULL;
+    }
+    PyObject *removal_tiers = args[1], *block_removed = args[2], *event_batch = args[3];
+    PyObject *decode_event = args[4];
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    PyObject *out = NULL, *ignored = NULL, *ts_obj = NULL, *dp_obj = NULL, *result = NULL;
+    Reader r = {(const uint8_t *)view.buf, (const uint8_t *)view.buf + view.len};
+    Py_ssize_t root = read_container_len(&r, 0);
+    double ts;
+    if ((root != 2 && root != 3) || !need(&r, 1)) {
+        goto bail;
+    }
+    uint8_t b = *r.p;
+    uint64_t u;
+    if (b == 0xCB && need(&r, 9)) {
+        uint64_t bits = be(r.p + 1, 8);
+        memcpy(&ts, &bits, 8);
+        r.p += 9;
+    }
+    else if (b == 0xCA && need(&r, 5)) {
+        uint32_t bits = (uint32_t)be(r.p + 1, 4);
+        float f;
+        memcpy(&f, &bits, 4);
+        ts = f;
+        r.p += 5;
+    }
+    else if (read_u64(&r, &u)) {
+        ts = (double)u;
+    }
+    else {
+        goto bail;
+    }
+    if (!isfinite(ts)) {
+        goto bail;
+    }
+    Py_ssize_t events = read_container_len(&r, 0);
+    if (events < 0) {
+        goto bail;
+    }
+    out = PyList_New(0);
+    ignored = PyDict_New();
+    if (out == NULL || ignored == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < events; i++) {
+        const uint8_t *start = r.p;
+        if (!need(&r, 1) || !((*r.p & 0xF0) == 0x80 || *r.p == 0xDE || *r.p == 0xDF)) {
+            goto bail; /* positional events, or not an event */
+        }
+        PyObject *event = quick_removal_map(&r, removal_tiers, block_removed);
+        if (event == NULL) {
+            if (PyErr_Occurred()) {
+                goto error;
+            }
+            r.p = start;
+            if (!skip(&r, 0)) {
+                goto bail;
+            }
+            PyObject *span = PyBytes_FromStringAndSize((const char *)start, r.p - start);
+            if (span == NULL) {
+                goto error;
+            }
+            event = PyObject_CallOneArg(decode_event, span);
+            Py_DECREF(span);
+            if (event == NULL) {
+                goto error;
+            }
+            if (PyUnicode_CheckExact(event)) { /* the reason it is ignored */
+                PyObject *count = PyDict_GetItemWithError(ignored, event);
+                PyObject *next = NULL;
+                if (count != NULL) {
+                    PyObject *one = PyLong_FromLong(1);
+                    next = one == NULL ? NULL : PyNumber_Add(count, one);
+                    Py_XDECREF(one);
+                }
+                else if (!PyErr_Occurred()) {
+                    next = PyLong_FromLong(1);
+                }
+                int status = next == NULL ? -1 : PyDict_SetItem(ignored, event, next);
+                Py_XDECREF(next);
+                Py_DECREF(event);
+                if (status < 0) {
+                    goto error;
+                }
+                continue;
+            }
+        }
+        int status = PyList_Append(out, event);
+        Py_DECREF(event);
+        if (status < 0) {
+            goto error;
+        }
+    }
+    if (root == 3) {
+        if (read_nil(&r)) {
+            dp_obj = Py_None;
+            Py_INCREF(dp_obj);
+        }
+        else if (read_u64(&r, &u)) {
+            dp_obj = PyLong_FromUnsignedLongLong(u);
+            if (dp_obj == NULL) {
+                goto error;
+            }
+        }
+        else {
+            goto bail;
+        }
+    }
+    else {
+        dp_obj = Py_None;
+        Py_INCREF(dp_obj);
+    }
+    if (r.p != r.end) {
+        goto bail;
+    }
+    ts_obj = PyFloat_FromDouble(ts);
+    if (ts_obj == NULL) {
+        goto error;
+    }
+    PyObject *fields[4] = {ts_obj, out, dp_obj, ignored};
+    result = PyObject_Vectorcall(event_batch, fields, 4, NULL);
+    goto error; /* the common exit: release, return `result` (NULL on an error) */
+bail:
+    result = Py_None;
+    Py_INCREF(result);
+error:
+    Py_XDECREF(out);
+    Py_XDECREF(ignored);
+    Py_XDECREF(ts_obj);
+    Py_XDECREF(dp_obj);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"xxh3_64", (PyCFunction)(void (*)(void))py_xxh3_64, METH_FASTCALL,
      "xxh3_64(data, seed) -> int: XXH3-64 of a bytes-like object."},
@@ -1223,6 +1635,9 @@ static PyMethodDef methods[] = {
     {"normalize_events", (PyCFunction)(void (*)(void))py_normalize_events, METH_FASTCALL,
      "normalize_events(events, removed_types, BlockRemoved, removal_tiers) -> (out, ignored): "
      "router.events._normalize_events_py in C."},
+    {"decode_map_batch", (PyCFunction)(void (*)(void))py_decode_map_batch, METH_FASTCALL,
+     "decode_map_batch(payload, removal_tiers, BlockRemoved, EventBatch, decode_event) -> "
+     "EventBatch | None: a batch of map events, one-block removals built in C."},
     {NULL, NULL, 0, NULL},
 };
 

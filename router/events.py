@@ -76,11 +76,14 @@ type byte picks the typed msgspec decoder for tagged maps or for positional arra
 refuses the batch, its twin for bigram token pairs (SGLang with EAGLE sends them in every
 event) gets one try. msgspec then checks every type, range and cap in C while it decodes, and
 the Python loop only normalizes hashes and builds the output. With the compiled accelerator
-(`cachetree.accel`), the typed decoders leave `token_ids` undecoded (`msgspec.Raw`) and
-`_speedups.parse_tokens` reads the ids, flat or bigram pairs, straight into a `TokenIds` u32
-array, with the same checks and without a Python int per token; one decoder then serves both
-token shapes. `TokenIds` compares equal to the list of the same ids, so a batch decodes to
-equal events on either path. Whatever the typed decoders
+(`cachetree.accel`), a batch of map events is first offered to `_speedups.decode_map_batch`,
+which reads the batch itself and builds the one-block removals an evicting engine sends by
+the dozen; the other events go one at a time through the typed decoders; anything unusual
+about the batch returns None and the paths above take it whole. The typed decoders then
+leave `token_ids` undecoded (`msgspec.Raw`) and `_speedups.parse_tokens` reads the ids, flat
+or bigram pairs, straight into a `TokenIds` u32 array, with the same checks and without a
+Python int per token. `TokenIds` compares equal to the list of the same ids, so a batch
+decodes to equal events on every path. Whatever the typed decoders
 refuse (an unknown tag, mixed shapes, any malformation) is decoded again by the generic path:
 a plain msgpack decode followed by explicit Python checks. The generic path is the reference.
 It accepts everything the typed path accepts, with the same result, and it alone chooses the
@@ -215,6 +218,12 @@ def decode_batch(payload: bytes) -> EventBatch:
     `payload` is the third ZMQ frame as bytes (a bytearray or memoryview works too).
     """
     try:
+        if speedups is not None:
+            batch = speedups.decode_map_batch(
+                payload, _REMOVAL_TIER, BlockRemoved, EventBatch, _decode_map_event
+            )
+            if batch is not None:
+                return batch  # type: ignore[no-any-return]
         return _decode_typed(payload)
     except (msgspec.DecodeError, RecursionError, EventDecodeError):
         # Anything unusual or wrong: the generic path decides, and names the reason.
@@ -441,6 +450,22 @@ class _ArrayStoredPackedBigram(_ArrayStored):
     def normalize(self) -> BlockStored | str:
         self.token_ids = _packed_tokens(self.token_ids, True)
         return _ArrayStored.normalize(self)
+
+
+# One map event at a time, for `_speedups.decode_map_batch` (the events it does not build).
+_MAP_EVENT_DECODERS: Final = (
+    msgspec.msgpack.Decoder(_MapStoredPacked | _MapRemoved | _MapCleared),
+    msgspec.msgpack.Decoder(_MapStoredPackedBigram | _MapRemoved | _MapCleared),
+)
+
+
+def _decode_map_event(span: bytes) -> KVEvent | str:
+    """One map event's bytes as a normalized event, or the reason it is ignored."""
+    flat, bigram = _MAP_EVENT_DECODERS
+    try:
+        return flat.decode(span).normalize()  # type: ignore[no-any-return]
+    except msgspec.ValidationError:
+        return bigram.decode(span).normalize()  # type: ignore[no-any-return]
 
 
 def _packed_tokens(raw: Raw, pairs: bool) -> TokenIds:
