@@ -1439,19 +1439,25 @@ quick_removal_map(Reader *r, PyObject *removal_tiers, PyObject *block_removed)
     if (!seen_type || !seen_hashes) {
         return NULL;
     }
-    PyObject *medium_obj = Py_None;
-    Py_INCREF(medium_obj);
-    if (medium != NULL) {
-        Py_SETREF(medium_obj, PyUnicode_DecodeASCII((const char *)medium, medium_len, NULL));
-        if (medium_obj == NULL) {
-            return NULL;
+    /* The medium as the dict's own key object ("GPU", ...): no new str per event, and the
+     * events of a run share it. An unusual medium is left to the Python decoders. */
+    PyObject *medium_obj = NULL, *tier = NULL, *name, *name_tier;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(removal_tiers, &pos, &name, &name_tier)) {
+        if (medium == NULL ? name == Py_None
+                           : (PyUnicode_CheckExact(name) && PyUnicode_IS_COMPACT_ASCII(name)
+                              && (size_t)PyUnicode_GET_LENGTH(name) == medium_len
+                              && memcmp(PyUnicode_DATA(name), medium, medium_len) == 0)) {
+            medium_obj = name;
+            tier = name_tier;
+            break;
         }
     }
-    PyObject *result = NULL, *hash_obj = NULL, *hashes = NULL;
-    PyObject *tier = PyDict_GetItemWithError(removal_tiers, medium_obj);
-    if (tier == NULL) {
-        goto done; /* an unusual medium (or an error, which the caller sees) */
+    if (medium_obj == NULL) {
+        return NULL;
     }
+    Py_INCREF(medium_obj);
+    PyObject *result = NULL, *hash_obj = NULL, *hashes = NULL;
     hash_obj = PyLong_FromUnsignedLongLong(hash);
     hashes = hash_obj == NULL ? NULL : PyList_New(1);
     if (hashes == NULL) {
@@ -1616,6 +1622,90 @@ error:
     return result;
 }
 
+
+/* ---- runs of removals (twin: router/index.py _removal_run_py) --------------------------- */
+
+static PyObject *str_tier, *str_engine_hashes;
+
+/* removal_run(events, start, BlockRemoved) -> (end, hashes) */
+static PyObject *
+py_removal_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyList_CheckExact(args[0]) || !PyType_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "removal_run(events: list, start, BlockRemoved)");
+        return NULL;
+    }
+    PyObject *events = args[0], *removed_type = args[2];
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    if (start == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(events);
+    if (start < 0 || start >= n) {
+        PyErr_SetString(PyExc_IndexError, "removal_run: start out of range");
+        return NULL;
+    }
+    PyObject *first = PyList_GET_ITEM(events, start);
+    PyObject *tier = PyObject_GetAttr(first, str_tier);
+    PyObject *medium = tier == NULL ? NULL : PyObject_GetAttr(first, str_medium);
+    PyObject *first_hashes = medium == NULL ? NULL : PyObject_GetAttr(first, str_engine_hashes);
+    PyObject *hashes = first_hashes == NULL ? NULL : PySequence_List(first_hashes);
+    PyObject *result = NULL;
+    Py_XDECREF(first_hashes);
+    if (hashes == NULL) {
+        goto done;
+    }
+    Py_ssize_t i = start + 1;
+    for (; i < n; i++) {
+        PyObject *event = PyList_GET_ITEM(events, i);
+        if ((PyObject *)Py_TYPE(event) != removed_type) {
+            break;
+        }
+        PyObject *t = PyObject_GetAttr(event, str_tier);
+        if (t == NULL) {
+            goto done;
+        }
+        int same = PyObject_RichCompareBool(t, tier, Py_EQ);
+        Py_DECREF(t);
+        if (same > 0) {
+            PyObject *m = PyObject_GetAttr(event, str_medium);
+            if (m == NULL) {
+                goto done;
+            }
+            same = PyObject_RichCompareBool(m, medium, Py_EQ);
+            Py_DECREF(m);
+        }
+        if (same < 0) {
+            goto done;
+        }
+        if (!same) {
+            break;
+        }
+        PyObject *more = PyObject_GetAttr(event, str_engine_hashes);
+        if (more == NULL) {
+            goto done;
+        }
+        PyObject *seq = PySequence_Fast(more, "engine_hashes must be a sequence");
+        Py_DECREF(more);
+        if (seq == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(seq); k++) {
+            if (PyList_Append(hashes, PySequence_Fast_GET_ITEM(seq, k)) < 0) {
+                Py_DECREF(seq);
+                goto done;
+            }
+        }
+        Py_DECREF(seq);
+    }
+    result = Py_BuildValue("(nO)", i, hashes);
+done:
+    Py_XDECREF(tier);
+    Py_XDECREF(medium);
+    Py_XDECREF(hashes);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"xxh3_64", (PyCFunction)(void (*)(void))py_xxh3_64, METH_FASTCALL,
      "xxh3_64(data, seed) -> int: XXH3-64 of a bytes-like object."},
@@ -1638,6 +1728,9 @@ static PyMethodDef methods[] = {
     {"decode_map_batch", (PyCFunction)(void (*)(void))py_decode_map_batch, METH_FASTCALL,
      "decode_map_batch(payload, removal_tiers, BlockRemoved, EventBatch, decode_event) -> "
      "EventBatch | None: a batch of map events, one-block removals built in C."},
+    {"removal_run", (PyCFunction)(void (*)(void))py_removal_run, METH_FASTCALL,
+     "removal_run(events, start, BlockRemoved) -> (end, hashes): "
+     "router.index._removal_run_py in C."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1654,8 +1747,11 @@ PyInit__speedups(void)
     str_group_idx = PyUnicode_InternFromString("group_idx");
     str_locality = PyUnicode_InternFromString("locality");
     str_normalize = PyUnicode_InternFromString("normalize");
+    str_tier = PyUnicode_InternFromString("tier");
+    str_engine_hashes = PyUnicode_InternFromString("engine_hashes");
     if (str_block_hashes == NULL || str_medium == NULL || str_group_idx == NULL
-        || str_locality == NULL || str_normalize == NULL) {
+        || str_locality == NULL || str_normalize == NULL || str_tier == NULL
+        || str_engine_hashes == NULL) {
         return NULL;
     }
     return PyModule_Create(&module_def);
