@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,13 +19,25 @@ import pytest
 from xxhash import xxh3_64_intdigest
 
 from cachetree.keys import ROOT_SEED, block_keys_py
-from router.events import MAX_TOKENS_PER_EVENT, TokenIds
+from cachetree.tiers import DEVICE, HOST
+from router.events import (
+    MAX_TOKENS_PER_EVENT,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventDecodeError,
+    TokenIds,
+    _decode_generic,
+    _decode_map_event,
+    decode_batch,
+)
 
 speedups = pytest.importorskip(
     "cachetree._speedups", reason="the compiled accelerator is not built (pip install -e .)"
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kv_events"
 U32 = (1 << 32) - 1
 _TOKENS = msgspec.msgpack.Decoder(list[Annotated[int, msgspec.Meta(ge=0, le=U32)]])
 
@@ -227,3 +240,187 @@ def test_parse_tokens_refuses_more_ids_than_the_cap_before_reading_them() -> Non
     assert _parsed(_enc([1] * 10)) == [1] * 10
     with pytest.raises(ValueError, match="too many"):
         speedups.parse_tokens(_enc([1] * 10), 9, False)
+
+
+# --- whole batches of map events -------------------------------------------------------------
+
+
+def _compiled_batch(payload: bytes, decode_event: Callable[[bytes], Any] | None = None) -> Any:
+    from router import events
+
+    return speedups.decode_map_batch(
+        payload,
+        events._REMOVAL_TIER,
+        events.BlockRemoved,
+        events.EventBatch,
+        decode_event or events._decode_map_event,
+    )
+
+
+def _engine_map_payloads() -> list[bytes]:
+    from bench.bench_ingest import stream
+    from bench.ingest_churn import workload
+
+    captured = [
+        p.read_bytes()
+        for p in sorted(FIXTURES.glob("*_live*_frame2.bin"))
+        if "arraylike" not in p.name
+    ]
+    assert len(captured) >= 9, "vLLM 0.33 (int and bytes hashes) and SGLang 0.5.23 captures"
+    return [*captured, *workload(1, 256, 20).measured, *stream(True, batches=50)[0]]
+
+
+def test_decode_map_batch_takes_every_map_batch_engines_send_and_equals_the_reference() -> None:
+    for payload in _engine_map_payloads():
+        got = _compiled_batch(payload)
+        assert got is not None, payload[:40].hex()
+        assert got == _decode_generic(payload)
+
+
+def test_decode_map_batch_builds_one_block_removals_itself() -> None:
+    """A churn batch: ~63 one-block removals built in C, only the store handed to Python."""
+    from bench.ingest_churn import workload
+
+    handed: list[bytes] = []
+
+    def decode_event(span: bytes) -> Any:
+        handed.append(span)
+        return _decode_map_event(span)
+
+    batches = workload(1, 256, 20).measured
+    removals = 0
+    for payload in batches:
+        got = _compiled_batch(payload, decode_event)
+        removals += sum(type(e) is BlockRemoved for e in got.events)
+    assert removals > 20 * 50
+    assert len(handed) == len(batches)  # one BlockStored each
+    assert all(type(_decode_map_event(span)) is BlockStored for span in handed)
+
+
+def _enc(obj: Any) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+REMOVED = {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        _enc([1.5, [["BlockRemoved", [7], "GPU"]], 0]),  # positional events
+        _enc([1.5, [REMOVED], 0, "extra"]),  # an element past dp_rank
+        _enc([1.5]),
+        _enc({"ts": 1.5}),
+        _enc([True, [REMOVED], 0]),  # a bool ts
+        _enc([float("nan"), [REMOVED], 0]),
+        _enc([1.5, [REMOVED], -1]),  # a negative dp_rank
+        _enc([1.5, [REMOVED], True]),
+        _enc([1.5, [REMOVED], 0]) + b"\x00",  # trailing bytes
+        _enc([1.5, [REMOVED, 5], 0]),  # an event that is not a map
+        _enc([1.5, [{**REMOVED, "x": msgspec.msgpack.Ext(1, b"a")}], 0]),  # an ext value
+        _enc([1.5, [{**REMOVED, "x": _nested(40)}], 0]),
+    ],
+    ids=[
+        "positional",
+        "extra-root-element",
+        "no-events",
+        "map-root",
+        "bool-ts",
+        "nan-ts",
+        "negative-dp-rank",
+        "bool-dp-rank",
+        "trailing-bytes",
+        "int-event",
+        "ext-value",
+        "deep-nesting",
+    ],
+)
+def test_decode_map_batch_leaves_anything_unusual_to_the_python_decoders(payload: bytes) -> None:
+    assert _compiled_batch(payload) is None
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {**REMOVED, "block_hashes": [(1 << 64) - 1]},
+        {**REMOVED, "block_hashes": [-5]},  # signed: two's complement, via msgspec
+        {**REMOVED, "block_hashes": [b"\x01" * 32]},
+        {**REMOVED, "block_hashes": [1, 2]},
+        {**REMOVED, "block_hashes": []},
+        {**REMOVED, "medium": None},
+        {**REMOVED, "medium": "CPU"},
+        {**REMOVED, "medium": "NVME"},  # unknown medium: every tier
+        {**REMOVED, "medium": "GPÜ"},
+        {**REMOVED, "group_idx": 0},
+        {**REMOVED, "group_idx": 1},
+        {**REMOVED, "locality": None},
+        {**REMOVED, "locality": "remote"},
+        {**REMOVED, "locality": "Local"},
+        {**REMOVED, "lora_id": None},
+        {"block_hashes": [7], "type": "BlockRemoved"},
+        {"type": "AllBlocksCleared"},
+        {"type": "Future", "x": 1},
+    ],
+)
+def test_decode_map_batch_equals_the_reference_for_every_removal_shape(event: Any) -> None:
+    payload = _enc([1767225600.0, [REMOVED, event, REMOVED], 3])
+    try:
+        got = _compiled_batch(payload)
+    except (msgspec.DecodeError, EventDecodeError):
+        got = None  # decode_batch then asks the Python decoders
+    want = _decode_generic(payload)
+    assert got is None or got == want
+    assert decode_batch(payload) == want
+
+
+def test_decode_map_batch_under_mutation_is_none_an_error_or_the_reference() -> None:
+    from tests.unit.test_events_fuzz import _mutate
+
+    rng = random.Random(11)
+    seeds = _engine_map_payloads()
+    taken = 0
+    for _ in range(4000):
+        payload = _mutate(rng, rng.choice(seeds))
+        try:
+            got = _compiled_batch(payload)
+        except (msgspec.DecodeError, EventDecodeError, RecursionError):
+            continue
+        if got is None:
+            continue
+        taken += 1
+        try:
+            assert got == _decode_generic(payload)
+        except EventDecodeError as exc:  # the documented difference (router/events.py)
+            assert (exc.reason, exc.detail) == ("malformed_msgpack", "Invalid UTF-8 encoded string")
+    assert taken > 150
+
+
+# --- runs of removals ------------------------------------------------------------------------
+
+
+def test_removal_run_equals_the_python_twin() -> None:
+    from router.index import _removal_run_py
+
+    rng = random.Random(5)
+    kinds = [
+        lambda: BlockRemoved([rng.randrange(100)], DEVICE, "GPU"),
+        lambda: BlockRemoved([rng.randrange(100) for _ in range(3)], DEVICE, "GPU"),
+        lambda: BlockRemoved([1], None, None),
+        lambda: BlockRemoved([2], HOST, "CPU"),
+        lambda: BlockRemoved([3], DEVICE, "GPU".lower().upper()),  # equal, not identical
+        lambda: BlockStored([1], None, [1, 2], 2, DEVICE, "GPU", None),
+        lambda: AllBlocksCleared(),
+    ]
+    for _ in range(2000):
+        events = [rng.choice(kinds)() for _ in range(rng.randint(1, 12))]
+        starts = [i for i, e in enumerate(events) if type(e) is BlockRemoved]
+        for start in starts:
+            want = _removal_run_py(events, start, BlockRemoved)
+            assert speedups.removal_run(events, start, BlockRemoved) == want
