@@ -101,3 +101,14 @@ def test_the_same_build_with_a_compiler_produces_the_extension(tmp_path: Path) -
     done, built = _build_ext(tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert [p.name.split(".")[0] for p in built] == ["_speedups"]
+
+
+def test_the_image_builds_the_accelerator_and_fails_without_it() -> None:
+    """No Docker daemon here: the Dockerfile is read. Its build stage must have a compiler,
+    copy setup.py (and .dockerignore let it in), and import the extension after installing."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    build = dockerfile.split("\nFROM ")[1]  # the stage after the header comment
+    assert "gcc" in build and "libc6-dev" in build
+    assert "COPY pyproject.toml setup.py" in build
+    assert 'python -c "import cachetree._speedups"' in build
+    assert "!setup.py" in (ROOT / ".dockerignore").read_text().splitlines()
