@@ -1102,6 +1102,24 @@ error:
 
 static PyObject *str_block_hashes, *str_medium, *str_group_idx, *str_locality, *str_normalize;
 
+/* ignored[reason] += 1, for an event the decoder validated and drops (EventBatch.ignored). */
+static int
+count_reason(PyObject *ignored, PyObject *reason)
+{
+    PyObject *count = PyDict_GetItemWithError(ignored, reason);
+    if (count == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    PyObject *next = PyLong_FromSsize_t(count == NULL ? 1 : PyLong_AsSsize_t(count) + 1);
+    if (next == NULL || PyErr_Occurred()) {
+        Py_XDECREF(next);
+        return -1;
+    }
+    int status = PyDict_SetItem(ignored, reason, next);
+    Py_DECREF(next);
+    return status;
+}
+
 /* The one-block removal with a u64 hash, primary group, local, on a known medium: the
  * BlockRemoved built at once (new reference); NULL with no error when the event is not it. */
 static PyObject *
@@ -1177,18 +1195,7 @@ py_normalize_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto error;
             }
             if (PyUnicode_CheckExact(result)) { /* a reason the event is ignored */
-                PyObject *count = PyDict_GetItemWithError(ignored, result);
-                PyObject *next = NULL;
-                if (count != NULL) {
-                    PyObject *one = PyLong_FromLong(1);
-                    next = one == NULL ? NULL : PyNumber_Add(count, one);
-                    Py_XDECREF(one);
-                }
-                else if (!PyErr_Occurred()) {
-                    next = PyLong_FromLong(1);
-                }
-                int status = next == NULL ? -1 : PyDict_SetItem(ignored, result, next);
-                Py_XDECREF(next);
+                int status = count_reason(ignored, result);
                 Py_DECREF(result);
                 if (status < 0) {
                     goto error;
@@ -1556,18 +1563,7 @@ py_decode_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto error;
             }
             if (PyUnicode_CheckExact(event)) { /* the reason it is ignored */
-                PyObject *count = PyDict_GetItemWithError(ignored, event);
-                PyObject *next = NULL;
-                if (count != NULL) {
-                    PyObject *one = PyLong_FromLong(1);
-                    next = one == NULL ? NULL : PyNumber_Add(count, one);
-                    Py_XDECREF(one);
-                }
-                else if (!PyErr_Occurred()) {
-                    next = PyLong_FromLong(1);
-                }
-                int status = next == NULL ? -1 : PyDict_SetItem(ignored, event, next);
-                Py_XDECREF(next);
+                int status = count_reason(ignored, event);
                 Py_DECREF(event);
                 if (status < 0) {
                     goto error;

@@ -29,20 +29,25 @@ def test_the_replica_metrics_say_which_implementation_runs() -> None:
 # --- the switch ------------------------------------------------------------------------------
 
 
-def _implementation(env: dict[str, str]) -> str:
-    code = (
-        "import cachetree.accel as a, cachetree.keys as k; print(a.IMPLEMENTATION, k._block_keys)"
-    )
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`python -c code` in the repo, with `env` instead of this process's KVROUTER_NO_EXTENSIONS."""
     clean = {k: v for k, v in os.environ.items() if k != "KVROUTER_NO_EXTENSIONS"}
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", code],
         env={**clean, **env},
         cwd=ROOT,
         capture_output=True,
         text=True,
-        check=True,
-        timeout=60,
+        timeout=300,
     )
+
+
+def _implementation(env: dict[str, str]) -> str:
+    done = _python(
+        "import cachetree.accel as a, cachetree.keys as k; print(a.IMPLEMENTATION, k._block_keys)",
+        **env,
+    )
+    assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
 
@@ -75,15 +80,7 @@ def _build_ext(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[
         f"cmd.build_temp = {str(tmp_path / 'tmp')!r}\n"
         "dist.run_command('build_ext')\n"
     )
-    clean = {k: v for k, v in os.environ.items() if k != "KVROUTER_NO_EXTENSIONS"}
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        env={**clean, **env},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _python(script, **env)
     return done, list((tmp_path / "lib").rglob("_speedups*"))
 
 
@@ -94,6 +91,17 @@ def test_a_failed_compile_leaves_a_working_install_on_the_pure_path(tmp_path: Pa
     assert done.returncode == 0, done.stderr[-2000:]
     assert 'building extension "cachetree._speedups" failed' in done.stdout + done.stderr
     assert built == []
+    # And an install without the module runs on the pure path, and says why.
+    done = _python(
+        "import sys; sys.modules['cachetree._speedups'] = None\n"
+        "import cachetree.accel as a, cachetree.keys as k\n"
+        "print(a.IMPLEMENTATION, k.block_keys(range(1, 33), 16)[1] == 0x0C067075397666B7)\n"
+        "print(a.REASON)"
+    )
+    assert done.returncode == 0, done.stderr
+    verdict, reason = done.stdout.splitlines()
+    assert verdict == "pure True"  # the pure keys, the pinned value
+    assert reason.startswith("the extension is not built")
 
 
 @needs_build  # where it is built, a compiler is there
