@@ -28,6 +28,7 @@ from typing import Any, Final, NoReturn
 
 from aiohttp import web
 
+from cachetree import accel
 from peer.kubeconfig import KubeConfigError
 from router.app import build_app
 from router.control import REPLICA
@@ -359,7 +360,13 @@ async def serve(config: ServeConfig, ready: Callable[[str], None] | None = None)
         replica = app[REPLICA]
         port = runner.addresses[0][1] if runner.addresses else config.port
         url = f"http://{config.host}:{port}"
-        log.info("kvrouter listening on %s (policy %s)", url, config.policy)
+        log.info(
+            "kvrouter listening on %s (policy %s; ingest accelerator: %s, %s)",
+            url,
+            config.policy,
+            accel.IMPLEMENTATION,
+            accel.REASON,
+        )
         print(f"kvrouter listening on {url}", flush=True)
         if ready is not None:
             ready(url)

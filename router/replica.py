@@ -113,17 +113,12 @@ class Replica:
 
 
 async def start_replica(config: ServeConfig) -> Replica:
-    if accel.speedups is not None:
-        log.info("ingest accelerator: compiled (cachetree._speedups)")
-    else:
-        # Forced by the variable: a choice, said once. Not built: a fault to fix.
-        log.log(
-            logging.INFO if accel.FORCED_PURE else logging.WARNING,
-            "ingest accelerator: pure Python, %s; KV events cost about twice the CPU of the "
+    if accel.speedups is None and not accel.FORCED_PURE:  # `serve` logs the choice itself
+        log.warning(
+            "ingest accelerator: pure Python, %s; KV events cost about 1.4x the CPU of the "
             "compiled path. To build it, install with a C compiler and the Python headers "
-            "(README, 'The compiled accelerator'); to use it, leave %s unset",
+            "(README, 'The compiled accelerator')",
             accel.REASON,
-            accel.NO_EXTENSIONS_ENV,
         )
     tokenizer = load_tokenizer(
         config.tokenizer, engine=config.chat_rules, cache_mb=config.tokenize_cache_mb
