@@ -32,6 +32,13 @@ Rules that are deliberate:
   existing parent, and a parent cannot be pruned while it has children. Snapshot export
   relies on this instead of a tree walk.
 
+How it is fast: `store` and `remove` hand their blocks to runs (`_place_run`, `_remove_run`)
+that take the cases engines nearly always send (a new block or a new device-only carrier; a
+device-only carrier evicted) and stop, having changed nothing for it, at the first block that
+needs the general one-block path (other tiers, re-pointed or reused engine hashes). With the
+compiled accelerator (`cachetree.accel`) the runs are C twins of `_place_run_py` and
+`_remove_run_py`, writing the same Node fields; tests/unit/test_tree_twins.py holds them equal.
+
 Nodes are `msgspec.Struct(gc=False)`: 56 bytes, and invisible to the cyclic garbage
 collector, which would otherwise rescan millions of them on every full collection.
 """
