@@ -5,10 +5,14 @@
 
 FROM python:3.12-slim-bookworm AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# A C compiler for the ingest accelerator (cachetree/_speedups.c), in the build stage only.
+RUN apt-get update \
+    && apt-get install --yes --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 # The venv lives where the final image keeps it, so its scripts' shebangs stay valid.
 RUN python -m venv /opt/kvrouter
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY cachetree ./cachetree
 COPY peer ./peer
 COPY router ./router
@@ -16,7 +20,10 @@ COPY fake_kv_worker ./fake_kv_worker
 # The hf extra lets a real deployment pass --tokenizer with a model's tokenizer.json; the
 # fast extra adds uvloop, the replica's event loop by default when installed.
 # pip byte-compiles here: the read-only root fs would keep Python from caching it later.
+# The accelerator is optional for pip, not for the image: the import fails the build if it
+# did not compile.
 RUN /opt/kvrouter/bin/pip install '.[hf,fast]' \
+    && /opt/kvrouter/bin/python -c "import cachetree._speedups" \
     && /opt/kvrouter/bin/pip uninstall --yes pip
 
 FROM python:3.12-slim-bookworm

@@ -15,10 +15,13 @@ polls slowed down, and its CPU while idle is measured and printed beside it, so 
 ingest's.
 
 `--baseline REV` runs the same rounds against the code of another commit (extracted with
-`git archive` into a temporary directory and put first on the child's PYTHONPATH), the two
-interleaved round by round; the medians and ranges of both are printed.
+`git archive` into a temporary directory and put first on the child's PYTHONPATH; it runs
+pure Python, as that commit's tree has no built extension), and `--pure` against this
+checkout with `KVROUTER_NO_EXTENSIONS=1` (its pure-Python path); all interleaved round by
+round; the medians and ranges of each are printed, with the accelerator each replica reported
+in `kvrouter_accelerator_info`.
 
-Run: .venv/bin/python bench/ingest_churn.py [--baseline HEAD~1] [--rounds 3]
+Run: .venv/bin/python bench/ingest_churn.py [--baseline HEAD~1] [--pure] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import asyncio
 import contextlib
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -157,30 +161,41 @@ async def wait_caught_up(
             await asyncio.sleep(0.02)
 
 
-async def lost_batches(session: aiohttp.ClientSession, router: str) -> float:
+async def replica_metrics(session: aiohttp.ClientSession, router: str) -> tuple[float, str]:
+    """Batches the replica counted lost, and the accelerator it reports ("-" if none)."""
     async with session.get(router + "/metrics") as resp:
         text = await resp.text()
-    return sum(
+    lost = sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
         if line.startswith("kvrouter_kv_event_batches_lost") and not line.startswith("#")
     )
+    found = re.search(r'^kvrouter_accelerator_info\{implementation="(\w+)"', text, re.M)
+    return lost, found.group(1) if found else "-"
+
+
+@dataclass(frozen=True)
+class Code:
+    label: str
+    path: Path  # first on the child's PYTHONPATH
+    env: dict[str, str]  # KVROUTER_ variables for the child
 
 
 async def start_router(
-    code: Path,
-    label: str,
+    code: Code,
     handles: Sequence[FakeWorkerHandle],
     workdir: Path,
     extra: Sequence[str] = (),
     profile: Path | None = None,
 ) -> tuple[demo.Child, str]:
-    """A `kvrouter serve` child running the code in `code`, and its URL once it listens."""
+    """A `kvrouter serve` child running `code`, and its URL once it listens."""
     port = free_tcp_port()
     runner = ["-m", "router.cli"]
     if profile is not None:  # cProfile over the measured phase only (CPU clock)
         runner = [str(ROOT / "bench" / "profiled_router.py"), str(profile), "cpu"]
+    # demo.Child drops KVROUTER_ variables from the environment it passes on: `env` sets them.
     argv = [
+        *(["env", *(f"{k}={v}" for k, v in code.env.items())] if code.env else []),
         sys.executable,
         "-P",  # no current directory or script directory first on sys.path: `code` wins
         *runner,
@@ -189,11 +204,11 @@ async def start_router(
         *("--load-interval-ms", "600000", "--health-interval-s", "600"),
         *extra,
     ]
-    child = demo.Child(label, argv, workdir / f"router-{label.split()[0]}.log")
+    child = demo.Child(code.label, argv, workdir / f"router-{code.label.split()[0]}.log")
     # The child imports `router` from `code`: PYTHONPATH comes before the editable install,
     # and -P keeps the current directory (this checkout) off the front of sys.path.
     saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(code)
+    os.environ["PYTHONPATH"] = str(code.path)
     try:
         await child.start()
     finally:
@@ -209,15 +224,14 @@ async def start_router(
 
 
 async def one_round(
-    code: Path,
-    label: str,
+    code: Code,
     handles: Sequence[FakeWorkerHandle],
     loads: Sequence[Workload],
     rate: float,
     workdir: Path,
     profile: Path | None = None,
 ) -> dict[str, Any]:
-    child, router = await start_router(code, label, handles, workdir, profile=profile)
+    child, router = await start_router(code, handles, workdir, profile=profile)
     try:
         assert child.proc is not None
         pid = child.proc.pid
@@ -240,12 +254,13 @@ async def one_round(
             if profile is not None:
                 os.kill(pid, signal.SIGUSR2)
                 bench_proxy.wait_for_file(Path(f"{profile}.done"), 30)
-            lost = await lost_batches(session, router)
+            lost, implementation = await replica_metrics(session, router)
     finally:
         await child.stop()
     stored = sum(w.stored_blocks for w in loads)
     return {
-        "label": label,
+        "label": code.label,
+        "accelerator": implementation,
         "cpu_s": cpu,
         "elapsed_s": elapsed,
         "catch_up_s": lag,
@@ -290,13 +305,15 @@ async def main_async(args: argparse.Namespace) -> None:
         "batches/s",
         flush=True,
     )
-    codes = [("new", ROOT)]
+    codes = [Code("new", ROOT, {})]
+    if args.pure:
+        codes.append(Code("new, pure", ROOT, {"KVROUTER_NO_EXTENSIONS": "1"}))
     with tempfile.TemporaryDirectory(prefix="kvchurn-") as tmp:
         if args.baseline:
             old = checkout(args.baseline, Path(tmp) / "old")
-            codes.insert(0, (f"old ({args.baseline})", old))
+            codes.insert(0, Code(f"old ({args.baseline})", old, {}))
         workdir = Path(tmp)
-        rows: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in codes}
+        rows: dict[str, list[dict[str, Any]]] = {c.label: [] for c in codes}
         async with contextlib.AsyncExitStack() as stack:
             handles = [
                 await stack.enter_async_context(
@@ -305,29 +322,31 @@ async def main_async(args: argparse.Namespace) -> None:
                 for _ in range(args.workers)
             ]
             for r in range(args.rounds):
-                for label, code in codes:
-                    profile = args.profile if label == "new" else None
-                    row = await one_round(code, label, handles, loads, args.rate, workdir, profile)
-                    rows[label].append(row)
+                for code in codes:
+                    profile = args.profile if code.label == "new" else None
+                    row = await one_round(code, handles, loads, args.rate, workdir, profile)
+                    rows[code.label].append(row)
                     print(
-                        f"round {r + 1} {label:>16}: {row['us_per_stored_block']:.2f} us CPU "
-                        f"per stored block ({row['us_per_stored_block_net']:.2f} net of idle "
+                        f"round {r + 1} {code.label:>16}: {row['us_per_stored_block']:.2f} us "
+                        f"CPU per stored block ({row['us_per_stored_block_net']:.2f} net of idle "
                         f"{row['idle_cores'] * 1000:.1f} ms/s; event loop thread "
                         f"{row['loop_share']:.0%}), catch-up {row['catch_up_s']:.2f} s, "
-                        f"lost batches {row['lost_batches']:.0f}",
+                        f"lost batches {row['lost_batches']:.0f}, accelerator "
+                        f"{row['accelerator']}",
                         flush=True,
                     )
-    for label, _ in codes:
+    for code in codes:
         print(
-            f"{label:>16}: replica CPU per stored block us, median (range) of "
-            f"{args.rounds}: {summary(rows[label], 'us_per_stored_block')}; net of idle: "
-            f"{summary(rows[label], 'us_per_stored_block_net')}"
+            f"{code.label:>16}: replica CPU per stored block us, median (range) of "
+            f"{args.rounds}: {summary(rows[code.label], 'us_per_stored_block')}; net of idle: "
+            f"{summary(rows[code.label], 'us_per_stored_block_net')}"
         )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", help="also run this git revision's code, interleaved")
+    parser.add_argument("--pure", action="store_true", help="also run this checkout's pure path")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=500, help="measured prompts per worker")

@@ -37,7 +37,7 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import bench_proxy
-from bench.ingest_churn import ROOT, checkout, start_router, summary
+from bench.ingest_churn import ROOT, Code, checkout, start_router, summary
 from bench.ingest_zmq import gate
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 
@@ -100,7 +100,7 @@ async def flood(
     code: Path, label: str, fw: FakeWorkerHandle, args: argparse.Namespace, cap: bool
 ) -> dict[str, Any]:
     extra = ["--kv-index-max-blocks", str(args.cap)] if cap else []
-    child, router = await start_router(code, label, [fw], Path(args.workdir), extra)
+    child, router = await start_router(Code(label, code, {}), [fw], Path(args.workdir), extra)
     assert child.proc is not None and fw.worker is not None
     pid = child.proc.pid
     publisher = fw.worker.publishers[0]

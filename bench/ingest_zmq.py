@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ import aiohttp
 
 from bench import bench_ingest, bench_proxy, plots
 from bench.report import table
+from cachetree import accel
 from fake_kv_worker.wire import Cleared, encode_vllm
 from router.tools import demo
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
@@ -195,7 +197,10 @@ async def run_async(ctx: Any, s: Scale) -> dict[str, Any]:
             for _ in range(s.workers)
         ]
         port = free_tcp_port()
+        # demo.Child drops KVROUTER_ variables; this one (the pure path, to compare) is kept.
+        pure = os.environ.get(accel.NO_EXTENSIONS_ENV, "")
         argv = [
+            *(["env", f"{accel.NO_EXTENSIONS_ENV}={pure}"] if pure else []),
             str(bench_proxy.BIN / "kvrouter"),
             *bench_proxy.router_args(port, [h.url for h in handles], "cache_aware"),
         ]

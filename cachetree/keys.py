@@ -8,6 +8,10 @@ matching a prompt is one lookup per block. The previous key rides in the seed: o
 block and no packing of (parent, child) pairs, about half the cost of hashing each block and
 then hashing the pair. key[0] equals Dynamo's content hash of the first block.
 
+With the compiled accelerator (`cachetree.accel`), `block_keys` runs in C, reading the token
+ids straight from the list or u32 array; `chain_keys` and `token_bytes` stay the pure twin it
+is tested against.
+
 Only full blocks are keyed; a trailing partial block can never be matched by an engine, which
 only announces full blocks.
 
@@ -24,6 +28,8 @@ from collections.abc import Sequence
 from typing import Final
 
 from xxhash import xxh3_64_intdigest
+
+from cachetree.accel import speedups
 
 ROOT_SEED: Final = 1337
 KEY_SCHEME: Final = "xxh3-chain-1337"
@@ -53,9 +59,18 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
 def block_keys(token_ids: Sequence[int], block_size: int, seed: int = ROOT_SEED) -> list[int]:
     """Chained keys of every full block of `token_ids`, the first one seeded with `seed`.
 
-    To extend a chain below an existing block, pass that block's key as `seed`.
+    To extend a chain below an existing block, pass that block's key as `seed`. Token ids
+    outside [0, 2**32) raise OverflowError, non-integers TypeError (as `token_bytes`).
     """
+    return _block_keys(token_ids, block_size, seed)
+
+
+def block_keys_py(token_ids: Sequence[int], block_size: int, seed: int = ROOT_SEED) -> list[int]:
+    """The pure-Python twin of the compiled `block_keys`."""
     return chain_keys(token_bytes(token_ids), block_size * 4, seed)
+
+
+_block_keys = block_keys_py if speedups is None else speedups.block_keys
 
 
 def chain_keys(data: bytes, block_bytes: int, seed: int) -> list[int]:

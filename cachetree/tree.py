@@ -32,6 +32,13 @@ Rules that are deliberate:
   existing parent, and a parent cannot be pruned while it has children. Snapshot export
   relies on this instead of a tree walk.
 
+How it is fast: `store` and `remove` hand their blocks to runs (`_place_run`, `_remove_run`)
+that take the cases engines nearly always send (a new block or a new device-only carrier; a
+device-only carrier evicted) and stop, having changed nothing for it, at the first block that
+needs the general one-block path (other tiers, re-pointed or reused engine hashes). With the
+compiled accelerator (`cachetree.accel`) the runs are C twins of `_place_run_py` and
+`_remove_run_py`, writing the same Node fields; tests/unit/test_tree_twins.py holds them equal.
+
 Nodes are `msgspec.Struct(gc=False)`: 56 bytes, and invisible to the cyclic garbage
 collector, which would otherwise rescan millions of them on every full collection.
 """
@@ -46,6 +53,7 @@ from operator import and_, attrgetter, neg
 
 import msgspec
 
+from cachetree.accel import speedups
 from cachetree.keys import block_keys, namespace_seed
 from cachetree.ranks import RankId
 from cachetree.tiers import ALL_TIERS, DEVICE, TIER_NAMES
@@ -351,36 +359,26 @@ class BlockTree:
         by_hash = st.by_engine_hash
         before = len(by_hash)
         index = st.index
-        bit = 1 << index
-        found = dropped_device_only = 0
-        for eh in hashes:
+        device = bool(clear & DEVICE)
+        found = dropped_device_only = unknown = i = 0
+        n = len(hashes)
+        while i < n:
+            # Device-only carriers (what engines evict nearly always) go in runs, in C when the
+            # accelerator is built; the run stops before any other case, handled here.
+            i, f, dropped, u = _remove_run(nodes, by_hash, hashes, i, index, device)
+            found += f
+            dropped_device_only += dropped
+            unknown += u
+            if i == n:
+                break
+            eh = hashes[i]
+            i += 1
             key = by_hash.get(eh)
-            if key is None:
-                self.stats.unknown_removal += 1
+            if key is None:  # a run that could not start (another tier) stops at any hash
+                unknown += 1
                 continue
             found += 1
             node = nodes[key]
-            tiers = node.tiers
-            if clear & DEVICE and (tiers is None or index not in tiers) and node.mask & bit:
-                # A device-only carrier, what engines evict nearly always: it goes whole, with
-                # no _bits_of/_count calls (under cache pressure an engine removes about as
-                # many blocks as it stores), and its count is settled once after the loop.
-                del by_hash[eh]
-                dropped_device_only += 1
-                if node.mask == bit and not node.children:
-                    # Its only carrier, and a leaf (engines evict leaf first): the node goes,
-                    # and its parent is pruned only if that leaves it bare too.
-                    node.mask = 0
-                    del nodes[key]
-                    parent_key = node.parent
-                    if parent_key is not None:
-                        parent = nodes[parent_key]
-                        parent.children -= 1
-                        if not parent.children and not parent.mask:
-                            self._drop_carrier(parent_key, parent, index)
-                    continue
-                self._drop_carrier(key, node, index)
-                continue
             old = _bits_of(node, index)
             new = old & ~clear
             if new == old:
@@ -390,7 +388,8 @@ class BlockTree:
                 _set_bits(node, index, new)
             else:
                 del by_hash[eh]
-                self._drop_carrier(key, node, index)
+                _drop_carrier(nodes, key, node, index)
+        self.stats.unknown_removal += unknown
         st.counts[0] -= dropped_device_only
         self._carried -= before - len(by_hash)
         return found
@@ -426,7 +425,7 @@ class BlockTree:
                 key = by_hash.popitem()[1]
                 node = nodes[key]
                 _count(counts, _bits_of(node, index), -1)
-                self._drop_carrier(key, node, index)
+                _drop_carrier(nodes, key, node, index)
             self._carried -= n
             if by_hash:
                 yield
@@ -471,45 +470,61 @@ class BlockTree:
         by_hash = st.by_engine_hash
         counts = st.counts
         index = st.index
+        i, n = 0, len(keys)
+        while i < n:
+            if tier == DEVICE:
+                # New blocks and new device-only carriers (nearly every store) go in runs, in C
+                # when the accelerator is built; the run stops before any other case.
+                i, added = _place_run(nodes, by_hash, keys, engine_hashes, i, parent_key, index)
+                counts[0] += added
+                if i == n:
+                    return
+                if i:
+                    parent_key = keys[i - 1]
+            key = keys[i]
+            self._place_one(st, parent_key, key, engine_hashes[i], tier)
+            parent_key = key
+            i += 1
+
+    def _place_one(self, st: _Rank, parent_key: int | None, key: int, eh: int, tier: int) -> None:
+        """`_place` of one block, every case: tier changes, re-pointed and reused hashes."""
+        nodes = self._nodes
+        by_hash = st.by_engine_hash
+        counts = st.counts
+        index = st.index
         bit = 1 << index
-        parent = None if parent_key is None else nodes[parent_key]
-        created = 0
-        for key, eh in zip(keys, engine_hashes):  # noqa: B905 - lengths checked by callers
-            node = nodes.get(key)
-            if node is None:
-                node = Node(parent_key, bit, 0, None if tier == DEVICE else {index: tier}, eh)
-                nodes[key] = node
-                if parent is not None:
-                    parent.children += 1
-                created += 1
-            elif not node.mask & bit:
-                node.mask |= bit
-                if tier != DEVICE:
-                    _set_bits(node, index, tier)
+        node = nodes.get(key)
+        if node is None:
+            node = Node(parent_key, bit, 0, None if tier == DEVICE else {index: tier}, eh)
+            nodes[key] = node
+            if parent_key is not None:
+                nodes[parent_key].children += 1
+            _count(counts, tier, 1)
+        elif not node.mask & bit:
+            node.mask |= bit
+            if tier != DEVICE:
+                _set_bits(node, index, tier)
+            _set_ehash(node, index, bit, eh)
+            _count(counts, tier, 1)
+        else:
+            old = _bits_of(node, index)
+            if old | tier != old:
+                _set_bits(node, index, old | tier)
+                _count(counts, tier & ~old, 1)
+            old_eh = _ehash_of(node, index)
+            if old_eh != eh:
+                if by_hash.get(old_eh) == key:
+                    del by_hash[old_eh]
                 _set_ehash(node, index, bit, eh)
-                _count(counts, tier, 1)
-            else:
-                old = _bits_of(node, index)
-                if old | tier != old:
-                    _set_bits(node, index, old | tier)
-                    _count(counts, tier & ~old, 1)
-                old_eh = _ehash_of(node, index)
-                if old_eh != eh:
-                    if by_hash.get(old_eh) == key:
-                        del by_hash[old_eh]
-                    _set_ehash(node, index, bit, eh)
-            stale = by_hash.setdefault(eh, key)
-            if stale != key:
-                # The engine reused a hash for another block (content-only hashes in old
-                # engines). The newest placement wins; the older one can no longer be removed
-                # by hash, so drop it rather than leave a carrier nothing can clear.
-                old_node = nodes[stale]
-                _count(counts, _bits_of(old_node, index), -1)
-                self._drop_carrier(stale, old_node, index)
-                by_hash[eh] = key
-            parent_key, parent = key, node
-        if created:
-            _count(counts, tier, created)
+        stale = by_hash.setdefault(eh, key)
+        if stale != key:
+            # The engine reused a hash for another block (content-only hashes in old engines).
+            # The newest placement wins; the older one can no longer be removed by hash, so
+            # drop it rather than leave a carrier nothing can clear.
+            old_node = nodes[stale]
+            _count(counts, _bits_of(old_node, index), -1)
+            _drop_carrier(nodes, stale, old_node, index)
+            by_hash[eh] = key
 
     def _add_rank(self, rank: RankId) -> _Rank:
         try:
@@ -522,24 +537,132 @@ class BlockTree:
         self._ranks[rank] = st
         return st
 
-    def _drop_carrier(self, key: int, node: Node, index: int) -> None:
-        """Remove rank `index` from `node` entirely, then prune what is left bare."""
-        node.mask &= ~(1 << index)
-        if node.tiers is not None:
-            node.tiers.pop(index, None)
-            if not node.tiers:
-                node.tiers = None
-        if type(node.ehash) is dict:
-            node.ehash.pop(index, None)
-        nodes = self._nodes
-        while not node.mask and not node.children:
+
+def _drop_carrier(nodes: dict[int, Node], key: int, node: Node, index: int) -> None:
+    """Remove rank `index` from `node` entirely, then prune what is left bare."""
+    node.mask &= ~(1 << index)
+    if node.tiers is not None:
+        node.tiers.pop(index, None)
+        if not node.tiers:
+            node.tiers = None
+    if type(node.ehash) is dict:
+        node.ehash.pop(index, None)
+    while not node.mask and not node.children:
+        del nodes[key]
+        parent = node.parent
+        if parent is None:
+            return
+        node = nodes[parent]
+        node.children -= 1
+        key = parent
+
+
+def _remove_run_py(
+    nodes: dict[int, Node],
+    by_hash: dict[int, int],
+    hashes: list[int],
+    start: int,
+    index: int,
+    device: bool,
+) -> tuple[int, int, int, int]:
+    """Remove `hashes[start:]` while each is unknown or a device-only carrier of rank `index`.
+
+    Such a carrier goes whole (`device`: the removal clears the device tier), without the
+    general path's tier bookkeeping. Returns (where it stopped, hashes found, carriers
+    dropped, hashes unknown); it stops before the first hash needing the general path,
+    having changed nothing for it. The compiled twin is `_speedups.remove_run`.
+    """
+    bit = 1 << index
+    found = unknown = 0
+    for i in range(start, len(hashes)):
+        eh = hashes[i]
+        key = by_hash.get(eh)
+        if key is None:
+            unknown += 1
+            continue
+        node = nodes[key]
+        tiers = node.tiers
+        if not (device and (tiers is None or index not in tiers) and node.mask & bit):
+            return i, found, found, unknown
+        found += 1
+        del by_hash[eh]
+        if node.mask == bit and not node.children:
+            # Its only carrier, and a leaf (engines evict leaf first): the node goes, and its
+            # parent is pruned only if that leaves it bare too.
+            node.mask = 0
             del nodes[key]
-            parent = node.parent
-            if parent is None:
-                return
-            node = nodes[parent]
-            node.children -= 1
-            key = parent
+            parent_key = node.parent
+            if parent_key is not None:
+                parent = nodes[parent_key]
+                parent.children -= 1
+                if not parent.children and not parent.mask:
+                    _drop_carrier(nodes, parent_key, parent, index)
+            continue
+        _drop_carrier(nodes, key, node, index)
+    return len(hashes), found, found, unknown
+
+
+def _place_run_py(
+    nodes: dict[int, Node],
+    by_hash: dict[int, int],
+    keys: Sequence[int],
+    engine_hashes: Sequence[int],
+    start: int,
+    parent_key: int | None,
+    index: int,
+) -> tuple[int, int]:
+    """Place blocks `start:` of a chain on the device tier while each is a simple case.
+
+    Simple: the block is new, or gains rank `index` as a device-only carrier under the engine
+    hash it already has for every carrier, or already has it so; and the hash names no other
+    block of the rank. Returns (where it stopped, carriers added); it stops before the first
+    other block, having changed nothing for it. The compiled twin is `_speedups.place_run`.
+    """
+    bit = 1 << index
+    added = 0
+    parent = None if parent_key is None else nodes[parent_key]
+    for i in range(start, len(keys)):
+        key = keys[i]
+        eh = engine_hashes[i]
+        stale = by_hash.get(eh)
+        if stale is not None and stale != key:
+            return i, added
+        node = nodes.get(key)
+        if node is None:
+            node = Node(parent_key, bit, 0, None, eh)
+            nodes[key] = node
+            if parent is not None:
+                parent.children += 1
+            added += 1
+        else:
+            tiers = node.tiers
+            if tiers is not None and index in tiers:
+                return i, added
+            ehash = node.ehash
+            if not node.mask & bit:
+                if type(ehash) is dict:
+                    ehash[index] = eh
+                elif not node.mask:
+                    node.ehash = eh
+                elif ehash != eh:
+                    return i, added
+                node.mask |= bit
+                added += 1
+            elif (ehash[index] if type(ehash) is dict else ehash) != eh:
+                return i, added
+        if stale is None:
+            by_hash[eh] = key
+        parent_key, parent = key, node
+    return len(keys), added
+
+
+if speedups is None:
+    _remove_run = _remove_run_py
+    _place_run = _place_run_py
+else:
+    speedups.bind_node(Node)
+    _remove_run = speedups.remove_run
+    _place_run = speedups.place_run
 
 
 def _indices(mask: int) -> Iterator[int]:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Final, NoReturn
 
+from cachetree import accel
 from peer.kubeconfig import KubeConfigError
 from router.auth import TOKEN_ENV, token_problem
 from router.index import DEFAULT_INDEX_MAX_BLOCKS
@@ -453,10 +454,12 @@ async def serve(config: ServeConfig, ready: Callable[[str], None] | None = None)
         _tune_gc()
         url = serving.url
         log.info(
-            "kvrouter listening on %s (policy %s, %s event loop)%s",
+            "kvrouter listening on %s (policy %s, %s event loop; ingest accelerator: %s, %s)%s",
             url,
             config.policy,
             type(loop).__module__.split(".")[0],
+            accel.IMPLEMENTATION,
+            accel.REASON,
             f", control plane also on {serving.control_url}" if serving.control_url else "",
         )
         print(f"kvrouter listening on {url}", flush=True)

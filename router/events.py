@@ -75,7 +75,15 @@ How it is fast: an engine sends one shape per batch, so a sniff of the first eve
 type byte picks the typed msgspec decoder for tagged maps or for positional arrays; if that one
 refuses the batch, its twin for bigram token pairs (SGLang with EAGLE sends them in every
 event) gets one try. msgspec then checks every type, range and cap in C while it decodes, and
-the Python loop only normalizes hashes and builds the output. Whatever the typed decoders
+the Python loop only normalizes hashes and builds the output. With the compiled accelerator
+(`cachetree.accel`), a batch of map events is first offered to `_speedups.decode_map_batch`,
+which reads the batch itself and builds the one-block removals an evicting engine sends by
+the dozen; the other events go one at a time through the typed decoders; anything unusual
+about the batch returns None and the paths above take it whole. The typed decoders then
+leave `token_ids` undecoded (`msgspec.Raw`) and `_speedups.parse_tokens` reads the ids, flat
+or bigram pairs, straight into a `TokenIds` u32 array, with the same checks and without a
+Python int per token. `TokenIds` compares equal to the list of the same ids, so a batch
+decodes to equal events on every path. Whatever the typed decoders
 refuse (an unknown tag, mixed shapes, any malformation) is decoded again by the generic path:
 a plain msgpack decode followed by explicit Python checks. The generic path is the reference.
 It accepts everything the typed path accepts, with the same result, and it alone chooses the
@@ -89,13 +97,15 @@ token id is still valid msgpack. The tests fuzz the two paths against each other
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from array import array
+from collections.abc import Sequence
 from operator import itemgetter
 from typing import Annotated, Any, ClassVar, Final, Union
 
 import msgspec
 from msgspec import Meta, Raw, Struct
 
+from cachetree.accel import speedups
 from cachetree.tiers import tier_of_medium
 
 MAX_HASHES_PER_EVENT: Final = 65_536
@@ -142,11 +152,29 @@ class EventDecodeError(ValueError):
         self.detail = detail
 
 
-@dataclass(slots=True)
-class BlockStored:
+class TokenIds(array):  # type: ignore[type-arg]
+    """Token ids packed as u32 (`array("I")`), as the compiled decoder produces them.
+
+    Equal to a list or tuple of the same ids, so an event compares equal whichever decoder
+    made it; `cachetree.keys` hashes it without unpacking.
+    """
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, list | tuple):
+            return len(self) == len(other) and self.tolist() == list(other)
+        return array.__eq__(self, other)  # type: ignore[no-any-return]
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+# The normalized events are msgspec Structs rather than dataclasses: one is built per event on
+# the ingest hot path (dozens per batch when an engine evicts), and msgspec builds them in C,
+# about 3x faster than a slots dataclass's __init__. gc=False: they hold no cycles.
+class BlockStored(Struct, gc=False):
     engine_hashes: list[int]  # normalized to u64
     parent_engine_hash: int | None  # normalized to u64
-    token_ids: list[int]  # flat, len == len(engine_hashes) * block_size
+    # Flat, len == len(engine_hashes) * block_size: a list, or TokenIds from the compiled path.
+    token_ids: Sequence[int]
     block_size: int
     tier: int  # cachetree.tiers bit; 0 = unknown medium (the tree drops and counts it)
     medium: str | None
@@ -158,27 +186,24 @@ class BlockStored:
     seed: int | None = None
 
 
-@dataclass(slots=True)
-class BlockRemoved:
+class BlockRemoved(Struct, gc=False):
     engine_hashes: list[int]
     tier: int | None  # None = every tier (no medium, or an unknown one)
     medium: str | None
 
 
-@dataclass(slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(Struct, gc=False):
     pass
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-@dataclass(slots=True)
-class EventBatch:
+class EventBatch(Struct, gc=False):
     ts: float
     events: list[KVEvent]
     dp_rank: int | None
-    ignored: dict[str, int] = field(default_factory=dict)  # reason -> events skipped
+    ignored: dict[str, int] = msgspec.field(default_factory=dict)  # reason -> events skipped
 
 
 def namespace_of(lora_name: str | None, cache_salt: str | None) -> str | None:
@@ -198,6 +223,12 @@ def decode_batch(payload: bytes) -> EventBatch:
     `payload` is the third ZMQ frame as bytes (a bytearray or memoryview works too).
     """
     try:
+        if speedups is not None:
+            batch = speedups.decode_map_batch(
+                payload, _REMOVAL_TIER, BlockRemoved, EventBatch, _decode_map_event
+            )
+            if batch is not None:
+                return batch  # type: ignore[no-any-return]
         return _decode_typed(payload)
     except (msgspec.DecodeError, RecursionError, EventDecodeError):
         # Anything unusual or wrong: the generic path decides, and names the reason.
@@ -238,7 +269,7 @@ def _is_primary_kind(kind: str) -> bool:
 def _stored(
     hashes: list[Any],
     parent: int | bytes | None,
-    tokens: list[int],
+    tokens: Sequence[int],
     block_size: int,
     medium: str | None,
     lora_name: str | None,
@@ -339,6 +370,22 @@ class _MapStoredBigram(_MapStored):
         return _MapStored.normalize(self)
 
 
+class _MapStoredPacked(_MapStored):
+    token_ids: Raw  # type: ignore[assignment]  # parsed in C by normalize
+
+    def normalize(self) -> BlockStored | str:
+        self.token_ids = _packed_tokens(self.token_ids, False)
+        return _MapStored.normalize(self)
+
+
+class _MapStoredPackedBigram(_MapStored):
+    token_ids: Raw  # type: ignore[assignment]
+
+    def normalize(self) -> BlockStored | str:
+        self.token_ids = _packed_tokens(self.token_ids, True)
+        return _MapStored.normalize(self)
+
+
 class _MapRemoved(Struct, tag_field="type", tag="BlockRemoved", kw_only=True, gc=False):
     block_hashes: _Hashes
     medium: str | None = None
@@ -394,6 +441,51 @@ class _ArrayStoredBigram(_ArrayStored):
         return _ArrayStored.normalize(self)
 
 
+class _ArrayStoredPacked(_ArrayStored):
+    token_ids: Raw  # type: ignore[assignment]
+
+    def normalize(self) -> BlockStored | str:
+        self.token_ids = _packed_tokens(self.token_ids, False)
+        return _ArrayStored.normalize(self)
+
+
+class _ArrayStoredPackedBigram(_ArrayStored):
+    token_ids: Raw  # type: ignore[assignment]
+
+    def normalize(self) -> BlockStored | str:
+        self.token_ids = _packed_tokens(self.token_ids, True)
+        return _ArrayStored.normalize(self)
+
+
+# One map event at a time, for `_speedups.decode_map_batch` (the events it does not build).
+_MAP_EVENT_DECODERS: Final = (
+    msgspec.msgpack.Decoder(_MapStoredPacked | _MapRemoved | _MapCleared),
+    msgspec.msgpack.Decoder(_MapStoredPackedBigram | _MapRemoved | _MapCleared),
+)
+
+
+def _decode_map_event(span: bytes) -> KVEvent | str:
+    """One map event's bytes as a normalized event, or the reason it is ignored."""
+    flat, bigram = _MAP_EVENT_DECODERS
+    try:
+        return flat.decode(span).normalize()  # type: ignore[no-any-return]
+    except msgspec.ValidationError:
+        return bigram.decode(span).normalize()  # type: ignore[no-any-return]
+
+
+def _packed_tokens(raw: Raw, pairs: bool) -> TokenIds:
+    """Token ids (bigram pairs if `pairs`) as u32, checked as msgspec checks `_Tokens`.
+
+    A refusal is a ValidationError, as msgspec's would be: the batch is tried with the other
+    token shape, then by the generic path, which names the reason.
+    """
+    assert speedups is not None
+    try:
+        return TokenIds("I", speedups.parse_tokens(raw, MAX_TOKENS_PER_EVENT, pairs))
+    except ValueError as exc:
+        raise msgspec.ValidationError(str(exc)) from None
+
+
 class _ArrayRemoved(Struct, array_like=True, tag="BlockRemoved", gc=False):
     block_hashes: _Hashes
     medium: str | None = None
@@ -424,14 +516,29 @@ def _batch_decoder(*event_types: type) -> msgspec.msgpack.Decoder[Any]:
     return msgspec.msgpack.Decoder(batch)
 
 
-# (flat tokens, bigram tokens) decoders for batches of map events, and of positional events.
+# (flat tokens, bigram tokens) decoders for batches of map events, and of positional events;
+# with the compiled accelerator, their twins whose token ids `parse_tokens` reads.
 _MAP_DECODERS: Final = (
-    _batch_decoder(_MapStored, _MapRemoved, _MapCleared),
-    _batch_decoder(_MapStoredBigram, _MapRemoved, _MapCleared),
+    (
+        _batch_decoder(_MapStored, _MapRemoved, _MapCleared),
+        _batch_decoder(_MapStoredBigram, _MapRemoved, _MapCleared),
+    )
+    if speedups is None
+    else (
+        _batch_decoder(_MapStoredPacked, _MapRemoved, _MapCleared),
+        _batch_decoder(_MapStoredPackedBigram, _MapRemoved, _MapCleared),
+    )
 )
 _POSITIONAL_DECODERS: Final = (
-    _batch_decoder(_ArrayStored, _ArrayRemoved, _ArrayCleared),
-    _batch_decoder(_ArrayStoredBigram, _ArrayRemoved, _ArrayCleared),
+    (
+        _batch_decoder(_ArrayStored, _ArrayRemoved, _ArrayCleared),
+        _batch_decoder(_ArrayStoredBigram, _ArrayRemoved, _ArrayCleared),
+    )
+    if speedups is None
+    else (
+        _batch_decoder(_ArrayStoredPacked, _ArrayRemoved, _ArrayCleared),
+        _batch_decoder(_ArrayStoredPackedBigram, _ArrayRemoved, _ArrayCleared),
+    )
 )
 
 
@@ -463,15 +570,28 @@ def _decode_typed(payload: bytes) -> EventBatch:
     """The fast path. Raises msgspec errors or EventDecodeError on anything it does not take."""
     flat, bigram = _POSITIONAL_DECODERS if _first_event_is_array(payload) else _MAP_DECODERS
     try:
-        batch = flat.decode(payload)
+        return _normalized(flat.decode(payload))
     except msgspec.ValidationError:
-        batch = bigram.decode(payload)  # SGLang with EAGLE sends token pairs in every event
+        # SGLang with EAGLE sends token pairs in every event
+        return _normalized(bigram.decode(payload))
+
+
+def _normalized(batch: Any) -> EventBatch:
     ts = batch.ts
     if not math.isfinite(ts):
         raise EventDecodeError("bad_ts", f"ts is {ts}")
+    out, ignored = _normalize_events(batch.events)
+    return EventBatch(float(ts), out, batch.dp_rank, ignored)
+
+
+def _normalize_events_py(events: list[Any]) -> tuple[list[KVEvent], dict[str, int]]:
+    """The typed events as `KVEvent`s in order, and the ignored ones counted by reason.
+
+    The compiled twin is `_speedups.normalize_events`.
+    """
     out: list[KVEvent] = []
     ignored: dict[str, int] = {}
-    for ev in batch.events:
+    for ev in events:
         kind = type(ev)
         if kind is _MapRemoved or kind is _ArrayRemoved:
             # An engine evicting under pressure sends one one-block BlockRemoved per block,
@@ -492,7 +612,18 @@ def _decode_typed(payload: bytes) -> EventBatch:
             ignored[result] = ignored.get(result, 0) + 1
         else:
             out.append(result)
-    return EventBatch(float(ts), out, batch.dp_rank, ignored)
+    return out, ignored
+
+
+def _normalize_events_compiled(events: list[Any]) -> tuple[list[KVEvent], dict[str, int]]:
+    assert speedups is not None
+    return speedups.normalize_events(  # type: ignore[no-any-return]
+        events, _REMOVED_TYPES, BlockRemoved, _REMOVAL_TIER
+    )
+
+
+_REMOVED_TYPES: Final = (_MapRemoved, _ArrayRemoved)
+_normalize_events = _normalize_events_py if speedups is None else _normalize_events_compiled
 
 
 # --- generic path: the reference decoder, and the one that names errors ---------------------

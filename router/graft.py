@@ -46,8 +46,10 @@ from __future__ import annotations
 import logging
 from array import array
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
+
+import msgspec
 
 from cachetree.ranks import RankId
 from cachetree.snapshot import Snapshot, SnapshotError, SnapshotRestore, export, restore
@@ -378,7 +380,9 @@ class BootstrapRules:
 def _packed(batch: EventBatch) -> EventBatch:
     """The batch with token ids as u32 arrays: 4 bytes a token instead of ~36."""
     events = [
-        replace(e, token_ids=array("I", e.token_ids)) if type(e) is BlockStored else e
+        msgspec.structs.replace(e, token_ids=array("I", e.token_ids))
+        if type(e) is BlockStored
+        else e
         for e in batch.events
     ]
     return EventBatch(batch.ts, events, batch.dp_rank, batch.ignored)

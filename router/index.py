@@ -61,9 +61,9 @@ import logging
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any, Final, TypeVar
 
+from cachetree.accel import speedups
 from cachetree.keys import namespace_seed
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
@@ -123,47 +123,33 @@ def apply_steps(
     """
     if tally is None:
         tally = Counter()
-    removing: list[int] = []
-    removing_tier: int | None = None
-    removing_medium: str | None = None
-    removals = 0  # events in the current run of removals
+    if type(events) is not list:
+        events = list(events)
     work = 0  # blocks handled since the last yield; yields come before the next event
-    for event in chain(events, _END):
+    i, n = 0, len(events)
+    while i < n:
+        event = events[i]
         kind = type(event)
-        if kind is BlockRemoved and (
-            not removing or (event.tier == removing_tier and event.medium == removing_medium)
-        ):
-            removing_tier = event.tier
-            removing_medium = event.medium
-            removing.extend(event.engine_hashes)
-            removals += 1
-            continue
-        if removing:  # the run of removals ends here
+        if kind is BlockRemoved:
+            end, removing = _removal_run(events, i, BlockRemoved)
             if len(removing) > slice_blocks:
                 for start in range(0, len(removing), slice_blocks):
                     if start:
                         yield
-                    tree.remove(rank, removing[start : start + slice_blocks], removing_tier)
+                    tree.remove(rank, removing[start : start + slice_blocks], event.tier)
             else:
-                tree.remove(rank, removing, removing_tier)
-            tally["removed", removing_medium] += removals
+                tree.remove(rank, removing, event.tier)
+            tally["removed", event.medium] += end - i
             work += len(removing)
-            removing = []
-            removals = 0
-            if kind is BlockRemoved:  # another tier starts the next run
-                removing_tier = event.tier
-                removing_medium = event.medium
-                removing.extend(event.engine_hashes)
-                removals = 1
-                continue
-        if kind is _End:
-            return
+            i = end
+            continue
+        i += 1
         if work >= slice_blocks:
             work = 0
             yield
         if kind is BlockStored:
-            n = len(event.engine_hashes)
-            if n > slice_blocks:
+            n_blocks = len(event.engine_hashes)
+            if n_blocks > slice_blocks:
                 yield from _store_sliced(tree, rank, event, slice_blocks)
             elif event.keys is not None and _seed_holds(tree, rank, event):
                 tree.store_keyed(
@@ -180,7 +166,7 @@ def apply_steps(
                     event.namespace,
                 )
             tally["stored", event.medium] += 1
-            work += n
+            work += n_blocks
         elif kind is AllBlocksCleared:
             yield from tree.clear_rank_steps(rank, slice_blocks)
             tally["cleared", None] += 1
@@ -200,7 +186,28 @@ class _End:
     """Ends the event stream in `apply_steps`, so the last run of removals is flushed there."""
 
 
-_END: Final = (_End(),)
+def _removal_run_py(
+    events: list[KVEvent], start: int, removed_type: type[BlockRemoved]
+) -> tuple[int, list[int]]:
+    """The run of removals from `events[start]` on: where it ends, and all their hashes.
+
+    A run is consecutive `removed_type` events of one tier and medium (`events[start]`'s).
+    The compiled twin is `_speedups.removal_run`.
+    """
+    first = events[start]
+    tier, medium = first.tier, first.medium  # type: ignore[union-attr]
+    hashes = list(first.engine_hashes)  # type: ignore[union-attr]
+    i, n = start + 1, len(events)
+    while i < n:
+        event = events[i]
+        if type(event) is not removed_type or event.tier != tier or event.medium != medium:
+            break
+        hashes.extend(event.engine_hashes)
+        i += 1
+    return i, hashes
+
+
+_removal_run = _removal_run_py if speedups is None else speedups.removal_run
 
 
 def _store_sliced(tree: BlockTree, rank: RankId, event: BlockStored, slice_blocks: int) -> Steps:

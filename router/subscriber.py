@@ -107,6 +107,10 @@ DEFAULT_MAX_MESSAGE_BYTES: Final = 8 << 20
 # decoding costs (~20 ns a byte), so a burst of large batches cannot hold the loop either.
 DRAIN_BATCH: Final = 64  # messages
 DRAIN_BYTES: Final = 1 << 20
+# pyzmq's enums as plain ints: its Flag arithmetic runs in Python, several us a message.
+_EVENTS: Final = int(zmq.EVENTS)
+_POLLIN: Final = int(zmq.POLLIN)
+_NOBLOCK: Final = int(zmq.NOBLOCK)
 
 ReplayOutcome = Literal["repaired", "incomplete", "failed"]
 
@@ -450,9 +454,10 @@ class RankSubscriber:
         connection to the publisher drops.
 
         The fd of a ZMQ socket signals edges, not levels: it is readable when the socket's
-        state changed, not while messages wait. So every wake-up reads until EAGAIN, and
-        before sleeping again the socket's own EVENTS are checked (a message that arrived
-        during the reads may have spent its edge already).
+        state changed, not while messages wait. So every wake-up reads while the socket's own
+        EVENTS say a message waits, and the wake-up flag is cleared before those checks (a
+        message that arrives after the last one sets it again). The monitor, which has an fd
+        of its own, is read only when that fd fired.
 
         A dropped connection is watched through a socket monitor because libzmq does not
         always reconnect by itself: a message over ZMQ_MAXMSGSIZE is a protocol error, after
@@ -461,23 +466,39 @@ class RankSubscriber:
         """
         loop = asyncio.get_running_loop()
         readable = asyncio.Event()
+        monitor_signalled = [False]
+
+        def on_monitor() -> None:
+            monitor_signalled[0] = True
+            readable.set()
+
         address = f"inproc://kvrouter-sub-monitor-{id(self):x}-{self.stats.socket_rebuilds}"
         sock.monitor(address, zmq.EVENT_DISCONNECTED)
         monitor = self._ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
         fds = [sock.getsockopt(zmq.FD), monitor.getsockopt(zmq.FD)]
         try:
             monitor.connect(address)
-            for fd in fds:
-                loop.add_reader(fd, readable.set)
+            loop.add_reader(fds[0], readable.set)
+            loop.add_reader(fds[1], on_monitor)
             errors = 0
+            # The monitor may hold events from before its fd was watched.
+            monitor_signalled[0] = True
             while True:
+                # Cleared before the last EVENTS check of the drain: an edge after that check
+                # sets it again, so a message that arrives meanwhile is never slept on.
+                readable.clear()
                 budget = DRAIN_BYTES
                 for _ in range(DRAIN_BATCH):
                     if budget <= 0:
                         await asyncio.sleep(0)  # a burst of large batches: a turn for others
                         budget = DRAIN_BYTES
+                    # The socket's own EVENTS say whether a message waits: much cheaper than
+                    # a recv failing with EAGAIN (pyzmq builds an exception for each), and a
+                    # ZMQ fd wakes the loop more often than messages arrive.
+                    if not sock.getsockopt(_EVENTS) & _POLLIN:
+                        break
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                        frames = sock.recv_multipart(_NOBLOCK)
                     except zmq.Again:
                         break
                     except zmq.ContextTerminated:
@@ -501,10 +522,11 @@ class RankSubscriber:
                 else:
                     await asyncio.sleep(0)  # a long burst: let the loop serve others
                     continue
-                if self._disconnected(monitor):
-                    return
-                readable.clear()
-                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if monitor_signalled[0]:
+                    monitor_signalled[0] = False
+                    if self._disconnected(monitor):
+                        return
+                if not readable.is_set():
                     await readable.wait()
         finally:
             for fd in fds:
@@ -516,8 +538,8 @@ class RankSubscriber:
     def _disconnected(self, monitor: zmq.Socket) -> bool:
         """Whether the monitor reported the publisher's connection dropped (events drained)."""
         dropped = False
-        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = monitor.recv_multipart(zmq.NOBLOCK)
+        while monitor.getsockopt(_EVENTS) & _POLLIN:
+            frames = monitor.recv_multipart(_NOBLOCK)
             dropped = dropped or parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED
         if dropped:
             self.stats.disconnects += 1

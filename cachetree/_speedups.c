@@ -1,0 +1,1754 @@
+/*
+ * cachetree._speedups: the compiled twin of the ingest hot spots (optional).
+ *
+ * Rules of this file: every function here has a pure-Python twin that defines its result
+ * (cachetree/keys.py, router/events.py); this file only computes the same thing without a
+ * Python object per token. The tests run against both and hold them bit-exact. Nothing here
+ * keeps state between calls. Which path is active is decided in cachetree/accel.py.
+ *
+ * Theory of operation
+ * -------------------
+ * Profiles of a replica ingesting full-cache churn put the per-token work first: msgspec made
+ * one Python int per token id, `array("I", ...)` packed them again, and each block's key was
+ * one Python-level xxh3 call over a sliced copy. Here:
+ *
+ * - `parse_tokens(raw, cap, pairs)` reads the msgpack array of token ids (flat ints, or with
+ *   `pairs` SGLang's bigram pairs, first element kept) straight into packed u32 little-endian
+ *   bytes, refusing exactly what the decoder's typed path refuses (a non-int, a bool, a
+ *   negative id, one >= 2**32, the other shape, a pair that is not two ints, more than `cap`).
+ *   The caller falls back to the reference decoder on any refusal, which names the error.
+ * - `block_keys(token_ids, block_size, seed)` chains XXH3-64 over the blocks of a list of
+ *   ints or of a u32 array, as cachetree/keys.py does: key[i] = xxh3_64(block i, seed=key[i-1]).
+ * - `remove_run` and `place_run` are the device-only runs of `BlockTree.remove` and
+ *   `BlockTree._place` (cachetree/tree.py `_remove_run_py`, `_place_run_py`): they walk the
+ *   same dicts and change the same `Node` fields, read and written through the offsets of
+ *   Node's member descriptors (`bind_node`), and stop, having changed nothing for it, before
+ *   the first block that needs the general path, which the Python caller then handles.
+ * - `normalize_events` is the decoder's loop from typed events to normalized ones
+ *   (router/events.py `_normalize_events_py`): the one-block removals an evicting engine sends
+ *   dozens of per batch are built here; every other event calls its own `normalize()`.
+ * - `decode_map_batch` takes a whole batch of tagged-map events (what vLLM >= 0.24 and
+ *   SGLang >= 0.5.20 send): the root, ts and dp_rank are read here, a one-block BlockRemoved
+ *   of the usual shape becomes a BlockRemoved without any intermediate object, and every
+ *   other event's bytes are handed to the Python decoder of single events. Anything else about
+ *   the batch (positional events, extra root elements, odd encodings) returns None, and the
+ *   Python decoders take the whole batch: they alone name errors.
+ * - XXH3-64 is written from its published specification (xxHash's doc/xxhash_spec.md, "XXH3
+ *   algorithm description"), every length class including the seeded long-input path, and
+ *   tested bit-exact against the `xxhash` package. Engines' block sizes put a block in the
+ *   17-128 byte class (16 tokens = 64 bytes), which is a handful of 64x64->128 multiplies.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+
+/* Token ids are hashed as native u32 arrays, which the key scheme defines as little-endian
+ * (cachetree/keys.py refuses other hosts too). The build is optional: failing here leaves the
+ * pure-Python path. */
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "cachetree._speedups needs a little-endian host (gcc or clang)"
+#endif
+
+/* ---- XXH3-64 (from the specification) --------------------------------------------------- */
+
+#define PRIME32_1 0x9E3779B1U
+#define PRIME32_2 0x85EBCA77U
+#define PRIME32_3 0xC2B2AE3DU
+#define PRIME64_1 0x9E3779B185EBCA87ULL
+#define PRIME64_2 0xC2B2AE3D27D4EB4FULL
+#define PRIME64_3 0x165667B19E3779F9ULL
+#define PRIME64_4 0x85EBCA77C2B2AE63ULL
+#define PRIME64_5 0x27D4EB2F165667C5ULL
+#define PRIME_MX1 0x165667919E3779F9ULL
+#define PRIME_MX2 0x9FB21C651E98DF25ULL
+
+#define SECRET_SIZE 192
+#define STRIPE_LEN 64
+#define STRIPES_PER_BLOCK ((SECRET_SIZE - STRIPE_LEN) / 8)
+#define BLOCK_LEN (STRIPE_LEN * STRIPES_PER_BLOCK)
+
+/* The specification's default secret. */
+static const uint8_t default_secret[SECRET_SIZE] = {
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
+    0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
+    0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
+    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c,
+    0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3,
+    0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
+    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d,
+    0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64,
+    0xea, 0xc5, 0xac, 0x83, 0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
+    0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e,
+    0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce,
+    0x45, 0xcb, 0x3a, 0x8f, 0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
+};
+
+/* Little-endian loads (the spec reads everything LE; the host is LE, checked above). */
+static inline uint32_t
+read32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline uint64_t
+read64(const uint8_t *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static inline void
+write64(uint8_t *p, uint64_t v)
+{
+    memcpy(p, &v, 8);
+}
+
+static inline uint32_t
+swap32(uint32_t x)
+{
+    return (x >> 24) | ((x >> 8) & 0xff00U) | ((x << 8) & 0xff0000U) | (x << 24);
+}
+
+static inline uint64_t
+swap64(uint64_t x)
+{
+    return (uint64_t)swap32((uint32_t)x) << 32 | swap32((uint32_t)(x >> 32));
+}
+
+static inline uint64_t
+rotl64(uint64_t x, int r)
+{
+    return (x << r) | (x >> (64 - r));
+}
+
+/* The low and high halves of the 128-bit product, xored together. */
+static inline uint64_t
+mul128_fold64(uint64_t a, uint64_t b)
+{
+#if defined(__SIZEOF_INT128__)
+    __uint128_t product = (__uint128_t)a * b;
+    return (uint64_t)product ^ (uint64_t)(product >> 64);
+#else
+    uint64_t lo_lo = (a & 0xFFFFFFFFULL) * (b & 0xFFFFFFFFULL);
+    uint64_t hi_lo = (a >> 32) * (b & 0xFFFFFFFFULL);
+    uint64_t lo_hi = (a & 0xFFFFFFFFULL) * (b >> 32);
+    uint64_t hi_hi = (a >> 32) * (b >> 32);
+    uint64_t cross = (lo_lo >> 32) + (hi_lo & 0xFFFFFFFFULL) + lo_hi;
+    uint64_t upper = (hi_lo >> 32) + (cross >> 32) + hi_hi;
+    uint64_t lower = (cross << 32) | (lo_lo & 0xFFFFFFFFULL);
+    return lower ^ upper;
+#endif
+}
+
+static inline uint64_t
+avalanche(uint64_t x)
+{
+    x ^= x >> 37;
+    x *= PRIME_MX1;
+    return x ^ (x >> 32);
+}
+
+static inline uint64_t
+avalanche_xxh64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= PRIME64_2;
+    x ^= x >> 29;
+    x *= PRIME64_3;
+    return x ^ (x >> 32);
+}
+
+static inline uint64_t
+mix_step(const uint8_t *data, const uint8_t *secret, uint64_t seed)
+{
+    return mul128_fold64(read64(data) ^ (read64(secret) + seed),
+                         read64(data + 8) ^ (read64(secret + 8) - seed));
+}
+
+static uint64_t
+xxh3_0to16(const uint8_t *in, size_t len, uint64_t seed)
+{
+    const uint8_t *s = default_secret;
+    if (len > 8) {
+        uint64_t lo = ((read64(s + 24) ^ read64(s + 32)) + seed) ^ read64(in);
+        uint64_t hi = ((read64(s + 40) ^ read64(s + 48)) - seed) ^ read64(in + len - 8);
+        return avalanche(len + swap64(lo) + hi + mul128_fold64(lo, hi));
+    }
+    if (len >= 4) {
+        uint64_t modified = seed ^ (uint64_t)swap32((uint32_t)seed) << 32;
+        uint64_t combined = (uint64_t)read32(in + len - 4) | (uint64_t)read32(in) << 32;
+        uint64_t v = ((read64(s + 8) ^ read64(s + 16)) - modified) ^ combined;
+        v ^= rotl64(v, 49) ^ rotl64(v, 24);
+        v *= PRIME_MX2;
+        v ^= (v >> 35) + len;
+        v *= PRIME_MX2;
+        return v ^ (v >> 28);
+    }
+    if (len > 0) {
+        uint32_t combined = (uint32_t)in[len - 1] | (uint32_t)len << 8 | (uint32_t)in[0] << 16
+                            | (uint32_t)in[len >> 1] << 24;
+        return avalanche_xxh64(((uint64_t)(read32(s) ^ read32(s + 4)) + seed) ^ combined);
+    }
+    return avalanche_xxh64(seed ^ read64(s + 56) ^ read64(s + 64));
+}
+
+static uint64_t
+xxh3_17to128(const uint8_t *in, size_t len, uint64_t seed)
+{
+    const uint8_t *s = default_secret;
+    uint64_t acc = len * PRIME64_1;
+    for (Py_ssize_t i = (Py_ssize_t)((len - 1) >> 5); i >= 0; i--) {
+        acc += mix_step(in + 16 * i, s + 32 * i, seed);
+        acc += mix_step(in + len - 16 - 16 * i, s + 32 * i + 16, seed);
+    }
+    return avalanche(acc);
+}
+
+static uint64_t
+xxh3_129to240(const uint8_t *in, size_t len, uint64_t seed)
+{
+    const uint8_t *s = default_secret;
+    uint64_t acc = len * PRIME64_1;
+    size_t chunks = len >> 4;
+    for (size_t i = 0; i < 8; i++) {
+        acc += mix_step(in + 16 * i, s + 16 * i, seed);
+    }
+    acc = avalanche(acc);
+    for (size_t i = 8; i < chunks; i++) {
+        acc += mix_step(in + 16 * i, s + 16 * (i - 8) + 3, seed);
+    }
+    acc += mix_step(in + len - 16, s + 119, seed);
+    return avalanche(acc);
+}
+
+static inline void
+accumulate(uint64_t *acc, const uint8_t *stripe, const uint8_t *secret)
+{
+    for (int i = 0; i < 8; i++) {
+        uint64_t value = read64(stripe + 8 * i);
+        uint64_t keyed = value ^ read64(secret + 8 * i);
+        acc[i ^ 1] += value;
+        acc[i] += (keyed & 0xFFFFFFFFULL) * (keyed >> 32);
+    }
+}
+
+static uint64_t
+xxh3_long(const uint8_t *in, size_t len, uint64_t seed)
+{
+    uint8_t derived[SECRET_SIZE];
+    const uint8_t *s = default_secret;
+    if (seed) {
+        for (int i = 0; i < SECRET_SIZE / 16; i++) {
+            write64(derived + 16 * i, read64(default_secret + 16 * i) + seed);
+            write64(derived + 16 * i + 8, read64(default_secret + 16 * i + 8) - seed);
+        }
+        s = derived;
+    }
+    uint64_t acc[8] = {PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3,
+                       PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1};
+    size_t blocks = (len - 1) / BLOCK_LEN;
+    for (size_t b = 0; b < blocks; b++) {
+        const uint8_t *block = in + b * BLOCK_LEN;
+        for (int n = 0; n < STRIPES_PER_BLOCK; n++) {
+            accumulate(acc, block + n * STRIPE_LEN, s + 8 * n);
+        }
+        for (int i = 0; i < 8; i++) {
+            acc[i] ^= acc[i] >> 47;
+            acc[i] ^= read64(s + SECRET_SIZE - STRIPE_LEN + 8 * i);
+            acc[i] *= PRIME32_1;
+        }
+    }
+    const uint8_t *last = in + blocks * BLOCK_LEN;
+    size_t stripes = (len - 1 - blocks * BLOCK_LEN) / STRIPE_LEN;
+    for (size_t n = 0; n < stripes; n++) {
+        accumulate(acc, last + n * STRIPE_LEN, s + 8 * n);
+    }
+    accumulate(acc, in + len - STRIPE_LEN, s + SECRET_SIZE - STRIPE_LEN - 7);
+    uint64_t result = len * PRIME64_1;
+    for (int i = 0; i < 4; i++) {
+        result += mul128_fold64(acc[2 * i] ^ read64(s + 11 + 16 * i),
+                                acc[2 * i + 1] ^ read64(s + 11 + 16 * i + 8));
+    }
+    return avalanche(result);
+}
+
+static uint64_t
+xxh3_64(const uint8_t *in, size_t len, uint64_t seed)
+{
+    if (len <= 16) {
+        return xxh3_0to16(in, len, seed);
+    }
+    if (len <= 128) {
+        return xxh3_17to128(in, len, seed);
+    }
+    if (len <= 240) {
+        return xxh3_129to240(in, len, seed);
+    }
+    return xxh3_long(in, len, seed);
+}
+
+/* ---- Python entry points ---------------------------------------------------------------- */
+
+static PyObject *
+py_xxh3_64(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "xxh3_64(data, seed) takes 2 arguments");
+        return NULL;
+    }
+    unsigned long long seed = PyLong_AsUnsignedLongLong(args[1]);
+    if (seed == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    uint64_t h = xxh3_64((const uint8_t *)view.buf, (size_t)view.len, seed);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+/* Chained keys over `nblocks` blocks of `block_bytes` bytes each. */
+static PyObject *
+chain(const uint8_t *data, Py_ssize_t nblocks, Py_ssize_t block_bytes, uint64_t seed)
+{
+    PyObject *keys = PyList_New(nblocks);
+    if (keys == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nblocks; i++) {
+        seed = xxh3_64(data + i * block_bytes, (size_t)block_bytes, seed);
+        PyObject *key = PyLong_FromUnsignedLongLong(seed);
+        if (key == NULL) {
+            Py_DECREF(keys);
+            return NULL;
+        }
+        PyList_SET_ITEM(keys, i, key);
+    }
+    return keys;
+}
+
+/* One token as u32, with array("I")'s rules: an int (or __index__) in [0, 2**32). */
+static int
+token_u32(PyObject *item, uint32_t *out)
+{
+    unsigned long value;
+    if (PyLong_Check(item)) {
+        value = PyLong_AsUnsignedLong(item);
+    }
+    else {
+        PyObject *index = PyNumber_Index(item);
+        if (index == NULL) {
+            return -1;
+        }
+        value = PyLong_AsUnsignedLong(index);
+        Py_DECREF(index);
+    }
+    if (value == (unsigned long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (value > 0xFFFFFFFFUL) {
+        PyErr_SetString(PyExc_OverflowError, "unsigned int is greater than maximum");
+        return -1;
+    }
+    *out = (uint32_t)value;
+    return 0;
+}
+
+static int
+is_u32_buffer(const Py_buffer *view)
+{
+    return view->itemsize == 4 && view->format != NULL && view->format[0] == 'I'
+           && view->format[1] == '\0';
+}
+
+static PyObject *
+py_block_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "block_keys(token_ids, block_size, seed) takes 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
+    if (block_size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    unsigned long long seed = PyLong_AsUnsignedLongLong(args[2]);
+    if (seed == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *tokens = args[0];
+    if (!PyList_CheckExact(tokens) && !PyTuple_CheckExact(tokens) && PyObject_CheckBuffer(tokens)) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
+            if (is_u32_buffer(&view)) {
+                PyObject *keys = NULL;
+                if (block_size <= 0) {
+                    PyErr_SetString(PyExc_ValueError, "block size must be positive");
+                }
+                else {
+                    Py_ssize_t n = view.len / 4;
+                    keys = chain((const uint8_t *)view.buf, n / block_size, block_size * 4, seed);
+                }
+                PyBuffer_Release(&view);
+                return keys;
+            }
+            PyBuffer_Release(&view);
+        }
+        else {
+            PyErr_Clear(); /* not a contiguous typed buffer: read it as a sequence below */
+        }
+    }
+    PyObject *seq = PySequence_Fast(tokens, "token_ids must be a sequence of ints");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint32_t stack[4096];
+    uint32_t *packed = n <= 4096 ? stack : PyMem_Malloc((size_t)n * 4);
+    PyObject *keys = NULL;
+    if (packed == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (token_u32(items[i], &packed[i]) < 0) {
+            goto done;
+        }
+    }
+    if (block_size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "block size must be positive");
+        goto done;
+    }
+    keys = chain((const uint8_t *)packed, n / block_size, block_size * 4, seed);
+done:
+    if (packed != stack) {
+        PyMem_Free(packed);
+    }
+    Py_DECREF(seq);
+    return keys;
+}
+
+/* ---- msgpack token ids -> packed u32 ---------------------------------------------------- */
+
+typedef struct {
+    const uint8_t *p;
+    const uint8_t *end;
+} Reader;
+
+static inline int
+need(const Reader *r, size_t n)
+{
+    return (size_t)(r->end - r->p) >= n;
+}
+
+static inline uint64_t
+be(const uint8_t *p, int n)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++) {
+        v = v << 8 | p[i];
+    }
+    return v;
+}
+
+/* An array header; -1 if the next object is not an array (or is truncated). */
+static Py_ssize_t
+read_array_len(Reader *r)
+{
+    if (!need(r, 1)) {
+        return -1;
+    }
+    uint8_t b = *r->p;
+    if ((b & 0xF0) == 0x90) {
+        r->p += 1;
+        return b & 0x0F;
+    }
+    if (b == 0xDC && need(r, 3)) {
+        r->p += 3;
+        return (Py_ssize_t)be(r->p - 2, 2);
+    }
+    if (b == 0xDD && need(r, 5)) {
+        r->p += 5;
+        return (Py_ssize_t)be(r->p - 4, 4);
+    }
+    return -1;
+}
+
+/* One token id in any other int encoding; 0 on success, -1 if it is not in [0, 2**32). */
+static int
+read_token_slow(Reader *r, uint32_t *out)
+{
+    uint8_t b = *r->p;
+    int width;
+    int is_signed = 0;
+    switch (b) {
+    case 0xCF: width = 8; break;
+    case 0xD0: width = 1; is_signed = 1; break;
+    case 0xD1: width = 2; is_signed = 1; break;
+    case 0xD2: width = 4; is_signed = 1; break;
+    case 0xD3: width = 8; is_signed = 1; break;
+    default: return -1; /* nil, bool, float, str, negative fixint, containers ... */
+    }
+    if (!need(r, 1 + (size_t)width)) {
+        return -1;
+    }
+    uint64_t v = be(r->p + 1, width);
+    if ((is_signed && v >> (8 * width - 1)) || v > 0xFFFFFFFFULL) {
+        return -1; /* negative, or past u32 */
+    }
+    *out = (uint32_t)v;
+    r->p += 1 + width;
+    return 0;
+}
+
+/* One token id; 0 on success, -1 if it is not an int in [0, 2**32). The encodings msgpack
+ * writers choose for ids (fixint, uint8/16/32: the smallest that fits) are read inline. */
+static inline int
+read_token(Reader *r, uint32_t *out)
+{
+    const uint8_t *p = r->p;
+    size_t left = (size_t)(r->end - p);
+    if (left == 0) {
+        return -1;
+    }
+    switch (p[0]) {
+    case 0xCC:
+        if (left < 2) {
+            return -1;
+        }
+        *out = p[1];
+        r->p = p + 2;
+        return 0;
+    case 0xCD:
+        if (left < 3) {
+            return -1;
+        }
+        *out = (uint32_t)p[1] << 8 | p[2];
+        r->p = p + 3;
+        return 0;
+    case 0xCE:
+        if (left < 5) {
+            return -1;
+        }
+        *out = (uint32_t)p[1] << 24 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 8 | p[4];
+        r->p = p + 5;
+        return 0;
+    default:
+        if (p[0] <= 0x7F) {
+            *out = p[0];
+            r->p = p + 1;
+            return 0;
+        }
+        return read_token_slow(r, out);
+    }
+}
+
+static PyObject *
+py_parse_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "parse_tokens(raw, max_tokens, pairs) takes 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t cap = PyLong_AsSsize_t(args[1]);
+    if (cap == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int pairs = PyObject_IsTrue(args[2]);
+    if (pairs < 0) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    Reader r = {(const uint8_t *)view.buf, (const uint8_t *)view.buf + view.len};
+    PyObject *out = NULL;
+    const char *why = "token_ids is not an array";
+    Py_ssize_t n = read_array_len(&r);
+    if (n < 0) {
+        goto fail;
+    }
+    why = "too many token ids";
+    if (n > cap) {
+        goto fail;
+    }
+    out = PyBytes_FromStringAndSize(NULL, n * 4);
+    if (out == NULL) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
+    why = pairs ? "a bigram pair is not two token ids" : "a token id is not an int in [0, 2**32)";
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t token, second;
+        if (pairs) {
+            if (read_array_len(&r) != 2 || read_token(&r, &token) < 0
+                || read_token(&r, &second) < 0) {
+                goto fail;
+            }
+        }
+        else if (read_token(&r, &token) < 0) {
+            goto fail;
+        }
+        memcpy(dst + 4 * i, &token, 4); /* little-endian host */
+    }
+    why = "bytes after the token ids";
+    if (r.p != r.end) {
+        goto fail;
+    }
+    PyBuffer_Release(&view);
+    return out;
+fail:
+    Py_XDECREF(out);
+    PyBuffer_Release(&view);
+    PyErr_SetString(PyExc_ValueError, why);
+    return NULL;
+}
+
+
+/* ---- BlockTree runs (twins of cachetree/tree.py _remove_run_py, _place_run_py) ---------- */
+
+/* Node (a msgspec Struct) keeps its fields in object slots; their offsets come from the
+ * type's member descriptors, checked once by bind_node. */
+static PyObject *node_type = NULL;
+static Py_ssize_t off_parent, off_mask, off_children, off_tiers, off_ehash;
+
+#define FIELD(obj, off) (*(PyObject **)((char *)(obj) + (off)))
+
+static inline void
+set_field(PyObject *obj, Py_ssize_t off, PyObject *value) /* steals `value` */
+{
+    PyObject *old = FIELD(obj, off);
+    FIELD(obj, off) = value;
+    Py_XDECREF(old);
+}
+
+static int
+member_offset(PyTypeObject *type, const char *name, Py_ssize_t *out)
+{
+    PyObject *descr = PyDict_GetItemString(type->tp_dict, name);
+    if (descr == NULL || !PyObject_TypeCheck(descr, &PyMemberDescr_Type)) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a member descriptor", type->tp_name, name);
+        return -1;
+    }
+    PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+    if (member->type != T_OBJECT_EX || (member->flags & READONLY)) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a writable object slot", type->tp_name, name);
+        return -1;
+    }
+    *out = member->offset;
+    return 0;
+}
+
+static PyObject *
+py_bind_node(PyObject *module, PyObject *type)
+{
+    if (!PyType_Check(type)) {
+        PyErr_SetString(PyExc_TypeError, "bind_node(Node) takes the Node type");
+        return NULL;
+    }
+    PyTypeObject *t = (PyTypeObject *)type;
+    if (member_offset(t, "parent", &off_parent) < 0 || member_offset(t, "mask", &off_mask) < 0
+        || member_offset(t, "children", &off_children) < 0
+        || member_offset(t, "tiers", &off_tiers) < 0 || member_offset(t, "ehash", &off_ehash) < 0) {
+        return NULL;
+    }
+    Py_INCREF(type);
+    Py_XSETREF(node_type, type);
+    Py_RETURN_NONE;
+}
+
+/* A node from `nodes`, borrowed; NULL with no error when absent or not a Node. */
+static inline PyObject *
+get_node(PyObject *nodes, PyObject *key)
+{
+    PyObject *node = PyDict_GetItemWithError(nodes, key);
+    if (node != NULL && Py_TYPE(node) != (PyTypeObject *)node_type) {
+        return NULL;
+    }
+    return node;
+}
+
+/* A mask or count field as u64; 0 when it is not a small non-negative int (the caller then
+ * takes the general path). */
+static inline int
+small_int(PyObject *value, uint64_t *out)
+{
+    if (!PyLong_CheckExact(value)) {
+        return 0;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(value);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+static inline int
+set_u64(PyObject *obj, Py_ssize_t off, uint64_t value)
+{
+    PyObject *v = PyLong_FromUnsignedLongLong(value);
+    if (v == NULL) {
+        return -1;
+    }
+    set_field(obj, off, v);
+    return 0;
+}
+
+/* field += delta for an int field of any size. */
+static inline int
+add_to(PyObject *obj, Py_ssize_t off, long delta)
+{
+    PyObject *d = PyLong_FromLong(delta);
+    if (d == NULL) {
+        return -1;
+    }
+    PyObject *v = PyNumber_Add(FIELD(obj, off), d);
+    Py_DECREF(d);
+    if (v == NULL) {
+        return -1;
+    }
+    set_field(obj, off, v);
+    return 0;
+}
+
+/* tree.py _drop_carrier: clear rank `index` (`index_obj`) from the node, prune what is bare. */
+static int
+drop_carrier(PyObject *nodes, PyObject *key, PyObject *node, PyObject *index_obj,
+             PyObject *not_bit)
+{
+    PyObject *mask = PyNumber_And(FIELD(node, off_mask), not_bit);
+    if (mask == NULL) {
+        return -1;
+    }
+    set_field(node, off_mask, mask);
+    PyObject *tiers = FIELD(node, off_tiers);
+    if (tiers != Py_None) {
+        if (!PyDict_Check(tiers)) {
+            PyErr_SetString(PyExc_TypeError, "Node.tiers is not a dict");
+            return -1;
+        }
+        if (PyDict_DelItem(tiers, index_obj) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
+                return -1;
+            }
+            PyErr_Clear();
+        }
+        if (PyDict_GET_SIZE(tiers) == 0) {
+            Py_INCREF(Py_None);
+            set_field(node, off_tiers, Py_None);
+        }
+    }
+    PyObject *ehash = FIELD(node, off_ehash);
+    if (PyDict_CheckExact(ehash) && PyDict_DelItem(ehash, index_obj) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
+            return -1;
+        }
+        PyErr_Clear();
+    }
+    Py_INCREF(key);
+    Py_INCREF(node);
+    int status = 0;
+    for (;;) {
+        int bare = PyObject_Not(FIELD(node, off_mask));
+        int leaf = bare > 0 ? PyObject_Not(FIELD(node, off_children)) : 0;
+        if (bare < 0 || leaf < 0) {
+            status = -1;
+            break;
+        }
+        if (!(bare && leaf)) {
+            break;
+        }
+        if (PyDict_DelItem(nodes, key) < 0) {
+            status = -1;
+            break;
+        }
+        PyObject *parent_key = FIELD(node, off_parent);
+        if (parent_key == Py_None) {
+            break;
+        }
+        PyObject *parent = PyDict_GetItemWithError(nodes, parent_key);
+        if (parent == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetObject(PyExc_KeyError, parent_key);
+            }
+            status = -1;
+            break;
+        }
+        Py_INCREF(parent_key);
+        Py_INCREF(parent);
+        Py_SETREF(key, parent_key);
+        Py_SETREF(node, parent);
+        if (add_to(node, off_children, -1) < 0) {
+            status = -1;
+            break;
+        }
+    }
+    Py_DECREF(key);
+    Py_DECREF(node);
+    return status;
+}
+
+static PyObject *
+run_result(Py_ssize_t stop, Py_ssize_t a, Py_ssize_t b, Py_ssize_t c, int n)
+{
+    return n == 2 ? Py_BuildValue("(nn)", stop, a) : Py_BuildValue("(nnnn)", stop, a, b, c);
+}
+
+/* remove_run(nodes, by_hash, hashes, start, index, device) -> (stop, found, dropped, unknown) */
+static PyObject *
+py_remove_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1])
+        || !PyList_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "remove_run(nodes: dict, by_hash: dict, hashes: list, start, index, device)");
+        return NULL;
+    }
+    if (node_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "bind_node(Node) was not called");
+        return NULL;
+    }
+    PyObject *nodes = args[0], *by_hash = args[1], *hashes = args[2], *index_obj = args[4];
+    Py_ssize_t start = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t index = PyLong_AsSsize_t(index_obj);
+    int device = PyObject_IsTrue(args[5]);
+    if ((start == -1 || index == -1 || device < 0) && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    Py_ssize_t found = 0, unknown = 0, i = start;
+    if (index < 0 || index > 62 || !device) {
+        return run_result(start < n ? start : n, 0, 0, 0, 4); /* all general */
+    }
+    uint64_t bit = 1ULL << index;
+    PyObject *not_bit = PyLong_FromLongLong(~(long long)bit);
+    if (not_bit == NULL) {
+        return NULL;
+    }
+    for (; i < n; i++) {
+        PyObject *eh = PyList_GET_ITEM(hashes, i);
+        PyObject *key = PyDict_GetItemWithError(by_hash, eh);
+        if (key == NULL) {
+            if (PyErr_Occurred()) {
+                goto error;
+            }
+            unknown++;
+            continue;
+        }
+        PyObject *node = get_node(nodes, key);
+        if (node == NULL) {
+            if (PyErr_Occurred()) {
+                goto error;
+            }
+            break; /* the general path raises or copes */
+        }
+        PyObject *tiers = FIELD(node, off_tiers);
+        if (tiers != Py_None) {
+            int has = PyDict_Check(tiers) ? PyDict_Contains(tiers, index_obj) : 1;
+            if (has < 0) {
+                goto error;
+            }
+            if (has) {
+                break;
+            }
+        }
+        uint64_t mask, children;
+        if (!small_int(FIELD(node, off_mask), &mask) || !(mask & bit)
+            || !small_int(FIELD(node, off_children), &children)) {
+            break;
+        }
+        /* A device-only carrier: it goes whole. Hold key and node across the deletions. */
+        Py_INCREF(key);
+        Py_INCREF(node);
+        found++;
+        int status = PyDict_DelItem(by_hash, eh);
+        if (status == 0 && mask == bit && children == 0) {
+            /* Its only carrier, and a leaf: the node goes; its parent only if left bare. */
+            status = set_u64(node, off_mask, 0);
+            if (status == 0) {
+                status = PyDict_DelItem(nodes, key);
+            }
+            PyObject *parent_key = FIELD(node, off_parent);
+            if (status == 0 && parent_key != Py_None) {
+                PyObject *parent = PyDict_GetItemWithError(nodes, parent_key);
+                if (parent == NULL) {
+                    if (!PyErr_Occurred()) {
+                        PyErr_SetObject(PyExc_KeyError, parent_key);
+                    }
+                    status = -1;
+                }
+                else {
+                    Py_INCREF(parent);
+                    status = add_to(parent, off_children, -1);
+                    if (status == 0) {
+                        int bare = PyObject_Not(FIELD(parent, off_children));
+                        if (bare > 0) {
+                            bare = PyObject_Not(FIELD(parent, off_mask));
+                        }
+                        if (bare < 0) {
+                            status = -1;
+                        }
+                        else if (bare) {
+                            status = drop_carrier(nodes, parent_key, parent, index_obj, not_bit);
+                        }
+                    }
+                    Py_DECREF(parent);
+                }
+            }
+        }
+        else if (status == 0) {
+            status = drop_carrier(nodes, key, node, index_obj, not_bit);
+        }
+        Py_DECREF(key);
+        Py_DECREF(node);
+        if (status < 0) {
+            goto error;
+        }
+    }
+    Py_DECREF(not_bit);
+    return run_result(i, found, found, unknown, 4);
+error:
+    Py_DECREF(not_bit);
+    return NULL;
+}
+
+/* place_run(nodes, by_hash, keys, hashes, start, parent_key, index) -> (stop, added) */
+static PyObject *
+py_place_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "place_run(nodes: dict, by_hash: dict, keys, hashes, "
+                                         "start, parent_key, index)");
+        return NULL;
+    }
+    if (node_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "bind_node(Node) was not called");
+        return NULL;
+    }
+    PyObject *nodes = args[0], *by_hash = args[1], *index_obj = args[6];
+    Py_ssize_t start = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t index = PyLong_AsSsize_t(index_obj);
+    if ((start == -1 || index == -1) && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *keys_seq = PySequence_Fast(args[2], "keys must be a sequence");
+    if (keys_seq == NULL) {
+        return NULL;
+    }
+    PyObject *hashes_seq = PySequence_Fast(args[3], "engine hashes must be a sequence");
+    if (hashes_seq == NULL) {
+        Py_DECREF(keys_seq);
+        return NULL;
+    }
+    PyObject **keys = PySequence_Fast_ITEMS(keys_seq);
+    PyObject **hashes = PySequence_Fast_ITEMS(hashes_seq);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys_seq);
+    if (PySequence_Fast_GET_SIZE(hashes_seq) < n) {
+        n = PySequence_Fast_GET_SIZE(hashes_seq); /* zip() semantics, as the general path */
+    }
+    Py_ssize_t added = 0, i = start < n ? start : n;
+    PyObject *result = NULL, *bit_obj = NULL, *zero = NULL, *parent = NULL;
+    PyObject *parent_key = args[5];
+    Py_INCREF(parent_key);
+    if (index < 0 || index > 62) {
+        goto done; /* a mask past one machine word: all general */
+    }
+    uint64_t bit = 1ULL << index;
+    bit_obj = PyLong_FromUnsignedLongLong(bit);
+    zero = PyLong_FromLong(0);
+    if (bit_obj == NULL || zero == NULL) {
+        goto error;
+    }
+    if (parent_key != Py_None) {
+        parent = PyDict_GetItemWithError(nodes, parent_key);
+        if (parent == NULL) {
+            if (PyErr_Occurred()) {
+                goto error;
+            }
+            goto done; /* the general path raises */
+        }
+        Py_INCREF(parent);
+    }
+    for (; i < n; i++) {
+        PyObject *key = keys[i], *eh = hashes[i];
+        PyObject *stale = PyDict_GetItemWithError(by_hash, eh);
+        if (stale == NULL && PyErr_Occurred()) {
+            goto error;
+        }
+        if (stale != NULL) {
+            int same = PyObject_RichCompareBool(stale, key, Py_EQ);
+            if (same < 0) {
+                goto error;
+            }
+            if (!same) {
+                break;
+            }
+        }
+        PyObject *node = PyDict_GetItemWithError(nodes, key);
+        if (node == NULL) {
+            if (PyErr_Occurred()) {
+                goto error;
+            }
+            PyObject *fields[5] = {parent_key, bit_obj, zero, Py_None, eh};
+            node = PyObject_Vectorcall(node_type, fields, 5, NULL);
+            if (node == NULL) {
+                goto error;
+            }
+            int status = PyDict_SetItem(nodes, key, node);
+            Py_DECREF(node); /* the dict holds it */
+            if (status < 0 || (parent != NULL && add_to(parent, off_children, 1) < 0)) {
+                goto error;
+            }
+            added++;
+        }
+        else {
+            if (Py_TYPE(node) != (PyTypeObject *)node_type) {
+                break;
+            }
+            PyObject *tiers = FIELD(node, off_tiers);
+            if (tiers != Py_None) {
+                int has = PyDict_Check(tiers) ? PyDict_Contains(tiers, index_obj) : 1;
+                if (has < 0) {
+                    goto error;
+                }
+                if (has) {
+                    break;
+                }
+            }
+            uint64_t mask;
+            if (!small_int(FIELD(node, off_mask), &mask)) {
+                break;
+            }
+            PyObject *ehash = FIELD(node, off_ehash);
+            if (!(mask & bit)) {
+                if (PyDict_CheckExact(ehash)) {
+                    if (PyDict_SetItem(ehash, index_obj, eh) < 0) {
+                        goto error;
+                    }
+                }
+                else if (mask == 0) {
+                    Py_INCREF(eh);
+                    set_field(node, off_ehash, eh);
+                }
+                else {
+                    int same = PyObject_RichCompareBool(ehash, eh, Py_EQ);
+                    if (same < 0) {
+                        goto error;
+                    }
+                    if (!same) {
+                        break;
+                    }
+                }
+                if (set_u64(node, off_mask, mask | bit) < 0) {
+                    goto error;
+                }
+                added++;
+            }
+            else {
+                PyObject *old = ehash;
+                if (PyDict_CheckExact(ehash)) {
+                    old = PyDict_GetItemWithError(ehash, index_obj);
+                    if (old == NULL) {
+                        if (PyErr_Occurred()) {
+                            goto error;
+                        }
+                        break;
+                    }
+                }
+                int same = PyObject_RichCompareBool(old, eh, Py_EQ);
+                if (same < 0) {
+                    goto error;
+                }
+                if (!same) {
+                    break;
+                }
+            }
+        }
+        if (stale == NULL && PyDict_SetItem(by_hash, eh, key) < 0) {
+            goto error;
+        }
+        Py_INCREF(key);
+        Py_SETREF(parent_key, key);
+        Py_INCREF(node);
+        Py_XSETREF(parent, node);
+    }
+done:
+    result = run_result(i, added, 0, 0, 2);
+error:
+    Py_XDECREF(parent);
+    Py_DECREF(parent_key);
+    Py_XDECREF(bit_obj);
+    Py_XDECREF(zero);
+    Py_DECREF(keys_seq);
+    Py_DECREF(hashes_seq);
+    return result;
+}
+
+
+/* ---- decoded events -> normalized events (twin of router/events.py _normalize_events_py) - */
+
+static PyObject *str_block_hashes, *str_medium, *str_group_idx, *str_locality, *str_normalize;
+
+/* ignored[reason] += 1, for an event the decoder validated and drops (EventBatch.ignored). */
+static int
+count_reason(PyObject *ignored, PyObject *reason)
+{
+    PyObject *count = PyDict_GetItemWithError(ignored, reason);
+    if (count == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    PyObject *next = PyLong_FromSsize_t(count == NULL ? 1 : PyLong_AsSsize_t(count) + 1);
+    if (next == NULL || PyErr_Occurred()) {
+        Py_XDECREF(next);
+        return -1;
+    }
+    int status = PyDict_SetItem(ignored, reason, next);
+    Py_DECREF(next);
+    return status;
+}
+
+/* The one-block removal with a u64 hash, primary group, local, on a known medium: the
+ * BlockRemoved built at once (new reference); NULL with no error when the event is not it. */
+static PyObject *
+quick_removal(PyObject *ev, PyObject *block_removed, PyObject *removal_tiers, PyObject *zero)
+{
+    PyObject *result = NULL, *tier;
+    PyObject *hashes = PyObject_GetAttr(ev, str_block_hashes);
+    PyObject *medium = PyObject_GetAttr(ev, str_medium);
+    PyObject *group = PyObject_GetAttr(ev, str_group_idx);
+    PyObject *locality = PyObject_GetAttr(ev, str_locality);
+    if (hashes == NULL || medium == NULL || group == NULL || locality == NULL) {
+        goto done;
+    }
+    if (!PyList_CheckExact(hashes) || PyList_GET_SIZE(hashes) != 1
+        || !PyLong_CheckExact(PyList_GET_ITEM(hashes, 0)) || locality != Py_None) {
+        goto done;
+    }
+    int ok = PyObject_RichCompareBool(PyList_GET_ITEM(hashes, 0), zero, Py_GE);
+    if (ok > 0) {
+        ok = PyObject_Not(group);
+    }
+    if (ok <= 0) {
+        goto done;
+    }
+    tier = PyDict_GetItemWithError(removal_tiers, medium);
+    if (tier == NULL) {
+        goto done;
+    }
+    PyObject *fields[3] = {hashes, tier, medium};
+    result = PyObject_Vectorcall(block_removed, fields, 3, NULL);
+done:
+    Py_XDECREF(hashes);
+    Py_XDECREF(medium);
+    Py_XDECREF(group);
+    Py_XDECREF(locality);
+    return result;
+}
+
+/* normalize_events(events, removed_types, BlockRemoved, removal_tiers) -> (out, ignored) */
+static PyObject *
+py_normalize_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyList_CheckExact(args[0]) || !PyTuple_CheckExact(args[1])
+        || !PyDict_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "normalize_events(events: list, removed_types: tuple, "
+                                         "BlockRemoved, removal_tiers: dict)");
+        return NULL;
+    }
+    PyObject *events = args[0], *removed_types = args[1], *block_removed = args[2];
+    PyObject *removal_tiers = args[3];
+    PyObject *zero = PyLong_FromLong(0);
+    PyObject *out = PyList_New(0);
+    PyObject *ignored = PyDict_New();
+    if (zero == NULL || out == NULL || ignored == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
+        PyObject *ev = PyList_GET_ITEM(events, i);
+        PyObject *result = NULL;
+        int removal = 0;
+        for (Py_ssize_t t = 0; t < PyTuple_GET_SIZE(removed_types); t++) {
+            removal |= (PyObject *)Py_TYPE(ev) == PyTuple_GET_ITEM(removed_types, t);
+        }
+        if (removal) {
+            result = quick_removal(ev, block_removed, removal_tiers, zero);
+            if (result == NULL && PyErr_Occurred()) {
+                goto error;
+            }
+        }
+        if (result == NULL) {
+            result = PyObject_CallMethodNoArgs(ev, str_normalize);
+            if (result == NULL) {
+                goto error;
+            }
+            if (PyUnicode_CheckExact(result)) { /* a reason the event is ignored */
+                int status = count_reason(ignored, result);
+                Py_DECREF(result);
+                if (status < 0) {
+                    goto error;
+                }
+                continue;
+            }
+        }
+        int status = PyList_Append(out, result);
+        Py_DECREF(result);
+        if (status < 0) {
+            goto error;
+        }
+    }
+    Py_DECREF(zero);
+    return Py_BuildValue("(NN)", out, ignored);
+error:
+    Py_XDECREF(zero);
+    Py_XDECREF(out);
+    Py_XDECREF(ignored);
+    return NULL;
+}
+
+
+/* ---- whole batches of map events (twin: router/events.py _decode_typed, then generic) ---- */
+
+/* Past this nesting the batch is left to the Python decoders (which have their own limits). */
+#define MAX_SKIP_DEPTH 32
+
+/* A map or array header; -1 if the next object is neither (or is truncated). */
+static Py_ssize_t
+read_container_len(Reader *r, int map)
+{
+    if (!need(r, 1)) {
+        return -1;
+    }
+    uint8_t b = *r->p;
+    if ((b & 0xF0) == (map ? 0x80 : 0x90)) {
+        r->p += 1;
+        return b & 0x0F;
+    }
+    if (b == (map ? 0xDE : 0xDC) && need(r, 3)) {
+        r->p += 3;
+        return (Py_ssize_t)be(r->p - 2, 2);
+    }
+    if (b == (map ? 0xDF : 0xDD) && need(r, 5)) {
+        r->p += 5;
+        return (Py_ssize_t)be(r->p - 4, 4);
+    }
+    return -1;
+}
+
+/* A str's bytes; 0 if the next object is not a str (or is truncated). */
+static int
+read_str(Reader *r, const uint8_t **data, size_t *len)
+{
+    if (!need(r, 1)) {
+        return 0;
+    }
+    uint8_t b = *r->p;
+    size_t head, n;
+    if ((b & 0xE0) == 0xA0) {
+        head = 1;
+        n = b & 0x1F;
+    }
+    else if (b == 0xD9 && need(r, 2)) {
+        head = 2;
+        n = r->p[1];
+    }
+    else if (b == 0xDA && need(r, 3)) {
+        head = 3;
+        n = (size_t)be(r->p + 1, 2);
+    }
+    else if (b == 0xDB && need(r, 5)) {
+        head = 5;
+        n = (size_t)be(r->p + 1, 4);
+    }
+    else {
+        return 0;
+    }
+    if (!need(r, head + n)) {
+        return 0;
+    }
+    *data = r->p + head;
+    *len = n;
+    r->p += head + n;
+    return 1;
+}
+
+static inline int
+str_is(const uint8_t *data, size_t len, const char *want)
+{
+    return strlen(want) == len && memcmp(data, want, len) == 0;
+}
+
+/* Step over one well-formed object; 0 if it is malformed, truncated, or too deep. */
+static int
+skip(Reader *r, int depth)
+{
+    if (!need(r, 1) || depth > MAX_SKIP_DEPTH) {
+        return 0;
+    }
+    uint8_t b = *r->p;
+    size_t n;
+    if (b <= 0x7F || b >= 0xE0 || b == 0xC0 || b == 0xC2 || b == 0xC3) {
+        r->p += 1;
+        return 1;
+    }
+    if ((b & 0xE0) == 0xA0 || b == 0xD9 || b == 0xDA || b == 0xDB) {
+        const uint8_t *data;
+        return read_str(r, &data, &n);
+    }
+    if ((b & 0xF0) == 0x90 || (b & 0xF0) == 0x80 || b == 0xDC || b == 0xDD || b == 0xDE
+        || b == 0xDF) {
+        int map = (b & 0xF0) == 0x80 || b == 0xDE || b == 0xDF;
+        Py_ssize_t items = read_container_len(r, map);
+        if (items < 0) {
+            return 0;
+        }
+        for (Py_ssize_t i = 0; i < items * (map ? 2 : 1); i++) {
+            if (!skip(r, depth + 1)) {
+                return 0;
+            }
+        }
+        return 1;
+    }
+    switch (b) {
+    case 0xC4: n = need(r, 2) ? 2 + r->p[1] : 0; break;                         /* bin 8 */
+    case 0xC5: n = need(r, 3) ? 3 + (size_t)be(r->p + 1, 2) : 0; break;         /* bin 16 */
+    case 0xC6: n = need(r, 5) ? 5 + (size_t)be(r->p + 1, 4) : 0; break;         /* bin 32 */
+    case 0xCA: n = 5; break;
+    case 0xCB: n = 9; break;
+    case 0xCC: case 0xD0: n = 2; break;
+    case 0xCD: case 0xD1: n = 3; break;
+    case 0xCE: case 0xD2: n = 5; break;
+    case 0xCF: case 0xD3: n = 9; break;
+    default: return 0; /* ext types, the reserved byte: the Python decoders decide */
+    }
+    if (n == 0 || !need(r, n)) {
+        return 0;
+    }
+    r->p += n;
+    return 1;
+}
+
+/* A non-negative int of any encoding as u64; 0 if the next object is not one. */
+static int
+read_u64(Reader *r, uint64_t *out)
+{
+    if (!need(r, 1)) {
+        return 0;
+    }
+    uint8_t b = *r->p;
+    if (b <= 0x7F) {
+        *out = b;
+        r->p += 1;
+        return 1;
+    }
+    int width;
+    int is_signed = b >= 0xD0;
+    switch (b) {
+    case 0xCC: case 0xD0: width = 1; break;
+    case 0xCD: case 0xD1: width = 2; break;
+    case 0xCE: case 0xD2: width = 4; break;
+    case 0xCF: case 0xD3: width = 8; break;
+    default: return 0;
+    }
+    if (!need(r, 1 + (size_t)width)) {
+        return 0;
+    }
+    uint64_t v = be(r->p + 1, width);
+    if (is_signed && v >> (8 * width - 1)) {
+        return 0;
+    }
+    *out = v;
+    r->p += 1 + width;
+    return 1;
+}
+
+static inline int
+read_nil(Reader *r)
+{
+    if (need(r, 1) && *r->p == 0xC0) {
+        r->p += 1;
+        return 1;
+    }
+    return 0;
+}
+
+/* An event map that is the one-block removal an evicting engine sends:
+ * {"type": "BlockRemoved", "block_hashes": [u64], "medium": str|nil, "group_idx": 0|nil,
+ *  "locality": nil} with no other key and no key twice, its medium among `removal_tiers`.
+ * Returns the BlockRemoved (new reference), or NULL with no error when the event is any other
+ * (the reader is then left anywhere: the caller rewinds). */
+static PyObject *
+quick_removal_map(Reader *r, PyObject *removal_tiers, PyObject *block_removed)
+{
+    Py_ssize_t keys = read_container_len(r, 1);
+    int seen_type = 0, seen_hashes = 0, seen_medium = 0, seen_group = 0, seen_locality = 0;
+    uint64_t hash = 0;
+    const uint8_t *medium = NULL;
+    size_t medium_len = 0;
+    if (keys < 2) {
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < keys; k++) {
+        const uint8_t *key, *value;
+        size_t key_len, value_len;
+        if (!read_str(r, &key, &key_len)) {
+            return NULL;
+        }
+        if (str_is(key, key_len, "type") && !seen_type++) {
+            if (!read_str(r, &value, &value_len) || !str_is(value, value_len, "BlockRemoved")) {
+                return NULL;
+            }
+        }
+        else if (str_is(key, key_len, "block_hashes") && !seen_hashes++) {
+            if (read_container_len(r, 0) != 1 || !read_u64(r, &hash)) {
+                return NULL;
+            }
+        }
+        else if (str_is(key, key_len, "medium") && !seen_medium++) {
+            if (!read_nil(r)) {
+                if (!read_str(r, &medium, &medium_len)) {
+                    return NULL;
+                }
+                for (size_t i = 0; i < medium_len; i++) {
+                    if (medium[i] >= 0x80) {
+                        return NULL; /* the Python decoders check the UTF-8 */
+                    }
+                }
+            }
+        }
+        else if (str_is(key, key_len, "group_idx") && !seen_group++) {
+            uint64_t group;
+            if (!read_nil(r) && !(read_u64(r, &group) && group == 0)) {
+                return NULL;
+            }
+        }
+        else if (str_is(key, key_len, "locality") && !seen_locality++) {
+            if (!read_nil(r)) {
+                return NULL;
+            }
+        }
+        else {
+            return NULL; /* another key, or one twice */
+        }
+    }
+    if (!seen_type || !seen_hashes) {
+        return NULL;
+    }
+    /* The medium as the dict's own key object ("GPU", ...): no new str per event, and the
+     * events of a run share it. An unusual medium is left to the Python decoders. */
+    PyObject *medium_obj = NULL, *tier = NULL, *name, *name_tier;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(removal_tiers, &pos, &name, &name_tier)) {
+        if (medium == NULL ? name == Py_None
+                           : (PyUnicode_CheckExact(name) && PyUnicode_IS_COMPACT_ASCII(name)
+                              && (size_t)PyUnicode_GET_LENGTH(name) == medium_len
+                              && memcmp(PyUnicode_DATA(name), medium, medium_len) == 0)) {
+            medium_obj = name;
+            tier = name_tier;
+            break;
+        }
+    }
+    if (medium_obj == NULL) {
+        return NULL;
+    }
+    Py_INCREF(medium_obj);
+    PyObject *result = NULL, *hash_obj = NULL, *hashes = NULL;
+    hash_obj = PyLong_FromUnsignedLongLong(hash);
+    hashes = hash_obj == NULL ? NULL : PyList_New(1);
+    if (hashes == NULL) {
+        goto done;
+    }
+    Py_INCREF(hash_obj);
+    PyList_SET_ITEM(hashes, 0, hash_obj);
+    PyObject *fields[3] = {hashes, tier, medium_obj};
+    result = PyObject_Vectorcall(block_removed, fields, 3, NULL);
+done:
+    Py_XDECREF(hash_obj);
+    Py_XDECREF(hashes);
+    Py_DECREF(medium_obj);
+    return result;
+}
+
+/* decode_map_batch(payload, removal_tiers, BlockRemoved, EventBatch, decode_event)
+ *   -> EventBatch, or None when the batch is not `[ts, [map event, ...], dp_rank?]` as
+ *   engines send it (the caller then runs the Python decoders, which decide everything).
+ * One-block removals are built here; every other event's bytes go to `decode_event`, which
+ * returns its normalized event or the reason it is ignored, or raises. */
+static PyObject *
+py_decode_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyDict_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "decode_map_batch(payload, removal_tiers: dict, "
+                                         "BlockRemoved, EventBatch, decode_event)");
+        return NULL;
+    }
+    PyObject *removal_tiers = args[1], *block_removed = args[2], *event_batch = args[3];
+    PyObject *decode_event = args[4];
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    PyObject *out = NULL, *ignored = NULL, *ts_obj = NULL, *dp_obj = NULL, *result = NULL;
+    Reader r = {(const uint8_t *)view.buf, (const uint8_t *)view.buf + view.len};
+    Py_ssize_t root = read_container_len(&r, 0);
+    double ts;
+    if ((root != 2 && root != 3) || !need(&r, 1)) {
+        goto bail;
+    }
+    uint8_t b = *r.p;
+    uint64_t u;
+    if (b == 0xCB && need(&r, 9)) {
+        uint64_t bits = be(r.p + 1, 8);
+        memcpy(&ts, &bits, 8);
+        r.p += 9;
+    }
+    else if (b == 0xCA && need(&r, 5)) {
+        uint32_t bits = (uint32_t)be(r.p + 1, 4);
+        float f;
+        memcpy(&f, &bits, 4);
+        ts = f;
+        r.p += 5;
+    }
+    else if (read_u64(&r, &u)) {
+        ts = (double)u;
+    }
+    else {
+        goto bail;
+    }
+    if (!isfinite(ts)) {
+        goto bail;
+    }
+    Py_ssize_t events = read_container_len(&r, 0);
+    if (events < 0) {
+        goto bail;
+    }
+    out = PyList_New(0);
+    ignored = PyDict_New();
+    if (out == NULL || ignored == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < events; i++) {
+        const uint8_t *start = r.p;
+        if (!need(&r, 1) || !((*r.p & 0xF0) == 0x80 || *r.p == 0xDE || *r.p == 0xDF)) {
+            goto bail; /* positional events, or not an event */
+        }
+        PyObject *event = quick_removal_map(&r, removal_tiers, block_removed);
+        if (event == NULL) {
+            if (PyErr_Occurred()) {
+                goto error;
+            }
+            r.p = start;
+            if (!skip(&r, 0)) {
+                goto bail;
+            }
+            PyObject *span = PyBytes_FromStringAndSize((const char *)start, r.p - start);
+            if (span == NULL) {
+                goto error;
+            }
+            event = PyObject_CallOneArg(decode_event, span);
+            Py_DECREF(span);
+            if (event == NULL) {
+                goto error;
+            }
+            if (PyUnicode_CheckExact(event)) { /* the reason it is ignored */
+                int status = count_reason(ignored, event);
+                Py_DECREF(event);
+                if (status < 0) {
+                    goto error;
+                }
+                continue;
+            }
+        }
+        int status = PyList_Append(out, event);
+        Py_DECREF(event);
+        if (status < 0) {
+            goto error;
+        }
+    }
+    if (root == 3) {
+        if (read_nil(&r)) {
+            dp_obj = Py_None;
+            Py_INCREF(dp_obj);
+        }
+        else if (read_u64(&r, &u)) {
+            dp_obj = PyLong_FromUnsignedLongLong(u);
+            if (dp_obj == NULL) {
+                goto error;
+            }
+        }
+        else {
+            goto bail;
+        }
+    }
+    else {
+        dp_obj = Py_None;
+        Py_INCREF(dp_obj);
+    }
+    if (r.p != r.end) {
+        goto bail;
+    }
+    ts_obj = PyFloat_FromDouble(ts);
+    if (ts_obj == NULL) {
+        goto error;
+    }
+    PyObject *fields[4] = {ts_obj, out, dp_obj, ignored};
+    result = PyObject_Vectorcall(event_batch, fields, 4, NULL);
+    goto error; /* the common exit: release, return `result` (NULL on an error) */
+bail:
+    result = Py_None;
+    Py_INCREF(result);
+error:
+    Py_XDECREF(out);
+    Py_XDECREF(ignored);
+    Py_XDECREF(ts_obj);
+    Py_XDECREF(dp_obj);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+
+/* ---- runs of removals (twin: router/index.py _removal_run_py) --------------------------- */
+
+static PyObject *str_tier, *str_engine_hashes;
+
+/* removal_run(events, start, BlockRemoved) -> (end, hashes) */
+static PyObject *
+py_removal_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyList_CheckExact(args[0]) || !PyType_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "removal_run(events: list, start, BlockRemoved)");
+        return NULL;
+    }
+    PyObject *events = args[0], *removed_type = args[2];
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    if (start == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(events);
+    if (start < 0 || start >= n) {
+        PyErr_SetString(PyExc_IndexError, "removal_run: start out of range");
+        return NULL;
+    }
+    PyObject *first = PyList_GET_ITEM(events, start);
+    PyObject *tier = PyObject_GetAttr(first, str_tier);
+    PyObject *medium = tier == NULL ? NULL : PyObject_GetAttr(first, str_medium);
+    PyObject *first_hashes = medium == NULL ? NULL : PyObject_GetAttr(first, str_engine_hashes);
+    PyObject *hashes = first_hashes == NULL ? NULL : PySequence_List(first_hashes);
+    PyObject *result = NULL;
+    Py_XDECREF(first_hashes);
+    if (hashes == NULL) {
+        goto done;
+    }
+    Py_ssize_t i = start + 1;
+    for (; i < n; i++) {
+        PyObject *event = PyList_GET_ITEM(events, i);
+        if ((PyObject *)Py_TYPE(event) != removed_type) {
+            break;
+        }
+        PyObject *t = PyObject_GetAttr(event, str_tier);
+        if (t == NULL) {
+            goto done;
+        }
+        int same = PyObject_RichCompareBool(t, tier, Py_EQ);
+        Py_DECREF(t);
+        if (same > 0) {
+            PyObject *m = PyObject_GetAttr(event, str_medium);
+            if (m == NULL) {
+                goto done;
+            }
+            same = PyObject_RichCompareBool(m, medium, Py_EQ);
+            Py_DECREF(m);
+        }
+        if (same < 0) {
+            goto done;
+        }
+        if (!same) {
+            break;
+        }
+        PyObject *more = PyObject_GetAttr(event, str_engine_hashes);
+        if (more == NULL) {
+            goto done;
+        }
+        PyObject *seq = PySequence_Fast(more, "engine_hashes must be a sequence");
+        Py_DECREF(more);
+        if (seq == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(seq); k++) {
+            if (PyList_Append(hashes, PySequence_Fast_GET_ITEM(seq, k)) < 0) {
+                Py_DECREF(seq);
+                goto done;
+            }
+        }
+        Py_DECREF(seq);
+    }
+    result = Py_BuildValue("(nO)", i, hashes);
+done:
+    Py_XDECREF(tier);
+    Py_XDECREF(medium);
+    Py_XDECREF(hashes);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"xxh3_64", (PyCFunction)(void (*)(void))py_xxh3_64, METH_FASTCALL,
+     "xxh3_64(data, seed) -> int: XXH3-64 of a bytes-like object."},
+    {"block_keys", (PyCFunction)(void (*)(void))py_block_keys, METH_FASTCALL,
+     "block_keys(token_ids, block_size, seed) -> list[int]: chained keys of every full block."},
+    {"parse_tokens", (PyCFunction)(void (*)(void))py_parse_tokens, METH_FASTCALL,
+     "parse_tokens(raw, max_tokens, pairs) -> bytes: a msgpack array of token ids (of bigram "
+     "pairs if `pairs`) as packed u32 little-endian; ValueError for anything else."},
+    {"bind_node", (PyCFunction)py_bind_node, METH_O,
+     "bind_node(Node): the tree's node type, whose slot offsets the runs use."},
+    {"remove_run", (PyCFunction)(void (*)(void))py_remove_run, METH_FASTCALL,
+     "remove_run(nodes, by_hash, hashes, start, index, device) -> (stop, found, dropped, "
+     "unknown): cachetree.tree._remove_run_py in C."},
+    {"place_run", (PyCFunction)(void (*)(void))py_place_run, METH_FASTCALL,
+     "place_run(nodes, by_hash, keys, hashes, start, parent_key, index) -> (stop, added): "
+     "cachetree.tree._place_run_py in C."},
+    {"normalize_events", (PyCFunction)(void (*)(void))py_normalize_events, METH_FASTCALL,
+     "normalize_events(events, removed_types, BlockRemoved, removal_tiers) -> (out, ignored): "
+     "router.events._normalize_events_py in C."},
+    {"decode_map_batch", (PyCFunction)(void (*)(void))py_decode_map_batch, METH_FASTCALL,
+     "decode_map_batch(payload, removal_tiers, BlockRemoved, EventBatch, decode_event) -> "
+     "EventBatch | None: a batch of map events, one-block removals built in C."},
+    {"removal_run", (PyCFunction)(void (*)(void))py_removal_run, METH_FASTCALL,
+     "removal_run(events, start, BlockRemoved) -> (end, hashes): "
+     "router.index._removal_run_py in C."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "cachetree._speedups",
+    "Compiled twins of cachetree.keys and the event decoder's token parsing.", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+    str_block_hashes = PyUnicode_InternFromString("block_hashes");
+    str_medium = PyUnicode_InternFromString("medium");
+    str_group_idx = PyUnicode_InternFromString("group_idx");
+    str_locality = PyUnicode_InternFromString("locality");
+    str_normalize = PyUnicode_InternFromString("normalize");
+    str_tier = PyUnicode_InternFromString("tier");
+    str_engine_hashes = PyUnicode_InternFromString("engine_hashes");
+    if (str_block_hashes == NULL || str_medium == NULL || str_group_idx == NULL
+        || str_locality == NULL || str_normalize == NULL || str_tier == NULL
+        || str_engine_hashes == NULL) {
+        return NULL;
+    }
+    return PyModule_Create(&module_def);
+}

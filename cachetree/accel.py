@@ -1,0 +1,41 @@
+"""Which implementation of the ingest hot spots runs: the compiled accelerator or pure Python.
+
+`cachetree._speedups` (C, built from `cachetree/_speedups.c` when a compiler is there) is an
+optional twin of the per-token work: block keys (`cachetree.keys`) and the decoder's token-id
+parsing (`router.events`). Every function in it has a pure-Python twin with the same result,
+and the test suite runs both ways (`scripts/test`), so the choice changes speed, never
+behaviour. It is made once, at import:
+
+- `KVROUTER_NO_EXTENSIONS` set to anything but "" or "0": the pure path, even when the
+  extension is built (to rule it out when debugging, or to measure the difference);
+- else the extension when it imports, and the pure path when it is not built (an install
+  without a compiler: setup.py marks it optional).
+
+`IMPLEMENTATION` names the choice ("compiled" or "pure") and `REASON` says why; a replica logs
+both at start and exports them as `kvrouter_accelerator_info`.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Final
+
+NO_EXTENSIONS_ENV: Final = "KVROUTER_NO_EXTENSIONS"
+
+
+FORCED_PURE: Final = os.environ.get(NO_EXTENSIONS_ENV, "") not in ("", "0")
+
+
+def _load() -> tuple[ModuleType | None, str]:
+    if FORCED_PURE:
+        return None, f"{NO_EXTENSIONS_ENV} is set"
+    try:
+        from cachetree import _speedups
+    except ImportError as exc:
+        return None, f"the extension is not built ({exc})"
+    return _speedups, "built and imported"
+
+
+speedups, REASON = _load()
+IMPLEMENTATION: Final = "pure" if speedups is None else "compiled"

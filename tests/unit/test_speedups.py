@@ -1,0 +1,426 @@
+"""cachetree._speedups against its pure twins: bit-exact keys, the same token parsing, the switch.
+
+The compiled module is imported directly (not through `cachetree.accel`), so these tests hold
+it to its twins in both passes of the suite; the rest of the suite exercises whichever path
+`cachetree.accel` chose. Skipped, with the reason, only when the extension is not built
+(`scripts/test` refuses to run without it).
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import pytest
+from xxhash import xxh3_64_intdigest
+
+from cachetree.keys import ROOT_SEED, block_keys_py
+from cachetree.tiers import DEVICE, HOST
+from router.events import (
+    MAX_TOKENS_PER_EVENT,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventDecodeError,
+    TokenIds,
+    _decode_generic,
+    _decode_map_event,
+    decode_batch,
+)
+
+speedups = pytest.importorskip(
+    "cachetree._speedups", reason="the compiled accelerator is not built (pip install -e .)"
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kv_events"
+U32 = (1 << 32) - 1
+_TOKENS = msgspec.msgpack.Decoder(list[Annotated[int, msgspec.Meta(ge=0, le=U32)]])
+
+
+# --- XXH3-64 ---------------------------------------------------------------------------------
+
+# Every length class of the specification, its edges, and long inputs over several 1 KiB blocks.
+LENGTHS = [
+    *range(0, 18),
+    *(31, 32, 33, 63, 64, 65, 96, 127, 128, 129, 130, 143, 144, 200, 239, 240, 241, 255, 256),
+    *(257, 511, 512, 1023, 1024, 1025, 1087, 1088, 2047, 2048, 2049, 4096, 5000, 100_003),
+]
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_xxh3_64_is_bit_exact_with_the_xxhash_package(length: int) -> None:
+    rng = random.Random(length)
+    for seed in (0, ROOT_SEED, rng.getrandbits(64), (1 << 64) - 1, 1 << 63):
+        data = rng.randbytes(length)
+        assert speedups.xxh3_64(data, seed) == xxh3_64_intdigest(data, seed), (length, seed)
+
+
+def test_xxh3_64_is_bit_exact_over_random_lengths_and_seeds() -> None:
+    rng = random.Random(7)
+    for _ in range(3000):
+        data = rng.randbytes(rng.choice((rng.randrange(0, 300), rng.randrange(0, 3000))))
+        seed = rng.getrandbits(64)
+        assert speedups.xxh3_64(data, seed) == xxh3_64_intdigest(data, seed), (len(data), seed)
+
+
+# --- block keys ------------------------------------------------------------------------------
+
+
+def test_the_compiled_keys_of_tokens_1_to_32_are_the_pinned_ones() -> None:
+    assert speedups.block_keys(list(range(1, 33)), 16, ROOT_SEED) == [
+        0xEA06FC71A5EE6E88,
+        0x0C067075397666B7,
+    ]
+
+
+# Block sizes whose blocks fall in each XXH3 length class (4 bytes a token).
+@pytest.mark.parametrize("block_size", [1, 2, 3, 4, 5, 16, 32, 33, 60, 61, 256, 300])
+def test_block_keys_equal_the_pure_twin_for_every_input_type(block_size: int) -> None:
+    rng = random.Random(block_size)
+    for _ in range(20):
+        n = rng.randrange(0, 6 * block_size + 2)
+        tokens = [
+            rng.choice((0, U32, rng.randrange(50_000), rng.getrandbits(32))) for _ in range(n)
+        ]
+        seed = rng.choice((ROOT_SEED, rng.getrandbits(64)))
+        want = block_keys_py(tokens, block_size, seed)
+        assert len(want) == n // block_size
+        for shaped in (
+            tokens,
+            tuple(tokens),
+            array("I", tokens),
+            TokenIds("I", tokens),
+            memoryview(array("I", tokens)),
+            array("L", tokens),  # not a u32 buffer: read as a sequence of ints
+            iter(tokens),
+        ):
+            assert speedups.block_keys(shaped, block_size, seed) == want, type(shaped)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[-1], [U32 + 1], [1.5], ["a"], [None], [1 << 70], 5, None],
+    ids=["negative", "2**32", "float", "str", "none", "huge", "not-a-sequence", "null"],
+)
+def test_block_keys_refuse_what_the_pure_twin_refuses(bad: Any) -> None:
+    with pytest.raises((OverflowError, TypeError)) as pure:
+        block_keys_py(bad, 1, ROOT_SEED)
+    with pytest.raises(pure.type):
+        speedups.block_keys(bad, 1, ROOT_SEED)
+
+
+def test_block_keys_take_bools_and_index_ints_as_the_pure_twin_does() -> None:
+    class Index:
+        def __index__(self) -> int:
+            return 7
+
+    tokens = [True, False, Index(), 9]
+    assert speedups.block_keys(tokens, 2, 1) == block_keys_py(tokens, 2, 1)
+
+
+@pytest.mark.parametrize("block_size", [0, -16])
+def test_block_keys_refuse_a_non_positive_block_size(block_size: int) -> None:
+    for tokens in ([1, 2], array("I", [1, 2])):
+        with pytest.raises(ValueError):
+            speedups.block_keys(tokens, block_size, ROOT_SEED)
+
+
+# --- token ids from msgpack ------------------------------------------------------------------
+
+
+def _int_encodings(value: int) -> list[bytes]:
+    """Every msgpack encoding of a non-negative int, minimal or not."""
+    out = []
+    if value < 0x80:
+        out.append(bytes([value]))
+    for tag, width, signed in (
+        (0xCC, 1, False),
+        (0xCD, 2, False),
+        (0xCE, 4, False),
+        (0xCF, 8, False),
+        (0xD0, 1, True),
+        (0xD1, 2, True),
+        (0xD2, 4, True),
+        (0xD3, 8, True),
+    ):
+        limit = 1 << (8 * width - 1 if signed else 8 * width)
+        if value < limit:
+            out.append(bytes([tag]) + value.to_bytes(width, "big"))
+    return out
+
+
+def _array(items: list[bytes], header: str = "min") -> bytes:
+    n = len(items)
+    if header == "min" and n < 16:
+        head = bytes([0x90 | n])
+    elif header in ("min", "16") and n < 1 << 16:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    return head + b"".join(items)
+
+
+def _parsed(raw: bytes, pairs: bool = False) -> list[int]:
+    return array("I", speedups.parse_tokens(raw, MAX_TOKENS_PER_EVENT, pairs)).tolist()
+
+
+def test_parse_tokens_reads_every_msgpack_encoding_of_an_id() -> None:
+    for value in (0, 1, 0x7F, 0x80, 0xFF, 0x100, 0x7FFF, 0x8000, 0xFFFF, 0x10000, U32 - 1, U32):
+        for encoded in _int_encodings(value):
+            for header in ("min", "16", "32"):
+                raw = _array([encoded, encoded], header)
+                assert _TOKENS.decode(raw) == [value, value]
+                assert _parsed(raw) == [value, value], (value, encoded.hex(), header)
+
+
+def test_parse_tokens_equals_msgspec_on_random_arrays() -> None:
+    rng = random.Random(3)
+    for _ in range(500):
+        values = [rng.choice((rng.randrange(200), rng.getrandbits(32))) for _ in range(70)]
+        items = [rng.choice(_int_encodings(v)) for v in values[: rng.randrange(70)]]
+        raw = _array(items, rng.choice(("min", "16", "32")))
+        assert _parsed(raw) == _TOKENS.decode(raw)
+
+
+def test_parse_tokens_keeps_the_first_id_of_each_bigram_pair() -> None:
+    pairs = [[t, t + 1] for t in range(1, 33)]
+    raw = msgspec.msgpack.encode(pairs)
+    assert _parsed(raw, pairs=True) == list(range(1, 33))
+    wide = _array([_array([_int_encodings(5)[-1], b"\x06"], "32")])  # array32 pair, int64 id
+    assert _parsed(wide, pairs=True) == [5]
+
+
+def _enc(obj: Any) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+@pytest.mark.parametrize(
+    ("raw", "pairs"),
+    [
+        (_enc([1, -1]), False),
+        (_array([b"\x01", b"\xd0\xff"]), False),  # int8 -1
+        (_array([b"\xd3" + (-5).to_bytes(8, "big", signed=True)]), False),
+        (_array([b"\xcf" + (U32 + 1).to_bytes(8, "big")]), False),
+        (_array([b"\xd3" + (1 << 40).to_bytes(8, "big")]), False),
+        (_enc([1, True]), False),
+        (_enc([1, None]), False),
+        (_enc([1, 1.0]), False),
+        (_enc([1, "1"]), False),
+        (_enc([1, [1, 2]]), False),  # a pair among flat ids
+        (_enc([[1, 2], 3]), True),  # an id among pairs
+        (_enc([[1, 2], [3]]), True),
+        (_enc([[1, 2], [3, 4, 5]]), True),
+        (_enc([[1, -2]]), True),  # the second element is checked too
+        (_enc([[1, 2]]), False),
+        (_enc([1, 2]), True),
+        (_enc(5), False),
+        (_enc(None), False),
+        (_enc({"a": 1}), False),
+        (_enc(b"\x00" * 8), False),
+        (_enc([1, 2]) + b"\x01", False),  # trailing bytes
+        (_enc([1, 2])[:-1], False),  # truncated
+        (b"\xdc\x00", False),
+        (b"", False),
+    ],
+)
+def test_parse_tokens_refuses_what_the_typed_decoder_refuses(raw: bytes, pairs: bool) -> None:
+    with pytest.raises(ValueError):
+        speedups.parse_tokens(raw, MAX_TOKENS_PER_EVENT, pairs)
+
+
+def test_parse_tokens_refuses_more_ids_than_the_cap_before_reading_them() -> None:
+    raw = b"\xdd" + (1 << 31).to_bytes(4, "big")  # claims 2**31 ids, holds none
+    with pytest.raises(ValueError, match="too many"):
+        speedups.parse_tokens(raw, MAX_TOKENS_PER_EVENT, False)
+    assert _parsed(_enc([1] * 10)) == [1] * 10
+    with pytest.raises(ValueError, match="too many"):
+        speedups.parse_tokens(_enc([1] * 10), 9, False)
+
+
+# --- whole batches of map events -------------------------------------------------------------
+
+
+def _compiled_batch(payload: bytes, decode_event: Callable[[bytes], Any] | None = None) -> Any:
+    from router import events
+
+    return speedups.decode_map_batch(
+        payload,
+        events._REMOVAL_TIER,
+        events.BlockRemoved,
+        events.EventBatch,
+        decode_event or events._decode_map_event,
+    )
+
+
+def _engine_map_payloads() -> list[bytes]:
+    from bench.bench_ingest import stream
+    from bench.ingest_churn import workload
+
+    captured = [
+        p.read_bytes()
+        for p in sorted(FIXTURES.glob("*_live*_frame2.bin"))
+        if "arraylike" not in p.name
+    ]
+    assert len(captured) >= 9, "vLLM 0.33 (int and bytes hashes) and SGLang 0.5.23 captures"
+    return [*captured, *workload(1, 256, 20).measured, *stream(True, batches=50)[0]]
+
+
+def test_decode_map_batch_takes_every_map_batch_engines_send_and_equals_the_reference() -> None:
+    for payload in _engine_map_payloads():
+        got = _compiled_batch(payload)
+        assert got is not None, payload[:40].hex()
+        assert got == _decode_generic(payload)
+
+
+def test_decode_map_batch_builds_one_block_removals_itself() -> None:
+    """A churn batch: ~63 one-block removals built in C, only the store handed to Python."""
+    from bench.ingest_churn import workload
+
+    handed: list[bytes] = []
+
+    def decode_event(span: bytes) -> Any:
+        handed.append(span)
+        return _decode_map_event(span)
+
+    batches = workload(1, 256, 20).measured
+    removals = 0
+    for payload in batches:
+        got = _compiled_batch(payload, decode_event)
+        removals += sum(type(e) is BlockRemoved for e in got.events)
+    assert removals > 20 * 50
+    assert len(handed) == len(batches)  # one BlockStored each
+    assert all(type(_decode_map_event(span)) is BlockStored for span in handed)
+
+
+def _enc(obj: Any) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+REMOVED = {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        _enc([1.5, [["BlockRemoved", [7], "GPU"]], 0]),  # positional events
+        _enc([1.5, [REMOVED], 0, "extra"]),  # an element past dp_rank
+        _enc([1.5]),
+        _enc({"ts": 1.5}),
+        _enc([True, [REMOVED], 0]),  # a bool ts
+        _enc([float("nan"), [REMOVED], 0]),
+        _enc([1.5, [REMOVED], -1]),  # a negative dp_rank
+        _enc([1.5, [REMOVED], True]),
+        _enc([1.5, [REMOVED], 0]) + b"\x00",  # trailing bytes
+        _enc([1.5, [REMOVED, 5], 0]),  # an event that is not a map
+        _enc([1.5, [{**REMOVED, "x": msgspec.msgpack.Ext(1, b"a")}], 0]),  # an ext value
+        _enc([1.5, [{**REMOVED, "x": _nested(40)}], 0]),
+    ],
+    ids=[
+        "positional",
+        "extra-root-element",
+        "no-events",
+        "map-root",
+        "bool-ts",
+        "nan-ts",
+        "negative-dp-rank",
+        "bool-dp-rank",
+        "trailing-bytes",
+        "int-event",
+        "ext-value",
+        "deep-nesting",
+    ],
+)
+def test_decode_map_batch_leaves_anything_unusual_to_the_python_decoders(payload: bytes) -> None:
+    assert _compiled_batch(payload) is None
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {**REMOVED, "block_hashes": [(1 << 64) - 1]},
+        {**REMOVED, "block_hashes": [-5]},  # signed: two's complement, via msgspec
+        {**REMOVED, "block_hashes": [b"\x01" * 32]},
+        {**REMOVED, "block_hashes": [1, 2]},
+        {**REMOVED, "block_hashes": []},
+        {**REMOVED, "medium": None},
+        {**REMOVED, "medium": "CPU"},
+        {**REMOVED, "medium": "NVME"},  # unknown medium: every tier
+        {**REMOVED, "medium": "GPÜ"},
+        {**REMOVED, "group_idx": 0},
+        {**REMOVED, "group_idx": 1},
+        {**REMOVED, "locality": None},
+        {**REMOVED, "locality": "remote"},
+        {**REMOVED, "locality": "Local"},
+        {**REMOVED, "lora_id": None},
+        {"block_hashes": [7], "type": "BlockRemoved"},
+        {"type": "AllBlocksCleared"},
+        {"type": "Future", "x": 1},
+    ],
+)
+def test_decode_map_batch_equals_the_reference_for_every_removal_shape(event: Any) -> None:
+    payload = _enc([1767225600.0, [REMOVED, event, REMOVED], 3])
+    try:
+        got = _compiled_batch(payload)
+    except (msgspec.DecodeError, EventDecodeError):
+        got = None  # decode_batch then asks the Python decoders
+    want = _decode_generic(payload)
+    assert got is None or got == want
+    assert decode_batch(payload) == want
+
+
+def test_decode_map_batch_under_mutation_is_none_an_error_or_the_reference() -> None:
+    from tests.unit.test_events_fuzz import _mutate
+
+    rng = random.Random(11)
+    seeds = _engine_map_payloads()
+    taken = 0
+    for _ in range(4000):
+        payload = _mutate(rng, rng.choice(seeds))
+        try:
+            got = _compiled_batch(payload)
+        except (msgspec.DecodeError, EventDecodeError, RecursionError):
+            continue
+        if got is None:
+            continue
+        taken += 1
+        try:
+            assert got == _decode_generic(payload)
+        except EventDecodeError as exc:  # the documented difference (router/events.py)
+            assert (exc.reason, exc.detail) == ("malformed_msgpack", "Invalid UTF-8 encoded string")
+    assert taken > 150
+
+
+# --- runs of removals ------------------------------------------------------------------------
+
+
+def test_removal_run_equals_the_python_twin() -> None:
+    from router.index import _removal_run_py
+
+    rng = random.Random(5)
+    kinds = [
+        lambda: BlockRemoved([rng.randrange(100)], DEVICE, "GPU"),
+        lambda: BlockRemoved([rng.randrange(100) for _ in range(3)], DEVICE, "GPU"),
+        lambda: BlockRemoved([1], None, None),
+        lambda: BlockRemoved([2], HOST, "CPU"),
+        lambda: BlockRemoved([3], DEVICE, "GPU".lower().upper()),  # equal, not identical
+        lambda: BlockStored([1], None, [1, 2], 2, DEVICE, "GPU", None),
+        lambda: AllBlocksCleared(),
+    ]
+    for _ in range(2000):
+        events = [rng.choice(kinds)() for _ in range(rng.randint(1, 12))]
+        starts = [i for i, e in enumerate(events) if type(e) is BlockRemoved]
+        for start in starts:
+            want = _removal_run_py(events, start, BlockRemoved)
+            assert speedups.removal_run(events, start, BlockRemoved) == want

@@ -1,0 +1,124 @@
+"""The tree's compiled runs (`_speedups.remove_run`, `place_run`) against their Python twins.
+
+The same random operation streams are applied to a tree using the compiled runs and to one
+using `_remove_run_py` / `_place_run_py`; every return value and the whole state (nodes in
+dict order with every field, each rank's hash map and counts, the stats) must be equal. The
+streams reach every case the runs hand to the general path: other tiers, hashes an engine
+reuses for another block, carriers that disagree on a block's engine hash, unknown parents
+and hashes, rank clears, and rank indices past one machine word (70 ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from cachetree import tree as tree_module
+from cachetree.ranks import RankId
+from cachetree.tiers import DEVICE, DISK, HOST
+from cachetree.tree import BlockTree
+
+speedups = pytest.importorskip(
+    "cachetree._speedups", reason="the compiled accelerator is not built (pip install -e .)"
+)
+
+BS = 2
+
+
+def state(tree: BlockTree) -> Any:
+    nodes = [(k, n.parent, n.mask, n.children, n.tiers, n.ehash) for k, n in tree._nodes.items()]
+    ranks = {
+        r: (st.index, list(st.by_engine_hash.items()), list(st.counts))
+        for r, st in tree._ranks.items()
+    }
+    return nodes, ranks, dataclasses.astuple(tree.stats), tree.carried_blocks
+
+
+def run_stream(seed: int, n_ranks: int, ops: int) -> tuple[list[Any], Any]:
+    """Apply one random stream to a fresh tree; the results of every call and the end state."""
+    rng = random.Random(seed)
+    tree = BlockTree(BS)
+    ranks = [RankId(f"http://w{i}:8000", 0) for i in range(n_ranks)]
+    # A small token alphabet and hash pool, so ranks share blocks and hashes get reused.
+    vocab = list(range(1, 4))
+    results: list[Any] = []
+    held: dict[RankId, list[int]] = {r: [] for r in ranks}
+    for _ in range(ops):
+        rank = rng.choice(ranks)
+        roll = rng.random()
+        if roll < 0.6:
+            n = rng.randint(1, 6)
+            hashes = [rng.randrange(40) for _ in range(n)]
+            tokens = [rng.choice(vocab) for _ in range(n * BS)]
+            parent = None
+            if held[rank] and rng.random() < 0.6:
+                parent = rng.choice(held[rank])
+            elif rng.random() < 0.05:
+                parent = 999  # unknown
+            tier = rng.choice([DEVICE] * 8 + [HOST, DISK, HOST | DEVICE, 0])
+            results.append(tree.store(rank, parent, hashes, tokens, BS, tier))
+            held[rank].extend(hashes)
+        elif roll < 0.95:
+            pool = held[rank] + [rng.randrange(60)]
+            hashes = rng.sample(pool, min(len(pool), rng.randint(1, 8)))
+            tier = rng.choice([None, None, DEVICE, DEVICE, HOST, DISK])
+            results.append(tree.remove(rank, hashes, tier))
+        else:
+            results.append(tree.clear_rank(rank))
+            held[rank].clear()
+        results.append(tree.carried_blocks)
+    return results, state(tree)
+
+
+def with_runs(
+    monkeypatch: pytest.MonkeyPatch, remove_run: Callable[..., Any], place_run: Callable[..., Any]
+) -> None:
+    monkeypatch.setattr(tree_module, "_remove_run", remove_run)
+    monkeypatch.setattr(tree_module, "_place_run", place_run)
+
+
+@pytest.mark.parametrize("n_ranks", [1, 3, 70])
+@pytest.mark.parametrize("seed", range(12))
+def test_compiled_runs_leave_the_tree_exactly_as_the_python_twins(
+    monkeypatch: pytest.MonkeyPatch, seed: int, n_ranks: int
+) -> None:
+    with_runs(monkeypatch, speedups.remove_run, speedups.place_run)
+    compiled = run_stream(seed, n_ranks, 400)
+    with_runs(monkeypatch, tree_module._remove_run_py, tree_module._place_run_py)
+    pure = run_stream(seed, n_ranks, 400)
+    assert compiled[0] == pure[0]
+    assert compiled[1] == pure[1]
+
+
+def test_the_streams_reach_the_general_path_and_the_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison above is only worth something if both paths really run."""
+    calls = {"run_stops_early": 0, "run_completes": 0}
+
+    def counting(run: Callable[..., Any], n_of: Callable[[tuple[Any, ...]], int]) -> Any:
+        def wrapped(*args: Any) -> Any:
+            out = run(*args)
+            key = "run_completes" if out[0] == n_of(args) else "run_stops_early"
+            calls[key] += 1
+            return out
+
+        return wrapped
+
+    with_runs(
+        monkeypatch,
+        counting(speedups.remove_run, lambda a: len(a[2])),
+        counting(speedups.place_run, lambda a: len(a[2])),
+    )
+    for seed in range(3):
+        run_stream(seed, 70, 400)
+    assert calls["run_stops_early"] > 100
+    assert calls["run_completes"] > 100
+
+
+def test_a_run_refuses_to_start_before_bind_node_names_the_node_type() -> None:
+    # bind_node ran at import (cachetree.tree); a wrong type is refused with a reason.
+    with pytest.raises(TypeError, match="member descriptor"):
+        speedups.bind_node(int)
