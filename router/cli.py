@@ -256,8 +256,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add(
         "kv-bootstrap-max-body-mb",
         int,
-        24,
-        "largest columnar sibling snapshot accepted, also inflated (JSON or msgpack: half)",
+        0,
+        "largest columnar sibling snapshot accepted, also inflated (JSON or msgpack: half); "
+        "0 = enough for a full index (48 B x --kv-index-max-blocks, at least 24)",
     )
     f.add(
         "worker-snapshot-max-body-mb",
@@ -354,7 +355,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             args.kv_bootstrap_fetch_timeout_cap_ms >= 1000,
             "--kv-bootstrap-fetch-timeout-cap-ms must be >= 1000",
         ),
-        (args.kv_bootstrap_max_body_mb >= 1, "--kv-bootstrap-max-body-mb must be >= 1"),
+        (
+            args.kv_bootstrap_max_body_mb >= 0,
+            "--kv-bootstrap-max-body-mb must be >= 0 (0: sized for --kv-index-max-blocks)",
+        ),
         (
             4096 <= args.kv_events_max_message_bytes <= 1 << 30,
             "--kv-events-max-message-bytes must be 4096..1073741824",

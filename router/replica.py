@@ -13,7 +13,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import aiohttp
 import zmq.asyncio
@@ -55,6 +55,11 @@ log = logging.getLogger(__name__)
 AUTO_CHAT_RULES_START = "vllm"  # what --chat-rules auto renders by until a worker names its engine
 
 CAPACITY_CHECK_S = 10.0  # how often the index's per-rank counts meet the engines' capacity
+# A sibling's columnar snapshot costs ~37 B per (rank, block) pair (bench/bench_memory.py):
+# by default its body may hold a full index (--kv-index-max-blocks) with room to spare.
+SNAPSHOT_BODY_BYTES_PER_CARRIED_BLOCK: Final = 48
+MIN_SNAPSHOT_BODY_BYTES: Final = 24 << 20
+
 _ZMQ_TERM_WITHIN_S = 2.0  # the subscribers close with linger 0: term has nothing to wait for
 
 
@@ -110,7 +115,7 @@ class ServeConfig:
     kv_bootstrap_seed_required: bool = False
     kv_events_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     kv_index_max_blocks: int = DEFAULT_INDEX_MAX_BLOCKS
-    kv_bootstrap_max_body_mb: int = 24  # README "Memory": derived from the manifest's limit
+    kv_bootstrap_max_body_mb: int = 0  # 0: derived from kv_index_max_blocks (README "Memory")
     worker_snapshot_max_body_mb: int = 32
     worker_allow_cidr: list[str] = field(default_factory=list)  # for admin-added workers
     booking_ttl_ms: int = 5000
@@ -378,7 +383,7 @@ def _bootstrap(
     else:
         registry = PeerRegistry(config.self_url)  # synced by the EndpointSlice watch
     fetcher = SnapshotFetcher(
-        max_body_bytes=config.kv_bootstrap_max_body_mb * 1024 * 1024,
+        max_body_bytes=snapshot_body_bound(config),
         per_fetch_s=tracker.fetch_timeout_s,
         token=config.internal_token,
     )
@@ -475,3 +480,14 @@ class ChatRulesFollower:
                 self.tokenizer.engine,
                 self.decided_by,
             )
+
+
+def snapshot_body_bound(config: ServeConfig) -> int:
+    """The largest sibling snapshot body accepted (also once inflated): the flag when given,
+    else enough for a full index of `--kv-index-max-blocks` as columns, never under 24 MiB."""
+    if config.kv_bootstrap_max_body_mb:
+        return config.kv_bootstrap_max_body_mb << 20
+    return max(
+        MIN_SNAPSHOT_BODY_BYTES,
+        config.kv_index_max_blocks * SNAPSHOT_BODY_BYTES_PER_CARRIED_BLOCK,
+    )

@@ -2,8 +2,7 @@
 
 Before: the request hung until the 300 s head timeout, although health marked the worker down
 within 4 s. Nothing was sent to the client yet, so it must fail over as soon as health says
-the worker is down. The fix is the data-plane slice's (`router/dataplane/`); this test is
-written to pass once it lands, and skips until the lead merges it.
+the worker is down (`router/dataplane/`: the relay's `worker_down`).
 """
 
 from __future__ import annotations
@@ -16,13 +15,7 @@ import pytest
 from tests.support.cluster import Cluster
 from tests.support.waiting import eventually
 
-pytestmark = [
-    pytest.mark.timeout(60),
-    pytest.mark.skip(
-        reason="row 9 (in-flight requests failed over when health declares a worker down) "
-        "lands with the data-plane slice (router/dataplane/)"
-    ),
-]
+pytestmark = pytest.mark.timeout(60)
 
 
 async def test_a_request_waiting_on_a_frozen_worker_fails_over_when_health_says_down(

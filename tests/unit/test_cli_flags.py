@@ -16,7 +16,7 @@ import pytest
 
 from router.auth import PLACEHOLDER_TOKEN
 from router.cli import build_parser, parse_args, serve_config
-from router.replica import ServeConfig
+from router.replica import ServeConfig, snapshot_body_bound
 
 
 @pytest.fixture(autouse=True)
@@ -223,3 +223,19 @@ def test_every_flag_but_the_process_ones_reaches_the_serve_config() -> None:
     config_fields = {f.name for f in fields(ServeConfig)}
     dests = {"workers" if n == "worker" else n.replace("-", "_") for n in flags.names}
     assert dests - {"log_level", "event_loop"} <= config_fields
+
+
+@pytest.mark.parametrize(
+    ("flags", "bound"),
+    [
+        ([], 4_000_000 * 48),  # the default cap: a full index fits as columns
+        (["--kv-index-max-blocks", "5000000"], 5_000_000 * 48),  # the manifests' cap
+        (["--kv-index-max-blocks", "100000"], 24 << 20),  # never under 24 MiB
+        (["--kv-bootstrap-max-body-mb", "7"], 7 << 20),  # an explicit bound wins
+    ],
+)
+def test_the_sibling_snapshot_bound_follows_the_index_cap_unless_given(
+    flags: list[str], bound: int
+) -> None:
+    config = serve_config(parse_args(["serve", *flags]))
+    assert snapshot_body_bound(config) == bound
