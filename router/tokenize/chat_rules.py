@@ -251,8 +251,12 @@ def _vllm_call(
 def _vllm_message(message: dict[str, Any], traits: TemplateTraits) -> dict[str, Any]:
     role = message["role"]
     out: dict[str, Any] = {"role": role}
-    texts, parts = _vllm_parts(message.get("content"))
-    out["content"] = parts if traits.content_as_parts else "\n".join(texts)
+    content = message.get("content")
+    if isinstance(content, str) and not traits.content_as_parts:
+        out["content"] = content  # the common case, without building parts
+    else:
+        texts, parts = _vllm_parts(content)
+        out["content"] = parts if traits.content_as_parts else "\n".join(texts)
     if role == "assistant":
         calls = message.get("tool_calls")
         if calls is not None:
