@@ -125,6 +125,16 @@ def render_call(body: dict[str, Any], traits: TemplateTraits, engine: Engine) ->
     )
 
 
+def template_tools(body: dict[str, Any], engine: Engine) -> list[dict[str, Any]] | None:
+    """The tools the engine hands transformers when it picks among a model's named templates
+    (`tool_use` when not None): vLLM the request's, SGLang those left after `tool_choice`.
+    Raises ChatRequestError for malformed tools."""
+    tools = _checked_tools(body.get("tools"))
+    if engine is Engine.SGLANG:
+        return _sglang_tools(tools, body.get("tool_choice"))
+    return tools
+
+
 # --- validation shared by both engines (their request models refuse these) -----------------
 
 

@@ -33,6 +33,7 @@ from router.tokenize.chat_rules import (
     Unrenderable,
     bare_tools,
     render_call,
+    template_tools,
 )
 from router.tokenize.segments import SegmentEncoder
 from router.tokenize.template_traits import inspect_template
@@ -65,8 +66,7 @@ class HfModel:
 
     def encode_chat(self, body: dict[str, Any]) -> list[int]:
         """Raises ChatRequestError (a 400) or Unrenderable (route as a miss)."""
-        tools = body.get("tools")
-        template = self._template(tools if isinstance(tools, list) else None)
+        template = self._template(template_tools(body, self.engine))
         call = render_call(body, self._traits_of(template), self.engine)
         text = self._render(call, template) + call.suffix
         try:

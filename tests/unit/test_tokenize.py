@@ -141,6 +141,28 @@ def test_named_templates_give_tool_use_to_requests_with_tools(tmp_path: Path) ->
     assert with_tools.ids == tok.encode_prompt("chat with tools")
 
 
+def test_sglang_picks_the_named_template_by_the_tools_left_after_tool_choice(
+    tmp_path: Path,
+) -> None:
+    # SGLang drops the tools for tool_choice "none" before transformers picks the template;
+    # vLLM hands them over whatever the choice (the Hermes 3 pair of templates showed it).
+    directory = build_model_dir(tmp_path, "qwen", None)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "plain chat"},
+        {"name": "tool_use", "template": "{{ 'chat with tools' if tools else 'no tools' }}"},
+    ]
+    config_path.write_text(json.dumps(config))
+    body = chat(MESSAGES, tools=[WEATHER_TOOL], tool_choice="none")
+    sglang = load_tokenizer(str(directory), engine="sglang")
+    assert sglang.encode_chat_request(body).ids == sglang.encode_prompt("plain chat")
+    vllm = load_tokenizer(str(directory), engine="vllm")
+    assert vllm.encode_chat_request(body).ids == vllm.encode_prompt("chat with tools")
+    named = chat(MESSAGES, tools=[WEATHER_TOOL], tool_choice={"function": {"name": "nope"}})
+    assert sglang.encode_chat_request(named).ids == sglang.encode_prompt("no tools")
+
+
 def failures_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "cannot render" in r.getMessage()]
 

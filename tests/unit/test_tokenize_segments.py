@@ -22,7 +22,14 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
 from router.tokenize.segments import ENTRY_OVERHEAD, SegmentCache, SegmentEncoder
-from tests.support.model_dirs import FIXTURE_TEMPLATES, build_fixture_model, corpus
+from tests.support.model_dirs import (
+    FIXTURE_TEMPLATES,
+    HOLDOUT_TEMPLATES,
+    build_fixture_model,
+    build_holdout_model,
+    corpus,
+    holdout_dir,
+)
 
 TEXT = st.lists(
     st.sampled_from(
@@ -30,6 +37,9 @@ TEXT = st.lists(
             *"abc XYZ.,\n\t",
             *["  ", "東", "é", "😀", "<|im_end|>", "<|im_start|>", "[INST]", "<s>", "</s>"],
             *["<eos>", "<|eot_id|>", "<think>", "<tool_call>", "<start_of_turn>", "▁", "\u00a0"],
+            # the hold-out families' control tokens (Phi-3's strip the whitespace after them)
+            *["<|end|>", "<|user|>", "[SYSTEM_PROMPT]", "<\uff5cUser\uff5c>", "<|start_of_role|>"],
+            *["<|START_OF_TURN_TOKEN|>", "<BOS_TOKEN>", "<|message|>", " \n "],
         ]
     ),
     max_size=40,
@@ -67,12 +77,48 @@ def test_cached_ids_equal_a_fresh_full_encode_on_every_fixture_template(
     conversation: list[dict[str, str]],
     grown: list[dict[str, str]],
 ) -> None:
+    assert_cached_ids_equal_fresh_ones(loaded, conversation, grown)
+
+
+def assert_cached_ids_equal_fresh_ones(
+    loaded: dict[str, tuple[Any, SegmentEncoder]],
+    conversation: list[dict[str, str]],
+    grown: list[dict[str, str]],
+) -> None:
     for name, (tokenizer, encoder) in loaded.items():
         backend = tokenizer.backend_tokenizer
         for messages in (conversation, [*conversation, *grown], conversation):
             text = render(tokenizer, messages)
             fresh = backend.encode(text, add_special_tokens=False).ids
             assert encoder.encode(text) == fresh, (name, text)
+
+
+HOLDOUT_DIR = holdout_dir()
+
+
+@pytest.fixture(scope="module")
+def holdouts_loaded(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, tuple[Any, SegmentEncoder]]:
+    if HOLDOUT_DIR is None:
+        pytest.skip("no hold-out templates: set KVROUTER_HOLDOUT_TEMPLATES to their directory")
+    root = tmp_path_factory.mktemp("holdouts")
+    out = {}
+    for i, name in enumerate(HOLDOUT_TEMPLATES):
+        path = build_holdout_model(root / str(i), name, HOLDOUT_DIR)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        out[name] = (tokenizer, SegmentEncoder(tokenizer.backend_tokenizer, 1 << 20))
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(conversation=CONVERSATION, grown=CONVERSATION)
+def test_cached_ids_equal_a_fresh_full_encode_on_every_hold_out_template(
+    holdouts_loaded: dict[str, tuple[Any, SegmentEncoder]],
+    conversation: list[dict[str, str]],
+    grown: list[dict[str, str]],
+) -> None:
+    assert_cached_ids_equal_fresh_ones(holdouts_loaded, conversation, grown)
 
 
 def test_a_repeated_conversation_is_served_from_the_cache(
