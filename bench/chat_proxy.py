@@ -29,8 +29,9 @@ machine's noise (other people's processes) hits every target alike:
 2. c=`--concurrency`: the router process's CPU per request (every thread, /proc schedstat;
    kvrouter's window closes once it applied the KV events of the round's requests), req/s,
    latency, and the cached prompt tokens per request the workers report (routing quality);
-3. c=1: each round sends chat requests straight to a worker (the baseline) and through the
-   router, alternating which goes first; added latency = routed pXX - direct pXX.
+3. c=1: each chat request is sent straight to a worker (the baseline) and through the router,
+   one right after the other, alternating which goes first; added latency = routed pXX -
+   direct pXX.
 Last, with the fleets stopped, this process times the tokenizer the routers run on the same
 bodies in the same order (cache emptied first): `encode_chat_request` with the cache and
 without, and a bare encode of the rendered prompts (no rules, no template), per request; the
@@ -72,16 +73,17 @@ class ChatTarget:
     label: str
     router: str  # "kvrouter", "smg" or bp.RELAY
     cache_mb: float = 64.0
+    smg_binary: Path | None = None
 
     @property
     def ingests(self) -> bool:
         return self.router == "kvrouter"
 
 
-def chat_targets(smg: bool) -> list[ChatTarget]:
+def chat_targets(smg_binary: Path | None) -> list[ChatTarget]:
     out = [ChatTarget(CACHE_ON, "kvrouter"), ChatTarget(CACHE_OFF, "kvrouter", 0.0)]
-    if smg:
-        out.append(ChatTarget(SMG, "smg"))
+    if smg_binary is not None:
+        out.append(ChatTarget(SMG, "smg", smg_binary=smg_binary))
     return [*out, ChatTarget(FLOOR, bp.RELAY)]
 
 
@@ -159,12 +161,10 @@ async def start_fleet(
         bp.log(f"[{target.label}] starting router: {shlex.join(argv)}")
         router = children.start(target.label, argv, "kvrouter listening on ", 90)
         await bp.wait_ready(session, router.url, 90)
-    elif target.router == "smg":
-        from bench.smg import from_environment, launch_argv, wait_ready
+    elif target.smg_binary is not None:
+        from bench.smg import launch_argv, wait_ready
 
-        smg = from_environment()
-        assert smg.ensure(bp.log) and smg.binary is not None, smg.reason
-        argv = launch_argv(smg.binary, port, bp.free_port(), urls, "cache_aware")
+        argv = launch_argv(target.smg_binary, port, bp.free_port(), urls, "cache_aware")
         argv += ["--tokenizer-path", str(model)]
         bp.log(f"[{target.label}] starting router: {shlex.join(argv)}")
         router, _ = children.spawn(target.label, argv)
@@ -272,18 +272,19 @@ async def latency_phase(
     figures: dict[str, FleetFigures],
     rounds: list[list[bytes]],
 ) -> None:
-    """c=1: per round and target, half the round's bodies direct, half routed; the leg that
-    goes first alternates round by round."""
+    """c=1: every body is sent twice, straight to a worker (taking turns) and through the
+    router, one right after the other (which goes first alternates), so both legs see the
+    same request sizes, worker work and moment of the machine's noise. The workers simulate
+    no prefill time, so the copy that finds the other's blocks cached is not faster."""
     for r, bodies in enumerate(rounds):
-        half = len(bodies) // 2
         for fleet in rotated(fleets, r):
             fig = figures[fleet.target.label]
-            legs = [
-                (fig.direct, taking_turns(fleet.workers), bodies[:half]),
-                (fig.routed, taking_turns([fleet.router]), bodies[half:]),
-            ]
-            for into, urls, leg in legs if r % 2 == 0 else legs[::-1]:
-                into.add(await bp.run_load(session, urls, leg, 1))
+            routed = chat_url(fleet.router)
+            for i, body in enumerate(bodies):
+                direct = chat_url(fleet.workers[i % len(fleet.workers)])
+                legs = [(fig.direct, direct), (fig.routed, routed)]
+                for into, url in legs if i % 2 == 0 else legs[::-1]:
+                    await bp.one_request(session, url, body, into)
             await settle(session, fleet)
 
 
@@ -342,15 +343,20 @@ def default_model(root: Path) -> Path:
     return build_model_dir(root / "qwen", "qwen", fixture_template("qwen3.jinja"), big=True)
 
 
-async def measure_chat(args: argparse.Namespace, children: bp.Children, smg: bool) -> ChatMeasured:
+async def measure_chat(
+    args: argparse.Namespace, children: bp.Children, smg_binary: Path | None
+) -> ChatMeasured:
     with tempfile.TemporaryDirectory(prefix="bench-chat-") as tmp:
         model = Path(args.model) if args.model else default_model(Path(tmp))
-        targets = chat_targets(smg)
-        sessions = max(1, args.requests // TURNS)
+        targets = chat_targets(smg_binary)
+        # An odd number of sessions: with an even one, round-robin over two workers would
+        # send every turn of a session to the same worker (a session recurs every `sessions`
+        # requests), an affinity it does not have in production.
+        sessions = max(1, args.requests // TURNS) | 1
         measured = trace(sessions, MEASURE_SEED)
         bodies = encoded(measured)
         warm = encoded(trace(max(4, args.warmup // TURNS), WARMUP_SEED))
-        latency = encoded(trace(max(1, args.latency_requests // TURNS), LATENCY_SEED))
+        latency = encoded(trace(max(1, args.latency_requests // TURNS) | 1, LATENCY_SEED))
         figures = {t.label: FleetFigures(t.label) for t in targets}
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             fleets = [await start_fleet(session, children, t, model, args) for t in targets]
@@ -447,49 +453,72 @@ def figures_json(m: ChatMeasured) -> dict[str, Any]:
     }
 
 
-def print_chat(m: ChatMeasured) -> None:
-    j = figures_json(m)
-    print(
-        f"\n### Multi-turn chat on a real tokenizer ({j['model']}): {j['requests']} "
-        f"/v1/chat/completions requests per target at c={j['concurrency']} in {j['rounds']} "
-        f"rounds interleaving the targets; prompt tokens per request median "
-        f"{j['prompt_tokens_median']:.0f}, max {j['prompt_tokens_max']}\n"
-    )
-    print(
-        "| router | router CPU us/req [rounds] | req/s | p50 ms | p99 ms | added p50 ms at c=1 "
-        "| added p99 ms | cached tokens/req | tokenize us/req (share) | errors |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    by_label = {f.label: f for f in m.figures}
+def chat_table(j: dict[str, Any]) -> str:
+    """The chat rows as a Markdown table, with the setup and the tokenizer in isolation."""
+    from bench.report import table
+
+    rows = []
     for row in j["rows"]:
-        share = (
-            f"{row['tokenize_us']:,.0f} ({row['tokenize_share']:.0%})"
-            if "tokenize_us" in row
-            else "-"
+        share = "-"
+        if "tokenize_us" in row:
+            share = f"{row['tokenize_us']:,.0f} ({row['tokenize_share']:.0%})"
+        rows.append(
+            [
+                row["target"],
+                median_range(row["router_cpu_us_rounds"]),
+                f"{row['req_per_s']:,.0f}",
+                f"{row['latency_p50_ms']:.1f}",
+                f"{row['added_p50_ms']:.2f}",
+                f"{row['added_p99_ms']:.2f}",
+                f"{row['cached_tokens_per_req']:,.0f}",
+                share,
+                str(row["errors"]),
+            ]
         )
-        print(
-            f"| {row['target']} | {median_range(by_label[row['target']].cpu_us)} | "
-            f"{row['req_per_s']:,.0f} | {row['latency_p50_ms']:.1f} | {row['latency_p99_ms']:.1f} "
-            f"| {row['added_p50_ms']:.2f} | {row['added_p99_ms']:.2f} | "
-            f"{row['cached_tokens_per_req']:,.0f} | {share} | {row['errors']} |"
-        )
-    t = m.tokenizer_us
-    print(
-        "\nThe routers' tokenizer in isolation, on the same bodies in the same order (this "
-        f"process, fleets stopped; median of {len(t['cache on'])} runs [range]): "
-        f"encode_chat_request with the cache {median_range(t['cache on'])} us/req, without "
+    t = j["tokenizer_us_runs"]
+    kv = {r["target"]: r for r in j["rows"]}
+    notes = [
+        f"{j['requests']} multi-turn /v1/chat/completions requests per router at "
+        f"c={j['concurrency']} in {j['rounds']} rounds interleaving the routers (median round "
+        f"[range]); prompts median {j['prompt_tokens_median']:.0f} tokens, max "
+        f"{j['prompt_tokens_max']}; model: {j['model']}; two fake workers per router render "
+        "and tokenize with the same model directory. Added latency: c=1, routed minus direct "
+        "(same fleet, alternating). Cached tokens/req: what the workers found cached.",
+        "Tokenize us/req: the routers' tokenizer timed alone on the same bodies in the same "
+        "order (fleets stopped), and its share of that router's CPU per request; "
+        f"encode_chat_request with the cache {median_range(t['cache on'])} us, without "
         f"{median_range(t['cache off'])}, a bare encode of the rendered prompts "
-        f"{median_range(t['bare encode'])}; with the cache = "
-        f"{med(t['cache on']) / med(t['bare encode']):.1%} of a bare encode."
-    )
-    for row in j["rows"]:
-        if "tokenize_failures" in row:
+        f"{median_range(t['bare encode'])}: with the cache "
+        f"{med(t['cache on']) / med(t['bare encode']):.1%} of a bare encode.",
+    ]
+    for label in (CACHE_ON, CACHE_OFF):
+        row = kv.get(label)
+        if row is not None:
             rate = row["segment_hit_rate"]
-            print(
-                f"{row['target']}: tokenize failures {row['tokenize_failures']:.0f}, matched "
-                f"blocks/req {row['matched_blocks_per_req']:.1f}, segment cache hit rate "
-                + (f"{rate:.1%}" if rate is not None else "n/a (off)")
+            notes.append(
+                f"{label}: tokenize failures {row['tokenize_failures']:.0f}, matched blocks/req "
+                f"{row['matched_blocks_per_req']:.1f}, segment cache hit rate "
+                + (f"{rate:.1%}." if rate is not None else "n/a (off).")
             )
+    return table(
+        [
+            "router (chat, real tokenizer)",
+            "router CPU us/req",
+            "req/s",
+            "p50 ms",
+            "added p50 ms",
+            "added p99 ms",
+            "cached tokens/req",
+            "tokenize us/req (share)",
+            "errors",
+        ],
+        rows,
+        note=" ".join(notes),
+    )
+
+
+def print_chat(m: ChatMeasured) -> None:
+    print(f"\n### Multi-turn chat on a real tokenizer\n\n{chat_table(figures_json(m))}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -500,7 +529,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--requests", type=int, default=1200, help="c=32 requests per target")
-    parser.add_argument("--latency-requests", type=int, default=240, help="c=1, per target")
+    parser.add_argument(
+        "--latency-requests", type=int, default=240, help="c=1 bodies per target, each sent twice"
+    )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--cache-blocks", type=int, default=200_000)
@@ -520,19 +551,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    smg = False
+    smg_binary = None
     if not args.no_smg:
         from bench.smg import from_environment
 
         found = from_environment()
-        smg = found.ensure(bp.log)
-        if not smg:
+        if found.ensure(bp.log):
+            smg_binary = found.binary
+        else:
             bp.log(f"no smg row: {found.reason}")
     print(f"$ {shlex.join([sys.executable, *sys.argv])}")
     children = bp.Children()
     started = time.monotonic()
     try:
-        print_chat(asyncio.run(measure_chat(args, children, smg)))
+        print_chat(asyncio.run(measure_chat(args, children, smg_binary)))
     except KeyboardInterrupt:
         bp.log("interrupted; stopping child processes")
         raise SystemExit(130) from None

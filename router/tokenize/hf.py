@@ -35,7 +35,7 @@ from router.tokenize.chat_rules import (
     render_call,
     template_tools,
 )
-from router.tokenize.segments import SegmentEncoder
+from router.tokenize.segments import SegmentEncoder, ids_encoder
 from router.tokenize.template_traits import inspect_template
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class HfModel:
     def __init__(self, tokenizer: Any, engine: Engine, cache_bytes: int) -> None:
         self._tokenizer = tokenizer
         self._backend = tokenizer.backend_tokenizer
+        self._encode = ids_encoder(self._backend)
         self.engine = engine
         self.segments = SegmentEncoder(
             self._backend, cache_bytes, split_special=bool(tokenizer.split_special_tokens)
@@ -62,7 +63,7 @@ class HfModel:
 
     def encode_text(self, text: str) -> list[int]:
         """A completion prompt: encoded with the tokenizer's special tokens (BOS), as engines do."""
-        return list(self._backend.encode(text, add_special_tokens=True).ids)
+        return self._encode(text, True)
 
     def encode_chat(self, body: dict[str, Any]) -> list[int]:
         """Raises ChatRequestError (a 400) or Unrenderable (route as a miss)."""
@@ -246,6 +247,8 @@ def load_model(directory: Path, engine: Engine, cache_bytes: int) -> HfModel:
     """
     # Its import-time advice ("PyTorch was not found...") is for model code, not a tokenizer.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # One request's encode stays on the calling thread (the batch methods would use a pool).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         import transformers
     except ImportError as exc:

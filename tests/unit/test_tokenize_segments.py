@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
-from router.tokenize.segments import ENTRY_OVERHEAD, SegmentCache, SegmentEncoder
+from router.tokenize.segments import ENTRY_OVERHEAD, SegmentCache, SegmentEncoder, ids_encoder
 from tests.support.model_dirs import (
     FIXTURE_TEMPLATES,
     HOLDOUT_TEMPLATES,
@@ -168,6 +168,33 @@ def test_neighbouring_tokens_that_strip_whitespace_and_the_start_prefix_are_repr
     expected = tok.encode(text, add_special_tokens=False).ids
     assert encoder.encode(text) == expected
     assert encoder.encode(text) == expected  # from the cache
+
+
+class EncodeOnly:
+    """A backend without encode_batch_fast (older tokenizers): only what the protocol names."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok = tok
+        self.calls = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> Any:
+        self.calls += 1
+        return self._tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def get_added_tokens_decoder(self) -> dict[int, Any]:
+        return self._tok.get_added_tokens_decoder()
+
+
+def test_ids_are_the_same_with_and_without_the_offset_free_encode() -> None:
+    tok = whitespace_eating_tokenizer()
+    text = "ab<R>  c <L>a\n<plain> <LR> b"
+    expected = tok.encode(text, add_special_tokens=False).ids
+    fast, plain = ids_encoder(tok), ids_encoder(EncodeOnly(tok))
+    assert fast(text, False) == plain(text, False) == expected
+    assert fast(text, True) == tok.encode(text, add_special_tokens=True).ids
+    backend = EncodeOnly(tok)
+    encoder = SegmentEncoder(backend, 1 << 20)
+    assert encoder.encode(text) == expected and backend.calls > 0  # the fallback ran
 
 
 def test_a_single_word_added_token_turns_the_cache_off_and_stays_exact() -> None:
