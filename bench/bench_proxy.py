@@ -3,6 +3,8 @@
 Run: .venv/bin/python bench/bench_proxy.py [--requests 2000] [--latency-requests 1000]
      [--workers 2] [--concurrency 32] [--cache-blocks 200000] [--quick] [--profile] [--smg]
      [--event-loop auto|asyncio|uvloop]
+     bench/bench_proxy.py --chat [...]: multi-turn chat on a real tokenizer, tokenization cache
+     on and off, against smg (bench/chat_proxy.py has its flags and method).
 Prints figures; asserts nothing. Takes ~1.5 minutes (~2 with --profile); --quick ~40 s.
 
 What runs, for each policy in turn (cache_aware, round_robin; with `--smg` also smg's
@@ -1233,6 +1235,11 @@ async def run(args: argparse.Namespace, children: Children) -> None:
 def main() -> None:
     if str(HERE.parent) not in sys.path:
         sys.path.insert(0, str(HERE.parent))  # `bench.smg` and `tests.support`, as a script
+    if "--chat" in sys.argv[1:]:  # the chat regime on a real tokenizer: bench/chat_proxy.py
+        from bench import chat_proxy
+
+        chat_proxy.main()
+        return
     args = parse_args()
     cpu = "unknown CPU"
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:

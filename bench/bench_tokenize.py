@@ -11,7 +11,9 @@ assistant turn a tool call and its result, sessions interleaved.
 
 Modes, each the CPU time (thread time) per request:
 - `full encode`: `encode(rendered prompt)` with the backend tokenizer, the rendered text given:
-  what tokenizing costs with no cache.
+  what tokenizing costs with no cache (what transformers, so the engine, calls).
+- `full encode, no offsets`: the same text through `encode_batch_fast` (a batch of one), which
+  skips tracking character offsets: the router's encode primitive (router/tokenize/segments.py).
 - `cached encode`: the segment encoder (router/tokenize/segments.py) on the same texts, its
   cache empty at the start of every round, so first occurrences of a system prompt or a turn
   pay full price as in production. The issue's target: at most 20% of `full encode`.
@@ -96,6 +98,10 @@ def main() -> None:
         for text in texts:
             backend.encode(text, add_special_tokens=False)
 
+    def run_encode_no_offsets() -> None:
+        for text in texts:
+            backend.encode_batch_fast([text], add_special_tokens=False)
+
     def run_cached_encode() -> None:
         encoder = SegmentEncoder(backend, cache_bytes)
         for text in texts:
@@ -108,10 +114,20 @@ def main() -> None:
 
     results: dict[str, list[float]] = {
         name: []
-        for name in ("full encode", "cached encode", "render", "uncached request", "cached request")
+        for name in (
+            "full encode",
+            "full encode, no offsets",
+            "cached encode",
+            "render",
+            "uncached request",
+            "cached request",
+        )
     }
     for _ in range(args.rounds):
         results["full encode"].append(per_request_us(run_encode, len(bodies)))
+        results["full encode, no offsets"].append(
+            per_request_us(run_encode_no_offsets, len(bodies))
+        )
         results["cached encode"].append(per_request_us(run_cached_encode, len(bodies)))
         results["render"].append(per_request_us(run_render, len(bodies)))
         results["uncached request"].append(per_request_us(run_requests(uncached), len(bodies)))
@@ -134,7 +150,7 @@ def main() -> None:
     )
     print(f"CPU per request, median of {args.rounds} interleaved rounds (range):")
     for name, values in results.items():
-        print(f"  {name:17s} {fmt(values)}")
+        print(f"  {name:23s} {fmt(values)}")
 
     def ratio(a: str, b: str) -> str:
         return f"{statistics.median(results[a]) / statistics.median(results[b]):.1%}"
@@ -142,7 +158,8 @@ def main() -> None:
     print(
         f"cached encode / full encode: {ratio('cached encode', 'full encode')}; "
         f"cached request / uncached request: {ratio('cached request', 'uncached request')}; "
-        f"cached request / full encode: {ratio('cached request', 'full encode')}; "
+        f"cached request / full encode: {ratio('cached request', 'full encode')} "
+        f"(/ full encode without offsets: {ratio('cached request', 'full encode, no offsets')}); "
         f"segment hit rate {hit_rate:.1%} (last round); ids identical in every mode"
     )
 

@@ -11,6 +11,11 @@ still not full), then caches full (evicting). kvrouter's
 rounds close once it applied the KV events of their requests (ingest is part of its cost);
 smg, over HTTP, ingests none. The full run also profiles a kvrouter `cache_aware` replica under
 cProfile at c=32 and keeps its own time by module.
+
+Then the chat rows (bench/chat_proxy.py): multi-turn agentic /v1/chat/completions requests on a
+real tokenizer (workers loading the same model directory), kvrouter with its tokenization cache
+on and off against smg and the relay floor, all fleets up at once and the rounds interleaved:
+router CPU per request, added latency at c=1, and the tokenization share of the router's CPU.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench import bench_proxy, plots
+from bench import bench_proxy, chat_proxy, plots
 from bench.report import table
 
 
@@ -86,12 +91,22 @@ def profile_figures(p: bench_proxy.ProfileFigures) -> dict[str, Any]:
 FLOOR_LABEL = bench_proxy.Target(bench_proxy.RELAY, bench_proxy.RELAY_POLICY).label
 
 
+def chat_arguments(quick: bool) -> Any:
+    # The chat rows at a smaller scale than `bench_proxy.py --chat`, to keep the suite's time.
+    if quick:
+        return chat_proxy.parse_args(["--quick"])
+    return chat_proxy.parse_args(["--requests", "800", "--latency-requests", "160"])
+
+
 def run(ctx: Any) -> dict[str, Any]:
     args = arguments(ctx.quick)
     smg_binary = ctx.smg.binary if ctx.smg.ensure(ctx.progress) else None
     children = bench_proxy.Children()
     try:
         m = asyncio.run(bench_proxy.measure(args, children, bench_proxy.targets(smg_binary)))
+        ctx.progress("proxy: the chat rows on a real tokenizer")
+        chat_args = chat_arguments(ctx.quick)
+        chat = asyncio.run(chat_proxy.measure_chat(chat_args, children, smg_binary))
     finally:
         children.stop_all()
     return {
@@ -107,6 +122,7 @@ def run(ctx: Any) -> dict[str, Any]:
         "steps_us": dict(m.steps),
         "calibration_us": m.calibration_us,
         "profile": profile_figures(m.profile) if m.profile is not None else None,
+        "chat": chat_proxy.figures_json(chat),
     }
 
 
@@ -220,6 +236,8 @@ def tables(result: dict[str, Any]) -> dict[str, str]:
         f"the 2 cores. {cpu_verdict(result)}",
     )
     out = {"proxy-latency": latency, "proxy-cpu": cpu}
+    if result.get("chat"):
+        out["proxy-chat"] = chat_proxy.chat_table(result["chat"])
     prof = result.get("profile")
     if prof:
         rows = [[m["module"], m["us_per_req"], f"{m['share']:.0%}"] for m in prof["by_module"]]

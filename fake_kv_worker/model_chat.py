@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ class ModelChat:
             str(Path(directory)), local_files_only=True, trust_remote_code=False
         )
         self.engine = engine
+        self._apply_params = _apply_params(self.tokenizer)
 
     def encode(self, text: str) -> list[int]:
         """A completion prompt: the tokenizer adds its special tokens (BOS)."""
@@ -83,7 +85,7 @@ class ModelChat:
             tool_dicts = chat_kwargs.pop("tools")
         if "chat_template" in chat_kwargs or "tokenize" in chat_kwargs:
             raise RequestError("Found unexpected chat template kwargs from request", "messages")
-        accepted = _template_variables(template) | _apply_params(self.tokenizer)
+        accepted = _template_variables(template) | self._apply_params
         resolved = {k: v for k, v in chat_kwargs.items() if k in accepted}
         try:
             return self.tokenizer.apply_chat_template(  # type: ignore[no-any-return]
@@ -286,6 +288,7 @@ def _vllm_dump_tool(tool: dict[str, Any]) -> dict[str, Any]:
     return dumped
 
 
+@lru_cache(maxsize=16)  # a model has a template or a few: parse each once
 def _jinja_ast(template: str) -> Any:
     from transformers.utils import chat_template_utils
 
@@ -293,10 +296,11 @@ def _jinja_ast(template: str) -> Any:
     return compiled.environment.parse(template)
 
 
-def _template_variables(template: str) -> set[str]:
+@lru_cache(maxsize=16)
+def _template_variables(template: str) -> frozenset[str]:
     import jinja2.meta
 
-    return set(jinja2.meta.find_undeclared_variables(_jinja_ast(template)))
+    return frozenset(jinja2.meta.find_undeclared_variables(_jinja_ast(template)))
 
 
 def _apply_params(tokenizer: Any) -> set[str]:
@@ -334,6 +338,7 @@ def _is_access(node: Any, name: str, key: str | None) -> bool:
     return False
 
 
+@lru_cache(maxsize=16)
 def _loops_over_message_content(template: str) -> bool:
     """vLLM: a loop over `<message>['content']`, where `<message>` loops over `messages` or a
     variable assigned from it."""
@@ -362,6 +367,7 @@ def _loops_over_message_content(template: str) -> bool:
 # --- SGLang helpers -------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=16)
 def _loops_over_fixed_names(template: str) -> bool:
     import jinja2.nodes as n
 

@@ -125,6 +125,16 @@ def render_call(body: dict[str, Any], traits: TemplateTraits, engine: Engine) ->
     )
 
 
+def template_tools(body: dict[str, Any], engine: Engine) -> list[dict[str, Any]] | None:
+    """The tools the engine hands transformers when it picks among a model's named templates
+    (`tool_use` when not None): vLLM the request's, SGLang those left after `tool_choice`.
+    Raises ChatRequestError for malformed tools."""
+    tools = _checked_tools(body.get("tools"))
+    if engine is Engine.SGLANG:
+        return _sglang_tools(tools, body.get("tool_choice"))
+    return tools
+
+
 # --- validation shared by both engines (their request models refuse these) -----------------
 
 
@@ -251,8 +261,12 @@ def _vllm_call(
 def _vllm_message(message: dict[str, Any], traits: TemplateTraits) -> dict[str, Any]:
     role = message["role"]
     out: dict[str, Any] = {"role": role}
-    texts, parts = _vllm_parts(message.get("content"))
-    out["content"] = parts if traits.content_as_parts else "\n".join(texts)
+    content = message.get("content")
+    if isinstance(content, str) and not traits.content_as_parts:
+        out["content"] = content  # the common case, without building parts
+    else:
+        texts, parts = _vllm_parts(content)
+        out["content"] = parts if traits.content_as_parts else "\n".join(texts)
     if role == "assistant":
         calls = message.get("tool_calls")
         if calls is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from functools import cache
 from pathlib import Path
 from typing import Any, Final
 
@@ -32,8 +33,9 @@ from router.tokenize.chat_rules import (
     Unrenderable,
     bare_tools,
     render_call,
+    template_tools,
 )
-from router.tokenize.segments import SegmentEncoder
+from router.tokenize.segments import SegmentEncoder, ids_encoder
 from router.tokenize.template_traits import inspect_template
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class HfModel:
     def __init__(self, tokenizer: Any, engine: Engine, cache_bytes: int) -> None:
         self._tokenizer = tokenizer
         self._backend = tokenizer.backend_tokenizer
+        self._encode = ids_encoder(self._backend)
         self.engine = engine
         self.segments = SegmentEncoder(
             self._backend, cache_bytes, split_special=bool(tokenizer.split_special_tokens)
@@ -60,12 +63,11 @@ class HfModel:
 
     def encode_text(self, text: str) -> list[int]:
         """A completion prompt: encoded with the tokenizer's special tokens (BOS), as engines do."""
-        return list(self._backend.encode(text, add_special_tokens=True).ids)
+        return self._encode(text, True)
 
     def encode_chat(self, body: dict[str, Any]) -> list[int]:
         """Raises ChatRequestError (a 400) or Unrenderable (route as a miss)."""
-        tools = body.get("tools")
-        template = self._template(tools if isinstance(tools, list) else None)
+        template = self._template(template_tools(body, self.engine))
         call = render_call(body, self._traits_of(template), self.engine)
         text = self._render(call, template) + call.suffix
         try:
@@ -164,10 +166,63 @@ def _as_transformers_sees_it(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _compiled(template: str) -> Any:
-    # transformers' own compiled template (cached there): its sandbox, filters and globals.
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+    """transformers' compiled template (its filters, globals and extensions), recompiled in a
+    copy of its environment whose sandbox checks are memoized (`_memo_sandbox`). Cached here
+    per template (a model has one or a few)."""
+    compiled = _COMPILED.get(template)
+    if compiled is None:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    return _compile_jinja_template(template)
+        env = _compile_jinja_template(template).environment.overlay()
+        env.__class__ = _memo_sandbox(type(env))
+        if len(_COMPILED) >= _MAX_TEMPLATES:
+            _COMPILED.clear()
+        compiled = _COMPILED[template] = env.from_string(template)
+    return compiled
+
+
+_COMPILED: dict[str, Any] = {}
+_MAX_TEMPLATES: Final = 16
+
+
+@cache
+def _memo_sandbox(base: type) -> type:
+    """`base` (transformers' ImmutableSandboxedEnvironment) with the same decisions, faster.
+
+    A third of a render went to the sandbox's checks on every attribute a template reads:
+    `message.content` on a dict first fails a Python getattr (an exception raised and caught)
+    before the item lookup, and each method a template calls (`content.split`, `.strip`) runs
+    isinstance checks against the abstract mutable types. Both are functions of the object's
+    type and the attribute's name alone, so:
+    - a plain dict's attribute that `dict` does not have goes straight to the item lookup
+      (what the base does after its getattr fails), and an absent key is the same undefined;
+    - `is_safe_attribute` is computed once per (type, attribute) and remembered (the base
+      ignores the value; the name set is bounded by the template's source and the few types
+      JSON data and jinja produce, and capped anyway).
+    The fidelity tests hold every render against apply_chat_template.
+    """
+    dict_attributes = frozenset(dir(dict))
+    safe: dict[tuple[type, str], bool] = {}
+
+    class MemoSandbox(base):  # type: ignore[valid-type, misc]
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            if type(obj) is dict and attribute not in dict_attributes:
+                try:
+                    return obj[attribute]
+                except KeyError:
+                    return self.undefined(obj=obj, name=attribute)
+            return super().getattr(obj, attribute)
+
+        def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+            key = (type(obj), attr)
+            known = safe.get(key)
+            if known is None:
+                known = super().is_safe_attribute(obj, attr, value)
+                if len(safe) < 4096:
+                    safe[key] = known
+            return known
+
+    return MemoSandbox
 
 
 def _apply_chat_template_params(tokenizer: Any) -> frozenset[str]:
@@ -192,6 +247,8 @@ def load_model(directory: Path, engine: Engine, cache_bytes: int) -> HfModel:
     """
     # Its import-time advice ("PyTorch was not found...") is for model code, not a tokenizer.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # One request's encode stays on the calling thread (the batch methods would use a pool).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         import transformers
     except ImportError as exc:

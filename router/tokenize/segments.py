@@ -17,6 +17,11 @@ growing conversation costs the encoding of its new turn only.
 Not cached (encoded whole, as before): tokenizers with a `single_word` added token (its match
 depends on the characters around it, which a boundary split cannot see).
 
+Misses (and whole texts, when the cache is off) are encoded with `encode_batch_fast`, a batch
+of one: the same pipeline and ids as `encode`, without tracking each token's character offsets,
+which is a fifth of an encode's CPU (bench/bench_tokenize.py); `ids_encoder` falls back to
+`encode` on a `tokenizers` without it.
+
 The cache is an LRU bounded by an estimate of its memory: per entry the segment's characters,
 8 bytes per id and a fixed overhead. A segment larger than a tenth of the budget is encoded
 without being kept.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Final, Protocol
 
 ENTRY_OVERHEAD: Final = 200  # bytes of a dict slot, the key tuple and the two objects
@@ -37,6 +43,17 @@ class BackendTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> Any: ...
 
     def get_added_tokens_decoder(self) -> dict[int, Any]: ...
+
+
+IdsEncoder = Callable[[str, bool], list[int]]  # (text, add_special_tokens) -> ids
+
+
+def ids_encoder(backend: Any) -> IdsEncoder:
+    """`backend.encode(text, add_special_tokens).ids`, without the offsets when it can."""
+    fast = getattr(backend, "encode_batch_fast", None)
+    if fast is None:
+        return lambda text, special: list(backend.encode(text, add_special_tokens=special).ids)
+    return lambda text, special: list(fast([text], add_special_tokens=special)[0].ids)
 
 
 class SegmentCache:
@@ -82,7 +99,7 @@ class SegmentEncoder:
     def __init__(
         self, backend: BackendTokenizer, max_bytes: int, *, split_special: bool = False
     ) -> None:
-        self._backend = backend
+        self._encode = ids_encoder(backend)
         self.cache = SegmentCache(max_bytes)
         added = backend.get_added_tokens_decoder()
         boundaries = {
@@ -99,7 +116,7 @@ class SegmentEncoder:
 
     def encode(self, text: str) -> list[int]:
         if not self.enabled:
-            return list(self._backend.encode(text, add_special_tokens=False).ids)
+            return self._encode(text, False)
         # [text, token, text, token, ..., text]: even items are segments, odd ones boundaries.
         pieces = self._split.split(text)
         ids: list[int] = []
@@ -119,7 +136,7 @@ class SegmentEncoder:
         cached = self.cache.get(key)
         if cached is not None:
             return cached
-        encoded = self._backend.encode(prev + segment + nxt, add_special_tokens=False).ids
+        encoded = self._encode(prev + segment + nxt, False)
         ids = tuple(encoded[(1 if prev else 0) : len(encoded) - (1 if nxt else 0)])
         self.cache.put(key, ids)
         return ids

@@ -134,6 +134,33 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
         ]
     },
     "unicode": {"messages": [{"role": "user", "content": "東京の天気は? café résumé 😀 naïve"}]},
+    "parallel_tool_calls": {
+        "messages": [
+            SYSTEM,
+            USER,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [TOOL_CALL, {**TOOL_CALL, "id": "call67890"}],
+            },
+            {"role": "tool", "tool_call_id": "call12345", "content": "Sunny, 24 degrees."},
+            {"role": "tool", "tool_call_id": "call67890", "content": "Sunny, 25 degrees."},
+        ],
+        "tools": [WEATHER_TOOL, SEARCH_TOOL],
+    },
+    "tool_call_with_content": {
+        "messages": [
+            USER,
+            {"role": "assistant", "content": "Let me check.", "tool_calls": [TOOL_CALL]},
+            {"role": "tool", "tool_call_id": "call12345", "content": "Sunny."},
+            {"role": "assistant", "content": "It is sunny."},
+            {"role": "user", "content": "And in Rome?"},
+        ],
+        "tools": [WEATHER_TOOL],
+    },
+    "reasoning_effort": {"messages": [SYSTEM, USER], "reasoning_effort": "low"},
+    "empty_system": {"messages": [{"role": "system", "content": ""}, USER]},
+    "named_user": {"messages": [{"role": "user", "name": "alice", "content": "Hi there!"}]},
     "special_text_in_content": {
         "messages": [{"role": "user", "content": "Say <|im_end|> and [INST] and <s> literally"}]
     },

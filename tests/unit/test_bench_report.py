@@ -104,3 +104,48 @@ def test_a_quick_run_leaves_benchmarks_md_alone_unless_a_file_is_named(tmp_path:
     assert tables_file(parse(["--quick"])) is None
     assert tables_file(parse(["--quick", "--markdown", str(named)])) == named
     assert tables_file(parse(["--markdown", str(named), "--no-markdown"])) is None
+
+
+def test_the_chat_rows_table_shows_each_router_and_the_tokenize_share() -> None:
+    from bench import bench_proxy as bp
+    from bench.chat_proxy import (
+        CACHE_OFF,
+        CACHE_ON,
+        FLOOR,
+        ChatMeasured,
+        ChatRound,
+        FleetFigures,
+        chat_table,
+        figures_json,
+    )
+
+    def fleet(label: str, cpu_s: float) -> FleetFigures:
+        f = FleetFigures(label, rounds=[ChatRound(100, 1.0, cpu_s, 0.5) for _ in range(3)])
+        f.loaded = bp.LoadResult([5.0] * 300, 0, 300 * 2000)
+        f.direct, f.routed = bp.LoadResult([4.0] * 10), bp.LoadResult([5.0] * 10)
+        if label != FLOOR:
+            f.counters = {
+                "kvrouter_matched_blocks_sum": 1400.0,
+                "kvrouter_matched_blocks_count": 10.0,
+                "kvrouter_tokenize_cache_lookups_total:hit": 9.0,
+                "kvrouter_tokenize_cache_lookups_total:miss": 1.0,
+            }
+        return f
+
+    measured = ChatMeasured(
+        "a model",
+        [fleet(CACHE_ON, 0.1), fleet(CACHE_OFF, 0.4), fleet(FLOOR, 0.02)],
+        {"cache on": [500.0], "cache off": [3000.0], "bare encode": [2500.0]},
+        [2000, 3000],
+        300,
+        32,
+        3,
+    )
+    text = chat_table(figures_json(measured))
+    on = next(line for line in text.splitlines() if line.startswith(f"| {CACHE_ON} |"))
+    assert "1,000 [1,000-1,000]" in on and "500 (50%)" in on and "| 1.00 |" in on
+    off = next(line for line in text.splitlines() if line.startswith(f"| {CACHE_OFF} |"))
+    assert "3,000 (75%)" in off
+    floor = next(line for line in text.splitlines() if line.startswith(f"| {FLOOR} |"))
+    assert "| - |" in floor
+    assert "20.0% of a bare encode" in text and "segment cache hit rate 90.0%" in text

@@ -28,7 +28,13 @@ from fake_kv_worker.model_chat import ModelChat
 from fake_kv_worker.protocol import RequestError
 from router.tokenize import RequestTokenizer, load_tokenizer
 from tests.support.chat_shapes import SHAPES
-from tests.support.model_dirs import FIXTURE_TEMPLATES, build_fixture_model
+from tests.support.model_dirs import (
+    FIXTURE_TEMPLATES,
+    HOLDOUT_TEMPLATES,
+    build_fixture_model,
+    build_holdout_model,
+    holdout_dir,
+)
 
 ENGINE_NAMES = ("vllm", "sglang")
 
@@ -65,7 +71,12 @@ def test_router_ids_equal_the_engines_for_every_shape_the_engine_serves(
     engine: str,
 ) -> None:
     router, worker = pairs[(template, engine)]
-    body = SHAPES[shape]
+    assert_router_matches_engine(router, worker, SHAPES[shape])
+
+
+def assert_router_matches_engine(
+    router: RequestTokenizer, worker: ModelChat, body: dict[str, Any]
+) -> None:
     untouched = copy.deepcopy(body)
     expected = engine_ids(worker, body)
     got = router.encode_chat_request(body)
@@ -86,6 +97,59 @@ def test_most_comparisons_are_served_by_the_engine(
         for body in SHAPES.values()
     )
     assert served >= 0.7 * len(pairs) * len(SHAPES)
+
+
+# --- hold-out templates: real ones the router was not written against ----------------------
+
+HOLDOUT_DIR = holdout_dir()
+needs_holdouts = pytest.mark.skipif(
+    HOLDOUT_DIR is None,
+    reason="the hold-out templates are not here: set KVROUTER_HOLDOUT_TEMPLATES to their "
+    "directory (see tests/support/model_dirs.py HOLDOUT_TEMPLATES)",
+)
+
+
+@pytest.fixture(scope="module")
+def holdout_pairs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]]:
+    assert HOLDOUT_DIR is not None
+    root = tmp_path_factory.mktemp("holdouts")
+    out = {}
+    for i, name in enumerate(HOLDOUT_TEMPLATES):
+        path = build_holdout_model(root / str(i), name, HOLDOUT_DIR)
+        for engine in ENGINE_NAMES:
+            out[(name, engine)] = (
+                load_tokenizer(str(path), engine=engine),
+                ModelChat(str(path), engine),
+            )
+    return out
+
+
+@needs_holdouts
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("template", sorted(HOLDOUT_TEMPLATES))
+def test_router_ids_equal_the_engines_on_hold_out_templates(
+    holdout_pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+    template: str,
+    shape: str,
+    engine: str,
+) -> None:
+    router, worker = holdout_pairs[(template, engine)]
+    assert_router_matches_engine(router, worker, SHAPES[shape])
+
+
+@needs_holdouts
+def test_most_hold_out_comparisons_are_served_by_the_engine(
+    holdout_pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+) -> None:
+    served = sum(
+        engine_ids(worker, body) is not None
+        for (_, _), (_, worker) in holdout_pairs.items()
+        for body in SHAPES.values()
+    )
+    assert served >= 0.6 * len(holdout_pairs) * len(SHAPES)
 
 
 # --- the engine mirror holds what the engines are known to do -----------------------------

@@ -141,6 +141,28 @@ def test_named_templates_give_tool_use_to_requests_with_tools(tmp_path: Path) ->
     assert with_tools.ids == tok.encode_prompt("chat with tools")
 
 
+def test_sglang_picks_the_named_template_by_the_tools_left_after_tool_choice(
+    tmp_path: Path,
+) -> None:
+    # SGLang drops the tools for tool_choice "none" before transformers picks the template;
+    # vLLM hands them over whatever the choice (the Hermes 3 pair of templates showed it).
+    directory = build_model_dir(tmp_path, "qwen", None)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "plain chat"},
+        {"name": "tool_use", "template": "{{ 'chat with tools' if tools else 'no tools' }}"},
+    ]
+    config_path.write_text(json.dumps(config))
+    body = chat(MESSAGES, tools=[WEATHER_TOOL], tool_choice="none")
+    sglang = load_tokenizer(str(directory), engine="sglang")
+    assert sglang.encode_chat_request(body).ids == sglang.encode_prompt("plain chat")
+    vllm = load_tokenizer(str(directory), engine="vllm")
+    assert vllm.encode_chat_request(body).ids == vllm.encode_prompt("chat with tools")
+    named = chat(MESSAGES, tools=[WEATHER_TOOL], tool_choice={"function": {"name": "nope"}})
+    assert sglang.encode_chat_request(named).ids == sglang.encode_prompt("no tools")
+
+
 def failures_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "cannot render" in r.getMessage()]
 
@@ -177,6 +199,50 @@ def test_a_template_that_raises_is_a_render_failure_and_cannot_touch_the_request
     body = chat([{"role": "user", "content": "hi"}])
     assert tok.encode_chat_request(body).failure == "render"
     assert body == chat([{"role": "user", "content": "hi"}])
+
+
+# Templates probing the sandbox: attribute access on message dicts (present, absent, a dict
+# method's name, an item shadowing a method), methods of str and list, str.format, namespaces.
+SANDBOX_PROBES = (
+    "{% for m in messages %}{{ m.role }}:{{ m.content }}|{{ m.missing is defined }}{% endfor %}",
+    "{{ messages[0].items() | list | length }} {{ messages[0].keys is defined }}",
+    "{{ messages[0].content.upper().split('A') | join('-') }} {{ '{}!'.format('x') }}",
+    "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}"
+    "{{ ns.n }} {{ (messages | map(attribute='role') | list)[-1] }}",
+    "{{ {'items': 'shadowed'}.items is defined }} {{ messages[0].get('role') }}",
+    # withheld (rendered as nothing), not refused
+    "[{{ messages[0].content.__class__ }}][{{ ''.format.__globals__ }}][{{ messages[0]._x }}]",
+)
+SANDBOX_REFUSALS = (
+    "{{ messages.append(1) }}",
+    "{{ messages[0].update({'role': 'x'}) }}",
+    "{{ messages[0].__class__.__mro__ }}",
+    "{{ messages[0].content.__class__.__name__ }}",
+)
+
+
+@pytest.mark.parametrize("template", SANDBOX_PROBES + SANDBOX_REFUSALS)
+def test_the_memoized_sandbox_renders_and_refuses_exactly_as_transformers_sandbox(
+    tmp_path: Path, template: str
+) -> None:
+    # The router renders with a copy of transformers' environment whose safety checks are
+    # memoized (router/tokenize/hf.py); rendered twice, so the second pass runs on the memo.
+    from transformers import AutoTokenizer
+
+    directory = build_model_dir(tmp_path, "qwen", template)
+    reference = AutoTokenizer.from_pretrained(str(directory))
+    tok = load_tokenizer(str(directory))
+    messages = [{"role": "user", "content": "a cat"}, {"role": "assistant", "content": "a hat"}]
+    try:
+        expected = reference.encode(
+            reference.apply_chat_template(messages, tokenize=False), add_special_tokens=False
+        )
+    except Exception:
+        expected = None
+    for _ in range(2):
+        got = tok.encode_chat_request(chat(messages))
+        assert (got.failure, got.ids) == (("render", []) if expected is None else (None, expected))
+    assert (expected is None) == (template in SANDBOX_REFUSALS)
 
 
 def test_a_model_without_a_chat_template_routes_chats_as_misses(tmp_path: Path) -> None:

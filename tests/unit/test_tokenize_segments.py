@@ -21,8 +21,15 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
-from router.tokenize.segments import ENTRY_OVERHEAD, SegmentCache, SegmentEncoder
-from tests.support.model_dirs import FIXTURE_TEMPLATES, build_fixture_model, corpus
+from router.tokenize.segments import ENTRY_OVERHEAD, SegmentCache, SegmentEncoder, ids_encoder
+from tests.support.model_dirs import (
+    FIXTURE_TEMPLATES,
+    HOLDOUT_TEMPLATES,
+    build_fixture_model,
+    build_holdout_model,
+    corpus,
+    holdout_dir,
+)
 
 TEXT = st.lists(
     st.sampled_from(
@@ -30,6 +37,9 @@ TEXT = st.lists(
             *"abc XYZ.,\n\t",
             *["  ", "東", "é", "😀", "<|im_end|>", "<|im_start|>", "[INST]", "<s>", "</s>"],
             *["<eos>", "<|eot_id|>", "<think>", "<tool_call>", "<start_of_turn>", "▁", "\u00a0"],
+            # the hold-out families' control tokens (Phi-3's strip the whitespace after them)
+            *["<|end|>", "<|user|>", "[SYSTEM_PROMPT]", "<\uff5cUser\uff5c>", "<|start_of_role|>"],
+            *["<|START_OF_TURN_TOKEN|>", "<BOS_TOKEN>", "<|message|>", " \n "],
         ]
     ),
     max_size=40,
@@ -67,12 +77,48 @@ def test_cached_ids_equal_a_fresh_full_encode_on_every_fixture_template(
     conversation: list[dict[str, str]],
     grown: list[dict[str, str]],
 ) -> None:
+    assert_cached_ids_equal_fresh_ones(loaded, conversation, grown)
+
+
+def assert_cached_ids_equal_fresh_ones(
+    loaded: dict[str, tuple[Any, SegmentEncoder]],
+    conversation: list[dict[str, str]],
+    grown: list[dict[str, str]],
+) -> None:
     for name, (tokenizer, encoder) in loaded.items():
         backend = tokenizer.backend_tokenizer
         for messages in (conversation, [*conversation, *grown], conversation):
             text = render(tokenizer, messages)
             fresh = backend.encode(text, add_special_tokens=False).ids
             assert encoder.encode(text) == fresh, (name, text)
+
+
+HOLDOUT_DIR = holdout_dir()
+
+
+@pytest.fixture(scope="module")
+def holdouts_loaded(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, tuple[Any, SegmentEncoder]]:
+    if HOLDOUT_DIR is None:
+        pytest.skip("no hold-out templates: set KVROUTER_HOLDOUT_TEMPLATES to their directory")
+    root = tmp_path_factory.mktemp("holdouts")
+    out = {}
+    for i, name in enumerate(HOLDOUT_TEMPLATES):
+        path = build_holdout_model(root / str(i), name, HOLDOUT_DIR)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        out[name] = (tokenizer, SegmentEncoder(tokenizer.backend_tokenizer, 1 << 20))
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(conversation=CONVERSATION, grown=CONVERSATION)
+def test_cached_ids_equal_a_fresh_full_encode_on_every_hold_out_template(
+    holdouts_loaded: dict[str, tuple[Any, SegmentEncoder]],
+    conversation: list[dict[str, str]],
+    grown: list[dict[str, str]],
+) -> None:
+    assert_cached_ids_equal_fresh_ones(holdouts_loaded, conversation, grown)
 
 
 def test_a_repeated_conversation_is_served_from_the_cache(
@@ -122,6 +168,33 @@ def test_neighbouring_tokens_that_strip_whitespace_and_the_start_prefix_are_repr
     expected = tok.encode(text, add_special_tokens=False).ids
     assert encoder.encode(text) == expected
     assert encoder.encode(text) == expected  # from the cache
+
+
+class EncodeOnly:
+    """A backend without encode_batch_fast (older tokenizers): only what the protocol names."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok = tok
+        self.calls = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> Any:
+        self.calls += 1
+        return self._tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def get_added_tokens_decoder(self) -> dict[int, Any]:
+        return self._tok.get_added_tokens_decoder()
+
+
+def test_ids_are_the_same_with_and_without_the_offset_free_encode() -> None:
+    tok = whitespace_eating_tokenizer()
+    text = "ab<R>  c <L>a\n<plain> <LR> b"
+    expected = tok.encode(text, add_special_tokens=False).ids
+    fast, plain = ids_encoder(tok), ids_encoder(EncodeOnly(tok))
+    assert fast(text, False) == plain(text, False) == expected
+    assert fast(text, True) == tok.encode(text, add_special_tokens=True).ids
+    backend = EncodeOnly(tok)
+    encoder = SegmentEncoder(backend, 1 << 20)
+    assert encoder.encode(text) == expected and backend.calls > 0  # the fallback ran
 
 
 def test_a_single_word_added_token_turns_the_cache_off_and_stays_exact() -> None:
