@@ -31,6 +31,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from cachetree import accel
+from router.tokenize.chat_rules import FAILURE_REASONS
 
 if TYPE_CHECKING:
     from peer.endpointslices import SliceDiscovery
@@ -141,6 +142,10 @@ class RouterMetrics:
             ["reason"],
             registry=self.registry,
         )
+        # Every reason exported from the start, at 0: rate() needs a series before its first
+        # failure, or the share-of-chats alert would never see the first burst.
+        for reason in FAILURE_REASONS:
+            self.tokenize_failures.labels(reason)
         # Observed by router/dataplane/relay.py when a request's head is written to its first
         # worker: the time the router added (parse, tokenize, route, a pooled or new connection).
         self.added_seconds = PlainHistogram(ADDED_SECONDS_BUCKETS)
@@ -199,18 +204,22 @@ class _TaskCollector(Collector):
         self._supervisor = supervisor
 
     def collect(self) -> Iterator[Metric]:
+        supervisor = self._supervisor
+        # Every kind running or ever failed, at 0 until it fails: a flat line on the panel,
+        # and a series for rate() before the first failure.
+        kinds = sorted(supervisor.running_kinds() | supervisor.failures.keys())
         yield _counter(
             "kvrouter_task_failures",
             "Failures of background loops by kind (each logged with its traceback, then "
             "retried with backoff)",
             ["task"],
-            {(kind,): n for kind, n in self._supervisor.failures.items()},
+            {(kind,): supervisor.failures[kind] for kind in kinds},
         )
-        failing = Counter(task.kind for task in self._supervisor.failing())
+        failing = Counter(task.kind for task in supervisor.failing())
         yield _gauge(
             "kvrouter_tasks_failing",
             "Background loops failing over and over (a critical one turns /readyz 503)",
-            [((kind,), n) for kind, n in failing.items()],
+            [((kind,), failing[kind]) for kind in kinds],
             ["task"],
         )
 
@@ -706,7 +715,7 @@ class _DataPlaneCollector(Collector):
             "Answers that did not end cleanly: cut (the worker's stream broke after the first "
             "byte) or gone (the client left first)",
             ["outcome"],
-            {(k,): v for k, v in stats.ended.items()},
+            {(k,): stats.ended[k] for k in ("cut", "gone")},
         )
         yield _counter(
             "kvrouter_upstream_safe_retries",
