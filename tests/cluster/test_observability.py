@@ -33,6 +33,7 @@ import pytest_asyncio
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from cachetree import accel
 from tests.support.cluster import Cluster, RouterProcess, whole_blocks
 from tests.support.fake_apiserver import FakeApiServer, endpoint, endpoint_slice
 from tests.support.fake_worker import FakeWorkerHandle
@@ -355,6 +356,62 @@ async def test_the_panels_show_who_served_what_failed_and_how_c_bootstrapped(fle
     )
 
 
+def value_of(samples: list[dict[str, Any]], **match: str) -> float | None:
+    """The value of the one sample whose labels include `match`, None when there is none."""
+    found = [s for s in samples if all(s["metric"].get(k) == v for k, v in match.items())]
+    assert len(found) <= 1, found
+    return float(found[0]["value"][1]) if found else None
+
+
+async def test_the_new_panels_show_the_faults_that_made_their_series(fleet: Fleet) -> None:
+    prom, w = fleet.prom, fleet.workers
+    d = instance(fleet, "d")
+    every = {(instance(fleet, r),) for r in fleet.replicas}
+    ranks = {(fw.url, str(r)) for fw in w.values() for r in range(fw.config.dp_size)}
+    await shows(
+        prom,
+        "Cursor lag per rank",
+        0,
+        lambda s: (
+            labels(s, "instance") == every
+            and labels(s, "worker_url", "dp_rank") == ranks
+            and all(float(x["value"][1]) >= 0 for x in s)
+        ),
+    )
+    await shows(
+        prom, "Cap clears", 0, lambda s: {x[0] for x in labels(s, "instance", "worker_url")} == {d}
+    )
+    await shows(prom, "Cap clears", 1, lambda s: (value_of(s, instance=d) or 0) > 0)
+    await shows(
+        prom,
+        "Client connections the router closed",
+        0,
+        lambda s: (instance(fleet, "a"), "malformed") in labels(s, "instance", "reason"),
+    )
+    # d's one ingest process subscribes to every rank of the fleet.
+    await shows(
+        prom, "Ingest processes", 0, lambda s: value_of(s, instance=d, process="0") == len(ranks)
+    )
+    await shows(prom, "Memory beside the index", 1, lambda s: (value_of(s, instance=d) or 0) > 0)
+    await shows(prom, "Tokenization cache hit ratio", 0, lambda s: labels(s, "instance") == {(d,)})
+    await shows(prom, "Background tasks", 0, lambda s: ("health",) in labels(s, "task"))
+    await shows(
+        prom,
+        "Ingest accelerator",
+        0,
+        lambda s: (
+            labels(s, "instance", "implementation") == {(i, accel.IMPLEMENTATION) for (i,) in every}
+        ),
+    )
+    failures = 'kvrouter_tokenize_failures_total{reason="content"}'
+    assert value_of(await prom.query(failures), instance=d) == IMAGE_CHATS
+    # Each routed request is timed once, the failed-over one too; the 400 and the malformed
+    # request never reached a worker.
+    routed = 20 + 4 + IMAGE_CHATS + 1 + 6 + 16
+    timed = await prom.query("sum(kvrouter_request_added_seconds_count)")
+    assert float(timed[0]["value"][1]) == routed
+
+
 _METRIC: Final = re.compile(r"\b((?:kvrouter|process|python)_\w+|(?:vllm|sglang):\w+)")
 _SELECTOR: Final = re.compile(r"((?:kvrouter|process|python)_\w+|(?:vllm|sglang):\w+)\{([^}]*)\}")
 _MATCHER: Final = re.compile(r"(\w+)\s*(?:=~|!~|!=|=)")
@@ -400,7 +457,12 @@ async def test_every_series_and_label_a_panel_or_rule_names_is_exported(fleet: F
 
 
 async def test_the_rules_fire_on_the_real_faults(fleet: Fleet) -> None:
-    wanted = {"KvrouterEventBatchesLost", "KvrouterDiscoveryForbidden", "KvrouterWorkerRefused"}
+    wanted = {
+        "KvrouterEventBatchesLost",
+        "KvrouterDiscoveryForbidden",
+        "KvrouterWorkerRefused",
+        "KvrouterIndexCapClears",
+    }
 
     async def fired() -> dict[str, list[dict[str, str]]]:
         by_name: dict[str, list[dict[str, str]]] = {}
@@ -420,6 +482,17 @@ async def test_the_rules_fire_on_the_real_faults(fleet: Fleet) -> None:
     assert {(a["instance"], a["reason"]) for a in firing["KvrouterWorkerRefused"]} == {
         (c, "block_size")
     }
-    # What did not go wrong stays quiet: the workers' health, the bootstrap, the backlog.
-    quiet = {"KvrouterWorkerUnhealthy", "KvrouterBootstrapNotSettled", "KvrouterPumpBacklog"}
+    d = urlsplit(fleet.replicas["d"].url).netloc
+    assert {a["instance"] for a in firing["KvrouterIndexCapClears"]} == {d}
+    # What did not go wrong stays quiet: the workers' health, the bootstrap, the backlog, the
+    # loops, the connection cap, the ingest process, the accelerator.
+    quiet = {
+        "KvrouterWorkerUnhealthy",
+        "KvrouterBootstrapNotSettled",
+        "KvrouterPumpBacklog",
+        "KvrouterTaskFailing",
+        "KvrouterConnectionsRefused",
+        "KvrouterIngestRestarts",
+        "KvrouterAcceleratorNotBuilt",
+    }
     assert not quiet & firing.keys()
