@@ -170,6 +170,10 @@ class Supervisor:
                 then,
             )
 
+    def running_kinds(self) -> set[str]:
+        """The kinds of the tasks running now (for metrics: a series per kind from the start)."""
+        return {state.kind for state in self._tasks.values()}
+
     def state(self, name: str) -> Supervision | None:
         return self._tasks.get(name)
 

@@ -24,7 +24,6 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import asdict
 
 import zmq
 import zmq.asyncio
@@ -37,6 +36,7 @@ from router.ingest_wire import (
     pack,
     pack_hello,
     pack_stats,
+    stats_values,
     unpack_command,
 )
 from router.subscriber import (
@@ -104,7 +104,7 @@ class IngestChild:
         while True:
             await asyncio.sleep(STATS_INTERVAL_S)
             for rank, (_, stats) in list(self._subs.items()):
-                values = asdict(stats)
+                values = stats_values(stats)
                 if values != self._sent.get(rank):
                     self._sent[rank] = values
                     await self._send(pack_stats(rank, values))

@@ -29,8 +29,9 @@ correctness.
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Annotated, Any, Final
 
 import msgspec
@@ -38,7 +39,13 @@ import msgspec
 from cachetree.keys import chain_keys, namespace_seed, token_bytes
 from cachetree.ranks import RankId
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
-from router.subscriber import LiveBatch, PublisherReset, SubscriberItem, UnrepairedGap
+from router.subscriber import (
+    LiveBatch,
+    PublisherReset,
+    SubscriberItem,
+    SubscriberStats,
+    UnrepairedGap,
+)
 
 MIRROR_PER_RANK: Final = 4096  # recent blocks remembered per rank (parents of the next stores)
 
@@ -198,6 +205,18 @@ def pack(item: SubscriberItem, mirror: KeyMirror) -> bytes:
     else:
         message = _Gap(rank.worker_url, rank.dp_rank, item.first, item.last)
     return _encoder.encode(message)
+
+
+def stats_values(stats: SubscriberStats) -> dict[str, Any]:
+    """A rank's counts as `pack_stats` sends them: plain ints and dicts, copied.
+
+    Not `dataclasses.asdict`: it rebuilds a Counter from its (key, count) pairs, which makes a
+    Counter of pairs ({("repaired", 1): 1}), and the replica's /metrics failed on such labels.
+    """
+    return {
+        f.name: dict(value) if isinstance(value := getattr(stats, f.name), Counter) else value
+        for f in fields(stats)
+    }
 
 
 def pack_stats(rank: RankId, values: dict[str, Any]) -> bytes:

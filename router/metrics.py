@@ -7,9 +7,11 @@ scrapes: the hot paths keep plain ints, and the scrape pays for the formatting.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
 
 from prometheus_client import (
     CollectorRegistry,
@@ -20,10 +22,16 @@ from prometheus_client import (
     ProcessCollector,
 )
 from prometheus_client import Counter as PromCounter
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from cachetree import accel
+from router.tokenize.chat_rules import FAILURE_REASONS
 
 if TYPE_CHECKING:
     from peer.endpointslices import SliceDiscovery
@@ -39,6 +47,52 @@ if TYPE_CHECKING:
     from router.workers import WorkerRegistry
 
 _BREAKER_STATE = {"closed": 0, "open": 1, "half_open": 2}
+# The router's own share of a request's latency is tens of microseconds to a few milliseconds
+# when all is well; the upper buckets catch a saturated loop and slow connects to workers.
+ADDED_SECONDS_BUCKETS: Final = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
+
+
+@dataclass(slots=True)
+class PlainHistogram:
+    """A histogram for the request path: an observation is a bisect and two additions on
+    plain numbers (prometheus_client's Histogram takes a lock and walks every bucket); the
+    collector makes the counts cumulative at scrape."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bound, then +Inf; not cumulative
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if list(self.bounds) != sorted(set(self.bounds)):
+            raise ValueError(f"histogram bounds must increase: {self.bounds}")
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # `le`: a value on a bound is in it
+        self.total += value
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        cumulative, buckets = 0, []
+        for bound, n in zip([*map(str, self.bounds), "+Inf"], self.counts, strict=True):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=self.total)
 
 
 class RouterMetrics:
@@ -88,6 +142,14 @@ class RouterMetrics:
             ["reason"],
             registry=self.registry,
         )
+        # Every reason exported from the start, at 0: rate() needs a series before its first
+        # failure, or the share-of-chats alert would never see the first burst.
+        for reason in FAILURE_REASONS:
+            self.tokenize_failures.labels(reason)
+        # Observed by router/dataplane/relay.py when a request's head is written to its first
+        # worker: the time the router added (parse, tokenize, route, a pooled or new connection).
+        self.added_seconds = PlainHistogram(ADDED_SECONDS_BUCKETS)
+        self.registry.register(_AddedLatencyCollector(self.added_seconds))
 
     def watch_tokenizer(self, tokenizer: RequestTokenizer) -> None:
         self.registry.register(_TokenizerCollector(tokenizer))
@@ -122,6 +184,19 @@ class RouterMetrics:
         self.registry.register(_ProducerCollector(producer))
 
 
+class _AddedLatencyCollector(Collector):
+    def __init__(self, histogram: PlainHistogram) -> None:
+        self._histogram = histogram
+
+    def collect(self) -> Iterator[Metric]:
+        yield self._histogram.family(
+            "kvrouter_request_added_seconds",
+            "Latency the router added to a routed request: from its turn to be answered (its "
+            "last byte received, unless pipelined behind another) to its head written to the "
+            "first worker tried",
+        )
+
+
 class _TaskCollector(Collector):
     """Background loops (`peer.supervise`): their failures, and those that cannot be kept up."""
 
@@ -129,18 +204,22 @@ class _TaskCollector(Collector):
         self._supervisor = supervisor
 
     def collect(self) -> Iterator[Metric]:
+        supervisor = self._supervisor
+        # Every kind running or ever failed, at 0 until it fails: a flat line on the panel,
+        # and a series for rate() before the first failure.
+        kinds = sorted(supervisor.running_kinds() | supervisor.failures.keys())
         yield _counter(
             "kvrouter_task_failures",
             "Failures of background loops by kind (each logged with its traceback, then "
             "retried with backoff)",
             ["task"],
-            {(kind,): n for kind, n in self._supervisor.failures.items()},
+            {(kind,): supervisor.failures[kind] for kind in kinds},
         )
-        failing = Counter(task.kind for task in self._supervisor.failing())
+        failing = Counter(task.kind for task in supervisor.failing())
         yield _gauge(
             "kvrouter_tasks_failing",
             "Background loops failing over and over (a critical one turns /readyz 503)",
-            [((kind,), n) for kind, n in failing.items()],
+            [((kind,), failing[kind]) for kind in kinds],
             ["task"],
         )
 
@@ -203,6 +282,13 @@ class _StateCollector(Collector):
             "Engine restarts seen on a stream (END_SEQ, seq regression, or seq 0 again)",
             [],
             {(): stats.publisher_resets + stats.restarts_at_zero},
+        )
+        yield _gauge(
+            "kvrouter_kv_cursor",
+            "Per rank, the seq of the last event batch applied: where the replica is in the "
+            "rank's stream (a replica behind its siblings lags by the difference)",
+            [((r.worker_url, str(r.dp_rank)), seq) for r, seq in rules.cursors.items()],
+            ["worker_url", "dp_rank"],
         )
         yield _gauge(
             "kvrouter_pump_backlog", "Items queued for the pump", [((), self._pump.backlog)]
@@ -629,7 +715,7 @@ class _DataPlaneCollector(Collector):
             "Answers that did not end cleanly: cut (the worker's stream broke after the first "
             "byte) or gone (the client left first)",
             ["outcome"],
-            {(k,): v for k, v in stats.ended.items()},
+            {(k,): stats.ended[k] for k in ("cut", "gone")},
         )
         yield _counter(
             "kvrouter_upstream_safe_retries",

@@ -36,6 +36,8 @@ DATASOURCE: Final = {"type": "prometheus", "uid": "${datasource}"}
 RATE: Final = "$__rate_interval"
 ROUTED: Final = 'worker!="none"'  # answered by a worker, not by the router itself
 NOT_2XX: Final = 'status!~"2.."'
+CHATS: Final = 'route="/v1/chat/completions"'
+HIT: Final = 'result="hit"'
 GRID_WIDTH: Final = 24
 PANEL_HEIGHT: Final = 8
 
@@ -53,6 +55,12 @@ def _engines() -> str:
 
 def _rate(series: str, extra: str = "") -> str:
     return f"rate({series}{_sel(extra)}[{RATE}])"
+
+
+def _quantile(q: float, buckets: str, by: str = "") -> str:
+    """The `q` quantile of a histogram's buckets over the selected replicas (or per `by`)."""
+    group = f"{by}, le" if by else "le"
+    return f"histogram_quantile({q}, sum by ({group}) ({_rate(buckets)}))"
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,89 @@ ROWS: Final = (
                     ),
                 ),
             ),
+            Panel(
+                "Added latency",
+                "What the router adds to a routed request: from its last byte received (its "
+                "turn, when pipelined) to its head written to the first worker tried: parsing, "
+                "tokenizing, routing, a pooled or new connection (kvrouter_request_added_seconds)."
+                " The fleet's median and 99th percentile, and each replica's 99th.",
+                "s",
+                (
+                    Query(_quantile(0.5, "kvrouter_request_added_seconds_bucket"), "p50"),
+                    Query(_quantile(0.99, "kvrouter_request_added_seconds_bucket"), "p99"),
+                    Query(
+                        _quantile(0.99, "kvrouter_request_added_seconds_bucket", "instance"),
+                        "p99 {{instance}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Answers that broke after their first byte",
+                "Answers per second that did not end cleanly (kvrouter_answers_broken_total): "
+                "cut, the worker's stream broke (the client sees a truncated answer); gone, "
+                "the client left first (the worker is stopped).",
+                "ops",
+                (
+                    Query(
+                        f"sum by (instance, outcome) ({_rate('kvrouter_answers_broken_total')})",
+                        "{{outcome}} {{instance}}",
+                    ),
+                ),
+            ),
+        ),
+    ),
+    Row(
+        "Connections",
+        (
+            Panel(
+                "Client connections",
+                "Open client connections per replica (kvrouter_client_connections), and those "
+                "refused per second at --max-connections (answered 503 and closed).",
+                "short",
+                (
+                    Query(
+                        f"sum by (instance) (kvrouter_client_connections{_sel()})",
+                        "open {{instance}}",
+                    ),
+                    Query(
+                        f"sum by (instance) ({_rate('kvrouter_client_connections_refused_total')})",
+                        "refused/s {{instance}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Client connections the router closed",
+                "Client connections closed by the router since each replica started, by reason "
+                "(kvrouter_client_connections_closed_total): idle, drain and answered are "
+                "routine; malformed, refused and the timeouts are clients that broke the rules; "
+                "cut follows a broken answer.",
+                "short",
+                (
+                    Query(
+                        "sum by (instance, reason) "
+                        f"(kvrouter_client_connections_closed_total{_sel()})",
+                        "{{reason}} {{instance}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Connections to workers",
+                "Connections each worker has from all replicas (connecting, busy, idle: "
+                "kvrouter_upstream_connections), new connections per second, and requests "
+                "resent because a reused idle connection was found closed.",
+                "short",
+                (
+                    Query(f"sum by (worker) (kvrouter_upstream_connections{_sel()})", "{{worker}}"),
+                    Query(
+                        f"sum by (instance) ({_rate('kvrouter_upstream_connects_total')})",
+                        "connects/s {{instance}}",
+                    ),
+                    Query(
+                        f"sum by (instance) ({_rate('kvrouter_upstream_safe_retries_total')})",
+                        "safe retries/s {{instance}}",
+                    ),
+                ),
+            ),
         ),
     ),
     Row(
@@ -189,6 +280,126 @@ ROWS: Final = (
                     ),
                     Query(f"avg(sglang:cache_hit_rate{_engines()})", "SGLang"),
                 ),
+            ),
+            Panel(
+                "Requests that waited for a routing turn",
+                "Requests per second that waited a turn of the event loop to be routed "
+                "(kvrouter_routing_deferred_total): routing work per turn is capped, so a "
+                "steady rate means the replica's loop is saturated; add replicas.",
+                "ops",
+                (
+                    Query(
+                        f"sum by (instance) ({_rate('kvrouter_routing_deferred_total')})",
+                        "{{instance}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Chats routed without their tokens",
+                "Share of chat requests the router could not render as the engine would "
+                "(kvrouter_tokenize_failures_total over chat requests), by reason: they are "
+                "forwarded and routed by load as misses. The log names the template.",
+                "percentunit",
+                (
+                    Query(
+                        f"sum by (reason) ({_rate('kvrouter_tokenize_failures_total')}) "
+                        "/ ignoring (reason) group_left "
+                        f"sum({_rate('kvrouter_requests_total', CHATS)})",
+                        "{{reason}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Tokenization cache hit ratio",
+                "Chat segments found in each replica's tokenization cache "
+                "(kvrouter_tokenize_cache_lookups_total, with a model tokenizer): the share "
+                "of rendering work a repeated system prompt or conversation saves.",
+                "percentunit",
+                (
+                    Query(
+                        "sum by (instance) "
+                        f"({_rate('kvrouter_tokenize_cache_lookups_total', HIT)}) / "
+                        "sum by (instance) "
+                        f"({_rate('kvrouter_tokenize_cache_lookups_total')})",
+                        "{{instance}}",
+                    ),
+                ),
+            ),
+        ),
+    ),
+    Row(
+        "Cache pressure",
+        (
+            Panel(
+                "Cache pressure per rank",
+                "Per rank, the highest pressure any replica sees: its recent demand over what "
+                "the engine can hold (kvrouter_rank_pressure). Above 100% the rank is sent "
+                "more than it can keep and cache_aware spills to others.",
+                "percentunit",
+                (
+                    Query(
+                        f"max by (worker_url, dp_rank) (kvrouter_rank_pressure{_sel()})",
+                        "{{worker_url}} rank {{dp_rank}}",
+                    ),
+                ),
+                width=6,
+            ),
+            Panel(
+                "Capacity, demand and booked blocks",
+                "The fleet's KV capacity in blocks (kvrouter_rank_capacity_blocks, summed "
+                "over ranks), and per replica its recent demand and the blocks it booked whose "
+                "store events have not arrived (summed over ranks).",
+                "short",
+                (
+                    Query(
+                        f"max(sum by (instance) (kvrouter_rank_capacity_blocks{_sel()}))",
+                        "capacity",
+                    ),
+                    Query(
+                        f"sum by (instance) (kvrouter_rank_demand_blocks{_sel()})",
+                        "demand {{instance}}",
+                    ),
+                    Query(
+                        f"sum by (instance) (kvrouter_rank_booked_blocks{_sel()})",
+                        "booked {{instance}}",
+                    ),
+                ),
+                width=6,
+            ),
+            Panel(
+                "Bookings",
+                "Routed prompts waiting for their store events (kvrouter_bookings_held), and "
+                "bookings ended per second: confirmed by the index, or expired (engines queue "
+                "longer than --booking-ttl-ms, or store events are lost).",
+                "short",
+                (
+                    Query(
+                        f"sum by (instance) (kvrouter_bookings_held{_sel()})", "held {{instance}}"
+                    ),
+                    Query(
+                        f"sum by (outcome) ({_rate('kvrouter_bookings_total')})",
+                        "{{outcome}}/s",
+                    ),
+                ),
+                width=6,
+            ),
+            Panel(
+                "Spills",
+                "Decisions per second whose chosen rank had to evict blocks in recent demand "
+                "(kvrouter_pressure_spills_total), and the blocks they evicted per second. A "
+                "steady rate: the working set exceeds the fleet's caches.",
+                "ops",
+                (
+                    Query(
+                        f"sum by (instance) ({_rate('kvrouter_pressure_spills_total')})",
+                        "decisions {{instance}}",
+                    ),
+                    Query(
+                        f"sum by (instance) ({_rate('kvrouter_pressure_spilled_blocks_total')})",
+                        "blocks {{instance}}",
+                    ),
+                ),
+                width=6,
             ),
         ),
     ),
@@ -254,6 +465,50 @@ ROWS: Final = (
                     ),
                 ),
             ),
+            Panel(
+                "Index against its cap",
+                "(rank, block) pairs each replica's index carries "
+                "(kvrouter_index_carried_blocks) and its cap, --kv-index-max-blocks "
+                "(kvrouter_index_max_blocks; 0: none). At the cap the rank carrying the most "
+                "is cleared.",
+                "short",
+                (
+                    Query(f"kvrouter_index_carried_blocks{_sel()}", "carried {{instance}}"),
+                    Query(f"kvrouter_index_max_blocks{_sel()}", "cap {{instance}}"),
+                ),
+            ),
+            Panel(
+                "Cap clears",
+                "Ranks cleared because the index went over its cap, since each replica "
+                "started (kvrouter_index_cap_clears_total), and the blocks those clears forgot "
+                "(kvrouter_index_cap_cleared_blocks_total): raise the cap with the memory limit.",
+                "short",
+                (
+                    Query(
+                        "sum by (instance, worker_url, dp_rank) "
+                        f"(kvrouter_index_cap_clears_total{_sel()})",
+                        "{{instance}} {{worker_url}} rank {{dp_rank}}",
+                    ),
+                    Query(
+                        f"sum by (instance) (kvrouter_index_cap_cleared_blocks_total{_sel()})",
+                        "blocks forgotten {{instance}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Memory beside the index",
+                "Bytes held by the cached export of the index served to siblings "
+                "(kvrouter_kv_snapshot_cached_bytes, freed at its max age) and by the "
+                "tokenization cache (kvrouter_tokenize_cache_bytes, at most "
+                "--tokenize-cache-mb).",
+                "bytes",
+                (
+                    Query(
+                        f"kvrouter_kv_snapshot_cached_bytes{_sel()}", "snapshot export {{instance}}"
+                    ),
+                    Query(f"kvrouter_tokenize_cache_bytes{_sel()}", "tokenize cache {{instance}}"),
+                ),
+            ),
         ),
     ),
     Row(
@@ -265,6 +520,21 @@ ROWS: Final = (
                 "Above 1,000 for a minute the replica cannot keep up with the fleet's events.",
                 "short",
                 (Query(f"kvrouter_pump_backlog{_sel()}", "{{instance}}"),),
+            ),
+            Panel(
+                "Cursor lag per rank",
+                "Per rank and replica, how many batches the replica's applied cursor "
+                "(kvrouter_kv_cursor) is behind the replica furthest ahead in that rank's "
+                "stream. Brief steps are batches in flight; a lasting lag is a replica that "
+                "cannot keep up or does not receive the stream.",
+                "short",
+                (
+                    Query(
+                        f"max by (worker_url, dp_rank) (kvrouter_kv_cursor{_sel()}) "
+                        f"- on (worker_url, dp_rank) group_right kvrouter_kv_cursor{_sel()}",
+                        "{{instance}} {{worker_url}} rank {{dp_rank}}",
+                    ),
+                ),
             ),
             Panel(
                 "Lost batches per rank",
@@ -293,9 +563,12 @@ ROWS: Final = (
                 ),
             ),
             Panel(
-                "Publisher resets and malformed frames",
-                "Engine publishers that restarted (their rank is cleared and re-learned) and "
-                "ZMQ frames that did not decode (an engine version or wire format mismatch).",
+                "Stream faults",
+                "Per second: engine publishers that restarted (their rank is cleared and "
+                "re-learned), publisher connections that dropped (kvrouter_kv_disconnects_total: "
+                "the engine went away, or a message over --kv-events-max-message-bytes), seq "
+                "jumps handled as a new stream, and ZMQ frames that did not decode (an engine "
+                "version or wire format mismatch).",
                 "ops",
                 (
                     Query(
@@ -303,8 +576,50 @@ ROWS: Final = (
                         "resets {{instance}}",
                     ),
                     Query(
+                        f"sum by (instance) ({_rate('kvrouter_kv_disconnects_total')})",
+                        "disconnects {{instance}}",
+                    ),
+                    Query(
+                        f"sum by (instance) ({_rate('kvrouter_kv_seq_jumps_total')})",
+                        "seq jumps {{instance}}",
+                    ),
+                    Query(
                         f"sum by (instance) ({_rate('kvrouter_kv_bad_frames_total')})",
                         "bad frames {{instance}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Ingest processes",
+                "With --kv-ingest-processes: the ranks each process subscribes to "
+                "(kvrouter_kv_ingest_ranks), its restarts since the replica started (its ranks "
+                "see a gap) and messages from them that did not decode (a bug).",
+                "short",
+                (
+                    Query(
+                        f"sum by (instance, process) (kvrouter_kv_ingest_ranks{_sel()})",
+                        "ranks {{instance}} #{{process}}",
+                    ),
+                    Query(
+                        f"sum by (instance, process) (kvrouter_kv_ingest_restarts_total{_sel()})",
+                        "restarts {{instance}} #{{process}}",
+                    ),
+                    Query(
+                        f"sum by (instance) (kvrouter_kv_ingest_bad_messages_total{_sel()})",
+                        "bad messages {{instance}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Ingest accelerator",
+                "Which ingest implementation each replica runs (kvrouter_accelerator_info): "
+                "compiled, or pure (the C extension not built, or KVROUTER_NO_EXTENSIONS set), "
+                "which spends several times the CPU per KV event.",
+                "short",
+                (
+                    Query(
+                        f"max by (instance, implementation) (kvrouter_accelerator_info{_sel()})",
+                        "{{instance}} {{implementation}}",
                     ),
                 ),
             ),
@@ -330,12 +645,17 @@ ROWS: Final = (
                 "Sibling snapshot fetches",
                 "Snapshots fetched from siblings since each replica started, by outcome "
                 "(kvrouter_kv_peer_snapshot_total): accepted, unreachable, cold_peer, "
-                "rejected.",
+                "rejected; and the exports each replica built for its siblings "
+                "(kvrouter_kv_snapshot_exports_total).",
                 "short",
                 (
                     Query(
                         f"sum by (instance, outcome) (kvrouter_kv_peer_snapshot_total{_sel()})",
                         "{{instance}} {{outcome}}",
+                    ),
+                    Query(
+                        f"sum by (instance) (kvrouter_kv_snapshot_exports_total{_sel()})",
+                        "exports built by {{instance}}",
                     ),
                 ),
             ),
@@ -355,7 +675,7 @@ ROWS: Final = (
         ),
     ),
     Row(
-        "Workers and discovery",
+        "Workers, tasks and discovery",
         (
             Panel(
                 "Unhealthy workers",
@@ -398,6 +718,55 @@ ROWS: Final = (
                     Query(
                         f"sum by (what, reason) ({_rate('kvrouter_discovery_failures_total')})",
                         "failures {{what}} {{reason}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Workers refused, ranks distrusted",
+                "Workers refused at registration since each replica started, by reason "
+                "(kvrouter_workers_refused_total: block_size, socket_limit), and ranks cleared "
+                "because the index held more device blocks than the engine can "
+                "(kvrouter_ranks_distrusted_total: removals lost or made up).",
+                "short",
+                (
+                    Query(
+                        f"sum by (instance, reason) (kvrouter_workers_refused_total{_sel()})",
+                        "refused {{reason}} {{instance}}",
+                    ),
+                    Query(
+                        f"sum by (instance) (kvrouter_ranks_distrusted_total{_sel()})",
+                        "distrusted {{instance}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Rank subscriptions and the socket budget",
+                "Worker ranks each replica subscribes to, and how many its socket budget "
+                "allows (kvrouter_rank_subscriptions; from the open-file limit): a worker past "
+                "it is refused (socket_limit).",
+                "short",
+                (
+                    Query(
+                        f"sum by (instance, kind) (kvrouter_rank_subscriptions{_sel()})",
+                        "{{kind}} {{instance}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Background tasks",
+                "Failures of background loops since each replica started, by kind "
+                "(kvrouter_task_failures_total: each logged with its traceback and retried), "
+                "and loops failing over and over (kvrouter_tasks_failing; a critical one turns "
+                "/readyz 503).",
+                "short",
+                (
+                    Query(
+                        f"sum by (task) (kvrouter_task_failures_total{_sel()})",
+                        "failures {{task}}",
+                    ),
+                    Query(
+                        f"sum by (instance, task) (kvrouter_tasks_failing{_sel()})",
+                        "failing {{task}} {{instance}}",
                     ),
                 ),
             ),
@@ -487,8 +856,9 @@ def dashboard() -> dict[str, Any]:
     return {
         "title": TITLE,
         "uid": UID,
-        "description": "A kvrouter Deployment: requests, routing, the replicas' indexes, the "
-        "engines' event streams, peer bootstrap, workers and discovery. Generated by "
+        "description": "A kvrouter Deployment: requests and added latency, connections, "
+        "routing and tokenization, cache pressure, the replicas' indexes, the engines' event "
+        "streams, peer bootstrap, workers, background loops and discovery. Generated by "
         "scripts/dashboard.py.",
         "tags": ["kvrouter"],
         "editable": True,

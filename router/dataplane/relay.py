@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
 from cachetree.ranks import RankId
@@ -221,6 +222,8 @@ class WorkerRelay(Relay):
         extra = [(b"X-Data-Parallel-Rank", b"%d" % rank.dp_rank)] if worker.dp_size > 1 else None
         request = upstream_request(self.head, len(self.body), pool.host_header, extra)
         conn.send(self, self.head.method, request, self.body, self.plane.limits.head_timeout_s)
+        if self.attempts == 1 and not self._retried:  # once a request: the router's own time
+            self.plane.metrics.added_seconds.observe(perf_counter() - self.client.turn_started)
 
     def connection_failed(self, failure: Failure, detail: str) -> None:
         self.upstream_failed(failure, detail)

@@ -313,6 +313,7 @@ class ClientConnection(asyncio.Protocol):
         self._head_size = 0  # bytes of reads that fell wholly inside the head being parsed
         self._deferred: tuple[RequestHead, bytes] | None = None  # waits for a routing slice
         self._held: list[bytes] | None = None  # writes gathered by `hold_writes`
+        self.turn_started = 0.0  # perf_counter when the routed request being answered got its turn
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -564,6 +565,7 @@ class ClientConnection(asyncio.Protocol):
         if route == "not_allowed":
             self.refuse(not_allowed(head))
             return
+        self.turn_started = time.perf_counter()
         self._deferred = (head, body)
         self.plane.route_in_turn(self)
 

@@ -3,12 +3,14 @@
 One fleet for the module (real processes on loopback): three fake workers (w1 vLLM-style with
 replay, w2 SGLang-style with two dp ranks, w3 without replay), replica a with static workers
 and b as its peer, replica b finding its workers and a through the fake Kubernetes API server,
-and replica c joining later to bootstrap from both (and refusing w4, whose block size is not
-the fleet's). A real Prometheus (Debian's binary)
+replica d on its own with a model tokenizer, an ingest process and an index cap far too small
+for the fleet, and replica c joining later to bootstrap from a and b (and refusing w4, whose
+block size is not the fleet's). A real Prometheus (Debian's binary)
 scrapes the replicas (job `kvrouter`) and the workers (job `engines`) every second and
 evaluates manifests/observability/alerts.yaml. Then traffic, and the faults the panels and
 alerts are for: a worker failing requests, a stream gap replay repairs, a stream gap nothing
-repairs, a publisher restart, a bad request, and discovery refused with 403.
+repairs, a publisher restart, a bad request, a malformed one, chats d cannot tokenize as the
+engine would, d's index over its cap, and discovery refused with 403.
 
 Every query of every dashboard panel must then return data, the panels must show those
 faults (who failed, which rank lost batches, how c bootstrapped), every series and label a
@@ -31,10 +33,12 @@ import pytest_asyncio
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from cachetree import accel
 from tests.support.cluster import Cluster, RouterProcess, whole_blocks
 from tests.support.fake_apiserver import FakeApiServer, endpoint, endpoint_slice
 from tests.support.fake_worker import FakeWorkerHandle
 from tests.support.manifests import MANIFESTS
+from tests.support.model_dirs import build_fixture_model
 from tests.support.ports import free_tcp_port
 from tests.support.prometheus import Prometheus, binary, running_prometheus
 from tests.support.router import gate_fleet, quiesce
@@ -54,6 +58,10 @@ PROMPT: Final = (
 
 # A long prefix only w1 holds: cache_aware sends its requests there first.
 W1_PROMPT: Final = "Summarise the incident report of the night shift for the morning team. " * 6
+# Replica d's cap: W1_PROMPT alone is 27 blocks, the traffic stores several dozen more.
+D_INDEX_MAX_BLOCKS: Final = 48
+IMAGE_CHATS: Final = 2
+IMAGE_PART: Final = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 
 
 @dataclass
@@ -120,6 +128,34 @@ async def fail_over(fw: FakeWorkerHandle, replicas: list[RouterProcess]) -> None
     assert (await fw.get("/control/state"))["failed_requests"] == 1
 
 
+async def chats(rt: RouterProcess, requests: int) -> None:
+    """Chats d renders with its model tokenizer (the segment cache), then chats with an image
+    part it cannot render as the engine would: routed by load, counted as tokenize failures."""
+    for i in range(requests):
+        messages = [{"role": "system", "content": PROMPT}, {"role": "user", "content": f"Q{i}?"}]
+        status, payload, _ = await rt.post("/v1/chat/completions", {"messages": messages})
+        assert status == 200, payload
+    for _ in range(IMAGE_CHATS):
+        content = [{"type": "text", "text": "What is on this graph?"}, IMAGE_PART]
+        status, payload, _ = await rt.post(
+            "/v1/chat/completions", {"messages": [{"role": "user", "content": content}]}
+        )
+        assert status == 200, payload
+
+
+async def malformed_request(rt: RouterProcess) -> None:
+    """Bytes that are not HTTP: answered 400, and the router closes the connection."""
+    url = urlsplit(rt.url)
+    assert url.hostname is not None and url.port is not None
+    reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    try:
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:100]
+
+
 async def stream_faults(
     replicas: list[RouterProcess], workers: dict[str, FakeWorkerHandle]
 ) -> None:
@@ -164,7 +200,8 @@ async def fleet(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Fleet
                     "kvrouter-a", "kvrouter", [endpoint("127.0.0.1", "kvrouter-a")], ports=[a_port]
                 )
             )
-            a, b = await asyncio.gather(
+            model = build_fixture_model(workdir / "model", "qwen3.jinja")
+            a, b, d = await asyncio.gather(
                 cluster.router(
                     "a",
                     workers=list(workers.values()),
@@ -183,22 +220,34 @@ async def fleet(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Fleet
                     "kubernetes.io/service-name=kvrouter",
                     port=b_port,
                 ),
+                cluster.router(
+                    "d",
+                    "--tokenizer",
+                    str(model),
+                    "--kv-ingest-processes",
+                    "1",
+                    "--kv-index-max-blocks",
+                    str(D_INDEX_MAX_BLOCKS),
+                    workers=list(workers.values()),
+                ),
             )
-            await asyncio.gather(a.wait_ready(), b.wait_ready())
+            await asyncio.gather(a.wait_ready(), b.wait_ready(), d.wait_ready())
             async with running_prometheus(
                 cluster.processes, workdir, ["kvrouter", "engines"], rules=rules
             ) as prom:
-                prom.set_targets("kvrouter", [a.url, b.url])
+                prom.set_targets("kvrouter", [a.url, b.url, d.url])
                 prom.set_targets("engines", [fw.url for fw in workers.values()])
-                await gate_fleet([a, b], list(workers.values()))
+                await gate_fleet([a, b, d], list(workers.values()))
                 await traffic([a, b], 20)
+                await chats(d, 4)
+                await malformed_request(a)
                 await workers["w1"].store([whole_blocks(W1_PROMPT)])
-                await quiesce([a, b], list(workers.values()))
+                await quiesce([a, b, d], list(workers.values()))
                 await fail_over(workers["w1"], [a, b])
                 await traffic([a, b], 6, W1_PROMPT)
                 status, _, _ = await a.post("/v1/completions", {"max_tokens": 1})
                 assert status == 400  # no prompt: the client's error, counted as such
-                await stream_faults([a, b], workers)
+                await stream_faults([a, b, d], workers)
                 # b's watches are cut and may not come back for a while: RBAC taken away.
                 api.fail("watch", 403, times=3)
                 api.fail("list", 403, times=3)
@@ -208,12 +257,12 @@ async def fleet(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Fleet
                     "c", workers=[*workers.values(), odd], peers=[a.url, b.url]
                 )
                 await c.wait_ready()
-                prom.set_targets("kvrouter", [a.url, b.url, c.url])
-                await traffic([a, b, c], 15)
+                prom.set_targets("kvrouter", [a.url, b.url, c.url, d.url])
+                await traffic([a, b, c, d], 16)
                 await repeat_on_each_rank(workers["w2"])
-                await prom.wait_scraped("kvrouter", 3)
+                await prom.wait_scraped("kvrouter", 4)
                 await prom.wait_scraped("engines", 3)
-                yield Fleet(prom, {"a": a, "b": b, "c": c}, workers)
+                yield Fleet(prom, {"a": a, "b": b, "c": c, "d": d}, workers)
     finally:
         await cluster.close()
 
@@ -238,7 +287,7 @@ async def test_every_dashboard_panel_query_returns_data_from_the_fleet(fleet: Fl
                 await returns_data(fleet.prom, target["expr"])
             except AssertionError:
                 empty.append(f"{p['title']} [{target['refId']}]: {target['expr']}")
-    assert empty == []
+    assert empty == [], "\n".join(empty)
 
 
 def instance(fleet: Fleet, replica: str) -> str:
@@ -307,6 +356,62 @@ async def test_the_panels_show_who_served_what_failed_and_how_c_bootstrapped(fle
     )
 
 
+def value_of(samples: list[dict[str, Any]], **match: str) -> float | None:
+    """The value of the one sample whose labels include `match`, None when there is none."""
+    found = [s for s in samples if all(s["metric"].get(k) == v for k, v in match.items())]
+    assert len(found) <= 1, found
+    return float(found[0]["value"][1]) if found else None
+
+
+async def test_the_new_panels_show_the_faults_that_made_their_series(fleet: Fleet) -> None:
+    prom, w = fleet.prom, fleet.workers
+    d = instance(fleet, "d")
+    every = {(instance(fleet, r),) for r in fleet.replicas}
+    ranks = {(fw.url, str(r)) for fw in w.values() for r in range(fw.config.dp_size)}
+    await shows(
+        prom,
+        "Cursor lag per rank",
+        0,
+        lambda s: (
+            labels(s, "instance") == every
+            and labels(s, "worker_url", "dp_rank") == ranks
+            and all(float(x["value"][1]) >= 0 for x in s)
+        ),
+    )
+    await shows(
+        prom, "Cap clears", 0, lambda s: {x[0] for x in labels(s, "instance", "worker_url")} == {d}
+    )
+    await shows(prom, "Cap clears", 1, lambda s: (value_of(s, instance=d) or 0) > 0)
+    await shows(
+        prom,
+        "Client connections the router closed",
+        0,
+        lambda s: (instance(fleet, "a"), "malformed") in labels(s, "instance", "reason"),
+    )
+    # d's one ingest process subscribes to every rank of the fleet.
+    await shows(
+        prom, "Ingest processes", 0, lambda s: value_of(s, instance=d, process="0") == len(ranks)
+    )
+    await shows(prom, "Memory beside the index", 1, lambda s: (value_of(s, instance=d) or 0) > 0)
+    await shows(prom, "Tokenization cache hit ratio", 0, lambda s: labels(s, "instance") == {(d,)})
+    await shows(prom, "Background tasks", 0, lambda s: ("health",) in labels(s, "task"))
+    await shows(
+        prom,
+        "Ingest accelerator",
+        0,
+        lambda s: (
+            labels(s, "instance", "implementation") == {(i, accel.IMPLEMENTATION) for (i,) in every}
+        ),
+    )
+    failures = 'kvrouter_tokenize_failures_total{reason="content"}'
+    assert value_of(await prom.query(failures), instance=d) == IMAGE_CHATS
+    # Each routed request is timed once, the failed-over one too; the 400 and the malformed
+    # request never reached a worker.
+    routed = 20 + 4 + IMAGE_CHATS + 1 + 6 + 16
+    timed = await prom.query("sum(kvrouter_request_added_seconds_count)")
+    assert float(timed[0]["value"][1]) == routed
+
+
 _METRIC: Final = re.compile(r"\b((?:kvrouter|process|python)_\w+|(?:vllm|sglang):\w+)")
 _SELECTOR: Final = re.compile(r"((?:kvrouter|process|python)_\w+|(?:vllm|sglang):\w+)\{([^}]*)\}")
 _MATCHER: Final = re.compile(r"(\w+)\s*(?:=~|!~|!=|=)")
@@ -352,7 +457,12 @@ async def test_every_series_and_label_a_panel_or_rule_names_is_exported(fleet: F
 
 
 async def test_the_rules_fire_on_the_real_faults(fleet: Fleet) -> None:
-    wanted = {"KvrouterEventBatchesLost", "KvrouterDiscoveryForbidden", "KvrouterWorkerRefused"}
+    wanted = {
+        "KvrouterEventBatchesLost",
+        "KvrouterDiscoveryForbidden",
+        "KvrouterWorkerRefused",
+        "KvrouterIndexCapClears",
+    }
 
     async def fired() -> dict[str, list[dict[str, str]]]:
         by_name: dict[str, list[dict[str, str]]] = {}
@@ -372,6 +482,17 @@ async def test_the_rules_fire_on_the_real_faults(fleet: Fleet) -> None:
     assert {(a["instance"], a["reason"]) for a in firing["KvrouterWorkerRefused"]} == {
         (c, "block_size")
     }
-    # What did not go wrong stays quiet: the workers' health, the bootstrap, the backlog.
-    quiet = {"KvrouterWorkerUnhealthy", "KvrouterBootstrapNotSettled", "KvrouterPumpBacklog"}
+    d = urlsplit(fleet.replicas["d"].url).netloc
+    assert {a["instance"] for a in firing["KvrouterIndexCapClears"]} == {d}
+    # What did not go wrong stays quiet: the workers' health, the bootstrap, the backlog, the
+    # loops, the connection cap, the ingest process, the accelerator.
+    quiet = {
+        "KvrouterWorkerUnhealthy",
+        "KvrouterBootstrapNotSettled",
+        "KvrouterPumpBacklog",
+        "KvrouterTaskFailing",
+        "KvrouterConnectionsRefused",
+        "KvrouterIngestRestarts",
+        "KvrouterAcceleratorNotBuilt",
+    }
     assert not quiet & firing.keys()

@@ -17,6 +17,7 @@ import pytest
 
 from router.cli import build_parser
 from tests.support.fake_apiserver import FakeApiServer
+from tests.support.model_dirs import build_fixture_model
 from tests.support.ports import free_port_range, listening
 from tests.support.processes import run_to_end
 from tests.support.router import router_in_process
@@ -136,12 +137,14 @@ def test_every_flag_in_the_readme_table_is_a_serve_flag() -> None:
             assert flag in known, flag
 
 
-async def test_every_metric_the_readme_names_is_exported() -> None:
-    # Bootstrap, discovery and ingest processes on, so that their series are exported too.
+async def test_every_metric_the_readme_names_is_exported(tmp_path: Path) -> None:
+    # Bootstrap, discovery, ingest processes and a model tokenizer (its segment cache) on, so
+    # that their series are exported too.
     async with (
         FakeApiServer() as api,
         router_in_process(
             workers=[],
+            tokenizer=str(build_fixture_model(tmp_path / "model", "qwen3.jinja")),
             kv_peer_selector="kubernetes.io/service-name=kvrouter",
             kube_api_server=api.url,
             namespace="default",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import msgspec
 import pytest
 
@@ -12,9 +14,9 @@ from cachetree.tiers import DEVICE, HOST
 from cachetree.tree import BlockTree
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from router.index import IndexRules
-from router.ingest_pool import pick_process, restart_backoff_s
-from router.ingest_wire import KeyMirror, Stats, pack, pack_stats, unpack
-from router.subscriber import LiveBatch, PublisherReset, UnrepairedGap
+from router.ingest_pool import _copy_stats, pick_process, restart_backoff_s
+from router.ingest_wire import KeyMirror, Stats, pack, pack_stats, stats_values, unpack
+from router.subscriber import LiveBatch, PublisherReset, SubscriberStats, UnrepairedGap
 
 BS = 4
 A = RankId("http://a:8000", 0)
@@ -98,6 +100,20 @@ def test_resets_gaps_and_counters_round_trip() -> None:
     assert unpack(pack(UnrepairedGap(B, 4, 9), mirror)) == UnrepairedGap(B, 4, 9)
     stats = unpack(pack_stats(B, {"frames": 3, "replay": {"repaired": 1}}))
     assert type(stats) is Stats and stats.rank == B and stats.values["frames"] == 3
+
+
+def test_a_ranks_counters_reach_the_replica_as_they_were_counted() -> None:
+    """Counters keep their keys through the wire (asdict made them Counters of pairs, and the
+    replica's /metrics failed on the first replay of a rank in an ingest process)."""
+    counted = SubscriberStats(frames=7, seq_jumps=1)
+    counted.replay["repaired"] += 2
+    counted.decode_errors["msgpack"] += 1
+    message = unpack(pack_stats(B, stats_values(counted)))
+    assert type(message) is Stats
+    received = SubscriberStats()
+    _copy_stats(received, message.values)
+    assert received == counted
+    assert received.replay == Counter({"repaired": 2})
 
 
 @pytest.mark.parametrize(
