@@ -84,7 +84,13 @@ async def test_discovered_workers_take_traffic_and_departed_ones_are_drained_and
         # Back and ready: registered again. Not ready (no termination): drained and removed.
         fake.put(worker_slice(w1))
         fake.put(worker_slice(w2, ready=False))
-        await eventually(lambda: {w.url for w in rt.replica.workers.workers()} == {w1.url}, 10.0)
+        await eventually(
+            lambda: (
+                {w.url for w in rt.replica.workers.workers()} == {w1.url}
+                and routable(rt) == {w1.url}
+            ),  # listed as soon as its registration starts
+            10.0,
+        )
         assert await requests_taken([w1, w2], rt, 4) == [4, 0]
 
         fake.delete(worker_slice(w1)["metadata"]["name"])
