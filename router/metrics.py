@@ -7,20 +7,24 @@ scrapes: the hot paths keep plain ints, and the scrape pays for the formatting.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from prometheus_client import (
     CollectorRegistry,
     GCCollector,
-    Histogram,
     Info,
     PlatformCollector,
     ProcessCollector,
 )
-from prometheus_client import Counter as PromCounter
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from cachetree import accel
@@ -39,6 +43,37 @@ if TYPE_CHECKING:
     from router.workers import WorkerRegistry
 
 _BREAKER_STATE = {"closed": 0, "open": 1, "half_open": 2}
+MATCHED_BLOCKS_BUCKETS: Final = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class LabelledCounts(Counter[tuple[str, ...]]):
+    """A counter series kept as plain ints by label values: `counts[route, worker, code] += 1`."""
+
+
+class BucketCounts:
+    """A histogram kept as plain ints: per-bucket counts (not cumulative) and the sum."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, running = [], 0
+        for bound, n in zip([*map(_le, self.bounds), "+Inf"], self.counts, strict=True):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+def _le(bound: float) -> str:
+    return str(float(bound))  # as prometheus_client writes bucket bounds: "4.0"
 
 
 class RouterMetrics:
@@ -57,37 +92,14 @@ class RouterMetrics:
             "pure (not built, or KVROUTER_NO_EXTENSIONS set)",
             registry=self.registry,
         ).info({"implementation": accel.IMPLEMENTATION})
-        self.requests = PromCounter(
-            "kvrouter_requests",
-            "Client requests by route, the worker that answered and its status",
-            ["route", "worker", "status"],
-            registry=self.registry,
-        )
-        self.decisions = PromCounter(
-            "kvrouter_routing_decisions",
-            "Routing decisions by policy and outcome",
-            ["policy", "outcome"],
-            registry=self.registry,
-        )
-        self.matched_blocks = Histogram(
-            "kvrouter_matched_blocks",
-            "Leading prompt blocks the chosen rank held",
-            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
-            registry=self.registry,
-        )
-        self.upstream_failures = PromCounter(
-            "kvrouter_upstream_failures",
-            "Upstream attempts that failed before the first byte and were failed over",
-            ["worker", "reason"],
-            registry=self.registry,
-        )
-        self.tokenize_failures = PromCounter(
-            "kvrouter_tokenize_failures",
-            "Chat requests the router could not render as the engine would, routed by load as "
-            "misses, by reason (see router/tokenize/chat_rules.py FAILURE_REASONS)",
-            ["reason"],
-            registry=self.registry,
-        )
+        # The request path's series: plain ints bumped per request, formatted at scrape time
+        # (a prometheus_client `labels().inc()` costs 1-3 us, several times a request).
+        self.requests = LabelledCounts()  # (route, worker, status)
+        self.decisions = LabelledCounts()  # (policy, outcome)
+        self.matched_blocks = BucketCounts(MATCHED_BLOCKS_BUCKETS)
+        self.upstream_failures = LabelledCounts()  # (worker, reason)
+        self.tokenize_failures = LabelledCounts()  # (reason,)
+        self.registry.register(_RequestCollector(self))
 
     def watch_tokenizer(self, tokenizer: RequestTokenizer) -> None:
         self.registry.register(_TokenizerCollector(tokenizer))
@@ -596,6 +608,48 @@ class _TokenizerCollector(Collector):
             "kvrouter_tokenize_cache_bytes",
             "Estimated bytes held by the tokenization cache (bounded by --tokenize-cache-mb)",
             [((), cache.bytes)],
+        )
+
+
+class _RequestCollector(Collector):
+    """The request path's per-request series (`RouterMetrics.requests` and its siblings)."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._metrics
+        yield _counter(
+            "kvrouter_requests",
+            "Client requests by route, the worker that answered and its status",
+            ["route", "worker", "status"],
+            dict(m.requests),
+        )
+        yield _counter(
+            "kvrouter_routing_decisions",
+            "Routing decisions by policy and outcome",
+            ["policy", "outcome"],
+            dict(m.decisions),
+        )
+        matched = m.matched_blocks
+        yield HistogramMetricFamily(
+            "kvrouter_matched_blocks",
+            "Leading prompt blocks the chosen rank held",
+            buckets=matched.cumulative(),
+            sum_value=matched.total,
+        )
+        yield _counter(
+            "kvrouter_upstream_failures",
+            "Upstream attempts that failed before the first byte and were failed over",
+            ["worker", "reason"],
+            dict(m.upstream_failures),
+        )
+        yield _counter(
+            "kvrouter_tokenize_failures",
+            "Chat requests the router could not render as the engine would, routed by load as "
+            "misses, by reason (see router/tokenize/chat_rules.py FAILURE_REASONS)",
+            ["reason"],
+            dict(m.tokenize_failures),
         )
 
 

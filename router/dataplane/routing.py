@@ -121,7 +121,7 @@ class RequestRouter:
             return Refusal(400, str(exc), param=exc.param)
         routable = self.workers.routable()
         if not routable:
-            self.metrics.decisions.labels(self.policy.name, "no_candidates").inc()
+            self.metrics.decisions[self.policy.name, "no_candidates"] += 1
             return Refusal(503, "no healthy worker to route to", type="service_unavailable")
         inflight, loads = self.inflight, self.loads
         candidates = [
@@ -135,7 +135,7 @@ class RequestRouter:
             return Refusal(400, str(exc), param=exc.param)
         except ValueError as exc:  # the tokenizer's: a prompt it cannot take
             return Refusal(400, str(exc), param=param_of(route))
-        self.metrics.decisions.labels(self.policy.name, decision.outcome).inc()
+        self.metrics.decisions[self.policy.name, decision.outcome] += 1
         self.metrics.matched_blocks.observe(decision.matched_blocks)
         return decision
 
@@ -151,7 +151,7 @@ class RequestRouter:
             if encoded.failure is not None:
                 # Rendered unlike the engine would: forwarded all the same, routed by load alone
                 # (no tokens, no keys), as a miss.
-                self.metrics.tokenize_failures.labels(encoded.failure).inc()
+                self.metrics.tokenize_failures[(encoded.failure,)] += 1
         else:
             tokens = self.tokenizer.encode_prompt(prompt_of(route, body))
         tree = self.rules.tree

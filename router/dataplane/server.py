@@ -577,7 +577,7 @@ class ClientConnection(asyncio.Protocol):
         path = head.path
         decision = plane.router.route(path, body)
         if isinstance(decision, Refusal):
-            plane.metrics.requests.labels(path.decode(), "none", str(decision.status)).inc()
+            plane.metrics.requests[path.decode(), "none", str(decision.status)] += 1
             self.refuse(decision)
             return
         relay = WorkerRelay(plane, self, head, body, decision.ranked)
