@@ -14,7 +14,7 @@ either interface touches only it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import msgspec
 
@@ -36,6 +36,9 @@ class Router(Protocol):
     def route(self, route: bytes, raw: bytes) -> Decision | Refusal: ...
 
 
+# The policies that read the index; the others decide without tokenizing the prompt.
+INDEX_POLICIES: Final = frozenset({"cache_aware"})
+NO_PROMPT: Final = Prompt(0, 1)  # what an index-free policy is told of a prompt
 CHAT = b"/v1/chat/completions"
 GENERATE = b"/generate"
 
@@ -140,7 +143,19 @@ class RequestRouter:
         return decision
 
     def choose(self, route: bytes, body: dict[str, Any], candidates: list[Candidate]) -> Decision:
-        """Tokenize, key, look up and decide: every call into the tokenizer and the policy."""
+        """Tokenize, key, look up and decide: every call into the tokenizer and the policy.
+
+        A policy that does not read the index (round_robin, random, least_load,
+        power_of_two) decides on the candidates alone: the prompt is checked for its shape
+        but not tokenized or keyed (its CPU was a quarter of such a request's routing work),
+        and what the tokenizer alone would refuse is left to the engine to refuse.
+        """
+        if self.policy.name not in INDEX_POLICIES:
+            if route == CHAT:
+                messages_of(body)
+            else:
+                prompt_of(route, body)
+            return self.policy.decide(candidates, NO_PROMPT)
         if route == CHAT:
             messages_of(body)
             try:
@@ -155,10 +170,8 @@ class RequestRouter:
         else:
             tokens = self.tokenizer.encode_prompt(prompt_of(route, body))
         tree = self.rules.tree
-        depths = None
-        keys: list[int] = []
-        if tree is not None and self.policy.name == "cache_aware":
-            keys = block_keys(tokens, tree.block_size, namespace_seed(namespace_for(body)))
-            depths = tree.prefix_depths(keys)
-        block_size = tree.block_size if tree is not None else 1
-        return self.policy.decide(candidates, Prompt(len(tokens), block_size, depths, keys))
+        if tree is None:  # no worker registered yet: no block size, no index
+            return self.policy.decide(candidates, Prompt(len(tokens), 1))
+        keys = block_keys(tokens, tree.block_size, namespace_seed(namespace_for(body)))
+        depths = tree.prefix_depths(keys)
+        return self.policy.decide(candidates, Prompt(len(tokens), tree.block_size, depths, keys))
