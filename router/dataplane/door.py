@@ -144,8 +144,14 @@ class Published:
     lag: float = 0.0
 
 
-def stalled_answer(stalled_s: float) -> tuple[int, Any]:
-    return 503, {"status": "stalled", "reason": f"the event loop has not run for {stalled_s:.1f}s"}
+def published_answer(published: Published, path: bytes, now: float) -> tuple[int, Any]:
+    """A probe's answer from the loop's last heartbeat: a 503 once the loop stalled."""
+    stalled_s = now - published.at
+    answer = published.answers.get(path)
+    if stalled_s > LOOP_STALL_S or answer is None:
+        reason = f"the event loop has not run for {stalled_s:.1f}s"
+        return 503, {"status": "stalled", "reason": reason}
+    return answer
 
 
 class Door:
@@ -186,6 +192,10 @@ class Door:
         self._thread = threading.Thread(target=self._run, name="kvrouter-door", daemon=True)
         self.answered = 0  # probes answered by the door
         self.from_heartbeat = 0  # of which with the heartbeat's answer (the loop was busy)
+
+    @property
+    def published(self) -> Published:
+        return self._published
 
     def start(self) -> None:
         self._beat()
@@ -351,11 +361,8 @@ class Door:
             fresh = self._ask_loop(self._probes[path])
             if fresh is not None:
                 return fresh
-        stalled_s = self._clock() - published.at
-        if stalled_s > LOOP_STALL_S:
-            return stalled_answer(stalled_s)
         self.from_heartbeat += 1
-        return published.answers.get(path) or stalled_answer(stalled_s)
+        return published_answer(published, path, self._clock())
 
     def _ask_loop(self, probe: Probe) -> tuple[int, Any] | None:
         done = threading.Event()

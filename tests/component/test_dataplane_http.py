@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import socket
+import threading
 
 import aiohttp
 import pytest
@@ -587,6 +588,47 @@ async def test_a_worker_that_health_declares_down_while_a_request_waits_is_faile
             "kvrouter_upstream_failures_total", worker=stuck.url, reason="worker_down"
         ) == 1
         assert rt.replica.inflight.total == 0
+
+
+# -- item 5: health probes off the event loop -----------------------------------------------
+
+
+async def test_a_probe_on_a_new_connection_is_answered_while_the_event_loop_is_blocked() -> None:
+    async with fake_worker_in_process() as fw, router_in_process(workers=[fw.url]) as rt:
+        door = rt.plane.doors[0]
+        await eventually(lambda: door.published.answers[b"/readyz"][0] == 200, 10)
+        host, port = rt.plane.addresses[0]
+        answers: list[bytes] = []
+        answered = threading.Event()
+
+        def kubelet() -> None:
+            with socket.create_connection((host, port), timeout=5) as sock:
+                sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: k\r\nConnection: close\r\n\r\n")
+                answer = b""
+                while data := sock.recv(4096):
+                    answer += data
+            answers.append(answer)
+            answered.set()
+
+        threading.Thread(target=kubelet, daemon=True).start()
+        # The loop is held (as a saturated loop is, for a turn) until the probe is answered.
+        assert answered.wait(5), "the probe waited for the event loop"
+        assert answers[0].startswith(b"HTTP/1.1 200 OK\r\n") and answers[0].endswith(
+            b'{"ready":true}'
+        )
+        assert door.answered == 1 and door.from_heartbeat == 1
+        assert rt.plane.connections == set()  # the loop never saw the connection
+        # A keep-alive probe is answered by the door, then the loop serves the connection.
+        client = await RawClient.open(rt.url)
+        client.send(b"GET /healthz HTTP/1.1\r\nHost: k\r\n\r\n")
+        assert (await client.answer()).status == 200  # type: ignore[union-attr]
+        await eventually(lambda: len(rt.plane.connections) == 1, 5)
+        client.send(
+            b"POST /v1/completions HTTP/1.1\r\nHost: k\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(COMPLETION), COMPLETION)
+        )
+        assert (await client.answer()).status == 200  # type: ignore[union-attr]
+        assert door.answered == 2 and (await fw.state())["requests"] == 1
 
 
 # -- section 4: timeouts and limits -----------------------------------------------------------

@@ -110,7 +110,6 @@ async def test_two_rank_worker_gets_the_rank_header_of_the_rank_that_holds_the_p
         assert (await fw.state(0))["requests"] == 0
 
 
-
 async def test_an_index_free_policy_routes_without_tokenizing_and_cache_aware_tokenizes() -> None:
     # Token ids out of range: the tokenizer refuses them, and so does the engine. Who answered
     # the 400 (the router itself, or the worker it was sent to) shows whether the replica
