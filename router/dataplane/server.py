@@ -6,10 +6,11 @@ order (pipelined requests wait their turn with reading paused). Its decisions co
 parser's message-complete callback); `relay` moves the answer. One `Deadline` per connection
 bounds, in turn, the request head, the request body and the idle time between requests.
 
-`DataPlane` holds what every connection shares: the limits, the routing parts, one
-`UpstreamPool` per worker, the control app's aiohttp server (for `control_link`), the open
-connections (at most `max_connections`: one more is answered with a 503 and closed, counted,
-and logged at most once a minute) and the counters behind the data plane's metrics.
+`DataPlane` holds what every connection shares: the listening sockets and their accept thread
+(`door`), the limits, the routing parts, one `UpstreamPool` per worker, the control app's
+aiohttp server (for `control_link`), the open connections (at most `max_connections`: one
+more is answered with a 503 and closed, counted, and logged at most once a minute) and the
+counters behind the data plane's metrics.
 """
 
 from __future__ import annotations
