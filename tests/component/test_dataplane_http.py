@@ -397,8 +397,14 @@ async def test_connections_to_one_worker_are_capped_and_the_rest_wait_their_turn
             asyncio.create_task(rt.post("/v1/completions", json.loads(COMPLETION)))
             for _ in range(5)
         ]
+        # Each client connection reaches the loop through the door in its own time: wait
+        # until all five requests were routed, then two are at the worker and three wait.
+        await eventually(
+            lambda: w.url in rt.plane.pools and len(rt.plane.pools[w.url].waiting) == 3
+        )
+        pool = rt.plane.pools[w.url]
         await eventually(lambda: len(w.posts()) == 2)
-        assert len(rt.plane.pools[w.url].waiting) == 3
+        assert len(pool.waiting) == 3 and pool.total == 2
         release.set()
         assert [status for status, _, _ in await asyncio.gather(*calls)] == [200] * 5
         assert w.most_answering == 2
