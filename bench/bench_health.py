@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python bench/bench_health.py [--requests 4000] [--concurrency 64]
      [--targets kvrouter-asyncio,kvrouter-uvloop,smg] [--rounds 3]
+     [--baseline REV --targets old-uvloop,kvrouter-uvloop,...]
 
 What runs, per target in turn (fresh workers each): 2 fake workers and one router in front
 (`kvrouter serve` cache_aware on the given event loop, as `bench_proxy.py` starts it, or smg
@@ -29,6 +30,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -161,10 +163,12 @@ def measure(args: argparse.Namespace, children: bp.Children, target: str) -> Non
         router, _ = children.spawn(target, argv)
         router.url = f"http://127.0.0.1:{port}"
     else:
-        argv = [str(bp.BIN / "kvrouter"), *bp.router_args(port, urls, "cache_aware", event_loop)]
-        router = children.start(target, argv, "kvrouter listening on ")
+        code = args.old if router_kind == "old" else None
+        command, env = bp.Target("kvrouter", "cache_aware", code=code).kvrouter_command()
+        argv = [*command, *bp.router_args(port, urls, "cache_aware", event_loop)]
+        router = children.start(target, argv, "kvrouter listening on ", env=env)
     bp.log(f"[{target}] started: {' '.join(argv)}")
-    paths = PROBES[router_kind]
+    paths = PROBES["smg" if router_kind == "smg" else "kvrouter"]
     prober = subprocess.Popen(
         [
             sys.executable,
@@ -251,8 +255,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--targets",
         default="kvrouter-asyncio,kvrouter-uvloop,smg",
-        help="comma-separated: kvrouter-asyncio, kvrouter-uvloop, smg",
+        help="comma-separated: kvrouter-asyncio, kvrouter-uvloop, smg, and with --baseline "
+        "old-asyncio, old-uvloop (kvrouter at that revision)",
     )
+    parser.add_argument("--baseline", help="the git revision the old-* targets run")
     args = parser.parse_args(argv)
     if args.probe:
         live, ready = args.paths.encode().split(b",")
@@ -260,8 +266,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     children = bp.Children()
     try:
-        for target in args.targets.split(","):
-            measure(args, children, target)
+        with tempfile.TemporaryDirectory(prefix="health-") as tmp:
+            args.old = bp.checkout(args.baseline, Path(tmp) / "old") if args.baseline else None
+            for target in args.targets.split(","):
+                if target.startswith("old") and args.old is None:
+                    parser.error(f"target {target} needs --baseline REV")
+                measure(args, children, target)
     finally:
         children.stop_all()
 

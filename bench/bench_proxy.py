@@ -74,6 +74,7 @@ import queue
 import random
 import re
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -184,9 +185,14 @@ class Children:
     def __init__(self) -> None:
         self.items: list[Child] = []
 
-    def spawn(self, name: str, argv: list[str]) -> tuple[Child, queue.Queue[str | None]]:
-        """Start a child whose stdout is read into a queue (so a chatty one never blocks)."""
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    def spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> tuple[Child, queue.Queue[str | None]]:
+        """Start a child whose stdout is read into a queue (so a chatty one never blocks);
+        `env` is added to this process's environment."""
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, text=True, env={**os.environ, **env} if env else None
+        )
         child = Child(name, argv, proc)
         self.items.append(child)
         lines: queue.Queue[str | None] = queue.Queue()
@@ -200,9 +206,16 @@ class Children:
         threading.Thread(target=drain, daemon=True).start()
         return child, lines
 
-    def start(self, name: str, argv: list[str], ready_prefix: str, timeout_s: float = 30) -> Child:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        ready_prefix: str,
+        timeout_s: float = 30,
+        env: dict[str, str] | None = None,
+    ) -> Child:
         """Start a child and wait for its ready line; the rest of that line is its URL."""
-        child, lines = self.spawn(name, argv)
+        child, lines = self.spawn(name, argv, env)
         proc = child.proc
         deadline = time.monotonic() + timeout_s
         while True:
@@ -261,19 +274,51 @@ def router_args(
     return [*args, "--event-loop", event_loop]
 
 
+def checkout(rev: str, into: Path) -> Path:
+    """The repository at `rev`, extracted (not a worktree: nothing to clean up in git), with
+    this tree's compiled accelerator copied in when `rev` has the same C source (else that
+    code runs on its pure path, and a warning says so)."""
+    root = HERE.parent
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", rev], capture_output=True, check=True
+    ).stdout
+    into.mkdir(parents=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    source = "cachetree/_speedups.c"
+    same = subprocess.run(["git", "-C", str(root), "diff", "--quiet", rev, "--", source])
+    built = sorted((root / "cachetree").glob("_speedups*.so"))
+    if same.returncode == 0 and built and (into / source).exists():
+        for so in built:
+            shutil.copy2(so, into / "cachetree" / so.name)
+    elif (into / source).exists():
+        log(f"warning: {rev} runs its accelerator's pure twin (C source differs or not built)")
+    return into
+
+
 @dataclass(frozen=True)
 class Target:
     """A router under test: kvrouter or smg (`smg_binary`) with a routing policy, or the bare
     relay (router `RELAY`, round-robin: kvrouter's data plane without routing) that shows the
-    floor under kvrouter's cost."""
+    floor under kvrouter's cost. kvrouter runs this tree's code, or the code extracted at
+    `code` (labelled `tag`, e.g. the baseline revision)."""
 
     router: str
     policy: str
     smg_binary: Path | None = None
+    code: Path | None = None
+    tag: str = ""
 
     @property
     def label(self) -> str:
-        return f"{self.router} {self.policy}"
+        return f"{self.router}{f' {self.tag}' if self.tag else ''} {self.policy}"
+
+    def kvrouter_command(self) -> tuple[list[str], dict[str, str] | None]:
+        """The argv prefix and extra environment that run `kvrouter` from this target's code:
+        PYTHONPATH comes before the editable install, so the child imports `code`'s modules."""
+        if self.code is None:
+            return [str(BIN / "kvrouter")], None
+        run = "import sys; from router.cli import main; sys.argv[0] = 'kvrouter'; main()"
+        return [sys.executable, "-c", run], {"PYTHONPATH": str(self.code)}
 
     @property
     def ingests(self) -> bool:
@@ -302,9 +347,10 @@ async def start_router(
         log(f"[{target.label}] starting relay: {shlex.join(argv)}")
         return children.start(target.label, argv, READY_PREFIX)
     if target.smg_binary is None:
-        argv = [str(BIN / "kvrouter"), *router_args(port, urls, target.policy, event_loop)]
+        command, env = target.kvrouter_command()
+        argv = [*command, *router_args(port, urls, target.policy, event_loop)]
         log(f"[{target.label}] starting router: {shlex.join(argv)}")
-        router = children.start(target.label, argv, "kvrouter listening on ")
+        router = children.start(target.label, argv, "kvrouter listening on ", env=env)
         await wait_ready(session, router.url)
         return router
     from bench.smg import launch_argv
@@ -838,9 +884,9 @@ def time_steps(prompts: Prompts, repeats: int, iterations: int) -> list[tuple[st
     metrics = RouterMetrics()
 
     def count() -> None:  # what app.py and proxy.py record per request
-        metrics.decisions.labels("cache_aware", "cache_hit").inc()
+        metrics.decisions["cache_aware", "cache_hit"] += 1
         metrics.matched_blocks.observe(CACHED_BLOCKS)
-        metrics.requests.labels("/v1/completions", "http://127.0.0.1:8000", "200").inc()
+        metrics.requests["/v1/completions", "http://127.0.0.1:8000", "200"] += 1
 
     steps: list[tuple[str, Callable[[], object]]] = [
         ("JSON body decode (msgspec)", lambda: msgspec.json.decode(body)),
@@ -848,7 +894,7 @@ def time_steps(prompts: Prompts, repeats: int, iterations: int) -> list[tuple[st
         ("block keys (125 blocks)", lambda: block_keys(tokens, BLOCK_SIZE, seed)),
         ("prefix_depths (2 ranks)", lambda: tree.prefix_depths(keys)),
         ("decide, cache_aware (2 candidates)", lambda: policy.decide(candidates, prompt)),
-        ("prometheus counters (3 per request)", count),
+        ("request counters (3 per request)", count),
     ]
     out = []
     for name, fn in steps:

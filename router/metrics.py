@@ -16,12 +16,10 @@ from typing import TYPE_CHECKING, Final
 from prometheus_client import (
     CollectorRegistry,
     GCCollector,
-    Histogram,
     Info,
     PlatformCollector,
     ProcessCollector,
 )
-from prometheus_client import Counter as PromCounter
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -89,10 +87,21 @@ class PlainHistogram:
 
     def family(self, name: str, doc: str) -> HistogramMetricFamily:
         cumulative, buckets = 0, []
-        for bound, n in zip([*map(str, self.bounds), "+Inf"], self.counts, strict=True):
+        for bound, n in zip([*map(_le, self.bounds), "+Inf"], self.counts, strict=True):
             cumulative += n
             buckets.append((bound, cumulative))
         return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=self.total)
+
+
+def _le(bound: float) -> str:
+    return str(float(bound))  # as prometheus_client writes bucket bounds: "4.0"
+
+
+MATCHED_BLOCKS_BUCKETS: Final = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class LabelledCounts(Counter[tuple[str, ...]]):
+    """A counter series kept as plain ints by label values: `counts[route, worker, code] += 1`."""
 
 
 class RouterMetrics:
@@ -111,41 +120,18 @@ class RouterMetrics:
             "pure (not built, or KVROUTER_NO_EXTENSIONS set)",
             registry=self.registry,
         ).info({"implementation": accel.IMPLEMENTATION})
-        self.requests = PromCounter(
-            "kvrouter_requests",
-            "Client requests by route, the worker that answered and its status",
-            ["route", "worker", "status"],
-            registry=self.registry,
-        )
-        self.decisions = PromCounter(
-            "kvrouter_routing_decisions",
-            "Routing decisions by policy and outcome",
-            ["policy", "outcome"],
-            registry=self.registry,
-        )
-        self.matched_blocks = Histogram(
-            "kvrouter_matched_blocks",
-            "Leading prompt blocks the chosen rank held",
-            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
-            registry=self.registry,
-        )
-        self.upstream_failures = PromCounter(
-            "kvrouter_upstream_failures",
-            "Upstream attempts that failed before the first byte and were failed over",
-            ["worker", "reason"],
-            registry=self.registry,
-        )
-        self.tokenize_failures = PromCounter(
-            "kvrouter_tokenize_failures",
-            "Chat requests the router could not render as the engine would, routed by load as "
-            "misses, by reason (see router/tokenize/chat_rules.py FAILURE_REASONS)",
-            ["reason"],
-            registry=self.registry,
-        )
+        # The request path's series: plain ints bumped per request, formatted at scrape time
+        # (a prometheus_client `labels().inc()` costs 1-3 us, several times a request).
+        self.requests = LabelledCounts()  # (route, worker, status)
+        self.decisions = LabelledCounts()  # (policy, outcome)
+        self.matched_blocks = PlainHistogram(MATCHED_BLOCKS_BUCKETS)
+        self.upstream_failures = LabelledCounts()  # (worker, reason)
+        self.tokenize_failures = LabelledCounts()  # (reason,)
+        self.registry.register(_RequestCollector(self))
         # Every reason exported from the start, at 0: rate() needs a series before its first
         # failure, or the share-of-chats alert would never see the first burst.
         for reason in FAILURE_REASONS:
-            self.tokenize_failures.labels(reason)
+            self.tokenize_failures[(reason,)] = 0
         # Observed by router/dataplane/relay.py when a request's head is written to its first
         # worker: the time the router added (parse, tokenize, route, a pooled or new connection).
         self.added_seconds = PlainHistogram(ADDED_SECONDS_BUCKETS)
@@ -682,6 +668,44 @@ class _TokenizerCollector(Collector):
             "kvrouter_tokenize_cache_bytes",
             "Estimated bytes held by the tokenization cache (bounded by --tokenize-cache-mb)",
             [((), cache.bytes)],
+        )
+
+
+class _RequestCollector(Collector):
+    """The request path's per-request series (`RouterMetrics.requests` and its siblings)."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._metrics
+        yield _counter(
+            "kvrouter_requests",
+            "Client requests by route, the worker that answered and its status",
+            ["route", "worker", "status"],
+            dict(m.requests),
+        )
+        yield _counter(
+            "kvrouter_routing_decisions",
+            "Routing decisions by policy and outcome",
+            ["policy", "outcome"],
+            dict(m.decisions),
+        )
+        yield m.matched_blocks.family(
+            "kvrouter_matched_blocks", "Leading prompt blocks the chosen rank held"
+        )
+        yield _counter(
+            "kvrouter_upstream_failures",
+            "Upstream attempts that failed before the first byte and were failed over",
+            ["worker", "reason"],
+            dict(m.upstream_failures),
+        )
+        yield _counter(
+            "kvrouter_tokenize_failures",
+            "Chat requests the router could not render as the engine would, routed by load as "
+            "misses, by reason (see router/tokenize/chat_rules.py FAILURE_REASONS)",
+            ["reason"],
+            dict(m.tokenize_failures),
         )
 
 

@@ -247,7 +247,10 @@ class WorkerRegistry:
         return list(self._workers.values())
 
     def get(self, url: str) -> Worker | None:
-        return self._workers.get(_normalize(url))
+        # The keys are canonical origins: a canonical `url` (every rank's, on the request
+        # path) is found without parsing it again.
+        worker = self._workers.get(url)
+        return worker if worker is not None else self._workers.get(_normalize(url))
 
     def routable(self) -> list[Worker]:
         return [w for w in self._workers.values() if w.routable]

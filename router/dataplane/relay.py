@@ -201,7 +201,7 @@ class WorkerRelay(Relay):
             self.pool.acquire(self)
             return
         self.done = True
-        plane.metrics.requests.labels(self.route, "none", "502").inc()
+        plane.metrics.requests[self.route, "none", "502"] += 1
         self.client.refuse(
             Refusal(
                 502,
@@ -243,7 +243,7 @@ class WorkerRelay(Relay):
         else:
             worker.breaker.record_success()
         self._verdict = True
-        self.plane.metrics.requests.labels(self.route, worker.url, str(status)).inc()
+        self.plane.metrics.requests[self.route, worker.url, str(status)] += 1
         return True
 
     def route_headers(self) -> list[tuple[bytes, bytes]] | None:
@@ -274,7 +274,7 @@ class WorkerRelay(Relay):
         plane.inflight.end(rank)
         worker.breaker.record_failure()
         self._verdict = True
-        plane.metrics.upstream_failures.labels(worker.url, failure).inc()
+        plane.metrics.upstream_failures[worker.url, failure] += 1
         log.warning(
             "%s %s failed before the first byte (%s); failing over", self.route, rank, detail
         )

@@ -14,7 +14,7 @@ either interface touches only it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import msgspec
 
@@ -36,6 +36,9 @@ class Router(Protocol):
     def route(self, route: bytes, raw: bytes) -> Decision | Refusal: ...
 
 
+# The policies that read the index; the others decide without tokenizing the prompt.
+INDEX_POLICIES: Final = frozenset({"cache_aware"})
+NO_PROMPT: Final = Prompt(0, 1)  # what an index-free policy is told of a prompt
 CHAT = b"/v1/chat/completions"
 GENERATE = b"/generate"
 
@@ -121,7 +124,7 @@ class RequestRouter:
             return Refusal(400, str(exc), param=exc.param)
         routable = self.workers.routable()
         if not routable:
-            self.metrics.decisions.labels(self.policy.name, "no_candidates").inc()
+            self.metrics.decisions[self.policy.name, "no_candidates"] += 1
             return Refusal(503, "no healthy worker to route to", type="service_unavailable")
         inflight, loads = self.inflight, self.loads
         candidates = [
@@ -135,12 +138,24 @@ class RequestRouter:
             return Refusal(400, str(exc), param=exc.param)
         except ValueError as exc:  # the tokenizer's: a prompt it cannot take
             return Refusal(400, str(exc), param=param_of(route))
-        self.metrics.decisions.labels(self.policy.name, decision.outcome).inc()
+        self.metrics.decisions[self.policy.name, decision.outcome] += 1
         self.metrics.matched_blocks.observe(decision.matched_blocks)
         return decision
 
     def choose(self, route: bytes, body: dict[str, Any], candidates: list[Candidate]) -> Decision:
-        """Tokenize, key, look up and decide: every call into the tokenizer and the policy."""
+        """Tokenize, key, look up and decide: every call into the tokenizer and the policy.
+
+        A policy that does not read the index (round_robin, random, least_load,
+        power_of_two) decides on the candidates alone: the prompt is checked for its shape
+        but not tokenized or keyed (its CPU was a quarter of such a request's routing work),
+        and what the tokenizer alone would refuse is left to the engine to refuse.
+        """
+        if self.policy.name not in INDEX_POLICIES:
+            if route == CHAT:
+                messages_of(body)
+            else:
+                prompt_of(route, body)
+            return self.policy.decide(candidates, NO_PROMPT)
         if route == CHAT:
             messages_of(body)
             try:
@@ -151,14 +166,12 @@ class RequestRouter:
             if encoded.failure is not None:
                 # Rendered unlike the engine would: forwarded all the same, routed by load alone
                 # (no tokens, no keys), as a miss.
-                self.metrics.tokenize_failures.labels(encoded.failure).inc()
+                self.metrics.tokenize_failures[(encoded.failure,)] += 1
         else:
             tokens = self.tokenizer.encode_prompt(prompt_of(route, body))
         tree = self.rules.tree
-        depths = None
-        keys: list[int] = []
-        if tree is not None and self.policy.name == "cache_aware":
-            keys = block_keys(tokens, tree.block_size, namespace_seed(namespace_for(body)))
-            depths = tree.prefix_depths(keys)
-        block_size = tree.block_size if tree is not None else 1
-        return self.policy.decide(candidates, Prompt(len(tokens), block_size, depths, keys))
+        if tree is None:  # no worker registered yet: no block size, no index
+            return self.policy.decide(candidates, Prompt(len(tokens), 1))
+        keys = block_keys(tokens, tree.block_size, namespace_seed(namespace_for(body)))
+        depths = tree.prefix_depths(keys)
+        return self.policy.decide(candidates, Prompt(len(tokens), tree.block_size, depths, keys))

@@ -6,10 +6,11 @@ order (pipelined requests wait their turn with reading paused). Its decisions co
 parser's message-complete callback); `relay` moves the answer. One `Deadline` per connection
 bounds, in turn, the request head, the request body and the idle time between requests.
 
-`DataPlane` holds what every connection shares: the limits, the routing parts, one
-`UpstreamPool` per worker, the control app's aiohttp server (for `control_link`), the open
-connections (at most `max_connections`: one more is answered with a 503 and closed, counted,
-and logged at most once a minute) and the counters behind the data plane's metrics.
+`DataPlane` holds what every connection shares: the listening sockets and their accept thread
+(`door`), the limits, the routing parts, one `UpstreamPool` per worker, the control app's
+aiohttp server (for `control_link`), the open connections (at most `max_connections`: one
+more is answered with a 503 and closed, counted, and logged at most once a minute) and the
+counters behind the data plane's metrics.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import socket
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
@@ -27,6 +28,7 @@ import httptools
 from aiohttp import web
 
 from router.dataplane.control_link import open_control_link
+from router.dataplane.door import Door, Probe
 from router.dataplane.exchange import (
     CONTINUE,
     Malformed,
@@ -92,10 +94,6 @@ class DataPlaneStats:
     routing_deferred: int = 0  # requests that waited a loop turn for their routing slice
 
 
-# A health probe's answer: the status and a JSON-able body (`router.control.readiness`).
-Probe = Callable[[], tuple[int, Any]]
-
-
 class DataPlane:
     def __init__(
         self,
@@ -110,9 +108,9 @@ class DataPlane:
         probes: Mapping[bytes, Probe] | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
-        # GET/HEAD on these paths is answered in the parser callback: every hop of the
-        # hand-off to the control app costs a loop iteration, and on a saturated loop an
-        # iteration takes tens of milliseconds, which a liveness probe must not wait for.
+        # GET/HEAD on these paths is answered by the door (`door.py`) on a new connection,
+        # and in the parser callback on one the loop serves: every hop of the hand-off to the
+        # control app costs a loop iteration, which a probe must not wait for.
         self.probes: Mapping[bytes, Probe] = probes or {}
         self.router = router
         self.workers = workers
@@ -125,7 +123,9 @@ class DataPlane:
         self.connections: set[ClientConnection] = set()
         self.pools: dict[str, UpstreamPool] = {}
         self.draining = False
-        self._servers: list[asyncio.Server] = []
+        self.doors: list[Door] = []
+        self._adopting: set[asyncio.Task[Any]] = set()  # handed-over connections being set up
+        self._closing = False
         self.addresses: list[tuple[str, int]] = []  # where it listens
         self._refusal_logged_at = float("-inf")
         self._refused_since_log = 0
@@ -136,14 +136,44 @@ class DataPlane:
     # -- serving ---------------------------------------------------------------------------
 
     async def listen(self, host: str, port: int) -> list[tuple[str, int]]:
-        """Start accepting on `host:port`; the bound addresses (port 0 picks one)."""
-        server = await self.loop.create_server(
-            lambda: ClientConnection(self), host, port, reuse_address=True, backlog=1024
+        """Start accepting on `host:port`; the bound addresses (port 0 picks one).
+
+        The accept path is a thread (`door`) that answers health probes itself and hands
+        every other connection to the loop (`_adopt`)."""
+        listeners = await bind(self.loop, host, port)
+        addresses = [s.getsockname()[:2] for s in listeners]
+        limits = self.limits
+        door = Door(
+            self.loop,
+            listeners,
+            self.probes,
+            self._adopt,
+            lambda: not self.draining,
+            limits.max_header_count,
+            limits.max_head_bytes,
         )
-        self._servers.append(server)
-        addresses = [s.getsockname()[:2] for s in server.sockets]
+        self.doors.append(door)
+        door.start()
         self.addresses += addresses
         return addresses
+
+    def _adopt(self, sock: socket.socket, data: bytes, idle: bool) -> None:
+        """A connection the door handed over, with the bytes it read of it: served by a
+        `ClientConnection` from now on (`idle`: between requests, the door answered one)."""
+        if self._closing:
+            sock.close()
+            return
+        task = self.loop.create_task(
+            self.loop.connect_accepted_socket(lambda: ClientConnection(self, idle, data), sock)
+        )
+        self._adopting.add(task)
+        task.add_done_callback(self._adopted)
+
+    def _adopted(self, task: asyncio.Task[Any]) -> None:
+        self._adopting.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            # The client left between the door and the loop: nothing to answer.
+            log.debug("a handed-over connection could not be served: %s", exc)
 
     def begin_drain(self) -> None:
         """Answers from now on close their connection; idle connections close now."""
@@ -153,14 +183,17 @@ class DataPlane:
 
     async def close(self) -> None:
         """Stop listening and close every connection (what is still in flight is cut)."""
-        for server in self._servers:
-            server.close()
+        self._closing = True
+        for door in self.doors:
+            door.close()
+        for task in self._adopting:
+            task.cancel()
         for conn in list(self.connections):
             conn.abort("shutdown")
         for pool in self.pools.values():
             pool.close()
-        for server in self._servers:
-            await server.wait_closed()
+        if self._adopting:
+            await asyncio.gather(*self._adopting, return_exceptions=True)
 
     # -- shared parts ----------------------------------------------------------------------
 
@@ -255,6 +288,36 @@ class DataPlane:
         return False
 
 
+async def bind(loop: asyncio.AbstractEventLoop, host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on every address `host` resolves to (as `loop.create_server` binds)."""
+    infos = await loop.getaddrinfo(
+        host or None,
+        port,
+        family=socket.AF_UNSPEC,
+        type=socket.SOCK_STREAM,
+        flags=socket.AI_PASSIVE,
+    )
+    listeners: list[socket.socket] = []
+    seen: set[tuple[int, Any]] = set()
+    try:
+        for family, kind, proto, _, address in infos:
+            if (family, address) in seen:
+                continue
+            seen.add((family, address))
+            sock = socket.socket(family, kind, proto)
+            listeners.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(1024)
+    except BaseException:
+        for sock in listeners:
+            sock.close()
+        raise
+    return listeners
+
+
 _BUSY: Final = refusal_response(
     Refusal(503, "too many connections to this replica; retry", type="service_unavailable"),
     client_11=True,
@@ -296,13 +359,15 @@ class _Refused(Exception):
 
 
 class ClientConnection(asyncio.Protocol):
-    def __init__(self, plane: DataPlane) -> None:
+    def __init__(self, plane: DataPlane, idle: bool = False, data: bytes = b"") -> None:
         self.plane = plane
+        self._first = data  # what the door read of the connection before handing it over
         self.transport: asyncio.Transport | None = None
         self.gate: ReadGate | None = None
         self._parser = httptools.HttpRequestParser(self)
         self._deadline = Deadline(plane.loop, self._expired)
-        self._phase = "head"  # what the deadline bounds: head, body, idle, or "" (answering)
+        # What the deadline bounds: head, body, idle, or "" (answering).
+        self._phase = "idle" if idle else "head"
         self._incoming: _Incoming | None = None  # being parsed
         self._queue: deque[_Incoming] = deque()  # parsed or being parsed, in order
         self._answering = False
@@ -331,7 +396,10 @@ class ClientConnection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         plane.connections.add(self)
         self.gate = ReadGate(transport)
-        self._deadline.set(plane.limits.header_timeout_s)
+        self._set_phase(self._phase)
+        first, self._first = self._first, b""
+        if first:
+            self.data_received(first)
 
     def data_received(self, data: bytes) -> None:
         if self._stopped or self._closed:
@@ -579,7 +647,7 @@ class ClientConnection(asyncio.Protocol):
         path = head.path
         decision = plane.router.route(path, body)
         if isinstance(decision, Refusal):
-            plane.metrics.requests.labels(path.decode(), "none", str(decision.status)).inc()
+            plane.metrics.requests[path.decode(), "none", str(decision.status)] += 1
             self.refuse(decision)
             return
         relay = WorkerRelay(plane, self, head, body, decision.ranked)

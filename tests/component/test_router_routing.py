@@ -108,3 +108,28 @@ async def test_two_rank_worker_gets_the_rank_header_of_the_rank_that_holds_the_p
             assert headers["X-Fake-Worker-DP-Rank"] == "1"
         assert (await fw.state(1))["requests"] == 3
         assert (await fw.state(0))["requests"] == 0
+
+
+async def test_an_index_free_policy_routes_without_tokenizing_and_cache_aware_tokenizes() -> None:
+    # Token ids out of range: the tokenizer refuses them, and so does the engine. Who answered
+    # the 400 (the router itself, or the worker it was sent to) shows whether the replica
+    # tokenized the prompt.
+    out_of_range = {"prompt": [5, 6, -1], "max_tokens": 1}
+    route = "/v1/completions"
+    for policy, tokenizes in (("round_robin", False), ("cache_aware", True)):
+        async with (
+            fleet(2) as workers,
+            router_in_process(workers=[w.url for w in workers], policy=policy) as rt,
+        ):
+            for fw in workers:
+                await rt.gate(fw)
+            status, body, _ = await rt.post(route, out_of_range)
+            assert status == 400 and body["error"]["param"] == "prompt", body
+            answered = dict(rt.replica.metrics.requests)
+            by_router = answered.get((route, "none", "400"), 0)
+            by_workers = sum(answered.get((route, w.url, "400"), 0) for w in workers)
+            assert (by_router, by_workers) == ((1, 0) if tokenizes else (0, 1)), policy
+            # The shape of the prompt is checked by the router either way.
+            status, body, _ = await rt.post(route, {"max_tokens": 1})
+            assert status == 400 and body["error"]["param"] == "prompt", body
+            assert rt.replica.metrics.requests[route, "none", "400"] == by_router + 1
