@@ -293,6 +293,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         "cache_aware: bound on (rank, block) pairs remembered for demand and bookings",
     )
     f.add(
+        "kv-events",
+        str,
+        "auto",
+        "subscribe to the workers' KV events and keep the index: on, off, or auto (on for "
+        "policies that read it: cache_aware)",
+        choices=("auto", "on", "off"),
+    )
+    f.add(
         "kv-ingest-processes",
         int,
         DEFAULT_INGEST_PROCESSES,

@@ -34,6 +34,7 @@ from router import heap, socket_budget
 from router.bootstrap import PeerBootstrap
 from router.breaker import CircuitBreaker
 from router.dataplane.inflight import InflightTracker
+from router.dataplane.routing import INDEX_POLICIES
 from router.index import DEFAULT_INDEX_MAX_BLOCKS, IndexRules, Pump
 from router.ingest_pool import DEFAULT_INGEST_PROCESSES, IngestPool
 from router.loads import LoadMonitor
@@ -122,10 +123,19 @@ class ServeConfig:
     demand_half_life_s: float = 30.0
     pressure_max_tracked_blocks: int = 1_000_000
     kv_ingest_processes: int = DEFAULT_INGEST_PROCESSES
+    kv_events: str = "auto"  # on | off | auto: on for policies that read the index
+
+    @property
+    def keeps_index(self) -> bool:
+        """Whether this replica subscribes to KV events and keeps the index: `--kv-events on`,
+        or `auto` with a policy that reads it (cache_aware)."""
+        return self.kv_events == "on" or (
+            self.kv_events == "auto" and self.policy in INDEX_POLICIES
+        )
 
     @property
     def bootstrap_enabled(self) -> bool:
-        return bool(self.peer or self.kv_peer_selector)
+        return bool(self.peer or self.kv_peer_selector) and self.keeps_index
 
 
 @dataclass(slots=True)
@@ -197,7 +207,14 @@ async def _compose(
     budget = socket_budget.apply(zmq_context)  # before the context's first socket
     supervisor = Supervisor()
     ingest = None
-    if config.kv_ingest_processes:
+    if not config.keeps_index and (config.peer or config.kv_peer_selector):
+        log.warning(
+            "--policy %s does not read the index, so this replica subscribes to no KV events "
+            "and keeps none (--kv-events %s): peer bootstrap is off",
+            config.policy,
+            config.kv_events,
+        )
+    if config.kv_ingest_processes and config.keeps_index:
         ingest = IngestPool(
             config.kv_ingest_processes,
             pump.deliver,
@@ -224,6 +241,7 @@ async def _compose(
         max_ranks=budget.max_ranks,
         snapshot_max_body_bytes=config.worker_snapshot_max_body_mb * 1024 * 1024,
         subscribe=None if ingest is None else ingest.subscription,
+        keeps_index=config.keeps_index,
     )
     capacity_blocks = engine_capacity_blocks(loads, pump)
     bootstrap = (

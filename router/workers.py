@@ -197,9 +197,13 @@ class WorkerRegistry:
         snapshot_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         subscribe: Subscribe | None = None,
+        keeps_index: bool = True,
     ) -> None:
         """`subscribe(endpoint, stats)`: the life of a rank's subscription as a coroutine
-        (`router.ingest_pool.IngestPool.subscription`); None runs a `RankSubscriber` here."""
+        (`router.ingest_pool.IngestPool.subscription`); None runs a `RankSubscriber` here.
+        `keeps_index` False: a replica whose policy never reads the index registers workers
+        for routing only (no KV-event subscriptions, no snapshot pulls, no block size)."""
+        self.keeps_index = keeps_index
         self.pump = pump
         self.session = session
         self.loads = loads
@@ -385,6 +389,9 @@ class WorkerRegistry:
         worker.engine = await self._engine_of(worker.url)
         if worker.engine is not None and self.on_engine is not None:
             self.on_engine(worker.url, worker.engine)
+        if not self.keeps_index:
+            await self._register_for_routing(worker)
+            return
         if info.block_size is not None:
             if self.block_size is None:
                 self.block_size = info.block_size
@@ -468,6 +475,18 @@ class WorkerRegistry:
             task.add_done_callback(self._bootstraps.discard)
         else:
             self._kick_snapshot_pull(worker.url)
+
+    async def _register_for_routing(self, worker: Worker) -> None:
+        """Ready for traffic, with no KV-event subscription: the index is not kept."""
+        worker.state = "ready"
+        worker.healthy = await self._check_health(worker)
+        self.loads.add_worker(worker.url, worker.dp_size)
+        log.info(
+            "worker %s registered: %d rank(s); no KV-event subscription (this replica's policy "
+            "does not read the index)",
+            worker.url,
+            worker.dp_size,
+        )
 
     def _subscriber(
         self, endpoint: RankEndpoint, stats: SubscriberStats

@@ -6,6 +6,9 @@ import contextlib
 import random
 from collections.abc import AsyncIterator
 
+import pytest
+
+from cachetree.ranks import RankId
 from router.tokenize import BytesTokenizer
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.router import RouterHandle, router_in_process
@@ -63,7 +66,9 @@ async def run_workload(policy: str, seed: int = 7) -> float:
     systems = [f"System prompt {k}: " + "rules and context. " * 30 for k in range(6)]
     async with (
         fleet(3, cache_blocks=90) as workers,
-        router_in_process(workers=[w.url for w in workers], policy=policy) as rt,
+        # Both replicas follow the KV events (round_robin would not by default), so both wait
+        # for each request's events the same way before the next one.
+        router_in_process(workers=[w.url for w in workers], policy=policy, kv_events="on") as rt,
     ):
         for fw in workers:
             await rt.gate(fw)
@@ -121,8 +126,6 @@ async def test_an_index_free_policy_routes_without_tokenizing_and_cache_aware_to
             fleet(2) as workers,
             router_in_process(workers=[w.url for w in workers], policy=policy) as rt,
         ):
-            for fw in workers:
-                await rt.gate(fw)
             status, body, _ = await rt.post(route, out_of_range)
             assert status == 400 and body["error"]["param"] == "prompt", body
             answered = dict(rt.replica.metrics.requests)
@@ -133,3 +136,32 @@ async def test_an_index_free_policy_routes_without_tokenizing_and_cache_aware_to
             status, body, _ = await rt.post(route, {"max_tokens": 1})
             assert status == 400 and body["error"]["param"] == "prompt", body
             assert rt.replica.metrics.requests[route, "none", "400"] == by_router + 1
+
+
+@pytest.mark.parametrize(
+    ("policy", "kv_events", "subscribed"),
+    [
+        ("round_robin", "auto", False),  # an index-free policy: no subscription, no index
+        ("round_robin", "on", True),
+        ("cache_aware", "auto", True),
+        ("cache_aware", "off", False),
+    ],
+)
+async def test_a_replica_subscribes_to_kv_events_only_when_it_keeps_the_index(
+    policy: str, kv_events: str, subscribed: bool
+) -> None:
+    async with (
+        fleet(2) as workers,
+        router_in_process(
+            workers=[w.url for w in workers], policy=policy, kv_events=kv_events
+        ) as rt,
+    ):
+        replica = rt.replica
+        assert replica.config.keeps_index is subscribed
+        live = replica.pump.rules.live
+        assert live == ({RankId(w.url, 0) for w in workers} if subscribed else set())
+        assert replica.workers.subscribed_ranks == (2 if subscribed else 0)
+        status, body, _ = await rt.post("/v1/completions", {"prompt": "hello", "max_tokens": 1})
+        assert status == 200, body
+        if subscribed:
+            await rt.gate(workers[0])

@@ -187,10 +187,12 @@ async def test_before_the_block_size_is_known_the_body_is_not_a_bootstrap_source
 
 
 async def test_concurrent_requests_share_one_build() -> None:
+    # Each accepts an export up to a minute old: the five that arrive after the build stamped
+    # its export join it (with max_age_ms=0 they would rightly ask for a fresher one).
     async with warm_replica() as (rt, _), plain_client() as client:
         producer = producer_of(rt)
         gate = parked(rt)
-        requests = [asyncio.create_task(get(client, rt, "?max_age_ms=0")) for _ in range(6)]
+        requests = [asyncio.create_task(get(client, rt, "?max_age_ms=60000")) for _ in range(6)]
         await gate.parked.wait()
         await eventually(lambda: producer.waiting == 6)
         gate.release()
