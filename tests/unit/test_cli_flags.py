@@ -82,6 +82,7 @@ def invalid_settings(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], st
         "unknown event loop": (["--event-loop", "trio"], {}, "--event-loop"),
         "env unknown event loop": ([], {"KVROUTER_EVENT_LOOP": "trio"}, "KVROUTER_EVENT_LOOP"),
         "kv port base 0": (["--kv-events-port-base", "0"], {}, "--kv-events-port-base"),
+        "kv events neither on, off nor auto": (["--kv-events", "maybe"], {}, "--kv-events"),
         "kv ports past 65535": (
             ["--kv-events-port-base", "65535", "--dp-size", "2"],
             {},
