@@ -23,6 +23,7 @@ prefix's first request misses, if every worker's share fits its cache.
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import itertools
 import random
@@ -39,7 +40,14 @@ from cachetree.tree import BlockTree
 from fake_kv_worker.cache import Admission, PagedPrefixCache
 from fake_kv_worker.hashing import VllmSha256Hasher
 from router.loads import EngineLoad
-from router.policy import CacheAware, CacheAwareWeights, Candidate, Prompt, make_policy
+from router.policy import (
+    CacheAware,
+    CacheAwareWeights,
+    Candidate,
+    Policy,
+    Prompt,
+    make_policy,
+)
 from router.pressure import PressureLedger, PressureSettings
 from router.tools.demo import prompt_tokens
 
@@ -67,6 +75,7 @@ class Workload:
     prefill_s_per_token: float = 50e-6
     decode_s: float = 0.01
     event_lag_s: float = 0.002
+    share_lag_s: float = 0.003  # a decision reaches the sibling replicas this much later
     load_interval_s: float = 0.25
 
     @property
@@ -317,7 +326,7 @@ class Fleet:
 
 
 def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None = None,
-         settings: PressureSettings | None = None) -> Outcome:  # fmt: skip
+         settings: PressureSettings | None = None, share: bool = True) -> Outcome:  # fmt: skip
     """One workload, one seed, through `policy` (a kvrouter policy name, or "ideal")."""
     requests, lengths = build_requests(w, seed)
     fleet = Fleet(w, seed)
@@ -325,7 +334,17 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
     if policy == IDEAL:
         part = ideal_partition(lengths, w.workers)
         return fleet.run(requests, lambda i, req: ranks[part[req.prefix]])
-    routers = []
+    routers: list[Policy] = []
+
+    def sharer(k: int) -> Callable[[RankId, Sequence[int], int], None]:
+        def share(rank: RankId, keys: Sequence[int], held: int) -> None:
+            for j, sibling in enumerate(routers):
+                if j != k and isinstance(sibling, CacheAware):
+                    adopt = functools.partial(sibling.adopt, rank, keys, held)
+                    fleet.at(fleet.now + w.share_lag_s, adopt)
+
+        return share
+
     for k in range(w.replicas):
         kwargs = {}
         if policy == "cache_aware":
@@ -335,6 +354,7 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
                 "index": lambda: fleet.tree,
                 "capacity": lambda rank: w.cache_blocks,
                 "replicas": lambda: w.replicas,
+                "share": sharer(k) if share and w.replicas > 1 else None,
             }
         routers.append(make_policy(policy, rng=random.Random(seed * 31 + k), **kwargs))
     inflight = {r: [0] * w.replicas for r in ranks}

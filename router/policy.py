@@ -160,6 +160,14 @@ class Decision:
     ranked: list[Candidate]  # best first; the proxy fails over down this list
     outcome: str  # one of OUTCOMES
     matched_blocks: int  # the chosen rank's leading blocks held on any tier
+    prompt: Prompt | None = None  # what the decision was about, when `on_failover` needs it
+    on_failover: Callable[[Decision, RankId], None] | None = None  # the policy's `served`
+
+    def served(self, rank: RankId) -> None:
+        """The proxy's answer came from `rank`: when that is not the first choice (it failed
+        over), the policy hears of it (cache_aware moves its booking there)."""
+        if self.on_failover is not None and self.ranked and rank != self.ranked[0].rank:
+            self.on_failover(self, rank)
 
 
 class Policy(Protocol):
@@ -367,6 +375,9 @@ class CacheAware:
     index: Callable[[], IndexView | None] = _no_index
     capacity: Callable[[RankId], int | None] = _no_capacity
     replicas: Callable[[], int] = _alone  # replicas sharing the traffic, this one included
+    # Tells the siblings of each decision (`router.siblings`); their decisions come back
+    # through `adopt`, so the ledger sees the whole fleet's demand and bookings.
+    share: Callable[[RankId, Sequence[int], int], None] | None = None
     spill_stats: SpillStats = field(default_factory=SpillStats)
     name: ClassVar[str] = "cache_aware"
 
@@ -393,6 +404,40 @@ class CacheAware:
         capacity = self.capacity(rank)
         return None if not capacity else self.ledger.demand(rank) / capacity
 
+    def adopt(self, rank: RankId, keys: Sequence[int], held: int) -> None:
+        """A sibling replica routed `keys` to `rank`, which held the first `held` of them:
+        its demand and booking count here as if this replica had routed it."""
+        index = self.index()
+        self.ledger.record(rank, keys, held, None if index is None else _holds(index))
+
+    def served(self, decision: Decision, rank: RankId) -> None:
+        """The proxy failed over: `rank` served the prompt `decision` placed elsewhere. The
+        booking and the demand move to it (and the siblings are told)."""
+        prompt = decision.prompt
+        if prompt is None or not prompt.keys or not decision.ranked:
+            return
+        keys = prompt.keys
+        index = self.index()
+        holds = None if index is None else _holds(index)
+        held = 0
+        if holds is not None:  # the index now, not the decision's (it may have changed since)
+            while held < len(keys) and holds(rank, keys[held]):
+                held += 1
+        first = self.ledger.move(decision.ranked[0].rank, rank, keys, held, holds)
+        if self.share is not None and first < len(keys):
+            self.share(rank, keys[first:], max(held - first, 0))
+
+    def _record(
+        self,
+        rank: RankId,
+        keys: Sequence[int],
+        held: int,
+        holds: Callable[[RankId, int], bool] | None,
+    ) -> None:
+        first = self.ledger.record(rank, keys, held, holds)
+        if self.share is not None and first < len(keys):
+            self.share(rank, keys[first:], max(held - first, 0))
+
     def decide(self, candidates: Sequence[Candidate], prompt: Prompt) -> Decision:
         n = len(candidates)
         if not n:
@@ -405,8 +450,9 @@ class CacheAware:
         if n > 1 and self.imbalanced(loads):
             ranked = _by_load(candidates, loads, self.rng)
             chosen = ranked[0].rank
-            self.ledger.record(chosen, prompt.keys, device.get(chosen, 0), holds)
-            return Decision(ranked, IMBALANCE_FALLBACK, any_tier.get(ranked[0].rank, 0))
+            self._record(chosen, prompt.keys, device.get(chosen, 0), holds)
+            matched = any_tier.get(chosen, 0)
+            return Decision(ranked, IMBALANCE_FALLBACK, matched, prompt, self.served)
         pressure = self._pressure(candidates, prompt, device, index)
         costs, evicted, room = self._costs(candidates, loads, prompt, any_tier, pressure)
         # Alone, only equal costs tie; with siblings, costs within the margin do, so that
@@ -435,9 +481,9 @@ class CacheAware:
             self.spill_stats.spills += 1
             self.spill_stats.spilled_blocks += evicted[order[0]]
         chosen = ranked[0].rank
-        self.ledger.record(chosen, prompt.keys, device.get(chosen, 0), holds)
+        self._record(chosen, prompt.keys, device.get(chosen, 0), holds)
         matched = any_tier.get(chosen, 0)
-        return Decision(ranked, CACHE_HIT if matched else CACHE_MISS, matched)
+        return Decision(ranked, CACHE_HIT if matched else CACHE_MISS, matched, prompt, self.served)
 
     def _pressure(
         self,
@@ -487,7 +533,8 @@ class CacheAware:
         evicted = [0] * n
         known = [c for c in p.capacity if c]
         fallback = max(known) if known else 0
-        replicas = self.replicas()
+        # Siblings' placements this replica cannot see: none when they share their decisions.
+        replicas = self.replicas() if self.share is None else 1
         unseen = 1.0 - 1.0 / replicas if replicas > 1 else 0.0
         # How full of demand the fleet is: the fill surcharge scales with it, so it steers
         # placements only when the caches together are short of room, not when they idle.
@@ -565,6 +612,7 @@ def make_policy(
     index: Callable[[], IndexView | None] = _no_index,
     capacity: Callable[[RankId], int | None] = _no_capacity,
     replicas: Callable[[], int] = _alone,
+    share: Callable[[RankId, Sequence[int], int], None] | None = None,
 ) -> Policy:
     """A policy by name. `rng` seeds the randomized ones; the rest is for cache_aware only:
     its weights, its ledger, and where it reads the index and the ranks' capacities."""
@@ -586,5 +634,6 @@ def make_policy(
             index,
             capacity,
             replicas,
+            share,
         )
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
