@@ -580,7 +580,7 @@ class ClientConnection(asyncio.Protocol):
             plane.metrics.requests.labels(path.decode(), "none", str(decision.status)).inc()
             self.refuse(decision)
             return
-        relay = WorkerRelay(plane, self, head, body, decision.ranked)
+        relay = WorkerRelay(plane, self, head, body, decision)
         self._relay = relay
         relay.start()
 
