@@ -597,13 +597,15 @@ class _SharingCollector(Collector):
             "kvrouter_shared_decisions",
             "Routing decisions shared with sibling replicas: sent (taken by a sibling, once "
             "per sibling), dropped (outbox full while siblings were slow), received (adopted "
-            "into this replica's ledger), unknown (for a rank this replica does not know)",
+            "into this replica's ledger), unknown (for a rank this replica does not know), skipped "
+            "(not posted to a sibling backing off after failures)",
             ["outcome"],
             {
                 ("sent",): stats.sent,
                 ("dropped",): stats.dropped,
                 ("received",): stats.received,
                 ("unknown",): stats.unknown,
+                ("skipped",): stats.skipped,
             },
         )
         yield _counter(

@@ -43,8 +43,13 @@ index does not show yet), this replica's recent demand on it (`demand`: distinct
 there, halving every `--demand-half-life-s`; `router.pressure`), and bookings: a routed
 prompt's new blocks count as held by the rank it went to until their store event arrives
 (or `--booking-ttl-ms` passes), so the requests of a new prefix that arrive before its first
-store event follow it rather than each looking like a miss. With `depth` = d_dev extended by
-bookings, `stored` = n - depth blocks the rank must newly store:
+store event follow it rather than each looking like a miss. When the proxy fails over, the
+data plane calls `Decision.served(rank)` and the booking and demand move to the rank that
+served (`CacheAware.served`). Replicas that know each other share their decisions (`share`,
+`adopt`; the transport is `router.siblings`): each records its siblings' routed blocks as its
+own demand and bookings, so its ledger covers the fleet's traffic, not its share of it.
+With `depth` = d_dev extended by bookings, `stored` = n - depth blocks the rank must newly
+store:
 
     other    = max(demand - depth, 0) + unseen * max(held - demand, 0)
     free     = max(C - held, 0)
@@ -62,9 +67,13 @@ least-demanded rank), scaled by how full of demand the fleet is: when the caches
 have room, a second copy of a prefix (a request sent away from a busy holder) costs nothing
 later and the queue term alone decides; when they do not, the copy pushes some other prefix
 out sooner or later. `unseen` is the share of the blocks a rank holds beyond this replica's
-demand that are counted as demand: 0 for a lone replica (they are stale), (k-1)/k with k
-replicas sharing the traffic (the siblings' placements this replica cannot see). A rank whose
-capacity is unknown pays no pressure terms and counts in no fleet sum.
+demand that are counted as demand: 0 for a lone replica (they are stale) or for replicas that
+share their decisions (the siblings' demand is in the ledger), (k-1)/k with k replicas that
+do not (a guess at the siblings' placements this replica cannot see; it also counts a
+pre-filled cache's old blocks as theirs, which is why sharing does better: in
+`bench/pressure_sim.py` the two-replica workloads went from 0.96-0.98x the ideal partition to
+0.99-1.00x, as good as one ledger shared by both). A rank whose capacity is unknown pays no
+pressure terms and counts in no fleet sum.
 
 Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
 lower_tier_discount 0.5, evict 1.0 (an evicted demanded block is prefilled again once), fill

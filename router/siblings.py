@@ -20,9 +20,10 @@ Theory of operation
 - `DecisionSharing` (the asyncio shell) wakes when the outbox is non-empty and posts one
   msgpack batch to every sibling at once (`POST /internal/decisions`, the internal bearer
   token). While a post is in flight new decisions gather into the next batch, so the rate of
-  posts adapts to the round trip. A sibling that fails is counted and logged (at most once a
-  minute per sibling) and gets the next batch as usual: its ledger then misses a few
-  decisions, which costs placement quality, never correctness.
+  posts adapts to the round trip. A sibling that fails is counted, logged (at most once a
+  minute per sibling) and skipped for a backoff (50 ms doubling to 5 s; the decisions it
+  misses are counted `skipped`): its ledger then misses a few decisions, which costs
+  placement quality, never correctness.
 - `decode_batch` checks a received body against the bounds and types, all or nothing: a
   malformed batch is refused whole (400), nothing of it applied. `DecisionSharing.receive`
   adopts each decision whose rank this replica knows (a decision for a worker it has not
@@ -60,6 +61,8 @@ MAX_DP_RANK: Final = 1 << 16
 DEFAULT_MAX_PENDING_KEYS: Final = 1 << 18  # ~2.5 MiB of decisions waiting for a slow sibling
 POST_TIMEOUT_S: Final = 2.0
 _LOG_EVERY_S: Final = 60.0
+_BACKOFF_S: Final = 0.05
+_MAX_BACKOFF_S: Final = 5.0
 _U64: Final = 1 << 64
 
 
@@ -83,6 +86,7 @@ class SharingStats:
     sent: int = 0  # decisions in batches a sibling took (counted once per sibling)
     dropped: int = 0  # decisions dropped from the outbox, full while siblings were slow
     failed: int = 0  # posts a sibling refused or did not answer
+    skipped: int = 0  # decisions not posted to a sibling backing off after failures
     received: int = 0  # decisions adopted from siblings
     unknown: int = 0  # received decisions for a rank this replica does not know
     refused: int = 0  # received batches refused as malformed
@@ -183,6 +187,7 @@ class DecisionSharing:
     clock: Callable[[], float] = time.monotonic
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _logged_at: dict[str, float] = field(default_factory=dict)
+    _failing: dict[str, tuple[int, float]] = field(default_factory=dict)  # in a row, retry at
 
     def share(self, rank: RankId, keys: Sequence[int], held: int) -> None:
         """cache_aware's `share`: queue a decision for the next post."""
@@ -219,7 +224,10 @@ class DecisionSharing:
             if batch is None or not peers:
                 continue
             body, count = batch
-            taken = await asyncio.gather(*(self._post(peer, body) for peer in peers))
+            now = self.clock()
+            ready = [p for p in peers if self._failing.get(p, (0, now))[1] <= now]
+            self.stats.skipped += count * (len(peers) - len(ready))
+            taken = await asyncio.gather(*(self._post(peer, body) for peer in ready))
             self.stats.sent += count * sum(taken)
 
     async def _post(self, peer: str, body: bytes) -> bool:
@@ -233,12 +241,20 @@ class DecisionSharing:
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             ) as resp:
                 if resp.status == 204:
+                    self._failing.pop(peer, None)
                     return True
                 problem = f"status {resp.status}: {(await resp.text())[:200]}"
         except (aiohttp.ClientError, TimeoutError) as exc:
             problem = f"{type(exc).__name__}: {exc}"
         self.stats.failed += 1
         now = self.clock()
+        # A sibling that fails is skipped for a while (batches for it are counted `skipped`),
+        # doubling from 50 ms up to 5 s, so a dead one costs no connection per decision.
+        in_a_row = self._failing.get(peer, (0, now))[0] + 1
+        self._failing[peer] = (
+            in_a_row,
+            now + min(_BACKOFF_S * 2 ** (in_a_row - 1), _MAX_BACKOFF_S),
+        )
         if now - self._logged_at.get(peer, -_LOG_EVERY_S) >= _LOG_EVERY_S:
             self._logged_at[peer] = now
             log.warning(

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Sequence
 
+import aiohttp
 import msgspec
 import pytest
 
 from cachetree.ranks import RankId
 from router import siblings
 from router.siblings import DecisionBatch, Outbox, SharedDecision, decode_batch
+from tests.support.clock import ManualClock
+from tests.support.ports import free_tcp_port
+from tests.support.waiting import eventually
 
 A, B = RankId("http://a:8000", 0), RankId("http://b:8000", 1)
 
@@ -110,3 +116,32 @@ def test_a_batch_is_adopted_for_known_ranks_and_the_rest_counted_unknown() -> No
     assert sharing.receive(body) == 2
     assert adopted == [(A, [5, 6], 1), (A, [5, 6], 1)]
     assert (sharing.stats.received, sharing.stats.unknown, sharing.stats.refused) == (2, 1, 0)
+
+
+async def test_a_dead_sibling_is_skipped_for_a_backoff_not_dialled_per_decision() -> None:
+    clock = ManualClock()
+    dead = f"http://127.0.0.1:{free_tcp_port()}"  # nothing listens there
+    async with aiohttp.ClientSession() as session:
+        sharing = siblings.DecisionSharing(
+            session, lambda: [dead], "t", lambda *a: None, lambda r: True, clock=clock
+        )
+        task = asyncio.create_task(sharing.run())
+        try:
+            sharing.share(A, [1, 2], 0)
+            await eventually(lambda: sharing.stats.failed == 1, within_s=5.0)
+            for i in range(3):  # within the first 50 ms of backoff: not dialled
+                sharing.share(A, [3 + i], 0)
+                await eventually(lambda i=i: sharing.stats.skipped == i + 1, within_s=5.0)
+            assert sharing.stats.failed == 1
+            clock.advance(0.05)
+            sharing.share(A, [9], 0)
+            await eventually(lambda: sharing.stats.failed == 2, within_s=5.0)
+            sharing.share(A, [10], 0)  # the backoff doubled: 100 ms now
+            clock.advance(0.06)
+            sharing.share(A, [11], 0)
+            await eventually(lambda: sharing.stats.skipped == 5, within_s=5.0)
+            assert (sharing.stats.failed, sharing.stats.sent) == (2, 0)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
