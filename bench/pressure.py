@@ -5,7 +5,7 @@ working set is larger than one worker's prefix cache but within the fleet's comb
 (the prefixes fill `fill` of it, on average), each request a prefix plus a tail of its own,
 in cyclic or shuffled order, sent by `concurrency` closed-loop clients, into caches that are
 empty (cold) or full of unrelated blocks (pre-filled: a fleet that has been running), through
-one router replica or two behind a round-robin front. Fake workers as real processes, one
+one router replica or several behind a round-robin front. Fake workers as real processes, one
 rank each: a paged LRU prefix cache of `cache_blocks` blocks, 50 us of prefill per uncached
 token, 1 ms per generated token (8 per request), at most 2 requests running per worker (the
 rest queue). A workload's workers are started once; before every run their caches are
@@ -16,10 +16,11 @@ Rows, per workload:
   workers by a greedy partition of their blocks (largest first onto the least filled worker),
   straight to the workers (no router hop, so its TTFT is lower by the hop): only each
   prefix's first request misses, when every worker's share fits its cache;
-- kvrouter cache_aware, kvrouter round_robin: one replica, or two that know each other
-  (`--peer`), the client sending requests to them in turn;
+- kvrouter cache_aware, kvrouter round_robin: one replica, or several that know each other
+  (`--peer`, so cache_aware's replicas share their decisions: `router.siblings`), the client
+  sending requests to them in turn;
 - smg cache_aware (smg's approximate tree of routed request text; over HTTP workers it sees
-  no KV events), one instance or two in turn.
+  no KV events), one instance or several in turn.
 
 Each row runs `runs` times, with a different fixed seed per run (the rows of a run share it),
 the rows in turns so drift hits every row alike. A row shows its median ratio with the range;
@@ -68,6 +69,12 @@ FULL: Final = (
     "5w-12p-header-c2",
     "3w-9p-shuffled-c8-2rep",
     "8w-40p-shuffled-c8-prefilled-2rep",
+    "4w-20p-cyclic-3rep",
+    "6w-30p-shuffled-c16-2rep",
+    "6w-60p-short-c8-prefilled-2rep",
+    "3w-12p-long-c2-prefilled",
+    "6w-24p-shuffled-c12-prefilled-3rep",
+    "4w-16p-header-c6-3rep",
 )
 QUICK: Final = ("3w-9p-shuffled-c8-prefilled", "3w-9p-shuffled-c8-2rep")
 
@@ -324,7 +331,7 @@ def verdict(results: Sequence[dict[str, Any]]) -> str:
 def _describe(w: dict[str, Any]) -> str:
     order = "shuffled" if w["shuffled"] else "cyclic"
     state = "pre-filled" if w["prefilled"] else "cold"
-    replicas = "2 replicas" if w["replicas"] == 2 else "1 replica"
+    replicas = f"{w['replicas']} replica" + ("s" if w["replicas"] > 1 else "")
     return (
         f"{w['workers']} workers x {w['cache_blocks']} blocks, {w['prefixes']} prefixes of "
         f"{w['prefix_blocks'][0]}-{w['prefix_blocks'][1]} blocks x {w['requests_per_prefix']}, "

@@ -23,6 +23,7 @@ prefix's first request misses, if every worker's share fits its cache.
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import itertools
 import random
@@ -39,7 +40,14 @@ from cachetree.tree import BlockTree
 from fake_kv_worker.cache import Admission, PagedPrefixCache
 from fake_kv_worker.hashing import VllmSha256Hasher
 from router.loads import EngineLoad
-from router.policy import CacheAware, CacheAwareWeights, Candidate, Prompt, make_policy
+from router.policy import (
+    CacheAware,
+    CacheAwareWeights,
+    Candidate,
+    Policy,
+    Prompt,
+    make_policy,
+)
 from router.pressure import PressureLedger, PressureSettings
 from router.tools.demo import prompt_tokens
 
@@ -67,6 +75,7 @@ class Workload:
     prefill_s_per_token: float = 50e-6
     decode_s: float = 0.01
     event_lag_s: float = 0.002
+    share_lag_s: float = 0.003  # a decision reaches the sibling replicas this much later
     load_interval_s: float = 0.25
 
     @property
@@ -104,6 +113,72 @@ def workloads() -> list[Workload]:
     for w in out[:]:
         if w.concurrency > 1:
             out.append(replace(w, name=w.name + "-2rep", replicas=2))
+    # Shapes the weights were not chosen on: other worker and prefix counts and lengths,
+    # c=1..16, three replicas.
+    out += [
+        Workload("4w-20p-cyclic-3rep", 4, 20, (24, 40), 0.85, 6, concurrency=3, replicas=3),
+        Workload(
+            "6w-30p-shuffled-c16-2rep",
+            6,
+            30,
+            (16, 32),
+            0.85,
+            6,
+            shuffled=True,
+            concurrency=16,
+            replicas=2,
+        ),
+        Workload(
+            "6w-60p-short-c8-prefilled-2rep",
+            6,
+            60,
+            (8, 20),
+            0.85,
+            5,
+            shuffled=True,
+            concurrency=8,
+            prefilled=True,
+            replicas=2,
+        ),
+        Workload(
+            "3w-12p-long-c2-prefilled",
+            3,
+            12,
+            (64, 96),
+            0.85,
+            6,
+            shuffled=True,
+            concurrency=2,
+            prefilled=True,
+        ),
+        Workload(
+            "6w-24p-shuffled-c12-prefilled-3rep",
+            6,
+            24,
+            (24, 48),
+            0.85,
+            6,
+            shuffled=True,
+            concurrency=12,
+            prefilled=True,
+            replicas=3,
+        ),
+        Workload(
+            "4w-16p-header-c6-3rep",
+            4,
+            16,
+            (32, 48),
+            0.85,
+            6,
+            shuffled=True,
+            concurrency=6,
+            replicas=3,
+            header_blocks=4,
+        ),
+        Workload(
+            "5w-20p-shuffled-c1-prefilled", 5, 20, (20, 44), 0.85, 6, shuffled=True, prefilled=True
+        ),
+    ]
     return out
 
 
@@ -317,7 +392,7 @@ class Fleet:
 
 
 def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None = None,
-         settings: PressureSettings | None = None) -> Outcome:  # fmt: skip
+         settings: PressureSettings | None = None, share: bool = True) -> Outcome:  # fmt: skip
     """One workload, one seed, through `policy` (a kvrouter policy name, or "ideal")."""
     requests, lengths = build_requests(w, seed)
     fleet = Fleet(w, seed)
@@ -325,7 +400,17 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
     if policy == IDEAL:
         part = ideal_partition(lengths, w.workers)
         return fleet.run(requests, lambda i, req: ranks[part[req.prefix]])
-    routers = []
+    routers: list[Policy] = []
+
+    def sharer(k: int) -> Callable[[RankId, Sequence[int], int], None]:
+        def share(rank: RankId, keys: Sequence[int], held: int) -> None:
+            for j, sibling in enumerate(routers):
+                if j != k and isinstance(sibling, CacheAware):
+                    adopt = functools.partial(sibling.adopt, rank, keys, held)
+                    fleet.at(fleet.now + w.share_lag_s, adopt)
+
+        return share
+
     for k in range(w.replicas):
         kwargs = {}
         if policy == "cache_aware":
@@ -335,6 +420,7 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
                 "index": lambda: fleet.tree,
                 "capacity": lambda rank: w.cache_blocks,
                 "replicas": lambda: w.replicas,
+                "share": sharer(k) if share and w.replicas > 1 else None,
             }
         routers.append(make_policy(policy, rng=random.Random(seed * 31 + k), **kwargs))
     inflight = {r: [0] * w.replicas for r in ranks}
@@ -370,6 +456,9 @@ def main() -> None:
     parser.add_argument("--tie-margin", type=float, default=CacheAwareWeights().tie_margin)
     parser.add_argument("--ttl-s", type=float, default=PressureSettings().booking_ttl_s)
     parser.add_argument("--half-life-s", type=float, default=PressureSettings().demand_half_life_s)
+    parser.add_argument(
+        "--no-share", action="store_true", help="replicas do not share their decisions"
+    )
     args = parser.parse_args()
     weights = CacheAwareWeights(evict=args.evict, fill=args.fill, tie_margin=args.tie_margin)
     settings = PressureSettings(booking_ttl_s=args.ttl_s, demand_half_life_s=args.half_life_s)
@@ -382,7 +471,7 @@ def main() -> None:
         ideal = [play(w, s, IDEAL).ratio for s in range(args.seeds)]
         cells = []
         for p in policies:
-            runs = [play(w, s, p, weights, settings) for s in range(args.seeds)]
+            runs = [play(w, s, p, weights, settings, not args.no_share) for s in range(args.seeds)]
             ratios = [r.ratio for r in runs]
             rel = statistics.median(ratios) / statistics.median(ideal)
             spread = statistics.fmean(r.ranks_per_prefix for r in runs)

@@ -301,6 +301,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         choices=("auto", "on", "off"),
     )
     f.add(
+        "share-decisions",
+        _flag_bool,
+        True,
+        "cache_aware with siblings: post each routing decision to them (POST "
+        "/internal/decisions) so every replica's ledger sees the fleet's demand and bookings",
+    )
+    f.add(
         "kv-ingest-processes",
         int,
         DEFAULT_INGEST_PROCESSES,

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cachetree.ranks import RankId
 from peer.producer import serve_snapshot
-from router import auth
+from router import auth, siblings
 from router.origin import host_of, origin_problem
 from router.replica import Replica
 from router.workers import subscriber_name
@@ -49,6 +49,7 @@ def add_control_routes(app: web.Application) -> None:
     app.router.add_post("/workers", _guard(_add_worker))
     app.router.add_delete("/workers", _guard(_remove_worker))
     app.router.add_get("/internal/kv_snapshot", _guard(_kv_snapshot), allow_head=False)
+    app.router.add_post(siblings.PATH, _guard(_decisions))
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -257,3 +258,30 @@ async def _remove_worker(request: web.Request) -> web.Response:
     if not removed:
         return web.json_response({"error": {"message": f"unknown worker {url}"}}, status=404)
     return web.json_response({"removed": url})
+
+
+async def _decisions(request: web.Request) -> web.Response:
+    """A sibling's routing decisions (`router.siblings`), adopted into cache_aware's ledger."""
+    sharing = request.app[REPLICA].sharing
+    if sharing is None:
+        return _error(
+            404,
+            "decision sharing is off on this replica: it runs with --policy cache_aware, "
+            "siblings (--peer or --kv-peer-selector) and --share-decisions",
+        )
+    length = request.content_length
+    if length is None:
+        return _error(411, "a decision batch needs a Content-Length")
+    if length > siblings.MAX_BODY_BYTES:
+        return _error(413, f"a decision batch is at most {siblings.MAX_BODY_BYTES} bytes")
+    try:
+        sharing.receive(await request.read())
+    except ValueError as exc:
+        return _error(400, f"decision batch refused: {exc}")
+    return web.Response(status=204)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "invalid_request_error"}}, status=status
+    )

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from router.ingest_pool import IngestPool
     from router.loads import LoadMonitor
     from router.policy import CacheAware
+    from router.siblings import DecisionSharing
     from router.tokenize import RequestTokenizer
     from router.workers import WorkerRegistry
 
@@ -162,6 +163,9 @@ class RouterMetrics:
 
     def watch_pressure(self, policy: CacheAware, workers: WorkerRegistry) -> None:
         self.registry.register(_PressureCollector(policy, workers))
+
+    def watch_sharing(self, sharing: DecisionSharing) -> None:
+        self.registry.register(_SharingCollector(sharing))
 
     def watch_ingest(self, pool: IngestPool) -> None:
         self.registry.register(_IngestCollector(pool))
@@ -621,9 +625,14 @@ class _PressureCollector(Collector):
         stats = ledger.bookings
         yield _counter(
             "kvrouter_bookings",
-            "Bookings by how they ended: confirmed (the index showed the blocks) or expired",
+            "Bookings by how they ended: confirmed (the index showed the blocks), expired, or "
+            "moved (the proxy failed over and another rank served the prompt)",
             ["outcome"],
-            {("confirmed",): stats.confirmed, ("expired",): stats.expired},
+            {
+                ("confirmed",): stats.confirmed,
+                ("expired",): stats.expired,
+                ("moved",): stats.moved,
+            },
         )
         yield _counter(
             "kvrouter_pressure_spills",
@@ -646,6 +655,38 @@ def _counter(
     for values, value in rows.items():
         family.add_metric(list(values), value)
     return family
+
+
+class _SharingCollector(Collector):
+    """Decision sharing with the sibling replicas (`router.siblings`)."""
+
+    def __init__(self, sharing: DecisionSharing) -> None:
+        self._sharing = sharing
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._sharing.stats
+        yield _counter(
+            "kvrouter_shared_decisions",
+            "Routing decisions shared with sibling replicas: sent (taken by a sibling, once "
+            "per sibling), dropped (outbox full while siblings were slow), received (adopted "
+            "into this replica's ledger), unknown (for a rank this replica does not know), skipped "
+            "(not posted to a sibling backing off after failures)",
+            ["outcome"],
+            {
+                ("sent",): stats.sent,
+                ("dropped",): stats.dropped,
+                ("received",): stats.received,
+                ("unknown",): stats.unknown,
+                ("skipped",): stats.skipped,
+            },
+        )
+        yield _counter(
+            "kvrouter_shared_decision_failures",
+            "Decision batches that failed: posts a sibling refused or did not answer "
+            "(`post`), received batches refused as malformed (`refused`)",
+            ["kind"],
+            {("post",): stats.failed, ("refused",): stats.refused},
+        )
 
 
 class _TokenizerCollector(Collector):

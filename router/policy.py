@@ -43,8 +43,13 @@ index does not show yet), this replica's recent demand on it (`demand`: distinct
 there, halving every `--demand-half-life-s`; `router.pressure`), and bookings: a routed
 prompt's new blocks count as held by the rank it went to until their store event arrives
 (or `--booking-ttl-ms` passes), so the requests of a new prefix that arrive before its first
-store event follow it rather than each looking like a miss. With `depth` = d_dev extended by
-bookings, `stored` = n - depth blocks the rank must newly store:
+store event follow it rather than each looking like a miss. When the proxy fails over, the
+data plane calls `Decision.served(rank)` and the booking and demand move to the rank that
+served (`CacheAware.served`). Replicas that know each other share their decisions (`share`,
+`adopt`; the transport is `router.siblings`): each records its siblings' routed blocks as its
+own demand and bookings, so its ledger covers the fleet's traffic, not its share of it.
+With `depth` = d_dev extended by bookings, `stored` = n - depth blocks the rank must newly
+store:
 
     other    = max(demand - depth, 0) + unseen * max(held - demand, 0)
     free     = max(C - held, 0)
@@ -62,9 +67,13 @@ least-demanded rank), scaled by how full of demand the fleet is: when the caches
 have room, a second copy of a prefix (a request sent away from a busy holder) costs nothing
 later and the queue term alone decides; when they do not, the copy pushes some other prefix
 out sooner or later. `unseen` is the share of the blocks a rank holds beyond this replica's
-demand that are counted as demand: 0 for a lone replica (they are stale), (k-1)/k with k
-replicas sharing the traffic (the siblings' placements this replica cannot see). A rank whose
-capacity is unknown pays no pressure terms and counts in no fleet sum.
+demand that are counted as demand: 0 for a lone replica (they are stale) or for replicas that
+share their decisions (the siblings' demand is in the ledger), (k-1)/k with k replicas that
+do not (a guess at the siblings' placements this replica cannot see; it also counts a
+pre-filled cache's old blocks as theirs, which is why sharing does better: in
+`bench/pressure_sim.py` the two-replica workloads went from 0.96-0.98x the ideal partition to
+0.99-1.00x, as good as one ledger shared by both). A rank whose capacity is unknown pays no
+pressure terms and counts in no fleet sum.
 
 Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
 lower_tier_discount 0.5, evict 1.0 (an evicted demanded block is prefilled again once), fill
@@ -160,6 +169,14 @@ class Decision:
     ranked: list[Candidate]  # best first; the proxy fails over down this list
     outcome: str  # one of OUTCOMES
     matched_blocks: int  # the chosen rank's leading blocks held on any tier
+    prompt: Prompt | None = None  # what the decision was about, when `on_failover` needs it
+    on_failover: Callable[[Decision, RankId], None] | None = None  # the policy's `served`
+
+    def served(self, rank: RankId) -> None:
+        """The proxy's answer came from `rank`: when that is not the first choice (it failed
+        over), the policy hears of it (cache_aware moves its booking there)."""
+        if self.on_failover is not None and self.ranked and rank != self.ranked[0].rank:
+            self.on_failover(self, rank)
 
 
 class Policy(Protocol):
@@ -367,6 +384,9 @@ class CacheAware:
     index: Callable[[], IndexView | None] = _no_index
     capacity: Callable[[RankId], int | None] = _no_capacity
     replicas: Callable[[], int] = _alone  # replicas sharing the traffic, this one included
+    # Tells the siblings of each decision (`router.siblings`); their decisions come back
+    # through `adopt`, so the ledger sees the whole fleet's demand and bookings.
+    share: Callable[[RankId, Sequence[int], int], None] | None = None
     spill_stats: SpillStats = field(default_factory=SpillStats)
     name: ClassVar[str] = "cache_aware"
 
@@ -393,6 +413,40 @@ class CacheAware:
         capacity = self.capacity(rank)
         return None if not capacity else self.ledger.demand(rank) / capacity
 
+    def adopt(self, rank: RankId, keys: Sequence[int], held: int) -> None:
+        """A sibling replica routed `keys` to `rank`, which held the first `held` of them:
+        its demand and booking count here as if this replica had routed it."""
+        index = self.index()
+        self.ledger.record(rank, keys, held, None if index is None else _holds(index))
+
+    def served(self, decision: Decision, rank: RankId) -> None:
+        """The proxy failed over: `rank` served the prompt `decision` placed elsewhere. The
+        booking and the demand move to it (and the siblings are told)."""
+        prompt = decision.prompt
+        if prompt is None or not prompt.keys or not decision.ranked:
+            return
+        keys = prompt.keys
+        index = self.index()
+        holds = None if index is None else _holds(index)
+        held = 0
+        if holds is not None:  # the index now, not the decision's (it may have changed since)
+            while held < len(keys) and holds(rank, keys[held]):
+                held += 1
+        first = self.ledger.move(decision.ranked[0].rank, rank, keys, held, holds)
+        if self.share is not None and first < len(keys):
+            self.share(rank, keys[first:], max(held - first, 0))
+
+    def _record(
+        self,
+        rank: RankId,
+        keys: Sequence[int],
+        held: int,
+        holds: Callable[[RankId, int], bool] | None,
+    ) -> None:
+        first = self.ledger.record(rank, keys, held, holds)
+        if self.share is not None and first < len(keys):
+            self.share(rank, keys[first:], max(held - first, 0))
+
     def decide(self, candidates: Sequence[Candidate], prompt: Prompt) -> Decision:
         n = len(candidates)
         if not n:
@@ -405,8 +459,9 @@ class CacheAware:
         if n > 1 and self.imbalanced(loads):
             ranked = _by_load(candidates, loads, self.rng)
             chosen = ranked[0].rank
-            self.ledger.record(chosen, prompt.keys, device.get(chosen, 0), holds)
-            return Decision(ranked, IMBALANCE_FALLBACK, any_tier.get(ranked[0].rank, 0))
+            self._record(chosen, prompt.keys, device.get(chosen, 0), holds)
+            matched = any_tier.get(chosen, 0)
+            return Decision(ranked, IMBALANCE_FALLBACK, matched, prompt, self.served)
         pressure = self._pressure(candidates, prompt, device, index)
         costs, evicted, room = self._costs(candidates, loads, prompt, any_tier, pressure)
         # Alone, only equal costs tie; with siblings, costs within the margin do, so that
@@ -435,9 +490,9 @@ class CacheAware:
             self.spill_stats.spills += 1
             self.spill_stats.spilled_blocks += evicted[order[0]]
         chosen = ranked[0].rank
-        self.ledger.record(chosen, prompt.keys, device.get(chosen, 0), holds)
+        self._record(chosen, prompt.keys, device.get(chosen, 0), holds)
         matched = any_tier.get(chosen, 0)
-        return Decision(ranked, CACHE_HIT if matched else CACHE_MISS, matched)
+        return Decision(ranked, CACHE_HIT if matched else CACHE_MISS, matched, prompt, self.served)
 
     def _pressure(
         self,
@@ -487,7 +542,8 @@ class CacheAware:
         evicted = [0] * n
         known = [c for c in p.capacity if c]
         fallback = max(known) if known else 0
-        replicas = self.replicas()
+        # Siblings' placements this replica cannot see: none when they share their decisions.
+        replicas = self.replicas() if self.share is None else 1
         unseen = 1.0 - 1.0 / replicas if replicas > 1 else 0.0
         # How full of demand the fleet is: the fill surcharge scales with it, so it steers
         # placements only when the caches together are short of room, not when they idle.
@@ -565,6 +621,7 @@ def make_policy(
     index: Callable[[], IndexView | None] = _no_index,
     capacity: Callable[[RankId], int | None] = _no_capacity,
     replicas: Callable[[], int] = _alone,
+    share: Callable[[RankId, Sequence[int], int], None] | None = None,
 ) -> Policy:
     """A policy by name. `rng` seeds the randomized ones; the rest is for cache_aware only:
     its weights, its ledger, and where it reads the index and the ranks' capacities."""
@@ -586,5 +643,6 @@ def make_policy(
             index,
             capacity,
             replicas,
+            share,
         )
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

@@ -80,6 +80,7 @@ class BookingStats:
     made: int = 0
     confirmed: int = 0  # the index held the booked blocks when the TTL ended
     expired: int = 0  # it did not
+    moved: int = 0  # ended early: the proxy failed over and another rank served the prompt
 
 
 @dataclass(slots=True)
@@ -175,10 +176,14 @@ class PressureLedger:
 
     def record(
         self, rank: RankId, keys: Sequence[int], held: int = 0, holds: Holds | None = None
-    ) -> None:
+    ) -> int:
         """`keys` (a prompt's block keys, root first) were routed to `rank` now, which the
-        index shows holding the first `held` of them: the rest are booked on it."""
+        index shows holding the first `held` of them: the rest are booked on it.
+
+        Returns the position of the first key this changed (its weight, or a booking), or
+        `len(keys)` when it changed nothing: what is worth telling the siblings."""
         now = self._clock()
+        first = len(keys)
         if now - self._origin > _REBASE_AFTER_HALF_LIVES * self.settings.demand_half_life_s:
             self._rebase(now)
         st = self._ranks.get(rank)
@@ -196,9 +201,11 @@ class PressureLedger:
             before = len(weights)
             dropped = 0.0
             added = 0
-            for key in keys:
+            for i, key in enumerate(keys):
                 if get(key, 0.0) >= fresh:
                     continue
+                if not added:
+                    first = i
                 added += 1
                 old = pop(key, None)
                 if old is not None:
@@ -213,8 +220,33 @@ class PressureLedger:
             st.total += w * added - dropped
             if held < len(keys) and self.settings.booking_ttl_s > 0:
                 self._book(now, rank, st, keys[held:], holds)
+                first = min(first, held)
         self._prune(st, now)
         self._sweep(now)
+        return first
+
+    def move(
+        self,
+        routed: RankId,
+        served: RankId,
+        keys: Sequence[int],
+        held: int = 0,
+        holds: Holds | None = None,
+    ) -> int:
+        """A prompt recorded on `routed` was served by `served` instead (the proxy failed over):
+        its live booking on `routed` ends (counted `moved`), and the prompt is recorded on
+        `served`, which holds its first `held` blocks; its demand follows. Returns as `record`."""
+        st = self._ranks.get(routed)
+        if st is not None and keys:
+            # The newest booking of these keys: the one this prompt's decision made.
+            for booking in reversed(st.bookings):
+                start = len(keys) - len(booking.keys)
+                if start >= 0 and booking.keys[0] == keys[start]:
+                    st.bookings.remove(booking)
+                    self.bookings.moved += 1
+                    self._release(routed, st, booking)
+                    break
+        return self.record(served, keys, held, holds)
 
     def settle(self, holds: Holds | None) -> None:
         """End the bookings whose blocks the index now shows (`holds` asks it), or whose TTL

@@ -42,6 +42,7 @@ from router.metrics import RouterMetrics
 from router.origin import AllowList
 from router.policy import CacheAware, Policy, make_policy
 from router.pressure import PressureLedger, PressureSettings
+from router.siblings import DecisionSharing
 from router.socket_budget import SocketBudget
 from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from router.tokenize import RequestTokenizer, load_tokenizer
@@ -122,6 +123,7 @@ class ServeConfig:
     booking_ttl_ms: int = 5000
     demand_half_life_s: float = 30.0
     pressure_max_tracked_blocks: int = 1_000_000
+    share_decisions: bool = True  # cache_aware with siblings: post decisions to them
     kv_ingest_processes: int = DEFAULT_INGEST_PROCESSES
     kv_events: str = "auto"  # on | off | auto: on for policies that read the index
 
@@ -161,6 +163,7 @@ class Replica:
     discovery: SliceDiscovery | None = None  # EndpointSlice watches, when a selector is given
     worker_allow: AllowList = field(default_factory=AllowList)  # where POST /workers may point
     ingest: IngestPool | None = None  # ingest processes, with --kv-ingest-processes > 0
+    sharing: DecisionSharing | None = None  # decisions to and from siblings (cache_aware)
 
 
 async def start_replica(config: ServeConfig) -> Replica:
@@ -251,12 +254,15 @@ async def _compose(
     if config.chat_rules == "auto":
         workers.on_engine = ChatRulesFollower(tokenizer).worker_engine
     policy = _policy(config, pump, bootstrap, capacity_blocks)
+    sharing = _sharing(config, policy, bootstrap, workers, control_session)
     metrics = RouterMetrics()
     metrics.watch(pump, workers, loads, bootstrap)
     metrics.watch_tokenizer(tokenizer)
     metrics.watch_tasks(supervisor)
     if isinstance(policy, CacheAware):
         metrics.watch_pressure(policy, workers)
+    if sharing is not None:
+        metrics.watch_sharing(sharing)
     inflight = InflightTracker()
     settled = bootstrap.tracker.settled if bootstrap is not None else (lambda: True)
     # Last of the fallible steps: nothing has started yet if it cannot reach the API server.
@@ -285,6 +291,7 @@ async def _compose(
         discovery=discovery,
         worker_allow=AllowList.parse(config.worker_allow_cidr),
         ingest=ingest,
+        sharing=sharing,
     )
     if replica.producer is not None:
         metrics.watch_producer(replica.producer)
@@ -298,6 +305,11 @@ async def _compose(
         _watch(config, discovery, workers, bootstrap)
         metrics.watch_discovery(discovery)
     replica.tasks.append(supervisor.spawn("loads", "kvrouter-loads", loads.run))
+    if sharing is not None:
+        # Not critical: without it a replica routes as well as it did before sharing existed.
+        replica.tasks.append(
+            supervisor.spawn("sharing", "kvrouter-sharing", sharing.run, critical=False)
+        )
     replica.tasks.append(
         supervisor.spawn(
             "capacity",
@@ -334,6 +346,35 @@ def _policy(
         capacity=capacity_blocks,
         replicas=lambda: 1 + (len(bootstrap.registry.peers) if bootstrap is not None else 0),
     )
+
+
+def _sharing(
+    config: ServeConfig,
+    policy: Policy,
+    bootstrap: PeerBootstrap | None,
+    workers: WorkerRegistry,
+    session: aiohttp.ClientSession,
+) -> DecisionSharing | None:
+    """Decision sharing with the siblings (`router.siblings`): cache_aware, siblings known
+    (which implies the internal token), and --share-decisions."""
+    if not (
+        isinstance(policy, CacheAware)
+        and bootstrap is not None
+        and config.share_decisions
+        and config.internal_token
+    ):
+        return None
+    registry = bootstrap.registry
+
+    def known(rank: RankId) -> bool:
+        worker = workers.get(rank.worker_url)
+        return worker is not None and rank.dp_rank < worker.dp_size
+
+    sharing = DecisionSharing(
+        session, lambda: registry.peers, config.internal_token, policy.adopt, known
+    )
+    policy.share = sharing.share
+    return sharing
 
 
 def engine_capacity_blocks(loads: LoadMonitor, pump: Pump) -> CapacityBlocks:

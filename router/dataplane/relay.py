@@ -15,7 +15,6 @@ over the client connection's in-process link (`control_link`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
@@ -35,7 +34,7 @@ from router.dataplane.exchange import (
 )
 from router.dataplane.flow import PEER_BACKPRESSURE
 from router.dataplane.upstream import UpstreamConnection, UpstreamPool
-from router.policy import Candidate
+from router.policy import Decision
 from router.workers import Worker
 
 if TYPE_CHECKING:
@@ -167,13 +166,14 @@ class WorkerRelay(Relay):
         client: ClientConnection,
         head: RequestHead,
         body: bytes,
-        ranked: Sequence[Candidate],
+        decision: Decision,
     ) -> None:
         super().__init__(client, head, body)
         self.plane = plane
+        self.decision = decision
         self.route = head.path.decode("latin-1")
         workers = plane.workers
-        pairs = [(c.rank, workers.get(c.rank.worker_url)) for c in ranked]
+        pairs = [(c.rank, workers.get(c.rank.worker_url)) for c in decision.ranked]
         self._pairs = [(rank, w) for rank, w in pairs if w is not None]
         # When every candidate's breaker is open, requests go out anyway: refusing all
         # traffic is worse than trying a worker that may have recovered.
@@ -242,6 +242,8 @@ class WorkerRelay(Relay):
             worker.breaker.release()  # a client error says nothing about the worker
         else:
             worker.breaker.record_success()
+            if self._next_pair > 1 and self.rank is not None:  # failed over: tell the policy
+                self.decision.served(self.rank)
         self._verdict = True
         self.plane.metrics.requests[self.route, worker.url, str(status)] += 1
         return True

@@ -650,7 +650,7 @@ class ClientConnection(asyncio.Protocol):
             plane.metrics.requests[path.decode(), "none", str(decision.status)] += 1
             self.refuse(decision)
             return
-        relay = WorkerRelay(plane, self, head, body, decision.ranked)
+        relay = WorkerRelay(plane, self, head, body, decision)
         self._relay = relay
         relay.start()
 

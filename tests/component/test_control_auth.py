@@ -90,7 +90,11 @@ async def test_every_registered_route_under_a_guarded_path_is_guarded() -> None:
             for route in rt.serving.control.app.router.routes()
             if route.resource is not None and auth.guarded(route.resource.canonical)
         ]
-        assert {path for _, path in routes} == {"/workers", "/internal/kv_snapshot"}
+        assert {path for _, path in routes} == {
+            "/workers",
+            "/internal/kv_snapshot",
+            "/internal/decisions",
+        }
         for method, path in routes:
             if method == "HEAD":
                 continue

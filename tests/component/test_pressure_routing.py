@@ -7,16 +7,29 @@ request found cached, and what the replica's /metrics and `kvrouter view` say pe
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Sequence
 
+import msgspec
 import pytest
 
+from cachetree.keys import block_keys
+from cachetree.ranks import RankId
+from router import siblings
+from router.policy import CacheAware
 from router.tokenize import BytesTokenizer
 from router.tools import view
 from tests.component.test_view import run_view
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
-from tests.support.router import RouterHandle, gate_fleet, quiesce, router_in_process
+from tests.support.ports import free_port_range
+from tests.support.router import (
+    TEST_TOKEN,
+    RouterHandle,
+    gate_fleet,
+    quiesce,
+    router_in_process,
+)
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -106,3 +119,115 @@ async def test_view_shows_capacity_booked_blocks_and_demand_per_rank() -> None:
         # rank, cursor, blocks (20 and the gate's probe), capacity, booked, demand
         assert row[2:5] == ["21", str(CACHE_BLOCKS), "0"], out
         assert 18.0 < float(row[5]) <= 20.0, out  # 20 blocks, decaying by the wall clock
+
+
+async def test_a_request_that_fails_over_moves_its_booking_to_the_worker_that_served_it() -> None:
+    async with (
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as w1,
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as w2,
+        router_in_process(workers=[w1.url, w2.url], expose_route_headers=True) as rt,
+    ):
+        workers = {w1.url: w1, w2.url: w2}
+        await gate_fleet([rt], [w1, w2])
+        text = prefix(random.Random(3))
+        home, _ = await complete(rt, text + " first")
+        await quiesce([rt], [w1, w2])
+        other = next(url for url in workers if url != home)
+        await workers[home].post("/control/fail", {"count": 1, "status": 503})
+        # cache_aware sends the prefix to its holder, which fails before the first byte; the
+        # other worker serves it, prefilling all of it.
+        served, cached = await complete(rt, text + " second, somewhat longer than the first")
+        assert (served, cached) == (other, 0)
+        policy = rt.replica.policy
+        assert isinstance(policy, CacheAware)
+        ledger = policy.ledger
+        assert ledger.bookings.moved == 1
+        keys = block_keys(TOK.encode(text + " second, somewhat longer than the first"), 16)
+        # The prompt's demand and booking are on the worker that served it, none left behind.
+        assert ledger.booked_depths(keys, {}) in ({RankId(other, 0): len(keys)}, {})
+        assert ledger.demand(RankId(other, 0)) >= len(keys) * 0.9
+        await quiesce([rt], [w1, w2])
+        policy.settle()
+        assert ledger.bookings.expired == 0 and ledger.pending(RankId(home, 0)) == 0
+        # Both workers hold the prefix now; the next request finds it cached either way.
+        assert (await complete(rt, text + " third"))[1] == PREFIX_CHARS
+
+
+async def two_sharing_replicas(
+    stack: contextlib.AsyncExitStack, workers: Sequence[FakeWorkerHandle], **config: object
+) -> tuple[RouterHandle, RouterHandle]:
+    """Two replicas that know each other (`--peer`), in front of the same workers."""
+    base = free_port_range(2)
+    urls = [f"http://127.0.0.1:{base + k}" for k in range(2)]
+    replicas = []
+    for k in range(2):
+        replicas.append(
+            await stack.enter_async_context(
+                router_in_process(
+                    port=base + k,
+                    self_url=urls[k],
+                    peer=[urls[1 - k]],
+                    workers=[fw.url for fw in workers],
+                    kv_bootstrap_timeout_ms=1000,
+                    expose_route_headers=True,
+                    **config,
+                )
+            )
+        )
+    await gate_fleet(replicas, workers)
+    return replicas[0], replicas[1]
+
+
+async def test_a_replica_adopts_its_siblings_decisions_as_its_own_demand_and_bookings() -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        w1 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+        w2 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+        one, two = await two_sharing_replicas(stack, [w1, w2])
+        text = prefix(random.Random(4))
+        home, _ = await complete(one, text)
+        rank = RankId(home, 0)
+        sibling = two.replica.policy
+        assert isinstance(sibling, CacheAware)
+        # Twenty blocks routed by the other replica count as this one's recent demand.
+        await eventually(lambda: sibling.ledger.demand(rank) > 19.0, within_s=10.0)
+        assert sibling.ledger.demand(RankId(next(u for u in (w1.url, w2.url) if u != home), 0)) < 2
+        scrape_one, scrape_two = await one.scrape(), await two.scrape()
+        assert scrape_one.value("kvrouter_shared_decisions_total", outcome="sent") >= 1
+        assert scrape_two.value("kvrouter_shared_decisions_total", outcome="received") >= 1
+        assert scrape_two.value("kvrouter_shared_decision_failures_total", kind="refused") == 0
+        # The sibling sends the prefix's next request to the same worker, which has it cached.
+        await quiesce([one, two], [w1, w2])
+        assert await complete(two, text + " again") == (home, PREFIX_CHARS)
+
+
+async def test_the_decisions_route_refuses_bad_callers_and_bad_batches_changing_nothing() -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        w1 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+        _, two = await two_sharing_replicas(stack, [w1])
+        policy = two.replica.policy
+        assert isinstance(policy, CacheAware)
+        good = msgspec.msgpack.encode(
+            siblings.DecisionBatch([siblings.SharedDecision(w1.url, 0, 0, [11, 12])])
+        )
+        url = two.url + siblings.PATH
+        bearer = {"Authorization": f"Bearer {TEST_TOKEN}"}
+        cases = [
+            ({}, good, 401),  # no token
+            ({"Authorization": "Bearer not-the-token"}, good, 401),
+            (bearer, b"\x93not msgpack of a batch", 400),
+            (bearer, b"\x00" * (siblings.MAX_BODY_BYTES + 1), 413),
+        ]
+        for headers, body, status in cases:
+            async with two.session.post(url, data=body, headers=headers) as resp:
+                assert resp.status == status, (headers, await resp.text())
+        assert policy.ledger.demand(RankId(w1.url, 0)) == 0.0
+        assert policy.ledger.pending(RankId(w1.url, 0)) == 0
+        stats = two.replica.sharing.stats  # type: ignore[union-attr]
+        assert (stats.received, stats.refused) == (0, 1)
+        async with two.session.post(url, data=good, headers=bearer) as resp:
+            assert resp.status == 204
+        assert policy.ledger.pending(RankId(w1.url, 0)) == 2
+        # A replica without siblings has no such route to feed.
+        alone = await stack.enter_async_context(router_in_process(workers=[w1.url]))
+        async with alone.session.post(alone.url + siblings.PATH, data=good, headers=bearer) as r:
+            assert r.status == 404

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -24,6 +25,7 @@ from router.policy import (
     CacheAwareWeights,
     Candidate,
     Prompt,
+    RoundRobin,
     load_of,
     make_policy,
 )
@@ -475,6 +477,110 @@ def test_siblings_treat_costs_within_the_tie_margin_as_a_tie_so_they_agree(
     assert (disagreements == 0) is agree
     if not agree:  # alone: each follows its own ledger (C, or whichever of A/B is idle)
         assert disagreements > 0
+
+
+class Siblings:
+    """Two replicas' cache_aware over one index (the engines' events reach both), each
+    sharing its decisions with the other when `shared`: delivered at once, or kept in
+    `in_flight` until `deliver()` (the post has not arrived yet)."""
+
+    def __init__(self, fleet: Fleet, shared: bool, deliver_at_once: bool = True) -> None:
+        self.fleet = fleet
+        self.in_flight: list[tuple[int, RankId, list[int], int]] = []
+        self.sides = [Pressured(fleet, even(), replicas=2) for _ in range(2)]
+        for k, side in enumerate(self.sides):
+            if shared:
+                side.policy.share = self._sharer(k, deliver_at_once)
+
+    def _sharer(self, k: int, at_once: bool) -> Callable[[RankId, Sequence[int], int], None]:
+        def share(rank: RankId, keys: Sequence[int], held: int) -> None:
+            self.in_flight.append((1 - k, rank, list(keys), held))
+            if at_once:
+                self.deliver()
+
+        return share
+
+    def deliver(self) -> None:
+        flights, self.in_flight = self.in_flight, []
+        for to, rank, keys, held in flights:
+            self.sides[to].policy.adopt(rank, keys, held)
+
+    def decide(self, k: int, tokens: list[int], loads: tuple[int, ...] = (0, 0, 0)) -> RankId:
+        side = self.sides[k]
+        candidates = [cand(r, inflight=n) for r, n in zip((A, B, C), loads, strict=True)]
+        return side.policy.decide(candidates, side.prompt(tokens)).ranked[0].rank
+
+
+@pytest.mark.parametrize(
+    ("shared", "same_rank"),
+    [(True, True), (False, False)],
+)
+def test_a_sibling_follows_a_new_prefix_its_sibling_placed_before_the_index_shows_it(
+    shared: bool, same_rank: bool
+) -> None:
+    """Replica 0 places a new prefix; before any store event, replica 1 gets the same prefix
+    while its own in-flight count makes the first rank look busy. With decisions shared it
+    finds the sibling's booking (a hit's cost) and follows; without, it sees a miss."""
+    s = Siblings(Fleet(), shared)
+    first = s.decide(0, PROMPT + [1] * 40)  # 130 blocks
+    assert s.sides[1].policy.ledger.pending(first) == (130 if shared else 0)
+    loads = tuple(1 if r == first else 0 for r in (A, B, C))
+    second = s.decide(1, PROMPT + [2] * 40, loads)
+    assert (second == first) is same_rank
+
+
+def test_shared_decisions_carry_only_what_changed_and_count_as_the_siblings_demand() -> None:
+    fleet = Fleet()
+    s = Siblings(fleet, shared=True, deliver_at_once=False)
+    first = s.decide(0, PROMPT)
+    assert [(to, r, len(keys), held) for to, r, keys, held in s.in_flight] == [(1, first, 128, 0)]
+    s.deliver()
+    sibling = s.sides[1].policy
+    assert sibling.ledger.demand(first) == pytest.approx(128.0)
+    assert sibling.ledger.booked_depths(KEYS, {}) == {first: 128}
+    fleet.hold(first, 128)  # the store event arrives
+    s.decide(0, PROMPT)  # the same prompt again at once: held, and its weights are fresh
+    assert s.in_flight == []
+    s.decide(0, PROMPT + [4] * 48)  # a new tail of three blocks: only the tail is news
+    assert [(r, len(keys), held) for _, r, keys, held in s.in_flight] == [(first, 3, 0)]
+
+
+def test_sharing_replicas_count_no_unseen_share_of_what_a_rank_holds() -> None:
+    """Without sharing, a replica guesses that half of what a rank holds beyond its own demand
+    is its sibling's (pre-filled blocks included); sharing, it knows the sibling's demand."""
+    fleet = Fleet()
+    fleet.hold(A, 200, tokens=[7] * BS * 200)  # blocks nobody asked for
+    guessing = Siblings(fleet, shared=False).sides[0]
+    knowing = Siblings(fleet, shared=True).sides[0]
+    tokens = [5] * BS + PROMPT[BS:]
+    guessed = guessing.policy.costs([cand(A), cand(B)], guessing.prompt(tokens))
+    known = knowing.policy.costs([cand(A), cand(B)], knowing.prompt(tokens))
+    assert known == [2048.0, 2048.0]  # nothing in demand anywhere: no pressure terms
+    assert guessed[0] > 2048.0 and guessed[1] == 2048.0  # A: 100 guessed blocks of demand
+
+
+def test_a_failed_over_request_moves_its_booking_to_the_rank_that_served_it() -> None:
+    s = Siblings(Fleet(), shared=True, deliver_at_once=False)
+    side = s.sides[0].policy
+    decision = side.decide([cand(A), cand(B), cand(C)], s.sides[0].prompt())
+    chosen = decision.ranked[0].rank
+    served = decision.ranked[1].rank
+    s.in_flight.clear()
+    decision.served(chosen)  # the first choice answered: nothing happens
+    assert side.ledger.bookings.moved == 0 and s.in_flight == []
+    decision.served(served)
+    assert side.ledger.bookings.moved == 1
+    assert side.ledger.pending(chosen) == 0 and side.ledger.pending(served) == 128
+    assert side.ledger.booked_depths(KEYS, {}) == {served: 128}
+    assert [(r, len(k)) for _, r, k, _ in s.in_flight] == [(served, 128)]  # siblings told
+    # The next request of the prefix follows it to where it was served.
+    assert s.decide(0, PROMPT + [3] * 20) == served
+
+
+def test_baseline_decisions_ignore_where_they_were_served() -> None:
+    decision = RoundRobin().decide([cand(A), cand(B)], Prompt(2048, BS))
+    decision.served(B)  # no policy hook: nothing to do, nothing raised
+    assert decision.on_failover is None
 
 
 @settings(max_examples=300, deadline=None)

@@ -173,6 +173,58 @@ def test_a_booking_the_index_never_confirms_expires_at_its_ttl(
     assert led.demand(A) > 0  # an expired booking is still recent demand
 
 
+@pytest.mark.parametrize(
+    ("again_after_s", "held", "first"),
+    [
+        (None, 0, 0),  # a new prompt: everything changed, from the first key
+        (0.1, 40, 40),  # the same prompt, all held, refreshed a moment ago: nothing to tell
+        (0.1, 30, 30),  # the same prompt, 30 held: the booking of the last 10 is news
+        (1.0, 40, 0),  # past 1/64 of the half-life: every weight is refreshed
+    ],
+)
+def test_record_returns_where_the_first_change_is_what_siblings_need_to_hear(
+    again_after_s: float | None, held: int, first: int
+) -> None:
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=30.0)
+    prompt = keys(1, 40)
+    if again_after_s is not None:
+        led.record(A, prompt, held=40)
+        clock.advance(again_after_s)
+    assert led.record(A, prompt, held=held) == first
+
+
+def test_record_of_a_new_tail_after_a_fresh_prefix_starts_at_the_tail() -> None:
+    clock = ManualClock()
+    led = ledger(clock)
+    head = keys(1, 30)
+    led.record(A, head, held=30)
+    longer = block_keys(tokens(1, 30) + tokens(7, 4), BS)
+    assert longer[:30] == head
+    assert led.record(A, longer, held=30) == 30
+
+
+def test_a_failed_over_prompt_moves_its_booking_and_demand_to_the_rank_that_served() -> None:
+    clock = ManualClock()
+    index = Index()
+    led = ledger(clock, booking_ttl_s=5.0)
+    prompt = keys(1, 40)
+    index.store(A, 1, 10)
+    led.record(A, prompt, held=10, holds=index.holds)  # the decision: A, 30 blocks booked
+    other = keys(2, 8)
+    led.record(A, other, holds=index.holds)  # a later booking on A stays
+    assert led.pending(A) == 38
+    assert led.move(A, B, prompt, held=0, holds=index.holds) == 0
+    assert (led.bookings.moved, led.bookings.expired) == (1, 0)
+    assert led.pending(A) == 8 and led.live_bookings(A) == 1
+    assert led.pending(B) == 40 and led.booked_depths(prompt, {}) == {B: 40}
+    assert led.demand(A) == pytest.approx(8.0) and led.demand(B) == pytest.approx(40.0)
+    # The booking on A is gone, not left to expire.
+    clock.advance(10.0)
+    led.settle(index.holds)
+    assert led.bookings.expired == 2  # the one on B and `other` on A, nothing more
+
+
 def test_bookings_settle_oldest_first_per_rank_and_stop_at_one_still_pending() -> None:
     clock = ManualClock()
     index = Index()
