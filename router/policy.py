@@ -320,13 +320,21 @@ class CacheAwareWeights:
     queued_request_tokens: float = 256.0  # prefill tokens one queued request stands for
     lower_tier_discount: float = 0.5  # credit for a host/disk block, relative to device
     evict: float = 1.0  # cost per token of recently demanded blocks a placement evicts
+    backlog: float = 1.0  # prefill price rise per request the typical rank has in flight
     fill: float = 2.0  # surcharge per newly stored token, times the rank's demand / capacity
     tie_margin: float = 32.0  # with siblings, costs this close to the best tie (rendezvous)
     imbalance_abs: int = 32  # fall back to least load when max - min load exceeds this ...
     imbalance_rel: float = 1.5  # ... and max load exceeds min load times this
 
     def __post_init__(self) -> None:
-        weights = (self.prefill, self.queue, self.queued_request_tokens, self.evict, self.fill)
+        weights = (
+            self.prefill,
+            self.queue,
+            self.queued_request_tokens,
+            self.evict,
+            self.fill,
+            self.backlog,
+        )
         if min(*weights, self.tie_margin) < 0:
             raise ValueError("cost weights and the tie margin must be >= 0")
         if not 0.0 <= self.lower_tier_discount <= 1.0:
@@ -524,7 +532,12 @@ class CacheAware:
         tokens = float(prompt.tokens)
         block = prompt.block_size
         blocks = prompt.blocks
-        per_token = w.prefill
+        # Backlog: when the typical rank is busy, each uncached token also delays the
+        # requests queued behind it, and a lighter rank fills up again at once, so a cache
+        # hit is worth more queued requests (this replica sees 1/k of each rank's in-flight).
+        replicas = self.replicas()
+        typical = sorted(loads)[(n - 1) // 2]  # the lower median: one hot rank moves it not
+        per_token = w.prefill * (1.0 + w.backlog * replicas * typical)
         per_request = w.queue * w.queued_request_tokens
         ranks = list(map(_rank, candidates))
         # Tokens each rank would not prefill: device blocks (bookings count as device
@@ -543,8 +556,7 @@ class CacheAware:
         known = [c for c in p.capacity if c]
         fallback = max(known) if known else 0
         # Siblings' placements this replica cannot see: none when they share their decisions.
-        replicas = self.replicas() if self.share is None else 1
-        unseen = 1.0 - 1.0 / replicas if replicas > 1 else 0.0
+        unseen = 1.0 - 1.0 / replicas if replicas > 1 and self.share is None else 0.0
         # How full of demand the fleet is: the fill surcharge scales with it, so it steers
         # placements only when the caches together are short of room, not when they idle.
         others = [
