@@ -46,6 +46,7 @@ from bench.pressure_sim import IDEAL, Request, Workload, build_requests, ideal_p
 from bench.report import table
 from bench.routing_quality import start_fleet
 from bench.smg import smg_router
+from router.dataplane.routing import INDEX_POLICIES
 from router.tools import demo
 
 PREFILL_US_PER_TOKEN: Final = 50.0
@@ -195,11 +196,15 @@ async def kvrouter_run(
     await cluster.start_routers(routers)
     try:
         await demo.wait_ready(session, routers)
+        # Policies that keep no index (--kv-events auto) have no cursors to wait for.
+        indexed = row.policy in INDEX_POLICIES
         await demo.probe_every_rank(session, cluster)
-        await demo.quiesce(session, cluster, routers)
+        if indexed:
+            await demo.quiesce(session, cluster, routers)
         if w.prefilled:
             await prefill(session, cluster, w)
-            await demo.quiesce(session, cluster, routers)
+            if indexed:
+                await demo.quiesce(session, cluster, routers)
         row.runs.append(await drive(session, cluster, requests, urls, w, row.label))
     finally:
         await asyncio.gather(*(r.child.stop() for r in routers))

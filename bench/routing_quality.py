@@ -47,6 +47,7 @@ from bench.smg import smg_router
 from fake_kv_worker.cache import PagedPrefixCache
 from fake_kv_worker.hashing import VllmSha256Hasher
 from fake_kv_worker.protocol import filler_text
+from router.dataplane.routing import INDEX_POLICIES
 from router.tools import demo
 from tests.support.fake_worker import cli_args, worker_config
 
@@ -269,7 +270,8 @@ async def kvrouter_run(
     try:
         await demo.wait_ready(session, [router])
         await demo.probe_every_rank(session, cluster)
-        await demo.quiesce(session, cluster, [router])
+        if row.policy in INDEX_POLICIES:  # the others keep no index (--kv-events auto)
+            await demo.quiesce(session, cluster, [router])
         await measure(session, cluster, router.url, sessions, s, row)
     finally:
         await router.child.stop()

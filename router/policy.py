@@ -26,7 +26,8 @@ full blocks, and from the index `d_dev` (leading blocks held on the device tier)
 
     cached   = B * (d_dev + (d_any - d_dev) * lower_tier_discount)
     new      = max(T - cached, 0)                    # prompt tokens this rank must prefill
-    cost     = prefill * new + queue * queued_request_tokens * load
+    busy     = k * lower median of the candidates' loads     # k replicas share the traffic
+    cost     = prefill * (1 + backlog * busy) * new + queue * queued_request_tokens * load
              + B * (evict * spill + fill * fullness * stored)      # cache pressure, below
 
 The unit is "prefill-token equivalents": roughly the time before this request's first token.
@@ -34,6 +35,21 @@ Its own prefill is `new` tokens; each request queued ahead of it costs about
 `queued_request_tokens` tokens of prefill (an average uncached prompt). A host- or disk-tier
 block must be copied back before use, which is cheaper than recomputing it but not free:
 `lower_tier_discount` is the fraction of a device block's saving it is credited with.
+
+Backlog. When the typical rank is busy (`busy` requests in flight), the first-token time of
+this request is not the whole story: the tokens it makes a rank prefill hold up the requests
+that queue behind them there, and a rank that looks lighter fills up again with the next
+arrivals, so the queue difference a copy buys is brief while its prefill (and the cache room
+the copy takes) is certain. Each uncached token is then priced `1 + backlog * busy` tokens:
+with every rank idle the cost is the plain one (c=1, a quiet fleet), and a saturated fleet
+keeps a prefix on its holder through load differences that would otherwise send copies
+around. `busy` is the lower median of the loads, so one hot rank among idle ones does not
+raise it (a holder with a long queue still loses to an idle rank, as before); this replica
+sees only its own share of each rank's in-flight, hence the factor k. Estimating a queued
+request's prefill from what was routed (a decayed mean of the chosen ranks' `new` tokens,
+instead of the fixed `queued_request_tokens`) was tried first and did not help: early in a
+burst the queued requests are misses, so the estimate rose above 256 just when prefixes were
+being copied (`bench/pressure_sim.py`, BENCHMARKS.md).
 
 Cache pressure. A rank's cache is bounded: what a placement stores pushes something out once
 it is full, and what it pushes out may be a prefix another request needs next. Four inputs,
@@ -76,7 +92,10 @@ pre-filled cache's old blocks as theirs, which is why sharing does better: in
 pressure terms and counts in no fleet sum.
 
 Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
-lower_tier_discount 0.5, evict 1.0 (an evicted demanded block is prefilled again once), fill
+lower_tier_discount 0.5, backlog 1.0 (each request in flight on the typical rank is one more
+request a prefill holds up; in `bench/pressure_sim.py`, 0.5 and 2 did no better, and pricing
+by each rank's own load instead of the typical one did worse than none: it drove new
+prefixes off busy ranks), evict 1.0 (an evicted demanded block is prefilled again once), fill
 2.0 (a new block on a rank full of demand, in a fleet full of demand, displaces a demanded
 block, which displaces another when it returns; in `bench/pressure_sim.py` 2 kept every
 workload of the pressure benchmark's family at the ideal partition's ratio where 0.5 and 1
@@ -85,7 +104,8 @@ cost the routing trace 8% of TTFT p50, see BENCHMARKS.md), and tie_margin 32. So
 cached 2,048-token prompt (128 blocks of 16) is worth 2048 / 256 = 8 queued requests against
 an empty idle rank with no demand: the holder wins with up to 7 waiting, ties at 8 (the tie
 goes to the lower load, the idle one), and loses at 9; against a rank full of demand in a
-full fleet the move would also pay 2 x 2048 in fill, so the holder keeps it up to 23.
+full fleet the move would also pay 2 x 2048 in fill, so the holder keeps it up to 23; when
+the typical rank has 2 in flight, 2048 x 3 / 256 = 24 requests more than the others.
 
 Lowest cost first; ties by lower load, then more room (`2C - held - demand`: free and stale
 blocks), then an order every replica computes alike: rendezvous hashing of the rank against

@@ -108,6 +108,37 @@ def test_a_holder_with_a_long_queue_loses_to_an_idle_rank_when_the_cost_says_so(
     assert decision.matched_blocks == (128 if first == A else 0)
 
 
+@pytest.mark.parametrize(
+    ("loads", "replicas", "holder_first", "costs"),
+    [
+        # Every rank idle (c=1): the plain cost. B would prefill 2048, A's queue is 3 x 256.
+        ((3, 0, 0, 0), 1, True, [768.0, 2048.0, 2048.0, 2048.0]),
+        # The fleet busy, A 10 ahead of the rest: without this rule B wins (2 x 256 + 2048 <
+        # 12 x 256); with the typical rank at 2, B's 2048 tokens also hold up what queues
+        # behind them: 2048 x (1 + 2) + 2 x 256.
+        ((12, 2, 2, 2), 1, True, [3072.0, 6656.0, 6656.0, 6656.0]),
+        # One hot rank does not make the fleet busy: the lower median stays 0, and A's queue
+        # of 9 loses to an idle rank's prefill as it did without the rule.
+        ((9, 0, 0, 0), 1, False, [2304.0, 2048.0, 2048.0, 2048.0]),
+        # With k replicas each sees 1/k of a rank's in-flight: typical 1 stands for 2.
+        ((4, 1, 1, 1), 2, True, [1024.0, 6400.0, 6400.0, 6400.0]),
+    ],
+)
+def test_a_cache_hit_is_worth_more_queued_requests_when_the_typical_rank_is_busy(
+    loads: tuple[int, ...], replicas: int, holder_first: bool, costs: list[float]
+) -> None:
+    fleet = Fleet()
+    fleet.hold(A, 128)
+    policy = CacheAware(rng=random.Random(1), replicas=lambda: replicas)
+    candidates = [cand(r, inflight=q) for r, q in zip((A, B, C, D), loads, strict=True)]
+    assert policy.costs(candidates, fleet.prompt()) == costs
+    assert (policy.decide(candidates, fleet.prompt()).ranked[0].rank == A) is holder_first
+    # backlog=0 is the plain cost, where the busy fleet's holder loses.
+    plain = CacheAware(rng=random.Random(1), weights=CacheAwareWeights(backlog=0.0))
+    if loads == (12, 2, 2, 2):
+        assert plain.decide(candidates, fleet.prompt()).ranked[0].rank != A
+
+
 def test_the_device_tier_beats_the_host_tier_which_beats_nothing() -> None:
     fleet = Fleet()
     fleet.hold(A, 128, tier=HOST)
@@ -292,6 +323,7 @@ def test_make_policy_knows_every_name_and_refuses_others() -> None:
         {"imbalance_abs": -1},
         {"evict": -0.5},
         {"fill": -1.0},
+        {"backlog": -0.1},
     ],
 )
 def test_invalid_weights_are_refused(bad: dict[str, float]) -> None:
