@@ -26,7 +26,7 @@ full blocks, and from the index `d_dev` (leading blocks held on the device tier)
 
     cached   = B * (d_dev + (d_any - d_dev) * lower_tier_discount)
     new      = max(T - cached, 0)                    # prompt tokens this rank must prefill
-    busy     = k * lower median of the candidates' loads     # k replicas share the traffic
+    busy     = k * mean load of the candidates but the busiest   # k replicas share traffic
     cost     = prefill * (1 + backlog * busy) * new + queue * queued_request_tokens * load
              + B * (evict * spill + fill * fullness * stored)      # cache pressure, below
 
@@ -43,8 +43,8 @@ arrivals, so the queue difference a copy buys is brief while its prefill (and th
 the copy takes) is certain. Each uncached token is then priced `1 + backlog * busy` tokens:
 with every rank idle the cost is the plain one (c=1, a quiet fleet), and a saturated fleet
 keeps a prefix on its holder through load differences that would otherwise send copies
-around. `busy` is the lower median of the loads, so one hot rank among idle ones does not
-raise it (a holder with a long queue still loses to an idle rank, as before); this replica
+around. `busy` leaves the busiest rank out, so one hot rank among idle ones does not raise
+it (a holder with a long queue still loses to an idle rank, as before); this replica
 sees only its own share of each rank's in-flight, hence the factor k. Estimating a queued
 request's prefill from what was routed (a decayed mean of the chosen ranks' `new` tokens,
 instead of the fixed `queued_request_tokens`) was tried first and did not help: early in a
@@ -556,7 +556,8 @@ class CacheAware:
         # requests queued behind it, and a lighter rank fills up again at once, so a cache
         # hit is worth more queued requests (this replica sees 1/k of each rank's in-flight).
         replicas = self.replicas()
-        typical = sorted(loads)[(n - 1) // 2]  # the lower median: one hot rank moves it not
+        # The mean load without the busiest rank: one hot rank does not make the fleet busy.
+        typical = (sum(loads) - max(loads)) / (n - 1) if n > 1 else 0.0
         per_token = w.prefill * (1.0 + w.backlog * replicas * typical)
         per_request = w.queue * w.queued_request_tokens
         ranks = list(map(_rank, candidates))

@@ -114,14 +114,16 @@ def test_a_holder_with_a_long_queue_loses_to_an_idle_rank_when_the_cost_says_so(
         # Every rank idle (c=1): the plain cost. B would prefill 2048, A's queue is 3 x 256.
         ((3, 0, 0, 0), 1, True, [768.0, 2048.0, 2048.0, 2048.0]),
         # The fleet busy, A 10 ahead of the rest: without this rule B wins (2 x 256 + 2048 <
-        # 12 x 256); with the typical rank at 2, B's 2048 tokens also hold up what queues
+        # 12 x 256); with the other ranks at 2, B's 2048 tokens also hold up what queues
         # behind them: 2048 x (1 + 2) + 2 x 256.
         ((12, 2, 2, 2), 1, True, [3072.0, 6656.0, 6656.0, 6656.0]),
-        # One hot rank does not make the fleet busy: the lower median stays 0, and A's queue
-        # of 9 loses to an idle rank's prefill as it did without the rule.
+        # One hot rank does not make the fleet busy (the busiest rank is left out of the
+        # mean): A's queue of 9 loses to an idle rank's prefill as it did without the rule.
         ((9, 0, 0, 0), 1, False, [2304.0, 2048.0, 2048.0, 2048.0]),
-        # With k replicas each sees 1/k of a rank's in-flight: typical 1 stands for 2.
+        # With k replicas each sees 1/k of a rank's in-flight: a mean of 1 stands for 2.
         ((4, 1, 1, 1), 2, True, [1024.0, 6400.0, 6400.0, 6400.0]),
+        # Two busy ranks of four: the mean without the busiest is (6 + 0 + 0) / 3 = 2.
+        ((6, 6, 0, 0), 1, True, [1536.0, 3 * 2048 + 1536.0, 6144.0, 6144.0]),
     ],
 )
 def test_a_cache_hit_is_worth_more_queued_requests_when_the_typical_rank_is_busy(
