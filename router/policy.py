@@ -27,7 +27,7 @@ full blocks, and from the index `d_dev` (leading blocks held on the device tier)
     cached   = B * (d_dev + (d_any - d_dev) * lower_tier_discount)
     new      = max(T - cached, 0)                    # prompt tokens this rank must prefill
     busy     = k * mean load of the candidates but the busiest   # k replicas share traffic
-    cost     = prefill * (1 + backlog * busy) * new + queue * queued_request_tokens * load
+    cost     = prefill * new + queue * queued_request_tokens * load / (1 + backlog * busy)
              + B * (evict * spill + fill * fullness * stored)      # cache pressure, below
 
 The unit is "prefill-token equivalents": roughly the time before this request's first token.
@@ -36,16 +36,18 @@ Its own prefill is `new` tokens; each request queued ahead of it costs about
 block must be copied back before use, which is cheaper than recomputing it but not free:
 `lower_tier_discount` is the fraction of a device block's saving it is credited with.
 
-Backlog. When the typical rank is busy (`busy` requests in flight), the first-token time of
-this request is not the whole story: the tokens it makes a rank prefill hold up the requests
-that queue behind them there, and a rank that looks lighter fills up again with the next
-arrivals, so the queue difference a copy buys is brief while its prefill (and the cache room
-the copy takes) is certain. Each uncached token is then priced `1 + backlog * busy` tokens:
-with every rank idle the cost is the plain one (c=1, a quiet fleet), and a saturated fleet
-keeps a prefix on its holder through load differences that would otherwise send copies
-around. `busy` leaves the busiest rank out, so one hot rank among idle ones does not raise
-it (a holder with a long queue still loses to an idle rank, as before); this replica
-sees only its own share of each rank's in-flight, hence the factor k. Estimating a queued
+Backlog. When the typical rank is busy (`busy` requests in flight), a rank that looks
+lighter fills up again with the next arrivals, so the queue difference a request buys by
+going there is brief, while what it leaves behind lasts: the tokens it makes that rank
+prefill hold up the requests queued behind them, and a copy of a prefix takes cache room the
+fleet is short of. So the queue term is divided by `1 + backlog * busy`: with every rank idle
+the cost is the plain one (c=1, a quiet fleet); in a saturated fleet a prefix stays on its
+holder through load differences that would otherwise send copies of it around, and the
+cache-pressure terms, which price what lasts, weigh more against a passing queue (a new
+prefix goes where it fits rather than to whichever rank is a request lighter at that
+moment). `busy` leaves the busiest rank out, so one hot rank among idle ones does not raise
+it (a holder with a long queue still loses to an idle rank, as before); this replica sees
+only its own share of each rank's in-flight, hence the factor k. Estimating a queued
 request's prefill from what was routed (a decayed mean of the chosen ranks' `new` tokens,
 instead of the fixed `queued_request_tokens`) was tried first and did not help: early in a
 burst the queued requests are misses, so the estimate rose above 256 just when prefixes were
@@ -92,20 +94,23 @@ pre-filled cache's old blocks as theirs, which is why sharing does better: in
 pressure terms and counts in no fleet sum.
 
 Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
-lower_tier_discount 0.5, backlog 1.0 (each request in flight on the typical rank is one more
-request a prefill holds up; in `bench/pressure_sim.py`, 0.5 and 2 did no better, and pricing
-by each rank's own load instead of the typical one did worse than none: it drove new
-prefixes off busy ranks), evict 1.0 (an evicted demanded block is prefilled again once), fill
-2.0 (a new block on a rank full of demand, in a fleet full of demand, displaces a demanded
-block, which displaces another when it returns; in `bench/pressure_sim.py` 2 kept every
-workload of the pressure benchmark's family at the ideal partition's ratio where 0.5 and 1
-let a one-request load difference place a prefix on a fuller rank; unscaled by the fleet it
-cost the routing trace 8% of TTFT p50, see BENCHMARKS.md), and tie_margin 32. So a fully
+lower_tier_discount 0.5, backlog 1.0 (a typical rank with one request in flight halves a
+queued request's price; in `bench/pressure_sim.py` 0.5 and 2 did no better, and multiplying
+the prefill price instead, which keeps the pressure terms' weight against the queue, did
+worse at c=16: 0.936x the ideal partition against 0.956x; pricing by each rank's own load
+did worse than no rule at all, driving new prefixes off busy ranks), evict 1.0 (an evicted
+demanded block is prefilled again once), fill 2.0 (a new block on a rank full of demand, in a
+fleet full of demand, displaces a demanded block, which displaces another when it returns; in
+`bench/pressure_sim.py` 2 kept every workload of the pressure benchmark's family at the ideal
+partition's ratio where 0.5 and 1 let a one-request load difference place a prefix on a fuller
+rank; unscaled by the fleet it cost the routing trace 8% of TTFT p50, see BENCHMARKS.md), and
+tie_margin 32. So a fully
 cached 2,048-token prompt (128 blocks of 16) is worth 2048 / 256 = 8 queued requests against
 an empty idle rank with no demand: the holder wins with up to 7 waiting, ties at 8 (the tie
 goes to the lower load, the idle one), and loses at 9; against a rank full of demand in a
 full fleet the move would also pay 2 x 2048 in fill, so the holder keeps it up to 23; when
-the typical rank has 2 in flight, 2048 x 3 / 256 = 24 requests more than the others.
+the other ranks have 2 in flight each, a queued request counts 256 / 3 and the holder keeps
+it with up to 25 in flight (2 + 2048 / (256 / 3) = 26 ties).
 
 Lowest cost first; ties by lower load, then more room (`2C - held - demand`: free and stale
 blocks), then an order every replica computes alike: rendezvous hashing of the rank against
@@ -340,7 +345,7 @@ class CacheAwareWeights:
     queued_request_tokens: float = 256.0  # prefill tokens one queued request stands for
     lower_tier_discount: float = 0.5  # credit for a host/disk block, relative to device
     evict: float = 1.0  # cost per token of recently demanded blocks a placement evicts
-    backlog: float = 1.0  # prefill price rise per request the typical rank has in flight
+    backlog: float = 1.0  # the queue term is divided by 1 + backlog * (typical load)
     fill: float = 2.0  # surcharge per newly stored token, times the rank's demand / capacity
     tie_margin: float = 32.0  # with siblings, costs this close to the best tie (rendezvous)
     imbalance_abs: int = 32  # fall back to least load when max - min load exceeds this ...
@@ -552,14 +557,14 @@ class CacheAware:
         tokens = float(prompt.tokens)
         block = prompt.block_size
         blocks = prompt.blocks
-        # Backlog: when the typical rank is busy, each uncached token also delays the
-        # requests queued behind it, and a lighter rank fills up again at once, so a cache
-        # hit is worth more queued requests (this replica sees 1/k of each rank's in-flight).
+        # Backlog: when the typical rank is busy, a lighter rank fills up again at once, so
+        # a queue difference is brief and counts for less (this replica sees 1/k of each
+        # rank's in-flight). The mean load without the busiest rank: one hot rank does not
+        # make the fleet busy.
         replicas = self.replicas()
-        # The mean load without the busiest rank: one hot rank does not make the fleet busy.
-        typical = (sum(loads) - max(loads)) / (n - 1) if n > 1 else 0.0
-        per_token = w.prefill * (1.0 + w.backlog * replicas * typical)
-        per_request = w.queue * w.queued_request_tokens
+        busy = replicas * (sum(loads) - max(loads)) / (n - 1) if n > 1 else 0.0
+        per_token = w.prefill
+        per_request = w.queue * w.queued_request_tokens / (1.0 + w.backlog * busy)
         ranks = list(map(_rank, candidates))
         # Tokens each rank would not prefill: device blocks (bookings count as device
         # blocks) save `block` tokens each, lower-tier ones `lower` each.

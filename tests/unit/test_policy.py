@@ -111,22 +111,22 @@ def test_a_holder_with_a_long_queue_loses_to_an_idle_rank_when_the_cost_says_so(
 @pytest.mark.parametrize(
     ("loads", "replicas", "holder_first", "costs"),
     [
-        # Every rank idle (c=1): the plain cost. B would prefill 2048, A's queue is 3 x 256.
+        # Every rank idle but A (c=1): the plain cost. B would prefill 2048, A's queue is
+        # 3 x 256.
         ((3, 0, 0, 0), 1, True, [768.0, 2048.0, 2048.0, 2048.0]),
-        # The fleet busy, A 10 ahead of the rest: without this rule B wins (2 x 256 + 2048 <
-        # 12 x 256); with the other ranks at 2, B's 2048 tokens also hold up what queues
-        # behind them: 2048 x (1 + 2) + 2 x 256.
-        ((12, 2, 2, 2), 1, True, [3072.0, 6656.0, 6656.0, 6656.0]),
+        # The fleet busy, A 9 ahead of the rest: without this rule B wins (2048 + 3 x 256 <
+        # 12 x 256); with the others at 3, a queued request counts 256 / (1 + 3) = 64.
+        ((12, 3, 3, 3), 1, True, [768.0, 2240.0, 2240.0, 2240.0]),
         # One hot rank does not make the fleet busy (the busiest rank is left out of the
         # mean): A's queue of 9 loses to an idle rank's prefill as it did without the rule.
         ((9, 0, 0, 0), 1, False, [2304.0, 2048.0, 2048.0, 2048.0]),
-        # With k replicas each sees 1/k of a rank's in-flight: a mean of 1 stands for 2.
-        ((4, 1, 1, 1), 2, True, [1024.0, 6400.0, 6400.0, 6400.0]),
-        # Two busy ranks of four: the mean without the busiest is (6 + 0 + 0) / 3 = 2.
-        ((6, 6, 0, 0), 1, True, [1536.0, 3 * 2048 + 1536.0, 6144.0, 6144.0]),
+        # With k replicas each sees 1/k of a rank's in-flight: a mean of 1 stands for 3.
+        ((4, 1, 1, 1), 3, True, [256.0, 2112.0, 2112.0, 2112.0]),
+        # Two busy ranks of four: the mean without the busiest is (9 + 0 + 0) / 3 = 3.
+        ((9, 9, 0, 0), 1, True, [576.0, 2624.0, 2048.0, 2048.0]),
     ],
 )
-def test_a_cache_hit_is_worth_more_queued_requests_when_the_typical_rank_is_busy(
+def test_a_queued_request_counts_for_less_when_the_typical_rank_is_busy(
     loads: tuple[int, ...], replicas: int, holder_first: bool, costs: list[float]
 ) -> None:
     fleet = Fleet()
@@ -137,7 +137,7 @@ def test_a_cache_hit_is_worth_more_queued_requests_when_the_typical_rank_is_busy
     assert (policy.decide(candidates, fleet.prompt()).ranked[0].rank == A) is holder_first
     # backlog=0 is the plain cost, where the busy fleet's holder loses.
     plain = CacheAware(rng=random.Random(1), weights=CacheAwareWeights(backlog=0.0))
-    if loads == (12, 2, 2, 2):
+    if loads == (12, 3, 3, 3):
         assert plain.decide(candidates, fleet.prompt()).ranked[0].rank != A
 
 
@@ -397,6 +397,26 @@ def test_a_miss_goes_to_the_least_demanded_rank(demands: tuple[int, ...], first:
         decision = p.policy.decide([cand(A), cand(B), cand(C)], p.prompt())
         assert decision.ranked[0].rank == first, capacity
         assert decision.outcome == "cache_miss"
+
+
+@pytest.mark.parametrize(
+    ("loads", "first"),
+    [
+        ((0, 2, 0), {A, C}),  # an idle fleet: two requests ahead outweigh B's room
+        ((3, 5, 3), {B}),  # a busy one: the queue difference is brief, the room lasts
+        ((3, 6, 3), {B}),
+    ],
+)
+def test_in_a_busy_fleet_a_new_prefix_goes_where_it_fits_not_where_the_queue_is_shorter(
+    loads: tuple[int, ...], first: set[RankId]
+) -> None:
+    p = Pressured(Fleet(), even())
+    for seed, (rank, blocks) in enumerate(zip((A, B, C), (128, 64, 128), strict=True)):
+        p.demand(rank, blocks, seed)
+    candidates = [cand(r, q) for r, q in zip((A, B, C), loads, strict=True)]
+    decision = p.policy.decide(candidates, p.prompt())
+    assert decision.ranked[0].rank in first
+    assert decision.outcome == "cache_miss"
 
 
 def test_a_rank_full_of_blocks_nobody_asked_for_is_as_good_as_an_empty_one() -> None:
