@@ -151,7 +151,7 @@ async def wait_caught_up(
     want = {h.url: h.worker.publishers[0].last_seq for h in handles if h.worker is not None}
     async with asyncio.timeout(120):
         while True:
-            async with session.get(router + "/workers") as resp:
+            async with session.get(router + "/workers", headers=bench_proxy.AUTH) as resp:
                 view = await resp.json()
             cursors = {w["url"]: w["ranks"][0]["cursor"] for w in view["workers"]}
             if all(
