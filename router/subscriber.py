@@ -877,5 +877,9 @@ class _Drain:
             self.failure = exc
             self._signal()
             return
+        if self.dropped:  # the burst that arrived before the drop is handled: rebuild
+            self.ending = True
+            self._signal()
+            return
         # A long burst: the rest on the next turn of the loop, so others run meanwhile.
         self.loop.call_soon(self.on_readable)
