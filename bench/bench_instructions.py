@@ -20,6 +20,12 @@ Workloads:
 - `ingest-churn`: `ingest_churn.py`'s full-cache requests (per batch ~63 one-block
   BlockRemoved and one ~63-block BlockStored, from the fake worker's engine), decode + key +
   apply, 400 batches; per stored block (each also evicts one).
+- `replica-churn`: the same batches through a replica's whole ingest path: a real
+  `RankSubscriber` on a ZMQ SUB socket (inproc, so no I/O thread's timing enters the count)
+  delivering to a running `Pump`. One batch is published at a time and the loop runs until
+  the pump applied it, as a replica at 400 batches/s sees them (one wake-up per message).
+  The count includes the publisher's send and the wait (a few thousand instructions a batch,
+  the same for any version of the router).
 
 To compare with older code, run this script with that code first on PYTHONPATH (e.g. a
 `git archive` of the old commit): the index and decoder come from there, the workloads from
@@ -105,11 +111,65 @@ def ingest_churn() -> tuple[Callable[[], None], int]:
     return measured, load.stored_blocks
 
 
+def replica_churn() -> tuple[Callable[[], None], int]:
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from bench.ingest_churn import workload
+    from router.index import IndexRules, Pump
+    from router.subscriber import RankEndpoint, RankSubscriber
+
+    load = workload(1, 2048, 400)
+    loop = asyncio.new_event_loop()
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB, socket_class=zmq.Socket)
+    pub.sndhwm = 0
+    pub.bind("inproc://replica-churn")
+    rules = IndexRules(BlockTree(16))
+    rules.add_ranks([RANK])
+    pump = Pump(rules)
+    sub = RankSubscriber(RankEndpoint(RANK, "inproc://replica-churn"), pump.deliver, context=ctx)
+    seq = 0
+    tasks = []
+
+    async def push(payloads: list[bytes]) -> None:
+        nonlocal seq
+        for payload in payloads:
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+            # Polled, one loop turn a check: no hook in the measured code, and no timing.
+            while rules.cursors.get(RANK) != seq:  # noqa: ASYNC110
+                await asyncio.sleep(0)
+            seq += 1
+
+    async def start() -> None:
+        nonlocal seq
+        pump.start()
+        tasks.append(loop.create_task(sub.run()))
+        probe = msgspec.msgpack.encode([1.0, [], 0])
+        while rules.cursors.get(RANK) is None:  # until the subscription is live
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), probe])
+            seq += 1
+            await asyncio.sleep(0.01)
+        while rules.cursors[RANK] != seq - 1:  # noqa: ASYNC110 - the probes sent since
+            await asyncio.sleep(0.01)
+        await push(load.warm)
+
+    loop.run_until_complete(start())
+
+    def measured() -> None:
+        loop.run_until_complete(push(load.measured))
+
+    return measured, load.stored_blocks
+
+
 WORKLOADS: dict[str, Callable[[], tuple[Callable[[], None], int]]] = {
     "tree-remove": tree_remove,
     "decode-removals": decode_removals,
     "ingest-mixed": ingest_mixed,
     "ingest-churn": ingest_churn,
+    "replica-churn": replica_churn,
 }
 
 

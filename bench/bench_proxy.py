@@ -537,10 +537,13 @@ async def wait_ready(session: aiohttp.ClientSession, url: str, timeout_s: float 
 async def wait_applied(
     session: aiohttp.ClientSession, router: str, workers: Sequence[Child], timeout_s: float = 60
 ) -> None:
-    """Until the router's cursor for every worker reached the worker's last published seq."""
+    """Until the router's cursor for every worker reached the worker's last published seq
+    (at once for a replica that keeps no index: an index-free policy follows no events)."""
     async with asyncio.timeout(timeout_s):
         while True:
             view = await get_json(session, router + "/workers", AUTH)
+            if view.get("keeps_index") is False:
+                return
             cursors = {w["url"]: w["ranks"][0]["cursor"] for w in view["workers"]}
             behind = 0
             for w in workers:

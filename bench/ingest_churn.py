@@ -15,8 +15,9 @@ polls slowed down, and its CPU while idle is measured and printed beside it, so 
 ingest's.
 
 `--baseline REV` runs the same rounds against the code of another commit (extracted with
-`git archive` into a temporary directory and put first on the child's PYTHONPATH; it runs
-pure Python, as that commit's tree has no built extension), and `--pure` against this
+`git archive` into a temporary directory and put first on the child's PYTHONPATH; its
+`cachetree/_speedups.c`, if it has one, is compiled there with the flags this Python was built
+with, so a compiled baseline is compared with compiled code), and `--pure` against this
 checkout with `KVROUTER_NO_EXTENSIONS=1` (its pure-Python path); all interleaved round by
 round; the medians and ranges of each are printed, with the accelerator each replica reported
 in `kvrouter_accelerator_info`.
@@ -36,6 +37,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Sequence
@@ -151,7 +153,7 @@ async def wait_caught_up(
     want = {h.url: h.worker.publishers[0].last_seq for h in handles if h.worker is not None}
     async with asyncio.timeout(120):
         while True:
-            async with session.get(router + "/workers") as resp:
+            async with session.get(router + "/workers", headers=bench_proxy.AUTH) as resp:
                 view = await resp.json()
             cursors = {w["url"]: w["ranks"][0]["cursor"] for w in view["workers"]}
             if all(
@@ -281,12 +283,20 @@ def loop_cpu(pid: int) -> float:
 
 
 def checkout(rev: str, into: Path) -> Path:
-    """The repository at `rev`, extracted (not a worktree: nothing to clean up in git)."""
+    """The repository at `rev`, extracted (not a worktree: nothing to clean up in git), with
+    its accelerator compiled in place when it has one."""
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True
     ).stdout
     into.mkdir(parents=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    source = into / "cachetree" / "_speedups.c"
+    if source.exists():
+        built = source.with_name("_speedups" + sysconfig.get_config_var("EXT_SUFFIX"))
+        flags = [sysconfig.get_config_var(k) for k in ("CFLAGS", "CCSHARED")]
+        include = f"-I{sysconfig.get_config_var('INCLUDEPY')}"
+        command = " ".join([sysconfig.get_config_var("LDSHARED"), *flags, include])
+        subprocess.run([*command.split(), str(source), "-o", str(built)], check=True)
     return into
 
 

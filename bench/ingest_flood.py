@@ -127,7 +127,7 @@ async def flood(
                 await asyncio.sleep(0.01)
             want = publisher.last_seq
             while True:
-                async with session.get(router + "/workers") as resp:
+                async with session.get(router + "/workers", headers=bench_proxy.AUTH) as resp:
                     cursor = (await resp.json())["workers"][0]["ranks"][0]["cursor"]
                 if cursor is not None and cursor >= want:
                     break

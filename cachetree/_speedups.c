@@ -28,11 +28,15 @@
  *   (router/events.py `_normalize_events_py`): the one-block removals an evicting engine sends
  *   dozens of per batch are built here; every other event calls its own `normalize()`.
  * - `decode_map_batch` takes a whole batch of tagged-map events (what vLLM >= 0.24 and
- *   SGLang >= 0.5.20 send): the root, ts and dp_rank are read here, a one-block BlockRemoved
- *   of the usual shape becomes a BlockRemoved without any intermediate object, and every
- *   other event's bytes are handed to the Python decoder of single events. Anything else about
- *   the batch (positional events, extra root elements, odd encodings) returns None, and the
- *   Python decoders take the whole batch: they alone name errors.
+ *   SGLang >= 0.5.20 send): the root, ts and dp_rank are read here, and the two events a busy
+ *   engine sends are built without any intermediate object: a one-block BlockRemoved of the
+ *   usual shape, and a BlockStored of the usual shape (flat token ids read once, straight into
+ *   the packed u32 array, hashes to u64). Every other event's bytes are handed to the Python
+ *   decoder of single events, which decides what it is (ignored, bigram pairs, salted, an
+ *   error). Anything else about the batch (positional events, extra root elements, odd
+ *   encodings) returns None, and the Python decoders take the whole batch: they alone name
+ *   errors. The twin of both is the typed path of router/events.py; the tests hold them to the
+ *   generic reference decoder, shape by shape and under mutation.
  * - XXH3-64 is written from its published specification (xxHash's doc/xxhash_spec.md, "XXH3
  *   algorithm description"), every length class including the seeded long-input path, and
  *   tested bit-exact against the `xxhash` package. Engines' block sizes put a block in the
@@ -1384,6 +1388,93 @@ read_nil(Reader *r)
     return 0;
 }
 
+/* A medium (NULL: nil) found among the keys of `tiers` ({medium: tier}), as the dict's own
+ * key object ("GPU", ...): no new str per event, and the events of a run share it. 0 when it
+ * is not there (an unusual medium is left to the Python decoders). Borrowed references. */
+static int
+known_medium(PyObject *tiers, const uint8_t *medium, size_t len, PyObject **key, PyObject **tier)
+{
+    PyObject *name, *name_tier;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(tiers, &pos, &name, &name_tier)) {
+        if (medium == NULL ? name == Py_None
+                           : (PyUnicode_CheckExact(name) && PyUnicode_IS_COMPACT_ASCII(name)
+                              && (size_t)PyUnicode_GET_LENGTH(name) == len
+                              && memcmp(PyUnicode_DATA(name), medium, len) == 0)) {
+            *key = name;
+            *tier = name_tier;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* nil, or a str of ASCII bytes (the Python decoders check anything else's UTF-8): its bytes
+ * (NULL for nil). 0 if the next object is neither. */
+static int
+read_ascii_or_nil(Reader *r, const uint8_t **data, size_t *len)
+{
+    if (read_nil(r)) {
+        *data = NULL;
+        *len = 0;
+        return 1;
+    }
+    if (!read_str(r, data, len)) {
+        return 0;
+    }
+    for (size_t i = 0; i < *len; i++) {
+        if ((*data)[i] >= 0x80) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* A block hash as the decoder normalizes it (router/events.py `_u64`): an int64 or uint64 as
+ * u64 (two's complement), `bin` of 1..max_bytes bytes as its last 8 bytes big-endian. 0 if
+ * the next object is neither. */
+static int
+read_hash(Reader *r, Py_ssize_t max_bytes, uint64_t *out)
+{
+    if (!need(r, 1)) {
+        return 0;
+    }
+    uint8_t b = *r->p;
+    if (b >= 0xE0) { /* negative fixint */
+        *out = (uint64_t)(int64_t)(int8_t)b;
+        r->p += 1;
+        return 1;
+    }
+    if (b >= 0xD0 && b <= 0xD3) { /* int8..int64, negative ones sign-extended */
+        int width = 1 << (b - 0xD0);
+        if (!need(r, 1 + (size_t)width)) {
+            return 0;
+        }
+        uint64_t v = be(r->p + 1, width);
+        if (width < 8 && v >> (8 * width - 1)) {
+            v |= ~0ULL << (8 * width);
+        }
+        *out = v;
+        r->p += 1 + width;
+        return 1;
+    }
+    if (b == 0xC4 || b == 0xC5 || b == 0xC6) { /* bin 8/16/32 */
+        size_t head = b == 0xC4 ? 2 : b == 0xC5 ? 3 : 5;
+        if (!need(r, head)) {
+            return 0;
+        }
+        size_t n = (size_t)be(r->p + 1, (int)head - 1);
+        if (n < 1 || n > (size_t)max_bytes || !need(r, head + n)) {
+            return 0;
+        }
+        size_t tail = n < 8 ? n : 8;
+        *out = be(r->p + head + n - tail, (int)tail);
+        r->p += head + n;
+        return 1;
+    }
+    return read_u64(r, out);
+}
+
 /* An event map that is the one-block removal an evicting engine sends:
  * {"type": "BlockRemoved", "block_hashes": [u64], "medium": str|nil, "group_idx": 0|nil,
  *  "locality": nil} with no other key and no key twice, its medium among `removal_tiers`.
@@ -1446,21 +1537,8 @@ quick_removal_map(Reader *r, PyObject *removal_tiers, PyObject *block_removed)
     if (!seen_type || !seen_hashes) {
         return NULL;
     }
-    /* The medium as the dict's own key object ("GPU", ...): no new str per event, and the
-     * events of a run share it. An unusual medium is left to the Python decoders. */
-    PyObject *medium_obj = NULL, *tier = NULL, *name, *name_tier;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(removal_tiers, &pos, &name, &name_tier)) {
-        if (medium == NULL ? name == Py_None
-                           : (PyUnicode_CheckExact(name) && PyUnicode_IS_COMPACT_ASCII(name)
-                              && (size_t)PyUnicode_GET_LENGTH(name) == medium_len
-                              && memcmp(PyUnicode_DATA(name), medium, medium_len) == 0)) {
-            medium_obj = name;
-            tier = name_tier;
-            break;
-        }
-    }
-    if (medium_obj == NULL) {
+    PyObject *medium_obj, *tier;
+    if (!known_medium(removal_tiers, medium, medium_len, &medium_obj, &tier)) {
         return NULL;
     }
     Py_INCREF(medium_obj);
@@ -1481,21 +1559,204 @@ done:
     return result;
 }
 
-/* decode_map_batch(payload, removal_tiers, BlockRemoved, EventBatch, decode_event)
- *   -> EventBatch, or None when the batch is not `[ts, [map event, ...], dp_rank?]` as
- *   engines send it (the caller then runs the Python decoders, which decide everything).
- * One-block removals are built here; every other event's bytes go to `decode_event`, which
- * returns its normalized event or the reason it is ignored, or raises. */
+/* What decode_map_batch needs from router/events.py, unpacked from its `spec` tuple once per
+ * batch (borrowed references). */
+typedef struct {
+    PyObject *removal_tiers; /* {medium: tier or None}: what a BlockRemoved clears */
+    PyObject *stored_tiers;  /* {medium: tier}: where a BlockStored is stored */
+    PyObject *block_removed, *block_stored, *token_ids, *event_batch; /* the output types */
+    Py_ssize_t max_hashes, max_tokens, max_hash_bytes;                /* the caps */
+} MapSpec;
+
+static PyObject *str_uint32_code; /* "I", TokenIds' typecode */
+
+/* An event map that is a BlockStored as engines send it, built here without an intermediate
+ * struct: the fields of router/events.py `_MapStored` (type, block_hashes, parent_block_hash,
+ * token_ids, block_size, medium, lora_name, cache_salt, group_idx, kv_cache_spec_kind,
+ * locality) each at most once, any other key skipped as msgspec skips it; flat token ids;
+ * at least one hash, within the caps; the token count that many blocks; a medium among
+ * `stored_tiers`; lora_name nil or ASCII; cache_salt, kv_cache_spec_kind and locality nil;
+ * group_idx nil or 0. Returns the BlockStored (new reference), or NULL with no error when the
+ * event is any other (or on an error, set; the reader is then left anywhere: the caller
+ * rewinds). What is refused here is decoded by the Python decoders, which decide everything
+ * else (ignored events, bigram pairs, salts, errors). */
+static PyObject *
+quick_stored_map(Reader *r, const MapSpec *spec)
+{
+    Py_ssize_t keys = read_container_len(r, 1);
+    int seen_type = 0, seen_hashes = 0, seen_parent = 0, seen_tokens = 0, seen_size = 0;
+    int seen_medium = 0, seen_lora = 0, seen_salt = 0, seen_group = 0, seen_kind = 0;
+    int seen_locality = 0, has_parent = 0;
+    const uint8_t *hashes_at = NULL, *medium = NULL, *lora = NULL;
+    size_t medium_len = 0, lora_len = 0;
+    Py_ssize_t n_hashes = 0, n_tokens = 0;
+    uint64_t parent = 0, block_size = 0, scratch;
+    PyObject *tokens = NULL, *result = NULL;
+    if (keys < 4) {
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < keys; k++) {
+        const uint8_t *key, *value;
+        size_t key_len, value_len;
+        if (!read_str(r, &key, &key_len)) {
+            goto done;
+        }
+        if (str_is(key, key_len, "type")) {
+            if (seen_type++ || !read_str(r, &value, &value_len)
+                || !str_is(value, value_len, "BlockStored")) {
+                goto done;
+            }
+        }
+        else if (str_is(key, key_len, "block_hashes")) {
+            n_hashes = read_array_len(r);
+            if (seen_hashes++ || n_hashes < 1 || n_hashes > spec->max_hashes) {
+                goto done;
+            }
+            hashes_at = r->p; /* read again below, once the event is known to be taken */
+            for (Py_ssize_t i = 0; i < n_hashes; i++) {
+                if (!read_hash(r, spec->max_hash_bytes, &scratch)) {
+                    goto done;
+                }
+            }
+        }
+        else if (str_is(key, key_len, "parent_block_hash")) {
+            if (seen_parent++) {
+                goto done;
+            }
+            if (!read_nil(r)) {
+                if (!read_hash(r, spec->max_hash_bytes, &parent)) {
+                    goto done;
+                }
+                has_parent = 1;
+            }
+        }
+        else if (str_is(key, key_len, "token_ids")) {
+            n_tokens = read_array_len(r);
+            if (seen_tokens++ || n_tokens < 0 || n_tokens > spec->max_tokens) {
+                goto done;
+            }
+            tokens = PyBytes_FromStringAndSize(NULL, n_tokens * 4);
+            if (tokens == NULL) {
+                goto done;
+            }
+            uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(tokens);
+            for (Py_ssize_t i = 0; i < n_tokens; i++) {
+                uint32_t token;
+                if (read_token(r, &token) < 0) {
+                    goto done; /* bigram pairs, or not an id: the Python decoders */
+                }
+                memcpy(dst + 4 * i, &token, 4); /* little-endian host */
+            }
+        }
+        else if (str_is(key, key_len, "block_size")) {
+            if (seen_size++ || !read_u64(r, &block_size) || block_size < 1) {
+                goto done;
+            }
+        }
+        else if (str_is(key, key_len, "medium")) {
+            if (seen_medium++ || !read_ascii_or_nil(r, &medium, &medium_len)) {
+                goto done;
+            }
+        }
+        else if (str_is(key, key_len, "lora_name")) {
+            if (seen_lora++ || !read_ascii_or_nil(r, &lora, &lora_len)) {
+                goto done;
+            }
+        }
+        else if (str_is(key, key_len, "group_idx")) {
+            if (seen_group++ || !(read_nil(r) || (read_u64(r, &scratch) && scratch == 0))) {
+                goto done;
+            }
+        }
+        else if (str_is(key, key_len, "cache_salt")) {
+            if (seen_salt++ || !read_nil(r)) {
+                goto done;
+            }
+        }
+        else if (str_is(key, key_len, "kv_cache_spec_kind")) {
+            if (seen_kind++ || !read_nil(r)) {
+                goto done;
+            }
+        }
+        else if (str_is(key, key_len, "locality")) {
+            if (seen_locality++ || !read_nil(r)) {
+                goto done;
+            }
+        }
+        else if (!skip(r, 0)) { /* a key _MapStored does not have (lora_id, extra_keys ...) */
+            goto done;
+        }
+    }
+    if (!seen_type || !seen_hashes || !seen_tokens || !seen_size
+        || n_tokens % n_hashes != 0 || (uint64_t)(n_tokens / n_hashes) != block_size) {
+        goto done;
+    }
+    PyObject *medium_obj, *tier;
+    if (!known_medium(spec->stored_tiers, medium, medium_len, &medium_obj, &tier)) {
+        goto done;
+    }
+    PyObject *hashes = PyList_New(n_hashes);
+    PyObject *parent_obj = has_parent ? PyLong_FromUnsignedLongLong(parent) : Py_NewRef(Py_None);
+    PyObject *namespace = lora == NULL ? Py_NewRef(Py_None)
+                                       : PyUnicode_FromStringAndSize((const char *)lora,
+                                                                     (Py_ssize_t)lora_len);
+    PyObject *size_obj = PyLong_FromUnsignedLongLong(block_size);
+    PyObject *packed_args[2] = {str_uint32_code, tokens};
+    PyObject *packed = PyObject_Vectorcall(spec->token_ids, packed_args, 2, NULL);
+    if (hashes != NULL && parent_obj != NULL && namespace != NULL && size_obj != NULL
+        && packed != NULL) {
+        Reader again = {hashes_at, r->end};
+        Py_ssize_t i = 0;
+        for (; i < n_hashes; i++) {
+            read_hash(&again, spec->max_hash_bytes, &scratch); /* checked above */
+            PyObject *h = PyLong_FromUnsignedLongLong(scratch);
+            if (h == NULL) {
+                break;
+            }
+            PyList_SET_ITEM(hashes, i, h);
+        }
+        if (i == n_hashes) {
+            PyObject *fields[7] = {hashes, parent_obj, packed, size_obj, tier, medium_obj,
+                                   namespace};
+            result = PyObject_Vectorcall(spec->block_stored, fields, 7, NULL);
+        }
+    }
+    Py_XDECREF(hashes);
+    Py_XDECREF(parent_obj);
+    Py_XDECREF(namespace);
+    Py_XDECREF(size_obj);
+    Py_XDECREF(packed);
+done:
+    Py_XDECREF(tokens);
+    return result;
+}
+
+/* decode_map_batch(payload, spec, decode_event) -> EventBatch, or None when the batch is not
+ *   `[ts, [map event, ...], dp_rank?]` as engines send it (the caller then runs the Python
+ *   decoders, which decide everything). `spec` is (removal_tiers, stored_tiers, BlockRemoved,
+ *   BlockStored, TokenIds, EventBatch, max_hashes, max_tokens, max_hash_bytes).
+ * One-block removals and the usual BlockStored are built here; every other event's bytes go
+ * to `decode_event`, which returns its normalized event or the reason it is ignored, or
+ * raises. */
 static PyObject *
 py_decode_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5 || !PyDict_CheckExact(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "decode_map_batch(payload, removal_tiers: dict, "
-                                         "BlockRemoved, EventBatch, decode_event)");
+    MapSpec spec;
+    if (nargs != 3 || !PyTuple_CheckExact(args[1]) || PyTuple_GET_SIZE(args[1]) != 9
+        || !PyDict_CheckExact(PyTuple_GET_ITEM(args[1], 0))
+        || !PyDict_CheckExact(PyTuple_GET_ITEM(args[1], 1))) {
+        PyErr_SetString(PyExc_TypeError, "decode_map_batch(payload, spec: tuple of 9, "
+                                         "decode_event); see router/events.py _MAP_BATCH_SPEC");
         return NULL;
     }
-    PyObject *removal_tiers = args[1], *block_removed = args[2], *event_batch = args[3];
-    PyObject *decode_event = args[4];
+    PyObject *const *items = &PyTuple_GET_ITEM(args[1], 0);
+    spec = (MapSpec){items[0], items[1], items[2], items[3], items[4], items[5],
+                     PyLong_AsSsize_t(items[6]), PyLong_AsSsize_t(items[7]),
+                     PyLong_AsSsize_t(items[8])};
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *decode_event = args[2];
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
         return NULL;
@@ -1544,7 +1805,11 @@ py_decode_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (!need(&r, 1) || !((*r.p & 0xF0) == 0x80 || *r.p == 0xDE || *r.p == 0xDF)) {
             goto bail; /* positional events, or not an event */
         }
-        PyObject *event = quick_removal_map(&r, removal_tiers, block_removed);
+        PyObject *event = quick_removal_map(&r, spec.removal_tiers, spec.block_removed);
+        if (event == NULL && !PyErr_Occurred()) {
+            r.p = start;
+            event = quick_stored_map(&r, &spec);
+        }
         if (event == NULL) {
             if (PyErr_Occurred()) {
                 goto error;
@@ -1604,7 +1869,7 @@ py_decode_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto error;
     }
     PyObject *fields[4] = {ts_obj, out, dp_obj, ignored};
-    result = PyObject_Vectorcall(event_batch, fields, 4, NULL);
+    result = PyObject_Vectorcall(spec.event_batch, fields, 4, NULL);
     goto error; /* the common exit: release, return `result` (NULL on an error) */
 bail:
     result = Py_None;
@@ -1722,8 +1987,8 @@ static PyMethodDef methods[] = {
      "normalize_events(events, removed_types, BlockRemoved, removal_tiers) -> (out, ignored): "
      "router.events._normalize_events_py in C."},
     {"decode_map_batch", (PyCFunction)(void (*)(void))py_decode_map_batch, METH_FASTCALL,
-     "decode_map_batch(payload, removal_tiers, BlockRemoved, EventBatch, decode_event) -> "
-     "EventBatch | None: a batch of map events, one-block removals built in C."},
+     "decode_map_batch(payload, spec, decode_event) -> EventBatch | None: a batch of map "
+     "events, one-block removals and the usual BlockStored built in C."},
     {"removal_run", (PyCFunction)(void (*)(void))py_removal_run, METH_FASTCALL,
      "removal_run(events, start, BlockRemoved) -> (end, hashes): "
      "router.index._removal_run_py in C."},
@@ -1745,7 +2010,8 @@ PyInit__speedups(void)
     str_normalize = PyUnicode_InternFromString("normalize");
     str_tier = PyUnicode_InternFromString("tier");
     str_engine_hashes = PyUnicode_InternFromString("engine_hashes");
-    if (str_block_hashes == NULL || str_medium == NULL || str_group_idx == NULL
+    str_uint32_code = PyUnicode_InternFromString("I");
+    if (str_uint32_code == NULL || str_block_hashes == NULL || str_medium == NULL || str_group_idx == NULL
         || str_locality == NULL || str_normalize == NULL || str_tier == NULL
         || str_engine_hashes == NULL) {
         return NULL;

@@ -200,7 +200,11 @@ def _subscriber_view(replica: Replica, rank: RankId) -> str | None:
 async def _list_workers(request: web.Request) -> web.Response:
     replica = request.app[REPLICA]
     return web.json_response(
-        {"workers": [_worker_view(replica, w) for w in replica.workers.workers()]}
+        {
+            # False when the policy never reads the index (--kv-events): no cursors will move.
+            "keeps_index": replica.config.keeps_index,
+            "workers": [_worker_view(replica, w) for w in replica.workers.workers()],
+        }
     )
 
 

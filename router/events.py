@@ -77,9 +77,11 @@ refuses the batch, its twin for bigram token pairs (SGLang with EAGLE sends them
 event) gets one try. msgspec then checks every type, range and cap in C while it decodes, and
 the Python loop only normalizes hashes and builds the output. With the compiled accelerator
 (`cachetree.accel`), a batch of map events is first offered to `_speedups.decode_map_batch`,
-which reads the batch itself and builds the one-block removals an evicting engine sends by
-the dozen; the other events go one at a time through the typed decoders; anything unusual
-about the batch returns None and the paths above take it whole. The typed decoders then
+which reads the batch itself and builds the two events a busy engine sends (the one-block
+removals an evicting engine sends by the dozen, and a BlockStored of the usual shape: flat
+token ids, no salt, primary group, local) straight from the bytes; the other events go one at
+a time through the typed decoders; anything unusual about the batch returns None and the
+paths above take it whole. The typed decoders then
 leave `token_ids` undecoded (`msgspec.Raw`) and `_speedups.parse_tokens` reads the ids, flat
 or bigram pairs, straight into a `TokenIds` u32 array, with the same checks and without a
 Python int per token. `TokenIds` compares equal to the list of the same ids, so a batch
@@ -224,9 +226,7 @@ def decode_batch(payload: bytes) -> EventBatch:
     """
     try:
         if speedups is not None:
-            batch = speedups.decode_map_batch(
-                payload, _REMOVAL_TIER, BlockRemoved, EventBatch, _decode_map_event
-            )
+            batch = speedups.decode_map_batch(payload, _MAP_BATCH_SPEC, _decode_map_event)
             if batch is not None:
                 return batch  # type: ignore[no-any-return]
         return _decode_typed(payload)
@@ -461,6 +461,20 @@ class _ArrayStoredPackedBigram(_ArrayStored):
 _MAP_EVENT_DECODERS: Final = (
     msgspec.msgpack.Decoder(_MapStoredPacked | _MapRemoved | _MapCleared),
     msgspec.msgpack.Decoder(_MapStoredPackedBigram | _MapRemoved | _MapCleared),
+)
+
+
+# What `_speedups.decode_map_batch` builds events with, and the caps it keeps.
+_MAP_BATCH_SPEC: Final = (
+    _REMOVAL_TIER,
+    _TIER_BY_MEDIUM,
+    BlockRemoved,
+    BlockStored,
+    TokenIds,
+    EventBatch,
+    MAX_HASHES_PER_EVENT,
+    MAX_TOKENS_PER_EVENT,
+    MAX_HASH_BYTES,
 )
 
 

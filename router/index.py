@@ -433,7 +433,8 @@ class Pump:
     """Runs `IndexRules` as the only writer: items in order, control calls first.
 
     An item delivered while the pump is parked (nothing queued, no control call pending or
-    running, no item half-applied) is applied at once by `deliver`, on the subscriber's turn
+    running, no item half-applied) is applied at once by `deliver` (or `offer`, its form that
+    never waits, which a subscriber calls from its socket's callback), on the subscriber's turn
     of the loop: still one writer at a time, without a queue round trip and a task switch per
     batch. If it turns out long (its steps yield), the rest is handed to the pump task, which
     finishes it in slices before anything else; items delivered meanwhile queue behind it.
@@ -449,24 +450,31 @@ class Pump:
         self._parked = False  # the task waits for work and nobody has woken it since
         self._task: asyncio.Task[None] | None = None
 
-    async def deliver(self, item: SubscriberItem) -> None:
-        """Apply or queue an item; waits while the queue is full (backpressure)."""
+    def offer(self, item: SubscriberItem) -> bool:
+        """Take an item without waiting if it can: applied at once while the pump is parked,
+        else queued while there is room. False when the queue is full: await `deliver`."""
         if self._parked:
             steps = self.rules.steps(item)
             try:
                 if next(steps, _DONE) is _DONE:
-                    return
+                    return True
             except Exception:
                 log.exception("pump: an item could not be applied; it was dropped")
-                return
+                return True
             self._items.appendleft(steps)  # long: the task finishes it before anything else
             self._wake_up()
-            return
-        while len(self._items) >= self._queue_size:
-            self._room.clear()
-            await self._room.wait()
+            return True
+        if len(self._items) >= self._queue_size:
+            return False
         self._items.append(item)
         self._wake_up()
+        return True
+
+    async def deliver(self, item: SubscriberItem) -> None:
+        """Apply or queue an item; waits while the queue is full (backpressure)."""
+        while not self.offer(item):
+            self._room.clear()
+            await self._room.wait()
 
     async def call(self, fn: Callable[[IndexRules], T]) -> T:
         """Run `fn(rules)` in the pump, before any item queued after or before it."""

@@ -51,8 +51,9 @@ longer buffered). Without a replay endpoint the whole range is one `UnrepairedGa
 `UnrepairedGap` is the pump's signal to re-pull the worker's snapshot; the pump counts lost
 batches from its own cursor jump.
 
-Backpressure: `deliver` is awaited for every item and nothing is read meanwhile, so a slow pump
-leaves frames queued in ZMQ and, past the high-water marks, dropped by the engine's publisher,
+Backpressure: every item is handed over before the next message is read (taken at once by
+`offer`, or `deliver` awaited and nothing read meanwhile), so a slow pump leaves frames queued
+in ZMQ and, past the high-water marks, dropped by the engine's publisher,
 where the next seq reveals the loss. Nothing is dropped silently inside the router.
 
 Size bound: every socket (SUB and replay DEALER) has `ZMQ_MAXMSGSIZE` set to
@@ -66,10 +67,14 @@ holds it within the bound, else an `UnrepairedGap` (counted lost, the worker's s
 re-pulled).
 
 How it receives: the SUB socket is a plain (blocking-API) socket whose file descriptor the
-event loop watches (`loop.add_reader`). On a wake-up every message already queued is read with
-NOBLOCK and handled in turn, up to `DRAIN_BATCH` messages or `DRAIN_BYTES` of payload before
-yielding to the loop, so a busy stream costs one wake-up per burst rather than a future and a
-task switch per message, and a burst of huge batches still lets `/healthz` in between them.
+event loop watches (`loop.add_reader`). The callback itself reads every message already
+queued (NOBLOCK) and handles each at once (`_Drain`), up to `DRAIN_BATCH` messages or
+`DRAIN_BYTES` of payload per turn of the loop, so a busy stream costs one wake-up per burst
+rather than a future and a task switch per message, and a burst of huge batches still lets
+`/healthz` in between them. Items go to `offer` (the pump's form of `deliver` that never
+waits: it applies a batch at once when idle) while it takes them; the first it cannot take
+now, a replay, and every item behind them are awaited by the subscriber's task, in order,
+with the callbacks held off meanwhile. Without an `offer`, every item is awaited that way.
 """
 
 from __future__ import annotations
@@ -80,9 +85,9 @@ import enum
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import zmq
 import zmq.asyncio
@@ -153,6 +158,8 @@ class UnrepairedGap:
 
 SubscriberItem = LiveBatch | PublisherReset | UnrepairedGap
 Deliver = Callable[[SubscriberItem], Awaitable[None]]
+# Takes an item at once when it can (True); on False the subscriber awaits `Deliver` instead.
+Offer = Callable[[SubscriberItem], bool]
 
 
 @dataclass(slots=True)
@@ -174,6 +181,10 @@ class SubscriberStats:
 # --- frames ---------------------------------------------------------------------------------
 
 
+# A frame: bytes, or anything with the buffer protocol (a received zmq.Frame) and a length.
+Buffer = bytes | bytearray | memoryview | zmq.Frame
+
+
 class FrameError(ValueError):
     """A live message that is not `[topic, 8-byte seq, payload]`; `reason` says what is off."""
 
@@ -189,14 +200,14 @@ class LiveFrame:
     payload: bytes
 
 
-def parse_seq(raw: bytes) -> int:
+def parse_seq(raw: Buffer) -> int:
     """An 8-byte big-endian signed seq; raises `FrameError` on any other length."""
     if len(raw) != SEQ_BYTES:
         raise FrameError(f"seq frame is {len(raw)} bytes, not {SEQ_BYTES}")
     return int.from_bytes(raw, "big", signed=True)
 
 
-def parse_live_frames(frames: Sequence[bytes]) -> LiveFrame:
+def parse_live_frames(frames: Sequence[Buffer]) -> LiveFrame:
     """Validate one live message; raises `FrameError` for anything but a well-formed one."""
     if len(frames) != 3:
         raise FrameError(f"{len(frames)} frames, not 3")
@@ -230,6 +241,14 @@ class Verdict:
         return self.missing_last - self.missing_first + 1 if self.step is Step.GAP else 0
 
 
+# The verdicts without a range, built once (one per batch otherwise).
+_FIRST: Final = Verdict(Step.FIRST)
+_NEXT: Final = Verdict(Step.NEXT)
+_RESTART_AT_ZERO: Final = Verdict(Step.RESTART_AT_ZERO)
+_RESET: Final = Verdict(Step.RESET)
+_JUMP: Final = Verdict(Step.JUMP)
+
+
 class SequenceTracker:
     """The per-socket sequencing state: the last seq seen on this socket, nothing else.
 
@@ -248,15 +267,15 @@ class SequenceTracker:
             raise ValueError(f"seq {seq} is not a batch seq")
         last, self.last = self.last, seq
         if last is None:
-            return Verdict(Step.FIRST)
+            return _FIRST
         if seq == last + 1:
-            return Verdict(Step.NEXT)
+            return _NEXT
         if seq == 0:
-            return Verdict(Step.RESTART_AT_ZERO)
+            return _RESTART_AT_ZERO
         if seq <= last:
-            return Verdict(Step.RESET)
+            return _RESET
         if seq - last - 1 > MAX_SEQ_JUMP:
-            return Verdict(Step.JUMP)
+            return _JUMP
         return Verdict(Step.GAP, last + 1, seq - 1)
 
     def end(self) -> None:
@@ -376,6 +395,7 @@ class RankSubscriber:
         stats: SubscriberStats | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        offer: Offer | None = None,
     ) -> None:
         if max_message_bytes < 1:
             raise ValueError("max_message_bytes must be >= 1")
@@ -384,6 +404,7 @@ class RankSubscriber:
         self.stats = stats if stats is not None else SubscriberStats()
         self.tracker = SequenceTracker()
         self._deliver = deliver
+        self._offer = offer
         self._ctx = context
         self._replay_timeout_s = replay_timeout_s
         self._clock = clock
@@ -450,14 +471,8 @@ class RankSubscriber:
             return sock
 
     async def _receive(self, sock: zmq.Socket) -> None:
-        """Handle frames until RECV_ERRORS_BEFORE_REBUILD recv errors in a row, or until the
-        connection to the publisher drops.
-
-        The fd of a ZMQ socket signals edges, not levels: it is readable when the socket's
-        state changed, not while messages wait. So every wake-up reads while the socket's own
-        EVENTS say a message waits, and the wake-up flag is cleared before those checks (a
-        message that arrives after the last one sets it again). The monitor, which has an fd
-        of its own, is read only when that fd fired.
+        """Handle messages until RECV_ERRORS_BEFORE_REBUILD recv errors in a row, or until the
+        connection to the publisher drops (see `_Drain`).
 
         A dropped connection is watched through a socket monitor because libzmq does not
         always reconnect by itself: a message over ZMQ_MAXMSGSIZE is a protocol error, after
@@ -465,72 +480,20 @@ class RankSubscriber:
         published meanwhile is a gap at the next batch.
         """
         loop = asyncio.get_running_loop()
-        readable = asyncio.Event()
-        monitor_signalled = [False]
-
-        def on_monitor() -> None:
-            monitor_signalled[0] = True
-            readable.set()
-
         address = f"inproc://kvrouter-sub-monitor-{id(self):x}-{self.stats.socket_rebuilds}"
         sock.monitor(address, zmq.EVENT_DISCONNECTED)
         monitor = self._ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
         fds = [sock.getsockopt(zmq.FD), monitor.getsockopt(zmq.FD)]
+        drain = _Drain(self, sock, monitor, loop)
         try:
             monitor.connect(address)
-            loop.add_reader(fds[0], readable.set)
-            loop.add_reader(fds[1], on_monitor)
-            errors = 0
-            # The monitor may hold events from before its fd was watched.
-            monitor_signalled[0] = True
-            while True:
-                # Cleared before the last EVENTS check of the drain: an edge after that check
-                # sets it again, so a message that arrives meanwhile is never slept on.
-                readable.clear()
-                budget = DRAIN_BYTES
-                for _ in range(DRAIN_BATCH):
-                    if budget <= 0:
-                        await asyncio.sleep(0)  # a burst of large batches: a turn for others
-                        budget = DRAIN_BYTES
-                    # The socket's own EVENTS say whether a message waits: much cheaper than
-                    # a recv failing with EAGAIN (pyzmq builds an exception for each), and a
-                    # ZMQ fd wakes the loop more often than messages arrive.
-                    if not sock.getsockopt(_EVENTS) & _POLLIN:
-                        break
-                    try:
-                        frames = sock.recv_multipart(_NOBLOCK)
-                    except zmq.Again:
-                        break
-                    except zmq.ContextTerminated:
-                        raise
-                    except zmq.ZMQError as exc:
-                        errors += 1
-                        if errors >= RECV_ERRORS_BEFORE_REBUILD:
-                            log.warning(
-                                "rank %s: %d receive errors in a row (last: %s); rebuilding the "
-                                "socket. Batches published meanwhile surface as a gap.",
-                                self.rank,
-                                errors,
-                                exc,
-                            )
-                            return
-                        continue
-                    errors = 0
-                    self._setups = 0
-                    budget -= len(frames[-1])
-                    await self._on_message(frames)
-                else:
-                    await asyncio.sleep(0)  # a long burst: let the loop serve others
-                    continue
-                if monitor_signalled[0]:
-                    monitor_signalled[0] = False
-                    if self._disconnected(monitor):
-                        return
-                if not readable.is_set():
-                    await readable.wait()
+            loop.add_reader(fds[0], drain.on_readable)
+            loop.add_reader(fds[1], drain.on_monitor)
+            await drain.run()
         finally:
             for fd in fds:
                 loop.remove_reader(fd)
+            drain.close()
             with contextlib.suppress(zmq.ZMQError):
                 sock.disable_monitor()
             monitor.close(linger=0)
@@ -555,7 +518,9 @@ class RankSubscriber:
 
     # --- one live message -------------------------------------------------------------------
 
-    async def _on_message(self, frames: list[bytes]) -> None:
+    def _handle(self, frames: Sequence[Buffer]) -> Coroutine[Any, Any, None] | None:
+        """Handle one live message at once. What must wait (a replay, an item the pump cannot
+        take now) is returned as a coroutine, which the task awaits before the next message."""
         stats = self.stats
         stats.frames += 1
         try:
@@ -571,7 +536,7 @@ class RankSubscriber:
                     exc.reason,
                     stats.bad_frames,
                 )
-            return
+            return None
         if frame.seq == END_SEQ:
             log.info(
                 "rank %s: publisher sent END_SEQ after seq %s (engine stopping); "
@@ -580,27 +545,30 @@ class RankSubscriber:
                 self.tracker.last,
             )
             self.tracker.end()
-            await self._reset()
-            return
+            return self._put(PublisherReset(self.rank))
         batch = self._decode(frame.seq, frame.payload, replayed=False)
         if batch is None:
-            return
+            return None
         previous = self.tracker.last
         verdict = self.tracker.advance(frame.seq)
-        if verdict.step is Step.FIRST:
+        step = verdict.step
+        live = LiveBatch(self.rank, frame.seq, batch)
+        if step is Step.NEXT:
+            return self._put(live)
+        if step is Step.FIRST:
             log.info("rank %s: first batch seen is seq %d", self.rank, frame.seq)
-        elif verdict.step is Step.RESTART_AT_ZERO:
+        elif step is Step.RESTART_AT_ZERO:
             log.info("rank %s: seq restarted at 0 (engine restarted without END_SEQ)", self.rank)
-        elif verdict.step is Step.RESET:
+        elif step is Step.RESET:
             log.warning(
                 "rank %s: seq went back to %d (engine restarted); resetting the rank's index",
                 self.rank,
                 frame.seq,
             )
-            await self._reset()
-        elif verdict.step is Step.GAP:
-            await self._fill(verdict.missing_first, frame.seq)
-        elif verdict.step is Step.JUMP:
+            return self._put(PublisherReset(self.rank), live)
+        elif step is Step.GAP:
+            return self._fill_then(verdict.missing_first, live)
+        elif step is Step.JUMP:
             self.stats.seq_jumps += 1
             if _often(self.stats.seq_jumps):
                 log.warning(
@@ -615,10 +583,10 @@ class RankSubscriber:
                     self.stats.seq_jumps,
                     self.endpoint.endpoint,
                 )
-            await self._reset()
-        await self._emit(LiveBatch(self.rank, frame.seq, batch))
+            return self._put(PublisherReset(self.rank), live)
+        return self._put(live)
 
-    def _decode(self, seq: int, payload: bytes, *, replayed: bool) -> EventBatch | None:
+    def _decode(self, seq: int, payload: Buffer, *, replayed: bool) -> EventBatch | None:
         try:
             return decode_batch(payload)
         except EventDecodeError as exc:
@@ -634,18 +602,43 @@ class RankSubscriber:
                 )
             return None
 
-    async def _reset(self) -> None:
-        self.stats.resets += 1
-        await self._deliver(PublisherReset(self.rank))
+    # --- handing items over -----------------------------------------------------------------
 
-    async def _emit(self, item: LiveBatch | UnrepairedGap) -> None:
-        if type(item) is LiveBatch:
-            self.stats.batches += 1
+    def _count(self, item: SubscriberItem) -> None:
+        stats = self.stats
+        kind = type(item)
+        if kind is LiveBatch:
+            stats.batches += 1
+        elif kind is PublisherReset:
+            stats.resets += 1
         else:
-            self.stats.lost_batches += item.last - item.first + 1
+            stats.lost_batches += item.last - item.first + 1  # type: ignore[union-attr]
+
+    def _put(self, *items: SubscriberItem) -> Coroutine[Any, Any, None] | None:
+        """Hand items over in order: offered while the taker takes them at once, the rest
+        (from the first it cannot take now) in a coroutine that awaits `deliver`."""
+        offer = self._offer
+        for i, item in enumerate(items):
+            self._count(item)
+            if offer is None or not offer(item):
+                return self._deliver_from(items, i)
+        return None
+
+    async def _deliver_from(self, items: Sequence[SubscriberItem], first: int) -> None:
+        await self._deliver(items[first])  # counted by `_put`
+        for item in items[first + 1 :]:
+            await self._emit(item)
+
+    async def _emit(self, item: SubscriberItem) -> None:
+        self._count(item)
         await self._deliver(item)
 
     # --- gaps -------------------------------------------------------------------------------
+
+    async def _fill_then(self, first: int, live: LiveBatch) -> None:
+        """The missing range [first, live.seq) as `_fill` has it, then the batch itself."""
+        await self._fill(first, live.seq)
+        await self._emit(live)
 
     async def _fill(self, first: int, stop: int) -> None:
         """Deliver what can be had of the missing range [first, stop), holes included."""
@@ -734,3 +727,159 @@ class RankSubscriber:
                 replay_endpoint,
             )
         return collector.kept, problem
+
+
+# --- receiving: one SUB socket's fd callbacks ------------------------------------------------
+
+
+def _recv_message(sock: zmq.Socket) -> list[zmq.Frame]:
+    """Every frame of the next message (the caller knows one waits; a message's frames arrive
+    together). As zmq.Frame objects: their `more` flag comes with the frame, where a copying
+    receive would need a getsockopt, which pyzmq converts through its enums, per frame."""
+    frame = sock.recv(_NOBLOCK, False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(_NOBLOCK, False)
+        frames.append(frame)
+    return frames
+
+
+class _Drain:
+    """One SUB socket's receiving, driven by its fd and its monitor's fd.
+
+    The fd of a ZMQ socket signals edges, not levels: it is readable when the socket's state
+    changed, not while messages wait. So each wake-up reads while the socket's own EVENTS say a
+    message waits (much cheaper than a receive failing with EAGAIN, for which pyzmq builds an
+    exception), and handles each message at once, in the callback: a busy stream costs one
+    loop wake-up per burst and no task switch. Up to DRAIN_BATCH messages or DRAIN_BYTES of
+    payload are handled per turn of the loop, the rest on the next turn.
+
+    When a message's handling must wait (a replay, an item the pump cannot take now), the
+    callbacks hold off and the subscriber's task awaits it in `run`, then reads on: the
+    messages behind it are handled after it, in order, however many edges came meanwhile. The
+    task also ends the socket's life: after RECV_ERRORS_BEFORE_REBUILD receive errors in a
+    row, once the monitor reported the connection dropped (what had arrived before is handled
+    first), or with the exception a callback met (ContextTerminated, or one from `offer`).
+    """
+
+    __slots__ = (
+        "dropped",
+        "ending",
+        "errors",
+        "failure",
+        "held",
+        "loop",
+        "monitor",
+        "sock",
+        "sub",
+        "wake",
+    )
+
+    def __init__(
+        self,
+        sub: RankSubscriber,
+        sock: zmq.Socket,
+        monitor: zmq.Socket,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.sub = sub
+        self.sock = sock
+        self.monitor = monitor
+        self.loop = loop
+        self.errors = 0  # receive errors in a row
+        self.held: Coroutine[Any, Any, None] | None = None  # a message's handling, awaited
+        self.dropped = False  # the monitor reported the connection dropped
+        self.ending = False  # the task returns: rebuild the socket
+        self.failure: Exception | None = None  # the task raises it
+        self.wake: asyncio.Future[None] | None = None  # what the task waits on
+
+    async def run(self) -> None:
+        self.on_monitor()  # the monitor may hold events from before its fd was watched
+        self.on_readable()  # and the socket messages
+        while True:
+            if self.failure is not None:
+                raise self.failure
+            if self.ending:
+                return
+            if self.held is not None:
+                await self.held
+                self.held = None
+                self.on_readable()
+                continue
+            self.wake = self.loop.create_future()
+            await self.wake
+
+    def close(self) -> None:
+        """The socket is gone: callbacks still scheduled do nothing, held work is dropped."""
+        self.ending = True
+        if self.held is not None:
+            self.held.close()  # never started (the task was cancelled first)
+            self.held = None
+
+    def _signal(self) -> None:
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+
+    def on_monitor(self) -> None:
+        if self.ending or self.failure is not None:
+            return
+        try:
+            self.dropped = self.dropped or self.sub._disconnected(self.monitor)
+        except Exception as exc:  # ContextTerminated, a closed socket: the task raises it
+            self.failure = exc
+            self._signal()
+            return
+        self.on_readable()  # handles what arrived first, then ends the socket
+
+    def on_readable(self) -> None:
+        if self.held is not None or self.ending or self.failure is not None:
+            return
+        sock, sub = self.sock, self.sub
+        budget = DRAIN_BYTES
+        try:
+            for _ in range(DRAIN_BATCH):
+                if not sock.getsockopt(_EVENTS) & _POLLIN:
+                    if self.dropped:
+                        self.ending = True
+                        self._signal()
+                    return
+                try:
+                    frames = _recv_message(sock)
+                except zmq.Again:
+                    return
+                except zmq.ContextTerminated:
+                    raise
+                except zmq.ZMQError as exc:
+                    self.errors += 1
+                    if self.errors >= RECV_ERRORS_BEFORE_REBUILD:
+                        log.warning(
+                            "rank %s: %d receive errors in a row (last: %s); rebuilding the "
+                            "socket. Batches published meanwhile surface as a gap.",
+                            sub.rank,
+                            self.errors,
+                            exc,
+                        )
+                        self.ending = True
+                        self._signal()
+                        return
+                    continue
+                self.errors = 0
+                sub._setups = 0
+                held = sub._handle(frames)
+                if held is not None:
+                    self.held = held
+                    self._signal()
+                    return
+                budget -= len(frames[-1])
+                if budget <= 0:
+                    break
+        except Exception as exc:  # ContextTerminated, or an error handling a message
+            self.failure = exc
+            self._signal()
+            return
+        if self.dropped:  # the burst that arrived before the drop is handled: rebuild
+            self.ending = True
+            self._signal()
+            return
+        # A long burst: the rest on the next turn of the loop, so others run meanwhile.
+        self.loop.call_soon(self.on_readable)

@@ -504,6 +504,7 @@ class WorkerRegistry:
                 replay_timeout_s=self._replay_timeout_s,
                 stats=stats,
                 max_message_bytes=self._max_message_bytes,
+                offer=self.pump.offer,
             ).run()
 
         return run

@@ -158,6 +158,8 @@ async def test_a_replica_subscribes_to_kv_events_only_when_it_keeps_the_index(
     ):
         replica = rt.replica
         assert replica.config.keeps_index is subscribed
+        _, listing = await rt.get("/workers")
+        assert listing["keeps_index"] is subscribed
         live = replica.pump.rules.live
         assert live == ({RankId(w.url, 0) for w in workers} if subscribed else set())
         assert replica.workers.subscribed_ranks == (2 if subscribed else 0)

@@ -129,3 +129,25 @@ async def test_an_item_that_fails_inline_is_logged_and_dropped_and_the_pump_goes
         assert pump.rules.cursors[R] == 1
     finally:
         await pump.stop()
+
+
+async def test_offer_applies_at_once_to_an_idle_pump_queues_while_busy_and_refuses_when_full() -> (
+    None
+):
+    pump = await started(queue_size=2)
+    try:
+        assert pump.offer(chain(0, 1, 1, 1)) is True
+        assert pump.rules.cursors[R] == 0  # applied inside the call, no await
+        control = asyncio.create_task(pump.call(lambda rules: None))
+        await asyncio.sleep(0)  # the pump is busy with the call: no longer parked
+        assert pump.offer(chain(1, 2, 1, 100)) is True
+        assert pump.offer(chain(2, 3, 1, 200)) is True
+        assert pump.offer(chain(3, 4, 1, 300)) is False  # full: the caller must await
+        assert pump.backlog == 2 and pump.rules.cursors[R] == 0  # the refused one not queued
+        await control
+        await pump.deliver(chain(3, 4, 1, 300))  # waits for room, then in order
+        await pump.wait_idle()
+        assert pump.rules.cursors[R] == 3
+        assert pump.rules.stats.batches_applied == 4
+    finally:
+        await pump.stop()

@@ -21,6 +21,7 @@ from xxhash import xxh3_64_intdigest
 from cachetree.keys import ROOT_SEED, block_keys_py
 from cachetree.tiers import DEVICE, HOST
 from router.events import (
+    MAX_HASHES_PER_EVENT,
     MAX_TOKENS_PER_EVENT,
     AllBlocksCleared,
     BlockRemoved,
@@ -249,11 +250,7 @@ def _compiled_batch(payload: bytes, decode_event: Callable[[bytes], Any] | None 
     from router import events
 
     return speedups.decode_map_batch(
-        payload,
-        events._REMOVAL_TIER,
-        events.BlockRemoved,
-        events.EventBatch,
-        decode_event or events._decode_map_event,
+        payload, events._MAP_BATCH_SPEC, decode_event or events._decode_map_event
     )
 
 
@@ -277,8 +274,8 @@ def test_decode_map_batch_takes_every_map_batch_engines_send_and_equals_the_refe
         assert got == _decode_generic(payload)
 
 
-def test_decode_map_batch_builds_one_block_removals_itself() -> None:
-    """A churn batch: ~63 one-block removals built in C, only the store handed to Python."""
+def test_decode_map_batch_builds_churn_batches_without_the_python_decoder() -> None:
+    """A churn batch, ~63 one-block removals and one ~63-block store, is built wholly in C."""
     from bench.ingest_churn import workload
 
     handed: list[bytes] = []
@@ -288,13 +285,16 @@ def test_decode_map_batch_builds_one_block_removals_itself() -> None:
         return _decode_map_event(span)
 
     batches = workload(1, 256, 20).measured
-    removals = 0
+    removals = stores = 0
     for payload in batches:
         got = _compiled_batch(payload, decode_event)
+        assert got == _decode_generic(payload)
         removals += sum(type(e) is BlockRemoved for e in got.events)
+        stores += sum(type(e) is BlockStored for e in got.events)
+        assert all(type(e.token_ids) is TokenIds for e in got.events if type(e) is BlockStored)
     assert removals > 20 * 50
-    assert len(handed) == len(batches)  # one BlockStored each
-    assert all(type(_decode_map_event(span)) is BlockStored for span in handed)
+    assert stores == len(batches)
+    assert handed == []
 
 
 def _enc(obj: Any) -> bytes:
@@ -378,6 +378,113 @@ def test_decode_map_batch_equals_the_reference_for_every_removal_shape(event: An
     want = _decode_generic(payload)
     assert got is None or got == want
     assert decode_batch(payload) == want
+
+
+STORED = {
+    "type": "BlockStored",
+    "block_hashes": [11, 12],
+    "parent_block_hash": 10,
+    "token_ids": [1, 2, 3, 4],
+    "block_size": 2,
+    "lora_id": None,
+    "medium": "GPU",
+    "lora_name": None,
+    "group_idx": 0,
+}
+
+# BlockStored shapes the C path takes itself (no Python decoder), each equal to the reference.
+STORED_IN_C = [
+    STORED,
+    {"type": "BlockStored", "block_hashes": [11], "token_ids": [1, 2], "block_size": 2},
+    {**STORED, "block_hashes": [(1 << 64) - 1, 0]},
+    {**STORED, "block_hashes": [-5, -(1 << 63)], "parent_block_hash": -1},  # signed
+    {**STORED, "block_hashes": [b"\x01" * 32, b"\x07"], "parent_block_hash": b"\x02" * 64},
+    {**STORED, "block_hashes": [1 << 40, 1 << 20], "token_ids": [0, 255, 1 << 16, U32]},
+    {**STORED, "parent_block_hash": None},
+    {**STORED, "medium": None},
+    {**STORED, "medium": "CPU"},
+    {**STORED, "lora_name": "adapter-1"},
+    {**STORED, "group_idx": None, "cache_salt": None, "kv_cache_spec_kind": None},
+    {**STORED, "locality": None},
+    {**STORED, "extra_keys": [[1, "x"], None], "lora_id": 3},  # keys _MapStored skips
+    {"block_size": 2, "token_ids": [1, 2], "block_hashes": [5], "type": "BlockStored"},
+]
+
+# Shapes it leaves to the Python decoders: each decodes there to the reference (or fails).
+STORED_IN_PYTHON = [
+    {**STORED, "token_ids": [[1, 2], [2, 3], [3, 4], [4, 5]]},  # bigram pairs
+    {**STORED, "lora_name": "adaptér"},
+    {**STORED, "cache_salt": "s"},
+    {**STORED, "group_idx": 1},
+    {**STORED, "kv_cache_spec_kind": "full_attention"},
+    {**STORED, "kv_cache_spec_kind": "sliding_window"},
+    {**STORED, "locality": "LOCAL"},
+    {**STORED, "locality": "remote"},
+    {**STORED, "medium": "NVME"},
+    {**STORED, "medium": "GPÜ"},
+    {**STORED, "block_hashes": [], "token_ids": []},
+    {**STORED, "block_size": 3},  # a token count that does not match
+    {**STORED, "block_size": 0},
+    {**STORED, "block_size": True},
+    {**STORED, "block_hashes": [11, True]},
+    {**STORED, "block_hashes": [11, b""]},
+    {**STORED, "block_hashes": [11, b"\x01" * 65]},
+    {**STORED, "block_hashes": [11, 1.5]},
+    {**STORED, "parent_block_hash": "10"},
+    {**STORED, "token_ids": [1, 2, 3, 1 << 32]},
+    {**STORED, "token_ids": [1, 2, 3, -1]},
+    {**STORED, "token_ids": [1, 2, 3, False]},
+    {**STORED, "lora_name": 5},
+    {**STORED, "extra_keys": msgspec.msgpack.Ext(1, b"a")},
+    {k: v for k, v in STORED.items() if k != "block_size"},
+    {k: v for k, v in STORED.items() if k != "token_ids"},
+    {k: v for k, v in STORED.items() if k != "block_hashes"},
+]
+
+
+@pytest.mark.parametrize("event", STORED_IN_C + STORED_IN_PYTHON)
+def test_decode_map_batch_equals_the_reference_for_every_stored_shape(event: Any) -> None:
+    handed: list[bytes] = []
+
+    def decode_event(span: bytes) -> Any:
+        handed.append(span)
+        return _decode_map_event(span)
+
+    payload = _enc([1767225600.0, [REMOVED, event, REMOVED], 3])
+    try:
+        got = _compiled_batch(payload, decode_event)
+    except (msgspec.DecodeError, msgspec.ValidationError, EventDecodeError):
+        got = None  # decode_batch then asks the Python decoders
+    try:
+        want = _decode_generic(payload)
+    except EventDecodeError:
+        with pytest.raises(EventDecodeError):
+            decode_batch(payload)
+        assert got is None
+        return
+    assert got is None or got == want
+    assert decode_batch(payload) == want
+    assert (handed == [] and got is not None) is (event in STORED_IN_C)
+
+
+def test_decode_map_batch_takes_a_stored_event_at_the_caps_and_leaves_one_past_them() -> None:
+    def batch(hashes: int, block_size: int) -> bytes:
+        event = {
+            "type": "BlockStored",
+            "block_hashes": list(range(1, hashes + 1)),
+            "token_ids": [7] * (hashes * block_size),
+            "block_size": block_size,
+        }
+        return _enc([1.5, [event], 0])
+
+    def refuse(span: bytes) -> Any:
+        raise AssertionError("handed to the Python decoder")
+
+    for payload in [batch(MAX_HASHES_PER_EVENT, 16), batch(1, MAX_TOKENS_PER_EVENT)]:
+        assert _compiled_batch(payload, refuse) == _decode_generic(payload)
+    for payload in [batch(MAX_HASHES_PER_EVENT + 1, 1), batch(1, MAX_TOKENS_PER_EVENT + 1)]:
+        with pytest.raises(EventDecodeError, match="over_cap"):
+            decode_batch(payload)
 
 
 def test_decode_map_batch_under_mutation_is_none_an_error_or_the_reference() -> None:

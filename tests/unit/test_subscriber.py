@@ -270,9 +270,10 @@ def test_connect_backoff_doubles_from_50_ms_to_a_2_s_cap() -> None:
 
 
 class FakeSocket:
-    """Plays a script: each non-blocking recv returns the next frames or raises the next
-    ZMQError; once the script is done it reports nothing to read (`zmq.Again`), and its fd (a
-    pipe nothing writes to) never wakes the reader, so the subscriber waits until cancelled."""
+    """Plays a script: each message's non-blocking receives return its frames (zmq.Frame, with
+    `more` set on all but the last), or the first raises the next ZMQError; once the script is
+    done it reports nothing to read (`zmq.Again`), and its fd (a pipe nothing writes to) never
+    wakes the reader, so the subscriber waits until cancelled."""
 
     def __init__(self, kind: int, script: list[list[bytes] | zmq.ZMQError]) -> None:
         self.kind = kind
@@ -307,14 +308,20 @@ class FakeSocket:
         for fd in self._pipe:
             os.close(fd)
 
-    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+    def recv(self, flags: int = 0, copy: bool = True) -> zmq.Frame:
         assert flags == zmq.NOBLOCK, "the subscriber never blocks in recv"
+        assert not copy, "the subscriber takes frames, whose `more` comes with them"
         if not self.script:
             raise zmq.Again()
-        step = self.script.pop(0)
+        step = self.script[0]
         if isinstance(step, zmq.ZMQError):
+            self.script.pop(0)
             raise step
-        return step
+        frame = zmq.Frame(step.pop(0))
+        frame.more = bool(step)
+        if not step:
+            self.script.pop(0)
+        return frame
 
 
 class FakeContext:
@@ -433,3 +440,64 @@ async def test_a_jump_of_exactly_the_bound_is_still_a_gap_reported_with_its_rang
     items, sub = await run_until(ctx, 3)
     assert items[1] == UnrepairedGap(RANK, 5, 4 + MAX_SEQ_JUMP)
     assert (sub.stats.seq_jumps, sub.stats.lost_batches) == (0, MAX_SEQ_JUMP)
+
+
+async def test_items_go_through_offer_while_it_takes_them_and_deliver_from_one_it_refuses() -> None:
+    """A refused item and the items behind it wait for `deliver`, in order; then offers resume."""
+    ctx = FakeContext([frames(4), frames(2), frames(3), frames(4)])
+    channel: list[tuple[str, object]] = []
+    done = asyncio.Event()
+    refused: list[SubscriberItem] = []
+
+    def note(how: str, item: SubscriberItem) -> None:
+        channel.append((how, getattr(item, "seq", "reset")))
+        if len(channel) == 5:
+            done.set()
+
+    def offer(item: SubscriberItem) -> bool:
+        if type(item) is PublisherReset and not refused:
+            refused.append(item)
+            return False  # a full pump queue
+        note("offer", item)
+        return True
+
+    async def deliver(item: SubscriberItem) -> None:
+        await asyncio.sleep(0)  # really waits: the messages behind it must wait too
+        note("deliver", item)
+
+    ep = RankEndpoint(RANK, "tcp://127.0.0.1:1", topic=b"kv")
+    sub = RankSubscriber(ep, deliver, context=ctx, offer=offer)  # type: ignore[arg-type]
+    task = asyncio.create_task(sub.run())
+    try:
+        async with asyncio.timeout(5):
+            await done.wait()
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert channel == [
+        ("offer", 4),
+        ("deliver", "reset"),  # refused by offer, then delivered
+        ("deliver", 2),  # behind it: never offered ahead of it
+        ("offer", 3),
+        ("offer", 4),
+    ]
+    assert (sub.stats.batches, sub.stats.resets, sub.stats.frames) == (4, 1, 4)
+
+
+async def test_an_exception_from_offer_ends_run_and_closes_the_socket() -> None:
+    ctx = FakeContext([frames(4), frames(5)])
+
+    def offer(item: SubscriberItem) -> bool:
+        raise RuntimeError("the taker broke")
+
+    async def deliver(item: SubscriberItem) -> None:
+        raise AssertionError("not reached")
+
+    ep = RankEndpoint(RANK, "tcp://127.0.0.1:1", topic=b"kv")
+    sub = RankSubscriber(ep, deliver, context=ctx, offer=offer)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="the taker broke"):
+        async with asyncio.timeout(5):
+            await sub.run()
+    assert [s.closed for s in ctx.sockets] == [True]
+    assert sub.stats.frames == 1  # nothing read after the failure
