@@ -614,8 +614,8 @@ class CacheAware:
             spill = new - max(free, capacity - other - depth)
             if spill > 0:
                 evicted[i] = math.ceil(spill)
-            busy = other + depth
-            fullness = busy / capacity if busy < capacity else 1.0
+            occupied = other + depth
+            fullness = occupied / capacity if occupied < capacity else 1.0
             costs[i] += block * (w.evict * max(spill, 0.0) + w.fill * fleet * fullness * new)
         return costs, evicted, room
 
