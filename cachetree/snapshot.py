@@ -565,7 +565,8 @@ class SnapshotRestore:
             counted = Counter(parents)
             children = list(map(counted.get, records, repeat(0)))
             outside = self._parents_outside(parents, new, a)
-        created = list(map(Node, parent_keys, masks, children, node_tiers, engine_hashes))
+        make = self._tree._layout.node
+        created = list(map(make, parent_keys, masks, children, node_tiers, engine_hashes))
         before = len(nodes)
         placed = list(map(nodes.setdefault, keys, created))
         if len(nodes) - before != n:
@@ -586,7 +587,7 @@ class SnapshotRestore:
                 for w, engine_hash, value, key in zip(
                     run_workers, run_hashes, values, run_keys, strict=True
                 ):
-                    if value is key and maps[w].get(engine_hash) is key:
+                    if value is key and maps[w].get(engine_hash) == key:
                         del maps[w][engine_hash]
             _take_back(nodes, keys, placed, created)
             return False
@@ -690,7 +691,7 @@ class SnapshotRestore:
             start, end = firsts[i - a], firsts[i - a + 1]
             if start == end:
                 if key not in tree._nodes:
-                    tree._nodes[key] = Node(parent_key, 0, 0)
+                    tree._nodes[key] = tree._layout.node(parent_key, 0, 0)
                     if parent_key is not None:
                         tree._nodes[parent_key].children += 1
                 continue

@@ -14,7 +14,7 @@ from cachetree.snapshot import (
     restore,
 )
 from cachetree.tiers import DEVICE, DISK, HOST
-from cachetree.tree import BlockTree, Node
+from cachetree.tree import BlockTree
 
 BS = 4
 A = RankId("http://a:8000", 0)
@@ -234,7 +234,7 @@ def graft_record_by_record(tree: BlockTree, snap: Snapshot) -> None:
     for parent, key, carriers in snap.records():
         parent_key = None if parent is None else snap.keys[parent]
         if not carriers and key not in tree:
-            tree._nodes[key] = Node(parent_key, 0, 0)
+            tree._nodes[key] = tree._layout.node(parent_key, 0, 0)
             if parent_key is not None:
                 tree._nodes[parent_key].children += 1
         for worker, bits, engine_hash in carriers:
