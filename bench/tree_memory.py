@@ -23,6 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cachetree.accel import IMPLEMENTATION
+from cachetree.ranks import RankId
+from cachetree.tree import BlockTree
+
 BLOCK = 16
 CHAIN = 8
 RANKS = 64
@@ -36,25 +40,26 @@ def _rss() -> int:
     raise LookupError("VmRSS")
 
 
-def build(n_blocks: int) -> dict[str, float]:
+def build_tree(n_blocks: int) -> BlockTree:
     """The scale benchmark's fill (bench/scale.py fill_batches), applied to a bare tree."""
-    from cachetree.accel import IMPLEMENTATION
-    from cachetree.ranks import RankId
-    from cachetree.tree import BlockTree
-
     ranks = [RankId(f"http://10.0.{i // 16}.1:8000", i % 16) for i in range(RANKS)]
     filler = [3 + (i * 7919) % 50_000 for i in range(BLOCK * CHAIN)]
     engine_hash = [1] * RANKS
-    gc.collect()
-    before = _rss()
     tree = BlockTree(BLOCK)
-    start = time.process_time()
     for c in range(n_blocks // CHAIN):
         tokens = [3 + (c & 0xFFFF), 3 + (c >> 16), *filler[2:]]
         for r in (c % RANKS, (c + 1) % RANKS) if c % 4 == 0 else (c % RANKS,):
             first = engine_hash[r]
             engine_hash[r] += CHAIN
             tree.store(ranks[r], None, range(first, first + CHAIN), tokens, BLOCK)
+    return tree
+
+
+def build(n_blocks: int) -> dict[str, float]:
+    gc.collect()
+    before = _rss()
+    start = time.process_time()
+    tree = build_tree(n_blocks)
     cpu = time.process_time() - start
     gc.collect()
     after = _rss()

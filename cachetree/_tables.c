@@ -1511,6 +1511,298 @@ error:
     return result;
 }
 
+
+/* ---- the graft's creation of new records (twin: cachetree/snapshot.py SnapshotRestore) ---- */
+
+typedef struct {
+    Py_buffer view;
+    int held;
+} Column;
+
+static int
+column(PyObject *obj, Column *col, char format, Py_ssize_t itemsize, const char *name)
+{
+    if (PyObject_GetBuffer(obj, &col->view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        return -1;
+    }
+    col->held = 1;
+    const char *f = col->view.format ? col->view.format : "B";
+    if (col->view.itemsize != itemsize || f[0] != format || f[1] != '\0') {
+        PyErr_Format(PyExc_TypeError, "graft_new: %s is not an array('%c')", name, format);
+        return -1;
+    }
+    return 0;
+}
+
+enum { GRAFT_DONE, GRAFT_HASH_TAKEN, GRAFT_DUPLICATE_KEY, GRAFT_PARENT_GONE };
+
+/* Undo the creation of records [a, upto) flagged in `new` (newest first, so a child goes
+ * before its parent). */
+static void
+undo_nodes(MapObject *nodes, const uint64_t *keys, const uint8_t *new, Py_ssize_t a,
+           Py_ssize_t upto)
+{
+    for (Py_ssize_t i = upto - 1; i >= a; i--) {
+        if (!new[i - a]) {
+            continue;
+        }
+        NodeObject *node = node_at(nodes, keys[i]);
+        if (node == NULL) {
+            continue;
+        }
+        if (node->flags & F_PARENT) {
+            NodeObject *parent = node_at(nodes, node->parent);
+            if (parent != NULL && parent->children) {
+                parent->children--;
+            }
+        }
+        delete_node(nodes, keys[i]);
+    }
+}
+
+/* graft_new(nodes, maps, index_of, keys, parents, counts, workers, hashes, new, a, b, c0)
+ *   -> (code, record)
+ *
+ * SnapshotRestore._create for a chunk [a, b) of records whose carriers are all on the device
+ * tier: the records flagged in `new` (bytes, one per record of the chunk) are created with
+ * their parents' child counts raised, then each carrier's engine hash goes into its rank's
+ * map. Columns are the snapshot's (keys u64, parents i64 record indices, counts u32,
+ * workers u32 indices into `maps` and `index_of`, hashes u64); the chunk's carriers start at
+ * `c0`. code 0: done. Otherwise nothing is changed and `record` names the culprit: 1 an
+ * engine hash the rank maps already (or twice in the chunk), 2 a key the tree holds or the
+ * chunk repeats, 3 a parent that is not in the tree. */
+static PyObject *
+py_graft_new(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char usage[] = "graft_new(nodes, maps, index_of, keys, parents, counts, "
+                                "workers, hashes, new, a, b, c0)";
+    if (nargs != 12 || Py_TYPE(args[0]) != &NodeMapType || !PyList_CheckExact(args[1])
+        || !PyList_CheckExact(args[2]) || PyList_GET_SIZE(args[1]) != PyList_GET_SIZE(args[2])) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return NULL;
+    }
+    MapObject *nodes = (MapObject *)args[0];
+    Py_ssize_t n_maps = PyList_GET_SIZE(args[1]);
+    Py_ssize_t a = PyLong_AsSsize_t(args[9]), b = PyLong_AsSsize_t(args[10]);
+    Py_ssize_t c0 = PyLong_AsSsize_t(args[11]);
+    if ((a == -1 || b == -1 || c0 == -1) && PyErr_Occurred()) {
+        return NULL;
+    }
+    Column keys_c = {0}, parents_c = {0}, counts_c = {0}, workers_c = {0}, hashes_c = {0},
+           new_c = {0};
+    MapObject **maps = NULL;
+    uint64_t *bits = NULL;
+    PyObject *result = NULL;
+    int code = GRAFT_DONE;
+    Py_ssize_t culprit = -1;
+    if (column(args[3], &keys_c, 'Q', 8, "keys") < 0
+        || column(args[4], &parents_c, 'q', 8, "parents") < 0
+        || column(args[5], &counts_c, 'I', 4, "counts") < 0
+        || column(args[6], &workers_c, 'I', 4, "workers") < 0
+        || column(args[7], &hashes_c, 'Q', 8, "hashes") < 0
+        || column(args[8], &new_c, 'B', 1, "new") < 0) {
+        goto done;
+    }
+    const uint64_t *keys = keys_c.view.buf;
+    const int64_t *parents = parents_c.view.buf;
+    const uint32_t *counts = counts_c.view.buf;
+    const uint32_t *workers = workers_c.view.buf;
+    const uint64_t *hashes = hashes_c.view.buf;
+    const uint8_t *new = new_c.view.buf;
+    Py_ssize_t n_keys = keys_c.view.len / 8, n_carriers = workers_c.view.len / 4;
+    if (a < 0 || b < a || b > n_keys || parents_c.view.len / 8 != n_keys
+        || counts_c.view.len / 4 != n_keys || hashes_c.view.len / 8 != n_carriers
+        || new_c.view.len != b - a || c0 < 0 || nodes->slots == NULL) {
+        PyErr_SetString(PyExc_ValueError, "graft_new: columns and range disagree");
+        goto done;
+    }
+    maps = PyMem_Malloc(sizeof(MapObject *) * (n_maps ? n_maps : 1));
+    bits = PyMem_Malloc(sizeof(uint64_t) * (n_maps ? n_maps : 1));
+    if (maps == NULL || bits == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t w = 0; w < n_maps; w++) {
+        PyObject *m = PyList_GET_ITEM(args[1], w);
+        Py_ssize_t index = PyLong_AsSsize_t(PyList_GET_ITEM(args[2], w));
+        if (Py_TYPE(m) != &HashMapType || index < 0 || index > 63 || ((MapObject *)m)->slots == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_ValueError,
+                                "graft_new: maps are HashMaps and rank indices in [0, 64)");
+            }
+            goto done;
+        }
+        maps[w] = (MapObject *)m;
+        bits[w] = (uint64_t)1 << index;
+    }
+    /* The chunk's carriers must lie in the columns, and name known workers. */
+    Py_ssize_t c_end = c0;
+    for (Py_ssize_t i = a; i < b; i++) {
+        c_end += counts[i];
+    }
+    if (c_end > n_carriers) {
+        PyErr_SetString(PyExc_ValueError, "graft_new: carrier counts overrun the columns");
+        goto done;
+    }
+    for (Py_ssize_t j = c0; j < c_end; j++) {
+        if (workers[j] >= (uint64_t)n_maps) {
+            PyErr_SetString(PyExc_ValueError, "graft_new: a worker index is out of range");
+            goto done;
+        }
+    }
+
+    /* Nodes first (as the pure graft: a repeated key is found before any hash). */
+    Py_ssize_t i = a, c = c0;
+    NodeObject *last = NULL; /* the node of record i - 1 when it was created here */
+    for (; i < b; c += counts[i], i++) {
+        NodeObject *last_here = last;
+        last = NULL;
+        if (!new[i - a]) {
+            continue;
+        }
+        uint64_t key = keys[i];
+        Py_ssize_t slot;
+        if (map_find(nodes, key, &slot) >= 0) {
+            code = GRAFT_DUPLICATE_KEY;
+            break;
+        }
+        int64_t p = parents[i];
+        NodeObject *parent = NULL;
+        if (p >= 0) {
+            if (p >= n_keys) {
+                code = GRAFT_PARENT_GONE;
+                break;
+            }
+            parent = (p == i - 1 && last_here != NULL) ? last_here : node_at(nodes, keys[p]);
+            if (parent == NULL || parent->children == UINT32_MAX) {
+                code = GRAFT_PARENT_GONE;
+                break;
+            }
+        }
+        NodeObject *node = new_node();
+        if (node == NULL) {
+            goto failed;
+        }
+        node->parent = p >= 0 ? keys[p] : 0;
+        node->flags = p >= 0 ? F_PARENT : 0;
+        uint32_t n = counts[i];
+        uint64_t mask = 0;
+        int same = 1;
+        for (uint32_t k = 0; k < n; k++) {
+            mask |= bits[workers[c + k]];
+            same &= hashes[c + k] == hashes[c];
+        }
+        node->mask = mask;
+        if (n && same) {
+            node->u.ehash = hashes[c];
+            node->flags |= F_EHASH;
+        }
+        else if (n) {
+            PyObject *per = PyDict_New();
+            int status = per ? 0 : -1;
+            for (uint32_t k = 0; k < n && status == 0; k++) {
+                uint32_t w = workers[c + k];
+                PyObject *index = PyLong_FromLong(__builtin_ctzll(bits[w]));
+                PyObject *eh = PyLong_FromUnsignedLongLong(hashes[c + k]);
+                status = (index && eh) ? PyDict_SetItem(per, index, eh) : -1;
+                Py_XDECREF(index);
+                Py_XDECREF(eh);
+            }
+            if (status == 0) {
+                status = set_ehash(node, per);
+            }
+            Py_XDECREF(per);
+            if (status < 0) {
+                Py_DECREF(node);
+                goto failed;
+            }
+        }
+        if (map_insert_new(nodes, key, (uint64_t)(uintptr_t)node, slot) < 0) {
+            Py_DECREF(node);
+            goto failed;
+        }
+        if (parent != NULL) {
+            parent->children++;
+        }
+        last = node;
+    }
+    if (code != GRAFT_DONE) {
+        culprit = i;
+        undo_nodes(nodes, keys, new, a, i);
+        goto answer;
+    }
+
+    /* Then each carrier's engine hash into its rank's map; one already there refuses all. */
+    for (i = a, c = c0; i < b; i++) {
+        uint32_t n = counts[i];
+        if (!new[i - a]) {
+            c += n;
+            continue;
+        }
+        for (uint32_t k = 0; k < n; k++, c++) {
+            MapObject *m = maps[workers[c]];
+            Py_ssize_t slot;
+            if (map_find(m, hashes[c], &slot) >= 0) {
+                code = GRAFT_HASH_TAKEN;
+                break;
+            }
+            if (map_insert_new(m, hashes[c], keys[i], slot) < 0) {
+                code = -1;
+                break;
+            }
+        }
+        if (code != GRAFT_DONE) {
+            break;
+        }
+    }
+    if (code != GRAFT_DONE) {
+        /* Take back every hash inserted so far: up to carrier c of record i. */
+        Py_ssize_t stop = c;
+        for (Py_ssize_t r = a, cc = c0; r <= i && r < b; r++) {
+            uint32_t n = counts[r];
+            for (uint32_t k = 0; k < n && cc < stop; k++, cc++) {
+                if (!new[r - a]) {
+                    continue;
+                }
+                MapObject *m = maps[workers[cc]];
+                Py_ssize_t slot, ix = map_find(m, hashes[cc], &slot);
+                if (ix >= 0 && m->entries[ix].value == keys[r]) {
+                    map_delete_at(m, ix, slot);
+                }
+            }
+            if (cc >= stop) {
+                break;
+            }
+        }
+        undo_nodes(nodes, keys, new, a, b);
+        if (code < 0) {
+            goto done; /* out of memory, error set */
+        }
+        culprit = i;
+    }
+answer:
+    result = Py_BuildValue("(in)", code, culprit);
+    goto done;
+failed:
+    culprit = i;
+    {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        undo_nodes(nodes, keys, new, a, i);
+        PyErr_Restore(type, value, tb);
+    }
+done:
+    PyMem_Free(maps);
+    PyMem_Free(bits);
+    Column *cols[] = {&keys_c, &parents_c, &counts_c, &workers_c, &hashes_c, &new_c};
+    for (int k = 0; k < 6; k++) {
+        if (cols[k]->held) {
+            PyBuffer_Release(&cols[k]->view);
+        }
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"remove_run", (PyCFunction)(void (*)(void))py_remove_run, METH_FASTCALL,
      "remove_run(nodes, by_hash, hashes, start, index, device) -> (stop, found, dropped, "
@@ -1518,6 +1810,9 @@ static PyMethodDef methods[] = {
     {"place_run", (PyCFunction)(void (*)(void))py_place_run, METH_FASTCALL,
      "place_run(nodes, by_hash, keys, hashes, start, parent_key, index) -> (stop, added): "
      "cachetree.tree._place_run_py over a NodeMap and a HashMap."},
+    {"graft_new", (PyCFunction)(void (*)(void))py_graft_new, METH_FASTCALL,
+     "graft_new(nodes, maps, index_of, keys, parents, counts, workers, hashes, new, a, b, c0) "
+     "-> (code, record): SnapshotRestore's creation of new device-tier records."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -69,6 +69,10 @@ _get_tiers = attrgetter("tiers")
 _get_ehash = attrgetter("ehash")
 
 
+# `_tables.graft_new` outcomes
+_HASH_TAKEN, _DUPLICATE_KEY, _PARENT_GONE = 1, 2, 3
+
+
 class SnapshotError(ValueError):
     """A snapshot that cannot be restored. Nothing was changed."""
 
@@ -529,6 +533,13 @@ class SnapshotRestore:
             if not new_pairs.isdisjoint(held_pairs):
                 return False
         every = new.count(1) == len(new)
+        graft_new = self._tree._layout.graft_new
+        if (
+            graft_new is not None
+            and tiers.count(DEVICE) == len(tiers)
+            and all(st.index < 64 for st in ranks)
+        ):
+            return self._create_native(graft_new, a, b, c0, new, every, ranks)
         keys = list(snap.keys[a:b] if every else compress(snap.keys[a:b], new))
         if not every:  # leave out the records that are not new
             by_carrier = bytes(chain.from_iterable(map(repeat, new, counts)))
@@ -591,22 +602,51 @@ class SnapshotRestore:
                         del maps[w][engine_hash]
             _take_back(nodes, keys, placed, created)
             return False
-        if raw_tiers.count(DEVICE) == len(raw_tiers):
-            if len(ranks) < 256:  # one byte per carrier: counting is memchr-fast
-                by_worker = workers.tobytes()[:: workers.itemsize]
-                for w, st in enumerate(ranks):
-                    st.counts[0] += by_worker.count(w)
-            else:
-                for w, n_carried in Counter(workers).items():
-                    ranks[w].counts[0] += n_carried
-        else:
-            for w, st in enumerate(ranks):
-                rank_tiers = bytes(compress(raw_tiers, map(eq, workers, repeat(w))))
-                for bits in set(rank_tiers):
-                    _count(st.counts, bits, rank_tiers.count(bits))
+        _count_carriers(ranks, workers, raw_tiers)
         all_keys = self._snap.keys
         for parent, n_children in outside.items():
             nodes[all_keys[parent]].children += n_children
+        return True
+
+    def _create_native(
+        self,
+        graft_new: Callable[..., tuple[int, int]],
+        a: int,
+        b: int,
+        c0: int,
+        new: bytes,
+        every: bool,
+        ranks: list[_Rank],
+    ) -> bool:
+        """`_create` for a chunk of device-tier carriers on the compiled layout: the nodes
+        and the rank maps are filled by `_tables.graft_new`, with the same outcomes."""
+        snap = self._snap
+        code, record = graft_new(
+            self._tree._nodes,
+            [st.by_engine_hash for st in ranks],
+            [st.index for st in ranks],
+            snap.keys,
+            snap.parents,
+            snap.carrier_counts,
+            snap.carrier_workers,
+            snap.carrier_hashes,
+            new,
+            a,
+            b,
+            c0,
+        )
+        if code == _HASH_TAKEN:
+            return False
+        if code == _DUPLICATE_KEY:
+            raise SnapshotError(f"records {a}..{b - 1}: a key appears twice in the snapshot")
+        if code == _PARENT_GONE:
+            parent = snap.parents[record]
+            raise SnapshotError(f"record {parent}: the block left the tree during the graft")
+        counts = snap.carrier_counts[a:b]
+        workers = snap.carrier_workers[c0 : c0 + sum(counts)]
+        if not every:
+            workers = array("I", compress(workers, chain.from_iterable(map(repeat, new, counts))))
+        _count_carriers(ranks, workers, _DEVICE_BYTE * len(workers))
         return True
 
     def _chunk_links(
@@ -804,6 +844,24 @@ def _node_fields(
         masks[i] = mask
         fields[i] = values.pop() if len(values) == 1 else per or None
     return masks, fields
+
+
+def _count_carriers(ranks: list[_Rank], workers: array, raw_tiers: bytes) -> None:
+    """Add grafted carriers (table positions `workers`, tier bits `raw_tiers`) to the ranks'
+    per-tier counts."""
+    if raw_tiers.count(DEVICE) == len(raw_tiers):
+        if len(ranks) < 256:  # one byte per carrier: counting is memchr-fast
+            by_worker = workers.tobytes()[:: workers.itemsize]
+            for w, st in enumerate(ranks):
+                st.counts[0] += by_worker.count(w)
+        else:
+            for w, n_carried in Counter(workers).items():
+                ranks[w].counts[0] += n_carried
+    else:
+        for w, st in enumerate(ranks):
+            rank_tiers = bytes(compress(raw_tiers, map(eq, workers, repeat(w))))
+            for bits in set(rank_tiers):
+                _count(st.counts, bits, rank_tiers.count(bits))
 
 
 def _take_back(mapping: dict, keys: Sequence, got: list, given: Sequence) -> None:

@@ -103,6 +103,7 @@ class TreeLayout:
     hash_map: Callable[[], ByHash]
     place_run: Callable[..., tuple[int, int]]
     remove_run: Callable[..., tuple[int, int, int, int]]
+    graft_new: Callable[..., tuple[int, int]] | None = None  # snapshot.SnapshotRestore's C part
 
 
 @dataclass(slots=True)
@@ -699,7 +700,13 @@ COMPILED_LAYOUT: TreeLayout | None = (
     None
     if tables is None
     else TreeLayout(
-        "compiled", tables.Node, tables.NodeMap, tables.HashMap, tables.place_run, tables.remove_run
+        "compiled",
+        tables.Node,
+        tables.NodeMap,
+        tables.HashMap,
+        tables.place_run,
+        tables.remove_run,
+        tables.graft_new,
     )
 )
 DEFAULT_LAYOUT = COMPILED_LAYOUT or PURE_LAYOUT

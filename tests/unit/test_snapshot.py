@@ -1,5 +1,8 @@
+import dataclasses
 import random
 from array import array
+from bisect import bisect_right
+from itertools import accumulate
 
 import pytest
 
@@ -14,7 +17,7 @@ from cachetree.snapshot import (
     restore,
 )
 from cachetree.tiers import DEVICE, DISK, HOST
-from cachetree.tree import BlockTree
+from cachetree.tree import COMPILED_LAYOUT, PURE_LAYOUT, BlockTree, TreeLayout
 
 BS = 4
 A = RankId("http://a:8000", 0)
@@ -409,3 +412,113 @@ def test_a_tree_written_between_listing_chunks_is_refused() -> None:
     tree.store(A, None, [7777], list(range(900, 900 + BS)), BS)
     with pytest.raises(RuntimeError):
         job.list_step(3)
+
+
+# -- the compiled graft (`_tables.graft_new`) against the pure layout's ------------------------
+
+LAYOUTS = [PURE_LAYOUT] + ([COMPILED_LAYOUT] if COMPILED_LAYOUT is not None else [])
+
+
+def device_only(seed: int = 3, chains: int = 40) -> BlockTree:
+    """Shared prefixes on four ranks, device tier only; some blocks carried by two ranks under
+    different engine hashes, some under the same one: what the compiled graft takes."""
+    rng = random.Random(seed)
+    tree = BlockTree(BS)
+    ranks = [A, B, C, RankId("http://d:8000", 0)]
+    prefixes = [[rng.randrange(1, 500) for _ in range(BS * 2)] for _ in range(4)]
+    for c in range(chains):
+        tokens = rng.choice(prefixes) + [rng.randrange(1, 500) for _ in range(BS * 2)]
+        hashes = [1000 * c + i for i in range(len(tokens) // BS)]
+        tree.store(rng.choice(ranks), None, hashes, tokens, BS)
+        if c % 3 == 0:
+            other = [h + (0 if c % 2 else 500) for h in hashes]
+            tree.store(rng.choice(ranks), None, other, tokens, BS)
+    return tree
+
+
+def maps_of(tree: BlockTree) -> dict:
+    return {r: (dict(st.by_engine_hash.items()), st.counts) for r, st in tree._ranks.items()}
+
+
+def counted(layout: TreeLayout, codes: list[int]) -> TreeLayout:
+    if layout.graft_new is None:
+        return layout
+    native = layout.graft_new
+
+    def graft_new(*args: object) -> tuple[int, int]:
+        out = native(*args)
+        codes.append(out[0])
+        return out
+
+    return dataclasses.replace(layout, graft_new=graft_new)
+
+
+@pytest.mark.parametrize("budget", [1, 7, 1 << 20])
+def test_both_layouts_graft_a_device_tree_alike(budget: int) -> None:
+    source = device_only()
+    snap = export(source)
+    results = []
+    for layout in LAYOUTS:
+        codes: list[int] = []
+        tree = BlockTree(BS, counted(layout, codes))
+        tree.store(A, None, [7], list(range(900, 900 + BS)), BS)  # warm: one block of its own
+        prevalidated_graft(tree, snap, budget)
+        tree.recount()
+        results.append((canonical_view(tree), maps_of(tree)))
+        if layout is COMPILED_LAYOUT:
+            assert codes and set(codes) == {0}  # the compiled graft did the creating
+    assert all(r == results[0] for r in results)
+    assert len(results[0][0]) == len(source) + 1
+
+
+def test_a_repeated_key_is_refused_alike_with_the_tree_as_before_its_chunk() -> None:
+    snap = export(device_only())
+    keys = array("Q", snap.keys)
+    keys[9] = keys[4]
+    repeated = dataclasses.replace(snap, keys=keys)
+    views = []
+    for layout in LAYOUTS:
+        codes: list[int] = []
+        tree = BlockTree(BS, counted(layout, codes))
+        with pytest.raises(SnapshotError, match="appears twice"):
+            prevalidated_graft(tree, repeated, 6)  # records 0-5 placed, 6-11 refused
+        tree.recount()
+        views.append((canonical_view(tree), maps_of(tree)))
+        if layout is COMPILED_LAYOUT:
+            assert codes == [0, 2]
+    assert all(v == views[0] for v in views)
+    assert len(views[0][0]) == 6
+
+
+def test_an_engine_hash_the_rank_uses_elsewhere_goes_the_general_way_alike() -> None:
+    snap = export(device_only())
+    taken = snap.carrier_hashes[5]
+    rank = snap.workers[snap.carrier_workers[5]]
+    record = bisect_right(list(accumulate(snap.carrier_counts)), 5)  # the record of carrier 5
+    views = []
+    for layout in LAYOUTS:
+        codes: list[int] = []
+        tree = BlockTree(BS, counted(layout, codes))
+        tree.store(rank, None, [taken], list(range(900, 900 + BS)), BS)
+        prevalidated_graft(tree, snap, 1 << 20)
+        tree.recount()
+        views.append((canonical_view(tree), maps_of(tree)))
+        if layout is COMPILED_LAYOUT:
+            assert codes == [1]  # refused, nothing changed, then `_place` one by one
+    assert all(v == views[0] for v in views)
+    assert tree.key_of(rank, taken) == snap.keys[record]  # the newest placement wins
+
+
+def test_a_parent_that_left_between_chunks_is_refused_alike() -> None:
+    snap = Snapshot.from_records(
+        [A], [(None, 10, ((0, DEVICE, 100),)), (0, 11, ((0, DEVICE, 101),))]
+    )
+    for layout in LAYOUTS:
+        tree = BlockTree(BS, layout)
+        job = SnapshotRestore(tree, snap, prevalidated=True)
+        while 10 not in tree:
+            job.step(1)
+        assert tree.remove(A, [100]) == 1 and 10 not in tree
+        with pytest.raises(SnapshotError, match="record 0: the block left the tree"):
+            job.step(1)
+        assert len(tree) == 0 and tree.block_count(A) == 0
