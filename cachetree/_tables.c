@@ -1803,6 +1803,210 @@ done:
     return result;
 }
 
+
+/* ---- the export's walk (twin: cachetree/snapshot.py SnapshotExport._walk) ---------------- */
+
+typedef struct {
+    char *buf;
+    Py_ssize_t len, cap;
+} Bytes;
+
+static int
+put(Bytes *b, const void *data, Py_ssize_t n)
+{
+    if (b->len + n > b->cap) {
+        Py_ssize_t cap = b->cap ? b->cap * 2 : 4096;
+        while (cap < b->len + n) {
+            cap *= 2;
+        }
+        char *grown = PyMem_Realloc(b->buf, (size_t)cap);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        b->buf = grown;
+        b->cap = cap;
+    }
+    memcpy(b->buf + b->len, data, (size_t)n);
+    b->len += n;
+    return 0;
+}
+
+/* walk_chunk(nodes, keys, table, first, last_key) -> (parents, keys, counts, workers, tiers,
+ *   hashes, branches, last_key) | None
+ *
+ * The columns of a listed chunk (`nodes` a tuple of Nodes, `keys` their u64 keys) as bytes
+ * of the snapshot's array types, for the nodes still in the tree (a node that left has no
+ * carrier and no child). Record numbers start at `first`; a node whose parent is the record
+ * before it (`last_key` for the first) gets that record, a root -1, and any other parent
+ * first + j - 1 with (record, parent key) in `branches`, for the caller to resolve. `table`
+ * maps a rank index to its worker-table position. None when a node is not of the native
+ * shape (a mask past 64 ranks, a rank missing from `table`): the caller walks the chunk. */
+static PyObject *
+py_walk_chunk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyTuple_CheckExact(args[0]) || !PyList_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "walk_chunk(nodes: tuple, keys, table: list, first, last_key)");
+        return NULL;
+    }
+    PyObject *objs = args[0], *table_obj = args[2], *last_obj = args[4];
+    Py_ssize_t first = PyLong_AsSsize_t(args[3]);
+    if (first == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Column keys_c = {0};
+    if (column(args[1], &keys_c, 'Q', 8, "keys") < 0) {
+        if (keys_c.held) {
+            PyBuffer_Release(&keys_c.view);
+        }
+        return NULL;
+    }
+    const uint64_t *keys = keys_c.view.buf;
+    Py_ssize_t n = PyTuple_GET_SIZE(objs);
+    PyObject *result = NULL, *branches = NULL;
+    Bytes parents = {0}, out_keys = {0}, counts = {0}, workers = {0}, tiers = {0}, hashes = {0};
+    int32_t table[64];
+    Py_ssize_t n_table = PyList_GET_SIZE(table_obj);
+    if (keys_c.view.len / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "walk_chunk: nodes and keys differ in length");
+        goto done;
+    }
+    for (int i = 0; i < 64; i++) {
+        table[i] = -1;
+        if (i < n_table) {
+            long t = PyLong_AsLong(PyList_GET_ITEM(table_obj, i));
+            if (t == -1 && PyErr_Occurred()) {
+                goto done;
+            }
+            table[i] = t < 0 || t > INT32_MAX ? -1 : (int32_t)t;
+        }
+    }
+    uint64_t last = 0;
+    int has_last = 0;
+    if (last_obj != Py_None) {
+        if (!as_u64(last_obj, &last)) {
+            PyErr_SetString(PyExc_TypeError, "walk_chunk: last_key is a u64 key or None");
+            goto done;
+        }
+        has_last = 1;
+    }
+    branches = PyList_New(0);
+    if (branches == NULL) {
+        goto done;
+    }
+    Py_ssize_t record = first;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *obj = PyTuple_GET_ITEM(objs, j);
+        if (Py_TYPE(obj) != &NodeType) {
+            goto fallback;
+        }
+        NodeObject *node = (NodeObject *)obj;
+        if (!native_mask(node)) {
+            goto fallback;
+        }
+        uint64_t mask = node->mask;
+        if (mask == 0 && node->children == 0) {
+            continue; /* it has left the tree */
+        }
+        int64_t parent = record - 1;
+        if (!(node->flags & F_PARENT)) {
+            parent = -1;
+        }
+        else if (!has_last || node->parent != last) {
+            PyObject *pair = Py_BuildValue("(nK)", record, (unsigned long long)node->parent);
+            int status = pair ? PyList_Append(branches, pair) : -1;
+            Py_XDECREF(pair);
+            if (status < 0) {
+                goto done;
+            }
+        }
+        uint32_t count = (uint32_t)__builtin_popcountll(mask);
+        Extra *x = extra_of(node);
+        PyObject *tier_dict = x ? x->tiers : NULL;
+        PyObject *eh_obj = x ? x->ehash : NULL;
+        uint64_t shared = node->u.ehash;
+        int per_carrier = eh_obj != NULL && PyDict_CheckExact(eh_obj);
+        if (x != NULL && !per_carrier && count) {
+            if (eh_obj == NULL || !as_u64(eh_obj, &shared)) {
+                goto fallback;
+            }
+        }
+        else if (x == NULL && count && !(node->flags & F_EHASH)) {
+            goto fallback;
+        }
+        if (put(&parents, &parent, 8) < 0 || put(&out_keys, &keys[j], 8) < 0
+            || put(&counts, &count, 4) < 0) {
+            goto done;
+        }
+        for (uint64_t m = mask; m; m &= m - 1) {
+            int index = __builtin_ctzll(m);
+            if (table[index] < 0) {
+                goto fallback;
+            }
+            uint32_t w = (uint32_t)table[index];
+            uint8_t bits = 1; /* DEVICE */
+            uint64_t eh = shared;
+            if (tier_dict != NULL || per_carrier) {
+                PyObject *index_obj = PyLong_FromLong(index);
+                if (index_obj == NULL) {
+                    goto done;
+                }
+                PyObject *v = tier_dict ? PyDict_GetItemWithError(tier_dict, index_obj) : NULL;
+                uint64_t t;
+                if (v != NULL) {
+                    if (!as_u64(v, &t) || t > 255) {
+                        Py_DECREF(index_obj);
+                        goto fallback;
+                    }
+                    bits = (uint8_t)t;
+                }
+                PyObject *e = per_carrier && !PyErr_Occurred()
+                                  ? PyDict_GetItemWithError(eh_obj, index_obj)
+                                  : NULL;
+                Py_DECREF(index_obj);
+                if (PyErr_Occurred()) {
+                    goto done;
+                }
+                if (per_carrier && (e == NULL || !as_u64(e, &eh))) {
+                    goto fallback;
+                }
+            }
+            if (put(&workers, &w, 4) < 0 || put(&tiers, &bits, 1) < 0 || put(&hashes, &eh, 8) < 0) {
+                goto done;
+            }
+        }
+        last = keys[j];
+        has_last = 1;
+        record++;
+    }
+    {
+        PyObject *last_out = has_last ? PyLong_FromUnsignedLongLong(last) : Py_NewRef(last_obj);
+        if (last_out == NULL) {
+            goto done;
+        }
+        result = Py_BuildValue("(y#y#y#y#y#y#ON)", parents.buf ? parents.buf : "", parents.len,
+                               out_keys.buf ? out_keys.buf : "", out_keys.len,
+                               counts.buf ? counts.buf : "", counts.len,
+                               workers.buf ? workers.buf : "", workers.len,
+                               tiers.buf ? tiers.buf : "", tiers.len,
+                               hashes.buf ? hashes.buf : "", hashes.len, branches, last_out);
+    }
+    goto done;
+fallback:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(branches);
+    PyMem_Free(parents.buf);
+    PyMem_Free(out_keys.buf);
+    PyMem_Free(counts.buf);
+    PyMem_Free(workers.buf);
+    PyMem_Free(tiers.buf);
+    PyMem_Free(hashes.buf);
+    PyBuffer_Release(&keys_c.view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"remove_run", (PyCFunction)(void (*)(void))py_remove_run, METH_FASTCALL,
      "remove_run(nodes, by_hash, hashes, start, index, device) -> (stop, found, dropped, "
@@ -1813,6 +2017,9 @@ static PyMethodDef methods[] = {
     {"graft_new", (PyCFunction)(void (*)(void))py_graft_new, METH_FASTCALL,
      "graft_new(nodes, maps, index_of, keys, parents, counts, workers, hashes, new, a, b, c0) "
      "-> (code, record): SnapshotRestore's creation of new device-tier records."},
+    {"walk_chunk", (PyCFunction)(void (*)(void))py_walk_chunk, METH_FASTCALL,
+     "walk_chunk(nodes, keys, table, first, last_key) -> columns as bytes, branches, last key "
+     "| None: SnapshotExport's walk of one listed chunk."},
     {NULL, NULL, 0, NULL},
 };
 

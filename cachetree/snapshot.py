@@ -217,6 +217,9 @@ class SnapshotExport:
             self._pos = b
         objs: Sequence[Node] = chunk_objs[a:b]
         keys = chunk_keys[a:b]
+        walk_chunk = self._tree._layout.walk_chunk
+        if walk_chunk is not None and self._walk_native(walk_chunk, objs, keys):
+            return
         masks = list(map(_get_mask, objs))
         if 0 in masks:
             # Carrier-less: structure above carriers, or a node that has left the tree.
@@ -277,6 +280,28 @@ class SnapshotExport:
             values = map(call, getters, compress(hashes, per_carrier))
             deque(map(per_node.__setitem__, where, values), maxlen=0)
             snap.carrier_hashes.extend(chain.from_iterable(per_node))
+
+    def _walk_native(
+        self, walk_chunk: Callable[..., tuple | None], objs: Sequence[Node], keys: array
+    ) -> bool:
+        """`_walk`'s columns from `_tables.walk_chunk` (the compiled layout); False, having
+        changed nothing, for a chunk it leaves to the Python walk (masks past 64 ranks)."""
+        tree, snap = self._tree, self._snap
+        table = [-1 if st is None else self._table_index(st.rank) for st in tree._by_index]
+        last = None if self._last_key is _NO_KEY else self._last_key
+        out = walk_chunk(objs, keys, table, len(snap.keys), last)
+        if out is None:
+            return False
+        parents, node_keys, counts, workers, tiers, hashes, branches, last = out
+        snap.parents.frombytes(parents)
+        snap.keys.frombytes(node_keys)
+        snap.carrier_counts.frombytes(counts)
+        snap.carrier_workers.frombytes(workers)
+        snap.carrier_tiers.frombytes(tiers)
+        snap.carrier_hashes.frombytes(hashes)
+        self._branches.extend(branches)
+        self._last_key = _NO_KEY if last is None else last
+        return True
 
     def _resolve(self, budget: int) -> None:
         """Find the branches' parents among the records, `budget` records per step."""

@@ -103,7 +103,9 @@ class TreeLayout:
     hash_map: Callable[[], ByHash]
     place_run: Callable[..., tuple[int, int]]
     remove_run: Callable[..., tuple[int, int, int, int]]
-    graft_new: Callable[..., tuple[int, int]] | None = None  # snapshot.SnapshotRestore's C part
+    # snapshot.py's C parts: SnapshotRestore's creation of records, SnapshotExport's walk
+    graft_new: Callable[..., tuple[int, int]] | None = None
+    walk_chunk: Callable[..., tuple | None] | None = None
 
 
 @dataclass(slots=True)
@@ -707,6 +709,7 @@ COMPILED_LAYOUT: TreeLayout | None = (
         tables.place_run,
         tables.remove_run,
         tables.graft_new,
+        tables.walk_chunk,
     )
 )
 DEFAULT_LAYOUT = COMPILED_LAYOUT or PURE_LAYOUT

@@ -25,10 +25,10 @@ B = RankId("http://b:8000", 0)
 C = RankId("http://c:8000", 1)
 
 
-def populated(seed: int = 7, chains: int = 60) -> BlockTree:
+def populated(seed: int = 7, chains: int = 60, layout: TreeLayout | None = None) -> BlockTree:
     """A tree with shared prefixes, several ranks, mixed tiers and a few removals."""
     rng = random.Random(seed)
-    tree = BlockTree(BS)
+    tree = BlockTree(BS, layout)
     prefixes = [[rng.randrange(1, 500) for _ in range(BS * 3)] for _ in range(5)]
     next_hash = 1
     for _ in range(chains):
@@ -522,3 +522,90 @@ def test_a_parent_that_left_between_chunks_is_refused_alike() -> None:
         with pytest.raises(SnapshotError, match="record 0: the block left the tree"):
             job.step(1)
         assert len(tree) == 0 and tree.block_count(A) == 0
+
+
+def many_ranks(seed: int, n_ranks: int, layout: TreeLayout) -> BlockTree:
+    """Shared prefixes over `n_ranks` ranks (70: rank indices past one machine word), carriers
+    agreeing and disagreeing on engine hashes, other tiers, removals and rank clears."""
+    rng = random.Random(seed)
+    tree = BlockTree(BS, layout)
+    ranks = [RankId(f"http://w{i}:8000", i % 3) for i in range(n_ranks)]
+    prefixes = [[rng.randrange(1, 300) for _ in range(BS * 2)] for _ in range(6)]
+    for c in range(400):
+        tokens = rng.choice(prefixes) + [rng.randrange(1, 300) for _ in range(BS * 2)]
+        hashes = [10_000 * c + i for i in range(len(tokens) // BS)]
+        if rng.random() < 0.3:
+            hashes = [h % 997 for h in hashes]  # shared by other chains and ranks
+        tier = rng.choice([DEVICE] * 6 + [HOST, DISK | DEVICE])
+        rank = rng.choice(ranks)
+        tree.store(rank, None, hashes, tokens, BS, tier=tier)
+        if rng.random() < 0.2:
+            tree.remove(rank, hashes[-2:], rng.choice([None, HOST]))
+        if rng.random() < 0.02:
+            tree.clear_rank(rng.choice(ranks))
+    return tree
+
+
+def columns(snap: Snapshot) -> tuple:
+    return (
+        snap.workers,
+        *(
+            list(c)
+            for c in (
+                snap.parents,
+                snap.keys,
+                snap.carrier_counts,
+                snap.carrier_workers,
+                snap.carrier_tiers,
+                snap.carrier_hashes,
+            )
+        ),
+    )
+
+
+@pytest.mark.skipif(COMPILED_LAYOUT is None, reason="the compiled accelerator is not built")
+@pytest.mark.parametrize("n_ranks", [3, 70])
+@pytest.mark.parametrize("seed", range(6))
+def test_both_layouts_export_the_same_columns(seed: int, n_ranks: int) -> None:
+    assert COMPILED_LAYOUT is not None
+    walked: list = []
+    native = COMPILED_LAYOUT.walk_chunk
+    assert native is not None
+
+    def walk_chunk(*args: object) -> tuple | None:
+        out = native(*args)
+        walked.append(out is not None)
+        return out
+
+    compiled = dataclasses.replace(COMPILED_LAYOUT, walk_chunk=walk_chunk)
+    for budget in (3, 1 << 20):
+        trees = [many_ranks(seed, n_ranks, layout) for layout in (compiled, PURE_LAYOUT)]
+        snaps = []
+        for tree in trees:
+            job = SnapshotExport(tree)
+            while not job.step(budget):
+                pass
+            snaps.append(columns(job.result()))
+        assert snaps[0] == snaps[1]
+    if n_ranks == 3:
+        assert all(walked)  # every chunk walked in C
+    else:
+        assert not all(walked)  # masks past 64 ranks: those chunks walked in Python
+
+
+@pytest.mark.skipif(COMPILED_LAYOUT is None, reason="the compiled accelerator is not built")
+def test_both_layouts_skip_alike_what_left_the_tree_between_chunks() -> None:
+    snaps = []
+    for layout in (COMPILED_LAYOUT, PURE_LAYOUT):
+        assert layout is not None
+        tree = many_ranks(1, 3, layout)
+        job = SnapshotExport(tree)
+        while not job.list_step(1 << 20):
+            pass
+        job.step(20)
+        for rank in tree.ranks()[:1]:
+            tree.clear_rank(rank)
+        while not job.step(20):
+            pass
+        snaps.append(columns(job.result()))
+    assert snaps[0] == snaps[1]
