@@ -626,9 +626,3 @@ async def test_an_expired_export_is_released_to_the_os_once_dropped() -> None:
     assert producer.expire()
     assert released == [True]  # after the export was dropped, once
     assert not producer.expire() and released == [True]
-
-
-def test_heap_trim_answers_on_this_platform() -> None:
-    from router import heap
-
-    assert heap.trim() in (True, False)
