@@ -597,13 +597,13 @@ map_find(const MapObject *m, uint64_t key, Py_ssize_t *slot)
     }
 }
 
-/* Rebuild with room for half as many entries again as are live: dead entries and dummies
- * go, the table grows or shrinks. */
+/* Rebuild with room for `room` entries: dead entries and dummies go, the table grows or
+ * shrinks. */
 static int
-map_rebuild(MapObject *m)
+map_rebuild_for(MapObject *m, Py_ssize_t room)
 {
     Py_ssize_t size = MIN_SIZE;
-    while (size * 2 / 3 <= m->used + m->used / 2 + 1) {
+    while (size * 2 / 3 <= room) {
         if (size >= MAX_SIZE) {
             PyErr_SetString(PyExc_MemoryError, "map past 2**31 slots");
             return -1;
@@ -638,6 +638,13 @@ map_rebuild(MapObject *m)
     PyMem_RawFree(old.entries);
     PyMem_RawFree(old.live);
     return 0;
+}
+
+/* The rebuild when the entries run out: room for half as many again as are live. */
+static int
+map_rebuild(MapObject *m)
+{
+    return map_rebuild_for(m, m->used + m->used / 2 + 1);
 }
 
 /* Insert a key known to be absent (`slot` from map_find); the value is stolen on success. */
@@ -946,6 +953,30 @@ map_clear(MapObject *m, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* reserve(n): room for n entries in all without another rebuild. A graft knows how many
+ * nodes it brings: rebuilding once up front, while the map is small, replaces the rebuilds a
+ * growing map makes on the way, the last of which copies millions of entries in one call. */
+static PyObject *
+map_reserve(MapObject *m, PyObject *arg)
+{
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (n < 0 || n >= MAX_SIZE / 3 * 2) {
+        PyErr_Format(PyExc_ValueError, "reserve(%zd): out of range", n);
+        return NULL;
+    }
+    if (ensure_table(m) < 0) {
+        return NULL;
+    }
+    if (n > m->usable - (m->filled > m->n_entries ? m->filled : m->n_entries) + m->used
+        && map_rebuild_for(m, n) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 map_sizeof(MapObject *m, PyObject *unused)
 {
@@ -1079,6 +1110,8 @@ static PyMethodDef map_methods[] = {
     {"pop", (PyCFunction)(void (*)(void))map_pop, METH_FASTCALL, "pop(key[, default])"},
     {"popitem", (PyCFunction)map_popitem, METH_NOARGS, "the newest (key, value), removed"},
     {"clear", (PyCFunction)map_clear, METH_NOARGS, "remove every entry"},
+    {"reserve", (PyCFunction)map_reserve, METH_O,
+     "reserve(n): room for n entries in all, rebuilding (once) now if need be"},
     {"keys", (PyCFunction)map_keys, METH_NOARGS, "an iterator over the keys, oldest first"},
     {"values", (PyCFunction)map_values, METH_NOARGS, "an iterator over the values"},
     {"items", (PyCFunction)map_items, METH_NOARGS, "an iterator over (key, value) pairs"},

@@ -505,6 +505,8 @@ class SnapshotRestore:
         c0 = self._carrier_pos
         c1 = c0 + sum(counts[a:b])
         ranks = [tree._ranks.get(rank) or tree._add_rank(rank) for rank in self._workers]
+        if a == 0:
+            self._reserve(ranks)
         kept = self._keep[a:b]
         if self._any_present:
             # Held now, not at validation: a block another rank's stale engine hash had
@@ -525,6 +527,21 @@ class SnapshotRestore:
         self._pos = b
         self._carrier_pos = c1
         self.applied += new.count(1) + held.count(1)
+
+    def _reserve(self, ranks: list[_Rank]) -> None:
+        """Make room in the compiled tables for what the graft brings, once, before its first
+        chunk, so they do not rebuild (copy millions of entries in one call) on the way. A
+        dict cannot be presized; and a tree already bigger than the snapshot is left as is
+        (reserving would copy it now, for a graft that may add little)."""
+        nodes, snap = self._tree._nodes, self._snap
+        reserve = getattr(nodes, "reserve", None)
+        if reserve is None or len(nodes) >= len(snap):
+            return
+        reserve(len(nodes) + len(snap))
+        if len(ranks) < 256:  # one byte per carrier: counting is memchr-fast
+            by_worker = snap.carrier_workers.tobytes()[:: snap.carrier_workers.itemsize]
+            for w, st in enumerate(ranks):
+                st.by_engine_hash.reserve(len(st.by_engine_hash) + by_worker.count(w))  # type: ignore[attr-defined]
 
     def _create(
         self, a: int, b: int, c0: int, c1: int, new: bytes, held: bytes, ranks: list[_Rank]

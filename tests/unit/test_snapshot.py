@@ -609,3 +609,16 @@ def test_both_layouts_skip_alike_what_left_the_tree_between_chunks() -> None:
             pass
         snaps.append(columns(job.result()))
     assert snaps[0] == snaps[1]
+
+
+@pytest.mark.skipif(COMPILED_LAYOUT is None, reason="the compiled accelerator is not built")
+def test_a_graft_sizes_the_compiled_tables_once_before_its_first_chunk() -> None:
+    snap = export(device_only(chains=400))
+    tree = BlockTree(BS, COMPILED_LAYOUT)
+    job = SnapshotRestore(tree, snap, prevalidated=True)
+    while not len(tree):  # validation steps, then the first graft step
+        job.step(8)
+    sizes = [tree._nodes.__sizeof__()]
+    while not job.step(8):
+        sizes.append(tree._nodes.__sizeof__())
+    assert set(sizes) == {sizes[0]} and len(tree) == len(snap)  # no rebuild after the first

@@ -180,3 +180,20 @@ def test_a_node_refuses_values_it_cannot_mean() -> None:
     with pytest.raises(TypeError, match="missing"):
         tables.Node(None, 1)
     assert node == tables.Node(None, 1, 0)  # nothing half-applied
+
+
+def test_reserve_makes_room_once_and_keeps_what_the_map_holds() -> None:
+    m = tables.HashMap()
+    for k in range(100):
+        m[k] = k + 1
+    del m[5]
+    m.reserve(100_000)
+    reserved = m.__sizeof__()
+    assert list(m.items()) == [(k, k + 1) for k in range(100) if k != 5]
+    for k in range(1000, 100_900):
+        m[k] = 0
+    assert m.__sizeof__() == reserved  # no rebuild on the way
+    m.reserve(10)  # already room: nothing moves
+    assert m.__sizeof__() == reserved
+    with pytest.raises(ValueError, match="out of range"):
+        m.reserve(-1)
