@@ -2040,6 +2040,80 @@ done:
     return result;
 }
 
+
+/* ---- a prompt's path (twin: the lookups and masks of cachetree/tree.py prefix_depths) ---- */
+
+/* path_masks(nodes, keys) -> (masks, tiered) | None
+ *
+ * The masks of the nodes of `keys`' leading blocks the tree holds, up to the first it lacks,
+ * and whether any of them has carriers off the device tier alone (then the caller reads
+ * those nodes' tiers). A run of equal masks shares one int. None when a node is not of the
+ * native shape: the caller does the lookups itself. */
+static PyObject *
+py_path_masks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || Py_TYPE(args[0]) != &NodeMapType) {
+        PyErr_SetString(PyExc_TypeError, "path_masks(nodes: NodeMap, keys)");
+        return NULL;
+    }
+    MapObject *nodes = (MapObject *)args[0];
+    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
+    if (seq == NULL) {
+        return NULL;
+    }
+    PyObject **keys = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *masks = PyList_New(0), *last = NULL, *result = NULL;
+    uint64_t last_mask = 0;
+    int tiered = 0;
+    if (masks == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n && nodes->slots != NULL; i++) {
+        uint64_t key;
+        if (!as_u64(keys[i], &key)) {
+            break; /* held by no NodeMap */
+        }
+        Py_ssize_t slot, ix = map_find(nodes, key, &slot);
+        if (ix < 0) {
+            break;
+        }
+        PyObject *obj = (PyObject *)(uintptr_t)nodes->entries[ix].value;
+        if (Py_TYPE(obj) != &NodeType) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        NodeObject *node = (NodeObject *)obj;
+        tiered |= node_tiers(node) != NULL;
+        PyObject *mask;
+        if (!native_mask(node)) {
+            mask = Py_NewRef(extra_of(node)->mask);
+        }
+        else if (last != NULL && node->mask == last_mask) {
+            mask = Py_NewRef(last);
+        }
+        else {
+            mask = PyLong_FromUnsignedLongLong(node->mask);
+            if (mask == NULL) {
+                goto done;
+            }
+            Py_XSETREF(last, Py_NewRef(mask));
+            last_mask = node->mask;
+        }
+        int status = PyList_Append(masks, mask);
+        Py_DECREF(mask);
+        if (status < 0) {
+            goto done;
+        }
+    }
+    result = Py_BuildValue("(OO)", masks, tiered ? Py_True : Py_False);
+done:
+    Py_XDECREF(last);
+    Py_XDECREF(masks);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"remove_run", (PyCFunction)(void (*)(void))py_remove_run, METH_FASTCALL,
      "remove_run(nodes, by_hash, hashes, start, index, device) -> (stop, found, dropped, "
@@ -2050,6 +2124,8 @@ static PyMethodDef methods[] = {
     {"graft_new", (PyCFunction)(void (*)(void))py_graft_new, METH_FASTCALL,
      "graft_new(nodes, maps, index_of, keys, parents, counts, workers, hashes, new, a, b, c0) "
      "-> (code, record): SnapshotRestore's creation of new device-tier records."},
+    {"path_masks", (PyCFunction)(void (*)(void))py_path_masks, METH_FASTCALL,
+     "path_masks(nodes, keys) -> (masks, tiered) | None: the lookups of prefix_depths."},
     {"walk_chunk", (PyCFunction)(void (*)(void))py_walk_chunk, METH_FASTCALL,
      "walk_chunk(nodes, keys, table, first, last_key) -> columns as bytes, branches, last key "
      "| None: SnapshotExport's walk of one listed chunk."},

@@ -106,6 +106,7 @@ class TreeLayout:
     # snapshot.py's C parts: SnapshotRestore's creation of records, SnapshotExport's walk
     graft_new: Callable[..., tuple[int, int]] | None = None
     walk_chunk: Callable[..., tuple | None] | None = None
+    path_masks: Callable[..., tuple[list[int], bool] | None] | None = None  # prefix_depths'
 
 
 @dataclass(slots=True)
@@ -280,14 +281,24 @@ class BlockTree:
         running AND) rather than a Python loop per block, which is what keeps a 125-block
         prompt cheap.
         """
-        found = list(map(self._nodes.get, keys))
-        # A block's parent always exists, so the hits form a prefix of the lookups.
-        if found and found[-1] is None:
-            del found[found.index(None) :]
-        if not found:
+        path = self._layout.path_masks
+        walked = None if path is None else path(self._nodes, keys)
+        found: list[Node] | None = None
+        if walked is None:
+            found = list(map(self._nodes.get, keys))
+            # A block's parent always exists, so the hits form a prefix of the lookups.
+            if found and found[-1] is None:
+                del found[found.index(None) :]
+            masks = list(map(_get_mask, found))
+            tiered = any(map(_get_tiers, found))
+        else:  # the compiled tables: lookups and masks in one C pass
+            masks, tiered = walked
+        if not masks:
             return PrefixDepths([], [], self._by_index)
-        any_runs = _runs(list(accumulate(map(_get_mask, found), and_)))
-        if any(map(_get_tiers, found)):
+        any_runs = _runs(list(accumulate(masks, and_)))
+        if tiered:
+            if found is None:
+                found = list(map(self._nodes.__getitem__, keys[: len(masks)]))
             device_masks = [
                 n.mask if n.tiers is None else n.mask & ~_off_device_mask(n.tiers) for n in found
             ]
@@ -710,6 +721,7 @@ COMPILED_LAYOUT: TreeLayout | None = (
         tables.remove_run,
         tables.graft_new,
         tables.walk_chunk,
+        tables.path_masks,
     )
 )
 DEFAULT_LAYOUT = COMPILED_LAYOUT or PURE_LAYOUT

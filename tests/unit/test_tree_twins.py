@@ -25,6 +25,8 @@ from cachetree.tree import COMPILED_LAYOUT, PURE_LAYOUT, BlockTree, TreeLayout
 tables = pytest.importorskip(
     "cachetree._tables", reason="the compiled accelerator is not built (pip install -e .)"
 )
+if COMPILED_LAYOUT is None:
+    pytest.skip("KVROUTER_NO_EXTENSIONS: the tree runs on the pure layout", allow_module_level=True)
 
 BS = 2
 
@@ -121,3 +123,47 @@ def test_the_runs_refuse_tables_of_the_other_layout() -> None:
         tables.place_run({}, {}, [1], [2], 0, None, 0)
     with pytest.raises(TypeError, match="NodeMap"):
         tables.remove_run(tables.NodeMap(), {}, [2], 0, 0, True)
+
+
+def paths(tree: BlockTree, rng: random.Random, n: int) -> list[list[int]]:
+    """Root-to-node key paths of `n` random nodes, some with a block the tree lacks after."""
+    keys = list(tree._nodes)
+    out = []
+    for key in rng.sample(keys, min(n, len(keys))):
+        path = [key]
+        while (parent := tree._nodes[path[-1]].parent) is not None:
+            path.append(parent)
+        path.reverse()
+        if rng.random() < 0.5:
+            path.append(2**64 - 1 - rng.randrange(1000))
+        out.append(path)
+    return out
+
+
+@pytest.mark.parametrize("n_ranks", [3, 70])
+@pytest.mark.parametrize("seed", range(6))
+def test_prefix_depths_answer_alike_on_both_layouts(seed: int, n_ranks: int) -> None:
+    trees = []
+    for layout in (compiled_with(), PURE_LAYOUT):
+        rng = random.Random(seed)
+        tree = BlockTree(BS, layout)
+        ranks = [RankId(f"http://w{i}:8000", 0) for i in range(n_ranks)]
+        for c in range(300):
+            tokens = [rng.randrange(1, 4) for _ in range(BS * rng.randint(1, 6))]
+            tier = rng.choice([DEVICE] * 6 + [HOST, DISK | DEVICE])
+            tree.store(
+                rng.choice(ranks),
+                None,
+                [c * 10 + i for i in range(len(tokens) // BS)],
+                tokens,
+                BS,
+                tier,
+            )
+        trees.append(tree)
+    for path in paths(trees[1], random.Random(seed), 60):
+        answers = [
+            (d.any_tier, d.device, d.depth_runs(), d.depth_runs(device=True))
+            for d in (tree.prefix_depths(path) for tree in trees)
+        ]
+        assert answers[0] == answers[1]
+        assert trees[0].match(path) == trees[1].match(path)
