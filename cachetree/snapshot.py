@@ -16,7 +16,10 @@ an event loop can yield between chunks of a million-block tree, and both work a 
 time with C-level passes (`map`, `compress`, `zip` into `dict.update`/`setdefault`, bytes
 operations), so a node costs no Python statement in the common case: one or two carriers on
 the device tier. At a million nodes a walk or a graft is a few dozen passes, not a million
-trips through the interpreter.
+trips through the interpreter. On the compiled layout (`cachetree.tree.TreeLayout`) the
+walk of a listed chunk, the creation of a chunk's new device-tier records and the sizing of
+the tables before a graft run in `cachetree._tables` (`walk_chunk`, `graft_new`, `reserve`):
+the same columns and the same tree, held equal to the pure layout by tests/unit/test_snapshot.py.
 
 Consistency: a chunked export is not one instant. A node pruned between chunks is skipped
 with the subtree below it, a node added after the export began is not included. A consumer
