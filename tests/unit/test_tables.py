@@ -197,3 +197,38 @@ def test_reserve_makes_room_once_and_keeps_what_the_map_holds() -> None:
     assert m.__sizeof__() == reserved
     with pytest.raises(ValueError, match="out of range"):
         m.reserve(-1)
+
+
+def test_the_graft_refuses_columns_that_disagree_and_changes_nothing() -> None:
+    from array import array
+
+    nodes, ranks = tables.NodeMap(), [tables.HashMap()]
+    keys, parents = array("Q", [10, 11]), array("q", [-1, 0])
+    counts, workers, hashes = array("I", [1, 1]), array("I", [0, 0]), array("Q", [5, 6])
+    new = b"\x01\x01"
+    bad = [
+        (array("I", [1, 3]), workers, hashes, new, 0, 2, "overrun"),  # counts past the carriers
+        (counts, array("I", [0, 1]), hashes, new, 0, 2, "out of range"),  # no such worker
+        (counts, workers, hashes, b"\x01", 0, 2, "disagree"),  # one flag for two records
+        (counts, workers, hashes, new, 1, 3, "disagree"),  # a range past the records
+        (counts, workers, array("q", [5, 6]), new, 0, 2, "array"),  # signed hashes
+    ]
+    for c, w, h, n, a, b, reason in bad:
+        with pytest.raises((ValueError, TypeError), match=reason):
+            tables.graft_new(nodes, ranks, [0], keys, parents, c, w, h, n, a, b, 0)
+        assert len(nodes) == 0 and len(ranks[0]) == 0
+    with pytest.raises(ValueError, match="rank indices"):
+        tables.graft_new(nodes, ranks, [64], keys, parents, counts, workers, hashes, new, 0, 2, 0)
+    done = tables.graft_new(nodes, ranks, [0], keys, parents, counts, workers, hashes, new, 0, 2, 0)
+    assert done == (0, -1)
+    assert len(nodes) == 2 and dict(ranks[0].items()) == {5: 10, 6: 11}
+
+
+def test_the_walk_refuses_nodes_and_keys_that_disagree() -> None:
+    from array import array
+
+    node = tables.Node(None, 1, 0, None, 5)
+    with pytest.raises(ValueError, match="differ in length"):
+        tables.walk_chunk((node, node), array("Q", [1]), [0], 0, None)
+    with pytest.raises(TypeError, match="array"):
+        tables.walk_chunk((node,), array("q", [1]), [0], 0, None)
