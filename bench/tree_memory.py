@@ -1,0 +1,107 @@
+"""The block index's resident memory per block, in bench/scale.py's shape, without a replica.
+
+Run: .venv/bin/python -m bench.tree_memory [--sizes 1000000,3000000] [--pure]
+
+Each size is built in a fresh child process (`BlockTree.store`, chains of 8 blocks of 16
+tokens on 64 ranks, one chain in four stored by a second rank too under its own engine hashes:
+1.25 (rank, block) pairs a block) and reports VmRSS after the build minus VmRSS before it, per
+block. `--pure` sets KVROUTER_NO_EXTENSIONS=1 in the child (the pure-Python layout). Prints
+figures; asserts nothing. RSS, not tracemalloc: the allocator's rounding and the tables'
+spare slots are part of what a pod pays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cachetree.accel import IMPLEMENTATION
+from cachetree.ranks import RankId
+from cachetree.tree import BlockTree
+
+BLOCK = 16
+CHAIN = 8
+RANKS = 64
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise LookupError("VmRSS")
+
+
+def build_tree(n_blocks: int) -> BlockTree:
+    """The scale benchmark's fill (bench/scale.py fill_batches), applied to a bare tree."""
+    ranks = [RankId(f"http://10.0.{i // 16}.1:8000", i % 16) for i in range(RANKS)]
+    filler = [3 + (i * 7919) % 50_000 for i in range(BLOCK * CHAIN)]
+    engine_hash = [1] * RANKS
+    tree = BlockTree(BLOCK)
+    for c in range(n_blocks // CHAIN):
+        tokens = [3 + (c & 0xFFFF), 3 + (c >> 16), *filler[2:]]
+        for r in (c % RANKS, (c + 1) % RANKS) if c % 4 == 0 else (c % RANKS,):
+            first = engine_hash[r]
+            engine_hash[r] += CHAIN
+            tree.store(ranks[r], None, range(first, first + CHAIN), tokens, BLOCK)
+    return tree
+
+
+def build(n_blocks: int) -> dict[str, float]:
+    gc.collect()
+    before = _rss()
+    start = time.process_time()
+    tree = build_tree(n_blocks)
+    cpu = time.process_time() - start
+    gc.collect()
+    after = _rss()
+    return {
+        "implementation": IMPLEMENTATION,
+        "blocks": len(tree),
+        "pairs": tree.carried_blocks,
+        "rss_mib": (after - before) / 2**20,
+        "bytes_per_block": (after - before) / len(tree),
+        "build_us_per_block": cpu / len(tree) * 1e6,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1000000,3000000")
+    parser.add_argument("--pure", action="store_true")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(build(args.child)))
+        return
+    env = dict(os.environ)
+    if args.pure:
+        env["KVROUTER_NO_EXTENSIONS"] = "1"
+    for size in map(int, args.sizes.split(",")):
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.tree_memory", "--child", str(size)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
+            cwd=Path(__file__).resolve().parents[1],
+        ).stdout
+        row = json.loads(out)
+        print(
+            f"{row['implementation']:>8} {row['blocks']:>10,} blocks {row['pairs']:>10,} pairs"
+            f"  RSS +{row['rss_mib']:,.0f} MiB = {row['bytes_per_block']:.0f} B/block"
+            f"  build {row['build_us_per_block']:.2f} us/block",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
