@@ -14,17 +14,15 @@ shared machine do not count) and checks the grafted tree holds as many nodes and
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.fresh_process import per_size_main
 
 STEP = 1 << 16
 
@@ -110,37 +108,18 @@ def stages(n_blocks: int) -> dict[str, Any]:
     return out
 
 
+def describe(row: dict[str, Any]) -> str:
+    parts = [f"{k} {v:.2f}" for k, v in row.items() if isinstance(v, float)]
+    total = sum(v for v in row.values() if isinstance(v, float))
+    return (
+        f"{row['implementation']:>8} {row['blocks']:>10,} blocks, CPU s: "
+        + ", ".join(parts)
+        + f"; total {total:.2f}"
+    )
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1000000")
-    parser.add_argument("--pure", action="store_true")
-    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(stages(args.child)))
-        return
-    env = dict(os.environ)
-    if args.pure:
-        env["KVROUTER_NO_EXTENSIONS"] = "1"
-    for size in map(int, args.sizes.split(",")):
-        row = json.loads(
-            subprocess.run(
-                [sys.executable, "-m", "bench.bootstrap_stages", "--child", str(size)],
-                capture_output=True,
-                text=True,
-                check=True,
-                env=env,
-                cwd=Path(__file__).resolve().parents[1],
-            ).stdout
-        )
-        parts = [f"{k} {v:.2f}" for k, v in row.items() if isinstance(v, float)]
-        total = sum(v for v in row.values() if isinstance(v, float))
-        print(
-            f"{row['implementation']:>8} {row['blocks']:>10,} blocks, CPU s: "
-            + ", ".join(parts)
-            + f"; total {total:.2f}",
-            flush=True,
-        )
+    per_size_main("bench.bootstrap_stages", __doc__ or "", "1000000", stages, describe)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -496,7 +497,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         try:
                             row = await one_size(code, label, fleet, blocks, workdir, extra)
                         except Exception as exc:  # a failed size must not hide the others
-                            progress(f"{label} at {blocks:,}: FAILED {exc!r}")
+                            where = traceback.extract_tb(exc.__traceback__)[-1]
+                            progress(
+                                f"{label} at {blocks:,}: FAILED {exc!r} at "
+                                f"{where.filename}:{where.lineno} (logs in {workdir})"
+                            )
                             continue
                         rows.append(row)
                         print(row_line(row), flush=True)
@@ -648,6 +653,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.sizes = QUICK_SIZES
+    if args.workdir:  # the replicas' logs go there: a missing folder failed every size
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     asyncio.run(main_async(args))
 
 

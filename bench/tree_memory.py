@@ -12,17 +12,15 @@ spare slots are part of what a pod pays.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.fresh_process import per_size_main
 from cachetree.accel import IMPLEMENTATION
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
@@ -73,34 +71,16 @@ def build(n_blocks: int) -> dict[str, float]:
     }
 
 
+def describe(row: dict[str, Any]) -> str:
+    return (
+        f"{row['implementation']:>8} {row['blocks']:>10,} blocks {row['pairs']:>10,} pairs"
+        f"  RSS +{row['rss_mib']:,.0f} MiB = {row['bytes_per_block']:.0f} B/block"
+        f"  build {row['build_us_per_block']:.2f} us/block"
+    )
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1000000,3000000")
-    parser.add_argument("--pure", action="store_true")
-    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(build(args.child)))
-        return
-    env = dict(os.environ)
-    if args.pure:
-        env["KVROUTER_NO_EXTENSIONS"] = "1"
-    for size in map(int, args.sizes.split(",")):
-        out = subprocess.run(
-            [sys.executable, "-m", "bench.tree_memory", "--child", str(size)],
-            capture_output=True,
-            text=True,
-            check=True,
-            env=env,
-            cwd=Path(__file__).resolve().parents[1],
-        ).stdout
-        row = json.loads(out)
-        print(
-            f"{row['implementation']:>8} {row['blocks']:>10,} blocks {row['pairs']:>10,} pairs"
-            f"  RSS +{row['rss_mib']:,.0f} MiB = {row['bytes_per_block']:.0f} B/block"
-            f"  build {row['build_us_per_block']:.2f} us/block",
-            flush=True,
-        )
+    per_size_main("bench.tree_memory", __doc__ or "", "1000000,3000000", build, describe)
 
 
 if __name__ == "__main__":
