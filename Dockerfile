@@ -5,7 +5,7 @@
 
 FROM python:3.12-slim-bookworm AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# A C compiler for the ingest accelerator (cachetree/_speedups.c), in the build stage only.
+# A C compiler for the accelerator (cachetree/_speedups.c, _tables.c), in the build stage only.
 RUN apt-get update \
     && apt-get install --yes --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
@@ -23,7 +23,7 @@ COPY fake_kv_worker ./fake_kv_worker
 # The accelerator is optional for pip, not for the image: the import fails the build if it
 # did not compile.
 RUN /opt/kvrouter/bin/pip install '.[hf,fast]' \
-    && /opt/kvrouter/bin/python -c "import cachetree._speedups" \
+    && /opt/kvrouter/bin/python -c "import cachetree._speedups, cachetree._tables" \
     && /opt/kvrouter/bin/pip uninstall --yes pip
 
 FROM python:3.12-slim-bookworm

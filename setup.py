@@ -11,12 +11,13 @@ import os
 from setuptools import Extension, setup
 
 ACCELERATOR = Extension("cachetree._speedups", ["cachetree/_speedups.c"], optional=True)
+TABLES = Extension("cachetree._tables", ["cachetree/_tables.c"], optional=True)
 
 
 def extensions() -> list[Extension]:
     if os.environ.get("KVROUTER_NO_EXTENSIONS", "") not in ("", "0"):
         return []
-    return [ACCELERATOR]
+    return [ACCELERATOR, TABLES]
 
 
 if __name__ == "__main__":

@@ -42,10 +42,13 @@ import contextlib
 import http.client
 import os
 import statistics
+import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import bench_proxy
 from bench.bench_bootstrap import read_child_log
-from bench.ingest_churn import ROOT, checkout, loop_cpu, start_router
+from bench.ingest_churn import ROOT, Code, checkout, loop_cpu, start_router
 from bench.ingest_flood import metric
 from bench.report import table
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
@@ -319,7 +322,7 @@ def fetch_export(router: str) -> tuple[float, int, float, float]:
     url = urlsplit(router)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
     t0 = time.monotonic()
-    conn.request("GET", SNAPSHOT + "?max_age_ms=0", headers={"Accept": COLUMNS})
+    conn.request("GET", SNAPSHOT + "?max_age_ms=0", headers={"Accept": COLUMNS, **bench_proxy.AUTH})
     resp = conn.getresponse()
     body = resp.read()
     t1 = time.monotonic()
@@ -343,12 +346,12 @@ async def one_size(
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"label": label, "blocks": blocks}
     flags = [*extra, "--kv-index-max-blocks", str(4 * blocks), "--log-level", "info"]
-    a, router = await start_router(code, f"{label}-A", fleet.handles, workdir, flags)
+    a, router = await start_router(Code(f"{label}-A", code, {}), fleet.handles, workdir, flags)
     assert a.proc is not None
     pid = a.proc.pid
     b = None
     try:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=bench_proxy.AUTH) as session:
             await bench_proxy.wait_ready(session, router)
             await asyncio.sleep(0.5)
             out["rss_start_mb"] = family_rss_mb(pid)
@@ -379,8 +382,12 @@ async def one_size(
                 f"after {out['rss_after_export_mb']:,.0f}"
             )
             # Bootstrap: B joins A.
-            b_flags = [*flags, "--peer", router]
-            b, b_url = await start_router(code, f"{label}-B", fleet.handles, workdir, b_flags)
+            # The columnar body is ~37 B a block: raise the 24 MB default bound with the index.
+            body_mb = str(max(24, blocks // 10_000))
+            b_flags = [*flags, "--peer", router, "--kv-bootstrap-max-body-mb", body_mb]
+            b, b_url = await start_router(
+                Code(f"{label}-B", code, {}), fleet.handles, workdir, b_flags
+            )
             assert b.proc is not None
             with HealthzPoller(b_url) as b_poller, HealthzPoller(router) as a_poller:
                 b_started = time.monotonic()
@@ -392,6 +399,11 @@ async def one_size(
             out["bootstrap_healthz_b"] = b_poller.between(b_started, ready_mono)
             out["bootstrap_healthz_a"] = a_poller.between(b_started, ready_mono)
             out["b_nodes"] = int(await metric(session, b_url, "kvrouter_tree_nodes"))
+            if out["b_nodes"] != out["nodes"]:  # a cold B would time nothing of a bootstrap
+                raise RuntimeError(
+                    f"B holds {out['b_nodes']:,} nodes, A {out['nodes']:,}: no graft (B's log "
+                    f"{workdir}/router-{label}-B.log says why)"
+                )
             out["rss_peak_b_mb"] = rss_mb(b.proc.pid, "VmHWM:")
             await asyncio.sleep(SETTLE_S)
             out["rss_steady_b_mb"] = family_rss_mb(b.proc.pid)
@@ -430,15 +442,28 @@ async def churn(
 async def ingest_only(
     code: Path, label: str, fleet: Fleet, workdir: Path, extra: Sequence[str]
 ) -> dict[str, Any]:
-    a, router = await start_router(code, label, fleet.handles, workdir, extra)
+    a, router = await start_router(Code(label, code, {}), fleet.handles, workdir, extra)
     assert a.proc is not None
     try:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=bench_proxy.AUTH) as session:
             await bench_proxy.wait_ready(session, router)
             await gate(session, router, fleet)
             return {"label": label, **await churn(session, router, a.proc.pid, fleet)}
     finally:
         await a.stop()
+
+
+def build_extensions(code: Path) -> None:
+    """Compile a checkout's C extensions in place (`git archive` leaves the built ones out), so
+    the old code runs with its accelerator as a deployment would, not on its pure path."""
+    include = sysconfig.get_paths()["include"]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    for source in sorted((code / "cachetree").glob("_*.c")):
+        target = source.with_name(source.stem + suffix)
+        flags = sysconfig.get_config_var("CFLAGS").split()  # what setuptools builds with
+        cc = ["cc", "-shared", "-fPIC", *flags, f"-I{include}", str(source), "-o", str(target)]
+        subprocess.run(cc, check=True)
+        progress(f"built {target.relative_to(code)} for the baseline")
 
 
 def per_block(row: dict[str, Any], key: str) -> float:
@@ -452,13 +477,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         codes: list[tuple[str, Path, list[str]]] = [("new", ROOT, [])]
         if args.baseline:
             old = checkout(args.baseline, Path(tmp) / "old")
+            build_extensions(old)
             codes.insert(0, ("old", old, []))
         rows: list[dict[str, Any]] = []
         ingest: list[dict[str, Any]] = []
         async with contextlib.AsyncExitStack() as stack:
             handles = [
                 await stack.enter_async_context(
-                    fake_worker_in_process(dp_size=DP, cache_blocks=1 << 10)
+                    # caches as big as what the fill stores (the vetting refuses a sibling
+                    # claiming more blocks on a rank than its engine holds)
+                    fake_worker_in_process(dp_size=DP, cache_blocks=1 << 18)
                 )
                 for _ in range(WORKERS)
             ]
@@ -469,7 +497,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         try:
                             row = await one_size(code, label, fleet, blocks, workdir, extra)
                         except Exception as exc:  # a failed size must not hide the others
-                            progress(f"{label} at {blocks:,}: FAILED {exc!r}")
+                            where = traceback.extract_tb(exc.__traceback__)[-1]
+                            progress(
+                                f"{label} at {blocks:,}: FAILED {exc!r} at "
+                                f"{where.filename}:{where.lineno} (logs in {workdir})"
+                            )
                             continue
                         rows.append(row)
                         print(row_line(row), flush=True)
@@ -621,6 +653,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.sizes = QUICK_SIZES
+    if args.workdir:  # the replicas' logs go there: a missing folder failed every size
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     asyncio.run(main_async(args))
 
 

@@ -2,9 +2,12 @@
 
 `cachetree._speedups` (C, built from `cachetree/_speedups.c` when a compiler is there) is an
 optional twin of the per-token work: block keys (`cachetree.keys`) and the decoder's token-id
-parsing (`router.events`). Every function in it has a pure-Python twin with the same result,
-and the test suite runs both ways (`scripts/test`), so the choice changes speed, never
-behaviour. It is made once, at import:
+parsing (`router.events`). `cachetree._tables` (`cachetree/_tables.c`) holds the index's tables
+in native words (`cachetree.tree` `TreeLayout`): the same maps and nodes as dicts and msgspec
+Structs, in about half the memory. The two are built and chosen together. Everything in them
+has a pure-Python twin with the same result, and the test suite runs both ways
+(`scripts/test`), so the choice changes speed and memory, never behaviour. It is made once,
+at import:
 
 - `KVROUTER_NO_EXTENSIONS` set to anything but "" or "0": the pure path, even when the
   extension is built (to rule it out when debugging, or to measure the difference);
@@ -27,15 +30,15 @@ NO_EXTENSIONS_ENV: Final = "KVROUTER_NO_EXTENSIONS"
 FORCED_PURE: Final = os.environ.get(NO_EXTENSIONS_ENV, "") not in ("", "0")
 
 
-def _load() -> tuple[ModuleType | None, str]:
+def _load() -> tuple[ModuleType | None, ModuleType | None, str]:
     if FORCED_PURE:
-        return None, f"{NO_EXTENSIONS_ENV} is set"
+        return None, None, f"{NO_EXTENSIONS_ENV} is set"
     try:
-        from cachetree import _speedups
+        from cachetree import _speedups, _tables
     except ImportError as exc:
-        return None, f"the extension is not built ({exc})"
-    return _speedups, "built and imported"
+        return None, None, f"the extension is not built ({exc})"
+    return _speedups, _tables, "built and imported"
 
 
-speedups, REASON = _load()
+speedups, tables, REASON = _load()
 IMPLEMENTATION: Final = "pure" if speedups is None else "compiled"

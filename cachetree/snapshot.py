@@ -16,7 +16,10 @@ an event loop can yield between chunks of a million-block tree, and both work a 
 time with C-level passes (`map`, `compress`, `zip` into `dict.update`/`setdefault`, bytes
 operations), so a node costs no Python statement in the common case: one or two carriers on
 the device tier. At a million nodes a walk or a graft is a few dozen passes, not a million
-trips through the interpreter.
+trips through the interpreter. On the compiled layout (`cachetree.tree.TreeLayout`) the
+walk of a listed chunk, the creation of a chunk's new device-tier records and the sizing of
+the tables before a graft run in `cachetree._tables` (`walk_chunk`, `graft_new`, `reserve`):
+the same columns and the same tree, held equal to the pure layout by tests/unit/test_snapshot.py.
 
 Consistency: a chunked export is not one instant. A node pruned between chunks is skipped
 with the subtree below it, a node added after the export began is not included. A consumer
@@ -67,6 +70,10 @@ _get_children = attrgetter("children")
 _get_parent = attrgetter("parent")
 _get_tiers = attrgetter("tiers")
 _get_ehash = attrgetter("ehash")
+
+
+# `_tables.graft_new` outcomes
+_HASH_TAKEN, _DUPLICATE_KEY, _PARENT_GONE = 1, 2, 3
 
 
 class SnapshotError(ValueError):
@@ -213,6 +220,9 @@ class SnapshotExport:
             self._pos = b
         objs: Sequence[Node] = chunk_objs[a:b]
         keys = chunk_keys[a:b]
+        walk_chunk = self._tree._layout.walk_chunk
+        if walk_chunk is not None and self._walk_native(walk_chunk, objs, keys):
+            return
         masks = list(map(_get_mask, objs))
         if 0 in masks:
             # Carrier-less: structure above carriers, or a node that has left the tree.
@@ -273,6 +283,28 @@ class SnapshotExport:
             values = map(call, getters, compress(hashes, per_carrier))
             deque(map(per_node.__setitem__, where, values), maxlen=0)
             snap.carrier_hashes.extend(chain.from_iterable(per_node))
+
+    def _walk_native(
+        self, walk_chunk: Callable[..., tuple | None], objs: Sequence[Node], keys: array
+    ) -> bool:
+        """`_walk`'s columns from `_tables.walk_chunk` (the compiled layout); False, having
+        changed nothing, for a chunk it leaves to the Python walk (masks past 64 ranks)."""
+        tree, snap = self._tree, self._snap
+        table = [-1 if st is None else self._table_index(st.rank) for st in tree._by_index]
+        last = None if self._last_key is _NO_KEY else self._last_key
+        out = walk_chunk(objs, keys, table, len(snap.keys), last)
+        if out is None:
+            return False
+        parents, node_keys, counts, workers, tiers, hashes, branches, last = out
+        snap.parents.frombytes(parents)
+        snap.keys.frombytes(node_keys)
+        snap.carrier_counts.frombytes(counts)
+        snap.carrier_workers.frombytes(workers)
+        snap.carrier_tiers.frombytes(tiers)
+        snap.carrier_hashes.frombytes(hashes)
+        self._branches.extend(branches)
+        self._last_key = _NO_KEY if last is None else last
+        return True
 
     def _resolve(self, budget: int) -> None:
         """Find the branches' parents among the records, `budget` records per step."""
@@ -476,6 +508,8 @@ class SnapshotRestore:
         c0 = self._carrier_pos
         c1 = c0 + sum(counts[a:b])
         ranks = [tree._ranks.get(rank) or tree._add_rank(rank) for rank in self._workers]
+        if a == 0:
+            self._reserve(ranks)
         kept = self._keep[a:b]
         if self._any_present:
             # Held now, not at validation: a block another rank's stale engine hash had
@@ -496,6 +530,21 @@ class SnapshotRestore:
         self._pos = b
         self._carrier_pos = c1
         self.applied += new.count(1) + held.count(1)
+
+    def _reserve(self, ranks: list[_Rank]) -> None:
+        """Make room in the compiled tables for what the graft brings, once, before its first
+        chunk, so they do not rebuild (copy millions of entries in one call) on the way. A
+        dict cannot be presized; and a tree already bigger than the snapshot is left as is
+        (reserving would copy it now, for a graft that may add little)."""
+        nodes, snap = self._tree._nodes, self._snap
+        reserve = getattr(nodes, "reserve", None)
+        if reserve is None or len(nodes) >= len(snap):
+            return
+        reserve(len(nodes) + len(snap))
+        if len(ranks) < 256:  # one byte per carrier: counting is memchr-fast
+            by_worker = snap.carrier_workers.tobytes()[:: snap.carrier_workers.itemsize]
+            for w, st in enumerate(ranks):
+                st.by_engine_hash.reserve(len(st.by_engine_hash) + by_worker.count(w))  # type: ignore[attr-defined]
 
     def _create(
         self, a: int, b: int, c0: int, c1: int, new: bytes, held: bytes, ranks: list[_Rank]
@@ -529,6 +578,13 @@ class SnapshotRestore:
             if not new_pairs.isdisjoint(held_pairs):
                 return False
         every = new.count(1) == len(new)
+        graft_new = self._tree._layout.graft_new
+        if (
+            graft_new is not None
+            and tiers.count(DEVICE) == len(tiers)
+            and all(st.index < 64 for st in ranks)
+        ):
+            return self._create_native(graft_new, a, b, c0, new, every, ranks)
         keys = list(snap.keys[a:b] if every else compress(snap.keys[a:b], new))
         if not every:  # leave out the records that are not new
             by_carrier = bytes(chain.from_iterable(map(repeat, new, counts)))
@@ -565,7 +621,8 @@ class SnapshotRestore:
             counted = Counter(parents)
             children = list(map(counted.get, records, repeat(0)))
             outside = self._parents_outside(parents, new, a)
-        created = list(map(Node, parent_keys, masks, children, node_tiers, engine_hashes))
+        make = self._tree._layout.node
+        created = list(map(make, parent_keys, masks, children, node_tiers, engine_hashes))
         before = len(nodes)
         placed = list(map(nodes.setdefault, keys, created))
         if len(nodes) - before != n:
@@ -586,26 +643,55 @@ class SnapshotRestore:
                 for w, engine_hash, value, key in zip(
                     run_workers, run_hashes, values, run_keys, strict=True
                 ):
-                    if value is key and maps[w].get(engine_hash) is key:
+                    if value is key and maps[w].get(engine_hash) == key:
                         del maps[w][engine_hash]
             _take_back(nodes, keys, placed, created)
             return False
-        if raw_tiers.count(DEVICE) == len(raw_tiers):
-            if len(ranks) < 256:  # one byte per carrier: counting is memchr-fast
-                by_worker = workers.tobytes()[:: workers.itemsize]
-                for w, st in enumerate(ranks):
-                    st.counts[0] += by_worker.count(w)
-            else:
-                for w, n_carried in Counter(workers).items():
-                    ranks[w].counts[0] += n_carried
-        else:
-            for w, st in enumerate(ranks):
-                rank_tiers = bytes(compress(raw_tiers, map(eq, workers, repeat(w))))
-                for bits in set(rank_tiers):
-                    _count(st.counts, bits, rank_tiers.count(bits))
+        _count_carriers(ranks, workers, raw_tiers)
         all_keys = self._snap.keys
         for parent, n_children in outside.items():
             nodes[all_keys[parent]].children += n_children
+        return True
+
+    def _create_native(
+        self,
+        graft_new: Callable[..., tuple[int, int]],
+        a: int,
+        b: int,
+        c0: int,
+        new: bytes,
+        every: bool,
+        ranks: list[_Rank],
+    ) -> bool:
+        """`_create` for a chunk of device-tier carriers on the compiled layout: the nodes
+        and the rank maps are filled by `_tables.graft_new`, with the same outcomes."""
+        snap = self._snap
+        code, record = graft_new(
+            self._tree._nodes,
+            [st.by_engine_hash for st in ranks],
+            [st.index for st in ranks],
+            snap.keys,
+            snap.parents,
+            snap.carrier_counts,
+            snap.carrier_workers,
+            snap.carrier_hashes,
+            new,
+            a,
+            b,
+            c0,
+        )
+        if code == _HASH_TAKEN:
+            return False
+        if code == _DUPLICATE_KEY:
+            raise SnapshotError(f"records {a}..{b - 1}: a key appears twice in the snapshot")
+        if code == _PARENT_GONE:
+            parent = snap.parents[record]
+            raise SnapshotError(f"record {parent}: the block left the tree during the graft")
+        counts = snap.carrier_counts[a:b]
+        workers = snap.carrier_workers[c0 : c0 + sum(counts)]
+        if not every:
+            workers = array("I", compress(workers, chain.from_iterable(map(repeat, new, counts))))
+        _count_carriers(ranks, workers, _DEVICE_BYTE * len(workers))
         return True
 
     def _chunk_links(
@@ -690,7 +776,7 @@ class SnapshotRestore:
             start, end = firsts[i - a], firsts[i - a + 1]
             if start == end:
                 if key not in tree._nodes:
-                    tree._nodes[key] = Node(parent_key, 0, 0)
+                    tree._nodes[key] = tree._layout.node(parent_key, 0, 0)
                     if parent_key is not None:
                         tree._nodes[parent_key].children += 1
                 continue
@@ -803,6 +889,24 @@ def _node_fields(
         masks[i] = mask
         fields[i] = values.pop() if len(values) == 1 else per or None
     return masks, fields
+
+
+def _count_carriers(ranks: list[_Rank], workers: array, raw_tiers: bytes) -> None:
+    """Add grafted carriers (table positions `workers`, tier bits `raw_tiers`) to the ranks'
+    per-tier counts."""
+    if raw_tiers.count(DEVICE) == len(raw_tiers):
+        if len(ranks) < 256:  # one byte per carrier: counting is memchr-fast
+            by_worker = workers.tobytes()[:: workers.itemsize]
+            for w, st in enumerate(ranks):
+                st.counts[0] += by_worker.count(w)
+        else:
+            for w, n_carried in Counter(workers).items():
+                ranks[w].counts[0] += n_carried
+    else:
+        for w, st in enumerate(ranks):
+            rank_tiers = bytes(compress(raw_tiers, map(eq, workers, repeat(w))))
+            for bits in set(rank_tiers):
+                _count(st.counts, bits, rank_tiers.count(bits))
 
 
 def _take_back(mapping: dict, keys: Sequence, got: list, given: Sequence) -> None:

@@ -32,28 +32,34 @@ Rules that are deliberate:
   existing parent, and a parent cannot be pruned while it has children. Snapshot export
   relies on this instead of a tree walk.
 
-How it is fast: `store` and `remove` hand their blocks to runs (`_place_run`, `_remove_run`)
+How it is fast: `store` and `remove` hand their blocks to runs (`place_run`, `remove_run`)
 that take the cases engines nearly always send (a new block or a new device-only carrier; a
 device-only carrier evicted) and stop, having changed nothing for it, at the first block that
-needs the general one-block path (other tiers, re-pointed or reused engine hashes). With the
-compiled accelerator (`cachetree.accel`) the runs are C twins of `_place_run_py` and
-`_remove_run_py`, writing the same Node fields; tests/unit/test_tree_twins.py holds them equal.
+needs the general one-block path (other tiers, re-pointed or reused engine hashes).
 
-Nodes are `msgspec.Struct(gc=False)`: 56 bytes, and invisible to the cyclic garbage
-collector, which would otherwise rescan millions of them on every full collection.
+Layouts (`TreeLayout`): the tables are built by the tree's layout, chosen at import with the
+accelerator (`cachetree.accel`). The pure layout is dicts and `PyNode`, a
+`msgspec.Struct(gc=False)` (56 bytes, invisible to the cyclic collector), with the runs
+`_place_run_py` and `_remove_run_py`. The compiled one (`cachetree._tables`) is the same API
+in native words: a `NodeMap` (u64 key -> node) and a `HashMap` per rank (u64 engine hash ->
+u64 key), insertion-ordered like dicts, nodes of 48 bytes, and C twins of the runs; about
+half the memory a block (no int object per key or engine hash, no dict entry).
+tests/unit/test_tree_twins.py holds whole trees of both layouts equal, and each run to its
+twin; tests/unit/test_tables.py holds the maps to dict and the nodes to `PyNode`.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import and_, attrgetter, neg
+from typing import Protocol
 
 import msgspec
 
-from cachetree.accel import speedups
+from cachetree.accel import tables
 from cachetree.keys import block_keys, namespace_seed
 from cachetree.ranks import RankId
 from cachetree.tiers import ALL_TIERS, DEVICE, TIER_NAMES
@@ -63,19 +69,51 @@ _get_mask = attrgetter("mask")
 _get_tiers = attrgetter("tiers")
 
 
-class Node(msgspec.Struct, gc=False):
+class Node(Protocol):
+    """A block of the index: what both layouts' nodes have (`PyNode`, `_tables.Node`)."""
+
     parent: int | None
     mask: int  # bit i set: rank index i carries the block on at least one tier
     children: int
-    tiers: dict[int, int] | None = None  # rank index -> tier bits, for carriers not DEVICE-only
-    ehash: int | dict[int, int] | None = None  # one engine hash for all carriers, or per index
+    tiers: dict[int, int] | None  # rank index -> tier bits, for carriers not DEVICE-only
+    ehash: int | dict[int, int] | None  # one engine hash for all carriers, or per index
+
+
+class PyNode(msgspec.Struct, gc=False):
+    """The pure layout's node (the compiled one is `cachetree._tables.Node`)."""
+
+    parent: int | None
+    mask: int
+    children: int
+    tiers: dict[int, int] | None = None
+    ehash: int | dict[int, int] | None = None
+
+
+Nodes = MutableMapping[int, Node]  # key -> node: a dict, or a `_tables.NodeMap`
+ByHash = MutableMapping[int, int]  # engine hash -> key: a dict, or a `_tables.HashMap`
+
+
+@dataclass(frozen=True, slots=True)
+class TreeLayout:
+    """How a tree's tables are made, and the runs that work on them."""
+
+    name: str
+    node: Callable[..., Node]  # node(parent, mask, children, tiers=None, ehash=None)
+    node_map: Callable[[], Nodes]
+    hash_map: Callable[[], ByHash]
+    place_run: Callable[..., tuple[int, int]]
+    remove_run: Callable[..., tuple[int, int, int, int]]
+    # snapshot.py's C parts: SnapshotRestore's creation of records, SnapshotExport's walk
+    graft_new: Callable[..., tuple[int, int]] | None = None
+    walk_chunk: Callable[..., tuple | None] | None = None
+    path_masks: Callable[..., tuple[list[int], bool] | None] | None = None  # prefix_depths'
 
 
 @dataclass(slots=True)
 class _Rank:
     rank: RankId
     index: int
-    by_engine_hash: dict[int, int] = field(default_factory=dict)  # engine hash -> key
+    by_engine_hash: ByHash  # engine hash -> key
     counts: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # per tier slot
 
 
@@ -144,12 +182,13 @@ class Match:
 class BlockTree:
     """The index. Plain synchronous code; one writer at a time (the pump)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, layout: TreeLayout | None = None) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
         self.stats = TreeStats()
-        self._nodes: dict[int, Node] = {}
+        self._layout = layout or DEFAULT_LAYOUT
+        self._nodes: Nodes = self._layout.node_map()
         self._ranks: dict[RankId, _Rank] = {}
         self._by_index: list[_Rank | None] = []
         # Sum of the ranks' carried blocks, kept by store/remove/clear; `recount` after
@@ -242,14 +281,24 @@ class BlockTree:
         running AND) rather than a Python loop per block, which is what keeps a 125-block
         prompt cheap.
         """
-        found = list(map(self._nodes.get, keys))
-        # A block's parent always exists, so the hits form a prefix of the lookups.
-        if found and found[-1] is None:
-            del found[found.index(None) :]
-        if not found:
+        path = self._layout.path_masks
+        walked = None if path is None else path(self._nodes, keys)
+        found: list[Node] | None = None
+        if walked is None:
+            found = list(map(self._nodes.get, keys))
+            # A block's parent always exists, so the hits form a prefix of the lookups.
+            if found and found[-1] is None:
+                del found[found.index(None) :]
+            masks = list(map(_get_mask, found))
+            tiered = any(map(_get_tiers, found))
+        else:  # the compiled tables: lookups and masks in one C pass
+            masks, tiered = walked
+        if not masks:
             return PrefixDepths([], [], self._by_index)
-        any_runs = _runs(list(accumulate(map(_get_mask, found), and_)))
-        if any(map(_get_tiers, found)):
+        any_runs = _runs(list(accumulate(masks, and_)))
+        if tiered:
+            if found is None:
+                found = list(map(self._nodes.__getitem__, keys[: len(masks)]))
             device_masks = [
                 n.mask if n.tiers is None else n.mask & ~_off_device_mask(n.tiers) for n in found
             ]
@@ -356,6 +405,7 @@ class BlockTree:
             return 0
         clear = ALL_TIERS if tier is None else tier
         nodes = self._nodes
+        remove_run = self._layout.remove_run
         by_hash = st.by_engine_hash
         before = len(by_hash)
         index = st.index
@@ -365,7 +415,7 @@ class BlockTree:
         while i < n:
             # Device-only carriers (what engines evict nearly always) go in runs, in C when the
             # accelerator is built; the run stops before any other case, handled here.
-            i, f, dropped, u = _remove_run(nodes, by_hash, hashes, i, index, device)
+            i, f, dropped, u = remove_run(nodes, by_hash, hashes, i, index, device)
             found += f
             dropped_device_only += dropped
             unknown += u
@@ -470,12 +520,13 @@ class BlockTree:
         by_hash = st.by_engine_hash
         counts = st.counts
         index = st.index
+        place_run = self._layout.place_run
         i, n = 0, len(keys)
         while i < n:
             if tier == DEVICE:
                 # New blocks and new device-only carriers (nearly every store) go in runs, in C
                 # when the accelerator is built; the run stops before any other case.
-                i, added = _place_run(nodes, by_hash, keys, engine_hashes, i, parent_key, index)
+                i, added = place_run(nodes, by_hash, keys, engine_hashes, i, parent_key, index)
                 counts[0] += added
                 if i == n:
                     return
@@ -495,7 +546,8 @@ class BlockTree:
         bit = 1 << index
         node = nodes.get(key)
         if node is None:
-            node = Node(parent_key, bit, 0, None if tier == DEVICE else {index: tier}, eh)
+            tiers = None if tier == DEVICE else {index: tier}
+            node = self._layout.node(parent_key, bit, 0, tiers, eh)
             nodes[key] = node
             if parent_key is not None:
                 nodes[parent_key].children += 1
@@ -532,13 +584,13 @@ class BlockTree:
         except ValueError:
             index = len(self._by_index)
             self._by_index.append(None)
-        st = _Rank(rank, index)
+        st = _Rank(rank, index, self._layout.hash_map())
         self._by_index[index] = st
         self._ranks[rank] = st
         return st
 
 
-def _drop_carrier(nodes: dict[int, Node], key: int, node: Node, index: int) -> None:
+def _drop_carrier(nodes: Nodes, key: int, node: Node, index: int) -> None:
     """Remove rank `index` from `node` entirely, then prune what is left bare."""
     node.mask &= ~(1 << index)
     if node.tiers is not None:
@@ -558,8 +610,8 @@ def _drop_carrier(nodes: dict[int, Node], key: int, node: Node, index: int) -> N
 
 
 def _remove_run_py(
-    nodes: dict[int, Node],
-    by_hash: dict[int, int],
+    nodes: Nodes,
+    by_hash: ByHash,
     hashes: list[int],
     start: int,
     index: int,
@@ -570,7 +622,7 @@ def _remove_run_py(
     Such a carrier goes whole (`device`: the removal clears the device tier), without the
     general path's tier bookkeeping. Returns (where it stopped, hashes found, carriers
     dropped, hashes unknown); it stops before the first hash needing the general path,
-    having changed nothing for it. The compiled twin is `_speedups.remove_run`.
+    having changed nothing for it. The compiled twin is `_tables.remove_run`.
     """
     bit = 1 << index
     found = unknown = 0
@@ -603,8 +655,8 @@ def _remove_run_py(
 
 
 def _place_run_py(
-    nodes: dict[int, Node],
-    by_hash: dict[int, int],
+    nodes: Nodes,
+    by_hash: ByHash,
     keys: Sequence[int],
     engine_hashes: Sequence[int],
     start: int,
@@ -616,7 +668,7 @@ def _place_run_py(
     Simple: the block is new, or gains rank `index` as a device-only carrier under the engine
     hash it already has for every carrier, or already has it so; and the hash names no other
     block of the rank. Returns (where it stopped, carriers added); it stops before the first
-    other block, having changed nothing for it. The compiled twin is `_speedups.place_run`.
+    other block, having changed nothing for it. The compiled twin is `_tables.place_run`.
     """
     bit = 1 << index
     added = 0
@@ -629,7 +681,7 @@ def _place_run_py(
             return i, added
         node = nodes.get(key)
         if node is None:
-            node = Node(parent_key, bit, 0, None, eh)
+            node = PyNode(parent_key, bit, 0, None, eh)
             nodes[key] = node
             if parent is not None:
                 parent.children += 1
@@ -656,13 +708,23 @@ def _place_run_py(
     return len(keys), added
 
 
-if speedups is None:
-    _remove_run = _remove_run_py
-    _place_run = _place_run_py
-else:
-    speedups.bind_node(Node)
-    _remove_run = speedups.remove_run
-    _place_run = speedups.place_run
+PURE_LAYOUT = TreeLayout("pure", PyNode, dict, dict, _place_run_py, _remove_run_py)
+COMPILED_LAYOUT: TreeLayout | None = (
+    None
+    if tables is None
+    else TreeLayout(
+        "compiled",
+        tables.Node,
+        tables.NodeMap,
+        tables.HashMap,
+        tables.place_run,
+        tables.remove_run,
+        tables.graft_new,
+        tables.walk_chunk,
+        tables.path_masks,
+    )
+)
+DEFAULT_LAYOUT = COMPILED_LAYOUT or PURE_LAYOUT
 
 
 def _indices(mask: int) -> Iterator[int]:

@@ -84,13 +84,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 DEFAULT_QUEUE_SIZE = 1024
 SLICE_BLOCKS: Final = 1024  # blocks of work between two yields to the loop (~1 ms)
-DEFAULT_INDEX_MAX_BLOCKS: Final = 4_000_000  # a 1.7 GiB replica: see `max_blocks_for`
+DEFAULT_INDEX_MAX_BLOCKS: Final = 4_000_000  # a 1.1 GiB replica: see `max_blocks_for`
 # Memory sizing (README, "Index memory"; measured by bench/scale.py): a replica's resident
-# memory is about PROCESS_BYTES plus BYTES_PER_CARRIED_BLOCK per (rank, block) pair: ~300 B of
-# index (RSS, at 1.25 carriers a block with distinct engine hashes; ~250 B with one carrier),
-# ~33 B for the export a sibling may be fetching, and ~12% for a graft's peak.
+# memory is about PROCESS_BYTES plus BYTES_PER_CARRIED_BLOCK per (rank, block) pair: ~157 B of
+# index (RSS with the compiled tables, at 1.25 carriers a block with distinct engine hashes),
+# ~28 B for the export a sibling may be fetching, and ~18% for a graft's peak. (The pure
+# layout, without the compiled accelerator, takes ~290 B of index a pair: size it at 375.)
 PROCESS_BYTES: Final = 200 << 20
-BYTES_PER_CARRIED_BLOCK: Final = 375
+BYTES_PER_CARRIED_BLOCK: Final = 250
 
 
 def max_blocks_for(memory_limit_bytes: int) -> int:

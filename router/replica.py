@@ -271,6 +271,7 @@ async def _compose(
         if config.kv_peer_selector or config.worker_selector
         else None
     )
+    heap.configure()  # big buffers (exports, grafts) go back to the OS when freed
     replica = Replica(
         config,
         pump,

@@ -745,12 +745,17 @@ async def bootstrap_view(
 
 
 async def quiesce(
-    session: aiohttp.ClientSession, cluster: Cluster, replicas: Sequence[Router]
+    session: aiohttp.ClientSession,
+    cluster: Cluster,
+    replicas: Sequence[Router],
+    workers: Sequence[Worker] | None = None,
+    timeout_s: float = QUIESCE_TIMEOUT_S,
 ) -> dict[RankId, int]:
-    """Wait until every replica's cursor for every rank reached the worker's last_seq."""
-    counters = await worker_counters(session, cluster.workers)
+    """Wait until every replica's cursor for every rank of `workers` (the cluster's, unless
+    given) reached the worker's last_seq."""
+    counters = await worker_counters(session, cluster.workers if workers is None else workers)
     last = {rank: c.last_seq for rank, c in counters.items()}
-    deadline = time.monotonic() + QUIESCE_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     async with SnapshotFetcher(token=cluster.token) as fetcher:
         while True:
             tables = await asyncio.gather(
@@ -765,12 +770,15 @@ async def quiesce(
             if not behind:
                 return last
             if time.monotonic() > deadline:
-                raise DemoError(f"quiesce: cursors behind after {QUIESCE_TIMEOUT_S:g} s: {behind}")
+                raise DemoError(f"quiesce: cursors behind after {timeout_s:g} s: {behind}")
             await asyncio.sleep(POLL_S)
 
 
-async def probe_every_rank(session: aiohttp.ClientSession, cluster: Cluster) -> None:
-    """One BlockStored batch per rank (a one-block chain of PROBE_TOKEN): the live gate."""
+async def probe_every_rank(
+    session: aiohttp.ClientSession, cluster: Cluster, workers: Sequence[Worker] | None = None
+) -> None:
+    """One BlockStored batch per rank of `workers` (the cluster's, unless given), a one-block
+    chain of PROBE_TOKEN: the live gate."""
     chain = [PROBE_TOKEN] * BLOCK_SIZE
 
     async def one(w: Worker, dp_rank: int) -> None:
@@ -779,7 +787,8 @@ async def probe_every_rank(session: aiohttp.ClientSession, cluster: Cluster) -> 
             if resp.status != 200:
                 raise DemoError(f"/control/store on {w.rank_label(dp_rank)}: HTTP {resp.status}")
 
-    await asyncio.gather(*(one(w, r) for w in cluster.workers for r in range(w.dp_size)))
+    targets = cluster.workers if workers is None else workers
+    await asyncio.gather(*(one(w, r) for w in targets for r in range(w.dp_size)))
 
 
 async def clear_caches(session: aiohttp.ClientSession, cluster: Cluster) -> None:

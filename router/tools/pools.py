@@ -44,15 +44,19 @@ from router.tools.demo import (
     WORKER_READY,
     Cluster,
     DemoError,
+    Router,
     Worker,
     _flags,
     free_ports,
+    probe_every_rank,
+    quiesce,
 )
 
 REPLICAS_PER_POOL: Final = 2
 CONVERSATIONS: Final = 4
 TURNS: Final = 3
 UNKNOWN_MODEL: Final = "no-such-model"
+LIVE_GATE_ATTEMPTS: Final = 5
 
 
 def model_of(pool: int) -> str:
@@ -64,6 +68,7 @@ class Pool:
     index: int
     workers: list[Worker] = field(default_factory=list)
     replicas: list[str] = field(default_factory=list)  # URLs
+    routers: list[Router] = field(default_factory=list)  # the replicas' processes
 
     @property
     def model(self) -> str:
@@ -139,9 +144,8 @@ async def start_pool(cluster: Cluster, index: int, workers: int) -> Pool:
         worker.url = url
         cluster.workers.append(worker)
     ports = [free_ports(1) for _ in range(REPLICAS_PER_POOL)]
-    pool.replicas = [f"http://127.0.0.1:{port}" for port in ports]
-    children = []
-    for r, (port, url) in enumerate(zip(ports, pool.replicas, strict=True)):
+    pool.replicas = urls = [f"http://127.0.0.1:{port}" for port in ports]
+    for r, (port, url) in enumerate(zip(ports, urls, strict=True)):
         argv = [
             sys.executable,
             "-m",
@@ -150,11 +154,13 @@ async def start_pool(cluster: Cluster, index: int, workers: int) -> Pool:
             *_flags(host="127.0.0.1", port=port, block_size=BLOCK_SIZE, log_level="info"),
             "--expose-route-headers",
             *(arg for w in pool.workers for arg in ("--worker", w.url)),
-            *(arg for peer in pool.replicas if peer != url for arg in ("--peer", peer)),
+            *(arg for peer in urls if peer != url for arg in ("--peer", peer)),
         ]
-        children.append(cluster.child(f"router-p{index}r{r + 1}", argv, {TOKEN_ENV: cluster.token}))
-    await asyncio.gather(*(c.start() for c in children))
-    await asyncio.gather(*(c.wait_line(ROUTER_READY) for c in children))
+        name = f"router-p{index}r{r + 1}"
+        child = cluster.child(name, argv, {TOKEN_ENV: cluster.token})
+        pool.routers.append(Router(name, "cache_aware", url, child))
+    await asyncio.gather(*(r.child.start() for r in pool.routers))
+    await asyncio.gather(*(r.child.wait_line(ROUTER_READY) for r in pool.routers))
     return pool
 
 
@@ -169,6 +175,21 @@ async def wait_ready(session: aiohttp.ClientSession, urls: list[str]) -> None:
                 except aiohttp.ClientError:
                     pass
                 await asyncio.sleep(0.05)
+
+
+async def live_gate(session: aiohttp.ClientSession, cluster: Cluster, pool: Pool) -> None:
+    """Until the pool's replicas follow its workers' streams: one probe batch per rank, and
+    every replica's cursor at each rank's last seq. A probe published before a replica's SUB
+    socket joined is lost to it, so the probe is sent again until the cursors catch up (the
+    next batch reveals the gap, which the replica replays)."""
+    for attempt in range(1, LIVE_GATE_ATTEMPTS + 1):
+        await probe_every_rank(session, cluster, pool.workers)
+        try:
+            await quiesce(session, cluster, pool.routers, pool.workers, timeout_s=2.0)
+            return
+        except DemoError:
+            if attempt == LIVE_GATE_ATTEMPTS:
+                raise
 
 
 @dataclass
@@ -223,7 +244,8 @@ async def run_pools(pools_n: int, workers: int, log_dir: Path) -> int:
         runner, gateway_url = await gateway.start()
         async with aiohttp.ClientSession() as session:
             await wait_ready(session, [r for p in pools for r in p.replicas])
-            await asyncio.sleep(0.5)  # the replicas' SUB sockets join their publishers
+            for pool in pools:
+                await live_gate(session, cluster, pool)
             tally = Tally()
             await drive(session, gateway_url, pools, tally)
             body = {"model": UNKNOWN_MODEL, "prompt": "hello", "max_tokens": 1}

@@ -7,12 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from router.tools.pools import CONVERSATIONS, TURNS, Gateway, Pool
+from router.tools.demo import Cluster, quiesce, worker_counters
+from router.tools.pools import (
+    CONVERSATIONS,
+    TURNS,
+    Gateway,
+    Pool,
+    live_gate,
+    ranks_indexed,
+    start_pool,
+    wait_ready,
+)
 from tests.support.ports import free_tcp_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -82,3 +93,22 @@ async def test_the_gateway_routes_by_model_and_refuses_what_it_cannot_route() ->
     assert hosts.count(urls[0][7:]) == 2 and hosts.count(urls[1][7:]) == 2
     assert hosts.count(urls[2][7:]) == 2
     assert gateway.unrouted == 1 and len(seen) == 6  # the refused ones reached no replica
+
+
+async def test_the_live_gate_returns_once_every_replica_follows_its_pools_streams(
+    tmp_path: Path,
+) -> None:
+    cluster = Cluster(tmp_path)
+    try:
+        pool = await start_pool(cluster, 0, 2)
+        async with aiohttp.ClientSession() as session:
+            await wait_ready(session, pool.replicas)
+            await live_gate(session, cluster, pool)
+            last = await worker_counters(session, pool.workers)
+            # every replica's cursor already at each rank's last seq: the probes were applied
+            assert last and all(c.last_seq >= 0 for c in last.values())
+            await quiesce(session, cluster, pool.routers, pool.workers, timeout_s=0.5)
+            for url in pool.replicas:
+                assert await ranks_indexed(session, url, cluster.token) == pool.worker_urls
+    finally:
+        await cluster.stop_all()

@@ -79,3 +79,19 @@ def test_kvrouter_bench_runs_python_m_bench_and_passes_its_flags_on() -> None:
         "unknown benchmark(s) nope; known: index, ingest, routing, pressure, proxy, bootstrap"
         in (done.stderr)
     )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pure", [False, True])
+def test_tree_memory_measures_each_size_in_its_own_process(pure: bool) -> None:
+    argv = [sys.executable, "-m", "bench.tree_memory", "--sizes", "4000,8000"]
+    done = subprocess.run(
+        argv + (["--pure"] if pure else []), cwd=ROOT, capture_output=True, text=True, timeout=110
+    )
+    assert done.returncode == 0, done.stderr
+    rows = done.stdout.splitlines()
+    # one row per size, each from a child that built exactly that many blocks on the asked layout
+    assert [r.split()[1] for r in rows] == ["4,000", "8,000"]
+    assert {r.split()[0] for r in rows} == ({"pure"} if pure else {"compiled"})
+    assert "5,000 pairs" in rows[0] and "10,000 pairs" in rows[1]  # 1.25 pairs a block
+    assert all("B/block" in r for r in rows)

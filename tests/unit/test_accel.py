@@ -81,7 +81,7 @@ def _build_ext(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[
         "dist.run_command('build_ext')\n"
     )
     done = _python(script, **env)
-    return done, list((tmp_path / "lib").rglob("_speedups*"))
+    return done, sorted((tmp_path / "lib").rglob("_*.so"))
 
 
 def test_a_failed_compile_leaves_a_working_install_on_the_pure_path(tmp_path: Path) -> None:
@@ -90,6 +90,7 @@ def test_a_failed_compile_leaves_a_working_install_on_the_pure_path(tmp_path: Pa
     done, built = _build_ext(tmp_path, CC=cc, LDSHARED=cc)
     assert done.returncode == 0, done.stderr[-2000:]
     assert 'building extension "cachetree._speedups" failed' in done.stdout + done.stderr
+    assert 'building extension "cachetree._tables" failed' in done.stdout + done.stderr
     assert built == []
     # And an install without the module runs on the pure path, and says why.
     done = _python(
@@ -104,11 +105,21 @@ def test_a_failed_compile_leaves_a_working_install_on_the_pure_path(tmp_path: Pa
     assert reason.startswith("the extension is not built")
 
 
+def test_without_the_compiled_tables_the_tree_takes_the_pure_layout() -> None:
+    done = _python(
+        "import sys; sys.modules['cachetree._tables'] = None\n"
+        "import cachetree.accel as a, cachetree.tree as t\n"
+        "print(a.IMPLEMENTATION, t.DEFAULT_LAYOUT.name, t.COMPILED_LAYOUT)"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["pure", "pure", "None"]
+
+
 @needs_build  # where it is built, a compiler is there
 def test_the_same_build_with_a_compiler_produces_the_extension(tmp_path: Path) -> None:
     done, built = _build_ext(tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert [p.name.split(".")[0] for p in built] == ["_speedups"]
+    assert [p.name.split(".")[0] for p in built] == ["_speedups", "_tables"]
 
 
 def test_the_image_builds_the_accelerator_and_fails_without_it() -> None:
@@ -118,5 +129,5 @@ def test_the_image_builds_the_accelerator_and_fails_without_it() -> None:
     build = dockerfile.split("\nFROM ")[1]  # the stage after the header comment
     assert "gcc" in build and "libc6-dev" in build
     assert "COPY pyproject.toml setup.py" in build
-    assert 'python -c "import cachetree._speedups"' in build
+    assert 'python -c "import cachetree._speedups, cachetree._tables"' in build
     assert "!setup.py" in (ROOT / ".dockerignore").read_text().splitlines()

@@ -6,6 +6,8 @@ The clock is a ManualClock; the index a booking is confirmed against is a real B
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachetree.keys import block_keys
 from cachetree.ranks import RankId
@@ -202,6 +204,58 @@ def test_record_of_a_new_tail_after_a_fresh_prefix_starts_at_the_tail() -> None:
     longer = block_keys(tokens(1, 30) + tokens(7, 4), BS)
     assert longer[:30] == head
     assert led.record(A, longer, held=30) == 30
+
+
+class DemandModel:
+    """The demand rules written out block by block: each key weighs 2 ** -(age / half-life) on
+    the rank it was last routed to, a weight refreshed unless it is within 1/64 of a
+    half-life of fresh (then it keeps its weight)."""
+
+    def __init__(self, half_life_s: float) -> None:
+        self.half_life_s = half_life_s
+        self.routed: dict[int, tuple[RankId, float]] = {}  # key -> (rank, when weighted)
+
+    def record(self, rank: RankId, prompt: list[int], now: float) -> int:
+        first = len(prompt)
+        for i, key in enumerate(prompt):
+            last = self.routed.get(key)
+            if last is not None and last[0] == rank and now - last[1] <= self.half_life_s / 64:
+                continue
+            first = min(first, i)
+            self.routed[key] = (rank, now)
+        return first
+
+    def demand(self, rank: RankId, now: float) -> float:
+        return sum(
+            2.0 ** (-(now - t) / self.half_life_s) for r, t in self.routed.values() if r == rank
+        )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([A, B, C]),
+            st.integers(0, 5),  # which prompt family
+            st.integers(1, 12),  # its length in blocks
+            st.sampled_from([0.0, 0.1, 0.5, 3.0]),  # seconds since the previous record
+        ),
+        max_size=40,
+    )
+)
+def test_record_keeps_demand_block_by_block_as_the_rules_state(
+    records: list[tuple[RankId, int, int, float]],
+) -> None:
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=30.0)
+    model = DemandModel(30.0)
+    for rank, family, length, wait in records:
+        clock.advance(wait)
+        prompt = keys(family, length)
+        assert led.record(rank, prompt, held=length) == model.record(rank, prompt, clock())
+        for r in (A, B, C):
+            assert led.demand(r) == pytest.approx(model.demand(r, clock()), rel=1e-9, abs=1e-9)
+    assert led.tracked_blocks == len(model.routed)
 
 
 def test_a_failed_over_prompt_moves_its_booking_and_demand_to_the_rank_that_served() -> None:

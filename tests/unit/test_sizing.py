@@ -39,7 +39,11 @@ def test_the_router_deployment_caps_its_index_at_what_its_memory_limit_holds() -
 
 @pytest.mark.parametrize(
     ("limit", "at_least", "at_most"),
-    [("512Mi", 800_000, 900_000), ("2Gi", 5_000_000, 5_300_000), ("8Gi", 22_000_000, 23_000_000)],
+    [
+        ("512Mi", 1_250_000, 1_350_000),
+        ("1536Mi", 5_500_000, 5_700_000),
+        ("8Gi", 33_000_000, 34_000_000),
+    ],
 )
 def test_the_readme_sizing_rows_follow_from_the_rule(
     limit: str, at_least: int, at_most: int
@@ -47,5 +51,5 @@ def test_the_readme_sizing_rows_follow_from_the_rule(
     assert at_least <= max_blocks_for(quantity(limit)) <= at_most
 
 
-def test_the_default_cap_needs_less_than_two_gib() -> None:
-    assert max_blocks_for(2 << 30) >= DEFAULT_INDEX_MAX_BLOCKS
+def test_the_default_cap_needs_less_than_one_and_a_quarter_gib() -> None:
+    assert max_blocks_for(5 << 28) >= DEFAULT_INDEX_MAX_BLOCKS

@@ -1,5 +1,8 @@
+import dataclasses
 import random
 from array import array
+from bisect import bisect_right
+from itertools import accumulate
 
 import pytest
 
@@ -14,7 +17,7 @@ from cachetree.snapshot import (
     restore,
 )
 from cachetree.tiers import DEVICE, DISK, HOST
-from cachetree.tree import BlockTree, Node
+from cachetree.tree import COMPILED_LAYOUT, PURE_LAYOUT, BlockTree, TreeLayout
 
 BS = 4
 A = RankId("http://a:8000", 0)
@@ -22,10 +25,10 @@ B = RankId("http://b:8000", 0)
 C = RankId("http://c:8000", 1)
 
 
-def populated(seed: int = 7, chains: int = 60) -> BlockTree:
+def populated(seed: int = 7, chains: int = 60, layout: TreeLayout | None = None) -> BlockTree:
     """A tree with shared prefixes, several ranks, mixed tiers and a few removals."""
     rng = random.Random(seed)
-    tree = BlockTree(BS)
+    tree = BlockTree(BS, layout)
     prefixes = [[rng.randrange(1, 500) for _ in range(BS * 3)] for _ in range(5)]
     next_hash = 1
     for _ in range(chains):
@@ -234,7 +237,7 @@ def graft_record_by_record(tree: BlockTree, snap: Snapshot) -> None:
     for parent, key, carriers in snap.records():
         parent_key = None if parent is None else snap.keys[parent]
         if not carriers and key not in tree:
-            tree._nodes[key] = Node(parent_key, 0, 0)
+            tree._nodes[key] = tree._layout.node(parent_key, 0, 0)
             if parent_key is not None:
                 tree._nodes[parent_key].children += 1
         for worker, bits, engine_hash in carriers:
@@ -409,3 +412,213 @@ def test_a_tree_written_between_listing_chunks_is_refused() -> None:
     tree.store(A, None, [7777], list(range(900, 900 + BS)), BS)
     with pytest.raises(RuntimeError):
         job.list_step(3)
+
+
+# -- the compiled graft (`_tables.graft_new`) against the pure layout's ------------------------
+
+LAYOUTS = [PURE_LAYOUT] + ([COMPILED_LAYOUT] if COMPILED_LAYOUT is not None else [])
+
+
+def device_only(seed: int = 3, chains: int = 40) -> BlockTree:
+    """Shared prefixes on four ranks, device tier only; some blocks carried by two ranks under
+    different engine hashes, some under the same one: what the compiled graft takes."""
+    rng = random.Random(seed)
+    tree = BlockTree(BS)
+    ranks = [A, B, C, RankId("http://d:8000", 0)]
+    prefixes = [[rng.randrange(1, 500) for _ in range(BS * 2)] for _ in range(4)]
+    for c in range(chains):
+        tokens = rng.choice(prefixes) + [rng.randrange(1, 500) for _ in range(BS * 2)]
+        hashes = [1000 * c + i for i in range(len(tokens) // BS)]
+        tree.store(rng.choice(ranks), None, hashes, tokens, BS)
+        if c % 3 == 0:
+            other = [h + (0 if c % 2 else 500) for h in hashes]
+            tree.store(rng.choice(ranks), None, other, tokens, BS)
+    return tree
+
+
+def maps_of(tree: BlockTree) -> dict:
+    return {r: (dict(st.by_engine_hash.items()), st.counts) for r, st in tree._ranks.items()}
+
+
+def counted(layout: TreeLayout, codes: list[int]) -> TreeLayout:
+    if layout.graft_new is None:
+        return layout
+    native = layout.graft_new
+
+    def graft_new(*args: object) -> tuple[int, int]:
+        out = native(*args)
+        codes.append(out[0])
+        return out
+
+    return dataclasses.replace(layout, graft_new=graft_new)
+
+
+@pytest.mark.parametrize("budget", [1, 7, 1 << 20])
+def test_both_layouts_graft_a_device_tree_alike(budget: int) -> None:
+    source = device_only()
+    snap = export(source)
+    results = []
+    for layout in LAYOUTS:
+        codes: list[int] = []
+        tree = BlockTree(BS, counted(layout, codes))
+        tree.store(A, None, [7], list(range(900, 900 + BS)), BS)  # warm: one block of its own
+        prevalidated_graft(tree, snap, budget)
+        tree.recount()
+        results.append((canonical_view(tree), maps_of(tree)))
+        if layout is COMPILED_LAYOUT:
+            assert codes and set(codes) == {0}  # the compiled graft did the creating
+    assert all(r == results[0] for r in results)
+    assert len(results[0][0]) == len(source) + 1
+
+
+def test_a_repeated_key_is_refused_alike_with_the_tree_as_before_its_chunk() -> None:
+    snap = export(device_only())
+    keys = array("Q", snap.keys)
+    keys[9] = keys[4]
+    repeated = dataclasses.replace(snap, keys=keys)
+    views = []
+    for layout in LAYOUTS:
+        codes: list[int] = []
+        tree = BlockTree(BS, counted(layout, codes))
+        with pytest.raises(SnapshotError, match="appears twice"):
+            prevalidated_graft(tree, repeated, 6)  # records 0-5 placed, 6-11 refused
+        tree.recount()
+        views.append((canonical_view(tree), maps_of(tree)))
+        if layout is COMPILED_LAYOUT:
+            assert codes == [0, 2]
+    assert all(v == views[0] for v in views)
+    assert len(views[0][0]) == 6
+
+
+def test_an_engine_hash_the_rank_uses_elsewhere_goes_the_general_way_alike() -> None:
+    snap = export(device_only())
+    taken = snap.carrier_hashes[5]
+    rank = snap.workers[snap.carrier_workers[5]]
+    record = bisect_right(list(accumulate(snap.carrier_counts)), 5)  # the record of carrier 5
+    views = []
+    for layout in LAYOUTS:
+        codes: list[int] = []
+        tree = BlockTree(BS, counted(layout, codes))
+        tree.store(rank, None, [taken], list(range(900, 900 + BS)), BS)
+        prevalidated_graft(tree, snap, 1 << 20)
+        tree.recount()
+        views.append((canonical_view(tree), maps_of(tree)))
+        if layout is COMPILED_LAYOUT:
+            assert codes == [1]  # refused, nothing changed, then `_place` one by one
+    assert all(v == views[0] for v in views)
+    assert tree.key_of(rank, taken) == snap.keys[record]  # the newest placement wins
+
+
+def test_a_parent_that_left_between_chunks_is_refused_alike() -> None:
+    snap = Snapshot.from_records(
+        [A], [(None, 10, ((0, DEVICE, 100),)), (0, 11, ((0, DEVICE, 101),))]
+    )
+    for layout in LAYOUTS:
+        tree = BlockTree(BS, layout)
+        job = SnapshotRestore(tree, snap, prevalidated=True)
+        while 10 not in tree:
+            job.step(1)
+        assert tree.remove(A, [100]) == 1 and 10 not in tree
+        with pytest.raises(SnapshotError, match="record 0: the block left the tree"):
+            job.step(1)
+        assert len(tree) == 0 and tree.block_count(A) == 0
+
+
+def many_ranks(seed: int, n_ranks: int, layout: TreeLayout) -> BlockTree:
+    """Shared prefixes over `n_ranks` ranks (70: rank indices past one machine word), carriers
+    agreeing and disagreeing on engine hashes, other tiers, removals and rank clears."""
+    rng = random.Random(seed)
+    tree = BlockTree(BS, layout)
+    ranks = [RankId(f"http://w{i}:8000", i % 3) for i in range(n_ranks)]
+    prefixes = [[rng.randrange(1, 300) for _ in range(BS * 2)] for _ in range(6)]
+    for c in range(400):
+        tokens = rng.choice(prefixes) + [rng.randrange(1, 300) for _ in range(BS * 2)]
+        hashes = [10_000 * c + i for i in range(len(tokens) // BS)]
+        if rng.random() < 0.3:
+            hashes = [h % 997 for h in hashes]  # shared by other chains and ranks
+        tier = rng.choice([DEVICE] * 6 + [HOST, DISK | DEVICE])
+        rank = rng.choice(ranks)
+        tree.store(rank, None, hashes, tokens, BS, tier=tier)
+        if rng.random() < 0.2:
+            tree.remove(rank, hashes[-2:], rng.choice([None, HOST]))
+        if rng.random() < 0.02:
+            tree.clear_rank(rng.choice(ranks))
+    return tree
+
+
+def columns(snap: Snapshot) -> tuple:
+    return (
+        snap.workers,
+        *(
+            list(c)
+            for c in (
+                snap.parents,
+                snap.keys,
+                snap.carrier_counts,
+                snap.carrier_workers,
+                snap.carrier_tiers,
+                snap.carrier_hashes,
+            )
+        ),
+    )
+
+
+@pytest.mark.skipif(COMPILED_LAYOUT is None, reason="the compiled accelerator is not built")
+@pytest.mark.parametrize("n_ranks", [3, 70])
+@pytest.mark.parametrize("seed", range(6))
+def test_both_layouts_export_the_same_columns(seed: int, n_ranks: int) -> None:
+    assert COMPILED_LAYOUT is not None
+    walked: list = []
+    native = COMPILED_LAYOUT.walk_chunk
+    assert native is not None
+
+    def walk_chunk(*args: object) -> tuple | None:
+        out = native(*args)
+        walked.append(out is not None)
+        return out
+
+    compiled = dataclasses.replace(COMPILED_LAYOUT, walk_chunk=walk_chunk)
+    for budget in (3, 1 << 20):
+        trees = [many_ranks(seed, n_ranks, layout) for layout in (compiled, PURE_LAYOUT)]
+        snaps = []
+        for tree in trees:
+            job = SnapshotExport(tree)
+            while not job.step(budget):
+                pass
+            snaps.append(columns(job.result()))
+        assert snaps[0] == snaps[1]
+    if n_ranks == 3:
+        assert all(walked)  # every chunk walked in C
+    else:
+        assert not all(walked)  # masks past 64 ranks: those chunks walked in Python
+
+
+@pytest.mark.skipif(COMPILED_LAYOUT is None, reason="the compiled accelerator is not built")
+def test_both_layouts_skip_alike_what_left_the_tree_between_chunks() -> None:
+    snaps = []
+    for layout in (COMPILED_LAYOUT, PURE_LAYOUT):
+        assert layout is not None
+        tree = many_ranks(1, 3, layout)
+        job = SnapshotExport(tree)
+        while not job.list_step(1 << 20):
+            pass
+        job.step(20)
+        for rank in tree.ranks()[:1]:
+            tree.clear_rank(rank)
+        while not job.step(20):
+            pass
+        snaps.append(columns(job.result()))
+    assert snaps[0] == snaps[1]
+
+
+@pytest.mark.skipif(COMPILED_LAYOUT is None, reason="the compiled accelerator is not built")
+def test_a_graft_sizes_the_compiled_tables_once_before_its_first_chunk() -> None:
+    snap = export(device_only(chains=400))
+    tree = BlockTree(BS, COMPILED_LAYOUT)
+    job = SnapshotRestore(tree, snap, prevalidated=True)
+    while not len(tree):  # validation steps, then the first graft step
+        job.step(8)
+    sizes = [tree._nodes.__sizeof__()]
+    while not job.step(8):
+        sizes.append(tree._nodes.__sizeof__())
+    assert set(sizes) == {sizes[0]} and len(tree) == len(snap)  # no rebuild after the first

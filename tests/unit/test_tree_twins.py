@@ -1,8 +1,9 @@
-"""The tree's compiled runs (`_speedups.remove_run`, `place_run`) against their Python twins.
+"""The compiled layout (`cachetree._tables`: native maps and nodes, C runs) against the pure one.
 
-The same random operation streams are applied to a tree using the compiled runs and to one
-using `_remove_run_py` / `_place_run_py`; every return value and the whole state (nodes in
-dict order with every field, each rank's hash map and counts, the stats) must be equal. The
+The same random operation streams are applied to a tree of each layout (the compiled one with
+`_tables.remove_run` / `place_run`, the pure one with `_remove_run_py` / `_place_run_py`);
+every return value and the whole state (nodes in insertion order with every field, each
+rank's hash map in its order and counts, the stats) must be equal. The
 streams reach every case the runs hand to the general path: other tiers, hashes an engine
 reuses for another block, carriers that disagree on a block's engine hash, unknown parents
 and hashes, rank clears, and rank indices past one machine word (70 ranks).
@@ -17,14 +18,15 @@ from typing import Any
 
 import pytest
 
-from cachetree import tree as tree_module
 from cachetree.ranks import RankId
 from cachetree.tiers import DEVICE, DISK, HOST
-from cachetree.tree import BlockTree
+from cachetree.tree import COMPILED_LAYOUT, PURE_LAYOUT, BlockTree, TreeLayout
 
-speedups = pytest.importorskip(
-    "cachetree._speedups", reason="the compiled accelerator is not built (pip install -e .)"
+tables = pytest.importorskip(
+    "cachetree._tables", reason="the compiled accelerator is not built (pip install -e .)"
 )
+if COMPILED_LAYOUT is None:
+    pytest.skip("KVROUTER_NO_EXTENSIONS: the tree runs on the pure layout", allow_module_level=True)
 
 BS = 2
 
@@ -38,10 +40,10 @@ def state(tree: BlockTree) -> Any:
     return nodes, ranks, dataclasses.astuple(tree.stats), tree.carried_blocks
 
 
-def run_stream(seed: int, n_ranks: int, ops: int) -> tuple[list[Any], Any]:
+def run_stream(seed: int, n_ranks: int, ops: int, layout: TreeLayout) -> tuple[list[Any], Any]:
     """Apply one random stream to a fresh tree; the results of every call and the end state."""
     rng = random.Random(seed)
-    tree = BlockTree(BS)
+    tree = BlockTree(BS, layout)
     ranks = [RankId(f"http://w{i}:8000", 0) for i in range(n_ranks)]
     # A small token alphabet and hash pool, so ranks share blocks and hashes get reused.
     vocab = list(range(1, 4))
@@ -74,27 +76,26 @@ def run_stream(seed: int, n_ranks: int, ops: int) -> tuple[list[Any], Any]:
     return results, state(tree)
 
 
-def with_runs(
-    monkeypatch: pytest.MonkeyPatch, remove_run: Callable[..., Any], place_run: Callable[..., Any]
-) -> None:
-    monkeypatch.setattr(tree_module, "_remove_run", remove_run)
-    monkeypatch.setattr(tree_module, "_place_run", place_run)
+def compiled_with(
+    remove_run: Callable[..., Any] = tables.remove_run,
+    place_run: Callable[..., Any] = tables.place_run,
+) -> TreeLayout:
+    assert COMPILED_LAYOUT is not None
+    return dataclasses.replace(COMPILED_LAYOUT, remove_run=remove_run, place_run=place_run)
 
 
 @pytest.mark.parametrize("n_ranks", [1, 3, 70])
 @pytest.mark.parametrize("seed", range(12))
-def test_compiled_runs_leave_the_tree_exactly_as_the_python_twins(
-    monkeypatch: pytest.MonkeyPatch, seed: int, n_ranks: int
+def test_the_compiled_layout_leaves_the_tree_exactly_as_the_pure_one(
+    seed: int, n_ranks: int
 ) -> None:
-    with_runs(monkeypatch, speedups.remove_run, speedups.place_run)
-    compiled = run_stream(seed, n_ranks, 400)
-    with_runs(monkeypatch, tree_module._remove_run_py, tree_module._place_run_py)
-    pure = run_stream(seed, n_ranks, 400)
+    compiled = run_stream(seed, n_ranks, 400, compiled_with())
+    pure = run_stream(seed, n_ranks, 400, PURE_LAYOUT)
     assert compiled[0] == pure[0]
     assert compiled[1] == pure[1]
 
 
-def test_the_streams_reach_the_general_path_and_the_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_streams_reach_the_general_path_and_the_runs() -> None:
     """The comparison above is only worth something if both paths really run."""
     calls = {"run_stops_early": 0, "run_completes": 0}
 
@@ -107,18 +108,62 @@ def test_the_streams_reach_the_general_path_and_the_runs(monkeypatch: pytest.Mon
 
         return wrapped
 
-    with_runs(
-        monkeypatch,
-        counting(speedups.remove_run, lambda a: len(a[2])),
-        counting(speedups.place_run, lambda a: len(a[2])),
+    layout = compiled_with(
+        counting(tables.remove_run, lambda a: len(a[2])),
+        counting(tables.place_run, lambda a: len(a[2])),
     )
     for seed in range(3):
-        run_stream(seed, 70, 400)
+        run_stream(seed, 70, 400, layout)
     assert calls["run_stops_early"] > 100
     assert calls["run_completes"] > 100
 
 
-def test_a_run_refuses_to_start_before_bind_node_names_the_node_type() -> None:
-    # bind_node ran at import (cachetree.tree); a wrong type is refused with a reason.
-    with pytest.raises(TypeError, match="member descriptor"):
-        speedups.bind_node(int)
+def test_the_runs_refuse_tables_of_the_other_layout() -> None:
+    with pytest.raises(TypeError, match="NodeMap"):
+        tables.place_run({}, {}, [1], [2], 0, None, 0)
+    with pytest.raises(TypeError, match="NodeMap"):
+        tables.remove_run(tables.NodeMap(), {}, [2], 0, 0, True)
+
+
+def paths(tree: BlockTree, rng: random.Random, n: int) -> list[list[int]]:
+    """Root-to-node key paths of `n` random nodes, some with a block the tree lacks after."""
+    keys = list(tree._nodes)
+    out = []
+    for key in rng.sample(keys, min(n, len(keys))):
+        path = [key]
+        while (parent := tree._nodes[path[-1]].parent) is not None:
+            path.append(parent)
+        path.reverse()
+        if rng.random() < 0.5:
+            path.append(2**64 - 1 - rng.randrange(1000))
+        out.append(path)
+    return out
+
+
+@pytest.mark.parametrize("n_ranks", [3, 70])
+@pytest.mark.parametrize("seed", range(6))
+def test_prefix_depths_answer_alike_on_both_layouts(seed: int, n_ranks: int) -> None:
+    trees = []
+    for layout in (compiled_with(), PURE_LAYOUT):
+        rng = random.Random(seed)
+        tree = BlockTree(BS, layout)
+        ranks = [RankId(f"http://w{i}:8000", 0) for i in range(n_ranks)]
+        for c in range(300):
+            tokens = [rng.randrange(1, 4) for _ in range(BS * rng.randint(1, 6))]
+            tier = rng.choice([DEVICE] * 6 + [HOST, DISK | DEVICE])
+            tree.store(
+                rng.choice(ranks),
+                None,
+                [c * 10 + i for i in range(len(tokens) // BS)],
+                tokens,
+                BS,
+                tier,
+            )
+        trees.append(tree)
+    for path in paths(trees[1], random.Random(seed), 60):
+        answers = [
+            (d.any_tier, d.device, d.depth_runs(), d.depth_runs(device=True))
+            for d in (tree.prefix_depths(path) for tree in trees)
+        ]
+        assert answers[0] == answers[1]
+        assert trees[0].match(path) == trees[1].match(path)

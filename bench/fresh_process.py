@@ -1,0 +1,50 @@
+"""Run a measurement once per size, each in a fresh interpreter, and print its row.
+
+Resident memory and CPU of a million-object build are only comparable when nothing of a
+previous size is left in the process: each size runs as `python -m MODULE --child SIZE`,
+which prints the measurement as one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def per_size_main(
+    module: str,
+    doc: str,
+    default_sizes: str,
+    measure: Callable[[int], dict[str, Any]],
+    describe: Callable[[dict[str, Any]], str],
+) -> None:
+    """The command line of such a benchmark: `--sizes`, `--pure` (no compiled accelerator)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--sizes", default=default_sizes)
+    parser.add_argument("--pure", action="store_true", help="without the compiled accelerator")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child)))
+        return
+    env = dict(os.environ)
+    if args.pure:
+        env["KVROUTER_NO_EXTENSIONS"] = "1"
+    for size in map(int, args.sizes.split(",")):
+        out = subprocess.run(
+            [sys.executable, "-m", module, "--child", str(size)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
+            cwd=ROOT,
+        ).stdout
+        print(describe(json.loads(out)), flush=True)

@@ -1,0 +1,96 @@
+"""The block index's resident memory per block, in bench/scale.py's shape, without a replica.
+
+Run: .venv/bin/python -m bench.tree_memory [--sizes 1000000,3000000] [--pure]
+
+Each size is built in a fresh child process (`BlockTree.store`, chains of 8 blocks of 16
+tokens on 64 ranks, one chain in four stored by a second rank too under its own engine hashes:
+1.25 (rank, block) pairs a block) and reports VmRSS after the build minus VmRSS before it, per
+block. `--pure` sets KVROUTER_NO_EXTENSIONS=1 in the child (the pure-Python layout). Prints
+figures; asserts nothing. RSS, not tracemalloc: the allocator's rounding and the tables'
+spare slots are part of what a pod pays.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.fresh_process import per_size_main
+from cachetree.accel import IMPLEMENTATION
+from cachetree.ranks import RankId
+from cachetree.tree import BlockTree
+
+BLOCK = 16
+CHAIN = 8
+RANKS = 64
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise LookupError("VmRSS")
+
+
+def build_tree(n_blocks: int) -> BlockTree:
+    """The scale benchmark's fill (bench/scale.py fill_batches), applied to a bare tree."""
+    ranks = [RankId(f"http://10.0.{i // 16}.1:8000", i % 16) for i in range(RANKS)]
+    filler = [3 + (i * 7919) % 50_000 for i in range(BLOCK * CHAIN)]
+    engine_hash = [1] * RANKS
+    tree = BlockTree(BLOCK)
+    for c in range(n_blocks // CHAIN):
+        tokens = [3 + (c & 0xFFFF), 3 + (c >> 16), *filler[2:]]
+        for r in (c % RANKS, (c + 1) % RANKS) if c % 4 == 0 else (c % RANKS,):
+            first = engine_hash[r]
+            engine_hash[r] += CHAIN
+            tree.store(ranks[r], None, range(first, first + CHAIN), tokens, BLOCK)
+    return tree
+
+
+def build(n_blocks: int) -> dict[str, Any]:
+    gc.collect()
+    before = _rss()
+    start = time.process_time()
+    tree = build_tree(n_blocks)
+    cpu = time.process_time() - start
+    gc.collect()
+    after = _rss()
+    # What a full pass of the cyclic collector costs with the index alive: the replica's GC
+    # strategy (index objects untracked, start-up frozen, cli._tune_gc) keeps it near empty.
+    pauses = []
+    for _ in range(3):
+        start = time.perf_counter()
+        gc.collect()
+        pauses.append(time.perf_counter() - start)
+    return {
+        "implementation": IMPLEMENTATION,
+        "blocks": len(tree),
+        "pairs": tree.carried_blocks,
+        "rss_mib": (after - before) / 2**20,
+        "bytes_per_block": (after - before) / len(tree),
+        "build_us_per_block": cpu / len(tree) * 1e6,
+        "full_gc_ms": min(pauses) * 1e3,
+    }
+
+
+def describe(row: dict[str, Any]) -> str:
+    return (
+        f"{row['implementation']:>8} {row['blocks']:>10,} blocks {row['pairs']:>10,} pairs"
+        f"  RSS +{row['rss_mib']:,.0f} MiB = {row['bytes_per_block']:.0f} B/block"
+        f"  build {row['build_us_per_block']:.2f} us/block"
+        f"  full GC pass {row['full_gc_ms']:.1f} ms"
+    )
+
+
+def main() -> None:
+    per_size_main("bench.tree_memory", __doc__ or "", "1000000,3000000", build, describe)
+
+
+if __name__ == "__main__":
+    main()

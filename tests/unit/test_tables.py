@@ -1,0 +1,234 @@
+"""`cachetree._tables` against what it replaces: `NodeMap`/`HashMap` against dict, `Node` against
+the pure layout's `PyNode`, under random operations; and the bounds of the maps' memory."""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any
+
+import pytest
+
+from cachetree.tree import PyNode
+
+tables = pytest.importorskip(
+    "cachetree._tables", reason="the compiled accelerator is not built (pip install -e .)"
+)
+
+U64 = 2**64
+
+
+def values_of(m: Any) -> list[Any]:
+    return [m[k] for k in m]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("kind", ["node", "hash"])
+def test_a_map_answers_every_operation_as_a_dict_in_the_same_order(seed: int, kind: str) -> None:
+    rng = random.Random(seed)
+    native = tables.NodeMap() if kind == "node" else tables.HashMap()
+    ref: dict[int, Any] = {}
+    # A small key space so keys come back after deletion; the edges of u64 included.
+    space = [0, 1, U64 - 1, *(rng.randrange(U64) for _ in range(300))]
+
+    def value() -> Any:
+        return PyNode(None, rng.randrange(8), 0) if kind == "node" else rng.choice(space)
+
+    for step in range(6000):
+        k = rng.choice(space)
+        op = rng.random()
+        if op < 0.35:
+            v = value()
+            native[k] = v
+            ref[k] = v
+        elif op < 0.5:
+            v = value()
+            inserted = k not in ref
+            got = native.setdefault(k, v)
+            assert got == ref.setdefault(k, v)
+            if inserted:
+                assert got is v  # the default itself (the graft's take-back relies on it)
+        elif op < 0.7:
+            if k in ref:
+                del native[k], ref[k]
+            else:
+                with pytest.raises(KeyError):
+                    del native[k]
+        elif op < 0.75:
+            assert native.pop(k, "absent") == ref.pop(k, "absent")
+        elif op < 0.8 and ref:
+            assert native.popitem() == ref.popitem()
+        else:
+            assert native.get(k) == ref.get(k) and (k in native) == (k in ref)
+            assert native.get(k, "d") == ref.get(k, "d")
+        assert len(native) == len(ref)
+        if step % 500 == 0:
+            assert list(native) == list(ref)
+    assert list(native.items()) == list(ref.items())
+    assert list(native.keys()) == list(ref.keys())
+    assert list(native.values()) == list(ref.values())
+    native.clear()
+    assert len(native) == 0 and list(native) == []
+
+
+def test_lookups_of_what_no_u64_map_can_hold_are_misses_and_inserts_are_refused() -> None:
+    m = tables.HashMap()
+    m[5] = 6
+    for odd in (-1, U64, "5", 5.0, None):
+        assert odd not in m and m.get(odd) is None and m.pop(odd, 7) == 7
+        with pytest.raises(KeyError):
+            m[odd]
+    for bad_key in (-1, U64, "5"):
+        with pytest.raises(TypeError, match="keys are ints"):
+            m[bad_key] = 1
+        with pytest.raises(TypeError, match="keys are ints"):
+            m.setdefault(bad_key, 1)
+    with pytest.raises(TypeError, match="values are ints"):
+        m[6] = -3
+    with pytest.raises(KeyError, match="empty"):
+        tables.NodeMap().popitem()
+    assert dict(m.items()) == {5: 6}  # nothing half-applied
+
+
+def test_an_iterator_refuses_to_go_on_once_the_map_changed_shape() -> None:
+    m = tables.NodeMap()
+    for k in range(10):
+        m[k] = PyNode(None, 1, 0)
+    it = iter(m.values())
+    next(it)
+    m[3] = PyNode(None, 2, 0)  # replacing a value is no change of shape, as with dict
+    next(it)
+    del m[9]
+    with pytest.raises(RuntimeError, match="changed during iteration"):
+        next(it)
+
+
+def test_churn_at_a_steady_size_keeps_the_table_small_and_terminates() -> None:
+    """Insert-then-delete of ever new keys leaves only dummies behind; they must count toward
+    a rebuild (else the table fills with dummies and a probe never ends)."""
+    m = tables.HashMap()
+    for k in range(8):
+        m[k] = k
+    for k in range(100, 200_100):
+        m[k] = k
+        del m[k]
+    assert len(m) == 8 and list(m) == list(range(8))
+    assert m.__sizeof__() < 1024  # a 32-slot table, not 200,000 dummies
+
+
+def test_a_map_shrinks_at_its_next_rebuild_once_most_of_it_is_removed() -> None:
+    m = tables.HashMap()
+    for k in range(200_000):
+        m[k] = k
+    full = m.__sizeof__()
+    for k in range(199_000):
+        del m[k]
+    # New keys use up the entries left; the rebuild they cause sizes for the live ones.
+    for k in range(10**6, 10**6 + 1_000_000):
+        m[k] = k
+        del m[k]
+        if m.__sizeof__() != full:
+            break
+    assert m.__sizeof__() < full / 20
+    assert len(m) == 1000 and list(m)[:2] == [199_000, 199_001]
+
+
+def test_a_node_is_48_bytes_and_its_fields_read_back_as_the_pure_nodes() -> None:
+    assert sys.getsizeof(tables.Node(None, 1, 0, None, 5)) == 48
+    rng = random.Random(7)
+    choices = {
+        "parent": [None, 0, 5, U64 - 1],
+        "mask": [0, 1, 6, U64 - 1, U64, 1 << 70, (1 << 70) | 3],
+        "children": [0, 1, 2**32 - 1],
+        "tiers": [None, {0: 2}, {3: 6, 70: 4}],
+        "ehash": [None, 0, 9, U64 - 1, -5, U64 + 3, {0: 9, 1: 10}],
+    }
+    native, pure = tables.Node(None, 0, 0), PyNode(None, 0, 0)
+    for _ in range(3000):
+        field = rng.choice(list(choices))
+        value = rng.choice(choices[field])
+        setattr(native, field, value)
+        setattr(pure, field, value)
+        for name in choices:
+            assert getattr(native, name) == getattr(pure, name), name
+    assert tables.Node(3, 1, 0, ehash=4) == tables.Node(3, 1, 0, None, 4)
+    assert tables.Node(parent=None, mask=2, children=1).ehash is None
+
+
+def test_a_nodes_dicts_are_its_own_so_edits_in_place_stick() -> None:
+    node = tables.Node(None, 3, 0, {1: 2}, {0: 7, 1: 8})
+    node.tiers[1] = 6  # type: ignore[index]
+    node.ehash.pop(0)  # type: ignore[union-attr]
+    assert node.tiers == {1: 6} and node.ehash == {1: 8}
+    node.mask += 1 << 80  # past one machine word and back
+    node.mask -= 1 << 80
+    assert node.mask == 3 and node.tiers == {1: 6}
+
+
+def test_a_node_refuses_values_it_cannot_mean() -> None:
+    node = tables.Node(None, 1, 0)
+    with pytest.raises(ValueError, match="children"):
+        node.children = -1
+    with pytest.raises(TypeError, match="parent"):
+        node.parent = -1
+    with pytest.raises(TypeError, match="tiers"):
+        node.tiers = [1]
+    with pytest.raises(TypeError, match="ehash"):
+        node.ehash = "x"
+    with pytest.raises(AttributeError):
+        del node.mask
+    with pytest.raises(TypeError, match="missing"):
+        tables.Node(None, 1)
+    assert node == tables.Node(None, 1, 0)  # nothing half-applied
+
+
+def test_reserve_makes_room_once_and_keeps_what_the_map_holds() -> None:
+    m = tables.HashMap()
+    for k in range(100):
+        m[k] = k + 1
+    del m[5]
+    m.reserve(100_000)
+    reserved = m.__sizeof__()
+    assert list(m.items()) == [(k, k + 1) for k in range(100) if k != 5]
+    for k in range(1000, 100_900):
+        m[k] = 0
+    assert m.__sizeof__() == reserved  # no rebuild on the way
+    m.reserve(10)  # already room: nothing moves
+    assert m.__sizeof__() == reserved
+    with pytest.raises(ValueError, match="out of range"):
+        m.reserve(-1)
+
+
+def test_the_graft_refuses_columns_that_disagree_and_changes_nothing() -> None:
+    from array import array
+
+    nodes, ranks = tables.NodeMap(), [tables.HashMap()]
+    keys, parents = array("Q", [10, 11]), array("q", [-1, 0])
+    counts, workers, hashes = array("I", [1, 1]), array("I", [0, 0]), array("Q", [5, 6])
+    new = b"\x01\x01"
+    bad = [
+        (array("I", [1, 3]), workers, hashes, new, 0, 2, "overrun"),  # counts past the carriers
+        (counts, array("I", [0, 1]), hashes, new, 0, 2, "out of range"),  # no such worker
+        (counts, workers, hashes, b"\x01", 0, 2, "disagree"),  # one flag for two records
+        (counts, workers, hashes, new, 1, 3, "disagree"),  # a range past the records
+        (counts, workers, array("q", [5, 6]), new, 0, 2, "array"),  # signed hashes
+    ]
+    for c, w, h, n, a, b, reason in bad:
+        with pytest.raises((ValueError, TypeError), match=reason):
+            tables.graft_new(nodes, ranks, [0], keys, parents, c, w, h, n, a, b, 0)
+        assert len(nodes) == 0 and len(ranks[0]) == 0
+    with pytest.raises(ValueError, match="rank indices"):
+        tables.graft_new(nodes, ranks, [64], keys, parents, counts, workers, hashes, new, 0, 2, 0)
+    done = tables.graft_new(nodes, ranks, [0], keys, parents, counts, workers, hashes, new, 0, 2, 0)
+    assert done == (0, -1)
+    assert len(nodes) == 2 and dict(ranks[0].items()) == {5: 10, 6: 11}
+
+
+def test_the_walk_refuses_nodes_and_keys_that_disagree() -> None:
+    from array import array
+
+    node = tables.Node(None, 1, 0, None, 5)
+    with pytest.raises(ValueError, match="differ in length"):
+        tables.walk_chunk((node, node), array("Q", [1]), [0], 0, None)
+    with pytest.raises(TypeError, match="array"):
+        tables.walk_chunk((node,), array("q", [1]), [0], 0, None)
