@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,13 @@ def test_tree_memory_measures_each_size_in_its_own_process(pure: bool) -> None:
     assert {r.split()[0] for r in rows} == ({"pure"} if pure else {"compiled"})
     assert "5,000 pairs" in rows[0] and "10,000 pairs" in rows[1]  # 1.25 pairs a block
     assert all("B/block" in r for r in rows)
+
+
+def test_bench_ledger_prints_the_cost_of_both_prompt_shapes() -> None:
+    argv = [sys.executable, "bench/bench_ledger.py", "--requests", "200", "--repeats", "1"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    rows = done.stdout.splitlines()
+    assert [r.split(":")[0].strip() for r in rows] == ["distinct", "shared prefix"]
+    costs = [re.search(r"settle \+ record\s+([\d.]+) us per request", r) for r in rows]
+    assert all(m is not None and float(m.group(1)) > 0 for m in costs), rows
