@@ -17,7 +17,15 @@ one at a point of the interval drawn from the seed.
 
 The ideal row routes each prefix to one worker, the prefixes spread over the workers by a
 greedy partition of their blocks (largest first onto the least filled worker): only each
-prefix's first request misses, if every worker's share fits its cache.
+prefix's first request misses, if every worker's share fits its cache. `online_greedy` is the
+same rule played online: each prefix, when it first arrives, goes to the worker given the
+fewest prefix blocks so far, and stays there, whatever the loads (a reference for what a
+placement that only balances blocks achieves, not a router policy).
+
+`--diagnose` says where each policy's lost prefix blocks went (`Losses`: a prefix's first
+admission, a worker sent a prefix another one held deeper, or nobody held it any more) and
+how evenly the prefixes' first placements spread their blocks over the workers. `--holdouts`
+adds shapes of the regime that no weight was chosen on (`holdouts()`).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from router.tools.demo import prompt_tokens
 
 BLOCK: Final = 16
 IDEAL: Final = "ideal"
+ONLINE_GREEDY: Final = "online_greedy"
 
 
 @dataclass(frozen=True)
@@ -182,6 +191,29 @@ def workloads() -> list[Workload]:
     return out
 
 
+def holdouts() -> list[Workload]:
+    """Shapes of the regime no weight was chosen on (added with `--diagnose`): c=12-16, one
+    to three replicas, other worker, prefix and cache counts, a cyclic order under a burst."""
+    c16 = Workload("6w-30p-c16-1rep", 6, 30, (16, 32), 0.85, 6, shuffled=True, concurrency=16)
+    return [
+        c16,
+        replace(c16, name="6w-30p-c16-3rep", replicas=3),
+        replace(c16, name="6w-30p-c16-prefilled-2rep", prefilled=True, replicas=2),
+        replace(c16, name="7w-35p-c16-2rep", workers=7, prefixes=35, replicas=2),
+        replace(c16, name="4w-20p-c16-2rep", workers=4, prefixes=20, prefix_blocks=(20, 40),
+                replicas=2),
+        replace(c16, name="8w-48p-c16-prefilled-3rep", workers=8, prefixes=48,
+                prefix_blocks=(12, 28), requests_per_prefix=5, prefilled=True, replicas=3),
+        replace(c16, name="5w-20p-c16-prefilled", workers=5, prefixes=20, prefix_blocks=(24, 40),
+                prefilled=True),
+        replace(c16, name="5w-25p-c12-2rep", workers=5, prefixes=25, prefix_blocks=(20, 36),
+                concurrency=12, replicas=2),
+        replace(c16, name="6w-30p-c12-fill90-2rep", fill=0.9, concurrency=12, replicas=2),
+        replace(c16, name="6w-36p-cyclic-c14-2rep", prefixes=36, prefix_blocks=(16, 28),
+                shuffled=False, concurrency=14, replicas=2),
+    ]  # fmt: skip
+
+
 # -- the workload's requests ------------------------------------------------------------------
 
 
@@ -235,6 +267,23 @@ def ideal_partition(lengths: Sequence[int], workers: int) -> list[int]:
     return out
 
 
+def shared_blocks(requests: Sequence[Request]) -> dict[int, int]:
+    """Prefix -> the full blocks every one of its requests starts with (what a cache can
+    reuse across them; the tails' blocks are each request's own)."""
+    first: dict[int, list[int]] = {}
+    shared: dict[int, int] = {}
+    for req in requests:
+        tokens = req.tokens
+        head = first.setdefault(req.prefix, tokens)
+        n = shared.get(req.prefix, len(tokens))
+        n = min(n, len(tokens))
+        same = 0
+        while same < n and head[same] == tokens[same]:
+            same += 1
+        shared[req.prefix] = same
+    return {p: n // BLOCK for p, n in shared.items()}
+
+
 # -- the simulated fleet ----------------------------------------------------------------------
 
 
@@ -252,6 +301,29 @@ class _Rank:
 
 
 @dataclass
+class Losses:
+    """Shared prefix blocks a run's requests did not find cached, by why (summed over the
+    requests): `cold`, a prefix's first admission anywhere; `copy`, another worker held more
+    of the prefix than the one the request was sent to (counted up to that depth); `evicted`,
+    the rest: no worker held it deeper any more."""
+
+    cold: int = 0
+    copy: int = 0
+    evicted: int = 0
+
+    def count(self, first: bool, shared: int, hit: int, elsewhere: int) -> None:
+        """One admission: `hit` leading blocks cached on its worker, `elsewhere` the most any
+        other worker held, `shared` the prefix's length in blocks."""
+        held = min(hit, shared)
+        if first:
+            self.cold += shared - held
+            return
+        copy = max(min(elsewhere, shared) - held, 0)
+        self.copy += copy
+        self.evicted += shared - held - copy
+
+
+@dataclass
 class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -259,6 +331,10 @@ class Outcome:
     ranks_per_prefix: float = 0.0
     spills: int = 0
     bookings_expired: int = 0
+    losses: Losses = field(default_factory=Losses)
+    # Max - min over the workers of the shared blocks of the prefixes whose first request
+    # each was sent: how unevenly the placement of new prefixes filled the caches.
+    placement_spread: int = 0
 
     @property
     def ratio(self) -> float:
@@ -320,10 +396,22 @@ class Fleet:
                 BLOCK,
             )
 
-    def _serve(self, r: _Rank, tokens: list[int], out: Outcome, done: Callable[[], None]) -> None:
+    def _serve(
+        self,
+        r: _Rank,
+        tokens: list[int],
+        out: Outcome,
+        account: Callable[[int, int], None],
+        done: Callable[[], None],
+    ) -> None:
+        """Queue `tokens` on `r`; `account(hit, elsewhere)` at admission: the blocks cached
+        there, and the most any other worker held then."""
+
         def start() -> None:
             r.running += 1
+            elsewhere = max(o.cache.cached_prefix(tokens) for o in self.ranks if o is not r)
             admission = r.cache.admit(tokens, medium="GPU")
+            account(admission.hit_blocks, elsewhere)
             cached = admission.hit_blocks * BLOCK
             out.prompt_tokens += len(tokens)
             out.cached_tokens += cached
@@ -364,6 +452,9 @@ class Fleet:
         pending = iter(enumerate(requests))
         active = [0]
         seen: dict[int, set[RankId]] = {}
+        shared = shared_blocks(requests)
+        placed = dict.fromkeys(by_rank, 0)  # shared blocks of the prefixes first sent there
+        admitted: set[int] = set()
 
         def next_request() -> None:
             item = next(pending, None)
@@ -373,8 +464,16 @@ class Fleet:
             active[0] += 1
             rank = route(i, req)
             out.requests_per_rank[rank] = out.requests_per_rank.get(rank, 0) + 1
+            if req.prefix not in seen:
+                placed[rank] += shared[req.prefix]
             seen.setdefault(req.prefix, set()).add(rank)
-            self._serve(by_rank[rank], req.tokens, out, lambda: finished(i, rank))
+
+            def account(hit: int, elsewhere: int) -> None:
+                first = req.prefix not in admitted
+                admitted.add(req.prefix)
+                out.losses.count(first, shared[req.prefix], hit, elsewhere)
+
+            self._serve(by_rank[rank], req.tokens, out, account, lambda: finished(i, rank))
 
         def finished(i: int, rank: RankId) -> None:
             active[0] -= 1
@@ -388,6 +487,7 @@ class Fleet:
             self.at(self.now, next_request)
         self._drain()
         out.ranks_per_prefix = statistics.fmean(len(s) for s in seen.values())
+        out.placement_spread = max(placed.values()) - min(placed.values())
         return out
 
 
@@ -400,6 +500,18 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
     if policy == IDEAL:
         part = ideal_partition(lengths, w.workers)
         return fleet.run(requests, lambda i, req: ranks[part[req.prefix]])
+    if policy == ONLINE_GREEDY:
+        home: dict[int, RankId] = {}
+        given = dict.fromkeys(ranks, 0)
+
+        def greedy(i: int, req: Request) -> RankId:
+            rank = home.get(req.prefix)
+            if rank is None:
+                rank = home[req.prefix] = min(ranks, key=given.__getitem__)
+                given[rank] += lengths[req.prefix]
+            return rank
+
+        return fleet.run(requests, greedy)
     routers: list[Policy] = []
 
     def sharer(k: int) -> Callable[[RankId, Sequence[int], int], None]:
@@ -446,10 +558,38 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
     return out
 
 
+def diagnose(
+    w: Workload,
+    seeds: int,
+    policies: Sequence[str],
+    play_one: Callable[[Workload, int, str], Outcome],
+) -> None:
+    """Per policy: the ratio over the ideal partition's (median of the seeds' quotients), the
+    lost shared blocks by why (means per run), the first placements' spread, ranks/prefix."""
+    ideal = [play(w, s, IDEAL) for s in range(seeds)]
+    for p in [IDEAL, *policies]:
+        runs = ideal if p == IDEAL else [play_one(w, s, p) for s in range(seeds)]
+        rel = statistics.median(r.ratio / i.ratio for r, i in zip(runs, ideal, strict=True))
+        lost = [
+            statistics.fmean(getattr(r.losses, k) for r in runs)
+            for k in ("cold", "copy", "evicted")
+        ]
+        spread = statistics.fmean(r.placement_spread for r in runs)
+        per_prefix = statistics.fmean(r.ranks_per_prefix for r in runs)
+        print(
+            f"{w.name:<34} {p:<14} {rel:6.3f}x {lost[0]:7.0f} {lost[1]:6.0f} {lost[2]:7.0f} "
+            f"{spread:7.1f} {per_prefix:6.2f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--workloads", default="")
+    parser.add_argument("--holdouts", action="store_true", help="add holdouts() to the family")
+    parser.add_argument(
+        "--diagnose", action="store_true", help="where the lost blocks went, per policy"
+    )
     parser.add_argument("--policies", default="cache_aware,round_robin")
     parser.add_argument("--evict", type=float, default=CacheAwareWeights().evict)
     parser.add_argument("--fill", type=float, default=CacheAwareWeights().fill)
@@ -464,14 +604,26 @@ def main() -> None:
     settings = PressureSettings(booking_ttl_s=args.ttl_s, demand_half_life_s=args.half_life_s)
     wanted = {x for x in args.workloads.split(",") if x}
     policies = [p for p in args.policies.split(",") if p]
+    family = workloads() + (holdouts() if args.holdouts else [])
+    chosen = [w for w in family if not wanted or w.name in wanted]
+
+    def play_one(w: Workload, seed: int, policy: str) -> Outcome:
+        return play(w, seed, policy, weights, settings, not args.no_share)
+
+    if args.diagnose:
+        print(
+            f"{'workload':<34} {'policy':<14} {'x ideal':>7} {'cold':>7} {'copy':>6} "
+            f"{'evicted':>7} {'spread':>7} {'ranks':>6}"
+        )
+        for w in chosen:
+            diagnose(w, args.seeds, policies, play_one)
+        return
     print(f"{'workload':<34} {'ideal':>6} " + " ".join(f"{p:>26}" for p in policies))
-    for w in workloads():
-        if wanted and w.name not in wanted:
-            continue
+    for w in chosen:
         ideal = [play(w, s, IDEAL).ratio for s in range(args.seeds)]
         cells = []
         for p in policies:
-            runs = [play(w, s, p, weights, settings, not args.no_share) for s in range(args.seeds)]
+            runs = [play_one(w, s, p) for s in range(args.seeds)]
             ratios = [r.ratio for r in runs]
             rel = statistics.median(ratios) / statistics.median(ideal)
             spread = statistics.fmean(r.ranks_per_prefix for r in runs)

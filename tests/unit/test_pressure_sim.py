@@ -1,0 +1,94 @@
+"""The pressure simulator's diagnosis: where lost prefix blocks went, and how evenly the
+first placements spread them (bench/pressure_sim.py, `--diagnose`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.pressure_sim import (
+    IDEAL,
+    ONLINE_GREEDY,
+    Losses,
+    Request,
+    Workload,
+    build_requests,
+    holdouts,
+    play,
+    shared_blocks,
+    workloads,
+)
+
+
+@pytest.mark.parametrize(
+    ("first", "shared", "hit", "elsewhere", "expected"),
+    [
+        (True, 20, 1, 0, (19, 0, 0)),  # a prefix's first admission: all of it is cold
+        (False, 20, 20, 20, (0, 0, 0)),  # found whole: nothing lost
+        (False, 20, 5, 20, (0, 15, 0)),  # another worker held all of it: a copy
+        (False, 20, 5, 12, (0, 7, 8)),  # another held 12: 7 are the copy's, 8 are gone
+        (False, 20, 5, 3, (0, 0, 15)),  # nobody held more: evicted
+        (False, 20, 24, 30, (0, 0, 0)),  # tail blocks beyond the prefix are not counted
+    ],
+)
+def test_a_lost_block_is_counted_once_by_why_it_was_lost(
+    first: bool, shared: int, hit: int, elsewhere: int, expected: tuple[int, int, int]
+) -> None:
+    losses = Losses()
+    losses.count(first, shared, hit, elsewhere)
+    assert (losses.cold, losses.copy, losses.evicted) == expected
+
+
+def test_shared_blocks_are_the_full_blocks_every_request_of_a_prefix_starts_with() -> None:
+    w = Workload("t", 2, 3, (4, 6), 0.85, 4, shuffled=True)
+    requests, lengths = build_requests(w, seed=3)
+    shared = shared_blocks(requests)
+    assert set(shared) == {0, 1, 2}
+    for prefix, n in shared.items():
+        mine = [r.tokens for r in requests if r.prefix == prefix]
+        assert all(t[: n * 16] == mine[0][: n * 16] for t in mine)
+        # one more block would differ in some request (the tails are each request's own)
+        assert any(t[: (n + 1) * 16] != mine[0][: (n + 1) * 16] for t in mine)
+        # the chat rendering adds tokens around the prefix's text: within a block of it
+        assert lengths[prefix] - 1 <= n <= lengths[prefix] + 1
+
+
+def test_one_request_shares_all_of_its_full_blocks() -> None:
+    req = Request(0, "x" * 70)
+    assert shared_blocks([req]) == {0: len(req.tokens) // 16}
+
+
+def test_the_losses_of_a_run_add_up_to_the_prefix_blocks_it_did_not_find() -> None:
+    w = Workload("t", 3, 9, (10, 14), 0.85, 4, shuffled=True, concurrency=4)
+    requests, _ = build_requests(w, seed=1)
+    shared = shared_blocks(requests)
+    total = sum(shared[r.prefix] for r in requests)
+    for policy in (IDEAL, "round_robin", "cache_aware"):
+        out = play(w, 1, policy)
+        lost = out.losses.cold + out.losses.copy + out.losses.evicted
+        # every prefix misses once (cold; its first block, the chat preamble, may hit) ...
+        assert out.losses.cold >= sum(shared.values()) - len(shared)
+        # ... and what was not lost was found: the tails' own blocks never hit
+        assert total - lost == out.cached_tokens // 16
+    # the ideal partition never sends a prefix where another worker holds more of it
+    assert play(w, 1, IDEAL).losses.copy == 0
+    # round robin spreads every prefix over the workers: it loses to copies
+    assert play(w, 1, "round_robin").losses.copy > 0
+
+
+def test_online_greedy_keeps_each_prefix_on_one_worker_and_balances_their_blocks() -> None:
+    w = Workload("t", 4, 16, (10, 30), 0.85, 4, shuffled=True, concurrency=8)
+    _, lengths = build_requests(w, seed=2)
+    out = play(w, 2, ONLINE_GREEDY)
+    assert out.ranks_per_prefix == 1.0
+    assert out.losses.copy == 0
+    # each prefix onto the least-given worker: no worker ends more than one prefix ahead
+    assert out.placement_spread <= max(lengths) + 2
+
+
+def test_holdouts_are_new_shapes_with_unique_names() -> None:
+    family = {w.name for w in workloads()}
+    names = [w.name for w in holdouts()]
+    assert len(set(names)) == len(names)
+    assert not family & set(names)
+    assert {w.replicas for w in holdouts()} == {1, 2, 3}
+    assert max(w.concurrency for w in holdouts()) == 16
