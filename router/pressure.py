@@ -37,17 +37,20 @@ being what one record weighed on one rank (its rank, its weight, its keys in ord
 prompt's blocks share one weight and one rank and a new block costs one lookup and one store.
 A rank keeps its batches in record order, which is its pairs' last-routed order; a block
 weighed again stays listed in its older batch too, as a stale entry skipped (the table no
-longer points there) when that batch is pruned. A booking keeps its blocks as one frozenset,
-checked only when a decision asks how deep bookings extend a prompt: booking and ending one
-is C-level work, not a Python loop over its blocks.
+longer points there) when that batch is pruned. A rank's booked blocks map each key to the
+newest booking of it, in one C-level update per booking; bookings end oldest first (a
+failover's `move` aside, which rebuilds the map), so a key
+whose newest booking has ended is booked no more, and ending one touches none of its blocks.
 
 Bounds: each rank's pairs are kept in last-routed order; pairs older than 16 half-lives
 (weight < 1/65536) are dropped as the rank is recorded, and the whole ledger holds at most
 `max_tracked_blocks` pairs (each rank its share; a rank's oldest go first), so memory is
 bounded whatever the traffic. A rank no longer routed to is swept a little on every record.
 Stale entries are compacted away whenever a rank pruned lists more than twice its pairs plus
-`_STALE_SLACK`. Booked blocks are bounded by the same figure: past it, the oldest booking ends
-early (and counts as expired).
+`_STALE_SLACK`, and a rank's booked map is rebuilt from its live bookings when it holds more
+than twice their blocks plus the same slack (emptied when none is left). Booked blocks are
+bounded by the same figure as pairs: past it, the oldest booking ends early (and counts as
+expired).
 """
 
 from __future__ import annotations
@@ -100,7 +103,8 @@ class _Booking:
     ends_at: float
     head: int  # its first block: the one an engine evicts last
     size: int  # the blocks it books
-    members: frozenset[int]
+    keys: Sequence[int]  # which
+    ended: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -122,6 +126,10 @@ class _RankLedger:
     listed: int = 0  # keys its batches list from `start` on, live or stale
     total: float = 0.0  # sum of its live pairs' weights
     bookings: deque[_Booking] = field(default_factory=deque)  # oldest first
+    # key -> the newest booking that booked it, ended or not. Bookings end oldest first
+    # (`move` aside, which rebuilds this), so a key whose newest booking ended is booked
+    # no more: ending a booking costs nothing per block.
+    booked: dict[int, _Booking] = field(default_factory=dict)
     booked_blocks: int = 0  # over its live bookings
 
 
@@ -191,17 +199,8 @@ class PressureLedger:
             return out
         for rank in self._booking_ranks:
             start = depth = held.get(rank, 0)
-            bookings = self._ranks[rank].bookings
-            members: frozenset[int] = frozenset()
-            while depth < n:
-                key = keys[depth]
-                if key not in members:  # the booking that held the previous block ends here
-                    for booking in bookings:
-                        if key in booking.members:
-                            members = booking.members
-                            break
-                    else:
-                        break
+            get = self._ranks[rank].booked.get
+            while depth < n and (booking := get(keys[depth])) is not None and not booking.ended:
                 depth += 1
             if depth > start:
                 out[rank] = depth
@@ -253,6 +252,7 @@ class PressureLedger:
                     st.bookings.remove(booking)
                     self.bookings.moved += 1
                     self._release(routed, st, booking)
+                    self._rebuild_booked(st)  # the older bookings of its keys still hold them
                     break
         return self.record(served, keys, held, holds)
 
@@ -369,9 +369,13 @@ class PressureLedger:
         self, now: float, rank: RankId, st: _RankLedger, keys: Sequence[int], held: int
     ) -> None:
         self.bookings.made += 1
-        size = len(keys) - held
-        members = frozenset(keys[held:] if held else keys)
-        st.bookings.append(_Booking(now + self.settings.booking_ttl_s, keys[held], size, members))
+        booked_keys = keys[held:]
+        size = len(booked_keys)
+        booking = _Booking(now + self.settings.booking_ttl_s, keys[held], size, booked_keys)
+        st.bookings.append(booking)
+        if len(st.booked) > 2 * st.booked_blocks + _STALE_SLACK:
+            self._rebuild_booked(st)
+        st.booked.update(zip(booked_keys, repeat(booking)))
         self._booking_ranks.add(rank)
         st.booked_blocks += size
         self._booked_blocks += size
@@ -382,10 +386,19 @@ class PressureLedger:
             self._release(oldest, st_old, st_old.bookings.popleft())
 
     def _release(self, rank: RankId, st: _RankLedger, booking: _Booking) -> None:
+        booking.ended = True
         st.booked_blocks -= booking.size
         self._booked_blocks -= booking.size
         if not st.bookings:
             self._booking_ranks.discard(rank)
+            st.booked.clear()
+
+    @staticmethod
+    def _rebuild_booked(st: _RankLedger) -> None:
+        """Map the rank's booked keys from its live bookings alone, newest last."""
+        st.booked.clear()
+        for booking in st.bookings:
+            st.booked.update(zip(booking.keys, repeat(booking)))
 
     def _prune(self, st: _RankLedger, now: float) -> None:
         """Drop the rank's pairs that weigh next to nothing, and its oldest beyond its share;

@@ -406,6 +406,37 @@ def test_a_failed_over_prompt_moves_its_booking_and_demand_to_the_rank_that_serv
     assert led.bookings.expired == 2  # the one on B and `other` on A, nothing more
 
 
+def test_a_failed_over_prompt_leaves_an_earlier_booking_of_its_blocks_in_place() -> None:
+    clock = ManualClock()
+    led = ledger(clock, booking_ttl_s=5.0)
+    prompt = keys(1, 20)
+    led.record(A, prompt)  # a first request of the prefix
+    led.record(A, prompt)  # a second one, before the first's store event
+    led.move(A, B, prompt)  # the second failed over to B: the first still books A
+    assert led.booked_depths(prompt, {}) == {A: 20, B: 20}
+    assert (led.live_bookings(A), led.pending(A)) == (1, 20)
+    clock.advance(5.0)
+    led.settle(None)
+    assert led.booked_depths(prompt, {}) == {}
+
+
+def test_ended_bookings_leave_a_bounded_trace_and_none_once_all_have_ended() -> None:
+    """A booking ends without a pass over its blocks: their entries stay, ignored, in the
+    rank's map until it holds more than twice its booked blocks plus a fixed slack."""
+    clock = ManualClock()
+    led = ledger(clock, booking_ttl_s=1.0)
+    for seed in range(400):  # 20,000 blocks booked, about 10 bookings live at a time
+        clock.advance(0.1)
+        led.settle(None)
+        led.record(A, keys(seed, 50))
+        assert len(led._ranks[A].booked) <= 2 * led.pending(A) + 4096
+    assert led.booked_depths(keys(399, 50), {}) == {A: 50}
+    assert led.booked_depths(keys(380, 50), {}) == {}  # ended two seconds ago
+    clock.advance(1.0)
+    led.settle(None)
+    assert led.pending(A) == 0 and not led._ranks[A].booked
+
+
 def test_bookings_settle_oldest_first_per_rank_and_stop_at_one_still_pending() -> None:
     clock = ManualClock()
     index = Index()
