@@ -39,8 +39,8 @@ A rank keeps its batches in record order, which is its pairs' last-routed order;
 weighed again stays listed in its older batch too, as a stale entry skipped (the table no
 longer points there) when that batch is pruned. A rank's booked blocks map each key to the
 newest booking of it, in one C-level update per booking; bookings end oldest first (a
-failover's `move` aside, which rebuilds the map), so a key
-whose newest booking has ended is booked no more, and ending one touches none of its blocks.
+failover's `move` aside, which rebuilds the map), so a key whose newest booking has ended is
+booked no more, and ending one touches none of its blocks.
 
 Bounds: each rank's pairs are kept in last-routed order; pairs older than 16 half-lives
 (weight < 1/65536) are dropped as the rank is recorded, and the whole ledger holds at most
