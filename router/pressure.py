@@ -60,7 +60,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import islice, repeat
 
 from cachetree.ranks import RankId
 
@@ -329,8 +329,19 @@ class PressureLedger:
         taken: _Batch | None = None  # the batch the run of keys being reweighed comes from
         run = 0  # their number so far
         reweighed = 0
-        first = len(keys)
-        for i, old in enumerate(olds):
+        n = first = len(keys)
+        start = 0
+        head = olds[0]
+        if head is not batch and head.rank is st and head.weight >= fresh:
+            # A hot prefix (or a whole prompt) kept fresh from one earlier record: skipped
+            # at C speed, the most common case once a system prompt is cached.
+            kept = head
+            start = olds.count(head)
+            if start == n:
+                return n, 0
+            if olds[:start].count(head) != start:
+                start = 0
+        for i, old in enumerate(islice(olds, start, None), start):
             if old is kept:
                 continue
             if old is not batch:
