@@ -8,11 +8,14 @@ and confirmed by the index 32 requests later (its store event arriving), as in a
 - `distinct`: every prompt is new (the proxy benchmark's shape): every block is weighed and
   booked, and later its booking ends;
 - `shared prefix`: a 62-block prefix common to all prompts (moving between the two ranks
-  with every prompt) and a new 63-block tail.
+  with every prompt) and a new 63-block tail;
+- `system prompts` (with `--shape`): the proxy benchmark's workload, one of 8 62-block system
+  prompts, each routed to one rank always (kept fresh there), and a new 63-block tail.
 Each request also reads what a decision reads (`booked_depths`, `pendings`, `demands`), timed
 apart and printed as `reads`. Best of `--repeats` runs, so that other processes on the machine
 inflate it less.
 
+`--shape NAME` (repeatable) picks the shapes; the first two by default.
 `--against REV` loads `router/pressure.py` as it was at git revision REV next to this tree's
 and runs the two in alternating rounds (`--repeats` rounds each, the order swapped every
 round): medians and ranges of each, and the ratio of the medians, new over old.
@@ -40,22 +43,34 @@ from cachetree.ranks import RankId  # noqa: E402
 
 BLOCKS = 125
 CONFIRM_AFTER = 32
-SHAPES = (("distinct", 0), ("shared prefix", 62))
+SYSTEM_PROMPTS = 8
+SHAPES = {"distinct": (0, 1), "shared prefix": (62, 1), "system prompts": (62, SYSTEM_PROMPTS)}
+DEFAULT_SHAPES = ("distinct", "shared prefix")
+RANKS = [RankId("http://w0:8000", 0), RankId("http://w1:8000", 0)]
 
 
-def prompts(requests: int, shared: int) -> list[list[int]]:
+def prompts(requests: int, shared: int, heads: int = 1) -> list[list[int]]:
+    """Prompt i: head i % `heads` (of `shared` blocks) and a new tail."""
     rng = random.Random(1)
-    head = [rng.getrandbits(63) for _ in range(shared)]
-    return [head + [rng.getrandbits(63) for _ in range(BLOCKS - shared)] for _ in range(requests)]
+    prefixes = [[rng.getrandbits(63) for _ in range(shared)] for _ in range(heads)]
+    return [
+        prefixes[i % heads] + [rng.getrandbits(63) for _ in range(BLOCKS - shared)]
+        for i in range(requests)
+    ]
+
+
+def rank_of(i: int, heads: int) -> RankId:
+    """One head, prompts alternate between the ranks; several, each head keeps to one."""
+    return RANKS[i % 2] if heads == 1 else RANKS[i % heads % 2]
 
 
 def per_request_us(
-    batch: list[list[int]], module: ModuleType = router.pressure
+    batch: list[list[int]], heads: int = 1, module: ModuleType = router.pressure
 ) -> tuple[float, float]:
     """(settle + record, reads) in us per request, with the ledger of `module`."""
     now = [0.0]
     ledger = module.PressureLedger(clock=lambda: now[0])
-    ranks = [RankId("http://w0:8000", 0), RankId("http://w1:8000", 0)]
+    ranks = RANKS
     stored: set[tuple[RankId, int]] = set()
     clock = time.perf_counter
 
@@ -72,9 +87,10 @@ def per_request_us(
         ledger.pendings(ranks)
         ledger.demands(ranks)
         reads += clock() - t
-        ledger.record(ranks[i % 2], keys, held=0, holds=holds)
+        ledger.record(rank_of(i, heads), keys, held=0, holds=holds)
         if i >= CONFIRM_AFTER:
-            stored.add((ranks[(i - CONFIRM_AFTER) % 2], batch[i - CONFIRM_AFTER][0]))
+            j = i - CONFIRM_AFTER
+            stored.add((rank_of(j, heads), batch[j][0]))
     total = clock() - start
     return (total - reads) / len(batch) * 1e6, reads / len(batch) * 1e6
 
@@ -106,12 +122,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shape", action="append", choices=list(SHAPES))
     parser.add_argument("--against", metavar="REV", help="A/B against router/pressure.py at REV")
     args = parser.parse_args()
+    shapes = [(name, *SHAPES[name]) for name in args.shape or DEFAULT_SHAPES]
     if args.against is None:
-        for name, shared in SHAPES:
-            batch = prompts(args.requests, shared)
-            runs = [per_request_us(batch) for _ in range(args.repeats)]
+        for name, shared, heads in shapes:
+            batch = prompts(args.requests, shared, heads)
+            runs = [per_request_us(batch, heads) for _ in range(args.repeats)]
             best = min(runs)
             print(
                 f"{name:>14}: settle + record {best[0]:6.1f} us per request "
@@ -122,12 +140,12 @@ def main() -> None:
         return
     old = module_at(args.against)
     versions = (("this tree", router.pressure), (args.against, old))
-    for name, shared in SHAPES:
-        batch = prompts(args.requests, shared)
+    for name, shared, heads in shapes:
+        batch = prompts(args.requests, shared, heads)
         runs: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in versions}
         for r in range(args.repeats):
             for label, module in versions if r % 2 == 0 else versions[::-1]:
-                runs[label].append(per_request_us(batch, module))
+                runs[label].append(per_request_us(batch, heads, module))
         new_cost, old_cost = (runs[label] for label, _ in versions)
         ratio = statistics.median(c[0] for c in new_cost) / statistics.median(
             c[0] for c in old_cost
