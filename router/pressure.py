@@ -101,9 +101,7 @@ class BookingStats:
 @dataclass(slots=True, eq=False)
 class _Booking:
     ends_at: float
-    head: int  # its first block: the one an engine evicts last
-    size: int  # the blocks it books
-    keys: Sequence[int]  # which
+    keys: Sequence[int]  # the blocks it books, root first
     ended: bool = False
 
 
@@ -247,8 +245,8 @@ class PressureLedger:
         if st is not None and keys:
             # The newest booking of these keys: the one this prompt's decision made.
             for booking in reversed(st.bookings):
-                start = len(keys) - booking.size
-                if start >= 0 and booking.head == keys[start]:
+                start = len(keys) - len(booking.keys)
+                if start >= 0 and booking.keys[0] == keys[start]:
                     st.bookings.remove(booking)
                     self.bookings.moved += 1
                     self._release(routed, st, booking)
@@ -267,7 +265,7 @@ class PressureLedger:
             queue = st.bookings
             while queue:
                 booking = queue[0]
-                if holds is not None and holds(rank, booking.head):
+                if holds is not None and holds(rank, booking.keys[0]):
                     self.bookings.confirmed += 1
                 elif booking.ends_at <= now:
                     self.bookings.expired += 1
@@ -382,7 +380,7 @@ class PressureLedger:
         self.bookings.made += 1
         booked_keys = keys[held:]
         size = len(booked_keys)
-        booking = _Booking(now + self.settings.booking_ttl_s, keys[held], size, booked_keys)
+        booking = _Booking(now + self.settings.booking_ttl_s, booked_keys)
         st.bookings.append(booking)
         if len(st.booked) > 2 * st.booked_blocks + _STALE_SLACK:
             self._rebuild_booked(st)
@@ -398,8 +396,8 @@ class PressureLedger:
 
     def _release(self, rank: RankId, st: _RankLedger, booking: _Booking) -> None:
         booking.ended = True
-        st.booked_blocks -= booking.size
-        self._booked_blocks -= booking.size
+        st.booked_blocks -= len(booking.keys)
+        self._booked_blocks -= len(booking.keys)
         if not st.bookings:
             self._booking_ranks.discard(rank)
             st.booked.clear()
