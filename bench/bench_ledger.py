@@ -1,72 +1,163 @@
 """What the pressure ledger costs a routed request: `settle` + `record`, per request.
 
-Run: .venv/bin/python bench/bench_ledger.py [--requests 4000] [--repeats 5]
+Run: .venv/bin/python bench/bench_ledger.py [--requests 4000] [--repeats 5] [--against REV]
 Prints figures; asserts nothing. One core, one process, an injected clock (1 ms a request).
 
 Prompts of 125 blocks (2,000 tokens) alternate between two ranks, each booked on its rank
 and confirmed by the index 32 requests later (its store event arriving), as in a replica:
-- `distinct`: every prompt is new (the proxy benchmark's shape): every block is weighed,
-  homed and booked, and later released and pruned;
-- `shared prefix`: a 62-block prefix common to all prompts (fresh on one rank, moving on the
-  other) and a new 63-block tail.
-Best of `--repeats` runs, so that other processes on the machine inflate it less.
+- `distinct`: every prompt is new (the proxy benchmark's shape): every block is weighed and
+  booked, and later its booking ends;
+- `shared prefix`: a 62-block prefix common to all prompts (moving between the two ranks
+  with every prompt) and a new 63-block tail;
+- `system prompts` (with `--shape`): the proxy benchmark's workload, one of 8 62-block system
+  prompts, each routed to one rank always (kept fresh there), and a new 63-block tail.
+Each request also reads what a decision reads (`booked_depths`, `pendings`, `demands`), timed
+apart and printed as `reads`. Best of `--repeats` runs, so that other processes on the machine
+inflate it less.
+
+`--shape NAME` (repeatable) picks the shapes; the first two by default.
+`--against REV` loads `router/pressure.py` as it was at git revision REV next to this tree's
+and runs the two in alternating rounds (`--repeats` rounds each, the order swapped every
+round): medians and ranges of each, and the ratio of the medians, new over old.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
+import importlib.util
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from cachetree.ranks import RankId
-from router.pressure import PressureLedger
+import random  # noqa: E402
+
+import router.pressure  # noqa: E402
+from cachetree.ranks import RankId  # noqa: E402
 
 BLOCKS = 125
 CONFIRM_AFTER = 32
+SYSTEM_PROMPTS = 8
+SHAPES = {"distinct": (0, 1), "shared prefix": (62, 1), "system prompts": (62, SYSTEM_PROMPTS)}
+DEFAULT_SHAPES = ("distinct", "shared prefix")
+RANKS = [RankId("http://w0:8000", 0), RankId("http://w1:8000", 0)]
 
 
-def prompts(requests: int, shared: int) -> list[list[int]]:
+def prompts(requests: int, shared: int, heads: int = 1) -> list[list[int]]:
+    """Prompt i: head i % `heads` (of `shared` blocks) and a new tail."""
     rng = random.Random(1)
-    head = [rng.getrandbits(63) for _ in range(shared)]
-    return [head + [rng.getrandbits(63) for _ in range(BLOCKS - shared)] for _ in range(requests)]
+    prefixes = [[rng.getrandbits(63) for _ in range(shared)] for _ in range(heads)]
+    return [
+        prefixes[i % heads] + [rng.getrandbits(63) for _ in range(BLOCKS - shared)]
+        for i in range(requests)
+    ]
 
 
-def per_request_us(batch: list[list[int]]) -> float:
+def rank_of(i: int, heads: int) -> RankId:
+    """One head, prompts alternate between the ranks; several, each head keeps to one."""
+    return RANKS[i % 2] if heads == 1 else RANKS[i % heads % 2]
+
+
+def per_request_us(
+    batch: list[list[int]], heads: int = 1, module: ModuleType = router.pressure
+) -> tuple[float, float]:
+    """(settle + record, reads) in us per request, with the ledger of `module`."""
     now = [0.0]
-    ledger = PressureLedger(clock=lambda: now[0])
-    ranks = [RankId("http://w0:8000", 0), RankId("http://w1:8000", 0)]
+    ledger = module.PressureLedger(clock=lambda: now[0])
+    ranks = RANKS
     stored: set[tuple[RankId, int]] = set()
+    clock = time.perf_counter
 
     def holds(rank: RankId, key: int) -> bool:
         return (rank, key) in stored
 
-    start = time.perf_counter()
+    reads = 0.0
+    start = clock()
     for i, keys in enumerate(batch):
         now[0] += 0.001
         ledger.settle(holds)
-        ledger.record(ranks[i % 2], keys, held=0, holds=holds)
+        t = clock()
+        ledger.booked_depths(keys, {})
+        ledger.pendings(ranks)
+        ledger.demands(ranks)
+        reads += clock() - t
+        ledger.record(rank_of(i, heads), keys, held=0, holds=holds)
         if i >= CONFIRM_AFTER:
-            stored.add((ranks[(i - CONFIRM_AFTER) % 2], batch[i - CONFIRM_AFTER][0]))
-    return (time.perf_counter() - start) / len(batch) * 1e6
+            j = i - CONFIRM_AFTER
+            stored.add((rank_of(j, heads), batch[j][0]))
+    total = clock() - start
+    return (total - reads) / len(batch) * 1e6, reads / len(batch) * 1e6
+
+
+def module_at(rev: str) -> ModuleType:
+    """`router/pressure.py` as it was at `rev`, loaded as a module of its own."""
+    source = subprocess.run(
+        ["git", "show", f"{rev}:router/pressure.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / "pressure_at_rev.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"pressure_at_{rev}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):6.1f} ({min(xs):.1f}-{max(xs):.1f})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shape", action="append", choices=list(SHAPES))
+    parser.add_argument("--against", metavar="REV", help="A/B against router/pressure.py at REV")
     args = parser.parse_args()
-    for name, shared in (("distinct", 0), ("shared prefix", 62)):
-        batch = prompts(args.requests, shared)
-        runs = [per_request_us(batch) for _ in range(args.repeats)]
-        print(
-            f"{name:>14}: settle + record {min(runs):6.1f} us per request "
-            f"(runs {min(runs):.1f}-{max(runs):.1f}; {BLOCKS} blocks, booked)",
-            flush=True,
+    shapes = [(name, *SHAPES[name]) for name in args.shape or DEFAULT_SHAPES]
+    if args.against is None:
+        for name, shared, heads in shapes:
+            batch = prompts(args.requests, shared, heads)
+            runs = [per_request_us(batch, heads) for _ in range(args.repeats)]
+            best = min(runs)
+            print(
+                f"{name:>14}: settle + record {best[0]:6.1f} us per request "
+                f"(runs {best[0]:.1f}-{max(r[0] for r in runs):.1f}; {BLOCKS} blocks, booked); "
+                f"reads {best[1]:.1f} us",
+                flush=True,
+            )
+        return
+    old = module_at(args.against)
+    versions = (("this tree", router.pressure), (args.against, old))
+    for name, shared, heads in shapes:
+        batch = prompts(args.requests, shared, heads)
+        runs: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in versions}
+        for r in range(args.repeats):
+            for label, module in versions if r % 2 == 0 else versions[::-1]:
+                runs[label].append(per_request_us(batch, heads, module))
+        new_cost, old_cost = (runs[label] for label, _ in versions)
+        ratio = statistics.median(c[0] for c in new_cost) / statistics.median(
+            c[0] for c in old_cost
         )
+        for label, _ in versions:
+            costs = runs[label]
+            print(
+                f"{name:>14}, {label:>12}: settle + record {spread([c[0] for c in costs])} us, "
+                f"reads {spread([c[1] for c in costs])} us per request",
+                flush=True,
+            )
+        print(f"{name:>14}: settle + record, new / old (medians) {ratio:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

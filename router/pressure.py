@@ -32,21 +32,35 @@ Weights are stored as 2 ** ((t - t0) / half_life) against a moving origin t0, so
 demand is one running sum scaled by 2 ** -((now - t0) / half_life): recording a block is O(1)
 and reading a demand is O(1), however many blocks are tracked.
 
+State per block is one table entry: block key -> the batch that weighed it last, a batch
+being what one record weighed on one rank (its rank, its weight, its keys in order), so a
+prompt's blocks share one weight and one rank and a new block costs one lookup and one store.
+A rank keeps its batches in record order, which is its pairs' last-routed order; a block
+weighed again stays listed in its older batch too, as a stale entry skipped (the table no
+longer points there) when that batch is pruned. A rank's booked blocks map each key to the
+newest booking of it, in one C-level update per booking; bookings end oldest first (a
+failover's `move` aside, which rebuilds the map), so a key whose newest booking has ended is
+booked no more, and ending one touches none of its blocks.
+
 Bounds: each rank's pairs are kept in last-routed order; pairs older than 16 half-lives
 (weight < 1/65536) are dropped as the rank is recorded, and the whole ledger holds at most
 `max_tracked_blocks` pairs (each rank its share; a rank's oldest go first), so memory is
 bounded whatever the traffic. A rank no longer routed to is swept a little on every record.
-Booked blocks are bounded by the same figure: past it, the oldest booking ends early (and
-counts as expired).
+Stale entries are compacted away whenever a rank pruned lists more than twice its pairs plus
+`_STALE_SLACK`, and a rank's booked map is rebuilt from its live bookings when it holds more
+than twice their blocks plus the same slack (emptied when none is left). Booked blocks are
+bounded by the same figure as pairs: past it, the oldest booking ends early (and counts as
+expired).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice, repeat
 
 from cachetree.ranks import RankId
 
@@ -55,6 +69,7 @@ Holds = Callable[[RankId, int], bool]  # does the index hold this block key on t
 _FORGET_AFTER_HALF_LIVES = 16.0
 _REBASE_AFTER_HALF_LIVES = 256.0  # 2 ** 256 is far from overflowing a double
 _REFRESH_FACTOR = 2.0 ** (-1 / 64)
+_STALE_SLACK = 4096  # stale batch entries a rank may list beyond its pairs before compaction
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,18 +98,36 @@ class BookingStats:
     moved: int = 0  # ended early: the proxy failed over and another rank served the prompt
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Booking:
     ends_at: float
     keys: Sequence[int]  # the blocks it books, root first
+    ended: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Batch:
+    """The pairs one record weighed on one rank, all at one weight. The keys the ledger's
+    table maps to this batch are its live pairs; the others listed are stale."""
+
+    rank: _RankLedger
+    weight: float
+    keys: Sequence[int] = ()  # in the order weighed, from `start` on (before it: pruned)
+    start: int = 0
+    live: int = 0
 
 
 @dataclass(slots=True)
 class _RankLedger:
-    weights: OrderedDict[int, float] = field(default_factory=OrderedDict)  # key -> weight
-    total: float = 0.0  # sum of `weights`
+    batches: deque[_Batch] = field(default_factory=deque)  # oldest first
+    pairs: int = 0  # live pairs over its batches
+    listed: int = 0  # keys its batches list from `start` on, live or stale
+    total: float = 0.0  # sum of its live pairs' weights
     bookings: deque[_Booking] = field(default_factory=deque)  # oldest first
-    booked: dict[int, int] = field(default_factory=dict)  # key -> live bookings holding it
+    # key -> the newest booking that booked it, ended or not. Bookings end oldest first
+    # (`move` aside, which rebuilds this), so a key whose newest booking ended is booked
+    # no more: ending a booking costs nothing per block.
+    booked: dict[int, _Booking] = field(default_factory=dict)
     booked_blocks: int = 0  # over its live bookings
 
 
@@ -108,10 +141,9 @@ class PressureLedger:
         self._ranks: dict[RankId, _RankLedger] = {}
         self._booking_ranks: set[RankId] = set()  # ranks with live bookings
         self._booked_blocks = 0  # over all live bookings
-        self._home: dict[int, RankId] = {}  # block key -> the rank its demand is counted on
+        self._pairs: dict[int, _Batch] = {}  # block key -> the batch that weighed it last
         self._origin = self._clock()
         self._sweep_next = 0  # the rank the next record sweeps, by position
-        self._tracked = 0  # pairs over all ranks
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -148,7 +180,7 @@ class PressureLedger:
 
     @property
     def tracked_blocks(self) -> int:
-        return self._tracked
+        return len(self._pairs)
 
     def ranks(self) -> list[RankId]:
         return list(self._ranks)
@@ -165,8 +197,8 @@ class PressureLedger:
             return out
         for rank in self._booking_ranks:
             start = depth = held.get(rank, 0)
-            booked = self._ranks[rank].booked
-            while depth < n and keys[depth] in booked:
+            get = self._ranks[rank].booked.get
+            while depth < n and (booking := get(keys[depth])) is not None and not booking.ended:
                 depth += 1
             if depth > start:
                 out[rank] = depth
@@ -190,36 +222,9 @@ class PressureLedger:
         if st is None:
             st = self._ranks[rank] = _RankLedger()
         if keys:
-            w = self._weight(now)
-            # A block refreshed within the last 1/64 of a half-life keeps its weight and its
-            # place: a hot prefix routed again and again costs one lookup per block.
-            fresh = w * _REFRESH_FACTOR
-            weights = st.weights
-            get = weights.get
-            pop = weights.pop
-            home = self._home
-            before = len(weights)
-            dropped = 0.0
-            added = 0
-            for i, key in enumerate(keys):
-                if get(key, 0.0) >= fresh:
-                    continue
-                if not added:
-                    first = i
-                added += 1
-                old = pop(key, None)
-                if old is not None:
-                    dropped += old
-                else:
-                    moved_from = home.get(key)
-                    if moved_from is not None:  # this replica's traffic for it went elsewhere
-                        self._forget(moved_from, key)
-                    home[key] = rank
-                weights[key] = w
-            self._tracked += len(weights) - before
-            st.total += w * added - dropped
+            first = self._weigh(st, keys, self._weight(now))
             if held < len(keys) and self.settings.booking_ttl_s > 0:
-                self._book(now, rank, st, keys[held:], holds)
+                self._book(now, rank, st, keys, held)
                 first = min(first, held)
         self._prune(st, now)
         self._sweep(now)
@@ -245,6 +250,7 @@ class PressureLedger:
                     st.bookings.remove(booking)
                     self.bookings.moved += 1
                     self._release(routed, st, booking)
+                    self._rebuild_booked(st)  # the older bookings of its keys still hold them
                     break
         return self.record(served, keys, held, holds)
 
@@ -275,17 +281,113 @@ class PressureLedger:
     def _scale(self, now: float) -> float:
         return 2.0 ** (-(now - self._origin) / self.settings.demand_half_life_s)
 
+    def _weigh(self, st: _RankLedger, keys: Sequence[int], w: float) -> int:
+        """Weigh `keys` on the rank at `w` in one new batch; returns the first key weighed,
+        or `len(keys)`."""
+        batch = _Batch(st, w)
+        pairs = self._pairs
+        n = len(keys)
+        before = len(pairs)
+        # One C-level pass maps the blocks new to the ledger (a new prompt's, most often) to
+        # the batch and reads what the others map to: the table's lookups and stores are most
+        # of the cost, so no block is looked up twice.
+        olds = list(map(pairs.setdefault, keys, repeat(batch)))
+        added = len(pairs) - before
+        if added == n:
+            first = 0
+        else:
+            first, reweighed = self._reweigh(st, batch, keys, olds, w * _REFRESH_FACTOR)
+            added += reweighed
+        if added:
+            batch.keys = keys[first:]
+            batch.live = added
+            st.batches.append(batch)
+            st.listed += n - first
+            st.pairs += added
+            st.total += w * added
+        return first
+
+    def _reweigh(
+        self,
+        st: _RankLedger,
+        batch: _Batch,
+        keys: Sequence[int],
+        olds: list[_Batch],
+        fresh: float,
+    ) -> tuple[int, int]:
+        """The slow path of `_weigh`, for a prompt with blocks already weighed (`olds`, what
+        each key mapped to): those weighed on the rank within the last 1/64 of a half-life
+        (`fresh`) keep their weight and their place, so a hot prefix routed again and again
+        costs one lookup per block; the others are weighed again in `batch`. Returns the
+        first key weighed, new ones included, or `len(keys)`; and how many were weighed
+        again."""
+        pairs = self._pairs
+        get = pairs.get
+        kept: _Batch | None = None  # the last batch found fresh on this rank
+        taken: _Batch | None = None  # the batch the run of keys being reweighed comes from
+        run = 0  # their number so far
+        reweighed = 0
+        n = first = len(keys)
+        start = 0
+        head = olds[0]
+        if head is not batch and head.rank is st and head.weight >= fresh:
+            # A hot prefix (or a whole prompt) kept fresh from one earlier record: skipped
+            # at C speed, the most common case once a system prompt is cached.
+            kept = head
+            start = olds.count(head)
+            if start == n:
+                return n, 0
+            if olds[:start].count(head) != start:
+                start = 0
+        for i, old in enumerate(islice(olds, start, None), start):
+            if old is kept:
+                continue
+            if old is not batch:
+                key = keys[i]
+                if old is not taken:
+                    if old.rank is st and old.weight >= fresh:
+                        kept = old
+                        continue
+                    if get(key) is batch:  # listed twice in the prompt: weighed already
+                        continue
+                    if run:
+                        self._unweigh(taken, run)  # type: ignore[arg-type]
+                    taken = old
+                    run = 1
+                elif get(key) is batch:
+                    continue
+                else:
+                    run += 1
+                pairs[key] = batch
+                reweighed += 1
+            if i < first:
+                first = i
+        if run:
+            self._unweigh(taken, run)  # type: ignore[arg-type]
+        return first, reweighed
+
+    @staticmethod
+    def _unweigh(batch: _Batch, count: int) -> None:
+        """`count` of the batch's pairs were weighed again: they no longer count there."""
+        batch.live -= count
+        st = batch.rank
+        st.pairs -= count
+        st.total -= batch.weight * count
+
     def _book(
-        self, now: float, rank: RankId, st: _RankLedger, keys: Sequence[int], holds: Holds | None
+        self, now: float, rank: RankId, st: _RankLedger, keys: Sequence[int], held: int
     ) -> None:
         self.bookings.made += 1
-        st.bookings.append(_Booking(now + self.settings.booking_ttl_s, keys))
-        booked = st.booked
-        for key in keys:
-            booked[key] = booked.get(key, 0) + 1
+        booked_keys = keys[held:]
+        size = len(booked_keys)
+        booking = _Booking(now + self.settings.booking_ttl_s, booked_keys)
+        st.bookings.append(booking)
+        if len(st.booked) > 2 * st.booked_blocks + _STALE_SLACK:
+            self._rebuild_booked(st)
+        st.booked.update(zip(booked_keys, repeat(booking)))
         self._booking_ranks.add(rank)
-        st.booked_blocks += len(keys)
-        self._booked_blocks += len(keys)
+        st.booked_blocks += size
+        self._booked_blocks += size
         while self._booked_blocks > self.settings.max_tracked_blocks:
             oldest = min(self._booking_ranks, key=lambda r: self._ranks[r].bookings[0].ends_at)
             st_old = self._ranks[oldest]
@@ -293,43 +395,66 @@ class PressureLedger:
             self._release(oldest, st_old, st_old.bookings.popleft())
 
     def _release(self, rank: RankId, st: _RankLedger, booking: _Booking) -> None:
-        booked = st.booked
-        for key in booking.keys:
-            left = booked[key] - 1
-            if left:
-                booked[key] = left
-            else:
-                del booked[key]
+        booking.ended = True
         st.booked_blocks -= len(booking.keys)
         self._booked_blocks -= len(booking.keys)
         if not st.bookings:
             self._booking_ranks.discard(rank)
+            st.booked.clear()
 
-    def _forget(self, rank: RankId, key: int) -> None:
-        st = self._ranks.get(rank)
-        if st is None:
-            return
-        w = st.weights.pop(key, None)
-        if w is not None:
-            st.total -= w
-            self._tracked -= 1
+    @staticmethod
+    def _rebuild_booked(st: _RankLedger) -> None:
+        """Map the rank's booked keys from its live bookings alone, newest last."""
+        st.booked.clear()
+        for booking in st.bookings:
+            st.booked.update(zip(booking.keys, repeat(booking)))
 
     def _prune(self, st: _RankLedger, now: float) -> None:
-        """Drop the rank's pairs that weigh next to nothing, and its oldest beyond its share."""
+        """Drop the rank's pairs that weigh next to nothing, and its oldest beyond its share;
+        compact its batches when they list too many stale entries."""
         share = self.settings.max_tracked_blocks // max(1, len(self._ranks))
         floor = self._weight(now - _FORGET_AFTER_HALF_LIVES * self.settings.demand_half_life_s)
-        weights = st.weights
-        home = self._home
-        while weights:
-            key, w = next(iter(weights.items()))
-            if w >= floor and len(weights) <= share:
+        batches = st.batches
+        pairs = self._pairs
+        get = pairs.get
+        while batches:
+            batch = batches[0]
+            if batch.live <= 0:
+                batches.popleft()
+                st.listed -= len(batch.keys) - batch.start
+                continue
+            if batch.weight >= floor and st.pairs <= share:
                 break
-            del weights[key]
-            del home[key]
-            st.total -= w
-            self._tracked -= 1
-        if not weights:
+            goal = batch.live if batch.weight < floor else min(batch.live, st.pairs - share)
+            keys = batch.keys
+            i = batch.start
+            dropped = 0
+            while dropped < goal:
+                key = keys[i]
+                i += 1
+                if get(key) is batch:
+                    del pairs[key]
+                    dropped += 1
+            st.listed -= i - batch.start
+            batch.start = i
+            self._unweigh(batch, dropped)
+        if not st.pairs:
             st.total = 0.0  # no rounding residue on an empty rank
+        if st.listed > 2 * st.pairs + _STALE_SLACK:
+            self._compact(st)
+
+    def _compact(self, st: _RankLedger) -> None:
+        """Rewrite the rank's batches with their live pairs alone, in the same order."""
+        get = self._pairs.get
+        batches: deque[_Batch] = deque()
+        for batch in st.batches:
+            if batch.live:
+                live = (k for k in batch.keys[batch.start :] if get(k) is batch)
+                batch.keys = tuple(dict.fromkeys(live))  # a key listed twice: its first place
+                batch.start = 0
+                batches.append(batch)
+        st.batches = batches
+        st.listed = st.pairs
 
     def _sweep(self, now: float) -> None:
         """Prune one more rank per record, in turn, so ranks no longer routed to shrink too;
@@ -341,7 +466,7 @@ class PressureLedger:
         self._sweep_next += 1
         st = self._ranks[rank]
         self._prune(st, now)
-        if not st.weights and not st.bookings:
+        if not st.pairs and not st.bookings:
             del self._ranks[rank]
 
     def _rebase(self, now: float) -> None:
@@ -349,8 +474,7 @@ class PressureLedger:
         each rank's sum exactly, which also clears rounding residue."""
         factor = self._scale(now)
         for st in self._ranks.values():
-            weights = st.weights
-            for key in weights:
-                weights[key] *= factor
-            st.total = math.fsum(weights.values())
+            for batch in st.batches:
+                batch.weight *= factor
+            st.total = math.fsum(batch.weight * batch.live for batch in st.batches)
         self._origin = now

@@ -258,6 +258,133 @@ def test_record_keeps_demand_block_by_block_as_the_rules_state(
     assert led.tracked_blocks == len(model.routed)
 
 
+class BoundedDemandModel:
+    """The demand rules with the bounds, written out pair by pair as the module docstring
+    states them: each rank's pairs in last-routed order (a pair weighed again goes to the
+    end), after each record the recorded rank and then one more rank in turn (by position
+    among the ranks, in the order first recorded) lose their pairs older than 16 half-lives
+    and their oldest beyond their share of the bound; a rank left with no pair is forgotten
+    when swept."""
+
+    def __init__(self, half_life_s: float, bound: int) -> None:
+        self.half_life_s = half_life_s
+        self.bound = bound
+        self.ranks: dict[RankId, dict[int, float]] = {}  # rank -> {key: when}, oldest first
+        self.sweep_next = 0
+
+    def record(self, rank: RankId, prompt: list[int], now: float) -> int:
+        pairs = self.ranks.setdefault(rank, {})
+        first = len(prompt)
+        for i, key in enumerate(prompt):
+            when = pairs.get(key)
+            if when is not None and now - when <= self.half_life_s / 64:
+                continue
+            first = min(first, i)
+            for other in self.ranks.values():
+                other.pop(key, None)
+            pairs[key] = now
+        self.prune(rank, now)
+        ranks = list(self.ranks)
+        swept = ranks[self.sweep_next % len(ranks)]
+        self.sweep_next += 1
+        self.prune(swept, now)
+        if not self.ranks[swept]:
+            del self.ranks[swept]
+        return first
+
+    def prune(self, rank: RankId, now: float) -> None:
+        pairs = self.ranks[rank]
+        share = self.bound // len(self.ranks)
+        while pairs:
+            key, when = next(iter(pairs.items()))
+            if now - when <= 16 * self.half_life_s and len(pairs) <= share:
+                break
+            del pairs[key]
+
+    def demand(self, rank: RankId, now: float) -> float:
+        pairs = self.ranks.get(rank, {})
+        return sum(2.0 ** (-(now - when) / self.half_life_s) for when in pairs.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(4, 40),  # the bound on tracked pairs
+    st.lists(
+        st.tuples(
+            st.sampled_from([A, B, C]),
+            # block keys from a small set, so prompts overlap, repeat a key, move between
+            # ranks and get refreshed
+            st.lists(st.integers(0, 30), min_size=1, max_size=12),
+            st.sampled_from([0.0, 0.1, 0.5, 3.0]),  # seconds since the previous record
+        ),
+        max_size=60,
+    ),
+)
+def test_record_keeps_the_bounded_demand_pair_by_pair_as_the_rules_state(
+    bound: int, records: list[tuple[RankId, list[int], float]]
+) -> None:
+    clock = ManualClock()
+    # 16 half-lives (5.92 s) is no sum of the waits: no pair is exactly at the age limit.
+    half_life_s = 0.37
+    led = ledger(clock, demand_half_life_s=half_life_s, max_tracked_blocks=bound, booking_ttl_s=0)
+    model = BoundedDemandModel(half_life_s, bound)
+    for rank, prompt, wait in records:
+        clock.advance(wait)
+        assert led.record(rank, prompt) == model.record(rank, prompt, clock())
+        assert led.ranks() == list(model.ranks)
+        assert led.tracked_blocks == sum(len(pairs) for pairs in model.ranks.values())
+        for r in (A, B, C):
+            assert led.demand(r) == pytest.approx(model.demand(r, clock()), rel=1e-9, abs=1e-9)
+        assert_stale_entries_counted(led)
+
+
+def assert_stale_entries_counted(led: PressureLedger) -> None:
+    """Each rank's count of the entries its batches list (live and stale), which decides when
+    they are compacted, is exact."""
+    for state in led._ranks.values():
+        assert state.listed == sum(len(batch.keys) - batch.start for batch in state.batches)
+
+
+def test_a_prompt_listing_a_block_twice_weighs_it_once() -> None:
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=10.0)
+    assert led.record(A, [1, 2, 1, 3], held=4) == 0
+    assert (led.tracked_blocks, led.demand(A)) == (3, pytest.approx(3.0))
+    clock.advance(5.0)  # past the refresh window: [2, 4, 2] is weighed again, 2 once
+    assert led.record(B, [2, 4, 2], held=3) == 0
+    assert led.tracked_blocks == 4
+    assert led.demand(A) == pytest.approx(2 * 2**-0.5)
+    assert led.demand(B) == pytest.approx(2.0)
+
+
+def test_a_hot_prefix_weighed_again_and_again_keeps_the_ledger_bounded() -> None:
+    """Each time a prompt's blocks are weighed again, their older places are left behind
+    as stale entries; a rank's entries stay within twice its pairs plus a fixed slack."""
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=1.0, booking_ttl_s=0.0)
+    hot = keys(1, 100)
+    for seed in range(300):  # 30,000 weighings of the same 100 blocks, a few new ones each
+        clock.advance(0.05)  # past the refresh window (1/64 of a half-life) every time
+        led.record(A, hot + keys(1000 + seed, 2))
+    assert_stale_entries_counted(led)
+    assert led._ranks[A].listed <= 2 * led.tracked_blocks + 4096
+    assert led.tracked_blocks == 100 + 2 * 300
+    assert led.demand(A) == pytest.approx(100 + sum(2 * 2 ** (-0.05 * k) for k in range(300)))
+
+
+def test_a_prompt_booked_in_two_parts_extends_over_both_bookings() -> None:
+    clock = ManualClock()
+    led = ledger(clock, booking_ttl_s=5.0)
+    prompt = keys(1, 30)
+    led.record(A, prompt[:10])  # the first request of a prefix books its 10 blocks
+    led.record(A, prompt, held=10)  # a longer one books the next 20, before either is stored
+    led.record(A, keys(2, 5))  # another prompt's booking, in between in the queue
+    assert led.booked_depths(prompt, {}) == {A: 30}
+    assert led.booked_depths(prompt, {A: 12}) == {A: 30}
+    assert led.booked_depths(prompt[:10] + keys(3, 5), {}) == {A: 10}
+    assert led.pending(A) == 35
+
+
 def test_a_failed_over_prompt_moves_its_booking_and_demand_to_the_rank_that_served() -> None:
     clock = ManualClock()
     index = Index()
@@ -277,6 +404,37 @@ def test_a_failed_over_prompt_moves_its_booking_and_demand_to_the_rank_that_serv
     clock.advance(10.0)
     led.settle(index.holds)
     assert led.bookings.expired == 2  # the one on B and `other` on A, nothing more
+
+
+def test_a_failed_over_prompt_leaves_an_earlier_booking_of_its_blocks_in_place() -> None:
+    clock = ManualClock()
+    led = ledger(clock, booking_ttl_s=5.0)
+    prompt = keys(1, 20)
+    led.record(A, prompt)  # a first request of the prefix
+    led.record(A, prompt)  # a second one, before the first's store event
+    led.move(A, B, prompt)  # the second failed over to B: the first still books A
+    assert led.booked_depths(prompt, {}) == {A: 20, B: 20}
+    assert (led.live_bookings(A), led.pending(A)) == (1, 20)
+    clock.advance(5.0)
+    led.settle(None)
+    assert led.booked_depths(prompt, {}) == {}
+
+
+def test_ended_bookings_leave_a_bounded_trace_and_none_once_all_have_ended() -> None:
+    """A booking ends without a pass over its blocks: their entries stay, ignored, in the
+    rank's map until it holds more than twice its booked blocks plus a fixed slack."""
+    clock = ManualClock()
+    led = ledger(clock, booking_ttl_s=1.0)
+    for seed in range(400):  # 20,000 blocks booked, about 10 bookings live at a time
+        clock.advance(0.1)
+        led.settle(None)
+        led.record(A, keys(seed, 50))
+        assert len(led._ranks[A].booked) <= 2 * led.pending(A) + 4096
+    assert led.booked_depths(keys(399, 50), {}) == {A: 50}
+    assert led.booked_depths(keys(380, 50), {}) == {}  # ended two seconds ago
+    clock.advance(1.0)
+    led.settle(None)
+    assert led.pending(A) == 0 and not led._ranks[A].booked
 
 
 def test_bookings_settle_oldest_first_per_rank_and_stop_at_one_still_pending() -> None:
