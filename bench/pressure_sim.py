@@ -22,10 +22,15 @@ same rule played online: each prefix, when it first arrives, goes to the worker 
 fewest prefix blocks so far, and stays there, whatever the loads (a reference for what a
 placement that only balances blocks achieves, not a router policy).
 
+`cache_aware_home` is a prototype, not a router policy: cache_aware plus a per-prefix home
+table (`HomeTable`, `CacheAwareHome`) that a replica could keep with what it knows, shared
+between replicas like the decisions; `--long-headers` adds the shape it fails on.
+
 `--diagnose` says where each policy's lost prefix blocks went (`Losses`: a prefix's first
 admission, a worker sent a prefix another one held deeper, or nobody held it any more) and
-how evenly the prefixes' first placements spread their blocks over the workers. `--holdouts`
-adds shapes of the regime that no weight was chosen on (`holdouts()`).
+how evenly the prefixes' first placements spread their blocks over the workers, and the
+simulated time to first token (a request's wait for a slot plus its prefill; p50 and p99).
+`--holdouts` adds shapes of the regime that no weight was chosen on (`holdouts()`).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import heapq
 import itertools
 import random
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -49,11 +54,16 @@ from fake_kv_worker.cache import Admission, PagedPrefixCache
 from fake_kv_worker.hashing import VllmSha256Hasher
 from router.loads import EngineLoad
 from router.policy import (
+    CACHE_HIT,
+    CACHE_MISS,
+    IMBALANCE_FALLBACK,
     CacheAware,
     CacheAwareWeights,
     Candidate,
+    Decision,
     Policy,
     Prompt,
+    load_of,
     make_policy,
 )
 from router.pressure import PressureLedger, PressureSettings
@@ -62,6 +72,7 @@ from router.tools.demo import prompt_tokens
 BLOCK: Final = 16
 IDEAL: Final = "ideal"
 ONLINE_GREEDY: Final = "online_greedy"
+CACHE_AWARE_HOME: Final = "cache_aware_home"
 
 
 @dataclass(frozen=True)
@@ -214,6 +225,23 @@ def holdouts() -> list[Workload]:
     ]  # fmt: skip
 
 
+def long_headers() -> list[Workload]:
+    """A shared preamble longer than `HomeSettings.anchor_blocks` (added with
+    `--long-headers`): every prompt has the same anchor, the home table's failure mode."""
+    w = Workload(
+        "5w-12p-header12-c8",
+        5,
+        12,
+        (48, 64),
+        0.85,
+        6,
+        shuffled=True,
+        concurrency=8,
+        header_blocks=12,
+    )
+    return [w, replace(w, name="5w-12p-header12-c8-2rep", replicas=2)]
+
+
 # -- the workload's requests ------------------------------------------------------------------
 
 
@@ -335,6 +363,8 @@ class Outcome:
     # Max - min over the workers of the shared blocks of the prefixes whose first request
     # each was sent: how unevenly the placement of new prefixes filled the caches.
     placement_spread: int = 0
+    # Per request: its wait for a slot plus its prefill (the simulated time to first token).
+    ttft_s: list[float] = field(default_factory=list)
 
     @property
     def ratio(self) -> float:
@@ -407,6 +437,8 @@ class Fleet:
         """Queue `tokens` on `r`; `account(hit, elsewhere)` at admission: the blocks cached
         there, and the most any other worker held then."""
 
+        arrived = self.now
+
         def start() -> None:
             r.running += 1
             elsewhere = max(o.cache.cached_prefix(tokens) for o in self.ranks if o is not r)
@@ -416,7 +448,9 @@ class Fleet:
             out.prompt_tokens += len(tokens)
             out.cached_tokens += cached
             self.at(self.now + self.w.event_lag_s, lambda: self._apply(r.rank, admission))
-            busy = (len(tokens) - cached) * self.w.prefill_s_per_token + self.w.decode_s
+            prefill = (len(tokens) - cached) * self.w.prefill_s_per_token
+            out.ttft_s.append(self.now - arrived + prefill)
+            busy = prefill + self.w.decode_s
             self.at(self.now + busy, finish)
 
         def finish() -> None:
@@ -491,8 +525,183 @@ class Fleet:
         return out
 
 
+# -- a prototype: a prefix home table (cache_aware_home) -----------------------------------
+
+
+@dataclass(frozen=True)
+class HomeSettings:
+    """The home table's knobs. `anchor_blocks`: a prompt's anchor is its key at this depth
+    (its last full block when shorter), past a shared system preamble of fewer blocks.
+    `place_bound`: a new prefix's home is chosen among the ranks at most this many requests
+    above the lightest. `keep_bound`: a home keeps its prefix while it is at most this many
+    above the lightest (beyond, the request goes where cache_aware sends it; the home stays).
+    `max_homes` bounds the table (least recently used out first); an entry's blocks count
+    for its rank halved every `half_life_s` since its last use (like the ledger's demand),
+    and an entry unused for `forget_half_lives` half-lives is dropped. `settle_s`: a home
+    that does not hold its prefix's anchor this long after it was set has lost it to its
+    cache (it was given more than it holds) and the prefix is placed again.
+
+    Defaults chosen on the family and hold-outs (BENCHMARKS.md): bounds of 1 placed by
+    load where blocks should decide, keep bounds of 2-4 copied prefixes away from their
+    homes, settle times of 0.03 s re-placed prefixes whose first request still queued."""
+
+    anchor_blocks: int = 8
+    place_bound: int = 4
+    keep_bound: int = 8
+    max_homes: int = 100_000
+    half_life_s: float = 30.0
+    forget_half_lives: float = 8.0
+    settle_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.anchor_blocks < 1 or self.max_homes < 1:
+            raise ValueError("anchor_blocks and max_homes must be >= 1")
+        if min(self.place_bound, self.keep_bound) < 0:
+            raise ValueError("place_bound and keep_bound must be >= 0")
+        if not (self.half_life_s > 0 and self.forget_half_lives > 0):
+            raise ValueError("half_life_s and forget_half_lives must be > 0")
+
+
+@dataclass(slots=True)
+class Home:
+    rank: RankId
+    blocks: int  # the prompt's full blocks when the home was set
+    generation: int  # 0 when first placed, +1 each time it is re-placed
+    set_at: float  # when it was set (a sibling's adoption keeps the sender's time)
+    used_at: float
+
+
+class HomeTable:
+    """Anchor key -> home: sans-I/O, driven by an injected clock."""
+
+    def __init__(self, settings: HomeSettings, clock: Callable[[], float]) -> None:
+        self.settings = settings
+        self.clock = clock
+        self._homes: OrderedDict[int, Home] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._homes)
+
+    def anchor(self, keys: Sequence[int]) -> int | None:
+        return keys[min(self.settings.anchor_blocks, len(keys)) - 1] if keys else None
+
+    def lookup(self, anchor: int) -> Home | None:
+        """The anchor's home, marked used; None when unknown or forgotten."""
+        home = self._homes.get(anchor)
+        now = self.clock()
+        if home is None:
+            return None
+        if now - home.used_at > self.settings.half_life_s * self.settings.forget_half_lives:
+            del self._homes[anchor]
+            return None
+        home.used_at = now
+        self._homes.move_to_end(anchor)
+        return home
+
+    def homed(self, rank: RankId) -> float:
+        """The blocks homed on `rank`, each entry's halved every half-life since its use."""
+        now, half = self.clock(), self.settings.half_life_s
+        return sum(
+            h.blocks * 0.5 ** ((now - h.used_at) / half)
+            for h in self._homes.values()
+            if h.rank == rank
+        )
+
+    def place(
+        self,
+        anchor: int,
+        rank: RankId,
+        blocks: int,
+        generation: int = 0,
+        set_at: float | None = None,
+    ) -> Home:
+        """Set the anchor's home (`generation`: how many times it was re-placed). A
+        sibling's (`set_at` given) replaces only an older generation, or in the same one a
+        home set later; between two set at once the lower rank wins, so replicas converge."""
+        now = self.clock()
+        when = now if set_at is None else set_at
+        old = self._homes.get(anchor)
+        new = (-generation, when, rank)
+        if (
+            set_at is not None
+            and old is not None
+            and (-old.generation, old.set_at, old.rank) <= new
+        ):
+            return old  # a sibling's news of a home this table already prefers
+        home = self._homes[anchor] = Home(rank, blocks, generation, when, now)
+        self._homes.move_to_end(anchor)
+        while len(self._homes) > self.settings.max_homes:
+            self._homes.popitem(last=False)
+        return home
+
+
+@dataclass
+class CacheAwareHome:
+    """cache_aware with a prefix home: a homed prompt goes to its home unless the home is
+    gone or more than `keep_bound` requests above the lightest rank; a new prefix (or one
+    whose home is gone) goes to the rank holding its anchor if cache_aware picked one, else
+    to the rank with the fewest homed blocks among those within `place_bound` of the
+    lightest. The ledger's booking and demand follow the home (`Decision.served`)."""
+
+    inner: CacheAware
+    table: HomeTable
+    share: Callable[[int, Home], None] | None = None
+    name: str = CACHE_AWARE_HOME
+
+    def _place(
+        self, ranked: Sequence[Candidate], loads: dict[RankId, int], lightest: int
+    ) -> RankId:
+        """The fewest homed blocks among the ranks within the load bound; ties in
+        cache_aware's order."""
+        bound = lightest + self.table.settings.place_bound
+        return min((c.rank for c in ranked if loads[c.rank] <= bound), key=self.table.homed)
+
+    def _lost(self, home: Home, prompt: Prompt, depth: int) -> bool:
+        """The home no longer holds the anchor though it has had `settle_s` to store it:
+        its cache pushed the prefix out, so it was given more than it holds."""
+        if self.table.clock() - home.set_at < self.table.settings.settle_s:
+            return False
+        return prompt.depths is not None and prompt.depths.any_tier.get(home.rank, 0) < depth
+
+    def adopt(self, anchor: int, home: Home) -> None:
+        self.table.place(anchor, home.rank, home.blocks, home.generation, home.set_at)
+
+    def decide(self, candidates: Sequence[Candidate], prompt: Prompt) -> Decision:
+        decision = self.inner.decide(candidates, prompt)
+        anchor = self.table.anchor(prompt.keys)
+        if anchor is None or len(candidates) < 2 or decision.outcome == IMBALANCE_FALLBACK:
+            return decision
+        loads = {c.rank: load_of(c) for c in candidates}
+        lightest = min(loads.values())
+        settings = self.table.settings
+        depth = min(settings.anchor_blocks, len(prompt.keys))
+        home = self.table.lookup(anchor)
+        if home is not None and home.rank in loads and not self._lost(home, prompt, depth):
+            if loads[home.rank] > lightest + settings.keep_bound:
+                return decision
+            target = home.rank
+        else:
+            if decision.matched_blocks >= depth:
+                target = decision.ranked[0].rank
+            else:
+                target = self._place(decision.ranked, loads, lightest)
+            generation = 0 if home is None else home.generation + 1
+            home = self.table.place(anchor, target, len(prompt.keys), generation=generation)
+            if self.share is not None:
+                self.share(anchor, home)
+        if target != decision.ranked[0].rank:
+            decision.served(target)
+            at = next(i for i, c in enumerate(decision.ranked) if c.rank == target)
+            decision.ranked.insert(0, decision.ranked.pop(at))
+            depths = prompt.depths
+            decision.matched_blocks = 0 if depths is None else depths.any_tier.get(target, 0)
+            decision.outcome = CACHE_HIT if decision.matched_blocks else CACHE_MISS
+        return decision
+
+
 def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None = None,
-         settings: PressureSettings | None = None, share: bool = True) -> Outcome:  # fmt: skip
+         settings: PressureSettings | None = None, share: bool = True,
+         home: HomeSettings | None = None) -> Outcome:  # fmt: skip
     """One workload, one seed, through `policy` (a kvrouter policy name, or "ideal")."""
     requests, lengths = build_requests(w, seed)
     fleet = Fleet(w, seed)
@@ -523,18 +732,34 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
 
         return share
 
+    def home_sharer(k: int) -> Callable[[int, Home], None]:
+        def share_home(anchor: int, home: Home) -> None:
+            for j, sibling in enumerate(routers):
+                if j != k and isinstance(sibling, CacheAwareHome):
+                    adopt = functools.partial(sibling.adopt, anchor, replace(home))
+                    fleet.at(fleet.now + w.share_lag_s, adopt)
+
+        return share_home
+
+    sharing = share and w.replicas > 1
     for k in range(w.replicas):
         kwargs = {}
-        if policy == "cache_aware":
+        if policy in ("cache_aware", CACHE_AWARE_HOME):
             kwargs = {
                 "weights": weights,
                 "ledger": PressureLedger(settings, fleet.clock),
                 "index": lambda: fleet.tree,
                 "capacity": lambda rank: w.cache_blocks,
                 "replicas": lambda: w.replicas,
-                "share": sharer(k) if share and w.replicas > 1 else None,
+                "share": sharer(k) if sharing else None,
             }
-        routers.append(make_policy(policy, rng=random.Random(seed * 31 + k), **kwargs))
+        name = "cache_aware" if policy == CACHE_AWARE_HOME else policy
+        router = make_policy(name, rng=random.Random(seed * 31 + k), **kwargs)
+        if policy == CACHE_AWARE_HOME:
+            assert isinstance(router, CacheAware)
+            table = HomeTable(home or HomeSettings(), fleet.clock)
+            router = CacheAwareHome(router, table, home_sharer(k) if sharing else None)
+        routers.append(router)
     inflight = {r: [0] * w.replicas for r in ranks}
 
     def route(i: int, req: Request) -> RankId:
@@ -552,6 +777,8 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
 
     out = fleet.run(requests, route, done)
     for policy_obj in routers:
+        if isinstance(policy_obj, CacheAwareHome):
+            policy_obj = policy_obj.inner
         if isinstance(policy_obj, CacheAware):
             out.spills += policy_obj.spill_stats.spills
             out.bookings_expired += policy_obj.ledger.bookings.expired
@@ -576,9 +803,12 @@ def diagnose(
         ]
         spread = statistics.fmean(r.placement_spread for r in runs)
         per_prefix = statistics.fmean(r.ranks_per_prefix for r in runs)
+        ttft = [statistics.quantiles(r.ttft_s, n=100) for r in runs]
+        p50 = statistics.median(q[49] for q in ttft) * 1e3
+        p99 = statistics.median(q[98] for q in ttft) * 1e3
         print(
-            f"{w.name:<34} {p:<14} {rel:6.3f}x {lost[0]:7.0f} {lost[1]:6.0f} {lost[2]:7.0f} "
-            f"{spread:7.1f} {per_prefix:6.2f}"
+            f"{w.name:<34} {p:<16} {rel:6.3f}x {lost[0]:7.0f} {lost[1]:6.0f} {lost[2]:7.0f} "
+            f"{spread:7.1f} {per_prefix:6.2f} {p50:7.1f} {p99:7.1f}"
         )
 
 
@@ -590,6 +820,9 @@ def main() -> None:
     parser.add_argument(
         "--diagnose", action="store_true", help="where the lost blocks went, per policy"
     )
+    parser.add_argument(
+        "--long-headers", action="store_true", help="add long_headers() to the family"
+    )
     parser.add_argument("--policies", default="cache_aware,round_robin")
     parser.add_argument("--evict", type=float, default=CacheAwareWeights().evict)
     parser.add_argument("--fill", type=float, default=CacheAwareWeights().fill)
@@ -599,21 +832,33 @@ def main() -> None:
     parser.add_argument(
         "--no-share", action="store_true", help="replicas do not share their decisions"
     )
+    parser.add_argument("--anchor-blocks", type=int, default=HomeSettings().anchor_blocks)
+    parser.add_argument("--place-bound", type=int, default=HomeSettings().place_bound)
+    parser.add_argument("--keep-bound", type=int, default=HomeSettings().keep_bound)
+    parser.add_argument("--settle-s", type=float, default=HomeSettings().settle_s)
     args = parser.parse_args()
+    home = HomeSettings(
+        anchor_blocks=args.anchor_blocks,
+        place_bound=args.place_bound,
+        keep_bound=args.keep_bound,
+        settle_s=args.settle_s,
+        half_life_s=args.half_life_s,
+    )
     weights = CacheAwareWeights(evict=args.evict, fill=args.fill, tie_margin=args.tie_margin)
     settings = PressureSettings(booking_ttl_s=args.ttl_s, demand_half_life_s=args.half_life_s)
     wanted = {x for x in args.workloads.split(",") if x}
     policies = [p for p in args.policies.split(",") if p]
     family = workloads() + (holdouts() if args.holdouts else [])
+    family += long_headers() if args.long_headers else []
     chosen = [w for w in family if not wanted or w.name in wanted]
 
     def play_one(w: Workload, seed: int, policy: str) -> Outcome:
-        return play(w, seed, policy, weights, settings, not args.no_share)
+        return play(w, seed, policy, weights, settings, not args.no_share, home)
 
     if args.diagnose:
         print(
-            f"{'workload':<34} {'policy':<14} {'x ideal':>7} {'cold':>7} {'copy':>6} "
-            f"{'evicted':>7} {'spread':>7} {'ranks':>6}"
+            f"{'workload':<34} {'policy':<16} {'x ideal':>7} {'cold':>7} {'copy':>6} "
+            f"{'evicted':>7} {'spread':>7} {'ranks':>6} {'p50 ms':>7} {'p99 ms':>7}"
         )
         for w in chosen:
             diagnose(w, args.seeds, policies, play_one)
