@@ -41,7 +41,7 @@ def stages(n_blocks: int) -> dict[str, Any]:
     from cachetree.tree import BlockTree
     from peer import wire
     from peer.vet import Vetting
-    from peer.wire import ColumnsHead, WireColumns
+    from peer.wire import ColumnsHead
 
     tree = build_tree(n_blocks)
     gc.collect()
@@ -69,15 +69,7 @@ def stages(n_blocks: int) -> dict[str, Any]:
             nodes=len(snap),
             carriers=len(snap.carrier_workers),
         )
-        columns = WireColumns(
-            snap.parents,
-            snap.keys,
-            snap.carrier_counts,
-            snap.carrier_workers,
-            snap.carrier_tiers,
-            snap.carrier_hashes,
-        )
-        return b"".join(bytes(p) for p in wire.encode_columns(head, columns))
+        return b"".join(bytes(p) for p in wire.encode_columns(head, wire.node_columns(snap)))
 
     out["encode columns"], body = _cpu(encode)
     live = list(snap.workers)

@@ -94,7 +94,6 @@ from peer.wire import (
     ColumnsHead,
     Envelope,
     PeerSnapshot,
-    WireColumns,
     WireWorker,
     envelope,
 )
@@ -438,15 +437,7 @@ class SnapshotProducer:
             head = ColumnsHead(
                 **envelope(entry.head), nodes=len(columns), carriers=len(columns.carrier_workers)
             )
-            node_columns = WireColumns(
-                columns.parents,
-                columns.keys,
-                columns.carrier_counts,
-                columns.carrier_workers,
-                columns.carrier_tiers,
-                columns.carrier_hashes,
-            )
-            parts = wire.encode_columns(head, node_columns)
+            parts = wire.encode_columns(head, wire.node_columns(columns))
         else:
             nodes = NodeEncoder(columns, content_type, self.encode)
             await self._sliced(lambda: nodes.step(self.encode_chunk))

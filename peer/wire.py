@@ -54,7 +54,7 @@ from __future__ import annotations
 import struct
 from array import array
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from itertools import accumulate
 from typing import Annotated, Any, Final
 
@@ -137,6 +137,12 @@ class WireColumns:
     carrier_workers: array = field(default_factory=lambda: array("I"))
     carrier_tiers: array = field(default_factory=lambda: array("B"))
     carrier_hashes: array = field(default_factory=lambda: array("Q"))
+
+
+def node_columns(source: object) -> WireColumns:
+    """The node columns of anything that holds them by name (a `cachetree.snapshot.Snapshot`),
+    not copied."""
+    return WireColumns(*(getattr(source, f.name) for f in fields(WireColumns)))
 
 
 class PeerColumns(Envelope, kw_only=True):
