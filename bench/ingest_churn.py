@@ -284,19 +284,20 @@ def loop_cpu(pid: int) -> float:
 
 def checkout(rev: str, into: Path) -> Path:
     """The repository at `rev`, extracted (not a worktree: nothing to clean up in git), with
-    its accelerator compiled in place when it has one."""
+    its C extensions (`cachetree/_*.c`: the accelerator, the index's tables) compiled in
+    place, so the old code runs compiled as a deployment would, not on its pure path."""
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True
     ).stdout
     into.mkdir(parents=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    source = into / "cachetree" / "_speedups.c"
-    if source.exists():
-        built = source.with_name("_speedups" + sysconfig.get_config_var("EXT_SUFFIX"))
-        flags = [sysconfig.get_config_var(k) for k in ("CFLAGS", "CCSHARED")]
-        include = f"-I{sysconfig.get_config_var('INCLUDEPY')}"
-        command = " ".join([sysconfig.get_config_var("LDSHARED"), *flags, include])
-        subprocess.run([*command.split(), str(source), "-o", str(built)], check=True)
+    flags = [sysconfig.get_config_var(k) for k in ("CFLAGS", "CCSHARED")]
+    include = f"-I{sysconfig.get_config_var('INCLUDEPY')}"
+    command = " ".join([sysconfig.get_config_var("LDSHARED"), *flags, include]).split()
+    for source in sorted((into / "cachetree").glob("_*.c")):
+        built = source.with_name(source.stem + sysconfig.get_config_var("EXT_SUFFIX"))
+        subprocess.run([*command, str(source), "-o", str(built)], check=True)
+        print(f"built {built.relative_to(into)} for {rev}", file=sys.stderr, flush=True)
     return into
 
 

@@ -42,9 +42,7 @@ import contextlib
 import http.client
 import os
 import statistics
-import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -453,19 +451,6 @@ async def ingest_only(
         await a.stop()
 
 
-def build_extensions(code: Path) -> None:
-    """Compile a checkout's C extensions in place (`git archive` leaves the built ones out), so
-    the old code runs with its accelerator as a deployment would, not on its pure path."""
-    include = sysconfig.get_paths()["include"]
-    suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    for source in sorted((code / "cachetree").glob("_*.c")):
-        target = source.with_name(source.stem + suffix)
-        flags = sysconfig.get_config_var("CFLAGS").split()  # what setuptools builds with
-        cc = ["cc", "-shared", "-fPIC", *flags, f"-I{include}", str(source), "-o", str(target)]
-        subprocess.run(cc, check=True)
-        progress(f"built {target.relative_to(code)} for the baseline")
-
-
 def per_block(row: dict[str, Any], key: str) -> float:
     return (row[key] - row["rss_start_mb"]) * 1024 * 1024 / row["nodes"]
 
@@ -477,7 +462,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         codes: list[tuple[str, Path, list[str]]] = [("new", ROOT, [])]
         if args.baseline:
             old = checkout(args.baseline, Path(tmp) / "old")
-            build_extensions(old)
             codes.insert(0, ("old", old, []))
         rows: list[dict[str, Any]] = []
         ingest: list[dict[str, Any]] = []
