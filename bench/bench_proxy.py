@@ -74,12 +74,12 @@ import queue
 import random
 import re
 import shlex
-import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -276,22 +276,20 @@ def router_args(
 
 def checkout(rev: str, into: Path) -> Path:
     """The repository at `rev`, extracted (not a worktree: nothing to clean up in git), with
-    this tree's compiled accelerator copied in when `rev` has the same C source (else that
-    code runs on its pure path, and a warning says so)."""
-    root = HERE.parent
+    its C extensions (`cachetree/_*.c`: the accelerator, the index's tables) compiled in
+    place, so the old code runs compiled as a deployment would, not on its pure path."""
     archive = subprocess.run(
-        ["git", "-C", str(root), "archive", rev], capture_output=True, check=True
+        ["git", "-C", str(HERE.parent), "archive", rev], capture_output=True, check=True
     ).stdout
     into.mkdir(parents=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    source = "cachetree/_speedups.c"
-    same = subprocess.run(["git", "-C", str(root), "diff", "--quiet", rev, "--", source])
-    built = sorted((root / "cachetree").glob("_speedups*.so"))
-    if same.returncode == 0 and built and (into / source).exists():
-        for so in built:
-            shutil.copy2(so, into / "cachetree" / so.name)
-    elif (into / source).exists():
-        log(f"warning: {rev} runs its accelerator's pure twin (C source differs or not built)")
+    flags = [sysconfig.get_config_var(k) for k in ("CFLAGS", "CCSHARED")]
+    include = f"-I{sysconfig.get_config_var('INCLUDEPY')}"
+    command = " ".join([sysconfig.get_config_var("LDSHARED"), *flags, include]).split()
+    for source in sorted((into / "cachetree").glob("_*.c")):
+        built = source.with_name(source.stem + sysconfig.get_config_var("EXT_SUFFIX"))
+        subprocess.run([*command, str(source), "-o", str(built)], check=True)
+        print(f"built {built.relative_to(into)} for {rev}", file=sys.stderr, flush=True)
     return into
 
 

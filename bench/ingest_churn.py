@@ -35,9 +35,7 @@ import random
 import re
 import signal
 import statistics
-import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from collections.abc import Sequence
@@ -50,6 +48,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import bench_proxy
+from bench.bench_proxy import checkout
 from bench.ingest_zmq import gate
 from fake_kv_worker.config import WorkerConfig
 from fake_kv_worker.engine import RankEngine
@@ -280,25 +279,6 @@ def loop_cpu(pid: int) -> float:
     """CPU seconds of the process's main thread (the event loop; ZMQ's I/O threads excluded)."""
     with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
         return int(f.read().split()[0]) / 1e9
-
-
-def checkout(rev: str, into: Path) -> Path:
-    """The repository at `rev`, extracted (not a worktree: nothing to clean up in git), with
-    its C extensions (`cachetree/_*.c`: the accelerator, the index's tables) compiled in
-    place, so the old code runs compiled as a deployment would, not on its pure path."""
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True
-    ).stdout
-    into.mkdir(parents=True)
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    flags = [sysconfig.get_config_var(k) for k in ("CFLAGS", "CCSHARED")]
-    include = f"-I{sysconfig.get_config_var('INCLUDEPY')}"
-    command = " ".join([sysconfig.get_config_var("LDSHARED"), *flags, include]).split()
-    for source in sorted((into / "cachetree").glob("_*.c")):
-        built = source.with_name(source.stem + sysconfig.get_config_var("EXT_SUFFIX"))
-        subprocess.run([*command, str(source), "-o", str(built)], check=True)
-        print(f"built {built.relative_to(into)} for {rev}", file=sys.stderr, flush=True)
-    return into
 
 
 def summary(rows: list[dict[str, Any]], key: str) -> str:

@@ -37,7 +37,8 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import bench_proxy
-from bench.ingest_churn import ROOT, Code, checkout, start_router, summary
+from bench.bench_proxy import checkout
+from bench.ingest_churn import ROOT, Code, start_router, summary
 from bench.ingest_zmq import gate
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 

@@ -11,9 +11,9 @@ fresh fake workers (the workload of `bench_proxy.py`: 2,000-token prompts, 1 of 
 1,000-token system prompts + 1,000 unique tokens; the same request sequence for every target),
 and each round of a phase visits every target in turn (the order rotating each round): this
 tree's kvrouter with each of `--policies`, the same policies at `--baseline REV` (the code of
-another commit, extracted with `git archive`, with this tree's compiled accelerator when the C
-source is the same), smg cache_aware, and the bare relay of `relay_floor.py` (kvrouter's data
-plane before it decides anything). Phases, as in `bench_proxy.py`: caches not full, 16-token SSE
+another commit, extracted with `git archive`, its C extensions compiled there), smg
+cache_aware, and the bare relay of `relay_floor.py` (kvrouter's data plane before it decides
+anything). Phases, as in `bench_proxy.py`: caches not full, 16-token SSE
 streams (caches not full), the worker caches filled to capacity, hop latency at c=1 (direct and
 routed legs interleaved, added = routed pXX - direct pXX), caches full (evicting). Router CPU is
 the router process's CPU (all threads, /proc schedstat) over a round, which closes once a

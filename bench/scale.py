@@ -60,7 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import bench_proxy
 from bench.bench_bootstrap import read_child_log
-from bench.ingest_churn import ROOT, Code, checkout, loop_cpu, start_router
+from bench.bench_proxy import checkout
+from bench.ingest_churn import ROOT, Code, loop_cpu, start_router
 from bench.ingest_flood import metric
 from bench.report import table
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
