@@ -532,6 +532,7 @@ typedef struct {
     Entry *entries;       /* insertion order */
     uint8_t *live;        /* live[i]: entries[i] is in the map */
     int32_t *slots;       /* 0 empty, -1 dummy (deleted), i + 1: entries[i] */
+    uint8_t *tags;        /* per slot: TAG_EMPTY, TAG_DUMMY, or tag_of(its key's mix) */
     Py_ssize_t size;      /* slots, a power of two */
     Py_ssize_t usable;    /* entries allocated: size * 2 / 3 */
     Py_ssize_t n_entries; /* entries written, dead ones included */
@@ -543,6 +544,21 @@ typedef struct {
 
 static PyTypeObject NodeMapType, HashMapType, MapIterType;
 
+/* Each slot has a tag byte beside its entry number: empty, dummy, or 8 bits of the key's
+ * hash. A probe compares tags and reads an entry only when they are equal (1 in 254 for
+ * another key), so a lookup that passes occupied slots, as most do in a table filled to
+ * 2/3, stays in the tag array (1 byte a slot: a 4M-slot table's fits a core's L2) instead of
+ * missing the cache on every entry it passes. */
+#define TAG_EMPTY 0
+#define TAG_DUMMY 1
+
+static inline uint8_t
+tag_of(uint64_t h)
+{
+    uint8_t t = (uint8_t)(h >> 56);
+    return t < 2 ? (uint8_t)(t + 2) : t;
+}
+
 #define MIN_SIZE 8
 #define MAX_SIZE ((Py_ssize_t)1 << 31)
 
@@ -551,16 +567,19 @@ map_alloc(MapObject *m, Py_ssize_t size)
 {
     Py_ssize_t usable = size * 2 / 3;
     int32_t *slots = PyMem_RawCalloc((size_t)size, sizeof(int32_t));
+    uint8_t *tags = PyMem_RawCalloc((size_t)size, 1);
     Entry *entries = PyMem_RawMalloc((size_t)usable * sizeof(Entry));
     uint8_t *live = PyMem_RawMalloc((size_t)usable);
-    if (slots == NULL || entries == NULL || live == NULL) {
+    if (slots == NULL || tags == NULL || entries == NULL || live == NULL) {
         PyMem_RawFree(slots);
+        PyMem_RawFree(tags);
         PyMem_RawFree(entries);
         PyMem_RawFree(live);
         PyErr_NoMemory();
         return -1;
     }
     m->slots = slots;
+    m->tags = tags;
     m->entries = entries;
     m->live = live;
     m->size = size;
@@ -576,24 +595,158 @@ map_find(const MapObject *m, uint64_t key, Py_ssize_t *slot)
     size_t mask = (size_t)m->size - 1;
     uint64_t perturb = mix(key);
     size_t i = (size_t)perturb & mask;
+    const uint8_t tag = tag_of(perturb);
     Py_ssize_t free_slot = -1;
     for (;;) {
-        int32_t ix = m->slots[i];
-        if (ix > 0) {
+        uint8_t t = m->tags[i];
+        if (t == tag) {
+            int32_t ix = m->slots[i];
             if (m->entries[ix - 1].key == key) {
                 *slot = (Py_ssize_t)i;
                 return ix - 1;
             }
         }
-        else if (ix == 0) {
+        else if (t == TAG_EMPTY) {
             *slot = free_slot >= 0 ? free_slot : (Py_ssize_t)i;
             return -1;
         }
-        else if (free_slot < 0) {
+        else if (t == TAG_DUMMY && free_slot < 0) {
             free_slot = (Py_ssize_t)i;
         }
         perturb >>= 5;
         i = (i * 5 + (size_t)perturb + 1) & mask;
+    }
+}
+
+/* Prefetching. On an index of a few hundred thousand blocks the tables are far larger than
+ * the CPU caches, so each lookup of a run (a stored chain, a removed chain, a prompt's path)
+ * is two or three cache misses, one after the other. The keys of a run are known up front,
+ * so the loops below ask for the memory of lookup i + PREFETCH_AHEAD while doing lookup i:
+ * the misses overlap instead of adding up. A prefetch is only a hint, so a guess that a
+ * collision or a rebuild makes wrong costs nothing but the hint. */
+#define PREFETCH_AHEAD 4
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(addr) __builtin_prefetch(addr)
+#else
+#define PREFETCH(addr) ((void)(addr))
+#endif
+
+/* The slot `key` probes first. */
+static inline void
+map_prefetch_slot(const MapObject *m, uint64_t key)
+{
+    size_t i = mix(key) & ((size_t)m->size - 1);
+    PREFETCH(&m->tags[i]);
+    PREFETCH(&m->slots[i]);
+}
+
+/* The entry in `key`'s first slot, or NULL (empty, a dummy): read after map_prefetch_slot
+ * had time to land, it is a guess at where `key` lives (a collision makes it another key's). */
+static inline const Entry *
+map_peek(const MapObject *m, uint64_t key)
+{
+    uint64_t h = mix(key);
+    size_t i = h & ((size_t)m->size - 1);
+    return m->tags[i] == tag_of(h) ? &m->entries[m->slots[i] - 1] : NULL;
+}
+
+/* The entry `key` lives in, when its first slot has it (a guess: see above). */
+static inline const Entry *
+map_peek_found(const MapObject *m, uint64_t key)
+{
+    const Entry *e = map_peek(m, key);
+    return e != NULL && e->key == key ? e : NULL;
+}
+
+/* The prefetch stages of a run of lookups of the keys `ks[0:n]` in `m`, the run at key i:
+ * key i + 3 * PREFETCH_AHEAD gets its slot fetched, key i + 2 * PREFETCH_AHEAD its entry (its
+ * slot has landed by then), key i + PREFETCH_AHEAD the object its entry points to (a
+ * NodeMap's node). With `then` (a HashMap `m` whose values are `then`'s keys), the value's
+ * own lookup in `then` follows the same way, further ahead. i may be negative (the stages
+ * of a run's first keys, before its loop). */
+static inline void
+map_prefetch_run(const MapObject *m, const MapObject *then, const uint64_t *ks, Py_ssize_t i,
+                 Py_ssize_t n)
+{
+    const Py_ssize_t a = PREFETCH_AHEAD;
+    const Entry *e;
+    Py_ssize_t j = i + (then != NULL ? 5 : 3) * a;
+    if (j >= 0 && j < n) {
+        map_prefetch_slot(m, ks[j]);
+    }
+    j -= a;
+    if (j >= 0 && j < n && (e = map_peek(m, ks[j])) != NULL) {
+        PREFETCH(e);
+    }
+    j -= a;
+    if (j >= 0 && j < n && (e = map_peek_found(m, ks[j])) != NULL) {
+        if (then != NULL) {
+            map_prefetch_slot(then, e->value);
+        }
+        else if (m->objects) {
+            PREFETCH((const void *)(uintptr_t)e->value);
+        }
+    }
+    if (then == NULL) {
+        return;
+    }
+    j -= a;
+    if (j >= 0 && j < n && (e = map_peek_found(m, ks[j])) != NULL
+        && (e = map_peek(then, e->value)) != NULL) {
+        PREFETCH(e);
+    }
+    j -= a;
+    if (j >= 0 && j < n && (e = map_peek_found(m, ks[j])) != NULL
+        && (e = map_peek_found(then, e->value)) != NULL) {
+        PREFETCH((const void *)(uintptr_t)e->value);
+    }
+}
+
+/* The stages for every key before the first's own: called before a run's loop. */
+static inline void
+map_prefetch_start(const MapObject *m, const MapObject *then, const uint64_t *ks, Py_ssize_t n)
+{
+    if (m->slots == NULL || (then != NULL && then->slots == NULL)) {
+        return;
+    }
+    for (Py_ssize_t p = -(then != NULL ? 5 : 3) * PREFETCH_AHEAD; p < 0; p++) {
+        map_prefetch_run(m, then, ks, p, n);
+    }
+}
+
+/* A run's keys as u64s, converted once (prefetching reads each several times): on the stack
+ * for a run of up to U64_LOCAL, else on the heap. */
+#define U64_LOCAL 256
+
+typedef struct {
+    uint64_t *v;
+    uint64_t local[U64_LOCAL];
+} U64Run;
+
+/* The u64s of items[0:n] into run->v, up to the first that is not a u64 int: how many, or -1
+ * (no memory, error set). */
+static Py_ssize_t
+u64_run(U64Run *run, PyObject *const *items, Py_ssize_t n)
+{
+    run->v = n <= U64_LOCAL ? run->local : PyMem_Malloc((size_t)n * sizeof(uint64_t));
+    if (run->v == NULL) {
+        run->v = run->local;
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t k = 0;
+    while (k < n && as_u64(items[k], &run->v[k])) {
+        k++;
+    }
+    return k;
+}
+
+static void
+u64_run_free(U64Run *run)
+{
+    if (run->v != run->local) {
+        PyMem_Free(run->v);
     }
 }
 
@@ -624,17 +777,20 @@ map_rebuild_for(MapObject *m, Py_ssize_t room)
         m->live[n] = 1;
         uint64_t perturb = mix(old.entries[j].key);
         size_t i = (size_t)perturb & mask;
-        while (m->slots[i] != 0) {
+        const uint8_t tag = tag_of(perturb);
+        while (m->tags[i] != TAG_EMPTY) {
             perturb >>= 5;
             i = (i * 5 + (size_t)perturb + 1) & mask;
         }
         m->slots[i] = (int32_t)(n + 1);
+        m->tags[i] = tag;
         n++;
     }
     m->n_entries = n;
     m->filled = n;
     m->version++;
     PyMem_RawFree(old.slots);
+    PyMem_RawFree(old.tags);
     PyMem_RawFree(old.entries);
     PyMem_RawFree(old.live);
     return 0;
@@ -665,10 +821,11 @@ map_insert_new(MapObject *m, uint64_t key, uint64_t value, Py_ssize_t slot)
     m->entries[n].key = key;
     m->entries[n].value = value;
     m->live[n] = 1;
-    if (m->slots[slot] == 0) {
+    if (m->tags[slot] == TAG_EMPTY) {
         m->filled++;
     }
     m->slots[slot] = (int32_t)(n + 1);
+    m->tags[slot] = tag_of(mix(key));
     m->used++;
     m->version++;
     return 0;
@@ -680,6 +837,7 @@ map_delete_at(MapObject *m, Py_ssize_t ix, Py_ssize_t slot)
 {
     uint64_t value = m->entries[ix].value;
     m->slots[slot] = -1;
+    m->tags[slot] = TAG_DUMMY;
     m->live[ix] = 0;
     m->used--;
     m->version++;
@@ -758,10 +916,12 @@ map_clear_entries(MapObject *m)
     Entry *entries = m->entries;
     uint8_t *live = m->live;
     int32_t *slots = m->slots;
+    uint8_t *tags = m->tags;
     int objects = m->objects;
     m->entries = NULL;
     m->live = NULL;
     m->slots = NULL;
+    m->tags = NULL;
     m->n_entries = m->used = m->filled = m->size = m->usable = 0;
     m->version++;
     if (objects) {
@@ -774,6 +934,7 @@ map_clear_entries(MapObject *m)
     PyMem_RawFree(entries);
     PyMem_RawFree(live);
     PyMem_RawFree(slots);
+    PyMem_RawFree(tags);
 }
 
 static void
@@ -897,6 +1058,67 @@ map_setdefault(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
     return Py_NewRef(args[1]);
 }
 
+/* setdefault_run(keys, default) -> list: [setdefault(k, default) for k in keys], the run's
+ * lookups overlapped (see PREFETCH_AHEAD). A key that is no u64 int raises TypeError, as
+ * setdefault does, with the keys before it set. */
+static PyObject *
+map_setdefault_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "setdefault_run(keys, default)");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    if (seq == NULL) {
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyList_New(n), *result = NULL;
+    U64Run run;
+    run.v = run.local;
+    if (out == NULL || ensure_table(m) < 0) {
+        goto done;
+    }
+    Py_ssize_t ok = u64_run(&run, items, n);
+    if (ok < 0) {
+        goto done;
+    }
+    map_prefetch_start(m, NULL, run.v, ok);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i == ok) {
+            uint64_t k;
+            key_for_insert(m, items[i], &k); /* raises: no u64 */
+            goto done;
+        }
+        map_prefetch_run(m, NULL, run.v, i, ok);
+        uint64_t value;
+        Py_ssize_t slot, ix = map_find(m, run.v[i], &slot);
+        if (ix >= 0) {
+            PyObject *held = box(m, m->entries[ix].value);
+            if (held == NULL) {
+                goto done;
+            }
+            PyList_SET_ITEM(out, i, held);
+            continue;
+        }
+        if (unbox(m, args[1], &value) < 0) {
+            goto done;
+        }
+        if (map_insert_new(m, run.v[i], value, slot) < 0) {
+            drop_value(m, value);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, Py_NewRef(args[1]));
+    }
+    result = Py_NewRef(out);
+done:
+    u64_run_free(&run);
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyObject *
 map_pop(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -980,7 +1202,7 @@ map_reserve(MapObject *m, PyObject *arg)
 static PyObject *
 map_sizeof(MapObject *m, PyObject *unused)
 {
-    return PyLong_FromSsize_t(Py_TYPE(m)->tp_basicsize + m->size * (Py_ssize_t)sizeof(int32_t)
+    return PyLong_FromSsize_t(Py_TYPE(m)->tp_basicsize + m->size * (Py_ssize_t)(sizeof(int32_t) + 1)
                               + m->usable * (Py_ssize_t)(sizeof(Entry) + 1));
 }
 
@@ -1107,6 +1329,8 @@ static PyMethodDef map_methods[] = {
     {"get", (PyCFunction)(void (*)(void))map_get, METH_FASTCALL, "get(key, default=None)"},
     {"setdefault", (PyCFunction)(void (*)(void))map_setdefault, METH_FASTCALL,
      "setdefault(key, default): the value held, or `default` itself once inserted"},
+    {"setdefault_run", (PyCFunction)(void (*)(void))map_setdefault_run, METH_FASTCALL,
+     "setdefault_run(keys, default) -> [setdefault(k, default) for k in keys]"},
     {"pop", (PyCFunction)(void (*)(void))map_pop, METH_FASTCALL, "pop(key[, default])"},
     {"popitem", (PyCFunction)map_popitem, METH_NOARGS, "the newest (key, value), removed"},
     {"clear", (PyCFunction)map_clear, METH_NOARGS, "remove every entry"},
@@ -1309,7 +1533,17 @@ py_remove_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                              (Py_ssize_t)0); /* all general */
     }
     uint64_t bit = (uint64_t)1 << index;
+    U64Run run;
+    const Py_ssize_t base = i < n ? i : n; /* run.v[k] is hashes[base + k] */
+    Py_ssize_t ok = u64_run(&run, PySequence_Fast_ITEMS(hashes) + base, n - base);
+    PyObject *result = NULL;
+    if (ok < 0) {
+        goto done;
+    }
     for (; i < n; i++) {
+        if (i - base + 2 * PREFETCH_AHEAD < ok) {
+            map_prefetch_slot(by_hash, run.v[i - base + 2 * PREFETCH_AHEAD]);
+        }
         PyObject *eh_obj = PyList_GET_ITEM(hashes, i);
         uint64_t eh;
         if (!as_u64(eh_obj, &eh)) {
@@ -1331,7 +1565,7 @@ py_remove_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         int named = tiers_name(node, index_obj);
         if (named < 0) {
-            return NULL;
+            goto done;
         }
         if (named || !native_mask(node) || !(node->mask & bit)) {
             break;
@@ -1352,20 +1586,23 @@ py_remove_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 PyObject *k = PyLong_FromUnsignedLongLong(parent_key);
                 PyErr_SetObject(PyExc_KeyError, k);
                 Py_XDECREF(k);
-                return NULL;
+                goto done;
             }
             parent->children--;
             if (parent->children == 0 && bare(parent)
                 && drop_carrier(nodes, parent_key, parent, index, index_obj) < 0) {
-                return NULL;
+                goto done;
             }
             continue;
         }
         if (drop_carrier(nodes, key, node, index, index_obj) < 0) {
-            return NULL;
+            goto done;
         }
     }
-    return Py_BuildValue("(nnnn)", i, found, found, unknown);
+    result = Py_BuildValue("(nnnn)", i, found, found, unknown);
+done:
+    u64_run_free(&run);
+    return result;
 }
 
 /* The engine hash a carrier `index_obj` of `node` is known by: 1 and *out, or 0 (none, or not
@@ -1424,6 +1661,9 @@ py_place_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t added = 0, i = start < 0 ? 0 : (start < n ? start : n);
     PyObject *result = NULL;
+    U64Run kr, hr; /* the keys and hashes from i on, as u64s */
+    kr.v = kr.local;
+    hr.v = hr.local;
     NodeObject *parent = NULL;
     uint64_t parent_key = 0;
     int has_parent = args[5] != Py_None;
@@ -1437,11 +1677,20 @@ py_place_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_INCREF(parent);
     }
-    for (; i < n; i++) {
-        uint64_t key, eh;
-        if (!as_u64(keys[i], &key) || !as_u64(hashes[i], &eh)) {
-            break;
-        }
+    const Py_ssize_t base = i;
+    Py_ssize_t nk = u64_run(&kr, keys + base, n - base);
+    Py_ssize_t nh = nk < 0 ? -1 : u64_run(&hr, hashes + base, n - base);
+    if (nh < 0) {
+        goto error;
+    }
+    /* The run stops at the first key or hash that is no u64: the general path takes it. */
+    const Py_ssize_t ok = nk < nh ? nk : nh;
+    map_prefetch_start(nodes, NULL, kr.v, ok);
+    map_prefetch_start(by_hash, NULL, hr.v, ok);
+    for (; i < base + ok; i++) {
+        map_prefetch_run(nodes, NULL, kr.v, i - base, ok);
+        map_prefetch_run(by_hash, NULL, hr.v, i - base, ok);
+        const uint64_t key = kr.v[i - base], eh = hr.v[i - base];
         Py_ssize_t hslot, hix = map_find(by_hash, eh, &hslot);
         if (hix >= 0 && by_hash->entries[hix].value != key) {
             break;
@@ -1538,6 +1787,8 @@ py_place_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 done:
     result = Py_BuildValue("(nn)", i, added);
 error:
+    u64_run_free(&kr);
+    u64_run_free(&hr);
     Py_XDECREF(parent);
     Py_DECREF(keys_seq);
     Py_DECREF(hashes_seq);
@@ -2064,16 +2315,23 @@ py_path_masks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject **keys = PySequence_Fast_ITEMS(seq);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *masks = PyList_New(0), *last = NULL, *result = NULL;
+    U64Run run;
+    run.v = run.local;
     uint64_t last_mask = 0;
     int tiered = 0;
     if (masks == NULL) {
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n && nodes->slots != NULL; i++) {
-        uint64_t key;
-        if (!as_u64(keys[i], &key)) {
-            break; /* held by no NodeMap */
-        }
+    /* Past the first key that is no u64 the tree holds nothing of the prompt (no NodeMap
+     * holds such a key): the walk stops there. */
+    Py_ssize_t ok = u64_run(&run, keys, n);
+    if (ok < 0) {
+        goto done;
+    }
+    map_prefetch_start(nodes, NULL, run.v, ok);
+    for (Py_ssize_t i = 0; i < ok && nodes->slots != NULL; i++) {
+        map_prefetch_run(nodes, NULL, run.v, i, ok);
+        const uint64_t key = run.v[i];
         Py_ssize_t slot, ix = map_find(nodes, key, &slot);
         if (ix < 0) {
             break;
@@ -2111,6 +2369,7 @@ done:
     Py_XDECREF(last);
     Py_XDECREF(masks);
     Py_DECREF(seq);
+    u64_run_free(&run);
     return result;
 }
 

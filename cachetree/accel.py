@@ -4,8 +4,12 @@
 optional twin of the per-token work: block keys (`cachetree.keys`) and the decoder's token-id
 parsing (`router.events`). `cachetree._tables` (`cachetree/_tables.c`) holds the index's tables
 in native words (`cachetree.tree` `TreeLayout`): the same maps and nodes as dicts and msgspec
-Structs, in about half the memory. The two are built and chosen together. Everything in them
-has a pure-Python twin with the same result, and the test suite runs both ways
+Structs, in about half the memory; the pressure ledger (`router.pressure`) keeps its per-block
+table in one of those maps too. Their lookups compare a tag byte per slot before reading an
+entry, and a run of lookups (a stored chain, a removed chain, a prompt's path, a ledger
+record) prefetches the slots of the lookups ahead of the one it does, so that on an index
+larger than the CPU caches the misses overlap. The two are built and chosen together.
+Everything in them has a pure-Python twin with the same result, and the test suite runs both ways
 (`scripts/test`), so the choice changes speed and memory, never behaviour. It is made once,
 at import:
 

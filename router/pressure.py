@@ -58,10 +58,11 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice, repeat
 
+from cachetree.accel import tables
 from cachetree.ranks import RankId
 
 Holds = Callable[[RankId, int], bool]  # does the index hold this block key on this rank?
@@ -141,7 +142,17 @@ class PressureLedger:
         self._ranks: dict[RankId, _RankLedger] = {}
         self._booking_ranks: set[RankId] = set()  # ranks with live bookings
         self._booked_blocks = 0  # over all live bookings
-        self._pairs: dict[int, _Batch] = {}  # block key -> the batch that weighed it last
+        # block key -> the batch that weighed it last: the compiled map when the accelerator
+        # is built (a prompt's lookups overlapped in C: `_weigh` is most of a record), a dict
+        # otherwise.
+        self._pairs: MutableMapping[int, _Batch]
+        self._setdefault_run: Callable[[Sequence[int], _Batch], list[_Batch]]
+        if tables is not None:
+            self._pairs = tables.NodeMap()
+            self._setdefault_run = self._pairs.setdefault_run
+        else:
+            self._pairs = pairs = {}
+            self._setdefault_run = lambda keys, b: list(map(pairs.setdefault, keys, repeat(b)))
         self._origin = self._clock()
         self._sweep_next = 0  # the rank the next record sweeps, by position
 
@@ -291,7 +302,7 @@ class PressureLedger:
         # One C-level pass maps the blocks new to the ledger (a new prompt's, most often) to
         # the batch and reads what the others map to: the table's lookups and stores are most
         # of the cost, so no block is looked up twice.
-        olds = list(map(pairs.setdefault, keys, repeat(batch)))
+        olds = self._setdefault_run(keys, batch)
         added = len(pairs) - before
         if added == n:
             first = 0

@@ -54,6 +54,11 @@ def test_a_map_answers_every_operation_as_a_dict_in_the_same_order(seed: int, ki
             else:
                 with pytest.raises(KeyError):
                     del native[k]
+        elif op < 0.72:
+            run = [rng.choice(space) for _ in range(rng.randrange(40))]  # repeats included
+            v = value()
+            got = native.setdefault_run(run, v)
+            assert got == [ref.setdefault(key, v) for key in run]
         elif op < 0.75:
             assert native.pop(k, "absent") == ref.pop(k, "absent")
         elif op < 0.8 and ref:
@@ -83,11 +88,32 @@ def test_lookups_of_what_no_u64_map_can_hold_are_misses_and_inserts_are_refused(
             m[bad_key] = 1
         with pytest.raises(TypeError, match="keys are ints"):
             m.setdefault(bad_key, 1)
+        with pytest.raises(TypeError, match="keys are ints"):
+            m.setdefault_run([7, bad_key, 8], 1)
+        assert m.pop(7) == 1 and 8 not in m  # the keys before it set, none after
     with pytest.raises(TypeError, match="values are ints"):
         m[6] = -3
     with pytest.raises(KeyError, match="empty"):
         tables.NodeMap().popitem()
     assert dict(m.items()) == {5: 6}  # nothing half-applied
+
+
+def test_a_large_map_finds_every_key_it_holds_and_none_it_does_not() -> None:
+    # Enough keys that many share a slot's tag byte (1 in 254 of the slots probed): a tag
+    # match with another key must go on probing, a miss must end at an empty slot.
+    rng = random.Random(3)
+    held_set = {rng.randrange(U64) for _ in range(150_000)}
+    held = list(held_set)
+    absent = [k for k in (rng.randrange(U64) for _ in range(50_000)) if k not in held_set]
+    m = tables.HashMap()
+    for i, k in enumerate(held):
+        m[k] = i
+    assert all(m[k] == i for i, k in enumerate(held))
+    assert not any(k in m for k in absent)
+    for k in held[::2]:
+        del m[k]  # dummies on the probe chains of the rest
+    assert m.setdefault_run(held[1::2], -1 % U64) == list(range(1, len(held), 2))
+    assert not any(k in m for k in held[::2]) and len(m) == len(held) // 2
 
 
 def test_an_iterator_refuses_to_go_on_once_the_map_changed_shape() -> None:
