@@ -79,7 +79,11 @@ def test_a_map_answers_every_operation_as_a_dict_in_the_same_order(seed: int, ki
 def test_lookups_of_what_no_u64_map_can_hold_are_misses_and_inserts_are_refused() -> None:
     m = tables.HashMap()
     m[5] = 6
-    for odd in (-1, U64, "5", 5.0, None):
+    for edge in (2**30 - 1, 2**30, 2**60 - 1, 2**60, 2**63, U64 - 1):  # 1, 2 and 3 digits
+        m[edge] = edge
+        assert m[edge] == edge and edge in m
+        del m[edge]
+    for odd in (-1, -(2**40), U64, U64 + 2**30, 2**90, "5", 5.0, None):
         assert odd not in m and m.get(odd) is None and m.pop(odd, 7) == 7
         with pytest.raises(KeyError):
             m[odd]
