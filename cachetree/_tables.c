@@ -1137,6 +1137,59 @@ done:
     return result;
 }
 
+/* drop_run(keys, start, goal, value) -> (stop, dropped), a NodeMap's: from keys[start] on,
+ * delete each key mapped to `value` itself, until `goal` are deleted or the keys end; `stop`
+ * is the position after the last key read. (The pressure ledger's pruning of a batch: its
+ * keys listed in order, some of them mapped to a newer batch since.) */
+static PyObject *
+map_drop_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !m->objects) {
+        PyErr_SetString(PyExc_TypeError, "NodeMap.drop_run(keys, start, goal, value)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]), goal = PyLong_AsSsize_t(args[2]);
+    if ((start == -1 || goal == -1) && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i = start < 0 ? 0 : start;
+    Py_ssize_t dropped = 0;
+    const uint64_t value = (uint64_t)(uintptr_t)args[3];
+    U64Run run;
+    const Py_ssize_t base = i < n ? i : n;
+    Py_ssize_t ok = u64_run(&run, PySequence_Fast_ITEMS(seq) + base, n - base);
+    if (ok < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    if (m->slots != NULL) {
+        map_prefetch_start(m, NULL, run.v, ok);
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (; dropped < goal && i < n; i++) {
+        uint64_t key;
+        if (i - base < ok) {
+            map_prefetch_run(m, NULL, run.v, i - base, ok);
+            key = run.v[i - base];
+        }
+        else if (!as_u64(items[i], &key)) {
+            continue; /* no u64: in no NodeMap */
+        }
+        Py_ssize_t slot, ix = m->slots == NULL ? -1 : map_find(m, key, &slot);
+        if (ix >= 0 && m->entries[ix].value == value) {
+            Py_DECREF((PyObject *)(uintptr_t)map_delete_at(m, ix, slot));
+            dropped++;
+        }
+    }
+    u64_run_free(&run);
+    Py_DECREF(seq);
+    return Py_BuildValue("(nn)", i, dropped);
+}
+
 static PyObject *
 map_pop(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1347,6 +1400,8 @@ static PyMethodDef map_methods[] = {
     {"get", (PyCFunction)(void (*)(void))map_get, METH_FASTCALL, "get(key, default=None)"},
     {"setdefault", (PyCFunction)(void (*)(void))map_setdefault, METH_FASTCALL,
      "setdefault(key, default): the value held, or `default` itself once inserted"},
+    {"drop_run", (PyCFunction)(void (*)(void))map_drop_run, METH_FASTCALL,
+     "drop_run(keys, start, goal, value) -> (stop, dropped): a NodeMap's"},
     {"setdefault_run", (PyCFunction)(void (*)(void))map_setdefault_run, METH_FASTCALL,
      "setdefault_run(keys, default) -> [setdefault(k, default) for k in keys]"},
     {"pop", (PyCFunction)(void (*)(void))map_pop, METH_FASTCALL, "pop(key[, default])"},

@@ -60,6 +60,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import islice, repeat
 
 from cachetree.accel import tables
@@ -147,12 +148,15 @@ class PressureLedger:
         # otherwise.
         self._pairs: MutableMapping[int, _Batch]
         self._setdefault_run: Callable[[Sequence[int], _Batch], list[_Batch]]
+        self._drop_run: Callable[[Sequence[int], int, int, _Batch], tuple[int, int]]
         if tables is not None:
             self._pairs = tables.NodeMap()
             self._setdefault_run = self._pairs.setdefault_run
+            self._drop_run = self._pairs.drop_run
         else:
             self._pairs = pairs = {}
             self._setdefault_run = lambda keys, b: list(map(pairs.setdefault, keys, repeat(b)))
+            self._drop_run = partial(_drop_run_py, pairs)
         self._origin = self._clock()
         self._sweep_next = 0  # the rank the next record sweeps, by position
 
@@ -350,6 +354,10 @@ class PressureLedger:
                 return n, 0
             if olds[:start].count(head) != start:
                 start = 0
+            elif olds.count(batch) == n - start:
+                # ... and the rest new to the ledger (a cached system prompt and a new tail):
+                # weighed already, in `batch`.
+                return start, 0
         for i, old in enumerate(islice(olds, start, None), start):
             if old is kept:
                 continue
@@ -426,8 +434,6 @@ class PressureLedger:
         share = self.settings.max_tracked_blocks // max(1, len(self._ranks))
         floor = self._weight(now - _FORGET_AFTER_HALF_LIVES * self.settings.demand_half_life_s)
         batches = st.batches
-        pairs = self._pairs
-        get = pairs.get
         while batches:
             batch = batches[0]
             if batch.live <= 0:
@@ -437,15 +443,7 @@ class PressureLedger:
             if batch.weight >= floor and st.pairs <= share:
                 break
             goal = batch.live if batch.weight < floor else min(batch.live, st.pairs - share)
-            keys = batch.keys
-            i = batch.start
-            dropped = 0
-            while dropped < goal:
-                key = keys[i]
-                i += 1
-                if get(key) is batch:
-                    del pairs[key]
-                    dropped += 1
+            i, dropped = self._drop_run(batch.keys, batch.start, goal, batch)
             st.listed -= i - batch.start
             batch.start = i
             self._unweigh(batch, dropped)
@@ -489,3 +487,20 @@ class PressureLedger:
                 batch.weight *= factor
             st.total = math.fsum(batch.weight * batch.live for batch in st.batches)
         self._origin = now
+
+
+def _drop_run_py(
+    pairs: MutableMapping[int, _Batch], keys: Sequence[int], start: int, goal: int, batch: _Batch
+) -> tuple[int, int]:
+    """From `keys[start]` on, drop the pairs still mapped to `batch`, until `goal` are dropped
+    (or the keys end): (the position after the last key read, how many were dropped). The
+    compiled twin is `NodeMap.drop_run`."""
+    get = pairs.get
+    i, n, dropped = start, len(keys), 0
+    while dropped < goal and i < n:
+        key = keys[i]
+        i += 1
+        if get(key) is batch:
+            del pairs[key]
+            dropped += 1
+    return i, dropped

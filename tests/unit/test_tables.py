@@ -262,3 +262,26 @@ def test_the_walk_refuses_nodes_and_keys_that_disagree() -> None:
         tables.walk_chunk((node, node), array("Q", [1]), [0], 0, None)
     with pytest.raises(TypeError, match="array"):
         tables.walk_chunk((node,), array("q", [1]), [0], 0, None)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_drop_run_drops_what_the_pure_twin_drops_and_stops_where_it_stops(seed: int) -> None:
+    from router.pressure import _drop_run_py
+
+    rng = random.Random(seed)
+    batches = [object() for _ in range(3)]  # the ledger's batches: values compared by identity
+    native, ref = tables.NodeMap(), {}
+    space = [rng.randrange(U64) for _ in range(200)]
+    for _ in range(300):
+        k, v = rng.choice(space), rng.choice(batches)
+        native[k] = ref[k] = v
+        if rng.random() < 0.3:
+            keys = [rng.choice(space) for _ in range(rng.randrange(60))]  # repeats, absentees
+            if keys and rng.random() < 0.3:
+                keys.insert(rng.randrange(len(keys)), -1)  # held by no map: passed over
+            start, goal, batch = rng.randrange(70), rng.randrange(40), rng.choice(batches)
+            got = native.drop_run(keys, start, goal, batch)
+            assert got == _drop_run_py(ref, keys, start, goal, batch)
+            assert list(native.items()) == list(ref.items())
+    with pytest.raises(TypeError, match="NodeMap"):
+        tables.HashMap().drop_run([1], 0, 1, 1)
