@@ -14,8 +14,11 @@ tracked blocks, then times, best of three passes of 300 calls each:
 - `remove 63`: `remove` of an old chain, leaf first (a full cache evicting a request's tail);
 - `prefix_depths 125`: a 125-block prompt whose first 62 blocks the index holds on one rank
   (a cached system prompt), the rest new;
-- `ledger record 125`: `PressureLedger.record` of such a prompt (62 blocks weighed recently on
-  the rank, 63 new and booked), the clock moving 1 ms a call.
+- `ledger record 125`: `PressureLedger.settle` + `record` of such a prompt (62 blocks weighed
+  recently on the rank, 63 new and booked; the previous call's booking confirmed, as a
+  replica's index shows a stored chain within milliseconds), the clock moving 1 ms a call, on
+  a ledger at its cap (`max_tracked_blocks` = `--blocks`, where a replica's ledger is after
+  minutes of traffic): each record prunes as many pairs as it adds.
 With `--baseline REV`, the same in a checkout of REV (its C extensions compiled), the two
 alternating round by round; medians and ranges of the rounds, and new / old. Prints figures;
 asserts nothing.
@@ -48,7 +51,7 @@ def measure(blocks: int, seed: int) -> dict[str, Any]:
     from cachetree.accel import IMPLEMENTATION
     from cachetree.ranks import RankId
     from cachetree.tree import BlockTree
-    from router.pressure import PressureLedger
+    from router.pressure import PressureLedger, PressureSettings
 
     rng = random.Random(seed)
     ranks = [RankId(f"http://10.0.0.{i}:8000", 0) for i in range(2)]
@@ -67,7 +70,7 @@ def measure(blocks: int, seed: int) -> dict[str, Any]:
         tree.store_keyed(chain[0], None, chain[1], chain[2])
         chains.append(chain)
     now = [0.0]
-    ledger = PressureLedger(clock=lambda: now[0])
+    ledger = PressureLedger(PressureSettings(max_tracked_blocks=blocks), clock=lambda: now[0])
     system = chains[0]
     for c in range(blocks // PROMPT):
         now[0] += 0.001
@@ -92,6 +95,9 @@ def measure(blocks: int, seed: int) -> dict[str, Any]:
         system[2][:62] + [rng.getrandbits(64) for _ in range(63)] for _ in range(3 * calls)
     ]
 
+    def confirmed(rank: RankId, key: int) -> bool:
+        return True
+
     def store(i: int) -> None:
         rank, hashes, keys = fresh.pop()
         tree.store_keyed(rank, None, hashes, keys)
@@ -102,6 +108,7 @@ def measure(blocks: int, seed: int) -> dict[str, Any]:
 
     def record(i: int) -> None:
         now[0] += 0.001
+        ledger.settle(confirmed)
         ledger.record(system[0], fresh_prompts.pop(), 62)
 
     figures = {
