@@ -109,16 +109,17 @@ def test_bench_ledger_prints_the_cost_of_both_prompt_shapes() -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("pure", [False, True])
-def test_index_runs_times_each_run_on_an_index_of_the_asked_size(pure: bool) -> None:
+@pytest.mark.parametrize(("pure", "cold"), [(False, False), (True, True)])
+def test_index_runs_times_each_run_on_an_index_of_the_asked_size(pure: bool, cold: bool) -> None:
     argv = [sys.executable, "-m", "bench.index_runs", "--blocks", "20000", "--rounds", "1"]
-    done = subprocess.run(
-        argv + (["--pure"] if pure else []), cwd=ROOT, capture_output=True, text=True, timeout=110
-    )
+    argv += ["--pure"] if pure else []
+    argv += ["--cold"] if cold else []
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr
     # 317 chains of 63 blocks: the index was built to the size asked, on the layout asked
     layout = "pure" if pure else "compiled"
     assert f"index of 19,971 blocks, {layout}" in done.stdout
+    assert ("refilling the CPU caches" in done.stdout) == cold
     rows = {r.split("|")[1].strip(): r.split("|")[2] for r in done.stdout.splitlines() if "|" in r}
     for step in ("store 63", "remove 63", "prefix_depths 125", "ledger record 125"):
         assert float(rows[step].split()[0]) > 0, done.stdout
