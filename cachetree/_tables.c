@@ -1135,10 +1135,33 @@ done:
     return result;
 }
 
+/* The u64 keys of `obj` when it is a buffer of them (an array('Q'), a replica's ledger keeps
+ * its batches' keys so): 1 with `view` held, 0 when it is no such buffer (no error), -1 on
+ * error. */
+static int
+u64_view(PyObject *obj, Py_buffer *view)
+{
+    if (!PyObject_CheckBuffer(obj)) {
+        return 0;
+    }
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        return -1;
+    }
+    const char *f = view->format != NULL ? view->format : "B";
+    const char *code = (*f == '@' || *f == '=') ? f + 1 : f;
+    if (view->itemsize == 8 && (strcmp(code, "Q") == 0 || strcmp(code, "L") == 0)) {
+        return 1; /* unsigned, 8 bytes */
+    }
+    PyErr_Format(PyExc_TypeError, "keys: a buffer of u64 (array('Q')), not format %s", f);
+    PyBuffer_Release(view);
+    return -1;
+}
+
 /* drop_run(keys, start, goal, value) -> (stop, dropped), a NodeMap's: from keys[start] on,
  * delete each key mapped to `value` itself, until `goal` are deleted or the keys end; `stop`
- * is the position after the last key read. (The pressure ledger's pruning of a batch: its
- * keys listed in order, some of them mapped to a newer batch since.) */
+ * is the position after the last key read. `keys` is an array('Q') or a sequence of ints.
+ * (The pressure ledger's pruning of a batch: its keys listed in order, some of them mapped to
+ * a newer batch since.) */
 static PyObject *
 map_drop_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1150,29 +1173,49 @@ map_drop_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
     if ((start == -1 || goal == -1) && PyErr_Occurred()) {
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
-    if (seq == NULL) {
+    Py_buffer view;
+    int viewed = u64_view(args[0], &view);
+    if (viewed < 0) {
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i = start < 0 ? 0 : start;
-    Py_ssize_t dropped = 0;
-    const uint64_t value = (uint64_t)(uintptr_t)args[3];
+    PyObject *seq = NULL, **items = NULL;
     U64Run run;
-    const Py_ssize_t base = i < n ? i : n;
-    Py_ssize_t ok = u64_run(&run, PySequence_Fast_ITEMS(seq) + base, n - base);
-    if (ok < 0) {
-        Py_DECREF(seq);
-        return NULL;
+    run.v = run.local;
+    const uint64_t *ks; /* keys[base:base + ok] as u64 */
+    Py_ssize_t n, ok, base;
+    Py_ssize_t i = start < 0 ? 0 : start, dropped = 0;
+    if (viewed) {
+        ks = (const uint64_t *)view.buf;
+        n = ok = view.len / 8;
+        base = 0;
     }
-    if (m->slots != NULL) {
-        map_prefetch_start(m, NULL, run.v, ok);
+    else {
+        seq = PySequence_Fast(args[0], "keys must be a sequence");
+        if (seq == NULL) {
+            return NULL;
+        }
+        n = PySequence_Fast_GET_SIZE(seq);
+        items = PySequence_Fast_ITEMS(seq);
+        base = i < n ? i : n;
+        ok = u64_run(&run, items + base, n - base);
+        if (ok < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        ks = run.v;
     }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    const uint64_t value = (uint64_t)(uintptr_t)args[3];
+    const Py_ssize_t first = i - base; /* the run's position of keys[i] */
+    if (m->slots != NULL && first < ok) {
+        map_prefetch_start(m, NULL, ks + first, ok - first);
+    }
     for (; dropped < goal && i < n; i++) {
         uint64_t key;
         if (i - base < ok) {
-            map_prefetch_run(m, NULL, run.v, i - base, ok);
-            key = run.v[i - base];
+            if (m->slots != NULL) {
+                map_prefetch_run(m, NULL, ks + first, i - base - first, ok - first);
+            }
+            key = ks[i - base];
         }
         else if (!as_u64(items[i], &key)) {
             continue; /* no u64: in no NodeMap */
@@ -1183,8 +1226,11 @@ map_drop_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
             dropped++;
         }
     }
+    if (viewed) {
+        PyBuffer_Release(&view);
+    }
     u64_run_free(&run);
-    Py_DECREF(seq);
+    Py_XDECREF(seq);
     return Py_BuildValue("(nn)", i, dropped);
 }
 

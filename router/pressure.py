@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import math
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass, field
@@ -114,7 +115,9 @@ class _Batch:
 
     rank: _RankLedger
     weight: float
-    keys: Sequence[int] = ()  # in the order weighed, from `start` on (before it: pruned)
+    # In the order weighed, from `start` on (before it: pruned); an array of u64, 8 bytes a key
+    # where a list would hold an int object of 32 for each.
+    keys: Sequence[int] = ()
     start: int = 0
     live: int = 0
 
@@ -314,7 +317,7 @@ class PressureLedger:
             first, reweighed = self._reweigh(st, batch, keys, olds, w * _REFRESH_FACTOR)
             added += reweighed
         if added:
-            batch.keys = keys[first:]
+            batch.keys = array("Q", keys[first:])
             batch.live = added
             st.batches.append(batch)
             st.listed += n - first
@@ -459,7 +462,7 @@ class PressureLedger:
         for batch in st.batches:
             if batch.live:
                 live = (k for k in batch.keys[batch.start :] if get(k) is batch)
-                batch.keys = tuple(dict.fromkeys(live))  # a key listed twice: its first place
+                batch.keys = array("Q", dict.fromkeys(live))  # a key listed twice: its first place
                 batch.start = 0
                 batches.append(batch)
         st.batches = batches
