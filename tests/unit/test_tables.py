@@ -290,3 +290,31 @@ def test_drop_run_drops_what_the_pure_twin_drops_and_stops_where_it_stops(seed: 
     for wrong in (array("i", [1]), b"\x01" * 8):  # a buffer, but not of u64
         with pytest.raises(TypeError, match="buffer of u64"):
             native.drop_run(wrong, 0, 1, batches[0])
+
+
+def test_a_map_past_16_mib_keeps_every_key_through_growth_shrinking_and_clearing() -> None:
+    # Past 16 MiB a map's arrays are one mapping of their own (huge pages where the kernel
+    # allows): growing into it, growing within it, shrinking out of it and clearing it must
+    # each keep (or drop) exactly what a dict would.
+    rng = random.Random(5)
+    keys = list({rng.randrange(U64) for _ in range(400_000)})  # 2**20 slots: 17 MB
+    m = tables.HashMap()
+    assert m.setdefault_run(keys, 7) == [7] * len(keys)
+    big = sys.getsizeof(m)
+    assert big > 16 << 20 and len(m) == len(keys)
+    assert all(k in m for k in keys[::97])
+    for k in keys[:-100]:
+        del m[k]
+    # Keys added and removed use up the entries left; the rebuild they cause sizes the table
+    # for the 100 live ones.
+    churn = iter(range(3_000_000))
+    while sys.getsizeof(m) == big:
+        k = next(churn)
+        m[k] = k
+        del m[k]
+    assert sys.getsizeof(m) < 1 << 20
+    assert sorted(m.keys()) == sorted(keys[-100:])
+    m.setdefault_run(keys, 8)  # and up again
+    assert m.get(keys[0]) == 8 and m.get(keys[-1]) == 7 and len(m) == len(keys)
+    m.clear()
+    assert len(m) == 0 and keys[0] not in m
