@@ -123,3 +123,14 @@ def test_index_runs_times_each_run_on_an_index_of_the_asked_size(pure: bool, col
     rows = {r.split("|")[1].strip(): r.split("|")[2] for r in done.stdout.splitlines() if "|" in r}
     for step in ("store 63", "remove 63", "prefix_depths 125", "ledger record 125"):
         assert float(rows[step].split()[0]) > 0, done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_ledger_memory_measures_a_ledger_of_the_asked_size_in_its_own_process() -> None:
+    argv = [sys.executable, "-m", "bench.ledger_memory", "--sizes", "5000,10000"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr
+    rows = done.stdout.splitlines()
+    # one row per size, each from a child whose ledger tracks exactly that many pairs
+    assert [r.split()[1] for r in rows] == ["5,000", "10,000"]
+    assert all("B/pair" in r and "full GC pass" in r for r in rows)
