@@ -249,12 +249,16 @@ def long_headers() -> list[Workload]:
 
 def nested_headers() -> list[Workload]:
     """Shared preambles that stress a prefix home's anchor (added with `--nested-headers`):
-    preambles of 4, 16 and 40 blocks, and two levels of sharing (a fleet-wide preamble, then
-    one per team, then each prefix's own part). `fill` is set so each worker's share of the
-    ideal partition (its preambles once, its prefixes' own parts) is about 0.85 of its
-    cache: the mean prefix counts the preambles in full, so the defaults' 0.85 would leave
-    the long-preamble shapes without pressure. The ideal partition is blind to the teams
-    (it spreads a team's prefixes over workers), so a policy may beat it there."""
+    preambles of 4, 16 and 40 blocks; two levels of sharing (a fleet-wide preamble, then one
+    per team, then each prefix's own part); and the two sides of `HomeSettings.tail_blocks`:
+    requests' own tails of 4-10 blocks (a repeat whose tail is longer looks like a new prefix
+    below the homed one) and prefixes whose own part below the preamble is 6-18 blocks (one
+    shorter than `tail_blocks` looks like a tail of the preamble's home). `fill` is set so
+    each worker's share of the ideal partition (its preambles once, its prefixes' own parts)
+    is about 0.85 of its cache: the mean prefix counts the preambles in full, so the
+    defaults' 0.85 would leave the long-preamble shapes without pressure. The ideal
+    partition is blind to the teams (it spreads a team's prefixes over workers), so a policy
+    may beat it there."""
     return [
         Workload("5w-15p-header4-c8", 5, 15, (24, 40), 0.92, 6, shuffled=True, concurrency=8,
                  header_blocks=4),
@@ -267,6 +271,11 @@ def nested_headers() -> list[Workload]:
         Workload("8w-40p-teams5-c16-prefilled-3rep", 8, 40, (40, 56), 0.98, 5, shuffled=True,
                  concurrency=16, prefilled=True, replicas=3, header_blocks=8, teams=5,
                  team_blocks=12),
+        Workload("5w-15p-header12-longtails-c8-2rep", 5, 15, (40, 56), 1.05, 6,
+                 tail_tokens=(64, 160), shuffled=True, concurrency=8, replicas=2,
+                 header_blocks=12),
+        Workload("6w-30p-header8-shortown-c8-2rep", 6, 30, (14, 26), 1.0, 6, shuffled=True,
+                 concurrency=8, replicas=2, header_blocks=8),
     ]  # fmt: skip
 
 
@@ -581,10 +590,13 @@ class HomeSettings:
 
     Defaults chosen on the family and hold-outs (BENCHMARKS.md): bounds of 1 placed by
     load where blocks should decide, keep bounds of 2-4 copied prefixes away from their
-    homes, settle times of 0.03 s re-placed prefixes whose first request still queued;
-    `tail_blocks` covers the simulated tails (8-40 tokens: at most 3 blocks past a prefix)."""
+    homes, settle times of 0.03 s re-placed prefixes whose first request still queued.
+    `tail_blocks` is a guess at the workload's longest request tail, and the one shape
+    knob: tails longer than it, or prefixes below a preamble with own parts shorter than it,
+    are taken for the other (`nested_headers()`: 4 and 12 each fail one of the two shapes
+    there, 8 neither by much; only repetition tells the two apart)."""
 
-    tail_blocks: int = 4
+    tail_blocks: int = 8
     place_bound: int = 4
     keep_bound: int = 8
     max_homes: int = 100_000

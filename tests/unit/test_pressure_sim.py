@@ -347,12 +347,11 @@ def test_siblings_that_placed_a_prefix_at_once_converge_on_one_home() -> None:
 
 def test_one_prefix_placed_twice_at_join_keys_apart_keeps_the_earlier_home() -> None:
     clock = _Clock()
-    table = HomeTable(HomeSettings(), clock)
-    prefix = _tokens(8, 33)
-    short, long = block_keys(prefix + _tokens(9, 1), BLOCK), block_keys(prefix, BLOCK)
-    first = _home(table, R0, short)  # 34 blocks: joined at 15
-    clock.now = 0.001
-    _home(table, R1, long + block_keys(prefix + _tokens(10, 3), BLOCK)[33:])  # 36: at 31
+    table = HomeTable(HomeSettings(tail_blocks=8), clock)
+    prefix = _tokens(8, 37)
+    first = _home(table, R0, block_keys(prefix + _tokens(9, 1), BLOCK))  # 38: joined at 15
+    clock.now = 0.001  # the sibling's, with a longer tail: 40 blocks, joined at 31
+    _home(table, R1, block_keys(prefix + _tokens(10, 3), BLOCK))
     assert len(table) == 2
     assert table.find(block_keys(prefix + _tokens(11, 2), BLOCK)) is first
     assert len(table) == 1
