@@ -744,11 +744,11 @@ class HomeTable:
 class CacheAwareHome:
     """cache_aware with a prefix home: a homed prompt goes to its home unless the home is
     gone or more than `keep_bound` requests above the lightest rank; a new prefix (no home
-    on its chain, or one it leaves well before that home's prefix ends: a prefix below a
-    shared preamble) is anchored at its first block no rank holds and goes to the rank
+    on its chain, or one that goes on more than a tail past the part a home's prefix shares
+    with it: `_split`) is anchored at its first block no rank holds and goes to the rank
     given the fewest blocks for it, among those within `place_bound` of the lightest: the
-    blocks homed there plus the shared part it would newly store. A home that lost its
-    anchor is placed again. The ledger's booking and demand follow the home
+    blocks homed there plus the held part of the prompt it would newly store. A home that
+    lost its anchor is placed again. The ledger's booking and demand follow the home
     (`Decision.served`)."""
 
     inner: CacheAware
@@ -786,13 +786,13 @@ class CacheAwareHome:
 
     def _split(self, home: Home, held: dict[RankId, int], keys: Sequence[int]) -> int | None:
         """Where a prompt that found a home begins a prefix of its own, or None when it is
-        the homed prefix. Reaching it, it is a longer prefix extending the homed one
-        (a preamble first seen alone with one request's tail, then a prefix below it) if
-        some rank holds it to within a tail of the homed prompt's end and it goes on more
-        than a tail past that end: a home at its first block nobody holds. (A repeat whose
-        prefix the caches cut short is no longer than its homed prompt: it stays home.)
-        Not reaching it, it left the homed prefix below the anchor: a new prefix
-        below their shared part if it goes on more than a tail past what any rank holds, or
+        the homed prefix. Holding the home's reach key, it is a longer prefix extending the
+        homed one (a preamble first seen alone with one request's tail, then a prefix below
+        it) if some rank holds it to within a tail of the homed prompt's end and it goes on
+        more than a tail past that end: a home at its first block nobody holds. (A repeat
+        whose prefix the caches cut short is no longer than its homed prompt: it stays
+        home.) Holding only the anchor, it left the homed prefix below the anchor: a new
+        prefix below their shared part if it goes on more than a tail past what any rank holds, or
         another rank's prefix if that rank holds it more than a tail deeper than the home
         does (a home at the first block the home lacks: a placement this table missed or
         forgot). Otherwise it is a short prompt on the shared part, or one nobody holds past
