@@ -24,7 +24,10 @@ placement that only balances blocks achieves, not a router policy).
 
 `cache_aware_home` is a prototype, not a router policy: cache_aware plus a per-prefix home
 table (`HomeTable`, `CacheAwareHome`) that a replica could keep with what it knows, shared
-between replicas like the decisions; `--long-headers` adds the shape it fails on.
+between replicas like the decisions. A home is anchored at the first block of its prefix no
+rank held when it was placed, so prefixes below a shared preamble each get their own;
+`--long-headers` and `--nested-headers` add shapes with preambles of 4 to 40 blocks and two
+levels of sharing.
 
 `--diagnose` says where each policy's lost prefix blocks went (`Losses`: a prefix's first
 admission, a worker sent a prefix another one held deeper, or nobody held it any more) and
@@ -91,6 +94,8 @@ class Workload:
     prefilled: bool = False  # caches full of unrelated blocks before the first request
     replicas: int = 1
     header_blocks: int = 0  # a header every prefix starts with (a shared system preamble)
+    teams: int = 0  # prefix p continues the header with team p % teams's preamble ...
+    team_blocks: int = 0  # ... of this many blocks (a second level of sharing)
     max_running: int = 2
     prefill_s_per_token: float = 50e-6
     decode_s: float = 0.01
@@ -226,8 +231,8 @@ def holdouts() -> list[Workload]:
 
 
 def long_headers() -> list[Workload]:
-    """A shared preamble longer than `HomeSettings.anchor_blocks` (added with
-    `--long-headers`): every prompt has the same anchor, the home table's failure mode."""
+    """A shared preamble of 12 blocks (added with `--long-headers`): longer than the fixed
+    anchor depth (8) of the first home prototype, which sent every prompt to one home."""
     w = Workload(
         "5w-12p-header12-c8",
         5,
@@ -240,6 +245,38 @@ def long_headers() -> list[Workload]:
         header_blocks=12,
     )
     return [w, replace(w, name="5w-12p-header12-c8-2rep", replicas=2)]
+
+
+def nested_headers() -> list[Workload]:
+    """Shared preambles that stress a prefix home's anchor (added with `--nested-headers`):
+    preambles of 4, 16 and 40 blocks; two levels of sharing (a fleet-wide preamble, then one
+    per team, then each prefix's own part); and the two sides of `HomeSettings.tail_blocks`:
+    requests' own tails of 4-10 blocks (a repeat whose tail is longer looks like a new prefix
+    below the homed one) and prefixes whose own part below the preamble is 6-18 blocks (one
+    shorter than `tail_blocks` looks like a tail of the preamble's home). `fill` is set so
+    each worker's share of the ideal partition (its preambles once, its prefixes' own parts)
+    is about 0.85 of its cache: the mean prefix counts the preambles in full, so the
+    defaults' 0.85 would leave the long-preamble shapes without pressure. The ideal
+    partition is blind to the teams (it spreads a team's prefixes over workers), so a policy
+    may beat it there."""
+    return [
+        Workload("5w-15p-header4-c8", 5, 15, (24, 40), 0.92, 6, shuffled=True, concurrency=8,
+                 header_blocks=4),
+        Workload("6w-24p-header16-c12-2rep", 6, 24, (32, 48), 1.21, 6, shuffled=True,
+                 concurrency=12, replicas=2, header_blocks=16),
+        Workload("4w-12p-header40-c6", 4, 12, (56, 72), 1.45, 6, shuffled=True, concurrency=6,
+                 header_blocks=40),
+        Workload("6w-36p-teams4-c12-2rep", 6, 36, (36, 52), 1.05, 6, shuffled=True,
+                 concurrency=12, replicas=2, header_blocks=6, teams=4, team_blocks=10),
+        Workload("8w-40p-teams5-c16-prefilled-3rep", 8, 40, (40, 56), 0.98, 5, shuffled=True,
+                 concurrency=16, prefilled=True, replicas=3, header_blocks=8, teams=5,
+                 team_blocks=12),
+        Workload("5w-15p-header12-longtails-c8-2rep", 5, 15, (40, 56), 1.05, 6,
+                 tail_tokens=(64, 160), shuffled=True, concurrency=8, replicas=2,
+                 header_blocks=12),
+        Workload("6w-30p-header8-shortown-c8-2rep", 6, 30, (14, 26), 1.0, 6, shuffled=True,
+                 concurrency=8, replicas=2, header_blocks=8),
+    ]  # fmt: skip
 
 
 # -- the workload's requests ------------------------------------------------------------------
@@ -270,13 +307,18 @@ def _text(rng: random.Random, chars: int) -> str:
 def build_requests(w: Workload, seed: int) -> tuple[list[Request], list[int]]:
     """The requests in arrival order, and each prefix's length in blocks.
 
-    Every request is one chat message: its prefix's text (a shared header first, when the
-    workload has one), then a tail of its own. The bytes tokenizer makes a character a token.
+    Every request is one chat message: its prefix's text (a shared header first and its
+    team's preamble next, when the workload has them), then a tail of its own. The bytes
+    tokenizer makes a character a token.
     """
     rng = random.Random(seed)
     header = _text(rng, w.header_blocks * BLOCK)
+    teams = [header + _text(rng, w.team_blocks * BLOCK) for _ in range(w.teams)] or [header]
     lengths = [rng.randint(*w.prefix_blocks) for _ in range(w.prefixes)]
-    prefixes = [header + _text(rng, (n - w.header_blocks) * BLOCK) for n in lengths]
+    above = w.header_blocks + w.team_blocks
+    prefixes = [
+        teams[p % len(teams)] + _text(rng, (n - above) * BLOCK) for p, n in enumerate(lengths)
+    ]
     order = [p for _ in range(w.requests_per_prefix) for p in range(w.prefixes)]
     if w.shuffled:
         rng.shuffle(order)
@@ -530,22 +572,31 @@ class Fleet:
 
 @dataclass(frozen=True)
 class HomeSettings:
-    """The home table's knobs. `anchor_blocks`: a prompt's anchor is its key at this depth
-    (its last full block when shorter), past a shared system preamble of fewer blocks.
+    """The home table's knobs. A prefix's home is registered at its anchor: the first block
+    of the prompt that no rank held (index and bookings) when it was placed, so a shared
+    preamble, held wherever it is used, is nobody's anchor, and each prefix below it has one
+    of its own. A prompt finds its home by the deepest registered key along its chain.
+    `tail_blocks`: a request's own tail, at most: a prompt that goes on more than this many
+    blocks past what any rank holds, below a home's anchor or past its prefix's end, is a
+    new prefix (`CacheAwareHome._split`); less is a repeat of the homed one.
     `place_bound`: a new prefix's home is chosen among the ranks at most this many requests
     above the lightest. `keep_bound`: a home keeps its prefix while it is at most this many
     above the lightest (beyond, the request goes where cache_aware sends it; the home stays).
     `max_homes` bounds the table (least recently used out first); an entry's blocks count
     for its rank halved every `half_life_s` since its last use (like the ledger's demand),
     and an entry unused for `forget_half_lives` half-lives is dropped. `settle_s`: a home
-    that does not hold its prefix's anchor this long after it was set has lost it to its
-    cache (it was given more than it holds) and the prefix is placed again.
+    that does not hold its anchor this long after it was set has lost it to its cache (it
+    was given more than it holds) and the prefix is placed again.
 
     Defaults chosen on the family and hold-outs (BENCHMARKS.md): bounds of 1 placed by
     load where blocks should decide, keep bounds of 2-4 copied prefixes away from their
-    homes, settle times of 0.03 s re-placed prefixes whose first request still queued."""
+    homes, settle times of 0.03 s re-placed prefixes whose first request still queued.
+    `tail_blocks` is a guess at the workload's longest request tail, and the one shape
+    knob: tails longer than it, or prefixes below a preamble with own parts shorter than it,
+    are taken for the other (`nested_headers()`: 4 and 12 each fail one of the two shapes
+    there, 8 neither by much; only repetition tells the two apart)."""
 
-    anchor_blocks: int = 8
+    tail_blocks: int = 8
     place_bound: int = 4
     keep_bound: int = 8
     max_homes: int = 100_000
@@ -554,10 +605,10 @@ class HomeSettings:
     settle_s: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.anchor_blocks < 1 or self.max_homes < 1:
-            raise ValueError("anchor_blocks and max_homes must be >= 1")
-        if min(self.place_bound, self.keep_bound) < 0:
-            raise ValueError("place_bound and keep_bound must be >= 0")
+        if self.max_homes < 1:
+            raise ValueError("max_homes must be >= 1")
+        if min(self.tail_blocks, self.place_bound, self.keep_bound) < 0:
+            raise ValueError("tail_blocks, place_bound and keep_bound must be >= 0")
         if not (self.half_life_s > 0 and self.forget_half_lives > 0):
             raise ValueError("half_life_s and forget_half_lives must be > 0")
 
@@ -565,37 +616,98 @@ class HomeSettings:
 @dataclass(slots=True)
 class Home:
     rank: RankId
-    blocks: int  # the prompt's full blocks when the home was set
+    anchor: int  # the key of the prefix's first block no rank held when it was placed ...
+    depth: int  # ... at this position: the blocks of shared part above it
+    join: int  # the key it is registered at, past the anchor (`HomeTable.join_at`)
+    reach: int  # the placing prompt's key a tail above its end ...
+    reach_depth: int  # ... at this position: a prompt holding it follows the prefix
+    blocks: int  # the placing prompt's full blocks from the anchor on
     generation: int  # 0 when first placed, +1 each time it is re-placed
     set_at: float  # when it was set (a sibling's adoption keeps the sender's time)
-    used_at: float
+    used_at: float = 0.0
+
+    def reached(self, keys: Sequence[int]) -> bool:
+        """The prompt `keys` follows the homed prefix to a tail above the placing prompt's
+        end (however much of it the caches dropped since)."""
+        return self.reach_depth < len(keys) and keys[self.reach_depth] == self.reach
+
+
+def _preference(home: Home) -> tuple[int, float, RankId]:
+    """Between two homes of one prefix: the latest generation, then the earliest set, then
+    the lower rank (every replica picks the same)."""
+    return -home.generation, home.set_at, home.rank
 
 
 class HomeTable:
-    """Anchor key -> home: sans-I/O, driven by an injected clock."""
+    """Prefix homes by their join key, and by anchor the latest home anchored there:
+    sans-I/O, driven by an injected clock. Two homes with one anchor are two prefixes that
+    diverge below it (placed at once, before the first one's blocks were held), or one
+    prefix placed twice by siblings at once with join keys apart (its prompts then hold
+    both, and the one siblings prefer is kept)."""
 
     def __init__(self, settings: HomeSettings, clock: Callable[[], float]) -> None:
         self.settings = settings
         self.clock = clock
-        self._homes: OrderedDict[int, Home] = OrderedDict()
+        self._homes: OrderedDict[int, Home] = OrderedDict()  # by join, least recent first
+        self._anchors: dict[int, int] = {}  # anchor -> the join of its latest home
 
     def __len__(self) -> int:
         return len(self._homes)
 
-    def anchor(self, keys: Sequence[int]) -> int | None:
-        return keys[min(self.settings.anchor_blocks, len(keys)) - 1] if keys else None
+    def join_at(self, depth: int, blocks: int) -> int:
+        """Where a prefix anchored at `depth` in a prompt of `blocks` is registered: a tail
+        above the prompt's end, rounded down to a power of two blocks past the anchor, so
+        that siblings placing one prefix at once with requests of different tails most often
+        register it at the same key."""
+        own = blocks - self.settings.tail_blocks - depth
+        return depth if own <= 1 else depth + (1 << (own.bit_length() - 1)) - 1
 
-    def lookup(self, anchor: int) -> Home | None:
-        """The anchor's home, marked used; None when unknown or forgotten."""
-        home = self._homes.get(anchor)
+    def find(self, keys: Sequence[int]) -> Home | None:
+        """The home of the deepest registered key along the chain `keys` (a join, or an
+        anchor), marked used. One lookup per key from the deepest up, so a prefix's own home
+        wins over the home of the prefix that first brought a preamble they share; past a
+        join hit the walk goes on to its anchor to drop a second home of the same prefix."""
+        for at in range(len(keys) - 1, -1, -1):
+            key = keys[at]
+            if key in self._homes:
+                home = self.lookup(key)
+                if home is not None:
+                    return self._drop_doubles(home, keys, at)
+            elif key in self._anchors:
+                home = self.lookup(self._anchors[key])
+                if home is not None:
+                    return home
+        return None
+
+    def _drop_doubles(self, home: Home, keys: Sequence[int], at: int) -> Home:
+        """`home` (joined at `keys[at]`) and the homes of the same anchor joined on the chain
+        above it are one prefix placed twice: the one siblings prefer stays."""
+        doubles = [
+            other
+            for key in keys[home.depth : at]
+            if (other := self._homes.get(key)) is not None and other.anchor == home.anchor
+        ]
+        if not doubles:
+            return home
+        kept = min([home, *doubles], key=_preference)
+        for other in [home, *doubles]:
+            if other is not kept:
+                self._drop(other.join)
+        kept.used_at = self.clock()
+        self._anchors[kept.anchor] = kept.join
+        return kept
+
+    def lookup(self, join: int) -> Home | None:
+        """The home joined at `join`, marked used; None when unknown or forgotten."""
+        home = self._homes.get(join)
         now = self.clock()
         if home is None:
             return None
         if now - home.used_at > self.settings.half_life_s * self.settings.forget_half_lives:
-            del self._homes[anchor]
+            self._drop(join)
             return None
         home.used_at = now
-        self._homes.move_to_end(anchor)
+        self._homes.move_to_end(join)
         return home
 
     def homed(self, rank: RankId) -> float:
@@ -607,96 +719,145 @@ class HomeTable:
             if h.rank == rank
         )
 
-    def place(
-        self,
-        anchor: int,
-        rank: RankId,
-        blocks: int,
-        generation: int = 0,
-        set_at: float | None = None,
-    ) -> Home:
-        """Set the anchor's home (`generation`: how many times it was re-placed). A
-        sibling's (`set_at` given) replaces only an older generation, or in the same one a
-        home set later; between two set at once the lower rank wins, so replicas converge."""
-        now = self.clock()
-        when = now if set_at is None else set_at
-        old = self._homes.get(anchor)
-        new = (-generation, when, rank)
-        if (
-            set_at is not None
-            and old is not None
-            and (-old.generation, old.set_at, old.rank) <= new
-        ):
+    def place(self, home: Home, sibling: bool = False) -> Home:
+        """Set a home at its join key. A sibling's (`sibling`) replaces only one this table
+        prefers less (`_preference`), so replicas converge."""
+        old = self._homes.get(home.join)
+        if sibling and old is not None and _preference(old) <= _preference(home):
             return old  # a sibling's news of a home this table already prefers
-        home = self._homes[anchor] = Home(rank, blocks, generation, when, now)
-        self._homes.move_to_end(anchor)
+        if old is not None:
+            self._drop(home.join)
+        home.used_at = self.clock()
+        self._homes[home.join] = home
+        self._anchors[home.anchor] = home.join
         while len(self._homes) > self.settings.max_homes:
-            self._homes.popitem(last=False)
+            self._drop(next(iter(self._homes)))
         return home
+
+    def _drop(self, join: int) -> None:
+        home = self._homes.pop(join)
+        if self._anchors.get(home.anchor) == join:
+            del self._anchors[home.anchor]
 
 
 @dataclass
 class CacheAwareHome:
     """cache_aware with a prefix home: a homed prompt goes to its home unless the home is
-    gone or more than `keep_bound` requests above the lightest rank; a new prefix (or one
-    whose home is gone) goes to the rank holding its anchor if cache_aware picked one, else
-    to the rank with the fewest homed blocks among those within `place_bound` of the
-    lightest. The ledger's booking and demand follow the home (`Decision.served`)."""
+    gone or more than `keep_bound` requests above the lightest rank; a new prefix (no home
+    on its chain, or one that goes on more than a tail past the part a home's prefix shares
+    with it: `_split`) is anchored at its first block no rank holds and goes to the rank
+    given the fewest blocks for it, among those within `place_bound` of the lightest: the
+    blocks homed there plus the held part of the prompt it would newly store. A home that
+    lost its anchor is placed again. The ledger's booking and demand follow the home
+    (`Decision.served`)."""
 
     inner: CacheAware
     table: HomeTable
-    share: Callable[[int, Home], None] | None = None
+    share: Callable[[Home], None] | None = None
     name: str = CACHE_AWARE_HOME
 
-    def _place(
-        self, ranked: Sequence[Candidate], loads: dict[RankId, int], lightest: int
-    ) -> RankId:
-        """The fewest homed blocks among the ranks within the load bound; ties in
-        cache_aware's order."""
-        bound = lightest + self.table.settings.place_bound
-        return min((c.rank for c in ranked if loads[c.rank] <= bound), key=self.table.homed)
+    def _held(self, candidates: Sequence[Candidate], prompt: Prompt) -> dict[RankId, int]:
+        """How deep each rank holds the prompt, its bookings counted (read before the
+        decision books this prompt; past the bookings the index confirmed or that expired)."""
+        self.inner.settle()
+        any_tier = {} if prompt.depths is None else prompt.depths.any_tier
+        booked = self.inner.ledger.booked_depths(prompt.keys, any_tier)
+        return {c.rank: max(any_tier.get(c.rank, 0), booked.get(c.rank, 0)) for c in candidates}
 
-    def _lost(self, home: Home, prompt: Prompt, depth: int) -> bool:
+    def _place(
+        self, ranked: Sequence[Candidate], loads: dict[RankId, int], held: dict[RankId, int]
+    ) -> RankId:
+        """The fewest blocks given, homed there and held elsewhere (what it would newly
+        store of the prompt's part some rank holds), among the ranks within the load bound;
+        ties in cache_aware's order."""
+        bound = min(loads.values()) + self.table.settings.place_bound
+        deepest = max(held.values())
+        return min(
+            (c.rank for c in ranked if loads[c.rank] <= bound),
+            key=lambda r: self.table.homed(r) + deepest - held[r],
+        )
+
+    def _lost(self, home: Home, held: dict[RankId, int]) -> bool:
         """The home no longer holds the anchor though it has had `settle_s` to store it:
         its cache pushed the prefix out, so it was given more than it holds."""
         if self.table.clock() - home.set_at < self.table.settings.settle_s:
             return False
-        return prompt.depths is not None and prompt.depths.any_tier.get(home.rank, 0) < depth
+        return held.get(home.rank, 0) <= home.depth
 
-    def adopt(self, anchor: int, home: Home) -> None:
-        self.table.place(anchor, home.rank, home.blocks, home.generation, home.set_at)
+    def _split(self, home: Home, held: dict[RankId, int], keys: Sequence[int]) -> int | None:
+        """Where a prompt that found a home begins a prefix of its own, or None when it is
+        the homed prefix. Holding the home's reach key, it is a longer prefix extending the
+        homed one (a preamble first seen alone with one request's tail, then a prefix below
+        it) if some rank holds it to within a tail of the homed prompt's end and it goes on
+        more than a tail past that end: a home at its first block nobody holds. (A repeat
+        whose prefix the caches cut short is no longer than its homed prompt: it stays
+        home.) Holding only the anchor, it left the homed prefix below the anchor: a new
+        prefix below their shared part if it goes on more than a tail past what any rank holds, or
+        another rank's prefix if that rank holds it more than a tail deeper than the home
+        does (a home at the first block the home lacks: a placement this table missed or
+        forgot). Otherwise it is a short prompt on the shared part, or one nobody holds past
+        the anchor: the home's."""
+        tail, deepest, blocks = self.table.settings.tail_blocks, max(held.values()), len(keys)
+        if home.reached(keys):
+            end = home.depth + home.blocks
+            return deepest if deepest >= end - tail and blocks > end + tail else None
+        if deepest <= home.depth:
+            return None
+        if blocks - deepest > tail:
+            return deepest
+        leaves = max(held.get(home.rank, 0), home.depth + 1)
+        return leaves if deepest - leaves > tail else None
+
+    def adopt(self, home: Home) -> None:
+        self.table.place(home, sibling=True)
 
     def decide(self, candidates: Sequence[Candidate], prompt: Prompt) -> Decision:
+        keys = prompt.keys
+        if not keys or len(candidates) < 2:
+            return self.inner.decide(candidates, prompt)
+        held = self._held(candidates, prompt)
         decision = self.inner.decide(candidates, prompt)
-        anchor = self.table.anchor(prompt.keys)
-        if anchor is None or len(candidates) < 2 or decision.outcome == IMBALANCE_FALLBACK:
+        if decision.outcome == IMBALANCE_FALLBACK:
             return decision
         loads = {c.rank: load_of(c) for c in candidates}
-        lightest = min(loads.values())
-        settings = self.table.settings
-        depth = min(settings.anchor_blocks, len(prompt.keys))
-        home = self.table.lookup(anchor)
-        if home is not None and home.rank in loads and not self._lost(home, prompt, depth):
-            if loads[home.rank] > lightest + settings.keep_bound:
-                return decision
-            target = home.rank
+        deepest = max(held.values())
+        home = self.table.find(keys)
+        own = len(keys) - 1  # where this prompt's own part begins, when it needs a home
+        if home is None:
+            own = min(deepest, own)
         else:
-            if decision.matched_blocks >= depth:
-                target = decision.ranked[0].rank
-            else:
-                target = self._place(decision.ranked, loads, lightest)
-            generation = 0 if home is None else home.generation + 1
-            home = self.table.place(anchor, target, len(prompt.keys), generation=generation)
-            if self.share is not None:
-                self.share(anchor, home)
-        if target != decision.ranked[0].rank:
-            decision.served(target)
-            at = next(i for i, c in enumerate(decision.ranked) if c.rank == target)
-            decision.ranked.insert(0, decision.ranked.pop(at))
-            depths = prompt.depths
-            decision.matched_blocks = 0 if depths is None else depths.any_tier.get(target, 0)
-            decision.outcome = CACHE_HIT if decision.matched_blocks else CACHE_MISS
-        return decision
+            split = self._split(home, held, keys)
+            if split is not None:
+                home, own = None, min(split, own)
+            elif home.rank in loads and not self._lost(home, held):
+                if loads[home.rank] > min(loads.values()) + self.table.settings.keep_bound:
+                    return decision
+                return _send(decision, prompt, home.rank)
+        target = self._place(decision.ranked, loads, held)
+        if home is None:
+            reach_depth = max(own, len(keys) - 1 - self.table.settings.tail_blocks)
+            join = keys[self.table.join_at(own, len(keys))]
+            home = Home(target, keys[own], own, join, keys[reach_depth], reach_depth,
+                        len(keys) - own, 0, self.table.clock())  # fmt: skip
+        else:  # the home lost its anchor (or left the candidates): the same prefix, again
+            home = replace(home, rank=target, generation=home.generation + 1,
+                           set_at=self.table.clock())  # fmt: skip
+        home = self.table.place(home)
+        if self.share is not None:
+            self.share(home)
+        return _send(decision, prompt, target)
+
+
+def _send(decision: Decision, prompt: Prompt, target: RankId) -> Decision:
+    """`decision` with `target` first (the ledger's booking and demand follow)."""
+    if target != decision.ranked[0].rank:
+        decision.served(target)
+        at = next(i for i, c in enumerate(decision.ranked) if c.rank == target)
+        decision.ranked.insert(0, decision.ranked.pop(at))
+        depths = prompt.depths
+        decision.matched_blocks = 0 if depths is None else depths.any_tier.get(target, 0)
+        decision.outcome = CACHE_HIT if decision.matched_blocks else CACHE_MISS
+    return decision
 
 
 def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None = None,
@@ -732,11 +893,11 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
 
         return share
 
-    def home_sharer(k: int) -> Callable[[int, Home], None]:
-        def share_home(anchor: int, home: Home) -> None:
+    def home_sharer(k: int) -> Callable[[Home], None]:
+        def share_home(home: Home) -> None:
             for j, sibling in enumerate(routers):
                 if j != k and isinstance(sibling, CacheAwareHome):
-                    adopt = functools.partial(sibling.adopt, anchor, replace(home))
+                    adopt = functools.partial(sibling.adopt, replace(home))
                     fleet.at(fleet.now + w.share_lag_s, adopt)
 
         return share_home
@@ -823,6 +984,9 @@ def main() -> None:
     parser.add_argument(
         "--long-headers", action="store_true", help="add long_headers() to the family"
     )
+    parser.add_argument(
+        "--nested-headers", action="store_true", help="add nested_headers() to the family"
+    )
     parser.add_argument("--policies", default="cache_aware,round_robin")
     parser.add_argument("--evict", type=float, default=CacheAwareWeights().evict)
     parser.add_argument("--fill", type=float, default=CacheAwareWeights().fill)
@@ -832,13 +996,13 @@ def main() -> None:
     parser.add_argument(
         "--no-share", action="store_true", help="replicas do not share their decisions"
     )
-    parser.add_argument("--anchor-blocks", type=int, default=HomeSettings().anchor_blocks)
+    parser.add_argument("--tail-blocks", type=int, default=HomeSettings().tail_blocks)
     parser.add_argument("--place-bound", type=int, default=HomeSettings().place_bound)
     parser.add_argument("--keep-bound", type=int, default=HomeSettings().keep_bound)
     parser.add_argument("--settle-s", type=float, default=HomeSettings().settle_s)
     args = parser.parse_args()
     home = HomeSettings(
-        anchor_blocks=args.anchor_blocks,
+        tail_blocks=args.tail_blocks,
         place_bound=args.place_bound,
         keep_bound=args.keep_bound,
         settle_s=args.settle_s,
@@ -850,6 +1014,7 @@ def main() -> None:
     policies = [p for p in args.policies.split(",") if p]
     family = workloads() + (holdouts() if args.holdouts else [])
     family += long_headers() if args.long_headers else []
+    family += nested_headers() if args.nested_headers else []
     chosen = [w for w in family if not wanted or w.name in wanted]
 
     def play_one(w: Workload, seed: int, policy: str) -> Outcome:
