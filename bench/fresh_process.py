@@ -8,10 +8,12 @@ which prints the measurement as one JSON line.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,3 +50,23 @@ def per_size_main(
             cwd=ROOT,
         ).stdout
         print(describe(json.loads(out)), flush=True)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (VmRSS)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise LookupError("VmRSS")
+
+
+def full_gc_pass_ms() -> float:
+    """What a full pass of the cyclic collector costs now (the best of 3), in ms: how long a
+    replica's loop would stall on one with what this process holds alive."""
+    pauses = []
+    for _ in range(3):
+        start = time.perf_counter()
+        gc.collect()
+        pauses.append(time.perf_counter() - start)
+    return min(pauses) * 1e3

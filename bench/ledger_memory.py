@@ -21,8 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.fresh_process import per_size_main
-from bench.tree_memory import _rss
+from bench.fresh_process import full_gc_pass_ms, per_size_main, rss_bytes
 from cachetree.accel import IMPLEMENTATION
 from cachetree.ranks import RankId
 from router.pressure import PressureLedger, PressureSettings
@@ -36,7 +35,7 @@ def build(pairs: int) -> dict[str, Any]:
     ranks = [RankId(f"http://10.0.0.{i}:8000", 0) for i in range(RANKS)]
     now = [0.0]
     gc.collect()
-    before = _rss()
+    before = rss_bytes()
     ledger = PressureLedger(PressureSettings(max_tracked_blocks=pairs), clock=lambda: now[0])
     start = time.process_time()
     for i in range(pairs // PROMPT):
@@ -44,12 +43,7 @@ def build(pairs: int) -> dict[str, Any]:
         ledger.record(ranks[i % RANKS], [rng.getrandbits(64) for _ in range(PROMPT)], PROMPT)
     cpu = time.process_time() - start
     gc.collect()
-    after = _rss()
-    pauses = []
-    for _ in range(3):
-        start = time.perf_counter()
-        gc.collect()
-        pauses.append(time.perf_counter() - start)
+    after = rss_bytes()
     tracked = ledger.tracked_blocks
     return {
         "implementation": IMPLEMENTATION,
@@ -57,7 +51,7 @@ def build(pairs: int) -> dict[str, Any]:
         "rss_mib": (after - before) / 2**20,
         "bytes_per_pair": (after - before) / tracked,
         "record_us_per_prompt": cpu / (pairs // PROMPT) * 1e6,
-        "full_gc_ms": min(pauses) * 1e3,
+        "full_gc_ms": full_gc_pass_ms(),
     }
 
 

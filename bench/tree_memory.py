@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.fresh_process import per_size_main
+from bench.fresh_process import full_gc_pass_ms, per_size_main, rss_bytes
 from cachetree.accel import IMPLEMENTATION
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
@@ -28,14 +28,6 @@ from cachetree.tree import BlockTree
 BLOCK = 16
 CHAIN = 8
 RANKS = 64
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise LookupError("VmRSS")
 
 
 def build_tree(n_blocks: int) -> BlockTree:
@@ -55,19 +47,12 @@ def build_tree(n_blocks: int) -> BlockTree:
 
 def build(n_blocks: int) -> dict[str, Any]:
     gc.collect()
-    before = _rss()
+    before = rss_bytes()
     start = time.process_time()
     tree = build_tree(n_blocks)
     cpu = time.process_time() - start
     gc.collect()
-    after = _rss()
-    # What a full pass of the cyclic collector costs with the index alive: the replica's GC
-    # strategy (index objects untracked, start-up frozen, cli._tune_gc) keeps it near empty.
-    pauses = []
-    for _ in range(3):
-        start = time.perf_counter()
-        gc.collect()
-        pauses.append(time.perf_counter() - start)
+    after = rss_bytes()
     return {
         "implementation": IMPLEMENTATION,
         "blocks": len(tree),
@@ -75,7 +60,9 @@ def build(n_blocks: int) -> dict[str, Any]:
         "rss_mib": (after - before) / 2**20,
         "bytes_per_block": (after - before) / len(tree),
         "build_us_per_block": cpu / len(tree) * 1e6,
-        "full_gc_ms": min(pauses) * 1e3,
+        # The replica's GC strategy (index objects untracked, start-up frozen,
+        # cli._tune_gc) keeps a full pass near empty with the index alive.
+        "full_gc_ms": full_gc_pass_ms(),
     }
 
 
