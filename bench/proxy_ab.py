@@ -157,6 +157,16 @@ def median_range(values: Sequence[float]) -> str:
     return f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
 
 
+def paired(values: Sequence[float], peer: Sequence[float]) -> str:
+    """The median [min-max] over rounds of `values[i] / peer[i]`: the two targets ran in the
+    same round, so a busy spell of the machine slows both and their quotient keeps less of
+    it than a quotient of medians does."""
+    quotients = [v / p for v, p in zip(values, peer, strict=True) if p]
+    if not quotients:
+        return ""
+    return f"{statistics.median(quotients):.2f}x [{min(quotients):.2f}-{max(quotients):.2f}]"
+
+
 def report(args: argparse.Namespace, runs: Sequence[Running]) -> None:
     smg = next((r for r in runs if r.target.router == "smg"), None)
     olds = {r.target.policy: r for r in runs if r.target.code is not None}
@@ -185,6 +195,20 @@ def report(args: argparse.Namespace, runs: Sequence[Running]) -> None:
     print(
         f"\nErrors: {errors or 'none'}. Ratios are of medians, in the order {', '.join(REGIMES)}."
     )
+    print(
+        "\nThe same ratios paired by round (each round's figure over its peer's in that round; "
+        "median [min-max] of the rounds):\n"
+    )
+    print("| router | vs | " + " | ".join(REGIMES) + " |")
+    print("|---|---|" + "---:|" * len(REGIMES))
+    for run in runs:
+        peers = [("smg", smg)] if smg is not None and run is not smg else []
+        old = olds.get(run.target.policy)
+        if old is not None and run is not old and run.target.router == "kvrouter":
+            peers.append(("old", old))
+        for name, peer in peers:
+            cells = [paired(run.cpu_us[r], peer.cpu_us[r]) for r in REGIMES]
+            print(f"| {run.label} | {name} | " + " | ".join(cells) + " |")
     n = max(1, args.latency_requests // args.rounds) * args.rounds
     print(
         f"\n### Added latency at c=1 (ms; {n} routed requests per target, each round's direct "

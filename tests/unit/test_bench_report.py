@@ -149,3 +149,12 @@ def test_the_chat_rows_table_shows_each_router_and_the_tokenize_share() -> None:
     floor = next(line for line in text.splitlines() if line.startswith(f"| {FLOOR} |"))
     assert "| - |" in floor
     assert "20.0% of a bare encode" in text and "segment cache hit rate 90.0%" in text
+
+
+def test_proxy_ab_pairs_each_round_with_its_peer_in_the_same_round() -> None:
+    from bench.proxy_ab import paired
+
+    # A slow second round slows both targets: paired, it does not show as a difference.
+    assert paired([100.0, 200.0, 150.0], [100.0, 200.0, 100.0]) == "1.00x [1.00-1.50]"
+    assert paired([90.0, 10.0], [100.0, 0.0]) == "0.90x [0.90-0.90]"  # a peer at 0 is skipped
+    assert paired([], []) == ""
