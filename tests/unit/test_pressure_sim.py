@@ -386,7 +386,7 @@ def test_siblings_that_placed_a_prefix_at_once_converge_on_one_home() -> None:
 
 def test_one_prefix_placed_twice_at_join_keys_apart_keeps_the_earlier_home() -> None:
     clock = _Clock()
-    table = HomeTable(HomeSettings(tail_blocks=8), clock)
+    table = HomeTable(HomeSettings(join_tail_blocks=8), clock)
     prefix = _tokens(8, 37)
     first = _home(table, R0, block_keys(prefix + _tokens(9, 1), BLOCK))  # 38: joined at 15
     clock.now = 0.001  # the sibling's, with a longer tail: 40 blocks, joined at 31
