@@ -593,13 +593,15 @@ class HomeSettings:
     Defaults chosen on the family and hold-outs (BENCHMARKS.md): bounds of 1 placed by
     load where blocks should decide, keep bounds of 2-4 copied prefixes away from their
     homes, settle times of 0.03 s re-placed prefixes whose first request still queued.
-    `tail_blocks` 12 takes tails up to 12 blocks for tails, and prefixes below a preamble
-    with own parts up to 12 blocks for tails at first, until their repeats confirm them
-    (`nested_headers()`: 8 copies the 9-10 block tails, 10 some; 12 confirms the short own
-    parts a little later). `join_tail_blocks` only places the key a home is registered at
-    (`HomeTable.join_at`): 12 there cost five two-replica shapes 0.002-0.005."""
+    `tail_blocks` must cover the longest tail: a repeat whose tail is longer is copied to
+    another rank, and only the prefix side is corrected by repetition (prefixes below a
+    preamble with own parts within it go to the preamble's home until their repeats confirm
+    them). 11 was chosen on `nested_headers()`'s two tail shapes, whose tails reach 10
+    blocks: 8 and 10 copy the longer tails, 12 and 16 confirm the short own parts later.
+    `join_tail_blocks` only places the key a home is registered at (`HomeTable.join_at`):
+    12 there cost five two-replica shapes 0.002-0.005."""
 
-    tail_blocks: int = 12
+    tail_blocks: int = 11
     join_tail_blocks: int = 8
     place_bound: int = 4
     keep_bound: int = 8
@@ -629,9 +631,9 @@ class Home:
     generation: int  # 0 when first placed, +1 each time it is re-placed
     set_at: float  # when it was set (a sibling's adoption keeps the sender's time)
     used_at: float = 0.0
-    # Where a prompt of this home that leaves its chain begins a new prefix: above this
-    # depth (the deepest two of its prompts shared, or one block past a tail that a later
-    # prompt shared); at or below it, it is a repeat with a tail of its own.
+    # A prompt of this home that leaves its chain above this depth begins a new prefix
+    # there: the deepest two of its prompts shared, or one block past the anchor of a tail
+    # that a later prompt shared (`HomeTable.observe`).
     confirmed: int = -1
     # A repeat's tail, not yet a prefix: the anchor of the home it left (None for a home
     # placed as a prefix). A later prompt sharing its blocks makes it one.

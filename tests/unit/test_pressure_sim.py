@@ -238,7 +238,7 @@ def test_a_repeat_leaves_its_home_at_its_prefix_end_however_much_the_caches_hold
     _home(router.table, R0, block_keys(prefix + _tokens(2, 14), BLOCK))  # a long tail
     _hold(tree, R0, prefix, 30)  # the prefix's last 10 blocks evicted
     clock.now = 10.0  # long settled
-    # it goes on 10 blocks past the prefix (within tail_blocks, 12), 20 past what R0 holds:
+    # it goes on 10 blocks past the prefix (within tail_blocks, 11), 20 past what R0 holds:
     # a repeat, not a new prefix at its first unheld block (which would go to R1: 30 blocks
     # to store against R0's 54 homed)
     assert _send(router, tree, prefix + _tokens(3, 10)) == R0
