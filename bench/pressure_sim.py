@@ -576,9 +576,11 @@ class HomeSettings:
     of the prompt that no rank held (index and bookings) when it was placed, so a shared
     preamble, held wherever it is used, is nobody's anchor, and each prefix below it has one
     of its own. A prompt finds its home by the deepest registered key along its chain.
-    `tail_blocks`: a request's own tail, at most: a prompt that goes on more than this many
-    blocks past what any rank holds, below a home's anchor or past its prefix's end, is a
-    new prefix (`CacheAwareHome._split`); less is a repeat of the homed one.
+    `tail_blocks`: a request's own tail, at most: a prompt that leaves a home's chain and
+    goes on more than this many blocks is a new prefix (`CacheAwareHome._split`); less is a
+    repeat with a tail of its own, until repetition tells otherwise: once a repeat's tail
+    was shared by a later prompt (it was a prefix), prompts leaving the home's chain above
+    it are new prefixes whatever their length (`HomeTable.observe`).
     `place_bound`: a new prefix's home is chosen among the ranks at most this many requests
     above the lightest. `keep_bound`: a home keeps its prefix while it is at most this many
     above the lightest (beyond, the request goes where cache_aware sends it; the home stays).
@@ -591,12 +593,16 @@ class HomeSettings:
     Defaults chosen on the family and hold-outs (BENCHMARKS.md): bounds of 1 placed by
     load where blocks should decide, keep bounds of 2-4 copied prefixes away from their
     homes, settle times of 0.03 s re-placed prefixes whose first request still queued.
-    `tail_blocks` is a guess at the workload's longest request tail, and the one shape
-    knob: tails longer than it, or prefixes below a preamble with own parts shorter than it,
-    are taken for the other (`nested_headers()`: 4 and 12 each fail one of the two shapes
-    there, 8 neither by much; only repetition tells the two apart)."""
+    `tail_blocks` must cover the longest tail: a repeat whose tail is longer is copied to
+    another rank, and only the prefix side is corrected by repetition (prefixes below a
+    preamble with own parts within it go to the preamble's home until their repeats confirm
+    them). 11 was chosen on `nested_headers()`'s two tail shapes, whose tails reach 10
+    blocks: 8 and 10 copy the longer tails, 12 and 16 confirm the short own parts later.
+    `join_tail_blocks` only places the key a home is registered at (`HomeTable.join_at`):
+    12 there cost five two-replica shapes 0.002-0.005."""
 
-    tail_blocks: int = 8
+    tail_blocks: int = 11
+    join_tail_blocks: int = 8
     place_bound: int = 4
     keep_bound: int = 8
     max_homes: int = 100_000
@@ -607,8 +613,10 @@ class HomeSettings:
     def __post_init__(self) -> None:
         if self.max_homes < 1:
             raise ValueError("max_homes must be >= 1")
-        if min(self.tail_blocks, self.place_bound, self.keep_bound) < 0:
-            raise ValueError("tail_blocks, place_bound and keep_bound must be >= 0")
+        if min(self.tail_blocks, self.join_tail_blocks, self.place_bound, self.keep_bound) < 0:
+            raise ValueError(
+                "tail_blocks, join_tail_blocks, place_bound and keep_bound must be >= 0"
+            )
         if not (self.half_life_s > 0 and self.forget_half_lives > 0):
             raise ValueError("half_life_s and forget_half_lives must be > 0")
 
@@ -619,17 +627,35 @@ class Home:
     anchor: int  # the key of the prefix's first block no rank held when it was placed ...
     depth: int  # ... at this position: the blocks of shared part above it
     join: int  # the key it is registered at, past the anchor (`HomeTable.join_at`)
-    reach: int  # the placing prompt's key a tail above its end ...
-    reach_depth: int  # ... at this position: a prompt holding it follows the prefix
-    blocks: int  # the placing prompt's full blocks from the anchor on
+    chain: tuple[int, ...]  # the placing prompt's keys from the anchor on
     generation: int  # 0 when first placed, +1 each time it is re-placed
     set_at: float  # when it was set (a sibling's adoption keeps the sender's time)
     used_at: float = 0.0
+    # A prompt of this home that leaves its chain above this depth begins a new prefix
+    # there: the deepest two of its prompts shared, or one block past the anchor of a tail
+    # that a later prompt shared (`HomeTable.observe`).
+    confirmed: int = -1
+    # A repeat's tail, not yet a prefix: the anchor of the home it left (None for a home
+    # placed as a prefix). A later prompt sharing its blocks makes it one.
+    tail_of: int | None = None
 
-    def reached(self, keys: Sequence[int]) -> bool:
-        """The prompt `keys` follows the homed prefix to a tail above the placing prompt's
-        end (however much of it the caches dropped since)."""
-        return self.reach_depth < len(keys) and keys[self.reach_depth] == self.reach
+    def __post_init__(self) -> None:
+        self.confirmed = max(self.confirmed, self.depth)
+
+    @property
+    def blocks(self) -> int:
+        """The blocks it homes on its rank: a tail nobody shared homes none (they are its
+        parent's request's own)."""
+        return 0 if self.tail_of is not None else len(self.chain)
+
+    def shared(self, keys: Sequence[int]) -> int:
+        """The depth at which the prompt `keys` leaves the placing prompt's chain."""
+        at = self.depth
+        for mine, theirs in zip(self.chain, keys[self.depth :], strict=False):
+            if mine != theirs:
+                break
+            at += 1
+        return at
 
 
 def _preference(home: Home) -> tuple[int, float, RankId]:
@@ -655,11 +681,11 @@ class HomeTable:
         return len(self._homes)
 
     def join_at(self, depth: int, blocks: int) -> int:
-        """Where a prefix anchored at `depth` in a prompt of `blocks` is registered: a tail
-        above the prompt's end, rounded down to a power of two blocks past the anchor, so
-        that siblings placing one prefix at once with requests of different tails most often
-        register it at the same key."""
-        own = blocks - self.settings.tail_blocks - depth
+        """Where a prefix anchored at `depth` in a prompt of `blocks` is registered:
+        `join_tail_blocks` above the prompt's end, rounded down to a power of two blocks
+        past the anchor, so that siblings placing one prefix at once with requests of
+        different tails most often register it at the same key."""
+        own = blocks - self.settings.join_tail_blocks - depth
         return depth if own <= 1 else depth + (1 << (own.bit_length() - 1)) - 1
 
     def find(self, keys: Sequence[int]) -> Home | None:
@@ -719,11 +745,37 @@ class HomeTable:
             if h.rank == rank
         )
 
+    def observe(self, home: Home, keys: Sequence[int], shared: int) -> list[Home]:
+        """A repeat of `home` that left its chain at `shared`. The blocks two of its prompts
+        share are its prefix's: they confirm it that deep. A tail's home that a second prompt
+        shares was a prefix: from then on its parent's prompts that leave at its anchor are
+        new prefixes. The prompt's own part past `shared`, if any, is returned as a tail's
+        home on the same rank, for a later prompt to confirm or for the table to forget."""
+        confirmed: list[Home] = []
+        if shared > home.confirmed:
+            home.confirmed = shared
+            confirmed.append(home)
+            if home.tail_of is not None:
+                join = self._anchors.get(home.tail_of)
+                parent = None if join is None else self.lookup(join)
+                if parent is not None and parent.confirmed <= home.depth:
+                    parent.confirmed = home.depth + 1
+                    confirmed.append(parent)
+                home.tail_of = None
+        if shared >= len(keys) or keys[shared] in self._anchors:
+            return confirmed
+        join = keys[self.join_at(shared, len(keys))]
+        tail = Home(home.rank, keys[shared], shared, join, tuple(keys[shared:]), 0,
+                    self.clock(), tail_of=home.anchor)  # fmt: skip
+        return [*confirmed, self.place(tail)]
+
     def place(self, home: Home, sibling: bool = False) -> Home:
         """Set a home at its join key. A sibling's (`sibling`) replaces only one this table
         prefers less (`_preference`), so replicas converge."""
         old = self._homes.get(home.join)
         if sibling and old is not None and _preference(old) <= _preference(home):
+            if old.anchor == home.anchor:  # what the sibling's prompts confirmed holds here
+                old.confirmed = max(old.confirmed, home.confirmed)
             return old  # a sibling's news of a home this table already prefers
         if old is not None:
             self._drop(home.join)
@@ -744,8 +796,8 @@ class HomeTable:
 class CacheAwareHome:
     """cache_aware with a prefix home: a homed prompt goes to its home unless the home is
     gone or more than `keep_bound` requests above the lightest rank; a new prefix (no home
-    on its chain, or one that goes on more than a tail past the part a home's prefix shares
-    with it: `_split`) is anchored at its first block no rank holds and goes to the rank
+    on its chain, or one that leaves a home's chain where its prompts say a new prefix
+    begins: `_split`) is anchored at its first block no rank holds and goes to the rank
     given the fewest blocks for it, among those within `place_bound` of the lightest: the
     blocks homed there plus the held part of the prompt it would newly store. A home that
     lost its anchor is placed again. The ledger's booking and demand follow the home
@@ -784,29 +836,27 @@ class CacheAwareHome:
             return False
         return held.get(home.rank, 0) <= home.depth
 
-    def _split(self, home: Home, held: dict[RankId, int], keys: Sequence[int]) -> int | None:
-        """Where a prompt that found a home begins a prefix of its own, or None when it is
-        the homed prefix. Holding the home's reach key, it is a longer prefix extending the
-        homed one (a preamble first seen alone with one request's tail, then a prefix below
-        it) if some rank holds it to within a tail of the homed prompt's end and it goes on
-        more than a tail past that end: a home at its first block nobody holds. (A repeat
-        whose prefix the caches cut short is no longer than its homed prompt: it stays
-        home.) Holding only the anchor, it left the homed prefix below the anchor: a new
-        prefix below their shared part if it goes on more than a tail past what any rank holds, or
-        another rank's prefix if that rank holds it more than a tail deeper than the home
-        does (a home at the first block the home lacks: a placement this table missed or
-        forgot). Otherwise it is a short prompt on the shared part, or one nobody holds past
-        the anchor: the home's."""
-        tail, deepest, blocks = self.table.settings.tail_blocks, max(held.values()), len(keys)
-        if home.reached(keys):
-            end = home.depth + home.blocks
-            return deepest if deepest >= end - tail and blocks > end + tail else None
-        if deepest <= home.depth:
+    def _split(
+        self, home: Home, held: dict[RankId, int], keys: Sequence[int], shared: int
+    ) -> int | None:
+        """Where a prompt that found `home` and leaves its chain at `shared` begins a prefix
+        of its own, or None when it is a repeat of the homed prefix with a tail of its own.
+        Another rank's prefix if another rank holds it past `shared` (a placement this table
+        missed or forgot). A new prefix below their shared part if it leaves the chain above
+        the depth the home's prompts confirmed (`Home.confirmed`: a block two prompts share
+        is a prefix's), or if it goes on more than `tail_blocks` past `shared`. Otherwise a
+        repeat, whose own part becomes a tail's home on the same rank
+        (`HomeTable.observe`): a prefix once a later prompt shares it, and then the depth
+        where prompts leaving the home's chain are new prefixes. (`shared` is exact, read
+        from the placing prompt's chain: a repeat whose prefix the caches cut short leaves
+        at its prefix's end, not at what is still held.)"""
+        if shared >= len(keys):
             return None
-        if blocks - deepest > tail:
-            return deepest
-        leaves = max(held.get(home.rank, 0), home.depth + 1)
-        return leaves if deepest - leaves > tail else None
+        if any(depth > shared for rank, depth in held.items() if rank != home.rank):
+            return shared
+        if shared < home.confirmed or len(keys) - shared > self.table.settings.tail_blocks:
+            return shared
+        return None
 
     def adopt(self, home: Home) -> None:
         self.table.place(home, sibling=True)
@@ -826,19 +876,21 @@ class CacheAwareHome:
         if home is None:
             own = min(deepest, own)
         else:
-            split = self._split(home, held, keys)
+            shared = home.shared(keys)
+            split = self._split(home, held, keys, shared)
             if split is not None:
                 home, own = None, min(split, own)
             elif home.rank in loads and not self._lost(home, held):
+                for news in self.table.observe(home, keys, shared):
+                    if self.share is not None:
+                        self.share(news)
                 if loads[home.rank] > min(loads.values()) + self.table.settings.keep_bound:
                     return decision
                 return _send(decision, prompt, home.rank)
         target = self._place(decision.ranked, loads, held)
         if home is None:
-            reach_depth = max(own, len(keys) - 1 - self.table.settings.tail_blocks)
             join = keys[self.table.join_at(own, len(keys))]
-            home = Home(target, keys[own], own, join, keys[reach_depth], reach_depth,
-                        len(keys) - own, 0, self.table.clock())  # fmt: skip
+            home = Home(target, keys[own], own, join, tuple(keys[own:]), 0, self.table.clock())
         else:  # the home lost its anchor (or left the candidates): the same prefix, again
             home = replace(home, rank=target, generation=home.generation + 1,
                            set_at=self.table.clock())  # fmt: skip
@@ -997,12 +1049,14 @@ def main() -> None:
         "--no-share", action="store_true", help="replicas do not share their decisions"
     )
     parser.add_argument("--tail-blocks", type=int, default=HomeSettings().tail_blocks)
+    parser.add_argument("--join-tail-blocks", type=int, default=HomeSettings().join_tail_blocks)
     parser.add_argument("--place-bound", type=int, default=HomeSettings().place_bound)
     parser.add_argument("--keep-bound", type=int, default=HomeSettings().keep_bound)
     parser.add_argument("--settle-s", type=float, default=HomeSettings().settle_s)
     args = parser.parse_args()
     home = HomeSettings(
         tail_blocks=args.tail_blocks,
+        join_tail_blocks=args.join_tail_blocks,
         place_bound=args.place_bound,
         keep_bound=args.keep_bound,
         settle_s=args.settle_s,

@@ -161,9 +161,7 @@ def _hold(tree: BlockTree, rank: RankId, tokens: list[int], blocks: int) -> None
 def _home(table: HomeTable, rank: RankId, keys: list[int], depth: int = 0) -> Home:
     """A home anchored at `keys[depth]` for a prompt of `keys`, placed in `table`."""
     join = keys[table.join_at(depth, len(keys))]
-    reach_depth = max(depth, len(keys) - 1 - table.settings.tail_blocks)
-    home = Home(rank, keys[depth], depth, join, keys[reach_depth], reach_depth,
-                len(keys) - depth, 0, table.clock())  # fmt: skip
+    home = Home(rank, keys[depth], depth, join, tuple(keys[depth:]), 0, table.clock())
     return table.place(home)
 
 
@@ -185,7 +183,9 @@ def test_a_new_prefix_below_a_shared_preamble_gets_a_home_of_its_own() -> None:
     # their repeats, with tails of their own, go to their homes
     for i, prefix in enumerate(prefixes):
         assert _send(router, tree, prefix + _tokens(20 + i, 2)) == homes[i]
-    assert len(router.table) == 3
+    # three prefixes' homes, and the three repeats' tails, homing no blocks till shared
+    assert len(router.table) == 6
+    assert [router.table.homed(rank) for rank in homes] == [54, 42, 42]
 
 
 def test_a_preamble_first_seen_alone_splits_off_the_prefixes_below_it() -> None:
@@ -213,11 +213,8 @@ def test_the_deepest_registered_key_along_the_chain_wins() -> None:
     assert table.find(block_keys(shallow + _tokens(4, 2), BLOCK)).rank == R0  # type: ignore[union-attr]
     # a third prefix below the preamble holds only the shallow home's anchor
     other = table.find(block_keys(PREAMBLE + _tokens(5, 30), BLOCK))
-    assert (
-        other is not None
-        and other.rank == R0
-        and not other.reached(block_keys(PREAMBLE + _tokens(5, 30), BLOCK))
-    )
+    assert other is not None and other.rank == R0
+    assert other.shared(block_keys(PREAMBLE + _tokens(5, 30), BLOCK)) == 12  # leaves it there
     assert table.find(block_keys(_tokens(6, 30), BLOCK)) is None
 
 
@@ -231,7 +228,49 @@ def test_a_repeat_whose_prefix_the_caches_cut_short_stays_home() -> None:
     # R1 has 42 blocks homed, the others none; the prompt holds the home's reach key, so
     # it is that prefix (not a new one at its first unheld block) and goes home
     assert _send(router, tree, prefix + _tokens(3, 2)) == R1
-    assert len(router.table) == 1
+    assert router.table.homed(R1) == 42  # and its tail homes nothing
+
+
+def test_a_repeat_leaves_its_home_at_its_prefix_end_however_much_the_caches_hold() -> None:
+    clock, tree = _Clock(), BlockTree(BLOCK)
+    router = _router(clock, tree)
+    prefix = _tokens(1, 40)
+    _home(router.table, R0, block_keys(prefix + _tokens(2, 14), BLOCK))  # a long tail
+    _hold(tree, R0, prefix, 30)  # the prefix's last 10 blocks evicted
+    clock.now = 10.0  # long settled
+    # it goes on 10 blocks past the prefix (within tail_blocks, 11), 20 past what R0 holds:
+    # a repeat, not a new prefix at its first unheld block (which would go to R1: 30 blocks
+    # to store against R0's 54 homed)
+    assert _send(router, tree, prefix + _tokens(3, 10)) == R0
+    assert router.table.homed(R0) == 54 and router.table.homed(R1) == 0
+
+
+def test_a_tail_a_second_prompt_shares_is_a_prefix_and_splits_its_parent_there() -> None:
+    clock, tree = _Clock(), BlockTree(BLOCK)
+    router = _router(clock, tree)
+    first = _home(router.table, R0, block_keys(PREAMBLE + _tokens(1, 20), BLOCK))
+    _hold(tree, R0, PREAMBLE, 12)
+    own = PREAMBLE + _tokens(2, 6)  # a prefix whose own part is shorter than tail_blocks
+    assert _send(router, tree, own + _tokens(3, 1)) == R0  # taken for a repeat's tail
+    assert first.confirmed == 12 and router.table.homed(R0) == 32
+    assert _send(router, tree, own + _tokens(4, 1)) == R0  # its repeat shares it: a prefix
+    assert first.confirmed == 13 and router.table.homed(R0) == 32 + 7
+    # a prompt leaving the first home's chain at the preamble is now a new prefix, placed by
+    # homed blocks, though its own part is as short
+    assert _send(router, tree, PREAMBLE + _tokens(5, 6) + _tokens(6, 1)) in (R1, R2)
+
+
+def test_siblings_share_the_depth_their_prompts_confirmed() -> None:
+    clock = _Clock()
+    a, b = HomeTable(HomeSettings(), clock), HomeTable(HomeSettings(), clock)
+    keys = block_keys(PREAMBLE + _tokens(1, 20), BLOCK)
+    mine = _home(a, R0, keys)
+    b.place(replace(mine), sibling=True)
+    news = a.observe(mine, block_keys(PREAMBLE + _tokens(1, 20) + _tokens(2, 3), BLOCK), 32)
+    assert mine.confirmed == 32 and news[0] is mine and news[1].tail_of == mine.anchor
+    for home in news:
+        b.place(replace(home), sibling=True)
+    assert b.find(keys).confirmed == 32  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -347,7 +386,7 @@ def test_siblings_that_placed_a_prefix_at_once_converge_on_one_home() -> None:
 
 def test_one_prefix_placed_twice_at_join_keys_apart_keeps_the_earlier_home() -> None:
     clock = _Clock()
-    table = HomeTable(HomeSettings(tail_blocks=8), clock)
+    table = HomeTable(HomeSettings(join_tail_blocks=8), clock)
     prefix = _tokens(8, 37)
     first = _home(table, R0, block_keys(prefix + _tokens(9, 1), BLOCK))  # 38: joined at 15
     clock.now = 0.001  # the sibling's, with a longer tail: 40 blocks, joined at 31
