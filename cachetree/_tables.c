@@ -733,16 +733,13 @@ map_peek_found(const MapObject *m, uint64_t key)
 /* The prefetch stages of a run of lookups of the keys `ks[0:n]` in `m`, the run at key i:
  * key i + 3 * PREFETCH_AHEAD gets its slot fetched, key i + 2 * PREFETCH_AHEAD its entry (its
  * slot has landed by then), key i + PREFETCH_AHEAD the object its entry points to (a
- * NodeMap's node). With `then` (a HashMap `m` whose values are `then`'s keys), the value's
- * own lookup in `then` follows the same way, further ahead. i may be negative (the stages
- * of a run's first keys, before its loop). */
+ * NodeMap's node). i may be negative (the stages of a run's first keys, before its loop). */
 static inline void
-map_prefetch_run(const MapObject *m, const MapObject *then, const uint64_t *ks, Py_ssize_t i,
-                 Py_ssize_t n)
+map_prefetch_run(const MapObject *m, const uint64_t *ks, Py_ssize_t i, Py_ssize_t n)
 {
     const Py_ssize_t a = PREFETCH_AHEAD;
     const Entry *e;
-    Py_ssize_t j = i + (then != NULL ? 5 : 3) * a;
+    Py_ssize_t j = i + 3 * a;
     if (j >= 0 && j < n) {
         map_prefetch_slot(m, ks[j]);
     }
@@ -751,38 +748,20 @@ map_prefetch_run(const MapObject *m, const MapObject *then, const uint64_t *ks, 
         PREFETCH(e);
     }
     j -= a;
-    if (j >= 0 && j < n && (e = map_peek_found(m, ks[j])) != NULL) {
-        if (then != NULL) {
-            map_prefetch_slot(then, e->value);
-        }
-        else if (m->objects) {
-            PREFETCH((const void *)(uintptr_t)e->value);
-        }
-    }
-    if (then == NULL) {
-        return;
-    }
-    j -= a;
-    if (j >= 0 && j < n && (e = map_peek_found(m, ks[j])) != NULL
-        && (e = map_peek(then, e->value)) != NULL) {
-        PREFETCH(e);
-    }
-    j -= a;
-    if (j >= 0 && j < n && (e = map_peek_found(m, ks[j])) != NULL
-        && (e = map_peek_found(then, e->value)) != NULL) {
+    if (m->objects && j >= 0 && j < n && (e = map_peek_found(m, ks[j])) != NULL) {
         PREFETCH((const void *)(uintptr_t)e->value);
     }
 }
 
 /* The stages for every key before the first's own: called before a run's loop. */
 static inline void
-map_prefetch_start(const MapObject *m, const MapObject *then, const uint64_t *ks, Py_ssize_t n)
+map_prefetch_start(const MapObject *m, const uint64_t *ks, Py_ssize_t n)
 {
-    if (m->slots == NULL || (then != NULL && then->slots == NULL)) {
+    if (m->slots == NULL) {
         return;
     }
-    for (Py_ssize_t p = -(then != NULL ? 5 : 3) * PREFETCH_AHEAD; p < 0; p++) {
-        map_prefetch_run(m, then, ks, p, n);
+    for (Py_ssize_t p = -3 * PREFETCH_AHEAD; p < 0; p++) {
+        map_prefetch_run(m, ks, p, n);
     }
 }
 
@@ -1149,14 +1128,14 @@ map_setdefault_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
     if (ok < 0) {
         goto done;
     }
-    map_prefetch_start(m, NULL, run.v, ok);
+    map_prefetch_start(m, run.v, ok);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i == ok) {
             uint64_t k;
             key_for_insert(m, items[i], &k); /* raises: no u64 */
             goto done;
         }
-        map_prefetch_run(m, NULL, run.v, i, ok);
+        map_prefetch_run(m, run.v, i, ok);
         uint64_t value;
         Py_ssize_t slot, ix = map_find(m, run.v[i], &slot);
         if (ix >= 0) {
@@ -1256,13 +1235,13 @@ map_drop_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
     const uint64_t value = (uint64_t)(uintptr_t)args[3];
     const Py_ssize_t first = i - base; /* the run's position of keys[i] */
     if (m->slots != NULL && first < ok) {
-        map_prefetch_start(m, NULL, ks + first, ok - first);
+        map_prefetch_start(m, ks + first, ok - first);
     }
     for (; dropped < goal && i < n; i++) {
         uint64_t key;
         if (i - base < ok) {
             if (m->slots != NULL) {
-                map_prefetch_run(m, NULL, ks + first, i - base - first, ok - first);
+                map_prefetch_run(m, ks + first, i - base - first, ok - first);
             }
             key = ks[i - base];
         }
@@ -1712,7 +1691,10 @@ py_remove_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         PyObject *eh_obj = PyList_GET_ITEM(hashes, i);
         uint64_t eh;
-        if (!as_u64(eh_obj, &eh)) {
+        if (i - base < ok) {
+            eh = run.v[i - base]; /* converted once, up front */
+        }
+        else if (!as_u64(eh_obj, &eh)) {
             if (PyLong_Check(eh_obj)) {
                 unknown++; /* no u64: held by no map */
                 continue;
@@ -1851,11 +1833,11 @@ py_place_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     /* The run stops at the first key or hash that is no u64: the general path takes it. */
     const Py_ssize_t ok = nk < nh ? nk : nh;
-    map_prefetch_start(nodes, NULL, kr.v, ok);
-    map_prefetch_start(by_hash, NULL, hr.v, ok);
+    map_prefetch_start(nodes, kr.v, ok);
+    map_prefetch_start(by_hash, hr.v, ok);
     for (; i < base + ok; i++) {
-        map_prefetch_run(nodes, NULL, kr.v, i - base, ok);
-        map_prefetch_run(by_hash, NULL, hr.v, i - base, ok);
+        map_prefetch_run(nodes, kr.v, i - base, ok);
+        map_prefetch_run(by_hash, hr.v, i - base, ok);
         const uint64_t key = kr.v[i - base], eh = hr.v[i - base];
         Py_ssize_t hslot, hix = map_find(by_hash, eh, &hslot);
         if (hix >= 0 && by_hash->entries[hix].value != key) {
@@ -2494,9 +2476,9 @@ py_path_masks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (ok < 0) {
         goto done;
     }
-    map_prefetch_start(nodes, NULL, run.v, ok);
+    map_prefetch_start(nodes, run.v, ok);
     for (Py_ssize_t i = 0; i < ok && nodes->slots != NULL; i++) {
-        map_prefetch_run(nodes, NULL, run.v, i, ok);
+        map_prefetch_run(nodes, run.v, i, ok);
         const uint64_t key = run.v[i];
         Py_ssize_t slot, ix = map_find(nodes, key, &slot);
         if (ix < 0) {
