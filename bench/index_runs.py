@@ -151,10 +151,6 @@ def run_child(code: Path, blocks: int, seed: int, pure: bool, cold: bool) -> dic
     return json.loads(out.splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):6.1f} ({min(values):.1f}-{max(values):.1f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=600_000)
@@ -174,12 +170,13 @@ def main() -> None:
         sys.path.insert(0, os.environ.get("PYTHONPATH", str(ROOT)))
         print(json.dumps(measure(args.child, args.seed, args.cold)))
         return
+    sys.path.insert(0, str(ROOT))  # this tree's bench package (the children import no more)
+    from bench.bench_ledger import spread
+    from bench.bench_proxy import checkout
+
     codes = {"new": ROOT}
     with tempfile.TemporaryDirectory() as tmp:
         if args.baseline:
-            sys.path.insert(0, str(ROOT))
-            from bench.bench_proxy import checkout
-
             codes[args.baseline] = checkout(args.baseline, Path(tmp) / "baseline")
         rows: dict[str, list[dict[str, Any]]] = {label: [] for label in codes}
         for r in range(args.rounds):

@@ -153,10 +153,6 @@ async def measure(
     return runs
 
 
-def median_range(values: Sequence[float]) -> str:
-    return f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
-
-
 def paired(values: Sequence[float], peer: Sequence[float]) -> str:
     """The median [min-max] over rounds of `values[i] / peer[i]`: the two targets ran in the
     same round, so a busy spell of the machine slows both and their quotient keeps less of
@@ -178,7 +174,7 @@ def report(args: argparse.Namespace, runs: Sequence[Running]) -> None:
     print("| router | " + " | ".join(REGIMES) + " | vs smg | vs old |")
     print("|---|" + "---:|" * (len(REGIMES) + 2))
     for run in runs:
-        cells = [median_range(run.cpu_us[regime]) for regime in REGIMES]
+        cells = [bp.median_range(run.cpu_us[regime]) for regime in REGIMES]
         vs_smg = vs_old = ""
         med = {regime: statistics.median(run.cpu_us[regime]) for regime in REGIMES}
         if smg is not None and run is not smg:
