@@ -55,9 +55,10 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Final
 
 import aiohttp
@@ -204,6 +205,7 @@ _WANTED: Final = frozenset(
     _RUNNING_NAMES + _WAITING_NAMES + _USAGE_NAMES + _CAPACITY_NAMES + (_VLLM_CACHE_INFO,)
 )
 _WANTED_PREFIXES: Final = ("#", *sorted(_WANTED))
+_NO_LOADS: Final[Mapping[int, EngineLoad]] = MappingProxyType({})
 _RANK_LABELS: Final = ("dp_rank", "engine")  # SGLang's, then vLLM's (one engine core per rank)
 
 
@@ -374,12 +376,15 @@ class LoadMonitor:
 
     def get(self, url: str, dp_rank: int = 0) -> EngineLoad | None:
         """The rank's latest load, or None when unknown or older than `stale_after_s`."""
-        w = self._workers.get(url.rstrip("/"))
-        if w is None or w.read_at is None:
-            return None
-        if self._clock() - w.read_at > self.stale_after_s:
-            return None
-        return w.loads.get(dp_rank)
+        return self.fresh(url).get(dp_rank)
+
+    def fresh(self, url: str) -> Mapping[int, EngineLoad]:
+        """The worker's latest loads by dp rank; empty when unknown or older than
+        `stale_after_s`. (One read for all of a worker's ranks, on the request path.)"""
+        w = self._workers.get(url) or self._workers.get(url.rstrip("/"))
+        if w is None or w.read_at is None or self._clock() - w.read_at > self.stale_after_s:
+            return _NO_LOADS
+        return w.loads
 
     def capacity_tokens(self, url: str, dp_rank: int = 0) -> int | None:
         """The rank's KV pool in tokens, as its engine last stated it; None when unknown."""

@@ -154,13 +154,17 @@ class Worker:
     engine: str | None = None  # what its /v1/models calls itself (owned_by): vllm, sglang
     subscriber_stats: dict[int, SubscriberStats] = field(default_factory=dict)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _ranks: tuple[RankId, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def dp_size(self) -> int:
         return self.kv.dp_size if self.kv else 1
 
-    def ranks(self) -> list[RankId]:
-        return [RankId(self.url, r) for r in range(self.dp_size)]
+    def ranks(self) -> tuple[RankId, ...]:
+        ranks = self._ranks
+        if len(ranks) != self.dp_size:  # made again only when the engine's dp size changes
+            ranks = self._ranks = tuple(RankId(self.url, r) for r in range(self.dp_size))
+        return ranks
 
     @property
     def routable(self) -> bool:

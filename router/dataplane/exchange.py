@@ -117,6 +117,10 @@ class Malformed(ValueError):
     """A request head the relay refuses with a 400 (the message says why)."""
 
 
+def lower_names(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+    return [name.lower() for name, _ in headers]
+
+
 def read_request_head(
     method: bytes, target: bytes, http_11: bool, headers: list[tuple[bytes, bytes]], keep: bool
 ) -> RequestHead:
@@ -124,7 +128,7 @@ def read_request_head(
     length: int | None = None
     chunked = False
     expect: bytes | None = None
-    names = [name.lower() for name, _ in headers]
+    names = lower_names(headers)
     for low, (_, value) in zip(names, headers, strict=True):
         if low == b"content-length":
             if not value.strip().isdigit():
@@ -230,14 +234,19 @@ def _connection_tokens(names: list[bytes], headers: list[tuple[bytes, bytes]]) -
 
 
 def upstream_framing(
-    status: int, headers: list[tuple[bytes, bytes]], request_method: bytes
+    status: int,
+    headers: list[tuple[bytes, bytes]],
+    request_method: bytes,
+    names: list[bytes] | None = None,
 ) -> tuple[Framing, int | None]:
-    """How the worker's answer body ends (RFC 9112 6.3), and its length when declared."""
+    """How the worker's answer body ends (RFC 9112 6.3), and its length when declared.
+    `names`: the header names lower-cased, when the caller has them already."""
     if request_method == b"HEAD" or status < 200 or status in (204, 304):
         return Framing.NONE, None
     length: int | None = None
-    for name, value in headers:
-        low = name.lower()
+    if names is None:
+        names = lower_names(headers)
+    for low, (_, value) in zip(names, headers, strict=True):
         if low == b"transfer-encoding":
             return Framing.CHUNKED, None  # wins over a Content-Length (RFC 9112 6.3 item 3)
         if low == b"content-length" and value.strip().isdigit():
@@ -265,14 +274,17 @@ def plan_response(
     client_11: bool,
     client_keep_alive: bool,
     route_headers: list[tuple[bytes, bytes]] | None = None,
+    names: list[bytes] | None = None,
 ) -> ResponsePlan:
-    """The head and framing of the answer to the client, from the worker's final answer."""
+    """The head and framing of the answer to the client, from the worker's final answer
+    (`names`: its header names lower-cased, when the caller has them already)."""
     if upstream is Framing.LENGTH or upstream is Framing.NONE:
         framing = upstream
     else:
         framing = Framing.CHUNKED if client_11 else Framing.CLOSE
     keep_alive = client_keep_alive and framing is not Framing.CLOSE
-    names = [name.lower() for name, _ in headers]
+    if names is None:
+        names = lower_names(headers)
     dropped = _RESPONSE_DROPPED
     if b"connection" in names:
         dropped = dropped | _connection_tokens(names, headers)

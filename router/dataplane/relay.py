@@ -75,6 +75,7 @@ class Relay:
         status: int,
         reason: bytes,
         headers: list[tuple[bytes, bytes]],
+        names: list[bytes],
         framing: Framing,
         length: int | None,
     ) -> None:
@@ -90,6 +91,7 @@ class Relay:
             client_11=self.head.http_11,
             client_keep_alive=client.keep_alive(self.head),
             route_headers=self.route_headers(),
+            names=names,
         )
         self.plan = plan
         client.write(plan.head)
@@ -172,13 +174,13 @@ class WorkerRelay(Relay):
         self.plane = plane
         self.decision = decision
         self.route = head.path.decode("latin-1")
-        workers = plane.workers
-        pairs = [(c.rank, workers.get(c.rank.worker_url)) for c in decision.ranked]
-        self._pairs = [(rank, w) for rank, w in pairs if w is not None]
         # When every candidate's breaker is open, requests go out anyway: refusing all
-        # traffic is worse than trying a worker that may have recovered.
-        self._every_open = all(w.breaker.is_open() for _, w in self._pairs)
-        self._next_pair = 0
+        # traffic is worse than trying a worker that may have recovered. Read once, before
+        # the first attempt claims anything; `all` stops at the first closed breaker.
+        workers = plane.workers
+        known = (w for c in decision.ranked if (w := workers.get(c.rank.worker_url)) is not None)
+        self._every_open = all(w.breaker.is_open() for w in known)
+        self._next_pair = 0  # in decision.ranked
         self.attempts = 0
         self.rank: RankId | None = None  # of the attempt in progress
         self.worker: Worker | None = None
@@ -189,9 +191,13 @@ class WorkerRelay(Relay):
 
     def start(self) -> None:
         plane = self.plane
-        while self._next_pair < len(self._pairs) and self.attempts < plane.limits.max_attempts:
-            rank, worker = self._pairs[self._next_pair]
+        ranked = self.decision.ranked
+        while self._next_pair < len(ranked) and self.attempts < plane.limits.max_attempts:
+            rank = ranked[self._next_pair].rank
             self._next_pair += 1
+            worker = plane.workers.get(rank.worker_url)
+            if worker is None:
+                continue
             if not self._every_open and not worker.breaker.allow():
                 continue
             self.attempts += 1

@@ -126,12 +126,11 @@ class RequestRouter:
         if not routable:
             self.metrics.decisions[self.policy.name, "no_candidates"] += 1
             return Refusal(503, "no healthy worker to route to", type="service_unavailable")
-        inflight, loads = self.inflight, self.loads
-        candidates = [
-            Candidate(rank, inflight[rank], loads.get(w.url, rank.dp_rank))
-            for w in routable
-            for rank in w.ranks()
-        ]
+        counts, fresh = self.inflight.counts, self.loads.fresh
+        candidates = []
+        for w in routable:
+            engine = fresh(w.url)
+            candidates += [Candidate(r, counts[r], engine.get(r.dp_rank)) for r in w.ranks()]
         try:
             decision = self.choose(route, body, candidates)
         except BadRequest as exc:

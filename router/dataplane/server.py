@@ -405,15 +405,22 @@ class ClientConnection(asyncio.Protocol):
         if self._stopped or self._closed:
             return
         mid_head = self._incoming is not None and self._incoming.head is None
+        phase = self._phase
+        refusal: Refusal | None = None
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
             refusal = cause.refusal if isinstance(cause, _Refused) else None
-            self._stop(refusal or Refusal(400, f"malformed HTTP request: {exc}", close=True))
-            return
+            refusal = refusal or Refusal(400, f"malformed HTTP request: {exc}", close=True)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            self._stop(Refusal(400, f"malformed HTTP request: {exc}", close=True))
+            refusal = Refusal(400, f"malformed HTTP request: {exc}", close=True)
+        if self._phase != phase:
+            # The parser callbacks move the phase without touching its deadline: one read
+            # often holds a whole request (head, body, end), whose phases it sets once here.
+            self._arm()
+        if refusal is not None:
+            self._stop(refusal)
             return
         incoming = self._incoming
         if mid_head and incoming is not None and incoming.head is None:
@@ -452,7 +459,7 @@ class ClientConnection(asyncio.Protocol):
         self._incoming = _Incoming()
         self._head_size = 0
         if not self._answering:  # else its clock starts when the answer before it ends
-            self._set_phase("head")
+            self._phase = "head"
 
     def on_url(self, url: bytes) -> None:
         incoming = self._incoming
@@ -500,7 +507,7 @@ class ClientConnection(asyncio.Protocol):
             if self._queue[0] is incoming:
                 self._send_continue(incoming)
         if self._phase == "head":
-            self._set_phase("body")
+            self._phase = "body"
 
     def on_body(self, data: bytes) -> None:
         incoming = self._incoming
@@ -517,7 +524,7 @@ class ClientConnection(asyncio.Protocol):
         incoming.complete = True
         incoming.continue_due = False
         if self._phase == "body":
-            self._set_phase("")
+            self._phase = ""
         if self._answering or self._queue[0] is not incoming:
             if self.gate is not None:
                 self.gate.pause(PIPELINED)
@@ -696,6 +703,11 @@ class ClientConnection(asyncio.Protocol):
 
     def _set_phase(self, phase: str) -> None:
         self._phase = phase
+        self._arm()
+
+    def _arm(self) -> None:
+        """Bound the phase the connection is in with its deadline."""
+        phase = self._phase
         limits = self.plane.limits
         if phase == "head":
             self._deadline.set(limits.header_timeout_s)

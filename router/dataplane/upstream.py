@@ -27,7 +27,7 @@ from typing import Protocol, cast
 
 import httptools
 
-from router.dataplane.exchange import Failure, Framing, upstream_framing
+from router.dataplane.exchange import Failure, Framing, lower_names, upstream_framing
 from router.dataplane.flow import Deadline
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class ResponseSink(Protocol):
         status: int,
         reason: bytes,
         headers: list[tuple[bytes, bytes]],
+        names: list[bytes],  # the header names lower-cased
         framing: Framing,
         length: int | None,
     ) -> None: ...
@@ -156,6 +157,9 @@ class UpstreamConnection(asyncio.Protocol):
             self._parser.feed_data(data)
             if self._complete:
                 self._finish()
+            elif self._head_done and self._sink is not None:
+                # Once a read, not once a callback: the gap it bounds is between reads.
+                self._deadline.set(self._idle_timeout_s)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._reusable = False
             self._stop(f"malformed response: {exc}")
@@ -212,20 +216,19 @@ class UpstreamConnection(asyncio.Protocol):
         self._head_done = True
         # Asked now: llhttp forgets the message's flags once it completes.
         self._keep_alive = self._parser.should_keep_alive()
-        framing, length = upstream_framing(status, self._headers, self._method)
+        names = lower_names(self._headers)
+        framing, length = upstream_framing(status, self._headers, self._method, names)
         self._framing = framing
         if framing is Framing.NONE and self._method == b"HEAD":
             # The parser cannot be told that a HEAD answer has no body: it would wait for the
             # declared length. The answer ends here, and the connection is not reused.
             self._reusable = False
             self._complete = True
-        self._deadline.set(self._idle_timeout_s)
-        sink.upstream_head(status, self._reason, self._headers, framing, length)
+        sink.upstream_head(status, self._reason, self._headers, names, framing, length)
 
     def on_body(self, data: bytes) -> None:
         sink = self._sink
         if sink is not None:
-            self._deadline.set(self._idle_timeout_s)
             sink.upstream_body(data)
 
     def on_message_complete(self) -> None:

@@ -65,7 +65,7 @@ async def test_the_health_loop_outlives_subscribers_that_cannot_get_a_socket() -
             await workers.add(wide.url)
             ranks = workers.get(wide.url).ranks()  # type: ignore[union-attr]
             supervised = [r for r in ranks if workers.supervisor.state(subscriber_name(r))]
-            assert supervised == ranks  # every rank has a supervised subscriber
+            assert supervised == list(ranks)  # every rank has a supervised subscriber
 
             async def refused_sockets() -> bool:
                 return workers.supervisor.failures["subscriber"] >= 4
