@@ -1262,6 +1262,65 @@ map_drop_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(nn)", i, dropped);
 }
 
+/* move_run(keys, start, stop, old, new) -> moved, a NodeMap's: each of keys[start:stop]
+ * mapped to `old` itself is mapped to `new` instead; how many were. A key listed twice moves
+ * once. (The pressure ledger weighing a prompt's blocks again: they leave the batch that
+ * weighed them last for the new one.) */
+static PyObject *
+map_move_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !m->objects) {
+        PyErr_SetString(PyExc_TypeError, "NodeMap.move_run(keys, start, stop, old, new)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]), stop = PyLong_AsSsize_t(args[2]);
+    if ((start == -1 || stop == -1) && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    start = start < 0 ? 0 : (start > n ? n : start);
+    stop = stop > n ? n : (stop < start ? start : stop);
+    U64Run run;
+    Py_ssize_t ok = u64_run(&run, PySequence_Fast_ITEMS(seq) + start, stop - start);
+    if (ok < 0) {
+        u64_run_free(&run);
+        Py_DECREF(seq);
+        return NULL;
+    }
+    /* A key that is no u64 is in no NodeMap, and ends the run u64_run converted: the keys
+     * after it are converted one by one. */
+    PyObject **items = PySequence_Fast_ITEMS(seq) + start;
+    const uint64_t old = (uint64_t)(uintptr_t)args[3];
+    PyObject *new = args[4];
+    Py_ssize_t moved = 0;
+    if (m->slots != NULL) {
+        map_prefetch_start(m, run.v, ok);
+        for (Py_ssize_t i = 0; i < stop - start; i++) {
+            uint64_t key;
+            if (i < ok) {
+                map_prefetch_run(m, run.v, i, ok);
+                key = run.v[i];
+            }
+            else if (!as_u64(items[i], &key)) {
+                continue;
+            }
+            Py_ssize_t slot, ix = map_find(m, key, &slot);
+            if (ix >= 0 && m->entries[ix].value == old) {
+                m->entries[ix].value = (uint64_t)(uintptr_t)Py_NewRef(new);
+                Py_DECREF((PyObject *)(uintptr_t)old); /* the map held a reference of old */
+                moved++;
+            }
+        }
+    }
+    u64_run_free(&run);
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(moved);
+}
+
 static PyObject *
 map_pop(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1474,6 +1533,8 @@ static PyMethodDef map_methods[] = {
      "setdefault(key, default): the value held, or `default` itself once inserted"},
     {"drop_run", (PyCFunction)(void (*)(void))map_drop_run, METH_FASTCALL,
      "drop_run(keys, start, goal, value) -> (stop, dropped): a NodeMap's"},
+    {"move_run", (PyCFunction)(void (*)(void))map_move_run, METH_FASTCALL,
+     "move_run(keys, start, stop, old, new) -> moved: a NodeMap's"},
     {"setdefault_run", (PyCFunction)(void (*)(void))map_setdefault_run, METH_FASTCALL,
      "setdefault_run(keys, default) -> [setdefault(k, default) for k in keys]"},
     {"pop", (PyCFunction)(void (*)(void))map_pop, METH_FASTCALL, "pop(key[, default])"},

@@ -152,14 +152,17 @@ class PressureLedger:
         self._pairs: MutableMapping[int, _Batch]
         self._setdefault_run: Callable[[Sequence[int], _Batch], list[_Batch]]
         self._drop_run: Callable[[Sequence[int], int, int, _Batch], tuple[int, int]]
+        self._move_run: Callable[[Sequence[int], int, int, _Batch, _Batch], int]
         if tables is not None:
             self._pairs = tables.NodeMap()
             self._setdefault_run = self._pairs.setdefault_run
             self._drop_run = self._pairs.drop_run
+            self._move_run = self._pairs.move_run
         else:
             self._pairs = pairs = {}
             self._setdefault_run = lambda keys, b: list(map(pairs.setdefault, keys, repeat(b)))
             self._drop_run = partial(_drop_run_py, pairs)
+            self._move_run = partial(_move_run_py, pairs)
         self._origin = self._clock()
         self._sweep_next = 0  # the rank the next record sweeps, by position
 
@@ -361,6 +364,15 @@ class PressureLedger:
                 # ... and the rest new to the ledger (a cached system prompt and a new tail):
                 # weighed already, in `batch`.
                 return start, 0
+        elif head is not batch:
+            # A prefix weighed by one earlier record, on another rank or long enough ago,
+            # then (if anything) blocks new to the ledger: the prefix moves to `batch` in one
+            # C-level pass. (A system prompt cached on two ranks, routed to each in turn.)
+            prefix = olds.count(head)
+            if olds[:prefix].count(head) == prefix and olds.count(batch) == n - prefix:
+                moved = self._move_run(keys, 0, prefix, head, batch)
+                self._unweigh(head, moved)
+                return 0, moved
         for i, old in enumerate(islice(olds, start, None), start):
             if old is kept:
                 continue
@@ -490,6 +502,24 @@ class PressureLedger:
                 batch.weight *= factor
             st.total = math.fsum(batch.weight * batch.live for batch in st.batches)
         self._origin = now
+
+
+def _move_run_py(
+    pairs: MutableMapping[int, _Batch],
+    keys: Sequence[int],
+    start: int,
+    stop: int,
+    old: _Batch,
+    new: _Batch,
+) -> int:
+    """Map each of `keys[start:stop]` still mapped to `old` to `new`: how many were. The
+    compiled twin is `NodeMap.move_run`."""
+    moved = 0
+    for key in keys[start:stop]:
+        if pairs.get(key) is old:
+            pairs[key] = new
+            moved += 1
+    return moved
 
 
 def _drop_run_py(

@@ -292,6 +292,35 @@ def test_drop_run_drops_what_the_pure_twin_drops_and_stops_where_it_stops(seed: 
             native.drop_run(wrong, 0, 1, batches[0])
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_move_run_moves_what_the_pure_twin_moves(seed: int) -> None:
+    from router.pressure import _move_run_py
+
+    rng = random.Random(seed)
+    batches = [object() for _ in range(3)]
+    alone = [sys.getrefcount(b) for b in batches]
+    native, ref = tables.NodeMap(), {}
+    space = [rng.randrange(U64) for _ in range(200)]
+    for _ in range(300):
+        k, v = rng.choice(space), rng.choice(batches)
+        native[k] = ref[k] = v
+        if rng.random() < 0.3:
+            keys = [rng.choice(space) for _ in range(rng.randrange(60))]  # repeats, absentees
+            if keys and rng.random() < 0.3:
+                keys.insert(rng.randrange(len(keys)), -1)  # held by no map: passed over
+            start, stop = rng.randrange(-2, 70), rng.randrange(-2, 70)
+            old, new = rng.sample(batches, 2)
+            got = native.move_run(keys, start, stop, old, new)
+            assert got == _move_run_py(ref, keys, max(start, 0), max(stop, 0), old, new)
+            assert list(native.items()) == list(ref.items())
+    native.clear()
+    ref.clear()
+    del old, new, v
+    assert [sys.getrefcount(b) for b in batches] == alone  # one reference per entry, no more
+    with pytest.raises(TypeError, match="NodeMap"):
+        tables.HashMap().move_run([1], 0, 1, 1, 2)
+
+
 def test_a_map_past_16_mib_keeps_every_key_through_growth_shrinking_and_clearing() -> None:
     # Past 16 MiB a map's arrays are one mapping of their own (huge pages where the kernel
     # allows): growing into it, growing within it, shrinking out of it and clearing it must
