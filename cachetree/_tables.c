@@ -800,6 +800,50 @@ u64_run_free(U64Run *run)
     }
 }
 
+#define REBUILD_AHEAD 16
+
+/* Slot `ix + 1` for entries[ix] in a table being rebuilt (no dummies, no duplicates). */
+static inline void
+map_place_entry(MapObject *m, Py_ssize_t ix)
+{
+    const size_t mask = (size_t)m->size - 1;
+    const uint64_t h = mix(m->entries[ix].key);
+    size_t i = (size_t)h & mask;
+    while (m->tags[i] != TAG_EMPTY) {
+        i = (i + 1) & mask;
+    }
+    m->slots[i] = (int32_t)(ix + 1);
+    m->tags[i] = tag_of(h);
+}
+
+/* The live entries slid to the front, in order, and the slots made again from them. */
+static void
+map_rebuild_in_place(MapObject *m)
+{
+    Py_ssize_t n = 0;
+    for (Py_ssize_t j = 0; j < m->n_entries; j++) {
+        if (m->live[j]) {
+            m->entries[n++] = m->entries[j];
+        }
+    }
+    memset(m->live, 1, (size_t)n);
+    memset(m->live + n, 0, (size_t)(m->n_entries - n));
+    memset(m->slots, 0, (size_t)m->size * sizeof(int32_t));
+    memset(m->tags, TAG_EMPTY, (size_t)m->size);
+    const size_t mask = (size_t)m->size - 1;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (j + REBUILD_AHEAD < n) {
+            const size_t at = (size_t)mix(m->entries[j + REBUILD_AHEAD].key) & mask;
+            PREFETCH(&m->tags[at]);
+            PREFETCH(&m->slots[at]);
+        }
+        map_place_entry(m, j);
+    }
+    m->n_entries = n;
+    m->filled = n;
+    m->version++;
+}
+
 /* Rebuild with room for `room` entries: dead entries and dummies go, the table grows or
  * shrinks. */
 static int
@@ -813,6 +857,13 @@ map_rebuild_for(MapObject *m, Py_ssize_t room)
         }
         size <<= 1;
     }
+    if (size == m->size && m->block != NULL) {
+        /* A map at a steady size (as many deletions as insertions: the ledger at its cap)
+         * is rebuilt in its own block: a fresh one of the same size would be tens of MB of
+         * page faults, each zeroing a page the rebuild then writes anyway. */
+        map_rebuild_in_place(m);
+        return 0;
+    }
     MapObject old = *m;
     if (map_alloc(m, size) < 0) {
         return -1;
@@ -820,6 +871,15 @@ map_rebuild_for(MapObject *m, Py_ssize_t room)
     size_t mask = (size_t)size - 1;
     Py_ssize_t n = 0;
     for (Py_ssize_t j = 0; j < old.n_entries; j++) {
+        /* The new table's slots are written in random order: their misses overlap when the
+         * entries a few ahead are prefetched (the rebuild of a table of millions of entries
+         * is one long call on the event loop). */
+        const Py_ssize_t ahead = j + REBUILD_AHEAD;
+        if (ahead < old.n_entries) {
+            const size_t at = (size_t)mix(old.entries[ahead].key) & mask;
+            PREFETCH(&m->tags[at]);
+            PREFETCH(&m->slots[at]);
+        }
         if (!old.live[j]) {
             continue;
         }

@@ -321,6 +321,27 @@ def test_move_run_moves_what_the_pure_twin_moves(seed: int) -> None:
         tables.HashMap().move_run([1], 0, 1, 1, 2)
 
 
+@pytest.mark.parametrize("kind", ["NodeMap", "HashMap"])
+def test_a_map_under_steady_churn_stays_a_dict_through_its_rebuilds_in_place(kind: str) -> None:
+    # As many deletions as insertions (the pressure ledger at its cap): the map's entries run
+    # out again and again at one table size, and each time it is rebuilt in its own block.
+    rng = random.Random(11)
+    native, ref = getattr(tables, kind)(), {}
+    order: list[int] = []
+    for i in range(60_000):
+        key = rng.randrange(U64)
+        native[key] = ref[key] = i
+        order.append(key)
+        if len(order) > 3_000:
+            old = order.pop(rng.randrange(len(order)) if i % 7 == 0 else 0)
+            del native[old], ref[old]
+        if i % 9_973 == 0:
+            assert list(native.items()) == list(ref.items())
+    assert list(native.items()) == list(ref.items())
+    assert all(native[k] == v for k, v in ref.items())
+    assert native.get(-1) is None and len(native) == len(ref) == 3_000
+
+
 def test_a_map_past_16_mib_keeps_every_key_through_growth_shrinking_and_clearing() -> None:
     # Past 16 MiB a map's arrays are one mapping of their own (huge pages where the kernel
     # allows): growing into it, growing within it, shrinking out of it and clearing it must
