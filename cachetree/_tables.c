@@ -1322,6 +1322,63 @@ map_drop_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(nn)", i, dropped);
 }
 
+/* put_run(keys, value): map[k] = value for each of keys, the run's lookups overlapped. A key
+ * that is no u64 int raises TypeError, as map[k] = value does, with the keys before it set.
+ * (The pressure ledger's bookings: a prompt's booked blocks map to the booking.) */
+static PyObject *
+map_put_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "put_run(keys, value)");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    if (seq == NULL) {
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *result = NULL;
+    U64Run run;
+    run.v = run.local;
+    if (ensure_table(m) < 0) {
+        goto done;
+    }
+    Py_ssize_t ok = u64_run(&run, items, n);
+    if (ok < 0) {
+        goto done;
+    }
+    map_prefetch_start(m, run.v, ok);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i == ok) {
+            uint64_t k;
+            key_for_insert(m, items[i], &k); /* raises: no u64 */
+            goto done;
+        }
+        map_prefetch_run(m, run.v, i, ok);
+        uint64_t value;
+        if (unbox(m, args[1], &value) < 0) {
+            goto done;
+        }
+        Py_ssize_t slot, ix = map_find(m, run.v[i], &slot);
+        if (ix >= 0) {
+            uint64_t old = m->entries[ix].value;
+            m->entries[ix].value = value;
+            drop_value(m, old);
+            continue;
+        }
+        if (map_insert_new(m, run.v[i], value, slot) < 0) {
+            drop_value(m, value);
+            goto done;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    u64_run_free(&run);
+    Py_DECREF(seq);
+    return result;
+}
+
 /* move_run(keys, start, stop, old, new) -> moved, a NodeMap's: each of keys[start:stop]
  * mapped to `old` itself is mapped to `new` instead; how many were. A key listed twice moves
  * once. (The pressure ledger weighing a prompt's blocks again: they leave the batch that
@@ -1593,6 +1650,8 @@ static PyMethodDef map_methods[] = {
      "setdefault(key, default): the value held, or `default` itself once inserted"},
     {"drop_run", (PyCFunction)(void (*)(void))map_drop_run, METH_FASTCALL,
      "drop_run(keys, start, goal, value) -> (stop, dropped): a NodeMap's"},
+    {"put_run", (PyCFunction)(void (*)(void))map_put_run, METH_FASTCALL,
+     "put_run(keys, value): map[k] = value for each of keys"},
     {"move_run", (PyCFunction)(void (*)(void))map_move_run, METH_FASTCALL,
      "move_run(keys, start, stop, old, new) -> moved: a NodeMap's"},
     {"setdefault_run", (PyCFunction)(void (*)(void))map_setdefault_run, METH_FASTCALL,

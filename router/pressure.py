@@ -122,6 +122,18 @@ class _Batch:
     live: int = 0
 
 
+def _booked_map() -> MutableMapping[int, _Booking]:
+    return tables.NodeMap() if tables is not None else {}
+
+
+def _put_run(booked: MutableMapping[int, _Booking], keys: Sequence[int], booking: _Booking) -> None:
+    """Map each of `keys` to `booking`: one C-level pass (`NodeMap.put_run`) when compiled."""
+    if tables is not None:
+        booked.put_run(keys, booking)  # type: ignore[attr-defined]
+    else:
+        booked.update(zip(keys, repeat(booking)))
+
+
 @dataclass(slots=True)
 class _RankLedger:
     batches: deque[_Batch] = field(default_factory=deque)  # oldest first
@@ -132,7 +144,7 @@ class _RankLedger:
     # key -> the newest booking that booked it, ended or not. Bookings end oldest first
     # (`move` aside, which rebuilds this), so a key whose newest booking ended is booked
     # no more: ending a booking costs nothing per block.
-    booked: dict[int, _Booking] = field(default_factory=dict)
+    booked: MutableMapping[int, _Booking] = field(default_factory=_booked_map)
     booked_blocks: int = 0  # over its live bookings
 
 
@@ -418,7 +430,7 @@ class PressureLedger:
         st.bookings.append(booking)
         if len(st.booked) > 2 * st.booked_blocks + _STALE_SLACK:
             self._rebuild_booked(st)
-        st.booked.update(zip(booked_keys, repeat(booking)))
+        _put_run(st.booked, booked_keys, booking)
         self._booking_ranks.add(rank)
         st.booked_blocks += size
         self._booked_blocks += size
@@ -441,7 +453,7 @@ class PressureLedger:
         """Map the rank's booked keys from its live bookings alone, newest last."""
         st.booked.clear()
         for booking in st.bookings:
-            st.booked.update(zip(booking.keys, repeat(booking)))
+            _put_run(st.booked, booking.keys, booking)
 
     def _prune(self, st: _RankLedger, now: float) -> None:
         """Drop the rank's pairs that weigh next to nothing, and its oldest beyond its share;

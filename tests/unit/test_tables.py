@@ -292,6 +292,29 @@ def test_drop_run_drops_what_the_pure_twin_drops_and_stops_where_it_stops(seed: 
             native.drop_run(wrong, 0, 1, batches[0])
 
 
+@pytest.mark.parametrize("kind", ["NodeMap", "HashMap"])
+def test_put_run_sets_every_key_as_a_dict_update_does(kind: str) -> None:
+    rng = random.Random(3)
+    values = [object() for _ in range(3)] if kind == "NodeMap" else [7, 8, 9]
+    alone = [sys.getrefcount(v) for v in values]
+    native, ref = getattr(tables, kind)(), {}
+    space = [rng.randrange(U64) for _ in range(300)]
+    for _ in range(200):
+        keys = [rng.choice(space) for _ in range(rng.randrange(70))]  # repeats, present or not
+        value = rng.choice(values)
+        native.put_run(keys, value)
+        ref.update(dict.fromkeys(keys, value))
+        assert list(native.items()) == list(ref.items())
+    with pytest.raises(TypeError, match="keys are ints"):
+        native.put_run([space[0], -1, space[1]], values[0])
+    ref[space[0]] = values[0]  # the keys before the bad one are set, as map[k] = v would
+    assert list(native.items()) == list(ref.items())
+    native.clear()
+    ref.clear()
+    del value
+    assert [sys.getrefcount(v) for v in values] == alone
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_move_run_moves_what_the_pure_twin_moves(seed: int) -> None:
     from router.pressure import _move_run_py
