@@ -100,10 +100,7 @@ class RequestHead:
     expect: bytes | None  # the Expect field, lower-cased
     names: list[bytes]  # the field names, lower-cased, in `headers` order
     hop_by_hop: frozenset[bytes]  # fields its Connection header names
-
-    @property
-    def path(self) -> bytes:
-        return self.target.split(b"?", 1)[0]
+    path: bytes  # the target without its query
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of a field (`name` lower-case)."""
@@ -147,8 +144,9 @@ def read_request_head(
     if chunked and length is not None:
         raise Malformed("both Content-Length and Transfer-Encoding")  # RFC 9112 6.1: smuggling
     named = _connection_tokens(names, headers) if b"connection" in names else frozenset()
+    path = target.split(b"?", 1)[0]
     return RequestHead(
-        method, target, http_11, headers, keep, length, chunked, expect, names, named
+        method, target, http_11, headers, keep, length, chunked, expect, names, named, path
     )
 
 
