@@ -61,9 +61,10 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Final
 
-import aiohttp
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
+
+from router.dataplane.polling import PollClient
 
 log = logging.getLogger(__name__)
 
@@ -296,10 +297,6 @@ def _rounded(value: float | None) -> int | None:
 # --- the monitor ----------------------------------------------------------------------------
 
 
-class _TooLarge(Exception):
-    pass
-
-
 @dataclass(slots=True)
 class _Worker:
     url: str  # without a trailing slash
@@ -325,7 +322,7 @@ class LoadMonitor:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        client: PollClient,
         interval_s: float = 0.5,
         timeout_s: float = 1.0,
         *,
@@ -341,7 +338,7 @@ class LoadMonitor:
         self.stale_after_s = 3 * interval_s + timeout_s if stale_after_s is None else stale_after_s
         self.probe_outcomes: Counter[str] = Counter()  # ProbeOutcome value -> count
         self.poll_errors: Counter[str] = Counter()  # reason -> ticks that yielded no loads
-        self._session = session
+        self._client = client
         self._clock = clock
         self._sleep = sleep
         self._workers: dict[str, _Worker] = {}
@@ -365,9 +362,15 @@ class LoadMonitor:
         w.loads = {r: load for r, load in w.loads.items() if r < dp_size}
         w.capacity = {}
 
+    def close(self) -> None:
+        """Drop every connection (the replica is stopping)."""
+        self._client.close()
+
     def remove_worker(self, url: str) -> None:
-        """Forget the worker: its probe verdict and its loads."""
-        self._workers.pop(url.rstrip("/"), None)
+        """Forget the worker: its probe verdict, its loads and its connections."""
+        url = url.rstrip("/")
+        if self._workers.pop(url, None) is not None:
+            self._client.forget(url)
 
     def workers(self) -> list[str]:
         return list(self._workers)
@@ -497,36 +500,15 @@ class LoadMonitor:
 
     async def _fetch(self, url: str) -> tuple[int | None, bytes | None, str | None]:
         """(status, body if 200, error reason if no usable answer)."""
-        try:
-            async with (
-                asyncio.timeout(self.timeout_s),
-                self._session.get(url, allow_redirects=False) as resp,
-            ):
-                if resp.status != 200:
-                    return resp.status, None, None
-                return 200, await _read_capped(resp), None
-        except TimeoutError:
-            return None, None, "timeout"
-        except _TooLarge:
-            return 200, None, "too_large"
-        except (aiohttp.ClientError, OSError):
-            return None, None, "connection"
+        got = await self._client.get(url, self.timeout_s, MAX_BODY_BYTES)
+        if got.status is None or got.error == "broken":
+            return None, None, got.error if got.status is None else "connection"
+        if got.status != 200:
+            return got.status, None, None
+        return 200, got.body, got.error  # too_large: no body
 
 
 def _status_reason(status: int | None, body: bytes | None) -> str:
     if status == 200:
         return "empty_loads" if body is not None else "no_body"
     return f"http_{status}"
-
-
-async def _read_capped(resp: aiohttp.ClientResponse) -> bytes:
-    if resp.content_length is not None and resp.content_length > MAX_BODY_BYTES:
-        raise _TooLarge
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in resp.content.iter_any():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise _TooLarge
-        chunks.append(chunk)
-    return b"".join(chunks)

@@ -34,6 +34,7 @@ from router import heap, socket_budget
 from router.bootstrap import PeerBootstrap
 from router.breaker import CircuitBreaker
 from router.dataplane.inflight import InflightTracker
+from router.dataplane.polling import PollClient
 from router.dataplane.routing import INDEX_POLICIES
 from router.index import DEFAULT_INDEX_MAX_BLOCKS, IndexRules, Pump
 from router.ingest_pool import DEFAULT_INGEST_PROCESSES, IngestPool
@@ -197,7 +198,7 @@ async def _compose(
     pump: Pump,
     control_session: aiohttp.ClientSession,
 ) -> Replica:
-    loads = LoadMonitor(control_session, interval_s=config.load_interval_ms / 1000)
+    loads = LoadMonitor(PollClient(), interval_s=config.load_interval_ms / 1000)
 
     def breaker() -> CircuitBreaker:
         return CircuitBreaker(
@@ -502,6 +503,7 @@ async def stop_replica(replica: Replica) -> None:
     if replica.producer is not None:
         await replica.producer.aclose()
     await cancel_and_wait(replica.tasks)
+    replica.loads.close()
     await replica.workers.close()
     if replica.ingest is not None:
         await replica.ingest.close()

@@ -47,6 +47,7 @@ from cachetree.tree import BlockTree
 from peer.supervise import Supervisor
 from peer.tasks import cancel_and_wait
 from router.breaker import CircuitBreaker
+from router.dataplane.polling import PollClient
 from router.graft import LocalGraft
 from router.index import Pump
 from router.loads import LoadMonitor
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
+HEALTH_MAX_BODY_BYTES: Final = 64 * 1024  # engines answer /health with nothing or a line
 KNOWN_ENGINES: Final = ("vllm", "sglang")  # `owned_by` values of the engines' /v1/models
 
 
@@ -219,6 +221,9 @@ class WorkerRegistry:
         self._evict_after_s = evict_after_s
         self._clock = clock
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self._request_timeout_s = request_timeout_s
+        # The health checks' GETs, on the data plane's lean keep-alive pools (as load polls).
+        self._health = PollClient()
         self._replay_timeout_s = replay_timeout_s
         self._max_message_bytes = max_message_bytes
         self._subscribe = subscribe
@@ -277,6 +282,7 @@ class WorkerRegistry:
             await self._reconciler
         for url in list(self._workers):
             await self.remove(url)
+        self._health.close()
 
     async def add(self, url: str) -> Worker:
         """Register a worker (idempotent). Raises ValueError for a URL that cannot be one."""
@@ -300,6 +306,7 @@ class WorkerRegistry:
             return False
         if worker.state != "down":  # a down worker left the index already
             await self._detach(worker)
+        self._health.forget(url)
         log.info("worker %s removed: its %d rank(s) left the index", url, worker.dp_size)
         return True
 
@@ -677,12 +684,10 @@ class WorkerRegistry:
         log.warning("worker %s evicted: %s", worker.url, worker.reason)
 
     async def _check_health(self, worker: Worker) -> bool:
-        try:
-            async with self.session.get(f"{worker.url}/health", timeout=self._timeout) as resp:
-                await resp.read()
-                ok = resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            ok = False
+        answer = await self._health.get(
+            f"{worker.url}/health", self._request_timeout_s, HEALTH_MAX_BODY_BYTES
+        )
+        ok = answer.status == 200 and answer.error is None
         if not ok:
             self.stats.health_checks_failed += 1
         return ok

@@ -17,6 +17,7 @@ loop already serves (`server.DataPlane.probes`).
     relay.py         one request answered from upstream: failover, breaker, backpressure
     upstream.py      the keep-alive connection pool per worker (httptools' response parser)
     control_link.py  the in-process hand-off to the control app
+    polling.py       GETs for the replica's own polling (engine loads) on the same pools
     flow.py          flow control (reasons to pause reading) and lazy deadlines
     inflight.py      requests in flight per rank (policies, /workers, the SIGTERM drain)
 """

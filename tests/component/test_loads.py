@@ -12,11 +12,11 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
 
+from router.dataplane.polling import PollClient
 from router.loads import EngineLoad, LoadMonitor
 from tests.support.clock import GatedSleep, ManualClock
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
@@ -92,8 +92,11 @@ class ScriptedEngine:
 
 @contextlib.asynccontextmanager
 async def monitor(**kw: Any) -> AsyncIterator[LoadMonitor]:
-    async with aiohttp.ClientSession() as session:
-        yield LoadMonitor(session, **kw)
+    loads = LoadMonitor(PollClient(), **kw)
+    try:
+        yield loads
+    finally:
+        loads.close()
 
 
 # --- the fake worker ------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from peer.supervise import Supervisor
+from router.dataplane.polling import PollClient
 from router.index import IndexRules, Pump
 from router.loads import LoadMonitor
 from router.workers import WorkerRegistry, subscriber_name
@@ -35,7 +36,7 @@ async def registry(context: zmq.asyncio.Context) -> AsyncIterator[WorkerRegistry
     pump = Pump(IndexRules())
     pump.start()
     async with aiohttp.ClientSession() as session:
-        loads = LoadMonitor(session, interval_s=10)
+        loads = LoadMonitor(PollClient(), interval_s=10)
         workers = WorkerRegistry(
             pump,
             session,
