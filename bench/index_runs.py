@@ -19,7 +19,10 @@ tracked blocks, then times, best of three passes of 300 calls each:
   recently on the rank, 63 new and booked; the previous call's booking confirmed, as a
   replica's index shows a stored chain within milliseconds), the clock moving 1 ms a call, on
   a ledger at its cap (`max_tracked_blocks` = `--blocks`, where a replica's ledger is after
-  minutes of traffic): each record prunes as many pairs as it adds.
+  minutes of traffic): each record prunes as many pairs as it adds;
+- `ledger record 125, ranks in turn`: the same, the prompts sent to the two ranks in turn (a
+  system prompt both ranks hold, routed by load: each record moves its 62 blocks' demand
+  from the other rank).
 With `--baseline REV`, the same in a checkout of REV (its C extensions compiled), the two
 alternating round by round; medians and ranges of the rounds, and new / old. `--cold` times
 each call alone after copying 4 MiB (a core's L2 then holds other data, as in a replica,
@@ -47,7 +50,13 @@ CHAIN = 63
 PROMPT = 125
 CALLS = 300
 COLD_BYTES = 4 << 20  # twice a core's L2: what other work leaves of the index there
-STEPS = ("store 63", "remove 63", "prefix_depths 125", "ledger record 125")
+STEPS = (
+    "store 63",
+    "remove 63",
+    "prefix_depths 125",
+    "ledger record 125",
+    "ledger record 125, ranks in turn",
+)
 
 
 def measure(blocks: int, seed: int, cold: bool = False) -> dict[str, Any]:
@@ -125,12 +134,22 @@ def measure(blocks: int, seed: int, cold: bool = False) -> dict[str, Any]:
         ledger.settle(confirmed)
         ledger.record(system[0], fresh_prompts.pop(), 62)
 
+    turn_prompts = [
+        system[2][:62] + [rng.getrandbits(64) for _ in range(63)] for _ in range(3 * calls)
+    ]
+
+    def record_in_turn(i: int) -> None:
+        now[0] += 0.001
+        ledger.settle(confirmed)
+        ledger.record(ranks[i % 2], turn_prompts.pop(), 62)
+
     figures = {
         "store 63": best(store),
         "remove 63": best(remove),
         "prefix_depths 125": best(lambda i: tree.prefix_depths(prompts[i])),
     }
     figures["ledger record 125"] = best(record)
+    figures["ledger record 125, ranks in turn"] = best(record_in_turn)
     return {"implementation": IMPLEMENTATION, "blocks": len(tree), "calls": calls, **figures}
 
 
