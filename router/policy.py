@@ -148,7 +148,6 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 from operator import attrgetter
 from typing import ClassVar, Final, Protocol
 
@@ -565,58 +564,57 @@ class CacheAware:
         busy = replicas * (sum(loads) - max(loads)) / (n - 1) if n > 1 else 0.0
         per_token = w.prefill
         per_request = w.queue * w.queued_request_tokens / (1.0 + w.backlog * busy)
-        ranks = list(map(_rank, candidates))
         # Tokens each rank would not prefill: device blocks (bookings count as device
         # blocks) save `block` tokens each, lower-tier ones `lower` each.
         lower = block * w.lower_tier_discount
-        held_any = list(map(any_tier.get, ranks, repeat(0, n)))
-        saved = [
-            lower * a + (block - lower) * d if a > d else block * d
-            for a, d in zip(held_any, p.depth, strict=True)
-        ]
-        costs = [
-            per_token * (tokens - s if s < tokens else 0.0) + per_request * load
-            for s, load in zip(saved, loads, strict=True)
-        ]
-        evicted = [0] * n
-        known = [c for c in p.capacity if c]
-        fallback = max(known) if known else 0
+        get_any = any_tier.get
         # Siblings' placements this replica cannot see: none when they share their decisions.
         unseen = 1.0 - 1.0 / replicas if replicas > 1 and self.share is None else 0.0
         # How full of demand the fleet is: the fill surcharge scales with it, so it steers
         # placements only when the caches together are short of room, not when they idle.
-        others = [
-            d + unseen * (h - d) if h > d else d
-            for c, d, h in zip(p.capacity, p.demand, p.held, strict=True)
-            if c
-        ]
-        fleet = min(sum(others) / sum(known), 1.0) if known else 0.0
+        # (One pass over the ranks whose capacity is known; the next computes each rank's.)
+        known = fallback = 0
+        others = 0.0
+        for capacity, demand, held in zip(p.capacity, p.demand, p.held, strict=True):
+            if capacity:
+                known += capacity
+                if capacity > fallback:
+                    fallback = capacity
+                others += demand + unseen * (held - demand) if held > demand else demand
+        fleet = min(others / known, 1.0) if known else 0.0
+        evict, fill = w.evict, w.fill
+        costs: list[float] = []
+        evicted = [0] * n
         room: list[float] = []
-        for i, (capacity, demand, held, depth) in enumerate(
-            zip(p.capacity, p.demand, p.held, p.depth, strict=True)
+        for i, (c, load, capacity, demand, held, depth) in enumerate(
+            zip(candidates, loads, p.capacity, p.demand, p.held, p.depth, strict=True)
         ):
+            a = get_any(c.rank, 0)
+            saved = lower * a + (block - lower) * depth if a > depth else block * depth
+            cost = per_token * (tokens - saved if saved < tokens else 0.0) + per_request * load
             if not capacity:
                 room.append(2 * fallback - held - demand)
+                costs.append(cost)
                 continue
             room.append(2 * capacity - held - demand)
             new = blocks - depth if depth < blocks else 0
-            if not new:
-                continue
-            # The rank's other demand: its recent blocks, less the ones this prompt reuses,
-            # plus the siblings' share of what it holds beyond this replica's demand.
-            other = demand - depth if demand > depth else 0.0
-            if unseen and held > demand:
-                other += unseen * (held - demand)
-            free = capacity - held if capacity > held else 0
-            # Storing `new` blocks first fills free slots, then evicts blocks nobody asked
-            # for lately, and only then blocks in demand: this prompt's own `depth` blocks
-            # stay, so `capacity - other - depth` can go before anything demanded does.
-            spill = new - max(free, capacity - other - depth)
-            if spill > 0:
-                evicted[i] = math.ceil(spill)
-            occupied = other + depth
-            fullness = occupied / capacity if occupied < capacity else 1.0
-            costs[i] += block * (w.evict * max(spill, 0.0) + w.fill * fleet * fullness * new)
+            if new:
+                # The rank's other demand: its recent blocks, less the ones this prompt
+                # reuses, plus the siblings' share of what it holds beyond this replica's.
+                other = demand - depth if demand > depth else 0.0
+                if unseen and held > demand:
+                    other += unseen * (held - demand)
+                free = capacity - held if capacity > held else 0
+                # Storing `new` blocks first fills free slots, then evicts blocks nobody asked
+                # for lately, and only then blocks in demand: this prompt's own `depth` blocks
+                # stay, so `capacity - other - depth` can go before anything demanded does.
+                spill = new - max(free, capacity - other - depth)
+                if spill > 0:
+                    evicted[i] = math.ceil(spill)
+                occupied = other + depth
+                fullness = occupied / capacity if occupied < capacity else 1.0
+                cost += block * (evict * max(spill, 0.0) + fill * fleet * fullness * new)
+            costs.append(cost)
         return costs, evicted, room
 
 
