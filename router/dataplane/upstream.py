@@ -418,8 +418,14 @@ class UpstreamPool:
         if self._on_connect is not None:
             self._on_connect()
         _, conn = task.result()  # type: ignore[misc]
+        if conn.closed:
+            # The worker closed it before this callback ran (a worker killed as it accepted:
+            # its reset can reach the loop first); `connection_lost` gives its slot back.
+            if who is not None:
+                who.connection_failed("connect", "the worker closed the new connection at once")
+            return
         if self._closed:
-            conn.transport.abort()
+            conn.abort()
             return
         if who is None:
             self.release(conn, keep=True)  # nobody waits for it any more: idle (or a waiter's)
