@@ -22,9 +22,9 @@ same rule played online: each prefix, when it first arrives, goes to the worker 
 fewest prefix blocks so far, and stays there, whatever the loads (a reference for what a
 placement that only balances blocks achieves, not a router policy).
 
-`cache_aware_home` is a prototype, not a router policy: cache_aware plus a per-prefix home
-table (`HomeTable`, `CacheAwareHome`) that a replica could keep with what it knows, shared
-between replicas like the decisions. A home is anchored at the first block of its prefix no
+`cache_aware_home` is cache_aware with the router's prefix home table (`router.homes`,
+`--prefix-homes`: `HomeTable`, `CacheAwareHome`), shared between replicas like the
+decisions. A home is anchored at the first block of its prefix no
 rank held when it was placed, so prefixes below a shared preamble each get their own;
 `--long-headers` and `--nested-headers` add shapes with preambles of 4 to 40 blocks and two
 levels of sharing.

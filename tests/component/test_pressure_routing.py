@@ -120,6 +120,7 @@ async def test_view_shows_capacity_booked_blocks_and_demand_per_rank() -> None:
         # rank, cursor, blocks (20 and the gate's probe), capacity, booked, demand
         assert row[2:5] == ["21", str(CACHE_BLOCKS), "0"], out
         assert 18.0 < float(row[5]) <= 20.0, out  # 20 blocks, decaying by the wall clock
+        assert len(row) == 6 and "homed" not in out, out  # no prefix homes here
 
 
 async def test_a_request_that_fails_over_moves_its_booking_to_the_worker_that_served_it() -> None:
@@ -264,6 +265,10 @@ async def test_two_replicas_with_prefix_homes_agree_on_a_new_prefixs_home() -> N
         assert (await one.scrape()).value(
             "kvrouter_rank_homed_blocks", worker_url=home, dp_rank="0"
         ) > 19
+        status, out, err = await run_view(one.url)
+        assert status == 0, out + err
+        (row,) = [line.split() for line in out.splitlines() if f"{home}#dp0" in line]
+        assert "homed" in out and 19.0 < float(row[6]) <= 20.0, out  # its 20 blocks, decaying
         # A batch whose home is malformed is refused whole: nothing of it adopted.
         bad = siblings.SharedHome(home, 0, 1, 0, 2, [1, 2], 2, 0, float("inf"), 0, None)
         body = msgspec.msgpack.encode(siblings.DecisionBatch([], [bad]))
