@@ -39,6 +39,10 @@ Theory of operation
   every decision). Per-rank homed blocks are kept as running sums, so a placement reads
   each candidate's in O(1).
 
+Off by default (`--prefix-homes`): live, it was level with plain cache_aware on most pressure
+workloads, lower on two, and lost the routing trace's growing conversations (BENCHMARKS.md,
+"The prefix home LIVE"). `bench/pressure_sim.py` plays this code as `cache_aware_home`.
+
 Sans-I/O: plain code over an injected monotonic clock (ages, settling) and wall clock (the
 placement stamp siblings compare); the decision wrapper adds no I/O to cache_aware's.
 """
