@@ -12,6 +12,8 @@ Two scenarios, both a 2,000-token prompt (125 blocks of 16) with an engine load 
 cache_aware runs with its cache-pressure inputs: the prompt's block keys, the tree as its
 index, every rank stating a 4,096-block capacity, and its ledger recording each decision (so
 it pays for demand, bookings and their settling as a replica does).
+`cache_aware+homes` is cache_aware under the prefix home table (`router.homes`,
+`--prefix-homes`): the prompt repeats, so after the first decision it is a homed repeat.
 `prefix_depths` itself is not timed (see bench_tree.py). The `depth maps` row is the part of
 a decision spent expanding `PrefixDepths.any_tier` / `.device` into dicts (cachetree code).
 Each figure is the mean over `--iterations` decisions, best of `--repeats` runs, so that
@@ -30,12 +32,14 @@ from cachetree.keys import block_keys
 from cachetree.ranks import RankId
 from cachetree.tiers import DEVICE, HOST
 from cachetree.tree import BlockTree, PrefixDepths
+from router.homes import CacheAwareHome
 from router.loads import EngineLoad
-from router.policy import POLICY_NAMES, Candidate, Policy, Prompt, make_policy
+from router.policy import POLICY_NAMES, CacheAware, Candidate, Policy, Prompt, make_policy
 
 BLOCK = 16
 PROMPT_TOKENS = 2000
 SCENARIOS = ("shared", "scattered")
+HOMES = "cache_aware+homes"
 
 
 def scenario(kind: str, n_ranks: int, seed: int = 7) -> tuple[list[Candidate], Prompt, BlockTree]:
@@ -65,9 +69,13 @@ def scenario(kind: str, n_ranks: int, seed: int = 7) -> tuple[list[Candidate], P
 
 
 def policy(name: str, tree: BlockTree) -> Policy:
-    if name != "cache_aware":
+    if name not in ("cache_aware", HOMES):
         return make_policy(name, rng=random.Random(1))
-    return make_policy(name, rng=random.Random(1), index=lambda: tree, capacity=lambda rank: 4096)
+    inner = make_policy(
+        "cache_aware", rng=random.Random(1), index=lambda: tree, capacity=lambda rank: 4096
+    )
+    assert isinstance(inner, CacheAware)
+    return inner if name == "cache_aware" else CacheAwareHome(inner)
 
 
 def best_mean_us(fn: Callable[[], object], iterations: int, repeats: int) -> float:
@@ -91,13 +99,14 @@ def main() -> None:
     sizes = [int(x) for x in args.candidates.split(",")]
     print(f"decision latency in us: mean of {args.iterations}, best of {args.repeats} runs")
     print(
-        f"{'policy':<14} " + " ".join(f"{k + ' x' + str(n):>14}" for k in SCENARIOS for n in sizes)
+        f"{'policy':<17} " + " ".join(f"{k + ' x' + str(n):>14}" for k in SCENARIOS for n in sizes)
     )
-    rows: dict[str, list[float]] = {name: [] for name in (*POLICY_NAMES, "depth maps")}
+    names = (*POLICY_NAMES, HOMES)
+    rows: dict[str, list[float]] = {name: [] for name in (*names, "depth maps")}
     for kind in SCENARIOS:
         for n in sizes:
             candidates, prompt, tree = scenario(kind, n)
-            for name in POLICY_NAMES:
+            for name in names:
                 decide = policy(name, tree).decide
                 call = functools.partial(decide, candidates, prompt)
                 rows[name].append(best_mean_us(call, args.iterations, args.repeats))
@@ -105,7 +114,7 @@ def main() -> None:
             call = functools.partial(depth_maps, prompt.depths)
             rows["depth maps"].append(best_mean_us(call, args.iterations, args.repeats))
     for name, figures in rows.items():
-        print(f"{name:<14} " + " ".join(f"{f:>14.1f}" for f in figures))
+        print(f"{name:<17} " + " ".join(f"{f:>14.1f}" for f in figures))
     # Python speed differs threefold between machines; this line lets figures be compared.
     calibration = best_mean_us(lambda: sum(range(1000)), args.iterations, args.repeats)
     print(f"calibration: sum(range(1000)) takes {calibration:.1f} us on this machine")

@@ -18,7 +18,8 @@ Rows, per workload:
   prefix's first request misses, when every worker's share fits its cache;
 - kvrouter cache_aware, kvrouter round_robin: one replica, or several that know each other
   (`--peer`, so cache_aware's replicas share their decisions: `router.siblings`), the client
-  sending requests to them in turn;
+  sending requests to them in turn; kvrouter cache_aware+homes: cache_aware with
+  `--prefix-homes` (`router.homes`), its homes shared like the decisions;
 - smg cache_aware (smg's approximate tree of routed request text; over HTTP workers it sees
   no KV events), one instance or several in turn.
 
@@ -57,6 +58,7 @@ PREFILL_CHAIN_BLOCKS: Final = 16
 ROWS: Final = (
     ("ideal", "partition"),
     ("kvrouter", "cache_aware"),
+    ("kvrouter", "cache_aware+homes"),
     ("kvrouter", "round_robin"),
     ("smg", "cache_aware"),
 )
@@ -197,7 +199,7 @@ async def kvrouter_run(
     try:
         await demo.wait_ready(session, routers)
         # Policies that keep no index (--kv-events auto) have no cursors to wait for.
-        indexed = row.policy in INDEX_POLICIES
+        indexed = demo.base_policy(row.policy) in INDEX_POLICIES
         await demo.probe_every_rank(session, cluster)
         if indexed:
             await demo.quiesce(session, cluster, routers)

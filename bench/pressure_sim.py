@@ -22,9 +22,9 @@ same rule played online: each prefix, when it first arrives, goes to the worker 
 fewest prefix blocks so far, and stays there, whatever the loads (a reference for what a
 placement that only balances blocks achieves, not a router policy).
 
-`cache_aware_home` is a prototype, not a router policy: cache_aware plus a per-prefix home
-table (`HomeTable`, `CacheAwareHome`) that a replica could keep with what it knows, shared
-between replicas like the decisions. A home is anchored at the first block of its prefix no
+`cache_aware_home` is cache_aware with the router's prefix home table (`router.homes`,
+`--prefix-homes`: `HomeTable`, `CacheAwareHome`), shared between replicas like the
+decisions. A home is anchored at the first block of its prefix no
 rank held when it was placed, so prefixes below a shared preamble each get their own;
 `--long-headers` and `--nested-headers` add shapes with preambles of 4 to 40 blocks and two
 levels of sharing.
@@ -44,7 +44,7 @@ import heapq
 import itertools
 import random
 import statistics
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -55,18 +55,14 @@ from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from fake_kv_worker.cache import Admission, PagedPrefixCache
 from fake_kv_worker.hashing import VllmSha256Hasher
+from router.homes import CacheAwareHome, Home, HomeSettings, HomeTable
 from router.loads import EngineLoad
 from router.policy import (
-    CACHE_HIT,
-    CACHE_MISS,
-    IMBALANCE_FALLBACK,
     CacheAware,
     CacheAwareWeights,
     Candidate,
-    Decision,
     Policy,
     Prompt,
-    load_of,
     make_policy,
 )
 from router.pressure import PressureLedger, PressureSettings
@@ -567,351 +563,6 @@ class Fleet:
         return out
 
 
-# -- a prototype: a prefix home table (cache_aware_home) -----------------------------------
-
-
-@dataclass(frozen=True)
-class HomeSettings:
-    """The home table's knobs. A prefix's home is registered at its anchor: the first block
-    of the prompt that no rank held (index and bookings) when it was placed, so a shared
-    preamble, held wherever it is used, is nobody's anchor, and each prefix below it has one
-    of its own. A prompt finds its home by the deepest registered key along its chain.
-    `tail_blocks`: a request's own tail, at most: a prompt that leaves a home's chain and
-    goes on more than this many blocks is a new prefix (`CacheAwareHome._split`); less is a
-    repeat with a tail of its own, until repetition tells otherwise: once a repeat's tail
-    was shared by a later prompt (it was a prefix), prompts leaving the home's chain above
-    it are new prefixes whatever their length (`HomeTable.observe`).
-    `place_bound`: a new prefix's home is chosen among the ranks at most this many requests
-    above the lightest. `keep_bound`: a home keeps its prefix while it is at most this many
-    above the lightest (beyond, the request goes where cache_aware sends it; the home stays).
-    `max_homes` bounds the table (least recently used out first); an entry's blocks count
-    for its rank halved every `half_life_s` since its last use (like the ledger's demand),
-    and an entry unused for `forget_half_lives` half-lives is dropped. `settle_s`: a home
-    that does not hold its anchor this long after it was set has lost it to its cache (it
-    was given more than it holds) and the prefix is placed again.
-
-    Defaults chosen on the family and hold-outs (BENCHMARKS.md): bounds of 1 placed by
-    load where blocks should decide, keep bounds of 2-4 copied prefixes away from their
-    homes, settle times of 0.03 s re-placed prefixes whose first request still queued.
-    `tail_blocks` must cover the longest tail: a repeat whose tail is longer is copied to
-    another rank, and only the prefix side is corrected by repetition (prefixes below a
-    preamble with own parts within it go to the preamble's home until their repeats confirm
-    them). 11 was chosen on `nested_headers()`'s two tail shapes, whose tails reach 10
-    blocks: 8 and 10 copy the longer tails, 12 and 16 confirm the short own parts later.
-    `join_tail_blocks` only places the key a home is registered at (`HomeTable.join_at`):
-    12 there cost five two-replica shapes 0.002-0.005."""
-
-    tail_blocks: int = 11
-    join_tail_blocks: int = 8
-    place_bound: int = 4
-    keep_bound: int = 8
-    max_homes: int = 100_000
-    half_life_s: float = 30.0
-    forget_half_lives: float = 8.0
-    settle_s: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.max_homes < 1:
-            raise ValueError("max_homes must be >= 1")
-        if min(self.tail_blocks, self.join_tail_blocks, self.place_bound, self.keep_bound) < 0:
-            raise ValueError(
-                "tail_blocks, join_tail_blocks, place_bound and keep_bound must be >= 0"
-            )
-        if not (self.half_life_s > 0 and self.forget_half_lives > 0):
-            raise ValueError("half_life_s and forget_half_lives must be > 0")
-
-
-@dataclass(slots=True)
-class Home:
-    rank: RankId
-    anchor: int  # the key of the prefix's first block no rank held when it was placed ...
-    depth: int  # ... at this position: the blocks of shared part above it
-    join: int  # the key it is registered at, past the anchor (`HomeTable.join_at`)
-    chain: tuple[int, ...]  # the placing prompt's keys from the anchor on
-    generation: int  # 0 when first placed, +1 each time it is re-placed
-    set_at: float  # when it was set (a sibling's adoption keeps the sender's time)
-    used_at: float = 0.0
-    # A prompt of this home that leaves its chain above this depth begins a new prefix
-    # there: the deepest two of its prompts shared, or one block past the anchor of a tail
-    # that a later prompt shared (`HomeTable.observe`).
-    confirmed: int = -1
-    # A repeat's tail, not yet a prefix: the anchor of the home it left (None for a home
-    # placed as a prefix). A later prompt sharing its blocks makes it one.
-    tail_of: int | None = None
-
-    def __post_init__(self) -> None:
-        self.confirmed = max(self.confirmed, self.depth)
-
-    @property
-    def blocks(self) -> int:
-        """The blocks it homes on its rank: a tail nobody shared homes none (they are its
-        parent's request's own)."""
-        return 0 if self.tail_of is not None else len(self.chain)
-
-    def shared(self, keys: Sequence[int]) -> int:
-        """The depth at which the prompt `keys` leaves the placing prompt's chain."""
-        at = self.depth
-        for mine, theirs in zip(self.chain, keys[self.depth :], strict=False):
-            if mine != theirs:
-                break
-            at += 1
-        return at
-
-
-def _preference(home: Home) -> tuple[int, float, RankId]:
-    """Between two homes of one prefix: the latest generation, then the earliest set, then
-    the lower rank (every replica picks the same)."""
-    return -home.generation, home.set_at, home.rank
-
-
-class HomeTable:
-    """Prefix homes by their join key, and by anchor the latest home anchored there:
-    sans-I/O, driven by an injected clock. Two homes with one anchor are two prefixes that
-    diverge below it (placed at once, before the first one's blocks were held), or one
-    prefix placed twice by siblings at once with join keys apart (its prompts then hold
-    both, and the one siblings prefer is kept)."""
-
-    def __init__(self, settings: HomeSettings, clock: Callable[[], float]) -> None:
-        self.settings = settings
-        self.clock = clock
-        self._homes: OrderedDict[int, Home] = OrderedDict()  # by join, least recent first
-        self._anchors: dict[int, int] = {}  # anchor -> the join of its latest home
-
-    def __len__(self) -> int:
-        return len(self._homes)
-
-    def join_at(self, depth: int, blocks: int) -> int:
-        """Where a prefix anchored at `depth` in a prompt of `blocks` is registered:
-        `join_tail_blocks` above the prompt's end, rounded down to a power of two blocks
-        past the anchor, so that siblings placing one prefix at once with requests of
-        different tails most often register it at the same key."""
-        own = blocks - self.settings.join_tail_blocks - depth
-        return depth if own <= 1 else depth + (1 << (own.bit_length() - 1)) - 1
-
-    def find(self, keys: Sequence[int]) -> Home | None:
-        """The home of the deepest registered key along the chain `keys` (a join, or an
-        anchor), marked used. One lookup per key from the deepest up, so a prefix's own home
-        wins over the home of the prefix that first brought a preamble they share; past a
-        join hit the walk goes on to its anchor to drop a second home of the same prefix."""
-        for at in range(len(keys) - 1, -1, -1):
-            key = keys[at]
-            if key in self._homes:
-                home = self.lookup(key)
-                if home is not None:
-                    return self._drop_doubles(home, keys, at)
-            elif key in self._anchors:
-                home = self.lookup(self._anchors[key])
-                if home is not None:
-                    return home
-        return None
-
-    def _drop_doubles(self, home: Home, keys: Sequence[int], at: int) -> Home:
-        """`home` (joined at `keys[at]`) and the homes of the same anchor joined on the chain
-        above it are one prefix placed twice: the one siblings prefer stays."""
-        doubles = [
-            other
-            for key in keys[home.depth : at]
-            if (other := self._homes.get(key)) is not None and other.anchor == home.anchor
-        ]
-        if not doubles:
-            return home
-        kept = min([home, *doubles], key=_preference)
-        for other in [home, *doubles]:
-            if other is not kept:
-                self._drop(other.join)
-        kept.used_at = self.clock()
-        self._anchors[kept.anchor] = kept.join
-        return kept
-
-    def lookup(self, join: int) -> Home | None:
-        """The home joined at `join`, marked used; None when unknown or forgotten."""
-        home = self._homes.get(join)
-        now = self.clock()
-        if home is None:
-            return None
-        if now - home.used_at > self.settings.half_life_s * self.settings.forget_half_lives:
-            self._drop(join)
-            return None
-        home.used_at = now
-        self._homes.move_to_end(join)
-        return home
-
-    def homed(self, rank: RankId) -> float:
-        """The blocks homed on `rank`, each entry's halved every half-life since its use."""
-        now, half = self.clock(), self.settings.half_life_s
-        return sum(
-            h.blocks * 0.5 ** ((now - h.used_at) / half)
-            for h in self._homes.values()
-            if h.rank == rank
-        )
-
-    def observe(self, home: Home, keys: Sequence[int], shared: int) -> list[Home]:
-        """A repeat of `home` that left its chain at `shared`. The blocks two of its prompts
-        share are its prefix's: they confirm it that deep. A tail's home that a second prompt
-        shares was a prefix: from then on its parent's prompts that leave at its anchor are
-        new prefixes. The prompt's own part past `shared`, if any, is returned as a tail's
-        home on the same rank, for a later prompt to confirm or for the table to forget."""
-        confirmed: list[Home] = []
-        if shared > home.confirmed:
-            home.confirmed = shared
-            confirmed.append(home)
-            if home.tail_of is not None:
-                join = self._anchors.get(home.tail_of)
-                parent = None if join is None else self.lookup(join)
-                if parent is not None and parent.confirmed <= home.depth:
-                    parent.confirmed = home.depth + 1
-                    confirmed.append(parent)
-                home.tail_of = None
-        if shared >= len(keys) or keys[shared] in self._anchors:
-            return confirmed
-        join = keys[self.join_at(shared, len(keys))]
-        tail = Home(home.rank, keys[shared], shared, join, tuple(keys[shared:]), 0,
-                    self.clock(), tail_of=home.anchor)  # fmt: skip
-        return [*confirmed, self.place(tail)]
-
-    def place(self, home: Home, sibling: bool = False) -> Home:
-        """Set a home at its join key. A sibling's (`sibling`) replaces only one this table
-        prefers less (`_preference`), so replicas converge."""
-        old = self._homes.get(home.join)
-        if sibling and old is not None and _preference(old) <= _preference(home):
-            if old.anchor == home.anchor:  # what the sibling's prompts confirmed holds here
-                old.confirmed = max(old.confirmed, home.confirmed)
-            return old  # a sibling's news of a home this table already prefers
-        if old is not None:
-            self._drop(home.join)
-        home.used_at = self.clock()
-        self._homes[home.join] = home
-        self._anchors[home.anchor] = home.join
-        while len(self._homes) > self.settings.max_homes:
-            self._drop(next(iter(self._homes)))
-        return home
-
-    def _drop(self, join: int) -> None:
-        home = self._homes.pop(join)
-        if self._anchors.get(home.anchor) == join:
-            del self._anchors[home.anchor]
-
-
-@dataclass
-class CacheAwareHome:
-    """cache_aware with a prefix home: a homed prompt goes to its home unless the home is
-    gone or more than `keep_bound` requests above the lightest rank; a new prefix (no home
-    on its chain, or one that leaves a home's chain where its prompts say a new prefix
-    begins: `_split`) is anchored at its first block no rank holds and goes to the rank
-    given the fewest blocks for it, among those within `place_bound` of the lightest: the
-    blocks homed there plus the held part of the prompt it would newly store. A home that
-    lost its anchor is placed again. The ledger's booking and demand follow the home
-    (`Decision.served`)."""
-
-    inner: CacheAware
-    table: HomeTable
-    share: Callable[[Home], None] | None = None
-    name: str = CACHE_AWARE_HOME
-
-    def _held(self, candidates: Sequence[Candidate], prompt: Prompt) -> dict[RankId, int]:
-        """How deep each rank holds the prompt, its bookings counted (read before the
-        decision books this prompt; past the bookings the index confirmed or that expired)."""
-        self.inner.settle()
-        any_tier = {} if prompt.depths is None else prompt.depths.any_tier
-        booked = self.inner.ledger.booked_depths(prompt.keys, any_tier)
-        return {c.rank: max(any_tier.get(c.rank, 0), booked.get(c.rank, 0)) for c in candidates}
-
-    def _place(
-        self, ranked: Sequence[Candidate], loads: dict[RankId, int], held: dict[RankId, int]
-    ) -> RankId:
-        """The fewest blocks given, homed there and held elsewhere (what it would newly
-        store of the prompt's part some rank holds), among the ranks within the load bound;
-        ties in cache_aware's order."""
-        bound = min(loads.values()) + self.table.settings.place_bound
-        deepest = max(held.values())
-        return min(
-            (c.rank for c in ranked if loads[c.rank] <= bound),
-            key=lambda r: self.table.homed(r) + deepest - held[r],
-        )
-
-    def _lost(self, home: Home, held: dict[RankId, int]) -> bool:
-        """The home no longer holds the anchor though it has had `settle_s` to store it:
-        its cache pushed the prefix out, so it was given more than it holds."""
-        if self.table.clock() - home.set_at < self.table.settings.settle_s:
-            return False
-        return held.get(home.rank, 0) <= home.depth
-
-    def _split(
-        self, home: Home, held: dict[RankId, int], keys: Sequence[int], shared: int
-    ) -> int | None:
-        """Where a prompt that found `home` and leaves its chain at `shared` begins a prefix
-        of its own, or None when it is a repeat of the homed prefix with a tail of its own.
-        Another rank's prefix if another rank holds it past `shared` (a placement this table
-        missed or forgot). A new prefix below their shared part if it leaves the chain above
-        the depth the home's prompts confirmed (`Home.confirmed`: a block two prompts share
-        is a prefix's), or if it goes on more than `tail_blocks` past `shared`. Otherwise a
-        repeat, whose own part becomes a tail's home on the same rank
-        (`HomeTable.observe`): a prefix once a later prompt shares it, and then the depth
-        where prompts leaving the home's chain are new prefixes. (`shared` is exact, read
-        from the placing prompt's chain: a repeat whose prefix the caches cut short leaves
-        at its prefix's end, not at what is still held.)"""
-        if shared >= len(keys):
-            return None
-        if any(depth > shared for rank, depth in held.items() if rank != home.rank):
-            return shared
-        if shared < home.confirmed or len(keys) - shared > self.table.settings.tail_blocks:
-            return shared
-        return None
-
-    def adopt(self, home: Home) -> None:
-        self.table.place(home, sibling=True)
-
-    def decide(self, candidates: Sequence[Candidate], prompt: Prompt) -> Decision:
-        keys = prompt.keys
-        if not keys or len(candidates) < 2:
-            return self.inner.decide(candidates, prompt)
-        held = self._held(candidates, prompt)
-        decision = self.inner.decide(candidates, prompt)
-        if decision.outcome == IMBALANCE_FALLBACK:
-            return decision
-        loads = {c.rank: load_of(c) for c in candidates}
-        deepest = max(held.values())
-        home = self.table.find(keys)
-        own = len(keys) - 1  # where this prompt's own part begins, when it needs a home
-        if home is None:
-            own = min(deepest, own)
-        else:
-            shared = home.shared(keys)
-            split = self._split(home, held, keys, shared)
-            if split is not None:
-                home, own = None, min(split, own)
-            elif home.rank in loads and not self._lost(home, held):
-                for news in self.table.observe(home, keys, shared):
-                    if self.share is not None:
-                        self.share(news)
-                if loads[home.rank] > min(loads.values()) + self.table.settings.keep_bound:
-                    return decision
-                return _send(decision, prompt, home.rank)
-        target = self._place(decision.ranked, loads, held)
-        if home is None:
-            join = keys[self.table.join_at(own, len(keys))]
-            home = Home(target, keys[own], own, join, tuple(keys[own:]), 0, self.table.clock())
-        else:  # the home lost its anchor (or left the candidates): the same prefix, again
-            home = replace(home, rank=target, generation=home.generation + 1,
-                           set_at=self.table.clock())  # fmt: skip
-        home = self.table.place(home)
-        if self.share is not None:
-            self.share(home)
-        return _send(decision, prompt, target)
-
-
-def _send(decision: Decision, prompt: Prompt, target: RankId) -> Decision:
-    """`decision` with `target` first (the ledger's booking and demand follow)."""
-    if target != decision.ranked[0].rank:
-        decision.served(target)
-        at = next(i for i, c in enumerate(decision.ranked) if c.rank == target)
-        decision.ranked.insert(0, decision.ranked.pop(at))
-        depths = prompt.depths
-        decision.matched_blocks = 0 if depths is None else depths.any_tier.get(target, 0)
-        decision.outcome = CACHE_HIT if decision.matched_blocks else CACHE_MISS
-    return decision
-
-
 def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None = None,
          settings: PressureSettings | None = None, share: bool = True,
          home: HomeSettings | None = None) -> Outcome:  # fmt: skip
@@ -971,7 +622,9 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
         if policy == CACHE_AWARE_HOME:
             assert isinstance(router, CacheAware)
             table = HomeTable(home or HomeSettings(), fleet.clock)
-            router = CacheAwareHome(router, table, home_sharer(k) if sharing else None)
+            router = CacheAwareHome(router, table)
+            if sharing:
+                router.share = home_sharer(k)
         routers.append(router)
     inflight = {r: [0] * w.replicas for r in ranks}
 

@@ -54,7 +54,13 @@ from tests.support.fake_worker import cli_args, worker_config
 BLOCK: Final = 16
 WORKERS: Final = 8
 MAX_RUNNING: Final = 2  # per rank
-KVROUTER_POLICIES: Final = ("cache_aware", "round_robin", "least_load", "power_of_two")
+KVROUTER_POLICIES: Final = (
+    "cache_aware",
+    "cache_aware+homes",
+    "round_robin",
+    "least_load",
+    "power_of_two",
+)
 TARGET_GAP: Final = 0.05  # cache_aware within 5% of the bound
 
 
@@ -270,7 +276,8 @@ async def kvrouter_run(
     try:
         await demo.wait_ready(session, [router])
         await demo.probe_every_rank(session, cluster)
-        if row.policy in INDEX_POLICIES:  # the others keep no index (--kv-events auto)
+        # the others keep no index (--kv-events auto)
+        if demo.base_policy(row.policy) in INDEX_POLICIES:
             await demo.quiesce(session, cluster, [router])
         await measure(session, cluster, router.url, sessions, s, row)
     finally:

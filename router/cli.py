@@ -29,6 +29,7 @@ from typing import Any, Final, NoReturn
 from cachetree import accel
 from peer.kubeconfig import KubeConfigError
 from router.auth import TOKEN_ENV, token_problem
+from router.homes import DEFAULT_MAX_HOMES, MAX_HOMES_BOUND
 from router.index import DEFAULT_INDEX_MAX_BLOCKS
 from router.ingest_pool import DEFAULT_INGEST_PROCESSES
 from router.ingest_pool import MAX_PROCESSES as MAX_INGEST_PROCESSES
@@ -308,6 +309,19 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         "/internal/decisions) so every replica's ledger sees the fleet's demand and bookings",
     )
     f.add(
+        "prefix-homes",
+        _flag_bool,
+        False,
+        "cache_aware: keep a home rank per prefix, placed by the blocks each rank was given "
+        "(router/homes.py); shared with siblings alongside the decisions",
+    )
+    f.add(
+        "prefix-homes-max",
+        int,
+        DEFAULT_MAX_HOMES,
+        "--prefix-homes: bound on the prefix homes a replica keeps (least recently used out)",
+    )
+    f.add(
         "kv-ingest-processes",
         int,
         DEFAULT_INGEST_PROCESSES,
@@ -386,6 +400,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             "--demand-half-life-s must be a finite number > 0",
         ),
         (args.pressure_max_tracked_blocks >= 1, "--pressure-max-tracked-blocks must be >= 1"),
+        (
+            1 <= args.prefix_homes_max <= MAX_HOMES_BOUND,
+            f"--prefix-homes-max must be 1..{MAX_HOMES_BOUND}",
+        ),
         (
             0 <= args.kv_ingest_processes <= MAX_INGEST_PROCESSES,
             f"--kv-ingest-processes must be 0..{MAX_INGEST_PROCESSES}",

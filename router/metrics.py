@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from peer.supervise import Supervisor
     from router.bootstrap import PeerBootstrap
     from router.dataplane.server import DataPlane
+    from router.homes import HomeTable
     from router.index import Pump
     from router.ingest_pool import IngestPool
     from router.loads import LoadMonitor
@@ -163,6 +164,9 @@ class RouterMetrics:
 
     def watch_pressure(self, policy: CacheAware, workers: WorkerRegistry) -> None:
         self.registry.register(_PressureCollector(policy, workers))
+
+    def watch_homes(self, table: HomeTable) -> None:
+        self.registry.register(_HomesCollector(table))
 
     def watch_sharing(self, sharing: DecisionSharing) -> None:
         self.registry.register(_SharingCollector(sharing))
@@ -657,6 +661,45 @@ def _counter(
     return family
 
 
+class _HomesCollector(Collector):
+    """The prefix home table (`router.homes`, --prefix-homes)."""
+
+    def __init__(self, table: HomeTable) -> None:
+        self._table = table
+
+    def collect(self) -> Iterator[Metric]:
+        table = self._table
+        table.forget()
+        yield _gauge(
+            "kvrouter_prefix_homes",
+            "Prefix homes this replica keeps (its own and its siblings'; tails included)",
+            [((), len(table))],
+        )
+        yield _gauge(
+            "kvrouter_rank_homed_blocks",
+            "Prefix blocks homed on the rank, each home's halved every half-life since its use",
+            [((rank.worker_url, str(rank.dp_rank)), table.homed(rank)) for rank in table.ranks()],
+            ["worker_url", "dp_rank"],
+        )
+        stats = table.stats
+        yield _counter(
+            "kvrouter_prefix_home_events",
+            "Prefix homes: placed (a new prefix given a home here), replaced (a home that lost "
+            "its prefix to its cache, placed again), kept_away (a homed request sent elsewhere: "
+            "its home over the keep bound), adopted (a sibling's home or news of one), "
+            "forgotten (unused too long), evicted (at --prefix-homes-max)",
+            ["outcome"],
+            {
+                ("placed",): stats.placed,
+                ("replaced",): stats.replaced,
+                ("kept_away",): stats.kept_away,
+                ("adopted",): stats.adopted,
+                ("forgotten",): stats.forgotten,
+                ("evicted",): stats.evicted,
+            },
+        )
+
+
 class _SharingCollector(Collector):
     """Decision sharing with the sibling replicas (`router.siblings`)."""
 
@@ -669,13 +712,15 @@ class _SharingCollector(Collector):
             "kvrouter_shared_decisions",
             "Routing decisions shared with sibling replicas: sent (taken by a sibling, once "
             "per sibling), dropped (outbox full while siblings were slow), received (adopted "
-            "into this replica's ledger), unknown (for a rank this replica does not know), skipped "
-            "(not posted to a sibling backing off after failures)",
+            "into this replica's ledger), homes_received (prefix homes adopted), unknown (for "
+            "a rank this replica does not know), skipped (not posted to a sibling backing off "
+            "after failures)",
             ["outcome"],
             {
                 ("sent",): stats.sent,
                 ("dropped",): stats.dropped,
                 ("received",): stats.received,
+                ("homes_received",): stats.homes_received,
                 ("unknown",): stats.unknown,
                 ("skipped",): stats.skipped,
             },

@@ -112,6 +112,16 @@ full fleet the move would also pay 2 x 2048 in fill, so the holder keeps it up t
 the other ranks have 2 in flight each, a queued request counts 256 / 3 and the holder keeps
 it with up to 25 in flight (2 + 2048 / (256 / 3) = 26 ties).
 
+Prefix homes (`--prefix-homes`, off by default; `router.homes.CacheAwareHome` wraps this
+policy). The cost above places a new prefix by the moment's load or the siblings' tie hash,
+blind to how many prefix blocks each rank was already given, and a prefix's demand follows
+each routed request. With homes on, a prefix keeps the rank it was first placed on, chosen by
+the fewest homed blocks (decayed like demand) among the ranks within `place_bound` (4)
+requests of the lightest; its requests go home while the home is within `keep_bound` (8) of
+the lightest, and cache_aware's order decides otherwise (the booking and demand follow the
+home through `Decision.served`). The rules and the other knobs (`tail_blocks` 11, `settle_s`
+0.1, `half_life_s` 30) are in `router/homes.py`; their defaults and why in README.
+
 Lowest cost first; ties by lower load, then more room (`2C - held - demand`: free and stale
 blocks), then an order every replica computes alike: rendezvous hashing of the rank against
 the prompt's first block nobody holds (a new prefix's own first block), or its deepest held

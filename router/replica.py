@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import random
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
@@ -36,6 +37,7 @@ from router.breaker import CircuitBreaker
 from router.dataplane.inflight import InflightTracker
 from router.dataplane.polling import PollClient
 from router.dataplane.routing import INDEX_POLICIES
+from router.homes import DEFAULT_MAX_HOMES, CacheAwareHome, HomeSettings, HomeTable
 from router.index import DEFAULT_INDEX_MAX_BLOCKS, IndexRules, Pump
 from router.ingest_pool import DEFAULT_INGEST_PROCESSES, IngestPool
 from router.loads import LoadMonitor
@@ -125,6 +127,8 @@ class ServeConfig:
     demand_half_life_s: float = 30.0
     pressure_max_tracked_blocks: int = 1_000_000
     share_decisions: bool = True  # cache_aware with siblings: post decisions to them
+    prefix_homes: bool = False  # cache_aware: a home rank per prefix (router.homes)
+    prefix_homes_max: int = DEFAULT_MAX_HOMES
     kv_ingest_processes: int = DEFAULT_INGEST_PROCESSES
     kv_events: str = "auto"  # on | off | auto: on for policies that read the index
 
@@ -260,7 +264,10 @@ async def _compose(
     metrics.watch(pump, workers, loads, bootstrap)
     metrics.watch_tokenizer(tokenizer)
     metrics.watch_tasks(supervisor)
-    if isinstance(policy, CacheAware):
+    if isinstance(policy, CacheAwareHome):
+        metrics.watch_pressure(policy.inner, workers)
+        metrics.watch_homes(policy.table)
+    elif isinstance(policy, CacheAware):
         metrics.watch_pressure(policy, workers)
     if sharing is not None:
         metrics.watch_sharing(sharing)
@@ -331,7 +338,8 @@ def _policy(
     capacity_blocks: CapacityBlocks,
 ) -> Policy:
     """The routing policy. cache_aware reads the index, the engines' stated capacities, and
-    how many sibling replicas share the traffic (the peer registry's count)."""
+    how many sibling replicas share the traffic (the peer registry's count); with
+    --prefix-homes it decides under a prefix home table (`router.homes`)."""
     if config.policy != "cache_aware":
         return make_policy(config.policy, rng=random.Random(config.seed))
 
@@ -340,7 +348,7 @@ def _policy(
         demand_half_life_s=config.demand_half_life_s,
         max_tracked_blocks=config.pressure_max_tracked_blocks,
     )
-    return make_policy(
+    policy = make_policy(
         "cache_aware",
         rng=random.Random(config.seed),
         ledger=PressureLedger(settings),
@@ -348,6 +356,11 @@ def _policy(
         capacity=capacity_blocks,
         replicas=lambda: 1 + (len(bootstrap.registry.peers) if bootstrap is not None else 0),
     )
+    if not config.prefix_homes:
+        return policy
+    assert isinstance(policy, CacheAware)
+    homes = HomeSettings(max_homes=config.prefix_homes_max)
+    return CacheAwareHome(policy, HomeTable(homes, time.monotonic, time.time))
 
 
 def _sharing(
@@ -359,6 +372,9 @@ def _sharing(
 ) -> DecisionSharing | None:
     """Decision sharing with the siblings (`router.siblings`): cache_aware, siblings known
     (which implies the internal token), and --share-decisions."""
+    homes = policy if isinstance(policy, CacheAwareHome) else None
+    if homes is not None:
+        policy = homes.inner
     if not (
         isinstance(policy, CacheAware)
         and bootstrap is not None
@@ -373,9 +389,16 @@ def _sharing(
         return worker is not None and rank.dp_rank < worker.dp_size
 
     sharing = DecisionSharing(
-        session, lambda: registry.peers, config.internal_token, policy.adopt, known
+        session,
+        lambda: registry.peers,
+        config.internal_token,
+        policy.adopt,
+        known,
+        adopt_home=None if homes is None else homes.adopt,
     )
     policy.share = sharing.share
+    if homes is not None:
+        homes.share = sharing.share_home
     return sharing
 
 

@@ -9,6 +9,9 @@ on two ranks, and each sees only its own share of what the ranks must keep (meas
 `bench/pressure_sim.py`: a shared ledger brings two replicas from 0.95-0.98x the ideal
 partition to one replica's 0.99-1.00x; see BENCHMARKS.md). So each replica posts its
 decisions to its siblings, and adopts theirs into its own ledger as if it had routed them.
+With prefix homes on (`router.homes`, `--prefix-homes`), the homes each replica places or
+changes travel in the same batches, so the siblings send a prefix's later requests to the
+same rank instead of placing it again by their own view.
 
 Theory of operation
 -------------------
@@ -24,10 +27,16 @@ Theory of operation
   minute per sibling) and skipped for a backoff (50 ms doubling to 5 s; the decisions it
   misses are counted `skipped`): its ledger then misses a few decisions, which costs
   placement quality, never correctness.
+- Homes (`SharedHome`) queue in the same outbox and count against the same bounds (a
+  home's chain is at most `router.homes.MAX_CHAIN_BLOCKS` keys). A batch without homes
+  encodes exactly as before homes existed (`omit_defaults`), so a replica without them
+  reads it.
 - `decode_batch` checks a received body against the bounds and types, all or nothing: a
   malformed batch is refused whole (400), nothing of it applied. `DecisionSharing.receive`
-  adopts each decision whose rank this replica knows (a decision for a worker it has not
-  registered yet is counted `unknown` and skipped).
+  adopts each decision and home whose rank this replica knows (one for a worker it has not
+  registered yet is counted `unknown` and skipped); a home is set on the receiver's
+  monotonic clock (its settle time starts at adoption) and keeps the sender's wall-clock
+  stamp, which the replicas compare to agree on one of two homes placed at once.
 
 What is not shared: engine loads (each replica polls them), in-flight counts (each replica's
 own), the index (each subscribes to the engines). A decision's booking on the sibling ends
@@ -38,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -48,6 +58,7 @@ import aiohttp
 import msgspec
 
 from cachetree.ranks import RankId
+from router.homes import MAX_CHAIN_BLOCKS, Home
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +69,8 @@ MAX_DECISIONS_PER_BATCH: Final = 4096
 MAX_BODY_BYTES: Final = 4 * 1024 * 1024
 MAX_WORKER_URL_CHARS: Final = 2048
 MAX_DP_RANK: Final = 1 << 16
+MAX_DEPTH: Final = 1 << 20  # blocks into a prompt: far past any context window
+MAX_GENERATION: Final = 1 << 31
 DEFAULT_MAX_PENDING_KEYS: Final = 1 << 18  # ~2.5 MiB of decisions waiting for a slow sibling
 POST_TIMEOUT_S: Final = 2.0
 _LOG_EVERY_S: Final = 60.0
@@ -73,8 +86,37 @@ class SharedDecision(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     keys: list[int]
 
 
-class DecisionBatch(msgspec.Struct, forbid_unknown_fields=True):
+class SharedHome(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A prefix home (`router.homes.Home`) as siblings send it."""
+
+    worker_url: str
+    dp_rank: int
+    anchor: int
+    depth: int
+    join: int
+    chain: list[int]
+    length: int
+    generation: int
+    stamp: float  # wall clock of its placement
+    confirmed: int
+    tail_of: int | None
+
+    @classmethod
+    def of(cls, home: Home) -> SharedHome:
+        rank = home.rank
+        return cls(rank.worker_url, rank.dp_rank, home.anchor, home.depth, home.join,
+                   list(home.chain), home.length, home.generation, home.stamp,
+                   home.confirmed, home.tail_of)  # fmt: skip
+
+    def home(self, set_at: float) -> Home:
+        return Home(RankId(self.worker_url, self.dp_rank), self.anchor, self.depth, self.join,
+                    self.chain, self.generation, set_at, self.stamp, self.length,
+                    confirmed=self.confirmed, tail_of=self.tail_of)  # fmt: skip
+
+
+class DecisionBatch(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     decisions: list[SharedDecision]
+    homes: list[SharedHome] = []
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -88,7 +130,8 @@ class SharingStats:
     failed: int = 0  # posts a sibling refused or did not answer
     skipped: int = 0  # decisions not posted to a sibling backing off after failures
     received: int = 0  # decisions adopted from siblings
-    unknown: int = 0  # received decisions for a rank this replica does not know
+    homes_received: int = 0  # prefix homes adopted from siblings
+    unknown: int = 0  # received decisions and homes for a rank this replica does not know
     refused: int = 0  # received batches refused as malformed
 
 
@@ -99,7 +142,7 @@ class Outbox:
         if max_pending_keys < 1:
             raise ValueError("max_pending_keys must be >= 1")
         self.max_pending_keys = max_pending_keys
-        self._pending: deque[SharedDecision] = deque()
+        self._pending: deque[SharedDecision | SharedHome] = deque()
         self._keys = 0
         self.dropped = 0
 
@@ -118,23 +161,34 @@ class Outbox:
             SharedDecision(rank.worker_url, rank.dp_rank, min(held, len(kept)), kept)
         )
         self._keys += len(kept)
+        self._bound()
+
+    def add_home(self, home: Home) -> None:
+        shared = SharedHome.of(home)
+        self._pending.append(shared)
+        self._keys += len(shared.chain)
+        self._bound()
+
+    def _bound(self) -> None:
         while self._keys > self.max_pending_keys or len(self._pending) > MAX_DECISIONS_PER_BATCH:
             old = self._pending.popleft()
-            self._keys -= len(old.keys)
+            self._keys -= len(old.keys if isinstance(old, SharedDecision) else old.chain)
             self.dropped += 1
 
     def take(self) -> tuple[bytes, int] | None:
-        """Every pending decision as one encoded batch, and how many (None when none)."""
+        """Every pending decision and home as one encoded batch, and how many decisions
+        (None when none)."""
         if not self._pending:
             return None
-        count = len(self._pending)
-        body = _encoder.encode(DecisionBatch(list(self._pending)))
+        decisions = [d for d in self._pending if isinstance(d, SharedDecision)]
+        homes = [h for h in self._pending if isinstance(h, SharedHome)]
+        body = _encoder.encode(DecisionBatch(decisions, homes))
         self._pending.clear()
         self._keys = 0
-        return body, count
+        return body, len(decisions)
 
 
-def decode_batch(body: bytes) -> list[SharedDecision]:
+def decode_batch(body: bytes) -> DecisionBatch:
     """A received batch, checked; ValueError naming the first problem (nothing is applied)."""
     if len(body) > MAX_BODY_BYTES:
         raise ValueError(f"batch of {len(body)} bytes; at most {MAX_BODY_BYTES}")
@@ -142,21 +196,56 @@ def decode_batch(body: bytes) -> list[SharedDecision]:
         batch = _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise ValueError(f"not a decision batch: {exc}") from None
-    decisions = batch.decisions
-    if len(decisions) > MAX_DECISIONS_PER_BATCH:
-        raise ValueError(f"{len(decisions)} decisions; at most {MAX_DECISIONS_PER_BATCH}")
+    decisions, homes = batch.decisions, batch.homes
+    if len(decisions) + len(homes) > MAX_DECISIONS_PER_BATCH:
+        raise ValueError(
+            f"{len(decisions)} decisions and {len(homes)} homes; at most "
+            f"{MAX_DECISIONS_PER_BATCH} in all"
+        )
     for i, d in enumerate(decisions):
         problem = _problem(d)
         if problem is not None:
             raise ValueError(f"decisions[{i}]: {problem}")
-    return decisions
+    for i, h in enumerate(homes):
+        problem = _home_problem(h)
+        if problem is not None:
+            raise ValueError(f"homes[{i}]: {problem}")
+    return batch
+
+
+def _rank_problem(worker_url: str, dp_rank: int) -> str | None:
+    if not 0 < len(worker_url) <= MAX_WORKER_URL_CHARS:
+        return f"worker_url must be 1..{MAX_WORKER_URL_CHARS} characters"
+    if not 0 <= dp_rank < MAX_DP_RANK:
+        return f"dp_rank must be 0..{MAX_DP_RANK - 1}"
+    return None
+
+
+def _home_problem(h: SharedHome) -> str | None:
+    problem = _rank_problem(h.worker_url, h.dp_rank)
+    if problem is not None:
+        return problem
+    if not 0 < len(h.chain) <= MAX_CHAIN_BLOCKS:
+        return f"chain must hold 1..{MAX_CHAIN_BLOCKS} block keys"
+    if min(h.chain) < 0 or max(h.chain) >= _U64 or not (h.tail_of is None or 0 <= h.tail_of < _U64):
+        return "block keys must be unsigned 64-bit integers"
+    if h.chain[0] != h.anchor or h.join not in h.chain:
+        return "anchor must be the chain's first key and join one of its keys"
+    if not 0 <= h.depth <= h.confirmed <= MAX_DEPTH:
+        return f"need 0 <= depth <= confirmed <= {MAX_DEPTH}"
+    if not len(h.chain) <= h.length <= MAX_DEPTH:
+        return f"length must be len(chain)..{MAX_DEPTH}"
+    if not 0 <= h.generation < MAX_GENERATION:
+        return f"generation must be 0..{MAX_GENERATION - 1}"
+    if not math.isfinite(h.stamp):
+        return "stamp must be a finite number"
+    return None
 
 
 def _problem(d: SharedDecision) -> str | None:
-    if not 0 < len(d.worker_url) <= MAX_WORKER_URL_CHARS:
-        return f"worker_url must be 1..{MAX_WORKER_URL_CHARS} characters"
-    if not 0 <= d.dp_rank < MAX_DP_RANK:
-        return f"dp_rank must be 0..{MAX_DP_RANK - 1}"
+    problem = _rank_problem(d.worker_url, d.dp_rank)
+    if problem is not None:
+        return problem
     if not 0 < len(d.keys) <= MAX_KEYS_PER_DECISION:
         return f"keys must hold 1..{MAX_KEYS_PER_DECISION} block keys"
     if not 0 <= d.held <= len(d.keys):
@@ -167,6 +256,7 @@ def _problem(d: SharedDecision) -> str | None:
 
 
 Adopt = Callable[[RankId, Sequence[int], int], None]
+AdoptHome = Callable[[Home], None]
 
 
 @dataclass
@@ -174,13 +264,15 @@ class DecisionSharing:
     """Posts this replica's decisions to its siblings and adopts theirs (module docstring).
 
     `peers` names the siblings (the peer registry's current set), `known` tells whether a
-    rank is one this replica routes to, `adopt` is cache_aware's."""
+    rank is one this replica routes to, `adopt` is cache_aware's, `adopt_home` the prefix
+    homes' (None: homes are off here, and siblings' homes are ignored)."""
 
     session: aiohttp.ClientSession
     peers: Callable[[], Sequence[str]]
     token: str
     adopt: Adopt
     known: Callable[[RankId], bool]
+    adopt_home: AdoptHome | None = None
     outbox: Outbox = field(default_factory=Outbox)
     stats: SharingStats = field(default_factory=SharingStats)
     timeout_s: float = POST_TIMEOUT_S
@@ -195,16 +287,22 @@ class DecisionSharing:
         self.stats.dropped = self.outbox.dropped
         self._wake.set()
 
+    def share_home(self, home: Home) -> None:
+        """The prefix homes' `share`: queue a home placed or changed for the next post."""
+        self.outbox.add_home(home)
+        self.stats.dropped = self.outbox.dropped
+        self._wake.set()
+
     def receive(self, body: bytes) -> int:
         """Adopt a sibling's batch; returns how many decisions were adopted. ValueError (and
         nothing adopted) when the batch is malformed."""
         try:
-            decisions = decode_batch(body)
+            batch = decode_batch(body)
         except ValueError:
             self.stats.refused += 1
             raise
         adopted = 0
-        for d in decisions:
+        for d in batch.decisions:
             rank = RankId(d.worker_url, d.dp_rank)
             if not self.known(rank):
                 self.stats.unknown += 1
@@ -212,6 +310,15 @@ class DecisionSharing:
             self.adopt(rank, d.keys, d.held)
             adopted += 1
         self.stats.received += adopted
+        if self.adopt_home is not None and batch.homes:
+            now = self.clock()
+            for h in batch.homes:
+                home = h.home(now)
+                if not self.known(home.rank):
+                    self.stats.unknown += 1
+                    continue
+                self.adopt_home(home)
+                self.stats.homes_received += 1
         return adopted
 
     async def run(self) -> None:

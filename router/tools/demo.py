@@ -238,6 +238,15 @@ def free_ports(count: int) -> int:
     raise DemoError(f"no {count} consecutive free ports on 127.0.0.1")
 
 
+# Rows of the benchmarks that run a policy with a feature on: label -> (policy, extra flags).
+POLICY_VARIANTS: Final = {"cache_aware+homes": ("cache_aware", {"prefix_homes": "true"})}
+
+
+def base_policy(label: str) -> str:
+    """The `--policy` a row label (a policy name or a `POLICY_VARIANTS` label) runs."""
+    return POLICY_VARIANTS.get(label, (label, {}))[0]
+
+
 def _flags(**values: object) -> list[str]:
     """`--flag-name value` pairs, in order."""
     out: list[str] = []
@@ -320,19 +329,22 @@ class Cluster:
     def router(
         self, name: str, policy: str, peers: Sequence[str] = (), port: int | None = None
     ) -> Router:
-        """A router child (not started yet); `port` when its siblings already know it."""
+        """A router child (not started yet); `port` when its siblings already know it.
+        `policy` may name a `POLICY_VARIANTS` row."""
         port = free_ports(1) if port is None else port
         url = f"http://127.0.0.1:{port}"
+        base, extra = POLICY_VARIANTS.get(policy, (policy, {}))
         flags = _flags(
             host="127.0.0.1",
             port=port,
             block_size=BLOCK_SIZE,
-            policy=policy,
+            policy=base,
             expose_route_headers="true",
             health_interval_s=0.5,
             load_interval_ms=250,
             drain_timeout_s=1,
             log_level="info",
+            **extra,
         )
         argv = [sys.executable, "-m", "router.cli", "serve", *flags]
         for w in self.workers:

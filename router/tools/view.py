@@ -11,7 +11,8 @@ The replicas' `canonical_view`s are then compared with the first replica's.
 Output, per replica: readiness, block size, node count, and per rank its cursor and blocks,
 and, from the replica's `/metrics` when its policy is cache_aware, what the rank's engine can
 hold (`capacity`, in blocks), the replica's bookings not yet in the index (`booked`) and its
-recent demand on the rank (`demand`: distinct blocks routed, decayed); then the verdict, and
+recent demand on the rank (`demand`: distinct blocks routed, decayed), and with
+`--prefix-homes` the prefix blocks homed there (`homed`, decayed); then the verdict, and
 where views differ, per rank: blocks only in one of the two, and blocks in both whose parent,
 tiers or engine hash differ.
 
@@ -93,12 +94,14 @@ class RankPressure:
     capacity: int | None = None
     booked: int | None = None
     demand: float | None = None
+    homed: float | None = None  # with --prefix-homes: prefix blocks homed on the rank
 
 
 _PRESSURE_SERIES: Final = {
     "kvrouter_rank_capacity_blocks": "capacity",
     "kvrouter_rank_booked_blocks": "booked",
     "kvrouter_rank_demand_blocks": "demand",
+    "kvrouter_rank_homed_blocks": "homed",
 }
 
 
@@ -113,7 +116,7 @@ def parse_pressure(text: str) -> dict[RankId, RankPressure]:
                 continue
             figures = out.setdefault(RankId(url, int(dp_rank)), RankPressure())
             name = _PRESSURE_SERIES[sample.name]
-            value = sample.value if name == "demand" else round(sample.value)
+            value = sample.value if name in ("demand", "homed") else round(sample.value)
             setattr(figures, name, value)
     return out
 
@@ -410,8 +413,11 @@ def render(views: Sequence[ReplicaView], comparison: Comparison) -> list[str]:
         if ranks:
             width = max(len(str(r)) for r in ranks)
             head = f"  {'rank':<{width}}  {'cursor':>8}  {'blocks':>8}"
+            homes = any(p.homed is not None for p in view.pressure.values())
             if view.pressure:
                 head += f"  {'capacity':>8}  {'booked':>8}  {'demand':>8}"
+            if homes:
+                head += f"  {'homed':>8}"
             lines.append(head)
             for rank in ranks:
                 blocks = view.blocks(rank)
@@ -423,6 +429,8 @@ def render(views: Sequence[ReplicaView], comparison: Comparison) -> list[str]:
                     p = view.pressure.get(rank, RankPressure())
                     demand = "-" if p.demand is None else f"{p.demand:.1f}"
                     line += f"  {_seq(p.capacity):>8}  {_seq(p.booked):>8}  {demand:>8}"
+                    if homes:
+                        line += f"  {'-' if p.homed is None else f'{p.homed:.1f}':>8}"
                 lines.append(line)
         elif view.error is None:
             lines.append("  no ranks")

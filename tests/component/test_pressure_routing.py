@@ -17,6 +17,7 @@ import pytest
 from cachetree.keys import block_keys
 from cachetree.ranks import RankId
 from router import siblings
+from router.homes import CacheAwareHome
 from router.policy import CacheAware
 from router.tokenize import BytesTokenizer
 from router.tools import view
@@ -119,6 +120,7 @@ async def test_view_shows_capacity_booked_blocks_and_demand_per_rank() -> None:
         # rank, cursor, blocks (20 and the gate's probe), capacity, booked, demand
         assert row[2:5] == ["21", str(CACHE_BLOCKS), "0"], out
         assert 18.0 < float(row[5]) <= 20.0, out  # 20 blocks, decaying by the wall clock
+        assert len(row) == 6 and "homed" not in out, out  # no prefix homes here
 
 
 async def test_a_request_that_fails_over_moves_its_booking_to_the_worker_that_served_it() -> None:
@@ -231,3 +233,47 @@ async def test_the_decisions_route_refuses_bad_callers_and_bad_batches_changing_
         alone = await stack.enter_async_context(router_in_process(workers=[w1.url]))
         async with alone.session.post(alone.url + siblings.PATH, data=good, headers=bearer) as r:
             assert r.status == 404
+
+
+async def test_two_replicas_with_prefix_homes_agree_on_a_new_prefixs_home() -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        workers = [
+            await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+            for _ in range(3)
+        ]
+        one, two = await two_sharing_replicas(stack, workers, prefix_homes=True)
+        mine, theirs = one.replica.policy, two.replica.policy
+        assert isinstance(mine, CacheAwareHome) and isinstance(theirs, CacheAwareHome)
+        text = prefix(random.Random(5))
+        home, _ = await complete(one, text)
+        keys = block_keys(TOK.encode(text), 16)
+        placed = mine.table.find(keys)
+        assert placed is not None and placed.rank == RankId(home, 0)
+        # The sibling learns the home over HTTP before it sees any request of the prefix.
+        await eventually(lambda: theirs.table.find(keys) is not None, within_s=10.0)
+        adopted = theirs.table.find(keys)
+        assert adopted is not None and (adopted.rank, adopted.anchor) == (placed.rank, keys[0])
+        scrape = await two.scrape()
+        assert scrape.value("kvrouter_prefix_home_events_total", outcome="adopted") >= 1
+        assert scrape.value("kvrouter_shared_decisions_total", outcome="homes_received") >= 1
+        assert scrape.value("kvrouter_prefix_homes") >= 1
+        # Its next request, through the sibling, goes home and finds the prefix cached; the
+        # sibling placed nothing of its own.
+        await quiesce([one, two], workers)
+        assert await complete(two, text + " again") == (home, PREFIX_CHARS)
+        assert theirs.table.stats.placed == 0
+        assert (await one.scrape()).value(
+            "kvrouter_rank_homed_blocks", worker_url=home, dp_rank="0"
+        ) > 19
+        status, out, err = await run_view(one.url)
+        assert status == 0, out + err
+        (row,) = [line.split() for line in out.splitlines() if f"{home}#dp0" in line]
+        assert "homed" in out and 19.0 < float(row[6]) <= 20.0, out  # its 20 blocks, decaying
+        # A batch whose home is malformed is refused whole: nothing of it adopted.
+        bad = siblings.SharedHome(home, 0, 1, 0, 2, [1, 2], 2, 0, float("inf"), 0, None)
+        body = msgspec.msgpack.encode(siblings.DecisionBatch([], [bad]))
+        bearer = {"Authorization": f"Bearer {TEST_TOKEN}"}
+        before = len(theirs.table)
+        async with two.session.post(two.url + siblings.PATH, data=body, headers=bearer) as r:
+            assert r.status == 400 and "stamp" in await r.text()
+        assert len(theirs.table) == before

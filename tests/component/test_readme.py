@@ -138,8 +138,8 @@ def test_every_flag_in_the_readme_table_is_a_serve_flag() -> None:
 
 
 async def test_every_metric_the_readme_names_is_exported(tmp_path: Path) -> None:
-    # Bootstrap, discovery, ingest processes and a model tokenizer (its segment cache) on, so
-    # that their series are exported too.
+    # Bootstrap, discovery, ingest processes, prefix homes and a model tokenizer (its segment
+    # cache) on, so that their series are exported too.
     async with (
         FakeApiServer() as api,
         router_in_process(
@@ -149,6 +149,7 @@ async def test_every_metric_the_readme_names_is_exported(tmp_path: Path) -> None
             kube_api_server=api.url,
             namespace="default",
             kv_ingest_processes=1,
+            prefix_homes=True,
         ) as rt,
     ):
         status, exposition = await rt.text("/metrics")

@@ -12,7 +12,8 @@ import pytest
 
 from cachetree.ranks import RankId
 from router import siblings
-from router.siblings import DecisionBatch, Outbox, SharedDecision, decode_batch
+from router.homes import MAX_CHAIN_BLOCKS, Home
+from router.siblings import DecisionBatch, Outbox, SharedDecision, SharedHome, decode_batch
 from tests.support.clock import ManualClock
 from tests.support.ports import free_tcp_port
 from tests.support.waiting import eventually
@@ -34,7 +35,7 @@ def test_the_outbox_hands_out_every_pending_decision_once_as_one_batch() -> None
     assert batch is not None
     body, count = batch
     assert count == 2 and box.take() is None and box.pending_keys == 0
-    assert decode_batch(body) == [
+    assert decode_batch(body).decisions == [
         SharedDecision(A.worker_url, 0, 1, [1, 2, 3]),
         SharedDecision(B.worker_url, 1, 0, [4]),
     ]
@@ -49,7 +50,7 @@ def test_the_outbox_keeps_a_long_prompts_head_and_drops_the_oldest_past_its_boun
     assert (len(box), box.pending_keys, box.dropped) == (1, 4000, 1)
     batch = box.take()
     assert batch is not None
-    assert [d.worker_url for d in decode_batch(batch[0])] == [B.worker_url]
+    assert [d.worker_url for d in decode_batch(batch[0]).decisions] == [B.worker_url]
 
 
 def test_the_outbox_never_holds_more_decisions_than_a_batch_may_carry() -> None:
@@ -59,7 +60,7 @@ def test_the_outbox_never_holds_more_decisions_than_a_batch_may_carry() -> None:
     assert (len(box), box.dropped) == (siblings.MAX_DECISIONS_PER_BATCH, 3)
     batch = box.take()
     assert batch is not None
-    assert len(decode_batch(batch[0])) == siblings.MAX_DECISIONS_PER_BATCH
+    assert len(decode_batch(batch[0]).decisions) == siblings.MAX_DECISIONS_PER_BATCH
 
 
 GOOD = SharedDecision("http://a:8000", 0, 1, [5, 6])
@@ -85,7 +86,10 @@ GOOD = SharedDecision("http://a:8000", 0, 1, [5, 6])
             encoded(SharedDecision("http://a", 0, 0, [0] * (siblings.MAX_KEYS_PER_DECISION + 1))),
             "keys must hold",
         ),
-        (encoded(*[GOOD] * (siblings.MAX_DECISIONS_PER_BATCH + 1)), "decisions; at most"),
+        (
+            encoded(*[GOOD] * (siblings.MAX_DECISIONS_PER_BATCH + 1)),
+            "decisions and 0 homes; at most",
+        ),
         (b"\x00" * (siblings.MAX_BODY_BYTES + 1), "bytes; at most"),
     ],
 )
@@ -101,6 +105,106 @@ def test_a_malformed_batch_is_refused_whole_with_its_reason(body: bytes, reason:
     with pytest.raises(ValueError, match=reason):
         sharing.receive(body)
     assert adopted == [] and sharing.stats.refused == 1 and sharing.stats.received == 0
+
+
+def home(rank: RankId = A, **changes: object) -> SharedHome:
+    """A well-formed shared home (anchored at 5, 3 blocks deep), with `changes` applied."""
+    shared = SharedHome(rank.worker_url, rank.dp_rank, 5, 3, 7, [5, 6, 7], 5, 1, 1700000000.5,
+                        4, None)  # fmt: skip
+    return msgspec.structs.replace(shared, **changes)
+
+
+def with_homes(*homes: SharedHome) -> bytes:
+    return msgspec.msgpack.encode(DecisionBatch([GOOD], list(homes)))
+
+
+def test_a_batch_without_homes_encodes_as_before_homes_existed() -> None:
+    # a sibling that predates homes (forbid_unknown_fields) still reads this replica's
+    # batches while homes are off
+    assert encoded(GOOD) == msgspec.msgpack.encode({"decisions": [["http://a:8000", 0, 1, [5, 6]]]})
+
+
+def test_the_outbox_carries_homes_beside_decisions_and_bounds_them_together() -> None:
+    box = Outbox(max_pending_keys=10)
+    box.add(A, [1, 2, 3], 0)
+    placed = Home(B, 40, 2, 42, [40, 41, 42, 43], 0, 0.0, 123.0, 9)
+    box.add_home(placed)
+    batch = box.take()
+    assert batch is not None and batch[1] == 1  # one decision (homes are not counted sent)
+    got = decode_batch(batch[0])
+    assert [h.home(5.0) for h in got.homes] == [
+        Home(B, 40, 2, 42, [40, 41, 42, 43], 0, 5.0, 123.0, 9)  # set on the receiver's clock
+    ]
+    box.add_home(placed)
+    box.add_home(placed)
+    box.add_home(placed)  # 12 keys pending: the oldest home goes
+    assert (len(box), box.pending_keys, box.dropped) == (2, 8, 1)
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        (home(worker_url=""), r"homes\[1\]: worker_url"),
+        (home(dp_rank=-1), "dp_rank"),
+        (home(chain=[]), "chain must hold"),
+        (home(chain=[0] * (MAX_CHAIN_BLOCKS + 1)), "chain must hold"),
+        (home(chain=[5, -6, 7]), "unsigned 64-bit"),
+        (home(length=MAX_CHAIN_BLOCKS + 1, join=5, chain=[5] * MAX_CHAIN_BLOCKS), None),
+        (home(tail_of=-1), "unsigned 64-bit"),
+        (home(anchor=6), "anchor must be the chain's first key"),
+        (home(join=8), "join one of its keys"),
+        (home(depth=-1), "depth <= confirmed"),
+        (home(confirmed=2), "depth <= confirmed"),
+        (home(confirmed=1 << 21), "depth <= confirmed"),
+        (home(length=2), "length must be"),
+        (home(generation=-1), "generation"),
+        (home(stamp=float("nan")), "stamp must be a finite number"),
+    ],
+)
+def test_a_batch_with_a_malformed_home_is_refused_whole(
+    bad: SharedHome, reason: str | None
+) -> None:
+    adopted: list[object] = []
+    sharing = siblings.DecisionSharing(
+        session=None,  # type: ignore[arg-type]  # receiving posts nothing
+        peers=list,
+        token="t",
+        adopt=lambda rank, keys, held: adopted.append(keys),
+        known=lambda rank: True,
+        adopt_home=adopted.append,
+    )
+    assert sharing.receive(with_homes(home())) == 1 and len(adopted) == 2  # the good one
+    if reason is None:  # the bound itself is well-formed
+        assert sharing.receive(with_homes(bad)) == 1 and len(adopted) == 4
+        return
+    with pytest.raises(ValueError, match=reason):
+        sharing.receive(with_homes(home(), bad))  # the decision and the good home: not applied
+    assert len(adopted) == 2 and sharing.stats.refused == 1
+    assert (sharing.stats.received, sharing.stats.homes_received) == (1, 1)
+
+
+def test_siblings_homes_are_adopted_for_known_ranks_and_only_with_homes_on() -> None:
+    homes: list[Home] = []
+    clock = ManualClock(7.0)
+    sharing = siblings.DecisionSharing(
+        session=None,  # type: ignore[arg-type]
+        peers=list,
+        token="t",
+        adopt=lambda rank, keys, held: None,
+        known=lambda rank: rank == A,
+        clock=clock,
+        adopt_home=homes.append,
+    )
+    sharing.receive(
+        with_homes(home(A), home(B), home(A, anchor=9, join=10, chain=[9, 10], confirmed=5))
+    )
+    assert [(h.rank, h.anchor, h.set_at, h.stamp, h.confirmed) for h in homes] == [
+        (A, 5, 7.0, 1700000000.5, 4),
+        (A, 9, 7.0, 1700000000.5, 5),
+    ]
+    assert (sharing.stats.homes_received, sharing.stats.unknown) == (2, 1)
+    sharing.adopt_home = None  # homes off here: a sibling's are ignored, its decisions taken
+    assert sharing.receive(with_homes(home(A))) == 1 and len(homes) == 2
 
 
 def test_a_batch_is_adopted_for_known_ranks_and_the_rest_counted_unknown() -> None:
