@@ -1162,23 +1162,20 @@ map_setdefault(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
     return Py_NewRef(args[1]);
 }
 
-/* setdefault_run(keys, default) -> list: [setdefault(k, default) for k in keys], the run's
- * lookups overlapped (see PREFETCH_AHEAD). A key that is no u64 int raises TypeError, as
- * setdefault does, with the keys before it set. */
+/* The loop of setdefault_run and put_run over `keys`, the run's lookups overlapped (see
+ * PREFETCH_AHEAD): a key absent is set to `value`; a key present keeps its value and goes in
+ * the list returned (`setdefault`), or is set to `value` and None is returned (`put`). A key
+ * that is no u64 int raises TypeError, with the keys before it set. */
 static PyObject *
-map_setdefault_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
+map_set_run(MapObject *m, PyObject *keys, PyObject *value_obj, int setdefault)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "setdefault_run(keys, default)");
-        return NULL;
-    }
-    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
     if (seq == NULL) {
         return NULL;
     }
     PyObject **items = PySequence_Fast_ITEMS(seq);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject *out = PyList_New(n), *result = NULL;
+    PyObject *out = setdefault ? PyList_New(n) : Py_NewRef(Py_None), *result = NULL;
     U64Run run;
     run.v = run.local;
     if (out == NULL || ensure_table(m) < 0) {
@@ -1198,7 +1195,7 @@ map_setdefault_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
         map_prefetch_run(m, run.v, i, ok);
         uint64_t value;
         Py_ssize_t slot, ix = map_find(m, run.v[i], &slot);
-        if (ix >= 0) {
+        if (ix >= 0 && setdefault) {
             PyObject *held = box(m, m->entries[ix].value);
             if (held == NULL) {
                 goto done;
@@ -1206,14 +1203,22 @@ map_setdefault_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
             PyList_SET_ITEM(out, i, held);
             continue;
         }
-        if (unbox(m, args[1], &value) < 0) {
+        if (unbox(m, value_obj, &value) < 0) {
             goto done;
+        }
+        if (ix >= 0) {
+            uint64_t old = m->entries[ix].value;
+            m->entries[ix].value = value;
+            drop_value(m, old);
+            continue;
         }
         if (map_insert_new(m, run.v[i], value, slot) < 0) {
             drop_value(m, value);
             goto done;
         }
-        PyList_SET_ITEM(out, i, Py_NewRef(args[1]));
+        if (setdefault) {
+            PyList_SET_ITEM(out, i, Py_NewRef(value_obj));
+        }
     }
     result = Py_NewRef(out);
 done:
@@ -1221,6 +1226,29 @@ done:
     Py_XDECREF(out);
     Py_DECREF(seq);
     return result;
+}
+
+/* setdefault_run(keys, default) -> list: [setdefault(k, default) for k in keys]. */
+static PyObject *
+map_setdefault_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "setdefault_run(keys, default)");
+        return NULL;
+    }
+    return map_set_run(m, args[0], args[1], 1);
+}
+
+/* put_run(keys, value): map[k] = value for each of keys. (The pressure ledger's bookings: a
+ * prompt's booked blocks map to the booking.) */
+static PyObject *
+map_put_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "put_run(keys, value)");
+        return NULL;
+    }
+    return map_set_run(m, args[0], args[1], 0);
 }
 
 /* The u64 keys of `obj` when it is a buffer of them (an array('Q'), a replica's ledger keeps
@@ -1320,63 +1348,6 @@ map_drop_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
     u64_run_free(&run);
     Py_XDECREF(seq);
     return Py_BuildValue("(nn)", i, dropped);
-}
-
-/* put_run(keys, value): map[k] = value for each of keys, the run's lookups overlapped. A key
- * that is no u64 int raises TypeError, as map[k] = value does, with the keys before it set.
- * (The pressure ledger's bookings: a prompt's booked blocks map to the booking.) */
-static PyObject *
-map_put_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "put_run(keys, value)");
-        return NULL;
-    }
-    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
-    if (seq == NULL) {
-        return NULL;
-    }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject *result = NULL;
-    U64Run run;
-    run.v = run.local;
-    if (ensure_table(m) < 0) {
-        goto done;
-    }
-    Py_ssize_t ok = u64_run(&run, items, n);
-    if (ok < 0) {
-        goto done;
-    }
-    map_prefetch_start(m, run.v, ok);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (i == ok) {
-            uint64_t k;
-            key_for_insert(m, items[i], &k); /* raises: no u64 */
-            goto done;
-        }
-        map_prefetch_run(m, run.v, i, ok);
-        uint64_t value;
-        if (unbox(m, args[1], &value) < 0) {
-            goto done;
-        }
-        Py_ssize_t slot, ix = map_find(m, run.v[i], &slot);
-        if (ix >= 0) {
-            uint64_t old = m->entries[ix].value;
-            m->entries[ix].value = value;
-            drop_value(m, old);
-            continue;
-        }
-        if (map_insert_new(m, run.v[i], value, slot) < 0) {
-            drop_value(m, value);
-            goto done;
-        }
-    }
-    result = Py_NewRef(Py_None);
-done:
-    u64_run_free(&run);
-    Py_DECREF(seq);
-    return result;
 }
 
 /* move_run(keys, start, stop, old, new) -> moved, a NodeMap's: each of keys[start:stop]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import sys
 from array import array
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -265,26 +266,36 @@ def test_the_walk_refuses_nodes_and_keys_that_disagree() -> None:
         tables.walk_chunk((node,), array("q", [1]), [0], 0, None)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_drop_run_drops_what_the_pure_twin_drops_and_stops_where_it_stops(seed: int) -> None:
-    from router.pressure import _drop_run_py
-
-    rng = random.Random(seed)
-    batches = [object() for _ in range(3)]  # the ledger's batches: values compared by identity
-    native, ref = tables.NodeMap(), {}
+def _runs_over_random_pairs(
+    rng: random.Random, batches: list[object], native: Any, ref: dict[int, object]
+) -> Iterator[list[int]]:
+    """300 random sets of both maps (a key to one of `batches`, the ledger's batches: values
+    compared by identity), and now and then a run of keys to play on both: repeats,
+    absentees, and sometimes -1, a key no map can hold (passed over)."""
     space = [rng.randrange(U64) for _ in range(200)]
     for _ in range(300):
         k, v = rng.choice(space), rng.choice(batches)
         native[k] = ref[k] = v
         if rng.random() < 0.3:
-            keys = [rng.choice(space) for _ in range(rng.randrange(60))]  # repeats, absentees
+            keys = [rng.choice(space) for _ in range(rng.randrange(60))]
             if keys and rng.random() < 0.3:
-                keys.insert(rng.randrange(len(keys)), -1)  # held by no map: passed over
-            start, goal, batch = rng.randrange(70), rng.randrange(40), rng.choice(batches)
-            as_array = -1 not in keys and rng.random() < 0.5  # how the ledger keeps them
-            got = native.drop_run(array("Q", keys) if as_array else keys, start, goal, batch)
-            assert got == _drop_run_py(ref, keys, start, goal, batch)
-            assert list(native.items()) == list(ref.items())
+                keys.insert(rng.randrange(len(keys)), -1)
+            yield keys
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_drop_run_drops_what_the_pure_twin_drops_and_stops_where_it_stops(seed: int) -> None:
+    from router.pressure import _drop_run_py
+
+    rng = random.Random(seed)
+    batches = [object() for _ in range(3)]
+    native, ref = tables.NodeMap(), {}
+    for keys in _runs_over_random_pairs(rng, batches, native, ref):
+        start, goal, batch = rng.randrange(70), rng.randrange(40), rng.choice(batches)
+        as_array = -1 not in keys and rng.random() < 0.5  # how the ledger keeps them
+        got = native.drop_run(array("Q", keys) if as_array else keys, start, goal, batch)
+        assert got == _drop_run_py(ref, keys, start, goal, batch)
+        assert list(native.items()) == list(ref.items())
     with pytest.raises(TypeError, match="NodeMap"):
         tables.HashMap().drop_run([1], 0, 1, 1)
     for wrong in (array("i", [1]), b"\x01" * 8):  # a buffer, but not of u64
@@ -323,22 +334,15 @@ def test_move_run_moves_what_the_pure_twin_moves(seed: int) -> None:
     batches = [object() for _ in range(3)]
     alone = [sys.getrefcount(b) for b in batches]
     native, ref = tables.NodeMap(), {}
-    space = [rng.randrange(U64) for _ in range(200)]
-    for _ in range(300):
-        k, v = rng.choice(space), rng.choice(batches)
-        native[k] = ref[k] = v
-        if rng.random() < 0.3:
-            keys = [rng.choice(space) for _ in range(rng.randrange(60))]  # repeats, absentees
-            if keys and rng.random() < 0.3:
-                keys.insert(rng.randrange(len(keys)), -1)  # held by no map: passed over
-            start, stop = rng.randrange(-2, 70), rng.randrange(-2, 70)
-            old, new = rng.sample(batches, 2)
-            got = native.move_run(keys, start, stop, old, new)
-            assert got == _move_run_py(ref, keys, max(start, 0), max(stop, 0), old, new)
-            assert list(native.items()) == list(ref.items())
+    for keys in _runs_over_random_pairs(rng, batches, native, ref):
+        start, stop = rng.randrange(-2, 70), rng.randrange(-2, 70)
+        old, new = rng.sample(batches, 2)
+        got = native.move_run(keys, start, stop, old, new)
+        assert got == _move_run_py(ref, keys, max(start, 0), max(stop, 0), old, new)
+        assert list(native.items()) == list(ref.items())
     native.clear()
     ref.clear()
-    del old, new, v
+    del old, new
     assert [sys.getrefcount(b) for b in batches] == alone  # one reference per entry, no more
     with pytest.raises(TypeError, match="NodeMap"):
         tables.HashMap().move_run([1], 0, 1, 1, 2)
