@@ -800,20 +800,23 @@ u64_run_free(U64Run *run)
     }
 }
 
-#define REBUILD_AHEAD 16
-
-/* Slot `ix + 1` for entries[ix] in a table being rebuilt (no dummies, no duplicates). */
-static inline void
-map_place_entry(MapObject *m, Py_ssize_t ix)
+/* Slots and tags made again for entries[0:n], live and distinct, in an empty slot table. */
+static void
+map_place_entries(MapObject *m, Py_ssize_t n)
 {
     const size_t mask = (size_t)m->size - 1;
-    const uint64_t h = mix(m->entries[ix].key);
-    size_t i = (size_t)h & mask;
-    while (m->tags[i] != TAG_EMPTY) {
-        i = (i + 1) & mask;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        const uint64_t h = mix(m->entries[j].key);
+        size_t i = (size_t)h & mask;
+        while (m->tags[i] != TAG_EMPTY) {
+            i = (i + 1) & mask;
+        }
+        m->slots[i] = (int32_t)(j + 1);
+        m->tags[i] = tag_of(h);
     }
-    m->slots[i] = (int32_t)(ix + 1);
-    m->tags[i] = tag_of(h);
+    m->n_entries = n;
+    m->filled = n;
+    m->version++;
 }
 
 /* The live entries slid to the front, in order, and the slots made again from them. */
@@ -830,18 +833,7 @@ map_rebuild_in_place(MapObject *m)
     memset(m->live + n, 0, (size_t)(m->n_entries - n));
     memset(m->slots, 0, (size_t)m->size * sizeof(int32_t));
     memset(m->tags, TAG_EMPTY, (size_t)m->size);
-    const size_t mask = (size_t)m->size - 1;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        if (j + REBUILD_AHEAD < n) {
-            const size_t at = (size_t)mix(m->entries[j + REBUILD_AHEAD].key) & mask;
-            PREFETCH(&m->tags[at]);
-            PREFETCH(&m->slots[at]);
-        }
-        map_place_entry(m, j);
-    }
-    m->n_entries = n;
-    m->filled = n;
-    m->version++;
+    map_place_entries(m, n);
 }
 
 /* Rebuild with room for `room` entries: dead entries and dummies go, the table grows or
@@ -868,36 +860,15 @@ map_rebuild_for(MapObject *m, Py_ssize_t room)
     if (map_alloc(m, size) < 0) {
         return -1;
     }
-    size_t mask = (size_t)size - 1;
     Py_ssize_t n = 0;
     for (Py_ssize_t j = 0; j < old.n_entries; j++) {
-        /* The new table's slots are written in random order: their misses overlap when the
-         * entries a few ahead are prefetched (the rebuild of a table of millions of entries
-         * is one long call on the event loop). */
-        const Py_ssize_t ahead = j + REBUILD_AHEAD;
-        if (ahead < old.n_entries) {
-            const size_t at = (size_t)mix(old.entries[ahead].key) & mask;
-            PREFETCH(&m->tags[at]);
-            PREFETCH(&m->slots[at]);
+        if (old.live[j]) {
+            m->entries[n] = old.entries[j];
+            m->live[n] = 1;
+            n++;
         }
-        if (!old.live[j]) {
-            continue;
-        }
-        m->entries[n] = old.entries[j];
-        m->live[n] = 1;
-        const uint64_t h = mix(old.entries[j].key);
-        size_t i = (size_t)h & mask;
-        const uint8_t tag = tag_of(h);
-        while (m->tags[i] != TAG_EMPTY) {
-            i = (i + 1) & mask;
-        }
-        m->slots[i] = (int32_t)(n + 1);
-        m->tags[i] = tag;
-        n++;
     }
-    m->n_entries = n;
-    m->filled = n;
-    m->version++;
+    map_place_entries(m, n);
     table_free(old.block, table_bytes(old.size, old.usable));
     return 0;
 }
