@@ -112,11 +112,14 @@ def measure(blocks: int, seed: int, cold: bool = False) -> dict[str, Any]:
 
     fresh = [new_chain(ranks[i % 2]) for i in range(3 * calls)]
     old = rng.sample(chains[1:], 3 * calls)
-    prompts = [system[2][:62] + [rng.getrandbits(64) for _ in range(63)] for _ in range(calls)]
+
+    def system_prompts(count: int) -> list[list[int]]:
+        """Prompts of the cached system prompt's 62 blocks and 63 new ones."""
+        return [system[2][:62] + [rng.getrandbits(64) for _ in range(63)] for _ in range(count)]
+
+    prompts = system_prompts(calls)
     ledger.record(system[0], system[2][:62], 62)
-    fresh_prompts = [
-        system[2][:62] + [rng.getrandbits(64) for _ in range(63)] for _ in range(3 * calls)
-    ]
+    fresh_prompts = system_prompts(3 * calls)
 
     def confirmed(rank: RankId, key: int) -> bool:
         return True
@@ -134,9 +137,7 @@ def measure(blocks: int, seed: int, cold: bool = False) -> dict[str, Any]:
         ledger.settle(confirmed)
         ledger.record(system[0], fresh_prompts.pop(), 62)
 
-    turn_prompts = [
-        system[2][:62] + [rng.getrandbits(64) for _ in range(63)] for _ in range(3 * calls)
-    ]
+    turn_prompts = system_prompts(3 * calls)
 
     def record_in_turn(i: int) -> None:
         now[0] += 0.001
