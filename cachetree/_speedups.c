@@ -618,6 +618,7 @@ fail:
 /* ---- decoded events -> normalized events (twin of router/events.py _normalize_events_py) - */
 
 static PyObject *str_block_hashes, *str_medium, *str_group_idx, *str_locality, *str_normalize;
+static PyObject *str_tier, *str_engine_hashes;
 
 /* ignored[reason] += 1, for an event the decoder validated and drops (EventBatch.ignored). */
 static int
@@ -991,10 +992,12 @@ read_hash(Reader *r, Py_ssize_t max_bytes, uint64_t *out)
 /* An event map that is the one-block removal an evicting engine sends:
  * {"type": "BlockRemoved", "block_hashes": [u64], "medium": str|nil, "group_idx": 0|nil,
  *  "locality": nil} with no other key and no key twice, its medium among `removal_tiers`.
- * Returns the BlockRemoved (new reference), or NULL with no error when the event is any other
- * (the reader is then left anywhere: the caller rewinds). */
-static PyObject *
-quick_removal_map(Reader *r, PyObject *removal_tiers, PyObject *block_removed)
+ * Returns 1 with its hash, its medium (the key of `removal_tiers`) and its tier (borrowed),
+ * or 0 when the event is any other (the reader is then left anywhere: the caller rewinds).
+ * Sets no error. */
+static int
+parse_removal_map(Reader *r, PyObject *removal_tiers, uint64_t *hash_out, PyObject **medium_out,
+                  PyObject **tier_out)
 {
     Py_ssize_t keys = read_container_len(r, 1);
     int seen_type = 0, seen_hashes = 0, seen_medium = 0, seen_group = 0, seen_locality = 0;
@@ -1002,32 +1005,32 @@ quick_removal_map(Reader *r, PyObject *removal_tiers, PyObject *block_removed)
     const uint8_t *medium = NULL;
     size_t medium_len = 0;
     if (keys < 2) {
-        return NULL;
+        return 0;
     }
     for (Py_ssize_t k = 0; k < keys; k++) {
         const uint8_t *key, *value;
         size_t key_len, value_len;
         if (!read_str(r, &key, &key_len)) {
-            return NULL;
+            return 0;
         }
         if (str_is(key, key_len, "type") && !seen_type++) {
             if (!read_str(r, &value, &value_len) || !str_is(value, value_len, "BlockRemoved")) {
-                return NULL;
+                return 0;
             }
         }
         else if (str_is(key, key_len, "block_hashes") && !seen_hashes++) {
             if (read_container_len(r, 0) != 1 || !read_u64(r, &hash)) {
-                return NULL;
+                return 0;
             }
         }
         else if (str_is(key, key_len, "medium") && !seen_medium++) {
             if (!read_nil(r)) {
                 if (!read_str(r, &medium, &medium_len)) {
-                    return NULL;
+                    return 0;
                 }
                 for (size_t i = 0; i < medium_len; i++) {
                     if (medium[i] >= 0x80) {
-                        return NULL; /* the Python decoders check the UTF-8 */
+                        return 0; /* the Python decoders check the UTF-8 */
                     }
                 }
             }
@@ -1035,23 +1038,36 @@ quick_removal_map(Reader *r, PyObject *removal_tiers, PyObject *block_removed)
         else if (str_is(key, key_len, "group_idx") && !seen_group++) {
             uint64_t group;
             if (!read_nil(r) && !(read_u64(r, &group) && group == 0)) {
-                return NULL;
+                return 0;
             }
         }
         else if (str_is(key, key_len, "locality") && !seen_locality++) {
             if (!read_nil(r)) {
-                return NULL;
+                return 0;
             }
         }
         else {
-            return NULL; /* another key, or one twice */
+            return 0; /* another key, or one twice */
         }
     }
     if (!seen_type || !seen_hashes) {
-        return NULL;
+        return 0;
     }
+    if (!known_medium(removal_tiers, medium, medium_len, medium_out, tier_out)) {
+        return 0;
+    }
+    *hash_out = hash;
+    return 1;
+}
+
+/* parse_removal_map's event as a BlockRemoved (new reference), or NULL with no error when the
+ * event is any other. */
+static PyObject *
+quick_removal_map(Reader *r, PyObject *removal_tiers, PyObject *block_removed)
+{
+    uint64_t hash;
     PyObject *medium_obj, *tier;
-    if (!known_medium(removal_tiers, medium, medium_len, &medium_obj, &tier)) {
+    if (!parse_removal_map(r, removal_tiers, &hash, &medium_obj, &tier)) {
         return NULL;
     }
     Py_INCREF(medium_obj);
@@ -1244,22 +1260,109 @@ done:
     return result;
 }
 
-/* decode_map_batch(payload, spec, decode_event) -> EventBatch, or None when the batch is not
- *   `[ts, [map event, ...], dp_rank?]` as engines send it (the caller then runs the Python
+/* The run of one-block removals being folded when decode_map_batch is given RemovedRun (twin:
+ * router/events.py fold_removal_runs): its hash list, medium and tier, borrowed from the
+ * RemovedRun already in the output list; `hashes` is NULL while no run is open. */
+typedef struct {
+    PyObject *run_type; /* RemovedRun, or NULL: no folding */
+    PyObject *hashes, *medium, *tier;
+} Fold;
+
+static int
+same_value(PyObject *a, PyObject *b)
+{
+    return a == b ? 1 : PyObject_RichCompareBool(a, b, Py_EQ);
+}
+
+/* One one-block removal (`hash_obj` borrowed) onto the open run when it has the same medium
+ * and tier, else into a new RemovedRun appended to `out`. 0, or -1 with an error set. */
+static int
+fold_removal(Fold *f, PyObject *out, PyObject *hash_obj, PyObject *medium, PyObject *tier)
+{
+    if (f->hashes != NULL) {
+        int same = same_value(f->medium, medium);
+        if (same > 0) {
+            same = same_value(f->tier, tier);
+        }
+        if (same < 0) {
+            return -1;
+        }
+        if (same) {
+            return PyList_Append(f->hashes, hash_obj);
+        }
+    }
+    PyObject *hashes = PyList_New(1);
+    if (hashes == NULL) {
+        return -1;
+    }
+    Py_INCREF(hash_obj);
+    PyList_SET_ITEM(hashes, 0, hash_obj);
+    PyObject *fields[3] = {hashes, tier, medium};
+    PyObject *run = PyObject_Vectorcall(f->run_type, fields, 3, NULL);
+    Py_DECREF(hashes);
+    if (run == NULL) {
+        return -1;
+    }
+    int status = PyList_Append(out, run);
+    Py_DECREF(run);
+    if (status < 0) {
+        return -1;
+    }
+    f->hashes = hashes; /* the run in `out` holds these three */
+    f->medium = medium;
+    f->tier = tier;
+    return 0;
+}
+
+/* A decoded event folded when it is a one-block BlockRemoved: 1 folded, 0 not (the open run
+ * ends: the event goes to the output as it is), -1 on an error. */
+static int
+fold_event(Fold *f, PyObject *out, PyObject *event, PyObject *block_removed)
+{
+    if ((PyObject *)Py_TYPE(event) != block_removed) {
+        f->hashes = NULL;
+        return 0;
+    }
+    PyObject *hashes = PyObject_GetAttr(event, str_engine_hashes);
+    if (hashes == NULL) {
+        return -1;
+    }
+    if (!PyList_CheckExact(hashes) || PyList_GET_SIZE(hashes) != 1) {
+        Py_DECREF(hashes);
+        f->hashes = NULL;
+        return 0;
+    }
+    int status = -1;
+    PyObject *medium = PyObject_GetAttr(event, str_medium);
+    PyObject *tier = medium == NULL ? NULL : PyObject_GetAttr(event, str_tier);
+    if (tier != NULL) {
+        status = fold_removal(f, out, PyList_GET_ITEM(hashes, 0), medium, tier) < 0 ? -1 : 1;
+    }
+    Py_XDECREF(tier);
+    Py_XDECREF(medium);
+    Py_DECREF(hashes);
+    return status;
+}
+
+/* decode_map_batch(payload, spec, decode_event, run_type=None) -> EventBatch, or None when the
+ *   batch is not `[ts, [map event, ...], dp_rank?]` as engines send it (the caller then runs the Python
  *   decoders, which decide everything). `spec` is (removal_tiers, stored_tiers, BlockRemoved,
  *   BlockStored, TokenIds, EventBatch, max_hashes, max_tokens, max_hash_bytes).
  * One-block removals and the usual BlockStored are built here; every other event's bytes go
  * to `decode_event`, which returns its normalized event or the reason it is ignored, or
- * raises. */
+ * raises. With `run_type` (RemovedRun; None or absent: not), runs of one-block removals of
+ * one medium come as one RemovedRun each (`Fold`), with no event built per block. */
 static PyObject *
 py_decode_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     MapSpec spec;
-    if (nargs != 3 || !PyTuple_CheckExact(args[1]) || PyTuple_GET_SIZE(args[1]) != 9
+    if ((nargs != 3 && nargs != 4) || !PyTuple_CheckExact(args[1])
+        || PyTuple_GET_SIZE(args[1]) != 9
         || !PyDict_CheckExact(PyTuple_GET_ITEM(args[1], 0))
         || !PyDict_CheckExact(PyTuple_GET_ITEM(args[1], 1))) {
         PyErr_SetString(PyExc_TypeError, "decode_map_batch(payload, spec: tuple of 9, "
-                                         "decode_event); see router/events.py _MAP_BATCH_SPEC");
+                                         "decode_event, run_type=None); see router/events.py "
+                                         "_MAP_BATCH_SPEC");
         return NULL;
     }
     PyObject *const *items = &PyTuple_GET_ITEM(args[1], 0);
@@ -1270,6 +1373,7 @@ py_decode_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *decode_event = args[2];
+    Fold fold = {nargs == 4 && args[3] != Py_None ? args[3] : NULL, NULL, NULL, NULL};
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
         return NULL;
@@ -1318,7 +1422,23 @@ py_decode_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (!need(&r, 1) || !((*r.p & 0xF0) == 0x80 || *r.p == 0xDE || *r.p == 0xDF)) {
             goto bail; /* positional events, or not an event */
         }
-        PyObject *event = quick_removal_map(&r, spec.removal_tiers, spec.block_removed);
+        PyObject *event = NULL;
+        if (fold.run_type != NULL) {
+            uint64_t hash;
+            PyObject *medium, *tier;
+            if (parse_removal_map(&r, spec.removal_tiers, &hash, &medium, &tier)) {
+                PyObject *hash_obj = PyLong_FromUnsignedLongLong(hash);
+                int status = hash_obj == NULL ? -1 : fold_removal(&fold, out, hash_obj, medium, tier);
+                Py_XDECREF(hash_obj);
+                if (status < 0) {
+                    goto error;
+                }
+                continue;
+            }
+        }
+        else {
+            event = quick_removal_map(&r, spec.removal_tiers, spec.block_removed);
+        }
         if (event == NULL && !PyErr_Occurred()) {
             r.p = start;
             event = quick_stored_map(&r, &spec);
@@ -1344,6 +1464,16 @@ py_decode_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 int status = count_reason(ignored, event);
                 Py_DECREF(event);
                 if (status < 0) {
+                    goto error;
+                }
+                continue;
+            }
+        }
+        if (fold.run_type != NULL) {
+            int folded = fold_event(&fold, out, event, spec.block_removed);
+            if (folded != 0) {
+                Py_DECREF(event);
+                if (folded < 0) {
                     goto error;
                 }
                 continue;
@@ -1399,7 +1529,6 @@ error:
 
 /* ---- runs of removals (twin: router/index.py _removal_run_py) --------------------------- */
 
-static PyObject *str_tier, *str_engine_hashes;
 
 /* removal_run(events, start, BlockRemoved) -> (end, hashes) */
 static PyObject *
@@ -1492,8 +1621,9 @@ static PyMethodDef methods[] = {
      "normalize_events(events, removed_types, BlockRemoved, removal_tiers) -> (out, ignored): "
      "router.events._normalize_events_py in C."},
     {"decode_map_batch", (PyCFunction)(void (*)(void))py_decode_map_batch, METH_FASTCALL,
-     "decode_map_batch(payload, spec, decode_event) -> EventBatch | None: a batch of map "
-     "events, one-block removals and the usual BlockStored built in C."},
+     "decode_map_batch(payload, spec, decode_event, run_type=None) -> EventBatch | None: a "
+     "batch of map events, one-block removals (folded into run_type runs when given) and the "
+     "usual BlockStored built in C."},
     {"removal_run", (PyCFunction)(void (*)(void))py_removal_run, METH_FASTCALL,
      "removal_run(events, start, BlockRemoved) -> (end, hashes): "
      "router.index._removal_run_py in C."},

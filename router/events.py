@@ -198,7 +198,18 @@ class AllBlocksCleared(Struct, gc=False):
     pass
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+class RemovedRun(Struct, gc=False):
+    """Consecutive one-block `BlockRemoved` events of one medium, folded into one
+    (`decode_batch(..., fold_removals=True)`): an engine evicting under pressure sends one
+    event per block, dozens a batch, and the index removes them as one run anyway. Each of
+    `engine_hashes` was one event."""
+
+    engine_hashes: list[int]
+    tier: int | None
+    medium: str | None
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | RemovedRun
 
 
 class EventBatch(Struct, gc=False):
@@ -219,20 +230,45 @@ def namespace_of(lora_name: str | None, cache_salt: str | None) -> str | None:
     return f"{lora_name or ''}\x00{cache_salt}"
 
 
-def decode_batch(payload: bytes) -> EventBatch:
+def decode_batch(payload: bytes, *, fold_removals: bool = False) -> EventBatch:
     """Decode one engine payload; raise `EventDecodeError` (only) if any part of it is bad.
 
-    `payload` is the third ZMQ frame as bytes (a bytearray or memoryview works too).
+    `payload` is the third ZMQ frame as bytes (a bytearray or memoryview works too). With
+    `fold_removals`, runs of one-block removals come as `RemovedRun`s (`fold_removals`): the
+    compiled decoder builds no event per block then.
     """
     try:
         if speedups is not None:
-            batch = speedups.decode_map_batch(payload, _MAP_BATCH_SPEC, _decode_map_event)
+            run_type = RemovedRun if fold_removals else None
+            batch = speedups.decode_map_batch(payload, _MAP_BATCH_SPEC, _decode_map_event, run_type)
             if batch is not None:
                 return batch  # type: ignore[no-any-return]
-        return _decode_typed(payload)
+        batch = _decode_typed(payload)
     except (msgspec.DecodeError, RecursionError, EventDecodeError):
         # Anything unusual or wrong: the generic path decides, and names the reason.
-        return _decode_generic(payload)
+        batch = _decode_generic(payload)
+    if fold_removals:
+        batch.events = fold_removal_runs(batch.events)
+    return batch
+
+
+def fold_removal_runs(events: list[KVEvent]) -> list[KVEvent]:
+    """`events` with each run of consecutive one-block `BlockRemoved`s of one medium (and so
+    one tier) as one `RemovedRun`, a lone one included; the rest unchanged, in order. The
+    compiled decoder folds the same way as it decodes."""
+    out: list[KVEvent] = []
+    run: RemovedRun | None = None
+    for event in events:
+        if type(event) is BlockRemoved and len(event.engine_hashes) == 1:
+            if run is not None and run.medium == event.medium and run.tier == event.tier:
+                run.engine_hashes.append(event.engine_hashes[0])
+                continue
+            run = RemovedRun([event.engine_hashes[0]], event.tier, event.medium)
+            out.append(run)
+        else:
+            run = None
+            out.append(event)
+    return out
 
 
 # --- shared normalization (both paths; inputs already type-checked) --------------------------

@@ -68,7 +68,14 @@ from cachetree.keys import namespace_seed
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from peer.tasks import cancel_and_wait
-from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
+from router.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    RemovedRun,
+)
 from router.graft import BootstrapRules
 from router.subscriber import (
     MAX_SEQ_JUMP,
@@ -120,7 +127,7 @@ def apply_steps(
 
     Consecutive removals of the same tier become one `tree.remove` call (and one tally
     update): an engine evicting under pressure sends one BlockRemoved per block, dozens per
-    batch.
+    batch. A `RemovedRun` (the subscriber's decoder folds them) is one such run already.
     """
     if tally is None:
         tally = Counter()
@@ -131,8 +138,13 @@ def apply_steps(
     while i < n:
         event = events[i]
         kind = type(event)
-        if kind is BlockRemoved:
-            end, removing = _removal_run(events, i, BlockRemoved)
+        if kind is BlockRemoved or kind is RemovedRun:
+            if kind is RemovedRun:
+                removing = event.engine_hashes
+                end, count = i + 1, len(removing)  # each hash was one event
+            else:
+                end, removing = _removal_run(events, i, BlockRemoved)
+                count = end - i
             if len(removing) > slice_blocks:
                 for start in range(0, len(removing), slice_blocks):
                     if start:
@@ -140,7 +152,7 @@ def apply_steps(
                     tree.remove(rank, removing[start : start + slice_blocks], event.tier)
             else:
                 tree.remove(rank, removing, event.tier)
-            tally["removed", event.medium] += end - i
+            tally["removed", event.medium] += count
             work += len(removing)
             i = end
             continue

@@ -38,7 +38,14 @@ import msgspec
 
 from cachetree.keys import chain_keys, namespace_seed, token_bytes
 from cachetree.ranks import RankId
-from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
+from router.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    RemovedRun,
+)
 from router.subscriber import (
     LiveBatch,
     PublisherReset,
@@ -75,13 +82,19 @@ class _Cleared(msgspec.Struct, array_like=True, tag=3, gc=False):
     pass
 
 
+class _RemovedRun(msgspec.Struct, array_like=True, tag=4, gc=False):
+    hashes: list[U64]  # each one event
+    tier: int | None
+    medium: str | None
+
+
 class _Batch(msgspec.Struct, array_like=True, tag=10, gc=False):
     url: str
     dp: int
     seq: int
     ts: float
     dp_rank: int | None
-    events: list[_Stored | _Removed | _Cleared]
+    events: list[_Stored | _Removed | _Cleared | _RemovedRun]
     ignored: dict[str, int]
 
 
@@ -173,7 +186,7 @@ def pack(item: SubscriberItem, mirror: KeyMirror) -> bytes:
     rank = item.rank
     if type(item) is LiveBatch:
         batch = item.batch
-        events: list[_Stored | _Removed | _Cleared] = []
+        events: list[_Stored | _Removed | _Cleared | _RemovedRun] = []
         for event in batch.events:
             if type(event) is BlockStored:
                 keyed = mirror.keys_for(rank, event)
@@ -193,6 +206,9 @@ def pack(item: SubscriberItem, mirror: KeyMirror) -> bytes:
             elif type(event) is BlockRemoved:
                 mirror.removed(rank, event.engine_hashes)
                 events.append(_Removed(event.engine_hashes, event.tier, event.medium))
+            elif type(event) is RemovedRun:
+                mirror.removed(rank, event.engine_hashes)
+                events.append(_RemovedRun(event.engine_hashes, event.tier, event.medium))
             else:
                 mirror.forget(rank)
                 events.append(_Cleared())
@@ -246,7 +262,7 @@ def unpack(message: bytes | memoryview) -> SubscriberItem | Stats | Hello:
     return msg  # type: ignore[return-value] - Stats or Hello
 
 
-def _event(e: _Stored | _Removed | _Cleared) -> KVEvent:
+def _event(e: _Stored | _Removed | _Cleared | _RemovedRun) -> KVEvent:
     if type(e) is _Stored:
         if len(e.tokens) % 4:
             raise ValueError("a u32 array of a length that is not a multiple of 4")
@@ -268,6 +284,8 @@ def _event(e: _Stored | _Removed | _Cleared) -> KVEvent:
         )
     if type(e) is _Removed:
         return BlockRemoved(e.hashes, e.tier, e.medium)
+    if type(e) is _RemovedRun:
+        return RemovedRun(e.hashes, e.tier, e.medium)
     return AllBlocksCleared()
 
 

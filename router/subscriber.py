@@ -588,7 +588,7 @@ class RankSubscriber:
 
     def _decode(self, seq: int, payload: Buffer, *, replayed: bool) -> EventBatch | None:
         try:
-            return decode_batch(payload)
+            return decode_batch(payload, fold_removals=True)
         except EventDecodeError as exc:
             self.stats.decode_errors[exc.reason] += 1
             if _often(self.stats.decode_errors.total()):

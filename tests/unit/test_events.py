@@ -27,9 +27,11 @@ from router.events import (
     BlockStored,
     EventBatch,
     EventDecodeError,
+    RemovedRun,
     _decode_generic,
     _decode_typed,
     decode_batch,
+    fold_removal_runs,
     namespace_of,
 )
 
@@ -708,6 +710,91 @@ def test_a_decode_error_is_a_value_error_with_reason_and_detail() -> None:
 
 def test_every_documented_error_reason_is_pinned_by_a_test() -> None:
     assert {r for _, _, r in MALFORMED} | {"over_cap"} == DECODE_ERROR_REASONS  # caps: above
+
+
+# --- folded runs of removals ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("events", "want"),
+    [
+        ([], []),
+        ([BlockRemoved([1], DEVICE, "GPU")], [RemovedRun([1], DEVICE, "GPU")]),
+        (
+            [BlockRemoved([h], DEVICE, "GPU") for h in (1, 2, 3)],
+            [RemovedRun([1, 2, 3], DEVICE, "GPU")],
+        ),
+        (  # another medium starts another run
+            [BlockRemoved([1], DEVICE, "GPU"), BlockRemoved([2], HOST, "CPU")],
+            [RemovedRun([1], DEVICE, "GPU"), RemovedRun([2], HOST, "CPU")],
+        ),
+        (  # a removal of several blocks is one event of its own: it stays, and ends the run
+            [
+                BlockRemoved([1], DEVICE, "GPU"),
+                BlockRemoved([2, 3], DEVICE, "GPU"),
+                BlockRemoved([4], DEVICE, "GPU"),
+            ],
+            [
+                RemovedRun([1], DEVICE, "GPU"),
+                BlockRemoved([2, 3], DEVICE, "GPU"),
+                RemovedRun([4], DEVICE, "GPU"),
+            ],
+        ),
+        (  # a store or a clear ends the run: order is kept
+            [
+                BlockRemoved([1], None, None),
+                BlockStored([9], None, TOKENS[:16], 16, DEVICE, "GPU", None),
+                BlockRemoved([2], None, None),
+                AllBlocksCleared(),
+            ],
+            [
+                RemovedRun([1], None, None),
+                BlockStored([9], None, TOKENS[:16], 16, DEVICE, "GPU", None),
+                RemovedRun([2], None, None),
+                AllBlocksCleared(),
+            ],
+        ),
+    ],
+    ids=["empty", "lone", "run", "two-media", "multi-block", "store-and-clear"],
+)
+def test_one_block_removals_of_one_medium_fold_into_one_run_in_order(
+    events: list[Any], want: list[Any]
+) -> None:
+    assert fold_removal_runs(events) == want
+
+
+def test_a_folded_decode_is_the_fold_of_the_plain_decode_for_every_capture() -> None:
+    evicting = batch(
+        *[removed_map(block_hashes=[h]) for h in range(100, 140)],
+        removed_map(block_hashes=[5], group_idx=1),  # ignored: the run goes on across it
+        removed_map(block_hashes=[6], medium="CPU"),
+        removed_map(block_hashes=[7, 8]),
+        stored_map(),
+        removed_map(block_hashes=[9], locality="LOCAL"),  # not the usual shape: same result
+    )
+    positional = batch(*[["BlockRemoved", [h], "GPU"] for h in (1, 2, 3)], stored_array())
+    payloads = [p.read_bytes() for p in FIXTURE_PAYLOADS]
+    for payload in [*payloads, evicting, positional]:
+        plain = decode_batch(payload)
+        folded = decode_batch(payload, fold_removals=True)
+        assert folded.events == fold_removal_runs(plain.events)
+        assert (folded.ts, folded.dp_rank, folded.ignored) == (
+            plain.ts,
+            plain.dp_rank,
+            plain.ignored,
+        )
+    folded = decode_batch(evicting, fold_removals=True)
+    assert folded.events[0] == RemovedRun(list(range(100, 140)), DEVICE, "GPU")
+    assert [type(e).__name__ for e in folded.events] == [
+        "RemovedRun",
+        "RemovedRun",
+        "BlockRemoved",
+        "BlockStored",
+        "RemovedRun",
+    ]
+    assert decode_batch(positional, fold_removals=True).events[0] == RemovedRun(
+        [1, 2, 3], DEVICE, "GPU"
+    )
 
 
 # --- which path runs -------------------------------------------------------------------------

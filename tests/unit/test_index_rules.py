@@ -1,10 +1,20 @@
 """The pump's rules, driven by messages: cursors, losses, restarts, worker snapshots."""
 
+import random
+
 from cachetree.keys import block_keys
 from cachetree.ranks import RankId
-from cachetree.tiers import DEVICE
+from cachetree.snapshot import canonical_view
+from cachetree.tiers import DEVICE, HOST
 from cachetree.tree import BlockTree
-from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from router.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    fold_removal_runs,
+)
 from router.index import IndexRules
 from router.subscriber import MAX_SEQ_JUMP, LiveBatch, PublisherReset, UnrepairedGap
 from router.worker_snapshot import SnapshotBlock, SnapshotRank
@@ -219,6 +229,44 @@ def test_a_long_removal_and_a_clear_are_sliced_too() -> None:
     assert counts == [15, 5]
     assert rules.tree.ranks() == [] and len(rules.tree) == 0
     assert rules.tree.carried_blocks == 0
+
+
+def test_folded_removal_runs_change_the_index_and_the_counts_as_the_events_they_fold() -> None:
+    """Random churn on two tiers, applied as decoded and as the subscriber folds it (slices of
+    6 blocks, so runs longer than a slice are cut too): the same tree, the same event counts."""
+    rng = random.Random(23)
+    plain_rules = IndexRules(BlockTree(BS), slice_blocks=6)
+    folded_rules = IndexRules(BlockTree(BS), slice_blocks=6)
+    for rules in (plain_rules, folded_rules):
+        rules.add_ranks([R])
+    held: list[int] = []
+    for seq in range(300):
+        events: list[KVEvent] = []
+        for _ in range(rng.randint(1, 12)):
+            roll = rng.random()
+            if roll < 0.35 or not held:
+                h = rng.randrange(1 << 40)
+                parent = held[-1] if held and rng.random() < 0.5 else None
+                tier, medium = (DEVICE, "GPU") if rng.random() < 0.8 else (HOST, "CPU")
+                tokens = [rng.randrange(50) for _ in range(BS)]
+                events.append(BlockStored([h], parent, tokens, BS, tier, medium, None))
+                held.append(h)
+            elif roll < 0.9:
+                h = held.pop(rng.randrange(len(held)))
+                medium = rng.choice([("GPU", DEVICE), ("CPU", HOST), (None, None)])
+                events.append(BlockRemoved([h], medium[1], medium[0]))
+            elif roll < 0.98:
+                pair = [held.pop() for _ in range(min(2, len(held)))]
+                events.append(BlockRemoved(pair, None, None))
+            else:
+                events.append(AllBlocksCleared())
+                held.clear()
+        plain_rules.handle(LiveBatch(R, seq, EventBatch(0.0, events, 0)))
+        folded = EventBatch(0.0, fold_removal_runs(list(events)), 0)
+        folded_rules.handle(LiveBatch(R, seq, folded))
+    assert canonical_view(folded_rules.tree) == canonical_view(plain_rules.tree)
+    assert folded_rules.stats.events == plain_rules.stats.events
+    assert plain_rules.stats.events["removed", "GPU"] > 200
 
 
 # --- the index cap ------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from cachetree.ranks import RankId
 from cachetree.snapshot import canonical_view
 from cachetree.tiers import DEVICE, HOST
 from cachetree.tree import BlockTree
-from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, RemovedRun
 from router.index import IndexRules
 from router.ingest_pool import _copy_stats, pick_process, restart_backoff_s
 from router.ingest_wire import KeyMirror, Stats, pack, pack_stats, stats_values, unpack
@@ -65,6 +65,17 @@ def test_a_live_batch_comes_back_as_the_same_events_with_keys_the_pump_would_com
     assert root.keys == block_keys(ROOT, BS, namespace_seed("lora-x"))
     assert child.seed == root.keys[-1]  # the parent's key, from the mirror
     assert child.keys == block_keys(CHILD, BS, root.keys[-1])
+
+
+def test_a_run_of_removals_comes_back_as_one_run_and_the_mirror_forgets_its_blocks() -> None:
+    mirror = KeyMirror()
+    pack(LiveBatch(A, 0, batch(stored([1, 2], None, ROOT))), mirror)
+    run = RemovedRun([2, 77], DEVICE, "GPU")
+    item = unpack(pack(LiveBatch(A, 1, batch(run, BlockRemoved([5, 6], None, None))), mirror))
+    assert item.batch.events == [run, BlockRemoved([5, 6], None, None)]
+    assert type(item.batch.events[0]) is RemovedRun
+    after = unpack(pack(LiveBatch(A, 2, batch(stored([3], 2, CHILD))), mirror))
+    assert after.batch.events[0].keys is None  # block 2 was removed by the run
 
 
 def test_a_store_under_a_parent_the_process_never_saw_is_sent_without_keys() -> None:

@@ -27,10 +27,12 @@ from router.events import (
     BlockRemoved,
     BlockStored,
     EventDecodeError,
+    RemovedRun,
     TokenIds,
     _decode_generic,
     _decode_map_event,
     decode_batch,
+    fold_removal_runs,
 )
 
 speedups = pytest.importorskip(
@@ -196,6 +198,55 @@ def test_parse_tokens_keeps_the_first_id_of_each_bigram_pair() -> None:
     assert _parsed(wide, pairs=True) == [5]
 
 
+def test_a_folding_decode_equals_the_pure_fold_and_builds_no_removal_per_block() -> None:
+    """The churn batches' ~63 one-block removals come as one RemovedRun, built in C."""
+    for payload in _engine_map_payloads():
+        got = _compiled_batch(payload, fold=True)
+        want = _decode_generic(payload)
+        assert got.events == fold_removal_runs(want.events)
+        assert (got.ts, got.dp_rank, got.ignored) == (want.ts, want.dp_rank, want.ignored)
+    from bench.ingest_churn import workload
+
+    for payload in workload(1, 256, 20).measured:
+        kinds = [type(e) for e in _compiled_batch(payload, fold=True).events]
+        assert BlockRemoved not in kinds and kinds.count(RemovedRun) == 1, kinds
+
+
+def test_a_folding_decode_equals_the_pure_fold_on_random_event_mixes() -> None:
+    """Runs across media, multi-block removals, ignored events, stores, clears, and one-block
+    removals the C reader leaves to the Python decoder (an unusual key): one fold for all."""
+    rng = random.Random(17)
+    makers = [
+        lambda: {"type": "BlockRemoved", "block_hashes": [rng.randrange(1 << 64)], "medium": "GPU"},
+        lambda: {"type": "BlockRemoved", "block_hashes": [rng.randrange(9)], "medium": "CPU"},
+        lambda: {"type": "BlockRemoved", "block_hashes": [rng.randrange(9)], "medium": None},
+        lambda: {"type": "BlockRemoved", "block_hashes": [3], "medium": "NVMe?"},  # unknown
+        lambda: {"type": "BlockRemoved", "block_hashes": [4, 5], "medium": "GPU"},
+        lambda: {"type": "BlockRemoved", "block_hashes": [6], "medium": "GPU", "x": 1},
+        lambda: {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 2},
+        lambda: {"type": "BlockRemoved", "block_hashes": [], "medium": "GPU"},
+        lambda: {
+            "type": "BlockStored",
+            "block_hashes": [8],
+            "parent_block_hash": None,
+            "token_ids": list(range(16)),
+            "block_size": 16,
+            "medium": "GPU",
+        },
+        lambda: {"type": "AllBlocksCleared"},
+    ]
+    taken = 0
+    for _ in range(3000):
+        events = [rng.choice(makers)() for _ in range(rng.randint(0, 14))]
+        payload = msgspec.msgpack.encode([1.5, events, 0])
+        got = _compiled_batch(payload, fold=True)
+        if got is None:
+            continue
+        taken += 1
+        assert got.events == fold_removal_runs(_decode_generic(payload).events), events
+    assert taken > 2900
+
+
 def _enc(obj: Any) -> bytes:
     return msgspec.msgpack.encode(obj)
 
@@ -246,11 +297,16 @@ def test_parse_tokens_refuses_more_ids_than_the_cap_before_reading_them() -> Non
 # --- whole batches of map events -------------------------------------------------------------
 
 
-def _compiled_batch(payload: bytes, decode_event: Callable[[bytes], Any] | None = None) -> Any:
+def _compiled_batch(
+    payload: bytes, decode_event: Callable[[bytes], Any] | None = None, *, fold: bool = False
+) -> Any:
     from router import events
 
     return speedups.decode_map_batch(
-        payload, events._MAP_BATCH_SPEC, decode_event or events._decode_map_event
+        payload,
+        events._MAP_BATCH_SPEC,
+        decode_event or events._decode_map_event,
+        RemovedRun if fold else None,
     )
 
 

@@ -16,7 +16,8 @@ import pytest
 import zmq
 
 from cachetree.ranks import RankId
-from router.events import EventBatch
+from cachetree.tiers import DEVICE
+from router.events import EventBatch, RemovedRun
 from router.subscriber import (
     MAX_SEQ_JUMP,
     RECV_ERRORS_BEFORE_REBUILD,
@@ -388,6 +389,14 @@ async def test_a_burst_of_ready_messages_is_drained_in_order_in_one_go() -> None
     items, sub = await run_until(ctx, 190)
     assert [i.seq for i in items if isinstance(i, LiveBatch)] == list(range(10, 200))
     assert (sub.stats.frames, sub.stats.gaps, sub.stats.socket_rebuilds) == (190, 0, 0)
+
+
+async def test_a_batch_of_one_block_removals_is_delivered_as_one_folded_run() -> None:
+    evicting = [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"} for h in range(9)]
+    ctx = FakeContext([frames(4, msgspec.msgpack.encode([1.5, evicting, 1]))])
+    items, _ = await run_until(ctx, 1)
+    assert isinstance(items[0], LiveBatch)
+    assert items[0].batch.events == [RemovedRun(list(range(9)), DEVICE, "GPU")]
 
 
 async def test_a_payload_that_does_not_decode_surfaces_as_a_gap_at_the_next_batch() -> None:
