@@ -2643,6 +2643,43 @@ done:
     return result;
 }
 
+/* pack_u64(keys, start) -> bytes: the u64s of keys[start:] (ints), native order, for
+ * array('Q', ...) to copy: array's own conversion takes CPython's general path for every int
+ * of more than one digit, which every block key is. ValueError at the first item that is not
+ * a u64 int. (The pressure ledger lists each batch's keys so.) */
+static PyObject *
+py_pack_u64(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "pack_u64(keys, start)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    if (start == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    start = start < 0 ? 0 : start > n ? n : start;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (n - start) * (Py_ssize_t)sizeof(uint64_t));
+    if (out != NULL) {
+        PyObject **items = PySequence_Fast_ITEMS(seq);
+        uint64_t *v = (uint64_t *)PyBytes_AS_STRING(out);
+        for (Py_ssize_t i = start; i < n; i++) {
+            if (!as_u64(items[i], &v[i - start])) {
+                PyErr_Format(PyExc_ValueError, "keys[%zd] is not an int in [0, 2**64)", i);
+                Py_CLEAR(out);
+                break;
+            }
+        }
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"remove_run", (PyCFunction)(void (*)(void))py_remove_run, METH_FASTCALL,
      "remove_run(nodes, by_hash, hashes, start, index, device) -> (stop, found, dropped, "
@@ -2653,6 +2690,8 @@ static PyMethodDef methods[] = {
     {"graft_new", (PyCFunction)(void (*)(void))py_graft_new, METH_FASTCALL,
      "graft_new(nodes, maps, index_of, keys, parents, counts, workers, hashes, new, a, b, c0) "
      "-> (code, record): SnapshotRestore's creation of new device-tier records."},
+    {"pack_u64", (PyCFunction)(void (*)(void))py_pack_u64, METH_FASTCALL,
+     "pack_u64(keys, start) -> bytes: keys[start:] as native u64s, for array('Q', ...)."},
     {"path_masks", (PyCFunction)(void (*)(void))py_path_masks, METH_FASTCALL,
      "path_masks(nodes, keys) -> (masks, tiered) | None: the lookups of prefix_depths."},
     {"walk_chunk", (PyCFunction)(void (*)(void))py_walk_chunk, METH_FASTCALL,

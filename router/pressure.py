@@ -126,6 +126,14 @@ def _booked_map() -> MutableMapping[int, _Booking]:
     return tables.NodeMap() if tables is not None else {}
 
 
+def _u64_array(keys: Sequence[int], start: int) -> array[int]:
+    """`keys[start:]` as an array('Q'): converted in C when compiled (`pack_u64`), where array's
+    own conversion of each multi-digit int was a fifth of a record."""
+    if tables is not None:
+        return array("Q", tables.pack_u64(keys, start))
+    return array("Q", keys[start:])
+
+
 def _put_run(booked: MutableMapping[int, _Booking], keys: Sequence[int], booking: _Booking) -> None:
     """Map each of `keys` to `booking`: one C-level pass (`NodeMap.put_run`) when compiled."""
     if tables is not None:
@@ -332,7 +340,7 @@ class PressureLedger:
             first, reweighed = self._reweigh(st, batch, keys, olds, w * _REFRESH_FACTOR)
             added += reweighed
         if added:
-            batch.keys = array("Q", keys[first:])
+            batch.keys = _u64_array(keys, first)
             batch.live = added
             st.batches.append(batch)
             st.listed += n - first

@@ -348,6 +348,23 @@ def test_move_run_moves_what_the_pure_twin_moves(seed: int) -> None:
         tables.HashMap().move_run([1], 0, 1, 1, 2)
 
 
+def test_pack_u64_gives_the_array_of_the_keys_from_start_and_refuses_what_is_no_u64() -> None:
+    rng = random.Random(9)
+    for _ in range(300):
+        keys = [rng.choice([0, 1, rng.getrandbits(30), rng.getrandbits(64), (1 << 64) - 1])]
+        keys *= rng.randrange(0, 5)
+        keys += [rng.getrandbits(64) for _ in range(rng.randrange(0, 300))]
+        start = rng.randrange(-3, len(keys) + 3)
+        want = array("Q", keys[max(start, 0) :])
+        assert array("Q", tables.pack_u64(keys, start)) == want
+        assert array("Q", tables.pack_u64(tuple(keys), start)) == want
+    for bad in ([1, -1], [1, 1 << 64], [1, 2.0], [True, "x"]):
+        with pytest.raises(ValueError, match=r"keys\[1\] is not an int"):
+            tables.pack_u64(bad, 0)
+    with pytest.raises(TypeError):
+        tables.pack_u64(5, 0)
+
+
 @pytest.mark.parametrize("kind", ["NodeMap", "HashMap"])
 def test_a_map_under_steady_churn_stays_a_dict_through_its_rebuilds_in_place(kind: str) -> None:
     # As many deletions as insertions (the pressure ledger at its cap): the map's entries run
