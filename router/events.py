@@ -81,7 +81,11 @@ which reads the batch itself and builds the two events a busy engine sends (the 
 removals an evicting engine sends by the dozen, and a BlockStored of the usual shape: flat
 token ids, no salt, primary group, local) straight from the bytes; the other events go one at
 a time through the typed decoders; anything unusual about the batch returns None and the
-paths above take it whole. The typed decoders then
+paths above take it whole. With `fold_removals` (the subscriber's decode), consecutive
+one-block removals of one medium come out as one `RemovedRun`, which the index removes as one
+run anyway: the compiled reader appends each hash to the open run instead of building an event
+per block (half a churn batch's decode), and the other paths fold what they decoded
+(`fold_removal_runs`, the twin). The typed decoders then
 leave `token_ids` undecoded (`msgspec.Raw`) and `_speedups.parse_tokens` reads the ids, flat
 or bigram pairs, straight into a `TokenIds` u32 array, with the same checks and without a
 Python int per token. `TokenIds` compares equal to the list of the same ids, so a batch
@@ -234,8 +238,8 @@ def decode_batch(payload: bytes, *, fold_removals: bool = False) -> EventBatch:
     """Decode one engine payload; raise `EventDecodeError` (only) if any part of it is bad.
 
     `payload` is the third ZMQ frame as bytes (a bytearray or memoryview works too). With
-    `fold_removals`, runs of one-block removals come as `RemovedRun`s (`fold_removals`): the
-    compiled decoder builds no event per block then.
+    `fold_removals`, runs of one-block removals come as `RemovedRun`s (`fold_removal_runs`):
+    the compiled decoder builds no event per block then.
     """
     try:
         if speedups is not None:
