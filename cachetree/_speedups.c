@@ -1609,6 +1609,170 @@ done:
     return result;
 }
 
+/* ---- cache_aware's cost rows (twin: router/policy.py _cost_rows_py) ---------------------- */
+
+/* What a candidate's list holds at i, as a double; an int or a float (else -1, error set). */
+static inline int
+item_double(PyObject *list, Py_ssize_t i, double *out)
+{
+    PyObject *item = PyList_GET_ITEM(list, i);
+    *out = PyFloat_CheckExact(item) ? PyFloat_AS_DOUBLE(item) : PyFloat_AsDouble(item);
+    return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
+static inline int
+item_long(PyObject *list, Py_ssize_t i, long long *out)
+{
+    *out = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* The float operations below are the twin's, in its order: no fused multiply-add may merge
+ * two of them (it rounds once where Python rounds twice), so contraction is off here. */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+/* cost_rows(ranks, loads, any_tier, capacities, demands, helds, depths, tokens, block, blocks,
+ *           per_token, per_request, lower, unseen, evict, fill) -> (costs, evicted, room):
+ * router/policy.py _cost_rows_py, float for float. The sequences are lists of one length; a
+ * capacity is an int or None (unknown, as 0). */
+static PyObject *
+py_cost_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 16) {
+        PyErr_SetString(PyExc_TypeError, "cost_rows takes 16 arguments (_cost_rows_py's)");
+        return NULL;
+    }
+    PyObject *ranks = args[0], *loads = args[1], *any_tier = args[2], *capacities = args[3];
+    PyObject *demands = args[4], *helds = args[5], *depths = args[6];
+    if (!PyList_CheckExact(ranks) || !PyList_CheckExact(loads) || !PyDict_CheckExact(any_tier)
+        || !PyList_CheckExact(capacities) || !PyList_CheckExact(demands)
+        || !PyList_CheckExact(helds) || !PyList_CheckExact(depths)) {
+        PyErr_SetString(PyExc_TypeError, "cost_rows: lists, and a dict of any-tier depths");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(ranks);
+    if (PyList_GET_SIZE(loads) != n || PyList_GET_SIZE(capacities) != n
+        || PyList_GET_SIZE(demands) != n || PyList_GET_SIZE(helds) != n
+        || PyList_GET_SIZE(depths) != n) {
+        PyErr_SetString(PyExc_ValueError, "cost_rows: the candidate lists differ in length");
+        return NULL;
+    }
+    double tokens = PyFloat_AsDouble(args[7]);
+    long long block = PyLong_AsLongLong(args[8]), blocks = PyLong_AsLongLong(args[9]);
+    double per_token = PyFloat_AsDouble(args[10]), per_request = PyFloat_AsDouble(args[11]);
+    double lower = PyFloat_AsDouble(args[12]), unseen = PyFloat_AsDouble(args[13]);
+    double evict = PyFloat_AsDouble(args[14]), fill = PyFloat_AsDouble(args[15]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    /* The fleet's fullness of demand (the twin's first pass). */
+    long long known = 0, fallback = 0;
+    double others = 0.0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *cap_obj = PyList_GET_ITEM(capacities, i);
+        if (cap_obj == Py_None) {
+            continue;
+        }
+        long long capacity, held;
+        double demand;
+        if (item_long(capacities, i, &capacity) < 0 || item_double(demands, i, &demand) < 0
+            || item_long(helds, i, &held) < 0) {
+            return NULL;
+        }
+        if (!capacity) {
+            continue;
+        }
+        known += capacity;
+        if (capacity > fallback) {
+            fallback = capacity;
+        }
+        others += (double)held > demand ? demand + unseen * ((double)held - demand) : demand;
+    }
+    double fleet = 0.0;
+    if (known) {
+        double x = others / (double)known;
+        fleet = 1.0 < x ? 1.0 : x; /* min(x, 1.0) keeps x unless 1.0 < x */
+    }
+    PyObject *costs = PyList_New(n), *evicted = PyList_New(n), *room = PyList_New(n);
+    if (costs == NULL || evicted == NULL || room == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long load, held, depth, capacity = 0, a = 0;
+        double demand;
+        PyObject *cap_obj = PyList_GET_ITEM(capacities, i);
+        if (item_long(loads, i, &load) < 0 || item_double(demands, i, &demand) < 0
+            || item_long(helds, i, &held) < 0 || item_long(depths, i, &depth) < 0
+            || (cap_obj != Py_None && item_long(capacities, i, &capacity) < 0)) {
+            goto error;
+        }
+        PyObject *a_obj = PyDict_GetItemWithError(any_tier, PyList_GET_ITEM(ranks, i));
+        if (a_obj == NULL && PyErr_Occurred()) {
+            goto error;
+        }
+        if (a_obj != NULL && ((a = PyLong_AsLongLong(a_obj)) == -1 && PyErr_Occurred())) {
+            goto error;
+        }
+        double saved = a > depth ? lower * (double)a + ((double)block - lower) * (double)depth
+                                 : (double)(block * depth);
+        double cost = per_token * (saved < tokens ? tokens - saved : 0.0)
+                      + per_request * (double)load;
+        long long spilled = 0;
+        double rm;
+        if (!capacity) {
+            rm = (double)(2 * fallback - held) - demand;
+        }
+        else {
+            rm = (double)(2 * capacity - held) - demand;
+            long long fresh = depth < blocks ? blocks - depth : 0;
+            if (fresh) {
+                double other = demand > (double)depth ? demand - (double)depth : 0.0;
+                if (unseen != 0.0 && (double)held > demand) {
+                    other += unseen * ((double)held - demand);
+                }
+                long long free = capacity > held ? capacity - held : 0;
+                double bound = (double)capacity - other - (double)depth;
+                /* max(free, bound): free unless bound > free */
+                double spill = (double)fresh - (bound > (double)free ? bound : (double)free);
+                if (spill > 0) {
+                    spilled = (long long)ceil(spill);
+                }
+                double occupied = other + (double)depth;
+                double fullness = occupied < (double)capacity ? occupied / (double)capacity : 1.0;
+                double kept = 0.0 > spill ? 0.0 : spill; /* max(spill, 0.0) */
+                cost += (double)block
+                        * (evict * kept + fill * fleet * fullness * (double)fresh);
+            }
+        }
+        PyObject *c = PyFloat_FromDouble(cost), *e = PyLong_FromLongLong(spilled);
+        PyObject *r = PyFloat_FromDouble(rm);
+        if (c == NULL || e == NULL || r == NULL) {
+            Py_XDECREF(c);
+            Py_XDECREF(e);
+            Py_XDECREF(r);
+            goto error;
+        }
+        PyList_SET_ITEM(costs, i, c);
+        PyList_SET_ITEM(evicted, i, e);
+        PyList_SET_ITEM(room, i, r);
+    }
+    return Py_BuildValue("(NNN)", costs, evicted, room);
+error:
+    Py_XDECREF(costs);
+    Py_XDECREF(evicted);
+    Py_XDECREF(room);
+    return NULL;
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
 static PyMethodDef methods[] = {
     {"xxh3_64", (PyCFunction)(void (*)(void))py_xxh3_64, METH_FASTCALL,
      "xxh3_64(data, seed) -> int: XXH3-64 of a bytes-like object."},
@@ -1624,6 +1788,10 @@ static PyMethodDef methods[] = {
      "decode_map_batch(payload, spec, decode_event, run_type=None) -> EventBatch | None: a "
      "batch of map events, one-block removals (folded into run_type runs when given) and the "
      "usual BlockStored built in C."},
+    {"cost_rows", (PyCFunction)(void (*)(void))py_cost_rows, METH_FASTCALL,
+     "cost_rows(ranks, loads, any_tier, capacities, demands, helds, depths, tokens, block, "
+     "blocks, per_token, per_request, lower, unseen, evict, fill) -> (costs, evicted, room): "
+     "router/policy.py _cost_rows_py in C."},
     {"removal_run", (PyCFunction)(void (*)(void))py_removal_run, METH_FASTCALL,
      "removal_run(events, start, BlockRemoved) -> (end, hashes): "
      "router.index._removal_run_py in C."},

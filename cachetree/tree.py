@@ -235,6 +235,11 @@ class BlockTree:
             return len(st.by_engine_hash)
         return st.counts[_TIER_BITS.index(tier)]
 
+    def device_blocks(self, ranks: Iterable[RankId]) -> list[int]:
+        """`block_count(rank, DEVICE)` of each rank, in order, in one call."""
+        get = self._ranks.get
+        return [0 if (st := get(r)) is None else st.counts[0] for r in ranks]
+
     def block_counts(self) -> dict[tuple[RankId, str], int]:
         """Blocks per (rank, tier name), zero rows left out."""
         out: dict[tuple[RankId, str], int] = {}

@@ -145,10 +145,12 @@ least one leading block of the prompt on any tier, `cache_miss` otherwise,
 same way when given depths, so cache hit rates compare across policies.
 
 Speed (`bench/bench_policy.py`): every step is a flat comprehension or a C-level map/sort,
-never a method call per candidate. Over 64 candidates on the development VM (a slow shared
-core: `sum(range(1000))` takes ~15 us there, ~6 us on a current desktop) a decision costs
-~60-80 us when ranks share a system prompt and ~120-170 us in the worst case (every rank at a
-different depth, some on the host tier); a quarter to a third of it is expanding
+never a method call per candidate, and the cost's two passes over the candidates run in C
+when the accelerator is built (`_speedups.cost_rows`, float for float the twin
+`_cost_rows_py`: the same operations in the same order, fused multiply-adds off). Over 64
+candidates on the development VM (a slow shared core: `sum(range(1000))` takes ~11 us there)
+a decision costs ~65 us when ranks share a system prompt and ~80 us when every rank holds a
+different depth (with the costs in Python: ~140 and ~155); a seventh of it is expanding
 `PrefixDepths` into per-rank dicts, which is cachetree's code.
 """
 
@@ -156,15 +158,15 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import add, attrgetter
 from typing import ClassVar, Final, Protocol
 
 from xxhash import xxh3_64_intdigest
 
+from cachetree.accel import speedups
 from cachetree.ranks import RankId
-from cachetree.tiers import DEVICE
 from cachetree.tree import PrefixDepths
 from router.loads import EngineLoad
 from router.pressure import PressureLedger
@@ -382,6 +384,8 @@ class IndexView(Protocol):
 
     def block_count(self, rank: RankId, tier: int | None = None) -> int: ...
 
+    def device_blocks(self, ranks: Iterable[RankId]) -> list[int]: ...
+
     def engine_hash(self, rank: RankId, key: int) -> int | None: ...
 
 
@@ -407,6 +411,7 @@ class SpillStats:
 class _Pressure:
     """Per candidate (in order): what the index, the engines and the ledger say of its cache."""
 
+    ranks: list[RankId]  # the candidates'
     depth: list[int]  # leading prompt blocks held on the device, bookings included
     booked: dict[RankId, int]  # ranks whose depth bookings extend, and to what
     demand: list[float]  # the ledger's recent distinct blocks
@@ -549,8 +554,8 @@ class CacheAware:
         capacity = list(map(self.capacity, ranks))
         held = self.ledger.pendings(ranks)
         if index is not None:
-            held = [h + index.block_count(r, DEVICE) for h, r in zip(held, ranks, strict=True)]
-        return _Pressure(depth, booked, self.ledger.demands(ranks), capacity, held)
+            held = list(map(add, held, index.device_blocks(ranks)))
+        return _Pressure(ranks, depth, booked, self.ledger.demands(ranks), capacity, held)
 
     def _costs(
         self,
@@ -563,69 +568,107 @@ class CacheAware:
         """(cost, demanded blocks the rank would evict, room) per candidate."""
         w = self.weights
         n = len(candidates)
-        tokens = float(prompt.tokens)
-        block = prompt.block_size
-        blocks = prompt.blocks
         # Backlog: when the typical rank is busy, a lighter rank fills up again at once, so
         # a queue difference is brief and counts for less (this replica sees 1/k of each
         # rank's in-flight). The mean load without the busiest rank: one hot rank does not
         # make the fleet busy.
         replicas = self.replicas()
         busy = replicas * (sum(loads) - max(loads)) / (n - 1) if n > 1 else 0.0
-        per_token = w.prefill
         per_request = w.queue * w.queued_request_tokens / (1.0 + w.backlog * busy)
-        # Tokens each rank would not prefill: device blocks (bookings count as device
-        # blocks) save `block` tokens each, lower-tier ones `lower` each.
-        lower = block * w.lower_tier_discount
-        get_any = any_tier.get
         # Siblings' placements this replica cannot see: none when they share their decisions.
         unseen = 1.0 - 1.0 / replicas if replicas > 1 and self.share is None else 0.0
-        # How full of demand the fleet is: the fill surcharge scales with it, so it steers
-        # placements only when the caches together are short of room, not when they idle.
-        # (One pass over the ranks whose capacity is known; the next computes each rank's.)
-        known = fallback = 0
-        others = 0.0
-        for capacity, demand, held in zip(p.capacity, p.demand, p.held, strict=True):
-            if capacity:
-                known += capacity
-                if capacity > fallback:
-                    fallback = capacity
-                others += demand + unseen * (held - demand) if held > demand else demand
-        fleet = min(others / known, 1.0) if known else 0.0
-        evict, fill = w.evict, w.fill
-        costs: list[float] = []
-        evicted = [0] * n
-        room: list[float] = []
-        for i, (c, load, capacity, demand, held, depth) in enumerate(
-            zip(candidates, loads, p.capacity, p.demand, p.held, p.depth, strict=True)
-        ):
-            a = get_any(c.rank, 0)
-            saved = lower * a + (block - lower) * depth if a > depth else block * depth
-            cost = per_token * (tokens - saved if saved < tokens else 0.0) + per_request * load
-            if not capacity:
-                room.append(2 * fallback - held - demand)
-                costs.append(cost)
-                continue
-            room.append(2 * capacity - held - demand)
-            new = blocks - depth if depth < blocks else 0
-            if new:
-                # The rank's other demand: its recent blocks, less the ones this prompt
-                # reuses, plus the siblings' share of what it holds beyond this replica's.
-                other = demand - depth if demand > depth else 0.0
-                if unseen and held > demand:
-                    other += unseen * (held - demand)
-                free = capacity - held if capacity > held else 0
-                # Storing `new` blocks first fills free slots, then evicts blocks nobody asked
-                # for lately, and only then blocks in demand: this prompt's own `depth` blocks
-                # stay, so `capacity - other - depth` can go before anything demanded does.
-                spill = new - max(free, capacity - other - depth)
-                if spill > 0:
-                    evicted[i] = math.ceil(spill)
-                occupied = other + depth
-                fullness = occupied / capacity if occupied < capacity else 1.0
-                cost += block * (evict * max(spill, 0.0) + fill * fleet * fullness * new)
+        return _cost_rows(
+            p.ranks,
+            loads,
+            any_tier,
+            p.capacity,
+            p.demand,
+            p.held,
+            p.depth,
+            float(prompt.tokens),
+            prompt.block_size,
+            prompt.blocks,
+            w.prefill,
+            per_request,
+            # Tokens each rank would not prefill: device blocks (bookings count as device
+            # blocks) save `block` tokens each, lower-tier ones `lower` each.
+            prompt.block_size * w.lower_tier_discount,
+            unseen,
+            w.evict,
+            w.fill,
+        )
+
+
+def _cost_rows_py(
+    ranks: Sequence[RankId],
+    loads: Sequence[int],
+    any_tier: dict[RankId, int],
+    capacities: Sequence[int | None],
+    demands: Sequence[float],
+    helds: Sequence[int],
+    depths: Sequence[int],
+    tokens: float,
+    block: int,
+    blocks: int,
+    per_token: float,
+    per_request: float,
+    lower: float,
+    unseen: float,
+    evict: float,
+    fill: float,
+) -> tuple[list[float], list[int], list[float]]:
+    """`CacheAware._costs`' two passes over the candidates, given its scalars. The compiled
+    twin is `_speedups.cost_rows`, float for float: the same operations in the same order."""
+    get_any = any_tier.get
+    # How full of demand the fleet is: the fill surcharge scales with it, so it steers
+    # placements only when the caches together are short of room, not when they idle.
+    # (One pass over the ranks whose capacity is known; the next computes each rank's.)
+    known = fallback = 0
+    others = 0.0
+    for capacity, demand, held in zip(capacities, demands, helds, strict=True):
+        if capacity:
+            known += capacity
+            if capacity > fallback:
+                fallback = capacity
+            others += demand + unseen * (held - demand) if held > demand else demand
+    fleet = min(others / known, 1.0) if known else 0.0
+    n = len(ranks)
+    costs: list[float] = []
+    evicted = [0] * n
+    room: list[float] = []
+    for i, (rank, load, capacity, demand, held, depth) in enumerate(
+        zip(ranks, loads, capacities, demands, helds, depths, strict=True)
+    ):
+        a = get_any(rank, 0)
+        saved = lower * a + (block - lower) * depth if a > depth else block * depth
+        cost = per_token * (tokens - saved if saved < tokens else 0.0) + per_request * load
+        if not capacity:
+            room.append(2 * fallback - held - demand)
             costs.append(cost)
-        return costs, evicted, room
+            continue
+        room.append(2 * capacity - held - demand)
+        new = blocks - depth if depth < blocks else 0
+        if new:
+            # The rank's other demand: its recent blocks, less the ones this prompt
+            # reuses, plus the siblings' share of what it holds beyond this replica's.
+            other = demand - depth if demand > depth else 0.0
+            if unseen and held > demand:
+                other += unseen * (held - demand)
+            free = capacity - held if capacity > held else 0
+            # Storing `new` blocks first fills free slots, then evicts blocks nobody asked
+            # for lately, and only then blocks in demand: this prompt's own `depth` blocks
+            # stay, so `capacity - other - depth` can go before anything demanded does.
+            spill = new - max(free, capacity - other - depth)
+            if spill > 0:
+                evicted[i] = math.ceil(spill)
+            occupied = other + depth
+            fullness = occupied / capacity if occupied < capacity else 1.0
+            cost += block * (evict * max(spill, 0.0) + fill * fleet * fullness * new)
+        costs.append(cost)
+    return costs, evicted, room
+
+
+_cost_rows = _cost_rows_py if speedups is None else speedups.cost_rows
 
 
 def _rendezvous(

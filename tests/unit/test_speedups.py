@@ -587,3 +587,73 @@ def test_removal_run_equals_the_python_twin() -> None:
         for start in starts:
             want = _removal_run_py(events, start, BlockRemoved)
             assert speedups.removal_run(events, start, BlockRemoved) == want
+
+
+# --- cache_aware's cost rows ---------------------------------------------------------------
+
+
+def _cost_case(rng: random.Random) -> tuple[Any, ...]:
+    from cachetree.ranks import RankId
+
+    n = rng.choice([1, 2, 3, rng.randrange(1, 70)])
+    ranks = [RankId(f"http://w{i}:8000", rng.randrange(2)) for i in range(n)]
+    block = rng.choice([1, 16, 64])
+    blocks = rng.randrange(0, 300)
+    tokens = float(blocks * block + rng.randrange(block))
+
+    def capacity() -> int | None:
+        return rng.choice([None, 0, rng.randrange(1, 50), rng.randrange(1, 500_000)])
+
+    def demand() -> float:
+        return rng.choice(
+            [0.0, rng.random() * 1000, rng.random() * 600_000, float(rng.randrange(90))]
+        )
+
+    return (
+        ranks,
+        [rng.randrange(0, 80) for _ in ranks],
+        {r: rng.randrange(0, blocks + 3) for r in ranks if rng.random() < 0.6},
+        [capacity() for _ in ranks],
+        [demand() for _ in ranks],
+        [rng.randrange(0, 600_000) for _ in ranks],
+        [rng.randrange(0, blocks + 3) for _ in ranks],
+        tokens,
+        block,
+        blocks,
+        rng.choice([1.0, 0.0, rng.random() * 3]),
+        rng.choice([256.0, rng.random() * 300, 256.0 / 3]),
+        block * rng.choice([0.5, 0.0, 1.0, rng.random()]),
+        rng.choice([0.0, 0.5, 2 / 3]),
+        rng.choice([1.0, 0.0, rng.random() * 4]),
+        rng.choice([2.0, 0.0, rng.random() * 4]),
+    )
+
+
+def test_cost_rows_equal_the_python_twin_float_for_float() -> None:
+    from router.policy import _cost_rows_py
+
+    rng = random.Random(29)
+    spilled = 0
+    for _ in range(20_000):
+        case = _cost_case(rng)
+        want = _cost_rows_py(*case)
+        got = speedups.cost_rows(*case)
+        assert got == want, case
+        # The same floats, not merely equal values: the bits, and no -0.0 for 0.0.
+        assert [c.hex() for c in got[0]] == [float(c).hex() for c in want[0]], case
+        assert [float(r).hex() for r in got[2]] == [float(r).hex() for r in want[2]], case
+        spilled += any(got[1])
+    assert spilled > 1000
+
+
+def test_cost_rows_refuses_lists_of_different_lengths_and_other_types() -> None:
+    case = list(_cost_case(random.Random(3)))
+    case[1] = [*case[1], 0]
+    with pytest.raises(ValueError, match="differ in length"):
+        speedups.cost_rows(*case)
+    case = list(_cost_case(random.Random(3)))
+    case[3] = tuple(case[3])
+    with pytest.raises(TypeError, match="lists"):
+        speedups.cost_rows(*case)
+    with pytest.raises(TypeError, match="16 arguments"):
+        speedups.cost_rows(*case[:15])

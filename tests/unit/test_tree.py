@@ -260,6 +260,18 @@ def test_block_counts_report_each_rank_and_tier() -> None:
     assert tree.block_counts() == {(A, "device"): 2, (A, "host"): 2, (B, "device"): 1}
 
 
+def test_device_blocks_are_each_ranks_device_count_in_order() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10, 11], toks(2), BS, tier=DEVICE | HOST)
+    tree.store(A, None, [12], toks(1, start=50), BS, tier=HOST)
+    tree.store(B, None, [20], toks(1), BS)
+    unknown = RankId("http://w:9", 3)
+    assert tree.device_blocks([B, unknown, A]) == [1, 0, 2]
+    assert tree.device_blocks([B, unknown, A]) == [
+        tree.block_count(r, DEVICE) for r in (B, unknown, A)
+    ]
+
+
 def test_block_size_must_be_positive() -> None:
     with pytest.raises(ValueError):
         BlockTree(0)
