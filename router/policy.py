@@ -160,6 +160,7 @@ import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from operator import add, attrgetter
 from typing import ClassVar, Final, Protocol
 
@@ -550,7 +551,13 @@ class CacheAware:
     ) -> _Pressure:
         ranks = list(map(_rank, candidates))
         booked = self.ledger.booked_depths(prompt.keys, device)
-        depth = [max(device.get(r, 0), booked.get(r, 0)) for r in ranks]
+        depth = list(map(device.get, ranks, repeat(0)))
+        if booked:  # few ranks: patched by position, not a max per candidate
+            at = dict(zip(ranks, range(len(ranks)), strict=True))
+            for rank, extended in booked.items():
+                i = at.get(rank)
+                if i is not None and extended > depth[i]:
+                    depth[i] = extended
         capacity = list(map(self.capacity, ranks))
         held = self.ledger.pendings(ranks)
         if index is not None:
