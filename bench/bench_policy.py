@@ -18,6 +18,14 @@ it pays for demand, bookings and their settling as a replica does).
 a decision spent expanding `PrefixDepths.any_tier` / `.device` into dicts (cachetree code).
 Each figure is the mean over `--iterations` decisions, best of `--repeats` runs, so that
 other processes on the machine inflate it less.
+
+A third scenario, `traffic`, times cache_aware as a replica's traffic drives it, where the
+two above repeat one prompt: every rank holds 8 system prompts of 62 blocks, each decision is
+a new prompt (one of them + 63 blocks of its own), the index stores each routed prompt on its
+rank 32 decisions later (its store event), the clock moves 1.2 ms a decision, and the ledger
+is at its cap (`max_tracked_blocks` 200,000): each record weighs, books, prunes and settles
+as in a replica under the proxy benchmark's load. Mean of `--traffic-decisions` decisions
+after as many to warm up, best of 3 fresh runs, for 2 and 16 candidates.
 """
 
 from __future__ import annotations
@@ -25,7 +33,9 @@ from __future__ import annotations
 import argparse
 import functools
 import random
+import time
 import timeit
+from collections import deque
 from collections.abc import Callable
 
 from cachetree.keys import block_keys
@@ -35,6 +45,7 @@ from cachetree.tree import BlockTree, PrefixDepths
 from router.homes import CacheAwareHome
 from router.loads import EngineLoad
 from router.policy import POLICY_NAMES, CacheAware, Candidate, Policy, Prompt, make_policy
+from router.pressure import PressureLedger, PressureSettings
 
 BLOCK = 16
 PROMPT_TOKENS = 2000
@@ -84,6 +95,44 @@ def best_mean_us(fn: Callable[[], object], iterations: int, repeats: int) -> flo
     return min(timeit.repeat(fn, number=iterations, repeat=repeats)) / iterations * 1e6
 
 
+def traffic_us(n_ranks: int, decisions: int, seed: int = 3) -> float:
+    """Mean us of cache_aware's decide under the `traffic` scenario (module docstring)."""
+    rng = random.Random(seed)
+    ranks = [RankId(f"http://10.0.{i // 8}.{i % 8}:8000", i % 8) for i in range(n_ranks)]
+    tree = BlockTree(BLOCK)
+    systems = [[rng.randrange(1, 50_000) for _ in range(62 * BLOCK)] for _ in range(8)]
+    for rank in ranks:
+        for system in systems:
+            tree.store(rank, None, block_keys(system, BLOCK), system, BLOCK)
+    now = [1000.0]
+    ledger = PressureLedger(PressureSettings(max_tracked_blocks=200_000), clock=lambda: now[0])
+    decide = make_policy(
+        "cache_aware",
+        rng=random.Random(1),
+        ledger=ledger,
+        index=lambda: tree,
+        capacity=lambda rank: 200_000,
+    ).decide
+    load = EngineLoad(running=8, waiting=0, kv_usage=0.1)
+    pending: deque[tuple[RankId, list[int], list[int]]] = deque()
+    spent = 0
+    for i in range(2 * decisions):
+        tokens = systems[i % 8] + [rng.randrange(1, 50_000) for _ in range(63 * BLOCK)]
+        keys = block_keys(tokens, BLOCK)
+        candidates = [Candidate(r, 16 + (i + j) % 3, load) for j, r in enumerate(ranks)]
+        prompt = Prompt(len(tokens), BLOCK, tree.prefix_depths(keys), keys)
+        started = time.perf_counter_ns()
+        decision = decide(candidates, prompt)
+        if i >= decisions:
+            spent += time.perf_counter_ns() - started
+        pending.append((decision.ranked[0].rank, tokens, keys))
+        if len(pending) > 32:
+            rank, stored, stored_keys = pending.popleft()
+            tree.store(rank, None, stored_keys, stored, BLOCK)  # engine hash = key
+        now[0] += 0.0012
+    return spent / decisions / 1000
+
+
 def depth_maps(depths: PrefixDepths) -> None:
     depths.any_tier  # noqa: B018 - the expansion is what is timed
     if depths.depth_runs(device=True) != depths.depth_runs():
@@ -95,6 +144,7 @@ def main() -> None:
     parser.add_argument("--candidates", default="8,64")
     parser.add_argument("--iterations", type=int, default=2_000)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--traffic-decisions", type=int, default=4_000)
     args = parser.parse_args()
     sizes = [int(x) for x in args.candidates.split(",")]
     print(f"decision latency in us: mean of {args.iterations}, best of {args.repeats} runs")
@@ -115,6 +165,8 @@ def main() -> None:
             rows["depth maps"].append(best_mean_us(call, args.iterations, args.repeats))
     for name, figures in rows.items():
         print(f"{name:<17} " + " ".join(f"{f:>14.1f}" for f in figures))
+    traffic = [min(traffic_us(n, args.traffic_decisions) for _ in range(3)) for n in (2, 16)]
+    print(f"cache_aware under traffic: {traffic[0]:.1f} us x2, {traffic[1]:.1f} us x16")
     # Python speed differs threefold between machines; this line lets figures be compared.
     calibration = best_mean_us(lambda: sum(range(1000)), args.iterations, args.repeats)
     print(f"calibration: sum(range(1000)) takes {calibration:.1f} us on this machine")
