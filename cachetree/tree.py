@@ -256,6 +256,12 @@ class BlockTree:
             return {}
         return {self._rank_of(i): bits for i, bits in self._carrier_bits(node)}
 
+    def holds(self, rank: RankId, key: int) -> bool:
+        """Whether `rank` carries the block `key`, on any tier."""
+        st = self._ranks.get(rank)
+        node = self._nodes.get(key)
+        return st is not None and node is not None and node.mask >> st.index & 1 == 1
+
     def engine_hash(self, rank: RankId, key: int) -> int | None:
         st = self._ranks.get(rank)
         node = self._nodes.get(key)

@@ -387,7 +387,7 @@ class IndexView(Protocol):
 
     def device_blocks(self, ranks: Iterable[RankId]) -> list[int]: ...
 
-    def engine_hash(self, rank: RankId, key: int) -> int | None: ...
+    def holds(self, rank: RankId, key: int) -> bool: ...
 
 
 def _no_index() -> IndexView | None:
@@ -454,7 +454,7 @@ class CacheAware:
         """End the bookings the index has confirmed or whose TTL passed (decisions do this
         too; a scrape calls it so that idle replicas report current figures)."""
         index = self.index()
-        self.ledger.settle(None if index is None else _holds(index))
+        self.ledger.settle(None if index is None else index.holds)
 
     def pressure(self, rank: RankId) -> float | None:
         """The rank's recent demand over its capacity; None when the capacity is unknown."""
@@ -465,7 +465,7 @@ class CacheAware:
         """A sibling replica routed `keys` to `rank`, which held the first `held` of them:
         its demand and booking count here as if this replica had routed it."""
         index = self.index()
-        self.ledger.record(rank, keys, held, None if index is None else _holds(index))
+        self.ledger.record(rank, keys, held, None if index is None else index.holds)
 
     def served(self, decision: Decision, rank: RankId) -> None:
         """The proxy failed over: `rank` served the prompt `decision` placed elsewhere. The
@@ -475,7 +475,7 @@ class CacheAware:
             return
         keys = prompt.keys
         index = self.index()
-        holds = None if index is None else _holds(index)
+        holds = None if index is None else index.holds
         held = 0
         if holds is not None:  # the index now, not the decision's (it may have changed since)
             while held < len(keys) and holds(rank, keys[held]):
@@ -500,7 +500,7 @@ class CacheAware:
         if not n:
             return Decision([], NO_CANDIDATES, 0)
         index = self.index()
-        holds = None if index is None else _holds(index)
+        holds = None if index is None else index.holds
         self.ledger.settle(holds)
         loads = _loads(candidates)
         any_tier, device = _depth_maps(prompt.depths)
@@ -694,13 +694,6 @@ def _rendezvous(
         xxh3_64_intdigest(c.rank.worker_url.encode(), seed=anchor ^ c.rank.dp_rank)
         for c in candidates
     ]
-
-
-def _holds(index: IndexView) -> Callable[[RankId, int], bool]:
-    def holds(rank: RankId, key: int) -> bool:
-        return index.engine_hash(rank, key) is not None
-
-    return holds
 
 
 # --- factory --------------------------------------------------------------------------------

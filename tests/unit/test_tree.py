@@ -244,6 +244,20 @@ def test_carriers_with_different_engine_hashes_keep_their_own() -> None:
     assert tree.engine_hash(B, key) is None
 
 
+def test_holds_is_whether_the_rank_carries_the_block_on_any_tier() -> None:
+    tree = BlockTree(BS)
+    tree.store(A, None, [10], toks(1), BS, tier=HOST)
+    tree.store(B, None, [20], toks(1), BS)
+    key, other = keys_of(toks(1))[0], keys_of(toks(1, start=40))[0]
+    unknown = RankId("http://w:9", 0)
+    assert [tree.holds(r, key) for r in (A, B, unknown)] == [True, True, False]
+    assert not tree.holds(A, other)
+    tree.remove(B, [20], None)
+    assert [tree.holds(r, key) for r in (A, B)] == [True, False]
+    for rank in (A, B, unknown):  # the same answer as the engine hash gives
+        assert tree.holds(rank, key) == (tree.engine_hash(rank, key) is not None)
+
+
 def test_namespaced_stores_match_only_namespaced_prompts() -> None:
     from cachetree.keys import namespace_seed
 
