@@ -38,7 +38,8 @@ not see yet, none left, a holder seen and passed over, the imbalance fallback).
 `--holdouts` adds shapes of the regime that no weight was chosen on (`holdouts()`).
 `--share-lag-ms`, `--event-lag-ms` and `--placement-share-lag-ms` set the news lags of every
 workload chosen; the last one delays only placements (a prefix sent to a rank it was never
-sent to), to tell which decisions' lag costs (BENCHMARKS.md: siblings' news lag).
+sent to), to tell which decisions' lag costs (BENCHMARKS.md: siblings' news lag). `--placer`
+plays a what-if: replica 0 places every new prefix for its siblings (`play`'s `placer`).
 """
 
 from __future__ import annotations
@@ -591,8 +592,13 @@ class Fleet:
 
 def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None = None,
          settings: PressureSettings | None = None, share: bool = True,
-         home: HomeSettings | None = None) -> Outcome:  # fmt: skip
-    """One workload, one seed, through `policy` (a kvrouter policy name, or "ideal")."""
+         home: HomeSettings | None = None, placer: bool = False) -> Outcome:  # fmt: skip
+    """One workload, one seed, through `policy` (a kvrouter policy name, or "ideal").
+
+    `placer` (cache_aware with siblings; a what-if, not a router feature): a replica that sees
+    a new prefix (every rank at the same depth in its view, bookings included) lets replica 0
+    decide instead (which may know a holder it does not), and books the answer at once, as if
+    it had asked over a round trip that costs nothing; replica 0 shares it as usual."""
     requests, lengths = build_requests(w, seed)
     fleet = Fleet(w, seed)
     ranks = [r.rank for r in fleet.ranks]
@@ -673,12 +679,19 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
         ledger = router.inner.ledger if isinstance(router, CacheAwareHome) else None
         if isinstance(router, CacheAware):
             ledger = router.ledger
-        seen = dict(prompt.depths.device)  # what the replica sees before deciding
+        device = dict(prompt.depths.device)
+        seen = dict(device)  # what the replica sees before deciding
         if ledger is not None:
             seen.update(ledger.booked_depths(keys, seen))
         routing.append(req)
-        decision = router.decide(candidates, prompt)
+        decider = router
+        if placer and k and isinstance(router, CacheAware) and _same_depth(seen, ranks):
+            decider = routers[0]
+        decision = decider.decide(candidates, prompt)
         rank = decision.ranked[0].rank
+        if decider is not router:
+            assert isinstance(router, CacheAware)
+            router.adopt(rank, keys, device.get(rank, 0))
         before = sent.setdefault(req.prefix, set())
         if before and rank not in before:
             if decision.outcome == IMBALANCE_FALLBACK:
@@ -710,6 +723,12 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
             out.spills += policy_obj.spill_stats.spills
             out.bookings_expired += policy_obj.ledger.bookings.expired
     return out
+
+
+def _same_depth(depths: dict[RankId, int], ranks: Sequence[RankId]) -> bool:
+    """Every rank holds the prompt equally deep (a new prefix, below any shared preamble)."""
+    held = {depths.get(r, 0) for r in ranks}
+    return len(held) == 1
 
 
 def diagnose(
@@ -772,6 +791,9 @@ def main() -> None:
         "--share-lag-ms", type=float, help="a decision reaches the siblings this much later"
     )
     parser.add_argument(
+        "--placer", action="store_true", help="replica 0 places every new prefix (what-if)"
+    )
+    parser.add_argument(
         "--placement-share-lag-ms",
         type=float,
         help="... except a placement (a prefix sent to a rank it was never sent to)",
@@ -810,7 +832,7 @@ def main() -> None:
     chosen = [replace(w, **lags) for w in chosen]
 
     def play_one(w: Workload, seed: int, policy: str) -> Outcome:
-        return play(w, seed, policy, weights, settings, not args.no_share, home)
+        return play(w, seed, policy, weights, settings, not args.no_share, home, args.placer)
 
     if args.diagnose:
         print(

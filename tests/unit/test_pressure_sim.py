@@ -160,3 +160,15 @@ def test_a_sibling_that_hears_placements_late_makes_copies_it_could_not_see() ->
         for seed in range(4)
     ]
     assert sum(late) > 2 * sum(heard)
+
+
+def test_a_placer_that_places_every_new_prefix_leaves_no_blind_copies() -> None:
+    # The what-if of `play(placer=True)`: replica 1 lets replica 0 place what it sees as new,
+    # so the news lag no longer hides a placement from the replica that makes the next one.
+    w = Workload("t", 4, 8, (10, 14), 0.85, 6, shuffled=True, concurrency=8, replicas=2,
+                 share_lag_s=10.0, event_lag_s=10.0)  # fmt: skip
+    alone = [play(w, seed, "cache_aware") for seed in range(4)]
+    placed = [play(w, seed, "cache_aware", placer=True) for seed in range(4)]
+    assert sum(o.copies.unseen for o in alone) >= 15
+    assert sum(o.copies.unseen for o in placed) <= 1
+    assert sum(o.ranks_per_prefix for o in placed) < sum(o.ranks_per_prefix for o in alone) - 1
