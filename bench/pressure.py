@@ -27,15 +27,22 @@ Each row runs `runs` times, with a different fixed seed per run (the rows of a r
 the rows in turns so drift hits every row alike. A row shows its median ratio with the range;
 `x ideal` is that median over the ideal row's median. The target: cache_aware at least 0.97x
 the ideal's in every workload, and above smg's.
+
+To study a few workloads at a time (their tables are partial: pass `--no-markdown`):
+`BENCH_PRESSURE_WORKLOADS` names them (commas; any shape of `bench.pressure_sim`, holdouts
+and header shapes included), `BENCH_PRESSURE_RUNS` sets the runs per row (seeds 0..N-1), and
+`BENCH_PRESSURE_ROWS` the rows (their labels, commas: "ideal partition,kvrouter cache_aware");
+the rows left out show as skipped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -43,7 +50,17 @@ from typing import Any, Final
 import aiohttp
 
 from bench import plots
-from bench.pressure_sim import IDEAL, Request, Workload, build_requests, ideal_partition, workloads
+from bench.pressure_sim import (
+    IDEAL,
+    Request,
+    Workload,
+    build_requests,
+    holdouts,
+    ideal_partition,
+    long_headers,
+    nested_headers,
+    workloads,
+)
 from bench.report import table
 from bench.routing_quality import start_fleet
 from bench.smg import smg_router
@@ -62,6 +79,7 @@ ROWS: Final = (
     ("kvrouter", "round_robin"),
     ("smg", "cache_aware"),
 )
+MAX_RUNS: Final = 100
 FULL: Final = (
     "3w-9p-cyclic",
     "3w-9p-shuffled-prefilled",
@@ -82,11 +100,51 @@ FULL: Final = (
 QUICK: Final = ("3w-9p-shuffled-c8-prefilled", "3w-9p-shuffled-c8-2rep")
 
 
-def selected(quick: bool) -> tuple[list[Workload], int]:
-    """The workloads and the runs per row at this scale."""
-    names = QUICK if quick else FULL
-    by_name = {w.name: w for w in workloads()}
-    return [by_name[n] for n in names], 1 if quick else 3
+def selected(quick: bool, env: Mapping[str, str] = os.environ) -> tuple[list[Workload], int]:
+    """The workloads and the runs per row at this scale, or as the environment narrows them:
+    `BENCH_PRESSURE_WORKLOADS` (names, commas; any shape of `bench.pressure_sim`, its
+    holdouts and header shapes included) and `BENCH_PRESSURE_RUNS` (1-100). ValueError
+    naming the problem when they are malformed. A narrowed run is for `--no-markdown`: its
+    tables would replace the full ones."""
+    names: Sequence[str] = QUICK if quick else FULL
+    runs = 1 if quick else 3
+    wanted = env.get("BENCH_PRESSURE_WORKLOADS", "").strip()
+    family = workloads() + holdouts() + long_headers() + nested_headers()
+    by_name = {w.name: w for w in family}
+    if wanted:
+        names = [n.strip() for n in wanted.split(",") if n.strip()]
+        unknown = [n for n in names if n not in by_name]
+        if unknown or len(set(names)) != len(names):
+            raise ValueError(
+                f"BENCH_PRESSURE_WORKLOADS: {', '.join(unknown) or 'a name twice'}; "
+                f"choose distinct names among {', '.join(by_name)}"
+            )
+    count = env.get("BENCH_PRESSURE_RUNS", "").strip()
+    if count:
+        if not count.isdigit() or not 1 <= int(count) <= MAX_RUNS:
+            raise ValueError(f"BENCH_PRESSURE_RUNS: {count!r}; need a whole number 1-{MAX_RUNS}")
+        runs = int(count)
+    return [by_name[n] for n in names], runs
+
+
+def selected_rows(env: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:
+    """The rows to run: all of `ROWS`, or those `BENCH_PRESSURE_ROWS` names (labels as the
+    table prints them, commas: "ideal partition,kvrouter cache_aware"); ValueError naming
+    the problem when it is malformed."""
+    wanted = env.get("BENCH_PRESSURE_ROWS", "").strip()
+    if not wanted:
+        return list(ROWS)
+    labels = {f"{router} {policy}": (router, policy) for router, policy in ROWS}
+    names = [n.strip() for n in wanted.split(",") if n.strip()]
+    unknown = [n for n in names if n not in labels]
+    if unknown:
+        raise ValueError(
+            f"BENCH_PRESSURE_ROWS: {', '.join(unknown)}; choose among {', '.join(labels)}"
+        )
+    return [row for label, row in labels.items() if label in names]
+
+
+LEFT_OUT: Final = "left out by BENCH_PRESSURE_ROWS"
 
 
 @dataclass
@@ -246,12 +304,19 @@ async def smg_run(
 
 
 async def run_workload(
-    ctx: Any, session: aiohttp.ClientSession, w: Workload, runs: int
+    ctx: Any,
+    session: aiohttp.ClientSession,
+    w: Workload,
+    runs: int,
+    chosen_rows: Sequence[tuple[str, str]] = ROWS,
 ) -> dict[str, Any]:
     log_dir = ctx.workdir / "pressure" / w.name
     log_dir.mkdir(parents=True, exist_ok=True)
     cluster = demo.Cluster(log_dir)
-    rows = [Row(router, policy) for router, policy in ROWS]
+    rows = [
+        Row(router, policy, skipped=None if (router, policy) in chosen_rows else LEFT_OUT)
+        for router, policy in ROWS
+    ]
     try:
         await start_fleet(
             cluster, w.workers, w.cache_blocks, PREFILL_US_PER_TOKEN, DECODE_MS_PER_TOKEN
@@ -282,14 +347,17 @@ async def run_workload(
     }
 
 
-async def run_async(ctx: Any, chosen: Sequence[Workload], runs: int) -> list[dict[str, Any]]:
+async def run_async(
+    ctx: Any, chosen: Sequence[Workload], runs: int, rows: Sequence[tuple[str, str]] = ROWS
+) -> list[dict[str, Any]]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        return [await run_workload(ctx, session, w, runs) for w in chosen]
+        return [await run_workload(ctx, session, w, runs, rows) for w in chosen]
 
 
 def run(ctx: Any) -> dict[str, Any]:
     chosen, runs = selected(ctx.quick)
-    return {"runs": runs, "workloads": asyncio.run(run_async(ctx, chosen, runs))}
+    rows = selected_rows()
+    return {"runs": runs, "workloads": asyncio.run(run_async(ctx, chosen, runs, rows))}
 
 
 # -- report ----------------------------------------------------------------------------------

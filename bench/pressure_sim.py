@@ -31,9 +31,15 @@ levels of sharing.
 
 `--diagnose` says where each policy's lost prefix blocks went (`Losses`: a prefix's first
 admission, a worker sent a prefix another one held deeper, or nobody held it any more) and
-how evenly the prefixes' first placements spread their blocks over the workers, and the
-simulated time to first token (a request's wait for a slot plus its prefill; p50 and p99).
+how evenly the prefixes' first placements spread their blocks over the workers, the
+simulated time to first token (a request's wait for a slot plus its prefill; p50 and p99),
+and why each second copy of a prefix was made (`Copies`: a holder the deciding replica could
+not see yet, none left, a holder seen and passed over, the imbalance fallback).
 `--holdouts` adds shapes of the regime that no weight was chosen on (`holdouts()`).
+`--share-lag-ms`, `--event-lag-ms` and `--placement-share-lag-ms` set the news lags of every
+workload chosen; the last one delays only placements (a prefix sent to a rank it was never
+sent to), to tell which decisions' lag costs (BENCHMARKS.md: siblings' news lag). `--placer`
+plays a what-if: replica 0 places every new prefix for its siblings (`play`'s `placer`).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from fake_kv_worker.hashing import VllmSha256Hasher
 from router.homes import CacheAwareHome, Home, HomeSettings, HomeTable
 from router.loads import EngineLoad
 from router.policy import (
+    IMBALANCE_FALLBACK,
     CacheAware,
     CacheAwareWeights,
     Candidate,
@@ -97,6 +104,9 @@ class Workload:
     decode_s: float = 0.01
     event_lag_s: float = 0.002
     share_lag_s: float = 0.003  # a decision reaches the sibling replicas this much later
+    # ... except a placement (a prefix sent to a rank it was never sent to: a new prefix or
+    # a copy), which takes this long when set (an ablation: which decisions' lag costs)
+    placement_share_lag_s: float | None = None
     load_interval_s: float = 0.25
 
     @property
@@ -390,6 +400,22 @@ class Losses:
 
 
 @dataclass
+class Copies:
+    """Requests sent to a rank their prefix was never sent to while another rank had been
+    (a second copy made), by what the deciding replica saw just before it decided: `unseen`,
+    no rank held or had booked the prefix in its view while another rank held it or had a
+    request for it in flight (a sibling's placement it had not heard of yet, or a store
+    event not arrived); `gone`, no rank held it in its view nor in fact (evicted
+    everywhere: a placement again); `away`, its view showed a holder and the cost chose
+    another rank (a queue or a spill); `fallback`, the imbalance fallback ignored the cache."""
+
+    unseen: int = 0
+    gone: int = 0
+    away: int = 0
+    fallback: int = 0
+
+
+@dataclass
 class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -398,6 +424,7 @@ class Outcome:
     spills: int = 0
     bookings_expired: int = 0
     losses: Losses = field(default_factory=Losses)
+    copies: Copies = field(default_factory=Copies)
     # Max - min over the workers of the shared blocks of the prefixes whose first request
     # each was sent: how unevenly the placement of new prefixes filled the caches.
     placement_spread: int = 0
@@ -565,8 +592,13 @@ class Fleet:
 
 def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None = None,
          settings: PressureSettings | None = None, share: bool = True,
-         home: HomeSettings | None = None) -> Outcome:  # fmt: skip
-    """One workload, one seed, through `policy` (a kvrouter policy name, or "ideal")."""
+         home: HomeSettings | None = None, placer: bool = False) -> Outcome:  # fmt: skip
+    """One workload, one seed, through `policy` (a kvrouter policy name, or "ideal").
+
+    `placer` (cache_aware with siblings; a what-if, not a router feature): a replica that sees
+    a new prefix (every rank at the same depth in its view, bookings included) lets replica 0
+    decide instead (which may know a holder it does not), and books the answer at once, as if
+    it had asked over a round trip that costs nothing; replica 0 shares it as usual."""
     requests, lengths = build_requests(w, seed)
     fleet = Fleet(w, seed)
     ranks = [r.rank for r in fleet.ranks]
@@ -587,12 +619,18 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
         return fleet.run(requests, greedy)
     routers: list[Policy] = []
 
+    sent: dict[int, set[RankId]] = {}  # prefix -> the ranks it was sent to
+    routing: list[Request] = []  # the request being decided, for `share`
+
     def sharer(k: int) -> Callable[[RankId, Sequence[int], int], None]:
         def share(rank: RankId, keys: Sequence[int], held: int) -> None:
+            lag = w.share_lag_s
+            if w.placement_share_lag_s is not None and rank not in sent.get(routing[-1].prefix, ()):
+                lag = w.placement_share_lag_s
             for j, sibling in enumerate(routers):
                 if j != k and isinstance(sibling, CacheAware):
                     adopt = functools.partial(sibling.adopt, rank, keys, held)
-                    fleet.at(fleet.now + w.share_lag_s, adopt)
+                    fleet.at(fleet.now + lag, adopt)
 
         return share
 
@@ -627,6 +665,9 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
                 router.share = home_sharer(k)
         routers.append(router)
     inflight = {r: [0] * w.replicas for r in ranks}
+    pending: dict[tuple[int, RankId], int] = {}  # (prefix, rank) -> requests in flight
+    copies = Copies()
+    preamble = w.header_blocks + w.team_blocks  # blocks a prefix shares with others
 
     def route(i: int, req: Request) -> RankId:
         k = i % w.replicas
@@ -634,14 +675,47 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
         tokens = req.tokens
         keys = block_keys(tokens, BLOCK)
         prompt = Prompt(len(tokens), BLOCK, fleet.tree.prefix_depths(keys), keys)
-        rank = routers[k].decide(candidates, prompt).ranked[0].rank
+        router = routers[k]
+        ledger = router.inner.ledger if isinstance(router, CacheAwareHome) else None
+        if isinstance(router, CacheAware):
+            ledger = router.ledger
+        device = dict(prompt.depths.device)
+        seen = dict(device)  # what the replica sees before deciding
+        if ledger is not None:
+            seen.update(ledger.booked_depths(keys, seen))
+        routing.append(req)
+        decider = router
+        if placer and k and isinstance(router, CacheAware) and _same_depth(seen, ranks):
+            decider = routers[0]
+        decision = decider.decide(candidates, prompt)
+        rank = decision.ranked[0].rank
+        if decider is not router:
+            assert isinstance(router, CacheAware)
+            router.adopt(rank, keys, device.get(rank, 0))
+        before = sent.setdefault(req.prefix, set())
+        if before and rank not in before:
+            if decision.outcome == IMBALANCE_FALLBACK:
+                copies.fallback += 1
+            elif any(d > preamble for d in seen.values()):
+                copies.away += 1
+            elif any(
+                pending.get((req.prefix, r.rank)) or r.cache.cached_prefix(tokens) > preamble
+                for r in fleet.ranks
+            ):
+                copies.unseen += 1
+            else:
+                copies.gone += 1
+        before.add(rank)
+        pending[req.prefix, rank] = pending.get((req.prefix, rank), 0) + 1
         inflight[rank][k] += 1
         return rank
 
     def done(i: int, rank: RankId) -> None:
         inflight[rank][i % w.replicas] -= 1
+        pending[requests[i].prefix, rank] -= 1
 
     out = fleet.run(requests, route, done)
+    out.copies = copies
     for policy_obj in routers:
         if isinstance(policy_obj, CacheAwareHome):
             policy_obj = policy_obj.inner
@@ -651,6 +725,12 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
     return out
 
 
+def _same_depth(depths: dict[RankId, int], ranks: Sequence[RankId]) -> bool:
+    """Every rank holds the prompt equally deep (a new prefix, below any shared preamble)."""
+    held = {depths.get(r, 0) for r in ranks}
+    return len(held) == 1
+
+
 def diagnose(
     w: Workload,
     seeds: int,
@@ -658,7 +738,9 @@ def diagnose(
     play_one: Callable[[Workload, int, str], Outcome],
 ) -> None:
     """Per policy: the ratio over the ideal partition's (median of the seeds' quotients), the
-    lost shared blocks by why (means per run), the first placements' spread, ranks/prefix."""
+    lost shared blocks by why (means per run), the first placements' spread, ranks/prefix,
+    the simulated TTFT, and the copies made by why (`Copies`: unseen, gone, away, fallback;
+    means per run)."""
     ideal = [play(w, s, IDEAL) for s in range(seeds)]
     for p in [IDEAL, *policies]:
         runs = ideal if p == IDEAL else [play_one(w, s, p) for s in range(seeds)]
@@ -672,9 +754,13 @@ def diagnose(
         ttft = [statistics.quantiles(r.ttft_s, n=100) for r in runs]
         p50 = statistics.median(q[49] for q in ttft) * 1e3
         p99 = statistics.median(q[98] for q in ttft) * 1e3
+        copies = " ".join(
+            f"{statistics.fmean(getattr(r.copies, k) for r in runs):4.1f}"
+            for k in ("unseen", "gone", "away", "fallback")
+        )
         print(
             f"{w.name:<34} {p:<16} {rel:6.3f}x {lost[0]:7.0f} {lost[1]:6.0f} {lost[2]:7.0f} "
-            f"{spread:7.1f} {per_prefix:6.2f} {p50:7.1f} {p99:7.1f}"
+            f"{spread:7.1f} {per_prefix:6.2f} {p50:7.1f} {p99:7.1f}  {copies}"
         )
 
 
@@ -701,6 +787,20 @@ def main() -> None:
     parser.add_argument(
         "--no-share", action="store_true", help="replicas do not share their decisions"
     )
+    parser.add_argument(
+        "--share-lag-ms", type=float, help="a decision reaches the siblings this much later"
+    )
+    parser.add_argument(
+        "--placer", action="store_true", help="replica 0 places every new prefix (what-if)"
+    )
+    parser.add_argument(
+        "--placement-share-lag-ms",
+        type=float,
+        help="... except a placement (a prefix sent to a rank it was never sent to)",
+    )
+    parser.add_argument(
+        "--event-lag-ms", type=float, help="an admission's store event reaches the index later"
+    )
     parser.add_argument("--tail-blocks", type=int, default=HomeSettings().tail_blocks)
     parser.add_argument("--join-tail-blocks", type=int, default=HomeSettings().join_tail_blocks)
     parser.add_argument("--place-bound", type=int, default=HomeSettings().place_bound)
@@ -723,14 +823,22 @@ def main() -> None:
     family += long_headers() if args.long_headers else []
     family += nested_headers() if args.nested_headers else []
     chosen = [w for w in family if not wanted or w.name in wanted]
+    lags = {
+        "share_lag_s": args.share_lag_ms,
+        "placement_share_lag_s": args.placement_share_lag_ms,
+        "event_lag_s": args.event_lag_ms,
+    }
+    lags = {k: ms / 1e3 for k, ms in lags.items() if ms is not None}
+    chosen = [replace(w, **lags) for w in chosen]
 
     def play_one(w: Workload, seed: int, policy: str) -> Outcome:
-        return play(w, seed, policy, weights, settings, not args.no_share, home)
+        return play(w, seed, policy, weights, settings, not args.no_share, home, args.placer)
 
     if args.diagnose:
         print(
             f"{'workload':<34} {'policy':<16} {'x ideal':>7} {'cold':>7} {'copy':>6} "
-            f"{'evicted':>7} {'spread':>7} {'ranks':>6} {'p50 ms':>7} {'p99 ms':>7}"
+            f"{'evicted':>7} {'spread':>7} {'ranks':>6} {'p50 ms':>7} {'p99 ms':>7}  "
+            "copies: unseen gone away fallback"
         )
         for w in chosen:
             diagnose(w, args.seeds, policies, play_one)

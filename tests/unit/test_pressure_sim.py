@@ -4,6 +4,8 @@ table (`cache_aware_home`), anchored past shared preambles."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from bench.pressure_sim import (
@@ -12,6 +14,7 @@ from bench.pressure_sim import (
     IDEAL,
     ONLINE_GREEDY,
     Losses,
+    Outcome,
     Request,
     Workload,
     build_requests,
@@ -129,3 +132,43 @@ def test_nested_headers_share_a_fleet_preamble_and_a_team_preamble() -> None:
     team = {p: t[8 : 8 + 8 * BLOCK] for p, t in firsts.items()}
     assert team[0] == team[2] == team[4] != team[1] == team[3] == team[5]
     assert len({tuple(t[: 8 + 9 * BLOCK]) for t in firsts.values()}) == 6  # then their own
+
+
+def _copies(out: Outcome) -> int:
+    c = out.copies
+    return c.unseen + c.gone + c.away + c.fallback
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin", CACHE_AWARE_HOME])
+def test_every_second_copy_of_a_prefix_is_counted_once_by_why(policy: str) -> None:
+    w = Workload("t", 3, 6, (10, 14), 0.85, 4, shuffled=True, concurrency=6, replicas=2)
+    out = play(w, 2, policy)
+    # each prefix's first rank is its placement; every further rank is one copy
+    assert _copies(out) == round((out.ranks_per_prefix - 1) * w.prefixes)
+    assert _copies(out) > 0 or policy != "round_robin"
+
+
+def test_a_sibling_that_hears_placements_late_makes_copies_it_could_not_see() -> None:
+    # Neither the siblings' decisions nor the engines' store events arrive before the run
+    # ends: each replica places every prefix its sibling placed again, blind. Placements
+    # heard at once (the rest still late) leave only the copies decided in one instant.
+    w = Workload("t", 4, 8, (10, 14), 0.85, 6, shuffled=True, concurrency=8, replicas=2,
+                 share_lag_s=10.0, event_lag_s=10.0)  # fmt: skip
+    late = [play(w, seed, "cache_aware").copies.unseen for seed in range(4)]
+    heard = [
+        play(replace(w, placement_share_lag_s=0.0), seed, "cache_aware").copies.unseen
+        for seed in range(4)
+    ]
+    assert sum(late) > 2 * sum(heard)
+
+
+def test_a_placer_that_places_every_new_prefix_leaves_no_blind_copies() -> None:
+    # The what-if of `play(placer=True)`: replica 1 lets replica 0 place what it sees as new,
+    # so the news lag no longer hides a placement from the replica that makes the next one.
+    w = Workload("t", 4, 8, (10, 14), 0.85, 6, shuffled=True, concurrency=8, replicas=2,
+                 share_lag_s=10.0, event_lag_s=10.0)  # fmt: skip
+    alone = [play(w, seed, "cache_aware") for seed in range(4)]
+    placed = [play(w, seed, "cache_aware", placer=True) for seed in range(4)]
+    assert sum(o.copies.unseen for o in alone) >= 15
+    assert sum(o.copies.unseen for o in placed) <= 1
+    assert sum(o.ranks_per_prefix for o in placed) < sum(o.ranks_per_prefix for o in alone) - 1

@@ -1,0 +1,59 @@
+"""Which workloads, runs and rows `python -m bench --only pressure` plays: all of them by
+default, or as `BENCH_PRESSURE_WORKLOADS`, `BENCH_PRESSURE_RUNS` and `BENCH_PRESSURE_ROWS`
+narrow them (bench/pressure.py `selected`, `selected_rows`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.pressure import FULL, MAX_RUNS, QUICK, ROWS, selected, selected_rows
+
+
+def test_without_the_environment_the_full_and_quick_sets_run_as_before() -> None:
+    full, runs = selected(False, {})
+    assert [w.name for w in full] == list(FULL) and runs == 3
+    quick, runs = selected(True, {})
+    assert [w.name for w in quick] == list(QUICK) and runs == 1
+    assert selected_rows({}) == list(ROWS)
+
+
+def test_the_environment_names_workloads_in_its_order_holdouts_included_and_the_runs() -> None:
+    env = {
+        "BENCH_PRESSURE_WORKLOADS": " 6w-30p-c16-3rep, 4w-20p-cyclic-3rep ",
+        "BENCH_PRESSURE_RUNS": "7",
+    }
+    chosen, runs = selected(False, env)
+    assert [w.name for w in chosen] == ["6w-30p-c16-3rep", "4w-20p-cyclic-3rep"]
+    assert chosen[0].replicas == 3 and chosen[0].concurrency == 16  # the holdout's shape
+    assert runs == 7
+    # --quick's one run gives way to an explicit count too
+    assert selected(True, {"BENCH_PRESSURE_RUNS": "2"})[1] == 2
+
+
+def test_rows_keep_the_table_order_whatever_order_they_are_named_in() -> None:
+    env = {"BENCH_PRESSURE_ROWS": "kvrouter cache_aware,ideal partition"}
+    assert selected_rows(env) == [("ideal", "partition"), ("kvrouter", "cache_aware")]
+
+
+@pytest.mark.parametrize(
+    ("env", "problem"),
+    [
+        ({"BENCH_PRESSURE_WORKLOADS": "3w-9p-cyclic,nope"}, "BENCH_PRESSURE_WORKLOADS: nope;"),
+        ({"BENCH_PRESSURE_WORKLOADS": "3w-9p-cyclic,3w-9p-cyclic"}, "a name twice"),
+        ({"BENCH_PRESSURE_RUNS": "0"}, "BENCH_PRESSURE_RUNS: '0'"),
+        ({"BENCH_PRESSURE_RUNS": str(MAX_RUNS + 1)}, f"1-{MAX_RUNS}"),
+        ({"BENCH_PRESSURE_RUNS": "-2"}, "whole number"),
+        ({"BENCH_PRESSURE_RUNS": "2.5"}, "whole number"),
+    ],
+)
+def test_a_malformed_selection_is_refused_naming_the_problem(
+    env: dict[str, str], problem: str
+) -> None:
+    with pytest.raises(ValueError, match=problem.replace("(", r"\(")) as err:
+        selected(False, env)
+    assert "choose" in str(err.value) or "whole number" in str(err.value)
+
+
+def test_an_unknown_row_is_refused_with_the_labels_to_choose_from() -> None:
+    with pytest.raises(ValueError, match="BENCH_PRESSURE_ROWS: kvrouter magic; choose among"):
+        selected_rows({"BENCH_PRESSURE_ROWS": "ideal partition,kvrouter magic"})
