@@ -15,6 +15,7 @@ over the client connection's in-process link (`control_link`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,7 +35,7 @@ from router.dataplane.exchange import (
 )
 from router.dataplane.flow import PEER_BACKPRESSURE
 from router.dataplane.upstream import UpstreamConnection, UpstreamPool
-from router.policy import Decision
+from router.policy import Candidate, Decision
 from router.workers import Worker
 
 if TYPE_CHECKING:
@@ -177,9 +178,7 @@ class WorkerRelay(Relay):
         # When every candidate's breaker is open, requests go out anyway: refusing all
         # traffic is worse than trying a worker that may have recovered. Read once, before
         # the first attempt claims anything; `all` stops at the first closed breaker.
-        workers = plane.workers
-        known = (w for c in decision.ranked if (w := workers.get(c.rank.worker_url)) is not None)
-        self._every_open = all(w.breaker.is_open() for w in known)
+        self._every_open = _every_breaker_open(plane.workers, decision.ranked)
         self._next_pair = 0  # in decision.ranked
         self.attempts = 0
         self.rank: RankId | None = None  # of the attempt in progress
@@ -344,3 +343,13 @@ class ControlRelay(Relay):
         self.client.refuse(
             Refusal(502, f"the control plane did not answer: {detail}", type="internal_error")
         )
+
+
+def _every_breaker_open(workers: WorkerLookup, ranked: Sequence[Candidate]) -> bool:
+    """Whether the breaker of every known candidate's worker is open (True for none): a loop
+    that stops at the first closed one, run on every request."""
+    for c in ranked:
+        worker = workers.get(c.rank.worker_url)
+        if worker is not None and not worker.breaker.is_open():
+            return False
+    return True
