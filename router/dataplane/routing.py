@@ -98,7 +98,10 @@ def param_of(route: bytes) -> str:
 
 def namespace_for(body: dict[str, Any]) -> str | None:
     """The key namespace of a request: its LoRA adapter and cache salt, as events carry them."""
-    return namespace_of(_str_or_none(body.get("lora_name")), _str_or_none(body.get("cache_salt")))
+    lora, salt = body.get("lora_name"), body.get("cache_salt")
+    if lora is None and salt is None:  # most requests: no call per field
+        return None
+    return namespace_of(_str_or_none(lora), _str_or_none(salt))
 
 
 def _str_or_none(value: Any) -> str | None:
