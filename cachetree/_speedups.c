@@ -1345,8 +1345,8 @@ fold_event(Fold *f, PyObject *out, PyObject *event, PyObject *block_removed)
 }
 
 /* decode_map_batch(payload, spec, decode_event, run_type=None) -> EventBatch, or None when the
- *   batch is not `[ts, [map event, ...], dp_rank?]` as engines send it (the caller then runs the Python
- *   decoders, which decide everything). `spec` is (removal_tiers, stored_tiers, BlockRemoved,
+ *   batch is not `[ts, [map event, ...], dp_rank?]` as engines send it (the caller then runs
+ *   the Python decoders, which decide everything). `spec` is (removal_tiers, stored_tiers, BlockRemoved,
  *   BlockStored, TokenIds, EventBatch, max_hashes, max_tokens, max_hash_bytes).
  * One-block removals and the usual BlockStored are built here; every other event's bytes go
  * to `decode_event`, which returns its normalized event or the reason it is ignored, or
@@ -1428,8 +1428,11 @@ py_decode_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyObject *medium, *tier;
             if (parse_removal_map(&r, spec.removal_tiers, &hash, &medium, &tier)) {
                 PyObject *hash_obj = PyLong_FromUnsignedLongLong(hash);
-                int status = hash_obj == NULL ? -1 : fold_removal(&fold, out, hash_obj, medium, tier);
-                Py_XDECREF(hash_obj);
+                int status = -1;
+                if (hash_obj != NULL) {
+                    status = fold_removal(&fold, out, hash_obj, medium, tier);
+                    Py_DECREF(hash_obj);
+                }
                 if (status < 0) {
                     goto error;
                 }
@@ -1528,7 +1531,6 @@ error:
 
 
 /* ---- runs of removals (twin: router/index.py _removal_run_py) --------------------------- */
-
 
 /* removal_run(events, start, BlockRemoved) -> (end, hashes) */
 static PyObject *

@@ -64,7 +64,6 @@ from typing import Final
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachetree.ranks import RankId
 from router.dataplane.polling import PollClient
 
 log = logging.getLogger(__name__)
@@ -401,13 +400,6 @@ class LoadMonitor:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         tokens = self.capacity_tokens(url, dp_rank)
-        return None if tokens is None else tokens // block_size
-
-    def rank_capacity_blocks(self, rank: RankId, block_size: int) -> int | None:
-        """`capacity_blocks` of a rank, as a routing decision asks it of every candidate: one
-        lookup when the rank carries the URL the worker was added with (the registry's)."""
-        w = self._workers.get(rank.worker_url) or self._workers.get(rank.worker_url.rstrip("/"))
-        tokens = None if w is None else w.capacity.get(rank.dp_rank)
         return None if tokens is None else tokens // block_size
 
     def source(self, url: str) -> str | None:

@@ -407,11 +407,11 @@ def engine_capacity_blocks(loads: LoadMonitor, pump: Pump) -> CapacityBlocks:
     `max_total_num_tokens`, vLLM `cache_config_info` `num_gpu_blocks`, read by the load
     monitor); None while unknown, or before the fleet's block size is known."""
 
-    rules = pump.rules
-
     def capacity(rank: RankId) -> int | None:
-        tree = rules.tree
-        return None if tree is None else loads.rank_capacity_blocks(rank, tree.block_size)
+        tree = pump.rules.tree
+        if tree is None:
+            return None
+        return loads.capacity_blocks(rank.worker_url, rank.dp_rank, tree.block_size)
 
     return capacity
 

@@ -16,7 +16,6 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from cachetree.ranks import RankId
 from router.dataplane.polling import PollClient
 from router.loads import EngineLoad, LoadMonitor
 from tests.support.clock import GatedSleep, ManualClock
@@ -390,11 +389,10 @@ async def test_capacity_outlives_stale_loads_and_is_forgotten_on_registering_aga
         assert mon.capacity_tokens(eng.url) is None  # nothing read yet: unknown, not 0
         await mon.poll_once()
         assert mon.capacity_blocks(eng.url, 0, 16) == 256
-        # A decision asks by rank, with the registry's URL or one ending in a slash.
-        assert mon.rank_capacity_blocks(RankId(eng.url, 0), 16) == 256
-        assert mon.rank_capacity_blocks(RankId(eng.url + "/", 0), 64) == 64
-        assert mon.rank_capacity_blocks(RankId(eng.url, 1), 16) is None
-        assert mon.rank_capacity_blocks(RankId("http://127.0.0.1:9", 0), 16) is None
+        # With the registry's URL or one ending in a slash; a rank or worker never reported.
+        assert mon.capacity_blocks(eng.url + "/", 0, 64) == 64
+        assert mon.capacity_blocks(eng.url, 1, 16) is None
+        assert mon.capacity_blocks("http://127.0.0.1:9", 0, 16) is None
         await mon.poll_once()  # a read that does not state the pool keeps the last one
         assert mon.get(eng.url) == EngineLoad(waiting=2)
         assert mon.capacity_tokens(eng.url) == 4096
@@ -407,7 +405,6 @@ async def test_capacity_outlives_stale_loads_and_is_forgotten_on_registering_aga
         assert mon.capacity_tokens(eng.url) is None
         mon.remove_worker(eng.url)
         assert mon.capacity_blocks(eng.url, 0, 16) is None
-        assert mon.rank_capacity_blocks(RankId(eng.url, 0), 16) is None
         with pytest.raises(ValueError, match="block_size"):
             mon.capacity_blocks(eng.url, 0, 0)
 
