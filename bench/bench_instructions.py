@@ -21,11 +21,11 @@ Workloads:
   BlockRemoved and one ~63-block BlockStored, from the fake worker's engine), decode + key +
   apply, 400 batches; per stored block (each also evicts one).
 - `replica-churn`: the same batches through a replica's whole ingest path: a real
-  `RankSubscriber` on a ZMQ SUB socket (inproc, so no I/O thread's timing enters the count)
+  `RankSubscriber` reading a libzmq PUB over TCP loopback (the router speaks ZMTP itself)
   delivering to a running `Pump`. One batch is published at a time and the loop runs until
   the pump applied it, as a replica at 400 batches/s sees them (one wake-up per message).
-  The count includes the publisher's send and the wait (a few thousand instructions a batch,
-  the same for any version of the router).
+  The count includes the publisher's send, its libzmq I/O thread and the wait (the same for
+  any version of the router), not the kernel's work.
 
 To compare with older code, run this script with that code first on PYTHONPATH (e.g. a
 `git archive` of the old commit): the index and decoder come from there, the workloads from
@@ -126,11 +126,12 @@ def replica_churn() -> tuple[Callable[[], None], int]:
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB, socket_class=zmq.Socket)
     pub.sndhwm = 0
-    pub.bind("inproc://replica-churn")
+    pub.bind("tcp://127.0.0.1:*")
     rules = IndexRules(BlockTree(16))
     rules.add_ranks([RANK])
     pump = Pump(rules)
-    sub = RankSubscriber(RankEndpoint(RANK, "inproc://replica-churn"), pump.deliver, context=ctx)
+    endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+    sub = RankSubscriber(RankEndpoint(RANK, endpoint), pump.deliver, context=ctx)
     seq = 0
     tasks = []
 

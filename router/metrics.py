@@ -349,7 +349,7 @@ class _StateCollector(Collector):
         yield _counter(
             "kvrouter_kv_disconnects",
             "Publisher connections that dropped (peer gone, or an oversized or malformed "
-            "message); the socket is rebuilt and the loss shows as a gap",
+            "message); the subscriber connects again and the loss shows as a gap",
             [],
             {(): disconnects},
         )

@@ -1,11 +1,12 @@
 """How many worker ranks one replica can subscribe to, and the limits raised at start for it.
 
-Every rank costs a ZMQ SUB socket for good and a DEALER socket while a gap is replayed; each
-ZMQ socket holds a mailbox descriptor and a TCP connection. Two limits bound that: the ZMQ
-context's socket count (`zmq.MAX_SOCKETS`, 1,023 by default) and the process's open files
-(`RLIMIT_NOFILE`, often a soft 1,024). Past either, `socket()` fails with "Too many open
-files": before this module, the subscribers past the limit died without a word and the health
-loop died with them at the next eviction (issue 13, row 1).
+Every rank costs a TCP connection for good (its live stream, read by the event loop:
+`router.zmtp`) and a ZMQ DEALER socket while a gap is replayed, which holds a mailbox
+descriptor and a TCP connection. Two limits bound that: the ZMQ context's socket count
+(`zmq.MAX_SOCKETS`, 1,023 by default) and the process's open files (`RLIMIT_NOFILE`, often a
+soft 1,024). Past either, `socket()` fails with "Too many open files": before this module, the
+subscribers past the limit died without a word and the health loop died with them at the next
+eviction (issue 13, row 1).
 
 So at start the soft open-file limit is raised to the hard one (capped: some libraries walk
 every descriptor number up to the limit), the context's socket limit is set to what that
@@ -28,8 +29,8 @@ import zmq
 
 log = logging.getLogger(__name__)
 
-SOCKETS_PER_RANK: Final = 2  # SUB, and DEALER during a replay
-FDS_PER_RANK: Final = 4  # a mailbox and a TCP connection per socket
+SOCKETS_PER_RANK: Final = 1  # the DEALER during a replay
+FDS_PER_RANK: Final = 3  # the live stream; the DEALER's mailbox and TCP connection
 NOFILE_CAP: Final = 1 << 20  # never raise the soft limit past this
 RESERVED_FDS_MAX: Final = 4096  # kept for connections, files and the loop
 CONTEXT_SOCKETS_MIN: Final = 16  # what a context must allow whatever the budget

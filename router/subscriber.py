@@ -52,49 +52,56 @@ longer buffered). Without a replay endpoint the whole range is one `UnrepairedGa
 batches from its own cursor jump.
 
 Backpressure: every item is handed over before the next message is read (taken at once by
-`offer`, or `deliver` awaited and nothing read meanwhile), so a slow pump leaves frames queued
-in ZMQ and, past the high-water marks, dropped by the engine's publisher,
-where the next seq reveals the loss. Nothing is dropped silently inside the router.
+`offer`, or `deliver` awaited with reading paused meanwhile), so a slow pump leaves the
+publisher's messages in the kernel's socket buffers and then in the publisher's queue, which
+drops past its high-water mark, where the next seq reveals the loss. Nothing is dropped
+silently inside the router.
 
-Size bound: every socket (SUB and replay DEALER) has `ZMQ_MAXMSGSIZE` set to
-`max_message_bytes` (`--kv-events-max-message-bytes`, 8 MiB by default; a real batch, one
-scheduler step, is far smaller: a 100k-token prefill is ~0.5 MB). libzmq refuses a larger
-message before allocating it and drops the connection to that publisher, for good (it does
-not reconnect after a protocol error). A socket monitor reports the drop (`disconnects`, a
-warning); the socket is rebuilt and resubscribes, and what was published meanwhile (the
-oversized batch included) shows up as a gap at the next batch: replayed if the replay buffer
-holds it within the bound, else an `UnrepairedGap` (counted lost, the worker's snapshot
-re-pulled).
-
-How it receives: the SUB socket is a plain (blocking-API) socket whose file descriptor the
-event loop watches (`loop.add_reader`). The callback itself reads every message already
-queued (NOBLOCK) and handles each at once (`_Drain`), up to `DRAIN_BATCH` messages or
-`DRAIN_BYTES` of payload per turn of the loop, so a busy stream costs one wake-up per burst
-rather than a future and a task switch per message, and a burst of huge batches still lets
+How it receives: the live stream is read without libzmq. The event loop owns the TCP
+connection to the publisher and speaks ZMTP 3.0 itself (`router.zmtp`: greeting, READY,
+subscription, frames), so a batch costs one loop wake-up and no libzmq I/O thread hand-off
+(half the CPU per message at the engines' rates, BENCHMARKS.md). Each read's messages are
+handled at once, in the transport's callback (`_LiveStream`), up to `DRAIN_BATCH` messages or
+`DRAIN_BYTES` of payload per turn of the loop, so a burst of huge batches still lets
 `/healthz` in between them. Items go to `offer` (the pump's form of `deliver` that never
 waits: it applies a batch at once when idle) while it takes them; the first it cannot take
 now, a replay, and every item behind them are awaited by the subscriber's task, in order,
-with the callbacks held off meanwhile. Without an `offer`, every item is awaited that way.
+with reading paused meanwhile. Without an `offer`, every item is awaited that way. The replay
+DEALER is a libzmq socket (`context`): it runs only to repair a gap.
+
+Connections: a refused or failed connect is retried with a backoff (50 ms doubling to 2 s,
+`connect_backoff_s`; a warning from the fifth attempt in a row without a frame). A connection
+that ends (the publisher went away, broke the protocol, sent a message over
+`max_message_bytes`, or did not finish its handshake within `HANDSHAKE_TIMEOUT_S`) is counted
+(`disconnects`, a warning with the reason) once what arrived before it is handled, and the
+subscriber connects and subscribes again (`socket_rebuilds`); what was published meanwhile
+shows up as a gap at the next batch: replayed if the replay buffer holds it, else an
+`UnrepairedGap` (counted lost, the worker's snapshot re-pulled).
+
+Size bound: a message over `max_message_bytes` (`--kv-events-max-message-bytes`, 8 MiB by
+default; a real batch, one scheduler step, is far smaller: a 100k-token prefill is ~0.5 MB) ends
+the connection as soon as its frame sizes show it, before its body is buffered (the replay
+DEALER has `ZMQ_MAXMSGSIZE` set to the same bound).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
+import functools
 import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, cast
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from cachetree.ranks import RankId
 from router.events import EventBatch, EventDecodeError, decode_batch
+from router.zmtp import ZmtpError, ZmtpReader, greeting_and_ready, subscription, tcp_host_port
 
 log = logging.getLogger(__name__)
 
@@ -104,18 +111,15 @@ SEQ_BYTES: Final = 8
 
 CONNECT_BACKOFF_FIRST_S: Final = 0.05
 CONNECT_BACKOFF_MAX_S: Final = 2.0
-CONNECT_WARN_AFTER: Final = 5  # socket setups in a row without a frame before warning
-RECV_ERRORS_BEFORE_REBUILD: Final = 64
+CONNECT_WARN_AFTER: Final = 5  # connections in a row without a frame before warning
+CONNECT_TIMEOUT_S: Final = 5.0
+HANDSHAKE_TIMEOUT_S: Final = 30.0  # libzmq's own ZMQ_HANDSHAKE_IVL default
 MAX_SEQ_JUMP: Final = 1 << 20  # a longer forward jump is a new stream (see above)
 DEFAULT_MAX_MESSAGE_BYTES: Final = 8 << 20
 # Handled per turn of the loop at most, whichever comes first: a payload's bytes are what its
 # decoding costs (~20 ns a byte), so a burst of large batches cannot hold the loop either.
 DRAIN_BATCH: Final = 64  # messages
 DRAIN_BYTES: Final = 1 << 20
-# pyzmq's enums as plain ints: its Flag arithmetic runs in Python, several us a message.
-_EVENTS: Final = int(zmq.EVENTS)
-_POLLIN: Final = int(zmq.POLLIN)
-_NOBLOCK: Final = int(zmq.NOBLOCK)
 
 ReplayOutcome = Literal["repaired", "incomplete", "failed"]
 
@@ -412,43 +416,40 @@ class RankSubscriber:
         self._setups = 0  # socket setups since the last frame received
 
     async def run(self) -> None:
-        """Receive until cancelled or the context is terminated; closes its sockets on exit.
+        """Receive until cancelled; closes its connection on exit.
 
-        An exception raised by `deliver` is not caught: it ends `run()`. The item it was
-        delivering already counts as seen, so a supervisor should start a new `RankSubscriber`
-        (a fresh stream: its first batch is never a gap) rather than call `run()` again.
+        An exception raised by `deliver` or `offer` is not caught: it ends `run()`. The item it
+        was delivering already counts as seen, so a supervisor should start a new
+        `RankSubscriber` (a fresh stream: its first batch is never a gap) rather than call
+        `run()` again.
         """
         try:
             while True:
-                sock = await self._open()
+                stream = await self._connect()
                 try:
-                    await self._receive(sock)
+                    await stream.run()
                 finally:
-                    sock.close(linger=0)
+                    stream.close()
                 self.stats.socket_rebuilds += 1
-        except zmq.ContextTerminated:
+        except zmq.ContextTerminated:  # the replay socket's context, at shutdown
             log.info("rank %s: ZMQ context terminated; subscriber stopped", self.rank)
 
-    # --- socket lifecycle -------------------------------------------------------------------
+    # --- connection lifecycle ---------------------------------------------------------------
 
-    async def _open(self) -> zmq.Socket:
+    async def _connect(self) -> _LiveStream:
+        """Connect to the publisher and start the ZMTP exchange, retrying with a backoff."""
+        loop = asyncio.get_running_loop()
         while True:
             if self._setups:
                 await asyncio.sleep(connect_backoff_s(self._setups))
             self._setups += 1
-            # A plain socket: `_receive` drains it non-blocking when the loop sees its fd.
-            sock = self._ctx.socket(zmq.SUB, socket_class=zmq.Socket)
             try:
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
-                sock.setsockopt(zmq.IPV6, int("[" in self.endpoint.endpoint))
-                sock.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic)
-                sock.connect(self.endpoint.endpoint)
-            except zmq.ContextTerminated:
-                sock.close(linger=0)
-                raise
-            except zmq.ZMQError as exc:
-                sock.close(linger=0)
+                host, port = tcp_host_port(self.endpoint.endpoint)
+                async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                    _, stream = await loop.create_connection(
+                        functools.partial(_LiveStream, self, loop), host, port
+                    )
+            except (OSError, ValueError, TimeoutError) as exc:
                 level = logging.WARNING if self._setups >= CONNECT_WARN_AFTER else logging.DEBUG
                 log.log(
                     level,
@@ -457,7 +458,7 @@ class RankSubscriber:
                     self.rank,
                     self.endpoint.endpoint,
                     self._setups,
-                    exc,
+                    exc or type(exc).__name__,
                     connect_backoff_s(self._setups),
                 )
                 continue
@@ -468,53 +469,18 @@ class RankSubscriber:
                 self.endpoint.topic,
                 self.endpoint.replay_endpoint or "off",
             )
-            return sock
+            return stream
 
-    async def _receive(self, sock: zmq.Socket) -> None:
-        """Handle messages until RECV_ERRORS_BEFORE_REBUILD recv errors in a row, or until the
-        connection to the publisher drops (see `_Drain`).
-
-        A dropped connection is watched through a socket monitor because libzmq does not
-        always reconnect by itself: a message over ZMQ_MAXMSGSIZE is a protocol error, after
-        which it gives the endpoint up for good. A fresh socket resubscribes; what was
-        published meanwhile is a gap at the next batch.
-        """
-        loop = asyncio.get_running_loop()
-        address = f"inproc://kvrouter-sub-monitor-{id(self):x}-{self.stats.socket_rebuilds}"
-        sock.monitor(address, zmq.EVENT_DISCONNECTED)
-        monitor = self._ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
-        fds = [sock.getsockopt(zmq.FD), monitor.getsockopt(zmq.FD)]
-        drain = _Drain(self, sock, monitor, loop)
-        try:
-            monitor.connect(address)
-            loop.add_reader(fds[0], drain.on_readable)
-            loop.add_reader(fds[1], drain.on_monitor)
-            await drain.run()
-        finally:
-            for fd in fds:
-                loop.remove_reader(fd)
-            drain.close()
-            with contextlib.suppress(zmq.ZMQError):
-                sock.disable_monitor()
-            monitor.close(linger=0)
-
-    def _disconnected(self, monitor: zmq.Socket) -> bool:
-        """Whether the monitor reported the publisher's connection dropped (events drained)."""
-        dropped = False
-        while monitor.getsockopt(_EVENTS) & _POLLIN:
-            frames = monitor.recv_multipart(_NOBLOCK)
-            dropped = dropped or parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED
-        if dropped:
-            self.stats.disconnects += 1
-            log.warning(
-                "rank %s: the connection to %s dropped (the publisher went away, or sent a "
-                "message over %d bytes, --kv-events-max-message-bytes, or a malformed one); "
-                "resubscribing. Batches published meanwhile surface as a gap at the next one",
-                self.rank,
-                self.endpoint.endpoint,
-                self._max_message_bytes,
-            )
-        return dropped
+    def _dropped(self, why: str) -> None:
+        """The connection to the publisher ended: counted, and a warning that says why."""
+        self.stats.disconnects += 1
+        log.warning(
+            "rank %s: the connection to %s dropped (%s); resubscribing. Batches published "
+            "meanwhile surface as a gap at the next one",
+            self.rank,
+            self.endpoint.endpoint,
+            why,
+        )
 
     # --- one live message -------------------------------------------------------------------
 
@@ -729,157 +695,180 @@ class RankSubscriber:
         return collector.kept, problem
 
 
-# --- receiving: one SUB socket's fd callbacks ------------------------------------------------
+# --- receiving: one publisher connection --------------------------------------------------
 
 
-def _recv_message(sock: zmq.Socket) -> list[zmq.Frame]:
-    """Every frame of the next message (the caller knows one waits; a message's frames arrive
-    together). As zmq.Frame objects: their `more` flag comes with the frame, where a copying
-    receive would need a getsockopt, which pyzmq converts through its enums, per frame."""
-    frame = sock.recv(_NOBLOCK, False)
-    frames = [frame]
-    while frame.more:
-        frame = sock.recv(_NOBLOCK, False)
-        frames.append(frame)
-    return frames
+class _LiveStream(asyncio.Protocol):
+    """One TCP connection to a rank's publisher, spoken to in ZMTP (`router.zmtp`).
 
+    Each read's messages are handled at once, in the callback: a busy stream costs one loop
+    wake-up per burst and no task switch. Up to DRAIN_BATCH messages or DRAIN_BYTES of payload
+    are handled per turn of the loop; past that, reading pauses and the rest are handled on the
+    next turn, so a burst of huge batches still lets `/healthz` in between them.
 
-class _Drain:
-    """One SUB socket's receiving, driven by its fd and its monitor's fd.
-
-    The fd of a ZMQ socket signals edges, not levels: it is readable when the socket's state
-    changed, not while messages wait. So each wake-up reads while the socket's own EVENTS say a
-    message waits (much cheaper than a receive failing with EAGAIN, for which pyzmq builds an
-    exception), and handles each message at once, in the callback: a busy stream costs one
-    loop wake-up per burst and no task switch. Up to DRAIN_BATCH messages or DRAIN_BYTES of
-    payload are handled per turn of the loop, the rest on the next turn.
-
-    When a message's handling must wait (a replay, an item the pump cannot take now), the
-    callbacks hold off and the subscriber's task awaits it in `run`, then reads on: the
-    messages behind it are handled after it, in order, however many edges came meanwhile. The
-    task also ends the socket's life: after RECV_ERRORS_BEFORE_REBUILD receive errors in a
-    row, once the monitor reported the connection dropped (what had arrived before is handled
-    first), or with the exception a callback met (ContextTerminated, or one from `offer`).
+    When a message's handling must wait (a replay, an item the pump cannot take now), reading
+    pauses and the subscriber's task awaits it in `run`, then reads on: the messages behind it
+    are handled after it, in order. While reading is paused the publisher's messages wait in
+    the kernel's socket buffers, then in the publisher's queue, which drops past its high-water
+    mark: the next seq reveals the loss. The task also ends the connection's life: once the
+    peer closed it (what had arrived before is handled first), broke the protocol or a bound,
+    did not finish its handshake within HANDSHAKE_TIMEOUT_S, or with the exception a callback
+    met (one from `offer`).
     """
 
     __slots__ = (
-        "dropped",
         "ending",
-        "errors",
         "failure",
         "held",
         "loop",
-        "monitor",
-        "sock",
+        "lost",
+        "paused",
+        "reader",
         "sub",
+        "subscribed",
+        "timer",
+        "transport",
         "wake",
-    )
+    )  # fmt: skip
 
-    def __init__(
-        self,
-        sub: RankSubscriber,
-        sock: zmq.Socket,
-        monitor: zmq.Socket,
-        loop: asyncio.AbstractEventLoop,
-    ) -> None:
+    def __init__(self, sub: RankSubscriber, loop: asyncio.AbstractEventLoop) -> None:
         self.sub = sub
-        self.sock = sock
-        self.monitor = monitor
         self.loop = loop
-        self.errors = 0  # receive errors in a row
+        self.reader = ZmtpReader(sub._max_message_bytes)
+        self.transport: asyncio.Transport | None = None
         self.held: Coroutine[Any, Any, None] | None = None  # a message's handling, awaited
-        self.dropped = False  # the monitor reported the connection dropped
-        self.ending = False  # the task returns: rebuild the socket
+        self.lost = False  # the peer closed the connection
+        self.paused = False
+        self.subscribed = False
+        self.ending = False  # the task returns: connect again
         self.failure: Exception | None = None  # the task raises it
         self.wake: asyncio.Future[None] | None = None  # what the task waits on
+        self.timer: asyncio.TimerHandle | None = None  # the handshake's deadline
+
+    # -- the task's side -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        self.on_monitor()  # the monitor may hold events from before its fd was watched
-        self.on_readable()  # and the socket messages
+        self.read_on()  # what arrived before the task got here
         while True:
             if self.failure is not None:
                 raise self.failure
-            if self.ending:
-                return
             if self.held is not None:
                 await self.held
                 self.held = None
-                self.on_readable()
+                self.read_on()
                 continue
+            if self.ending:
+                return
             self.wake = self.loop.create_future()
             await self.wake
 
     def close(self) -> None:
-        """The socket is gone: callbacks still scheduled do nothing, held work is dropped."""
+        """The connection is done with: callbacks still scheduled do nothing, held work is
+        dropped."""
         self.ending = True
+        if self.timer is not None:
+            self.timer.cancel()
         if self.held is not None:
             self.held.close()  # never started (the task was cancelled first)
             self.held = None
+        if self.transport is not None:
+            self.transport.abort()
 
     def _signal(self) -> None:
         if self.wake is not None and not self.wake.done():
             self.wake.set_result(None)
 
-    def on_monitor(self) -> None:
-        if self.ending or self.failure is not None:
+    def _end(self, why: str | None) -> None:
+        """End the connection (`why`: a drop worth a warning) and let the task return."""
+        if self.ending:
             return
-        try:
-            self.dropped = self.dropped or self.sub._disconnected(self.monitor)
-        except Exception as exc:  # ContextTerminated, a closed socket: the task raises it
-            self.failure = exc
-            self._signal()
-            return
-        self.on_readable()  # handles what arrived first, then ends the socket
+        self.ending = True
+        if why is not None:
+            self.sub._dropped(why)
+        if self.transport is not None:
+            self.transport.abort()
+        self._signal()
 
-    def on_readable(self) -> None:
+    # -- the transport's side ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        # The subscription waits for the peer's READY: libzmq drops a connection whose
+        # first message arrives while it still reads the handshake.
+        self.transport.write(greeting_and_ready())
+        self.timer = self.loop.call_later(HANDSHAKE_TIMEOUT_S, self._handshake_expired)
+
+    def _handshake_expired(self) -> None:
+        if not self.reader.ready:
+            self._end(f"no ZMTP handshake within {HANDSHAKE_TIMEOUT_S:g} s: not a ZMQ publisher?")
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        self.read_on()
+
+    def eof_received(self) -> bool:
+        return False  # half-closed by the publisher: it is gone
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self.timer is not None:
+            self.timer.cancel()
+        self.read_on()  # what arrived before the close, then the end
+        if self.held is None and not self.ending:
+            self._end(f"the publisher closed it{f': {exc}' if exc else ''}")
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def read_on(self) -> None:
         if self.held is not None or self.ending or self.failure is not None:
             return
-        sock, sub = self.sock, self.sub
+        reader, sub = self.reader, self.sub
         budget = DRAIN_BYTES
         try:
             for _ in range(DRAIN_BATCH):
-                if not sock.getsockopt(_EVENTS) & _POLLIN:
-                    if self.dropped:
-                        self.ending = True
-                        self._signal()
+                frames = reader.next_message()
+                if reader.replies:
+                    self._answer(reader)
+                if frames is None:
+                    if not self.subscribed and reader.ready and not self.lost:
+                        self.subscribed = True
+                        self.transport.write(subscription(sub.endpoint.topic))  # type: ignore[union-attr]
+                    if self.lost:
+                        self._end("the publisher closed it")
+                    elif self.paused:
+                        self.paused = False
+                        self.transport.resume_reading()  # type: ignore[union-attr]
                     return
-                try:
-                    frames = _recv_message(sock)
-                except zmq.Again:
-                    return
-                except zmq.ContextTerminated:
-                    raise
-                except zmq.ZMQError as exc:
-                    self.errors += 1
-                    if self.errors >= RECV_ERRORS_BEFORE_REBUILD:
-                        log.warning(
-                            "rank %s: %d receive errors in a row (last: %s); rebuilding the "
-                            "socket. Batches published meanwhile surface as a gap.",
-                            sub.rank,
-                            self.errors,
-                            exc,
-                        )
-                        self.ending = True
-                        self._signal()
-                        return
-                    continue
-                self.errors = 0
                 sub._setups = 0
+                if self.timer is not None:
+                    self.timer.cancel()
+                    self.timer = None
                 held = sub._handle(frames)
                 if held is not None:
                     self.held = held
+                    self._pause()
                     self._signal()
                     return
                 budget -= len(frames[-1])
                 if budget <= 0:
                     break
-        except Exception as exc:  # ContextTerminated, or an error handling a message
+        except ZmtpError as exc:
+            self._end(exc.reason)
+            return
+        except Exception as exc:  # an error handling a message (from `offer`): the task raises
             self.failure = exc
             self._signal()
             return
-        if self.dropped:  # the burst that arrived before the drop is handled: rebuild
-            self.ending = True
-            self._signal()
-            return
         # A long burst: the rest on the next turn of the loop, so others run meanwhile.
-        self.loop.call_soon(self.on_readable)
+        self._pause()
+        self.loop.call_soon(self.read_on)
+
+    def _pause(self) -> None:
+        if not self.paused and not self.lost and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def _answer(self, reader: ZmtpReader) -> None:
+        if self.transport is not None and not self.lost:
+            self.transport.write(b"".join(reader.replies))
+        reader.replies.clear()

@@ -1,9 +1,9 @@
 """Issue 13, row 1, at the registry: subscribers that cannot get a socket, and the health loop.
 
-A real ZMQ context whose socket limit is smaller than the worker's rank count makes the
-subscribers past it fail with "Too many open files" (the error a replica past 1,023 sockets
-saw). Before: those subscriber tasks died silently, the worker's eviction re-raised their
-error, and the health loop died with it: the next worker to die was never noticed, and
+The subscribers of the ranks past a limit fail with "Too many open files" (the error a replica
+past 1,023 sockets saw), through the registry's `subscribe` hook; the others are real
+`RankSubscriber`s. Before: those subscriber tasks died silently, the worker's eviction re-raised
+their error, and the health loop died with it: the next worker to die was never noticed, and
 removing the first raised. Real fake workers, a real pump, real HTTP and ZMQ on loopback.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -21,6 +22,7 @@ from peer.supervise import Supervisor
 from router.dataplane.polling import PollClient
 from router.index import IndexRules, Pump
 from router.loads import LoadMonitor
+from router.subscriber import RankEndpoint, RankSubscriber, SubscriberStats
 from router.workers import WorkerRegistry, subscriber_name
 from router.zmq_term import terminate_context
 from tests.support.clock import ManualClock
@@ -35,6 +37,15 @@ SOCKET_LIMIT = 4
 async def registry(context: zmq.asyncio.Context) -> AsyncIterator[WorkerRegistry]:
     pump = Pump(IndexRules())
     pump.start()
+
+    async def subscribe(endpoint: RankEndpoint, stats: SubscriberStats) -> None:
+        """Past SOCKET_LIMIT ranks a worker's subscribers cannot get a socket."""
+        if endpoint.rank.dp_rank >= SOCKET_LIMIT:
+            raise OSError(errno.EMFILE, "Too many open files")
+        await RankSubscriber(
+            endpoint, pump.deliver, context=context, stats=stats, offer=pump.offer
+        ).run()
+
     async with aiohttp.ClientSession() as session:
         loads = LoadMonitor(PollClient(), interval_s=10)
         workers = WorkerRegistry(
@@ -45,6 +56,7 @@ async def registry(context: zmq.asyncio.Context) -> AsyncIterator[WorkerRegistry
             health_interval_s=0.05,
             evict_after_s=0.2,
             zmq_context=context,
+            subscribe=subscribe,
         )
         workers.start()
         try:
@@ -56,7 +68,6 @@ async def registry(context: zmq.asyncio.Context) -> AsyncIterator[WorkerRegistry
 
 async def test_the_health_loop_outlives_subscribers_that_cannot_get_a_socket() -> None:
     context = zmq.asyncio.Context()
-    context.set(zmq.MAX_SOCKETS, SOCKET_LIMIT)  # before its first socket, or it is ignored
     try:
         async with (
             fake_worker_in_process(dp_size=SOCKET_LIMIT + 4) as wide,

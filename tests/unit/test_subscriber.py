@@ -1,26 +1,24 @@
 """The subscriber's decisions without sockets: frames, sequencing, replay filtering, gap items.
 
-The last tests drive `RankSubscriber` through a scripted fake ZMQ context, for what only the
-shell does (socket rebuilds, closing sockets on exit, decode errors surfacing as gaps).
+The last tests drive `RankSubscriber` against a scripted ZMTP publisher on 127.0.0.1
+(`tests.support.zmtp_publisher`), for what only the shell does (connecting again, closing the
+connection on exit, the handshake, decode errors surfacing as gaps).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 import pytest
-import zmq
 
 from cachetree.ranks import RankId
 from cachetree.tiers import DEVICE
 from router.events import EventBatch, RemovedRun
 from router.subscriber import (
     MAX_SEQ_JUMP,
-    RECV_ERRORS_BEFORE_REBUILD,
     FrameError,
     LiveBatch,
     LiveFrame,
@@ -38,6 +36,16 @@ from router.subscriber import (
     parse_live_frames,
     replay_outcome,
     replay_request,
+)
+from tests.support.waiting import eventually
+from tests.support.zmtp_publisher import (
+    CLOSE,
+    GREETING,
+    READY_PUB,
+    Raw,
+    Script,
+    ScriptedPublisher,
+    message,
 )
 
 pytestmark = pytest.mark.timeout(10)
@@ -270,77 +278,10 @@ def test_connect_backoff_doubles_from_50_ms_to_a_2_s_cap() -> None:
 # --- the shell, on a scripted fake context --------------------------------------------------
 
 
-class FakeSocket:
-    """Plays a script: each message's non-blocking receives return its frames (zmq.Frame, with
-    `more` set on all but the last), or the first raises the next ZMQError; once the script is
-    done it reports nothing to read (`zmq.Again`), and its fd (a pipe nothing writes to) never
-    wakes the reader, so the subscriber waits until cancelled."""
-
-    def __init__(self, kind: int, script: list[list[bytes] | zmq.ZMQError]) -> None:
-        self.kind = kind
-        self.script = script
-        self.options: dict[int, Any] = {}
-        self.connected: list[str] = []
-        self.closed = False
-        self.monitored = 0
-        self._pipe = os.pipe()
-
-    def setsockopt(self, option: int, value: Any) -> None:
-        self.options[option] = value
-
-    def getsockopt(self, option: int) -> int:
-        if option == zmq.FD:
-            return self._pipe[0]
-        if option == zmq.EVENTS:
-            return zmq.POLLIN if self.script else 0
-        raise AssertionError(f"unexpected getsockopt({option})")
-
-    def connect(self, endpoint: str) -> None:
-        self.connected.append(endpoint)
-
-    def monitor(self, address: str, events: int) -> None:
-        self.monitored = events
-
-    def disable_monitor(self) -> None:
-        pass
-
-    def close(self, linger: int | None = None) -> None:
-        self.closed = True
-        for fd in self._pipe:
-            os.close(fd)
-
-    def recv(self, flags: int = 0, copy: bool = True) -> zmq.Frame:
-        assert flags == zmq.NOBLOCK, "the subscriber never blocks in recv"
-        assert not copy, "the subscriber takes frames, whose `more` comes with them"
-        if not self.script:
-            raise zmq.Again()
-        step = self.script[0]
-        if isinstance(step, zmq.ZMQError):
-            self.script.pop(0)
-            raise step
-        frame = zmq.Frame(step.pop(0))
-        frame.more = bool(step)
-        if not step:
-            self.script.pop(0)
-        return frame
-
-
-class FakeContext:
-    def __init__(self, *scripts: list[list[bytes] | zmq.ZMQError]) -> None:
-        self.scripts = list(scripts)
-        self.sockets: list[FakeSocket] = []
-
-    def socket(self, kind: int, socket_class: Any = None) -> FakeSocket:
-        if kind != zmq.SUB:  # the monitor's PAIR: it never reports a drop here
-            return FakeSocket(kind, [])
-        sock = FakeSocket(kind, self.scripts.pop(0) if self.scripts else [])
-        self.sockets.append(sock)
-        return sock
-
-
 async def run_until(
-    ctx: FakeContext, n_items: int, endpoint: RankEndpoint | None = None
+    publisher: ScriptedPublisher, n_items: int, then: Callable[[], object] | None = None
 ) -> tuple[list[SubscriberItem], RankSubscriber]:
+    """Run a subscriber to `publisher` until it delivered `n_items` (and `then()` holds)."""
     items: list[SubscriberItem] = []
     done = asyncio.Event()
 
@@ -349,16 +290,19 @@ async def run_until(
         if len(items) >= n_items:
             done.set()
 
-    ep = endpoint or RankEndpoint(RANK, "tcp://127.0.0.1:1", topic=b"kv")
-    sub = RankSubscriber(ep, deliver, context=ctx)  # type: ignore[arg-type]
-    task = asyncio.create_task(sub.run())
-    try:
-        async with asyncio.timeout(5):
-            await done.wait()
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+    async with publisher.running():
+        endpoint = RankEndpoint(RANK, publisher.url, topic=b"kv")
+        sub = RankSubscriber(endpoint, deliver, context=None)  # type: ignore[arg-type]
+        task = asyncio.create_task(sub.run())
+        try:
+            async with asyncio.timeout(5):
+                await done.wait()
+            if then is not None:
+                await eventually(then)
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
     return items, sub
 
 
@@ -366,42 +310,67 @@ def frames(seq: int, payload: bytes = PAYLOAD) -> list[bytes]:
     return [b"kv", seq_b(seq), payload]
 
 
-async def test_64_receive_errors_in_a_row_rebuild_the_socket_and_the_stream_goes_on() -> None:
-    errors: list[list[bytes] | zmq.ZMQError] = [
-        zmq.ZMQError(zmq.EFSM) for _ in range(RECV_ERRORS_BEFORE_REBUILD)
-    ]
-    # 63 errors, a frame (resets the count), then 64 errors: one rebuild, not two.
-    first: list[list[bytes] | zmq.ZMQError] = [*errors[:-1], frames(4), *errors]
-    ctx = FakeContext(first, [frames(5)])
-    items, sub = await run_until(ctx, 2)
+async def test_a_closed_connection_is_counted_and_the_subscriber_subscribes_again() -> None:
+    publisher = ScriptedPublisher(Script([frames(4), CLOSE]), Script([frames(5)]))
+    items, sub = await run_until(publisher, 2)
     assert [(type(i), getattr(i, "seq", None)) for i in items] == [(LiveBatch, 4), (LiveBatch, 5)]
-    assert sub.stats.socket_rebuilds == 1
-    assert len(ctx.sockets) == 2
-    assert all(s.kind == zmq.SUB and s.closed for s in ctx.sockets)
-    assert ctx.sockets[1].options[zmq.SUBSCRIBE] == b"kv"
-    assert ctx.sockets[1].connected == ["tcp://127.0.0.1:1"]
-    assert ctx.sockets[1].options[zmq.MAXMSGSIZE] == 8 << 20
-    assert ctx.sockets[1].monitored == zmq.EVENT_DISCONNECTED
+    assert (sub.stats.disconnects, sub.stats.socket_rebuilds) == (1, 1)
+    assert len(publisher.seen) == 2
+    for seen in publisher.seen:
+        # A ZMTP 3.0 NULL greeting, a READY naming a SUB, then the subscription to the topic.
+        assert seen.greeting[:1] == b"\xff" and seen.greeting[9:12] == b"\x7f\x03\x00"
+        assert seen.greeting[12:32].rstrip(b"\x00") == b"NULL"
+        assert seen.commands == [b"\x05READY\x0bSocket-Type\x00\x00\x00\x03SUB"]
+        assert seen.subscriptions == [b"kv"]
 
 
-async def test_a_burst_of_ready_messages_is_drained_in_order_in_one_go() -> None:
-    ctx = FakeContext([frames(seq) for seq in range(10, 200)])
-    items, sub = await run_until(ctx, 190)
+async def test_a_burst_of_ready_messages_is_handled_in_order_in_one_go() -> None:
+    burst = Raw(b"".join(message(frames(seq)) for seq in range(10, 200)))
+    items, sub = await run_until(ScriptedPublisher(Script([burst])), 190)
     assert [i.seq for i in items if isinstance(i, LiveBatch)] == list(range(10, 200))
     assert (sub.stats.frames, sub.stats.gaps, sub.stats.socket_rebuilds) == (190, 0, 0)
 
 
+async def test_a_payload_over_255_bytes_and_a_ping_between_messages_are_read() -> None:
+    """A long frame (8-byte size) and a heartbeat PING (answered with a PONG carrying its
+    context) between two messages."""
+    big = msgspec.msgpack.encode([1.5, [], 1, b"x" * 1000])
+    ping = Raw(b"\x04\x0b\x04PING\x00\x0actx1")
+    publisher = ScriptedPublisher(Script([frames(4, big), ping, frames(5)]))
+    items, _ = await run_until(publisher, 2, then=lambda: publisher.seen[0].after)
+    assert [i.seq for i in items if isinstance(i, LiveBatch)] == [4, 5]
+    assert bytes(publisher.seen[0].after) == b"\x04\x09\x04PONGctx1"
+
+
+@pytest.mark.parametrize(
+    ("handshake", "reason"),
+    [
+        (b"HTTP/1.1 400 Bad Request\r\n" + bytes(64), "no ZMTP signature"),
+        (GREETING.replace(b"NULL", b"PLAI", 1) + READY_PUB, "'PLAI' mechanism"),
+        (GREETING + READY_PUB.replace(b"\x03PUB", b"\x03REP"), "b'REP' socket"),
+    ],
+)
+async def test_a_peer_that_is_not_a_null_pub_is_dropped_with_the_reason(
+    handshake: bytes, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    publisher = ScriptedPublisher(Script([], handshake=handshake), Script([frames(5)]))
+    items, sub = await run_until(publisher, 1)
+    assert [i.seq for i in items if isinstance(i, LiveBatch)] == [5]  # from the second peer
+    assert (sub.stats.disconnects, sub.stats.socket_rebuilds, sub.stats.frames) == (1, 1, 1)
+    assert reason in caplog.text
+
+
 async def test_a_batch_of_one_block_removals_is_delivered_as_one_folded_run() -> None:
     evicting = [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"} for h in range(9)]
-    ctx = FakeContext([frames(4, msgspec.msgpack.encode([1.5, evicting, 1]))])
-    items, _ = await run_until(ctx, 1)
+    publisher = ScriptedPublisher(Script([frames(4, msgspec.msgpack.encode([1.5, evicting, 1]))]))
+    items, _ = await run_until(publisher, 1)
     assert isinstance(items[0], LiveBatch)
     assert items[0].batch.events == [RemovedRun(list(range(9)), DEVICE, "GPU")]
 
 
 async def test_a_payload_that_does_not_decode_surfaces_as_a_gap_at_the_next_batch() -> None:
-    ctx = FakeContext([frames(4), frames(5, b"\xc1garbage"), frames(6)])
-    items, sub = await run_until(ctx, 3)
+    publisher = ScriptedPublisher(Script([frames(4), frames(5, b"\xc1garbage"), frames(6)]))
+    items, sub = await run_until(publisher, 3)
     assert items[1] == UnrepairedGap(RANK, 5, 5)
     assert isinstance(items[2], LiveBatch) and items[2].seq == 6
     assert sub.stats.decode_errors == {"malformed_msgpack": 1}
@@ -409,8 +378,7 @@ async def test_a_payload_that_does_not_decode_surfaces_as_a_gap_at_the_next_batc
 
 
 async def test_a_regression_to_a_non_zero_seq_delivers_a_reset_before_the_batch() -> None:
-    ctx = FakeContext([frames(9), frames(3), frames(4)])
-    items, sub = await run_until(ctx, 4)
+    items, sub = await run_until(ScriptedPublisher(Script([frames(9), frames(3), frames(4)])), 4)
     assert [type(i).__name__ for i in items] == [
         "LiveBatch",
         "PublisherReset",
@@ -423,16 +391,16 @@ async def test_a_regression_to_a_non_zero_seq_delivers_a_reset_before_the_batch(
 
 
 async def test_end_seq_then_a_new_stream_is_a_reset_and_a_fresh_start_not_a_gap() -> None:
-    ctx = FakeContext([frames(9), [b"kv", b"\xff" * 8, b""], frames(3)])
-    items, sub = await run_until(ctx, 3)
+    publisher = ScriptedPublisher(Script([frames(9), [b"kv", b"\xff" * 8, b""], frames(3)]))
+    items, sub = await run_until(publisher, 3)
     assert items[1] == PublisherReset(RANK)
     assert isinstance(items[2], LiveBatch) and items[2].seq == 3
     assert (sub.stats.resets, sub.stats.gaps, sub.stats.frames) == (1, 0, 3)
 
 
 async def test_a_seq_jump_past_the_bound_is_a_reset_and_counts_no_lost_batch() -> None:
-    ctx = FakeContext([frames(4), frames(2**63 - 1), frames(5)])
-    items, sub = await run_until(ctx, 5)
+    publisher = ScriptedPublisher(Script([frames(4), frames(2**63 - 1), frames(5)]))
+    items, sub = await run_until(publisher, 5)
     assert [type(i).__name__ for i in items] == [
         "LiveBatch",
         "PublisherReset",
@@ -445,15 +413,17 @@ async def test_a_seq_jump_past_the_bound_is_a_reset_and_counts_no_lost_batch() -
 
 
 async def test_a_jump_of_exactly_the_bound_is_still_a_gap_reported_with_its_range() -> None:
-    ctx = FakeContext([frames(4), frames(5 + MAX_SEQ_JUMP)])
-    items, sub = await run_until(ctx, 3)
+    items, sub = await run_until(
+        ScriptedPublisher(Script([frames(4), frames(5 + MAX_SEQ_JUMP)])), 3
+    )
     assert items[1] == UnrepairedGap(RANK, 5, 4 + MAX_SEQ_JUMP)
     assert (sub.stats.seq_jumps, sub.stats.lost_batches) == (0, MAX_SEQ_JUMP)
 
 
 async def test_items_go_through_offer_while_it_takes_them_and_deliver_from_one_it_refuses() -> None:
     """A refused item and the items behind it wait for `deliver`, in order; then offers resume."""
-    ctx = FakeContext([frames(4), frames(2), frames(3), frames(4)])
+    # One write: the four messages arrive in one read, so the order is the subscriber's doing.
+    burst = Raw(b"".join(message(frames(seq)) for seq in (4, 2, 3, 4)))
     channel: list[tuple[str, object]] = []
     done = asyncio.Event()
     refused: list[SubscriberItem] = []
@@ -474,16 +444,17 @@ async def test_items_go_through_offer_while_it_takes_them_and_deliver_from_one_i
         await asyncio.sleep(0)  # really waits: the messages behind it must wait too
         note("deliver", item)
 
-    ep = RankEndpoint(RANK, "tcp://127.0.0.1:1", topic=b"kv")
-    sub = RankSubscriber(ep, deliver, context=ctx, offer=offer)  # type: ignore[arg-type]
-    task = asyncio.create_task(sub.run())
-    try:
-        async with asyncio.timeout(5):
-            await done.wait()
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+    async with ScriptedPublisher(Script([burst])).running() as publisher:
+        ep = RankEndpoint(RANK, publisher.url, topic=b"kv")
+        sub = RankSubscriber(ep, deliver, context=None, offer=offer)  # type: ignore[arg-type]
+        task = asyncio.create_task(sub.run())
+        try:
+            async with asyncio.timeout(5):
+                await done.wait()
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
     assert channel == [
         ("offer", 4),
         ("deliver", "reset"),  # refused by offer, then delivered
@@ -494,19 +465,19 @@ async def test_items_go_through_offer_while_it_takes_them_and_deliver_from_one_i
     assert (sub.stats.batches, sub.stats.resets, sub.stats.frames) == (4, 1, 4)
 
 
-async def test_an_exception_from_offer_ends_run_and_closes_the_socket() -> None:
-    ctx = FakeContext([frames(4), frames(5)])
-
+async def test_an_exception_from_offer_ends_run_and_closes_the_connection() -> None:
     def offer(item: SubscriberItem) -> bool:
         raise RuntimeError("the taker broke")
 
     async def deliver(item: SubscriberItem) -> None:
         raise AssertionError("not reached")
 
-    ep = RankEndpoint(RANK, "tcp://127.0.0.1:1", topic=b"kv")
-    sub = RankSubscriber(ep, deliver, context=ctx, offer=offer)  # type: ignore[arg-type]
-    with pytest.raises(RuntimeError, match="the taker broke"):
-        async with asyncio.timeout(5):
-            await sub.run()
-    assert [s.closed for s in ctx.sockets] == [True]
+    burst = Raw(message(frames(4)) + message(frames(5)))
+    async with ScriptedPublisher(Script([burst])).running() as publisher:
+        ep = RankEndpoint(RANK, publisher.url, topic=b"kv")
+        sub = RankSubscriber(ep, deliver, context=None, offer=offer)  # type: ignore[arg-type]
+        with pytest.raises(RuntimeError, match="the taker broke"):
+            async with asyncio.timeout(5):
+                await sub.run()
+        await eventually(lambda: publisher.seen[0].hung_up, within_s=5)
     assert sub.stats.frames == 1  # nothing read after the failure
