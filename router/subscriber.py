@@ -400,9 +400,13 @@ class RankSubscriber:
         clock: Callable[[], float] = time.monotonic,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         offer: Offer | None = None,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
         if max_message_bytes < 1:
             raise ValueError("max_message_bytes must be >= 1")
+        if not handshake_timeout_s > 0:
+            raise ValueError("handshake_timeout_s must be > 0")
+        self._handshake_timeout_s = handshake_timeout_s
         self.endpoint = endpoint
         self.rank = endpoint.rank
         self.stats = stats if stats is not None else SubscriberStats()
@@ -712,7 +716,7 @@ class _LiveStream(asyncio.Protocol):
     the kernel's socket buffers, then in the publisher's queue, which drops past its high-water
     mark: the next seq reveals the loss. The task also ends the connection's life: once the
     peer closed it (what had arrived before is handled first), broke the protocol or a bound,
-    did not finish its handshake within HANDSHAKE_TIMEOUT_S, or with the exception a callback
+    did not finish its handshake within `handshake_timeout_s`, or with the exception a callback
     met (one from `offer`).
     """
 
@@ -796,11 +800,12 @@ class _LiveStream(asyncio.Protocol):
         # The subscription waits for the peer's READY: libzmq drops a connection whose
         # first message arrives while it still reads the handshake.
         self.transport.write(greeting_and_ready())
-        self.timer = self.loop.call_later(HANDSHAKE_TIMEOUT_S, self._handshake_expired)
+        timeout = self.sub._handshake_timeout_s
+        self.timer = self.loop.call_later(timeout, self._handshake_expired, timeout)
 
-    def _handshake_expired(self) -> None:
+    def _handshake_expired(self, timeout: float) -> None:
         if not self.reader.ready:
-            self._end(f"no ZMTP handshake within {HANDSHAKE_TIMEOUT_S:g} s: not a ZMQ publisher?")
+            self._end(f"no ZMTP handshake within {timeout:g} s: is it a ZMQ publisher?")
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)

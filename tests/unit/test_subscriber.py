@@ -360,6 +360,33 @@ async def test_a_peer_that_is_not_a_null_pub_is_dropped_with_the_reason(
     assert reason in caplog.text
 
 
+async def test_a_peer_silent_after_connecting_is_dropped_at_the_handshake_timeout() -> None:
+    """A TCP listener that never greets (not a publisher, or a hung one) holds the subscriber
+    for `handshake_timeout_s` at most; then it connects again."""
+    publisher = ScriptedPublisher(Script([], handshake=b""), Script([frames(5)]))
+    items: list[SubscriberItem] = []
+    got = asyncio.Event()
+
+    async def deliver(item: SubscriberItem) -> None:
+        items.append(item)
+        got.set()
+
+    async with publisher.running():
+        endpoint = RankEndpoint(RANK, publisher.url, topic=b"kv")
+        sub = RankSubscriber(endpoint, deliver, context=None, handshake_timeout_s=0.2)  # type: ignore[arg-type]
+        task = asyncio.create_task(sub.run())
+        try:
+            async with asyncio.timeout(5):
+                await got.wait()
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    assert [i.seq for i in items if isinstance(i, LiveBatch)] == [5]
+    assert (sub.stats.disconnects, sub.stats.socket_rebuilds) == (1, 1)
+    assert len(publisher.seen) == 2 and publisher.seen[0].subscriptions == []
+
+
 async def test_a_batch_of_one_block_removals_is_delivered_as_one_folded_run() -> None:
     evicting = [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"} for h in range(9)]
     publisher = ScriptedPublisher(Script([frames(4, msgspec.msgpack.encode([1.5, evicting, 1]))]))
