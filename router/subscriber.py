@@ -741,7 +741,7 @@ class _LiveStream(asyncio.Protocol):
         self.reader = ZmtpReader(sub._max_message_bytes)
         self.transport: asyncio.Transport | None = None
         self.held: Coroutine[Any, Any, None] | None = None  # a message's handling, awaited
-        self.lost = False  # the peer closed the connection
+        self.lost = ""  # why the connection closed, once it did
         self.paused = False
         self.subscribed = False
         self.ending = False  # the task returns: connect again
@@ -815,12 +815,12 @@ class _LiveStream(asyncio.Protocol):
         return False  # half-closed by the publisher: it is gone
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
+        self.lost = "the publisher closed it" + (f": {exc}" if exc else "")
         if self.timer is not None:
             self.timer.cancel()
-        self.read_on()  # what arrived before the close, then the end
-        if self.held is None and not self.ending:
-            self._end(f"the publisher closed it{f': {exc}' if exc else ''}")
+        # What arrived before the close is handled first (over later turns if it is a long
+        # burst, after a held item if one waits); `read_on` ends the connection once it is.
+        self.read_on()
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -839,7 +839,7 @@ class _LiveStream(asyncio.Protocol):
                         self.subscribed = True
                         self.transport.write(subscription(sub.endpoint.topic))  # type: ignore[union-attr]
                     if self.lost:
-                        self._end("the publisher closed it")
+                        self._end(self.lost)
                     elif self.paused:
                         self.paused = False
                         self.transport.resume_reading()  # type: ignore[union-attr]

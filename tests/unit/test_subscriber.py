@@ -324,6 +324,14 @@ async def test_a_closed_connection_is_counted_and_the_subscriber_subscribes_agai
         assert seen.subscriptions == [b"kv"]
 
 
+async def test_a_long_burst_then_a_close_is_handled_whole_before_connecting_again() -> None:
+    burst = Raw(b"".join(message(frames(seq)) for seq in range(200)))  # > DRAIN_BATCH
+    publisher = ScriptedPublisher(Script([burst, CLOSE]), Script([frames(200)]))
+    items, sub = await run_until(publisher, 201)
+    assert [i.seq for i in items if isinstance(i, LiveBatch)] == list(range(201))
+    assert (sub.stats.disconnects, sub.stats.gaps, sub.stats.lost_batches) == (1, 0, 0)
+
+
 async def test_a_burst_of_ready_messages_is_handled_in_order_in_one_go() -> None:
     burst = Raw(b"".join(message(frames(seq)) for seq in range(10, 200)))
     items, sub = await run_until(ScriptedPublisher(Script([burst])), 190)
