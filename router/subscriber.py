@@ -828,6 +828,7 @@ class _LiveStream(asyncio.Protocol):
         if self.held is not None or self.ending or self.failure is not None:
             return
         reader, sub = self.reader, self.sub
+        topic = sub.endpoint.topic
         budget = DRAIN_BYTES
         try:
             for _ in range(DRAIN_BATCH):
@@ -848,6 +849,10 @@ class _LiveStream(asyncio.Protocol):
                 if self.timer is not None:
                     self.timer.cancel()
                     self.timer = None
+                if topic and frames[0][: len(topic)] != topic:
+                    # libzmq publishers filter by the subscription themselves; a SUB drops
+                    # what does not match all the same, as libzmq's own would.
+                    continue
                 held = sub._handle(frames)
                 if held is not None:
                     self.held = held

@@ -332,6 +332,16 @@ async def test_a_long_burst_then_a_close_is_handled_whole_before_connecting_agai
     assert (sub.stats.disconnects, sub.stats.gaps, sub.stats.lost_batches) == (1, 0, 0)
 
 
+async def test_a_message_of_another_topic_is_dropped_as_a_sub_socket_would() -> None:
+    """Publishers filter by subscription themselves; one that does not is filtered here."""
+    other = [b"kx", seq_b(5), PAYLOAD]
+    prefixed = [b"kv-longer", seq_b(5), PAYLOAD]  # a topic is a prefix match, as in ZeroMQ
+    publisher = ScriptedPublisher(Script([frames(4), other, prefixed, frames(6)]))
+    items, sub = await run_until(publisher, 3)
+    assert [i.seq for i in items if isinstance(i, LiveBatch)] == [4, 5, 6]
+    assert (sub.stats.frames, sub.stats.gaps) == (3, 0)
+
+
 async def test_a_burst_of_ready_messages_is_handled_in_order_in_one_go() -> None:
     burst = Raw(b"".join(message(frames(seq)) for seq in range(10, 200)))
     items, sub = await run_until(ScriptedPublisher(Script([burst])), 190)
