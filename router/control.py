@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cachetree.ranks import RankId
 from peer.producer import serve_snapshot
-from router import auth, siblings
+from router import auth, placement, siblings
 from router.origin import host_of, origin_problem
 from router.replica import Replica
 from router.workers import subscriber_name
@@ -50,6 +50,7 @@ def add_control_routes(app: web.Application) -> None:
     app.router.add_delete("/workers", _guard(_remove_worker))
     app.router.add_get("/internal/kv_snapshot", _guard(_kv_snapshot), allow_head=False)
     app.router.add_post(siblings.PATH, _guard(_decisions))
+    app.router.add_post(placement.PATH, _guard(_place))
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -283,6 +284,32 @@ async def _decisions(request: web.Request) -> web.Response:
     except ValueError as exc:
         return _error(400, f"decision batch refused: {exc}")
     return web.Response(status=204)
+
+
+async def _place(request: web.Request) -> web.Response:
+    """A sibling's new prefix, placed by this replica (`router.placement`): the rank."""
+    placer = request.app[REPLICA].placer
+    if placer is None:
+        return _error(
+            404,
+            "placement is off on this replica: it runs with --policy cache_aware (no "
+            "--prefix-homes), siblings (--peer or --kv-peer-selector) and --share-decisions",
+        )
+    length = request.content_length
+    if length is None:
+        return _error(411, "a placement question needs a Content-Length")
+    if length > placement.MAX_BODY_BYTES:
+        return _error(413, f"a placement question is at most {placement.MAX_BODY_BYTES} bytes")
+    try:
+        answer = placer.place(await request.read())
+    except ValueError as exc:
+        return _error(400, f"placement question refused: {exc}")
+    if answer is None:
+        return web.json_response(
+            {"error": {"message": "no healthy worker to place on", "type": "service_unavailable"}},
+            status=503,
+        )
+    return web.Response(body=answer, content_type=placement.CONTENT_TYPE)
 
 
 def _error(status: int, message: str) -> web.Response:

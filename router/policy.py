@@ -484,6 +484,25 @@ class CacheAware:
         if self.share is not None and first < len(keys):
             self.share(rank, keys[first:], max(held - first, 0))
 
+    def place(
+        self, candidates: Sequence[Candidate], prompt: Prompt, rank: RankId
+    ) -> Decision | None:
+        """The placer (`router.placement`) chose `rank` for this new prefix: a decision with it
+        first (the rest by load, to fail over to), booked here as this replica's own but not
+        shared (the placer shares it). None when `rank` is not one of the candidates."""
+        chosen = [c for c in candidates if c.rank == rank]
+        if not chosen:
+            return None
+        index = self.index()
+        holds = None if index is None else index.holds
+        self.ledger.settle(holds)
+        rest = [c for c in candidates if c.rank != rank]
+        ranked = chosen + _by_load(rest, _loads(rest), self.rng)
+        any_tier, device = _depth_maps(prompt.depths)
+        self.ledger.record(rank, prompt.keys, device.get(rank, 0), holds)
+        matched = any_tier.get(rank, 0)
+        return Decision(ranked, CACHE_HIT if matched else CACHE_MISS, matched, prompt, self.served)
+
     def _record(
         self,
         rank: RankId,
