@@ -274,13 +274,11 @@ async def _decisions(request: web.Request) -> web.Response:
             "decision sharing is off on this replica: it runs with --policy cache_aware, "
             "siblings (--peer or --kv-peer-selector) and --share-decisions",
         )
-    length = request.content_length
-    if length is None:
-        return _error(411, "a decision batch needs a Content-Length")
-    if length > siblings.MAX_BODY_BYTES:
-        return _error(413, f"a decision batch is at most {siblings.MAX_BODY_BYTES} bytes")
+    body = await _bounded_body(request, siblings.MAX_BODY_BYTES, "a decision batch")
+    if isinstance(body, web.Response):
+        return body
     try:
-        sharing.receive(await request.read())
+        sharing.receive(body)
     except ValueError as exc:
         return _error(400, f"decision batch refused: {exc}")
     return web.Response(status=204)
@@ -295,13 +293,11 @@ async def _place(request: web.Request) -> web.Response:
             "placement is off on this replica: it runs with --policy cache_aware (no "
             "--prefix-homes), siblings (--peer or --kv-peer-selector) and --share-decisions",
         )
-    length = request.content_length
-    if length is None:
-        return _error(411, "a placement question needs a Content-Length")
-    if length > placement.MAX_BODY_BYTES:
-        return _error(413, f"a placement question is at most {placement.MAX_BODY_BYTES} bytes")
+    body = await _bounded_body(request, placement.MAX_BODY_BYTES, "a placement question")
+    if isinstance(body, web.Response):
+        return body
     try:
-        answer = placer.place(await request.read())
+        answer = placer.place(body)
     except ValueError as exc:
         return _error(400, f"placement question refused: {exc}")
     if answer is None:
@@ -310,6 +306,16 @@ async def _place(request: web.Request) -> web.Response:
             status=503,
         )
     return web.Response(body=answer, content_type=placement.CONTENT_TYPE)
+
+
+async def _bounded_body(request: web.Request, limit: int, what: str) -> bytes | web.Response:
+    """The body of a sibling's post, or the answer refusing it: no length given, or too long."""
+    length = request.content_length
+    if length is None:
+        return _error(411, f"{what} needs a Content-Length")
+    if length > limit:
+        return _error(413, f"{what} is at most {limit} bytes")
+    return await request.read()
 
 
 def _error(status: int, message: str) -> web.Response:

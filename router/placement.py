@@ -51,7 +51,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, TypeVar
 
 import aiohttp
 import msgspec
@@ -94,9 +94,19 @@ class PlaceAnswer(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     dp_rank: int
 
 
+T = TypeVar("T")
 _encoder = msgspec.msgpack.Encoder()
 _question_decoder = msgspec.msgpack.Decoder(PlaceQuestion)
 _answer_decoder = msgspec.msgpack.Decoder(PlaceAnswer)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[T], body: bytes, limit: int, what: str) -> T:
+    if len(body) > limit:
+        raise ValueError(f"{what} of {len(body)} bytes; at most {limit}")
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not a placement {what}: {exc}") from None
 
 
 def encode_question(prompt: Prompt) -> bytes:
@@ -107,12 +117,7 @@ def encode_question(prompt: Prompt) -> bytes:
 
 def decode_question(body: bytes) -> PlaceQuestion:
     """A received question, checked; ValueError naming the first problem."""
-    if len(body) > MAX_BODY_BYTES:
-        raise ValueError(f"question of {len(body)} bytes; at most {MAX_BODY_BYTES}")
-    try:
-        q = _question_decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise ValueError(f"not a placement question: {exc}") from None
+    q = _decode(_question_decoder, body, MAX_BODY_BYTES, "question")
     if not 1 <= q.block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"block_size must be 1..{MAX_BLOCK_SIZE}")
     if not 0 < len(q.keys) <= MAX_KEYS:
@@ -130,12 +135,7 @@ def encode_answer(rank: RankId) -> bytes:
 
 def decode_answer(body: bytes) -> RankId:
     """The placer's rank; ValueError when the answer is malformed."""
-    if len(body) > MAX_ANSWER_BYTES:
-        raise ValueError(f"answer of {len(body)} bytes; at most {MAX_ANSWER_BYTES}")
-    try:
-        a = _answer_decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise ValueError(f"not a placement answer: {exc}") from None
+    a = _decode(_answer_decoder, body, MAX_ANSWER_BYTES, "answer")
     if not 0 < len(a.worker_url) <= MAX_WORKER_URL_CHARS or not 0 <= a.dp_rank < MAX_DP_RANK:
         raise ValueError("answer names no valid rank")
     return RankId(a.worker_url, a.dp_rank)

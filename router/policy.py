@@ -66,6 +66,9 @@ data plane calls `Decision.served(rank)` and the booking and demand move to the 
 served (`CacheAware.served`). Replicas that know each other share their decisions (`share`,
 `adopt`; the transport is `router.siblings`): each records its siblings' routed blocks as its
 own demand and bookings, so its ledger covers the fleet's traffic, not its share of it.
+A new prefix on a replica with siblings is placed by one of them, the placer
+(`router.placement`): it decides as here and shares it; the asker books the answer with
+`place` (the placer's rank first, the rest by load to fail over to).
 With `depth` = d_dev extended by bookings, `stored` = n - depth blocks the rank must newly
 store:
 

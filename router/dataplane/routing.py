@@ -9,6 +9,12 @@ deep included, never a 500), no healthy worker a 503.
 
 The calls into the tokenizer and the policy sit in one small method, `choose`, so a change of
 either interface touches only it.
+
+A new prefix on a replica with siblings (`router.placement`: every candidate rank holds the
+prompt equally deep, a check that is O(1) for the common prompt some rank holds deeper) is
+placed by the placer replica: `route` then returns an `AskFirst` instead of a decision, the
+connection waits for the answer off the loop (`AskFirst.wait`), and `placed` decides on it,
+on the ranks healthy then. Every other request is decided synchronously as above.
 """
 
 from __future__ import annotations

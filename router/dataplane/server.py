@@ -3,8 +3,10 @@
 `ClientConnection` parses requests with `httptools.HttpRequestParser` and answers them in
 order (pipelined requests wait their turn with reading paused). Its decisions come from
 `exchange` (admission, framing) and `routing` (the routing decision, run synchronously in the
-parser's message-complete callback); `relay` moves the answer. One `Deadline` per connection
-bounds, in turn, the request head, the request body and the idle time between requests.
+parser's message-complete callback, or once the placer replica answered for a new prefix:
+`router.placement.AskFirst`, cancelled if the client leaves first); `relay` moves the answer.
+One `Deadline` per connection bounds, in turn, the request head, the request body and the
+idle time between requests.
 
 `DataPlane` holds what every connection shares: the listening sockets and their accept thread
 (`door`), the limits, the routing parts, one `UpstreamPool` per worker, the control app's
