@@ -17,7 +17,7 @@ from aiohttp import web
 
 from cachetree.ranks import RankId
 from router import placement, siblings
-from router.placement import PlaceQuestion, decode_answer, placer_of
+from router.placement import PlaceQuestion, decode_answer, encode_answer, placer_of
 from router.policy import CacheAware
 from tests.component.test_pressure_routing import (
     CACHE_BLOCKS,
@@ -153,34 +153,50 @@ async def asker_of(
 
 
 @contextlib.asynccontextmanager
-async def stub_placer(answer: bool) -> AsyncIterator[str]:
-    """A sibling that takes decision batches and never answers a placement question (or,
-    with `answer` False, is not there at all)."""
-    if not answer:
+async def stub_placer(answer: str) -> AsyncIterator[str]:
+    """A sibling that takes decision batches and answers a placement question: never
+    (`hang`), with bytes that are not an answer (`garbage`), with a worker this replica does
+    not route to (`stranger`); or that is not there at all (`gone`)."""
+    if answer == "gone":
         yield f"http://127.0.0.1:{free_tcp_port()}"
         return
     never = asyncio.Event()
 
-    async def hang(request: web.Request) -> web.Response:
+    async def place(request: web.Request) -> web.Response:
+        if answer == "garbage":
+            return web.Response(body=b"\x92\xa3not an answer", content_type=placement.CONTENT_TYPE)
+        if answer == "stranger":
+            return web.Response(
+                body=encode_answer(RankId("http://127.0.0.1:9", 0)),
+                content_type=placement.CONTENT_TYPE,
+            )
         await never.wait()
         raise AssertionError("unreachable")
 
     async def take(request: web.Request) -> web.Response:
         return web.Response(status=204)
 
-    routes = {("POST", placement.PATH): hang, ("POST", siblings.PATH): take}
+    routes = {("POST", placement.PATH): place, ("POST", siblings.PATH): take}
     async with stub_server(routes) as url:
         yield url
 
 
-@pytest.mark.parametrize(("placer_there", "outcome"), [(True, "timeout"), (False, "error")])
-async def test_a_slow_or_dead_placer_leaves_the_replica_deciding_alone(
-    placer_there: bool, outcome: str
+@pytest.mark.parametrize(
+    ("answer", "outcome", "backoff"),
+    [
+        ("hang", "timeout", True),
+        ("gone", "error", True),
+        ("garbage", "error", True),
+        ("stranger", "unusable", False),  # a placer that answers is asked again
+    ],
+)
+async def test_a_slow_dead_or_wrong_placer_leaves_the_replica_deciding_alone(
+    answer: str, outcome: str, backoff: bool
 ) -> None:
     async with contextlib.AsyncExitStack() as stack:
         w1 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
         w2 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
-        url = await stack.enter_async_context(stub_placer(placer_there))
+        url = await stack.enter_async_context(stub_placer(answer))
         asker = await stack.enter_async_context(asker_of(url, [w1, w2], timeout_ms=50))
         served, _ = await complete(asker, prefix(random.Random(3)))
         c = counts(asker)
@@ -190,7 +206,8 @@ async def test_a_slow_or_dead_placer_leaves_the_replica_deciding_alone(
         assert ledger.demand(RankId(served, 0)) == pytest.approx(BLOCKS, abs=1.5)
         # Right after a failure the placer is left alone: the next new prefix is not asked.
         await complete(asker, prefix(random.Random(4)))
-        assert counts(asker)["asked"] == 1 and counts(asker)["busy"] == 1
+        asked_again = 1 if backoff else 2
+        assert (counts(asker)["asked"], counts(asker)["busy"]) == (asked_again, int(backoff))
         assert asker.replica.placement.asking == 0  # type: ignore[union-attr]
 
 
@@ -198,7 +215,7 @@ async def test_a_client_that_leaves_while_its_question_waits_leaves_nothing_behi
     async with contextlib.AsyncExitStack() as stack:
         w1 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
         w2 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
-        url = await stack.enter_async_context(stub_placer(True))
+        url = await stack.enter_async_context(stub_placer("hang"))
         asker = await stack.enter_async_context(asker_of(url, [w1, w2], timeout_ms=1000))
         rules = asker.replica.placement
         assert rules is not None
