@@ -110,9 +110,9 @@ def _decode(decoder: msgspec.msgpack.Decoder[T], body: bytes, limit: int, what: 
 
 
 def encode_question(prompt: Prompt) -> bytes:
-    return _encoder.encode(
-        PlaceQuestion(prompt.tokens, prompt.block_size, list(prompt.keys[:MAX_KEYS]))
-    )
+    """The question about `prompt`: its head, for a prompt past the bounds."""
+    keys = list(prompt.keys[:MAX_KEYS])
+    return _encoder.encode(PlaceQuestion(min(prompt.tokens, MAX_TOKENS), prompt.block_size, keys))
 
 
 def decode_question(body: bytes) -> PlaceQuestion:

@@ -182,6 +182,8 @@ def test_a_question_round_trips_and_carries_at_most_the_prompts_head() -> None:
     long_keys = list(range(1, placement.MAX_KEYS + 50))
     q = decode_question(encode_question(Prompt(len(long_keys) * BS, BS, None, long_keys)))
     assert q.keys == long_keys[: placement.MAX_KEYS]
+    huge = decode_question(encode_question(Prompt(1 << 30, BS, None, KEYS)))
+    assert huge.tokens == placement.MAX_TOKENS
     assert len(encode_question(Prompt(1 << 24, BS, None, [(1 << 64) - 1] * 8192))) <= (
         placement.MAX_BODY_BYTES
     )
