@@ -668,8 +668,14 @@ class ClientConnection(asyncio.Protocol):
 
     def _placed(self, head: RequestHead, body: bytes, ask: AskFirst) -> None:
         self._asking = None
-        if not self._closed:
-            self._send(head, body, ask.decision())
+        if self._closed:
+            return
+        try:
+            decision = ask.decision()
+        except Exception:  # outside the parser's callback: a bug must not leave a client hanging
+            log.exception("routing a new prefix after its placer's answer failed")
+            decision = Refusal(500, "the router failed to route this request", type="server_error")
+        self._send(head, body, decision)
 
     def _send(self, head: RequestHead, body: bytes, decision: Decision | Refusal) -> None:
         plane = self.plane
