@@ -42,12 +42,14 @@ import contextlib
 import os
 import random
 import statistics
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import plots
 from bench.pressure_sim import (
@@ -153,6 +155,8 @@ class Row:
     policy: str
     runs: list[demo.PhaseResult] = field(default_factory=list)
     skipped: str | None = None
+    # New prefixes and the placer (`router.placement`), summed over the replicas and runs.
+    placements: Counter[str] = field(default_factory=Counter)
 
     @property
     def label(self) -> str:
@@ -172,6 +176,7 @@ class Row:
             "ttft_p50_ms": pooled.ttft_pct_ms(0.5) if measured else None,
             "ttft_p99_ms": pooled.ttft_pct_ms(0.99) if measured else None,
             "per_worker_requests": [n for p in self.runs for n in p.per_rank.values()],
+            "placements": dict(self.placements),
             "skipped": self.skipped,
         }
 
@@ -266,8 +271,25 @@ async def kvrouter_run(
             if indexed:
                 await demo.quiesce(session, cluster, routers)
         row.runs.append(await drive(session, cluster, requests, urls, w, row.label))
+        for url in urls:
+            row.placements.update(await placements_of(session, url))
     finally:
         await asyncio.gather(*(r.child.stop() for r in routers))
+
+
+async def placements_of(session: aiohttp.ClientSession, url: str) -> Counter[str]:
+    """A replica's `kvrouter_placements_total` by outcome (none when it has no siblings)."""
+    async with session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    return Counter(
+        {
+            sample.labels["outcome"]: int(sample.value)
+            for family in text_string_to_metric_families(text)
+            if family.name == "kvrouter_placements"
+            for sample in family.samples
+            if sample.name == "kvrouter_placements_total"
+        }
+    )
 
 
 async def smg_run(

@@ -39,7 +39,8 @@ not see yet, none left, a holder seen and passed over, the imbalance fallback).
 `--share-lag-ms`, `--event-lag-ms` and `--placement-share-lag-ms` set the news lags of every
 workload chosen; the last one delays only placements (a prefix sent to a rank it was never
 sent to), to tell which decisions' lag costs (BENCHMARKS.md: siblings' news lag). `--placer`
-plays a what-if: replica 0 places every new prefix for its siblings (`play`'s `placer`).
+plays `router.placement` without its round trip: replica 0 places every new prefix for its
+siblings (`play`'s `placer`).
 """
 
 from __future__ import annotations
@@ -595,10 +596,11 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
          home: HomeSettings | None = None, placer: bool = False) -> Outcome:  # fmt: skip
     """One workload, one seed, through `policy` (a kvrouter policy name, or "ideal").
 
-    `placer` (cache_aware with siblings; a what-if, not a router feature): a replica that sees
-    a new prefix (every rank at the same depth in its view, bookings included) lets replica 0
-    decide instead (which may know a holder it does not), and books the answer at once, as if
-    it had asked over a round trip that costs nothing; replica 0 shares it as usual."""
+    `placer` (cache_aware with siblings; `router.placement` without its round trip): a
+    replica that sees a new prefix (every rank at the same depth in its view, bookings
+    included) lets replica 0 decide instead (which may know a holder it does not), and books
+    the answer at once, as if it had asked over a round trip that costs nothing; replica 0
+    shares it as usual."""
     requests, lengths = build_requests(w, seed)
     fleet = Fleet(w, seed)
     ranks = [r.rank for r in fleet.ranks]

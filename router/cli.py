@@ -34,6 +34,8 @@ from router.index import DEFAULT_INDEX_MAX_BLOCKS
 from router.ingest_pool import DEFAULT_INGEST_PROCESSES
 from router.ingest_pool import MAX_PROCESSES as MAX_INGEST_PROCESSES
 from router.origin import AllowList, origin_problem, url_problem
+from router.placement import DEFAULT_TIMEOUT_MS as DEFAULT_PLACEMENT_TIMEOUT_MS
+from router.placement import MAX_TIMEOUT_MS as MAX_PLACEMENT_TIMEOUT_MS
 from router.policy import POLICY_NAMES
 from router.replica import AUTO_CHAT_RULES_START, ServeConfig
 from router.serving import StartError, serve_until, start_serving, stop_serving
@@ -309,6 +311,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         "/internal/decisions) so every replica's ledger sees the fleet's demand and bookings",
     )
     f.add(
+        "placement-timeout-ms",
+        int,
+        DEFAULT_PLACEMENT_TIMEOUT_MS,
+        "cache_aware with siblings: how long a request for a new prefix waits for the placer "
+        "replica's answer (POST /internal/place) before deciding alone; 0 = never ask",
+    )
+    f.add(
         "prefix-homes",
         _flag_bool,
         False,
@@ -400,6 +409,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             "--demand-half-life-s must be a finite number > 0",
         ),
         (args.pressure_max_tracked_blocks >= 1, "--pressure-max-tracked-blocks must be >= 1"),
+        (
+            0 <= args.placement_timeout_ms <= MAX_PLACEMENT_TIMEOUT_MS,
+            f"--placement-timeout-ms must be 0..{MAX_PLACEMENT_TIMEOUT_MS} (0: never ask)",
+        ),
         (
             1 <= args.prefix_homes_max <= MAX_HOMES_BOUND,
             f"--prefix-homes-max must be 1..{MAX_HOMES_BOUND}",

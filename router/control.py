@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cachetree.ranks import RankId
 from peer.producer import serve_snapshot
-from router import auth, siblings
+from router import auth, placement, siblings
 from router.origin import host_of, origin_problem
 from router.replica import Replica
 from router.workers import subscriber_name
@@ -50,6 +50,7 @@ def add_control_routes(app: web.Application) -> None:
     app.router.add_delete("/workers", _guard(_remove_worker))
     app.router.add_get("/internal/kv_snapshot", _guard(_kv_snapshot), allow_head=False)
     app.router.add_post(siblings.PATH, _guard(_decisions))
+    app.router.add_post(placement.PATH, _guard(_place))
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -273,16 +274,48 @@ async def _decisions(request: web.Request) -> web.Response:
             "decision sharing is off on this replica: it runs with --policy cache_aware, "
             "siblings (--peer or --kv-peer-selector) and --share-decisions",
         )
-    length = request.content_length
-    if length is None:
-        return _error(411, "a decision batch needs a Content-Length")
-    if length > siblings.MAX_BODY_BYTES:
-        return _error(413, f"a decision batch is at most {siblings.MAX_BODY_BYTES} bytes")
+    body = await _bounded_body(request, siblings.MAX_BODY_BYTES, "a decision batch")
+    if isinstance(body, web.Response):
+        return body
     try:
-        sharing.receive(await request.read())
+        sharing.receive(body)
     except ValueError as exc:
         return _error(400, f"decision batch refused: {exc}")
     return web.Response(status=204)
+
+
+async def _place(request: web.Request) -> web.Response:
+    """A sibling's new prefix, placed by this replica (`router.placement`): the rank."""
+    placer = request.app[REPLICA].placer
+    if placer is None:
+        return _error(
+            404,
+            "placement is off on this replica: it runs with --policy cache_aware (no "
+            "--prefix-homes), siblings (--peer or --kv-peer-selector) and --share-decisions",
+        )
+    body = await _bounded_body(request, placement.MAX_BODY_BYTES, "a placement question")
+    if isinstance(body, web.Response):
+        return body
+    try:
+        answer = placer.place(body)
+    except ValueError as exc:
+        return _error(400, f"placement question refused: {exc}")
+    if answer is None:
+        return web.json_response(
+            {"error": {"message": "no healthy worker to place on", "type": "service_unavailable"}},
+            status=503,
+        )
+    return web.Response(body=answer, content_type=placement.CONTENT_TYPE)
+
+
+async def _bounded_body(request: web.Request, limit: int, what: str) -> bytes | web.Response:
+    """The body of a sibling's post, or the answer refusing it: no length given, or too long."""
+    length = request.content_length
+    if length is None:
+        return _error(411, f"{what} needs a Content-Length")
+    if length > limit:
+        return _error(413, f"{what} is at most {limit} bytes")
+    return await request.read()
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from router.index import Pump
     from router.ingest_pool import IngestPool
     from router.loads import LoadMonitor
+    from router.placement import Placement
     from router.policy import CacheAware
     from router.siblings import DecisionSharing
     from router.tokenize import RequestTokenizer
@@ -170,6 +171,9 @@ class RouterMetrics:
 
     def watch_sharing(self, sharing: DecisionSharing) -> None:
         self.registry.register(_SharingCollector(sharing))
+
+    def watch_placement(self, placement: Placement) -> None:
+        self.registry.register(_PlacementCollector(placement))
 
     def watch_ingest(self, pool: IngestPool) -> None:
         self.registry.register(_IngestCollector(pool))
@@ -731,6 +735,25 @@ class _SharingCollector(Collector):
             "(`post`), received batches refused as malformed (`refused`)",
             ["kind"],
             {("post",): stats.failed, ("refused",): stats.refused},
+        )
+
+
+class _PlacementCollector(Collector):
+    """New prefixes placed by the placer replica (`router.placement`)."""
+
+    def __init__(self, placement: Placement) -> None:
+        self._placement = placement
+
+    def collect(self) -> Iterator[Metric]:
+        yield _counter(
+            "kvrouter_placements",
+            "New prefixes and the placer: asked (questions sent to the placer), answered "
+            "(routed to its rank), unusable (its rank is not a healthy candidate here), "
+            "timeout and error (decided here instead), busy (decided here: too many questions "
+            "in flight, or the placer backing off after failures), local (placed here, this "
+            "replica being the placer), placed (siblings' questions this replica answered)",
+            ["outcome"],
+            {(outcome,): count for outcome, count in self._placement.counts.items()},
         )
 
 

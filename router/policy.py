@@ -66,6 +66,9 @@ data plane calls `Decision.served(rank)` and the booking and demand move to the 
 served (`CacheAware.served`). Replicas that know each other share their decisions (`share`,
 `adopt`; the transport is `router.siblings`): each records its siblings' routed blocks as its
 own demand and bookings, so its ledger covers the fleet's traffic, not its share of it.
+A new prefix on a replica with siblings is placed by one of them, the placer
+(`router.placement`): it decides as here and shares it; the asker books the answer with
+`place` (the placer's rank first, the rest by load to fail over to).
 With `depth` = d_dev extended by bookings, `stored` = n - depth blocks the rank must newly
 store:
 
@@ -483,6 +486,25 @@ class CacheAware:
         first = self.ledger.move(decision.ranked[0].rank, rank, keys, held, holds)
         if self.share is not None and first < len(keys):
             self.share(rank, keys[first:], max(held - first, 0))
+
+    def place(
+        self, candidates: Sequence[Candidate], prompt: Prompt, rank: RankId
+    ) -> Decision | None:
+        """The placer (`router.placement`) chose `rank` for this new prefix: a decision with it
+        first (the rest by load, to fail over to), booked here as this replica's own but not
+        shared (the placer shares it). None when `rank` is not one of the candidates."""
+        chosen = [c for c in candidates if c.rank == rank]
+        if not chosen:
+            return None
+        index = self.index()
+        holds = None if index is None else index.holds
+        self.ledger.settle(holds)
+        rest = [c for c in candidates if c.rank != rank]
+        ranked = chosen + _by_load(rest, _loads(rest), self.rng)
+        any_tier, device = _depth_maps(prompt.depths)
+        self.ledger.record(rank, prompt.keys, device.get(rank, 0), holds)
+        matched = any_tier.get(rank, 0)
+        return Decision(ranked, CACHE_HIT if matched else CACHE_MISS, matched, prompt, self.served)
 
     def _record(
         self,

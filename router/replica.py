@@ -43,6 +43,7 @@ from router.ingest_pool import DEFAULT_INGEST_PROCESSES, IngestPool
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
 from router.origin import AllowList
+from router.placement import DEFAULT_TIMEOUT_MS, Placement, Placer
 from router.policy import CacheAware, Policy, make_policy
 from router.pressure import PressureLedger, PressureSettings
 from router.siblings import DecisionSharing
@@ -127,6 +128,9 @@ class ServeConfig:
     demand_half_life_s: float = 30.0
     pressure_max_tracked_blocks: int = 1_000_000
     share_decisions: bool = True  # cache_aware with siblings: post decisions to them
+    # cache_aware with siblings: a new prefix waits this long for the placer's answer
+    # (router.placement); 0 = never ask, decide alone.
+    placement_timeout_ms: int = DEFAULT_TIMEOUT_MS
     prefix_homes: bool = False  # cache_aware: a home rank per prefix (router.homes)
     prefix_homes_max: int = DEFAULT_MAX_HOMES
     kv_ingest_processes: int = DEFAULT_INGEST_PROCESSES
@@ -169,6 +173,10 @@ class Replica:
     worker_allow: AllowList = field(default_factory=AllowList)  # where POST /workers may point
     ingest: IngestPool | None = None  # ingest processes, with --kv-ingest-processes > 0
     sharing: DecisionSharing | None = None  # decisions to and from siblings (cache_aware)
+    # The placement authority's rules (router.placement): with decision sharing, when
+    # prefix homes are off. Its `own` URL is set once the data plane listens.
+    placement: Placement | None = None
+    placer: Placer | None = None  # answers POST /internal/place; set by the data plane
 
 
 async def start_replica(config: ServeConfig) -> Replica:
@@ -269,8 +277,13 @@ async def _compose(
         metrics.watch_homes(policy.table)
     elif isinstance(policy, CacheAware):
         metrics.watch_pressure(policy, workers)
+    placement = None
     if sharing is not None:
         metrics.watch_sharing(sharing)
+        if isinstance(policy, CacheAware) and bootstrap is not None:
+            registry = bootstrap.registry
+            placement = Placement(policy, None, lambda: registry.peers)
+            metrics.watch_placement(placement)
     inflight = InflightTracker()
     settled = bootstrap.tracker.settled if bootstrap is not None else (lambda: True)
     # Last of the fallible steps: nothing has started yet if it cannot reach the API server.
@@ -301,6 +314,7 @@ async def _compose(
         worker_allow=AllowList.parse(config.worker_allow_cidr),
         ingest=ingest,
         sharing=sharing,
+        placement=placement,
     )
     if replica.producer is not None:
         metrics.watch_producer(replica.producer)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
 from dataclasses import dataclass
 from typing import Final
@@ -22,6 +23,7 @@ from aiohttp import web
 from router.control import build_control_app, liveness, readiness
 from router.dataplane.routing import RequestRouter
 from router.dataplane.server import DataPlane, Limits
+from router.placement import PlacementAsker, Placer, own_url
 from router.replica import Replica, ServeConfig, start_replica, stop_replica
 
 log = logging.getLogger(__name__)
@@ -121,6 +123,20 @@ async def start_serving(config: ServeConfig) -> Serving:
             replica.pump.rules,
             replica.metrics,
         )
+        placement = replica.placement
+        if placement is not None:
+            rules = replica.pump.rules
+            replica.placer = Placer(
+                placement.policy, lambda: rules.tree, router.candidates, placement.counts
+            )
+            if config.placement_timeout_ms and config.internal_token:
+                router.placement = placement
+                router.asker = PlacementAsker(
+                    replica.sessions[0],
+                    config.internal_token,
+                    placement,
+                    config.placement_timeout_ms / 1000,
+                )
         plane = DataPlane(
             router,
             replica.workers,
@@ -143,6 +159,16 @@ async def start_serving(config: ServeConfig) -> Serving:
                 f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}"
             ) from None
         serving = Serving(replica, plane, control, f"http://{config.host}:{addresses[0][1]}")
+        if placement is not None:
+            placement.own = own_url(
+                config.self_url, config.host, addresses[0][1], os.environ.get("POD_IP")
+            )
+            if router.placement is not None and placement.own is None:
+                log.warning(
+                    "placement: this replica does not know its own URL, so it cannot tell "
+                    "which replica places new prefixes and places them itself; set --self-url "
+                    "(or POD_IP from the downward API)"
+                )
         if config.control_port:
             site = web.TCPSite(control, config.host, config.control_port)
             try:

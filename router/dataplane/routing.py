@@ -9,6 +9,12 @@ deep included, never a 500), no healthy worker a 503.
 
 The calls into the tokenizer and the policy sit in one small method, `choose`, so a change of
 either interface touches only it.
+
+A new prefix on a replica with siblings (`router.placement`: every candidate rank holds the
+prompt equally deep, a check that is O(1) for the common prompt some rank holds deeper) is
+placed by the placer replica: `route` then returns an `AskFirst` instead of a decision, the
+connection waits for the answer off the loop (`AskFirst.wait`), and `placed` decides on it,
+on the ranks healthy then. Every other request is decided synchronously as above.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from router.events import namespace_of
 from router.index import IndexRules
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
+from router.placement import AskFirst, Placement, PlacementAsker
 from router.policy import Candidate, Decision, Policy, Prompt
 from router.tokenize import ChatRequestError, RequestTokenizer
 from router.workers import WorkerRegistry
@@ -33,7 +40,7 @@ from router.workers import WorkerRegistry
 class Router(Protocol):
     """What the data plane asks when a generation request's body is complete."""
 
-    def route(self, route: bytes, raw: bytes) -> Decision | Refusal: ...
+    def route(self, route: bytes, raw: bytes) -> Decision | Refusal | AskFirst: ...
 
 
 # The policies that read the index; the others decide without tokenizing the prompt.
@@ -119,32 +126,65 @@ class RequestRouter:
     inflight: InflightTracker
     rules: IndexRules
     metrics: RouterMetrics
+    # A new prefix is placed by the placer replica (`router.placement`); None: off.
+    placement: Placement | None = None
+    asker: PlacementAsker | None = None
 
-    def route(self, route: bytes, raw: bytes) -> Decision | Refusal:
+    def candidates(self) -> list[Candidate]:
+        """The healthy ranks with this replica's in-flight and their engines' loads."""
+        counts, fresh = self.inflight.counts, self.loads.fresh
+        candidates = []
+        for w in self.workers.routable():
+            engine = fresh(w.url)
+            candidates += [Candidate(r, counts[r], engine.get(r.dp_rank)) for r in w.ranks()]
+        return candidates
+
+    def route(self, route: bytes, raw: bytes) -> Decision | Refusal | AskFirst:
         try:
             body = decode_body(raw)
         except BadRequest as exc:
             return Refusal(400, str(exc), param=exc.param)
-        routable = self.workers.routable()
-        if not routable:
-            self.metrics.decisions[self.policy.name, "no_candidates"] += 1
-            return Refusal(503, "no healthy worker to route to", type="service_unavailable")
-        counts, fresh = self.inflight.counts, self.loads.fresh
-        candidates = []
-        for w in routable:
-            engine = fresh(w.url)
-            candidates += [Candidate(r, counts[r], engine.get(r.dp_rank)) for r in w.ranks()]
+        candidates = self.candidates()
+        if not candidates:
+            return self._no_candidates()
         try:
             decision = self.choose(route, body, candidates)
         except BadRequest as exc:
             return Refusal(400, str(exc), param=exc.param)
         except ValueError as exc:  # the tokenizer's: a prompt it cannot take
             return Refusal(400, str(exc), param=param_of(route))
+        if isinstance(decision, AskFirst):
+            return decision
+        return self._counted(decision)
+
+    def placed(self, ask: AskFirst) -> Decision | Refusal:
+        """The decision for a new prefix once its placer answered (`ask.rank`) or did not:
+        on the ranks healthy now, by the index now (it may have changed while waiting)."""
+        candidates = self.candidates()
+        tree = self.rules.tree
+        if not candidates or tree is None:
+            return self._no_candidates()
+        prompt = ask.prompt
+        prompt = Prompt(
+            prompt.tokens, prompt.block_size, tree.prefix_depths(prompt.keys), prompt.keys
+        )
+        placement = self.placement
+        assert placement is not None
+        decision = placement.resolved(candidates, prompt, ask.rank)
+        return self._counted(decision or self.policy.decide(candidates, prompt))
+
+    def _no_candidates(self) -> Refusal:
+        self.metrics.decisions[self.policy.name, "no_candidates"] += 1
+        return Refusal(503, "no healthy worker to route to", type="service_unavailable")
+
+    def _counted(self, decision: Decision) -> Decision:
         self.metrics.decisions[self.policy.name, decision.outcome] += 1
         self.metrics.matched_blocks.observe(decision.matched_blocks)
         return decision
 
-    def choose(self, route: bytes, body: dict[str, Any], candidates: list[Candidate]) -> Decision:
+    def choose(
+        self, route: bytes, body: dict[str, Any], candidates: list[Candidate]
+    ) -> Decision | AskFirst:
         """Tokenize, key, look up and decide: every call into the tokenizer and the policy.
 
         A policy that does not read the index (round_robin, random, least_load,
@@ -175,5 +215,9 @@ class RequestRouter:
         if tree is None:  # no worker registered yet: no block size, no index
             return self.policy.decide(candidates, Prompt(len(tokens), 1))
         keys = block_keys(tokens, tree.block_size, namespace_seed(namespace_for(body)))
-        depths = tree.prefix_depths(keys)
-        return self.policy.decide(candidates, Prompt(len(tokens), tree.block_size, depths, keys))
+        prompt = Prompt(len(tokens), tree.block_size, tree.prefix_depths(keys), keys)
+        if self.placement is not None and self.asker is not None:
+            placer = self.placement.question(candidates, prompt)
+            if placer is not None:  # a new prefix: its placer decides
+                return AskFirst(placer, prompt, self.asker, self.placed)
+        return self.policy.decide(candidates, prompt)

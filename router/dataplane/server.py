@@ -3,8 +3,10 @@
 `ClientConnection` parses requests with `httptools.HttpRequestParser` and answers them in
 order (pipelined requests wait their turn with reading paused). Its decisions come from
 `exchange` (admission, framing) and `routing` (the routing decision, run synchronously in the
-parser's message-complete callback); `relay` moves the answer. One `Deadline` per connection
-bounds, in turn, the request head, the request body and the idle time between requests.
+parser's message-complete callback, or once the placer replica answered for a new prefix:
+`router.placement.AskFirst`, cancelled if the client leaves first); `relay` moves the answer.
+One `Deadline` per connection bounds, in turn, the request head, the request body and the
+idle time between requests.
 
 `DataPlane` holds what every connection shares: the listening sockets and their accept thread
 (`door`), the limits, the routing parts, one `UpstreamPool` per worker, the control app's
@@ -48,6 +50,8 @@ from router.dataplane.relay import ControlRelay, Relay, WorkerLookup, WorkerRela
 from router.dataplane.routing import Router
 from router.dataplane.upstream import UpstreamConnection, UpstreamPool
 from router.metrics import RouterMetrics
+from router.placement import AskFirst
+from router.policy import Decision
 
 log = logging.getLogger(__name__)
 
@@ -378,6 +382,7 @@ class ClientConnection(asyncio.Protocol):
         self._head_size = 0  # bytes of reads that fell wholly inside the head being parsed
         self._deferred: tuple[RequestHead, bytes] | None = None  # waits for a routing slice
         self._held: list[bytes] | None = None  # writes gathered by `hold_writes`
+        self._asking: AskFirst | None = None  # a new prefix's question to its placer
         self.turn_started = 0.0  # perf_counter when the routed request being answered got its turn
 
     # -- asyncio.Protocol ------------------------------------------------------------------
@@ -442,6 +447,9 @@ class ClientConnection(asyncio.Protocol):
         link, self._link = self._link, None
         if link is not None:
             link.abort()
+        asking, self._asking = self._asking, None
+        if asking is not None:
+            asking.cancel()
 
     def pause_writing(self) -> None:
         if self._relay is not None:
@@ -651,10 +659,28 @@ class ClientConnection(asyncio.Protocol):
             return
         head, body = deferred
         plane = self.plane
-        path = head.path
-        decision = plane.router.route(path, body)
+        decision = plane.router.route(head.path, body)
+        if isinstance(decision, AskFirst):  # a new prefix: routed once its placer answers
+            self._asking = decision
+            decision.wait(lambda ask: self._placed(head, body, ask))
+            return
+        self._send(head, body, decision)
+
+    def _placed(self, head: RequestHead, body: bytes, ask: AskFirst) -> None:
+        self._asking = None
+        if self._closed:
+            return
+        try:
+            decision = ask.decision()
+        except Exception:  # outside the parser's callback: a bug must not leave a client hanging
+            log.exception("routing a new prefix after its placer's answer failed")
+            decision = Refusal(500, "the router failed to route this request", type="server_error")
+        self._send(head, body, decision)
+
+    def _send(self, head: RequestHead, body: bytes, decision: Decision | Refusal) -> None:
+        plane = self.plane
         if isinstance(decision, Refusal):
-            plane.metrics.requests[path.decode(), "none", str(decision.status)] += 1
+            plane.metrics.requests[head.path.decode(), "none", str(decision.status)] += 1
             self.refuse(decision)
             return
         relay = WorkerRelay(plane, self, head, body, decision)

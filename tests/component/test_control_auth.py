@@ -94,6 +94,7 @@ async def test_every_registered_route_under_a_guarded_path_is_guarded() -> None:
             "/workers",
             "/internal/kv_snapshot",
             "/internal/decisions",
+            "/internal/place",
         }
         for method, path in routes:
             if method == "HEAD":

@@ -137,6 +137,16 @@ def invalid_settings(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], st
             "path",
         ),
         "allow-cidr not a network": (["--worker-allow-cidr", "10.0.0.0/33"], {}, "33"),
+        "negative placement timeout": (
+            ["--placement-timeout-ms", "-1"],
+            {},
+            "--placement-timeout-ms",
+        ),
+        "env placement timeout too long": (
+            [],
+            {"KVROUTER_PLACEMENT_TIMEOUT_MS": "5000"},
+            "--placement-timeout-ms",
+        ),
     }
 
 

@@ -1,0 +1,350 @@
+"""Placement authority: one replica places every new prefix for its siblings.
+
+Decision sharing (`router.siblings`) tells siblings where each replica routed what, a few ms
+late (p50 2-3 ms, p99 20-30 ms under load). Nearly all the routing quality that lag costs
+comes from placements of NEW prefixes: replicas that have not heard of each other's
+placements put new prefixes on the rank every view shows lightest (herding), or place a
+prefix a sibling has just placed elsewhere (a blind copy); the lag of the other decisions
+costs nothing measurable (BENCHMARKS.md, "Siblings' news lag"). So new prefixes are placed
+by one replica, the placer, which sees every placement because it makes them all.
+
+Theory of operation
+-------------------
+- Who places: the lowest of the sorted base URLs of this replica and the siblings it
+  currently posts to (`placer_of`). Every replica computes it from what it already has, so
+  there is no election. While membership changes, two replicas may each see a different
+  lowest URL (a new replica seen by some, a gone one still listed by others): each of the
+  two placers then decides for those that ask it, and shares as usual, so for that window
+  routing is as good as with no placer at all, never worse. A replica asked while it does
+  not think itself the placer answers all the same (no forwarding, so no loops). A replica
+  that does not know its own URL (`--self-url`, or a concrete `--host`, or `POD_IP`) cannot
+  tell whether it is the lowest, and never asks.
+- What is new (`Placement.question`): a prompt of at least one full block whose every
+  candidate rank holds it equally deep in this replica's view, the index's device depth
+  extended by this replica's bookings (no holder, or a preamble every rank holds). The
+  common case, a prompt some rank holds deeper than another, is told apart in O(1) from
+  the index's depth runs, before anything else is read.
+- Asking: the question carries the prompt's token count, block size and block keys (at most
+  `MAX_KEYS`, its head); the placer decides with its own ledger, loads and in-flight
+  (`CacheAware.decide`, which books the rank in its ledger and shares it with every sibling,
+  the asker included) and answers the rank. The asker waits at most `--placement-timeout-ms`,
+  then routes to the answered rank if it is still one of its healthy candidates, booked in
+  its own ledger like its own decision but not shared again (`CacheAware.place`); otherwise
+  (timeout, error, an answer naming a rank it does not route to) it decides alone as without
+  a placer. At most `max_asking` questions are in flight: past that a new prefix is decided
+  here (`busy`). A placer that failed is not asked for a backoff (50 ms doubling to 5 s), so
+  a dead one costs no wait per request.
+- Both wire types are msgpack arrays decoded all or nothing: a malformed question is refused
+  whole (400) and nothing is booked; a malformed answer counts as an error.
+
+Counted (`kvrouter_placements_total{outcome}`): `asked` (questions sent), `answered` (routed
+to the placer's rank), `unusable` (answered with a rank that is not a healthy candidate
+here), `timeout`, `error`, `busy` (over the bound or backing off), `local` (a new prefix this
+replica placed itself as the placer), and `placed` (questions this replica answered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final, TypeVar
+
+import aiohttp
+import msgspec
+
+from cachetree.ranks import RankId
+from cachetree.tree import BlockTree
+from router.policy import CacheAware, Candidate, Decision, Prompt
+from router.siblings import MAX_DP_RANK, MAX_KEYS_PER_DECISION, MAX_WORKER_URL_CHARS
+
+if TYPE_CHECKING:
+    from router.dataplane.exchange import Refusal
+
+log = logging.getLogger(__name__)
+
+PATH: Final = "/internal/place"
+CONTENT_TYPE: Final = "application/msgpack"
+MAX_KEYS: Final = MAX_KEYS_PER_DECISION  # a question carries at most this head of a prompt
+MAX_BLOCK_SIZE: Final = 1 << 16
+MAX_TOKENS: Final = 1 << 24
+MAX_BODY_BYTES: Final = 16 + 9 * MAX_KEYS  # the largest well-formed question, and no more
+MAX_ANSWER_BYTES: Final = 16 + 3 * MAX_WORKER_URL_CHARS
+DEFAULT_TIMEOUT_MS: Final = 50
+MAX_TIMEOUT_MS: Final = 1000
+DEFAULT_MAX_ASKING: Final = 64
+OUTCOMES: Final = ("asked", "answered", "unusable", "timeout", "error", "busy", "local", "placed")
+_BACKOFF_S: Final = 0.05
+_MAX_BACKOFF_S: Final = 5.0
+_LOG_EVERY_S: Final = 60.0
+_U64: Final = 1 << 64
+
+
+class PlaceQuestion(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    tokens: int
+    block_size: int
+    keys: list[int]
+
+
+class PlaceAnswer(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    worker_url: str
+    dp_rank: int
+
+
+T = TypeVar("T")
+_encoder = msgspec.msgpack.Encoder()
+_question_decoder = msgspec.msgpack.Decoder(PlaceQuestion)
+_answer_decoder = msgspec.msgpack.Decoder(PlaceAnswer)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[T], body: bytes, limit: int, what: str) -> T:
+    if len(body) > limit:
+        raise ValueError(f"{what} of {len(body)} bytes; at most {limit}")
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not a placement {what}: {exc}") from None
+
+
+def encode_question(prompt: Prompt) -> bytes:
+    """The question about `prompt`: its head, for a prompt past the bounds."""
+    keys = list(prompt.keys[:MAX_KEYS])
+    return _encoder.encode(PlaceQuestion(min(prompt.tokens, MAX_TOKENS), prompt.block_size, keys))
+
+
+def decode_question(body: bytes) -> PlaceQuestion:
+    """A received question, checked; ValueError naming the first problem."""
+    q = _decode(_question_decoder, body, MAX_BODY_BYTES, "question")
+    if not 1 <= q.block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be 1..{MAX_BLOCK_SIZE}")
+    if not 0 < len(q.keys) <= MAX_KEYS:
+        raise ValueError(f"keys must hold 1..{MAX_KEYS} block keys")
+    if min(q.keys) < 0 or max(q.keys) >= _U64:
+        raise ValueError("block keys must be unsigned 64-bit integers")
+    if not len(q.keys) * q.block_size <= q.tokens <= MAX_TOKENS:
+        raise ValueError(f"tokens must be len(keys) * block_size..{MAX_TOKENS}")
+    return q
+
+
+def encode_answer(rank: RankId) -> bytes:
+    return _encoder.encode(PlaceAnswer(rank.worker_url, rank.dp_rank))
+
+
+def decode_answer(body: bytes) -> RankId:
+    """The placer's rank; ValueError when the answer is malformed."""
+    a = _decode(_answer_decoder, body, MAX_ANSWER_BYTES, "answer")
+    if not 0 < len(a.worker_url) <= MAX_WORKER_URL_CHARS or not 0 <= a.dp_rank < MAX_DP_RANK:
+        raise ValueError("answer names no valid rank")
+    return RankId(a.worker_url, a.dp_rank)
+
+
+def placer_of(own: str | None, peers: Sequence[str]) -> str | None:
+    """The sibling to ask (the lowest URL of self and `peers`), or None when this replica is
+    the placer, has no siblings, or does not know its own URL."""
+    if own is None or not peers:
+        return None
+    lowest = min(peers)
+    return lowest if lowest < own.rstrip("/") else None
+
+
+def own_url(self_url: str | None, host: str, port: int, pod_ip: str | None) -> str | None:
+    """This replica's URL as its siblings list it: `--self-url`, else the concrete `--host`
+    it listens on, else the pod's IP (an EndpointSlice lists pods by IP); None when unknown."""
+    if self_url:
+        return self_url.rstrip("/")
+    if host and host not in ("0.0.0.0", "::"):
+        address = host
+    elif pod_ip:
+        address = pod_ip
+    else:
+        return None
+    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
+
+
+def same_depth(
+    ranks: Sequence[RankId], device: dict[RankId, int], booked: dict[RankId, int]
+) -> bool:
+    """Every rank holds the prompt equally deep, bookings extending the index's depths."""
+    depths = {max(device.get(r, 0), booked.get(r, 0)) for r in ranks}
+    return len(depths) == 1
+
+
+@dataclass(slots=True)
+class AskFirst:
+    """`RequestRouter.route`'s answer for a new prefix: ask `placer`, then route. The data
+    plane runs `wait` and, once it calls back, `RequestRouter.placed`; `cancel` when the
+    client left while waiting (nothing is booked here then)."""
+
+    placer: str
+    prompt: Prompt
+    asker: PlacementAsker
+    resume: Callable[[AskFirst], Decision | Refusal]  # the router's decision on the answer
+    rank: RankId | None = None  # the placer's answer, once it came
+    _task: asyncio.Task[None] | None = None
+
+    def wait(self, then: Callable[[AskFirst], None]) -> None:
+        """Ask, then call `then` (on the loop; never when cancelled)."""
+        self._task = asyncio.get_running_loop().create_task(self._ask(then))
+
+    async def _ask(self, then: Callable[[AskFirst], None]) -> None:
+        self.rank = await self.asker.ask(self.placer, encode_question(self.prompt))
+        try:
+            then(self)
+        except Exception:  # the data plane's callback: its own bug, never silent
+            log.exception("placement: routing a request after the placer's answer failed")
+
+    def decision(self) -> Decision | Refusal:
+        """The routing decision now that the answer came (or did not): books it."""
+        return self.resume(self)
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+@dataclass
+class Placement:
+    """The asker's rules (plain code): whether a prompt is a new prefix to ask about, whom to
+    ask, the bound on questions in flight and the backoff from a failing placer."""
+
+    policy: CacheAware
+    own: str | None
+    peers: Callable[[], Sequence[str]]
+    max_asking: int = DEFAULT_MAX_ASKING
+    clock: Callable[[], float] = time.monotonic
+    counts: Counter[str] = field(default_factory=lambda: Counter(dict.fromkeys(OUTCOMES, 0)))
+    asking: int = 0
+    _failing: tuple[int, float] = (0, 0.0)  # failures in a row, not asked again until
+
+    def __post_init__(self) -> None:
+        if self.max_asking < 1:
+            raise ValueError("max_asking must be >= 1")
+
+    def question(self, candidates: Sequence[Candidate], prompt: Prompt) -> str | None:
+        """The placer to ask about `prompt` now, or None to decide here as usual."""
+        depths = prompt.depths
+        if depths is None or not prompt.keys or len(candidates) < 2:
+            return None
+        runs = depths.depth_runs(device=True)
+        # O(1) first: ranks at two depths, or a holder set smaller than the candidates.
+        if len(runs) > 1 or (runs and runs[0][0].bit_count() < len(candidates)):
+            return None
+        device = depths.device if runs else {}
+        booked = self.policy.ledger.booked_depths(prompt.keys, device)
+        if not same_depth([c.rank for c in candidates], device, booked):
+            return None
+        placer = placer_of(self.own, self.peers())
+        if placer is None:
+            self.counts["local"] += 1
+            return None
+        if self.asking >= self.max_asking or self._failing[1] > self.clock():
+            self.counts["busy"] += 1
+            return None
+        self.asking += 1
+        self.counts["asked"] += 1
+        return placer
+
+    def finished(self, outcome: str) -> None:
+        """A question ended: `answered` (an answer came), `timeout` or `error`."""
+        self.asking -= 1
+        if outcome == "answered":
+            self._failing = (0, 0.0)
+            return
+        self.counts[outcome] += 1
+        in_a_row = self._failing[0] + 1
+        backoff = min(_BACKOFF_S * 2 ** (in_a_row - 1), _MAX_BACKOFF_S)
+        self._failing = (in_a_row, self.clock() + backoff)
+
+    def cancelled(self) -> None:
+        """The client left while its question was in flight."""
+        self.asking -= 1
+
+    def resolved(
+        self, candidates: Sequence[Candidate], prompt: Prompt, rank: RankId | None
+    ) -> Decision | None:
+        """The asker's decision on the placer's answer: `rank` first, booked here (None when
+        there was no answer, or it names no candidate: decide alone then)."""
+        if rank is None:
+            return None
+        decision = self.policy.place(candidates, prompt, rank)
+        self.counts["answered" if decision is not None else "unusable"] += 1
+        return decision
+
+
+@dataclass
+class PlacementAsker:
+    """Posts questions to the placer (the asyncio shell around `Placement`)."""
+
+    session: aiohttp.ClientSession
+    token: str
+    placement: Placement
+    timeout_s: float = DEFAULT_TIMEOUT_MS / 1000
+    _logged_at: float = -_LOG_EVERY_S
+
+    async def ask(self, placer: str, question: bytes) -> RankId | None:
+        """The placer's rank, or None after a timeout or an error (counted and logged)."""
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": CONTENT_TYPE}
+        outcome = "error"
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self.session.post(placer + PATH, data=question, headers=headers) as r:
+                    body = await r.content.read(MAX_ANSWER_BYTES + 1)
+                    if r.status != 200:
+                        raise ValueError(f"status {r.status}: {body[:200]!r}")
+                    rank = decode_answer(body)
+            outcome = "answered"
+            return rank
+        except TimeoutError:
+            outcome = "timeout"
+            problem = f"no answer within {self.timeout_s * 1000:.0f} ms"
+        except (aiohttp.ClientError, ValueError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            if outcome == "cancelled":
+                self.placement.cancelled()
+            else:
+                self.placement.finished(outcome)
+        now = self.placement.clock()
+        if now - self._logged_at >= _LOG_EVERY_S:
+            self._logged_at = now
+            log.warning(
+                "placement: the placer %s did not answer (%s); new prefixes are placed here "
+                "meanwhile. Check that it runs and has the same --internal-token; raise "
+                "--placement-timeout-ms if it is only slow",
+                placer,
+                problem,
+            )
+        return None
+
+
+@dataclass
+class Placer:
+    """The placer's side of `POST /internal/place` (plain code): decide a sibling's new
+    prefix with this replica's own ledger, loads and in-flight, and book it here."""
+
+    policy: CacheAware
+    tree: Callable[[], BlockTree | None]
+    candidates: Callable[[], list[Candidate]]
+    counts: Counter[str]  # the replica's placement counts (`Placement.counts`)
+
+    def place(self, body: bytes) -> bytes | None:
+        """The encoded answer; None when no rank is healthy. ValueError (nothing booked) for
+        a malformed question or one keyed with another block size."""
+        q = decode_question(body)
+        tree = self.tree()
+        if tree is None or tree.block_size != q.block_size:
+            mine = None if tree is None else tree.block_size
+            raise ValueError(f"block_size {q.block_size}; this replica's is {mine}")
+        candidates = self.candidates()
+        if not candidates:
+            return None
+        prompt = Prompt(q.tokens, q.block_size, tree.prefix_depths(q.keys), q.keys)
+        decision = self.policy.decide(candidates, prompt)
+        self.counts["placed"] += 1
+        return encode_answer(decision.ranked[0].rank)

@@ -1,0 +1,257 @@
+"""The placement authority end to end (`router.placement`): in-process replicas over real
+HTTP and ZMQ in front of fake workers; the placer real, or a stub that is slow or gone.
+
+Each test asserts the cost: which worker served the new prefix, what each replica's ledger
+booked, and what the placement counts say."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+from aiohttp import web
+
+from cachetree.ranks import RankId
+from router import placement, siblings
+from router.placement import PlaceQuestion, decode_answer, encode_answer, placer_of
+from router.policy import CacheAware
+from tests.component.test_pressure_routing import (
+    CACHE_BLOCKS,
+    PREFIX_CHARS,
+    capacities_known,
+    complete,
+    prefix,
+    two_sharing_replicas,
+)
+from tests.support.adversary import stub_server
+from tests.support.clock import ManualClock
+from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
+from tests.support.ports import free_tcp_port
+from tests.support.router import (
+    TEST_TOKEN,
+    RouterHandle,
+    gate_fleet,
+    quiesce,
+    router_in_process,
+)
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+BLOCKS = PREFIX_CHARS // 16
+
+
+def policy_of(rt: RouterHandle) -> CacheAware:
+    policy = rt.replica.policy
+    assert isinstance(policy, CacheAware)
+    return policy
+
+
+def counts(rt: RouterHandle) -> dict[str, int]:
+    assert rt.replica.placement is not None
+    return dict(rt.replica.placement.counts)
+
+
+def demand_on(rt: RouterHandle, worker: str, blocks: int, seed: int) -> None:
+    """`blocks` of unrelated recent demand on `worker` in this replica's ledger alone."""
+    rng = random.Random(seed)
+    keys = [rng.getrandbits(63) for _ in range(blocks)]
+    policy_of(rt).ledger.record(RankId(worker, 0), keys, held=len(keys))
+
+
+async def test_a_new_prefix_at_another_replica_goes_where_the_placer_puts_it_both_booking_it() -> (
+    None
+):
+    async with contextlib.AsyncExitStack() as stack:
+        w1 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+        w2 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+        # The longest wait: on a loaded host an answer must not come too late for this test.
+        one, two = await two_sharing_replicas(stack, [w1, w2], placement_timeout_ms=1000)
+        placer, asker = (one, two) if placer_of(one.url, [two.url]) is None else (two, one)
+        for rt in (one, two):
+            await capacities_known(rt, [w1, w2])
+        # Their views differ: the placer sees w1 full of demand, the asker sees w2 so. Alone,
+        # the asker would put a new prefix on w1; the placer puts it on w2.
+        demand_on(placer, w1.url, 30, seed=1)
+        demand_on(asker, w2.url, 30, seed=2)
+        r2 = RankId(w2.url, 0)
+        before = policy_of(asker).ledger.demand(r2), policy_of(placer).ledger.demand(r2)
+        text = prefix(random.Random(7))
+        served, cached = await complete(asker, text)
+        assert (served, cached) == (w2.url, 0)
+        after = policy_of(asker).ledger.demand(r2), policy_of(placer).ledger.demand(r2)
+        # Both ledgers count the prefix's blocks on w2: the asker's own booking on the answer,
+        # the placer's by its own decision.
+        assert after[0] - before[0] == pytest.approx(BLOCKS, abs=1.5)
+        assert after[1] - before[1] == pytest.approx(BLOCKS, abs=1.5)
+        assert policy_of(placer).ledger.bookings.made == 1
+        assert counts(asker)["asked"] == counts(asker)["answered"] == 1
+        assert counts(placer)["placed"] == 1
+        # A prefix some rank holds is decided where it arrives, without a question.
+        await quiesce([one, two], [w1, w2])
+        assert await complete(asker, text + " again") == (w2.url, PREFIX_CHARS)
+        assert counts(asker)["asked"] == 1
+        scrape = await asker.scrape()
+        assert scrape.value("kvrouter_placements_total", outcome="answered") == 1
+        # The placer decides its own new prefixes: counted local, nothing asked.
+        await complete(placer, prefix(random.Random(8)))
+        assert counts(placer)["local"] == 1 and counts(placer)["asked"] == 0
+
+
+async def test_the_place_route_refuses_bad_callers_and_bad_questions_booking_nothing() -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        w1 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+        one, _ = await two_sharing_replicas(stack, [w1])
+        ledger = policy_of(one).ledger
+        url = one.url + placement.PATH
+        bearer = {"Authorization": f"Bearer {TEST_TOKEN}"}
+        good = msgspec.msgpack.encode(PlaceQuestion(64, 16, [11, 12, 13, 14]))
+        cases = [
+            ({}, good, 401),  # no token
+            ({"Authorization": "Bearer not-the-token"}, good, 401),
+            (bearer, b"\x93not msgpack of a question", 400),
+            (bearer, msgspec.msgpack.encode(PlaceQuestion(64, 32, [11, 12])), 400),  # block size
+            (bearer, msgspec.msgpack.encode(PlaceQuestion(16, 16, [11, 12])), 400),  # tokens
+            (bearer, b"\x00" * (placement.MAX_BODY_BYTES + 1), 413),
+        ]
+        for headers, body, status in cases:
+            async with one.session.post(url, data=body, headers=headers) as resp:
+                assert resp.status == status, (headers, await resp.text())
+        assert ledger.bookings.made == 0 and ledger.demand(RankId(w1.url, 0)) == 0.0
+        assert counts(one)["placed"] == 0
+        async with one.session.post(url, data=good, headers=bearer) as resp:
+            assert resp.status == 200
+            assert decode_answer(await resp.read()) == RankId(w1.url, 0)
+        assert ledger.booked_depths([11, 12, 13, 14], {}) == {RankId(w1.url, 0): 4}
+        assert counts(one)["placed"] == 1
+        # A replica without siblings places nothing for anyone.
+        alone = await stack.enter_async_context(router_in_process(workers=[w1.url]))
+        async with alone.session.post(alone.url + placement.PATH, data=good, headers=bearer) as r:
+            assert r.status == 404
+
+
+@contextlib.asynccontextmanager
+async def asker_of(
+    placer: str, workers: list[FakeWorkerHandle], timeout_ms: int
+) -> AsyncIterator[RouterHandle]:
+    """A replica whose only sibling, at `placer`, sorts first (its own URL names localhost)."""
+    port = free_tcp_port()
+    async with router_in_process(
+        port=port,
+        self_url=f"http://localhost:{port}",
+        peer=[placer],
+        workers=[fw.url for fw in workers],
+        kv_bootstrap_timeout_ms=500,
+        expose_route_headers=True,
+        placement_timeout_ms=timeout_ms,
+    ) as rt:
+        assert placer_of(f"http://localhost:{port}", [placer]) == placer
+        assert rt.replica.placement is not None
+        rt.replica.placement.clock = ManualClock()  # a backoff lasts until the test moves it
+        await gate_fleet([rt], workers)
+        yield rt
+
+
+@contextlib.asynccontextmanager
+async def stub_placer(answer: str) -> AsyncIterator[str]:
+    """A sibling that takes decision batches and answers a placement question: never
+    (`hang`), with bytes that are not an answer (`garbage`), with a worker this replica does
+    not route to (`stranger`); or that is not there at all (`gone`)."""
+    if answer == "gone":
+        yield f"http://127.0.0.1:{free_tcp_port()}"
+        return
+    never = asyncio.Event()
+
+    async def place(request: web.Request) -> web.Response:
+        if answer == "garbage":
+            return web.Response(body=b"\x92\xa3not an answer", content_type=placement.CONTENT_TYPE)
+        if answer == "stranger":
+            return web.Response(
+                body=encode_answer(RankId("http://127.0.0.1:9", 0)),
+                content_type=placement.CONTENT_TYPE,
+            )
+        await never.wait()
+        raise AssertionError("unreachable")
+
+    async def take(request: web.Request) -> web.Response:
+        return web.Response(status=204)
+
+    routes = {("POST", placement.PATH): place, ("POST", siblings.PATH): take}
+    async with stub_server(routes) as url:
+        yield url
+
+
+@pytest.mark.parametrize(
+    ("answer", "outcome", "backoff"),
+    [
+        ("hang", "timeout", True),
+        ("gone", "error", True),
+        ("garbage", "error", True),
+        ("stranger", "unusable", False),  # a placer that answers is asked again
+    ],
+)
+async def test_a_slow_dead_or_wrong_placer_leaves_the_replica_deciding_alone(
+    answer: str, outcome: str, backoff: bool
+) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        w1 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+        w2 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+        url = await stack.enter_async_context(stub_placer(answer))
+        asker = await stack.enter_async_context(asker_of(url, [w1, w2], timeout_ms=50))
+        served, _ = await complete(asker, prefix(random.Random(3)))
+        c = counts(asker)
+        assert (c["asked"], c[outcome], c["answered"]) == (1, 1, 0)
+        # Decided here and booked like any decision of its own.
+        ledger = policy_of(asker).ledger
+        assert ledger.demand(RankId(served, 0)) == pytest.approx(BLOCKS, abs=1.5)
+        # Right after a failure the placer is left alone: the next new prefix is not asked.
+        await complete(asker, prefix(random.Random(4)))
+        asked_again = 1 if backoff else 2
+        assert (counts(asker)["asked"], counts(asker)["busy"]) == (asked_again, int(backoff))
+        rules = asker.replica.placement
+        assert rules is not None and rules.asking == 0
+        if backoff:  # once the backoff is over the placer is asked again
+            rules.clock.advance(0.05)  # type: ignore[attr-defined]
+            await complete(asker, prefix(random.Random(6)))
+            assert counts(asker)["asked"] == 2
+
+
+async def test_a_client_that_leaves_while_its_question_waits_leaves_nothing_behind() -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        w1 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+        w2 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+        url = await stack.enter_async_context(stub_placer("hang"))
+        asker = await stack.enter_async_context(asker_of(url, [w1, w2], timeout_ms=1000))
+        rules = asker.replica.placement
+        assert rules is not None
+        body = msgspec.json.encode(
+            {"model": "fake-model", "prompt": prefix(random.Random(5)), "max_tokens": 1}
+        )
+        host, port = asker.url.removeprefix("http://").split(":")
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        await eventually(lambda: rules.asking == 1)
+        # The loop is not held up meanwhile: a prompt under one block (never asked) is served.
+        served, _ = await complete(asker, "short")
+        assert served in (w1.url, w2.url)
+        open_before = len(asker.plane.connections)
+        writer.close()
+        await eventually(lambda: rules.asking == 0)
+        await eventually(lambda: len(asker.plane.connections) == open_before - 1)
+        ledger = policy_of(asker).ledger
+        assert ledger.bookings.made == 0  # the short prompt books nothing; the gone one neither
+        assert asker.replica.inflight.total == 0
+        assert (rules.counts["asked"], rules.counts["timeout"], rules.counts["answered"]) == (
+            1,
+            0,
+            0,
+        )

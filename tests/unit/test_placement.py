@@ -1,0 +1,232 @@
+"""The placement authority's rules (`router.placement`): who places, what is a new prefix,
+the bounds on questions, the wire (all or nothing) and what the asker books on an answer."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from cachetree.ranks import RankId
+from router import placement
+from router.placement import (
+    Placement,
+    PlaceQuestion,
+    decode_answer,
+    decode_question,
+    encode_answer,
+    encode_question,
+    own_url,
+    placer_of,
+    same_depth,
+)
+from router.policy import Prompt
+from tests.unit.test_policy import BS, KEYS, PROMPT, A, B, C, Fleet, Pressured, cand, even
+
+ME = "http://10.0.0.5:8080"
+LOW, HIGH = "http://10.0.0.1:8080", "http://10.0.0.9:8080"
+
+
+@pytest.mark.parametrize(
+    ("own", "peers", "placer"),
+    [
+        (ME, [LOW, HIGH], LOW),  # a sibling sorts first: it places
+        (ME, [HIGH], None),  # this replica sorts first: it places itself
+        (ME + "/", [HIGH], None),  # a trailing slash changes nothing
+        (ME, [], None),  # no siblings
+        (None, [LOW], None),  # its own URL unknown: it cannot tell, never asks
+    ],
+)
+def test_the_placer_is_the_lowest_url_of_self_and_siblings(
+    own: str | None, peers: list[str], placer: str | None
+) -> None:
+    assert placer_of(own, peers) == placer
+
+
+def test_every_replica_names_the_same_placer() -> None:
+    fleet = [LOW, ME, HIGH]
+    named = {placer_of(own, [u for u in fleet if u != own]) or own for own in fleet}
+    assert named == {LOW}
+
+
+@pytest.mark.parametrize(
+    ("self_url", "host", "pod_ip", "url"),
+    [
+        ("http://r0:8080/", "0.0.0.0", "10.1.1.1", "http://r0:8080"),  # --self-url wins
+        (None, "127.0.0.1", "10.1.1.1", "http://127.0.0.1:9000"),  # a concrete --host
+        (None, "0.0.0.0", "10.1.1.1", "http://10.1.1.1:9000"),  # else the pod's IP
+        (None, "::", "fd00::7", "http://[fd00::7]:9000"),
+        (None, "0.0.0.0", None, None),  # nothing says who it is
+    ],
+)
+def test_own_url_is_as_siblings_list_it(
+    self_url: str | None, host: str, pod_ip: str | None, url: str | None
+) -> None:
+    assert own_url(self_url, host, 9000, pod_ip) == url
+
+
+@pytest.mark.parametrize(
+    ("device", "booked", "new"),
+    [
+        ({}, {}, True),  # nobody holds it
+        ({A: 4, B: 4, C: 4}, {}, True),  # a preamble every rank holds, nothing more
+        ({A: 4}, {}, False),  # one holder
+        ({}, {B: 20}, False),  # booked on one rank (routed, no store event yet)
+        ({A: 4, B: 4, C: 4}, {A: 4}, True),  # a booking that adds nothing
+        ({A: 4, B: 4}, {C: 4}, True),  # a booking that evens the depths
+    ],
+)
+def test_a_new_prefix_is_every_rank_at_one_depth_bookings_included(
+    device: dict[RankId, int], booked: dict[RankId, int], new: bool
+) -> None:
+    assert same_depth([A, B, C], device, booked) is new
+
+
+class Asker:
+    """A replica's placement rules over a pressured cache_aware, with siblings `peers`."""
+
+    def __init__(self, peers: list[str], own: str = ME, max_asking: int = 2) -> None:
+        self.fleet = Fleet()
+        self.p = Pressured(self.fleet, even(), replicas=2)
+        self.peers = peers
+        self.rules = Placement(self.p.policy, own, lambda: self.peers, max_asking, self.p.clock)
+
+    def ask(self) -> str | None:
+        return self.rules.question([cand(A), cand(B), cand(C)], self.p.prompt())
+
+
+def test_a_new_prefix_asks_the_placer_and_a_held_or_booked_one_does_not() -> None:
+    s = Asker([LOW])
+    assert s.ask() == LOW
+    s.fleet.hold(A, 4)  # held on one rank: decided here as today
+    assert s.ask() is None
+    s = Asker([LOW])
+    for rank in (A, B, C):  # a preamble every rank holds
+        s.fleet.hold(rank, 4)
+    assert s.ask() == LOW
+    s = Asker([LOW])
+    s.p.policy.ledger.record(B, KEYS[:10])  # routed here, no store event yet
+    assert s.ask() is None
+    assert s.rules.counts["asked"] == 0 and s.rules.asking == 0
+
+
+def test_the_placer_itself_places_and_counts_it_local() -> None:
+    s = Asker([HIGH])
+    assert s.ask() is None
+    assert s.rules.counts["local"] == 1 and s.rules.counts["asked"] == 0
+
+
+def test_a_prompt_shorter_than_a_block_or_a_lone_candidate_is_never_asked_about() -> None:
+    s = Asker([LOW])
+    assert (
+        s.rules.question([cand(A), cand(B)], Prompt(5, BS, s.fleet.tree.prefix_depths([]))) is None
+    )
+    assert s.rules.question([cand(A)], s.p.prompt()) is None
+    assert s.rules.counts["asked"] == 0
+
+
+def test_questions_in_flight_are_bounded_and_a_failing_placer_is_left_alone_for_a_backoff() -> None:
+    s = Asker([LOW], max_asking=2)
+    assert s.ask() == LOW and s.ask() == LOW
+    assert s.ask() is None  # a third while two are in flight: decided here
+    assert s.rules.counts["busy"] == 1
+    s.rules.finished("answered")
+    s.rules.finished("timeout")  # one failure: not asked again for 50 ms
+    assert s.rules.asking == 0 and s.rules.counts["timeout"] == 1
+    assert s.ask() is None and s.rules.counts["busy"] == 2
+    s.p.clock.advance(0.051)
+    assert s.ask() == LOW
+    s.rules.finished("error")  # a second in a row: 100 ms
+    s.p.clock.advance(0.08)
+    assert s.ask() is None
+    s.p.clock.advance(0.03)
+    assert s.ask() == LOW
+    s.rules.finished("answered")  # an answer ends the backoff
+    assert s.ask() == LOW
+    s.rules.cancelled()  # a client that left releases its slot too
+    assert s.rules.asking == 0
+
+
+def test_on_an_answer_the_asker_books_the_placers_rank_first_without_sharing_it() -> None:
+    s = Asker([LOW])
+    shared: list[RankId] = []
+    s.p.policy.share = lambda rank, keys, held: shared.append(rank)
+    candidates = [cand(A), cand(B, inflight=2), cand(C)]
+    decision = s.rules.resolved(candidates, s.p.prompt(), B)
+    assert decision is not None
+    assert [c.rank for c in decision.ranked] == [B, A, C] or [c.rank for c in decision.ranked] == [
+        B,
+        C,
+        A,
+    ]
+    assert decision.outcome == "cache_miss"
+    ledger = s.p.policy.ledger
+    assert ledger.booked_depths(KEYS, {}) == {B: len(KEYS)}
+    assert ledger.demand(B) == pytest.approx(len(KEYS)) and ledger.demand(A) == 0.0
+    assert shared == []  # the placer shares it
+    assert s.rules.counts["answered"] == 1
+
+
+def test_an_answer_naming_no_healthy_candidate_is_unusable_and_books_nothing() -> None:
+    s = Asker([LOW])
+    gone = RankId("http://gone:8000", 0)
+    assert s.rules.resolved([cand(A), cand(B)], s.p.prompt(), gone) is None
+    assert s.rules.resolved([cand(A), cand(B)], s.p.prompt(), None) is None
+    assert s.p.policy.ledger.booked_depths(KEYS, {}) == {}
+    assert s.rules.counts["unusable"] == 1 and s.rules.counts["answered"] == 0
+
+
+def test_a_question_round_trips_and_carries_at_most_the_prompts_head() -> None:
+    prompt = Prompt(len(PROMPT), BS, None, KEYS)
+    q = decode_question(encode_question(prompt))
+    assert (q.tokens, q.block_size, q.keys) == (len(PROMPT), BS, KEYS)
+    long_keys = list(range(1, placement.MAX_KEYS + 50))
+    q = decode_question(encode_question(Prompt(len(long_keys) * BS, BS, None, long_keys)))
+    assert q.keys == long_keys[: placement.MAX_KEYS]
+    huge = decode_question(encode_question(Prompt(1 << 30, BS, None, KEYS)))
+    assert huge.tokens == placement.MAX_TOKENS
+    assert len(encode_question(Prompt(1 << 24, BS, None, [(1 << 64) - 1] * 8192))) <= (
+        placement.MAX_BODY_BYTES
+    )
+
+
+def _question(tokens: int, block_size: int, keys: list[int]) -> bytes:
+    return msgspec.msgpack.encode(PlaceQuestion(tokens, block_size, keys))
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        (b"\x93not a question", "not a placement question"),
+        (msgspec.msgpack.encode([64, 16, [1, 2], "extra"]), "not a placement question"),
+        (msgspec.msgpack.encode([64, 16, [1, "two"]]), "not a placement question"),
+        (_question(64, 16, []), "keys must hold"),
+        (_question(64, 0, [1]), "block_size"),
+        (_question(64, 16, [1, -2]), "unsigned 64-bit"),
+        (_question(31, 16, [1, 2]), "tokens must be"),  # fewer tokens than its full blocks
+        (_question(1 << 25, 16, [1]), "tokens must be"),
+        (_question(64, 1, list(range(1, placement.MAX_KEYS + 2))), "keys must hold"),
+        (b"\x93" + b"\x00" * placement.MAX_BODY_BYTES, "bytes"),
+    ],
+)
+def test_a_malformed_question_is_refused_whole(body: bytes, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        decode_question(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        msgspec.msgpack.encode(["", 0]),
+        msgspec.msgpack.encode(["http://w:1", -1]),
+        msgspec.msgpack.encode(["http://w:1", 1 << 16]),
+        msgspec.msgpack.encode(["x" * 5000, 0]),
+    ],
+)
+def test_a_malformed_answer_is_an_error(body: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode_answer(body)
+
+
+def test_an_answer_round_trips() -> None:
+    assert decode_answer(encode_answer(B)) == B
