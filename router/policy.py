@@ -93,6 +93,29 @@ pre-filled cache's old blocks as theirs, which is why sharing does better: in
 0.99-1.00x, as good as one ledger shared by both). A rank whose capacity is unknown pays no
 pressure terms and counts in no fleet sum.
 
+Shared preamble. A prompt that goes on past its deepest match, where that match is held as
+deep (bookings included) by several ranks but not by every one, is a new prefix below a shared
+preamble: a system prompt that several prefixes continue differently. Its holders save the
+preamble's prefill, once; the prefix's own blocks then live where it goes, and its later
+requests follow them there. Left to the terms above, a 40-block preamble (640 tokens) outweighs
+any fill and spill a 20-block prefix can be charged, so new prefixes follow the preamble to its
+holders until they thrash, while a rank without it stays empty (`bench/pressure_sim.py`,
+4w-12p-header40-c6: the first placements spread the prefixes' blocks over the workers by 232,
+the ideal partition 3). So a holder is charged the preamble's saving back,
+`prefill * B * depth * min(fleet', 1)`, when it would end fuller of demand than the fleet,
+
+    after    = (max(kept, depth) + stored) / C  >  fleet' = (sum(kept) + stored) / sum(C)
+
+(`kept` = demand + unseen * max(held - demand, 0), the demand `other` counts; sums over the
+candidates of known capacity), and a rank without the preamble would end less full than it
+even storing the whole prompt, `(kept + n) / C < after`. In a fleet short of room the
+preamble is then copied to a rank with room before the holder spills, rather than after; in a
+fleet with room a copy would cost its prefill for nothing, and the holder keeps most of the
+saving. A match held by one rank alone is not charged (it may as well be a prefix's own
+blocks, and a repeat with a new tail must stay with its holder), nor one every rank holds
+(nobody to compare with: a system prompt cached fleet-wide). No weight of its own: the
+charge is the saving itself, scaled by the fleet fullness that scales `fill`.
+
 Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
 lower_tier_discount 0.5, backlog 1.0 (a typical rank with one request in flight halves a
 queued request's price; in `bench/pressure_sim.py` 0.5 and 2 did no better, and multiplying
@@ -584,7 +607,7 @@ class CacheAware:
         per_request = w.queue * w.queued_request_tokens / (1.0 + w.backlog * busy)
         # Siblings' placements this replica cannot see: none when they share their decisions.
         unseen = 1.0 - 1.0 / replicas if replicas > 1 and self.share is None else 0.0
-        return _cost_rows(
+        rows = _cost_rows(
             p.ranks,
             loads,
             any_tier,
@@ -604,6 +627,54 @@ class CacheAware:
             w.evict,
             w.fill,
         )
+        _charge_shared_preamble(rows[0], p, prompt, w.prefill, unseen)
+        return rows
+
+
+def _charge_shared_preamble(
+    costs: list[float], p: _Pressure, prompt: Prompt, per_token: float, unseen: float
+) -> None:
+    """A new prefix below a shared preamble (module docstring, "Shared preamble"): the
+    holders that would end fuller than the fleet, while a rank without the preamble has
+    room, are not credited with the preamble's saving (scaled by the fleet's fullness)."""
+    depth = p.depth
+    deepest = max(depth) if depth else 0
+    blocks = prompt.blocks
+    if not deepest or deepest >= blocks:  # nothing held, or a full hit: nothing to place
+        return
+    holders = depth.count(deepest)
+    if holders < 2 or holders == len(depth):  # not shared, or nobody to compare with
+        return
+    capacity, demand, held = p.capacity, p.demand, p.held
+    # Demand each rank must keep, as `_cost_rows_py` counts it (the siblings' unseen share
+    # of what it holds included).
+    kept = [d + unseen * (h - d) if h > d else d for d, h in zip(demand, held, strict=True)]
+    known = 0
+    total = 0.0
+    for c, k in zip(capacity, kept, strict=True):
+        if c:
+            known += c
+            total += k
+    if not known:
+        return
+    new = blocks - deepest
+    fleet = (total + new) / known  # the fleet's demand over its capacity, this prompt placed
+    lightest = min(
+        (
+            (k + blocks) / c
+            for c, k, d in zip(capacity, kept, depth, strict=True)
+            if c and d < deepest
+        ),
+        default=None,
+    )
+    if lightest is None:
+        return
+    credit = per_token * prompt.block_size * deepest * min(fleet, 1.0)
+    for i, (c, k, d) in enumerate(zip(capacity, kept, depth, strict=True)):
+        if c and d == deepest:
+            after = (max(k, d) + new) / c  # its demand once this prefix lives there
+            if after > fleet and lightest < after:
+                costs[i] += credit
 
 
 def _cost_rows_py(
