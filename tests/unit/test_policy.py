@@ -734,3 +734,23 @@ def test_a_repeat_of_a_prefix_held_on_one_rank_stays_there_under_a_shared_preamb
     costs = p.policy.costs(candidates, p.prompt(BELOW))
     assert costs[0] == pytest.approx(16 * 2 * (1 + 2 * (400 / 768) * (200 / 256)))
     assert p.policy.decide(candidates, p.prompt(BELOW)).ranked[0].rank == A
+
+
+def test_a_repeat_of_a_prefix_copied_to_two_ranks_is_charged_only_its_tail() -> None:
+    """The whole prefix on A and B (a copy), the prompt a repeat with a 2-block tail: it looks
+    like a new prefix below a shared preamble, but stores 2 blocks, so a full holder is
+    charged 2 blocks' saving, not 94, and stays cheaper than a rank that would copy it."""
+    fleet = Fleet()
+    p = Pressured(fleet, even())
+    fleet.hold(A, 94)
+    fleet.hold(B, 94)
+    p.demand(A, 200, seed=1)
+    p.demand(B, 200, seed=2)
+    candidates = [cand(A, 1), cand(B, 2), cand(C)]
+    costs = p.policy.costs(candidates, p.prompt(BELOW))
+    plain = 16 * 2 * (1 + 2 * (400 / 768) * (200 / 256))
+    charge = 16 * 2 * (400 + 2) / 768
+    per_request = 256 / (1 + (1 + 0) / 2)  # the mean load without the busiest rank: 0.5
+    assert costs[0] == pytest.approx(plain + charge + per_request)
+    assert costs[1] == pytest.approx(plain + charge + 2 * per_request)
+    assert p.policy.decide(candidates, p.prompt(BELOW)).ranked[0].rank == A
