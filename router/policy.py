@@ -188,8 +188,8 @@ import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import add, attrgetter
+from itertools import compress, repeat
+from operator import add, and_, attrgetter, truediv
 from typing import ClassVar, Final, Protocol
 
 from xxhash import xxh3_64_intdigest
@@ -632,54 +632,66 @@ class CacheAware:
             w.evict,
             w.fill,
         )
-        _charge_shared_preamble(rows[0], p, prompt, w.prefill, unseen)
+        blocks = prompt.tokens // prompt.block_size
+        deepest = max(p.depth, default=0)
+        if 0 < deepest < blocks:  # held in part: perhaps a new prefix below a shared preamble
+            per_block = w.prefill * prompt.block_size
+            _charge_shared_preamble(rows[0], p, blocks, deepest, per_block, unseen)
         return rows
 
 
 def _charge_shared_preamble(
-    costs: list[float], p: _Pressure, prompt: Prompt, per_token: float, unseen: float
+    costs: list[float],
+    p: _Pressure,
+    blocks: int,
+    deepest: int,
+    per_block: float,
+    unseen: float,
 ) -> None:
     """A new prefix below a shared preamble (module docstring, "Shared preamble"): the
-    holders that would end fuller than the fleet, while a rank without the preamble has
-    room, are not credited with the preamble's saving (scaled by the fleet's fullness)."""
+    holders of the prompt's `deepest` blocks that would end fuller than the fleet, while a
+    rank without them would not, are charged the preamble's saving back. C-level passes
+    where it can: with a system prompt held on part of a fleet, every new conversation below
+    it comes through here."""
     depth = p.depth
-    deepest = max(depth) if depth else 0
-    blocks = prompt.blocks
-    if not deepest or deepest >= blocks:  # nothing held, or a full hit: nothing to place
-        return
+    n = len(depth)
     holders = depth.count(deepest)
-    if holders < 2 or holders == len(depth):  # not shared, or nobody to compare with
+    if holders < 2 or holders == n:  # not shared, or nobody to compare with
         return
-    capacity, demand, held = p.capacity, p.demand, p.held
+    capacity = p.capacity
     # Demand each rank must keep, as `_cost_rows_py` counts it (the siblings' unseen share
     # of what it holds included).
-    kept = [d + unseen * (h - d) if h > d else d for d, h in zip(demand, held, strict=True)]
-    known = 0
-    total = 0.0
-    for c, k in zip(capacity, kept, strict=True):
-        if c:
-            known += c
-            total += k
-    if not known:
-        return
-    new = blocks - deepest
-    fleet = (total + new) / known  # the fleet's demand over its capacity, this prompt placed
-    lightest = min(
-        (
-            (k + blocks) / c
-            for c, k, d in zip(capacity, kept, depth, strict=True)
-            if c and d < deepest
-        ),
-        default=None,
+    kept = p.demand
+    if unseen:
+        kept = [d + unseen * (h - d) if h > d else d for d, h in zip(kept, p.held, strict=True)]
+    outside = list(map(deepest.__gt__, depth))  # the ranks without the preamble
+    if None in capacity or 0 in capacity:  # an unknown capacity counts in no fleet sum
+        known = list(map(bool, capacity))
+        outside = list(map(and_, outside, known))
+        room = sum(compress(capacity, known))  # type: ignore[arg-type]
+        total = sum(compress(kept, known))
+        if not room:
+            return
+    else:
+        room = sum(capacity)  # type: ignore[arg-type]
+        total = sum(kept)
+    # The least full a rank without the preamble would end, storing the whole prompt.
+    ends = map(
+        truediv, map(add, compress(kept, outside), repeat(blocks)), compress(capacity, outside)
     )
+    lightest = min(ends, default=None)
     if lightest is None:
         return
+    new = blocks - deepest
+    fleet = (total + new) / room  # the fleet's demand over its capacity, this prompt placed
     # Counted once, against the blocks this prompt would store: a repeat's short tail below
     # a prefix held twice is charged its few blocks, not the whole prefix.
-    credit = per_token * prompt.block_size * min(deepest, new) * min(fleet, 1.0)
-    for i, (c, k, d) in enumerate(zip(capacity, kept, depth, strict=True)):
-        if c and d == deepest:
-            after = (max(k, d) + new) / c  # its demand once this prefix lives there
+    credit = per_block * min(deepest, new) * min(fleet, 1.0)
+    for i in compress(range(n), map(deepest.__eq__, depth)):
+        c = capacity[i]
+        if c:
+            k = kept[i]
+            after = ((k if k > deepest else deepest) + new) / c  # its demand, this prefix there
             if after > fleet and lightest < after:
                 costs[i] += credit
 
