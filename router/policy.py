@@ -119,7 +119,12 @@ two ranks looks like a new prefix below a preamble, save for its length: it stor
 tail, so the `min` charges it a block or two, where charging the whole prefix moved repeats
 between copies (6w-30p-shuffled-c16-2rep 0.968x -> 0.963x in the simulator, 12 and 24 seeds).
 No weight of its own: the charge is the saving itself, scaled by the fleet fullness that
-scales `fill`.
+scales `fill`. In `bench/pressure_sim.py` (12 seeds) it took 4w-12p-header40-c6 from 0.968x
+the ideal partition to 0.984x and four other preamble shapes up by 0.005-0.012, left 38 of
+the 46 shapes as they were and three within 0.006; live, 4w-12p-header40-c6 0.958 -> 0.970
+(24 runs a side), the routing trace unchanged (BENCHMARKS.md). Its cost: a `max` over the
+candidates' depths on every decision (1-3% of a decision's instructions), and where it
+applies, a few passes over the candidates (a quarter of a decision).
 
 Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
 lower_tier_discount 0.5, backlog 1.0 (a typical rank with one request in flight halves a
