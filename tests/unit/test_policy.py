@@ -754,3 +754,24 @@ def test_a_repeat_of_a_prefix_copied_to_two_ranks_is_charged_only_its_tail() -> 
     assert costs[0] == pytest.approx(plain + charge + per_request)
     assert costs[1] == pytest.approx(plain + charge + 2 * per_request)
     assert p.policy.decide(candidates, p.prompt(BELOW)).ranked[0].rank == A
+
+
+def test_a_rank_of_unknown_capacity_counts_in_no_sum_of_the_shared_preamble_charge() -> None:
+    """As the first row of the table, with D stating no capacity and holding nothing: D pays
+    no pressure terms and is not a rank with room; A and B are charged as before (the fleet
+    is A, B and C), and C, the rank with room, still takes the prefix."""
+    fleet = Fleet()
+    p = Pressured(fleet, even())
+    for seed, (rank, blocks) in enumerate(zip((A, B, C), (200, 200, 0), strict=True)):
+        if rank is not C:
+            fleet.hold(rank, PREAMBLE)
+        p.demand(rank, blocks, seed=seed)
+    p.demand(D, 500, seed=3)  # much demand, but of no stated capacity
+    candidates = [cand(A), cand(B), cand(C), cand(D, 3)]
+    costs = p.policy.costs(candidates, p.prompt(BELOW))
+    charge = 16 * PREAMBLE * (400 + 48) / 768
+    plain = 16 * 48 * (1 + 2 * (400 / 768) * (200 / 256))
+    assert costs[:2] == pytest.approx([plain + charge] * 2)
+    assert costs[2] == pytest.approx(16 * 96)
+    assert costs[3] == pytest.approx(16 * 96 + 3 * 256)
+    assert p.policy.decide(candidates, p.prompt(BELOW)).ranked[0].rank == C
