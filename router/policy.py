@@ -96,6 +96,39 @@ pre-filled cache's old blocks as theirs, which is why sharing does better: in
 0.99-1.00x, as good as one ledger shared by both). A rank whose capacity is unknown pays no
 pressure terms and counts in no fleet sum.
 
+Shared preamble. A prompt that goes on past its deepest match, where that match is held as
+deep (bookings included) by several ranks but not by every one, is a new prefix below a shared
+preamble: a system prompt that several prefixes continue differently. Its holders save the
+preamble's prefill, once; the prefix's own blocks then live where it goes, and its later
+requests follow them there. Left to the terms above, a 40-block preamble (640 tokens) outweighs
+any fill and spill a 20-block prefix can be charged, so new prefixes follow the preamble to its
+holders until they thrash, while a rank without it stays empty (`bench/pressure_sim.py`,
+4w-12p-header40-c6: the first placements spread the prefixes' blocks over the workers by 232,
+the ideal partition 3). So a holder is charged the preamble's saving back on as many blocks
+as the prompt would store there, `prefill * B * min(depth, stored) * min(fleet', 1)`, when it
+would end fuller of demand than the fleet,
+
+    after    = (max(kept, depth) + stored) / C  >  fleet' = (sum(kept) + stored) / sum(C)
+
+(`kept` = demand + unseen * max(held - demand, 0), the demand `other` counts; sums over the
+candidates of known capacity), and a rank without the preamble would end less full than it
+even storing the whole prompt, `(kept + n) / C < after`. In a fleet short of room the
+preamble is then copied to a rank with room before the holder spills, rather than after; in a
+fleet with room a copy would cost its prefill for nothing, and the holder keeps most of the
+saving. A match held by one rank alone is not charged (it may as well be a prefix's own
+blocks, and a repeat with a new tail must stay with its holder), nor one every rank holds
+(nobody to compare with: a system prompt cached fleet-wide). A repeat of a prefix copied to
+two ranks looks like a new prefix below a preamble, save for its length: it stores only its
+tail, so the `min` charges it a block or two, where charging the whole prefix moved repeats
+between copies (6w-30p-shuffled-c16-2rep 0.968x -> 0.963x in the simulator, 12 and 24 seeds).
+No weight of its own: the charge is the saving itself, scaled by the fleet fullness that
+scales `fill`. In `bench/pressure_sim.py` (12 seeds) it took 4w-12p-header40-c6 from 0.968x
+the ideal partition to 0.984x and four other preamble shapes up by 0.005-0.012, left 38 of
+the 46 shapes as they were and three within 0.006; live, 4w-12p-header40-c6 0.958 -> 0.970
+(24 runs a side), the routing trace unchanged (BENCHMARKS.md). Its cost: a `max` over the
+candidates' depths on every decision (1-3% of a decision's instructions), and where it
+applies, a few passes over the candidates (a quarter of a decision).
+
 Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
 lower_tier_discount 0.5, backlog 1.0 (a typical rank with one request in flight halves a
 queued request's price; in `bench/pressure_sim.py` 0.5 and 2 did no better, and multiplying
@@ -163,8 +196,8 @@ import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import add, attrgetter
+from itertools import compress, repeat
+from operator import add, and_, attrgetter, truediv
 from typing import ClassVar, Final, Protocol
 
 from xxhash import xxh3_64_intdigest
@@ -606,7 +639,7 @@ class CacheAware:
         per_request = w.queue * w.queued_request_tokens / (1.0 + w.backlog * busy)
         # Siblings' placements this replica cannot see: none when they share their decisions.
         unseen = 1.0 - 1.0 / replicas if replicas > 1 and self.share is None else 0.0
-        return _cost_rows(
+        rows = _cost_rows(
             p.ranks,
             loads,
             any_tier,
@@ -626,6 +659,68 @@ class CacheAware:
             w.evict,
             w.fill,
         )
+        blocks = prompt.tokens // prompt.block_size
+        deepest = max(p.depth, default=0)
+        if 0 < deepest < blocks:  # held in part: perhaps a new prefix below a shared preamble
+            per_block = w.prefill * prompt.block_size
+            _charge_shared_preamble(rows[0], p, blocks, deepest, per_block, unseen)
+        return rows
+
+
+def _charge_shared_preamble(
+    costs: list[float],
+    p: _Pressure,
+    blocks: int,
+    deepest: int,
+    per_block: float,
+    unseen: float,
+) -> None:
+    """A new prefix below a shared preamble (module docstring, "Shared preamble"): the
+    holders of the prompt's `deepest` blocks that would end fuller than the fleet, while a
+    rank without them would not, are charged the preamble's saving back. C-level passes
+    where it can: with a system prompt held on part of a fleet, every new conversation below
+    it comes through here."""
+    depth = p.depth
+    n = len(depth)
+    holders = depth.count(deepest)
+    if holders < 2 or holders == n:  # not shared, or nobody to compare with
+        return
+    capacity = p.capacity
+    # Demand each rank must keep, as `_cost_rows_py` counts it (the siblings' unseen share
+    # of what it holds included).
+    kept = p.demand
+    if unseen:
+        kept = [d + unseen * (h - d) if h > d else d for d, h in zip(kept, p.held, strict=True)]
+    outside = list(map(deepest.__gt__, depth))  # the ranks without the preamble
+    if None in capacity or 0 in capacity:  # an unknown capacity counts in no fleet sum
+        known = list(map(bool, capacity))
+        outside = list(map(and_, outside, known))
+        room = sum(compress(capacity, known))  # type: ignore[arg-type]
+        total = sum(compress(kept, known))
+        if not room:
+            return
+    else:
+        room = sum(capacity)  # type: ignore[arg-type]
+        total = sum(kept)
+    # The least full a rank without the preamble would end, storing the whole prompt.
+    ends = map(
+        truediv, map(add, compress(kept, outside), repeat(blocks)), compress(capacity, outside)
+    )
+    lightest = min(ends, default=None)
+    if lightest is None:
+        return
+    new = blocks - deepest
+    fleet = (total + new) / room  # the fleet's demand over its capacity, this prompt placed
+    # Counted once, against the blocks this prompt would store: a repeat's short tail below
+    # a prefix held twice is charged its few blocks, not the whole prefix.
+    credit = per_block * min(deepest, new) * min(fleet, 1.0)
+    for i in compress(range(n), map(deepest.__eq__, depth)):
+        c = capacity[i]
+        if c:
+            k = kept[i]
+            after = ((k if k > deepest else deepest) + new) / c  # its demand, this prefix there
+            if after > fleet and lightest < after:
+                costs[i] += credit
 
 
 def _cost_rows_py(

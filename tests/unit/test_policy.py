@@ -668,3 +668,110 @@ def test_no_rank_gets_a_new_prefix_while_another_has_more_room_and_less_demand(
             free[other] >= free[chosen] and demand[other] <= demand[chosen]
         )
         assert not dominates, (chosen, other, free, demand)
+
+
+# A 48-block preamble and a 96-block prompt below it (48 blocks of its own), capacity 256.
+PREAMBLE = 48
+BELOW = PROMPT[: 96 * BS]
+
+
+@pytest.mark.parametrize(
+    ("holders", "demands", "first", "charged"),
+    [
+        # The preamble on A and B, both near full of demand, C empty: the prefix would push
+        # A (or B) past its share of a fleet that is half full; C takes it, preamble and all.
+        ((A, B), (200, 200, 0), {C}, {A, B}),
+        # Only A is full: A is charged; B would end no fuller than C, and keeps the credit.
+        ((A, B), (200, 0, 0), {B}, {A}),
+        # On one rank only it is not shared (a prefix's own blocks): no charge, A keeps it.
+        ((A,), (200, 200, 0), {A}, set()),
+        # Every rank holds it (a system prompt cached fleet-wide): nobody to compare with.
+        ((A, B, C), (200, 200, 60), {C}, set()),
+        # A fleet with room: the charge is scaled by its fullness, the holders stay cheaper.
+        ((A, B), (80, 80, 0), {A, B}, {A, B}),
+        # The rank without the preamble would end fuller than the holders: no charge.
+        ((A, B), (200, 200, 230), {A, B}, set()),
+    ],
+)
+def test_a_new_prefix_below_a_shared_preamble_is_placed_by_where_its_blocks_will_live(
+    holders: tuple[RankId, ...],
+    demands: tuple[int, int, int],
+    first: set[RankId],
+    charged: set[RankId],
+) -> None:
+    fleet = Fleet()
+    p = Pressured(fleet, even())
+    for seed, (rank, blocks) in enumerate(zip((A, B, C), demands, strict=True)):
+        if rank in holders:
+            fleet.hold(rank, PREAMBLE)
+        p.demand(rank, blocks, seed=seed)
+    candidates = [cand(A), cand(B), cand(C)]
+    prompt = p.prompt(BELOW)
+    costs = p.policy.costs(candidates, prompt)
+    # The plain cost, by hand: what each rank lacks, plus fill at the fleet's fullness and
+    # the rank's (its demand, or at least the preamble it keeps for this prompt).
+    fleet_now = sum(demands) / 768
+    fleet_after = (sum(demands) + 96 - PREAMBLE) / 768
+    for rank, demand, cost in zip((A, B, C), demands, costs, strict=True):
+        held = PREAMBLE if rank in holders else 0
+        expected = 16 * (96 - held) * (1 + 2 * fleet_now * max(demand, held) / 256)
+        if rank in charged:  # the preamble's saving withdrawn, times the fleet's fullness
+            expected += 16 * PREAMBLE * fleet_after
+        assert cost == pytest.approx(expected), rank
+    assert p.policy.decide(candidates, prompt).ranked[0].rank in first
+
+
+def test_a_repeat_of_a_prefix_held_on_one_rank_stays_there_under_a_shared_preamble() -> None:
+    """The preamble on A and B, the prompt's own part on A alone (a repeat with a new tail):
+    its deepest match is A's alone, so A keeps the whole saving though it is nearly full."""
+    fleet = Fleet()
+    p = Pressured(fleet, even())
+    fleet.hold(A, 94)
+    fleet.hold(B, PREAMBLE)
+    p.demand(A, 200, seed=1)
+    p.demand(B, 200, seed=2)
+    candidates = [cand(A), cand(B), cand(C)]
+    costs = p.policy.costs(candidates, p.prompt(BELOW))
+    assert costs[0] == pytest.approx(16 * 2 * (1 + 2 * (400 / 768) * (200 / 256)))
+    assert p.policy.decide(candidates, p.prompt(BELOW)).ranked[0].rank == A
+
+
+def test_a_repeat_of_a_prefix_copied_to_two_ranks_is_charged_only_its_tail() -> None:
+    """The whole prefix on A and B (a copy), the prompt a repeat with a 2-block tail: it looks
+    like a new prefix below a shared preamble, but stores 2 blocks, so a full holder is
+    charged 2 blocks' saving, not 94, and stays cheaper than a rank that would copy it."""
+    fleet = Fleet()
+    p = Pressured(fleet, even())
+    fleet.hold(A, 94)
+    fleet.hold(B, 94)
+    p.demand(A, 200, seed=1)
+    p.demand(B, 200, seed=2)
+    candidates = [cand(A, 1), cand(B, 2), cand(C)]
+    costs = p.policy.costs(candidates, p.prompt(BELOW))
+    plain = 16 * 2 * (1 + 2 * (400 / 768) * (200 / 256))
+    charge = 16 * 2 * (400 + 2) / 768
+    per_request = 256 / (1 + (1 + 0) / 2)  # the mean load without the busiest rank: 0.5
+    assert costs[0] == pytest.approx(plain + charge + per_request)
+    assert costs[1] == pytest.approx(plain + charge + 2 * per_request)
+    assert p.policy.decide(candidates, p.prompt(BELOW)).ranked[0].rank == A
+
+
+def test_a_rank_of_unknown_capacity_counts_in_no_sum_of_the_shared_preamble_charge() -> None:
+    """As the first row of the table, with D stating no capacity and holding nothing: D pays
+    no pressure terms and is not a rank with room; A and B are charged as before (the fleet
+    is A, B and C), and C, the rank with room, still takes the prefix."""
+    fleet = Fleet()
+    p = Pressured(fleet, even())
+    for seed, (rank, blocks) in enumerate(zip((A, B, C), (200, 200, 0), strict=True)):
+        if rank is not C:
+            fleet.hold(rank, PREAMBLE)
+        p.demand(rank, blocks, seed=seed)
+    p.demand(D, 500, seed=3)  # much demand, but of no stated capacity
+    candidates = [cand(A), cand(B), cand(C), cand(D, 3)]
+    costs = p.policy.costs(candidates, p.prompt(BELOW))
+    charge = 16 * PREAMBLE * (400 + 48) / 768
+    plain = 16 * 48 * (1 + 2 * (400 / 768) * (200 / 256))
+    assert costs[:2] == pytest.approx([plain + charge] * 2)
+    assert costs[2] == pytest.approx(16 * 96)
+    assert costs[3] == pytest.approx(16 * 96 + 3 * 256)
+    assert p.policy.decide(candidates, p.prompt(BELOW)).ranked[0].rank == C
