@@ -59,7 +59,13 @@ import msgspec
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from router.policy import CacheAware, Candidate, Decision, Prompt
-from router.siblings import MAX_DP_RANK, MAX_KEYS_PER_DECISION, MAX_WORKER_URL_CHARS
+from router.siblings import (
+    MAX_KEYS_PER_DECISION,
+    MAX_WORKER_URL_CHARS,
+    failure_backoff_s,
+    rank_problem,
+    u64_keys,
+)
 
 if TYPE_CHECKING:
     from router.dataplane.exchange import Refusal
@@ -77,10 +83,7 @@ DEFAULT_TIMEOUT_MS: Final = 50
 MAX_TIMEOUT_MS: Final = 1000
 DEFAULT_MAX_ASKING: Final = 64
 OUTCOMES: Final = ("asked", "answered", "unusable", "timeout", "error", "busy", "local", "placed")
-_BACKOFF_S: Final = 0.05
-_MAX_BACKOFF_S: Final = 5.0
 _LOG_EVERY_S: Final = 60.0
-_U64: Final = 1 << 64
 
 
 class PlaceQuestion(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -122,7 +125,7 @@ def decode_question(body: bytes) -> PlaceQuestion:
         raise ValueError(f"block_size must be 1..{MAX_BLOCK_SIZE}")
     if not 0 < len(q.keys) <= MAX_KEYS:
         raise ValueError(f"keys must hold 1..{MAX_KEYS} block keys")
-    if min(q.keys) < 0 or max(q.keys) >= _U64:
+    if not u64_keys(q.keys):
         raise ValueError("block keys must be unsigned 64-bit integers")
     if not len(q.keys) * q.block_size <= q.tokens <= MAX_TOKENS:
         raise ValueError(f"tokens must be len(keys) * block_size..{MAX_TOKENS}")
@@ -136,8 +139,9 @@ def encode_answer(rank: RankId) -> bytes:
 def decode_answer(body: bytes) -> RankId:
     """The placer's rank; ValueError when the answer is malformed."""
     a = _decode(_answer_decoder, body, MAX_ANSWER_BYTES, "answer")
-    if not 0 < len(a.worker_url) <= MAX_WORKER_URL_CHARS or not 0 <= a.dp_rank < MAX_DP_RANK:
-        raise ValueError("answer names no valid rank")
+    problem = rank_problem(a.worker_url, a.dp_rank)
+    if problem is not None:
+        raise ValueError(f"answer names no valid rank: {problem}")
     return RankId(a.worker_url, a.dp_rank)
 
 
@@ -255,8 +259,7 @@ class Placement:
             return
         self.counts[outcome] += 1
         in_a_row = self._failing[0] + 1
-        backoff = min(_BACKOFF_S * 2 ** (in_a_row - 1), _MAX_BACKOFF_S)
-        self._failing = (in_a_row, self.clock() + backoff)
+        self._failing = (in_a_row, self.clock() + failure_backoff_s(in_a_row))
 
     def cancelled(self) -> None:
         """The client left while its question was in flight."""

@@ -213,7 +213,19 @@ def decode_batch(body: bytes) -> DecisionBatch:
     return batch
 
 
-def _rank_problem(worker_url: str, dp_rank: int) -> str | None:
+def failure_backoff_s(in_a_row: int) -> float:
+    """How long a sibling that failed `in_a_row` times in a row is left alone: 50 ms doubling
+    up to 5 s, so a dead one costs no connection per decision (or per placement question)."""
+    return min(_BACKOFF_S * 2 ** (in_a_row - 1), _MAX_BACKOFF_S)
+
+
+def u64_keys(keys: Sequence[int]) -> bool:
+    """Whether every one of `keys` (non-empty) is an unsigned 64-bit block key."""
+    return min(keys) >= 0 and max(keys) < _U64
+
+
+def rank_problem(worker_url: str, dp_rank: int) -> str | None:
+    """What is wrong with a rank named on the wire, or None."""
     if not 0 < len(worker_url) <= MAX_WORKER_URL_CHARS:
         return f"worker_url must be 1..{MAX_WORKER_URL_CHARS} characters"
     if not 0 <= dp_rank < MAX_DP_RANK:
@@ -222,12 +234,12 @@ def _rank_problem(worker_url: str, dp_rank: int) -> str | None:
 
 
 def _home_problem(h: SharedHome) -> str | None:
-    problem = _rank_problem(h.worker_url, h.dp_rank)
+    problem = rank_problem(h.worker_url, h.dp_rank)
     if problem is not None:
         return problem
     if not 0 < len(h.chain) <= MAX_CHAIN_BLOCKS:
         return f"chain must hold 1..{MAX_CHAIN_BLOCKS} block keys"
-    if min(h.chain) < 0 or max(h.chain) >= _U64 or not (h.tail_of is None or 0 <= h.tail_of < _U64):
+    if not u64_keys(h.chain) or not (h.tail_of is None or 0 <= h.tail_of < _U64):
         return "block keys must be unsigned 64-bit integers"
     if h.chain[0] != h.anchor or h.join not in h.chain:
         return "anchor must be the chain's first key and join one of its keys"
@@ -243,14 +255,14 @@ def _home_problem(h: SharedHome) -> str | None:
 
 
 def _problem(d: SharedDecision) -> str | None:
-    problem = _rank_problem(d.worker_url, d.dp_rank)
+    problem = rank_problem(d.worker_url, d.dp_rank)
     if problem is not None:
         return problem
     if not 0 < len(d.keys) <= MAX_KEYS_PER_DECISION:
         return f"keys must hold 1..{MAX_KEYS_PER_DECISION} block keys"
     if not 0 <= d.held <= len(d.keys):
         return "held must be 0..len(keys)"
-    if min(d.keys) < 0 or max(d.keys) >= _U64:
+    if not u64_keys(d.keys):
         return "block keys must be unsigned 64-bit integers"
     return None
 
@@ -355,13 +367,9 @@ class DecisionSharing:
             problem = f"{type(exc).__name__}: {exc}"
         self.stats.failed += 1
         now = self.clock()
-        # A sibling that fails is skipped for a while (batches for it are counted `skipped`),
-        # doubling from 50 ms up to 5 s, so a dead one costs no connection per decision.
+        # A sibling that fails is skipped for a while (batches for it are counted `skipped`).
         in_a_row = self._failing.get(peer, (0, now))[0] + 1
-        self._failing[peer] = (
-            in_a_row,
-            now + min(_BACKOFF_S * 2 ** (in_a_row - 1), _MAX_BACKOFF_S),
-        )
+        self._failing[peer] = (in_a_row, now + failure_backoff_s(in_a_row))
         if now - self._logged_at.get(peer, -_LOG_EVERY_S) >= _LOG_EVERY_S:
             self._logged_at[peer] = now
             log.warning(
