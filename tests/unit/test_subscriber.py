@@ -8,7 +8,7 @@ connection on exit, the handshake, decode errors surfacing as gaps).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -278,31 +278,43 @@ def test_connect_backoff_doubles_from_50_ms_to_a_2_s_cap() -> None:
 # --- the shell, on a scripted fake context --------------------------------------------------
 
 
+async def subscribe_until(sub: RankSubscriber, done: Callable[[], Awaitable[object]]) -> None:
+    """Run `sub` until `done()` returns (5 s at most), then cancel it."""
+    task = asyncio.create_task(sub.run())
+    try:
+        async with asyncio.timeout(5):
+            await done()
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
 async def run_until(
-    publisher: ScriptedPublisher, n_items: int, then: Callable[[], object] | None = None
+    publisher: ScriptedPublisher,
+    n_items: int,
+    then: Callable[[], object] | None = None,
+    **options: Any,
 ) -> tuple[list[SubscriberItem], RankSubscriber]:
-    """Run a subscriber to `publisher` until it delivered `n_items` (and `then()` holds)."""
+    """Run a subscriber to `publisher` (`options`: RankSubscriber's) until it delivered
+    `n_items` (and `then()` holds)."""
     items: list[SubscriberItem] = []
-    done = asyncio.Event()
+    delivered = asyncio.Event()
 
     async def deliver(item: SubscriberItem) -> None:
         items.append(item)
         if len(items) >= n_items:
-            done.set()
+            delivered.set()
+
+    async def done() -> None:
+        await delivered.wait()
+        if then is not None:
+            await eventually(then)
 
     async with publisher.running():
         endpoint = RankEndpoint(RANK, publisher.url, topic=b"kv")
-        sub = RankSubscriber(endpoint, deliver, context=None)  # type: ignore[arg-type]
-        task = asyncio.create_task(sub.run())
-        try:
-            async with asyncio.timeout(5):
-                await done.wait()
-            if then is not None:
-                await eventually(then)
-        finally:
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+        sub = RankSubscriber(endpoint, deliver, context=None, **options)  # type: ignore[arg-type]
+        await subscribe_until(sub, done)
     return items, sub
 
 
@@ -382,24 +394,7 @@ async def test_a_peer_silent_after_connecting_is_dropped_at_the_handshake_timeou
     """A TCP listener that never greets (not a publisher, or a hung one) holds the subscriber
     for `handshake_timeout_s` at most; then it connects again."""
     publisher = ScriptedPublisher(Script([], handshake=b""), Script([frames(5)]))
-    items: list[SubscriberItem] = []
-    got = asyncio.Event()
-
-    async def deliver(item: SubscriberItem) -> None:
-        items.append(item)
-        got.set()
-
-    async with publisher.running():
-        endpoint = RankEndpoint(RANK, publisher.url, topic=b"kv")
-        sub = RankSubscriber(endpoint, deliver, context=None, handshake_timeout_s=0.2)  # type: ignore[arg-type]
-        task = asyncio.create_task(sub.run())
-        try:
-            async with asyncio.timeout(5):
-                await got.wait()
-        finally:
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+    items, sub = await run_until(publisher, 1, handshake_timeout_s=0.2)
     assert [i.seq for i in items if isinstance(i, LiveBatch)] == [5]
     assert (sub.stats.disconnects, sub.stats.socket_rebuilds) == (1, 1)
     assert len(publisher.seen) == 2 and publisher.seen[0].subscriptions == []
@@ -492,14 +487,7 @@ async def test_items_go_through_offer_while_it_takes_them_and_deliver_from_one_i
     async with ScriptedPublisher(Script([burst])).running() as publisher:
         ep = RankEndpoint(RANK, publisher.url, topic=b"kv")
         sub = RankSubscriber(ep, deliver, context=None, offer=offer)  # type: ignore[arg-type]
-        task = asyncio.create_task(sub.run())
-        try:
-            async with asyncio.timeout(5):
-                await done.wait()
-        finally:
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+        await subscribe_until(sub, done.wait)
     assert channel == [
         ("offer", 4),
         ("deliver", "reset"),  # refused by offer, then delivered
