@@ -782,13 +782,12 @@ class _LiveStream(asyncio.Protocol):
         if self.wake is not None and not self.wake.done():
             self.wake.set_result(None)
 
-    def _end(self, why: str | None) -> None:
-        """End the connection (`why`: a drop worth a warning) and let the task return."""
+    def _end(self, why: str) -> None:
+        """End the connection (counted and logged with `why`) and let the task return."""
         if self.ending:
             return
         self.ending = True
-        if why is not None:
-            self.sub._dropped(why)
+        self.sub._dropped(why)
         if self.transport is not None:
             self.transport.abort()
         self._signal()
@@ -837,8 +836,12 @@ class _LiveStream(asyncio.Protocol):
                     self._answer(reader)
                 if frames is None:
                     if not self.subscribed and reader.ready and not self.lost:
+                        # The handshake is done: now the subscription (see connection_made).
                         self.subscribed = True
-                        self.transport.write(subscription(sub.endpoint.topic))  # type: ignore[union-attr]
+                        if self.timer is not None:
+                            self.timer.cancel()
+                            self.timer = None
+                        self.transport.write(subscription(topic))  # type: ignore[union-attr]
                     if self.lost:
                         self._end(self.lost)
                     elif self.paused:
@@ -846,9 +849,6 @@ class _LiveStream(asyncio.Protocol):
                         self.transport.resume_reading()  # type: ignore[union-attr]
                     return
                 sub._setups = 0
-                if self.timer is not None:
-                    self.timer.cancel()
-                    self.timer = None
                 if topic and frames[0][: len(topic)] != topic:
                     # libzmq publishers filter by the subscription themselves; a SUB drops
                     # what does not match all the same, as libzmq's own would.
