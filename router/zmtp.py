@@ -44,7 +44,7 @@ MAX_FRAMES: Final = 16  # a live message has 3; more is a peer that is not an en
 MAX_COMMAND_BYTES: Final = 1 << 16
 PEER_SOCKET_TYPES: Final = frozenset({b"PUB", b"XPUB"})
 
-_MORE: Final = 0x01
+_MORE: Final = 0x01  # another frame of the message follows
 _LONG: Final = 0x02
 _COMMAND: Final = 0x04
 _RESERVED: Final = 0xF8
@@ -63,12 +63,16 @@ class ZmtpError(ValueError):
         self.reason = reason
 
 
+def _frame(flags: int, body: bytes) -> bytes:
+    """One frame: its flags, its size (1 byte, or 8 with LONG), its body."""
+    if len(body) <= 255:
+        return bytes([flags, len(body)]) + body
+    return bytes([flags | _LONG]) + len(body).to_bytes(8, "big") + body
+
+
 def command(name: bytes, data: bytes = b"") -> bytes:
     """A command frame: its name (1-byte length) and data."""
-    body = bytes([len(name)]) + name + data
-    if len(body) <= 255:
-        return bytes([_COMMAND, len(body)]) + body
-    return bytes([_COMMAND | _LONG]) + len(body).to_bytes(8, "big") + body
+    return _frame(_COMMAND, bytes([len(name)]) + name + data)
 
 
 def ready_command(socket_type: bytes) -> bytes:
@@ -82,14 +86,7 @@ def greeting_and_ready() -> bytes:
 
 def subscription(topic: bytes) -> bytes:
     """The subscription to `topic` (b"": every message), as a ZMTP 3.0 message."""
-    return message_frame(b"\x01" + topic)
-
-
-def message_frame(body: bytes, more: bool = False) -> bytes:
-    flags = _MORE if more else 0
-    if len(body) <= 255:
-        return bytes([flags, len(body)]) + body
-    return bytes([flags | _LONG]) + len(body).to_bytes(8, "big") + body
+    return _frame(0, b"\x01" + topic)
 
 
 def _property(name: bytes, value: bytes) -> bytes:
