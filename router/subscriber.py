@@ -60,7 +60,7 @@ silently inside the router.
 How it receives: the live stream is read without libzmq. The event loop owns the TCP
 connection to the publisher and speaks ZMTP 3.0 itself (`router.zmtp`: greeting, READY,
 subscription, frames), so a batch costs one loop wake-up and no libzmq I/O thread hand-off
-(half the CPU per message at the engines' rates, BENCHMARKS.md). Each read's messages are
+(12-15% less CPU per stored block under eviction churn, BENCHMARKS.md). Each read's messages are
 handled at once, in the transport's callback (`_LiveStream`), up to `DRAIN_BATCH` messages or
 `DRAIN_BYTES` of payload per turn of the loop, so a burst of huge batches still lets
 `/healthz` in between them. Items go to `offer` (the pump's form of `deliver` that never

@@ -3,9 +3,10 @@
 An engine publishes its KV events on a libzmq PUB socket. Reading them through a libzmq SUB
 socket of our own costs two thread wake-ups per batch: libzmq's I/O thread reads the TCP
 stream and queues the message, then signals the event loop's thread through a mailbox fd,
-which pyzmq reads frame by frame. Measured with a PUB at 400 batches/s of 4 KB (the rate and
-size of the ingest benchmark's full caches): 83-89 us of CPU per message through libzmq
-against 43-47 us read straight off the TCP socket by the event loop (BENCHMARKS.md, ingest).
+which pyzmq reads frame by frame. A one-off prototype, a PUB at 400 messages/s of 4 KB (the
+churn benchmark's rate): 83-89 us of CPU per message through libzmq against 43-47 us read
+straight off the TCP socket by the event loop; in a replica, 12-15% less CPU per stored block
+under eviction churn (BENCHMARKS.md, "Live streams read in ZMTP").
 So the router speaks the protocol itself for the live streams: RFC 23 (ZMTP 3.0), the NULL
 mechanism, a SUB talking to a PUB or XPUB. Replay stays on a libzmq DEALER: it runs only to
 repair a gap.
