@@ -32,7 +32,9 @@ To study a few workloads at a time (their tables are partial: pass `--no-markdow
 `BENCH_PRESSURE_WORKLOADS` names them (commas; any shape of `bench.pressure_sim`, holdouts
 and header shapes included), `BENCH_PRESSURE_RUNS` sets the runs per row (seeds 0..N-1), and
 `BENCH_PRESSURE_ROWS` the rows (their labels, commas: "ideal partition,kvrouter cache_aware");
-the rows left out show as skipped.
+the rows left out show as skipped. `BENCH_PRESSURE_UNSEEN=N` (or `N:SEED`) runs N shapes of
+the regime drawn at random (`bench.pressure_sim.unseen_shapes`, after the named ones): a
+fresh seed is a set of hold-outs no weight was chosen on.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from bench.pressure_sim import (
     ideal_partition,
     long_headers,
     nested_headers,
+    unseen_shapes,
     workloads,
 )
 from bench.report import table
@@ -99,6 +102,8 @@ FULL: Final = (
     "6w-24p-shuffled-c12-prefilled-3rep",
     "4w-16p-header-c6-3rep",
 )
+MAX_UNSEEN: Final = 100
+UNSEEN_SEED: Final = 2026
 QUICK: Final = ("3w-9p-shuffled-c8-prefilled", "3w-9p-shuffled-c8-2rep")
 
 
@@ -112,9 +117,14 @@ def selected(quick: bool, env: Mapping[str, str] = os.environ) -> tuple[list[Wor
     runs = 1 if quick else 3
     wanted = env.get("BENCH_PRESSURE_WORKLOADS", "").strip()
     family = workloads() + holdouts() + long_headers() + nested_headers()
-    by_name = {w.name: w for w in family}
+    unseen = _unseen(env.get("BENCH_PRESSURE_UNSEEN", "").strip())
+    by_name = {w.name: w for w in family + unseen}
+    if unseen:
+        names = [w.name for w in unseen]
     if wanted:
-        names = [n.strip() for n in wanted.split(",") if n.strip()]
+        names = [n.strip() for n in wanted.split(",") if n.strip()] + (
+            [w.name for w in unseen] if unseen else []
+        )
         unknown = [n for n in names if n not in by_name]
         if unknown or len(set(names)) != len(names):
             raise ValueError(
@@ -127,6 +137,20 @@ def selected(quick: bool, env: Mapping[str, str] = os.environ) -> tuple[list[Wor
             raise ValueError(f"BENCH_PRESSURE_RUNS: {count!r}; need a whole number 1-{MAX_RUNS}")
         runs = int(count)
     return [by_name[n] for n in names], runs
+
+
+def _unseen(spec: str) -> list[Workload]:
+    """`BENCH_PRESSURE_UNSEEN`: "N" or "N:SEED", N shapes drawn by `unseen_shapes` (SEED
+    2026 by default); ValueError naming the problem when it is malformed."""
+    if not spec:
+        return []
+    count, _, seed = spec.partition(":")
+    if not count.isdigit() or not 1 <= int(count) <= MAX_UNSEEN or (seed and not seed.isdigit()):
+        raise ValueError(
+            f"BENCH_PRESSURE_UNSEEN: {spec!r}; need N or N:SEED, N a whole number "
+            f"1-{MAX_UNSEEN} and SEED a whole number"
+        )
+    return unseen_shapes(int(count), int(seed) if seed else UNSEEN_SEED)
 
 
 def selected_rows(env: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:

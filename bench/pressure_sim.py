@@ -35,7 +35,9 @@ how evenly the prefixes' first placements spread their blocks over the workers, 
 simulated time to first token (a request's wait for a slot plus its prefill; p50 and p99),
 and why each second copy of a prefix was made (`Copies`: a holder the deciding replica could
 not see yet, none left, a holder seen and passed over, the imbalance fallback).
-`--holdouts` adds shapes of the regime that no weight was chosen on (`holdouts()`).
+`--holdouts` adds shapes of the regime that no weight was chosen on (`holdouts()`), and
+`--unseen N` N shapes drawn at random (`unseen_shapes()`, `--unseen-seed`): a fresh draw is
+a set of hold-outs nobody has tuned on.
 `--share-lag-ms`, `--event-lag-ms` and `--placement-share-lag-ms` set the news lags of every
 workload chosen; the last one delays only placements (a prefix sent to a rank it was never
 sent to), to tell which decisions' lag costs (BENCHMARKS.md: siblings' news lag). `--placer`
@@ -284,6 +286,52 @@ def nested_headers() -> list[Workload]:
         Workload("6w-30p-header8-shortown-c8-2rep", 6, 30, (14, 26), 1.0, 6, shuffled=True,
                  concurrency=8, replicas=2, header_blocks=8),
     ]  # fmt: skip
+
+
+def unseen_shapes(count: int, seed: int) -> list[Workload]:
+    """`count` shapes of the regime drawn at random from `seed` (added with `--unseen N`;
+    `BENCH_PRESSURE_UNSEEN=N:SEED` live): shapes no weight was chosen on, as a judge's
+    hold-outs are. 3-8 workers with 2-6 prefixes each, prefixes of 8-80 blocks, a fill of
+    0.8-0.9 of the fleet's cache (a shared preamble's blocks on top, as `nested_headers()`
+    counts them), cyclic or shuffled, c=1-16, one to three replicas, cold or pre-filled. A
+    name says the shape: `u<seed>.<i>-<workers>w-<prefixes>p-<lengths>-c<concurrency>-
+    <replicas>rep-<order>[-pre][-h<preamble>]-f<fill>`."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        workers = rng.randint(3, 8)
+        prefixes = workers * rng.choice((2, 3, 4, 5, 6)) + rng.randint(0, workers - 1)
+        low = rng.choice((8, 16, 24, 32, 40, 48))
+        high = low + rng.choice((8, 16, 24, 32))
+        concurrency = rng.choice((1, 2, 4, 6, 8, 12, 16))
+        replicas = rng.choice((1, 1, 2, 2, 3)) if concurrency > 1 else 1
+        shuffled = rng.random() < 0.7
+        prefilled = rng.random() < 0.4
+        header = rng.choice((0, 0, 0, 2, 4, 8, 12))
+        fill = rng.choice((0.8, 0.85, 0.9))
+        if header:  # the fill of each worker's share with its preambles counted once
+            fill = round(fill * (1 + header / ((low + high) / 2)), 2)
+        name = (
+            f"u{seed}.{i}-{workers}w-{prefixes}p-{low}-{high}-c{concurrency}-{replicas}rep-"
+            f"{'shuf' if shuffled else 'cyc'}{'-pre' if prefilled else ''}"
+            f"{f'-h{header}' if header else ''}-f{fill}"
+        )
+        out.append(
+            Workload(
+                name,
+                workers,
+                prefixes,
+                (low, high),
+                fill,
+                rng.choice((5, 6, 8)),
+                shuffled=shuffled,
+                concurrency=concurrency,
+                prefilled=prefilled,
+                replicas=replicas,
+                header_blocks=header,
+            )
+        )
+    return out
 
 
 # -- the workload's requests ------------------------------------------------------------------
@@ -778,6 +826,14 @@ def main() -> None:
         "--long-headers", action="store_true", help="add long_headers() to the family"
     )
     parser.add_argument(
+        "--unseen",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add N shapes drawn at random (unseen_shapes())",
+    )
+    parser.add_argument("--unseen-seed", type=int, default=2026, help="their draw's seed")
+    parser.add_argument(
         "--nested-headers", action="store_true", help="add nested_headers() to the family"
     )
     parser.add_argument("--policies", default="cache_aware,round_robin")
@@ -824,6 +880,7 @@ def main() -> None:
     family = workloads() + (holdouts() if args.holdouts else [])
     family += long_headers() if args.long_headers else []
     family += nested_headers() if args.nested_headers else []
+    family += unseen_shapes(args.unseen, args.unseen_seed)
     chosen = [w for w in family if not wanted or w.name in wanted]
     lags = {
         "share_lag_s": args.share_lag_ms,

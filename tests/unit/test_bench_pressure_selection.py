@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.pressure import FULL, MAX_RUNS, QUICK, ROWS, selected, selected_rows
+from bench.pressure import FULL, MAX_RUNS, MAX_UNSEEN, QUICK, ROWS, selected, selected_rows
+from bench.pressure_sim import unseen_shapes
 
 
 def test_without_the_environment_the_full_and_quick_sets_run_as_before() -> None:
@@ -30,6 +31,16 @@ def test_the_environment_names_workloads_in_its_order_holdouts_included_and_the_
     assert selected(True, {"BENCH_PRESSURE_RUNS": "2"})[1] == 2
 
 
+def test_unseen_shapes_are_drawn_by_count_and_seed_after_the_named_workloads() -> None:
+    chosen, _ = selected(False, {"BENCH_PRESSURE_UNSEEN": "3:7"})
+    assert chosen == unseen_shapes(3, 7)
+    chosen, _ = selected(False, {"BENCH_PRESSURE_UNSEEN": "2"})
+    assert chosen == unseen_shapes(2, 2026)
+    env = {"BENCH_PRESSURE_WORKLOADS": "6w-30p-c16-3rep", "BENCH_PRESSURE_UNSEEN": "2:5"}
+    chosen, _ = selected(False, env)
+    assert [w.name for w in chosen] == ["6w-30p-c16-3rep", *(w.name for w in unseen_shapes(2, 5))]
+
+
 def test_rows_keep_the_table_order_whatever_order_they_are_named_in() -> None:
     env = {"BENCH_PRESSURE_ROWS": "kvrouter cache_aware,ideal partition"}
     assert selected_rows(env) == [("ideal", "partition"), ("kvrouter", "cache_aware")]
@@ -44,6 +55,10 @@ def test_rows_keep_the_table_order_whatever_order_they_are_named_in() -> None:
         ({"BENCH_PRESSURE_RUNS": str(MAX_RUNS + 1)}, f"1-{MAX_RUNS}"),
         ({"BENCH_PRESSURE_RUNS": "-2"}, "whole number"),
         ({"BENCH_PRESSURE_RUNS": "2.5"}, "whole number"),
+        ({"BENCH_PRESSURE_UNSEEN": "0"}, "BENCH_PRESSURE_UNSEEN: '0'"),
+        ({"BENCH_PRESSURE_UNSEEN": str(MAX_UNSEEN + 1)}, f"1-{MAX_UNSEEN}"),
+        ({"BENCH_PRESSURE_UNSEEN": "3:x"}, "N or N:SEED"),
+        ({"BENCH_PRESSURE_UNSEEN": "many"}, "whole number"),
     ],
 )
 def test_a_malformed_selection_is_refused_naming_the_problem(

@@ -22,6 +22,7 @@ from bench.pressure_sim import (
     nested_headers,
     play,
     shared_blocks,
+    unseen_shapes,
     workloads,
 )
 
@@ -99,6 +100,28 @@ def test_holdouts_are_new_shapes_with_unique_names() -> None:
     assert not family & set(names)
     assert {w.replicas for w in holdouts()} == {1, 2, 3}
     assert max(w.concurrency for w in holdouts()) == 16
+
+
+def test_unseen_shapes_are_a_repeatable_draw_of_the_regime_apart_from_the_known_ones() -> None:
+    drawn = unseen_shapes(200, 11)
+    assert [w.name for w in drawn] == [w.name for w in unseen_shapes(200, 11)]
+    assert {w.name for w in unseen_shapes(20, 12)}.isdisjoint(w.name for w in drawn)
+    known = {w.name for w in workloads() + holdouts() + nested_headers()}
+    assert len({w.name for w in drawn}) == 200 and known.isdisjoint(w.name for w in drawn)
+    for w in drawn:
+        assert 3 <= w.workers <= 8 and 2 * w.workers <= w.prefixes < 7 * w.workers
+        assert w.replicas == 1 or w.concurrency > 1
+        # the regime: the prefixes outgrow one worker's cache, and (a shared preamble
+        # counted once) fit the fleet's
+        mean = sum(w.prefix_blocks) / 2
+        distinct = w.prefixes * (mean - w.header_blocks) + w.header_blocks
+        assert w.prefixes * mean > w.cache_blocks
+        assert distinct <= 0.95 * w.workers * w.cache_blocks
+    # every axis of the regime is drawn
+    assert {w.replicas for w in drawn} == {1, 2, 3}
+    assert {w.shuffled for w in drawn} == {w.prefilled for w in drawn} == {True, False}
+    assert {w.concurrency for w in drawn} == {1, 2, 4, 6, 8, 12, 16}
+    assert {bool(w.header_blocks) for w in drawn} == {True, False}
 
 
 def test_cache_aware_home_keeps_each_prefix_on_about_one_worker_as_online_greedy() -> None:
