@@ -13,7 +13,10 @@ the index `event_lag_s` later), prefills its uncached tokens at `prefill_s_per_t
 decodes for `decode_s`; clients run a closed loop of `concurrency` slots, and with two
 replicas the requests alternate between them as a round-robin front would. Engine queue
 lengths reach the routers every `load_interval_s`, as the load monitor's polls do, the first
-one at a point of the interval drawn from the seed.
+one at a point of the interval drawn from the seed. The ranks' capacities are known from the
+first decision, as a replica reads them when a worker registers (it used to wait for its
+first load tick, which left a live run's first placements blind to cache pressure, as no
+simulated one was: BENCHMARKS.md, "The first tick").
 
 The ideal row routes each prefix to one worker, the prefixes spread over the workers by a
 greedy partition of their blocks (largest first onto the least filled worker): only each

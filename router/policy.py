@@ -94,7 +94,8 @@ do not (a guess at the siblings' placements this replica cannot see; it also cou
 pre-filled cache's old blocks as theirs, which is why sharing does better: in
 `bench/pressure_sim.py` the two-replica workloads went from 0.96-0.98x the ideal partition to
 0.99-1.00x, as good as one ledger shared by both). A rank whose capacity is unknown pays no
-pressure terms and counts in no fleet sum.
+pressure terms and counts in no fleet sum; a replica reads it as the worker registers, then at
+every load tick.
 
 Shared preamble. A prompt that goes on past its deepest match, where that match is held as
 deep (bookings included) by several ranks but not by every one, is a new prefix below a shared

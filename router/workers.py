@@ -464,10 +464,13 @@ class WorkerRegistry:
         worker.state = "ready"
         worker.healthy = await self._check_health(worker)
         self.loads.add_worker(worker.url, worker.dp_size)
-        if obligations:
-            # Its capacity bounds what a sibling's snapshot may claim for its ranks (peer.vet):
-            # read it before the bootstrap vets one, not at the next load tick.
-            await self.loads.poll_worker(worker.url)
+        # Its load and capacity, now rather than at the next load tick (up to an interval
+        # away): cache_aware prices cache pressure by the capacity and has none to price
+        # before it is known, so a fresh replica's first placements went blind to it (a new
+        # prefix onto a holder of its preamble with no room left: BENCHMARKS.md, "the first
+        # tick"); and the capacity bounds what a sibling's snapshot may claim for its ranks
+        # (peer.vet), read before the bootstrap vets one.
+        await self.loads.poll_worker(worker.url)
         log.info(
             "worker %s registered: %d rank(s), events at %s:%d (%s)%s",
             worker.url,

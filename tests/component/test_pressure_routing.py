@@ -101,6 +101,38 @@ async def test_a_second_new_prefix_goes_where_it_evicts_nothing_and_both_stay_ca
         assert scrape.value("kvrouter_pressure_spills_total") >= 4 * 2
 
 
+async def test_a_fresh_replica_prices_pressure_from_its_first_request() -> None:
+    """A worker's capacity is read when it registers, not at the next load tick (a minute away
+    here): the first placements pay for the room they take. Two prefixes share a 10-block
+    header and go on with 14 blocks of their own; one worker cannot hold both (48 > 32
+    blocks). Blind to capacity, the header's 160 tokens send the second to the first's
+    worker, where it evicts part of it."""
+    async with (
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as w1,
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as w2,
+        router_in_process(
+            workers=[w1.url, w2.url], expose_route_headers=True, load_interval_ms=60_000
+        ) as rt,
+    ):
+        workers = [w1, w2]
+        loads = rt.replica.loads
+        assert [loads.capacity_blocks(fw.url, 0, 16) for fw in workers] == [CACHE_BLOCKS] * 2
+        await gate_fleet([rt], workers)
+        rng = random.Random(7)
+        header = prefix(rng)[: 10 * 16]
+        first, second = (header + prefix(rng)[: 14 * 16] for _ in range(2))
+        home_first, cached = await complete(rt, first + " one")
+        assert cached == 0
+        await quiesce([rt], workers)
+        home_second, cached = await complete(rt, second + " two")
+        assert (home_second != home_first, cached) == (True, 0)
+        await quiesce([rt], workers)
+        for text, home in ((first, home_first), (second, home_second)):
+            assert await complete(rt, text + " again") == (home, 24 * 16)
+            await quiesce([rt], workers)
+        assert (await rt.scrape()).value("kvrouter_pressure_spills_total") == 0
+
+
 async def test_view_shows_capacity_booked_blocks_and_demand_per_rank() -> None:
     async with (
         fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as w1,
