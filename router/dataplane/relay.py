@@ -49,6 +49,8 @@ class WorkerLookup(Protocol):
 
 
 class Relay:
+    __slots__ = ("body", "client", "conn", "done", "head", "plan")
+
     def __init__(self, client: ClientConnection, head: RequestHead, body: bytes) -> None:
         self.client = client
         self.head = head
@@ -163,6 +165,21 @@ class Relay:
 
 
 class WorkerRelay(Relay):
+    __slots__ = (
+        "_every_open",
+        "_last_failure",
+        "_next_pair",
+        "_retried",
+        "_verdict",
+        "attempts",
+        "decision",
+        "plane",
+        "pool",
+        "rank",
+        "route",
+        "worker",
+    )
+
     def __init__(
         self,
         plane: DataPlane,
@@ -317,6 +334,8 @@ class WorkerRelay(Relay):
 
 class ControlRelay(Relay):
     """A request for the control app, over the client connection's in-process link."""
+
+    __slots__ = ("_retried",)
 
     def __init__(self, client: ClientConnection, head: RequestHead, body: bytes) -> None:
         super().__init__(client, head, body)
