@@ -1,7 +1,7 @@
 """Instructions per request in the data plane, counted by callgrind: repeatable figures.
 
 Run: .venv/bin/python -m bench.relay_instructions [--target round_robin|floor ...]
-     [--requests 1500] [--concurrency 32] [--event-loop auto|asyncio|uvloop]
+     [--baseline REV] [--requests 1500] [--concurrency 32] [--event-loop auto|asyncio|uvloop]
 Needs valgrind. Prints figures; asserts nothing. Takes a few minutes per target.
 
 Router CPU per request at c=32 (`bench/proxy_ab.py`) moves by 10-20% between rounds on a
@@ -20,8 +20,8 @@ many; the difference divided by `--requests` is the figure, so start-up, warm-up
 cancel out. The client and the event loop are in the count (the same for any version of the
 data plane); the workers and the kernel are not.
 
-To compare with older code, run this script with that code first on PYTHONPATH (e.g. a
-`git archive` of the old commit).
+`--baseline REV` also counts another commit's router (extracted with `git archive`, its C
+extensions compiled, as `bench/proxy_ab.py` does), each target old and new in turn.
 """
 
 from __future__ import annotations
@@ -201,17 +201,18 @@ def child(target: str, requests: int, concurrency: int, event_loop: str) -> None
             proc.wait(10)
 
 
-def instructions(target: str, requests: int, concurrency: int, event_loop: str) -> int:
+def instructions(target: str, requests: int, concurrency: int, event_loop: str, code: Path) -> int:
+    """Instructions callgrind counted for one child run of this script, on `code`'s router."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
         argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
-        argv += [sys.executable, "-m", "bench.relay_instructions", "--child", target]
+        argv += [sys.executable, __file__, "--child", target]
         argv += ["--requests", str(requests), "--concurrency", str(concurrency)]
         argv += ["--event-loop", event_loop]
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
-        done = subprocess.run(
-            argv, capture_output=True, text=True, check=True, env=env, cwd=HERE.parent
-        )
+        # The script runs by its path, so `code` on PYTHONPATH is where `router` and
+        # `bench.relay_floor` come from. A fixed string-hash seed: the same count each run.
+        env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(code)}
+        done = subprocess.run(argv, capture_output=True, text=True, check=True, env=env)
         found = re.search(r"Collected : (\d+)", done.stderr)
         if found is None:
             raise RuntimeError(f"callgrind printed no total for {target}:\n{done.stderr[-2000:]}")
@@ -224,6 +225,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1500)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"), default="auto")
+    parser.add_argument("--baseline", help="also count this git revision's code")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -231,11 +233,19 @@ def main() -> None:
         return
     if shutil.which("valgrind") is None:
         raise SystemExit("relay_instructions: valgrind is not installed (apt install valgrind)")
-    for target in args.target or ["round_robin", "floor"]:
-        n = args.requests
-        once = instructions(target, n, args.concurrency, args.event_loop)
-        twice = instructions(target, 2 * n, args.concurrency, args.event_loop)
-        print(f"{target}: {(twice - once) / n:,.0f} instructions per request", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        codes = {"new" if args.baseline else "": HERE.parent}
+        if args.baseline:
+            from bench.bench_proxy import checkout
+
+            codes[f"@{args.baseline}"] = checkout(args.baseline, Path(tmp) / "old")
+        for target in args.target or ["round_robin", "floor"]:
+            for tag, code in codes.items():
+                n = args.requests
+                once = instructions(target, n, args.concurrency, args.event_loop, code)
+                twice = instructions(target, 2 * n, args.concurrency, args.event_loop, code)
+                label = f"{target} {tag}".strip()
+                print(f"{label}: {(twice - once) / n:,.0f} instructions per request", flush=True)
 
 
 if __name__ == "__main__":
