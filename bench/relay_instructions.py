@@ -130,10 +130,10 @@ def free_port() -> int:
 
 def start_workers(count: int) -> tuple[list[subprocess.Popen[str]], list[str]]:
     procs, urls = [], []
-    for i in range(count):
+    for _ in range(count):
         argv = [
             str(BIN / "fake-kv-worker"),
-            *("--host", "127.0.0.1", "--port", "0", "--kv-port-base", str(27100 + 10 * i)),
+            *("--host", "127.0.0.1", "--port", "0", "--kv-port-base", str(free_port())),
             *("--block-size", str(BLOCK_SIZE), "--cache-blocks", "200000"),
             *("--prefill-us-per-token", "0", "--decode-ms-per-token", "0"),
             *("--log-level", "WARNING"),
