@@ -12,7 +12,8 @@ hashing seeded, the count barely moves run to run, whatever else the machine doe
 What runs, per target: two `fake-kv-worker` processes (not traced: valgrind follows only this
 process), then in this process a replica (`router.serving.start_serving`, the target's policy,
 the `bytes` tokenizer, block size 16, load and health polls slowed to once an hour so they do
-not run during the count), or the bare relay (`bench/relay_floor.py`: the data plane with no
+not run during the count, the garbage collector tuned as `kvrouter serve` tunes it), or the
+bare relay (`bench/relay_floor.py`: the data plane with no
 routing work), and a small client on `--concurrency` keep-alive connections sending the
 proxy benchmark's request (a non-streaming `/v1/completions` with a 2,000-byte prompt,
 `max_tokens: 1`) back to back. Each target runs twice, with `--requests` and with twice as
@@ -39,6 +40,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httptools
+
+from router.cli import _tune_gc as tune_gc
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -181,6 +184,10 @@ async def run_target(target: str, urls: list[str], requests: int, concurrency: i
         async def stop() -> None:
             await stop_serving(serving)
 
+    # The collector tuned as `kvrouter serve` tunes it (start-up objects frozen, a larger
+    # young generation). Untuned, a full collection walks the whole replica once every few
+    # thousand requests, tens of millions of instructions that land in one count or not.
+    tune_gc()
     try:
         await load(port, 200, concurrency)  # warm-up: connections, pools, caches
         await load(port, requests, concurrency)
