@@ -142,6 +142,22 @@ def _tcp(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+class _RoutingEpoch:
+    """Moves on whenever something a routing decision reads of the workers changes: one of
+    `ROUTING_FIELDS` of any `Worker`, or the set of a registry's workers. What is derived from
+    them (`WorkerRegistry.routable_ranks`) is recomputed only when it moved."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+ROUTING_EPOCH: Final = _RoutingEpoch()
+# What `Worker.routable` and `Worker.ranks` read.
+ROUTING_FIELDS: Final = frozenset({"url", "state", "healthy", "draining", "kv"})
+
+
 @dataclass(slots=True)
 class Worker:
     url: str
@@ -157,6 +173,11 @@ class Worker:
     subscriber_stats: dict[int, SubscriberStats] = field(default_factory=dict)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _ranks: tuple[RankId, ...] = field(default=(), repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name in ROUTING_FIELDS:
+            ROUTING_EPOCH.value += 1
 
     @property
     def dp_size(self) -> int:
@@ -235,6 +256,8 @@ class WorkerRegistry:
         # One worker snapshot in memory at a time: each may take its bound several times over.
         self._snapshot_slot = asyncio.Semaphore(1)
         self._workers: dict[str, Worker] = {}
+        self._routable: list[tuple[Worker, tuple[RankId, ...]]] = []
+        self._routable_epoch = -1  # `ROUTING_EPOCH` when `_routable` was made
         self._locks: dict[str, asyncio.Lock] = {}
         self._pulls: dict[str, asyncio.Task[None]] = {}
         self._repull: set[str] = set()
@@ -267,6 +290,14 @@ class WorkerRegistry:
 
     def routable(self) -> list[Worker]:
         return [w for w in self._workers.values() if w.routable]
+
+    def routable_ranks(self) -> list[tuple[Worker, tuple[RankId, ...]]]:
+        """The routable workers with their ranks, as on the request path: recomputed only
+        when `ROUTING_EPOCH` moved (a worker's routing fields, or the set of workers)."""
+        if self._routable_epoch != ROUTING_EPOCH.value:
+            self._routable = [(w, w.ranks()) for w in self._workers.values() if w.routable]
+            self._routable_epoch = ROUTING_EPOCH.value
+        return self._routable
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -304,6 +335,7 @@ class WorkerRegistry:
         worker = self._workers.pop(url, None)
         if worker is None:
             return False
+        ROUTING_EPOCH.value += 1
         if worker.state != "down":  # a down worker left the index already
             await self._detach(worker)
         self._health.forget(url)

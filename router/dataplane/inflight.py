@@ -26,7 +26,8 @@ class InflightTracker:
     def begin(self, rank: RankId) -> None:
         self.counts[rank] += 1
         self.total += 1
-        self._idle.clear()
+        if self.total == 1:  # `_idle` is set exactly while nothing is in flight
+            self._idle.clear()
 
     def end(self, rank: RankId) -> None:
         self.counts[rank] -= 1

@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from time import perf_counter
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 from cachetree.ranks import RankId
 from router.dataplane.exchange import (
     FAILURES,
+    GENERATION_ROUTES,
     LAST_CHUNK,
     Failure,
     Framing,
@@ -43,12 +44,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The request metrics' labels, made once instead of a string per request (and its hash per
+# count): the generation routes a `WorkerRelay` answers, and every status code.
+_ROUTE_LABELS: Final = {route: route.decode("latin-1") for route in GENERATION_ROUTES}
+_STATUS_LABELS: Final = {status: str(status) for status in range(100, 600)}
+
 
 class WorkerLookup(Protocol):
     def get(self, url: str) -> Worker | None: ...
 
 
 class Relay:
+    __slots__ = ("body", "client", "conn", "done", "head", "plan")
+
     def __init__(self, client: ClientConnection, head: RequestHead, body: bytes) -> None:
         self.client = client
         self.head = head
@@ -163,6 +171,21 @@ class Relay:
 
 
 class WorkerRelay(Relay):
+    __slots__ = (
+        "_every_open",
+        "_last_failure",
+        "_next_pair",
+        "_retried",
+        "_verdict",
+        "attempts",
+        "decision",
+        "plane",
+        "pool",
+        "rank",
+        "route",
+        "worker",
+    )
+
     def __init__(
         self,
         plane: DataPlane,
@@ -174,7 +197,7 @@ class WorkerRelay(Relay):
         super().__init__(client, head, body)
         self.plane = plane
         self.decision = decision
-        self.route = head.path.decode("latin-1")
+        self.route = _ROUTE_LABELS.get(head.path) or head.path.decode("latin-1")
         # When every candidate's breaker is open, requests go out anyway: refusing all
         # traffic is worse than trying a worker that may have recovered. Read once, before
         # the first attempt claims anything; `all` stops at the first closed breaker.
@@ -250,7 +273,8 @@ class WorkerRelay(Relay):
             if self._next_pair > 1 and self.rank is not None:  # failed over: tell the policy
                 self.decision.served(self.rank)
         self._verdict = True
-        self.plane.metrics.requests[self.route, worker.url, str(status)] += 1
+        label = _STATUS_LABELS.get(status) or str(status)
+        self.plane.metrics.requests[self.route, worker.url, label] += 1
         return True
 
     def route_headers(self) -> list[tuple[bytes, bytes]] | None:
@@ -317,6 +341,8 @@ class WorkerRelay(Relay):
 
 class ControlRelay(Relay):
     """A request for the control app, over the client connection's in-process link."""
+
+    __slots__ = ("_retried",)
 
     def __init__(self, client: ClientConnection, head: RequestHead, body: bytes) -> None:
         super().__init__(client, head, body)

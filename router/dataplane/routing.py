@@ -134,9 +134,10 @@ class RequestRouter:
         """The healthy ranks with this replica's in-flight and their engines' loads."""
         counts, fresh = self.inflight.counts, self.loads.fresh
         candidates = []
-        for w in self.workers.routable():
+        for w, ranks in self.workers.routable_ranks():  # remade only when the workers change
             engine = fresh(w.url)
-            candidates += [Candidate(r, counts[r], engine.get(r.dp_rank)) for r in w.ranks()]
+            for r in ranks:
+                candidates.append(Candidate(r, counts[r], engine.get(r.dp_rank)))
         return candidates
 
     def route(self, route: bytes, raw: bytes) -> Decision | Refusal | AskFirst:

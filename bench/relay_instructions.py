@@ -1,0 +1,259 @@
+"""Instructions per request in the data plane, counted by callgrind: repeatable figures.
+
+Run: .venv/bin/python -m bench.relay_instructions [--target round_robin|floor ...]
+     [--baseline REV] [--requests 1500] [--concurrency 32] [--event-loop auto|asyncio|uvloop]
+Needs valgrind. Prints figures; asserts nothing. Takes a few minutes per target.
+
+Router CPU per request at c=32 (`bench/proxy_ab.py`) moves by 10-20% between rounds on a
+shared machine, more than most changes to the data plane are worth. Here the router runs in
+this process under callgrind, which counts the instructions it executes instead: with string
+hashing seeded, the count barely moves run to run, whatever else the machine does.
+
+What runs, per target: two `fake-kv-worker` processes (not traced: valgrind follows only this
+process), then in this process a replica (`router.serving.start_serving`, the target's policy,
+the `bytes` tokenizer, block size 16, load and health polls slowed to once an hour so they do
+not run during the count, the garbage collector tuned as `kvrouter serve` tunes it), or the
+bare relay (`bench/relay_floor.py`: the data plane with no
+routing work), and a small client on `--concurrency` keep-alive connections sending the
+proxy benchmark's request (a non-streaming `/v1/completions` with a 2,000-byte prompt,
+`max_tokens: 1`) back to back. Each target runs twice, with `--requests` and with twice as
+many; the difference divided by `--requests` is the figure, so start-up, warm-up and shutdown
+cancel out. The client and the event loop are in the count (the same for any version of the
+data plane); the workers and the kernel are not.
+
+`--baseline REV` also counts another commit's router (extracted with `git archive`, its C
+extensions compiled, as `bench/proxy_ab.py` does), each target old and new in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httptools
+
+from router.cli import _tune_gc as tune_gc
+
+HERE = Path(__file__).resolve().parent
+BIN = Path(sys.executable).parent
+BLOCK_SIZE = 16
+
+
+def request_bytes() -> bytes:
+    body = b'{"model":"m","max_tokens":1,"prompt":"' + b"a" * 2000 + b'"}'
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    return head + body
+
+
+class Load:
+    """`requests` requests over keep-alive connections, each sent when the one before it on
+    its connection is answered; `done` once every one is answered."""
+
+    def __init__(self, requests: int, done: asyncio.Future[None]) -> None:
+        self.request = request_bytes()
+        self.unsent = requests
+        self.unanswered = requests
+        self.done = done
+
+    def fail(self, why: str) -> None:
+        if not self.done.done():
+            self.done.set_exception(RuntimeError(why))
+
+
+class Client(asyncio.Protocol):
+    def __init__(self, load: Load) -> None:
+        self.load = load
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.status = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self._next()
+
+    def _next(self) -> None:
+        load = self.load
+        if load.unsent > 0:
+            load.unsent -= 1
+            assert self.transport is not None
+            self.transport.write(load.request)
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+
+    def on_message_complete(self) -> None:
+        load = self.load
+        if self.status != 200:
+            load.fail(f"status {self.status}")
+        load.unanswered -= 1
+        if load.unanswered == 0 and not load.done.done():
+            load.done.set_result(None)
+        self._next()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.load.unanswered:
+            self.load.fail(f"connection lost: {exc}")
+
+
+async def load(port: int, requests: int, concurrency: int) -> None:
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    work = Load(requests, done)
+    conns = [
+        await loop.create_connection(lambda: Client(work), "127.0.0.1", port)
+        for _ in range(concurrency)
+    ]
+    try:
+        await done
+    finally:
+        for transport, _ in conns:
+            transport.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_workers(count: int) -> tuple[list[subprocess.Popen[str]], list[str]]:
+    procs, urls = [], []
+    for _ in range(count):
+        argv = [
+            str(BIN / "fake-kv-worker"),
+            *("--host", "127.0.0.1", "--port", "0", "--kv-port-base", str(free_port())),
+            *("--block-size", str(BLOCK_SIZE), "--cache-blocks", "200000"),
+            *("--prefill-us-per-token", "0", "--decode-ms-per-token", "0"),
+            *("--log-level", "WARNING"),
+        ]
+        # valgrind must not follow the workers: they start from a clean environment.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LD_PRELOAD")}
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+        procs.append(proc)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "listening on " in line:
+                urls.append(line.split("listening on ", 1)[1].strip())
+                break
+        else:
+            raise RuntimeError("a fake worker exited before it listened")
+    return procs, urls
+
+
+async def run_target(target: str, urls: list[str], requests: int, concurrency: int) -> None:
+    stop: Callable[[], Awaitable[None]]
+    if target == "floor":
+        from bench.relay_floor import start
+
+        plane, control = await start("127.0.0.1", 0, urls)
+        port = plane.addresses[0][1]
+
+        async def stop() -> None:
+            await plane.close()
+            await control.cleanup()
+    else:
+        from router.cli import parse_args, serve_config
+        from router.serving import start_serving, stop_serving
+
+        argv = ["serve", "--host", "127.0.0.1", "--port", str(free_port()), "--policy", target]
+        argv += ["--block-size", str(BLOCK_SIZE), "--log-level", "warning"]
+        argv += ["--load-interval-ms", "3600000", "--health-interval-s", "3600"]
+        for url in urls:
+            argv += ["--worker", url]
+        serving = await start_serving(serve_config(parse_args(argv)))
+        port = serving.plane.addresses[0][1]
+        # Polled: the registry has no hook for "registered", and start-up is not counted.
+        while len(serving.replica.workers.routable()) < len(urls):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+        async def stop() -> None:
+            await stop_serving(serving)
+
+    # The collector tuned as `kvrouter serve` tunes it (start-up objects frozen, a larger
+    # young generation). Untuned, a full collection walks the whole replica once every few
+    # thousand requests, tens of millions of instructions that land in one count or not.
+    tune_gc()
+    try:
+        await load(port, 200, concurrency)  # warm-up: connections, pools, caches
+        await load(port, requests, concurrency)
+    finally:
+        await stop()
+
+
+def child(target: str, requests: int, concurrency: int, event_loop: str) -> None:
+    from router.cli import loop_factory
+
+    procs, urls = start_workers(2)
+    try:
+        with asyncio.Runner(loop_factory=loop_factory(event_loop)) as runner:
+            runner.run(run_target(target, urls, requests, concurrency))
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+def instructions(target: str, requests: int, concurrency: int, event_loop: str, code: Path) -> int:
+    """Instructions callgrind counted for one child run of this script, on `code`'s router."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
+        argv += [sys.executable, __file__, "--child", target]
+        argv += ["--requests", str(requests), "--concurrency", str(concurrency)]
+        argv += ["--event-loop", event_loop]
+        # The script runs by its path, so `code` on PYTHONPATH is where `router` and
+        # `bench.relay_floor` come from. A fixed string-hash seed: the same count each run.
+        env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(code)}
+        done = subprocess.run(argv, capture_output=True, text=True, check=True, env=env)
+        found = re.search(r"Collected : (\d+)", done.stderr)
+        if found is None:
+            raise RuntimeError(f"callgrind printed no total for {target}:\n{done.stderr[-2000:]}")
+        return int(found.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", action="append", help="round_robin (a policy) or floor")
+    parser.add_argument("--requests", type=int, default=1500)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"), default="auto")
+    parser.add_argument("--baseline", help="also count this git revision's code")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.requests, args.concurrency, args.event_loop)
+        return
+    if shutil.which("valgrind") is None:
+        raise SystemExit("relay_instructions: valgrind is not installed (apt install valgrind)")
+    with tempfile.TemporaryDirectory() as tmp:
+        codes = {"new" if args.baseline else "": HERE.parent}
+        if args.baseline:
+            from bench.bench_proxy import checkout
+
+            codes[f"@{args.baseline}"] = checkout(args.baseline, Path(tmp) / "old")
+        for target in args.target or ["round_robin", "floor"]:
+            for tag, code in codes.items():
+                n = args.requests
+                once = instructions(target, n, args.concurrency, args.event_loop, code)
+                twice = instructions(target, 2 * n, args.concurrency, args.event_loop, code)
+                label = f"{target} {tag}".strip()
+                print(f"{label}: {(twice - once) / n:,.0f} instructions per request", flush=True)
+
+
+if __name__ == "__main__":
+    main()
