@@ -38,21 +38,23 @@ Theory of operation
   was due (this replica's process was not scheduled, or one callback held its loop) goes on
   for as long again as it was late (`Deadline`), up to `MAX_WAIT_FACTOR` times the timeout
   in all: an answer that came meanwhile sits unread, and the timer fires in the same pass
-  that would read it. And the questions in flight when a failure is counted
-  fail together with it (`Placement.finished`): they are that one failure, not one more each
-  for the backoff. Measured live (BENCHMARKS.md, "Stalls and the placer"): at the start of a
-  run, with every process of the fleet waking at once, the whole host stalled for 50-80 ms;
-  an asker's five to seven questions of the first burst timed out together although the
-  placer had answered them 30-47 ms before their deadline, the backoff grew to 0.8-3.2 s,
-  and the asker placed every new prefix of the run alone: copies and an uneven fleet, the
-  lowest runs of the multi-replica shapes (0.956-0.974x the ideal partition).
+  that would read it. And the questions in flight when a failure is counted fail together
+  with it (`Placement.finished`): they are that one failure, not one more each for the
+  backoff. Measured live (BENCHMARKS.md, "Stalls and the placer"): at a burst of new
+  prefixes on a loaded host, five to seven questions of one asker timed out together (once
+  with the placer's answers sent 30-47 ms before their deadline, while the asker, the placer
+  and the client all stood still for 75 ms), the backoff grew to 0.8-3.2 s, and the asker
+  placed every new prefix of the run alone: copies and an uneven fleet, in the lowest runs of
+  the multi-replica shapes.
 - Both wire types are msgpack arrays decoded all or nothing: a malformed question is refused
   whole (400) and nothing is booked; a malformed answer counts as an error.
 
 Counted (`kvrouter_placements_total{outcome}`): `asked` (questions sent), `answered` (routed
-to the placer's rank), `unusable` (answered with a rank that is not a healthy candidate
-here), `timeout`, `error`, `busy` (over the bound or backing off), `local` (a new prefix this
-replica placed itself as the placer), and `placed` (questions this replica answered).
+to the placer's rank), `late` (answers read only because a stall of this replica lengthened
+the wait past the timeout: each would have been a `timeout`), `unusable` (answered with a
+rank that is not a healthy candidate here), `timeout`, `error`, `busy` (over the bound or
+backing off), `local` (a new prefix this replica placed itself as the placer), and `placed`
+(questions this replica answered).
 """
 
 from __future__ import annotations
@@ -97,7 +99,9 @@ MAX_TIMEOUT_MS: Final = 1000
 DEFAULT_MAX_ASKING: Final = 64
 MAX_WAIT_FACTOR: Final = 4  # stalls lengthen a question's wait to at most this many timeouts
 STALL_S: Final = 0.002  # a timer this much later than due is a stall of this replica
-OUTCOMES: Final = ("asked", "answered", "unusable", "timeout", "error", "busy", "local", "placed")
+OUTCOMES: Final = (
+    "asked", "answered", "late", "unusable", "timeout", "error", "busy", "local", "placed",
+)  # fmt: skip
 _LOG_EVERY_S: Final = 60.0
 
 
@@ -355,6 +359,8 @@ class PlacementAsker:
             if post.done():
                 rank = post.result()
                 outcome = "answered"
+                if loop.time() > deadline.started + self.timeout_s:
+                    self.placement.counts["late"] += 1
                 return rank
             outcome = "timeout"
             problem = f"no answer within {self.timeout_s * 1000:.0f} ms"
