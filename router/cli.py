@@ -315,7 +315,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         int,
         DEFAULT_PLACEMENT_TIMEOUT_MS,
         "cache_aware with siblings: how long a request for a new prefix waits for the placer "
-        "replica's answer (POST /internal/place) before deciding alone; 0 = never ask",
+        "replica's answer (POST /internal/place) before deciding alone (up to 4x when this "
+        "replica itself stalled meanwhile); 0 = never ask",
     )
     f.add(
         "prefix-homes",

@@ -34,19 +34,34 @@ Theory of operation
   a placer. At most `max_asking` questions are in flight: past that a new prefix is decided
   here (`busy`). A placer that failed is not asked for a backoff (50 ms doubling to 5 s), so
   a dead one costs no wait per request.
+- Stalls are not the placer's failures. A wait that ends more than `STALL_S` later than it
+  was due (this replica's process was not scheduled, or one callback held its loop) goes on
+  for as long again as it was late (`Deadline`), up to `MAX_WAIT_FACTOR` times the timeout
+  in all: an answer that came meanwhile sits unread, and the timer fires in the same pass
+  that would read it. And the questions in flight when a failure is counted fail together
+  with it (`Placement.finished`): they are that one failure, not one more each for the
+  backoff. Measured live (BENCHMARKS.md, "Stalls and the placer"): at a burst of new
+  prefixes on a loaded host, five to seven questions of one asker timed out together (once
+  with the placer's answers sent 30-47 ms before their deadline, while the asker, the placer
+  and the client all stood still for 75 ms), the backoff grew to 0.8-3.2 s, and the asker
+  placed every new prefix of the run alone: copies and an uneven fleet, in the lowest runs of
+  the multi-replica shapes.
 - Both wire types are msgpack arrays decoded all or nothing: a malformed question is refused
   whole (400) and nothing is booked; a malformed answer counts as an error.
 
 Counted (`kvrouter_placements_total{outcome}`): `asked` (questions sent), `answered` (routed
-to the placer's rank), `unusable` (answered with a rank that is not a healthy candidate
-here), `timeout`, `error`, `busy` (over the bound or backing off), `local` (a new prefix this
-replica placed itself as the placer), and `placed` (questions this replica answered).
+to the placer's rank), `late` (answers read only because a stall of this replica lengthened
+the wait past the timeout: each would have been a `timeout`), `unusable` (answered with a
+rank that is not a healthy candidate here), `timeout`, `error`, `busy` (over the bound or
+backing off), `local` (a new prefix this replica placed itself as the placer), and `placed`
+(questions this replica answered).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -82,7 +97,11 @@ MAX_ANSWER_BYTES: Final = 16 + 3 * MAX_WORKER_URL_CHARS
 DEFAULT_TIMEOUT_MS: Final = 50
 MAX_TIMEOUT_MS: Final = 1000
 DEFAULT_MAX_ASKING: Final = 64
-OUTCOMES: Final = ("asked", "answered", "unusable", "timeout", "error", "busy", "local", "placed")
+MAX_WAIT_FACTOR: Final = 4  # stalls lengthen a question's wait to at most this many timeouts
+STALL_S: Final = 0.002  # a timer this much later than due is a stall of this replica
+OUTCOMES: Final = (
+    "asked", "answered", "late", "unusable", "timeout", "error", "busy", "local", "placed",
+)  # fmt: skip
 _LOG_EVERY_S: Final = 60.0
 
 
@@ -209,6 +228,36 @@ class AskFirst:
             self._task.cancel()
 
 
+@dataclass(slots=True)
+class Deadline:
+    """How long an asker still waits for the placer's answer (plain code, its clock the
+    caller's): `timeout_s` from `started`. A wait that ended more than `STALL_S` later than
+    it was due was a stall of this replica (its process not scheduled, or one callback
+    holding the loop), not a slow placer: an answer may have come meanwhile, unread, and the
+    timer fires in the same pass that would read it. So the wait goes on for as long again
+    as it was late; at most `max_wait_s` from `started` in all."""
+
+    timeout_s: float
+    max_wait_s: float
+    started: float
+    _end: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.timeout_s <= self.max_wait_s:
+            raise ValueError("need 0 <= timeout_s <= max_wait_s")
+        self._end = self.started + self.timeout_s
+
+    def left(self, now: float) -> float:
+        """Seconds still to wait at `now`; 0 when the deadline passed."""
+        return max(0.0, min(self._end, self.started + self.max_wait_s) - now)
+
+    def woke(self, due: float, now: float) -> None:
+        """A wait that was due to end at `due` ended at `now`."""
+        late = now - due
+        if late > STALL_S:
+            self._end = max(self._end, now + late)
+
+
 @dataclass
 class Placement:
     """The asker's rules (plain code): whether a prompt is a new prefix to ask about, whom to
@@ -222,6 +271,7 @@ class Placement:
     counts: Counter[str] = field(default_factory=lambda: Counter(dict.fromkeys(OUTCOMES, 0)))
     asking: int = 0
     _failing: tuple[int, float] = (0, 0.0)  # failures in a row, not asked again until
+    _failed_at: float = -math.inf  # when the latest failure was counted in the row
 
     def __post_init__(self) -> None:
         if self.max_asking < 1:
@@ -251,15 +301,22 @@ class Placement:
         self.counts["asked"] += 1
         return placer
 
-    def finished(self, outcome: str) -> None:
-        """A question ended: `answered` (an answer came), `timeout` or `error`."""
+    def finished(self, outcome: str, asked_at: float) -> None:
+        """A question asked at `asked_at` (this clock) ended: `answered` (an answer came),
+        `timeout` or `error`. A failure of a question asked before the latest failure was
+        counted is counted but adds nothing to the row: it was in flight with that one, and
+        failed with it (a stall, a placer gone), so it is the same failure."""
         self.asking -= 1
         if outcome == "answered":
             self._failing = (0, 0.0)
             return
         self.counts[outcome] += 1
+        if asked_at < self._failed_at:
+            return
+        now = self.clock()
         in_a_row = self._failing[0] + 1
-        self._failing = (in_a_row, self.clock() + failure_backoff_s(in_a_row))
+        self._failed_at = now
+        self._failing = (in_a_row, now + failure_backoff_s(in_a_row))
 
     def cancelled(self) -> None:
         """The client left while its question was in flight."""
@@ -289,18 +346,22 @@ class PlacementAsker:
 
     async def ask(self, placer: str, question: bytes) -> RankId | None:
         """The placer's rank, or None after a timeout or an error (counted and logged)."""
-        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": CONTENT_TYPE}
+        loop = asyncio.get_running_loop()
+        asked_at = self.placement.clock()
+        deadline = Deadline(self.timeout_s, MAX_WAIT_FACTOR * self.timeout_s, loop.time())
+        post = asyncio.ensure_future(self._post(placer, question))
         outcome = "error"
         try:
-            async with asyncio.timeout(self.timeout_s):
-                async with self.session.post(placer + PATH, data=question, headers=headers) as r:
-                    body = await r.content.read(MAX_ANSWER_BYTES + 1)
-                    if r.status != 200:
-                        raise ValueError(f"status {r.status}: {body[:200]!r}")
-                    rank = decode_answer(body)
-            outcome = "answered"
-            return rank
-        except TimeoutError:
+            while not post.done() and (wait := deadline.left(loop.time())) > 0:
+                due = loop.time() + wait
+                await asyncio.wait((post,), timeout=wait)
+                deadline.woke(due, loop.time())
+            if post.done():
+                rank = post.result()
+                outcome = "answered"
+                if loop.time() > deadline.started + self.timeout_s:
+                    self.placement.counts["late"] += 1
+                return rank
             outcome = "timeout"
             problem = f"no answer within {self.timeout_s * 1000:.0f} ms"
         except (aiohttp.ClientError, ValueError) as exc:
@@ -309,10 +370,11 @@ class PlacementAsker:
             outcome = "cancelled"
             raise
         finally:
+            post.cancel()  # nothing when it is done; a question left unanswered is dropped
             if outcome == "cancelled":
                 self.placement.cancelled()
             else:
-                self.placement.finished(outcome)
+                self.placement.finished(outcome, asked_at)
         now = self.placement.clock()
         if now - self._logged_at >= _LOG_EVERY_S:
             self._logged_at = now
@@ -324,6 +386,14 @@ class PlacementAsker:
                 problem,
             )
         return None
+
+    async def _post(self, placer: str, question: bytes) -> RankId:
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": CONTENT_TYPE}
+        async with self.session.post(placer + PATH, data=question, headers=headers) as r:
+            body = await r.content.read(MAX_ANSWER_BYTES + 1)
+            if r.status != 200:
+                raise ValueError(f"status {r.status}: {body[:200]!r}")
+            return decode_answer(body)
 
 
 @dataclass

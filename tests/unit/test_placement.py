@@ -126,24 +126,88 @@ def test_a_prompt_shorter_than_a_block_or_a_lone_candidate_is_never_asked_about(
 
 def test_questions_in_flight_are_bounded_and_a_failing_placer_is_left_alone_for_a_backoff() -> None:
     s = Asker([LOW], max_asking=2)
+    clock = s.p.clock
     assert s.ask() == LOW and s.ask() == LOW
     assert s.ask() is None  # a third while two are in flight: decided here
     assert s.rules.counts["busy"] == 1
-    s.rules.finished("answered")
-    s.rules.finished("timeout")  # one failure: not asked again for 50 ms
+    asked = clock()
+    s.rules.finished("answered", asked)
+    s.rules.finished("timeout", asked)  # one failure: not asked again for 50 ms
     assert s.rules.asking == 0 and s.rules.counts["timeout"] == 1
     assert s.ask() is None and s.rules.counts["busy"] == 2
-    s.p.clock.advance(0.051)
+    clock.advance(0.051)
     assert s.ask() == LOW
-    s.rules.finished("error")  # a second in a row: 100 ms
-    s.p.clock.advance(0.08)
+    s.rules.finished("error", clock())  # a second in a row: 100 ms
+    clock.advance(0.08)
     assert s.ask() is None
-    s.p.clock.advance(0.03)
+    clock.advance(0.03)
     assert s.ask() == LOW
-    s.rules.finished("answered")  # an answer ends the backoff
+    s.rules.finished("answered", clock())  # an answer ends the backoff
     assert s.ask() == LOW
     s.rules.cancelled()  # a client that left releases its slot too
     assert s.rules.asking == 0
+
+
+@pytest.mark.parametrize(
+    ("asked_ms", "failed_ms", "until_ms"),
+    [
+        # Questions asked together, in flight when a stall or a gone placer fails them: the
+        # first failure counts, the others are that one (50 ms, not 50 * 2 ** 5 = 1.6 s).
+        ([0, 0, 1, 2, 3, 4], [50, 50, 51, 52, 53, 54], 100),
+        # Failures in a row, each question asked after the one before it failed: each one
+        # counts, and the backoff doubles (a placer that stays dead): 50, 100, then 200 ms.
+        ([0, 110, 270], [50, 160, 320], 520),
+        # One asked before the first failure fails after that backoff ended: the same failure
+        # all the same; the next question, asked after it, is the second in the row.
+        ([0, 0, 110], [50, 115, 160], 260),
+    ],
+)
+def test_questions_in_flight_together_fail_as_one_for_the_backoff(
+    asked_ms: list[int], failed_ms: list[int], until_ms: int
+) -> None:
+    s = Asker([LOW], max_asking=64)
+    clock = s.p.clock
+    start = clock()
+    for asked, failed in sorted(zip(asked_ms, failed_ms, strict=True), key=lambda p: p[1]):
+        clock.advance(start + failed / 1000 - clock())
+        s.rules.asking += 1  # in flight since `asked` (the rules count it when it ends)
+        s.rules.finished("timeout", start + asked / 1000)
+    assert s.rules.counts["timeout"] == len(asked_ms)  # each failure is counted all the same
+    assert s.rules.asking == 0
+    clock.advance(start + (until_ms - 1) / 1000 - clock())
+    assert s.ask() is None  # still backing off ...
+    clock.advance(0.002)
+    assert s.ask() == LOW  # ... for exactly that long, no longer
+
+
+@pytest.mark.parametrize(
+    ("wakes", "left_ms"),
+    [
+        ([], 50),  # nothing happened yet: the whole timeout
+        ([(50, 50)], 0),  # a wait that ended when due: the timeout has passed
+        ([(50, 51)], 0),  # a timer a millisecond late is no stall
+        ([(50, 97)], 47),  # stalled past due: that long again, to read what came meanwhile
+        ([(20, 90)], 70),  # a wait due before the deadline, stalled: the same
+        ([(50, 97), (144, 145)], 0),  # the second wait ended in time: passed
+        ([(50, 97), (144, 170)], 26),  # stalled again: again
+        ([(50, 130)], 70),  # 80 ms late at 130: at most 4 timeouts from the start (200 ms)
+        ([(50, 300)], 0),  # ... past them: passed, whatever the stall
+    ],
+)
+def test_a_questions_deadline_gives_back_the_time_the_asker_stalled(
+    wakes: list[tuple[float, float]], left_ms: float
+) -> None:
+    deadline = placement.Deadline(0.05, placement.MAX_WAIT_FACTOR * 0.05, 1.0)
+    now = 1.0
+    for due, woke in wakes:
+        now = 1.0 + woke / 1000
+        deadline.woke(1.0 + due / 1000, now)
+    assert deadline.left(now) == pytest.approx(left_ms / 1000)
+
+
+def test_a_deadline_waits_at_least_its_timeout() -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        placement.Deadline(0.3, 0.2, 0.0)
 
 
 def test_on_an_answer_the_asker_books_the_placers_rank_first_without_sharing_it() -> None:

@@ -1,0 +1,123 @@
+"""An asker whose own process stalls while its question is answered (`router.placement`,
+`Deadline`): the answer that came meanwhile is read, not dropped as a timeout.
+
+The placer is a stub on real HTTP in a thread of its own (its own event loop), so it answers
+while the asker's loop is held: on each question it first holds the asker's loop for 150 ms
+(a blocking call scheduled there, as a process the OS does not run for a while, or a long
+callback, would), then answers 10 ms later, inside the stall. The asker's timeout is 50 ms."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from cachetree.ranks import RankId
+from router import placement
+from router.placement import Placement, PlacementAsker, encode_answer
+from router.policy import CacheAware, make_policy
+
+pytestmark = pytest.mark.timeout(20)
+
+RANK = RankId("http://127.0.0.1:9", 0)
+STALL_S = 0.15
+TIMEOUT_S = 0.05
+
+
+@contextlib.contextmanager
+def placer_that_stalls(asker_loop: asyncio.AbstractEventLoop) -> Iterator[str]:
+    """A placer in its own thread; yields its URL."""
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    url: list[str] = []
+
+    async def place(request: web.Request) -> web.Response:
+        await request.read()
+        asker_loop.call_soon_threadsafe(time.sleep, STALL_S)
+        await asyncio.sleep(0.01)  # answered while the asker is held
+        return web.Response(body=encode_answer(RANK), content_type=placement.CONTENT_TYPE)
+
+    async def serve() -> web.AppRunner:
+        app = web.Application()
+        app.router.add_post(placement.PATH, place)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+        return runner
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        runner = loop.run_until_complete(serve())
+        started.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(10), "the stub placer did not start"
+    try:
+        yield url[0]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+async def test_an_answer_that_came_while_the_asker_stalled_is_used_not_timed_out() -> None:
+    policy = make_policy("cache_aware")
+    assert isinstance(policy, CacheAware)
+    with placer_that_stalls(asyncio.get_running_loop()) as placer:
+        rules = Placement(policy, "http://127.0.0.1:65535", lambda: [placer])
+        async with aiohttp.ClientSession() as session:
+            asker = PlacementAsker(session, "token", rules, TIMEOUT_S)
+            for _ in range(3):  # each question stalls the asker past its deadline
+                rules.asking += 1  # as `Placement.question` counts a question it sends
+                started = time.monotonic()
+                rank = await asker.ask(placer, b"\x93\x20\x10\x91\x0b")
+                waited = time.monotonic() - started
+                assert rank == RANK
+                assert waited >= STALL_S > TIMEOUT_S  # the deadline passed while stalled
+    # Each was read past its timeout: counted `late`, none a timeout.
+    assert (rules.counts["late"], rules.counts["timeout"], rules.counts["error"]) == (3, 0, 0)
+    assert rules.asking == 0
+
+
+async def test_a_placer_that_never_answers_still_times_out_within_the_bound() -> None:
+    policy = make_policy("cache_aware")
+    assert isinstance(policy, CacheAware)
+    never = asyncio.Event()
+
+    async def hang(request: web.Request) -> web.Response:
+        await never.wait()
+        raise AssertionError("unreachable")
+
+    app = web.Application()
+    app.router.add_post(placement.PATH, hang)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    placer = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        rules = Placement(policy, "http://127.0.0.1:65535", lambda: [placer])
+        async with aiohttp.ClientSession() as session:
+            asker = PlacementAsker(session, "token", rules, TIMEOUT_S)
+            rules.asking += 1
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            # A stall of this loop in mid-wait lengthens it, to at most 4 timeouts in all.
+            loop.call_later(0.01, time.sleep, 0.5)
+            assert await asker.ask(placer, b"\x93\x20\x10\x91\x0b") is None
+            waited = loop.time() - started
+    finally:
+        await runner.cleanup()
+    assert waited < 0.5 + placement.MAX_WAIT_FACTOR * TIMEOUT_S
+    assert (rules.counts["timeout"], rules.counts["late"], rules.asking) == (1, 0, 0)
