@@ -20,9 +20,13 @@ Every routed prompt is recorded against the rank it went to, block key by block 
   as held by it until the index shows them (its store event arrived) or `booking_ttl_s`
   passes. Requests for a new prefix that arrive before its first request's store event then
   follow it instead of each looking like a miss. A booking ends `confirmed` when the index
-  holds its first block on the rank (an engine evicts a chain from its tail, so the first
-  block is the one still there if the rest went again before this replica looked), and
-  `expired` at the TTL otherwise (the engine queued the request longer than that, or it
+  holds its last block on the rank: the prompt's own blocks, not a preamble it shares with
+  other prompts (new prefixes below a system prompt nobody held yet: the first one stored
+  put the preamble on the rank, and a first-block check ended the bookings of the others
+  while they still waited in the engine's queue, so their prefixes looked new again and were
+  copied). Blocks an engine has just stored are its most recently used, the last its LRU
+  evicts, so the last block is there when this replica looks; and `expired` at the TTL
+  otherwise (the engine queued the request longer than that, or it
   failed over): many expired bookings mean the TTL is too short for the engines' queues.
   Bookings are checked oldest first per rank on every decision (an engine admits in order),
   so a confirmed booking stops counting at once: were it kept, it would hide the engine
@@ -306,7 +310,7 @@ class PressureLedger:
             queue = st.bookings
             while queue:
                 booking = queue[0]
-                if holds is not None and holds(rank, booking.keys[0]):
+                if holds is not None and holds(rank, booking.keys[-1]):
                     self.bookings.confirmed += 1
                 elif booking.ends_at <= now:
                     self.bookings.expired += 1

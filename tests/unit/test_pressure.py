@@ -39,9 +39,13 @@ class Index:
         self._hash = 1
 
     def store(self, rank: RankId, seed: int, blocks: int) -> list[int]:
+        return self.store_tokens(rank, tokens(seed, blocks))
+
+    def store_tokens(self, rank: RankId, ids: list[int]) -> list[int]:
+        blocks = len(ids) // BS
         hashes = list(range(self._hash, self._hash + blocks))
         self._hash += blocks
-        self.tree.store(rank, None, hashes, tokens(seed, blocks), BS)
+        self.tree.store(rank, None, hashes, ids, BS)
         return hashes
 
     def holds(self, rank: RankId, key: int) -> bool:
@@ -152,6 +156,33 @@ def test_a_booking_extends_the_index_depth_until_the_index_shows_the_blocks() ->
     assert led.live_bookings(A) == 0 and led.pending(A) == 0
     index.tree.remove(A, hashes[20:])
     assert led.booked_depths(prompt, {A: 20}) == {}
+
+
+@pytest.mark.parametrize(
+    ("stored", "live", "confirmed"),
+    [
+        ((), 1, 0),
+        (("other",), 1, 0),  # another prompt stored the shared preamble: not this one's store
+        (("other", "mine"), 0, 1),
+        (("mine",), 0, 1),
+    ],
+)
+def test_a_booking_below_a_shared_preamble_is_confirmed_by_its_own_blocks(
+    stored: tuple[str, ...], live: int, confirmed: int
+) -> None:
+    clock = ManualClock()
+    index = Index()
+    led = ledger(clock, booking_ttl_s=5.0)
+    preamble = tokens(1, 2)  # a system prompt no rank holds yet, two new prefixes below it
+    prompts = {"mine": preamble + tokens(2, 6), "other": preamble + tokens(3, 6)}
+    mine = block_keys(prompts["mine"], BS)
+    led.record(A, mine, held=0, holds=index.holds)
+    for name in stored:
+        index.store_tokens(A, prompts[name])
+    led.settle(index.holds)
+    assert (led.live_bookings(A), led.bookings.confirmed) == (live, confirmed)
+    depth = 8 if "mine" in stored else 2 if stored else 0  # what the index shows of it on A
+    assert led.booked_depths(mine, {A: depth}) == ({A: 8} if live else {})
 
 
 @pytest.mark.parametrize(
