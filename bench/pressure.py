@@ -56,6 +56,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import plots
 from bench.pressure_sim import (
     IDEAL,
+    UNSEEN_SEED,
     Request,
     Workload,
     build_requests,
@@ -103,14 +104,14 @@ FULL: Final = (
     "4w-16p-header-c6-3rep",
 )
 MAX_UNSEEN: Final = 100
-UNSEEN_SEED: Final = 2026
 QUICK: Final = ("3w-9p-shuffled-c8-prefilled", "3w-9p-shuffled-c8-2rep")
 
 
 def selected(quick: bool, env: Mapping[str, str] = os.environ) -> tuple[list[Workload], int]:
     """The workloads and the runs per row at this scale, or as the environment narrows them:
     `BENCH_PRESSURE_WORKLOADS` (names, commas; any shape of `bench.pressure_sim`, its
-    holdouts and header shapes included) and `BENCH_PRESSURE_RUNS` (1-100). ValueError
+    holdouts and header shapes included), `BENCH_PRESSURE_UNSEEN` (shapes drawn at random,
+    after the named ones) and `BENCH_PRESSURE_RUNS` (1-100). ValueError
     naming the problem when they are malformed. A narrowed run is for `--no-markdown`: its
     tables would replace the full ones."""
     names: Sequence[str] = QUICK if quick else FULL
@@ -119,18 +120,17 @@ def selected(quick: bool, env: Mapping[str, str] = os.environ) -> tuple[list[Wor
     family = workloads() + holdouts() + long_headers() + nested_headers()
     unseen = _unseen(env.get("BENCH_PRESSURE_UNSEEN", "").strip())
     by_name = {w.name: w for w in family + unseen}
-    if unseen:
-        names = [w.name for w in unseen]
+    drawn = [w.name for w in unseen]
     if wanted:
-        names = [n.strip() for n in wanted.split(",") if n.strip()] + (
-            [w.name for w in unseen] if unseen else []
-        )
+        names = [n.strip() for n in wanted.split(",") if n.strip()] + drawn
         unknown = [n for n in names if n not in by_name]
         if unknown or len(set(names)) != len(names):
             raise ValueError(
                 f"BENCH_PRESSURE_WORKLOADS: {', '.join(unknown) or 'a name twice'}; "
                 f"choose distinct names among {', '.join(by_name)}"
             )
+    elif drawn:
+        names = drawn
     count = env.get("BENCH_PRESSURE_RUNS", "").strip()
     if count:
         if not count.isdigit() or not 1 <= int(count) <= MAX_RUNS:
@@ -141,7 +141,7 @@ def selected(quick: bool, env: Mapping[str, str] = os.environ) -> tuple[list[Wor
 
 def _unseen(spec: str) -> list[Workload]:
     """`BENCH_PRESSURE_UNSEEN`: "N" or "N:SEED", N shapes drawn by `unseen_shapes` (SEED
-    2026 by default); ValueError naming the problem when it is malformed."""
+    `UNSEEN_SEED` by default); ValueError naming the problem when it is malformed."""
     if not spec:
         return []
     count, _, seed = spec.partition(":")

@@ -85,6 +85,7 @@ BLOCK: Final = 16
 IDEAL: Final = "ideal"
 ONLINE_GREEDY: Final = "online_greedy"
 CACHE_AWARE_HOME: Final = "cache_aware_home"
+UNSEEN_SEED: Final = 2026  # the draw `--unseen` and `BENCH_PRESSURE_UNSEEN` make by default
 
 
 @dataclass(frozen=True)
@@ -835,7 +836,7 @@ def main() -> None:
         metavar="N",
         help="add N shapes drawn at random (unseen_shapes())",
     )
-    parser.add_argument("--unseen-seed", type=int, default=2026, help="their draw's seed")
+    parser.add_argument("--unseen-seed", type=int, default=UNSEEN_SEED, help="their draw's seed")
     parser.add_argument(
         "--nested-headers", action="store_true", help="add nested_headers() to the family"
     )
