@@ -32,7 +32,6 @@ import asyncio
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import httptools
 
+from bench.bench_proxy import free_port
 from router.cli import _tune_gc as tune_gc
 
 HERE = Path(__file__).resolve().parent
@@ -123,12 +123,6 @@ async def load(port: int, requests: int, concurrency: int) -> None:
     finally:
         for transport, _ in conns:
             transport.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_workers(count: int) -> tuple[list[subprocess.Popen[str]], list[str]]:
