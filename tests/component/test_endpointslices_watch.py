@@ -25,6 +25,9 @@ SELECTOR = "kubernetes.io/service-name=kvrouter"
 ME = SelfIdentity(pod_name="router-a", namespace="default", pod_ip="10.0.0.1")
 RULES = Extraction(Family.IPV4, 8080, ME)
 FAST = WatchSettings(watch_timeout_s=30, request_grace_s=5, min_watch_s=0)
+# The bound of every wait on the watch: generous, because a loaded CI host can take seconds
+# for the several API round trips a backoff test needs, and a met condition returns at once.
+WAIT_S = 20.0
 
 
 def url(ip: str, port: int = 8080) -> str:
@@ -62,12 +65,12 @@ class Harness:
     published: list[tuple[str, ...]] = field(default_factory=list)
 
     async def published_is(self, *urls: str) -> None:
-        await eventually(lambda: self.published and self.published[-1] == urls, 5.0)
+        await eventually(lambda: self.published and self.published[-1] == urls, WAIT_S)
 
     async def watching(self, count: int = 1) -> None:
         """Until `count` watch requests were made and one is open."""
         await eventually(
-            lambda: self.fake.verbs().count("watch") >= count and self.fake.open_watches, 5.0
+            lambda: self.fake.verbs().count("watch") >= count and self.fake.open_watches, WAIT_S
         )
 
 
@@ -183,7 +186,7 @@ async def test_an_expired_watch_relists_and_the_relist_replaces_rather_than_merg
         fake.delete("kvrouter-a")
         fake.put(router_slice("kvrouter-c", "10.0.0.4"))
         fake.compact()
-        await eventually(lambda: h.sleeper.delays, 5.0)  # the reset backs off, once
+        await eventually(lambda: h.sleeper.delays, WAIT_S)  # the reset backs off, once
         h.sleeper.release()
         await h.published_is(url("10.0.0.3"), url("10.0.0.4"))
         await h.watching(count=3)
@@ -217,7 +220,7 @@ async def test_a_forbidden_list_backs_off_until_granted_then_syncs() -> None:
         fake.fail("list", 403)
         async with watching(fake) as h:
             h.sleeper.hold()
-            await eventually(lambda: h.sleeper.delays, 5.0)
+            await eventually(lambda: h.sleeper.delays, WAIT_S)
             assert h.published == []  # never synced: not even an empty set
             assert h.watch.stats.relists == 0 and h.watch.stats.failures["http_403"] >= 1
             fake.fail("list", None)
@@ -232,7 +235,7 @@ async def test_watch_errors_keep_the_view_and_the_backoff_grows_until_recovery()
         fake.fail("watch", 403)
         fake.fail("list", 500)
         fake.reset_watches()
-        await eventually(lambda: len(h.sleeper.delays) >= 4, 5.0)
+        await eventually(lambda: len(h.sleeper.delays) >= 4, WAIT_S)
         fake.fail("watch", None)
         fake.fail("list", None)
         await h.watching(count=5)
@@ -255,7 +258,7 @@ async def test_a_reset_connection_resumes_from_the_last_resource_version() -> No
         h.sleeper.hold()
         fake.reset_watches()
         fake.put(router_slice("kvrouter-c", "10.0.0.4"))  # happens while cut off
-        await eventually(lambda: h.sleeper.delays, 5.0)
+        await eventually(lambda: h.sleeper.delays, WAIT_S)
         h.sleeper.release()
         await h.published_is(url("10.0.0.2"), url("10.0.0.3"), url("10.0.0.4"))
         assert fake.requests[-1].resource_version == seen  # replayed, not relisted
@@ -268,7 +271,7 @@ async def test_a_bookmark_carries_the_watch_past_writes_the_selector_hides() -> 
         for i in range(3):
             fake.put(router_slice(f"noise-{i}", "10.9.0.1", service="other"))
         fake.bookmark()
-        await eventually(lambda: h.watch.view.resource_version == fake.resource_version, 5.0)
+        await eventually(lambda: h.watch.view.resource_version == fake.resource_version, WAIT_S)
         # History before the bookmark is compacted away: resuming from it needs no relist.
         fake.compact()
         fake.reset_watches()
@@ -293,7 +296,7 @@ async def test_a_watch_that_hangs_past_its_deadline_is_cut_by_the_client_timeout
         settings = replace(FAST, watch_timeout_s=1, request_grace_s=0.2)
         async with watching(fake, settings=settings) as h:
             h.sleeper.hold()
-            await eventually(lambda: h.sleeper.delays, 5.0)
+            await eventually(lambda: h.sleeper.delays, WAIT_S)
             assert fake.verbs() == ["list", "watch"]
             fake.hang_watches = False
             h.sleeper.release()
@@ -307,7 +310,7 @@ async def test_a_watch_that_ends_at_once_and_empty_is_backed_off() -> None:
         fake.end_watches_at_once = True
         async with watching(fake, settings=replace(FAST, min_watch_s=5)) as h:
             h.sleeper.hold()
-            await eventually(lambda: h.sleeper.delays, 5.0)
+            await eventually(lambda: h.sleeper.delays, WAIT_S)
             assert fake.verbs() == ["list", "watch"]
 
 
