@@ -120,7 +120,7 @@ class _Exchange:
     def upstream_paused(self, paused: bool) -> None:
         pass  # a GET has no body to hold back
 
-    def upstream_reading(self, reading: bool) -> None:
+    def upstream_read(self) -> None:
         pass
 
 

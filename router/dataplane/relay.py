@@ -92,20 +92,20 @@ class Relay:
             route_headers=self.route_headers(),
         )
         self.plan = plan
-        client.write(plan.head)
+        client.hold(plan.head)
 
     def upstream_body(self, data: bytes) -> None:
         plan = self.plan
         if plan is None or not data:
             return
-        self.client.write(chunk(data) if plan.framing is Framing.CHUNKED else data)
+        self.client.hold(chunk(data) if plan.framing is Framing.CHUNKED else data)
 
     def upstream_end(self) -> None:
         plan = self.plan
         assert plan is not None
         self.conn = None
         if plan.framing is Framing.CHUNKED:
-            self.client.write(LAST_CHUNK)
+            self.client.hold(LAST_CHUNK)
         self._end("ok")
         self.client.exchange_done(plan.keep_alive)
 
@@ -118,11 +118,8 @@ class Relay:
         self._end("cut")
         self.client.cut()
 
-    def upstream_reading(self, reading: bool) -> None:
-        if reading:
-            self.client.hold_writes()
-        else:
-            self.client.flush()
+    def upstream_read(self) -> None:
+        self.client.flush()
 
     def upstream_paused(self, paused: bool) -> None:
         gate = self.client.gate

@@ -54,8 +54,8 @@ class ResponseSink(Protocol):
     def upstream_paused(self, paused: bool) -> None:
         """The worker is (not) keeping up with the request bytes written to it."""
 
-    def upstream_reading(self, reading: bool) -> None:
-        """Around the parse of one read: what it relays may go out in one write."""
+    def upstream_read(self) -> None:
+        """After the parse of each read: what it relayed may go out now, in one write."""
 
 
 class Acquirer(Protocol):
@@ -151,7 +151,6 @@ class UpstreamConnection(asyncio.Protocol):
         if not self._head_done:
             self._reads.append(data)
         sink = self._sink
-        sink.upstream_reading(True)
         try:
             self._parser.feed_data(data)
             if self._complete:
@@ -163,7 +162,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._reusable = False
             self._stop(f"malformed response: {exc}")
         finally:
-            sink.upstream_reading(False)
+            sink.upstream_read()
 
     def eof_received(self) -> bool:
         return False  # close; connection_lost reports
