@@ -223,7 +223,7 @@ class Candidate:
     engine: EngineLoad | None = None  # the load monitor's latest, None when unknown
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # made per request: not frozen (a frozen one sets each field slowly)
 class Prompt:
     """What a policy knows of the request: its size and, for cache_aware, the index's view
     and its block keys (which cache_aware books on the rank it picks)."""

@@ -20,9 +20,12 @@ never advertises gzip, so SSE reaches the client as the engine wrote it; and
 X-Data-Parallel-Rank: the rank is the router's choice, not the client's), with a
 Content-Length for the whole body.
 
-The upstream answer's own framing (`upstream_framing`, RFC 9112 6.3): none for a HEAD, 1xx,
-204 or 304; chunked; a Content-Length; else the body runs until the worker closes. The answer
-to the client (`plan_response`) keeps a Content-Length as it is, and re-frames the other two:
+The upstream answer's head is read from its bytes (`read_response_head`): its own framing
+(`upstream_framing`, RFC 9112 6.3: none for a HEAD, 1xx, 204 or 304; chunked; a
+Content-Length; else the body runs until the worker closes), and the field lines the client
+gets, spliced as the worker wrote them (hop-by-hop ones and forged route headers cut out).
+The answer to the client (`plan_response`) keeps a Content-Length as it is, and re-frames
+the other two:
 chunked for an HTTP/1.1 client, close-delimited for an HTTP/1.0 one (which cannot read chunks),
 so a streamed answer to HTTP/1.0 ends with the connection. Interim 1xx answers are dropped:
 the relay sends the whole body upstream at once and never asks for `100 Continue` (it answers
@@ -44,6 +47,7 @@ except through that SSE event: its end is the close.)
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Final, Literal
@@ -72,11 +76,23 @@ _TO_CONTROL_DROPPED: Final = HOP_BY_HOP | _SET_BY_RELAY
 # To a worker, also: no gzip (SSE as the engine wrote it), and the rank is the router's.
 _TO_WORKER_DROPPED: Final = _TO_CONTROL_DROPPED | {b"accept-encoding", b"x-data-parallel-rank"}
 ROUTE_HEADERS: Final = (b"x-kvrouter-worker", b"x-kvrouter-dp-rank")
-_RESPONSE_DROPPED: Final = HOP_BY_HOP | {b"content-length", *ROUTE_HEADERS}
+_RESPONSE_DROPPED: Final = HOP_BY_HOP | set(ROUTE_HEADERS)
+# The fields of an answer head the relay reads or drops: a head is scanned for these names
+# only (in one pass of a compiled pattern over it, lower-cased), and every other field line
+# goes to the client as the worker wrote it.
+_NOTED_FIELDS: Final = re.compile(
+    rb"\r\n("
+    + b"|".join(re.escape(name) for name in sorted(_RESPONSE_DROPPED | {b"content-length"}))
+    + rb"):"
+)
+# Every field line of a head llhttp accepted: it allows no obs-fold, no whitespace before
+# the colon and no bare CR or LF, drops the value's leading whitespace and keeps its trailing.
+_FIELD_LINE: Final = re.compile(rb"\r\n([^:\r\n]+):[ \t]*([^\r]*)")
 
-_STATUS_LINES: Final = {
-    s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode("latin-1") for s in HTTPStatus
+_STATUS_STARTS: Final = {
+    s.value: f"HTTP/1.1 {s.value} {s.phrase}".encode("latin-1") for s in HTTPStatus
 }
+_STATUS_LINES: Final = {status: start + b"\r\n" for status, start in _STATUS_STARTS.items()}
 
 
 class Framing(enum.Enum):
@@ -86,6 +102,14 @@ class Framing(enum.Enum):
     LENGTH = "length"  # Content-Length bytes
     CHUNKED = "chunked"  # chunked transfer coding, ends with the zero-length chunk
     CLOSE = "close"  # the sender closes the connection
+
+
+# Python 3.11 reads an enum member through a descriptor written in Python (`enum.property`),
+# about 0.15 us a read, and a request reads `Framing` members half a dozen times. The members
+# are put in the class's own dictionary, as Python 3.12 keeps them: a read is a plain lookup.
+for _member in Framing:
+    type.__setattr__(Framing, _member.name, _member)
+del _member
 
 
 @dataclass(slots=True)
@@ -254,61 +278,116 @@ def upstream_framing(
     return Framing.CLOSE, None
 
 
-@dataclass(frozen=True, slots=True)
+# Made per answer, so not frozen: a frozen dataclass sets each field through
+# `object.__setattr__` (about 3x the cost of a plain one to make).
+@dataclass(slots=True)
+class ResponseHead:
+    """A worker's final answer head, read from its bytes (`read_response_head`)."""
+
+    status: int
+    raw: bytes  # as the worker sent it, from the status line to the blank line
+    framing: Framing
+    length: int | None  # the declared Content-Length
+    status_line: bytes  # the client's, without its CRLF (the relay speaks HTTP/1.1)
+    fields: bytes  # the field lines the client gets: each after a CRLF, and one CRLF after all
+
+    @property
+    def sse(self) -> bool:
+        """text/event-stream (a cut sends an error event first). Read only when a stream is
+        cut, so an answer's head is not searched for it."""
+        return any(
+            name.lower() == b"content-type" and value.startswith(b"text/event-stream")
+            for name, value in _FIELD_LINE.findall(self.raw)
+        )
+
+
+_CHUNKED_FIELD: Final = b"\r\ntransfer-encoding:"
+_LENGTH_FIELD: Final = b"\r\ncontent-length:"
+
+
+def read_response_head(status: int, raw: bytes, request_method: bytes) -> ResponseHead:
+    """The final head `raw` (as llhttp accepted it, blank line included) of the answer to a
+    `request_method` request: its framing, and what of it the client gets.
+
+    The client gets the worker's field lines as they are, minus the hop-by-hop ones (and those
+    a `Connection` field names, RFC 9110 7.6.1) and forged route headers; the relay adds the
+    framing and route fields of its own answer (`plan_response`). A Content-Length stays as
+    it is: the body is relayed byte for byte. Most answers carry no field to drop but their
+    framing one, and their head is not split into fields at all."""
+    low = raw.lower()
+    noted = _NOTED_FIELDS.findall(low)
+    line_end = raw.index(b"\r\n")
+    start = _STATUS_STARTS.get(status)
+    if start is None:
+        # The reason phrase is informational (RFC 9112 4): a known status gets the standard
+        # one, another keeps the worker's.
+        words = raw[:line_end].split(b" ", 2)
+        start = b"HTTP/1.1 %d %b" % (status, words[2] if len(words) > 2 else b"")
+    if not noted or noted == [b"content-length"]:
+        framing_fields = []
+        if noted:
+            at = low.index(_LENGTH_FIELD) + len(_LENGTH_FIELD)
+            framing_fields = [(b"content-length", raw[at : low.index(b"\r", at)])]
+        framing, length = upstream_framing(status, framing_fields, request_method, noted)
+        return ResponseHead(status, raw, framing, length, start, raw[line_end:-2])
+    if noted == [b"transfer-encoding"]:
+        at = low.index(_CHUNKED_FIELD)
+        end = low.index(b"\r", at + 2)
+        if low[at + len(_CHUNKED_FIELD) : end].strip() == b"chunked":
+            framing_fields = [(b"transfer-encoding", b"chunked")]
+            framing, _ = upstream_framing(status, framing_fields, request_method, noted)
+            fields = raw[line_end:at] + raw[end:-2]
+            return ResponseHead(status, raw, framing, None, start, fields)
+    # Anything else to drop: every field is read (a Connection field names more).
+    lines = list(_FIELD_LINE.finditer(raw))
+    headers = [(m.group(1), m.group(2)) for m in lines]
+    names = lower_names(headers)
+    dropped = _RESPONSE_DROPPED
+    if b"connection" in names:
+        dropped = dropped | _connection_tokens(names, headers)
+    framing, length = upstream_framing(status, headers, request_method, names)
+    kept = []
+    at = line_end
+    for name, line in zip(names, lines, strict=True):
+        if name in dropped:
+            kept.append(raw[at : line.start()])
+            at = line.end()
+    kept.append(raw[at:-2])
+    return ResponseHead(status, raw, framing, length, start, b"".join(kept))
+
+
+@dataclass(slots=True)  # made per answer: not frozen (see `ResponseHead`)
 class ResponsePlan:
     head: bytes
     framing: Framing  # of the answer to the client
     keep_alive: bool  # the client connection stays open after it
-    sse: bool  # text/event-stream: a cut sends an error event first
+    answer: ResponseHead  # the worker's
 
 
 def plan_response(
-    status: int,
-    reason: bytes,
-    headers: list[tuple[bytes, bytes]],
-    upstream: Framing,
-    length: int | None,
+    answer: ResponseHead,
     *,
     client_11: bool,
     client_keep_alive: bool,
-    route_headers: list[tuple[bytes, bytes]] | None = None,
-    names: list[bytes] | None = None,
+    route_headers: bytes = b"",
 ) -> ResponsePlan:
     """The head and framing of the answer to the client, from the worker's final answer
-    (`names`: its header names lower-cased, when the caller has them already)."""
+    (`route_headers`: field lines, each ending with a CRLF)."""
+    upstream = answer.framing
     if upstream is Framing.LENGTH or upstream is Framing.NONE:
         framing = upstream
     else:
         framing = Framing.CHUNKED if client_11 else Framing.CLOSE
     keep_alive = client_keep_alive and framing is not Framing.CLOSE
-    if names is None:
-        names = lower_names(headers)
-    dropped = _RESPONSE_DROPPED
-    if b"connection" in names:
-        dropped = dropped | _connection_tokens(names, headers)
-    sse = False
-    # The reason phrase is informational (RFC 9112 4): a known status gets the standard one.
-    parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d %b\r\n" % (status, reason)]
-    for low, (name, value) in zip(names, headers, strict=True):
-        if low in dropped:
-            # A HEAD answer keeps its Content-Length: it describes the GET's body.
-            if not (low == b"content-length" and upstream is Framing.NONE):
-                continue
-        elif low == b"content-type" and value.startswith(b"text/event-stream"):
-            sse = True
-        parts += (name, b": ", value, b"\r\n")
-    for name, value in route_headers or ():
-        parts += (name, b": ", value, b"\r\n")
-    if framing is Framing.LENGTH:
-        parts.append(b"Content-Length: %d\r\n" % length)
-    elif framing is Framing.CHUNKED:
+    parts = [answer.status_line, answer.fields, route_headers]
+    if framing is Framing.CHUNKED:
         parts.append(b"Transfer-Encoding: chunked\r\n")
     if not keep_alive:
         parts.append(b"Connection: close\r\n")
     elif not client_11:
         parts.append(b"Connection: keep-alive\r\n")
     parts.append(b"\r\n")
-    return ResponsePlan(b"".join(parts), framing, keep_alive, sse)
+    return ResponsePlan(b"".join(parts), framing, keep_alive, answer)
 
 
 def chunk(data: bytes) -> bytes:

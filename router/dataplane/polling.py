@@ -20,7 +20,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Final
 
-from router.dataplane.exchange import Failure, Framing
+from router.dataplane.exchange import Failure, ResponseHead
 from router.dataplane.upstream import UpstreamConnection, UpstreamPool
 
 IDLE_EXPIRY_S: Final = 4.0  # under uvicorn's 5 s keep-alive, as the relay's pools
@@ -85,19 +85,11 @@ class _Exchange:
 
     # -- ResponseSink ----------------------------------------------------------------------
 
-    def upstream_head(
-        self,
-        status: int,
-        reason: bytes,
-        headers: list[tuple[bytes, bytes]],
-        names: list[bytes],
-        framing: Framing,
-        length: int | None,
-    ) -> None:
-        self._status = status
-        if length is not None and length > self._max_bytes:
+    def upstream_head(self, answer: ResponseHead) -> None:
+        self._status = answer.status
+        if answer.length is not None and answer.length > self._max_bytes:
             self.abandon()
-            self._end(PollAnswer(status, None, "too_large"))
+            self._end(PollAnswer(answer.status, None, "too_large"))
 
     def upstream_body(self, data: bytes) -> None:
         self._size += len(data)
@@ -128,7 +120,7 @@ class _Exchange:
     def upstream_paused(self, paused: bool) -> None:
         pass  # a GET has no body to hold back
 
-    def upstream_reading(self, reading: bool) -> None:
+    def upstream_read(self) -> None:
         pass
 
 

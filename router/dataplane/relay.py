@@ -28,6 +28,7 @@ from router.dataplane.exchange import (
     Framing,
     Refusal,
     RequestHead,
+    ResponseHead,
     ResponsePlan,
     chunk,
     cut_tail,
@@ -71,52 +72,40 @@ class Relay:
         """False: the head is a failure of the worker, and the relay moved on."""
         return True
 
-    def route_headers(self) -> list[tuple[bytes, bytes]] | None:
-        return None
+    def route_headers(self) -> bytes:
+        """Field lines added to the answer (each ending with a CRLF)."""
+        return b""
 
     def settle(self, outcome: str) -> None:
         """The exchange ended ("ok", "cut" or "gone"): release what it held."""
 
     # -- ResponseSink ----------------------------------------------------------------------
 
-    def upstream_head(
-        self,
-        status: int,
-        reason: bytes,
-        headers: list[tuple[bytes, bytes]],
-        names: list[bytes],
-        framing: Framing,
-        length: int | None,
-    ) -> None:
-        if not self.accept_head(status):
+    def upstream_head(self, answer: ResponseHead) -> None:
+        if not self.accept_head(answer.status):
             return
         client = self.client
         plan = plan_response(
-            status,
-            reason,
-            headers,
-            framing,
-            length,
+            answer,
             client_11=self.head.http_11,
             client_keep_alive=client.keep_alive(self.head),
             route_headers=self.route_headers(),
-            names=names,
         )
         self.plan = plan
-        client.write(plan.head)
+        client.hold(plan.head)
 
     def upstream_body(self, data: bytes) -> None:
         plan = self.plan
         if plan is None or not data:
             return
-        self.client.write(chunk(data) if plan.framing is Framing.CHUNKED else data)
+        self.client.hold(chunk(data) if plan.framing is Framing.CHUNKED else data)
 
     def upstream_end(self) -> None:
         plan = self.plan
         assert plan is not None
         self.conn = None
         if plan.framing is Framing.CHUNKED:
-            self.client.write(LAST_CHUNK)
+            self.client.hold(LAST_CHUNK)
         self._end("ok")
         self.client.exchange_done(plan.keep_alive)
 
@@ -125,15 +114,12 @@ class Relay:
         assert plan is not None
         self.conn = None
         log.warning("%s: the answer broke after its first byte: %s", self.describe(), reason)
-        self.client.write(cut_tail(plan.framing, plan.sse, reason))
+        self.client.write(cut_tail(plan.framing, plan.answer.sse, reason))
         self._end("cut")
         self.client.cut()
 
-    def upstream_reading(self, reading: bool) -> None:
-        if reading:
-            self.client.hold_writes()
-        else:
-            self.client.flush()
+    def upstream_read(self) -> None:
+        self.client.flush()
 
     def upstream_paused(self, paused: bool) -> None:
         gate = self.client.gate
@@ -277,13 +263,13 @@ class WorkerRelay(Relay):
         self.plane.metrics.requests[self.route, worker.url, label] += 1
         return True
 
-    def route_headers(self) -> list[tuple[bytes, bytes]] | None:
+    def route_headers(self) -> bytes:
         if not self.plane.expose_route_headers or self.worker is None or self.rank is None:
-            return None
-        return [
-            (b"X-Kvrouter-Worker", self.worker.url.encode("latin-1")),
-            (b"X-Kvrouter-Dp-Rank", b"%d" % self.rank.dp_rank),
-        ]
+            return b""
+        return b"X-Kvrouter-Worker: %b\r\nX-Kvrouter-Dp-Rank: %d\r\n" % (
+            self.worker.url.encode("latin-1"),
+            self.rank.dp_rank,
+        )
 
     def upstream_failed(self, failure: Failure, detail: str) -> None:
         self.conn = None

@@ -381,7 +381,7 @@ class ClientConnection(asyncio.Protocol):
         self._closed = False
         self._head_size = 0  # bytes of reads that fell wholly inside the head being parsed
         self._deferred: tuple[RequestHead, bytes] | None = None  # waits for a routing slice
-        self._held: list[bytes] | None = None  # writes gathered by `hold_writes`
+        self._held: list[bytes] | None = None  # writes gathered by `hold`
         self._asking: AskFirst | None = None  # a new prefix's question to its placer
         self.turn_started = 0.0  # perf_counter when the routed request being answered got its turn
 
@@ -550,16 +550,20 @@ class ClientConnection(asyncio.Protocol):
         elif self.transport is not None and not self._closed:
             self.transport.write(data)
 
-    def hold_writes(self) -> None:
-        """Gather writes until `flush`: what one upstream read produced goes out in one send
-        (a response's head and body, several SSE events) instead of one per piece."""
-        if self._held is None:
-            self._held = []
+    def hold(self, data: bytes) -> None:
+        """Write `data` at the next `flush`, with every write until then: what one upstream
+        read relays (a response's head and body, several SSE events) goes out in one send, at
+        the end of the read, instead of one per piece."""
+        held = self._held
+        if held is None:
+            self._held = [data]
+        else:
+            held.append(data)
 
     def flush(self) -> None:
         held, self._held = self._held, None
-        if held:
-            self.write(held[0] if len(held) == 1 else b"".join(held))
+        if held and self.transport is not None and not self._closed:
+            self.transport.write(held[0] if len(held) == 1 else b"".join(held))
 
     def refuse(self, refusal: Refusal) -> None:
         """Answer the request being answered with one of the data plane's own answers."""

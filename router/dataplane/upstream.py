@@ -3,7 +3,10 @@
 `UpstreamConnection` sends one request at a time and parses the answer with
 `httptools.HttpResponseParser`, reporting to the exchange that sent it (a `ResponseSink`):
 the final head (1xx answers are skipped, see `exchange`), each piece of body as it arrives,
-the end, or why it stopped. Its `Deadline` bounds the wait for the head, then every gap in
+the end, or why it stopped. The parser has no per-field callbacks: it checks the head and
+says when it is complete, and the head is then read from the bytes received
+(`exchange.read_response_head`: most heads go to the client as they are, a splice instead
+of a Python call per field). Its `Deadline` bounds the wait for the head, then every gap in
 the body (the stream idle timeout). It reports completion only after `feed_data` returns, so
 no sink ever re-enters the parser.
 
@@ -27,7 +30,7 @@ from typing import Protocol, cast
 
 import httptools
 
-from router.dataplane.exchange import Failure, Framing, lower_names, upstream_framing
+from router.dataplane.exchange import Failure, Framing, ResponseHead, read_response_head
 from router.dataplane.flow import Deadline
 
 log = logging.getLogger(__name__)
@@ -36,15 +39,7 @@ log = logging.getLogger(__name__)
 class ResponseSink(Protocol):
     """The exchange an upstream connection answers to."""
 
-    def upstream_head(
-        self,
-        status: int,
-        reason: bytes,
-        headers: list[tuple[bytes, bytes]],
-        names: list[bytes],  # the header names lower-cased
-        framing: Framing,
-        length: int | None,
-    ) -> None: ...
+    def upstream_head(self, answer: ResponseHead) -> None: ...
 
     def upstream_body(self, data: bytes) -> None: ...
 
@@ -59,8 +54,8 @@ class ResponseSink(Protocol):
     def upstream_paused(self, paused: bool) -> None:
         """The worker is (not) keeping up with the request bytes written to it."""
 
-    def upstream_reading(self, reading: bool) -> None:
-        """Around the parse of one read: what it relays may go out in one write."""
+    def upstream_read(self) -> None:
+        """After the parse of each read: what it relayed may go out now, in one write."""
 
 
 class Acquirer(Protocol):
@@ -83,11 +78,13 @@ class UpstreamConnection(asyncio.Protocol):
         self._deadline = Deadline(loop, self._expired)
         self._sink: ResponseSink | None = None  # the exchange in progress
         self._method = b""
-        self._reason = b""
-        self._headers: list[tuple[bytes, bytes]] = []
+        # The reads of the answer until its final head is parsed: the head is read from them
+        # (`exchange.read_response_head`), not field by field from the parser's callbacks.
+        self._reads: list[bytes] = []
+        self._head_at = 0  # where the head starts in them (past any 1xx answer)
         self._head_done = False
         self._framing = Framing.NONE
-        self._answered = 0  # bytes received for the current request
+        self.answered = 0  # bytes received for the current request
         self._complete = False
         self._keep_alive = False  # the worker keeps the connection open after this answer
         self._reusable = True
@@ -104,10 +101,10 @@ class UpstreamConnection(asyncio.Protocol):
         assert self.transport is not None and self._sink is None
         self._sink = sink
         self._method = method
-        self._reason = b""
-        self._headers = []
+        self._reads = []
+        self._head_at = 0
         self._head_done = False
-        self._answered = 0
+        self.answered = 0
         self._complete = False
         self._deadline.set(head_timeout_s)
         if body:
@@ -150,9 +147,10 @@ class UpstreamConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return
-        self._answered += len(data)
+        self.answered += len(data)
+        if not self._head_done:
+            self._reads.append(data)
         sink = self._sink
-        sink.upstream_reading(True)
         try:
             self._parser.feed_data(data)
             if self._complete:
@@ -164,7 +162,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._reusable = False
             self._stop(f"malformed response: {exc}")
         finally:
-            sink.upstream_reading(False)
+            sink.upstream_read()
 
     def eof_received(self) -> bool:
         return False  # close; connection_lost reports
@@ -182,7 +180,7 @@ class UpstreamConnection(asyncio.Protocol):
         elif self._head_done:
             sink.upstream_cut(f"the worker closed the connection ({exc or 'EOF'})")
         else:
-            stale = self.reused and self._answered == 0
+            stale = self.reused and self.answered == 0
             sink.upstream_failed(
                 "stale" if stale else "lost", f"connection closed before a head ({exc or 'EOF'})"
             )
@@ -197,34 +195,33 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- httptools callbacks ---------------------------------------------------------------
 
-    def on_status(self, reason: bytes) -> None:
-        self._reason += reason
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name, value))
-
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
         sink = self._sink
         if sink is None:
             return
+        reads = self._reads
+        raw = reads[0] if len(reads) == 1 else b"".join(reads)
+        # llhttp accepts only CRLF line ends: the first blank line after its start ends a head.
+        start = self._head_at
+        end = raw.index(b"\r\n\r\n", start) + 4
         if status < 200:
             # An interim answer (RFC 9110 15.2): skipped; its own message end is ignored.
-            self._headers = []
-            self._reason = b""
+            self._reads = [raw]
+            self._head_at = end
             return
+        self._reads = []
         self._head_done = True
         # Asked now: llhttp forgets the message's flags once it completes.
         self._keep_alive = self._parser.should_keep_alive()
-        names = lower_names(self._headers)
-        framing, length = upstream_framing(status, self._headers, self._method, names)
-        self._framing = framing
-        if framing is Framing.NONE and self._method == b"HEAD":
+        answer = read_response_head(status, raw[start:end], self._method)
+        self._framing = answer.framing
+        if answer.framing is Framing.NONE and self._method == b"HEAD":
             # The parser cannot be told that a HEAD answer has no body: it would wait for the
             # declared length. The answer ends here, and the connection is not reused.
             self._reusable = False
             self._complete = True
-        sink.upstream_head(status, self._reason, self._headers, names, framing, length)
+        sink.upstream_head(answer)
 
     def on_body(self, data: bytes) -> None:
         sink = self._sink

@@ -317,6 +317,40 @@ async def test_interim_1xx_answers_are_dropped_and_the_final_one_relayed() -> No
         client.close()
 
 
+async def test_an_answer_head_split_across_reads_is_relayed_as_the_worker_wrote_it() -> None:
+    # Cut inside the status line, a field, the blank line, and between an interim head and
+    # the final one; each piece is read by the replica before the next is written.
+    answer_bytes = (
+        b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\nHTTP/1.1 2",
+        b"00 OK\r\nX-Split:v  \r\nContent-Le",
+        b"ngth: 2\r\n\r",
+        b"\n{",
+        b"}",
+    )
+
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        (conn,) = rt.plane.pools[w.url].busy
+        sent = 0
+        for piece in answer_bytes:
+            await eventually(lambda: conn.answered == sent, 5)  # noqa: B023
+            writer.write(piece)
+            await writer.drain()
+            sent += len(piece)
+
+    async with scripted_worker(script) as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        for _ in range(2):  # and the upstream connection is reused after it
+            client.send(post(b"/v1/completions", COMPLETION))
+            answer = await client.answer()
+            assert answer is not None and answer.status == 200 and answer.body == b"{}"
+            assert not answer.has(b"Link")
+        # The field line as the worker wrote it (llhttp would have read the value "v  ").
+        assert bytes(client.raw).count(b"\r\nX-Split:v  \r\n") == 2
+        assert len({p.connection for p in w.posts()}) == 1
+        client.close()
+
+
 async def test_idle_upstream_connections_expire() -> None:
     async with (
         scripted_worker() as w,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httptools
 import pytest
 
 from router.dataplane.exchange import (
@@ -11,12 +12,14 @@ from router.dataplane.exchange import (
     Framing,
     Malformed,
     RequestHead,
+    ResponseHead,
     admit,
     chunk,
     cut_tail,
     not_allowed,
     plan_response,
     read_request_head,
+    read_response_head,
     refusal_response,
     route_of,
     upstream_framing,
@@ -37,6 +40,28 @@ def head(
 def fields(raw: bytes) -> dict[bytes, bytes]:
     lines = raw.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]
     return {n.lower(): v for n, v in (line.split(b": ", 1) for line in lines)}
+
+
+class _HeadReader:
+    def __init__(self) -> None:
+        self.fields: list[tuple[bytes, bytes]] = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.fields.append((name, value))
+
+
+def parsed_fields(head: bytes) -> list[tuple[bytes, bytes]]:
+    """A response head's fields as llhttp reads them (which also checks it is well-formed)."""
+    reader = _HeadReader()
+    httptools.HttpResponseParser(reader).feed_data(head)
+    return reader.fields
+
+
+def answer(*lines: bytes, status: bytes = b"200 OK", method: bytes = b"POST") -> ResponseHead:
+    """A worker's answer head made of field `lines`, read as the relay reads it."""
+    raw = b"HTTP/1.1 " + status + b"\r\n" + b"".join(line + b"\r\n" for line in lines) + b"\r\n"
+    parsed_fields(raw)  # llhttp accepts it
+    return read_response_head(int(status.split(b" ")[0]), raw, method)
 
 
 # -- requests ----------------------------------------------------------------------------
@@ -178,6 +203,100 @@ def test_how_an_upstream_answer_ends(
 
 
 @pytest.mark.parametrize(
+    ("lines", "method", "framing", "length", "relayed"),
+    [
+        # Nothing to drop but the framing field: the field lines go as the worker wrote them.
+        (
+            [b"Content-Type: application/json", b"Content-Length: 7", b"X-Odd:v  "],
+            b"POST",
+            Framing.LENGTH,
+            7,
+            [b"Content-Type: application/json", b"Content-Length: 7", b"X-Odd:v  "],
+        ),
+        ([b"Server: s", b"content-length:  12 "], b"POST", Framing.LENGTH, 12, None),
+        ([b"X-A: a"], b"POST", Framing.CLOSE, None, [b"X-A: a"]),
+        ([], b"POST", Framing.CLOSE, None, []),
+        # A chunked answer: the relay frames its own answer, the worker's field goes.
+        (
+            [b"Content-Type: text/event-stream", b"Transfer-Encoding: chunked", b"X-B: b"],
+            b"POST",
+            Framing.CHUNKED,
+            None,
+            [b"Content-Type: text/event-stream", b"X-B: b"],
+        ),
+        ([b"transfer-encoding:Chunked ", b"X-B: b"], b"POST", Framing.CHUNKED, None, [b"X-B: b"]),
+        ([b"Transfer-Encoding: gzip, chunked"], b"POST", Framing.CHUNKED, None, []),
+        # A HEAD answer keeps its Content-Length: it describes the GET's body.
+        ([b"Content-Length: 7", b"X-A: a"], b"HEAD", Framing.NONE, None, None),
+        # Hop-by-hop fields, those the Connection field names, and forged route headers go;
+        # the rest stay in order.
+        (
+            [
+                b"X-First: 1",
+                b"Connection: keep-alive, X-Hop",
+                b"Keep-Alive: timeout=5",
+                b"X-Hop: 1",
+                b"Content-Length: 2",
+                b"x-kvrouter-worker: forged",
+                b"X-Last: 2",
+            ],
+            b"POST",
+            Framing.LENGTH,
+            2,
+            [b"X-First: 1", b"Content-Length: 2", b"X-Last: 2"],
+        ),
+        (
+            [b"Keep-Alive: timeout=5", b"X-Kvrouter-Dp-Rank: 9", b"TE: trailers", b"X-A: a"],
+            b"POST",
+            Framing.CLOSE,
+            None,
+            [b"X-A: a"],
+        ),
+        ([b"Upgrade: h2c", b"Transfer-Encoding: chunked"], b"POST", Framing.CHUNKED, None, []),
+    ],
+)
+def test_what_of_a_workers_head_the_client_gets(
+    lines: list[bytes],
+    method: bytes,
+    framing: Framing,
+    length: int | None,
+    relayed: list[bytes] | None,
+) -> None:
+    got = answer(*lines, method=method)
+    assert (got.framing, got.length) == (framing, length)
+    relayed = lines if relayed is None else relayed
+    # Byte for byte, in order: the kept lines are not rebuilt.
+    assert got.fields == b"\r\n" + b"".join(line + b"\r\n" for line in relayed)
+    assert got.status_line == b"HTTP/1.1 200 OK"
+
+
+@pytest.mark.parametrize(
+    ("status", "line"),
+    [
+        (b"200 Fine", b"HTTP/1.1 200 OK"),  # a known status gets the standard phrase
+        (b"599 Odd One", b"HTTP/1.1 599 Odd One"),
+        (b"599", b"HTTP/1.1 599 "),
+    ],
+)
+def test_the_status_line_to_the_client(status: bytes, line: bytes) -> None:
+    assert answer(status=status).status_line == line
+
+
+@pytest.mark.parametrize(
+    ("lines", "sse"),
+    [
+        ([b"Content-Type: text/event-stream; charset=utf-8"], True),
+        ([b"Connection: close", b"content-type:text/event-stream"], True),
+        ([b"Content-Type: application/json"], False),
+        ([b"X-Content-Type: text/event-stream"], False),
+        ([], False),
+    ],
+)
+def test_an_sse_answer_is_known_by_its_content_type(lines: list[bytes], sse: bool) -> None:
+    assert answer(*lines).sse is sse
+
+
+@pytest.mark.parametrize(
     ("upstream", "client_11", "keep", "framing", "keep_after", "connection", "te", "cl"),
     [
         (Framing.LENGTH, True, True, Framing.LENGTH, True, None, None, b"7"),
@@ -202,21 +321,15 @@ def test_the_answer_to_the_client_is_framed_for_its_http_version(
     te: bytes | None,
     cl: bytes | None,
 ) -> None:
-    upstream_headers = [(b"Content-Type", b"application/json"), (b"Content-Length", b"7")]
+    upstream_lines = [b"Content-Type: application/json", b"Content-Length: 7"]
     if upstream is Framing.CHUNKED:
-        upstream_headers = [(b"Transfer-Encoding", b"chunked")]
+        upstream_lines = [b"Transfer-Encoding: chunked"]
     elif upstream is Framing.CLOSE:
-        upstream_headers = []
-    plan = plan_response(
-        200,
-        b"OK",
-        upstream_headers,
-        upstream,
-        7 if upstream is Framing.LENGTH else None,
-        client_11=client_11,
-        client_keep_alive=keep,
-    )
-    got = fields(plan.head)
+        upstream_lines = []
+    worker = answer(*upstream_lines, method=b"HEAD" if upstream is Framing.NONE else b"POST")
+    assert worker.framing is upstream
+    plan = plan_response(worker, client_11=client_11, client_keep_alive=keep)
+    got = dict((n.lower(), v) for n, v in parsed_fields(plan.head))
     assert plan.head.startswith(b"HTTP/1.1 200 OK\r\n")
     assert (plan.framing, plan.keep_alive) == (framing, keep_after)
     assert (got.get(b"connection"), got.get(b"transfer-encoding"), got.get(b"content-length")) == (
@@ -227,39 +340,30 @@ def test_the_answer_to_the_client_is_framed_for_its_http_version(
 
 
 def test_the_answer_head_drops_hop_by_hop_and_forged_route_headers_and_adds_ours() -> None:
+    worker = answer(
+        b"Content-Type: text/event-stream; charset=utf-8",
+        b"Connection: keep-alive, X-Hop",
+        b"X-Hop: 1",
+        b"Keep-Alive: timeout=5",
+        b"Transfer-Encoding: chunked",
+        b"X-Kvrouter-Worker: forged",
+        b"X-Engine: e",
+        status=b"200 Fine",
+    )
     plan = plan_response(
-        200,
-        b"Fine",
-        [
-            (b"Content-Type", b"text/event-stream; charset=utf-8"),
-            (b"Connection", b"keep-alive, X-Hop"),
-            (b"X-Hop", b"1"),
-            (b"Keep-Alive", b"timeout=5"),
-            (b"Transfer-Encoding", b"chunked"),
-            (b"X-Kvrouter-Worker", b"forged"),
-            (b"X-Engine", b"e"),
-        ],
-        Framing.CHUNKED,
-        None,
+        worker,
         client_11=True,
         client_keep_alive=True,
-        route_headers=[(b"X-Kvrouter-Worker", b"http://w:1"), (b"X-Kvrouter-Dp-Rank", b"0")],
+        route_headers=b"X-Kvrouter-Worker: http://w:1\r\nX-Kvrouter-Dp-Rank: 0\r\n",
     )
-    assert plan.sse
-    assert fields(plan.head) == {
-        b"content-type": b"text/event-stream; charset=utf-8",
-        b"x-engine": b"e",
-        b"x-kvrouter-worker": b"http://w:1",
-        b"x-kvrouter-dp-rank": b"0",
-        b"transfer-encoding": b"chunked",
-    }
-
-
-def test_an_unknown_status_keeps_the_workers_reason() -> None:
-    plan = plan_response(
-        599, b"Odd", [], Framing.CLOSE, None, client_11=True, client_keep_alive=True
-    )
-    assert plan.head.startswith(b"HTTP/1.1 599 Odd\r\n")
+    assert plan.answer.sse
+    assert parsed_fields(plan.head) == [
+        (b"Content-Type", b"text/event-stream; charset=utf-8"),
+        (b"X-Engine", b"e"),
+        (b"X-Kvrouter-Worker", b"http://w:1"),
+        (b"X-Kvrouter-Dp-Rank", b"0"),
+        (b"Transfer-Encoding", b"chunked"),
+    ]
 
 
 def test_a_refusal_is_openai_error_json_with_its_framing() -> None:
