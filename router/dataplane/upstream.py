@@ -35,6 +35,11 @@ from router.dataplane.flow import Deadline
 
 log = logging.getLogger(__name__)
 
+# A worker's answer head (with any 1xx answers before it) larger than this is refused as a lost
+# answer: its reads are kept until the head completes, and llhttp bounds no head's size. The
+# client side's own default (`--max-head-bytes`) is the same: no engine writes heads near it.
+MAX_ANSWER_HEAD_BYTES = 64 * 1024
+
 
 class ResponseSink(Protocol):
     """The exchange an upstream connection answers to."""
@@ -158,6 +163,9 @@ class UpstreamConnection(asyncio.Protocol):
             elif self._head_done and self._sink is not None:
                 # Once a read, not once a callback: the gap it bounds is between reads.
                 self._deadline.set(self._idle_timeout_s)
+            elif self.answered > MAX_ANSWER_HEAD_BYTES and not self._head_done:
+                self._reusable = False
+                self._stop(f"response head over {MAX_ANSWER_HEAD_BYTES} bytes")
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._reusable = False
             self._stop(f"malformed response: {exc}")

@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 from router.dataplane import server
+from router.dataplane.upstream import MAX_ANSWER_HEAD_BYTES
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.router import RouterHandle, router_in_process
 from tests.support.scripted_worker import (
@@ -768,6 +769,31 @@ async def test_a_worker_without_a_head_in_time_is_failed_over_and_counted() -> N
         assert (await rt.scrape()).value(
             "kvrouter_upstream_failures_total", worker=slow.url, reason="timeout"
         ) == 1
+
+
+async def test_a_worker_head_over_the_bound_is_a_lost_answer_and_fails_over() -> None:
+    async def endless_head(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        for _ in range(MAX_ANSWER_HEAD_BYTES // 1024 + 2):  # field lines, never the blank line
+            writer.write(b"X-Pad: " + b"a" * 1015 + b"\r\n")
+            await writer.drain()
+        await asyncio.Event().wait()
+
+    async with (
+        scripted_worker(endless_head) as bloated,
+        scripted_worker() as good,
+        router_in_process(workers=[bloated.url, good.url], policy="round_robin") as rt,
+    ):
+        await routable(rt, bloated.url, good.url)
+        status, _, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
+        assert status == 200
+        assert len(bloated.posts()) == 1 and len(good.posts()) == 1
+        worker = rt.replica.workers.get(bloated.url)
+        assert worker is not None and worker.breaker.consecutive_failures == 1
+        assert (await rt.scrape()).value(
+            "kvrouter_upstream_failures_total", worker=bloated.url, reason="lost"
+        ) == 1
+        assert rt.plane.pools[bloated.url].total == 0  # that connection is never reused
 
 
 async def test_a_stream_idle_too_long_is_cut_with_an_error_event() -> None:
