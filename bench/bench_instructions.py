@@ -22,8 +22,9 @@ Workloads:
   apply, 400 batches; per stored block (each also evicts one).
 - `replica-churn`: the same batches through a replica's whole ingest path: a real
   `RankSubscriber` reading a libzmq PUB over TCP loopback (the router speaks ZMTP itself)
-  delivering to a running `Pump`. One batch is published at a time and the loop runs until
-  the pump applied it, as a replica at 400 batches/s sees them (one wake-up per message).
+  offering to a running `Pump`, as a replica wires them. One batch is published at a time
+  and the loop runs until the pump applied it, as a replica at 400 batches/s sees them (one
+  wake-up per message).
   The count includes the publisher's send, its libzmq I/O thread and the wait (the same for
   any version of the router), not the kernel's work.
 
@@ -131,7 +132,9 @@ def replica_churn() -> tuple[Callable[[], None], int]:
     rules.add_ranks([RANK])
     pump = Pump(rules)
     endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
-    sub = RankSubscriber(RankEndpoint(RANK, endpoint), pump.deliver, context=ctx)
+    # As a replica wires them (router/workers.py): a batch is offered to the parked pump from
+    # the socket's callback, not awaited through `deliver` with reading paused meanwhile.
+    sub = RankSubscriber(RankEndpoint(RANK, endpoint), pump.deliver, context=ctx, offer=pump.offer)
     seq = 0
     tasks = []
 
