@@ -992,12 +992,12 @@ read_hash(Reader *r, Py_ssize_t max_bytes, uint64_t *out)
 /* An event map that is the one-block removal an evicting engine sends:
  * {"type": "BlockRemoved", "block_hashes": [u64], "medium": str|nil, "group_idx": 0|nil,
  *  "locality": nil} with no other key and no key twice, its medium among `removal_tiers`.
- * Returns 1 with its hash, its medium (the key of `removal_tiers`) and its tier (borrowed),
- * or 0 when the event is any other (the reader is then left anywhere: the caller rewinds).
- * Sets no error. */
+ * Returns 1 with its hash, where the hash's encoding starts (`*hash_at`), its medium (the key
+ * of `removal_tiers`) and its tier (borrowed), or 0 when the event is any other (the reader is
+ * then left anywhere: the caller rewinds). Sets no error. */
 static int
-parse_removal_map(Reader *r, PyObject *removal_tiers, uint64_t *hash_out, PyObject **medium_out,
-                  PyObject **tier_out)
+parse_removal_map(Reader *r, PyObject *removal_tiers, uint64_t *hash_out,
+                  const uint8_t **hash_at, PyObject **medium_out, PyObject **tier_out)
 {
     Py_ssize_t keys = read_container_len(r, 1);
     int seen_type = 0, seen_hashes = 0, seen_medium = 0, seen_group = 0, seen_locality = 0;
@@ -1019,7 +1019,11 @@ parse_removal_map(Reader *r, PyObject *removal_tiers, uint64_t *hash_out, PyObje
             }
         }
         else if (str_is(key, key_len, "block_hashes") && !seen_hashes++) {
-            if (read_container_len(r, 0) != 1 || !read_u64(r, &hash)) {
+            if (read_container_len(r, 0) != 1) {
+                return 0;
+            }
+            *hash_at = r->p;
+            if (!read_u64(r, &hash)) {
                 return 0;
             }
         }
@@ -1066,8 +1070,9 @@ static PyObject *
 quick_removal_map(Reader *r, PyObject *removal_tiers, PyObject *block_removed)
 {
     uint64_t hash;
+    const uint8_t *hash_at;
     PyObject *medium_obj, *tier;
-    if (!parse_removal_map(r, removal_tiers, &hash, &medium_obj, &tier)) {
+    if (!parse_removal_map(r, removal_tiers, &hash, &hash_at, &medium_obj, &tier)) {
         return NULL;
     }
     Py_INCREF(medium_obj);
@@ -1260,6 +1265,49 @@ done:
     return result;
 }
 
+/* The last one-block removal parse_removal_map accepted in a batch, as bytes: an engine
+ * evicting sends dozens of them in a row that differ only in the hash, so the next one is
+ * recognized by comparing its bytes with this one's around the hash (an unsigned int of the
+ * same width) instead of parsing its five keys again. Every byte but the hash's being the
+ * same, it is the same map: the same keys, medium and tier, with that hash. */
+typedef struct {
+    const uint8_t *start; /* NULL: none yet */
+    size_t len, at, width; /* the event's bytes; where its hash's marker is; the hash's bytes */
+    PyObject *medium, *tier; /* what it resolved to (borrowed from the spec's removal_tiers) */
+} Removal;
+
+static void
+removal_remember(Removal *t, const uint8_t *start, const uint8_t *end, const uint8_t *hash_at,
+                 PyObject *medium, PyObject *tier)
+{
+    size_t width;
+    switch (*hash_at) {
+    case 0xCC: width = 1; break;
+    case 0xCD: width = 2; break;
+    case 0xCE: width = 4; break;
+    case 0xCF: width = 8; break;
+    default: t->start = NULL; return; /* a fixint's value is its marker: no template */
+    }
+    *t = (Removal){start, (size_t)(end - start), (size_t)(hash_at - start), width, medium, tier};
+}
+
+/* 1 and the hash when the event at r->p is the remembered removal with another hash (the
+ * reader then moves past it), else 0 with the reader unmoved. */
+static int
+removal_again(const Removal *t, Reader *r, uint64_t *hash)
+{
+    const uint8_t *p = r->p;
+    size_t tail = t->at + 1 + t->width;
+    if (t->start == NULL || (size_t)(r->end - p) < t->len || p[t->at] != t->start[t->at]
+        || memcmp(p, t->start, t->at) != 0
+        || memcmp(p + tail, t->start + tail, t->len - tail) != 0) {
+        return 0;
+    }
+    *hash = be(p + t->at + 1, (int)t->width);
+    r->p = p + t->len;
+    return 1;
+}
+
 /* The run of one-block removals being folded when decode_map_batch is given RemovedRun (twin:
  * router/events.py fold_removal_runs): its hash list, medium and tier, borrowed from the
  * RemovedRun already in the output list; `hashes` is NULL while no run is open. */
@@ -1374,6 +1422,7 @@ py_decode_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *decode_event = args[2];
     Fold fold = {nargs == 4 && args[3] != Py_None ? args[3] : NULL, NULL, NULL, NULL};
+    Removal last_removal = {NULL};
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
         return NULL;
@@ -1425,8 +1474,18 @@ py_decode_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *event = NULL;
         if (fold.run_type != NULL) {
             uint64_t hash;
+            const uint8_t *hash_at;
             PyObject *medium, *tier;
-            if (parse_removal_map(&r, spec.removal_tiers, &hash, &medium, &tier)) {
+            int removal = removal_again(&last_removal, &r, &hash);
+            if (removal) {
+                medium = last_removal.medium;
+                tier = last_removal.tier;
+            }
+            else if (parse_removal_map(&r, spec.removal_tiers, &hash, &hash_at, &medium, &tier)) {
+                removal = 1;
+                removal_remember(&last_removal, start, r.p, hash_at, medium, tier);
+            }
+            if (removal) {
                 PyObject *hash_obj = PyLong_FromUnsignedLongLong(hash);
                 int status = -1;
                 if (hash_obj != NULL) {

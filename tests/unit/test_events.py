@@ -797,6 +797,43 @@ def test_a_folded_decode_is_the_fold_of_the_plain_decode_for_every_capture() -> 
     )
 
 
+def test_a_run_of_removals_that_differ_beside_the_hash_folds_as_each_decodes_alone() -> None:
+    """The compiled decoder recognizes a removal repeating the one before it byte for byte
+    around the hash; every other difference must still be read as the event says."""
+    big = 1 << 63
+    events = [
+        *[removed_map(block_hashes=[big + h]) for h in range(5)],  # uint64, the usual run
+        removed_map(block_hashes=[300]),  # another width: uint16
+        removed_map(block_hashes=[70_000]),  # uint32
+        removed_map(block_hashes=[200]),  # uint8
+        removed_map(block_hashes=[7]),  # a fixint
+        removed_map(block_hashes=[big + 9], medium="CPU"),  # another medium, same length
+        removed_map(block_hashes=[big + 10], medium="CPU"),
+        removed_map(block_hashes=[big + 11]),
+        {"medium": "GPU", "block_hashes": [big + 12], "type": "BlockRemoved"},  # key order
+        removed_map(block_hashes=[big + 13], group_idx=0),  # one key more
+        removed_map(block_hashes=[big + 14], group_idx=0),
+        removed_map(block_hashes=[big + 15], group_idx=1),  # ignored: differs in one byte
+        removed_map(block_hashes=[big + 16], group_idx=0),
+        removed_map(block_hashes=[big + 17, big + 18]),  # two hashes
+        removed_map(block_hashes=[big + 19]),
+        removed_map(block_hashes=[-5]),  # not u64: decoded (and masked) by the general path
+        removed_map(block_hashes=[big + 20]),
+        stored_map(),
+        removed_map(block_hashes=[big + 21]),
+    ]
+    payload = batch(*events)
+    folded = decode_batch(payload, fold_removals=True)
+    assert folded.events == fold_removal_runs(decode_batch(payload).events)
+    assert folded.events[:3] == [
+        RemovedRun([big + h for h in range(5)] + [300, 70_000, 200, 7], DEVICE, "GPU"),
+        RemovedRun([big + 9, big + 10], HOST, "CPU"),
+        RemovedRun([big + 11, big + 12, big + 13, big + 14, big + 16], DEVICE, "GPU"),
+    ]
+    assert folded.ignored == decode_batch(payload).ignored
+    assert sum(len(getattr(e, "engine_hashes", ())) for e in folded.events) == 24
+
+
 # --- which path runs -------------------------------------------------------------------------
 
 _PAIRS = [[t, t + 1] for t in TOKENS]
