@@ -28,7 +28,8 @@ Theory of operation
   a new prefix below a preamble, arriving at a replica that had not heard of the first one's
   placement yet, was placed there alone, a copy on another rank (`bench/pressure_sim.py`,
   u2031.3, 8 prefixes below a 4-block preamble at c=16 over 3 replicas: 4.6 such copies a
-  run, 0.69x the ideal partition; asked, 0.95x; BENCHMARKS.md, round 10). A repeat's new
+  run, 0.69x the ideal partition; asked, 0.95x; live, where clients start a few ms apart,
+  main's placements came first and both tie: BENCHMARKS.md, round 10). A repeat's new
   tail is shorter than what it repeats, so a repeat does not ask. The common case, a prompt
   some rank holds deeper than half its length, is told apart from the index's depth runs,
   before anything else is read.
