@@ -69,6 +69,7 @@ from fake_kv_worker.cache import Admission, PagedPrefixCache
 from fake_kv_worker.hashing import VllmSha256Hasher
 from router.homes import CacheAwareHome, Home, HomeSettings, HomeTable
 from router.loads import EngineLoad
+from router.placement import new_prefix
 from router.policy import (
     IMBALANCE_FALLBACK,
     CacheAware,
@@ -649,8 +650,9 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
     """One workload, one seed, through `policy` (a kvrouter policy name, or "ideal").
 
     `placer` (cache_aware with siblings; `router.placement` without its round trip): a
-    replica that sees a new prefix (every rank at the same depth in its view, bookings
-    included) lets replica 0 decide instead (which may know a holder it does not), and books
+    replica that sees a new prefix (`router.placement.new_prefix`: every rank at the same
+    depth in its view, bookings included, or a new prefix below a preamble some ranks hold)
+    lets replica 0 decide instead (which may know a holder it does not), and books
     the answer at once, as if it had asked over a round trip that costs nothing; replica 0
     shares it as usual."""
     requests, lengths = build_requests(w, seed)
@@ -734,12 +736,16 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
         if isinstance(router, CacheAware):
             ledger = router.ledger
         device = dict(prompt.depths.device)
-        seen = dict(device)  # what the replica sees before deciding
-        if ledger is not None:
-            seen.update(ledger.booked_depths(keys, seen))
+        booked = {} if ledger is None else ledger.booked_depths(keys, device)
+        seen = {**device, **booked}  # what the replica sees before deciding
         routing.append(req)
         decider = router
-        if placer and k and isinstance(router, CacheAware) and _same_depth(seen, ranks):
+        if (
+            placer
+            and k
+            and isinstance(router, CacheAware)
+            and new_prefix(ranks, keys, device, booked, router.ledger.routed)
+        ):
             decider = routers[0]
         decision = decider.decide(candidates, prompt)
         rank = decision.ranked[0].rank
@@ -777,12 +783,6 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
             out.spills += policy_obj.spill_stats.spills
             out.bookings_expired += policy_obj.ledger.bookings.expired
     return out
-
-
-def _same_depth(depths: dict[RankId, int], ranks: Sequence[RankId]) -> bool:
-    """Every rank holds the prompt equally deep (a new prefix, below any shared preamble)."""
-    held = {depths.get(r, 0) for r in ranks}
-    return len(held) == 1
 
 
 def diagnose(

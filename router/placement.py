@@ -19,11 +19,20 @@ Theory of operation
   not think itself the placer answers all the same (no forwarding, so no loops). A replica
   that does not know its own URL (`--self-url`, or a concrete `--host`, or `POD_IP`) cannot
   tell whether it is the lowest, and never asks.
-- What is new (`Placement.question`): a prompt of at least one full block whose every
-  candidate rank holds it equally deep in this replica's view, the index's device depth
-  extended by this replica's bookings (no holder, or a preamble every rank holds). The
-  common case, a prompt some rank holds deeper than another, is told apart in O(1) from
-  the index's depth runs, before anything else is read.
+- What is new (`Placement.question`, `new_prefix`): a prompt of at least one full block whose
+  every candidate rank holds it equally deep in this replica's view, the index's device depth
+  extended by this replica's bookings (no holder, or a preamble every rank holds); or one
+  that goes on past its deepest match for at least as many blocks again, the first of them
+  routed nowhere lately (`PressureLedger.routed`, the siblings' decisions included): a new
+  prefix below a preamble some ranks hold. Asked only on equal depths, the second request of
+  a new prefix below a preamble, arriving at a replica that had not heard of the first one's
+  placement yet, was placed there alone, a copy on another rank (`bench/pressure_sim.py`,
+  u2031.3, 8 prefixes below a 4-block preamble at c=16 over 3 replicas: 4.6 such copies a
+  run, 0.69x the ideal partition; asked, 0.95x; live, where clients start a few ms apart,
+  main's placements came first and both tie: BENCHMARKS.md, round 10). A repeat's new
+  tail is shorter than what it repeats, so a repeat does not ask. The common case, a prompt
+  some rank holds deeper than half its length, is told apart from the index's depth runs,
+  before anything else is read.
 - Asking: the question carries the prompt's token count, block size and block keys (at most
   `MAX_KEYS`, its head); the placer decides with its own ledger, loads and in-flight
   (`CacheAware.decide`, which books the rank in its ledger and shares it with every sibling,
@@ -187,12 +196,21 @@ def own_url(self_url: str | None, host: str, port: int, pod_ip: str | None) -> s
     return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
 
 
-def same_depth(
-    ranks: Sequence[RankId], device: dict[RankId, int], booked: dict[RankId, int]
+def new_prefix(
+    ranks: Sequence[RankId],
+    keys: Sequence[int],
+    device: dict[RankId, int],
+    booked: dict[RankId, int],
+    routed: Callable[[int], bool],
 ) -> bool:
-    """Every rank holds the prompt equally deep, bookings extending the index's depths."""
-    depths = {max(device.get(r, 0), booked.get(r, 0)) for r in ranks}
-    return len(depths) == 1
+    """`keys` are a new prefix in this replica's view: every rank holds them equally deep,
+    bookings extending the index's depths; or they go on past the deepest match for at least
+    as many blocks again, the first of them routed nowhere lately (module docstring)."""
+    depths = [max(device.get(r, 0), booked.get(r, 0)) for r in ranks]
+    deepest = max(depths)
+    if min(depths) == deepest:
+        return True
+    return 2 * deepest <= len(keys) and not routed(keys[deepest])
 
 
 @dataclass(slots=True)
@@ -283,12 +301,17 @@ class Placement:
         if depths is None or not prompt.keys or len(candidates) < 2:
             return None
         runs = depths.depth_runs(device=True)
-        # O(1) first: ranks at two depths, or a holder set smaller than the candidates.
-        if len(runs) > 1 or (runs and runs[0][0].bit_count() < len(candidates)):
+        keys = prompt.keys
+        # From the runs first: ranks at two depths (or a holder set smaller than the
+        # candidates), one of them deeper than half the prompt, hold more than a preamble.
+        if (len(runs) > 1 or (runs and runs[0][0].bit_count() < len(candidates))) and 2 * max(
+            depth for _, depth in runs
+        ) > len(keys):
             return None
         device = depths.device if runs else {}
-        booked = self.policy.ledger.booked_depths(prompt.keys, device)
-        if not same_depth([c.rank for c in candidates], device, booked):
+        ledger = self.policy.ledger
+        booked = ledger.booked_depths(keys, device)
+        if not new_prefix([c.rank for c in candidates], keys, device, booked, ledger.routed):
             return None
         placer = placer_of(self.own, self.peers())
         if placer is None:

@@ -99,14 +99,17 @@ every load tick.
 
 Shared preamble. A prompt that goes on past its deepest match, where that match is held as
 deep (bookings included) by several ranks but not by every one, is a new prefix below a shared
-preamble: a system prompt that several prefixes continue differently. Its holders save the
+preamble: a system prompt that several prefixes continue differently. So is one held by one
+rank alone when the prompt's next block was routed nowhere lately (`PressureLedger.routed`;
+the siblings' decisions count): a new prefix's own block, where the rest of a prefix whose
+tail its holder evicted was routed there before. Its holders save the
 preamble's prefill, once; the prefix's own blocks then live where it goes, and its later
 requests follow them there. Left to the terms above, a 40-block preamble (640 tokens) outweighs
 any fill and spill a 20-block prefix can be charged, so new prefixes follow the preamble to its
 holders until they thrash, while a rank without it stays empty (`bench/pressure_sim.py`,
 4w-12p-header40-c6: the first placements spread the prefixes' blocks over the workers by 232,
 the ideal partition 3). So a holder is charged the preamble's saving back on as many blocks
-as the prompt would store there, `prefill * B * min(depth, stored) * min(fleet', 1)`, when it
+as the prompt would store there, `prefill * B * min(depth, stored) * min(after, 1)`, when it
 would end fuller of demand than the fleet,
 
     after    = (max(kept, depth) + stored) / C  >  fleet' = (sum(kept) + stored) / sum(C)
@@ -114,21 +117,27 @@ would end fuller of demand than the fleet,
 (`kept` = demand + unseen * max(held - demand, 0), the demand `other` counts; sums over the
 candidates of known capacity), and a rank without the preamble would end less full than it
 even storing the whole prompt, `(kept + n) / C < after`. In a fleet short of room the
-preamble is then copied to a rank with room before the holder spills, rather than after; in a
-fleet with room a copy would cost its prefill for nothing, and the holder keeps most of the
-saving. A match held by one rank alone is not charged (it may as well be a prefix's own
-blocks, and a repeat with a new tail must stay with its holder), nor one every rank holds
-(nobody to compare with: a system prompt cached fleet-wide). A repeat of a prefix copied to
-two ranks looks like a new prefix below a preamble, save for its length: it stores only its
-tail, so the `min` charges it a block or two, where charging the whole prefix moved repeats
-between copies (6w-30p-shuffled-c16-2rep 0.968x -> 0.963x in the simulator, 12 and 24 seeds).
-No weight of its own: the charge is the saving itself, scaled by the fleet fullness that
-scales `fill`. In `bench/pressure_sim.py` (12 seeds) it took 4w-12p-header40-c6 from 0.968x
-the ideal partition to 0.984x and four other preamble shapes up by 0.005-0.012, left 38 of
-the 46 shapes as they were and three within 0.006; live, 4w-12p-header40-c6 0.958 -> 0.970
-(24 runs a side), the routing trace unchanged (BENCHMARKS.md). Its cost: a `max` over the
-candidates' depths on every decision (1-3% of a decision's instructions), and where it
-applies, a few passes over the candidates (a quarter of a decision).
+preamble is then copied to a rank with room before the holder spills, rather than after; a
+holder with room keeps most of the saving (a copy would cost its prefill for little). The
+charge is scaled by how full the holder would end, not by the fleet's fullness as `fill` is:
+a cold fleet's first placements, the ones that decide where prefixes live, see a fleet nearly
+empty whatever its working set, and a charge scaled by it did not act then (in
+`bench/pressure_sim.py`, u2026.22, an 8-block preamble over 8 prefixes of 32-56 blocks: the
+first two prefixes on the preamble's one holder, 0.958x the ideal partition; charged with one
+holder and scaled by the fleet 0.953x, by the holder 1.000x; BENCHMARKS.md, round 10).
+A match held by one rank alone, the next block routed before, is not charged (the rest of a
+prefix: it must stay with its holder), nor one every rank holds (nobody to compare with: a
+system prompt cached fleet-wide). A repeat of a prefix looks like a new prefix below a
+preamble, save for its length: it stores only its tail, so the `min` charges it a block or
+two, where charging the whole prefix moved repeats between copies (6w-30p-shuffled-c16-2rep
+0.968x -> 0.963x in the simulator, 12 and 24 seeds). No weight of its own: the charge is the
+saving itself. In `bench/pressure_sim.py` (12 seeds) the rule with two holders took
+4w-12p-header40-c6 from 0.968x the ideal partition to 0.984x and four other preamble shapes up
+by 0.005-0.012, left 38 of the 46 shapes as they were and three within 0.006; live,
+4w-12p-header40-c6 0.958 -> 0.970 (24 runs a side), the routing trace unchanged
+(BENCHMARKS.md). Its cost: a `max` over the candidates' depths on every decision (1-3% of a
+decision's instructions), and where it applies, one ledger lookup and a few passes over the
+candidates (a quarter of a decision).
 
 Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
 lower_tier_discount 0.5, backlog 1.0 (a typical rank with one request in flight halves a
@@ -664,7 +673,11 @@ class CacheAware:
         deepest = max(p.depth, default=0)
         if 0 < deepest < blocks:  # held in part: perhaps a new prefix below a shared preamble
             per_block = w.prefill * prompt.block_size
-            _charge_shared_preamble(rows[0], p, blocks, deepest, per_block, unseen)
+            # Its first block past the match routed nowhere lately: a new prefix's own block
+            # (or a new tail's), not the rest of a prefix whose holder evicted it.
+            keys = prompt.keys
+            fresh = deepest < len(keys) and not self.ledger.routed(keys[deepest])
+            _charge_shared_preamble(rows[0], p, blocks, deepest, per_block, unseen, fresh)
         return rows
 
 
@@ -675,16 +688,20 @@ def _charge_shared_preamble(
     deepest: int,
     per_block: float,
     unseen: float,
+    fresh: bool,
 ) -> None:
     """A new prefix below a shared preamble (module docstring, "Shared preamble"): the
     holders of the prompt's `deepest` blocks that would end fuller than the fleet, while a
-    rank without them would not, are charged the preamble's saving back. C-level passes
-    where it can: with a system prompt held on part of a fleet, every new conversation below
-    it comes through here."""
+    rank without them would not, are charged the preamble's saving back, in the measure they
+    would end full. `fresh`: the prompt's block past them was routed nowhere lately. C-level
+    passes where it can: with a system prompt held on part of a fleet, every new
+    conversation below it comes through here."""
     depth = p.depth
     n = len(depth)
     holders = depth.count(deepest)
-    if holders < 2 or holders == n:  # not shared, or nobody to compare with
+    # Nobody to compare with; or one holder and the block past it routed before (the rest
+    # of a prefix its holder evicted, which must stay with its holder).
+    if holders == n or (holders < 2 and not fresh):
         return
     capacity = p.capacity
     # Demand each rank must keep, as `_cost_rows_py` counts it (the siblings' unseen share
@@ -714,14 +731,14 @@ def _charge_shared_preamble(
     fleet = (total + new) / room  # the fleet's demand over its capacity, this prompt placed
     # Counted once, against the blocks this prompt would store: a repeat's short tail below
     # a prefix held twice is charged its few blocks, not the whole prefix.
-    credit = per_block * min(deepest, new) * min(fleet, 1.0)
+    saving = per_block * min(deepest, new)
     for i in compress(range(n), map(deepest.__eq__, depth)):
         c = capacity[i]
         if c:
             k = kept[i]
             after = ((k if k > deepest else deepest) + new) / c  # its demand, this prefix there
             if after > fleet and lightest < after:
-                costs[i] += credit
+                costs[i] += saving * (after if after < 1.0 else 1.0)
 
 
 def _cost_rows_py(

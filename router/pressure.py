@@ -227,6 +227,10 @@ class PressureLedger:
     def tracked_blocks(self) -> int:
         return len(self._pairs)
 
+    def routed(self, key: int) -> bool:
+        """Whether the block was routed to any rank lately (its weight is still tracked)."""
+        return self._pairs.get(key) is not None
+
     def ranks(self) -> list[RankId]:
         return list(self._ranks)
 

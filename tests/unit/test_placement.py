@@ -15,9 +15,9 @@ from router.placement import (
     decode_question,
     encode_answer,
     encode_question,
+    new_prefix,
     own_url,
     placer_of,
-    same_depth,
 )
 from router.policy import Prompt
 from tests.unit.test_policy import BS, KEYS, PROMPT, A, B, C, Fleet, Pressured, cand, even
@@ -65,20 +65,28 @@ def test_own_url_is_as_siblings_list_it(
 
 
 @pytest.mark.parametrize(
-    ("device", "booked", "new"),
+    ("device", "booked", "routed", "new"),
     [
-        ({}, {}, True),  # nobody holds it
-        ({A: 4, B: 4, C: 4}, {}, True),  # a preamble every rank holds, nothing more
-        ({A: 4}, {}, False),  # one holder
-        ({}, {B: 20}, False),  # booked on one rank (routed, no store event yet)
-        ({A: 4, B: 4, C: 4}, {A: 4}, True),  # a booking that adds nothing
-        ({A: 4, B: 4}, {C: 4}, True),  # a booking that evens the depths
+        ({}, {}, 0, True),  # nobody holds it
+        ({A: 4, B: 4, C: 4}, {}, 0, True),  # a preamble every rank holds, nothing more
+        ({A: 4, B: 4, C: 4}, {A: 4}, 0, True),  # a booking that adds nothing
+        ({A: 4, B: 4}, {C: 4}, 0, True),  # a booking that evens the depths
+        # Below a preamble some ranks hold, the rest routed nowhere lately: a new prefix.
+        ({A: 4}, {}, 0, True),
+        ({A: 64, B: 4}, {}, 0, True),  # as many blocks again past the deepest match
+        ({}, {B: 20}, 20, True),  # a booked preamble (routed, no store event yet)
+        # The block past the match routed before: the rest of a prefix its holder evicted.
+        ({A: 4}, {}, 5, False),
+        ({A: 65}, {}, 0, False),  # fewer blocks past the match than it: a repeat's new tail
+        ({}, {B: 128}, 128, False),  # booked whole on one rank
     ],
 )
-def test_a_new_prefix_is_every_rank_at_one_depth_bookings_included(
-    device: dict[RankId, int], booked: dict[RankId, int], new: bool
+def test_a_new_prefix_is_every_rank_at_one_depth_or_a_new_prefix_below_a_preamble(
+    device: dict[RankId, int], booked: dict[RankId, int], routed: int, new: bool
 ) -> None:
-    assert same_depth([A, B, C], device, booked) is new
+    """`routed`: how many of the prompt's leading blocks were routed lately."""
+    was_routed = set(KEYS[:routed]).__contains__
+    assert new_prefix([A, B, C], KEYS, device, booked, was_routed) is new
 
 
 class Asker:
@@ -97,14 +105,20 @@ class Asker:
 def test_a_new_prefix_asks_the_placer_and_a_held_or_booked_one_does_not() -> None:
     s = Asker([LOW])
     assert s.ask() == LOW
-    s.fleet.hold(A, 4)  # held on one rank: decided here as today
+    s.fleet.hold(A, 4)  # a preamble on one rank, the rest new: a new prefix below it
+    assert s.ask() == LOW
+    s.fleet.hold(A, 65)  # held deeper than half the prompt: decided here
     assert s.ask() is None
     s = Asker([LOW])
     for rank in (A, B, C):  # a preamble every rank holds
         s.fleet.hold(rank, 4)
     assert s.ask() == LOW
     s = Asker([LOW])
-    s.p.policy.ledger.record(B, KEYS[:10])  # routed here, no store event yet
+    s.fleet.hold(A, 4)
+    s.p.policy.ledger.record(A, KEYS, held=4)  # routed whole, held in part: decided here
+    assert s.ask() is None
+    s = Asker([LOW])
+    s.p.policy.ledger.record(B, KEYS)  # routed here, no store event yet
     assert s.ask() is None
     assert s.rules.counts["asked"] == 0 and s.rules.asking == 0
 

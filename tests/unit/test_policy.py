@@ -458,8 +458,11 @@ def test_a_full_rank_pays_for_the_demanded_blocks_a_spill_evicts(
     costs = p.policy.costs(candidates, p.prompt())
     # A: prefill what it lacks (x1), evict that many demanded blocks (x1), and fill (x2)
     # scaled by the fleet's fullness, 356 blocks of demand over 512, and A's, which is 1.
+    # Held in part, the rest routed nowhere yet, it is also a new prefix below what A holds,
+    # and A would end full: the saving of as many blocks as it stores is charged back.
     fleet = (256 + 100) / 512
-    assert costs[0] == pytest.approx(16 * new * (1 + 1 + 2 * fleet))
+    charge = 16 * min(held_on_a, new) if 0 < held_on_a < 128 else 0
+    assert costs[0] == pytest.approx(16 * new * (1 + 1 + 2 * fleet) + charge)
     assert costs[1] == pytest.approx(2048 + 16 * 128 * 2 * fleet * 100 / 256)  # B: no spill
     decision = p.policy.decide(candidates, p.prompt())
     assert decision.ranked[0].rank == first
@@ -683,11 +686,15 @@ BELOW = PROMPT[: 96 * BS]
         ((A, B), (200, 200, 0), {C}, {A, B}),
         # Only A is full: A is charged; B would end no fuller than C, and keeps the credit.
         ((A, B), (200, 0, 0), {B}, {A}),
-        # On one rank only it is not shared (a prefix's own blocks): no charge, A keeps it.
-        ((A,), (200, 200, 0), {A}, set()),
+        # On one rank only, below it blocks routed nowhere lately (a new prefix): A is
+        # charged as a sharer would be, and C, the rank with room, takes the prefix.
+        ((A,), (200, 200, 0), {C}, {A}),
+        # ... as a fleet's first placements see it: the other ranks empty, the fleet a fifth
+        # full. Charged by how full A would end, not by the fleet's fullness.
+        ((A,), (160, 0, 0), {B, C}, {A}),
         # Every rank holds it (a system prompt cached fleet-wide): nobody to compare with.
         ((A, B, C), (200, 200, 60), {C}, set()),
-        # A fleet with room: the charge is scaled by its fullness, the holders stay cheaper.
+        # Holders with room: the charge is scaled by how full they would end, they stay cheaper.
         ((A, B), (80, 80, 0), {A, B}, {A, B}),
         # The rank without the preamble would end fuller than the holders: no charge.
         ((A, B), (200, 200, 230), {A, B}, set()),
@@ -711,19 +718,35 @@ def test_a_new_prefix_below_a_shared_preamble_is_placed_by_where_its_blocks_will
     # The plain cost, by hand: what each rank lacks, plus fill at the fleet's fullness and
     # the rank's (its demand, or at least the preamble it keeps for this prompt).
     fleet_now = sum(demands) / 768
-    fleet_after = (sum(demands) + 96 - PREAMBLE) / 768
     for rank, demand, cost in zip((A, B, C), demands, costs, strict=True):
         held = PREAMBLE if rank in holders else 0
         expected = 16 * (96 - held) * (1 + 2 * fleet_now * max(demand, held) / 256)
-        if rank in charged:  # the preamble's saving withdrawn, times the fleet's fullness
-            expected += 16 * PREAMBLE * fleet_after
+        if rank in charged:  # the preamble's saving withdrawn, times how full it would end
+            expected += 16 * PREAMBLE * min((max(demand, held) + 96 - PREAMBLE) / 256, 1)
         assert cost == pytest.approx(expected), rank
     assert p.policy.decide(candidates, prompt).ranked[0].rank in first
 
 
+def test_the_rest_of_a_prefix_its_one_holder_evicted_stays_with_it() -> None:
+    """A holds the first 48 blocks of a 96-block prefix routed to it before (its engine
+    evicted the rest): the block past the match was routed, so this is no new prefix below a
+    preamble, and A keeps the whole saving though it is nearly full."""
+    fleet = Fleet()
+    p = Pressured(fleet, even())
+    fleet.hold(A, PREAMBLE)
+    prompt = p.prompt(BELOW)
+    p.policy.ledger.record(A, prompt.keys, held=96)
+    p.demand(A, 200 - 96, seed=1)
+    candidates = [cand(A), cand(B), cand(C)]
+    costs = p.policy.costs(candidates, prompt)
+    assert costs[0] == pytest.approx(16 * 48 * (1 + 2 * (200 / 768) * (200 / 256)))
+    assert p.policy.decide(candidates, prompt).ranked[0].rank == A
+
+
 def test_a_repeat_of_a_prefix_held_on_one_rank_stays_there_under_a_shared_preamble() -> None:
     """The preamble on A and B, the prompt's own part on A alone (a repeat with a new tail):
-    its deepest match is A's alone, so A keeps the whole saving though it is nearly full."""
+    its deepest match is A's alone and its tail new, so A, nearly full, is charged the saving
+    of the 2 blocks it would store, as a copy's holder is, and keeps the rest."""
     fleet = Fleet()
     p = Pressured(fleet, even())
     fleet.hold(A, 94)
@@ -732,7 +755,8 @@ def test_a_repeat_of_a_prefix_held_on_one_rank_stays_there_under_a_shared_preamb
     p.demand(B, 200, seed=2)
     candidates = [cand(A), cand(B), cand(C)]
     costs = p.policy.costs(candidates, p.prompt(BELOW))
-    assert costs[0] == pytest.approx(16 * 2 * (1 + 2 * (400 / 768) * (200 / 256)))
+    charge = 16 * 2 * (200 + 2) / 256
+    assert costs[0] == pytest.approx(16 * 2 * (1 + 2 * (400 / 768) * (200 / 256)) + charge)
     assert p.policy.decide(candidates, p.prompt(BELOW)).ranked[0].rank == A
 
 
@@ -749,7 +773,7 @@ def test_a_repeat_of_a_prefix_copied_to_two_ranks_is_charged_only_its_tail() -> 
     candidates = [cand(A, 1), cand(B, 2), cand(C)]
     costs = p.policy.costs(candidates, p.prompt(BELOW))
     plain = 16 * 2 * (1 + 2 * (400 / 768) * (200 / 256))
-    charge = 16 * 2 * (400 + 2) / 768
+    charge = 16 * 2 * (200 + 2) / 256
     per_request = 256 / (1 + (1 + 0) / 2)  # the mean load without the busiest rank: 0.5
     assert costs[0] == pytest.approx(plain + charge + per_request)
     assert costs[1] == pytest.approx(plain + charge + 2 * per_request)
@@ -769,7 +793,7 @@ def test_a_rank_of_unknown_capacity_counts_in_no_sum_of_the_shared_preamble_char
     p.demand(D, 500, seed=3)  # much demand, but of no stated capacity
     candidates = [cand(A), cand(B), cand(C), cand(D, 3)]
     costs = p.policy.costs(candidates, p.prompt(BELOW))
-    charge = 16 * PREAMBLE * (400 + 48) / 768
+    charge = 16 * PREAMBLE * (200 + 48) / 256
     plain = 16 * 48 * (1 + 2 * (400 / 768) * (200 / 256))
     assert costs[:2] == pytest.approx([plain + charge] * 2)
     assert costs[2] == pytest.approx(16 * 96)
