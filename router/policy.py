@@ -673,11 +673,9 @@ class CacheAware:
         deepest = max(p.depth, default=0)
         if 0 < deepest < blocks:  # held in part: perhaps a new prefix below a shared preamble
             per_block = w.prefill * prompt.block_size
-            # Its first block past the match routed nowhere lately: a new prefix's own block
-            # (or a new tail's), not the rest of a prefix whose holder evicted it.
-            keys = prompt.keys
-            fresh = deepest < len(keys) and not self.ledger.routed(keys[deepest])
-            _charge_shared_preamble(rows[0], p, blocks, deepest, per_block, unseen, fresh)
+            _charge_shared_preamble(
+                rows[0], p, blocks, deepest, per_block, unseen, prompt.keys, self.ledger.routed
+            )
         return rows
 
 
@@ -688,20 +686,22 @@ def _charge_shared_preamble(
     deepest: int,
     per_block: float,
     unseen: float,
-    fresh: bool,
+    keys: Sequence[int],
+    routed: Callable[[int], bool],
 ) -> None:
     """A new prefix below a shared preamble (module docstring, "Shared preamble"): the
     holders of the prompt's `deepest` blocks that would end fuller than the fleet, while a
     rank without them would not, are charged the preamble's saving back, in the measure they
-    would end full. `fresh`: the prompt's block past them was routed nowhere lately. C-level
-    passes where it can: with a system prompt held on part of a fleet, every new
-    conversation below it comes through here."""
+    would end full. `routed` (the ledger's) is asked about the prompt's block past them only
+    when one rank holds them. C-level passes where it can: with a system prompt held on part
+    of a fleet, every new conversation below it comes through here."""
     depth = p.depth
     n = len(depth)
     holders = depth.count(deepest)
-    # Nobody to compare with; or one holder and the block past it routed before (the rest
-    # of a prefix its holder evicted, which must stay with its holder).
-    if holders == n or (holders < 2 and not fresh):
+    # Nobody to compare with; or one holder and the block past it routed lately (or no key
+    # past it): the rest of a prefix its holder evicted, which must stay with its holder (a
+    # new prefix's own block, or a new tail's, was routed nowhere).
+    if holders == n or (holders < 2 and (deepest >= len(keys) or routed(keys[deepest]))):
         return
     capacity = p.capacity
     # Demand each rank must keep, as `_cost_rows_py` counts it (the siblings' unseen share
