@@ -259,15 +259,13 @@ def upstream_framing(
     status: int,
     headers: list[tuple[bytes, bytes]],
     request_method: bytes,
-    names: list[bytes] | None = None,
+    names: list[bytes],
 ) -> tuple[Framing, int | None]:
     """How the worker's answer body ends (RFC 9112 6.3), and its length when declared.
-    `names`: the header names lower-cased, when the caller has them already."""
+    `names`: the header names lower-cased (`lower_names`)."""
     if request_method == b"HEAD" or status < 200 or status in (204, 304):
         return Framing.NONE, None
     length: int | None = None
-    if names is None:
-        names = lower_names(headers)
     for low, (_, value) in zip(names, headers, strict=True):
         if low == b"transfer-encoding":
             return Framing.CHUNKED, None  # wins over a Content-Length (RFC 9112 6.3 item 3)

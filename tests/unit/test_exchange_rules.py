@@ -16,6 +16,7 @@ from router.dataplane.exchange import (
     admit,
     chunk,
     cut_tail,
+    lower_names,
     not_allowed,
     plan_response,
     read_request_head,
@@ -199,7 +200,7 @@ def test_how_an_upstream_answer_ends(
     framing: Framing,
     length: int | None,
 ) -> None:
-    assert upstream_framing(status, headers, method) == (framing, length)
+    assert upstream_framing(status, headers, method, lower_names(headers)) == (framing, length)
 
 
 @pytest.mark.parametrize(
