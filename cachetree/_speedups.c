@@ -339,6 +339,23 @@ static int
 token_u32(PyObject *item, uint32_t *out)
 {
     unsigned long value;
+    /* A token id is a small int: read its one digit, without PyLong_AsUnsignedLong's checks
+       (half of a 2,000-token prompt's keying went there). Negatives and wide ints fall
+       through to the checked read, which raises as array("I") does. */
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyLong_CheckExact(item) && PyUnstable_Long_IsCompact((PyLongObject *)item)) {
+        Py_ssize_t compact = PyUnstable_Long_CompactValue((PyLongObject *)item);
+        if (compact >= 0 && (unsigned long long)compact <= 0xFFFFFFFFULL) {
+            *out = (uint32_t)compact;
+            return 0;
+        }
+    }
+#else
+    if (PyLong_CheckExact(item) && (Py_SIZE(item) == 0 || Py_SIZE(item) == 1)) {
+        *out = Py_SIZE(item) ? (uint32_t)((PyLongObject *)item)->ob_digit[0] : 0;
+        return 0;
+    }
+#endif
     if (PyLong_Check(item)) {
         value = PyLong_AsUnsignedLong(item);
     }
@@ -368,6 +385,33 @@ is_u32_buffer(const Py_buffer *view)
            && view->format[1] == '\0';
 }
 
+/* bytes, bytearray, array("B"): one token id per byte (the `bytes` tokenizer's ids). */
+static int
+is_u8_buffer(const Py_buffer *view)
+{
+    return view->itemsize == 1 && view->format != NULL && view->format[0] == 'B'
+           && view->format[1] == '\0';
+}
+
+/* Keys of ids given one per byte: each widened to u32 in a scratch buffer, then chained. */
+static PyObject *
+chain_u8(const uint8_t *ids, Py_ssize_t n, Py_ssize_t block_size, uint64_t seed)
+{
+    uint32_t stack[4096];
+    uint32_t *packed = n <= 4096 ? stack : PyMem_Malloc((size_t)n * 4);
+    if (packed == NULL) {
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        packed[i] = ids[i];
+    }
+    PyObject *keys = chain((const uint8_t *)packed, n / block_size, block_size * 4, seed);
+    if (packed != stack) {
+        PyMem_Free(packed);
+    }
+    return keys;
+}
+
 static PyObject *
 py_block_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -387,14 +431,18 @@ py_block_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (!PyList_CheckExact(tokens) && !PyTuple_CheckExact(tokens) && PyObject_CheckBuffer(tokens)) {
         Py_buffer view;
         if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
-            if (is_u32_buffer(&view)) {
+            int u32 = is_u32_buffer(&view);
+            if (u32 || is_u8_buffer(&view)) {
                 PyObject *keys = NULL;
                 if (block_size <= 0) {
                     PyErr_SetString(PyExc_ValueError, "block size must be positive");
                 }
-                else {
+                else if (u32) {
                     Py_ssize_t n = view.len / 4;
                     keys = chain((const uint8_t *)view.buf, n / block_size, block_size * 4, seed);
+                }
+                else {
+                    keys = chain_u8((const uint8_t *)view.buf, view.len, block_size, seed);
                 }
                 PyBuffer_Release(&view);
                 return keys;

@@ -8,8 +8,10 @@ matching a prompt is one lookup per block. The previous key rides in the seed: o
 block and no packing of (parent, child) pairs, about half the cost of hashing each block and
 then hashing the pair. key[0] equals Dynamo's content hash of the first block.
 
-With the compiled accelerator (`cachetree.accel`), `block_keys` runs in C, reading the token
-ids straight from the list or u32 array; `chain_keys` and `token_bytes` stay the pure twin it
+Token ids come as any sequence of ints; a bytes-like object (`bytes`, `bytearray`, an
+`array("B")`) holds one id per byte, as the `bytes` tokenizer gives them. With the compiled
+accelerator (`cachetree.accel`), `block_keys` runs in C, reading the token ids straight from
+the list, the u32 array or the bytes; `chain_keys` and `token_bytes` stay the pure twin it
 is tested against.
 
 Only full blocks are keyed; a trailing partial block can never be matched by an engine, which
@@ -53,6 +55,8 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     """
     if isinstance(token_ids, array) and token_ids.typecode == "I":
         return token_ids.tobytes()
+    if isinstance(token_ids, bytes | bytearray):  # one id per byte; array() would reinterpret
+        return array("I", iter(token_ids)).tobytes()
     return array("I", token_ids).tobytes()
 
 

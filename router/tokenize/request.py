@@ -4,7 +4,8 @@ The contract, for the data plane:
 
 - `encode_prompt(prompt)` (completions, `/generate`): text is encoded with the tokenizer's
   special tokens; a list of token ids is checked and used as it is. A malformed prompt raises
-  ValueError: answer 400.
+  ValueError: answer 400. Ids come as a sequence of ints: a list, or for the `bytes` tokenizer
+  a bytes object of one id a byte, which `cachetree.keys.block_keys` reads as it is.
 - `encode_chat_request(body)` (the whole `/v1/chat/completions` body) returns `ChatTokens`:
   - `ids`: the ids the engine will compute for this request (its chat rules, template, tokenizer);
   - or `failure`, one of `FAILURE_REASONS`, when the router cannot reproduce the engine's
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -43,7 +45,7 @@ _MAX_TOKEN_ID: Final = 2**32  # block keys hash ids as u32
 
 @dataclass(frozen=True, slots=True)
 class ChatTokens:
-    ids: list[int]  # empty when `failure` is set
+    ids: Sequence[int]  # empty when `failure` is set
     failure: str | None = None  # a FAILURE_REASONS value: route by load, as a miss
 
 
@@ -52,9 +54,9 @@ class ChatModel(Protocol):
 
     engine: Engine  # whose chat rules it follows
 
-    def encode_text(self, text: str) -> list[int]: ...
+    def encode_text(self, text: str) -> Sequence[int]: ...
 
-    def encode_chat(self, body: dict[str, Any]) -> list[int]: ...
+    def encode_chat(self, body: dict[str, Any]) -> Sequence[int]: ...
 
     def template_name(self, tools: Any) -> str: ...
 
@@ -80,7 +82,7 @@ class RequestTokenizer:
         segments = getattr(self.model, "segments", None)
         return segments.cache if segments is not None and segments.enabled else None
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int]) -> Sequence[int]:
         """Text is tokenized with special tokens; token ids are checked and used as they are."""
         if isinstance(prompt, str):
             return self.model.encode_text(prompt)
@@ -136,12 +138,12 @@ class BytesModel:
         self._tokenizer = BytesTokenizer()
         self.engine = Engine.VLLM  # the plain format is the same whichever engine it names
 
-    def encode_text(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text)  # no special tokens in this vocabulary
+    def encode_text(self, text: str) -> bytes:
+        return self._tokenizer.encode_bytes(text)  # no special tokens in this vocabulary
 
-    def encode_chat(self, body: dict[str, Any]) -> list[int]:
+    def encode_chat(self, body: dict[str, Any]) -> bytes:
         _validated(body)
-        return self._tokenizer.encode(render_chat_plain(body["messages"]))
+        return self._tokenizer.encode_bytes(render_chat_plain(body["messages"]))
 
     def template_name(self, tools: Any) -> str:
         return "plain"

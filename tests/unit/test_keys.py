@@ -1,4 +1,5 @@
 from array import array
+from typing import Any
 
 import pytest
 from xxhash import xxh3_64_intdigest
@@ -22,6 +23,15 @@ def test_key_chain_seeds_each_block_with_the_previous_key() -> None:
 def test_only_full_blocks_are_keyed() -> None:
     assert len(block_keys(list(range(47)), 16)) == 2
     assert block_keys(list(range(15)), 16) == []
+
+
+@pytest.mark.parametrize("shaped", [bytes, bytearray, lambda ids: array("B", ids), memoryview])
+def test_ids_given_one_a_byte_key_as_the_same_ids_in_a_list(shaped: Any) -> None:
+    # The `bytes` tokenizer's ids come as bytes: each byte is an id, never 4 bytes of one.
+    ids = bytes(range(3, 253)) * 3
+    assert block_keys(shaped(ids), 16, 99) == block_keys(list(ids), 16, 99)
+    assert len(block_keys(shaped(ids), 16)) == len(ids) // 16
+    assert token_bytes(ids) == array("I", list(ids)).tobytes()
 
 
 def test_extending_a_chain_from_a_parent_key_equals_hashing_the_whole_prompt() -> None:

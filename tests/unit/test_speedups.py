@@ -103,6 +103,11 @@ def test_block_keys_equal_the_pure_twin_for_every_input_type(block_size: int) ->
             iter(tokens),
         ):
             assert speedups.block_keys(shaped, block_size, seed) == want, type(shaped)
+        small = [t & 0xFF for t in tokens]  # ids one a byte: the `bytes` tokenizer's
+        want = block_keys_py(small, block_size, seed)
+        for shaped in (bytes(small), bytearray(small), array("B", small)):
+            assert block_keys_py(shaped, block_size, seed) == want, type(shaped)
+            assert speedups.block_keys(shaped, block_size, seed) == want, type(shaped)
 
 
 @pytest.mark.parametrize(
