@@ -137,6 +137,25 @@ class RequestHead:
 class Malformed(ValueError):
     """A request head the relay refuses with a 400 (the message says why)."""
 
+    status = 400
+
+
+class UnknownCoding(Malformed):
+    """A request body in a transfer coding the relay does not decode (gzip, deflate, ...):
+    501, as RFC 9112 6.1 says, rather than its bytes passed on unlabelled."""
+
+    status = 501
+
+
+class BadAnswer(ValueError):
+    """A worker's answer head the relay cannot pass on (the message says why): a lost answer,
+    as a connection closed before its head is."""
+
+
+def transfer_codings(value: bytes) -> list[bytes]:
+    """A Transfer-Encoding field's codings, lower-cased, in order (RFC 9112 6.1)."""
+    return [c.strip().lower() for c in value.split(b",")]
+
 
 def lower_names(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
     return [name.lower() for name, _ in headers]
@@ -159,9 +178,16 @@ def read_request_head(
                 raise Malformed("conflicting Content-Length fields")
             length = n
         elif low == b"transfer-encoding":
-            codings = [c.strip().lower() for c in value.split(b",")]
+            codings = transfer_codings(value)
             if codings[-1] != b"chunked":
                 raise Malformed("a request's Transfer-Encoding must end with chunked")
+            if chunked or b"chunked" in codings[:-1]:
+                raise Malformed("chunked applied more than once")  # RFC 9112 7
+            if len(codings) > 1:
+                coding = codings[0].decode("latin-1")
+                raise UnknownCoding(
+                    f"transfer coding {coding!r} is not supported; send the body chunked only"
+                )
             chunked = True
         elif low == b"expect":
             expect = value.strip().lower()
@@ -262,15 +288,29 @@ def upstream_framing(
     names: list[bytes],
 ) -> tuple[Framing, int | None]:
     """How the worker's answer body ends (RFC 9112 6.3), and its length when declared.
-    `names`: the header names lower-cased (`lower_names`)."""
+    `names`: the header names lower-cased (`lower_names`).
+
+    Raises `BadAnswer` for a transfer coding other than chunked: the relay never offers one
+    (no `TE` goes to a worker), and passing its bytes on would hand the client, say, gzip
+    under a plain `chunked` label."""
     if request_method == b"HEAD" or status < 200 or status in (204, 304):
         return Framing.NONE, None
     length: int | None = None
+    chunked = False
     for low, (_, value) in zip(names, headers, strict=True):
         if low == b"transfer-encoding":
-            return Framing.CHUNKED, None  # wins over a Content-Length (RFC 9112 6.3 item 3)
-        if low == b"content-length" and value.strip().isdigit():
+            codings = transfer_codings(value)
+            if codings != [b"chunked"] or chunked:
+                coding = value.strip().decode("latin-1")
+                raise BadAnswer(
+                    f"the worker's answer has Transfer-Encoding {coding!r}, a coding the relay "
+                    "never accepts (chunked only)"
+                )
+            chunked = True
+        elif low == b"content-length" and value.strip().isdigit():
             length = int(value)
+    if chunked:
+        return Framing.CHUNKED, None  # wins over a Content-Length (RFC 9112 6.3 item 3)
     if length is not None:
         return Framing.LENGTH, length
     return Framing.CLOSE, None

@@ -504,7 +504,7 @@ class ClientConnection(asyncio.Protocol):
                 parser.should_keep_alive(),
             )
         except Malformed as exc:
-            raise _Refused(Refusal(400, str(exc), close=True)) from None
+            raise _Refused(Refusal(exc.status, str(exc), close=True)) from None
         incoming.head = head
         refusal = admit(head, self.plane.limits.max_body_bytes)
         if refusal is not None:

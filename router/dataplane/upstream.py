@@ -30,7 +30,13 @@ from typing import Protocol, cast
 
 import httptools
 
-from router.dataplane.exchange import Failure, Framing, ResponseHead, read_response_head
+from router.dataplane.exchange import (
+    BadAnswer,
+    Failure,
+    Framing,
+    ResponseHead,
+    read_response_head,
+)
 from router.dataplane.flow import Deadline
 
 log = logging.getLogger(__name__)
@@ -218,11 +224,16 @@ class UpstreamConnection(asyncio.Protocol):
             self._reads = [raw]
             self._head_at = end
             return
+        try:
+            answer = read_response_head(status, raw[start:end], self._method)
+        except BadAnswer as exc:
+            self._reusable = False
+            self._stop(str(exc))  # before the head is taken: a lost answer, failed over
+            return
         self._reads = []
         self._head_done = True
         # Asked now: llhttp forgets the message's flags once it completes.
         self._keep_alive = self._parser.should_keep_alive()
-        answer = read_response_head(status, raw[start:end], self._method)
         self._framing = answer.framing
         if answer.framing is Framing.NONE and self._method == b"HEAD":
             # The parser cannot be told that a HEAD answer has no body: it would wait for the

@@ -97,7 +97,9 @@ def exchange(address: tuple[str, int], pieces: list[bytes]) -> bytes:
 
 def assert_sane(received: bytes) -> None:
     statuses = [int(s) for s in STATUS.findall(received)]
-    assert all(s < 500 or s == 503 for s in statuses), received[:300]
+    # A 501 only for a transfer coding the relay does not decode (RFC 9112 6.1), then a close.
+    coding = b"is not supported; send the body chunked only" in received
+    assert all(s < 500 or s == 503 or (s == 501 and coding) for s in statuses), received[:300]
     assert 503 not in statuses or b"no healthy worker" not in received  # the worker is up
 
 

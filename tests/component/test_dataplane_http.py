@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 import logging
 import socket
@@ -106,6 +107,22 @@ async def test_a_chunked_request_body_reaches_the_worker_whole_with_a_content_le
         assert got.header(b"Content-Length") == b"%d" % len(body)
         assert got.header(b"Transfer-Encoding") is None
         client.close()
+
+
+async def test_a_request_body_in_a_transfer_coding_the_relay_cannot_decode_is_a_501() -> None:
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        gzipped = gzip.compress(COMPLETION)
+        client.send(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+            + b"%x\r\n%s\r\n0\r\n\r\n" % (len(gzipped), gzipped)
+        )
+        answer = await client.answer()
+        assert answer is not None and answer.status == 501
+        assert b"'gzip' is not supported" in answer.body
+        await client.closed()
+        assert w.posts() == []  # nothing reached a worker unlabelled
 
 
 async def test_expect_100_continue_is_answered_before_the_body_is_sent() -> None:
@@ -794,6 +811,31 @@ async def test_a_worker_head_over_the_bound_is_a_lost_answer_and_fails_over() ->
             "kvrouter_upstream_failures_total", worker=bloated.url, reason="lost"
         ) == 1
         assert rt.plane.pools[bloated.url].total == 0  # that connection is never reused
+
+
+async def test_a_worker_answer_in_a_transfer_coding_never_offered_is_lost_and_fails_over() -> None:
+    async def gzipped(request: Request, writer: asyncio.StreamWriter) -> None:
+        body = gzip.compress(b'{"choices": []}')
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: gzip, chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        )
+        await writer.drain()
+
+    async with (
+        scripted_worker(gzipped) as coded,
+        scripted_worker() as good,
+        router_in_process(workers=[coded.url, good.url], policy="round_robin") as rt,
+    ):
+        await routable(rt, coded.url, good.url)
+        status, _, answer = await rt.post("/v1/completions", json.loads(COMPLETION))
+        # The client never gets gzip bytes under a plain chunked label: the next rank answers.
+        assert status == 200 and answer is not None
+        assert len(coded.posts()) == 1 and len(good.posts()) == 1
+        assert (await rt.scrape()).value(
+            "kvrouter_upstream_failures_total", worker=coded.url, reason="lost"
+        ) == 1
+        assert rt.plane.pools[coded.url].total == 0  # that connection is never reused
 
 
 async def test_a_stream_idle_too_long_is_cut_with_an_error_event() -> None:
