@@ -2564,17 +2564,20 @@ done:
 
 /* ---- a prompt's path (twin: the lookups and masks of cachetree/tree.py prefix_depths) ---- */
 
-/* path_masks(nodes, keys) -> (masks, tiered) | None
+/* path_held(nodes, keys) -> (held, tiered) | None
  *
- * The masks of the nodes of `keys`' leading blocks the tree holds, up to the first it lacks,
- * and whether any of them has carriers off the device tier alone (then the caller reads
- * those nodes' tiers). A run of equal masks shares one int. None when a node is not of the
+ * held[i]: the ranks (a mask) holding every one of `keys`' blocks 0..i, for the leading blocks
+ * the tree holds, up to the first it lacks or the first no rank holds with all before it
+ * (nothing deeper can count); and whether any of those nodes has carriers off the device tier
+ * alone (then the caller reads those nodes' tiers). The running AND is taken here: done in
+ * Python it cost more than the lookups (a call to `and_` per block). A run of equal masks
+ * shares one int; masks wider than 64 ranks are ANDed as ints. None when a node is not of the
  * native shape: the caller does the lookups itself. */
 static PyObject *
-py_path_masks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+py_path_held(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2 || Py_TYPE(args[0]) != &NodeMapType) {
-        PyErr_SetString(PyExc_TypeError, "path_masks(nodes: NodeMap, keys)");
+        PyErr_SetString(PyExc_TypeError, "path_held(nodes: NodeMap, keys)");
         return NULL;
     }
     MapObject *nodes = (MapObject *)args[0];
@@ -2584,12 +2587,13 @@ py_path_masks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject **keys = PySequence_Fast_ITEMS(seq);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject *masks = PyList_New(0), *last = NULL, *result = NULL;
+    PyObject *held = PyList_New(0), *last = NULL, *result = NULL;
     U64Run run;
     run.v = run.local;
-    uint64_t last_mask = 0;
+    uint64_t last_native = 0; /* `last`'s value while it fits 64 bits */
+    int wide = 0;             /* `last` is an int wider than 64 bits */
     int tiered = 0;
-    if (masks == NULL) {
+    if (held == NULL) {
         goto done;
     }
     /* Past the first key that is no u64 the tree holds nothing of the prompt (no NodeMap
@@ -2612,32 +2616,51 @@ py_path_masks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
         NodeObject *node = (NodeObject *)obj;
-        tiered |= node_tiers(node) != NULL;
-        PyObject *mask;
-        if (!native_mask(node)) {
-            mask = Py_NewRef(extra_of(node)->mask);
-        }
-        else if (last != NULL && node->mask == last_mask) {
-            mask = Py_NewRef(last);
+        if (native_mask(node) && !wide) {
+            uint64_t value = last == NULL ? node->mask : last_native & node->mask;
+            if (value == 0) {
+                break;
+            }
+            if (last == NULL || value != last_native) {
+                PyObject *mask = PyLong_FromUnsignedLongLong(value);
+                if (mask == NULL) {
+                    goto done;
+                }
+                Py_XSETREF(last, mask);
+                last_native = value;
+            }
         }
         else {
-            mask = PyLong_FromUnsignedLongLong(node->mask);
+            PyObject *own = native_mask(node) ? PyLong_FromUnsignedLongLong(node->mask)
+                                              : Py_NewRef(extra_of(node)->mask);
+            if (own == NULL) {
+                goto done;
+            }
+            PyObject *mask = last == NULL ? Py_NewRef(own) : PyNumber_And(last, own);
+            Py_DECREF(own);
             if (mask == NULL) {
                 goto done;
             }
-            Py_XSETREF(last, Py_NewRef(mask));
-            last_mask = node->mask;
+            int empty = PyObject_Not(mask);
+            if (empty != 0) {
+                Py_DECREF(mask);
+                if (empty < 0) {
+                    goto done;
+                }
+                break;
+            }
+            Py_XSETREF(last, mask);
+            wide = 1;
         }
-        int status = PyList_Append(masks, mask);
-        Py_DECREF(mask);
-        if (status < 0) {
+        tiered |= node_tiers(node) != NULL;
+        if (PyList_Append(held, last) < 0) {
             goto done;
         }
     }
-    result = Py_BuildValue("(OO)", masks, tiered ? Py_True : Py_False);
+    result = Py_BuildValue("(OO)", held, tiered ? Py_True : Py_False);
 done:
     Py_XDECREF(last);
-    Py_XDECREF(masks);
+    Py_XDECREF(held);
     Py_DECREF(seq);
     u64_run_free(&run);
     return result;
@@ -2692,8 +2715,9 @@ static PyMethodDef methods[] = {
      "-> (code, record): SnapshotRestore's creation of new device-tier records."},
     {"pack_u64", (PyCFunction)(void (*)(void))py_pack_u64, METH_FASTCALL,
      "pack_u64(keys, start) -> bytes: keys[start:] as native u64s, for array('Q', ...)."},
-    {"path_masks", (PyCFunction)(void (*)(void))py_path_masks, METH_FASTCALL,
-     "path_masks(nodes, keys) -> (masks, tiered) | None: the lookups of prefix_depths."},
+    {"path_held", (PyCFunction)(void (*)(void))py_path_held, METH_FASTCALL,
+     "path_held(nodes, keys) -> (held, tiered) | None: the lookups and running AND of "
+     "prefix_depths."},
     {"walk_chunk", (PyCFunction)(void (*)(void))py_walk_chunk, METH_FASTCALL,
      "walk_chunk(nodes, keys, table, first, last_key) -> columns as bytes, branches, last key "
      "| None: SnapshotExport's walk of one listed chunk."},

@@ -106,7 +106,7 @@ class TreeLayout:
     # snapshot.py's C parts: SnapshotRestore's creation of records, SnapshotExport's walk
     graft_new: Callable[..., tuple[int, int]] | None = None
     walk_chunk: Callable[..., tuple | None] | None = None
-    path_masks: Callable[..., tuple[list[int], bool] | None] | None = None  # prefix_depths'
+    path_held: Callable[..., tuple[list[int], bool] | None] | None = None  # prefix_depths'
 
 
 @dataclass(slots=True)
@@ -292,7 +292,7 @@ class BlockTree:
         running AND) rather than a Python loop per block, which is what keeps a 125-block
         prompt cheap.
         """
-        path = self._layout.path_masks
+        path = self._layout.path_held
         walked = None if path is None else path(self._nodes, keys)
         found: list[Node] | None = None
         if walked is None:
@@ -300,16 +300,16 @@ class BlockTree:
             # A block's parent always exists, so the hits form a prefix of the lookups.
             if found and found[-1] is None:
                 del found[found.index(None) :]
-            masks = list(map(_get_mask, found))
+            held = list(accumulate(map(_get_mask, found), and_))
             tiered = any(map(_get_tiers, found))
-        else:  # the compiled tables: lookups and masks in one C pass
-            masks, tiered = walked
-        if not masks:
+        else:  # the compiled tables: lookups and the running AND in one C pass
+            held, tiered = walked
+        if not held:
             return PrefixDepths([], [], self._by_index)
-        any_runs = _runs(list(accumulate(masks, and_)))
+        any_runs = _runs(held)
         if tiered:
             if found is None:
-                found = list(map(self._nodes.__getitem__, keys[: len(masks)]))
+                found = list(map(self._nodes.__getitem__, keys[: len(held)]))
             device_masks = [
                 n.mask if n.tiers is None else n.mask & ~_off_device_mask(n.tiers) for n in found
             ]
@@ -732,7 +732,7 @@ COMPILED_LAYOUT: TreeLayout | None = (
         tables.remove_run,
         tables.graft_new,
         tables.walk_chunk,
-        tables.path_masks,
+        tables.path_held,
     )
 )
 DEFAULT_LAYOUT = COMPILED_LAYOUT or PURE_LAYOUT
