@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python -m bench.relay_instructions [--target round_robin|floor ...]
      [--baseline REV] [--requests 1500] [--concurrency 32] [--event-loop auto|asyncio|uvloop]
+     [--workload same|proxy]
 Needs valgrind. Prints figures; asserts nothing. Takes a few minutes per target.
 
 Router CPU per request at c=32 (`bench/proxy_ab.py`) moves by 10-20% between rounds on a
@@ -21,6 +22,13 @@ many; the difference divided by `--requests` is the figure, so start-up, warm-up
 cancel out. The client and the event loop are in the count (the same for any version of the
 data plane); the workers and the kernel are not.
 
+`--workload proxy` sends the proxy benchmark's prompts instead of one request over and over:
+each a new 1,000-token tail below one of 8 shared 1,000-token system prompts
+(`bench_proxy.Prompts`), so every request stores 63 new blocks on its worker, whose KV events
+the replica ingests in this process: the count is then routing, relay and ingest together,
+as `bench/proxy_compare.py` measures a cache_aware replica (caches not full). The bodies are
+made by the parent and read from a file, so making them is not counted.
+
 `--baseline REV` also counts another commit's router (extracted with `git archive`, its C
 extensions compiled, as `bench/proxy_ab.py` does), each target old and new in turn.
 """
@@ -29,13 +37,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httptools
@@ -46,10 +55,12 @@ from router.cli import _tune_gc as tune_gc
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 BLOCK_SIZE = 16
+WARMUP = 200  # requests before the count
 
 
-def request_bytes() -> bytes:
-    body = b'{"model":"m","max_tokens":1,"prompt":"' + b"a" * 2000 + b'"}'
+def request_bytes(
+    body: bytes = b'{"model":"m","max_tokens":1,"prompt":"' + b"a" * 2000 + b'"}',
+) -> bytes:
     head = (
         b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % len(body)
@@ -57,12 +68,19 @@ def request_bytes() -> bytes:
     return head + body
 
 
+def proxy_requests(n: int) -> list[bytes]:
+    """The proxy benchmark's first `n` requests (`--workload proxy`)."""
+    from bench.bench_proxy import Prompts
+
+    return [request_bytes(body) for body in Prompts().bodies(n)]
+
+
 class Load:
     """`requests` requests over keep-alive connections, each sent when the one before it on
-    its connection is answered; `done` once every one is answered."""
+    its connection is answered; `done` once every one is answered. The requests are taken in
+    turn from `REQUESTS` (one, or the proxy workload's)."""
 
     def __init__(self, requests: int, done: asyncio.Future[None]) -> None:
-        self.request = request_bytes()
         self.unsent = requests
         self.unanswered = requests
         self.done = done
@@ -88,7 +106,7 @@ class Client(asyncio.Protocol):
         if load.unsent > 0:
             load.unsent -= 1
             assert self.transport is not None
-            self.transport.write(load.request)
+            self.transport.write(next(REQUESTS))
 
     def data_received(self, data: bytes) -> None:
         self.parser.feed_data(data)
@@ -149,7 +167,9 @@ def start_workers(count: int) -> tuple[list[subprocess.Popen[str]], list[str]]:
     return procs, urls
 
 
-async def run_target(target: str, urls: list[str], requests: int, concurrency: int) -> None:
+async def run_target(
+    target: str, urls: list[str], requests: int, concurrency: int, teardown: bool = True
+) -> None:
     stop: Callable[[], Awaitable[None]]
     if target == "floor":
         from bench.relay_floor import start
@@ -183,26 +203,48 @@ async def run_target(target: str, urls: list[str], requests: int, concurrency: i
     # thousand requests, tens of millions of instructions that land in one count or not.
     tune_gc()
     try:
-        await load(port, 200, concurrency)  # warm-up: connections, pools, caches
+        await load(port, WARMUP, concurrency)  # warm-up: connections, pools, caches
         await load(port, requests, concurrency)
     finally:
-        await stop()
+        if teardown:
+            await stop()
 
 
-def child(target: str, requests: int, concurrency: int, event_loop: str) -> None:
+REQUESTS: Iterator[bytes] = itertools.repeat(request_bytes())
+
+
+def child(
+    target: str, requests: int, concurrency: int, event_loop: str, bodies: str | None
+) -> None:
     from router.cli import loop_factory
+
+    global REQUESTS
+    if bodies:
+        REQUESTS = iter(Path(bodies).read_bytes().split(SEPARATOR))
 
     procs, urls = start_workers(2)
     try:
         with asyncio.Runner(loop_factory=loop_factory(event_loop)) as runner:
-            runner.run(run_target(target, urls, requests, concurrency))
+            runner.run(run_target(target, urls, requests, concurrency, teardown=False))
+            # The replica is not shut down: its shutdown clears each departing worker's rank
+            # node by node, which grows with the index, and the proxy workload's index grows
+            # with the count (a doubled count would count a doubled teardown).
+            for proc in procs:
+                proc.terminate()
+                proc.wait(10)
+            os._exit(0)
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(10)
 
 
-def instructions(target: str, requests: int, concurrency: int, event_loop: str, code: Path) -> int:
+SEPARATOR = b"\0"  # between the requests of a bodies file: never in a JSON body
+
+
+def instructions(
+    target: str, requests: int, concurrency: int, event_loop: str, code: Path, workload: str
+) -> int:
     """Instructions callgrind counted for one child run of this script, on `code`'s router."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
@@ -210,6 +252,11 @@ def instructions(target: str, requests: int, concurrency: int, event_loop: str, 
         argv += [sys.executable, __file__, "--child", target]
         argv += ["--requests", str(requests), "--concurrency", str(concurrency)]
         argv += ["--event-loop", event_loop]
+        if workload == "proxy":
+            bodies = Path(tmp) / "bodies"
+            # The warm-up's 200 and the count's, with concurrency to spare at the end.
+            bodies.write_bytes(SEPARATOR.join(proxy_requests(WARMUP + requests + concurrency)))
+            argv += ["--bodies", str(bodies)]
         # The script runs by its path, so `code` on PYTHONPATH is where `router` and
         # `bench.relay_floor` come from. A fixed string-hash seed: the same count each run.
         env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(code)}
@@ -227,10 +274,17 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"), default="auto")
     parser.add_argument("--baseline", help="also count this git revision's code")
+    parser.add_argument(
+        "--workload",
+        choices=("same", "proxy"),
+        default="same",
+        help="one request over and over, or the proxy benchmark's prompts (ingest included)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--bodies", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.requests, args.concurrency, args.event_loop)
+        child(args.child, args.requests, args.concurrency, args.event_loop, args.bodies)
         return
     if shutil.which("valgrind") is None:
         raise SystemExit("relay_instructions: valgrind is not installed (apt install valgrind)")
@@ -243,8 +297,9 @@ def main() -> None:
         for target in args.target or ["round_robin", "floor"]:
             for tag, code in codes.items():
                 n = args.requests
-                once = instructions(target, n, args.concurrency, args.event_loop, code)
-                twice = instructions(target, 2 * n, args.concurrency, args.event_loop, code)
+                run = (args.concurrency, args.event_loop, code, args.workload)
+                once = instructions(target, n, *run)
+                twice = instructions(target, 2 * n, *run)
                 label = f"{target} {tag}".strip()
                 print(f"{label}: {(twice - once) / n:,.0f} instructions per request", flush=True)
 
