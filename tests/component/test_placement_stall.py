@@ -129,7 +129,7 @@ async def test_a_placer_silent_past_the_timeout_is_waited_for_until_a_question_f
     question failed, the next gives up at its timeout, so a placer gone costs one long wait."""
     policy = make_policy("cache_aware")
     assert isinstance(policy, CacheAware)
-    delays = [0.12, 0.12, 1.0, 1.0]  # the placer's silence on each question, in turn
+    delays = [0.1, 0.1, 1.0, 1.0]  # the placer's silence on each question, in turn
 
     async def slow(request: web.Request) -> web.Response:
         await request.read()
@@ -158,8 +158,8 @@ async def test_a_placer_silent_past_the_timeout_is_waited_for_until_a_question_f
     finally:
         await runner.cleanup()
     bound = placement.MAX_WAIT_FACTOR * TIMEOUT_S
-    # Silent 120 ms, past the 50 ms timeout, after an answer (or before any): waited for.
-    assert ranks[:2] == [RANK, RANK] and all(0.12 <= w < bound for w in waits[:2])
+    # Silent 100 ms, past the 50 ms timeout, after an answer (or before any): waited for.
+    assert ranks[:2] == [RANK, RANK] and all(0.1 <= w < bound for w in waits[:2])
     # Silent for a second: waited to the bound, then a failure; the next one gave up at its
     # timeout.
     assert ranks[2:] == [None, None]
