@@ -45,7 +45,12 @@ a set of hold-outs nobody has tuned on.
 workload chosen; the last one delays only placements (a prefix sent to a rank it was never
 sent to), to tell which decisions' lag costs (BENCHMARKS.md: siblings' news lag). `--placer`
 plays `router.placement` without its round trip: replica 0 places every new prefix for its
-siblings (`play`'s `placer`).
+siblings (`play`'s `placer`); `--placer-rtt-ms` adds the round trip and the live asker's
+rules (`RoundTrip`: `router.placement.Placement` asks, waits `--placer-timeout-ms` and backs
+off), and `--placer-stall-every-ms` stalls the placer replica 60-120 ms that often on
+average, as a loaded host does; `--diagnose` then prints the askers' counts (asked, timeout,
+busy: means per run). A request's simulated time to first token counts its wait for the
+placer.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ import heapq
 import itertools
 import random
 import statistics
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -69,12 +74,13 @@ from fake_kv_worker.cache import Admission, PagedPrefixCache
 from fake_kv_worker.hashing import VllmSha256Hasher
 from router.homes import CacheAwareHome, Home, HomeSettings, HomeTable
 from router.loads import EngineLoad
-from router.placement import new_prefix
+from router.placement import MAX_WAIT_FACTOR, Placement, new_prefix
 from router.policy import (
     IMBALANCE_FALLBACK,
     CacheAware,
     CacheAwareWeights,
     Candidate,
+    Decision,
     Policy,
     Prompt,
     make_policy,
@@ -484,10 +490,53 @@ class Outcome:
     placement_spread: int = 0
     # Per request: its wait for a slot plus its prefill (the simulated time to first token).
     ttft_s: list[float] = field(default_factory=list)
+    # The askers' `Placement.counts` summed (`play` with a `round_trip`).
+    placements: Counter[str] = field(default_factory=Counter)
 
     @property
     def ratio(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def _not_running(i: int, rank: RankId) -> None:
+    raise RuntimeError("Fleet.send outside Fleet.run")
+
+
+@dataclass(frozen=True)
+class RoundTrip:
+    """The placer's round trip (`play`'s `round_trip`, `--placer-rtt-ms`): a question reaches
+    the placer `rtt_s / 2` after it was asked and its answer the asker as long after the
+    placer decided. The placer stalls (its process not run, as on a loaded host: BENCHMARKS.md,
+    "Stalls and the placer") for `stall_s` at random, one stall every `stall_every_s` on
+    average (0: never): a question that reaches it stalled is decided when the stall ends.
+    The asker waits `timeout_s`, then decides alone; a question it gave up on before the
+    placer read it is never decided (the control server cancels the handler of a closed
+    connection), one it gave up on after is (a booking on the placer that no request made)."""
+
+    rtt_s: float = 0.002
+    timeout_s: float = 0.05
+    stall_every_s: float = 0.0
+    stall_s: tuple[float, float] = (0.06, 0.12)
+
+    def stalls(self, seed: int, until: float) -> list[tuple[float, float]]:
+        """The placer's stalls of a run, (start, end), in order."""
+        if not self.stall_every_s:
+            return []
+        rng = random.Random(seed ^ 0x57A11)
+        out: list[tuple[float, float]] = []
+        t = rng.expovariate(1 / self.stall_every_s)
+        while t < until:
+            end = t + rng.uniform(*self.stall_s)
+            out.append((t, end))
+            t = end + rng.expovariate(1 / self.stall_every_s)
+        return out
+
+    def read_at(self, stalls: Sequence[tuple[float, float]], t: float) -> float:
+        """When a question that reaches the placer at `t` is decided."""
+        for start, end in stalls:
+            if start <= t < end:
+                return end
+        return t
 
 
 class Fleet:
@@ -509,6 +558,7 @@ class Fleet:
             for i in range(w.workers)
         ]
         self.loads: dict[RankId, EngineLoad] = {}
+        self.send: Callable[[int, RankId], None] = _not_running
         if w.prefilled:
             rng = random.Random(seed ^ 0x5EED)
             for r in self.ranks:
@@ -552,11 +602,11 @@ class Fleet:
         out: Outcome,
         account: Callable[[int, int], None],
         done: Callable[[], None],
+        arrived: float,
     ) -> None:
-        """Queue `tokens` on `r`; `account(hit, elsewhere)` at admission: the blocks cached
+        """Queue `tokens` on `r`, a request that came at `arrived` (its routing may have
+        waited for the placer); `account(hit, elsewhere)` at admission: the blocks cached
         there, and the most any other worker held then."""
-
-        arrived = self.now
 
         def start() -> None:
             r.running += 1
@@ -595,11 +645,12 @@ class Fleet:
     def run(
         self,
         requests: Sequence[Request],
-        route: Callable[[int, Request], RankId],
+        route: Callable[[int, Request], RankId | None],
         done: Callable[[int, RankId], None] = lambda i, rank: None,
     ) -> Outcome:
         """Play `requests` through `route(index, request) -> rank` in a closed loop;
-        `done(index, rank)` when a request finishes."""
+        `done(index, rank)` when a request finishes. A `route` that returns None decides
+        later, and sends the request then with `self.send(index, rank)`."""
         out = Outcome()
         by_rank = {r.rank: r for r in self.ranks}
         pending = iter(enumerate(requests))
@@ -608,6 +659,7 @@ class Fleet:
         shared = shared_blocks(requests)
         placed = dict.fromkeys(by_rank, 0)  # shared blocks of the prefixes first sent there
         admitted: set[int] = set()
+        arrived: dict[int, float] = {}
 
         def next_request() -> None:
             item = next(pending, None)
@@ -615,7 +667,12 @@ class Fleet:
                 return
             i, req = item
             active[0] += 1
+            arrived[i] = self.now
             rank = route(i, req)
+            if rank is not None:
+                send(i, req, rank)
+
+        def send(i: int, req: Request, rank: RankId) -> None:
             out.requests_per_rank[rank] = out.requests_per_rank.get(rank, 0) + 1
             if req.prefix not in seen:
                 placed[rank] += shared[req.prefix]
@@ -626,7 +683,11 @@ class Fleet:
                 admitted.add(req.prefix)
                 out.losses.count(first, shared[req.prefix], hit, elsewhere)
 
-            self._serve(by_rank[rank], req.tokens, out, account, lambda: finished(i, rank))
+            self._serve(
+                by_rank[rank], req.tokens, out, account, lambda: finished(i, rank), arrived.pop(i)
+            )
+
+        self.send = lambda i, rank: send(i, requests[i], rank)
 
         def finished(i: int, rank: RankId) -> None:
             active[0] -= 1
@@ -646,7 +707,8 @@ class Fleet:
 
 def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None = None,
          settings: PressureSettings | None = None, share: bool = True,
-         home: HomeSettings | None = None, placer: bool = False) -> Outcome:  # fmt: skip
+         home: HomeSettings | None = None, placer: bool = False,
+         round_trip: RoundTrip | None = None) -> Outcome:  # fmt: skip
     """One workload, one seed, through `policy` (a kvrouter policy name, or "ideal").
 
     `placer` (cache_aware with siblings; `router.placement` without its round trip): a
@@ -654,7 +716,9 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
     depth in its view, bookings included, or a new prefix below a preamble some ranks hold)
     lets replica 0 decide instead (which may know a holder it does not), and books
     the answer at once, as if it had asked over a round trip that costs nothing; replica 0
-    shares it as usual."""
+    shares it as usual. With `round_trip` too, the askers are `router.placement.Placement`
+    (the live asker's rules: its bound, timeout, backoff and answers) over that round trip
+    (`RoundTrip`), and the placer decides on its own in-flight counts."""
     requests, lengths = build_requests(w, seed)
     fleet = Fleet(w, seed)
     ranks = [r.rank for r in fleet.ranks]
@@ -674,6 +738,13 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
 
         return fleet.run(requests, greedy)
     routers: list[Policy] = []
+    stalls: list[tuple[float, float]] = []  # the placer replica's (`RoundTrip.stalls`)
+    if placer and round_trip is not None and policy == "cache_aware":
+        stalls = round_trip.stalls(seed, 600.0)
+
+    def placer_runs(t: float) -> float:
+        """When the placer replica (0) runs what reaches it at `t`: after its stall."""
+        return t if round_trip is None else round_trip.read_at(stalls, t)
 
     sent: dict[int, set[RankId]] = {}  # prefix -> the ranks it was sent to
     routing: list[Request] = []  # the request being decided, for `share`
@@ -686,7 +757,7 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
             for j, sibling in enumerate(routers):
                 if j != k and isinstance(sibling, CacheAware):
                     adopt = functools.partial(sibling.adopt, rank, keys, held)
-                    fleet.at(fleet.now + lag, adopt)
+                    fleet.at(placer_runs(fleet.now + lag) if j == 0 else fleet.now + lag, adopt)
 
         return share
 
@@ -725,20 +796,103 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
     copies = Copies()
     preamble = w.header_blocks + w.team_blocks  # blocks a prefix shares with others
 
-    def route(i: int, req: Request) -> RankId:
-        k = i % w.replicas
-        candidates = [Candidate(r, inflight[r][k], fleet.loads.get(r)) for r in ranks]
-        tokens = req.tokens
-        keys = block_keys(tokens, BLOCK)
-        prompt = Prompt(len(tokens), BLOCK, fleet.tree.prefix_depths(keys), keys)
+    asking: list[Placement | None] = [None] * w.replicas
+    if placer and round_trip is not None and policy == "cache_aware":
+        urls = [f"http://r{k}:8000" for k in range(w.replicas)]
+        for k, router in enumerate(routers):
+            assert isinstance(router, CacheAware)
+            others = [u for u in urls if u != urls[k]]
+            asking[k] = Placement(router, urls[k], lambda others=others: others, clock=fleet.clock)
+
+    def candidates_of(k: int) -> list[Candidate]:
+        return [Candidate(r, inflight[r][k], fleet.loads.get(r)) for r in ranks]
+
+    def prompt_of(tokens: list[int], keys: list[int]) -> Prompt:
+        return Prompt(len(tokens), BLOCK, fleet.tree.prefix_depths(keys), keys)
+
+    def seen_by(k: int, keys: list[int], prompt: Prompt) -> tuple[dict[RankId, int], ...]:
+        """The index's device depths and this replica's booked depths of `keys`."""
         router = routers[k]
         ledger = router.inner.ledger if isinstance(router, CacheAwareHome) else None
         if isinstance(router, CacheAware):
             ledger = router.ledger
         device = dict(prompt.depths.device)
         booked = {} if ledger is None else ledger.booked_depths(keys, device)
+        return device, booked
+
+    def ask(i: int, req: Request, k: int, keys: list[int], placement: Placement) -> None:
+        """Replica `k` asks the placer (replica 0) over `round_trip`, then routes, as
+        `router.placement.PlacementAsker.ask` waits (its patience included)."""
+        assert round_trip is not None
+        asked_at = fleet.now
+        ended: list[bool] = []  # the asker routed (on the answer, or alone)
+
+        def placer_decides() -> None:
+            if ended:  # the asker gave up: its connection closed, the handler cancelled
+                return
+            routing.append(req)
+            decision = routers[0].decide(candidates_of(0), prompt_of(req.tokens, keys))
+            rank = decision.ranked[0].rank
+            fleet.at(fleet.now + round_trip.rtt_s / 2, lambda: answered(rank))
+
+        def answered(rank: RankId) -> None:
+            if not ended:
+                if fleet.now > asked_at + round_trip.timeout_s:
+                    placement.counts["late"] += 1
+                resolve(rank)
+
+        def timed_out() -> None:
+            if ended:
+                return
+            if placement.patient():
+                held = asked_at + MAX_WAIT_FACTOR * round_trip.timeout_s
+                fleet.at(held, lambda: None if ended else resolve(None))
+            else:
+                resolve(None)
+
+        def resolve(rank: RankId | None) -> None:
+            ended.append(True)
+            placement.finished("answered" if rank is not None else "timeout", asked_at)
+            candidates = candidates_of(k)
+            prompt = prompt_of(req.tokens, keys)
+            device, booked = seen_by(k, keys, prompt)
+            routing.append(req)
+            decision = placement.resolved(candidates, prompt, rank)
+            if decision is None:
+                decision = routers[k].decide(candidates, prompt)
+            fleet.send(i, sent_to(req, k, decision, {**device, **booked}))
+
+        fleet.at(placer_runs(asked_at + round_trip.rtt_s / 2), placer_decides)
+        fleet.at(asked_at + round_trip.timeout_s, timed_out)
+
+    def route(i: int, req: Request) -> RankId | None:
+        k = i % w.replicas
+        if k == 0 and (runs := placer_runs(fleet.now)) > fleet.now:
+
+            def after_the_stall() -> None:
+                rank = route_now(i, req, 0)  # the placer asks nobody
+                assert rank is not None
+                fleet.send(i, rank)
+
+            fleet.at(runs, after_the_stall)
+            return None
+        return route_now(i, req, k)
+
+    def route_now(i: int, req: Request, k: int) -> RankId | None:
+        candidates = candidates_of(k)
+        tokens = req.tokens
+        keys = block_keys(tokens, BLOCK)
+        prompt = prompt_of(tokens, keys)
+        router = routers[k]
+        device, booked = seen_by(k, keys, prompt)
         seen = {**device, **booked}  # what the replica sees before deciding
         routing.append(req)
+        placement = asking[k]
+        if placement is not None:
+            if placement.question(candidates, prompt) is not None:
+                ask(i, req, k, keys, placement)
+                return None
+            return sent_to(req, k, router.decide(candidates, prompt), seen)
         decider = router
         if (
             placer
@@ -752,6 +906,12 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
         if decider is not router:
             assert isinstance(router, CacheAware)
             router.adopt(rank, keys, device.get(rank, 0))
+        return sent_to(req, k, decision, seen)
+
+    def sent_to(req: Request, k: int, decision: Decision, seen: dict[RankId, int]) -> RankId:
+        """`decision`'s rank, counted: a copy by why (`Copies`), in flight from replica `k`."""
+        rank = decision.ranked[0].rank
+        tokens = req.tokens
         before = sent.setdefault(req.prefix, set())
         if before and rank not in before:
             if decision.outcome == IMBALANCE_FALLBACK:
@@ -776,6 +936,9 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
 
     out = fleet.run(requests, route, done)
     out.copies = copies
+    for placement in asking:
+        if placement is not None:
+            out.placements.update(placement.counts)
     for policy_obj in routers:
         if isinstance(policy_obj, CacheAwareHome):
             policy_obj = policy_obj.inner
@@ -812,9 +975,15 @@ def diagnose(
             f"{statistics.fmean(getattr(r.copies, k) for r in runs):4.1f}"
             for k in ("unseen", "gone", "away", "fallback")
         )
+        asked = ""
+        if any(r.placements for r in runs):
+            asked = "  placer: " + " ".join(
+                f"{k} {statistics.fmean(r.placements[k] for r in runs):.1f}"
+                for k in ("asked", "timeout", "busy")
+            )
         print(
             f"{w.name:<34} {p:<16} {rel:6.3f}x {lost[0]:7.0f} {lost[1]:6.0f} {lost[2]:7.0f} "
-            f"{spread:7.1f} {per_prefix:6.2f} {p50:7.1f} {p99:7.1f}  {copies}"
+            f"{spread:7.1f} {per_prefix:6.2f} {p50:7.1f} {p99:7.1f}  {copies}{asked}"
         )
 
 
@@ -856,6 +1025,23 @@ def main() -> None:
         "--placer", action="store_true", help="replica 0 places every new prefix (what-if)"
     )
     parser.add_argument(
+        "--placer-rtt-ms",
+        type=float,
+        help="with --placer: ask over this round trip (RoundTrip), as the live asker does",
+    )
+    parser.add_argument(
+        "--placer-timeout-ms",
+        type=float,
+        default=RoundTrip().timeout_s * 1e3,
+        help="... and give up after this long",
+    )
+    parser.add_argument(
+        "--placer-stall-every-ms",
+        type=float,
+        default=0.0,
+        help="... the placer stalling 60-120 ms once this often on average (0: never)",
+    )
+    parser.add_argument(
         "--placement-share-lag-ms",
         type=float,
         help="... except a placement (a prefix sent to a rank it was never sent to)",
@@ -894,8 +1080,17 @@ def main() -> None:
     lags = {k: ms / 1e3 for k, ms in lags.items() if ms is not None}
     chosen = [replace(w, **lags) for w in chosen]
 
+    round_trip = None
+    if args.placer_rtt_ms is not None:
+        round_trip = RoundTrip(
+            args.placer_rtt_ms / 1e3, args.placer_timeout_ms / 1e3,
+            args.placer_stall_every_ms / 1e3,
+        )  # fmt: skip
+
     def play_one(w: Workload, seed: int, policy: str) -> Outcome:
-        return play(w, seed, policy, weights, settings, not args.no_share, home, args.placer)
+        return play(
+            w, seed, policy, weights, settings, not args.no_share, home, args.placer, round_trip
+        )
 
     if args.diagnose:
         print(

@@ -316,7 +316,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         DEFAULT_PLACEMENT_TIMEOUT_MS,
         "cache_aware with siblings: how long a request for a new prefix waits for the placer "
         "replica's answer (POST /internal/place) before deciding alone (up to 4x when this "
-        "replica itself stalled meanwhile); 0 = never ask",
+        "replica itself stalled meanwhile, or while the placer answered the latest question); "
+        "0 = never ask",
     )
     f.add(
         "prefix-homes",

@@ -55,15 +55,25 @@ Theory of operation
   and the client all stood still for 75 ms), the backoff grew to 0.8-3.2 s, and the asker
   placed every new prefix of the run alone: copies and an uneven fleet, in the lowest runs of
   the multi-replica shapes.
+- Nor are the placer's stalls. A question unanswered at its timeout waits on, to the same
+  `MAX_WAIT_FACTOR` timeouts, while no failure is counted in the row (`Placement.patient`:
+  the placer answered the latest question that ended, so silent now it is stalled, not
+  gone). Giving up, each question of a burst places its prefix here, blind to the others
+  placed meanwhile: in the simulator with the round trip and the placer stalling 60-120 ms
+  (`bench/pressure_sim.py`, `RoundTrip`), two askers each placed the same new prefixes on
+  different ranks and several on one, u2033.8 0.83x the ideal partition in its worst seed
+  (BENCHMARKS.md, "Patience with a stalled placer"). The first failure ends the patience
+  of every question still in flight, so a placer gone costs one wait of 4 timeouts, then
+  the backoff.
 - Both wire types are msgpack arrays decoded all or nothing: a malformed question is refused
   whole (400) and nothing is booked; a malformed answer counts as an error.
 
 Counted (`kvrouter_placements_total{outcome}`): `asked` (questions sent), `answered` (routed
-to the placer's rank), `late` (answers read only because a stall of this replica lengthened
-the wait past the timeout: each would have been a `timeout`), `unusable` (answered with a
-rank that is not a healthy candidate here), `timeout`, `error`, `busy` (over the bound or
-backing off), `local` (a new prefix this replica placed itself as the placer), and `placed`
-(questions this replica answered).
+to the placer's rank), `late` (answers read past the timeout, the wait lengthened by a
+stall of this replica or held for a stalled placer: each would have been a `timeout`),
+`unusable` (answered with a rank that is not a healthy candidate here), `timeout`, `error`,
+`busy` (over the bound or backing off), `local` (a new prefix this replica placed itself
+as the placer), and `placed` (questions this replica answered).
 """
 
 from __future__ import annotations
@@ -275,6 +285,10 @@ class Deadline:
         if late > STALL_S:
             self._end = max(self._end, now + late)
 
+    def hold(self) -> None:
+        """Wait on to `max_wait_s` from `started` (`Placement.patient`)."""
+        self._end = self.started + self.max_wait_s
+
 
 @dataclass
 class Placement:
@@ -323,6 +337,17 @@ class Placement:
         self.asking += 1
         self.counts["asked"] += 1
         return placer
+
+    def patient(self) -> bool:
+        """Whether a question unanswered at its timeout waits on, to `MAX_WAIT_FACTOR`
+        timeouts from when it was asked: while no failure is counted in the row, so the
+        placer answered the latest question that ended. A placer that answered a moment ago
+        and is silent now is stalled (its process not run on a loaded host), not gone: each
+        question of a burst that gives up is a new prefix placed here blind to the others
+        placed meanwhile, a copy when the same prefix is asked about on another replica and
+        an uneven fleet when several are (the module docstring). The first failure ends the
+        patience for every question still in flight, so a placer gone costs one long wait."""
+        return self._failing[0] == 0
 
     def finished(self, outcome: str, asked_at: float) -> None:
         """A question asked at `asked_at` (this clock) ended: `answered` (an answer came),
@@ -374,8 +399,16 @@ class PlacementAsker:
         deadline = Deadline(self.timeout_s, MAX_WAIT_FACTOR * self.timeout_s, loop.time())
         post = asyncio.ensure_future(self._post(placer, question))
         outcome = "error"
+        held = False
         try:
-            while not post.done() and (wait := deadline.left(loop.time())) > 0:
+            while not post.done():
+                wait = deadline.left(loop.time())
+                if wait <= 0:
+                    if held or not self.placement.patient():
+                        break
+                    deadline.hold()
+                    held = True
+                    continue
                 due = loop.time() + wait
                 await asyncio.wait((post,), timeout=wait)
                 deadline.woke(due, loop.time())

@@ -121,3 +121,47 @@ async def test_a_placer_that_never_answers_still_times_out_within_the_bound() ->
         await runner.cleanup()
     assert waited < 0.5 + placement.MAX_WAIT_FACTOR * TIMEOUT_S
     assert (rules.counts["timeout"], rules.counts["late"], rules.asking) == (1, 0, 0)
+
+
+async def test_a_placer_silent_past_the_timeout_is_waited_for_until_a_question_fails() -> None:
+    """A placer that answered the latest question and is silent now is stalled, not gone:
+    the asker waits on past its timeout (to 4 timeouts) and reads the answer. Once one
+    question failed, the next gives up at its timeout, so a placer gone costs one long wait."""
+    policy = make_policy("cache_aware")
+    assert isinstance(policy, CacheAware)
+    delays = [0.1, 0.1, 1.0, 1.0]  # the placer's silence on each question, in turn
+
+    async def slow(request: web.Request) -> web.Response:
+        await request.read()
+        await asyncio.sleep(delays.pop(0))
+        return web.Response(body=encode_answer(RANK), content_type=placement.CONTENT_TYPE)
+
+    app = web.Application()
+    app.router.add_post(placement.PATH, slow)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    placer = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    loop = asyncio.get_running_loop()
+    waits: list[float] = []
+    ranks: list[RankId | None] = []
+    try:
+        rules = Placement(policy, "http://127.0.0.1:65535", lambda: [placer])
+        async with aiohttp.ClientSession() as session:
+            asker = PlacementAsker(session, "token", rules, TIMEOUT_S)
+            for _ in range(4):
+                rules.asking += 1
+                started = loop.time()
+                ranks.append(await asker.ask(placer, b"\x93\x20\x10\x91\x0b"))
+                waits.append(loop.time() - started)
+    finally:
+        await runner.cleanup()
+    bound = placement.MAX_WAIT_FACTOR * TIMEOUT_S
+    # Silent 100 ms, past the 50 ms timeout, after an answer (or before any): waited for.
+    assert ranks[:2] == [RANK, RANK] and all(0.1 <= w < bound for w in waits[:2])
+    # Silent for a second: waited to the bound, then a failure; the next one gave up at its
+    # timeout.
+    assert ranks[2:] == [None, None]
+    assert bound <= waits[2] < bound + 0.1 and TIMEOUT_S <= waits[3] < bound
+    assert (rules.counts["late"], rules.counts["timeout"], rules.asking) == (2, 2, 0)

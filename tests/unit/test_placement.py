@@ -219,6 +219,52 @@ def test_a_questions_deadline_gives_back_the_time_the_asker_stalled(
     assert deadline.left(now) == pytest.approx(left_ms / 1000)
 
 
+@pytest.mark.parametrize(
+    ("ended", "patient"),
+    [
+        ([], True),  # nothing asked yet ended: a silence is a stall until shown otherwise
+        (["answered"], True),  # the placer answered the latest: silent now, it is stalled
+        (["timeout"], False),  # a failure in the row: the placer may be gone, decide alone
+        (["error"], False),
+        (["timeout", "answered"], True),  # an answer ends the row, and patience is back
+        (["answered", "timeout"], False),  # the first failure ends it for the whole burst
+        (["answered", "timeout", "timeout"], False),
+    ],
+)
+def test_a_question_past_its_timeout_waits_on_while_the_placer_answered_the_latest(
+    ended: list[str], patient: bool
+) -> None:
+    s = Asker([LOW], max_asking=64)
+    clock = s.p.clock
+    for outcome in ended:
+        s.rules.asking += 1
+        asked = clock()
+        clock.advance(0.06)
+        s.rules.finished(outcome, asked)
+    assert s.rules.patient() is patient
+
+
+@pytest.mark.parametrize(
+    ("wakes", "left_ms"),
+    [
+        ([], 150),  # held at its timeout (50 ms): on to 4 timeouts from the start
+        ([(120, 120)], 80),
+        ([(120, 260)], 0),  # a stall past the bound ends it all the same
+    ],
+)
+def test_a_held_deadline_waits_to_its_bound_and_no_further(
+    wakes: list[tuple[float, float]], left_ms: float
+) -> None:
+    deadline = placement.Deadline(0.05, placement.MAX_WAIT_FACTOR * 0.05, 1.0)
+    now = 1.05
+    assert deadline.left(now) == 0
+    deadline.hold()
+    for due, woke in wakes:
+        now = 1.0 + woke / 1000
+        deadline.woke(1.0 + due / 1000, now)
+    assert deadline.left(now) == pytest.approx(left_ms / 1000)
+
+
 def test_a_deadline_waits_at_least_its_timeout() -> None:
     with pytest.raises(ValueError, match="timeout_s"):
         placement.Deadline(0.3, 0.2, 0.0)

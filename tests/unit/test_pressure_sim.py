@@ -4,6 +4,7 @@ table (`cache_aware_home`), anchored past shared preambles."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -16,6 +17,7 @@ from bench.pressure_sim import (
     Losses,
     Outcome,
     Request,
+    RoundTrip,
     Workload,
     build_requests,
     holdouts,
@@ -25,6 +27,7 @@ from bench.pressure_sim import (
     unseen_shapes,
     workloads,
 )
+from router.placement import Placement
 
 
 @pytest.mark.parametrize(
@@ -195,3 +198,38 @@ def test_a_placer_that_places_every_new_prefix_leaves_no_blind_copies() -> None:
     assert sum(o.copies.unseen for o in alone) >= 15
     assert sum(o.copies.unseen for o in placed) <= 1
     assert sum(o.ranks_per_prefix for o in placed) < sum(o.ranks_per_prefix for o in alone) - 1
+
+
+@pytest.mark.parametrize(
+    ("t_ms", "read_ms"),
+    [(5, 5), (10, 30), (29.9, 30), (30, 30), (55, 70), (80, 80)],
+)
+def test_a_stalled_placer_reads_a_question_when_its_stall_ends(t_ms: float, read_ms: float) -> None:
+    stalls = [(0.010, 0.030), (0.050, 0.070)]
+    assert RoundTrip().read_at(stalls, t_ms / 1000) == pytest.approx(read_ms / 1000)
+
+
+def test_the_placers_stalls_are_a_repeatable_draw_and_none_by_default() -> None:
+    rt = RoundTrip(stall_every_s=0.05)
+    stalls = rt.stalls(3, 5.0)
+    assert stalls == rt.stalls(3, 5.0) != rt.stalls(4, 5.0)
+    assert all(0.06 <= end - start <= 0.12 for start, end in stalls)
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(stalls))
+    assert RoundTrip().stalls(3, 5.0) == []
+
+
+def test_askers_over_a_round_trip_count_as_the_live_asker_and_wait_for_a_stalled_placer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every question answered with no stall; a placer stalling 60-120 ms past the 50 ms
+    # timeout is waited for (`Placement.patient`): answers read late, none timed out; an
+    # asker that gave up at its timeout would have placed those alone.
+    w = Workload("t", 4, 12, (10, 14), 0.85, 6, shuffled=True, concurrency=12, replicas=3)
+    quiet = play(w, 1, "cache_aware", placer=True, round_trip=RoundTrip())
+    assert quiet.placements["asked"] == quiet.placements["answered"] > 0
+    stalled = RoundTrip(stall_every_s=0.03)
+    held = play(w, 1, "cache_aware", placer=True, round_trip=stalled)
+    assert held.placements["late"] > 0 and held.placements["timeout"] == 0
+    monkeypatch.setattr(Placement, "patient", lambda self: False)
+    alone = play(w, 1, "cache_aware", placer=True, round_trip=stalled)
+    assert alone.placements["timeout"] > 0 and alone.placements["late"] == 0
