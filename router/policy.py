@@ -139,6 +139,26 @@ by 0.005-0.012, left 38 of the 46 shapes as they were and three within 0.006; li
 decision's instructions), and where it applies, one ledger lookup and a few passes over the
 candidates (a quarter of a decision).
 
+Outgrown holder. A prefix's holder that no longer has the blocks of it that were routed to
+it (its engine evicted them: the index shows it `d` deep, and the block past that was last
+routed there) has a working set larger than its cache, and under a cyclic order it loses as
+much on every request of its prefixes, round after round: the cost above keeps the prefix
+there (the blocks it still holds outweigh a copy's prefill), and placement online, not
+knowing the sizes still to come, leaves such ranks behind (`bench/pressure_sim.py`, u2034.6,
+46 pre-filled prefixes of 8-40 blocks in cyclic order over 7 workers: the first placements
+spread the prefixes' blocks over the workers by 36, the ideal partition 9). So when the
+prompt's deepest holder alone shows such a loss at this look and at its previous one (one
+loss is noise: a copy's first rounds, a booking that expired), its n blocks go instead to the
+candidate whose working set (`PressureLedger.working_sets`: demand less the requests' own
+tails later requests superseded) has room for them, `ws + n <= C`, with no loss at its own
+latest look and no more load than the holder; the least full of those. Once, not back and
+forth: the move must also leave the receiver less full than the holder was, `(ws + n) / C <
+ws_holder / C_holder`, so a move back would need the opposite. No weight of its own. In
+`bench/pressure_sim.py` (12 seeds), u2034.6 0.980x the ideal partition -> 0.995x (median;
+mean 0.979 -> 0.983), the tuning family's 46 shapes and five other fresh draws of 12 as they
+were within 0.001 of their means (BENCHMARKS.md). Its cost: one ledger lookup per decision
+whose deepest holder is one rank and whose prompt goes on past it.
+
 Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
 lower_tier_discount 0.5, backlog 1.0 (a typical rank with one request in flight halves a
 queued request's price; in `bench/pressure_sim.py` 0.5 and 2 did no better, and multiplying
@@ -482,6 +502,9 @@ class CacheAware:
     # through `adopt`, so the ledger sees the whole fleet's demand and bookings.
     share: Callable[[RankId, Sequence[int], int], None] | None = None
     spill_stats: SpillStats = field(default_factory=SpillStats)
+    # Ranks whose latest look showed a loss (module docstring, "Outgrown holder"): demanded
+    # blocks of a prompt they held in part, evicted. A rank seen whole again is dropped.
+    outgrown: dict[RankId, int] = field(default_factory=dict)
     name: ClassVar[str] = "cache_aware"
 
     def imbalanced(self, loads: Sequence[int]) -> bool:
@@ -598,6 +621,10 @@ class CacheAware:
                 first = min(near, key=agreed.__getitem__)
                 order.remove(first)
                 order.insert(0, first)
+        relief = self._relief(loads, pressure, prompt)
+        if relief is not None and relief != order[0]:
+            order.remove(relief)
+            order.insert(0, relief)
         ranked = list(map(candidates.__getitem__, order))
         if evicted[order[0]]:
             self.spill_stats.spills += 1
@@ -606,6 +633,40 @@ class CacheAware:
         self._record(chosen, prompt.keys, device.get(chosen, 0), holds)
         matched = any_tier.get(chosen, 0)
         return Decision(ranked, CACHE_HIT if matched else CACHE_MISS, matched, prompt, self.served)
+
+    def _relief(self, loads: Sequence[int], p: _Pressure, prompt: Prompt) -> int | None:
+        """The candidate to take the prompt off its outgrown holder, if any (module docstring,
+        "Outgrown holder"); records what this look saw of the holder."""
+        keys = prompt.keys
+        depth = p.depth
+        deepest = max(depth, default=0)
+        if not 0 < deepest < len(keys) or depth.count(deepest) != 1:
+            return None
+        r = depth.index(deepest)
+        holder = p.ranks[r]
+        routed_to = self.ledger.routed_to
+        end = deepest
+        while end < len(keys) and routed_to(keys[end], holder):
+            end += 1
+        seen_before = self.outgrown.pop(holder, 0)
+        if end == deepest:
+            return None
+        self.outgrown[holder] = end - deepest
+        capacity = p.capacity
+        c_holder = capacity[r]
+        if not seen_before or not c_holder:
+            return None
+        n = prompt.blocks
+        ws = self.ledger.working_sets(p.ranks)
+        bar = ws[r] / c_holder  # the holder's fullness: a receiver must end below it
+        best: int | None = None
+        least = math.inf
+        for i, (rank, c, w, load) in enumerate(zip(p.ranks, capacity, ws, loads, strict=True)):
+            if i == r or not c or w + n > c or load > loads[r] or rank in self.outgrown:
+                continue
+            if (w + n) / c < bar and w / c < least:
+                best, least = i, w / c
+        return best
 
     def _pressure(
         self,
