@@ -154,10 +154,17 @@ tails later requests superseded) has room for them, `ws + n <= C`, with no loss 
 latest look and no more load than the holder; the least full of those. Once, not back and
 forth: the move must also leave the receiver less full than the holder was, `(ws + n) / C <
 ws_holder / C_holder`, so a move back would need the opposite. No weight of its own. In
-`bench/pressure_sim.py` (12 seeds), u2034.6 0.980x the ideal partition -> 0.995x (median;
-mean 0.979 -> 0.983), the tuning family's 46 shapes and five other fresh draws of 12 as they
-were within 0.001 of their means (BENCHMARKS.md). Its cost: one ledger lookup per decision
-whose deepest holder is one rank and whose prompt goes on past it.
+`bench/pressure_sim.py` (12 seeds) u2034.6 went from 0.980x the ideal partition to 0.995x
+(median; mean 0.979 -> 0.983), the fresh draws 2034-2036 up by 0.0001-0.0012 in mean and
+2031-2033 as they were, no shape newly below 0.97x; the tuning family's mean 0.99500 ->
+0.99498 (one move, in one seed of 5w-15p-header4-c8: 0.990x -> 0.989x). Demand alone could
+not tell a rank with room: by then every rank's demand is past its capacity with the
+requests' own tails (`router.pressure`, "Working sets"), and moves priced on it sent the
+overflow from rank to rank (the tuning family's mean down to 0.990-0.994). Its cost: one
+ledger lookup per decision whose deepest holder is one rank and whose prompt goes on past it
+(`bench/relay_instructions.py`, cache_aware: 435,856 -> 439,593 instructions a request;
+counting every lost block instead of looking at the first cost 88,711; BENCHMARKS.md, "An
+outgrown holder").
 
 Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
 lower_tier_discount 0.5, backlog 1.0 (a typical rank with one request in flight halves a
@@ -502,9 +509,9 @@ class CacheAware:
     # through `adopt`, so the ledger sees the whole fleet's demand and bookings.
     share: Callable[[RankId, Sequence[int], int], None] | None = None
     spill_stats: SpillStats = field(default_factory=SpillStats)
-    # Ranks whose latest look showed a loss (module docstring, "Outgrown holder"): demanded
-    # blocks of a prompt they held in part, evicted. A rank seen whole again is dropped.
-    outgrown: dict[RankId, int] = field(default_factory=dict)
+    # Ranks whose latest look showed a loss (module docstring, "Outgrown holder"): a block of
+    # a prompt routed to them, evicted. A rank seen whole again is dropped.
+    outgrown: set[RankId] = field(default_factory=set)
     name: ClassVar[str] = "cache_aware"
 
     def imbalanced(self, loads: Sequence[int]) -> bool:
@@ -644,14 +651,12 @@ class CacheAware:
             return None
         r = depth.index(deepest)
         holder = p.ranks[r]
-        routed_to = self.ledger.routed_to
-        end = deepest
-        while end < len(keys) and routed_to(keys[end], holder):
-            end += 1
-        seen_before = self.outgrown.pop(holder, 0)
-        if end == deepest:
+        outgrown = self.outgrown
+        seen_before = holder in outgrown
+        if not self.ledger.routed_to(keys[deepest], holder):  # whole: nothing it had was lost
+            outgrown.discard(holder)
             return None
-        self.outgrown[holder] = end - deepest
+        outgrown.add(holder)
         capacity = p.capacity
         c_holder = capacity[r]
         if not seen_before or not c_holder:
@@ -662,7 +667,7 @@ class CacheAware:
         best: int | None = None
         least = math.inf
         for i, (rank, c, w, load) in enumerate(zip(p.ranks, capacity, ws, loads, strict=True)):
-            if i == r or not c or w + n > c or load > loads[r] or rank in self.outgrown:
+            if i == r or not c or w + n > c or load > loads[r] or rank in outgrown:
                 continue
             if (w + n) / c < bar and w / c < least:
                 best, least = i, w / c

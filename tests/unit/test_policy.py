@@ -836,7 +836,7 @@ def test_a_holder_that_keeps_losing_a_prefix_passes_it_to_a_rank_with_room(
     for _ in range(looks):
         decision = p.policy.decide(candidates, p.prompt())
     assert decision.ranked[0].rank == first
-    assert p.policy.outgrown == {A: 32}
+    assert p.policy.outgrown == {A}
 
 
 def test_a_rank_that_lost_at_its_latest_look_takes_no_outgrown_holders_prefix() -> None:
@@ -846,7 +846,7 @@ def test_a_rank_that_lost_at_its_latest_look_takes_no_outgrown_holders_prefix() 
     p.policy.ledger.record(A, KEYS, held=128)
     for seed, (rank, blocks) in enumerate(zip((A, B, C), (160, 100, 120), strict=True)):
         p.demand(rank, blocks, seed)
-    p.policy.outgrown[B] = 3  # B's own latest look showed a loss
+    p.policy.outgrown.add(B)  # B's own latest look showed a loss
     candidates = [cand(A), cand(B), cand(C)]
     assert [p.policy.decide(candidates, p.prompt()).ranked[0].rank for _ in "ab"] == [A, C]
 
@@ -865,7 +865,7 @@ def test_a_prefix_passed_on_stays_where_it_went() -> None:
     fleet.hold(B, 128)  # B's engine stored it
     longer = PROMPT + [5] * 4 * BS  # a repeat with a tail of its own
     assert p.policy.decide(candidates, p.prompt(longer)).ranked[0].rank == B
-    assert p.policy.outgrown == {A: 32}
+    assert p.policy.outgrown == {A}
     fleet.hold(A, 132, tokens=longer)  # A holds more than was routed to it: whole
     p.policy.decide(candidates, p.prompt(longer + [6] * 4 * BS))
-    assert p.policy.outgrown == {}
+    assert p.policy.outgrown == set()
