@@ -139,6 +139,33 @@ by 0.005-0.012, left 38 of the 46 shapes as they were and three within 0.006; li
 decision's instructions), and where it applies, one ledger lookup and a few passes over the
 candidates (a quarter of a decision).
 
+Outgrown holder. A prefix's holder that no longer has the blocks of it that were routed to
+it (its engine evicted them: the index shows it `d` deep, and the block past that was last
+routed there) has a working set larger than its cache, and under a cyclic order it loses as
+much on every request of its prefixes, round after round: the cost above keeps the prefix
+there (the blocks it still holds outweigh a copy's prefill), and placement online, not
+knowing the sizes still to come, leaves such ranks behind (`bench/pressure_sim.py`, u2034.6,
+46 pre-filled prefixes of 8-40 blocks in cyclic order over 7 workers: the first placements
+spread the prefixes' blocks over the workers by 36, the ideal partition 9). So when the
+prompt's deepest holder alone shows such a loss at this look and at its previous one (one
+loss is noise: a copy's first rounds, a booking that expired), its n blocks go instead to the
+candidate whose working set (`PressureLedger.working_sets`: demand less the requests' own
+tails later requests superseded) has room for them, `ws + n <= C`, with no loss at its own
+latest look and no more load than the holder; the least full of those. Once, not back and
+forth: the move must also leave the receiver less full than the holder was, `(ws + n) / C <
+ws_holder / C_holder`, so a move back would need the opposite. No weight of its own. In
+`bench/pressure_sim.py` (12 seeds) u2034.6 went from 0.980x the ideal partition to 0.995x
+(median; mean 0.979 -> 0.983), the fresh draws 2034-2036 up by 0.0001-0.0012 in mean and
+2031-2033 as they were, no shape newly below 0.97x; the tuning family's mean 0.99500 ->
+0.99498 (one move, in one seed of 5w-15p-header4-c8: 0.990x -> 0.989x). Demand alone could
+not tell a rank with room: by then every rank's demand is past its capacity with the
+requests' own tails (`router.pressure`, "Working sets"), and moves priced on it sent the
+overflow from rank to rank (the tuning family's mean down to 0.990-0.994). Its cost: one
+ledger lookup per decision whose deepest holder is one rank and whose prompt goes on past it
+(`bench/relay_instructions.py`, cache_aware: 435,856 -> 439,593 instructions a request;
+counting every lost block instead of looking at the first cost 88,711; BENCHMARKS.md, "An
+outgrown holder").
+
 Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
 lower_tier_discount 0.5, backlog 1.0 (a typical rank with one request in flight halves a
 queued request's price; in `bench/pressure_sim.py` 0.5 and 2 did no better, and multiplying
@@ -482,6 +509,9 @@ class CacheAware:
     # through `adopt`, so the ledger sees the whole fleet's demand and bookings.
     share: Callable[[RankId, Sequence[int], int], None] | None = None
     spill_stats: SpillStats = field(default_factory=SpillStats)
+    # Ranks whose latest look showed a loss (module docstring, "Outgrown holder"): a block of
+    # a prompt routed to them, evicted. A rank seen whole again is dropped.
+    outgrown: set[RankId] = field(default_factory=set)
     name: ClassVar[str] = "cache_aware"
 
     def imbalanced(self, loads: Sequence[int]) -> bool:
@@ -598,6 +628,10 @@ class CacheAware:
                 first = min(near, key=agreed.__getitem__)
                 order.remove(first)
                 order.insert(0, first)
+        relief = self._relief(loads, pressure, prompt)
+        if relief is not None and relief != order[0]:
+            order.remove(relief)
+            order.insert(0, relief)
         ranked = list(map(candidates.__getitem__, order))
         if evicted[order[0]]:
             self.spill_stats.spills += 1
@@ -606,6 +640,38 @@ class CacheAware:
         self._record(chosen, prompt.keys, device.get(chosen, 0), holds)
         matched = any_tier.get(chosen, 0)
         return Decision(ranked, CACHE_HIT if matched else CACHE_MISS, matched, prompt, self.served)
+
+    def _relief(self, loads: Sequence[int], p: _Pressure, prompt: Prompt) -> int | None:
+        """The candidate to take the prompt off its outgrown holder, if any (module docstring,
+        "Outgrown holder"); records what this look saw of the holder."""
+        keys = prompt.keys
+        depth = p.depth
+        deepest = max(depth, default=0)
+        if not 0 < deepest < len(keys) or depth.count(deepest) != 1:
+            return None
+        r = depth.index(deepest)
+        holder = p.ranks[r]
+        outgrown = self.outgrown
+        seen_before = holder in outgrown
+        if not self.ledger.routed_to(keys[deepest], holder):  # whole: nothing it had was lost
+            outgrown.discard(holder)
+            return None
+        outgrown.add(holder)
+        capacity = p.capacity
+        c_holder = capacity[r]
+        if not seen_before or not c_holder:
+            return None
+        n = prompt.blocks
+        ws = self.ledger.working_sets(p.ranks)
+        bar = ws[r] / c_holder  # the holder's fullness: a receiver must end below it
+        best: int | None = None
+        least = math.inf
+        for i, (rank, c, w, load) in enumerate(zip(p.ranks, capacity, ws, loads, strict=True)):
+            if i == r or not c or w + n > c or load > loads[r] or rank in outgrown:
+                continue
+            if (w + n) / c < bar and w / c < least:
+                best, least = i, w / c
+        return best
 
     def _pressure(
         self,

@@ -32,6 +32,21 @@ Every routed prompt is recorded against the rank it went to, block key by block 
   so a confirmed booking stops counting at once: were it kept, it would hide the engine
   evicting those blocks later.
 
+Working sets. A request's own tail (the blocks after the prefix it shares with the requests
+before it) is routed once and never again, yet it counts as demand until it decays: over a
+few rounds of a cyclic workload each rank's demand grows past its capacity by the tails
+alone, whether or not its prefixes fit (`bench/pressure_sim.py`, u2034.6 seed 1: every
+rank's demand 206-227 blocks of 175 after four rounds, its prefixes' blocks 143-170). When a
+prompt takes over the leading blocks of one earlier record (routed more than a 64th of a
+half-life ago: a fresher one keeps its place, tail and all) and goes on with blocks new to
+the ledger, what that record keeps beyond them is a continuation this prompt superseded: a
+request's own tail, when it is shorter than what it shares (a longer one is another prefix
+below a shared preamble, still in use, and is left alone). Its batch is marked `superseded`,
+and a rank's working set (`working_sets`) is its demand less its superseded blocks: what its
+cache must hold for the prefixes routed to it to stay. Demand itself is unchanged (every
+other rule reads it); only the relief of an outgrown holder (`router.policy`) reads the
+working set.
+
 Weights are stored as 2 ** ((t - t0) / half_life) against a moving origin t0, so a rank's
 demand is one running sum scaled by 2 ** -((now - t0) / half_life): recording a block is O(1)
 and reading a demand is O(1), however many blocks are tracked.
@@ -124,6 +139,7 @@ class _Batch:
     keys: Sequence[int] = ()
     start: int = 0
     live: int = 0
+    superseded: bool = False  # its live pairs are a continuation a later prompt replaced
 
 
 def _booked_map() -> MutableMapping[int, _Booking]:
@@ -152,6 +168,7 @@ class _RankLedger:
     pairs: int = 0  # live pairs over its batches
     listed: int = 0  # keys its batches list from `start` on, live or stale
     total: float = 0.0  # sum of its live pairs' weights
+    superseded: float = 0.0  # ... of those in superseded batches
     bookings: deque[_Booking] = field(default_factory=deque)  # oldest first
     # key -> the newest booking that booked it, ended or not. Bookings end oldest first
     # (`move` aside, which rebuilds this), so a key whose newest booking ended is booked
@@ -204,6 +221,15 @@ class PressureLedger:
         get = self._ranks.get
         return [0.0 if (st := get(r)) is None else max(st.total * scale, 0.0) for r in ranks]
 
+    def working_sets(self, ranks: Iterable[RankId]) -> list[float]:
+        """Each rank's demand less its superseded continuations (module docstring)."""
+        scale = self._scale(self._clock())
+        get = self._ranks.get
+        return [
+            0.0 if (st := get(r)) is None else max((st.total - st.superseded) * scale, 0.0)
+            for r in ranks
+        ]
+
     def live_bookings(self, rank: RankId) -> int:
         """Bookings (routed prompts) on the rank, neither confirmed nor expired yet."""
         st = self._ranks.get(rank)
@@ -230,6 +256,11 @@ class PressureLedger:
     def routed(self, key: int) -> bool:
         """Whether the block was routed to any rank lately (its weight is still tracked)."""
         return self._pairs.get(key) is not None
+
+    def routed_to(self, key: int, rank: RankId) -> bool:
+        """Whether the block was routed lately, to `rank` last."""
+        batch = self._pairs.get(key)
+        return batch is not None and batch.rank is self._ranks.get(rank)
 
     def ranks(self) -> list[RankId]:
         return list(self._ranks)
@@ -400,6 +431,11 @@ class PressureLedger:
             if olds[:prefix].count(head) == prefix and olds.count(batch) == n - prefix:
                 moved = self._move_run(keys, 0, prefix, head, batch)
                 self._unweigh(head, moved)
+                if 0 < head.live < moved and not head.superseded:
+                    # What the earlier record kept past the blocks taken over, shorter
+                    # than them: its own tail, superseded by this prompt's.
+                    head.superseded = True
+                    head.rank.superseded += head.weight * head.live
                 return 0, moved
         for i, old in enumerate(islice(olds, start, None), start):
             if old is kept:
@@ -435,6 +471,8 @@ class PressureLedger:
         st = batch.rank
         st.pairs -= count
         st.total -= batch.weight * count
+        if batch.superseded:
+            st.superseded -= batch.weight * count
 
     def _book(
         self, now: float, rank: RankId, st: _RankLedger, keys: Sequence[int], held: int
@@ -491,7 +529,7 @@ class PressureLedger:
             batch.start = i
             self._unweigh(batch, dropped)
         if not st.pairs:
-            st.total = 0.0  # no rounding residue on an empty rank
+            st.total = st.superseded = 0.0  # no rounding residue on an empty rank
         if st.listed > 2 * st.pairs + _STALE_SLACK:
             self._compact(st)
 
@@ -529,6 +567,7 @@ class PressureLedger:
             for batch in st.batches:
                 batch.weight *= factor
             st.total = math.fsum(batch.weight * batch.live for batch in st.batches)
+            st.superseded = math.fsum(b.weight * b.live for b in st.batches if b.superseded)
         self._origin = now
 
 

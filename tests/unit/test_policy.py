@@ -799,3 +799,73 @@ def test_a_rank_of_unknown_capacity_counts_in_no_sum_of_the_shared_preamble_char
     assert costs[2] == pytest.approx(16 * 96)
     assert costs[3] == pytest.approx(16 * 96 + 3 * 256)
     assert p.policy.decide(candidates, p.prompt(BELOW)).ranked[0].rank == C
+
+
+# An outgrown holder: A held the whole prompt (routed there), its engine kept 96 of the 128
+# blocks; its working set, 128 + 160 blocks, is past its capacity of 256.
+@pytest.mark.parametrize(
+    ("looks", "ws_b", "ws_c", "loads", "known", "first"),
+    [
+        (1, 100, 120, (0, 0, 0), True, A),  # one loss is noise: the cost keeps it on A
+        (2, 100, 120, (0, 0, 0), True, B),  # the second in a row: to the least full with room
+        (2, 140, 120, (0, 0, 0), True, C),  # B has no room for 128 blocks more
+        (2, 140, 140, (0, 0, 0), True, A),  # neither has: the cost keeps it on A
+        (2, 100, 120, (0, 1, 0), True, C),  # B is busier than A
+        (2, 100, 120, (1, 1, 2), True, B),  # ... no busier than A
+        (2, 100, 120, (0, 0, 0), False, A),  # A's capacity unknown: nothing to say it outgrew
+    ],
+)
+def test_a_holder_that_keeps_losing_a_prefix_passes_it_to_a_rank_with_room(
+    looks: int,
+    ws_b: int,
+    ws_c: int,
+    loads: tuple[int, int, int],
+    known: bool,
+    first: RankId,
+) -> None:
+    fleet = Fleet()
+    capacity = even() if known else {B: 256, C: 256}
+    p = Pressured(fleet, capacity, ttl_s=0.0)  # no bookings: the index alone shows the depth
+    fleet.hold(A, 96)
+    p.policy.ledger.record(A, KEYS, held=128)
+    for seed, (rank, blocks) in enumerate(zip((A, B, C), (160, ws_b, ws_c), strict=True)):
+        p.demand(rank, blocks, seed)
+    candidates = [cand(r, q) for r, q in zip((A, B, C), loads, strict=True)]
+    costs = p.policy.costs(candidates, p.prompt())
+    assert costs[0] == min(costs)  # the cost alone keeps it on A every time
+    for _ in range(looks):
+        decision = p.policy.decide(candidates, p.prompt())
+    assert decision.ranked[0].rank == first
+    assert p.policy.outgrown == {A}
+
+
+def test_a_rank_that_lost_at_its_latest_look_takes_no_outgrown_holders_prefix() -> None:
+    fleet = Fleet()
+    p = Pressured(fleet, even(), ttl_s=0.0)
+    fleet.hold(A, 96)
+    p.policy.ledger.record(A, KEYS, held=128)
+    for seed, (rank, blocks) in enumerate(zip((A, B, C), (160, 100, 120), strict=True)):
+        p.demand(rank, blocks, seed)
+    p.policy.outgrown.add(B)  # B's own latest look showed a loss
+    candidates = [cand(A), cand(B), cand(C)]
+    assert [p.policy.decide(candidates, p.prompt()).ranked[0].rank for _ in "ab"] == [A, C]
+
+
+def test_a_prefix_passed_on_stays_where_it_went() -> None:
+    """Once, not back and forth: the receiver then holds it whole, and the holder's loss is
+    no longer the deepest match; seen whole, a rank leaves the outgrown ones."""
+    fleet = Fleet()
+    p = Pressured(fleet, even(), ttl_s=0.0)
+    fleet.hold(A, 96)
+    p.policy.ledger.record(A, KEYS, held=128)
+    for seed, (rank, blocks) in enumerate(zip((A, B, C), (160, 100, 120), strict=True)):
+        p.demand(rank, blocks, seed)
+    candidates = [cand(A), cand(B), cand(C)]
+    assert [p.policy.decide(candidates, p.prompt()).ranked[0].rank for _ in "ab"] == [A, B]
+    fleet.hold(B, 128)  # B's engine stored it
+    longer = PROMPT + [5] * 4 * BS  # a repeat with a tail of its own
+    assert p.policy.decide(candidates, p.prompt(longer)).ranked[0].rank == B
+    assert p.policy.outgrown == {A}
+    fleet.hold(A, 132, tokens=longer)  # A holds more than was routed to it: whole
+    p.policy.decide(candidates, p.prompt(longer + [6] * 4 * BS))
+    assert p.policy.outgrown == set()

@@ -252,6 +252,59 @@ def test_record_of_a_new_tail_after_a_fresh_prefix_starts_at_the_tail() -> None:
     assert led.record(A, longer, held=30) == 30
 
 
+# A 20-block prefix, then tails of its requests' own (block_keys chain: a tail's keys depend
+# on the prefix before it).
+PREFIX = tokens(1, 20)
+
+
+def request(tail_seed: int, tail_blocks: int) -> list[int]:
+    return block_keys(PREFIX + tokens(tail_seed, tail_blocks), BS)
+
+
+@pytest.mark.parametrize(
+    ("first", "then", "after_s", "demand", "working_set"),
+    [
+        # A request's own 2-block tail, superseded by the next request's: no longer needed.
+        (request(7, 2), request(8, 2), 1.0, 24.0, 22.0),
+        (request(7, 2), request(8, 3), 1.0, 25.0, 23.0),
+        # The next one extends the whole earlier prompt (a conversation's next turn): kept.
+        (request(7, 2), block_keys(PREFIX + tokens(7, 2) + tokens(8, 2), BS), 1.0, 24.0, 24.0),
+        # What the earlier prompt keeps is longer than what is shared: another prefix below a
+        # shared preamble, still in use.
+        (request(7, 30), request(8, 30), 1.0, 80.0, 80.0),
+        # Routed again within a 64th of a half-life: the prefix keeps its place, tail and all.
+        (request(7, 2), request(8, 2), 0.1, 24.0, 24.0),
+    ],
+)
+def test_a_rank_working_set_leaves_out_tails_later_requests_superseded(
+    first: list[int], then: list[int], after_s: float, demand: float, working_set: float
+) -> None:
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=30.0)
+    led.record(A, first, held=len(first))
+    clock.advance(after_s)
+    led.record(A, then, held=len(then))
+    now = 2.0 ** (-after_s / 30.0)  # the first record's weight now; the second's is 1
+    assert led.demand(A) == pytest.approx(demand - (len(first) - 20) * (1 - now), rel=0.01)
+    assert led.working_sets([A, B]) == pytest.approx(
+        [working_set - (working_set - len(then)) * (1 - now), 0.0], rel=0.01
+    )
+
+
+def test_superseded_blocks_leave_the_working_set_as_they_leave_the_ledger() -> None:
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=1.0)
+    led.record(A, request(7, 2), held=22)
+    clock.advance(1.0)
+    led.record(A, request(8, 2), held=22)  # the first tail superseded, at weight 1/2
+    assert led.working_sets([A]) == pytest.approx([22.0])
+    led.record(B, request(7, 2), held=22)  # the first request again, on B: its tail moves
+    assert led.working_sets([A, B]) == pytest.approx([2.0, 22.0])
+    clock.advance(300.0)  # everything forgotten (and the weights' origin moved)
+    led.record(C, keys(9, 1), held=1)
+    assert led.working_sets([A, B, C]) == pytest.approx([0.0, 0.0, 1.0], abs=1e-9)
+
+
 class DemandModel:
     """The demand rules written out block by block: each key weighs 2 ** -(age / half-life) on
     the rank it was last routed to, a weight refreshed unless it is within 1/64 of a
