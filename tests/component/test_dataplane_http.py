@@ -26,6 +26,7 @@ from tests.support.router import RouterHandle, router_in_process
 from tests.support.scripted_worker import (
     RawClient,
     Request,
+    Script,
     post,
     respond,
     scripted_worker,
@@ -788,6 +789,26 @@ async def test_a_worker_without_a_head_in_time_is_failed_over_and_counted() -> N
         ) == 1
 
 
+async def assert_lost_and_failed_over(script: Script) -> None:
+    """A worker answering as `script` does is a lost answer: the next rank answers the client,
+    the breaker and the failure metric count it, and its connection is never reused."""
+    async with (
+        scripted_worker(script) as bad,
+        scripted_worker() as good,
+        router_in_process(workers=[bad.url, good.url], policy="round_robin") as rt,
+    ):
+        await routable(rt, bad.url, good.url)
+        status, _, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
+        assert status == 200
+        assert len(bad.posts()) == 1 and len(good.posts()) == 1
+        worker = rt.replica.workers.get(bad.url)
+        assert worker is not None and worker.breaker.consecutive_failures == 1
+        assert (await rt.scrape()).value(
+            "kvrouter_upstream_failures_total", worker=bad.url, reason="lost"
+        ) == 1
+        assert rt.plane.pools[bad.url].total == 0  # that connection is never reused
+
+
 async def test_a_worker_head_over_the_bound_is_a_lost_answer_and_fails_over() -> None:
     async def endless_head(request: Request, writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\n")
@@ -796,21 +817,7 @@ async def test_a_worker_head_over_the_bound_is_a_lost_answer_and_fails_over() ->
             await writer.drain()
         await asyncio.Event().wait()
 
-    async with (
-        scripted_worker(endless_head) as bloated,
-        scripted_worker() as good,
-        router_in_process(workers=[bloated.url, good.url], policy="round_robin") as rt,
-    ):
-        await routable(rt, bloated.url, good.url)
-        status, _, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
-        assert status == 200
-        assert len(bloated.posts()) == 1 and len(good.posts()) == 1
-        worker = rt.replica.workers.get(bloated.url)
-        assert worker is not None and worker.breaker.consecutive_failures == 1
-        assert (await rt.scrape()).value(
-            "kvrouter_upstream_failures_total", worker=bloated.url, reason="lost"
-        ) == 1
-        assert rt.plane.pools[bloated.url].total == 0  # that connection is never reused
+    await assert_lost_and_failed_over(endless_head)
 
 
 async def test_a_worker_answer_in_a_transfer_coding_never_offered_is_lost_and_fails_over() -> None:
@@ -822,20 +829,8 @@ async def test_a_worker_answer_in_a_transfer_coding_never_offered_is_lost_and_fa
         )
         await writer.drain()
 
-    async with (
-        scripted_worker(gzipped) as coded,
-        scripted_worker() as good,
-        router_in_process(workers=[coded.url, good.url], policy="round_robin") as rt,
-    ):
-        await routable(rt, coded.url, good.url)
-        status, _, answer = await rt.post("/v1/completions", json.loads(COMPLETION))
-        # The client never gets gzip bytes under a plain chunked label: the next rank answers.
-        assert status == 200 and answer is not None
-        assert len(coded.posts()) == 1 and len(good.posts()) == 1
-        assert (await rt.scrape()).value(
-            "kvrouter_upstream_failures_total", worker=coded.url, reason="lost"
-        ) == 1
-        assert rt.plane.pools[coded.url].total == 0  # that connection is never reused
+    # The client never gets gzip bytes under a plain chunked label: the next rank answers.
+    await assert_lost_and_failed_over(gzipped)
 
 
 async def test_a_stream_idle_too_long_is_cut_with_an_error_event() -> None:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import aiohttp
 import pytest
@@ -71,6 +71,22 @@ def placer_that_stalls(asker_loop: asyncio.AbstractEventLoop) -> Iterator[str]:
         thread.join(10)
 
 
+@contextlib.asynccontextmanager
+async def stub_placer(
+    answer: Callable[[web.Request], Awaitable[web.Response]],
+) -> AsyncIterator[str]:
+    """A placer on this loop answering every question as `answer` does: its URL."""
+    app = web.Application()
+    app.router.add_post(placement.PATH, answer)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
 async def test_an_answer_that_came_while_the_asker_stalled_is_used_not_timed_out() -> None:
     policy = make_policy("cache_aware")
     assert isinstance(policy, CacheAware)
@@ -99,14 +115,7 @@ async def test_a_placer_that_never_answers_still_times_out_within_the_bound() ->
         await never.wait()
         raise AssertionError("unreachable")
 
-    app = web.Application()
-    app.router.add_post(placement.PATH, hang)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    placer = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
+    async with stub_placer(hang) as placer:
         rules = Placement(policy, "http://127.0.0.1:65535", lambda: [placer])
         async with aiohttp.ClientSession() as session:
             asker = PlacementAsker(session, "token", rules, TIMEOUT_S)
@@ -117,8 +126,6 @@ async def test_a_placer_that_never_answers_still_times_out_within_the_bound() ->
             loop.call_later(0.01, time.sleep, 0.5)
             assert await asker.ask(placer, b"\x93\x20\x10\x91\x0b") is None
             waited = loop.time() - started
-    finally:
-        await runner.cleanup()
     assert waited < 0.5 + placement.MAX_WAIT_FACTOR * TIMEOUT_S
     assert (rules.counts["timeout"], rules.counts["late"], rules.asking) == (1, 0, 0)
 
@@ -136,17 +143,10 @@ async def test_a_placer_silent_past_the_timeout_is_waited_for_until_a_question_f
         await asyncio.sleep(delays.pop(0))
         return web.Response(body=encode_answer(RANK), content_type=placement.CONTENT_TYPE)
 
-    app = web.Application()
-    app.router.add_post(placement.PATH, slow)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    placer = f"http://127.0.0.1:{runner.addresses[0][1]}"
     loop = asyncio.get_running_loop()
     waits: list[float] = []
     ranks: list[RankId | None] = []
-    try:
+    async with stub_placer(slow) as placer:
         rules = Placement(policy, "http://127.0.0.1:65535", lambda: [placer])
         async with aiohttp.ClientSession() as session:
             asker = PlacementAsker(session, "token", rules, TIMEOUT_S)
@@ -155,8 +155,6 @@ async def test_a_placer_silent_past_the_timeout_is_waited_for_until_a_question_f
                 started = loop.time()
                 ranks.append(await asker.ask(placer, b"\x93\x20\x10\x91\x0b"))
                 waits.append(loop.time() - started)
-    finally:
-        await runner.cleanup()
     bound = placement.MAX_WAIT_FACTOR * TIMEOUT_S
     # Silent 100 ms, past the 50 ms timeout, after an answer (or before any): waited for.
     assert ranks[:2] == [RANK, RANK] and all(0.1 <= w < bound for w in waits[:2])

@@ -839,13 +839,20 @@ def test_a_holder_that_keeps_losing_a_prefix_passes_it_to_a_rank_with_room(
     assert p.policy.outgrown == {A}
 
 
-def test_a_rank_that_lost_at_its_latest_look_takes_no_outgrown_holders_prefix() -> None:
+def a_holder_that_lost_its_tail() -> tuple[Fleet, Pressured]:
+    """A holds 96 of the prompt's 128 routed blocks (it lost the rest); demand on A, B and C
+    of 160, 100 and 120 blocks."""
     fleet = Fleet()
     p = Pressured(fleet, even(), ttl_s=0.0)
     fleet.hold(A, 96)
     p.policy.ledger.record(A, KEYS, held=128)
     for seed, (rank, blocks) in enumerate(zip((A, B, C), (160, 100, 120), strict=True)):
         p.demand(rank, blocks, seed)
+    return fleet, p
+
+
+def test_a_rank_that_lost_at_its_latest_look_takes_no_outgrown_holders_prefix() -> None:
+    _, p = a_holder_that_lost_its_tail()
     p.policy.outgrown.add(B)  # B's own latest look showed a loss
     candidates = [cand(A), cand(B), cand(C)]
     assert [p.policy.decide(candidates, p.prompt()).ranked[0].rank for _ in "ab"] == [A, C]
@@ -854,12 +861,7 @@ def test_a_rank_that_lost_at_its_latest_look_takes_no_outgrown_holders_prefix() 
 def test_a_prefix_passed_on_stays_where_it_went() -> None:
     """Once, not back and forth: the receiver then holds it whole, and the holder's loss is
     no longer the deepest match; seen whole, a rank leaves the outgrown ones."""
-    fleet = Fleet()
-    p = Pressured(fleet, even(), ttl_s=0.0)
-    fleet.hold(A, 96)
-    p.policy.ledger.record(A, KEYS, held=128)
-    for seed, (rank, blocks) in enumerate(zip((A, B, C), (160, 100, 120), strict=True)):
-        p.demand(rank, blocks, seed)
+    fleet, p = a_holder_that_lost_its_tail()
     candidates = [cand(A), cand(B), cand(C)]
     assert [p.policy.decide(candidates, p.prompt()).ranked[0].rank for _ in "ab"] == [A, B]
     fleet.hold(B, 128)  # B's engine stored it
