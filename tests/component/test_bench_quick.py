@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -135,3 +136,26 @@ def test_ledger_memory_measures_a_ledger_of_the_asked_size_in_its_own_process() 
     # one row per size, each from a child whose ledger tracks exactly that many pairs
     assert [r.split()[1] for r in rows] == ["5,000", "10,000"]
     assert all("B/pair" in r and "full GC pass" in r for r in rows)
+
+
+@pytest.mark.timeout(120)
+def test_relay_instructions_child_answers_the_proxy_workloads_requests(tmp_path: Path) -> None:
+    """The child that callgrind counts, without callgrind: two fake workers, a replica and the
+    load on the proxy benchmark's bodies read from a file (`--workload proxy`); it exits 0 only
+    when every request was answered 200, and leaves without a teardown."""
+    from bench import relay_instructions
+
+    requests = 40
+    bodies = tmp_path / "bodies"
+    wanted = relay_instructions.WARMUP + requests + 32
+    bodies.write_bytes(relay_instructions.SEPARATOR.join(relay_instructions.proxy_requests(wanted)))
+    argv = [sys.executable, str(ROOT / "bench" / "relay_instructions.py"), "--child"]
+    argv += ["cache_aware", "--requests", str(requests), "--bodies", str(bodies)]
+    done = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
