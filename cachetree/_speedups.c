@@ -393,25 +393,6 @@ is_u8_buffer(const Py_buffer *view)
            && view->format[1] == '\0';
 }
 
-/* Keys of ids given one per byte: each widened to u32 in a scratch buffer, then chained. */
-static PyObject *
-chain_u8(const uint8_t *ids, Py_ssize_t n, Py_ssize_t block_size, uint64_t seed)
-{
-    uint32_t stack[4096];
-    uint32_t *packed = n <= 4096 ? stack : PyMem_Malloc((size_t)n * 4);
-    if (packed == NULL) {
-        return PyErr_NoMemory();
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        packed[i] = ids[i];
-    }
-    PyObject *keys = chain((const uint8_t *)packed, n / block_size, block_size * 4, seed);
-    if (packed != stack) {
-        PyMem_Free(packed);
-    }
-    return keys;
-}
-
 static PyObject *
 py_block_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -428,47 +409,66 @@ py_block_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *tokens = args[0];
+    /* Ids one a byte (`view`) or a sequence of ints (`seq`) are packed as u32 below; a u32
+     * buffer is chained as it is. */
+    Py_buffer view;
+    const uint8_t *bytes = NULL;
+    PyObject *seq = NULL;
+    Py_ssize_t n;
     if (!PyList_CheckExact(tokens) && !PyTuple_CheckExact(tokens) && PyObject_CheckBuffer(tokens)) {
-        Py_buffer view;
         if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
-            int u32 = is_u32_buffer(&view);
-            if (u32 || is_u8_buffer(&view)) {
+            if (is_u32_buffer(&view)) {
                 PyObject *keys = NULL;
                 if (block_size <= 0) {
                     PyErr_SetString(PyExc_ValueError, "block size must be positive");
                 }
-                else if (u32) {
-                    Py_ssize_t n = view.len / 4;
-                    keys = chain((const uint8_t *)view.buf, n / block_size, block_size * 4, seed);
-                }
                 else {
-                    keys = chain_u8((const uint8_t *)view.buf, view.len, block_size, seed);
+                    n = view.len / 4;
+                    keys = chain((const uint8_t *)view.buf, n / block_size, block_size * 4, seed);
                 }
                 PyBuffer_Release(&view);
                 return keys;
             }
-            PyBuffer_Release(&view);
+            if (is_u8_buffer(&view)) {
+                bytes = (const uint8_t *)view.buf;
+            }
+            else {
+                PyBuffer_Release(&view);
+            }
         }
         else {
             PyErr_Clear(); /* not a contiguous typed buffer: read it as a sequence below */
         }
     }
-    PyObject *seq = PySequence_Fast(tokens, "token_ids must be a sequence of ints");
-    if (seq == NULL) {
-        return NULL;
+    PyObject **items = NULL;
+    if (bytes != NULL) {
+        n = view.len;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    else {
+        seq = PySequence_Fast(tokens, "token_ids must be a sequence of ints");
+        if (seq == NULL) {
+            return NULL;
+        }
+        n = PySequence_Fast_GET_SIZE(seq);
+        items = PySequence_Fast_ITEMS(seq);
+    }
     uint32_t stack[4096];
     uint32_t *packed = n <= 4096 ? stack : PyMem_Malloc((size_t)n * 4);
     PyObject *keys = NULL;
     if (packed == NULL) {
-        Py_DECREF(seq);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (token_u32(items[i], &packed[i]) < 0) {
-            goto done;
+    if (bytes != NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            packed[i] = bytes[i];
+        }
+    }
+    else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (token_u32(items[i], &packed[i]) < 0) {
+                goto done;
+            }
         }
     }
     if (block_size <= 0) {
@@ -478,9 +478,12 @@ py_block_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     keys = chain((const uint8_t *)packed, n / block_size, block_size * 4, seed);
 done:
     if (packed != stack) {
-        PyMem_Free(packed);
+        PyMem_Free(packed); /* PyMem_Free(NULL) is a no-op */
     }
-    Py_DECREF(seq);
+    if (bytes != NULL) {
+        PyBuffer_Release(&view);
+    }
+    Py_XDECREF(seq);
     return keys;
 }
 
