@@ -44,7 +44,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httptools
@@ -167,22 +167,19 @@ def start_workers(count: int) -> tuple[list[subprocess.Popen[str]], list[str]]:
     return procs, urls
 
 
-async def run_target(
-    target: str, urls: list[str], requests: int, concurrency: int, teardown: bool = True
-) -> None:
-    stop: Callable[[], Awaitable[None]]
+async def run_target(target: str, urls: list[str], requests: int, concurrency: int) -> None:
+    """The target's server in this process, warmed, then `requests` counted requests. It is
+    left running: shut down, a replica clears each departing worker's rank node by node,
+    which grows with the index, and the proxy workload's index grows with the count (a
+    doubled count would count a doubled teardown). The process exits instead (`child`)."""
     if target == "floor":
         from bench.relay_floor import start
 
-        plane, control = await start("127.0.0.1", 0, urls)
+        plane, _control = await start("127.0.0.1", 0, urls)  # bound: both serve until exit
         port = plane.addresses[0][1]
-
-        async def stop() -> None:
-            await plane.close()
-            await control.cleanup()
     else:
         from router.cli import parse_args, serve_config
-        from router.serving import start_serving, stop_serving
+        from router.serving import start_serving
 
         argv = ["serve", "--host", "127.0.0.1", "--port", str(free_port()), "--policy", target]
         argv += ["--block-size", str(BLOCK_SIZE), "--log-level", "warning"]
@@ -195,19 +192,12 @@ async def run_target(
         while len(serving.replica.workers.routable()) < len(urls):  # noqa: ASYNC110
             await asyncio.sleep(0.05)
 
-        async def stop() -> None:
-            await stop_serving(serving)
-
     # The collector tuned as `kvrouter serve` tunes it (start-up objects frozen, a larger
     # young generation). Untuned, a full collection walks the whole replica once every few
     # thousand requests, tens of millions of instructions that land in one count or not.
     tune_gc()
-    try:
-        await load(port, WARMUP, concurrency)  # warm-up: connections, pools, caches
-        await load(port, requests, concurrency)
-    finally:
-        if teardown:
-            await stop()
+    await load(port, WARMUP, concurrency)  # warm-up: connections, pools, caches
+    await load(port, requests, concurrency)
 
 
 REQUESTS: Iterator[bytes] = itertools.repeat(request_bytes())
@@ -225,10 +215,7 @@ def child(
     procs, urls = start_workers(2)
     try:
         with asyncio.Runner(loop_factory=loop_factory(event_loop)) as runner:
-            runner.run(run_target(target, urls, requests, concurrency, teardown=False))
-            # The replica is not shut down: its shutdown clears each departing worker's rank
-            # node by node, which grows with the index, and the proxy workload's index grows
-            # with the count (a doubled count would count a doubled teardown).
+            runner.run(run_target(target, urls, requests, concurrency))
             for proc in procs:
                 proc.terminate()
                 proc.wait(10)
@@ -254,7 +241,7 @@ def instructions(
         argv += ["--event-loop", event_loop]
         if workload == "proxy":
             bodies = Path(tmp) / "bodies"
-            # The warm-up's 200 and the count's, with concurrency to spare at the end.
+            # The warm-up's and the count's, with concurrency to spare at the end.
             bodies.write_bytes(SEPARATOR.join(proxy_requests(WARMUP + requests + concurrency)))
             argv += ["--bodies", str(bodies)]
         # The script runs by its path, so `code` on PYTHONPATH is where `router` and
