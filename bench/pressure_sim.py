@@ -739,8 +739,10 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
         return fleet.run(requests, greedy)
     routers: list[Policy] = []
     stalls: list[tuple[float, float]] = []  # the placer replica's (`RoundTrip.stalls`)
-    if placer and round_trip is not None and policy == "cache_aware":
-        stalls = round_trip.stalls(seed, 600.0)
+    # The askers ask over the round trip (and the placer stalls) only with both.
+    asks_over = round_trip if placer and policy == "cache_aware" else None
+    if asks_over is not None:
+        stalls = asks_over.stalls(seed, 600.0)
 
     def placer_runs(t: float) -> float:
         """When the placer replica (0) runs what reaches it at `t`: after its stall."""
@@ -797,7 +799,7 @@ def play(w: Workload, seed: int, policy: str, weights: CacheAwareWeights | None 
     preamble = w.header_blocks + w.team_blocks  # blocks a prefix shares with others
 
     asking: list[Placement | None] = [None] * w.replicas
-    if placer and round_trip is not None and policy == "cache_aware":
+    if asks_over is not None:
         urls = [f"http://r{k}:8000" for k in range(w.replicas)]
         for k, router in enumerate(routers):
             assert isinstance(router, CacheAware)
