@@ -159,3 +159,16 @@ def test_relay_instructions_child_answers_the_proxy_workloads_requests(tmp_path:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stub", [None, "book"])
+def test_request_stages_child_prints_each_stage_of_a_request(stub: str | None) -> None:
+    """One run of `bench/request_stages.py`'s child: five figures, us a request, the stages
+    (route, ingest, the rest) adding up to the loop thread's time."""
+    from bench import request_stages
+
+    code = request_stages.run(ROOT, 60, stub)
+    assert len(code) == len(request_stages.FIGURES) and all(f > 0 for f in code)
+    loop_thread, route, ingest, rest, _ = code
+    assert math.isclose(route + ingest + rest, loop_thread, abs_tol=0.2)
