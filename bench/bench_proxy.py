@@ -864,7 +864,8 @@ def time_steps(prompts: Prompts, repeats: int, iterations: int) -> list[tuple[st
     for i, body in enumerate(bodies):
         text = msgspec.json.decode(body)["prompt"]
         s = prompts.systems.index(text[:SYSTEM_TOKENS])
-        new = tokenizer.encode_prompt(text)[CACHED_BLOCKS * BLOCK_SIZE :]
+        # An engine's BlockStored carries a list of ids (the bytes tokenizer returns bytes).
+        new = list(tokenizer.encode_prompt(text)[CACHED_BLOCKS * BLOCK_SIZE :])
         hashes = [(1 << 50) + i * 1000 + b for b in range(NEW_BLOCKS)]
         stored = Stored(hashes, (s << 20) | (CACHED_BLOCKS - 1), new, BLOCK_SIZE)
         removals: list[Event] = [Removed([h]) for h in reversed(old_hashes(i))]

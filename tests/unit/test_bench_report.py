@@ -158,3 +158,16 @@ def test_proxy_ab_pairs_each_round_with_its_peer_in_the_same_round() -> None:
     assert paired([100.0, 200.0, 150.0], [100.0, 200.0, 100.0]) == "1.00x [1.00-1.50]"
     assert paired([90.0, 10.0], [100.0, 0.0]) == "0.90x [0.90-0.90]"  # a peer at 0 is skipped
     assert paired([], []) == ""
+
+
+def test_the_router_steps_timing_decodes_and_applies_every_ingest_batch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Its BlockStored events once carried the bytes tokenizer's bytes as token ids, which the
+    # decoder rejects as an engine's would: `kvrouter bench` failed after its measurements.
+    from bench import bench_proxy as bp
+
+    steps = dict(bp.time_steps(bp.Prompts(), repeats=1, iterations=3))
+    assert len(steps) == 10
+    assert all(us > 0 for us in steps.values())
+    assert "did not apply" not in capsys.readouterr().err
