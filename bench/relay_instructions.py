@@ -143,13 +143,15 @@ async def load(port: int, requests: int, concurrency: int) -> None:
             transport.close()
 
 
-def start_workers(count: int) -> tuple[list[subprocess.Popen[str]], list[str]]:
+def start_workers(
+    count: int, cache_blocks: int = 200_000
+) -> tuple[list[subprocess.Popen[str]], list[str]]:
     procs, urls = [], []
     for _ in range(count):
         argv = [
             str(BIN / "fake-kv-worker"),
             *("--host", "127.0.0.1", "--port", "0", "--kv-port-base", str(free_port())),
-            *("--block-size", str(BLOCK_SIZE), "--cache-blocks", "200000"),
+            *("--block-size", str(BLOCK_SIZE), "--cache-blocks", str(cache_blocks)),
             *("--prefill-us-per-token", "0", "--decode-ms-per-token", "0"),
             *("--log-level", "WARNING"),
         ]

@@ -1,7 +1,7 @@
 """Where a cache_aware request's time goes, in place: the event loop thread's CPU by stage.
 
 Run: .venv/bin/python -m bench.request_stages [--baseline REV] [--rounds 3] [--requests 3000]
-     [--stub record|weigh|book|prune]
+     [--stub record|weigh|book|prune] [--cache-blocks N]
 Prints figures; asserts nothing. About 15 s a run.
 
 Instruction counts (`bench/relay_instructions.py`) say what a change takes off, not what it
@@ -18,7 +18,9 @@ memory. The wrappers cost ~1 us a call of their own.
 `--baseline REV` also runs another commit's router (its C extensions compiled, as
 `bench/proxy_ab.py` does), the runs alternated. `--stub` replaces a part of the pressure
 ledger's `record` with nothing, to size it: the decisions change too, so a stubbed figure is a
-size, not an option.
+size, not an option. `--cache-blocks` sizes each worker's cache (blocks): small enough (a few
+thousand) and the caches are full within the warm-up, so every request's blocks evict as many
+(the proxy benchmark's "full" regime), each eviction one `BlockRemoved` event to ingest.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def stub(part: str) -> None:
         setattr(PressureLedger, name, replacement)
 
 
-def child(requests: int, part: str | None) -> None:
+def child(requests: int, part: str | None, cache_blocks: int) -> None:
     """One run: prints one line of figures, us a request."""
     import router.dataplane.routing as routing
     import router.serving as serving_module
@@ -130,9 +132,10 @@ def child(requests: int, part: str | None) -> None:
         hot = time.thread_time_ns() - hot
         figures = [total, spent["route"], spent["ingest"], total - sum(spent.values()), hot]
         print("figures", " ".join(f"{f / n / 1000:.1f}" for f in figures), flush=True)
+        print("blocks held", len(router.rules.tree), flush=True)  # the caches full or not
 
     ri.load = counted_load
-    procs, urls = ri.start_workers(2)
+    procs, urls = ri.start_workers(2, cache_blocks)
     try:
         with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
             runner.run(ri.run_target("cache_aware", urls, requests, 32))
@@ -143,15 +146,18 @@ def child(requests: int, part: str | None) -> None:
     os._exit(0)  # no shutdown: see relay_instructions.run_target
 
 
-def run(code: Path, requests: int, part: str | None) -> list[float]:
+def run(code: Path, requests: int, part: str | None, cache_blocks: int) -> tuple[list[float], int]:
+    """One child: its figures and how many blocks its index held at the end."""
     argv = [sys.executable, __file__, "--child", "--requests", str(requests)]
+    argv += ["--cache-blocks", str(cache_blocks)]
     argv += ["--stub", part] if part else []
     env = {**os.environ, "PYTHONPATH": str(code)}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
     found = re.search(r"^figures (.*)$", done.stdout, re.M)
-    if done.returncode or found is None:
+    held = re.search(r"^blocks held (\d+)$", done.stdout, re.M)
+    if done.returncode or found is None or held is None:
         raise RuntimeError(f"request_stages child failed:\n{done.stderr[-2000:]}")
-    return [float(x) for x in found.group(1).split()]
+    return [float(x) for x in found.group(1).split()], int(held.group(1))
 
 
 def main() -> None:
@@ -160,10 +166,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--stub", choices=STUBS, help="a part of the ledger's record left out")
+    parser.add_argument("--cache-blocks", type=int, default=200_000, help="each worker's cache")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.requests, args.stub)
+        child(args.requests, args.stub, args.cache_blocks)
         return
     with tempfile.TemporaryDirectory() as tmp:
         codes = {"new" if args.baseline else "this tree": HERE.parent}
@@ -174,10 +181,15 @@ def main() -> None:
         results: dict[str, list[list[float]]] = {tag: [] for tag in codes}
         for i in range(args.rounds):
             for tag, code in codes.items():
-                results[tag].append(run(code, args.requests, args.stub))
-                print(f"round {i + 1}/{args.rounds} {tag}: {results[tag][-1]}", flush=True)
-    title = "us a request, median [min-max] of the rounds" + (
-        f", --stub {args.stub}" if args.stub else ""
+                figures, held = run(code, args.requests, args.stub, args.cache_blocks)
+                results[tag].append(figures)
+                print(
+                    f"round {i + 1}/{args.rounds} {tag}: {figures} ({held} blocks held)", flush=True
+                )
+    title = (
+        "us a request, median [min-max] of the rounds"
+        + (f", --stub {args.stub}" if args.stub else "")
+        + (f", --cache-blocks {args.cache_blocks}" if args.cache_blocks != 200_000 else "")
     )
     print(f"\n{title}\n| code | " + " | ".join(FIGURES) + " |")
     print("|---|" + "---:|" * len(FIGURES))

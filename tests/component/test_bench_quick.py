@@ -162,13 +162,20 @@ def test_relay_instructions_child_answers_the_proxy_workloads_requests(tmp_path:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stub", [None, "book"])
-def test_request_stages_child_prints_each_stage_of_a_request(stub: str | None) -> None:
+@pytest.mark.parametrize(
+    ("stub", "cache_blocks"), [(None, 200_000), ("book", 200_000), (None, 600)]
+)
+def test_request_stages_child_prints_each_stage_of_a_request(
+    stub: str | None, cache_blocks: int
+) -> None:
     """One run of `bench/request_stages.py`'s child: five figures, us a request, the stages
-    (route, ingest, the rest) adding up to the loop thread's time."""
+    (route, ingest, the rest) adding up to the loop thread's time; with small caches the
+    index holds no more than they do (the workers evicted, and the replica ingested it)."""
     from bench import request_stages
 
-    code = request_stages.run(ROOT, 60, stub)
+    code, held = request_stages.run(ROOT, 60, stub, cache_blocks)
     assert len(code) == len(request_stages.FIGURES) and all(f > 0 for f in code)
     loop_thread, route, ingest, rest, _ = code
     assert math.isclose(route + ingest + rest, loop_thread, abs_tol=0.2)
+    # 260 prompts of 125 blocks below 8 shared system prompts of 62 over two workers
+    assert held <= 2 * cache_blocks if cache_blocks < 1_000 else held > 10_000
