@@ -101,6 +101,7 @@ from router.index import apply_events
 from router.loads import EngineLoad
 from router.metrics import RouterMetrics
 from router.policy import Candidate, Prompt, make_policy
+from router.pressure import PressureLedger, PressureSettings
 from router.tokenize import load_tokenizer
 
 BLOCK_SIZE = 16
@@ -834,7 +835,10 @@ def time_steps(prompts: Prompts, repeats: int, iterations: int) -> list[tuple[st
     """Mean us per call of each router-specific step of one request of this benchmark's shape,
     in this process without a profiler: median of `repeats` runs of `iterations` calls.
 
-    The index holds the 8 system prompts on both of 2 ranks, as in the c=32 phases. Ingest is
+    The index holds the 8 system prompts on both of 2 ranks, as in the c=32 phases. Each
+    decision is of a prompt of its own, so the pressure ledger records and books its 63 new
+    blocks (until round 12 the step decided one prompt without its keys: no ledger work, a
+    quarter of what a decision costs). Ingest is
     the one batch a worker publishes for such a request, decoded and applied: a BlockStored
     of the 63 uncached blocks (parent = the system prompt's last full block) and, when the
     cache is full, 63 BlockRemoved events of one block each before it (an older request's
@@ -860,6 +864,9 @@ def time_steps(prompts: Prompts, repeats: int, iterations: int) -> list[tuple[st
     def old_hashes(i: int) -> list[int]:
         return [(2 << 50) + i * 1000 + b for b in range(NEW_BLOCKS)]
 
+    def texts(n: int) -> list[str]:
+        return [msgspec.json.decode(body)["prompt"] for body in prompts.bodies(n)]
+
     stores, evicting = [], []
     for i, body in enumerate(bodies):
         text = msgspec.json.decode(body)["prompt"]
@@ -878,11 +885,33 @@ def time_steps(prompts: Prompts, repeats: int, iterations: int) -> list[tuple[st
     seed = namespace_seed(None)
     keys = block_keys(tokens, BLOCK_SIZE, seed)
     tree = fresh_tree()
-    depths = tree.prefix_depths(keys)
-    policy = make_policy("cache_aware", rng=random.Random(1))
+    # Decisions 1 ms apart whose bookings end 32 decisions later, as with 32 in flight (these
+    # by their TTL: the prompts' own blocks are never stored here), on ranks of known capacity.
+    now = [0.0]
+    ledger = PressureLedger(PressureSettings(booking_ttl_s=0.032), clock=lambda: now[0])
+    policy = make_policy(
+        "cache_aware",
+        rng=random.Random(1),
+        ledger=ledger,
+        index=lambda: tree,
+        capacity=lambda rank: 200_000,
+    )
+
+    def decide() -> None:
+        now[0] += 0.001
+        policy.decide(candidates, next(decided))
+
     load = EngineLoad(running=8, waiting=0, kv_usage=0.1)
     candidates = [Candidate(rank, 16, load) for rank in ranks]
-    prompt = Prompt(len(tokens), BLOCK_SIZE, depths)
+    # Each decision a prompt of its own, keys included, as in the replica: the ledger records
+    # its blocks (a repeated prompt would find them weighed and booked already).
+    decided = iter(
+        [
+            Prompt(len(t), BLOCK_SIZE, tree.prefix_depths(k), k)
+            for t in map(tokenizer.encode_prompt, texts(repeats * iterations))
+            for k in [block_keys(t, BLOCK_SIZE, seed)]
+        ]
+    )
     metrics = RouterMetrics()
 
     def count() -> None:  # what app.py and proxy.py record per request
@@ -895,7 +924,10 @@ def time_steps(prompts: Prompts, repeats: int, iterations: int) -> list[tuple[st
         ("tokenize (bytes tokenizer)", lambda: tokenizer.encode_prompt(text)),
         ("block keys (125 blocks)", lambda: block_keys(tokens, BLOCK_SIZE, seed)),
         ("prefix_depths (2 ranks)", lambda: tree.prefix_depths(keys)),
-        ("decide, cache_aware (2 candidates)", lambda: policy.decide(candidates, prompt)),
+        (
+            "decide, cache_aware (2 candidates, the ledger's record included)",
+            decide,
+        ),
         ("request counters (3 per request)", count),
     ]
     out = []
