@@ -1,8 +1,9 @@
 """Where a cache_aware request's time goes, in place: the event loop thread's CPU by stage.
 
 Run: .venv/bin/python -m bench.request_stages [--baseline REV] [--rounds 3] [--requests 3000]
-     [--stub record|weigh|book|prune] [--cache-blocks N]
-Prints figures; asserts nothing. About 15 s a run.
+     [--stub record|weigh|book|prune] [--cache-blocks N] [--policy cache_aware]
+Prints figures; asserts nothing. About 15 s a run. `--policy` serves another policy (a
+policy that reads no index subscribes to no KV events: its ingest is 0).
 
 Instruction counts (`bench/relay_instructions.py`) say what a change takes off, not what it
 saves in time: a request that waits on memory runs few instructions a nanosecond. This runs
@@ -72,7 +73,7 @@ def stub(part: str) -> None:
         setattr(PressureLedger, name, replacement)
 
 
-def child(requests: int, part: str | None, cache_blocks: int) -> None:
+def child(requests: int, part: str | None, cache_blocks: int, policy: str) -> None:
     """One run: prints one line of figures, us a request."""
     import router.dataplane.routing as routing
     import router.serving as serving_module
@@ -132,13 +133,14 @@ def child(requests: int, part: str | None, cache_blocks: int) -> None:
         hot = time.thread_time_ns() - hot
         figures = [total, spent["route"], spent["ingest"], total - sum(spent.values()), hot]
         print("figures", " ".join(f"{f / n / 1000:.1f}" for f in figures), flush=True)
-        print("blocks held", len(router.rules.tree), flush=True)  # the caches full or not
+        tree = router.rules.tree  # None: a policy that keeps no index
+        print("blocks held", 0 if tree is None else len(tree), flush=True)  # caches full or not
 
     ri.load = counted_load
     procs, urls = ri.start_workers(2, cache_blocks)
     try:
         with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
-            runner.run(ri.run_target("cache_aware", urls, requests, 32))
+            runner.run(ri.run_target(policy, urls, requests, 32))
     finally:
         for proc in procs:
             proc.terminate()
@@ -146,9 +148,11 @@ def child(requests: int, part: str | None, cache_blocks: int) -> None:
     os._exit(0)  # no shutdown: see relay_instructions.run_target
 
 
-def run(code: Path, requests: int, part: str | None, cache_blocks: int) -> tuple[list[float], int]:
+def run(
+    code: Path, requests: int, part: str | None, cache_blocks: int, policy: str = "cache_aware"
+) -> tuple[list[float], int]:
     """One child: its figures and how many blocks its index held at the end."""
-    argv = [sys.executable, __file__, "--child", "--requests", str(requests)]
+    argv = [sys.executable, __file__, "--child", "--requests", str(requests), "--policy", policy]
     argv += ["--cache-blocks", str(cache_blocks)]
     argv += ["--stub", part] if part else []
     env = {**os.environ, "PYTHONPATH": str(code)}
@@ -167,10 +171,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--stub", choices=STUBS, help="a part of the ledger's record left out")
     parser.add_argument("--cache-blocks", type=int, default=200_000, help="each worker's cache")
+    parser.add_argument("--policy", default="cache_aware", help="the replica's routing policy")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.requests, args.stub, args.cache_blocks)
+        child(args.requests, args.stub, args.cache_blocks, args.policy)
         return
     with tempfile.TemporaryDirectory() as tmp:
         codes = {"new" if args.baseline else "this tree": HERE.parent}
@@ -181,7 +186,7 @@ def main() -> None:
         results: dict[str, list[list[float]]] = {tag: [] for tag in codes}
         for i in range(args.rounds):
             for tag, code in codes.items():
-                figures, held = run(code, args.requests, args.stub, args.cache_blocks)
+                figures, held = run(code, args.requests, args.stub, args.cache_blocks, args.policy)
                 results[tag].append(figures)
                 print(
                     f"round {i + 1}/{args.rounds} {tag}: {figures} ({held} blocks held)", flush=True

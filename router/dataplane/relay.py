@@ -84,11 +84,11 @@ class Relay:
     def upstream_head(self, answer: ResponseHead) -> None:
         if not self.accept_head(answer.status):
             return
-        client = self.client
+        client, head = self.client, self.head
         plan = plan_response(
             answer,
-            client_11=self.head.http_11,
-            client_keep_alive=client.keep_alive(self.head),
+            client_11=head.http_11,
+            client_keep_alive=head.keep_alive and not client.plane.draining,  # `keep_alive`'s
             route_headers=self.route_headers(),
         )
         self.plan = plan
@@ -185,9 +185,9 @@ class WorkerRelay(Relay):
         self.decision = decision
         self.route = _ROUTE_LABELS.get(head.path) or head.path.decode("latin-1")
         # When every candidate's breaker is open, requests go out anyway: refusing all
-        # traffic is worse than trying a worker that may have recovered. Read once, before
-        # the first attempt claims anything; `all` stops at the first closed breaker.
-        self._every_open = _every_breaker_open(plane.workers, decision.ranked)
+        # traffic is worse than trying a worker that may have recovered. None until a breaker
+        # refuses (`start`): most requests meet a closed one first and never need it.
+        self._every_open: bool | None = None
         self._next_pair = 0  # in decision.ranked
         self.attempts = 0
         self.rank: RankId | None = None  # of the attempt in progress
@@ -206,13 +206,21 @@ class WorkerRelay(Relay):
             worker = plane.workers.get(rank.worker_url)
             if worker is None:
                 continue
-            if not self._every_open and not worker.breaker.allow():
-                continue
+            every_open = self._every_open
+            if not every_open and not worker.breaker.allow():
+                if every_open is None:
+                    # Read at the first refusal as it read before the first attempt: until an
+                    # attempt goes out nothing is claimed (a refusing `allow` claims nothing),
+                    # and one that went out was allowed, so its breaker was not open then.
+                    every_open = self.attempts == 0 and _every_breaker_open(plane.workers, ranked)
+                    self._every_open = every_open
+                if not every_open:
+                    continue
             self.attempts += 1
             self.rank, self.worker, self._verdict = rank, worker, False
             plane.inflight.begin(rank)
-            self.pool = plane.pool_for(worker.url)
-            self.pool.acquire(self)
+            pool = self.pool = plane.pools.get(worker.url) or plane.pool_for(worker.url)
+            pool.acquire(self)
             return
         self.done = True
         plane.metrics.requests[self.route, "none", "502"] += 1

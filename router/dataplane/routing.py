@@ -19,7 +19,7 @@ on the ranks healthy then. Every other request is decided synchronously as above
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 import msgspec
@@ -45,6 +45,10 @@ class Router(Protocol):
 
 # The policies that read the index; the others decide without tokenizing the prompt.
 INDEX_POLICIES: Final = frozenset({"cache_aware"})
+# The policies that read no load either: they order the routable ranks alone, and are given
+# them as kept between requests (`RequestRouter.ranks_alone`), not as a fresh read of every
+# rank's in-flight count and engine load.
+ORDER_POLICIES: Final = frozenset({"round_robin", "random"})
 NO_PROMPT: Final = Prompt(0, 1)  # what an index-free policy is told of a prompt
 CHAT = b"/v1/chat/completions"
 GENERATE = b"/generate"
@@ -129,6 +133,10 @@ class RequestRouter:
     # A new prefix is placed by the placer replica (`router.placement`); None: off.
     placement: Placement | None = None
     asker: PlacementAsker | None = None
+    # `ranks_alone`'s: the registry's routable ranks it last read (a new list whenever they
+    # change), and the candidates it made of them.
+    _alone_of: object = field(default=None, init=False, repr=False)
+    _alone: list[Candidate] = field(default_factory=list, init=False, repr=False)
 
     def candidates(self) -> list[Candidate]:
         """The healthy ranks with this replica's in-flight and their engines' loads."""
@@ -140,12 +148,23 @@ class RequestRouter:
                 candidates.append(Candidate(r, counts[r], engine.get(r.dp_rank)))
         return candidates
 
+    def ranks_alone(self) -> list[Candidate]:
+        """The healthy ranks, in `candidates`' order, with no in-flight count or load: for an
+        `ORDER_POLICIES` policy, which reads neither. Made again only when the ranks change
+        (callers do not change the list)."""
+        routable = self.workers.routable_ranks()
+        if routable is not self._alone_of:
+            self._alone = [Candidate(r) for _, ranks in routable for r in ranks]
+            self._alone_of = routable
+        return self._alone
+
     def route(self, route: bytes, raw: bytes) -> Decision | Refusal | AskFirst:
         try:
             body = decode_body(raw)
         except BadRequest as exc:
             return Refusal(400, str(exc), param=exc.param)
-        candidates = self.candidates()
+        order_only = self.policy.name in ORDER_POLICIES
+        candidates = self.ranks_alone() if order_only else self.candidates()
         if not candidates:
             return self._no_candidates()
         try:

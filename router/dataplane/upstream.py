@@ -66,7 +66,8 @@ class ResponseSink(Protocol):
         """The worker is (not) keeping up with the request bytes written to it."""
 
     def upstream_read(self) -> None:
-        """After the parse of each read: what it relayed may go out now, in one write."""
+        """After the parse of each read but the one that ended the answer (`upstream_end`
+        writes its own): what it relayed may go out now, in one write."""
 
 
 class Acquirer(Protocol):
@@ -164,19 +165,22 @@ class UpstreamConnection(asyncio.Protocol):
         sink = self._sink
         try:
             self._parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._reusable = False
+            self._stop(f"malformed response: {exc}")
+        else:
             if self._complete:
+                # No `upstream_read` after it: `upstream_end` is the sink's last word, and
+                # writes what it holds (most answers: the whole answer in this one read).
                 self._finish()
-            elif self._head_done and self._sink is not None:
+                return
+            if self._head_done and self._sink is not None:
                 # Once a read, not once a callback: the gap it bounds is between reads.
                 self._deadline.set(self._idle_timeout_s)
             elif self.answered > MAX_ANSWER_HEAD_BYTES and not self._head_done:
                 self._reusable = False
                 self._stop(f"response head over {MAX_ANSWER_HEAD_BYTES} bytes")
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            self._reusable = False
-            self._stop(f"malformed response: {exc}")
-        finally:
-            sink.upstream_read()
+        sink.upstream_read()
 
     def eof_received(self) -> bool:
         return False  # close; connection_lost reports

@@ -3,8 +3,9 @@ requests (`WorkerRegistry.routable_ranks`, remade only when `ROUTING_EPOCH` move
 
 After every change a decision must see (a worker joining, going unhealthy, draining and back,
 leaving, its engine's dp size changing, a request in flight, a load read or gone stale),
-`RequestRouter.candidates()` is exactly what reading the registry afresh gives. Real fake
-workers over HTTP, a real registry, load monitor and in-flight tracker.
+`RequestRouter.candidates()` is exactly what reading the registry afresh gives, and
+`ranks_alone()` (kept between requests for the policies that read no load) the same ranks.
+Real fake workers over HTTP, a real registry, load monitor and in-flight tracker.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ async def test_candidates_follow_every_change_of_workers_loads_and_inflight(
         got = router.candidates()
         assert got == afresh(workers, loads, inflight)
         assert [(c.rank.worker_url, c.rank.dp_rank) for c in got] == expected_ranks
+        # What a policy that reads no load is given: the same ranks, and nothing else.
+        assert router.ranks_alone() == [Candidate(c.rank) for c in got]
         return got
 
     async with (
