@@ -43,7 +43,8 @@ class ReadGate:
 
 
 class Deadline:
-    """Calls `on_expiry` once the deadline set last passes, unless it is cleared first."""
+    """Calls `on_expiry` once the deadline set last passes, unless it is cancelled first (an
+    owner that no longer needs it may also leave it pending and ignore it when it fires)."""
 
     __slots__ = ("_at", "_handle", "_loop", "_on_expiry")
 
@@ -62,10 +63,6 @@ class Deadline:
                 return  # fires early and re-arms itself for `at`
             handle.cancel()
         self._handle = self._loop.call_at(at, self._fire)
-
-    def clear(self) -> None:
-        """No deadline; a pending handle stays and does nothing when it fires."""
-        self._at = None
 
     def cancel(self) -> None:
         """No deadline and no pending handle (the owner is going away)."""

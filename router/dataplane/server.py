@@ -420,9 +420,10 @@ class ClientConnection(asyncio.Protocol):
             refusal = refusal or Refusal(400, f"malformed HTTP request: {exc}", close=True)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             refusal = Refusal(400, f"malformed HTTP request: {exc}", close=True)
-        if self._phase != phase:
+        if self._phase != phase and self._phase:
             # The parser callbacks move the phase without touching its deadline: one read
             # often holds a whole request (head, body, end), whose phases it sets once here.
+            # Answering ("") is bounded by nothing: see `_arm`.
             self._arm()
         if refusal is not None:
             self._stop(refusal)
@@ -736,7 +737,11 @@ class ClientConnection(asyncio.Protocol):
         self._arm()
 
     def _arm(self) -> None:
-        """Bound the phase the connection is in with its deadline."""
+        """Bound the phase the connection is in (head, body or idle) with its deadline.
+
+        Answering is not armed: the deadline set before it is left pending, and if it fires
+        meanwhile `_expired` ignores it (the phase is ""); the answer's end arms the next
+        phase. That saves clearing it on every request."""
         phase = self._phase
         limits = self.plane.limits
         if phase == "head":
@@ -745,8 +750,6 @@ class ClientConnection(asyncio.Protocol):
             self._deadline.set(limits.body_timeout_s)
         elif phase == "idle":
             self._deadline.set(limits.keepalive_timeout_s)
-        else:
-            self._deadline.clear()
 
     def _expired(self) -> None:
         phase = self._phase

@@ -261,7 +261,8 @@ class UpstreamConnection(asyncio.Protocol):
         sink, self._sink = self._sink, None
         if sink is None:
             return  # discarded at its head
-        self._deadline.clear()
+        # The deadline is left pending, not cleared on every answer: the next `send` moves
+        # it, and if it fires first `_expired` ignores a connection with no exchange.
         keep = self._reusable and self._keep_alive
         self.reused = True
         if self.pool is not None:

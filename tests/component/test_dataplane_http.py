@@ -386,6 +386,24 @@ async def test_idle_upstream_connections_expire() -> None:
         assert w.posts()[1].connection != first
 
 
+async def test_an_idle_upstream_connection_outlives_its_last_answer_s_head_timeout() -> None:
+    """The head deadline of an answered request is left pending on the pooled connection:
+    passing, it neither closes the connection nor fails the next request on it."""
+    async with (
+        scripted_worker() as w,
+        router_in_process(workers=[w.url], upstream_head_timeout_s=0.2) as rt,
+    ):
+        await routable(rt, w.url)
+        status, _, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
+        assert status == 200
+        await asyncio.sleep(0.4)  # idle past the first request's head deadline
+        status, _, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
+        assert status == 200
+        first, second = (p.connection for p in w.posts())
+        assert second == first and not w.closed_by_peer
+        assert rt.plane.pools[w.url].total == 1
+
+
 async def test_a_reused_connection_found_dead_is_retried_once_on_a_fresh_one_uncounted() -> None:
     async def script(request: Request, writer: asyncio.StreamWriter) -> None:
         if request.index_on_connection == 1:
@@ -723,6 +741,29 @@ async def test_an_idle_client_connection_is_closed_after_the_keep_alive_timeout(
         assert await client.closed()
         assert rt.plane.stats.closed["idle"] == 1
         assert len(rt.plane.connections) == 0
+
+
+async def test_an_answer_slower_than_every_client_timeout_is_relayed_whole() -> None:
+    """While a request is answered its connection owes nothing: the head deadline armed when
+    it connected passes meanwhile, and the answer still arrives and the connection stays."""
+
+    async def slow(request: Request, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.6)
+        writer.write(respond(200, b'{"ok": true}'))
+
+    timeouts = {"client_header_timeout_s": 0.2, "client_body_timeout_s": 0.2}
+    async with (
+        scripted_worker(slow) as w,
+        router_in_process(workers=[w.url], keepalive_timeout_s=0.2, **timeouts) as rt,
+    ):
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", COMPLETION))
+        answer = await client.answer()
+        assert answer is not None and answer.status == 200 and answer.complete
+        assert rt.plane.stats.closed == {}
+        assert await client.closed()  # then idle past the keep-alive timeout
+        assert rt.plane.stats.closed == {"idle": 1}
 
 
 async def test_an_unreachable_worker_connect_times_out_and_fails_over() -> None:

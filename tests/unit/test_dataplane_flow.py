@@ -87,10 +87,10 @@ def test_moving_a_deadline_earlier_replaces_its_timer() -> None:
     assert fired == [1.0]
 
 
-def test_a_cleared_deadline_never_fires_and_a_later_one_still_does() -> None:
+def test_a_cancelled_deadline_never_fires_and_a_later_one_still_does() -> None:
     loop, d, fired = deadline()
     d.set(1.0)
-    d.clear()
+    d.cancel()
     loop.advance(2.0)
     assert fired == []
     d.set(1.0)
