@@ -50,6 +50,7 @@ import enum
 import re
 from dataclasses import dataclass
 from http import HTTPStatus
+from operator import itemgetter
 from typing import Final, Literal
 
 import msgspec
@@ -158,7 +159,7 @@ def transfer_codings(value: bytes) -> list[bytes]:
 
 
 def lower_names(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
-    return [name.lower() for name, _ in headers]
+    return list(map(bytes.lower, map(itemgetter(0), headers)))  # in C: no comprehension's frame
 
 
 def read_request_head(

@@ -84,7 +84,8 @@ def prompt_of(route: bytes, body: dict[str, Any]) -> Any:
         raise BadRequest("one of 'text' or 'input_ids' is required", "text")
     if "prompt" not in body:
         raise BadRequest("'prompt' is required", "prompt")
-    return single(body["prompt"], "prompt")
+    prompt = body["prompt"]
+    return prompt if type(prompt) is str else single(prompt, "prompt")  # most: one string
 
 
 def messages_of(body: dict[str, Any]) -> list[Any]:
