@@ -179,3 +179,14 @@ def test_request_stages_child_prints_each_stage_of_a_request(
     assert math.isclose(route + ingest + rest, loop_thread, abs_tol=0.2)
     # 260 prompts of 125 blocks below 8 shared system prompts of 62 over two workers
     assert held <= 2 * cache_blocks if cache_blocks < 1_000 else held > 10_000
+
+
+@pytest.mark.timeout(120)
+def test_request_stages_child_serves_another_policy() -> None:
+    """`--policy round_robin`: a replica that keeps no index, so it ingests nothing."""
+    from bench import request_stages
+
+    figures, held = request_stages.run(ROOT, 60, None, 200_000, "round_robin")
+    loop_thread, route, ingest, rest, hot = figures
+    assert ingest == 0 and held == 0 and min(loop_thread, route, rest, hot) > 0
+    assert math.isclose(route + rest, loop_thread, abs_tol=0.2)
