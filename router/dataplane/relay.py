@@ -88,7 +88,7 @@ class Relay:
         plan = plan_response(
             answer,
             client_11=head.http_11,
-            client_keep_alive=head.keep_alive and not client.plane.draining,  # `keep_alive`'s
+            client_keep_alive=client.keep_alive(head),
             route_headers=self.route_headers(),
         )
         self.plan = plan
