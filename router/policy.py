@@ -629,6 +629,8 @@ class CacheAware:
                 order.remove(first)
                 order.insert(0, first)
         relief = self._relief(loads, pressure, prompt)
+        if relief is None:
+            relief = self._regone(loads, pressure, prompt, order)
         if relief is not None and relief != order[0]:
             order.remove(relief)
             order.insert(0, relief)
@@ -671,6 +673,30 @@ class CacheAware:
                 continue
             if (w + n) / c < bar and w / c < least:
                 best, least = i, w / c
+        return best
+
+    def _regone(
+        self, loads: Sequence[int], p: _Pressure, prompt: Prompt, order: Sequence[int]
+    ) -> int | None:
+        """The candidate to take a prefix gone from every cache, if any (module docstring,
+        "A prefix gone from every cache"): the one whose working set, with the blocks the
+        prompt would store there, fills the least of its capacity, among those within one
+        request of the lightest load; equal ones in the cost's `order`."""
+        keys = prompt.keys
+        depth = p.depth
+        d = depth[0] if depth else 0
+        if d >= len(keys) or depth.count(d) != len(depth) or not self.ledger.routed(keys[d]):
+            return None  # held deeper somewhere, a prompt within a block, or a new prefix
+        stored = prompt.blocks - d
+        ws = self.ledger.working_sets(p.ranks)
+        capacity = p.capacity
+        bound = min(loads) + 1
+        best: int | None = None
+        least = math.inf
+        for i in order:
+            c = capacity[i]
+            if c and loads[i] <= bound and (ws[i] + stored) / c < least:
+                best, least = i, (ws[i] + stored) / c
         return best
 
     def _pressure(
