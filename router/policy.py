@@ -166,6 +166,31 @@ ledger lookup per decision whose deepest holder is one rank and whose prompt goe
 counting every lost block instead of looking at the first cost 88,711; BENCHMARKS.md, "An
 outgrown holder").
 
+A prefix gone from every cache. A prompt that every candidate holds equally deep (a header
+cached fleet-wide, or nothing) whose next block was routed lately is a prefix its rank's
+engine evicted whole. In a fleet whose demand exceeds its caches the fill and spill terms
+saturate (every rank full of demand), the costs then differ by load alone, and the prefix
+went to whichever rank was a request lighter: where it lands decides which prefixes share a
+rank from then on, and the idlest rank may be the fullest (`bench/pressure_sim.py`,
+u2037.6, 4 workers, an 8-block header, 9 prefixes of 16-32 blocks, demand 1.2x the caches:
+3.8 such re-placements a run, each prefix on 1.56 ranks). So it goes to the candidate whose
+working set (`PressureLedger.working_sets`, as for an outgrown holder), with the blocks the
+prompt would store there, fills the least of its capacity, `(ws + n - depth) / C`, among
+those within one request of the lightest load (equal ones in the cost's order; ranks of
+unknown capacity are not candidates for it). Its last rank still counts the prefix in its
+working set, so it is taken back only when it is the least full even so: sending it back
+there, tried before, bought nothing (the rank it was evicted from is full; BENCHMARKS.md, "A
+prefix gone from its rank"). A new prefix (its next block routed nowhere) is placed by the
+cost as before. No weight of its own. In `bench/pressure_sim.py` (12 seeds) the fresh
+draws 2031-2038 went from 9 shapes below 0.97x the ideal partition to 6 (u2037.6 0.962x ->
+0.979x, u2035.6 0.958x -> 0.975x, u2034.5 0.968x -> 0.971x; u2031.4 0.955x -> 0.948x),
+the tuning family's mean 0.99498 -> 0.99504 (none below), the validation draws 2039 and
+2040 0.98517 -> 0.98633 and 0.99858 -> 0.99850 (3 and 0 shapes below before and after);
+live, u2037.6 0.951x -> 0.955x, within the sessions' spread (BENCHMARKS.md, "Which
+prefixes share a rank"). Its cost: one ledger lookup per decision
+where every candidate holds the prompt equally deep, and a working-set read when that
+block was routed.
+
 Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
 lower_tier_discount 0.5, backlog 1.0 (a typical rank with one request in flight halves a
 queued request's price; in `bench/pressure_sim.py` 0.5 and 2 did no better, and multiplying
@@ -629,6 +654,8 @@ class CacheAware:
                 order.remove(first)
                 order.insert(0, first)
         relief = self._relief(loads, pressure, prompt)
+        if relief is None:
+            relief = self._regone(loads, pressure, prompt, order)
         if relief is not None and relief != order[0]:
             order.remove(relief)
             order.insert(0, relief)
@@ -671,6 +698,30 @@ class CacheAware:
                 continue
             if (w + n) / c < bar and w / c < least:
                 best, least = i, w / c
+        return best
+
+    def _regone(
+        self, loads: Sequence[int], p: _Pressure, prompt: Prompt, order: Sequence[int]
+    ) -> int | None:
+        """The candidate to take a prefix gone from every cache, if any (module docstring,
+        "A prefix gone from every cache"): the one whose working set, with the blocks the
+        prompt would store there, fills the least of its capacity, among those within one
+        request of the lightest load; equal ones in the cost's `order`."""
+        keys = prompt.keys
+        depth = p.depth
+        d = depth[0] if depth else 0
+        if d >= len(keys) or depth.count(d) != len(depth) or not self.ledger.routed(keys[d]):
+            return None  # held deeper somewhere, a prompt within a block, or a new prefix
+        stored = prompt.blocks - d
+        ws = self.ledger.working_sets(p.ranks)
+        capacity = p.capacity
+        bound = min(loads) + 1
+        best: int | None = None
+        least = math.inf
+        for i in order:
+            c = capacity[i]
+            if c and loads[i] <= bound and (ws[i] + stored) / c < least:
+                best, least = i, (ws[i] + stored) / c
         return best
 
     def _pressure(

@@ -871,3 +871,37 @@ def test_a_prefix_passed_on_stays_where_it_went() -> None:
     fleet.hold(A, 132, tokens=longer)  # A holds more than was routed to it: whole
     p.policy.decide(candidates, p.prompt(longer + [6] * 4 * BS))
     assert p.policy.outgrown == set()
+
+
+# A prefix gone from every cache: an 8-block header on every rank, the prompt's own blocks
+# routed to A last and evicted since; every rank's demand past its capacity, so the pressure
+# terms tie and the cost alone would go by load.
+@pytest.mark.parametrize(
+    ("routed", "loads", "demands", "known", "first"),
+    [
+        (True, (0, 0, 1), (400, 300, 280), True, C),  # the least full, a request busier
+        (True, (0, 1, 1), (400, 300, 280), True, C),  # ... not home, however light
+        (True, (0, 0, 2), (400, 300, 280), True, B),  # two requests busier: the cost (B roomier)
+        (True, (1, 0, 0), (280, 400, 300), True, A),  # home, when it is the least full
+        (True, (0, 0, 1), (400, 300, 280), False, B),  # no capacity known: the cost (by load)
+        (False, (0, 0, 1), (400, 300, 280), True, B),  # routed nowhere: a new prefix, the cost
+    ],
+)
+def test_a_prefix_gone_from_every_cache_goes_to_the_least_full_rank(
+    routed: bool,
+    loads: tuple[int, int, int],
+    demands: tuple[int, int, int],
+    known: bool,
+    first: RankId,
+) -> None:
+    fleet = Fleet()
+    p = Pressured(fleet, even() if known else {}, ttl_s=0.0)  # no bookings: the index alone
+    for rank in (A, B, C):
+        fleet.hold(rank, 8)
+    if routed:
+        p.policy.ledger.record(A, KEYS, held=8)
+    for seed, (rank, blocks) in enumerate(zip((A, B, C), demands, strict=True)):
+        # The prompt's own 120 blocks count in A's demand when it was routed there.
+        p.demand(rank, blocks - 120 if routed and rank == A else blocks, seed)
+    candidates = [cand(r, q) for r, q in zip((A, B, C), loads, strict=True)]
+    assert p.policy.decide(candidates, p.prompt()).ranked[0].rank == first
