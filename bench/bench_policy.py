@@ -89,6 +89,17 @@ def policy(name: str, tree: BlockTree) -> Policy:
     return inner if name == "cache_aware" else CacheAwareHome(inner)
 
 
+def cache_aware_over(tree: BlockTree, ledger: PressureLedger, capacity: int = 200_000) -> Policy:
+    """cache_aware reading `tree`, with `ledger`, on ranks of `capacity` blocks each."""
+    return make_policy(
+        "cache_aware",
+        rng=random.Random(1),
+        ledger=ledger,
+        index=lambda: tree,
+        capacity=lambda rank: capacity,
+    )
+
+
 def best_mean_us(fn: Callable[[], object], iterations: int, repeats: int) -> float:
     """Mean over `iterations` calls, the best of `repeats` runs: the best run is the one
     least disturbed by other processes, which is the decision's own cost."""
@@ -106,13 +117,7 @@ def traffic_us(n_ranks: int, decisions: int, seed: int = 3) -> float:
             tree.store(rank, None, block_keys(system, BLOCK), system, BLOCK)
     now = [1000.0]
     ledger = PressureLedger(PressureSettings(max_tracked_blocks=200_000), clock=lambda: now[0])
-    decide = make_policy(
-        "cache_aware",
-        rng=random.Random(1),
-        ledger=ledger,
-        index=lambda: tree,
-        capacity=lambda rank: 200_000,
-    ).decide
+    decide = cache_aware_over(tree, ledger).decide
     load = EngineLoad(running=8, waiting=0, kv_usage=0.1)
     pending: deque[tuple[RankId, list[int], list[int]]] = deque()
     spent = 0

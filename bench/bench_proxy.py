@@ -92,6 +92,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from bench.bench_policy import cache_aware_over
 from cachetree.keys import block_keys, namespace_seed
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
@@ -100,7 +101,7 @@ from router.events import decode_batch
 from router.index import apply_events
 from router.loads import EngineLoad
 from router.metrics import RouterMetrics
-from router.policy import Candidate, Prompt, make_policy
+from router.policy import Candidate, Prompt
 from router.pressure import PressureLedger, PressureSettings
 from router.tokenize import load_tokenizer
 
@@ -889,13 +890,7 @@ def time_steps(prompts: Prompts, repeats: int, iterations: int) -> list[tuple[st
     # by their TTL: the prompts' own blocks are never stored here), on ranks of known capacity.
     now = [0.0]
     ledger = PressureLedger(PressureSettings(booking_ttl_s=0.032), clock=lambda: now[0])
-    policy = make_policy(
-        "cache_aware",
-        rng=random.Random(1),
-        ledger=ledger,
-        index=lambda: tree,
-        capacity=lambda rank: 200_000,
-    )
+    policy = cache_aware_over(tree, ledger)
 
     def decide() -> None:
         now[0] += 0.001
