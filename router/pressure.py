@@ -516,7 +516,7 @@ class PressureLedger:
         """Map the rank's booked keys from its live bookings alone, newest last."""
         st.booked.clear()
         # Room for all it may hold before the next of these: growing from empty instead, the
-        # compiled map copied ~2.5 times its entries between two (most of a booking's cost).
+        # compiled map copied ~2.5 times its entries between two (a third of a booking's cost).
         _reserve(st.booked, 2 * st.booked_blocks + _STALE_SLACK)
         for booking in st.bookings:
             _put_run(st.booked, booking.keys, booking)
