@@ -219,7 +219,7 @@ class WorkerRelay(Relay):
             self.attempts += 1
             self.rank, self.worker, self._verdict = rank, worker, False
             plane.inflight.begin(rank)
-            pool = self.pool = plane.pools.get(worker.url) or plane.pool_for(worker.url)
+            pool = self.pool = plane.pool_for(worker.url)
             pool.acquire(self)
             return
         self.done = True

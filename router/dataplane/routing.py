@@ -84,8 +84,7 @@ def prompt_of(route: bytes, body: dict[str, Any]) -> Any:
         raise BadRequest("one of 'text' or 'input_ids' is required", "text")
     if "prompt" not in body:
         raise BadRequest("'prompt' is required", "prompt")
-    prompt = body["prompt"]
-    return prompt if type(prompt) is str else single(prompt, "prompt")  # most: one string
+    return single(body["prompt"], "prompt")
 
 
 def messages_of(body: dict[str, Any]) -> list[Any]:
@@ -97,6 +96,8 @@ def messages_of(body: dict[str, Any]) -> list[Any]:
 
 def single(prompt: Any, param: str) -> Any:
     """A prompt, or the first of a batch of prompts (they are routed together)."""
+    if type(prompt) is str:  # most requests: one string, nothing more to check
+        return prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         return prompt[0]
     if not isinstance(prompt, str | list):
