@@ -37,15 +37,22 @@ before it) is routed once and never again, yet it counts as demand until it deca
 few rounds of a cyclic workload each rank's demand grows past its capacity by the tails
 alone, whether or not its prefixes fit (`bench/pressure_sim.py`, u2034.6 seed 1: every
 rank's demand 206-227 blocks of 175 after four rounds, its prefixes' blocks 143-170). When a
-prompt takes over the leading blocks of one earlier record (routed more than a 64th of a
-half-life ago: a fresher one keeps its place, tail and all) and goes on with blocks new to
-the ledger, what that record keeps beyond them is a continuation this prompt superseded: a
-request's own tail, when it is shorter than what it shares (a longer one is another prefix
-below a shared preamble, still in use, and is left alone). Its batch is marked `superseded`,
-and a rank's working set (`working_sets`) is its demand less its superseded blocks: what its
+prompt takes over blocks of one earlier record (routed more than a 64th of a half-life ago;
+the blocks above them, a preamble every prefix shares, may come from other records) and goes
+on with blocks new to the ledger, what that record keeps beyond them is a continuation this
+prompt superseded: a request's own tail, when it is shorter than what it shares (a longer
+one is another prefix below a shared preamble, still in use, and is left alone). A fresher
+record keeps its place, tail and all (one lookup per block for a prefix routed again and
+again), and remembers the batch of the last prompt that went on past it with a shorter
+continuation (`follower`): the next such prompt supersedes that one, so a hot prefix's
+tails leave the working set as fast as its requests come, not at the half-life (before,
+with requests of one prefix less than a 64th of a half-life apart, or a preamble weighed by
+another prompt since, no tail ever left it: u2044.4 seed 0, every rank's working set
+48-62 blocks of 40 with prefixes of 8-16 blocks). Its batch is marked `superseded`, and a
+rank's working set (`working_sets`) is its demand less its superseded blocks: what its
 cache must hold for the prefixes routed to it to stay. Demand itself is unchanged (every
-other rule reads it); only the relief of an outgrown holder (`router.policy`) reads the
-working set.
+other rule reads it); only the relief of an outgrown holder and the re-placement of a
+prefix gone from every cache (`router.policy`) read the working set.
 
 Weights are stored as 2 ** ((t - t0) / half_life) against a moving origin t0, so a rank's
 demand is one running sum scaled by 2 ** -((now - t0) / half_life): recording a block is O(1)
@@ -140,6 +147,9 @@ class _Batch:
     start: int = 0
     live: int = 0
     superseded: bool = False  # its live pairs are a continuation a later prompt replaced
+    # The batch of the latest prompt that went on past this batch's blocks while they stayed
+    # here (routed again within a 64th of a half-life) with a shorter continuation: its tail.
+    follower: _Batch | None = None
 
 
 def _booked_map() -> MutableMapping[int, _Booking]:
@@ -429,6 +439,7 @@ class PressureLedger:
             elif olds.count(batch) == n - start:
                 # ... and the rest new to the ledger (a cached system prompt and a new tail):
                 # weighed already, in `batch`.
+                _continued(head, batch, start, n - start)
                 return start, 0
         elif head is not batch:
             # A prefix weighed by one earlier record, on another rank or long enough ago,
@@ -438,11 +449,7 @@ class PressureLedger:
             if olds[:prefix].count(head) == prefix and olds.count(batch) == n - prefix:
                 moved = self._move_run(keys, 0, prefix, head, batch)
                 self._unweigh(head, moved)
-                if 0 < head.live < moved and not head.superseded:
-                    # What the earlier record kept past the blocks taken over, shorter
-                    # than them: its own tail, superseded by this prompt's.
-                    head.superseded = True
-                    head.rank.superseded += head.weight * head.live
+                _taken_over(head, batch, moved, n - prefix)
                 return 0, moved
         for i, old in enumerate(islice(olds, start, None), start):
             if old is kept:
@@ -469,6 +476,15 @@ class PressureLedger:
                 first = i
         if run:
             self._unweigh(taken, run)  # type: ignore[arg-type]
+        new = olds.count(batch)
+        if 0 < new < n and olds[n - new :].count(batch) == new:
+            # The prompt ends with blocks new to the ledger, below the record that weighed the
+            # block before them: taken over here (its run moved to `batch`), or kept fresh.
+            prior = olds[n - new - 1]
+            if prior is taken:
+                _taken_over(prior, batch, run, new)
+            elif prior is not batch:
+                _continued(prior, batch, n - new, new)
         return first, reweighed
 
     @staticmethod
@@ -581,6 +597,34 @@ class PressureLedger:
             st.total = math.fsum(batch.weight * batch.live for batch in st.batches)
             st.superseded = math.fsum(b.weight * b.live for b in st.batches if b.superseded)
         self._origin = now
+
+
+def _supersede(batch: _Batch) -> None:
+    if batch.live > 0 and not batch.superseded:
+        batch.superseded = True
+        batch.rank.superseded += batch.weight * batch.live
+
+
+def _taken_over(prior: _Batch, batch: _Batch, moved: int, new: int) -> None:
+    """A prompt took over `moved` blocks from `prior`'s record and went on with `new` blocks
+    new to the ledger: what `prior` keeps past them, when shorter than them, is its own tail,
+    superseded by this prompt's (module docstring, "Working sets")."""
+    if 0 < prior.live < moved:
+        _supersede(prior)
+    _continued(prior, batch, moved, new)
+
+
+def _continued(prior: _Batch, batch: _Batch, shared: int, new: int) -> None:
+    """A prompt went on past `prior`'s blocks (`shared` blocks before its own) with `new`
+    blocks in `batch`. A continuation shorter than what it shares is a request's own tail:
+    the one the previous such prompt left is superseded by this one, which takes its place.
+    A longer one is another prefix below a shared preamble, still in use: left alone."""
+    if new >= shared:
+        return
+    follower = prior.follower
+    if follower is not None and follower is not batch:
+        _supersede(follower)
+    prior.follower = batch
 
 
 def _move_run_py(

@@ -291,6 +291,53 @@ def test_a_rank_working_set_leaves_out_tails_later_requests_superseded(
     )
 
 
+def test_a_tail_below_a_preamble_weighed_since_is_superseded_by_its_prefixs_next_request() -> None:
+    """The prefix's blocks come back from its earlier record, the preamble above them from
+    another prompt's record made since (a header every prefix shares): the earlier record's
+    own tail is superseded all the same."""
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=30.0)
+    header = tokens(3, 4)
+    first = block_keys(header + tokens(1, 16) + tokens(7, 2), BS)
+    then = block_keys(header + tokens(1, 16) + tokens(8, 2), BS)
+    other = block_keys(header + tokens(5, 10), BS)
+    led.record(A, first, held=len(first))
+    clock.advance(1.0)
+    led.record(A, other, held=len(other))  # the header weighed again, in another record
+    led.record(A, then, held=len(then))
+    tail = 2.0 ** (-1.0 / 30.0) * 2  # what the first record's tail weighs now
+    assert led.demand(A) == pytest.approx(4 + 10 + 16 + 2 + tail)
+    assert led.working_sets([A]) == pytest.approx([4 + 10 + 16 + 2])
+
+
+@pytest.mark.parametrize("preamble_since", [False, True])
+def test_a_prefix_routed_again_while_fresh_supersedes_the_tail_its_last_request_added(
+    preamble_since: bool,
+) -> None:
+    """Requests of one prefix 0.1 s apart (within a 64th of a half-life: the prefix keeps
+    its place): each one's tail supersedes the one before it, all but the first record's own
+    (its batch holds the prefix too). With a preamble above the prefix weighed since by
+    another prompt's record, the same."""
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=30.0)
+    header = tokens(3, 4)
+    other = block_keys(header + tokens(5, 10), BS)
+
+    def request_of(tail_seed: int) -> list[int]:
+        return block_keys(header + tokens(1, 16) + tokens(tail_seed, 2), BS)
+
+    for tail_seed in (7, 8, 9, 10):
+        if preamble_since:
+            led.record(A, other, held=len(other))
+        led.record(A, request_of(tail_seed), held=22)
+        clock.advance(0.1)
+    others = 10 if preamble_since else 0
+    # The prefix (20 blocks with the header), four 2-block tails, the other prompt's own.
+    assert led.demand(A) == pytest.approx(20 + 8 + others, rel=0.01)
+    # Superseded: the second and third requests' tails; the first's stays with the prefix.
+    assert led.working_sets([A]) == pytest.approx([20 + 4 + others], rel=0.01)
+
+
 def test_superseded_blocks_leave_the_working_set_as_they_leave_the_ledger() -> None:
     clock = ManualClock()
     led = ledger(clock, demand_half_life_s=1.0)
