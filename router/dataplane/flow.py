@@ -54,6 +54,11 @@ class Deadline:
         self._at: float | None = None
         self._handle: asyncio.TimerHandle | None = None
 
+    @property
+    def pending(self) -> bool:
+        """A deadline is set and has not passed (or been cancelled) yet."""
+        return self._at is not None
+
     def set(self, delay_s: float) -> None:
         at = self._loop.time() + delay_s
         self._at = at

@@ -107,6 +107,12 @@ class UpstreamConnection(asyncio.Protocol):
     def closed(self) -> bool:
         return self.transport is None or self.transport.is_closing()
 
+    @property
+    def deadline_pending(self) -> bool:
+        """Its head or idle deadline has not passed yet (an idle pooled connection may keep its
+        last request's, ignored when it passes)."""
+        return self._deadline.pending
+
     def send(
         self, sink: ResponseSink, method: bytes, head: bytes, body: bytes, head_timeout_s: float
     ) -> None:

@@ -396,7 +396,10 @@ async def test_an_idle_upstream_connection_outlives_its_last_answer_s_head_timeo
         await routable(rt, w.url)
         status, _, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
         assert status == 200
-        await asyncio.sleep(0.4)  # idle past the first request's head deadline
+        (pooled,) = rt.plane.pools[w.url].idle
+        assert pooled.deadline_pending  # the answered request's head deadline, left pending
+        await eventually(lambda: not pooled.deadline_pending, 5)  # ... until it passed
+        assert rt.plane.pools[w.url].idle[0] is pooled
         status, _, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
         assert status == 200
         first, second = (p.connection for p in w.posts())

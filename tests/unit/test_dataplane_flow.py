@@ -56,12 +56,13 @@ def deadline() -> tuple[FakeLoop, Deadline, list[float]]:
 
 def test_a_deadline_fires_once_when_it_passes() -> None:
     loop, d, fired = deadline()
+    assert not d.pending
     d.set(1.0)
     loop.advance(0.9)
-    assert fired == []
+    assert fired == [] and d.pending
     loop.advance(0.2)
     loop.advance(5)
-    assert fired == [1.1]
+    assert fired == [1.1] and not d.pending
 
 
 def test_moving_a_deadline_later_makes_no_new_timer_until_the_old_one_fires() -> None:
@@ -91,6 +92,7 @@ def test_a_cancelled_deadline_never_fires_and_a_later_one_still_does() -> None:
     loop, d, fired = deadline()
     d.set(1.0)
     d.cancel()
+    assert not d.pending
     loop.advance(2.0)
     assert fired == []
     d.set(1.0)
