@@ -34,7 +34,10 @@ and header shapes included), `BENCH_PRESSURE_RUNS` sets the runs per row (seeds 
 `BENCH_PRESSURE_ROWS` the rows (their labels, commas: "ideal partition,kvrouter cache_aware");
 the rows left out show as skipped. `BENCH_PRESSURE_UNSEEN=N` (or `N:SEED`) runs N shapes of
 the regime drawn at random (`bench.pressure_sim.unseen_shapes`, after the named ones): a
-fresh seed is a set of hold-outs no weight was chosen on.
+fresh seed is a set of hold-outs no weight was chosen on. Naming drawn shapes in
+`BENCH_PRESSURE_WORKLOADS` too runs those alone of the draw (a shape below the bar again,
+with more runs). The runs' seeds are 0..N-1, so `bench/pressure_sim.py --seeds N` plays the
+same requests and predicts a row's figures (exactly at c=1, where timing decides nothing).
 """
 
 from __future__ import annotations
@@ -111,9 +114,9 @@ def selected(quick: bool, env: Mapping[str, str] = os.environ) -> tuple[list[Wor
     """The workloads and the runs per row at this scale, or as the environment narrows them:
     `BENCH_PRESSURE_WORKLOADS` (names, commas; any shape of `bench.pressure_sim`, its
     holdouts and header shapes included), `BENCH_PRESSURE_UNSEEN` (shapes drawn at random,
-    after the named ones) and `BENCH_PRESSURE_RUNS` (1-100). ValueError
-    naming the problem when they are malformed. A narrowed run is for `--no-markdown`: its
-    tables would replace the full ones."""
+    after the named ones; only those named when some are) and `BENCH_PRESSURE_RUNS`
+    (1-100). ValueError naming the problem when they are malformed. A narrowed run is for
+    `--no-markdown`: its tables would replace the full ones."""
     names: Sequence[str] = QUICK if quick else FULL
     runs = 1 if quick else 3
     wanted = env.get("BENCH_PRESSURE_WORKLOADS", "").strip()
@@ -122,7 +125,9 @@ def selected(quick: bool, env: Mapping[str, str] = os.environ) -> tuple[list[Wor
     by_name = {w.name: w for w in family + unseen}
     drawn = [w.name for w in unseen]
     if wanted:
-        names = [n.strip() for n in wanted.split(",") if n.strip()] + drawn
+        names = [n.strip() for n in wanted.split(",") if n.strip()]
+        if not set(names) & set(drawn):  # naming a drawn shape runs it alone of its draw
+            names += drawn
         unknown = [n for n in names if n not in by_name]
         if unknown or len(set(names)) != len(names):
             raise ValueError(

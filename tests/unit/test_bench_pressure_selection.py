@@ -41,6 +41,16 @@ def test_unseen_shapes_are_drawn_by_count_and_seed_after_the_named_workloads() -
     assert [w.name for w in chosen] == ["6w-30p-c16-3rep", *(w.name for w in unseen_shapes(2, 5))]
 
 
+def test_a_drawn_shape_named_runs_alone_of_its_draw() -> None:
+    drawn = [w.name for w in unseen_shapes(3, 7)]
+    env = {"BENCH_PRESSURE_WORKLOADS": drawn[1], "BENCH_PRESSURE_UNSEEN": "3:7"}
+    chosen, _ = selected(False, env)
+    assert [w.name for w in chosen] == [drawn[1]]
+    env["BENCH_PRESSURE_WORKLOADS"] = f"3w-9p-cyclic,{drawn[2]}"
+    chosen, _ = selected(False, env)
+    assert [w.name for w in chosen] == ["3w-9p-cyclic", drawn[2]]
+
+
 def test_rows_keep_the_table_order_whatever_order_they_are_named_in() -> None:
     env = {"BENCH_PRESSURE_ROWS": "kvrouter cache_aware,ideal partition"}
     assert selected_rows(env) == [("ideal", "partition"), ("kvrouter", "cache_aware")]
