@@ -44,15 +44,15 @@ prompt superseded: a request's own tail, when it is shorter than what it shares 
 one is another prefix below a shared preamble, still in use, and is left alone). A fresher
 record keeps its place, tail and all (one lookup per block for a prefix routed again and
 again), and remembers the batch of the last prompt that went on past it with a shorter
-continuation (`follower`): the next such prompt supersedes that one, so a hot prefix's
-tails leave the working set as fast as its requests come, not at the half-life (before,
-with requests of one prefix less than a 64th of a half-life apart, or a preamble weighed by
-another prompt since, no tail ever left it: u2044.4 seed 0, every rank's working set
-48-62 blocks of 40 with prefixes of 8-16 blocks). Its batch is marked `superseded`, and a
-rank's working set (`working_sets`) is its demand less its superseded blocks: what its
-cache must hold for the prefixes routed to it to stay. Demand itself is unchanged (every
-other rule reads it); only the relief of an outgrown holder and the re-placement of a
-prefix gone from every cache (`router.policy`) read the working set.
+continuation (`follower`): the next such prompt supersedes that one, so a hot prefix's tails
+leave the working set as fast as its requests come, not at the half-life (before, with
+requests of one prefix less than a 64th of a half-life apart, or a preamble weighed by
+another prompt since, no tail ever left it: u2044.4 seed 1 at a replica's 40th decision, the
+ranks' working sets 36-53 blocks of 40 where their prefixes held 24-38). Its batch is marked
+`superseded`, and a rank's working set (`working_sets`) is its demand less its superseded
+blocks: what its cache must hold for the prefixes routed to it to stay. Demand itself is
+unchanged (every other rule reads it); only the relief of an outgrown holder and the
+re-placement of a prefix gone from every cache (`router.policy`) read the working set.
 
 Weights are stored as 2 ** ((t - t0) / half_life) against a moving origin t0, so a rank's
 demand is one running sum scaled by 2 ** -((now - t0) / half_life): recording a block is O(1)
@@ -449,7 +449,7 @@ class PressureLedger:
             if olds[:prefix].count(head) == prefix and olds.count(batch) == n - prefix:
                 moved = self._move_run(keys, 0, prefix, head, batch)
                 self._unweigh(head, moved)
-                _taken_over(head, batch, moved, n - prefix)
+                _taken_over(head, moved, n - prefix)
                 return 0, moved
         for i, old in enumerate(islice(olds, start, None), start):
             if old is kept:
@@ -482,7 +482,7 @@ class PressureLedger:
             # block before them: taken over here (its run moved to `batch`), or kept fresh.
             prior = olds[n - new - 1]
             if prior is taken:
-                _taken_over(prior, batch, run, new)
+                _taken_over(prior, run, new)
             elif prior is not batch:
                 _continued(prior, batch, n - new, new)
         return first, reweighed
@@ -605,13 +605,19 @@ def _supersede(batch: _Batch) -> None:
         batch.rank.superseded += batch.weight * batch.live
 
 
-def _taken_over(prior: _Batch, batch: _Batch, moved: int, new: int) -> None:
+def _taken_over(prior: _Batch, moved: int, new: int) -> None:
     """A prompt took over `moved` blocks from `prior`'s record and went on with `new` blocks
     new to the ledger: what `prior` keeps past them, when shorter than them, is its own tail,
-    superseded by this prompt's (module docstring, "Working sets")."""
+    superseded by this prompt's (module docstring, "Working sets"); and so is the last tail a
+    prompt left past them while `prior` kept them (its `follower`), when this one's is a tail
+    too. The prompt's batch, which holds the blocks now, is no follower of `prior`: a later
+    prompt going on past what `prior` keeps must not supersede them."""
     if 0 < prior.live < moved:
         _supersede(prior)
-    _continued(prior, batch, moved, new)
+    follower = prior.follower
+    if follower is not None and new < moved:
+        _supersede(follower)
+        prior.follower = None
 
 
 def _continued(prior: _Batch, batch: _Batch, shared: int, new: int) -> None:

@@ -338,6 +338,23 @@ def test_a_prefix_routed_again_while_fresh_supersedes_the_tail_its_last_request_
     assert led.working_sets([A]) == pytest.approx([20 + 4 + others], rel=0.01)
 
 
+def test_a_record_whose_prefix_was_taken_over_never_supersedes_the_record_that_took_it() -> None:
+    """Conversation A's first turn below a system prompt, then conversation B's first turn
+    taking the system prompt over (A's turn superseded as a tail), then A's second turn
+    taking A's turn back: the system prompt, now in B's record, stays in the working set."""
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=30.0)
+    system = tokens(3, 20)
+    a1, b1, a2 = tokens(4, 4), tokens(5, 4), tokens(6, 2)
+    led.record(A, block_keys(system + a1, BS), held=24)
+    clock.advance(1.0)
+    led.record(A, block_keys(system + b1, BS), held=24)
+    clock.advance(0.1)
+    led.record(A, block_keys(system + a1 + a2, BS), held=26)
+    # The system prompt, B's turn and A's two turns, each weighed once and none superseded.
+    assert led.working_sets([A]) == pytest.approx([20 + 4 + 4 + 2], rel=0.01)
+
+
 def test_superseded_blocks_leave_the_working_set_as_they_leave_the_ledger() -> None:
     clock = ManualClock()
     led = ledger(clock, demand_half_life_s=1.0)
