@@ -5,16 +5,17 @@ Prints, per workload, the fleet cached-token ratio of each policy against the id
 partition (median over seeds, with the range). Asserts nothing.
 
 What is real and what is simulated: the engines' prefix caches are the fake worker's
-(`fake_kv_worker.cache.PagedPrefixCache`, paged LRU over leaf blocks), the index is the
-router's `BlockTree` fed with the caches' stores and evictions, and the policies are the
-router's own, each with its own `PressureLedger` per replica. Time is simulated: a request
-queues for one of the rank's `max_running` slots, is admitted (its store and removals reach
-the index `event_lag_s` later), prefills its uncached tokens at `prefill_s_per_token` and
-decodes for `decode_s`; clients run a closed loop of `concurrency` slots, and with two
-replicas the requests alternate between them as a round-robin front would. Engine queue
-lengths reach the routers every `load_interval_s`, as the load monitor's polls do, the first
-one at a point of the interval drawn from the seed. The ranks' capacities are known from the
-first decision, as a replica reads them when a worker registers (it used to wait for its
+(`fake_kv_worker.cache.PagedPrefixCache`, paged LRU over leaf blocks), the index is the router's
+`BlockTree` fed with the caches' stores and evictions, and the policies are the router's own,
+each with its own `PressureLedger` per replica. Time is simulated: a request queues for one of
+the rank's `max_running` slots, is admitted (its store and removals reach the index
+`event_lag_s` later), prefills its uncached tokens at `prefill_s_per_token` and decodes for
+`decode_s`; clients run a closed loop of `concurrency` slots, and with two replicas the requests
+alternate between them as a round-robin front would. Engine queue lengths reach the routers
+every `load_interval_s`, as the load monitor's polls do, the first one at a point of the
+interval drawn from the seed; before it, what a replica reads of a worker as it registers: every
+engine idle, with its `max_running` slots stated. The ranks' capacities are known from the first
+decision, as a replica reads them when a worker registers (it used to wait for its
 first load tick, which left a live run's first placements blind to cache pressure, as no
 simulated one was: BENCHMARKS.md, "The first tick").
 
@@ -557,7 +558,9 @@ class Fleet:
             )
             for i in range(w.workers)
         ]
-        self.loads: dict[RankId, EngineLoad] = {}
+        # What the routers read of each engine as it registered (all idle, its slots stated,
+        # as a live replica polls a worker when it registers); then every load tick.
+        self.loads = self._engine_loads()
         self.send: Callable[[int, RankId], None] = _not_running
         if w.prefilled:
             rng = random.Random(seed ^ 0x5EED)
@@ -633,10 +636,14 @@ class Fleet:
         else:
             r.queue.append(start)
 
-    def _poll_loads(self, until: Callable[[], bool]) -> None:
-        self.loads = {
-            r.rank: EngineLoad(running=r.running, waiting=len(r.queue)) for r in self.ranks
+    def _engine_loads(self) -> dict[RankId, EngineLoad]:
+        return {
+            r.rank: EngineLoad(running=r.running, waiting=len(r.queue), slots=r.slots)
+            for r in self.ranks
         }
+
+    def _poll_loads(self, until: Callable[[], bool]) -> None:
+        self.loads = self._engine_loads()
         if not until():
             self.at(self.now + self.w.load_interval_s, lambda: self._poll_loads(until))
 

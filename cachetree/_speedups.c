@@ -1751,7 +1751,8 @@ item_long(PyObject *list, Py_ssize_t i, long long *out)
 /* cost_rows(ranks, loads, any_tier, capacities, demands, helds, depths, tokens, block, blocks,
  *           per_token, per_request, lower, unseen, evict, fill) -> (costs, evicted, room):
  * router/policy.py _cost_rows_py, float for float. The sequences are lists of one length; a
- * capacity is an int or None (unknown, as 0). */
+ * load is an int or a float (the queue term's, `_queued`), a capacity an int or None
+ * (unknown, as 0). */
 static PyObject *
 py_cost_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1815,10 +1816,10 @@ py_cost_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto error;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        long long load, held, depth, capacity = 0, a = 0;
-        double demand;
+        long long held, depth, capacity = 0, a = 0;
+        double load, demand;
         PyObject *cap_obj = PyList_GET_ITEM(capacities, i);
-        if (item_long(loads, i, &load) < 0 || item_double(demands, i, &demand) < 0
+        if (item_double(loads, i, &load) < 0 || item_double(demands, i, &demand) < 0
             || item_long(helds, i, &held) < 0 || item_long(depths, i, &depth) < 0
             || (cap_obj != Py_None && item_long(capacities, i, &capacity) < 0)) {
             goto error;
@@ -1833,7 +1834,7 @@ py_cost_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         double saved = a > depth ? lower * (double)a + ((double)block - lower) * (double)depth
                                  : (double)(block * depth);
         double cost = per_token * (saved < tokens ? tokens - saved : 0.0)
-                      + per_request * (double)load;
+                      + per_request * load;
         long long spilled = 0;
         double rm;
         if (!capacity) {

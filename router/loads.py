@@ -7,7 +7,8 @@ ways:
 
 - `GET /v1/loads` (SGLang >= 0.5.x, smg's `WorkerLoadResponse`, our fake worker): JSON with a
   `loads` array, one entry per dp rank; the KV pool's size is `max_total_num_tokens`. Cheap
-  and exact, so it is asked first.
+  and exact, so it is asked first. It also states how many requests a rank runs at once,
+  `max_running_requests` (`slots`); a 0 there is unknown, as for capacity.
 - `GET /metrics` (every vLLM, older SGLang): Prometheus text. vLLM names
   `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (v0
   called it `vllm:gpu_cache_usage_perc`), and states its pool in the labels of the info gauge
@@ -82,6 +83,9 @@ class EngineLoad:
     waiting: int | None = None
     kv_usage: float | None = None  # 0..1
     capacity_tokens: int | None = None  # the KV pool's size in tokens
+    # How many requests the engine runs at once (SGLang's `max_running_requests`); the rest
+    # wait for a slot. vLLM states none: unknown.
+    slots: int | None = None
 
 
 class ProbeOutcome(StrEnum):
@@ -121,6 +125,7 @@ def parse_loads_body(body: bytes) -> dict[int, EngineLoad] | None:
             waiting=_count(entry.get("num_waiting_reqs")),
             kv_usage=_fraction(entry.get("token_usage")),
             capacity_tokens=_positive(_count(entry.get("max_total_num_tokens"))),
+            slots=_positive(_count(entry.get("max_running_requests"))),
         )
     return out
 

@@ -18,6 +18,18 @@ Engine `running` is left out: continuous batching admits a new request next to r
 so running requests slow it down only a little, while waiting ones delay its first token by
 their whole prefill.
 
+cache_aware prices that load by what a new request would wait behind (`_queued`). An engine
+that states how many requests it runs at once (`slots`: SGLang's `max_running_requests` in
+`/v1/loads`, which the fake worker reports as its `--max-concurrency`) admits a new request at
+once while fewer than `slots` are in flight: the requests it waits behind are
+`ahead = max(load - slots + 1, 0)`, each priced as a queued request, and the others run beside
+it, each priced `running_share` (0.25) of one: they share the engine's compute with it but do
+not hold its first token back by their whole prefill. Where the slots are unknown (vLLM
+states none; a load gone stale) the whole load is priced, as with one slot. Priced whole, one
+request running on a prefix's holder outweighed a short prefix's hit (8-16 blocks, 128-256
+tokens, against 256 a request), and its next request went to an idle rank, a copy the cache
+had no room for (`bench/pressure_sim.py`, BENCHMARKS.md "Requests beside a free slot").
+
 cache_aware: the cost function
 ------------------------------
 For each candidate rank, with B the block size, T the prompt's token count, n = T // B its
@@ -27,12 +39,14 @@ full blocks, and from the index `d_dev` (leading blocks held on the device tier)
     cached   = B * (d_dev + (d_any - d_dev) * lower_tier_discount)
     new      = max(T - cached, 0)                    # prompt tokens this rank must prefill
     busy     = k * mean load of the candidates but the busiest   # k replicas share traffic
-    cost     = prefill * new + queue * queued_request_tokens * load / (1 + backlog * busy)
+    queued   = ahead + running_share * (load - ahead)   # the load as the queue prices it
+    cost     = prefill * new + queue * queued_request_tokens * queued / (1 + backlog * busy)
              + B * (evict * spill + fill * fullness * stored)      # cache pressure, below
 
 The unit is "prefill-token equivalents": roughly the time before this request's first token.
 Its own prefill is `new` tokens; each request queued ahead of it costs about
-`queued_request_tokens` tokens of prefill (an average uncached prompt). A host- or disk-tier
+`queued_request_tokens` tokens of prefill (an average uncached prompt), each one running beside
+it a quarter of that (`ahead` and `running_share`: "Load" above). A host- or disk-tier
 block must be copied back before use, which is cheaper than recomputing it but not free:
 `lower_tier_discount` is the fraction of a device block's saving it is credited with.
 
@@ -196,19 +210,24 @@ lower_tier_discount 0.5, backlog 1.0 (a typical rank with one request in flight 
 queued request's price; in `bench/pressure_sim.py` 0.5 and 2 did no better, and multiplying
 the prefill price instead, which keeps the pressure terms' weight against the queue, did
 worse at c=16: 0.936x the ideal partition against 0.956x; pricing by each rank's own load
-did worse than no rule at all, driving new prefixes off busy ranks), evict 1.0 (an evicted
+did worse than no rule at all, driving new prefixes off busy ranks), running_share 0.25 (a
+request running beside a free slot; in `bench/pressure_sim.py`, 204 drawn shapes of 12 seeds,
+the fake engine's 2 slots: the mean of their median ratios to the ideal partition 0.9942 ->
+0.9957, shapes below 0.97x 13 -> 9; 0 and 0.5 did a little less well, and pricing only the
+holders' slots, which leaves a new prefix's placement to whole loads, less again; the
+simulated TTFT p50 and p99 unchanged in the median shape), evict 1.0 (an evicted
 demanded block is prefilled again once), fill 2.0 (a new block on a rank full of demand, in a
 fleet full of demand, displaces a demanded block, which displaces another when it returns; in
 `bench/pressure_sim.py` 2 kept every workload of the pressure benchmark's family at the ideal
 partition's ratio where 0.5 and 1 let a one-request load difference place a prefix on a fuller
 rank; unscaled by the fleet it cost the routing trace 8% of TTFT p50, see BENCHMARKS.md), and
-tie_margin 32. So a fully
-cached 2,048-token prompt (128 blocks of 16) is worth 2048 / 256 = 8 queued requests against
-an empty idle rank with no demand: the holder wins with up to 7 waiting, ties at 8 (the tie
-goes to the lower load, the idle one), and loses at 9; against a rank full of demand in a
-full fleet the move would also pay 2 x 2048 in fill, so the holder keeps it up to 23; when
-the other ranks have 2 in flight each, a queued request counts 256 / 3 and the holder keeps
-it with up to 25 in flight (2 + 2048 / (256 / 3) = 26 ties).
+tie_margin 32. So a fully cached 2,048-token prompt (128 blocks of 16) is worth 2048 / 256 = 8
+queued requests against an empty idle rank with no demand (on an engine that states no slots):
+the holder wins with up to 7 waiting, ties at 8 (the tie goes to the lower load, the idle one),
+and loses at 9; against a rank full of demand in a full fleet the move would also pay 2 x 2048
+in fill, so the holder keeps it up to 23; when the other ranks have 2 in flight each, a queued
+request counts 256 / 3 and the holder keeps it with up to 25 in flight (2 + 2048 / (256 / 3) =
+26 ties).
 
 Prefix homes (`--prefix-homes`, off by default; `router.homes.CacheAwareHome` wraps this
 policy). The cost above places a new prefix by the moment's load or the siblings' tie hash,
@@ -336,6 +355,23 @@ def _loads(candidates: Sequence[Candidate]) -> list[int]:
     ]
 
 
+def _queued(candidates: Sequence[Candidate], loads: list[int], share: float) -> list[float]:
+    """Each candidate's load as the queue term prices it (module docstring, "Load"): on a
+    rank whose engine states its slots, the requests a new one would wait behind count whole
+    and the ones running beside it `share` each; elsewhere the load itself."""
+    out: list[float] | None = None
+    for i, c in enumerate(candidates):
+        e = c.engine
+        if e is None or (slots := e.slots) is None or slots < 2:
+            continue
+        if out is None:
+            out = list(map(float, loads))
+        load = loads[i]
+        ahead = load - slots + 1 if load >= slots else 0
+        out[i] = ahead + share * (load - ahead)
+    return loads if out is None else out  # type: ignore[return-value]
+
+
 def _depth_maps(depths: PrefixDepths | None) -> tuple[dict[RankId, int], dict[RankId, int]]:
     """(any-tier depths, device depths) by rank; one dict for both when no block is off-device."""
     if depths is None:
@@ -456,6 +492,7 @@ class CacheAwareWeights:
     lower_tier_discount: float = 0.5  # credit for a host/disk block, relative to device
     evict: float = 1.0  # cost per token of recently demanded blocks a placement evicts
     backlog: float = 1.0  # the queue term is divided by 1 + backlog * (typical load)
+    running_share: float = 0.25  # an in-flight request with an engine slot, of a queued one
     fill: float = 2.0  # surcharge per newly stored token, times the rank's demand / capacity
     tie_margin: float = 32.0  # with siblings, costs this close to the best tie (rendezvous)
     imbalance_abs: int = 32  # fall back to least load when max - min load exceeds this ...
@@ -469,6 +506,7 @@ class CacheAwareWeights:
             self.evict,
             self.fill,
             self.backlog,
+            self.running_share,
         )
         if min(*weights, self.tie_margin) < 0:
             raise ValueError("cost weights and the tie margin must be >= 0")
@@ -768,7 +806,7 @@ class CacheAware:
         unseen = 1.0 - 1.0 / replicas if replicas > 1 and self.share is None else 0.0
         rows = _cost_rows(
             p.ranks,
-            loads,
+            _queued(candidates, loads, w.running_share),
             any_tier,
             p.capacity,
             p.demand,

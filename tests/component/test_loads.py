@@ -135,13 +135,14 @@ async def test_the_fake_worker_is_read_via_v1_loads_per_rank() -> None:
         pool = fw.config.cache_blocks * fw.config.block_size
         assert mon.probe_outcomes == {"available": 1}
         assert mon.source(fw.url) == "loads"
-        assert mon.get(fw.url, 0) == EngineLoad(0, 0, 0.0, capacity_tokens=pool)
-        assert mon.get(fw.url, 1) == EngineLoad(1, 1, reported, capacity_tokens=pool)
+        # max_concurrency=1: one slot a rank, stated as `max_running_requests`.
+        assert mon.get(fw.url, 0) == EngineLoad(0, 0, 0.0, capacity_tokens=pool, slots=1)
+        assert mon.get(fw.url, 1) == EngineLoad(1, 1, reported, capacity_tokens=pool, slots=1)
         assert mon.capacity_blocks(fw.url, 1, fw.config.block_size) == fw.config.cache_blocks
         sleep.release.set()
         assert await asyncio.gather(*tasks) == [200, 200]
         await mon.poll_once()
-        assert mon.get(fw.url, 1) == EngineLoad(0, 0, reported, capacity_tokens=pool)
+        assert mon.get(fw.url, 1) == EngineLoad(0, 0, reported, capacity_tokens=pool, slots=1)
 
 
 @contextlib.asynccontextmanager

@@ -226,6 +226,21 @@ def test_a_load_body_states_the_pool_in_max_total_num_tokens_and_zero_is_unknown
     }
 
 
+def test_a_load_body_states_the_slots_in_max_running_requests_and_zero_is_unknown() -> None:
+    body = {
+        "loads": [
+            {"dp_rank": 0, "num_running_reqs": 2, "max_running_requests": 2},
+            {"dp_rank": 1, "num_running_reqs": 0, "max_running_requests": 0},
+            {"dp_rank": 2, "num_running_reqs": 1},
+        ]
+    }
+    assert parse_loads_body(msgspec.json.encode(body)) == {
+        0: EngineLoad(running=2, slots=2),
+        1: EngineLoad(running=0),
+        2: EngineLoad(running=1),
+    }
+
+
 def test_vllm_states_its_pool_in_the_labels_of_cache_config_info_per_engine() -> None:
     text = (
         "# HELP vllm:cache_config_info Information of the LLMEngine's cache_config\n"

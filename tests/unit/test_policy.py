@@ -109,6 +109,45 @@ def test_a_holder_with_a_long_queue_loses_to_an_idle_rank_when_the_cost_says_so(
 
 
 @pytest.mark.parametrize(
+    ("inflight", "waiting", "slots", "priced"),
+    [
+        (1, 0, None, 1.0),  # the engine states no slots (vLLM): the whole load is priced
+        (1, 0, 1, 1.0),  # one slot: the request running holds the next one back
+        (1, 0, 2, 0.25),  # a free slot: the one running is beside it, a quarter
+        (2, 0, 2, 1.25),  # slots full: it waits behind one, the other runs beside it
+        (3, 1, 2, 3.25),  # a load of 4 on 2 slots: behind 3
+        (5, 0, 8, 1.25),  # 5 running of 8 slots: a quarter each
+        (0, 0, 2, 0.0),
+    ],
+)
+def test_the_queue_term_prices_whole_only_the_requests_a_new_one_would_wait_behind(
+    inflight: int, waiting: int, slots: int | None, priced: float
+) -> None:
+    fleet = Fleet()
+    fleet.hold(A, 128)
+    policy = CacheAware()
+    engine = EngineLoad(running=min(inflight, slots or 1), waiting=waiting, slots=slots)
+    candidates = [Candidate(A, inflight, engine), cand(B)]
+    assert policy.costs(candidates, fleet.prompt()) == [256.0 * priced, 2048.0]
+
+
+@pytest.mark.parametrize(("slots", "first"), [(None, B), (2, A)])
+def test_a_holder_running_one_request_with_a_slot_free_keeps_a_short_prefix(
+    slots: int | None, first: RankId
+) -> None:
+    # An 8-block prefix saves 128 tokens of prefill: less than a queued request's 256, more
+    # than a quarter of it. Stated slots tell which one the holder's request is.
+    fleet = Fleet()
+    fleet.hold(A, 8)
+    policy = CacheAware(rng=random.Random(1))
+    engine = EngineLoad(running=1, waiting=0, slots=slots)
+    candidates = [Candidate(A, 1, engine), Candidate(B, 0, EngineLoad(0, 0, slots=slots))]
+    decision = policy.decide(candidates, fleet.prompt())
+    assert decision.ranked[0].rank == first
+    assert decision.matched_blocks == (8 if first == A else 0)
+
+
+@pytest.mark.parametrize(
     ("loads", "replicas", "holder_first", "costs"),
     [
         # Every rank idle but A (c=1): the plain cost. B would prefill 2048, A's queue is

@@ -614,9 +614,12 @@ def _cost_case(rng: random.Random) -> tuple[Any, ...]:
             [0.0, rng.random() * 1000, rng.random() * 600_000, float(rng.randrange(90))]
         )
 
+    def load() -> int | float:  # a plain load, or the queue term's (`policy._queued`)
+        return rng.choice([rng.randrange(0, 80), rng.randrange(0, 80) + 0.25 * rng.randrange(9)])
+
     return (
         ranks,
-        [rng.randrange(0, 80) for _ in ranks],
+        [load() for _ in ranks],
         {r: rng.randrange(0, blocks + 3) for r in ranks if rng.random() < 0.6},
         [capacity() for _ in ranks],
         [demand() for _ in ranks],
