@@ -506,12 +506,13 @@ class CacheAwareWeights:
             self.evict,
             self.fill,
             self.backlog,
-            self.running_share,
         )
         if min(*weights, self.tie_margin) < 0:
             raise ValueError("cost weights and the tie margin must be >= 0")
         if not 0.0 <= self.lower_tier_discount <= 1.0:
             raise ValueError("lower_tier_discount must be within [0, 1]")
+        if not 0.0 <= self.running_share <= 1.0:  # a share of a queued request's price
+            raise ValueError("running_share must be within [0, 1]")
         if self.imbalance_abs < 0 or self.imbalance_rel < 1.0:
             raise ValueError("need imbalance_abs >= 0 and imbalance_rel >= 1")
 

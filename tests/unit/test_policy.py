@@ -365,6 +365,8 @@ def test_make_policy_knows_every_name_and_refuses_others() -> None:
         {"evict": -0.5},
         {"fill": -1.0},
         {"backlog": -0.1},
+        {"running_share": -0.25},
+        {"running_share": 1.5},
     ],
 )
 def test_invalid_weights_are_refused(bad: dict[str, float]) -> None:
