@@ -591,7 +591,8 @@ class _PressureCollector(Collector):
         policy.settle()
         ledger = policy.ledger
         ranks = [rank for worker in self._workers.workers() for rank in worker.ranks()]
-        capacity, demand, booked, pressure = [], [], [], []
+        loads = self._workers.loads
+        capacity, demand, booked, pressure, slots = [], [], [], [], []
         for rank, d in zip(ranks, ledger.demands(ranks), strict=True):
             labels = (rank.worker_url, str(rank.dp_rank))
             demand.append((labels, d))
@@ -600,11 +601,21 @@ class _PressureCollector(Collector):
             if blocks:
                 capacity.append((labels, blocks))
                 pressure.append((labels, d / blocks))
+            engine = loads.get(rank.worker_url, rank.dp_rank)
+            if engine is not None and engine.slots is not None:
+                slots.append((labels, engine.slots))
         rank_labels = ["worker_url", "dp_rank"]
         yield _gauge(
             "kvrouter_rank_capacity_blocks",
             "Blocks the rank's engine can hold (its stated KV pool over the block size)",
             capacity,
+            rank_labels,
+        )
+        yield _gauge(
+            "kvrouter_rank_slots",
+            "Requests the rank's engine runs at once, as it states them (SGLang "
+            "max_running_requests); the queue term prices those beside a free slot at a share",
+            slots,
             rank_labels,
         )
         yield _gauge(

@@ -10,7 +10,8 @@ The replicas' `canonical_view`s are then compared with the first replica's.
 
 Output, per replica: readiness, block size, node count, and per rank its cursor and blocks,
 and, from the replica's `/metrics` when its policy is cache_aware, what the rank's engine can
-hold (`capacity`, in blocks), the replica's bookings not yet in the index (`booked`) and its
+hold (`capacity`, in blocks), how many requests it runs at once when its engine states it
+(`slots`), the replica's bookings not yet in the index (`booked`) and its
 recent demand on the rank (`demand`: distinct blocks routed, decayed), and with
 `--prefix-homes` the prefix blocks homed there (`homed`, decayed); then the verdict, and
 where views differ, per rank: blocks only in one of the two, and blocks in both whose parent,
@@ -92,6 +93,7 @@ class RankPressure:
     """cache_aware's figures for one rank, as the replica's /metrics states them."""
 
     capacity: int | None = None
+    slots: int | None = None  # requests its engine runs at once, when it states them
     booked: int | None = None
     demand: float | None = None
     homed: float | None = None  # with --prefix-homes: prefix blocks homed on the rank
@@ -99,6 +101,7 @@ class RankPressure:
 
 _PRESSURE_SERIES: Final = {
     "kvrouter_rank_capacity_blocks": "capacity",
+    "kvrouter_rank_slots": "slots",
     "kvrouter_rank_booked_blocks": "booked",
     "kvrouter_rank_demand_blocks": "demand",
     "kvrouter_rank_homed_blocks": "homed",
@@ -415,7 +418,7 @@ def render(views: Sequence[ReplicaView], comparison: Comparison) -> list[str]:
             head = f"  {'rank':<{width}}  {'cursor':>8}  {'blocks':>8}"
             homes = any(p.homed is not None for p in view.pressure.values())
             if view.pressure:
-                head += f"  {'capacity':>8}  {'booked':>8}  {'demand':>8}"
+                head += f"  {'capacity':>8}  {'slots':>5}  {'booked':>8}  {'demand':>8}"
             if homes:
                 head += f"  {'homed':>8}"
             lines.append(head)
@@ -428,7 +431,10 @@ def render(views: Sequence[ReplicaView], comparison: Comparison) -> list[str]:
                 if view.pressure:
                     p = view.pressure.get(rank, RankPressure())
                     demand = "-" if p.demand is None else f"{p.demand:.1f}"
-                    line += f"  {_seq(p.capacity):>8}  {_seq(p.booked):>8}  {demand:>8}"
+                    line += (
+                        f"  {_seq(p.capacity):>8}  {_seq(p.slots):>5}  {_seq(p.booked):>8}"
+                        f"  {demand:>8}"
+                    )
                     if homes:
                         line += f"  {'-' if p.homed is None else f'{p.homed:.1f}':>8}"
                 lines.append(line)

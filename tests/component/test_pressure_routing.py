@@ -89,6 +89,8 @@ async def test_a_second_new_prefix_goes_where_it_evicts_nothing_and_both_stay_ca
         for fw in workers:
             labels = {"worker_url": fw.url, "dp_rank": "0"}
             assert scrape.value("kvrouter_rank_capacity_blocks", **labels) == CACHE_BLOCKS
+            # Unlimited concurrency (max_concurrency 0) states no slots: no series.
+            assert scrape.get("kvrouter_rank_slots", **labels) is None
             # Recent demand: every prefix routed there, 20 blocks each, barely decayed.
             assert scrape.value("kvrouter_rank_demand_blocks", **labels) > 6 * 20 * 0.9
             assert scrape.value("kvrouter_rank_booked_blocks", **labels) == 0
@@ -133,9 +135,9 @@ async def test_a_fresh_replica_prices_pressure_from_its_first_request() -> None:
         assert (await rt.scrape()).value("kvrouter_pressure_spills_total") == 0
 
 
-async def test_view_shows_capacity_booked_blocks_and_demand_per_rank() -> None:
+async def test_view_shows_capacity_slots_booked_blocks_and_demand_per_rank() -> None:
     async with (
-        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as w1,
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS, max_concurrency=2) as w1,
         router_in_process(workers=[w1.url], expose_route_headers=True) as rt,
     ):
         await gate_fleet([rt], [w1])
@@ -144,15 +146,16 @@ async def test_view_shows_capacity_booked_blocks_and_demand_per_rank() -> None:
         await quiesce([rt], [w1])
         (replica,) = await view.collect([rt.url])
         figures = replica.pressure[next(iter(replica.pressure))]
-        assert (figures.capacity, figures.booked) == (CACHE_BLOCKS, 0)
+        # The slots: the worker's max_concurrency, stated as max_running_requests.
+        assert (figures.capacity, figures.slots, figures.booked) == (CACHE_BLOCKS, 2, 0)
         assert figures.demand is not None and 18.0 < figures.demand <= 20.0
         status, out, err = await run_view(rt.url)
         assert status == 0, out + err
         (row,) = [line.split() for line in out.splitlines() if f"{w1.url}#dp0" in line]
-        # rank, cursor, blocks (20 and the gate's probe), capacity, booked, demand
-        assert row[2:5] == ["21", str(CACHE_BLOCKS), "0"], out
-        assert 18.0 < float(row[5]) <= 20.0, out  # 20 blocks, decaying by the wall clock
-        assert len(row) == 6 and "homed" not in out, out  # no prefix homes here
+        # rank, cursor, blocks (20 and the gate's probe), capacity, slots, booked, demand
+        assert row[2:6] == ["21", str(CACHE_BLOCKS), "2", "0"], out
+        assert 18.0 < float(row[6]) <= 20.0, out  # 20 blocks, decaying by the wall clock
+        assert len(row) == 7 and "homed" not in out, out  # no prefix homes here
 
 
 async def test_a_request_that_fails_over_moves_its_booking_to_the_worker_that_served_it() -> None:
