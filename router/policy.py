@@ -355,7 +355,7 @@ def _loads(candidates: Sequence[Candidate]) -> list[int]:
     ]
 
 
-def _queued(candidates: Sequence[Candidate], loads: list[int], share: float) -> list[float]:
+def _queued(candidates: Sequence[Candidate], loads: list[int], share: float) -> Sequence[float]:
     """Each candidate's load as the queue term prices it (module docstring, "Load"): on a
     rank whose engine states its slots, the requests a new one would wait behind count whole
     and the ones running beside it `share` each; elsewhere the load itself."""
@@ -369,7 +369,7 @@ def _queued(candidates: Sequence[Candidate], loads: list[int], share: float) -> 
         load = loads[i]
         ahead = load - slots + 1 if load >= slots else 0
         out[i] = ahead + share * (load - ahead)
-    return loads if out is None else out  # type: ignore[return-value]
+    return loads if out is None else out
 
 
 def _depth_maps(depths: PrefixDepths | None) -> tuple[dict[RankId, int], dict[RankId, int]]:
@@ -899,7 +899,7 @@ def _charge_shared_preamble(
 
 def _cost_rows_py(
     ranks: Sequence[RankId],
-    loads: Sequence[int],
+    loads: Sequence[float],  # plain loads, or the queue term's (`_queued`)
     any_tier: dict[RankId, int],
     capacities: Sequence[int | None],
     demands: Sequence[float],
