@@ -579,8 +579,9 @@ class _DiscoveryCollector(Collector):
 
 
 class _PressureCollector(Collector):
-    """cache_aware's view of cache pressure: per rank what the engine can hold, this replica's
-    recent demand and bookings; the bookings' outcomes and the spills it chose."""
+    """cache_aware's view of cache pressure: per rank what the engine can hold and the slots it
+    states, this replica's recent demand and bookings; the bookings' outcomes and the spills it
+    chose."""
 
     def __init__(self, policy: CacheAware, workers: WorkerRegistry) -> None:
         self._policy = policy
