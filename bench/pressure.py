@@ -34,7 +34,9 @@ and header shapes included), `BENCH_PRESSURE_RUNS` sets the runs per row (seeds 
 `BENCH_PRESSURE_ROWS` the rows (their labels, commas: "ideal partition,kvrouter cache_aware");
 the rows left out show as skipped. `BENCH_PRESSURE_UNSEEN=N` (or `N:SEED`) runs N shapes of
 the regime drawn at random (`bench.pressure_sim.unseen_shapes`, after the named ones): a
-fresh seed is a set of hold-outs no weight was chosen on. Naming drawn shapes in
+fresh seed is a set of hold-outs no weight was chosen on; `BENCH_PRESSURE_TAILED=N` (or
+`N:SEED`) the same draw with longer tails of the requests' own (`tailed_shapes`: 64-500
+tokens where the others have 8-40). Naming drawn shapes in
 `BENCH_PRESSURE_WORKLOADS` too runs those alone of the draw (a shape below the bar again,
 with more runs). The runs' seeds are 0..N-1, so `bench/pressure_sim.py --seeds N` plays the
 same requests and predicts a row's figures (exactly at c=1, where timing decides nothing).
@@ -48,7 +50,7 @@ import os
 import random
 import statistics
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -67,6 +69,7 @@ from bench.pressure_sim import (
     ideal_partition,
     long_headers,
     nested_headers,
+    tailed_shapes,
     unseen_shapes,
     workloads,
 )
@@ -113,15 +116,17 @@ QUICK: Final = ("3w-9p-shuffled-c8-prefilled", "3w-9p-shuffled-c8-2rep")
 def selected(quick: bool, env: Mapping[str, str] = os.environ) -> tuple[list[Workload], int]:
     """The workloads and the runs per row at this scale, or as the environment narrows them:
     `BENCH_PRESSURE_WORKLOADS` (names, commas; any shape of `bench.pressure_sim`, its
-    holdouts and header shapes included), `BENCH_PRESSURE_UNSEEN` (shapes drawn at random,
-    after the named ones; only those named when some are) and `BENCH_PRESSURE_RUNS`
+    holdouts and header shapes included), `BENCH_PRESSURE_UNSEEN` and
+    `BENCH_PRESSURE_TAILED` (shapes drawn at random, after the named ones; only those named
+    when some are) and `BENCH_PRESSURE_RUNS`
     (1-100). ValueError naming the problem when they are malformed. A narrowed run is for
     `--no-markdown`: its tables would replace the full ones."""
     names: Sequence[str] = QUICK if quick else FULL
     runs = 1 if quick else 3
     wanted = env.get("BENCH_PRESSURE_WORKLOADS", "").strip()
     family = workloads() + holdouts() + long_headers() + nested_headers()
-    unseen = _unseen(env.get("BENCH_PRESSURE_UNSEEN", "").strip())
+    unseen = _drawn(env, "BENCH_PRESSURE_UNSEEN", unseen_shapes)
+    unseen += _drawn(env, "BENCH_PRESSURE_TAILED", tailed_shapes)
     by_name = {w.name: w for w in family + unseen}
     drawn = [w.name for w in unseen]
     if wanted:
@@ -144,18 +149,21 @@ def selected(quick: bool, env: Mapping[str, str] = os.environ) -> tuple[list[Wor
     return [by_name[n] for n in names], runs
 
 
-def _unseen(spec: str) -> list[Workload]:
-    """`BENCH_PRESSURE_UNSEEN`: "N" or "N:SEED", N shapes drawn by `unseen_shapes` (SEED
-    `UNSEEN_SEED` by default); ValueError naming the problem when it is malformed."""
+def _drawn(
+    env: Mapping[str, str], variable: str, draw: Callable[[int, int], list[Workload]]
+) -> list[Workload]:
+    """`BENCH_PRESSURE_UNSEEN` or `BENCH_PRESSURE_TAILED`: "N" or "N:SEED", N shapes of
+    `draw` (SEED `UNSEEN_SEED` by default); ValueError naming the problem when malformed."""
+    spec = env.get(variable, "").strip()
     if not spec:
         return []
     count, _, seed = spec.partition(":")
     if not count.isdigit() or not 1 <= int(count) <= MAX_UNSEEN or (seed and not seed.isdigit()):
         raise ValueError(
-            f"BENCH_PRESSURE_UNSEEN: {spec!r}; need N or N:SEED, N a whole number "
+            f"{variable}: {spec!r}; need N or N:SEED, N a whole number "
             f"1-{MAX_UNSEEN} and SEED a whole number"
         )
-    return unseen_shapes(int(count), int(seed) if seed else UNSEEN_SEED)
+    return draw(int(count), int(seed) if seed else UNSEEN_SEED)
 
 
 def selected_rows(env: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:

@@ -41,7 +41,8 @@ and why each second copy of a prefix was made (`Copies`: a holder the deciding r
 not see yet, none left, a holder seen and passed over, the imbalance fallback).
 `--holdouts` adds shapes of the regime that no weight was chosen on (`holdouts()`), and
 `--unseen N` N shapes drawn at random (`unseen_shapes()`, `--unseen-seed`): a fresh draw is
-a set of hold-outs nobody has tuned on.
+a set of hold-outs nobody has tuned on; `--tailed N` the same draw with longer tails of the
+requests' own (`tailed_shapes()`).
 `--share-lag-ms`, `--event-lag-ms` and `--placement-share-lag-ms` set the news lags of every
 workload chosen; the last one delays only placements (a prefix sent to a rank it was never
 sent to), to tell which decisions' lag costs (BENCHMARKS.md: siblings' news lag). `--placer`
@@ -343,6 +344,28 @@ def unseen_shapes(count: int, seed: int) -> list[Workload]:
                 header_blocks=header,
             )
         )
+    return out
+
+
+# Each request's own tail in `tailed_shapes`, tokens: a question or a document after the
+# shared prompt, 4-31 blocks of 16 where `unseen_shapes` draws 0-2.
+TAILS: Final = ((64, 160), (100, 300), (200, 500))
+
+
+def tailed_shapes(count: int, seed: int) -> list[Workload]:
+    """The shapes `unseen_shapes(count, seed)` draws, each given longer tails of its own
+    requests, one range of `TAILS` drawn per shape (added with `--tailed N`;
+    `BENCH_PRESSURE_TAILED=N:SEED` live). The caches are sized by the prefixes alone, as
+    there: the tails churn them (every request stores its own blocks, evicting the least
+    recently used), so a prefix is evicted whole now and then by its rank's churn although
+    the prefixes fit. Some draws leave the ideal partition next to nothing (tails longer than
+    a cache's room for them); their ratio says little. A name is the unseen shape's, then
+    `-t<low>-<high>`."""
+    rng = random.Random(seed)
+    out = []
+    for w in unseen_shapes(count, seed):
+        low, high = rng.choice(TAILS)
+        out.append(replace(w, name=f"{w.name}-t{low}-{high}", tail_tokens=(low, high)))
     return out
 
 
@@ -1014,7 +1037,16 @@ def main() -> None:
         metavar="N",
         help="add N shapes drawn at random (unseen_shapes())",
     )
-    parser.add_argument("--unseen-seed", type=int, default=UNSEEN_SEED, help="their draw's seed")
+    parser.add_argument(
+        "--tailed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add N shapes drawn at random with longer tails (tailed_shapes())",
+    )
+    parser.add_argument(
+        "--unseen-seed", type=int, default=UNSEEN_SEED, help="the seed of those draws"
+    )
     parser.add_argument(
         "--nested-headers", action="store_true", help="add nested_headers() to the family"
     )
@@ -1080,6 +1112,7 @@ def main() -> None:
     family += long_headers() if args.long_headers else []
     family += nested_headers() if args.nested_headers else []
     family += unseen_shapes(args.unseen, args.unseen_seed)
+    family += tailed_shapes(args.tailed, args.unseen_seed)
     chosen = [w for w in family if not wanted or w.name in wanted]
     lags = {
         "share_lag_s": args.share_lag_ms,

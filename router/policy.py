@@ -187,23 +187,32 @@ saturate (every rank full of demand), the costs then differ by load alone, and t
 went to whichever rank was a request lighter: where it lands decides which prefixes share a
 rank from then on, and the idlest rank may be the fullest (`bench/pressure_sim.py`,
 u2037.6, 4 workers, an 8-block header, 9 prefixes of 16-32 blocks, demand 1.2x the caches:
-3.8 such re-placements a run, each prefix on 1.56 ranks). So it goes to the candidate whose
-working set (`PressureLedger.working_sets`, as for an outgrown holder), with the blocks the
-prompt would store there, fills the least of its capacity, `(ws + n - depth) / C`, among
-those within one request of the lightest load (equal ones in the cost's order; ranks of
-unknown capacity are not candidates for it). Its last rank still counts the prefix in its
-working set, so it is taken back only when it is the least full even so: sending it back
-there, tried before, bought nothing (the rank it was evicted from is full; BENCHMARKS.md, "A
-prefix gone from its rank"). A new prefix (its next block routed nowhere) is placed by the
-cost as before. No weight of its own. In `bench/pressure_sim.py` (12 seeds) the fresh
-draws 2031-2038 went from 9 shapes below 0.97x the ideal partition to 6 (u2037.6 0.962x ->
-0.979x, u2035.6 0.958x -> 0.975x, u2034.5 0.968x -> 0.971x; u2031.4 0.955x -> 0.948x),
-the tuning family's mean 0.99498 -> 0.99504 (none below), the validation draws 2039 and
-2040 0.98517 -> 0.98633 and 0.99858 -> 0.99850 (3 and 0 shapes below before and after);
-live, u2037.6 0.951x -> 0.955x, within the sessions' spread (BENCHMARKS.md, "Which
-prefixes share a rank"). Its cost: one ledger lookup per decision
-where every candidate holds the prompt equally deep, and a working-set read when that
-block was routed.
+3.8 such re-placements a run, each prefix on 1.56 ranks). So it goes where it would end the
+least full of its capacity: its last rank (`PressureLedger.last_routed` of the prompt's next
+block) by its working set as it is (`PressureLedger.working_sets`, as for an outgrown
+holder; it counts the prefix already), at any load; another candidate by its working set
+with the blocks the prompt would store there, `(ws + n - depth) / C`, if it is within one
+request of the lightest load; the last rank on a tie, then the cost's order (ranks of unknown
+capacity are not candidates for it). A prefix whose requests each add a tail of their own
+(a question, a document) is evicted whole by its rank's churn even when the prefixes it
+shares the rank with fit: every rank's working set then also counts each prefix's latest
+tail, the fullness of ranks differs by noise, and sending the prefix to whichever was a
+request lighter and emptier started a cascade (its new rank evicted another prefix, which
+moved in turn: in `bench/pressure_sim.py`'s tailed shapes, 100-300-token tails, u3004.0, 31
+prefixes over 6 workers at c=16, 16.7 such moves a run and 0.76x the ideal partition). Until
+round 15 the last rank was judged as the others (its working set plus the prompt again, and
+only within a request of the lightest load), so a prefix went home only when that rank was
+the least full even counting it twice. With short tails (8-40 tokens) judging it fairly
+changes little (204 drawn shapes of 12 seeds, `pressure_sim --unseen`: the mean of median
+ratios to the ideal partition 0.99570 -> 0.99594, 9 shapes below 0.97x before and after);
+with longer ones it keeps the partition (116 drawn shapes, `pressure_sim --tailed`, tails of
+64-500 tokens: 0.98222 -> 0.99599, 32 -> 22 below 0.97x, the worst 0.698x -> 0.847x;
+BENCHMARKS.md, "A gone prefix goes home"). Going home whatever the other ranks' fullness
+did better still with long tails (0.99869, 21 below) and worse with short ones (0.99507, 11
+below). A new prefix (its next block routed
+nowhere) is placed by the cost as before. No weight of its own. Its cost: one ledger lookup
+per decision where every candidate holds the prompt equally deep, and a working-set read
+when that block was routed.
 
 Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
 lower_tier_discount 0.5, backlog 1.0 (a typical rank with one request in flight halves a
@@ -743,23 +752,30 @@ class CacheAware:
         self, loads: Sequence[int], p: _Pressure, prompt: Prompt, order: Sequence[int]
     ) -> int | None:
         """The candidate to take a prefix gone from every cache, if any (module docstring,
-        "A prefix gone from every cache"): the one whose working set, with the blocks the
-        prompt would store there, fills the least of its capacity, among those within one
-        request of the lightest load; equal ones in the cost's `order`."""
+        "A prefix gone from every cache"): the one that would end the least full of its
+        capacity, its last rank at any load and by its working set as it is (which counts
+        the prefix), the others within one request of the lightest load and with the blocks
+        the prompt would store there; the last rank on a tie, then the cost's `order`."""
         keys = prompt.keys
         depth = p.depth
         d = depth[0] if depth else 0
-        if d >= len(keys) or depth.count(d) != len(depth) or not self.ledger.routed(keys[d]):
-            return None  # held deeper somewhere, a prompt within a block, or a new prefix
+        if d >= len(keys) or depth.count(d) != len(depth):
+            return None  # held deeper somewhere, or a prompt within a block
+        last = self.ledger.last_routed(keys[d])
+        if last is None:
+            return None  # a new prefix
         stored = prompt.blocks - d
         ws = self.ledger.working_sets(p.ranks)
         capacity = p.capacity
         bound = min(loads) + 1
         best: int | None = None
         least = math.inf
+        home = p.ranks.index(last) if last in p.ranks else -1
+        if home >= 0 and (c := capacity[home]):
+            best, least = home, ws[home] / c
         for i in order:
             c = capacity[i]
-            if c and loads[i] <= bound and (ws[i] + stored) / c < least:
+            if c and loads[i] <= bound and i != home and (ws[i] + stored) / c < least:
                 best, least = i, (ws[i] + stored) / c
         return best
 

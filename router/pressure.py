@@ -181,6 +181,7 @@ def _put_run(booked: MutableMapping[int, _Booking], keys: Sequence[int], booking
 
 @dataclass(slots=True)
 class _RankLedger:
+    rank: RankId
     batches: deque[_Batch] = field(default_factory=deque)  # oldest first
     pairs: int = 0  # live pairs over its batches
     listed: int = 0  # keys its batches list from `start` on, live or stale
@@ -279,6 +280,11 @@ class PressureLedger:
         batch = self._pairs.get(key)
         return batch is not None and batch.rank is self._ranks.get(rank)
 
+    def last_routed(self, key: int) -> RankId | None:
+        """The rank the block was last routed to, while it is tracked; None otherwise."""
+        batch = self._pairs.get(key)
+        return None if batch is None else batch.rank.rank
+
     def ranks(self) -> list[RankId]:
         return list(self._ranks)
 
@@ -317,7 +323,7 @@ class PressureLedger:
             self._rebase(now)
         st = self._ranks.get(rank)
         if st is None:
-            st = self._ranks[rank] = _RankLedger()
+            st = self._ranks[rank] = _RankLedger(rank)
         if keys:
             first = self._weigh(st, keys, self._weight(now))
             if held < len(keys) and self.settings.booking_ttl_s > 0:

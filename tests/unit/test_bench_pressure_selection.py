@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench.pressure import FULL, MAX_RUNS, MAX_UNSEEN, QUICK, ROWS, selected, selected_rows
-from bench.pressure_sim import unseen_shapes
+from bench.pressure_sim import tailed_shapes, unseen_shapes
 
 
 def test_without_the_environment_the_full_and_quick_sets_run_as_before() -> None:
@@ -41,6 +41,14 @@ def test_unseen_shapes_are_drawn_by_count_and_seed_after_the_named_workloads() -
     assert [w.name for w in chosen] == ["6w-30p-c16-3rep", *(w.name for w in unseen_shapes(2, 5))]
 
 
+def test_tailed_shapes_are_drawn_after_the_unseen_ones() -> None:
+    env = {"BENCH_PRESSURE_UNSEEN": "2:5", "BENCH_PRESSURE_TAILED": "3:7"}
+    chosen, _ = selected(False, env)
+    assert chosen == unseen_shapes(2, 5) + tailed_shapes(3, 7)
+    chosen, _ = selected(False, {"BENCH_PRESSURE_TAILED": "2"})
+    assert chosen == tailed_shapes(2, 2026)
+
+
 def test_a_drawn_shape_named_runs_alone_of_its_draw() -> None:
     drawn = [w.name for w in unseen_shapes(3, 7)]
     env = {"BENCH_PRESSURE_WORKLOADS": drawn[1], "BENCH_PRESSURE_UNSEEN": "3:7"}
@@ -69,6 +77,8 @@ def test_rows_keep_the_table_order_whatever_order_they_are_named_in() -> None:
         ({"BENCH_PRESSURE_UNSEEN": str(MAX_UNSEEN + 1)}, f"1-{MAX_UNSEEN}"),
         ({"BENCH_PRESSURE_UNSEEN": "3:x"}, "N or N:SEED"),
         ({"BENCH_PRESSURE_UNSEEN": "many"}, "whole number"),
+        ({"BENCH_PRESSURE_TAILED": "0"}, "BENCH_PRESSURE_TAILED: '0'"),
+        ({"BENCH_PRESSURE_TAILED": "2:y"}, "N or N:SEED"),
     ],
 )
 def test_a_malformed_selection_is_refused_naming_the_problem(

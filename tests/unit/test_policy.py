@@ -915,20 +915,23 @@ def test_a_prefix_passed_on_stays_where_it_went() -> None:
 
 
 # A prefix gone from every cache: an 8-block header on every rank, the prompt's own blocks
-# routed to A last and evicted since; every rank's demand past its capacity, so the pressure
-# terms tie and the cost alone would go by load.
+# routed to A last and evicted since; every rank's demand past its capacity (256), so the
+# pressure terms tie and the cost alone would go by load. A's working set counts the prompt
+# already (408 where its demand is 400: the header's 8 blocks were routed there too); another
+# rank's would count the 120 blocks it would store on top.
 @pytest.mark.parametrize(
     ("routed", "loads", "demands", "known", "first"),
     [
-        (True, (0, 0, 1), (400, 300, 280), True, C),  # the least full, a request busier
-        (True, (0, 1, 1), (400, 300, 280), True, C),  # ... not home, however light
-        (True, (0, 0, 2), (400, 300, 280), True, B),  # two requests busier: the cost (B roomier)
-        (True, (1, 0, 0), (280, 400, 300), True, A),  # home, when it is the least full
+        (True, (0, 0, 1), (400, 300, 250), True, C),  # C ends less full, a request busier
+        (True, (0, 1, 2), (400, 300, 250), True, A),  # ... two busier: home, B ends fuller
+        (True, (3, 0, 0), (380, 300, 280), True, A),  # home at any load, the least full
+        (True, (3, 0, 0), (400, 250, 300), True, B),  # ... unless a lighter rank ends less full
+        (True, (1, 0, 0), (400, 288, 288), True, A),  # home on a tie (B, C end as full)
         (True, (0, 0, 1), (400, 300, 280), False, B),  # no capacity known: the cost (by load)
         (False, (0, 0, 1), (400, 300, 280), True, B),  # routed nowhere: a new prefix, the cost
     ],
 )
-def test_a_prefix_gone_from_every_cache_goes_to_the_least_full_rank(
+def test_a_prefix_gone_from_every_cache_goes_where_it_ends_least_full_home_at_any_load(
     routed: bool,
     loads: tuple[int, int, int],
     demands: tuple[int, int, int],

@@ -98,19 +98,26 @@ def test_blocks_nobody_routed_for_sixteen_half_lives_are_forgotten() -> None:
     assert led.demand(A) == pytest.approx(5)
 
 
-def test_a_block_counts_as_routed_to_any_rank_until_it_is_forgotten() -> None:
+def test_a_block_counts_as_routed_to_the_rank_it_went_to_last_until_it_is_forgotten() -> None:
     """`routed` tells a new prefix's blocks (never routed lately) from the rest of one an
-    engine evicted (cache_aware's shared-preamble charge with one holder reads it)."""
+    engine evicted (cache_aware's shared-preamble charge with one holder reads it), and
+    `last_routed` names the rank a prefix gone from every cache was last sent to."""
     clock = ManualClock()
     led = ledger(clock, demand_half_life_s=1.0, booking_ttl_s=0.0)
     a, b = keys(1, 4), keys(2, 4)
     led.record(A, a)
     led.record(B, b[:2])
     assert [led.routed(k) for k in a + b] == [True] * 6 + [False] * 2
+    assert [led.last_routed(k) for k in a + b] == [A] * 4 + [B] * 2 + [None] * 2
+    clock.advance(0.5)  # past the refresh window: weighed again where it goes now
+    led.record(C, a[:2])
+    assert [led.last_routed(k) for k in a] == [C, C, A, A]
     clock.advance(16.5)
     led.record(A, keys(3, 1))
     led.record(B, keys(4, 1))
+    led.record(C, keys(5, 1))
     assert not any(led.routed(k) for k in a + b)
+    assert {led.last_routed(k) for k in a + b} == {None}
 
 
 def test_a_rank_no_longer_routed_to_is_swept_and_forgotten() -> None:

@@ -14,6 +14,7 @@ from bench.pressure_sim import (
     CACHE_AWARE_HOME,
     IDEAL,
     ONLINE_GREEDY,
+    TAILS,
     Losses,
     Outcome,
     Request,
@@ -24,6 +25,7 @@ from bench.pressure_sim import (
     nested_headers,
     play,
     shared_blocks,
+    tailed_shapes,
     unseen_shapes,
     workloads,
 )
@@ -125,6 +127,21 @@ def test_unseen_shapes_are_a_repeatable_draw_of_the_regime_apart_from_the_known_
     assert {w.shuffled for w in drawn} == {w.prefilled for w in drawn} == {True, False}
     assert {w.concurrency for w in drawn} == {1, 2, 4, 6, 8, 12, 16}
     assert {bool(w.header_blocks) for w in drawn} == {True, False}
+
+
+def test_tailed_shapes_are_the_unseen_draw_with_longer_tails_of_their_own() -> None:
+    unseen, tailed = unseen_shapes(40, 11), tailed_shapes(40, 11)
+    assert tailed == tailed_shapes(40, 11)
+    for u, t in zip(unseen, tailed, strict=True):
+        low, high = t.tail_tokens
+        assert (low, high) in TAILS and t.name == f"{u.name}-t{low}-{high}"
+        assert replace(t, name=u.name, tail_tokens=u.tail_tokens) == u
+    assert {t.tail_tokens for t in tailed} == set(TAILS)
+    # a request's own blocks: 0-2 of 16 tokens in the unseen shapes, 4-31 here
+    requests, _ = build_requests(tailed[0], 0)
+    shared = shared_blocks(requests)
+    own = [len(r.tokens) // BLOCK - shared[r.prefix] for r in requests]
+    assert min(own) >= tailed[0].tail_tokens[0] // BLOCK - 1 and max(own) >= 4
 
 
 def test_cache_aware_home_keeps_each_prefix_on_about_one_worker_as_online_greedy() -> None:
