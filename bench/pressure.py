@@ -428,12 +428,13 @@ def _rows(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def judged(result: dict[str, Any]) -> tuple[float | None, bool | None, bool | None]:
     """(cache_aware over ideal, that >= TARGET, cache_aware above smg) of one workload; None
-    where a row has no figures."""
+    where a row has no figures, or the ideal partition cached nothing (a tailed shape whose
+    tails leave its caches no room: nothing to be a share of)."""
     rows = _rows(result)
     ideal = rows["ideal partition"]["ratio"]
     ours = rows["kvrouter cache_aware"]["ratio"]
     smg = rows["smg cache_aware"]["ratio"]
-    if ideal is None or ours is None:
+    if not ideal or ours is None:
         return None, None, None
     rel = ours / ideal
     return rel, rel >= TARGET, None if smg is None else ours > smg
@@ -458,7 +459,10 @@ def verdict(results: Sequence[dict[str, Any]]) -> str:
         + ("met" if not below_smg else "NOT met in " + ", ".join(below_smg)),
     ]
     if unjudged:
-        parts.append("not judged (rows missing): " + ", ".join(unjudged))
+        parts.append(
+            "not judged (a row missing, or an ideal partition that cached nothing): "
+            + ", ".join(unjudged)
+        )
     return "Target: " + "; ".join(parts) + "."
 
 
@@ -466,10 +470,12 @@ def _describe(w: dict[str, Any]) -> str:
     order = "shuffled" if w["shuffled"] else "cyclic"
     state = "pre-filled" if w["prefilled"] else "cold"
     replicas = f"{w['replicas']} replica" + ("s" if w["replicas"] > 1 else "")
+    low, high = w["tail_tokens"]
     return (
         f"{w['workers']} workers x {w['cache_blocks']} blocks, {w['prefixes']} prefixes of "
         f"{w['prefix_blocks'][0]}-{w['prefix_blocks'][1]} blocks x {w['requests_per_prefix']}, "
-        f"{order}, c={w['concurrency']}, {state}, {replicas}"
+        f"each request's own tail {low}-{high} tokens, {order}, c={w['concurrency']}, "
+        f"{state}, {replicas}"
     )
 
 
@@ -507,9 +513,9 @@ def tables(result: dict[str, Any]) -> dict[str, str]:
     note = (
         f"{result['runs']} run(s) per row in turns, one fixed seed per run; ratio: median "
         f"(range); x ideal: the median over the ideal partition's. {described}. Every request: "
-        f"its prefix plus 8-40 tokens of its own; {PREFILL_US_PER_TOKEN:g} us prefill per "
-        f"uncached token, {MAX_TOKENS} tokens at {DECODE_MS_PER_TOKEN:g} ms, 2 running per "
-        f"worker. The ideal row goes straight to the workers (no router hop). "
+        f"its prefix plus its own tail; {PREFILL_US_PER_TOKEN:g} us prefill per uncached "
+        f"token, {MAX_TOKENS} tokens at {DECODE_MS_PER_TOKEN:g} ms, 2 running per worker. "
+        f"The ideal row goes straight to the workers (no router hop). "
         f"{verdict(result['workloads'])}"
     )
     header = [

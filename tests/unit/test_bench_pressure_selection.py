@@ -6,7 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from bench.pressure import FULL, MAX_RUNS, MAX_UNSEEN, QUICK, ROWS, selected, selected_rows
+from bench.pressure import (
+    FULL,
+    MAX_RUNS,
+    MAX_UNSEEN,
+    QUICK,
+    ROWS,
+    judged,
+    selected,
+    selected_rows,
+    verdict,
+)
 from bench.pressure_sim import tailed_shapes, unseen_shapes
 
 
@@ -92,3 +102,21 @@ def test_a_malformed_selection_is_refused_naming_the_problem(
 def test_an_unknown_row_is_refused_with_the_labels_to_choose_from() -> None:
     with pytest.raises(ValueError, match="BENCH_PRESSURE_ROWS: kvrouter magic; choose among"):
         selected_rows({"BENCH_PRESSURE_ROWS": "ideal partition,kvrouter magic"})
+
+
+def result_of(name: str, ideal: float | None, ours: float | None, smg: float | None) -> dict:
+    rows = [("ideal", "partition", ideal), ("kvrouter", "cache_aware", ours)]
+    rows.append(("smg", "cache_aware", smg))
+    return {
+        "workload": {"name": name},
+        "rows": [{"router": r, "policy": p, "ratio": x} for r, p, x in rows],
+    }
+
+
+def test_a_workload_is_judged_against_the_ideal_unless_the_ideal_cached_nothing() -> None:
+    assert judged(result_of("w", 0.5, 0.49, 0.4)) == (pytest.approx(0.98), True, True)
+    assert judged(result_of("w", 0.5, 0.48, 0.49)) == (pytest.approx(0.96), False, False)
+    assert judged(result_of("w", 0.0, 0.01, 0.0)) == (None, None, None)  # tails ate the caches
+    assert judged(result_of("w", 0.5, None, 0.4)) == (None, None, None)
+    text = verdict([result_of("a", 0.5, 0.49, 0.4), result_of("b", 0.0, 0.01, 0.0)])
+    assert "every workload: met" in text and "cached nothing): b." in text
