@@ -11,7 +11,11 @@ event arriving: the index holds its blocks on the rank from then on), as in a re
 - `shared prefix`: a 62-block prefix common to all prompts (moving between the two ranks
   with every prompt) and a new 63-block tail;
 - `system prompts` (with `--shape`): the proxy benchmark's workload, one of 8 62-block system
-  prompts, each routed to one rank always (kept fresh there), and a new 63-block tail.
+  prompts, each routed to one rank always (kept fresh there), and a new 63-block tail;
+- `conversations` (with `--shape`): 600 multi-turn chats taking turns, each on one rank: a
+  32-block system prompt (kept fresh), the conversation's previous prompt after it (weighed
+  600 requests ago: past the refresh window) and a new 16-block turn; past 125 blocks a
+  conversation starts over.
 Each request also reads what a decision reads (`booked_depths`, `pendings`, `demands`), timed
 apart and printed as `reads`. Best of `--repeats` runs, so that other processes on the machine
 inflate it less.
@@ -46,6 +50,9 @@ BLOCKS = 125
 CONFIRM_AFTER = 32
 SYSTEM_PROMPTS = 8
 SHAPES = {"distinct": (0, 1), "shared prefix": (62, 1), "system prompts": (62, SYSTEM_PROMPTS)}
+CONVERSATIONS = 600  # with one request a ms, a turn comes back 0.6 s later: past 30 s / 64
+SYSTEM_BLOCKS = 32
+TURN_BLOCKS = 16
 DEFAULT_SHAPES = ("distinct", "shared prefix")
 RANKS = [RankId("http://w0:8000", 0), RankId("http://w1:8000", 0)]
 
@@ -58,6 +65,30 @@ def prompts(requests: int, shared: int, heads: int = 1) -> list[list[int]]:
         prefixes[i % heads] + [rng.getrandbits(63) for _ in range(BLOCKS - shared)]
         for i in range(requests)
     ]
+
+
+def conversations(requests: int) -> list[list[int]]:
+    """Prompt i: the next turn of conversation i % CONVERSATIONS (see the module docstring)."""
+    rng = random.Random(1)
+    system = [rng.getrandbits(63) for _ in range(SYSTEM_BLOCKS)]
+    history = [system] * CONVERSATIONS
+    out = []
+    for i in range(requests):
+        c = i % CONVERSATIONS
+        if len(history[c]) + TURN_BLOCKS > BLOCKS:
+            history[c] = system
+        history[c] = history[c] + [rng.getrandbits(63) for _ in range(TURN_BLOCKS)]
+        out.append(history[c])
+    return out
+
+
+def shape_prompts(name: str, requests: int) -> tuple[list[list[int]], int]:
+    """The shape's prompts and its `heads` (how `rank_of` sends them: a conversation, an even
+    count of them taking turns, stays on one rank as a head does)."""
+    if name == "conversations":
+        return conversations(requests), 2
+    shared, heads = SHAPES[name]
+    return prompts(requests, shared, heads), heads
 
 
 def rank_of(i: int, heads: int) -> RankId:
@@ -137,26 +168,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--shape", action="append", choices=list(SHAPES))
+    parser.add_argument("--shape", action="append", choices=[*SHAPES, "conversations"])
     parser.add_argument("--against", metavar="REV", help="A/B against router/pressure.py at REV")
     args = parser.parse_args()
-    shapes = [(name, *SHAPES[name]) for name in args.shape or DEFAULT_SHAPES]
+    shapes = args.shape or DEFAULT_SHAPES
     if args.against is None:
-        for name, shared, heads in shapes:
-            batch = prompts(args.requests, shared, heads)
+        for name in shapes:
+            batch, heads = shape_prompts(name, args.requests)
             runs = [per_request_us(batch, heads) for _ in range(args.repeats)]
             best = min(runs)
             print(
                 f"{name:>14}: settle + record {best[0]:6.1f} us per request "
-                f"(runs {best[0]:.1f}-{max(r[0] for r in runs):.1f}; {BLOCKS} blocks, booked); "
+                f"(runs {best[0]:.1f}-{max(r[0] for r in runs):.1f}; up to {BLOCKS} blocks, "
+                "booked); "
                 f"reads {best[1]:.1f} us",
                 flush=True,
             )
         return
     old = module_at(args.against)
     versions = (("this tree", router.pressure), (args.against, old))
-    for name, shared, heads in shapes:
-        batch = prompts(args.requests, shared, heads)
+    for name in shapes:
+        batch, heads = shape_prompts(name, args.requests)
         runs: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in versions}
         for r in range(args.repeats):
             for label, module in versions if r % 2 == 0 else versions[::-1]:

@@ -88,7 +88,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import islice, repeat
+from itertools import repeat
 
 from cachetree.accel import tables
 from cachetree.ranks import RankId
@@ -457,22 +457,39 @@ class PressureLedger:
                 self._unweigh(head, moved)
                 _taken_over(head, moved, n - prefix)
                 return 0, moved
-        for i, old in enumerate(islice(olds, start, None), start):
+        i = start
+        while i < n:
+            old = olds[i]
             if old is kept:
+                i += 1
                 continue
             if old is not batch:
                 key = keys[i]
                 if old is not taken:
                     if old.rank is st and old.weight >= fresh:
                         kept = old
+                        i += 1
                         continue
                     if get(key) is batch:  # listed twice in the prompt: weighed already
+                        i += 1
                         continue
                     if run:
                         self._unweigh(taken, run)  # type: ignore[arg-type]
                     taken = old
+                    size = olds.count(old)
+                    if olds[i : i + size].count(old) == size:
+                        # Every block of the prompt that record weighed, in one run here (a
+                        # conversation's history below a system prompt, one record's turn):
+                        # moved in one C-level pass, as block by block below.
+                        run = self._move_run(keys, i, i + size, old, batch)
+                        reweighed += run
+                        if i < first:
+                            first = i
+                        i += size
+                        continue
                     run = 1
                 elif get(key) is batch:
+                    i += 1
                     continue
                 else:
                     run += 1
@@ -480,6 +497,7 @@ class PressureLedger:
                 reweighed += 1
             if i < first:
                 first = i
+            i += 1
         if run:
             self._unweigh(taken, run)  # type: ignore[arg-type]
         new = olds.count(batch)

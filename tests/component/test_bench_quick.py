@@ -99,12 +99,24 @@ def test_tree_memory_measures_each_size_in_its_own_process(pure: bool) -> None:
     assert all("B/block" in r for r in rows)
 
 
-def test_bench_ledger_prints_the_cost_of_both_prompt_shapes() -> None:
-    argv = [sys.executable, "bench/bench_ledger.py", "--requests", "200", "--repeats", "1"]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize(
+    ("shapes", "names"),
+    [
+        ([], ["distinct", "shared prefix"]),  # the default pair
+        (
+            ["--shape", "conversations", "--shape", "system prompts"],
+            ["conversations", "system prompts"],
+        ),
+    ],
+)
+def test_bench_ledger_prints_the_cost_of_each_prompt_shape(
+    shapes: list[str], names: list[str]
+) -> None:
+    argv = [sys.executable, "bench/bench_ledger.py", "--requests", "700", "--repeats", "1"]
+    done = subprocess.run(argv + shapes, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     rows = done.stdout.splitlines()
-    assert [r.split(":")[0].strip() for r in rows] == ["distinct", "shared prefix"]
+    assert [r.split(":")[0].strip() for r in rows] == names
     costs = [re.search(r"settle \+ record\s+([\d.]+) us per request", r) for r in rows]
     assert all(m is not None and float(m.group(1)) > 0 for m in costs), rows
 

@@ -515,6 +515,26 @@ def assert_stale_entries_counted(led: PressureLedger) -> None:
         assert state.listed == sum(len(batch.keys) - batch.start for batch in state.batches)
 
 
+def test_a_conversation_turn_moves_its_history_below_a_fresh_system_prompt_whole() -> None:
+    """A system prompt kept fresh on the rank, then the conversation's history from an older
+    record, then the new turn: the history is weighed again (in one run), the turn is new,
+    and the history leaves the superseded share it was given when the system prompt alone
+    was routed since (it looked like a request's own tail then)."""
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=30.0, booking_ttl_s=0.0)
+    prompt = keys(1, 24)
+    system, history, turn = prompt[:10], prompt[10:16], prompt[16:]
+    led.record(A, system + history)
+    clock.advance(1.0)  # past the refresh window (30 s / 64)
+    assert led.record(A, system) == 0  # weighed again; the history behind it superseded
+    assert led.working_sets([A]) == pytest.approx([10])
+    assert led.record(A, system + history + turn) == 10  # the system prompt kept fresh
+    assert led.demand(A) == pytest.approx(24)
+    assert led.working_sets([A]) == pytest.approx([24])
+    assert led.tracked_blocks == 24
+    assert_stale_entries_counted(led)
+
+
 def test_a_prompt_listing_a_block_twice_weighs_it_once() -> None:
     clock = ManualClock()
     led = ledger(clock, demand_half_life_s=10.0)
