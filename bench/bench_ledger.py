@@ -180,8 +180,7 @@ def main() -> None:
             print(
                 f"{name:>14}: settle + record {best[0]:6.1f} us per request "
                 f"(runs {best[0]:.1f}-{max(r[0] for r in runs):.1f}; up to {BLOCKS} blocks, "
-                "booked); "
-                f"reads {best[1]:.1f} us",
+                f"booked); reads {best[1]:.1f} us",
                 flush=True,
             )
         return

@@ -209,10 +209,9 @@ with longer ones it keeps the partition (116 drawn shapes, `pressure_sim --taile
 64-500 tokens: 0.98222 -> 0.99599, 32 -> 22 below 0.97x, the worst 0.698x -> 0.847x;
 BENCHMARKS.md, "A gone prefix goes home"). Going home whatever the other ranks' fullness
 did better still with long tails (0.99869, 21 below) and worse with short ones (0.99507, 11
-below). A new prefix (its next block routed
-nowhere) is placed by the cost as before. No weight of its own. Its cost: one ledger lookup
-per decision where every candidate holds the prompt equally deep, and a working-set read
-when that block was routed.
+below). A new prefix (its next block routed nowhere) is placed by the cost as before. No
+weight of its own. Its cost: one ledger lookup per decision where every candidate holds the
+prompt equally deep, and a working-set read when that block was routed.
 
 Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
 lower_tier_discount 0.5, backlog 1.0 (a typical rank with one request in flight halves a

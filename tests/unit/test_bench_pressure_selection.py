@@ -105,8 +105,11 @@ def test_an_unknown_row_is_refused_with_the_labels_to_choose_from() -> None:
 
 
 def result_of(name: str, ideal: float | None, ours: float | None, smg: float | None) -> dict:
-    rows = [("ideal", "partition", ideal), ("kvrouter", "cache_aware", ours)]
-    rows.append(("smg", "cache_aware", smg))
+    rows = [
+        ("ideal", "partition", ideal),
+        ("kvrouter", "cache_aware", ours),
+        ("smg", "cache_aware", smg),
+    ]
     return {
         "workload": {"name": name},
         "rows": [{"router": r, "policy": p, "ratio": x} for r, p, x in rows],
