@@ -164,7 +164,7 @@ spread the prefixes' blocks over the workers by 36, the ideal partition 9). So w
 prompt's deepest holder alone shows such a loss at this look and at its previous one (one
 loss is noise: a copy's first rounds, a booking that expired), its n blocks go instead to the
 candidate whose working set (`PressureLedger.working_sets`: demand less the requests' own
-tails later requests superseded) has room for them, `ws + n <= C`, with no loss at its own
+tails) has room for them, `ws + n <= C`, with no loss at its own
 latest look and no more load than the holder; the least full of those. Once, not back and
 forth: the move must also leave the receiver less full than the holder was, `(ws + n) / C <
 ws_holder / C_holder`, so a move back would need the opposite. No weight of its own. In
@@ -195,10 +195,11 @@ with the blocks the prompt would store there, `(ws + n - depth) / C`, if it is w
 request of the lightest load; the last rank on a tie, then the cost's order (ranks of unknown
 capacity are not candidates for it). A prefix whose requests each add a tail of their own
 (a question, a document) is evicted whole by its rank's churn even when the prefixes it
-shares the rank with fit: every rank's working set then also counts each prefix's latest
-tail, the fullness of ranks differs by noise, and sending the prefix to whichever was a
-request lighter and emptier started a cascade (its new rank evicted another prefix, which
-moved in turn: in `bench/pressure_sim.py`'s tailed shapes, 100-300-token tails, u3004.0, 31
+shares the rank with fit: every rank's working set then also counted each prefix's latest
+tail (until round 16: `router.pressure`, "Working sets"), the fullness of ranks differed by
+noise, and sending the prefix to whichever was a request lighter and emptier started a
+cascade (its new rank evicted another prefix, which moved in turn: in
+`bench/pressure_sim.py`'s tailed shapes, 100-300-token tails, u3004.0, 31
 prefixes over 6 workers at c=16, 16.7 such moves a run and 0.76x the ideal partition). Until
 round 15 the last rank was judged as the others (its working set plus the prompt again, and
 only within a request of the lightest load), so a prefix went home only when that rank was

@@ -42,17 +42,22 @@ the blocks above them, a preamble every prefix shares, may come from other recor
 on with blocks new to the ledger, what that record keeps beyond them is a continuation this
 prompt superseded: a request's own tail, when it is shorter than what it shares (a longer
 one is another prefix below a shared preamble, still in use, and is left alone). A fresher
-record keeps its place, tail and all (one lookup per block for a prefix routed again and
-again), and remembers the batch of the last prompt that went on past it with a shorter
-continuation (`follower`): the next such prompt supersedes that one, so a hot prefix's tails
-leave the working set as fast as its requests come, not at the half-life (before, with
-requests of one prefix less than a 64th of a half-life apart, or a preamble weighed by
-another prompt since, no tail ever left it: u2044.4 seed 1 at a replica's 40th decision, the
-ranks' working sets 36-53 blocks of 40 where their prefixes held 24-38). Its batch is marked
-`superseded`, and a rank's working set (`working_sets`) is its demand less its superseded
-blocks: what its cache must hold for the prefixes routed to it to stay. Demand itself is
-unchanged (every other rule reads it); only the relief of an outgrown holder and the
-re-placement of a prefix gone from every cache (`router.policy`) read the working set.
+record keeps its place (one lookup per block for a prefix routed again and again). In either
+case the prompt's own continuation, when shorter than what it shares, is a tail too, and
+leaves the working set at once, in a batch of its own when the record weighed other blocks
+again: waiting for the next request of its prefix to supersede it (as this did until round
+16) left each prefix's latest tail in, and with tails of 100-500 tokens those inflated every
+rank's working set past its capacity by noise (`pressure_sim --tailed`: u3004.0, prefixes
+filling 0.92 of the caches, working sets 1.2-1.5x capacity), so the rules that read them
+moved prefixes that fit. A conversation's newest turn has a tail's shape: it leaves the
+working set until the next turn takes it up again (it is weighed again there), one turn per
+live conversation. (Before tails were superseded at all, no tail ever left it: u2044.4 seed
+1 at a replica's 40th decision, the ranks' working sets 36-53 blocks of 40 where their
+prefixes held 24-38.) A superseded batch is marked `superseded`, and a rank's working set
+(`working_sets`) is its demand less its superseded blocks: what its cache must hold for the
+prefixes routed to it to stay. Demand itself is unchanged (every other rule reads it); only
+the relief of an outgrown holder and the re-placement of a prefix gone from every cache
+(`router.policy`) read the working set.
 
 Weights are stored as 2 ** ((t - t0) / half_life) against a moving origin t0, so a rank's
 demand is one running sum scaled by 2 ** -((now - t0) / half_life): recording a block is O(1)
@@ -146,10 +151,7 @@ class _Batch:
     keys: Sequence[int] = ()
     start: int = 0
     live: int = 0
-    superseded: bool = False  # its live pairs are a continuation a later prompt replaced
-    # The batch of the latest prompt that went on past this batch's blocks while they stayed
-    # here (routed again within a 64th of a half-life) with a shorter continuation: its tail.
-    follower: _Batch | None = None
+    superseded: bool = False  # its live pairs are a request's own tail (module docstring)
 
 
 def _booked_map() -> MutableMapping[int, _Booking]:
@@ -385,8 +387,8 @@ class PressureLedger:
         return 2.0 ** (-(now - self._origin) / self.settings.demand_half_life_s)
 
     def _weigh(self, st: _RankLedger, keys: Sequence[int], w: float) -> int:
-        """Weigh `keys` on the rank at `w` in one new batch; returns the first key weighed,
-        or `len(keys)`."""
+        """Weigh `keys` on the rank at `w` in one new batch (two when the prompt's own tail
+        goes in one of its own); returns the first key weighed, or `len(keys)`."""
         batch = _Batch(st, w)
         pairs = self._pairs
         n = len(keys)
@@ -396,19 +398,37 @@ class PressureLedger:
         # of the cost, so no block is looked up twice.
         olds = self._setdefault_run(keys, batch)
         added = len(pairs) - before
+        tail = 0
         if added == n:
             first = 0
         else:
-            first, reweighed = self._reweigh(st, batch, keys, olds, w * _REFRESH_FACTOR)
+            first, reweighed, tail = self._reweigh(st, batch, keys, olds, w * _REFRESH_FACTOR)
             added += reweighed
-        if added:
-            batch.keys = _u64_array(keys, first)
-            batch.live = added
-            st.batches.append(batch)
-            st.listed += n - first
-            st.pairs += added
-            st.total += w * added
+        if not added:
+            return first
+        if tail and added > tail:
+            # Blocks weighed again and the prompt's own tail: the tail in a batch of its own,
+            # so that it alone leaves the working set.
+            own = _Batch(st, w)
+            moved = self._move_run(keys, n - tail, n, batch, own)
+            self._file(st, batch, keys[: n - tail], first, added - moved)
+            self._file(st, own, keys, n - tail, moved)
+            _supersede(own)
+        else:
+            self._file(st, batch, keys, first, added)
+            if tail:
+                _supersede(batch)
         return first
+
+    @staticmethod
+    def _file(st: _RankLedger, batch: _Batch, keys: Sequence[int], start: int, live: int) -> None:
+        """Append `batch`, weighing `live` pairs and listing `keys[start:]`, to the rank's."""
+        batch.keys = _u64_array(keys, start)
+        batch.live = live
+        st.batches.append(batch)
+        st.listed += len(keys) - start
+        st.pairs += live
+        st.total += batch.weight * live
 
     def _reweigh(
         self,
@@ -417,13 +437,14 @@ class PressureLedger:
         keys: Sequence[int],
         olds: list[_Batch],
         fresh: float,
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, int]:
         """The slow path of `_weigh`, for a prompt with blocks already weighed (`olds`, what
         each key mapped to): those weighed on the rank within the last 1/64 of a half-life
         (`fresh`) keep their weight and their place, so a hot prefix routed again and again
         costs one lookup per block; the others are weighed again in `batch`. Returns the
-        first key weighed, new ones included, or `len(keys)`; and how many were weighed
-        again."""
+        first key weighed, new ones included, or `len(keys)`; how many were weighed again;
+        and how many of the last keys, new to the ledger, are the prompt's own tail (0: none
+        is)."""
         pairs = self._pairs
         get = pairs.get
         kept: _Batch | None = None  # the last batch found fresh on this rank
@@ -439,14 +460,13 @@ class PressureLedger:
             kept = head
             start = olds.count(head)
             if start == n:
-                return n, 0
+                return n, 0, 0
             if olds[:start].count(head) != start:
                 start = 0
             elif olds.count(batch) == n - start:
                 # ... and the rest new to the ledger (a cached system prompt and a new tail):
                 # weighed already, in `batch`.
-                _continued(head, batch, start, n - start)
-                return start, 0
+                return start, 0, _tail(start, n - start)
         elif head is not batch:
             # A prefix weighed by one earlier record, on another rank or long enough ago,
             # then (if anything) blocks new to the ledger: the prefix moves to `batch` in one
@@ -455,8 +475,8 @@ class PressureLedger:
             if olds[:prefix].count(head) == prefix and olds.count(batch) == n - prefix:
                 moved = self._move_run(keys, 0, prefix, head, batch)
                 self._unweigh(head, moved)
-                _taken_over(head, moved, n - prefix)
-                return 0, moved
+                _taken_over(head, moved)
+                return 0, moved, _tail(moved, n - prefix)
         i = start
         while i < n:
             old = olds[i]
@@ -501,15 +521,17 @@ class PressureLedger:
         if run:
             self._unweigh(taken, run)  # type: ignore[arg-type]
         new = olds.count(batch)
+        tail = 0
         if 0 < new < n and olds[n - new :].count(batch) == new:
             # The prompt ends with blocks new to the ledger, below the record that weighed the
             # block before them: taken over here (its run moved to `batch`), or kept fresh.
             prior = olds[n - new - 1]
             if prior is taken:
-                _taken_over(prior, run, new)
+                _taken_over(prior, run)
+                tail = _tail(run, new)
             elif prior is not batch:
-                _continued(prior, batch, n - new, new)
-        return first, reweighed
+                tail = _tail(n - new, new)
+        return first, reweighed, tail
 
     @staticmethod
     def _unweigh(batch: _Batch, count: int) -> None:
@@ -629,32 +651,19 @@ def _supersede(batch: _Batch) -> None:
         batch.rank.superseded += batch.weight * batch.live
 
 
-def _taken_over(prior: _Batch, moved: int, new: int) -> None:
-    """A prompt took over `moved` blocks from `prior`'s record and went on with `new` blocks
-    new to the ledger: what `prior` keeps past them, when shorter than them, is its own tail,
-    superseded by this prompt's (module docstring, "Working sets"); and so is the last tail a
-    prompt left past them while `prior` kept them (its `follower`), when this one's is a tail
-    too. The prompt's batch, which holds the blocks now, is no follower of `prior`: a later
-    prompt going on past what `prior` keeps must not supersede them."""
+def _taken_over(prior: _Batch, moved: int) -> None:
+    """A prompt took over `moved` blocks from `prior`'s record and went on with blocks new to
+    the ledger: what `prior` keeps past them, when shorter than them, is its own tail,
+    superseded by this prompt's (module docstring, "Working sets")."""
     if 0 < prior.live < moved:
         _supersede(prior)
-    follower = prior.follower
-    if follower is not None and new < moved:
-        _supersede(follower)
-        prior.follower = None
 
 
-def _continued(prior: _Batch, batch: _Batch, shared: int, new: int) -> None:
-    """A prompt went on past `prior`'s blocks (`shared` blocks before its own) with `new`
-    blocks in `batch`. A continuation shorter than what it shares is a request's own tail:
-    the one the previous such prompt left is superseded by this one, which takes its place.
-    A longer one is another prefix below a shared preamble, still in use: left alone."""
-    if new >= shared:
-        return
-    follower = prior.follower
-    if follower is not None and follower is not batch:
-        _supersede(follower)
-    prior.follower = batch
+def _tail(shared: int, new: int) -> int:
+    """A prompt's `new` last blocks, new to the ledger, after `shared` it took up or kept:
+    its own tail when shorter than what it shares (then `new`; module docstring, "Working
+    sets"), else another prefix below a shared preamble, still in use (0)."""
+    return new if new < shared else 0
 
 
 def _move_run_py(

@@ -269,22 +269,25 @@ def request(tail_seed: int, tail_blocks: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("first", "then", "after_s", "demand", "working_set"),
+    ("first", "then", "after_s", "demand", "fresh", "kept"),
     [
-        # A request's own 2-block tail, superseded by the next request's: no longer needed.
-        (request(7, 2), request(8, 2), 1.0, 24.0, 22.0),
-        (request(7, 2), request(8, 3), 1.0, 25.0, 23.0),
-        # The next one extends the whole earlier prompt (a conversation's next turn): kept.
-        (request(7, 2), block_keys(PREFIX + tokens(7, 2) + tokens(8, 2), BS), 1.0, 24.0, 24.0),
+        # A request's own 2-block tail, superseded by the next request's, whose own tail
+        # leaves the working set at once: only the prefix stays.
+        (request(7, 2), request(8, 2), 1.0, 24.0, 20.0, 0.0),
+        (request(7, 2), request(8, 3), 1.0, 25.0, 20.0, 0.0),
+        # The next one extends the whole earlier prompt (a conversation's next turn): the
+        # earlier turn kept, the new one left out until a next turn takes it up.
+        (request(7, 2), block_keys(PREFIX + tokens(7, 2) + tokens(8, 2), BS), 1.0, 24.0, 22, 0),
         # What the earlier prompt keeps is longer than what is shared: another prefix below a
-        # shared preamble, still in use.
-        (request(7, 30), request(8, 30), 1.0, 80.0, 80.0),
-        # Routed again within a 64th of a half-life: the prefix keeps its place, tail and all.
-        (request(7, 2), request(8, 2), 0.1, 24.0, 24.0),
+        # shared preamble, still in use; and so is the new one.
+        (request(7, 30), request(8, 30), 1.0, 80.0, 50.0, 30.0),
+        # Routed again within a 64th of a half-life: the prefix keeps its place, the first
+        # request's tail with it (one batch: its end was not known yet); the new tail is out.
+        (request(7, 2), request(8, 2), 0.1, 24.0, 0.0, 22.0),
     ],
 )
-def test_a_rank_working_set_leaves_out_tails_later_requests_superseded(
-    first: list[int], then: list[int], after_s: float, demand: float, working_set: float
+def test_a_rank_working_set_leaves_out_the_requests_own_tails(
+    first: list[int], then: list[int], after_s: float, demand: float, fresh: float, kept: float
 ) -> None:
     clock = ManualClock()
     led = ledger(clock, demand_half_life_s=30.0)
@@ -293,9 +296,8 @@ def test_a_rank_working_set_leaves_out_tails_later_requests_superseded(
     led.record(A, then, held=len(then))
     now = 2.0 ** (-after_s / 30.0)  # the first record's weight now; the second's is 1
     assert led.demand(A) == pytest.approx(demand - (len(first) - 20) * (1 - now), rel=0.01)
-    assert led.working_sets([A, B]) == pytest.approx(
-        [working_set - (working_set - len(then)) * (1 - now), 0.0], rel=0.01
-    )
+    assert led.working_sets([A, B]) == pytest.approx([fresh + kept * now, 0.0], rel=0.01)
+    assert_stale_entries_counted(led)
 
 
 def test_a_tail_below_a_preamble_weighed_since_is_superseded_by_its_prefixs_next_request() -> None:
@@ -314,17 +316,20 @@ def test_a_tail_below_a_preamble_weighed_since_is_superseded_by_its_prefixs_next
     led.record(A, then, held=len(then))
     tail = 2.0 ** (-1.0 / 30.0) * 2  # what the first record's tail weighs now
     assert led.demand(A) == pytest.approx(4 + 10 + 16 + 2 + tail)
-    assert led.working_sets([A]) == pytest.approx([4 + 10 + 16 + 2])
+    # The new request's own tail is out too, in a batch of its own (its record weighed the
+    # prefix again).
+    assert led.working_sets([A]) == pytest.approx([4 + 10 + 16])
+    assert_stale_entries_counted(led)
 
 
 @pytest.mark.parametrize("preamble_since", [False, True])
-def test_a_prefix_routed_again_while_fresh_supersedes_the_tail_its_last_request_added(
+def test_a_prefix_routed_again_while_fresh_leaves_its_requests_tails_out(
     preamble_since: bool,
 ) -> None:
     """Requests of one prefix 0.1 s apart (within a 64th of a half-life: the prefix keeps
-    its place): each one's tail supersedes the one before it, all but the first record's own
-    (its batch holds the prefix too). With a preamble above the prefix weighed since by
-    another prompt's record, the same."""
+    its place): each one's tail leaves the working set as it is recorded, all but the first
+    record's own (its batch holds the prefix too). With a preamble above the prefix weighed
+    since by another prompt's record, the same."""
     clock = ManualClock()
     led = ledger(clock, demand_half_life_s=30.0)
     header = tokens(3, 4)
@@ -341,14 +346,15 @@ def test_a_prefix_routed_again_while_fresh_supersedes_the_tail_its_last_request_
     others = 10 if preamble_since else 0
     # The prefix (20 blocks with the header), four 2-block tails, the other prompt's own.
     assert led.demand(A) == pytest.approx(20 + 8 + others, rel=0.01)
-    # Superseded: the second and third requests' tails; the first's stays with the prefix.
-    assert led.working_sets([A]) == pytest.approx([20 + 4 + others], rel=0.01)
+    # Out: the later three requests' tails; the first's stays with the prefix.
+    assert led.working_sets([A]) == pytest.approx([20 + 2 + others], rel=0.01)
 
 
 def test_a_record_whose_prefix_was_taken_over_never_supersedes_the_record_that_took_it() -> None:
     """Conversation A's first turn below a system prompt, then conversation B's first turn
     taking the system prompt over (A's turn superseded as a tail), then A's second turn
-    taking A's turn back: the system prompt, now in B's record, stays in the working set."""
+    taking A's turn back: the system prompt, now in B's record, stays in the working set.
+    B's turn and A's second are each a conversation's newest turn: out, as tails."""
     clock = ManualClock()
     led = ledger(clock, demand_half_life_s=30.0)
     system = tokens(3, 20)
@@ -358,8 +364,9 @@ def test_a_record_whose_prefix_was_taken_over_never_supersedes_the_record_that_t
     led.record(A, block_keys(system + b1, BS), held=24)
     clock.advance(0.1)
     led.record(A, block_keys(system + a1 + a2, BS), held=26)
-    # The system prompt, B's turn and A's two turns, each weighed once and none superseded.
-    assert led.working_sets([A]) == pytest.approx([20 + 4 + 4 + 2], rel=0.01)
+    # The system prompt and A's first turn, weighed again.
+    assert led.working_sets([A]) == pytest.approx([20 + 4], rel=0.01)
+    assert_stale_entries_counted(led)
 
 
 def test_superseded_blocks_leave_the_working_set_as_they_leave_the_ledger() -> None:
@@ -367,10 +374,10 @@ def test_superseded_blocks_leave_the_working_set_as_they_leave_the_ledger() -> N
     led = ledger(clock, demand_half_life_s=1.0)
     led.record(A, request(7, 2), held=22)
     clock.advance(1.0)
-    led.record(A, request(8, 2), held=22)  # the first tail superseded, at weight 1/2
-    assert led.working_sets([A]) == pytest.approx([22.0])
+    led.record(A, request(8, 2), held=22)  # both tails out, the first at weight 1/2
+    assert led.working_sets([A]) == pytest.approx([20.0])
     led.record(B, request(7, 2), held=22)  # the first request again, on B: its tail moves
-    assert led.working_sets([A, B]) == pytest.approx([2.0, 22.0])
+    assert led.working_sets([A, B]) == pytest.approx([0.0, 22.0])
     clock.advance(300.0)  # everything forgotten (and the weights' origin moved)
     led.record(C, keys(9, 1), held=1)
     assert led.working_sets([A, B, C]) == pytest.approx([0.0, 0.0, 1.0], abs=1e-9)
