@@ -34,6 +34,9 @@ SHUTDOWN_GRACE_S: Final = 1.0
 # File descriptors a replica needs besides its client connections: worker connections, ZMQ
 # sockets, the control session, logs. Only for the warning below; not a limit.
 _FD_RESERVE: Final = 256
+# What the relay adds to a head it hands the control app (Host, Content-Length, ...).
+_RELAY_HEAD_FIELDS: Final = 8
+_RELAY_HEAD_SLACK: Final = 1024
 
 
 class StartError(Exception):
@@ -104,11 +107,20 @@ def check_file_limit(max_connections: int) -> None:
 async def start_serving(config: ServeConfig) -> Serving:
     check_file_limit(config.max_connections)
     replica = await start_replica(config)
+    # The data plane already bounded every head it hands over (`--max-head-bytes`,
+    # `--max-header-count`): aiohttp's own, smaller bounds (8190-byte lines) would refuse a
+    # head the documented limits allow, with a plain-text 400 echoing it and an ERROR
+    # traceback per request. Its limits sit above the data plane's, with room for the
+    # fields the relay adds.
+    head_room = config.max_head_bytes + _RELAY_HEAD_SLACK
     control = web.AppRunner(
         build_control_app(replica),
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=SHUTDOWN_GRACE_S,
+        max_line_size=head_room,
+        max_field_size=head_room,
+        max_headers=config.max_header_count + _RELAY_HEAD_FIELDS,
     )
     plane: DataPlane | None = None
     try:

@@ -165,10 +165,18 @@ def lower_names(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
 def read_request_head(
     method: bytes, target: bytes, http_11: bool, headers: list[tuple[bytes, bytes]], keep: bool
 ) -> RequestHead:
-    """Collect the framing fields of a parsed head; raise `Malformed` for what llhttp let by."""
+    """Collect the framing fields of a parsed head; raise `Malformed` for what llhttp let by.
+
+    Beyond llhttp's checks (RFC 9112): an HTTP/1.1 request has exactly one Host field, and an
+    HTTP/1.0 one at most one (3.2); an absolute-form target is served as its origin form
+    (3.2.2: a server MUST accept it), the asterisk form is refused (no resource here answers
+    for the server as a whole), and so is CONNECT's authority form (no tunnels); an HTTP/1.0
+    request's `Expect` is ignored (RFC 9110 10.1.1), and one framed by Transfer-Encoding
+    closes the connection after it (6.1: its framing may be faulty)."""
     length: int | None = None
     chunked = False
     expect: bytes | None = None
+    hosts = 0
     names = lower_names(headers)
     for low, (_, value) in zip(names, headers, strict=True):
         if low == b"content-length":
@@ -178,6 +186,8 @@ def read_request_head(
             if length is not None and n != length:
                 raise Malformed("conflicting Content-Length fields")
             length = n
+        elif low == b"host":
+            hosts += 1
         elif low == b"transfer-encoding":
             codings = transfer_codings(value)
             if codings[-1] != b"chunked":
@@ -190,15 +200,51 @@ def read_request_head(
                     f"transfer coding {coding!r} is not supported; send the body chunked only"
                 )
             chunked = True
-        elif low == b"expect":
+        elif low == b"expect" and http_11:
             expect = value.strip().lower()
     if chunked and length is not None:
         raise Malformed("both Content-Length and Transfer-Encoding")  # RFC 9112 6.1: smuggling
+    if hosts > 1 or (http_11 and not hosts):
+        raise Malformed("an HTTP/1.1 request needs exactly one Host field")
+    if chunked and not http_11:
+        keep = False
+    if target[:1] != b"/":
+        if method == b"CONNECT":
+            raise Malformed("CONNECT is not supported: the router is no tunnelling proxy")
+        target = _origin_form(target)
     named = _connection_tokens(names, headers) if b"connection" in names else frozenset()
     path = target.split(b"?", 1)[0]
     return RequestHead(
         method, target, http_11, headers, keep, length, chunked, expect, names, named, path
     )
+
+
+def _origin_form(target: bytes) -> bytes:
+    """An absolute-form target's path and query (`/` when it has none)."""
+    scheme, sep, rest = target.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https") or not rest:
+        if target == b"*":
+            raise Malformed("the asterisk-form request target is not served")
+        raise Malformed("the request target is neither a path nor an absolute URL")
+    cut = min((i for i in map(rest.find, (b"/", b"?")) if i >= 0), default=len(rest))
+    path = rest[cut:]
+    return path if path[:1] == b"/" else b"/" + path
+
+
+def head_without_upgrade(
+    method: bytes, target: bytes, http_11: bool, headers: list[tuple[bytes, bytes]]
+) -> bytes:
+    """A request head asking to switch protocols (`Upgrade: h2c`, what `curl --http2` sends
+    over plain HTTP; a WebSocket handshake), written again without its Upgrade field: the
+    relay switches to nothing and serves the request as it is, as RFC 9110 7.8 lets a
+    server (nginx does the same). llhttp stops at such a head before its body, so the server
+    parses this head afresh, followed by the bytes the client sent after the original one.
+    The Connection field stays (the token it names is hop-by-hop and dropped upstream).
+    (CONNECT, which llhttp also stops at, never gets here: `read_request_head` refuses it.)"""
+    lines = [b"%s %s HTTP/%s\r\n" % (method, target, b"1.1" if http_11 else b"1.0")]
+    lines += [b"%s: %s\r\n" % field for field in headers if field[0].lower() != b"upgrade"]
+    lines.append(b"\r\n")
+    return b"".join(lines)
 
 
 Route = Literal["generation", "not_allowed", "control"]
@@ -436,14 +482,18 @@ def chunk(data: bytes) -> bytes:
 LAST_CHUNK: Final = b"0\r\n\r\n"
 
 
-def refusal_response(refusal: Refusal, *, client_11: bool, keep_alive: bool) -> bytes:
-    """One of the data plane's own answers: the OpenAI error JSON."""
+def refusal_response(
+    refusal: Refusal, *, client_11: bool, keep_alive: bool, head_only: bool = False
+) -> bytes:
+    """One of the data plane's own answers: the OpenAI error JSON (its head alone for a
+    HEAD request)."""
     body = {"error": {"message": refusal.message, "type": refusal.type, "param": refusal.param}}
     return json_response(
         refusal.status,
         body,
         client_11=client_11,
         keep_alive=keep_alive and not refusal.close,
+        head_only=head_only,
         extra=refusal.extra,
     )
 

@@ -39,6 +39,7 @@ from router.dataplane.exchange import (
     RequestHead,
     admit,
     body_too_large,
+    head_without_upgrade,
     json_response,
     not_allowed,
     read_request_head,
@@ -56,10 +57,21 @@ from router.policy import Decision
 
 log = logging.getLogger(__name__)
 
+_ROUTING_FAILED: Final = Refusal(
+    500, "the router failed to route this request", type="server_error"
+)
+
 # Complete requests one connection may have waiting behind the one being answered. A
 # pipelining client gains nothing past a few; the bound keeps one read's worth of tiny
 # requests from queueing thousands of exchanges.
 MAX_PIPELINED: Final = 32
+# After refusing a request whose bytes were left unread (a body over the limit, a malformed
+# head), the connection is half-closed and what the client still sends is read and dropped
+# for up to this long (a lingering close, RFC 9112 9.6), so that the client reads the
+# refusal: closed at once, the kernel answers the unread bytes with a reset, which destroys
+# the refusal before the client reads it (a 5 MB body over the limit got ECONNRESET, not
+# its 413).
+LINGER_S: Final = 2.0
 # Routing work (decode, tokenize, keys, index, policy, the first write upstream) one turn of
 # the event loop may do before the rest waits for the next turn. On a saturated loop every
 # turn would otherwise route every request that arrived, and a turn of 64 routings takes
@@ -412,15 +424,9 @@ class ClientConnection(asyncio.Protocol):
             return
         mid_head = self._incoming is not None and self._incoming.head is None
         phase = self._phase
-        refusal: Refusal | None = None
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserCallbackError as exc:
-            cause = exc.__context__
-            refusal = cause.refusal if isinstance(cause, _Refused) else None
-            refusal = refusal or Refusal(400, f"malformed HTTP request: {exc}", close=True)
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            refusal = Refusal(400, f"malformed HTTP request: {exc}", close=True)
+        refusal = self._feed(data)
+        if self._stopped and refusal is None:
+            return  # a failure inside a callback, dealt with (`_failed`)
         if self._phase != phase and self._phase:
             # The parser callbacks move the phase without touching its deadline: one read
             # often holds a whole request (head, body, end), whose phases it sets once here.
@@ -481,7 +487,16 @@ class ClientConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         # Checked at the end of the head (one call per field is the hot path): until then a
         # head is bounded by one read, and across reads by `data_received`'s count.
-        self._incoming.headers.append((name, value))  # type: ignore[union-attr]
+        incoming = self._incoming
+        assert incoming is not None
+        if incoming.head is None:
+            incoming.headers.append((name, value))
+            return
+        # A trailer field of a chunked body (RFC 9112 7.1.2): dropped, as a recipient may; its
+        # bytes count against the body's bound, so a body cannot end in endless fields.
+        incoming.body_size += len(name) + len(value) + 4
+        if incoming.body_size > self.plane.limits.max_body_bytes:
+            raise _Refused(body_too_large(self.plane.limits.max_body_bytes))
 
     def on_headers_complete(self) -> None:
         incoming = self._incoming
@@ -530,6 +545,8 @@ class ClientConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         incoming = self._incoming
         assert incoming is not None
+        if self._parser.should_upgrade():
+            return  # llhttp stopped before the body: see `_without_upgrade`
         self._incoming = None
         incoming.complete = True
         incoming.continue_due = False
@@ -572,7 +589,10 @@ class ClientConnection(asyncio.Protocol):
         head = self._queue[0].head
         client_11 = head.http_11 if head is not None else True
         keep = head is not None and self.keep_alive(head) and not refusal.close
-        self.write(refusal_response(refusal, client_11=client_11, keep_alive=keep))
+        head_only = head is not None and head.method == b"HEAD"
+        self.write(
+            refusal_response(refusal, client_11=client_11, keep_alive=keep, head_only=head_only)
+        )
         self.exchange_done(keep)
 
     def exchange_done(self, keep_alive: bool) -> None:
@@ -648,9 +668,7 @@ class ClientConnection(asyncio.Protocol):
             if probe is not None and head.method in (b"GET", b"HEAD"):
                 self._answer_probe(head, probe)
                 return
-            relay: ControlRelay | WorkerRelay = ControlRelay(self, head, body)
-            self._relay = relay
-            relay.start()
+            self._start(ControlRelay(self, head, body))
             return
         if route == "not_allowed":
             self.refuse(not_allowed(head))
@@ -665,8 +683,11 @@ class ClientConnection(asyncio.Protocol):
         if deferred is None or self._closed:
             return
         head, body = deferred
-        plane = self.plane
-        decision = plane.router.route(head.path, body)
+        try:
+            decision = self.plane.router.route(head.path, body)
+        except Exception:  # a bug must not leave the client hanging, nor pass unlogged
+            log.exception("routing a request failed: answered 500; please report this")
+            decision = _ROUTING_FAILED
         if isinstance(decision, AskFirst):  # a new prefix: routed once its placer answers
             self._asking = decision
             decision.wait(lambda ask: self._placed(head, body, ask))
@@ -679,9 +700,9 @@ class ClientConnection(asyncio.Protocol):
             return
         try:
             decision = ask.decision()
-        except Exception:  # outside the parser's callback: a bug must not leave a client hanging
-            log.exception("routing a new prefix after its placer's answer failed")
-            decision = Refusal(500, "the router failed to route this request", type="server_error")
+        except Exception:  # a bug must not leave the client hanging, nor pass unlogged
+            log.exception("routing a new prefix after its placer's answer failed: answered 500")
+            decision = _ROUTING_FAILED
         self._send(head, body, decision)
 
     def _send(self, head: RequestHead, body: bytes, decision: Decision | Refusal) -> None:
@@ -690,9 +711,14 @@ class ClientConnection(asyncio.Protocol):
             plane.metrics.requests[head.path.decode(), "none", str(decision.status)] += 1
             self.refuse(decision)
             return
-        relay = WorkerRelay(plane, self, head, body, decision)
+        self._start(WorkerRelay(plane, self, head, body, decision))
+
+    def _start(self, relay: ControlRelay | WorkerRelay) -> None:
         self._relay = relay
-        relay.start()
+        try:
+            relay.start()
+        except Exception as exc:  # a bug: see `_failed` (routing runs outside the parser too)
+            self._failed(exc)
 
     def _answer_probe(self, head: RequestHead, probe: Probe) -> None:
         status, body = probe()
@@ -728,6 +754,60 @@ class ClientConnection(asyncio.Protocol):
         self.plane.stats.closed["malformed" if refusal.status == 400 else "refused"] += 1
         if not self._answering and self._queue[0] is incoming:
             self._answer_next()
+
+    def _feed(self, data: bytes) -> Refusal | None:
+        """Parse `data`: the refusal it ends in, if any."""
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if not isinstance(cause, _Refused):
+                self._failed(cause)
+                return None
+            return cause.refusal
+        except httptools.HttpParserUpgrade as exc:
+            return self._without_upgrade(data[exc.args[0] :])
+        except httptools.HttpParserError as exc:
+            return Refusal(400, f"malformed HTTP request: {exc}", close=True)
+        return None
+
+    def _without_upgrade(self, rest: bytes) -> Refusal | None:
+        """The request being parsed asked to switch protocols and llhttp stopped after its
+        head (`rest`: what the read held after it). Served as a plain request instead
+        (`head_without_upgrade`): its head parsed again without the Upgrade field, by a
+        fresh parser, then `rest`; the parse so far is dropped (the request had not
+        completed, so nothing of it was answered). Each head parsed again is one more
+        request queued, so `MAX_PIPELINED` bounds how often one read comes back here."""
+        incoming = self._incoming
+        if incoming is None or incoming.head is None:
+            return Refusal(400, "malformed HTTP request: a protocol switch", close=True)
+        head = incoming.head
+        try:
+            again = head_without_upgrade(head.method, incoming.url, head.http_11, head.headers)
+        except Malformed as exc:
+            return Refusal(exc.status, str(exc), close=True)
+        self._queue.remove(incoming)
+        self._incoming = None
+        self._parser = httptools.HttpRequestParser(self)
+        return self._feed(again + rest)
+
+    def _failed(self, error: BaseException | None) -> None:
+        """Something other than the client's bytes failed (a bug), inside a parser callback
+        or starting an answer: logged with its traceback, and the client answered 500 if
+        nothing of an answer was under way, else cut off; either way the connection closes,
+        since what the parser has read of it, or the answer has sent, is unknown. Never a
+        client left waiting for an answer that will not come."""
+        log.error(
+            "the data plane failed on a client's request: connection closed; please report this",
+            exc_info=error,
+        )
+        if self._answering or self._closed:
+            self._stopped = True
+            self.abort("error")
+            return
+        self._stop(
+            Refusal(500, "the router failed on this request", type="server_error", close=True)
+        )
 
     def _head_too_large(self) -> Refusal:
         return Refusal(
@@ -775,5 +855,15 @@ class ClientConnection(asyncio.Protocol):
             return
         self._closed = True
         self.plane.stats.closed[why] += 1
-        if self.transport is not None:
-            self.transport.close()
+        transport = self.transport
+        if transport is None:
+            return
+        if self._stopped and transport.can_write_eof():
+            # A lingering close (`LINGER_S`): what arrives now is dropped (`data_received`
+            # reads nothing once closed), and the client's own close ends it sooner.
+            transport.write_eof()
+            if self.gate is not None and self.gate.paused:
+                transport.resume_reading()  # the gate's reasons end with the connection
+            self.plane.loop.call_later(LINGER_S, transport.close)
+            return
+        transport.close()

@@ -39,6 +39,8 @@ as a cache miss, never refused.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final
@@ -113,16 +115,29 @@ def render_call(body: dict[str, Any], traits: TemplateTraits, engine: Engine) ->
         # vLLM refuses it unless started with --trust-request-chat-template; either way the
         # router would have to run client-supplied template code to follow it.
         raise Unrenderable("request_template", "the request carries its own chat_template")
-    if engine is Engine.SGLANG:
-        return _sglang_call(body, messages, tools, template_kwargs, continue_final, traits)
-    if continue_final and add_generation_prompt:
-        raise ChatRequestError(
-            "cannot set both continue_final_message and add_generation_prompt to true",
-            "continue_final_message",
+    with _wrong_shapes_refused():
+        if engine is Engine.SGLANG:
+            return _sglang_call(body, messages, tools, template_kwargs, continue_final, traits)
+        if continue_final and add_generation_prompt:
+            raise ChatRequestError(
+                "cannot set both continue_final_message and add_generation_prompt to true",
+                "continue_final_message",
+            )
+        return _vllm_call(
+            body, messages, tools, template_kwargs, add_generation_prompt, continue_final, traits
         )
-    return _vllm_call(
-        body, messages, tools, template_kwargs, add_generation_prompt, continue_final, traits
-    )
+
+
+@contextmanager
+def _wrong_shapes_refused() -> Iterator[None]:
+    """A field of the wrong shape the checks let by (a part's text that is null, a tool
+    without a name, a tool_choice that is no object, ...) fails the rules with a KeyError,
+    TypeError or AttributeError: the engine's request model refuses such a body with a 400,
+    and so does the router, naming what it met."""
+    try:
+        yield
+    except (KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise ChatRequestError(f"a field has the wrong type or is missing: {exc!r}") from None
 
 
 def template_tools(body: dict[str, Any], engine: Engine) -> list[dict[str, Any]] | None:
@@ -131,7 +146,8 @@ def template_tools(body: dict[str, Any], engine: Engine) -> list[dict[str, Any]]
     Raises ChatRequestError for malformed tools."""
     tools = _checked_tools(body.get("tools"))
     if engine is Engine.SGLANG:
-        return _sglang_tools(tools, body.get("tool_choice"))
+        with _wrong_shapes_refused():
+            return _sglang_tools(tools, body.get("tool_choice"))
     return tools
 
 
@@ -153,6 +169,8 @@ def _checked_messages(messages: Any) -> list[dict[str, Any]]:
             for j, part in enumerate(content):
                 if not isinstance(part, str | dict):
                     raise ChatRequestError(f"messages[{i}].content[{j}] must be an object")
+                if isinstance(part, dict) and not isinstance(part.get("text", ""), str | None):
+                    raise ChatRequestError(f"messages[{i}].content[{j}].text must be a string")
         calls = m.get("tool_calls")
         if calls is not None:
             if not isinstance(calls, list):

@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 
 from router.dataplane import server
+from router.dataplane.relay import WorkerRelay
 from router.dataplane.upstream import MAX_ANSWER_HEAD_BYTES
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.router import RouterHandle, router_in_process
@@ -205,7 +206,199 @@ async def test_head_is_answered_without_a_body_and_the_connection_stays_usable()
         refused = await client.answer(head_only=True)
         assert refused is not None and refused.status == 405
         assert refused.header(b"Allow") == b"POST"
+        # The refusal had no body either: the next answer on the connection is read whole.
+        client.send(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        after = await client.answer()
+        assert after is not None and after.status == 200 and after.complete
+        assert b"accepts POST only" not in client.raw  # the 405's body never came
         client.close()
+
+
+async def test_a_chunked_body_with_trailer_fields_is_served_and_the_trailers_dropped() -> None:
+    """RFC 9112 7.1.2: trailer fields after the last chunk; a recipient may drop them."""
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"%x\r\n%s\r\n" % (len(COMPLETION), COMPLETION)
+            + b"0\r\nX-Checksum: abc\r\nX-Other: 1\r\n\r\n"
+        )
+        answer = await client.answer()
+        assert answer is not None and answer.status == 200 and answer.complete
+        (got,) = w.posts()
+        assert got.body == COMPLETION
+        assert got.header(b"X-Checksum") is None and got.header(b"X-Other") is None
+        assert rt.replica.inflight.total == 0
+        client.send(post(b"/v1/completions", COMPLETION))  # the connection is still in step
+        again = await client.answer()
+        assert again is not None and again.status == 200
+        assert len(w.posts()) == 2
+        client.close()
+
+
+async def test_an_absolute_form_target_is_routed_and_the_worker_gets_the_origin_form() -> None:
+    """RFC 9112 3.2.2: a server MUST accept a request target in absolute form."""
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        host = rt.url.removeprefix("http://").encode()
+        client.send(
+            b"POST http://%s/v1/completions?x=1 HTTP/1.1\r\nHost: %s\r\n" % (host, host)
+            + b"Content-Length: %d\r\n\r\n%s" % (len(COMPLETION), COMPLETION)
+        )
+        answer = await client.answer()
+        assert answer is not None and answer.status == 200
+        (got,) = w.posts()
+        assert got.path == b"/v1/completions?x=1"
+        client.close()
+
+
+@pytest.mark.parametrize(
+    ("head", "why"),
+    [
+        (b"POST /v1/completions HTTP/1.1\r\n", "no Host"),
+        (b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nHost: b\r\n", "two Hosts"),
+        (b"GET * HTTP/1.1\r\nHost: a\r\n", "the asterisk form"),
+    ],
+)
+async def test_a_head_rfc_9112_makes_a_400_is_refused_before_any_worker_sees_it(
+    head: bytes, why: str
+) -> None:
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(head + b"Content-Length: %d\r\n\r\n%s" % (len(COMPLETION), COMPLETION))
+        answer = await client.answer()
+        assert answer is not None and answer.status == 400, why
+        assert json.loads(answer.body)["error"]["type"] == "invalid_request_error"
+        await client.closed()
+        assert w.posts() == []
+
+
+async def test_a_request_asking_to_switch_protocols_is_served_as_a_plain_one() -> None:
+    """`curl --http2` over plain HTTP sends `Upgrade: h2c` on a POST with its body; a
+    WebSocket handshake is a GET with Upgrade. RFC 9110 7.8 lets a server ignore the
+    Upgrade: each is served over HTTP/1.1 as it is, once, and the connection stays usable."""
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        upgrade = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMA\r\n"
+        client.send(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+            + upgrade
+            + b"Content-Length: %d\r\n\r\n%s" % (len(COMPLETION), COMPLETION)
+            + b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\n"
+            + b"Upgrade: websocket\r\n\r\n"
+            + post(b"/v1/completions", COMPLETION)
+        )
+        statuses = [(await client.answer()) for _ in range(3)]
+        assert [a.status for a in statuses if a] == [200, 200, 200]
+        posts = w.posts()
+        assert [p.body for p in posts] == [COMPLETION, COMPLETION]
+        assert posts[0].header(b"Upgrade") is None and posts[0].header(b"HTTP2-Settings") is None
+        client.send(b"CONNECT worker:443 HTTP/1.1\r\nHost: worker:443\r\n\r\n")
+        refused = await client.answer()
+        assert refused is not None and refused.status == 400
+        assert b"CONNECT is not supported" in refused.body
+        await client.closed()
+        assert bytes(client.raw).count(b"HTTP/1.1 ") == 4  # one answer per request, no more
+
+
+async def test_an_http_1_0_request_framed_by_transfer_encoding_closes_its_connection() -> None:
+    """RFC 9112 6.1: HTTP/1.0 with Transfer-Encoding may be faulty framing (a smuggling
+    vector): served, then the connection closes whatever Connection says."""
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(
+            b"POST /v1/completions HTTP/1.0\r\nConnection: keep-alive\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+            + b"%x\r\n%s\r\n0\r\n\r\n" % (len(COMPLETION), COMPLETION)
+            + b"GET /healthz HTTP/1.0\r\n\r\n"
+        )
+        answer = await client.answer()
+        assert answer is not None and answer.status == 200
+        assert answer.header(b"Connection") == b"close"
+        await client.closed()
+        assert len(w.posts()) == 1
+
+
+async def test_an_http_1_0_client_expecting_100_continue_gets_no_interim_answer() -> None:
+    """RFC 9110 15.2: no 1xx to an HTTP/1.0 client (it would read it as the answer)."""
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(
+            b"POST /v1/completions HTTP/1.0\r\nExpect: 100-continue\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(COMPLETION), COMPLETION)
+        )
+        answer = await client.answer()
+        assert answer is not None and answer.status == 200
+        assert bytes(client.raw).startswith(b"HTTP/1.1 200 ")  # no interim answer before it
+        assert len(w.posts()) == 1
+
+
+async def test_a_chat_part_whose_text_is_not_a_string_is_a_400_naming_it() -> None:
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        body = {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
+        status, payload, _ = await rt.post("/v1/chat/completions", body)
+        assert status == 400
+        assert payload["error"]["param"] == "messages"
+        assert "content[0].text must be a string" in payload["error"]["message"]
+        assert w.posts() == []
+
+
+async def test_a_routing_failure_is_a_logged_500_and_never_a_hang(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fault injection: the policy raises. The client gets a 500 at once and the traceback
+    is logged; the next request is served."""
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        policy = type(rt.plane.router.policy)
+
+        def broken(*args: object) -> object:
+            raise RuntimeError("a bug in the policy")
+
+        monkeypatch.setattr(policy, "decide", broken)
+        with caplog.at_level(logging.ERROR, logger="router.dataplane.server"):
+            status, payload, _ = await rt.post("/v1/completions", None, data=COMPLETION)
+        assert status == 500 and payload["error"]["type"] == "server_error"
+        assert any("a bug in the policy" in (r.exc_text or "") for r in caplog.records)
+        monkeypatch.undo()
+        status, _, _ = await rt.post("/v1/completions", None, data=COMPLETION)
+        assert status == 200
+        assert len(w.posts()) == 1 and rt.replica.inflight.total == 0
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+async def test_an_answer_that_fails_to_start_closes_the_connection_logged_never_a_hang(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, deferred: bool
+) -> None:
+    """Fault injection: starting the relay raises after the request was routed, inside the
+    parser's callback or in a later turn of the loop (a routing slice spent: every routing
+    deferred here). The client sees its connection close at once (nothing of an answer can be
+    trusted), the traceback is logged, and no in-flight count is left behind."""
+    if deferred:
+        monkeypatch.setattr(server, "ROUTING_SLICE_S", -1.0)
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+
+        def broken(self: object) -> None:
+            raise RuntimeError("a bug in the relay")
+
+        monkeypatch.setattr(WorkerRelay, "start", broken)
+        client = await RawClient.open(rt.url)
+        with caplog.at_level(logging.ERROR, logger="router.dataplane.server"):
+            client.send(post(b"/v1/completions", COMPLETION))
+            assert await client.answer() is None
+            assert await client.closed()
+        assert any("a bug in the relay" in (r.exc_text or "") for r in caplog.records)
+        assert rt.plane.stats.closed["error"] == 1
+        assert rt.replica.inflight.total == 0 and w.posts() == []
+        assert rt.plane.stats.routing_deferred == (1 if deferred else 0)
 
 
 async def test_hop_by_hop_headers_are_dropped_both_ways() -> None:
@@ -612,6 +805,35 @@ async def test_bodies_over_the_limit_are_413_declared_or_chunked() -> None:
         answer = await client.answer()
         assert answer is not None and answer.status == 413
         assert json.loads(answer.body)["error"]["param"] == "body"
+        assert w.posts() == []
+
+
+async def test_a_body_over_the_limit_sent_whole_still_lets_the_client_read_its_413() -> None:
+    """A client that sends its whole body before reading (no Expect) reads the 413: the
+    connection is half-closed and the rest of the body read and dropped (a lingering close),
+    where a close at once made the kernel reset the connection under the answer."""
+    async with (
+        scripted_worker() as w,
+        router_in_process(workers=[w.url], max_request_bytes=1024) as rt,
+    ):
+        await routable(rt, w.url)
+        host, port = rt.url.removeprefix("http://").rsplit(":", 1)
+        body = b'{"prompt": "' + b"a" * 5_000_000 + b'"}'
+
+        def send_all_then_read() -> bytes:
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                got = b""
+                while chunk := sock.recv(65536):
+                    got += chunk
+                return got
+
+        got = await asyncio.wait_for(asyncio.to_thread(send_all_then_read), 20)
+        assert got.startswith(b"HTTP/1.1 413 ")
+        assert b"over the limit of 1024 bytes" in got
         assert w.posts() == []
 
 
@@ -1046,6 +1268,26 @@ async def test_a_large_head_within_the_limit_is_accepted_however_it_is_split() -
         answer = await client.answer()
         assert answer is not None and answer.status == 200
         assert w.posts()[0].header(b"X-F5") == b"v" * 1000
+        client.close()
+
+
+async def test_a_control_path_takes_any_head_the_documented_limits_allow(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The control app reads what the data plane hands it under the data plane's limits
+    (`--max-head-bytes`, 64 KiB by default), not aiohttp's 8190-byte lines; and logs no
+    traceback for a client's head."""
+    async with router_in_process() as rt:
+        client = await RawClient.open(rt.url)
+        with caplog.at_level(logging.ERROR):
+            client.send(
+                b"GET /v1/models?q=" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: t\r\n"
+                b"X-Big: " + b"b" * 30_000 + b"\r\n\r\n"
+            )
+            answer = await client.answer()
+        assert answer is not None and answer.status == 200
+        assert json.loads(answer.body)["object"] == "list"
+        assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
         client.close()
 
 

@@ -17,6 +17,7 @@ from router.dataplane.exchange import (
     admit,
     chunk,
     cut_tail,
+    head_without_upgrade,
     lower_names,
     not_allowed,
     plan_response,
@@ -36,7 +37,11 @@ def head(
     http_11: bool = True,
     keep: bool = True,
 ) -> RequestHead:
-    return read_request_head(method, target, http_11, list(headers), keep)
+    """A parsed head; with a Host field unless `headers` name one (RFC 9112 3.2)."""
+    fields = list(headers)
+    if not any(name.lower() == b"host" for name, _ in fields):
+        fields.append((b"Host", b"router:8080"))
+    return read_request_head(method, target, http_11, fields, keep)
 
 
 def fields(raw: bytes) -> dict[bytes, bytes]:
@@ -107,6 +112,84 @@ def test_a_request_head_reads_its_framing_and_expectation() -> None:
         b"/generate",
     )
     assert head(b"POST", b"/", (b"Transfer-Encoding", b" Chunked")).chunked
+
+
+@pytest.mark.parametrize(
+    ("hosts", "http_11", "refused"),
+    [
+        (0, True, True),  # RFC 9112 3.2: an HTTP/1.1 request without Host is a 400
+        (2, True, True),  # and so is one with more than one
+        (2, False, True),
+        (1, True, False),
+        (0, False, False),  # HTTP/1.0 predates Host
+    ],
+)
+def test_a_request_needs_one_host_field_in_http_11_and_at_most_one_before(
+    hosts: int, http_11: bool, refused: bool
+) -> None:
+    fields = [(b"Host", b"h%d" % i) for i in range(hosts)]
+    if refused:
+        with pytest.raises(Malformed, match="exactly one Host"):
+            read_request_head(b"POST", b"/v1/completions", http_11, fields, True)
+    else:
+        assert read_request_head(b"POST", b"/v1/completions", http_11, fields, True).path
+
+
+def test_an_http_10_request_ignores_expect_and_closes_after_a_chunked_body() -> None:
+    """RFC 9110 10.1.1: a 100-continue expectation in HTTP/1.0 is ignored (no 1xx may reach
+    an HTTP/1.0 client); RFC 9112 6.1: HTTP/1.0 with Transfer-Encoding closes after it."""
+    old = head(b"POST", b"/v1/completions", (b"Expect", b"100-continue"), http_11=False)
+    assert old.expect is None
+    assert admit(old, 10) is None  # nor an unknown one refused with a 417
+    assert head(b"POST", b"/", (b"Expect", b"bogus"), http_11=False).expect is None
+    chunked = head(b"POST", b"/", (b"Transfer-Encoding", b"chunked"), http_11=False)
+    assert not chunked.keep_alive
+    assert head(b"POST", b"/", (b"Transfer-Encoding", b"chunked")).keep_alive  # HTTP/1.1
+
+
+@pytest.mark.parametrize(
+    ("target", "origin"),
+    [
+        (b"http://router:8080/v1/completions", b"/v1/completions"),
+        (b"HTTP://router/v1/chat/completions?stream=1", b"/v1/chat/completions?stream=1"),
+        (b"https://router", b"/"),
+        (b"http://router?x=1", b"/?x=1"),
+    ],
+)
+def test_an_absolute_form_target_is_served_as_its_origin_form(target: bytes, origin: bytes) -> None:
+    """RFC 9112 3.2.2: a server MUST accept the absolute form; the path decides the route
+    and the worker gets the origin form."""
+    h = head(b"POST", target)
+    assert h.target == origin
+    assert h.path == origin.split(b"?")[0]
+
+
+@pytest.mark.parametrize("target", [b"*", b"ftp://router/v1/completions", b"router/x", b"http://"])
+def test_a_target_neither_a_path_nor_an_http_url_is_refused(target: bytes) -> None:
+    with pytest.raises(Malformed) as refused:
+        head(b"OPTIONS", target)
+    assert refused.value.status == 400
+    with pytest.raises(Malformed, match="CONNECT is not supported"):
+        head(b"CONNECT", b"worker:443")  # a tunnel: no request for a worker
+
+
+def test_a_request_asking_to_switch_protocols_is_written_again_without_its_upgrade() -> None:
+    fields = [
+        (b"Host", b"r"),
+        (b"Connection", b"Upgrade, HTTP2-Settings"),
+        (b"UPGRADE", b"h2c"),
+        (b"HTTP2-Settings", b"AAMAAABkAAQCAAAAAAIAAAAA"),
+        (b"Content-Length", b"2"),
+    ]
+    again = head_without_upgrade(b"POST", b"/v1/completions", True, fields)
+    assert again == (
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+        b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\nContent-Length: 2\r\n\r\n"
+    )
+    parser = httptools.HttpRequestParser(_HeadReader())
+    parser.feed_data(again + b"{}")
+    assert not parser.should_upgrade()  # llhttp reads it as a plain request now
+    assert head_without_upgrade(b"GET", b"/x", False, []) == b"GET /x HTTP/1.0\r\n\r\n"
 
 
 @pytest.mark.parametrize(
@@ -404,6 +487,11 @@ def test_a_refusal_is_openai_error_json_with_its_framing() -> None:
         admit(head(b"POST", b"/", (b"Content-Length", b"9")), 1), client_11=False, keep_alive=True
     )  # type: ignore[arg-type]
     assert fields(closing)[b"connection"] == b"close"
+    # To a HEAD request: the same head (its Content-Length included), no body.
+    bare = refusal_response(
+        not_allowed(head(b"HEAD")), client_11=True, keep_alive=True, head_only=True
+    )
+    assert bare == raw[: len(head_part) + 4]
 
 
 # -- failures and cuts -------------------------------------------------------------------

@@ -86,7 +86,7 @@ def relay_over(states: dict[str, str]) -> tuple[WorkerRelay, list[str], list[Ref
         stats=SimpleNamespace(safe_retries=0),
     )
     client = SimpleNamespace(refuse=refused.append)
-    head = read_request_head(b"POST", b"/v1/completions", True, [], True)
+    head = read_request_head(b"POST", b"/v1/completions", True, [(b"Host", b"r")], True)
     decision = Decision([Candidate(RankId(url, 0)) for url in states], "cache_miss", 0)
     relay = WorkerRelay(plane, client, head, b"{}", decision)  # type: ignore[arg-type]
     return relay, asked, refused
