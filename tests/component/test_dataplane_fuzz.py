@@ -16,6 +16,7 @@ import socket
 import threading
 from collections.abc import Iterator
 
+import httptools
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -163,6 +164,85 @@ def test_a_chunked_body_at_any_boundaries_is_answered_200(
     encoded = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
     received = exchange(address, [CHUNKED_HEAD, *split(encoded, cuts)])
     assert received.startswith(b"HTTP/1.1 200 "), received[:300]
+
+
+class _Statuses:
+    """The final answers' statuses in a received byte stream (interim 1xx skipped)."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.statuses: list[int] = []
+
+    def on_message_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status >= 200:
+            self.statuses.append(status)
+
+
+@st.composite
+def legal_request(draw: st.DrawFn, last: bool) -> tuple[bytes, int]:
+    """A request RFC 9112 allows, with the edges a client may use (HTTP/1.0, absolute-form,
+    chunked bodies with extensions and trailers, Expect, a protocol switch asked for), and
+    the status it must get. Only the `last` one may end the connection."""
+    http_11 = draw(st.booleans()) or not last
+    kind = draw(st.sampled_from(["completion", "healthz", "not_allowed"]))
+    path = {"completion": b"/v1/completions", "healthz": b"/healthz"}.get(kind, b"/generate")
+    target = draw(st.sampled_from([path, b"http://r" + path, path + b"?q=1"]))
+    method = {"completion": b"POST", "healthz": b"GET"}.get(kind, b"GET")
+    fields = [b"Host: r"]
+    if draw(st.booleans()):
+        fields.append(
+            b"Connection: Upgrade\r\nUpgrade: " + draw(st.sampled_from([b"h2c", b"websocket"]))
+        )
+    if http_11 and kind == "completion" and draw(st.booleans()):
+        fields.append(b"Expect: 100-continue")
+    body = b""
+    if kind == "completion":
+        chunked = http_11 and draw(st.booleans())
+        if chunked:
+            fields.append(b"Transfer-Encoding: chunked")
+            cut = draw(st.integers(1, len(BODY) - 1))
+            ext = draw(st.sampled_from([b"", b";a=b", b';n="x y"']))
+            trailer = draw(st.sampled_from([b"", b"X-T: 1\r\n", b"A: 1\r\nB: 2\r\n"]))
+            body = b"%x%s\r\n%s\r\n%x\r\n%s\r\n0\r\n%s\r\n" % (
+                cut,
+                ext,
+                BODY[:cut],
+                len(BODY) - cut,
+                BODY[cut:],
+                trailer,
+            )
+        else:
+            fields.append(b"Content-Length: %d" % len(BODY))
+            body = BODY
+    if last:
+        fields.append(b"Connection: close")
+    elif not http_11:
+        fields.append(b"Connection: keep-alive")
+    version = b"1.1" if http_11 else b"1.0"
+    head = b"%s %s HTTP/%s\r\n" % (method, target, version)
+    head += b"".join(f + b"\r\n" for f in fields) + b"\r\n"
+    return head + body, {"completion": 200, "healthz": 200}.get(kind, 405)
+
+
+@FUZZ
+@given(
+    st.integers(0, 2).flatmap(
+        lambda n: st.tuples(*[legal_request(False) for _ in range(n)], legal_request(True))
+    ),
+    st.lists(st.integers(0, 2000), max_size=6),
+)
+def test_a_pipeline_of_legal_requests_is_answered_once_each_in_order(
+    address: tuple[str, int], requests: tuple[tuple[bytes, int], ...], cuts: list[int]
+) -> None:
+    """Found wanting by a conformance probe (a trailer left the client waiting; a protocol
+    switch asked for lost the body and got two answers): every legal request gets exactly
+    one final answer, in order, and the connection ends after the last."""
+    stream = b"".join(r for r, _ in requests)
+    received = exchange(address, split(stream, cuts))
+    answers = _Statuses()
+    answers.parser.feed_data(received)
+    assert answers.statuses == [status for _, status in requests], received[:600]
 
 
 def test_the_replica_still_serves_after_the_fuzzing(address: tuple[str, int]) -> None:
