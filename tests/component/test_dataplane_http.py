@@ -15,6 +15,7 @@ import json
 import logging
 import socket
 import threading
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -28,6 +29,7 @@ from tests.support.scripted_worker import (
     RawClient,
     Request,
     Script,
+    ScriptedWorker,
     post,
     respond,
     scripted_worker,
@@ -49,13 +51,21 @@ async def routable(rt: RouterHandle, *urls: str) -> None:
     await eventually(ready, 10)
 
 
+@contextlib.asynccontextmanager
+async def one_worker_and_a_client() -> AsyncIterator[
+    tuple[ScriptedWorker, RouterHandle, RawClient]
+]:
+    """A scripted worker, a replica routing to it, and a raw connection to the replica."""
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        yield w, rt, await RawClient.open(rt.url)
+
+
 # -- section 1: the server side ------------------------------------------------------------
 
 
 async def test_keep_alive_serves_many_requests_over_one_client_and_one_worker_connection() -> None:
-    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
-        await routable(rt, w.url)
-        client = await RawClient.open(rt.url)
+    async with one_worker_and_a_client() as (w, rt, client):
         for _ in range(3):
             client.send(post(b"/v1/completions", COMPLETION))
             answer = await client.answer()
@@ -91,9 +101,7 @@ async def test_pipelined_requests_are_answered_in_order_even_when_the_first_is_s
 
 
 async def test_a_chunked_request_body_reaches_the_worker_whole_with_a_content_length() -> None:
-    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
-        await routable(rt, w.url)
-        client = await RawClient.open(rt.url)
+    async with one_worker_and_a_client() as (w, _rt, client):
         body = COMPLETION
         pieces = [body[:5], body[5:6], body[6:20], body[20:]]
         client.send(
@@ -112,9 +120,7 @@ async def test_a_chunked_request_body_reaches_the_worker_whole_with_a_content_le
 
 
 async def test_a_request_body_in_a_transfer_coding_the_relay_cannot_decode_is_a_501() -> None:
-    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
-        await routable(rt, w.url)
-        client = await RawClient.open(rt.url)
+    async with one_worker_and_a_client() as (w, _rt, client):
         gzipped = gzip.compress(COMPLETION)
         client.send(
             b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
@@ -128,9 +134,7 @@ async def test_a_request_body_in_a_transfer_coding_the_relay_cannot_decode_is_a_
 
 
 async def test_expect_100_continue_is_answered_before_the_body_is_sent() -> None:
-    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
-        await routable(rt, w.url)
-        client = await RawClient.open(rt.url)
+    async with one_worker_and_a_client() as (w, _rt, client):
         client.send(
             b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\n"
             b"Content-Length: %d\r\n\r\n" % len(COMPLETION)
@@ -177,9 +181,7 @@ async def test_an_http_1_0_client_gets_a_stream_de_chunked_and_the_connection_cl
 
 
 async def test_an_http_1_0_client_asking_for_keep_alive_keeps_its_connection() -> None:
-    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
-        await routable(rt, w.url)
-        client = await RawClient.open(rt.url)
+    async with one_worker_and_a_client() as (w, _rt, client):
         for _ in range(2):
             client.send(
                 post(b"/v1/completions", COMPLETION, b"Connection: keep-alive", version=b"1.0")
@@ -216,9 +218,7 @@ async def test_head_is_answered_without_a_body_and_the_connection_stays_usable()
 
 async def test_a_chunked_body_with_trailer_fields_is_served_and_the_trailers_dropped() -> None:
     """RFC 9112 7.1.2: trailer fields after the last chunk; a recipient may drop them."""
-    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
-        await routable(rt, w.url)
-        client = await RawClient.open(rt.url)
+    async with one_worker_and_a_client() as (w, rt, client):
         client.send(
             b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
             + b"%x\r\n%s\r\n" % (len(COMPLETION), COMPLETION)
@@ -239,9 +239,7 @@ async def test_a_chunked_body_with_trailer_fields_is_served_and_the_trailers_dro
 
 async def test_an_absolute_form_target_is_routed_and_the_worker_gets_the_origin_form() -> None:
     """RFC 9112 3.2.2: a server MUST accept a request target in absolute form."""
-    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
-        await routable(rt, w.url)
-        client = await RawClient.open(rt.url)
+    async with one_worker_and_a_client() as (w, rt, client):
         host = rt.url.removeprefix("http://").encode()
         client.send(
             b"POST http://%s/v1/completions?x=1 HTTP/1.1\r\nHost: %s\r\n" % (host, host)
@@ -265,9 +263,7 @@ async def test_an_absolute_form_target_is_routed_and_the_worker_gets_the_origin_
 async def test_a_head_rfc_9112_makes_a_400_is_refused_before_any_worker_sees_it(
     head: bytes, why: str
 ) -> None:
-    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
-        await routable(rt, w.url)
-        client = await RawClient.open(rt.url)
+    async with one_worker_and_a_client() as (w, _rt, client):
         client.send(head + b"Content-Length: %d\r\n\r\n%s" % (len(COMPLETION), COMPLETION))
         answer = await client.answer()
         assert answer is not None and answer.status == 400, why
@@ -280,9 +276,7 @@ async def test_a_request_asking_to_switch_protocols_is_served_as_a_plain_one() -
     """`curl --http2` over plain HTTP sends `Upgrade: h2c` on a POST with its body; a
     WebSocket handshake is a GET with Upgrade. RFC 9110 7.8 lets a server ignore the
     Upgrade: each is served over HTTP/1.1 as it is, once, and the connection stays usable."""
-    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
-        await routable(rt, w.url)
-        client = await RawClient.open(rt.url)
+    async with one_worker_and_a_client() as (w, _rt, client):
         upgrade = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMA\r\n"
         client.send(
             b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
@@ -308,9 +302,7 @@ async def test_a_request_asking_to_switch_protocols_is_served_as_a_plain_one() -
 async def test_an_http_1_0_request_framed_by_transfer_encoding_closes_its_connection() -> None:
     """RFC 9112 6.1: HTTP/1.0 with Transfer-Encoding may be faulty framing (a smuggling
     vector): served, then the connection closes whatever Connection says."""
-    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
-        await routable(rt, w.url)
-        client = await RawClient.open(rt.url)
+    async with one_worker_and_a_client() as (w, _rt, client):
         client.send(
             b"POST /v1/completions HTTP/1.0\r\nConnection: keep-alive\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n"
@@ -326,9 +318,7 @@ async def test_an_http_1_0_request_framed_by_transfer_encoding_closes_its_connec
 
 async def test_an_http_1_0_client_expecting_100_continue_gets_no_interim_answer() -> None:
     """RFC 9110 15.2: no 1xx to an HTTP/1.0 client (it would read it as the answer)."""
-    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
-        await routable(rt, w.url)
-        client = await RawClient.open(rt.url)
+    async with one_worker_and_a_client() as (w, _rt, client):
         client.send(
             b"POST /v1/completions HTTP/1.0\r\nExpect: 100-continue\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(COMPLETION), COMPLETION)
