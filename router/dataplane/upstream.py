@@ -7,8 +7,9 @@ the end, or why it stopped. The parser has no per-field callbacks: it checks the
 says when it is complete, and the head is then read from the bytes received
 (`exchange.read_response_head`: most heads go to the client as they are, a splice instead
 of a Python call per field). Its `Deadline` bounds the wait for the head, then every gap in
-the body (the stream idle timeout). It reports completion only after `feed_data` returns, so
-no sink ever re-enters the parser.
+the body (the stream idle timeout; not while the client's backpressure holds reading). It
+reports completion only after `feed_data` returns, so no sink ever re-enters the parser;
+bytes after a complete answer end the parse, and go with the connection, never reused.
 
 `UpstreamPool` holds one worker's connections: idle ones are reused most-recent first and
 closed after `idle_expiry_s` (shorter than an engine's keep-alive: uvicorn closes idle
@@ -100,6 +101,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._complete = False
         self._keep_alive = False  # the worker keeps the connection open after this answer
         self._reusable = True
+        self._held = False  # reading paused for the client's backpressure (`hold_reading`)
 
     # -- use -------------------------------------------------------------------------------
 
@@ -124,6 +126,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._head_done = False
         self.answered = 0
         self._complete = False
+        if self._held:  # left paused by the last answer's client, which filled up at its end
+            self._held = False
+            self.transport.resume_reading()
         self._deadline.set(head_timeout_s)
         if body:
             self.transport.writelines((head, body))
@@ -138,11 +143,19 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.abort()
 
     def hold_reading(self, paused: bool) -> None:
+        """Stop or resume reading the answer (the client's side is full, or drained). While
+        held, the stream's idle gap is not timed: the worker is not idle, the router stopped
+        reading it; resumed, the gap starts again."""
+        self._held = paused
         if self.transport is not None and not self.transport.is_closing():
             if paused:
                 self.transport.pause_reading()
+                if self._head_done:
+                    self._deadline.cancel()
             else:
                 self.transport.resume_reading()
+                if self._head_done and self._sink is not None:
+                    self._deadline.set(self._idle_timeout_s)
 
     @property
     def sink(self) -> ResponseSink | None:
@@ -173,19 +186,24 @@ class UpstreamConnection(asyncio.Protocol):
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._reusable = False
-            self._stop(f"malformed response: {exc}")
-        else:
-            if self._complete:
-                # No `upstream_read` after it: `upstream_end` is the sink's last word, and
-                # writes what it holds (most answers: the whole answer in this one read).
-                self._finish()
+            if not self._complete:
+                self._stop(f"malformed response: {exc}")
+                sink.upstream_read()
                 return
-            if self._head_done and self._sink is not None:
+            # Bytes after a complete answer in the same read (another answer, junk): dropped
+            # with the connection (RFC 9112 6.3), the answer ends as it is.
+        if self._complete:
+            # No `upstream_read` after it: `upstream_end` is the sink's last word, and writes
+            # what it holds (most answers: the whole answer in this one read).
+            self._finish()
+            return
+        if self._head_done:
+            if self._sink is not None and not self._held:
                 # Once a read, not once a callback: the gap it bounds is between reads.
                 self._deadline.set(self._idle_timeout_s)
-            elif self.answered > MAX_ANSWER_HEAD_BYTES and not self._head_done:
-                self._reusable = False
-                self._stop(f"response head over {MAX_ANSWER_HEAD_BYTES} bytes")
+        elif self.answered > MAX_ANSWER_HEAD_BYTES and self._sink is not None:
+            self._reusable = False
+            self._stop(f"response head over {MAX_ANSWER_HEAD_BYTES} bytes")
         sink.upstream_read()
 
     def eof_received(self) -> bool:
@@ -229,6 +247,10 @@ class UpstreamConnection(asyncio.Protocol):
         # llhttp accepts only CRLF line ends: the first blank line after its start ends a head.
         start = self._head_at
         end = raw.index(b"\r\n\r\n", start) + 4
+        if end > MAX_ANSWER_HEAD_BYTES:  # interim answers included, however the reads fell
+            self._reusable = False
+            self._stop(f"response head over {MAX_ANSWER_HEAD_BYTES} bytes")
+            return
         if status < 200:
             # An interim answer (RFC 9110 15.2): skipped; its own message end is ignored.
             self._reads = [raw]
@@ -256,6 +278,10 @@ class UpstreamConnection(asyncio.Protocol):
         sink = self._sink
         if sink is not None:
             sink.upstream_body(data)
+
+    def on_message_begin(self) -> None:
+        if self._complete:  # another answer after the complete one: see `data_received`
+            raise BadAnswer("bytes after a complete answer")
 
     def on_message_complete(self) -> None:
         if self._head_done:

@@ -22,7 +22,7 @@ import pytest
 
 from router.dataplane import server
 from router.dataplane.relay import WorkerRelay
-from router.dataplane.upstream import MAX_ANSWER_HEAD_BYTES
+from router.dataplane.upstream import MAX_ANSWER_HEAD_BYTES, UpstreamConnection
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.router import RouterHandle, router_in_process
 from tests.support.scripted_worker import (
@@ -1076,6 +1076,65 @@ async def test_a_worker_head_over_the_bound_is_a_lost_answer_and_fails_over() ->
     await assert_lost_and_failed_over(endless_head)
 
 
+async def test_a_worker_head_crossing_the_bound_in_the_read_that_ends_it_is_lost() -> None:
+    """The bound counts a head however the reads fell: one that ends in the read crossing
+    64 KiB (one write of the whole answer) is refused like one still growing past it."""
+
+    async def big_head(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (MAX_ANSWER_HEAD_BYTES + 400) + b"\r\n"
+            b"Content-Length: 2\r\n\r\n{}"
+        )
+
+    await assert_lost_and_failed_over(big_head)
+
+
+CHUNKED_ANSWER = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("answer", "extra", "body"),
+    [
+        (CHUNKED_ANSWER, b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nSECOND", b"{}"),
+        (respond(200, b"{}"), b"GARBAGE", b"{}"),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\ne\r\ndata: [DONE]\n\n\r\n0\r\n\r\n",
+            b"junk\r\n",
+            b"data: [DONE]\n\n",
+        ),
+    ],
+)
+async def test_bytes_after_a_complete_answer_are_dropped_with_the_worker_connection(
+    answer: bytes, extra: bytes, body: bytes
+) -> None:
+    """RFC 9112 6.3: what a worker sends after a complete answer is no part of it. The
+    answer reaches the client whole and its connection stays open; only the worker's
+    connection is dropped (it is out of step). Arriving in the same read as the answer, the
+    bytes used to turn it into a cut stream (no last chunk, an error event after [DONE])."""
+
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(answer + extra if request.index_on_connection == 0 else respond(200, b"{}"))
+
+    async with (
+        scripted_worker(script) as w,
+        router_in_process(workers=[w.url]) as rt,
+    ):
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", COMPLETION))
+        got = await client.answer()
+        assert got is not None and got.status == 200 and got.complete
+        assert got.body == body and b"error" not in got.body
+        client.send(post(b"/v1/completions", COMPLETION))  # the client's connection stays
+        again = await client.answer()
+        assert again is not None and again.status == 200
+        posts = w.posts()
+        assert posts[0].connection != posts[1].connection  # the worker's was not reused
+        assert rt.plane.stats.ended["cut"] == 0
+        client.close()
+
+
 async def test_a_worker_answer_in_a_transfer_coding_never_offered_is_lost_and_fails_over() -> None:
     async def gzipped(request: Request, writer: asyncio.StreamWriter) -> None:
         body = gzip.compress(b'{"choices": []}')
@@ -1217,6 +1276,44 @@ async def test_a_client_that_does_not_read_holds_the_worker_back_not_the_routers
         assert held_at < total // 3
         answer = await client.answer(within_s=60)
         assert answer is not None and answer.complete and len(answer.body) == total
+        client.close()
+
+
+async def test_a_stream_its_client_holds_back_is_not_timed_as_an_idle_worker() -> None:
+    """The stream idle gap times the worker: while the router stops reading it because the
+    client does not read, the worker is not idle, and the answer must not be cut for it."""
+    total, piece = 24 * 1024 * 1024, 256 * 1024
+
+    async def flood(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(total // piece):
+            writer.write(b"%x\r\n%s\r\n" % (piece, b"x" * piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+
+    async with (
+        scripted_worker(flood) as w,
+        router_in_process(workers=[w.url], stream_idle_timeout_s=0.2) as rt,
+    ):
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", COMPLETION))
+
+        def held() -> list[UpstreamConnection]:
+            pool = rt.plane.pools.get(w.url)
+            return [
+                c
+                for c in (pool.busy if pool is not None else ())
+                if c.transport is not None and not c.transport.is_reading()
+            ]
+
+        await eventually(held, 10)
+        (conn,) = held()
+        assert not conn.deadline_pending  # no idle gap timed while held
+        await asyncio.sleep(0.5)  # the client reads nothing for longer than the idle gap
+        answer = await client.answer(within_s=60)
+        assert answer is not None and answer.complete and len(answer.body) == total
+        assert rt.plane.stats.ended["cut"] == 0
         client.close()
 
 
