@@ -79,9 +79,10 @@ def read_probe(
     """The probe `data` begins with, `WAIT` while it may still become one, else None.
 
     Only the plainest probe is the door's: `GET` or `HEAD` of one of `paths` (a query is
-    allowed), HTTP/1.0 or 1.1, within the head limits, no field that announces a body or a
-    change of protocol, and no byte after the head. Anything unusual is left to the loop's
-    parser, which has every rule (and every refusal).
+    allowed), HTTP/1.0 or 1.1, one Host field (none for HTTP/1.0 either), within the head
+    limits, no field that announces a body or a change of protocol, and no byte after the
+    head. Anything unusual is left to the loop's parser, which has every rule (and every
+    refusal: a 400 for an HTTP/1.1 request without its one Host, as kubelet never sends).
     """
     end = data.find(b"\r\n\r\n")
     line_end = data.find(b"\r\n")
@@ -98,16 +99,20 @@ def read_probe(
     fields = data[line_end + 2 : end].split(b"\r\n") if end > line_end else []
     if len(fields) > max_fields:
         return None
+    hosts = 0
     for field in fields:
         low = field.lower()
         if low.startswith(_BODY_FIELDS) or b":" not in low:
             return None
+        hosts += low.startswith(b"host:")
         if low.startswith(b"connection:"):
             tokens = {t.strip() for t in low[len(b"connection:") :].split(b",")}
             if b"close" in tokens:
                 keep_alive = False
             elif b"keep-alive" in tokens:
                 keep_alive = True
+    if hosts > 1 or (hosts == 0 and version == b"HTTP/1.1"):
+        return None
     return ProbeRequest(
         target.split(b"?", 1)[0], method == b"HEAD", version == b"HTTP/1.1", keep_alive
     )

@@ -25,7 +25,7 @@ def probe(data: bytes) -> ProbeRequest | str | None:
     [
         (b"GET /healthz HTTP/1.1\r\nHost: k\r\n\r\n", ProbeRequest(b"/healthz", False, True, True)),
         (
-            b"GET /readyz?verbose=1 HTTP/1.1\r\nConnection: close\r\n\r\n",
+            b"GET /readyz?verbose=1 HTTP/1.1\r\nHost: k\r\nConnection: close\r\n\r\n",
             ProbeRequest(b"/readyz", False, True, False),
         ),
         (b"HEAD /readyz HTTP/1.0\r\n\r\n", ProbeRequest(b"/readyz", True, False, False)),
@@ -34,7 +34,7 @@ def probe(data: bytes) -> ProbeRequest | str | None:
             ProbeRequest(b"/healthz", False, False, True),
         ),
         (
-            b"GET /healthz HTTP/1.1\r\nUser-Agent: kube-probe/1.30\r\n\r\n",
+            b"GET /healthz HTTP/1.1\r\nHost: 10.0.0.7:8080\r\nUser-Agent: kube-probe/1.30\r\n\r\n",
             ProbeRequest(b"/healthz", False, True, True),
         ),
     ],
@@ -80,6 +80,8 @@ def test_the_beginning_of_a_probe_is_waited_for(data: bytes) -> None:
         (b"GET /healthz HTTP/1.1\r\nX: " + b"a" * 1100 + b"\r\n\r\n", "over the head size"),
         (b"GET /healthz HTTP/1.1\r\nX: " + b"a" * 1100, "an unfinished head past the size"),
         (b"GET  /healthz HTTP/1.1\r\n\r\n", "two spaces"),
+        (b"GET /healthz HTTP/1.1\r\nUser-Agent: x\r\n\r\n", "HTTP/1.1 without Host: a 400"),
+        (b"GET /healthz HTTP/1.0\r\nHost: a\r\nHost: b\r\n\r\n", "two Hosts: a 400"),
         (b"\x16\x03\x01\x02\x00", "TLS"),
     ],
 )
