@@ -759,7 +759,9 @@ def parse_query(query: Mapping[str, str]) -> SnapshotQuery:
     max_age_ms = None
     if "max_age_ms" in query:
         raw = query["max_age_ms"].strip()
-        if not raw.isascii() or not raw.isdigit() or int(raw) > MAX_AGE_LIMIT_MS:
+        # The length first: a u64 has at most 20 digits, and int() of thousands of digits
+        # raises ValueError (CPython's 4,300-digit limit), which was a 500.
+        if not raw.isascii() or not raw.isdigit() or len(raw) > 20 or int(raw) > MAX_AGE_LIMIT_MS:
             raise BadQuery("max_age_ms must be an integer from 0 to 2^64-1")
         max_age_ms = int(raw)
     return SnapshotQuery(cursors_only, max_age_ms)

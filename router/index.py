@@ -61,7 +61,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 from cachetree.accel import speedups
 from cachetree.keys import namespace_seed
@@ -87,6 +87,8 @@ from router.subscriber import (
 from router.worker_snapshot import SnapshotRank, WorkerSnapshotError, rebuild_rank
 
 log = logging.getLogger(__name__)
+
+SnapshotVerdict = Literal["applied", "stale", "rejected", "ignored"]  # `replace_rank`'s
 
 T = TypeVar("T")
 DEFAULT_QUEUE_SIZE = 1024
@@ -419,27 +421,41 @@ class IndexRules:
             )
             yield from tree.clear_rank_steps(largest, self.slice_blocks)
 
-    def replace_rank(self, rank: RankId, snap: SnapshotRank, block_size: int) -> bool:
-        """Install a worker's own snapshot of `rank` unless the stream is already past it."""
+    def replace_rank(self, rank: RankId, snap: SnapshotRank, block_size: int) -> SnapshotVerdict:
+        """Install a worker's own snapshot of `rank` unless the stream is already past it
+        (`stale`), or it is refused (`rejected`: see `router.worker_snapshot`; a rank the
+        worker does not have, or a `last_seq` more than `MAX_SEQ_JUMP` past the live stream's,
+        included). `ignored`: the rank is bootstrapping, and takes snapshots only through the
+        graft path."""
         if rank not in self.live:
-            return False
+            self.stats.worker_snapshots_rejected += 1
+            log.warning(
+                "%s: worker snapshot refused: no such live rank (not the worker's, or it left)",
+                rank,
+            )
+            return "rejected"
         if self.bootstrap is not None and self.bootstrap.intercepts(rank):
-            return False  # a bootstrapping rank takes snapshots only through the graft path
+            return "ignored"
         cursor = self.cursors.get(rank)
         if cursor is not None and snap.last_seq < cursor:
             self.stats.worker_snapshots_stale += 1
-            return False
+            return "stale"
         try:
+            if cursor is not None and snap.last_seq - cursor > MAX_SEQ_JUMP:
+                raise WorkerSnapshotError(
+                    f"its last_seq {snap.last_seq} is more than {MAX_SEQ_JUMP} past the live "
+                    f"stream's {cursor}: every batch of the stream would look already reflected"
+                )
             placed = rebuild_rank(self._tree, rank, snap, block_size)
         except WorkerSnapshotError as exc:
             self.stats.worker_snapshots_rejected += 1
             log.warning("%s: worker snapshot refused: %s", rank, exc)
-            return False
+            return "rejected"
         if snap.last_seq >= 0:
             self.cursors[rank] = snap.last_seq
         self.stats.worker_snapshots_applied += 1
         log.info("%s: worker snapshot applied: %d blocks at seq %d", rank, placed, snap.last_seq)
-        return True
+        return "applied"
 
 
 class Pump:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Final
 
 from prometheus_client import (
@@ -29,6 +29,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from cachetree import accel
+from cachetree.tree import TreeStats
 from router.tokenize.chat_rules import FAILURE_REASONS
 
 if TYPE_CHECKING:
@@ -249,9 +250,19 @@ class _StateCollector(Collector):
         yield blocks
         yield _counter(
             "kvrouter_kv_events",
-            "KV events applied by kind and medium",
+            "KV events received in batches the pump took, by kind and medium (those the index "
+            "could not apply: kvrouter_kv_events_refused_total)",
             ["event", "medium"],
             {(kind, medium or "none"): n for (kind, medium), n in stats.events.items()},
+        )
+        refused = tree.stats if tree is not None else TreeStats()
+        yield _counter(
+            "kvrouter_kv_events_refused",
+            "Stores the index dropped and removed hashes it did not carry, by reason: a parent "
+            "the rank does not carry (events lost before it), a medium with no tier, another "
+            "block size, a token count that does not fit; unknown_removal counts hashes",
+            ["reason"],
+            {(f.name,): getattr(refused, f.name) for f in fields(TreeStats)},
         )
         yield _counter(
             "kvrouter_kv_events_ignored",

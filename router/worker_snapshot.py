@@ -6,9 +6,12 @@ parent-before-child order with its engine hash (as the engine puts it on the wir
 signed), parent engine hash, token ids and tier name. The router replays it as stores, so the
 rank's index ends up exactly as if it had seen every event up to `last_seq`.
 
-A body that does not decode, or whose blocks do not fit together (a block size that differs,
-tokens that do not fill a block, a parent that comes later or not at all), is refused whole
-with `WorkerSnapshotError`; the rank's index is then left as it was.
+A body that does not decode (a token id outside [0, 2**32) included), or whose blocks do not
+fit together (a block size that differs, tokens that do not fill a block, a parent that comes
+later or not at all), is refused whole with `WorkerSnapshotError`; the rank's index is then
+left as it was. So is one whose `last_seq` is more than `MAX_SEQ_JUMP` past the rank's live
+stream (`router.index`): installed, it would mark every batch of that stream as already
+reflected, and freeze the rank on blocks its engine no longer holds.
 
 Bounded memory: `read_body` streams the answer against `--worker-snapshot-max-body-mb`
 (a `Content-Length` over it is refused before a byte is read; a body that goes past it is cut
@@ -21,7 +24,7 @@ the index (README, "Memory").
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Annotated, Final
 
 import aiohttp
 import msgspec
@@ -40,10 +43,15 @@ class WorkerSnapshotError(ValueError):
     pass
 
 
+# A token id as the live decoders take it (`router.events`): checked as the body decodes, so a
+# block the index could not key refuses the body whole before the rank is touched.
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+
+
 class SnapshotBlock(msgspec.Struct, gc=False):
     engine_hash: int
     parent_engine_hash: int | None
-    token_ids: list[int]
+    token_ids: list[TokenId]
     tier: str | None = "device"
 
 

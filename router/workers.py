@@ -628,14 +628,17 @@ class WorkerRegistry:
         outcome, snap = await self._fetch_worker_snapshot(worker)
         if snap is None:
             return outcome
-        applied = 0
+        verdicts = set()
         for rank_snap in snap.ranks:
             rank = RankId(worker.url, rank_snap.dp_rank)
-            ok = await self.pump.call(
-                lambda rules, rank=rank, rs=rank_snap: rules.replace_rank(rank, rs, snap.block_size)
+            verdicts.add(
+                await self.pump.call(
+                    lambda rules, rank=rank, rs=rank_snap: rules.replace_rank(
+                        rank, rs, snap.block_size
+                    )
+                )
             )
-            applied += ok
-        return "applied" if applied else "stale"
+        return next((v for v in ("applied", "rejected", "stale") if v in verdicts), "ignored")
 
     async def _fetch_worker_snapshot(self, worker: Worker) -> tuple[str, WorkerSnapshot | None]:
         try:
@@ -655,7 +658,9 @@ class WorkerRegistry:
                     resp.close()  # drop the connection rather than drain the rest
                     raise
         except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("worker %s: /v1/kv-snapshot failed: %s", worker.url, exc)
+            log.warning(
+                "worker %s: /v1/kv-snapshot failed: %s", worker.url, str(exc) or type(exc).__name__
+            )
             return "error", None
         except WorkerSnapshotError as exc:
             log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)

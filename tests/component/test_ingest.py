@@ -118,6 +118,33 @@ def test_worker_snapshot_with_a_forward_parent_is_refused_and_changes_nothing() 
     assert canonical_view(tree) == before
 
 
+@pytest.mark.parametrize("bad", [-5, 2**32, 2**70])
+def test_worker_snapshot_with_a_token_id_out_of_range_is_refused_whole(bad: int) -> None:
+    """Checked as the body decodes: before, the rank was cleared and then the store of the
+    bad block raised (an OverflowError), leaving the rank with the blocks before it."""
+    from router.worker_snapshot import WorkerSnapshotError
+
+    tokens = chain(1, 2)
+    tokens[BS] = bad  # the second block's first token
+    body = msgspec.json.encode(
+        {
+            "block_size": BS,
+            "ranks": [
+                {
+                    "dp_rank": 0,
+                    "last_seq": 3,
+                    "blocks": [
+                        {"engine_hash": 1, "parent_engine_hash": None, "token_ids": tokens[:BS]},
+                        {"engine_hash": 2, "parent_engine_hash": 1, "token_ids": tokens[BS:]},
+                    ],
+                }
+            ],
+        }
+    )
+    with pytest.raises(WorkerSnapshotError, match="not a kv-snapshot body"):
+        decode_worker_snapshot(body)
+
+
 def _keys(tokens: list[int]) -> list[int]:
     from cachetree.keys import block_keys
 

@@ -172,6 +172,26 @@ async def test_index_series_equal_the_workers_caches_and_the_events_applied() ->
         assert m.value("kvrouter_tree_nodes") == 1 + 3 + 2
 
 
+async def test_stores_the_index_cannot_apply_are_counted_by_reason() -> None:
+    """A store in a medium with no tier, then one below it (its parent never indexed):
+    both dropped, and shown, where before they counted as stored and nowhere else."""
+    async with fake_worker_in_process() as fw, router_in_process(workers=[fw.url]) as rt:
+        await rt.gate(fw)
+        before = await scrape(rt)
+        head = chain("stored in a medium the router has no tier for. ", 2)
+        await fw.store([head], medium="MARS")
+        await fw.store([head + chain("and a block below it, on the GPU. ", 1)])
+        await settle(rt, fw)
+        m = await scrape(rt)
+
+        def refused(scrape: Scrape, reason: str) -> float:
+            return scrape.get("kvrouter_kv_events_refused_total", reason=reason) or 0
+
+        assert refused(m, "unknown_tier") - refused(before, "unknown_tier") == 1
+        assert refused(m, "unknown_parent") - refused(before, "unknown_parent") == 1
+        assert m.value("kvrouter_tree_blocks", worker_url=fw.url, dp_rank="0", tier="device") == 1
+
+
 async def test_a_gap_without_replay_shows_as_lost_batches_of_that_rank() -> None:
     async with (
         fake_worker_in_process() as fw,

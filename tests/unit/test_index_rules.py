@@ -130,7 +130,7 @@ def snapshot(last_seq: int, *hashes: int) -> SnapshotRank:
 def test_worker_snapshot_replaces_the_rank_and_seeds_the_cursor() -> None:
     rules, _ = rules_with()
     rules.apply_batch(R, 2, stored(50, 500))
-    assert rules.replace_rank(R, snapshot(4, 1, 2), BS)
+    assert rules.replace_rank(R, snapshot(4, 1, 2), BS) == "applied"
     assert rules.tree.block_count(R) == 2
     assert rules.tree.match(block_keys(list(range(500, 504)), BS)).blocks == 0
     assert rules.cursors[R] == 4
@@ -141,7 +141,7 @@ def test_worker_snapshot_replaces_the_rank_and_seeds_the_cursor() -> None:
 def test_worker_snapshot_older_than_the_stream_is_ignored() -> None:
     rules, _ = rules_with()
     rules.apply_batch(R, 9, stored(50, 500))
-    assert not rules.replace_rank(R, snapshot(4, 1, 2), BS)
+    assert rules.replace_rank(R, snapshot(4, 1, 2), BS) == "stale"
     assert rules.stats.worker_snapshots_stale == 1
     assert rules.tree.block_count(R) == 1
 
@@ -149,10 +149,28 @@ def test_worker_snapshot_older_than_the_stream_is_ignored() -> None:
 def test_worker_snapshot_with_the_wrong_block_size_is_refused_and_changes_nothing() -> None:
     rules, _ = rules_with()
     rules.apply_batch(R, 1, stored(50, 500))
-    assert not rules.replace_rank(R, snapshot(4, 1), BS * 2)
+    assert rules.replace_rank(R, snapshot(4, 1), BS * 2) == "rejected"
     assert rules.stats.worker_snapshots_rejected == 1
     assert rules.tree.block_count(R) == 1
     assert rules.cursors[R] == 1
+
+
+def test_worker_snapshot_far_past_the_live_stream_is_refused_and_changes_nothing() -> None:
+    """Installed, a last_seq of 2**63-1 made every later batch of the rank's stream look
+    already reflected: the rank froze on blocks its engine had removed (false hits)."""
+    rules, _ = rules_with()
+    rules.apply_batch(R, 20, stored(50, 500))
+    assert rules.replace_rank(R, snapshot(2**63 - 1, 1, 2), BS) == "rejected"
+    assert rules.replace_rank(R, snapshot(20 + MAX_SEQ_JUMP + 1, 1, 2), BS) == "rejected"
+    assert rules.tree.block_count(R) == 1 and rules.cursors[R] == 20
+    assert rules.replace_rank(R, snapshot(20 + MAX_SEQ_JUMP, 1, 2), BS) == "applied"
+
+
+def test_worker_snapshot_of_a_rank_the_worker_does_not_have_is_refused_and_counted() -> None:
+    rules, _ = rules_with()
+    stranger = SnapshotRank(7, 4, snapshot(4, 1).blocks)
+    assert rules.replace_rank(RankId(R.worker_url, 7), stranger, BS) == "rejected"
+    assert rules.stats.worker_snapshots_rejected == 1
 
 
 # --- seq jumps past the bound -----------------------------------------------------------------
@@ -299,6 +317,6 @@ def test_the_carried_count_follows_stores_removals_clears_and_snapshot_restores(
     rules.apply_batch(OTHER, 0, chain_batch(1, 6, 1))  # the same blocks, another carrier
     rules.apply_batch(R, 1, removed(6))
     assert tree.carried_blocks == 11 == tree.recount()
-    assert rules.replace_rank(OTHER, snapshot(4, 1, 2, 3), BS)
+    assert rules.replace_rank(OTHER, snapshot(4, 1, 2, 3), BS) == "applied"
     rules.after_control()  # what the pump does after every control call
     assert tree.carried_blocks == 8 == sum(tree.block_count(r) for r in (R, OTHER))

@@ -209,6 +209,8 @@ def test_query_parameters_parse(query: dict, cursors_only: bool, max_age_ms: int
         {"max_age_ms": "+5"},
         {"max_age_ms": str(2**64)},
         {"max_age_ms": "١٢"},  # digits, but not ASCII ones
+        {"max_age_ms": "9" * 5000},  # past int()'s digit limit: was a ValueError, a 500
+        {"max_age_ms": "0" * 30 + "1"},
     ],
 )
 def test_bad_query_parameters_are_refused(query: dict) -> None:
