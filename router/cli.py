@@ -85,6 +85,18 @@ class _EnvValue:
         return value
 
 
+MAX_NUMBER: Final = 1e9  # past it a duration overflows a timer's milliseconds, a size the host
+
+
+def finite(text: str) -> float:
+    """A number flag's value: finite and at most `MAX_NUMBER` in size (`inf` would turn a
+    bound off, and a timer of 1e300 s fails only when it is first armed)."""
+    value = float(text)
+    if not -MAX_NUMBER <= value <= MAX_NUMBER:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number up to {MAX_NUMBER:g}")
+    return value
+
+
 def _flag(env: str) -> str:
     return env.removeprefix("KVROUTER_").lower().replace("_", "-")
 
@@ -173,17 +185,17 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         "from their /v1/models (owned_by)",
         choices=("auto", *ENGINES),
     )
-    f.add("tokenize-cache-mb", float, 64.0, "bound of the chat segment tokenization cache")
+    f.add("tokenize-cache-mb", finite, 64.0, "bound of the chat segment tokenization cache")
     f.add(
         "kv-events-port-base", int, 5557, "KV-event PUB port of rank 0 when /server_info has none"
     )
     f.add("kv-events-replay-port-base", int, 0, "replay ROUTER port of rank 0; 0 = no replay")
     f.add("dp-size", int, 1, "data-parallel ranks per worker when /server_info has none")
     f.add("load-interval-ms", int, 500, "how often engine load is polled")
-    f.add("health-interval-s", float, 2.0, "how often each worker's /health is polled")
+    f.add("health-interval-s", finite, 2.0, "how often each worker's /health is polled")
     f.add(
         "worker-evict-after-s",
-        float,
+        finite,
         30.0,
         "a worker failing /health this long leaves the index until it answers again; 0 = never",
     )
@@ -191,15 +203,15 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add("max-connections", int, 4096, "open client connections; more are answered 503")
     f.add("max-header-count", int, 100, "header fields in one request")
     f.add("max-head-bytes", int, 64 * 1024, "size of a request's head (request line and fields)")
-    f.add("client-header-timeout-s", float, 30.0, "a request head must arrive within this")
-    f.add("client-body-timeout-s", float, 60.0, "a request body must arrive within this")
-    f.add("keepalive-timeout-s", float, 60.0, "an idle client connection is closed after this")
-    f.add("upstream-connect-timeout-s", float, 5.0, "connecting to a worker")
-    f.add("upstream-head-timeout-s", float, 300.0, "a worker's response head must come within")
-    f.add("stream-idle-timeout-s", float, 300.0, "the longest gap within a worker's answer")
+    f.add("client-header-timeout-s", finite, 30.0, "a request head must arrive within this")
+    f.add("client-body-timeout-s", finite, 60.0, "a request body must arrive within this")
+    f.add("keepalive-timeout-s", finite, 60.0, "an idle client connection is closed after this")
+    f.add("upstream-connect-timeout-s", finite, 5.0, "connecting to a worker")
+    f.add("upstream-head-timeout-s", finite, 300.0, "a worker's response head must come within")
+    f.add("stream-idle-timeout-s", finite, 300.0, "the longest gap within a worker's answer")
     f.add(
         "upstream-idle-expiry-s",
-        float,
+        finite,
         4.0,
         "an idle connection to a worker is closed after this; keep it below the engines' "
         "keep-alive timeout (uvicorn: 5 s)",
@@ -215,8 +227,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     )
     f.add("max-attempts", int, 3, "upstream attempts per request, failovers included")
     f.add("breaker-failure-threshold", int, 3, "consecutive failures that open a breaker; 0 = off")
-    f.add("breaker-cooldown-s", float, 5.0, "first open period of a breaker")
-    f.add("breaker-max-cooldown-s", float, 60.0, "longest open period (cooldown doubles)")
+    f.add("breaker-cooldown-s", finite, 5.0, "first open period of a breaker")
+    f.add("breaker-max-cooldown-s", finite, 60.0, "longest open period (cooldown doubles)")
     f.add("expose-route-headers", _flag_bool, False, "add X-Kvrouter-Worker/-Dp-Rank to responses")
     f.add(
         "internal-token",
@@ -288,7 +300,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         "cache_aware: how long a routed prompt's blocks count as held before the index shows "
         "them; 0 = no bookings",
     )
-    f.add("demand-half-life-s", float, 30.0, "cache_aware: half-life of a rank's recent demand")
+    f.add("demand-half-life-s", finite, 30.0, "cache_aware: half-life of a rank's recent demand")
     f.add(
         "pressure-max-tracked-blocks",
         int,
@@ -338,7 +350,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         DEFAULT_INGEST_PROCESSES,
         "processes that receive, decode and key KV events for the pump (0: in the event loop)",
     )
-    f.add("drain-timeout-s", float, 30.0, "after SIGTERM, how long in-flight requests may run")
+    f.add("drain-timeout-s", finite, 30.0, "after SIGTERM, how long in-flight requests may run")
     f.add("log-level", str.lower, "info", "how much to log", choices=LOG_LEVELS)
     return f
 

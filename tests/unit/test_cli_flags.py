@@ -118,6 +118,11 @@ def invalid_settings(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], st
         "unknown chat rules": (["--chat-rules", "tgi"], {}, "--chat-rules"),
         "env unknown chat rules": ([], {"KVROUTER_CHAT_RULES": "tgi"}, "KVROUTER_CHAT_RULES"),
         "negative tokenize cache": (["--tokenize-cache-mb", "-1"], {}, "--tokenize-cache-mb"),
+        # Not finite, or past a timer's reach: a bound turned off, or a crash when first armed.
+        "infinite timeout": (["--client-header-timeout-s", "inf"], {}, "not a finite number"),
+        "nan cooldown": (["--breaker-cooldown-s", "nan"], {}, "not a finite number"),
+        "huge stream gap": (["--stream-idle-timeout-s", "1e300"], {}, "not a finite number"),
+        "env infinite drain": ([], {"KVROUTER_DRAIN_TIMEOUT_S": "inf"}, "KVROUTER_DRAIN"),
         "placeholder token": (["--internal-token", PLACEHOLDER_TOKEN], {}, "placeholder"),
         "env placeholder token": (
             [],
