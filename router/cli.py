@@ -7,8 +7,10 @@ Invalid values (a malformed number, an unknown choice, a worker that is not an h
 tokenizer that does not load, ...) stop the command before it listens, with one line on stderr
 and exit code 2; a listen address that cannot be bound, with one line and exit code 1.
 
-SIGTERM or SIGINT (handled from the very start, so one that arrives during start-up or right
-after the ready line is a drain too): `/readyz` turns 503, in-flight requests keep running up
+SIGTERM or SIGINT (handled from the moment `serve` begins, so one that arrives during start-up
+or right after the ready line is a drain too; before that, in the first ~0.3 s while Python
+imports the command and parses its flags, the default action still ends the process, with
+status 143 for SIGTERM): `/readyz` turns 503, in-flight requests keep running up
 to `--drain-timeout-s`, whatever is left is cut, and the process exits 0.
 """
 
@@ -85,7 +87,16 @@ class _EnvValue:
         return value
 
 
-MAX_NUMBER: Final = 1e9  # past it a duration overflows a timer's milliseconds, a size the host
+MAX_NUMBER: Final = 10**12  # past it a duration overflows a timer, a size any host
+
+
+def whole(text: str) -> int:
+    """An integer flag's value, at most `MAX_NUMBER` in size: 10**400 passed every range check
+    written as `>= 1`, then overflowed a float in the replica's start-up (a traceback)."""
+    value = int(text)
+    if not -MAX_NUMBER <= value <= MAX_NUMBER:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer up to {MAX_NUMBER:g}")
+    return value
 
 
 def finite(text: str) -> float:
@@ -170,10 +181,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     p = sub.add_parser("serve", help="run one router replica")
     f = _Flags(p)
     f.add("host", str, "0.0.0.0", "listen address")
-    f.add("port", int, 8080, "listen port")
+    f.add("port", whole, 8080, "listen port")
     f.add("worker", str, [], "a worker base URL (repeatable)", repeat=True)
     f.add("policy", str, "cache_aware", "routing policy", choices=POLICY_NAMES)
-    f.add("block-size", int, 0, "KV block size of the fleet; 0 learns it from the first worker")
+    f.add("block-size", whole, 0, "KV block size of the fleet; 0 learns it from the first worker")
     f.add(
         "tokenizer", str, "bytes", "'bytes', or a model directory / its tokenizer.json (hf extra)"
     )
@@ -189,9 +200,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add(
         "kv-events-port-base", int, 5557, "KV-event PUB port of rank 0 when /server_info has none"
     )
-    f.add("kv-events-replay-port-base", int, 0, "replay ROUTER port of rank 0; 0 = no replay")
-    f.add("dp-size", int, 1, "data-parallel ranks per worker when /server_info has none")
-    f.add("load-interval-ms", int, 500, "how often engine load is polled")
+    f.add("kv-events-replay-port-base", whole, 0, "replay ROUTER port of rank 0; 0 = no replay")
+    f.add("dp-size", whole, 1, "data-parallel ranks per worker when /server_info has none")
+    f.add("load-interval-ms", whole, 500, "how often engine load is polled")
     f.add("health-interval-s", finite, 2.0, "how often each worker's /health is polled")
     f.add(
         "worker-evict-after-s",
@@ -199,10 +210,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         30.0,
         "a worker failing /health this long leaves the index until it answers again; 0 = never",
     )
-    f.add("max-request-bytes", int, 32 * 1024 * 1024, "largest request body accepted")
-    f.add("max-connections", int, 4096, "open client connections; more are answered 503")
-    f.add("max-header-count", int, 100, "header fields in one request")
-    f.add("max-head-bytes", int, 64 * 1024, "size of a request's head (request line and fields)")
+    f.add("max-request-bytes", whole, 32 * 1024 * 1024, "largest request body accepted")
+    f.add("max-connections", whole, 4096, "open client connections; more are answered 503")
+    f.add("max-header-count", whole, 100, "header fields in one request")
+    f.add("max-head-bytes", whole, 64 * 1024, "size of a request's head (request line and fields)")
     f.add("client-header-timeout-s", finite, 30.0, "a request head must arrive within this")
     f.add("client-body-timeout-s", finite, 60.0, "a request body must arrive within this")
     f.add("keepalive-timeout-s", finite, 60.0, "an idle client connection is closed after this")
@@ -216,8 +227,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         "an idle connection to a worker is closed after this; keep it below the engines' "
         "keep-alive timeout (uvicorn: 5 s)",
     )
-    f.add("upstream-connections-per-worker", int, 256, "open connections to one worker at most")
-    f.add("control-port", int, 0, "also serve the control plane alone on this port; 0 = not")
+    f.add("upstream-connections-per-worker", whole, 256, "open connections to one worker at most")
+    f.add("control-port", whole, 0, "also serve the control plane alone on this port; 0 = not")
     f.add(
         "event-loop",
         str.lower,
@@ -225,8 +236,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         "auto: uvloop when installed (the fast extra), else asyncio",
         choices=EVENT_LOOPS,
     )
-    f.add("max-attempts", int, 3, "upstream attempts per request, failovers included")
-    f.add("breaker-failure-threshold", int, 3, "consecutive failures that open a breaker; 0 = off")
+    f.add("max-attempts", whole, 3, "upstream attempts per request, failovers included")
+    f.add(
+        "breaker-failure-threshold", whole, 3, "consecutive failures that open a breaker; 0 = off"
+    )
     f.add("breaker-cooldown-s", finite, 5.0, "first open period of a breaker")
     f.add("breaker-max-cooldown-s", finite, 60.0, "longest open period (cooldown doubles)")
     f.add("expose-route-headers", _flag_bool, False, "add X-Kvrouter-Worker/-Dp-Rank to responses")
@@ -241,7 +254,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     )
     f.add("kv-peer-selector", str, "", "EndpointSlice label selector naming sibling replicas")
     f.add("worker-selector", str, "", "EndpointSlice label selector naming the workers")
-    f.add("worker-port", int, 0, "the workers' port in their EndpointSlices; 0 = the first listed")
+    f.add(
+        "worker-port", whole, 0, "the workers' port in their EndpointSlices; 0 = the first listed"
+    )
     f.add(
         "namespace",
         str,
@@ -265,37 +280,39 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         "none: any",
         repeat=True,
     )
-    f.add("kv-bootstrap-timeout-ms", int, 120_000, "bound on the whole bootstrap and /readyz hold")
-    f.add("kv-bootstrap-fetch-timeout-cap-ms", int, 300_000, "cap on one sibling fetch")
+    f.add(
+        "kv-bootstrap-timeout-ms", whole, 120_000, "bound on the whole bootstrap and /readyz hold"
+    )
+    f.add("kv-bootstrap-fetch-timeout-cap-ms", whole, 300_000, "cap on one sibling fetch")
     f.add("kv-bootstrap-seed-required", _flag_bool, False, "hold /readyz after a timed-out sweep")
     f.add(
         "kv-bootstrap-max-body-mb",
-        int,
+        whole,
         0,
         "largest columnar sibling snapshot accepted, also inflated (JSON or msgpack: half); "
         "0 = enough for a full index (48 B x --kv-index-max-blocks, at least 24)",
     )
     f.add(
         "worker-snapshot-max-body-mb",
-        int,
+        whole,
         32,
         "largest worker /v1/kv-snapshot body accepted (read as it streams)",
     )
     f.add(
         "kv-events-max-message-bytes",
-        int,
+        whole,
         DEFAULT_MAX_MESSAGE_BYTES,
         "largest KV-event ZMQ message accepted; a larger one is dropped and seen as a gap",
     )
     f.add(
         "kv-index-max-blocks",
-        int,
+        whole,
         DEFAULT_INDEX_MAX_BLOCKS,
         "cap on (rank, block) pairs in the index; over it the largest rank is cleared",
     )
     f.add(
         "booking-ttl-ms",
-        int,
+        whole,
         5000,
         "cache_aware: how long a routed prompt's blocks count as held before the index shows "
         "them; 0 = no bookings",
@@ -303,7 +320,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add("demand-half-life-s", finite, 30.0, "cache_aware: half-life of a rank's recent demand")
     f.add(
         "pressure-max-tracked-blocks",
-        int,
+        whole,
         1_000_000,
         "cache_aware: bound on (rank, block) pairs remembered for demand and bookings",
     )
@@ -324,7 +341,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     )
     f.add(
         "placement-timeout-ms",
-        int,
+        whole,
         DEFAULT_PLACEMENT_TIMEOUT_MS,
         "cache_aware with siblings: how long a request for a new prefix waits for the placer "
         "replica's answer (POST /internal/place) before deciding alone (up to 4x when this "
@@ -340,13 +357,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     )
     f.add(
         "prefix-homes-max",
-        int,
+        whole,
         DEFAULT_MAX_HOMES,
         "--prefix-homes: bound on the prefix homes a replica keeps (least recently used out)",
     )
     f.add(
         "kv-ingest-processes",
-        int,
+        whole,
         DEFAULT_INGEST_PROCESSES,
         "processes that receive, decode and key KV events for the pump (0: in the event loop)",
     )

@@ -24,8 +24,10 @@ Pending rank, live batch (`last` = tail of the held queue, else the cursor):
 
 Graft (`apply_snapshot`): only obligations still owed (same epoch, live, Pending) count; the
 snapshot is filtered to their ranks and restored (failure: `tree_rejected` for all of them).
-Per owed rank: no cursor -> `uncovered`; first held seq past `cursor + 1` -> gap resolution;
-nothing held -> a deferred proof, judged by the first live batch or the splice probe. Then
+Per owed rank: no cursor -> `uncovered`; first held seq past `cursor + 1`, or the last one more
+than `MAX_SEQ_JUMP` behind the cursor (no true cursor is that far ahead of the stream) -> gap
+resolution; nothing held -> a deferred proof, judged by the first live batch (the same two
+tests) or the splice probe. Then
 the cursor is seeded with max(existing, watermark), the rank is Recovered, and the held batches
 replay through the cursor filter; `warm` is counted only if a held batch proved the splice.
 
@@ -56,6 +58,7 @@ from cachetree.snapshot import Snapshot, SnapshotError, SnapshotRestore, export,
 from cachetree.tree import BlockTree
 from peer.tracker import BootstrapState, BootstrapTracker, Obligation
 from router.events import BlockStored, EventBatch
+from router.subscriber import MAX_SEQ_JUMP
 from router.worker_snapshot import WorkerSnapshot, rebuild_rank
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,25 @@ class Grafted(Protocol):
     cursors: dict[RankId, int]
 
     def retain_workers(self, keep: Iterable[RankId]) -> Grafted: ...
+
+
+def _far_behind(rank: RankId, seq: int, watermark: int) -> bool:
+    """Whether the live stream at `seq` is more than `MAX_SEQ_JUMP` behind a snapshot's
+    cursor: no sibling's cursor can be that far ahead of a stream this replica receives too
+    (it subscribed first). Grafted, such a cursor marked every batch of the stream as already
+    reflected and froze the rank on what the snapshot said (a sibling sending 2**63 did).
+    Resolved as a gap: the stream does not join the watermark."""
+    if watermark - seq <= MAX_SEQ_JUMP:
+        return False
+    log.warning(
+        "%s: the snapshot's cursor %d is more than %d batches past the live stream (seq %d): "
+        "it cannot be true; the graft is resolved as a gap (a retry elsewhere, else cold)",
+        rank,
+        watermark,
+        MAX_SEQ_JUMP,
+        seq,
+    )
+    return True
 
 
 @dataclass(slots=True)
@@ -185,7 +207,7 @@ class BootstrapRules:
                 self.tracker.record_outcome(rank, "from_origin")
                 self.index.apply_batch(rank, seq, batch)
                 return
-            if seq > proof.watermark + 1:
+            if seq > proof.watermark + 1 or _far_behind(rank, seq, proof.watermark):
                 self.held.setdefault(rank, []).append(HeldBatch(seq, _packed(batch)))
                 del self.proofs[rank]
                 self._resolve_gap(rank)
@@ -285,7 +307,7 @@ class BootstrapRules:
                 self.fail(rank, "uncovered", discard_held=False)
                 continue
             held = self.held.get(rank)
-            if held and held[0].seq > watermark + 1:
+            if held and (held[0].seq > watermark + 1 or _far_behind(rank, held[-1].seq, watermark)):
                 self._resolve_gap(rank)
                 continue
             if not held:

@@ -224,11 +224,15 @@ async def _compose(
     supervisor = Supervisor()
     ingest = None
     if not config.keeps_index and (config.peer or config.kv_peer_selector):
+        why = (
+            "--kv-events off"
+            if config.kv_events == "off"
+            else f"--policy {config.policy} does not read the index"
+        )
         log.warning(
-            "--policy %s does not read the index, so this replica subscribes to no KV events "
-            "and keeps none (--kv-events %s): peer bootstrap is off",
-            config.policy,
-            config.kv_events,
+            "%s, so this replica subscribes to no KV events and keeps no index: peer "
+            "bootstrap is off (--peer / --kv-peer-selector do nothing)",
+            why,
         )
     if config.kv_ingest_processes and config.keeps_index:
         ingest = IngestPool(

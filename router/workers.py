@@ -413,11 +413,12 @@ class WorkerRegistry:
             # ranks could be wrong for good (an SGLang worker's dp size), so it waits, down,
             # and the health loop registers it anew once /health answers.
             worker.state = "down"
-            worker.reason = f"/server_info unreachable ({exc or type(exc).__name__})"
+            why = str(exc) or type(exc).__name__  # a TimeoutError's str() is empty
+            worker.reason = f"/server_info unreachable ({why})"
             log.warning(
                 "worker %s: /server_info unreachable (%s); registering it once /health answers",
                 worker.url,
-                exc or type(exc).__name__,
+                why,
             )
             return
         except ValueError as exc:

@@ -108,6 +108,9 @@ _PRESSURE_SERIES: Final = {
 }
 
 
+MAX_SECONDS: Final = 86400.0  # a day: `inf` overflowed aiohttp's timer, NaN waited forever
+
+
 def parse_pressure(text: str) -> dict[RankId, RankPressure]:
     """The per-rank pressure series of a replica's /metrics text (empty when it has none)."""
     out: dict[RankId, RankPressure] = {}
@@ -537,8 +540,11 @@ def _draw_on(stream: TextIO) -> Callable[[list[str]], None]:
 
 
 def run_watch(args: argparse.Namespace) -> int:
-    if args.interval_s <= 0 or args.count < 0:
-        sys.stderr.write("kvrouter: error: --interval-s must be > 0 and --count >= 0\n")
+    if not 0 < args.interval_s <= MAX_SECONDS or args.count < 0:
+        sys.stderr.write(
+            f"kvrouter: error: --interval-s must be > 0 and at most {MAX_SECONDS:g}, "
+            "and --count >= 0\n"
+        )
         return 2
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     try:
@@ -563,8 +569,8 @@ def run(args: argparse.Namespace) -> int:
         if not url.startswith(("http://", "https://")):
             sys.stderr.write(f"kvrouter: error: {url!r} is not an http(s) URL\n")
             return 2
-    if args.timeout_s <= 0:
-        sys.stderr.write("kvrouter: error: --timeout-s must be > 0\n")
+    if not 0 < args.timeout_s <= MAX_SECONDS:  # NaN fails this too
+        sys.stderr.write(f"kvrouter: error: --timeout-s must be > 0 and at most {MAX_SECONDS:g}\n")
         return 2
     if args.watch:
         return run_watch(args)

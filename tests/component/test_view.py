@@ -187,3 +187,20 @@ async def test_an_unreachable_replica_is_an_error() -> None:
         assert status == 2
         assert "replica http://127.0.0.1:9: readiness unknown" in out
         assert "error: /readyz" in out
+
+
+async def test_a_timeout_or_interval_that_is_not_a_finite_positive_number_is_refused() -> None:
+    """`--timeout-s nan` waited forever on a silent server, `inf` ended in aiohttp's
+    OverflowError traceback, and `--watch --interval-s nan` redrew thousands of frames a
+    second: each is one error line and exit 2 now, before any request."""
+    for args in (
+        ("--timeout-s", "nan"),
+        ("--timeout-s", "inf"),
+        ("--watch", "--interval-s", "nan"),
+        ("--watch", "--interval-s", "inf"),
+    ):
+        status, _, err = await run_to_end(
+            kvrouter_argv("view", *args, "http://127.0.0.1:9"), within_s=30
+        )
+        assert status == 2, (args, err)
+        assert err.startswith("kvrouter: error: --") and "Traceback" not in err, (args, err)

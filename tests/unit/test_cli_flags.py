@@ -123,6 +123,8 @@ def invalid_settings(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], st
         "nan cooldown": (["--breaker-cooldown-s", "nan"], {}, "not a finite number"),
         "huge stream gap": (["--stream-idle-timeout-s", "1e300"], {}, "not a finite number"),
         "env infinite drain": ([], {"KVROUTER_DRAIN_TIMEOUT_S": "inf"}, "KVROUTER_DRAIN"),
+        "huge int": (["--load-interval-ms", "1" + "0" * 400], {}, "not an integer up to"),
+        "env huge int": ([], {"KVROUTER_BOOKING_TTL_MS": "1" + "0" * 400}, "KVROUTER_BOOKING"),
         "placeholder token": (["--internal-token", PLACEHOLDER_TOKEN], {}, "placeholder"),
         "env placeholder token": (
             [],

@@ -157,6 +157,36 @@ def test_watermark_5_seq_7_gaps_on_the_deferred_path() -> None:
     assert [h.seq for h in rig.rules.held[R]] == [7]
 
 
+def test_a_cursor_far_past_the_held_stream_gaps_instead_of_freezing_the_rank() -> None:
+    """A sibling's cursor of 2**63 grafted as `warm` marked every later batch of the stream
+    already reflected: the rank froze on the snapshot's blocks, removals never applied."""
+    rig = Rig(retry_accepts=False)
+    rig.live(R, 35, stored(2, 200))
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(2**63, (7, 300)))
+    assert rig.outcome() == "gap"
+    assert not holds(rig, 300) and holds(rig, 200)
+    rig.live(R, 36, removed(2))  # the stream goes on being applied
+    assert not holds(rig, 200)
+
+
+def test_a_cursor_far_past_the_first_live_batch_gaps_on_the_deferred_path() -> None:
+    rig = Rig(retry_accepts=False)
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(2**63, (7, 300)))
+    assert R in rig.rules.proofs
+    rig.live(R, 36, stored(2, 200))
+    assert rig.outcome() == "gap"
+    assert not holds(rig, 300) and holds(rig, 200)
+
+
+def test_a_cursor_ahead_of_the_held_stream_within_the_jump_bound_is_still_grafted() -> None:
+    """A sibling may have seen a few batches this replica has not received yet."""
+    rig = Rig()
+    rig.live(R, 4, stored(2, 200))
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(9, (7, 300)))
+    assert rig.outcome() == "warm"
+    assert holds(rig, 300) and rig.index.cursors[R] == 9
+
+
 def test_a_stream_that_starts_at_seq_0_needs_no_snapshot() -> None:
     rig = Rig()
     rig.live(R, 0, stored(1, 100))
