@@ -16,6 +16,7 @@ import logging
 import socket
 import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -52,11 +53,15 @@ async def routable(rt: RouterHandle, *urls: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def one_worker_and_a_client() -> AsyncIterator[
-    tuple[ScriptedWorker, RouterHandle, RawClient]
-]:
-    """A scripted worker, a replica routing to it, and a raw connection to the replica."""
-    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+async def one_worker_and_a_client(
+    script: Script | None = None, **config: Any
+) -> AsyncIterator[tuple[ScriptedWorker, RouterHandle, RawClient]]:
+    """A scripted worker (`script`, else it answers 200), a replica routing to it (with
+    `config`), and a raw connection to the replica."""
+    async with (
+        scripted_worker(*([script] if script else [])) as w,
+        router_in_process(workers=[w.url], **config) as rt,
+    ):
         await routable(rt, w.url)
         yield w, rt, await RawClient.open(rt.url)
 
@@ -1157,12 +1162,7 @@ async def test_a_stream_idle_too_long_is_cut_with_an_error_event() -> None:
         await writer.drain()
         await asyncio.Event().wait()
 
-    async with (
-        scripted_worker(stall) as w,
-        router_in_process(workers=[w.url], stream_idle_timeout_s=0.3) as rt,
-    ):
-        await routable(rt, w.url)
-        client = await RawClient.open(rt.url)
+    async with one_worker_and_a_client(stall, stream_idle_timeout_s=0.3) as (_, rt, client):
         client.send(post(b"/v1/completions", STREAM))
         await client.closed()
         answer = await client.answer()
@@ -1291,12 +1291,7 @@ async def test_a_stream_its_client_holds_back_is_not_timed_as_an_idle_worker() -
             await writer.drain()
         writer.write(b"0\r\n\r\n")
 
-    async with (
-        scripted_worker(flood) as w,
-        router_in_process(workers=[w.url], stream_idle_timeout_s=0.2) as rt,
-    ):
-        await routable(rt, w.url)
-        client = await RawClient.open(rt.url)
+    async with one_worker_and_a_client(flood, stream_idle_timeout_s=0.2) as (w, rt, client):
         client.send(post(b"/v1/completions", COMPLETION))
 
         def held() -> list[UpstreamConnection]:

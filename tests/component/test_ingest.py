@@ -90,23 +90,19 @@ async def test_two_ranks_of_one_worker_are_indexed_apart() -> None:
         assert tree.prefix_depths(_keys(chain(1, 3))).any_tier == {r0: 3, r1: 2}
 
 
+def snapshot_body(*blocks: dict[str, object]) -> bytes:
+    """A worker's /v1/kv-snapshot body: dp rank 0 at seq 3 holding `blocks`."""
+    return msgspec.json.encode(
+        {"block_size": BS, "ranks": [{"dp_rank": 0, "last_seq": 3, "blocks": list(blocks)}]}
+    )
+
+
 def test_worker_snapshot_with_a_forward_parent_is_refused_and_changes_nothing() -> None:
     from router.worker_snapshot import WorkerSnapshotError
 
-    body = msgspec.json.encode(
-        {
-            "block_size": BS,
-            "ranks": [
-                {
-                    "dp_rank": 0,
-                    "last_seq": 3,
-                    "blocks": [
-                        {"engine_hash": 2, "parent_engine_hash": 1, "token_ids": chain(1, 1)},
-                        {"engine_hash": 1, "parent_engine_hash": None, "token_ids": chain(1, 1)},
-                    ],
-                }
-            ],
-        }
+    body = snapshot_body(
+        {"engine_hash": 2, "parent_engine_hash": 1, "token_ids": chain(1, 1)},
+        {"engine_hash": 1, "parent_engine_hash": None, "token_ids": chain(1, 1)},
     )
     rank = RankId("http://w", 0)
     tree = BlockTree(BS)
@@ -126,20 +122,9 @@ def test_worker_snapshot_with_a_token_id_out_of_range_is_refused_whole(bad: int)
 
     tokens = chain(1, 2)
     tokens[BS] = bad  # the second block's first token
-    body = msgspec.json.encode(
-        {
-            "block_size": BS,
-            "ranks": [
-                {
-                    "dp_rank": 0,
-                    "last_seq": 3,
-                    "blocks": [
-                        {"engine_hash": 1, "parent_engine_hash": None, "token_ids": tokens[:BS]},
-                        {"engine_hash": 2, "parent_engine_hash": 1, "token_ids": tokens[BS:]},
-                    ],
-                }
-            ],
-        }
+    body = snapshot_body(
+        {"engine_hash": 1, "parent_engine_hash": None, "token_ids": tokens[:BS]},
+        {"engine_hash": 2, "parent_engine_hash": 1, "token_ids": tokens[BS:]},
     )
     with pytest.raises(WorkerSnapshotError, match="not a kv-snapshot body"):
         decode_worker_snapshot(body)
