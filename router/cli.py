@@ -198,7 +198,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     )
     f.add("tokenize-cache-mb", finite, 64.0, "bound of the chat segment tokenization cache")
     f.add(
-        "kv-events-port-base", int, 5557, "KV-event PUB port of rank 0 when /server_info has none"
+        "kv-events-port-base", whole, 5557, "KV-event PUB port of rank 0 when /server_info has none"
     )
     f.add("kv-events-replay-port-base", whole, 0, "replay ROUTER port of rank 0; 0 = no replay")
     f.add("dp-size", whole, 1, "data-parallel ranks per worker when /server_info has none")

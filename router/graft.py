@@ -58,7 +58,7 @@ from cachetree.snapshot import Snapshot, SnapshotError, SnapshotRestore, export,
 from cachetree.tree import BlockTree
 from peer.tracker import BootstrapState, BootstrapTracker, Obligation
 from router.events import BlockStored, EventBatch
-from router.subscriber import MAX_SEQ_JUMP
+from router.subscriber import MAX_SEQ_JUMP, beyond_stream
 from router.worker_snapshot import WorkerSnapshot, rebuild_rank
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def _far_behind(rank: RankId, seq: int, watermark: int) -> bool:
     (it subscribed first). Grafted, such a cursor marked every batch of the stream as already
     reflected and froze the rank on what the snapshot said (a sibling sending 2**63 did).
     Resolved as a gap: the stream does not join the watermark."""
-    if watermark - seq <= MAX_SEQ_JUMP:
+    if not beyond_stream(watermark, seq):
         return False
     log.warning(
         "%s: the snapshot's cursor %d is more than %d batches past the live stream (seq %d): "

@@ -83,6 +83,7 @@ from router.subscriber import (
     PublisherReset,
     SubscriberItem,
     UnrepairedGap,
+    beyond_stream,
 )
 from router.worker_snapshot import SnapshotRank, WorkerSnapshotError, rebuild_rank
 
@@ -441,7 +442,7 @@ class IndexRules:
             self.stats.worker_snapshots_stale += 1
             return "stale"
         try:
-            if cursor is not None and snap.last_seq - cursor > MAX_SEQ_JUMP:
+            if cursor is not None and beyond_stream(snap.last_seq, cursor):
                 raise WorkerSnapshotError(
                     f"its last_seq {snap.last_seq} is more than {MAX_SEQ_JUMP} past the live "
                     f"stream's {cursor}: every batch of the stream would look already reflected"

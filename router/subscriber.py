@@ -100,6 +100,7 @@ import zmq
 import zmq.asyncio
 
 from cachetree.ranks import RankId
+from peer.supervise import describe
 from router.events import EventBatch, EventDecodeError, decode_batch
 from router.zmtp import ZmtpError, ZmtpReader, greeting_and_ready, subscription, tcp_host_port
 
@@ -115,6 +116,16 @@ CONNECT_WARN_AFTER: Final = 5  # connections in a row without a frame before war
 CONNECT_TIMEOUT_S: Final = 5.0
 HANDSHAKE_TIMEOUT_S: Final = 30.0  # libzmq's own ZMQ_HANDSHAKE_IVL default
 MAX_SEQ_JUMP: Final = 1 << 20  # a longer forward jump is a new stream (see above)
+
+
+def beyond_stream(cursor: int, seq: int) -> bool:
+    """Whether a snapshot's `cursor` is more than `MAX_SEQ_JUMP` past `seq`, where this
+    replica's own subscription has the stream: no true cursor is that far ahead (a worker's
+    or a sibling's snapshot is taken after this replica subscribed). Installed, such a cursor
+    would mark every later batch of the stream as already reflected."""
+    return cursor - seq > MAX_SEQ_JUMP
+
+
 DEFAULT_MAX_MESSAGE_BYTES: Final = 8 << 20
 # Handled per turn of the loop at most, whichever comes first: a payload's bytes are what its
 # decoding costs (~20 ns a byte), so a burst of large batches cannot hold the loop either.
@@ -462,7 +473,7 @@ class RankSubscriber:
                     self.rank,
                     self.endpoint.endpoint,
                     self._setups,
-                    exc or type(exc).__name__,
+                    describe(exc),  # a TimeoutError's str() is empty
                     connect_backoff_s(self._setups),
                 )
                 continue

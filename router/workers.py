@@ -44,7 +44,7 @@ import zmq.asyncio
 
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
-from peer.supervise import Supervisor
+from peer.supervise import Supervisor, describe
 from peer.tasks import cancel_and_wait
 from router.breaker import CircuitBreaker
 from router.dataplane.polling import PollClient
@@ -413,7 +413,7 @@ class WorkerRegistry:
             # ranks could be wrong for good (an SGLang worker's dp size), so it waits, down,
             # and the health loop registers it anew once /health answers.
             worker.state = "down"
-            why = str(exc) or type(exc).__name__  # a TimeoutError's str() is empty
+            why = describe(exc)
             worker.reason = f"/server_info unreachable ({why})"
             log.warning(
                 "worker %s: /server_info unreachable (%s); registering it once /health answers",
@@ -659,9 +659,7 @@ class WorkerRegistry:
                     resp.close()  # drop the connection rather than drain the rest
                     raise
         except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning(
-                "worker %s: /v1/kv-snapshot failed: %s", worker.url, str(exc) or type(exc).__name__
-            )
+            log.warning("worker %s: /v1/kv-snapshot failed: %s", worker.url, describe(exc))
             return "error", None
         except WorkerSnapshotError as exc:
             log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)

@@ -782,10 +782,7 @@ class ClientConnection(asyncio.Protocol):
         if incoming is None or incoming.head is None:
             return Refusal(400, "malformed HTTP request: a protocol switch", close=True)
         head = incoming.head
-        try:
-            again = head_without_upgrade(head.method, incoming.url, head.http_11, head.headers)
-        except Malformed as exc:
-            return Refusal(exc.status, str(exc), close=True)
+        again = head_without_upgrade(head.method, incoming.url, head.http_11, head.headers)
         self._queue.remove(incoming)
         self._incoming = None
         self._parser = httptools.HttpRequestParser(self)

@@ -202,8 +202,7 @@ class UpstreamConnection(asyncio.Protocol):
                 # Once a read, not once a callback: the gap it bounds is between reads.
                 self._deadline.set(self._idle_timeout_s)
         elif self.answered > MAX_ANSWER_HEAD_BYTES and self._sink is not None:
-            self._reusable = False
-            self._stop(f"response head over {MAX_ANSWER_HEAD_BYTES} bytes")
+            self._head_too_large()  # still growing
         sink.upstream_read()
 
     def eof_received(self) -> bool:
@@ -247,9 +246,8 @@ class UpstreamConnection(asyncio.Protocol):
         # llhttp accepts only CRLF line ends: the first blank line after its start ends a head.
         start = self._head_at
         end = raw.index(b"\r\n\r\n", start) + 4
-        if end > MAX_ANSWER_HEAD_BYTES:  # interim answers included, however the reads fell
-            self._reusable = False
-            self._stop(f"response head over {MAX_ANSWER_HEAD_BYTES} bytes")
+        if end > MAX_ANSWER_HEAD_BYTES:  # ended in the read that crossed the bound
+            self._head_too_large()
             return
         if status < 200:
             # An interim answer (RFC 9110 15.2): skipped; its own message end is ignored.
@@ -321,6 +319,12 @@ class UpstreamConnection(asyncio.Protocol):
             sink, self._sink = self._sink, None
             self.abort()
             sink.upstream_failed("timeout", "no response head in time")
+
+    def _head_too_large(self) -> None:
+        """A head (interim answers included) over the bound, however the reads fell: a lost
+        answer, failed over, its connection never reused."""
+        self._reusable = False
+        self._stop(f"response head over {MAX_ANSWER_HEAD_BYTES} bytes")
 
     def _stop(self, reason: str) -> None:
         sink, self._sink = self._sink, None
