@@ -242,6 +242,26 @@ async def test_a_chunked_body_with_trailer_fields_is_served_and_the_trailers_dro
         client.close()
 
 
+async def test_endless_trailer_fields_count_against_the_body_bound_and_are_a_413() -> None:
+    """Trailers are dropped, not kept, but their bytes still count: a body cannot go on in
+    fields after its last chunk past `--max-request-bytes`."""
+    async with (
+        scripted_worker() as w,
+        router_in_process(workers=[w.url], max_request_bytes=1024) as rt,
+    ):
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"%x\r\n%s\r\n0\r\n" % (len(COMPLETION), COMPLETION)
+            + b"".join(b"X-T%d: %s\r\n" % (i, b"v" * 100) for i in range(20))
+        )
+        answer = await client.answer()
+        assert answer is not None and answer.status == 413
+        await client.closed()
+        assert w.posts() == []
+
+
 async def test_an_absolute_form_target_is_routed_and_the_worker_gets_the_origin_form() -> None:
     """RFC 9112 3.2.2: a server MUST accept a request target in absolute form."""
     async with one_worker_and_a_client() as (w, rt, client):
