@@ -17,8 +17,9 @@ event arriving: the index holds its blocks on the rank from then on), as in a re
   600 requests ago: past the refresh window) and a new 16-block turn; past 125 blocks a
   conversation starts over.
 Each request also reads what a decision reads (`booked_depths`, `pendings`, `demands`), timed
-apart and printed as `reads`. Best of `--repeats` runs, so that other processes on the machine
-inflate it less.
+apart and printed as `reads`; `longest request` is the one request that took longest (with
+`--requests` in the hundreds of thousands, a rank's compaction of its stale entries). Best of
+`--repeats` runs, so that other processes on the machine inflate it less.
 
 `--shape NAME` (repeatable) picks the shapes; the first two by default.
 `--against REV` loads `router/pressure.py` as it was at git revision REV next to this tree's
@@ -45,6 +46,7 @@ import random  # noqa: E402
 
 import router.pressure  # noqa: E402
 from cachetree.ranks import RankId  # noqa: E402
+from router.cli import _tune_gc as tune_gc  # noqa: E402
 
 BLOCKS = 125
 CONFIRM_AFTER = 32
@@ -98,8 +100,9 @@ def rank_of(i: int, heads: int) -> RankId:
 
 def per_request_us(
     batch: list[list[int]], heads: int = 1, module: ModuleType = router.pressure
-) -> tuple[float, float]:
-    """(settle + record, reads) in us per request, with the ledger of `module`.
+) -> tuple[float, float, float]:
+    """(settle + record, reads) in us per request, and the longest request's settle + record
+    and reads in ms (a compaction lands on one request), with the ledger of `module`.
 
     As in a replica: the index holds a prompt's blocks on its rank `CONFIRM_AFTER` requests
     after it was routed (its store event), which confirms its booking (the last block held);
@@ -121,7 +124,8 @@ def per_request_us(
             d += 1
         return d
 
-    timed = reads = 0.0
+    tune_gc()  # as a replica is tuned: the prompts made here are not walked by every collection
+    timed = reads = longest = 0.0
     for i, keys in enumerate(batch):
         rank = rank_of(i, heads)
         device = {r: d for r in ranks if (d := depth(r, keys))}
@@ -134,11 +138,13 @@ def per_request_us(
         ledger.demands(ranks)
         reads += clock() - r
         ledger.record(rank, keys, device.get(rank, 0), holds)
-        timed += clock() - t
+        spent = clock() - t
+        timed += spent
+        longest = max(longest, spent)
         if i >= CONFIRM_AFTER:
             j = i - CONFIRM_AFTER
             stored[rank_of(j, heads)].update(batch[j])
-    return (timed - reads) / len(batch) * 1e6, reads / len(batch) * 1e6
+    return (timed - reads) / len(batch) * 1e6, reads / len(batch) * 1e6, longest * 1e3
 
 
 def module_at(rev: str) -> ModuleType:
@@ -180,7 +186,7 @@ def main() -> None:
             print(
                 f"{name:>14}: settle + record {best[0]:6.1f} us per request "
                 f"(runs {best[0]:.1f}-{max(r[0] for r in runs):.1f}; up to {BLOCKS} blocks, "
-                f"booked); reads {best[1]:.1f} us",
+                f"booked); reads {best[1]:.1f} us; longest request {best[2]:.1f} ms",
                 flush=True,
             )
         return
@@ -188,7 +194,7 @@ def main() -> None:
     versions = (("this tree", router.pressure), (args.against, old))
     for name in shapes:
         batch, heads = shape_prompts(name, args.requests)
-        runs: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in versions}
+        runs: dict[str, list[tuple[float, float, float]]] = {label: [] for label, _ in versions}
         for r in range(args.repeats):
             for label, module in versions if r % 2 == 0 else versions[::-1]:
                 runs[label].append(per_request_us(batch, heads, module))
@@ -200,7 +206,8 @@ def main() -> None:
             costs = runs[label]
             print(
                 f"{name:>14}, {label:>12}: settle + record {spread([c[0] for c in costs])} us, "
-                f"reads {spread([c[1] for c in costs])} us per request",
+                f"reads {spread([c[1] for c in costs])} us per request, "
+                f"longest request {spread([c[2] for c in costs])} ms",
                 flush=True,
             )
         print(f"{name:>14}: settle + record, new / old (medians) {ratio:.2f}x", flush=True)

@@ -1321,6 +1321,55 @@ map_drop_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(nn)", i, dropped);
 }
 
+/* kept_run(keys, start, value) -> bytes, a NodeMap's: the native u64s of keys[start:] (an
+ * array('Q')) mapped to `value` itself, in order, a key listed twice each time (the caller
+ * knows how many distinct ones to expect). (The pressure ledger's compaction of a batch: its
+ * stale entries, the keys a newer batch weighed since, left out.) */
+static PyObject *
+map_kept_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !m->objects) {
+        PyErr_SetString(PyExc_TypeError, "NodeMap.kept_run(keys, start, value)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    if (start == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_buffer view;
+    int viewed = u64_view(args[0], &view);
+    if (viewed <= 0) {
+        if (viewed == 0) {
+            PyErr_SetString(PyExc_TypeError, "kept_run: keys must be an array('Q')");
+        }
+        return NULL;
+    }
+    const uint64_t *ks = (const uint64_t *)view.buf;
+    const Py_ssize_t n = view.len / 8;
+    start = start < 0 ? 0 : (start > n ? n : start);
+    uint64_t *kept = PyMem_Malloc((size_t)(n - start + 1) * sizeof(uint64_t));
+    if (kept == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    const uint64_t value = (uint64_t)(uintptr_t)args[2];
+    Py_ssize_t count = 0;
+    if (m->slots != NULL && start < n) {
+        map_prefetch_start(m, ks + start, n - start);
+        for (Py_ssize_t i = start; i < n; i++) {
+            map_prefetch_run(m, ks + start, i - start, n - start);
+            Py_ssize_t slot, ix = map_find(m, ks[i], &slot);
+            if (ix >= 0 && m->entries[ix].value == value) {
+                kept[count++] = ks[i];
+            }
+        }
+    }
+    PyBuffer_Release(&view);
+    PyObject *out = PyBytes_FromStringAndSize((const char *)kept, count * (Py_ssize_t)8);
+    PyMem_Free(kept);
+    return out;
+}
+
 /* move_run(keys, start, stop, old, new) -> moved, a NodeMap's: each of keys[start:stop]
  * mapped to `old` itself is mapped to `new` instead; how many were. A key listed twice moves
  * once. (The pressure ledger weighing a prompt's blocks again: they leave the batch that
@@ -1594,6 +1643,8 @@ static PyMethodDef map_methods[] = {
      "drop_run(keys, start, goal, value) -> (stop, dropped): a NodeMap's"},
     {"put_run", (PyCFunction)(void (*)(void))map_put_run, METH_FASTCALL,
      "put_run(keys, value): map[k] = value for each of keys"},
+    {"kept_run", (PyCFunction)(void (*)(void))map_kept_run, METH_FASTCALL,
+     "kept_run(keys, start, value) -> bytes: a NodeMap's"},
     {"move_run", (PyCFunction)(void (*)(void))map_move_run, METH_FASTCALL,
      "move_run(keys, start, stop, old, new) -> moved: a NodeMap's"},
     {"setdefault_run", (PyCFunction)(void (*)(void))map_setdefault_run, METH_FASTCALL,

@@ -214,16 +214,19 @@ class PressureLedger:
         self._setdefault_run: Callable[[Sequence[int], _Batch], list[_Batch]]
         self._drop_run: Callable[[Sequence[int], int, int, _Batch], tuple[int, int]]
         self._move_run: Callable[[Sequence[int], int, int, _Batch, _Batch], int]
+        self._kept_run: Callable[[array[int], int, _Batch], bytes]
         if tables is not None:
             self._pairs = tables.NodeMap()
             self._setdefault_run = self._pairs.setdefault_run
             self._drop_run = self._pairs.drop_run
             self._move_run = self._pairs.move_run
+            self._kept_run = self._pairs.kept_run
         else:
             self._pairs = pairs = {}
             self._setdefault_run = lambda keys, b: list(map(pairs.setdefault, keys, repeat(b)))
             self._drop_run = partial(_drop_run_py, pairs)
             self._move_run = partial(_move_run_py, pairs)
+            self._kept_run = partial(_kept_run_py, pairs)
         self._origin = self._clock()
         self._sweep_next = 0  # the rank the next record sweeps, by position
 
@@ -608,13 +611,18 @@ class PressureLedger:
             self._compact(st)
 
     def _compact(self, st: _RankLedger) -> None:
-        """Rewrite the rank's batches with their live pairs alone, in the same order."""
-        get = self._pairs.get
+        """Rewrite the rank's batches with their live pairs alone, in the same order: each
+        batch's keys filtered in one C-level pass when compiled (a conversation's turn lists its
+        history again, so a chat fleet's ranks compact every few thousand records, each time
+        over up to twice their share of `max_tracked_blocks`)."""
+        kept_run = self._kept_run
         batches: deque[_Batch] = deque()
         for batch in st.batches:
             if batch.live:
-                live = (k for k in batch.keys[batch.start :] if get(k) is batch)
-                batch.keys = array("Q", dict.fromkeys(live))  # a key listed twice: its first place
+                keys = array("Q", kept_run(batch.keys, batch.start, batch))
+                if len(keys) > batch.live:  # a key listed twice (its batch's live are distinct)
+                    keys = array("Q", dict.fromkeys(keys))  # its first place
+                batch.keys = keys
                 batch.start = 0
                 batches.append(batch)
         st.batches = batches
@@ -682,6 +690,15 @@ def _move_run_py(
             pairs[key] = new
             moved += 1
     return moved
+
+
+def _kept_run_py(
+    pairs: MutableMapping[int, _Batch], keys: array[int], start: int, batch: _Batch
+) -> bytes:
+    """The native u64s of `keys[start:]` still mapped to `batch`, in order (a key listed twice
+    each time). The compiled twin is `NodeMap.kept_run`."""
+    get = pairs.get
+    return array("Q", [k for k in keys[start:] if get(k) is batch]).tobytes()
 
 
 def _drop_run_py(

@@ -569,6 +569,23 @@ def test_a_hot_prefix_weighed_again_and_again_keeps_the_ledger_bounded() -> None
     assert led.demand(A) == pytest.approx(100 + sum(2 * 2 ** (-0.05 * k) for k in range(300)))
 
 
+def test_compaction_lists_each_live_block_once_in_its_first_place() -> None:
+    """A batch whose prompt listed a block twice, and some of whose blocks a newer batch
+    weighed since, lists its live blocks alone after compaction, each once, where it first
+    stood; the newer batches are unchanged."""
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=10.0, booking_ttl_s=0.0)
+    led.record(A, [1, 2, 1, 3, 4])
+    clock.advance(5.0)  # past the refresh window: 2 and 4 are weighed again, in a new batch
+    led.record(A, [2, 4, 6])  # 6, shorter than what it shares, is its own tail: a batch of its own
+    state = led._ranks[A]
+    assert state.listed == 8 and state.pairs == 5
+    led._compact(state)
+    assert [list(b.keys) for b in state.batches] == [[1, 3], [2, 4], [6]]
+    assert_stale_entries_counted(led)
+    assert led.tracked_blocks == 5
+
+
 def test_a_prompt_booked_in_two_parts_extends_over_both_bookings() -> None:
     clock = ManualClock()
     led = ledger(clock, booking_ttl_s=5.0)

@@ -303,6 +303,25 @@ def test_drop_run_drops_what_the_pure_twin_drops_and_stops_where_it_stops(seed: 
             native.drop_run(wrong, 0, 1, batches[0])
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_kept_run_keeps_what_the_pure_twin_keeps(seed: int) -> None:
+    from router.pressure import _kept_run_py
+
+    rng = random.Random(seed)
+    batches = [object() for _ in range(3)]
+    native, ref = tables.NodeMap(), {}
+    for keys in _runs_over_random_pairs(rng, batches, native, ref):
+        listed = array("Q", [k for k in keys if k >= 0])  # how the ledger keeps them
+        start, batch = rng.randrange(-2, 70), rng.choice(batches)
+        got = native.kept_run(listed, start, batch)
+        assert got == _kept_run_py(ref, listed, max(start, 0), batch)
+        assert list(native.items()) == list(ref.items())  # read, never changed
+    with pytest.raises(TypeError, match="NodeMap"):
+        tables.HashMap().kept_run(array("Q", [1]), 0, 1)
+    with pytest.raises(TypeError, match="array"):
+        native.kept_run([1, 2], 0, batches[0])
+
+
 @pytest.mark.parametrize("kind", ["NodeMap", "HashMap"])
 def test_put_run_sets_every_key_as_a_dict_update_does(kind: str) -> None:
     rng = random.Random(3)
