@@ -7,11 +7,11 @@ Invalid values (a malformed number, an unknown choice, a worker that is not an h
 tokenizer that does not load, ...) stop the command before it listens, with one line on stderr
 and exit code 2; a listen address that cannot be bound, with one line and exit code 1.
 
-SIGTERM or SIGINT (handled from the moment `serve` begins, so one that arrives during start-up
-or right after the ready line is a drain too; before that, in the first ~0.3 s while Python
-imports the command and parses its flags, the default action still ends the process, with
-status 143 for SIGTERM): `/readyz` turns 503, in-flight requests keep running up
-to `--drain-timeout-s`, whatever is left is cut, and the process exits 0.
+SIGTERM or SIGINT (held from the moment the `kvrouter` entry point runs, `router.launch`, so
+one that arrives while Python imports the command, during start-up or right after the ready
+line is a drain too): `/readyz` turns 503, in-flight requests keep running up to
+`--drain-timeout-s`, whatever is left is cut, and the process exits 0. The other commands
+give both signals their default actions back before they run.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any, Final, NoReturn
 
 from cachetree import accel
 from peer.kubeconfig import KubeConfigError
+from router import launch
 from router.auth import TOKEN_ENV, token_problem
 from router.homes import DEFAULT_MAX_HOMES, MAX_HOMES_BOUND
 from router.index import DEFAULT_INDEX_MAX_BLOCKS
@@ -530,6 +531,9 @@ async def serve(config: ServeConfig, ready: Callable[[str], None] | None = None)
     # is read, must drain and exit 0, not kill the process with the default disposition.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if held := launch.arrived():  # while the command was imported and its flags parsed
+        log.info("%s arrived during start-up: draining at once", signal.Signals(held[0]).name)
+        stop.set()
     serving = await start_serving(config)
     try:
         _tune_gc()
@@ -587,6 +591,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     rest = list(sys.argv[1:] if argv is None else argv)
+    if rest[:1] != ["serve"]:  # only serve drains: the others end as the signals' defaults do
+        launch.release()
     if rest[:1] == ["bench"]:  # its flags are bench/__main__.py's; it lives in the checkout only
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         if not os.path.isfile(os.path.join(root, "bench", "__main__.py")):

@@ -346,7 +346,7 @@ class Cluster:
             log_level="info",
             **extra,
         )
-        argv = [sys.executable, "-m", "router.cli", "serve", *flags]
+        argv = [sys.executable, "-m", "router.launch", "serve", *flags]
         for w in self.workers:
             argv += ["--worker", w.url]
         for peer in peers:

@@ -10,15 +10,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.support.cluster import ROUTER_READY, Cluster, RouterProcess
+from router.auth import TOKEN_ENV
+from tests.support.cluster import ROUTER_READY, TEST_TOKEN, Cluster, RouterProcess
 from tests.support.fake_worker import FakeWorkerHandle, wait_healthy
 from tests.support.ports import free_tcp_port
+from tests.support.processes import run_to_end
 from tests.support.sse import assert_complete_completion, first_event, sse_data
 from tests.support.waiting import eventually
 
@@ -146,3 +149,36 @@ async def test_a_sigterm_during_start_up_is_a_drain_and_exits_0(cluster: Cluster
         status = await rt.child.wait_exit(10)
     assert status == 0, rt.child.output()
     assert ROUTER_READY in rt.child.output()  # it finished starting, then drained at once
+
+
+# A command that held the signals as the entry point does, then got SIGTERM (as one would
+# while Python imports the router), then runs `kvrouter ARGS`.
+SIGTERM_WHILE_IMPORTING = (
+    "import os, signal, sys\n"
+    "from router import launch\n"
+    "launch.hold()\n"
+    "os.kill(os.getpid(), signal.SIGTERM)\n"
+    "launch.main(sys.argv[1:])\n"
+)
+
+
+async def test_a_sigterm_while_the_command_is_imported_is_a_drain_and_exits_0() -> None:
+    port = free_tcp_port()
+    argv = ["serve", "--host", "127.0.0.1", "--port", str(port), "--drain-timeout-s", "30"]
+    status, _out, err = await run_to_end(
+        [sys.executable, "-c", SIGTERM_WHILE_IMPORTING, *argv],
+        env={TOKEN_ENV: TEST_TOKEN},
+        within_s=20,
+    )
+    assert status == 0, err
+    assert "SIGTERM arrived during start-up: draining at once" in err
+    assert "stopped" in err
+
+
+async def test_another_command_ends_on_a_sigterm_held_while_it_was_imported() -> None:
+    # `view` against a port nobody serves would fail (status 1) if it ran at all.
+    argv = ["view", f"http://127.0.0.1:{free_tcp_port()}", "--timeout-s", "1"]
+    status, _out, err = await run_to_end(
+        [sys.executable, "-c", SIGTERM_WHILE_IMPORTING, *argv], within_s=20
+    )
+    assert status == -signal.SIGTERM, (status, err)

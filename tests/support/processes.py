@@ -2,7 +2,7 @@
 every one stopped when the test ends, however it ends.
 
     procs = Processes(tmp_path)                 # or the `cluster` fixture, which owns one
-    child = await procs.spawn("router-a", [sys.executable, "-m", "router.cli", "serve", ...])
+    child = await procs.spawn("router-a", [sys.executable, "-m", "router.launch", "serve", ...])
     url = await child.wait_line("kvrouter listening on ", within_s=15)
     await child.kill()                          # SIGKILL, the whole group
     ...
@@ -294,7 +294,7 @@ async def run_to_end(
 
 def kvrouter_argv(*args: str) -> list[str]:
     """`kvrouter ARGS` as this interpreter runs it (no installed console script needed)."""
-    return [sys.executable, "-m", "router.cli", *args]
+    return [sys.executable, "-m", "router.launch", *args]
 
 
 def fake_worker_argv(*args: str) -> list[str]:
