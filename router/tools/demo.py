@@ -1178,6 +1178,13 @@ def _by_label(values: dict[RankId, int], labels: dict[RankId, str]) -> list[tupl
     return sorted(values.items(), key=lambda item: labels.get(item[0], str(item[0])))
 
 
+def _kvrouter_command() -> str:
+    """How to run `kvrouter` from a shell: the script beside this interpreter (the venv's,
+    which need not be on PATH), else the bare name."""
+    script = Path(sys.executable).parent / "kvrouter"
+    return str(script) if script.is_file() else "kvrouter"
+
+
 def _print_try_it(out: Out, cluster: Cluster, replicas: Sequence[Router]) -> None:
     url = replicas[0].url
     out()
@@ -1192,7 +1199,7 @@ def _print_try_it(out: Out, cluster: Cluster, replicas: Sequence[Router]) -> Non
     out(f"  curl -s {auth} {url}/workers")
     out(f"  curl -s {url}/metrics | grep ^kvrouter_kv_bootstrap")
     out(f"  curl -s {auth} '{url}/internal/kv_snapshot?cursors_only=true'")
-    out(f"  kvrouter view {' '.join(r.url for r in replicas)}")
+    out(f"  {_kvrouter_command()} view {' '.join(r.url for r in replicas)}")
     for w in cluster.workers:
         out(f"  curl -s {w.url}/control/state    # worker {w.label}")
 
