@@ -1,0 +1,106 @@
+"""`rebuild_rank`: a worker's own snapshot replayed into the index, a chain per run of blocks.
+
+The rebuild gathers each run of blocks that continue one another on one tier into one store;
+the tree it leaves must be the one a store per block leaves (every node, parent, carrier, tier
+and engine hash), whatever the snapshot's shape: forests listed depth first or breadth first,
+tiers changing inside a chain, blocks of an unknown tier (skipped with their descendants), a
+rank that held other blocks before.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cachetree.ranks import RankId
+from cachetree.snapshot import canonical_view
+from cachetree.tiers import TIER_NAMES
+from cachetree.tree import BlockTree
+from router.worker_snapshot import SnapshotBlock, SnapshotRank, rebuild_rank
+
+BS = 4
+R = RankId("http://w:8000", 0)
+OTHER = RankId("http://w:8000", 1)
+TIERS = [*TIER_NAMES.values(), "tape"]  # the last one no index knows
+
+
+def random_snapshot(rng: random.Random, blocks: int) -> SnapshotRank:
+    """A forest of `blocks` blocks, parents listed before children, in an order that keeps
+    long runs (a prompt's blocks one after the other) or breaks them up at random."""
+    listed: list[SnapshotBlock] = []
+    hashes: list[int] = []
+    chained = rng.random() < 0.7
+    for i in range(blocks):
+        if not hashes or rng.random() < 0.1:
+            parent = None
+        elif chained and rng.random() < 0.85:
+            parent = hashes[-1]
+        else:
+            parent = rng.choice(hashes)
+        engine_hash = rng.choice([i + 1, -(i + 1), (1 << 64) - 1 - i])  # SGLang's are signed
+        tier = rng.choice(TIERS) if rng.random() < 0.2 else (TIERS[0] if chained else None)
+        tokens = [rng.randrange(1 << 32) for _ in range(BS)]
+        listed.append(SnapshotBlock(engine_hash, parent, tokens, tier))
+        hashes.append(engine_hash)
+    return SnapshotRank(0, 7, listed)
+
+
+def rebuilt_block_by_block(tree: BlockTree, rank: RankId, snap: SnapshotRank) -> int:
+    """The reference: a store per block, a block of an unknown tier and its descendants left
+    out."""
+    tree.clear_rank(rank)
+    names = {name: bit for bit, name in TIER_NAMES.items()}
+    left_out: set[int] = set()
+    placed = 0
+    mask = (1 << 64) - 1
+    for block in snap.blocks:
+        engine_hash = block.engine_hash & mask
+        parent = None if block.parent_engine_hash is None else block.parent_engine_hash & mask
+        tier = names.get(block.tier) if block.tier is not None else None
+        if tier is None or parent in left_out:
+            left_out.add(engine_hash)
+            continue
+        placed += tree.store(rank, parent, (engine_hash,), block.token_ids, BS, tier)
+    return placed
+
+
+def tree_with_other_blocks(rng: random.Random) -> BlockTree:
+    tree = BlockTree(BS)
+    for rank in (R, OTHER):
+        before = random_snapshot(rng, 30)
+        rebuilt_block_by_block(tree, rank, before)
+    return tree
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_rebuild_by_chains_leaves_the_tree_a_store_per_block_leaves(seed: int) -> None:
+    rng = random.Random(seed)
+    snap = random_snapshot(rng, rng.randrange(1, 120))
+    by_chains = tree_with_other_blocks(random.Random(seed + 1000))
+    by_blocks = tree_with_other_blocks(random.Random(seed + 1000))
+    placed = rebuild_rank(by_chains, R, snap, BS)
+    assert placed == rebuilt_block_by_block(by_blocks, R, snap)
+    assert canonical_view(by_chains) == canonical_view(by_blocks)
+    assert by_chains.block_count(R) == by_blocks.block_count(R)
+    assert by_chains.stats == by_blocks.stats  # nothing counted refused: a skip is no error
+
+
+def test_a_prompt_listed_block_after_block_is_stored_as_one_chain() -> None:
+    """Fewer stores, not other blocks: ten blocks that continue one another are one call."""
+    blocks, parent = [], None
+    for i in range(10):
+        blocks.append(SnapshotBlock(i + 1, parent, [i] * BS))
+        parent = i + 1
+    tree = BlockTree(BS)
+    calls: list[int] = []
+    store = tree.store
+
+    def counted(*args: object, **kwargs: object) -> int:
+        calls.append(len(args[2]))  # type: ignore[arg-type]
+        return store(*args, **kwargs)  # type: ignore[arg-type]
+
+    tree.store = counted  # type: ignore[method-assign]
+    assert rebuild_rank(tree, R, SnapshotRank(0, 3, blocks), BS) == 10
+    assert calls == [10]
+    assert tree.block_count(R) == 10
