@@ -24,7 +24,12 @@ A rank's *cursor* is the seq of the last batch whose effects are in the tree.
   END_SEQ: the rank's state is cleared and batch 0 applied, since a new incarnation starts
   with an empty cache.
 - `PublisherReset` (END_SEQ, or a seq that regressed to a non-zero value) clears the rank and
-  its cursor; the next batch, whatever its seq, starts the new stream.
+  its cursor; the next batch, whatever its seq, starts the new stream. One that is a seq jump
+  (`jumped`: a new stream whose start the subscriber never saw) also asks for the worker's
+  snapshot, and counts no loss.
+- `UnrepairedGap` asks for the worker's snapshot; the next batch's cursor jump counts the loss.
+  On a rank with no cursor (a restarted publisher's first batches, which the subscriber asked
+  replay for in vain) no jump will: the gap's batches are counted lost here.
 - Items for ranks that are not live (a worker being removed) are dropped, so a subscriber
   still draining cannot resurrect a removed rank.
 - `replace_rank` installs a worker's own snapshot: it replaces the rank's state and sets its
@@ -342,16 +347,33 @@ class IndexRules:
         elif type(item) is PublisherReset:
             if bootstrap is not None:
                 bootstrap.on_publisher_reset(item.rank)
-            log.info(
-                "%s: publisher reset (END_SEQ or seq regression); clearing the rank", item.rank
-            )
-            self.stats.publisher_resets += 1
+            if item.jumped:  # counted in the subscriber's seq_jumps
+                log.info("%s: a new stream (seq jump); clearing the rank", item.rank)
+            else:
+                log.info(
+                    "%s: publisher reset (END_SEQ or seq regression); clearing the rank", item.rank
+                )
+                self.stats.publisher_resets += 1
             self.cursors.pop(item.rank, None)
             if self.tree is not None:
                 yield from self.tree.clear_rank_steps(item.rank, self.slice_blocks)
+            if item.jumped:
+                self._on_loss(item.rank)
         elif type(item) is UnrepairedGap:
-            # The cursor jump on the next batch counts the loss; this only asks for repair.
-            self._on_loss(item.rank)
+            rank = item.rank
+            held = bootstrap is not None and bootstrap.intercepts(rank)
+            if rank not in self.cursors and not held:
+                lost = item.last - item.first + 1
+                self.stats.lost_batches[rank] += lost
+                log.warning(
+                    "%s: %d batch(es) of a restarted publisher lost (seq %d..%d); its index "
+                    "misses their blocks until the worker snapshot is re-pulled",
+                    rank,
+                    lost,
+                    item.first,
+                    item.last,
+                )
+            self._on_loss(rank)
 
     def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> None:
         _exhaust(self.apply_batch_steps(rank, seq, batch))

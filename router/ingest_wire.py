@@ -101,6 +101,7 @@ class _Batch(msgspec.Struct, array_like=True, tag=10, gc=False):
 class _Reset(msgspec.Struct, array_like=True, tag=11, gc=False):
     url: str
     dp: int
+    jumped: bool = False
 
 
 class _Gap(msgspec.Struct, array_like=True, tag=12, gc=False):
@@ -217,7 +218,7 @@ def pack(item: SubscriberItem, mirror: KeyMirror) -> bytes:
         )
     elif type(item) is PublisherReset:
         mirror.forget(rank)
-        message = _Reset(rank.worker_url, rank.dp_rank)
+        message = _Reset(rank.worker_url, rank.dp_rank, item.jumped)
     else:
         message = _Gap(rank.worker_url, rank.dp_rank, item.first, item.last)
     return _encoder.encode(message)
@@ -256,7 +257,7 @@ def unpack(message: bytes | memoryview) -> SubscriberItem | Stats | Hello:
             EventBatch(msg.ts, [_event(e) for e in msg.events], msg.dp_rank, msg.ignored),
         )
     if type(msg) is _Reset:
-        return PublisherReset(RankId(msg.url, msg.dp))
+        return PublisherReset(RankId(msg.url, msg.dp), msg.jumped)
     if type(msg) is _Gap:
         return UnrepairedGap(RankId(msg.url, msg.dp), msg.first, msg.last)
     return msg  # type: ignore[return-value] - Stats or Hello

@@ -25,20 +25,35 @@ For a decoded batch at `seq`:
     n         n + 1                        NEXT               nothing
     n         0                            RESTART_AT_ZERO    nothing: the pump resolves a
                                                               restart at 0 itself
-    n         1 <= seq <= n                RESET              PublisherReset
+    n         1 <= seq <= min(n, J)        RESET [0, seq-1]   PublisherReset, then the new
+                                                              stream's first batches as a
+                                                              gap: GAP's items for [0, seq-1]
+    n         J < seq <= n                 JUMP               PublisherReset, jumped
     n         n + 1 < seq <= n + 1 + J     GAP [n+1, seq-1]   what replay recovers, in seq
                                                               order, with an UnrepairedGap
                                                               at every hole that remains
-    n         seq > n + 1 + J              JUMP               PublisherReset
+    n         seq > n + 1 + J              JUMP               PublisherReset, jumped
+    None      after END_SEQ: 0             FIRST              nothing
+    None      after END_SEQ: 1..J          RESUMED [0, seq-1] GAP's items for [0, seq-1]
+    None      after END_SEQ: > J           JUMP               PublisherReset, jumped
 
 After every step `last = seq`. END_SEQ sets `last = None`.
+
+A restarted engine numbers its batches from 0 again, and a PUB socket drops what it sends
+before the subscriber has reconnected: so a stream seen again at seq k > 0 after a restart (a
+regression, or a first batch after END_SEQ) has batches [0, k-1] this subscriber never saw.
+They are a gap like any other: replayed when the new engine's buffer holds them, else an
+`UnrepairedGap`, which re-pulls the worker's snapshot; the pump, which has no cursor for the
+new stream yet, counts them lost itself.
 
 J is `MAX_SEQ_JUMP` (2**20 batches). No publisher skips that many seqs and lives on: engines
 buffer 10,000 batches for replay, so a router that missed 2**20 could repair none of them, and
 at a busy engine's ~1,000 batches/s that is 17 minutes of a stream. A jump that long (a rogue
 or corrupted publisher, e.g. seq 2**63-1) is a new stream, not 9.2e18 lost batches: the rank
-is reset (cleared, a fresh cursor from this batch), counted as `seq_jumps`, and nothing is
-counted as lost, so no loss alert fires on a publisher's say-so.
+is reset (cleared, a fresh cursor from this batch, the worker's snapshot asked for:
+`PublisherReset(jumped=True)`), counted as `seq_jumps`, and nothing is counted as lost, so no
+loss alert fires on a publisher's say-so. So is a regression, or a first batch after END_SEQ,
+more than J batches into its new stream: too far back to replay.
 
 A gap with a replay endpoint opens a DEALER to it and asks for everything from `n + 1`
 (`[b"", seq as 8 bytes]`). Replies are `[b"", topic, seq, payload]` (4 frames) or, from older
@@ -157,9 +172,12 @@ class LiveBatch:
 
 @dataclass(frozen=True, slots=True)
 class PublisherReset:
-    """END_SEQ, or seq regressed to a non-zero value: the engine restarted."""
+    """END_SEQ, or seq regressed to a non-zero value: the engine restarted. `jumped`: a seq
+    jump past `MAX_SEQ_JUMP`, a new stream whose start was never seen: the pump asks for the
+    worker's snapshot too."""
 
     rank: RankId
+    jumped: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,27 +258,27 @@ class Step(enum.Enum):
     FIRST = "first"  # no last seq: the subscriber joined mid-stream; the pump decides
     NEXT = "next"  # last + 1
     RESTART_AT_ZERO = "restart_at_zero"  # 0 after a last: left for the pump to resolve
-    RESET = "reset"  # 1 <= seq <= last: PublisherReset, then the batch
+    RESET = "reset"  # 1 <= seq <= last: PublisherReset, the new stream's [0, seq-1], the batch
     GAP = "gap"  # seq > last + 1: batches [missing_first, missing_last] were not seen
-    JUMP = "jump"  # seq > last + 1 + MAX_SEQ_JUMP: a new stream, PublisherReset then the batch
+    JUMP = "jump"  # a new stream begun unseen: PublisherReset(jumped), then the batch
+    RESUMED = "resumed"  # the first batch after END_SEQ, at seq > 0: [0, seq-1] first
 
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
     step: Step
-    missing_first: int = 0  # GAP only
-    missing_last: int = -1  # GAP only, inclusive
+    missing_first: int = 0  # GAP, RESET and RESUMED only
+    missing_last: int = -1  # inclusive
 
     @property
     def missing(self) -> int:
-        return self.missing_last - self.missing_first + 1 if self.step is Step.GAP else 0
+        return self.missing_last - self.missing_first + 1
 
 
 # The verdicts without a range, built once (one per batch otherwise).
 _FIRST: Final = Verdict(Step.FIRST)
 _NEXT: Final = Verdict(Step.NEXT)
 _RESTART_AT_ZERO: Final = Verdict(Step.RESTART_AT_ZERO)
-_RESET: Final = Verdict(Step.RESET)
 _JUMP: Final = Verdict(Step.JUMP)
 
 
@@ -271,10 +289,11 @@ class SequenceTracker:
     failed to decode shows up as part of the next gap.
     """
 
-    __slots__ = ("last",)
+    __slots__ = ("ended", "last")
 
     def __init__(self) -> None:
         self.last: int | None = None
+        self.ended = False  # END_SEQ came, and no batch since
 
     def advance(self, seq: int) -> Verdict:
         """Classify a decoded batch at `seq` (>= 0) and make it the last seq seen."""
@@ -282,20 +301,24 @@ class SequenceTracker:
             raise ValueError(f"seq {seq} is not a batch seq")
         last, self.last = self.last, seq
         if last is None:
-            return _FIRST
+            ended, self.ended = self.ended, False
+            if not ended or seq == 0:
+                return _FIRST
+            return Verdict(Step.RESUMED, 0, seq - 1) if seq <= MAX_SEQ_JUMP else _JUMP
         if seq == last + 1:
             return _NEXT
         if seq == 0:
             return _RESTART_AT_ZERO
         if seq <= last:
-            return _RESET
+            return Verdict(Step.RESET, 0, seq - 1) if seq <= MAX_SEQ_JUMP else _JUMP
         if seq - last - 1 > MAX_SEQ_JUMP:
             return _JUMP
         return Verdict(Step.GAP, last + 1, seq - 1)
 
     def end(self) -> None:
-        """END_SEQ: the publisher is gone; its next incarnation starts a fresh stream."""
+        """END_SEQ: the publisher is gone; its next incarnation starts a stream at 0."""
         self.last = None
+        self.ended = True
 
 
 # --- replay ---------------------------------------------------------------------------------
@@ -542,21 +565,32 @@ class RankSubscriber:
             log.info("rank %s: seq restarted at 0 (engine restarted without END_SEQ)", self.rank)
         elif step is Step.RESET:
             log.warning(
-                "rank %s: seq went back to %d (engine restarted); resetting the rank's index",
+                "rank %s: seq went back to %d (engine restarted); resetting the rank's index "
+                "and asking for the new stream's batches 0..%d",
                 self.rank,
                 frame.seq,
+                frame.seq - 1,
             )
-            return self._put(PublisherReset(self.rank), live)
+            return self._reset_then_fill(live)
+        elif step is Step.RESUMED:
+            log.info(
+                "rank %s: first batch after END_SEQ is seq %d; asking for its stream's batches "
+                "0..%d",
+                self.rank,
+                frame.seq,
+                frame.seq - 1,
+            )
+            return self._fill_then(0, live)
         elif step is Step.GAP:
             return self._fill_then(verdict.missing_first, live)
         elif step is Step.JUMP:
             self.stats.seq_jumps += 1
             if _often(self.stats.seq_jumps):
                 log.warning(
-                    "rank %s: seq jumped from %d to %d, more than %d batches ahead: no "
-                    "publisher does that, so this is a new stream, not a loss; resetting the "
-                    "rank's index (%d such jumps so far). If it repeats, check what publishes "
-                    "on %s",
+                    "rank %s: seq went from %s to %d, a stream more than %d batches from where "
+                    "this one was or began: a new stream, not a loss; resetting the rank's "
+                    "index and asking for the worker's snapshot (%d such jumps so far). If it "
+                    "repeats, check what publishes on %s",
                     self.rank,
                     previous,
                     frame.seq,
@@ -564,7 +598,7 @@ class RankSubscriber:
                     self.stats.seq_jumps,
                     self.endpoint.endpoint,
                 )
-            return self._put(PublisherReset(self.rank), live)
+            return self._put(PublisherReset(self.rank, jumped=True), live)
         return self._put(live)
 
     def _decode(self, seq: int, payload: Buffer, *, replayed: bool) -> EventBatch | None:
@@ -615,6 +649,12 @@ class RankSubscriber:
         await self._deliver(item)
 
     # --- gaps -------------------------------------------------------------------------------
+
+    async def _reset_then_fill(self, live: LiveBatch) -> None:
+        """A restarted publisher: the reset, its new stream's batches before `live` as a gap,
+        then `live`."""
+        await self._emit(PublisherReset(self.rank))
+        await self._fill_then(0, live)
 
     async def _fill_then(self, first: int, live: LiveBatch) -> None:
         """The missing range [first, live.seq) as `_fill` has it, then the batch itself."""

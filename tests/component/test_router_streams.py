@@ -7,6 +7,7 @@ import asyncio
 from cachetree.ranks import RankId
 from cachetree.snapshot import canonical_view
 from cachetree.tree import BlockTree
+from router.subscriber import MAX_SEQ_JUMP
 from router.worker_snapshot import decode_worker_snapshot, rebuild_rank
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.ports import free_tcp_port
@@ -91,6 +92,69 @@ async def test_a_publisher_restart_clears_the_rank_and_relearns_it() -> None:
         view = await eventually(restarted)
         assert view["blocks"] == 1
         assert rt.replica.pump.rules.stats.restarts_at_zero == 1
+
+
+async def restart_with_its_first_batches_unheard(
+    fw: FakeWorkerHandle, rt: RouterHandle, unheard: int
+) -> int:
+    """Five batches, then the engine restarts and its first `unheard` batches never go out
+    live (sent before the router reconnected); then one that does. Returns its seq."""
+    for start in range(100, 600, 100):
+        last = await fw.store([chain(start)])
+    await rt.wait_cursor(fw.url, 0, last)
+    await fw.post("/control/restart-publisher", {"dp_rank": 0})
+    await fw.post("/control/drop-next", {"count": unheard})
+    for start in range(600, 600 + 100 * unheard, 100):
+        await fw.store([chain(start)])
+    seq = await fw.store([chain(900)])
+    assert 0 < seq == unheard <= last  # back below the old stream's seq: a restart
+    return seq
+
+
+async def test_a_restarted_publishers_unheard_first_batches_are_replayed() -> None:
+    async with (
+        fake_worker_in_process(replay=True, serve_kv_snapshot=True) as fw,
+        router_in_process(workers=[fw.url]) as rt,
+    ):
+        await rt.gate(fw)
+        seq = await restart_with_its_first_batches_unheard(fw, rt, 2)
+        await rt.wait_cursor(fw.url, 0, seq)
+        assert replica_view(rt) == await worker_view(fw)
+        assert rt.replica.pump.rules.stats.lost_batches[RankId(fw.url, 0)] == 0
+        (sub,) = rt.replica.workers.get(fw.url).subscriber_stats.values()
+        assert sub.replay["repaired"] == 1
+
+
+async def test_a_restarted_publishers_unreplayable_first_batches_count_lost_and_re_pull() -> None:
+    async with (
+        fake_worker_in_process(serve_kv_snapshot=True) as fw,
+        router_in_process(workers=[fw.url]) as rt,
+    ):
+        pulls = rt.replica.workers.stats.snapshot_pulls
+        await eventually(lambda: pulls["applied"], 5)
+        await rt.gate(fw)
+        seq = await restart_with_its_first_batches_unheard(fw, rt, 2)
+        await eventually(lambda: pulls["applied"] >= 2, 5)  # the loss re-pulled the snapshot
+        await rt.wait_cursor(fw.url, 0, seq)
+        assert replica_view(rt) == await worker_view(fw)
+        assert rt.replica.pump.rules.stats.lost_batches[RankId(fw.url, 0)] == 2
+
+
+async def test_a_seq_jump_past_the_bound_clears_the_rank_and_re_pulls_its_snapshot() -> None:
+    async with (
+        fake_worker_in_process(serve_kv_snapshot=True) as fw,
+        router_in_process(workers=[fw.url]) as rt,
+    ):
+        pulls = rt.replica.workers.stats.snapshot_pulls
+        await eventually(lambda: pulls["applied"], 5)
+        await rt.gate(fw)
+        await fw.store([chain(100, 3)])
+        await fw.post("/control/skip-seq", {"dp_rank": 0, "count": MAX_SEQ_JUMP + 5})
+        seq = await fw.store([chain(100, 4)])  # one block more, under the three: needs them
+        await eventually(lambda: pulls["applied"] >= 2, 5)
+        await rt.wait_cursor(fw.url, 0, seq)
+        assert replica_view(rt) == await worker_view(fw)
+        assert rt.replica.pump.rules.stats.lost_batches[RankId(fw.url, 0)] == 0
 
 
 async def test_a_worker_registered_while_running_is_pulled_at_once() -> None:

@@ -84,6 +84,32 @@ def test_publisher_reset_clears_the_rank_and_the_next_batch_starts_fresh() -> No
     assert losses == []
 
 
+def test_a_seq_jump_reset_clears_the_rank_and_asks_for_its_snapshot_counting_no_loss() -> None:
+    rules, losses = rules_with()
+    rules.handle(LiveBatch(R, 7, stored(1, 1)))
+    rules.handle(PublisherReset(R, jumped=True))
+    assert R not in rules.cursors
+    assert rules.tree.block_count(R) == 0
+    assert losses == [R]
+    assert (rules.stats.publisher_resets, rules.stats.lost_batches[R]) == (0, 0)
+
+
+def test_an_unrepaired_gap_on_a_rank_without_a_cursor_is_counted_lost_there() -> None:
+    """After a reset no cursor jump will count the new stream's unheard first batches."""
+    rules, losses = rules_with()
+    rules.handle(LiveBatch(R, 7, stored(1, 1)))
+    rules.handle(PublisherReset(R))
+    rules.handle(UnrepairedGap(R, 0, 2))
+    rules.handle(LiveBatch(R, 3, stored(2, 100)))
+    assert rules.stats.lost_batches[R] == 3
+    assert losses == [R]
+    # With a cursor, the next batch's jump counts the gap, once.
+    rules.handle(UnrepairedGap(R, 4, 5))
+    rules.handle(LiveBatch(R, 6, stored(3, 200)))
+    assert rules.stats.lost_batches[R] == 5
+    assert losses == [R, R, R]
+
+
 def test_items_for_ranks_that_are_not_live_are_dropped() -> None:
     rules, _ = rules_with()
     rules.handle(LiveBatch(OTHER, 0, stored(1, 1)))

@@ -108,6 +108,7 @@ def test_the_mirror_is_bounded_per_rank() -> None:
 def test_resets_gaps_and_counters_round_trip() -> None:
     mirror = KeyMirror()
     assert unpack(pack(PublisherReset(B), mirror)) == PublisherReset(B)
+    assert unpack(pack(PublisherReset(B, jumped=True), mirror)) == PublisherReset(B, jumped=True)
     assert unpack(pack(UnrepairedGap(B, 4, 9), mirror)) == UnrepairedGap(B, 4, 9)
     stats = unpack(pack_stats(B, {"frames": 3, "replay": {"repaired": 1}}))
     assert type(stats) is Stats and stats.rank == B and stats.values["frames"] == 3

@@ -108,10 +108,17 @@ def test_malformed_messages_are_refused_with_a_reason(frames: list[bytes], reaso
         # Back to 0: a restart the pump resolves itself, not a reset.
         ([5, 0, 1], [Verdict(Step.FIRST), Verdict(Step.RESTART_AT_ZERO), Verdict(Step.NEXT)]),
         ([0, 0], [Verdict(Step.FIRST), Verdict(Step.RESTART_AT_ZERO)]),
-        # Back to a non-zero seq, or the same seq again: the publisher restarted.
-        ([5, 3, 4], [Verdict(Step.FIRST), Verdict(Step.RESET), Verdict(Step.NEXT)]),
-        ([5, 5], [Verdict(Step.FIRST), Verdict(Step.RESET)]),
-        ([5, 1, 3], [Verdict(Step.FIRST), Verdict(Step.RESET), Verdict(Step.GAP, 2, 2)]),
+        # Back to a non-zero seq, or the same seq again: the publisher restarted, and its new
+        # stream's batches before this one were not seen.
+        ([5, 3, 4], [Verdict(Step.FIRST), Verdict(Step.RESET, 0, 2), Verdict(Step.NEXT)]),
+        ([5, 5], [Verdict(Step.FIRST), Verdict(Step.RESET, 0, 4)]),
+        ([5, 1, 3], [Verdict(Step.FIRST), Verdict(Step.RESET, 0, 0), Verdict(Step.GAP, 2, 2)]),
+        # ... unless that is more than MAX_SEQ_JUMP batches: too far back to replay.
+        (
+            [2**63 - 1, MAX_SEQ_JUMP],
+            [Verdict(Step.FIRST), Verdict(Step.RESET, 0, MAX_SEQ_JUMP - 1)],
+        ),
+        ([2**63 - 1, MAX_SEQ_JUMP + 1], [Verdict(Step.FIRST), Verdict(Step.JUMP)]),
         # Up to MAX_SEQ_JUMP missing batches is a gap; one more is a new stream.
         ([5, 6 + MAX_SEQ_JUMP], [Verdict(Step.FIRST), Verdict(Step.GAP, 6, 5 + MAX_SEQ_JUMP)]),
         (
@@ -129,12 +136,26 @@ def test_the_tracker_classifies_each_seq_against_the_last_one_seen(
     assert tracker.last == seqs[-1]
 
 
-def test_end_seq_forgets_the_last_seq_so_the_next_batch_is_a_fresh_start() -> None:
+@pytest.mark.parametrize(
+    ("seq", "verdict"),
+    [
+        (0, Verdict(Step.FIRST)),  # the new stream seen from its start
+        (3, Verdict(Step.RESUMED, 0, 2)),  # its batches 0..2 went out before we reconnected
+        (MAX_SEQ_JUMP, Verdict(Step.RESUMED, 0, MAX_SEQ_JUMP - 1)),
+        (MAX_SEQ_JUMP + 1, Verdict(Step.JUMP)),  # too far back to replay: a new stream
+    ],
+)
+def test_after_end_seq_the_next_stream_is_taken_from_seq_0(seq: int, verdict: Verdict) -> None:
     tracker = SequenceTracker()
     tracker.advance(10)
     tracker.end()
     assert tracker.last is None
-    assert tracker.advance(3) == Verdict(Step.FIRST)
+    assert tracker.advance(seq) == verdict
+    assert tracker.advance(seq + 1) == Verdict(Step.NEXT)
+
+
+def test_a_first_batch_anywhere_before_end_seq_is_joining_mid_stream() -> None:
+    assert SequenceTracker().advance(3) == Verdict(Step.FIRST)
 
 
 def test_a_gap_verdict_counts_its_missing_batches() -> None:
@@ -417,38 +438,44 @@ async def test_a_payload_that_does_not_decode_surfaces_as_a_gap_at_the_next_batc
     assert (sub.stats.gaps, sub.stats.lost_batches, sub.stats.batches) == (1, 1, 2)
 
 
-async def test_a_regression_to_a_non_zero_seq_delivers_a_reset_before_the_batch() -> None:
-    items, sub = await run_until(ScriptedPublisher(Script([frames(9), frames(3), frames(4)])), 4)
-    assert [type(i).__name__ for i in items] == [
-        "LiveBatch",
-        "PublisherReset",
-        "LiveBatch",
-        "LiveBatch",
+async def test_a_regression_to_a_non_zero_seq_is_a_reset_then_the_new_streams_first_batches() -> (
+    None
+):
+    """Seq 3 after 9: the engine restarted and sent 0..2 before we heard it. Without replay
+    they are an UnrepairedGap (the worker's snapshot is pulled), between the reset and 3."""
+    items, sub = await run_until(ScriptedPublisher(Script([frames(9), frames(3), frames(4)])), 5)
+    assert items == [
+        LiveBatch(RANK, 9, items[0].batch),  # type: ignore[union-attr]
+        PublisherReset(RANK),
+        UnrepairedGap(RANK, 0, 2),
+        LiveBatch(RANK, 3, items[3].batch),  # type: ignore[union-attr]
+        LiveBatch(RANK, 4, items[4].batch),  # type: ignore[union-attr]
     ]
-    assert items[1] == PublisherReset(RANK)
-    assert [i.seq for i in items if isinstance(i, LiveBatch)] == [9, 3, 4]
-    assert (sub.stats.resets, sub.stats.gaps) == (1, 0)
+    assert (sub.stats.resets, sub.stats.gaps, sub.stats.lost_batches) == (1, 1, 3)
 
 
-async def test_end_seq_then_a_new_stream_is_a_reset_and_a_fresh_start_not_a_gap() -> None:
+async def test_end_seq_then_a_new_stream_at_3_asks_for_its_batches_0_to_2() -> None:
     publisher = ScriptedPublisher(Script([frames(9), [b"kv", b"\xff" * 8, b""], frames(3)]))
-    items, sub = await run_until(publisher, 3)
-    assert items[1] == PublisherReset(RANK)
-    assert isinstance(items[2], LiveBatch) and items[2].seq == 3
-    assert (sub.stats.resets, sub.stats.gaps, sub.stats.frames) == (1, 0, 3)
+    items, sub = await run_until(publisher, 4)
+    assert items[1:3] == [PublisherReset(RANK), UnrepairedGap(RANK, 0, 2)]
+    assert isinstance(items[3], LiveBatch) and items[3].seq == 3
+    assert (sub.stats.resets, sub.stats.gaps, sub.stats.frames) == (1, 1, 3)
 
 
 async def test_a_seq_jump_past_the_bound_is_a_reset_and_counts_no_lost_batch() -> None:
     publisher = ScriptedPublisher(Script([frames(4), frames(2**63 - 1), frames(5)]))
-    items, sub = await run_until(publisher, 5)
+    items, sub = await run_until(publisher, 6)
     assert [type(i).__name__ for i in items] == [
         "LiveBatch",
         "PublisherReset",
         "LiveBatch",
-        "PublisherReset",  # 5 after 2**63-1 is a regression: the rogue stream ended
+        "PublisherReset",  # 5 after 2**63-1 is a regression: the rogue stream ended ...
+        "UnrepairedGap",  # ... and a new one sent 0..4 unheard
         "LiveBatch",
     ]
-    assert (sub.stats.seq_jumps, sub.stats.lost_batches, sub.stats.gaps) == (1, 0, 0)
+    assert items[1] == PublisherReset(RANK, jumped=True)  # the pump asks for the snapshot
+    assert items[3] == PublisherReset(RANK) and items[4] == UnrepairedGap(RANK, 0, 4)
+    assert (sub.stats.seq_jumps, sub.stats.lost_batches, sub.stats.gaps) == (1, 5, 1)
     assert sub.stats.replay.total() == 0  # no replay asked for 9.2e18 batches
 
 
@@ -463,7 +490,8 @@ async def test_a_jump_of_exactly_the_bound_is_still_a_gap_reported_with_its_rang
 async def test_items_go_through_offer_while_it_takes_them_and_deliver_from_one_it_refuses() -> None:
     """A refused item and the items behind it wait for `deliver`, in order; then offers resume."""
     # One write: the four messages arrive in one read, so the order is the subscriber's doing.
-    burst = Raw(b"".join(message(frames(seq)) for seq in (4, 2, 3, 4)))
+    jump = 2**62  # a new stream: the reset and its first batch are handed over together
+    burst = Raw(b"".join(message(frames(seq)) for seq in (4, jump, jump + 1, jump + 2)))
     channel: list[tuple[str, object]] = []
     done = asyncio.Event()
     refused: list[SubscriberItem] = []
@@ -491,9 +519,9 @@ async def test_items_go_through_offer_while_it_takes_them_and_deliver_from_one_i
     assert channel == [
         ("offer", 4),
         ("deliver", "reset"),  # refused by offer, then delivered
-        ("deliver", 2),  # behind it: never offered ahead of it
-        ("offer", 3),
-        ("offer", 4),
+        ("deliver", jump),  # behind it: never offered ahead of it
+        ("offer", jump + 1),
+        ("offer", jump + 2),
     ]
     assert (sub.stats.batches, sub.stats.resets, sub.stats.frames) == (4, 1, 4)
 
