@@ -458,7 +458,11 @@ class Vetting(_Job[VettedSnapshot]):
                 hashes = array("Q", raw_hashes)
             except (TypeError, OverflowError):
                 raise _bad_engine_hash(carrier_lists, a) from None
-            _check_distinct_workers(array("q", workers), counts, a)
+            try:
+                column: Sequence[int] = array("q", workers)
+            except OverflowError:  # an index past 64 bits: out of range, dropped as any other
+                column = workers
+            _check_distinct_workers(column, counts, a)
         else:
             tiers, hashes = array("B"), array("Q")
         self._append(cols, a, parents, keys, counts, workers, tiers, hashes, zeros, used)

@@ -232,7 +232,7 @@ class PeerBootstrap:
             job = Vetting(body, live, self._block_size(), self._capacity_blocks)
             await run_in_slices(job.step, VET_CHUNK)
         except VetError as exc:
-            raise VetFailure(exc.outcome, exc.reason) from None
+            raise VetFailure(exc.outcome, str(exc)) from None  # the reason and its detail
         return job.result()
 
     def _tally(self, outcome: str) -> None:

@@ -8,10 +8,11 @@ import random
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 from aiohttp import web
 
-from cachetree.keys import block_keys
+from cachetree.keys import KEY_SCHEME, block_keys
 from cachetree.ranks import RankId
 from cachetree.snapshot import canonical_view
 from peer import wire
@@ -366,3 +367,57 @@ async def test_a_later_scale_up_never_unreadies_a_serving_replica() -> None:
             assert status == 200
     finally:
         await runner.cleanup()
+
+
+async def hostile_sibling(
+    fw: FakeWorkerHandle, nodes: list[wire.WireNode]
+) -> tuple[web.AppRunner, str]:
+    """A sibling answering one JSON body: `fw`'s rank 0 at cursor 0 and `nodes`."""
+    snapshot = wire.PeerSnapshot(
+        format=wire.FORMAT,
+        block_size=16,
+        key_scheme=KEY_SCHEME,
+        producer_ready=True,
+        workers=[wire.WireWorker(fw.url, 0)],
+        cursors=[(0, 0)],
+        nodes=nodes,
+    )
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=msgspec.json.encode(snapshot), content_type=JSON)
+
+    return await serve_snapshot_route(handler)
+
+
+async def test_a_carrier_index_past_64_bits_is_dropped_and_the_rest_grafted() -> None:
+    async with fake_worker_in_process() as fw:
+        nodes = [wire.WireNode(None, 11, [(0, 1, 101), (2**63, 1, 102)])]
+        runner, url = await hostile_sibling(fw, nodes)
+        try:
+            async with router_in_process(
+                workers=[fw.url], peer=[url], kv_bootstrap_timeout_ms=5_000
+            ) as new:
+                await ready(new, within_s=10)
+                outcomes = new.replica.bootstrap.snapshot_outcomes
+                await eventually(lambda: outcomes["accepted"], 5)  # vetted, not a crash
+                assert new.replica.pump.rules.tree.block_count(RankId(fw.url, 0)) == 1
+        finally:
+            await runner.cleanup()
+
+
+async def test_a_refused_sibling_is_logged_with_what_was_wrong(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with fake_worker_in_process() as fw:
+        nodes = [wire.WireNode(1, 11, [(0, 1, 101)]), wire.WireNode(None, 12, [(0, 1, 102)])]
+        runner, url = await hostile_sibling(fw, nodes)
+        try:
+            async with router_in_process(
+                workers=[fw.url], peer=[url], kv_bootstrap_timeout_ms=2_000
+            ) as new:
+                await ready(new, within_s=10)
+                await eventually(lambda: new.replica.bootstrap.snapshot_outcomes["rejected"], 5)
+        finally:
+            await runner.cleanup()
+    refusals = [r.getMessage() for r in caplog.records if "rejected for this" in r.getMessage()]
+    assert refusals and "invalid_parent: node 0" in refusals[0], refusals

@@ -371,6 +371,14 @@ def test_out_of_range_carrier_indices_are_dropped() -> None:
     assert vetted.dropped_carriers == 2
 
 
+@pytest.mark.parametrize("index", [2**63, 2**64, -(2**63) - 1, 10**30])
+def test_a_carrier_index_past_64_bits_is_dropped_as_out_of_range(index: int) -> None:
+    nodes = [(None, 11, [(0, DEVICE, 101), (index, DEVICE, 1), (index + 1, DEVICE, 2)])]
+    vetted = vet(body(nodes))
+    assert records(vetted) == [(None, 11, ((A0, DEVICE, 101),))]
+    assert vetted.dropped_carriers == 2
+
+
 def test_unknown_tier_bits_are_masked_off_and_known_ones_kept() -> None:
     vetted = vet(body([(None, 11, [(0, 0b110011, 101)])]))
     assert records(vetted) == [(None, 11, ((A0, DEVICE | HOST, 101),))]
