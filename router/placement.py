@@ -183,6 +183,19 @@ def decode_answer(body: bytes) -> RankId:
     return RankId(a.worker_url, a.dp_rank)
 
 
+async def read_up_to(content: aiohttp.StreamReader, limit: int) -> bytes:
+    """The whole body, or its first `limit` + 1 bytes when it is longer (enough to refuse it):
+    `read(n)` returns what has arrived so far, which is not all of an answer that came in two
+    segments."""
+    body = bytearray()
+    while len(body) <= limit:
+        chunk = await content.read(limit + 1 - len(body))
+        if not chunk:
+            break
+        body += chunk
+    return bytes(body)
+
+
 def placer_of(own: str | None, peers: Sequence[str]) -> str | None:
     """The sibling to ask (the lowest URL of self and `peers`), or None when this replica is
     the placer, has no siblings, or does not know its own URL."""
@@ -446,7 +459,7 @@ class PlacementAsker:
     async def _post(self, placer: str, question: bytes) -> RankId:
         headers = {"Authorization": f"Bearer {self.token}", "Content-Type": CONTENT_TYPE}
         async with self.session.post(placer + PATH, data=question, headers=headers) as r:
-            body = await r.content.read(MAX_ANSWER_BYTES + 1)
+            body = await read_up_to(r.content, MAX_ANSWER_BYTES)
             if r.status != 200:
                 raise ValueError(f"status {r.status}: {body[:200]!r}")
             return decode_answer(body)

@@ -163,3 +163,29 @@ async def test_a_placer_silent_past_the_timeout_is_waited_for_until_a_question_f
     assert ranks[2:] == [None, None]
     assert bound <= waits[2] < bound + 0.1 and TIMEOUT_S <= waits[3] < bound
     assert (rules.counts["late"], rules.counts["timeout"], rules.asking) == (2, 2, 0)
+
+
+async def test_an_answer_sent_in_two_parts_is_read_whole() -> None:
+    """A placer (or the network) that sends its answer in two segments: the asker reads to
+    the body's end, not what the first segment brought."""
+    policy = make_policy("cache_aware")
+    assert isinstance(policy, CacheAware)
+    raw = encode_answer(RANK)
+
+    async def in_two_parts(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": placement.CONTENT_TYPE})
+        response.content_length = len(raw)
+        await response.prepare(request)
+        await response.write(raw[:5])
+        await asyncio.sleep(0.005)  # a slow link: the rest comes in a segment of its own
+        await response.write(raw[5:])
+        return response
+
+    async with stub_placer(in_two_parts) as placer:
+        rules = Placement(policy, "http://127.0.0.1:65535", lambda: [placer])
+        async with aiohttp.ClientSession() as session:
+            asker = PlacementAsker(session, "token", rules, 1.0)
+            rules.asking += 1
+            assert await asker.ask(placer, b"\x93\x20\x10\x91\x0b") == RANK
+    assert rules.counts["error"] == 0, rules.counts

@@ -3,8 +3,12 @@ the bounds on questions, the wire (all or nothing) and what the asker books on a
 
 from __future__ import annotations
 
+import asyncio
+
+import aiohttp
 import msgspec
 import pytest
+from aiohttp.base_protocol import BaseProtocol
 
 from cachetree.ranks import RankId
 from router import placement
@@ -354,3 +358,30 @@ def test_a_malformed_answer_is_an_error(body: bytes) -> None:
 
 def test_an_answer_round_trips() -> None:
     assert decode_answer(encode_answer(B)) == B
+
+
+def answer_stream(loop: asyncio.AbstractEventLoop) -> aiohttp.StreamReader:
+    """A response body stream as aiohttp's client has it, fed by the test."""
+    protocol = BaseProtocol(loop)
+    protocol.connection_made(asyncio.Transport())  # open: a read waits for more
+    return aiohttp.StreamReader(protocol, 1 << 16, loop=loop)
+
+
+async def test_an_answer_that_arrives_in_two_parts_is_read_whole() -> None:
+    loop = asyncio.get_running_loop()
+    content = answer_stream(loop)
+    raw = placement.encode_answer(A)
+    reading = asyncio.create_task(placement.read_up_to(content, placement.MAX_ANSWER_BYTES))
+    content.feed_data(raw[:5])
+    await asyncio.sleep(0)  # the reader takes the first part, then waits for more
+    assert not reading.done()
+    content.feed_data(raw[5:])
+    content.feed_eof()
+    assert placement.decode_answer(await reading) == A
+
+
+async def test_an_answer_past_the_bound_is_read_only_one_byte_past_it() -> None:
+    content = answer_stream(asyncio.get_running_loop())
+    content.feed_data(b"x" * 100)
+    content.feed_eof()
+    assert await placement.read_up_to(content, 10) == b"x" * 11
