@@ -12,7 +12,9 @@ Theory of operation
 A rank's *cursor* is the seq of the last batch whose effects are in the tree.
 
 - A batch with `seq <= cursor` is skipped: it is already reflected (a replay overlap, or a
-  duplicate after a snapshot seeded the cursor).
+  duplicate after a snapshot seeded the cursor). Unless it is more than `MAX_SEQ_JUMP` behind:
+  no stream is, so the cursor was never true (a sibling's graft that claimed 2**64-1), and
+  the batch is a new stream, as a forward jump that long is (below).
 - A batch with `seq > cursor + 1` is applied, and the `seq - cursor - 1` batches between are
   counted as lost: a lost `BlockRemoved` can leave a false cache hit, so a loss is always
   visible in metrics and logged, and it asks for the worker's snapshot to be pulled again.
@@ -387,9 +389,26 @@ class IndexRules:
                 if self.bootstrap is not None:
                     self.bootstrap.on_restart_at_zero(rank)
                 yield from self._tree.clear_rank_steps(rank, self.slice_blocks)
-            elif seq <= cursor:
+            elif seq <= cursor and not beyond_stream(cursor, seq):
                 self.stats.batches_skipped += 1
                 return
+            elif seq <= cursor:
+                # No live stream is that far behind a true cursor: the cursor came from
+                # somewhere that lied (a sibling's graft), and skipping would freeze the rank.
+                log.warning(
+                    "%s: batch %d is more than %d behind the rank's cursor %d, which no stream "
+                    "could have reached: a new stream; clearing the rank and asking for the "
+                    "worker's snapshot",
+                    rank,
+                    seq,
+                    MAX_SEQ_JUMP,
+                    cursor,
+                )
+                self.stats.seq_jumps += 1
+                if self.bootstrap is not None:
+                    self.bootstrap.on_restart_at_zero(rank)
+                yield from self._tree.clear_rank_steps(rank, self.slice_blocks)
+                self._on_loss(rank)
             elif seq - cursor - 1 > MAX_SEQ_JUMP:
                 log.warning(
                     "%s: seq jumped from %d to %d, more than %d batches: a new stream, not a "

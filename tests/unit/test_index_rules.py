@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from cachetree.keys import block_keys
 from cachetree.ranks import RankId
 from cachetree.snapshot import canonical_view
@@ -108,6 +110,31 @@ def test_an_unrepaired_gap_on_a_rank_without_a_cursor_is_counted_lost_there() ->
     rules.handle(LiveBatch(R, 6, stored(3, 200)))
     assert rules.stats.lost_batches[R] == 5
     assert losses == [R, R, R]
+
+
+@pytest.mark.parametrize("cursor", [2**64 - 1, 2**63, 8 + MAX_SEQ_JUMP + 1])
+def test_a_batch_far_behind_an_impossible_cursor_is_a_new_stream_not_skipped(cursor: int) -> None:
+    """A cursor no stream could have reached (a lying sibling's graft) must not freeze the
+    rank: the batch clears it, asks for the worker's snapshot, and is applied."""
+    rules, losses = rules_with()
+    rules.apply_batch(R, 7, stored(1, 1))
+    rules.cursors[R] = cursor  # as a graft sets it
+    rules.handle(LiveBatch(R, 8, stored(2, 100)))
+    assert rules.cursors[R] == 8
+    assert rules.tree.block_count(R) == 1
+    assert rules.tree.match(block_keys(list(range(100, 104)), BS)).blocks == 1
+    assert (rules.stats.seq_jumps, rules.stats.batches_skipped) == (1, 0)
+    assert losses == [R]
+
+
+def test_a_batch_just_within_the_bound_behind_the_cursor_is_skipped_as_reflected() -> None:
+    rules, losses = rules_with()
+    rules.apply_batch(R, 7, stored(1, 1))
+    rules.cursors[R] = 8 + MAX_SEQ_JUMP
+    rules.handle(LiveBatch(R, 8, stored(2, 100)))
+    assert rules.cursors[R] == 8 + MAX_SEQ_JUMP
+    assert (rules.stats.seq_jumps, rules.stats.batches_skipped) == (0, 1)
+    assert losses == []
 
 
 def test_items_for_ranks_that_are_not_live_are_dropped() -> None:
