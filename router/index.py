@@ -392,31 +392,18 @@ class IndexRules:
             elif seq <= cursor and not beyond_stream(cursor, seq):
                 self.stats.batches_skipped += 1
                 return
-            elif seq <= cursor:
-                # No live stream is that far behind a true cursor: the cursor came from
-                # somewhere that lied (a sibling's graft), and skipping would freeze the rank.
+            elif seq <= cursor or seq - cursor - 1 > MAX_SEQ_JUMP:
+                # Far behind: no live stream is, so the cursor was never true (a sibling's
+                # graft that lied), and skipping would freeze the rank. Far ahead: no
+                # publisher skips that many. Either way a new stream, not a loss.
                 log.warning(
-                    "%s: batch %d is more than %d behind the rank's cursor %d, which no stream "
-                    "could have reached: a new stream; clearing the rank and asking for the "
-                    "worker's snapshot",
+                    "%s: batch %d is more than %d batches %s the rank's cursor %d: a new "
+                    "stream, not a loss; clearing the rank and asking for the worker's snapshot",
                     rank,
                     seq,
                     MAX_SEQ_JUMP,
+                    "behind" if seq <= cursor else "past",
                     cursor,
-                )
-                self.stats.seq_jumps += 1
-                if self.bootstrap is not None:
-                    self.bootstrap.on_restart_at_zero(rank)
-                yield from self._tree.clear_rank_steps(rank, self.slice_blocks)
-                self._on_loss(rank)
-            elif seq - cursor - 1 > MAX_SEQ_JUMP:
-                log.warning(
-                    "%s: seq jumped from %d to %d, more than %d batches: a new stream, not a "
-                    "loss; clearing the rank and asking for the worker's snapshot",
-                    rank,
-                    cursor,
-                    seq,
-                    MAX_SEQ_JUMP,
                 )
                 self.stats.seq_jumps += 1
                 if self.bootstrap is not None:

@@ -36,6 +36,15 @@ def replica_view(rt: RouterHandle) -> frozenset:
     return canonical_view(tree)
 
 
+async def assert_whole_and_repaired_by_replay(rt: RouterHandle, fw: FakeWorkerHandle) -> None:
+    """The replica holds what the worker does, nothing was counted lost, and one gap was
+    repaired by replay."""
+    assert replica_view(rt) == await worker_view(fw)
+    assert rt.replica.pump.rules.stats.lost_batches[RankId(fw.url, 0)] == 0
+    (sub,) = rt.replica.workers.get(fw.url).subscriber_stats.values()
+    assert sub.replay["repaired"] == 1
+
+
 async def test_a_dropped_delivery_is_repaired_by_replay() -> None:
     async with (
         fake_worker_in_process(replay=True, serve_kv_snapshot=True) as fw,
@@ -46,11 +55,7 @@ async def test_a_dropped_delivery_is_repaired_by_replay() -> None:
         await fw.store([chain(100), chain(200)])  # never sent live
         last = await fw.store([chain(300)])
         await rt.wait_cursor(fw.url, 0, last)
-        assert replica_view(rt) == await worker_view(fw)
-        stats = rt.replica.pump.rules.stats
-        assert stats.lost_batches[RankId(fw.url, 0)] == 0
-        (sub,) = rt.replica.workers.get(fw.url).subscriber_stats.values()
-        assert sub.replay["repaired"] == 1
+        await assert_whole_and_repaired_by_replay(rt, fw)
 
 
 async def test_a_hole_no_replay_can_fill_is_counted_as_lost() -> None:
@@ -119,10 +124,7 @@ async def test_a_restarted_publishers_unheard_first_batches_are_replayed() -> No
         await rt.gate(fw)
         seq = await restart_with_its_first_batches_unheard(fw, rt, 2)
         await rt.wait_cursor(fw.url, 0, seq)
-        assert replica_view(rt) == await worker_view(fw)
-        assert rt.replica.pump.rules.stats.lost_batches[RankId(fw.url, 0)] == 0
-        (sub,) = rt.replica.workers.get(fw.url).subscriber_stats.values()
-        assert sub.replay["repaired"] == 1
+        await assert_whole_and_repaired_by_replay(rt, fw)
 
 
 async def test_a_restarted_publishers_unreplayable_first_batches_count_lost_and_re_pull() -> None:
