@@ -74,17 +74,25 @@ def decode_body(body: bytes) -> dict[str, Any]:
     return value
 
 
+def prompt_param(route: bytes, body: dict[str, Any]) -> str:
+    """The field a completion or /generate body carries its prompt in: for /generate,
+    `input_ids` unless it is absent or null (as SGLang reads it), else `text`."""
+    if route == GENERATE:
+        return "text" if body.get("input_ids") is None else "input_ids"
+    return "prompt"
+
+
 def prompt_of(route: bytes, body: dict[str, Any]) -> Any:
     """The prompt field of a completion or /generate body (one prompt of a batch)."""
+    param = prompt_param(route, body)
     if route == GENERATE:
-        if "input_ids" in body:
-            return single(body["input_ids"], "input_ids")
-        if "text" in body:
-            return single(body["text"], "text")
-        raise BadRequest("one of 'text' or 'input_ids' is required", "text")
-    if "prompt" not in body:
+        if body.get(param) is None:
+            raise BadRequest("one of 'text' or 'input_ids' is required", "text")
+        if param == "input_ids" and not isinstance(body[param], list):
+            raise BadRequest("'input_ids' must be a list of token ids", param)
+    elif param not in body:
         raise BadRequest("'prompt' is required", "prompt")
-    return single(body["prompt"], "prompt")
+    return single(body[param], param)
 
 
 def messages_of(body: dict[str, Any]) -> list[Any]:
@@ -173,7 +181,7 @@ class RequestRouter:
             decision = self.choose(route, body, candidates)
         except BadRequest as exc:
             return Refusal(400, str(exc), param=exc.param)
-        except ValueError as exc:  # the tokenizer's: a prompt it cannot take
+        except ValueError as exc:  # the tokenizer's: a chat it cannot take
             return Refusal(400, str(exc), param=param_of(route))
         if isinstance(decision, AskFirst):
             return decision
@@ -232,7 +240,11 @@ class RequestRouter:
                 # (no tokens, no keys), as a miss.
                 self.metrics.tokenize_failures[(encoded.failure,)] += 1
         else:
-            tokens = self.tokenizer.encode_prompt(prompt_of(route, body))
+            prompt = prompt_of(route, body)
+            try:
+                tokens = self.tokenizer.encode_prompt(prompt)
+            except ValueError as exc:  # a prompt the tokenizer cannot take
+                raise BadRequest(str(exc), prompt_param(route, body)) from None
         tree = self.rules.tree
         if tree is None:  # no worker registered yet: no block size, no index
             return self.policy.decide(candidates, Prompt(len(tokens), 1))

@@ -348,6 +348,8 @@ def _vllm_tool_call(call: dict[str, Any]) -> dict[str, Any]:
             parsed = json.loads(arguments)
         except ValueError:
             parsed = {}  # vLLM coerces malformed history so the conversation can go on
+        except RecursionError:  # nested past Python's limit: no engine renders it as it is
+            raise Unrenderable("tool_arguments", "tool-call arguments nested too deeply") from None
         function["arguments"] = parsed if isinstance(parsed, dict) else {}
     elif not isinstance(arguments, dict):
         function["arguments"] = {}
@@ -464,6 +466,8 @@ def _sglang_tool_call(call: dict[str, Any]) -> dict[str, Any]:
             arguments = json.loads(arguments)
         except ValueError:
             raise Unrenderable("tool_arguments", "tool-call arguments are not JSON") from None
+        except RecursionError:
+            raise Unrenderable("tool_arguments", "tool-call arguments nested too deeply") from None
         if not isinstance(arguments, dict):
             raise Unrenderable("tool_arguments", "tool-call arguments are not a JSON object")
     return {
@@ -479,8 +483,10 @@ def _sglang_tools(tools: list[dict[str, Any]] | None, choice: Any) -> list[dict[
         return None
     dumped = [_sglang_tool_dump(t) for t in tools]
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
-        dumped = [t for t in dumped if t["function"]["name"] == name]
+        function = choice.get("function") or {}
+        if not isinstance(function, dict):
+            raise ChatRequestError("'tool_choice.function' must be an object", "tool_choice")
+        dumped = [t for t in dumped if t["function"]["name"] == function.get("name")]
     return dumped
 
 

@@ -16,6 +16,7 @@ import logging
 import socket
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -25,6 +26,7 @@ from router.dataplane import server
 from router.dataplane.relay import WorkerRelay
 from router.dataplane.upstream import MAX_ANSWER_HEAD_BYTES, UpstreamConnection
 from tests.support.fake_worker import fake_worker_in_process
+from tests.support.model_dirs import build_fixture_model
 from tests.support.router import RouterHandle, router_in_process
 from tests.support.scripted_worker import (
     RawClient,
@@ -362,6 +364,79 @@ async def test_a_chat_part_whose_text_is_not_a_string_is_a_400_naming_it() -> No
         assert status == 400
         assert payload["error"]["param"] == "messages"
         assert "content[0].text must be a string" in payload["error"]["message"]
+        assert w.posts() == []
+
+
+@pytest.mark.parametrize(
+    ("rules", "template"), [(None, None), ("vllm", "qwen3.jinja"), ("sglang", "qwen3.jinja")]
+)
+async def test_tool_call_arguments_nested_past_pythons_limit_are_forwarded_not_a_500(
+    rules: str | None, template: str | None, tmp_path: Path
+) -> None:
+    """Arguments the engine's own json.loads cannot take whole: with a model's template,
+    rendered unlike the engine would, so forwarded and routed by load (counted); with the
+    plain rendering, forwarded as any chat. Never a 500."""
+    model = {} if template is None else {"tokenizer": str(build_fixture_model(tmp_path, template))}
+    async with (
+        scripted_worker() as w,
+        router_in_process(workers=[w.url], chat_rules=rules or "auto", **model) as rt,
+    ):
+        await routable(rt, w.url)
+        call = {"id": "c1", "type": "function", "function": {"name": "f"}}
+        call["function"]["arguments"] = "[" * 1000 + "]" * 1000
+        body = {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [call]},
+            ],
+            "max_tokens": 1,
+        }
+        status, _, _ = await rt.post("/v1/chat/completions", body)
+        assert status == 200
+        assert len(w.posts()) == 1
+        failures = rt.plane.router.metrics.tokenize_failures[("tool_arguments",)]
+        assert failures == (0 if template is None else 1)
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "status", "param"),
+    [
+        (b"/generate", {"text": "hello", "input_ids": None}, 200, None),
+        (b"/generate", {"input_ids": [-1, 5]}, 400, "input_ids"),
+        (b"/generate", {"input_ids": "hello"}, 400, "input_ids"),
+        (b"/generate", {"text": "hello", "input_ids": [1.5]}, 400, "input_ids"),
+    ],
+)
+async def test_a_generate_prompt_is_read_from_the_field_sglang_reads(
+    route: bytes, body: dict[str, object], status: int, param: str | None
+) -> None:
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        got, payload, _ = await rt.post(route.decode(), body)
+        assert got == status, payload
+        if param is not None:
+            assert payload["error"]["param"] == param
+        assert len(w.posts()) == (1 if status == 200 else 0)
+
+
+async def test_an_sglang_tool_choice_naming_its_function_wrongly_is_a_400_naming_it(
+    tmp_path: Path,
+) -> None:
+    model = str(build_fixture_model(tmp_path, "qwen3.jinja"))
+    async with (
+        scripted_worker() as w,
+        router_in_process(workers=[w.url], chat_rules="sglang", tokenizer=model) as rt,
+    ):
+        await routable(rt, w.url)
+        tool = {"type": "function", "function": {"name": "g", "parameters": {}}}
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [tool],
+            "tool_choice": {"type": "function", "function": "g"},
+        }
+        status, payload, _ = await rt.post("/v1/chat/completions", body)
+        assert status == 400
+        assert payload["error"]["param"] == "tool_choice"
         assert w.posts() == []
 
 

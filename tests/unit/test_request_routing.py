@@ -45,6 +45,8 @@ def test_bodies_that_are_not_a_json_object_are_bad_requests(raw: bytes, problem:
         (b"/v1/completions", {"prompt": [[4, 5], [6]]}, [4, 5]),
         (b"/generate", {"text": "t"}, "t"),
         (b"/generate", {"input_ids": [7, 8], "text": "ignored"}, [7, 8]),
+        (b"/generate", {"input_ids": None, "text": "t"}, "t"),  # null is absent, as SGLang reads it
+        (b"/generate", {"input_ids": [[7], [8]]}, [7]),
     ],
 )
 def test_the_prompt_a_route_carries(route: bytes, body: dict[str, Any], prompt: Any) -> None:
@@ -58,7 +60,9 @@ def test_the_prompt_a_route_carries(route: bytes, body: dict[str, Any], prompt: 
         (b"/v1/completions", {"prompt": 5}, "prompt"),
         (b"/v1/completions", {"prompt": None}, "prompt"),
         (b"/generate", {"sampling_params": {}}, "text"),
+        (b"/generate", {"input_ids": None, "text": None}, "text"),
         (b"/generate", {"input_ids": {"a": 1}}, "input_ids"),
+        (b"/generate", {"input_ids": "not ids", "text": "t"}, "input_ids"),
     ],
 )
 def test_a_missing_or_mistyped_prompt_names_its_field(
