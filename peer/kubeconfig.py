@@ -55,6 +55,7 @@ async def kube_api_client(
     service_account: Path = SERVICE_ACCOUNT,
 ) -> ApiClient:
     """An API client of its own (see the module's opening for the order of sources)."""
+    import yaml  # kubernetes-asyncio's own dependency, which reads kubeconfigs
     from kubernetes_asyncio.client import ApiClient, Configuration
     from kubernetes_asyncio.config import (
         ConfigException,
@@ -78,12 +79,17 @@ async def kube_api_client(
             await load_kube_config(
                 config_file=_kubeconfig_path(environ), client_configuration=config
             )
-    except (ConfigException, OSError) as exc:
+        # Builds the TLS context: a CA file that holds no certificate fails here.
+        return ApiClient(config)
+    except (ConfigException, OSError, ValueError, TypeError, yaml.YAMLError) as exc:
+        # A kubeconfig that is no YAML mapping, or certificate data that is not base64 or
+        # no certificate (ssl.SSLError is an OSError), fails inside the library with one of
+        # these: one line naming it, not a traceback.
+        problem = " ".join(str(exc).split())  # YAML's errors span lines
         raise KubeConfigError(
-            f"cannot reach the Kubernetes API: {exc}; run in a pod with a service account, "
-            "set KUBECONFIG, or pass --kube-api-server URL"
+            f"cannot reach the Kubernetes API: {type(exc).__name__}: {problem}; run in a pod "
+            "with a service account, set KUBECONFIG, or pass --kube-api-server URL"
         ) from None
-    return ApiClient(config)
 
 
 def _kubeconfig_path(environ: Mapping[str, str]) -> str:

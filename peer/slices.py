@@ -166,7 +166,8 @@ def slice_port(ports: Iterable[EndpointPort] | None, preferred: int | None) -> i
 
 
 def backends(slice_: EndpointSlice, rules: Extraction) -> tuple[Backend, ...]:
-    """What one slice contributes: its ready, non-self endpoints of our family."""
+    """What one slice contributes: its ready, non-terminating, non-self endpoints of our
+    family."""
     address_type = slice_.address_type
     family = rules.family
     if (
@@ -181,7 +182,9 @@ def backends(slice_: EndpointSlice, rules: Extraction) -> tuple[Backend, ...]:
     out = []
     for endpoint in slice_.endpoints or ():
         conditions = endpoint.conditions
-        if conditions is not None and conditions.ready is False:
+        # A terminating endpoint stays `ready` when its Service publishes not-ready
+        # addresses; it is going all the same, so it takes nothing new.
+        if conditions is not None and (conditions.ready is False or conditions.terminating):
             continue
         if not endpoint.addresses:
             continue

@@ -374,6 +374,37 @@ async def test_no_way_to_reach_an_api_server_is_one_clear_error(tmp_path: Path) 
         await kube_api_client(None, {"KUBECONFIG": str(tmp_path / "missing")})
 
 
+KUBECONFIG_WITH_CA = """apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:6443", certificate-authority-data: %s}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+"""
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "clusters: [unclosed",  # not YAML
+        "",  # empty
+        "- a list\n- not a mapping\n",
+        KUBECONFIG_WITH_CA % "'not base64!'",
+        KUBECONFIG_WITH_CA % "bm90IGEgY2VydGlmaWNhdGU=",  # base64 of no certificate
+    ],
+)
+async def test_a_malformed_kubeconfig_is_one_clear_error_not_a_traceback(
+    tmp_path: Path, text: str
+) -> None:
+    path = tmp_path / "config"
+    path.write_text(text)
+    with pytest.raises(KubeConfigError, match=r"cannot reach the Kubernetes API: .*KUBECONFIG"):
+        await kube_api_client(None, {"KUBECONFIG": str(path)})
+    with pytest.raises(KubeConfigError) as caught:
+        await kube_api_client(None, {"KUBECONFIG": str(path)})
+    assert "\n" not in str(caught.value)  # one line
+
+
 async def self_signed(tmp_path: Path):
     """A server TLS context with a self-signed certificate for IP 127.0.0.1 (in ca.crt)."""
     if shutil.which("openssl") is None:

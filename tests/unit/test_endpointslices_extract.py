@@ -106,6 +106,8 @@ def test_unready_and_terminating_endpoints_are_skipped_and_absent_ready_counts_a
             endpoint("10.0.0.2", "b", ready=None),
             endpoint("10.0.0.3", "c", ready=False),
             endpoint("10.0.0.4", "d", ready=False, serving=True, terminating=True),
+            # A Service with publishNotReadyAddresses keeps a terminating pod `ready`.
+            endpoint("10.0.0.5", "e", ready=True, serving=True, terminating=True),
         ]
     )
     assert peers(s) == ("http://10.0.0.2:8080",)
