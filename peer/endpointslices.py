@@ -35,12 +35,14 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
+import msgspec
 from kubernetes_asyncio import watch
 from kubernetes_asyncio.client import ApiClient, DiscoveryV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.client.rest import RESTResponse
 
 from peer.slice_view import SliceView
 from peer.slices import EndpointSlice, Extraction, SliceError, decode_slice
@@ -48,6 +50,11 @@ from peer.supervise import Supervisor
 from peer.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
+
+EVENT_TYPES: Final = frozenset({"ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR"})
+# What an API server answers a list or watch with; any other status counts as `http_other`.
+KNOWN_STATUSES: Final = frozenset({400, 401, 403, 404, 409, 410, 422, 429, 500, 502, 503, 504})
+MAX_LIST_PAGES: Final = 100_000  # a list longer than this does not end (500 slices a page)
 
 Publish = Callable[[tuple[str, ...]], None]
 
@@ -139,7 +146,7 @@ class EndpointSliceWatch:
                     self.stats.failures["expired"] += 1
                     await self._on_expired(exc)
                 else:
-                    self.stats.failures[f"http_{exc.status}"] += 1
+                    self.stats.failures[_status_label(exc.status)] += 1
                     await self._back_off(_api_problem(exc, self.namespace))
             except (aiohttp.ClientError, TimeoutError, ValueError, _ShortWatch) as exc:
                 # ValueError: the client could not deserialize what the server sent.
@@ -160,6 +167,7 @@ class EndpointSliceWatch:
     async def _relist(self) -> None:
         self.view.begin_relist()
         token: str | None = None
+        tokens: set[str] = set()
         while True:
             kwargs: dict[str, Any] = {
                 "label_selector": self.selector,
@@ -168,12 +176,21 @@ class EndpointSliceWatch:
             }
             if token:
                 kwargs["_continue"] = token
-            page = await self._list(**kwargs)
-            self.view.relist_page(self._decode_all(page.items or ()))
-            token = page.metadata._continue if page.metadata is not None else None
+            page = await self._list_page(**kwargs)
+            items = page.get("items") or []
+            if not isinstance(items, list):
+                raise ValueError(f"the list's items are no list: {str(items)[:200]!r}")
+            self.view.relist_page(self._decode_all(items))
+            metadata = page.get("metadata") or {}
+            token = metadata.get("continue") if isinstance(metadata, dict) else None
             if not token:
                 break
-        relisted = self.view.finish_relist(page.metadata.resource_version)
+            if not isinstance(token, str) or token in tokens or len(tokens) >= MAX_LIST_PAGES:
+                # A server that pages forever must not keep this loop busy: a failure, so
+                # it backs off (`run`), and the set in force stays.
+                raise ValueError(f"the list does not end (page {len(tokens) + 1}, {token!r:.80})")
+            tokens.add(token)
+        relisted = self.view.finish_relist(metadata.get("resourceVersion"))
         assert relisted is not None, "begun above"
         self.backoff.reset()
         self.stats.relists += 1
@@ -199,10 +216,27 @@ class EndpointSliceWatch:
             return self.api.list_namespaced_endpoint_slice(self.namespace, **kwargs)
         return self.api.list_endpoint_slice_for_all_namespaces(**kwargs)
 
-    def _decode_all(self, items: Any) -> list[EndpointSlice]:
+    async def _list_page(self, **kwargs: Any) -> dict[str, Any]:
+        """One page of the list as the server sent it. Not the client's typed models: they
+        refuse a whole page for one slice they do not like (an endpoint without addresses),
+        and every relist then failed; here each slice is decoded on its own (`_decode`), as
+        the watch's are. An error status raises `ApiException` as the typed call would."""
+        response = await self._list(_preload_content=False, **kwargs)
+        try:
+            data = await response.read()
+        finally:
+            response.release()
+        if not 200 <= response.status <= 299:
+            raise ApiException(http_resp=RESTResponse(response, data))
+        page = msgspec.json.decode(data)  # a DecodeError is a ValueError: counted, backed off
+        if not isinstance(page, dict):
+            raise ValueError(f"the list is no JSON object: {data[:200]!r}")
+        return page
+
+    def _decode_all(self, items: list[Any]) -> list[EndpointSlice]:
         out = []
         for item in items:
-            decoded = self._decode(self.api.api_client.sanitize_for_serialization(item))
+            decoded = self._decode(item)
             if decoded is not None:
                 out.append(decoded)
         return out
@@ -241,28 +275,36 @@ class EndpointSliceWatch:
                     sock_connect=settings.connect_timeout_s,
                 ),
             ):
-                events += 1
-                self._on_event(event)
+                events += self._on_event(event)
         if events == 0 and self._clock() - started < settings.min_watch_s:
-            raise _ShortWatch(f"the watch ended after {self._clock() - started:.2f} s, empty")
+            raise _ShortWatch(
+                f"the watch ended after {self._clock() - started:.2f} s, with nothing new"
+            )
 
-    def _on_event(self, event: Any) -> None:
+    def _on_event(self, event: Any) -> bool:
+        """Apply one watch event; whether it moved the watch on (a slice applied, a bookmark
+        further on). Only such an event ends the backoff and makes a watch more than short: a
+        server that sends one stale or unknown event and closes is backed off as one that
+        sends nothing."""
         if not isinstance(event, dict):  # a line that was not JSON comes through as text
             raise ValueError(f"not a watch event: {str(event)[:200]!r}")
         kind = event.get("type")
         raw = event.get("raw_object")
-        self.backoff.reset()
-        self._expired_in_a_row = 0
-        self.stats.events[str(kind)] += 1
+        self.stats.events[kind if kind in EVENT_TYPES else "other"] += 1
         if kind == "BOOKMARK":
-            self.view.bookmark(raw["metadata"]["resourceVersion"])
-            return
+            resource_version = raw["metadata"]["resourceVersion"]
+            if resource_version == self.view.resource_version:
+                return False
+            self.view.bookmark(resource_version)
+            self._moved_on()
+            return True
         if kind not in ("ADDED", "MODIFIED", "DELETED"):
             log.warning("%s: ignoring a watch event of type %r", self.what, kind)
-            return
+            return False
         item = self._decode(raw)
         if item is None:
-            return
+            return False
+        self._moved_on()
         urls = self.view.apply(kind, item)
         if urls is not None:
             log.info(
@@ -274,6 +316,11 @@ class EndpointSliceWatch:
                 len(urls),
             )
             self._publish(urls)
+        return True
+
+    def _moved_on(self) -> None:
+        self.backoff.reset()
+        self._expired_in_a_row = 0
 
     # -- failures --------------------------------------------------------------------------
 
@@ -296,6 +343,12 @@ class EndpointSliceWatch:
             delay,
         )
         await self._sleep(delay)
+
+
+def _status_label(status: Any) -> str:
+    """The failure reason for an HTTP status: the ones an API server answers, else one
+    label (a status comes from the server, and each label is a metric series)."""
+    return f"http_{status}" if status in KNOWN_STATUSES else "http_other"
 
 
 class _ShortWatch(Exception):

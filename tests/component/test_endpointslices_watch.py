@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from kubernetes_asyncio.client import ApiClient, Configuration, DiscoveryV1Api
 
+from peer import endpointslices
 from peer.endpointslices import EndpointSliceWatch, WatchSettings
 from peer.kubeconfig import KubeConfigError, kube_api_client
 from peer.slices import Extraction, Family, SelfIdentity
@@ -312,6 +313,52 @@ async def test_a_watch_that_ends_at_once_and_empty_is_backed_off() -> None:
             h.sleeper.hold()
             await eventually(lambda: h.sleeper.delays, WAIT_S)
             assert fake.verbs() == ["list", "watch"]
+
+
+async def test_a_slice_the_clients_models_would_refuse_costs_only_itself_in_a_list() -> None:
+    """An endpoint without addresses (a non-conforming server): the client's typed list
+    refused the whole page, so every relist failed and nothing was ever published."""
+    broken = router_slice("kvrouter-b", "10.0.0.3")
+    del broken["endpoints"][0]["addresses"]
+    async with synced(router_slice("kvrouter-a", "10.0.0.2"), broken) as h:
+        await h.published_is(url("10.0.0.2"))
+        assert h.watch.stats.failures.total() == 0
+        assert h.sleeper.delays == []
+
+
+async def test_a_list_that_never_ends_is_a_failure_backed_off_not_a_busy_loop() -> None:
+    async with FakeApiServer() as fake:
+        fake.put(router_slice("kvrouter-a", "10.0.0.2"))
+        fake.endless_list = True
+        async with watching(fake) as h:
+            h.sleeper.hold()
+            await eventually(lambda: h.sleeper.delays, WAIT_S)
+            assert fake.verbs() == ["list", "continue"]  # the token came back: no third page
+            assert h.watch.stats.failures["transport"] == 1
+            assert h.published == []
+
+
+async def test_only_an_event_that_moves_the_watch_on_ends_its_backoff() -> None:
+    """A server that sends a stale bookmark or an event of an unknown type and closes is
+    backed off as one that sends nothing; unknown types count under one label."""
+    async with synced(router_slice("kvrouter-a", "10.0.0.2")) as h:
+        watch = h.watch
+        here = {"metadata": {"resourceVersion": watch.view.resource_version}}
+        assert watch._on_event({"type": "BOOKMARK", "raw_object": here}) is False
+        for kind in ("WEIRD", "ALSO_WEIRD", None):
+            assert watch._on_event({"type": kind, "raw_object": {}}) is False
+        assert watch.stats.events["other"] == 3
+        assert set(watch.stats.events) <= {"ADDED", "MODIFIED", "DELETED", "BOOKMARK", "other"}
+        further = {"metadata": {"resourceVersion": "99999"}}
+        assert watch._on_event({"type": "BOOKMARK", "raw_object": further}) is True
+
+
+@pytest.mark.parametrize(
+    ("status", "label"),
+    [(403, "http_403"), (503, "http_503"), (599, "http_other"), ("410", "http_other")],
+)
+def test_a_failures_status_label_is_one_of_a_few(status: object, label: str) -> None:
+    assert endpointslices._status_label(status) == label
 
 
 async def test_all_namespaces_lists_and_watches_cluster_wide() -> None:

@@ -23,8 +23,8 @@ kubernetes-asyncio client (and kubectl) against this aiohttp server on 127.0.0.1
 
 Test controls (call them on the test's loop; none waits): `put`, `delete`, `compact`,
 `bookmark`, `reset_watches` (abort every open watch's TCP connection mid-stream), `fail`
-(answer a verb with an error status), `hang_watches`, `end_watches_at_once`, and `requests`
-(what each client asked, in order).
+(answer a verb with an error status), `hang_watches`, `end_watches_at_once`, `endless_list`,
+and `requests` (what each client asked, in order).
 
 Changing the world while a client is cut off: `reset_watches()`, then writes, then
 `compact()`, all without an `await` in between: the client cannot have re-watched yet, so it
@@ -300,9 +300,11 @@ class FakeApiServer:
         self._ssl = ssl_context
         self.requests: list[Request] = []
         # Misbehaviours a client must survive: a watch that never ends nor speaks (a half-open
-        # connection, as the client sees it), and one that ends as soon as it starts.
+        # connection, as the client sees it), one that ends as soon as it starts, and a list
+        # that never ends (every page hands back the same continue token).
         self.hang_watches = False
         self.end_watches_at_once = False
+        self.endless_list = False
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -467,6 +469,9 @@ class FakeApiServer:
         return self._list(flt, query)
 
     def _list(self, flt: Filter, query: dict[str, str]) -> web.Response:
+        if self.endless_list:
+            metadata = {"resourceVersion": str(self._rv), "continue": "again"}
+            return _json({"kind": f"{KIND}List", "metadata": metadata, "items": []})
         token = query.get("continue")
         if token:
             snapshot = self._continues.pop(token, None)
