@@ -357,7 +357,9 @@ class _ShortWatch(Exception):
 
 def _api_problem(exc: ApiException, namespace: str) -> str:
     text = f"HTTP {exc.status} {exc.reason}".strip()
-    if exc.status in (401, 403):
+    if exc.status == 401:
+        text += "; the API server refused the credentials (an expired or wrong token)"
+    elif exc.status == 403:
         scope = f"in namespace {namespace}" if namespace else "cluster-wide (all namespaces)"
         text += (
             f"; the service account needs get/list/watch on endpointslices.discovery.k8s.io {scope}"

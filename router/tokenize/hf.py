@@ -41,6 +41,12 @@ from router.tokenize.template_traits import inspect_template
 log = logging.getLogger(__name__)
 
 HF_INSTALL_HINT: Final = "install the HF extra: pip install 'kvrouter[hf]'"
+# Text past this many characters is not encoded: ~128k tokens, past most models' context, and
+# encoding runs on the event loop (a 32 MiB prompt of one letter held it 20 s). The prompt is
+# routed by the blocks of its first `MAX_ENCODED_CHARS`, which are the engine's first blocks
+# too, less the tokens near the cut, which the text after it could have merged differently.
+MAX_ENCODED_CHARS: Final = 1 << 19
+CUT_MARGIN_TOKENS: Final = 64
 
 
 class HfModel:
@@ -62,8 +68,11 @@ class HfModel:
         return self._tokenizer.chat_template is not None
 
     def encode_text(self, text: str) -> list[int]:
-        """A completion prompt: encoded with the tokenizer's special tokens (BOS), as engines do."""
-        return self._encode(text, True)
+        """A completion prompt: encoded with the tokenizer's special tokens (BOS), as engines do;
+        the first `MAX_ENCODED_CHARS` of it (see there)."""
+        if len(text) <= MAX_ENCODED_CHARS:
+            return self._encode(text, True)
+        return _before_the_cut(self._encode(text[:MAX_ENCODED_CHARS], True))
 
     def encode_chat(self, body: dict[str, Any]) -> list[int]:
         """Raises ChatRequestError (a 400) or Unrenderable (route as a miss)."""
@@ -71,7 +80,9 @@ class HfModel:
         call = render_call(body, self._traits_of(template), self.engine)
         text = self._render(call, template) + call.suffix
         try:
-            return self.segments.encode(text)
+            if len(text) <= MAX_ENCODED_CHARS:
+                return self.segments.encode(text)
+            return _before_the_cut(self.segments.encode(text[:MAX_ENCODED_CHARS]))
         except Exception as exc:  # the Rust side raises plain Exception subclasses
             raise Unrenderable("encode", f"the tokenizer failed: {exc}") from None
 
@@ -266,3 +277,8 @@ def load_model(directory: Path, engine: Engine, cache_bytes: int) -> HfModel:
             "kvrouter needs the fast (tokenizers) tokenizer the engines use"
         )
     return HfModel(tokenizer, engine, cache_bytes)
+
+
+def _before_the_cut(ids: list[int]) -> list[int]:
+    """The ids of a text cut at `MAX_ENCODED_CHARS`, less those the rest could have changed."""
+    return ids[: max(0, len(ids) - CUT_MARGIN_TOKENS)]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from kubernetes_asyncio.client import ApiClient, Configuration, DiscoveryV1Api
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from peer import endpointslices
 from peer.endpointslices import EndpointSliceWatch, WatchSettings
@@ -481,3 +482,10 @@ async def self_signed(tmp_path: Path):
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(cert, key)
     return ctx
+
+
+def test_a_401_blames_the_credentials_and_a_403_the_service_accounts_rights() -> None:
+    unauthorized = endpointslices._api_problem(ApiException(401, "Unauthorized"), "ns")
+    forbidden = endpointslices._api_problem(ApiException(403, "Forbidden"), "ns")
+    assert "refused the credentials" in unauthorized and "needs get/list" not in unauthorized
+    assert "needs get/list/watch on endpointslices.discovery.k8s.io in namespace ns" in forbidden

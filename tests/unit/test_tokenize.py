@@ -342,3 +342,24 @@ def test_a_missing_hf_extra_says_how_to_install_it(
 def test_repr_names_the_tokenizer() -> None:
     assert repr(load_tokenizer("bytes")) == "RequestTokenizer('bytes')"
     assert isinstance(load_tokenizer("bytes"), RequestTokenizer)
+
+
+def test_a_prompt_past_the_encoding_bound_is_routed_by_its_first_blocks(qwen: Path) -> None:
+    """Text past `MAX_ENCODED_CHARS` is not encoded (it held the loop for seconds): the ids
+    are the full encoding's first ones, up to a margin before the cut; a shorter prompt's
+    ids are all of them."""
+    from router.tokenize.hf import CUT_MARGIN_TOKENS, MAX_ENCODED_CHARS
+
+    tok = load_tokenizer(str(qwen))
+    model = tok.model
+    words = " ".join(f"word{i % 977} and {i}" for i in range(MAX_ENCODED_CHARS // 8))
+    assert len(words) > MAX_ENCODED_CHARS + 1000
+    full = model._encode(words, True)  # the whole text, as the engine encodes it
+    ids = tok.encode_prompt(words)
+    assert list(ids) == full[: len(ids)]
+    cut = model._encode(words[:MAX_ENCODED_CHARS], True)
+    assert len(ids) == len(cut) - CUT_MARGIN_TOKENS
+    short = words[:1000]
+    assert list(tok.encode_prompt(short)) == model._encode(short, True)
+    chat_ids = tok.encode_chat_request(chat([{"role": "user", "content": words}])).ids
+    assert 0 < len(chat_ids) <= len(cut)
