@@ -110,32 +110,53 @@ _FUNCTION_CALL = [{"function": {"name": "f", "arguments": "{}"}}]
 
 
 @pytest.mark.parametrize(
-    ("body", "refused_by"),
+    ("body", "refused_by", "param"),
     [
-        (chat([{"role": "user", "content": [{"type": "text", "text": 5}]}]), "both"),
-        (chat([{"role": "user", "content": [{"type": "input_text", "text": ["a"]}]}]), "both"),
+        (chat([{"role": "user", "content": [{"type": "text", "text": 5}]}]), "both", "messages"),
+        (
+            chat([{"role": "user", "content": [{"type": "input_text", "text": ["a"]}]}]),
+            "both",
+            "messages",
+        ),
         # vLLM skips a text part without text (or with null); SGLang's model requires it.
-        (chat([{"role": "user", "content": [{"type": "text"}]}], tools=[WEATHER_TOOL]), "sglang"),
-        (chat([{"role": "tool", "content": [{"type": "text", "text": None}]}]), "sglang"),
+        (
+            chat([{"role": "user", "content": [{"type": "text"}]}], tools=[WEATHER_TOOL]),
+            "sglang",
+            "messages",
+        ),
+        (
+            chat([{"role": "tool", "content": [{"type": "text", "text": None}]}]),
+            "sglang",
+            "messages",
+        ),
         # A message's own `tools` and a tool_choice object: fields only SGLang's rules read.
-        (chat([{"role": "assistant", "content": "x", "tools": "x"}]), "sglang"),
-        (chat([{"role": "assistant", "content": "x", "tools": [3]}]), "sglang"),
-        (chat([{"role": "assistant", "tool_calls": _FUNCTION_CALL, "tools": [{}]}]), "sglang"),
-        (chat(MESSAGES, tools=[WEATHER_TOOL], tool_choice={"function": 3}), "sglang"),
+        (chat([{"role": "assistant", "content": "x", "tools": "x"}]), "sglang", "messages"),
+        (chat([{"role": "assistant", "content": "x", "tools": [3]}]), "sglang", "messages"),
+        (
+            chat([{"role": "assistant", "tool_calls": _FUNCTION_CALL, "tools": [{}]}]),
+            "sglang",
+            "messages",
+        ),
+        (
+            chat(MESSAGES, tools=[WEATHER_TOOL], tool_choice={"function": 3}),
+            "sglang",
+            "tool_choice",
+        ),
     ],
 )
 def test_a_field_of_the_wrong_shape_is_a_chat_request_error_never_a_crash(
-    body: dict[str, Any], refused_by: str
+    body: dict[str, Any], refused_by: str, param: str
 ) -> None:
     """Found by a fuzz of 60,000 bodies through both engines' rules: each raised a
     TypeError, KeyError or AttributeError, which left the client of a live replica waiting
-    for an answer that never came. The engines' request models refuse each with a 400."""
+    for an answer that never came. The engines' request models refuse each with a 400,
+    naming the field."""
     traits = TemplateTraits(False, True, True, frozenset())
     for engine in Engine:
         if refused_by in ("both", engine.value):
             with pytest.raises(ChatRequestError) as refused:
                 render_call(body, traits, engine)
-            assert refused.value.param == "messages"
+            assert refused.value.param == param
         else:
             assert render_call(body, traits, engine).conversation
 
