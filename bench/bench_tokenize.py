@@ -23,6 +23,11 @@ Modes, each the CPU time (thread time) per request:
 - `cached request`: the same call with the cache (emptied every round).
 Rounds interleave the modes; figures are the medians over rounds of the per-request mean, with
 the range. Every mode's ids are checked identical to the uncached ones.
+
+`--huge-prompt-mib N` also times one completion prompt of N MiB (the trace's system prompts,
+repeated) through `encode_prompt`, which encodes its first `MAX_ENCODED_CHARS` only, beside
+the backend's encode of the whole text: the event loop's hold on a prompt near
+`--max-request-bytes`.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench.chat_trace import TraceShape, chat_trace
 from router.tokenize import Engine, RequestTokenizer, load_tokenizer
 from router.tokenize.chat_rules import render_call
+from router.tokenize.hf import MAX_ENCODED_CHARS
 from router.tokenize.segments import SegmentEncoder
 from tests.support.model_dirs import build_model_dir, fixture_template
 
@@ -53,6 +60,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=24)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--huge-prompt-mib", type=float, default=0.0)
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="bench-tokenize-"))
@@ -161,6 +169,24 @@ def main() -> None:
         f"cached request / full encode: {ratio('cached request', 'full encode')} "
         f"(/ full encode without offsets: {ratio('cached request', 'full encode, no offsets')}); "
         f"segment hit rate {hit_rate:.1%} (last round); ids identical in every mode"
+    )
+    if args.huge_prompt_mib > 0:
+        huge_prompt(uncached, backend, texts, int(args.huge_prompt_mib * (1 << 20)))
+
+
+def huge_prompt(tok: RequestTokenizer, backend: Any, texts: list[str], size: int) -> None:
+    text = ("\n".join(texts) * (size // sum(map(len, texts)) + 1))[:size]
+    started = time.thread_time_ns()
+    ids = tok.encode_prompt(text)
+    bounded = (time.thread_time_ns() - started) / 1e6
+    started = time.thread_time_ns()
+    whole = backend.encode(text, add_special_tokens=True).ids
+    full = (time.thread_time_ns() - started) / 1e6
+    assert list(ids) == whole[: len(ids)]
+    print(
+        f"a {size / (1 << 20):.0f} MiB prompt: encode_prompt {bounded:.0f} ms ({len(ids):,} ids, "
+        f"the first {MAX_ENCODED_CHARS:,} characters); the whole text {full:.0f} ms "
+        f"({len(whole):,} ids); the ids agree"
     )
 
 
