@@ -396,8 +396,9 @@ class SliceDiscovery:
             settings=self.settings,
         )
         self.watches.append(w)
-        # `run` survives every failure it knows of; the supervisor catches the rest (a
-        # `publish` callback that raises) and restarts it.
+        # `run` survives every failure of a response, and a `publish` callback that raises
+        # (its own `except Exception` logs it and backs off); the supervisor restarts it
+        # should it end all the same.
         self._tasks.append(self.supervisor.spawn("discovery", f"endpointslices {what}", w.run))
 
     async def close(self) -> None:
