@@ -161,6 +161,13 @@ class RouterMetrics:
     def watch_tasks(self, supervisor: Supervisor) -> None:
         self.registry.register(_TaskCollector(supervisor))
 
+    def forget_worker(self, url: str) -> None:
+        """A worker left the registry: its request and failure series go with it (a worker
+        address is a label, and a fleet that rolls its pods would grow them forever)."""
+        for counts, at in ((self.requests, 1), (self.upstream_failures, 0)):
+            for labels in [k for k in counts if k[at] == url]:
+                del counts[labels]
+
     def watch_dataplane(self, plane: DataPlane) -> None:
         self.registry.register(_DataPlaneCollector(plane))
 

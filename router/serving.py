@@ -163,6 +163,7 @@ async def start_serving(config: ServeConfig) -> Serving:
             },
         )
         replica.workers.on_unhealthy = plane.worker_down
+        replica.workers.on_removed = plane.forget_worker
         replica.metrics.watch_dataplane(plane)
         try:
             addresses = await plane.listen(config.host, config.port)

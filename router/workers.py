@@ -273,6 +273,7 @@ class WorkerRegistry:
         # Set by the data plane: told when health declares a worker down, so that requests
         # still waiting for that worker's answer fail over at once.
         self.on_unhealthy: Callable[[str], None] | None = None
+        self.on_removed: Callable[[str], None] | None = None  # the data plane drops its pool
         # Set by the replica under --chat-rules auto: told which engine a worker runs.
         self.on_engine: Callable[[str, str], None] | None = None
         pump.rules.set_loss_handler(self._on_rank_loss)
@@ -339,6 +340,8 @@ class WorkerRegistry:
         if worker.state != "down":  # a down worker left the index already
             await self._detach(worker)
         self._health.forget(url)
+        if self.on_removed is not None:
+            self.on_removed(url)
         log.info("worker %s removed: its %d rank(s) left the index", url, worker.dp_size)
         return True
 

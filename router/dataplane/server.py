@@ -270,6 +270,16 @@ class DataPlane:
         if waiting:
             self._new_slice_soon()
 
+    def forget_worker(self, url: str) -> None:
+        """A worker left the registry: its pool goes (its connections close as their answers
+        end; a request still waiting for a connection fails over), and so do its series."""
+        pool = self.pools.pop(url, None)
+        if pool is not None:
+            for relay in pool.retire():
+                if isinstance(relay, WorkerRelay) and not relay.done:
+                    relay.worker_down()
+        self.metrics.forget_worker(url)
+
     def worker_down(self, url: str) -> None:
         """Health declared a worker down: requests still waiting for its head fail over."""
         pool = self.pools.get(url)

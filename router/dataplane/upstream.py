@@ -431,6 +431,18 @@ class UpstreamPool:
                 self._connecting[task] = None
         return out
 
+    def retire(self) -> list[Acquirer]:
+        """Its worker left the fleet: no connection is opened or kept any more. The idle ones
+        close now, a busy one when its answer ends (`release`); the acquirers still without a
+        connection are returned, for the caller to fail over."""
+        self._closed = True
+        self._expiry.cancel()
+        for conn in self.idle:
+            if conn.transport is not None:
+                conn.transport.close()
+        self.idle.clear()
+        return self.take_waiting()
+
     def close(self) -> None:
         self._closed = True
         self._expiry.cancel()

@@ -80,3 +80,23 @@ async def test_flags_are_not_subject_to_the_allow_list() -> None:
         router_in_process(workers=[fw.url], worker_allow_cidr=["10.0.0.0/8"]) as rt,
     ):
         assert [w.url for w in rt.replica.workers.routable()] == [fw.url]
+
+
+async def test_a_removed_worker_leaves_no_pool_and_no_series_behind() -> None:
+    """A fleet that rolls its pods sees every worker address once: a removed worker's
+    connection pool and its per-worker series must go with it, or they grow forever."""
+    async with fake_worker_in_process() as fw, router_in_process() as rt:
+        status, _, _ = await rt.post("/workers", {"url": fw.url})
+        assert status == 200
+        status, _, _ = await rt.post("/v1/completions", {"prompt": "hello", "max_tokens": 1})
+        assert status == 200
+        assert fw.url in rt.plane.pools
+        _, before = await rt.text("/metrics")
+        assert f'worker="{fw.url}"' in before
+        status, _ = await rt.delete(f"/workers?url={fw.url}")
+        assert status == 200
+        assert fw.url not in rt.plane.pools
+        _, after = await rt.text("/metrics")
+        assert f'worker="{fw.url}"' not in after, [
+            line for line in after.splitlines() if fw.url in line
+        ]
