@@ -276,11 +276,14 @@ async def _decisions(request: web.Request) -> web.Response:
         )
     body = await _bounded_body(request, siblings.MAX_BODY_BYTES, "a decision batch")
     if isinstance(body, web.Response):
+        sharing.stats.refused += 1  # over the bound: refused as a malformed one is
         return body
     try:
-        sharing.receive(body)
+        batch = sharing.decode(body)
     except ValueError as exc:
         return _error(400, f"decision batch refused: {exc}")
+    for _ in sharing.adopt_steps(batch):
+        await asyncio.sleep(0)  # the loop serves requests between chunks of the batch
     return web.Response(status=204)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from router import auth
+from router import auth, siblings
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.router import RouterHandle, router_in_process
 
@@ -113,3 +113,16 @@ async def test_the_probes_the_scrape_and_the_model_list_stay_open() -> None:
         assert (await call(rt, "GET", "/v1/models"))[0] == 200
         async with aiohttp.ClientSession() as session, session.get(rt.url + "/metrics") as resp:
             assert resp.status == 200 and "kvrouter_tree_nodes" in await resp.text()
+
+
+async def test_a_decision_batch_over_the_bound_is_a_413_counted_refused() -> None:
+    async with router_in_process(
+        internal_token=TOKEN, peer=["http://127.0.0.1:9"], kv_bootstrap_timeout_ms=0
+    ) as rt:
+        sharing = rt.replica.sharing
+        assert sharing is not None
+        body = b"\x00" * (siblings.MAX_BODY_BYTES + 1)
+        headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/msgpack"}
+        status, _, _ = await call(rt, "POST", "/internal/decisions", headers, data=body)
+        assert status == 413
+        assert (sharing.stats.refused, sharing.stats.received) == (1, 0)

@@ -249,3 +249,23 @@ async def test_a_dead_sibling_is_skipped_for_a_backoff_not_dialled_per_decision(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def test_a_large_batch_is_adopted_in_chunks_with_the_loop_let_in_between() -> None:
+    adopted: list[RankId] = []
+    sharing = siblings.DecisionSharing(
+        session=None,  # type: ignore[arg-type]  # receiving posts nothing
+        peers=list,
+        token="t",
+        adopt=lambda rank, keys, held: adopted.append(rank),
+        known=lambda rank: True,
+    )
+    count = 2 * siblings.ADOPT_CHUNK + 5
+    steps = sharing.adopt_steps(sharing.decode(encoded(*[GOOD] * count)))
+    taken = []
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(steps)
+            taken.append(len(adopted))
+    assert taken == [siblings.ADOPT_CHUNK, 2 * siblings.ADOPT_CHUNK]  # two turns of the loop
+    assert done.value.value == count == len(adopted) == sharing.stats.received
