@@ -260,7 +260,7 @@ async def test_the_decisions_route_refuses_bad_callers_and_bad_batches_changing_
         assert policy.ledger.demand(RankId(w1.url, 0)) == 0.0
         assert policy.ledger.pending(RankId(w1.url, 0)) == 0
         stats = two.replica.sharing.stats  # type: ignore[union-attr]
-        assert (stats.received, stats.refused) == (0, 1)
+        assert (stats.received, stats.refused) == (0, 2)  # the malformed one, the oversized one
         async with two.session.post(url, data=good, headers=bearer) as resp:
             assert resp.status == 204
         assert policy.ledger.pending(RankId(w1.url, 0)) == 2
