@@ -39,7 +39,7 @@ as a cache miss, never refused.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -60,10 +60,17 @@ FAILURE_REASONS: Final = (
     "tool_arguments",  # SGLang refuses tool-call arguments that are not a JSON object
     "role",  # SGLang refuses roles outside its list
     "tools",  # a tool the engine's request model would not accept
+    "deep_tools",  # tool schemas nested past MAX_TOOL_NESTING: not rendered on the loop
     "no_template",  # the model has no chat template
     "render",  # the template raised (raise_exception, a type error, ...)
     "encode",  # the tokenizer failed on the rendered text
 )
+
+
+# JSON levels a request's tools may nest to (real schemas stay under ten): templates dump
+# them with `tojson(indent=...)`, whose cost grows with the square of the depth (480 levels,
+# a 20 KB body, rendered for 1.1 s on the event loop).
+MAX_TOOL_NESTING: Final = 64
 
 
 class ChatRequestError(ValueError):
@@ -108,6 +115,8 @@ def render_call(body: dict[str, Any], traits: TemplateTraits, engine: Engine) ->
     """The engine's render call for a chat body. Raises ChatRequestError or Unrenderable."""
     messages = _checked_messages(body.get("messages"))
     tools = _checked_tools(body.get("tools"))
+    if tools and _nests_deeper(tools, MAX_TOOL_NESTING):
+        raise Unrenderable("deep_tools", f"the tools nest deeper than {MAX_TOOL_NESTING} levels")
     template_kwargs = _checked_object(body.get("chat_template_kwargs"), "chat_template_kwargs")
     add_generation_prompt = _checked_bool(body, "add_generation_prompt", True)
     continue_final = _checked_bool(body, "continue_final_message", False)
@@ -152,6 +161,24 @@ def template_tools(body: dict[str, Any], engine: Engine) -> list[dict[str, Any]]
 
 
 # --- validation shared by both engines (their request models refuse these) -----------------
+
+
+def _nests_deeper(value: Any, levels: int) -> bool:
+    """Whether lists and objects nest in `value` deeper than `levels` (stops at the first
+    such path)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Iterable[Any] = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > levels:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _checked_messages(messages: Any) -> list[dict[str, Any]]:

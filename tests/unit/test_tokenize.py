@@ -384,3 +384,26 @@ def test_a_prompt_past_the_encoding_bound_is_routed_by_its_first_blocks(qwen: Pa
     assert list(tok.encode_prompt(short)) == model._encode(short, True)
     chat_ids = tok.encode_chat_request(chat([{"role": "user", "content": words}])).ids
     assert 0 < len(chat_ids) <= len(cut)
+
+
+def nested_parameters(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return {"type": "function", "function": {"name": "f", "parameters": schema}}
+
+
+@pytest.mark.parametrize("engine", list(Engine))
+def test_tools_nested_past_the_bound_are_not_rendered_on_the_loop(engine: Engine) -> None:
+    """Templates dump tools with `tojson(indent=...)`, quadratic in their depth: a 20 KB
+    body nested 480 levels rendered for a second. Past `MAX_TOOL_NESTING` the chat is
+    routed by load, as the engine's rendering cannot be followed in time."""
+    from router.tokenize.chat_rules import MAX_TOOL_NESTING, Unrenderable
+
+    traits = TemplateTraits(False, True, True, frozenset())
+    deep = chat(MESSAGES, tools=[nested_parameters(MAX_TOOL_NESTING)])
+    with pytest.raises(Unrenderable) as caught:
+        render_call(deep, traits, engine)
+    assert caught.value.reason == "deep_tools"
+    usual = chat(MESSAGES, tools=[nested_parameters(10)])
+    assert render_call(usual, traits, engine).conversation
