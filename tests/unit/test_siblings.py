@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -63,6 +64,11 @@ def test_the_outbox_never_holds_more_decisions_than_a_batch_may_carry() -> None:
     assert len(decode_batch(batch[0]).decisions) == siblings.MAX_DECISIONS_PER_BATCH
 
 
+def receiver(**kw: Any) -> siblings.DecisionSharing:
+    """A sharing end that only receives (it posts nothing: no session, no peers)."""
+    return siblings.DecisionSharing(session=None, peers=list, token="t", **kw)  # type: ignore[arg-type]
+
+
 GOOD = SharedDecision("http://a:8000", 0, 1, [5, 6])
 
 
@@ -95,10 +101,7 @@ GOOD = SharedDecision("http://a:8000", 0, 1, [5, 6])
 )
 def test_a_malformed_batch_is_refused_whole_with_its_reason(body: bytes, reason: str) -> None:
     adopted: list[tuple[RankId, Sequence[int], int]] = []
-    sharing = siblings.DecisionSharing(
-        session=None,  # type: ignore[arg-type]  # receiving posts nothing
-        peers=list,
-        token="t",
+    sharing = receiver(
         adopt=lambda rank, keys, held: adopted.append((rank, keys, held)),
         known=lambda rank: True,
     )
@@ -165,10 +168,7 @@ def test_a_batch_with_a_malformed_home_is_refused_whole(
     bad: SharedHome, reason: str | None
 ) -> None:
     adopted: list[object] = []
-    sharing = siblings.DecisionSharing(
-        session=None,  # type: ignore[arg-type]  # receiving posts nothing
-        peers=list,
-        token="t",
+    sharing = receiver(
         adopt=lambda rank, keys, held: adopted.append(keys),
         known=lambda rank: True,
         adopt_home=adopted.append,
@@ -253,10 +253,7 @@ async def test_a_dead_sibling_is_skipped_for_a_backoff_not_dialled_per_decision(
 
 def test_a_large_batch_is_adopted_in_chunks_with_the_loop_let_in_between() -> None:
     adopted: list[RankId] = []
-    sharing = siblings.DecisionSharing(
-        session=None,  # type: ignore[arg-type]  # receiving posts nothing
-        peers=list,
-        token="t",
+    sharing = receiver(
         adopt=lambda rank, keys, held: adopted.append(rank),
         known=lambda rank: True,
     )
