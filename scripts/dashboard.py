@@ -433,10 +433,11 @@ ROWS: Final = (
                 "short",
                 (
                     Query(
-                        "max by (worker_url, dp_rank) "
+                        # Per tier too: a rank's device and host counts are different series.
+                        "max by (worker_url, dp_rank, tier) "
                         f"(kvrouter_tree_blocks{_sel()}) - "
-                        f"min by (worker_url, dp_rank) (kvrouter_tree_blocks{_sel()})",
-                        "{{worker_url}} rank {{dp_rank}}",
+                        f"min by (worker_url, dp_rank, tier) (kvrouter_tree_blocks{_sel()})",
+                        "{{worker_url}} rank {{dp_rank}} {{tier}}",
                     ),
                 ),
             ),
