@@ -571,7 +571,7 @@ class RankSubscriber:
                 frame.seq,
                 frame.seq - 1,
             )
-            return self._reset_then_fill(live)
+            return self._reset_then_fill(verdict.missing_first, live)
         elif step is Step.RESUMED:
             log.info(
                 "rank %s: first batch after END_SEQ is seq %d; asking for its stream's batches "
@@ -580,7 +580,7 @@ class RankSubscriber:
                 frame.seq,
                 frame.seq - 1,
             )
-            return self._fill_then(0, live)
+            return self._fill_then(verdict.missing_first, live)
         elif step is Step.GAP:
             return self._fill_then(verdict.missing_first, live)
         elif step is Step.JUMP:
@@ -650,11 +650,11 @@ class RankSubscriber:
 
     # --- gaps -------------------------------------------------------------------------------
 
-    async def _reset_then_fill(self, live: LiveBatch) -> None:
-        """A restarted publisher: the reset, its new stream's batches before `live` as a gap,
-        then `live`."""
+    async def _reset_then_fill(self, first: int, live: LiveBatch) -> None:
+        """A restarted publisher: the reset, its new stream's batches [first, live.seq) as a
+        gap, then `live`."""
         await self._emit(PublisherReset(self.rank))
-        await self._fill_then(0, live)
+        await self._fill_then(first, live)
 
     async def _fill_then(self, first: int, live: LiveBatch) -> None:
         """The missing range [first, live.seq) as `_fill` has it, then the batch itself."""

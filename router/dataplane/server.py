@@ -22,7 +22,7 @@ import logging
 import socket
 import time
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Final, cast
@@ -275,9 +275,7 @@ class DataPlane:
         end; a request still waiting for a connection fails over), and so do its series."""
         pool = self.pools.pop(url, None)
         if pool is not None:
-            for relay in pool.retire():
-                if isinstance(relay, WorkerRelay) and not relay.done:
-                    relay.worker_down()
+            _fail_over(pool.retire())
         self.metrics.forget_worker(url)
 
     def worker_down(self, url: str) -> None:
@@ -287,9 +285,7 @@ class DataPlane:
             return
         relays = [c.sink for c in pool.waiting_for_head()]
         relays += pool.take_waiting()
-        for relay in relays:
-            if isinstance(relay, WorkerRelay) and not relay.done:
-                relay.worker_down()
+        _fail_over(relays)
         if relays:
             log.warning(
                 "worker %s declared down: %d request(s) waiting for its answer fail over",
@@ -350,6 +346,13 @@ _BUSY: Final = refusal_response(
     client_11=True,
     keep_alive=False,
 )
+
+
+def _fail_over(relays: Iterable[object]) -> None:
+    """Requests waiting on a worker that is gone or down: each still unanswered fails over."""
+    for relay in relays:
+        if isinstance(relay, WorkerRelay) and not relay.done:
+            relay.worker_down()
 
 
 class _Incoming:

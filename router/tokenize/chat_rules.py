@@ -180,6 +180,15 @@ def _nests_deeper(value: Any, levels: int) -> bool:
     return False
 
 
+def _parsed_arguments(text: str) -> Any:
+    """Tool-call arguments as the engines parse them (`json.loads`: ValueError when they are
+    not JSON); nested past Python's recursion limit they are Unrenderable, not a crash."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise Unrenderable("tool_arguments", "tool-call arguments nested too deeply") from None
+
+
 def _checked_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise ChatRequestError("'messages' must be a non-empty list")
@@ -371,11 +380,9 @@ def _vllm_tool_call(call: dict[str, Any]) -> dict[str, Any]:
         function["arguments"] = {}
     elif isinstance(arguments, str):
         try:
-            parsed = json.loads(arguments)
+            parsed = _parsed_arguments(arguments)
         except ValueError:
             parsed = {}  # vLLM coerces malformed history so the conversation can go on
-        except RecursionError:  # nested past Python's limit: no engine renders it as it is
-            raise Unrenderable("tool_arguments", "tool-call arguments nested too deeply") from None
         function["arguments"] = parsed if isinstance(parsed, dict) else {}
     elif not isinstance(arguments, dict):
         function["arguments"] = {}
@@ -489,11 +496,9 @@ def _sglang_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = _parsed_arguments(arguments)
         except ValueError:
             raise Unrenderable("tool_arguments", "tool-call arguments are not JSON") from None
-        except RecursionError:
-            raise Unrenderable("tool_arguments", "tool-call arguments nested too deeply") from None
         if not isinstance(arguments, dict):
             raise Unrenderable("tool_arguments", "tool-call arguments are not a JSON object")
     return {

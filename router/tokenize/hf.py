@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any, Final
@@ -70,9 +71,7 @@ class HfModel:
     def encode_text(self, text: str) -> list[int]:
         """A completion prompt: encoded with the tokenizer's special tokens (BOS), as engines do;
         the first `MAX_ENCODED_CHARS` of it (see there)."""
-        if len(text) <= MAX_ENCODED_CHARS:
-            return self._encode(text, True)
-        return _before_the_cut(self._encode(text[:MAX_ENCODED_CHARS], True))
+        return _encoded_within_bound(lambda part: self._encode(part, True), text)
 
     def encode_chat(self, body: dict[str, Any]) -> list[int]:
         """Raises ChatRequestError (a 400) or Unrenderable (route as a miss)."""
@@ -80,9 +79,7 @@ class HfModel:
         call = render_call(body, self._traits_of(template), self.engine)
         text = self._render(call, template) + call.suffix
         try:
-            if len(text) <= MAX_ENCODED_CHARS:
-                return self.segments.encode(text)
-            return _before_the_cut(self.segments.encode(text[:MAX_ENCODED_CHARS]))
+            return _encoded_within_bound(self.segments.encode, text)
         except Exception as exc:  # the Rust side raises plain Exception subclasses
             raise Unrenderable("encode", f"the tokenizer failed: {exc}") from None
 
@@ -279,6 +276,10 @@ def load_model(directory: Path, engine: Engine, cache_bytes: int) -> HfModel:
     return HfModel(tokenizer, engine, cache_bytes)
 
 
-def _before_the_cut(ids: list[int]) -> list[int]:
-    """The ids of a text cut at `MAX_ENCODED_CHARS`, less those the rest could have changed."""
+def _encoded_within_bound(encode: Callable[[str], list[int]], text: str) -> list[int]:
+    """`encode(text)`, or for a text past `MAX_ENCODED_CHARS` the ids of its first part less
+    those the rest could have changed."""
+    if len(text) <= MAX_ENCODED_CHARS:
+        return encode(text)
+    ids = encode(text[:MAX_ENCODED_CHARS])
     return ids[: max(0, len(ids) - CUT_MARGIN_TOKENS)]
