@@ -266,6 +266,8 @@ def _vllm_fix_tool_calls(message: dict[str, Any]) -> None:
                 parsed = json.loads(raw)
             except json.JSONDecodeError:
                 parsed = None
+            except RecursionError:  # a RuntimeError: vLLM's chat handler answers it 400
+                raise RequestError("function.arguments nest too deeply", "messages") from None
         else:
             parsed = raw
         function["arguments"] = parsed if isinstance(parsed, dict) else {}
@@ -393,7 +395,7 @@ def _sglang_dump_message(message: dict[str, Any]) -> dict[str, Any]:
             if isinstance(arguments, str):
                 try:
                     arguments = json.loads(arguments)
-                except ValueError:
+                except (ValueError, RecursionError):
                     raise RequestError(
                         "function.arguments must be valid JSON", "messages"
                     ) from None

@@ -60,17 +60,25 @@ FAILURE_REASONS: Final = (
     "tool_arguments",  # SGLang refuses tool-call arguments that are not a JSON object
     "role",  # SGLang refuses roles outside its list
     "tools",  # a tool the engine's request model would not accept
-    "deep_tools",  # tool schemas nested past MAX_TOOL_NESTING: not rendered on the loop
+    "deep_tools",  # JSON a template dumps nested past MAX_TOOL_NESTING: not rendered on the loop
+    "too_large",  # more messages or tools than MAX_CHAT_MESSAGES / MAX_CHAT_TOOLS
     "no_template",  # the model has no chat template
     "render",  # the template raised (raise_exception, a type error, ...)
     "encode",  # the tokenizer failed on the rendered text
 )
 
 
-# JSON levels a request's tools may nest to (real schemas stay under ten): templates dump
-# them with `tojson(indent=...)`, whose cost grows with the square of the depth (480 levels,
-# a 20 KB body, rendered for 1.1 s on the event loop).
+# JSON levels what a template dumps may nest to (tools, tool-call arguments, the values of
+# `chat_template_kwargs`; real schemas stay under ten): templates dump them with
+# `tojson(indent=...)`, whose cost grows with the square of the depth (480 levels, a 20 KB
+# body, rendered for 1.1 s on the event loop; 300 levels in a 2.5 MB body, 7.6 s).
 MAX_TOOL_NESTING: Final = 64
+# Messages and tools a chat may have for the router to render it. The rules and the render
+# take time in proportion to them, on the event loop: a million empty messages held it for
+# 3.6 s, 330,000 tools for 3 s. Past these a chat is routed by load, as a miss; agents'
+# conversations stay far below (a 1M-token context is a few thousand turns).
+MAX_CHAT_MESSAGES: Final = 10_000
+MAX_CHAT_TOOLS: Final = 2_048
 
 
 class ChatRequestError(ValueError):
@@ -113,10 +121,9 @@ class RenderCall:
 
 def render_call(body: dict[str, Any], traits: TemplateTraits, engine: Engine) -> RenderCall:
     """The engine's render call for a chat body. Raises ChatRequestError or Unrenderable."""
+    _within_counts(body)
     messages = _checked_messages(body.get("messages"))
     tools = _checked_tools(body.get("tools"))
-    if tools and _nests_deeper(tools, MAX_TOOL_NESTING):
-        raise Unrenderable("deep_tools", f"the tools nest deeper than {MAX_TOOL_NESTING} levels")
     template_kwargs = _checked_object(body.get("chat_template_kwargs"), "chat_template_kwargs")
     add_generation_prompt = _checked_bool(body, "add_generation_prompt", True)
     continue_final = _checked_bool(body, "continue_final_message", False)
@@ -126,15 +133,24 @@ def render_call(body: dict[str, Any], traits: TemplateTraits, engine: Engine) ->
         raise Unrenderable("request_template", "the request carries its own chat_template")
     with _wrong_shapes_refused():
         if engine is Engine.SGLANG:
-            return _sglang_call(body, messages, tools, template_kwargs, continue_final, traits)
-        if continue_final and add_generation_prompt:
-            raise ChatRequestError(
-                "cannot set both continue_final_message and add_generation_prompt to true",
-                "continue_final_message",
+            call = _sglang_call(body, messages, tools, template_kwargs, continue_final, traits)
+        else:
+            if continue_final and add_generation_prompt:
+                raise ChatRequestError(
+                    "cannot set both continue_final_message and add_generation_prompt to true",
+                    "continue_final_message",
+                )
+            call = _vllm_call(
+                body,
+                messages,
+                tools,
+                template_kwargs,
+                add_generation_prompt,
+                continue_final,
+                traits,
             )
-        return _vllm_call(
-            body, messages, tools, template_kwargs, add_generation_prompt, continue_final, traits
-        )
+    _within_nesting(call)
+    return call
 
 
 @contextmanager
@@ -158,6 +174,29 @@ def template_tools(body: dict[str, Any], engine: Engine) -> list[dict[str, Any]]
         with _wrong_shapes_refused():
             return _sglang_tools(tools, body.get("tool_choice"))
     return tools
+
+
+# --- what the router renders on its event loop --------------------------------------------
+
+
+def _within_counts(body: dict[str, Any]) -> None:
+    """Unrenderable past MAX_CHAT_MESSAGES messages or MAX_CHAT_TOOLS tools: checked before
+    anything walks them (such a body is forwarded unchecked; the engine validates it)."""
+    for key, bound in (("messages", MAX_CHAT_MESSAGES), ("tools", MAX_CHAT_TOOLS)):
+        value = body.get(key)
+        if type(value) is list and len(value) > bound:
+            raise Unrenderable("too_large", f"more than {bound} {key} ({len(value)})")
+
+
+def _within_nesting(call: RenderCall) -> None:
+    """Unrenderable when what the template may dump as JSON nests past MAX_TOOL_NESTING: the
+    tools (the request's, or those `chat_template_kwargs` brings), the other template
+    variables, and the messages' tool calls (arguments parsed) and tools."""
+    dumped: list[Any] = [call.tools, list(call.kwargs.values())]
+    for message in call.conversation:
+        dumped.extend(message[k] for k in ("tool_calls", "tools") if message.get(k))
+    if _nests_deeper(dumped, MAX_TOOL_NESTING + 1):  # `dumped` is one level of its own
+        raise Unrenderable("deep_tools", f"the JSON to render nests past {MAX_TOOL_NESTING} levels")
 
 
 # --- validation shared by both engines (their request models refuse these) -----------------

@@ -238,3 +238,23 @@ def test_shapes_file_is_valid_json() -> None:
     # The shapes are plain JSON bodies (a client could send each one as it is).
     for body in SHAPES.values():
         assert json.loads(json.dumps(body)) == body
+
+
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
+def test_the_engine_mirror_refuses_arguments_nested_past_pythons_limit_with_a_400(
+    engine: str, pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]]
+) -> None:
+    """json.loads raises RecursionError (a RuntimeError) on them, which both engines' chat
+    handlers answer with a 400; the mirror raised it through, a 500."""
+    _, mirror = pairs[("qwen3.jinja", engine)]
+    call = {"id": "c1", "type": "function", "function": {"name": "f"}}
+    call["function"]["arguments"] = "[" * 100_000 + "]" * 100_000
+    body = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "done"},
+        ]
+    }
+    with pytest.raises(RequestError):
+        mirror.chat_ids(body)

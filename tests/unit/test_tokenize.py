@@ -407,3 +407,78 @@ def test_tools_nested_past_the_bound_are_not_rendered_on_the_loop(engine: Engine
     assert caught.value.reason == "deep_tools"
     usual = chat(MESSAGES, tools=[nested_parameters(10)])
     assert render_call(usual, traits, engine).conversation
+
+
+def deep_value(levels: int) -> Any:
+    """A JSON object nested `levels` deep: an object of lists around an object."""
+    value: Any = {"leaf": 1}
+    for _ in range(levels - 2):
+        value = [value]
+    return {"x": value}
+
+
+@pytest.mark.parametrize("engine", list(Engine))
+def test_json_a_template_dumps_is_held_to_the_nesting_bound_wherever_it_comes_from(
+    engine: Engine,
+) -> None:
+    """Not only the request's `tools`: the tools `chat_template_kwargs` brings (which win over
+    the request's), its other values, a developer message's tools and an assistant's tool-call
+    arguments (a dict, or a JSON string the rules parse) all reach the template's `tojson`. A
+    2.5 MB chat whose tools came through the kwargs, 300 levels deep, held the loop 7.6 s."""
+    from router.tokenize.chat_rules import MAX_TOOL_NESTING, Unrenderable
+
+    traits = TemplateTraits(True, False, False, frozenset({"tools", "extra"}))
+    deep = deep_value(MAX_TOOL_NESTING)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    as_text = {**call, "function": {"name": "f", "arguments": json.dumps(deep)}}
+    result = {"role": "tool", "tool_call_id": "c1", "content": "done"}
+    bodies = {
+        "kwargs tools": chat(MESSAGES, chat_template_kwargs={"tools": [nested_parameters(64)]}),
+        "kwargs value": chat(MESSAGES, chat_template_kwargs={"extra": deep}),
+        "developer tools": chat(
+            [{"role": "developer", "content": "x", "tools": [nested_parameters(64)]}, *MESSAGES]
+        ),
+        # A tool result after the call: SGLang makes a last assistant message a user turn.
+        "call arguments": chat([*MESSAGES, {"role": "assistant", "tool_calls": [call]}, result]),
+        "call arguments as text": chat(
+            [*MESSAGES, {"role": "assistant", "tool_calls": [as_text]}, result]
+        ),
+    }
+    if engine is Engine.SGLANG:  # SGLang passes no `tools` kwarg over the request's own
+        del bodies["kwargs tools"]
+    for name, body in bodies.items():
+        with pytest.raises(Unrenderable) as caught:
+            render_call(body, traits, engine)
+        assert caught.value.reason == "deep_tools", name
+    shallow = deep_value(MAX_TOOL_NESTING - 8)
+    fine = chat(
+        [
+            *MESSAGES,
+            {
+                "role": "assistant",
+                "tool_calls": [{**call, "function": {"name": "f", "arguments": shallow}}],
+            },
+        ],
+        chat_template_kwargs={"extra": shallow},
+    )
+    assert render_call(fine, traits, engine).conversation
+
+
+@pytest.mark.parametrize("engine", list(Engine))
+def test_chats_past_the_message_or_tool_count_are_routed_by_load_unwalked(engine: Engine) -> None:
+    """A million empty messages held the loop 3.6 s in the rules and the render; past the
+    bounds the chat is Unrenderable (`too_large`) before anything walks it, so even a
+    malformed message past the bound costs nothing (the engine validates what it is sent)."""
+    from router.tokenize.chat_rules import MAX_CHAT_MESSAGES, MAX_CHAT_TOOLS, Unrenderable
+
+    traits = TemplateTraits(False, False, False, frozenset())
+    user = {"role": "user", "content": "hi"}
+    at_bound = chat([user] * MAX_CHAT_MESSAGES, tools=[WEATHER_TOOL] * MAX_CHAT_TOOLS)
+    assert len(render_call(at_bound, traits, engine).conversation) == MAX_CHAT_MESSAGES
+    for body in (
+        chat([user] * MAX_CHAT_MESSAGES + ["not a message"]),
+        chat(MESSAGES, tools=[WEATHER_TOOL] * (MAX_CHAT_TOOLS + 1)),
+    ):
+        with pytest.raises(Unrenderable) as caught:
+            render_call(body, traits, engine)
+        assert caught.value.reason == "too_large"
