@@ -320,11 +320,14 @@ def upstream_request(
 
 
 def _connection_tokens(names: list[bytes], headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
-    """Fields a `Connection` header names as hop-by-hop (RFC 9110 7.6.1)."""
+    """Fields a `Connection` header names as hop-by-hop (RFC 9110 7.6.1), but Content-Length:
+    it is for every recipient (no sender may name it), and the relay keeps a worker's to frame
+    the answer it relays byte for byte (dropped, the client could not tell where it ends)."""
     tokens: set[bytes] = set()
     for low, (_, value) in zip(names, headers, strict=True):
         if low == b"connection":
             tokens.update(t.strip().lower() for t in value.split(b","))
+    tokens.discard(b"content-length")
     return frozenset(tokens)
 
 
@@ -554,11 +557,21 @@ def classify_lost(reused: bool, retried: bool, answered_bytes: int) -> Failure:
     return "lost"
 
 
-def cut_tail(framing: Framing, sse: bool, reason: str) -> bytes:
-    """What the client gets before its connection is closed when a stream is cut."""
+def cut_tail(framing: Framing, sse: bool, reason: str, relayed_tail: bytes = b"") -> bytes:
+    """What the client gets before its connection is closed when a stream is cut: for an SSE
+    answer, an error event, after the line end and blank line that end the event the worker
+    broke off in (when `relayed_tail`, the last bytes relayed, ends none), which the error
+    would join else."""
     if not sse or framing not in (Framing.CHUNKED, Framing.CLOSE):
         return b""  # a short Content-Length body, or a missing last chunk, shows the cut
     event = b"data: %b\n\n" % msgspec.json.encode(
         {"error": {"message": f"the worker's stream broke: {reason}", "type": "upstream_error"}}
     )
+    if relayed_tail and not relayed_tail.endswith(_EVENT_ENDS):
+        # After a line's LF, one more ends the event; else the line is ended first (a CR
+        # alone would make the LF after it one CRLF).
+        event = (b"\n" if relayed_tail.endswith(b"\n") else b"\n\n") + event
     return chunk(event) if framing is Framing.CHUNKED else event
+
+
+_EVENT_ENDS: Final = (b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n", b"\r\n\n")

@@ -56,7 +56,7 @@ class WorkerLookup(Protocol):
 
 
 class Relay:
-    __slots__ = ("body", "client", "conn", "done", "head", "plan")
+    __slots__ = ("body", "client", "conn", "done", "head", "plan", "sse_tail")
 
     def __init__(self, client: ClientConnection, head: RequestHead, body: bytes) -> None:
         self.client = client
@@ -65,6 +65,7 @@ class Relay:
         self.conn: UpstreamConnection | None = None
         self.plan: ResponsePlan | None = None
         self.done = False
+        self.sse_tail = b""  # the last bytes of an SSE answer relayed so far
 
     # -- what subclasses decide ------------------------------------------------------------
 
@@ -93,11 +94,17 @@ class Relay:
         )
         self.plan = plan
         client.hold(plan.head)
+        if client.write_paused and self.conn is not None:
+            # The client's buffer went over its mark while the answer before this one ended
+            # (asyncio says so once): this answer waits for it as a paused one would.
+            self.conn.hold_reading(True)
 
     def upstream_body(self, data: bytes) -> None:
         plan = self.plan
         if plan is None or not data:
             return
+        if plan.answer.sse:
+            self.sse_tail = (self.sse_tail + data)[-4:]
         self.client.hold(chunk(data) if plan.framing is Framing.CHUNKED else data)
 
     def upstream_end(self) -> None:
@@ -114,7 +121,7 @@ class Relay:
         assert plan is not None
         self.conn = None
         log.warning("%s: the answer broke after its first byte: %s", self.describe(), reason)
-        self.client.write(cut_tail(plan.framing, plan.answer.sse, reason))
+        self.client.write(cut_tail(plan.framing, plan.answer.sse, reason, self.sse_tail))
         self._end("cut")
         self.client.cut()
 
@@ -153,7 +160,15 @@ class Relay:
     def _end(self, outcome: str) -> None:
         if not self.done:
             self.done = True
+            self.upstream_paused(False)  # see `_let_go`
             self.settle(outcome)
+
+    def _let_go(self) -> None:
+        """The attempt's connection is done with: its full write buffer no longer holds the
+        client back (asyncio tells a connection it has drained only while it lives, and a worker
+        that answered without reading the whole request never drains it)."""
+        self.conn = None
+        self.upstream_paused(False)
 
 
 class WorkerRelay(Relay):
@@ -280,7 +295,7 @@ class WorkerRelay(Relay):
         )
 
     def upstream_failed(self, failure: Failure, detail: str) -> None:
-        self.conn = None
+        self._let_go()
         if self.done:
             return
         rank, worker, pool = self.rank, self.worker, self.pool
@@ -300,8 +315,15 @@ class WorkerRelay(Relay):
         worker.breaker.record_failure()
         self._verdict = True
         plane.metrics.upstream_failures[worker.url, failure] += 1
+        left = len(self.decision.ranked) - self._next_pair
         log.warning(
-            "%s %s failed before the first byte (%s); failing over", self.route, rank, detail
+            "%s %s failed before the first byte (%s); %s",
+            self.route,
+            rank,
+            detail,
+            "failing over"
+            if left and self.attempts < plane.limits.max_attempts
+            else "no rank left",
         )
         self._last_failure = f"{failure}: {detail}"
         self.rank = None
@@ -352,7 +374,7 @@ class ControlRelay(Relay):
         )
 
     def upstream_failed(self, failure: Failure, detail: str) -> None:
-        self.conn = None
+        self._let_go()
         if self.done:
             return
         if failure == "stale" and not self._retried:

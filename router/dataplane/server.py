@@ -410,6 +410,9 @@ class ClientConnection(asyncio.Protocol):
         self._held: list[bytes] | None = None  # writes gathered by `hold`
         self._asking: AskFirst | None = None  # a new prefix's question to its placer
         self.turn_started = 0.0  # perf_counter when the routed request being answered got its turn
+        # Over its write buffer's high-water mark: asyncio says so once, maybe as one answer ends
+        # (its last write), so the next answer reads it here (`Relay.upstream_head`).
+        self.write_paused = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -473,10 +476,12 @@ class ClientConnection(asyncio.Protocol):
             asking.cancel()
 
     def pause_writing(self) -> None:
+        self.write_paused = True
         if self._relay is not None:
             self._relay.client_paused(True)
 
     def resume_writing(self) -> None:
+        self.write_paused = False
         if self._relay is not None:
             self._relay.client_paused(False)
 

@@ -187,7 +187,10 @@ class UpstreamConnection(asyncio.Protocol):
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._reusable = False
             if not self._complete:
-                self._stop(f"malformed response: {exc}")
+                if isinstance(exc, httptools.HttpParserUpgrade):  # its text is a byte offset
+                    self._stop("the worker switched protocols (101), which the relay does not")
+                else:
+                    self._stop(f"malformed response: {exc}")
                 sink.upstream_read()
                 return
             # Bytes after a complete answer in the same read (another answer, junk): dropped
@@ -216,9 +219,9 @@ class UpstreamConnection(asyncio.Protocol):
         sink, self._sink = self._sink, None
         if sink is None:
             return
-        if self._head_done and self._framing is Framing.CLOSE:
+        if self._head_done and self._framing is Framing.CLOSE and exc is None:
             sink.upstream_end()  # a close-delimited body ends here (RFC 9112 6.3 item 8)
-        elif self._head_done:
+        elif self._head_done:  # a reset is no end, even of a close-delimited body
             sink.upstream_cut(f"the worker closed the connection ({exc or 'EOF'})")
         else:
             stale = self.reused and self.answered == 0
@@ -294,6 +297,13 @@ class UpstreamConnection(asyncio.Protocol):
         # The deadline is left pending, not cleared on every answer: the next `send` moves
         # it, and if it fires first `_expired` ignores a connection with no exchange.
         keep = self._reusable and self._keep_alive
+        transport = self.transport
+        if transport is not None and transport.get_write_buffer_size():
+            # Answered before it read the whole request: the rest of it goes with the
+            # connection (RFC 9112 9.3), aborted, as a close would wait for a worker that may
+            # never read it.
+            keep = False
+            transport.abort()
         self.reused = True
         if self.pool is not None:
             self.pool.release(self, keep)

@@ -14,8 +14,10 @@ import gzip
 import json
 import logging
 import socket
+import struct
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -860,6 +862,176 @@ async def test_a_client_leaving_aborts_the_upstream_request_at_once() -> None:
         )
         assert rt.replica.inflight.total == 0
         assert rt.plane.stats.ended["gone"] == 1
+
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Close with a TCP reset (SO_LINGER 0), as a crashed process's socket ends."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+async def test_a_close_delimited_stream_ended_by_a_reset_is_cut_not_complete() -> None:
+    """A close ends a body with neither length nor chunking (RFC 9112 6.3), a reset does not:
+    it was relayed with the last chunk, a crashed worker's stream looking whole."""
+
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: one\n\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the event is relayed before the reset
+        reset(writer)
+
+    async with one_worker_and_a_client(script) as (_, rt, client):
+        client.send(post(b"/v1/completions", STREAM))
+        await client.closed()
+        answer = await client.answer()
+        assert answer is not None and answer.status == 200 and not answer.complete
+        events = [e for e in answer.body.split(b"\n\n") if e]
+        assert events[0] == b"data: one"
+        assert "error" in json.loads(events[1].removeprefix(b"data: "))
+        assert rt.plane.stats.ended["cut"] == 1
+
+
+async def test_a_stream_cut_inside_an_event_ends_it_before_a_parseable_error_event() -> None:
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        event = b'data: {"choices": [{"te'
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n" % (len(event), event)
+        )
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.transport.abort()
+
+    async with one_worker_and_a_client(script) as (w, rt, client):
+        client.send(post(b"/v1/completions", STREAM))
+        await client.closed()
+        answer = await client.answer()
+        assert answer is not None and not answer.complete
+        broken, error = [e for e in answer.body.split(b"\n\n") if e]
+        assert broken == b'data: {"choices": [{"te'
+        assert json.loads(error.removeprefix(b"data: "))["error"]["type"] == "upstream_error"
+        assert rt.plane.stats.ended["cut"] == 1 and len(w.posts()) == 1
+
+
+@dataclass
+class HeadAnsweringWorker:
+    url: str
+    heads: list[bytes]  # of the POSTs it answered
+
+
+@contextlib.asynccontextmanager
+async def a_worker_answering_at_the_head(answer: bytes) -> AsyncIterator[HeadAnsweringWorker]:
+    """A worker that answers a POST as soon as its head is in, then reads nothing more of that
+    connection and keeps it open; `GET /health` is 200, other GETs 404."""
+    stop = asyncio.Event()
+    writers: list[asyncio.StreamWriter] = []
+    heads: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"POST"):
+                    heads.append(head)
+                    writer.write(answer)
+                    await stop.wait()
+                    return
+                status = b"200 OK" if head.startswith(b"GET /health") else b"404 Not Found"
+                writer.write(b"HTTP/1.1 %b\r\nContent-Length: 2\r\n\r\n{}" % status)
+
+    listening = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = listening.sockets[0].getsockname()[1]
+    try:
+        yield HeadAnsweringWorker(f"http://127.0.0.1:{port}", heads)
+    finally:
+        stop.set()
+        listening.close()
+        for writer in writers:
+            writer.transport.abort()
+
+
+async def test_a_worker_answering_before_reading_a_large_body_leaves_the_client_served() -> None:
+    """The worker stopped reading: the router's write buffer filled and held the client's
+    reading back, and nothing let go once the answer was in (the connection never drained):
+    the client's next request on its connection went unread until the keep-alive timeout."""
+    big = b'{"prompt": "' + b"y" * (24 * 1024 * 1024) + b'", "max_tokens": 1}'
+    refusal = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+    async with (
+        a_worker_answering_at_the_head(refusal) as w,
+        router_in_process(
+            workers=[w.url], policy="round_robin", health_interval_s=60, max_request_bytes=len(big)
+        ) as rt,
+    ):
+        await routable(rt, w.url)
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", big))
+        first = await client.answer()
+        assert first is not None and first.status == 400
+        client.send(post(b"/v1/completions", COMPLETION))
+        second = await client.answer(within_s=5)
+        assert second is not None and second.status == 400
+        assert len(w.heads) == 2
+        # The half-sent request went with its connection (aborted: a close waited to send it
+        # to a worker that reads no more), and the second's closed as the worker asked.
+        pool = rt.plane.pools[w.url]
+        await eventually(lambda: pool.total == 0, 5)
+        client.close()
+
+
+async def test_an_answer_starting_while_its_client_is_over_its_buffer_mark_holds_its_worker() -> (
+    None
+):
+    """asyncio says a transport went over its high-water mark once; when that happened in the
+    last write of one answer, the next answer was relayed as fast as its worker wrote, into
+    the router's memory (a client pipelining a few answers and reading none: +300 MB). The
+    transport's report is delivered here as asyncio delivers it, between two answers."""
+    total, piece = 16 * 1024 * 1024, 256 * 1024
+
+    async def flood(request: Request, writer: asyncio.StreamWriter) -> None:
+        if request.index_on_connection == 0 and b"small" in request.body:
+            writer.write(respond(200, b"{}"))
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+        for _ in range(total // piece):
+            writer.write(b"x" * piece)
+            await writer.drain()
+
+    async with one_worker_and_a_client(flood) as (w, rt, client):
+        client.send(post(b"/v1/completions", b'{"prompt": "small", "max_tokens": 1}'))
+        first = await client.answer()
+        assert first is not None and first.status == 200
+        (conn,) = rt.plane.connections
+        conn.pause_writing()  # the first answer's last write crossed the mark
+        client.send(post(b"/v1/completions", COMPLETION))
+
+        def upstream_held() -> bool:
+            pool = rt.plane.pools.get(w.url)
+            return pool is not None and any(
+                c.transport is not None and not c.transport.is_reading() for c in pool.busy
+            )
+
+        await eventually(upstream_held, 10)
+        conn.resume_writing()  # drained
+        answer = await client.answer(within_s=60)
+        assert answer is not None and answer.complete and len(answer.body) == total
+        client.close()
+
+
+async def test_a_worker_switching_protocols_is_a_lost_answer_saying_so() -> None:
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n"
+        )
+
+    async with one_worker_and_a_client(script) as (w, rt, client):
+        client.send(post(b"/v1/completions", COMPLETION))
+        answer = await client.answer()
+        assert answer is not None and answer.status == 502
+        message = json.loads(answer.body)["error"]["message"]
+        assert "switched protocols (101)" in message, message
+        assert rt.plane.metrics.upstream_failures[w.url, "lost"] == 1 and len(w.posts()) == 1
 
 
 # -- section 2: what the current path promises ---------------------------------------------

@@ -541,5 +541,47 @@ def test_what_a_cut_stream_sends_before_the_close(framing: Framing, sse: bool, e
     assert error["type"] == "upstream_error" and "closed the connection" in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("relayed_tail", "ends_the_broken_event"),
+    [
+        (b"", False),  # nothing relayed yet
+        (b"one\n\n", False),
+        (b"e\r\n\r\n", False),
+        (b"\r\r", False),
+        (b'{"te', True),  # the worker died inside an event
+        (b"one\n", True),  # inside one, between two of its lines
+    ],
+)
+def test_an_sse_cut_inside_an_event_ends_that_event_before_the_error_event(
+    relayed_tail: bytes, ends_the_broken_event: bool
+) -> None:
+    """Joined onto a half-sent `data:` line, the error event was no event a client could parse
+    (`data: {"choices": [{"tedata: {"error": ...}`)."""
+    tail = cut_tail(Framing.CLOSE, True, "reset", relayed_tail)
+    assert tail.startswith(b"\n") is ends_the_broken_event
+    # Events as an SSE client splits them: lines end with CRLF, LF or CR; a blank one ends
+    # an event.
+    lines = (relayed_tail + tail).replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+    events: list[list[bytes]] = [[]]
+    for line in lines:
+        if line:
+            events[-1].append(line)
+        elif events[-1]:
+            events.append([])
+    (last,) = [e for e in events if e][-1]
+    assert json.loads(last.removeprefix(b"data: "))["error"]["type"] == "upstream_error"
+
+
+def test_a_connection_field_naming_content_length_leaves_the_answer_its_framing() -> None:
+    """No sender may name Content-Length in Connection (RFC 9110 7.6.1); dropped, the client
+    got an answer with no framing on a kept-alive connection, the next answer's bytes read as
+    this one's body."""
+    worker = answer(b"Content-Length: 7", b"Connection: Content-Length, X-Hop", b"X-Hop: 1")
+    assert (worker.framing, worker.length) == (Framing.LENGTH, 7)
+    plan = plan_response(worker, client_11=True, client_keep_alive=True)
+    assert parsed_fields(plan.head) == [(b"Content-Length", b"7")]
+    assert plan.keep_alive
+
+
 def test_a_chunk_frames_its_length_in_hex() -> None:
     assert chunk(b"x" * 26) == b"1a\r\n" + b"x" * 26 + b"\r\n"

@@ -85,7 +85,7 @@ def relay_over(states: dict[str, str]) -> tuple[WorkerRelay, list[str], list[Ref
         metrics=SimpleNamespace(requests=Counter(), upstream_failures=Counter()),
         stats=SimpleNamespace(safe_retries=0),
     )
-    client = SimpleNamespace(refuse=refused.append)
+    client = SimpleNamespace(refuse=refused.append, gate=None)  # a client without a socket
     head = read_request_head(b"POST", b"/v1/completions", True, [(b"Host", b"r")], True)
     decision = Decision([Candidate(RankId(url, 0)) for url in states], "cache_miss", 0)
     relay = WorkerRelay(plane, client, head, b"{}", decision)  # type: ignore[arg-type]
