@@ -205,7 +205,9 @@ def read_request_head(
     if chunked and length is not None:
         raise Malformed("both Content-Length and Transfer-Encoding")  # RFC 9112 6.1: smuggling
     if hosts > 1 or (http_11 and not hosts):
-        raise Malformed("an HTTP/1.1 request needs exactly one Host field")
+        raise Malformed(
+            "more than one Host field" if hosts > 1 else "an HTTP/1.1 request needs a Host field"
+        )
     if chunked and not http_11:
         keep = False
     if target[:1] != b"/":

@@ -72,6 +72,8 @@ MAX_PIPELINED: Final = 32
 # the refusal before the client reads it (a 5 MB body over the limit got ECONNRESET, not
 # its 413).
 LINGER_S: Final = 2.0
+MAX_LINGERING_REFUSALS: Final = 64
+_SERVED_VERSIONS: Final = frozenset({"1.1", "1.0"})
 # Routing work (decode, tokenize, keys, index, policy, the first write upstream) one turn of
 # the event loop may do before the rest waits for the next turn. On a saturated loop every
 # turn would otherwise route every request that arrived, and a turn of 64 routings takes
@@ -146,6 +148,7 @@ class DataPlane:
         self.addresses: list[tuple[str, int]] = []  # where it listens
         self._refusal_logged_at = float("-inf")
         self._refused_since_log = 0
+        self._lingering = 0  # refused connections closing (`refuse_connection`)
         self._waiting_to_route: deque[ClientConnection] = deque()
         self._slice_spent = 0.0  # routing time spent in this turn of the loop
         self._slice_scheduled = False
@@ -293,9 +296,19 @@ class DataPlane:
                 len(relays),
             )
 
-    def admit_connection(self) -> bool:
-        if len(self.connections) < self.limits.max_connections:
-            return True
+    def refuse_connection(self, transport: asyncio.Transport) -> None:
+        """A new connection past `--max-connections`: a 503, counted, logged at most once a
+        `_REFUSAL_LOG_EVERY_S`. Its close lingers (`LINGER_S`, as after any refusal whose
+        request the router left unread), so a client still sending a body reads the 503
+        rather than a reset; at most `MAX_LINGERING_REFUSALS` at once, so that the
+        refusals hold a bounded number of descriptors past the limit."""
+        transport.write(_BUSY)
+        if self._lingering < MAX_LINGERING_REFUSALS and transport.can_write_eof():
+            self._lingering += 1
+            transport.write_eof()
+            self.loop.call_later(LINGER_S, self._end_lingering, transport)
+        else:
+            transport.close()
         self.stats.connections_refused += 1
         self._refused_since_log += 1
         now = self.loop.time()
@@ -308,7 +321,10 @@ class DataPlane:
             )
             self._refusal_logged_at = now
             self._refused_since_log = 0
-        return False
+
+    def _end_lingering(self, transport: asyncio.Transport) -> None:
+        self._lingering -= 1
+        transport.close()
 
 
 async def bind(loop: asyncio.AbstractEventLoop, host: str, port: int) -> list[socket.socket]:
@@ -420,10 +436,14 @@ class ClientConnection(asyncio.Protocol):
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = transport = cast(asyncio.Transport, transport)
         plane = self.plane
-        if not plane.admit_connection():
+        if len(plane.connections) >= plane.limits.max_connections:
             self._closed = True
-            transport.write(_BUSY)
-            transport.close()
+            if self._phase == "idle":
+                # The door answered a probe on it, which asked to keep it: that answer was
+                # the one owed, and a 503 after it would read as the next request's.
+                transport.close()
+            else:
+                plane.refuse_connection(transport)
             return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -459,7 +479,10 @@ class ClientConnection(asyncio.Protocol):
                 self._stop(self._head_too_large())
 
     def eof_received(self) -> bool:
-        return False  # a client that stops sending is gone (as uvicorn and aiohttp see it)
+        # A client that stops sending is gone (as uvicorn and aiohttp see it): TCP does not
+        # tell a half-close from a close, and a client that left must stop its generation at
+        # once (the upstream request is aborted), not when an answer finds it gone.
+        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -530,11 +553,17 @@ class ClientConnection(asyncio.Protocol):
         if size > limits.max_head_bytes:
             raise _Refused(self._head_too_large())
         parser = self._parser
+        version = parser.get_http_version()
+        if version not in _SERVED_VERSIONS:
+            # llhttp reads a request line without a version as HTTP/0.9 and takes any digits.
+            raise _Refused(
+                Refusal(505, f"HTTP/{version} is not served here: send HTTP/1.1", close=True)
+            )
         try:
             head = read_request_head(
                 parser.get_method(),
                 incoming.url,
-                parser.get_http_version() == "1.1",
+                version == "1.1",
                 incoming.headers,
                 parser.should_keep_alive(),
             )
@@ -784,10 +813,18 @@ class ClientConnection(asyncio.Protocol):
                 return None
             return cause.refusal
         except httptools.HttpParserUpgrade as exc:
-            return self._without_upgrade(data[exc.args[0] :])
+            upgrade_at = exc.args[0]
         except httptools.HttpParserError as exc:
+            if data.startswith(b"PRI * HTTP/2.0"):  # llhttp calls it "Pause on PRI/Upgrade"
+                return Refusal(
+                    505, "HTTP/2 by prior knowledge is not served: send HTTP/1.1", close=True
+                )
             return Refusal(400, f"malformed HTTP request: {exc}", close=True)
-        return None
+        else:
+            return None
+        # Parsed again outside the handler: a refusal raised by a callback there would have
+        # the upgrade as its context, not the `_Refused` that says which answer it is.
+        return self._without_upgrade(data[upgrade_at:])
 
     def _without_upgrade(self, rest: bytes) -> Refusal | None:
         """The request being parsed asked to switch protocols and llhttp stopped after its

@@ -284,9 +284,10 @@ async def test_an_absolute_form_target_is_routed_and_the_worker_gets_the_origin_
 @pytest.mark.parametrize(
     ("head", "why"),
     [
-        (b"POST /v1/completions HTTP/1.1\r\n", "no Host"),
-        (b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nHost: b\r\n", "two Hosts"),
-        (b"GET * HTTP/1.1\r\nHost: a\r\n", "the asterisk form"),
+        (b"POST /v1/completions HTTP/1.1\r\n", "needs a Host field"),
+        (b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nHost: b\r\n", "more than one Host"),
+        (b"POST /v1/completions HTTP/1.0\r\nHost: a\r\nHost: b\r\n", "more than one Host"),
+        (b"GET * HTTP/1.1\r\nHost: a\r\n", "asterisk"),
     ],
 )
 async def test_a_head_rfc_9112_makes_a_400_is_refused_before_any_worker_sees_it(
@@ -296,7 +297,28 @@ async def test_a_head_rfc_9112_makes_a_400_is_refused_before_any_worker_sees_it(
         client.send(head + b"Content-Length: %d\r\n\r\n%s" % (len(COMPLETION), COMPLETION))
         answer = await client.answer()
         assert answer is not None and answer.status == 400, why
-        assert json.loads(answer.body)["error"]["type"] == "invalid_request_error"
+        error = json.loads(answer.body)["error"]
+        assert error["type"] == "invalid_request_error" and why in error["message"]
+        await client.closed()
+        assert w.posts() == []
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /v1/completions HTTP/2.0\r\nHost: a\r\nContent-Length: 0\r\n\r\n",
+        b"GET /v1/models\r\n\r\n",  # HTTP/0.9: no version at all
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",  # HTTP/2 by prior knowledge
+    ],
+)
+async def test_a_request_in_an_http_version_other_than_1_x_is_a_505(request_bytes: bytes) -> None:
+    """llhttp reads `HTTP/2.0` in a request line as any version and a line without one as
+    HTTP/0.9: both were served (as HTTP/1.0); the HTTP/2 preface got llhttp's own words."""
+    async with one_worker_and_a_client() as (w, _rt, client):
+        client.send(request_bytes)
+        answer = await client.answer()
+        assert answer is not None and answer.status == 505
+        assert b"send HTTP/1.1" in answer.body
         await client.closed()
         assert w.posts() == []
 
@@ -326,6 +348,35 @@ async def test_a_request_asking_to_switch_protocols_is_served_as_a_plain_one() -
         assert b"CONNECT is not supported" in refused.body
         await client.closed()
         assert bytes(client.raw).count(b"HTTP/1.1 ") == 4  # one answer per request, no more
+
+
+@pytest.mark.parametrize(
+    ("after", "status"),
+    [
+        (b"GET /healthz HTTP/1.1\r\n\r\n", 400),  # no Host
+        (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 999999\r\n\r\n", 413),
+        (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nExpect: foo\r\n\r\n", 417),
+    ],
+)
+async def test_a_refusal_after_a_protocol_switch_request_is_that_refusal_not_a_500(
+    after: bytes, status: int
+) -> None:
+    """The request after an `Upgrade` one is parsed again with it; a refusal raised there took
+    the upgrade as its context and was read as a bug: a logged traceback, and the client got a
+    500 or a bare close, the valid request's answer before it lost."""
+    async with one_worker_and_a_client(max_request_bytes=1000) as (w, rt, client):
+        upgrade = b"Connection: Upgrade\r\nUpgrade: h2c\r\n"
+        client.send(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+            + upgrade
+            + b"Content-Length: %d\r\n\r\n%s" % (len(COMPLETION), COMPLETION)
+            + after
+        )
+        first, second = await client.answer(), await client.answer()
+        assert first is not None and first.status == 200
+        assert second is not None and second.status == status
+        assert len(w.posts()) == 1
+        assert rt.plane.stats.closed.get("error", 0) == 0
 
 
 async def test_an_http_1_0_request_framed_by_transfer_encoding_closes_its_connection() -> None:
@@ -1457,6 +1508,43 @@ async def test_connections_over_the_maximum_are_refused_with_a_503_and_few_log_l
         assert (await held[0].answer()).status == 200  # type: ignore[union-attr]
         for client in held:
             client.close()
+
+
+async def test_a_client_sending_a_body_past_the_maximum_reads_its_503_not_a_reset() -> None:
+    """Closed at once with the body unread, the refused connection was reset, and a client
+    still sending (urllib, a 5 MB POST) saw `Connection reset by peer` instead of the 503."""
+    async with router_in_process(max_connections=1) as rt:
+        held = await RawClient.open(rt.url)
+        await eventually(lambda: len(rt.plane.connections) == 1)
+        host, port = rt.url.removeprefix("http://").rsplit(":", 1)
+
+        def send_all_then_read() -> bytes:
+            # As urllib does: the whole request sent (blocking) before reading.
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(post(b"/v1/completions", b"x" * (4 * 1024 * 1024)))
+                return sock.recv(65536)
+
+        answer = await asyncio.to_thread(send_all_then_read)
+        assert answer.startswith(b"HTTP/1.1 503 ")
+        assert rt.plane.stats.connections_refused == 1
+        held.close()
+
+
+async def test_a_kept_alive_probe_the_door_answered_gets_no_503_after_it_at_the_maximum() -> None:
+    """The door answers a probe on a new connection and hands it on to the loop when it asked
+    for keep-alive; at the maximum the loop refused it with a 503, which a keep-alive prober
+    would read as the answer to its next probe."""
+    async with router_in_process(max_connections=1) as rt:
+        held = await RawClient.open(rt.url)
+        await eventually(lambda: len(rt.plane.connections) == 1)
+        probe = await RawClient.open(rt.url)
+        probe.send(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        answer = await probe.answer()
+        assert answer is not None and answer.status == 200
+        assert await probe.closed()
+        assert bytes(probe.raw).count(b"HTTP/1.1 ") == 1
+        assert rt.plane.stats.connections_refused == 0
+        held.close()
 
 
 async def test_too_many_or_too_large_header_fields_are_431() -> None:

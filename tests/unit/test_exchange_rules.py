@@ -129,7 +129,7 @@ def test_a_request_needs_one_host_field_in_http_11_and_at_most_one_before(
 ) -> None:
     fields = [(b"Host", b"h%d" % i) for i in range(hosts)]
     if refused:
-        with pytest.raises(Malformed, match="exactly one Host"):
+        with pytest.raises(Malformed, match="Host field"):
             read_request_head(b"POST", b"/v1/completions", http_11, fields, True)
     else:
         assert read_request_head(b"POST", b"/v1/completions", http_11, fields, True).path
