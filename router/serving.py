@@ -3,8 +3,10 @@
 `start_serving` starts the replica (`router.replica`), sets up the control app
 (`router.control`) without a listener of its own, and listens with the data plane
 (`router.dataplane`), which answers the generation routes and hands every other path to the
-control app (see `router.dataplane.control_link`). With `control_port` the control app also
-listens alone on that port (for peer and admin traffic a NetworkPolicy can single out).
+control app (see `router.dataplane.control_link`). With `control_port` the data plane also
+listens on that port and hands every path to the control app (for peer and admin traffic a
+NetworkPolicy can single out), with the same head, body and idle timeouts and its own bound
+on connections.
 `stop_serving` stops them in the reverse order. A SIGTERM drain (`router.cli.serve`) sits
 between the two: `begin_drain`, then wait for in-flight requests.
 """
@@ -183,9 +185,8 @@ async def start_serving(config: ServeConfig) -> Serving:
                     "(or POD_IP from the downward API)"
                 )
         if config.control_port:
-            site = web.TCPSite(control, config.host, config.control_port)
             try:
-                await site.start()
+                await plane.listen(config.host, config.control_port, control_only=True)
             except OSError as exc:
                 raise StartError(
                     f"cannot listen on {config.host}:{config.control_port} (--control-port): "

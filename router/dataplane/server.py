@@ -24,6 +24,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain
 from typing import Any, Final, cast
 
@@ -73,6 +74,7 @@ MAX_PIPELINED: Final = 32
 # its 413).
 LINGER_S: Final = 2.0
 MAX_LINGERING_REFUSALS: Final = 64
+CONTROL_MAX_CONNECTIONS: Final = 256  # on the `--control-port` listener
 _SERVED_VERSIONS: Final = frozenset({"1.1", "1.0"})
 # Routing work (decode, tokenize, keys, index, policy, the first write upstream) one turn of
 # the event loop may do before the rest waits for the next turn. On a saturated loop every
@@ -140,6 +142,9 @@ class DataPlane:
         self.expose_route_headers = expose_route_headers
         self.stats = DataPlaneStats()
         self.connections: set[ClientConnection] = set()
+        # On the `--control-port` listener, bounded apart (`CONTROL_MAX_CONNECTIONS`), so that
+        # clients filling `--max-connections` do not shut peers and admins out.
+        self.control_connections: set[ClientConnection] = set()
         self.pools: dict[str, UpstreamPool] = {}
         self.draining = False
         self.doors: list[Door] = []
@@ -155,11 +160,15 @@ class DataPlane:
 
     # -- serving ---------------------------------------------------------------------------
 
-    async def listen(self, host: str, port: int) -> list[tuple[str, int]]:
+    async def listen(
+        self, host: str, port: int, *, control_only: bool = False
+    ) -> list[tuple[str, int]]:
         """Start accepting on `host:port`; the bound addresses (port 0 picks one).
 
         The accept path is a thread (`door`) that answers health probes itself and hands
-        every other connection to the loop (`_adopt`)."""
+        every other connection to the loop (`_adopt`). A `control_only` listener (the
+        `--control-port`) hands every path to the control app, generation routes included
+        (which it does not serve), with the same limits and timeouts as the data plane's."""
         listeners = await bind(self.loop, host, port)
         addresses = [s.getsockname()[:2] for s in listeners]
         limits = self.limits
@@ -167,24 +176,27 @@ class DataPlane:
             self.loop,
             listeners,
             self.probes,
-            self._adopt,
+            partial(self._adopt, control_only=control_only),
             lambda: not self.draining,
             limits.max_header_count,
             limits.max_head_bytes,
         )
         self.doors.append(door)
         door.start()
-        self.addresses += addresses
+        if not control_only:
+            self.addresses += addresses
         return addresses
 
-    def _adopt(self, sock: socket.socket, data: bytes, idle: bool) -> None:
+    def _adopt(self, sock: socket.socket, data: bytes, idle: bool, *, control_only: bool) -> None:
         """A connection the door handed over, with the bytes it read of it: served by a
         `ClientConnection` from now on (`idle`: between requests, the door answered one)."""
         if self._closing:
             sock.close()
             return
         task = self.loop.create_task(
-            self.loop.connect_accepted_socket(lambda: ClientConnection(self, idle, data), sock)
+            self.loop.connect_accepted_socket(
+                lambda: ClientConnection(self, idle, data, control_only), sock
+            )
         )
         self._adopting.add(task)
         task.add_done_callback(self._adopted)
@@ -198,7 +210,7 @@ class DataPlane:
     def begin_drain(self) -> None:
         """Answers from now on close their connection; idle connections close now."""
         self.draining = True
-        for conn in list(self.connections):
+        for conn in [*self.connections, *self.control_connections]:
             conn.close_if_idle()
 
     async def close(self) -> None:
@@ -208,7 +220,7 @@ class DataPlane:
             door.close()
         for task in self._adopting:
             task.cancel()
-        for conn in list(self.connections):
+        for conn in [*self.connections, *self.control_connections]:
             conn.abort("shutdown")
         for pool in self.pools.values():
             pool.close()
@@ -296,7 +308,7 @@ class DataPlane:
                 len(relays),
             )
 
-    def refuse_connection(self, transport: asyncio.Transport) -> None:
+    def refuse_connection(self, transport: asyncio.Transport, open_now: int, limit: str) -> None:
         """A new connection past `--max-connections`: a 503, counted, logged at most once a
         `_REFUSAL_LOG_EVERY_S`. Its close lingers (`LINGER_S`, as after any refusal whose
         request the router left unread), so a client still sending a body reads the 503
@@ -314,10 +326,11 @@ class DataPlane:
         now = self.loop.time()
         if now - self._refusal_logged_at >= _REFUSAL_LOG_EVERY_S:
             log.warning(
-                "%d connection(s) refused: %d open, the --max-connections limit; raise it (and "
-                "the file limit) or add replicas",
+                "%d connection(s) refused: %d open, %s; raise it (and the file limit) or add "
+                "replicas",
                 self._refused_since_log,
-                len(self.connections),
+                open_now,
+                limit,
             )
             self._refusal_logged_at = now
             self._refused_since_log = 0
@@ -405,8 +418,16 @@ class _Refused(Exception):
 
 
 class ClientConnection(asyncio.Protocol):
-    def __init__(self, plane: DataPlane, idle: bool = False, data: bytes = b"") -> None:
+    def __init__(
+        self, plane: DataPlane, idle: bool = False, data: bytes = b"", control_only: bool = False
+    ) -> None:
         self.plane = plane
+        self._control_only = control_only
+        self._members, self._most = (
+            (plane.control_connections, CONTROL_MAX_CONNECTIONS)
+            if control_only
+            else (plane.connections, plane.limits.max_connections)
+        )
         self._first = data  # what the door read of the connection before handing it over
         self.transport: asyncio.Transport | None = None
         self.gate: ReadGate | None = None
@@ -436,19 +457,24 @@ class ClientConnection(asyncio.Protocol):
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = transport = cast(asyncio.Transport, transport)
         plane = self.plane
-        if len(plane.connections) >= plane.limits.max_connections:
+        if len(self._members) >= self._most:
             self._closed = True
             if self._phase == "idle":
                 # The door answered a probe on it, which asked to keep it: that answer was
                 # the one owed, and a 503 after it would read as the next request's.
                 transport.close()
             else:
-                plane.refuse_connection(transport)
+                limit = (
+                    "the control port's limit"
+                    if self._control_only
+                    else "the --max-connections limit"
+                )
+                plane.refuse_connection(transport, len(self._members), limit)
             return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        plane.connections.add(self)
+        self._members.add(self)
         self.gate = ReadGate(transport)
         self._arm()
         first, self._first = self._first, b""
@@ -487,7 +513,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._deadline.cancel()
-        self.plane.connections.discard(self)
+        self._members.discard(self)
         relay, self._relay = self._relay, None
         if relay is not None:
             relay.client_gone()
@@ -709,7 +735,7 @@ class ClientConnection(asyncio.Protocol):
             return
         body = b"".join(incoming.body)
         incoming.body = []
-        route = route_of(head)
+        route = "control" if self._control_only else route_of(head)
         if route == "control":
             probe = self.plane.probes.get(head.path)
             if probe is not None and head.method in (b"GET", b"HEAD"):

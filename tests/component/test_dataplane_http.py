@@ -29,6 +29,7 @@ from router.dataplane.relay import WorkerRelay
 from router.dataplane.upstream import MAX_ANSWER_HEAD_BYTES, UpstreamConnection
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.model_dirs import build_fixture_model
+from tests.support.ports import free_tcp_port
 from tests.support.router import RouterHandle, router_in_process
 from tests.support.scripted_worker import (
     RawClient,
@@ -1545,6 +1546,41 @@ async def test_a_kept_alive_probe_the_door_answered_gets_no_503_after_it_at_the_
         assert bytes(probe.raw).count(b"HTTP/1.1 ") == 1
         assert rt.plane.stats.connections_refused == 0
         held.close()
+
+
+async def test_the_control_port_has_the_head_timeout_and_a_connection_bound_of_its_own() -> None:
+    """It was a plain aiohttp site: half-open heads were held forever and nothing bounded its
+    connections, so a flood on it (no token needed to open one) took the replica's file
+    descriptors. Now the data plane listens there too, handing every path to the control
+    app, with the same timeouts and `CONTROL_MAX_CONNECTIONS`, apart from the client port's."""
+    port = free_tcp_port()
+    async with router_in_process(control_port=port, client_header_timeout_s=0.3) as rt:
+        control = f"http://127.0.0.1:{port}"
+        slow = await RawClient.open(control)
+        slow.send(b"GET /workers HTTP/1.1\r\nHo")
+        answer = await slow.answer(within_s=5)
+        assert answer is not None and answer.status == 408
+        assert await slow.closed()
+        held = [await RawClient.open(control) for _ in range(server.CONTROL_MAX_CONNECTIONS)]
+        await eventually(
+            lambda: len(rt.plane.control_connections) == server.CONTROL_MAX_CONNECTIONS, 10
+        )
+        extra = await RawClient.open(control)
+        refused = await extra.answer()
+        assert refused is not None and refused.status == 503
+        # The client port is not touched by it, and the control port serves its paths only.
+        main = await RawClient.open(rt.url)
+        main.send(b"GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n")
+        models = await main.answer()
+        assert models is not None and models.status == 200
+        for client in (*held, extra, main):
+            client.close()
+        again = await RawClient.open(control)
+        await eventually(lambda: len(rt.plane.control_connections) <= 1, 10)
+        again.send(post(b"/v1/completions", COMPLETION))
+        not_here = await again.answer()
+        assert not_here is not None and not_here.status in (404, 405)
+        again.close()
 
 
 async def test_too_many_or_too_large_header_fields_are_431() -> None:
