@@ -103,8 +103,8 @@ class Relay:
         plan = self.plan
         if plan is None or not data:
             return
-        if plan.answer.sse:
-            self.sse_tail = (self.sse_tail + data)[-4:]
+        if plan.answer.sse:  # the last 4 bytes, without copying a large read
+            self.sse_tail = data[-4:] if len(data) >= 4 else (self.sse_tail + data)[-4:]
         self.client.hold(chunk(data) if plan.framing is Framing.CHUNKED else data)
 
     def upstream_end(self) -> None:
