@@ -28,7 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from fake_kv_worker.protocol import RequestError
+from fake_kv_worker.protocol import RequestError, lax_bool
 
 
 class ModelChat:
@@ -57,6 +57,7 @@ class ModelChat:
     # --- vLLM ---------------------------------------------------------------------------
 
     def _vllm_prompt(self, body: dict[str, Any]) -> str:
+        body = _with_lax_bools(body, ("add_generation_prompt", "continue_final_message"))
         if body.get("continue_final_message") and body.get("add_generation_prompt", True):
             raise RequestError(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
@@ -107,6 +108,7 @@ class ModelChat:
     # --- SGLang -------------------------------------------------------------------------
 
     def _sglang_prompt(self, body: dict[str, Any]) -> str:
+        body = _with_lax_bools(body, ("continue_final_message",))
         tools = None
         if body.get("tools") and body.get("tool_choice", "auto") != "none":
             tools = [_sglang_dump_tool(t) for t in body["tools"]]
@@ -155,6 +157,12 @@ class ModelChat:
             except Exception as exc:
                 raise RequestError(str(exc), "messages") from None
         return rendered + (prefix or "")
+
+
+def _with_lax_bools(body: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """The body with these fields as the request model holds them (pydantic's lax bools; a
+    field given as null is refused, as the models' plain `bool` fields refuse it)."""
+    return {**body, **{name: lax_bool(body[name], name) for name in names if name in body}}
 
 
 # --- vLLM helpers ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@ OpenAI-style error body: `{"error": {"message", "type": "invalid_request_error",
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -92,13 +93,59 @@ def get_int(
     return value
 
 
+# The engines' request models are pydantic models in lax mode: a bool field takes these words
+# in any ASCII case, and 0/1; an int field takes an integral float or an integer's text.
+_BOOL_WORDS: Final = {
+    **dict.fromkeys(("0", "f", "n", "no", "off", "false"), False),
+    **dict.fromkeys(("1", "t", "y", "on", "yes", "true"), True),
+}
+# pydantic's integer text, once stripped of Unicode white space: a sign, leading zeros (which
+# may hold underscores), digits with single underscores between them, a `.000` fraction.
+_INT_TEXT: Final = re.compile(
+    r"[+-]?(?:0(?:[0_]*0)?(?:\.0+)?|(?:0[0_]*)?[1-9](?:_?[0-9])*(?:\.0+)?)"
+)
+# ... and a quirk of its leading-zero strip: zeros then a minus sign, "0-2", is -2.
+_ZEROS_MINUS_TEXT: Final = re.compile(r"\+?0[0_]*-(_?(?:0|[1-9](?:_?[0-9])*)(?:\.0+)?)")
+_UNICODE_SPACE: Final = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006"
+    "\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+)
+
+
+def lax_bool(value: object, param: str) -> bool:
+    """A pydantic bool field's reading of a JSON value (null refused)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.isascii() and value.lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[value.lower()]
+    raise RequestError(f"'{param}' must be a boolean, got {value!r}", param)
+
+
+def lax_int(value: object) -> int | None:
+    """A pydantic int field's reading of a JSON value, or None where it refuses it."""
+    if isinstance(value, int):  # bools too: True is 1
+        return int(value)
+    if isinstance(value, float):
+        if value.is_integer() and -(2.0**63) < value < 2.0**63:
+            return int(value)
+        return None
+    if isinstance(value, str):
+        text = value.strip(_UNICODE_SPACE)
+        if _INT_TEXT.fullmatch(text):
+            return int(text.split(".")[0].replace("_", ""))
+        quirk = _ZEROS_MINUS_TEXT.fullmatch(text)
+        if quirk:
+            return -int(quirk.group(1).split(".")[0].replace("_", ""))
+    return None
+
+
 def get_bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     value = body.get(name)
     if value is None:
         return default
-    if not isinstance(value, bool):
-        raise RequestError(f"'{name}' must be a boolean, got {value!r}", name)
-    return value
+    return lax_bool(value, name)
 
 
 def token_ids(value: object, param: str) -> list[int]:
@@ -107,6 +154,22 @@ def token_ids(value: object, param: str) -> list[int]:
     ):
         raise RequestError(f"'{param}' must be a list of token ids in [0, {MAX_TOKEN_ID}]", param)
     return value
+
+
+def lax_token_ids(value: list[Any], param: str) -> list[int]:
+    """vLLM's `list[int]` prompt read in lax mode (ids 0 and up)."""
+    ids = [lax_int(t) for t in value]
+    if any(t is None for t in ids):
+        raise RequestError(f"'{param}' must be a list of token ids in [0, {MAX_TOKEN_ID}]", param)
+    return token_ids(ids, param)
+
+
+def sglang_token_ids(value: list[Any], param: str) -> list[int]:
+    """SGLang's `/generate` `input_ids`: its validator packs them into an int64 array, which
+    takes ints and bools and nothing else."""
+    if any(not isinstance(t, int) for t in value):
+        raise RequestError(f"'{param}' elements must be int", param)
+    return token_ids([int(t) for t in value], param)
 
 
 def token_chains(body: Mapping[str, Any], name: str = "token_chains") -> list[list[int]]:
@@ -170,8 +233,14 @@ def parse_completion(body: Mapping[str, Any], default_max_tokens: int) -> Genera
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         parsed: str | list[int] = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        parsed = token_ids(prompt, "prompt")
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and not all(isinstance(t, str) for t in prompt)
+        and not all(isinstance(t, list) for t in prompt)
+    ):
+        # pydantic's union: a list of strings is a batch; any other list is ids, read lax.
+        parsed = lax_token_ids(prompt, "prompt")
     else:
         # Batched prompts (a list of strings or of id lists) are valid OpenAI but not simulated.
         raise RequestError("'prompt' must be a string or a non-empty list of token ids", "prompt")
@@ -216,7 +285,7 @@ def parse_generate(body: Mapping[str, Any], default_max_tokens: int) -> Generati
     if input_ids is not None:
         if not isinstance(input_ids, list) or not input_ids:
             raise RequestError("'input_ids' must be a non-empty list of token ids", "input_ids")
-        prompt: str | list[int] = token_ids(input_ids, "input_ids")
+        prompt: str | list[int] = sglang_token_ids(input_ids, "input_ids")
     elif isinstance(text, str):
         prompt = text
     else:

@@ -34,6 +34,7 @@ from router.metrics import RouterMetrics
 from router.placement import AskFirst, Placement, PlacementAsker
 from router.policy import Candidate, Decision, Policy, Prompt
 from router.tokenize import ChatRequestError, RequestTokenizer
+from router.tokenize.lax import lax_int, sglang_token_id
 from router.workers import WorkerRegistry
 
 
@@ -103,11 +104,19 @@ def messages_of(body: dict[str, Any]) -> list[Any]:
 
 
 def single(prompt: Any, param: str) -> Any:
-    """A prompt, or the first of a batch of prompts (they are routed together)."""
+    """A prompt, or the first of a batch of prompts (they are routed together).
+
+    A list is a batch of texts only when every item is a string: the engines' request models
+    read `["1", 2]` as the token ids 1 and 2 (pydantic's lax union), and `/generate` never
+    takes strings among its `input_ids`."""
     if type(prompt) is str:  # most requests: one string, nothing more to check
         return prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        return prompt[0]
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, list):
+            return first
+        if type(first) is str and param != "input_ids" and all(type(p) is str for p in prompt):
+            return first
     if not isinstance(prompt, str | list):
         raise BadRequest(f"'{param}' must be a string or a list of token ids", param)
     return prompt
@@ -241,8 +250,9 @@ class RequestRouter:
                 self.metrics.tokenize_failures[(encoded.failure,)] += 1
         else:
             prompt = prompt_of(route, body)
+            token_id = sglang_token_id if route == GENERATE else lax_int
             try:
-                tokens = self.tokenizer.encode_prompt(prompt)
+                tokens = self.tokenizer.encode_prompt(prompt, token_id=token_id)
             except ValueError as exc:  # a prompt the tokenizer cannot take
                 raise BadRequest(str(exc), prompt_param(route, body)) from None
         tree = self.rules.tree

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final
 
+from router.tokenize.lax import lax_bool
+
 
 class Engine(StrEnum):
     VLLM = "vllm"
@@ -125,7 +127,6 @@ def render_call(body: dict[str, Any], traits: TemplateTraits, engine: Engine) ->
     messages = _checked_messages(body.get("messages"))
     tools = _checked_tools(body.get("tools"))
     template_kwargs = _checked_object(body.get("chat_template_kwargs"), "chat_template_kwargs")
-    add_generation_prompt = _checked_bool(body, "add_generation_prompt", True)
     continue_final = _checked_bool(body, "continue_final_message", False)
     if body.get("chat_template") is not None:
         # vLLM refuses it unless started with --trust-request-chat-template; either way the
@@ -135,6 +136,8 @@ def render_call(body: dict[str, Any], traits: TemplateTraits, engine: Engine) ->
         if engine is Engine.SGLANG:
             call = _sglang_call(body, messages, tools, template_kwargs, continue_final, traits)
         else:
+            # SGLang's request model has no such field (it always adds the prompt): vLLM's only.
+            add_generation_prompt = _checked_bool(body, "add_generation_prompt", True)
             if continue_final and add_generation_prompt:
                 raise ChatRequestError(
                     "cannot set both continue_final_message and add_generation_prompt to true",
@@ -278,12 +281,14 @@ def _checked_object(value: Any, param: str) -> dict[str, Any]:
 
 
 def _checked_bool(body: dict[str, Any], key: str, default: bool) -> bool:
-    value = body.get(key)
-    if value is None:
+    """A boolean field as the engine's request model reads it (pydantic's lax bool: `0`,
+    `"false"`, `"off"` are False); absent, the default; null or anything else, a 400."""
+    if key not in body:
         return default
-    if not isinstance(value, bool):
-        raise ChatRequestError(f"'{key}' must be a boolean", key)
-    return value
+    try:
+        return lax_bool(body[key])
+    except ValueError:
+        raise ChatRequestError(f"'{key}' must be a boolean", key) from None
 
 
 # --- vLLM -----------------------------------------------------------------------------------

@@ -3,9 +3,11 @@
 The contract, for the data plane:
 
 - `encode_prompt(prompt)` (completions, `/generate`): text is encoded with the tokenizer's
-  special tokens; a list of token ids is checked and used as it is. A malformed prompt raises
-  ValueError: answer 400. Ids come as a sequence of ints: a list, or for the `bytes` tokenizer
-  a bytes object of one id a byte, which `cachetree.keys.block_keys` reads as it is.
+  special tokens; a list of token ids is checked and used as it is, or read id by id as the
+  engine's request model reads it when its items are not all ints (`lax.py`). A malformed
+  prompt raises ValueError: answer 400. Ids come as a sequence of ints: a list, or for the
+  `bytes` tokenizer a bytes object of one id a byte, which `cachetree.keys.block_keys` reads as
+  it is.
 - `encode_chat_request(body)` (the whole `/v1/chat/completions` body) returns `ChatTokens`:
   - `ids`: the ids the engine will compute for this request (its chat rules, template, tokenizer);
   - or `failure`, one of `FAILURE_REASONS`, when the router cannot reproduce the engine's
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -33,6 +35,7 @@ from router.tokenize.chat_rules import (
     Unrenderable,
     render_call,
 )
+from router.tokenize.lax import lax_int
 from router.tokenize.plain import BytesTokenizer, render_chat_plain
 from router.tokenize.segments import SegmentCache
 
@@ -82,12 +85,16 @@ class RequestTokenizer:
         segments = getattr(self.model, "segments", None)
         return segments.cache if segments is not None and segments.enabled else None
 
-    def encode_prompt(self, prompt: str | list[int]) -> Sequence[int]:
-        """Text is tokenized with special tokens; token ids are checked and used as they are."""
+    def encode_prompt(
+        self, prompt: str | list[Any], *, token_id: Callable[[Any], int] = lax_int
+    ) -> Sequence[int]:
+        """Text is tokenized with special tokens; token ids are checked and used as they are,
+        or as `token_id` reads each when they are not all ints (the route's rule: pydantic's
+        lax int for the OpenAI routes, `lax.sglang_token_id` for `/generate`)."""
         if isinstance(prompt, str):
             return self.model.encode_text(prompt)
         if isinstance(prompt, list):
-            return _checked_ids(prompt)
+            return _checked_ids(prompt, token_id)
         raise ValueError("the prompt must be a string or a list of token ids")
 
     def encode_chat_request(self, body: dict[str, Any]) -> ChatTokens:
@@ -118,14 +125,18 @@ class RequestTokenizer:
         return f"RequestTokenizer({self.name!r})"
 
 
-def _checked_ids(ids: list[Any]) -> list[int]:
+def _checked_ids(ids: list[Any], token_id: Callable[[Any], int]) -> list[int]:
     if not ids:
         raise ValueError("the prompt is an empty list of token ids")
     # C-level passes only (the types as a set, then min/max), not a Python loop per id: a
     # 100k-token prompt is checked in a few milliseconds. `type(t) is int` rather than
-    # isinstance, because bool is an int subclass and JSON `true` is not a token.
+    # isinstance, because bool is an int subclass: `true`, `2.0` or `"2"` are ids only as the
+    # engine coerces them, read one by one on this rare path.
     if set(map(type, ids)) != {int}:
-        raise ValueError("token ids must be integers")
+        try:
+            ids = [token_id(t) for t in ids]
+        except ValueError as exc:
+            raise ValueError(f"token ids must be integers ({exc})") from None
     if min(ids) < 0 or max(ids) >= _MAX_TOKEN_ID:
         raise ValueError(f"token ids must be within [0, {_MAX_TOKEN_ID})")
     return ids

@@ -473,6 +473,59 @@ async def test_a_generate_prompt_is_read_from_the_field_sglang_reads(
         assert len(w.posts()) == (1 if status == 200 else 0)
 
 
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
+@pytest.mark.parametrize(
+    ("route", "body", "status", "param"),
+    [
+        # What the engines' lax request models take is forwarded ...
+        ("/v1/completions", {"prompt": [1.0, 2.0]}, 200, None),
+        ("/v1/completions", {"prompt": [7, "8", True]}, 200, None),
+        ("/generate", {"input_ids": [True, 5]}, 200, None),
+        ("/v1/chat/completions", {"add_generation_prompt": 0}, 200, None),
+        ("/v1/chat/completions", {"add_generation_prompt": "false"}, 200, None),
+        # ... and what they refuse is a 400 naming the field, forwarded nowhere.
+        ("/v1/completions", {"prompt": [1.5]}, 400, "prompt"),
+        ("/generate", {"input_ids": [1.0, 2.0]}, 400, "input_ids"),
+        ("/v1/chat/completions", {"add_generation_prompt": "maybe"}, 400, "add_generation_prompt"),
+    ],
+)
+async def test_bodies_the_engines_lax_request_models_take_are_forwarded_under_every_policy(
+    policy: str, route: str, body: dict[str, Any], status: int, param: str | None
+) -> None:
+    if route.endswith("/chat/completions"):
+        body = {"messages": [{"role": "user", "content": "hi"}], **body}
+    async with scripted_worker() as w, router_in_process(workers=[w.url], policy=policy) as rt:
+        await routable(rt, w.url)
+        got, payload, _ = await rt.post(route, body)
+        if policy == "round_robin":
+            # An index-free policy reads neither ids nor flags: what the engine alone refuses
+            # is left to it to refuse.
+            status, param = 200, None
+        assert got == status, payload
+        assert len(w.posts()) == (1 if status == 200 else 0)
+        if param is not None:
+            assert payload["error"]["param"] == param
+
+
+async def test_token_ids_the_engine_coerces_are_keyed_as_the_ids_it_coerces_them_to() -> None:
+    ids = list(range(100, 148))
+    async with (
+        fake_worker_in_process() as a,
+        fake_worker_in_process() as b,
+        router_in_process(workers=[a.url, b.url], expose_route_headers=True) as rt,
+    ):
+        for fw in (a, b):
+            await rt.gate(fw)
+        await rt.wait_cursor(b.url, 0, await b.store([ids[:32]]))
+        lax = [float(t) for t in ids[:16]] + [str(t) for t in ids[16:]]
+        status, body, headers = await rt.post("/v1/completions", {"prompt": lax, "max_tokens": 1})
+        assert status == 200, body
+        assert headers["X-Kvrouter-Worker"] == b.url
+        # The engine (the fake worker reads the prompt as vLLM does) held the two blocks.
+        assert body["usage"]["prompt_tokens"] == len(ids)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
 async def test_an_sglang_tool_choice_naming_its_function_wrongly_is_a_400_naming_it(
     tmp_path: Path,
 ) -> None:

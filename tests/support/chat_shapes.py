@@ -122,6 +122,12 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
         "add_generation_prompt": False,
         "continue_final_message": True,
     },
+    # Flags as the engines' lax request models take them: "false" is False, 1 is True.
+    "lax_flags": {
+        "messages": [SYSTEM, USER, {"role": "assistant", "content": "The weather in Paris is"}],
+        "add_generation_prompt": "false",
+        "continue_final_message": 1,
+    },
     "documents": {
         "messages": [USER],
         "documents": [{"title": "Forecast", "text": "Paris: sunny all week."}],

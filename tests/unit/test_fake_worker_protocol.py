@@ -28,7 +28,7 @@ from fake_kv_worker.protocol import (
         ({"prompt": [1, 2**32]}, "prompt"),
         ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
-        ({"prompt": "hi", "stream": "yes"}, "stream"),
+        ({"prompt": "hi", "stream": "maybe"}, "stream"),
         ({"prompt": "hi", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ],
 )

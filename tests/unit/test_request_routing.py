@@ -43,6 +43,9 @@ def test_bodies_that_are_not_a_json_object_are_bad_requests(raw: bytes, problem:
         ),  # batch: routed by the first
         (b"/v1/completions", {"prompt": [1, 2, 3]}, [1, 2, 3]),
         (b"/v1/completions", {"prompt": [[4, 5], [6]]}, [4, 5]),
+        # Not all strings: token ids, as the engine's lax union reads them.
+        (b"/v1/completions", {"prompt": ["1", 2]}, ["1", 2]),
+        (b"/generate", {"input_ids": ["1", "2"]}, ["1", "2"]),  # ids, which SGLang refuses
         (b"/generate", {"text": "t"}, "t"),
         (b"/generate", {"input_ids": [7, 8], "text": "ignored"}, [7, 8]),
         (b"/generate", {"input_ids": None, "text": "t"}, "t"),  # null is absent, as SGLang reads it

@@ -18,6 +18,7 @@ from router.tokenize import (
     render_chat_plain,
 )
 from router.tokenize.chat_rules import Engine, TemplateTraits, render_call, template_tools
+from router.tokenize.lax import sglang_token_id
 from tests.support.chat_shapes import SHAPES, WEATHER_TOOL
 from tests.support.model_dirs import build_fixture_model, build_model_dir, fixture_template
 
@@ -63,9 +64,10 @@ def test_token_id_prompts_are_used_as_they_are() -> None:
         ([], "empty"),
         ([1, -1], "within"),
         ([1, 2**32], "within"),
-        ([1, True], "integers"),
-        ([1, 2.0], "integers"),
-        ([1, "2"], "integers"),
+        ([1, 2.5], "integers"),
+        ([1, "two"], "integers"),
+        ([1, None], "integers"),
+        ([1.0, -1.0], "within"),
         ({"ids": [1]}, "string or a list"),
         (None, "string or a list"),
         (7, "string or a list"),
@@ -74,6 +76,51 @@ def test_token_id_prompts_are_used_as_they_are() -> None:
 def test_bad_prompts_raise_value_error_with_a_reason(prompt: Any, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
         load_tokenizer("bytes").encode_prompt(prompt)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "ids"),
+    [
+        ([1.0, 2.0], [1, 2]),
+        ([1, "2", " 3 ", "4.0", "1_0"], [1, 2, 3, 4, 10]),
+        ([True, False, 7], [1, 0, 7]),
+    ],
+)
+def test_token_ids_the_engine_coerces_are_the_ids_it_coerces_them_to(
+    prompt: list[Any], ids: list[int]
+) -> None:
+    # vLLM's and SGLang's OpenAI request models read `prompt` in pydantic's lax mode.
+    assert list(load_tokenizer("bytes").encode_prompt(prompt)) == ids
+
+
+def test_generate_ids_are_read_as_sglang_reads_them_bools_yes_floats_and_text_no() -> None:
+    tok = load_tokenizer("bytes")
+    assert list(tok.encode_prompt([True, 5], token_id=sglang_token_id)) == [1, 5]
+    for prompt in ([1.0, 2.0], [1, "2"]):
+        with pytest.raises(ValueError, match="integers"):
+            tok.encode_prompt(prompt, token_id=sglang_token_id)
+
+
+@pytest.mark.parametrize("engine", list(Engine))
+def test_chat_flags_are_read_as_the_engines_lax_request_models_read_them(engine: Engine) -> None:
+    traits = TemplateTraits(False, False, False, frozenset(_FLAGS))
+    final = [*MESSAGES, {"role": "assistant", "content": "It is"}]
+    lax = render_call(
+        chat(final, add_generation_prompt="off", continue_final_message="Yes"), traits, engine
+    )
+    strict = render_call(
+        chat(final, add_generation_prompt=False, continue_final_message=True), traits, engine
+    )
+    assert (lax.kwargs, lax.suffix) == (strict.kwargs, strict.suffix)
+
+
+def test_sglang_ignores_add_generation_prompt_as_its_request_model_has_no_such_field() -> None:
+    traits = TemplateTraits(False, False, False, frozenset(_FLAGS))
+    call = render_call(chat(MESSAGES, add_generation_prompt="maybe"), traits, Engine.SGLANG)
+    assert call.kwargs["add_generation_prompt"] is True
+
+
+_FLAGS = ("add_generation_prompt", "continue_final_message")
 
 
 @pytest.mark.parametrize(
@@ -90,7 +137,9 @@ def test_bad_prompts_raise_value_error_with_a_reason(prompt: Any, reason: str) -
         (chat(MESSAGES, tools=[{"type": "function"}]), "tools", "function.name"),
         (chat(MESSAGES, tools={"a": 1}), "tools", "must be a list"),
         (chat(MESSAGES, chat_template_kwargs=[1]), "chat_template_kwargs", "an object"),
-        (chat(MESSAGES, add_generation_prompt="yes"), "add_generation_prompt", "boolean"),
+        (chat(MESSAGES, add_generation_prompt="maybe"), "add_generation_prompt", "boolean"),
+        (chat(MESSAGES, add_generation_prompt=None), "add_generation_prompt", "boolean"),
+        (chat(MESSAGES, continue_final_message=2), "continue_final_message", "boolean"),
         (
             chat(MESSAGES, continue_final_message=True),
             "continue_final_message",
