@@ -100,9 +100,11 @@ class WorkerState:
     def prompt_ids(self, req: GenerationRequest) -> list[int]:
         if isinstance(req.prompt, list):
             return req.prompt
-        if self.model is not None and req.chat is not None:
-            return self.model.chat_ids(dict(req.chat))
-        return self.tokenizer.encode(req.prompt)
+        if self.model is not None:
+            if req.chat is not None:
+                return self.model.chat_ids(dict(req.chat))
+            return self.model.encode(req.prompt, req.add_special_tokens)
+        return self.tokenizer.encode(req.prompt)  # bytes: no special tokens to add
 
     def healthy(self) -> bool:
         return self._clock() >= self._ready_at

@@ -45,14 +45,23 @@ class ModelChat:
         self.engine = engine
         self._apply_params = _apply_params(self.tokenizer)
 
-    def encode(self, text: str) -> list[int]:
-        """A completion prompt: the tokenizer adds its special tokens (BOS)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A completion prompt: the tokenizer adds its special tokens (BOS), unless a vLLM
+        request says `"add_special_tokens": false` (SGLang's model has no such field)."""
+        special = add_special_tokens or self.engine == "sglang"
+        return list(self.tokenizer.encode(text, add_special_tokens=special))
 
     def chat_ids(self, body: dict[str, Any]) -> list[int]:
-        sglang = self.engine == "sglang"
-        text = self._sglang_prompt(body) if sglang else self._vllm_prompt(body)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        if self.engine == "sglang":
+            # apply_chat_template(tokenize=True) encodes without special tokens.
+            text, special = self._sglang_prompt(body), False
+        else:
+            # vLLM's chat model: false by default; true adds them on top of the template's.
+            text = self._vllm_prompt(body)
+            special = _with_lax_bools(body, ("add_special_tokens",)).get(
+                "add_special_tokens", False
+            )
+        return list(self.tokenizer.encode(text, add_special_tokens=special))
 
     # --- vLLM ---------------------------------------------------------------------------
 

@@ -206,6 +206,7 @@ class GenerationRequest:
     include_usage: bool  # OpenAI `stream_options.include_usage`
     prompt_param: str  # the field the prompt came from, for error messages
     chat: Mapping[str, Any] | None = None  # a chat body, for a model's own chat rendering
+    add_special_tokens: bool = True  # vLLM's completion field (text prompts only)
 
 
 def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...], default: int) -> int:
@@ -250,6 +251,11 @@ def parse_completion(body: Mapping[str, Any], default_max_tokens: int) -> Genera
         stream=get_bool(body, "stream", False),
         include_usage=_include_usage(body),
         prompt_param="prompt",
+        add_special_tokens=(
+            lax_bool(body["add_special_tokens"], "add_special_tokens")
+            if "add_special_tokens" in body
+            else True  # not Optional in vLLM's model: null is refused like any non-boolean
+        ),
     )
 
 

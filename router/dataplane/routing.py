@@ -35,6 +35,7 @@ from router.placement import AskFirst, Placement, PlacementAsker
 from router.policy import Candidate, Decision, Policy, Prompt
 from router.tokenize import ChatRequestError, RequestTokenizer
 from router.tokenize.lax import lax_int, sglang_token_id
+from router.tokenize.params import COMPLETION, BadField, chat_params, completion_params
 from router.workers import WorkerRegistry
 
 
@@ -237,11 +238,12 @@ class RequestRouter:
             else:
                 prompt_of(route, body)
             return self.policy.decide(candidates, NO_PROMPT)
+        engine = self.tokenizer.engine
         if route == CHAT:
             messages_of(body)
             try:
-                encoded = self.tokenizer.encode_chat_request(body)
-            except ChatRequestError as exc:
+                encoded = self.tokenizer.encode_chat_request(body, chat_params(body, engine))
+            except (ChatRequestError, BadField) as exc:
                 raise BadRequest(str(exc), exc.param) from None
             tokens = encoded.ids
             if encoded.failure is not None:
@@ -250,9 +252,14 @@ class RequestRouter:
                 self.metrics.tokenize_failures[(encoded.failure,)] += 1
         else:
             prompt = prompt_of(route, body)
-            token_id = sglang_token_id if route == GENERATE else lax_int
             try:
-                tokens = self.tokenizer.encode_prompt(prompt, token_id=token_id)
+                if route == GENERATE:  # SGLang's own model: no tokenization fields
+                    params, token_id = COMPLETION, sglang_token_id
+                else:
+                    params, token_id = completion_params(body, engine), lax_int
+                tokens = self.tokenizer.encode_prompt(prompt, params, token_id=token_id)
+            except BadField as exc:
+                raise BadRequest(str(exc), exc.param) from None
             except ValueError as exc:  # a prompt the tokenizer cannot take
                 raise BadRequest(str(exc), prompt_param(route, body)) from None
         tree = self.rules.tree

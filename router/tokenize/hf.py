@@ -36,6 +36,7 @@ from router.tokenize.chat_rules import (
     render_call,
     template_tools,
 )
+from router.tokenize.params import TokenizeParams
 from router.tokenize.segments import SegmentEncoder, ids_encoder
 from router.tokenize.template_traits import inspect_template
 
@@ -63,25 +64,31 @@ class HfModel:
         )
         self._apply_params = _apply_chat_template_params(tokenizer)
         self._traits: dict[str, TemplateTraits] = {}
+        self._special_affixes = _special_affixes(self._encode)
 
     @property
     def has_template(self) -> bool:
         return self._tokenizer.chat_template is not None
 
-    def encode_text(self, text: str) -> list[int]:
-        """A completion prompt: encoded with the tokenizer's special tokens (BOS), as engines do;
-        the first `MAX_ENCODED_CHARS` of it (see there)."""
-        return _encoded_within_bound(lambda part: self._encode(part, True), text)
+    def encode_text(self, text: str, params: TokenizeParams) -> list[int]:
+        """A completion prompt: encoded with the tokenizer's special tokens (BOS) unless the
+        request says not to, as engines do; the first `MAX_ENCODED_CHARS` of it (see there)."""
+        special = params.add_special_tokens
+        return _encoded_within_bound(lambda part: self._encode(part, special), text)
 
-    def encode_chat(self, body: dict[str, Any]) -> list[int]:
+    def encode_chat(self, body: dict[str, Any], params: TokenizeParams) -> list[int]:
         """Raises ChatRequestError (a 400) or Unrenderable (route as a miss)."""
         template = self._template(template_tools(body, self.engine))
         call = render_call(body, self._traits_of(template), self.engine)
         text = self._render(call, template) + call.suffix
         try:
-            return _encoded_within_bound(self.segments.encode, text)
+            ids = _encoded_within_bound(self.segments.encode, text)
         except Exception as exc:  # the Rust side raises plain Exception subclasses
             raise Unrenderable("encode", f"the tokenizer failed: {exc}") from None
+        if params.add_special_tokens:  # on top of those the template wrote, as vLLM does
+            prefix, suffix = self._special_affixes
+            ids = [*prefix, *ids, *suffix]
+        return ids
 
     def template_name(self, tools: Any) -> str:
         """Which template a request uses, for logs: 'default', 'tool_use', or 'none'."""
@@ -274,6 +281,17 @@ def load_model(directory: Path, engine: Engine, cache_bytes: int) -> HfModel:
             "kvrouter needs the fast (tokenizers) tokenizer the engines use"
         )
     return HfModel(tokenizer, engine, cache_bytes)
+
+
+def _special_affixes(encode: Callable[[str, bool], list[int]]) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's post-processor puts before and after a text's (BOS; EOS for
+    the few that add one): the chat path encodes by segments without them, and adds them
+    when a request asks. Found by encoding a probe both ways."""
+    plain, full = encode("a", False), encode("a", True)
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start], full[start + len(plain) :]
+    return [], []  # a post-processor that rewrites the text's ids: none known adds tokens so
 
 
 def _encoded_within_bound(encode: Callable[[str], list[int]], text: str) -> list[int]:

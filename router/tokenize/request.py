@@ -36,6 +36,7 @@ from router.tokenize.chat_rules import (
     render_call,
 )
 from router.tokenize.lax import lax_int
+from router.tokenize.params import CHAT, COMPLETION, TokenizeParams
 from router.tokenize.plain import BytesTokenizer, render_chat_plain
 from router.tokenize.segments import SegmentCache
 
@@ -57,9 +58,9 @@ class ChatModel(Protocol):
 
     engine: Engine  # whose chat rules it follows
 
-    def encode_text(self, text: str) -> Sequence[int]: ...
+    def encode_text(self, text: str, params: TokenizeParams) -> Sequence[int]: ...
 
-    def encode_chat(self, body: dict[str, Any]) -> Sequence[int]: ...
+    def encode_chat(self, body: dict[str, Any], params: TokenizeParams) -> Sequence[int]: ...
 
     def template_name(self, tools: Any) -> str: ...
 
@@ -86,21 +87,28 @@ class RequestTokenizer:
         return segments.cache if segments is not None and segments.enabled else None
 
     def encode_prompt(
-        self, prompt: str | list[Any], *, token_id: Callable[[Any], int] = lax_int
+        self,
+        prompt: str | list[Any],
+        params: TokenizeParams = COMPLETION,
+        *,
+        token_id: Callable[[Any], int] = lax_int,
     ) -> Sequence[int]:
-        """Text is tokenized with special tokens; token ids are checked and used as they are,
-        or as `token_id` reads each when they are not all ints (the route's rule: pydantic's
-        lax int for the OpenAI routes, `lax.sglang_token_id` for `/generate`)."""
+        """Text is tokenized by `params` (with special tokens by default); token ids are checked
+        and used as they are, or as `token_id` reads each when they are not all ints (the
+        route's rule: pydantic's lax int for the OpenAI routes, `lax.sglang_token_id` for
+        `/generate`)."""
         if isinstance(prompt, str):
-            return self.model.encode_text(prompt)
+            return self.model.encode_text(prompt, params)
         if isinstance(prompt, list):
             return _checked_ids(prompt, token_id)
         raise ValueError("the prompt must be a string or a list of token ids")
 
-    def encode_chat_request(self, body: dict[str, Any]) -> ChatTokens:
+    def encode_chat_request(
+        self, body: dict[str, Any], params: TokenizeParams = CHAT
+    ) -> ChatTokens:
         """See the module docstring. Raises ChatRequestError for a 400."""
         try:
-            return ChatTokens(self.model.encode_chat(body))
+            return ChatTokens(self.model.encode_chat(body, params))
         except Unrenderable as exc:
             self._log_once(self.model.template_name(body.get("tools")), exc)
             return ChatTokens([], exc.reason)
@@ -149,10 +157,10 @@ class BytesModel:
         self._tokenizer = BytesTokenizer()
         self.engine = Engine.VLLM  # the plain format is the same whichever engine it names
 
-    def encode_text(self, text: str) -> bytes:
+    def encode_text(self, text: str, params: TokenizeParams) -> bytes:
         return self._tokenizer.encode_bytes(text)  # no special tokens in this vocabulary
 
-    def encode_chat(self, body: dict[str, Any]) -> bytes:
+    def encode_chat(self, body: dict[str, Any], params: TokenizeParams) -> bytes:
         _validated(body)
         return self._tokenizer.encode_bytes(render_chat_plain(body["messages"]))
 

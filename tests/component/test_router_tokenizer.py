@@ -137,6 +137,41 @@ async def test_a_repeated_chat_with_tools_matches_every_block_the_engine_cached(
         assert failures == 0  # every reason is exported from the start, at 0
 
 
+async def test_a_completion_without_special_tokens_matches_every_block_the_engine_cached(
+    tmp_path: Path,
+) -> None:
+    # With BOS the router's blocks start one token early: nothing the engine cached matched.
+    model = str(build_fixture_model(tmp_path / "llama3", "llama3.1_instruct.jinja"))
+    body = {"prompt": CONTENT, "max_tokens": 1, "add_special_tokens": False}
+    async with (
+        fake_worker_in_process(tokenizer=model, engine="vllm") as a,
+        fake_worker_in_process(tokenizer=model, engine="vllm") as b,
+        router_in_process(
+            workers=[a.url, b.url], tokenizer=model, chat_rules="vllm", expose_route_headers=True
+        ) as rt,
+    ):
+        for fw in (a, b):
+            await rt.gate(fw)
+        status, first, headers = await rt.post("/v1/completions", body)
+        assert status == 200, first
+        worker = a if headers["X-Kvrouter-Worker"] == a.url else b
+        await rt.wait_cursor(worker.url, 0, (await worker.state())["last_seq"])
+        matched_before = await matched_blocks_sum(rt)
+
+        status, second, headers = await rt.post("/v1/completions", body)
+        assert status == 200, second
+        assert headers["X-Kvrouter-Worker"] == worker.url
+        prompt_tokens = second["usage"]["prompt_tokens"]
+        assert prompt_tokens == len(ModelChat(model, "vllm").encode(CONTENT, False))
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == prompt_tokens // BS * BS >= 2 * BS
+        assert await matched_blocks_sum(rt) - matched_before == cached // BS
+
+        status, refused, _ = await rt.post("/v1/completions", {**body, "add_special_tokens": "x"})
+        assert status == 400
+        assert refused["error"]["param"] == "add_special_tokens"
+
+
 @contextlib.asynccontextmanager
 async def recording_worker() -> AsyncIterator[tuple[str, list[tuple[str, bytes]]]]:
     """An engine that records every generation request's path and raw body, answers 200."""

@@ -128,6 +128,8 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
         "add_generation_prompt": "false",
         "continue_final_message": 1,
     },
+    # vLLM adds the tokenizer's BOS again on top of the template's; SGLang has no such field.
+    "add_special_tokens": {"messages": [SYSTEM, USER], "add_special_tokens": True},
     "documents": {
         "messages": [USER],
         "documents": [{"title": "Forecast", "text": "Paris: sunny all week."}],

@@ -27,6 +27,8 @@ from tokenizers import Tokenizer
 from fake_kv_worker.model_chat import ModelChat
 from fake_kv_worker.protocol import RequestError
 from router.tokenize import RequestTokenizer, load_tokenizer
+from router.tokenize.chat_rules import Engine
+from router.tokenize.params import chat_params, completion_params
 from tests.support.chat_shapes import SHAPES
 from tests.support.model_dirs import (
     FIXTURE_TEMPLATES,
@@ -79,7 +81,7 @@ def assert_router_matches_engine(
 ) -> None:
     untouched = copy.deepcopy(body)
     expected = engine_ids(worker, body)
-    got = router.encode_chat_request(body)
+    got = router.encode_chat_request(body, chat_params(body, router.engine))
     assert body == untouched  # the router never edits the body it forwards
     if expected is None:
         return  # the engine answers 400; the router still routed it (no exception)
@@ -232,6 +234,34 @@ def test_a_completion_prompt_gets_the_tokenizers_special_tokens(
     router, _ = pairs[("llama3.1_instruct.jinja", "vllm")]
     bos = router.model._backend.token_to_id("<|begin_of_text|>")  # type: ignore[attr-defined]
     assert router.encode_prompt("hello")[0] == bos
+
+
+@pytest.mark.parametrize("flag", [False, "false", 0])
+def test_a_completion_without_special_tokens_is_encoded_as_the_engine_encodes_it(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]], flag: object
+) -> None:
+    text = "You are a helpful assistant. The weather in Paris is sunny."
+    body = {"prompt": text, "add_special_tokens": flag}
+    for (template, engine), (router, worker) in pairs.items():
+        params = completion_params(body, Engine(engine))
+        # vLLM leaves BOS out; SGLang's model has no such field and adds it all the same.
+        expected = worker.encode(text, add_special_tokens=False)
+        assert router.encode_prompt(text, params) == expected, (template, engine)
+    router, worker = pairs[("llama3.1_instruct.jinja", "vllm")]
+    bos = router.model._backend.token_to_id("<|begin_of_text|>")  # type: ignore[attr-defined]
+    assert router.encode_prompt(text, completion_params(body, Engine.VLLM))[0] != bos
+    router, _ = pairs[("llama3.1_instruct.jinja", "sglang")]
+    assert router.encode_prompt(text, completion_params(body, Engine.SGLANG))[0] == bos
+
+
+def test_a_vllm_chat_with_special_tokens_gets_bos_on_top_of_the_templates(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+) -> None:
+    router, _ = pairs[("llama3.1_instruct.jinja", "vllm")]
+    body = SHAPES["add_special_tokens"]
+    ids = router.encode_chat_request(body, chat_params(body, Engine.VLLM)).ids
+    bos = router.model._backend.token_to_id("<|begin_of_text|>")  # type: ignore[attr-defined]
+    assert list(ids[:2]) == [bos, bos]
 
 
 def test_shapes_file_is_valid_json() -> None:

@@ -14,6 +14,8 @@ from router.dataplane.routing import (
     param_of,
     prompt_of,
 )
+from router.tokenize.chat_rules import Engine
+from router.tokenize.params import BadField, chat_params, completion_params
 
 
 @pytest.mark.parametrize(
@@ -97,3 +99,32 @@ def test_chat_messages_must_be_a_non_empty_list() -> None:
 )
 def test_the_key_namespace_of_a_request(body: dict[str, Any], namespace: str | None) -> None:
     assert namespace_for(body) == namespace
+
+
+@pytest.mark.parametrize(
+    ("read", "body", "engine", "special"),
+    [
+        # vLLM: a completion defaults to true, a chat to false; lax values as its model reads.
+        (completion_params, {}, Engine.VLLM, True),
+        (completion_params, {"add_special_tokens": False}, Engine.VLLM, False),
+        (completion_params, {"add_special_tokens": "off"}, Engine.VLLM, False),
+        (chat_params, {}, Engine.VLLM, False),
+        (chat_params, {"add_special_tokens": 1}, Engine.VLLM, True),
+        # SGLang's models have no such field: the engine's own choice, whatever the body says.
+        (completion_params, {"add_special_tokens": False}, Engine.SGLANG, True),
+        (chat_params, {"add_special_tokens": True}, Engine.SGLANG, False),
+        (chat_params, {"add_special_tokens": "maybe"}, Engine.SGLANG, False),
+    ],
+)
+def test_add_special_tokens_is_read_as_each_engine_reads_it(
+    read: Any, body: dict[str, Any], engine: Engine, special: bool
+) -> None:
+    assert read(body, engine).add_special_tokens is special
+
+
+@pytest.mark.parametrize("value", [None, "maybe", 2, []])
+def test_an_add_special_tokens_vllm_refuses_names_the_field(value: Any) -> None:
+    for read in (completion_params, chat_params):
+        with pytest.raises(BadField) as caught:
+            read({"add_special_tokens": value}, Engine.VLLM)
+        assert caught.value.param == "add_special_tokens"
