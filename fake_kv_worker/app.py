@@ -250,7 +250,7 @@ def _generation_route(
         )
         req = parse(await _read_body(request), state.config.max_tokens_default)
         tokens = state.prompt_ids(req)
-        if not tokens:
+        if not tokens and not req.embeds:
             raise RequestError("the prompt is empty", req.prompt_param)
         rank = state.ranks[dp_rank]
         shape = shape_factory(state.config.model)

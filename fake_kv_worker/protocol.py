@@ -207,6 +207,9 @@ class GenerationRequest:
     prompt_param: str  # the field the prompt came from, for error messages
     chat: Mapping[str, Any] | None = None  # a chat body, for a model's own chat rendering
     add_special_tokens: bool = True  # vLLM's completion field (text prompts only)
+    # The prompt came as embeddings (vLLM's prompt_embeds, SGLang's input_embeds): served with
+    # no token ids, so nothing is cached or published.
+    embeds: bool = False
 
 
 def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...], default: int) -> int:
@@ -232,6 +235,21 @@ def _include_usage(body: Mapping[str, Any]) -> bool:
 
 def parse_completion(body: Mapping[str, Any], default_max_tokens: int) -> GenerationRequest:
     prompt = body.get("prompt")
+    embeds = body.get("prompt_embeds")
+    if prompt is None and embeds is not None:
+        # vLLM: base64 tensors, one or a non-empty list of them.
+        if not (isinstance(embeds, str) or (isinstance(embeds, list) and embeds)) or (
+            isinstance(embeds, list) and not all(isinstance(e, str) for e in embeds)
+        ):
+            raise RequestError("'prompt_embeds' must be a string or a list of them", "prompt")
+        return GenerationRequest(
+            prompt=[],
+            max_tokens=_max_tokens(body, ("max_tokens",), default_max_tokens),
+            stream=get_bool(body, "stream", False),
+            include_usage=_include_usage(body),
+            prompt_param="prompt_embeds",
+            embeds=True,
+        )
     if isinstance(prompt, str):
         parsed: str | list[int] = prompt
     elif (
@@ -288,10 +306,13 @@ def parse_generate(body: Mapping[str, Any], default_max_tokens: int) -> Generati
     text, input_ids = body.get("text"), body.get("input_ids")
     if text is not None and input_ids is not None:
         raise RequestError("give either 'text' or 'input_ids', not both", "text")
-    if input_ids is not None:
+    embeds = body.get("input_embeds")
+    if text is None and input_ids is None and isinstance(embeds, list) and embeds:
+        prompt: str | list[int] = []  # SGLang: served from the embeddings alone
+    elif input_ids is not None:
         if not isinstance(input_ids, list) or not input_ids:
             raise RequestError("'input_ids' must be a non-empty list of token ids", "input_ids")
-        prompt: str | list[int] = sglang_token_ids(input_ids, "input_ids")
+        prompt = sglang_token_ids(input_ids, "input_ids")
     elif isinstance(text, str):
         prompt = text
     else:
@@ -315,6 +336,7 @@ def parse_generate(body: Mapping[str, Any], default_max_tokens: int) -> Generati
         stream=get_bool(body, "stream", False),
         include_usage=False,
         prompt_param="input_ids" if input_ids is not None else "text",
+        embeds=prompt == [],
     )
 
 

@@ -37,6 +37,7 @@ RATE: Final = "$__rate_interval"
 ROUTED: Final = 'worker!="none"'  # answered by a worker, not by the router itself
 NOT_2XX: Final = 'status!~"2.."'
 CHATS: Final = 'route="/v1/chat/completions"'
+NOT_EMBEDS: Final = 'reason!="embeds"'  # prompts as embeddings: not chats, not failures
 HIT: Final = 'result="hit"'
 GRID_WIDTH: Final = 24
 PANEL_HEIGHT: Final = 8
@@ -298,11 +299,13 @@ ROWS: Final = (
                 "Chats routed without their tokens",
                 "Share of chat requests the router could not render as the engine would "
                 "(kvrouter_tokenize_failures_total over chat requests), by reason: they are "
-                "forwarded and routed by load as misses. The log names the template.",
+                "forwarded and routed by load as misses. The log names the template. Prompts "
+                "given as embeddings (reason embeds) are not chats and are left out.",
                 "percentunit",
                 (
                     Query(
-                        f"sum by (reason) ({_rate('kvrouter_tokenize_failures_total')}) "
+                        "sum by (reason) "
+                        f"({_rate('kvrouter_tokenize_failures_total', NOT_EMBEDS)}) "
                         "/ ignoring (reason) group_left "
                         f"sum({_rate('kvrouter_requests_total', CHATS)})",
                         "{{reason}}",

@@ -19,6 +19,7 @@ on the ranks healthy then. Every other request is decided synchronously as above
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -84,16 +85,37 @@ def prompt_param(route: bytes, body: dict[str, Any]) -> str:
     return "prompt"
 
 
+def embeds_only(route: bytes, body: dict[str, Any]) -> bool:
+    """Whether a completion or /generate body brings its prompt as embeddings alone: vLLM's
+    `prompt_embeds` (base64 tensors: a string or a non-empty list of them) with no `prompt`,
+    SGLang's `input_embeds` (a non-empty list) with neither `text` nor `input_ids`. The
+    engines serve these; they have no token ids, so they are routed by load, as a miss."""
+    if route == GENERATE:
+        embeds = body.get("input_embeds")
+        return (
+            body.get("text") is None
+            and body.get("input_ids") is None
+            and type(embeds) is list
+            and len(embeds) > 0
+        )
+    embeds = body.get("prompt_embeds")
+    if body.get("prompt") is not None or embeds is None:
+        return False  # most requests: two lookups
+    return type(embeds) is str or (
+        type(embeds) is list and len(embeds) > 0 and all(type(e) is str for e in embeds)
+    )
+
+
 def prompt_of(route: bytes, body: dict[str, Any]) -> Any:
     """The prompt field of a completion or /generate body (one prompt of a batch)."""
     param = prompt_param(route, body)
     if route == GENERATE:
         if body.get(param) is None:
-            raise BadRequest("one of 'text' or 'input_ids' is required", "text")
+            raise BadRequest("one of 'text', 'input_ids' or 'input_embeds' is required", "text")
         if param == "input_ids" and not isinstance(body[param], list):
             raise BadRequest("'input_ids' must be a list of token ids", param)
     elif param not in body:
-        raise BadRequest("'prompt' is required", "prompt")
+        raise BadRequest("'prompt' (or 'prompt_embeds') is required", "prompt")
     return single(body[param], param)
 
 
@@ -232,14 +254,18 @@ class RequestRouter:
         but not tokenized or keyed (its CPU was a quarter of such a request's routing work),
         and what the tokenizer alone would refuse is left to the engine to refuse.
         """
+        embeds = route != CHAT and embeds_only(route, body)
         if self.policy.name not in INDEX_POLICIES:
             if route == CHAT:
                 messages_of(body)
-            else:
+            elif not embeds:
                 prompt_of(route, body)
             return self.policy.decide(candidates, NO_PROMPT)
         engine = self.tokenizer.engine
-        if route == CHAT:
+        if embeds:  # no token ids: forwarded, routed by load alone, as a miss
+            self.metrics.tokenize_failures[("embeds",)] += 1
+            tokens: Sequence[int] = ()
+        elif route == CHAT:
             messages_of(body)
             try:
                 encoded = self.tokenizer.encode_chat_request(body, chat_params(body, engine))

@@ -67,6 +67,9 @@ FAILURE_REASONS: Final = (
     "no_template",  # the model has no chat template
     "render",  # the template raised (raise_exception, a type error, ...)
     "encode",  # the tokenizer failed on the rendered text
+    # Not a chat: a completion or /generate prompt given as embeddings (vLLM's prompt_embeds,
+    # SGLang's input_embeds), which has no token ids to key. Left out of the chat alert.
+    "embeds",
 )
 
 

@@ -507,6 +507,34 @@ async def test_bodies_the_engines_lax_request_models_take_are_forwarded_under_ev
             assert payload["error"]["param"] == param
 
 
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
+async def test_prompts_given_as_embeddings_are_forwarded_routed_by_load_and_counted(
+    policy: str,
+) -> None:
+    async with (
+        fake_worker_in_process() as a,
+        fake_worker_in_process() as b,
+        router_in_process(workers=[a.url, b.url], policy=policy) as rt,
+    ):
+        await routable(rt, a.url, b.url)
+        before = [(await fw.state())["requests"] for fw in (a, b)]
+        for route, body in (
+            ("/v1/completions", {"prompt_embeds": "AAAAAA==", "max_tokens": 1}),
+            ("/v1/completions", {"prompt_embeds": ["AAAAAA=="], "prompt": None}),
+            ("/generate", {"input_embeds": [[0.5, 0.25]]}),
+        ):
+            status, payload, _ = await rt.post(route, body)
+            assert status == 200, (route, payload)
+        # An empty list of embeddings is what vLLM refuses: a 400, forwarded nowhere.
+        status, payload, _ = await rt.post("/v1/completions", {"prompt_embeds": []})
+        assert (status, payload["error"]["param"]) == (400, "prompt")
+        after = [(await fw.state())["requests"] for fw in (a, b)]
+        assert sum(after) - sum(before) == 3
+        metrics = rt.plane.router.metrics
+        assert metrics.tokenize_failures[("embeds",)] == (3 if policy == "cache_aware" else 0)
+        assert metrics.decisions[policy, "cache_hit"] == 0
+
+
 async def test_token_ids_the_engine_coerces_are_keyed_as_the_ids_it_coerces_them_to() -> None:
     ids = list(range(100, 148))
     async with (

@@ -9,6 +9,7 @@ import pytest
 from router.dataplane.routing import (
     BadRequest,
     decode_body,
+    embeds_only,
     messages_of,
     namespace_for,
     param_of,
@@ -128,3 +129,23 @@ def test_an_add_special_tokens_vllm_refuses_names_the_field(value: Any) -> None:
         with pytest.raises(BadField) as caught:
             read({"add_special_tokens": value}, Engine.VLLM)
         assert caught.value.param == "add_special_tokens"
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "embeds"),
+    [
+        (b"/v1/completions", {"prompt_embeds": "AAAA"}, True),
+        (b"/v1/completions", {"prompt_embeds": ["AAAA", "BBBB"], "prompt": None}, True),
+        (b"/v1/completions", {"prompt_embeds": "AAAA", "prompt": "text too"}, False),
+        (b"/v1/completions", {"prompt_embeds": []}, False),  # vLLM refuses an empty list
+        (b"/v1/completions", {"prompt_embeds": [1.0]}, False),  # not base64 text
+        (b"/generate", {"input_embeds": [[0.1, 0.2]]}, True),
+        (b"/generate", {"input_embeds": [[0.1]], "input_ids": None, "text": None}, True),
+        (b"/generate", {"input_embeds": [[0.1]], "text": "t"}, False),  # SGLang reads text
+        (b"/generate", {"input_embeds": []}, False),
+    ],
+)
+def test_a_prompt_given_as_embeddings_alone_is_told_apart(
+    route: bytes, body: dict[str, Any], embeds: bool
+) -> None:
+    assert embeds_only(route, body) is embeds
