@@ -27,7 +27,7 @@ from aiohttp import web
 from fake_kv_worker.config import WorkerConfig
 from fake_kv_worker.engine import RankEngine
 from fake_kv_worker.metrics import loads_body, prometheus_text
-from fake_kv_worker.model_chat import ModelChat
+from fake_kv_worker.model_chat import ModelChat, Truncation, vllm_cut
 from fake_kv_worker.protocol import (
     DP_RANK_HEADER,
     ChatShape,
@@ -91,20 +91,33 @@ class WorkerState:
         # A model directory: its tokenizer, and its chat template under the engine's chat rules.
         self.model: ModelChat | None = None
         if config.tokenizer != "bytes":
-            self.model = ModelChat(config.tokenizer, config.metrics_engine)
+            self.model = ModelChat(
+                config.tokenizer, config.metrics_engine, config.cache_blocks * config.block_size
+            )
             self.tokenizer = self.model
         self.failures = FailureBudget(config.fail_first)
         self._clock = clock
         self._ready_at = clock() + config.startup_delay_s
 
     def prompt_ids(self, req: GenerationRequest) -> list[int]:
+        if self.model is not None and req.chat is not None:
+            return self.model.chat_ids(dict(req.chat))
+        truncation = self._truncation(req)
         if isinstance(req.prompt, list):
-            return req.prompt
+            return vllm_cut(req.prompt, truncation)
         if self.model is not None:
-            if req.chat is not None:
-                return self.model.chat_ids(dict(req.chat))
-            return self.model.encode(req.prompt, req.add_special_tokens)
-        return self.tokenizer.encode(req.prompt)  # bytes: no special tokens to add
+            return self.model.encode(req.prompt, req.add_special_tokens, truncation)
+        # bytes: no special tokens to add or to keep room for
+        return vllm_cut(self.tokenizer.encode(req.prompt), truncation)
+
+    def _truncation(self, req: GenerationRequest) -> Truncation:
+        """vLLM's cut of a completion prompt; SGLang's models have no such fields."""
+        keep, side = req.truncation
+        if self.config.metrics_engine == "sglang":
+            return None, None
+        if keep == -1:  # the model's context less the tokens asked for
+            keep = self.config.cache_blocks * self.config.block_size - req.max_tokens
+        return keep, side
 
     def healthy(self) -> bool:
         return self._clock() >= self._ready_at

@@ -28,40 +28,78 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from fake_kv_worker.protocol import RequestError, lax_bool
+from fake_kv_worker.protocol import RequestError, lax_bool, lax_int
 
 
 class ModelChat:
     """A model directory's tokenizer and chat template, behind one engine's chat rules."""
 
-    def __init__(self, directory: str, engine: str) -> None:
+    def __init__(self, directory: str, engine: str, max_model_len: int | None = None) -> None:
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # torch is not needed
         from transformers import AutoTokenizer, logging
 
         logging.set_verbosity_error()
+        # vLLM loads a generation model's tokenizer with truncation_side="left".
         self.tokenizer = AutoTokenizer.from_pretrained(
-            str(Path(directory)), local_files_only=True, trust_remote_code=False
+            str(Path(directory)),
+            local_files_only=True,
+            trust_remote_code=False,
+            truncation_side="left",
         )
         self.engine = engine
+        self.max_model_len = max_model_len  # what truncate_prompt_tokens=-1 reaches for
         self._apply_params = _apply_params(self.tokenizer)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, truncation: Truncation = (None, None)
+    ) -> list[int]:
         """A completion prompt: the tokenizer adds its special tokens (BOS), unless a vLLM
-        request says `"add_special_tokens": false` (SGLang's model has no such field)."""
-        special = add_special_tokens or self.engine == "sglang"
-        return list(self.tokenizer.encode(text, add_special_tokens=special))
+        request says `"add_special_tokens": false` (SGLang's model has no such field); cut as
+        `truncation` (vLLM's `truncate_prompt_tokens`, `truncation_side`) says."""
+        if self.engine == "sglang":
+            return list(self.tokenizer.encode(text, add_special_tokens=True))
+        return self._vllm_encode(text, add_special_tokens, truncation)
 
     def chat_ids(self, body: dict[str, Any]) -> list[int]:
         if self.engine == "sglang":
             # apply_chat_template(tokenize=True) encodes without special tokens.
-            text, special = self._sglang_prompt(body), False
-        else:
-            # vLLM's chat model: false by default; true adds them on top of the template's.
-            text = self._vllm_prompt(body)
-            special = _with_lax_bools(body, ("add_special_tokens",)).get(
-                "add_special_tokens", False
+            text = self._sglang_prompt(body)
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        # vLLM's chat model: false by default; true adds them on top of the template's.
+        text = self._vllm_prompt(body)
+        special = _with_lax_bools(body, ("add_special_tokens",)).get("add_special_tokens", False)
+        output = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+        return self._vllm_encode(text, special, self.truncation(body, output))
+
+    def truncation(self, body: dict[str, Any], max_tokens: int) -> Truncation:
+        """vLLM's `truncate_prompt_tokens` (-1: the context less max_tokens) and side."""
+        if self.engine == "sglang":
+            return None, None  # SGLang's models have no such fields
+        side = body.get("truncation_side")
+        if side not in (None, "left", "right"):
+            raise RequestError("truncation_side must be 'left' or 'right'", "truncation_side")
+        raw = body.get("truncate_prompt_tokens")
+        if raw is None:
+            return None, side
+        keep = lax_int(raw)
+        if keep is None or keep < -1:
+            raise RequestError(
+                "truncate_prompt_tokens must be -1 or more", "truncate_prompt_tokens"
             )
-        return list(self.tokenizer.encode(text, add_special_tokens=special))
+        if keep == -1:
+            keep = None if self.max_model_len is None else self.max_model_len - max_tokens
+        return keep, side
+
+    def _vllm_encode(self, text: str, special: bool, truncation: Truncation) -> list[int]:
+        keep, side = truncation
+        if keep is None:
+            return list(self.tokenizer.encode(text, add_special_tokens=special))
+        if side is None:  # the tokenizer cuts, on its own side, keeping room for BOS
+            ids = self.tokenizer.encode(
+                text, add_special_tokens=special, truncation=True, max_length=keep
+            )
+            return vllm_cut(list(ids), truncation)
+        return vllm_cut(list(self.tokenizer.encode(text, add_special_tokens=special)), truncation)
 
     # --- vLLM ---------------------------------------------------------------------------
 
@@ -166,6 +204,19 @@ class ModelChat:
             except Exception as exc:
                 raise RequestError(str(exc), "messages") from None
         return rendered + (prefix or "")
+
+
+Truncation = tuple[int | None, str | None]  # truncate_prompt_tokens, truncation_side
+
+
+def vllm_cut(ids: list[int], truncation: Truncation) -> list[int]:
+    """vLLM's `_token_truncation` of encoded ids (the tokenizer's side is left)."""
+    keep, side = truncation
+    if keep is None or keep >= len(ids):
+        return ids
+    if keep == 0:
+        return []
+    return ids[:keep] if side == "right" else ids[-keep:]
 
 
 def _with_lax_bools(body: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:

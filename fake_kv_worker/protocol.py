@@ -210,6 +210,8 @@ class GenerationRequest:
     # The prompt came as embeddings (vLLM's prompt_embeds, SGLang's input_embeds): served with
     # no token ids, so nothing is cached or published.
     embeds: bool = False
+    # vLLM's truncate_prompt_tokens (-1 as given: the context less max_tokens) and side.
+    truncation: tuple[int | None, str | None] = (None, None)
 
 
 def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...], default: int) -> int:
@@ -274,7 +276,21 @@ def parse_completion(body: Mapping[str, Any], default_max_tokens: int) -> Genera
             if "add_special_tokens" in body
             else True  # not Optional in vLLM's model: null is refused like any non-boolean
         ),
+        truncation=_truncation(body),
     )
+
+
+def _truncation(body: Mapping[str, Any]) -> tuple[int | None, str | None]:
+    side = body.get("truncation_side")
+    if side not in (None, "left", "right"):
+        raise RequestError("'truncation_side' must be 'left' or 'right'", "truncation_side")
+    raw = body.get("truncate_prompt_tokens")
+    if raw is None:
+        return None, side
+    keep = lax_int(raw)
+    if keep is None or keep < -1:
+        raise RequestError("'truncate_prompt_tokens' must be -1 or more", "truncate_prompt_tokens")
+    return keep, side
 
 
 def parse_chat(body: Mapping[str, Any], default_max_tokens: int) -> GenerationRequest:
@@ -299,6 +315,7 @@ def parse_chat(body: Mapping[str, Any], default_max_tokens: int) -> GenerationRe
         include_usage=_include_usage(body),
         prompt_param="messages",
         chat=body,
+        truncation=_truncation(body),
     )
 
 

@@ -36,7 +36,7 @@ from router.tokenize.chat_rules import (
     render_call,
     template_tools,
 )
-from router.tokenize.params import TokenizeParams
+from router.tokenize.params import TokenizeParams, kept
 from router.tokenize.segments import SegmentEncoder, ids_encoder
 from router.tokenize.template_traits import inspect_template
 
@@ -72,7 +72,10 @@ class HfModel:
 
     def encode_text(self, text: str, params: TokenizeParams) -> list[int]:
         """A completion prompt: encoded with the tokenizer's special tokens (BOS) unless the
-        request says not to, as engines do; the first `MAX_ENCODED_CHARS` of it (see there)."""
+        request says not to, as engines do; the first `MAX_ENCODED_CHARS` of it (see there);
+        cut as the request says (`params.py`)."""
+        if params.keep is not None:
+            return self._truncated(self._plain, text, params, params.keep)
         special = params.add_special_tokens
         return _encoded_within_bound(lambda part: self._encode(part, special), text)
 
@@ -82,6 +85,8 @@ class HfModel:
         call = render_call(body, self._traits_of(template), self.engine)
         text = self._render(call, template) + call.suffix
         try:
+            if params.keep is not None:
+                return self._truncated(self.segments.encode, text, params, params.keep)
             ids = _encoded_within_bound(self.segments.encode, text)
         except Exception as exc:  # the Rust side raises plain Exception subclasses
             raise Unrenderable("encode", f"the tokenizer failed: {exc}") from None
@@ -89,6 +94,28 @@ class HfModel:
             prefix, suffix = self._special_affixes
             ids = [*prefix, *ids, *suffix]
         return ids
+
+    def _plain(self, text: str) -> list[int]:
+        """`text`'s ids without the special tokens."""
+        return self._encode(text, False)
+
+    def _truncated(
+        self, encode: Callable[[str], list[int]], text: str, params: TokenizeParams, keep: int
+    ) -> list[int]:
+        """`text` encoded by `encode` (no special tokens), with them if asked, cut to
+        `params.keep` ids as vLLM cuts it (`params.py`). Past `MAX_ENCODED_CHARS`, only a cut
+        that keeps the first tokens is known; one that keeps the last is routed as a miss."""
+        prefix, suffix = self._special_affixes if params.add_special_tokens else ([], [])
+        if len(text) > MAX_ENCODED_CHARS:
+            if params.side != "right":
+                return []
+            return list(kept([*prefix, *_encoded_within_bound(encode, text)], keep, "right"))
+        body = encode(text)
+        if params.side is None:
+            # The tokenizer's own cut (its side is left): room is kept for the special tokens.
+            cut = [*prefix, *kept(body, keep - len(prefix) - len(suffix), "left"), *suffix]
+            return list(kept(cut, keep, "left"))  # then vLLM's own cut (a no-op unless 0)
+        return list(kept([*prefix, *body, *suffix], keep, params.side))
 
     def template_name(self, tools: Any) -> str:
         """Which template a request uses, for logs: 'default', 'tool_use', or 'none'."""

@@ -7,6 +7,15 @@ the engine does (vLLM's `TokenizeParams`, built by its request models' `build_to
   add one) go around the encoded text. vLLM: a completion defaults to true, a chat to false (its
   template writes them; true adds them again on top). Token-id prompts are never touched. SGLang's
   request models have no such field: a completion's text always gets them, a chat never.
+- `truncate_prompt_tokens` k (vLLM; SGLang has no such field): keep k tokens of the prompt. With
+  `truncation_side` unset, text is cut by the tokenizer itself, which vLLM loads with
+  `truncation_side="left"` for generation: the last tokens are kept and room is left for the
+  special tokens, so `[BOS] + last k-1`; token ids keep their last k. With `truncation_side`
+  `"left"` or `"right"`, the whole encoding (special tokens included) keeps its last or first
+  k. `-1` means "the model's context less max_tokens", which the router does not know: it is
+  read as no truncation. A prompt within the context is not cut by the engine either, so its
+  ids are exact; one past it is cut to its last tokens by the engine and keyed whole by the
+  router, a miss where the engine cached the cut prompt.
 
 Read with the engines' lax coercion (`lax.py`); a value the engine refuses raises `BadField`,
 answered 400 naming it.
@@ -14,11 +23,12 @@ answered 400 naming it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from router.tokenize.chat_rules import Engine
-from router.tokenize.lax import lax_bool
+from router.tokenize.lax import lax_bool, lax_int
 
 
 class BadField(ValueError):
@@ -31,30 +41,71 @@ class BadField(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class TokenizeParams:
-    """How the engine encodes this request's text (a chat's once rendered)."""
+    """How the engine encodes this request's prompt (a chat's text once rendered)."""
 
     add_special_tokens: bool
+    keep: int | None = None  # truncate_prompt_tokens (>= 0), or None: the whole prompt
+    side: str | None = None  # truncation_side: "left", "right", or None: the tokenizer's
 
 
 COMPLETION: Final = TokenizeParams(add_special_tokens=True)
 CHAT: Final = TokenizeParams(add_special_tokens=False)
+_SIDES: Final = ("left", "right")
+_INT64_MAX: Final = 2**63 - 1
 
 
 def completion_params(body: dict[str, Any], engine: Engine) -> TokenizeParams:
-    """A `/v1/completions` body's (`/generate`'s too, whose model has no such fields)."""
-    if engine is Engine.SGLANG or "add_special_tokens" not in body:
-        return COMPLETION  # most requests: one dict lookup
-    return TokenizeParams(_bool(body, "add_special_tokens"))
+    """A `/v1/completions` body's (`/generate`'s model has no such fields)."""
+    return _params(body, engine, COMPLETION)
 
 
 def chat_params(body: dict[str, Any], engine: Engine) -> TokenizeParams:
     """A `/v1/chat/completions` body's."""
-    if engine is Engine.SGLANG or "add_special_tokens" not in body:
-        return CHAT
-    return TokenizeParams(_bool(body, "add_special_tokens"))
+    return _params(body, engine, CHAT)
 
 
-def _bool(body: dict[str, Any], key: str) -> bool:
+def kept(ids: Sequence[int], keep: int | None, side: str | None) -> Sequence[int]:
+    """vLLM's cut of an encoded prompt: its last `keep` ids (side "left", the tokenizer's) or
+    its first (side "right"); a budget below 1 keeps nothing."""
+    if keep is None or keep >= len(ids):
+        return ids
+    if keep <= 0:
+        return ids[:0]
+    return ids[:keep] if side == "right" else ids[len(ids) - keep :]
+
+
+def _params(body: dict[str, Any], engine: Engine, default: TokenizeParams) -> TokenizeParams:
+    if engine is Engine.SGLANG or not (
+        "add_special_tokens" in body
+        or "truncate_prompt_tokens" in body
+        or "truncation_side" in body
+    ):
+        return default  # most requests: three dict lookups, no generator
+    special = _bool(body, "add_special_tokens", default.add_special_tokens)
+    side = body.get("truncation_side")
+    if side is not None and side not in _SIDES:  # a Literal: the exact strings only
+        raise BadField("'truncation_side' must be 'left' or 'right'", "truncation_side")
+    return TokenizeParams(special, _keep(body), side)
+
+
+def _keep(body: dict[str, Any]) -> int | None:
+    raw = body.get("truncate_prompt_tokens")
+    if raw is None:
+        return None
+    try:
+        keep = lax_int(raw)
+    except ValueError:
+        keep = -2
+    if not -1 <= keep <= _INT64_MAX:
+        raise BadField(
+            "'truncate_prompt_tokens' must be an integer, -1 or more", "truncate_prompt_tokens"
+        )
+    return None if keep == -1 else keep  # the context less max_tokens: see the docstring
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    if key not in body:
+        return default
     try:
         return lax_bool(body[key])
     except ValueError:

@@ -36,7 +36,7 @@ from router.tokenize.chat_rules import (
     render_call,
 )
 from router.tokenize.lax import lax_int
-from router.tokenize.params import CHAT, COMPLETION, TokenizeParams
+from router.tokenize.params import CHAT, COMPLETION, TokenizeParams, kept
 from router.tokenize.plain import BytesTokenizer, render_chat_plain
 from router.tokenize.segments import SegmentCache
 
@@ -100,7 +100,7 @@ class RequestTokenizer:
         if isinstance(prompt, str):
             return self.model.encode_text(prompt, params)
         if isinstance(prompt, list):
-            return _checked_ids(prompt, token_id)
+            return kept(_checked_ids(prompt, token_id), params.keep, params.side)
         raise ValueError("the prompt must be a string or a list of token ids")
 
     def encode_chat_request(
@@ -157,12 +157,14 @@ class BytesModel:
         self._tokenizer = BytesTokenizer()
         self.engine = Engine.VLLM  # the plain format is the same whichever engine it names
 
-    def encode_text(self, text: str, params: TokenizeParams) -> bytes:
-        return self._tokenizer.encode_bytes(text)  # no special tokens in this vocabulary
+    def encode_text(self, text: str, params: TokenizeParams) -> Sequence[int]:
+        # No special tokens in this vocabulary: a cut is one of the ids alone.
+        return kept(self._tokenizer.encode_bytes(text), params.keep, params.side)
 
-    def encode_chat(self, body: dict[str, Any], params: TokenizeParams) -> bytes:
+    def encode_chat(self, body: dict[str, Any], params: TokenizeParams) -> Sequence[int]:
         _validated(body)
-        return self._tokenizer.encode_bytes(render_chat_plain(body["messages"]))
+        ids = self._tokenizer.encode_bytes(render_chat_plain(body["messages"]))
+        return kept(ids, params.keep, params.side)
 
     def template_name(self, tools: Any) -> str:
         return "plain"

@@ -172,6 +172,44 @@ async def test_a_completion_without_special_tokens_matches_every_block_the_engin
         assert refused["error"]["param"] == "add_special_tokens"
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"truncate_prompt_tokens": 3 * BS + 5},  # BOS and the text's last tokens
+        {"truncate_prompt_tokens": 3 * BS + 5, "truncation_side": "right"},
+        {"truncate_prompt_tokens": "53", "truncation_side": "left", "add_special_tokens": 0},
+    ],
+)
+async def test_a_truncated_prompt_matches_every_block_the_engine_cached(
+    tmp_path: Path, fields: dict[str, Any]
+) -> None:
+    # Keyed whole, the prompt's blocks are not the engine's (it cached the kept tokens only).
+    model = str(build_fixture_model(tmp_path / "llama3", "llama3.1_instruct.jinja"))
+    text = " ".join(f"word{i}" for i in range(200))
+    body = {"prompt": text, "max_tokens": 1, **fields}
+    async with (
+        fake_worker_in_process(tokenizer=model, engine="vllm") as a,
+        fake_worker_in_process(tokenizer=model, engine="vllm") as b,
+        router_in_process(
+            workers=[a.url, b.url], tokenizer=model, chat_rules="vllm", expose_route_headers=True
+        ) as rt,
+    ):
+        for fw in (a, b):
+            await rt.gate(fw)
+        status, first, headers = await rt.post("/v1/completions", body)
+        assert status == 200, first
+        assert first["usage"]["prompt_tokens"] == 3 * BS + 5
+        worker = a if headers["X-Kvrouter-Worker"] == a.url else b
+        await rt.wait_cursor(worker.url, 0, (await worker.state())["last_seq"])
+        matched_before = await matched_blocks_sum(rt)
+
+        status, second, headers = await rt.post("/v1/completions", body)
+        assert status == 200, second
+        assert headers["X-Kvrouter-Worker"] == worker.url
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BS
+        assert await matched_blocks_sum(rt) - matched_before == 3
+
+
 @contextlib.asynccontextmanager
 async def recording_worker() -> AsyncIterator[tuple[str, list[tuple[str, bytes]]]]:
     """An engine that records every generation request's path and raw body, answers 200."""

@@ -130,6 +130,16 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
     },
     # vLLM adds the tokenizer's BOS again on top of the template's; SGLang has no such field.
     "add_special_tokens": {"messages": [SYSTEM, USER], "add_special_tokens": True},
+    # vLLM keeps the last 24 tokens (its tokenizer's side), or as asked, the first 24 of the
+    # encoding with BOS; SGLang's models have no such fields.
+    "truncated": {"messages": [SYSTEM, USER], "truncate_prompt_tokens": 24},
+    "truncated_right_with_bos": {
+        "messages": [SYSTEM, USER],
+        "truncate_prompt_tokens": "24",
+        "truncation_side": "right",
+        "add_special_tokens": True,
+    },
+    "truncated_to_the_context": {"messages": [SYSTEM, USER], "truncate_prompt_tokens": -1},
     "documents": {
         "messages": [USER],
         "documents": [{"title": "Forecast", "text": "Paris: sunny all week."}],

@@ -24,7 +24,7 @@ pytest.importorskip("transformers", reason="needs the hf extra")
 
 from tokenizers import Tokenizer
 
-from fake_kv_worker.model_chat import ModelChat
+from fake_kv_worker.model_chat import ModelChat, vllm_cut
 from fake_kv_worker.protocol import RequestError
 from router.tokenize import RequestTokenizer, load_tokenizer
 from router.tokenize.chat_rules import Engine
@@ -252,6 +252,36 @@ def test_a_completion_without_special_tokens_is_encoded_as_the_engine_encodes_it
     assert router.encode_prompt(text, completion_params(body, Engine.VLLM))[0] != bos
     router, _ = pairs[("llama3.1_instruct.jinja", "sglang")]
     assert router.encode_prompt(text, completion_params(body, Engine.SGLANG))[0] == bos
+
+
+TRUNCATIONS = [
+    {"truncate_prompt_tokens": 7},
+    {"truncate_prompt_tokens": 7, "add_special_tokens": False},
+    {"truncate_prompt_tokens": 7, "truncation_side": "left"},
+    {"truncate_prompt_tokens": 7, "truncation_side": "right"},
+    {"truncate_prompt_tokens": 7.0, "truncation_side": "right", "add_special_tokens": "no"},
+    {"truncate_prompt_tokens": 500},  # longer than the prompt: nothing cut
+    {"truncate_prompt_tokens": -1},  # the context less max_tokens: past this prompt
+]
+
+
+@pytest.mark.parametrize("fields", TRUNCATIONS)
+def test_a_truncated_completion_is_cut_as_the_engine_cuts_it(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]], fields: dict[str, Any]
+) -> None:
+    text = "You are a helpful assistant. The weather in Paris is sunny, and tomorrow too."
+    ids = list(range(100, 130))
+    for (template, engine), (router, worker) in pairs.items():
+        params = completion_params(fields, Engine(engine))
+        truncation = worker.truncation(fields, 16)
+        special = fields.get("add_special_tokens", True) not in (False, "no")
+        expected = worker.encode(text, special, truncation)
+        assert router.encode_prompt(text, params) == expected, (template, engine)
+        assert list(router.encode_prompt(ids, params)) == vllm_cut(ids, truncation)
+    router, _ = pairs[("llama3.1_instruct.jinja", "vllm")]
+    bos = router.model._backend.token_to_id("<|begin_of_text|>")  # type: ignore[attr-defined]
+    cut = router.encode_prompt(text, completion_params(TRUNCATIONS[0], Engine.VLLM))
+    assert len(cut) == 7 and cut[0] == bos  # room kept for BOS, the text's last six after it
 
 
 def test_a_vllm_chat_with_special_tokens_gets_bos_on_top_of_the_templates(

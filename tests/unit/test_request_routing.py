@@ -16,7 +16,7 @@ from router.dataplane.routing import (
     prompt_of,
 )
 from router.tokenize.chat_rules import Engine
-from router.tokenize.params import BadField, chat_params, completion_params
+from router.tokenize.params import BadField, chat_params, completion_params, kept
 
 
 @pytest.mark.parametrize(
@@ -149,3 +149,58 @@ def test_a_prompt_given_as_embeddings_alone_is_told_apart(
     route: bytes, body: dict[str, Any], embeds: bool
 ) -> None:
     assert embeds_only(route, body) is embeds
+
+
+@pytest.mark.parametrize(
+    ("body", "engine", "keep", "side"),
+    [
+        ({"truncate_prompt_tokens": 8}, Engine.VLLM, 8, None),
+        ({"truncate_prompt_tokens": "8", "truncation_side": "right"}, Engine.VLLM, 8, "right"),
+        ({"truncate_prompt_tokens": 8.0, "truncation_side": "left"}, Engine.VLLM, 8, "left"),
+        ({"truncate_prompt_tokens": 0}, Engine.VLLM, 0, None),
+        # The context less max_tokens, unknown here: read as no cut (params.py says why).
+        ({"truncate_prompt_tokens": -1}, Engine.VLLM, None, None),
+        ({"truncate_prompt_tokens": None, "truncation_side": None}, Engine.VLLM, None, None),
+        ({"truncate_prompt_tokens": 8, "truncation_side": "up"}, Engine.SGLANG, None, None),
+    ],
+)
+def test_truncation_is_read_as_each_engine_reads_it(
+    body: dict[str, Any], engine: Engine, keep: int | None, side: str | None
+) -> None:
+    for read in (completion_params, chat_params):
+        params = read(body, engine)
+        assert (params.keep, params.side) == (keep, side)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 1.5}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": "all"}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 2**63}, "truncate_prompt_tokens"),
+        ({"truncation_side": "LEFT"}, "truncation_side"),  # a Literal: exact strings only
+        ({"truncation_side": 1}, "truncation_side"),
+    ],
+)
+def test_a_truncation_vllm_refuses_names_the_field(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(BadField) as caught:
+        completion_params(body, Engine.VLLM)
+    assert caught.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("ids", "keep", "side", "left"),
+    [
+        ([1, 2, 3, 4], 2, None, [3, 4]),  # the tokenizer's side: left
+        ([1, 2, 3, 4], 2, "left", [3, 4]),
+        ([1, 2, 3, 4], 2, "right", [1, 2]),
+        ([1, 2, 3, 4], 9, "right", [1, 2, 3, 4]),
+        ([1, 2, 3, 4], 0, None, []),
+        ([1, 2, 3, 4], None, "right", [1, 2, 3, 4]),
+    ],
+)
+def test_a_cut_keeps_the_ids_vllm_keeps(
+    ids: list[int], keep: int | None, side: str | None, left: list[int]
+) -> None:
+    assert list(kept(ids, keep, side)) == left
