@@ -101,6 +101,9 @@ SnapshotVerdict = Literal["applied", "stale", "rejected", "ignored"]  # `replace
 T = TypeVar("T")
 DEFAULT_QUEUE_SIZE = 1024
 SLICE_BLOCKS: Final = 1024  # blocks of work between two yields to the loop (~1 ms)
+# LoRA adapter names learned from the events: far more than a fleet serves (vLLM's
+# --max-loras is a handful), and a bound on what a hostile stream can make the replica hold.
+MAX_ADAPTER_NAMES: Final = 4096
 DEFAULT_INDEX_MAX_BLOCKS: Final = 4_000_000  # a 1.1 GiB replica: see `max_blocks_for`
 # Memory sizing (README, "Index memory"; measured by bench/scale.py): a replica's resident
 # memory is about PROCESS_BYTES plus BYTES_PER_CARRIED_BLOCK per (rank, block) pair: ~157 B of
@@ -132,8 +135,10 @@ def apply_steps(
     events: Iterable[KVEvent],
     tally: Counter[tuple] | None = None,
     slice_blocks: int = SLICE_BLOCKS,
+    adapters: set[str] | None = None,
 ) -> Steps:
-    """`apply_events`, yielding after every `slice_blocks` blocks of work.
+    """`apply_events`, yielding after every `slice_blocks` blocks of work; the LoRA adapter
+    names the stores carry are added to `adapters` (see `IndexRules.adapters`).
 
     Consecutive removals of the same tier become one `tree.remove` call (and one tally
     update): an engine evicting under pressure sends one BlockRemoved per block, dozens per
@@ -171,6 +176,8 @@ def apply_steps(
             work = 0
             yield
         if kind is BlockStored:
+            if event.namespace is not None and adapters is not None:
+                _learn_adapter(adapters, event.namespace)
             n_blocks = len(event.engine_hashes)
             if n_blocks > slice_blocks:
                 yield from _store_sliced(tree, rank, event, slice_blocks)
@@ -193,6 +200,14 @@ def apply_steps(
         elif kind is AllBlocksCleared:
             yield from tree.clear_rank_steps(rank, slice_blocks)
             tally["cleared", None] += 1
+
+
+def _learn_adapter(adapters: set[str], namespace: str) -> None:
+    """The adapter part of a store's namespace (`events.namespace_of`: "lora", "lora\0salt"
+    or "\0salt"), remembered up to `MAX_ADAPTER_NAMES`."""
+    lora = namespace.partition("\x00")[0]
+    if lora and lora not in adapters and len(adapters) < MAX_ADAPTER_NAMES:
+        adapters.add(lora)
 
 
 def _seed_holds(tree: BlockTree, rank: RankId, event: BlockStored) -> bool:
@@ -298,6 +313,10 @@ class IndexRules:
         self.cursors: dict[RankId, int] = {}
         self.live: set[RankId] = set()
         self.stats = PumpStats()
+        # The LoRA adapter names the engines' stores have carried (vLLM's and SGLang's
+        # `lora_name`): a request naming one of them is keyed in that adapter's namespace,
+        # as its blocks were published (`routing.namespace_for`). Only ever added to.
+        self.adapters: set[str] = set()
         self._on_loss: Callable[[RankId], None] = lambda rank: None
         # Set when peer bootstrap is on: it holds Pending ranks' batches and grafts.
         self.bootstrap: BootstrapRules | None = None
@@ -423,7 +442,9 @@ class IndexRules:
                 )
                 self._on_loss(rank)
         tree = self._tree
-        yield from apply_steps(tree, rank, batch.events, self.stats.events, self.slice_blocks)
+        yield from apply_steps(
+            tree, rank, batch.events, self.stats.events, self.slice_blocks, self.adapters
+        )
         if batch.ignored:
             self.stats.ignored_events.update(batch.ignored)
         self.cursors[rank] = seq

@@ -19,7 +19,7 @@ on the ranks healthy then. Every other request is decided synchronously as above
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -34,7 +34,7 @@ from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
 from router.placement import AskFirst, Placement, PlacementAsker
 from router.policy import Candidate, Decision, Policy, Prompt
-from router.tokenize import ChatRequestError, RequestTokenizer
+from router.tokenize import ChatRequestError, Engine, RequestTokenizer
 from router.tokenize.lax import lax_int, sglang_token_id
 from router.tokenize.params import COMPLETION, BadField, chat_params, completion_params
 from router.workers import WorkerRegistry
@@ -149,12 +149,35 @@ def param_of(route: bytes) -> str:
     return {CHAT: "messages", GENERATE: "text"}.get(route, "prompt")
 
 
-def namespace_for(body: dict[str, Any]) -> str | None:
-    """The key namespace of a request: its LoRA adapter and cache salt, as events carry them."""
-    lora, salt = body.get("lora_name"), body.get("cache_salt")
-    if lora is None and salt is None:  # most requests: no call per field
+def namespace_for(body: dict[str, Any], adapters: Collection[str], engine: Engine) -> str | None:
+    """The key namespace of a request: its LoRA adapter and cache salt, as events carry them
+    (`events.namespace_of`). `adapters` are the adapter names the engines' events have carried
+    (`IndexRules.adapters`): a request is keyed in an adapter's namespace only when it names
+    one of them, the way its engine reads the name:
+    - vLLM: `model` is the adapter's name (the base model's name means none);
+    - SGLang: `lora_path` (the first, for a batch), else `model` as "base:adapter".
+    A name no event has carried yet has no block in the index under it anyway, so such a
+    request is keyed as the base model's."""
+    salt = body.get("cache_salt")
+    lora = _adapter_of(body, adapters, engine) if adapters else None
+    if lora is None and salt is None:  # most requests: two lookups
         return None
-    return namespace_of(_str_or_none(lora), _str_or_none(salt))
+    return namespace_of(lora, _str_or_none(salt))
+
+
+def _adapter_of(body: dict[str, Any], adapters: Collection[str], engine: Engine) -> str | None:
+    model = body.get("model")
+    if engine is Engine.VLLM:
+        return model if type(model) is str and model in adapters else None
+    path = body.get("lora_path")
+    if type(path) is list and path:
+        path = path[0]
+    if type(path) is str and path:
+        return path if path in adapters else None
+    if type(model) is str and ":" in model:
+        name = model.split(":", 1)[1]
+        return name if name in adapters else None
+    return None
 
 
 def _str_or_none(value: Any) -> str | None:
@@ -291,7 +314,8 @@ class RequestRouter:
         tree = self.rules.tree
         if tree is None:  # no worker registered yet: no block size, no index
             return self.policy.decide(candidates, Prompt(len(tokens), 1))
-        keys = block_keys(tokens, tree.block_size, namespace_seed(namespace_for(body)))
+        namespace = namespace_for(body, self.rules.adapters, engine)
+        keys = block_keys(tokens, tree.block_size, namespace_seed(namespace))
         prompt = Prompt(len(tokens), tree.block_size, tree.prefix_depths(keys), keys)
         if self.placement is not None and self.asker is not None:
             placer = self.placement.question(candidates, prompt)

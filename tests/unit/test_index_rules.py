@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from cachetree.keys import block_keys
+from cachetree.keys import block_keys, namespace_seed
 from cachetree.ranks import RankId
 from cachetree.snapshot import canonical_view
 from cachetree.tiers import DEVICE, HOST
@@ -373,3 +373,20 @@ def test_the_carried_count_follows_stores_removals_clears_and_snapshot_restores(
     assert rules.replace_rank(OTHER, snapshot(4, 1, 2, 3), BS) == "applied"
     rules.after_control()  # what the pump does after every control call
     assert tree.carried_blocks == 8 == sum(tree.block_count(r) for r in (R, OTHER))
+
+
+def test_the_lora_adapters_the_stores_carry_are_learned_for_the_request_path() -> None:
+    rules, _ = rules_with(R)
+    tokens = list(range(1, 1 + BS))
+    events = [
+        BlockStored([1], None, tokens, BS, DEVICE, "GPU", "sql"),
+        BlockStored([2], None, tokens, BS, DEVICE, "GPU", "chat\x00salt"),  # adapter and salt
+        BlockStored([3], None, tokens, BS, DEVICE, "GPU", "\x00salt"),  # a salt alone
+        BlockStored([4], None, tokens, BS, DEVICE, "GPU", None),
+    ]
+    rules.apply_batch(R, 0, EventBatch(0.0, events, 0))
+    assert rules.adapters == {"sql", "chat"}
+    # Keyed in the adapter's namespace, as the request path keys a request naming it.
+    assert rules.tree is not None
+    keys = block_keys(tokens, BS, namespace_seed("sql"))
+    assert rules.tree.prefix_depths(keys).any_tier == {R: 1}

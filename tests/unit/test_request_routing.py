@@ -88,18 +88,34 @@ def test_chat_messages_must_be_a_non_empty_list() -> None:
     assert param_of(b"/v1/chat/completions") == "messages"
 
 
+ADAPTERS = frozenset({"sql", "chat-v2"})  # names the engines' events have carried
+
+
 @pytest.mark.parametrize(
-    ("body", "namespace"),
+    ("body", "engine", "namespace"),
     [
-        ({}, None),
-        ({"lora_name": "adapter"}, "adapter"),
-        ({"cache_salt": "s"}, "\x00s"),
-        ({"lora_name": "a", "cache_salt": "s"}, "a\x00s"),
-        ({"lora_name": "", "cache_salt": 5}, None),  # empty or not a string: no namespace
+        ({}, Engine.VLLM, None),
+        ({"model": "base-model"}, Engine.VLLM, None),
+        # vLLM picks an adapter by `model`; a name no event carried is keyed as the base's.
+        ({"model": "sql"}, Engine.VLLM, "sql"),
+        ({"model": "sql", "cache_salt": "s"}, Engine.VLLM, "sql\x00s"),
+        ({"model": "unseen-adapter"}, Engine.VLLM, None),
+        ({"model": "base-model", "lora_path": "sql"}, Engine.VLLM, None),  # not vLLM's field
+        ({"lora_name": "sql"}, Engine.VLLM, None),  # neither engine's field
+        # SGLang: `lora_path` (the first of a batch), else `model` as "base:adapter".
+        ({"model": "base", "lora_path": "sql"}, Engine.SGLANG, "sql"),
+        ({"lora_path": ["chat-v2", "sql"]}, Engine.SGLANG, "chat-v2"),
+        ({"model": "base:sql"}, Engine.SGLANG, "sql"),
+        ({"model": "sql"}, Engine.SGLANG, None),
+        ({"cache_salt": "s"}, Engine.SGLANG, "\x00s"),
+        ({"model": "base:sql", "cache_salt": "s"}, Engine.SGLANG, "sql\x00s"),
+        ({"lora_path": "", "cache_salt": 5}, Engine.SGLANG, None),  # empty, not a string: none
     ],
 )
-def test_the_key_namespace_of_a_request(body: dict[str, Any], namespace: str | None) -> None:
-    assert namespace_for(body) == namespace
+def test_the_key_namespace_of_a_request_is_the_one_its_blocks_are_published_under(
+    body: dict[str, Any], engine: Engine, namespace: str | None
+) -> None:
+    assert namespace_for(body, ADAPTERS, engine) == namespace
 
 
 @pytest.mark.parametrize(
