@@ -124,7 +124,7 @@ from router.subscriber import LiveBatch, PublisherReset, SequenceTracker, Step, 
 
 BS = 2
 EXAMPLES = int(os.environ.get("KVROUTER_PROPERTY_EXAMPLES", "0"))  # > 0: hunt, random
-SEED = 1  # the stable run's seed (see the test)
+SEEDS = (1, 2, 3)  # the stable run's seeds, the later ones run only if needed (see the test)
 TIMEOUT_S = 60.0
 PROOF_TIMEOUT_S = 30.0
 RANKS = [RankId("http://w", i) for i in range(3)]
@@ -1025,7 +1025,12 @@ def test_bootstrap_contract_holds_under_random_interleavings() -> None:
     A fixed seed rather than `derandomize`: hypothesis derives a derandomized run's seed from
     the machine's source, so any edit of this file drew different examples, and that run's
     examples were narrower (two REQUIRED paths went unreached after unrelated edits). Every
-    one of seeds 1-8 reaches every REQUIRED path, the rarest at least 4 times.
+    one of seeds 1-8 reaches every REQUIRED path, the rarest at least 4 times, when run alone;
+    but what a seed's examples explore also moves with the process (an unrelated edit of the
+    data plane took seed 1's 36 subscriber regression resets to 0 in a whole-suite run, and
+    back to 36 run alone). So a path seed 1 leaves unreached gets 200 examples of the next
+    seed, up to the third, before the check fails: every example of every seed run is held
+    to the contract.
     """
     COVERAGE.clear()
     quiet = [logging.getLogger(name) for name in ("router.index", "router.graft")]
@@ -1033,19 +1038,24 @@ def test_bootstrap_contract_holds_under_random_interleavings() -> None:
     for logger in quiet:
         logger.setLevel(logging.ERROR)  # thousands of expected loss and gap warnings
     try:
-        machine = (
-            BootstrapMachine if EXAMPLES else seed(SEED)(type("Seeded", (BootstrapMachine,), {}))
-        )
-        run_state_machine_as_test(
-            machine,
-            settings=settings(
-                max_examples=EXAMPLES or 200,
-                stateful_step_count=40,
-                deadline=None,
-                database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-            ),
-        )
+        for number in SEEDS[:1] if EXAMPLES else SEEDS:
+            machine = (
+                BootstrapMachine
+                if EXAMPLES
+                else seed(number)(type("Seeded", (BootstrapMachine,), {}))
+            )
+            run_state_machine_as_test(
+                machine,
+                settings=settings(
+                    max_examples=EXAMPLES or 200,
+                    stateful_step_count=40,
+                    deadline=None,
+                    database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+                ),
+            )
+            if all(COVERAGE[label] for label in REQUIRED):
+                break
     finally:
         for logger, level in zip(quiet, levels, strict=True):
             logger.setLevel(level)
