@@ -30,6 +30,7 @@ import zmq.asyncio
 
 from cachetree.ranks import RankId
 from router.ingest_wire import (
+    PAIR_HWM,
     KeyMirror,
     Subscribe,
     Unsubscribe,
@@ -82,6 +83,8 @@ class IngestChild:
             stats=stats,
             **self._sub_kw,  # type: ignore[arg-type]
         )
+        if cmd.last_seq is not None:
+            sub.tracker.last = cmd.last_seq  # see `Subscribe.last_seq`
         task = asyncio.create_task(sub.run(), name=f"kv-sub {rank}")
         task.add_done_callback(lambda t, r=rank: self._ended(r, t))
         self._subs[rank] = (task, stats)
@@ -144,6 +147,8 @@ async def main_async(args: argparse.Namespace) -> None:
     context = zmq.asyncio.Context()
     control = context.socket(zmq.PAIR)
     control.setsockopt(zmq.LINGER, 0)
+    control.setsockopt(zmq.SNDHWM, PAIR_HWM)
+    control.setsockopt(zmq.RCVHWM, PAIR_HWM)
     control.connect(args.control)
     watcher = asyncio.create_task(_watch_parent(args.parent))
     try:

@@ -23,10 +23,13 @@ the child's send waits, its subscribers stop reading and the engines' publishers
 drop, which the next seq reveals (as in one process). A message that does not decode is
 counted (`bad_messages`) and dropped: a bug, never half applied.
 
-Supervision: a process that exits is started again after a backoff (0.1 s doubling to 5 s,
-reset after RESET_AFTER_S of life), its ranks resubscribed; counted in `restarts`. What its
-subscribers had not yet handed over is lost, and shows as a gap at each rank's next batch
-(counted lost, the worker's snapshot re-pulled), never silently. After UNHEALTHY_AFTER
+Supervision: a process that exits, or cannot be started, is started again after a backoff
+(0.1 s doubling to 5 s, reset after RESET_AFTER_S of life), counted in `restarts`, its ranks
+resubscribed from the seq the index applied last (`applied`, sent as `Subscribe.last_seq`):
+what its subscribers had not yet handed over, and what was published while none listened, is
+a gap at each rank's next batch, which replay fills (else counted lost and the worker's
+snapshot re-pulled), never silently; the ranks' counters go on from the dead process's last
+report. After UNHEALTHY_AFTER
 restarts in a row without RESET_AFTER_S of life, `unhealthy` names the process and its last
 exit status: `/readyz` reports it and answers 503 until a process lives again.
 """
@@ -52,7 +55,15 @@ import zmq.asyncio
 
 from cachetree.ranks import RankId
 from peer.tasks import cancel_and_wait
-from router.ingest_wire import Hello, Stats, Subscribe, Unsubscribe, pack_command, unpack
+from router.ingest_wire import (
+    PAIR_HWM,
+    Hello,
+    Stats,
+    Subscribe,
+    Unsubscribe,
+    pack_command,
+    unpack,
+)
 from router.subscriber import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Deliver,
@@ -69,7 +80,6 @@ BACKOFF_MAX_S: Final = 5.0
 RESET_AFTER_S: Final = 30.0  # a process that lived this long starts its backoff afresh
 UNHEALTHY_AFTER: Final = 5  # restarts in a row, each dead within RESET_AFTER_S
 DRAIN_BATCH: Final = 64
-PAIR_HWM: Final = 1024  # messages queued each way before the sender waits
 
 
 def pick_process(loads: list[int]) -> int:
@@ -94,6 +104,10 @@ class IngestStats:
 class _Process:
     index: int
     ranks: dict[RankId, tuple[RankEndpoint, SubscriberStats]] = field(default_factory=dict)
+    # Per rank, the counters its subscribers in earlier incarnations reached (a new one
+    # counts from zero), and the latest the current incarnation reported.
+    carried: dict[RankId, dict[str, object]] = field(default_factory=dict)
+    reported: dict[RankId, dict[str, object]] = field(default_factory=dict)
     socket: zmq.Socket | None = None
     generation: int = 0
     failures: int = 0  # restarts in a row without RESET_AFTER_S of life
@@ -117,8 +131,11 @@ class IngestPool:
         log_level: str = "info",
         clock: Callable[[], float] = time.monotonic,
         command: Sequence[str] = (sys.executable, "-m", "router.ingest_child"),
+        applied: Callable[[RankId], int | None] = lambda rank: None,
     ) -> None:
-        """`command`: how a process is started (its flags are appended); tests replace it."""
+        """`command`: how a process is started (its flags are appended); tests replace it.
+        `applied`: the last seq the index applied for a rank (the pump's cursor), which a
+        process started again resumes from (`Subscribe.last_seq`)."""
         if not 1 <= processes <= MAX_PROCESSES:
             raise ValueError(f"ingest processes must be 1..{MAX_PROCESSES}")
         self._deliver = deliver
@@ -133,6 +150,7 @@ class IngestPool:
         ]
         self._clock = clock
         self._command = list(command)
+        self._applied = applied
         self._dir = tempfile.mkdtemp(prefix="kvrouter-ingest-")  # mode 0700
         self._procs = [_Process(i) for i in range(processes)]
         self._tasks: list[asyncio.Task[None]] = []
@@ -184,10 +202,12 @@ class IngestPool:
         proc.ranks[rank] = (endpoint, stats)
         try:
             if proc.up.is_set():  # else its Hello subscribes every rank it owns
-                self._send_now(proc, pack_command(_subscribe(endpoint)))
+                self._send_now(proc, pack_command(_subscribe(endpoint, None)))
             await asyncio.Event().wait()
         finally:
             proc.ranks.pop(rank, None)
+            proc.carried.pop(rank, None)
+            proc.reported.pop(rank, None)
             with contextlib.suppress(zmq.ZMQError):
                 self._send_now(proc, pack_command(Unsubscribe(rank.worker_url, rank.dp_rank)))
 
@@ -198,19 +218,62 @@ class IngestPool:
             proc.socket.send(message, zmq.NOBLOCK)
 
     async def _supervise(self, proc: _Process) -> None:
+        """Run the process, and again after it exits, for good: a failure to start one (out
+        of file descriptors, an ipc path the system refuses) is counted as an exit and
+        retried after the same backoff, never the end of the supervision."""
         while True:
-            proc.generation += 1
-            address = f"ipc://{os.path.join(self._dir, f'{proc.index}-{proc.generation}.sock')}"
-            sock = self._ctx.socket(zmq.PAIR)
+            started = proc.started = self._clock()
+            pid: int | None = None
+            try:
+                pid, status = await self._run_once(proc)
+            except (OSError, zmq.ZMQError) as exc:
+                status = None
+                log.error(
+                    "ingest process %d could not be started (%s: %s); trying again after a "
+                    "backoff. Check the replica's file limit and its temporary directory (%s)",
+                    proc.index,
+                    type(exc).__name__,
+                    exc,
+                    self._dir,
+                )
+            lived = self._clock() - started
+            proc.failures = 1 if lived >= RESET_AFTER_S else proc.failures + 1
+            proc.last_status = status
+            self.stats.restarts[proc.index] += 1
+            for rank, values in proc.reported.items():  # the next incarnation counts from 0
+                proc.carried[rank] = _added(proc.carried.get(rank, {}), values)
+            proc.reported.clear()
+            wait = restart_backoff_s(proc.failures)
+            if pid is not None:
+                log.error(
+                    "ingest process %d (pid %d) exited with status %s after %.1f s; its %d "
+                    "rank(s) resubscribe in a new one in %.2f s, asking replay for what it "
+                    "had not handed over",
+                    proc.index,
+                    pid,
+                    status,
+                    lived,
+                    len(proc.ranks),
+                    wait,
+                )
+            await asyncio.sleep(wait)
+
+    async def _run_once(self, proc: _Process) -> tuple[int, int | None]:
+        """One incarnation of the process, from its channel's bind to its exit: (pid, exit
+        status). Its channel is closed and its ipc path removed however it ends."""
+        proc.generation += 1
+        path = os.path.join(self._dir, f"{proc.index}-{proc.generation}.sock")
+        sock = self._ctx.socket(zmq.PAIR)
+        reader: asyncio.Task[None] | None = None
+        try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, PAIR_HWM)
             sock.setsockopt(zmq.RCVHWM, PAIR_HWM)
-            sock.bind(address)
-            started = proc.started = self._clock()
+            sock.bind(f"ipc://{path}")
             child = await asyncio.create_subprocess_exec(
                 *self._command,
                 "--control",
-                address,
+                f"ipc://{path}",
                 "--parent",
                 str(os.getpid()),
                 *self._child_args,
@@ -220,7 +283,7 @@ class IngestPool:
             proc.socket = sock
             reader = asyncio.create_task(self._read(proc, sock), name=f"ingest-read-{proc.index}")
             try:
-                status = await child.wait()
+                return child.pid, await child.wait()
             except asyncio.CancelledError:
                 with contextlib.suppress(ProcessLookupError):
                     child.terminate()
@@ -229,27 +292,14 @@ class IngestPool:
                 with contextlib.suppress(ProcessLookupError):
                     child.kill()
                 raise
-            finally:
-                proc.up.clear()
-                proc.socket = None
+        finally:
+            proc.up.clear()
+            proc.socket = None
+            if reader is not None:
                 await cancel_and_wait([reader])
-                sock.close(linger=0)
-            lived = self._clock() - started
-            proc.failures = 1 if lived >= RESET_AFTER_S else proc.failures + 1
-            proc.last_status = status
-            self.stats.restarts[proc.index] += 1
-            wait = restart_backoff_s(proc.failures)
-            log.error(
-                "ingest process %d (pid %d) exited with status %s after %.1f s; its %d "
-                "rank(s) resubscribe in a new one in %.2f s (batches it held show as gaps)",
-                proc.index,
-                child.pid,
-                status,
-                lived,
-                len(proc.ranks),
-                wait,
-            )
-            await asyncio.sleep(wait)
+            sock.close(linger=0)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     async def _read(self, proc: _Process, sock: zmq.Socket) -> None:
         """Drain the process's messages into the pump, in order (edge-triggered fd)."""
@@ -284,12 +334,15 @@ class IngestPool:
         if type(item) is Stats:
             owned = proc.ranks.get(item.rank)
             if owned is not None:
-                _copy_stats(owned[1], item.values)
+                proc.reported[item.rank] = item.values
+                _copy_stats(owned[1], _added(proc.carried.get(item.rank, {}), item.values))
             return
         if type(item) is Hello:
-            # Connected: every rank it owns, again (a new incarnation knows nothing).
+            # Connected: every rank it owns, again (a new incarnation knows nothing), each
+            # from where the index is (`Subscribe.last_seq`).
             for endpoint, _ in proc.ranks.values():
-                self._send_now(proc, pack_command(_subscribe(endpoint)))
+                last = self._applied(endpoint.rank)
+                self._send_now(proc, pack_command(_subscribe(endpoint, last)))
             proc.up.set()
             log.info("ingest process %d (pid %d) is up", proc.index, item.pid)
             return
@@ -297,11 +350,32 @@ class IngestPool:
         await self._deliver(item)  # type: ignore[arg-type]
 
 
-def _subscribe(endpoint: RankEndpoint) -> Subscribe:
+def _subscribe(endpoint: RankEndpoint, last_seq: int | None) -> Subscribe:
     rank = endpoint.rank
     return Subscribe(
-        rank.worker_url, rank.dp_rank, endpoint.endpoint, endpoint.topic, endpoint.replay_endpoint
+        rank.worker_url,
+        rank.dp_rank,
+        endpoint.endpoint,
+        endpoint.topic,
+        endpoint.replay_endpoint,
+        last_seq,
     )
+
+
+def _added(base: dict[str, object], values: dict[str, object]) -> dict[str, object]:
+    """Counter values `base` + `values`, name by name (ints and label -> int maps)."""
+    out = dict(base)
+    for name, value in values.items():
+        before = out.get(name)
+        if isinstance(value, dict):
+            total = Counter(before if isinstance(before, dict) else {})
+            total.update(value)
+            out[name] = dict(total)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            out[name] = (before if isinstance(before, int) else 0) + value
+        else:
+            out[name] = value
+    return out
 
 
 def _copy_stats(stats: SubscriberStats, values: dict[str, object]) -> None:

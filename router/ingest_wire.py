@@ -129,12 +129,23 @@ class Hello(msgspec.Struct, array_like=True, tag=14):
     pid: int
 
 
+# Messages queued each way on a process's channel before the sender waits, at each end. Few:
+# a batch may be up to `--kv-events-max-message-bytes` (8 MiB), and what waits here is held in
+# memory on top of the pump's own queue (1,024 per process was 1.4 GB more at 2 processes
+# under a burst of 1 MB batches).
+PAIR_HWM: Final = 64
+
+
 class Subscribe(msgspec.Struct, array_like=True, tag=20):
     url: str
     dp: int
     endpoint: str
     topic: bytes
     replay_endpoint: str | None
+    # The last seq the replica's index applied for the rank, if any: a process started again
+    # in place of one that died takes it as its last seen, so the batches the dead one did
+    # not hand over are a gap its subscriber asks replay for, not a loss.
+    last_seq: int | None = None
 
 
 class Unsubscribe(msgspec.Struct, array_like=True, tag=21):

@@ -241,6 +241,7 @@ async def _compose(
             context=zmq_context,
             max_message_bytes=config.kv_events_max_message_bytes,
             log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
+            applied=pump.rules.cursors.get,
         )
     workers = WorkerRegistry(
         pump,

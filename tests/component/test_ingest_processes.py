@@ -44,7 +44,11 @@ class Fleet:
 
     def subscribe(self) -> None:
         for rank in self.ranks:
-            endpoint = RankEndpoint(rank, self.fw.kv_endpoint(rank.dp_rank))
+            endpoint = RankEndpoint(
+                rank,
+                self.fw.kv_endpoint(rank.dp_rank),
+                replay_endpoint=self.fw.replay_endpoint(rank.dp_rank),
+            )
             self.tasks.append(
                 asyncio.create_task(self.pool.subscription(endpoint, self.stats[rank]))
             )
@@ -68,9 +72,9 @@ async def fleet() -> AsyncIterator[Fleet]:
     rules = IndexRules(BlockTree(BS))
     pump = Pump(rules)
     pump.start()
-    async with fake_worker_in_process(dp_size=2) as fw:
+    async with fake_worker_in_process(dp_size=2, replay=True) as fw:
         rules.add_ranks([RankId(fw.url, dp) for dp in range(2)])
-        pool = IngestPool(2, pump.deliver, context=context)
+        pool = IngestPool(2, pump.deliver, context=context, applied=rules.cursors.get)
         pool.start()
         f = Fleet(fw, pool, pump)
         try:
@@ -115,6 +119,55 @@ async def test_a_killed_process_is_started_again_and_its_rank_resubscribes(fleet
     last = await fleet.fw.store([list(range(500, 500 + BS))], dp_rank=0)
     await eventually(lambda: fleet.pump.rules.cursors.get(fleet.ranks[0], -1) >= last)
     assert fleet.tree.block_count(fleet.ranks[0]) >= 2  # a probe block and the new one
+
+
+async def test_a_process_started_again_replays_what_the_dead_one_missed_and_counts_on(
+    fleet: Fleet,
+) -> None:
+    """A new process knew nothing of its ranks: its subscriber took its first batch as the
+    first of the stream, so what was published while no process listened was lost for good
+    (the index kept evicted blocks and lacked stored ones) though the worker could replay it;
+    and the rank's counters started again from 0. It now resumes from the index's cursor."""
+    fleet.subscribe()
+    await fleet.gate()
+    rank = fleet.ranks[0]
+    for i in range(20):  # counters well above what the new process will count
+        await fleet.fw.store([list(range(1000 + i * BS, 1000 + (i + 1) * BS))], dp_rank=0)
+    await eventually(lambda: fleet.stats[rank].batches >= 21, within_s=10)
+    counted = fleet.stats[rank].batches
+    held = fleet.tree.block_count(rank)
+    victim = fleet.pool.pids()[0]
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    await eventually(lambda: fleet.pool.stats.restarts[0] == 1, within_s=10)
+    # Published while no process listens to the rank (the new one starts after a backoff).
+    missed = await fleet.fw.store([list(range(5000, 5000 + 3 * BS))], dp_rank=0)
+    await fleet.gate()
+    await eventually(lambda: fleet.pump.rules.cursors.get(rank, -1) >= missed, within_s=10)
+    assert fleet.tree.block_count(rank) == held + 3
+    assert not fleet.pump.rules.stats.lost_batches
+    await eventually(lambda: fleet.stats[rank].replayed >= 1, within_s=10)
+    assert fleet.stats[rank].batches > counted  # counted on, not from 0
+    # The dead process's channel went with it: one ipc path per live process, no more.
+    assert len(os.listdir(fleet.pool._dir)) == 2
+
+
+async def test_a_process_that_cannot_be_started_is_retried_and_reported_never_dropped() -> None:
+    """Starting one raised (out of file descriptors; an ipc path the system refuses), which
+    ended its supervision for good without a word: its ranks were never ingested again,
+    /readyz stayed 200, and the error came out of `close` at shutdown."""
+    context = zmq.asyncio.Context()
+    pump = Pump(IndexRules(BlockTree(BS)))
+    missing = ("/nonexistent/kvrouter-ingest-child",)
+    pool = IngestPool(1, pump.deliver, context=context, command=missing)
+    pool.start()
+    try:
+        await eventually(lambda: pool.unhealthy is not None, within_s=20)
+        assert pool.stats.restarts[0] >= UNHEALTHY_AFTER
+        assert not pool._tasks[0].done()  # still supervising
+    finally:
+        await pool.close()
+        await terminate_context(context, within_s=2.0, what="test")
 
 
 async def test_a_process_that_keeps_dying_makes_the_pool_unhealthy() -> None:
