@@ -14,6 +14,7 @@ from this environment).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -48,7 +49,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # the runs' `finally` blocks stop the processes they started
+
+
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM ends a run as Ctrl-C does: killed outright, it left its fleet running.
+    signal.signal(signal.SIGTERM, _interrupted)
     args = parse(argv)
     try:
         names = suite.select(args.only)

@@ -22,7 +22,6 @@ import gc
 import logging
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -597,7 +596,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         if not os.path.isfile(os.path.join(root, "bench", "__main__.py")):
             _fail("kvrouter bench runs from a source checkout (bench/ is not installed)")
-        raise SystemExit(subprocess.call([sys.executable, "-m", "bench", *rest[1:]], cwd=root))
+        # Replaced by it, not its parent: a signal meant for `kvrouter bench` reaches it (a
+        # parent waiting in subprocess.call died of SIGTERM and left it running, orphaned).
+        os.chdir(root)
+        os.execv(sys.executable, [sys.executable, "-m", "bench", *rest[1:]])
     args = parse_args(argv)
     if args.command == "serve":
         logging.basicConfig(

@@ -13,8 +13,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -202,3 +204,55 @@ def test_request_stages_child_serves_another_policy() -> None:
     loop_thread, route, ingest, rest, hot = figures
     assert ingest == 0 and held == 0 and min(loop_thread, route, rest, hot) > 0
     assert math.isclose(route + rest, loop_thread, abs_tol=0.2)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process whose parent chain leads to `pid` (read from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
+@pytest.mark.timeout(120)
+def test_sigterm_to_kvrouter_bench_stops_the_fleet_it_started() -> None:
+    """`kvrouter bench` waited on `python -m bench` in a child process: SIGTERM killed the
+    wrapper and left the run, and the fake workers and replicas it had started, running."""
+    kvrouter = Path(sys.executable).parent / "kvrouter"
+    argv = [str(kvrouter), "bench", "--quick", "--only", "proxy", "--no-smg", "--no-markdown"]
+    run = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        started: set[int] = set()
+        for _ in range(600):  # until the run has started processes of its own (60 s at most)
+            started = _descendants(run.pid)
+            if started or run.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert started, "the benchmark started no process"
+        run.send_signal(signal.SIGTERM)
+        run.wait(timeout=60)
+        deadline = time.monotonic() + 20  # a quick proxy run lasts minutes
+        while any(_alive(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in started if _alive(p)]
+    finally:
+        if run.poll() is None:
+            run.kill()
