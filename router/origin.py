@@ -11,11 +11,19 @@ would let whoever registers a worker choose what the router fetches and relays i
 metadata service, its answer relayed to the client). Credentials in a URL would be sent to
 every path and logged with it. So none of them is accepted, not even empty (`?` or `#` at
 the end), and nothing is silently dropped either: a caller learns what was wrong.
+
+The host is an IP literal or an ASCII hostname (labels of 1-63 characters, 253 in all): every
+client the router talks to a worker with spells the host in ASCII (the data plane's pools
+encode it as latin-1, `getaddrinfo` IDNA-encodes a name and fails on an over-long label), so
+a host that is not one registered a worker no pass of the health loop could check (one such
+worker stopped every worker's checks). A non-ASCII name is to be given in its IDNA form.
+Port 0 is refused too: nothing is ever reachable there.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -24,16 +32,49 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
+_MAX_HOSTNAME = 253
+_MAX_LABEL = 63
+_LABEL = re.compile(r"[a-z0-9_-]+")  # hostname-ish; `hostname` is lower case already
+
+
 def url_problem(url: str) -> str | None:
     """Why `url` is not an http(s) URL with a host (a path is fine), or None."""
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError for a port out of range
+        port = parts.port  # raises ValueError for a port out of range
     except ValueError as exc:
         return str(exc)
     if parts.scheme not in ("http", "https"):
         return "the scheme must be http or https"
-    return None if parts.hostname else "no host"
+    if not parts.hostname:
+        return "no host"
+    if port == 0:
+        return "port 0 is not a port anything listens on"
+    return host_problem(parts.hostname)
+
+
+def host_problem(host: str) -> str | None:
+    """Why `host` (as `urlsplit` gives it: no brackets, lower case) is neither an IP literal
+    nor an ASCII hostname, or None."""
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    if not host.isascii():
+        return f"host {host!r} is not ASCII: use its IDNA (xn--) form"
+    name = host.removesuffix(".")  # a fully qualified name's root dot
+    if len(name) > _MAX_HOSTNAME:
+        return f"host name of {len(name)} characters: at most {_MAX_HOSTNAME}"
+    for label in name.split("."):
+        if not label or len(label) > _MAX_LABEL:
+            return (
+                f"host {host!r} has a label of {len(label)} characters: each one is 1 to "
+                f"{_MAX_LABEL}"
+            )
+        if _LABEL.fullmatch(label) is None:
+            return f"host {host!r} is not a host name: letters, digits, '-' and '_' only"
+    return None
 
 
 def origin_problem(url: str) -> str | None:

@@ -328,7 +328,11 @@ class WorkerRegistry:
                 return known  # re-registration: no new subscription, no new pull
             worker = known or Worker(url, breaker=self._breaker_factory())
             self._workers[url] = worker
-            await self._register(worker)
+            try:
+                await self._register(worker)
+            except BaseException as exc:  # cancelled too: a client that left cancels its POST
+                await self._undo_registration(worker, exc, new=known is None)
+                raise
             return worker
 
     async def remove(self, url: str) -> bool:
@@ -344,6 +348,28 @@ class WorkerRegistry:
             self.on_removed(url)
         log.info("worker %s removed: its %d rank(s) left the index", url, worker.dp_size)
         return True
+
+    async def _undo_registration(self, worker: Worker, exc: BaseException, *, new: bool) -> None:
+        """A registration that raised leaves nothing running: what it started is stopped, a
+        new worker leaves the registry, a known one (down, being registered anew) stays down
+        for the health loop to try again. Before this, a worker whose registration raised
+        stayed listed `ready` with nothing checking it (and broke every health pass)."""
+        if worker.state == "ready" or worker.tasks:  # its ranks may be live: take them out
+            await self._detach(worker)
+        why = describe(exc) if isinstance(exc, Exception) else "the registration was cancelled"
+        if new:
+            if self._workers.get(worker.url) is worker:
+                del self._workers[worker.url]
+                ROUTING_EPOCH.value += 1
+            self._health.forget(worker.url)
+            if self.on_removed is not None:
+                self.on_removed(worker.url)
+            log.error("worker %s not registered: %s", worker.url, why)
+        else:
+            worker.state = "down"
+            worker.healthy = False
+            worker.reason = f"registration failed ({why}); tried again when /health answers"
+            log.error("worker %s: %s", worker.url, worker.reason)
 
     async def _detach(self, worker: Worker) -> None:
         """Take the worker's ranks out of bootstrap, the index, event ingest and load polling."""
@@ -683,7 +709,7 @@ class WorkerRegistry:
     async def check_health_once(self) -> None:
         """Probe every ready or down worker; evict the long-dead, re-register the revived."""
         workers = [w for w in self._workers.values() if w.state in ("ready", "down")]
-        results = await asyncio.gather(*(self._check_health(w) for w in workers))
+        results = await asyncio.gather(*(self._check_health_contained(w) for w in workers))
         now = self._clock()
         for worker, healthy in zip(workers, results, strict=True):
             try:
@@ -724,6 +750,16 @@ class WorkerRegistry:
         worker.unhealthy_since = None
         self.stats.evictions += 1
         log.warning("worker %s evicted: %s", worker.url, worker.reason)
+
+    async def _check_health_contained(self, worker: Worker) -> bool:
+        """`_check_health`, a raise counted as a failed check: one worker's check that
+        cannot even be made must not stop the others' (a gather of them raised as a whole)."""
+        try:
+            return await self._check_health(worker)
+        except Exception as exc:
+            self.stats.health_checks_failed += 1
+            self.supervisor.failed("health", f"health check of {worker.url}", exc)
+            return False
 
     async def _check_health(self, worker: Worker) -> bool:
         answer = await self._health.get(

@@ -3,6 +3,7 @@ worker is never contacted."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -10,6 +11,7 @@ from aiohttp import web
 
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.router import router_in_process
+from tests.support.waiting import eventually
 
 
 @contextlib.asynccontextmanager
@@ -100,3 +102,59 @@ async def test_a_removed_worker_leaves_no_pool_and_no_series_behind() -> None:
         assert f'worker="{fw.url}"' not in after, [
             line for line in after.splitlines() if fw.url in line
         ]
+
+
+async def test_a_non_ascii_or_overlong_host_or_port_0_is_a_400_and_registers_nothing() -> None:
+    """`①②⑦.0.0.1` was registered and broke every health pass (its pool cannot encode it):
+    no worker was checked any more and /readyz went 503. Nothing is registered now, and the
+    health loop goes on checking the good worker."""
+    async with fake_worker_in_process() as fw, router_in_process(workers=[fw.url]) as rt:
+        port = fw.url.rsplit(":", 1)[1]
+        for url, word in (
+            (f"http://①②⑦.0.0.1:{port}", "IDNA (xn--) form"),
+            (f"http://пример.invalid:{port}", "IDNA (xn--) form"),
+            (f"http://{'a' * 64}.example:{port}", "1 to 63"),
+            ("http://127.0.0.1:0", "port 0"),
+        ):
+            status, body, _ = await rt.post("/workers", {"url": url})
+            assert status == 400, (url, body)
+            assert body["error"]["param"] == "url" and word in body["error"]["message"], body
+        assert [w.url for w in rt.replica.workers.workers()] == [fw.url]
+        assert (await rt.readyz())[0] == 200
+        # The health loop still checks the good worker: its crash is noticed.
+        assert fw.worker is not None
+        await fw.worker.stop(send_end=False)
+        await eventually(lambda: not rt.replica.workers.routable(), 10)
+        assert rt.replica.supervisor.failures["health"] == 0
+
+
+async def test_a_post_whose_client_leaves_mid_registration_leaves_no_worker_behind() -> None:
+    """The client's leaving cancels the POST (handler cancellation): the worker it was
+    registering used to stay listed, `discovering` for good, with nothing checking it."""
+    asked = asyncio.Event()
+    release = asyncio.Event()
+
+    async def server_info(request: web.Request) -> web.Response:
+        asked.set()
+        await release.wait()
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/server_info", server_info)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with router_in_process() as rt:
+            post = asyncio.create_task(rt.post("/workers", {"url": url}))
+            await asyncio.wait_for(asked.wait(), 5)
+            assert [w.url for w in rt.replica.workers.workers()] == [url]
+            post.cancel()  # the client leaves
+            await asyncio.gather(post, return_exceptions=True)
+            await eventually(lambda: rt.replica.workers.workers() == [])
+            assert rt.replica.workers.subscribed_ranks == 0
+    finally:
+        release.set()
+        await runner.cleanup()

@@ -23,7 +23,7 @@ from router.dataplane.polling import PollClient
 from router.index import IndexRules, Pump
 from router.loads import LoadMonitor
 from router.subscriber import RankEndpoint, RankSubscriber, SubscriberStats
-from router.workers import WorkerRegistry, subscriber_name
+from router.workers import Worker, WorkerRegistry, subscriber_name
 from router.zmq_term import terminate_context
 from tests.support.clock import ManualClock
 from tests.support.fake_worker import fake_worker_in_process
@@ -139,3 +139,30 @@ async def test_readyz_is_503_naming_a_critical_loop_that_cannot_be_kept_alive() 
             loop.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
         assert (await rt.readyz())[0] == 200
+
+
+async def test_a_worker_whose_health_check_raises_does_not_stop_the_others_checks() -> None:
+    """`add` refuses a host its pool cannot spell now; this one is put in place the way the
+    old `add` left it. Its check raising is counted and logged as a failed check, and the
+    others' checks go on (a gather of them all raised as one, every pass)."""
+    context = zmq.asyncio.Context()
+    try:
+        async with fake_worker_in_process() as fw, registry(context) as workers:
+            await workers.add(fw.url)
+            bad = "http://①②⑦.0.0.1:1"
+            workers._workers[bad] = Worker(bad, state="ready", healthy=True)
+            assert fw.worker is not None
+            await fw.worker.stop(send_end=False)
+
+            async def noticed() -> bool:
+                good = workers.get(fw.url)
+                return good is not None and not good.healthy
+
+            await eventually(noticed, 10)
+            assert workers.supervisor.failures["health"] >= 1  # the bad one's, counted
+            assert not workers._workers[bad].healthy
+            assert workers.supervisor.state("kvrouter-health") is not None
+            assert workers.supervisor.state("kvrouter-health").in_a_row == 0  # type: ignore[union-attr]
+            del workers._workers[bad]
+    finally:
+        await terminate_context(context, within_s=2.0, what="test")

@@ -18,6 +18,9 @@ from router.origin import AllowList, canonical_origin, origin_problem
         ("HTTP://w:1", "http://w:1"),
         ("http://[::1]:8000", "http://[::1]:8000"),
         ("http://w", "http://w"),
+        ("http://xn--e1afmkfd.example:8000", "http://xn--e1afmkfd.example:8000"),
+        ("http://w-0.svc.cluster.local.:8000", "http://w-0.svc.cluster.local.:8000"),
+        ("http://" + "a" * 63 + ".example:1", "http://" + "a" * 63 + ".example:1"),
     ],
 )
 def test_an_origin_is_accepted_and_spelt_one_way(url: str, canonical: str) -> None:
@@ -45,6 +48,13 @@ def test_an_origin_is_accepted_and_spelt_one_way(url: str, canonical: str) -> No
         ("http://w:1\r\nX: y", "control"),
         ("http://w :1", "whitespace"),
         ("http://w:1\\@evil", "backslash"),
+        ("http://①②⑦.0.0.1:8000", "IDNA (xn--) form"),  # NFKC-folds to 127.0.0.1
+        ("http://пример.invalid:8000", "IDNA (xn--) form"),
+        ("http://" + "a" * 64 + ".example:8000", "1 to 63"),  # getaddrinfo's UnicodeError
+        ("http://a..b:8000", "1 to 63"),
+        ("http://" + "a." * 127 + "a:8000", "at most 253"),
+        ("http://w*x:8000", "not a host name"),
+        ("http://127.0.0.1:0", "port 0"),
     ],
 )
 def test_anything_but_an_origin_is_refused_with_the_reason(url: str, word: str) -> None:
