@@ -24,7 +24,7 @@ from peer.producer import serve_snapshot
 from router import auth, placement, siblings
 from router.origin import host_of, origin_problem
 from router.replica import Replica
-from router.workers import subscriber_name
+from router.workers import is_redirect, redirect_not_followed, subscriber_name
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,15 @@ async def _models(request: web.Request) -> web.Response:
 
     async def one(url: str) -> None:
         try:
-            async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
+            async with session.get(
+                f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=2), allow_redirects=False
+            ) as r:
+                if is_redirect(r.status):
+                    location = r.headers.get("Location")
+                    log.warning(
+                        "worker %s: /v1/models %s", url, redirect_not_followed(r.status, location)
+                    )
+                elif r.status == 200:
                     for model in (await r.json()).get("data", []):
                         if isinstance(model, dict) and "id" in model:
                             seen.setdefault(model["id"], model)

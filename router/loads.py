@@ -500,7 +500,11 @@ class LoadMonitor:
     def _failed(self, w: _Worker, path: str, reason: str) -> None:
         self.poll_errors[reason] += 1
         if not w.failing:
-            log.warning("could not read the load of %s from %s: %s", w.url, path, reason)
+            # The poll client never follows a redirect: a 3xx is a failed answer.
+            redirect = ", a redirect: not followed" if reason.startswith("http_3") else ""
+            log.warning(
+                "could not read the load of %s from %s: %s%s", w.url, path, reason, redirect
+            )
             w.failing = True
 
     async def _fetch(self, url: str) -> tuple[int | None, bytes | None, str | None]:

@@ -673,8 +673,15 @@ class WorkerRegistry:
     async def _fetch_worker_snapshot(self, worker: Worker) -> tuple[str, WorkerSnapshot | None]:
         try:
             async with self.session.get(
-                f"{worker.url}/v1/kv-snapshot", timeout=self._timeout
+                f"{worker.url}/v1/kv-snapshot", timeout=self._timeout, allow_redirects=False
             ) as resp:
+                if is_redirect(resp.status):
+                    log.warning(
+                        "worker %s: /v1/kv-snapshot %s; no snapshot pulled",
+                        worker.url,
+                        redirect_not_followed(resp.status, resp.headers.get("Location")),
+                    )
+                    return "error", None
                 if resp.status == 404:
                     worker.snapshot_served = False
                     log.info("worker %s serves no /v1/kv-snapshot; not asking again", worker.url)
@@ -768,6 +775,12 @@ class WorkerRegistry:
         ok = answer.status == 200 and answer.error is None
         if not ok:
             self.stats.health_checks_failed += 1
+            if answer.status is not None and is_redirect(answer.status) and worker.healthy:
+                log.warning(
+                    "worker %s: /health %s; a failed check",
+                    worker.url,
+                    redirect_not_followed(answer.status, None),
+                )
         return ok
 
     async def _engine_of(self, url: str) -> str | None:
@@ -784,7 +797,9 @@ class WorkerRegistry:
         return owner if owner in KNOWN_ENGINES else None
 
     async def _get_json(self, url: str) -> Any:
-        async with self.session.get(url, timeout=self._timeout) as resp:
+        async with self.session.get(url, timeout=self._timeout, allow_redirects=False) as resp:
+            if is_redirect(resp.status):
+                raise ValueError(redirect_not_followed(resp.status, resp.headers.get("Location")))
             if resp.status in (404, 405, 501):
                 raise _Absent
             if resp.status >= 500:
@@ -795,6 +810,18 @@ class WorkerRegistry:
                 return msgspec.json.decode(await resp.read())
             except msgspec.DecodeError as exc:
                 raise ValueError(f"not JSON: {exc}") from None
+
+
+def is_redirect(status: int) -> bool:
+    return 300 <= status < 400
+
+
+def redirect_not_followed(status: int, location: str | None) -> str:
+    """What the logs say of a worker's redirect. None is ever followed: the router fetches
+    what it chose of a worker's origin, never what the worker names (a 302 to a metadata
+    service was fetched and its answer relayed; a redirect target's snapshot installed)."""
+    to = f" to {location[:200]!r}" if location else ""
+    return f"answered {status}, a redirect{to}: redirects are not followed"
 
 
 def subscriber_name(rank: RankId) -> str:

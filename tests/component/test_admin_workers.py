@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from tests.support.adversary import stub_server
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.router import router_in_process
 from tests.support.waiting import eventually
@@ -158,3 +159,51 @@ async def test_a_post_whose_client_leaves_mid_registration_leaves_no_worker_behi
     finally:
         release.set()
         await runner.cleanup()
+
+
+async def test_a_workers_redirects_are_never_followed_and_count_as_failed_answers() -> None:
+    """A worker answering 302 to another origin had the router fetch it: an unauthenticated
+    `GET /v1/models` relayed a metadata service's credentials, and the redirect target's
+    snapshot was installed for the worker's rank. Every request the router makes to a worker
+    (its own client's and the polling client's) takes a 3xx as the answer: a failed one."""
+    async with listener() as (target, asked):
+        worker_asked: list[str] = []
+        redirect_health = False
+
+        async def redirect(request: web.Request) -> web.Response:
+            worker_asked.append(request.path)
+            raise web.HTTPFound(f"{target}/latest/meta-data/iam")
+
+        async def health(request: web.Request) -> web.Response:
+            worker_asked.append(request.path)
+            if redirect_health:
+                raise web.HTTPFound(f"{target}/health")
+            return web.json_response({"status": "ok"})
+
+        routes = {
+            ("GET", path): redirect
+            for path in ("/server_info", "/v1/models", "/v1/kv-snapshot", "/v1/loads", "/metrics")
+        }
+        async with (
+            stub_server({**routes, ("GET", "/health"): health}) as worker,
+            router_in_process() as rt,
+        ):
+            status, body, _ = await rt.post("/workers", {"url": worker})
+            assert status == 200 and body["state"] == "ready", body
+            status, models = await rt.get("/v1/models")
+            assert status == 200 and models["data"] == [], models
+            registry = rt.replica.workers
+            await eventually(lambda: registry.stats.snapshot_pulls["error"] >= 1)
+            await eventually(lambda: rt.replica.loads.poll_errors["http_302"] >= 2)
+            assert registry.stats.snapshot_pulls["applied"] == 0
+            assert registry.get(worker).healthy  # type: ignore[union-attr]
+            redirect_health = True
+            await eventually(lambda: not registry.routable())
+            assert {
+                "/server_info",
+                "/v1/models",
+                "/v1/kv-snapshot",
+                "/v1/loads",
+                "/health",
+            } <= set(worker_asked)
+        assert asked == []  # the redirect target was never asked a thing
