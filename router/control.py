@@ -24,7 +24,7 @@ from peer.producer import serve_snapshot
 from router import auth, placement, siblings
 from router.origin import host_of, origin_problem
 from router.replica import Replica
-from router.workers import is_redirect, redirect_not_followed, subscriber_name
+from router.workers import WorkerRemoved, is_redirect, redirect_not_followed, subscriber_name
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +237,11 @@ async def _add_worker(request: web.Request) -> web.Response:
         worker = await replica.workers.add(url)
     except ValueError as exc:
         return bad_request(BadRequest(str(exc), "url"))
+    except WorkerRemoved as exc:  # a DELETE of it came first: what it started is stopped
+        return web.json_response(
+            {"error": {"message": str(exc), "type": "invalid_request_error", "param": "url"}},
+            status=409,
+        )
     return web.json_response(_worker_view(replica, worker))
 
 

@@ -30,10 +30,11 @@ before its removal simply stops draining. Only workers the watch named are remov
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
@@ -161,7 +162,7 @@ ROUTING_FIELDS: Final = frozenset({"url", "state", "healthy", "draining", "kv"})
 @dataclass(slots=True)
 class Worker:
     url: str
-    state: str = "discovering"  # discovering -> ready | refused; ready <-> down
+    state: str = "discovering"  # discovering -> ready | refused; ready <-> down; -> removed
     reason: str = ""
     kv: KvEventsInfo | None = None
     healthy: bool = False
@@ -258,7 +259,7 @@ class WorkerRegistry:
         self._workers: dict[str, Worker] = {}
         self._routable: list[tuple[Worker, tuple[RankId, ...]]] = []
         self._routable_epoch = -1  # `ROUTING_EPOCH` when `_routable` was made
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks: dict[str, _UrlLock] = {}  # per URL, while someone holds or waits
         self._pulls: dict[str, asyncio.Task[None]] = {}
         self._repull: set[str] = set()
         self._health_task: asyncio.Task[None] | None = None
@@ -317,12 +318,12 @@ class WorkerRegistry:
         self._health.close()
 
     async def add(self, url: str) -> Worker:
-        """Register a worker (idempotent). Raises ValueError for a URL that cannot be one."""
+        """Register a worker (idempotent). Raises ValueError for a URL that cannot be one,
+        `WorkerRemoved` when it was removed before its registration ended."""
         if (problem := worker_url_problem(url)) is not None:
             raise ValueError(f"{url!r} is not a worker URL: {problem}")
         url = _normalize(url)
-        lock = self._locks.setdefault(url, asyncio.Lock())
-        async with lock:
+        async with self._exclusive(url):
             known = self._workers.get(url)
             if known is not None and known.state not in ("discovering", "down"):
                 return known  # re-registration: no new subscription, no new pull
@@ -330,6 +331,10 @@ class WorkerRegistry:
             self._workers[url] = worker
             try:
                 await self._register(worker)
+            except WorkerRemoved:
+                await self._teardown(worker)
+                log.info("worker %s removed while it was being registered: stopped", url)
+                raise
             except BaseException as exc:  # cancelled too: a client that left cancels its POST
                 await self._undo_registration(worker, exc, new=known is None)
                 raise
@@ -340,36 +345,70 @@ class WorkerRegistry:
         worker = self._workers.pop(url, None)
         if worker is None:
             return False
+        # Out of the registry at once: routed to no more, and a registration of it under way
+        # stops at its next step (`_check_still_added`). The lock then waits for that
+        # registration, so what it started is stopped before this returns (it outlived a
+        # removal before).
         ROUTING_EPOCH.value += 1
-        if worker.state != "down":  # a down worker left the index already
-            await self._detach(worker)
-        self._health.forget(url)
-        if self.on_removed is not None:
-            self.on_removed(url)
+        async with self._exclusive(url):
+            await self._teardown(worker)
         log.info("worker %s removed: its %d rank(s) left the index", url, worker.dp_size)
         return True
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, url: str) -> AsyncIterator[None]:
+        """One add, remove or eviction of `url` at a time. The lock goes when nobody holds
+        or waits for it: one kept per URL ever added grew without bound."""
+        entry = self._locks.get(url)
+        if entry is None:
+            entry = self._locks[url] = _UrlLock()
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0 and self._locks.get(url) is entry:
+                del self._locks[url]
+
+    def _check_still_added(self, worker: Worker) -> None:
+        """After each await of a registration: raises `WorkerRemoved` once it was removed."""
+        if self._workers.get(worker.url) is not worker:
+            raise WorkerRemoved(
+                f"worker {worker.url} was removed while it was being registered; nothing of "
+                "it was kept"
+            )
+
+    async def _teardown(self, worker: Worker) -> None:
+        """Stop all a worker that left the registry has running (once, however many ask)."""
+        if worker.state == "removed":
+            return
+        if worker.state != "down":  # a down worker left the index already
+            await self._detach(worker)
+        worker.state = "removed"
+        self._health.forget(worker.url)
+        if self.on_removed is not None:
+            self.on_removed(worker.url)
 
     async def _undo_registration(self, worker: Worker, exc: BaseException, *, new: bool) -> None:
         """A registration that raised leaves nothing running: what it started is stopped, a
         new worker leaves the registry, a known one (down, being registered anew) stays down
         for the health loop to try again. Before this, a worker whose registration raised
         stayed listed `ready` with nothing checking it (and broke every health pass)."""
-        if worker.state == "ready" or worker.tasks:  # its ranks may be live: take them out
-            await self._detach(worker)
         why = describe(exc) if isinstance(exc, Exception) else "the registration was cancelled"
         if new:
             if self._workers.get(worker.url) is worker:
                 del self._workers[worker.url]
                 ROUTING_EPOCH.value += 1
-            self._health.forget(worker.url)
-            if self.on_removed is not None:
-                self.on_removed(worker.url)
+            await self._teardown(worker)
             log.error("worker %s not registered: %s", worker.url, why)
-        else:
-            worker.state = "down"
-            worker.healthy = False
-            worker.reason = f"registration failed ({why}); tried again when /health answers"
-            log.error("worker %s: %s", worker.url, worker.reason)
+            return
+        if worker.state == "ready" or worker.tasks:  # its ranks may be live: take them out
+            await self._detach(worker)
+        worker.state = "down"
+        worker.healthy = False
+        worker.reason = f"registration failed ({why}); tried again when /health answers"
+        log.error("worker %s: %s", worker.url, worker.reason)
 
     async def _detach(self, worker: Worker) -> None:
         """Take the worker's ranks out of bootstrap, the index, event ingest and load polling."""
@@ -379,15 +418,15 @@ class WorkerRegistry:
         # Leave the live set and the tree first, so nothing a subscriber still delivers
         # can bring the ranks back.
         await self.pump.call(lambda rules: rules.forget_ranks(ranks))
-        if worker.tasks:
+        tasks, worker.tasks = worker.tasks, []  # taken at once: a second detach finds none
+        if tasks:
             self.subscribed_ranks -= len(ranks)
-        await cancel_and_wait(worker.tasks)  # supervised: they end only by cancellation
+        await cancel_and_wait(tasks)  # supervised: they end only by cancellation
         pull = self._pulls.pop(url, None)
         if pull is not None:
             pull.cancel()
         self._repull.discard(url)
         self.loads.remove_worker(url)
-        worker.tasks.clear()
         worker.subscriber_stats.clear()
 
     # -- EndpointSlice discovery -----------------------------------------------------------
@@ -438,6 +477,7 @@ class WorkerRegistry:
         except _Absent:
             body = None
         except (aiohttp.ClientError, TimeoutError, _Unavailable) as exc:
+            self._check_still_added(worker)
             # Not up yet (a fleet and its routers start together): the flags' guess at its
             # ranks could be wrong for good (an SGLang worker's dp size), so it waits, down,
             # and the health loop registers it anew once /health answers.
@@ -457,9 +497,11 @@ class WorkerRegistry:
                 exc,
             )
             body = None
+        self._check_still_added(worker)
         info = parse_server_info(body, worker.url, self.defaults)
         worker.kv = info
         worker.engine = await self._engine_of(worker.url)
+        self._check_still_added(worker)
         if worker.engine is not None and self.on_engine is not None:
             self.on_engine(worker.url, worker.engine)
         if not self.keeps_index:
@@ -498,8 +540,9 @@ class WorkerRegistry:
         rules = self.pump.rules
         if rules.tree is None:
             rules.tree = BlockTree(self.block_size)
-        obligations = self.bootstrap.register_ranks(ranks) if self.bootstrap else []
         await self.pump.call(lambda r: r.add_ranks(ranks))
+        self._check_still_added(worker)  # a removal from now on takes the live ranks out
+        obligations = self.bootstrap.register_ranks(ranks) if self.bootstrap else []
         for rank in ranks:
             stats = SubscriberStats()
             worker.subscriber_stats[rank.dp_rank] = stats
@@ -525,6 +568,7 @@ class WorkerRegistry:
         holding_since = time.monotonic()  # after the subscribers started holding
         worker.state = "ready"
         worker.healthy = await self._check_health(worker)
+        self._check_still_added(worker)
         self.loads.add_worker(worker.url, worker.dp_size)
         # Its load and capacity, now rather than at the next load tick (up to an interval
         # away): cache_aware prices cache pressure by the capacity and has none to price
@@ -533,6 +577,7 @@ class WorkerRegistry:
         # tick"); and the capacity bounds what a sibling's snapshot may claim for its ranks
         # (peer.vet), read before the bootstrap vets one.
         await self.loads.poll_worker(worker.url)
+        self._check_still_added(worker)
         log.info(
             "worker %s registered: %d rank(s), events at %s:%d (%s)%s",
             worker.url,
@@ -556,6 +601,7 @@ class WorkerRegistry:
         """Ready for traffic, with no KV-event subscription: the index is not kept."""
         worker.state = "ready"
         worker.healthy = await self._check_health(worker)
+        self._check_still_added(worker)
         self.loads.add_worker(worker.url, worker.dp_size)
         log.info(
             "worker %s registered: %d rank(s); no KV-event subscription (this replica's policy "
@@ -729,7 +775,8 @@ class WorkerRegistry:
         if worker.state == "down":
             if healthy and self._workers.get(worker.url) is worker:
                 log.info("worker %s answers /health again: registering it anew", worker.url)
-                await self.add(worker.url)
+                with contextlib.suppress(WorkerRemoved):  # removed meanwhile: nothing to do
+                    await self.add(worker.url)
             return
         went_down = worker.healthy and not healthy
         if worker.healthy != healthy:
@@ -748,7 +795,10 @@ class WorkerRegistry:
     async def _evict(self, worker: Worker) -> None:
         # Its cache is most likely gone (a crashed or rescheduled engine): keeping its ranks
         # would hold stale blocks for good, and the engine's next start replays nothing old.
-        await self._detach(worker)
+        async with self._exclusive(worker.url):
+            if self._workers.get(worker.url) is not worker or worker.state != "ready":
+                return  # removed (or registered anew) while the check ran
+            await self._detach(worker)
         worker.state = "down"
         worker.reason = (
             f"/health failing for {self._evict_after_s:g} s: its ranks left the index; "
@@ -834,6 +884,16 @@ def evict_due(unhealthy_since: float | None, now: float, evict_after_s: float) -
     if evict_after_s <= 0 or unhealthy_since is None:
         return False
     return now - unhealthy_since >= evict_after_s
+
+
+class WorkerRemoved(Exception):
+    """The worker was removed before its registration ended; nothing of it was kept."""
+
+
+@dataclass(slots=True)
+class _UrlLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0  # holding or waiting
 
 
 class _Absent(Exception):

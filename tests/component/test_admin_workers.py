@@ -9,7 +9,9 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from tests.support.adversary import stub_server
+from cachetree.ranks import RankId
+from router.workers import subscriber_name
+from tests.support.adversary import stub_server, stub_worker_routes
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.router import router_in_process
 from tests.support.waiting import eventually
@@ -207,3 +209,51 @@ async def test_a_workers_redirects_are_never_followed_and_count_as_failed_answer
                 "/health",
             } <= set(worker_asked)
         assert asked == []  # the redirect target was never asked a thing
+
+
+async def test_a_delete_during_the_posts_registration_leaves_nothing_of_the_worker_running() -> (
+    None
+):
+    """DELETE answered `removed` while the POST was still registering; the POST then finished
+    `ready` and the worker's subscriber ran on outside the registry (its rank live in the
+    index, `kvrouter_rank_subscriptions{kind="in_use"}` counting it). Now the registration
+    stops at its next step: the POST is a 409 and nothing of the worker is left."""
+    asked = asyncio.Event()
+    release = asyncio.Event()
+    routes = stub_worker_routes()
+    server_info = routes[("GET", "/server_info")]
+
+    async def slow_server_info(request: web.Request) -> web.StreamResponse:
+        asked.set()
+        await release.wait()
+        return await server_info(request)
+
+    routes[("GET", "/server_info")] = slow_server_info
+    async with stub_server(routes) as worker, router_in_process() as rt:
+        registry = rt.replica.workers
+        post = asyncio.create_task(rt.post("/workers", {"url": worker}))
+        await asyncio.wait_for(asked.wait(), 5)
+        delete = asyncio.create_task(rt.delete(f"/workers?url={worker}"))
+        await eventually(lambda: registry.get(worker) is None)  # gone at once
+        release.set()
+        status, body = await delete
+        assert status == 200 and body == {"removed": worker}, body
+        status, body, _ = await post
+        assert status == 409 and "removed" in body["error"]["message"], body
+        assert registry.workers() == [] and registry.subscribed_ranks == 0
+        rank = RankId(worker, 0)
+        assert rank not in rt.replica.pump.rules.live
+        assert rt.replica.supervisor.state(subscriber_name(rank)) is None
+        scrape = await rt.scrape()
+        assert scrape.value("kvrouter_rank_subscriptions", kind="in_use") == 0
+        assert registry._locks == {}  # no lock kept for a URL nobody is adding
+
+
+async def test_adding_and_removing_many_urls_keeps_no_lock_behind() -> None:
+    async with router_in_process() as rt:
+        for port in range(1, 51):
+            status, _, _ = await rt.post("/workers", {"url": f"http://127.0.0.1:{port}"})
+            assert status == 200
+            status, _ = await rt.delete(f"/workers?url=http://127.0.0.1:{port}")
+            assert status == 200
+        assert rt.replica.workers.workers() == [] and rt.replica.workers._locks == {}
