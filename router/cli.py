@@ -44,6 +44,7 @@ from router.serving import StartError, serve_until, start_serving, stop_serving
 from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from router.tokenize import ENGINES, load_tokenizer
 from router.tools import demo, pools, view
+from router.workers import DEFAULT_MAX_WORKERS
 
 log = logging.getLogger("kvrouter")
 
@@ -209,6 +210,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         finite,
         30.0,
         "a worker failing /health this long leaves the index until it answers again; 0 = never",
+    )
+    f.add(
+        "max-workers",
+        whole,
+        DEFAULT_MAX_WORKERS,
+        "workers registered at once (any state, every source); one more is refused",
     )
     f.add("max-request-bytes", whole, 32 * 1024 * 1024, "largest request body accepted")
     f.add("max-connections", whole, 4096, "open client connections; more are answered 503")
@@ -387,6 +394,11 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         (args.load_interval_ms > 0, "--load-interval-ms must be > 0"),
         (args.health_interval_s > 0, "--health-interval-s must be > 0"),
         (args.worker_evict_after_s >= 0, "--worker-evict-after-s must be >= 0"),
+        (args.max_workers >= 1, "--max-workers must be >= 1"),
+        (
+            len({*args.worker}) <= args.max_workers,
+            f"{len({*args.worker})} --worker flags, more than --max-workers {args.max_workers}",
+        ),
         (args.max_request_bytes > 0, "--max-request-bytes must be > 0"),
         (args.tokenize_cache_mb >= 0, "--tokenize-cache-mb must be >= 0 (0 turns the cache off)"),
         (args.max_connections >= 1, "--max-connections must be >= 1"),

@@ -24,7 +24,13 @@ from peer.producer import serve_snapshot
 from router import auth, placement, siblings
 from router.origin import host_of, origin_problem
 from router.replica import Replica
-from router.workers import WorkerRemoved, is_redirect, redirect_not_followed, subscriber_name
+from router.workers import (
+    TooManyWorkers,
+    WorkerRemoved,
+    is_redirect,
+    redirect_not_followed,
+    subscriber_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +243,8 @@ async def _add_worker(request: web.Request) -> web.Response:
         worker = await replica.workers.add(url)
     except ValueError as exc:
         return bad_request(BadRequest(str(exc), "url"))
-    except WorkerRemoved as exc:  # a DELETE of it came first: what it started is stopped
+    except (WorkerRemoved, TooManyWorkers) as exc:
+        # A DELETE of it came first (what it started is stopped), or the registry is full.
         return web.json_response(
             {"error": {"message": str(exc), "type": "invalid_request_error", "param": "url"}},
             status=409,

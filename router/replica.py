@@ -50,7 +50,7 @@ from router.siblings import DecisionSharing
 from router.socket_budget import SocketBudget
 from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from router.tokenize import RequestTokenizer, load_tokenizer
-from router.workers import DiscoveryDefaults, WorkerRegistry
+from router.workers import DEFAULT_MAX_WORKERS, DiscoveryDefaults, WorkerRegistry
 from router.zmq_term import terminate_context
 
 if TYPE_CHECKING:
@@ -86,6 +86,7 @@ class ServeConfig:
     dp_size: int = 1
     load_interval_ms: int = 500
     health_interval_s: float = 2.0
+    max_workers: int = DEFAULT_MAX_WORKERS
     worker_evict_after_s: float = 30.0
     max_request_bytes: int = 32 * 1024 * 1024
     max_attempts: int = 3
@@ -260,6 +261,7 @@ async def _compose(
         max_message_bytes=config.kv_events_max_message_bytes,
         supervisor=supervisor,
         max_ranks=budget.max_ranks,
+        max_workers=config.max_workers,
         snapshot_max_body_bytes=config.worker_snapshot_max_body_mb * 1024 * 1024,
         subscribe=None if ingest is None else ingest.subscription,
         keeps_index=config.keeps_index,

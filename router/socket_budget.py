@@ -13,7 +13,12 @@ every descriptor number up to the limit), the context's socket limit is set to w
 many descriptors can serve, and the number of ranks that fits is the registry's bound: a
 worker whose ranks would pass it is refused (listed `refused`, counted with reason
 `socket_limit`) instead of half-subscribed. A share of the descriptors is kept for what
-else the process opens: client and worker connections, files, the event loop.
+else the process opens: client and worker connections, files, the event loop. The worker
+connections of the replica's own polling stay within it by bounds of their own rather than a
+count here (they come and go with each check): at most `--max-workers` workers are
+registered (`router.workers`), a ready one's health and load polls keep a keep-alive
+connection each, down workers are checked 16 at a time, and a poll that times out closes its
+connection.
 
 `plan` is the arithmetic (pure); `apply` reads and sets the real limits.
 """

@@ -75,6 +75,16 @@ log = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
 HEALTH_MAX_BODY_BYTES: Final = 64 * 1024  # engines answer /health with nothing or a line
+# Registered workers, whatever their state (`--max-workers`): each costs connections (health,
+# load polls, the data plane's pool) and its ranks' subscriptions; without a bound, 2,000
+# registrations of unreachable URLs were taken in under a second.
+DEFAULT_MAX_WORKERS: Final = 256
+# Down workers checked per health pass, in turn: a down worker's check may hold a connection
+# for the whole request timeout (a host that accepts and never answers), and 800 of them at
+# once took every descriptor of a 1,024 limit ("Too many open files": completions failed).
+# Ready workers are all checked every pass; a down one at least every
+# ceil(down / DOWN_CHECKS_PER_PASS) passes.
+DOWN_CHECKS_PER_PASS: Final = 16
 KNOWN_ENGINES: Final = ("vllm", "sglang")  # `owned_by` values of the engines' /v1/models
 
 
@@ -222,6 +232,7 @@ class WorkerRegistry:
         zmq_context: zmq.asyncio.Context | None = None,
         supervisor: Supervisor | None = None,
         max_ranks: int | None = None,
+        max_workers: int = DEFAULT_MAX_WORKERS,
         snapshot_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         subscribe: Subscribe | None = None,
@@ -253,6 +264,8 @@ class WorkerRegistry:
         self.supervisor = supervisor or Supervisor()
         self.max_ranks = max_ranks  # the socket budget (router.socket_budget); None: unbounded
         self.subscribed_ranks = 0  # ranks with subscribers now
+        self.max_workers = max_workers
+        self._down_turn = 0  # where the next pass's down checks start (`DOWN_CHECKS_PER_PASS`)
         self.snapshot_max_body_bytes = snapshot_max_body_bytes
         # One worker snapshot in memory at a time: each may take its bound several times over.
         self._snapshot_slot = asyncio.Semaphore(1)
@@ -327,6 +340,12 @@ class WorkerRegistry:
             known = self._workers.get(url)
             if known is not None and known.state not in ("discovering", "down"):
                 return known  # re-registration: no new subscription, no new pull
+            if known is None and len(self._workers) >= self.max_workers:
+                self.stats.refused["max_workers"] += 1
+                raise TooManyWorkers(
+                    f"{url} not registered: this replica has {len(self._workers)} workers, "
+                    f"its --max-workers; remove one (DELETE /workers) or raise --max-workers"
+                )
             worker = known or Worker(url, breaker=self._breaker_factory())
             self._workers[url] = worker
             try:
@@ -761,7 +780,8 @@ class WorkerRegistry:
 
     async def check_health_once(self) -> None:
         """Probe every ready or down worker; evict the long-dead, re-register the revived."""
-        workers = [w for w in self._workers.values() if w.state in ("ready", "down")]
+        workers = [w for w in self._workers.values() if w.state == "ready"]
+        workers += self._down_in_turn()
         results = await asyncio.gather(*(self._check_health_contained(w) for w in workers))
         now = self._clock()
         for worker, healthy in zip(workers, results, strict=True):
@@ -770,6 +790,15 @@ class WorkerRegistry:
             except Exception as exc:  # one worker's eviction or re-registration must not
                 # stop the others' checks, nor the loop (issue 13, row 1)
                 self.supervisor.failed("health", f"health verdict for {worker.url}", exc)
+
+    def _down_in_turn(self) -> list[Worker]:
+        """This pass's share of the down workers: `DOWN_CHECKS_PER_PASS`, taking turns."""
+        down = [w for w in self._workers.values() if w.state == "down"]
+        if len(down) <= DOWN_CHECKS_PER_PASS:
+            return down
+        start = self._down_turn % len(down)
+        self._down_turn = start + DOWN_CHECKS_PER_PASS
+        return (down[start:] + down[:start])[:DOWN_CHECKS_PER_PASS]
 
     async def _health_verdict(self, worker: Worker, healthy: bool, now: float) -> None:
         if worker.state == "down":
@@ -884,6 +913,10 @@ def evict_due(unhealthy_since: float | None, now: float, evict_after_s: float) -
     if evict_after_s <= 0 or unhealthy_since is None:
         return False
     return now - unhealthy_since >= evict_after_s
+
+
+class TooManyWorkers(Exception):
+    """`--max-workers` are registered already."""
 
 
 class WorkerRemoved(Exception):

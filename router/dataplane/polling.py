@@ -148,7 +148,11 @@ class PollClient:
         except TimeoutError:
             return PollAnswer(None, None, "timeout")
         finally:
-            if not future.done():
+            # A timeout (or the caller's cancellation) cancels the future it waited on: that
+            # exchange is given up too, its connection closed. (Checking only `done()` kept
+            # every timed-out connection open: a host that accepts and never answers held
+            # one descriptor per check, and checks of 800 such workers exhausted a replica's.)
+            if not future.done() or future.cancelled():
                 future.cancel()
                 pool.cancel(exchange)
                 exchange.abandon()

@@ -257,3 +257,23 @@ async def test_adding_and_removing_many_urls_keeps_no_lock_behind() -> None:
             status, _ = await rt.delete(f"/workers?url=http://127.0.0.1:{port}")
             assert status == 200
         assert rt.replica.workers.workers() == [] and rt.replica.workers._locks == {}
+
+
+async def test_past_max_workers_a_registration_is_a_409_naming_the_flag_and_never_fetched() -> None:
+    async with listener() as (origin, asked), router_in_process(max_workers=3) as rt:
+        unreachable = [f"http://127.0.0.1:{port}" for port in (1, 2, 3)]
+        for url in unreachable:
+            status, body, _ = await rt.post("/workers", {"url": url})
+            assert status == 200 and body["state"] == "down", body
+        status, body, _ = await rt.post("/workers", {"url": origin})
+        assert status == 409 and "--max-workers" in body["error"]["message"], body
+        assert body["error"]["param"] == "url"
+        assert asked == []
+        assert sorted(w.url for w in rt.replica.workers.workers()) == unreachable
+        scrape = await rt.scrape()
+        assert scrape.value("kvrouter_workers_refused_total", reason="max_workers") == 1
+        status, _, _ = await rt.post("/workers", {"url": unreachable[0]})
+        assert status == 200  # a known one is no new registration
+        assert (await rt.delete(f"/workers?url={unreachable[0]}"))[0] == 200
+        status, body, _ = await rt.post("/workers", {"url": origin})
+        assert status == 200, body

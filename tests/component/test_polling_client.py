@@ -180,3 +180,26 @@ def test_split_url_gives_the_origin_and_the_target(url: str, split: tuple[str, b
 def test_split_url_refuses_what_is_not_an_http_url(url: str) -> None:
     with pytest.raises(ValueError, match="not an http"):
         split_url(url)
+
+
+async def test_a_get_that_timed_out_closes_its_connection_at_once() -> None:
+    """The timeout cancels the future the GET waits on; its exchange was given up only when
+    that future was not done, so the connection stayed open: a host that accepts and never
+    answers held a descriptor per check (800 of them exhausted a 1,024 limit)."""
+    closed = asyncio.Event()
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            await reader.read()  # until the client closes
+        closed.set()
+        writer.close()
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/health"
+    try:
+        async with poll_client() as f:
+            assert await f.get(url, 0.2, 1024) == PollAnswer(None, None, "timeout")
+            await asyncio.wait_for(closed.wait(), 2.0)  # while the client is still open
+    finally:
+        server.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import zmq
@@ -23,7 +23,7 @@ from router.dataplane.polling import PollClient
 from router.index import IndexRules, Pump
 from router.loads import LoadMonitor
 from router.subscriber import RankEndpoint, RankSubscriber, SubscriberStats
-from router.workers import Worker, WorkerRegistry, subscriber_name
+from router.workers import DOWN_CHECKS_PER_PASS, Worker, WorkerRegistry, subscriber_name
 from router.zmq_term import terminate_context
 from tests.support.clock import ManualClock
 from tests.support.fake_worker import fake_worker_in_process
@@ -166,3 +166,59 @@ async def test_a_worker_whose_health_check_raises_does_not_stop_the_others_check
             del workers._workers[bad]
     finally:
         await terminate_context(context, within_s=2.0, what="test")
+
+
+async def test_down_workers_are_health_checked_a_bounded_number_at_a_time() -> None:
+    """40 workers whose host accepts and never answers: each check holds a connection for
+    the whole timeout. All checked at once they took every descriptor of a 1,024 limit at
+    800; now at most `DOWN_CHECKS_PER_PASS` are checked at a time, each in its turn."""
+    open_checks = 0
+    most = 0
+    checked: set[int] = set()
+
+    def holder(
+        index: int,
+    ) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+        async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal open_checks, most
+            head = await reader.readuntil(b"\r\n\r\n")
+            health = head.startswith(b"GET /health ")
+            if health:
+                checked.add(index)
+                open_checks += 1
+                most = max(most, open_checks)
+            try:
+                await reader.read()  # never answers; until the router gives up
+            finally:
+                if health:
+                    open_checks -= 1
+                writer.close()
+
+        return hold
+
+    servers = [await asyncio.start_server(holder(i), "127.0.0.1", 0) for i in range(40)]
+    urls = [f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers]
+    pump = Pump(IndexRules())
+    pump.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            workers = WorkerRegistry(
+                pump,
+                session,
+                LoadMonitor(PollClient(), interval_s=10),
+                block_size=16,
+                health_interval_s=0.05,
+                request_timeout_s=0.3,
+            )
+            registered = await asyncio.gather(*(workers.add(url) for url in urls))
+            assert {w.state for w in registered} == {"down"}  # /server_info never answered
+            workers.start()
+            try:
+                await eventually(lambda: len(checked) == len(urls), 15)
+            finally:
+                await workers.close()
+        assert 0 < most <= DOWN_CHECKS_PER_PASS, most
+    finally:
+        await pump.stop()
+        for server in servers:
+            server.close()
