@@ -223,8 +223,7 @@ async def fetch_view(
         return view
     table = await fetcher.fetch_cursors(url, budget_s=timeout_s)
     if not isinstance(table, Fetched):
-        hint = f" (pass --token or set {TOKEN_ENV})" if table.status in (401, 403) else ""
-        view.error = f"cursor table: {table.reason}{hint}"
+        view.error = f"cursor table: {table.reason}{watch.token_hint(table)}"
         return view
     view.cursors = _cursor_table(table.snapshot)
     view.ranks |= _named_ranks(table.snapshot)

@@ -29,8 +29,9 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachetree.ranks import RankId
-from peer.fetch import Fetched, SnapshotFetcher
+from peer.fetch import Fetched, Refused, SnapshotFetcher, Unreachable
 from peer.wire import MSGPACK
+from router.auth import TOKEN_ENV
 
 # kvrouter_kv_bootstrap_state: 0 pending, 1 recovered, 2 failed (cold).
 BOOTSTRAP_STATES: Final = {0: "pending", 1: "recovered", 2: "cold"}
@@ -99,7 +100,7 @@ async def fetch_state(
         return state
     table = await fetcher.fetch_cursors(base, budget_s=timeout_s)
     if not isinstance(table, Fetched):
-        state.error = f"cursor table: {table.reason}"
+        state.error = f"cursor table: {table.reason}{token_hint(table)}"
         return state
     snap = table.snapshot
     for index, seq in snap.cursors:
@@ -107,6 +108,13 @@ async def fetch_state(
             worker = snap.workers[index]
             state.cursors[RankId(worker.url.rstrip("/"), worker.dp_rank)] = seq
     return state
+
+
+def token_hint(result: Unreachable | Refused) -> str:
+    """What to do about a cursor table the replica would not give: its token."""
+    if isinstance(result, Unreachable) and result.status in (401, 403):
+        return f" (pass --token or set {TOKEN_ENV})"
+    return ""  # a body that did not decode (`Refused`) has no status: not a token problem
 
 
 # -- drawing --------------------------------------------------------------------------------

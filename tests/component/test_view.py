@@ -10,10 +10,13 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from aiohttp import web
+
 from cachetree.ranks import RankId
 from router.auth import TOKEN_ENV
 from router.tokenize import BytesTokenizer
 from router.tools import view
+from tests.support.adversary import stub_server
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.processes import kvrouter_argv, run_to_end
 from tests.support.router import TEST_TOKEN, RouterHandle, router_in_process
@@ -204,3 +207,24 @@ async def test_a_timeout_or_interval_that_is_not_a_finite_positive_number_is_ref
         )
         assert status == 2, (args, err)
         assert err.startswith("kvrouter: error: --") and "Traceback" not in err, (args, err)
+
+
+async def test_a_replica_whose_cursor_table_does_not_decode_is_an_error_on_its_own_line() -> None:
+    """It crashed `view` (AttributeError, exit 1: "views differ") and lost the healthy
+    replica's report with it."""
+
+    async def garbage(request: web.Request) -> web.Response:
+        return web.Response(body=bytes(range(256)) * 20, content_type="application/msgpack")
+
+    async with (
+        fleet() as ([a, _b], _),
+        stub_server({("GET", "/{tail:.*}"): garbage}) as bad,
+    ):
+        status, out, err = await run_view(a.url, bad)
+        assert status == 2, out + err
+        assert "Traceback" not in err, err
+        assert f"replica {a.url}: ready, block size 16" in out, out
+        lines = out.splitlines()
+        at = lines.index(next(line for line in lines if line.startswith(f"replica {bad}")))
+        assert lines[at + 1].startswith("  error: cursor table:"), out
+        assert "--token" not in lines[at + 1]  # not a token problem

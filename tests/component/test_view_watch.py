@@ -153,3 +153,12 @@ async def test_the_command_draws_count_frames_and_exits() -> None:
         assert all(str(RankId(w1.url, 0)) in f for f in frames)
         status, _, err = await run_view("--watch", "--interval-s", "0", a.url)
         assert status == 2 and "--interval-s must be > 0" in err
+
+
+async def test_a_wrong_token_is_an_error_that_says_to_pass_one() -> None:
+    async with fleet() as ([a, _], _):
+        state = await watch_state(a.url)  # no token
+        assert state.error is not None and "HTTP 401" in state.error, state.error
+        assert "pass --token" in state.error
+        line = watch.frame([state], color=False)[0]
+        assert line.startswith(f"A {a.url}  error: cursor table: HTTP 401") and "--token" in line
