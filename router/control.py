@@ -227,6 +227,8 @@ async def _add_worker(request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())
     except msgspec.DecodeError:
         return bad_request(BadRequest("body is not valid JSON"))
+    except RecursionError:  # msgspec's answer to nesting past Python's limit (~1,000 levels)
+        return bad_request(BadRequest('body is JSON nested too deep: expected {"url": ...}'))
     url = body.get("url") if isinstance(body, dict) else None
     if not isinstance(url, str):
         return bad_request(BadRequest("'url' must be an http(s) origin (a string)", "url"))

@@ -277,3 +277,17 @@ async def test_past_max_workers_a_registration_is_a_409_naming_the_flag_and_neve
         assert (await rt.delete(f"/workers?url={unreachable[0]}"))[0] == 200
         status, body, _ = await rt.post("/workers", {"url": origin})
         assert status == 200, body
+
+
+async def test_a_deeply_nested_body_is_a_400_and_registers_nothing() -> None:
+    """msgspec raises RecursionError past Python's nesting limit: it was a 500 with its
+    traceback in the log."""
+    async with router_in_process() as rt:
+        for body in (b"[" * 5000 + b"]" * 5000, b'{"url":' * 5000 + b'"x"' + b"}" * 5000):
+            status, answer, _ = await rt.post(
+                "/workers", None, data=body, headers={"Content-Type": "application/json"}
+            )
+            assert status == 400, answer
+            assert answer["error"]["type"] == "invalid_request_error"
+            assert "nested too deep" in answer["error"]["message"], answer
+        assert rt.replica.workers.workers() == []
