@@ -34,8 +34,9 @@ A rank's *cursor* is the seq of the last batch whose effects are in the tree.
   replay for in vain) no jump will: the gap's batches are counted lost here.
 - Items for ranks that are not live (a worker being removed) are dropped, so a subscriber
   still draining cannot resurrect a removed rank.
-- `replace_rank` installs a worker's own snapshot: it replaces the rank's state and sets its
-  cursor, unless the snapshot is older than what the stream already applied.
+- `replace_ranks` installs a worker's own snapshot: it replaces each rank's state and sets its
+  cursor, unless the snapshot is older than what the stream already applied; a body with one
+  refused rank is refused whole.
 
 - Index cap (`max_blocks`, `--kv-index-max-blocks`): after a batch, if the index carries
   more (rank, block) pairs than the cap, the rank carrying the most is cleared (repeated
@@ -92,7 +93,13 @@ from router.subscriber import (
     UnrepairedGap,
     beyond_stream,
 )
-from router.worker_snapshot import SnapshotRank, WorkerSnapshotError, rebuild_rank
+from router.worker_snapshot import (
+    SnapshotRank,
+    WorkerSnapshot,
+    WorkerSnapshotError,
+    check_rank,
+    rebuild_rank,
+)
 
 log = logging.getLogger(__name__)
 
@@ -472,40 +479,70 @@ class IndexRules:
             yield from tree.clear_rank_steps(largest, self.slice_blocks)
 
     def replace_rank(self, rank: RankId, snap: SnapshotRank, block_size: int) -> SnapshotVerdict:
-        """Install a worker's own snapshot of `rank` unless the stream is already past it
-        (`stale`), or it is refused (`rejected`: see `router.worker_snapshot`; a rank the
-        worker does not have, or a `last_seq` more than `MAX_SEQ_JUMP` past the live stream's,
-        included). `ignored`: the rank is bootstrapping, and takes snapshots only through the
-        graft path."""
-        if rank not in self.live:
+        """`replace_ranks` of a body holding `rank` alone."""
+        return self._replace([(rank, snap)], block_size)
+
+    def replace_ranks(self, worker_url: str, snap: WorkerSnapshot) -> SnapshotVerdict:
+        """Install a worker's own snapshot, every rank of it, unless the stream is already past
+        a rank (`stale`, that rank alone is left as it is) or the body is refused (`rejected`:
+        see `router.worker_snapshot`; a rank the worker does not have, or listed twice, or a
+        `last_seq` more than `MAX_SEQ_JUMP` past the live stream's, included). A body is
+        refused whole when one of its ranks is: nothing of it is installed (one rank's was,
+        next to a refused one). `ignored`: its ranks are bootstrapping, and take snapshots
+        only through the graft path."""
+        pairs = [(RankId(worker_url, rank_snap.dp_rank), rank_snap) for rank_snap in snap.ranks]
+        return self._replace(pairs, snap.block_size)
+
+    def _replace(
+        self, pairs: list[tuple[RankId, SnapshotRank]], block_size: int
+    ) -> SnapshotVerdict:
+        refusal = self._snapshot_refusal(pairs, block_size)
+        if refusal is not None:
             self.stats.worker_snapshots_rejected += 1
-            log.warning(
-                "%s: worker snapshot refused: no such live rank (not the worker's, or it left)",
-                rank,
-            )
+            log.warning("%s: worker snapshot refused, nothing of it installed: %s", *refusal)
             return "rejected"
-        if self.bootstrap is not None and self.bootstrap.intercepts(rank):
-            return "ignored"
-        cursor = self.cursors.get(rank)
-        if cursor is not None and snap.last_seq < cursor:
-            self.stats.worker_snapshots_stale += 1
-            return "stale"
-        try:
+        verdicts: set[SnapshotVerdict] = set()
+        for rank, snap in pairs:
+            if self.bootstrap is not None and self.bootstrap.intercepts(rank):
+                verdicts.add("ignored")
+                continue
+            cursor = self.cursors.get(rank)
+            if cursor is not None and snap.last_seq < cursor:
+                self.stats.worker_snapshots_stale += 1
+                verdicts.add("stale")
+                continue
+            placed = rebuild_rank(self._tree, rank, snap, block_size)
+            if snap.last_seq >= 0:
+                self.cursors[rank] = snap.last_seq
+            self.stats.worker_snapshots_applied += 1
+            log.info(
+                "%s: worker snapshot applied: %d blocks at seq %d", rank, placed, snap.last_seq
+            )
+            verdicts.add("applied")
+        return next((v for v in ("applied", "stale") if v in verdicts), "ignored")
+
+    def _snapshot_refusal(
+        self, pairs: list[tuple[RankId, SnapshotRank]], block_size: int
+    ) -> tuple[RankId, str] | None:
+        """(the first rank refused, why), or None when every rank of the body may go in."""
+        seen: set[RankId] = set()
+        for rank, snap in pairs:
+            if rank in seen:
+                return rank, "the rank is listed twice"
+            seen.add(rank)
+            if rank not in self.live:
+                return rank, "no such live rank (not the worker's, or it left)"
+            cursor = self.cursors.get(rank)
             if cursor is not None and beyond_stream(snap.last_seq, cursor):
-                raise WorkerSnapshotError(
+                return rank, (
                     f"its last_seq {snap.last_seq} is more than {MAX_SEQ_JUMP} past the live "
                     f"stream's {cursor}: every batch of the stream would look already reflected"
                 )
-            placed = rebuild_rank(self._tree, rank, snap, block_size)
-        except WorkerSnapshotError as exc:
-            self.stats.worker_snapshots_rejected += 1
-            log.warning("%s: worker snapshot refused: %s", rank, exc)
-            return "rejected"
-        if snap.last_seq >= 0:
-            self.cursors[rank] = snap.last_seq
-        self.stats.worker_snapshots_applied += 1
-        log.info("%s: worker snapshot applied: %d blocks at seq %d", rank, placed, snap.last_seq)
-        return "applied"
+            try:
+                check_rank(snap, block_size, self._tree.block_size)
+            except WorkerSnapshotError as exc:
+                return rank, str(exc)
+        return None
 
 
 class Pump:

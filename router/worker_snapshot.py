@@ -11,7 +11,9 @@ fit together (a block size that differs, tokens that do not fill a block, a pare
 later or not at all), is refused whole with `WorkerSnapshotError`; the rank's index is then
 left as it was. So is one whose `last_seq` is more than `MAX_SEQ_JUMP` past the rank's live
 stream (`router.index`): installed, it would mark every batch of that stream as already
-reflected, and freeze the rank on blocks its engine no longer holds.
+reflected, and freeze the rank on blocks its engine no longer holds. A body is refused whole
+when any one of its ranks is, a rank the worker does not have included
+(`IndexRules.replace_ranks`): nothing of it is installed, not even the ranks that fit.
 
 Bounded memory: `read_body` streams the answer against `--worker-snapshot-max-body-mb`
 (a `Content-Length` over it is refused before a byte is read; a body that goes past it is cut
@@ -100,6 +102,21 @@ def decode_worker_snapshot(
         raise WorkerSnapshotError(f"not a kv-snapshot body: {exc}") from None
 
 
+def check_rank(snap: SnapshotRank, block_size: int, index_block_size: int) -> None:
+    """WorkerSnapshotError unless `snap`'s blocks fit together: the body's block size is the
+    index's, each block holds that many tokens, and each parent is a block listed earlier."""
+    if block_size != index_block_size:
+        raise WorkerSnapshotError(f"block size {block_size} differs from the index's")
+    seen: set[int] = set()
+    for i, block in enumerate(snap.blocks):
+        if len(block.token_ids) != block_size:
+            raise WorkerSnapshotError(f"block {i} has {len(block.token_ids)} tokens")
+        parent = block.parent_engine_hash
+        if parent is not None and parent & _U64_MASK not in seen:
+            raise WorkerSnapshotError(f"block {i}: parent is not an earlier block")
+        seen.add(block.engine_hash & _U64_MASK)
+
+
 def rebuild_rank(tree: BlockTree, rank: RankId, snap: SnapshotRank, block_size: int) -> int:
     """Replace `rank`'s blocks in `tree` with those of `snap`. Returns blocks placed.
 
@@ -113,16 +130,7 @@ def rebuild_rank(tree: BlockTree, rank: RankId, snap: SnapshotRank, block_size: 
     a store per block cost ~2 us of the event loop each (the rebuild of a 32 MiB body is not
     sliced).
     """
-    if block_size != tree.block_size:
-        raise WorkerSnapshotError(f"block size {block_size} differs from the index's")
-    seen: set[int] = set()
-    for i, block in enumerate(snap.blocks):
-        if len(block.token_ids) != block_size:
-            raise WorkerSnapshotError(f"block {i} has {len(block.token_ids)} tokens")
-        parent = block.parent_engine_hash
-        if parent is not None and parent & _U64_MASK not in seen:
-            raise WorkerSnapshotError(f"block {i}: parent is not an earlier block")
-        seen.add(block.engine_hash & _U64_MASK)
+    check_rank(snap, block_size, tree.block_size)
     tree.clear_rank(rank)
     placed = 0
     skipped: set[int] = set()  # blocks of an unknown tier, and their descendants

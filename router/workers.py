@@ -723,17 +723,9 @@ class WorkerRegistry:
         outcome, snap = await self._fetch_worker_snapshot(worker)
         if snap is None:
             return outcome
-        verdicts = set()
-        for rank_snap in snap.ranks:
-            rank = RankId(worker.url, rank_snap.dp_rank)
-            verdicts.add(
-                await self.pump.call(
-                    lambda rules, rank=rank, rs=rank_snap: rules.replace_rank(
-                        rank, rs, snap.block_size
-                    )
-                )
-            )
-        return next((v for v in ("applied", "rejected", "stale") if v in verdicts), "ignored")
+        # One control call for the whole body: checked whole, then installed whole or not at
+        # all (rank by rank, a good rank went in next to a refused one).
+        return await self.pump.call(lambda rules: rules.replace_ranks(worker.url, snap))
 
     async def _fetch_worker_snapshot(self, worker: Worker) -> tuple[str, WorkerSnapshot | None]:
         try:

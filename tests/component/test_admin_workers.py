@@ -6,15 +6,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
+import pytest
 from aiohttp import web
 
 from cachetree.ranks import RankId
 from router.workers import subscriber_name
 from tests.support.adversary import stub_server, stub_worker_routes
 from tests.support.fake_worker import fake_worker_in_process
+from tests.support.ports import free_tcp_port
 from tests.support.router import router_in_process
 from tests.support.waiting import eventually
+
+
+def block(engine_hash: int, parent: int | None) -> dict[str, Any]:
+    """A block of a worker's /v1/kv-snapshot body, 16 tokens."""
+    return {
+        "engine_hash": engine_hash,
+        "parent_engine_hash": parent,
+        "token_ids": [engine_hash] * 16,
+    }
 
 
 @contextlib.asynccontextmanager
@@ -291,3 +303,42 @@ async def test_a_deeply_nested_body_is_a_400_and_registers_nothing() -> None:
             assert answer["error"]["type"] == "invalid_request_error"
             assert "nested too deep" in answer["error"]["message"], answer
         assert rt.replica.workers.workers() == []
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"dp_rank": 1, "last_seq": 3, "blocks": [block(9, 8)]},  # a parent it does not list
+        {"dp_rank": 5, "last_seq": 3, "blocks": [block(9, None)]},  # a rank it does not have
+    ],
+    ids=["missing_parent", "unknown_rank"],
+)
+async def test_a_worker_snapshot_with_one_refused_rank_installs_nothing(
+    bad: dict[str, Any],
+) -> None:
+    """Its good rank was installed and the pull counted `applied`, though a body with a
+    refused rank is refused whole: now nothing of it goes in and it counts `rejected`."""
+    good = {"dp_rank": 0, "last_seq": 3, "blocks": [block(1, None), block(2, 1)]}
+
+    async def snapshot(request: web.Request) -> web.Response:
+        return web.json_response({"block_size": 16, "ranks": [good, bad]})
+
+    async def two_ranks(request: web.Request) -> web.Response:
+        kv = {"endpoint_host": "127.0.0.1", "endpoint_port_base": free_tcp_port()}
+        return web.json_response({"kv_events": {**kv, "block_size": 16, "dp_size": 2}})
+
+    routes = stub_worker_routes(
+        {("GET", "/v1/kv-snapshot"): snapshot, ("GET", "/server_info"): two_ranks}
+    )
+    async with stub_server(routes) as worker, router_in_process() as rt:
+        status, body, _ = await rt.post("/workers", {"url": worker})
+        assert status == 200 and len(body["ranks"]) == 2, body
+        registry = rt.replica.workers
+        await eventually(lambda: registry.stats.snapshot_pulls["rejected"] == 1)
+        assert registry.stats.snapshot_pulls["applied"] == 0
+        for dp_rank in (0, 1):
+            view = await rt.rank_view(worker, dp_rank)
+            assert view is not None and view["blocks"] == 0 and view["cursor"] is None, view
+        scrape = await rt.scrape()
+        pulls = scrape.by("kvrouter_worker_snapshot_pulls_total", "outcome")
+        assert pulls == {"rejected": 1}, pulls

@@ -19,7 +19,7 @@ from router.events import (
 )
 from router.index import IndexRules
 from router.subscriber import MAX_SEQ_JUMP, LiveBatch, PublisherReset, UnrepairedGap
-from router.worker_snapshot import SnapshotBlock, SnapshotRank
+from router.worker_snapshot import SnapshotBlock, SnapshotRank, WorkerSnapshot
 
 BS = 4
 R = RankId("http://w:1", 0)
@@ -224,6 +224,28 @@ def test_worker_snapshot_of_a_rank_the_worker_does_not_have_is_refused_and_count
     stranger = SnapshotRank(7, 4, snapshot(4, 1).blocks)
     assert rules.replace_rank(RankId(R.worker_url, 7), stranger, BS) == "rejected"
     assert rules.stats.worker_snapshots_rejected == 1
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        SnapshotRank(1, 4, [SnapshotBlock(9, 8, [1, 2, 3, 4])]),  # a parent it does not list
+        SnapshotRank(7, 4, [SnapshotBlock(9, None, [1, 2, 3, 4])]),  # a rank it does not have
+        SnapshotRank(0, 5, [SnapshotBlock(9, None, [1, 2, 3, 4])]),  # rank 0 listed twice
+    ],
+    ids=["missing_parent", "unknown_rank", "twice"],
+)
+def test_a_worker_snapshot_with_one_refused_rank_is_refused_whole(bad: SnapshotRank) -> None:
+    """Rank by rank, the good rank went in next to the refused one, and the pull counted
+    `applied`: the body is refused whole now, nothing of it installed."""
+    r1 = RankId(R.worker_url, 1)
+    rules, _ = rules_with(R, r1)
+    rules.apply_batch(R, 1, stored(50, 500))
+    body = WorkerSnapshot([snapshot(4, 1, 2), bad], BS)
+    assert rules.replace_ranks(R.worker_url, body) == "rejected"
+    assert rules.stats.worker_snapshots_rejected == 1 and rules.stats.worker_snapshots_applied == 0
+    assert rules.tree.block_count(R) == 1 and rules.cursors[R] == 1  # as the stream left it
+    assert rules.tree.block_count(r1) == 0 and r1 not in rules.cursors
 
 
 # --- seq jumps past the bound -----------------------------------------------------------------
