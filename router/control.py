@@ -251,7 +251,13 @@ async def _add_worker(request: web.Request) -> web.Response:
             {"error": {"message": str(exc), "type": "invalid_request_error", "param": "url"}},
             status=409,
         )
-    return web.json_response(_worker_view(replica, worker))
+    view = _worker_view(replica, worker)
+    if worker.state == "refused":
+        # Listed (GET /workers says why), but not registered for traffic: a 200 read as
+        # success by automation that checks the status.
+        error = {"message": worker.reason, "type": "invalid_request_error", "param": "url"}
+        return web.json_response({"error": error, "worker": view}, status=409)
+    return web.json_response(view)
 
 
 async def _outside_allow_list(replica: Replica, url: str) -> str | None:
@@ -282,7 +288,7 @@ async def _remove_worker(request: web.Request) -> web.Response:
         return bad_request(BadRequest("query parameter 'url' is required", "url"))
     removed = await request.app[REPLICA].workers.remove(url)
     if not removed:
-        return web.json_response({"error": {"message": f"unknown worker {url}"}}, status=404)
+        return _error(404, f"unknown worker {url}")
     return web.json_response({"removed": url})
 
 

@@ -40,9 +40,10 @@ async def test_a_worker_past_the_socket_budget_is_refused_and_the_health_loop_li
     assert (await rt.readyz())[0] == 200
 
     status, body, _ = await rt.post("/workers", {"url": big.url})
-    assert status == 200, body
-    assert body["state"] == "refused" and "RLIMIT_NOFILE" in body["reason"], body
-    assert body["ranks"] == [] or all(r["cursor"] is None for r in body["ranks"])
+    assert status == 409 and "RLIMIT_NOFILE" in body["error"]["message"], body
+    worker = body["worker"]
+    assert worker["state"] == "refused" and "RLIMIT_NOFILE" in worker["reason"], body
+    assert worker["ranks"] == [] or all(r["cursor"] is None for r in worker["ranks"])
     scrape = await rt.scrape()
     assert scrape.value("kvrouter_workers_refused_total", reason="socket_limit") == 1
     _, listing = await rt.get("/workers")

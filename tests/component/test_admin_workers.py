@@ -342,3 +342,27 @@ async def test_a_worker_snapshot_with_one_refused_rank_installs_nothing(
         scrape = await rt.scrape()
         pulls = scrape.by("kvrouter_worker_snapshot_pulls_total", "outcome")
         assert pulls == {"rejected": 1}, pulls
+
+
+async def test_a_refused_registration_is_a_409_with_the_reason_and_stays_listed_refused() -> None:
+    """It answered 200 with `state: refused`: automation checking the status saw success."""
+    async with (
+        fake_worker_in_process(block_size=32) as fw,
+        router_in_process(block_size=16) as rt,
+    ):
+        for _ in range(2):  # and again: a known refused worker is no success either
+            status, body, _ = await rt.post("/workers", {"url": fw.url})
+            assert status == 409, body
+            assert "block size 32" in body["error"]["message"] and body["error"]["param"] == "url"
+            assert body["worker"]["state"] == "refused" and body["worker"]["url"] == fw.url
+        assert rt.replica.workers.stats.refused["block_size"] == 1
+        assert [(w.url, w.state) for w in rt.replica.workers.workers()] == [(fw.url, "refused")]
+        assert rt.replica.workers.routable() == []
+
+
+async def test_deleting_an_unknown_worker_is_a_404_in_the_error_shape() -> None:
+    async with router_in_process() as rt:
+        status, body = await rt.delete("/workers?url=http://127.0.0.1:1")
+        assert status == 404
+        assert body["error"]["type"] == "invalid_request_error"
+        assert "unknown worker" in body["error"]["message"]
