@@ -806,7 +806,11 @@ def _q_value(params: str) -> float:
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status, headers={"Vary": VARY})
+    """The OpenAI error shape, as every other route of the control plane answers."""
+    kind = "invalid_request_error" if status < 500 else "service_unavailable"
+    return web.json_response(
+        {"error": {"message": message, "type": kind}}, status=status, headers={"Vary": VARY}
+    )
 
 
 async def serve_snapshot(producer: SnapshotProducer, request: web.Request) -> web.StreamResponse:

@@ -174,7 +174,8 @@ async def test_a_malformed_query_is_a_400(query: str) -> None:
     async with router_in_process() as rt, plain_client() as client:
         status, body, _headers = await get(client, rt, query)
         assert status == 400
-        assert "error" in json.loads(body)
+        error = json.loads(body)["error"]  # the OpenAI shape, as the module docstring says
+        assert error["type"] == "invalid_request_error" and error["message"], error
         assert producer_of(rt).stats.builds == 0
 
 
@@ -272,7 +273,9 @@ async def test_an_encoding_that_fails_is_a_503_and_is_made_again_on_the_next_req
         producer.encode = failing
         status, body, _headers = await get(client, rt, Accept=MSGPACK)
         assert status == 503
-        assert json.loads(body) == {"error": "snapshot could not be encoded"}
+        assert json.loads(body) == {
+            "error": {"message": "snapshot could not be encoded", "type": "service_unavailable"}
+        }
         entry = producer.cached
         assert entry is not None and MSGPACK not in entry.bodies
         status, body, _ = await get(client, rt)  # JSON still encodes
