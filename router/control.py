@@ -22,9 +22,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from cachetree.ranks import RankId
 from peer.producer import serve_snapshot
 from router import auth, placement, siblings
+from router.bounded import read_up_to
 from router.origin import host_of, origin_problem
 from router.replica import Replica
 from router.workers import (
+    MAX_WORKER_JSON_BYTES,
     TooManyWorkers,
     WorkerRemoved,
     is_redirect,
@@ -109,14 +111,29 @@ async def _models(request: web.Request) -> web.Response:
                         "worker %s: /v1/models %s", url, redirect_not_followed(r.status, location)
                     )
                 elif r.status == 200:
-                    for model in (await r.json()).get("data", []):
-                        if isinstance(model, dict) and "id" in model:
-                            seen.setdefault(model["id"], model)
+                    for model in _listed_models(await read_up_to(r.content, MAX_WORKER_JSON_BYTES)):
+                        seen.setdefault(model["id"], model)
         except (aiohttp.ClientError, TimeoutError, ValueError):
             log.info("worker %s: /v1/models unreadable", url)
 
     await asyncio.gather(*(one(w.url) for w in replica.workers.routable()))
     return web.json_response({"object": "list", "data": list(seen.values())})
+
+
+def _listed_models(body: bytes) -> list[dict[str, Any]]:
+    """The models a worker's /v1/models body lists (objects with a string `id`); ValueError
+    for a body that is not such a list (too long, not JSON, `data` not a list). One worker's
+    odd body made the replica's own /v1/models a 500 for every client."""
+    if len(body) > MAX_WORKER_JSON_BYTES:
+        raise ValueError("an answer over the bound")
+    try:
+        listing = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("no data list")
+    return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
 
 # -- health and metrics ------------------------------------------------------------------

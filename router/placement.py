@@ -92,6 +92,7 @@ import msgspec
 
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
+from router.bounded import read_up_to
 from router.policy import CacheAware, Candidate, Decision, Prompt
 from router.siblings import (
     MAX_KEYS_PER_DECISION,
@@ -181,19 +182,6 @@ def decode_answer(body: bytes) -> RankId:
     if problem is not None:
         raise ValueError(f"answer names no valid rank: {problem}")
     return RankId(a.worker_url, a.dp_rank)
-
-
-async def read_up_to(content: aiohttp.StreamReader, limit: int) -> bytes:
-    """The whole body, or its first `limit` + 1 bytes when it is longer (enough to refuse it):
-    `read(n)` returns what has arrived so far, which is not all of an answer that came in two
-    segments."""
-    body = bytearray()
-    while len(body) <= limit:
-        chunk = await content.read(limit + 1 - len(body))
-        if not chunk:
-            break
-        body += chunk
-    return bytes(body)
 
 
 def placer_of(own: str | None, peers: Sequence[str]) -> str | None:
@@ -458,7 +446,9 @@ class PlacementAsker:
 
     async def _post(self, placer: str, question: bytes) -> RankId:
         headers = {"Authorization": f"Bearer {self.token}", "Content-Type": CONTENT_TYPE}
-        async with self.session.post(placer + PATH, data=question, headers=headers) as r:
+        async with self.session.post(
+            placer + PATH, data=question, headers=headers, allow_redirects=False
+        ) as r:
             body = await read_up_to(r.content, MAX_ANSWER_BYTES)
             if r.status != 200:
                 raise ValueError(f"status {r.status}: {body[:200]!r}")

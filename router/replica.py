@@ -347,8 +347,13 @@ async def _compose(
             lambda: _capacity_loop(pump, workers, capacity_blocks, bootstrap),
         )
     )
-    for url in config.workers:
-        await workers.add(url)
+    # At once, not in turn: each may wait out its timeouts (a worker whose endpoints stall),
+    # and the replica listens only after, so a dozen slow workers kept even /healthz from
+    # answering for 13 s. The first failure, if any, is raised once all have ended.
+    added = await asyncio.gather(*map(workers.add, config.workers), return_exceptions=True)
+    for outcome in added:
+        if isinstance(outcome, BaseException):
+            raise outcome
     return replica
 
 

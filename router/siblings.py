@@ -375,6 +375,7 @@ class DecisionSharing:
                 data=body,
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                allow_redirects=False,  # a sibling's 3xx is a failed post, never followed
             ) as resp:
                 if resp.status == 204:
                     self._failing.pop(peer, None)

@@ -47,6 +47,7 @@ from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from peer.supervise import Supervisor, describe
 from peer.tasks import cancel_and_wait
+from router.bounded import read_up_to
 from router.breaker import CircuitBreaker
 from router.dataplane.polling import PollClient
 from router.graft import LocalGraft
@@ -75,6 +76,9 @@ log = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
 HEALTH_MAX_BODY_BYTES: Final = 64 * 1024  # engines answer /health with nothing or a line
+# /server_info and /v1/models answers are a few KB; past this (or a gzip bomb inflating past
+# it: 0.5 MB per worker made 512 MB) the answer is unreadable.
+MAX_WORKER_JSON_BYTES: Final = 1024 * 1024
 # Registered workers, whatever their state (`--max-workers`): each costs connections (health,
 # load polls, the data plane's pool) and its ranks' subscriptions; without a bound, 2,000
 # registrations of unreachable URLs were taken in under a second.
@@ -877,9 +881,12 @@ class WorkerRegistry:
                 raise _Unavailable(f"HTTP {resp.status}")
             if resp.status != 200:
                 raise ValueError(f"HTTP {resp.status}")
+            body = await read_up_to(resp.content, MAX_WORKER_JSON_BYTES)
+            if len(body) > MAX_WORKER_JSON_BYTES:
+                raise ValueError(f"an answer over {MAX_WORKER_JSON_BYTES} bytes")
             try:
-                return msgspec.json.decode(await resp.read())
-            except msgspec.DecodeError as exc:
+                return msgspec.json.decode(body)
+            except (msgspec.DecodeError, RecursionError) as exc:
                 raise ValueError(f"not JSON: {exc}") from None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -366,3 +367,85 @@ async def test_deleting_an_unknown_worker_is_a_404_in_the_error_shape() -> None:
         assert status == 404
         assert body["error"]["type"] == "invalid_request_error"
         assert "unknown worker" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "odd", [b"[]", b'{"data": 5}', b'{"data": [{"id": ["x"]}, {"id": 7}]}', b"[" * 100_000]
+)
+async def test_one_workers_odd_model_list_leaves_the_replicas_own_listing_whole(odd: bytes) -> None:
+    """A worker's /v1/models of `[]`, or with `data` not a list, or ids that are not strings,
+    raised in the replica's own /v1/models: a 500 for every client."""
+
+    async def models(request: web.Request) -> web.Response:
+        return web.Response(body=odd, content_type="application/json")
+
+    async with (
+        stub_server(stub_worker_routes()) as good,
+        stub_server(stub_worker_routes({("GET", "/v1/models"): models})) as bad,
+        router_in_process() as rt,
+    ):
+        for url in (good, bad):
+            status, body, _ = await rt.post("/workers", {"url": url})
+            assert status == 200 and body["state"] == "ready", body
+        status, listing = await rt.get("/v1/models")
+        assert status == 200 and [m["id"] for m in listing["data"]] == ["stub"]
+
+
+async def test_a_workers_answer_inflating_past_the_bound_is_unreadable_not_read_whole(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """/server_info and /v1/models were read whole, decompressed: 0.5 MB of gzip per worker
+    inflated to 512 MB in the replica. An answer past `MAX_WORKER_JSON_BYTES` (1 MiB) decoded
+    is unreadable: the worker registers by the --kv-events-* flags, its models left out."""
+    bound = 1024 * 1024
+    inflated = b'{"pad": "' + b" " * (4 * bound) + b'"}'
+    bomb = gzip.compress(inflated)
+    assert len(bomb) < bound // 64
+
+    async def gzipped(request: web.Request) -> web.Response:
+        return web.Response(
+            body=bomb, content_type="application/json", headers={"Content-Encoding": "gzip"}
+        )
+
+    extra = {("GET", "/server_info"): gzipped, ("GET", "/v1/models"): gzipped}
+    async with stub_server(stub_worker_routes(extra)) as worker, router_in_process() as rt:
+        status, body, _ = await rt.post("/workers", {"url": worker})
+        assert status == 200 and body["state"] == "ready", body
+        status, listing = await rt.get("/v1/models")
+        assert status == 200 and listing["data"] == []
+    assert any(f"over {bound} bytes" in r.getMessage() for r in caplog.records)
+
+
+async def test_the_workers_a_replica_starts_with_register_at_once_not_in_turn(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """They registered one after another, each waiting out a stalled worker's timeouts, and
+    the replica listened only after all: a dozen slow workers kept /healthz from answering
+    for 13 s. Here each /server_info answers only once all three are asked; in turn, each
+    timed out and the workers came up `down`."""
+    asked = 0
+    everyone = asyncio.Event()
+
+    async def server_info(request: web.Request) -> web.Response:
+        nonlocal asked
+        asked += 1
+        if asked == 3:
+            everyone.set()
+        await everyone.wait()
+        return await routes[("GET", "/server_info")](request)
+
+    routes = stub_worker_routes()
+    slow = {("GET", "/server_info"): server_info}
+    async with (
+        stub_server(stub_worker_routes(slow)) as a,
+        stub_server(stub_worker_routes(slow)) as b,
+        stub_server(stub_worker_routes(slow)) as c,
+        router_in_process(workers=[a, b, c]) as rt,
+    ):
+        assert {w.url: w.state for w in rt.replica.workers.workers()} == {
+            a: "ready",
+            b: "ready",
+            c: "ready",
+        }
+    # None waited out its timeout first (in turn, two did, and came up only at a later check).
+    assert not [r for r in caplog.records if "/server_info unreachable" in r.getMessage()]

@@ -11,7 +11,7 @@ import pytest
 from aiohttp.base_protocol import BaseProtocol
 
 from cachetree.ranks import RankId
-from router import placement
+from router import bounded, placement
 from router.placement import (
     Placement,
     PlaceQuestion,
@@ -371,7 +371,7 @@ async def test_an_answer_that_arrives_in_two_parts_is_read_whole() -> None:
     loop = asyncio.get_running_loop()
     content = answer_stream(loop)
     raw = placement.encode_answer(A)
-    reading = asyncio.create_task(placement.read_up_to(content, placement.MAX_ANSWER_BYTES))
+    reading = asyncio.create_task(bounded.read_up_to(content, placement.MAX_ANSWER_BYTES))
     content.feed_data(raw[:5])
     await asyncio.sleep(0)  # the reader takes the first part, then waits for more
     assert not reading.done()
@@ -384,4 +384,4 @@ async def test_an_answer_past_the_bound_is_read_only_one_byte_past_it() -> None:
     content = answer_stream(asyncio.get_running_loop())
     content.feed_data(b"x" * 100)
     content.feed_eof()
-    assert await placement.read_up_to(content, 10) == b"x" * 11
+    assert await bounded.read_up_to(content, 10) == b"x" * 11
