@@ -42,7 +42,9 @@ _RESOLVE_TIMEOUT_S = 2.0
 
 def build_control_app(replica: Replica) -> web.Application:
     """The control app over a started replica (served through the data plane's hand-off)."""
-    app = web.Application(client_max_size=replica.config.max_request_bytes)
+    app = web.Application(
+        client_max_size=replica.config.max_request_bytes, middlewares=[_openai_not_found]
+    )
     app[REPLICA] = replica
     add_control_routes(app)
     return app
@@ -62,6 +64,23 @@ def add_control_routes(app: web.Application) -> None:
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _openai_not_found(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """An OpenAI-looking path the router does not serve (`/v1/embeddings`, a trailing slash,
+    another case) is a 404 in the OpenAI error shape, as OpenAI clients read it, not
+    aiohttp's plain text."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        if not request.path.startswith("/v1/"):
+            raise
+        message = f"this router serves no {request.method} {request.path[:200]}"
+        return web.json_response(
+            {"error": {"message": message, "type": "invalid_request_error", "param": None}},
+            status=404,
+        )
 
 
 def _guard(handler: Handler) -> Handler:

@@ -235,6 +235,13 @@ async def _compose(
             "bootstrap is off (--peer / --kv-peer-selector do nothing)",
             why,
         )
+    if config.kv_ingest_processes and not config.keeps_index:
+        log.warning(
+            "--kv-ingest-processes %d is ignored: policy %s reads no KV events; drop the flag, "
+            "or route with cache_aware",
+            config.kv_ingest_processes,
+            config.policy,
+        )
     if config.kv_ingest_processes and config.keeps_index:
         ingest = IngestPool(
             config.kv_ingest_processes,

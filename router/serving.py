@@ -173,7 +173,7 @@ async def start_serving(config: ServeConfig) -> Serving:
             raise StartError(
                 f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}"
             ) from None
-        serving = Serving(replica, plane, control, f"http://{config.host}:{addresses[0][1]}")
+        serving = Serving(replica, plane, control, listening_url(config.host, addresses[0][1]))
         if placement is not None:
             placement.own = own_url(
                 config.self_url, config.host, addresses[0][1], os.environ.get("POD_IP")
@@ -192,7 +192,7 @@ async def start_serving(config: ServeConfig) -> Serving:
                     f"cannot listen on {config.host}:{config.control_port} (--control-port): "
                     f"{exc.strerror or exc}"
                 ) from None
-            serving.control_url = f"http://{config.host}:{config.control_port}"
+            serving.control_url = listening_url(config.host, config.control_port)
         return serving
     except BaseException:
         if plane is not None:
@@ -200,6 +200,16 @@ async def start_serving(config: ServeConfig) -> Serving:
         await control.cleanup()
         await stop_replica(replica)
         raise
+
+
+def listening_url(host: str, port: int) -> str:
+    """The URL a replica listening on `host` is reached at: an IPv6 literal in brackets, and
+    the loopback address for "" (every address), where `http://:PORT` names nothing."""
+    if not host:
+        host = "127.0.0.1"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
 
 
 async def stop_serving(serving: Serving) -> None:

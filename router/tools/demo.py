@@ -1336,7 +1336,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if opts.log_dir:
         log_dir = Path(opts.log_dir)
-        log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            sys.stderr.write(f"kvrouter: error: --log-dir {opts.log_dir}: {exc.strerror or exc}\n")
+            return 2
     else:
         log_dir = Path(tempfile.mkdtemp(prefix="kvrouter-demo-"))
     return asyncio.run(_main(opts, log_dir))

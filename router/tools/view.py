@@ -533,7 +533,7 @@ def _draw_on(stream: TextIO) -> Callable[[list[str]], None]:
 
     def draw(lines: list[str]) -> None:
         stream.write((watch.CLEAR if tty else "") + "\n".join(lines) + "\n" + ("" if tty else "\n"))
-        stream.flush()
+        stream.flush()  # BrokenPipeError when the reader left: see `run_watch`
 
     return draw
 
@@ -559,6 +559,11 @@ def run_watch(args: argparse.Namespace) -> int:
             )
         )
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:
+        # The reader left (`| head`): the end of the watch, as Ctrl-C is. stdout is pointed at
+        # /dev/null so that the interpreter's own flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
 

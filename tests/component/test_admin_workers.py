@@ -449,3 +449,21 @@ async def test_the_workers_a_replica_starts_with_register_at_once_not_in_turn(
         }
     # None waited out its timeout first (in turn, two did, and came up only at a later check).
     assert not [r for r in caplog.records if "/server_info unreachable" in r.getMessage()]
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/completions/", "/V1/Completions"])
+async def test_a_path_the_router_does_not_serve_is_a_404_an_openai_client_reads(
+    path: str,
+) -> None:
+    """It was aiohttp's plain-text `404: Not Found` under /v1/ (JSON only where the path
+    looks like the API; other paths keep the plain answer)."""
+    async with (
+        router_in_process() as rt,
+        rt.session.post(rt.url + path, json={"input": "x"}) as resp,
+    ):
+        assert resp.status == 404
+        if path.startswith("/v1/"):
+            error = (await resp.json())["error"]
+            assert error["type"] == "invalid_request_error" and path in error["message"]
+        else:
+            assert resp.content_type == "text/plain"

@@ -97,3 +97,14 @@ async def test_ctrl_c_stops_every_child(tmp_path: Path) -> None:
     assert proc.returncode == 130, err.decode()
     assert "interrupted; every child process is stopped" in err.decode()
     assert [p for p in ports if listening(p)] == []
+
+
+async def test_a_log_dir_that_cannot_be_made_is_a_one_line_error(tmp_path: Path) -> None:
+    """It was a FileNotFoundError traceback, exit 1."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = await start_demo("--log-dir", str(blocker / "logs"))
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2, err.decode()
+    assert err.decode().startswith("kvrouter: error: --log-dir ") and b"Traceback" not in err
+    assert err.count(b"\n") == 1 and out == b""

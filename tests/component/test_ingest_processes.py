@@ -21,6 +21,7 @@ from router.ingest_pool import UNHEALTHY_AFTER, IngestPool
 from router.subscriber import RankEndpoint, SubscriberStats
 from router.zmq_term import terminate_context
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
+from tests.support.router import router_in_process
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -183,3 +184,11 @@ async def test_a_process_that_keeps_dying_makes_the_pool_unhealthy() -> None:
     finally:
         await pool.close()
         await terminate_context(context, within_s=2.0, what="test")
+
+
+async def test_ingest_processes_asked_of_a_policy_without_an_index_are_said_to_be_ignored(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with router_in_process(policy="round_robin", kv_ingest_processes=2) as rt:
+        assert rt.replica.config.kv_ingest_processes == 2
+    assert any("--kv-ingest-processes 2 is ignored" in r.getMessage() for r in caplog.records)

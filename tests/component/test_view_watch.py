@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 
 from cachetree.ranks import RankId
 from peer.fetch import SnapshotFetcher
+from router.auth import TOKEN_ENV
 from router.tools import watch
 from tests.component.test_view import FIRST, TOK, fleet, run_view
+from tests.support.processes import kvrouter_argv
 from tests.support.router import TEST_TOKEN, RouterHandle
 from tests.support.waiting import eventually
 
@@ -162,3 +165,21 @@ async def test_a_wrong_token_is_an_error_that_says_to_pass_one() -> None:
         assert "pass --token" in state.error
         line = watch.frame([state], color=False)[0]
         assert line.startswith(f"A {a.url}  error: cursor table: HTTP 401") and "--token" in line
+
+
+async def test_a_watch_whose_reader_leaves_ends_quietly() -> None:
+    """`kvrouter view --watch URL | head -2` ended with a BrokenPipeError traceback."""
+    async with fleet() as ([a, _], _):
+        proc = await asyncio.create_subprocess_exec(
+            *kvrouter_argv("view", "--watch", "--interval-s", "0.05", a.url),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, TOKEN_ENV: TEST_TOKEN},
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        async with asyncio.timeout(30):
+            assert (await proc.stdout.readline()).startswith(b"kvrouter view --watch")
+            proc.stdout._transport.close()  # type: ignore[attr-defined]  # the reader leaves
+            err = await proc.stderr.read()
+            status = await proc.wait()
+        assert status == 0 and b"Traceback" not in err, err.decode()
