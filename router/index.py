@@ -107,6 +107,11 @@ SnapshotVerdict = Literal["applied", "stale", "rejected", "ignored"]  # `replace
 
 T = TypeVar("T")
 DEFAULT_QUEUE_SIZE = 1024
+# Blocks the pump's queue holds, over its items: 1,024 one-megabyte batches (20,000 blocks
+# each, well within --kv-events-max-message-bytes) held 1.5 GB, a replica's whole memory
+# limit in manifests/. A decoded block is ~100 bytes compiled (its hash's int and 16 token
+# ids; ~600 on the pure path), so this is ~100 MB, and 2.5 s of backlog at 400k blocks/s.
+DEFAULT_QUEUE_BLOCKS: Final = 1 << 20
 SLICE_BLOCKS: Final = 1024  # blocks of work between two yields to the loop (~1 ms)
 # LoRA adapter names learned from the events: far more than a fleet serves (vLLM's
 # --max-loras is a handful), and a bound on what a hostile stream can make the replica hold.
@@ -556,10 +561,18 @@ class Pump:
     finishes it in slices before anything else; items delivered meanwhile queue behind it.
     """
 
-    def __init__(self, rules: IndexRules, queue_size: int = DEFAULT_QUEUE_SIZE) -> None:
+    def __init__(
+        self,
+        rules: IndexRules,
+        queue_size: int = DEFAULT_QUEUE_SIZE,
+        queue_blocks: int = DEFAULT_QUEUE_BLOCKS,
+    ) -> None:
         self.rules = rules
         self._queue_size = queue_size
+        self._queue_blocks = queue_blocks
         self._items: deque[SubscriberItem | Steps] = deque()  # an item, or one begun inline
+        self._weights: deque[int] = deque()  # the blocks of each of `_items`
+        self._queued_blocks = 0
         self._room = asyncio.Event()  # set when a waiting deliverer may retry
         self._control: deque[tuple[Callable[[IndexRules], Any], asyncio.Future[Any]]] = deque()
         self._wake = asyncio.Event()
@@ -578,11 +591,18 @@ class Pump:
                 log.exception("pump: an item could not be applied; it was dropped")
                 return True
             self._items.appendleft(steps)  # long: the task finishes it before anything else
+            self._weights.appendleft(0)
             self._wake_up()
             return True
-        if len(self._items) >= self._queue_size:
-            return False
+        blocks = _blocks_in(item)
+        if self._items and (
+            len(self._items) >= self._queue_size
+            or self._queued_blocks + blocks > self._queue_blocks
+        ):
+            return False  # an empty queue takes any one item, however large
         self._items.append(item)
+        self._weights.append(blocks)
+        self._queued_blocks += blocks
         self._wake_up()
         return True
 
@@ -662,6 +682,7 @@ class Pump:
                 await self._wake.wait()
                 continue
             work = items.popleft()
+            self._queued_blocks -= self._weights.popleft()
             self._room.set()
             steps = work if inspect.isgenerator(work) else rules.steps(work)
             try:
@@ -676,3 +697,10 @@ class Pump:
 
 
 _DONE: Final = object()
+
+
+def _blocks_in(item: SubscriberItem) -> int:
+    """The blocks an item names (what its decoded form holds in memory, roughly)."""
+    if type(item) is not LiveBatch:
+        return 0
+    return sum(len(getattr(event, "engine_hashes", ())) for event in item.batch.events)

@@ -151,3 +151,31 @@ async def test_offer_applies_at_once_to_an_idle_pump_queues_while_busy_and_refus
         assert pump.rules.stats.batches_applied == 4
     finally:
         await pump.stop()
+
+
+async def test_the_queue_is_bounded_by_the_blocks_it_holds_as_well_as_by_its_items() -> None:
+    """1,024 one-megabyte batches (20,000 blocks each) held 1.5 GB: a count of items bounds
+    no memory. Past `queue_blocks` an offer is refused (the deliverer waits), but an empty
+    queue takes any one item, however large, so that nothing is stuck for good."""
+    pump = await started(queue_size=100)
+    pump._queue_blocks = 10  # type: ignore[attr-defined]
+    try:
+        control = asyncio.create_task(pump.call(lambda rules: None))
+        await asyncio.sleep(0)  # the pump is busy: offers queue
+        assert pump.offer(chain(0, 1, 6, 1)) is True
+        assert pump.offer(chain(1, 100, 4, 100)) is True  # 10 blocks queued
+        assert pump.offer(chain(2, 200, 1, 200)) is False  # one more is past the bound
+        assert pump.backlog == 2
+        await control
+        await pump.wait_idle()
+        assert pump.offer(chain(2, 200, 50, 200)) is True  # parked: applied at once
+        control = asyncio.create_task(pump.call(lambda rules: None))
+        await asyncio.sleep(0)
+        assert pump.offer(chain(3, 300, 50, 400)) is True  # an empty queue takes it whole
+        assert pump.offer(chain(4, 400, 1, 700)) is False
+        await control
+        await pump.deliver(chain(4, 400, 1, 700))
+        await pump.wait_idle()
+        assert pump.rules.cursors[R] == 4 and pump.rules.stats.batches_applied == 5
+    finally:
+        await pump.stop()
