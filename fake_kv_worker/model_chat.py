@@ -28,7 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from fake_kv_worker.protocol import RequestError, lax_bool, lax_int
+from fake_kv_worker.protocol import RequestError, lax_bool, truncation_fields
 
 
 class ModelChat:
@@ -75,17 +75,7 @@ class ModelChat:
         """vLLM's `truncate_prompt_tokens` (-1: the context less max_tokens) and side."""
         if self.engine == "sglang":
             return None, None  # SGLang's models have no such fields
-        side = body.get("truncation_side")
-        if side not in (None, "left", "right"):
-            raise RequestError("truncation_side must be 'left' or 'right'", "truncation_side")
-        raw = body.get("truncate_prompt_tokens")
-        if raw is None:
-            return None, side
-        keep = lax_int(raw)
-        if keep is None or keep < -1:
-            raise RequestError(
-                "truncate_prompt_tokens must be -1 or more", "truncate_prompt_tokens"
-            )
+        keep, side = truncation_fields(body)
         if keep == -1:
             keep = None if self.max_model_len is None else self.max_model_len - max_tokens
         return keep, side

@@ -276,11 +276,12 @@ def parse_completion(body: Mapping[str, Any], default_max_tokens: int) -> Genera
             if "add_special_tokens" in body
             else True  # not Optional in vLLM's model: null is refused like any non-boolean
         ),
-        truncation=_truncation(body),
+        truncation=truncation_fields(body),
     )
 
 
-def _truncation(body: Mapping[str, Any]) -> tuple[int | None, str | None]:
+def truncation_fields(body: Mapping[str, Any]) -> tuple[int | None, str | None]:
+    """vLLM's `truncate_prompt_tokens` (-1 kept as it is) and `truncation_side`, checked."""
     side = body.get("truncation_side")
     if side not in (None, "left", "right"):
         raise RequestError("'truncation_side' must be 'left' or 'right'", "truncation_side")
@@ -315,7 +316,7 @@ def parse_chat(body: Mapping[str, Any], default_max_tokens: int) -> GenerationRe
         include_usage=_include_usage(body),
         prompt_param="messages",
         chat=body,
-        truncation=_truncation(body),
+        truncation=truncation_fields(body),
     )
 
 

@@ -423,14 +423,9 @@ async def test_the_workers_a_replica_starts_with_register_at_once_not_in_turn(
     the replica listened only after all: a dozen slow workers kept /healthz from answering
     for 13 s. Here each /server_info answers only once all three are asked; in turn, each
     timed out and the workers came up `down`."""
-    asked = 0
-    everyone = asyncio.Event()
+    everyone = asyncio.Barrier(3)
 
     async def server_info(request: web.Request) -> web.Response:
-        nonlocal asked
-        asked += 1
-        if asked == 3:
-            everyone.set()
         await everyone.wait()
         return await routes[("GET", "/server_info")](request)
 

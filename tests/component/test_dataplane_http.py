@@ -57,6 +57,15 @@ async def routable(rt: RouterHandle, *urls: str) -> None:
     await eventually(ready, 10)
 
 
+def reading_held(rt: RouterHandle, url: str) -> bool:
+    """Whether the replica stopped reading one of its busy connections to the worker `url`
+    (its client's side is full)."""
+    pool = rt.plane.pools.get(url)
+    return pool is not None and any(
+        c.transport is not None and not c.transport.is_reading() for c in pool.busy
+    )
+
+
 @contextlib.asynccontextmanager
 async def one_worker_and_a_client(
     script: Script | None = None, **config: Any
@@ -1138,14 +1147,7 @@ async def test_an_answer_starting_while_its_client_is_over_its_buffer_mark_holds
         (conn,) = rt.plane.connections
         conn.pause_writing()  # the first answer's last write crossed the mark
         client.send(post(b"/v1/completions", COMPLETION))
-
-        def upstream_held() -> bool:
-            pool = rt.plane.pools.get(w.url)
-            return pool is not None and any(
-                c.transport is not None and not c.transport.is_reading() for c in pool.busy
-            )
-
-        await eventually(upstream_held, 10)
+        await eventually(lambda: reading_held(rt, w.url), 10)
         conn.resume_writing()  # drained
         answer = await client.answer(within_s=60)
         assert answer is not None and answer.complete and len(answer.body) == total
@@ -1731,14 +1733,7 @@ async def test_a_client_that_does_not_read_holds_the_worker_back_not_the_routers
         await routable(rt, w.url)
         client = await RawClient.open(rt.url)
         client.send(post(b"/v1/completions", COMPLETION))
-
-        def upstream_paused() -> bool:
-            pool = rt.plane.pools.get(w.url)
-            return pool is not None and any(
-                c.transport is not None and not c.transport.is_reading() for c in pool.busy
-            )
-
-        await eventually(upstream_paused, 10)
+        await eventually(lambda: reading_held(rt, w.url), 10)
         (conn,) = rt.plane.connections
         assert conn.transport is not None
         # The worker is held back by the kernel's buffers and the router's small one.

@@ -341,14 +341,9 @@ async def test_a_poll_answered_after_the_worker_was_removed_is_discarded() -> No
 
 async def test_workers_are_polled_concurrently() -> None:
     # Each engine answers only once both have been asked: a sequential poll would time out.
-    arrived = 0
-    both = asyncio.Event()
+    both = asyncio.Barrier(2)
 
     async def rendezvous(request: web.Request) -> web.Response:
-        nonlocal arrived
-        arrived += 1
-        if arrived == 2:
-            both.set()
         await both.wait()
         return web.Response(body=LOAD_BODY)
 

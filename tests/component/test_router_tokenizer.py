@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -137,12 +138,19 @@ async def test_a_repeated_chat_with_tools_matches_every_block_the_engine_cached(
         assert failures == 0  # every reason is exported from the start, at 0
 
 
-async def test_a_completion_without_special_tokens_matches_every_block_the_engine_cached(
-    tmp_path: Path,
-) -> None:
-    # With BOS the router's blocks start one token early: nothing the engine cached matched.
+@dataclass
+class SecondAsk:
+    """A completion asked twice of two vLLM-like workers behind a replica, the second time
+    once the first's blocks are in the index: what the second's answer and routing said."""
+
+    answer: dict[str, Any]
+    same_worker: bool
+    matched_blocks: float  # the replica's matched-blocks sum over the second request
+
+
+async def asked_twice(tmp_path: Path, body: dict[str, Any]) -> tuple[SecondAsk, str]:
+    """`body` as a completion, twice (see `SecondAsk`); and the fixture model's path."""
     model = str(build_fixture_model(tmp_path / "llama3", "llama3.1_instruct.jinja"))
-    body = {"prompt": CONTENT, "max_tokens": 1, "add_special_tokens": False}
     async with (
         fake_worker_in_process(tokenizer=model, engine="vllm") as a,
         fake_worker_in_process(tokenizer=model, engine="vllm") as b,
@@ -157,19 +165,27 @@ async def test_a_completion_without_special_tokens_matches_every_block_the_engin
         worker = a if headers["X-Kvrouter-Worker"] == a.url else b
         await rt.wait_cursor(worker.url, 0, (await worker.state())["last_seq"])
         matched_before = await matched_blocks_sum(rt)
-
         status, second, headers = await rt.post("/v1/completions", body)
         assert status == 200, second
-        assert headers["X-Kvrouter-Worker"] == worker.url
-        prompt_tokens = second["usage"]["prompt_tokens"]
-        assert prompt_tokens == len(ModelChat(model, "vllm").encode(CONTENT, False))
-        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached == prompt_tokens // BS * BS >= 2 * BS
-        assert await matched_blocks_sum(rt) - matched_before == cached // BS
-
+        matched = await matched_blocks_sum(rt) - matched_before
+        same = headers["X-Kvrouter-Worker"] == worker.url
         status, refused, _ = await rt.post("/v1/completions", {**body, "add_special_tokens": "x"})
-        assert status == 400
-        assert refused["error"]["param"] == "add_special_tokens"
+        assert status == 400 and refused["error"]["param"] == "add_special_tokens"
+    return SecondAsk(second, same, matched), model
+
+
+async def test_a_completion_without_special_tokens_matches_every_block_the_engine_cached(
+    tmp_path: Path,
+) -> None:
+    # With BOS the router's blocks start one token early: nothing the engine cached matched.
+    body = {"prompt": CONTENT, "max_tokens": 1, "add_special_tokens": False}
+    second, model = await asked_twice(tmp_path, body)
+    assert second.same_worker
+    prompt_tokens = second.answer["usage"]["prompt_tokens"]
+    assert prompt_tokens == len(ModelChat(model, "vllm").encode(CONTENT, False))
+    cached = second.answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == prompt_tokens // BS * BS >= 2 * BS
+    assert second.matched_blocks == cached // BS
 
 
 @pytest.mark.parametrize(
@@ -184,30 +200,12 @@ async def test_a_truncated_prompt_matches_every_block_the_engine_cached(
     tmp_path: Path, fields: dict[str, Any]
 ) -> None:
     # Keyed whole, the prompt's blocks are not the engine's (it cached the kept tokens only).
-    model = str(build_fixture_model(tmp_path / "llama3", "llama3.1_instruct.jinja"))
     text = " ".join(f"word{i}" for i in range(200))
-    body = {"prompt": text, "max_tokens": 1, **fields}
-    async with (
-        fake_worker_in_process(tokenizer=model, engine="vllm") as a,
-        fake_worker_in_process(tokenizer=model, engine="vllm") as b,
-        router_in_process(
-            workers=[a.url, b.url], tokenizer=model, chat_rules="vllm", expose_route_headers=True
-        ) as rt,
-    ):
-        for fw in (a, b):
-            await rt.gate(fw)
-        status, first, headers = await rt.post("/v1/completions", body)
-        assert status == 200, first
-        assert first["usage"]["prompt_tokens"] == 3 * BS + 5
-        worker = a if headers["X-Kvrouter-Worker"] == a.url else b
-        await rt.wait_cursor(worker.url, 0, (await worker.state())["last_seq"])
-        matched_before = await matched_blocks_sum(rt)
-
-        status, second, headers = await rt.post("/v1/completions", body)
-        assert status == 200, second
-        assert headers["X-Kvrouter-Worker"] == worker.url
-        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BS
-        assert await matched_blocks_sum(rt) - matched_before == 3
+    second, _ = await asked_twice(tmp_path, {"prompt": text, "max_tokens": 1, **fields})
+    assert second.answer["usage"]["prompt_tokens"] == 3 * BS + 5
+    assert second.same_worker
+    assert second.answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BS
+    assert second.matched_blocks == 3
 
 
 @contextlib.asynccontextmanager

@@ -13,19 +13,9 @@ from aiohttp import web
 from router.placement import Placement, PlacementAsker
 from router.policy import CacheAware, make_policy
 from router.siblings import DecisionSharing
+from tests.support.adversary import stub_server
 
 TOKEN = "sibling-token-0123456789"
-
-
-@contextlib.asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
 
 
 @contextlib.asynccontextmanager
@@ -38,16 +28,12 @@ async def redirecting_sibling() -> AsyncIterator[tuple[str, list[str]]]:
         seen.append(request.headers.get("Authorization", ""))
         return web.Response(status=204)
 
-    elsewhere = web.Application()
-    elsewhere.router.add_route("*", "/{tail:.*}", target)
-    async with serving(elsewhere) as other:
+    async with stub_server({("*", "/{tail:.*}"): target}) as other:
 
         async def redirect(request: web.Request) -> web.Response:
             raise web.HTTPTemporaryRedirect(other + request.path)
 
-        sibling = web.Application()
-        sibling.router.add_post("/{tail:.*}", redirect)
-        async with serving(sibling) as url:
+        async with stub_server({("POST", "/{tail:.*}"): redirect}) as url:
             yield url, seen
 
 
