@@ -44,6 +44,18 @@ forgotten when the worker is removed or registered again. A capacity of 0, a vLL
 `num_gpu_blocks="None"` (an engine still profiling its memory) or a missing `block_size` label
 is unknown (None), never 0: a rank that seems to hold nothing would look full.
 
+Every number read from a worker is bounded here, at the parse, once per poll (the request
+path and the scrape read the figures as they are): a count, a capacity in tokens or in blocks
+times the block size, or a slot count above `MAX_REPORTED` (2**48, ~2.8e14; the largest real
+KV pool is ~1e7 tokens) is unknown, as if not reported, and counted per field in
+`LoadMonitor.out_of_range` (logged once per registration of the worker). Unbounded, a
+stated 1e308 reached the cost function (an OverflowError on every request), the capacity
+check and the /metrics scrape. A rank at or past `MAX_DP_SIZE` is never built, and what a
+poll reads is bounded too: a `/v1/loads` body at most `LOADS_MAX_BODY_BYTES`, a `/metrics`
+body at most `METRICS_MAX_BODY_BYTES`, of which at most `MAX_METRIC_SAMPLES` lines of the
+gauges we read are handed to the parser (more is a parse failure, `too_many_samples`): the
+parse runs on the event loop, and 8 MiB of wanted gauge lines took 1.6 s of it every tick.
+
 The parsers and the probe are plain functions and a small class; `LoadMonitor` is the thin
 asyncio shell that does HTTP and keeps counters. Counters are plain `collections.Counter`s:
 the app reads them at scrape time, so nothing here imports prometheus_client's registry.
@@ -54,6 +66,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -72,7 +85,20 @@ log = logging.getLogger(__name__)
 LOADS_PATH: Final = "/v1/loads?include=core"  # SGLang filters sections; others ignore it
 METRICS_PATH: Final = "/metrics"
 ABSENT_STATUSES: Final = frozenset({404, 405, 501})
-MAX_BODY_BYTES: Final = 8 * 1024 * 1024  # a vLLM /metrics with many LoRAs is ~1 MiB
+# What real engines send is a few KB (the fake worker: ~270 B a rank in /v1/loads, ~600 B in
+# /metrics) to a few hundred KB (a vLLM /metrics is mostly histogram buckets, ~1 MiB with many
+# LoRAs); the bounds leave room for that and no more, since the poll parses on the loop.
+LOADS_MAX_BODY_BYTES: Final = 512 * 1024  # ~500 B a rank at MAX_DP_SIZE ranks
+METRICS_MAX_BODY_BYTES: Final = 2 * 1024 * 1024
+# Lines of the gauges we read handed to prometheus_client's pure-Python parser (~11 us each):
+# four a rank and served model name for vLLM, so 512 ranks of one model. ~25 ms at the bound.
+MAX_METRIC_SAMPLES: Final = 2048
+MAX_REPORTED: Final = 2**48  # the largest count, capacity or slot figure believed
+OUT_OF_RANGE_FIELDS: Final = ("running", "waiting", "usage", "capacity", "slots")
+# The most dp ranks one worker may have: registration refuses a worker stating more
+# (`router.workers`), and a load body's entries for ranks past it are never built. Real
+# deployments run up to a few hundred (DP attention over a few dozen nodes).
+MAX_DP_SIZE: Final = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,14 +123,17 @@ class ProbeOutcome(StrEnum):
 # --- /v1/loads ------------------------------------------------------------------------------
 
 
-def parse_loads_body(body: bytes) -> dict[int, EngineLoad] | None:
+def parse_loads_body(
+    body: bytes, ranks: int = MAX_DP_SIZE, out_of_range: Counter[str] | None = None
+) -> dict[int, EngineLoad] | None:
     """dp rank -> load from a `/v1/loads` JSON body.
 
     None when the body is not a load body (not JSON, not an object, no `loads` array, an
     entry that is not an object). An empty dict when it is one with an empty `loads` array:
     the engine serves the route but has nothing to say yet. An entry without a usable
-    `dp_rank` is taken as the rank at its position; a field missing or of the wrong type is
-    None in its `EngineLoad`.
+    `dp_rank` is taken as the rank at its position; one whose rank is `ranks` or more (the
+    worker's dp size) is skipped unread; a field missing, of the wrong type or above
+    `MAX_REPORTED` is None in its `EngineLoad` (the last counted by field in `out_of_range`).
     """
     try:
         doc = msgspec.json.decode(body)
@@ -117,15 +146,21 @@ def parse_loads_body(body: bytes) -> dict[int, EngineLoad] | None:
         return None
     out: dict[int, EngineLoad] = {}
     for position, entry in enumerate(entries):
-        if not isinstance(entry, dict):
+        if type(entry) is not dict:
             return None
         dp_rank = _count(entry.get("dp_rank"))
-        out[position if dp_rank is None else dp_rank] = EngineLoad(
-            running=_count(entry.get("num_running_reqs")),
-            waiting=_count(entry.get("num_waiting_reqs")),
-            kv_usage=_fraction(entry.get("token_usage")),
-            capacity_tokens=_positive(_count(entry.get("max_total_num_tokens"))),
-            slots=_positive(_count(entry.get("max_running_requests"))),
+        rank = position if dp_rank is None else dp_rank
+        if rank >= ranks:
+            continue
+        get = entry.get
+        out[rank] = EngineLoad(
+            running=_bounded(get("num_running_reqs"), "running", out_of_range),
+            waiting=_bounded(get("num_waiting_reqs"), "waiting", out_of_range),
+            kv_usage=_fraction(get("token_usage")),
+            capacity_tokens=_positive(
+                _bounded(get("max_total_num_tokens"), "capacity", out_of_range)
+            ),
+            slots=_positive(_bounded(get("max_running_requests"), "slots", out_of_range)),
         )
     return out
 
@@ -135,11 +170,23 @@ def _positive(value: int | None) -> int | None:
 
 
 def _count(value: object) -> int | None:
+    """A non-negative whole number as an int (a JSON float that is one included), else None.
+    Unbounded: the caller bounds it."""
     if type(value) is int:
         return value if value >= 0 else None
     if type(value) is float and value >= 0 and value.is_integer():
         return int(value)
     return None
+
+
+def _bounded(value: object, name: str, out_of_range: Counter[str] | None) -> int | None:
+    """`_count`, None above `MAX_REPORTED` (counted as `name` in `out_of_range`)."""
+    n = _count(value)
+    if n is not None and n > MAX_REPORTED:
+        if out_of_range is not None:
+            out_of_range[name] += 1
+        return None
+    return n
 
 
 def _fraction(value: object) -> float | None:
@@ -150,7 +197,10 @@ def _fraction(value: object) -> float | None:
 
 
 def classify_loads_response(
-    status: int | None, body: bytes | None
+    status: int | None,
+    body: bytes | None,
+    ranks: int = MAX_DP_SIZE,
+    out_of_range: Counter[str] | None = None,
 ) -> tuple[ProbeOutcome, dict[int, EngineLoad] | None]:
     """The probe outcome of one `/v1/loads` request, and its loads when available.
 
@@ -161,7 +211,7 @@ def classify_loads_response(
         return ProbeOutcome.ABSENT, None
     if status != 200 or body is None:
         return ProbeOutcome.INCONCLUSIVE, None
-    loads = parse_loads_body(body)
+    loads = parse_loads_body(body, ranks, out_of_range)
     if loads is None:
         return ProbeOutcome.ABSENT, None
     if not loads:
@@ -177,9 +227,13 @@ class LoadsProbe:
     absent: bool = False
 
     def observe(
-        self, status: int | None, body: bytes | None
+        self,
+        status: int | None,
+        body: bytes | None,
+        ranks: int = MAX_DP_SIZE,
+        out_of_range: Counter[str] | None = None,
     ) -> tuple[ProbeOutcome, dict[int, EngineLoad] | None]:
-        outcome, loads = classify_loads_response(status, body)
+        outcome, loads = classify_loads_response(status, body, ranks, out_of_range)
         if outcome is ProbeOutcome.ABSENT:
             self.absent = True
         return outcome, loads
@@ -210,39 +264,70 @@ _VLLM_CACHE_INFO: Final = "vllm:cache_config_info"
 _WANTED: Final = frozenset(
     _RUNNING_NAMES + _WAITING_NAMES + _USAGE_NAMES + _CAPACITY_NAMES + (_VLLM_CACHE_INFO,)
 )
-_WANTED_PREFIXES: Final = ("#", *sorted(_WANTED))
+# A sample line of a gauge we read: found by one C-level scan of the text, so a body of
+# histogram buckets costs no Python per line. Comment lines are left out: every name read is a
+# gauge, which the parser takes as the same samples untyped.
+_WANTED_LINE: Final = re.compile(
+    "^(?:" + "|".join(map(re.escape, sorted(_WANTED))) + ")[{ \t][^\r\n]*", re.MULTILINE
+)
 _NO_LOADS: Final[Mapping[int, EngineLoad]] = MappingProxyType({})
 _RANK_LABELS: Final = ("dp_rank", "engine")  # SGLang's, then vLLM's (one engine core per rank)
+# The `out_of_range` field each gauge's value is counted under.
+_FIELD_OF: Final = {
+    **dict.fromkeys(_RUNNING_NAMES, "running"),
+    **dict.fromkeys(_WAITING_NAMES, "waiting"),
+    **dict.fromkeys(_USAGE_NAMES, "usage"),
+    **dict.fromkeys((_VLLM_CACHE_INFO, *_CAPACITY_NAMES), "capacity"),
+}
 
 
-def parse_metrics_text(text: str) -> dict[int, EngineLoad]:
+class TooManySamples(ValueError):
+    """A `/metrics` body with more lines of the load gauges than `MAX_METRIC_SAMPLES`."""
+
+
+def parse_metrics_text(
+    text: str, ranks: int = MAX_DP_SIZE, out_of_range: Counter[str] | None = None
+) -> dict[int, EngineLoad]:
     """dp rank -> load from Prometheus text; an empty dict when no known gauge is present.
 
     Ranks come from a `dp_rank` or `engine` label; samples without one (or with a value
-    that is not a rank number) count as rank 0. Several label sets for the same rank (e.g.
-    per model name) are added up for the request counts; for KV usage, a fraction, and for
-    capacity the largest one is taken. vLLM's capacity is `num_gpu_blocks * block_size` from
-    the labels of `vllm:cache_config_info`. Raises ValueError when the text does not parse.
+    that is not a rank number) count as rank 0, and samples of a rank `ranks` or more (the
+    worker's dp size) are dropped. Several label sets for the same rank (e.g. per model
+    name) are added up for the request counts; for KV usage, a fraction, and for capacity
+    the largest one is taken. vLLM's capacity is `num_gpu_blocks * block_size` from the
+    labels of `vllm:cache_config_info`. A figure above `MAX_REPORTED` (a sample, or a sum of
+    them) is unknown, counted by field in `out_of_range`. Raises ValueError when the text
+    does not parse, or holds more than `MAX_METRIC_SAMPLES` lines of the gauges we read.
 
     Only the lines of the gauges we read are handed to the parser: a vLLM `/metrics` is
     mostly histogram buckets, and the pure-Python parser would spend its time on them.
     """
-    kept = [line for line in text.splitlines() if line.startswith(_WANTED_PREFIXES) and _keep(line)]
+    kept = _WANTED_LINE.findall(text)
+    if len(kept) > MAX_METRIC_SAMPLES:
+        raise TooManySamples(
+            f"too many samples: {len(kept)} lines of the load gauges, at most {MAX_METRIC_SAMPLES}"
+        )
     found: dict[str, dict[int, list[float]]] = {}
     try:
         for family in text_string_to_metric_families("\n".join(kept) + "\n"):
             for sample in family.samples:
-                if sample.name not in _WANTED:
+                name = sample.name
+                if name not in _WANTED:
                     continue
                 value = float(sample.value)
-                if sample.name == _VLLM_CACHE_INFO:
+                if name == _VLLM_CACHE_INFO:
                     # An info gauge: the figures are in the labels, the value is always 1.
                     value = _vllm_pool_tokens(sample.labels)
-                if not math.isfinite(value) or value < 0:
+                if not value >= 0:  # NaN too (a vLLM still profiling: "None" blocks)
+                    continue
+                if value > MAX_REPORTED:
+                    if out_of_range is not None:
+                        out_of_range[_FIELD_OF[name]] += 1
                     continue
                 rank = _rank_label(sample.labels)
-                found.setdefault(sample.name, {}).setdefault(rank, []).append(value)
-    except (ValueError, TypeError, IndexError) as exc:
+                if rank < ranks:
+                    found.setdefault(name, {}).setdefault(rank, []).append(value)
+    except (ValueError, TypeError, IndexError, OverflowError) as exc:
         raise ValueError(f"unparseable Prometheus text: {exc}") from None
     running = _pick(found, _RUNNING_NAMES, sum)
     waiting = _pick(found, _WAITING_NAMES, sum)
@@ -250,10 +335,10 @@ def parse_metrics_text(text: str) -> dict[int, EngineLoad]:
     capacity = _pick(found, (_VLLM_CACHE_INFO, *_CAPACITY_NAMES), max)
     return {
         rank: EngineLoad(
-            running=_rounded(running.get(rank)),
-            waiting=_rounded(waiting.get(rank)),
+            running=_rounded(running.get(rank), "running", out_of_range),
+            waiting=_rounded(waiting.get(rank), "waiting", out_of_range),
             kv_usage=usage.get(rank),
-            capacity_tokens=_positive(_rounded(capacity.get(rank))),
+            capacity_tokens=_positive(_rounded(capacity.get(rank), "capacity", out_of_range)),
         )
         for rank in sorted(running.keys() | waiting.keys() | usage.keys() | capacity.keys())
     }
@@ -261,18 +346,14 @@ def parse_metrics_text(text: str) -> dict[int, EngineLoad]:
 
 def _vllm_pool_tokens(labels: dict[str, str]) -> float:
     """`num_gpu_blocks * block_size` from vLLM's cache config labels; NaN when either is not
-    a number (vLLM writes "None" before it has profiled its memory)."""
+    a number (vLLM writes "None" before it has profiled its memory), inf when either is too
+    long to be believed (a 400-digit product overflows a float)."""
     blocks, block_size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
     if not (blocks.isdecimal() and block_size.isdecimal()):
         return math.nan
+    if len(blocks) > 18 or len(block_size) > 18:  # past 10**18: above MAX_REPORTED anyway
+        return math.inf
     return float(int(blocks) * int(block_size))
-
-
-def _keep(line: str) -> bool:
-    if line.startswith("#"):
-        parts = line.split(None, 3)
-        return len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2] in _WANTED
-    return line.partition("{")[0].partition(" ")[0] in _WANTED
 
 
 def _rank_label(labels: dict[str, str]) -> int:
@@ -295,8 +376,16 @@ def _pick(
     return {}
 
 
-def _rounded(value: float | None) -> int | None:
-    return None if value is None else round(value)
+def _rounded(value: float | None, name: str, out_of_range: Counter[str] | None) -> int | None:
+    """A gauge's figure as a whole count; None when unknown or, summed over label sets,
+    above `MAX_REPORTED` (counted as `name`)."""
+    if value is None:
+        return None
+    if value > MAX_REPORTED:
+        if out_of_range is not None:
+            out_of_range[name] += 1
+        return None
+    return round(value)
 
 
 # --- the monitor ----------------------------------------------------------------------------
@@ -312,6 +401,7 @@ class _Worker:
     read_at: float | None = None  # clock time of the last successful read
     source: str | None = None  # "loads" or "metrics": where `loads` came from
     failing: bool = False  # the last tick yielded nothing (for log de-duplication)
+    out_of_range_logged: bool = False  # a figure above MAX_REPORTED was logged once
 
 
 Sleep = Callable[[float], Awaitable[None]]
@@ -343,6 +433,8 @@ class LoadMonitor:
         self.stale_after_s = 3 * interval_s + timeout_s if stale_after_s is None else stale_after_s
         self.probe_outcomes: Counter[str] = Counter()  # ProbeOutcome value -> count
         self.poll_errors: Counter[str] = Counter()  # reason -> ticks that yielded no loads
+        # field (running, waiting, usage, capacity, slots) -> figures above MAX_REPORTED
+        self.out_of_range: Counter[str] = Counter()
         self._client = client
         self._clock = clock
         self._sleep = sleep
@@ -366,6 +458,7 @@ class LoadMonitor:
         w.probe = LoadsProbe()
         w.loads = {r: load for r, load in w.loads.items() if r < dp_size}
         w.capacity = {}
+        w.out_of_range_logged = False
 
     def close(self) -> None:
         """Drop every connection (the replica is stopping)."""
@@ -443,8 +536,10 @@ class LoadMonitor:
         try:
             await self._poll(w)
         except Exception:  # a bug here must not stop the other workers' polls or the loop
-            log.exception("load poll of %s failed", w.url)
             self.poll_errors["internal"] += 1
+            if not w.failing:  # once while it lasts, as other failures: not twice a second
+                log.exception("load poll of %s failed", w.url)
+                w.failing = True
 
     async def _poll(self, w: _Worker) -> None:
         probe = w.probe
@@ -452,7 +547,9 @@ class LoadMonitor:
             status, body, error = await self._fetch(w.url + LOADS_PATH)
             if not self._current(w, probe):
                 return  # removed or registered again while we waited
-            outcome, loads = probe.observe(status, body)
+            seen = sum(self.out_of_range.values())
+            outcome, loads = probe.observe(status, body, w.dp_size, self.out_of_range)
+            self._warn_out_of_range(w, seen, "/v1/loads")
             self.probe_outcomes[outcome.value] += 1
             if outcome is ProbeOutcome.AVAILABLE:
                 assert loads is not None
@@ -467,17 +564,24 @@ class LoadMonitor:
                 status,
                 "" if status != 200 else ", not a load body",
             )
-        status, body, error = await self._fetch(w.url + METRICS_PATH)
+        status, body, error = await self._fetch(w.url + METRICS_PATH, METRICS_MAX_BODY_BYTES)
         if not self._current(w, probe):
             return
         if status != 200 or body is None:
             self._failed(w, "/metrics", error or _status_reason(status, body))
             return
+        seen = sum(self.out_of_range.values())
         try:
-            loads = parse_metrics_text(body.decode("utf-8", errors="replace"))
-        except ValueError:
-            self._failed(w, "/metrics", "unparseable")
+            loads = parse_metrics_text(
+                body.decode("utf-8", errors="replace"), w.dp_size, self.out_of_range
+            )
+        except TooManySamples as exc:
+            self._failed(w, "/metrics", "too_many_samples", f"{exc}; not an engine's /metrics?")
             return
+        except ValueError as exc:
+            self._failed(w, "/metrics", "unparseable", f"{exc}; is it an engine's /metrics?")
+            return
+        self._warn_out_of_range(w, seen, "/metrics")
         if not loads:
             self._failed(w, "/metrics", "no_load_metrics")
             return
@@ -497,24 +601,77 @@ class LoadMonitor:
             log.info("loads of %s readable again (via %s)", w.url, source)
             w.failing = False
 
-    def _failed(self, w: _Worker, path: str, reason: str) -> None:
+    def _failed(self, w: _Worker, path: str, reason: str, detail: str = "") -> None:
         self.poll_errors[reason] += 1
         if not w.failing:
             # The poll client never follows a redirect: a 3xx is a failed answer.
             redirect = ", a redirect: not followed" if reason.startswith("http_3") else ""
             log.warning(
-                "could not read the load of %s from %s: %s%s", w.url, path, reason, redirect
+                "could not read the load of %s from %s: %s%s%s",
+                w.url,
+                path,
+                reason,
+                redirect,
+                f" ({detail})" if detail else "",
             )
             w.failing = True
 
-    async def _fetch(self, url: str) -> tuple[int | None, bytes | None, str | None]:
-        """(status, body if 200, error reason if no usable answer)."""
-        got = await self._client.get(url, self.timeout_s, MAX_BODY_BYTES)
+    def _warn_out_of_range(self, w: _Worker, seen: int, path: str) -> None:
+        """Once per registration: the worker stated figures past belief (`seen`: the
+        out-of-range count before this read)."""
+        if w.out_of_range_logged or sum(self.out_of_range.values()) == seen:
+            return
+        w.out_of_range_logged = True
+        log.warning(
+            "%s states load figures above %d in %s (%s so far): read as unknown; its ranks "
+            "are routed as if it had not said. Check what answers at that URL",
+            w.url,
+            MAX_REPORTED,
+            path,
+            ", ".join(f"{name} {n}" for name, n in sorted(self.out_of_range.items())),
+        )
+
+    async def _fetch(
+        self, url: str, limit: int = LOADS_MAX_BODY_BYTES
+    ) -> tuple[int | None, bytes | None, str | None]:
+        """(status, body if 200 and at most `limit` bytes, error reason if no usable answer)."""
+        got = await self._client.get(url, self.timeout_s, limit)
         if got.status is None or got.error == "broken":
             return None, None, got.error if got.status is None else "connection"
         if got.status != 200:
             return got.status, None, None
         return 200, got.body, got.error  # too_large: no body
+
+
+# `LoadMonitor.poll_errors`' reasons as exported (`kvrouter_load_poll_errors_total`): a
+# bounded set, each HTTP status folded into its class.
+POLL_ERROR_LABELS: Final = (
+    "timeout",
+    "connection",
+    "too_large",
+    "no_body",
+    "empty_loads",
+    "http_4xx",
+    "http_5xx",
+    "http_other",
+    "unparseable",
+    "too_many_samples",
+    "no_load_metrics",
+    "internal",
+)
+
+
+def poll_error_label(reason: str) -> str:
+    """The exported label of a `poll_errors` reason (`POLL_ERROR_LABELS`)."""
+    if reason in POLL_ERROR_LABELS:
+        return reason
+    if reason.startswith("http_"):
+        status = reason[5:]
+        return f"http_{status[0]}xx" if status in _HTTP_ERRORS else "http_other"
+    return "internal"  # a reason this list missed: a bug, as "internal" counts
+
+
+_HTTP_ERRORS: Final = frozenset(map(str, range(400, 600)))
 
 
 def _status_reason(status: int | None, body: bytes | None) -> str:

@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from cachetree import accel
 from cachetree.tree import TreeStats
+from router.loads import OUT_OF_RANGE_FIELDS, POLL_ERROR_LABELS, poll_error_label
 from router.tokenize.chat_rules import FAILURE_REASONS
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from router.tokenize import RequestTokenizer
     from router.workers import WorkerRegistry
 
+POLL_LABELS: Final = [(label,) for label in POLL_ERROR_LABELS]
 _BREAKER_STATE = {"closed": 0, "open": 1, "half_open": 2}
 # The router's own share of a request's latency is tens of microseconds to a few milliseconds
 # when all is well; the upper buckets catch a saturated loop and slow connects to workers.
@@ -434,6 +436,23 @@ class _StateCollector(Collector):
             "Load probes of /v1/loads by outcome",
             ["outcome"],
             {(str(k),): v for k, v in self._loads.probe_outcomes.items()},
+        )
+        poll_errors: Counter[tuple[str, ...]] = Counter(dict.fromkeys(POLL_LABELS, 0))
+        for reason, n in self._loads.poll_errors.items():
+            poll_errors[(poll_error_label(reason),)] += n
+        yield _counter(
+            "kvrouter_load_poll_errors",
+            "Worker load reads that yielded no loads, by reason (timeout, connection, "
+            "too_large: the body past its bound, http_4xx/5xx, unparseable or too_many_samples "
+            "/metrics, no_load_metrics, empty_loads, internal)",
+            ["reason"],
+            poll_errors,
+        )
+        yield _counter(
+            "kvrouter_load_values_out_of_range",
+            "Figures a worker stated above 2**48, read as unknown, by field",
+            ["field"],
+            {(f,): self._loads.out_of_range[f] for f in OUT_OF_RANGE_FIELDS},
         )
 
 

@@ -17,7 +17,13 @@ import pytest
 from aiohttp import web
 
 from router.dataplane.polling import PollClient
-from router.loads import EngineLoad, LoadMonitor
+from router.loads import (
+    LOADS_MAX_BODY_BYTES,
+    MAX_METRIC_SAMPLES,
+    METRICS_MAX_BODY_BYTES,
+    EngineLoad,
+    LoadMonitor,
+)
 from tests.support.clock import GatedSleep, ManualClock
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.ports import free_tcp_port
@@ -283,6 +289,69 @@ async def test_metrics_without_any_load_gauge_yield_unknown_and_count_an_error()
         mon.add_worker(eng.url)
         await mon.poll_once()
         assert mon.poll_errors == {"no_load_metrics": 1}
+        assert mon.get(eng.url) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param(
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="' + "9" * 400 + '"} 1.0\n',
+            id="400-digit-blocks",
+        ),
+        pytest.param(
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0\n'
+            'vllm:num_requests_waiting{model_name="a"} 1e308\n'
+            'vllm:num_requests_waiting{model_name="b"} 1e308\n',
+            id="gauge-twice-1e308",
+        ),
+    ],
+)
+async def test_crafted_metrics_figures_are_unknown_counted_and_logged_once(
+    text: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    text += 'vllm:num_requests_running{engine="0"} 2.0\n'
+    scripts = {"/metrics": [reply(200, text)]}
+    async with ScriptedEngine(scripts) as eng, monitor() as mon:
+        mon.add_worker(eng.url)
+        for _ in range(3):
+            await mon.poll_once()
+        load = mon.get(eng.url)
+        assert load is not None and (load.running, load.waiting) == (2, None)
+        assert sum(mon.out_of_range.values()) >= 3 and mon.poll_errors == {}
+        warnings = [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+        assert len(warnings) == 1 and "Check what answers" in warnings[0].getMessage()
+        assert warnings[0].exc_info is None  # a figure past belief, not a traceback
+
+
+async def test_a_metrics_body_of_too_many_load_gauge_lines_is_a_counted_failure_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    line = 'vllm:num_requests_waiting{{engine="0",model_name="m{}"}} 0\n'
+    scripts = {"/metrics": [reply(200, "".join(map(line.format, range(MAX_METRIC_SAMPLES + 1))))]}
+    async with ScriptedEngine(scripts) as eng, monitor() as mon:
+        mon.add_worker(eng.url)
+        await mon.poll_once()
+        await mon.poll_once()
+        assert mon.poll_errors == {"too_many_samples": 2}
+        assert mon.get(eng.url) is None
+        assert len([r for r in caplog.records if "too many samples" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "limit"), [("/v1/loads", LOADS_MAX_BODY_BYTES), ("/metrics", METRICS_MAX_BODY_BYTES)]
+)
+async def test_a_load_body_past_its_bound_is_not_read(path: str, limit: int) -> None:
+    if path == "/v1/loads":
+        entry = b'{"num_waiting_reqs":0},'
+        body = b'{"loads":[' + entry * (limit // len(entry)) + b'{"num_waiting_reqs":0}]}'
+    else:
+        body = METRICS_TEXT.encode() + b"# padding\n" * (limit // 10)
+    scripts = {"/v1/loads": [reply(404)], path: [reply(200, body)]}
+    async with ScriptedEngine(scripts) as eng, monitor() as mon:
+        mon.add_worker(eng.url)
+        await mon.poll_once()
+        assert mon.poll_errors == {"too_large": 1}
         assert mon.get(eng.url) is None
 
 

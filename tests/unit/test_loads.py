@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import msgspec
 import pytest
 
 from router.loads import (
+    MAX_DP_SIZE,
+    MAX_METRIC_SAMPLES,
+    MAX_REPORTED,
+    METRICS_MAX_BODY_BYTES,
     EngineLoad,
     LoadsProbe,
     ProbeOutcome,
+    TooManySamples,
     classify_loads_response,
     parse_loads_body,
     parse_metrics_text,
@@ -281,4 +288,86 @@ def test_sglang_states_its_pool_as_a_gauge_with_either_prefix(prefix: str) -> No
     assert parse_metrics_text(text) == {
         0: EngineLoad(capacity_tokens=2048),
         1: EngineLoad(waiting=3),
+    }
+
+
+# --- bounds: what a worker states is believed up to MAX_REPORTED -------------------------------
+
+
+def test_figures_above_the_bound_in_a_load_body_are_unknown_and_counted_by_field() -> None:
+    huge = b"9" * 400
+    body = (
+        b'{"loads":[{"dp_rank":0,"num_running_reqs":1,"num_waiting_reqs":1e308,'
+        b'"max_total_num_tokens":1e308,"max_running_requests":' + huge + b"},"
+        b'{"dp_rank":1,"num_waiting_reqs":281474976710656,'  # 2**48: the bound itself
+        b'"max_total_num_tokens":' + b"9" * 40 + b',"num_running_reqs":281474976710657}]}'
+    )
+    out_of_range: Counter[str] = Counter()
+    assert parse_loads_body(body, out_of_range=out_of_range) == {
+        0: EngineLoad(running=1),
+        1: EngineLoad(waiting=MAX_REPORTED),
+    }
+    assert out_of_range == {"waiting": 1, "capacity": 2, "slots": 1, "running": 1}
+
+
+def test_load_entries_of_ranks_past_the_dp_size_are_skipped() -> None:
+    body = msgspec.json.encode(
+        {"loads": [{"num_waiting_reqs": i} for i in range(2000)] + [{"dp_rank": 1}]}
+    )
+    assert parse_loads_body(body, ranks=2) == {0: EngineLoad(waiting=0), 1: EngineLoad()}
+    assert len(parse_loads_body(body) or {}) == MAX_DP_SIZE
+
+
+@pytest.mark.parametrize(
+    ("text", "counted"),
+    [
+        # A pool stated in labels too long for a float (int * int overflowed it).
+        (
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="' + "9" * 400 + '"} 1.0\n',
+            {"capacity": 1},
+        ),
+        # One gauge twice at 1e308 (summed, inf, which round() refused): each sample.
+        (
+            'vllm:num_requests_waiting{model_name="a"} 1e308\n'
+            'vllm:num_requests_waiting{model_name="b"} 1e308\n',
+            {"waiting": 2},
+        ),
+        ('sglang:max_total_num_tokens{dp_rank="0"} 1e308\n', {"capacity": 1}),
+        # Each below the bound, the sum past it.
+        (
+            'vllm:num_requests_waiting{model_name="a"} 2e14\n'
+            'vllm:num_requests_waiting{model_name="b"} 2e14\n',
+            {"waiting": 1},
+        ),
+    ],
+)
+def test_metrics_figures_above_the_bound_are_unknown_and_counted_not_raised(
+    text: str, counted: dict[str, int]
+) -> None:
+    out_of_range: Counter[str] = Counter()
+    text += 'vllm:num_requests_running{engine="0"} 1.0\n'
+    assert parse_metrics_text(text, out_of_range=out_of_range) == {0: EngineLoad(running=1)}
+    assert out_of_range == counted
+
+
+def test_metrics_with_more_load_gauge_lines_than_the_bound_fail_before_parsing() -> None:
+    line = 'vllm:num_requests_waiting{{engine="0",model_name="m{}"}} 0\n'
+    text = "".join(map(line.format, range(MAX_METRIC_SAMPLES)))
+    assert parse_metrics_text(text) == {0: EngineLoad(waiting=0)}
+    with pytest.raises(TooManySamples, match="too many samples"):
+        parse_metrics_text(text + line.format("last"))
+
+
+def test_metrics_samples_of_ranks_past_the_dp_size_are_dropped() -> None:
+    text = "".join(f'vllm:num_requests_waiting{{engine="{r}"}} {r}\n' for r in range(4))
+    text += 'vllm:num_requests_waiting{engine="99999999999999999999999"} 5\n'
+    assert parse_metrics_text(text, ranks=2) == {0: EngineLoad(waiting=0), 1: EngineLoad(waiting=1)}
+
+
+def test_lines_of_gauges_not_read_are_skipped_however_many() -> None:
+    bucket = 'vllm:e2e_request_latency_seconds_bucket{{engine="0",le="{}"}} 3\n'
+    text = "".join(map(bucket.format, range(100_000)))
+    assert len(text) > METRICS_MAX_BODY_BYTES  # more than a poll reads: no parse failure
+    assert parse_metrics_text(text + 'vllm:num_requests_waiting{engine="0"} 2\n') == {
+        0: EngineLoad(waiting=2)
     }

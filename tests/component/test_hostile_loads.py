@@ -1,0 +1,147 @@
+"""A worker that states figures past belief, end to end: an in-process replica over real HTTP
+in front of a fake worker whose `/v1/loads`, `/metrics` or `/server_info` a front on
+127.0.0.1 answers with the hostile body, and an honest fake worker beside it.
+
+Each test asserts what the replica did with it: every request served and by whom, the
+counters, what its own /metrics exports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+
+import aiohttp
+import msgspec
+import pytest
+from aiohttp import web
+
+from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
+from tests.support.metrics import Scrape
+from tests.support.router import RouterHandle, gate_fleet, router_in_process
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+CACHE_BLOCKS = 64
+
+
+@contextlib.asynccontextmanager
+async def front(
+    fw: FakeWorkerHandle, answers: Mapping[str, tuple[int, bytes]]
+) -> AsyncIterator[str]:
+    """A front for `fw` on 127.0.0.1 that answers the paths of `answers` itself (status, body)
+    and relays every other request; yields its URL."""
+    async with aiohttp.ClientSession() as session:
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            answer = answers.get(request.path)
+            if answer is not None:
+                return web.Response(status=answer[0], body=answer[1])
+            async with session.request(
+                request.method,
+                fw.url + request.path_qs,
+                data=await request.read(),
+                headers={"Content-Type": request.content_type},
+            ) as resp:
+                headers = {k: v for k, v in resp.headers.items() if k.startswith("X-")}
+                return web.Response(status=resp.status, body=await resp.read(), headers=headers)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+        finally:
+            await runner.cleanup()
+
+
+def loads_body(**figures: object) -> tuple[int, bytes]:
+    entry = {"dp_rank": 0, "num_running_reqs": 0, "num_waiting_reqs": 0, **figures}
+    return 200, msgspec.json.encode({"loads": [entry]})
+
+
+async def serve_prompts(rt: RouterHandle, n: int) -> dict[str, int]:
+    """Worker URL -> requests it served, of `n` distinct prompts (each a 200)."""
+    served: dict[str, int] = {}
+    for i in range(n):
+        status, body, headers = await rt.post(
+            "/v1/completions",
+            {"model": "fake-model", "prompt": f"prompt {i} " + "x" * 64 * (i + 1), "max_tokens": 1},
+        )
+        assert status == 200, body
+        served[headers["X-Kvrouter-Worker"]] = served.get(headers["X-Kvrouter-Worker"], 0) + 1
+    return served
+
+
+async def scrape_ok(rt: RouterHandle) -> Scrape:
+    status, text = await rt.text("/metrics")
+    assert status == 200, text
+    return Scrape.parse(text)
+
+
+BIG = 10**400
+
+
+@pytest.mark.parametrize(
+    "answers",
+    [
+        pytest.param({"/v1/loads": loads_body(max_total_num_tokens=1e308)}, id="loads-1e308"),
+        pytest.param({"/v1/loads": loads_body(max_total_num_tokens=10**40)}, id="loads-40-digits"),
+        pytest.param({"/v1/loads": loads_body(max_total_num_tokens=BIG)}, id="loads-400-digits"),
+        pytest.param(
+            {
+                "/v1/loads": (404, b""),
+                "/metrics": (
+                    200,
+                    b'sglang:num_queue_reqs{dp_rank="0"} 0\n'
+                    b'sglang:max_total_num_tokens{dp_rank="0"} 1e308\n',
+                ),
+            },
+            id="metrics-1e308",
+        ),
+    ],
+)
+async def test_a_capacity_past_belief_is_unknown_and_every_request_is_served(
+    answers: Mapping[str, tuple[int, bytes]],
+) -> None:
+    async with (
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as liar,
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as honest,
+        front(liar, answers) as liar_url,
+        router_in_process(workers=[liar_url, honest.url], expose_route_headers=True) as rt,
+    ):
+        await gate_fleet([rt], [honest])
+        loads = rt.replica.loads
+        await eventually(lambda: loads.fresh(liar_url))
+        served = await serve_prompts(rt, 12)  # each was a 500 (OverflowError in the cost)
+        assert sum(served.values()) == 12 and set(served) <= {liar_url, honest.url}
+        assert loads.capacity_blocks(liar_url, 0, 16) is None
+        assert loads.capacity_blocks(honest.url, 0, 16) == CACHE_BLOCKS
+        scrape = await scrape_ok(rt)
+        assert scrape.by("kvrouter_rank_capacity_blocks", "worker_url") == {
+            honest.url: CACHE_BLOCKS
+        }
+        assert scrape.value("kvrouter_load_values_out_of_range_total", field="capacity") >= 1
+        assert scrape.value("kvrouter_load_poll_errors_total", reason="internal") == 0
+
+
+async def test_slots_past_belief_are_unknown_and_the_scrape_stays_whole() -> None:
+    answers = {"/v1/loads": loads_body(max_running_requests=BIG, max_total_num_tokens=1024)}
+    async with (
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS, max_concurrency=2) as liar,
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS, max_concurrency=2) as honest,
+        front(liar, answers) as liar_url,
+        router_in_process(workers=[liar_url, honest.url], expose_route_headers=True) as rt,
+    ):
+        loads = rt.replica.loads
+        await eventually(lambda: loads.fresh(liar_url))
+        scrape = await scrape_ok(rt)  # was a 500: prometheus_client cannot format the figure
+        assert scrape.by("kvrouter_rank_slots", "worker_url") == {honest.url: 2}
+        assert scrape.by("kvrouter_rank_capacity_blocks", "worker_url") == {
+            liar_url: 1024 // 16,
+            honest.url: CACHE_BLOCKS,
+        }
+        assert scrape.value("kvrouter_load_values_out_of_range_total", field="slots") >= 1
