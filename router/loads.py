@@ -447,8 +447,8 @@ class LoadMonitor:
         on the next tick (the engine behind a URL may have changed). Figures already read
         are kept until they go stale, except for ranks beyond a smaller `dp_size`; the
         capacity is forgotten until the engine states it again."""
-        if dp_size < 1:
-            raise ValueError("dp_size must be >= 1")
+        if not 1 <= dp_size <= MAX_DP_SIZE:
+            raise ValueError(f"dp_size must be within [1, {MAX_DP_SIZE}]")
         url = url.rstrip("/")
         w = self._workers.get(url)
         if w is None:

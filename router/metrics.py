@@ -628,7 +628,9 @@ class _PressureCollector(Collector):
         policy = self._policy
         policy.settle()
         ledger = policy.ledger
-        ranks = [rank for worker in self._workers.workers() for rank in worker.ranks()]
+        # Admitted workers' ranks only: a refused worker's dp size is whatever it claimed
+        # (200,000 ranks were 400,000 series and seconds of a scrape on the loop).
+        ranks = [r for w in self._workers.workers() if w.state == "ready" for r in w.ranks()]
         loads = self._workers.loads
         capacity, demand, booked, pressure, slots = [], [], [], [], []
         for rank, d in zip(ranks, ledger.demands(ranks), strict=True):

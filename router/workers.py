@@ -52,7 +52,7 @@ from router.breaker import CircuitBreaker
 from router.dataplane.polling import PollClient
 from router.graft import LocalGraft
 from router.index import Pump
-from router.loads import LoadMonitor
+from router.loads import MAX_DP_SIZE, LoadMonitor
 from router.origin import canonical_origin, origin_problem
 from router.subscriber import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -522,6 +522,14 @@ class WorkerRegistry:
             body = None
         self._check_still_added(worker)
         info = parse_server_info(body, worker.url, self.defaults)
+        if info.dp_size > MAX_DP_SIZE:  # before `kv` is set: its ranks are never built
+            self._refuse(
+                worker,
+                "dp_size",
+                f"dp size {info.dp_size} ({info.source}) is past the {MAX_DP_SIZE} ranks a "
+                "worker may have; check what answers its /server_info (or --dp-size)",
+            )
+            return
         worker.kv = info
         worker.engine = await self._engine_of(worker.url)
         self._check_still_added(worker)

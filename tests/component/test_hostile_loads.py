@@ -16,6 +16,7 @@ import msgspec
 import pytest
 from aiohttp import web
 
+from router.loads import MAX_DP_SIZE
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.metrics import Scrape
 from tests.support.router import RouterHandle, gate_fleet, router_in_process
@@ -145,3 +146,47 @@ async def test_slots_past_belief_are_unknown_and_the_scrape_stays_whole() -> Non
             honest.url: CACHE_BLOCKS,
         }
         assert scrape.value("kvrouter_load_values_out_of_range_total", field="slots") >= 1
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
+async def test_a_worker_claiming_more_dp_ranks_than_the_bound_is_refused_and_not_exported(
+    policy: str,
+) -> None:
+    info = {"kv_events": {"endpoint_port_base": 1, "block_size": 16, "dp_size": 10**7}}
+    answers = {"/server_info": (200, msgspec.json.encode(info))}
+    async with (
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as liar,
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as honest,
+        front(liar, answers) as liar_url,
+        router_in_process(
+            workers=[liar_url, honest.url], expose_route_headers=True, policy=policy
+        ) as rt,
+    ):
+        liar_worker = rt.replica.workers.get(liar_url)
+        assert liar_worker is not None and liar_worker.state == "refused"
+        assert f"past the {MAX_DP_SIZE} ranks" in liar_worker.reason
+        assert len(liar_worker.ranks()) == 1  # its claim was never built
+        assert await serve_prompts(rt, 4) == {honest.url: 4}
+        scrape = await scrape_ok(rt)
+        assert scrape.value("kvrouter_workers_refused_total", reason="dp_size") == 1
+        for name in ("kvrouter_rank_demand_blocks", "kvrouter_rank_booked_blocks"):
+            assert {s["worker_url"] for s in scrape.names(name)} <= {honest.url}
+
+
+async def test_a_refused_workers_ranks_are_not_exported() -> None:
+    # Refused for its block size after its /server_info was read: it has four ranks on record.
+    info = {"kv_events": {"endpoint_port_base": 1, "block_size": 32, "dp_size": 4}}
+    answers = {"/server_info": (200, msgspec.json.encode(info))}
+    async with (
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as other,
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as honest,
+        front(other, answers) as refused_url,
+        router_in_process(workers=[honest.url, refused_url], expose_route_headers=True) as rt,
+    ):
+        refused = rt.replica.workers.get(refused_url)
+        assert refused is not None and refused.state == "refused" and len(refused.ranks()) == 4
+        assert await serve_prompts(rt, 3) == {honest.url: 3}
+        scrape = await scrape_ok(rt)
+        assert scrape.value("kvrouter_workers_refused_total", reason="block_size") == 1
+        for name in ("kvrouter_rank_demand_blocks", "kvrouter_rank_booked_blocks"):
+            assert [s["worker_url"] for s in scrape.names(name)] == [honest.url]
