@@ -42,7 +42,9 @@ Capacity (`capacity_tokens`, `capacity_blocks`) is the engine's configuration, n
 last value a read reported is kept while the worker stays registered, stale or not, and is
 forgotten when the worker is removed or registered again. A capacity of 0, a vLLM
 `num_gpu_blocks="None"` (an engine still profiling its memory) or a missing `block_size` label
-is unknown (None), never 0: a rank that seems to hold nothing would look full.
+is unknown (None), never 0: a rank that seems to hold nothing would look full. So is a pool
+below one block in `capacity_blocks` (the capacity check had read it as 0 blocks and cleared
+the rank every 10 s, while the policy read it as unknown).
 
 Every number read from a worker is bounded here, at the parse, once per poll (the request
 path and the scrape read the figures as they are): a count, a capacity in tokens or in blocks
@@ -494,11 +496,13 @@ class LoadMonitor:
 
     def capacity_blocks(self, url: str, dp_rank: int, block_size: int) -> int | None:
         """The rank's KV pool in blocks of `block_size` tokens (rounded down); None when
-        unknown. The most blocks of that size the engine can hold at once, on the device."""
+        unknown. The most blocks of that size the engine can hold at once, on the device. A
+        pool below one block is unknown too, as a stated 0 is: every reader (the policy's
+        pressure terms, the capacity check) reads it so, and none as "holds nothing"."""
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         tokens = self.capacity_tokens(url, dp_rank)
-        return None if tokens is None else tokens // block_size
+        return None if tokens is None else tokens // block_size or None
 
     def source(self, url: str) -> str | None:
         """Where the worker's current figures came from: "loads", "metrics" or None."""

@@ -16,7 +16,9 @@ import msgspec
 import pytest
 from aiohttp import web
 
+from cachetree.ranks import RankId
 from router.loads import MAX_DP_SIZE
+from router.replica import check_capacity_once, engine_capacity_blocks
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.metrics import Scrape
 from tests.support.router import RouterHandle, gate_fleet, router_in_process
@@ -190,3 +192,33 @@ async def test_a_refused_workers_ranks_are_not_exported() -> None:
         assert scrape.value("kvrouter_workers_refused_total", reason="block_size") == 1
         for name in ("kvrouter_rank_demand_blocks", "kvrouter_rank_booked_blocks"):
             assert [s["worker_url"] for s in scrape.names(name)] == [honest.url]
+
+
+async def test_a_pool_below_one_block_is_unknown_to_the_capacity_check_as_to_the_policy() -> None:
+    answers = {"/v1/loads": loads_body(max_total_num_tokens=8)}  # half a 16-token block
+    async with (
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as fw,
+        front(fw, answers) as url,
+        router_in_process(workers=[url]) as rt,
+    ):
+        replica = rt.replica
+        await eventually(lambda: replica.loads.fresh(url))
+        probe = fw.probe_for(0)
+
+        async def applied() -> bool:  # a SUB misses what precedes its subscription: probe again
+            try:
+                await rt.wait_cursor(url, 0, await probe(), within_s=0.2)
+            except TimeoutError:
+                return False
+            return True
+
+        await eventually(applied, within_s=10.0)
+        await rt.wait_cursor(url, 0, await fw.store([[7] * 16 * 6]))
+        rank = RankId(url, 0)
+        tree = replica.pump.rules.tree
+        assert tree is not None and tree.block_count(rank) == 6 + 1  # the chain and a probe
+        capacity = engine_capacity_blocks(replica.loads, replica.pump)
+        assert capacity(rank) is None
+        assert await check_capacity_once(replica.pump, replica.workers, capacity) == []
+        assert replica.workers.stats.distrusted == 0
+        assert tree.block_count(rank) == 7  # kept, not cleared and pulled again
