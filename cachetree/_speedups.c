@@ -1752,7 +1752,16 @@ item_long(PyObject *list, Py_ssize_t i, long long *out)
  *           per_token, per_request, lower, unseen, evict, fill) -> (costs, evicted, room):
  * router/policy.py _cost_rows_py, float for float. The sequences are lists of one length; a
  * load is an int or a float (the queue term's, `_queued`), a capacity an int or None
- * (unknown, as 0). */
+ * (unknown, as 0). Integers are read as signed 64-bit words (OverflowError past them, where
+ * the twin would compute on); the sums, differences and products of them are taken in 128
+ * bits, exact as the twin's ints, and rounded to a double once as Python rounds an int, so
+ * no value of a word overflows (`2 * capacity - held` did, undefined, from a capacity of
+ * 2**62: router.loads bounds what engines state to 2**48). A comparison of such an int with
+ * a float is exact in the twin and made on the int's double here: the same below 2**53. */
+#if !defined(__SIZEOF_INT128__)
+#error "cost_rows needs a 128-bit integer type (GCC or Clang on a 64-bit target)"
+#endif
+typedef __int128 wide;
 static PyObject *
 py_cost_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1784,7 +1793,8 @@ py_cost_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     /* The fleet's fullness of demand (the twin's first pass). */
-    long long known = 0, fallback = 0;
+    wide known = 0;
+    long long fallback = 0;
     double others = 0.0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *cap_obj = PyList_GET_ITEM(capacities, i);
@@ -1832,28 +1842,28 @@ py_cost_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto error;
         }
         double saved = a > depth ? lower * (double)a + ((double)block - lower) * (double)depth
-                                 : (double)(block * depth);
+                                 : (double)((wide)block * depth);
         double cost = per_token * (saved < tokens ? tokens - saved : 0.0)
                       + per_request * load;
-        long long spilled = 0;
+        double spilled = 0.0;
         double rm;
         if (!capacity) {
-            rm = (double)(2 * fallback - held) - demand;
+            rm = (double)(2 * (wide)fallback - held) - demand;
         }
         else {
-            rm = (double)(2 * capacity - held) - demand;
-            long long fresh = depth < blocks ? blocks - depth : 0;
+            rm = (double)(2 * (wide)capacity - held) - demand;
+            wide fresh = depth < blocks ? (wide)blocks - depth : 0;
             if (fresh) {
                 double other = demand > (double)depth ? demand - (double)depth : 0.0;
                 if (unseen != 0.0 && (double)held > demand) {
                     other += unseen * ((double)held - demand);
                 }
-                long long free = capacity > held ? capacity - held : 0;
+                wide free = capacity > held ? (wide)capacity - held : 0;
                 double bound = (double)capacity - other - (double)depth;
                 /* max(free, bound): free unless bound > free */
                 double spill = (double)fresh - (bound > (double)free ? bound : (double)free);
                 if (spill > 0) {
-                    spilled = (long long)ceil(spill);
+                    spilled = ceil(spill); /* an int of any size, as math.ceil's */
                 }
                 double occupied = other + (double)depth;
                 double fullness = occupied < (double)capacity ? occupied / (double)capacity : 1.0;
@@ -1862,7 +1872,7 @@ py_cost_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                         * (evict * kept + fill * fleet * fullness * (double)fresh);
             }
         }
-        PyObject *c = PyFloat_FromDouble(cost), *e = PyLong_FromLongLong(spilled);
+        PyObject *c = PyFloat_FromDouble(cost), *e = PyLong_FromDouble(spilled);
         PyObject *r = PyFloat_FromDouble(rm);
         if (c == NULL || e == NULL || r == NULL) {
             Py_XDECREF(c);

@@ -19,6 +19,7 @@ import pytest
 from xxhash import xxh3_64_intdigest
 
 from cachetree.keys import ROOT_SEED, block_keys_py
+from cachetree.ranks import RankId
 from cachetree.tiers import DEVICE, HOST
 from router.events import (
     MAX_HASHES_PER_EVENT,
@@ -665,3 +666,29 @@ def test_cost_rows_refuses_lists_of_different_lengths_and_other_types() -> None:
         speedups.cost_rows(*case)
     with pytest.raises(TypeError, match="16 arguments"):
         speedups.cost_rows(*case[:15])
+
+
+def test_cost_rows_equal_the_python_twin_at_the_bound_of_stated_capacities_and_past_it() -> None:
+    from router.loads import MAX_REPORTED
+    from router.policy import _cost_rows_py
+
+    # router.loads believes a pool up to MAX_REPORTED tokens (that many blocks at block size
+    # 1); the C arithmetic must not overflow for any value of a 64-bit word either (`2 *
+    # capacity - held` did from 2**62: the rank's room went negative, undefined behaviour).
+    extremes = [MAX_REPORTED - 1, MAX_REPORTED, 2**53, 2**62, 2**63 - 1]
+    rng = random.Random(31)
+    for _ in range(5_000):
+        case = list(_cost_case(rng))
+        n = len(case[0])
+        case[3] = [rng.choice([None, *extremes]) if rng.random() < 0.7 else c for c in case[3]]
+        case[5] = [rng.choice([0, h, MAX_REPORTED, 2**62]) for h in case[5]]
+        want = _cost_rows_py(*case)
+        got = speedups.cost_rows(*case)
+        assert got == want, case
+        assert [c.hex() for c in got[0]] == [float(c).hex() for c in want[0]], case
+        assert [float(r).hex() for r in got[2]] == [float(r).hex() for r in want[2]], case
+        assert len(got[0]) == n
+    # The room of a rank stating a pool of 2**62 blocks is positive, as the twin says.
+    ranks = [RankId("http://w:8000", 0)]
+    case = (ranks, [0], {}, [2**62], [0.0], [0], [0], 16.0, 16, 1, 1.0, 256.0, 8.0, 0.0, 1.0, 2.0)
+    assert speedups.cost_rows(*case)[2] == _cost_rows_py(*case)[2] == [float(2**63)]
