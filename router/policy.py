@@ -107,9 +107,18 @@ share their decisions (the siblings' demand is in the ledger), (k-1)/k with k re
 do not (a guess at the siblings' placements this replica cannot see; it also counts a
 pre-filled cache's old blocks as theirs, which is why sharing does better: in
 `bench/pressure_sim.py` the two-replica workloads went from 0.96-0.98x the ideal partition to
-0.99-1.00x, as good as one ledger shared by both). A rank whose capacity is unknown pays no
-pressure terms and counts in no fleet sum; a replica reads it as the worker registers, then at
-every load tick.
+0.99-1.00x, as good as one ledger shared by both). A rank whose capacity is unknown (its
+engine states none, 0, less than a block or a figure past `router.loads.MAX_REPORTED`, or its
+loads endpoint never answered) counts as the median of the candidates' known capacities (the
+lower of the two middle ones; `assumed_capacities`) in every term and sum: it pays the
+pressure terms a typical rank would. Paying none, as it once did, it drew nearly every new
+prefix (28 of 30 on three workers, where each draws its share), so the engine whose loads
+endpoint was too slow to answer got the most traffic. The median rather than the smallest
+known: one small (or lying) rank does not make every unknown one look full and starve it.
+Only when no candidate's capacity is known are there no pressure terms (no fleet sum to
+scale them). The replica reads capacities as a worker registers, then at every load tick;
+the substitution is made per decision only when a candidate's is unknown (a C-level scan of
+the list otherwise).
 
 Shared preamble. A prompt that goes on past its deepest match, where that match is held as
 deep (bookings included) by several ranks but not by every one, is a new prefix below a shared
@@ -562,7 +571,7 @@ class _Pressure:
     depth: list[int]  # leading prompt blocks held on the device, bookings included
     booked: dict[RankId, int]  # ranks whose depth bookings extend, and to what
     demand: list[float]  # the ledger's recent distinct blocks
-    capacity: list[int | None]  # device blocks the engine can hold; None when unknown
+    capacity: list[int | None]  # device blocks the engine can hold; unknown: the median, or None
     held: list[int]  # device blocks the index shows, plus those booked and not shown yet
 
 
@@ -796,6 +805,8 @@ class CacheAware:
                 if i is not None and extended > depth[i]:
                     depth[i] = extended
         capacity = list(map(self.capacity, ranks))
+        if not all(capacity):  # one C-level scan: the usual fleet states every capacity
+            capacity = assumed_capacities(capacity)
         held = self.ledger.pendings(ranks)
         if index is not None:
             held = list(map(add, held, index.device_blocks(ranks)))
@@ -849,6 +860,17 @@ class CacheAware:
                 rows[0], p, blocks, deepest, per_block, unseen, prompt.keys, self.ledger.routed
             )
         return rows
+
+
+def assumed_capacities(capacity: list[int | None]) -> list[int | None]:
+    """Each unknown capacity (None or 0) as the median of the known ones (the lower of the
+    two middle ones), so that a rank whose engine does not say pays the pressure terms a
+    typical rank would; unchanged when none is known (module docstring, "Cache pressure")."""
+    known = sorted(c for c in capacity if c)
+    if not known:
+        return capacity
+    median = known[(len(known) - 1) // 2]
+    return [c or median for c in capacity]
 
 
 def _charge_shared_preamble(
