@@ -265,19 +265,27 @@ place: its ties go at random). With siblings (k > 1), costs within
 `tie_margin` (32 tokens, an eighth of a queued request) of the best also tie, and the
 rendezvous order alone picks among them: replicas whose ledgers differ a little then still
 send a new prefix's first requests to the same rank, and settle a prefix held twice on one
-copy (the margin was chosen on live two-replica runs: 16-32 best, 0 and 128 worse). Before
-scoring, if the fleet is strongly imbalanced (max load - min load > imbalance_abs (32) AND
-max load > min load * imbalance_rel (1.5)), the cache is ignored and candidates are ordered
-by load (`imbalance_fallback`): a hot prefix should not keep piling onto one rank while
-others idle, and the cost's linear queue term can lag a sudden burst.
+copy (the margin was chosen on live two-replica runs: 16-32 best, 0 and 128 worse).
+
+Imbalance. Before scoring, if the fleet is strongly imbalanced (max load - min load >
+imbalance_abs (32) AND max load > min load * imbalance_rel (1.5)), the ranks past both
+thresholds of the lightest are set aside, last in the order by load, and the cost orders the
+others as above (`imbalance_fallback`): a hot prefix should not keep piling onto one rank
+while others idle, and the cost's linear queue term can lag a sudden burst. The others are
+not imbalanced among themselves (the lightest is one of them, and each is within one
+threshold of it), so one pass does. The whole fleet was once ordered by load instead,
+the cache ignored: one rank stuck, or lying, at 1,000 waiting made every decision a
+least-load one, and the same prompt sent 20 times went 12/8 over the healthy ranks instead
+of staying on one.
 
 Outcomes
 --------
 `Decision.outcome` labels the decision for metrics: `cache_hit` when the chosen rank holds at
 least one leading block of the prompt on any tier, `cache_miss` otherwise,
-`imbalance_fallback` when `cache_aware` ignored the cache, `no_candidates` for an empty list.
-`matched_blocks` is the chosen rank's any-tier depth. Baseline policies report hit/miss the
-same way when given depths, so cache hit rates compare across policies.
+`imbalance_fallback` when `cache_aware` set ranks aside for their load ("Imbalance"),
+`no_candidates` for an empty list. `matched_blocks` is the chosen rank's any-tier depth.
+Baseline policies report hit/miss the same way when given depths, so cache hit rates compare
+across policies.
 
 Speed (`bench/bench_policy.py`): every step is a flat comprehension or a C-level map/sort,
 never a method call per candidate, and the cost's two passes over the candidates run in C
@@ -682,11 +690,7 @@ class CacheAware:
         loads = _loads(candidates)
         any_tier, device = _depth_maps(prompt.depths)
         if n > 1 and self.imbalanced(loads):
-            ranked = _by_load(candidates, loads, self.rng)
-            chosen = ranked[0].rank
-            self._record(chosen, prompt.keys, device.get(chosen, 0), holds)
-            matched = any_tier.get(chosen, 0)
-            return Decision(ranked, IMBALANCE_FALLBACK, matched, prompt, self.served)
+            return self._set_aside(candidates, loads, prompt)
         pressure = self._pressure(candidates, prompt, device, index)
         costs, evicted, room = self._costs(candidates, loads, prompt, any_tier, pressure)
         # Alone, only equal costs tie; with siblings, costs within the margin do, so that
@@ -724,6 +728,22 @@ class CacheAware:
         self._record(chosen, prompt.keys, device.get(chosen, 0), holds)
         matched = any_tier.get(chosen, 0)
         return Decision(ranked, CACHE_HIT if matched else CACHE_MISS, matched, prompt, self.served)
+
+    def _set_aside(
+        self, candidates: Sequence[Candidate], loads: Sequence[int], prompt: Prompt
+    ) -> Decision:
+        """A strongly imbalanced fleet (module docstring, "Imbalance"): the ranks that make
+        it so go last, by load, and the cost decides among the others (which are not
+        imbalanced among themselves: the lightest rank is one of them, and each is within
+        one of the two thresholds of it)."""
+        w = self.weights
+        lo = min(loads)
+        over = [load > lo + w.imbalance_abs and load > lo * w.imbalance_rel for load in loads]
+        heavy = list(compress(candidates, over))
+        decision = self.decide([c for c, o in zip(candidates, over, strict=True) if not o], prompt)
+        decision.ranked += _by_load(heavy, list(compress(loads, over)), self.rng)
+        decision.outcome = IMBALANCE_FALLBACK
+        return decision
 
     def _relief(self, loads: Sequence[int], p: _Pressure, prompt: Prompt) -> int | None:
         """The candidate to take the prompt off its outgrown holder, if any (module docstring,

@@ -233,8 +233,9 @@ ROWS: Final = (
             Panel(
                 "Routing outcomes",
                 "Decisions per second by policy and outcome: cache_hit (the chosen rank holds "
-                "a leading block of the prompt), cache_miss, imbalance_fallback (load won over "
-                "the cache), no_candidates (no healthy worker).",
+                "a leading block of the prompt), cache_miss, imbalance_fallback (ranks far "
+                "busier than the lightest set last, the cache deciding among the rest), "
+                "no_candidates (no healthy worker).",
                 "ops",
                 (
                     Query(

@@ -204,18 +204,40 @@ def test_a_prefix_partly_evicted_to_the_host_is_credited_per_tier() -> None:
     assert policy.costs([cand(A)], fleet.prompt()) == [2048 - 1024 - 256]
 
 
-def test_a_strongly_imbalanced_fleet_falls_back_to_least_load() -> None:
+@pytest.mark.parametrize(
+    ("loads", "ranked", "matched"),
+    [
+        # C is past both thresholds: last; among A and B the cost picks the holder A
+        # (5 x 256 = 1280 < 2048), as it would with C away.
+        ((5, 0, 40), [A, B, C], 128),
+        # The holder itself is the outlier: it goes last, the cost orders the rest.
+        ((40, 5, 0), [C, B, A], 0),
+        # Two outliers, last by load; C and D are within 32 of each other.
+        ((40, 50, 0, 1), [C, D, A, B], 0),
+        # 30 is within 32 of the lightest: only D is set aside, and A's cache wins.
+        ((6, 0, 30, 60), [A, B, C, D], 128),
+    ],
+)
+def test_a_strongly_imbalanced_fleet_sets_its_outliers_last_and_the_cost_orders_the_rest(
+    loads: tuple[int, ...], ranked: list[RankId], matched: int
+) -> None:
     fleet = Fleet()
     fleet.hold(A, 128)
-    candidates = [cand(A, inflight=5), cand(B, inflight=0), cand(C, inflight=40)]
+    candidates = [cand(r, inflight=q) for r, q in zip((A, B, C, D), loads, strict=False)]
     decision = CacheAware(rng=random.Random(1)).decide(candidates, fleet.prompt())
-    assert heads(decision.ranked) == [B, A, C]
-    assert (decision.outcome, decision.matched_blocks) == ("imbalance_fallback", 0)
-    # Without the fallback the cost picks the holder: 5 x 256 = 1280 < 2048.
-    lenient = CacheAware(CacheAwareWeights(imbalance_abs=100), random.Random(1))
-    decision = lenient.decide(candidates, fleet.prompt())
-    assert heads(decision.ranked) == [A, B, C]
-    assert (decision.outcome, decision.matched_blocks) == ("cache_hit", 128)
+    assert heads(decision.ranked) == ranked
+    assert (decision.outcome, decision.matched_blocks) == ("imbalance_fallback", matched)
+
+
+def test_one_rank_stating_a_huge_queue_leaves_the_others_their_prefix_affinity() -> None:
+    """A rank stuck (or lying) at 1,000 waiting made every decision the fallback, which spread
+    the same prompt over the healthy ranks by load (12/8 of 20); set aside, it leaves them the
+    cost, and the prompt stays where it was booked."""
+    fleet = Fleet()
+    p = Pressured(fleet, {**even(), D: 256})
+    candidates = [cand(A), cand(B), cand(C), cand(D, waiting=1000)]
+    served = Counter(p.policy.decide(candidates, p.prompt()).ranked[0].rank for _ in range(20))
+    assert sorted(served.values()) == [20] and D not in served
 
 
 @pytest.mark.parametrize(
