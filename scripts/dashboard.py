@@ -729,8 +729,9 @@ ROWS: Final = (
             Panel(
                 "Workers refused, ranks distrusted",
                 "Workers refused at registration since each replica started, by reason "
-                "(kvrouter_workers_refused_total: block_size, socket_limit, dp_size), and ranks "
-                "cleared because the index held more device blocks than the engine can "
+                "(kvrouter_workers_refused_total: block_size, socket_limit, dp_size, "
+                "max_workers), and ranks cleared because the index held more device blocks "
+                "than the engine can "
                 "(kvrouter_ranks_distrusted_total: removals lost or made up).",
                 "short",
                 (
