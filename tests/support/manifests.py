@@ -69,6 +69,7 @@ SERVICE_NAME_LABEL: Final = "kubernetes.io/service-name"
 WILDCARD_HOSTS: Final = frozenset({"0.0.0.0", "::", "[::]"})
 # What the kubelet would fill in from the downward API (`fieldRef.fieldPath`), for parsing.
 SAMPLE_POD_IP: Final = "10.244.1.7"
+MAX_READINESS_BUDGET_S: Final = 10
 
 Obj = dict[str, Any]
 
@@ -737,10 +738,13 @@ def _rule_router(r: Rendering, router: Workload, worker: Workload | None) -> lis
     problems += _probe_problems(router, "livenessProbe", "/healthz", args.port)
     readiness = router.container.get("readinessProbe") or {}
     budget_s = readiness.get("periodSeconds", 10) * readiness.get("failureThreshold", 3)
-    if budget_s <= bootstrap_s:
+    # A pod is not Ready before its first success, whatever the threshold (it counts failures
+    # after a success): the bootstrap needs no budget, and a long one kept a replica whose
+    # /readyz turned 503 in the Service that long.
+    if budget_s > MAX_READINESS_BUDGET_S:
         problems.append(
-            f"{router.label}: the readiness failure budget ({budget_s} s) must be longer than "
-            f"--kv-bootstrap-timeout-ms ({bootstrap_s:g} s)"
+            f"{router.label}: the readiness failure budget ({budget_s} s) keeps a replica "
+            f"that turned unready in the Service past {MAX_READINESS_BUDGET_S} s"
         )
     grace_s = router.pod_spec.get("terminationGracePeriodSeconds", 30)
     prestop_s = _prestop_sleep_s(router)
