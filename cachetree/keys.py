@@ -35,6 +35,9 @@ from cachetree.accel import speedups
 
 ROOT_SEED: Final = 1337
 KEY_SCHEME: Final = "xxh3-chain-1337"
+# The largest block size (tokens) taken from a worker or a flag: engines use 1 to 256, and a
+# stated 10**30 overflowed the key loop (every request a 500, the fleet's block size taken).
+MAX_BLOCK_SIZE: Final = 1 << 16
 
 if array("I").itemsize != 4 or sys.byteorder != "little":  # pragma: no cover - exotic hosts
     raise ImportError("cachetree.keys needs a little-endian host with a 4-byte array('I')")

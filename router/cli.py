@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Final, NoReturn
 
 from cachetree import accel
+from cachetree.keys import MAX_BLOCK_SIZE
 from peer.kubeconfig import KubeConfigError
 from router import launch
 from router.auth import TOKEN_ENV, token_problem
@@ -383,7 +384,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The `serve` settings, checked before anything starts; exits 2 with one line if invalid."""
     checks = [
         (1 <= args.port <= 65535, "--port must be 1..65535"),
-        (args.block_size >= 0, "--block-size must be >= 1, or 0 to learn it"),
+        (
+            0 <= args.block_size <= MAX_BLOCK_SIZE,
+            f"--block-size must be 1..{MAX_BLOCK_SIZE}, or 0 to learn it",
+        ),
         (args.dp_size >= 1, "--dp-size must be >= 1"),
         (args.max_attempts >= 1, "--max-attempts must be >= 1"),
         (args.breaker_failure_threshold >= 0, "--breaker-failure-threshold must be >= 0"),

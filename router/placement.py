@@ -90,6 +90,7 @@ from typing import TYPE_CHECKING, Final, TypeVar
 import aiohttp
 import msgspec
 
+from cachetree.keys import MAX_BLOCK_SIZE
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from router.bounded import read_up_to
@@ -110,7 +111,6 @@ log = logging.getLogger(__name__)
 PATH: Final = "/internal/place"
 CONTENT_TYPE: Final = "application/msgpack"
 MAX_KEYS: Final = MAX_KEYS_PER_DECISION  # a question carries at most this head of a prompt
-MAX_BLOCK_SIZE: Final = 1 << 16
 MAX_TOKENS: Final = 1 << 24
 MAX_BODY_BYTES: Final = 16 + 9 * MAX_KEYS  # the largest well-formed question, and no more
 MAX_ANSWER_BYTES: Final = 16 + 3 * MAX_WORKER_URL_CHARS

@@ -43,6 +43,7 @@ import aiohttp
 import msgspec
 import zmq.asyncio
 
+from cachetree.keys import MAX_BLOCK_SIZE
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from peer.supervise import Supervisor, describe
@@ -134,7 +135,7 @@ def parse_server_info(body: Any, worker_url: str, defaults: DiscoveryDefaults) -
         host=worker_host if host in _WILDCARD_HOSTS else host,
         port_base=_int(kv.get("endpoint_port_base"), defaults.port_base),
         topic=str(kv.get("topic") or ""),
-        block_size=block_size if isinstance(block_size, int) and block_size > 0 else None,
+        block_size=block_size if _int(block_size, 0) in range(1, MAX_BLOCK_SIZE + 1) else None,
         dp_size=max(1, _int(kv.get("dp_size"), defaults.dp_size)),
         replay_port_base=replay if isinstance(replay, int) and replay > 0 else None,
         source="server_info",

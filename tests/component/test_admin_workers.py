@@ -462,3 +462,27 @@ async def test_a_path_the_router_does_not_serve_is_a_404_an_openai_client_reads(
             assert error["type"] == "invalid_request_error" and path in error["message"]
         else:
             assert resp.content_type == "text/plain"
+
+
+async def test_a_worker_stating_a_block_size_past_belief_sets_nothing_and_the_fleet_serves() -> (
+    None
+):
+    """The first worker to register set the fleet's block size: one stating 10**30 had the
+    honest ones refused for differing, and every request a 500 (the key loop overflowed)."""
+
+    async def server_info(request: web.Request) -> web.Response:
+        kv = {"endpoint_host": "127.0.0.1", "endpoint_port_base": free_tcp_port(), "topic": ""}
+        return web.json_response({"kv_events": {**kv, "block_size": 10**30, "dp_size": 1}})
+
+    liar = stub_worker_routes({("GET", "/server_info"): server_info})
+    async with (
+        stub_server(liar) as bad,
+        stub_server(stub_worker_routes()) as good,
+        router_in_process(block_size=None) as rt,
+    ):
+        status, body, _ = await rt.post("/workers", {"url": bad})
+        assert status == 409 and body["worker"]["state"] == "refused", body  # none known
+        assert rt.replica.workers.block_size is None
+        status, body, _ = await rt.post("/workers", {"url": good})
+        assert status == 200 and body["state"] == "ready", body
+        assert rt.replica.workers.block_size == 16

@@ -55,6 +55,7 @@ def invalid_settings(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], st
         "port too high": (["--port", "70000"], {}, "--port"),
         "dp-size 0": (["--dp-size", "0"], {}, "--dp-size"),
         "block-size negative": (["--block-size", "-1"], {}, "--block-size"),
+        "block-size past belief": (["--block-size", str(10**30)], {}, "--block-size"),
         "max-attempts 0": (["--max-attempts", "0"], {}, "--max-attempts"),
         "cooldown above max": (
             ["--breaker-cooldown-s", "10", "--breaker-max-cooldown-s", "5"],
