@@ -58,6 +58,7 @@ import aiohttp
 import msgspec
 
 from cachetree.ranks import RankId
+from router.bounded import read_up_to
 from router.homes import MAX_CHAIN_BLOCKS, Home
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ MAX_GENERATION: Final = 1 << 31
 DEFAULT_MAX_PENDING_KEYS: Final = 1 << 18  # ~2.5 MiB of decisions waiting for a slow sibling
 POST_TIMEOUT_S: Final = 2.0
 _LOG_EVERY_S: Final = 60.0
+_ERROR_HEAD_BYTES: Final = 200  # of a refusing sibling's body, for the log
 _BACKOFF_S: Final = 0.05
 _MAX_BACKOFF_S: Final = 5.0
 _U64: Final = 1 << 64
@@ -129,7 +131,7 @@ class SharingStats:
     sent: int = 0  # decisions in batches a sibling took (counted once per sibling)
     dropped: int = 0  # decisions dropped from the outbox, full while siblings were slow
     failed: int = 0  # posts a sibling refused or did not answer
-    skipped: int = 0  # decisions not posted to a sibling backing off after failures
+    skipped: int = 0  # decisions not posted to a sibling backing off, or still taking the last
     received: int = 0  # decisions adopted from siblings
     homes_received: int = 0  # prefix homes adopted from siblings
     unknown: int = 0  # received decisions and homes for a rank this replica does not know
@@ -351,20 +353,42 @@ class DecisionSharing:
         return adopted
 
     async def run(self) -> None:
-        """Post batches as decisions come, forever (run under the supervisor)."""
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            batch = self.outbox.take()
-            peers = list(self.peers())
-            if batch is None or not peers:
-                continue
-            body, count = batch
-            now = self.clock()
-            ready = [p for p in peers if self._failing.get(p, (0, now))[1] <= now]
-            self.stats.skipped += count * (len(peers) - len(ready))
-            taken = await asyncio.gather(*(self._post(peer, body) for peer in ready))
-            self.stats.sent += count * sum(taken)
+        """Post batches as decisions come, forever (run under the supervisor). Each sibling's
+        posts go out one at a time, apart from the others': a sibling still taking the last
+        batch skips this one, so a stalled sibling (a stopped process still accepts) does
+        not hold the others' decisions back for its whole post timeout."""
+        posting: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                batch = self.outbox.take()
+                peers = list(self.peers())
+                if batch is None or not peers:
+                    continue
+                body, count = batch
+                now = self.clock()
+                for peer in peers:
+                    busy = posting.get(peer)
+                    if self._failing.get(peer, (0, now))[1] > now or (
+                        busy is not None and not busy.done()
+                    ):
+                        self.stats.skipped += count
+                        continue
+                    posting[peer] = asyncio.create_task(self._post_counted(peer, body, count))
+                for peer in [p for p, task in posting.items() if task.done()]:
+                    del posting[peer]
+        finally:
+            for task in posting.values():
+                task.cancel()
+
+    async def _post_counted(self, peer: str, body: bytes, count: int) -> None:
+        try:
+            if await self._post(peer, body):
+                self.stats.sent += count
+        except Exception:  # a bug, not a sibling's fault: logged, and the others go on
+            self.stats.failed += 1
+            log.exception("decision sharing: posting to sibling %s failed", peer)
 
     async def _post(self, peer: str, body: bytes) -> bool:
         """Post one batch; whether the sibling took it."""
@@ -380,7 +404,11 @@ class DecisionSharing:
                 if resp.status == 204:
                     self._failing.pop(peer, None)
                     return True
-                problem = f"status {resp.status}: {(await resp.text())[:200]}"
+                # Its first bytes, whatever they are: a sibling's body is no text to trust (a
+                # binary one raised and ended the sharing task; a large one was read whole).
+                head = await read_up_to(resp.content, _ERROR_HEAD_BYTES)
+                text = head[:_ERROR_HEAD_BYTES].decode("utf-8", "replace")
+                problem = f"status {resp.status}: {text}"
         except (aiohttp.ClientError, TimeoutError) as exc:
             problem = f"{type(exc).__name__}: {exc}"
         self.stats.failed += 1

@@ -1,0 +1,120 @@
+"""What this replica's posts to its siblings do when a sibling misbehaves: a 3xx is a failed
+answer, never followed (the decision posts and the placement questions went, body and all,
+wherever a sibling's redirect pointed; aiohttp drops the token across origins, not the
+request), and a stalled or garbled sibling holds no other sibling's decisions back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from cachetree.ranks import RankId
+from router import siblings
+from router.placement import Placement, PlacementAsker
+from router.policy import CacheAware, make_policy
+from router.siblings import DecisionSharing
+from tests.support.adversary import stub_server
+from tests.support.waiting import eventually
+
+TOKEN = "sibling-token-0123456789"
+
+
+@contextlib.asynccontextmanager
+async def redirecting_sibling() -> AsyncIterator[tuple[str, list[str]]]:
+    """A sibling answering every POST with a 307 to another server; yields its URL and the
+    Authorization headers that other server got."""
+    seen: list[str] = []
+
+    async def target(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization", ""))
+        return web.Response(status=204)
+
+    async with stub_server({("*", "/{tail:.*}"): target}) as other:
+
+        async def redirect(request: web.Request) -> web.Response:
+            raise web.HTTPTemporaryRedirect(other + request.path)
+
+        async with stub_server({("POST", "/{tail:.*}"): redirect}) as url:
+            yield url, seen
+
+
+async def test_a_siblings_redirect_of_a_decision_post_is_a_failed_post_not_followed() -> None:
+    async with redirecting_sibling() as (sibling, seen), aiohttp.ClientSession() as session:
+        sharing = DecisionSharing(
+            session, lambda: [sibling], TOKEN, lambda *a: None, lambda rank: True
+        )
+        assert await sharing._post(sibling, b"batch") is False
+    assert seen == []
+
+
+async def test_a_placers_redirect_is_no_answer_and_is_not_followed() -> None:
+    policy = make_policy("cache_aware")
+    assert isinstance(policy, CacheAware)
+    async with redirecting_sibling() as (placer, seen), aiohttp.ClientSession() as session:
+        rules = Placement(policy, "http://127.0.0.1:65535", lambda: [placer])
+        asker = PlacementAsker(session, TOKEN, rules, 2.0)
+        rules.asking += 1  # as `Placement.question` counts a question it sends
+        assert await asker.ask(placer, b"\x93\x20\x10\x91\x0b") is None
+    assert seen == []
+
+
+@contextlib.asynccontextmanager
+async def siblings_answering(
+    **answers: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> AsyncIterator[dict[str, str]]:
+    """A sibling per keyword, answering decision posts as its handler does: name -> URL."""
+    async with contextlib.AsyncExitStack() as stack:
+        urls = {
+            name: await stack.enter_async_context(stub_server({("POST", siblings.PATH): answer}))
+            for name, answer in answers.items()
+        }
+        yield urls
+
+
+async def test_a_stalled_or_garbled_sibling_holds_no_other_siblings_decisions_back() -> None:
+    """A stalled sibling (a stopped process still accepts) held every batch for the whole post
+    timeout, the healthy siblings' included; one answering 200 with a binary body raised in
+    the sharing task, which the supervisor restarted with a growing backoff, and a 256 MB
+    body was read whole to log 200 characters of it."""
+    taken: list[bytes] = []
+    stall = asyncio.Event()
+
+    async def healthy(request: web.Request) -> web.Response:
+        taken.append(await request.read())
+        return web.Response(status=204)
+
+    async def stalled(request: web.Request) -> web.Response:
+        await stall.wait()
+        return web.Response(status=204)
+
+    async def binary(request: web.Request) -> web.StreamResponse:
+        answer = web.StreamResponse(status=200)
+        await answer.prepare(request)
+        for _ in range(64):  # 64 MiB of bytes that are no UTF-8
+            await answer.write(b"\xff\xfe" * (512 * 1024))
+        return answer
+
+    async with (
+        siblings_answering(healthy=healthy, stalled=stalled, binary=binary) as urls,
+        aiohttp.ClientSession() as session,
+    ):
+        sharing = DecisionSharing(
+            session, lambda: list(urls.values()), TOKEN, lambda *a: None, lambda rank: True
+        )
+        sharing.timeout_s = 10.0
+        running = asyncio.create_task(sharing.run())
+        try:
+            for n in range(3):
+                sharing.share(RankId("http://w:1", 0), [n + 1, n + 2], 0)
+                await eventually(lambda n=n: len(taken) == n + 1, 5)  # each, not after 10 s
+            assert not running.done()  # the binary body raised nothing
+            await eventually(lambda: sharing.stats.failed >= 1, 10)
+            assert sharing.stats.sent == 3  # the healthy sibling's three
+        finally:
+            stall.set()
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
