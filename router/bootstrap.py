@@ -22,7 +22,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from cachetree.ranks import RankId
 from peer.capacity import CapacityBlocks, unknown_capacity
@@ -50,6 +50,13 @@ from router.graft import BootstrapRules, Grafted, LocalGraft
 from router.index import IndexRules, Pump
 
 log = logging.getLogger(__name__)
+
+# A sibling's answers to a snapshot request that no retry changes: what each means.
+_NOT_A_SIBLING: Final = {
+    401: "it refuses this replica's --internal-token (the replicas' tokens differ)",
+    403: "it refuses this replica's --internal-token (the replicas' tokens differ)",
+    404: "it serves no snapshot there (not a kvrouter replica, or one too old)",
+}
 
 GRAFT_CHUNK = 4096
 VET_CHUNK = 4096
@@ -220,11 +227,17 @@ class PeerBootstrap:
         result = await self.fetcher.fetch_snapshot(peer, int(max_age_s * 1000))
         if isinstance(result, Fetched):
             return FetchOutcome(result.snapshot, result.arrived_at)
+        reason = result.reason
         if isinstance(result, Refused):
             kind = BODY_REFUSED
+        elif result.status in _NOT_A_SIBLING:
+            # Asking again brings the same, as with a refused body: not a silence to wait out
+            # (an unready replica for the whole timeout, counted `unreachable`, nothing logged).
+            kind = BODY_REFUSED
+            reason = f"{reason}: {_NOT_A_SIBLING[result.status]}"
         else:
             kind = CONNECTION_REFUSED if result.connection_refused else UNREACHABLE
-        return FetchOutcome(None, self._clock(), result.reason, kind)
+        return FetchOutcome(None, self._clock(), reason, kind)
 
     async def _vet(self, body: Any) -> VettedSnapshot:
         live = set(self.pump.rules.live)

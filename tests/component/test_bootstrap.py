@@ -259,6 +259,35 @@ async def test_a_misbehaving_sibling_leaves_the_rank_cold_within_the_deadline(ki
         await runner.cleanup()
 
 
+@pytest.mark.parametrize("status", [401, 403, 404])
+async def test_a_sibling_refusing_the_token_is_rejected_at_once_and_named_in_the_log(
+    status: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sibling with another --internal-token answers 401: that was `unreachable`, a
+    silence that vetoes the fleet's cold verdict, so the replica held /readyz for the whole
+    bootstrap timeout (120 s by default) with nothing in its log; a mixed fleet's right-token
+    replicas too. A 401, 403 or 404 is an answer no retry changes: the sibling is rejected
+    for the sweep, and the log says why."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=status)
+
+    runner, url = await serve_snapshot_route(handler)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            fw = await stack.enter_async_context(fake_worker_in_process())
+            new = await stack.enter_async_context(
+                router_in_process(workers=[fw.url], peer=[url], kv_bootstrap_timeout_ms=60_000)
+            )
+            await ready(new, within_s=20)  # well before the 60 s timeout
+            assert new.replica.bootstrap.snapshot_outcomes["rejected"] >= 1
+            assert new.replica.bootstrap.snapshot_outcomes["unreachable"] == 0
+    finally:
+        await runner.cleanup()
+    why = "--internal-token" if status in (401, 403) else "serves no snapshot"
+    assert any(why in r.getMessage() and url in r.getMessage() for r in caplog.records)
+
+
 async def lagging_proxy(warm: RouterHandle, lag: int) -> tuple[web.AppRunner, str, list]:
     """A sibling that relays `warm`'s snapshot, claiming cursors `lag` batches older the first
     time: the stream will not join that watermark, exactly like a snapshot taken too early."""
