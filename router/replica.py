@@ -43,7 +43,7 @@ from router.ingest_pool import DEFAULT_INGEST_PROCESSES, IngestPool
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
 from router.origin import AllowList
-from router.placement import DEFAULT_TIMEOUT_MS, Placement, Placer
+from router.placement import DEFAULT_TIMEOUT_MS, Placement, Placer, own_url
 from router.policy import CacheAware, Policy, make_policy
 from router.pressure import PressureLedger, PressureSettings
 from router.siblings import DecisionSharing
@@ -496,7 +496,11 @@ def _bootstrap(
     if config.peer:
         # A seeded replica asks its siblings in a reproducible order (tests, benches).
         rng = random.Random(config.seed) if config.seed is not None else None
-        registry = PeerRegistry.static(config.peer, config.self_url, rng)
+        # Leaves this replica out of its own list: by --self-url, else by the address it
+        # listens on (every replica is often given the same list; asking itself for
+        # snapshots and adopting its own decisions counted it twice as a sibling).
+        own = own_url(config.self_url, config.host, config.port, os.environ.get("POD_IP"))
+        registry = PeerRegistry.static(config.peer, own if config.port else config.self_url, rng)
     else:
         registry = PeerRegistry(config.self_url)  # synced by the EndpointSlice watch
     fetcher = SnapshotFetcher(

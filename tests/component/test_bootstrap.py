@@ -450,3 +450,14 @@ async def test_a_refused_sibling_is_logged_with_what_was_wrong(
             await runner.cleanup()
     refusals = [r.getMessage() for r in caplog.records if "rejected for this" in r.getMessage()]
     assert refusals and "invalid_parent: node 0" in refusals[0], refusals
+
+
+async def test_a_replica_given_the_fleets_peer_list_leaves_itself_out_of_it() -> None:
+    """Every replica is often given one list, itself included; without --self-url a replica
+    asked itself for snapshots and posted its decisions to itself and adopted them (its
+    replica count, which the cost's backlog term reads, one too many)."""
+    port = free_tcp_port()
+    me = f"http://127.0.0.1:{port}"
+    other = f"http://127.0.0.1:{free_tcp_port()}"  # nobody listens: a cold witness
+    async with router_in_process(port=port, peer=[me, f"{other}/"]) as rt:
+        assert list(rt.replica.bootstrap.registry.peers) == [other]
