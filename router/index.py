@@ -107,10 +107,11 @@ SnapshotVerdict = Literal["applied", "stale", "rejected", "ignored"]  # `replace
 
 T = TypeVar("T")
 DEFAULT_QUEUE_SIZE = 1024
-# Blocks the pump's queue holds, over its items: 1,024 one-megabyte batches (20,000 blocks
-# each, well within --kv-events-max-message-bytes) held 1.5 GB, a replica's whole memory
-# limit in manifests/. A decoded block is ~100 bytes compiled (its hash's int and 16 token
-# ids; ~600 on the pure path), so this is ~100 MB, and 2.5 s of backlog at 400k blocks/s.
+# Blocks the pump's queue holds, over its items (`_blocks_in`: hashes, and tokens by 16):
+# 1,024 one-megabyte batches (20,000 blocks each, well within --kv-events-max-message-bytes)
+# held 1.5 GB, a replica's whole memory limit in manifests/. A decoded block of 16 tokens
+# weighs 2 here and is ~100 bytes compiled (its hash's int and its token ids; ~600 on the
+# pure path), so this is ~50 MB, and over a second of backlog at 400k blocks/s.
 DEFAULT_QUEUE_BLOCKS: Final = 1 << 20
 SLICE_BLOCKS: Final = 1024  # blocks of work between two yields to the loop (~1 ms)
 # LoRA adapter names learned from the events: far more than a fleet serves (vLLM's
@@ -336,6 +337,12 @@ class IndexRules:
     def set_loss_handler(self, on_loss: Callable[[RankId], None]) -> None:
         """Called when a rank provably missed batches, so its owner can re-pull a snapshot."""
         self._on_loss = on_loss
+
+    def report_doubt(self, rank: RankId) -> None:
+        """A rank may have missed what its seqs cannot show (an ingest process started
+        again resumed it: had its engine restarted meanwhile, the new stream's seqs would
+        continue the old one's): its owner re-pulls a snapshot, as after a loss."""
+        self._on_loss(rank)
 
     @property
     def _tree(self) -> BlockTree:
@@ -700,7 +707,12 @@ _DONE: Final = object()
 
 
 def _blocks_in(item: SubscriberItem) -> int:
-    """The blocks an item names (what its decoded form holds in memory, roughly)."""
+    """What an item holds in memory, in blocks of 16 tokens: its hashes, and its tokens
+    counted apart (a store may state any block size: seven stores of one hash each and
+    2**20 tokens, 7.3 MB a batch, weighed 7 blocks, and 49 of them held 1.2 GB)."""
     if type(item) is not LiveBatch:
         return 0
-    return sum(len(getattr(event, "engine_hashes", ())) for event in item.batch.events)
+    return sum(
+        len(getattr(event, "engine_hashes", ())) + len(getattr(event, "token_ids", ())) // 16
+        for event in item.batch.events
+    )

@@ -132,10 +132,14 @@ class IngestPool:
         clock: Callable[[], float] = time.monotonic,
         command: Sequence[str] = (sys.executable, "-m", "router.ingest_child"),
         applied: Callable[[RankId], int | None] = lambda rank: None,
+        resumed: Callable[[RankId], None] = lambda rank: None,
     ) -> None:
         """`command`: how a process is started (its flags are appended); tests replace it.
         `applied`: the last seq the index applied for a rank (the pump's cursor), which a
-        process started again resumes from (`Subscribe.last_seq`)."""
+        process started again resumes from (`Subscribe.last_seq`); `resumed` is told of each
+        rank so resumed (the seqs cannot show an engine that restarted while no process
+        listened: its new stream's seqs would continue the old one's), to re-pull its
+        worker's snapshot."""
         if not 1 <= processes <= MAX_PROCESSES:
             raise ValueError(f"ingest processes must be 1..{MAX_PROCESSES}")
         self._deliver = deliver
@@ -151,6 +155,7 @@ class IngestPool:
         self._clock = clock
         self._command = list(command)
         self._applied = applied
+        self._resumed = resumed
         self._dir = tempfile.mkdtemp(prefix="kvrouter-ingest-")  # mode 0700
         self._procs = [_Process(i) for i in range(processes)]
         self._tasks: list[asyncio.Task[None]] = []
@@ -343,6 +348,8 @@ class IngestPool:
             for endpoint, _ in proc.ranks.values():
                 last = self._applied(endpoint.rank)
                 self._send_now(proc, pack_command(_subscribe(endpoint, last)))
+                if last is not None and proc.generation > 1:
+                    self._resumed(endpoint.rank)
             proc.up.set()
             log.info("ingest process %d (pid %d) is up", proc.index, item.pid)
             return

@@ -250,6 +250,7 @@ async def _compose(
             max_message_bytes=config.kv_events_max_message_bytes,
             log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
             applied=pump.rules.cursors.get,
+            resumed=pump.rules.report_doubt,
         )
     workers = WorkerRegistry(
         pump,

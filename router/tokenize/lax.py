@@ -28,6 +28,8 @@ _WHITE_SPACE: Final = (
 )
 _JSON_INT: Final = re.compile(r"-?(?:0|[1-9][0-9]*)")
 _I64: Final = 2**63
+_SHOWN: Final = 40  # characters of a refused value an error message repeats
+_LONGEST_INT_TEXT: Final = 1024  # longer: padding no client sends, or past any id: refused
 
 
 def lax_bool(value: Any) -> bool:
@@ -44,7 +46,7 @@ def lax_bool(value: Any) -> bool:
             return False
         if lowered in _TRUE:
             return True
-    raise ValueError(f"{value!r} is not a boolean")
+    raise ValueError(f"{shown(value)} is not a boolean")
 
 
 def lax_int(value: Any) -> int:
@@ -58,11 +60,11 @@ def lax_int(value: Any) -> int:
         return int(value)
     if kind is float:
         if not math.isfinite(value) or not value.is_integer() or not -_I64 < value < _I64:
-            raise ValueError(f"{value!r} is not an integer")
+            raise ValueError(f"{shown(value)} is not an integer")
         return int(value)
     if kind is str:
         return _int_of_str(value)
-    raise ValueError(f"{value!r} is not an integer")
+    raise ValueError(f"{shown(value)} is not an integer")
 
 
 def sglang_token_id(value: Any) -> int:
@@ -71,16 +73,25 @@ def sglang_token_id(value: Any) -> int:
     if type(value) is bool:
         return int(value)
     if type(value) is not int or not -_I64 <= value < _I64:
-        raise ValueError(f"{value!r} is not an int64")
+        raise ValueError(f"{shown(value)} is not an int64")
     return value  # type: ignore[no-any-return]
 
 
+def shown(value: Any) -> str:
+    """A value as an error message names it: its repr, cut (a 4 MB string in a token list was
+    echoed whole in the 400, 20 MB of it once escaped)."""
+    text = repr(value) if type(value) is not str or len(value) <= _SHOWN else repr(value[:_SHOWN])
+    return text if len(text) <= 2 * _SHOWN else text[: 2 * _SHOWN] + "..."
+
+
 def _int_of_str(text: str) -> int:
+    if len(text) > _LONGEST_INT_TEXT:  # Python's int() refuses past 4,300 digits, in its words
+        raise ValueError(f"{shown(text)} is not an integer in range")
     if _JSON_INT.fullmatch(text):
         return int(text)
     cleaned = _cleaned_int_str(text)
     if cleaned is None or not _JSON_INT.fullmatch(cleaned):
-        raise ValueError(f"{text!r} is not an integer")
+        raise ValueError(f"{shown(text)} is not an integer")
     return int(cleaned)
 
 

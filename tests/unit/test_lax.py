@@ -80,3 +80,21 @@ def test_sglang_generate_ids_are_int64s_or_bools_and_nothing_else() -> None:
     for refused in (2.0, "2", None, 2**63, [1]):
         with pytest.raises(ValueError):
             sglang_token_id(refused)
+
+
+def test_a_refused_value_is_named_cut_short_and_never_in_pythons_words() -> None:
+    """A 4 MB string in a token list was echoed whole in the 400 (20 MB once its characters
+    were escaped), and a 5,000-digit one got Python's own `sys.set_int_max_str_digits` text."""
+    from router.tokenize.lax import lax_bool, lax_int, sglang_token_id
+
+    for bad, read in (
+        ("x" * 4_000_000, lax_int),
+        ("\u0085" * 4_000_000, lax_int),
+        ("1" * 5_000, lax_int),
+        ("y" * 4_000_000, sglang_token_id),
+        ("z" * 4_000_000, lax_bool),
+    ):
+        with pytest.raises(ValueError) as caught:
+            read(bad)
+        message = str(caught.value)
+        assert len(message) < 200 and "set_int_max_str_digits" not in message

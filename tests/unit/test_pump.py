@@ -158,12 +158,12 @@ async def test_the_queue_is_bounded_by_the_blocks_it_holds_as_well_as_by_its_ite
     no memory. Past `queue_blocks` an offer is refused (the deliverer waits), but an empty
     queue takes any one item, however large, so that nothing is stuck for good."""
     pump = await started(queue_size=100)
-    pump._queue_blocks = 10  # type: ignore[attr-defined]
+    pump._queue_blocks = 12  # type: ignore[attr-defined]
     try:
         control = asyncio.create_task(pump.call(lambda rules: None))
         await asyncio.sleep(0)  # the pump is busy: offers queue
-        assert pump.offer(chain(0, 1, 6, 1)) is True
-        assert pump.offer(chain(1, 100, 4, 100)) is True  # 10 blocks queued
+        assert pump.offer(chain(0, 1, 6, 1)) is True  # 6 hashes, 24 tokens: weighs 7
+        assert pump.offer(chain(1, 100, 4, 100)) is True  # 4 and 16: 5, so 12 queued
         assert pump.offer(chain(2, 200, 1, 200)) is False  # one more is past the bound
         assert pump.backlog == 2
         await control
@@ -177,5 +177,21 @@ async def test_the_queue_is_bounded_by_the_blocks_it_holds_as_well_as_by_its_ite
         await pump.deliver(chain(4, 400, 1, 700))
         await pump.wait_idle()
         assert pump.rules.cursors[R] == 4 and pump.rules.stats.batches_applied == 5
+    finally:
+        await pump.stop()
+
+
+async def test_a_store_is_weighed_by_its_tokens_too_whatever_block_size_it_states() -> None:
+    """Seven one-hash stores stating a block size of 2**20 (7.3 MB a batch) weighed 7
+    blocks: 49 such batches held 1.2 GB under a bound of a million blocks."""
+    pump = await started(queue_size=100)
+    pump._queue_blocks = 1000  # type: ignore[attr-defined]
+    wide = BlockStored([1], None, list(range(64 * 16)), 64 * 16, DEVICE, "GPU", None)
+    try:
+        control = asyncio.create_task(pump.call(lambda rules: None))
+        await asyncio.sleep(0)
+        assert pump.offer(LiveBatch(R, 0, EventBatch(0.0, [wide] * 10, 0))) is True
+        assert pump.offer(LiveBatch(R, 1, EventBatch(0.0, [wide] * 10, 0))) is False
+        await control
     finally:
         await pump.stop()
