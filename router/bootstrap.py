@@ -51,8 +51,8 @@ from router.index import IndexRules, Pump
 
 log = logging.getLogger(__name__)
 
-# A sibling's answers to a snapshot request that no retry changes: what each means.
-_NOT_A_SIBLING: Final = {
+# What a sibling's refusal of a snapshot request most likely means, for the log.
+_REFUSAL_MEANS: Final = {
     401: "it refuses this replica's --internal-token (the replicas' tokens differ)",
     403: "it refuses this replica's --internal-token (the replicas' tokens differ)",
     404: "it serves no snapshot there (not a kvrouter replica, or one too old)",
@@ -230,13 +230,15 @@ class PeerBootstrap:
         reason = result.reason
         if isinstance(result, Refused):
             kind = BODY_REFUSED
-        elif result.status in _NOT_A_SIBLING:
-            # Asking again brings the same, as with a refused body: not a silence to wait out
-            # (an unready replica for the whole timeout, counted `unreachable`, nothing logged).
-            kind = BODY_REFUSED
-            reason = f"{reason}: {_NOT_A_SIBLING[result.status]}"
         else:
             kind = CONNECTION_REFUSED if result.connection_refused else UNREACHABLE
+            meaning = _REFUSAL_MEANS.get(result.status or 0)
+            if meaning is not None:
+                # Still a silence, not a cold witness (a sibling rolling its token or starting
+                # answers so for a moment, and the fleet is not cold for it), but said: the
+                # joiner waited out its whole bootstrap with nothing in its log.
+                reason = f"{reason}: {meaning}"
+                log.warning("sibling %s gave no snapshot: %s", peer, reason)
         return FetchOutcome(None, self._clock(), reason, kind)
 
     async def _vet(self, body: Any) -> VettedSnapshot:

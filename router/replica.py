@@ -500,8 +500,16 @@ def _bootstrap(
         # Leaves this replica out of its own list: by --self-url, else by the address it
         # listens on (every replica is often given the same list; asking itself for
         # snapshots and adopting its own decisions counted it twice as a sibling).
-        own = own_url(config.self_url, config.host, config.port, os.environ.get("POD_IP"))
-        registry = PeerRegistry.static(config.peer, own if config.port else config.self_url, rng)
+        pod_ip = os.environ.get("POD_IP")
+        mine = {
+            url.rstrip("/")
+            for port in (config.port, config.control_port)
+            if port and (url := own_url(config.self_url, config.host, port, pod_ip))
+        }
+        if config.self_url:
+            mine.add(config.self_url.strip().rstrip("/"))
+        others = [p for p in config.peer if p.strip().rstrip("/") not in mine]
+        registry = PeerRegistry.static(others, config.self_url, rng)
     else:
         registry = PeerRegistry(config.self_url)  # synced by the EndpointSlice watch
     fetcher = SnapshotFetcher(

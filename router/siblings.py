@@ -131,7 +131,7 @@ class SharingStats:
     sent: int = 0  # decisions in batches a sibling took (counted once per sibling)
     dropped: int = 0  # decisions dropped from the outbox, full while siblings were slow
     failed: int = 0  # posts a sibling refused or did not answer
-    skipped: int = 0  # decisions not posted to a sibling backing off, or still taking the last
+    skipped: int = 0  # decisions not posted to a sibling backing off after failures
     received: int = 0  # decisions adopted from siblings
     homes_received: int = 0  # prefix homes adopted from siblings
     unknown: int = 0  # received decisions and homes for a rank this replica does not know
@@ -353,42 +353,24 @@ class DecisionSharing:
         return adopted
 
     async def run(self) -> None:
-        """Post batches as decisions come, forever (run under the supervisor). Each sibling's
-        posts go out one at a time, apart from the others': a sibling still taking the last
-        batch skips this one, so a stalled sibling (a stopped process still accepts) does
-        not hold the others' decisions back for its whole post timeout."""
-        posting: dict[str, asyncio.Task[None]] = {}
-        try:
-            while True:
-                await self._wake.wait()
-                self._wake.clear()
-                batch = self.outbox.take()
-                peers = list(self.peers())
-                if batch is None or not peers:
-                    continue
-                body, count = batch
-                now = self.clock()
-                for peer in peers:
-                    busy = posting.get(peer)
-                    if self._failing.get(peer, (0, now))[1] > now or (
-                        busy is not None and not busy.done()
-                    ):
-                        self.stats.skipped += count
-                        continue
-                    posting[peer] = asyncio.create_task(self._post_counted(peer, body, count))
-                for peer in [p for p, task in posting.items() if task.done()]:
-                    del posting[peer]
-        finally:
-            for task in posting.values():
-                task.cancel()
-
-    async def _post_counted(self, peer: str, body: bytes, count: int) -> None:
-        try:
-            if await self._post(peer, body):
-                self.stats.sent += count
-        except Exception:  # a bug, not a sibling's fault: logged, and the others go on
-            self.stats.failed += 1
-            log.exception("decision sharing: posting to sibling %s failed", peer)
+        """Post batches as decisions come, forever (run under the supervisor). Every sibling's
+        post of a batch is awaited before the next batch is taken, so decisions that come
+        meanwhile go out together in it, to every sibling. A stalled sibling holds the others'
+        decisions back for its post timeout; posting to each apart (tried) lost every batch
+        that came while a sibling with a real round trip was still taking the last."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch = self.outbox.take()
+            peers = list(self.peers())
+            if batch is None or not peers:
+                continue
+            body, count = batch
+            now = self.clock()
+            ready = [p for p in peers if self._failing.get(p, (0, now))[1] <= now]
+            self.stats.skipped += count * (len(peers) - len(ready))
+            taken = await asyncio.gather(*(self._post(peer, body) for peer in ready))
+            self.stats.sent += count * sum(taken)
 
     async def _post(self, peer: str, body: bytes) -> bool:
         """Post one batch; whether the sibling took it."""

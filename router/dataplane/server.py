@@ -326,8 +326,7 @@ class DataPlane:
         now = self.loop.time()
         if now - self._refusal_logged_at >= _REFUSAL_LOG_EVERY_S:
             log.warning(
-                "%d connection(s) refused: %d open, %s; raise it (and the file limit) or add "
-                "replicas",
+                "%d connection(s) refused: %d open, %s",
                 self._refused_since_log,
                 open_now,
                 limit,
@@ -465,9 +464,11 @@ class ClientConnection(asyncio.Protocol):
                 transport.close()
             else:
                 limit = (
-                    "the control port's limit"
+                    f"the control port's fixed limit ({CONTROL_MAX_CONNECTIONS}); find what "
+                    "holds so many peer or admin connections open"
                     if self._control_only
-                    else "the --max-connections limit"
+                    else "the --max-connections limit; raise it (and the file limit) or add "
+                    "replicas"
                 )
                 plane.refuse_connection(transport, len(self._members), limit)
             return
@@ -681,7 +682,10 @@ class ClientConnection(asyncio.Protocol):
             return
         if self._queue:
             self._answer_next()
-        elif self.gate is not None:
+        if not self._answering and self.gate is not None:
+            # Nothing to answer now: no request waits, or the next one's body is still coming,
+            # which must be read (its reading was paused while this answer went out, and three
+            # pipelined 100 kB requests left the third unread until the body timeout, a 408).
             self.gate.resume(PIPELINED)
         if not self._answering:
             # What the client owes now: nothing (idle), or the rest of a request's head or body.

@@ -119,6 +119,19 @@ async def test_pipelined_requests_are_answered_in_order_even_when_the_first_is_s
         client.close()
 
 
+async def test_pipelined_requests_with_large_bodies_are_all_read_and_answered() -> None:
+    """The reading of a connection pauses while a pipelined request waits its turn; when an
+    answer ended with the next request's body still coming, nothing resumed it: three 100 kB
+    POSTs sent at once got two answers, then a 408 at the body timeout."""
+    body = b'{"prompt": "' + b"z" * 100_000 + b'", "max_tokens": 1}'
+    async with one_worker_and_a_client(client_body_timeout_s=30) as (w, _, client):
+        client.send(post(b"/v1/completions", body) * 3)
+        answers = [await client.answer(within_s=10) for _ in range(3)]
+        assert [a.status for a in answers if a is not None] == [200, 200, 200]
+        assert [len(p.body) for p in w.posts()] == [len(body)] * 3
+        client.close()
+
+
 async def test_a_chunked_request_body_reaches_the_worker_whole_with_a_content_length() -> None:
     async with one_worker_and_a_client() as (w, _rt, client):
         body = COMPLETION
