@@ -584,7 +584,7 @@ class ClientConnection(asyncio.Protocol):
         if version not in _SERVED_VERSIONS:
             # llhttp reads a request line without a version as HTTP/0.9 and takes any digits.
             raise _Refused(
-                Refusal(505, f"HTTP/{version} is not served here: send HTTP/1.1", close=True)
+                Refusal(400, f"HTTP/{version} is not served here: send HTTP/1.1", close=True)
             )
         try:
             head = read_request_head(
@@ -847,7 +847,7 @@ class ClientConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             if data.startswith(b"PRI * HTTP/2.0"):  # llhttp calls it "Pause on PRI/Upgrade"
                 return Refusal(
-                    505, "HTTP/2 by prior knowledge is not served: send HTTP/1.1", close=True
+                    400, "HTTP/2 by prior knowledge is not served: send HTTP/1.1", close=True
                 )
             return Refusal(400, f"malformed HTTP request: {exc}", close=True)
         else:
