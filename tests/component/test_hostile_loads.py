@@ -19,6 +19,7 @@ from aiohttp import web
 from cachetree.ranks import RankId
 from router.loads import MAX_DP_SIZE
 from router.replica import check_capacity_once, engine_capacity_blocks
+from tests.support.adversary import stub_server
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.metrics import Scrape
 from tests.support.router import RouterHandle, gate_fleet, router_in_process
@@ -50,15 +51,8 @@ async def front(
                 headers = {k: v for k, v in resp.headers.items() if k.startswith("X-")}
                 return web.Response(status=resp.status, body=await resp.read(), headers=headers)
 
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        try:
-            yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-        finally:
-            await runner.cleanup()
+        async with stub_server({("*", "/{tail:.*}"): handle}) as url:
+            yield url
 
 
 def loads_body(**figures: object) -> tuple[int, bytes]:
