@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 import msgspec
@@ -21,16 +21,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cachetree.ranks import RankId
 from peer.producer import serve_snapshot
+from peer.supervise import describe
 from router import auth, placement, siblings
-from router.bounded import read_up_to
 from router.origin import host_of, origin_problem
 from router.replica import Replica
 from router.workers import (
-    MAX_WORKER_JSON_BYTES,
+    WORKER_JSON_ERRORS,
     TooManyWorkers,
     WorkerRemoved,
-    is_redirect,
-    redirect_not_followed,
+    get_worker_json,
     subscriber_name,
 )
 
@@ -38,6 +37,7 @@ log = logging.getLogger(__name__)
 
 REPLICA: web.AppKey[Replica] = web.AppKey("replica", Replica)
 _RESOLVE_TIMEOUT_S = 2.0
+_MODELS_TIMEOUT: Final = aiohttp.ClientTimeout(total=2)  # each worker's, in a replica's own
 
 
 def build_control_app(replica: Replica) -> web.Application:
@@ -121,34 +121,20 @@ async def _models(request: web.Request) -> web.Response:
 
     async def one(url: str) -> None:
         try:
-            async with session.get(
-                f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=2), allow_redirects=False
-            ) as r:
-                if is_redirect(r.status):
-                    location = r.headers.get("Location")
-                    log.warning(
-                        "worker %s: /v1/models %s", url, redirect_not_followed(r.status, location)
-                    )
-                elif r.status == 200:
-                    for model in _listed_models(await read_up_to(r.content, MAX_WORKER_JSON_BYTES)):
-                        seen.setdefault(model["id"], model)
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            log.info("worker %s: /v1/models unreadable", url)
+            listing = await get_worker_json(session, f"{url}/v1/models", _MODELS_TIMEOUT)
+            for model in _listed_models(listing):
+                seen.setdefault(model["id"], model)
+        except WORKER_JSON_ERRORS as exc:  # a redirect included: never followed
+            log.info("worker %s: /v1/models unreadable (%s)", url, describe(exc))
 
     await asyncio.gather(*(one(w.url) for w in replica.workers.routable()))
     return web.json_response({"object": "list", "data": list(seen.values())})
 
 
-def _listed_models(body: bytes) -> list[dict[str, Any]]:
-    """The models a worker's /v1/models body lists (objects with a string `id`); ValueError
-    for a body that is not such a list (too long, not JSON, `data` not a list). One worker's
-    odd body made the replica's own /v1/models a 500 for every client."""
-    if len(body) > MAX_WORKER_JSON_BYTES:
-        raise ValueError("an answer over the bound")
-    try:
-        listing = msgspec.json.decode(body)
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise ValueError(f"not JSON: {exc}") from None
+def _listed_models(listing: Any) -> list[dict[str, Any]]:
+    """The models a worker's /v1/models answer lists (objects with a string `id`); ValueError
+    when `data` is no list. One worker's odd answer made the replica's own /v1/models a 500
+    for every client."""
     data = listing.get("data") if isinstance(listing, dict) else None
     if not isinstance(data, list):
         raise ValueError("no data list")

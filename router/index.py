@@ -577,8 +577,8 @@ class Pump:
         self.rules = rules
         self._queue_size = queue_size
         self._queue_blocks = queue_blocks
-        self._items: deque[SubscriberItem | Steps] = deque()  # an item, or one begun inline
-        self._weights: deque[int] = deque()  # the blocks of each of `_items`
+        # Each an item, or one begun inline, with the blocks it weighs (`_blocks_in`).
+        self._items: deque[tuple[SubscriberItem | Steps, int]] = deque()
         self._queued_blocks = 0
         self._room = asyncio.Event()  # set when a waiting deliverer may retry
         self._control: deque[tuple[Callable[[IndexRules], Any], asyncio.Future[Any]]] = deque()
@@ -597,8 +597,8 @@ class Pump:
             except Exception:
                 log.exception("pump: an item could not be applied; it was dropped")
                 return True
-            self._items.appendleft(steps)  # long: the task finishes it before anything else
-            self._weights.appendleft(0)
+            # Long: the task finishes it before anything else (its blocks queued nowhere).
+            self._items.appendleft((steps, 0))
             self._wake_up()
             return True
         blocks = _blocks_in(item)
@@ -607,8 +607,7 @@ class Pump:
             or self._queued_blocks + blocks > self._queue_blocks
         ):
             return False  # an empty queue takes any one item, however large
-        self._items.append(item)
-        self._weights.append(blocks)
+        self._items.append((item, blocks))
         self._queued_blocks += blocks
         self._wake_up()
         return True
@@ -688,8 +687,8 @@ class Pump:
                 self._parked = True
                 await self._wake.wait()
                 continue
-            work = items.popleft()
-            self._queued_blocks -= self._weights.popleft()
+            work, blocks = items.popleft()
+            self._queued_blocks -= blocks
             self._room.set()
             steps = work if inspect.isgenerator(work) else rules.steps(work)
             try:

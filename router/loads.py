@@ -184,11 +184,16 @@ def _count(value: object) -> int | None:
 def _bounded(value: object, name: str, out_of_range: Counter[str] | None) -> int | None:
     """`_count`, None above `MAX_REPORTED` (counted as `name` in `out_of_range`)."""
     n = _count(value)
-    if n is not None and n > MAX_REPORTED:
+    return None if n is None or _past_belief(n, name, out_of_range) else n
+
+
+def _past_belief(value: float, name: str, out_of_range: Counter[str] | None) -> bool:
+    """Whether a stated figure is above `MAX_REPORTED`: then counted as `name`, and unknown."""
+    if value > MAX_REPORTED:
         if out_of_range is not None:
             out_of_range[name] += 1
-        return None
-    return n
+        return True
+    return False
 
 
 def _fraction(value: object) -> float | None:
@@ -322,9 +327,7 @@ def parse_metrics_text(
                     value = _vllm_pool_tokens(sample.labels)
                 if not value >= 0:  # NaN too (a vLLM still profiling: "None" blocks)
                     continue
-                if value > MAX_REPORTED:
-                    if out_of_range is not None:
-                        out_of_range[_FIELD_OF[name]] += 1
+                if _past_belief(value, _FIELD_OF[name], out_of_range):
                     continue
                 rank = _rank_label(sample.labels)
                 if rank < ranks:
@@ -381,11 +384,7 @@ def _pick(
 def _rounded(value: float | None, name: str, out_of_range: Counter[str] | None) -> int | None:
     """A gauge's figure as a whole count; None when unknown or, summed over label sets,
     above `MAX_REPORTED` (counted as `name`)."""
-    if value is None:
-        return None
-    if value > MAX_REPORTED:
-        if out_of_range is not None:
-            out_of_range[name] += 1
+    if value is None or _past_belief(value, name, out_of_range):
         return None
     return round(value)
 

@@ -111,6 +111,13 @@ def canonical_origin(url: str) -> str:
     return f"{parts.scheme}://{host}{port}"
 
 
+def http_origin(host: str, port: int) -> str:
+    """`http://host:port`, an IPv6 literal in brackets (whether or not it came in them)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
 def host_of(url: str) -> str:
     return urlsplit(url).hostname or ""
 

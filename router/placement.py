@@ -94,6 +94,7 @@ from cachetree.keys import MAX_BLOCK_SIZE
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from router.bounded import read_up_to
+from router.origin import http_origin
 from router.policy import CacheAware, Candidate, Decision, Prompt
 from router.siblings import (
     MAX_KEYS_PER_DECISION,
@@ -204,7 +205,7 @@ def own_url(self_url: str | None, host: str, port: int, pod_ip: str | None) -> s
         address = pod_ip
     else:
         return None
-    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
+    return http_origin(address, port)
 
 
 def new_prefix(

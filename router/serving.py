@@ -25,6 +25,7 @@ from aiohttp import web
 from router.control import build_control_app, liveness, readiness
 from router.dataplane.routing import RequestRouter
 from router.dataplane.server import DataPlane, Limits
+from router.origin import http_origin
 from router.placement import PlacementAsker, Placer, own_url
 from router.replica import Replica, ServeConfig, start_replica, stop_replica
 
@@ -203,13 +204,9 @@ async def start_serving(config: ServeConfig) -> Serving:
 
 
 def listening_url(host: str, port: int) -> str:
-    """The URL a replica listening on `host` is reached at: an IPv6 literal in brackets, and
-    the loopback address for "" (every address), where `http://:PORT` names nothing."""
-    if not host:
-        host = "127.0.0.1"
-    elif ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
+    """The URL a replica listening on `host` is reached at: the loopback address for ""
+    (every address), where `http://:PORT` names nothing."""
+    return http_origin(host or "127.0.0.1", port)
 
 
 async def stop_serving(serving: Serving) -> None:

@@ -497,7 +497,7 @@ class WorkerRegistry:
     async def _register(self, worker: Worker) -> None:
         worker.reason = ""
         try:
-            body = await self._get_json(f"{worker.url}/server_info")
+            body = await get_worker_json(self.session, f"{worker.url}/server_info", self._timeout)
         except _Absent:
             body = None
         except (aiohttp.ClientError, TimeoutError, _Unavailable) as exc:
@@ -871,8 +871,8 @@ class WorkerRegistry:
         """The engine a worker runs, as its `/v1/models` names itself (`owned_by`: vLLM's
         ModelCard says "vllm", SGLang's "sglang"); None when it does not say."""
         try:
-            body = await self._get_json(f"{url}/v1/models")
-        except (_Absent, _Unavailable, aiohttp.ClientError, TimeoutError, ValueError):
+            body = await get_worker_json(self.session, f"{url}/v1/models", self._timeout)
+        except WORKER_JSON_ERRORS:
             return None
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list) or not data or not isinstance(data[0], dict):
@@ -880,23 +880,30 @@ class WorkerRegistry:
         owner = data[0].get("owned_by")
         return owner if owner in KNOWN_ENGINES else None
 
-    async def _get_json(self, url: str) -> Any:
-        async with self.session.get(url, timeout=self._timeout, allow_redirects=False) as resp:
-            if is_redirect(resp.status):
-                raise ValueError(redirect_not_followed(resp.status, resp.headers.get("Location")))
-            if resp.status in (404, 405, 501):
-                raise _Absent
-            if resp.status >= 500:
-                raise _Unavailable(f"HTTP {resp.status}")
-            if resp.status != 200:
-                raise ValueError(f"HTTP {resp.status}")
-            body = await read_up_to(resp.content, MAX_WORKER_JSON_BYTES)
-            if len(body) > MAX_WORKER_JSON_BYTES:
-                raise ValueError(f"an answer over {MAX_WORKER_JSON_BYTES} bytes")
-            try:
-                return msgspec.json.decode(body)
-            except (msgspec.DecodeError, RecursionError) as exc:
-                raise ValueError(f"not JSON: {exc}") from None
+
+async def get_worker_json(
+    session: aiohttp.ClientSession, url: str, limits: aiohttp.ClientTimeout
+) -> Any:
+    """A worker's JSON answer at `url` (`/server_info`, `/v1/models`), read within
+    `MAX_WORKER_JSON_BYTES`. Raises `_Absent` (the route is not served), `_Unavailable` (a 5xx),
+    ValueError (a redirect, which is never followed, another status, too long, not JSON), or
+    the transport's errors: `WORKER_JSON_ERRORS` are all of them."""
+    async with session.get(url, timeout=limits, allow_redirects=False) as resp:
+        if is_redirect(resp.status):
+            raise ValueError(redirect_not_followed(resp.status, resp.headers.get("Location")))
+        if resp.status in (404, 405, 501):
+            raise _Absent
+        if resp.status >= 500:
+            raise _Unavailable(f"HTTP {resp.status}")
+        if resp.status != 200:
+            raise ValueError(f"HTTP {resp.status}")
+        body = await read_up_to(resp.content, MAX_WORKER_JSON_BYTES)
+        if len(body) > MAX_WORKER_JSON_BYTES:
+            raise ValueError(f"an answer over {MAX_WORKER_JSON_BYTES} bytes")
+        try:
+            return msgspec.json.decode(body)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise ValueError(f"not JSON: {exc}") from None
 
 
 def is_redirect(status: int) -> bool:
@@ -943,6 +950,9 @@ class _Absent(Exception):
 
 class _Unavailable(Exception):
     """The worker answered 5xx: up, but not serving yet (or failing)."""
+
+
+WORKER_JSON_ERRORS: Final = (_Absent, _Unavailable, aiohttp.ClientError, TimeoutError, ValueError)
 
 
 def _normalize(url: str) -> str:

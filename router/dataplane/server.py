@@ -309,11 +309,11 @@ class DataPlane:
             )
 
     def refuse_connection(self, transport: asyncio.Transport, open_now: int, limit: str) -> None:
-        """A new connection past `--max-connections`: a 503, counted, logged at most once a
-        `_REFUSAL_LOG_EVERY_S`. Its close lingers (`LINGER_S`, as after any refusal whose
-        request the router left unread), so a client still sending a body reads the 503
-        rather than a reset; at most `MAX_LINGERING_REFUSALS` at once, so that the
-        refusals hold a bounded number of descriptors past the limit."""
+        """A new connection past its listener's bound (`limit` says which): a 503, counted,
+        logged at most once a `_REFUSAL_LOG_EVERY_S`. Its close lingers (`LINGER_S`, as after
+        any refusal whose request the router left unread), so a client still sending a body
+        reads the 503 rather than a reset; at most `MAX_LINGERING_REFUSALS` at once, so that
+        the refusals hold a bounded number of descriptors past the limit."""
         transport.write(_BUSY)
         if self._lingering < MAX_LINGERING_REFUSALS and transport.can_write_eof():
             self._lingering += 1
@@ -422,10 +422,20 @@ class ClientConnection(asyncio.Protocol):
     ) -> None:
         self.plane = plane
         self._control_only = control_only
-        self._members, self._most = (
-            (plane.control_connections, CONTROL_MAX_CONNECTIONS)
+        # The set this connection counts in, its bound, and what a refusal at it says.
+        self._members, self._most, self._limit = (
+            (
+                plane.control_connections,
+                CONTROL_MAX_CONNECTIONS,
+                f"the control port's fixed limit ({CONTROL_MAX_CONNECTIONS}); find what holds "
+                "so many peer or admin connections open",
+            )
             if control_only
-            else (plane.connections, plane.limits.max_connections)
+            else (
+                plane.connections,
+                plane.limits.max_connections,
+                "the --max-connections limit; raise it (and the file limit) or add replicas",
+            )
         )
         self._first = data  # what the door read of the connection before handing it over
         self.transport: asyncio.Transport | None = None
@@ -463,14 +473,7 @@ class ClientConnection(asyncio.Protocol):
                 # the one owed, and a 503 after it would read as the next request's.
                 transport.close()
             else:
-                limit = (
-                    f"the control port's fixed limit ({CONTROL_MAX_CONNECTIONS}); find what "
-                    "holds so many peer or admin connections open"
-                    if self._control_only
-                    else "the --max-connections limit; raise it (and the file limit) or add "
-                    "replicas"
-                )
-                plane.refuse_connection(transport, len(self._members), limit)
+                plane.refuse_connection(transport, len(self._members), self._limit)
             return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -682,12 +685,12 @@ class ClientConnection(asyncio.Protocol):
             return
         if self._queue:
             self._answer_next()
-        if not self._answering and self.gate is not None:
+        if not self._answering:
             # Nothing to answer now: no request waits, or the next one's body is still coming,
             # which must be read (its reading was paused while this answer went out, and three
             # pipelined 100 kB requests left the third unread until the body timeout, a 408).
-            self.gate.resume(PIPELINED)
-        if not self._answering:
+            if self.gate is not None:
+                self.gate.resume(PIPELINED)
             # What the client owes now: nothing (idle), or the rest of a request's head or body.
             incoming = self._incoming
             if incoming is None:
