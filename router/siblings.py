@@ -20,13 +20,16 @@ Theory of operation
   how many of them the index already showed on the rank. At most `MAX_KEYS_PER_DECISION`
   keys of a decision are kept (the head of the prompt: a prefix's head is what a sibling
   must find booked); past `max_pending_keys` the oldest decisions are dropped and counted.
-- `DecisionSharing` (the asyncio shell) wakes when the outbox is non-empty and posts one
-  msgpack batch to every sibling at once (`POST /internal/decisions`, the internal bearer
-  token). While a post is in flight new decisions gather into the next batch, so the rate of
-  posts adapts to the round trip. A sibling that fails is counted, logged (at most once a
-  minute per sibling) and skipped for a backoff (50 ms doubling to 5 s; the decisions it
-  misses are counted `skipped`): its ledger then misses a few decisions, which costs
-  placement quality, never correctness.
+- `DecisionSharing` (the asyncio shell) wakes when the outbox is non-empty and hands its
+  decisions to one lane per sibling: each lane is an outbox of its own (the same bounds) and
+  a task posting it as one msgpack batch (`POST /internal/decisions`, the internal bearer
+  token). While a lane's post is in flight new decisions gather into its next batch, so each
+  sibling's rate of posts adapts to its own round trip, and a stalled sibling (a stopped
+  process still accepts connections) holds back its own decisions for the post timeout, never
+  another sibling's. A sibling that fails is counted, logged (at most once a minute per
+  sibling) and skipped for a backoff (50 ms doubling to 5 s; the decisions it misses are
+  counted `skipped`): its ledger then misses a few decisions, which costs placement quality,
+  never correctness.
 - Homes (`SharedHome`) queue in the same outbox and count against the same bounds (a
   home's chain is at most `router.homes.MAX_CHAIN_BLOCKS` keys). A batch without homes
   encodes exactly as before homes existed (`omit_defaults`), so a replica without them
@@ -183,12 +186,24 @@ class Outbox:
         (None when none)."""
         if not self._pending:
             return None
-        decisions = [d for d in self._pending if isinstance(d, SharedDecision)]
-        homes = [h for h in self._pending if isinstance(h, SharedHome)]
-        body = _encoder.encode(DecisionBatch(decisions, homes))
+        items = self.drain()
+        decisions = [d for d in items if isinstance(d, SharedDecision)]
+        homes = [h for h in items if isinstance(h, SharedHome)]
+        return _encoder.encode(DecisionBatch(decisions, homes)), len(decisions)
+
+    def drain(self) -> list[SharedDecision | SharedHome]:
+        """Every pending decision and home, oldest first, the outbox left empty."""
+        items = list(self._pending)
         self._pending.clear()
         self._keys = 0
-        return body, len(decisions)
+        return items
+
+    def extend(self, items: Sequence[SharedDecision | SharedHome]) -> None:
+        """Queue decisions and homes drained from another outbox (a sibling's lane), within
+        this one's bounds."""
+        self._pending.extend(items)
+        self._keys += sum(len(i.keys if isinstance(i, SharedDecision) else i.chain) for i in items)
+        self._bound()
 
 
 def decode_batch(body: bytes) -> DecisionBatch:
@@ -270,6 +285,15 @@ def _problem(d: SharedDecision) -> str | None:
     return None
 
 
+@dataclass(slots=True)
+class _Lane:
+    """One sibling's outbox and the task posting it (`DecisionSharing.run`)."""
+
+    outbox: Outbox
+    wake: asyncio.Event
+    task: asyncio.Task[None] = field(init=False)
+
+
 Adopt = Callable[[RankId, Sequence[int], int], None]
 AdoptHome = Callable[[Home], None]
 
@@ -295,17 +319,16 @@ class DecisionSharing:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _logged_at: dict[str, float] = field(default_factory=dict)
     _failing: dict[str, tuple[int, float]] = field(default_factory=dict)  # in a row, retry at
+    _gone_dropped: int = 0  # dropped from the lanes of siblings since gone
 
     def share(self, rank: RankId, keys: Sequence[int], held: int) -> None:
         """cache_aware's `share`: queue a decision for the next post."""
         self.outbox.add(rank, keys, held)
-        self.stats.dropped = self.outbox.dropped
         self._wake.set()
 
     def share_home(self, home: Home) -> None:
         """The prefix homes' `share`: queue a home placed or changed for the next post."""
         self.outbox.add_home(home)
-        self.stats.dropped = self.outbox.dropped
         self._wake.set()
 
     def receive(self, body: bytes) -> int:
@@ -353,24 +376,48 @@ class DecisionSharing:
         return adopted
 
     async def run(self) -> None:
-        """Post batches as decisions come, forever (run under the supervisor). Every sibling's
-        post of a batch is awaited before the next batch is taken, so decisions that come
-        meanwhile go out together in it, to every sibling. A stalled sibling holds the others'
-        decisions back for its post timeout; posting to each apart (tried) lost every batch
-        that came while a sibling with a real round trip was still taking the last."""
+        """Hand decisions to the siblings' lanes as they come, forever (run under the
+        supervisor): a lane per sibling the registry names, started when it appears and ended
+        when it goes; a lane that fails ends this task, and the supervisor sees it."""
+        lanes: dict[str, _Lane] = {}
+        async with asyncio.TaskGroup() as group:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                items = self.outbox.drain()
+                peers = set(self.peers())
+                for gone in lanes.keys() - peers:
+                    lane = lanes.pop(gone)
+                    lane.task.cancel()
+                    self._gone_dropped += lane.outbox.dropped
+                for peer in peers - lanes.keys():
+                    lane = _Lane(Outbox(self.outbox.max_pending_keys), asyncio.Event())
+                    lane.task = group.create_task(self._post_lane(peer, lane))
+                    lanes[peer] = lane
+                if items:
+                    for lane in lanes.values():
+                        lane.outbox.extend(items)
+                        lane.wake.set()
+                self.stats.dropped = (
+                    self.outbox.dropped
+                    + self._gone_dropped
+                    + sum(lane.outbox.dropped for lane in lanes.values())
+                )
+
+    async def _post_lane(self, peer: str, lane: _Lane) -> None:
+        """One sibling's lane: post what gathered while the last post was out, as one batch;
+        while the sibling backs off after failures, its decisions are skipped (counted)."""
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            batch = self.outbox.take()
-            peers = list(self.peers())
-            if batch is None or not peers:
+            await lane.wake.wait()
+            lane.wake.clear()
+            batch = lane.outbox.take()
+            if batch is None:
                 continue
             body, count = batch
-            now = self.clock()
-            ready = [p for p in peers if self._failing.get(p, (0, now))[1] <= now]
-            self.stats.skipped += count * (len(peers) - len(ready))
-            taken = await asyncio.gather(*(self._post(peer, body) for peer in ready))
-            self.stats.sent += count * sum(taken)
+            if self._failing.get(peer, (0, 0.0))[1] > self.clock():
+                self.stats.skipped += count
+            elif await self._post(peer, body):
+                self.stats.sent += count
 
     async def _post(self, peer: str, body: bytes) -> bool:
         """Post one batch; whether the sibling took it."""

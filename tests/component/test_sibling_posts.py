@@ -117,3 +117,79 @@ async def test_every_decision_reaches_a_sibling_slower_than_they_come_and_garbag
         finally:
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)
+
+
+async def test_a_stalled_sibling_holds_back_no_other_siblings_decisions() -> None:
+    """A sibling that takes a post and never answers (a stopped process still accepts) holds
+    back its own decisions for the post timeout, not another sibling's: each sibling's posts
+    go out in a lane of their own. (All siblings' posts were awaited together, so every
+    decision after the first waited for the stalled one's timeout.)"""
+    got: list[int] = []
+    stalled_posts = 0
+    release = asyncio.Event()
+    decode = DecisionSharing(None, list, TOKEN, lambda *a: None, lambda r: True).decode  # type: ignore[arg-type]
+
+    async def healthy(request: web.Request) -> web.Response:
+        got.extend(k for d in decode(await request.read()).decisions for k in d.keys)
+        return web.Response(status=204)
+
+    async def stalled(request: web.Request) -> web.Response:
+        nonlocal stalled_posts
+        stalled_posts += 1
+        await release.wait()
+        return web.Response(status=204)
+
+    async with (
+        siblings_answering(healthy=healthy, stalled=stalled) as urls,
+        aiohttp.ClientSession() as session,
+    ):
+        sharing = DecisionSharing(
+            session, lambda: list(urls.values()), TOKEN, lambda *a: None, lambda rank: True
+        )
+        sharing.timeout_s = 60.0  # far past the test's waits: the stalled post stays out
+        running = asyncio.create_task(sharing.run())
+        try:
+            sharing.share(RankId("http://w:1", 0), [1], 0)
+            await eventually(lambda: got == [1] and stalled_posts == 1, 5)
+            for key in range(2, 12):
+                sharing.share(RankId("http://w:1", 0), [key], 0)
+                await eventually(lambda key=key: got[-1:] == [key], 5)
+            assert got == list(range(1, 12))
+            assert stalled_posts == 1  # its next batch waits for its one post out
+            assert sharing.stats.sent == 11 and sharing.stats.failed == 0
+            release.set()  # the stalled sibling answers: what gathered for it goes in one post
+            await eventually(lambda: stalled_posts == 2 and sharing.stats.sent == 22, 5)
+        finally:
+            release.set()
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
+
+async def test_a_sibling_gone_from_the_registry_gets_no_more_posts_a_new_one_the_next() -> None:
+    got: dict[str, list[int]] = {"one": [], "two": []}
+    decode = DecisionSharing(None, list, TOKEN, lambda *a: None, lambda r: True).decode  # type: ignore[arg-type]
+
+    def taking(name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def take(request: web.Request) -> web.Response:
+            got[name].extend(k for d in decode(await request.read()).decisions for k in d.keys)
+            return web.Response(status=204)
+
+        return take
+
+    async with (
+        siblings_answering(one=taking("one"), two=taking("two")) as urls,
+        aiohttp.ClientSession() as session,
+    ):
+        peers = [urls["one"]]
+        sharing = DecisionSharing(session, lambda: peers, TOKEN, lambda *a: None, lambda r: True)
+        running = asyncio.create_task(sharing.run())
+        try:
+            sharing.share(RankId("http://w:1", 0), [1], 0)
+            await eventually(lambda: got["one"] == [1], 5)
+            peers[:] = [urls["two"]]  # one left the registry, two joined
+            sharing.share(RankId("http://w:1", 0), [2], 0)
+            await eventually(lambda: got["two"] == [2], 5)
+            assert got["one"] == [1] and sharing.stats.sent == 2
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
