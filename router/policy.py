@@ -646,9 +646,9 @@ class CacheAware:
         if holds is not None:  # the index now, not the decision's (it may have changed since)
             while held < len(keys) and holds(rank, keys[held]):
                 held += 1
-        first = self.ledger.move(decision.ranked[0].rank, rank, keys, held, holds)
-        if self.share is not None and first < len(keys):
-            self.share(rank, keys[first:], max(held - first, 0))
+        self._tell(
+            rank, keys, held, self.ledger.move(decision.ranked[0].rank, rank, keys, held, holds)
+        )
 
     def place(
         self, candidates: Sequence[Candidate], prompt: Prompt, rank: RankId
@@ -676,9 +676,15 @@ class CacheAware:
         held: int,
         holds: Callable[[RankId, int], bool] | None,
     ) -> None:
-        first = self.ledger.record(rank, keys, held, holds)
-        if self.share is not None and first < len(keys):
-            self.share(rank, keys[first:], max(held - first, 0))
+        self._tell(rank, keys, held, self.ledger.record(rank, keys, held, holds))
+
+    def _tell(self, rank: RankId, keys: Sequence[int], held: int, told: tuple[int, int]) -> None:
+        """Share with the siblings what the ledger says is worth it, `keys[first:stop]`: a
+        prompt's own tail is not (it leaves the working set at once, and, recorded by a
+        sibling as blocks new to it, stayed in that sibling's working set)."""
+        first, stop = told
+        if self.share is not None and first < stop:
+            self.share(rank, keys[first:stop], max(min(held, stop) - first, 0))
 
     def decide(self, candidates: Sequence[Candidate], prompt: Prompt) -> Decision:
         n = len(candidates)

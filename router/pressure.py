@@ -57,7 +57,11 @@ prefixes held 24-38.) A superseded batch is marked `superseded`, and a rank's wo
 (`working_sets`) is its demand less its superseded blocks: what its cache must hold for the
 prefixes routed to it to stay. Demand itself is unchanged (every other rule reads it); only
 the relief of an outgrown holder and the re-placement of a prefix gone from every cache
-(`router.policy`) read the working set.
+(`router.policy`) read the working set. A prompt's own tail is not told to the siblings
+(`record` returns the keys worth telling without it): a sibling records what it is told as
+blocks new to it, with no prefix to tell a tail by, so every tail told stayed in every
+sibling's working set (`pressure_sim` u7.8, three replicas: 33-52 of a rank's 111 blocks), and the
+rules reading it found no rank with room.
 
 Weights are stored as 2 ** ((t - t0) / half_life) against a moving origin t0, so a rank's
 demand is one running sum scaled by 2 ** -((now - t0) / half_life): recording a block is O(1)
@@ -316,27 +320,30 @@ class PressureLedger:
 
     def record(
         self, rank: RankId, keys: Sequence[int], held: int = 0, holds: Holds | None = None
-    ) -> int:
+    ) -> tuple[int, int]:
         """`keys` (a prompt's block keys, root first) were routed to `rank` now, which the
         index shows holding the first `held` of them: the rest are booked on it.
 
-        Returns the position of the first key this changed (its weight, or a booking), or
-        `len(keys)` when it changed nothing: what is worth telling the siblings."""
+        Returns `(first, stop)`: what is worth telling the siblings, `keys[first:stop]`, the
+        keys this changed (a weight, or a booking) but the prompt's own tail, which leaves the
+        working set at once (module docstring, "Working sets"); empty (`first >= stop`) when
+        nothing else changed."""
         now = self._clock()
-        first = len(keys)
+        first = stop = len(keys)
         if now - self._origin > _REBASE_AFTER_HALF_LIVES * self.settings.demand_half_life_s:
             self._rebase(now)
         st = self._ranks.get(rank)
         if st is None:
             st = self._ranks[rank] = _RankLedger(rank)
         if keys:
-            first = self._weigh(st, keys, self._weight(now))
+            first, tail = self._weigh(st, keys, self._weight(now))
+            stop -= tail
             if held < len(keys) and self.settings.booking_ttl_s > 0:
                 self._book(now, rank, st, keys, held)
                 first = min(first, held)
         self._prune(st, now)
         self._sweep(now)
-        return first
+        return first, stop
 
     def move(
         self,
@@ -345,7 +352,7 @@ class PressureLedger:
         keys: Sequence[int],
         held: int = 0,
         holds: Holds | None = None,
-    ) -> int:
+    ) -> tuple[int, int]:
         """A prompt recorded on `routed` was served by `served` instead (the proxy failed over):
         its live booking on `routed` ends (counted `moved`), and the prompt is recorded on
         `served`, which holds its first `held` blocks; its demand follows. Returns as `record`."""
@@ -389,9 +396,10 @@ class PressureLedger:
     def _scale(self, now: float) -> float:
         return 2.0 ** (-(now - self._origin) / self.settings.demand_half_life_s)
 
-    def _weigh(self, st: _RankLedger, keys: Sequence[int], w: float) -> int:
+    def _weigh(self, st: _RankLedger, keys: Sequence[int], w: float) -> tuple[int, int]:
         """Weigh `keys` on the rank at `w` in one new batch (two when the prompt's own tail
-        goes in one of its own); returns the first key weighed, or `len(keys)`."""
+        goes in one of its own); returns the first key weighed, or `len(keys)`, and the length
+        of the prompt's own tail, superseded at once (0: none)."""
         batch = _Batch(st, w)
         pairs = self._pairs
         n = len(keys)
@@ -408,7 +416,7 @@ class PressureLedger:
             first, reweighed, tail = self._reweigh(st, batch, keys, olds, w * _REFRESH_FACTOR)
             added += reweighed
         if not added:
-            return first
+            return first, 0
         if tail and added > tail:
             # Blocks weighed again and the prompt's own tail: the tail in a batch of its own,
             # so that it alone leaves the working set.
@@ -421,7 +429,7 @@ class PressureLedger:
             self._file(st, batch, keys, first, added)
             if tail:
                 _supersede(batch)
-        return first
+        return first, tail
 
     @staticmethod
     def _file(st: _RankLedger, batch: _Batch, keys: Sequence[int], start: int, live: int) -> None:

@@ -16,7 +16,8 @@ same rank instead of placing it again by their own view.
 Theory of operation
 -------------------
 - `Outbox` (plain code) collects this replica's decisions: the rank, the block keys the
-  ledger changed (a hot prefix routed again within its refresh window is not re-sent), and
+  ledger changed (a hot prefix routed again within its refresh window is not re-sent, nor a
+  request's own tail: `PressureLedger.record`), and
   how many of them the index already showed on the rank. At most `MAX_KEYS_PER_DECISION`
   keys of a decision are kept (the head of the prompt: a prefix's head is what a sibling
   must find booked); past `max_pending_keys` the oldest decisions are dropped and counted.

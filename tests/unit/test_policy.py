@@ -662,8 +662,30 @@ def test_shared_decisions_carry_only_what_changed_and_count_as_the_siblings_dema
     fleet.hold(first, 128)  # the store event arrives
     s.decide(0, PROMPT)  # the same prompt again at once: held, and its weights are fresh
     assert s.in_flight == []
-    s.decide(0, PROMPT + [4] * 48)  # a new tail of three blocks: only the tail is news
-    assert [(r, len(keys), held) for _, r, keys, held in s.in_flight] == [(first, 3, 0)]
+    s.decide(0, PROMPT + [4] * 48)  # a tail of three blocks of its own: no news either
+    assert s.in_flight == []
+    # Another prompt going on from the prefix's first 10 blocks for 20 more: a new prefix
+    # below a shared preamble, not a tail (it is longer than what it shares).
+    longer = PROMPT[: 10 * BS] + [6] * (20 * BS)
+    s.decide(0, longer)
+    new_keys = s.sides[0].prompt(longer).keys[10:]
+    assert [keys[-20:] for _, _, keys, _ in s.in_flight] == [new_keys]
+
+
+def test_a_prompts_own_tail_leaves_the_siblings_working_sets_as_it_leaves_its_own() -> None:
+    """A request's own tail is superseded in the ledger that routed it; told to a sibling, it
+    was recorded there as blocks new to it and stayed in that sibling's working set, so every
+    replica's working sets grew past the caches by the tails alone (the rules that read them,
+    an outgrown holder's relief and a gone prefix's re-placement, then found no rank with
+    room). Not told, the two replicas' working sets agree."""
+    fleet = Fleet()
+    s = Siblings(fleet, shared=True)
+    rank = s.decide(0, PROMPT)
+    fleet.hold(rank, 128)  # its store event: the prefix's next requests book only their tails
+    for i in range(6):
+        s.decide(i % 2, PROMPT + [20 + i] * (2 * BS))  # the prefix again, two blocks of its own
+    own, sibling = (side.policy.ledger.working_sets([rank])[0] for side in s.sides)
+    assert own == pytest.approx(sibling, abs=1e-6) and own == pytest.approx(128.0, abs=1e-6)
 
 
 def test_sharing_replicas_count_no_unseen_share_of_what_a_rank_holds() -> None:

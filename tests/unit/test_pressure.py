@@ -229,16 +229,16 @@ def test_a_booking_the_index_never_confirms_expires_at_its_ttl(
 
 
 @pytest.mark.parametrize(
-    ("again_after_s", "held", "first"),
+    ("again_after_s", "held", "told"),
     [
-        (None, 0, 0),  # a new prompt: everything changed, from the first key
-        (0.1, 40, 40),  # the same prompt, all held, refreshed a moment ago: nothing to tell
-        (0.1, 30, 30),  # the same prompt, 30 held: the booking of the last 10 is news
-        (1.0, 40, 0),  # past 1/64 of the half-life: every weight is refreshed
+        (None, 0, (0, 40)),  # a new prompt: everything changed, from the first key
+        (0.1, 40, (40, 40)),  # the same prompt, all held, refreshed a moment ago: nothing
+        (0.1, 30, (30, 40)),  # the same prompt, 30 held: the booking of the last 10 is news
+        (1.0, 40, (0, 40)),  # past 1/64 of the half-life: every weight is refreshed
     ],
 )
-def test_record_returns_where_the_first_change_is_what_siblings_need_to_hear(
-    again_after_s: float | None, held: int, first: int
+def test_record_returns_the_keys_whose_change_siblings_need_to_hear(
+    again_after_s: float | None, held: int, told: tuple[int, int]
 ) -> None:
     clock = ManualClock()
     led = ledger(clock, demand_half_life_s=30.0)
@@ -246,17 +246,25 @@ def test_record_returns_where_the_first_change_is_what_siblings_need_to_hear(
     if again_after_s is not None:
         led.record(A, prompt, held=40)
         clock.advance(again_after_s)
-    assert led.record(A, prompt, held=held) == first
+    assert led.record(A, prompt, held=held) == told
 
 
-def test_record_of_a_new_tail_after_a_fresh_prefix_starts_at_the_tail() -> None:
+@pytest.mark.parametrize(
+    ("more", "held", "told"),
+    [
+        (4, 30, (30, 30)),  # an own tail after a fresh prefix, the prefix held: no news
+        (4, 26, (26, 30)),  # ... the prefix's last 4 blocks booked: those are news, not the tail
+        (40, 30, (30, 70)),  # longer than what it shares: another prefix below it, news
+    ],
+)
+def test_record_tells_no_prompts_own_tail(more: int, held: int, told: tuple[int, int]) -> None:
     clock = ManualClock()
     led = ledger(clock)
     head = keys(1, 30)
     led.record(A, head, held=30)
-    longer = block_keys(tokens(1, 30) + tokens(7, 4), BS)
+    longer = block_keys(tokens(1, 30) + tokens(7, more), BS)
     assert longer[:30] == head
-    assert led.record(A, longer, held=30) == 30
+    assert led.record(A, longer, held=held) == told
 
 
 # A 20-block prefix, then tails of its requests' own (block_keys chain: a tail's keys depend
@@ -429,7 +437,7 @@ def test_record_keeps_demand_block_by_block_as_the_rules_state(
     for rank, family, length, wait in records:
         clock.advance(wait)
         prompt = keys(family, length)
-        assert led.record(rank, prompt, held=length) == model.record(rank, prompt, clock())
+        assert led.record(rank, prompt, held=length)[0] == model.record(rank, prompt, clock())
         for r in (A, B, C):
             assert led.demand(r) == pytest.approx(model.demand(r, clock()), rel=1e-9, abs=1e-9)
     assert led.tracked_blocks == len(model.routed)
@@ -507,7 +515,7 @@ def test_record_keeps_the_bounded_demand_pair_by_pair_as_the_rules_state(
     model = BoundedDemandModel(half_life_s, bound)
     for rank, prompt, wait in records:
         clock.advance(wait)
-        assert led.record(rank, prompt) == model.record(rank, prompt, clock())
+        assert led.record(rank, prompt)[0] == model.record(rank, prompt, clock())
         assert led.ranks() == list(model.ranks)
         assert led.tracked_blocks == sum(len(pairs) for pairs in model.ranks.values())
         for r in (A, B, C):
@@ -533,9 +541,9 @@ def test_a_conversation_turn_moves_its_history_below_a_fresh_system_prompt_whole
     system, history, turn = prompt[:10], prompt[10:16], prompt[16:]
     led.record(A, system + history)
     clock.advance(1.0)  # past the refresh window (30 s / 64)
-    assert led.record(A, system) == 0  # weighed again; the history behind it superseded
+    assert led.record(A, system) == (0, 10)  # weighed again; the history behind superseded
     assert led.working_sets([A]) == pytest.approx([10])
-    assert led.record(A, system + history + turn) == 10  # the system prompt kept fresh
+    assert led.record(A, system + history + turn) == (10, 24)  # the system prompt kept fresh
     assert led.demand(A) == pytest.approx(24)
     assert led.working_sets([A]) == pytest.approx([24])
     assert led.tracked_blocks == 24
@@ -545,10 +553,10 @@ def test_a_conversation_turn_moves_its_history_below_a_fresh_system_prompt_whole
 def test_a_prompt_listing_a_block_twice_weighs_it_once() -> None:
     clock = ManualClock()
     led = ledger(clock, demand_half_life_s=10.0)
-    assert led.record(A, [1, 2, 1, 3], held=4) == 0
+    assert led.record(A, [1, 2, 1, 3], held=4) == (0, 4)
     assert (led.tracked_blocks, led.demand(A)) == (3, pytest.approx(3.0))
     clock.advance(5.0)  # past the refresh window: [2, 4, 2] is weighed again, 2 once
-    assert led.record(B, [2, 4, 2], held=3) == 0
+    assert led.record(B, [2, 4, 2], held=3) == (0, 3)
     assert led.tracked_blocks == 4
     assert led.demand(A) == pytest.approx(2 * 2**-0.5)
     assert led.demand(B) == pytest.approx(2.0)
@@ -609,7 +617,7 @@ def test_a_failed_over_prompt_moves_its_booking_and_demand_to_the_rank_that_serv
     other = keys(2, 8)
     led.record(A, other, holds=index.holds)  # a later booking on A stays
     assert led.pending(A) == 38
-    assert led.move(A, B, prompt, held=0, holds=index.holds) == 0
+    assert led.move(A, B, prompt, held=0, holds=index.holds) == (0, 40)
     assert (led.bookings.moved, led.bookings.expired) == (1, 0)
     assert led.pending(A) == 8 and led.live_bookings(A) == 1
     assert led.pending(B) == 40 and led.booked_depths(prompt, {}) == {B: 40}
