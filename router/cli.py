@@ -34,8 +34,10 @@ from router import launch
 from router.auth import TOKEN_ENV, token_problem
 from router.homes import DEFAULT_MAX_HOMES, MAX_HOMES_BOUND
 from router.index import DEFAULT_INDEX_MAX_BLOCKS
-from router.ingest_pool import DEFAULT_INGEST_PROCESSES
+from router.ingest_pool import DEFAULT_INGEST_PROCESSES, DEFAULT_SILENCE_S
 from router.ingest_pool import MAX_PROCESSES as MAX_INGEST_PROCESSES
+from router.ingest_pool import MAX_SILENCE_S as MAX_INGEST_SILENCE_S
+from router.ingest_pool import MIN_SILENCE_S as MIN_INGEST_SILENCE_S
 from router.origin import AllowList, origin_problem, url_problem
 from router.placement import DEFAULT_TIMEOUT_MS as DEFAULT_PLACEMENT_TIMEOUT_MS
 from router.placement import MAX_TIMEOUT_MS as MAX_PLACEMENT_TIMEOUT_MS
@@ -375,6 +377,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         DEFAULT_INGEST_PROCESSES,
         "processes that receive, decode and key KV events for the pump (0: in the event loop)",
     )
+    f.add(
+        "kv-ingest-silence-s",
+        finite,
+        DEFAULT_SILENCE_S,
+        "an ingest process that sends nothing, not even its heartbeat, this long is taken as "
+        "hung, killed and started again",
+    )
     f.add("drain-timeout-s", finite, 30.0, "after SIGTERM, how long in-flight requests may run")
     f.add("log-level", str.lower, "info", "how much to log", choices=LOG_LEVELS)
     return f
@@ -467,6 +476,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         (
             0 <= args.kv_ingest_processes <= MAX_INGEST_PROCESSES,
             f"--kv-ingest-processes must be 0..{MAX_INGEST_PROCESSES}",
+        ),
+        (
+            MIN_INGEST_SILENCE_S <= args.kv_ingest_silence_s <= MAX_INGEST_SILENCE_S,
+            f"--kv-ingest-silence-s must be {MIN_INGEST_SILENCE_S}..{MAX_INGEST_SILENCE_S}",
         ),
         (0 <= args.worker_port <= 65535, "--worker-port must be 0 (the first listed) or 1..65535"),
         (

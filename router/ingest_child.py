@@ -11,6 +11,9 @@ replica's own class with its own rules (framing, seq, replay, reset, size bound)
 they run differs. Sending awaits while the replica's pump is behind (the PAIR's high-water
 mark), so backpressure reaches the engines' publishers exactly as in one process.
 
+Every `--heartbeat-s` it sends a `Beat`, events or not: the replica takes a process it has
+heard nothing from for a while as hung, and kills it (`router.ingest_pool.hung`).
+
 It runs until it is terminated or its parent dies (PR_SET_PDEATHSIG on Linux, and a check of
 the parent pid every second as well).
 """
@@ -30,6 +33,7 @@ import zmq.asyncio
 
 from cachetree.ranks import RankId
 from router.ingest_wire import (
+    BEAT,
     PAIR_HWM,
     KeyMirror,
     Subscribe,
@@ -54,9 +58,16 @@ STATS_INTERVAL_S = 1.0
 
 
 class IngestChild:
-    def __init__(self, control: zmq.asyncio.Socket, context: zmq.asyncio.Context, **sub_kw: object):
+    def __init__(
+        self,
+        control: zmq.asyncio.Socket,
+        context: zmq.asyncio.Context,
+        heartbeat_s: float,
+        **sub_kw: object,
+    ):
         self._control = control
         self._ctx = context
+        self._heartbeat_s = heartbeat_s
         self._sub_kw = sub_kw
         self._mirror = KeyMirror()
         self._subs: dict[RankId, tuple[asyncio.Task[None], SubscriberStats]] = {}
@@ -112,8 +123,17 @@ class IngestChild:
                     self._sent[rank] = values
                     await self._send(pack_stats(rank, values))
 
+    async def _beat(self) -> None:
+        # Unconditional: one tiny message an interval costs less than noting when each batch
+        # went out. Under backpressure it queues behind the batches, and the replica, which is
+        # then reading or delivering them, does not measure silence (`IngestPool._read`).
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            await self._send(BEAT)
+
     async def run(self) -> None:
         reporter = asyncio.create_task(self._report(), name="ingest-stats")
+        beat = asyncio.create_task(self._beat(), name="ingest-beat")
         try:
             await self._send(pack_hello(os.getpid()))
             while True:
@@ -124,6 +144,7 @@ class IngestChild:
                     await self._unsubscribe(command)  # type: ignore[arg-type]
         finally:
             reporter.cancel()
+            beat.cancel()
             for task, _ in self._subs.values():
                 task.cancel()
 
@@ -155,6 +176,7 @@ async def main_async(args: argparse.Namespace) -> None:
         await IngestChild(
             control,
             context,
+            args.heartbeat_s,
             max_message_bytes=args.max_message_bytes,
             replay_timeout_s=args.replay_timeout_s,
         ).run()
@@ -170,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parent", type=int, default=os.getppid())
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     parser.add_argument("--replay-timeout-s", type=float, default=2.0)
+    parser.add_argument("--heartbeat-s", type=float, required=True)
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     logging.basicConfig(

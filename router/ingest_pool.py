@@ -32,6 +32,17 @@ snapshot re-pulled), never silently; the ranks' counters go on from the dead pro
 report. After UNHEALTHY_AFTER
 restarts in a row without RESET_AFTER_S of life, `unhealthy` names the process and its last
 exit status: `/readyz` reports it and answers 503 until a process lives again.
+
+Liveness: a process that is alive but stuck (stopped, deadlocked, starved) never exits, and
+its ranks would silently stop updating the index. So each process sends a `Beat` every
+`silence_s / BEATS_PER_SILENCE`, events or not (cheaper than the replica pinging: one message
+an interval one way, and no state in the process), and the reader, when it finds the channel
+empty, notes when it last heard anything; `hung` decides from that. Silence is measured only
+while the replica waits on an empty channel, never while it reads or delivers (a slow pump
+holds the process's beats back in the channel: that process is not the one behind), and the
+clock is read once per wait, not per message. A hung process is counted in `hung`, SIGKILLed
+(a stopped process takes no SIGTERM until it is continued) and reaped, and the restart path
+above takes over: its ranks resume from their last seq, their snapshots pulled again.
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ from cachetree.ranks import RankId
 from peer.tasks import cancel_and_wait
 from router.ingest_wire import (
     PAIR_HWM,
+    Beat,
     Hello,
     Stats,
     Subscribe,
@@ -67,6 +79,7 @@ from router.ingest_wire import (
 from router.subscriber import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Deliver,
+    LiveBatch,
     RankEndpoint,
     SubscriberStats,
 )
@@ -80,6 +93,13 @@ BACKOFF_MAX_S: Final = 5.0
 RESET_AFTER_S: Final = 30.0  # a process that lived this long starts its backoff afresh
 UNHEALTHY_AFTER: Final = 5  # restarts in a row, each dead within RESET_AFTER_S
 DRAIN_BATCH: Final = 64
+DEFAULT_SILENCE_S: Final = 5.0  # --kv-ingest-silence-s
+MIN_SILENCE_S: Final = 0.2  # beats every 50 ms at most
+MAX_SILENCE_S: Final = 600.0
+BEATS_PER_SILENCE: Final = 4  # a live process's beats within the bound: one late is no harm
+# The bound before a process's Hello: its imports, on a host busy enough to slow them, may take
+# longer than a running process ever stays silent.
+START_SILENCE_S: Final = 30.0
 
 
 def pick_process(loads: list[int]) -> int:
@@ -93,9 +113,17 @@ def restart_backoff_s(failures: int) -> float:
     return min(BACKOFF_FIRST_S * 2 ** (failures - 1), BACKOFF_MAX_S)
 
 
+def hung(now: float, heard: float, up: bool, silence_s: float) -> bool:
+    """Whether a process the replica last heard from at `heard`, and has waited on since
+    with its channel empty, is taken as hung: silent past `silence_s` (START_SILENCE_S
+    before its Hello)."""
+    return now - heard > (silence_s if up else max(silence_s, START_SILENCE_S))
+
+
 @dataclass(slots=True)
 class IngestStats:
     restarts: Counter[int] = field(default_factory=Counter)  # process index -> restarts
+    hung: Counter[int] = field(default_factory=Counter)  # process index -> killed as hung
     bad_messages: int = 0
     items: int = 0
 
@@ -128,6 +156,7 @@ class IngestPool:
         context: zmq.asyncio.Context,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         replay_timeout_s: float = 2.0,
+        silence_s: float = DEFAULT_SILENCE_S,
         log_level: str = "info",
         clock: Callable[[], float] = time.monotonic,
         command: Sequence[str] = (sys.executable, "-m", "router.ingest_child"),
@@ -139,9 +168,12 @@ class IngestPool:
         process started again resumes from (`Subscribe.last_seq`); `resumed` is told of each
         rank so resumed (the seqs cannot show an engine that restarted while no process
         listened: its new stream's seqs would continue the old one's), to re-pull its
-        worker's snapshot."""
+        worker's snapshot. `silence_s`: how long a process may send nothing, not even its
+        beat, before it is taken as hung and killed (`hung`)."""
         if not 1 <= processes <= MAX_PROCESSES:
             raise ValueError(f"ingest processes must be 1..{MAX_PROCESSES}")
+        if not MIN_SILENCE_S <= silence_s <= MAX_SILENCE_S:
+            raise ValueError(f"ingest silence must be {MIN_SILENCE_S}..{MAX_SILENCE_S} s")
         self._deliver = deliver
         self._ctx = zmq.Context.shadow(context.underlying)
         self._child_args = [
@@ -149,9 +181,12 @@ class IngestPool:
             str(max_message_bytes),
             "--replay-timeout-s",
             str(replay_timeout_s),
+            "--heartbeat-s",
+            str(silence_s / BEATS_PER_SILENCE),
             "--log-level",
             log_level,
         ]
+        self._silence_s = silence_s
         self._clock = clock
         self._command = list(command)
         self._applied = applied
@@ -286,7 +321,9 @@ class IngestPool:
             )
             proc.pid = child.pid
             proc.socket = sock
-            reader = asyncio.create_task(self._read(proc, sock), name=f"ingest-read-{proc.index}")
+            reader = asyncio.create_task(
+                self._read(proc, sock, child), name=f"ingest-read-{proc.index}"
+            )
             try:
                 return child.pid, await child.wait()
             except asyncio.CancelledError:
@@ -306,28 +343,68 @@ class IngestPool:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
-    async def _read(self, proc: _Process, sock: zmq.Socket) -> None:
-        """Drain the process's messages into the pump, in order (edge-triggered fd)."""
+    async def _read(
+        self, proc: _Process, sock: zmq.Socket, child: asyncio.subprocess.Process
+    ) -> None:
+        """Drain the process's messages into the pump, in order (edge-triggered fd); kill the
+        process if it stays silent past the bound (`hung`), checked when woken by a tick with
+        nothing to read."""
         loop = asyncio.get_running_loop()
         readable = asyncio.Event()
         fd = sock.getsockopt(zmq.FD)
         loop.add_reader(fd, readable.set)
+        ticker = asyncio.create_task(
+            _tick(readable, self._silence_s / BEATS_PER_SILENCE), name=f"ingest-tick-{proc.index}"
+        )
+        heard = self._clock()
+        fresh = False  # anything received since the last wait (noted then, on the clock)
         try:
             while True:
-                for _ in range(DRAIN_BATCH):
+                for received in range(DRAIN_BATCH):  # noqa: B007 - read after: this turn's count
                     try:
                         message = sock.recv(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     await self._handle(proc, message.buffer)
                 else:
+                    fresh = True
                     await asyncio.sleep(0)
                     continue
+                fresh = fresh or received > 0
                 readable.clear()
-                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    await readable.wait()
+                if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    continue
+                if fresh:
+                    heard = self._clock()
+                    fresh = False
+                elif hung(now := self._clock(), heard, proc.up.is_set(), self._silence_s):
+                    self._kill_hung(proc, child, now - heard)
+                    return
+                await readable.wait()
         finally:
             loop.remove_reader(fd)
+            await cancel_and_wait([ticker])
+
+    def _kill_hung(
+        self, proc: _Process, child: asyncio.subprocess.Process, silent_s: float
+    ) -> None:
+        """SIGKILL, not SIGTERM: a stopped process takes no other signal until it is
+        continued. `_run_once` reaps it and the supervision starts the next one."""
+        self.stats.hung[proc.index] += 1
+        log.warning(
+            "ingest process %d (pid %d) sent nothing, not even its heartbeat, for %.1f s "
+            "(--kv-ingest-silence-s %.1f): taken as hung (stopped, deadlocked or starved of "
+            "CPU) and killed; its %d rank(s) resume in a new one. If this repeats, look at the "
+            "host's CPU throttling, or dump the process's stacks (py-spy dump --pid) before "
+            "the bound",
+            proc.index,
+            child.pid,
+            silent_s,
+            self._silence_s,
+            len(proc.ranks),
+        )
+        with contextlib.suppress(ProcessLookupError):  # it exited meanwhile: reaped anyway
+            child.kill()
 
     async def _handle(self, proc: _Process, message: memoryview) -> None:
         try:
@@ -336,25 +413,42 @@ class IngestPool:
             self.stats.bad_messages += 1
             log.error("ingest process %d sent a message that does not decode: %s", proc.index, exc)
             return
-        if type(item) is Stats:
-            owned = proc.ranks.get(item.rank)
-            if owned is not None:
-                proc.reported[item.rank] = item.values
-                _copy_stats(owned[1], _added(proc.carried.get(item.rank, {}), item.values))
-            return
-        if type(item) is Hello:
-            # Connected: every rank it owns, again (a new incarnation knows nothing), each
-            # from where the index is (`Subscribe.last_seq`).
-            for endpoint, _ in proc.ranks.values():
-                last = self._applied(endpoint.rank)
-                self._send_now(proc, pack_command(_subscribe(endpoint, last)))
-                if last is not None and proc.generation > 1:
-                    self._resumed(endpoint.rank)
-            proc.up.set()
-            log.info("ingest process %d (pid %d) is up", proc.index, item.pid)
-            return
+        kind = type(item)
+        if kind is not LiveBatch:  # most messages: one check on their way to the pump
+            if kind is Beat:
+                return  # its arrival is all it says (`_read` noted it)
+            if kind is Stats:
+                self._took_stats(proc, item)  # type: ignore[arg-type]
+                return
+            if kind is Hello:
+                self._took_hello(proc, item)  # type: ignore[arg-type]
+                return
         self.stats.items += 1
         await self._deliver(item)  # type: ignore[arg-type]
+
+    def _took_stats(self, proc: _Process, item: Stats) -> None:
+        owned = proc.ranks.get(item.rank)
+        if owned is not None:
+            proc.reported[item.rank] = item.values
+            _copy_stats(owned[1], _added(proc.carried.get(item.rank, {}), item.values))
+
+    def _took_hello(self, proc: _Process, item: Hello) -> None:
+        # Connected: every rank it owns, again (a new incarnation knows nothing), each from
+        # where the index is (`Subscribe.last_seq`).
+        for endpoint, _ in proc.ranks.values():
+            last = self._applied(endpoint.rank)
+            self._send_now(proc, pack_command(_subscribe(endpoint, last)))
+            if last is not None and proc.generation > 1:
+                self._resumed(endpoint.rank)
+        proc.up.set()
+        log.info("ingest process %d (pid %d) is up", proc.index, item.pid)
+
+
+async def _tick(event: asyncio.Event, every_s: float) -> None:
+    """Wake the reader every `every_s`, so it looks at a silent process's silence."""
+    while True:
+        await asyncio.sleep(every_s)
+        event.set()
 
 
 def _subscribe(endpoint: RankEndpoint, last_seq: int | None) -> Subscribe:

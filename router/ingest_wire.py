@@ -129,6 +129,11 @@ class Hello(msgspec.Struct, array_like=True, tag=14):
     pid: int
 
 
+class Beat(msgspec.Struct, array_like=True, tag=15):
+    """An ingest process is alive: sent at a fixed interval, events or not, so a process that
+    is stopped or stuck shows as silence (`router.ingest_pool.hung`)."""
+
+
 # Messages queued each way on a process's channel before the sender waits, at each end. Few:
 # a batch may be up to `--kv-events-max-message-bytes` (8 MiB), and what waits here is held in
 # memory on top of the pump's own queue (1,024 per process was 1.4 GB more at 2 processes
@@ -153,7 +158,7 @@ class Unsubscribe(msgspec.Struct, array_like=True, tag=21):
     dp: int
 
 
-Upward = _Batch | _Reset | _Gap | Stats | Hello
+Upward = _Batch | _Reset | _Gap | Stats | Hello | Beat
 Command = Subscribe | Unsubscribe
 
 _encoder = msgspec.msgpack.Encoder()
@@ -255,7 +260,10 @@ def pack_hello(pid: int) -> bytes:
     return _encoder.encode(Hello(pid))
 
 
-def unpack(message: bytes | memoryview) -> SubscriberItem | Stats | Hello:
+BEAT: Final = _encoder.encode(Beat())
+
+
+def unpack(message: bytes | memoryview) -> SubscriberItem | Stats | Hello | Beat:
     """A message from an ingest process as the item the pump takes (in the replica).
 
     Raises `msgspec.DecodeError` (or ValueError) for anything that is not one message whole.
@@ -271,7 +279,7 @@ def unpack(message: bytes | memoryview) -> SubscriberItem | Stats | Hello:
         return PublisherReset(RankId(msg.url, msg.dp), msg.jumped)
     if type(msg) is _Gap:
         return UnrepairedGap(RankId(msg.url, msg.dp), msg.first, msg.last)
-    return msg  # type: ignore[return-value] - Stats or Hello
+    return msg  # type: ignore[return-value] - Stats, Hello or Beat
 
 
 def _event(e: _Stored | _Removed | _Cleared | _RemovedRun) -> KVEvent:

@@ -532,7 +532,7 @@ def _gauge(
 
 
 class _IngestCollector(Collector):
-    """The ingest processes (--kv-ingest-processes): their restarts and what they sent."""
+    """The ingest processes (--kv-ingest-processes): their restarts, hangs and what they sent."""
 
     def __init__(self, pool: IngestPool) -> None:
         self._pool = pool
@@ -550,6 +550,13 @@ class _IngestCollector(Collector):
             "Ingest processes started again after they exited (their ranks see a gap)",
             ["process"],
             {(str(i),): pool.stats.restarts[i] for i in range(pool.processes)},
+        )
+        yield _counter(
+            "kvrouter_kv_ingest_hung",
+            "Ingest processes killed as hung: silent, not even a heartbeat, past "
+            "--kv-ingest-silence-s (each then started again, counted in restarts too)",
+            ["process"],
+            {(str(i),): pool.stats.hung[i] for i in range(pool.processes)},
         )
         yield _counter(
             "kvrouter_kv_ingest_bad_messages",

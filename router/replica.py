@@ -39,7 +39,7 @@ from router.dataplane.polling import PollClient
 from router.dataplane.routing import INDEX_POLICIES
 from router.homes import DEFAULT_MAX_HOMES, CacheAwareHome, HomeSettings, HomeTable
 from router.index import DEFAULT_INDEX_MAX_BLOCKS, IndexRules, Pump
-from router.ingest_pool import DEFAULT_INGEST_PROCESSES, IngestPool
+from router.ingest_pool import DEFAULT_INGEST_PROCESSES, DEFAULT_SILENCE_S, IngestPool
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
 from router.origin import AllowList
@@ -135,6 +135,7 @@ class ServeConfig:
     prefix_homes: bool = False  # cache_aware: a home rank per prefix (router.homes)
     prefix_homes_max: int = DEFAULT_MAX_HOMES
     kv_ingest_processes: int = DEFAULT_INGEST_PROCESSES
+    kv_ingest_silence_s: float = DEFAULT_SILENCE_S
     kv_events: str = "auto"  # on | off | auto: on for policies that read the index
 
     @property
@@ -248,6 +249,7 @@ async def _compose(
             pump.deliver,
             context=zmq_context,
             max_message_bytes=config.kv_events_max_message_bytes,
+            silence_s=config.kv_ingest_silence_s,
             log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
             applied=pump.rules.cursors.get,
             resumed=pump.rules.report_doubt,

@@ -18,7 +18,7 @@ from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from router.index import IndexRules, Pump
 from router.ingest_pool import UNHEALTHY_AFTER, IngestPool
-from router.subscriber import RankEndpoint, SubscriberStats
+from router.subscriber import RankEndpoint, SubscriberItem, SubscriberStats
 from router.zmq_term import terminate_context
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.router import router_in_process
@@ -69,7 +69,8 @@ class Fleet:
 
 
 @pytest.fixture
-async def fleet() -> AsyncIterator[Fleet]:
+async def fleet(request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
+    """Two ingest processes, a rank each; `indirect` parameters are the pool's keywords."""
     context = zmq.asyncio.Context()
     rules = IndexRules(BlockTree(BS))
     pump = Pump(rules)
@@ -78,7 +79,12 @@ async def fleet() -> AsyncIterator[Fleet]:
         rules.add_ranks([RankId(fw.url, dp) for dp in range(2)])
         resumed: list[RankId] = []
         pool = IngestPool(
-            2, pump.deliver, context=context, applied=rules.cursors.get, resumed=resumed.append
+            2,
+            pump.deliver,
+            context=context,
+            applied=rules.cursors.get,
+            resumed=resumed.append,
+            **getattr(request, "param", {}),
         )
         pool.start()
         f = Fleet(fw, pool, pump)
@@ -160,6 +166,99 @@ async def test_a_process_started_again_replays_what_the_dead_one_missed_and_coun
     assert fleet.resumed == [rank]
     # The dead process's channel went with it: one ipc path per live process, no more.
     assert len(os.listdir(fleet.pool._dir)) == 2
+
+
+def _reaped(pid: int) -> bool:
+    """Gone for good: a zombie (killed, not yet waited for) still takes signal 0."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+SILENCE_S = 1.0
+
+
+@pytest.mark.parametrize("fleet", [{"silence_s": SILENCE_S}], indirect=True)
+async def test_a_stopped_process_is_killed_within_the_bound_and_its_rank_resumes_in_a_new_one(
+    fleet: Fleet, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process alive but stuck never exits: its rank silently stopped updating the index.
+    Its silence now gets it SIGKILLed (a stopped process takes no SIGTERM) and reaped, and
+    the restart path resumes its rank from the last seq applied."""
+    fleet.subscribe()
+    await fleet.gate()
+    rank = fleet.ranks[0]
+    held = fleet.tree.block_count(rank)
+    victim = fleet.pool.pids()[0]
+    assert victim is not None
+    os.kill(victim, signal.SIGSTOP)
+    # Published while the process is stopped: it never hands this over.
+    missed = await fleet.fw.store([list(range(700, 700 + 2 * BS))], dp_rank=0)
+    # Noticed within the bound (plus a tick of the check, and room for a busy host).
+    await eventually(lambda: fleet.pool.stats.hung[0] == 1, within_s=2 * SILENCE_S + 1)
+    warned = [r for r in caplog.records if "taken as hung" in r.getMessage()]
+    assert [r.levelname for r in warned] == ["WARNING"] and f"pid {victim}" in warned[
+        0
+    ].getMessage()
+    await eventually(lambda: _reaped(victim), within_s=5)
+    await eventually(lambda: fleet.pool.pids()[0] not in (None, victim), within_s=10)
+    assert fleet.pool.stats.restarts[0] == 1
+    # The other process had no events all along: its heartbeats alone kept it.
+    assert fleet.pool.stats.hung[1] == 0 and fleet.pool.stats.restarts[1] == 0
+    await fleet.gate()
+    await eventually(lambda: fleet.pump.rules.cursors.get(rank, -1) >= missed, within_s=10)
+    last = await fleet.fw.store([list(range(900, 900 + 3 * BS))], dp_rank=0)
+    await eventually(lambda: fleet.pump.rules.cursors.get(rank, -1) >= last, within_s=10)
+    # The blocks stored while it was stopped (replayed) and after (a probe is one block, the
+    # same every time).
+    assert fleet.tree.block_count(rank) == held + 2 + 3
+    assert not fleet.pump.rules.stats.lost_batches
+    assert fleet.resumed == [rank]  # its worker snapshot pulled again, as after an exit
+
+
+async def test_a_process_whose_batches_wait_on_a_slow_pump_is_not_taken_as_hung() -> None:
+    """Its beats queue behind its batches while the replica is held up delivering them: the
+    process is not the one behind, and killing it would only lose what it holds."""
+    silence_s = 0.4
+    context = zmq.asyncio.Context()
+    rules = IndexRules(BlockTree(BS))
+    pump = Pump(rules)
+    pump.start()
+    flowing = asyncio.Event()
+    flowing.set()
+
+    async def behind(item: SubscriberItem) -> None:
+        await flowing.wait()
+        await pump.deliver(item)
+
+    async with fake_worker_in_process(dp_size=1, replay=True) as fw:
+        rank = RankId(fw.url, 0)
+        rules.add_ranks([rank])
+        pool = IngestPool(1, behind, context=context, silence_s=silence_s)
+        pool.start()
+        endpoint = RankEndpoint(rank, fw.kv_endpoint(0), replay_endpoint=fw.replay_endpoint(0))
+        task = asyncio.create_task(pool.subscription(endpoint, SubscriberStats()))
+        try:
+            fleet = Fleet(fw, pool, pump)
+            fleet.ranks = [rank]
+            await fleet.gate()
+            flowing.clear()  # the pump is behind from here
+            delivered = pool.stats.items
+            seq = await fw.store([list(range(100, 100 + BS))], dp_rank=0)
+            await eventually(lambda: pool.stats.items > delivered)  # the reader waits on it
+            with pytest.raises(TimeoutError):
+                await eventually(lambda: pool.stats.hung[0], within_s=4 * silence_s)
+            flowing.set()
+            await eventually(lambda: rules.cursors.get(rank, -1) >= seq)
+            assert pool.stats.hung[0] == 0 and pool.stats.restarts[0] == 0
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await pool.close()
+            await pump.stop()
+    await terminate_context(context, within_s=2.0, what="test")
 
 
 async def test_a_process_that_cannot_be_started_is_retried_and_reported_never_dropped() -> None:

@@ -155,6 +155,8 @@ def invalid_settings(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], st
             {"KVROUTER_PLACEMENT_TIMEOUT_MS": "5000"},
             "--placement-timeout-ms",
         ),
+        # A bound of 0 would kill every ingest process between two heartbeats.
+        "zero ingest silence": (["--kv-ingest-silence-s", "0"], {}, "--kv-ingest-silence-s"),
     }
 
 

@@ -14,7 +14,7 @@ from cachetree.tiers import DEVICE, HOST
 from cachetree.tree import BlockTree
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, RemovedRun
 from router.index import IndexRules
-from router.ingest_pool import _copy_stats, pick_process, restart_backoff_s
+from router.ingest_pool import START_SILENCE_S, _copy_stats, hung, pick_process, restart_backoff_s
 from router.ingest_wire import KeyMirror, Stats, pack, pack_stats, stats_values, unpack
 from router.subscriber import LiveBatch, PublisherReset, SubscriberStats, UnrepairedGap
 
@@ -215,3 +215,22 @@ def test_a_new_rank_goes_to_the_process_with_the_fewest(loads: list[int], chosen
 )
 def test_restarts_back_off_doubling_to_a_ceiling(failures: int, wait_s: float) -> None:
     assert restart_backoff_s(failures) == pytest.approx(wait_s)
+
+
+@pytest.mark.parametrize(
+    ("now", "heard", "up", "silence_s", "is_hung"),
+    [
+        (104.9, 100.0, True, 5.0, False),  # within the bound: a late beat is no harm
+        (105.0, 100.0, True, 5.0, False),  # at it
+        (105.1, 100.0, True, 5.0, True),  # past it
+        (100.6, 100.0, True, 0.5, True),  # the bound is the flag's
+        (100.0 + START_SILENCE_S - 1, 100.0, False, 5.0, False),  # before its Hello: imports
+        (100.0 + START_SILENCE_S + 1, 100.0, False, 5.0, True),  # ... but not for ever
+        (100.0 + START_SILENCE_S + 1, 100.0, False, 60.0, False),  # a longer flag holds there too
+        (161.0, 100.0, False, 60.0, True),
+    ],
+)
+def test_a_process_is_hung_once_silent_past_its_bound(
+    now: float, heard: float, up: bool, silence_s: float, is_hung: bool
+) -> None:
+    assert hung(now, heard, up, silence_s) is is_hung
