@@ -4,7 +4,10 @@ Real vLLM and SGLang do not serve this route; our fake worker does, and an engin
 The body lists, per dp rank, the last seq the state reflects and every cached block in
 parent-before-child order with its engine hash (as the engine puts it on the wire: SGLang's are
 signed), parent engine hash, token ids and tier name. The router replays it as stores, so the
-rank's index ends up exactly as if it had seen every event up to `last_seq`.
+rank's index ends up exactly as if it had seen every event up to `last_seq`, but for
+namespaces: a block lists no LoRA adapter or cache salt (a field it adds is ignored), so every
+block is keyed as the base model's and no adapter name is learned from it (the README's "LoRA
+adapters" item); carrying them would take a new optional field here, read for chain roots.
 
 A body that does not decode (a token id outside [0, 2**32) included), or whose blocks do not
 fit together (a block size that differs, tokens that do not fill a block, a parent that comes
