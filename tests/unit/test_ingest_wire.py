@@ -15,7 +15,16 @@ from cachetree.tree import BlockTree
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, RemovedRun
 from router.index import IndexRules
 from router.ingest_pool import START_SILENCE_S, _copy_stats, hung, pick_process, restart_backoff_s
-from router.ingest_wire import KeyMirror, Stats, pack, pack_stats, stats_values, unpack
+from router.ingest_wire import (
+    BEAT,
+    Beat,
+    KeyMirror,
+    Stats,
+    pack,
+    pack_stats,
+    stats_values,
+    unpack,
+)
 from router.subscriber import LiveBatch, PublisherReset, SubscriberStats, UnrepairedGap
 
 BS = 4
@@ -105,13 +114,14 @@ def test_the_mirror_is_bounded_per_rank() -> None:
     assert keyed.batch.events[0].keys is None  # hash 1 was the oldest of four
 
 
-def test_resets_gaps_and_counters_round_trip() -> None:
+def test_resets_gaps_counters_and_beats_round_trip() -> None:
     mirror = KeyMirror()
     assert unpack(pack(PublisherReset(B), mirror)) == PublisherReset(B)
     assert unpack(pack(PublisherReset(B, jumped=True), mirror)) == PublisherReset(B, jumped=True)
     assert unpack(pack(UnrepairedGap(B, 4, 9), mirror)) == UnrepairedGap(B, 4, 9)
     stats = unpack(pack_stats(B, {"frames": 3, "replay": {"repaired": 1}}))
     assert type(stats) is Stats and stats.rank == B and stats.values["frames"] == 3
+    assert type(unpack(BEAT)) is Beat
 
 
 def test_a_ranks_counters_reach_the_replica_as_they_were_counted() -> None:
