@@ -224,6 +224,10 @@ async def fleet(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Fleet
                     "d",
                     "--tokenizer",
                     str(model),
+                    # A mixed fleet: the rules would be the first worker's to register, and
+                    # SGLang's render the image chats (no tokenize failure to count).
+                    "--chat-rules",
+                    "vllm",
                     "--kv-ingest-processes",
                     "1",
                     "--kv-index-max-blocks",
