@@ -119,8 +119,8 @@ ROWS: Final = (
             Panel(
                 "Answers that were not 2xx",
                 "Answers per second that were not 2xx, by route and status: 4xx are the "
-                "clients' (a malformed body); 502 means every ranked attempt failed, 503 no "
-                "healthy worker.",
+                "clients' (a malformed body); 502 means every ranked attempt failed (a 5xx "
+                "from the last worker tried is relayed as it is), 503 no healthy worker.",
                 "reqps",
                 (
                     Query(

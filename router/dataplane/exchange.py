@@ -34,14 +34,15 @@ connection.
 
 Failures (`FAILURES`): before the first byte reached the client, a failure of a worker (no
 connection, no head in time, a 5xx head, the connection lost, health declaring it down) is
-counted by its breaker and the next rank is tried; a reused idle connection found dead before
-it answered anything is the one safe retry (the worker never saw the request: it closed an
-idle connection), on a fresh connection to the same worker, and counts nowhere. After the
-first byte nothing is retried: a stream cut by its worker must not look complete
-(`cut_tail`): the client connection is closed without the terminating chunk, after an
-OpenAI-style `data: {"error": ...}` event when the answer is SSE, so every client library
-reports the failure. (A close-delimited answer to an HTTP/1.0 client cannot show a cut
-except through that SSE event: its end is the close.)
+counted by its breaker and the next rank is tried; a 5xx head from the last rank to try is
+relayed as it is instead (its status, `Retry-After` and body are the engine's to give). A
+reused idle connection found dead before it answered anything is the one safe retry (the
+worker never saw the request: it closed an idle connection), on a fresh connection to the
+same worker, and counts nowhere. After the first byte nothing is retried: a stream cut by
+its worker must not look complete (`cut_tail`): the client connection is closed without the
+terminating chunk, after an OpenAI-style `data: {"error": ...}` event when the answer is
+SSE, so every client library reports the failure. (A close-delimited answer to an HTTP/1.0
+client cannot show a cut except through that SSE event: its end is the close.)
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ connection's reading, the worker's full write buffer pauses the client's.
 
 `WorkerRelay` answers a generation request from the ranks of a routing decision, failing
 over before the first byte as `exchange.FAILURES` says, with the breaker, the in-flight
-counts and the request metrics. `ControlRelay` answers any other path from the control app,
-over the client connection's in-process link (`control_link`).
+counts and the request metrics. A 5xx head from the last rank it may try is relayed as the
+worker wrote it (a 503's `Retry-After` and body reach the client, which can honour them),
+not turned into a 502 of the relay's own. `ControlRelay` answers any other path from the
+control app, over the client connection's in-process link (`control_link`).
 """
 
 from __future__ import annotations
@@ -174,6 +176,7 @@ class Relay:
 class WorkerRelay(Relay):
     __slots__ = (
         "_every_open",
+        "_in_hand",
         "_last_failure",
         "_next_pair",
         "_retried",
@@ -211,6 +214,9 @@ class WorkerRelay(Relay):
         self._retried = False  # the one safe retry on a dead reused connection
         self._verdict = False  # the breaker heard about this attempt
         self._last_failure = "no routable worker"
+        # The connection a 5xx head came on while `start` looks for another rank: dropped if
+        # one is tried, relayed if none is left (`_failed_status`).
+        self._in_hand: UpstreamConnection | None = None
 
     def start(self) -> None:
         plane = self.plane
@@ -231,12 +237,16 @@ class WorkerRelay(Relay):
                     self._every_open = every_open
                 if not every_open:
                     continue
+            if self._in_hand is not None:
+                self._drop_in_hand()
             self.attempts += 1
             self.rank, self.worker, self._verdict = rank, worker, False
             plane.inflight.begin(rank)
             pool = self.pool = plane.pool_for(worker.url)
             pool.acquire(self)
             return
+        if self._in_hand is not None:
+            return  # no rank left: the 5xx answer in hand is relayed (`_failed_status`)
         self.done = True
         plane.metrics.requests[self.route, "none", "502"] += 1
         self.client.refuse(
@@ -271,10 +281,7 @@ class WorkerRelay(Relay):
         worker = self.worker
         assert worker is not None
         if status >= 500:
-            if self.conn is not None:
-                self.conn.discard()
-            self.upstream_failed("status", f"status {status}")
-            return False
+            return self._failed_status(status)
         if status >= 400:
             worker.breaker.release()  # a client error says nothing about the worker
         else:
@@ -298,11 +305,10 @@ class WorkerRelay(Relay):
         self._let_go()
         if self.done:
             return
-        rank, worker, pool = self.rank, self.worker, self.pool
-        assert rank is not None and worker is not None and pool is not None
+        rank, pool = self.rank, self.pool
+        assert rank is not None and pool is not None
         plane = self.plane
-        rule = FAILURES[failure]
-        if rule.same_worker and not self._retried:
+        if FAILURES[failure].same_worker and not self._retried:
             # The worker closed an idle connection as we wrote into it: it never saw the
             # request. Once, on a fresh connection, and no one counts it.
             self._retried = True
@@ -311,10 +317,7 @@ class WorkerRelay(Relay):
             return
         if failure == "stale":
             failure = "lost"  # a second dead connection in a row is the worker's
-        plane.inflight.end(rank)
-        worker.breaker.record_failure()
-        self._verdict = True
-        plane.metrics.upstream_failures[worker.url, failure] += 1
+        self._count_failure(failure, detail)
         left = len(self.decision.ranked) - self._next_pair
         log.warning(
             "%s %s failed before the first byte (%s); %s",
@@ -325,9 +328,56 @@ class WorkerRelay(Relay):
             if left and self.attempts < plane.limits.max_attempts
             else "no rank left",
         )
-        self._last_failure = f"{failure}: {detail}"
+        plane.inflight.end(rank)
         self.rank = None
         self.start()
+
+    def _failed_status(self, status: int) -> bool:
+        """A 5xx head: a failure of the worker, counted as any other and failed over before
+        its first byte is relayed; but when no rank is left to try, the worker's own answer
+        is the one relayed (True), counted under its own status: a 503's `Retry-After` and
+        body say more to the client than a 502 of the relay's own would."""
+        rank, conn = self.rank, self.conn
+        assert conn is not None
+        self._count_failure("status", f"status {status}")
+        self._in_hand = conn
+        self.start()  # drops the connection in hand if it tries another rank
+        if self._in_hand is None:
+            log.warning(
+                "%s %s answered %d before the first byte; failing over", self.route, rank, status
+            )
+            return False
+        self._in_hand = None
+        worker = self.worker
+        assert worker is not None
+        log.warning(
+            "%s %s answered %d and no rank is left to try: relayed to the client as it is",
+            self.route,
+            rank,
+            status,
+        )
+        label = _STATUS_LABELS.get(status) or str(status)
+        self.plane.metrics.requests[self.route, worker.url, label] += 1
+        return True
+
+    def _count_failure(self, failure: Failure, detail: str) -> None:
+        """The attempt failed before its first byte: its breaker hears, the failure is
+        counted, and remembered for the answer given if no rank is left."""
+        worker = self.worker
+        assert worker is not None
+        worker.breaker.record_failure()
+        self._verdict = True
+        self.plane.metrics.upstream_failures[worker.url, failure] += 1
+        self._last_failure = f"{failure}: {detail}"
+
+    def _drop_in_hand(self) -> None:
+        """Another rank is tried: the 5xx answer in hand goes, with its connection."""
+        conn, self._in_hand = self._in_hand, None
+        assert conn is not None and self.rank is not None
+        conn.discard()
+        self._let_go()
+        self.plane.inflight.end(self.rank)
+        self.rank = None
 
     def worker_down(self) -> None:
         """Health declared the worker down while this request waited for its head."""

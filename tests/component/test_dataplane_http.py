@@ -1466,6 +1466,83 @@ async def test_a_worker_without_a_head_in_time_is_failed_over_and_counted() -> N
         ) == 1
 
 
+BUSY = b'{"error": {"message": "the engine is overloaded", "type": "overloaded"}}'
+
+
+async def answer_busy(request: Request, writer: asyncio.StreamWriter) -> None:
+    writer.write(respond(503, BUSY, b"Retry-After: 7", b"Content-Type: application/json"))
+
+
+async def test_a_5xx_from_the_last_rank_is_relayed_with_its_retry_after_and_body() -> None:
+    async with (
+        scripted_worker(answer_busy) as a,
+        scripted_worker(answer_busy) as b,
+        router_in_process(
+            workers=[a.url, b.url], policy="round_robin", expose_route_headers=True
+        ) as rt,
+    ):
+        await routable(rt, a.url, b.url)
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", COMPLETION))
+        answer = await client.answer()
+        assert answer is not None and answer.complete
+        assert answer.status == 503
+        assert answer.header(b"Retry-After") == b"7"
+        assert answer.body == BUSY
+        # round_robin tried a, failed over to b, the last rank, whose own answer this is.
+        assert answer.header(b"X-Kvrouter-Worker") == b.url.encode()
+        assert len(a.posts()) == 1 and len(b.posts()) == 1
+        for w in (a, b):  # both breakers heard of the failure, both attempts are counted
+            worker = rt.replica.workers.get(w.url)
+            assert worker is not None and worker.breaker.consecutive_failures == 1
+            assert rt.plane.metrics.upstream_failures[w.url, "status"] == 1
+        scrape = await rt.scrape()
+        requests = {
+            (labels["worker"], labels["status"]): scrape.value("kvrouter_requests_total", **labels)
+            for labels in scrape.names("kvrouter_requests_total")
+        }
+        assert requests == {(b.url, "503"): 1}  # counted as the 503 it is, none as a 502
+        await eventually(lambda: rt.replica.inflight.total == 0)
+        # The answer ended cleanly: the client's connection serves the next request.
+        client.send(post(b"/v1/completions", COMPLETION))
+        again = await client.answer()
+        assert again is not None and again.status == 503 and again.body == BUSY
+        client.close()
+
+
+async def test_a_5xx_followed_by_a_200_from_the_next_rank_is_the_200() -> None:
+    async with (
+        scripted_worker(answer_busy) as busy,
+        scripted_worker() as good,
+        router_in_process(workers=[busy.url, good.url], policy="round_robin") as rt,
+    ):
+        await routable(rt, busy.url, good.url)
+        status, body, headers = await rt.post("/v1/completions", json.loads(COMPLETION))
+        assert (status, body) == (200, {"ok": True})
+        assert "Retry-After" not in headers
+        assert len(busy.posts()) == 1 and len(good.posts()) == 1
+        assert rt.plane.metrics.upstream_failures[busy.url, "status"] == 1
+        # Its answer dropped unread, with its connection.
+        await eventually(lambda: busy.posts()[0].connection in busy.closed_by_peer)
+
+
+async def test_a_lone_workers_500_is_relayed_with_its_body() -> None:
+    async def broken(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(respond(500, b'{"detail": "CUDA error"}', b"Content-Type: application/json"))
+
+    async with one_worker_and_a_client(broken) as (w, rt, client):
+        client.send(post(b"/v1/completions", COMPLETION))
+        answer = await client.answer()
+        assert answer is not None and answer.complete
+        assert (answer.status, answer.body) == (500, b'{"detail": "CUDA error"}')
+        assert answer.header(b"Content-Type") == b"application/json"
+        assert len(w.posts()) == 1
+        worker = rt.replica.workers.get(w.url)
+        assert worker is not None and worker.breaker.consecutive_failures == 1
+        assert rt.plane.metrics.requests["/v1/completions", w.url, "500"] == 1
+        client.close()
+
+
 async def assert_lost_and_failed_over(script: Script) -> None:
     """A worker answering as `script` does is a lost answer: the next rank answers the client,
     the breaker and the failure metric count it, and its connection is never reused."""
