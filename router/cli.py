@@ -227,7 +227,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add("client-header-timeout-s", finite, 30.0, "a request head must arrive within this")
     f.add("client-body-timeout-s", finite, 60.0, "a request body must arrive within this")
     f.add("keepalive-timeout-s", finite, 60.0, "an idle client connection is closed after this")
-    f.add("upstream-connect-timeout-s", finite, 5.0, "connecting to a worker")
+    f.add(
+        "upstream-connect-timeout-s",
+        finite,
+        5.0,
+        "getting a connection to a worker: connecting, or waiting for a pooled one when all "
+        "--upstream-connections-per-worker are busy (then the next rank is tried)",
+    )
     f.add("upstream-head-timeout-s", finite, 300.0, "a worker's response head must come within")
     f.add("stream-idle-timeout-s", finite, 300.0, "the longest gap within a worker's answer")
     f.add(

@@ -120,7 +120,8 @@ ROWS: Final = (
                 "Answers that were not 2xx",
                 "Answers per second that were not 2xx, by route and status: 4xx are the "
                 "clients' (a malformed body); 502 means every ranked attempt failed (a 5xx "
-                "from the last worker tried is relayed as it is), 503 no healthy worker.",
+                "from the last worker tried is relayed as it is), 503 no healthy worker, or "
+                "none with a connection free in time.",
                 "reqps",
                 (
                     Query(

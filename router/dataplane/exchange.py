@@ -36,13 +36,16 @@ Failures (`FAILURES`): before the first byte reached the client, a failure of a 
 connection, no head in time, a 5xx head, the connection lost, health declaring it down) is
 counted by its breaker and the next rank is tried; a 5xx head from the last rank to try is
 relayed as it is instead (its status, `Retry-After` and body are the engine's to give). A
-reused idle connection found dead before it answered anything is the one safe retry (the
-worker never saw the request: it closed an idle connection), on a fresh connection to the
-same worker, and counts nowhere. After the first byte nothing is retried: a stream cut by
-its worker must not look complete (`cut_tail`): the client connection is closed without the
-terminating chunk, after an OpenAI-style `data: {"error": ...}` event when the answer is
-SSE, so every client library reports the failure. (A close-delimited answer to an HTTP/1.0
-client cannot show a cut except through that SSE event: its end is the close.)
+request that waited its bound for one of a worker's pooled connections, all busy, goes to
+the next rank too, uncounted by the breaker (the worker is busy, not broken), and is a 503
+with a `Retry-After` when none is left. A reused idle connection found dead before it
+answered anything is the one safe retry (the worker never saw the request: it closed an idle
+connection), on a fresh connection to the same worker, and counts nowhere. After the first
+byte nothing is retried: a stream cut by its worker must not look complete (`cut_tail`): the
+client connection is closed without the terminating chunk, after an OpenAI-style `data:
+{"error": ...}` event when the answer is SSE, so every client library reports the failure.
+(A close-delimited answer to an HTTP/1.0 client cannot show a cut except through that SSE
+event: its end is the close.)
 """
 
 from __future__ import annotations
@@ -533,7 +536,7 @@ def json_response(
 
 # -- failures ----------------------------------------------------------------------------
 
-Failure = Literal["connect", "timeout", "status", "lost", "worker_down", "stale"]
+Failure = Literal["connect", "queue", "timeout", "status", "lost", "worker_down", "stale"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -545,6 +548,9 @@ class FailureRule:
 
 FAILURES: Final[dict[Failure, FailureRule]] = {
     "connect": FailureRule(fail_over=True, breaker=True, same_worker=False),  # refused, timeout
+    # Waited its bound for one of the worker's pooled connections, all busy: never sent, so
+    # safe to try elsewhere, and no fault of the worker (busy with this replica's streams).
+    "queue": FailureRule(fail_over=True, breaker=False, same_worker=False),
     "timeout": FailureRule(fail_over=True, breaker=True, same_worker=False),  # no head in time
     "status": FailureRule(fail_over=True, breaker=True, same_worker=False),  # a 5xx head
     "lost": FailureRule(fail_over=True, breaker=True, same_worker=False),  # closed before a head

@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 # count): the generation routes a `WorkerRelay` answers, and every status code.
 _ROUTE_LABELS: Final = {route: route.decode("latin-1") for route in GENERATION_ROUTES}
 _STATUS_LABELS: Final = {status: str(status) for status in range(100, 600)}
+# With the 503 for a request no pooled connection came free for: a retry that soon may find
+# one (the streams holding them end), and a client that honours it spreads its retries.
+_RETRY_SOON: Final = ((b"Retry-After", b"1"),)
+_NO_FAILURE: Final[tuple[Failure | None, str]] = (None, "no routable worker")
 
 
 class WorkerLookup(Protocol):
@@ -213,7 +217,7 @@ class WorkerRelay(Relay):
         self.pool: UpstreamPool | None = None
         self._retried = False  # the one safe retry on a dead reused connection
         self._verdict = False  # the breaker heard about this attempt
-        self._last_failure = "no routable worker"
+        self._last_failure: tuple[Failure | None, str] = _NO_FAILURE
         # The connection a 5xx head came on while `start` looks for another rank: dropped if
         # one is tried, relayed if none is left (`_failed_status`).
         self._in_hand: UpstreamConnection | None = None
@@ -248,14 +252,27 @@ class WorkerRelay(Relay):
         if self._in_hand is not None:
             return  # no rank left: the 5xx answer in hand is relayed (`_failed_status`)
         self.done = True
-        plane.metrics.requests[self.route, "none", "502"] += 1
-        self.client.refuse(
-            Refusal(
+        failure, reason = self._last_failure
+        if failure == "queue":
+            # The last worker tried did not fail: it is busy with the streams this replica
+            # holds open to it (`--upstream-connections-per-worker`). Overload, for the client
+            # to retry, not a 502: a 504 would say a worker was too slow to answer, and none
+            # was asked.
+            refusal = Refusal(
+                503,
+                f"no connection to a worker came free in time ({self.attempts} attempt(s)): "
+                f"{reason}; retry later",
+                type="service_unavailable",
+                extra=_RETRY_SOON,
+            )
+        else:
+            refusal = Refusal(
                 502,
-                f"no worker answered ({self.attempts} attempt(s)): {self._last_failure}",
+                f"no worker answered ({self.attempts} attempt(s)): {reason}",
                 type="upstream_unavailable",
             )
-        )
+        plane.metrics.requests[self.route, "none", _STATUS_LABELS[refusal.status]] += 1
+        self.client.refuse(refusal)
 
     # -- Acquirer --------------------------------------------------------------------------
 
@@ -361,14 +378,18 @@ class WorkerRelay(Relay):
         return True
 
     def _count_failure(self, failure: Failure, detail: str) -> None:
-        """The attempt failed before its first byte: its breaker hears, the failure is
-        counted, and remembered for the answer given if no rank is left."""
+        """The attempt failed before its first byte: its breaker hears (unless the failure is
+        not the worker's, `exchange.FAILURES`), the failure is counted, and remembered for the
+        answer given if no rank is left."""
         worker = self.worker
         assert worker is not None
-        worker.breaker.record_failure()
+        if FAILURES[failure].breaker:
+            worker.breaker.record_failure()
+        else:
+            worker.breaker.release()  # a probe that ended without a verdict
         self._verdict = True
         self.plane.metrics.upstream_failures[worker.url, failure] += 1
-        self._last_failure = f"{failure}: {detail}"
+        self._last_failure = (failure, f"{failure}: {detail}")
 
     def _drop_in_hand(self) -> None:
         """Another rank is tried: the 5xx answer in hand goes, with its connection."""

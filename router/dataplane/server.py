@@ -95,7 +95,7 @@ class Limits:
     header_timeout_s: float = 30.0  # from a request's first byte (or the connection's start)
     body_timeout_s: float = 60.0  # from the end of the head to the end of the body
     keepalive_timeout_s: float = 60.0  # an idle client connection between requests
-    connect_timeout_s: float = 5.0
+    connect_timeout_s: float = 5.0  # to connect to a worker, or to wait for a pooled connection
     head_timeout_s: float = 300.0  # from sending a request upstream to its response head
     stream_idle_timeout_s: float = 300.0  # the longest gap between pieces of an answer
     upstream_idle_expiry_s: float = 4.0  # an idle pooled connection is closed after this

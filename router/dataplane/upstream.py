@@ -15,8 +15,12 @@ bytes after a complete answer end the parse, and go with the connection, never r
 closed after `idle_expiry_s` (shorter than an engine's keep-alive: uvicorn closes idle
 connections after 5 s, and a request written into a connection the server is closing is the
 race the one safe retry covers); at most `cap` connections exist at once, and acquirers beyond
-it wait in order for one to come back. A connection attempt is the only task the data plane
-makes (the loop's `create_connection` is a coroutine), bounded by `connect_timeout_s`.
+it wait in order for one to come back, each for `connect_timeout_s` at most: to its client,
+waiting for a pooled connection and making one are the same step, getting a connection. One
+that waited that long is told it failed (`queue`, a request never sent: safe to send
+elsewhere), and leaves the queue, as does one that no longer wants a connection (`cancel`).
+A connection attempt is the only task the data plane makes (the loop's `create_connection`
+is a coroutine), bounded by `connect_timeout_s` too.
 """
 
 from __future__ import annotations
@@ -379,9 +383,12 @@ class UpstreamPool:
         self.idle: deque[UpstreamConnection] = deque()  # oldest left, most recent right
         self.busy: set[UpstreamConnection] = set()
         self.total = 0  # connecting, busy and idle
-        self.waiting: deque[Acquirer] = deque()
+        # Acquirers waiting for a connection, each with the loop time it began to wait: the
+        # oldest left, so one deadline, for the oldest, bounds them all (`_expire_waiting`).
+        self.waiting: deque[tuple[Acquirer, float]] = deque()
         self._connecting: dict[asyncio.Task[object], Acquirer | None] = {}
         self._expiry = Deadline(loop, self._expire_idle)
+        self._wait_expiry = Deadline(loop, self._expire_waiting)
         self._closed = False
 
     def acquire(self, who: Acquirer, fresh: bool = False) -> None:
@@ -394,13 +401,18 @@ class UpstreamPool:
                 return
         if self.total < self.cap or fresh:
             self._open(who)
-        else:
-            self.waiting.append(who)
+            return
+        waiting = self.waiting
+        waiting.append((who, self._loop.time()))
+        if len(waiting) == 1:
+            self._wait_expiry.set(self._connect_timeout_s)
 
     def cancel(self, who: Acquirer) -> None:
         """`who` no longer wants a connection (its client left, its worker went down)."""
-        with contextlib.suppress(ValueError):
-            self.waiting.remove(who)
+        for i, (waiter, _) in enumerate(self.waiting):
+            if waiter is who:
+                del self.waiting[i]
+                break
         for task, waiter in self._connecting.items():
             if waiter is who:
                 self._connecting[task] = None  # the connection, once made, goes idle
@@ -413,7 +425,7 @@ class UpstreamPool:
             return
         if self.waiting:
             self.busy.add(conn)
-            self.waiting.popleft().connection_ready(conn)
+            self.waiting.popleft()[0].connection_ready(conn)
             return
         conn.idle_since = self._loop.time()
         self.idle.append(conn)
@@ -426,14 +438,14 @@ class UpstreamPool:
         with contextlib.suppress(ValueError):
             self.idle.remove(conn)
         if self.waiting and self.total < self.cap and not self._closed:
-            self._open(self.waiting.popleft())
+            self._open(self.waiting.popleft()[0])
 
     def waiting_for_head(self) -> list[UpstreamConnection]:
         return [c for c in self.busy if c.waiting_for_head]
 
     def take_waiting(self) -> list[Acquirer]:
         """Every acquirer still without a connection (queued or connecting), now released."""
-        out = list(self.waiting)
+        out = [who for who, _ in self.waiting]
         self.waiting.clear()
         for task, who in list(self._connecting.items()):
             if who is not None:
@@ -456,6 +468,7 @@ class UpstreamPool:
     def close(self) -> None:
         self._closed = True
         self._expiry.cancel()
+        self._wait_expiry.cancel()
         for conn in [*self.idle, *self.busy]:
             if conn.transport is not None:
                 conn.transport.abort()
@@ -492,7 +505,7 @@ class UpstreamPool:
             if who is not None:
                 who.connection_failed(failure, detail)  # type: ignore[arg-type]
             elif self.waiting and self.total < self.cap and not self._closed:
-                self._open(self.waiting.popleft())
+                self._open(self.waiting.popleft()[0])
             return
         if self._on_connect is not None:
             self._on_connect()
@@ -521,3 +534,18 @@ class UpstreamPool:
                 conn.transport.close()
         if idle:
             self._expiry.set(idle[0].idle_since + self._idle_expiry_s - now)
+
+    def _expire_waiting(self) -> None:
+        """Acquirers that waited their bound fail, oldest first (each may fail over into this
+        very pool again, behind the rest: a newer wait, not yet due)."""
+        now = self._loop.time()
+        bound = self._connect_timeout_s
+        waiting = self.waiting
+        while waiting and now - waiting[0][1] >= bound:
+            who, _ = waiting.popleft()
+            who.connection_failed(
+                "queue",
+                f"all {self.cap} connection(s) to the worker stayed busy for {bound:g} s",
+            )
+        if waiting:
+            self._wait_expiry.set(waiting[0][1] + bound - now)

@@ -926,6 +926,111 @@ async def test_connections_to_one_worker_are_capped_and_the_rest_wait_their_turn
         assert len({p.connection for p in w.posts()}) == 2
 
 
+def held_until(release: asyncio.Event) -> Script:
+    """A worker whose answers are streams that stall after their first event until `release`:
+    its first request holds a connection."""
+
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n"
+        )
+        await release.wait()
+        writer.write(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+
+    return script
+
+
+async def test_a_request_queued_for_a_full_pool_fails_over_after_the_connect_timeout() -> None:
+    release = asyncio.Event()
+    bound = 0.5
+    async with (
+        scripted_worker(held_until(release)) as busy,
+        scripted_worker() as good,
+        router_in_process(
+            workers=[busy.url, good.url],
+            policy="round_robin",
+            upstream_connections_per_worker=1,
+            upstream_connect_timeout_s=bound,
+        ) as rt,
+    ):
+        await routable(rt, busy.url, good.url)
+        body = json.loads(COMPLETION)
+        holder = asyncio.create_task(rt.post("/v1/completions", body))  # busy's one connection
+        await eventually(lambda: len(busy.posts()) == 1)
+        assert (await rt.post("/v1/completions", body))[0] == 200  # round_robin: good first
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # busy first: queued behind the held stream, then good once the bound passed.
+        status, _, _ = await asyncio.wait_for(rt.post("/v1/completions", body), 10)
+        waited = loop.time() - started
+        assert status == 200
+        assert bound <= waited < bound + 2, waited
+        pool = rt.plane.pools[busy.url]
+        assert not pool.waiting and pool.total == 1
+        assert len(busy.posts()) == 1 and len(good.posts()) == 2
+        assert rt.plane.metrics.upstream_failures[busy.url, "queue"] == 1
+        worker = rt.replica.workers.get(busy.url)
+        assert worker is not None and worker.breaker.consecutive_failures == 0  # busy, not broken
+        release.set()
+        assert (await holder)[0] == 200
+        await eventually(lambda: len(pool.idle) == 1)  # the held connection came back, idle
+        assert len(busy.posts()) == 1  # the request given up on was never sent after all
+        assert rt.replica.inflight.total == 0
+
+
+async def test_a_request_queued_with_no_other_worker_is_a_503_with_retry_after_at_the_bound() -> (
+    None
+):
+    release = asyncio.Event()
+    bound = 0.5
+    async with one_worker_and_a_client(
+        held_until(release), upstream_connections_per_worker=1, upstream_connect_timeout_s=bound
+    ) as (w, rt, client):
+        holder = asyncio.create_task(rt.post("/v1/completions", json.loads(COMPLETION)))
+        await eventually(lambda: len(w.posts()) == 1)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        client.send(post(b"/v1/completions", COMPLETION))
+        answer = await client.answer(within_s=10)
+        waited = loop.time() - started
+        assert answer is not None and answer.status == 503
+        assert answer.header(b"Retry-After") == b"1"
+        message = json.loads(answer.body)["error"]["message"]
+        assert "connection(s) to the worker stayed busy" in message, message
+        assert bound <= waited < bound + 2, waited
+        pool = rt.plane.pools[w.url]
+        assert not pool.waiting and pool.total == 1
+        assert rt.plane.metrics.requests["/v1/completions", "none", "503"] == 1
+        assert rt.plane.metrics.upstream_failures[w.url, "queue"] == 1
+        worker = rt.replica.workers.get(w.url)
+        assert worker is not None and worker.breaker.consecutive_failures == 0
+        release.set()
+        assert (await holder)[0] == 200
+        await eventually(lambda: len(pool.idle) == 1)
+        assert len(w.posts()) == 1  # the request answered 503 never reached the worker
+        client.close()
+
+
+async def test_a_client_leaving_while_its_request_is_queued_leaves_the_queue() -> None:
+    release = asyncio.Event()
+    async with one_worker_and_a_client(
+        held_until(release), upstream_connections_per_worker=1, upstream_connect_timeout_s=20
+    ) as (w, rt, client):
+        holder = asyncio.create_task(rt.post("/v1/completions", json.loads(COMPLETION)))
+        await eventually(lambda: len(w.posts()) == 1)
+        client.send(post(b"/v1/completions", COMPLETION))
+        pool = rt.plane.pools[w.url]
+        await eventually(lambda: len(pool.waiting) == 1)
+        client.close()
+        await eventually(lambda: not pool.waiting)
+        release.set()
+        assert (await holder)[0] == 200
+        await eventually(lambda: len(pool.idle) == 1)  # not handed to the request that left
+        assert len(w.posts()) == 1
+        assert rt.replica.inflight.total == 0
+
+
 async def test_an_sse_event_reaches_the_client_before_the_worker_sends_the_next() -> None:
     next_event = asyncio.Event()
 

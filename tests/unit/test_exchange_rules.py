@@ -501,6 +501,7 @@ def test_a_refusal_is_openai_error_json_with_its_framing() -> None:
     ("failure", "fail_over", "breaker", "same_worker"),
     [
         ("connect", True, True, False),
+        ("queue", True, False, False),  # never sent, and the worker is busy, not broken
         ("timeout", True, True, False),
         ("status", True, True, False),
         ("lost", True, True, False),
