@@ -1,5 +1,5 @@
 """`UpstreamPool` over real sockets on 127.0.0.1: what an acquirer is handed when a worker
-drops connections as it accepts them."""
+drops connections as it accepts them, and how long one waits when every connection is busy."""
 
 from __future__ import annotations
 
@@ -75,3 +75,59 @@ async def test_a_connection_the_worker_drops_as_it_accepts_is_never_handed_over(
     assert "closed" not in outcomes, outcomes
     assert outcomes.keys() <= {"open", "failed: connect"}, outcomes
     assert pool.busy == set()  # no dead connection left counted as busy
+
+
+class Holder(Acquirer):
+    """Keeps the connection it is handed (a request being answered)."""
+
+    conn: UpstreamConnection
+
+    def connection_ready(self, conn: UpstreamConnection) -> None:
+        self.conn = conn
+        self.done.set_result("open")
+
+
+async def test_a_queued_acquirer_fails_after_the_connect_timeout_and_leaves_the_queue() -> None:
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # a worker that never answers: until the router closes
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    loop = asyncio.get_running_loop()
+    bound = 0.3
+    pool = UpstreamPool(
+        loop,
+        f"http://127.0.0.1:{port}",
+        cap=1,
+        connect_timeout_s=bound,
+        idle_expiry_s=60.0,
+        idle_timeout_s=60.0,
+    )
+    try:
+        holder = Holder()
+        pool.acquire(holder)
+        assert await asyncio.wait_for(holder.done, 5) == "open"
+        first, second, leaving = Acquirer(), Acquirer(), Acquirer()
+        started = loop.time()
+        for who in (first, second, leaving):
+            pool.acquire(who)
+        pool.cancel(leaving)
+        assert [who for who, _ in pool.waiting] == [first, second]
+        assert await asyncio.wait_for(first.done, 5) == "failed: queue"
+        assert await asyncio.wait_for(second.done, 5) == "failed: queue"
+        assert loop.time() - started >= bound
+        assert not pool.waiting and not leaving.done.done()
+        # One queued after the queue emptied gets a bound of its own, not the last one's.
+        later = Acquirer()
+        started = loop.time()
+        pool.acquire(later)
+        assert await asyncio.wait_for(later.done, 5) == "failed: queue"
+        assert loop.time() - started >= bound
+        # The held connection, back, goes idle: handed to none of those that gave up.
+        pool.release(holder.conn, keep=True)
+        assert list(pool.idle) == [holder.conn] and pool.total == 1
+        assert not leaving.done.done()
+    finally:
+        pool.close()
+        server.close()
+        await server.wait_closed()
