@@ -34,6 +34,9 @@ what matters is the order in which it samples the index:
    exported node. So the full body lists cursors only for carrier ranks.
 5. `empty_ranks` are the live ranks (read after the walk) that carry no exported node. That
    can only err toward a consumer settling a rank cold, never toward a wrong graft.
+   `cold_ranks` are the table's ranks the index held as cold (`router.index`) before the walk
+   or after it: a rank warmed mid-walk (a worker snapshot between two chunks) may have been
+   walked partly as it was, so only a rank whole at both ends is exported as whole.
 6. An export keeps the walk's columns, not a body. The columnar body (`peer.wire`, what our
    own fetch client asks for) is the columns themselves, written from views of them: no copy
    (~33 B a node, where a joined copy would double it). JSON and msgpack, for siblings that
@@ -131,6 +134,9 @@ class IndexView(Protocol):
 
     @property
     def live(self) -> AbstractSet[RankId]: ...
+
+    @property
+    def cold(self) -> AbstractSet[RankId]: ...
 
 
 Encode = Callable[[Any, str], bytes]  # (value, content type) -> body bytes
@@ -472,6 +478,7 @@ class SnapshotProducer:
         view = self.view
         tree = view.tree
         before = dict(view.cursors)  # 2. cursors before the walk
+        cold_before = set(view.cold)
         if tree is None:
             block_size, snap = 0, Snapshot()
         else:
@@ -496,6 +503,7 @@ class SnapshotProducer:
         cursors = recheck_cursors(before, view.cursors, table)  # 4.
         carried = set(table)
         empty = sorted(rank for rank in live if rank not in carried)  # 5.
+        cold = cold_before | view.cold
         ready = block_size > 0 and bool(self.settled()) and len(snap) > 0
         head = Envelope(
             format=FORMAT,
@@ -505,6 +513,9 @@ class SnapshotProducer:
             workers=[WireWorker(rank.worker_url, rank.dp_rank) for rank in table],
             cursors=cursors,
             empty_ranks=[WireWorker(rank.worker_url, rank.dp_rank) for rank in empty],
+            cold_ranks=[
+                WireWorker(rank.worker_url, rank.dp_rank) for rank in table if rank in cold
+            ],
         )
         done = clock()
         timings = {
@@ -514,10 +525,11 @@ class SnapshotProducer:
             "export": done - started,
         }
         log.info(
-            "kv snapshot: %d nodes, %d ranks (%d empty) exported in %.2f s",
+            "kv snapshot: %d nodes, %d ranks (%d empty, %d cold) exported in %.2f s",
             len(snap),
             len(table),
             len(empty),
+            len(head.cold_ranks),
             timings["export"],
         )
         return Export(exported_at, ready, len(snap), head, snap, timings)

@@ -76,7 +76,7 @@ What is dropped rather than refused (counted, never an error):
   tier bits, masked to the tiers we know (`ALL_TIERS`), come out empty (`dropped_carriers`):
   unknown bits are a newer producer's tiers, and our own tree drops a store on no known tier;
 - a cursor for an out-of-range index or a dropped worker;
-- an `empty_ranks` entry that names no live rank;
+- an `empty_ranks` or `cold_ranks` entry that names no live rank;
 - a node left with no carrier and no carrying descendant (pruned). Carrier-less nodes on a
   path to a carrier are kept as structure, since a child's position needs its parent.
 
@@ -197,6 +197,7 @@ class VettedSnapshot:
     `snapshot.workers` are live `RankId`s (the caller's own objects), each carrying at least
     one record. `cursors` names the last seq the peer had applied per rank: the graft's filter
     and watermark. A rank may have a cursor and no blocks (its cache was empty at that seq).
+    `cold_ranks` are those the peer said its view of is partial (`peer.wire`).
     Treat every field as read-only; derived snapshots share unchanged columns.
     """
 
@@ -207,6 +208,7 @@ class VettedSnapshot:
     dropped_workers: int = 0  # wire workers that named no live rank
     dropped_carriers: int = 0  # carriers of unknown workers or on no known tier
     wire_nodes: int = 0  # nodes in the body, before vetting
+    cold_ranks: frozenset[RankId] = frozenset()
 
     @classmethod
     def from_wire(
@@ -227,6 +229,11 @@ class VettedSnapshot:
     def covered_ranks(self) -> frozenset[RankId]:
         """The ranks the snapshot has a cursor for."""
         return frozenset(self.cursors)
+
+    def covers_warm(self, ranks: Iterable[RankId]) -> bool:
+        """True when the snapshot has a cursor for at least one of `ranks` it is not cold for."""
+        cursors, cold = self.cursors, self.cold_ranks
+        return any(rank in cursors and rank not in cold for rank in ranks)
 
     def carrier_counts(self) -> tuple[int, int]:
         """(nodes with a carrier, carrier-less nodes kept as structure)."""
@@ -327,9 +334,8 @@ class Vetting(_Job[VettedSnapshot]):
         self._resolve_workers(snap.workers, lookup)
         self._position = [self._col_of.get(i, -1) for i in range(len(snap.workers))]
         self._cursors = self._resolve_cursors(snap.cursors)
-        self._empty_ranks = frozenset(
-            rank for rank in map(lookup.get, map(_identity, snap.empty_ranks)) if rank is not None
-        )
+        self._empty_ranks = _live_ranks(snap.empty_ranks, lookup)
+        self._cold_ranks = _live_ranks(snap.cold_ranks, lookup)
         self._dropped_carriers = 0
         super().__init__()
 
@@ -407,6 +413,7 @@ class Vetting(_Job[VettedSnapshot]):
             dropped_workers=self._dropped_workers,
             dropped_carriers=self._dropped_carriers,
             wire_nodes=snap.node_count,
+            cold_ranks=self._cold_ranks,
         )
 
     def _nothing_usable(self) -> VetError:
@@ -612,6 +619,7 @@ class Retaining(_Job[VettedSnapshot]):
             dropped_workers=vetted.dropped_workers,
             dropped_carriers=vetted.dropped_carriers,
             wire_nodes=vetted.wire_nodes,
+            cold_ranks=vetted.cold_ranks & keep,
         )
 
 
@@ -717,6 +725,11 @@ def _check_header(snap: PeerBody, local_block_size: int | None) -> None:
         )
     if type(snap.block_size) is not int or snap.block_size < 1:
         raise VetError("invalid_block_size", f"block size {snap.block_size!r}")
+
+
+def _live_ranks(workers: list[WireWorker], lookup: dict) -> frozenset[RankId]:
+    """The live ranks a list of wire names names; the others are dropped."""
+    return frozenset(rank for rank in map(lookup.get, map(_identity, workers)) if rank is not None)
 
 
 def _identity(worker: WireWorker) -> tuple[str, int]:

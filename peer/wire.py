@@ -7,8 +7,16 @@
  "nodes": [[null, 16866869152428715656, [[0, 1, 1403909460543360175]]], ...],
                                              # [parent index or null, key, carriers]
                                              # carrier = [worker index, tier bits, engine hash]
- "empty_ranks": [{"url": ..., "dp_rank": ...}]}   # omitted when empty
+ "empty_ranks": [{"url": ..., "dp_rank": ...}],  # omitted when empty
+ "cold_ranks": [{"url": ..., "dp_rank": ...}]}   # omitted when empty
 ```
+
+`cold_ranks` is our addition to the reference's format 1, additive as `empty_ranks` is (the
+format number is unchanged; an older peer ignores it, and a body without it says nothing, read
+as "not cold"). It names the ranks of the body's worker table whose view the producer holds
+as partial (`router.index`: joined mid-stream, lost batches, cleared at the cap): the blocks
+are true, but some the engine holds are missing. A joining sibling prefers a body that is not
+cold for its ranks and takes a cold one only when no other comes (`peer.sweep`).
 
 Nodes are compact arrays rather than maps: a million-node body is mostly nodes, and field
 names would double it. A node's `parent` is the index of an earlier node (strictly backward);
@@ -33,7 +41,8 @@ offset 0       b"KVRCOLS1"                      8 bytes, magic and layout versio
 offset 8       header length H                  u32
 offset 12      header (msgpack map, H bytes)    format, block_size, key_scheme,
                                                 producer_ready, workers, cursors,
-                                                empty_ranks, nodes (N), carriers (C)
+                                                empty_ranks, cold_ranks, nodes (N),
+                                                carriers (C)
 then, back to back, no padding:
                parents          N x i64         earlier node index, -1 for a chain root
                keys             N x u64
@@ -100,6 +109,7 @@ class Envelope(msgspec.Struct, omit_defaults=True):
     workers: list[WireWorker]
     cursors: list[tuple[int, int]]
     empty_ranks: list[WireWorker] = []
+    cold_ranks: list[WireWorker] = []
 
 
 class PeerSnapshot(Envelope, kw_only=True):

@@ -30,6 +30,8 @@ resolution; nothing held -> a deferred proof, judged by the first live batch (th
 tests) or the splice probe. Then
 the cursor is seeded with max(existing, watermark), the rank is Recovered, and the held batches
 replay through the cursor filter; `warm` is counted only if a held batch proved the splice.
+The rank takes the source's cold mark (`router.index`): a sibling that was cold for it hands
+on a partial view, which this replica's own export must not present as whole.
 
 Gap resolution: the rank is Failed; if the tracker grants its one retry and the coordinator
 takes it, the rank's tree state is cleared and its held queue *kept unapplied* (the retry's
@@ -76,6 +78,7 @@ class IndexSurface(Protocol):
 
     cursors: dict[RankId, int]
     live: set[RankId]
+    cold: set[RankId]
 
     @property
     def _tree(self) -> BlockTree: ...
@@ -90,6 +93,11 @@ class Grafted(Protocol):
 
     snapshot: Snapshot
     cursors: dict[RankId, int]
+
+    @property
+    def cold_ranks(self) -> frozenset[RankId]:
+        """Ranks the source's own view of was partial (`router.index`: cold)."""
+        ...
 
     def retain_workers(self, keep: Iterable[RankId]) -> Grafted: ...
 
@@ -130,6 +138,10 @@ class LocalGraft:
 
     def covered_ranks(self) -> frozenset[RankId]:
         return frozenset(self.cursors)
+
+    @property
+    def cold_ranks(self) -> frozenset[RankId]:
+        return frozenset()  # the worker's whole cache
 
     def retain_workers(self, keep: Iterable[RankId]) -> LocalGraft:
         keep = set(keep)
@@ -313,6 +325,10 @@ class BootstrapRules:
             if not held:
                 self.proofs[rank] = PendingProof(watermark, o.epoch, self._clock())
             index.cursors[rank] = max(index.cursors.get(rank, -1), watermark)
+            if rank in job.vetted.cold_ranks:  # a partial view grafted stays partial
+                index.cold.add(rank)
+            else:
+                index.cold.discard(rank)
             self.tracker.set(rank, BootstrapState.RECOVERED)
             self._replay_held(rank)
             if held:

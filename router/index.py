@@ -38,6 +38,18 @@ A rank's *cursor* is the seq of the last batch whose effects are in the tree.
   cursor, unless the snapshot is older than what the stream already applied; a body with one
   refused rank is refused whole.
 
+- A rank is *cold* (`IndexRules.cold`) when its view may miss blocks the engine holds: the
+  first batch applied with no cursor was past seq 0 (the stream was joined mid-way: a replica
+  with no sibling to graft from, or a bootstrap that ran cold and replayed its held batches),
+  batches were lost, a seq jump began a stream mid-way, the index cap cleared the rank while
+  its cursor stayed, or an ingest restart left a doubt. It is whole again from a batch at
+  seq 0 (the stream from its origin), a worker's own snapshot, or a graft from a sibling that
+  was not cold for it (a cold sibling's graft passes its mark on: `router.graft`). The mark
+  goes with the cursor: wherever the cursor is dropped, so is the mark, and the next batch
+  decides. The snapshot producer exports the marks (`cold_ranks`), so a joining sibling
+  prefers a sibling whose view is whole (`peer.sweep`). A cold view is incomplete, never
+  wrong: it still beats no graft at all.
+
 - Index cap (`max_blocks`, `--kv-index-max-blocks`): after a batch, if the index carries
   more (rank, block) pairs than the cap, the rank carrying the most is cleared (repeated
   until under the cap), counted per rank in `cap_clears`, and logged as an error naming the
@@ -325,6 +337,7 @@ class IndexRules:
         self.slice_blocks = slice_blocks
         self.cursors: dict[RankId, int] = {}
         self.live: set[RankId] = set()
+        self.cold: set[RankId] = set()  # ranks whose view may miss blocks (module docstring)
         self.stats = PumpStats()
         # The LoRA adapter names the engines' stores have carried (vLLM's and SGLang's
         # `lora_name`): a request naming one of them is keyed in that adapter's namespace,
@@ -341,7 +354,10 @@ class IndexRules:
     def report_doubt(self, rank: RankId) -> None:
         """A rank may have missed what its seqs cannot show (an ingest process started
         again resumed it: had its engine restarted meanwhile, the new stream's seqs would
-        continue the old one's): its owner re-pulls a snapshot, as after a loss."""
+        continue the old one's): its owner re-pulls a snapshot, as after a loss, and until
+        then the rank is cold."""
+        if rank in self.live:
+            self.cold.add(rank)
         self._on_loss(rank)
 
     @property
@@ -362,6 +378,7 @@ class IndexRules:
 
     def clear_rank_state(self, rank: RankId) -> None:
         self.cursors.pop(rank, None)
+        self.cold.discard(rank)
         if self.tree is not None:
             self.tree.clear_rank(rank)
 
@@ -395,6 +412,7 @@ class IndexRules:
                 )
                 self.stats.publisher_resets += 1
             self.cursors.pop(item.rank, None)
+            self.cold.discard(item.rank)
             if self.tree is not None:
                 yield from self.tree.clear_rank_steps(item.rank, self.slice_blocks)
             if item.jumped:
@@ -420,6 +438,10 @@ class IndexRules:
 
     def apply_batch_steps(self, rank: RankId, seq: int, batch: EventBatch) -> Steps:
         cursor = self.cursors.get(rank)
+        if seq == 0:  # the stream from its origin: the view will be whole
+            self.cold.discard(rank)
+        elif cursor is None:  # joined mid-stream: what came before is missing
+            self.cold.add(rank)
         if cursor is not None:
             if seq == 0:  # batch 0 again: a new incarnation, even right after batch 0
                 log.info("%s: stream restarted at seq 0 without END_SEQ; clearing the rank", rank)
@@ -444,6 +466,7 @@ class IndexRules:
                     cursor,
                 )
                 self.stats.seq_jumps += 1
+                self.cold.add(rank)
                 if self.bootstrap is not None:
                     self.bootstrap.on_restart_at_zero(rank)
                 yield from self._tree.clear_rank_steps(rank, self.slice_blocks)
@@ -459,6 +482,7 @@ class IndexRules:
                     cursor + 1,
                     seq - 1,
                 )
+                self.cold.add(rank)
                 self._on_loss(rank)
         tree = self._tree
         yield from apply_steps(
@@ -488,6 +512,7 @@ class IndexRules:
                 held,
                 self.stats.cap_clears[largest],
             )
+            self.cold.add(largest)
             yield from tree.clear_rank_steps(largest, self.slice_blocks)
 
     def replace_rank(self, rank: RankId, snap: SnapshotRank, block_size: int) -> SnapshotVerdict:
@@ -526,6 +551,7 @@ class IndexRules:
             placed = rebuild_rank(self._tree, rank, snap, block_size)
             if snap.last_seq >= 0:
                 self.cursors[rank] = snap.last_seq
+            self.cold.discard(rank)  # the worker's whole cache
             self.stats.worker_snapshots_applied += 1
             log.info(
                 "%s: worker snapshot applied: %d blocks at seq %d", rank, placed, snap.last_seq

@@ -317,6 +317,13 @@ class _StateCollector(Collector):
             [((), tree.carried_blocks if tree else 0)],
         )
         yield _gauge(
+            "kvrouter_index_cold_ranks",
+            "Ranks whose view may miss blocks the engine holds (the stream joined past its "
+            "start, batches lost, cleared at the cap, or grafted from a sibling cold for "
+            "them); a joining sibling prefers a sibling not cold for a rank",
+            [((), len(rules.cold))],
+        )
+        yield _gauge(
             "kvrouter_index_max_blocks",
             "The index cap (--kv-index-max-blocks); 0 when there is none",
             [((), rules.max_blocks or 0)],

@@ -43,6 +43,7 @@ class View:
     tree: BlockTree | None
     cursors: dict[RankId, int] = field(default_factory=dict)
     live: set[RankId] = field(default_factory=set)
+    cold: set[RankId] = field(default_factory=set)
 
 
 class Clock:

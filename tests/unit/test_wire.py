@@ -31,6 +31,7 @@ BODY = PeerSnapshot(
         WireNode(0, 5, [(0, 3, 9), (1, 1, 10)]),
     ],
     empty_ranks=[WireWorker("http://10.0.0.3:8000", 0)],
+    cold_ranks=[WireWorker("http://10.0.0.2:8000", 1)],
 )
 
 
