@@ -9,7 +9,8 @@ Theory of operation
 A sweep owns a set of obligations (rank, epoch). Every 250 ms it drops obligations no longer
 owed, makes one pass over the shuffled candidates, and reads the pass:
 
-  - a vetted body that has a cursor for at least one owed rank -> `found` (the caller grafts)
+  - a vetted body that has a cursor for at least one owed rank -> `found` (the caller grafts),
+    the producer not cold for it (else see "cold covers" below)
   - every candidate rejected or cold-witnessed                 -> `fleet_cold` (run cold)
   - some ranks every candidate says it holds nothing for       -> abandon just those ranks now,
                                                                   keep sweeping for the rest
@@ -34,7 +35,20 @@ whenever `hedge_after_s` passes with no usable answer (or a fetch ends without o
 starts, at most `max_in_flight` at a time. The first usable body wins and the fetches still
 running are cancelled. A sibling that trickles its body costs the others `hedge_after_s`,
 not its whole per-fetch deadline; the bound on fetches in flight bounds the memory that
-bodies being received can take. The freshness ratchet asks
+bodies being received can take.
+
+Cold covers (our addition to the reference, which takes the first vetted body that covers a
+rank): a body whose every cursor for the owed ranks is one its producer marks cold
+(`cold_ranks`, `peer.wire`: its view of the rank is partial, e.g. it ran cold itself) does not
+win the pass. The first such body is kept as the fallback and the pass goes on; a body that
+covers an owed rank and is not cold for it wins; at the end of the pass (or when the sweep's
+budget runs out during it) the fallback is taken: a partial view is never wrong and beats
+none. No time bound changes: the pass only asks the peers it would have asked anyway, each
+within its per-fetch deadline, all within the sweep's budget; the fallback is one more body
+held beside those being received. A body warm for one owed rank and cold for another still
+wins whole: one sweep grafts one body.
+
+The freshness ratchet asks
 each peer for an export no older than the newer of the sweep's floor (when our ranks started
 holding their streams) and the arrival of that peer's previous body: a re-fetch must bring
 something newer than the useless answer already received.
@@ -91,6 +105,8 @@ class PeerRecord:
 class SweepBook:
     freshness_floor: float
     peers: dict[str, PeerRecord] = field(default_factory=dict)
+    # The current pass's first body that covers owed ranks only as cold: (vetted, peer).
+    fallback: tuple[Any, str] | None = None
 
     def record(self, peer: str) -> PeerRecord:
         rec = self.peers.get(peer)
@@ -177,6 +193,7 @@ class SweepBook:
 
 class Vetted(Protocol):
     def covers_any(self, ranks: Collection[RankId]) -> bool: ...
+    def covers_warm(self, ranks: Collection[RankId]) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +274,8 @@ async def sweep(
                 last_reason = reason or last_reason
                 if found is not None:
                     return SweepResult(FOUND, found, peer, 1), settled_cold
+                if book.fallback is not None:
+                    return _take_fallback(book, deps), settled_cold
                 if deps.registry.version != version:
                     log.info("sibling set changed during the pass; cold verdicts discarded")
                 elif book.fleet_is_cold(candidates):
@@ -271,6 +290,8 @@ async def sweep(
                     return SweepResult(NO_PEERS), settled_cold
                 await deps.sleep(PASS_INTERVAL_S)
     except TimeoutError:
+        if book.fallback is not None:  # the budget ran out in a pass that found a cold cover
+            return _take_fallback(book, deps), settled_cold
         tried = len(deps.registry.peers)
         return SweepResult(TIMED_OUT, peers_tried=tried, last_reason=last_reason), settled_cold
 
@@ -278,7 +299,12 @@ async def sweep(
 async def _hedged_pass(
     peers: list[str], book: SweepBook, deps: SweepDeps, ranks: set[RankId]
 ) -> tuple[Any | None, str | None, str]:
-    """Ask `peers` in order, hedged (see the module docstring); (vetted, peer, last reason)."""
+    """Ask `peers` in order, hedged (see the module docstring); (vetted, peer, last reason).
+
+    A body that covers `ranks` only as cold is kept in `book.fallback` (the first one) and
+    the pass goes on; the caller takes it when the pass ends without a warm cover.
+    """
+    book.fallback = None
     waiting = list(reversed(peers))  # popped from the end: in order
     running: dict[asyncio.Task[tuple[Any | None, str]], str] = {}
     last_reason = ""
@@ -300,8 +326,18 @@ async def _hedged_pass(
                 peer = running.pop(task)
                 found, reason = task.result()
                 last_reason = reason or last_reason
-                if found is not None:
+                if found is None:
+                    continue
+                if found.covers_warm(ranks):
+                    if book.fallback is not None:
+                        deps.tally("cold_peer")  # the fallback is not taken
+                        book.fallback = None
+                    deps.tally(FETCHED_ACCEPTED)
                     return found, peer, last_reason
+                if book.fallback is None:
+                    book.fallback = (found, peer)
+                else:
+                    deps.tally("cold_peer")
         return None, None, last_reason
     finally:
         for task in running:
@@ -340,8 +376,21 @@ async def _try_peer(
         book.miss(peer)
         deps.tally("cold_peer")
         return None, f"{peer}: covers none of the pending ranks"
-    deps.tally(FETCHED_ACCEPTED)
     return vetted, ""
+
+
+def _take_fallback(book: SweepBook, deps: SweepDeps) -> SweepResult:
+    """The pass's cold cover, taken: no sibling warm for the ranks answered."""
+    assert book.fallback is not None
+    vetted, peer = book.fallback
+    book.fallback = None
+    log.info(
+        "no sibling whose view of the pending ranks is whole answered; grafting %s's, which "
+        "it holds as cold (partial, never wrong)",
+        peer,
+    )
+    deps.tally(FETCHED_ACCEPTED)
+    return SweepResult(FOUND, vetted, peer, 1)
 
 
 def _empty_ranks(body: Any) -> list[RankId]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,7 +22,7 @@ from peer.producer import accepts
 from peer.wire import COLUMNS, JSON, MSGPACK
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.ports import free_tcp_port
-from tests.support.router import RouterHandle, router_in_process
+from tests.support.router import RouterHandle, gate, router_in_process
 from tests.support.waiting import eventually
 
 BS = 16
@@ -463,3 +464,49 @@ async def test_a_replica_given_the_fleets_peer_list_leaves_itself_out_of_it() ->
     listed = [f"http://127.0.0.1:{control}", other]
     async with router_in_process(port=free_tcp_port(), control_port=control, peer=listed) as rt:
         assert list(rt.replica.bootstrap.registry.peers) == [other]
+
+
+async def test_a_joiner_grafts_the_sibling_warm_for_a_rank_not_one_that_ran_cold() -> None:
+    """A sibling whose own bootstrap ran cold holds a true but partial view (what it heard
+    live since); a joiner offered it and a warm sibling must graft the warm one's whole view,
+    whichever order its shuffled peer list puts them in."""
+    runner, hanging = await broken_sibling("hangs")
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            fw = await stack.enter_async_context(fake_worker_in_process())
+            rank = RankId(fw.url, 0)
+            warm = await stack.enter_async_context(router_in_process(workers=[fw.url]))
+            await warm.gate(fw)
+            # A new engine incarnation, seen from its seq 0 on: the warm view is whole.
+            await fw.post("/control/restart-publisher", {"dp_rank": 0})
+            rng = random.Random(11)
+            await fw.store([chain(rng, [], 9) for _ in range(3)])
+            # The cold sibling's only sibling hangs: it settles cold, then hears one chain.
+            cold = await stack.enter_async_context(
+                router_in_process(workers=[fw.url], peer=[hanging], kv_bootstrap_timeout_ms=2_000)
+            )
+            await ready(cold, within_s=10)
+            await eventually(lambda: cold.replica.bootstrap.tracker.rank_outcomes["abandoned"], 5)
+            await gate([warm, cold], fw)
+            last = await fw.store([chain(rng, [], 1)])
+            for rt in (warm, cold):
+                await rt.wait_cursor(fw.url, 0, last)
+            whole = held_by(warm, rank)
+            assert len(whole) == 3 * 9 + 2  # the chains, the probe and the cold one's chain
+            assert len(held_by(cold, rank)) == 2
+            assert (await cold.scrape()).value("kvrouter_index_cold_ranks") == 1
+            assert (await warm.scrape()).value("kvrouter_index_cold_ranks") == 0
+            for seed, order in itertools.product(range(3), ([warm, cold], [cold, warm])):
+                async with router_in_process(
+                    workers=[fw.url],
+                    peer=[rt.url for rt in order],
+                    seed=seed,
+                    kv_bootstrap_timeout_ms=20_000,
+                ) as new:
+                    await ready(new)
+                    await new.wait_cursor(fw.url, 0, last)
+                    assert held_by(new, rank) == whole, (seed, order.index(warm))
+                    assert new.replica.bootstrap.sources["peer"] == 1
+                    assert (await new.scrape()).value("kvrouter_index_cold_ranks") == 0
+    finally:
+        await runner.cleanup()

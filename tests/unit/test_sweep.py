@@ -43,6 +43,7 @@ class Body:
     covers: frozenset = frozenset()
     empty_ranks: list = field(default_factory=list)
     rejected: str = ""
+    cold: frozenset = frozenset()  # covered ranks the producer holds as cold
 
     @property
     def node_count(self) -> int:
@@ -56,11 +57,15 @@ class W:
 
 
 class Vetted:
-    def __init__(self, covers: frozenset) -> None:
+    def __init__(self, covers: frozenset, cold: frozenset = frozenset()) -> None:
         self.covers = covers
+        self.cold = cold
 
     def covers_any(self, ranks: Any) -> bool:
         return bool(self.covers & set(ranks))
+
+    def covers_warm(self, ranks: Any) -> bool:
+        return bool((self.covers - self.cold) & set(ranks))
 
 
 async def vet(body: Body) -> Vetted:
@@ -68,7 +73,7 @@ async def vet(body: Body) -> Vetted:
         raise VetFailure("rejected", body.rejected)
     if not body.nodes:
         raise VetFailure("cold_peer", "producer_cold")
-    return Vetted(body.covers)
+    return Vetted(body.covers, body.cold)
 
 
 @dataclass
@@ -329,3 +334,61 @@ async def test_no_more_than_max_in_flight_fetches_run_at_once() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert sorted(hanging.cancelled) == ["s1", "s2"]
+
+
+# -- cold covers: a sibling cold for a rank is a fallback, not a winner ----------------------
+
+
+@pytest.mark.parametrize("order", [["cold", "warm"], ["warm", "cold"]])
+async def test_a_sibling_warm_for_the_rank_wins_over_a_cold_one_in_either_order(
+    order: list[str],
+) -> None:
+    fleet = Fleet(
+        {
+            "cold": [Body([1], frozenset({R1}), cold=frozenset({R1}))],
+            "warm": [Body([1], frozenset({R1}))],
+        }
+    )
+    result, _ = await sweep([Ob(R1, 1)], fleet.deps(Registry(order)), 5.0, 100.0)
+    assert result.outcome == FOUND and result.peer == "warm"
+    assert result.vetted.cold == frozenset()
+    # The cold body, met first, is passed over, not accepted; met second, never asked for.
+    expected = ["cold_peer", FETCHED_ACCEPTED] if order[0] == "cold" else [FETCHED_ACCEPTED]
+    assert fleet.tallies == expected
+
+
+async def test_a_cold_cover_is_taken_at_the_end_of_a_pass_with_no_warm_one() -> None:
+    fleet = Fleet(
+        {
+            "cold": [Body([1], frozenset({R1}), cold=frozenset({R1}))],
+            "down": [None],
+            "other": [Body([1], frozenset({R2}))],  # warm, but not for an owed rank
+        }
+    )
+    result, _ = await sweep([Ob(R1, 1)], fleet.deps(Registry(["cold", "down", "other"])), 5, 100)
+    assert result.outcome == FOUND and result.peer == "cold"
+    assert [p for p, _ in fleet.asked] == ["cold", "down", "other"]  # one pass, every peer
+    assert sorted(fleet.tallies) == sorted([FETCHED_ACCEPTED, "unreachable", "cold_peer"])
+
+
+async def test_a_body_warm_for_one_owed_rank_wins_though_cold_for_another() -> None:
+    fleet = Fleet(
+        {
+            "mixed": [Body([1], frozenset({R1, R2}), cold=frozenset({R2}))],
+            "warm": [Body([1], frozenset({R1, R2}))],
+        }
+    )
+    result, _ = await sweep([Ob(R1, 1), Ob(R2, 1)], fleet.deps(Registry(["mixed", "warm"])), 5, 1)
+    assert result.outcome == FOUND and result.peer == "mixed"
+    assert [p for p, _ in fleet.asked] == ["mixed"]
+
+
+async def test_a_cold_cover_is_taken_when_the_budget_runs_out_mid_pass() -> None:
+    fleet = Fleet({"cold": [Body([1], frozenset({R1}), cold=frozenset({R1}))], "slow": [None]})
+    fleet.fetch = hanging = Hanging(fleet, {"slow"})  # type: ignore[method-assign]
+    deps = fleet.deps(Registry(["cold", "slow"]))
+    deps.hedge_after_s = 0.0
+    result, _ = await asyncio.wait_for(sweep([Ob(R1, 1)], deps, 0.2, 100.0), 5)
+    assert result.outcome == FOUND and result.peer == "cold"
+    assert hanging.cancelled == ["slow"]
+    assert fleet.tallies == [FETCHED_ACCEPTED]
