@@ -40,9 +40,12 @@ an interval one way, and no state in the process), and the reader, when it finds
 empty, notes when it last heard anything; `hung` decides from that. Silence is measured only
 while the replica waits on an empty channel, never while it reads or delivers (a slow pump
 holds the process's beats back in the channel: that process is not the one behind), and the
-clock is read once per wait, not per message. A hung process is counted in `hung`, SIGKILLed
-(a stopped process takes no SIGTERM until it is continued) and reaped, and the restart path
-above takes over: its ranks resume from their last seq, their snapshots pulled again.
+clock is read twice per wait, not per message. A wait that overran its tick was the replica
+not running (a stalled loop, a pod frozen whole by a CPU quota or a VM pause), and that time
+is no silence of the process (`overrun`): frozen with it, its beats could not come. A hung
+process is counted in `hung`, SIGKILLed (a stopped process takes no SIGTERM until it is
+continued) and reaped, and the restart path above takes over: its ranks resume from their
+last seq, their snapshots pulled again.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ RESET_AFTER_S: Final = 30.0  # a process that lived this long starts its backoff
 UNHEALTHY_AFTER: Final = 5  # restarts in a row, each dead within RESET_AFTER_S
 DRAIN_BATCH: Final = 64
 DEFAULT_SILENCE_S: Final = 5.0  # --kv-ingest-silence-s
-MIN_SILENCE_S: Final = 0.2  # beats every 50 ms at most
+MIN_SILENCE_S: Final = 1.0  # a largest message decodes in well under it (0.2 killed busy ones)
 MAX_SILENCE_S: Final = 600.0
 BEATS_PER_SILENCE: Final = 4  # a live process's beats within the bound: one late is no harm
 # The bound before a process's Hello: its imports, on a host busy enough to slow them, may take
@@ -111,6 +114,14 @@ def pick_process(loads: list[int]) -> int:
 def restart_backoff_s(failures: int) -> float:
     """The wait before restart number `failures` (>= 1) in a row."""
     return min(BACKOFF_FIRST_S * 2 ** (failures - 1), BACKOFF_MAX_S)
+
+
+def overrun(waited: float, woke: float, tick_s: float) -> float:
+    """How much longer than `tick_s` the reader's wait from `waited` to `woke` lasted. The
+    tick wakes a waiting reader within `tick_s`, so the rest is time the replica itself did
+    not run (its loop stalled; the pod frozen, processes and all, by a CPU quota or a VM
+    pause): no silence of the process, which was frozen with it."""
+    return max(woke - waited - tick_s, 0.0)
 
 
 def hung(now: float, heard: float, up: bool, silence_s: float) -> bool:
@@ -353,9 +364,8 @@ class IngestPool:
         readable = asyncio.Event()
         fd = sock.getsockopt(zmq.FD)
         loop.add_reader(fd, readable.set)
-        ticker = asyncio.create_task(
-            _tick(readable, self._silence_s / BEATS_PER_SILENCE), name=f"ingest-tick-{proc.index}"
-        )
+        tick_s = self._silence_s / BEATS_PER_SILENCE
+        ticker = asyncio.create_task(_tick(readable, tick_s), name=f"ingest-tick-{proc.index}")
         heard = self._clock()
         fresh = False  # anything received since the last wait (noted then, on the clock)
         try:
@@ -374,13 +384,14 @@ class IngestPool:
                 readable.clear()
                 if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     continue
+                now = self._clock()
                 if fresh:
-                    heard = self._clock()
-                    fresh = False
-                elif hung(now := self._clock(), heard, proc.up.is_set(), self._silence_s):
+                    heard, fresh = now, False
+                elif hung(now, heard, proc.up.is_set(), self._silence_s):
                     self._kill_hung(proc, child, now - heard)
                     return
                 await readable.wait()
+                heard += overrun(now, self._clock(), tick_s)
         finally:
             loop.remove_reader(fd)
             await cancel_and_wait([ticker])

@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -218,10 +219,29 @@ async def test_a_stopped_process_is_killed_within_the_bound_and_its_rank_resumes
     assert fleet.resumed == [rank]  # its worker snapshot pulled again, as after an exit
 
 
+@pytest.mark.parametrize("fleet", [{"silence_s": SILENCE_S}], indirect=True)
+async def test_a_process_frozen_with_the_replica_is_not_taken_as_hung(fleet: Fleet) -> None:
+    """The whole pod frozen past the bound (a CPU quota, a VM pause): the replica did not run
+    either, so the process's silence is no hang. Its tick came first after the thaw, before
+    any beat, and every process was killed and every rank re-pulled."""
+    fleet.subscribe()
+    await fleet.gate()
+    child = fleet.pool.pids()[0]
+    assert child is not None
+    os.kill(child, signal.SIGSTOP)
+    # The fault itself, not a wait: the replica's loop frozen too, past the bound.
+    time.sleep(1.5 * SILENCE_S)  # noqa: ASYNC251
+    # The process thaws a moment after the replica's loop runs again: its tick comes first.
+    asyncio.get_running_loop().call_later(0.05, os.kill, child, signal.SIGCONT)
+    with pytest.raises(TimeoutError):
+        await eventually(lambda: fleet.pool.stats.hung[0], within_s=3 * SILENCE_S)
+    assert fleet.pool.pids()[0] == child and fleet.pool.stats.restarts[0] == 0
+
+
 async def test_a_process_whose_batches_wait_on_a_slow_pump_is_not_taken_as_hung() -> None:
     """Its beats queue behind its batches while the replica is held up delivering them: the
     process is not the one behind, and killing it would only lose what it holds."""
-    silence_s = 0.4
+    silence_s = 1.0
     context = zmq.asyncio.Context()
     rules = IndexRules(BlockTree(BS))
     pump = Pump(rules)

@@ -14,7 +14,14 @@ from cachetree.tiers import DEVICE, HOST
 from cachetree.tree import BlockTree
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, RemovedRun
 from router.index import IndexRules
-from router.ingest_pool import START_SILENCE_S, _copy_stats, hung, pick_process, restart_backoff_s
+from router.ingest_pool import (
+    START_SILENCE_S,
+    _copy_stats,
+    hung,
+    overrun,
+    pick_process,
+    restart_backoff_s,
+)
 from router.ingest_wire import (
     BEAT,
     Beat,
@@ -244,3 +251,18 @@ def test_a_process_is_hung_once_silent_past_its_bound(
     now: float, heard: float, up: bool, silence_s: float, is_hung: bool
 ) -> None:
     assert hung(now, heard, up, silence_s) is is_hung
+
+
+@pytest.mark.parametrize(
+    ("waited", "woke", "tick_s", "stalled"),
+    [
+        (10.0, 10.2, 1.25, 0.0),  # woken by a message before the tick
+        (10.0, 11.25, 1.25, 0.0),  # by the tick, on time
+        (10.0, 11.3, 1.25, 0.05),  # a little late: a busy loop
+        (10.0, 17.25, 1.25, 6.0),  # the pod frozen six seconds: no silence of the process's
+    ],
+)
+def test_a_wait_past_its_tick_is_the_replica_not_running(
+    waited: float, woke: float, tick_s: float, stalled: float
+) -> None:
+    assert overrun(waited, woke, tick_s) == pytest.approx(stalled)
