@@ -3,9 +3,10 @@
 The regime (the workload family is `bench.pressure_sim.Workload`): shared prefixes whose
 working set is larger than one worker's prefix cache but within the fleet's combined cache
 (the prefixes fill `fill` of it, on average), each request a prefix plus a tail of its own,
-in cyclic or shuffled order, sent by `concurrency` closed-loop clients, into caches that are
-empty (cold) or full of unrelated blocks (pre-filled: a fleet that has been running), through
-one router replica or several behind a round-robin front. Fake workers as real processes, one
+in cyclic or shuffled order (or a popularity of the workload's: zipf, bursty, mixed; see
+`Workload`), sent by `concurrency` closed-loop clients, into caches that are empty (cold) or
+full of unrelated blocks (pre-filled: a fleet that has been running), through one router
+replica or several behind a round-robin front. Fake workers as real processes, one
 rank each: a paged LRU prefix cache of `cache_blocks` blocks, 50 us of prefill per uncached
 token, 1 ms per generated token (8 per request), at most 2 requests running per worker (the
 rest queue). A workload's workers are started once; before every run their caches are
@@ -29,10 +30,11 @@ the rows in turns so drift hits every row alike. A row shows its median ratio wi
 the ideal's in every workload, and above smg's.
 
 To study a few workloads at a time (their tables are partial: pass `--no-markdown`):
-`BENCH_PRESSURE_WORKLOADS` names them (commas; any shape of `bench.pressure_sim`, holdouts
-and header shapes included), `BENCH_PRESSURE_RUNS` sets the runs per row (seeds 0..N-1), and
-`BENCH_PRESSURE_ROWS` the rows (their labels, commas: "ideal partition,kvrouter cache_aware");
-the rows left out show as skipped. `BENCH_PRESSURE_UNSEEN=N` (or `N:SEED`) runs N shapes of
+`BENCH_PRESSURE_WORKLOADS` names them (commas; any shape of `bench.pressure_sim`, holdouts,
+round 19's judged hold-outs (`judged_holdouts`) and header shapes included),
+`BENCH_PRESSURE_RUNS` sets the runs per row (seeds 0..N-1), and `BENCH_PRESSURE_ROWS` the rows
+(their labels, commas: "ideal partition,kvrouter cache_aware"); the rows left out show as
+skipped. `BENCH_PRESSURE_UNSEEN=N` (or `N:SEED`) runs N shapes of
 the regime drawn at random (`bench.pressure_sim.unseen_shapes`, after the named ones): a
 fresh seed is a set of hold-outs no weight was chosen on; `BENCH_PRESSURE_TAILED=N` (or
 `N:SEED`) the same draw with longer tails of the requests' own (`tailed_shapes`: 64-500
@@ -67,6 +69,7 @@ from bench.pressure_sim import (
     build_requests,
     holdouts,
     ideal_partition,
+    judged_holdouts,
     long_headers,
     nested_headers,
     tailed_shapes,
@@ -116,7 +119,7 @@ QUICK: Final = ("3w-9p-shuffled-c8-prefilled", "3w-9p-shuffled-c8-2rep")
 def selected(quick: bool, env: Mapping[str, str] = os.environ) -> tuple[list[Workload], int]:
     """The workloads and the runs per row at this scale, or as the environment narrows them:
     `BENCH_PRESSURE_WORKLOADS` (names, commas; any shape of `bench.pressure_sim`, its
-    holdouts and header shapes included), `BENCH_PRESSURE_UNSEEN` and
+    holdouts, round 19's judged hold-outs and header shapes included), `BENCH_PRESSURE_UNSEEN` and
     `BENCH_PRESSURE_TAILED` (shapes drawn at random, after the named ones; only those named
     when some are) and `BENCH_PRESSURE_RUNS`
     (1-100). ValueError naming the problem when they are malformed. A narrowed run is for
@@ -124,7 +127,7 @@ def selected(quick: bool, env: Mapping[str, str] = os.environ) -> tuple[list[Wor
     names: Sequence[str] = QUICK if quick else FULL
     runs = 1 if quick else 3
     wanted = env.get("BENCH_PRESSURE_WORKLOADS", "").strip()
-    family = workloads() + holdouts() + long_headers() + nested_headers()
+    family = workloads() + holdouts() + judged_holdouts() + long_headers() + nested_headers()
     unseen = _drawn(env, "BENCH_PRESSURE_UNSEEN", unseen_shapes)
     unseen += _drawn(env, "BENCH_PRESSURE_TAILED", tailed_shapes)
     by_name = {w.name: w for w in family + unseen}
@@ -468,6 +471,13 @@ def verdict(results: Sequence[dict[str, Any]]) -> str:
 
 def _describe(w: dict[str, Any]) -> str:
     order = "shuffled" if w["shuffled"] else "cyclic"
+    popularity = w["popularity"]
+    if popularity == "zipf":
+        order = f"zipf popularity (s={w['zipf_s']:g}), shuffled"
+    elif popularity == "bursty":
+        order = "shuffled bursts of 3 requests of a prefix"
+    elif popularity == "mixed":
+        order = "a cyclic pass, then shuffled"
     state = "pre-filled" if w["prefilled"] else "cold"
     replicas = f"{w['replicas']} replica" + ("s" if w["replicas"] > 1 else "")
     low, high = w["tail_tokens"]

@@ -42,7 +42,8 @@ not see yet, none left, a holder seen and passed over, the imbalance fallback).
 `--holdouts` adds shapes of the regime that no weight was chosen on (`holdouts()`), and
 `--unseen N` N shapes drawn at random (`unseen_shapes()`, `--unseen-seed`): a fresh draw is
 a set of hold-outs nobody has tuned on; `--tailed N` the same draw with longer tails of the
-requests' own (`tailed_shapes()`).
+requests' own (`tailed_shapes()`); `--judged` the hold-outs a judge ran live in round 19
+(`judged_holdouts()`), zipf, bursty and mixed popularity among them (`Workload.popularity`).
 `--share-lag-ms`, `--event-lag-ms` and `--placement-share-lag-ms` set the news lags of every
 workload chosen; the last one delays only placements (a prefix sent to a rank it was never
 sent to), to tell which decisions' lag costs (BENCHMARKS.md: siblings' news lag). `--placer`
@@ -97,9 +98,24 @@ CACHE_AWARE_HOME: Final = "cache_aware_home"
 UNSEEN_SEED: Final = 2026  # the draw `--unseen` and `BENCH_PRESSURE_UNSEEN` make by default
 
 
+POPULARITIES: Final = ("uniform", "zipf", "bursty", "mixed")
+BURST: Final = 3  # requests of one prefix back to back in the bursty order
+
+
 @dataclass(frozen=True)
 class Workload:
-    """One workload of the regime. Lengths are in blocks; tails in tokens."""
+    """One workload of the regime. Lengths are in blocks; tails in tokens.
+
+    `popularity` sets how many requests each prefix gets and in what order they come
+    (`build_requests`): "uniform", `requests_per_prefix` each, cyclic or shuffled; "zipf",
+    about `prefixes * requests_per_prefix` in all, at least 2 a prefix, the rest shared by
+    1/rank**`zipf_s` over a random ranking, shuffled; "bursty", `requests_per_prefix` each in
+    bursts of `BURST` back to back, the bursts shuffled (two of a prefix may meet); "mixed",
+    one cyclic pass over the prefixes, then the rest shuffled. Only "uniform" may be cyclic
+    (`shuffled=False`). A shape whose popularity is not uniform says it in its name
+    (`-zipf`, `-zipf1.3`, `-bursty`, `-mixed`; the older "4w-14p-mixed-c4" means mixed
+    lengths).
+    """
 
     name: str
     workers: int
@@ -109,6 +125,8 @@ class Workload:
     requests_per_prefix: int
     tail_tokens: tuple[int, int] = (8, 40)  # unique tokens after the prefix, per request
     shuffled: bool = False  # False: cyclic order p0, p1, ..., p0, p1, ...
+    popularity: str = "uniform"  # one of POPULARITIES
+    zipf_s: float = 1.0  # the zipf popularity's exponent
     concurrency: int = 1
     prefilled: bool = False  # caches full of unrelated blocks before the first request
     replicas: int = 1
@@ -124,6 +142,23 @@ class Workload:
     # a copy), which takes this long when set (an ablation: which decisions' lag costs)
     placement_share_lag_s: float | None = None
     load_interval_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.popularity not in POPULARITIES:
+            raise ValueError(
+                f"workload {self.name}: popularity {self.popularity!r}; choose among "
+                f"{', '.join(POPULARITIES)}"
+            )
+        if self.popularity != "uniform" and not self.shuffled:
+            raise ValueError(
+                f"workload {self.name}: the {self.popularity} order is shuffled; "
+                "a cyclic order (shuffled=False) is uniform popularity's"
+            )
+        if self.popularity == "zipf" and (self.requests_per_prefix < 2 or self.zipf_s <= 0):
+            raise ValueError(
+                f"workload {self.name}: zipf popularity needs requests_per_prefix >= 2 (each "
+                f"prefix gets 2) and zipf_s > 0; got {self.requests_per_prefix}, {self.zipf_s}"
+            )
 
     @property
     def cache_blocks(self) -> int:
@@ -369,6 +404,78 @@ def tailed_shapes(count: int, seed: int) -> list[Workload]:
     return out
 
 
+def judged_holdouts() -> list[Workload]:
+    """The hold-outs a judge ran live in round 19 (added with `--judged`; named in
+    `BENCH_PRESSURE_WORKLOADS` live; BENCHMARKS.md, "Hold-outs of round 19"), none tuned on:
+    18 designed (`j-`, `k-`: zipf, bursty and mixed popularity among them), 5 of a random
+    screening in the simulator (`s1212.<i>`, the judge's draw 1212: the 4 of its 120 below
+    0.98x there and the one far below), and 6 variations on that one (`v<i>`, `x<i>`):
+    prefixes of 6-14 blocks in cyclic order at a tight fill, the family where cache_aware
+    fell short."""
+    v1 = Workload(
+        "v1-7w-35p-6-14-cyc-c24-3rep-f85", 7, 35, (6, 14), 0.85, 10, concurrency=24, replicas=3
+    )
+    tails = (40, 120)
+    return [
+        Workload("j-2w-6p-cyclic-f82", 2, 6, (48, 80), 0.82, 8),
+        Workload("j-10w-50p-shuf-c24-2rep", 10, 50, (12, 36), 0.85, 5, shuffled=True,
+                 concurrency=24, replicas=2),
+        Workload("j-7w-21p-wide-c10-pre-3rep", 7, 21, (8, 96), 0.8, 6, shuffled=True,
+                 concurrency=10, prefilled=True, replicas=3),
+        Workload("j-4w-12p-cyclic-c4-pre-2rep-f85", 4, 12, (56, 88), 0.85, 6, concurrency=4,
+                 prefilled=True, replicas=2),
+        Workload("j-5w-30p-longtail-c6-2rep-f75", 5, 30, (16, 32), 0.75, 6,
+                 tail_tokens=(64, 192), shuffled=True, concurrency=6, replicas=2),
+        Workload("j-9w-27p-c20-pre-f90", 9, 27, (30, 50), 0.9, 5, shuffled=True, concurrency=20,
+                 prefilled=True),
+        Workload("j-3w-15p-c12-3rep-f70", 3, 15, (20, 60), 0.7, 6, shuffled=True, concurrency=12,
+                 replicas=3),
+        Workload("j-6w-18p-zipf-c8-2rep", 6, 18, (24, 48), 0.85, 6, shuffled=True,
+                 concurrency=8, replicas=2, popularity="zipf"),
+        Workload("j-8w-32p-bursty-c16-pre-2rep", 8, 32, (16, 40), 0.88, 6, shuffled=True,
+                 concurrency=16, prefilled=True, replicas=2, popularity="bursty"),
+        Workload("j-2w-8p-mixed-c16-pre-2rep-f80", 2, 8, (32, 64), 0.8, 8, shuffled=True,
+                 concurrency=16, prefilled=True, replicas=2, popularity="mixed"),
+        Workload("k-10w-40p-c24-pre-3rep-f92", 10, 40, (20, 44), 0.92, 5, shuffled=True,
+                 concurrency=24, prefilled=True, replicas=3),
+        Workload("k-6w-30p-zipf13-c24-3rep-f90", 6, 30, (16, 40), 0.9, 6, shuffled=True,
+                 concurrency=24, replicas=3, popularity="zipf", zipf_s=1.3),
+        Workload("k-4w-40p-short-c16-2rep-f90", 4, 40, (6, 18), 0.9, 6, shuffled=True,
+                 concurrency=16, replicas=2),
+        Workload("k-8w-16p-wide-cyclic-c12-2rep-f85", 8, 16, (16, 112), 0.85, 6, concurrency=12,
+                 replicas=2),
+        Workload("k-5w-25p-longtail-c16-pre-3rep-f85", 5, 25, (24, 48), 0.85, 6,
+                 tail_tokens=(100, 300), shuffled=True, concurrency=16, prefilled=True,
+                 replicas=3),
+        Workload("k-3w-18p-bursty-c24-2rep-f90", 3, 18, (20, 44), 0.9, 8, shuffled=True,
+                 concurrency=24, replicas=2, popularity="bursty"),
+        Workload("k-10w-30p-mixed-c8-f85", 10, 30, (24, 56), 0.85, 6, shuffled=True,
+                 concurrency=8, popularity="mixed"),
+        Workload("k-2w-10p-zipf-c6-pre-3rep-f78", 2, 10, (20, 52), 0.78, 8, shuffled=True,
+                 concurrency=6, prefilled=True, replicas=3, popularity="zipf"),
+        Workload("s1212.100-10w-29p-12-44-c12-3rep-uniform-pre-t40-120-f0.75-r5", 10, 29,
+                 (12, 44), 0.75, 5, tail_tokens=tails, shuffled=True, concurrency=12,
+                 prefilled=True, replicas=3),
+        Workload("s1212.130-2w-17p-12-60-c10-2rep-uniform-pre-t8-40-f0.93-r10", 2, 17, (12, 60),
+                 0.93, 10, shuffled=True, concurrency=10, prefilled=True, replicas=2),
+        Workload("s1212.132-7w-35p-6-14-c24-3rep-cyclic-t40-120-f0.7-r10", 7, 35, (6, 14), 0.7,
+                 10, tail_tokens=tails, concurrency=24, replicas=3),
+        Workload("s1212.149-8w-23p-6-14-c24-1rep-mixed-pre-t8-40-f0.75-r4", 8, 23, (6, 14),
+                 0.75, 4, shuffled=True, concurrency=24, prefilled=True, popularity="mixed"),
+        Workload("s1212.158-4w-27p-6-22-c16-3rep-zipf-t8-40-f0.75-r6-z1.3", 4, 27, (6, 22),
+                 0.75, 6, shuffled=True, concurrency=16, replicas=3, popularity="zipf",
+                 zipf_s=1.3),
+        v1,
+        replace(v1, name="v2-7w-35p-6-14-cyc-c24-3rep-t40-120-f60", tail_tokens=tails,
+                fill=0.6),
+        replace(v1, name="v5-7w-35p-6-14-cyc-c1-t40-120-f70", tail_tokens=tails, fill=0.7,
+                concurrency=1, replicas=1),
+        replace(v1, name="v8-7w-35p-6-14-cyc-c24-3rep-f85-pre", prefilled=True),
+        replace(v1, name="x1-c1-1rep-cyc", concurrency=1, replicas=1),
+        replace(v1, name="x3-c24-1rep-cyc", replicas=1),
+    ]  # fmt: skip
+
+
 # -- the workload's requests ------------------------------------------------------------------
 
 
@@ -409,11 +516,40 @@ def build_requests(w: Workload, seed: int) -> tuple[list[Request], list[int]]:
     prefixes = [
         teams[p % len(teams)] + _text(rng, (n - above) * BLOCK) for p, n in enumerate(lengths)
     ]
-    order = [p for _ in range(w.requests_per_prefix) for p in range(w.prefixes)]
-    if w.shuffled:
-        rng.shuffle(order)
+    order = _order(w, rng)
     requests = [Request(p, prefixes[p] + _text(rng, rng.randint(*w.tail_tokens))) for p in order]
     return requests, lengths
+
+
+def _order(w: Workload, rng: random.Random) -> list[int]:
+    """The prefix of each request in arrival order, by `w.popularity` (`Workload`). The
+    uniform order draws from `rng` as it always did: the shapes that predate the others keep
+    their requests (and their figures)."""
+    cycle = list(range(w.prefixes))
+    if w.popularity == "zipf":
+        ranking = cycle
+        rng.shuffle(ranking)
+        weights = [1 / (r + 1) ** w.zipf_s for r in range(w.prefixes)]
+        total = sum(weights)
+        spare = w.prefixes * (w.requests_per_prefix - 2)
+        order = [
+            p for r, p in enumerate(ranking) for _ in range(2 + round(spare * weights[r] / total))
+        ]
+        rng.shuffle(order)
+        return order
+    if w.popularity == "bursty":
+        n = w.requests_per_prefix
+        bursts = [[p] * min(BURST, n - i) for p in cycle for i in range(0, n, BURST)]
+        rng.shuffle(bursts)
+        return [p for burst in bursts for p in burst]
+    if w.popularity == "mixed":
+        rest = cycle * (w.requests_per_prefix - 1)
+        rng.shuffle(rest)
+        return cycle + rest
+    order = cycle * w.requests_per_prefix
+    if w.shuffled:
+        rng.shuffle(order)
+    return order
 
 
 def ideal_partition(lengths: Sequence[int], workers: int) -> list[int]:
@@ -1024,6 +1160,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--workloads", default="")
     parser.add_argument("--holdouts", action="store_true", help="add holdouts() to the family")
+    parser.add_argument("--judged", action="store_true", help="add judged_holdouts() to the family")
     parser.add_argument(
         "--diagnose", action="store_true", help="where the lost blocks went, per policy"
     )
@@ -1109,6 +1246,7 @@ def main() -> None:
     wanted = {x for x in args.workloads.split(",") if x}
     policies = [p for p in args.policies.split(",") if p]
     family = workloads() + (holdouts() if args.holdouts else [])
+    family += judged_holdouts() if args.judged else []
     family += long_headers() if args.long_headers else []
     family += nested_headers() if args.nested_headers else []
     family += unseen_shapes(args.unseen, args.unseen_seed)
