@@ -407,11 +407,11 @@ def tailed_shapes(count: int, seed: int) -> list[Workload]:
 def judged_holdouts() -> list[Workload]:
     """The hold-outs a judge ran live in round 19 (added with `--judged`; named in
     `BENCH_PRESSURE_WORKLOADS` live; BENCHMARKS.md, "Hold-outs of round 19"), none tuned on:
-    18 designed (`j-`, `k-`: zipf, bursty and mixed popularity among them), 5 of a random
-    screening in the simulator (`s1212.<i>`, the judge's draw 1212: the 4 of its 120 below
-    0.98x there and the one far below), and 6 variations on that one (`v<i>`, `x<i>`):
-    prefixes of 6-14 blocks in cyclic order at a tight fill, the family where cache_aware
-    fell short."""
+    18 designed (`j-`, `k-`: zipf, bursty and mixed popularity among them), the 5 lowest
+    of a random screening in the simulator (`s1212.<i>`: 120 shapes of the judge's draw
+    1212, those 0.80-0.975x there), and 6 variations on the lowest (`v<i>`, `x<i>`): prefixes
+    of 6-14 blocks in cyclic order at a tight fill, the family where cache_aware fell short.
+    """
     v1 = Workload(
         "v1-7w-35p-6-14-cyc-c24-3rep-f85", 7, 35, (6, 14), 0.85, 10, concurrency=24, replicas=3
     )
