@@ -62,6 +62,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import plots
 from bench.pressure_sim import (
+    BURST,
     IDEAL,
     UNSEEN_SEED,
     Request,
@@ -475,7 +476,7 @@ def _describe(w: dict[str, Any]) -> str:
     if popularity == "zipf":
         order = f"zipf popularity (s={w['zipf_s']:g}), shuffled"
     elif popularity == "bursty":
-        order = "shuffled bursts of 3 requests of a prefix"
+        order = f"shuffled bursts of {BURST} requests of a prefix"
     elif popularity == "mixed":
         order = "a cyclic pass, then shuffled"
     state = "pre-filled" if w["prefilled"] else "cold"

@@ -112,9 +112,8 @@ class Workload:
     1/rank**`zipf_s` over a random ranking, shuffled; "bursty", `requests_per_prefix` each in
     bursts of `BURST` back to back, the bursts shuffled (two of a prefix may meet); "mixed",
     one cyclic pass over the prefixes, then the rest shuffled. Only "uniform" may be cyclic
-    (`shuffled=False`). A shape whose popularity is not uniform says it in its name
-    (`-zipf`, `-zipf1.3`, `-bursty`, `-mixed`; the older "4w-14p-mixed-c4" means mixed
-    lengths).
+    (`shuffled=False`). A shape whose popularity is not uniform names it ("zipf", "bursty"
+    or "mixed" in its name; the older "4w-14p-mixed-c4" means mixed lengths).
     """
 
     name: str
