@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from time import perf_counter
+from time import monotonic, perf_counter
 from typing import TYPE_CHECKING, Final, Protocol
 
 from cachetree.ranks import RankId
@@ -55,6 +55,7 @@ _STATUS_LABELS: Final = {status: str(status) for status in range(100, 600)}
 # one (the streams holding them end), and a client that honours it spreads its retries.
 _RETRY_SOON: Final = ((b"Retry-After", b"1"),)
 _NO_FAILURE: Final[tuple[Failure | None, str]] = (None, "no routable worker")
+_BUSY_LOG_EVERY_S: Final = 10.0
 
 
 class WorkerLookup(Protocol):
@@ -179,6 +180,7 @@ class Relay:
 
 class WorkerRelay(Relay):
     __slots__ = (
+        "_busy",
         "_every_open",
         "_in_hand",
         "_last_failure",
@@ -221,6 +223,9 @@ class WorkerRelay(Relay):
         # The connection a 5xx head came on while `start` looks for another rank: dropped if
         # one is tried, relayed if none is left (`_failed_status`).
         self._in_hand: UpstreamConnection | None = None
+        # Workers whose pool had no connection free in time for this request: their other
+        # ranks share that pool, and would only queue it again (None until one had none).
+        self._busy: set[str] | None = None
 
     def start(self) -> None:
         plane = self.plane
@@ -229,7 +234,7 @@ class WorkerRelay(Relay):
             rank = ranked[self._next_pair].rank
             self._next_pair += 1
             worker = plane.workers.get(rank.worker_url)
-            if worker is None:
+            if worker is None or (self._busy is not None and rank.worker_url in self._busy):
                 continue
             every_open = self._every_open
             if not every_open and not worker.breaker.allow():
@@ -335,16 +340,20 @@ class WorkerRelay(Relay):
         if failure == "stale":
             failure = "lost"  # a second dead connection in a row is the worker's
         self._count_failure(failure, detail)
-        left = len(self.decision.ranked) - self._next_pair
-        log.warning(
-            "%s %s failed before the first byte (%s); %s",
-            self.route,
-            rank,
-            detail,
-            "failing over"
-            if left and self.attempts < plane.limits.max_attempts
-            else "no rank left",
-        )
+        if failure == "queue":
+            self._busy = {pool.url} if self._busy is None else self._busy | {pool.url}
+            _warn_busy(pool)
+        else:
+            left = len(self.decision.ranked) - self._next_pair
+            log.warning(
+                "%s %s failed before the first byte (%s); %s",
+                self.route,
+                rank,
+                detail,
+                "failing over"
+                if left and self.attempts < plane.limits.max_attempts
+                else "no rank left",
+            )
         plane.inflight.end(rank)
         self.rank = None
         self.start()
@@ -456,6 +465,26 @@ class ControlRelay(Relay):
         self.client.refuse(
             Refusal(502, f"the control plane did not answer: {detail}", type="internal_error")
         )
+
+
+def _warn_busy(pool: UpstreamPool) -> None:
+    """A request found no connection to the worker free in time: said at most every
+    `_BUSY_LOG_EVERY_S` per worker, with how many did since (under overload they come in
+    crowds, and one line each flooded the log)."""
+    now = monotonic()
+    if now - pool.queue_logged_at < _BUSY_LOG_EVERY_S:
+        return
+    log.warning(
+        "%d request(s) found all %d connection(s) to %s busy with this replica's requests for "
+        "--upstream-connect-timeout-s; each went to another worker, or got a 503 with "
+        "Retry-After. The worker is busy, not failing: raise --upstream-connections-per-worker "
+        "if it can take more at once",
+        pool.queue_expired,
+        pool.cap,
+        pool.url,
+    )
+    pool.queue_logged_at = now
+    pool.queue_expired = 0
 
 
 def _every_breaker_open(workers: WorkerLookup, ranked: Sequence[Candidate]) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import ssl
 from collections import deque
 from collections.abc import Callable
@@ -390,6 +391,10 @@ class UpstreamPool:
         self._expiry = Deadline(loop, self._expire_idle)
         self._wait_expiry = Deadline(loop, self._expire_waiting)
         self._closed = False
+        # Waiters that found no connection in time, since the last warning about them (they
+        # come in crowds under overload: one line per request flooded the log).
+        self.queue_expired = 0
+        self.queue_logged_at = -math.inf
 
     def acquire(self, who: Acquirer, fresh: bool = False) -> None:
         """Hand `who` a connection now, after a connect, or when one comes back."""
@@ -543,6 +548,7 @@ class UpstreamPool:
         waiting = self.waiting
         while waiting and now - waiting[0][1] >= bound:
             who, _ = waiting.popleft()
+            self.queue_expired += 1
             who.connection_failed(
                 "queue",
                 f"all {self.cap} connection(s) to the worker stayed busy for {bound:g} s",

@@ -1012,6 +1012,63 @@ async def test_a_request_queued_with_no_other_worker_is_a_503_with_retry_after_a
         client.close()
 
 
+async def test_a_request_queued_for_a_busy_worker_waits_one_bound_not_one_per_rank() -> None:
+    """A worker's data-parallel ranks share its one pool: a request that found no connection
+    in time failed over to the same worker's next rank and queued again, behind newer
+    waiters, once per rank (three bounds for three ranks), then got its 503."""
+    bound = 0.5
+    async with (
+        fake_worker_in_process(dp_size=3, decode_ms_per_token=50) as fw,
+        router_in_process(
+            workers=[fw.url],
+            policy="round_robin",
+            upstream_connections_per_worker=1,
+            upstream_connect_timeout_s=bound,
+        ) as rt,
+    ):
+        await routable(rt, fw.url)
+        slow = {"prompt": "tell me about caches", "max_tokens": 400}  # 20 s of decoding
+        holder = asyncio.create_task(rt.post("/v1/completions", slow))
+        pools = rt.plane.pools
+        await eventually(lambda: fw.url in pools and len(pools[fw.url].busy) == 1)
+        pool = pools[fw.url]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        status, _, _ = await asyncio.wait_for(
+            rt.post("/v1/completions", json.loads(COMPLETION)), 10
+        )
+        waited = loop.time() - started
+        assert status == 503
+        assert bound <= waited < 2 * bound, waited
+        assert rt.plane.metrics.upstream_failures[fw.url, "queue"] == 1
+        assert not pool.waiting
+        holder.cancel()
+        await asyncio.gather(holder, return_exceptions=True)
+
+
+async def test_requests_finding_a_worker_busy_together_are_one_warning_not_one_each(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Under overload they come in crowds: 40 queued requests wrote 82 warning lines, each
+    saying the worker failed when it was only busy."""
+    release = asyncio.Event()
+    async with one_worker_and_a_client(
+        held_until(release), upstream_connections_per_worker=1, upstream_connect_timeout_s=0.5
+    ) as (w, rt, client):
+        holder = asyncio.create_task(rt.post("/v1/completions", json.loads(COMPLETION)))
+        await eventually(lambda: len(w.posts()) == 1)
+        body = json.loads(COMPLETION)
+        answers = await asyncio.gather(*(rt.post("/v1/completions", body) for _ in range(5)))
+        assert [a[0] for a in answers] == [503] * 5
+        assert rt.plane.metrics.upstream_failures[w.url, "queue"] == 5
+        busy = [r for r in caplog.records if "busy with this replica's requests" in r.message]
+        assert len(busy) == 1 and busy[0].levelname == "WARNING", [r.message for r in busy]
+        assert not [r for r in caplog.records if "failed before the first byte" in r.message]
+        release.set()
+        assert (await holder)[0] == 200
+        client.close()
+
+
 async def test_a_client_leaving_while_its_request_is_queued_leaves_the_queue() -> None:
     release = asyncio.Event()
     async with one_worker_and_a_client(
