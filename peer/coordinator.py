@@ -17,6 +17,7 @@ While a sweep runs, more batches arrive. Afterwards:
     delivery, and if the snapshot predates them they will gap and get their one retry;
   - a gap-retry batch (`late_join=False`) newer than the frozen floor is deferred to the
     next sweep: riding a snapshot taken before its gap would gap again by construction.
+    Its `gaps` note (`peer.sweep.Gapped`) goes with its ranks into the sweep that serves them.
   - `found` but some obligations have no cursor in it: each gets ONE more sweep (remembered
     per (rank, epoch)) instead of being resolved `uncovered`, which is final.
   - `ranks_resolved` sends nothing, so late joiners are re-queued for a sweep of their own.
@@ -30,11 +31,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from peer.sweep import FOUND, RANKS_RESOLVED, SweepResult
+from cachetree.ranks import RankId
+from peer.sweep import FOUND, NO_GAPS, RANKS_RESOLVED, Gapped, SweepResult
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +49,15 @@ class ObligationBatch:
     obligations: tuple[Any, ...]  # (rank, epoch) obligations
     holding_since: float
     late_join: bool = True  # discovery: may ride an in-flight sweep; gap retries may not
+    # A gap retry's notes: whose snapshot gapped, and the least cursor that joins (by rank).
+    gaps: Mapping[RankId, Gapped] = field(default_factory=lambda: NO_GAPS)
 
 
 @dataclass(slots=True)
 class CoordinatorDeps:
-    sweep: Callable[[list[Any], float], Awaitable[tuple[SweepResult, list[Any]]]]
+    sweep: Callable[
+        [list[Any], float, Mapping[RankId, Gapped]], Awaitable[tuple[SweepResult, list[Any]]]
+    ]
     deliver: Callable[[SweepResult, list[Any]], Awaitable[None]]
     still_owed: Callable[[Sequence[Any]], list[Any]]
     any_pending: Callable[[], bool]
@@ -128,7 +134,8 @@ class Coordinator:
                 deps.record_result(SweepResult(RANKS_RESOLVED))
             return
         self.sweeps += 1
-        result, settled_cold = await deps.sweep(obligations, floor)
+        gaps = _merged_gaps(batches)
+        result, settled_cold = await deps.sweep(obligations, floor, gaps)
         joined: list[Any] = []
         newest = floor
         for batch in self._drain():
@@ -136,6 +143,7 @@ class Coordinator:
                 self._requeue(batch)  # a gap retry must not ride an older snapshot
                 continue
             joined.extend(batch.obligations)
+            gaps = {**gaps, **batch.gaps}
             newest = max(newest, batch.holding_since)
         cold = set(settled_cold)
         obligations = _dedupe(
@@ -150,15 +158,30 @@ class Coordinator:
             ]
             if second_chance:
                 self.retried_for_coverage.update((o.rank, o.epoch) for o in second_chance)
-                self._requeue(ObligationBatch(tuple(second_chance), newest, True))
+                self._requeue(
+                    ObligationBatch(tuple(second_chance), newest, True, _for(gaps, second_chance))
+                )
                 obligations = [o for o in obligations if o not in second_chance]
         elif result.outcome == RANKS_RESOLVED and joined:
-            self._requeue(ObligationBatch(tuple(joined), newest, True))
+            self._requeue(ObligationBatch(tuple(joined), newest, True, _for(gaps, joined)))
         deps.record_result(result)
         await deps.deliver(result, obligations)
 
     def _requeue(self, batch: ObligationBatch) -> None:
         self.enqueue_or_detach(batch)
+
+
+def _merged_gaps(batches: Iterable[ObligationBatch]) -> Mapping[RankId, Gapped]:
+    merged: dict[RankId, Gapped] = {}
+    for batch in batches:
+        merged.update(batch.gaps)
+    return merged or NO_GAPS
+
+
+def _for(gaps: Mapping[RankId, Gapped], obligations: Iterable[Any]) -> Mapping[RankId, Gapped]:
+    """The notes of the ranks in `obligations` (they go to a sweep of their own)."""
+    mine = {o.rank: gaps[o.rank] for o in obligations if o.rank in gaps}
+    return mine or NO_GAPS
 
 
 def _dedupe(obligations: Sequence[Any]) -> list[Any]:

@@ -48,6 +48,16 @@ within its per-fetch deadline, all within the sweep's budget; the fallback is on
 held beside those being received. A body warm for one owed rank and cold for another still
 wins whole: one sweep grafts one body.
 
+Gap retries (our addition: the reference sweeps for a retry exactly as for a first graft, so
+it may take the very sibling whose snapshot just gapped, and a sibling whose stream stalled
+gaps every time): a retried rank comes with a `Gapped` note, the sibling whose snapshot did
+not join its stream and the least cursor that would (its held queue starts one past it; the
+queue is kept for the retry). That sibling is asked last in every pass; a body whose cursor
+for the rank is below the note's is `stale` for it: it would gap again, so it neither wins
+the pass for that rank nor vetoes settling it (every sibling stale, cold or empty for the rank
+settles it cold after one pass, not at the deadline). A sibling that has caught up since is
+taken like any other. Nothing is added to any bound: the same peers, the same passes.
+
 The freshness ratchet asks
 each peer for an export no older than the newer of the sweep's floor (when our ranks started
 holding their streams) and the arrival of that peer's previous body: a re-fetch must bring
@@ -59,8 +69,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from asyncio import FIRST_COMPLETED
-from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from cachetree.ranks import RankId
@@ -76,6 +87,7 @@ MAX_IN_FLIGHT = 2  # fetches at once in a pass (each may hold a body up to the b
 UNREACHABLE, CONNECTION_REFUSED, BODY_REFUSED = "unreachable", "connection_refused", "rejected"
 
 FETCHED_ACCEPTED = "accepted"
+STALE = "stale"  # a body behind what a gap-retried rank's stream needs (see Gapped)
 FOUND, NO_PEERS, FLEET_COLD, TIMED_OUT, RANKS_RESOLVED = (
     "found",
     "no_peers",
@@ -83,6 +95,33 @@ FOUND, NO_PEERS, FLEET_COLD, TIMED_OUT, RANKS_RESOLVED = (
     "timed_out",
     "ranks_resolved",
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Gapped:
+    """Why a rank is swept again: `peer`'s snapshot did not join the rank's stream, and a
+    snapshot whose cursor for it is below `min_cursor` would not join it either."""
+
+    peer: str
+    min_cursor: int
+
+
+NO_GAPS: Mapping[RankId, Gapped] = MappingProxyType({})
+
+
+def asked_last(peers: Sequence[str], shunned: Collection[str]) -> list[str]:
+    """`peers` in their order, those in `shunned` moved to the end (still asked: a sibling
+    whose snapshot gapped may have caught up, and it may be the only one)."""
+    return [p for p in peers if p not in shunned] + [p for p in peers if p in shunned]
+
+
+def stale_ranks(cursors: Mapping[RankId, int], gaps: Mapping[RankId, Gapped]) -> frozenset[RankId]:
+    """The gap-retried ranks a body speaks for with a cursor too old to join their streams."""
+    return frozenset(
+        rank
+        for rank, gap in gaps.items()
+        if (seq := cursors.get(rank)) is not None and seq < gap.min_cursor
+    )
 
 
 def sit_out_passes(strikes: int) -> int:
@@ -156,6 +195,11 @@ class SweepBook:
         rec.empty_ranks = frozenset()
         self._strike(rec)
 
+    def stale(self, peer: str, ranks: Iterable[RankId]) -> None:
+        """Its body is too old for `ranks` (`stale_ranks`): for them it is as good as empty."""
+        rec = self.record(peer)
+        rec.empty_ranks = rec.empty_ranks | frozenset(ranks)
+
     def miss(self, peer: str) -> None:
         """A body we could not use now but may later (cold, or covering none of our ranks)."""
         self._strike(self.record(peer))
@@ -192,6 +236,8 @@ class SweepBook:
 
 
 class Vetted(Protocol):
+    @property
+    def cursors(self) -> Mapping[RankId, int]: ...
     def covers_any(self, ranks: Collection[RankId]) -> bool: ...
     def covers_warm(self, ranks: Collection[RankId]) -> bool: ...
 
@@ -250,9 +296,15 @@ class SweepDeps:
 
 
 async def sweep(
-    obligations: Sequence[Any], deps: SweepDeps, budget_s: float, freshness_floor: float
+    obligations: Sequence[Any],
+    deps: SweepDeps,
+    budget_s: float,
+    freshness_floor: float,
+    gaps: Mapping[RankId, Gapped] = NO_GAPS,
 ) -> tuple[SweepResult, list[Any]]:
     """Search until found, cold, resolved, no peers, or `budget_s` runs out.
+
+    `gaps` notes the ranks swept again after a gap (see "Gap retries" above).
 
     Returns the result and the obligations it settled cold mid-sweep (already abandoned).
     """
@@ -267,10 +319,14 @@ async def sweep(
                 if not owed:
                     return SweepResult(RANKS_RESOLVED), settled_cold
                 ranks = {o.rank for o in owed}
+                owed_gaps = {r: g for r, g in gaps.items() if r in ranks}
                 version = deps.registry.version
                 candidates = deps.registry.candidates()
-                eligible = [peer for peer in candidates if not book.should_skip(peer)]
-                found, peer, reason = await _hedged_pass(eligible, book, deps, ranks)
+                eligible = asked_last(
+                    [peer for peer in candidates if not book.should_skip(peer)],
+                    {g.peer for g in owed_gaps.values()},
+                )
+                found, peer, reason = await _hedged_pass(eligible, book, deps, ranks, owed_gaps)
                 last_reason = reason or last_reason
                 if found is not None:
                     return SweepResult(FOUND, found, peer, 1), settled_cold
@@ -297,7 +353,11 @@ async def sweep(
 
 
 async def _hedged_pass(
-    peers: list[str], book: SweepBook, deps: SweepDeps, ranks: set[RankId]
+    peers: list[str],
+    book: SweepBook,
+    deps: SweepDeps,
+    ranks: set[RankId],
+    gaps: Mapping[RankId, Gapped],
 ) -> tuple[Any | None, str | None, str]:
     """Ask `peers` in order, hedged (see the module docstring); (vetted, peer, last reason).
 
@@ -312,7 +372,7 @@ async def _hedged_pass(
         while waiting or running:
             if waiting and len(running) < max(1, deps.max_in_flight):
                 peer = waiting.pop()
-                running[asyncio.create_task(_try_peer(peer, book, deps, ranks))] = peer
+                running[asyncio.create_task(_try_peer(peer, book, deps, ranks, gaps))] = peer
                 if waiting and len(running) < deps.max_in_flight:
                     # Another may start now unless this one answers usefully in time.
                     done, _ = await asyncio.wait(
@@ -328,7 +388,7 @@ async def _hedged_pass(
                 last_reason = reason or last_reason
                 if found is None:
                     continue
-                if found.covers_warm(ranks):
+                if found.covers_warm(ranks - stale_ranks(found.cursors, gaps)):
                     if book.fallback is not None:
                         deps.tally("cold_peer")  # the fallback is not taken
                         book.fallback = None
@@ -347,7 +407,11 @@ async def _hedged_pass(
 
 
 async def _try_peer(
-    peer: str, book: SweepBook, deps: SweepDeps, ranks: set[RankId]
+    peer: str,
+    book: SweepBook,
+    deps: SweepDeps,
+    ranks: set[RankId],
+    gaps: Mapping[RankId, Gapped],
 ) -> tuple[Any | None, str]:
     outcome = await deps.fetch(peer, book.max_age_s(peer, deps.clock()))
     body = outcome.body
@@ -376,7 +440,20 @@ async def _try_peer(
         book.miss(peer)
         deps.tally("cold_peer")
         return None, f"{peer}: covers none of the pending ranks"
+    stale = stale_ranks(vetted.cursors, gaps)
+    if stale:
+        book.stale(peer, stale)
+        if not vetted.covers_any(ranks - stale):
+            book.miss(peer)
+            deps.tally(STALE)
+            return None, f"{peer}: too old to join the stream of {_names(stale, gaps)}"
     return vetted, ""
+
+
+def _names(stale: Iterable[RankId], gaps: Mapping[RankId, Gapped]) -> str:
+    return ", ".join(
+        f"{rank} (cursor {gaps[rank].min_cursor} or later needed)" for rank in sorted(stale)
+    )
 
 
 def _take_fallback(book: SweepBook, deps: SweepDeps) -> SweepResult:

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from cachetree.ranks import RankId
@@ -38,6 +38,7 @@ from peer.sweep import (
     RANKS_RESOLVED,
     UNREACHABLE,
     FetchOutcome,
+    Gapped,
     SweepDeps,
     SweepResult,
     VetFailure,
@@ -139,7 +140,7 @@ class PeerBootstrap:
         """
         mine = [o for o in obligations if o.rank in graft.cursors]
         if mine:
-            covered = await self._graft(mine, graft)
+            covered = await self._graft(mine, graft, f"worker {mine[0].rank.worker_url}")
             self.sources["worker"] += len(covered)
         return [o for o in obligations if o.rank not in graft.cursors]
 
@@ -157,13 +158,15 @@ class PeerBootstrap:
 
     # -- coordinator plumbing --------------------------------------------------------------
 
-    def _enqueue_retry(self, obligation: Obligation) -> bool:
+    def _enqueue_retry(self, obligation: Obligation, gapped: Gapped) -> bool:
         return self.coordinator.enqueue(
-            ObligationBatch((obligation,), self._clock(), late_join=False)
+            ObligationBatch(
+                (obligation,), self._clock(), late_join=False, gaps={obligation.rank: gapped}
+            )
         )
 
     async def _sweep(
-        self, obligations: list[Obligation], floor: float
+        self, obligations: list[Obligation], floor: float, gaps: Mapping[RankId, Gapped]
     ) -> tuple[SweepResult, list[Obligation]]:
         tracker = self.tracker
         budget = tracker.timeout_s if tracker.settled() else tracker.time_remaining()
@@ -176,7 +179,7 @@ class PeerBootstrap:
             clock=self._clock,
             tally=self._tally,
         )
-        result, cold = await sweep(obligations, deps, budget, floor)
+        result, cold = await sweep(obligations, deps, budget, floor, gaps)
         log.info(
             "bootstrap sweep for %d rank(s): %s%s",
             len(obligations),
@@ -187,10 +190,14 @@ class PeerBootstrap:
 
     async def _deliver(self, result: SweepResult, obligations: list[Obligation]) -> None:
         if result.outcome == FOUND and result.vetted is not None:
-            covered = await self._graft(obligations, result.vetted)
+            covered = await self._graft(obligations, result.vetted, result.peer or "a sibling")
             self.sources["peer"] += len(covered)
         elif result.outcome != RANKS_RESOLVED:
             await self._abandon(obligations)
+
+    def gaps_by_source(self) -> Counter[str]:
+        """Grafts that did not join their rank's stream, by source (`router.graft`)."""
+        return _rules(self.pump.rules).gaps
 
     def _record_sweep(self, result: SweepResult) -> None:
         self.tracker.record_sweep_result(result.outcome, result.peers_tried)
@@ -198,7 +205,9 @@ class PeerBootstrap:
     async def _abandon(self, obligations: list[Obligation]) -> None:
         await self.pump.call(lambda rules: _rules(rules).abandon(obligations))
 
-    async def _graft(self, obligations: list[Obligation], vetted: Grafted) -> list[RankId]:
+    async def _graft(
+        self, obligations: list[Obligation], vetted: Grafted, source: str
+    ) -> list[RankId]:
         if isinstance(vetted, VettedSnapshot):
             # Filtering a million-node snapshot to the owed ranks takes most of a second:
             # do it in slices before the pump call; the graft re-checks what is still owed.
@@ -209,7 +218,7 @@ class PeerBootstrap:
 
         async def run(rules: IndexRules) -> list[RankId]:
             bootstrap = _rules(rules)
-            job = bootstrap.begin_graft(obligations, vetted)
+            job = bootstrap.begin_graft(obligations, vetted, source)
             if job is None:
                 return []
             try:

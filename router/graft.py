@@ -35,7 +35,11 @@ on a partial view, which this replica's own export must not present as whole.
 
 Gap resolution: the rank is Failed; if the tracker grants its one retry and the coordinator
 takes it, the rank's tree state is cleared and its held queue *kept unapplied* (the retry's
-graft will need the filter again); otherwise `gap`, clear, replay held (cold).
+graft will need the filter again); otherwise `gap`, clear, replay held (cold). Each gap is
+counted against the source whose snapshot did not join (`gaps`, by sibling), and the retry
+carries a `peer.sweep.Gapped` note: that source, and the least cursor that joins the held
+queue, so the retry's sweep asks that sibling last and refuses a body as old as the one that
+gapped (a sibling whose stream stalled would otherwise be taken again).
 
 Every failure runs the rank cold (live deltas only), never wrong. Each outcome is counted
 once per rank per incarnation by the tracker.
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import logging
 from array import array
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -58,6 +63,7 @@ import msgspec
 from cachetree.ranks import RankId
 from cachetree.snapshot import Snapshot, SnapshotError, SnapshotRestore, export, restore
 from cachetree.tree import BlockTree
+from peer.sweep import Gapped
 from peer.tracker import BootstrapState, BootstrapTracker, Obligation
 from router.events import BlockStored, EventBatch
 from router.subscriber import MAX_SEQ_JUMP, beyond_stream
@@ -172,6 +178,7 @@ class GraftJob:
     owed: list[Obligation]
     vetted: Grafted
     restore: SnapshotRestore
+    source: str  # the sibling (or worker) the snapshot came from
 
 
 @dataclass(slots=True)
@@ -179,6 +186,7 @@ class PendingProof:
     watermark: int
     epoch: int
     since: float
+    source: str
     unknown_probes: int = 0
 
 
@@ -193,7 +201,7 @@ class BootstrapRules:
         self,
         index: IndexSurface,
         tracker: BootstrapTracker,
-        enqueue_retry: Callable[[Obligation], bool],
+        enqueue_retry: Callable[[Obligation, Gapped], bool],
         clock: Callable[[], float],
         held_cap: int = HELD_QUEUE_CAP,
     ) -> None:
@@ -204,6 +212,7 @@ class BootstrapRules:
         self._held_cap = held_cap
         self.held: dict[RankId, list[HeldBatch]] = {}
         self.proofs: dict[RankId, PendingProof] = {}
+        self.gaps: Counter[str] = Counter()  # grafts whose stream did not join, by source
 
     # -- live path -------------------------------------------------------------------------
 
@@ -222,7 +231,7 @@ class BootstrapRules:
             if seq > proof.watermark + 1 or _far_behind(rank, seq, proof.watermark):
                 self.held.setdefault(rank, []).append(HeldBatch(seq, _packed(batch)))
                 del self.proofs[rank]
-                self._resolve_gap(rank)
+                self._resolve_gap(rank, proof.source, proof.watermark)
                 return
             del self.proofs[rank]
             self.tracker.record_outcome(rank, "warm")
@@ -267,9 +276,11 @@ class BootstrapRules:
 
     # -- control messages ------------------------------------------------------------------
 
-    def apply_snapshot(self, obligations: Iterable[Obligation], vetted: Grafted) -> list[RankId]:
+    def apply_snapshot(
+        self, obligations: Iterable[Obligation], vetted: Grafted, source: str = "a sibling"
+    ) -> list[RankId]:
         """Graft `vetted` in one go (small snapshots, tests); returns the ranks it covered."""
-        job = self.begin_graft(obligations, vetted)
+        job = self.begin_graft(obligations, vetted, source)
         if job is None:
             return []
         try:
@@ -280,7 +291,9 @@ class BootstrapRules:
             return []
         return self.finish_graft(job)
 
-    def begin_graft(self, obligations: Iterable[Obligation], vetted: Grafted) -> GraftJob | None:
+    def begin_graft(
+        self, obligations: Iterable[Obligation], vetted: Grafted, source: str
+    ) -> GraftJob | None:
         """The owed part of `vetted`, ready to restore in chunks; None when nothing is owed.
 
         Between `begin_graft` and `finish_graft` (or `fail_graft`) nothing else may write the
@@ -302,7 +315,7 @@ class BootstrapRules:
         except SnapshotError as exc:
             self.fail_graft(owed, exc)
             return None
-        return GraftJob(owed, mine, restore_job)
+        return GraftJob(owed, mine, restore_job, source)
 
     def fail_graft(self, owed: list[Obligation], exc: Exception) -> None:
         log.warning("graft refused by the tree (%s); %d rank(s) run cold", exc, len(owed))
@@ -320,10 +333,10 @@ class BootstrapRules:
                 continue
             held = self.held.get(rank)
             if held and (held[0].seq > watermark + 1 or _far_behind(rank, held[-1].seq, watermark)):
-                self._resolve_gap(rank)
+                self._resolve_gap(rank, job.source, watermark)
                 continue
             if not held:
-                self.proofs[rank] = PendingProof(watermark, o.epoch, self._clock())
+                self.proofs[rank] = PendingProof(watermark, o.epoch, self._clock(), job.source)
             index.cursors[rank] = max(index.cursors.get(rank, -1), watermark)
             if rank in job.vetted.cold_ranks:  # a partial view grafted stays partial
                 index.cold.add(rank)
@@ -349,7 +362,7 @@ class BootstrapRules:
         if verdict == "advanced":
             del self.proofs[rank]
             if rank in self.index.live and not self.tracker.is_pending(rank):
-                self._resolve_gap(rank)
+                self._resolve_gap(rank, proof.source, proof.watermark)
         elif verdict == "no_advance":
             del self.proofs[rank]
             self.tracker.record_outcome(rank, "warm")
@@ -396,17 +409,34 @@ class BootstrapRules:
         self.tracker.record_outcome(rank, "from_origin")
         self.index.apply_batch(rank, seq, batch)
 
-    def _resolve_gap(self, rank: RankId) -> None:
-        """Precondition: every live batch the rank received since the graft is held."""
+    def _resolve_gap(self, rank: RankId, source: str, watermark: int) -> None:
+        """Precondition: every live batch the rank received since the graft is held.
+
+        `source` and `watermark` name the graft that did not join: where it came from and
+        its cursor for the rank.
+        """
         self.tracker.set(rank, BootstrapState.FAILED)
+        self.gaps[source] += 1
+        held = self.held.get(rank)
+        # The held queue is kept for a retry, so a cursor below its head's predecessor gaps
+        # again; with nothing held (a probe saw the stream move on) the cursor must advance.
+        note = Gapped(source, held[0].seq - 1 if held else watermark + 1)
+        what = (
+            f"{rank}: the stream does not join the snapshot from {source} (its cursor "
+            f"{watermark}; a cursor of {note.min_cursor} or later is needed)"
+        )
         retry = self.tracker.retry_after_gap(rank)
         self.index.clear_rank_state(rank)
         if retry is not None:
-            if self._enqueue_retry(retry):
-                log.info("%s: stream does not join the snapshot; retrying once", rank)
+            if self._enqueue_retry(retry, note):
+                log.info("%s; retrying once, asking that sibling last", what)
                 return  # Pending again; the held queue waits for the retry's graft
             self.tracker.set(rank, BootstrapState.FAILED)  # the retry could not be queued
-        log.warning("%s: stream does not join the snapshot; running the rank cold", rank)
+        log.warning(
+            "%s; running the rank cold (if %s keeps lagging, check its event stream)",
+            what,
+            source,
+        )
         self.tracker.record_outcome(rank, "gap")
         self._replay_held(rank)
 

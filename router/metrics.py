@@ -498,6 +498,13 @@ class _BootstrapCollector(Collector):
             {(k,): v for k, v in b.snapshot_outcomes.items()},
         )
         yield _counter(
+            "kvrouter_kv_peer_snapshot_gaps",
+            "Rank grafts whose live stream did not join the snapshot, by the sibling (or "
+            "worker) it came from: one that keeps appearing is lagging (check its event stream)",
+            ["peer"],
+            {(k,): v for k, v in b.gaps_by_source().items()},
+        )
+        yield _counter(
             "kvrouter_kv_bootstrap_rank",
             "Bootstrap verdicts, once per rank incarnation",
             ["outcome"],

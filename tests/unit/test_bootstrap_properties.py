@@ -116,6 +116,7 @@ from cachetree.keys import block_keys, namespace_seed
 from cachetree.ranks import RankId
 from cachetree.tiers import DEVICE
 from cachetree.tree import BlockTree
+from peer.sweep import Gapped
 from peer.tracker import BootstrapState, BootstrapTracker, Obligation, RankOutcome, SweepOutcome
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
 from router.graft import HELD_QUEUE_CAP, MAX_UNKNOWN_PROBES, BootstrapRules, LocalGraft
@@ -360,7 +361,7 @@ class BootstrapMachine(RuleBasedStateMachine):
 
     # -- plumbing --------------------------------------------------------------------------
 
-    def _enqueue(self, ob: Obligation) -> bool:
+    def _enqueue(self, ob: Obligation, note: Gapped) -> bool:
         """The coordinator's queue: runs inside the pump, in the middle of a gap resolution."""
         assert self.tracker.is_pending(ob.rank), "a retry handed out for a rank not Pending"
         assert self.tracker.epoch(ob.rank) == ob.epoch, "a retry under a different epoch"
@@ -1074,7 +1075,7 @@ class Pump:
         self.clock = Clock()
         self.tracker = BootstrapTracker(TIMEOUT_S, clock=self.clock)
         self.index = IndexRules(BlockTree(BS))
-        self.rules = BootstrapRules(self.index, self.tracker, lambda ob: True, self.clock)
+        self.rules = BootstrapRules(self.index, self.tracker, lambda ob, note: True, self.clock)
         self.index.bootstrap = self.rules
         self.engine = Engine()
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cachetree.ranks import RankId
 from peer.coordinator import Coordinator, CoordinatorDeps, ObligationBatch
-from peer.sweep import FOUND, RANKS_RESOLVED, TIMED_OUT, SweepResult
+from peer.sweep import FOUND, RANKS_RESOLVED, TIMED_OUT, Gapped, SweepResult
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Harness:
     def __init__(self, results: list[SweepResult]) -> None:
         self.results = results
         self.sweeps: list[tuple[list, float]] = []
+        self.gaps: list[dict] = []  # each sweep's gap notes
         self.delivered: list[tuple[str, list]] = []
         self.recorded: list[str] = []
         self.owed: set = {A, B, C}
@@ -45,8 +47,9 @@ class Harness:
             )
         )
 
-    async def sweep(self, obligations: list, floor: float):
+    async def sweep(self, obligations: list, floor: float, gaps: Mapping):
         self.sweeps.append((obligations, floor))
+        self.gaps.append(dict(gaps))
         for batch in self.during_sweep:
             self.coordinator.enqueue(batch)
         self.during_sweep = []
@@ -122,3 +125,12 @@ async def test_a_full_queue_never_drops_obligations() -> None:
     h.coordinator.enqueue_or_detach(ObligationBatch((B,), 1.0))
     await asyncio.gather(*h.coordinator.detached)
     assert h.sweeps == [([B], 1.0)]
+
+
+async def test_a_gap_retry_brings_its_note_to_the_sweep_that_serves_it() -> None:
+    h = Harness([SweepResult(TIMED_OUT), SweepResult(TIMED_OUT)])
+    note = Gapped("http://frozen", 6)
+    h.coordinator.enqueue(ObligationBatch((A,), 1.0))
+    h.during_sweep = [ObligationBatch((B,), 5.0, late_join=False, gaps={B.rank: note})]
+    await h.rounds(2)
+    assert h.gaps == [{}, {B.rank: note}]

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
+
 from cachetree.keys import block_keys
 from cachetree.ranks import RankId
 from cachetree.snapshot import Snapshot
 from cachetree.tiers import DEVICE
 from cachetree.tree import BlockTree
+from peer.sweep import Gapped
 from peer.tracker import BootstrapState, BootstrapTracker, Obligation
 from router.events import BlockRemoved, BlockStored, EventBatch
 from router.graft import BootstrapRules, LocalGraft
@@ -46,6 +51,7 @@ class Rig:
         self.tracker = BootstrapTracker(60.0, clock=self.clock)
         self.index = IndexRules(BlockTree(BS))
         self.retries: list[Obligation] = []
+        self.notes: list[Gapped] = []
         self.retry_accepts = retry_accepts
         self.rules = BootstrapRules(self.index, self.tracker, self._enqueue, self.clock)
         self.index.bootstrap = self.rules
@@ -53,8 +59,9 @@ class Rig:
         self.index.add_ranks(ranks)
         self.obligations = self.tracker.register(ranks)
 
-    def _enqueue(self, ob: Obligation) -> bool:
+    def _enqueue(self, ob: Obligation, note: Gapped) -> bool:
         self.retries.append(ob)
+        self.notes.append(note)
         return self.retry_accepts
 
     def live(self, rank: RankId, seq: int, batch: EventBatch) -> None:
@@ -358,3 +365,33 @@ class _Unfiltered:
 
     def retain_workers(self, keep: object) -> _Unfiltered:
         return self
+
+
+def test_a_gap_on_the_held_path_names_its_sibling_and_asks_for_a_cursor_joining_the_queue(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rig = Rig()
+    rig.live(R, 7, stored(2, 200))
+    rig.live(R, 8, stored(3, 400))
+    with caplog.at_level(logging.INFO, logger="router.graft"):
+        rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)), "http://frozen")
+    assert rig.notes == [Gapped("http://frozen", 6)]  # the held queue starts at 7
+    assert rig.rules.gaps == {"http://frozen": 1}
+    assert "http://frozen" in caplog.text and "cursor 5" in caplog.text
+    rig.rules.apply_snapshot(rig.retries, sibling_graft(5, (7, 300)), "http://frozen")
+    assert rig.outcome() == "gap"
+    assert rig.rules.gaps == {"http://frozen": 2}  # the second gap is counted too
+
+
+def test_a_gap_on_the_deferred_path_asks_for_a_cursor_joining_the_batch_that_gapped() -> None:
+    rig = Rig()
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)), "http://frozen")
+    rig.live(R, 9, stored(2, 200))
+    assert rig.notes == [Gapped("http://frozen", 8)]
+
+
+def test_a_probe_that_saw_the_stream_move_on_asks_for_a_later_cursor() -> None:
+    rig = Rig()
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)), "http://frozen")
+    rig.rules.probe_verdict(R, rig.obligations[0].epoch, 5, "advanced")
+    assert rig.notes == [Gapped("http://frozen", 6)]

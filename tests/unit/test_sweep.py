@@ -17,12 +17,16 @@ from peer.sweep import (
     FOUND,
     NO_PEERS,
     RANKS_RESOLVED,
+    STALE,
     TIMED_OUT,
     FetchOutcome,
+    Gapped,
     SweepBook,
     SweepDeps,
     VetFailure,
+    asked_last,
     sit_out_passes,
+    stale_ranks,
     sweep,
 )
 from tests.support.waiting import eventually
@@ -44,6 +48,7 @@ class Body:
     empty_ranks: list = field(default_factory=list)
     rejected: str = ""
     cold: frozenset = frozenset()  # covered ranks the producer holds as cold
+    seqs: dict = field(default_factory=dict)  # cursors of covered ranks not at 0
 
     @property
     def node_count(self) -> int:
@@ -57,9 +62,10 @@ class W:
 
 
 class Vetted:
-    def __init__(self, covers: frozenset, cold: frozenset = frozenset()) -> None:
+    def __init__(self, covers: frozenset, cold: frozenset = frozenset(), seqs: Any = None) -> None:
         self.covers = covers
         self.cold = cold
+        self.cursors = {rank: (seqs or {}).get(rank, 0) for rank in covers}
 
     def covers_any(self, ranks: Any) -> bool:
         return bool(self.covers & set(ranks))
@@ -73,7 +79,7 @@ async def vet(body: Body) -> Vetted:
         raise VetFailure("rejected", body.rejected)
     if not body.nodes:
         raise VetFailure("cold_peer", "producer_cold")
-    return Vetted(body.covers, body.cold)
+    return Vetted(body.covers, body.cold, body.seqs)
 
 
 @dataclass
@@ -392,3 +398,65 @@ async def test_a_cold_cover_is_taken_when_the_budget_runs_out_mid_pass() -> None
     assert result.outcome == FOUND and result.peer == "cold"
     assert hanging.cancelled == ["slow"]
     assert fleet.tallies == [FETCHED_ACCEPTED]
+
+
+# -- gap retries: the sibling whose snapshot gapped, and bodies as old as it ---------------
+
+
+def test_a_retry_asks_the_sibling_whose_snapshot_gapped_last_keeping_the_rest_in_order() -> None:
+    assert asked_last(["f", "a", "g", "b"], {"f", "g"}) == ["a", "b", "f", "g"]
+    assert asked_last(["f"], {"f"}) == ["f"]  # the only sibling is still asked
+    assert asked_last(["a", "b"], set()) == ["a", "b"]
+
+
+def test_a_cursor_below_what_the_held_stream_needs_is_stale_for_that_rank_only() -> None:
+    gaps = {R1: Gapped("f", 6)}
+    assert stale_ranks({R1: 5, R2: 0}, gaps) == {R1}
+    assert stale_ranks({R1: 6}, gaps) == frozenset()  # joins the queue's head at 7
+    assert stale_ranks({R2: 0}, gaps) == frozenset()  # silent on R1: not stale, uncovering
+
+
+FROZEN = Body([1], frozenset({R1}), seqs={R1: 5})  # the export that gapped, served again
+WARM = Body([1], frozenset({R1}), seqs={R1: 9})
+
+
+@pytest.mark.parametrize("order", [["frozen", "warm"], ["warm", "frozen"]])
+async def test_a_gap_retry_takes_the_current_sibling_not_the_one_whose_snapshot_gapped(
+    order: list[str],
+) -> None:
+    fleet = Fleet({"frozen": [FROZEN], "warm": [WARM]})
+    gaps = {R1: Gapped("frozen", 6)}
+    result, _ = await sweep([Ob(R1, 1)], fleet.deps(Registry(order)), 5.0, 100.0, gaps)
+    assert result.outcome == FOUND and result.peer == "warm"
+    assert [peer for peer, _ in fleet.asked] == ["warm"]  # the gapped one is asked last
+    assert fleet.tallies == [FETCHED_ACCEPTED]
+
+
+async def test_a_stale_body_is_never_taken_even_when_its_sibling_answers_first() -> None:
+    # The warm sibling is unreachable in the first pass: the frozen one is asked then, and
+    # its body (as old as the one that gapped) is counted stale, not accepted.
+    fleet = Fleet({"frozen": [FROZEN], "warm": [None, WARM]})
+    deps = fleet.deps(Registry(["warm", "frozen"]))
+    deps.hedge_after_s = 0.0
+    result, _ = await sweep([Ob(R1, 1)], deps, 60.0, 100.0, {R1: Gapped("frozen", 6)})
+    assert result.outcome == FOUND and result.peer == "warm"
+    assert fleet.tallies.count(STALE) >= 1
+    assert fleet.tallies.count(FETCHED_ACCEPTED) == 1
+
+
+async def test_a_sibling_that_caught_up_since_its_snapshot_gapped_is_taken() -> None:
+    fleet = Fleet({"frozen": [Body([1], frozenset({R1}), seqs={R1: 6})]})
+    gaps = {R1: Gapped("frozen", 6)}
+    result, _ = await sweep([Ob(R1, 1)], fleet.deps(Registry(["frozen"])), 5.0, 100.0, gaps)
+    assert result.outcome == FOUND and result.peer == "frozen"
+
+
+async def test_a_retried_rank_every_sibling_is_stale_for_settles_cold_after_one_pass() -> None:
+    fleet = Fleet({"f1": [FROZEN], "f2": [FROZEN]})
+    gaps = {R1: Gapped("f1", 6)}
+    start = fleet.now
+    result, cold = await sweep([Ob(R1, 1)], fleet.deps(Registry(["f1", "f2"])), 60.0, 100.0, gaps)
+    assert cold == [Ob(R1, 1)] and fleet.abandoned == [Ob(R1, 1)]
+    assert result.outcome == RANKS_RESOLVED
+    assert fleet.now - start <= 0.25  # one pass, not the 60 s budget
+    assert fleet.tallies == [STALE, STALE]
