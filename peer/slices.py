@@ -22,6 +22,14 @@ Extraction (what one slice contributes), after the SGLang router's peer watch:
   at once (the API allows it during controller churn) and a dual-stack pod sits in an IPv4
   and an IPv6 slice: merging by key keeps one URL per backend, the lexicographically smallest
   (which prefers the IPv4 one), then the URLs are sorted.
+- Siblings are one per pod (`one_per_pod`): the key is `targetRef.uid`, else the endpoint's
+  address, with no port. A replica's pod is in every Service that selects it, and the main
+  port's Service and one for `--control-port` (for a NetworkPolicy) may both match the
+  selector: keyed by port, each sibling was counted twice (two snapshots asked, two decision
+  posts, a replica count one too high in the cost). Of the ports a pod is offered on, the
+  one equal to our own `--control-port` wins (the port meant for replica-to-replica traffic,
+  the same flag across a Deployment), else the one equal to our `--port`, else the lowest.
+  Workers keep the port in the key: one pod may run two engines.
 """
 
 from __future__ import annotations
@@ -150,12 +158,23 @@ class Extraction:
     port: int | None  # preferred port; None: the slice's first port
     identity: SelfIdentity | None = None  # None: nothing to exclude (the worker watch)
     scheme: str = "http"
+    one_per_pod: bool = False  # siblings: a pod is one backend whatever its ports
+    control_port: int | None = None  # of a pod's ports, the one preferred (one_per_pod)
+
+    def port_choice(self, port: int) -> tuple[int, int]:
+        """Sorts a pod's ports, best first: our control port, our port, then the lowest."""
+        if not self.one_per_pod:
+            return (0, 0)  # one port per backend: nothing to choose
+        if port == self.control_port:
+            return (0, port)
+        return (1, port) if port == self.port else (2, port)
 
 
 @dataclass(frozen=True, slots=True, order=True)
 class Backend:
-    key: str  # targetRef.uid:port, else the URL
+    key: str  # targetRef.uid:port, else the URL (one_per_pod: the pod, see above)
     url: str
+    choice: tuple[int, int] = (0, 0)  # the smallest (choice, url) among a key's offers wins
 
 
 def slice_port(ports: Iterable[EndpointPort] | None, preferred: int | None) -> int | None:
@@ -194,19 +213,25 @@ def backends(slice_: EndpointSlice, rules: Extraction) -> tuple[Backend, ...]:
         host = f"[{address}]" if ":" in address else address
         url = f"{rules.scheme}://{host}:{port}"
         uid = endpoint.target_ref.uid if endpoint.target_ref is not None else None
-        out.append(Backend(f"{uid}:{port}" if uid else url, url))
+        if rules.one_per_pod:
+            key = f"pod:{uid}" if uid else f"address:{address}"
+        else:
+            key = f"{uid}:{port}" if uid else url
+        out.append(Backend(key, url, rules.port_choice(port)))
     return tuple(out)
 
 
 class BackendSet:
-    """Backends of many slices, merged: one URL per backend key (the smallest), sorted.
+    """Backends of many slices, merged: one URL per backend key (the smallest (choice, URL)),
+    sorted.
 
     Kept up to date slice by slice: a watch event touches one slice, and re-merging every
     backend of a large fleet for each event cost milliseconds per thousand endpoints.
     """
 
     def __init__(self) -> None:
-        self._offers: dict[str, Counter[str]] = {}  # key -> URL -> how many slices offer it
+        # key -> (choice, URL) -> how many slices offer it
+        self._offers: dict[str, Counter[tuple[tuple[int, int], str]]] = {}
         self._chosen: dict[str, str] = {}  # key -> its smallest offered URL
         self._choosers: Counter[str] = Counter()  # URL -> how many keys chose it
         self._urls: SortedList[str] = SortedList()  # the distinct chosen URLs
@@ -215,19 +240,20 @@ class BackendSet:
         touched = set()
         for b in removed:
             offers = self._offers[b.key]
-            offers[b.url] -= 1
-            if offers[b.url] == 0:
-                del offers[b.url]
+            offer = (b.choice, b.url)
+            offers[offer] -= 1
+            if offers[offer] == 0:
+                del offers[offer]
                 if not offers:
                     del self._offers[b.key]
             touched.add(b.key)
         for b in added:
-            self._offers.setdefault(b.key, Counter())[b.url] += 1
+            self._offers.setdefault(b.key, Counter())[(b.choice, b.url)] += 1
             touched.add(b.key)
         for key in touched:
             old = self._chosen.get(key)
             offers = self._offers.get(key)
-            new = min(offers) if offers else None
+            new = min(offers)[1] if offers else None
             if old == new:
                 continue
             if old is not None:

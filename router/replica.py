@@ -558,7 +558,13 @@ def _watch(
                 "neither POD_NAME nor POD_IP is set: this replica cannot tell itself from its "
                 "siblings in the EndpointSlices; set both from the downward API"
             )
-        rules = Extraction(listen_family(config.host), config.port, identity)
+        rules = Extraction(
+            listen_family(config.host),
+            config.port,
+            identity,
+            one_per_pod=True,
+            control_port=config.control_port or None,
+        )
         discovery.start("siblings", config.kv_peer_selector, rules, bootstrap.registry.replace)
     if config.worker_selector:
         # Outbound connections to workers do not depend on the family we listen on.

@@ -189,6 +189,50 @@ async def test_a_replica_bootstraps_from_a_sibling_found_in_endpointslices(
         assert len(canonical_view(new.replica.pump.rules.tree)) >= 12
 
 
+async def test_a_sibling_in_two_services_slices_is_one_sibling_asked_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The main port's Service and a --control-port Service (for a NetworkPolicy) both match
+    the selector: the sibling is one sibling, on the port the joiner shares as control port."""
+    async with contextlib.AsyncExitStack() as stack:
+        fake = await stack.enter_async_context(FakeApiServer())
+        fw = await stack.enter_async_context(fake_worker_in_process(cache_blocks=10_000))
+        control = free_tcp_port()
+        # Its own loopback address, so the joiner can listen on the same control port.
+        warm = await stack.enter_async_context(
+            router_in_process(workers=[fw.url], host="127.0.0.2", control_port=control)
+        )
+        last = await warm.gate(fw)
+        await warm.wait_cursor(fw.url, 0, last)
+        main = urlsplit(warm.url).port
+        assert main is not None
+        pods = [endpoint("127.0.0.2", "kvrouter-warm"), endpoint("127.0.0.1", "kvrouter-new")]
+        for service, port in (("kvrouter", main), ("kvrouter-control", control)):
+            fake.put(
+                endpoint_slice(f"{service}-abc", service, pods, ports=[port], labels={"app": "k"})
+            )
+        monkeypatch.setenv("POD_NAME", "kvrouter-new")
+        monkeypatch.setenv("POD_NAMESPACE", "default")
+        monkeypatch.delenv("POD_IP", raising=False)
+        new = await stack.enter_async_context(
+            router_in_process(
+                workers=[fw.url],
+                kv_peer_selector="app=k",
+                kube_api_server=fake.url,
+                control_port=control,  # the Deployment's flag: the same on every replica
+                kv_bootstrap_timeout_ms=20_000,
+            )
+        )
+        bootstrap = new.replica.bootstrap
+        assert bootstrap is not None
+        await eventually(lambda: bootstrap.registry.synced, 20.0)
+        assert bootstrap.registry.peers == (f"http://127.0.0.2:{control}",)
+        await eventually(lambda: bootstrap.sources["peer"] == 1, 20.0)
+        assert sum(bootstrap.snapshot_outcomes.values()) == 1  # one sibling asked, once
+        scrape = await new.scrape()
+        assert scrape.value("kvrouter_kv_bootstrap_peers") == 1
+
+
 async def test_a_replica_that_cannot_reach_any_api_server_exits_1_saying_what_to_set(
     tmp_path: Path,
 ) -> None:

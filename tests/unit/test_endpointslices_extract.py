@@ -206,6 +206,40 @@ def test_one_pod_on_two_ports_in_two_slices_is_two_backends() -> None:
     )
 
 
+SIBLINGS_CONTROL = Extraction(Family.IPV4, 8080, ME, one_per_pod=True, control_port=9090)
+
+
+def two_services(*ports: int) -> list:
+    """Slices of Services that each select the same replica pods, one port each."""
+    pods = [endpoint("10.0.0.2", "b"), endpoint("10.0.0.3", "c")]
+    return [sl(pods, name=f"svc{port}", ports=[port]) for port in ports]
+
+
+def test_a_sibling_listed_by_two_services_is_one_sibling_on_our_control_port() -> None:
+    slices = two_services(8080, 9090)
+    want = ("http://10.0.0.2:9090", "http://10.0.0.3:9090")
+    assert peers(*slices, rules=SIBLINGS_CONTROL) == want
+    assert peers(*reversed(slices), rules=SIBLINGS_CONTROL) == want
+
+
+def test_without_a_control_port_a_sibling_on_two_ports_is_offered_on_ours_else_the_lowest() -> None:
+    ours = Extraction(Family.IPV4, 8080, ME, one_per_pod=True)
+    assert peers(*two_services(9090, 8080), rules=ours) == (
+        "http://10.0.0.2:8080",
+        "http://10.0.0.3:8080",
+    )
+    assert peers(*two_services(9191, 9090), rules=ours) == (
+        "http://10.0.0.2:9090",
+        "http://10.0.0.3:9090",
+    )
+
+
+def test_a_sibling_without_a_target_ref_is_one_sibling_by_its_address() -> None:
+    a = sl([endpoint("10.0.0.2", target_ref=False)], name="a", ports=[8080])
+    b = sl([endpoint("10.0.0.2", target_ref=False)], name="b", ports=[9090])
+    assert peers(a, b, rules=SIBLINGS_CONTROL) == ("http://10.0.0.2:9090",)
+
+
 # -- decoding -----------------------------------------------------------------------------
 
 

@@ -174,3 +174,32 @@ def test_incremental_events_agree_with_merging_everything_afresh() -> None:
             for b in backends(s, rules):
                 best[b.key] = min(best.get(b.key, b.url), b.url)
         assert view.urls == tuple(sorted(set(best.values()))), step
+
+
+def test_incremental_events_agree_with_a_fresh_merge_one_backend_per_pod() -> None:
+    """The same, for siblings: slices on different ports (two Services), one URL per pod, the
+    preferred port winning as slices come and go."""
+    rng = random.Random(8)
+    rules = Extraction(
+        Family.ANY, 8080, SelfIdentity(pod_ip="10.0.0.1"), one_per_pod=True, control_port=9090
+    )
+    view = SliceView(rules)
+    listed(view)
+    held: dict[str, EndpointSlice] = {}
+    for step in range(400):
+        name = f"s{rng.randrange(6)}"
+        if rng.random() < 0.25:
+            view.apply(DELETED, sl(name, rv=str(step)))
+            held.pop(name, None)
+        else:
+            eps = [endpoint(f"10.0.0.{p}", f"pod-{p}") for p in rng.sample(range(8), 3)]
+            raw = endpoint_slice(name, "kvrouter", eps, ports=[rng.choice([7070, 8080, 9090])])
+            raw["metadata"]["resourceVersion"] = str(step)
+            held[name] = decode_slice(raw)
+            view.apply(MODIFIED, held[name])
+        best: dict[str, tuple] = {}
+        for s in held.values():
+            for b in backends(s, rules):
+                best[b.key] = min(best.get(b.key, (b.choice, b.url)), (b.choice, b.url))
+        assert view.urls == tuple(sorted({url for _, url in best.values()})), step
+        assert len(view.urls) == len({url.rsplit(":", 1)[0] for url in view.urls}), step
