@@ -28,6 +28,7 @@ from peer.kubeconfig import kube_api_client, resolve_namespace
 from peer.producer import SnapshotProducer
 from peer.registry import PeerRegistry
 from peer.slices import Extraction, Family, SelfIdentity, listen_family
+from peer.spellings import Listener, machine_hosts, sort_out
 from peer.supervise import Supervisor
 from peer.tasks import cancel_and_wait
 from peer.tracker import BootstrapTracker
@@ -488,6 +489,30 @@ async def _capacity_loop(
         await check_capacity_once(pump, workers, capacity_blocks, bootstrap)
 
 
+def _static_siblings(config: ServeConfig) -> tuple[str, ...]:
+    """--peer without this replica and without second spellings of one sibling
+    (`peer.spellings`): each was asked for snapshots and sent decisions twice, and counted
+    as one replica more in the cost."""
+    pod_ip = os.environ.get("POD_IP") or None
+    ports = frozenset(p for p in (config.port, config.control_port) if p)
+    own = {url for port in ports if (url := own_url(config.self_url, config.host, port, pod_ip))}
+    me = Listener(config.host, ports, frozenset(own))
+    if me.guesses_itself:
+        me = Listener(config.host, ports, me.own_urls, machine_hosts())
+    result = sort_out(config.peer, me)
+    for url, kept in result.duplicates:
+        log.warning("--peer %s is %s spelled another way: asking that sibling once", url, kept)
+    for url in result.guessed_self:
+        log.warning(
+            "--peer %s left out: it names this machine on this replica's port, and on --host "
+            "%s with neither --self-url nor POD_IP that is taken for this replica itself; "
+            "set --self-url to the URL its siblings list it by",
+            url,
+            config.host or "0.0.0.0",
+        )
+    return result.peers
+
+
 def _bootstrap(
     config: ServeConfig, pump: Pump, workers: WorkerRegistry, capacity_blocks: CapacityBlocks
 ) -> PeerBootstrap:
@@ -499,19 +524,7 @@ def _bootstrap(
     if config.peer:
         # A seeded replica asks its siblings in a reproducible order (tests, benches).
         rng = random.Random(config.seed) if config.seed is not None else None
-        # Leaves this replica out of its own list: by --self-url, else by the address it
-        # listens on (every replica is often given the same list; asking itself for
-        # snapshots and adopting its own decisions counted it twice as a sibling).
-        pod_ip = os.environ.get("POD_IP")
-        mine = {
-            url.rstrip("/")
-            for port in (config.port, config.control_port)
-            if port and (url := own_url(config.self_url, config.host, port, pod_ip))
-        }
-        if config.self_url:
-            mine.add(config.self_url.strip().rstrip("/"))
-        others = [p for p in config.peer if p.strip().rstrip("/") not in mine]
-        registry = PeerRegistry.static(others, config.self_url, rng)
+        registry = PeerRegistry.static(_static_siblings(config), config.self_url, rng)
     else:
         registry = PeerRegistry(config.self_url)  # synced by the EndpointSlice watch
     fetcher = SnapshotFetcher(

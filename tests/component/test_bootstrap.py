@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import random
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 import pytest
@@ -515,6 +517,47 @@ async def test_a_replica_given_the_fleets_peer_list_leaves_itself_out_of_it() ->
     listed = [f"http://127.0.0.1:{control}", other]
     async with router_in_process(port=free_tcp_port(), control_port=control, peer=listed) as rt:
         assert list(rt.replica.bootstrap.registry.peers) == [other]
+
+
+async def test_a_sibling_listed_under_two_spellings_is_one_sibling_asked_once() -> None:
+    """`http://127.0.0.1:P` and `http://localhost:P/` name one replica (this one listens on
+    loopback): it was asked twice, sent every decision twice and counted twice."""
+    async with contextlib.AsyncExitStack() as stack:
+        fw = await stack.enter_async_context(fake_worker_in_process())
+        warm = await stack.enter_async_context(router_in_process(workers=[fw.url]))
+        last = await warm.gate(fw)
+        await warm.wait_cursor(fw.url, 0, last)
+        port = urlsplit(warm.url).port
+        listed = [warm.url, f"http://localhost:{port}/"]
+        new = await stack.enter_async_context(
+            router_in_process(workers=[fw.url], peer=listed, kv_bootstrap_timeout_ms=20_000)
+        )
+        await ready(new)
+        bootstrap = new.replica.bootstrap
+        assert bootstrap.registry.peers == (warm.url,)
+        assert (await new.scrape()).value("kvrouter_kv_bootstrap_peers") == 1
+        assert sum(bootstrap.snapshot_outcomes.values()) == 1  # asked once, grafted
+        assert bootstrap.sources["peer"] == 1
+
+
+async def test_a_wildcard_replica_without_its_url_leaves_its_machine_on_its_port_out(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On --host 0.0.0.0 with neither --self-url nor POD_IP, the fleet's list (itself
+    included) named it by a loopback URL: it asked itself for snapshots and posted its
+    decisions to itself. Now such a URL on its own port is left out, and the log says why."""
+    monkeypatch.delenv("POD_IP", raising=False)
+    port = free_tcp_port()
+    other = f"http://127.0.0.1:{free_tcp_port()}"  # nobody listens: a cold witness
+    listed = [f"http://127.0.0.1:{port}", f"http://localhost:{port}", other]
+    with caplog.at_level(logging.WARNING, logger="router.replica"):
+        async with router_in_process(host="0.0.0.0", port=port, peer=listed) as rt:
+            assert list(rt.replica.bootstrap.registry.peers) == [other]
+    warned = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(warned) == 2 and all("--self-url" in w for w in warned), warned
+    assert {f"http://127.0.0.1:{port}", f"http://localhost:{port}"} == {
+        w.split()[1] for w in warned
+    }
 
 
 async def test_a_joiner_grafts_the_sibling_warm_for_a_rank_not_one_that_ran_cold() -> None:

@@ -1,0 +1,147 @@
+"""One sibling, however the static `--peer` list spells it; this replica, however it is listed.
+
+Rules of this file: plain functions, no I/O but `machine_hosts` (this machine's names and
+addresses, from the standard library's resolver). The caller passes what it knows of this
+replica (its listen host and ports, `--self-url`, `POD_IP`, the machine's addresses);
+`sort_out` answers which listed URLs are siblings to ask, once each, and which it left out
+and why.
+
+Theory of operation
+-------------------
+Every replica is often given one list, itself included, and a list may name one sibling
+twice (`http://127.0.0.1:8081` and `http://localhost:8081/`). A sibling counted twice is
+asked twice for snapshots, gets each routing decision twice, and weighs the cost's backlog
+term as one replica more; this replica counted as its own sibling asks itself for snapshots
+and adopts its own decisions. Two URLs are the same replica only when that is certain:
+
+  - spelling: scheme and host case, a trailing slash, the scheme's default port written out
+    or not, an IPv6 literal's many spellings: always the same socket;
+  - `localhost`, `127.0.0.1` and `[::1]` on one port: the same replica only on a fleet that
+    listens on this machine's loopback, which this replica does when it listens on loopback
+    or the wildcard (then a sibling given by a loopback URL is on this machine too). A
+    replica listening on a routable address says nothing about what its host's loopback
+    runs, so there they stay apart.
+
+This replica is left out by its own URL (`--self-url`, else its listen address or `POD_IP` on
+`--port` or `--control-port`). On the wildcard with neither `--self-url` nor `POD_IP` it has
+no URL of its own; then a listed URL whose host is one of this machine's addresses (loopback,
+its host name, what the host name resolves to) on one of its ports is taken for this replica
+and left out with a warning that says to set `--self-url`: on one machine, one port is one
+listener.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+@dataclass(frozen=True, slots=True)
+class Listener:
+    """What this replica knows of itself."""
+
+    host: str  # --host
+    ports: frozenset[int]  # --port and --control-port (when set)
+    own_urls: frozenset[str]  # --self-url, else its listen address or POD_IP on its ports
+    machine_hosts: frozenset[str] = frozenset()  # this machine's names and addresses
+
+    @property
+    def on_loopback_or_wildcard(self) -> bool:
+        host = self.host.strip("[]").lower()
+        return host in WILDCARDS or host in LOOPBACK_NAMES or _is_loopback(host)
+
+    @property
+    def guesses_itself(self) -> bool:
+        """On the wildcard with no URL of its own: only its machine's addresses tell."""
+        return self.host.strip("[]") in WILDCARDS and not self.own_urls
+
+
+@dataclass(frozen=True, slots=True)
+class Sorted:
+    peers: tuple[str, ...]  # the siblings to ask, one URL each
+    duplicates: tuple[tuple[str, str], ...]  # (left out, the spelling kept)
+    guessed_self: tuple[str, ...]  # taken for this replica by its machine's addresses
+
+
+def spelling(url: str, *, fold_loopback: bool) -> tuple[str, str, int]:
+    """(scheme, host, port) as one replica is spelled once: host in lower case, an IPv6
+    literal compressed, the default port written out; loopback names folded to one when
+    `fold_loopback` (see the module docstring)."""
+    parts = urlsplit(url.strip())  # scheme and host name come out in lower case
+    scheme = parts.scheme
+    host = _host(parts.hostname or "")
+    if fold_loopback and host in LOOPBACK_NAMES:
+        host = "loopback"  # not the rest of 127/8: 127.0.0.2 is another address
+    return scheme, host, parts.port or _DEFAULT_PORTS.get(scheme, 0)
+
+
+def sort_out(urls: Iterable[str], me: Listener) -> Sorted:
+    """The listed siblings, this replica and second spellings left out (of one replica's
+    spellings the smallest is kept, whatever the list's order)."""
+    fold = me.on_loopback_or_wildcard
+    mine = {spelling(u, fold_loopback=fold) for u in me.own_urls}
+    machine = {_host(h) for h in me.machine_hosts} | set(LOOPBACK_NAMES)
+    kept: dict[tuple[str, str, int], str] = {}
+    duplicates: list[tuple[str, str]] = []
+    guessed: list[str] = []
+    for url in _ordered(urls):
+        key = spelling(url, fold_loopback=fold)
+        if key in mine:
+            continue
+        _, host, port = key
+        if me.guesses_itself and port in me.ports and _on_this_machine(host, machine):
+            guessed.append(url)
+            continue
+        if key in kept:
+            duplicates.append((url, kept[key]))
+            continue
+        kept[key] = url
+    return Sorted(tuple(sorted(kept.values())), tuple(duplicates), tuple(guessed))
+
+
+def machine_hosts() -> frozenset[str]:
+    """This machine's host name and the addresses it resolves to (empty when it does not)."""
+    name = socket.gethostname()
+    try:
+        infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        infos = []
+    return frozenset({name.lower(), *(str(info[4][0]) for info in infos)})
+
+
+def _ordered(urls: Iterable[str]) -> Sequence[str]:
+    """Each URL spelled `scheme://host:port` (see `spelling`, loopback not folded), sorted:
+    the spelling kept is the same whatever the list's order."""
+    out = set()
+    for url in urls:
+        if url.strip():
+            scheme, host, port = spelling(url, fold_loopback=False)
+            out.add(f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}")
+    return sorted(out)
+
+
+def _host(host: str) -> str:
+    host = host.strip("[]").lower()
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).compressed
+    except ValueError:
+        return host
+
+
+def _on_this_machine(host: str, machine: set[str]) -> bool:
+    # The wildcard listens on every local address, all of 127/8 included.
+    return host == "loopback" or host in machine or _is_loopback(host)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
