@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from peer.endpointslices import Backoff
 from peer.kubeconfig import resolve_namespace
 from peer.slice_view import ADDED, DELETED, MODIFIED, SliceView, ViewError
-from peer.slices import EndpointSlice, Extraction, Family, SelfIdentity, backends, decode_slice
+from peer.slices import (
+    Backend,
+    EndpointSlice,
+    Extraction,
+    Family,
+    SelfIdentity,
+    backends,
+    decode_slice,
+)
 from tests.support.fake_apiserver import endpoint, endpoint_slice
 
 RULES = Extraction(Family.IPV4, 8080, SelfIdentity(pod_name="me", pod_ip="10.0.0.1"))
@@ -144,11 +154,14 @@ def test_namespace_comes_from_the_flag_then_pod_namespace_then_the_file(tmp_path
     )
 
 
-def test_incremental_events_agree_with_merging_everything_afresh() -> None:
-    """Random upserts and deletes of slices sharing pods (and a dual-stack one): after each,
-    the view's URLs equal a brute-force merge of the slices it holds."""
-    rng = random.Random(7)
-    rules = Extraction(Family.ANY, 8080, SelfIdentity(pod_ip="10.0.0.1"))
+def play_random_slices(
+    rules: Extraction,
+    rng: random.Random,
+    endpoints: Callable[[random.Random], tuple[list[dict[str, Any]], list[int]]],
+) -> Iterator[tuple[int, SliceView, list[Backend]]]:
+    """400 random upserts and deletes of six slices, `endpoints` drawing each upsert's
+    endpoints and ports; after each, the step, the view, and every backend of the slices it
+    holds (for a brute-force merge to check the view against)."""
     view = SliceView(rules)
     listed(view)
     held: dict[str, EndpointSlice] = {}
@@ -158,48 +171,47 @@ def test_incremental_events_agree_with_merging_everything_afresh() -> None:
             view.apply(DELETED, sl(name, rv=str(step)))
             held.pop(name, None)
         else:
-            pods = rng.sample(range(8), rng.randrange(4))
-            eps = [
-                endpoint(
-                    f"fd00::{p}" if p == 7 and rng.random() < 0.5 else f"10.0.0.{p}", f"pod-{p}"
-                )
-                for p in pods
-            ]
-            raw = endpoint_slice(name, "kvrouter", eps, ports=[8080])
+            eps, ports = endpoints(rng)
+            raw = endpoint_slice(name, "kvrouter", eps, ports=ports)
             raw["metadata"]["resourceVersion"] = str(step)
             held[name] = decode_slice(raw)
             view.apply(MODIFIED, held[name])
+        yield step, view, [b for s in held.values() for b in backends(s, rules)]
+
+
+def test_incremental_events_agree_with_merging_everything_afresh() -> None:
+    """Random upserts and deletes of slices sharing pods (and a dual-stack one): after each,
+    the view's URLs equal a brute-force merge of the slices it holds."""
+
+    def pods(rng: random.Random) -> tuple[list[dict[str, Any]], list[int]]:
+        eps = [
+            endpoint(f"fd00::{p}" if p == 7 and rng.random() < 0.5 else f"10.0.0.{p}", f"pod-{p}")
+            for p in rng.sample(range(8), rng.randrange(4))
+        ]
+        return eps, [8080]
+
+    rules = Extraction(Family.ANY, 8080, SelfIdentity(pod_ip="10.0.0.1"))
+    for step, view, found in play_random_slices(rules, random.Random(7), pods):
         best: dict[str, str] = {}
-        for s in held.values():
-            for b in backends(s, rules):
-                best[b.key] = min(best.get(b.key, b.url), b.url)
+        for b in found:
+            best[b.key] = min(best.get(b.key, b.url), b.url)
         assert view.urls == tuple(sorted(set(best.values()))), step
 
 
 def test_incremental_events_agree_with_a_fresh_merge_one_backend_per_pod() -> None:
     """The same, for siblings: slices on different ports (two Services), one URL per pod, the
     preferred port winning as slices come and go."""
-    rng = random.Random(8)
+
+    def pods(rng: random.Random) -> tuple[list[dict[str, Any]], list[int]]:
+        eps = [endpoint(f"10.0.0.{p}", f"pod-{p}") for p in rng.sample(range(8), 3)]
+        return eps, [rng.choice([7070, 8080, 9090])]
+
     rules = Extraction(
         Family.ANY, 8080, SelfIdentity(pod_ip="10.0.0.1"), one_per_pod=True, control_port=9090
     )
-    view = SliceView(rules)
-    listed(view)
-    held: dict[str, EndpointSlice] = {}
-    for step in range(400):
-        name = f"s{rng.randrange(6)}"
-        if rng.random() < 0.25:
-            view.apply(DELETED, sl(name, rv=str(step)))
-            held.pop(name, None)
-        else:
-            eps = [endpoint(f"10.0.0.{p}", f"pod-{p}") for p in rng.sample(range(8), 3)]
-            raw = endpoint_slice(name, "kvrouter", eps, ports=[rng.choice([7070, 8080, 9090])])
-            raw["metadata"]["resourceVersion"] = str(step)
-            held[name] = decode_slice(raw)
-            view.apply(MODIFIED, held[name])
-        best: dict[str, tuple] = {}
-        for s in held.values():
-            for b in backends(s, rules):
-                best[b.key] = min(best.get(b.key, (b.choice, b.url)), (b.choice, b.url))
+    for step, view, found in play_random_slices(rules, random.Random(8), pods):
+        best: dict[str, tuple[tuple[int, int], str]] = {}
+        for b in found:
+            best[b.key] = min(best.get(b.key, (b.choice, b.url)), (b.choice, b.url))
         assert view.urls == tuple(sorted({url for _, url in best.values()})), step
         assert len(view.urls) == len({url.rsplit(":", 1)[0] for url in view.urls}), step
