@@ -18,12 +18,23 @@ encode it as latin-1, `getaddrinfo` IDNA-encodes a name and fails on an over-lon
 a host that is not one registered a worker no pass of the health loop could check (one such
 worker stopped every worker's checks). A non-ASCII name is to be given in its IDNA form.
 Port 0 is refused too: nothing is ever reachable there.
+
+An IPv4 address is accepted only as a dotted quad (four decimal numbers 0-255, no leading
+zeros, no trailing dot). A host whose last label is a number (`127.1`, `2130706433`,
+`127.000.000.001`, `0x7f.1`, `127.0.0.1.`) is an IPv4 address to a URL parser (the WHATWG
+rule), yet no host name: the C resolver reads the legacy spellings as addresses (the data
+plane's pools and the health checks reached them), while aiohttp refuses every one but the
+hex ones before connecting ("not a canonical IPv4 address"), so `/server_info`, the load and
+snapshot fetches and a sibling's snapshot never worked: a worker stayed down, re-registered
+at every health pass, and a joiner waited out its bootstrap for a sibling it never reached.
+The refusal names the dotted quad the resolver reads, the spelling to give instead.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -35,6 +46,7 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _MAX_HOSTNAME = 253
 _MAX_LABEL = 63
 _LABEL = re.compile(r"[a-z0-9_-]+")  # hostname-ish; `hostname` is lower case already
+_NUMBER = re.compile(r"[0-9]+|0x[0-9a-f]*")  # a label a URL parser reads as a number
 
 
 def url_problem(url: str) -> str | None:
@@ -64,6 +76,8 @@ def host_problem(host: str) -> str | None:
     if not host.isascii():
         return f"host {host!r} is not ASCII: use its IDNA (xn--) form"
     name = host.removesuffix(".")  # a fully qualified name's root dot
+    if _NUMBER.fullmatch(name.rpartition(".")[2]):
+        return _ipv4_spelling_problem(host, name)
     if len(name) > _MAX_HOSTNAME:
         return f"host name of {len(name)} characters: at most {_MAX_HOSTNAME}"
     for label in name.split("."):
@@ -75,6 +89,23 @@ def host_problem(host: str) -> str | None:
         if _LABEL.fullmatch(label) is None:
             return f"host {host!r} is not a host name: letters, digits, '-' and '_' only"
     return None
+
+
+def _ipv4_spelling_problem(host: str, name: str) -> str:
+    """Why `host`, which ends in a number and is no dotted quad, is refused."""
+    quad = "four decimal numbers 0-255, no leading zeros, no trailing dot"
+    try:
+        # Pure parsing (no lookup): how the C resolver, and so a plain connect, reads it.
+        address = ipaddress.IPv4Address(socket.inet_aton(name))
+    except OSError:
+        return (
+            f"host {host!r} ends in a number, so it is read as an IPv4 address, and it is not "
+            f"one ({quad})"
+        )
+    return (
+        f"host {host!r} is a legacy spelling of the IPv4 address {address} (as the C resolver "
+        f"reads it; the router's HTTP client refuses it): write it as {address} ({quad})"
+    )
 
 
 def origin_problem(url: str) -> str | None:

@@ -67,6 +67,19 @@ async def test_a_url_with_a_path_query_fragment_or_credentials_is_a_400_and_neve
         assert rt.replica.workers.workers() == []
 
 
+async def test_a_legacy_ipv4_spelling_is_a_400_naming_the_dotted_quad_and_never_fetched() -> None:
+    # The health checks reached such a host while aiohttp refused it: the worker was listed,
+    # stayed down and was "registered anew" at every health pass, forever.
+    async with listener() as (origin, asked), router_in_process() as rt:
+        port = origin.rpartition(":")[2]
+        for host in ("127.1", "2130706433", "127.000.000.001", "0x7f.1"):
+            status, body, _ = await rt.post("/workers", {"url": f"http://{host}:{port}"})
+            assert status == 400, (host, body)
+            assert "write it as 127.0.0.1" in body["error"]["message"], body
+        assert asked == []
+        assert rt.replica.workers.workers() == []
+
+
 async def test_outside_the_allow_list_a_worker_is_refused_with_403_and_never_fetched() -> None:
     async with (
         listener() as (origin, asked),

@@ -144,6 +144,19 @@ def invalid_settings(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], st
             {},
             "path",
         ),
+        # Shorthand IPv4: reachable by a plain connect, refused by aiohttp (router.origin);
+        # the error names the dotted quad to write instead.
+        "worker at a shorthand IPv4 host": (["--worker", "http://127.1:1"], {}, "127.0.0.1"),
+        "peer at a decimal IPv4 host": (
+            ["--peer", "http://2130706433:1", "--internal-token", "t" * 20],
+            {},
+            "127.0.0.1",
+        ),
+        "self-url at a zero-padded IPv4 host": (
+            ["--self-url", "http://127.000.000.001:1"],
+            {},
+            "127.0.0.1",
+        ),
         "allow-cidr not a network": (["--worker-allow-cidr", "10.0.0.0/33"], {}, "33"),
         "negative placement timeout": (
             ["--placement-timeout-ms", "-1"],

@@ -20,6 +20,8 @@ from router.origin import AllowList, canonical_origin, origin_problem
         ("http://w", "http://w"),
         ("http://xn--e1afmkfd.example:8000", "http://xn--e1afmkfd.example:8000"),
         ("http://w-0.svc.cluster.local.:8000", "http://w-0.svc.cluster.local.:8000"),
+        ("http://[::ffff:127.0.0.1]:8000", "http://[::ffff:127.0.0.1]:8000"),
+        ("http://1.2.3.4a:8000", "http://1.2.3.4a:8000"),  # a name: its last label is no number
         ("http://" + "a" * 63 + ".example:1", "http://" + "a" * 63 + ".example:1"),
     ],
 )
@@ -55,6 +57,16 @@ def test_an_origin_is_accepted_and_spelt_one_way(url: str, canonical: str) -> No
         ("http://" + "a." * 127 + "a:8000", "at most 253"),
         ("http://w*x:8000", "not a host name"),
         ("http://127.0.0.1:0", "port 0"),
+        # IPv4 spellings but the dotted quad: aiohttp refuses most (tests/component/
+        # test_origin_clients.py), so each names the quad to write instead.
+        ("http://127.1:8000", "write it as 127.0.0.1"),
+        ("http://2130706433:8000", "write it as 127.0.0.1"),
+        ("http://127.000.000.001:8000", "write it as 127.0.0.1"),
+        ("http://0x7f.1:8000", "write it as 127.0.0.1"),
+        ("http://010.0.0.1:8000", "write it as 8.0.0.1"),  # octal, as the resolver reads it
+        ("http://10.0.0.1.:8000", "write it as 10.0.0.1"),
+        ("http://256.1.1.1:8000", "is not one"),
+        ("http://example.123:8000", "is not one"),
     ],
 )
 def test_anything_but_an_origin_is_refused_with_the_reason(url: str, word: str) -> None:
