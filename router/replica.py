@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
@@ -43,7 +44,7 @@ from router.index import DEFAULT_INDEX_MAX_BLOCKS, IndexRules, Pump
 from router.ingest_pool import DEFAULT_INGEST_PROCESSES, DEFAULT_SILENCE_S, IngestPool
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
-from router.origin import AllowList
+from router.origin import AllowList, origin_problem
 from router.placement import DEFAULT_TIMEOUT_MS, Placement, Placer, own_url
 from router.policy import CacheAware, Policy, make_policy
 from router.pressure import PressureLedger, PressureSettings
@@ -578,11 +579,28 @@ def _watch(
             one_per_pod=True,
             control_port=config.control_port or None,
         )
-        discovery.start("siblings", config.kv_peer_selector, rules, bootstrap.registry.replace)
+        discovery.start("siblings", config.kv_peer_selector, rules, _reachable(bootstrap.registry))
     if config.worker_selector:
         # Outbound connections to workers do not depend on the family we listen on.
         rules = Extraction(Family.ANY, config.worker_port or None)
         discovery.start("workers", config.worker_selector, rules, workers.discovered)
+
+
+def _reachable(registry: PeerRegistry) -> Callable[[tuple[str, ...]], None]:
+    """The sibling watch's URLs into `registry`, less those no client of ours reaches
+    (`router.origin`; the API server takes an IPv4 address with leading zeros, which aiohttp
+    refuses), each named in the log: a joiner would wait out its bootstrap for it."""
+
+    def replace(urls: tuple[str, ...]) -> None:
+        kept = []
+        for url in urls:
+            if (problem := origin_problem(url)) is None:
+                kept.append(url)
+            else:
+                log.warning("sibling %s in the EndpointSlices left out: %s", url, problem)
+        registry.replace(kept)
+
+    return replace
 
 
 async def stop_replica(replica: Replica) -> None:

@@ -247,3 +247,47 @@ async def test_a_replica_that_cannot_reach_any_api_server_exits_1_saying_what_to
     assert last.startswith("kvrouter: error: cannot reach the Kubernetes API")
     assert "KUBECONFIG" in last and "--kube-api-server" in last
     assert "listening" not in out
+
+
+async def test_a_sibling_listed_at_a_legacy_ipv4_spelling_is_left_out_and_named_in_the_log(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The API server takes an IPv4 address with leading zeros; aiohttp refuses it, so a
+    # joiner held itself unready for its whole bootstrap timeout asking a sibling it never
+    # reached. Left out, the slice names no sibling: the joiner runs cold at once.
+    monkeypatch.setenv("POD_NAME", "kvrouter-new")
+    monkeypatch.setenv("POD_NAMESPACE", "default")
+    monkeypatch.delenv("POD_IP", raising=False)
+    port = free_tcp_port()
+    async with contextlib.AsyncExitStack() as stack:
+        fake = await stack.enter_async_context(FakeApiServer())
+        fw = await stack.enter_async_context(fake_worker_in_process())
+        fake.put(
+            endpoint_slice(
+                "kvrouter-abcde",
+                "kvrouter",
+                [endpoint("127.000.000.001", "kvrouter-odd")],
+                ports=[port],
+            )
+        )
+        new = await stack.enter_async_context(
+            router_in_process(
+                workers=[fw.url],
+                kv_peer_selector=SIBLINGS,
+                kube_api_server=fake.url,
+                kv_bootstrap_timeout_ms=60_000,
+            )
+        )
+
+        async def is_ready() -> bool:
+            return (await new.get("/readyz"))[0] == 200
+
+        await eventually(is_ready, 20.0)
+        bootstrap = new.replica.bootstrap
+        assert bootstrap is not None
+        assert bootstrap.registry.synced and bootstrap.registry.peers == ()
+        assert bootstrap.sources["peer"] == 0
+        assert any(
+            "127.000.000.001" in r.getMessage() and "write it as 127.0.0.1" in r.getMessage()
+            for r in caplog.records
+        ), [r.getMessage() for r in caplog.records]
