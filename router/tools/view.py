@@ -322,7 +322,8 @@ def rank_blocks(view: CanonicalView) -> dict[RankId, RankBlocks]:
 def _diff_views(ref: ReplicaView, other: ReplicaView) -> PairDiff:
     diff = PairDiff(ref.url, other.url)
     if ref.block_size != other.block_size:
-        diff.note = f"block size {ref.block_size} vs {other.block_size}"
+        # In `render`'s order, "{other} vs {ref}", and spelt as each replica's line spells it.
+        diff.note = f"block size {other.block_size or '-'} vs {ref.block_size or '-'}"
         return diff
     assert ref.canonical is not None and other.canonical is not None
     a, b = rank_blocks(ref.canonical), rank_blocks(other.canonical)
