@@ -523,7 +523,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--interval-s", type=float, default=1.0, help="--watch: seconds between frames [1]"
     )
     p.add_argument(
-        "--count", type=int, default=0, help="--watch: stop after this many frames [0: never]"
+        "--count",
+        type=int,
+        default=0,
+        help="--watch: stop after this many frames, exiting as view does by the last one "
+        "[0: never; Ctrl-C exits 0]",
     )
     return p
 

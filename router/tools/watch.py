@@ -13,6 +13,9 @@ it) and `/metrics` (blocks per rank from `kvrouter_tree_blocks`, bootstrap state
 from `kvrouter_kv_bootstrap_state`, `kvrouter_tree_nodes`, `kvrouter_pump_backlog`). It never
 exports the index: `kvrouter view` without `--watch` compares the blocks themselves.
 
+With `--count` it exits as `kvrouter view` does, by its last frame (`verdict`: 0 agree, 1 a
+rank differs, 2 a replica not read); stopped by Ctrl-C it exits 0.
+
 `frame` (what to draw from what was fetched) is plain code; `watch` is the loop around it,
 with the interval, the number of frames and where to draw injectable.
 """
@@ -135,12 +138,16 @@ def _reference(states: Sequence[ReplicaState], rank: RankId) -> ReplicaState | N
 def rank_cells(states: Sequence[ReplicaState], rank: RankId) -> list[Cell]:
     """One cell per replica: cursor, lag behind the replica furthest ahead, blocks, state."""
     ref = _reference(states, rank)
+    # A rank no replica has a cursor or blocks for holds nothing anywhere: the replicas agree
+    # on it, whichever of them name it (a bootstrap state is all `/metrics` says of a rank
+    # registered with no batch yet; a replica without bootstrap says nothing of it at all).
+    held = ref is not None or any(s.blocks.get(rank) for s in states)
     cells = []
     for s in states:
         if s.error is not None:
             cells.append(Cell(f"{'error':<{CELL_WIDTH}}", False))
             continue
-        if rank not in s.cursors and rank not in s.blocks:
+        if held and rank not in s.cursors and rank not in s.blocks:
             cells.append(Cell(f"{'absent':<{CELL_WIDTH}}", True))
             continue
         cursor = s.cursors.get(rank)
@@ -171,7 +178,7 @@ def frame(states: Sequence[ReplicaState], *, color: bool, header: str = "") -> l
         size = "" if s.nodes is None else f", {s.nodes} nodes"
         backlog = "" if s.backlog is None else f", backlog {s.backlog}"
         lines.append(f"{letter} {s.url}  {status}{size}{backlog}")
-    ranks = sorted({r for s in states for r in (*s.cursors, *s.blocks)})
+    ranks = ranks_of(states)
     if not ranks:
         lines.append("no ranks yet")
         return lines
@@ -193,6 +200,22 @@ def frame(states: Sequence[ReplicaState], *, color: bool, header: str = "") -> l
     elif usable > 1:
         lines.append(f"the {usable} replicas agree on cursors and blocks of {len(ranks)} ranks")
     return lines
+
+
+def ranks_of(states: Sequence[ReplicaState]) -> list[RankId]:
+    """The rows: every rank a replica has a cursor, blocks or a bootstrap state for. A rank
+    registered with no cursor yet (its bootstrap pending, or cold: no batch since) is named
+    by its bootstrap state alone; it was left out, though `kvrouter view` lists it."""
+    return sorted({r for s in states for r in (*s.cursors, *s.blocks, *s.bootstrap)})
+
+
+def verdict(states: Sequence[ReplicaState]) -> int:
+    """`kvrouter view`'s exit status for one frame: 2 if a replica could not be read, 1 if a
+    rank differs between replicas, else 0."""
+    if any(s.error is not None for s in states):
+        return 2
+    differ = any(c.differs for rank in ranks_of(states) for c in rank_cells(states, rank))
+    return 1 if differ else 0
 
 
 def _mark(cell: Cell, color: bool) -> str:
@@ -218,8 +241,9 @@ async def watch(
 ) -> int:
     """Draw a frame every `interval_s` until `count` frames were drawn (0: until cancelled).
 
-    Returns 2 if the last frame had a replica it could not read, else 0. A frame that takes
-    longer than the interval is followed by the next one at once, never by a backlog.
+    Returns the last frame's `verdict` (0 agree, 1 differ, 2 a replica not read), as
+    `kvrouter view` exits. A frame that takes longer than the interval is followed by the
+    next one at once, never by a backlog.
     """
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     drawn = 0
@@ -237,5 +261,5 @@ async def watch(
             draw(frame(states, color=color, header=header))
             drawn += 1
             if count and drawn >= count:
-                return 2 if any(s.error is not None for s in states) else 0
+                return verdict(states)
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))

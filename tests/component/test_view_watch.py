@@ -121,6 +121,27 @@ def test_a_cursor_behind_the_replica_furthest_ahead_shows_its_lag_and_is_marked(
     assert row(watch.frame([ahead, behind], color=False), rank)[1].endswith(watch.MARK)
 
 
+def test_a_rank_registered_without_a_cursor_is_a_row_and_the_verdict_follows_the_marks() -> None:
+    # B registered w2#dp0 and its bootstrap ran cold: no batch yet, so no cursor and no
+    # blocks, only its bootstrap state (`kvrouter view` lists the rank). A says nothing of it:
+    # no replica holds anything of it, so they agree.
+    held, cold = RankId("http://w1:8000", 0), RankId("http://w2:8000", 0)
+    a = watch.ReplicaState("http://a", ready=True, cursors={held: 5}, blocks={held: 3})
+    b = watch.ReplicaState("http://b", ready=True, cursors={held: 5}, blocks={held: 3})
+    b.bootstrap = {held: "recovered", cold: "cold"}
+    lines = watch.frame([a, b], color=False)
+    assert [c.split() for c in row(lines, cold)] == [["-", "0", "-"], ["-", "0", "cold"]]
+    assert lines[-1] == "the 2 replicas agree on cursors and blocks of 2 ranks"
+    assert watch.verdict([a, b]) == 0
+    # Its first batch reaches B: A lacks what B holds.
+    b.cursors[cold], b.blocks[cold] = 0, 2
+    lines = watch.frame([a, b], color=False)
+    assert row(lines, cold)[0].split() == ["absent", watch.MARK]
+    assert lines[-1] == "1 of 2 ranks differ between replicas (marked)"
+    assert watch.verdict([a, b]) == 1
+    assert watch.verdict([a, watch.ReplicaState("http://c", error="refused")]) == 2
+
+
 async def test_an_unreachable_replica_is_shown_as_an_error_and_the_others_still_drawn() -> None:
     async with fleet() as ([a, _], [w1, _]):
         states = await asyncio.gather(
@@ -156,6 +177,16 @@ async def test_the_command_draws_count_frames_and_exits() -> None:
         assert all(str(RankId(w1.url, 0)) in f for f in frames)
         status, _, err = await run_view("--watch", "--interval-s", "0", a.url)
         assert status == 2 and "--interval-s must be > 0" in err
+
+
+async def test_the_command_exits_as_view_does_after_count_frames_1_when_they_differ() -> None:
+    async with fleet(b_workers=1) as ([a, b], _):
+        status, out, err = await run_view("--watch", "--count", "1", a.url, b.url)
+        assert "2 of 3 ranks differ" in out, out + err
+        assert status == 1, out + err
+        assert (await run_view(a.url, b.url))[0] == 1  # plain `view`: the same verdict
+        status, out, err = await run_view("--watch", "--count", "1", a.url, "http://127.0.0.1:9")
+        assert status == 2 and "B http://127.0.0.1:9  error: " in out, out + err
 
 
 async def test_a_wrong_token_is_an_error_that_says_to_pass_one() -> None:
