@@ -90,6 +90,9 @@ DEFAULT_MAX_WORKERS: Final = 256
 # Ready workers are all checked every pass; a down one at least every
 # ceil(down / DOWN_CHECKS_PER_PASS) passes.
 DOWN_CHECKS_PER_PASS: Final = 16
+# A down worker that answers /health but whose registration anew keeps failing (its
+# /server_info unreachable or 5xx) is tried again after one health interval, doubling to this.
+REREGISTER_BACKOFF_MAX_S: Final = 60.0
 KNOWN_ENGINES: Final = ("vllm", "sglang")  # `owned_by` values of the engines' /v1/models
 
 
@@ -142,6 +145,12 @@ def parse_server_info(body: Any, worker_url: str, defaults: DiscoveryDefaults) -
     )
 
 
+def reregister_after_s(failures: int, interval_s: float) -> float:
+    """How long a down worker waits for its next registration anew after `failures` in a
+    row: one health interval, doubling, at most `REREGISTER_BACKOFF_MAX_S`."""
+    return min(REREGISTER_BACKOFF_MAX_S, interval_s * 2.0 ** min(failures - 1, 32))
+
+
 def worker_url_problem(url: str) -> str | None:
     """Why `url` cannot be a worker's base URL (an origin, `router.origin`), or None."""
     return origin_problem(url)
@@ -182,6 +191,8 @@ class Worker:
     kv: KvEventsInfo | None = None
     healthy: bool = False
     unhealthy_since: float | None = None  # clock time of the first failed check in a row
+    reregister_failures: int = 0  # down: registrations anew that failed in a row
+    reregister_at: float = 0.0  # down: clock time of the next registration anew, at earliest
     draining: bool = False
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     snapshot_served: bool | None = None  # None: not asked yet; False: 404
@@ -807,10 +818,13 @@ class WorkerRegistry:
 
     async def _health_verdict(self, worker: Worker, healthy: bool, now: float) -> None:
         if worker.state == "down":
-            if healthy and self._workers.get(worker.url) is worker:
+            if healthy and self._workers.get(worker.url) is worker and now >= worker.reregister_at:
                 log.info("worker %s answers /health again: registering it anew", worker.url)
-                with contextlib.suppress(WorkerRemoved):  # removed meanwhile: nothing to do
-                    await self.add(worker.url)
+                try:
+                    with contextlib.suppress(WorkerRemoved):  # removed meanwhile: nothing to do
+                        await self.add(worker.url)
+                finally:
+                    self._back_off_if_down(worker)
             return
         went_down = worker.healthy and not healthy
         if worker.healthy != healthy:
@@ -826,6 +840,23 @@ class WorkerRegistry:
         if evict_due(worker.unhealthy_since, now, self._evict_after_s):
             await self._evict(worker)
 
+    def _back_off_if_down(self, worker: Worker) -> None:
+        """A registration anew that left the worker down waits longer before the next one:
+        it was tried at every health pass, forever, two log lines each."""
+        if worker.state != "down":
+            return
+        worker.reregister_failures += 1
+        wait = reregister_after_s(worker.reregister_failures, self._health_interval_s)
+        worker.reregister_at = self._clock() + wait
+        log.warning(
+            "worker %s answers /health but its registration failed %d time(s) in a row (%s); "
+            "next try in %.3g s: check what answers its /server_info",
+            worker.url,
+            worker.reregister_failures,
+            worker.reason,
+            wait,
+        )
+
     async def _evict(self, worker: Worker) -> None:
         # Its cache is most likely gone (a crashed or rescheduled engine): keeping its ranks
         # would hold stale blocks for good, and the engine's next start replays nothing old.
@@ -839,6 +870,7 @@ class WorkerRegistry:
             "registered anew when /health answers 200"
         )
         worker.unhealthy_since = None
+        worker.reregister_failures, worker.reregister_at = 0, 0.0  # a new down spell
         self.stats.evictions += 1
         log.warning("worker %s evicted: %s", worker.url, worker.reason)
 

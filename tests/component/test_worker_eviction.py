@@ -7,9 +7,15 @@ loopback; the crash is `stop(send_end=False)`, the restart a new worker on the s
 
 from __future__ import annotations
 
+import math
+import time
+from collections import Counter
 from urllib.parse import urlsplit
 
-from router.workers import evict_due
+from aiohttp import web
+
+from router.workers import REREGISTER_BACKOFF_MAX_S, evict_due, reregister_after_s
+from tests.support.adversary import stub_server, stub_worker_routes
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.metrics import Scrape
 from tests.support.router import RouterHandle, router_in_process
@@ -32,6 +38,42 @@ def test_eviction_is_due_only_after_the_whole_window_and_never_when_off() -> Non
     assert not evict_due(80.0, 109.9, 30.0)
     assert evict_due(80.0, 110.0, 30.0)
     assert not evict_due(0.0, 1e9, 0.0)
+
+
+def test_registration_anew_backs_off_from_one_health_interval_doubling_to_a_minute() -> None:
+    assert [reregister_after_s(n, 2.0) for n in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 16.0]
+    assert reregister_after_s(6, 2.0) == REREGISTER_BACKOFF_MAX_S
+    assert reregister_after_s(10_000, 2.0) == REREGISTER_BACKOFF_MAX_S
+
+
+async def test_a_worker_answering_health_but_never_registering_is_tried_ever_less_often() -> None:
+    # /health 200, /server_info 503: it was registered anew at every health pass, forever.
+    asked: Counter[str] = Counter()
+
+    async def health(_: web.Request) -> web.Response:
+        asked["/health"] += 1
+        return web.json_response({"status": "ok"})
+
+    async def server_info(_: web.Request) -> web.Response:
+        asked["/server_info"] += 1
+        return web.Response(status=503, text="loading")
+
+    routes = stub_worker_routes({("GET", "/health"): health, ("GET", "/server_info"): server_info})
+    interval_s = 0.02
+    async with stub_server(routes) as url:
+        started = time.monotonic()
+        async with router_in_process(workers=[url], health_interval_s=interval_s) as rt:
+            await eventually(lambda: asked["/health"] >= 60, within_s=20)
+            elapsed = time.monotonic() - started
+            # Health checks go on at every pass; the tries (the first registration, then
+            # after waits of 1, 2, 4, ... intervals) fit in the time, never one per pass.
+            tries = asked["/server_info"]
+            assert 3 <= tries <= 2 + math.log2(elapsed / interval_s + 1), (asked, elapsed)
+            worker = rt.replica.workers.get(url)
+            assert worker is not None and worker.state == "down"
+            # Every try after the first failed and was counted (one may still be under way).
+            assert tries - 1 - worker.reregister_failures in (0, 1), worker
+            assert "/server_info" in worker.reason
 
 
 async def test_a_dead_worker_leaves_the_index_and_a_restarted_one_is_learned_anew() -> None:
