@@ -586,17 +586,23 @@ def _watch(
         discovery.start("workers", config.worker_selector, rules, workers.discovered)
 
 
+_MAX_NAMED_SIBLINGS: Final = 1024  # refused sibling URLs remembered as logged
+
+
 def _reachable(registry: PeerRegistry) -> Callable[[tuple[str, ...]], None]:
     """The sibling watch's URLs into `registry`, less those no client of ours reaches
     (`router.origin`; the API server takes an IPv4 address with leading zeros, which aiohttp
-    refuses), each named in the log: a joiner would wait out its bootstrap for it."""
+    refuses), each named in the log once (the watch calls this at every slice event): a
+    joiner would wait out its bootstrap for it."""
+    named: set[str] = set()
 
     def replace(urls: tuple[str, ...]) -> None:
         kept = []
         for url in urls:
             if (problem := origin_problem(url)) is None:
                 kept.append(url)
-            else:
+            elif url not in named and len(named) < _MAX_NAMED_SIBLINGS:
+                named.add(url)
                 log.warning("sibling %s in the EndpointSlices left out: %s", url, problem)
         registry.replace(kept)
 
