@@ -213,6 +213,9 @@ class BootstrapRules:
         self.held: dict[RankId, list[HeldBatch]] = {}
         self.proofs: dict[RankId, PendingProof] = {}
         self.gaps: Counter[str] = Counter()  # grafts whose stream did not join, by source
+        # Ranks retried after a gap, by the retry's epoch: a retry that finds every sibling
+        # behind its stream ends as the gap it is (`abandon`), not as a fleet with nothing.
+        self.retried: dict[RankId, tuple[int, Gapped]] = {}
 
     # -- live path -------------------------------------------------------------------------
 
@@ -327,6 +330,7 @@ class BootstrapRules:
         covered = []
         for o in job.owed:
             rank = o.rank
+            self.retried.pop(rank, None)  # the retry grafted: it settles as this graft does
             watermark = job.vetted.cursors.get(rank)
             if watermark is None:
                 self.fail(rank, "uncovered", discard_held=False)
@@ -352,7 +356,20 @@ class BootstrapRules:
     def abandon(self, obligations: Iterable[Obligation]) -> None:
         for o in obligations:
             if o.rank in self.index.live and self.tracker.is_owed(o.rank, o.epoch):
-                self.fail(o.rank, "abandoned", discard_held=False)
+                retried = self.retried.pop(o.rank, None)
+                if retried is None or retried[0] != o.epoch:
+                    self.fail(o.rank, "abandoned", discard_held=False)
+                    continue
+                source = retried[1].peer
+                log.warning(
+                    "%s: the retry after %s's gap found no sibling whose snapshot joins the "
+                    "stream (every one behind it, cold or empty for it); running the rank cold "
+                    "(if %s keeps lagging, check its event stream)",
+                    o.rank,
+                    source,
+                    source,
+                )
+                self.fail(o.rank, "gap", discard_held=False)
 
     def probe_verdict(self, rank: RankId, epoch: int, watermark: int, verdict: str) -> None:
         """A splice probe's judgment: `advanced`, `no_advance` or `unknown`."""
@@ -391,6 +408,7 @@ class BootstrapRules:
 
     def fail(self, rank: RankId, outcome: str, *, discard_held: bool) -> None:
         """Fail a Pending rank cold: clear it, then replay what was held unless discarded."""
+        self.retried.pop(rank, None)
         if not self.tracker.is_pending(rank):
             self.held.pop(rank, None)
             return
@@ -429,6 +447,7 @@ class BootstrapRules:
         self.index.clear_rank_state(rank)
         if retry is not None:
             if self._enqueue_retry(retry, note):
+                self.retried[rank] = (retry.epoch, note)
                 log.info("%s; retrying once, asking that sibling last", what)
                 return  # Pending again; the held queue waits for the retry's graft
             self.tracker.set(rank, BootstrapState.FAILED)  # the retry could not be queued

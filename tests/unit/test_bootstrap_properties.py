@@ -45,7 +45,8 @@ P2 Outcomes. Every registered rank is in exactly one of: Pending, holding a proo
    outcome never changes within the incarnation, and the tracker's counters equal the model's
    sum of one outcome per incarnation. A gap retry is asked for at most once per incarnation;
    when granted the rank is Pending with no outcome and an empty tree; when refused it is
-   Failed with `gap`. Each outcome appears only on the step that justifies it (`_justify`); in
+   Failed with `gap`, and so it is when the granted retry is abandoned (every sibling behind
+   the stream). Each outcome appears only on the step that justifies it (`_justify`); in
    particular `warm` only when
      - a graft found a held batch at or below `watermark + 1` (the held stream joins), or
      - the first live batch after a deferred graft had `1 <= seq <= watermark + 1`, or
@@ -498,7 +499,10 @@ class BootstrapMachine(RuleBasedStateMachine):
             owed = b.live and b.state is PENDING and Obligation(r, b.epoch) in step[1]
             assert owed, why
             if kind == "abandon":
-                assert outcome is RankOutcome.ABANDONED, why
+                # A granted gap retry that found every sibling behind the stream is the gap
+                # it was; any other abandon is a fleet with nothing for the rank.
+                retried = (Obligation(r, b.epoch), True) in self.retries
+                assert outcome is (RankOutcome.GAP if retried else RankOutcome.ABANDONED), why
                 return
             wm = step[2].get(r)
             if wm is None:

@@ -276,6 +276,31 @@ def test_abandon_fails_only_ranks_still_owed() -> None:
     assert rig.outcome(Q) == "from_origin"
 
 
+def test_a_gap_retry_that_finds_every_sibling_behind_settles_as_the_gap_it_is(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The retry's sweep refuses every body too old to join the stream and abandons the rank:
+    that is a gap (a lagging sibling, warned of by name), not a fleet with nothing to give,
+    which `abandoned` says and the alert table calls expected at a fleet's start."""
+    rig = Rig()
+    rig.live(R, 7, stored(2, 200))
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)), "http://frozen")
+    assert rig.retries and rig.outcome() is None
+    with caplog.at_level(logging.WARNING):
+        rig.rules.abandon(rig.retries)
+    assert rig.outcome() == "gap" and holds(rig, 200)  # ran cold: the held batch replayed
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "http://frozen" in warned[0] and "cold" in warned[0], warned
+
+
+def test_a_gap_retry_that_grafts_settles_warm_and_forgets_the_gap() -> None:
+    rig = Rig()
+    rig.live(R, 7, stored(2, 200))
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)), "http://frozen")
+    rig.rules.apply_snapshot(rig.retries, sibling_graft(6, (7, 300)))  # the retry grafted
+    assert rig.outcome() == "warm" and not rig.rules.retried
+
+
 def test_a_graft_for_a_stale_epoch_is_a_no_op() -> None:
     rig = Rig()
     stale = rig.obligations
