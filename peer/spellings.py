@@ -16,11 +16,12 @@ and adopts its own decisions. Two URLs are the same replica only when that is ce
 
   - spelling: scheme and host case, a trailing slash, the scheme's default port written out
     or not, an IPv6 literal's many spellings: always the same socket;
-  - `localhost`, `127.0.0.1` and `[::1]` on one port: the same replica only on a fleet that
-    listens on this machine's loopback, which this replica does when it listens on loopback
-    or the wildcard (then a sibling given by a loopback URL is on this machine too). A
-    replica listening on a routable address says nothing about what its host's loopback
-    runs, so there they stay apart.
+  - `localhost` and `127.0.0.1` on one port: the same replica only on a fleet that listens
+    on this machine's loopback, which this replica does when it listens on loopback or the
+    wildcard (then a sibling given by a loopback URL is on this machine too). A replica
+    listening on a routable address says nothing about what its host's loopback runs, so
+    there they stay apart. `[::1]` stays apart too: another listener may hold the port on
+    IPv6 loopback (a replica on 127.0.0.1 does not listen there).
 
 This replica is left out by its own URL (`--self-url`, else its listen address or `POD_IP` on
 `--port` or `--control-port`). On the wildcard with neither `--self-url` nor `POD_IP` it has
@@ -39,6 +40,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+# Folded as one replica's (see the module docstring); `::1` is another socket.
+_IPV4_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1"})
 WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -77,7 +80,7 @@ def spelling(url: str, *, fold_loopback: bool) -> tuple[str, str, int]:
     parts = urlsplit(url.strip())  # scheme and host name come out in lower case
     scheme = parts.scheme
     host = _host(parts.hostname or "")
-    if fold_loopback and host in LOOPBACK_NAMES:
+    if fold_loopback and host in _IPV4_LOOPBACK_NAMES:
         host = "loopback"  # not the rest of 127/8: 127.0.0.2 is another address
     return scheme, host, parts.port or _DEFAULT_PORTS.get(scheme, 0)
 
@@ -129,10 +132,14 @@ def _ordered(urls: Iterable[str]) -> Sequence[str]:
 
 def _host(host: str) -> str:
     host = host.strip("[]").lower()
+    address, percent, zone = host.partition("%")
     try:
-        return ipaddress.ip_address(host.split("%", 1)[0]).compressed
+        compressed = ipaddress.ip_address(address).compressed
     except ValueError:
         return host
+    # A link-local address's zone (`%25eth0` in a URL) says which interface reaches it: kept,
+    # as the URL spells it, so two interfaces stay two siblings.
+    return f"{compressed}%25{zone.removeprefix('25')}" if percent else compressed
 
 
 def _on_this_machine(host: str, machine: set[str]) -> bool:

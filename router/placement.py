@@ -85,6 +85,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING, Final, TypeVar
 
 import aiohttp
@@ -93,6 +94,7 @@ import msgspec
 from cachetree.keys import MAX_BLOCK_SIZE
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
+from peer.spellings import spelling
 from router.bounded import read_up_to
 from router.origin import http_origin
 from router.policy import CacheAware, Candidate, Decision, Prompt
@@ -187,11 +189,21 @@ def decode_answer(body: bytes) -> RankId:
 
 def placer_of(own: str | None, peers: Sequence[str]) -> str | None:
     """The sibling to ask (the lowest URL of self and `peers`), or None when this replica is
-    the placer, has no siblings, or does not know its own URL."""
+    the placer, has no siblings, or does not know its own URL. URLs are compared as one
+    replica is spelled once (`placer_key`): every replica must elect the same placer however
+    its own URL and its list spell them (compared as written, two or three took themselves
+    for it)."""
     if own is None or not peers:
         return None
-    lowest = min(peers)
-    return lowest if lowest < own.rstrip("/") else None
+    lowest = min(peers, key=placer_key)
+    return lowest if placer_key(lowest) < placer_key(own) else None
+
+
+@lru_cache(maxsize=4096)
+def placer_key(url: str) -> tuple[str, str, int]:
+    """A replica's URL as the placer election orders it: `peer.spellings.spelling`, loopback
+    names as one (siblings listed by loopback URLs are on one machine)."""
+    return spelling(url, fold_loopback=True)
 
 
 def own_url(self_url: str | None, host: str, port: int, pod_ip: str | None) -> str | None:

@@ -138,18 +138,20 @@ async def test_the_place_route_refuses_bad_callers_and_bad_questions_booking_not
 async def asker_of(
     placer: str, workers: list[FakeWorkerHandle], timeout_ms: int
 ) -> AsyncIterator[RouterHandle]:
-    """A replica whose only sibling, at `placer`, sorts first (its own URL names localhost)."""
+    """A replica whose only sibling, at `placer` (on loopback), sorts first: its own URL names
+    a host that sorts after every loopback spelling (nothing connects to it)."""
     port = free_tcp_port()
+    own = f"http://replica-z:{port}"
     async with router_in_process(
         port=port,
-        self_url=f"http://localhost:{port}",
+        self_url=own,
         peer=[placer],
         workers=[fw.url for fw in workers],
         kv_bootstrap_timeout_ms=500,
         expose_route_headers=True,
         placement_timeout_ms=timeout_ms,
     ) as rt:
-        assert placer_of(f"http://localhost:{port}", [placer]) == placer
+        assert placer_of(own, [placer]) == placer
         assert rt.replica.placement is not None
         rt.replica.placement.clock = ManualClock()  # a backoff lasts until the test moves it
         await gate_fleet([rt], workers)

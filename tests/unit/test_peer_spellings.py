@@ -30,9 +30,15 @@ def test_spellings_of_one_socket_are_one_sibling_on_any_listener(a: str, b: str)
 def test_loopback_names_on_one_port_are_one_sibling_when_this_replica_listens_on_loopback() -> None:
     listed = ["http://localhost:8080", "http://127.0.0.1:8080", "http://[::1]:8080"]
     out = sort_out(listed, ON_LOOPBACK)
-    assert out.peers == ("http://127.0.0.1:8080",)
-    assert {kept for _, kept in out.duplicates} == {"http://127.0.0.1:8080"}
-    assert len(out.duplicates) == 2
+    # IPv6 loopback stays apart: a replica on 127.0.0.1 and another on [::1] hold one port.
+    assert out.peers == ("http://127.0.0.1:8080", "http://[::1]:8080")
+    assert out.duplicates == (("http://localhost:8080", "http://127.0.0.1:8080"),)
+
+
+def test_a_link_local_address_keeps_its_zone_and_two_interfaces_stay_two_siblings() -> None:
+    listed = ["http://[fe80::1%25eth0]:8080", "http://[fe80::1%25eth1]:8080"]
+    assert sort_out(listed, ROUTABLE).peers == tuple(listed)
+    assert sort_out(["http://[FE80:0::1%25eth0]:8080"], ROUTABLE).peers == (listed[0],)
 
 
 def test_loopback_names_stay_apart_when_this_replica_listens_on_a_routable_address() -> None:
@@ -55,10 +61,12 @@ def test_the_kept_spelling_does_not_depend_on_the_lists_order() -> None:
 
 
 def test_this_replica_is_left_out_under_any_spelling_of_its_own_url() -> None:
-    listed = ["http://localhost:8081/", "http://[::1]:8081", "http://127.0.0.1:8080"]
+    listed = ["http://localhost:8081/", "http://LOCALHOST:8081", "http://127.0.0.1:8080"]
     out = sort_out(listed, ON_LOOPBACK)
     assert out.peers == ("http://127.0.0.1:8080",)
     assert out.duplicates == () and out.guessed_self == ()
+    # Its port on IPv6 loopback is another listener's: it listens on 127.0.0.1 alone.
+    assert sort_out(["http://[::1]:8081"], ON_LOOPBACK).peers == ("http://[::1]:8081",)
 
 
 def test_on_the_wildcard_without_a_url_this_machine_on_its_ports_is_taken_for_itself() -> None:

@@ -53,6 +53,35 @@ def test_every_replica_names_the_same_placer() -> None:
 
 
 @pytest.mark.parametrize(
+    "spellings",
+    [
+        # (how the replica spells itself, how its siblings spell it), per replica
+        [("http://LOCALHOST:9001", "http://localhost:9001"),
+         ("http://LOCALHOST:9002", "http://localhost:9002"),
+         ("http://LOCALHOST:9003", "http://localhost:9003")],
+        [("http://router", "http://router:80"), ("http://router-2", "http://router-2:80")],
+        [("http://Router-A:8080", "http://router-a:8080"),
+         ("http://Router-B:8080", "http://router-b:8080")],
+        [("http://[fd00:0:0:0::1]:8080", "http://[fd00::1]:8080"),
+         ("http://[fd00::2]:8080", "http://[fd00::2]:8080")],
+        [("http://127.0.0.1:9001", "http://localhost:9001"),
+         ("http://localhost:9002", "http://127.0.0.1:9002")],
+    ],
+)  # fmt: skip
+def test_one_placer_however_a_replica_and_its_siblings_spell_its_url(
+    spellings: list[tuple[str, str]],
+) -> None:
+    """Each replica compares its own URL as it spells it with its siblings' as its list spells
+    them (a static list comes out of `peer.spellings` rewritten): compared as written, two or
+    three replicas took themselves for the placer and each placed alone."""
+    placers = 0
+    for i, (own, _) in enumerate(spellings):
+        siblings = [listed for j, (_, listed) in enumerate(spellings) if j != i]
+        placers += placer_of(own, siblings) is None
+    assert placers == 1
+
+
+@pytest.mark.parametrize(
     ("self_url", "host", "pod_ip", "url"),
     [
         ("http://r0:8080/", "0.0.0.0", "10.1.1.1", "http://r0:8080"),  # --self-url wins
