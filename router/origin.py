@@ -102,6 +102,18 @@ def _ipv4_spelling_problem(host: str, name: str) -> str:
             f"host {host!r} ends in a number, so it is read as an IPv4 address, and it is not "
             f"one ({quad})"
         )
+    parts = name.split(".")
+    if len(parts) == 4 and all(p.isdigit() for p in parts):
+        # Leading zeros: the C resolver reads them as octal, where most who write them (and
+        # the Kubernetes API server, which takes them) mean decimal: name both readings.
+        decimal = ".".join(str(int(p)) for p in parts)
+        if decimal == str(address):
+            return f"host {host!r} is an IPv4 address with leading zeros: write it as {decimal}"
+        return (
+            f"host {host!r} is an IPv4 address with leading zeros, read two ways: as octal "
+            f"({address}, how the C resolver reads it) or as decimal ({decimal}, how the "
+            f"Kubernetes API server does); write the one meant, without them ({quad})"
+        )
     return (
         f"host {host!r} is a legacy spelling of the IPv4 address {address} (as the C resolver "
         f"reads it; the router's HTTP client refuses it): write it as {address} ({quad})"

@@ -475,13 +475,15 @@ def _warn_busy(pool: UpstreamPool) -> None:
     if now - pool.queue_logged_at < _BUSY_LOG_EVERY_S:
         return
     log.warning(
-        "%d request(s) found all %d connection(s) to %s busy with this replica's requests for "
-        "--upstream-connect-timeout-s; each went to another worker, or got a 503 with "
-        "Retry-After. The worker is busy, not failing: raise --upstream-connections-per-worker "
-        "if it can take more at once",
+        "%d request(s) since the last such warning found all %d connection(s) to %s busy with "
+        "this replica's requests for --upstream-connect-timeout-s; each went to another worker, "
+        "or got a 503 with Retry-After (said at most every %g s; "
+        'kvrouter_upstream_failures_total{reason="queue"} counts them all). The worker is busy, '
+        "not failing: raise --upstream-connections-per-worker if it can take more at once",
         pool.queue_expired,
         pool.cap,
         pool.url,
+        _BUSY_LOG_EVERY_S,
     )
     pool.queue_logged_at = now
     pool.queue_expired = 0

@@ -104,7 +104,7 @@ async def test_both_clients_reach_what_the_check_accepts_and_it_refuses_what_aio
                     via_pools = await poll.get(f"{url}/health", 5, 1024)
                     if via_aiohttp != 200 or via_pools.status != 200:
                         wrong[host] = f"accepted, but aiohttp: {via_aiohttp}, pools: {via_pools}"
-                elif host in LOOPBACK and "write it as 127.0.0.1" not in problem:
+                elif host in LOOPBACK and "127.0.0.1" not in problem:
                     wrong[host] = f"refused without naming 127.0.0.1: {problem}"
                 elif host in NOT_ADDRESSES and "IPv4" not in problem:
                     wrong[host] = f"refused without saying why: {problem}"

@@ -63,7 +63,10 @@ def test_an_origin_is_accepted_and_spelt_one_way(url: str, canonical: str) -> No
         ("http://2130706433:8000", "write it as 127.0.0.1"),
         ("http://127.000.000.001:8000", "write it as 127.0.0.1"),
         ("http://0x7f.1:8000", "write it as 127.0.0.1"),
-        ("http://010.0.0.1:8000", "write it as 8.0.0.1"),  # octal, as the resolver reads it
+        (
+            "http://010.0.0.1:8000",
+            "as octal (8.0.0.1, how the C resolver reads it) or as decimal (10.0.0.1",
+        ),
         ("http://10.0.0.1.:8000", "write it as 10.0.0.1"),
         ("http://256.1.1.1:8000", "is not one"),
         ("http://example.123:8000", "is not one"),
