@@ -55,6 +55,26 @@ async def requests_taken(workers: list[FakeWorkerHandle], rt: RouterHandle, n: i
     return [await served(fw) - b for fw, b in zip(workers, before, strict=True)]
 
 
+async def joined_through_slices(
+    stack: contextlib.AsyncExitStack, fw: FakeWorkerHandle, fake: FakeApiServer, timeout_ms: int
+) -> RouterHandle:
+    """A replica finding its siblings through the EndpointSlices, once it is ready."""
+    new = await stack.enter_async_context(
+        router_in_process(
+            workers=[fw.url],
+            kv_peer_selector=SIBLINGS,
+            kube_api_server=fake.url,
+            kv_bootstrap_timeout_ms=timeout_ms,
+        )
+    )
+
+    async def is_ready() -> bool:
+        return (await new.get("/readyz"))[0] == 200
+
+    await eventually(is_ready, 20.0)
+    return new
+
+
 async def test_discovered_workers_take_traffic_and_departed_ones_are_drained_and_removed() -> None:
     async with contextlib.AsyncExitStack() as stack:
         fake = await stack.enter_async_context(FakeApiServer())
@@ -166,19 +186,7 @@ async def test_a_replica_bootstraps_from_a_sibling_found_in_endpointslices(
         monkeypatch.setenv("POD_NAME", "kvrouter-new")
         monkeypatch.setenv("POD_NAMESPACE", "default")
         monkeypatch.delenv("POD_IP", raising=False)
-        new = await stack.enter_async_context(
-            router_in_process(
-                workers=[fw.url],
-                kv_peer_selector=SIBLINGS,
-                kube_api_server=fake.url,
-                kv_bootstrap_timeout_ms=20_000,
-            )
-        )
-
-        async def is_ready() -> bool:
-            return (await new.get("/readyz"))[0] == 200
-
-        await eventually(is_ready, 20.0)
+        new = await joined_through_slices(stack, fw, fake, 20_000)
         bootstrap = new.replica.bootstrap
         assert bootstrap is not None
         assert bootstrap.registry.peers == (warm.url,) and bootstrap.registry.synced
@@ -270,19 +278,7 @@ async def test_a_sibling_listed_at_a_legacy_ipv4_spelling_is_left_out_and_named_
                 ports=[port],
             )
         )
-        new = await stack.enter_async_context(
-            router_in_process(
-                workers=[fw.url],
-                kv_peer_selector=SIBLINGS,
-                kube_api_server=fake.url,
-                kv_bootstrap_timeout_ms=60_000,
-            )
-        )
-
-        async def is_ready() -> bool:
-            return (await new.get("/readyz"))[0] == 200
-
-        await eventually(is_ready, 20.0)
+        new = await joined_through_slices(stack, fw, fake, 60_000)
         bootstrap = new.replica.bootstrap
         assert bootstrap is not None
         assert bootstrap.registry.synced and bootstrap.registry.peers == ()
