@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final
 
-from router.tokenize.lax import lax_bool
+from router.tokenize.lax import lax_bool_field
 
 
 class Engine(StrEnum):
@@ -130,7 +130,7 @@ def render_call(body: dict[str, Any], traits: TemplateTraits, engine: Engine) ->
     messages = _checked_messages(body.get("messages"))
     tools = _checked_tools(body.get("tools"))
     template_kwargs = _checked_object(body.get("chat_template_kwargs"), "chat_template_kwargs")
-    continue_final = _checked_bool(body, "continue_final_message", False)
+    continue_final = lax_bool_field(body, "continue_final_message", False, ChatRequestError)
     if body.get("chat_template") is not None:
         # vLLM refuses it unless started with --trust-request-chat-template; either way the
         # router would have to run client-supplied template code to follow it.
@@ -140,7 +140,9 @@ def render_call(body: dict[str, Any], traits: TemplateTraits, engine: Engine) ->
             call = _sglang_call(body, messages, tools, template_kwargs, continue_final, traits)
         else:
             # SGLang's request model has no such field (it always adds the prompt): vLLM's only.
-            add_generation_prompt = _checked_bool(body, "add_generation_prompt", True)
+            add_generation_prompt = lax_bool_field(
+                body, "add_generation_prompt", True, ChatRequestError
+            )
             if continue_final and add_generation_prompt:
                 raise ChatRequestError(
                     "cannot set both continue_final_message and add_generation_prompt to true",
@@ -281,17 +283,6 @@ def _checked_object(value: Any, param: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ChatRequestError(f"'{param}' must be an object", param)
     return value
-
-
-def _checked_bool(body: dict[str, Any], key: str, default: bool) -> bool:
-    """A boolean field as the engine's request model reads it (pydantic's lax bool: `0`,
-    `"false"`, `"off"` are False); absent, the default; null or anything else, a 400."""
-    if key not in body:
-        return default
-    try:
-        return lax_bool(body[key])
-    except ValueError:
-        raise ChatRequestError(f"'{key}' must be a boolean", key) from None
 
 
 # --- vLLM -----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Any, Final
 
 _FALSE: Final = frozenset({"0", "f", "n", "no", "off", "false"})
@@ -47,6 +48,19 @@ def lax_bool(value: Any) -> bool:
         if lowered in _TRUE:
             return True
     raise ValueError(f"{shown(value)} is not a boolean")
+
+
+def lax_bool_field(
+    body: dict[str, Any], key: str, default: bool, refused: Callable[[str, str], Exception]
+) -> bool:
+    """`body[key]` read as `lax_bool`; absent, `default`; null or anything else, the caller's
+    400 naming the field (`refused(message, key)`)."""
+    if key not in body:
+        return default
+    try:
+        return lax_bool(body[key])
+    except ValueError:
+        raise refused(f"'{key}' must be a boolean", key) from None
 
 
 def lax_int(value: Any) -> int:

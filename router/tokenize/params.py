@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from router.tokenize.chat_rules import Engine
-from router.tokenize.lax import lax_bool, lax_int
+from router.tokenize.lax import lax_bool_field, lax_int
 
 
 class BadField(ValueError):
@@ -81,7 +81,7 @@ def _params(body: dict[str, Any], engine: Engine, default: TokenizeParams) -> To
         or "truncation_side" in body
     ):
         return default  # most requests: three dict lookups, no generator
-    special = _bool(body, "add_special_tokens", default.add_special_tokens)
+    special = lax_bool_field(body, "add_special_tokens", default.add_special_tokens, BadField)
     side = body.get("truncation_side")
     if side is not None and side not in _SIDES:  # a Literal: the exact strings only
         raise BadField("'truncation_side' must be 'left' or 'right'", "truncation_side")
@@ -101,12 +101,3 @@ def _keep(body: dict[str, Any]) -> int | None:
             "'truncate_prompt_tokens' must be an integer, -1 or more", "truncate_prompt_tokens"
         )
     return None if keep == -1 else keep  # the context less max_tokens: see the docstring
-
-
-def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
-    if key not in body:
-        return default
-    try:
-        return lax_bool(body[key])
-    except ValueError:
-        raise BadField(f"'{key}' must be a boolean", key) from None
