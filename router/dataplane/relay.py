@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from time import monotonic, perf_counter
+from time import perf_counter
 from typing import TYPE_CHECKING, Final, Protocol
 
 from cachetree.ranks import RankId
@@ -55,7 +55,6 @@ _STATUS_LABELS: Final = {status: str(status) for status in range(100, 600)}
 # one (the streams holding them end), and a client that honours it spreads its retries.
 _RETRY_SOON: Final = ((b"Retry-After", b"1"),)
 _NO_FAILURE: Final[tuple[Failure | None, str]] = (None, "no routable worker")
-_BUSY_LOG_EVERY_S: Final = 10.0
 
 
 class WorkerLookup(Protocol):
@@ -340,9 +339,10 @@ class WorkerRelay(Relay):
         if failure == "stale":
             failure = "lost"  # a second dead connection in a row is the worker's
         self._count_failure(failure, detail)
-        if failure == "queue":
-            self._busy = {pool.url} if self._busy is None else self._busy | {pool.url}
-            _warn_busy(pool)
+        if failure == "queue":  # the pool says so, for every request that waited in vain
+            if self._busy is None:
+                self._busy = set()
+            self._busy.add(pool.url)
         else:
             left = len(self.decision.ranked) - self._next_pair
             log.warning(
@@ -465,28 +465,6 @@ class ControlRelay(Relay):
         self.client.refuse(
             Refusal(502, f"the control plane did not answer: {detail}", type="internal_error")
         )
-
-
-def _warn_busy(pool: UpstreamPool) -> None:
-    """A request found no connection to the worker free in time: said at most every
-    `_BUSY_LOG_EVERY_S` per worker, with how many did since (under overload they come in
-    crowds, and one line each flooded the log)."""
-    now = monotonic()
-    if now - pool.queue_logged_at < _BUSY_LOG_EVERY_S:
-        return
-    log.warning(
-        "%d request(s) since the last such warning found all %d connection(s) to %s busy with "
-        "this replica's requests for --upstream-connect-timeout-s; each went to another worker, "
-        "or got a 503 with Retry-After (said at most every %g s; "
-        'kvrouter_upstream_failures_total{reason="queue"} counts them all). The worker is busy, '
-        "not failing: raise --upstream-connections-per-worker if it can take more at once",
-        pool.queue_expired,
-        pool.cap,
-        pool.url,
-        _BUSY_LOG_EVERY_S,
-    )
-    pool.queue_logged_at = now
-    pool.queue_expired = 0
 
 
 def _every_breaker_open(workers: WorkerLookup, ranked: Sequence[Candidate]) -> bool:

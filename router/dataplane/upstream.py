@@ -32,7 +32,7 @@ import math
 import ssl
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Final, Protocol, cast
 
 import httptools
 
@@ -46,6 +46,7 @@ from router.dataplane.exchange import (
 from router.dataplane.flow import Deadline
 
 log = logging.getLogger(__name__)
+BUSY_LOG_EVERY_S: Final = 10.0  # the most often requests queued past their bound are said
 
 # A worker's answer head (with any 1xx answers before it) larger than this is refused as a lost
 # answer: its reads are kept until the head completes, and llhttp bounds no head's size. The
@@ -391,10 +392,9 @@ class UpstreamPool:
         self._expiry = Deadline(loop, self._expire_idle)
         self._wait_expiry = Deadline(loop, self._expire_waiting)
         self._closed = False
-        # Waiters that found no connection in time, since the last warning about them (they
-        # come in crowds under overload: one line per request flooded the log).
+        # Waiters that found no connection in time, since the last warning about them.
         self.queue_expired = 0
-        self.queue_logged_at = -math.inf
+        self._queue_logged_at = -math.inf
 
     def acquire(self, who: Acquirer, fresh: bool = False) -> None:
         """Hand `who` a connection now, after a connect, or when one comes back."""
@@ -555,3 +555,24 @@ class UpstreamPool:
             )
         if waiting:
             self._wait_expiry.set(waiting[0][1] + bound - now)
+        if self.queue_expired and now - self._queue_logged_at >= BUSY_LOG_EVERY_S:
+            self._warn_busy(now)
+
+    def _warn_busy(self, now: float) -> None:
+        """Requests found no connection free in time: said at most every `BUSY_LOG_EVERY_S`,
+        with how many did since (under overload they come in crowds, and one line each flooded
+        the log)."""
+        log.warning(
+            "%d request(s) since the last such warning found all %d connection(s) to %s busy "
+            "with this replica's requests for --upstream-connect-timeout-s; each went to another "
+            "worker, or got a 503 with Retry-After (said at most every %g s; "
+            'kvrouter_upstream_failures_total{reason="queue"} counts them all). The worker is '
+            "busy, not failing: raise --upstream-connections-per-worker if it can take more at "
+            "once",
+            self.queue_expired,
+            self.cap,
+            self.url,
+            BUSY_LOG_EVERY_S,
+        )
+        self._queue_logged_at = now
+        self.queue_expired = 0
