@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from router.dataplane.exchange import json_response
+from router.dataplane.flow import LogTally
 
 log = logging.getLogger(__name__)
 
@@ -192,8 +193,7 @@ class Door:
         self._sorting: dict[socket.socket, tuple[float, bytes]] = {}
         self._stopping = False
         self._accept_paused_until = 0.0
-        self._accept_errors = 0
-        self._accept_logged_at = float("-inf")
+        self._accept_errors = LogTally(_ACCEPT_LOG_EVERY_S)
         self._heartbeat: asyncio.TimerHandle | None = None
         self._beat_due = 0.0
         self._thread = threading.Thread(target=self._run, name="kvrouter-door", daemon=True)
@@ -305,18 +305,15 @@ class Door:
                 self._selector.register(sock, selectors.EVENT_READ, "sorting")
 
     def _pause_accepting(self, exc: OSError) -> None:
-        self._accept_errors += 1
         now = self._clock()
-        if now - self._accept_logged_at >= _ACCEPT_LOG_EVERY_S:
+        if said := self._accept_errors.count(now):
             log.warning(
                 "%d connection(s) could not be accepted (%s): raise the file limit (ulimit -n) "
                 "or lower --max-connections; accepting pauses %.1fs each time",
-                self._accept_errors,
+                said,
                 exc.strerror or exc,
                 ACCEPT_RETRY_S,
             )
-            self._accept_logged_at = now
-            self._accept_errors = 0
         for sock in self._listeners:
             self._selector.unregister(sock)
         self._accept_paused_until = now + ACCEPT_RETRY_S

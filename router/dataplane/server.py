@@ -47,7 +47,7 @@ from router.dataplane.exchange import (
     refusal_response,
     route_of,
 )
-from router.dataplane.flow import PIPELINED, Deadline, ReadGate
+from router.dataplane.flow import PIPELINED, Deadline, LogTally, ReadGate
 from router.dataplane.inflight import InflightTracker
 from router.dataplane.relay import ControlRelay, Relay, WorkerLookup, WorkerRelay
 from router.dataplane.routing import Router
@@ -151,8 +151,7 @@ class DataPlane:
         self._adopting: set[asyncio.Task[Any]] = set()  # handed-over connections being set up
         self._closing = False
         self.addresses: list[tuple[str, int]] = []  # where it listens
-        self._refusal_logged_at = float("-inf")
-        self._refused_since_log = 0
+        self._refusals = LogTally(_REFUSAL_LOG_EVERY_S)
         self._lingering = 0  # refused connections closing (`refuse_connection`)
         self._waiting_to_route: deque[ClientConnection] = deque()
         self._slice_spent = 0.0  # routing time spent in this turn of the loop
@@ -322,17 +321,8 @@ class DataPlane:
         else:
             transport.close()
         self.stats.connections_refused += 1
-        self._refused_since_log += 1
-        now = self.loop.time()
-        if now - self._refusal_logged_at >= _REFUSAL_LOG_EVERY_S:
-            log.warning(
-                "%d connection(s) refused: %d open, %s",
-                self._refused_since_log,
-                open_now,
-                limit,
-            )
-            self._refusal_logged_at = now
-            self._refused_since_log = 0
+        if said := self._refusals.count(self.loop.time()):
+            log.warning("%d connection(s) refused: %d open, %s", said, open_now, limit)
 
     def _end_lingering(self, transport: asyncio.Transport) -> None:
         self._lingering -= 1

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import ssl
 from collections import deque
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from router.dataplane.exchange import (
     ResponseHead,
     read_response_head,
 )
-from router.dataplane.flow import Deadline
+from router.dataplane.flow import Deadline, LogTally
 
 log = logging.getLogger(__name__)
 BUSY_LOG_EVERY_S: Final = 10.0  # the most often requests queued past their bound are said
@@ -392,9 +391,7 @@ class UpstreamPool:
         self._expiry = Deadline(loop, self._expire_idle)
         self._wait_expiry = Deadline(loop, self._expire_waiting)
         self._closed = False
-        # Waiters that found no connection in time, since the last warning about them.
-        self.queue_expired = 0
-        self._queue_logged_at = -math.inf
+        self._expired_tally = LogTally(BUSY_LOG_EVERY_S)  # waiters that found none in time
 
     def acquire(self, who: Acquirer, fresh: bool = False) -> None:
         """Hand `who` a connection now, after a connect, or when one comes back."""
@@ -546,33 +543,26 @@ class UpstreamPool:
         now = self._loop.time()
         bound = self._connect_timeout_s
         waiting = self.waiting
+        expired = 0
         while waiting and now - waiting[0][1] >= bound:
             who, _ = waiting.popleft()
-            self.queue_expired += 1
+            expired += 1
             who.connection_failed(
                 "queue",
                 f"all {self.cap} connection(s) to the worker stayed busy for {bound:g} s",
             )
         if waiting:
             self._wait_expiry.set(waiting[0][1] + bound - now)
-        if self.queue_expired and now - self._queue_logged_at >= BUSY_LOG_EVERY_S:
-            self._warn_busy(now)
-
-    def _warn_busy(self, now: float) -> None:
-        """Requests found no connection free in time: said at most every `BUSY_LOG_EVERY_S`,
-        with how many did since (under overload they come in crowds, and one line each flooded
-        the log)."""
-        log.warning(
-            "%d request(s) since the last such warning found all %d connection(s) to %s busy "
-            "with this replica's requests for --upstream-connect-timeout-s; each went to another "
-            "worker, or got a 503 with Retry-After (said at most every %g s; "
-            'kvrouter_upstream_failures_total{reason="queue"} counts them all). The worker is '
-            "busy, not failing: raise --upstream-connections-per-worker if it can take more at "
-            "once",
-            self.queue_expired,
-            self.cap,
-            self.url,
-            BUSY_LOG_EVERY_S,
-        )
-        self._queue_logged_at = now
-        self.queue_expired = 0
+        if expired and (said := self._expired_tally.count(now, expired)):
+            log.warning(
+                "%d request(s) since the last such warning found all %d connection(s) to %s "
+                "busy with this replica's requests for --upstream-connect-timeout-s; each went "
+                "to another worker, or got a 503 with Retry-After (said at most every %g s; "
+                'kvrouter_upstream_failures_total{reason="queue"} counts them all). The worker '
+                "is busy, not failing: raise --upstream-connections-per-worker if it can take "
+                "more at once",
+                said,
+                self.cap,
+                self.url,
+                BUSY_LOG_EVERY_S,
+            )

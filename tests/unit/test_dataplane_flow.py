@@ -6,7 +6,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.dataplane.flow import PEER_BACKPRESSURE, PIPELINED, Deadline, ReadGate
+from router.dataplane.flow import PEER_BACKPRESSURE, PIPELINED, Deadline, LogTally, ReadGate
 
 
 @dataclass(order=True)
@@ -133,3 +133,12 @@ def test_reading_resumes_only_when_every_reason_to_pause_is_gone() -> None:
     gate.resume(PIPELINED)
     assert transport.reading and not gate.paused
     assert transport.calls == ["pause", "resume"]
+
+
+def test_a_tally_says_the_first_event_then_the_rest_at_most_once_an_interval() -> None:
+    tally = LogTally(10.0)
+    assert tally.count(100.0) == 1  # the first is said at once
+    assert [tally.count(t) for t in (101.0, 105.0, 109.9)] == [0, 0, 0]
+    assert tally.count(110.0) == 4  # the three held back and this one
+    assert tally.count(111.0, events=5) == 0
+    assert tally.count(125.0, events=2) == 7  # a pass's crowd counts whole
