@@ -199,6 +199,11 @@ class Outbox:
         self._keys = 0
         return items
 
+    def take_dropped(self) -> int:
+        """The decisions dropped since the last call (for a counter that only grows)."""
+        dropped, self.dropped = self.dropped, 0
+        return dropped
+
     def extend(self, items: Sequence[SharedDecision | SharedHome]) -> None:
         """Queue decisions and homes drained from another outbox (a sibling's lane), within
         this one's bounds."""
@@ -320,7 +325,6 @@ class DecisionSharing:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _logged_at: dict[str, float] = field(default_factory=dict)
     _failing: dict[str, tuple[int, float]] = field(default_factory=dict)  # in a row, retry at
-    _gone_dropped: int = 0  # dropped from the lanes of siblings since gone
 
     def share(self, rank: RankId, keys: Sequence[int], held: int) -> None:
         """cache_aware's `share`: queue a decision for the next post."""
@@ -386,11 +390,10 @@ class DecisionSharing:
                 await self._wake.wait()
                 self._wake.clear()
                 items = self.outbox.drain()
+                dropped = self.outbox.take_dropped()
                 peers = set(self.peers())
                 for gone in lanes.keys() - peers:
-                    lane = lanes.pop(gone)
-                    lane.task.cancel()
-                    self._gone_dropped += lane.outbox.dropped
+                    lanes.pop(gone).task.cancel()
                 for peer in peers - lanes.keys():
                     lane = _Lane(Outbox(self.outbox.max_pending_keys), asyncio.Event())
                     lane.task = group.create_task(self._post_lane(peer, lane))
@@ -398,12 +401,9 @@ class DecisionSharing:
                 if items:
                     for lane in lanes.values():
                         lane.outbox.extend(items)
+                        dropped += lane.outbox.take_dropped()
                         lane.wake.set()
-                self.stats.dropped = (
-                    self.outbox.dropped
-                    + self._gone_dropped
-                    + sum(lane.outbox.dropped for lane in lanes.values())
-                )
+                self.stats.dropped += dropped
 
     async def _post_lane(self, peer: str, lane: _Lane) -> None:
         """One sibling's lane: post what gathered while the last post was out, as one batch;

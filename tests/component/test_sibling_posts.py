@@ -193,3 +193,37 @@ async def test_a_sibling_gone_from_the_registry_gets_no_more_posts_a_new_one_the
         finally:
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)
+
+
+async def test_a_stalled_siblings_lane_drops_its_oldest_past_the_bound_and_counts_them() -> None:
+    release = asyncio.Event()
+    posts = 0
+
+    async def stalled(request: web.Request) -> web.Response:
+        nonlocal posts
+        posts += 1
+        await release.wait()
+        return web.Response(status=204)
+
+    async with siblings_answering(stalled=stalled) as urls, aiohttp.ClientSession() as session:
+        sharing = DecisionSharing(
+            session,
+            lambda: list(urls.values()),
+            TOKEN,
+            lambda *a: None,
+            lambda rank: True,
+            outbox=siblings.Outbox(max_pending_keys=3),
+        )
+        sharing.timeout_s = 60.0
+        running = asyncio.create_task(sharing.run())
+        try:
+            sharing.share(RankId("http://w:1", 0), [1], 0)
+            await eventually(lambda: posts == 1, 5)  # out, and stalled
+            for key in range(2, 12):  # ten more while it stalls: its lane holds three
+                sharing.share(RankId("http://w:1", 0), [key], 0)
+                await eventually(lambda key=key: sharing.stats.dropped == max(key - 4, 0), 5)
+            assert sharing.stats.dropped == 7
+        finally:
+            release.set()
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
