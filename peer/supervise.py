@@ -49,9 +49,15 @@ STABLE_AFTER_S: Final = 60.0  # a run this long is a recovery
 _REMEMBERED_ERRORS: Final = 4096  # last error logged per task name, for "again" lines
 
 
+def doubling_s(first_s: float, max_s: float, nth: int) -> float:
+    """The wait after the `nth` failure in a row (n >= 1): `first_s`, doubling each time, at
+    most `max_s` (the exponent bounded, so no count overflows it)."""
+    return min(first_s * 2.0 ** min(max(nth, 1) - 1, 62), max_s)
+
+
 def backoff_s(failures_in_a_row: int) -> float:
     """The wait before the next run after the `n`-th failure in a row (n >= 1)."""
-    return min(BACKOFF_FIRST_S * 2 ** min(max(failures_in_a_row, 1) - 1, 30), BACKOFF_MAX_S)
+    return doubling_s(BACKOFF_FIRST_S, BACKOFF_MAX_S, failures_in_a_row)
 
 
 def describe(exc: BaseException) -> str:

@@ -68,6 +68,7 @@ import zmq
 import zmq.asyncio
 
 from cachetree.ranks import RankId
+from peer.supervise import doubling_s
 from peer.tasks import cancel_and_wait
 from router.ingest_wire import (
     PAIR_HWM,
@@ -113,7 +114,7 @@ def pick_process(loads: list[int]) -> int:
 
 def restart_backoff_s(failures: int) -> float:
     """The wait before restart number `failures` (>= 1) in a row."""
-    return min(BACKOFF_FIRST_S * 2 ** (failures - 1), BACKOFF_MAX_S)
+    return doubling_s(BACKOFF_FIRST_S, BACKOFF_MAX_S, failures)
 
 
 def overrun(waited: float, woke: float, tick_s: float) -> float:

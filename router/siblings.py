@@ -62,6 +62,7 @@ import aiohttp
 import msgspec
 
 from cachetree.ranks import RankId
+from peer.supervise import doubling_s
 from router.bounded import read_up_to
 from router.homes import MAX_CHAIN_BLOCKS, Home
 
@@ -240,7 +241,7 @@ def decode_batch(body: bytes) -> DecisionBatch:
 def failure_backoff_s(in_a_row: int) -> float:
     """How long a sibling that failed `in_a_row` times in a row is left alone: 50 ms doubling
     up to 5 s, so a dead one costs no connection per decision (or per placement question)."""
-    return min(_BACKOFF_S * 2 ** (in_a_row - 1), _MAX_BACKOFF_S)
+    return doubling_s(_BACKOFF_S, _MAX_BACKOFF_S, in_a_row)
 
 
 def u64_keys(keys: Sequence[int]) -> bool:

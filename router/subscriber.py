@@ -115,7 +115,7 @@ import zmq
 import zmq.asyncio
 
 from cachetree.ranks import RankId
-from peer.supervise import describe
+from peer.supervise import describe, doubling_s
 from router.events import EventBatch, EventDecodeError, decode_batch
 from router.zmtp import ZmtpError, ZmtpReader, greeting_and_ready, subscription, tcp_host_port
 
@@ -405,7 +405,7 @@ def replay_outcome(missing: int, recovered: int) -> ReplayOutcome:
 
 def connect_backoff_s(setups: int) -> float:
     """The wait before socket setup number `setups + 1`, after `setups` in a row (>= 1)."""
-    return min(CONNECT_BACKOFF_FIRST_S * 2 ** (setups - 1), CONNECT_BACKOFF_MAX_S)
+    return doubling_s(CONNECT_BACKOFF_FIRST_S, CONNECT_BACKOFF_MAX_S, setups)
 
 
 def _seqs(first: int, last: int) -> str:

@@ -46,7 +46,7 @@ import zmq.asyncio
 from cachetree.keys import MAX_BLOCK_SIZE
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
-from peer.supervise import Supervisor, describe
+from peer.supervise import Supervisor, describe, doubling_s
 from peer.tasks import cancel_and_wait
 from router.bounded import read_up_to
 from router.breaker import CircuitBreaker
@@ -148,7 +148,7 @@ def parse_server_info(body: Any, worker_url: str, defaults: DiscoveryDefaults) -
 def reregister_after_s(failures: int, interval_s: float) -> float:
     """How long a down worker waits for its next registration anew after `failures` in a
     row: one health interval, doubling, at most `REREGISTER_BACKOFF_MAX_S`."""
-    return min(REREGISTER_BACKOFF_MAX_S, interval_s * 2.0 ** min(failures - 1, 32))
+    return doubling_s(interval_s, REREGISTER_BACKOFF_MAX_S, failures)
 
 
 def worker_url_problem(url: str) -> str | None:
