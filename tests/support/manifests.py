@@ -116,11 +116,11 @@ def generate_token(directory: Path) -> None:
 
 # The base's commented include of the observability component, and the same lines switched on.
 OBSERVABILITY_OFF: Final = "# components:\n#   - observability\n"
-OBSERVABILITY_ON: Final = "components:\n  - observability\n"
 
 
-def render_with_observability(scratch: Path) -> list[Obj]:
-    """The base with the component included as README says (uncommented), rendered.
+def render_with_components(scratch: Path, *names: str) -> list[Obj]:
+    """The base with its commented `components:` include switched on, listing `names` (README
+    says to uncomment it for observability, and to add production there), rendered.
 
     The manifests are copied under `scratch` first; the checked-in kustomization is not
     touched. RenderError when the commented include is not where README says it is.
@@ -131,8 +131,14 @@ def render_with_observability(scratch: Path) -> list[Obj]:
     text = kustomization.read_text()
     if text.count(OBSERVABILITY_OFF) != 1:
         raise RenderError(f"{kustomization} has no commented include of observability")
-    kustomization.write_text(text.replace(OBSERVABILITY_OFF, OBSERVABILITY_ON))
+    listed = "".join(f"  - {name}\n" for name in names)
+    kustomization.write_text(text.replace(OBSERVABILITY_OFF, f"components:\n{listed}"))
     return render(copied)
+
+
+def render_with_observability(scratch: Path) -> list[Obj]:
+    """The base with the observability component included as README says, rendered."""
+    return render_with_components(scratch, "observability")
 
 
 def render(directory: Path | None = None) -> list[Obj]:

@@ -33,6 +33,7 @@ from tests.support.manifests import (
     problems,
     pyproject,
     render,
+    render_with_components,
     render_with_observability,
     unknown_issue_6_flags,
     with_token,
@@ -223,6 +224,26 @@ def test_the_base_leaves_the_observability_component_out_until_it_is_uncommented
         if obj not in rendered:
             assert obj["metadata"]["namespace"] == "kvrouter"
             assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvrouter"
+
+
+def test_the_production_component_requests_what_a_router_replica_uses_and_nothing_else(
+    observed: list[Obj], tmp_path: Path
+) -> None:
+    sized = render_with_components(tmp_path, "observability", "production")
+    assert problems(sized) == []
+    base = container(observed, "kvrouter")["resources"]
+    prod = container(sized, "kvrouter")["resources"]
+    # The base asks for a laptop's share; production for the memory limit itself (a replica
+    # is never evicted for using what it may use) and a core.
+    assert base["requests"]["memory"] != base["limits"]["memory"]
+    assert prod == {
+        "requests": {"cpu": "1", "memory": base["limits"]["memory"]},
+        "limits": base["limits"],
+    }
+    # Nothing else changes: the router's pod but its requests, and every other object.
+    undone = copy.deepcopy(sized)
+    container(undone, "kvrouter")["resources"]["requests"] = base["requests"]
+    assert undone == observed
 
 
 def test_the_dashboard_configmap_holds_the_checked_in_dashboard_for_the_grafana_sidecar(
