@@ -97,6 +97,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
     )
     p.add_argument("--topic", default=defaults.topic)
     p.add_argument("--model", default=defaults.model, help="served model name")
+    p.add_argument(
+        "--lora-modules",
+        nargs="*",
+        default=list(defaults.lora_modules),
+        metavar="NAME",
+        help="LoRA adapters served: a request naming one (vLLM: model; SGLang: lora_path, or "
+        "model as base:NAME) is cached under it, its blocks published with its lora_name",
+    )
     p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
@@ -120,6 +128,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
             max_concurrency=args.max_concurrency,
             topic=args.topic,
             model=args.model,
+            lora_modules=tuple(args.lora_modules),
             max_body_bytes=args.max_body_bytes,
         )
     except ValueError as exc:

@@ -10,6 +10,10 @@ Test controls under `/control/*` drive KV events by request, never on a timer, a
 answers with the `last_seq` of the rank it touched, so a test can wait until a subscriber has
 seen exactly that seq. See `engine.py` for how actions map to batches.
 
+A request naming one of `--lora-modules` (`WorkerState.adapter_of`) is served under that LoRA
+adapter: its prompt hits only blocks cached under it, and its blocks are published (and listed
+by `/v1/kv-snapshot`) with the adapter's `lora_name`; `/control/store` takes `lora_name` too.
+
 Two response headers say what a generation request cost, for tests that assert costs:
 `X-Fake-Worker-DP-Rank` and `X-Fake-Worker-Cached-Tokens`.
 """
@@ -124,6 +128,26 @@ class WorkerState:
 
     def rank_from_body(self, body: Mapping[str, Any]) -> int:
         return dp_rank_of(body.get("dp_rank"), self.config.dp_size, "dp_rank")
+
+    def adapter_of(self, body: Mapping[str, Any]) -> str | None:
+        """The loaded adapter a request names, as the engine reads it (None: the base model).
+        vLLM: `model` is the adapter's name. SGLang: `lora_path` (the first, for a batch),
+        which must name a loaded adapter, else `model` as "base:adapter"."""
+        loaded = self.config.lora_modules
+        model = body.get("model")
+        if self.config.metrics_engine == "vllm":
+            return model if isinstance(model, str) and model in loaded else None
+        path = body.get("lora_path")
+        if isinstance(path, list) and path:
+            path = path[0]
+        if path is not None:
+            if not isinstance(path, str) or path not in loaded:
+                raise RequestError(f"lora_path {path!r} is not a loaded adapter", "lora_path")
+            return path
+        if isinstance(model, str) and ":" in model:
+            name = model.split(":", 1)[1]
+            return name if name in loaded else None
+        return None
 
 
 STATE_KEY: Final = web.AppKey("fake_kv_worker_state", WorkerState)
@@ -261,13 +285,15 @@ def _generation_route(
         dp_rank = dp_rank_of(
             request.headers.get(DP_RANK_HEADER), state.config.dp_size, DP_RANK_HEADER
         )
-        req = parse(await _read_body(request), state.config.max_tokens_default)
+        body = await _read_body(request)
+        req = parse(body, state.config.max_tokens_default)
+        lora_name = state.adapter_of(body)
         tokens = state.prompt_ids(req)
         if not tokens and not req.embeds:
             raise RequestError("the prompt is empty", req.prompt_param)
         rank = state.ranks[dp_rank]
         shape = shape_factory(state.config.model)
-        async with rank.serve(tokens) as served:
+        async with rank.serve(tokens, lora_name) as served:
             headers = {
                 SERVED_RANK_HEADER: str(dp_rank),
                 CACHED_TOKENS_HEADER: str(served.cached_tokens),
@@ -344,6 +370,12 @@ async def control_store(request: web.Request) -> web.Response:
     medium = body.get("medium", "GPU")
     if not isinstance(medium, str) or not medium:
         raise RequestError("'medium' must be a non-empty string", "medium")
+    lora_name = body.get("lora_name")
+    if lora_name is not None and lora_name not in state.config.lora_modules:
+        raise RequestError(
+            f"'lora_name' must name one of --lora-modules {list(state.config.lora_modules)}",
+            "lora_name",
+        )
     block_size = state.config.block_size
     # Validate every chain first, so a bad request publishes nothing at all.
     for chain in chains:
@@ -352,8 +384,15 @@ async def control_store(request: web.Request) -> web.Response:
                 f"every chain needs at least one full block ({block_size} tokens)", "token_chains"
             )
     rank = state.ranks[dp_rank]
-    seqs = [rank.store_chain(chain, medium) for chain in chains]
-    log.info("dp rank %d stored %d chain(s) (%s) as seq(s) %s", dp_rank, len(chains), medium, seqs)
+    seqs = [rank.store_chain(chain, medium, lora_name) for chain in chains]
+    log.info(
+        "dp rank %d stored %d chain(s) (%s, adapter %s) as seq(s) %s",
+        dp_rank,
+        len(chains),
+        medium,
+        lora_name,
+        seqs,
+    )
     return _json({"dp_rank": dp_rank, "last_seq": rank.last_seq, "seqs": seqs})
 
 

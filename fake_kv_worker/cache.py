@@ -8,7 +8,9 @@ Theory of operation
 A block is one full page of `block_size` tokens. It is identified by its engine digest, which
 is chained (it covers the block's tokens AND every token before it), so a flat mapping
 `digest -> block` is a radix tree: a block's parent is the block whose digest it was chained
-from. Partial trailing blocks are never cached, as in the engines.
+from. Partial trailing blocks are never cached, as in the engines. A LoRA adapter's blocks are
+digested under its name (`hashing`), so the same tokens under another adapter or the base model
+are other blocks: what walks a prompt takes the adapter it runs under (None: the base model).
 
 Admitting a prompt:
 1. walk its full blocks from the root while they are cached: those are hits (the longest
@@ -45,6 +47,7 @@ class CachedBlock:
     parent: bytes | None  # the parent block's digest; None at the root
     token_ids: tuple[int, ...]
     medium: str
+    lora_name: str | None = None  # the adapter it was computed under; None: the base model
     children: int = 0  # cached blocks chained directly from this one
     last_used: int = 0  # logical tick of the last touch
 
@@ -88,14 +91,19 @@ class PagedPrefixCache:
     def full_blocks(self, token_ids: Sequence[int]) -> int:
         return len(token_ids) // self.block_size
 
-    def cached_prefix(self, token_ids: Sequence[int]) -> int:
+    def cached_prefix(self, token_ids: Sequence[int], lora_name: str | None = None) -> int:
         """How many leading full blocks of `token_ids` are cached. Touches nothing."""
-        return len(self._cached_chain(token_ids))
+        return len(self._cached_chain(token_ids, lora_name))
 
     # --- writing ------------------------------------------------------------------------
 
     def admit(
-        self, token_ids: Sequence[int], *, medium: str, reannounce_cached: bool = False
+        self,
+        token_ids: Sequence[int],
+        *,
+        medium: str,
+        lora_name: str | None = None,
+        reannounce_cached: bool = False,
     ) -> Admission:
         """Serve `token_ids`: count the hits, make room, cache the missing full blocks.
 
@@ -105,7 +113,7 @@ class PagedPrefixCache:
         """
         total = self.full_blocks(token_ids)
         usable = min(total, self.capacity)
-        hits = self._cached_chain(token_ids, limit=usable)
+        hits = self._cached_chain(token_ids, lora_name, limit=usable)
         self._touch(hits)
         admission = Admission(total_blocks=total, hit_blocks=len(hits), parent=None)
         if len(hits) == usable:
@@ -125,12 +133,13 @@ class PagedPrefixCache:
         bs = self.block_size
         for i in range(len(hits), usable):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            digest = self._hasher.block_digest(parent.digest if parent else None, tokens)
+            digest = self._hasher.block_digest(parent.digest if parent else None, tokens, lora_name)
             blk = CachedBlock(
                 digest=digest,
                 parent=parent.digest if parent else None,
                 token_ids=tokens,
                 medium=medium,
+                lora_name=lora_name,
             )
             self._insert(blk)
             admission.stored.append(blk)
@@ -166,14 +175,14 @@ class PagedPrefixCache:
     # --- internals ----------------------------------------------------------------------
 
     def _cached_chain(
-        self, token_ids: Sequence[int], limit: int | None = None
+        self, token_ids: Sequence[int], lora_name: str | None = None, limit: int | None = None
     ) -> list[CachedBlock]:
         bs = self.block_size
         n = self.full_blocks(token_ids) if limit is None else limit
         chain: list[CachedBlock] = []
         parent: bytes | None = None
         for i in range(n):
-            digest = self._hasher.block_digest(parent, token_ids[i * bs : (i + 1) * bs])
+            digest = self._hasher.block_digest(parent, token_ids[i * bs : (i + 1) * bs], lora_name)
             blk = self._blocks.get(digest)
             if blk is None:
                 break

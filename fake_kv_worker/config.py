@@ -34,6 +34,10 @@ class WorkerConfig:
     max_concurrency: int = 0  # per rank; 0 = unlimited, otherwise the rest queue
     topic: str = ""
     model: str = "fake-model"
+    # LoRA adapters it serves: a request naming one (`app.adapter_of`) is cached under it and
+    # its blocks published under its `lora_name`, as vLLM's `--lora-modules` and SGLang's
+    # `--lora-paths` make an engine do.
+    lora_modules: tuple[str, ...] = ()
     max_tokens_default: int = 16
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     replay_buffer_steps: int = 10_000
@@ -74,6 +78,9 @@ class WorkerConfig:
             problems.append("max_body_bytes must be >= 1024")
         if self.replay_buffer_steps < 1:
             problems.append("replay_buffer_steps must be >= 1")
+        if any(not name or ":" in name for name in self.lora_modules):
+            # SGLang reads `model` "base:adapter": a name with a colon could not be named so.
+            problems.append("lora_modules must be non-empty names without ':'")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -96,12 +96,15 @@ class RankEngine:
     # --- serving requests ---------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def serve(self, token_ids: Sequence[int]) -> AsyncIterator[Served]:
+    async def serve(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> AsyncIterator[Served]:
         """Queue for a slot, admit the prompt (publishing its batch), charge the prefill time.
 
         The slot is held until the block exits, so decoding counts as running.
         """
-        uncached = len(token_ids) - self.cache.cached_prefix(token_ids) * self._block_size
+        cached_blocks = self.cache.cached_prefix(token_ids, lora_name)
+        uncached = len(token_ids) - cached_blocks * self._block_size
         self.waiting += 1
         self.waiting_uncached_tokens += uncached
         try:
@@ -112,7 +115,7 @@ class RankEngine:
             self.waiting_uncached_tokens -= uncached
         self.running += 1
         try:
-            served = self.admit_request(token_ids)
+            served = self.admit_request(token_ids, lora_name)
             prefill_s = self._prefill_s_per_token * (served.prompt_tokens - served.cached_tokens)
             if prefill_s > 0:
                 await self._sleep(prefill_s)
@@ -127,9 +130,9 @@ class RankEngine:
         if self._decode_s_per_token > 0:
             await self._sleep(self._decode_s_per_token)
 
-    def admit_request(self, token_ids: Sequence[int]) -> Served:
-        admission = self.cache.admit(token_ids, medium=MEDIUM_GPU)
-        seq = self._publish(self._events_for(admission, MEDIUM_GPU))
+    def admit_request(self, token_ids: Sequence[int], lora_name: str | None = None) -> Served:
+        admission = self.cache.admit(token_ids, medium=MEDIUM_GPU, lora_name=lora_name)
+        seq = self._publish(self._events_for(admission, MEDIUM_GPU, lora_name))
         cached = admission.hit_blocks * self._block_size
         self.requests += 1
         self.hit_blocks += admission.hit_blocks
@@ -140,12 +143,16 @@ class RankEngine:
 
     # --- test controls ------------------------------------------------------------------
 
-    def store_chain(self, token_ids: Sequence[int], medium: str = MEDIUM_GPU) -> int:
+    def store_chain(
+        self, token_ids: Sequence[int], medium: str = MEDIUM_GPU, lora_name: str | None = None
+    ) -> int:
         """Cache a token chain as a request would and publish exactly one batch for it."""
         if self.cache.full_blocks(token_ids) == 0:
             raise ValueError("a chain needs at least one full block")
-        admission = self.cache.admit(token_ids, medium=medium, reannounce_cached=True)
-        seq = self._publish(self._events_for(admission, medium))
+        admission = self.cache.admit(
+            token_ids, medium=medium, lora_name=lora_name, reannounce_cached=True
+        )
+        seq = self._publish(self._events_for(admission, medium, lora_name))
         assert seq is not None  # a chain with a full block always announces something
         return seq
 
@@ -175,10 +182,12 @@ class RankEngine:
     # --- views --------------------------------------------------------------------------
 
     def snapshot(self, tier_name: Callable[[str], str | None]) -> dict[str, Any]:
-        """The cache as `/v1/kv-snapshot` reports it, parent before child."""
+        """The cache as `/v1/kv-snapshot` reports it, parent before child. An adapter's block
+        names it (`lora_name`, as its BlockStored does); a base-model block has no such key."""
         wire_hash = self._flavour.wire_hash
-        blocks = [
-            {
+        blocks = []
+        for b in self.cache.blocks():
+            block: dict[str, Any] = {
                 "engine_hash": self._snapshot_hash(wire_hash(b.digest)),
                 "parent_engine_hash": (
                     None if b.parent is None else self._snapshot_hash(wire_hash(b.parent))
@@ -186,8 +195,9 @@ class RankEngine:
                 "token_ids": list(b.token_ids),
                 "tier": tier_name(b.medium),
             }
-            for b in self.cache.blocks()
-        ]
+            if b.lora_name is not None:
+                block["lora_name"] = b.lora_name
+            blocks.append(block)
         return {"dp_rank": self.dp_rank, "last_seq": self.last_seq, "blocks": blocks}
 
     def state(self) -> dict[str, Any]:
@@ -211,7 +221,7 @@ class RankEngine:
         # JSON has no bytes: a bytes-hash engine's block is reported as the u64 routers use.
         return normalize_hash(value) if isinstance(value, bytes) else value
 
-    def _events_for(self, admission: Admission, medium: str) -> list[Event]:
+    def _events_for(self, admission: Admission, medium: str, lora_name: str | None) -> list[Event]:
         events: list[Event] = self._removals(admission.evicted)
         if admission.stored:
             wire_hash = self._flavour.wire_hash
@@ -223,6 +233,7 @@ class RankEngine:
                     token_ids=[t for b in admission.stored for t in b.token_ids],
                     block_size=self._block_size,
                     medium=medium,
+                    lora_name=lora_name,
                 )
             )
         return events

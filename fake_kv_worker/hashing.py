@@ -13,6 +13,13 @@ and in which 8 bytes go on the wire:
   NONE_HASH, tuple(block tokens), extra_keys))); the wire carries the LAST 8 bytes as unsigned.
 - SGLang (0.5.6+): digest_i = sha256(digest_{i-1} || block tokens as u32 little-endian), the root
   "parent" being empty; the wire carries the FIRST 8 bytes as a signed int64.
+
+A LoRA adapter's blocks hash apart from the base model's, as in the engines: vLLM adds the
+extra key `("lora", name, path)` to every block (the fake's adapters have no files: the path is
+the name); SGLang seeds the root's chain with a namespace digest. The SGLang form is only a
+likeness (its namespaced wire hashes are derived further, and no fixture pins them here): what
+a router depends on, that an adapter's blocks never share an engine hash with the base model's,
+holds all the same.
 """
 
 from __future__ import annotations
@@ -45,8 +52,11 @@ class EngineHasher(Protocol):
 
     name: str
 
-    def block_digest(self, parent: bytes | None, tokens: Sequence[int]) -> bytes:
-        """The digest of one full block, given its parent's digest (None at the root)."""
+    def block_digest(
+        self, parent: bytes | None, tokens: Sequence[int], lora_name: str | None = None
+    ) -> bytes:
+        """The digest of one full block, given its parent's digest (None at the root) and the
+        LoRA adapter it was computed under (None: the base model)."""
         ...
 
     def wire_int(self, digest: bytes) -> int:
@@ -59,9 +69,15 @@ class VllmSha256Hasher:
 
     name = "vllm-sha256"
 
-    def block_digest(self, parent: bytes | None, tokens: Sequence[int]) -> bytes:
-        # extra_keys is None: no LoRA, multimodal input, cache salt or prompt embeds.
-        return _vllm_sha256((parent if parent is not None else VLLM_NONE_HASH, tuple(tokens), None))
+    def block_digest(
+        self, parent: bytes | None, tokens: Sequence[int], lora_name: str | None = None
+    ) -> bytes:
+        # extra_keys: the adapter's on every block, else None (no multimodal input, cache salt
+        # or prompt embeds here).
+        extra = None if lora_name is None else (("lora", lora_name, lora_name),)
+        return _vllm_sha256(
+            (parent if parent is not None else VLLM_NONE_HASH, tuple(tokens), extra)
+        )
 
     def wire_int(self, digest: bytes) -> int:
         # maybe_convert_block_hash: int.from_bytes(digest, "big") & (2**64 - 1).
@@ -69,12 +85,22 @@ class VllmSha256Hasher:
 
 
 class SglangPageHasher:
-    """SGLang's page-chain hash (0.5.6 onwards, no namespace/LoRA)."""
+    """SGLang's page-chain hash (0.5.6 onwards; an adapter's chain as the module says)."""
 
     name = "sglang-sha256-page"
 
-    def block_digest(self, parent: bytes | None, tokens: Sequence[int]) -> bytes:
-        prefix = parent if parent is not None else b""
+    def block_digest(
+        self, parent: bytes | None, tokens: Sequence[int], lora_name: str | None = None
+    ) -> bytes:
+        if parent is not None:
+            prefix = parent
+        elif lora_name is not None:
+            name = lora_name.encode("utf-8")
+            prefix = hashlib.sha256(
+                b"sglang-cache-namespace-v1" + struct.pack("<I", len(name)) + name
+            ).digest()
+        else:
+            prefix = b""
         if all(0 <= t <= _U32_MAX for t in tokens):
             body = struct.pack(f"<{len(tokens)}I", *tokens)
         else:

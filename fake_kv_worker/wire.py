@@ -57,6 +57,7 @@ class Stored:
     token_ids: list[int]  # every block's tokens, concatenated
     block_size: int
     medium: str = MEDIUM_GPU
+    lora_name: str | None = None  # the LoRA adapter they were computed under
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +267,7 @@ def _vllm_encoder(schema: _VllmSchema) -> BatchEncoder:
                         block_size=ev.block_size,
                         lora_id=None,
                         medium=ev.medium,
-                        lora_name=None,
+                        lora_name=ev.lora_name,
                         group_idx=0,
                     )
                 )
@@ -306,6 +307,7 @@ def encode_sglang(ts: float, events: Sequence[Event], dp_rank: int) -> bytes:
                     block_size=ev.block_size,
                     lora_id=None,
                     medium=ev.medium,
+                    lora_name=ev.lora_name,
                 )
             )
         elif isinstance(ev, Removed):
@@ -321,7 +323,8 @@ def encode_sglang_legacy(ts: float, events: Sequence[Event], dp_rank: int) -> by
     for ev in events:
         if isinstance(ev, Stored):
             # Before 0.5.20 the recorder emitted one event per page, each naming the page before
-            # it as parent; split our multi-block Stored the same way.
+            # it as parent; split our multi-block Stored the same way. No `lora_name` before
+            # 0.5.22: an adapter's pages go out unnamed, as that release sent them.
             hashes = _int_hashes(ev.block_hashes)
             parent = _int_parent(ev.parent_block_hash)
             for i, h in enumerate(hashes):

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from fake_kv_worker.app import CACHED_TOKENS_HEADER
 from fake_kv_worker.hashing import engine_block_hashes
 from tests.support.clock import GatedSleep, ManualClock
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
@@ -335,6 +336,45 @@ async def test_metrics_use_vllm_or_sglang_names() -> None:
         for rank in (0, 1):
             sample = f'sglang:max_total_num_tokens{{model_name="fake-model",dp_rank="{rank}"}}'
             assert metric_value(text, sample) == 8 * 16
+
+
+@pytest.mark.parametrize(
+    "engine,adapter_body",
+    [
+        ("vllm", {"model": "sql"}),
+        ("sglang", {"lora_path": "sql"}),
+        ("sglang", {"lora_path": ["sql", "chat"]}),
+        ("sglang", {"model": "fake-model:sql"}),
+    ],
+)
+async def test_a_request_naming_a_loaded_adapter_hits_only_that_adapters_blocks(
+    engine: str, adapter_body: dict
+) -> None:
+    async with fake_worker_in_process(
+        wire=engine, serve_kv_snapshot=True, lora_modules=("sql", "chat")
+    ) as fw:
+        ids = list(range(3, 35))  # 2 blocks
+        await fw.store([ids], lora_name="sql")
+        body = {"prompt": ids, "max_tokens": 1}
+        _, _, headers = await post(fw, "/v1/completions", body)
+        assert headers[CACHED_TOKENS_HEADER] == "0"  # the base model's: a miss
+        _, _, headers = await post(fw, "/v1/completions", {**body, **adapter_body})
+        assert headers[CACHED_TOKENS_HEADER] == "32"
+        snap = await fw.get("/v1/kv-snapshot")
+        names = [b.get("lora_name") for b in snap["ranks"][0]["blocks"]]
+        assert sorted(names, key=str) == [None, None, "sql", "sql"]
+
+
+async def test_an_adapter_that_is_not_loaded_is_refused_by_name() -> None:
+    async with fake_worker_in_process(wire="sglang", lora_modules=("sql",)) as fw:
+        body = {"prompt": "hello there", "lora_path": "other", "max_tokens": 1}
+        async with fw.session.post(fw.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["param"] == "lora_path"
+        store = {"token_chains": [list(range(3, 19))], "lora_name": "other"}
+        async with fw.session.post(fw.url + "/control/store", json=store) as resp:
+            assert resp.status == 400
+        assert (await fw.state())["last_seq"] == -1  # nothing cached, nothing published
 
 
 async def test_kv_snapshot_is_not_served_without_the_flag() -> None:

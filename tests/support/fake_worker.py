@@ -82,12 +82,19 @@ class FakeWorkerHandle:
             return payload
 
     async def store(
-        self, chains: Sequence[Sequence[int]], dp_rank: int = 0, medium: str | None = None
+        self,
+        chains: Sequence[Sequence[int]],
+        dp_rank: int = 0,
+        medium: str | None = None,
+        lora_name: str | None = None,
     ) -> int:
-        """Publish one BlockStored batch per chain; returns the last seq."""
+        """Publish one BlockStored batch per chain (under `lora_name`, a loaded adapter, when
+        given); returns the last seq."""
         body: dict[str, Any] = {"token_chains": [list(c) for c in chains], "dp_rank": dp_rank}
         if medium is not None:
             body["medium"] = medium
+        if lora_name is not None:
+            body["lora_name"] = lora_name
         return (await self.post("/control/store", body))["last_seq"]
 
     def probe_for(self, dp_rank: int = 0) -> Callable[[], Awaitable[int]]:

@@ -146,3 +146,21 @@ def test_sglang_ranks_publish_signed_hashes_and_report_them_as_such() -> None:
     [ev] = sink.events(0)
     assert ev["block_hashes"] == [-5675343678154751648]
     assert rank.snapshot(str)["blocks"][0]["engine_hash"] == -5675343678154751648
+
+
+@pytest.mark.parametrize("wire", ["vllm", "sglang"])
+def test_an_adapters_blocks_are_its_own_published_and_listed_under_its_name(wire: str) -> None:
+    sink = ListSink()
+    cfg = WorkerConfig(block_size=BS, cache_blocks=16, wire=wire, lora_modules=("sql",))
+    rank = RankEngine(0, cfg, sink, wall_clock=lambda: 1.0)
+    rank.admit_request(blocks(1, 2))
+    # The same tokens under the adapter: no hit, new blocks with other engine hashes.
+    served = rank.admit_request(blocks(1, 2), "sql")
+    assert (served.seq, served.cached_tokens) == (1, 0)
+    assert rank.admit_request(blocks(1, 2, 3), "sql").cached_tokens == 2 * BS
+    [base], [sql], [more] = sink.events(0), sink.events(1), sink.events(2)
+    assert base.get("lora_name") is None and sql["lora_name"] == more["lora_name"] == "sql"
+    assert not set(base["block_hashes"]) & set(sql["block_hashes"])
+    assert more["parent_block_hash"] == sql["block_hashes"][-1]
+    listed = rank.snapshot(lambda medium: "device")["blocks"]
+    assert [b.get("lora_name") for b in listed] == [None, None, "sql", "sql", "sql"]
