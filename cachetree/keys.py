@@ -38,6 +38,11 @@ KEY_SCHEME: Final = "xxh3-chain-1337"
 # The largest block size (tokens) taken from a worker or a flag: engines use 1 to 256, and a
 # stated 10**30 overflowed the key loop (every request a 500, the fleet's block size taken).
 MAX_BLOCK_SIZE: Final = 1 << 16
+# LoRA adapter names a replica learns (`router.index`: from its engines' stores and worker
+# snapshots, and from a sibling's export, which lists at most this many, `peer.vet`): far more
+# than a fleet serves (vLLM's --max-loras is a handful), and a bound on what a hostile stream
+# or sibling can make the replica hold.
+MAX_ADAPTER_NAMES: Final = 4096
 
 if array("I").itemsize != 4 or sys.byteorder != "little":  # pragma: no cover - exotic hosts
     raise ImportError("cachetree.keys needs a little-endian host with a 4-byte array('I')")

@@ -84,7 +84,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
 
 from cachetree.accel import speedups
-from cachetree.keys import namespace_seed
+from cachetree.keys import MAX_ADAPTER_NAMES, namespace_seed
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from peer.tasks import cancel_and_wait
@@ -109,6 +109,7 @@ from router.worker_snapshot import (
     SnapshotRank,
     WorkerSnapshot,
     WorkerSnapshotError,
+    adapter_names,
     check_rank,
     rebuild_rank,
 )
@@ -126,9 +127,6 @@ DEFAULT_QUEUE_SIZE = 1024
 # pure path), so this is ~50 MB, and over a second of backlog at 400k blocks/s.
 DEFAULT_QUEUE_BLOCKS: Final = 1 << 20
 SLICE_BLOCKS: Final = 1024  # blocks of work between two yields to the loop (~1 ms)
-# LoRA adapter names learned from the events: far more than a fleet serves (vLLM's
-# --max-loras is a handful), and a bound on what a hostile stream can make the replica hold.
-MAX_ADAPTER_NAMES: Final = 4096
 DEFAULT_INDEX_MAX_BLOCKS: Final = 4_000_000  # a 1.1 GiB replica: see `max_blocks_for`
 # Memory sizing (README, "Index memory"; measured by bench/scale.py): a replica's resident
 # memory is about PROCESS_BYTES plus BYTES_PER_CARRIED_BLOCK per (rank, block) pair: ~157 B of
@@ -229,7 +227,7 @@ def apply_steps(
 
 def _learn_adapter(adapters: set[str], namespace: str) -> None:
     """The adapter part of a store's namespace (`events.namespace_of`: "lora", "lora\0salt"
-    or "\0salt"), remembered up to `MAX_ADAPTER_NAMES`."""
+    or "\0salt"; a bare adapter name is its own), remembered up to `MAX_ADAPTER_NAMES`."""
     lora = namespace.partition("\x00")[0]
     if lora and lora not in adapters and len(adapters) < MAX_ADAPTER_NAMES:
         adapters.add(lora)
@@ -340,12 +338,19 @@ class IndexRules:
         self.cold: set[RankId] = set()  # ranks whose view may miss blocks (module docstring)
         self.stats = PumpStats()
         # The LoRA adapter names the engines' stores have carried (vLLM's and SGLang's
-        # `lora_name`): a request naming one of them is keyed in that adapter's namespace,
-        # as its blocks were published (`routing.namespace_for`). Only ever added to.
+        # `lora_name`), and the worker snapshots and sibling grafts applied (`learn_adapters`):
+        # a request naming one of them is keyed in that adapter's namespace, as its blocks
+        # were published (`routing.namespace_for`). Only ever added to.
         self.adapters: set[str] = set()
         self._on_loss: Callable[[RankId], None] = lambda rank: None
         # Set when peer bootstrap is on: it holds Pending ranks' batches and grafts.
         self.bootstrap: BootstrapRules | None = None
+
+    def learn_adapters(self, names: Iterable[str]) -> None:
+        """Remember adapter names a worker snapshot or a sibling's graft carried, as a live
+        store's, up to `MAX_ADAPTER_NAMES`."""
+        for name in names:
+            _learn_adapter(self.adapters, name)
 
     def set_loss_handler(self, on_loss: Callable[[RankId], None]) -> None:
         """Called when a rank provably missed batches, so its owner can re-pull a snapshot."""
@@ -539,6 +544,7 @@ class IndexRules:
             log.warning("%s: worker snapshot refused, nothing of it installed: %s", *refusal)
             return "rejected"
         verdicts: set[SnapshotVerdict] = set()
+        applied: list[SnapshotRank] = []
         for rank, snap in pairs:
             if self.bootstrap is not None and self.bootstrap.intercepts(rank):
                 verdicts.add("ignored")
@@ -549,6 +555,7 @@ class IndexRules:
                 verdicts.add("stale")
                 continue
             placed = rebuild_rank(self._tree, rank, snap, block_size)
+            applied.append(snap)
             if snap.last_seq >= 0:
                 self.cursors[rank] = snap.last_seq
             self.cold.discard(rank)  # the worker's whole cache
@@ -557,6 +564,7 @@ class IndexRules:
                 "%s: worker snapshot applied: %d blocks at seq %d", rank, placed, snap.last_seq
             )
             verdicts.add("applied")
+        self.learn_adapters(adapter_names(applied))
         return next((v for v in ("applied", "stale") if v in verdicts), "ignored")
 
     def _snapshot_refusal(

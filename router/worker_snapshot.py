@@ -3,11 +3,14 @@
 Real vLLM and SGLang do not serve this route; our fake worker does, and an engine plugin can.
 The body lists, per dp rank, the last seq the state reflects and every cached block in
 parent-before-child order with its engine hash (as the engine puts it on the wire: SGLang's are
-signed), parent engine hash, token ids and tier name. The router replays it as stores, so the
-rank's index ends up exactly as if it had seen every event up to `last_seq`, but for
-namespaces: a block lists no LoRA adapter or cache salt (a field it adds is ignored), so every
-block is keyed as the base model's and no adapter name is learned from it (the README's "LoRA
-adapters" item); carrying them would take a new optional field here, read for chain roots.
+signed), parent engine hash, token ids and tier name, and optionally the LoRA adapter
+(`lora_name`) and cache salt (`cache_salt`) it was cached under, as its BlockStored carried
+them. The router replays it as stores, so the rank's index ends up exactly as if it had seen
+every event up to `last_seq`: a chain root is keyed in its namespace (`events.namespace_of`)
+and the rest of the chain under it, and the adapter names the roots carry are learned
+(`adapter_names`) as a live store's are. As for a live store, only a root's fields count: a
+block under a parent takes its namespace from the parent's key. A block without them is the
+base model's (an engine plugin that predates them sends none).
 
 A body that does not decode (a token id outside [0, 2**32) included), or whose blocks do not
 fit together (a block size that differs, tokens that do not fill a block, a parent that comes
@@ -29,6 +32,7 @@ the index (README, "Memory").
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Final
 
 import aiohttp
@@ -38,6 +42,7 @@ from aiohttp import hdrs
 from cachetree.ranks import RankId
 from cachetree.tiers import TIER_NAMES
 from cachetree.tree import BlockTree
+from router.events import namespace_of
 
 _TIER_BY_NAME = {name: bit for bit, name in TIER_NAMES.items()}
 _U64_MASK = (1 << 64) - 1
@@ -58,6 +63,8 @@ class SnapshotBlock(msgspec.Struct, gc=False):
     parent_engine_hash: int | None
     token_ids: list[TokenId]
     tier: str | None = "device"
+    lora_name: str | None = None
+    cache_salt: str | None = None
 
 
 class SnapshotRank(msgspec.Struct):
@@ -120,6 +127,17 @@ def check_rank(snap: SnapshotRank, block_size: int, index_block_size: int) -> No
         seen.add(block.engine_hash & _U64_MASK)
 
 
+def adapter_names(ranks: Iterable[SnapshotRank]) -> set[str]:
+    """The LoRA adapter names the ranks' chain roots carry (the index learns them, within its
+    bound: `IndexRules.learn_adapters`)."""
+    return {
+        block.lora_name
+        for rank in ranks
+        for block in rank.blocks
+        if block.lora_name and block.parent_engine_hash is None
+    }
+
+
 def rebuild_rank(tree: BlockTree, rank: RankId, snap: SnapshotRank, block_size: int) -> int:
     """Replace `rank`'s blocks in `tree` with those of `snap`. Returns blocks placed.
 
@@ -138,6 +156,7 @@ def rebuild_rank(tree: BlockTree, rank: RankId, snap: SnapshotRank, block_size: 
     placed = 0
     skipped: set[int] = set()  # blocks of an unknown tier, and their descendants
     head: int | None = None  # the parent of the chain being gathered
+    namespace: str | None = None  # its root's, when it starts at one (head None)
     hashes: list[int] = []
     tokens: list[int] = []
     chain_tier = 0
@@ -155,8 +174,9 @@ def rebuild_rank(tree: BlockTree, rank: RankId, snap: SnapshotRank, block_size: 
             tokens += block.token_ids
             continue
         if hashes:
-            placed += tree.store(rank, head, hashes, tokens, block_size, chain_tier)
+            placed += tree.store(rank, head, hashes, tokens, block_size, chain_tier, namespace)
         head, hashes, tokens, chain_tier = parent, [engine_hash], list(block.token_ids), tier
+        namespace = namespace_of(block.lora_name, block.cache_salt) if parent is None else None
     if hashes:
-        placed += tree.store(rank, head, hashes, tokens, block_size, chain_tier)
+        placed += tree.store(rank, head, hashes, tokens, block_size, chain_tier, namespace)
     return placed

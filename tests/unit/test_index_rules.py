@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from cachetree.keys import block_keys, namespace_seed
+from cachetree.keys import MAX_ADAPTER_NAMES, block_keys, namespace_seed
 from cachetree.ranks import RankId
 from cachetree.snapshot import canonical_view
 from cachetree.tiers import DEVICE, HOST
@@ -412,3 +412,34 @@ def test_the_lora_adapters_the_stores_carry_are_learned_for_the_request_path() -
     assert rules.tree is not None
     keys = block_keys(tokens, BS, namespace_seed("sql"))
     assert rules.tree.prefix_depths(keys).any_tier == {R: 1}
+
+
+def test_a_worker_snapshot_teaches_the_adapter_names_its_roots_carry_within_the_bound() -> None:
+    rules, _ = rules_with(R)
+    tokens = list(range(1, 1 + BS))
+    blocks = [
+        SnapshotBlock(1, None, tokens, lora_name="sql"),
+        SnapshotBlock(2, None, tokens),  # the base model's
+        SnapshotBlock(3, None, tokens, cache_salt="s"),  # a salt alone names no adapter
+    ]
+    body = WorkerSnapshot([SnapshotRank(0, 4, blocks)], BS)
+    assert rules.replace_ranks(R.worker_url, body) == "applied"
+    assert rules.adapters == {"sql"}
+    assert rules.tree is not None
+    assert rules.tree.prefix_depths(block_keys(tokens, BS, namespace_seed("sql"))).any_tier == {
+        R: 1
+    }
+    # Learned as the stores' names are: never past MAX_ADAPTER_NAMES.
+    rules.adapters.update(f"a{i}" for i in range(MAX_ADAPTER_NAMES - 2))  # one place left
+    names = [SnapshotBlock(10 + i, None, tokens, lora_name=f"b{i}") for i in range(2)]
+    assert rules.replace_ranks(R.worker_url, WorkerSnapshot([SnapshotRank(0, 5, names)], BS))
+    assert len(rules.adapters) == MAX_ADAPTER_NAMES
+    assert len({"b0", "b1"} & rules.adapters) == 1
+
+
+def test_a_refused_worker_snapshot_teaches_no_adapter_name() -> None:
+    rules, _ = rules_with(R)
+    blocks = [SnapshotBlock(1, None, [1] * (BS - 1), lora_name="sql")]  # a block too short
+    body = WorkerSnapshot([SnapshotRank(0, 4, blocks)], BS)
+    assert rules.replace_ranks(R.worker_url, body) == "rejected"
+    assert rules.adapters == set()

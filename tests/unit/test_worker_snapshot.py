@@ -1,4 +1,5 @@
-"""`rebuild_rank`: a worker's own snapshot replayed into the index, a chain per run of blocks.
+"""`rebuild_rank`: a worker's own snapshot replayed into the index, a chain per run of blocks,
+each chain root keyed in the namespace (LoRA adapter, cache salt) it names.
 
 The rebuild gathers each run of blocks that continue one another on one tier into one store;
 the tree it leaves must be the one a store per block leaves (every node, parent, carrier, tier
@@ -11,13 +12,22 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
+from cachetree.keys import block_keys, namespace_seed
 from cachetree.ranks import RankId
 from cachetree.snapshot import canonical_view
 from cachetree.tiers import TIER_NAMES
 from cachetree.tree import BlockTree
-from router.worker_snapshot import SnapshotBlock, SnapshotRank, rebuild_rank
+from router.events import namespace_of
+from router.worker_snapshot import (
+    SnapshotBlock,
+    SnapshotRank,
+    adapter_names,
+    decode_worker_snapshot,
+    rebuild_rank,
+)
 
 BS = 4
 R = RankId("http://w:8000", 0)
@@ -104,3 +114,73 @@ def test_a_prompt_listed_block_after_block_is_stored_as_one_chain() -> None:
     assert rebuild_rank(tree, R, SnapshotRank(0, 3, blocks), BS) == 10
     assert calls == [10]
     assert tree.block_count(R) == 10
+
+
+def adapter_body() -> bytes:
+    """A worker's body as the fake worker (an engine plugin) writes it: one prompt cached under
+    the adapter "sql" (its root names it) and the same prompt under the base model."""
+    tokens = list(range(1, 1 + 2 * BS))
+    blocks = [
+        {"engine_hash": 1, "parent_engine_hash": None, "token_ids": tokens[:BS], "tier": "device"},
+        {"engine_hash": 2, "parent_engine_hash": 1, "token_ids": tokens[BS:], "tier": "device"},
+        {
+            "engine_hash": 11,
+            "parent_engine_hash": None,
+            "token_ids": tokens[:BS],
+            "tier": "device",
+            "lora_name": "sql",
+        },
+        {
+            "engine_hash": 12,
+            "parent_engine_hash": 11,
+            "token_ids": tokens[BS:],
+            "tier": "device",
+            "lora_name": "sql",
+        },
+    ]
+    return msgspec.json.encode(
+        {"ranks": [{"dp_rank": 0, "last_seq": 5, "blocks": blocks}], "block_size": BS}
+    )
+
+
+def test_a_root_naming_an_adapter_keys_its_chain_in_the_adapters_namespace() -> None:
+    snap = decode_worker_snapshot(adapter_body())
+    tree = BlockTree(BS)
+    assert rebuild_rank(tree, R, snap.ranks[0], BS) == 4
+    tokens = list(range(1, 1 + 2 * BS))
+    base = tree.prefix_depths(block_keys(tokens, BS)).any_tier
+    sql = tree.prefix_depths(block_keys(tokens, BS, namespace_seed("sql"))).any_tier
+    assert base == {R: 2} and sql == {R: 2}
+    # The same blocks a live store under the adapter places (`events.namespace_of`).
+    live = BlockTree(BS)
+    live.store(R, None, [1, 2], tokens, BS)
+    live.store(R, None, [11, 12], tokens, BS, namespace="sql")
+    assert canonical_view(tree) == canonical_view(live)
+    assert adapter_names(snap.ranks) == {"sql"}
+
+
+def test_a_cache_salt_joins_the_roots_namespace_and_a_childs_fields_are_not_read() -> None:
+    tokens = list(range(1, 1 + 2 * BS))
+    blocks = [
+        SnapshotBlock(1, None, tokens[:BS], lora_name="sql", cache_salt="s"),
+        # A child's fields do not count: its key chains from its parent's, as a live store's.
+        SnapshotBlock(2, 1, tokens[BS:], lora_name="chat"),
+    ]
+    tree = BlockTree(BS)
+    rebuild_rank(tree, R, SnapshotRank(0, 1, blocks), BS)
+    keys = block_keys(tokens, BS, namespace_seed(namespace_of("sql", "s")))
+    assert tree.prefix_depths(keys).any_tier == {R: 2}
+    assert adapter_names([SnapshotRank(0, 1, blocks)]) == {"sql"}
+
+
+def test_a_body_without_adapters_keys_every_block_as_the_base_models() -> None:
+    body = msgspec.json.decode(adapter_body())
+    for block in body["ranks"][0]["blocks"]:
+        block.pop("lora_name", None)
+    snap = decode_worker_snapshot(msgspec.json.encode(body))
+    tree = BlockTree(BS)
+    rebuild_rank(tree, R, snap.ranks[0], BS)
+    tokens = list(range(1, 1 + 2 * BS))
+    assert tree.prefix_depths(block_keys(tokens, BS)).any_tier == {R: 2}
+    assert tree.prefix_depths(block_keys(tokens, BS, namespace_seed("sql"))).any_tier == {}
+    assert adapter_names(snap.ranks) == set()
