@@ -37,6 +37,8 @@ what matters is the order in which it samples the index:
    `cold_ranks` are the table's ranks the index held as cold (`router.index`) before the walk
    or after it: a rank warmed mid-walk (a worker snapshot between two chunks) may have been
    walked partly as it was, so only a rank whole at both ends is exported as whole.
+   `adapters` are the LoRA adapter names the index had learned, read after the walk (a
+   name learned mid-walk names blocks the replay brings).
 6. An export keeps the walk's columns, not a body. The columnar body (`peer.wire`, what our
    own fetch client asks for) is the columns themselves, written from views of them: no copy
    (~33 B a node, where a joined copy would double it). JSON and msgpack, for siblings that
@@ -137,6 +139,9 @@ class IndexView(Protocol):
 
     @property
     def cold(self) -> AbstractSet[RankId]: ...
+
+    @property
+    def adapters(self) -> AbstractSet[str]: ...
 
 
 Encode = Callable[[Any, str], bytes]  # (value, content type) -> body bytes
@@ -516,6 +521,7 @@ class SnapshotProducer:
             cold_ranks=[
                 WireWorker(rank.worker_url, rank.dp_rank) for rank in table if rank in cold
             ],
+            adapters=sorted(view.adapters),
         )
         done = clock()
         timings = {

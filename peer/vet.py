@@ -46,6 +46,8 @@ as data, reason -> outcome.
     cursors       entry not (int, int)                         malformed_cursor     rejected
                   seq not a u64 (negative)                     invalid_seq          rejected
                   one worker index twice                       duplicate_cursor     rejected
+    adapters      more names than MAX_ADAPTER_NAMES            too_many_adapters    rejected
+                  a name empty or holding a NUL                malformed_adapter    rejected
     each node     parent not null and not an earlier index     invalid_parent       rejected
                   key not a u64                                invalid_key          rejected
                   carrier not (int, int, int)                  malformed_carrier    rejected
@@ -54,6 +56,12 @@ as data, reason -> outcome.
                   one worker index twice in one node           duplicate_carrier    rejected
     result        no carrier of a live rank survives           nothing_usable       cold_peer
                   a rank's device blocks over its capacity     over_capacity        rejected
+
+Adapter names (`peer.wire`) are learned by a graft as they come. A producer exports the
+names its index learned, which are never empty, never hold a NUL (the separator of a namespace's
+parts, `router.events.namespace_of`) and are never more than `MAX_ADAPTER_NAMES`: a list that
+breaks one of those rules was not written by our export, and refuses the body like any other
+malformed table, rather than teaching the replica names no engine published.
 
 The reference runs the node structure checks before the worker table; we check the tables
 first because they are small and every failure among them is the same verdict (rejected), so
@@ -126,7 +134,7 @@ from itertools import accumulate, chain, compress, count, islice, repeat
 from operator import and_, attrgetter, eq, ge, gt, itemgetter, lt, not_, sub, truth
 from typing import Final, Generic, TypeVar
 
-from cachetree.keys import KEY_SCHEME
+from cachetree.keys import KEY_SCHEME, MAX_ADAPTER_NAMES
 from cachetree.ranks import RankId
 from cachetree.snapshot import Snapshot
 from cachetree.tiers import ALL_TIERS, DEVICE
@@ -149,6 +157,8 @@ REASONS: Final[dict[str, str]] = {
     "malformed_cursor": REJECTED,
     "invalid_seq": REJECTED,
     "duplicate_cursor": REJECTED,
+    "too_many_adapters": REJECTED,
+    "malformed_adapter": REJECTED,
     "invalid_parent": REJECTED,
     "invalid_key": REJECTED,
     "malformed_carrier": REJECTED,
@@ -197,8 +207,9 @@ class VettedSnapshot:
     `snapshot.workers` are live `RankId`s (the caller's own objects), each carrying at least
     one record. `cursors` names the last seq the peer had applied per rank: the graft's filter
     and watermark. A rank may have a cursor and no blocks (its cache was empty at that seq).
-    `cold_ranks` are those the peer said its view of is partial (`peer.wire`).
-    Treat every field as read-only; derived snapshots share unchanged columns.
+    `cold_ranks` are those the peer said its view of is partial (`peer.wire`), `adapters` the
+    LoRA adapter names it had learned. Treat every field as read-only; derived snapshots share
+    unchanged columns.
     """
 
     snapshot: Snapshot
@@ -209,6 +220,7 @@ class VettedSnapshot:
     dropped_carriers: int = 0  # carriers of unknown workers or on no known tier
     wire_nodes: int = 0  # nodes in the body, before vetting
     cold_ranks: frozenset[RankId] = frozenset()
+    adapters: frozenset[str] = frozenset()
 
     @classmethod
     def from_wire(
@@ -336,6 +348,7 @@ class Vetting(_Job[VettedSnapshot]):
         self._cursors = self._resolve_cursors(snap.cursors)
         self._empty_ranks = _live_ranks(snap.empty_ranks, lookup)
         self._cold_ranks = _live_ranks(snap.cold_ranks, lookup)
+        self._adapters = _adapters(snap.adapters)
         self._dropped_carriers = 0
         super().__init__()
 
@@ -414,6 +427,7 @@ class Vetting(_Job[VettedSnapshot]):
             dropped_carriers=self._dropped_carriers,
             wire_nodes=snap.node_count,
             cold_ranks=self._cold_ranks,
+            adapters=self._adapters,
         )
 
     def _nothing_usable(self) -> VetError:
@@ -620,6 +634,7 @@ class Retaining(_Job[VettedSnapshot]):
             dropped_carriers=vetted.dropped_carriers,
             wire_nodes=vetted.wire_nodes,
             cold_ranks=vetted.cold_ranks & keep,
+            adapters=vetted.adapters,
         )
 
 
@@ -730,6 +745,18 @@ def _check_header(snap: PeerBody, local_block_size: int | None) -> None:
 def _live_ranks(workers: list[WireWorker], lookup: dict) -> frozenset[RankId]:
     """The live ranks a list of wire names names; the others are dropped."""
     return frozenset(rank for rank in map(lookup.get, map(_identity, workers)) if rank is not None)
+
+
+def _adapters(names: list[str]) -> frozenset[str]:
+    """A body's adapter names; VetError for a list our export never writes (module docstring)."""
+    if len(names) > MAX_ADAPTER_NAMES:
+        raise VetError(
+            "too_many_adapters", f"{len(names)} adapter names, at most {MAX_ADAPTER_NAMES}"
+        )
+    for name in names:
+        if type(name) is not str or not name or "\x00" in name:
+            raise VetError("malformed_adapter", f"{name!r} is not an adapter name")
+    return frozenset(names)
 
 
 def _identity(worker: WireWorker) -> tuple[str, int]:

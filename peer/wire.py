@@ -8,7 +8,8 @@
                                              # [parent index or null, key, carriers]
                                              # carrier = [worker index, tier bits, engine hash]
  "empty_ranks": [{"url": ..., "dp_rank": ...}],  # omitted when empty
- "cold_ranks": [{"url": ..., "dp_rank": ...}]}   # omitted when empty
+ "cold_ranks": [{"url": ..., "dp_rank": ...}],   # omitted when empty
+ "adapters": ["sql-lora", ...]}                  # omitted when empty
 ```
 
 `cold_ranks` is our addition to the reference's format 1, additive as `empty_ranks` is (the
@@ -17,6 +18,12 @@ as "not cold"). It names the ranks of the body's worker table whose view the pro
 as partial (`router.index`: joined mid-stream, lost batches, cleared at the cap): the blocks
 are true, but some the engine holds are missing. A joining sibling prefers a body that is not
 cold for its ranks and takes a cold one only when no other comes (`peer.sweep`).
+
+`adapters` is another such addition: the LoRA adapter names the producer learned from its
+engines (`router.index`, at most `cachetree.keys.MAX_ADAPTER_NAMES`). The nodes hold chained
+keys only, an adapter's namespace hashed into its chains' first key, so without the names a
+joining sibling would key a request naming an adapter as the base model's and miss the
+adapter's grafted blocks until a live store named it. A body without it names none.
 
 Nodes are compact arrays rather than maps: a million-node body is mostly nodes, and field
 names would double it. A node's `parent` is the index of an earlier node (strictly backward);
@@ -41,8 +48,8 @@ offset 0       b"KVRCOLS1"                      8 bytes, magic and layout versio
 offset 8       header length H                  u32
 offset 12      header (msgpack map, H bytes)    format, block_size, key_scheme,
                                                 producer_ready, workers, cursors,
-                                                empty_ranks, cold_ranks, nodes (N),
-                                                carriers (C)
+                                                empty_ranks, cold_ranks, adapters,
+                                                nodes (N), carriers (C)
 then, back to back, no padding:
                parents          N x i64         earlier node index, -1 for a chain root
                keys             N x u64
@@ -110,6 +117,7 @@ class Envelope(msgspec.Struct, omit_defaults=True):
     cursors: list[tuple[int, int]]
     empty_ranks: list[WireWorker] = []
     cold_ranks: list[WireWorker] = []
+    adapters: list[str] = []
 
 
 class PeerSnapshot(Envelope, kw_only=True):

@@ -31,7 +31,9 @@ tests) or the splice probe. Then
 the cursor is seeded with max(existing, watermark), the rank is Recovered, and the held batches
 replay through the cursor filter; `warm` is counted only if a held batch proved the splice.
 The rank takes the source's cold mark (`router.index`): a sibling that was cold for it hands
-on a partial view, which this replica's own export must not present as whole.
+on a partial view, which this replica's own export must not present as whole. A graft that
+covered a rank teaches the index the source's LoRA adapter names (`Grafted.adapters`), so the
+grafted adapter blocks are found by the requests naming them before any new store names them.
 
 Gap resolution: the rank is Failed; if the tracker grants its one retry and the coordinator
 takes it, the rank's tree state is cleared and its held queue *kept unapplied* (the retry's
@@ -67,7 +69,7 @@ from peer.sweep import Gapped
 from peer.tracker import BootstrapState, BootstrapTracker, Obligation
 from router.events import BlockStored, EventBatch
 from router.subscriber import MAX_SEQ_JUMP, beyond_stream
-from router.worker_snapshot import WorkerSnapshot, rebuild_rank
+from router.worker_snapshot import WorkerSnapshot, adapter_names, rebuild_rank
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,8 @@ class IndexSurface(Protocol):
     @property
     def _tree(self) -> BlockTree: ...
 
+    def learn_adapters(self, names: Iterable[str]) -> None: ...
+
     def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> None: ...
 
     def clear_rank_state(self, rank: RankId) -> None: ...
@@ -103,6 +107,11 @@ class Grafted(Protocol):
     @property
     def cold_ranks(self) -> frozenset[RankId]:
         """Ranks the source's own view of was partial (`router.index`: cold)."""
+        ...
+
+    @property
+    def adapters(self) -> frozenset[str]:
+        """The LoRA adapter names the source had learned (`IndexRules.adapters`)."""
         ...
 
     def retain_workers(self, keep: Iterable[RankId]) -> Grafted: ...
@@ -137,6 +146,7 @@ class LocalGraft:
 
     tree: BlockTree
     cursors: dict[RankId, int]
+    adapters: frozenset[str] = frozenset()  # its chain roots' (`adapter_names`)
 
     @property
     def snapshot(self) -> Snapshot:
@@ -156,7 +166,8 @@ class LocalGraft:
         for rank in copy.ranks():
             if rank not in keep:
                 copy.clear_rank(rank)
-        return LocalGraft(copy, {r: c for r, c in self.cursors.items() if r in keep})
+        cursors = {r: c for r, c in self.cursors.items() if r in keep}
+        return LocalGraft(copy, cursors, self.adapters)
 
     @classmethod
     def from_worker_snapshot(
@@ -170,7 +181,7 @@ class LocalGraft:
             rebuild_rank(tree, rank, rank_snap, snap.block_size)
             if rank_snap.last_seq >= 0:
                 cursors[rank] = rank_snap.last_seq
-        return cls(tree, cursors)
+        return cls(tree, cursors, frozenset(adapter_names(snap.ranks)))
 
 
 @dataclass(slots=True)
@@ -351,6 +362,8 @@ class BootstrapRules:
             if held:
                 self.tracker.record_outcome(rank, "warm")
             covered.append(rank)
+        if covered:
+            index.learn_adapters(job.vetted.adapters)
         return covered
 
     def abandon(self, obligations: Iterable[Obligation]) -> None:

@@ -63,3 +63,36 @@ async def test_a_workers_snapshot_keys_an_adapters_blocks_apart_from_the_base_mo
                 assert (worker, cached) == (tuned.url, BLOCKS * BS)
             after = [(await fw.state())["requests"] for fw in (tuned, base)]
             assert [a - b for a, b in zip(after, before, strict=True)] == [3, 3]
+
+
+async def ready(rt: RouterHandle, within_s: float = 15.0) -> None:
+    async def is_ready() -> bool:
+        status, _ = await rt.get("/readyz")
+        return status == 200
+
+    await eventually(is_ready, within_s)
+
+
+async def test_a_replica_joining_from_a_sibling_finds_an_adapters_blocks_at_once() -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        fw = await stack.enter_async_context(fake_worker_in_process(lora_modules=("sql",)))
+        warm = await stack.enter_async_context(router_in_process(workers=[fw.url]))
+        await warm.gate(fw)
+        await warm.wait_cursor(fw.url, 0, await fw.store([IDS], lora_name="sql"))
+        assert warm.replica.pump.rules.adapters == {"sql"}
+        new = await stack.enter_async_context(
+            router_in_process(
+                peer=[warm.url],
+                workers=[fw.url],
+                kv_bootstrap_timeout_ms=20_000,
+                expose_route_headers=True,
+            )
+        )
+        await ready(new)
+        assert new.replica.bootstrap is not None
+        assert new.replica.bootstrap.sources["peer"] == 1  # grafted, not learned live
+        assert new.replica.pump.rules.adapters == {"sql"}
+        matched = matched_blocks(new)
+        worker, cached = await completion(new, model="sql", prompt=f"{PROMPT}sql?")
+        assert (worker, cached) == (fw.url, BLOCKS * BS)
+        assert matched_blocks(new) - matched == BLOCKS  # the replica knew where they were

@@ -44,6 +44,7 @@ class View:
     cursors: dict[RankId, int] = field(default_factory=dict)
     live: set[RankId] = field(default_factory=set)
     cold: set[RankId] = field(default_factory=set)
+    adapters: set[str] = field(default_factory=set)
 
 
 class Clock:

@@ -32,6 +32,7 @@ BODY = PeerSnapshot(
     ],
     empty_ranks=[WireWorker("http://10.0.0.3:8000", 0)],
     cold_ranks=[WireWorker("http://10.0.0.2:8000", 1)],
+    adapters=["sql-lora"],
 )
 
 
