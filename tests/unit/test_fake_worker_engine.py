@@ -164,3 +164,9 @@ def test_an_adapters_blocks_are_its_own_published_and_listed_under_its_name(wire
     assert more["parent_block_hash"] == sql["block_hashes"][-1]
     listed = rank.snapshot(lambda medium: "device")["blocks"]
     assert [b.get("lora_name") for b in listed] == [None, None, "sql", "sql", "sql"]
+
+
+@pytest.mark.parametrize("name", ["", "base:sql"])
+def test_an_adapter_must_be_nameable_as_both_engines_read_requests(name: str) -> None:
+    with pytest.raises(ValueError, match="lora_modules"):
+        WorkerConfig(lora_modules=("sql", name))
