@@ -255,6 +255,11 @@ class WorkerRelay(Relay):
             return
         if self._in_hand is not None:
             return  # no rank left: the 5xx answer in hand is relayed (`_failed_status`)
+        self._give_up()
+
+    def _give_up(self) -> None:
+        """No rank left to try: the client gets the relay's own answer for the last failure."""
+        plane = self.plane
         self.done = True
         failure, reason = self._last_failure
         if failure == "queue":
@@ -408,6 +413,18 @@ class WorkerRelay(Relay):
         self._let_go()
         self.plane.inflight.end(self.rank)
         self.rank = None
+
+    def turn_away(self, detail: str) -> None:
+        """The replica stops (its drain ended) while this request still waits for a
+        connection to a worker: never sent, it gets the 503 with `Retry-After` a wait that
+        ran out gets (counted the same), for the client to retry elsewhere, not a connection
+        closed without an answer; no other rank is tried."""
+        rank = self.rank
+        assert rank is not None and self.conn is None
+        self._count_failure("queue", detail)
+        self.plane.inflight.end(rank)
+        self.rank = None
+        self._give_up()
 
     def worker_down(self) -> None:
         """Health declared the worker down while this request waited for its head."""

@@ -307,6 +307,22 @@ class DataPlane:
                 len(relays),
             )
 
+    def turn_away_waiting(self) -> int:
+        """The drain ended: each request still waiting for a connection to a worker (queued
+        for a full pool, or connecting) was never sent, and is answered the 503 with
+        `Retry-After` its wait running out would have given (`WorkerRelay.turn_away`), not cut
+        with what is in flight. How many."""
+        turned = 0
+        for pool in self.pools.values():
+            for who in pool.take_waiting():
+                if isinstance(who, WorkerRelay) and not who.done:
+                    who.turn_away(
+                        "the replica stopped (its drain ended) before a connection to the "
+                        "worker came free"
+                    )
+                    turned += 1
+        return turned
+
     def refuse_connection(self, transport: asyncio.Transport, open_now: int, limit: str) -> None:
         """A new connection past its listener's bound (`limit` says which): a 503, counted,
         logged at most once a `_REFUSAL_LOG_EVERY_S`. Its close lingers (`LINGER_S`, as after

@@ -27,6 +27,7 @@ import pytest
 from router.dataplane import server
 from router.dataplane.relay import WorkerRelay
 from router.dataplane.upstream import MAX_ANSWER_HEAD_BYTES, UpstreamConnection
+from router.serving import serve_until
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.model_dirs import build_fixture_model
 from tests.support.ports import free_tcp_port
@@ -1010,6 +1011,44 @@ async def test_a_request_queued_with_no_other_worker_is_a_503_with_retry_after_a
         await eventually(lambda: len(pool.idle) == 1)
         assert len(w.posts()) == 1  # the request answered 503 never reached the worker
         client.close()
+
+
+async def test_a_request_still_queued_when_the_drain_times_out_gets_its_503_not_a_cut(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The drain's timeout (1 s here) shorter than the wait for a pooled connection (20 s):
+    the queued request, never sent, was cut with what was in flight, with no answer."""
+    release = asyncio.Event()
+    async with one_worker_and_a_client(
+        held_until(release), upstream_connections_per_worker=1, upstream_connect_timeout_s=20
+    ) as (w, rt, client):
+        holder = asyncio.create_task(rt.post("/v1/completions", json.loads(COMPLETION)))
+        await eventually(lambda: len(w.posts()) == 1)
+        client.send(post(b"/v1/completions", COMPLETION))
+        pool = rt.plane.pools[w.url]
+        await eventually(lambda: len(pool.waiting) == 1)
+        stop = asyncio.Event()
+        stop.set()  # as SIGTERM sets it
+        with caplog.at_level(logging.WARNING, logger="router.serving"):
+            await asyncio.wait_for(serve_until(rt.serving, stop, drain_timeout_s=1.0), 10)
+        answer = await client.answer(within_s=5)
+        assert answer is not None and answer.status == 503
+        assert answer.header(b"Retry-After") == b"1"
+        message = json.loads(answer.body)["error"]["message"]
+        assert "drain ended" in message, message
+        assert await client.closed()  # draining: no keep-alive
+        assert not pool.waiting
+        assert rt.plane.metrics.requests["/v1/completions", "none", "503"] == 1
+        assert rt.plane.metrics.upstream_failures[w.url, "queue"] == 1
+        worker = rt.replica.workers.get(w.url)
+        assert worker is not None and worker.breaker.consecutive_failures == 0
+        assert rt.replica.inflight.total == 1  # the held stream alone, cut at the shutdown
+        said = [r.getMessage() for r in caplog.records if r.name == "router.serving"]
+        assert any("1 request(s) still waiting for a connection" in m for m in said), said
+        assert any("1 request(s) still in flight are cut" in m for m in said), said
+        release.set()
+        assert (await holder)[0] == 200
+        assert len(w.posts()) == 1  # the request answered 503 never reached the worker
 
 
 async def test_a_request_queued_for_a_busy_worker_waits_one_bound_not_one_per_rank() -> None:
