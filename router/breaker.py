@@ -9,8 +9,8 @@ Three states, changed only by `allow`, `record_success`, `record_failure` and `r
                `allow()` claims the one probe slot -> half_open
     half_open  one probe request is out; everyone else is refused until it resolves:
                success -> closed (cooldown back to base), failure -> open with the cooldown
-               doubled (capped at `max_cooldown_s`), `release()` -> open, cooldown already
-               passed, so the next `allow()` claims a fresh probe
+               doubled (capped at `max_cooldown_s`), `release(probe)` by the probe's holder
+               -> open, cooldown already passed, so the next `allow()` claims a fresh probe
 
     state      | allow()                      | success          | failure
     -----------+------------------------------+------------------+----------------------------
@@ -26,14 +26,21 @@ Why verdicts in `open` are ignored: they come from requests admitted before the 
 opened (or dispatched anyway because every candidate was open). A late success says little
 about the worker now, and a late failure must not push the next probe further away.
 
-A verdict in `half_open` is taken as the probe's, even if it came from an older request:
-`allow()` returns a bool, not a ticket, so requests are indistinguishable. The cost is at worst
-one probe decided by a request that finished at the same moment, on the same worker.
+A verdict in `half_open` is taken as the probe's, even if it came from an older request (one
+admitted before the trip, or sent while every candidate's breaker was open): it is news about
+the worker whoever brings it. The cost is at worst one probe decided by a request that finished
+at the same moment, on the same worker.
+
+A release is not a verdict, so only the probe's holder may give the slot back: each claim has
+its ticket (`probe`, read right after the `allow()` that claimed it), and `release(probe)`
+with any other ticket changes nothing. Another request ending without a verdict (its wait for
+one of the worker's busy connections ran out, a 4xx, its client left) freed the slot while
+the probe was still out, and the next `allow()` sent a second probe.
 
 What counts as a failure is the caller's decision, and it must not count the client's own
 errors: a 4xx (including 429, which is the engine shedding load, not being broken) says the
-worker is alive and answering. Record those as `record_success()`, or `release()` if a probe
-ended that way and you prefer no verdict. Count connection errors, timeouts and 5xx.
+worker is alive and answering. Record those as `record_success()`, or `release(probe)` if a
+probe ended that way and you prefer no verdict. Count connection errors, timeouts and 5xx.
 
 `failure_threshold=0` disables the breaker: it always allows and never opens.
 
@@ -75,6 +82,8 @@ class CircuitBreaker:
         self._failures = 0  # consecutive, while closed
         self._cooldown_s = cooldown_s  # the current one; doubles on each failed probe
         self._opened_at = 0.0
+        self._claims = 0  # probes claimed so far: the next one's ticket is one more
+        self._probe = 0  # the ticket of the probe out (half_open), else 0
 
     @property
     def state(self) -> BreakerState:
@@ -90,10 +99,17 @@ class CircuitBreaker:
     def consecutive_failures(self) -> int:
         return self._failures
 
+    @property
+    def probe(self) -> int:
+        """The ticket of the probe out (`half_open`), 0 when none is. Read right after an
+        `allow()` that said True: the caller's own ticket if that call claimed the probe, 0 if
+        it claimed nothing (the breaker was closed)."""
+        return self._probe
+
     def allow(self) -> bool:
         """May a request go to this worker now? In `open` past the cooldown, this call claims
         the single half-open probe: the caller that gets True must report a verdict or
-        `release()`."""
+        `release(probe)` with the ticket it claimed."""
         state = self._state
         if state == CLOSED:
             return True
@@ -101,6 +117,8 @@ class CircuitBreaker:
             return False
         if self._cooldown_passed():
             self._state = HALF_OPEN
+            self._claims += 1
+            self._probe = self._claims
             return True
         return False
 
@@ -120,6 +138,7 @@ class CircuitBreaker:
             self._failures = 0
         elif self._state == HALF_OPEN:
             self._state = CLOSED
+            self._probe = 0
             self._failures = 0
             self._cooldown_s = self.base_cooldown_s
 
@@ -134,14 +153,17 @@ class CircuitBreaker:
             self._cooldown_s = min(self._cooldown_s * 2, self.max_cooldown_s)
             self._open()
 
-    def release(self) -> None:
-        """A claimed probe ended without a verdict (a 4xx, the client went away): free the
-        slot so the next `allow()` probes again at once. A no-op in other states."""
-        if self._state == HALF_OPEN:
+    def release(self, probe: int) -> None:
+        """The probe with ticket `probe` ended without a verdict (a 4xx, the client went
+        away): free the slot so the next `allow()` probes again at once. A no-op unless
+        `probe` is the probe out now (any other ticket, 0 included: see the module's opening)."""
+        if self._state == HALF_OPEN and probe == self._probe:
             self._state = OPEN  # _opened_at is unchanged, so the cooldown has passed
+            self._probe = 0
 
     def _open(self) -> None:
         self._state = OPEN
+        self._probe = 0
         self._failures = 0
         self._opened_at = self._clock()
         self.trips += 1

@@ -184,6 +184,7 @@ class WorkerRelay(Relay):
         "_in_hand",
         "_last_failure",
         "_next_pair",
+        "_probe",
         "_retried",
         "_verdict",
         "attempts",
@@ -218,6 +219,7 @@ class WorkerRelay(Relay):
         self.pool: UpstreamPool | None = None
         self._retried = False  # the one safe retry on a dead reused connection
         self._verdict = False  # the breaker heard about this attempt
+        self._probe = 0  # the ticket of the breaker's probe this attempt holds (0: none)
         self._last_failure: tuple[Failure | None, str] = _NO_FAILURE
         # The connection a 5xx head came on while `start` looks for another rank: dropped if
         # one is tried, relayed if none is left (`_failed_status`).
@@ -249,6 +251,8 @@ class WorkerRelay(Relay):
                 self._drop_in_hand()
             self.attempts += 1
             self.rank, self.worker, self._verdict = rank, worker, False
+            # Sent anyway (every breaker open), it claimed nothing: a probe out is another's.
+            self._probe = 0 if every_open else worker.breaker.probe
             plane.inflight.begin(rank)
             pool = self.pool = plane.pool_for(worker.url)
             pool.acquire(self)
@@ -309,7 +313,7 @@ class WorkerRelay(Relay):
         if status >= 500:
             return self._failed_status(status)
         if status >= 400:
-            worker.breaker.release()  # a client error says nothing about the worker
+            worker.breaker.release(self._probe)  # a client error says nothing of the worker
         else:
             worker.breaker.record_success()
             if self._next_pair > 1 and self.rank is not None:  # failed over: tell the policy
@@ -400,7 +404,7 @@ class WorkerRelay(Relay):
         if FAILURES[failure].breaker:
             worker.breaker.record_failure()
         else:
-            worker.breaker.release()  # a probe that ended without a verdict
+            worker.breaker.release(self._probe)  # a probe that ended without a verdict
         self._verdict = True
         self.plane.metrics.upstream_failures[worker.url, failure] += 1
         self._last_failure = (failure, f"{failure}: {detail}")
@@ -444,7 +448,7 @@ class WorkerRelay(Relay):
             if self.pool is not None and self.conn is None:
                 self.pool.cancel(self)
             if not self._verdict:
-                worker.breaker.release()  # a probe that ended without a verdict
+                worker.breaker.release(self._probe)  # a probe that ended without a verdict
         if outcome != "ok":
             self.plane.stats.ended[outcome] += 1
 

@@ -1013,6 +1013,47 @@ async def test_a_request_queued_with_no_other_worker_is_a_503_with_retry_after_a
         client.close()
 
 
+async def test_a_request_sent_anyway_that_waits_in_vain_leaves_the_breakers_probe_out() -> None:
+    """A half-open worker's probe holds its one connection; a request sent anyway (every
+    breaker open) queues behind it and gets its 503. Its wait running out freed the probe's
+    slot: the breaker read open with its cooldown passed, for the next request to probe again
+    while the first probe was still out."""
+    release = asyncio.Event()
+
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        if b"fail" not in request.body:
+            await release.wait()  # the probe's verdict waits for its head
+        writer.write(respond(500 if b"fail" in request.body else 200, b"{}"))
+
+    async with one_worker_and_a_client(
+        script,
+        breaker_failure_threshold=1,
+        breaker_cooldown_s=0.2,
+        upstream_connections_per_worker=1,
+        upstream_connect_timeout_s=0.5,
+    ) as (w, rt, client):
+        worker = rt.replica.workers.get(w.url)
+        assert worker is not None
+        failing = {"prompt": "fail", "max_tokens": 1}
+        assert (await rt.post("/v1/completions", failing))[0] == 500  # trips the breaker
+        assert worker.breaker.state == "open"
+        await eventually(lambda: not worker.breaker.is_open())  # its cooldown passed
+        probe = asyncio.create_task(rt.post("/v1/completions", json.loads(COMPLETION)))
+        await eventually(lambda: len(w.posts()) == 2)
+        assert worker.breaker.state == "half_open"
+        client.send(post(b"/v1/completions", COMPLETION))
+        answer = await client.answer(within_s=10)
+        assert answer is not None and answer.status == 503
+        assert rt.plane.metrics.upstream_failures[w.url, "queue"] == 1
+        assert worker.breaker.state == "half_open" and not worker.breaker.allow()
+        release.set()
+        assert (await probe)[0] == 200
+        assert worker.breaker.state == "closed"
+        assert len(w.posts()) == 2  # the failing request and the probe; the 503 never sent
+        assert worker.breaker.trips == 1
+        client.close()
+
+
 async def test_a_request_still_queued_when_the_drain_times_out_gets_its_503_not_a_cut(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -98,8 +98,8 @@ def test_release_frees_the_probe_slot_without_a_verdict() -> None:
     b = tripped(clock)
     clock.now += 5.0
     assert b.allow()
-    b.release()  # e.g. the probe request was a 400, or the client went away
-    assert (b.state, b.cooldown_s, b.trips) == ("open", 5.0, 1)
+    b.release(b.probe)  # e.g. the probe request was a 400, or the client went away
+    assert (b.state, b.cooldown_s, b.trips, b.probe) == ("open", 5.0, 1, 0)
     assert b.allow() is True  # no new cooldown: the next caller probes at once
     assert b.allow() is False
 
@@ -107,12 +107,46 @@ def test_release_frees_the_probe_slot_without_a_verdict() -> None:
 def test_release_outside_half_open_changes_nothing() -> None:
     clock = ManualClock(100.0)
     b = CircuitBreaker(clock=clock)
+    assert b.allow() and b.probe == 0  # closed: nothing claimed
     b.record_failure()
-    b.release()
+    b.release(b.probe)
     assert (b.state, b.consecutive_failures) == ("closed", 1)
     b = tripped(clock)
-    b.release()
+    b.release(b.probe)
     assert (b.state, b.allow()) == ("open", False)
+
+
+def test_only_the_probes_holder_frees_its_slot() -> None:
+    # A request sent while the breaker was closed (or anyway, every breaker open) ends without
+    # a verdict while the probe is out: its wait for a busy connection ran out, or a 4xx.
+    clock = ManualClock(100.0)
+    b = tripped(clock)
+    clock.now += 5.0
+    assert b.allow()
+    holder = b.probe
+    b.release(0)  # the ticket of a request that claimed nothing
+    assert (b.state, b.allow()) == ("half_open", False)  # no second probe
+    b.release(holder)
+    assert b.allow() is True
+    second = b.probe
+    b.release(holder)  # the first probe's ticket is spent: the second probe stays out
+    assert (b.state, b.probe, b.allow()) == ("half_open", second, False)
+    b.record_success()
+    assert (b.state, b.probe) == ("closed", 0)
+
+
+def test_a_probe_ticket_is_spent_once_a_verdict_reopens_the_breaker() -> None:
+    # The probe's holder outlives a verdict brought by an older request, and the next probe.
+    clock = ManualClock(100.0)
+    b = tripped(clock)
+    clock.now += 5.0
+    assert b.allow()
+    first = b.probe
+    b.record_failure()  # an older request's failure, taken as the probe's: open again, x2
+    clock.now += 10.0
+    assert b.allow()
+    b.release(first)
+    assert (b.state, b.allow()) == ("half_open", False)
 
 
 def test_verdicts_while_open_are_ignored() -> None:

@@ -53,6 +53,9 @@ class _Pool:
     def acquire(self, who: object, fresh: bool = False) -> None:
         self._asked.append(self.url)
 
+    def cancel(self, who: object) -> None:
+        pass
+
 
 def breaker_in(state: str) -> CircuitBreaker:
     """closed; open within its cooldown; cooled (open, its cooldown passed); half_open (its
@@ -83,7 +86,7 @@ def relay_over(states: dict[str, str]) -> tuple[WorkerRelay, list[str], list[Ref
         pools={},
         pool_for=lambda url: _Pool(url, asked),
         metrics=SimpleNamespace(requests=Counter(), upstream_failures=Counter()),
-        stats=SimpleNamespace(safe_retries=0),
+        stats=SimpleNamespace(safe_retries=0, ended=Counter()),
     )
     client = SimpleNamespace(refuse=refused.append, gate=None)  # a client without a socket
     head = read_request_head(b"POST", b"/v1/completions", True, [(b"Host", b"r")], True)
@@ -133,3 +136,36 @@ def test_a_failover_reads_whether_every_breaker_was_open_as_it_was_before_the_fi
     relay.upstream_failed("connect", "refused")
     assert asked == tried
     assert [r.status for r in refused] == ([status] if status else [])
+
+
+def end_without_a_verdict(relay: WorkerRelay, how: str) -> None:
+    """The attempt ends telling the breaker nothing of the worker: its wait for one of the
+    worker's busy connections ran out, it was answered a 4xx, or its client left."""
+    if how == "queue":
+        relay.upstream_failed("queue", "all 1 connection(s) to the worker stayed busy")
+    elif how == "4xx":
+        assert relay.accept_head(404)
+    else:
+        relay.client_gone()
+
+
+@pytest.mark.parametrize("how", ["queue", "4xx", "gone"])
+def test_a_request_sent_anyway_leaves_the_probe_another_request_holds_out(how: str) -> None:
+    relay, asked, _ = relay_over({"a": "half_open"})  # its probe out with another request
+    relay.start()  # every breaker open: sent anyway, claiming nothing
+    assert asked == ["a"]
+    breaker = relay.plane.workers["a"].breaker  # type: ignore[attr-defined]
+    end_without_a_verdict(relay, how)
+    # Freed, the slot let a second probe out while the first was still out.
+    assert (breaker.state, breaker.allow()) == ("half_open", False)
+
+
+@pytest.mark.parametrize("how", ["queue", "4xx", "gone"])
+def test_the_probes_own_request_ending_without_a_verdict_frees_its_slot(how: str) -> None:
+    relay, asked, _ = relay_over({"a": "cooled"})
+    relay.start()  # claims the probe
+    breaker = relay.plane.workers["a"].breaker  # type: ignore[attr-defined]
+    assert asked == ["a"] and breaker.state == "half_open"
+    end_without_a_verdict(relay, how)
+    assert breaker.state == "open"
+    assert breaker.allow() is True  # the next request probes at once
