@@ -30,7 +30,8 @@ Theory of operation
   another sibling's. A sibling that fails is counted, logged (at most once a minute per
   sibling) and skipped for a backoff (50 ms doubling to 5 s; the decisions it misses are
   counted `skipped`): its ledger then misses a few decisions, which costs placement quality,
-  never correctness.
+  never correctness. A sibling that leaves the registry takes its lane, backoff and log time
+  with it (a rollout replaces every pod: kept, they grew with each one).
 - Homes (`SharedHome`) queue in the same outbox and count against the same bounds (a
   home's chain is at most `router.homes.MAX_CHAIN_BLOCKS` keys). A batch without homes
   encodes exactly as before homes existed (`omit_defaults`), so a replica without them
@@ -395,6 +396,10 @@ class DecisionSharing:
                 peers = set(self.peers())
                 for gone in lanes.keys() - peers:
                     lanes.pop(gone).task.cancel()
+                    # Its failure and log times go with it (its cancelled lane writes no more):
+                    # kept, every pod a rollout replaced left its own for good.
+                    self._failing.pop(gone, None)
+                    self._logged_at.pop(gone, None)
                 for peer in peers - lanes.keys():
                     lane = _Lane(Outbox(self.outbox.max_pending_keys), asyncio.Event())
                     lane.task = group.create_task(self._post_lane(peer, lane))

@@ -195,6 +195,40 @@ async def test_a_sibling_gone_from_the_registry_gets_no_more_posts_a_new_one_the
             await asyncio.gather(running, return_exceptions=True)
 
 
+async def test_a_sibling_gone_from_the_registry_leaves_no_failure_or_log_time_behind() -> None:
+    """A rollout replaces every pod, each at a new address: the times kept per failing
+    sibling (its backoff, its last warning) stayed for good, a few more each rollout."""
+    got: list[int] = []
+    decode = DecisionSharing(None, list, TOKEN, lambda *a: None, lambda r: True).decode  # type: ignore[arg-type]
+
+    async def refusing(request: web.Request) -> web.Response:
+        return web.Response(status=503, text="going away")
+
+    async def taking(request: web.Request) -> web.Response:
+        got.extend(k for d in decode(await request.read()).decisions for k in d.keys)
+        return web.Response(status=204)
+
+    async with (
+        siblings_answering(old=refusing, new=taking) as urls,
+        aiohttp.ClientSession() as session,
+    ):
+        peers = [urls["old"]]
+        sharing = DecisionSharing(session, lambda: peers, TOKEN, lambda *a: None, lambda r: True)
+        running = asyncio.create_task(sharing.run())
+        try:
+            sharing.share(RankId("http://w:1", 0), [1], 0)
+            await eventually(lambda: sharing.stats.failed == 1, 5)
+            assert set(sharing._failing) == set(sharing._logged_at) == {urls["old"]}
+            peers[:] = [urls["new"]]  # rolled: the old pod left, its successor joined
+            sharing.share(RankId("http://w:1", 0), [2], 0)
+            await eventually(lambda: got == [2], 5)
+            assert sharing._failing == {} and sharing._logged_at == {}
+            assert sharing.stats.failed == 1 and sharing.stats.sent == 1
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
+
 async def test_a_stalled_siblings_lane_drops_its_oldest_past_the_bound_and_counts_them() -> None:
     release = asyncio.Event()
     posts = 0
