@@ -526,16 +526,23 @@ def _bootstrap(
         # A seeded replica asks its siblings in a reproducible order (tests, benches).
         rng = random.Random(config.seed) if config.seed is not None else None
         registry = PeerRegistry.static(_static_siblings(config), config.self_url, rng)
+        siblings = f"{len(registry.peers)} static sibling(s)"
     else:
         registry = PeerRegistry(config.self_url)  # synced by the EndpointSlice watch
+        # Named, not counted: none are known before the watch's first list ("0 static
+        # siblings" read as a replica with none).
+        namespace, _ = resolve_namespace(config.namespace, os.environ)
+        siblings = f"siblings from the EndpointSlices matching {config.kv_peer_selector!r} " + (
+            f"in namespace {namespace!r}" if namespace else "in every namespace"
+        )
     fetcher = SnapshotFetcher(
         max_body_bytes=snapshot_body_bound(config),
         per_fetch_s=tracker.fetch_timeout_s,
         token=config.internal_token,
     )
     log.info(
-        "peer bootstrap on: %d static sibling(s), timeout %.0f s, per fetch %.0f s",
-        len(registry.peers),
+        "peer bootstrap on: %s, timeout %.0f s, per fetch %.0f s",
+        siblings,
         tracker.timeout_s,
         tracker.fetch_timeout_s,
     )

@@ -4,6 +4,7 @@ through the fake API server, with real fake workers on loopback."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -287,3 +288,24 @@ async def test_a_sibling_listed_at_a_legacy_ipv4_spelling_is_left_out_and_named_
             "127.000.000.001" in r.getMessage() and "write it as 127.0.0.1" in r.getMessage()
             for r in caplog.records
         ), [r.getMessage() for r in caplog.records]
+
+
+async def test_the_bootstrap_start_line_names_where_siblings_are_found_not_a_static_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # It read "peer bootstrap on: 0 static sibling(s)", as if this replica had none.
+    async with contextlib.AsyncExitStack() as stack:
+        fake = await stack.enter_async_context(FakeApiServer())
+        with caplog.at_level(logging.INFO, logger="router.replica"):
+            await stack.enter_async_context(
+                router_in_process(
+                    kv_peer_selector=SIBLINGS, kube_api_server=fake.url, namespace="fleet"
+                )
+            )
+    lines = [r.getMessage() for r in caplog.records if "peer bootstrap on" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(
+        f"peer bootstrap on: siblings from the EndpointSlices matching {SIBLINGS!r} in "
+        "namespace 'fleet', timeout "
+    ), lines
+    assert "static" not in lines[0]
