@@ -64,7 +64,9 @@ export is dropped before a rebuild, so two full bodies are never held at once.
 
 `cursors_only` bodies are read live from the cursor map (every rank with a cursor, including
 ranks whose blocks are all gone: they are still valid witnesses for a splice probe), carry no
-nodes and never touch the cache.
+nodes and never touch the cache. Their `empty_ranks` are the live ranks with no cursor yet, so
+that a reader of the table alone (`kvrouter view --watch`) lists every registered rank, as the
+export's `empty_ranks` let `kvrouter view` do.
 """
 
 from __future__ import annotations
@@ -604,12 +606,14 @@ class SnapshotProducer:
     # -- cursor tables ---------------------------------------------------------------------
 
     def cursor_table(self) -> PeerSnapshot:
-        """The live cursor table: every rank with a cursor, no nodes, never cached."""
+        """The live cursor table: every rank with a cursor, no nodes, never cached; the live
+        ranks with none yet (registered, no batch applied) in `empty_ranks`."""
         self.stats.cursors_only += 1
         view = self.view
         tree = view.tree
         cursors = view.cursors
         ranks = sorted(cursors)
+        empty = sorted(rank for rank in view.live if rank not in cursors)
         ready = tree is not None and bool(self.settled()) and len(tree) > 0
         return PeerSnapshot(
             format=FORMAT,
@@ -618,6 +622,7 @@ class SnapshotProducer:
             producer_ready=ready,
             workers=[WireWorker(rank.worker_url, rank.dp_rank) for rank in ranks],
             cursors=[(i, cursors[rank]) for i, rank in enumerate(ranks)],
+            empty_ranks=[WireWorker(rank.worker_url, rank.dp_rank) for rank in empty],
             nodes=[],
         )
 

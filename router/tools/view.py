@@ -40,7 +40,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, TextIO
+from typing import Final, TextIO
 
 import aiohttp
 import msgspec
@@ -157,22 +157,6 @@ class Comparison:
 # -- fetching -------------------------------------------------------------------------------
 
 
-def _rank(worker: Any) -> RankId:
-    return RankId(worker.url.rstrip("/"), worker.dp_rank)
-
-
-def _named_ranks(snap: PeerSnapshot) -> set[RankId]:
-    return {_rank(w) for w in snap.workers} | {_rank(w) for w in snap.empty_ranks}
-
-
-def _cursor_table(snap: PeerSnapshot) -> dict[RankId, int]:
-    out: dict[RankId, int] = {}
-    for index, seq in snap.cursors:
-        if 0 <= index < len(snap.workers):
-            out[_rank(snap.workers[index])] = seq
-    return out
-
-
 async def _readiness(
     session: aiohttp.ClientSession, url: str, timeout_s: float
 ) -> tuple[bool, str]:
@@ -225,8 +209,8 @@ async def fetch_view(
     if not isinstance(table, Fetched):
         view.error = f"cursor table: {table.reason}{watch.token_hint(table)}"
         return view
-    view.cursors = _cursor_table(table.snapshot)
-    view.ranks |= _named_ranks(table.snapshot)
+    view.cursors = watch.cursor_table(table.snapshot)
+    view.ranks |= watch.named_ranks(table.snapshot)
     view.block_size = table.snapshot.block_size
     view.producer_ready = table.snapshot.producer_ready
     if cursors_only:
@@ -237,7 +221,7 @@ async def fetch_view(
         view.error = f"snapshot: {full.reason}"
         return view
     view.snapshot = full.snapshot
-    view.ranks |= _named_ranks(full.snapshot)
+    view.ranks |= watch.named_ranks(full.snapshot)
     view.block_size = full.snapshot.block_size or view.block_size
     view.producer_ready = full.snapshot.producer_ready
     return view

@@ -9,7 +9,8 @@ rank missing) is highlighted: reverse video on a terminal, a `*` elsewhere.
 Each frame costs every replica three small requests, so watching a replica with a million
 blocks is as cheap as watching an empty one: `/readyz`, the cursor table
 (`/internal/kv_snapshot?cursors_only=true`, with the bearer token as `kvrouter view` sends
-it) and `/metrics` (blocks per rank from `kvrouter_tree_blocks`, bootstrap state per rank
+it: the ranks with a cursor, and the registered ones with none yet, its `empty_ranks`) and
+`/metrics` (blocks per rank from `kvrouter_tree_blocks`, bootstrap state per rank
 from `kvrouter_kv_bootstrap_state`, `kvrouter_tree_nodes`, `kvrouter_pump_backlog`). It never
 exports the index: `kvrouter view` without `--watch` compares the blocks themselves.
 
@@ -33,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cachetree.ranks import RankId
 from peer.fetch import Fetched, Refused, SnapshotFetcher, Unreachable
-from peer.wire import MSGPACK
+from peer.wire import MSGPACK, PeerSnapshot, WireWorker
 from router.auth import TOKEN_ENV
 
 # kvrouter_kv_bootstrap_state: 0 pending, 1 recovered, 2 failed (cold).
@@ -51,6 +52,7 @@ class ReplicaState:
     url: str
     ready: bool | None = None
     ready_detail: str = ""
+    ranks: set[RankId] = field(default_factory=set)  # every rank its cursor table names
     cursors: dict[RankId, int] = field(default_factory=dict)
     blocks: dict[RankId, int] = field(default_factory=dict)
     bootstrap: dict[RankId, str] = field(default_factory=dict)
@@ -60,6 +62,25 @@ class ReplicaState:
 
 
 # -- fetching -------------------------------------------------------------------------------
+
+
+def _rank(worker: WireWorker) -> RankId:
+    return RankId(worker.url.rstrip("/"), worker.dp_rank)
+
+
+def named_ranks(snap: PeerSnapshot) -> set[RankId]:
+    """Every rank a cursor table or export names: those it carries (`workers`) and the live
+    ones with nothing to carry (`empty_ranks`: registered, no cursor and no blocks yet)."""
+    return {_rank(w) for w in snap.workers} | {_rank(w) for w in snap.empty_ranks}
+
+
+def cursor_table(snap: PeerSnapshot) -> dict[RankId, int]:
+    """The applied cursor per rank of a cursor table or export."""
+    out: dict[RankId, int] = {}
+    for index, seq in snap.cursors:
+        if 0 <= index < len(snap.workers):
+            out[_rank(snap.workers[index])] = seq
+    return out
 
 
 def read_metrics(state: ReplicaState, text: str) -> None:
@@ -105,11 +126,8 @@ async def fetch_state(
     if not isinstance(table, Fetched):
         state.error = f"cursor table: {table.reason}{token_hint(table)}"
         return state
-    snap = table.snapshot
-    for index, seq in snap.cursors:
-        if 0 <= index < len(snap.workers):
-            worker = snap.workers[index]
-            state.cursors[RankId(worker.url.rstrip("/"), worker.dp_rank)] = seq
+    state.cursors = cursor_table(table.snapshot)
+    state.ranks = named_ranks(table.snapshot)
     return state
 
 
@@ -203,10 +221,11 @@ def frame(states: Sequence[ReplicaState], *, color: bool, header: str = "") -> l
 
 
 def ranks_of(states: Sequence[ReplicaState]) -> list[RankId]:
-    """The rows: every rank a replica has a cursor, blocks or a bootstrap state for. A rank
-    registered with no cursor yet (its bootstrap pending, or cold: no batch since) is named
-    by its bootstrap state alone; it was left out, though `kvrouter view` lists it."""
-    return sorted({r for s in states for r in (*s.cursors, *s.blocks, *s.bootstrap)})
+    """The rows: every rank a replica names, as `kvrouter view` lists them. A rank registered
+    with no batch yet has no cursor and no blocks: its cursor table names it (`empty_ranks`),
+    and with bootstrap on its bootstrap state (pending, or cold) does too; named by the
+    bootstrap state alone, it was left out on a replica without bootstrap."""
+    return sorted({r for s in states for r in (*s.ranks, *s.cursors, *s.blocks, *s.bootstrap)})
 
 
 def verdict(states: Sequence[ReplicaState]) -> int:

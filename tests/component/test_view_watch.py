@@ -17,10 +17,11 @@ import aiohttp
 from cachetree.ranks import RankId
 from peer.fetch import SnapshotFetcher
 from router.auth import TOKEN_ENV
-from router.tools import watch
+from router.tools import view, watch
 from tests.component.test_view import FIRST, TOK, fleet, run_view
+from tests.support.fake_worker import fake_worker_in_process
 from tests.support.processes import kvrouter_argv
-from tests.support.router import TEST_TOKEN, RouterHandle
+from tests.support.router import TEST_TOKEN, RouterHandle, router_in_process
 from tests.support.waiting import eventually
 
 INTERVAL_S = 0.02
@@ -142,6 +143,28 @@ def test_a_rank_registered_without_a_cursor_is_a_row_and_the_verdict_follows_the
     assert watch.verdict([a, watch.ReplicaState("http://c", error="refused")]) == 2
 
 
+async def test_a_rank_registered_with_no_batch_yet_is_a_row_on_a_replica_without_bootstrap() -> (
+    None
+):
+    # No cursor, no blocks and (no bootstrap) no bootstrap state: the watch named it nowhere
+    # and drew "no ranks yet", while `kvrouter view` listed it from the export.
+    async with (
+        fake_worker_in_process(dp_size=2) as fw,
+        router_in_process(workers=[fw.url]) as rt,
+    ):
+        ranks = [RankId(fw.url, 0), RankId(fw.url, 1)]
+        assert rt.replica.bootstrap is None
+        await eventually(lambda: rt.replica.pump.rules.live >= set(ranks), 10)
+        async with watching([rt]) as frame_where:
+            lines = await frame_where(lambda f: any(line.startswith(str(ranks[0])) for line in f))
+        for rank in ranks:
+            assert row(lines, rank)[0].split() == ["-", "0", "-"]  # no cursor, 0 blocks
+        assert watch.verdict([await watch_state(rt.url, TEST_TOKEN)]) == 0
+        (one_shot,) = await view.collect([rt.url], token=TEST_TOKEN)
+        assert one_shot.ranks == set(ranks) and not one_shot.cursors  # what view lists
+        assert rt.replica.pump.rules.cursors == {}  # still no batch: the premise held
+
+
 async def test_an_unreachable_replica_is_shown_as_an_error_and_the_others_still_drawn() -> None:
     async with fleet() as ([a, _], [w1, _]):
         states = await asyncio.gather(
@@ -160,8 +183,12 @@ async def test_an_unreachable_replica_is_shown_as_an_error_and_the_others_still_
         assert cell.startswith(f"{watch.HIGHLIGHT[0]}absent ") and cell.endswith(watch.HIGHLIGHT[1])
 
 
-async def watch_state(url: str) -> watch.ReplicaState:
-    async with SnapshotFetcher(per_fetch_s=2.0) as fetcher, aiohttp.ClientSession() as session:
+async def watch_state(url: str, token: str | None = None) -> watch.ReplicaState:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with (
+        SnapshotFetcher(token=token, per_fetch_s=2.0) as fetcher,
+        aiohttp.ClientSession(headers=headers) as session,
+    ):
         return await watch.fetch_state(fetcher, session, url, 2.0)
 
 
