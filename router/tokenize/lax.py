@@ -5,9 +5,10 @@ engine serves `"add_generation_prompt": "false"` (False) and `"prompt": [1.0, 2.
 The router must read such a body as the engine does (a 400 the engine would not give turns a
 served request away; a misread flag or id changes the prompt's blocks), and refuse what the
 engine refuses. These are pydantic-core's rules (`src/input/shared.rs`: `str_as_bool`,
-`int_as_bool`, `float_as_int`, `str_as_int`), written out; tests/unit/test_lax.py holds them
-against pydantic itself. SGLang's `/generate` reads `input_ids` with its own validator instead
-(`array("q", ids)`: ints and bools only), which is `sglang_token_id`.
+`int_as_bool`, `float_as_int`, `str_as_int`, `str_as_float`), written out;
+tests/unit/test_lax.py holds them against pydantic itself. SGLang's `/generate` reads
+`input_ids` with its own validator instead (`array("q", ids)`: ints and bools only), which is
+`sglang_token_id`.
 
 Each function returns the value the engine's model holds, or raises ValueError.
 """
@@ -28,6 +29,11 @@ _WHITE_SPACE: Final = (
     "\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
 )
 _JSON_INT: Final = re.compile(r"-?(?:0|[1-9][0-9]*)")
+# What Rust's `f64::from_str` parses (pydantic-core's float from a string): no white space, no
+# `_`, ASCII digits only, `5.` and `.5` both taken, inf and nan in any case.
+_RUST_FLOAT: Final = re.compile(
+    r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf|infinity|nan)", re.IGNORECASE
+)
 _I64: Final = 2**63
 _SHOWN: Final = 40  # characters of a refused value an error message repeats
 _LONGEST_INT_TEXT: Final = 1024  # longer: padding no client sends, or past any id: refused
@@ -79,6 +85,29 @@ def lax_int(value: Any) -> int:
     if kind is str:
         return _int_of_str(value)
     raise ValueError(f"{shown(value)} is not an integer")
+
+
+def lax_float(value: Any) -> float:
+    """A pydantic `float` field: a number (a bool is 0.0 or 1.0), or a string Rust parses as
+    one after trimming white space, else once its `_` are dropped (none first, last or
+    doubled). inf and nan are read as such: fields that refuse them check it themselves."""
+    kind = type(value)
+    if kind is float:
+        return value  # type: ignore[no-any-return]
+    if kind is int or kind is bool:
+        try:
+            return float(value)
+        except OverflowError:
+            raise ValueError(f"{shown(value)} is not a float in range") from None
+    if kind is str:
+        text = value.strip(_WHITE_SPACE)
+        if _RUST_FLOAT.fullmatch(text):
+            return float(text)
+        if not (value.startswith("_") or value.endswith("_") or "__" in value):
+            joined = value.replace("_", "")
+            if _RUST_FLOAT.fullmatch(joined):
+                return float(joined)
+    raise ValueError(f"{shown(value)} is not a float")
 
 
 def sglang_token_id(value: Any) -> int:

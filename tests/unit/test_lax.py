@@ -12,12 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fake_kv_worker import protocol as mirror
-from router.tokenize.lax import lax_bool, lax_int, sglang_token_id
+from router.tokenize.lax import lax_bool, lax_float, lax_int, sglang_token_id
 
 pydantic = pytest.importorskip("pydantic")
 
 INT = pydantic.TypeAdapter(int)
 BOOL = pydantic.TypeAdapter(bool)
+FLOAT = pydantic.TypeAdapter(float)
 
 # Every string of up to four of these pieces: signs, zeros, underscores, points, exponents,
 # the white space Rust trims and Python's strip() also takes (\x1c), in every order.
@@ -73,6 +74,29 @@ def test_any_integer_text_or_number_is_read_as_pydantic_reads_it(value: Any) -> 
     expected = verdict(INT.validate_python, value)
     assert verdict(lax_int, value) == expected
     assert verdict(mirror_int, value) == expected
+
+
+def float_verdict(read: Callable[[Any], Any], value: Any) -> tuple[Any, ...]:
+    got = verdict(read, value)
+    return ("ok", "nan") if got[0] == "ok" and got[1] != got[1] else got
+
+
+FLOAT_PIECES = (*PIECES, "E", "inf", "nan", "x", "5")
+
+
+def test_floats_are_read_as_pydantic_lax_mode_reads_them() -> None:
+    texts = ["".join(p) for n in range(1, 4) for p in itertools.product(FLOAT_PIECES, repeat=n)]
+    wrong = [
+        v
+        for v in [*SCALARS, 2**2000, "1e400", "0.5_0", "5._0", "INFINITY", *texts]
+        if float_verdict(lax_float, v) != float_verdict(FLOAT.validate_python, v)
+    ]
+    assert wrong == []
+
+
+@given(st.text(alphabet="0123456789_.+- \teEinfa", max_size=12) | st.floats() | st.integers())
+def test_any_float_text_or_number_is_read_as_pydantic_reads_it(value: Any) -> None:
+    assert float_verdict(lax_float, value) == float_verdict(FLOAT.validate_python, value)
 
 
 def test_sglang_generate_ids_are_int64s_or_bools_and_nothing_else() -> None:
