@@ -7,12 +7,15 @@ call) and turns a chat request into prompt ids the way each engine's OpenAI serv
   `{"type": "text"}` parts when the template loops over a message's content; `developer` sent
   as `system` unless the template names it), parse tool-call arguments, dump the tools as its
   request model does, resolve the template kwargs (request fields over chat_template_kwargs,
-  filtered to the template's variables and apply_chat_template's parameters), render with
+  `enable_thinking` from `reasoning_effort` when the kwargs do not set it, filtered to the
+  template's variables and apply_chat_template's parameters), render with
   `apply_chat_template(tokenize=False)` and encode without special tokens.
 - SGLang: dump the messages as its request models do, flatten content with spaces, turn a
   trailing assistant message into a user turn (or append it after the generation prompt with
-  `continue_final_message`), render with `add_generation_prompt=True` and retry with bare
-  function tools when the template refuses the wrapped ones.
+  `continue_final_message`), read the reasoning effort as its request model does (also from
+  a `reasoning` object; `thinking` and `enable_thinking` set from it unless given;
+  `chat_template_kwargs.reasoning_effort` over it), render with `add_generation_prompt=True`
+  and retry with bare function tools when the template refuses the wrapped ones.
 
 This is the engine's side of the bargain, written from the engines' code, independently of the
 router (which must not be imported here): the tests hold the router's ids against these, so a
@@ -110,6 +113,9 @@ class ModelChat:
         for message in conversation:
             _vllm_fix_tool_calls(message)
         chat_kwargs = dict(body.get("chat_template_kwargs") or {})
+        effort = body.get("reasoning_effort")
+        if effort is not None and effort not in VLLM_EFFORTS:
+            raise RequestError("Input should be one of the reasoning efforts", "reasoning_effort")
         for name, default in (
             ("add_generation_prompt", True),
             ("continue_final_message", False),
@@ -119,6 +125,8 @@ class ModelChat:
             value = body.get(name, default)
             if value is not None and value != "auto":
                 chat_kwargs[name] = value
+        if effort is not None and "enable_thinking" not in (body.get("chat_template_kwargs") or {}):
+            chat_kwargs["enable_thinking"] = effort != "none"
         if "tools" in chat_kwargs:
             tool_dicts = chat_kwargs.pop("tools")
         if "chat_template" in chat_kwargs or "tokenize" in chat_kwargs:
@@ -167,10 +175,14 @@ class ModelChat:
                 prefix = messages.pop()["content"]
             else:
                 messages[-1] = {"role": "user", "content": messages[-1]["content"]}
+        effort, template_kwargs = _sglang_reasoning_inputs(body)
+        given = template_kwargs.pop("reasoning_effort", None)
+        if given is not None:
+            effort = given
         extra: dict[str, Any] = {}
-        if body.get("reasoning_effort") is not None:
-            extra["reasoning_effort"] = body["reasoning_effort"]
-        extra.update(body.get("chat_template_kwargs") or {})
+        if effort is not None:
+            extra["reasoning_effort"] = effort
+        extra.update(template_kwargs)
         try:
             rendered = self.tokenizer.apply_chat_template(
                 messages,
@@ -213,6 +225,66 @@ def _with_lax_bools(body: dict[str, Any], names: tuple[str, ...]) -> dict[str, A
     """The body with these fields as the request model holds them (pydantic's lax bools; a
     field given as null is refused, as the models' plain `bool` fields refuse it)."""
     return {**body, **{name: lax_bool(body[name], name) for name in names if name in body}}
+
+
+# vLLM 0.22+'s ChatCompletionRequest.reasoning_effort Literal.
+VLLM_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+# SGLang 0.5.23's ReasoningEffortTier; a float in [0, 0.99] is an effort too.
+SGLANG_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max")
+
+
+def _sglang_reasoning_inputs(body: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """SGLang's ChatCompletionRequest.normalize_reasoning_inputs, then its reasoning_effort
+    field's validation: the effort and the chat_template_kwargs the request ends up with."""
+    reasoning = body.get("reasoning")
+    effort = body.get("reasoning_effort")
+    thinking = None
+    if isinstance(reasoning, dict):
+        given = reasoning.get("effort")
+        if given is None:
+            given = reasoning.get("reasoning_effort")
+        if isinstance(given, str) and given in SGLANG_EFFORTS:
+            effort = given
+        elif isinstance(given, int | float) and not isinstance(given, bool):
+            effort = float(given)
+        elif isinstance(given, str):
+            try:
+                effort = float(given)
+            except ValueError:
+                raise RequestError("invalid reasoning effort", "reasoning_effort") from None
+        elif given is not None:
+            raise RequestError("invalid reasoning effort", "reasoning_effort")
+        enabled = reasoning.get("enabled")
+        if enabled is None:
+            enabled = reasoning.get("enable", False)
+        if isinstance(enabled, str):
+            enabled = enabled.strip().lower() in {"1", "true", "yes", "y", "on"}
+        if enabled:
+            thinking = True
+    if effort is not None:
+        thinking = effort != "none"
+    template_kwargs = body.get("chat_template_kwargs")
+    if thinking is not None:
+        template_kwargs = dict(template_kwargs) if isinstance(template_kwargs, dict) else {}
+        template_kwargs.setdefault("thinking", thinking)
+        template_kwargs.setdefault("enable_thinking", thinking)
+    elif template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise RequestError("chat_template_kwargs must be a dict", "chat_template_kwargs")
+    return _sglang_effort(effort), dict(template_kwargs or {})
+
+
+def _sglang_effort(effort: Any) -> Any:
+    if effort is None or (isinstance(effort, str) and effort in SGLANG_EFFORTS):
+        return effort
+    try:
+        if isinstance(effort, bool) or not isinstance(effort, int | float | str):
+            raise ValueError(effort)
+        number = float(effort)  # a string: pydantic's lax float, close enough for a mirror
+    except ValueError:
+        raise RequestError("reasoning_effort is no tier nor float", "reasoning_effort") from None
+    if not 0.0 <= number <= 0.99:
+        raise RequestError("reasoning_effort must be in [0, 0.99]", "reasoning_effort")
+    return number
 
 
 # --- vLLM helpers ---------------------------------------------------------------------------

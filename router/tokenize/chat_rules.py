@@ -25,6 +25,13 @@ they differ:
   with `continue_final_message` appends its text after the generation prompt.
 - `add_generation_prompt`, `documents`: vLLM takes them from the request; SGLang always adds
   the generation prompt and passes no documents.
+- `reasoning_effort`: both pass it to the template, and derive `enable_thinking` from it
+  (`effort != "none"`) unless `chat_template_kwargs` sets that, for templates that think only
+  when asked (Gemma 4's). vLLM (0.22+, `build_chat_params`): one of its seven words, the
+  request's field over `chat_template_kwargs.reasoning_effort`. SGLang (0.5.23,
+  `normalize_reasoning_inputs`, `_convert_to_internal_request`): its eight words or a number in
+  [0, 0.99], also read from a `reasoning` object, deriving `thinking` too;
+  `chat_template_kwargs.reasoning_effort` over the request's field.
 - `tools`: each engine's request model dump. vLLM: `{type, function: {name, description,
   parameters, ...extra}}` (a missing description is `null`). SGLang: `{type, function:
   {description, name, parameters, strict}, defer_loading}`, none when `tool_choice` is
@@ -39,13 +46,14 @@ as a cache miss, never refused.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final
 
-from router.tokenize.lax import lax_bool_field
+from router.tokenize.lax import lax_bool_field, lax_float, shown
 
 
 class Engine(StrEnum):
@@ -129,7 +137,6 @@ def render_call(body: dict[str, Any], traits: TemplateTraits, engine: Engine) ->
     _within_counts(body)
     messages = _checked_messages(body.get("messages"))
     tools = _checked_tools(body.get("tools"))
-    template_kwargs = _checked_object(body.get("chat_template_kwargs"), "chat_template_kwargs")
     continue_final = lax_bool_field(body, "continue_final_message", False, ChatRequestError)
     if body.get("chat_template") is not None:
         # vLLM refuses it unless started with --trust-request-chat-template; either way the
@@ -137,8 +144,11 @@ def render_call(body: dict[str, Any], traits: TemplateTraits, engine: Engine) ->
         raise Unrenderable("request_template", "the request carries its own chat_template")
     with _wrong_shapes_refused():
         if engine is Engine.SGLANG:
-            call = _sglang_call(body, messages, tools, template_kwargs, continue_final, traits)
+            call = _sglang_call(body, messages, tools, continue_final, traits)
         else:
+            template_kwargs = _checked_object(
+                body.get("chat_template_kwargs"), "chat_template_kwargs"
+            )
             # SGLang's request model has no such field (it always adds the prompt): vLLM's only.
             add_generation_prompt = lax_bool_field(
                 body, "add_generation_prompt", True, ChatRequestError
@@ -334,12 +344,15 @@ def _vllm_call(
     # The request's chat_template_kwargs first, the request's own fields over them (unset ones
     # do not count), then only what the template or apply_chat_template accepts.
     merged = dict(template_kwargs)
+    effort = _vllm_reasoning_effort(body)
     explicit = {
         "add_generation_prompt": add_generation_prompt,
         "continue_final_message": continue_final,
         "documents": body.get("documents"),
-        "reasoning_effort": body.get("reasoning_effort"),
+        "reasoning_effort": effort,
     }
+    if effort is not None and "enable_thinking" not in template_kwargs:
+        explicit["enable_thinking"] = effort != "none"
     merged.update({k: v for k, v in explicit.items() if v is not None and v != "auto"})
     if "tools" in merged:  # a `tools` inside chat_template_kwargs wins over the request's
         tool_dicts = merged.pop("tools")
@@ -347,6 +360,20 @@ def _vllm_call(
         raise Unrenderable("render", "chat_template_kwargs may not set chat_template or tokenize")
     kwargs = {k: v for k, v in merged.items() if k in traits.accepted_kwargs}
     return RenderCall(conversation, tool_dicts, kwargs)
+
+
+_VLLM_EFFORTS: Final = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"})
+
+
+def _vllm_reasoning_effort(body: dict[str, Any]) -> str | None:
+    """vLLM's `reasoning_effort`: a Literal of its words, exactly, or null."""
+    effort = body.get("reasoning_effort")
+    if effort is None or (type(effort) is str and effort in _VLLM_EFFORTS):
+        return effort
+    raise ChatRequestError(
+        f"'reasoning_effort' must be one of {sorted(_VLLM_EFFORTS)}, not {shown(effort)}",
+        "reasoning_effort",
+    )
 
 
 def _vllm_message(message: dict[str, Any], traits: TemplateTraits) -> dict[str, Any]:
@@ -462,7 +489,6 @@ def _sglang_call(
     body: dict[str, Any],
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
-    template_kwargs: dict[str, Any],
     continue_final: bool,
     traits: TemplateTraits,
 ) -> RenderCall:
@@ -476,11 +502,77 @@ def _sglang_call(
         else:
             conversation[-1] = {"role": "user", "content": last["content"]}
     kwargs: dict[str, Any] = {"add_generation_prompt": True}
-    if body.get("reasoning_effort") is not None:
-        kwargs["reasoning_effort"] = body["reasoning_effort"]
+    effort, template_kwargs = _sglang_reasoning(body)
+    if effort is not None:
+        kwargs["reasoning_effort"] = effort
     kwargs.update(template_kwargs)
     tool_dicts = _sglang_tools(tools, body.get("tool_choice"))
     return RenderCall(conversation, tool_dicts, kwargs, suffix, retry_with_bare_tools=True)
+
+
+_SGLANG_EFFORTS: Final = frozenset(
+    {"none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max"}
+)
+_SGLANG_MOST_EFFORT: Final = 0.99  # a number is an effort in [0, 0.99]
+_SGLANG_ENABLED_WORDS: Final = frozenset({"1", "true", "yes", "y", "on"})
+
+
+def _sglang_reasoning(body: dict[str, Any]) -> tuple[str | float | None, dict[str, Any]]:
+    """SGLang's reasoning effort and the chat_template_kwargs it renders with (0.5.23).
+
+    Its request model reads the effort from `reasoning_effort`, or from a `reasoning` object
+    (`effort`, else `reasoning_effort`) over it; any effort, or `reasoning.enabled` (else
+    `enable`) true, sets `thinking` and `enable_thinking` in chat_template_kwargs unless they
+    are there (kwargs that are not an object are then replaced, not refused). Its chat server
+    then takes `chat_template_kwargs.reasoning_effort`, unchecked, over the effort."""
+    effort = body.get("reasoning_effort")
+    thinking = None
+    reasoning = body.get("reasoning")
+    if type(reasoning) is dict:
+        given = reasoning.get("effort")
+        if given is None:
+            given = reasoning.get("reasoning_effort")
+        if given is not None:
+            effort = given  # read below like the field (a number string is a number)
+        enabled = reasoning.get("enabled")
+        if enabled is None:
+            enabled = reasoning.get("enable", False)
+        if type(enabled) is str:
+            enabled = enabled.strip().lower() in _SGLANG_ENABLED_WORDS
+        if enabled:
+            thinking = True
+    if effort is not None:
+        thinking = effort != "none"
+    raw = body.get("chat_template_kwargs")
+    if thinking is not None:
+        template_kwargs = dict(raw) if isinstance(raw, dict) else {}
+        template_kwargs.setdefault("thinking", thinking)
+        template_kwargs.setdefault("enable_thinking", thinking)
+    else:
+        template_kwargs = dict(_checked_object(raw, "chat_template_kwargs"))
+    effort = _sglang_effort(effort)
+    given = template_kwargs.pop("reasoning_effort", None)
+    return (effort if given is None else given), template_kwargs
+
+
+def _sglang_effort(effort: Any) -> str | float | None:
+    """SGLang's `reasoning_effort` field: null, one of its words, or a number (a number string
+    too, read as pydantic reads a float) in [0, 0.99]; never a boolean."""
+    if effort is None or (type(effort) is str and effort in _SGLANG_EFFORTS):
+        return effort  # type: ignore[no-any-return]
+    try:
+        if type(effort) is bool:
+            raise ValueError("a boolean")
+        number = lax_float(effort)
+    except ValueError:
+        number = math.nan
+    if not 0.0 <= number <= _SGLANG_MOST_EFFORT:  # nan and inf fail it too
+        raise ChatRequestError(
+            f"'reasoning_effort' must be one of {sorted(_SGLANG_EFFORTS)} or a number in "
+            f"[0, {_SGLANG_MOST_EFFORT}], not {shown(effort)}",
+            "reasoning_effort",
+        )
+    return number
 
 
 def _sglang_message(message: dict[str, Any], as_parts: bool) -> dict[str, Any]:

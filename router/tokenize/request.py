@@ -162,7 +162,7 @@ class BytesModel:
         return kept(self._tokenizer.encode_bytes(text), params.keep, params.side)
 
     def encode_chat(self, body: dict[str, Any], params: TokenizeParams) -> Sequence[int]:
-        _validated(body)
+        _validated(body, self.engine)
         ids = self._tokenizer.encode_bytes(render_chat_plain(body["messages"]))
         return kept(ids, params.keep, params.side)
 
@@ -170,11 +170,12 @@ class BytesModel:
         return "plain"
 
 
-def _validated(body: dict[str, Any]) -> None:
-    # The same 400s as a model's template path: validation is shared, the rendering is not.
-    # The plain format renders any text: only the malformed bodies are refused.
+def _validated(body: dict[str, Any], engine: Engine) -> None:
+    # The same 400s as a model's template path, by the rules followed: validation is shared,
+    # the rendering is not. The plain format renders any text: only malformed bodies are
+    # refused.
     with contextlib.suppress(Unrenderable):
-        render_call(body, _PLAIN_TRAITS, Engine.VLLM)
+        render_call(body, _PLAIN_TRAITS, engine)
 
 
 _PLAIN_TRAITS: Final = TemplateTraits(

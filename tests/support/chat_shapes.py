@@ -177,6 +177,22 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
         "tools": [WEATHER_TOOL],
     },
     "reasoning_effort": {"messages": [SYSTEM, USER], "reasoning_effort": "low"},
+    # Both engines turn thinking off for "none" (enable_thinking), unless the kwargs say.
+    "reasoning_effort_none": {"messages": [SYSTEM, USER], "reasoning_effort": "none"},
+    "thinking_kwarg_over_reasoning_effort": {
+        "messages": [SYSTEM, USER],
+        "reasoning_effort": "none",
+        "chat_template_kwargs": {"enable_thinking": True},
+    },
+    # vLLM: the field over the kwargs; SGLang: the kwargs over the field.
+    "reasoning_effort_in_kwargs": {
+        "messages": [SYSTEM, USER],
+        "reasoning_effort": "high",
+        "chat_template_kwargs": {"reasoning_effort": "low"},
+    },
+    # SGLang's alone: a `reasoning` object, a number (vLLM ignores the one, refuses the other).
+    "reasoning_object": {"messages": [SYSTEM, USER], "reasoning": {"effort": "none"}},
+    "reasoning_effort_number": {"messages": [SYSTEM, USER], "reasoning_effort": 0.5},
     "empty_system": {"messages": [{"role": "system", "content": ""}, USER]},
     "named_user": {"messages": [{"role": "user", "name": "alice", "content": "Hi there!"}]},
     "special_text_in_content": {

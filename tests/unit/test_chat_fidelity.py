@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 
 from fake_kv_worker.model_chat import ModelChat, vllm_cut
 from fake_kv_worker.protocol import RequestError
-from router.tokenize import RequestTokenizer, load_tokenizer
+from router.tokenize import ChatRequestError, RequestTokenizer, load_tokenizer
 from router.tokenize.chat_rules import Engine
 from router.tokenize.params import chat_params, completion_params
 from tests.support.chat_shapes import SHAPES
@@ -81,7 +81,11 @@ def assert_router_matches_engine(
 ) -> None:
     untouched = copy.deepcopy(body)
     expected = engine_ids(worker, body)
-    got = router.encode_chat_request(body, chat_params(body, router.engine))
+    try:
+        got = router.encode_chat_request(body, chat_params(body, router.engine))
+    except ChatRequestError as refused:
+        assert expected is None, f"the router refused ({refused}) what the engine serves"
+        return  # both answer 400
     assert body == untouched  # the router never edits the body it forwards
     if expected is None:
         return  # the engine answers 400; the router still routed it (no exception)
@@ -210,6 +214,43 @@ def test_chat_template_kwargs_reach_the_template(
     assert router.encode_chat_request(SHAPES["thinking_off"]).ids != (
         router.encode_chat_request(SHAPES["plain"]).ids
     )
+
+
+EMPTY_THINK = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # qwen3.jinja, thinking off
+
+
+@pytest.mark.parametrize(
+    ("engine", "fields", "thinks"),
+    [
+        # vLLM 0.22+ (entrypoints/openai/chat_completion/protocol.py build_chat_params):
+        # enable_thinking = effort != "none", unless chat_template_kwargs has enable_thinking.
+        ("vllm", {"reasoning_effort": "none"}, False),
+        ("vllm", {"reasoning_effort": "low"}, True),
+        (
+            "vllm",
+            {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": 1}},
+            True,
+        ),
+        ("vllm", {"reasoning": {"effort": "none"}}, True),  # not a field of vLLM's model
+        # SGLang 0.5.23 (entrypoints/openai/protocol.py normalize_reasoning_inputs): the same,
+        # the effort also read from a `reasoning` object, which wins over the field.
+        ("sglang", {"reasoning_effort": "none"}, False),
+        ("sglang", {"reasoning": {"effort": "none"}}, False),
+        ("sglang", {"reasoning_effort": "none", "reasoning": {"effort": "high"}}, True),
+        ("sglang", {"reasoning_effort": 0.5}, True),
+    ],
+)
+def test_the_reasoning_effort_turns_a_templates_thinking_on_or_off_as_the_engine_does(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+    engine: str,
+    fields: dict[str, Any],
+    thinks: bool,
+) -> None:
+    router, worker = pairs[("qwen3.jinja", engine)]
+    body = {"messages": SHAPES["plain"]["messages"], **fields}
+    ids = router.encode_chat_request(body, chat_params(body, router.engine)).ids
+    assert worker.tokenizer.decode(ids).endswith(EMPTY_THINK) is not thinks
+    assert list(ids) == worker.chat_ids(copy.deepcopy(body))
 
 
 def test_a_legacy_sentencepiece_json_is_rebuilt_as_transformers_loads_it(

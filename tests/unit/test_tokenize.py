@@ -122,6 +122,120 @@ def test_sglang_ignores_add_generation_prompt_as_its_request_model_has_no_such_f
 
 _FLAGS = ("add_generation_prompt", "continue_final_message")
 
+VLLM, SGLANG = Engine.VLLM, Engine.SGLANG
+_THINKING = ("reasoning_effort", "enable_thinking", "thinking")
+_ON = {"thinking": True, "enable_thinking": True}  # what SGLang derives (vLLM: the second)
+_OFF = {"thinking": False, "enable_thinking": False}
+
+
+@pytest.mark.parametrize(
+    ("engine", "fields", "expected"),
+    [
+        # vLLM 0.22+: entrypoints/openai/chat_completion/protocol.py `build_chat_params` (the
+        # request's fields merged over chat_template_kwargs by renderers/params.py
+        # `merge_kwargs`), the same in 0.33. 0.20 passed the effort alone.
+        (VLLM, {"reasoning_effort": "high"}, {"reasoning_effort": "high", "enable_thinking": True}),
+        (
+            VLLM,
+            {"reasoning_effort": "none"},
+            {"reasoning_effort": "none", "enable_thinking": False},
+        ),
+        (
+            VLLM,
+            {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+            {"reasoning_effort": "none", "enable_thinking": True},
+        ),
+        (
+            VLLM,
+            {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "max"}},
+            {"reasoning_effort": "low", "enable_thinking": True},
+        ),
+        (VLLM, {"chat_template_kwargs": {"reasoning_effort": "max"}}, {"reasoning_effort": "max"}),
+        (VLLM, {"reasoning": {"effort": "none"}}, {}),  # no such field in vLLM's model
+        # SGLang 0.5.23: entrypoints/openai/protocol.py `normalize_reasoning_inputs` and the
+        # field's type; serving_chat.py `_convert_to_internal_request`, `_apply_jinja_template`.
+        (SGLANG, {"reasoning_effort": "high"}, {"reasoning_effort": "high", **_ON}),
+        (SGLANG, {"reasoning_effort": "none"}, {"reasoning_effort": "none", **_OFF}),
+        (SGLANG, {"reasoning_effort": " 0.5 "}, {"reasoning_effort": 0.5, **_ON}),
+        (SGLANG, {"reasoning_effort": 0}, {"reasoning_effort": 0.0, **_ON}),
+        (
+            SGLANG,
+            {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "max"}},
+            {"reasoning_effort": "max", **_ON},
+        ),
+        (
+            SGLANG,
+            {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+            {"reasoning_effort": "none", "thinking": False, "enable_thinking": True},
+        ),
+        (
+            SGLANG,
+            {"reasoning_effort": "none", "reasoning": {"effort": "ultra"}},
+            {"reasoning_effort": "ultra", **_ON},
+        ),
+        (SGLANG, {"reasoning": {"reasoning_effort": "0.25"}}, {"reasoning_effort": 0.25, **_ON}),
+        (SGLANG, {"reasoning": {"enabled": "Yes"}}, _ON),
+        (SGLANG, {"reasoning": {"enabled": None, "enable": 1}}, _ON),
+        (SGLANG, {"reasoning": {"enabled": "no"}}, {}),
+        (
+            SGLANG,
+            {"reasoning_effort": "none", "chat_template_kwargs": ["replaced, not refused"]},
+            {"reasoning_effort": "none", **_OFF},
+        ),
+    ],
+)
+def test_the_reasoning_effort_reaches_the_template_as_each_engine_passes_it(
+    engine: Engine, fields: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    traits = TemplateTraits(False, False, False, frozenset(_THINKING))
+    body = chat(MESSAGES, **fields)
+    call = render_call(body, traits, engine)
+    assert {k: v for k, v in call.kwargs.items() if k in _THINKING} == expected
+    assert body == chat(MESSAGES, **fields)  # the body forwarded is never edited
+
+
+@pytest.mark.parametrize(
+    ("engine", "fields"),
+    [
+        (VLLM, {"reasoning_effort": "ultra"}),  # SGLang's word, not vLLM's
+        (VLLM, {"reasoning_effort": 0.5}),
+        (VLLM, {"reasoning_effort": "High"}),
+        (VLLM, {"reasoning_effort": True}),
+        (SGLANG, {"reasoning_effort": "High"}),
+        (SGLANG, {"reasoning_effort": True}),
+        (SGLANG, {"reasoning_effort": 1}),  # past 0.99
+        (SGLANG, {"reasoning_effort": "nan"}),
+        (SGLANG, {"reasoning_effort": {}}),
+        (SGLANG, {"reasoning": {"effort": "bogus"}}),
+        (SGLANG, {"reasoning": {"effort": False}}),
+    ],
+)
+def test_a_reasoning_effort_the_engine_refuses_is_a_400_naming_it(
+    engine: Engine, fields: dict[str, Any]
+) -> None:
+    tok = load_tokenizer("bytes")
+    tok.follow_engine(engine)
+    with pytest.raises(ChatRequestError, match="reasoning_effort") as caught:
+        tok.encode_chat_request(chat(MESSAGES, **fields))
+    assert caught.value.param == "reasoning_effort"
+
+
+@pytest.mark.parametrize(
+    ("engine", "fields"),
+    [
+        (SGLANG, {"reasoning_effort": 0.5}),
+        (SGLANG, {"add_generation_prompt": "maybe"}),  # a field SGLang's model does not have
+        (VLLM, {"reasoning_effort": "max"}),
+    ],
+)
+def test_the_bytes_tokenizer_refuses_only_what_its_engine_refuses(
+    engine: Engine, fields: dict[str, Any]
+) -> None:
+    tok = load_tokenizer("bytes")
+    tok.follow_engine(engine)
+    served = tok.encode_chat_request(chat(MESSAGES, **fields))
+    assert served.ids == tok.encode_chat_request(chat(MESSAGES)).ids
+
 
 @pytest.mark.parametrize(
     ("body", "param", "reason"),
