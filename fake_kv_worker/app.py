@@ -31,7 +31,7 @@ from aiohttp import web
 from fake_kv_worker.config import WorkerConfig
 from fake_kv_worker.engine import RankEngine
 from fake_kv_worker.metrics import loads_body, prometheus_text
-from fake_kv_worker.model_chat import ModelChat, Truncation, vllm_cut
+from fake_kv_worker.model_chat import ModelChat, Truncation, given_chat_ids, vllm_cut
 from fake_kv_worker.protocol import (
     DP_RANK_HEADER,
     ChatShape,
@@ -106,6 +106,9 @@ class WorkerState:
     def prompt_ids(self, req: GenerationRequest) -> list[int]:
         if self.model is not None and req.chat is not None:
             return self.model.chat_ids(dict(req.chat))
+        given = None if req.chat is None else given_chat_ids(req.chat, self.config.metrics_engine)
+        if given is not None:  # bytes: a chat's ids for the engine to take as they are
+            return given
         truncation = self._truncation(req)
         if isinstance(req.prompt, list):
             return vllm_cut(req.prompt, truncation)

@@ -17,6 +17,9 @@ call) and turns a chat request into prompt ids the way each engine's OpenAI serv
   `chat_template_kwargs.reasoning_effort` over it), render with `add_generation_prompt=True`
   and retry with bare function tools when the template refuses the wrapped ones.
 
+Both take the prompt's ids as they are, the template skipped, when a chat brings them: SGLang's
+`input_ids`, vLLM's `kv_transfer_params.prompt_token_ids` (`given_chat_ids`).
+
 This is the engine's side of the bargain, written from the engines' code, independently of the
 router (which must not be imported here): the tests hold the router's ids against these, so a
 rule the router gets wrong shows up as a mismatch. A request the engine refuses raises
@@ -27,11 +30,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from fake_kv_worker.protocol import RequestError, lax_bool, truncation_fields
+from fake_kv_worker.protocol import (
+    RequestError,
+    lax_bool,
+    lax_token_ids,
+    token_ids,
+    truncation_fields,
+)
 
 
 class ModelChat:
@@ -64,6 +74,9 @@ class ModelChat:
         return self._vllm_encode(text, add_special_tokens, truncation)
 
     def chat_ids(self, body: dict[str, Any]) -> list[int]:
+        given = given_chat_ids(body, self.engine)
+        if given is not None:
+            return given
         if self.engine == "sglang":
             # apply_chat_template(tokenize=True) encodes without special tokens.
             text = self._sglang_prompt(body)
@@ -209,6 +222,71 @@ class ModelChat:
 
 
 Truncation = tuple[int | None, str | None]  # truncate_prompt_tokens, truncation_side
+
+
+def given_chat_ids(body: Mapping[str, Any], engine: str) -> list[int] | None:
+    """The ids a chat brings for the engine to take as they are, or None to render it.
+
+    SGLang 0.5.23: `input_ids` (a pydantic List[int]; serving_chat.py `_process_messages`
+    skips the template for them; an empty list is refused). vLLM 0.32+: the decode side of a
+    disaggregated pair reuses `kv_transfer_params.prompt_token_ids` unless `echo` is set or a
+    message has non-text content (renderers/online_renderer.py `_reused_prompt_token_ids`)."""
+    if engine == "sglang":
+        ids = body.get("input_ids")
+        if ids is None:
+            return None
+        if not isinstance(ids, list) or not ids:
+            raise RequestError("input_ids cannot be empty.", "input_ids")
+        return lax_token_ids(ids, "input_ids")
+    transfer = body.get("kv_transfer_params")
+    if not isinstance(transfer, dict) or transfer.get("prompt_token_ids") is None:
+        return None
+    if lax_bool(body.get("echo", False), "echo") or _vllm_non_text(body.get("messages")):
+        return None
+    param = "kv_transfer_params.prompt_token_ids"
+    ids = token_ids(transfer["prompt_token_ids"], param)
+    if not ids:
+        raise RequestError(f"'{param}' must be a non-empty list of token ids", param)
+    return ids
+
+
+_VLLM_TEXT_PART_TYPES = {"text", "input_text", "output_text", "refusal", "thinking"}
+_VLLM_MEDIA_KEYS = {
+    "input_image",
+    "image_url",
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "prompt_embeds",
+    "image_pil",
+    "audio_url",
+    "input_audio",
+    "video_url",
+}
+
+
+def _vllm_non_text(messages: Any) -> bool:
+    """vLLM's has_non_text_content."""
+    if not isinstance(messages, list):
+        return False
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        for field in ("reasoning", "reasoning_content"):
+            reasoning = message.get(field)
+            if isinstance(reasoning, dict) and reasoning.get("type") == "prompt_embeds":
+                return True
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if isinstance(part, dict):
+                kind = part.get("type", "text")
+                if any(key in part for key in _VLLM_MEDIA_KEYS) or not isinstance(kind, str):
+                    return True
+                if kind not in _VLLM_TEXT_PART_TYPES | {"tool_reference"}:
+                    return True
+    return False
 
 
 def vllm_cut(ids: list[int], truncation: Truncation) -> list[int]:

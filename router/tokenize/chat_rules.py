@@ -37,6 +37,10 @@ they differ:
   {description, name, parameters, strict}, defer_loading}`, none when `tool_choice` is
   `none`, only the named one for a named choice.
 
+A chat may also bring the token ids the engine is to use as they are, its template skipped
+(`given_ids`): SGLang's `input_ids`, vLLM's `kv_transfer_params.prompt_token_ids`. The router
+keys those, as the engine caches them.
+
 Two outcomes besides a `RenderCall`: `ChatRequestError` for a body the engine refuses at
 validation (a 400 with the field), and `Unrenderable(reason)` for a request the engine may well
 serve but the router cannot reproduce (media parts, a per-request template): it is routed by load
@@ -47,13 +51,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final
 
-from router.tokenize.lax import lax_bool_field, lax_float, shown
+from router.tokenize.lax import lax_bool_field, lax_float, lax_int, shown
 
 
 class Engine(StrEnum):
@@ -181,6 +185,47 @@ def _wrong_shapes_refused() -> Iterator[None]:
         yield
     except (KeyError, TypeError, AttributeError, IndexError) as exc:
         raise ChatRequestError(f"a field has the wrong type or is missing: {exc!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class GivenIds:
+    """Token ids a chat body brings, which the engine takes as its prompt without rendering."""
+
+    ids: list[Any]
+    param: str  # the field they came in, which a 400 names
+    token_id: Callable[[Any], int]  # how the engine's request model reads one id
+
+
+def given_ids(body: dict[str, Any], engine: Engine) -> GivenIds | None:
+    """The ids the engine will use as they are for this chat, or None: it renders the messages.
+
+    - SGLang (0.5.16 to 0.5.23): `input_ids` unless null (`ChatCompletionRequest.input_ids`, a
+      pydantic `List[int]`, so lax ints; serving_chat.py `_process_messages` then renders
+      nothing). vLLM's chat model has no such field: it ignores it.
+    - vLLM (0.32+, renderers/online_renderer.py `_reused_prompt_token_ids`): the prefill's ids
+      a disaggregated decode reuses, `kv_transfer_params.prompt_token_ids`, unless null, `echo`
+      is set or a message holds more than text (those are rendered); ints and nothing else.
+      SGLang's chat model has no `kv_transfer_params`.
+
+    Raises ChatRequestError when the field is no list, or `echo` no boolean."""
+    if engine is Engine.SGLANG:
+        ids = body.get("input_ids")
+        if ids is None:
+            return None
+        param, token_id = "input_ids", lax_int
+    else:
+        transfer = body.get("kv_transfer_params")
+        ids = transfer.get("prompt_token_ids") if type(transfer) is dict else None
+        if (
+            ids is None
+            or lax_bool_field(body, "echo", False, ChatRequestError)
+            or _vllm_has_media(body.get("messages"))
+        ):
+            return None
+        param, token_id = "kv_transfer_params.prompt_token_ids", _exact_int
+    if type(ids) is not list:
+        raise ChatRequestError(f"'{param}' must be a list of token ids", param)
+    return GivenIds(ids, param, token_id)
 
 
 def template_tools(body: dict[str, Any], engine: Engine) -> list[dict[str, Any]] | None:
@@ -360,6 +405,56 @@ def _vllm_call(
         raise Unrenderable("render", "chat_template_kwargs may not set chat_template or tokenize")
     kwargs = {k: v for k, v in merged.items() if k in traits.accepted_kwargs}
     return RenderCall(conversation, tool_dicts, kwargs)
+
+
+# vLLM's `has_non_text_content`: part types read as text, and keys that make a part media
+# whatever its type (`MM_PARSER_MAP`'s other names).
+_VLLM_TEXT_PARTS: Final = frozenset(
+    {"text", "input_text", "output_text", "refusal", "thinking", "tool_reference"}
+)
+_VLLM_MEDIA_KEYS: Final = frozenset(
+    {
+        "input_image",
+        "image_url",
+        "image_embeds",
+        "audio_embeds",
+        "video_embeds",
+        "prompt_embeds",
+        "image_pil",
+        "audio_url",
+        "input_audio",
+        "video_url",
+    }
+)
+
+
+def _vllm_has_media(messages: Any) -> bool:
+    """Whether a message holds more than text: a part of another type or with a media key, or
+    reasoning given as prompt embeddings (vLLM renders such chats whatever ids they bring)."""
+    for message in messages if type(messages) is list else ():
+        if type(message) is not dict:
+            continue
+        for key in ("reasoning", "reasoning_content"):
+            reasoning = message.get(key)
+            if type(reasoning) is dict and reasoning.get("type") == "prompt_embeds":
+                return True
+        content = message.get("content")
+        for part in content if type(content) is list else ():
+            if type(part) is not dict:
+                continue
+            kind = part.get("type", "text")
+            if type(kind) is not str or kind not in _VLLM_TEXT_PARTS:
+                return True
+            if not _VLLM_MEDIA_KEYS.isdisjoint(part):
+                return True
+    return False
+
+
+def _exact_int(value: Any) -> int:
+    """An id as vLLM checks forwarded ids: an int, not a bool, a float or a string."""
+    if type(value) is int:
+        return value
+    raise ValueError(f"{shown(value)} is not an integer")
 
 
 _VLLM_EFFORTS: Final = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"})

@@ -9,7 +9,8 @@ The contract, for the data plane:
   `bytes` tokenizer a bytes object of one id a byte, which `cachetree.keys.block_keys` reads as
   it is.
 - `encode_chat_request(body)` (the whole `/v1/chat/completions` body) returns `ChatTokens`:
-  - `ids`: the ids the engine will compute for this request (its chat rules, template, tokenizer);
+  - `ids`: the ids the engine will compute for this request (its chat rules, template, tokenizer),
+    or those the body brings for it to use as they are (`chat_rules.given_ids`);
   - or `failure`, one of `FAILURE_REASONS`, when the router cannot reproduce the engine's
     rendering (media parts, a template that raised, ...): the request is still forwarded, routed
     by load as a cache miss, and the caller counts `kvrouter_tokenize_failures_total{reason}`.
@@ -31,8 +32,10 @@ from typing import Any, Final, Protocol
 from router.tokenize.chat_rules import (
     ChatRequestError,
     Engine,
+    GivenIds,
     TemplateTraits,
     Unrenderable,
+    given_ids,
     render_call,
 )
 from router.tokenize.lax import lax_int
@@ -107,11 +110,24 @@ class RequestTokenizer:
         self, body: dict[str, Any], params: TokenizeParams = CHAT
     ) -> ChatTokens:
         """See the module docstring. Raises ChatRequestError for a 400."""
+        given = given_ids(body, self.engine)
+        if given is not None:
+            return ChatTokens(self._given(body, given))
         try:
             return ChatTokens(self.model.encode_chat(body, params))
         except Unrenderable as exc:
             self._log_once(self.model.template_name(body.get("tools")), exc)
             return ChatTokens([], exc.reason)
+
+    def _given(self, body: dict[str, Any], given: GivenIds) -> Sequence[int]:
+        """The ids a chat brings for the engine to use as they are: nothing is rendered or cut
+        (the engine's tokenization fields do not apply to them), but the rest of the body is
+        still refused where the engine's request model refuses it."""
+        _validated(body, self.engine)
+        try:
+            return _checked_ids(given.ids, given.token_id)
+        except ValueError as exc:
+            raise ChatRequestError(str(exc), given.param) from None
 
     def _log_once(self, template: str, exc: Unrenderable) -> None:
         if (template, exc.reason) in self._logged:

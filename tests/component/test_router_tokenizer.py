@@ -138,6 +138,57 @@ async def test_a_repeated_chat_with_tools_matches_every_block_the_engine_cached(
         assert failures == 0  # every reason is exported from the start, at 0
 
 
+@pytest.mark.parametrize(
+    ("engine", "fields", "by_ids"),
+    [
+        ("sglang", {"input_ids": list(range(100, 100 + 5 * BS))}, True),
+        (
+            "vllm",
+            {"kv_transfer_params": {"prompt_token_ids": list(range(100, 100 + 5 * BS))}},
+            True,
+        ),
+        ("vllm", {"input_ids": list(range(100, 100 + 5 * BS))}, False),  # not vLLM's field
+    ],
+)
+async def test_a_chat_bringing_its_token_ids_matches_every_block_the_engine_cached_of_them(
+    tmp_path: Path, engine: str, fields: dict[str, Any], by_ids: bool
+) -> None:
+    # SGLang 0.5.23 takes a chat's `input_ids` and vLLM 0.32+ a disaggregated decode's reused
+    # `kv_transfer_params.prompt_token_ids` as the prompt, skipping the template: a router
+    # keying the rendered messages matched none of the blocks the engine cached of the ids.
+    model = str(build_fixture_model(tmp_path / "qwen3", "qwen3.jinja"))
+    chat = {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": CONTENT}],
+        "max_tokens": 1,
+        **fields,
+    }
+    rendered = len(ModelChat(model, engine).chat_ids({"messages": chat["messages"]}))
+    async with (
+        fake_worker_in_process(tokenizer=model, engine=engine) as a,
+        fake_worker_in_process(tokenizer=model, engine=engine) as b,
+        router_in_process(
+            workers=[a.url, b.url], tokenizer=model, chat_rules=engine, expose_route_headers=True
+        ) as rt,
+    ):
+        for fw in (a, b):
+            await rt.gate(fw)
+        status, first, headers = await rt.post("/v1/chat/completions", chat)
+        assert status == 200, first
+        worker = a if headers["X-Kvrouter-Worker"] == a.url else b
+        await rt.wait_cursor(worker.url, 0, (await worker.state())["last_seq"])
+        matched_before = await matched_blocks_sum(rt)
+
+        status, second, headers = await rt.post("/v1/chat/completions", chat)
+        assert status == 200, second
+        assert headers["X-Kvrouter-Worker"] == worker.url
+        prompt_tokens = second["usage"]["prompt_tokens"]
+        assert prompt_tokens == (5 * BS if by_ids else rendered)
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == prompt_tokens // BS * BS >= 2 * BS
+        assert await matched_blocks_sum(rt) - matched_before == cached // BS
+
+
 @dataclass
 class SecondAsk:
     """A completion asked twice of two vLLM-like workers behind a replica, the second time

@@ -193,6 +193,13 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
     # SGLang's alone: a `reasoning` object, a number (vLLM ignores the one, refuses the other).
     "reasoning_object": {"messages": [SYSTEM, USER], "reasoning": {"effort": "none"}},
     "reasoning_effort_number": {"messages": [SYSTEM, USER], "reasoning_effort": 0.5},
+    # Ids for the engine to take as they are, its template skipped: SGLang's input_ids (vLLM's
+    # model ignores them), vLLM's disaggregated decode's reused ids (SGLang has no such field).
+    "input_ids": {"messages": [SYSTEM, USER], "input_ids": [11, 12, "13", 14.0]},
+    "reused_prompt_token_ids": {
+        "messages": [SYSTEM, USER],
+        "kv_transfer_params": {"do_remote_prefill": True, "prompt_token_ids": [11, 12, 13]},
+    },
     "empty_system": {"messages": [{"role": "system", "content": ""}, USER]},
     "named_user": {"messages": [{"role": "user", "name": "alice", "content": "Hi there!"}]},
     "special_text_in_content": {

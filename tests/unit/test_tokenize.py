@@ -645,3 +645,72 @@ def test_chats_past_the_message_or_tool_count_are_routed_by_load_unwalked(engine
         with pytest.raises(Unrenderable) as caught:
             render_call(body, traits, engine)
         assert caught.value.reason == "too_large"
+
+
+# --- token ids a chat brings for the engine to take as they are ----------------------------
+
+IDS = [5, 6, 7, 8]
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+WITH_IMAGE = [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, IMAGE]}]
+
+
+def reused(ids: Any) -> dict[str, Any]:
+    """vLLM's field for a disaggregated decode reusing its prefill's ids."""
+    return {"kv_transfer_params": {"do_remote_prefill": True, "prompt_token_ids": ids}}
+
+
+@pytest.mark.parametrize(
+    ("engine", "body", "ids"),
+    [
+        # SGLang 0.5.23: ChatCompletionRequest.input_ids (a lax List[int]); serving_chat.py
+        # _process_messages renders nothing for them, media parts included.
+        (SGLANG, chat(MESSAGES, input_ids=IDS), IDS),
+        (SGLANG, chat(MESSAGES, input_ids=[5, "6", 7.0, True]), [5, 6, 7, 1]),
+        (SGLANG, chat(WITH_IMAGE, input_ids=IDS), IDS),
+        (SGLANG, chat(MESSAGES, **reused(IDS)), None),  # no such field in SGLang's model
+        # vLLM 0.32+: renderers/online_renderer.py _reused_prompt_token_ids, unless echo or
+        # a part that is not text; its chat model has no input_ids.
+        (VLLM, chat(MESSAGES, **reused(IDS)), IDS),
+        (VLLM, chat(MESSAGES, echo="true", **reused(IDS)), None),
+        (VLLM, chat(MESSAGES, **reused(None)), None),
+        (VLLM, chat(MESSAGES, input_ids=IDS), None),
+    ],
+)
+def test_a_chat_bringing_token_ids_is_keyed_by_them_where_the_engine_takes_them(
+    qwen: Path, engine: Engine, body: dict[str, Any], ids: list[int] | None
+) -> None:
+    tok = load_tokenizer(str(qwen), engine=engine.value)
+    rendered = tok.encode_chat_request(chat(MESSAGES))
+    got = tok.encode_chat_request(body)
+    assert got.failure is None
+    assert list(got.ids) == (list(rendered.ids) if ids is None else ids)
+
+
+def test_a_vllm_chat_with_media_is_rendered_whatever_ids_it_brings(qwen: Path) -> None:
+    tok = load_tokenizer(str(qwen), engine="vllm")
+    assert tok.encode_chat_request(chat(WITH_IMAGE, **reused(IDS))).failure == "content"
+
+
+@pytest.mark.parametrize(
+    ("engine", "body", "param"),
+    [
+        (SGLANG, chat(MESSAGES, input_ids="5 6 7"), "input_ids"),
+        (SGLANG, chat(MESSAGES, input_ids=[]), "input_ids"),
+        (SGLANG, chat(MESSAGES, input_ids=[5, 6.5]), "input_ids"),
+        (SGLANG, chat(MESSAGES, input_ids=[5, -1]), "input_ids"),
+        (SGLANG, chat([{"content": "no role"}], input_ids=IDS), "messages"),
+        (VLLM, chat(MESSAGES, **reused([5, "6"])), "kv_transfer_params.prompt_token_ids"),
+        (VLLM, chat(MESSAGES, **reused([5, True])), "kv_transfer_params.prompt_token_ids"),
+        (VLLM, chat(MESSAGES, **reused([])), "kv_transfer_params.prompt_token_ids"),
+        (VLLM, chat(MESSAGES, **reused(7)), "kv_transfer_params.prompt_token_ids"),
+        (VLLM, chat(MESSAGES, echo="maybe", **reused(IDS)), "echo"),
+    ],
+)
+def test_token_ids_a_chat_brings_that_the_engine_refuses_are_a_400_naming_them(
+    engine: Engine, body: dict[str, Any], param: str
+) -> None:
+    tok = load_tokenizer("bytes")
+    tok.follow_engine(engine)
+    with pytest.raises(ChatRequestError) as caught:
+        tok.encode_chat_request(body)
+    assert caught.value.param == param
