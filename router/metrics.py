@@ -705,13 +705,15 @@ class _PressureCollector(Collector):
         stats = ledger.bookings
         yield _counter(
             "kvrouter_bookings",
-            "Bookings by how they ended: confirmed (the index showed the blocks), expired, or "
-            "moved (the proxy failed over and another rank served the prompt)",
+            "Bookings by how they ended: confirmed (the index showed the blocks), expired, "
+            "moved (the proxy failed over and another rank served the prompt), or refused (the "
+            "engine answered a 4xx: it cached nothing)",
             ["outcome"],
             {
                 ("confirmed",): stats.confirmed,
                 ("expired",): stats.expired,
                 ("moved",): stats.moved,
+                ("refused",): stats.refused,
             },
         )
         yield _counter(

@@ -351,12 +351,19 @@ class Decision:
     matched_blocks: int  # the chosen rank's leading blocks held on any tier
     prompt: Prompt | None = None  # what the decision was about, when `on_failover` needs it
     on_failover: Callable[[Decision, RankId], None] | None = None  # the policy's `served`
+    on_refusal: Callable[[Decision], None] | None = None  # the policy's `refused`
 
     def served(self, rank: RankId) -> None:
         """The proxy's answer came from `rank`: when that is not the first choice (it failed
         over), the policy hears of it (cache_aware moves its booking there)."""
         if self.on_failover is not None and self.ranked and rank != self.ranked[0].rank:
             self.on_failover(self, rank)
+
+    def refused(self) -> None:
+        """The engine answered a 4xx: it refused the prompt and cached none of it, so the
+        policy hears of it (cache_aware ends its booking)."""
+        if self.on_refusal is not None and self.ranked:
+            self.on_refusal(self)
 
 
 class Policy(Protocol):
@@ -650,6 +657,14 @@ class CacheAware:
             rank, keys, held, self.ledger.move(decision.ranked[0].rank, rank, keys, held, holds)
         )
 
+    def refused(self, decision: Decision) -> None:
+        """The engine refused the prompt `decision` routed (a 4xx: it cached nothing of it):
+        its booking on the rank it was routed to ends (counted `refused`). Its demand stays,
+        decaying as any other; the siblings told of it keep their booking to its TTL."""
+        prompt = decision.prompt
+        if prompt is not None and prompt.keys and decision.ranked:
+            self.ledger.refuse(decision.ranked[0].rank, prompt.keys)
+
     def place(
         self, candidates: Sequence[Candidate], prompt: Prompt, rank: RankId
     ) -> Decision | None:
@@ -667,7 +682,9 @@ class CacheAware:
         any_tier, device = _depth_maps(prompt.depths)
         self.ledger.record(rank, prompt.keys, device.get(rank, 0), holds)
         matched = any_tier.get(rank, 0)
-        return Decision(ranked, CACHE_HIT if matched else CACHE_MISS, matched, prompt, self.served)
+        return Decision(
+            ranked, CACHE_HIT if matched else CACHE_MISS, matched, prompt, self.served, self.refused
+        )
 
     def _record(
         self,
@@ -733,7 +750,9 @@ class CacheAware:
         chosen = ranked[0].rank
         self._record(chosen, prompt.keys, device.get(chosen, 0), holds)
         matched = any_tier.get(chosen, 0)
-        return Decision(ranked, CACHE_HIT if matched else CACHE_MISS, matched, prompt, self.served)
+        return Decision(
+            ranked, CACHE_HIT if matched else CACHE_MISS, matched, prompt, self.served, self.refused
+        )
 
     def _set_aside(
         self, candidates: Sequence[Candidate], loads: Sequence[int], prompt: Prompt

@@ -30,7 +30,10 @@ Every routed prompt is recorded against the rank it went to, block key by block 
   failed over): many expired bookings mean the TTL is too short for the engines' queues.
   Bookings are checked oldest first per rank on every decision (an engine admits in order),
   so a confirmed booking stops counting at once: were it kept, it would hide the engine
-  evicting those blocks later.
+  evicting those blocks later. A booking also ends early, `moved`, when the proxy failed over
+  to another rank, and `refused`, when the engine answered a 4xx: it cached nothing, and kept
+  booked, a stream of refused prompts (a hostile client's, or a misconfigured one's) would
+  make a rank look full for a TTL.
 
 Working sets. A request's own tail (the blocks after the prefix it shares with the requests
 before it) is routed once and never again, yet it counts as demand until it decays: over a
@@ -134,6 +137,7 @@ class BookingStats:
     confirmed: int = 0  # the index held the booked blocks when the TTL ended
     expired: int = 0  # it did not
     moved: int = 0  # ended early: the proxy failed over and another rank served the prompt
+    refused: int = 0  # ended early: the engine refused the prompt (a 4xx), caching nothing
 
 
 @dataclass(slots=True, eq=False)
@@ -357,17 +361,31 @@ class PressureLedger:
         its live booking on `routed` ends (counted `moved`), and the prompt is recorded on
         `served`, which holds its first `held` blocks; its demand follows. Returns as `record`."""
         st = self._ranks.get(routed)
-        if st is not None and keys:
-            # The newest booking of these keys: the one this prompt's decision made.
+        if st is not None and self._end_newest(routed, st, keys):
+            self.bookings.moved += 1
+            self._rebuild_booked(st)  # the older bookings of its keys still hold them
+        return self.record(served, keys, held, holds)
+
+    def refuse(self, routed: RankId, keys: Sequence[int]) -> None:
+        """The engine behind `routed` refused the prompt `keys` (a 4xx): it caches none of it,
+        so the booking its record made ends (counted `refused`). The rank's booked map is not
+        rebuilt (a flood of refused requests must not cost a rebuild each): an older live
+        booking of the same keys stops counting with it, which only under-counts."""
+        st = self._ranks.get(routed)
+        if st is not None and self._end_newest(routed, st, keys):
+            self.bookings.refused += 1
+
+    def _end_newest(self, rank: RankId, st: _RankLedger, keys: Sequence[int]) -> bool:
+        """End the rank's newest live booking of the prompt `keys` (the one its decision made:
+        a booking holds the prompt's blocks past what the rank held); False if none is live."""
+        if keys:
             for booking in reversed(st.bookings):
                 start = len(keys) - len(booking.keys)
                 if start >= 0 and booking.keys[0] == keys[start]:
                     st.bookings.remove(booking)
-                    self.bookings.moved += 1
-                    self._release(routed, st, booking)
-                    self._rebuild_booked(st)  # the older bookings of its keys still hold them
-                    break
-        return self.record(served, keys, held, holds)
+                    self._release(rank, st, booking)
+                    return True
+        return False
 
     def settle(self, holds: Holds | None) -> None:
         """End the bookings whose blocks the index now shows (`holds` asks it), or whose TTL

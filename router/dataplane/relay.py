@@ -314,6 +314,7 @@ class WorkerRelay(Relay):
             return self._failed_status(status)
         if status >= 400:
             worker.breaker.release(self._probe)  # a client error says nothing of the worker
+            self.decision.refused()  # nor does it cache the prompt
         else:
             worker.breaker.record_success()
             if self._next_pair > 1 and self.rank is not None:  # failed over: tell the policy

@@ -312,3 +312,37 @@ async def test_two_replicas_with_prefix_homes_agree_on_a_new_prefixs_home() -> N
         async with two.session.post(two.url + siblings.PATH, data=body, headers=bearer) as r:
             assert r.status == 400 and "stamp" in await r.text()
         assert len(theirs.table) == before
+
+
+async def test_a_prompt_the_engine_refuses_ends_its_booking_at_once() -> None:
+    """A 4xx from the engine caches nothing: the booking the decision made stops counting as
+    held then, not at its TTL (a minute here), so refused requests leave no rank looking full."""
+    async with (
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as w1,
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as w2,
+        router_in_process(
+            workers=[w1.url, w2.url], booking_ttl_ms=60_000, expose_route_headers=True
+        ) as rt,
+    ):
+        workers = [w1, w2]
+        await gate_fleet([rt], workers)
+        rng = random.Random(11)
+        for i in range(5):
+            status, body, _ = await rt.post(
+                "/v1/completions",
+                {"model": "fake-model", "prompt": prefix(rng) + f" {i}", "max_tokens": -5},
+            )
+            assert status == 400, body
+        scrape = await rt.scrape()
+        assert scrape.value("kvrouter_bookings_total", outcome="refused") == 5
+        assert scrape.value("kvrouter_bookings_held") == 0
+        for fw in workers:
+            labels = {"worker_url": fw.url, "dp_rank": "0"}
+            assert scrape.value("kvrouter_rank_booked_blocks", **labels) == 0
+        # A prompt the engine serves still books, and its store event confirms it.
+        _, cached = await complete(rt, prefix(rng))
+        assert cached == 0
+        await quiesce([rt], workers)
+        scrape = await rt.scrape()
+        assert scrape.value("kvrouter_bookings_total", outcome="confirmed") == 1
+        assert scrape.value("kvrouter_bookings_total", outcome="refused") == 5

@@ -642,6 +642,27 @@ def test_a_failed_over_prompt_leaves_an_earlier_booking_of_its_blocks_in_place()
     assert led.booked_depths(prompt, {}) == {}
 
 
+def test_a_refused_prompt_ends_its_booking_and_no_other() -> None:
+    clock = ManualClock()
+    index = Index()
+    led = ledger(clock, booking_ttl_s=5.0)
+    prompt, other = keys(1, 40), keys(2, 8)
+    index.store(A, 1, 10)
+    led.record(A, prompt, held=10, holds=index.holds)  # the decision: A, 30 blocks booked
+    led.record(A, other, holds=index.holds)
+    led.refuse(A, prompt)  # the engine answered a 4xx
+    assert (led.bookings.refused, led.bookings.moved, led.bookings.expired) == (1, 0, 0)
+    assert led.pending(A) == 8 and led.live_bookings(A) == 1
+    assert led.booked_depths(prompt, {A: 10}) == {}
+    assert led.booked_depths(other, {}) == {A: 8}
+    led.refuse(A, prompt)  # nothing of it is booked any more: no-op
+    led.refuse(B, other)  # nor on a rank it was not routed to
+    assert led.bookings.refused == 1 and led.pending(A) == 8
+    clock.advance(10.0)
+    led.settle(index.holds)
+    assert led.bookings.expired == 1  # `other` alone
+
+
 def test_ended_bookings_leave_a_bounded_trace_and_none_once_all_have_ended() -> None:
     """A booking ends without a pass over its blocks: their entries stay, ignored, in the
     rank's map until it holds more than twice its booked blocks plus a fixed slack."""
