@@ -15,7 +15,8 @@ term as one replica more; this replica counted as its own sibling asks itself fo
 and adopts its own decisions. Two URLs are the same replica only when that is certain:
 
   - spelling: scheme and host case, a trailing slash, the scheme's default port written out
-    or not, an IPv6 literal's many spellings: always the same socket;
+    or not, an IPv6 literal's many spellings, an IPv4-mapped IPv6 address and its IPv4 one:
+    always the same socket;
   - `localhost` and `127.0.0.1` on one port: the same replica only on a fleet that listens
     on this machine's loopback, which this replica does when it listens on loopback or the
     wildcard (then a sibling given by a loopback URL is on this machine too). A replica
@@ -79,7 +80,7 @@ def spelling(url: str, *, fold_loopback: bool) -> tuple[str, str, int]:
     `fold_loopback` (see the module docstring)."""
     parts = urlsplit(url.strip())  # scheme and host name come out in lower case
     scheme = parts.scheme
-    host = _host(parts.hostname or "")
+    host = canonical_host(parts.hostname or "")
     if fold_loopback and host in _IPV4_LOOPBACK_NAMES:
         host = "loopback"  # not the rest of 127/8: 127.0.0.2 is another address
     return scheme, host, parts.port or _DEFAULT_PORTS.get(scheme, 0)
@@ -90,7 +91,7 @@ def sort_out(urls: Iterable[str], me: Listener) -> Sorted:
     spellings the smallest is kept, whatever the list's order)."""
     fold = me.on_loopback_or_wildcard
     mine = {spelling(u, fold_loopback=fold) for u in me.own_urls}
-    machine = {_host(h) for h in me.machine_hosts} | set(LOOPBACK_NAMES)
+    machine = {canonical_host(h) for h in me.machine_hosts} | set(LOOPBACK_NAMES)
     kept: dict[tuple[str, str, int], str] = {}
     duplicates: list[tuple[str, str]] = []
     guessed: list[str] = []
@@ -130,16 +131,21 @@ def _ordered(urls: Iterable[str]) -> Sequence[str]:
     return sorted(out)
 
 
-def _host(host: str) -> str:
+def canonical_host(host: str) -> str:
+    """`host` spelled once: lower case, no brackets, an IPv6 literal compressed, an
+    IPv4-mapped one (`::ffff:127.0.0.1`, `::ffff:7f00:1`) as its IPv4 address: a connect to
+    it is IPv4 traffic to that address, so it is the same socket."""
     host = host.strip("[]").lower()
     address, percent, zone = host.partition("%")
     try:
-        compressed = ipaddress.ip_address(address).compressed
+        parsed = ipaddress.ip_address(address)
     except ValueError:
         return host
+    mapped = getattr(parsed, "ipv4_mapped", None)
+    compressed = (mapped or parsed).compressed
     # A link-local address's zone (`%25eth0` in a URL) says which interface reaches it: kept,
     # as the URL spells it, so two interfaces stay two siblings.
-    return f"{compressed}%25{zone.removeprefix('25')}" if percent else compressed
+    return f"{compressed}%25{zone.removeprefix('25')}" if percent and not mapped else compressed
 
 
 def _on_this_machine(host: str, machine: set[str]) -> bool:

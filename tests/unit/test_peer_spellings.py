@@ -20,6 +20,9 @@ WILDCARD = Listener("0.0.0.0", frozenset({8081, 9000}), frozenset(), frozenset({
         ("http://router-b", "http://router-b:80"),
         ("https://router-b", "https://router-b:443"),
         ("http://[fd00::2]:8080", "http://[FD00:0:0::2]:8080"),
+        # An IPv4-mapped address is IPv4 traffic to its IPv4 address, however it is written.
+        ("http://10.0.0.2:8080", "http://[::ffff:10.0.0.2]:8080"),
+        ("http://10.0.0.2:8080", "http://[::FFFF:a00:2]:8080"),
     ],
 )
 def test_spellings_of_one_socket_are_one_sibling_on_any_listener(a: str, b: str) -> None:
