@@ -38,7 +38,7 @@ from router.ingest_pool import DEFAULT_INGEST_PROCESSES, DEFAULT_SILENCE_S
 from router.ingest_pool import MAX_PROCESSES as MAX_INGEST_PROCESSES
 from router.ingest_pool import MAX_SILENCE_S as MAX_INGEST_SILENCE_S
 from router.ingest_pool import MIN_SILENCE_S as MIN_INGEST_SILENCE_S
-from router.origin import AllowList, origin_problem, url_problem
+from router.origin import AllowList, origin_problem, url_problem, worker_origin_problem
 from router.placement import DEFAULT_TIMEOUT_MS as DEFAULT_PLACEMENT_TIMEOUT_MS
 from router.placement import MAX_TIMEOUT_MS as MAX_PLACEMENT_TIMEOUT_MS
 from router.policy import POLICY_NAMES
@@ -497,8 +497,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         if not ok:
             _fail(message)
     for url in args.worker:
-        if (problem := origin_problem(url)) is not None:
-            _fail(f"--worker {url!r} is not an http(s) origin: {problem}")
+        if (problem := worker_origin_problem(url)) is not None:
+            _fail(f"--worker {url!r} is not a worker's origin: {problem}")
     for url in [*args.peer, *([args.self_url] if args.self_url else [])]:
         if (problem := origin_problem(url)) is not None:
             _fail(f"--peer/--self-url {url!r} is not an http(s) origin: {problem}")

@@ -23,7 +23,7 @@ from cachetree.ranks import RankId
 from peer.producer import serve_snapshot
 from peer.supervise import describe
 from router import auth, placement, siblings
-from router.origin import host_of, origin_problem
+from router.origin import canonical_origin, host_of, worker_origin_problem
 from router.replica import Replica
 from router.workers import (
     WORKER_JSON_ERRORS,
@@ -254,8 +254,8 @@ async def _add_worker(request: web.Request) -> web.Response:
     url = body.get("url") if isinstance(body, dict) else None
     if not isinstance(url, str):
         return bad_request(BadRequest("'url' must be an http(s) origin (a string)", "url"))
-    if (problem := origin_problem(url)) is not None:
-        return bad_request(BadRequest(f"'url' {url!r} is not an http(s) origin: {problem}", "url"))
+    if (problem := worker_origin_problem(url)) is not None:
+        return bad_request(BadRequest(f"'url' {url!r} is not a worker's origin: {problem}", "url"))
     replica = request.app[REPLICA]
     if (refusal := await _outside_allow_list(replica, url)) is not None:
         log.warning("POST /workers %s refused: %s", url, refusal)
@@ -311,7 +311,7 @@ async def _remove_worker(request: web.Request) -> web.Response:
     removed = await request.app[REPLICA].workers.remove(url)
     if not removed:
         return _error(404, f"unknown worker {url}")
-    return web.json_response({"removed": url})
+    return web.json_response({"removed": canonical_origin(url)})  # as it was listed
 
 
 async def _decisions(request: web.Request) -> web.Response:

@@ -1,8 +1,9 @@
 """Worker and sibling URLs are origins: scheme, host and port, nothing else.
 
 Rules of this file: no I/O. `origin_problem` says why a URL cannot name a worker (or a
-sibling), `canonical_origin` spells an accepted one the one way the registry keys it, and
-`AllowList` is `--worker-allow-cidr`: the networks an admin-added worker may live in.
+sibling), `worker_origin_problem` adds what a worker's may not be, `canonical_origin` spells
+an accepted one the one way the registry keys it, and `AllowList` is `--worker-allow-cidr`:
+the networks an admin-added worker may live in.
 
 Why origins only: the router appends its own paths (`/server_info`, `/health`, `/v1/loads`,
 `/v1/kv-snapshot`, the completion routes) to a worker's URL. A path, a query or a fragment
@@ -28,6 +29,14 @@ hex ones before connecting ("not a canonical IPv4 address"), so `/server_info`, 
 snapshot fetches and a sibling's snapshot never worked: a worker stayed down, re-registered
 at every health pass, and a joiner waited out its bootstrap for a sibling it never reached.
 The refusal names the dotted quad the resolver reads, the spelling to give instead.
+
+One engine is one worker however its address is spelt: the host is keyed as siblings' are
+(`peer.spellings.canonical_host`: an IPv6 literal compressed, an IPv4-mapped one as its IPv4
+address), else `http://[::ffff:7f00:1]:P` beside `http://127.0.0.1:P` was a second worker,
+subscribed to the same stream, its ranks counted again in the index and the loads. A worker's
+host may not be the unspecified address (`0.0.0.0`, `[::]`, what an engine's log says it
+listens on): a connect to it reaches whatever listens on the connecting machine, so it names
+no one worker, and no sibling can read it as this replica does.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+from peer.spellings import canonical_host
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -138,8 +149,33 @@ def origin_problem(url: str) -> str | None:
     return None
 
 
+def worker_origin_problem(url: str) -> str | None:
+    """Why `url` cannot be a worker's origin, or None: `origin_problem`'s reasons, and a host
+    that is the unspecified address."""
+    if (problem := origin_problem(url)) is not None:
+        return problem
+    host = canonical_host(host_of(url))
+    if is_unspecified(host):
+        return (
+            f"host {host} is the unspecified address: an engine listens on it to take "
+            "connections on every address it has, but it names no machine to connect to "
+            "(and no one worker: every replica would read it as its own machine); give the "
+            "worker's address (127.0.0.1 for this machine)"
+        )
+    return None
+
+
+def is_unspecified(host: str) -> bool:
+    """Whether `host` (as `canonical_host` spells it) is `0.0.0.0` or `::`."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
 def canonical_origin(url: str) -> str:
-    """`scheme://host[:port]`, scheme and host in lower case, no trailing slash.
+    """`scheme://host[:port]`, scheme and host in lower case (an IP literal as
+    `peer.spellings.canonical_host` spells it), no trailing slash.
 
     Only for URLs `origin_problem` accepts; anything else is returned with its trailing
     slashes stripped, so a lookup of a malformed URL finds nothing rather than raising.
@@ -147,7 +183,7 @@ def canonical_origin(url: str) -> str:
     if origin_problem(url) is not None:
         return url.rstrip("/")
     parts = urlsplit(url)
-    host = parts.hostname or ""
+    host = canonical_host(parts.hostname or "")
     if ":" in host:
         host = f"[{host}]"
     port = f":{parts.port}" if parts.port is not None else ""

@@ -54,7 +54,7 @@ from router.dataplane.polling import PollClient
 from router.graft import LocalGraft
 from router.index import Pump
 from router.loads import MAX_DP_SIZE, LoadMonitor
-from router.origin import canonical_origin, origin_problem
+from router.origin import canonical_origin, worker_origin_problem
 from router.subscriber import (
     DEFAULT_MAX_MESSAGE_BYTES,
     RankEndpoint,
@@ -149,11 +149,6 @@ def reregister_after_s(failures: int, interval_s: float) -> float:
     """How long a down worker waits for its next registration anew after `failures` in a
     row: one health interval, doubling, at most `REREGISTER_BACKOFF_MAX_S`."""
     return doubling_s(interval_s, REREGISTER_BACKOFF_MAX_S, failures)
-
-
-def worker_url_problem(url: str) -> str | None:
-    """Why `url` cannot be a worker's base URL (an origin, `router.origin`), or None."""
-    return origin_problem(url)
 
 
 Subscribe = Callable[[RankEndpoint, SubscriberStats], Coroutine[None, None, None]]
@@ -349,7 +344,7 @@ class WorkerRegistry:
     async def add(self, url: str) -> Worker:
         """Register a worker (idempotent). Raises ValueError for a URL that cannot be one,
         `WorkerRemoved` when it was removed before its registration ended."""
-        if (problem := worker_url_problem(url)) is not None:
+        if (problem := worker_origin_problem(url)) is not None:
             raise ValueError(f"{url!r} is not a worker URL: {problem}")
         url = _normalize(url)
         async with self._exclusive(url):

@@ -147,6 +147,12 @@ def invalid_settings(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], st
         # Shorthand IPv4: reachable by a plain connect, refused by aiohttp (router.origin);
         # the error names the dotted quad to write instead.
         "worker at a shorthand IPv4 host": (["--worker", "http://127.1:1"], {}, "127.0.0.1"),
+        # Where an engine listens, not where anyone connects: no one worker.
+        "worker at the unspecified address": (
+            ["--worker", "http://0.0.0.0:8000"],
+            {},
+            "unspecified address",
+        ),
         "peer at a decimal IPv4 host": (
             ["--peer", "http://2130706433:1", "--internal-token", "t" * 20],
             {},

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from router.origin import AllowList, canonical_origin, origin_problem
+from router.origin import AllowList, canonical_origin, origin_problem, worker_origin_problem
 
 
 @pytest.mark.parametrize(
@@ -20,7 +20,13 @@ from router.origin import AllowList, canonical_origin, origin_problem
         ("http://w", "http://w"),
         ("http://xn--e1afmkfd.example:8000", "http://xn--e1afmkfd.example:8000"),
         ("http://w-0.svc.cluster.local.:8000", "http://w-0.svc.cluster.local.:8000"),
-        ("http://[::ffff:127.0.0.1]:8000", "http://[::ffff:127.0.0.1]:8000"),
+        # One engine, one key: an IPv6 literal compressed, an IPv4-mapped one as its IPv4
+        # address (each spelling was a worker of its own, subscribed to the same stream).
+        ("http://[0:0::1]:8000", "http://[::1]:8000"),
+        ("http://[FD00:0::2]:8000", "http://[fd00::2]:8000"),
+        ("http://[::ffff:127.0.0.1]:8000", "http://127.0.0.1:8000"),
+        ("http://[::FFFF:7f00:1]:8000", "http://127.0.0.1:8000"),
+        ("http://[0:0:0:0:0:ffff:a00:1]:8000", "http://10.0.0.1:8000"),
         ("http://1.2.3.4a:8000", "http://1.2.3.4a:8000"),  # a name: its last label is no number
         ("http://" + "a" * 63 + ".example:1", "http://" + "a" * 63 + ".example:1"),
     ],
@@ -78,6 +84,29 @@ def test_anything_but_an_origin_is_refused_with_the_reason(url: str, word: str) 
 
 
 @pytest.mark.parametrize(
+    "url",
+    [
+        "http://0.0.0.0:8000",
+        "http://[::]:8000",
+        "http://[0:0::0]:8000",
+        "http://[::ffff:0.0.0.0]:8000",
+    ],
+)
+def test_a_worker_on_the_unspecified_address_is_refused_naming_it(url: str) -> None:
+    """An engine listens there; nobody connects there: the replica reached its own machine,
+    one engine as many workers as spellings (and a sibling would read its own machine)."""
+    assert origin_problem(url) is None  # a sibling's or a kube API's URL may still be one
+    problem = worker_origin_problem(url)
+    assert problem is not None and "unspecified address" in problem, problem
+    assert "127.0.0.1 for this machine" in problem
+
+
+def test_a_worker_origin_is_first_an_origin() -> None:
+    assert worker_origin_problem("http://127.0.0.1:8000") is None
+    assert worker_origin_problem("http://w:1/v1") == origin_problem("http://w:1/v1")
+
+
+@pytest.mark.parametrize(
     "cidrs,host,addresses,allowed",
     [
         ([], "anything", ["169.254.169.254"], True),  # no list: no restriction
@@ -87,6 +116,8 @@ def test_anything_but_an_origin_is_refused_with_the_reason(url: str, word: str) 
         (["10.0.0.0/8", "fd00::/8"], "w", ["fd00::1"], True),
         (["10.0.0.0/8"], "w", ["::ffff:10.0.0.1"], True),  # v4-mapped is its v4 address
         (["10.0.0.0/8"], "w", ["::ffff:127.0.0.1"], False),
+        (["127.0.0.1/32"], "::ffff:127.0.0.2", ["::ffff:127.0.0.2"], False),  # no way round
+        (["127.0.0.1/32"], "::ffff:7f00:1", ["::ffff:127.0.0.1"], True),
         (["10.0.0.0/8"], "w", [], False),
         (["fe80::/10"], "w", ["fe80::1%eth0"], True),  # a scope id is not part of the address
     ],
