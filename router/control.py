@@ -29,6 +29,7 @@ from router.workers import (
     WORKER_JSON_ERRORS,
     TooManyWorkers,
     WorkerRemoved,
+    allow_list_refusal,
     get_worker_json,
     subscriber_name,
 )
@@ -36,7 +37,6 @@ from router.workers import (
 log = logging.getLogger(__name__)
 
 REPLICA: web.AppKey[Replica] = web.AppKey("replica", Replica)
-_RESOLVE_TIMEOUT_S = 2.0
 _MODELS_TIMEOUT: Final = aiohttp.ClientTimeout(total=2)  # each worker's, in a replica's own
 
 
@@ -257,7 +257,7 @@ async def _add_worker(request: web.Request) -> web.Response:
     if (problem := worker_origin_problem(url)) is not None:
         return bad_request(BadRequest(f"'url' {url!r} is not a worker's origin: {problem}", "url"))
     replica = request.app[REPLICA]
-    if (refusal := await _outside_allow_list(replica, url)) is not None:
+    if (refusal := await allow_list_refusal(replica.workers.allow, host_of(url))) is not None:
         log.warning("POST /workers %s refused: %s", url, refusal)
         return web.json_response(
             {"error": {"message": refusal, "type": "permission_error", "param": "url"}},
@@ -280,22 +280,6 @@ async def _add_worker(request: web.Request) -> web.Response:
         error = {"message": worker.reason, "type": "invalid_request_error", "param": "url"}
         return web.json_response({"error": error, "worker": view}, status=409)
     return web.json_response(view)
-
-
-async def _outside_allow_list(replica: Replica, url: str) -> str | None:
-    """Why `--worker-allow-cidr` refuses a worker at `url`; every address its host resolves
-    to must be inside. (Checked when it is added: a name that resolves elsewhere later, DNS
-    rebinding, is outside what this can see; SECURITY.md.)"""
-    allow = replica.worker_allow
-    if not allow.restricts:
-        return None
-    host = host_of(url)
-    try:
-        async with asyncio.timeout(_RESOLVE_TIMEOUT_S):
-            infos = await asyncio.get_running_loop().getaddrinfo(host, None)
-    except (OSError, TimeoutError) as exc:
-        return f"{host} does not resolve ({exc or 'timed out'})"
-    return allow.refusal(host, sorted({str(info[4][0]) for info in infos}))
 
 
 async def _kv_snapshot(request: web.Request) -> web.StreamResponse:

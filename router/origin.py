@@ -3,7 +3,8 @@
 Rules of this file: no I/O. `origin_problem` says why a URL cannot name a worker (or a
 sibling), `worker_origin_problem` adds what a worker's may not be, `canonical_origin` spells
 an accepted one the one way the registry keys it, and `AllowList` is `--worker-allow-cidr`:
-the networks an admin-added worker may live in.
+the networks an admin-added worker (and any worker's KV-event endpoints elsewhere than its
+own host) may live in.
 
 Why origins only: the router appends its own paths (`/server_info`, `/health`, `/v1/loads`,
 `/v1/kv-snapshot`, the completion routes) to a worker's URL. A path, a query or a fragment

@@ -174,7 +174,6 @@ class Replica:
     producer: SnapshotProducer | None = None  # serves /internal/kv_snapshot
     bootstrap: PeerBootstrap | None = None  # peer snapshot bootstrap, when siblings are known
     discovery: SliceDiscovery | None = None  # EndpointSlice watches, when a selector is given
-    worker_allow: AllowList = field(default_factory=AllowList)  # where POST /workers may point
     ingest: IngestPool | None = None  # ingest processes, with --kv-ingest-processes > 0
     sharing: DecisionSharing | None = None  # decisions to and from siblings (cache_aware)
     # The placement authority's rules (router.placement): with decision sharing, when
@@ -277,6 +276,7 @@ async def _compose(
         snapshot_max_body_bytes=config.worker_snapshot_max_body_mb * 1024 * 1024,
         subscribe=None if ingest is None else ingest.subscription,
         keeps_index=config.keeps_index,
+        allow=AllowList.parse(config.worker_allow_cidr),
     )
     capacity_blocks = engine_capacity_blocks(loads, pump)
     bootstrap = (
@@ -330,7 +330,6 @@ async def _compose(
         ),
         bootstrap=bootstrap,
         discovery=discovery,
-        worker_allow=AllowList.parse(config.worker_allow_cidr),
         ingest=ingest,
         sharing=sharing,
         placement=placement,

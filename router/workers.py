@@ -6,7 +6,9 @@ watch; all go through `WorkerRegistry.add` / `remove`, so every source gets the 
 add(url), for a URL not yet known:
   1. Read `GET {url}/server_info` for the `kv_events` block (SGLang style); without one, fall
      back to the flags (port base, replay port base, dp size). A wildcard endpoint host means
-     the worker's own host.
+     the worker's own host. Endpoints no rank can be subscribed at (a rank's port outside
+     1..65535, a host that is none), or on a host other than its own outside
+     `--worker-allow-cidr`, refuse the worker (as in 2) before anything subscribes.
   2. Settle the fleet block size: `--block-size`, else the first worker that advertises one.
      A worker that disagrees is refused: it stays listed with state `refused` and a reason,
      and takes no traffic, because its events would key blocks the prompts never match.
@@ -46,6 +48,7 @@ import zmq.asyncio
 from cachetree.keys import MAX_BLOCK_SIZE
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
+from peer.spellings import canonical_host
 from peer.supervise import Supervisor, describe, doubling_s
 from peer.tasks import cancel_and_wait
 from router.bounded import read_up_to
@@ -54,7 +57,14 @@ from router.dataplane.polling import PollClient
 from router.graft import LocalGraft
 from router.index import Pump
 from router.loads import MAX_DP_SIZE, LoadMonitor
-from router.origin import canonical_origin, worker_origin_problem
+from router.origin import (
+    AllowList,
+    canonical_origin,
+    host_of,
+    host_problem,
+    is_unspecified,
+    worker_origin_problem,
+)
 from router.subscriber import (
     DEFAULT_MAX_MESSAGE_BYTES,
     RankEndpoint,
@@ -75,7 +85,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
 HEALTH_MAX_BODY_BYTES: Final = 64 * 1024  # engines answer /health with nothing or a line
 # /server_info and /v1/models answers are a few KB; past this (or a gzip bomb inflating past
 # it: 0.5 MB per worker made 512 MB) the answer is unreadable.
@@ -94,6 +103,7 @@ DOWN_CHECKS_PER_PASS: Final = 16
 # /server_info unreachable or 5xx) is tried again after one health interval, doubling to this.
 REREGISTER_BACKOFF_MAX_S: Final = 60.0
 KNOWN_ENGINES: Final = ("vllm", "sglang")  # `owned_by` values of the engines' /v1/models
+RESOLVE_TIMEOUT_S: Final = 2.0  # a host checked against --worker-allow-cidr
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,16 +141,17 @@ def parse_server_info(body: Any, worker_url: str, defaults: DiscoveryDefaults) -
             defaults.replay_port_base or None,
             "flags",
         )
-    host = str(kv.get("endpoint_host") or "")
+    host = canonical_host(str(kv.get("endpoint_host") or ""))
     replay = kv.get("replay_endpoint_port_base")
     block_size = kv.get("block_size")
     return KvEventsInfo(
-        host=worker_host if host in _WILDCARD_HOSTS else host,
+        host=worker_host if host in ("", "*") or is_unspecified(host) else host,
         port_base=_int(kv.get("endpoint_port_base"), defaults.port_base),
         topic=str(kv.get("topic") or ""),
         block_size=block_size if _int(block_size, 0) in range(1, MAX_BLOCK_SIZE + 1) else None,
         dp_size=max(1, _int(kv.get("dp_size"), defaults.dp_size)),
-        replay_port_base=replay if isinstance(replay, int) and replay > 0 else None,
+        # 0 or none is no replay; any other number is checked (`endpoint_problem`).
+        replay_port_base=replay if _int(replay, 0) else None,
         source="server_info",
     )
 
@@ -149,6 +160,38 @@ def reregister_after_s(failures: int, interval_s: float) -> float:
     """How long a down worker waits for its next registration anew after `failures` in a
     row: one health interval, doubling, at most `REREGISTER_BACKOFF_MAX_S`."""
     return doubling_s(interval_s, REREGISTER_BACKOFF_MAX_S, failures)
+
+
+def endpoint_problem(info: KvEventsInfo) -> str | None:
+    """Why no rank of the worker can be subscribed where `info` says, or None: a host that
+    is none (as a worker URL's, `router.origin`), or a rank's port (the base plus the rank,
+    the replay one's too) outside 1..65535. Its subscribers retried such an endpoint for
+    good, one warning per rank every 2 s, while the worker was listed ready."""
+    if (problem := host_problem(info.host)) is not None:
+        return f"its KV-event endpoint host is none: {problem}"
+    bases = (("endpoint", info.port_base), ("replay endpoint", info.replay_port_base))
+    for name, base in bases:
+        if base is not None and not 1 <= base <= 65536 - info.dp_size:
+            return (
+                f"its {name} port base {base} ({info.source}) with dp size {info.dp_size} "
+                f"puts its ranks on ports {base}..{base + info.dp_size - 1}, not all in "
+                "1..65535"
+            )
+    return None
+
+
+async def allow_list_refusal(allow: AllowList, host: str) -> str | None:
+    """Why `--worker-allow-cidr` refuses `host`: every address it resolves to must be inside.
+    (Checked when it is registered: a name that resolves elsewhere later, DNS rebinding, is
+    outside what this can see; SECURITY.md.)"""
+    if not allow.restricts:
+        return None
+    try:
+        async with asyncio.timeout(RESOLVE_TIMEOUT_S):
+            infos = await asyncio.get_running_loop().getaddrinfo(host, None)
+    except (OSError, TimeoutError) as exc:
+        return f"{host} does not resolve ({exc or 'timed out'})"
+    return allow.refusal(host, sorted({str(info[4][0]) for info in infos}))
 
 
 Subscribe = Callable[[RankEndpoint, SubscriberStats], Coroutine[None, None, None]]
@@ -248,12 +291,16 @@ class WorkerRegistry:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         subscribe: Subscribe | None = None,
         keeps_index: bool = True,
+        allow: AllowList | None = None,
     ) -> None:
         """`subscribe(endpoint, stats)`: the life of a rank's subscription as a coroutine
         (`router.ingest_pool.IngestPool.subscription`); None runs a `RankSubscriber` here.
         `keeps_index` False: a replica whose policy never reads the index registers workers
-        for routing only (no KV-event subscriptions, no snapshot pulls, no block size)."""
+        for routing only (no KV-event subscriptions, no snapshot pulls, no block size).
+        `allow`: `--worker-allow-cidr`, where `POST /workers` may point and where a worker's
+        KV-event endpoints may be when not on its own host (None: anywhere)."""
         self.keeps_index = keeps_index
+        self.allow = allow if allow is not None else AllowList()
         self.pump = pump
         self.session = session
         self.loads = loads
@@ -545,6 +592,10 @@ class WorkerRegistry:
         if not self.keeps_index:
             await self._register_for_routing(worker)
             return
+        # Before its block size is read: a refused worker sets nothing for the fleet.
+        if (refusal := await self._endpoint_refusal(worker, info)) is not None:
+            self._refuse(worker, "kv_events_endpoint", refusal)
+            return
         if info.block_size is not None:
             if self.block_size is None:
                 self.block_size = info.block_size
@@ -634,6 +685,29 @@ class WorkerRegistry:
             task.add_done_callback(self._bootstraps.discard)
         else:
             self._kick_snapshot_pull(worker.url)
+
+    async def _endpoint_refusal(self, worker: Worker, info: KvEventsInfo) -> str | None:
+        """Why the worker's ranks are not to be subscribed where `info` says, or None: a
+        malformed endpoint, or a host other than its own outside `--worker-allow-cidr` (the
+        replica connected wherever a worker's /server_info pointed it, for every rank,
+        retrying every 2 s for good)."""
+        if (problem := endpoint_problem(info)) is not None:
+            return (
+                f"{problem}; check what answers its /server_info (kv_events), or "
+                "--kv-events-port-base / --kv-events-replay-port-base / --dp-size"
+            )
+        own = host_of(worker.url)
+        if info.host == own:
+            return None
+        refusal = await allow_list_refusal(self.allow, info.host)
+        self._check_still_added(worker)
+        if refusal is None:
+            return None
+        return (
+            f"its /server_info puts its KV-event endpoints on {info.host}, not on its own "
+            f"host {own}, and {refusal}: publish them on its own host (or a wildcard), or "
+            "widen --worker-allow-cidr"
+        )
 
     async def _register_for_routing(self, worker: Worker) -> None:
         """Ready for traffic, with no KV-event subscription: the index is not kept."""

@@ -1,13 +1,151 @@
-"""A worker's registration over real HTTP: one engine is one worker however its address is
-spelt."""
+"""A worker's registration over real HTTP: its /server_info cannot point the replica's KV-event
+connections outside `--worker-allow-cidr` or at ports that are none, and one engine is one
+worker however its address is spelt."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
 import pytest
+from aiohttp import web
 
 from cachetree.ranks import RankId
+from router.workers import subscriber_name
+from tests.support.adversary import stub_server, stub_worker_routes
 from tests.support.fake_worker import fake_worker_in_process
-from tests.support.router import router_in_process
+from tests.support.router import RouterHandle, router_in_process
+from tests.support.waiting import eventually
+
+
+@dataclass
+class Listener:
+    """A TCP listener standing where a worker points the replica's subscriptions."""
+
+    host: str
+    port: int = 0
+    accepted: list[str] = field(default_factory=list)  # peers, one per connection
+
+
+@contextlib.asynccontextmanager
+async def tcp_listener(host: str) -> AsyncIterator[Listener]:
+    listener = Listener(host)
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        listener.accepted.append(str(writer.get_extra_info("peername")))
+        writer.close()
+
+    server = await asyncio.start_server(accept, host, 0)
+    listener.port = server.sockets[0].getsockname()[1]
+    try:
+        yield listener
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def worker_announcing(**kv: Any) -> AsyncIterator[str]:
+    """A worker on 127.0.0.1 whose /server_info's `kv_events` says `kv`."""
+
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response({"kv_events": {"block_size": 16, "dp_size": 1, **kv}})
+
+    async with stub_server(stub_worker_routes({("GET", "/server_info"): server_info})) as url:
+        yield url
+
+
+async def assert_refused_and_never_subscribed(
+    rt: RouterHandle, url: str, body: dict[str, Any], words: str
+) -> None:
+    assert body["error"]["param"] == "url" and words in body["error"]["message"], body
+    assert body["worker"]["state"] == "refused" and body["worker"]["url"] == url, body
+    registry = rt.replica.workers
+    assert registry.stats.refused == {"kv_events_endpoint": 1}
+    assert [(w.url, w.state) for w in registry.workers()] == [(url, "refused")]
+    assert registry.routable() == [] and registry.subscribed_ranks == 0
+    assert registry.get(url).tasks == []  # type: ignore[union-attr]
+    assert rt.replica.supervisor.state(subscriber_name(RankId(url, 0))) is None
+    assert RankId(url, 0) not in rt.replica.pump.rules.live
+    scrape = await rt.scrape()
+    assert scrape.value("kvrouter_workers_refused_total", reason="kv_events_endpoint") == 1
+    assert scrape.value("kvrouter_rank_subscriptions", kind="in_use") == 0
+
+
+async def test_an_endpoint_host_outside_the_allow_list_is_a_409_and_never_connected_to() -> None:
+    """A worker inside `--worker-allow-cidr 127.0.0.1/32` whose /server_info named 127.0.0.2
+    had the replica connect there, for every rank, every 2 s, for good."""
+    async with (
+        tcp_listener("127.0.0.2") as elsewhere,
+        worker_announcing(endpoint_host="127.0.0.2", endpoint_port_base=elsewhere.port) as url,
+        router_in_process(worker_allow_cidr=["127.0.0.1/32"]) as rt,
+    ):
+        for _ in range(2):  # and again: a known refused worker is no success either
+            status, body, _ = await rt.post("/workers", {"url": url})
+            assert status == 409, body
+            await assert_refused_and_never_subscribed(
+                rt,
+                url,
+                body,
+                "not on its own host 127.0.0.1, and 127.0.0.2 (127.0.0.2) is "
+                "outside --worker-allow-cidr (127.0.0.1/32)",
+            )
+        assert body["worker"]["kv_events"]["host"] == "127.0.0.2"  # what it announced
+        assert elsewhere.accepted == []
+
+
+async def test_an_endpoint_host_outside_the_allow_list_is_refused_for_a_flag_worker_too() -> None:
+    """The flags' worker URL is the operator's; where its /server_info points is not."""
+    async with (
+        tcp_listener("127.0.0.2") as elsewhere,
+        worker_announcing(endpoint_host="127.0.0.2", endpoint_port_base=elsewhere.port) as url,
+        router_in_process(workers=[url], worker_allow_cidr=["10.0.0.0/8"]) as rt,
+    ):
+        worker = rt.replica.workers.get(url)
+        assert worker is not None and worker.state == "refused", worker
+        assert "outside --worker-allow-cidr" in worker.reason
+        assert rt.replica.workers.subscribed_ranks == 0 and elsewhere.accepted == []
+
+
+async def test_an_endpoint_host_inside_the_allow_list_is_subscribed_to() -> None:
+    """Another host is fine where the list allows it; and the listener sees a subscription
+    when one is made (what the refusals above assert never came)."""
+    async with (
+        tcp_listener("127.0.0.2") as elsewhere,
+        worker_announcing(endpoint_host="127.0.0.2", endpoint_port_base=elsewhere.port) as url,
+        router_in_process(worker_allow_cidr=["127.0.0.0/8"]) as rt,
+    ):
+        status, body, _ = await rt.post("/workers", {"url": url})
+        assert status == 200 and body["state"] == "ready", body
+        assert rt.replica.workers.subscribed_ranks == 1
+        await eventually(lambda: elsewhere.accepted)
+
+
+@pytest.mark.parametrize(
+    "kv,words",
+    [
+        ({"endpoint_port_base": 70000}, "ports 70000..70000, not all in 1..65535"),
+        ({"endpoint_port_base": -5}, "ports -5..-5"),
+        ({"endpoint_port_base": 65535, "dp_size": 3}, "ports 65535..65537"),
+        ({"endpoint_port_base": 70000, "dp_size": 1024}, "ports 70000..71023"),
+        ({"endpoint_port_base": 5557, "replay_endpoint_port_base": 70000}, "replay endpoint"),
+        ({"endpoint_host": "127.1", "endpoint_port_base": 5557}, "write it as 127.0.0.1"),
+    ],
+    ids=["past_65535", "negative", "last_rank_past", "1024_ranks", "replay", "legacy_ipv4"],
+)
+async def test_an_endpoint_no_rank_can_be_subscribed_at_is_a_409_and_nothing_subscribes(
+    kv: dict[str, Any], words: str
+) -> None:
+    """Port 70000 (or -5, or 65535 with three ranks) registered ready; each rank's subscriber
+    then failed to parse its endpoint and warned every 2 s, for good (1,024 lines every 2 s
+    for 1,024 ranks), while `GET /workers` showed no subscriber failing at all."""
+    async with worker_announcing(**kv) as url, router_in_process() as rt:
+        status, body, _ = await rt.post("/workers", {"url": url})
+        assert status == 409, body
+        await assert_refused_and_never_subscribed(rt, url, body, words)
 
 
 async def test_one_engine_under_other_spellings_is_one_worker() -> None:
