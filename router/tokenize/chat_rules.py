@@ -75,7 +75,10 @@ FAILURE_REASONS: Final = (
     "role",  # SGLang refuses roles outside its list
     "tools",  # a tool the engine's request model would not accept
     "deep_tools",  # JSON a template dumps nested past MAX_TOOL_NESTING: not rendered on the loop
-    "too_large",  # more messages or tools than MAX_CHAT_MESSAGES / MAX_CHAT_TOOLS
+    # More messages, tools or parts than MAX_CHAT_MESSAGES / MAX_CHAT_TOOLS / MAX_CHAT_PARTS,
+    # JSON to dump past MAX_DUMPED_VALUES; or a body of any route past routing's bounds on
+    # what it decodes (MAX_BODY_VALUES, MAX_BODY_KEYS), which is then not decoded at all.
+    "too_large",
     "no_template",  # the model has no chat template
     "render",  # the template raised (raise_exception, a type error, ...)
     "encode",  # the tokenizer failed on the rendered text
@@ -90,12 +93,20 @@ FAILURE_REASONS: Final = (
 # `tojson(indent=...)`, whose cost grows with the square of the depth (480 levels, a 20 KB
 # body, rendered for 1.1 s on the event loop; 300 levels in a 2.5 MB body, 7.6 s).
 MAX_TOOL_NESTING: Final = 64
+# Values the JSON a template may dump holds, all together (list items and object values): its
+# `tojson` costs a few microseconds a value, on the event loop (one tool of 500,000 properties
+# held it 2.4 s). An agent's tools hold a few thousand.
+MAX_DUMPED_VALUES: Final = 1 << 16
 # Messages and tools a chat may have for the router to render it. The rules and the render
 # take time in proportion to them, on the event loop: a million empty messages held it for
 # 3.6 s, 330,000 tools for 3 s. Past these a chat is routed by load, as a miss; agents'
 # conversations stay far below (a 1M-token context is a few thousand turns).
 MAX_CHAT_MESSAGES: Final = 10_000
 MAX_CHAT_TOOLS: Final = 2_048
+# Content parts and tool calls, all messages together: each is checked and rendered like a
+# message (a million empty parts in one message held the loop 2.7 s). Two per message at the
+# message bound; a real chat has a few per turn.
+MAX_CHAT_PARTS: Final = 20_000
 
 
 class ChatRequestError(ValueError):
@@ -138,7 +149,7 @@ class RenderCall:
 
 def render_call(body: dict[str, Any], traits: TemplateTraits, engine: Engine) -> RenderCall:
     """The engine's render call for a chat body. Raises ChatRequestError or Unrenderable."""
-    _within_counts(body)
+    within_counts(body)
     messages = _checked_messages(body.get("messages"))
     tools = _checked_tools(body.get("tools"))
     continue_final = lax_bool_field(body, "continue_final_message", False, ChatRequestError)
@@ -242,44 +253,63 @@ def template_tools(body: dict[str, Any], engine: Engine) -> list[dict[str, Any]]
 # --- what the router renders on its event loop --------------------------------------------
 
 
-def _within_counts(body: dict[str, Any]) -> None:
-    """Unrenderable past MAX_CHAT_MESSAGES messages or MAX_CHAT_TOOLS tools: checked before
-    anything walks them (such a body is forwarded unchecked; the engine validates it)."""
+def within_counts(body: dict[str, Any]) -> None:
+    """Unrenderable past MAX_CHAT_MESSAGES messages, MAX_CHAT_TOOLS tools or MAX_CHAT_PARTS
+    content parts and tool calls: checked before anything walks them (such a body is
+    forwarded unchecked; the engine validates it)."""
     for key, bound in (("messages", MAX_CHAT_MESSAGES), ("tools", MAX_CHAT_TOOLS)):
         value = body.get(key)
         if type(value) is list and len(value) > bound:
             raise Unrenderable("too_large", f"more than {bound} {key} ({len(value)})")
+    messages = body.get("messages")
+    parts = sum(
+        len(value)
+        for m in (messages if type(messages) is list else ())
+        if type(m) is dict
+        for value in (m.get("content"), m.get("tool_calls"))
+        if type(value) is list
+    )
+    if parts > MAX_CHAT_PARTS:
+        raise Unrenderable(
+            "too_large", f"more than {MAX_CHAT_PARTS} content parts and tool calls ({parts})"
+        )
 
 
 def _within_nesting(call: RenderCall) -> None:
-    """Unrenderable when what the template may dump as JSON nests past MAX_TOOL_NESTING: the
-    tools (the request's, or those `chat_template_kwargs` brings), the other template
-    variables, and the messages' tool calls (arguments parsed) and tools."""
+    """Unrenderable when what the template may dump as JSON nests past MAX_TOOL_NESTING or
+    holds more than MAX_DUMPED_VALUES values: the tools (the request's, or those
+    `chat_template_kwargs` brings), the other template variables, and the messages' tool
+    calls (arguments parsed) and tools."""
     dumped: list[Any] = [call.tools, list(call.kwargs.values())]
     for message in call.conversation:
         dumped.extend(message[k] for k in ("tool_calls", "tools") if message.get(k))
-    if _nests_deeper(dumped, MAX_TOOL_NESTING + 1):  # `dumped` is one level of its own
-        raise Unrenderable("deep_tools", f"the JSON to render nests past {MAX_TOOL_NESTING} levels")
+    _within_dump_bounds(dumped, MAX_TOOL_NESTING + 1, MAX_DUMPED_VALUES)  # one level of its own
 
 
 # --- validation shared by both engines (their request models refuse these) -----------------
 
 
-def _nests_deeper(value: Any, levels: int) -> bool:
-    """Whether lists and objects nest in `value` deeper than `levels` (stops at the first
-    such path). Recursive, with exact type checks: a third of the cost of an explicit stack
-    (10 us for an agent's 8 tools), and `levels` bounds the recursion."""
+def _within_dump_bounds(value: Any, levels: int, budget: int) -> int:
+    """The values left of `budget` once those in `value` are counted; Unrenderable where lists
+    and objects nest deeper than `levels` or hold more than `budget` (stops there).
+    Recursive, with exact type checks: a third of the cost of an explicit stack (10 us for
+    an agent's 8 tools), and `levels` bounds the recursion."""
     if type(value) is dict:
         value = value.values()
     elif type(value) is not list:
-        return False
+        return budget
     if levels <= 0:
-        return True
+        raise Unrenderable("deep_tools", f"the JSON to render nests past {MAX_TOOL_NESTING} levels")
+    budget -= len(value)
+    if budget < 0:
+        raise Unrenderable(
+            "too_large", f"the JSON to render holds more than {MAX_DUMPED_VALUES} values"
+        )
     for item in value:
         kind = type(item)
-        if (kind is dict or kind is list) and _nests_deeper(item, levels - 1):
-            return True
-    return False
+        if kind is dict or kind is list:
+            budget = _within_dump_bounds(item, levels - 1, budget)
+    return budget
 
 
 def _parsed_arguments(text: str) -> Any:

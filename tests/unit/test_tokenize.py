@@ -647,6 +647,50 @@ def test_chats_past_the_message_or_tool_count_are_routed_by_load_unwalked(engine
         assert caught.value.reason == "too_large"
 
 
+@pytest.mark.parametrize("engine", list(Engine))
+def test_chats_past_the_part_count_or_the_json_to_dump_are_routed_by_load_unwalked(
+    engine: Engine,
+) -> None:
+    """A million empty content parts in one message held the loop 2.7 s, one tool of 500,000
+    properties 2.4 s: past `MAX_CHAT_PARTS` content parts and tool calls (all messages
+    together) or `MAX_DUMPED_VALUES` values for the template to dump, the chat is `too_large`;
+    at the bounds it renders."""
+    from router.tokenize.chat_rules import MAX_CHAT_PARTS, MAX_DUMPED_VALUES, Unrenderable
+
+    traits = TemplateTraits(False, True, True, frozenset())
+    part = {"type": "text", "text": "a"}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+    def tool(properties: int) -> dict[str, Any]:
+        schema = {"type": "object", "properties": {f"p{i}": {} for i in range(properties)}}
+        return {"type": "function", "function": {"name": "f", "parameters": schema}}
+
+    half = MAX_CHAT_PARTS // 2
+    at_bounds = [
+        chat([{"role": "user", "content": [part] * MAX_CHAT_PARTS}]),
+        chat(MESSAGES, tools=[tool(MAX_DUMPED_VALUES - 100)]),
+    ]
+    for body in at_bounds:
+        assert render_call(body, traits, engine).conversation
+    past = [
+        chat([{"role": "user", "content": [part] * (MAX_CHAT_PARTS + 1)}]),
+        chat(
+            [
+                {"role": "user", "content": [part] * half},
+                {"role": "assistant", "tool_calls": [call] * (half + 1)},
+                *MESSAGES,
+            ]
+        ),
+        # Past the bound, even malformed parts are not walked: the engine validates them.
+        chat([{"role": "user", "content": [None] * (MAX_CHAT_PARTS + 1)}]),
+        chat(MESSAGES, tools=[tool(MAX_DUMPED_VALUES + 1)]),
+    ]
+    for body in past:
+        with pytest.raises(Unrenderable) as caught:
+            render_call(body, traits, engine)
+        assert caught.value.reason == "too_large"
+
+
 # --- token ids a chat brings for the engine to take as they are ----------------------------
 
 IDS = [5, 6, 7, 8]
