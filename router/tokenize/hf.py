@@ -36,18 +36,16 @@ from router.tokenize.chat_rules import (
     render_call,
     template_tools,
 )
-from router.tokenize.params import TokenizeParams, kept
+from router.tokenize.params import MAX_ENCODED_CHARS, TokenizeParams, kept
 from router.tokenize.segments import SegmentEncoder, ids_encoder
 from router.tokenize.template_traits import inspect_template
 
 log = logging.getLogger(__name__)
 
 HF_INSTALL_HINT: Final = "install the HF extra: pip install 'kvrouter[hf]'"
-# Text past this many characters is not encoded: ~128k tokens, past most models' context, and
-# encoding runs on the event loop (a 32 MiB prompt of one letter held it 20 s). The prompt is
-# routed by the blocks of its first `MAX_ENCODED_CHARS`, which are the engine's first blocks
-# too, less the tokens near the cut, which the text after it could have merged differently.
-MAX_ENCODED_CHARS: Final = 1 << 19
+# A text past `MAX_ENCODED_CHARS` (params.py) is routed by the blocks of its first part, which
+# are the engine's first blocks too, less the tokens near the cut, which the text after it
+# could have merged differently.
 CUT_MARGIN_TOKENS: Final = 64
 
 

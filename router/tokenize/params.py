@@ -48,6 +48,11 @@ class TokenizeParams:
     side: str | None = None  # truncation_side: "left", "right", or None: the tokenizer's
 
 
+# Text past this many characters is not encoded, by any tokenizer: ~128k tokens, past most
+# models' context, and encoding runs on the event loop (a 32 MiB prompt of one letter held it
+# 20 s with a real vocabulary; keying 30M characters by the `bytes` tokenizer, 0.9 s).
+MAX_ENCODED_CHARS: Final = 1 << 19
+
 COMPLETION: Final = TokenizeParams(add_special_tokens=True)
 CHAT: Final = TokenizeParams(add_special_tokens=False)
 _SIDES: Final = ("left", "right")

@@ -37,9 +37,10 @@ from router.tokenize.chat_rules import (
     Unrenderable,
     given_ids,
     render_call,
+    within_counts,
 )
 from router.tokenize.lax import lax_int
-from router.tokenize.params import CHAT, COMPLETION, TokenizeParams, kept
+from router.tokenize.params import CHAT, COMPLETION, MAX_ENCODED_CHARS, TokenizeParams, kept
 from router.tokenize.plain import BytesTokenizer, render_chat_plain
 from router.tokenize.segments import SegmentCache
 
@@ -174,13 +175,25 @@ class BytesModel:
         self.engine = Engine.VLLM  # the plain format is the same whichever engine it names
 
     def encode_text(self, text: str, params: TokenizeParams) -> Sequence[int]:
-        # No special tokens in this vocabulary: a cut is one of the ids alone.
-        return kept(self._tokenizer.encode_bytes(text), params.keep, params.side)
+        return self._bounded(text, params)
 
     def encode_chat(self, body: dict[str, Any], params: TokenizeParams) -> Sequence[int]:
+        # The plain format renders any text, but not past the bounds on what the event loop
+        # walks: `_validated` lets those by, as it lets by everything else it cannot render.
+        within_counts(body)
         _validated(body, self.engine)
-        ids = self._tokenizer.encode_bytes(render_chat_plain(body["messages"]))
-        return kept(ids, params.keep, params.side)
+        return self._bounded(render_chat_plain(body["messages"]), params)
+
+    def _bounded(self, text: str, params: TokenizeParams) -> Sequence[int]:
+        """The ids of `text`'s first `MAX_ENCODED_CHARS`, exactly the engine's first ids (one
+        a byte), cut as `params` says. A cut that keeps the last ids of a longer text has
+        none known: no ids, a miss (as hf.py answers). No special tokens in this vocabulary:
+        a cut is one of the ids alone."""
+        if len(text) > MAX_ENCODED_CHARS:
+            if params.keep is not None and params.side != "right":
+                return b""
+            text = text[:MAX_ENCODED_CHARS]
+        return kept(self._tokenizer.encode_bytes(text), params.keep, params.side)
 
     def template_name(self, tools: Any) -> str:
         return "plain"

@@ -691,6 +691,35 @@ def test_chats_past_the_part_count_or_the_json_to_dump_are_routed_by_load_unwalk
         assert caught.value.reason == "too_large"
 
 
+def test_the_bytes_tokenizer_keeps_to_the_bounds_on_what_the_loop_walks() -> None:
+    """The plain format renders any chat, and used to render one of a million messages (the
+    rules' `too_large` was let by with what it cannot render) and key every byte of a 30 MiB
+    prompt (0.9 s): past the counts a chat is `too_large`; a text is keyed by its first
+    `MAX_ENCODED_CHARS`, which are exactly the engine's first ids (one a byte)."""
+    from router.tokenize.chat_rules import MAX_CHAT_MESSAGES, MAX_CHAT_PARTS
+    from router.tokenize.params import MAX_ENCODED_CHARS, TokenizeParams
+
+    tok = load_tokenizer("bytes")
+    user = {"role": "user", "content": "hi"}
+    for body in (
+        chat([user] * (MAX_CHAT_MESSAGES + 1)),
+        chat([{"role": "user", "content": [{"type": "text", "text": "a"}] * (MAX_CHAT_PARTS + 1)}]),
+    ):
+        assert tok.encode_chat_request(body).failure == "too_large"
+    text = "héllo " * (MAX_ENCODED_CHARS // 4)
+    assert bytes(tok.encode_prompt(text)) == BytesTokenizer().encode_bytes(text[:MAX_ENCODED_CHARS])
+    long_chat = chat([{"role": "user", "content": text}])
+    rendered = render_chat_plain(long_chat["messages"])
+    ids = tok.encode_chat_request(long_chat).ids
+    assert bytes(ids) == BytesTokenizer().encode_bytes(rendered[:MAX_ENCODED_CHARS])
+    # A cut that keeps the first ids is known; one that keeps the last is not: a miss.
+    first = TokenizeParams(add_special_tokens=True, keep=100, side="right")
+    assert bytes(tok.encode_prompt(text, first)) == BytesTokenizer().encode_bytes(text)[:100]
+    last = TokenizeParams(add_special_tokens=True, keep=100, side="left")
+    assert len(tok.encode_prompt(text, last)) == 0
+    assert len(tok.encode_prompt(text[:1000], last)) == 100
+
+
 # --- token ids a chat brings for the engine to take as they are ----------------------------
 
 IDS = [5, 6, 7, 8]
