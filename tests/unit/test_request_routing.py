@@ -4,19 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from router.dataplane.routing import (
+    MAX_BODY_KEYS,
+    MAX_BODY_VALUES,
     BadRequest,
     decode_body,
     embeds_only,
     messages_of,
     namespace_for,
     param_of,
+    past_bounds,
     prompt_of,
 )
 from router.tokenize.chat_rules import Engine
 from router.tokenize.params import BadField, chat_params, completion_params, kept
+from tests.support.body_shapes import HOSTILE, REAL
 
 
 @pytest.mark.parametrize(
@@ -33,6 +38,44 @@ from router.tokenize.params import BadField, chat_params, completion_params, kep
 def test_bodies_that_are_not_a_json_object_are_bad_requests(raw: bytes, problem: str) -> None:
     with pytest.raises(BadRequest, match=problem):
         decode_body(raw)
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_bodies_holding_more_values_or_keys_than_any_real_request_are_past_the_bounds(
+    name: str,
+) -> None:
+    """Decoding and walking them held the loop for seconds: the router does not decode them."""
+    assert past_bounds(HOSTILE[name][1]) is not None
+
+
+def test_every_mark_counts_toward_the_bounds_and_a_body_at_them_is_read() -> None:
+    values = b"[" + b"0," * (MAX_BODY_VALUES - 1) + b"0]"  # one [ and the commas: at the bound
+    assert past_bounds(values) is None
+    past = f"up to {MAX_BODY_VALUES + 1} JSON values (bound {MAX_BODY_VALUES})"
+    assert past_bounds(values[:-1] + b",0]") == past
+    nested = b"[" + b"[[]]," * (MAX_BODY_VALUES // 2) + b"[]]"  # brackets count as commas do
+    assert past_bounds(nested) is not None
+    objects = b"[" + b"{}," * (MAX_BODY_VALUES // 2) + b"{}]"
+    assert past_bounds(objects) is not None
+    keys = b"{" + b",".join(b'"k%d":0' % i for i in range(MAX_BODY_KEYS)) + b"}"
+    assert past_bounds(keys) is None
+    assert past_bounds(keys[:-1] + b',"one more":0}') == (
+        f"up to {MAX_BODY_KEYS + 1} object keys (bound {MAX_BODY_KEYS})"
+    )
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_the_largest_real_requests_are_within_the_bounds(name: str) -> None:
+    assert past_bounds(msgspec.json.encode(REAL[name][1])) is None
+
+
+def test_large_bodies_of_few_values_are_within_the_bounds() -> None:
+    """Bytes are not what costs: a 30 MiB text prompt or image is one string to decode."""
+    text = b'{"prompt":"' + b"a" * 30_000_000 + b'"}'
+    image = b'{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"'
+    image += b"data:image/png;base64," + b"QUJD" * 7_000_000 + b'"}}]}]}'
+    assert past_bounds(text) is None
+    assert past_bounds(image) is None
 
 
 @pytest.mark.parametrize(
