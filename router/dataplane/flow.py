@@ -47,6 +47,10 @@ class ReadGate:
             self._transport.resume_reading()
 
 
+def _nothing() -> None:
+    pass
+
+
 class Deadline:
     """Calls `on_expiry` once the deadline set last passes, unless it is cancelled first (an
     owner that no longer needs it may also leave it pending and ignore it when it fires)."""
@@ -80,6 +84,12 @@ class Deadline:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+    def close(self) -> None:
+        """Cancelled for good (the owner is gone): `on_expiry`, often a method of the owner,
+        which holds this deadline, is let go, so that neither waits for the cyclic collector."""
+        self.cancel()
+        self._on_expiry = _nothing
 
     def _fire(self) -> None:
         self._handle = None
