@@ -3,7 +3,9 @@
 Rules of this file: no I/O. `check` takes the configured token and the request's
 `Authorization` header values and returns None (let it through) or a `Denial` (status and a
 message that says what to do); `guarded` says which paths need it. The aiohttp side is one
-wrapper in `router.control`.
+wrapper in `router.control`; the data plane applies it too, to a request that asks before
+sending its body (`Expect: 100-continue`), so that no client without the token is invited to
+upload (`router.dataplane.exchange.uninvited`).
 
 Guarded, and why:
     /workers (GET)          reads the index's per-rank state: which worker holds how much
@@ -51,6 +53,8 @@ NOT_CONFIGURED: Final = Denial(
     f"this route needs a bearer token and none is configured: start the replica with "
     f"{TOKEN_FLAG} (or {TOKEN_ENV}) and send 'Authorization: Bearer <token>'",
 )
+# What a 401 carries in `WWW-Authenticate`.
+CHALLENGE: Final = 'Bearer realm="kvrouter"'
 MISSING: Final = Denial(401, "bearer token required: send 'Authorization: Bearer <token>'")
 TWO_HEADERS: Final = Denial(401, "more than one Authorization header")
 NOT_BEARER: Final = Denial(401, "the Authorization scheme must be Bearer")

@@ -91,7 +91,7 @@ def _guard(handler: Handler) -> Handler:
         denial = auth.check(token, request.headers.getall(hdrs.AUTHORIZATION, []))
         if denial is None:
             return await handler(request)
-        headers = {hdrs.WWW_AUTHENTICATE: 'Bearer realm="kvrouter"'} if denial.challenge else {}
+        headers = {hdrs.WWW_AUTHENTICATE: auth.CHALLENGE} if denial.challenge else {}
         return web.json_response(
             {"error": {"message": denial.message, "type": "authentication_error"}},
             status=denial.status,

@@ -162,6 +162,7 @@ async def start_serving(config: ServeConfig) -> Serving:
             control.server,
             limits_of(config),
             expose_route_headers=config.expose_route_headers,
+            internal_token=config.internal_token,
             probes={
                 b"/healthz": lambda: liveness(replica),
                 b"/readyz": lambda: readiness(replica),

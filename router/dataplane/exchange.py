@@ -9,7 +9,9 @@ Theory of operation
 A client request is parsed by httptools into a `RequestHead` (plus a body, which the relay
 always reads whole: routing needs the prompt). `admit` decides at the end of the head whether
 the request may be read at all (a declared body over the limit is a 413, an unknown
-expectation a 417; both close the connection, because the body is left unread). `route_of`
+expectation a 417; both close the connection, because the body is left unread), and
+`uninvited` whether a request asking before it sends its body (`Expect: 100-continue`) to a
+route guarded by the bearer token is refused instead of invited (it lacks the token). `route_of`
 says who answers: the data plane (a POST to a generation route), the data plane with a 405
 (another method on one), or the control app (every other path).
 
@@ -56,8 +58,11 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from operator import itemgetter
 from typing import Final, Literal
+from urllib.parse import unquote
 
 import msgspec
+
+from router import auth
 
 GENERATION_ROUTES: Final = frozenset({b"/v1/completions", b"/v1/chat/completions", b"/generate"})
 
@@ -281,6 +286,28 @@ def admit(head: RequestHead, max_body_bytes: int) -> Refusal | None:
     if head.content_length is not None and head.content_length > max_body_bytes:
         return body_too_large(max_body_bytes)
     return None
+
+
+def uninvited(head: RequestHead, token: str | None) -> Refusal | None:
+    """For a request asking before it sends its body (`Expect: 100-continue`): the refusal of a
+    route guarded by the bearer token (`router.auth`) when the request does not present it
+    (`token`: the configured one), answered instead of the 100 and without reading the body
+    (so the connection closes), where the control app would refuse it once the body (up to
+    `--max-request-bytes`) was uploaded. None: it may send its body."""
+    if not auth.guarded(unquote(head.path.decode("latin-1"))):  # as the control app matches it
+        return None
+    presented = [
+        value.decode("utf-8", "surrogateescape")  # as aiohttp reads a field value
+        for low, (_, value) in zip(head.names, head.headers, strict=True)
+        if low == b"authorization"
+    ]
+    denial = auth.check(token, presented)
+    if denial is None:
+        return None
+    challenge = ((b"WWW-Authenticate", auth.CHALLENGE.encode()),) if denial.challenge else ()
+    return Refusal(
+        denial.status, denial.message, type="authentication_error", close=True, extra=challenge
+    )
 
 
 def body_too_large(max_body_bytes: int) -> Refusal:

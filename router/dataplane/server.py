@@ -46,6 +46,7 @@ from router.dataplane.exchange import (
     read_request_head,
     refusal_response,
     route_of,
+    uninvited,
 )
 from router.dataplane.flow import PIPELINED, Deadline, LogTally, ReadGate
 from router.dataplane.inflight import InflightTracker
@@ -127,6 +128,7 @@ class DataPlane:
         *,
         expose_route_headers: bool = False,
         probes: Mapping[bytes, Probe] | None = None,
+        internal_token: str | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         # GET/HEAD on these paths is answered by the door (`door.py`) on a new connection,
@@ -140,6 +142,7 @@ class DataPlane:
         self.control = control
         self.limits = limits
         self.expose_route_headers = expose_route_headers
+        self.internal_token = internal_token  # `router.auth`'s, for `exchange.uninvited`
         self.stats = DataPlaneStats()
         self.connections: set[ClientConnection] = set()
         # On the `--control-port` listener, bounded apart (`CONTROL_MAX_CONNECTIONS`), so that
@@ -623,7 +626,10 @@ class ClientConnection(asyncio.Protocol):
         except Malformed as exc:
             raise _Refused(Refusal(exc.status, str(exc), close=True)) from None
         incoming.head = head
-        refusal = admit(head, self.plane.limits.max_body_bytes)
+        plane = self.plane
+        refusal = admit(head, plane.limits.max_body_bytes)
+        if refusal is None and head.expect is not None:
+            refusal = uninvited(head, plane.internal_token)
         if refusal is not None:
             raise _Refused(refusal)
         self._queue.append(incoming)

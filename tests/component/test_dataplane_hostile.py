@@ -1,6 +1,6 @@
 """The data plane under hostile clients, over real sockets: what a request holds in memory is
 bounded by `--max-request-bytes` however its body is chunked, and freed when its connection
-closes.
+closes; no client without the token is invited to upload to a guarded route.
 
 Memory is asserted as a structure, not as RSS (noisy): the growth `tracemalloc` traces while
 the replica, in this process, reads a body, and whether a closed connection's protocol
@@ -19,11 +19,15 @@ from collections.abc import Iterator
 
 import pytest
 
+from router import auth, siblings
+from tests.support.ports import free_tcp_port
 from tests.support.router import RouterHandle, router_in_process
 from tests.support.scripted_worker import RawClient
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "hostile-test-token-0123456789"
 
 
 def address(url: str) -> tuple[str, int]:
@@ -97,3 +101,53 @@ async def test_an_upload_cut_short_is_freed_when_its_connection_closes() -> None
         await eventually(lambda: not rt.plane.connections)
         await eventually(lambda: conn() is None)  # freed with all it held, no collection
         assert rt.replica.workers.workers() == []  # the upload reached nothing
+
+
+async def expect_100(url: str, path: bytes, *fields: bytes) -> RawClient:
+    client = await RawClient.open(url)
+    client.send(
+        b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n%s"
+        b"Expect: 100-continue\r\nContent-Length: 30000000\r\n\r\n"
+        % (path, b"".join(f + b"\r\n" for f in fields))
+    )
+    return client
+
+
+@pytest.mark.parametrize("path", [b"/workers", siblings.PATH.encode(), b"/%77orkers"])
+async def test_an_upload_to_a_guarded_route_without_the_token_is_refused_not_invited(
+    path: bytes,
+) -> None:
+    """`Expect: 100-continue` was answered before the token was checked: a client without it
+    was invited to upload 32 MiB before its 401."""
+    async with router_in_process(internal_token=TOKEN) as rt:
+        for fields in ((), (b"Authorization: Bearer wrong",), (b"Authorization: Basic eDp5",)):
+            client = await expect_100(rt.url, path, *fields)
+            answer = await client.answer()
+            assert answer is not None and answer.status == 401, fields
+            assert answer.header(b"WWW-Authenticate") == auth.CHALLENGE.encode()
+            assert b"100 Continue" not in client.raw
+            assert await client.closed()  # the body is not read
+        assert rt.plane.stats.closed["refused"] == 3
+        # With the token it is invited (the data plane does not answer it: the control app does).
+        client = await expect_100(rt.url, path, b"Authorization: Bearer " + TOKEN.encode())
+        await eventually(lambda: b"\r\n\r\n" in client.raw or client._read(), 5)
+        assert bytes(client.raw) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        client.close()
+        assert rt.replica.workers.workers() == []
+
+
+async def test_with_no_token_configured_an_upload_to_a_guarded_route_is_a_403_not_invited() -> None:
+    port = free_tcp_port()
+    async with router_in_process(internal_token=None, control_port=port) as rt:
+        for url in (rt.url, f"http://127.0.0.1:{port}"):
+            client = await expect_100(url, b"/workers", b"Authorization: Bearer x")
+            answer = await client.answer()
+            assert answer is not None and answer.status == 403
+            assert auth.TOKEN_FLAG.encode() in answer.body
+            assert b"100 Continue" not in client.raw
+            assert await client.closed()
+        # An open route is invited as before.
+        client = await expect_100(rt.url, b"/v1/completions")
+        await eventually(lambda: b"\r\n\r\n" in client.raw or client._read(), 5)
+        assert bytes(client.raw) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        client.close()

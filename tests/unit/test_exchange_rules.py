@@ -25,6 +25,7 @@ from router.dataplane.exchange import (
     read_response_head,
     refusal_response,
     route_of,
+    uninvited,
     upstream_framing,
     upstream_request,
 )
@@ -225,6 +226,34 @@ def test_admission_at_the_end_of_the_head(
 ) -> None:
     refusal = admit(head(b"POST", b"/v1/completions", *headers), max_body_bytes=100)
     assert (refusal.status, refusal.close) == (status, close) if refusal else status is None
+
+
+_BEARER = (b"Authorization", b"Bearer s3cret")
+
+
+@pytest.mark.parametrize(
+    ("token", "target", "headers", "status"),
+    [
+        ("s3cret", b"/workers", [], 401),
+        ("s3cret", b"/workers", [(b"Authorization", b"Bearer wrong")], 401),
+        ("s3cret", b"/workers", [(b"Authorization", b"bearer s3cret")], None),  # any case
+        ("s3cret", b"/workers", [_BEARER, _BEARER], 401),  # two: refused, as the control app
+        ("s3cret", b"/internal/kv_snapshot?cursors_only=true", [], 401),
+        ("s3cret", b"/%77orkers", [], 401),  # matched percent-decoded, as the control app does
+        ("s3cret", b"/workers", [_BEARER], None),
+        (None, b"/workers", [_BEARER], 403),  # no token configured: the route is off
+        (None, b"/v1/completions", [], None),  # open routes are not its concern
+        (None, b"/v1/models", [], None),
+    ],
+)
+def test_a_guarded_route_without_its_token_is_refused_before_the_body_is_invited(
+    token: str | None, target: bytes, headers: list[tuple[bytes, bytes]], status: int | None
+) -> None:
+    h = head(b"POST", target, (b"Expect", b"100-continue"), *headers)
+    refusal = uninvited(h, token)
+    assert (refusal.status, refusal.close) == (status, True) if refusal else status is None
+    if refusal is not None and status == 401:
+        assert refusal.extra == ((b"WWW-Authenticate", b'Bearer realm="kvrouter"'),)
 
 
 def test_the_upstream_request_drops_hop_by_hop_and_relay_owned_fields() -> None:
