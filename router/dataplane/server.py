@@ -11,8 +11,9 @@ idle time between requests.
 `DataPlane` holds what every connection shares: the listening sockets and their accept thread
 (`door`), the limits, the routing parts, one `UpstreamPool` per worker, the control app's
 aiohttp server (for `control_link`), the open connections (at most `max_connections`: one
-more is answered with a 503 and closed, counted, and logged at most once a minute) and the
-counters behind the data plane's metrics.
+more is answered with a 503 and closed, counted, and logged at most once a minute; the
+`--control-port` listener's are bounded and logged apart) and the counters behind the data
+plane's metrics.
 """
 
 from __future__ import annotations
@@ -105,6 +106,16 @@ class Limits:
 
 
 @dataclass(slots=True)
+class Bound:
+    """One listener's bound on its open connections (the client port's, the control port's)."""
+
+    members: set[ClientConnection]  # its open connections
+    most: int
+    limit: str  # what a refusal's log line says of it: which limit, and what to do
+    refusals: LogTally = field(default_factory=lambda: LogTally(_REFUSAL_LOG_EVERY_S))
+
+
+@dataclass(slots=True)
 class DataPlaneStats:
     """Read by the metrics collector at scrape time."""
 
@@ -148,13 +159,23 @@ class DataPlane:
         # On the `--control-port` listener, bounded apart (`CONTROL_MAX_CONNECTIONS`), so that
         # clients filling `--max-connections` do not shut peers and admins out.
         self.control_connections: set[ClientConnection] = set()
+        self.client_bound = Bound(
+            self.connections,
+            limits.max_connections,
+            "the --max-connections limit; raise it (and the file limit) or add replicas",
+        )
+        self.control_bound = Bound(
+            self.control_connections,
+            CONTROL_MAX_CONNECTIONS,
+            f"the control port's fixed limit ({CONTROL_MAX_CONNECTIONS}); find what holds "
+            "so many peer or admin connections open",
+        )
         self.pools: dict[str, UpstreamPool] = {}
         self.draining = False
         self.doors: list[Door] = []
         self._adopting: set[asyncio.Task[Any]] = set()  # handed-over connections being set up
         self._closing = False
         self.addresses: list[tuple[str, int]] = []  # where it listens
-        self._refusals = LogTally(_REFUSAL_LOG_EVERY_S)
         self._lingering = 0  # refused connections closing (`refuse_connection`)
         self._waiting_to_route: deque[ClientConnection] = deque()
         self._slice_spent = 0.0  # routing time spent in this turn of the loop
@@ -326,12 +347,14 @@ class DataPlane:
                     turned += 1
         return turned
 
-    def refuse_connection(self, transport: asyncio.Transport, open_now: int, limit: str) -> None:
-        """A new connection past its listener's bound (`limit` says which): a 503, counted,
-        logged at most once a `_REFUSAL_LOG_EVERY_S`. Its close lingers (`LINGER_S`, as after
-        any refusal whose request the router left unread), so a client still sending a body
-        reads the 503 rather than a reset; at most `MAX_LINGERING_REFUSALS` at once, so that
-        the refusals hold a bounded number of descriptors past the limit."""
+    def refuse_connection(self, transport: asyncio.Transport, bound: Bound) -> None:
+        """A new connection past its listener's `bound`: a 503, counted, logged at most once a
+        `_REFUSAL_LOG_EVERY_S` per bound, with that bound's refusals since (a tally shared by
+        both listeners summed their refusals under whichever limit refused last). Its close
+        lingers (`LINGER_S`, as after any refusal whose request the router left unread), so a
+        client still sending a body reads the 503 rather than a reset; at most
+        `MAX_LINGERING_REFUSALS` at once, so that the refusals hold a bounded number of
+        descriptors past the limit."""
         transport.write(_BUSY)
         if self._lingering < MAX_LINGERING_REFUSALS and transport.can_write_eof():
             self._lingering += 1
@@ -340,8 +363,10 @@ class DataPlane:
         else:
             transport.close()
         self.stats.connections_refused += 1
-        if said := self._refusals.count(self.loop.time()):
-            log.warning("%d connection(s) refused: %d open, %s", said, open_now, limit)
+        if said := bound.refusals.count(self.loop.time()):
+            log.warning(
+                "%d connection(s) refused: %d open, %s", said, len(bound.members), bound.limit
+            )
 
     def _end_lingering(self, transport: asyncio.Transport) -> None:
         self._lingering -= 1
@@ -439,21 +464,7 @@ class ClientConnection(asyncio.Protocol):
     ) -> None:
         self.plane = plane
         self._control_only = control_only
-        # The set this connection counts in, its bound, and what a refusal at it says.
-        self._members, self._most, self._limit = (
-            (
-                plane.control_connections,
-                CONTROL_MAX_CONNECTIONS,
-                f"the control port's fixed limit ({CONTROL_MAX_CONNECTIONS}); find what holds "
-                "so many peer or admin connections open",
-            )
-            if control_only
-            else (
-                plane.connections,
-                plane.limits.max_connections,
-                "the --max-connections limit; raise it (and the file limit) or add replicas",
-            )
-        )
+        self._bound = plane.control_bound if control_only else plane.client_bound
         self._first = data  # what the door read of the connection before handing it over
         self.transport: asyncio.Transport | None = None
         self.gate: ReadGate | None = None
@@ -483,19 +494,20 @@ class ClientConnection(asyncio.Protocol):
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = transport = cast(asyncio.Transport, transport)
         plane = self.plane
-        if len(self._members) >= self._most:
+        members = self._bound.members
+        if len(members) >= self._bound.most:
             self._closed = True
             if self._phase == "idle":
                 # The door answered a probe on it, which asked to keep it: that answer was
                 # the one owed, and a 503 after it would read as the next request's.
                 transport.close()
             else:
-                plane.refuse_connection(transport, len(self._members), self._limit)
+                plane.refuse_connection(transport, self._bound)
             return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._members.add(self)
+        members.add(self)
         self.gate = ReadGate(transport)
         self._arm()
         first, self._first = self._first, b""
@@ -533,7 +545,7 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
-        self._members.discard(self)
+        self._bound.members.discard(self)
         relay, self._relay = self._relay, None
         if relay is not None:
             relay.client_gone()

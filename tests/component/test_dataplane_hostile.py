@@ -1,6 +1,7 @@
 """The data plane under hostile clients, over real sockets: what a request holds in memory is
 bounded by `--max-request-bytes` however its body is chunked, and freed when its connection
-closes; no client without the token is invited to upload to a guarded route.
+closes; no client without the token is invited to upload to a guarded route; each
+listener's connection refusals are logged apart.
 
 Memory is asserted as a structure, not as RSS (noisy): the growth `tracemalloc` traces while
 the replica, in this process, reads a body, and whether a closed connection's protocol
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import socket
 import tracemalloc
 import weakref
@@ -20,6 +22,7 @@ from collections.abc import Iterator
 import pytest
 
 from router import auth, siblings
+from router.dataplane import server
 from tests.support.ports import free_tcp_port
 from tests.support.router import RouterHandle, router_in_process
 from tests.support.scripted_worker import RawClient
@@ -151,3 +154,36 @@ async def test_with_no_token_configured_an_upload_to_a_guarded_route_is_a_403_no
         await eventually(lambda: b"\r\n\r\n" in client.raw or client._read(), 5)
         assert bytes(client.raw) == b"HTTP/1.1 100 Continue\r\n\r\n"
         client.close()
+
+
+async def test_each_listeners_refusals_are_logged_apart_with_their_own_limit_and_count(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One tally for both listeners: 390 refusals of the client port were logged as the
+    control port's, with its limit (`391 connection(s) refused: 256 open, the control port's
+    fixed limit`), or the control port's first refusal not at all."""
+    monkeypatch.setattr(server, "CONTROL_MAX_CONNECTIONS", 1)
+    port = free_tcp_port()
+    control = f"http://127.0.0.1:{port}"
+    async with router_in_process(max_connections=2, control_port=port) as rt:
+        held = [await RawClient.open(u) for u in (rt.url, rt.url, control)]
+        await eventually(
+            lambda: len(rt.plane.connections) == 2 and len(rt.plane.control_connections) == 1
+        )
+        with caplog.at_level(logging.WARNING, logger=server.__name__):
+            for url, times in ((rt.url, 3), (control, 2)):
+                for _ in range(times):
+                    extra = await RawClient.open(url)
+                    answer = await extra.answer()
+                    assert answer is not None and answer.status == 503
+                    assert await extra.closed()
+        assert rt.plane.stats.connections_refused == 5
+        said = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert said == [
+            "1 connection(s) refused: 2 open, the --max-connections limit; raise it (and the "
+            "file limit) or add replicas",
+            "1 connection(s) refused: 1 open, the control port's fixed limit (1); find what "
+            "holds so many peer or admin connections open",
+        ]
+        for client in held:
+            client.close()
