@@ -84,6 +84,9 @@ _SERVED_VERSIONS: Final = frozenset({"1.1", "1.0"})
 # tens of milliseconds, which every probe, stream chunk and accept then waits for.
 ROUTING_SLICE_S: Final = 0.004
 _REFUSAL_LOG_EVERY_S: Final = 60.0
+# What a chunk of a chunked request body costs of its bound besides its data: its framing at
+# the least (a one-digit size line and the CRLF after the data, RFC 9112 7.1).
+CHUNK_FRAMING: Final = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,7 +447,7 @@ class _Incoming:
         # appended to: a list of the pieces cost ~40 bytes a piece, so a body of 2-byte chunks
         # held ~20 times its size (32 MiB of them: ~900 MiB).
         self.body: bytes | bytearray = b""
-        self.body_size = 0  # its bytes and its trailer fields', against the limit
+        self.body_size = 0  # its bytes, chunk framing and trailer fields, against the limit
         self.complete = False
         self.refusal: Refusal | None = None
         self.continue_due = False  # owes the client a 100 Continue when its turn comes
@@ -603,9 +606,7 @@ class ClientConnection(asyncio.Protocol):
             return
         # A trailer field of a chunked body (RFC 9112 7.1.2): dropped, as a recipient may; its
         # bytes count against the body's bound, so a body cannot end in endless fields.
-        incoming.body_size += len(name) + len(value) + 4
-        if incoming.body_size > self.plane.limits.max_body_bytes:
-            raise _Refused(body_too_large(self.plane.limits.max_body_bytes))
+        self._body_grows(incoming, len(name) + len(value) + 4)
 
     def on_headers_complete(self) -> None:
         incoming = self._incoming
@@ -652,12 +653,18 @@ class ClientConnection(asyncio.Protocol):
         if self._phase == "head":
             self._phase = "body"
 
+    def on_chunk_header(self) -> None:
+        # A chunk's framing counts against the body's bound too, so that the bound holds the
+        # chunks, each a parser callback, to a number its bytes pay for: it let 32 Mi chunks of
+        # one byte through (112 MiB on the wire, seconds of the loop's time, for one request).
+        incoming = self._incoming
+        assert incoming is not None
+        self._body_grows(incoming, CHUNK_FRAMING)
+
     def on_body(self, data: bytes) -> None:
         incoming = self._incoming
         assert incoming is not None
-        incoming.body_size += len(data)
-        if incoming.body_size > self.plane.limits.max_body_bytes:
-            raise _Refused(body_too_large(self.plane.limits.max_body_bytes))
+        self._body_grows(incoming, len(data))
         body = incoming.body
         if isinstance(body, bytearray):
             body += data
@@ -667,6 +674,12 @@ class ClientConnection(asyncio.Protocol):
             incoming.body = grown
         else:
             incoming.body = data
+
+    def _body_grows(self, incoming: _Incoming, size: int) -> None:
+        """`size` more bytes of the body being read (data, chunk framing, trailer fields)."""
+        incoming.body_size += size
+        if incoming.body_size > self.plane.limits.max_body_bytes:
+            raise _Refused(body_too_large(self.plane.limits.max_body_bytes))
 
     def on_message_complete(self) -> None:
         incoming = self._incoming

@@ -1,7 +1,7 @@
 """The data plane under hostile clients, over real sockets: what a request holds in memory is
-bounded by `--max-request-bytes` however its body is chunked, and freed when its connection
-closes; no client without the token is invited to upload to a guarded route; each
-listener's connection refusals are logged apart.
+bounded by `--max-request-bytes` however its body is chunked (and so are its chunks), and
+freed when its connection closes; no client without the token is invited to upload to a
+guarded route; each listener's connection refusals are logged apart.
 
 Memory is asserted as a structure, not as RSS (noisy): the growth `tracemalloc` traces while
 the replica, in this process, reads a body, and whether a closed connection's protocol
@@ -25,7 +25,7 @@ from router import auth, siblings
 from router.dataplane import server
 from tests.support.ports import free_tcp_port
 from tests.support.router import RouterHandle, router_in_process
-from tests.support.scripted_worker import RawClient
+from tests.support.scripted_worker import RawClient, scripted_worker
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -66,6 +66,30 @@ async def test_a_body_of_tiny_chunks_holds_about_its_size_not_an_object_per_chun
         assert rt.plane.stats.closed["refused"] == 1
         # The body up to the limit, and a read buffer or two: not 500,000 objects.
         assert peak - before < 2 * limit, f"{peak - before} bytes for {limit} of body"
+
+
+async def test_a_chunked_bodys_framing_counts_against_its_bound_so_tiny_chunks_are_few() -> None:
+    """Each chunk is a parser callback, and the bound counted data alone: 32 MiB of 1-byte
+    chunks were 32 Mi callbacks (seconds of the loop) for one request within the limit."""
+    body = b'{"prompt": "%s", "max_tokens": 1}' % (b"a" * 49)  # 80 bytes
+    async with (
+        scripted_worker() as w,
+        router_in_process(workers=[w.url], max_request_bytes=100) as rt,
+    ):
+        await eventually(lambda: rt.replica.workers.routable(), 10)
+        for pieces in ((body[:40], body[40:]), [body[i : i + 2] for i in range(0, 80, 2)]):
+            client = await RawClient.open(rt.url)
+            client.send(
+                b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
+                + b"0\r\n\r\n"
+            )
+            answer = await client.answer()
+            assert answer is not None
+            # 80 bytes and three chunks' framing (95) fit in 100; 41 chunks' (285) do not.
+            assert answer.status == (200 if len(pieces) == 2 else 413), len(pieces)
+            client.close()
+        assert [p.body for p in w.posts()] == [body]
 
 
 @pytest.fixture
