@@ -1,7 +1,8 @@
 """Flow control and timers for the data plane's Protocols: no tasks, a few loop callbacks.
 
 `ReadGate` pauses a transport's reading for any of several reasons at once (the peer's write
-buffer is full; a pipelined request waits its turn) and resumes it only when none is left, so
+buffer is full; a pipelined request waits its turn; a read made a loop turn's share of work)
+and resumes it only when none is left, so
 one reason going away never undoes another.
 
 `Deadline` is one `loop.call_later` handle per owner, re-armed lazily: moving a deadline later
@@ -23,6 +24,7 @@ from typing import Final
 
 PEER_BACKPRESSURE: Final = 1  # the other side's write buffer is over its high-water mark
 PIPELINED: Final = 2  # a complete request waits behind the one being answered
+YIELDING: Final = 4  # what was read made a turn's share of work: the rest waits a turn
 
 
 class ReadGate:

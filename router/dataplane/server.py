@@ -49,7 +49,7 @@ from router.dataplane.exchange import (
     route_of,
     uninvited,
 )
-from router.dataplane.flow import PIPELINED, Deadline, LogTally, ReadGate
+from router.dataplane.flow import PIPELINED, YIELDING, Deadline, LogTally, ReadGate
 from router.dataplane.inflight import InflightTracker
 from router.dataplane.relay import ControlRelay, Relay, WorkerLookup, WorkerRelay
 from router.dataplane.routing import Router
@@ -87,6 +87,10 @@ _REFUSAL_LOG_EVERY_S: Final = 60.0
 # What a chunk of a chunked request body costs of its bound besides its data: its framing at
 # the least (a one-digit size line and the CRLF after the data, RFC 9112 7.1).
 CHUNK_FRAMING: Final = 5
+# Chunks of request bodies one connection's reads may parse before its reading waits a turn of
+# the loop: uvloop (libuv) reads a ready socket up to 32 times a turn, and 32 reads of tiny
+# chunks are ~1 M parser callbacks, which every other connection (a probe too) waited ~1 s for.
+CHUNKS_PER_TURN: Final = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -483,6 +487,7 @@ class ClientConnection(asyncio.Protocol):
         self._stopped = False  # no more parsing: a refusal closes the connection
         self._closed = False
         self._head_size = 0  # bytes of reads that fell wholly inside the head being parsed
+        self._chunks = 0  # body chunks parsed since reading last waited a turn (`YIELDING`)
         self._deferred: tuple[RequestHead, bytes] | None = None  # waits for a routing slice
         self._held: list[bytes] | None = None  # writes gathered by `hold`
         self._asking: AskFirst | None = None  # a new prefix's question to its placer
@@ -533,6 +538,10 @@ class ClientConnection(asyncio.Protocol):
         if refusal is not None:
             self._stop(refusal)
             return
+        if self._chunks > CHUNKS_PER_TURN and self.gate is not None:
+            self._chunks = 0
+            self.gate.pause(YIELDING)
+            self.plane.loop.call_soon(self.gate.resume, YIELDING)
         incoming = self._incoming
         if mid_head and incoming is not None and incoming.head is None:
             # The whole read fell inside one head: bound what the parser buffers of it.
@@ -660,6 +669,7 @@ class ClientConnection(asyncio.Protocol):
         incoming = self._incoming
         assert incoming is not None
         self._body_grows(incoming, CHUNK_FRAMING)
+        self._chunks += 1
 
     def on_body(self, data: bytes) -> None:
         incoming = self._incoming

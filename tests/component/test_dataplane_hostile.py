@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import logging
 import socket
 import tracemalloc
@@ -90,6 +91,38 @@ async def test_a_chunked_bodys_framing_counts_against_its_bound_so_tiny_chunks_a
             assert answer.status == (200 if len(pieces) == 2 else 413), len(pieces)
             client.close()
         assert [p.body for p in w.posts()] == [body]
+
+
+def test_a_read_of_tiny_chunks_lets_the_loop_turn_before_the_next_one() -> None:
+    """uvloop (libuv) reads a ready socket up to 32 times a turn of the loop: 32 reads of tiny
+    chunks were ~1 M parser callbacks, and every other connection (a probe too) waited ~1 s
+    for them. Seen as the body read in each turn: at most about one read's worth."""
+    uvloop = pytest.importorskip("uvloop", reason="the fast extra: pip install 'kvrouter[fast]'")
+    sizes: list[int] = []  # the body read so far, at each turn of the loop
+    sent = 1_000_000 * (2 + server.CHUNK_FRAMING)  # what it counts for against the bound
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        async with router_in_process(max_request_bytes=64 << 20) as rt:
+
+            def turn() -> None:
+                if rt.plane.connections:
+                    sizes.append(held_body(rt))
+                if not sizes or sizes[-1] < sent:
+                    loop.call_soon(turn)
+
+            with socket.create_connection(address(rt.url)) as sock:
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n"
+                )
+                turn()
+                await asyncio.to_thread(sock.sendall, b"2\r\nab\r\n" * 1_000_000)
+                await eventually(lambda: sizes and sizes[-1] == sent, 30)
+
+    uvloop.run(scenario())
+    steps = [b - a for a, b in itertools.pairwise(sizes)]
+    assert max(steps) <= 1 << 20, f"{max(steps)} bytes of body read in one turn"
 
 
 @pytest.fixture
