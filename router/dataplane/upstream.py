@@ -82,6 +82,11 @@ class Acquirer(Protocol):
     def connection_failed(self, failure: Failure, detail: str) -> None: ...
 
 
+# In place of a lost connection's parser (`UpstreamConnection.connection_lost`): it has no
+# callbacks, and is never fed (a closed connection reads nothing).
+_DETACHED: Final = httptools.HttpResponseParser(object())
+
+
 class UpstreamConnection(asyncio.Protocol):
     def __init__(
         self, loop: asyncio.AbstractEventLoop, pool: UpstreamPool | None, idle_timeout_s: float
@@ -217,7 +222,16 @@ class UpstreamConnection(asyncio.Protocol):
         return False  # close; connection_lost reports
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._deadline.cancel()
+        # Freed once it is told, not by a pass of the cyclic collector (`cli._tune_gc` makes
+        # them rare): the deadline (`_expired`) and the parser (its callbacks) hold this
+        # connection, which holds them.
+        self._deadline.close()
+        try:
+            self._lost(exc)
+        finally:
+            self._parser = _DETACHED
+
+    def _lost(self, exc: Exception | None) -> None:
         transport, self.transport = self.transport, None
         if self.pool is not None and transport is not None:
             self.pool.lost(self)

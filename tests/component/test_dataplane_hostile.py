@@ -1,7 +1,7 @@
 """The data plane under hostile clients, over real sockets: what a request holds in memory is
 bounded by `--max-request-bytes` however its body is chunked (and so are its chunks), and
-freed when its connection closes; no client without the token is invited to upload to a
-guarded route; each listener's connection refusals are logged apart.
+freed when its connection closes (a connection to a worker too); no client without the token
+is invited to upload to a guarded route; each listener's connection refusals are logged apart.
 
 Memory is asserted as a structure, not as RSS (noisy): the growth `tracemalloc` traces while
 the replica, in this process, reads a body, and whether a closed connection's protocol
@@ -161,6 +161,23 @@ async def test_an_upload_cut_short_is_freed_when_its_connection_closes() -> None
         await eventually(lambda: not rt.plane.connections)
         await eventually(lambda: conn() is None)  # freed with all it held, no collection
         assert rt.replica.workers.workers() == []  # the upload reached nothing
+
+
+@pytest.mark.usefixtures("no_cyclic_collection")
+async def test_an_upstream_connection_is_freed_when_its_worker_closes_it() -> None:
+    """The same two holds on a connection to a worker (its parser's callbacks, its deadline's):
+    one the worker closed waited for a cyclic pass, with its buffers."""
+    async with scripted_worker() as w, router_in_process(workers=[w.url]) as rt:
+        await eventually(lambda: rt.replica.workers.routable(), 10)
+        status, _, _ = await rt.post("/v1/completions", {"prompt": "x" * 64, "max_tokens": 1})
+        assert status == 200
+        (pool,) = rt.plane.pools.values()
+        await eventually(lambda: len(pool.idle) == 1)  # kept alive for the next request
+        conn = weakref.ref(pool.idle[0])
+        for writer in w.writers:  # the worker closes it
+            writer.transport.close()
+        await eventually(lambda: not pool.idle)
+        await eventually(lambda: conn() is None)  # freed with all it held, no collection
 
 
 async def expect_100(url: str, path: bytes, *fields: bytes) -> RawClient:
