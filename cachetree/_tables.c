@@ -24,7 +24,10 @@
  *   rule, which snapshot export relies on, and popitem's newest-first order, which a sliced
  *   rank clear relies on. A deletion leaves a dead entry and a dummy slot; both go at the
  *   next rebuild (when the entries run out), which sizes the table to 2.25x the live entries:
- *   the table shrinks after mass removals. Keys are hashed with a per-process random seed
+ *   the table shrinks after mass removals. When the live entries need a larger table instead,
+ *   the map grows in steps, each insertion moving a few keys of the old table into the new one
+ *   (see "Growth without a stall"): no insertion pays for millions of keys at once, which
+ *   would stand the replica's event loop still. Keys are hashed with a per-process random seed
  *   (murmur3's finalizer over key ^ seed), so crafted keys cannot aim at one probe chain.
  *   Iterators refuse to go on after the map changed shape (RuntimeError), as dict's do.
  * - `place_run` and `remove_run`: cachetree/tree.py `_place_run_py` and `_remove_run_py` over
@@ -550,16 +553,21 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    Entry *entries;       /* insertion order */
-    uint8_t *live;        /* live[i]: entries[i] is in the map */
+    Entry *entries;       /* insertion order; an entry keeps its number through a growth */
+    uint8_t *live;        /* live[i]: entries[i] is in the map; 0 from n_entries on */
     int32_t *slots;       /* 0 empty, -1 dummy (deleted), i + 1: entries[i] */
     uint8_t *tags;        /* per slot: TAG_EMPTY, TAG_DUMMY, or tag_of(its key's mix) */
-    void *block;          /* one allocation holding entries, slots, tags and live */
     Py_ssize_t size;      /* slots, a power of two */
     Py_ssize_t usable;    /* entries allocated: size * 2 / 3 */
     Py_ssize_t n_entries; /* entries written, dead ones included */
     Py_ssize_t used;      /* live entries */
     Py_ssize_t filled;    /* slots not empty: live entries and dummies */
+    /* A growth under way (see map_grow): the slots and tags of the table before it, whose
+     * slots from `moved` on may still hold keys; NULL when none is. */
+    int32_t *old_slots;
+    uint8_t *old_tags;
+    Py_ssize_t old_size;
+    Py_ssize_t moved;
     uint64_t version;     /* changes on every insertion of a key, deletion and rebuild */
     int objects;          /* NodeMap: values are objects */
 } MapObject;
@@ -584,26 +592,50 @@ tag_of(uint64_t h)
 #define MIN_SIZE 8
 #define MAX_SIZE ((Py_ssize_t)1 << 31)
 
-/* A map's arrays live in one zeroed block (`table_bytes`). A large one is its own mapping on
- * transparent huge pages: a lookup in a table of tens of MB is, beside its cache misses, a
- * TLB miss on 4 KiB pages, and a page walk is several more memory reads (more under a
- * hypervisor's nested paging); 2 MiB pages make those rare. Only past HUGE_MIN, so rounding
- * to whole huge pages wastes at most an eighth of a block. Elsewhere than Linux, calloc. */
+/* A map's arrays are three zeroed blocks: its entries, their live bytes, and its table (the
+ * slots' words, then their tags). A block from MAP_MIN on is a mapping of its own, so a growth
+ * moves the entries and live bytes to their larger block by remapping their pages (mremap)
+ * instead of copying them. Past HUGE_MIN it is on transparent huge pages: a lookup in a table
+ * of tens of MB is, beside its cache misses, a TLB miss on 4 KiB pages, and a page walk is
+ * several more memory reads (more under a hypervisor's nested paging); 2 MiB pages make those
+ * rare. Only past HUGE_MIN, so rounding to whole huge pages wastes at most an eighth of a
+ * block. Elsewhere than Linux, calloc and copies. */
+#define MAP_MIN ((size_t)1 << 20)
 #define HUGE_PAGE ((size_t)2 << 20)
 #define HUGE_MIN ((size_t)16 << 20)
 
+#if defined(__linux__) && defined(MADV_HUGEPAGE) && defined(MREMAP_FIXED)
+#define OWN_MAPPINGS 1
+#endif
+
+static inline size_t
+index_bytes(Py_ssize_t size)
+{
+    return (size_t)size * (sizeof(int32_t) + 1);
+}
+
+/* The bytes of a map's three blocks. */
 static size_t
 table_bytes(Py_ssize_t size, Py_ssize_t usable)
 {
-    return (size_t)usable * (sizeof(Entry) + 1) + (size_t)size * (sizeof(int32_t) + 1);
+    return (size_t)usable * (sizeof(Entry) + 1) + index_bytes(size);
 }
+
+#ifdef OWN_MAPPINGS
+/* The length of the mapping of a block of `bytes` (from MAP_MIN on). */
+static inline size_t
+mapped_len(size_t bytes)
+{
+    return bytes >= HUGE_MIN ? (bytes + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1) : bytes;
+}
+#endif
 
 static void *
 table_alloc(size_t bytes)
 {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
+#ifdef OWN_MAPPINGS
     if (bytes >= HUGE_MIN) {
-        size_t len = (bytes + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
+        size_t len = mapped_len(bytes);
         /* Mapped one huge page larger, then trimmed to a huge-page boundary at both ends. */
         uint8_t *raw = mmap(NULL, len + HUGE_PAGE, PROT_READ | PROT_WRITE,
                             MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -620,6 +652,10 @@ table_alloc(size_t bytes)
         (void)madvise(p, len, MADV_HUGEPAGE); /* a hint: without THP, 4 KiB pages */
         return p;
     }
+    if (bytes >= MAP_MIN) {
+        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        return p == MAP_FAILED ? NULL : p;
+    }
 #endif
     return PyMem_RawCalloc(bytes, 1);
 }
@@ -630,50 +666,103 @@ table_free(void *p, size_t bytes)
     if (p == NULL) {
         return;
     }
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    if (bytes >= HUGE_MIN) {
-        munmap(p, (bytes + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1));
+#ifdef OWN_MAPPINGS
+    if (bytes >= MAP_MIN) {
+        munmap(p, mapped_len(bytes));
         return;
     }
 #endif
     PyMem_RawFree(p);
 }
 
+/* The first `used` bytes of block `src` (of `src_bytes`) into the new, larger block `dst` (of
+ * `dst_bytes`); `src` is gone after. Two mappings: the pages move (`dst` has room for all of
+ * `src`'s, at the same or a coarser alignment), which costs page-table updates, not copies. */
+static void
+table_move(void *dst, size_t dst_bytes, void *src, size_t src_bytes, size_t used)
+{
+    if (src == NULL) {
+        return;
+    }
+#ifdef OWN_MAPPINGS
+    if (src_bytes >= MAP_MIN && dst_bytes >= MAP_MIN) {
+        size_t len = mapped_len(src_bytes);
+        if (mremap(src, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, dst) != MAP_FAILED) {
+            return;
+        }
+    }
+#else
+    (void)dst_bytes;
+#endif
+    memcpy(dst, src, used);
+    table_free(src, src_bytes);
+}
+
+/* A table of `size` slots: its slots' words, then its tags, zeroed. */
+static int
+index_alloc(Py_ssize_t size, int32_t **slots, uint8_t **tags)
+{
+    *slots = table_alloc(index_bytes(size));
+    if (*slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *tags = (uint8_t *)(*slots + size);
+    return 0;
+}
+
+/* Fresh blocks for `size` slots into `m`; `m` unchanged on failure. */
 static int
 map_alloc(MapObject *m, Py_ssize_t size)
 {
     Py_ssize_t usable = size * 2 / 3;
-    uint8_t *block = table_alloc(table_bytes(size, usable));
-    if (block == NULL) {
-        PyErr_NoMemory();
+    Entry *entries = table_alloc((size_t)usable * sizeof(Entry));
+    uint8_t *live = table_alloc((size_t)usable);
+    int32_t *slots = NULL;
+    uint8_t *tags = NULL;
+    if (entries == NULL || live == NULL || index_alloc(size, &slots, &tags) < 0) {
+        table_free(entries, (size_t)usable * sizeof(Entry));
+        table_free(live, (size_t)usable);
+        if (!PyErr_Occurred()) {
+            PyErr_NoMemory();
+        }
         return -1;
     }
-    /* Entries first (8-byte aligned), then the slots' 4-byte words, then the bytes. */
-    m->block = block;
-    m->entries = (Entry *)block;
-    m->slots = (int32_t *)(block + (size_t)usable * sizeof(Entry));
-    m->tags = (uint8_t *)(m->slots + size);
-    m->live = m->tags + size;
+    m->entries = entries;
+    m->live = live;
+    m->slots = slots;
+    m->tags = tags;
     m->size = size;
     m->usable = usable;
     return 0;
 }
 
-/* Entry number of `key`, or -1. `*slot` gets the slot holding it, or (absent) the slot a new
- * entry for it goes in: the first dummy on its probe chain, else the empty slot ending it. */
-static inline Py_ssize_t
-map_find(const MapObject *m, uint64_t key, Py_ssize_t *slot)
+/* Free the blocks of `m` (not its values), the table of a growth under way included. */
+static void
+map_free_blocks(const MapObject *m)
 {
-    size_t mask = (size_t)m->size - 1;
-    const uint64_t h = mix(key);
+    table_free(m->entries, (size_t)m->usable * sizeof(Entry));
+    table_free(m->live, (size_t)m->usable);
+    table_free(m->slots, index_bytes(m->size));
+    table_free(m->old_slots, index_bytes(m->old_size));
+}
+
+/* Entry number of `key` (mixed: `h`) in one table, or -1. `*slot` gets the slot holding it,
+ * or (absent) the slot a new entry for it goes in: the first dummy on its probe chain, else the
+ * empty slot ending it. */
+static inline Py_ssize_t
+table_find(const Entry *entries, const int32_t *slots, const uint8_t *tags, Py_ssize_t size,
+           uint64_t h, uint64_t key, Py_ssize_t *slot)
+{
+    size_t mask = (size_t)size - 1;
     size_t i = (size_t)h & mask;
     const uint8_t tag = tag_of(h);
     Py_ssize_t free_slot = -1;
     for (;;) {
-        uint8_t t = m->tags[i];
+        uint8_t t = tags[i];
         if (t == tag) {
-            int32_t ix = m->slots[i];
-            if (m->entries[ix - 1].key == key) {
+            int32_t ix = slots[i];
+            if (entries[ix - 1].key == key) {
                 *slot = (Py_ssize_t)i;
                 return ix - 1;
             }
@@ -687,6 +776,48 @@ map_find(const MapObject *m, uint64_t key, Py_ssize_t *slot)
         }
         i = (i + 1) & mask;
     }
+}
+
+/* Growth without a stall
+ * ----------------------
+ * When the entries run out and the live ones need a larger table, the map does not place them
+ * all in it at once (at millions of keys, tens to hundreds of ms in which the replica's event
+ * loop stands still). map_grow moves the entries and live bytes to larger blocks (their pages,
+ * not their bytes: entry numbers do not change) and starts an empty table of twice the slots
+ * beside the old one. From then on a key is in exactly one of the two: every insertion goes to
+ * the new table and then moves the keys of the next REHASH_STEP slots of the old one into it
+ * (a moved slot becomes a dummy, so the old table's probe chains still run through it), and a
+ * lookup tries the new table, then the old. The old table is freed once its last slot moved:
+ * after size / REHASH_STEP insertions, well before the new table's entries (as many again as
+ * the old one had) can run out. Deletions and lookups move nothing, so a slot number that
+ * map_find gave stays good until the map's next insertion, as before. */
+#define REHASH_STEP 16
+
+/* map_find when the key is in no slot of the new table and a growth is under way: the old
+ * table's slot of it, given as m->size + its number, or -1 with `*slot` left as the new
+ * table's. */
+static Py_ssize_t
+map_find_old(const MapObject *m, uint64_t h, uint64_t key, Py_ssize_t *slot)
+{
+    Py_ssize_t old_slot, ix = table_find(m->entries, m->old_slots, m->old_tags, m->old_size, h,
+                                         key, &old_slot);
+    if (ix >= 0) {
+        *slot = m->size + old_slot;
+    }
+    return ix;
+}
+
+/* Entry number of `key`, or -1. `*slot` gets the slot holding it (a number past m->size: the
+ * old table's, during a growth), or (absent) the slot of the table a new entry goes in. */
+static inline Py_ssize_t
+map_find(const MapObject *m, uint64_t key, Py_ssize_t *slot)
+{
+    const uint64_t h = mix(key);
+    Py_ssize_t ix = table_find(m->entries, m->slots, m->tags, m->size, h, key, slot);
+    if (ix < 0 && m->old_tags != NULL) {
+        return map_find_old(m, h, key, slot);
+    }
+    return ix;
 }
 
 /* Prefetching. On an index of a few hundred thousand blocks the tables are far larger than
@@ -819,6 +950,80 @@ map_place_entries(MapObject *m, Py_ssize_t n)
     m->version++;
 }
 
+/* The keys of the old table's slots [moved, moved + budget) into the new table (see "Growth
+ * without a stall"); the old table freed once all are. */
+static void
+map_migrate(MapObject *m, Py_ssize_t budget)
+{
+    const Py_ssize_t first = m->moved;
+    const Py_ssize_t end = budget < m->old_size - first ? first + budget : m->old_size;
+    const size_t mask = (size_t)m->size - 1;
+    /* Their entries are cache misses, far apart: asked for all at once, they overlap. */
+    for (Py_ssize_t c = first; c < end; c++) {
+        if (m->old_tags[c] > TAG_DUMMY) {
+            PREFETCH(&m->entries[m->old_slots[c] - 1]);
+        }
+    }
+    for (Py_ssize_t c = first; c < end; c++) {
+        if (m->old_tags[c] <= TAG_DUMMY) {
+            continue;
+        }
+        const int32_t ix = m->old_slots[c];
+        const uint64_t h = mix(m->entries[ix - 1].key);
+        size_t i = (size_t)h & mask;
+        while (m->tags[i] > TAG_DUMMY) {
+            i = (i + 1) & mask; /* a dummy may take it: the key is in no slot of this table */
+        }
+        m->filled += m->tags[i] == TAG_EMPTY;
+        m->slots[i] = ix;
+        m->tags[i] = tag_of(h);
+        m->old_tags[c] = TAG_DUMMY;
+    }
+    m->moved = end;
+    if (end == m->old_size) {
+        table_free(m->old_slots, index_bytes(m->old_size));
+        m->old_slots = NULL;
+        m->old_tags = NULL;
+        m->old_size = m->moved = 0;
+    }
+}
+
+/* Start a growth to `size` slots (see "Growth without a stall"); `m` unchanged on failure. */
+static int
+map_grow(MapObject *m, Py_ssize_t size)
+{
+    const Py_ssize_t usable = size * 2 / 3;
+    const size_t entries_bytes = (size_t)usable * sizeof(Entry);
+    Entry *entries = table_alloc(entries_bytes);
+    uint8_t *live = table_alloc((size_t)usable);
+    int32_t *slots = NULL;
+    uint8_t *tags = NULL;
+    if (entries == NULL || live == NULL || index_alloc(size, &slots, &tags) < 0) {
+        table_free(entries, entries_bytes);
+        table_free(live, (size_t)usable);
+        if (!PyErr_Occurred()) {
+            PyErr_NoMemory();
+        }
+        return -1;
+    }
+    table_move(entries, entries_bytes, m->entries, (size_t)m->usable * sizeof(Entry),
+               (size_t)m->n_entries * sizeof(Entry));
+    table_move(live, (size_t)usable, m->live, (size_t)m->usable, (size_t)m->n_entries);
+    m->entries = entries;
+    m->live = live;
+    m->old_slots = m->slots;
+    m->old_tags = m->tags;
+    m->old_size = m->size;
+    m->moved = 0;
+    m->slots = slots;
+    m->tags = tags;
+    m->size = size;
+    m->usable = usable;
+    m->filled = 0;
+    m->version++;
+    return 0;
+}
+
 /* The live entries slid to the front, in order, and the slots made again from them. */
 static void
 map_rebuild_in_place(MapObject *m)
@@ -836,10 +1041,9 @@ map_rebuild_in_place(MapObject *m)
     map_place_entries(m, n);
 }
 
-/* Rebuild with room for `room` entries: dead entries and dummies go, the table grows or
- * shrinks. */
-static int
-map_rebuild_for(MapObject *m, Py_ssize_t room)
+/* The slots of a table with room for `room` entries, or -1 (error set). */
+static Py_ssize_t
+size_for(Py_ssize_t room)
 {
     Py_ssize_t size = MIN_SIZE;
     while (size * 2 / 3 <= room) {
@@ -849,9 +1053,24 @@ map_rebuild_for(MapObject *m, Py_ssize_t room)
         }
         size <<= 1;
     }
-    if (size == m->size && m->block != NULL) {
+    return size;
+}
+
+/* Rebuild at once with room for `room` entries: dead entries and dummies go, the table grows
+ * or shrinks (a growth under way is finished first). */
+static int
+map_rebuild_for(MapObject *m, Py_ssize_t room)
+{
+    Py_ssize_t size = size_for(room);
+    if (size < 0) {
+        return -1;
+    }
+    if (m->old_tags != NULL) {
+        map_migrate(m, m->old_size);
+    }
+    if (size == m->size && m->slots != NULL) {
         /* A map at a steady size (as many deletions as insertions: the ledger at its cap)
-         * is rebuilt in its own block: a fresh one of the same size would be tens of MB of
+         * is rebuilt in its own blocks: fresh ones of the same size would be tens of MB of
          * page faults, each zeroing a page the rebuild then writes anyway. */
         map_rebuild_in_place(m);
         return 0;
@@ -869,15 +1088,28 @@ map_rebuild_for(MapObject *m, Py_ssize_t room)
         }
     }
     map_place_entries(m, n);
-    table_free(old.block, table_bytes(old.size, old.usable));
+    map_free_blocks(&old);
     return 0;
 }
 
-/* The rebuild when the entries run out: room for half as many again as are live. */
+/* When the entries run out: room for half as many again as are live, by a growth when that
+ * takes a larger table (the dead entries stay until a rebuild), else by a rebuild. */
 static int
-map_rebuild(MapObject *m)
+map_make_room(MapObject *m)
 {
-    return map_rebuild_for(m, m->used + m->used / 2 + 1);
+    const Py_ssize_t room = m->used + m->used / 2 + 1;
+    Py_ssize_t size = size_for(room);
+    if (size < 0) {
+        return -1;
+    }
+    if (m->old_tags != NULL) {
+        /* Not reached while REHASH_STEP outpaces the insertions (see above): a safeguard. */
+        map_migrate(m, m->old_size);
+    }
+    if (size > m->size) {
+        return map_grow(m, size);
+    }
+    return map_rebuild_for(m, room);
 }
 
 /* Insert a key known to be absent (`slot` from map_find); the value is stolen on success. */
@@ -886,7 +1118,7 @@ map_insert_new(MapObject *m, uint64_t key, uint64_t value, Py_ssize_t slot)
 {
     /* Dummies count: a table with no empty slot left would never end a probe. */
     if (m->n_entries >= m->usable || m->filled >= m->usable) {
-        if (map_rebuild(m) < 0) {
+        if (map_make_room(m) < 0) {
             return -1;
         }
         if (map_find(m, key, &slot) >= 0) {
@@ -905,6 +1137,9 @@ map_insert_new(MapObject *m, uint64_t key, uint64_t value, Py_ssize_t slot)
     m->tags[slot] = tag_of(mix(key));
     m->used++;
     m->version++;
+    if (m->old_tags != NULL) {
+        map_migrate(m, REHASH_STEP);
+    }
     return 0;
 }
 
@@ -913,8 +1148,13 @@ static uint64_t
 map_delete_at(MapObject *m, Py_ssize_t ix, Py_ssize_t slot)
 {
     uint64_t value = m->entries[ix].value;
-    m->slots[slot] = -1;
-    m->tags[slot] = TAG_DUMMY;
+    if (slot < m->size) {
+        m->slots[slot] = -1;
+        m->tags[slot] = TAG_DUMMY;
+    }
+    else {
+        m->old_tags[slot - m->size] = TAG_DUMMY; /* its old slot, during a growth */
+    }
     m->live[ix] = 0;
     m->used--;
     m->version++;
@@ -989,27 +1229,23 @@ map_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static void
 map_clear_entries(MapObject *m)
 {
-    Py_ssize_t n = m->n_entries;
-    Entry *entries = m->entries;
-    uint8_t *live = m->live;
-    void *block = m->block;
-    size_t bytes = table_bytes(m->size, m->usable);
-    int objects = m->objects;
+    const MapObject held = *m; /* detached first: a value's deallocation may use the map */
     m->entries = NULL;
     m->live = NULL;
     m->slots = NULL;
     m->tags = NULL;
-    m->block = NULL;
-    m->n_entries = m->used = m->filled = m->size = m->usable = 0;
+    m->old_slots = NULL;
+    m->old_tags = NULL;
+    m->n_entries = m->used = m->filled = m->size = m->usable = m->old_size = m->moved = 0;
     m->version++;
-    if (objects) {
-        for (Py_ssize_t j = 0; j < n; j++) {
-            if (live[j]) {
-                Py_DECREF((PyObject *)(uintptr_t)entries[j].value);
+    if (held.objects) {
+        for (Py_ssize_t j = 0; j < held.n_entries; j++) {
+            if (held.live[j]) {
+                Py_DECREF((PyObject *)(uintptr_t)held.entries[j].value);
             }
         }
     }
-    table_free(block, bytes);
+    map_free_blocks(&held);
 }
 
 static void
@@ -1513,7 +1749,16 @@ static PyObject *
 map_sizeof(MapObject *m, PyObject *unused)
 {
     return PyLong_FromSsize_t(Py_TYPE(m)->tp_basicsize
-                              + (Py_ssize_t)table_bytes(m->size, m->usable));
+                              + (Py_ssize_t)(table_bytes(m->size, m->usable)
+                                             + index_bytes(m->old_size)));
+}
+
+/* rehash_left() -> int: the old table's slots a growth under way has yet to move (0: none is
+ * under way). A test's and a benchmark's view of "Growth without a stall". */
+static PyObject *
+map_rehash_left(MapObject *m, PyObject *unused)
+{
+    return PyLong_FromSsize_t(m->old_size - m->moved);
 }
 
 static PyObject *
@@ -1654,6 +1899,8 @@ static PyMethodDef map_methods[] = {
     {"clear", (PyCFunction)map_clear, METH_NOARGS, "remove every entry"},
     {"reserve", (PyCFunction)map_reserve, METH_O,
      "reserve(n): room for n entries in all, rebuilding (once) now if need be"},
+    {"rehash_left", (PyCFunction)map_rehash_left, METH_NOARGS,
+     "the old table's slots a growth under way has yet to move (0: none is)"},
     {"keys", (PyCFunction)map_keys, METH_NOARGS, "an iterator over the keys, oldest first"},
     {"values", (PyCFunction)map_values, METH_NOARGS, "an iterator over the values"},
     {"items", (PyCFunction)map_items, METH_NOARGS, "an iterator over (key, value) pairs"},
@@ -2808,7 +3055,8 @@ PyInit__tables(void)
     }
     if (PyModule_AddObjectRef(m, "Node", (PyObject *)&NodeType) < 0
         || PyModule_AddObjectRef(m, "NodeMap", (PyObject *)&NodeMapType) < 0
-        || PyModule_AddObjectRef(m, "HashMap", (PyObject *)&HashMapType) < 0) {
+        || PyModule_AddObjectRef(m, "HashMap", (PyObject *)&HashMapType) < 0
+        || PyModule_AddIntConstant(m, "REHASH_STEP", REHASH_STEP) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -406,11 +406,12 @@ def test_a_map_under_steady_churn_stays_a_dict_through_its_rebuilds_in_place(kin
 
 
 def test_a_map_past_16_mib_keeps_every_key_through_growth_shrinking_and_clearing() -> None:
-    # Past 16 MiB a map's arrays are one mapping of their own (huge pages where the kernel
-    # allows): growing into it, growing within it, shrinking out of it and clearing it must
+    # From 1 MiB each of a map's blocks is a mapping of its own, past 16 MiB on huge pages
+    # (where the kernel allows), and a growth moves the entries' pages to the larger block:
+    # growing into them, growing within them, shrinking out of them and clearing them must
     # each keep (or drop) exactly what a dict would.
     rng = random.Random(5)
-    keys = list({rng.randrange(U64) for _ in range(400_000)})  # 2**20 slots: 17 MB
+    keys = list({rng.randrange(U64) for _ in range(800_000)})  # 2**21 slots: 22 MB of entries
     m = tables.HashMap()
     assert m.setdefault_run(keys, 7) == [7] * len(keys)
     big = sys.getsizeof(m)
@@ -431,3 +432,156 @@ def test_a_map_past_16_mib_keeps_every_key_through_growth_shrinking_and_clearing
     assert m.get(keys[0]) == 8 and m.get(keys[-1]) == 7 and len(m) == len(keys)
     m.clear()
     assert len(m) == 0 and keys[0] not in m
+
+
+def test_an_insertion_during_a_growth_moves_at_most_rehash_step_slots_and_nothing_else_does() -> (
+    None
+):
+    # Each growth starts when the entries run out and must be done (its old table freed)
+    # before the next one: size / REHASH_STEP insertions, each moving exactly REHASH_STEP old
+    # slots (the last one the rest); lookups and deletions move none.
+    m, step = tables.HashMap(), tables.REHASH_STEP
+    growths, moves = 0, []
+    for k in range(300_000):
+        left = m.rehash_left()
+        m[k] = k
+        after = m.rehash_left()
+        if after > left:
+            growths += 1  # this insertion started one (and moved its first slots)
+            assert left == 0, "a growth started before the last one was done"
+        elif left:
+            moves.append(left - after)
+            assert left - after == min(step, left)
+            before = m.__sizeof__()
+            assert k - 1 in m and m.get(k // 2) == k // 2 and m.get(-1) is None
+            del m[k - 1]
+            m[k - 1] = k - 1  # an insertion again: it moves the next slots
+            assert m.rehash_left() == max(after - step, 0)
+            assert m.__sizeof__() <= before  # the old table only ever goes
+    # 16 to 2**19 slots; the growths from 8 and 16 slots end in the insertion that starts them.
+    assert growths == 14
+    assert max(moves) == step and len(moves) > 10_000
+    assert len(m) == 300_000 and all(m[k] == k for k in range(300_000))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_operation_and_run_answers_as_a_dict_while_a_growth_is_under_way(seed: int) -> None:
+    from router.pressure import _drop_run_py, _kept_run_py, _move_run_py
+
+    # New keys all the time, and a clear now and then, so the maps grow again and again from
+    # their smallest tables and a good part of the operations meet a growth under way: a key
+    # then is in the old table or the new one, and each operation must find it in either.
+    rng = random.Random(seed)
+    batches = [object() for _ in range(3)]
+    nodes, hashes = tables.NodeMap(), tables.HashMap()
+    ref_nodes: dict[int, object] = {}
+    ref_hashes: dict[int, int] = {}
+    held: list[int] = []
+    during: dict[str, int] = {}
+
+    def some_keys() -> list[int]:
+        return [
+            rng.choice(held) if held and rng.random() < 0.8 else rng.randrange(U64)
+            for _ in range(rng.randrange(1, 40))
+        ]
+
+    ops = ["set", "set", "set", "setdefault", "del", "pop", "popitem", "get", "iterate"]
+    ops += ["setdefault_run", "put_run", "drop_run", "kept_run", "move_run"]
+    for step in range(30_000):
+        op = rng.choice(ops)
+        if nodes.rehash_left() and hashes.rehash_left():
+            during[op] = during.get(op, 0) + 1
+        k = rng.choice(held) if held and rng.random() < 0.3 else rng.randrange(U64)
+        if op == "set":
+            nodes[k] = ref_nodes[k] = rng.choice(batches)
+            hashes[k] = ref_hashes[k] = k >> 1
+            held.append(k)
+        elif op == "setdefault":
+            v = rng.choice(batches)
+            assert nodes.setdefault(k, v) is ref_nodes.setdefault(k, v)
+            assert hashes.setdefault(k, 5) == ref_hashes.setdefault(k, 5)
+            held.append(k)
+        elif op == "del":
+            if k in ref_nodes:
+                del nodes[k], ref_nodes[k], hashes[k], ref_hashes[k]
+            else:
+                assert k not in nodes and k not in hashes
+        elif op == "pop":
+            assert nodes.pop(k, None) is ref_nodes.pop(k, None)
+            assert hashes.pop(k, None) == ref_hashes.pop(k, None)
+        elif op == "popitem" and ref_nodes:
+            assert nodes.popitem() == ref_nodes.popitem()
+            assert hashes.popitem() == ref_hashes.popitem()
+        elif op == "get":
+            assert nodes.get(k) is ref_nodes.get(k) and hashes.get(k) == ref_hashes.get(k)
+            assert (k in nodes) == (k in ref_nodes) and (k in hashes) == (k in ref_hashes)
+        elif op == "setdefault_run":
+            keys, v = some_keys(), rng.choice(batches)
+            assert nodes.setdefault_run(keys, v) == [ref_nodes.setdefault(x, v) for x in keys]
+            assert hashes.setdefault_run(keys, 9) == [ref_hashes.setdefault(x, 9) for x in keys]
+            held += keys
+        elif op == "put_run":
+            keys, v = some_keys(), rng.choice(batches)
+            nodes.put_run(keys, v)
+            ref_nodes.update(dict.fromkeys(keys, v))
+            hashes.put_run(keys, 3)
+            ref_hashes.update(dict.fromkeys(keys, 3))
+            held += keys
+        elif op == "drop_run":
+            keys, batch = some_keys(), rng.choice(batches)
+            goal = rng.randrange(1, 30)
+            assert nodes.drop_run(array("Q", keys), 0, goal, batch) == _drop_run_py(
+                ref_nodes, keys, 0, goal, batch
+            )
+            for x in [x for x in ref_hashes if x not in ref_nodes]:
+                del hashes[x], ref_hashes[x]
+        elif op == "kept_run":
+            keys, batch = array("Q", some_keys()), rng.choice(batches)
+            assert nodes.kept_run(keys, 0, batch) == _kept_run_py(ref_nodes, keys, 0, batch)
+        elif op == "move_run":
+            keys, (old, new) = some_keys(), rng.sample(batches, 2)
+            assert nodes.move_run(keys, 0, len(keys), old, new) == _move_run_py(
+                ref_nodes, keys, 0, len(keys), old, new
+            )
+        elif op == "iterate":
+            assert list(nodes.items()) == list(ref_nodes.items())
+            assert list(hashes.items()) == list(ref_hashes.items())
+        assert len(nodes) == len(ref_nodes) and len(hashes) == len(ref_hashes)
+        if step % 3_000 == 2_999:
+            nodes.clear(), hashes.clear(), ref_nodes.clear(), ref_hashes.clear(), held.clear()
+    assert list(nodes.items()) == list(ref_nodes.items())
+    assert list(hashes.items()) == list(ref_hashes.items())
+    # Each kind of operation met growths under way in both maps, many times.
+    assert min(during.values()) > 20 and len(during) == 12, during
+
+
+def test_the_graft_creates_and_takes_back_its_records_while_its_maps_grow() -> None:
+    nodes, rank = tables.NodeMap(), tables.HashMap()
+    k = 0
+    while nodes.rehash_left() < 10_000 or rank.rehash_left() < 10_000:
+        nodes[k] = tables.Node(None, 1, 0, None, k)
+        rank[k] = k
+        k += 1
+    before = (list(nodes.items()), list(rank.items()), nodes.rehash_left())
+
+    def chunk(first: int, n: int, taken: int | None) -> tuple[Any, ...]:
+        keys = array("Q", range(first, first + n))
+        hashes = array("Q", range(first, first + n))
+        if taken is not None:
+            hashes[-1] = taken  # a hash the rank maps already: the graft refuses it all
+        parents, counts = array("q", [-1, *range(n - 1)]), array("I", [1] * n)
+        workers, new = array("I", [0] * n), b"\x01" * n
+        return tables.graft_new(
+            nodes, [rank], [0], keys, parents, counts, workers, hashes, new, 0, n, 0
+        )
+
+    assert chunk(10**9, 200, taken=5) == (1, 199)
+    assert (list(nodes.items()), list(rank.items())) == before[:2]  # each record taken back
+    assert chunk(10**9, 200, taken=None) == (0, -1)
+    assert 0 < nodes.rehash_left() < before[2] and 0 < rank.rehash_left() < before[2]
+    assert [rank[10**9 + i] for i in range(200)] == list(range(10**9, 10**9 + 200))
+    grafted = [nodes[10**9 + i] for i in range(200)]
+    assert [(n.parent, n.children, n.mask) for n in grafted] == [
+        (None if i == 0 else 10**9 + i - 1, 0 if i == 199 else 1, 1) for i in range(200)
+    ]
+    assert list(nodes.items())[:k] == before[0] and list(rank.items())[:k] == before[1]

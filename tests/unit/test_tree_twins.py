@@ -167,3 +167,59 @@ def test_prefix_depths_answer_alike_on_both_layouts(seed: int, n_ranks: int) -> 
         ]
         assert answers[0] == answers[1]
         assert trees[0].match(path) == trees[1].match(path)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_layouts_answer_alike_while_the_compiled_tables_grow(seed: int) -> None:
+    """Long chains of new blocks make the compiled maps grow again and again (the tables start
+    at 8 slots), so runs and prefix lookups often meet a growth under way: a key in the old
+    table or the new one (cachetree/_tables.c, "Growth without a stall")."""
+    mid_growth = {"place_run": 0, "remove_run": 0, "prefix_depths": 0}
+
+    def counting(name: str, run: Callable[..., Any]) -> Any:
+        def wrapped(*args: Any) -> Any:
+            mid_growth[name] += bool(args[0].rehash_left() or args[1].rehash_left())
+            return run(*args)
+
+        return wrapped
+
+    layout = compiled_with(
+        counting("remove_run", tables.remove_run), counting("place_run", tables.place_run)
+    )
+    rng = random.Random(seed)
+    compiled, pure = BlockTree(BS, layout), BlockTree(BS, PURE_LAYOUT)
+    ranks = [RankId(f"http://w{i}:8000", 0) for i in range(3)]
+    held: dict[RankId, list[int]] = {r: [] for r in ranks}
+    next_hash = 0
+    for op in range(1_500):
+        rank = rng.choice(ranks)
+        roll = rng.random()
+        if roll < 0.6:
+            n = rng.randint(1, 63)
+            hashes = list(range(next_hash, next_hash + n))
+            next_hash += n
+            # Mostly new tokens; now and then a chain another rank stored (shared nodes).
+            tokens = [rng.randrange(1, 10_000) for _ in range(n * BS)]
+            parent = rng.choice(held[rank]) if held[rank] and rng.random() < 0.3 else None
+            tier = rng.choice([DEVICE] * 8 + [HOST])
+            got = [t.store(rank, parent, hashes, tokens, BS, tier) for t in (compiled, pure)]
+            assert got[0] == got[1]
+            held[rank].extend(hashes)
+        elif roll < 0.97:
+            pool = held[rank]
+            hashes = rng.sample(pool, min(len(pool), rng.randint(1, 40)))
+            got = [t.remove(rank, hashes, None) for t in (compiled, pure)]
+            assert got[0] == got[1]
+        else:
+            assert compiled.clear_rank(rank) == pure.clear_rank(rank)
+            held[rank].clear()
+        if compiled._nodes.rehash_left() and op % 3 == 0:
+            for path in paths(pure, rng, 5):
+                mid_growth["prefix_depths"] += 1
+                answers = [
+                    (d.any_tier, d.device, d.depth_runs(), d.depth_runs(device=True))
+                    for d in (tree.prefix_depths(path) for tree in (compiled, pure))
+                ]
+                assert answers[0] == answers[1]
+    assert state(compiled) == state(pure)
+    assert min(mid_growth.values()) > 30, mid_growth
