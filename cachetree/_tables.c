@@ -568,6 +568,10 @@ typedef struct {
     uint8_t *old_tags;
     Py_ssize_t old_size;
     Py_ssize_t moved;
+    /* The table of the next growth, paged in ahead of it (see map_prepare); NULL when none. */
+    int32_t *next_slots;
+    Py_ssize_t next_size;
+    Py_ssize_t next_touched; /* its bytes paged in */
     uint64_t version;     /* changes on every insertion of a key, deletion and rebuild */
     int objects;          /* NodeMap: values are objects */
 } MapObject;
@@ -745,6 +749,16 @@ map_free_blocks(const MapObject *m)
     table_free(m->live, (size_t)m->usable);
     table_free(m->slots, index_bytes(m->size));
     table_free(m->old_slots, index_bytes(m->old_size));
+    table_free(m->next_slots, index_bytes(m->next_size));
+}
+
+/* Free the table paged in for a growth that will not come as prepared. */
+static void
+map_drop_next(MapObject *m)
+{
+    table_free(m->next_slots, index_bytes(m->next_size));
+    m->next_slots = NULL;
+    m->next_size = m->next_touched = 0;
 }
 
 /* Entry number of `key` (mixed: `h`) in one table, or -1. `*slot` gets the slot holding it,
@@ -791,7 +805,7 @@ table_find(const Entry *entries, const int32_t *slots, const uint8_t *tags, Py_s
  * after size / REHASH_STEP insertions, well before the new table's entries (as many again as
  * the old one had) can run out. Deletions and lookups move nothing, so a slot number that
  * map_find gave stays good until the map's next insertion, as before. */
-#define REHASH_STEP 16
+#define REHASH_STEP 64
 
 /* map_find when the key is in no slot of the new table and a growth is under way: the old
  * table's slot of it, given as m->size + its number, or -1 with `*slot` left as the new
@@ -834,13 +848,20 @@ map_find(const MapObject *m, uint64_t key, Py_ssize_t *slot)
 #define PREFETCH(addr) ((void)(addr))
 #endif
 
-/* The slot `key` probes first. */
+/* The slot `key` probes first (and during a growth, the old table's: a key absent from the
+ * new table is looked up there too). */
 static inline void
 map_prefetch_slot(const MapObject *m, uint64_t key)
 {
-    size_t i = mix(key) & ((size_t)m->size - 1);
+    const uint64_t h = mix(key);
+    size_t i = h & ((size_t)m->size - 1);
     PREFETCH(&m->tags[i]);
     PREFETCH(&m->slots[i]);
+    if (m->old_tags != NULL) {
+        i = h & ((size_t)m->old_size - 1);
+        PREFETCH(&m->old_tags[i]);
+        PREFETCH(&m->old_slots[i]);
+    }
 }
 
 /* The entry in `key`'s first slot, or NULL (empty, a dummy): read after map_prefetch_slot
@@ -950,37 +971,45 @@ map_place_entries(MapObject *m, Py_ssize_t n)
     m->version++;
 }
 
-/* The keys of the old table's slots [moved, moved + budget) into the new table (see "Growth
- * without a stall"); the old table freed once all are. */
+/* The keys of the old table's next REHASH_STEP slots into the new table (see "Growth without
+ * a stall"); the old table freed once all are. */
 static void
-map_migrate(MapObject *m, Py_ssize_t budget)
+map_migrate(MapObject *m)
 {
     const Py_ssize_t first = m->moved;
-    const Py_ssize_t end = budget < m->old_size - first ? first + budget : m->old_size;
+    const Py_ssize_t n = m->old_size - first < REHASH_STEP ? m->old_size - first : REHASH_STEP;
+    const uint8_t *old_tags = m->old_tags + first;
+    const int32_t *old_slots = m->old_slots + first;
     const size_t mask = (size_t)m->size - 1;
-    /* Their entries are cache misses, far apart: asked for all at once, they overlap. */
-    for (Py_ssize_t c = first; c < end; c++) {
-        if (m->old_tags[c] > TAG_DUMMY) {
-            PREFETCH(&m->entries[m->old_slots[c] - 1]);
+    /* Their entries, then their first slots in the new table, are cache misses far apart:
+     * asked for all at once, they overlap. */
+    uint64_t hs[REHASH_STEP];
+    for (Py_ssize_t c = 0; c < n; c++) {
+        if (old_tags[c] > TAG_DUMMY) {
+            PREFETCH(&m->entries[old_slots[c] - 1]);
         }
     }
-    for (Py_ssize_t c = first; c < end; c++) {
-        if (m->old_tags[c] <= TAG_DUMMY) {
+    for (Py_ssize_t c = 0; c < n; c++) {
+        if (old_tags[c] > TAG_DUMMY) {
+            hs[c] = mix(m->entries[old_slots[c] - 1].key);
+            PREFETCH(&m->tags[hs[c] & mask]);
+        }
+    }
+    for (Py_ssize_t c = 0; c < n; c++) {
+        if (old_tags[c] <= TAG_DUMMY) {
             continue;
         }
-        const int32_t ix = m->old_slots[c];
-        const uint64_t h = mix(m->entries[ix - 1].key);
-        size_t i = (size_t)h & mask;
+        size_t i = (size_t)hs[c] & mask;
         while (m->tags[i] > TAG_DUMMY) {
             i = (i + 1) & mask; /* a dummy may take it: the key is in no slot of this table */
         }
         m->filled += m->tags[i] == TAG_EMPTY;
-        m->slots[i] = ix;
-        m->tags[i] = tag_of(h);
-        m->old_tags[c] = TAG_DUMMY;
+        m->slots[i] = old_slots[c];
+        m->tags[i] = tag_of(hs[c]);
+        m->old_tags[first + c] = TAG_DUMMY;
     }
-    m->moved = end;
-    if (end == m->old_size) {
+    m->moved = first + n;
+    if (m->moved == m->old_size) {
         table_free(m->old_slots, index_bytes(m->old_size));
         m->old_slots = NULL;
         m->old_tags = NULL;
@@ -988,17 +1017,64 @@ map_migrate(MapObject *m, Py_ssize_t budget)
     }
 }
 
-/* Start a growth to `size` slots (see "Growth without a stall"); `m` unchanged on failure. */
+/* The rest of a growth under way, at once. */
+static void
+map_migrate_all(MapObject *m)
+{
+    while (m->old_tags != NULL) {
+        map_migrate(m);
+    }
+}
+
+/* A new table's pages fault in as keys land in them. The keys a growth moves land anywhere,
+ * so with none of its pages in yet its first insertions would take every fault between them:
+ * a huge page's fault can take tens of ms where the kernel compacts memory to find one. So
+ * over the last eighth of the entries before a growth, each insertion pages in one more page
+ * of the table it will use: an insertion takes one page fault at most. */
+#define PAGE_STEP 4096
+
+static void
+map_prepare(MapObject *m)
+{
+    if (m->next_slots == NULL) {
+        const Py_ssize_t size = m->size * 2;
+        if (m->used + m->used / 2 + 1 < m->usable || size > MAX_SIZE
+            || index_bytes(size) < MAP_MIN) {
+            return; /* no growth in sight, or one whose table calloc pages in when zeroing */
+        }
+        m->next_slots = table_alloc(index_bytes(size));
+        if (m->next_slots == NULL) {
+            return; /* the growth allocates it, or says there is no memory */
+        }
+        m->next_size = size;
+        m->next_touched = 0;
+    }
+    if (m->next_touched < (Py_ssize_t)index_bytes(m->next_size)) {
+        ((volatile uint8_t *)m->next_slots)[m->next_touched] = 0;
+        m->next_touched += PAGE_STEP;
+    }
+}
+
+/* Start a growth to `size` slots (see "Growth without a stall"); `m` unchanged on failure but
+ * for the table paged in ahead, which goes. */
 static int
 map_grow(MapObject *m, Py_ssize_t size)
 {
     const Py_ssize_t usable = size * 2 / 3;
     const size_t entries_bytes = (size_t)usable * sizeof(Entry);
-    Entry *entries = table_alloc(entries_bytes);
-    uint8_t *live = table_alloc((size_t)usable);
     int32_t *slots = NULL;
     uint8_t *tags = NULL;
-    if (entries == NULL || live == NULL || index_alloc(size, &slots, &tags) < 0) {
+    if (m->next_slots != NULL && m->next_size == size) {
+        slots = m->next_slots;
+        tags = (uint8_t *)(slots + size);
+        m->next_slots = NULL;
+        m->next_size = m->next_touched = 0;
+    }
+    map_drop_next(m);
+    Entry *entries = table_alloc(entries_bytes);
+    uint8_t *live = table_alloc((size_t)usable);
+    if (entries == NULL || live == NULL || (slots == NULL && index_alloc(size, &slots, &tags) < 0)) {
+        table_free(slots, index_bytes(size));
         table_free(entries, entries_bytes);
         table_free(live, (size_t)usable);
         if (!PyErr_Occurred()) {
@@ -1066,7 +1142,7 @@ map_rebuild_for(MapObject *m, Py_ssize_t room)
         return -1;
     }
     if (m->old_tags != NULL) {
-        map_migrate(m, m->old_size);
+        map_migrate_all(m);
     }
     if (size == m->size && m->slots != NULL) {
         /* A map at a steady size (as many deletions as insertions: the ledger at its cap)
@@ -1075,6 +1151,7 @@ map_rebuild_for(MapObject *m, Py_ssize_t room)
         map_rebuild_in_place(m);
         return 0;
     }
+    map_drop_next(m);
     MapObject old = *m;
     if (map_alloc(m, size) < 0) {
         return -1;
@@ -1104,7 +1181,7 @@ map_make_room(MapObject *m)
     }
     if (m->old_tags != NULL) {
         /* Not reached while REHASH_STEP outpaces the insertions (see above): a safeguard. */
-        map_migrate(m, m->old_size);
+        map_migrate_all(m);
     }
     if (size > m->size) {
         return map_grow(m, size);
@@ -1138,7 +1215,10 @@ map_insert_new(MapObject *m, uint64_t key, uint64_t value, Py_ssize_t slot)
     m->used++;
     m->version++;
     if (m->old_tags != NULL) {
-        map_migrate(m, REHASH_STEP);
+        map_migrate(m);
+    }
+    else if (m->n_entries >= m->usable - m->usable / 8) {
+        map_prepare(m);
     }
     return 0;
 }
@@ -1236,7 +1316,9 @@ map_clear_entries(MapObject *m)
     m->tags = NULL;
     m->old_slots = NULL;
     m->old_tags = NULL;
+    m->next_slots = NULL;
     m->n_entries = m->used = m->filled = m->size = m->usable = m->old_size = m->moved = 0;
+    m->next_size = m->next_touched = 0;
     m->version++;
     if (held.objects) {
         for (Py_ssize_t j = 0; j < held.n_entries; j++) {
@@ -1750,7 +1832,8 @@ map_sizeof(MapObject *m, PyObject *unused)
 {
     return PyLong_FromSsize_t(Py_TYPE(m)->tp_basicsize
                               + (Py_ssize_t)(table_bytes(m->size, m->usable)
-                                             + index_bytes(m->old_size)));
+                                             + index_bytes(m->old_size)
+                                             + index_bytes(m->next_size)));
 }
 
 /* rehash_left() -> int: the old table's slots a growth under way has yet to move (0: none is

@@ -191,7 +191,7 @@ def test_the_layouts_answer_alike_while_the_compiled_tables_grow(seed: int) -> N
     ranks = [RankId(f"http://w{i}:8000", 0) for i in range(3)]
     held: dict[RankId, list[int]] = {r: [] for r in ranks}
     next_hash = 0
-    for op in range(1_500):
+    for op in range(3_000):
         rank = rng.choice(ranks)
         roll = rng.random()
         if roll < 0.6:
