@@ -586,3 +586,25 @@ def test_the_graft_creates_and_takes_back_its_records_while_its_maps_grow() -> N
         (None if i == 0 else 10**9 + i - 1, 0 if i == 199 else 1, 1) for i in range(200)
     ]
     assert list(nodes.items())[:k] == before[0] and list(rank.items())[:k] == before[1]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the tables' own mappings are Linux's")
+def test_the_insertions_after_a_growth_starts_find_its_table_paged_in() -> None:
+    import resource
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    # 2**20 slots hold 699,050 entries; the growth's table (2**21 slots, 10 MB on 4 KiB pages)
+    # is paged in over the last eighth of them, so the keys each insertion moves into it land
+    # on pages already there (without that: a fault for nearly every key moved).
+    m = tables.HashMap()
+    keys = iter(range(10**7))
+    m.setdefault_run([next(keys) for _ in range(699_000)], 1)
+    while not m.rehash_left():
+        m[next(keys)] = 1
+    before = faults()
+    for _ in range(100):
+        m[next(keys)] = 1
+    assert faults() - before < 20
+    assert m.rehash_left() == 2**20 - 101 * tables.REHASH_STEP
