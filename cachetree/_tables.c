@@ -597,13 +597,14 @@ tag_of(uint64_t h)
 #define MAX_SIZE ((Py_ssize_t)1 << 31)
 
 /* A map's arrays are three zeroed blocks: its entries, their live bytes, and its table (the
- * slots' words, then their tags). A block from MAP_MIN on is a mapping of its own, so a growth
- * moves the entries and live bytes to their larger block by remapping their pages (mremap)
- * instead of copying them. Past HUGE_MIN it is on transparent huge pages: a lookup in a table
- * of tens of MB is, beside its cache misses, a TLB miss on 4 KiB pages, and a page walk is
- * several more memory reads (more under a hypervisor's nested paging); 2 MiB pages make those
- * rare. Only past HUGE_MIN, so rounding to whole huge pages wastes at most an eighth of a
- * block. Elsewhere than Linux, calloc and copies. */
+ * slots' words, then their tags), each sized by the map's slots. A map of HUGE_MIN or more has
+ * its blocks on transparent huge pages: a lookup in a table of tens of MB is, beside its cache
+ * misses, a TLB miss on 4 KiB pages, and a page walk is several more memory reads (more under
+ * a hypervisor's nested paging); 2 MiB pages make those rare. Only from HUGE_MIN, so rounding
+ * the blocks to whole huge pages wastes little of the map. A smaller block of MAP_MIN or more
+ * is a plain mapping of its own. Either way a growth moves the entries and live bytes to their
+ * larger blocks by remapping their pages (mremap) instead of copying them. Elsewhere than
+ * Linux, calloc and copies. */
 #define MAP_MIN ((size_t)1 << 20)
 #define HUGE_PAGE ((size_t)2 << 20)
 #define HUGE_MIN ((size_t)16 << 20)
@@ -611,6 +612,8 @@ tag_of(uint64_t h)
 #if defined(__linux__) && defined(MADV_HUGEPAGE) && defined(MREMAP_FIXED)
 #define OWN_MAPPINGS 1
 #endif
+
+enum { ENTRIES, LIVE, INDEX };
 
 static inline size_t
 index_bytes(Py_ssize_t size)
@@ -625,21 +628,46 @@ table_bytes(Py_ssize_t size, Py_ssize_t usable)
     return (size_t)usable * (sizeof(Entry) + 1) + index_bytes(size);
 }
 
-#ifdef OWN_MAPPINGS
-/* The length of the mapping of a block of `bytes` (from MAP_MIN on). */
+/* The bytes of block `which` of a map of `size` slots. */
 static inline size_t
-mapped_len(size_t bytes)
+block_bytes(int which, Py_ssize_t size)
 {
-    return bytes >= HUGE_MIN ? (bytes + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1) : bytes;
+    const size_t usable = (size_t)(size * 2 / 3);
+    return which == ENTRIES ? usable * sizeof(Entry) : which == LIVE ? usable : index_bytes(size);
+}
+
+#ifdef OWN_MAPPINGS
+static inline int
+on_huge_pages(Py_ssize_t size)
+{
+    return table_bytes(size, size * 2 / 3) >= HUGE_MIN;
 }
 #endif
 
-static void *
-table_alloc(size_t bytes)
+/* The length of the mapping of block `which` of a map of `size` slots, or 0 on the heap. */
+static inline size_t
+mapped_len(int which, Py_ssize_t size)
 {
+    const size_t bytes = block_bytes(which, size);
 #ifdef OWN_MAPPINGS
-    if (bytes >= HUGE_MIN) {
-        size_t len = mapped_len(bytes);
+    if (on_huge_pages(size)) {
+        return (bytes + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
+    }
+    if (bytes >= MAP_MIN) {
+        return bytes;
+    }
+#else
+    (void)bytes;
+#endif
+    return 0;
+}
+
+static void *
+table_alloc(int which, Py_ssize_t size)
+{
+    const size_t len = mapped_len(which, size);
+#ifdef OWN_MAPPINGS
+    if (on_huge_pages(size)) {
         /* Mapped one huge page larger, then trimmed to a huge-page boundary at both ends. */
         uint8_t *raw = mmap(NULL, len + HUGE_PAGE, PROT_READ | PROT_WRITE,
                             MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -656,57 +684,59 @@ table_alloc(size_t bytes)
         (void)madvise(p, len, MADV_HUGEPAGE); /* a hint: without THP, 4 KiB pages */
         return p;
     }
-    if (bytes >= MAP_MIN) {
-        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (len > 0) {
+        void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         return p == MAP_FAILED ? NULL : p;
     }
 #endif
-    return PyMem_RawCalloc(bytes, 1);
+    return PyMem_RawCalloc(block_bytes(which, size), 1);
 }
 
 static void
-table_free(void *p, size_t bytes)
+table_free(void *p, int which, Py_ssize_t size)
 {
     if (p == NULL) {
         return;
     }
 #ifdef OWN_MAPPINGS
-    if (bytes >= MAP_MIN) {
-        munmap(p, mapped_len(bytes));
+    const size_t len = mapped_len(which, size);
+    if (len > 0) {
+        munmap(p, len);
         return;
     }
 #endif
     PyMem_RawFree(p);
 }
 
-/* The first `used` bytes of block `src` (of `src_bytes`) into the new, larger block `dst` (of
- * `dst_bytes`); `src` is gone after. Two mappings: the pages move (`dst` has room for all of
- * `src`'s, at the same or a coarser alignment), which costs page-table updates, not copies. */
+/* The first `used` bytes of block `which` of `old_size` slots, `src`, into the one of
+ * `new_size` (more) slots, `dst`; `src` is gone after. Two mappings: the pages move (`dst` has
+ * room for all of `src`'s, at the same or a coarser alignment), which costs page-table
+ * updates, not copies. */
 static void
-table_move(void *dst, size_t dst_bytes, void *src, size_t src_bytes, size_t used)
+table_move(void *dst, void *src, int which, Py_ssize_t new_size, Py_ssize_t old_size,
+           size_t used)
 {
     if (src == NULL) {
         return;
     }
 #ifdef OWN_MAPPINGS
-    if (src_bytes >= MAP_MIN && dst_bytes >= MAP_MIN) {
-        size_t len = mapped_len(src_bytes);
-        if (mremap(src, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, dst) != MAP_FAILED) {
-            return;
-        }
+    const size_t len = mapped_len(which, old_size);
+    if (len > 0 && mapped_len(which, new_size) > 0
+        && mremap(src, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, dst) != MAP_FAILED) {
+        return;
     }
 #else
-    (void)dst_bytes;
+    (void)new_size;
 #endif
     memcpy(dst, src, used);
-    table_free(src, src_bytes);
+    table_free(src, which, old_size);
 }
 
 /* A table of `size` slots: its slots' words, then its tags, zeroed. */
 static int
 index_alloc(Py_ssize_t size, int32_t **slots, uint8_t **tags)
 {
-    *slots = table_alloc(index_bytes(size));
+    *slots = table_alloc(INDEX, size);
     if (*slots == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -719,14 +749,13 @@ index_alloc(Py_ssize_t size, int32_t **slots, uint8_t **tags)
 static int
 map_alloc(MapObject *m, Py_ssize_t size)
 {
-    Py_ssize_t usable = size * 2 / 3;
-    Entry *entries = table_alloc((size_t)usable * sizeof(Entry));
-    uint8_t *live = table_alloc((size_t)usable);
+    Entry *entries = table_alloc(ENTRIES, size);
+    uint8_t *live = table_alloc(LIVE, size);
     int32_t *slots = NULL;
     uint8_t *tags = NULL;
     if (entries == NULL || live == NULL || index_alloc(size, &slots, &tags) < 0) {
-        table_free(entries, (size_t)usable * sizeof(Entry));
-        table_free(live, (size_t)usable);
+        table_free(entries, ENTRIES, size);
+        table_free(live, LIVE, size);
         if (!PyErr_Occurred()) {
             PyErr_NoMemory();
         }
@@ -737,7 +766,7 @@ map_alloc(MapObject *m, Py_ssize_t size)
     m->slots = slots;
     m->tags = tags;
     m->size = size;
-    m->usable = usable;
+    m->usable = size * 2 / 3;
     return 0;
 }
 
@@ -745,18 +774,18 @@ map_alloc(MapObject *m, Py_ssize_t size)
 static void
 map_free_blocks(const MapObject *m)
 {
-    table_free(m->entries, (size_t)m->usable * sizeof(Entry));
-    table_free(m->live, (size_t)m->usable);
-    table_free(m->slots, index_bytes(m->size));
-    table_free(m->old_slots, index_bytes(m->old_size));
-    table_free(m->next_slots, index_bytes(m->next_size));
+    table_free(m->entries, ENTRIES, m->size);
+    table_free(m->live, LIVE, m->size);
+    table_free(m->slots, INDEX, m->size);
+    table_free(m->old_slots, INDEX, m->old_size);
+    table_free(m->next_slots, INDEX, m->next_size);
 }
 
 /* Free the table paged in for a growth that will not come as prepared. */
 static void
 map_drop_next(MapObject *m)
 {
-    table_free(m->next_slots, index_bytes(m->next_size));
+    table_free(m->next_slots, INDEX, m->next_size);
     m->next_slots = NULL;
     m->next_size = m->next_touched = 0;
 }
@@ -809,12 +838,12 @@ table_find(const Entry *entries, const int32_t *slots, const uint8_t *tags, Py_s
 
 /* map_find when the key is in no slot of the new table and a growth is under way: the old
  * table's slot of it, given as m->size + its number, or -1 with `*slot` left as the new
- * table's. */
-static Py_ssize_t
-map_find_old(const MapObject *m, uint64_t h, uint64_t key, Py_ssize_t *slot)
+ * table's. Out of line (and the key mixed again), to keep the common path's registers. */
+static Py_NO_INLINE Py_ssize_t
+map_find_old(const MapObject *m, uint64_t key, Py_ssize_t *slot)
 {
-    Py_ssize_t old_slot, ix = table_find(m->entries, m->old_slots, m->old_tags, m->old_size, h,
-                                         key, &old_slot);
+    Py_ssize_t old_slot, ix = table_find(m->entries, m->old_slots, m->old_tags, m->old_size,
+                                         mix(key), key, &old_slot);
     if (ix >= 0) {
         *slot = m->size + old_slot;
     }
@@ -826,10 +855,9 @@ map_find_old(const MapObject *m, uint64_t h, uint64_t key, Py_ssize_t *slot)
 static inline Py_ssize_t
 map_find(const MapObject *m, uint64_t key, Py_ssize_t *slot)
 {
-    const uint64_t h = mix(key);
-    Py_ssize_t ix = table_find(m->entries, m->slots, m->tags, m->size, h, key, slot);
+    Py_ssize_t ix = table_find(m->entries, m->slots, m->tags, m->size, mix(key), key, slot);
     if (ix < 0 && m->old_tags != NULL) {
-        return map_find_old(m, h, key, slot);
+        return map_find_old(m, key, slot);
     }
     return ix;
 }
@@ -978,39 +1006,39 @@ map_migrate(MapObject *m)
 {
     const Py_ssize_t first = m->moved;
     const Py_ssize_t n = m->old_size - first < REHASH_STEP ? m->old_size - first : REHASH_STEP;
-    const uint8_t *old_tags = m->old_tags + first;
+    uint8_t *old_tags = m->old_tags + first;
     const int32_t *old_slots = m->old_slots + first;
     const size_t mask = (size_t)m->size - 1;
-    /* Their entries, then their first slots in the new table, are cache misses far apart:
-     * asked for all at once, they overlap. */
+    /* The keys' entries, then their first slots in the new table, are cache misses far apart:
+     * asked for all at once, they overlap. A moved slot becomes a dummy at once (nothing looks
+     * the keys up before they are placed, below). */
+    int32_t ixs[REHASH_STEP];
     uint64_t hs[REHASH_STEP];
+    Py_ssize_t k = 0;
     for (Py_ssize_t c = 0; c < n; c++) {
         if (old_tags[c] > TAG_DUMMY) {
-            PREFETCH(&m->entries[old_slots[c] - 1]);
+            old_tags[c] = TAG_DUMMY;
+            ixs[k] = old_slots[c];
+            PREFETCH(&m->entries[ixs[k] - 1]);
+            k++;
         }
     }
-    for (Py_ssize_t c = 0; c < n; c++) {
-        if (old_tags[c] > TAG_DUMMY) {
-            hs[c] = mix(m->entries[old_slots[c] - 1].key);
-            PREFETCH(&m->tags[hs[c] & mask]);
-        }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        hs[j] = mix(m->entries[ixs[j] - 1].key);
+        PREFETCH(&m->tags[hs[j] & mask]);
     }
-    for (Py_ssize_t c = 0; c < n; c++) {
-        if (old_tags[c] <= TAG_DUMMY) {
-            continue;
-        }
-        size_t i = (size_t)hs[c] & mask;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        size_t i = (size_t)hs[j] & mask;
         while (m->tags[i] > TAG_DUMMY) {
             i = (i + 1) & mask; /* a dummy may take it: the key is in no slot of this table */
         }
         m->filled += m->tags[i] == TAG_EMPTY;
-        m->slots[i] = old_slots[c];
-        m->tags[i] = tag_of(hs[c]);
-        m->old_tags[first + c] = TAG_DUMMY;
+        m->slots[i] = ixs[j];
+        m->tags[i] = tag_of(hs[j]);
     }
     m->moved = first + n;
     if (m->moved == m->old_size) {
-        table_free(m->old_slots, index_bytes(m->old_size));
+        table_free(m->old_slots, INDEX, m->old_size);
         m->old_slots = NULL;
         m->old_tags = NULL;
         m->old_size = m->moved = 0;
@@ -1042,7 +1070,7 @@ map_prepare(MapObject *m)
             || index_bytes(size) < MAP_MIN) {
             return; /* no growth in sight, or one whose table calloc pages in when zeroing */
         }
-        m->next_slots = table_alloc(index_bytes(size));
+        m->next_slots = table_alloc(INDEX, size);
         if (m->next_slots == NULL) {
             return; /* the growth allocates it, or says there is no memory */
         }
@@ -1055,13 +1083,25 @@ map_prepare(MapObject *m)
     }
 }
 
+/* An insertion's share of a growth under way, or of paging in the next one's table (the last
+ * eighth of the entries). Out of line: most insertions take neither. */
+static Py_NO_INLINE void
+map_after_insert(MapObject *m)
+{
+    if (m->old_tags != NULL) {
+        map_migrate(m);
+    }
+    else {
+        map_prepare(m);
+    }
+}
+
 /* Start a growth to `size` slots (see "Growth without a stall"); `m` unchanged on failure but
  * for the table paged in ahead, which goes. */
 static int
 map_grow(MapObject *m, Py_ssize_t size)
 {
     const Py_ssize_t usable = size * 2 / 3;
-    const size_t entries_bytes = (size_t)usable * sizeof(Entry);
     int32_t *slots = NULL;
     uint8_t *tags = NULL;
     if (m->next_slots != NULL && m->next_size == size) {
@@ -1071,20 +1111,20 @@ map_grow(MapObject *m, Py_ssize_t size)
         m->next_size = m->next_touched = 0;
     }
     map_drop_next(m);
-    Entry *entries = table_alloc(entries_bytes);
-    uint8_t *live = table_alloc((size_t)usable);
-    if (entries == NULL || live == NULL || (slots == NULL && index_alloc(size, &slots, &tags) < 0)) {
-        table_free(slots, index_bytes(size));
-        table_free(entries, entries_bytes);
-        table_free(live, (size_t)usable);
+    Entry *entries = table_alloc(ENTRIES, size);
+    uint8_t *live = table_alloc(LIVE, size);
+    if (entries == NULL || live == NULL
+        || (slots == NULL && index_alloc(size, &slots, &tags) < 0)) {
+        table_free(slots, INDEX, size);
+        table_free(entries, ENTRIES, size);
+        table_free(live, LIVE, size);
         if (!PyErr_Occurred()) {
             PyErr_NoMemory();
         }
         return -1;
     }
-    table_move(entries, entries_bytes, m->entries, (size_t)m->usable * sizeof(Entry),
-               (size_t)m->n_entries * sizeof(Entry));
-    table_move(live, (size_t)usable, m->live, (size_t)m->usable, (size_t)m->n_entries);
+    table_move(entries, m->entries, ENTRIES, size, m->size, (size_t)m->n_entries * sizeof(Entry));
+    table_move(live, m->live, LIVE, size, m->size, (size_t)m->n_entries);
     m->entries = entries;
     m->live = live;
     m->old_slots = m->slots;
@@ -1214,11 +1254,9 @@ map_insert_new(MapObject *m, uint64_t key, uint64_t value, Py_ssize_t slot)
     m->tags[slot] = tag_of(mix(key));
     m->used++;
     m->version++;
-    if (m->old_tags != NULL) {
-        map_migrate(m);
-    }
-    else if (m->n_entries >= m->usable - m->usable / 8) {
-        map_prepare(m);
+    if (m->old_tags != NULL
+        || (size_t)m->n_entries >= (size_t)m->usable - ((size_t)m->usable >> 3)) {
+        map_after_insert(m);
     }
     return 0;
 }

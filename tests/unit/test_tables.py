@@ -406,8 +406,8 @@ def test_a_map_under_steady_churn_stays_a_dict_through_its_rebuilds_in_place(kin
 
 
 def test_a_map_past_16_mib_keeps_every_key_through_growth_shrinking_and_clearing() -> None:
-    # From 1 MiB each of a map's blocks is a mapping of its own, past 16 MiB on huge pages
-    # (where the kernel allows), and a growth moves the entries' pages to the larger block:
+    # From 1 MiB a map's block is a mapping of its own, and from 16 MiB a map's blocks are on
+    # huge pages (where the kernel allows); a growth moves the entries' pages to the larger block:
     # growing into them, growing within them, shrinking out of them and clearing them must
     # each keep (or drop) exactly what a dict would.
     rng = random.Random(5)
@@ -595,16 +595,17 @@ def test_the_insertions_after_a_growth_starts_find_its_table_paged_in() -> None:
     def faults() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
-    # 2**20 slots hold 699,050 entries; the growth's table (2**21 slots, 10 MB on 4 KiB pages)
-    # is paged in over the last eighth of them, so the keys each insertion moves into it land
-    # on pages already there (without that: a fault for nearly every key moved).
+    # 2**18 slots hold 174,762 entries; the growth's table (2**19 slots, 2.5 MB on 4 KiB pages:
+    # the map is below 16 MiB) is paged in over the last eighth of them, so the keys each
+    # insertion moves into it land on pages already there (without that: a fault for nearly
+    # every key moved, until all 640 pages are in).
     m = tables.HashMap()
     keys = iter(range(10**7))
-    m.setdefault_run([next(keys) for _ in range(699_000)], 1)
+    m.setdefault_run([next(keys) for _ in range(174_000)], 1)
     while not m.rehash_left():
         m[next(keys)] = 1
     before = faults()
     for _ in range(100):
         m[next(keys)] = 1
     assert faults() - before < 20
-    assert m.rehash_left() == 2**20 - 101 * tables.REHASH_STEP
+    assert m.rehash_left() == 2**18 - 101 * tables.REHASH_STEP
