@@ -1184,6 +1184,7 @@ map_rebuild_for(MapObject *m, Py_ssize_t room)
     if (m->old_tags != NULL) {
         map_migrate_all(m);
     }
+    map_drop_next(m); /* a table paged in for a growth that did not come */
     if (size == m->size && m->slots != NULL) {
         /* A map at a steady size (as many deletions as insertions: the ledger at its cap)
          * is rebuilt in its own blocks: fresh ones of the same size would be tens of MB of
@@ -1191,7 +1192,6 @@ map_rebuild_for(MapObject *m, Py_ssize_t room)
         map_rebuild_in_place(m);
         return 0;
     }
-    map_drop_next(m);
     MapObject old = *m;
     if (map_alloc(m, size) < 0) {
         return -1;

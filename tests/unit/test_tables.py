@@ -609,3 +609,24 @@ def test_the_insertions_after_a_growth_starts_find_its_table_paged_in() -> None:
         m[next(keys)] = 1
     assert faults() - before < 20
     assert m.rehash_left() == 2**18 - 101 * tables.REHASH_STEP
+
+
+def test_a_table_paged_in_for_a_growth_that_does_not_come_goes_at_the_rebuild() -> None:
+    # 2**17 slots hold 87,381 entries. Filled past seven eighths with live keys, the map pages
+    # in the table of its next growth; then most go, and the rebuild the churn comes to keeps
+    # the size (in place): the table paged in ahead must go with it, not stay for good.
+    m = tables.HashMap()
+    m.setdefault_run(list(range(70_000)), 1)
+    plain = m.__sizeof__()
+    m.setdefault_run(list(range(70_000, 80_000)), 1)
+    prepared = m.__sizeof__()
+    assert prepared == plain + 2**18 * 5 and m.rehash_left() == 0
+    for k in range(40_000):
+        del m[k]
+    for k in range(10**6, 2 * 10**6):
+        m[k] = k
+        del m[k]
+        if m.__sizeof__() != prepared:
+            break  # the rebuild
+    assert m.__sizeof__() == plain and m.rehash_left() == 0
+    assert len(m) == 40_000 and list(m) == list(range(40_000, 80_000))
