@@ -665,8 +665,8 @@ mapped_len(int which, Py_ssize_t size)
 static void *
 table_alloc(int which, Py_ssize_t size)
 {
-    const size_t len = mapped_len(which, size);
 #ifdef OWN_MAPPINGS
+    const size_t len = mapped_len(which, size);
     if (on_huge_pages(size)) {
         /* Mapped one huge page larger, then trimmed to a huge-page boundary at both ends. */
         uint8_t *raw = mmap(NULL, len + HUGE_PAGE, PROT_READ | PROT_WRITE,
