@@ -1160,7 +1160,7 @@ static PyObject *str_uint32_code; /* "I", TokenIds' typecode */
  * token_ids, block_size, medium, lora_name, cache_salt, group_idx, kv_cache_spec_kind,
  * locality) each at most once, any other key skipped as msgspec skips it; flat token ids;
  * at least one hash, within the caps; the token count that many blocks; a medium among
- * `stored_tiers`; lora_name nil or ASCII; cache_salt, kv_cache_spec_kind and locality nil;
+ * `stored_tiers`; lora_name nil or ASCII, not empty and without a NUL; cache_salt, kv_cache_spec_kind and locality nil;
  * group_idx nil or 0. Returns the BlockStored (new reference), or NULL with no error when the
  * event is any other (or on an error, set; the reader is then left anywhere: the caller
  * rewinds). What is refused here is decoded by the Python decoders, which decide everything
@@ -1275,6 +1275,9 @@ quick_stored_map(Reader *r, const MapSpec *spec)
     if (!seen_type || !seen_hashes || !seen_tokens || !seen_size
         || n_tokens % n_hashes != 0 || (uint64_t)(n_tokens / n_hashes) != block_size) {
         goto done;
+    }
+    if (lora != NULL && (lora_len == 0 || memchr(lora, 0, lora_len) != NULL)) {
+        goto done; /* no adapter's name (is_adapter_name): the Python decoders refuse it */
     }
     PyObject *medium_obj, *tier;
     if (!known_medium(spec->stored_tiers, medium, medium_len, &medium_obj, &tier)) {

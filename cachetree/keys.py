@@ -48,6 +48,14 @@ if array("I").itemsize != 4 or sys.byteorder != "little":  # pragma: no cover - 
     raise ImportError("cachetree.keys needs a little-endian host with a 4-byte array('I')")
 
 
+def is_adapter_name(name: object) -> bool:
+    """Whether `name` may name a LoRA adapter: a string, not empty, without a NUL. The one rule
+    for every source of names (events, worker snapshots, a sibling's export: `peer.vet`). A NUL
+    separates a namespace's parts (`router.events.namespace_of`: adapter "a" with cache salt
+    "b" is "a\\x00b"), so an adapter named "a\\x00b" would share that namespace's blocks."""
+    return type(name) is str and name != "" and "\x00" not in name
+
+
 def namespace_seed(namespace: str | None) -> int:
     """key[0]'s seed for a namespace; the plain root seed when there is none."""
     if not namespace:

@@ -134,7 +134,7 @@ from itertools import accumulate, chain, compress, count, islice, repeat
 from operator import and_, attrgetter, eq, ge, gt, itemgetter, lt, not_, sub, truth
 from typing import Final, Generic, TypeVar
 
-from cachetree.keys import KEY_SCHEME, MAX_ADAPTER_NAMES
+from cachetree.keys import KEY_SCHEME, MAX_ADAPTER_NAMES, is_adapter_name
 from cachetree.ranks import RankId
 from cachetree.snapshot import Snapshot
 from cachetree.tiers import ALL_TIERS, DEVICE
@@ -754,7 +754,7 @@ def _adapters(names: list[str]) -> frozenset[str]:
             "too_many_adapters", f"{len(names)} adapter names, at most {MAX_ADAPTER_NAMES}"
         )
     for name in names:
-        if type(name) is not str or not name or "\x00" in name:
+        if not is_adapter_name(name):
             raise VetError("malformed_adapter", f"{name!r} is not an adapter name")
     return frozenset(names)
 

@@ -67,9 +67,12 @@ kept. A BlockStored on an unknown medium gets tier 0 (the tree drops and counts 
 BlockRemoved with no medium, or an unknown one, gets tier None: remove from every tier.
 
 `lora_name` and SGLang's `cache_salt` become `BlockStored.namespace` via `namespace_of`, which
-the request path must use too. vLLM writes its cache salt only into the untagged `extra_keys`
-of a request's first block, where it cannot be told apart from other extra keys, so that is not
-read. Neither is the deprecated numeric `lora_id`: requests name adapters, not ids.
+the request path must use too. A `lora_name` no adapter may have (empty, or holding the NUL
+that separates a namespace's parts: `cachetree.keys.is_adapter_name`) fails the batch as
+`bad_event`: its blocks would share another adapter's salted namespace. vLLM writes its cache
+salt only into the untagged `extra_keys` of a request's first block, where it cannot be told
+apart from other extra keys, so that is not read. Neither is the deprecated numeric
+`lora_id`: requests name adapters, not ids.
 
 How it is fast: an engine sends one shape per batch, so a sniff of the first event's msgpack
 type byte picks the typed msgspec decoder for tagged maps or for positional arrays; if that one
@@ -112,6 +115,7 @@ import msgspec
 from msgspec import Meta, Raw, Struct
 
 from cachetree.accel import speedups
+from cachetree.keys import is_adapter_name
 from cachetree.tiers import tier_of_medium
 
 MAX_HASHES_PER_EVENT: Final = 65_536
@@ -318,10 +322,15 @@ def _stored(
     kind: str | None,
     locality: str | None,
 ) -> BlockStored | str:
-    """A BlockStored, or the reason it is ignored. Raises only for a token count mismatch."""
+    """A BlockStored, or the reason it is ignored. Raises for a token count mismatch and for a
+    `lora_name` no adapter may have (`is_adapter_name`)."""
     n = len(hashes)
     if len(tokens) != n * block_size:
         raise EventDecodeError("bad_tokens", f"{len(tokens)} tokens for {n} blocks of {block_size}")
+    if lora_name is not None and not is_adapter_name(lora_name):
+        raise EventDecodeError(
+            "bad_event", f"lora_name {lora_name[:64]!r} is not an adapter name (empty, or a NUL)"
+        )
     if n == 0:
         return "empty"
     if group_idx or (kind is not None and not _is_primary_kind(kind)):  # group_idx: int | None

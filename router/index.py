@@ -347,9 +347,10 @@ class IndexRules:
         self.bootstrap: BootstrapRules | None = None
 
     def learn_adapters(self, names: Iterable[str]) -> None:
-        """Remember adapter names a worker snapshot or a sibling's graft carried, as a live
-        store's, up to `MAX_ADAPTER_NAMES`."""
-        for name in names:
+        """Remember adapter names a worker snapshot, a worker's `/v1/models` or a sibling's
+        graft carried, as a live store's, up to `MAX_ADAPTER_NAMES`: in sorted order, so which
+        of more names than fit are learned does not hang on a set's order."""
+        for name in sorted(names):
             _learn_adapter(self.adapters, name)
 
     def set_loss_handler(self, on_loss: Callable[[RankId], None]) -> None:

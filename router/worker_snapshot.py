@@ -14,10 +14,11 @@ base model's (an engine plugin that predates them sends none).
 
 A body that does not decode (a token id outside [0, 2**32) included), or whose blocks do not
 fit together (a block size that differs, tokens that do not fill a block, a parent that comes
-later or not at all), is refused whole with `WorkerSnapshotError`; the rank's index is then
-left as it was. So is one whose `last_seq` is more than `MAX_SEQ_JUMP` past the rank's live
-stream (`router.index`): installed, it would mark every batch of that stream as already
-reflected, and freeze the rank on blocks its engine no longer holds. A body is refused whole
+later or not at all, a `lora_name` that is empty or holds a NUL), is refused whole with
+`WorkerSnapshotError`; the rank's index is then left as it was. So is one whose `last_seq` is
+more than `MAX_SEQ_JUMP` past the rank's live stream (`router.index`): installed, it would mark
+every batch of that stream as already reflected, and freeze the rank on blocks its engine no
+longer holds. A body is refused whole
 when any one of its ranks is, a rank the worker does not have included
 (`IndexRules.replace_ranks`): nothing of it is installed, not even the ranks that fit.
 
@@ -39,6 +40,7 @@ import aiohttp
 import msgspec
 from aiohttp import hdrs
 
+from cachetree.keys import is_adapter_name
 from cachetree.ranks import RankId
 from cachetree.tiers import TIER_NAMES
 from cachetree.tree import BlockTree
@@ -114,13 +116,19 @@ def decode_worker_snapshot(
 
 def check_rank(snap: SnapshotRank, block_size: int, index_block_size: int) -> None:
     """WorkerSnapshotError unless `snap`'s blocks fit together: the body's block size is the
-    index's, each block holds that many tokens, and each parent is a block listed earlier."""
+    index's, each block holds that many tokens, each parent is a block listed earlier, and
+    each `lora_name` is one an adapter may have (`is_adapter_name`, as a sibling's are)."""
     if block_size != index_block_size:
         raise WorkerSnapshotError(f"block size {block_size} differs from the index's")
     seen: set[int] = set()
     for i, block in enumerate(snap.blocks):
         if len(block.token_ids) != block_size:
             raise WorkerSnapshotError(f"block {i} has {len(block.token_ids)} tokens")
+        if block.lora_name is not None and not is_adapter_name(block.lora_name):
+            raise WorkerSnapshotError(
+                f"block {i}: lora_name {block.lora_name[:64]!r} is not an adapter name "
+                "(empty, or holding a NUL)"
+            )
         parent = block.parent_engine_hash
         if parent is not None and parent & _U64_MASK not in seen:
             raise WorkerSnapshotError(f"block {i}: parent is not an earlier block")

@@ -259,6 +259,15 @@ def test_an_sglang_0_5_16_positional_block_stored_with_7_elements_decodes() -> N
     )
 
 
+@pytest.mark.parametrize("name", ["sql\x00salt", ""])
+def test_a_lora_name_no_adapter_may_have_fails_the_batch(name: str) -> None:
+    """Taken as is, "sql\\x00salt" was adapter "sql" with cache salt "salt" (`namespace_of`):
+    its blocks shared that salted namespace, and the replica learned the adapter "sql"."""
+    ok = stored_map(lora_name="sql")
+    assert reason(batch(ok, stored_map(lora_name=name))) == "bad_event"
+    assert reason(batch(vllm_023_stored(lora_name=name))) == "bad_event"
+
+
 def test_sglang_0_5_18_positional_metadata_map_gives_the_cache_salt_namespace() -> None:
     event = stored_array(None, "GPU", {"cache_salt": "tenant-7", "future": 1})
     assert only_event(batch(event)).namespace == namespace_of(None, "tenant-7") == "\x00tenant-7"

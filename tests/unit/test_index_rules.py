@@ -434,7 +434,39 @@ def test_a_worker_snapshot_teaches_the_adapter_names_its_roots_carry_within_the_
     names = [SnapshotBlock(10 + i, None, tokens, lora_name=f"b{i}") for i in range(2)]
     assert rules.replace_ranks(R.worker_url, WorkerSnapshot([SnapshotRank(0, 5, names)], BS))
     assert len(rules.adapters) == MAX_ADAPTER_NAMES
-    assert len({"b0", "b1"} & rules.adapters) == 1
+    assert {"b0", "b1"} & rules.adapters == {"b0"}
+
+
+def test_a_worker_snapshot_with_more_names_than_the_bound_teaches_the_first_in_sorted_order() -> (
+    None
+):
+    """The names were learned in a set's order: which 4,096 of them a replica knew (and keyed
+    requests by) changed from one process to the next."""
+    rules, _ = rules_with(R)
+    tokens = list(range(1, 1 + BS))
+    names = [f"n{i:05d}" for i in range(MAX_ADAPTER_NAMES + 904)]
+    blocks = [SnapshotBlock(i, None, tokens, lora_name=name) for i, name in enumerate(names)]
+    body = WorkerSnapshot([SnapshotRank(0, 4, blocks)], BS)
+    assert rules.replace_ranks(R.worker_url, body) == "applied"
+    assert rules.adapters == set(names[:MAX_ADAPTER_NAMES])
+
+
+@pytest.mark.parametrize("name", ["sql\x00salt", ""])
+def test_a_worker_snapshot_naming_no_adapters_name_is_refused_whole(name: str) -> None:
+    """Taken as is, "sql\\x00salt" taught the adapter "sql" and keyed its blocks in the
+    namespace of adapter "sql" with cache salt "salt" (`namespace_of`), a sibling's export
+    with that name being refused all the while (`peer.vet`)."""
+    rules, _ = rules_with(R)
+    rules.apply_batch(R, 1, stored(50, 500))
+    tokens = list(range(1, 1 + BS))
+    blocks = [SnapshotBlock(1, None, tokens, lora_name="chat"), SnapshotBlock(2, 1, tokens)]
+    blocks.append(SnapshotBlock(3, None, tokens, lora_name=name))
+    body = WorkerSnapshot([SnapshotRank(0, 4, blocks)], BS)
+    assert rules.replace_ranks(R.worker_url, body) == "rejected"
+    assert rules.stats.worker_snapshots_rejected == 1
+    assert rules.adapters == set()
+    assert rules.tree is not None
+    assert rules.tree.block_count(R) == 1 and rules.cursors[R] == 1  # as the stream left it
 
 
 def test_a_refused_worker_snapshot_teaches_no_adapter_name() -> None:
