@@ -102,8 +102,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
         nargs="*",
         default=list(defaults.lora_modules),
         metavar="NAME",
-        help="LoRA adapters served: a request naming one (vLLM: model; SGLang: lora_path, or "
-        "model as base:NAME) is cached under it, its blocks published with its lora_name",
+        help="LoRA adapters served: a request naming one (vLLM: model; SGLang: model as "
+        "base:NAME, else lora_path) is cached under it, its blocks published with its "
+        "lora_name; /v1/models lists each with the served model as its parent",
     )
     p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     p.add_argument("--log-level", default="INFO")

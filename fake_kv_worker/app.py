@@ -13,6 +13,7 @@ seen exactly that seq. See `engine.py` for how actions map to batches.
 A request naming one of `--lora-modules` (`WorkerState.adapter_of`) is served under that LoRA
 adapter: its prompt hits only blocks cached under it, and its blocks are published (and listed
 by `/v1/kv-snapshot`) with the adapter's `lora_name`; `/control/store` takes `lora_name` too.
+`/v1/models` lists each adapter as the engines do: a model whose `parent` is the served one.
 
 Two response headers say what a generation request cost, for tests that assert costs:
 `X-Fake-Worker-DP-Rank` and `X-Fake-Worker-Cached-Tokens`.
@@ -134,23 +135,25 @@ class WorkerState:
 
     def adapter_of(self, body: Mapping[str, Any]) -> str | None:
         """The loaded adapter a request names, as the engine reads it (None: the base model).
-        vLLM: `model` is the adapter's name. SGLang: `lora_path` (the first, for a batch),
-        which must name a loaded adapter, else `model` as "base:adapter"."""
+        vLLM: `model` is the adapter's name. SGLang: `model` as "base:adapter" (after the
+        served name, or else the first colon; stripped), else `lora_path` (the first, for a
+        batch); either must name a loaded adapter."""
         loaded = self.config.lora_modules
         model = body.get("model")
         if self.config.metrics_engine == "vllm":
             return model if isinstance(model, str) and model in loaded else None
-        path = body.get("lora_path")
-        if isinstance(path, list) and path:
-            path = path[0]
-        if path is not None:
-            if not isinstance(path, str) or path not in loaded:
-                raise RequestError(f"lora_path {path!r} is not a loaded adapter", "lora_path")
-            return path
-        if isinstance(model, str) and ":" in model:
-            name = model.split(":", 1)[1]
-            return name if name in loaded else None
-        return None
+        name, param = None, "model"
+        if isinstance(model, str) and ":" in model and model != self.config.model:
+            served = self.config.model + ":"
+            cut = len(served) if model.startswith(served) else model.index(":") + 1
+            name = model[cut:].strip() or None
+        if name is None:
+            name, param = body.get("lora_path"), "lora_path"
+            if isinstance(name, list):
+                name = name[0] if name else None
+        if name is not None and (not isinstance(name, str) or name not in loaded):
+            raise RequestError(f"{param}: {name!r} is not a loaded adapter", param)
+        return name
 
 
 STATE_KEY: Final = web.AppKey("fake_kv_worker_state", WorkerState)
@@ -218,16 +221,17 @@ async def server_info(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
+    """The served model, then each of `--lora-modules` as a card whose `parent` is the served
+    model, as vLLM's and SGLang's `/v1/models` list loaded adapters."""
     cfg = request.app[STATE_KEY].config
-    model = {
-        "id": cfg.model,
-        "object": "model",
-        "created": int(time.time()),
-        "owned_by": cfg.metrics_engine,  # as the engine it mimics names itself
-        "root": cfg.model,
-        "max_model_len": cfg.cache_blocks * cfg.block_size,
-    }
-    return _json({"object": "list", "data": [model]})
+    created = int(time.time())
+    card = {"object": "model", "created": created, "owned_by": cfg.metrics_engine}
+    base = {**card, "id": cfg.model, "root": cfg.model, "parent": None}
+    base["max_model_len"] = cfg.cache_blocks * cfg.block_size
+    adapters = [
+        {**card, "id": name, "root": name, "parent": cfg.model} for name in cfg.lora_modules
+    ]
+    return _json({"object": "list", "data": [base, *adapters]})
 
 
 async def loads(request: web.Request) -> web.Response:

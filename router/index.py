@@ -338,9 +338,9 @@ class IndexRules:
         self.cold: set[RankId] = set()  # ranks whose view may miss blocks (module docstring)
         self.stats = PumpStats()
         # The LoRA adapter names the engines' stores have carried (vLLM's and SGLang's
-        # `lora_name`), and the worker snapshots and sibling grafts applied (`learn_adapters`):
-        # a request naming one of them is keyed in that adapter's namespace, as its blocks
-        # were published (`routing.namespace_for`). Only ever added to.
+        # `lora_name`), and the worker snapshots, workers' /v1/models and sibling grafts
+        # taught (`learn_adapters`): a request naming one of them is keyed in that adapter's
+        # namespace, as its blocks were published (`routing.namespace_for`). Only ever added to.
         self.adapters: set[str] = set()
         self._on_loss: Callable[[RankId], None] = lambda rank: None
         # Set when peer bootstrap is on: it holds Pending ranks' batches and grafts.

@@ -9,6 +9,9 @@ add(url), for a URL not yet known:
      the worker's own host. Endpoints no rank can be subscribed at (a rank's port outside
      1..65535, a host that is none), or on a host other than its own outside
      `--worker-allow-cidr`, refuse the worker (as in 2) before anything subscribes.
+     Read `GET {url}/v1/models` (`parse_models`): its engine, the base model names it serves
+     (`served_models`, how a vLLM request's `model` is told from an adapter's name) and its
+     LoRA adapters, which the index learns at once (`IndexRules.learn_adapters`).
   2. Settle the fleet block size: `--block-size`, else the first worker that advertises one.
      A worker that disagrees is refused: it stays listed with state `refused` and a reason,
      and takes no traffic, because its events would key blocks the prompts never match.
@@ -45,7 +48,7 @@ import aiohttp
 import msgspec
 import zmq.asyncio
 
-from cachetree.keys import MAX_BLOCK_SIZE
+from cachetree.keys import MAX_ADAPTER_NAMES, MAX_BLOCK_SIZE, is_adapter_name
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from peer.spellings import canonical_host
@@ -103,6 +106,8 @@ DOWN_CHECKS_PER_PASS: Final = 16
 # /server_info unreachable or 5xx) is tried again after one health interval, doubling to this.
 REREGISTER_BACKOFF_MAX_S: Final = 60.0
 KNOWN_ENGINES: Final = ("vllm", "sglang")  # `owned_by` values of the engines' /v1/models
+# Base model names read of a worker's /v1/models: vLLM's --served-model-name takes a few.
+MAX_SERVED_NAMES: Final = 64
 RESOLVE_TIMEOUT_S: Final = 2.0  # a host checked against --worker-allow-cidr
 
 
@@ -154,6 +159,39 @@ def parse_server_info(body: Any, worker_url: str, defaults: DiscoveryDefaults) -
         replay_port_base=replay if _int(replay, 0) else None,
         source="server_info",
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModels:
+    """What a worker's `/v1/models` lists, as vLLM's and SGLang's ModelCards say it: the
+    engine (the first card's `owned_by`), the base model names it serves (cards without a
+    `parent`) and its LoRA adapters (cards whose `parent` names the base model)."""
+
+    engine: str | None = None
+    bases: tuple[str, ...] = ()
+    adapters: tuple[str, ...] = ()
+
+
+def parse_models(body: Any) -> ServedModels:
+    """A `/v1/models` answer's `ServedModels`: at most `MAX_SERVED_NAMES` base names and
+    `MAX_ADAPTER_NAMES` adapter names, each a string an adapter may have
+    (`is_adapter_name`); a card that is not one is skipped."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        return ServedModels()
+    cards = [card for card in data if isinstance(card, dict)]
+    owner = cards[0].get("owned_by") if cards else None
+    bases: list[str] = []
+    adapters: list[str] = []
+    for card in cards:
+        name, parent = card.get("id"), card.get("parent")
+        if not is_adapter_name(name):
+            continue
+        if parent is None and len(bases) < MAX_SERVED_NAMES:
+            bases.append(name)
+        elif isinstance(parent, str) and len(adapters) < MAX_ADAPTER_NAMES:
+            adapters.append(name)
+    return ServedModels(owner if owner in KNOWN_ENGINES else None, tuple(bases), tuple(adapters))
 
 
 def reregister_after_s(failures: int, interval_s: float) -> float:
@@ -234,7 +272,7 @@ class Worker:
     draining: bool = False
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     snapshot_served: bool | None = None  # None: not asked yet; False: 404
-    engine: str | None = None  # what its /v1/models calls itself (owned_by): vllm, sglang
+    models: ServedModels = ServedModels()  # what its /v1/models lists
     subscriber_stats: dict[int, SubscriberStats] = field(default_factory=dict)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _ranks: tuple[RankId, ...] = field(default=(), repr=False, compare=False)
@@ -243,6 +281,11 @@ class Worker:
         object.__setattr__(self, name, value)
         if name in ROUTING_FIELDS:
             ROUTING_EPOCH.value += 1
+
+    @property
+    def engine(self) -> str | None:
+        """What its /v1/models calls itself (owned_by): vllm, sglang; None: it does not say."""
+        return self.models.engine
 
     @property
     def dp_size(self) -> int:
@@ -328,6 +371,9 @@ class WorkerRegistry:
         # One worker snapshot in memory at a time: each may take its bound several times over.
         self._snapshot_slot = asyncio.Semaphore(1)
         self._workers: dict[str, Worker] = {}
+        # The base model names the registered workers' /v1/models list (`Worker.models`): a
+        # vLLM request naming another model names an adapter (`routing.namespace_for`).
+        self.served_models: frozenset[str] = frozenset()
         self._routable: list[tuple[Worker, tuple[RankId, ...]]] = []
         self._routable_epoch = -1  # `ROUTING_EPOCH` when `_routable` was made
         self._locks: dict[str, _UrlLock] = {}  # per URL, while someone holds or waits
@@ -422,6 +468,7 @@ class WorkerRegistry:
         worker = self._workers.pop(url, None)
         if worker is None:
             return False
+        self._count_served()
         # Out of the registry at once: routed to no more, and a registration of it under way
         # stops at its next step (`_check_still_added`). The lock then waits for that
         # registration, so what it started is stopped before this returns (it outlived a
@@ -477,6 +524,7 @@ class WorkerRegistry:
             if self._workers.get(worker.url) is worker:
                 del self._workers[worker.url]
                 ROUTING_EPOCH.value += 1
+                self._count_served()
             await self._teardown(worker)
             log.error("worker %s not registered: %s", worker.url, why)
             return
@@ -585,8 +633,13 @@ class WorkerRegistry:
             )
             return
         worker.kv = info
-        worker.engine = await self._engine_of(worker.url)
+        worker.models = await self._models_of(worker.url)
         self._check_still_added(worker)
+        self._count_served()
+        if worker.models.adapters:
+            # Before any store names them: a request naming one is keyed in its namespace.
+            await self.pump.call(lambda rules: rules.learn_adapters(worker.models.adapters))
+            self._check_still_added(worker)
         if worker.engine is not None and self.on_engine is not None:
             self.on_engine(worker.url, worker.engine)
         if not self.keeps_index:
@@ -968,18 +1021,26 @@ class WorkerRegistry:
                 )
         return ok
 
-    async def _engine_of(self, url: str) -> str | None:
-        """The engine a worker runs, as its `/v1/models` names itself (`owned_by`: vLLM's
-        ModelCard says "vllm", SGLang's "sglang"); None when it does not say."""
+    async def _models_of(self, url: str) -> ServedModels:
+        """What a worker's `/v1/models` lists (`parse_models`); nothing when it is unreadable."""
         try:
             body = await get_worker_json(self.session, f"{url}/v1/models", self._timeout)
-        except WORKER_JSON_ERRORS:
-            return None
-        data = body.get("data") if isinstance(body, dict) else None
-        if not isinstance(data, list) or not data or not isinstance(data[0], dict):
-            return None
-        owner = data[0].get("owned_by")
-        return owner if owner in KNOWN_ENGINES else None
+        except WORKER_JSON_ERRORS as exc:
+            log.warning(
+                "worker %s: /v1/models unreadable (%s): its engine, model and adapter names "
+                "are unknown until it registers anew. Check that the route answers without "
+                "credentials",
+                url,
+                "not served" if isinstance(exc, _Absent) else describe(exc),
+            )
+            return ServedModels()
+        return parse_models(body)
+
+    def _count_served(self) -> None:
+        """`served_models` anew, from the registered workers' `/v1/models`."""
+        self.served_models = frozenset(
+            name for worker in self._workers.values() for name in worker.models.bases
+        )
 
 
 async def get_worker_json(

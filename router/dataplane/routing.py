@@ -190,35 +190,55 @@ def param_of(route: bytes) -> str:
     return {CHAT: "messages", GENERATE: "text"}.get(route, "prompt")
 
 
-def namespace_for(body: dict[str, Any], adapters: Collection[str], engine: Engine) -> str | None:
+def namespace_for(
+    body: dict[str, Any], adapters: Collection[str], served: Collection[str], engine: Engine
+) -> str | None:
     """The key namespace of a request: its LoRA adapter and cache salt, as events carry them
-    (`events.namespace_of`). `adapters` are the adapter names the engines' events have carried
-    (`IndexRules.adapters`): a request is keyed in an adapter's namespace only when it names
-    one of them, the way its engine reads the name:
-    - vLLM: `model` is the adapter's name (the base model's name means none);
-    - SGLang: `lora_path` (the first, for a batch), else `model` as "base:adapter".
-    A name no event has carried yet has no block in the index under it anyway, so such a
-    request is keyed as the base model's."""
+    (`events.namespace_of`), the adapter named as its engine reads the name. `served` are the
+    base model names the workers' `/v1/models` list (`WorkerRegistry.served_models`),
+    `adapters` the adapter names learned (`IndexRules.adapters`).
+    - vLLM: `model` is a served base model's name or an adapter's (absent: the base model). A
+      name that is neither a served one nor a learned adapter is keyed in its own namespace
+      once any served name is known: it names an adapter loaded since (its blocks are keyed
+      so), or nothing vLLM serves (refused, nothing cached); keyed as the base model's, it was
+      a false hit on the base model's blocks. With no served name known (no worker's
+      `/v1/models` was readable) names cannot be told apart, and only a learned one is keyed
+      as an adapter's.
+    - SGLang: `model` as "base:adapter" (a served name is a base model's, colons and all;
+      the adapter part stripped), else `lora_path` (the first, for a batch), as SGLang picks
+      them. Both name the adapter outright, learned or not: SGLang refuses one not loaded."""
     salt = body.get("cache_salt")
-    lora = _adapter_of(body, adapters, engine) if adapters else None
-    if lora is None and salt is None:  # most requests: two lookups
+    lora = _adapter_of(body, adapters, served, engine)
+    if lora is None and salt is None:  # most requests
         return None
     return namespace_of(lora, _str_or_none(salt))
 
 
-def _adapter_of(body: dict[str, Any], adapters: Collection[str], engine: Engine) -> str | None:
+def _adapter_of(
+    body: dict[str, Any], adapters: Collection[str], served: Collection[str], engine: Engine
+) -> str | None:
     model = body.get("model")
     if engine is Engine.VLLM:
-        return model if type(model) is str and model in adapters else None
+        if type(model) is not str or not model or model in served:
+            return None
+        return model if served or model in adapters else None
+    if type(model) is str and ":" in model and model not in served:
+        name = _sglang_model_adapter(model, served)
+        if name:
+            return name
     path = body.get("lora_path")
-    if type(path) is list and path:
-        path = path[0]
-    if type(path) is str and path:
-        return path if path in adapters else None
-    if type(model) is str and ":" in model:
-        name = model.split(":", 1)[1]
-        return name if name in adapters else None
-    return None
+    if type(path) is list:
+        path = path[0] if path else None
+    return path if type(path) is str and path else None
+
+
+def _sglang_model_adapter(model: str, served: Collection[str]) -> str:
+    """The adapter part of SGLang's "base:adapter" `model` (empty: none): after a served name
+    the model starts with, else after the first colon."""
+    for base in served:
+        if model.startswith(base) and model[len(base) : len(base) + 1] == ":":
+            return model[len(base) + 1 :].strip()
+    return model.split(":", 1)[1].strip()
 
 
 def _str_or_none(value: Any) -> str | None:
@@ -379,7 +399,11 @@ class RequestRouter:
         tree = self.rules.tree
         if tree is None:  # no worker registered yet: no block size, no index
             return self.policy.decide(candidates, Prompt(len(tokens), 1))
-        namespace = None if body is None else namespace_for(body, self.rules.adapters, engine)
+        namespace = (
+            None
+            if body is None
+            else namespace_for(body, self.rules.adapters, self.workers.served_models, engine)
+        )
         keys = block_keys(tokens, tree.block_size, namespace_seed(namespace))
         prompt = Prompt(len(tokens), tree.block_size, tree.prefix_depths(keys), keys)
         if self.placement is not None and self.asker is not None:

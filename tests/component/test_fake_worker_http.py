@@ -275,6 +275,20 @@ async def test_server_info_advertises_the_kv_event_endpoints() -> None:
             },
         }
         assert [m["id"] for m in (await fw.get("/v1/models"))["data"]] == ["m1"]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_v1_models_lists_each_adapter_with_the_served_model_as_its_parent(
+    engine: str,
+) -> None:
+    """As vLLM's and SGLang's ModelCards list loaded LoRA adapters (`parent`)."""
+    async with fake_worker_in_process(wire=engine, model="m1", lora_modules=("sql", "chat")) as fw:
+        cards = (await fw.get("/v1/models"))["data"]
+        assert [(c["id"], c["parent"], c["owned_by"]) for c in cards] == [
+            ("m1", None, engine),
+            ("sql", "m1", engine),
+            ("chat", "m1", engine),
+        ]
     async with fake_worker_in_process(replay=True) as fw:
         kv_events = (await fw.get("/server_info"))["kv_events"]
         assert kv_events["replay_endpoint_port_base"] == fw.config.replay_port_base
@@ -345,6 +359,7 @@ async def test_metrics_use_vllm_or_sglang_names() -> None:
         ("sglang", {"lora_path": "sql"}),
         ("sglang", {"lora_path": ["sql", "chat"]}),
         ("sglang", {"model": "fake-model:sql"}),
+        ("sglang", {"model": "fake-model: sql ", "lora_path": "chat"}),  # model first
     ],
 )
 async def test_a_request_naming_a_loaded_adapter_hits_only_that_adapters_blocks(
@@ -367,10 +382,11 @@ async def test_a_request_naming_a_loaded_adapter_hits_only_that_adapters_blocks(
 
 async def test_an_adapter_that_is_not_loaded_is_refused_by_name() -> None:
     async with fake_worker_in_process(wire="sglang", lora_modules=("sql",)) as fw:
-        body = {"prompt": "hello there", "lora_path": "other", "max_tokens": 1}
-        async with fw.session.post(fw.url + "/v1/completions", json=body) as resp:
-            assert resp.status == 400
-            assert (await resp.json())["error"]["param"] == "lora_path"
+        for param, named in (("lora_path", "other"), ("model", "fake-model:other")):
+            body = {"prompt": "hello there", param: named, "max_tokens": 1}
+            async with fw.session.post(fw.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 400
+                assert (await resp.json())["error"]["param"] == param
         store = {"token_chains": [list(range(3, 19))], "lora_name": "other"}
         async with fw.session.post(fw.url + "/control/store", json=store) as resp:
             assert resp.status == 400

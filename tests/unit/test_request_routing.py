@@ -131,7 +131,8 @@ def test_chat_messages_must_be_a_non_empty_list() -> None:
     assert param_of(b"/v1/chat/completions") == "messages"
 
 
-ADAPTERS = frozenset({"sql", "chat-v2"})  # names the engines' events have carried
+ADAPTERS = frozenset({"sql", "chat-v2"})  # names learned (events, snapshots, /v1/models)
+SERVED = frozenset({"base-model", "s3://bucket/base"})  # the workers' /v1/models' base names
 
 
 @pytest.mark.parametrize(
@@ -139,16 +140,26 @@ ADAPTERS = frozenset({"sql", "chat-v2"})  # names the engines' events have carri
     [
         ({}, Engine.VLLM, None),
         ({"model": "base-model"}, Engine.VLLM, None),
-        # vLLM picks an adapter by `model`; a name no event carried is keyed as the base's.
+        # vLLM picks an adapter by `model`, learned or not: any name not served is one's
+        # (or nothing vLLM serves, which it refuses), never the base model.
         ({"model": "sql"}, Engine.VLLM, "sql"),
         ({"model": "sql", "cache_salt": "s"}, Engine.VLLM, "sql\x00s"),
-        ({"model": "unseen-adapter"}, Engine.VLLM, None),
+        ({"model": "unseen-adapter"}, Engine.VLLM, "unseen-adapter"),
         ({"model": "base-model", "lora_path": "sql"}, Engine.VLLM, None),  # not vLLM's field
-        ({"lora_name": "sql"}, Engine.VLLM, None),  # neither engine's field
-        # SGLang: `lora_path` (the first of a batch), else `model` as "base:adapter".
+        ({"model": "base-model", "lora_name": "sql"}, Engine.VLLM, None),  # neither engine's
+        ({"model": 5}, Engine.VLLM, None),  # no name: vLLM refuses it
+        # SGLang: `model` as "base:adapter" (after a served name, colons and all), else
+        # `lora_path` (the first of a batch); learned or not.
         ({"model": "base", "lora_path": "sql"}, Engine.SGLANG, "sql"),
+        ({"model": "base", "lora_path": "unseen"}, Engine.SGLANG, "unseen"),
         ({"lora_path": ["chat-v2", "sql"]}, Engine.SGLANG, "chat-v2"),
+        ({"lora_path": [None, "sql"]}, Engine.SGLANG, None),
         ({"model": "base:sql"}, Engine.SGLANG, "sql"),
+        ({"model": "base: unseen "}, Engine.SGLANG, "unseen"),
+        ({"model": "base:sql", "lora_path": "chat-v2"}, Engine.SGLANG, "sql"),  # model first
+        ({"model": "base:", "lora_path": "chat-v2"}, Engine.SGLANG, "chat-v2"),
+        ({"model": "s3://bucket/base"}, Engine.SGLANG, None),  # a served name, not s3 + adapter
+        ({"model": "s3://bucket/base:sql"}, Engine.SGLANG, "sql"),
         ({"model": "sql"}, Engine.SGLANG, None),
         ({"cache_salt": "s"}, Engine.SGLANG, "\x00s"),
         ({"model": "base:sql", "cache_salt": "s"}, Engine.SGLANG, "sql\x00s"),
@@ -158,7 +169,18 @@ ADAPTERS = frozenset({"sql", "chat-v2"})  # names the engines' events have carri
 def test_the_key_namespace_of_a_request_is_the_one_its_blocks_are_published_under(
     body: dict[str, Any], engine: Engine, namespace: str | None
 ) -> None:
-    assert namespace_for(body, ADAPTERS, engine) == namespace
+    assert namespace_for(body, ADAPTERS, SERVED, engine) == namespace
+
+
+@pytest.mark.parametrize(
+    ("model", "namespace"), [("sql", "sql"), ("base-model", None), ("unseen-adapter", None)]
+)
+def test_with_no_served_name_known_only_a_learned_adapter_keys_a_vllm_request_apart(
+    model: str, namespace: str | None
+) -> None:
+    """No worker's /v1/models was readable (a vLLM behind --api-key): names cannot be told
+    apart, and keying every named model apart would make every request a miss."""
+    assert namespace_for({"model": model}, ADAPTERS, frozenset(), Engine.VLLM) == namespace
 
 
 @pytest.mark.parametrize(

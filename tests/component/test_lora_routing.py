@@ -1,0 +1,95 @@
+"""LoRA adapter requests routed by a real replica over real fake workers on loopback.
+
+A request naming an adapter is keyed in that adapter's namespace as its engine reads the name
+(`routing.namespace_for`), whether or not a store has named the adapter yet: keyed as the base
+model's, it matched the base model's blocks (the router counting a hit the engine could not
+use). Each test asserts what the router matched against what the worker found cached.
+"""
+
+from __future__ import annotations
+
+from router.tokenize import BytesTokenizer
+from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
+from tests.support.router import RouterHandle, router_in_process
+
+BS = 16
+TOK = BytesTokenizer()
+PROMPT = "SELECT the orders of every customer who bought twice; explain the plan step by step. "
+IDS = TOK.encode(PROMPT)
+BLOCKS = len(IDS) // BS  # 5
+
+
+def matched_blocks(rt: RouterHandle) -> float:
+    """The replica's sum of leading blocks the chosen rank held, over every routed request."""
+    registry = rt.replica.metrics.registry
+    return registry.get_sample_value("kvrouter_matched_blocks_sum") or 0.0
+
+
+async def completion(rt: RouterHandle, **body: object) -> tuple[int, int]:
+    """(the dp rank a completion went to, the prompt tokens its worker found cached)."""
+    status, answer, headers = await rt.post("/v1/completions", {"max_tokens": 1, **body})
+    assert status == 200, answer
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return int(headers["X-Kvrouter-Dp-Rank"]), cached
+
+
+async def settled(rt: RouterHandle, fw: FakeWorkerHandle, dp_rank: int) -> None:
+    """Until the replica has applied every batch the rank has published."""
+    await rt.wait_cursor(fw.url, dp_rank, (await fw.state(dp_rank))["last_seq"])
+
+
+async def test_a_vllm_request_naming_an_adapter_no_store_named_is_no_hit_on_base_blocks() -> None:
+    async with (
+        fake_worker_in_process(dp_size=2, lora_modules=("sql",)) as fw,
+        router_in_process(workers=[fw.url], expose_route_headers=True) as rt,
+    ):
+        for dp_rank in (0, 1):
+            await rt.gate(fw, dp_rank)
+        # Learned from the worker's /v1/models at registration, before any store names it.
+        assert rt.replica.pump.rules.adapters == {"sql"}
+        assert rt.replica.workers.served_models == {"fake-model"}
+        await fw.store([IDS], dp_rank=1)  # the base model's blocks of the prompt
+        await settled(rt, fw, 1)
+        # The adapter's request: no block of it anywhere, for the router as for the engine
+        # (the router matched the base model's five on rank 1 and sent it there).
+        rank, cached = await completion(rt, model="sql", prompt=f"{PROMPT}sql?")
+        assert (matched_blocks(rt), cached) == (0, 0)
+        await settled(rt, fw, rank)
+        # Its blocks are now the adapter's on that rank: found there, as many as the router
+        # matched; the base model's request still finds its own on rank 1.
+        assert await completion(rt, model="sql", prompt=f"{PROMPT}sql again?") == (
+            rank,
+            BLOCKS * BS,
+        )
+        assert matched_blocks(rt) == BLOCKS
+        assert await completion(rt, model="fake-model", prompt=f"{PROMPT}base?") == (
+            1,
+            BLOCKS * BS,
+        )
+        assert matched_blocks(rt) == 2 * BLOCKS
+
+
+async def test_an_sglang_request_naming_an_adapter_in_model_and_lora_path_is_keyed_by_model() -> (
+    None
+):
+    """SGLang serves `model` "base:adapter" over `lora_path` when both name one; keyed by
+    `lora_path`, the request matched the other adapter's blocks."""
+    async with (
+        fake_worker_in_process(wire="sglang", dp_size=2, lora_modules=("sql", "chat")) as fw,
+        router_in_process(workers=[fw.url], expose_route_headers=True) as rt,
+    ):
+        for dp_rank in (0, 1):
+            await rt.gate(fw, dp_rank)
+        await fw.store([IDS], dp_rank=1, lora_name="chat")
+        await settled(rt, fw, 1)
+        body = {"model": "fake-model:sql", "lora_path": "chat", "prompt": f"{PROMPT}sql?"}
+        rank, cached = await completion(rt, **body)
+        assert (matched_blocks(rt), cached) == (0, 0)
+        await settled(rt, fw, rank)
+        body["prompt"] = f"{PROMPT}sql again?"
+        assert await completion(rt, **body) == (rank, BLOCKS * BS)
+        assert matched_blocks(rt) == BLOCKS
+        # `lora_path` alone names "chat": its blocks on rank 1.
+        body = {"model": "fake-model", "lora_path": "chat", "prompt": f"{PROMPT}chat?"}
+        assert await completion(rt, **body) == (1, BLOCKS * BS)
+        assert matched_blocks(rt) == 2 * BLOCKS

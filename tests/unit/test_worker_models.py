@@ -1,0 +1,47 @@
+"""What the router reads of a worker's `/v1/models` (`router.workers.parse_models`): vLLM's and
+SGLang's ModelCards list the served base model(s) without a `parent` and each loaded LoRA
+adapter with the base model as its `parent`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cachetree.keys import MAX_ADAPTER_NAMES
+from router.workers import MAX_SERVED_NAMES, ServedModels, parse_models
+
+
+def card(name: Any, parent: Any = None, owner: str = "vllm") -> dict[str, Any]:
+    return {"id": name, "object": "model", "owned_by": owner, "root": name, "parent": parent}
+
+
+def test_base_models_and_adapters_are_told_apart_by_their_parent() -> None:
+    body = {"object": "list", "data": [card("llama"), card("llama-2"), card("sql", "llama")]}
+    assert parse_models(body) == ServedModels("vllm", ("llama", "llama-2"), ("sql",))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [None, [], {"data": None}, {"data": {}}, {"data": ["llama"]}, {"object": "list"}],
+)
+def test_an_answer_that_lists_no_card_names_nothing(body: Any) -> None:
+    assert parse_models(body) == ServedModels()
+
+
+def test_a_card_no_adapter_could_be_named_by_is_skipped() -> None:
+    data = [card("llama", owner="sglang"), card(""), card(7), card("a\x00b", "llama")]
+    data += [card("sql", 5), card("chat", "llama")]  # a parent that is no name: not a base
+    assert parse_models({"data": data}) == ServedModels("sglang", ("llama",), ("chat",))
+
+
+def test_an_engine_neither_vllm_nor_sglang_is_none() -> None:
+    assert parse_models({"data": [card("llama", owner="someone")]}).engine is None
+
+
+def test_the_names_read_are_bounded() -> None:
+    data = [card(f"b{i}") for i in range(MAX_SERVED_NAMES + 5)]
+    data += [card(f"a{i}", "b0") for i in range(MAX_ADAPTER_NAMES + 5)]
+    models = parse_models({"data": data})
+    assert len(models.bases) == MAX_SERVED_NAMES and models.bases[-1] == "b63"
+    assert len(models.adapters) == MAX_ADAPTER_NAMES
