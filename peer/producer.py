@@ -66,7 +66,8 @@ export is dropped before a rebuild, so two full bodies are never held at once.
 ranks whose blocks are all gone: they are still valid witnesses for a splice probe), carry no
 nodes and never touch the cache. Their `empty_ranks` are the live ranks with no cursor yet, so
 that a reader of the table alone (`kvrouter view --watch`) lists every registered rank, as the
-export's `empty_ranks` let `kvrouter view` do.
+export's `empty_ranks` let `kvrouter view` do, and their `adapters` are the names learned by
+then, so that it can tell replicas that would key a request naming an adapter differently.
 """
 
 from __future__ import annotations
@@ -607,7 +608,8 @@ class SnapshotProducer:
 
     def cursor_table(self) -> PeerSnapshot:
         """The live cursor table: every rank with a cursor, no nodes, never cached; the live
-        ranks with none yet (registered, no batch applied) in `empty_ranks`."""
+        ranks with none yet (registered, no batch applied) in `empty_ranks`; the adapter
+        names learned in `adapters`."""
         self.stats.cursors_only += 1
         view = self.view
         tree = view.tree
@@ -624,6 +626,7 @@ class SnapshotProducer:
             cursors=[(i, cursors[rank]) for i, rank in enumerate(ranks)],
             empty_ranks=[WireWorker(rank.worker_url, rank.dp_rank) for rank in empty],
             nodes=[],
+            adapters=sorted(view.adapters),
         )
 
 

@@ -6,7 +6,9 @@ the same client the replicas use for their siblings (`peer.fetch.SnapshotFetcher
 is restored into a `cachetree.tree.BlockTree` through the one wire -> columns road
 (`peer.vet.VettedSnapshot.from_wire`, then `cachetree.snapshot.restore`), with `live` = every
 rank any of the bodies names, so nothing a replica holds is dropped for being unknown here.
-The replicas' `canonical_view`s are then compared with the first replica's.
+The replicas' `canonical_view`s are then compared with the first replica's, and so are the LoRA
+adapter names each learned (the bodies' `adapters`): replicas that learned different names key
+a request naming one of them differently, so they differ even holding the same blocks.
 
 Output, per replica: readiness, block size, node count, and per rank its cursor and blocks,
 and, from the replica's `/metrics` when its policy is cache_aware, what the rank's engine can
@@ -23,7 +25,7 @@ bootstrap state per replica, differences marked) from cheap reads; see router/to
 Exit status: 0 when the views agree (one replica always agrees with itself), 1 when they
 differ, 2 on errors (a replica unreachable, a body that does not decode or fails vetting, a
 bad command line). `--cursors-only` fetches only the cursor tables and readiness: the verdict
-then compares cursors (every replica names the same ranks at the same seqs).
+then compares cursors (every replica names the same ranks at the same seqs) and adapter names.
 
 A comparison means something only when every replica has applied the same stream: views
 taken while events flow can differ by the batches in flight. Compare after a quiesce (every
@@ -78,6 +80,7 @@ class ReplicaView:
     tree: BlockTree | None = None  # the export restored
     canonical: CanonicalView | None = None
     pressure: dict[RankId, RankPressure] = field(default_factory=dict)  # from /metrics
+    adapters: frozenset[str] = frozenset()  # the LoRA adapter names it learned
     error: str | None = None
 
     @property
@@ -145,6 +148,7 @@ class PairDiff:
     other: str
     ranks: list[RankDiff] = field(default_factory=list)
     note: str = ""  # a difference not attributable to a rank (block size, structure)
+    adapters: str = ""  # the adapter names only one of the two learned (`names_only_in`)
 
 
 @dataclass(slots=True)
@@ -211,6 +215,7 @@ async def fetch_view(
         return view
     view.cursors = watch.cursor_table(table.snapshot)
     view.ranks |= watch.named_ranks(table.snapshot)
+    view.adapters = frozenset(table.snapshot.adapters)
     view.block_size = table.snapshot.block_size
     view.producer_ready = table.snapshot.producer_ready
     if cursors_only:
@@ -222,6 +227,7 @@ async def fetch_view(
         return view
     view.snapshot = full.snapshot
     view.ranks |= watch.named_ranks(full.snapshot)
+    view.adapters = frozenset(full.snapshot.adapters)
     view.block_size = full.snapshot.block_size or view.block_size
     view.producer_ready = full.snapshot.producer_ready
     return view
@@ -349,11 +355,14 @@ def compare(views: Sequence[ReplicaView], *, cursors_only: bool = False) -> Comp
     for other in usable[1:]:
         if cursors_only:
             same = ref.cursors == other.cursors
-            diff = None if same else _diff_cursors(ref, other)
+            diff = PairDiff(ref.url, other.url) if same else _diff_cursors(ref, other)
         else:
             same = ref.block_size == other.block_size and ref.canonical == other.canonical
-            diff = None if same else _diff_views(ref, other)
-        if diff is not None:
+            diff = PairDiff(ref.url, other.url) if same else _diff_views(ref, other)
+        if other.adapters != ref.adapters:
+            # They key a request naming one of these differently, whatever blocks they hold.
+            diff.adapters = watch.names_only_in(other.adapters, ref.adapters, other.url, ref.url)
+        if not same or diff.adapters:
             result.agree = False
             result.diffs.append(diff)
     return result
@@ -433,7 +442,7 @@ def render(views: Sequence[ReplicaView], comparison: Comparison) -> list[str]:
         lines.append(f"{what}: nothing to compare ({len(compared)} replica(s) answered)")
     elif comparison.agree:
         if comparison.cursors_only:
-            detail = f"{len(compared[0].cursors)} ranks"
+            detail = f"{len(compared[0].ranks | compared[0].cursors.keys())} ranks"
         else:
             detail = f"{compared[0].nodes} nodes, {len(compared[0].canonical or ())} in the view"
         lines.append(f"{what}: agree ({len(compared)} replicas, {detail})")
@@ -443,6 +452,8 @@ def render(views: Sequence[ReplicaView], comparison: Comparison) -> list[str]:
             lines.append(f"  {diff.other} vs {diff.ref}:")
             if diff.note:
                 lines.append(f"    {diff.note}")
+            if diff.adapters:
+                lines.append(f"    adapter names differ: {diff.adapters}")
             for rd in diff.ranks:
                 cursors = f"cursor {_seq(rd.cursor_other)} vs {_seq(rd.cursor_ref)}"
                 if comparison.cursors_only:

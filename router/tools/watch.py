@@ -4,7 +4,9 @@ For the person running a rollout by hand: per replica its readiness, index size 
 backlog; per rank (a row) and replica (a column) the applied cursor, how far it lags the
 replica furthest ahead on that rank, the blocks it holds and its bootstrap state. A rank on
 which a replica differs from the one furthest ahead (another cursor, other blocks, or the
-rank missing) is highlighted: reverse video on a terminal, a `*` elsewhere.
+rank missing) is highlighted: reverse video on a terminal, a `*` elsewhere. Replicas that
+learned different LoRA adapter names (the cursor table's `adapters`) differ too, each such
+name listed: they key a request naming one differently.
 
 Each frame costs every replica three small requests, so watching a replica with a million
 blocks is as cheap as watching an empty one: `/readyz`, the cursor table
@@ -15,7 +17,7 @@ from `kvrouter_kv_bootstrap_state`, `kvrouter_tree_nodes`, `kvrouter_pump_backlo
 exports the index: `kvrouter view` without `--watch` compares the blocks themselves.
 
 With `--count` it exits as `kvrouter view` does, by its last frame (`verdict`: 0 agree, 1 a
-rank differs, 2 a replica not read); stopped by Ctrl-C it exits 0.
+rank or the adapter names differ, 2 a replica not read); stopped by Ctrl-C it exits 0.
 
 `frame` (what to draw from what was fetched) is plain code; `watch` is the loop around it,
 with the interval, the number of frames and where to draw injectable.
@@ -43,6 +45,7 @@ HIGHLIGHT: Final = ("\x1b[7m", "\x1b[0m")  # reverse video
 CLEAR: Final = "\x1b[H\x1b[2J"  # cursor home, clear screen
 MARK: Final = "*"
 CELL_WIDTH: Final = 32  # cursor 7, lag 5, blocks 8, bootstrap 9, and the spaces between
+NAMES_SHOWN: Final = 5  # adapter names shown of those only one replica learned
 
 
 @dataclass(slots=True)
@@ -58,6 +61,7 @@ class ReplicaState:
     bootstrap: dict[RankId, str] = field(default_factory=dict)
     nodes: int | None = None
     backlog: int | None = None
+    adapters: frozenset[str] = frozenset()  # the LoRA adapter names it learned
     error: str | None = None
 
 
@@ -128,6 +132,7 @@ async def fetch_state(
         return state
     state.cursors = cursor_table(table.snapshot)
     state.ranks = named_ranks(table.snapshot)
+    state.adapters = frozenset(table.snapshot.adapters)
     return state
 
 
@@ -213,11 +218,44 @@ def frame(states: Sequence[ReplicaState], *, color: bool, header: str = "") -> l
         row = "".join(f" | {_mark(c, color)}" for c in cells)
         lines.append(f"{rank!s:<{width}}{row}")
     usable = sum(1 for s in states if s.error is None)
+    adapters = adapter_differences(states)
+    lines.extend(adapters)
     if differing:
         lines.append(f"{differing} of {len(ranks)} ranks differ between replicas (marked)")
+    elif adapters:
+        lines.append("the replicas differ on adapter names")
     elif usable > 1:
         lines.append(f"the {usable} replicas agree on cursors and blocks of {len(ranks)} ranks")
     return lines
+
+
+def adapter_differences(states: Sequence[ReplicaState]) -> list[str]:
+    """A line for each replica whose adapter names differ from the first readable one's: the
+    two key a request naming one of those differently (in its namespace, or as the base
+    model's), so their caches are matched differently."""
+    letters = [chr(ord("A") + i) for i in range(len(states))]
+    usable = [(letter, s) for letter, s in zip(letters, states, strict=True) if s.error is None]
+    lines: list[str] = []
+    if not usable:
+        return lines
+    ref_letter, ref = usable[0]
+    for letter, s in usable[1:]:
+        if s.adapters != ref.adapters:
+            names = names_only_in(s.adapters, ref.adapters, letter, ref_letter)
+            lines.append(f"adapter names differ, {letter} vs {ref_letter}: {names}")
+    return lines
+
+
+def names_only_in(other: frozenset[str], ref: frozenset[str], other_is: str, ref_is: str) -> str:
+    """Which adapter names only one of two replicas learned, a few of each: "only in B: a, b;
+    only in A: c (and 3 more)"."""
+    parts = []
+    for where, names in ((other_is, other - ref), (ref_is, ref - other)):
+        if names:
+            shown = sorted(names)[:NAMES_SHOWN]
+            more = f" (and {len(names) - NAMES_SHOWN} more)" if len(names) > NAMES_SHOWN else ""
+            parts.append(f"only in {where}: {', '.join(map(repr, shown))}{more}")
+    return "; ".join(parts)
 
 
 def ranks_of(states: Sequence[ReplicaState]) -> list[RankId]:
@@ -234,7 +272,7 @@ def verdict(states: Sequence[ReplicaState]) -> int:
     if any(s.error is not None for s in states):
         return 2
     differ = any(c.differs for rank in ranks_of(states) for c in rank_cells(states, rank))
-    return 1 if differ else 0
+    return 1 if differ or adapter_differences(states) else 0
 
 
 def _mark(cell: Cell, color: bool) -> str:

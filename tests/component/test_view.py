@@ -168,6 +168,27 @@ async def test_cursors_only_compares_cursor_tables() -> None:
         assert "cursor tables: agree (2 replicas, 3 ranks)" in out
 
 
+async def test_replicas_that_learned_different_adapter_names_differ_naming_them() -> None:
+    """Holding the same blocks, B keys a request naming "sql" in the adapter's namespace and
+    A as the base model's (A's sibling sent a body without `adapters`, say): `view` said they
+    agree."""
+    async with fleet() as ([a, b], _):
+        await b.replica.pump.call(lambda rules: rules.learn_adapters(["sql", "chat"]))
+        await a.replica.pump.call(lambda rules: rules.learn_adapters(["chat"]))
+        views = await view.collect([a.url, b.url], token=TEST_TOKEN)
+        comparison = view.compare(views)
+        assert not comparison.agree and view.exit_status(views, comparison) == 1
+        assert [d.ranks for d in comparison.diffs] == [[]]  # the blocks are the same
+        line = f"    adapter names differ: only in {b.url}: 'sql'"
+        for args in ((), ("--cursors-only",)):
+            status, out, err = await run_view(*args, a.url, b.url)
+            assert status == 1, out + err
+            assert line in out.splitlines(), out
+        status, out, err = await run_view("--watch", "--count", "1", a.url, b.url)
+        assert status == 1, out + err
+        assert "adapter names differ, B vs A: only in B: 'sql'" in out, out
+
+
 async def test_the_bearer_token_is_sent_and_required() -> None:
     async with (
         fake_worker_in_process() as w1,
