@@ -59,7 +59,8 @@ WARMUP = 200  # requests before the count
 
 
 def request_bytes(
-    body: bytes = b'{"model":"m","max_tokens":1,"prompt":"' + b"a" * 2000 + b'"}',
+    # The fake workers' served model: any other name is keyed as an adapter's (a miss).
+    body: bytes = b'{"model":"fake-model","max_tokens":1,"prompt":"' + b"a" * 2000 + b'"}',
 ) -> bytes:
     head = (
         b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
