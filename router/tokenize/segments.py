@@ -24,12 +24,16 @@ which is a fifth of an encode's CPU (bench/bench_tokenize.py); `ids_encoder` fal
 
 The cache is an LRU bounded by an estimate of its memory: per entry the segment's characters,
 8 bytes per id and a fixed overhead. A segment larger than a tenth of the budget is encoded
-without being kept.
+without being kept. It is read and written from the event loop and from the worker thread a
+long chat is encoded in (`offload.py`), so each lookup and insertion holds a lock (an
+eviction between a lookup and its move to the end raised KeyError); the encoding itself runs
+outside it.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Final, Protocol
@@ -69,28 +73,31 @@ class SegmentCache:
         self._entries: OrderedDict[tuple[str, str, str], tuple[tuple[int, ...], int]] = (
             OrderedDict()
         )
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, key: tuple[str, str, str]) -> tuple[int, ...] | None:
-        entry = self._entries.get(key)
-        if entry is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._entries.move_to_end(key)
-        return entry[0]
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            self._entries.move_to_end(key)
+            return entry[0]
 
     def put(self, key: tuple[str, str, str], ids: tuple[int, ...]) -> None:
         size = len(key[1]) + 8 * len(ids) + ENTRY_OVERHEAD
-        if size * 10 > self.max_bytes or key in self._entries:
-            return
-        self._entries[key] = (ids, size)
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, (_, evicted) = self._entries.popitem(last=False)
-            self.bytes -= evicted
+        with self._lock:
+            if size * 10 > self.max_bytes or key in self._entries:
+                return
+            self._entries[key] = (ids, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self.bytes -= evicted
 
 
 class SegmentEncoder:

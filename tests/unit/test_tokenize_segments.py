@@ -9,6 +9,9 @@ whole text. A hand-built tokenizer adds the hard cases: added tokens that swallo
 
 from __future__ import annotations
 
+import random
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -239,3 +242,39 @@ def test_a_zero_budget_encodes_whole_texts(tmp_path: Path) -> None:
     encoder = SegmentEncoder(tok, 0)
     assert not encoder.enabled
     assert encoder.encode("a <R> b") == tok.encode("a <R> b", add_special_tokens=False).ids
+
+
+def test_the_cache_stays_consistent_when_a_worker_thread_shares_it() -> None:
+    # A long chat is encoded in a worker thread (router.tokenize.offload) while the loop
+    # encodes others with the same cache: lookups, insertions and evictions interleave (an
+    # eviction between a lookup and its move to the end raised KeyError).
+    cache = SegmentCache(40 * (ENTRY_OVERHEAD + 3 + 16))
+    errors: list[BaseException] = []
+    rounds = 50_000
+
+    def churn(tag: str, seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for i in range(rounds):
+                key = ("", f"{tag}{rng.randrange(30):02d}", "")
+                if cache.get(key) is None:
+                    cache.put(key, (i, i))
+        except BaseException as exc:
+            errors.append(exc)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as the interpreter lets them
+    try:
+        threads = [
+            threading.Thread(target=churn, args=(tag, seed)) for seed, tag in enumerate("ab")
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == []
+    sizes = [len(key[1]) + 16 + ENTRY_OVERHEAD for key in cache._entries]
+    assert cache.bytes == sum(sizes) <= cache.max_bytes
+    assert cache.hits + cache.misses == 2 * rounds
