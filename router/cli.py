@@ -32,6 +32,7 @@ from cachetree.keys import MAX_BLOCK_SIZE
 from peer.kubeconfig import KubeConfigError
 from router import launch
 from router.auth import TOKEN_ENV, token_problem
+from router.dataplane.routing import DEFAULT_OFFLOAD_CHARS
 from router.homes import DEFAULT_MAX_HOMES, MAX_HOMES_BOUND
 from router.index import DEFAULT_INDEX_MAX_BLOCKS
 from router.ingest_pool import DEFAULT_INGEST_PROCESSES, DEFAULT_SILENCE_S
@@ -201,6 +202,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         choices=("auto", *ENGINES),
     )
     f.add("tokenize-cache-mb", finite, 64.0, "bound of the chat segment tokenization cache")
+    f.add(
+        "tokenize-offload-chars",
+        whole,
+        DEFAULT_OFFLOAD_CHARS,
+        "a prompt longer than this (a chat: a body of this many bytes) is rendered and "
+        "encoded in a worker thread, off the event loop; 0 = never",
+    )
     f.add(
         "kv-events-port-base", whole, 5557, "KV-event PUB port of rank 0 when /server_info has none"
     )
@@ -420,6 +428,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         ),
         (args.max_request_bytes > 0, "--max-request-bytes must be > 0"),
         (args.tokenize_cache_mb >= 0, "--tokenize-cache-mb must be >= 0 (0 turns the cache off)"),
+        (
+            args.tokenize_offload_chars >= 0,
+            "--tokenize-offload-chars must be >= 0 (0 encodes every prompt on the event loop)",
+        ),
         (args.max_connections >= 1, "--max-connections must be >= 1"),
         (args.max_header_count >= 1, "--max-header-count must be >= 1"),
         (args.max_head_bytes >= 1024, "--max-head-bytes must be >= 1024"),

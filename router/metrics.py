@@ -937,6 +937,14 @@ class _DataPlaneCollector(Collector):
             [],
             {(): stats.routing_deferred},
         )
+        encodes = plane.encodes
+        yield _counter(
+            "kvrouter_tokenize_offloads",
+            "Prompts past --tokenize-offload-chars, by outcome: started (encoded in a worker "
+            "thread) or busy (the threads' queue was full: routed by load as a miss)",
+            ["outcome"],
+            {("started",): encodes.started, ("busy",): encodes.busy},
+        )
         yield _counter(
             "kvrouter_upstream_connects",
             "Connections opened to workers",

@@ -38,7 +38,7 @@ from router.bootstrap import PeerBootstrap
 from router.breaker import CircuitBreaker
 from router.dataplane.inflight import InflightTracker
 from router.dataplane.polling import PollClient
-from router.dataplane.routing import INDEX_POLICIES
+from router.dataplane.routing import DEFAULT_OFFLOAD_CHARS, INDEX_POLICIES
 from router.homes import DEFAULT_MAX_HOMES, CacheAwareHome, HomeSettings, HomeTable
 from router.index import DEFAULT_INDEX_MAX_BLOCKS, IndexRules, Pump
 from router.ingest_pool import DEFAULT_INGEST_PROCESSES, DEFAULT_SILENCE_S, IngestPool
@@ -83,6 +83,8 @@ class ServeConfig:
     # workers' /v1/models name, vllm until one does).
     chat_rules: str = "auto"
     tokenize_cache_mb: float = 64.0  # bound of the chat segment tokenization cache
+    # A longer prompt (a chat: body) is encoded off the event loop; 0: never.
+    tokenize_offload_chars: int = DEFAULT_OFFLOAD_CHARS
     kv_events_port_base: int = 5557
     kv_events_replay_port_base: int = 0
     dp_size: int = 1

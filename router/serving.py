@@ -139,6 +139,7 @@ async def start_serving(config: ServeConfig) -> Serving:
             replica.inflight,
             replica.pump.rules,
             replica.metrics,
+            offload_chars=config.tokenize_offload_chars,
         )
         placement = replica.placement
         if placement is not None:

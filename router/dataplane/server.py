@@ -4,7 +4,9 @@
 order (pipelined requests wait their turn with reading paused). Its decisions come from
 `exchange` (admission, framing) and `routing` (the routing decision, run synchronously in the
 parser's message-complete callback, or once the placer replica answered for a new prefix:
-`router.placement.AskFirst`, cancelled if the client leaves first); `relay` moves the answer.
+`router.placement.AskFirst`, cancelled if the client leaves first, or once a worker thread
+encoded a long prompt: `routing.EncodeFirst`, run by `encodes.EncodeQueue`, its slot freed if
+the client leaves first); `relay` moves the answer.
 One `Deadline` per connection bounds, in turn, the request head, the request body and the
 idle time between requests.
 
@@ -23,7 +25,7 @@ import logging
 import socket
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain
@@ -34,6 +36,7 @@ from aiohttp import web
 
 from router.dataplane.control_link import open_control_link
 from router.dataplane.door import Door, Probe
+from router.dataplane.encodes import EncodeQueue, Job
 from router.dataplane.exchange import (
     CONTINUE,
     Malformed,
@@ -52,7 +55,7 @@ from router.dataplane.exchange import (
 from router.dataplane.flow import PIPELINED, YIELDING, Deadline, LogTally, ReadGate
 from router.dataplane.inflight import InflightTracker
 from router.dataplane.relay import ControlRelay, Relay, WorkerLookup, WorkerRelay
-from router.dataplane.routing import Router
+from router.dataplane.routing import EncodeFirst, Routed, Router
 from router.dataplane.upstream import UpstreamConnection, UpstreamPool
 from router.metrics import RouterMetrics
 from router.placement import AskFirst
@@ -185,6 +188,7 @@ class DataPlane:
         self.addresses: list[tuple[str, int]] = []  # where it listens
         self._lingering = 0  # refused connections closing (`refuse_connection`)
         self._waiting_to_route: deque[ClientConnection] = deque()
+        self.encodes = EncodeQueue(self.loop)  # long prompts' encodes (`EncodeFirst`)
         self._slice_spent = 0.0  # routing time spent in this turn of the loop
         self._slice_scheduled = False
 
@@ -254,6 +258,7 @@ class DataPlane:
             conn.abort("shutdown")
         for pool in self.pools.values():
             pool.close()
+        self.encodes.close()
         if self._adopting:
             await asyncio.gather(*self._adopting, return_exceptions=True)
 
@@ -491,6 +496,7 @@ class ClientConnection(asyncio.Protocol):
         self._deferred: tuple[RequestHead, bytes] | None = None  # waits for a routing slice
         self._held: list[bytes] | None = None  # writes gathered by `hold`
         self._asking: AskFirst | None = None  # a new prefix's question to its placer
+        self._encoding: Job | None = None  # a long prompt's encode, off the loop
         self.turn_started = 0.0  # perf_counter when the routed request being answered got its turn
         # Over its write buffer's high-water mark: asyncio says so once, maybe as one answer ends
         # (its last write), so the next answer reads it here (`Relay.upstream_head`).
@@ -567,6 +573,9 @@ class ClientConnection(asyncio.Protocol):
         asking, self._asking = self._asking, None
         if asking is not None:
             asking.cancel()
+        encoding, self._encoding = self._encoding, None
+        if encoding is not None:
+            self.plane.encodes.cancel(encoding)
         # What it read is freed now, not by a pass of the cyclic collector: the parser (its
         # callbacks) and the deadline (`_expired`) hold this connection, which holds them, and
         # the replica's rare passes (`cli._tune_gc`) left the bodies of uploads cut short in
@@ -839,9 +848,35 @@ class ClientConnection(asyncio.Protocol):
         head, body = deferred
         try:
             decision = self.plane.router.route(head.path, body)
+            if isinstance(decision, EncodeFirst):  # a long prompt: routed once encoded
+                then = partial(self._encoded, head, body, decision.work.then)
+                self._encoding = self.plane.encodes.submit(decision.work.run, then)
+                if self._encoding is not None:
+                    return
+                decision = decision.busy()
         except Exception:  # a bug must not leave the client hanging, nor pass unlogged
             log.exception("routing a request failed: answered 500; please report this")
             decision = _ROUTING_FAILED
+        self._decided(head, body, decision)
+
+    def _encoded(
+        self,
+        head: RequestHead,
+        body: bytes,
+        then: Callable[[Callable[[], Any]], Routed],
+        outcome: Callable[[], Any],
+    ) -> None:
+        self._encoding = None
+        if self._closed:
+            return
+        try:
+            decision = then(outcome)
+        except Exception:  # a bug must not leave the client hanging, nor pass unlogged
+            log.exception("routing a long prompt after its encode failed: answered 500")
+            decision = _ROUTING_FAILED
+        self._decided(head, body, decision)
+
+    def _decided(self, head: RequestHead, body: bytes, decision: Routed) -> None:
         if isinstance(decision, AskFirst):  # a new prefix: routed once its placer answers
             self._asking = decision
             decision.wait(lambda ask: self._placed(head, body, ask))

@@ -11,6 +11,7 @@ and the engine turn a request into ids silently turns a warm cache into a miss. 
   developer role, the variables it reads).
 - `hf.py`: a model directory loaded and rendered through transformers, as the engines do.
 - `segments.py`: the prefix tokenization cache (segments between special tokens, bounded LRU).
+- `offload.py`: `Offload`, a long text's render and encode for a worker thread.
 - `plain.py`: the `bytes` tokenizer and plain chat format of the demo fleet (no model files).
 
 `load_tokenizer(spec)` builds one: `bytes`, or a model directory (or its `tokenizer.json`),

@@ -23,7 +23,7 @@ import inspect
 import logging
 import os
 from collections.abc import Callable
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -36,6 +36,7 @@ from router.tokenize.chat_rules import (
     render_call,
     template_tools,
 )
+from router.tokenize.offload import Offload
 from router.tokenize.params import MAX_ENCODED_CHARS, TokenizeParams, kept
 from router.tokenize.segments import SegmentEncoder, ids_encoder
 from router.tokenize.template_traits import inspect_template
@@ -68,19 +69,40 @@ class HfModel:
     def has_template(self) -> bool:
         return self._tokenizer.chat_template is not None
 
-    def encode_text(self, text: str, params: TokenizeParams) -> list[int]:
+    def encode_text(
+        self, text: str, params: TokenizeParams, *, offload: bool = False
+    ) -> list[int] | Offload[list[int]]:
         """A completion prompt: encoded with the tokenizer's special tokens (BOS) unless the
         request says not to, as engines do; the first `MAX_ENCODED_CHARS` of it (see there);
-        cut as the request says (`params.py`)."""
+        cut as the request says (`params.py`). With `offload`, the encode is returned to be
+        run in a worker thread (`offload.py`)."""
+        if offload:
+            return Offload(partial(self._text_ids, text, params))
+        return self._text_ids(text, params)
+
+    def _text_ids(self, text: str, params: TokenizeParams) -> list[int]:
         if params.keep is not None:
             return self._truncated(self._plain, text, params, params.keep)
         special = params.add_special_tokens
         return _encoded_within_bound(lambda part: self._encode(part, special), text)
 
-    def encode_chat(self, body: dict[str, Any], params: TokenizeParams) -> list[int]:
-        """Raises ChatRequestError (a 400) or Unrenderable (route as a miss)."""
+    def encode_chat(
+        self, body: dict[str, Any], params: TokenizeParams, *, offload: bool = False
+    ) -> list[int] | Offload[list[int]]:
+        """Raises ChatRequestError (a 400) or Unrenderable (route as a miss). With `offload`,
+        the request is checked and rewritten here, and its render and encode are returned to
+        be run in a worker thread (`offload.py`), where they raise Unrenderable."""
         template = self._template(template_tools(body, self.engine))
         call = render_call(body, self._traits_of(template), self.engine)
+        if offload:
+            return Offload(partial(self._chat_ids, call, template, params))
+        return self._chat_ids(call, template, params)
+
+    def _chat_ids(self, call: RenderCall, template: str, params: TokenizeParams) -> list[int]:
+        """`call` rendered and encoded. Safe in a worker thread: what it shares with the loop
+        is the backend (Rust, thread-safe), the segment cache (locked) and two memo dicts, the
+        compiled templates and the sandbox's checks, each read or written in one step under
+        the GIL (a race computes an entry twice, the same)."""
         text = self._render(call, template) + call.suffix
         try:
             if params.keep is not None:

@@ -15,6 +15,10 @@ The contract, for the data plane:
     rendering (media parts, a template that raised, ...): the request is still forwarded, routed
     by load as a cache miss, and the caller counts `kvrouter_tokenize_failures_total{reason}`.
     The first failure per template and reason is logged here, with what to do about it.
+- Both take `offload=True` for a text too long to encode on the event loop: a model directory
+  then returns an `Offload` (`offload.py`) whose outcome is what the call would have returned
+  (`encode_chat_request`'s failures included), the malformed requests still raised at once.
+  The `bytes` tokenizer encodes a byte an id, as cheap as copying the text: it never offloads.
   - It raises `ChatRequestError` (a ValueError with `.param`) only for a body the engine itself
     refuses while validating (messages not a non-empty list of objects with a string role,
     content neither string, list nor null, tools without function.name, non-boolean flags...):
@@ -27,6 +31,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Final, Protocol
 
 from router.tokenize.chat_rules import (
@@ -40,6 +45,7 @@ from router.tokenize.chat_rules import (
     within_counts,
 )
 from router.tokenize.lax import lax_int
+from router.tokenize.offload import Offload
 from router.tokenize.params import CHAT, COMPLETION, MAX_ENCODED_CHARS, TokenizeParams, kept
 from router.tokenize.plain import BytesTokenizer, render_chat_plain
 from router.tokenize.segments import SegmentCache
@@ -62,9 +68,13 @@ class ChatModel(Protocol):
 
     engine: Engine  # whose chat rules it follows
 
-    def encode_text(self, text: str, params: TokenizeParams) -> Sequence[int]: ...
+    def encode_text(
+        self, text: str, params: TokenizeParams, *, offload: bool = False
+    ) -> Sequence[int] | Offload[Sequence[int]]: ...
 
-    def encode_chat(self, body: dict[str, Any], params: TokenizeParams) -> Sequence[int]: ...
+    def encode_chat(
+        self, body: dict[str, Any], params: TokenizeParams, *, offload: bool = False
+    ) -> Sequence[int] | Offload[Sequence[int]]: ...
 
     def template_name(self, tools: Any) -> str: ...
 
@@ -96,29 +106,42 @@ class RequestTokenizer:
         params: TokenizeParams = COMPLETION,
         *,
         token_id: Callable[[Any], int] = lax_int,
-    ) -> Sequence[int]:
+        offload: bool = False,
+    ) -> Sequence[int] | Offload[Sequence[int]]:
         """Text is tokenized by `params` (with special tokens by default); token ids are checked
         and used as they are, or as `token_id` reads each when they are not all ints (the
         route's rule: pydantic's lax int for the OpenAI routes, `lax.sglang_token_id` for
         `/generate`)."""
         if isinstance(prompt, str):
-            return self.model.encode_text(prompt, params)
+            return self.model.encode_text(prompt, params, offload=offload)
         if isinstance(prompt, list):
             return kept(_checked_ids(prompt, token_id), params.keep, params.side)
         raise ValueError("the prompt must be a string or a list of token ids")
 
     def encode_chat_request(
-        self, body: dict[str, Any], params: TokenizeParams = CHAT
-    ) -> ChatTokens:
+        self, body: dict[str, Any], params: TokenizeParams = CHAT, *, offload: bool = False
+    ) -> ChatTokens | Offload[ChatTokens]:
         """See the module docstring. Raises ChatRequestError for a 400."""
         given = given_ids(body, self.engine)
         if given is not None:
             return ChatTokens(self._given(body, given))
         try:
-            return ChatTokens(self.model.encode_chat(body, params))
+            encoded = self.model.encode_chat(body, params, offload=offload)
         except Unrenderable as exc:
-            self._log_once(self.model.template_name(body.get("tools")), exc)
-            return ChatTokens([], exc.reason)
+            return self._unrenderable(body, exc)
+        if isinstance(encoded, Offload):
+            return encoded.map(partial(self._chat_tokens, body))
+        return ChatTokens(encoded)
+
+    def _chat_tokens(self, body: dict[str, Any], ids: Callable[[], Sequence[int]]) -> ChatTokens:
+        try:
+            return ChatTokens(ids())
+        except Unrenderable as exc:
+            return self._unrenderable(body, exc)
+
+    def _unrenderable(self, body: dict[str, Any], exc: Unrenderable) -> ChatTokens:
+        self._log_once(self.model.template_name(body.get("tools")), exc)
+        return ChatTokens([], exc.reason)
 
     def _given(self, body: dict[str, Any], given: GivenIds) -> Sequence[int]:
         """The ids a chat brings for the engine to use as they are: nothing is rendered or cut
@@ -174,10 +197,14 @@ class BytesModel:
         self._tokenizer = BytesTokenizer()
         self.engine = Engine.VLLM  # the plain format is the same whichever engine it names
 
-    def encode_text(self, text: str, params: TokenizeParams) -> Sequence[int]:
+    def encode_text(
+        self, text: str, params: TokenizeParams, *, offload: bool = False
+    ) -> Sequence[int]:
         return self._bounded(text, params)
 
-    def encode_chat(self, body: dict[str, Any], params: TokenizeParams) -> Sequence[int]:
+    def encode_chat(
+        self, body: dict[str, Any], params: TokenizeParams, *, offload: bool = False
+    ) -> Sequence[int]:
         # The plain format renders any text, but not past the bounds on what the event loop
         # walks: `_validated` lets those by, as it lets by everything else it cannot render.
         within_counts(body)

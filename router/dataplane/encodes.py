@@ -1,0 +1,102 @@
+"""Long prompts' encodes, run in worker threads off the event loop (`routing.EncodeFirst`).
+
+At most `threads` run at once: each holds a core while it encodes (the tokenizer releases the
+GIL), and the loop needs one too. At most `most` are held for clients at once, running or
+waiting their turn in this queue rather than in the executor's, so that one whose client left
+is dropped at once, its text with it. Past `most`, `submit` refuses, and the request is routed
+by load as a miss (`EncodeFirst.busy`; counted in
+`kvrouter_tokenize_offloads_total{outcome="busy"}`): a burst of long prompts that the threads
+cannot keep up with would otherwise queue here, each adding its encode (up to ~0.5 s) to the
+wait of every one behind it, while a miss costs the engine one prefill, the cost of any new
+prompt.
+
+A client that leaves frees its slot at once (`cancel`). An encode already running cannot be
+stopped (it is the tokenizer's native code): its thread finishes it and the outcome is dropped,
+the thread counted busy until then, so at most `threads` run whoever left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Final
+
+ENCODE_THREADS: Final = 2
+MAX_ENCODES: Final = 16
+
+
+@dataclass(eq=False, slots=True)
+class Job:
+    run: Callable[[], Any]  # in a worker thread
+    then: Callable[[Callable[[], Any]], None]  # on the loop, given `run`'s outcome
+    live: bool = True  # not finished, and its client is still there
+
+
+class EncodeQueue:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        threads: int = ENCODE_THREADS,
+        most: int = MAX_ENCODES,
+    ) -> None:
+        self._loop = loop
+        self._threads = threads
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvrouter-encode")
+        self.most = most
+        self._waiting: deque[Job] = deque()
+        self._running: set[asyncio.Future[Any]] = set()  # clients gone or not
+        self.held = 0  # live jobs, waiting or running
+        self.started = 0  # encodes handed to a thread
+        self.busy = 0  # refused by `submit`: routed by load as misses
+
+    def submit(
+        self, run: Callable[[], Any], then: Callable[[Callable[[], Any]], None]
+    ) -> Job | None:
+        """Run `run` in a worker thread, then `then` on the loop with its outcome (a callable
+        that returns what it returned or raises what it raised); None when `most` are held."""
+        if self.held >= self.most:
+            self.busy += 1
+            return None
+        job = Job(run, then)
+        self.held += 1
+        self._waiting.append(job)
+        self._next()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Its client left: `then` will not be called, and its slot is free now."""
+        if not job.live:
+            return
+        job.live = False
+        self.held -= 1
+        with contextlib.suppress(ValueError):  # running: its outcome is dropped
+            self._waiting.remove(job)
+
+    def close(self) -> None:
+        """Nothing more starts; what runs finishes in its thread, its outcome dropped."""
+        self._waiting.clear()
+        for future in self._running:
+            future.cancel()
+        self._executor.shutdown(wait=False)
+
+    def _next(self) -> None:
+        while len(self._running) < self._threads and self._waiting:
+            job = self._waiting.popleft()
+            self.started += 1
+            future = self._loop.run_in_executor(self._executor, job.run)
+            self._running.add(future)
+            future.add_done_callback(partial(self._finished, job))
+
+    def _finished(self, job: Job, future: asyncio.Future[Any]) -> None:
+        self._running.discard(future)
+        self._next()
+        if not job.live or future.cancelled():
+            return
+        job.live = False
+        self.held -= 1
+        job.then(future.result)

@@ -1,0 +1,255 @@
+"""A long prompt is rendered and encoded in a worker thread, not on the event loop.
+
+A replica with a model directory (`--tokenizer DIR`, a 32k byte-level vocabulary as fast per
+token as a real model's) and a worker that records what reaches it, in order. The router runs
+in the test's own loop, so what the test observes meanwhile (a ticker, its other requests)
+is what the router's loop does while a long prompt encodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs the hf extra")
+
+from router.dataplane.routing import EncodeFirst
+from router.policy import Decision
+from router.tokenize.params import MAX_ENCODED_CHARS
+from tests.component.test_router_tokenizer import recording_worker
+from tests.support.chat_shapes import SYSTEM, WEATHER_TOOL
+from tests.support.model_dirs import build_model_dir, corpus, fixture_template
+from tests.support.ports import free_tcp_port
+from tests.support.router import RouterHandle, router_in_process
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+SHORT = {"prompt": "hello world " * 8, "max_tokens": 1}
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("offload") / "llama3"
+    template = fixture_template("llama3.1_instruct.jinja")
+    return str(build_model_dir(root, "llama3", template, big=True))
+
+
+def long_text(tag: str, chars: int = MAX_ENCODED_CHARS) -> str:
+    """`chars` characters of prose, starting with `tag` (so no two requests share blocks)."""
+    words = " ".join(corpus(2000))
+    text = f"{tag} " + words * (chars // len(words) + 1)
+    return text[:chars]
+
+
+@contextlib.asynccontextmanager
+async def recorded_router(
+    model: str, **config: Any
+) -> AsyncIterator[tuple[RouterHandle, list[tuple[str, bytes]]]]:
+    async with (
+        recording_worker() as (url, seen),
+        router_in_process(
+            workers=[url], tokenizer=model, kv_events_port_base=free_tcp_port(), **config
+        ) as rt,
+    ):
+        await eventually(lambda: rt.plane.router.rules.tree is not None)
+        yield rt, seen
+
+
+def prompts_seen(seen: list[tuple[str, bytes]]) -> list[str]:
+    """The first word of each prompt the worker received, in order."""
+    return [json.loads(raw)["prompt"].split(" ", 1)[0] for _, raw in seen]
+
+
+async def raw_post(path: str, body: dict[str, Any]) -> bytes:
+    raw = json.dumps(body).encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(raw)}\r\n\r\n"
+    ).encode() + raw
+
+
+async def test_short_requests_are_answered_while_a_long_prompt_encodes(big_model: str) -> None:
+    async with recorded_router(big_model) as (rt, seen):
+        encodes = rt.plane.encodes
+        long = asyncio.create_task(rt.post("/v1/completions", {"prompt": long_text("LONG")}))
+        await eventually(lambda: encodes.started == 1, within_s=10)
+        # Other connections, while the long prompt is in its worker thread.
+        for tag in ("ONE", "TWO"):
+            status, _, _ = await rt.post("/v1/completions", {**SHORT, "prompt": f"{tag} hi"})
+            assert status == 200
+        assert prompts_seen(seen) == ["ONE", "TWO"]  # the long one is still encoding
+        status, _, _ = await long
+        assert status == 200
+        assert prompts_seen(seen) == ["ONE", "TWO", "LONG"]
+        assert (encodes.started, encodes.busy, encodes.held) == (1, 0, 0)
+
+
+async def ticked_gap(rt: RouterHandle, body: dict[str, Any]) -> float:
+    """The longest the loop went without running a 1 ms ticker while `body` was routed."""
+    loop = asyncio.get_running_loop()
+    gaps: list[float] = []
+    last = time.perf_counter()
+
+    def tick() -> None:
+        nonlocal last, handle
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+        handle = loop.call_later(0.001, tick)
+
+    handle = loop.call_later(0.001, tick)
+    try:
+        status, _, _ = await rt.post("/v1/completions", body)
+    finally:
+        handle.cancel()
+    assert status == 200
+    return max(gaps)
+
+
+async def test_the_loop_keeps_turning_while_a_long_prompt_encodes(big_model: str) -> None:
+    async with recorded_router(big_model) as (rt, _):
+        router = rt.plane.router
+        router.offload_chars = 0  # on the loop, as before: the yardstick
+        on_loop = await ticked_gap(rt, {"prompt": long_text("SYNC")})
+        router.offload_chars = 8192
+        off_loop = await ticked_gap(rt, {"prompt": long_text("OFFLOADED")})
+        # Measured: 190-270 ms on the loop, 3-20 ms off it (the body's decoding, the ids'
+        # conversion to a list and their keying still run on it).
+        assert off_loop < on_loop / 3, (on_loop, off_loop)
+        assert rt.plane.encodes.started == 1
+
+
+CHAT_WITH_TOOLS = {
+    "messages": [
+        {**SYSTEM, "content": "You are a helpful assistant. " * 400},
+        {"role": "user", "content": "What is the weather in Paris today? " * 300},
+    ],
+    "tools": [WEATHER_TOOL],
+}
+BODIES: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/completions", {"prompt": long_text("plain", 20_000)}),
+    ("/v1/completions", {"prompt": long_text("nospecial", 20_000), "add_special_tokens": False}),
+    ("/v1/completions", {"prompt": long_text("cut", 20_000), "truncate_prompt_tokens": 1000}),
+    ("/v1/completions", {"prompt": long_text("past", MAX_ENCODED_CHARS + 5000)}),
+    ("/v1/completions", {"prompt": [long_text("batch", 20_000), "second"]}),
+    ("/generate", {"text": long_text("sglang", 20_000)}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text("chat")}]}),
+    ("/v1/chat/completions", CHAT_WITH_TOOLS),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "user", "content": long_text("cont", 20_000)},
+                {"role": "assistant", "content": "The answer"},
+            ],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+    ),
+]
+
+
+async def test_a_prompt_encoded_off_the_loop_has_the_keys_of_the_synchronous_path(
+    big_model: str,
+) -> None:
+    async with recorded_router(big_model) as (rt, _):
+        router = rt.plane.router
+        for path, body in BODIES:
+            raw = json.dumps(body).encode()
+            router.offload_chars = 0
+            synchronous = router.route(path.encode(), raw)
+            router.offload_chars = 8192
+            first = router.route(path.encode(), raw)
+            assert isinstance(first, EncodeFirst), path
+            ids = await asyncio.to_thread(first.work.run)
+            offloaded = first.work.then(lambda ids=ids: ids)
+            assert isinstance(synchronous, Decision) and isinstance(offloaded, Decision)
+            assert synchronous.prompt is not None and offloaded.prompt is not None
+            assert len(synchronous.prompt.keys) >= 10, path
+            assert list(offloaded.prompt.keys) == list(synchronous.prompt.keys), path
+            assert offloaded.prompt.tokens == synchronous.prompt.tokens, path
+        assert rt.replica.metrics.tokenize_failures.total() == 0
+
+
+async def test_pipelined_requests_behind_a_long_prompt_are_answered_in_order(
+    big_model: str,
+) -> None:
+    async with recorded_router(big_model) as (rt, seen):
+        host, port = rt.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            pipelined = [
+                await raw_post("/v1/completions", {"prompt": long_text("FIRST")}),
+                await raw_post("/v1/completions", {**SHORT, "prompt": "SECOND hi"}),
+                await raw_post("/v1/completions", {**SHORT, "prompt": "THIRD hi"}),
+            ]
+            writer.write(b"".join(pipelined))
+            await eventually(lambda: rt.plane.encodes.started == 1, within_s=10)
+            # Another connection goes ahead; this one's requests wait for the first.
+            status, _, _ = await rt.post("/v1/completions", {**SHORT, "prompt": "OTHER hi"})
+            assert status == 200
+            assert prompts_seen(seen) == ["OTHER"]
+            for _ in pipelined:
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200"), head
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                await reader.readexactly(length)
+        finally:
+            writer.close()
+        assert prompts_seen(seen) == ["OTHER", "FIRST", "SECOND", "THIRD"]
+
+
+async def test_past_the_bound_a_long_prompt_is_routed_by_load_and_counted(big_model: str) -> None:
+    async with recorded_router(big_model) as (rt, seen):
+        encodes = rt.plane.encodes
+        encodes.most = 1
+        first = asyncio.create_task(rt.post("/v1/completions", {"prompt": long_text("FIRST")}))
+        await eventually(lambda: encodes.held == 1, within_s=10)
+        status, _, _ = await rt.post("/v1/completions", {"prompt": long_text("SECOND")})
+        assert status == 200
+        assert prompts_seen(seen) == ["SECOND"]  # not encoded at all: no wait for a slot
+        assert (await first)[0] == 200
+        assert (encodes.started, encodes.busy) == (1, 1)
+        scrape = await rt.scrape()
+        assert scrape.value("kvrouter_tokenize_offloads_total", outcome="busy") == 1
+        assert scrape.value("kvrouter_tokenize_offloads_total", outcome="started") == 1
+        labels = {"policy": "cache_aware", "outcome": "cache_miss"}
+        decisions = rt.replica.metrics.registry.get_sample_value
+        assert decisions("kvrouter_routing_decisions_total", labels) == 2
+
+
+async def test_a_client_that_leaves_while_its_prompt_encodes_frees_its_slot(
+    big_model: str,
+) -> None:
+    async with recorded_router(big_model) as (rt, seen):
+        encodes = rt.plane.encodes
+        encodes.most = 1
+        host, port = rt.url.removeprefix("http://").split(":")
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(await raw_post("/v1/completions", {"prompt": long_text("GONE")}))
+        await eventually(lambda: encodes.held == 1, within_s=10)
+        writer.close()
+        await eventually(lambda: encodes.held == 0, within_s=10)
+        status, _, _ = await rt.post("/v1/completions", {"prompt": long_text("STAYED")})
+        assert status == 200
+        assert (encodes.started, encodes.busy) == (2, 0)
+        assert prompts_seen(seen) == ["STAYED"]  # the one whose client left was never sent
+
+
+async def test_the_bytes_tokenizer_never_offloads() -> None:
+    async with recorded_router("bytes") as (rt, seen):
+        status, _, _ = await rt.post("/v1/completions", {"prompt": long_text("BYTES")})
+        assert status == 200
+        assert prompts_seen(seen) == ["BYTES"]
+        assert rt.plane.encodes.started == 0
