@@ -51,6 +51,8 @@ class EncodeQueue:
         self._waiting: deque[Job] = deque()
         self._running: set[asyncio.Future[Any]] = set()  # clients gone or not
         self.held = 0  # live jobs, waiting or running
+        self._idle = asyncio.Event()  # set exactly while none is held
+        self._idle.set()
         self.started = 0  # encodes handed to a thread
         self.busy = 0  # refused by `submit`: routed by load as misses
 
@@ -64,6 +66,7 @@ class EncodeQueue:
             return None
         job = Job(run, then)
         self.held += 1
+        self._idle.clear()
         self._waiting.append(job)
         self._next()
         return job
@@ -72,8 +75,7 @@ class EncodeQueue:
         """Its client left: `then` will not be called, and its slot is free now."""
         if not job.live:
             return
-        job.live = False
-        self.held -= 1
+        self._release(job)
         with contextlib.suppress(ValueError):  # running: its outcome is dropped
             self._waiting.remove(job)
 
@@ -97,6 +99,22 @@ class EncodeQueue:
         self._next()
         if not job.live or future.cancelled():
             return
+        self._release(job)
+        job.then(future.result)
+
+    def _release(self, job: Job) -> None:
         job.live = False
         self.held -= 1
-        job.then(future.result)
+        if not self.held:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once none is held (each held one's request went in flight, or its client
+        left), False if `timeout_s` passed first: for a drain."""
+        if self._idle.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True

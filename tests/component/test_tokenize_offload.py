@@ -253,3 +253,13 @@ async def test_the_bytes_tokenizer_never_offloads() -> None:
         assert status == 200
         assert prompts_seen(seen) == ["BYTES"]
         assert rt.plane.encodes.started == 0
+
+
+async def test_a_drain_waits_for_a_prompt_being_encoded(big_model: str) -> None:
+    async with recorded_router(big_model) as (rt, seen):
+        long = asyncio.create_task(rt.post("/v1/completions", {"prompt": long_text("LONG")}))
+        await eventually(lambda: rt.plane.encodes.started == 1, within_s=10)
+        assert await rt.serving.drain(30.0)
+        # Drained means answered: the request was not left to be cut by the shutdown.
+        assert prompts_seen(seen) == ["LONG"]
+        assert (await long)[0] == 200
