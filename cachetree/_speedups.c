@@ -792,6 +792,7 @@ error:
 
 /* Past this nesting the batch is left to the Python decoders (which have their own limits). */
 #define MAX_SKIP_DEPTH 32
+#define MAX_ADAPTER_NAME_CHARS 1024 /* cachetree.keys.MAX_ADAPTER_NAME_CHARS */
 
 /* A map or array header; -1 if the next object is neither (or is truncated). */
 static Py_ssize_t
@@ -1276,7 +1277,8 @@ quick_stored_map(Reader *r, const MapSpec *spec)
         || n_tokens % n_hashes != 0 || (uint64_t)(n_tokens / n_hashes) != block_size) {
         goto done;
     }
-    if (lora != NULL && (lora_len == 0 || memchr(lora, 0, lora_len) != NULL)) {
+    if (lora != NULL
+        && (lora_len == 0 || lora_len > MAX_ADAPTER_NAME_CHARS || memchr(lora, 0, lora_len) != NULL)) {
         goto done; /* no adapter's name (is_adapter_name): the Python decoders refuse it */
     }
     PyObject *medium_obj, *tier;

@@ -43,17 +43,23 @@ MAX_BLOCK_SIZE: Final = 1 << 16
 # than a fleet serves (vLLM's --max-loras is a handful), and a bound on what a hostile stream
 # or sibling can make the replica hold.
 MAX_ADAPTER_NAMES: Final = 4096
+# The longest adapter name taken (characters; `_speedups.c` holds the same figure for the
+# ASCII names its decoder reads): an HF repository id or a path is far shorter, and 4,096
+# names of this length hold the learned set to ~4 MiB, where a name was bounded only by the
+# batch it came in (a few MB each).
+MAX_ADAPTER_NAME_CHARS: Final = 1024
 
 if array("I").itemsize != 4 or sys.byteorder != "little":  # pragma: no cover - exotic hosts
     raise ImportError("cachetree.keys needs a little-endian host with a 4-byte array('I')")
 
 
 def is_adapter_name(name: object) -> bool:
-    """Whether `name` may name a LoRA adapter: a string, not empty, without a NUL. The one rule
-    for every source of names (events, worker snapshots, a sibling's export: `peer.vet`). A NUL
-    separates a namespace's parts (`router.events.namespace_of`: adapter "a" with cache salt
-    "b" is "a\\x00b"), so an adapter named "a\\x00b" would share that namespace's blocks."""
-    return type(name) is str and name != "" and "\x00" not in name
+    """Whether `name` may name a LoRA adapter: a string, not empty, at most
+    `MAX_ADAPTER_NAME_CHARS` long, without a NUL. The one rule for every source of names
+    (events, worker snapshots, a sibling's export: `peer.vet`). A NUL separates a namespace's
+    parts (`router.events.namespace_of`: adapter "a" with cache salt "b" is "a\\x00b"), so an
+    adapter named "a\\x00b" would share that namespace's blocks."""
+    return type(name) is str and 0 < len(name) <= MAX_ADAPTER_NAME_CHARS and "\x00" not in name
 
 
 def namespace_seed(namespace: str | None) -> int:

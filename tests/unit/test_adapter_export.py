@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from cachetree.keys import MAX_ADAPTER_NAMES, block_keys, namespace_seed
+from cachetree.keys import MAX_ADAPTER_NAME_CHARS, MAX_ADAPTER_NAMES, block_keys, namespace_seed
 from cachetree.ranks import RankId
 from cachetree.tiers import DEVICE
 from cachetree.tree import BlockTree
@@ -59,6 +59,7 @@ async def test_an_export_with_no_adapter_omits_the_field_and_an_old_body_names_n
     [
         ([""], "malformed_adapter"),
         (["sql\x00salt"], "malformed_adapter"),
+        (["a" * (MAX_ADAPTER_NAME_CHARS + 1)], "malformed_adapter"),
         ([f"a{i}" for i in range(MAX_ADAPTER_NAMES + 1)], "too_many_adapters"),
     ],
 )

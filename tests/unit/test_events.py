@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from cachetree.keys import MAX_ADAPTER_NAME_CHARS
 from cachetree.tiers import DEVICE, DISK, EXTERNAL, HOST
 from router.events import (
     DECODE_ERROR_REASONS,
@@ -259,11 +260,12 @@ def test_an_sglang_0_5_16_positional_block_stored_with_7_elements_decodes() -> N
     )
 
 
-@pytest.mark.parametrize("name", ["sql\x00salt", ""])
+@pytest.mark.parametrize("name", ["sql\x00salt", "", "a" * (MAX_ADAPTER_NAME_CHARS + 1)])
 def test_a_lora_name_no_adapter_may_have_fails_the_batch(name: str) -> None:
     """Taken as is, "sql\\x00salt" was adapter "sql" with cache salt "salt" (`namespace_of`):
     its blocks shared that salted namespace, and the replica learned the adapter "sql"."""
     ok = stored_map(lora_name="sql")
+    assert only_event(batch(stored_map(lora_name="a" * MAX_ADAPTER_NAME_CHARS))).namespace
     assert reason(batch(ok, stored_map(lora_name=name))) == "bad_event"
     assert reason(batch(vllm_023_stored(lora_name=name))) == "bad_event"
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from cachetree.keys import MAX_ADAPTER_NAMES, block_keys, namespace_seed
+from cachetree.keys import MAX_ADAPTER_NAME_CHARS, MAX_ADAPTER_NAMES, block_keys, namespace_seed
 from cachetree.ranks import RankId
 from cachetree.snapshot import canonical_view
 from cachetree.tiers import DEVICE, HOST
@@ -451,7 +451,7 @@ def test_a_worker_snapshot_with_more_names_than_the_bound_teaches_the_first_in_s
     assert rules.adapters == set(names[:MAX_ADAPTER_NAMES])
 
 
-@pytest.mark.parametrize("name", ["sql\x00salt", ""])
+@pytest.mark.parametrize("name", ["sql\x00salt", "", "a" * (MAX_ADAPTER_NAME_CHARS + 1)])
 def test_a_worker_snapshot_naming_no_adapters_name_is_refused_whole(name: str) -> None:
     """Taken as is, "sql\\x00salt" taught the adapter "sql" and keyed its blocks in the
     namespace of adapter "sql" with cache salt "salt" (`namespace_of`), a sibling's export
