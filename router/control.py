@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -38,6 +39,44 @@ log = logging.getLogger(__name__)
 
 REPLICA: web.AppKey[Replica] = web.AppKey("replica", Replica)
 _MODELS_TIMEOUT: Final = aiohttp.ClientTimeout(total=2)  # each worker's, in a replica's own
+# How long the replica's own /v1/models answer is reused while its workers stay the same.
+MODELS_FRESH_S: Final = 1.0
+
+
+class SharedListing:
+    """One answer, fetched once for every caller that asks while it is fetched or fresh.
+
+    `/v1/models` needs no token (clients read it) and asks every worker: uncached, each call
+    of a flood was one request to each worker. An answer is reused for `fresh_s` while the
+    `key` it was fetched for (the routable workers) stays the same; callers arriving during a
+    fetch await that fetch. A fetch that fails is not kept."""
+
+    def __init__(
+        self, fresh_s: float = MODELS_FRESH_S, clock: Callable[[], float] = time.monotonic
+    ):
+        self.fresh_s = fresh_s
+        self._clock = clock
+        self._key: object = None
+        self._at = 0.0
+        self._answer: asyncio.Future[Any] | None = None
+        self.fetches = 0
+
+    async def get(self, key: object, fetch: Callable[[], Awaitable[Any]]) -> Any:
+        answer = self._answer
+        now = self._clock()
+        if answer is None or key != self._key or (answer.done() and now - self._at >= self.fresh_s):
+            self.fetches += 1
+            answer = self._answer = asyncio.ensure_future(fetch())
+            self._key, self._at = key, now
+            answer.add_done_callback(self._forget_failure)
+        return await asyncio.shield(answer)
+
+    def _forget_failure(self, answer: asyncio.Future[Any]) -> None:
+        if (answer.cancelled() or answer.exception() is not None) and self._answer is answer:
+            self._answer = None
+
+
+MODELS: web.AppKey[SharedListing] = web.AppKey("models", SharedListing)
 
 
 def build_control_app(replica: Replica) -> web.Application:
@@ -46,6 +85,7 @@ def build_control_app(replica: Replica) -> web.Application:
         client_max_size=replica.config.max_request_bytes, middlewares=[_openai_not_found]
     )
     app[REPLICA] = replica
+    app[MODELS] = SharedListing()
     add_control_routes(app)
     return app
 
@@ -116,6 +156,13 @@ def bad_request(exc: BadRequest) -> web.Response:
 
 async def _models(request: web.Request) -> web.Response:
     replica = request.app[REPLICA]
+    urls = tuple(w.url for w in replica.workers.routable())
+    listing = await request.app[MODELS].get(urls, lambda: _fetch_models(replica, urls))
+    return web.json_response(listing)
+
+
+async def _fetch_models(replica: Replica, urls: tuple[str, ...]) -> dict[str, Any]:
+    """Every model the workers `urls` list, each once (the first worker's card)."""
     session = replica.sessions[0]
     seen: dict[str, Any] = {}
 
@@ -127,8 +174,8 @@ async def _models(request: web.Request) -> web.Response:
         except WORKER_JSON_ERRORS as exc:  # a redirect included: never followed
             log.info("worker %s: /v1/models unreadable (%s)", url, describe(exc))
 
-    await asyncio.gather(*(one(w.url) for w in replica.workers.routable()))
-    return web.json_response({"object": "list", "data": list(seen.values())})
+    await asyncio.gather(*map(one, urls))
+    return {"object": "list", "data": list(seen.values())}
 
 
 def _listed_models(listing: Any) -> list[dict[str, Any]]:

@@ -499,3 +499,36 @@ async def test_a_worker_stating_a_block_size_past_belief_sets_nothing_and_the_fl
         status, body, _ = await rt.post("/workers", {"url": good})
         assert status == 200 and body["state"] == "ready", body
         assert rt.replica.workers.block_size == 16
+
+
+async def test_a_burst_of_model_listings_asks_each_worker_once() -> None:
+    """`/v1/models` needs no token and asked every worker on every call: a flood of them was
+    one request to each worker per call. Callers while a listing is fetched or fresh share it;
+    a change of workers fetches anew."""
+    asked: list[str] = []
+
+    def counted(name: str) -> Any:
+        async def models(request: web.Request) -> web.Response:
+            asked.append(name)
+            await asyncio.sleep(0)  # callers arriving meanwhile share this fetch
+            return web.json_response({"object": "list", "data": [{"id": name}]})
+
+        return models
+
+    async with (
+        stub_server(stub_worker_routes({("GET", "/v1/models"): counted("a")})) as a,
+        stub_server(stub_worker_routes({("GET", "/v1/models"): counted("b")})) as b,
+        router_in_process() as rt,
+    ):
+        status, body, _ = await rt.post("/workers", {"url": a})
+        assert status == 200 and body["state"] == "ready", body
+        asked.clear()  # what registration read
+        answers = await asyncio.gather(*(rt.get("/v1/models") for _ in range(20)))
+        assert [[m["id"] for m in listing["data"]] for _, listing in answers] == [["a"]] * 20
+        assert asked == ["a"]
+        status, body, _ = await rt.post("/workers", {"url": b})
+        assert status == 200 and body["state"] == "ready", body
+        asked.clear()
+        status, listing = await rt.get("/v1/models")
+        assert status == 200 and sorted(m["id"] for m in listing["data"]) == ["a", "b"]
+        assert sorted(asked) == ["a", "b"]
