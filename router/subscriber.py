@@ -85,7 +85,10 @@ with reading paused meanwhile. Without an `offer`, every item is awaited that wa
 DEALER is a libzmq socket (`context`): it runs only to repair a gap.
 
 Connections: a refused or failed connect is retried with a backoff (50 ms doubling to 2 s,
-`connect_backoff_s`; a warning from the fifth attempt in a row without a frame). A connection
+`connect_backoff_s`). The fifth attempt in a row without a frame warns, and then at most one
+warning every `CONNECT_WARN_EVERY_S` with the failures since (a healthy engine started without
+KV events is never evicted, and its ranks would otherwise warn every 2 s for good). The
+subscription is logged once the publisher's handshake completes. A connection
 that ends (the publisher went away, broke the protocol, sent a message over
 `max_message_bytes`, or did not finish its handshake within `HANDSHAKE_TIMEOUT_S`) is counted
 (`disconnects`, a warning with the reason) once what arrived before it is handled, and the
@@ -116,6 +119,7 @@ import zmq.asyncio
 
 from cachetree.ranks import RankId
 from peer.supervise import describe, doubling_s
+from router.dataplane.flow import LogTally
 from router.events import EventBatch, EventDecodeError, decode_batch
 from router.zmtp import ZmtpError, ZmtpReader, greeting_and_ready, subscription, tcp_host_port
 
@@ -128,6 +132,7 @@ SEQ_BYTES: Final = 8
 CONNECT_BACKOFF_FIRST_S: Final = 0.05
 CONNECT_BACKOFF_MAX_S: Final = 2.0
 CONNECT_WARN_AFTER: Final = 5  # connections in a row without a frame before warning
+CONNECT_WARN_EVERY_S: Final = 60.0  # the most often a rank's failing connects warn after that
 CONNECT_TIMEOUT_S: Final = 5.0
 HANDSHAKE_TIMEOUT_S: Final = 30.0  # libzmq's own ZMQ_HANDSHAKE_IVL default
 MAX_SEQ_JUMP: Final = 1 << 20  # a longer forward jump is a new stream (see above)
@@ -452,6 +457,7 @@ class RankSubscriber:
         self._clock = clock
         self._max_message_bytes = max_message_bytes
         self._setups = 0  # socket setups since the last frame received
+        self._connect_failures = LogTally(CONNECT_WARN_EVERY_S)  # those past CONNECT_WARN_AFTER
 
     async def run(self) -> None:
         """Receive until cancelled; closes its connection on exit.
@@ -477,6 +483,8 @@ class RankSubscriber:
     async def _connect(self) -> _LiveStream:
         """Connect to the publisher and start the ZMTP exchange, retrying with a backoff."""
         loop = asyncio.get_running_loop()
+        if not self._setups:  # a frame came since the last failures: a new run of them
+            self._connect_failures = LogTally(CONNECT_WARN_EVERY_S)
         while True:
             if self._setups:
                 await asyncio.sleep(connect_backoff_s(self._setups))
@@ -488,26 +496,45 @@ class RankSubscriber:
                         functools.partial(_LiveStream, self, loop), host, port
                     )
             except (OSError, ValueError, TimeoutError) as exc:
-                level = logging.WARNING if self._setups >= CONNECT_WARN_AFTER else logging.DEBUG
-                log.log(
-                    level,
-                    "rank %s: cannot subscribe to %s (attempt %d: %s); retrying in %.2f s. "
-                    "Check the worker's kv_events endpoint.",
-                    self.rank,
-                    self.endpoint.endpoint,
-                    self._setups,
-                    describe(exc),  # a TimeoutError's str() is empty
-                    connect_backoff_s(self._setups),
-                )
+                self._connect_failed(describe(exc))  # a TimeoutError's str() is empty
                 continue
-            log.info(
-                "rank %s: subscribed to %s (topic %r, replay %s)",
+            return stream
+
+    def _connect_failed(self, why: str) -> None:
+        said = 0
+        if self._setups >= CONNECT_WARN_AFTER:
+            said = self._connect_failures.count(self._clock())
+        if not said:
+            log.debug(
+                "rank %s: cannot subscribe to %s (attempt %d: %s)",
                 self.rank,
                 self.endpoint.endpoint,
-                self.endpoint.topic,
-                self.endpoint.replay_endpoint or "off",
+                self._setups,
+                why,
             )
-            return stream
+            return
+        log.warning(
+            "rank %s: cannot subscribe to %s (attempt %d: %s%s); retrying every %g s at most, "
+            "warning again in %g s. Is the engine publishing KV events on that port? vLLM and "
+            "SGLang need --kv-events-config (see README); check the worker's kv_events "
+            "endpoint and --kv-events-port-base.",
+            self.rank,
+            self.endpoint.endpoint,
+            self._setups,
+            why,
+            f"; {said} failed since the last warning" if said > 1 else "",
+            CONNECT_BACKOFF_MAX_S,
+            CONNECT_WARN_EVERY_S,
+        )
+
+    def _subscribed(self) -> None:
+        log.info(
+            "rank %s: subscribed to %s (topic %r, replay %s)",
+            self.rank,
+            self.endpoint.endpoint,
+            self.endpoint.topic,
+            self.endpoint.replay_endpoint or "off",
+        )
 
     def _dropped(self, why: str) -> None:
         """The connection to the publisher ended: counted, and a warning that says why."""
@@ -893,6 +920,7 @@ class _LiveStream(asyncio.Protocol):
                             self.timer.cancel()
                             self.timer = None
                         self.transport.write(subscription(topic))  # type: ignore[union-attr]
+                        sub._subscribed()
                     if self.lost:
                         self._end(self.lost)
                     elif self.paused:

@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
+import re
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from cachetree.ranks import RankId
+from router import subscriber
 from router.events import BlockStored
 from router.subscriber import (
     LiveBatch,
@@ -32,7 +36,9 @@ from router.subscriber import (
     UnrepairedGap,
 )
 from router.zmq_term import terminate_context
+from tests.support.clock import ManualClock
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -437,3 +443,51 @@ async def test_a_real_publisher_jumping_its_seq_past_the_bound_is_reset_not_a_lo
         assert shape(items) == [("reset",), ("batch", last)]
         assert (h.stats.seq_jumps, h.stats.lost_batches, h.stats.gaps) == (1, 0, 0)
         assert h.stats.replay == {}  # nothing was asked of the replay endpoint
+
+
+# --- connecting -----------------------------------------------------------------------------
+
+
+def _connect_lines(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "router.subscriber" and r.levelno == level and "cannot subscribe" in r.message
+    ]
+
+
+async def test_a_port_that_refuses_warns_once_then_once_an_interval_with_the_count(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A healthy engine started without KV events is never evicted: its ranks' failing
+    connects must not warn every 2 s for good."""
+    monkeypatch.setattr(subscriber, "CONNECT_BACKOFF_FIRST_S", 0.001)
+    monkeypatch.setattr(subscriber, "CONNECT_BACKOFF_MAX_S", 0.002)
+    caplog.set_level(logging.DEBUG, logger="router.subscriber")
+    clock = ManualClock()
+    with socket.socket() as closed:  # bound, never listening: every connect is refused
+        closed.bind(("127.0.0.1", 0))
+        url = f"tcp://127.0.0.1:{closed.getsockname()[1]}"
+        async with subscribed(RankEndpoint(RANK, url), clock=clock):
+            await eventually(lambda: len(_connect_lines(caplog, logging.DEBUG)) >= 40)
+            first = _connect_lines(caplog, logging.WARNING)
+            assert len(first) == 1
+            assert "attempt 5:" in first[0] and "since the last warning" not in first[0]
+            assert "--kv-events-config" in first[0]
+            clock.advance(subscriber.CONNECT_WARN_EVERY_S)
+            await eventually(lambda: len(_connect_lines(caplog, logging.WARNING)) == 2)
+    said = _connect_lines(caplog, logging.WARNING)[1]
+    attempt, failures = re.search(r"attempt (\d+):.*; (\d+) failed since", said).groups()  # type: ignore[union-attr]
+    assert int(failures) == int(attempt) - 5  # every failure since the first, in one line
+
+
+async def test_a_connection_without_a_zmtp_handshake_is_not_logged_as_subscribed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="router.subscriber")
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # accepts, silent
+    async with server:
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with subscribed(RankEndpoint(RANK, url), handshake_timeout_s=0.05) as h:
+            await eventually(lambda: h.stats.disconnects >= 1)  # the handshake's deadline
+    assert not [r for r in caplog.records if "subscribed to" in r.getMessage()]
