@@ -82,6 +82,7 @@ PASS_INTERVAL_S = 0.25
 MAX_SIT_OUT_PASSES = 120
 HEDGE_AFTER_S = 1.0  # a fetch with no usable answer by then: ask the next candidate too
 MAX_IN_FLIGHT = 2  # fetches at once in a pass (each may hold a body up to the bound)
+SUMMARY_REASONS = 3  # siblings named, with why they gave nothing, in a sweep's result
 
 # How a fetch came back without a body (`FetchOutcome.kind`).
 UNREACHABLE, CONNECTION_REFUSED, BODY_REFUSED = "unreachable", "connection_refused", "rejected"
@@ -326,8 +327,8 @@ async def sweep(
                     [peer for peer in candidates if not book.should_skip(peer)],
                     {g.peer for g in owed_gaps.values()},
                 )
-                found, peer, reason = await _hedged_pass(eligible, book, deps, ranks, owed_gaps)
-                last_reason = reason or last_reason
+                found, peer, reasons = await _hedged_pass(eligible, book, deps, ranks, owed_gaps)
+                last_reason = _summary(reasons) or last_reason
                 if found is not None:
                     return SweepResult(FOUND, found, peer, 1), settled_cold
                 if book.fallback is not None:
@@ -335,7 +336,9 @@ async def sweep(
                 if deps.registry.version != version:
                     log.info("sibling set changed during the pass; cold verdicts discarded")
                 elif book.fleet_is_cold(candidates):
-                    return SweepResult(FLEET_COLD, peers_tried=len(candidates)), settled_cold
+                    tried = len(candidates)
+                    result = SweepResult(FLEET_COLD, peers_tried=tried, last_reason=last_reason)
+                    return result, settled_cold
                 else:
                     barren = [o for o in owed if book.nothing_to_recover(o.rank, candidates)]
                     if barren:
@@ -358,8 +361,9 @@ async def _hedged_pass(
     deps: SweepDeps,
     ranks: set[RankId],
     gaps: Mapping[RankId, Gapped],
-) -> tuple[Any | None, str | None, str]:
-    """Ask `peers` in order, hedged (see the module docstring); (vetted, peer, last reason).
+) -> tuple[Any | None, str | None, list[str]]:
+    """Ask `peers` in order, hedged (see the module docstring); (vetted, peer, why each peer
+    that gave nothing gave nothing).
 
     A body that covers `ranks` only as cold is kept in `book.fallback` (the first one) and
     the pass goes on; the caller takes it when the pass ends without a warm cover.
@@ -367,7 +371,7 @@ async def _hedged_pass(
     book.fallback = None
     waiting = list(reversed(peers))  # popped from the end: in order
     running: dict[asyncio.Task[tuple[Any | None, str]], str] = {}
-    last_reason = ""
+    reasons: list[str] = []
     try:
         while waiting or running:
             if waiting and len(running) < max(1, deps.max_in_flight):
@@ -385,7 +389,8 @@ async def _hedged_pass(
             for task in done:
                 peer = running.pop(task)
                 found, reason = task.result()
-                last_reason = reason or last_reason
+                if reason:
+                    reasons.append(reason)
                 if found is None:
                     continue
                 if found.covers_warm(ranks - stale_ranks(found.cursors, gaps)):
@@ -393,12 +398,12 @@ async def _hedged_pass(
                         deps.tally("cold_peer")  # the fallback is not taken
                         book.fallback = None
                     deps.tally(FETCHED_ACCEPTED)
-                    return found, peer, last_reason
+                    return found, peer, reasons
                 if book.fallback is None:
                     book.fallback = (found, peer)
                 else:
                     deps.tally("cold_peer")
-        return None, None, last_reason
+        return None, None, reasons
     finally:
         for task in running:
             task.cancel()
@@ -448,6 +453,14 @@ async def _try_peer(
             deps.tally(STALE)
             return None, f"{peer}: too old to join the stream of {_names(stale, gaps)}"
     return vetted, ""
+
+
+def _summary(reasons: list[str]) -> str:
+    """Why a pass's siblings gave nothing, each named: a few, then how many more (the line
+    stays short in a large fleet)."""
+    shown = "; ".join(reasons[:SUMMARY_REASONS])
+    more = len(reasons) - SUMMARY_REASONS
+    return f"{shown}; and {more} more" if more > 0 else shown
 
 
 def _names(stale: Iterable[RankId], gaps: Mapping[RankId, Gapped]) -> str:

@@ -184,7 +184,7 @@ class PeerBootstrap:
             "bootstrap sweep for %d rank(s): %s%s",
             len(obligations),
             result.outcome,
-            f" ({result.peer})" if result.peer else f" {result.last_reason}".rstrip(),
+            f" ({result.peer})" if result.peer else f": {result.last_reason}".rstrip(": "),
         )
         return result, cold
 

@@ -289,6 +289,27 @@ async def test_a_refused_connection_is_a_cold_witness_at_once() -> None:
     assert fleet.tallies == [CONNECTION_REFUSED] and fleet.now == 100.0  # first pass
 
 
+async def test_a_fleet_cold_sweep_names_each_sibling_that_gave_nothing_and_why() -> None:
+    fleet = Fleet({"gone": [None], "typo": [None], "cold": [Body([])]})
+    plain_fetch = fleet.fetch
+
+    async def fetch(peer: str, max_age_s: float) -> FetchOutcome:
+        out = await plain_fetch(peer, max_age_s)
+        if out.body is None:
+            return FetchOutcome(None, fleet.now, "connection refused", CONNECTION_REFUSED)
+        return out
+
+    fleet.fetch = fetch  # type: ignore[method-assign]
+    registry = Registry(["gone", "typo", "cold"])
+    result, _ = await sweep([Ob(R1, 1)], fleet.deps(registry), 120.0, 100.0)
+    assert result.outcome == FLEET_COLD and len(fleet.asked) == 3
+    assert sorted(result.last_reason.split("; ")) == [
+        "cold: producer_cold",
+        "gone: connection refused",
+        "typo: connection refused",
+    ]
+
+
 class Hanging:
     """A fetch per peer that never returns until cancelled (a sibling trickling 1 B / 20 s)."""
 
