@@ -126,6 +126,15 @@ OUTCOMES: Final = (
     "asked", "answered", "late", "unusable", "timeout", "error", "busy", "local", "placed",
 )  # fmt: skip
 _LOG_EVERY_S: Final = 60.0
+_ERROR_HEAD_BYTES: Final = 200  # of a refusal's body, in the warning
+
+
+class PlacerRefused(Exception):
+    """The placer answered a question with an error status."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"status {status}: {text}")
+        self.status = status
 
 
 class PlaceQuestion(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -413,6 +422,7 @@ class PlacementAsker:
         deadline = Deadline(self.timeout_s, MAX_WAIT_FACTOR * self.timeout_s, loop.time())
         post = asyncio.ensure_future(self._post(placer, question))
         outcome = "error"
+        refused = 0  # the placer's error status, when it answered with one
         held = False
         try:
             while not post.done():
@@ -434,6 +444,9 @@ class PlacementAsker:
                 return rank
             outcome = "timeout"
             problem = f"no answer within {self.timeout_s * 1000:.0f} ms"
+        except PlacerRefused as exc:
+            problem = str(exc)
+            refused = exc.status
         except (aiohttp.ClientError, ValueError) as exc:
             problem = f"{type(exc).__name__}: {exc}"
         except asyncio.CancelledError:
@@ -448,13 +461,30 @@ class PlacementAsker:
         now = self.placement.clock()
         if now - self._logged_at >= _LOG_EVERY_S:
             self._logged_at = now
-            log.warning(
-                "placement: the placer %s did not answer (%s); new prefixes are placed here "
-                "meanwhile. Check that it runs and has the same --internal-token; raise "
-                "--placement-timeout-ms if it is only slow",
-                placer,
-                problem,
-            )
+            if refused in (401, 403):
+                log.warning(
+                    "placement: the placer %s refused the question (%s); new prefixes are "
+                    "placed here meanwhile. Check that both replicas have the same "
+                    "--internal-token",
+                    placer,
+                    problem,
+                )
+            elif refused:
+                log.warning(
+                    "placement: the placer %s refused the question (%s); new prefixes are "
+                    "placed here meanwhile. Check its --block-size and --policy against this "
+                    "replica's",
+                    placer,
+                    problem,
+                )
+            else:
+                log.warning(
+                    "placement: the placer %s did not answer (%s); new prefixes are placed "
+                    "here meanwhile. Check that it runs and has the same --internal-token; "
+                    "raise --placement-timeout-ms if it is only slow",
+                    placer,
+                    problem,
+                )
         return None
 
     async def _post(self, placer: str, question: bytes) -> RankId:
@@ -464,7 +494,8 @@ class PlacementAsker:
         ) as r:
             body = await read_up_to(r.content, MAX_ANSWER_BYTES)
             if r.status != 200:
-                raise ValueError(f"status {r.status}: {body[:200]!r}")
+                text = body[:_ERROR_HEAD_BYTES].decode("utf-8", "replace")
+                raise PlacerRefused(r.status, text)
             return decode_answer(body)
 
 

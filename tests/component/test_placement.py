@@ -162,7 +162,8 @@ async def asker_of(
 async def stub_placer(answer: str) -> AsyncIterator[str]:
     """A sibling that takes decision batches and answers a placement question: never
     (`hang`), with bytes that are not an answer (`garbage`), with a worker this replica does
-    not route to (`stranger`); or that is not there at all (`gone`)."""
+    not route to (`stranger`), with a 401 (`refuses`: another token); or that is not there
+    at all (`gone`)."""
     if answer == "gone":
         yield f"http://127.0.0.1:{free_tcp_port()}"
         return
@@ -171,6 +172,8 @@ async def stub_placer(answer: str) -> AsyncIterator[str]:
     async def place(request: web.Request) -> web.Response:
         if answer == "garbage":
             return web.Response(body=b"\x92\xa3not an answer", content_type=placement.CONTENT_TYPE)
+        if answer == "refuses":
+            return web.json_response({"error": "missing or wrong bearer token"}, status=401)
         if answer == "stranger":
             return web.Response(
                 body=encode_answer(RankId("http://127.0.0.1:9", 0)),
@@ -193,6 +196,7 @@ async def stub_placer(answer: str) -> AsyncIterator[str]:
         ("hang", "timeout", True),
         ("gone", "error", True),
         ("garbage", "error", True),
+        ("refuses", "error", True),
         ("stranger", "unusable", False),  # a placer that answers is asked again
     ],
 )
@@ -220,6 +224,24 @@ async def test_a_slow_dead_or_wrong_placer_leaves_the_replica_deciding_alone(
             rules.clock.advance(0.05)  # type: ignore[attr-defined]
             await complete(asker, prefix(random.Random(6)))
             assert counts(asker)["asked"] == 2
+
+
+async def test_a_placer_refusing_the_token_is_warned_as_a_refusal_with_its_error_text(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        w1 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+        w2 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+        url = await stack.enter_async_context(stub_placer("refuses"))
+        asker = await stack.enter_async_context(asker_of(url, [w1, w2], timeout_ms=50))
+        await complete(asker, prefix(random.Random(3)))
+        assert counts(asker)["error"] == 1
+    said = [r.getMessage() for r in caplog.records if r.name == "router.placement"]
+    assert said == [
+        f"placement: the placer {url} refused the question (status 401: "
+        '{"error": "missing or wrong bearer token"}); new prefixes are placed here meanwhile. '
+        "Check that both replicas have the same --internal-token"
+    ]
 
 
 async def test_a_client_that_leaves_while_its_question_waits_leaves_nothing_behind() -> None:
