@@ -569,11 +569,14 @@ class RankSubscriber:
                 )
             return None
         if frame.seq == END_SEQ:
+            # No batch seen on this stream is common (the rank grafted from a snapshot, or
+            # registered again): the stream's position is then the index's, not known here.
+            last = self.tracker.last
             log.info(
-                "rank %s: publisher sent END_SEQ after seq %s (engine stopping); "
+                "rank %s: publisher sent END_SEQ %s (engine stopping); "
                 "its blocks are forgotten until it publishes again",
                 self.rank,
-                self.tracker.last,
+                "before any batch reached this subscriber" if last is None else f"after seq {last}",
             )
             self.tracker.end()
             return self._put(PublisherReset(self.rank))

@@ -491,3 +491,22 @@ async def test_a_connection_without_a_zmtp_handshake_is_not_logged_as_subscribed
         async with subscribed(RankEndpoint(RANK, url), handshake_timeout_s=0.05) as h:
             await eventually(lambda: h.stats.disconnects >= 1)  # the handshake's deadline
     assert not [r for r in caplog.records if "subscribed to" in r.getMessage()]
+
+
+async def test_end_seq_before_any_batch_is_logged_without_a_made_up_seq(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A rank grafted from a snapshot, or registered again, sees no batch before its engine
+    stops: its END_SEQ line must not say "after seq None"."""
+    caplog.set_level(logging.INFO, logger="router.subscriber")
+    async with bound(zmq.XPUB) as (pub, url), subscribed(RankEndpoint(RANK, url)) as h:
+        async with asyncio.timeout(WITHIN_S):
+            assert await pub.recv() == b"\x01"  # the subscription reached the publisher
+        await pub.send_multipart([b"", seq_b(-1), b""])
+        await h.wait_for(lambda: bool(h.items))
+        assert shape(h.items) == [("reset",)]
+    said = [r.getMessage() for r in caplog.records if "END_SEQ" in r.getMessage()]
+    assert said == [
+        f"rank {RANK}: publisher sent END_SEQ before any batch reached this subscriber "
+        "(engine stopping); its blocks are forgotten until it publishes again"
+    ]
