@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -95,7 +95,8 @@ def sort_out(urls: Iterable[str], me: Listener) -> Sorted:
     kept: dict[tuple[str, str, int], str] = {}
     duplicates: list[tuple[str, str]] = []
     guessed: list[str] = []
-    for url in _ordered(urls):
+    written = _written(urls)
+    for url in sorted(written):
         key = spelling(url, fold_loopback=fold)
         if key in mine:
             continue
@@ -104,9 +105,14 @@ def sort_out(urls: Iterable[str], me: Listener) -> Sorted:
             guessed.append(url)
             continue
         if key in kept:
-            duplicates.append((url, kept[key]))
+            duplicates.extend((as_given, kept[key]) for as_given in written[url])
             continue
         kept[key] = url
+        # Written more than one way that `_written` folds (host case, a trailing slash, a
+        # default port): the others are second spellings too, and said as such.
+        as_given = written[url]
+        said_as = url if url in as_given else as_given[0]
+        duplicates.extend((other, url) for other in as_given if other != said_as)
     return Sorted(tuple(sorted(kept.values())), tuple(duplicates), tuple(guessed))
 
 
@@ -120,15 +126,17 @@ def machine_hosts() -> frozenset[str]:
     return frozenset({name.lower(), *(str(info[4][0]) for info in infos)})
 
 
-def _ordered(urls: Iterable[str]) -> Sequence[str]:
-    """Each URL spelled `scheme://host:port` (see `spelling`, loopback not folded), sorted:
-    the spelling kept is the same whatever the list's order."""
-    out = set()
+def _written(urls: Iterable[str]) -> dict[str, list[str]]:
+    """Each URL spelled `scheme://host:port` (see `spelling`, loopback not folded), with the
+    ways it was written (sorted): the spelling kept is the same whatever the list's order."""
+    out: dict[str, set[str]] = {}
     for url in urls:
         if url.strip():
             scheme, host, port = spelling(url, fold_loopback=False)
-            out.add(f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}")
-    return sorted(out)
+            out.setdefault(f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}", set()).add(
+                url.strip()
+            )
+    return {url: sorted(given) for url, given in out.items()}
 
 
 def canonical_host(host: str) -> str:

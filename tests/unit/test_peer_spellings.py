@@ -30,6 +30,22 @@ def test_spellings_of_one_socket_are_one_sibling_on_any_listener(a: str, b: str)
     assert len(sort_out([a, b], ROUTABLE).peers) == 1
 
 
+@pytest.mark.parametrize(
+    "a,b",
+    [
+        ("http://10.0.0.2:8080", "http://10.0.0.2:8080/"),
+        ("http://router-b:8080", "http://Router-B:8080"),
+        ("http://router-b:80", "http://router-b"),
+        ("http://[fd00::2]:8080", "http://[FD00:0:0::2]:8080"),
+    ],
+)
+def test_a_sibling_written_twice_is_one_duplicate_to_warn_about(a: str, b: str) -> None:
+    for listed in ([a, b], [b, a]):
+        out = sort_out(listed, ROUTABLE)
+        assert out.peers == (a,)
+        assert out.duplicates == ((b, a),)
+
+
 def test_loopback_names_on_one_port_are_one_sibling_when_this_replica_listens_on_loopback() -> None:
     listed = ["http://localhost:8080", "http://127.0.0.1:8080", "http://[::1]:8080"]
     out = sort_out(listed, ON_LOOPBACK)
