@@ -1,11 +1,11 @@
 """Who may call the control plane's guarded routes: the bearer-token rule.
 
-Rules of this file: no I/O. `check` takes the configured token and the request's
-`Authorization` header values and returns None (let it through) or a `Denial` (status and a
-message that says what to do); `guarded` says which paths need it. The aiohttp side is one
-wrapper in `router.control`; the data plane applies it too, to a request that asks before
-sending its body (`Expect: 100-continue`), so that no client without the token is invited to
-upload (`router.dataplane.exchange.uninvited`).
+Rules of this file: no I/O but the refusals' warning. `check` takes the configured token and
+the request's `Authorization` header values and returns None (let it through) or a `Denial`
+(status and a message that says what to do); `guarded` says which paths need it. The aiohttp
+side is one wrapper in `router.control`; the data plane applies it too, to a request that asks
+before sending its body (`Expect: 100-continue`), so that no client without the token is
+invited to upload (`router.dataplane.exchange.uninvited`).
 
 Guarded, and why:
     /workers (GET)          reads the index's per-rank state: which worker holds how much
@@ -16,6 +16,12 @@ Guarded, and why:
 Open: /healthz, /readyz (kubelet probes carry no token), /metrics (scrapers; aggregate counts,
 no keys) and /v1/models (what clients ask before a completion). README's threat model.
 
+A refusal is counted by route family (`Refusals`: the guarded routes above, and `other` for
+any other path under /internal/, so the label set stays bounded whatever paths callers send)
+and warned about at most once a minute per family, with how many since and who asked last: a
+sibling with another token otherwise failed its bootstraps, decisions and placement questions
+without a trace on the refusing side.
+
 Secure by default: with no token configured the guarded routes are refused outright (403,
 naming the flag), never open. The scheme is case-insensitive (RFC 9110 11.1), the token is
 compared in constant time, and a request carrying two Authorization headers is refused (a
@@ -25,14 +31,30 @@ proxy and a client disagreeing about who is asking is not a question to settle b
 from __future__ import annotations
 
 import hmac
-from collections.abc import Sequence
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
+
+from router.dataplane.flow import LogTally
+
+log = logging.getLogger(__name__)
 
 TOKEN_FLAG: Final = "--internal-token"
 TOKEN_ENV: Final = "KVROUTER_INTERNAL_TOKEN"
 GUARDED_PREFIXES: Final = ("/internal/",)
 GUARDED_PATHS: Final = frozenset({"/workers"})
+# The route families refusals are counted by (`route_family`), every one exported from the start.
+ROUTES: Final = ("workers", "snapshot", "decisions", "placement", "other")
+_FAMILIES: Final = {
+    "/workers": "workers",
+    "/internal/kv_snapshot": "snapshot",
+    "/internal/decisions": "decisions",
+    "/internal/place": "placement",
+}
+REFUSAL_LOG_EVERY_S: Final = 60.0
 # What manifests/internal-token.env.example holds: a pod given it must not start.
 PLACEHOLDER_TOKEN: Final = "REPLACE-ME-run-scripts-gen-internal-token"
 
@@ -83,6 +105,39 @@ def check(configured: str | None, headers: Sequence[str]) -> Denial | None:
     ):
         return WRONG
     return None
+
+
+def route_family(path: str) -> str:
+    """The family of a guarded `path` a refusal is counted under (one of `ROUTES`)."""
+    return _FAMILIES.get(path, "other")
+
+
+class Refusals:
+    """Guarded requests refused, counted by route family, and a warning per family at most
+    once a `REFUSAL_LOG_EVERY_S` with how many since and the last caller's address."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.counts: Counter[str] = Counter(dict.fromkeys(ROUTES, 0))
+        self._tallies = {route: LogTally(REFUSAL_LOG_EVERY_S) for route in ROUTES}
+        self._clock = clock
+
+    def refused(self, path: str, peer: str, status: int, message: str) -> None:
+        route = route_family(path)
+        self.counts[route] += 1
+        said = self._tallies[route].count(self._clock())
+        if said:
+            log.warning(
+                "refused %d request(s) to the %s routes since the last warning (the latest "
+                "from %s: %d, %s). A sibling or an admin tool calls with another token than "
+                "this replica's: check that %s (%s) is the same on both sides",
+                said,
+                route,
+                peer,
+                status,
+                message,
+                TOKEN_FLAG,
+                TOKEN_ENV,
+            )
 
 
 def token_problem(token: str) -> str | None:

@@ -131,6 +131,8 @@ def _guard(handler: Handler) -> Handler:
         denial = auth.check(token, request.headers.getall(hdrs.AUTHORIZATION, []))
         if denial is None:
             return await handler(request)
+        refusals = request.app[REPLICA].metrics.auth_refusals
+        refusals.refused(request.path, request.remote or "?", denial.status, denial.message)
         headers = {hdrs.WWW_AUTHENTICATE: auth.CHALLENGE} if denial.challenge else {}
         return web.json_response(
             {"error": {"message": denial.message, "type": "authentication_error"}},

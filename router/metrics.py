@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from cachetree import accel
 from cachetree.tree import TreeStats
+from router.auth import Refusals
 from router.loads import OUT_OF_RANGE_FIELDS, POLL_ERROR_LABELS, poll_error_label
 from router.tokenize.chat_rules import FAILURE_REASONS
 
@@ -133,6 +134,9 @@ class RouterMetrics:
         self.matched_blocks = PlainHistogram(MATCHED_BLOCKS_BUCKETS)
         self.upstream_failures = LabelledCounts()  # (worker, reason)
         self.tokenize_failures = LabelledCounts()  # (reason,)
+        # Guarded requests refused for their token, counted by the control app and by the data
+        # plane's early check of an `Expect: 100-continue` (`router.auth.Refusals`).
+        self.auth_refusals = Refusals()
         self.registry.register(_RequestCollector(self))
         # Every reason exported from the start, at 0: rate() needs a series before its first
         # failure, or the share-of-chats alert would never see the first burst.
@@ -889,6 +893,14 @@ class _RequestCollector(Collector):
             "misses, by reason (see router/tokenize/chat_rules.py FAILURE_REASONS)",
             ["reason"],
             dict(m.tokenize_failures),
+        )
+        yield _counter(
+            "kvrouter_auth_refusals",
+            "Requests to the guarded routes (/workers, /internal/*) refused for their bearer "
+            "token (missing, wrong, or none configured here), by route family: workers, "
+            "snapshot, decisions, placement, other",
+            ["route"],
+            {(route,): n for route, n in m.auth_refusals.counts.items()},
         )
 
 

@@ -288,13 +288,18 @@ def admit(head: RequestHead, max_body_bytes: int) -> Refusal | None:
     return None
 
 
+def control_path(head: RequestHead) -> str:
+    """The request's path as the control app matches it (percent-decoded)."""
+    return unquote(head.path.decode("latin-1"))
+
+
 def uninvited(head: RequestHead, token: str | None) -> Refusal | None:
     """For a request asking before it sends its body (`Expect: 100-continue`): the refusal of a
     route guarded by the bearer token (`router.auth`) when the request does not present it
     (`token`: the configured one), answered instead of the 100 and without reading the body
     (so the connection closes), where the control app would refuse it once the body (up to
     `--max-request-bytes`) was uploaded. None: it may send its body."""
-    if not auth.guarded(unquote(head.path.decode("latin-1"))):  # as the control app matches it
+    if not auth.guarded(control_path(head)):
         return None
     presented = [
         value.decode("utf-8", "surrogateescape")  # as aiohttp reads a field value

@@ -44,6 +44,7 @@ from router.dataplane.exchange import (
     RequestHead,
     admit,
     body_too_large,
+    control_path,
     head_without_upgrade,
     json_response,
     not_allowed,
@@ -661,6 +662,11 @@ class ClientConnection(asyncio.Protocol):
         refusal = admit(head, plane.limits.max_body_bytes)
         if refusal is None and head.expect is not None:
             refusal = uninvited(head, plane.internal_token)
+            if refusal is not None:
+                peer = self.transport.get_extra_info("peername") if self.transport else None
+                plane.metrics.auth_refusals.refused(
+                    control_path(head), peer[0] if peer else "?", refusal.status, refusal.message
+                )
         if refusal is not None:
             raise _Refused(refusal)
         self._queue.append(incoming)

@@ -8,6 +8,7 @@ import pytest
 
 from router import auth, siblings
 from tests.support.fake_worker import fake_worker_in_process
+from tests.support.metrics import Scrape
 from tests.support.router import RouterHandle, router_in_process
 
 TOKEN = "component-test-token-0123456789"
@@ -101,6 +102,32 @@ async def test_every_registered_route_under_a_guarded_path_is_guarded() -> None:
                 continue
             status, _, _ = await call(rt, method, path)
             assert status == 401, (method, path)
+            assert auth.route_family(path) != "other"  # its refusals counted under its name
+
+
+async def test_refused_tokens_are_counted_by_route_family_and_warned_once_per_family(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A sibling with another token was refused without a trace on the refusing side."""
+    async with router_in_process(internal_token=TOKEN) as rt:
+        wrong = {"Authorization": "Bearer wrong"}
+        for _ in range(50):
+            assert (await call(rt, "GET", "/workers", wrong))[0] == 401
+        for _ in range(2):
+            assert (await call(rt, "POST", siblings.PATH, wrong, data=b"x"))[0] == 401
+        async with aiohttp.ClientSession() as session, session.get(rt.url + "/metrics") as resp:
+            scrape = Scrape.parse(await resp.text())
+    assert scrape.by("kvrouter_auth_refusals_total", "route") == {
+        "workers": 50,
+        "decisions": 2,
+    }
+    assert scrape.value("kvrouter_auth_refusals_total", route="placement") == 0
+    said = [r.getMessage() for r in caplog.records if r.name == "router.auth"]
+    assert [line.split(" routes")[0] for line in said] == [
+        "refused 1 request(s) to the workers",
+        "refused 1 request(s) to the decisions",
+    ]
+    assert all("the latest from 127.0.0.1: 401" in line for line in said)
 
 
 async def test_the_probes_the_scrape_and_the_model_list_stay_open() -> None:

@@ -205,6 +205,8 @@ async def test_an_upload_to_a_guarded_route_without_the_token_is_refused_not_inv
             assert b"100 Continue" not in client.raw
             assert await client.closed()  # the body is not read
         assert rt.plane.stats.closed["refused"] == 3
+        refusals = rt.replica.metrics.auth_refusals.counts
+        assert refusals[auth.route_family(path.decode().replace("%77", "w"))] == 3  # counted
         # With the token it is invited (the data plane does not answer it: the control app does).
         client = await expect_100(rt.url, path, b"Authorization: Bearer " + TOKEN.encode())
         await eventually(lambda: b"\r\n\r\n" in client.raw or client._read(), 5)

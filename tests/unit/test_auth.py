@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router import auth
+from tests.support.clock import ManualClock
 
 TOKEN = "a-long-enough-token-0123456789"
 
@@ -99,3 +100,23 @@ def test_which_tokens_a_replica_refuses_to_start_with(
         assert problem is None
     else:
         assert problem is not None and refused_because in problem
+
+
+def test_refusals_are_counted_by_family_and_warned_once_an_interval_per_family(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = ManualClock()
+    refusals = auth.Refusals(clock)
+    for path in ["/workers"] * 5 + ["/internal/place", "/internal/x%2F..", "/internal/abc"]:
+        refusals.refused(path, "10.0.0.7", 401, auth.WRONG.message)
+    assert refusals.counts == {
+        "workers": 5, "snapshot": 0, "decisions": 0, "placement": 1, "other": 2,
+    }  # fmt: skip
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3  # the first of each family; the rest wait for the interval
+    assert said[0].startswith("refused 1 request(s) to the workers routes")
+    assert "10.0.0.7: 401, bearer token refused" in said[0] and auth.TOKEN_FLAG in said[0]
+    clock.advance(auth.REFUSAL_LOG_EVERY_S)
+    refusals.refused("/workers", "10.0.0.8", 401, auth.MISSING.message)
+    assert caplog.records[-1].getMessage().startswith("refused 5 request(s) to the workers")
+    assert "the latest from 10.0.0.8" in caplog.records[-1].getMessage()
