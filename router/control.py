@@ -213,6 +213,9 @@ def readiness(replica: Replica) -> tuple[int, dict[str, Any]]:
         }
     if replica.ingest is not None and (trouble := replica.ingest.unhealthy) is not None:
         return 503, {"ready": False, "reason": trouble}
+    # A first request's events published before its rank's subscription are never seen.
+    if not replica.was_ready and (pending := replica.workers.subscribing()):
+        return 503, {"ready": False, "reason": f"subscribing to {pending} rank(s)"}
     bootstrap = replica.bootstrap
     # Asked last: it latches at the first True, so a later scale-up never un-readies us.
     if bootstrap is not None and not bootstrap.admit_ready():
@@ -223,6 +226,7 @@ def readiness(replica: Replica) -> tuple[int, dict[str, Any]]:
             "reason": reason,
             "remaining_s": round(tracker.time_remaining(), 1),
         }
+    replica.was_ready = True
     return 200, {"ready": True}
 
 

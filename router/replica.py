@@ -172,6 +172,7 @@ class Replica:
     supervisor: Supervisor  # every background loop runs under it (peer.supervise)
     socket_budget: SocketBudget
     draining: bool = False
+    was_ready: bool = False  # /readyz answered 200 once: the first subscriptions are no gate
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     producer: SnapshotProducer | None = None  # serves /internal/kv_snapshot
     bootstrap: PeerBootstrap | None = None  # peer snapshot bootstrap, when siblings are known

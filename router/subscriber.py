@@ -214,6 +214,7 @@ class SubscriberStats:
     socket_rebuilds: int = 0  # SUB sockets rebuilt after repeated recv errors
     seq_jumps: int = 0  # forward jumps past MAX_SEQ_JUMP, delivered as PublisherReset
     disconnects: int = 0  # publisher connections dropped (then the socket is rebuilt)
+    subscriptions: int = 0  # subscriptions sent, each once the publisher's handshake completed
 
 
 # --- frames ---------------------------------------------------------------------------------
@@ -528,6 +529,7 @@ class RankSubscriber:
         )
 
     def _subscribed(self) -> None:
+        self.stats.subscriptions += 1
         log.info(
             "rank %s: subscribed to %s (topic %r, replay %s)",
             self.rank,

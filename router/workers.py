@@ -109,6 +109,9 @@ KNOWN_ENGINES: Final = ("vllm", "sglang")  # `owned_by` values of the engines' /
 # Base model names read of a worker's /v1/models: vLLM's --served-model-name takes a few.
 MAX_SERVED_NAMES: Final = 64
 RESOLVE_TIMEOUT_S: Final = 2.0  # a host checked against --worker-allow-cidr
+# The longest a starting replica's /readyz waits for a worker's ranks to be subscribed (an
+# ingest process subscribes ~0.1 s after registration, and reports it within a second).
+SUBSCRIBE_WAIT_S: Final = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +277,7 @@ class Worker:
     snapshot_served: bool | None = None  # None: not asked yet; False: 404
     models: ServedModels = ServedModels()  # what its /v1/models lists
     subscriber_stats: dict[int, SubscriberStats] = field(default_factory=dict)
+    subscribing_since: float = 0.0  # clock time its ranks' subscribers started
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _ranks: tuple[RankId, ...] = field(default=(), repr=False, compare=False)
 
@@ -409,6 +413,19 @@ class WorkerRegistry:
 
     def routable(self) -> list[Worker]:
         return [w for w in self._workers.values() if w.routable]
+
+    def subscribing(self) -> int:
+        """Ranks of routable workers not subscribed yet (no handshake with their publisher
+        completed), within `SUBSCRIBE_WAIT_S` of their subscribers' start: past it, a port
+        that does not answer (an engine without KV events) holds nothing up; its subscriber
+        warns of it."""
+        now = self._clock()
+        return sum(
+            not stats.subscriptions
+            for worker in self.routable()
+            if now - worker.subscribing_since < SUBSCRIBE_WAIT_S
+            for stats in worker.subscriber_stats.values()
+        )
 
     def routable_ranks(self) -> list[tuple[Worker, tuple[RankId, ...]]]:
         """The routable workers with their ranks, as on the request path: recomputed only
@@ -707,6 +724,7 @@ class WorkerRegistry:
                 )
             )
         self.subscribed_ranks += len(ranks)
+        worker.subscribing_since = self._clock()
         holding_since = time.monotonic()  # after the subscribers started holding
         worker.state = "ready"
         worker.healthy = await self._check_health(worker)

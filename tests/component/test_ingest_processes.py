@@ -320,3 +320,26 @@ async def test_ingest_processes_asked_of_a_policy_without_an_index_are_said_to_b
     async with router_in_process(policy="round_robin", kv_ingest_processes=2) as rt:
         assert rt.replica.config.kv_ingest_processes == 2
     assert any("--kv-ingest-processes 2 is ignored" in r.getMessage() for r in caplog.records)
+
+
+async def test_readyz_waits_for_an_ingest_processs_subscription_so_a_first_batch_is_indexed() -> (
+    None
+):
+    """`/readyz` went 200 ~0.1 s before the ingest process subscribed, and the batch of the
+    first request after it was never seen."""
+    async with (
+        fake_worker_in_process() as fw,
+        router_in_process(workers=[fw.url], kv_ingest_processes=1) as rt,
+    ):
+        reasons = set()
+
+        async def ready() -> bool:
+            status, reason = await rt.readyz()
+            reasons.add(reason)
+            return status == 200
+
+        await eventually(ready, within_s=15, poll_s=0.01)
+        assert reasons <= {"subscribing to 1 rank(s)", ""}, reasons
+        seq = await fw.store([list(range(100, 132))])  # the rank's first batch
+        cursors = rt.replica.pump.rules.cursors
+        await eventually(lambda: cursors.get(RankId(fw.url, 0), -1) >= seq)
