@@ -65,17 +65,18 @@ class Serving:
         """Drain, and wait up to `timeout_s` for in-flight requests; False if some are left.
 
         A request waiting for its routing slice is not in flight yet, but will be within a
-        turn of the loop: it is waited for too; so is a long prompt being encoded in a worker
-        thread, in flight once encoded.
+        turn of the loop: it is waited for too; so are a long prompt being encoded in a worker
+        thread and a new prefix's question to its placer, in flight once answered.
         """
         self.begin_drain()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        encodes = self.plane.encodes
+        plane = self.plane
         while True:
             idle = await self.replica.inflight.wait_idle(max(0.0, deadline - loop.time()))
-            if idle and encodes.held:
-                if not await encodes.wait_idle(max(0.0, deadline - loop.time())):
+            pending = next((p for p in (plane.encodes.held, plane.asking) if p.count), None)
+            if idle and pending is not None:
+                if not await pending.wait_idle(max(0.0, deadline - loop.time())):
                     return False
                 continue  # what they routed is in flight now
             if not idle or not self.plane.routing_backlog:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final
 
+from router.dataplane.flow import Pending
+
 ENCODE_THREADS: Final = 2
 MAX_ENCODES: Final = 16
 
@@ -50,9 +52,7 @@ class EncodeQueue:
         self.most = most
         self._waiting: deque[Job] = deque()
         self._running: set[asyncio.Future[Any]] = set()  # clients gone or not
-        self.held = 0  # live jobs, waiting or running
-        self._idle = asyncio.Event()  # set exactly while none is held
-        self._idle.set()
+        self.held = Pending()  # live jobs, waiting or running
         self.started = 0  # encodes handed to a thread
         self.busy = 0  # refused by `submit`: routed by load as misses
 
@@ -61,12 +61,11 @@ class EncodeQueue:
     ) -> Job | None:
         """Run `run` in a worker thread, then `then` on the loop with its outcome (a callable
         that returns what it returned or raises what it raised); None when `most` are held."""
-        if self.held >= self.most:
+        if self.held.count >= self.most:
             self.busy += 1
             return None
         job = Job(run, then)
-        self.held += 1
-        self._idle.clear()
+        self.held.add()
         self._waiting.append(job)
         self._next()
         return job
@@ -104,17 +103,4 @@ class EncodeQueue:
 
     def _release(self, job: Job) -> None:
         job.live = False
-        self.held -= 1
-        if not self.held:
-            self._idle.set()
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """True once none is held (each held one's request went in flight, or its client
-        left), False if `timeout_s` passed first: for a drain."""
-        if self._idle.is_set():
-            return True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
+        self.held.done()

@@ -10,6 +10,9 @@ one reason going away never undoes another.
 fires early, re-schedules itself for the stored time. A new handle is made only when a
 deadline moves earlier than the pending one, or none is pending.
 
+`Pending` counts requests a drain must wait for that are not in flight yet (a long prompt being
+encoded in a worker thread, a new prefix's question to its placer), with a wait for none.
+
 `LogTally` says a recurring event (a connection refused, an accept failing, a request that
 waited in vain for a pooled connection) at most once an interval, with how many there were
 since: under overload they come in crowds, and a line each would flood the log.
@@ -121,3 +124,31 @@ class LogTally:
             return 0
         said, self._since, self._said_at = self._since, 0, now
         return said
+
+
+class Pending:
+    """How many requests wait for something before they go in flight, and a wait for none."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()  # set exactly while none waits
+        self._idle.set()
+
+    def add(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def done(self) -> None:
+        self.count -= 1
+        if not self.count:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once none waits, False if `timeout_s` passed first: for a drain."""
+        if self._idle.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True

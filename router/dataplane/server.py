@@ -53,7 +53,7 @@ from router.dataplane.exchange import (
     route_of,
     uninvited,
 )
-from router.dataplane.flow import PIPELINED, YIELDING, Deadline, LogTally, ReadGate
+from router.dataplane.flow import PIPELINED, YIELDING, Deadline, LogTally, Pending, ReadGate
 from router.dataplane.inflight import InflightTracker
 from router.dataplane.relay import ControlRelay, Relay, WorkerLookup, WorkerRelay
 from router.dataplane.routing import EncodeFirst, Routed, Router
@@ -190,6 +190,7 @@ class DataPlane:
         self._lingering = 0  # refused connections closing (`refuse_connection`)
         self._waiting_to_route: deque[ClientConnection] = deque()
         self.encodes = EncodeQueue(self.loop)  # long prompts' encodes (`EncodeFirst`)
+        self.asking = Pending()  # new prefixes' questions to their placer (`AskFirst`)
         self._slice_spent = 0.0  # routing time spent in this turn of the loop
         self._slice_scheduled = False
 
@@ -574,6 +575,7 @@ class ClientConnection(asyncio.Protocol):
         asking, self._asking = self._asking, None
         if asking is not None:
             asking.cancel()
+            self.plane.asking.done()
         encoding, self._encoding = self._encoding, None
         if encoding is not None:
             self.plane.encodes.cancel(encoding)
@@ -885,12 +887,16 @@ class ClientConnection(asyncio.Protocol):
     def _decided(self, head: RequestHead, body: bytes, decision: Routed) -> None:
         if isinstance(decision, AskFirst):  # a new prefix: routed once its placer answers
             self._asking = decision
+            self.plane.asking.add()
             decision.wait(lambda ask: self._placed(head, body, ask))
             return
         self._send(head, body, decision)
 
     def _placed(self, head: RequestHead, body: bytes, ask: AskFirst) -> None:
+        if self._asking is None:  # its client left (`connection_lost` counted it done)
+            return
         self._asking = None
+        self.plane.asking.done()
         if self._closed:
             return
         try:

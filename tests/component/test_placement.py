@@ -279,3 +279,35 @@ async def test_a_client_that_leaves_while_its_question_waits_leaves_nothing_behi
             0,
             0,
         )
+
+
+async def test_a_drain_waits_for_a_new_prefix_whose_placer_has_not_answered_yet() -> None:
+    """A request waiting for its placer's answer is not in flight yet: a drain that waited
+    for in-flight requests alone ended at once, and the shutdown cut it unanswered."""
+    gate = asyncio.Event()
+    async with contextlib.AsyncExitStack() as stack:
+        w1 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+        w2 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+
+        async def place(request: web.Request) -> web.Response:
+            await request.read()
+            await gate.wait()
+            return web.Response(
+                body=encode_answer(RankId(w1.url, 0)), content_type=placement.CONTENT_TYPE
+            )
+
+        async def take(request: web.Request) -> web.Response:
+            return web.Response(status=204)
+
+        routes = {("POST", placement.PATH): place, ("POST", siblings.PATH): take}
+        url = await stack.enter_async_context(stub_server(routes))
+        asker = await stack.enter_async_context(asker_of(url, [w1, w2], timeout_ms=5_000))
+        request = asyncio.create_task(complete(asker, prefix(random.Random(8))))
+        await eventually(lambda: asker.plane.asking.count == 1)
+        drain = asyncio.create_task(asker.serving.drain(30.0))
+        await eventually(lambda: asker.replica.draining)
+        assert not drain.done()  # the question is still out
+        gate.set()
+        assert await drain  # drained means answered, not cut
+        assert request.done() and (await request)[0] == w1.url
+        assert counts(asker)["answered"] == 1 and asker.plane.asking.count == 0

@@ -88,7 +88,7 @@ async def test_short_requests_are_answered_while_a_long_prompt_encodes(big_model
         status, _, _ = await long
         assert status == 200
         assert prompts_seen(seen) == ["ONE", "TWO", "LONG"]
-        assert (encodes.started, encodes.busy, encodes.held) == (1, 0, 0)
+        assert (encodes.started, encodes.busy, encodes.held.count) == (1, 0, 0)
 
 
 async def ticked_gap(rt: RouterHandle, body: dict[str, Any]) -> float:
@@ -215,7 +215,7 @@ async def test_past_the_bound_a_long_prompt_is_routed_by_load_and_counted(big_mo
         encodes = rt.plane.encodes
         encodes.most = 1
         first = asyncio.create_task(rt.post("/v1/completions", {"prompt": long_text("FIRST")}))
-        await eventually(lambda: encodes.held == 1, within_s=10)
+        await eventually(lambda: encodes.held.count == 1, within_s=10)
         status, _, _ = await rt.post("/v1/completions", {"prompt": long_text("SECOND")})
         assert status == 200
         assert prompts_seen(seen) == ["SECOND"]  # not encoded at all: no wait for a slot
@@ -238,9 +238,9 @@ async def test_a_client_that_leaves_while_its_prompt_encodes_frees_its_slot(
         host, port = rt.url.removeprefix("http://").split(":")
         _, writer = await asyncio.open_connection(host, int(port))
         writer.write(await raw_post("/v1/completions", {"prompt": long_text("GONE")}))
-        await eventually(lambda: encodes.held == 1, within_s=10)
+        await eventually(lambda: encodes.held.count == 1, within_s=10)
         writer.close()
-        await eventually(lambda: encodes.held == 0, within_s=10)
+        await eventually(lambda: encodes.held.count == 0, within_s=10)
         status, _, _ = await rt.post("/v1/completions", {"prompt": long_text("STAYED")})
         assert status == 200
         assert (encodes.started, encodes.busy) == (2, 0)
