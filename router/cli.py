@@ -76,6 +76,12 @@ class _EnvValue:
     kind: Callable[[str], Any]
     repeat: bool
     choices: Sequence[str] | None
+    secret: bool
+
+    @property
+    def shown(self) -> str:
+        """The variable as messages name it: a secret's value never reaches a terminal or log."""
+        return f"{self.env} (set, value not shown)" if self.secret else f"{self.env}={self.raw!r}"
 
     def parse(self) -> Any:
         try:
@@ -85,10 +91,10 @@ class _EnvValue:
                 else (self.kind(self.raw))
             )
         except (ValueError, argparse.ArgumentTypeError):
-            _fail(f"{self.env}={self.raw!r} is not a valid value for --{_flag(self.env)}")
+            _fail(f"{self.shown} is not a valid value for --{_flag(self.env)}")
         # argparse checks choices on the command line only, never on a default.
         if self.choices is not None and not self.repeat and value not in self.choices:
-            _fail(f"{self.env}={self.raw!r} is not one of {', '.join(self.choices)}")
+            _fail(f"{self.shown} is not one of {', '.join(self.choices)}")
         return value
 
 
@@ -143,14 +149,20 @@ class _Flags:
         *,
         repeat: bool = False,
         choices: Sequence[str] | None = None,
+        secret: bool = False,
     ) -> None:
+        """`secret`: the value is never shown (`--help` inside a pod with the Secret mounted
+        printed the token), only whether the environment sets it."""
         self.names.append(name)
         env, dest = _env(name), name.replace("-", "_")
         raw = os.environ.get(env)
         if raw is not None:
-            self.from_env[dest] = _EnvValue(env, raw, kind, repeat, choices)
+            self.from_env[dest] = _EnvValue(env, raw, kind, repeat, choices, secret)
         self.defaults[dest] = default
-        shown = repr(default) if raw is None else f"{raw!r} from {env}"
+        if secret:
+            shown = "unset" if raw is None else f"set from {env}, value not shown"
+        else:
+            shown = repr(default) if raw is None else f"{raw!r} from {env}"
         # A boolean flag may stand alone (`--expose-route-headers`) or take a value.
         bare = {"nargs": "?", "const": True} if kind is _flag_bool else {}
         self.parser.add_argument(
@@ -272,6 +284,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         str,
         "",
         "bearer token of /workers and /internal/* (refused without one); the same on every replica",
+        secret=True,
     )
     f.add(
         "peer", str, [], "a sibling replica's base URL for peer bootstrap (repeatable)", repeat=True

@@ -249,6 +249,23 @@ def test_a_flag_on_the_command_line_makes_an_unparsable_variable_harmless(
     assert "KVROUTER_PORT='tcp://10.96.0.10:8080'" in refusal(capsys)
 
 
+def test_help_says_the_token_is_set_but_never_prints_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --help is run inside pods and CI jobs with the Secret mounted: its output reaches logs.
+    monkeypatch.setenv("KVROUTER_INTERNAL_TOKEN", "s3cr3t-token-do-not-print")
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["serve", "--help"])
+    assert exit_.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the help lines
+    assert "s3cr3t" not in shown
+    assert "set from KVROUTER_INTERNAL_TOKEN, value not shown" in shown
+    monkeypatch.delenv("KVROUTER_INTERNAL_TOKEN")
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--help"])
+    assert "KVROUTER_INTERNAL_TOKEN; default unset]" in " ".join(capsys.readouterr().out.split())
+
+
 def test_defaults_without_flags_or_environment() -> None:
     config = config_of()
     assert (config.port, config.workers, config.policy) == (8080, [], "cache_aware")
