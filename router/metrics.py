@@ -261,6 +261,15 @@ class _StateCollector(Collector):
             for (rank, tier), n in tree.block_counts().items():
                 blocks.add_metric([rank.worker_url, str(rank.dp_rank), tier], n)
         yield blocks
+        # Summing kvrouter_tree_blocks over tiers counts a block held on two tiers twice.
+        yield _gauge(
+            "kvrouter_index_rank_blocks",
+            "Blocks per rank on any tier, a block on two tiers once (GET /workers' blocks)",
+            [((r.worker_url, str(r.dp_rank)), tree.block_count(r)) for r in tree.ranks()]
+            if tree is not None
+            else [],
+            ["worker_url", "dp_rank"],
+        )
         yield _counter(
             "kvrouter_kv_events",
             "KV events received in batches the pump took, by kind and medium (those the index "

@@ -12,8 +12,9 @@ Each frame costs every replica three small requests, so watching a replica with 
 blocks is as cheap as watching an empty one: `/readyz`, the cursor table
 (`/internal/kv_snapshot?cursors_only=true`, with the bearer token as `kvrouter view` sends
 it: the ranks with a cursor, and the registered ones with none yet, its `empty_ranks`) and
-`/metrics` (blocks per rank from `kvrouter_tree_blocks`, bootstrap state per rank
-from `kvrouter_kv_bootstrap_state`, `kvrouter_tree_nodes`, `kvrouter_pump_backlog`). It never
+`/metrics` (blocks per rank from `kvrouter_index_rank_blocks`, as `kvrouter view` counts
+them, bootstrap state per rank from `kvrouter_kv_bootstrap_state`, `kvrouter_tree_nodes`,
+`kvrouter_pump_backlog`). It never
 exports the index: `kvrouter view` without `--watch` compares the blocks themselves.
 
 With `--count` it exits as `kvrouter view` does, by its last frame (`verdict`: 0 agree, 1 a
@@ -92,9 +93,9 @@ def read_metrics(state: ReplicaState, text: str) -> None:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = sample.labels
-            if sample.name == "kvrouter_tree_blocks":
+            if sample.name == "kvrouter_index_rank_blocks":
                 rank = RankId(labels["worker_url"], int(labels["dp_rank"]))
-                state.blocks[rank] = state.blocks.get(rank, 0) + int(sample.value)
+                state.blocks[rank] = int(sample.value)
             elif sample.name == "kvrouter_kv_bootstrap_state":
                 rank = RankId(labels["worker_url"], int(labels["dp_rank"]))
                 state.bootstrap[rank] = BOOTSTRAP_STATES.get(int(sample.value), "?")

@@ -18,7 +18,7 @@ from cachetree.ranks import RankId
 from peer.fetch import SnapshotFetcher
 from router.auth import TOKEN_ENV
 from router.tools import view, watch
-from tests.component.test_view import FIRST, TOK, fleet, run_view
+from tests.component.test_view import FIRST, TOK, fleet, quiesce, run_view
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.processes import kvrouter_argv
 from tests.support.router import TEST_TOKEN, RouterHandle, router_in_process
@@ -89,6 +89,22 @@ async def test_agreeing_replicas_show_each_ranks_cursor_blocks_and_no_mark() -> 
         lines = await frame_where(caught_up)
         assert [c.split()[0] for c in row(lines, RankId(w1.url, 0))] == [str(new_seq)] * 2
         assert int(row(lines, RankId(w1.url, 0))[1].split()[1]) > blocks
+
+
+async def test_a_block_on_two_tiers_counts_once_as_view_counts_it() -> None:
+    async with fleet() as ([a, b], [w1, w2]):
+        rank = RankId(w1.url, 0)
+        chain = list(range(1000, 1048))  # 3 blocks, of bytes no prompt of the fleet has
+        await w1.store([chain], medium="CPU")
+        await w1.store([chain[:16]], medium="GPU")  # the first of them on device too
+        await quiesce([a, b], [w1, w2])
+        (one_shot,) = await view.collect([a.url], token=TEST_TOKEN)
+        tree = a.replica.pump.rules.tree
+        assert tree is not None
+        per_tier = sum(n for (r, _), n in tree.block_counts().items() if r == rank)
+        assert per_tier == tree.block_count(rank) + 1  # the premise: one block on two tiers
+        state = await watch_state(a.url, TEST_TOKEN)
+        assert state.blocks[rank] == one_shot.blocks(rank) == tree.block_count(rank)
 
 
 async def test_a_rank_one_replica_lacks_is_marked_absent_on_that_replica() -> None:
