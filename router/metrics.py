@@ -337,6 +337,12 @@ class _StateCollector(Collector):
             [((), len(rules.cold))],
         )
         yield _gauge(
+            "kvrouter_index_rank_cold",
+            "1 per rank counted in kvrouter_index_cold_ranks (its view may miss blocks)",
+            [((r.worker_url, str(r.dp_rank)), 1) for r in rules.cold],
+            ["worker_url", "dp_rank"],
+        )
+        yield _gauge(
             "kvrouter_index_max_blocks",
             "The index cap (--kv-index-max-blocks); 0 when there is none",
             [((), rules.max_blocks or 0)],

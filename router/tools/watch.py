@@ -2,7 +2,10 @@
 
 For the person running a rollout by hand: per replica its readiness, index size and ingest
 backlog; per rank (a row) and replica (a column) the applied cursor, how far it lags the
-replica furthest ahead on that rank, the blocks it holds and its bootstrap state. A rank on
+replica furthest ahead on that rank, the blocks it holds, its bootstrap state (`pending`,
+`recovered`, or `unseeded`: the bootstrap ended without a sibling's view, as when the whole
+fleet starts at once) and `cold` when the replica's view of the rank may miss blocks (README,
+"Peer bootstrap"; `kvrouter_index_cold_ranks`). A rank on
 which a replica differs from the one furthest ahead (another cursor, other blocks, or the
 rank missing) is highlighted: reverse video on a terminal, a `*` elsewhere. Replicas that
 learned different LoRA adapter names (the cursor table's `adapters`) differ too, each such
@@ -13,8 +16,8 @@ blocks is as cheap as watching an empty one: `/readyz`, the cursor table
 (`/internal/kv_snapshot?cursors_only=true`, with the bearer token as `kvrouter view` sends
 it: the ranks with a cursor, and the registered ones with none yet, its `empty_ranks`) and
 `/metrics` (blocks per rank from `kvrouter_index_rank_blocks`, as `kvrouter view` counts
-them, bootstrap state per rank from `kvrouter_kv_bootstrap_state`, `kvrouter_tree_nodes`,
-`kvrouter_pump_backlog`). It never
+them, bootstrap state per rank from `kvrouter_kv_bootstrap_state`, cold ranks from
+`kvrouter_index_rank_cold`, `kvrouter_tree_nodes`, `kvrouter_pump_backlog`). It never
 exports the index: `kvrouter view` without `--watch` compares the blocks themselves.
 
 With `--count` it exits as `kvrouter view` does, by its last frame (`verdict`: 0 agree, 1 a
@@ -40,12 +43,14 @@ from peer.fetch import Fetched, Refused, SnapshotFetcher, Unreachable
 from peer.wire import MSGPACK, PeerSnapshot, WireWorker
 from router.auth import TOKEN_ENV
 
-# kvrouter_kv_bootstrap_state: 0 pending, 1 recovered, 2 failed (cold).
-BOOTSTRAP_STATES: Final = {0: "pending", 1: "recovered", 2: "cold"}
+# kvrouter_kv_bootstrap_state: 0 pending, 1 recovered, 2 failed. Not "cold": a rank whose
+# bootstrap failed in a fleet started at once has its whole stream (README's cold: a view
+# that may miss blocks, shown from kvrouter_index_rank_cold).
+BOOTSTRAP_STATES: Final = {0: "pending", 1: "recovered", 2: "unseeded"}
 HIGHLIGHT: Final = ("\x1b[7m", "\x1b[0m")  # reverse video
 CLEAR: Final = "\x1b[H\x1b[2J"  # cursor home, clear screen
 MARK: Final = "*"
-CELL_WIDTH: Final = 32  # cursor 7, lag 5, blocks 8, bootstrap 9, and the spaces between
+CELL_WIDTH: Final = 37  # cursor 7, lag 5, blocks 8, bootstrap 9, view 4, and the spaces between
 NAMES_SHOWN: Final = 5  # adapter names shown of those only one replica learned
 
 
@@ -60,6 +65,7 @@ class ReplicaState:
     cursors: dict[RankId, int] = field(default_factory=dict)
     blocks: dict[RankId, int] = field(default_factory=dict)
     bootstrap: dict[RankId, str] = field(default_factory=dict)
+    cold: set[RankId] = field(default_factory=set)
     nodes: int | None = None
     backlog: int | None = None
     adapters: frozenset[str] = frozenset()  # the LoRA adapter names it learned
@@ -89,13 +95,16 @@ def cursor_table(snap: PeerSnapshot) -> dict[RankId, int]:
 
 
 def read_metrics(state: ReplicaState, text: str) -> None:
-    """The per-rank blocks and bootstrap states, node count and backlog from `/metrics`."""
+    """The per-rank blocks, bootstrap states and cold marks, node count and backlog from
+    `/metrics`."""
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = sample.labels
             if sample.name == "kvrouter_index_rank_blocks":
                 rank = RankId(labels["worker_url"], int(labels["dp_rank"]))
                 state.blocks[rank] = int(sample.value)
+            elif sample.name == "kvrouter_index_rank_cold":
+                state.cold.add(RankId(labels["worker_url"], int(labels["dp_rank"])))
             elif sample.name == "kvrouter_kv_bootstrap_state":
                 rank = RankId(labels["worker_url"], int(labels["dp_rank"]))
                 state.bootstrap[rank] = BOOTSTRAP_STATES.get(int(sample.value), "?")
@@ -160,7 +169,8 @@ def _reference(states: Sequence[ReplicaState], rank: RankId) -> ReplicaState | N
 
 
 def rank_cells(states: Sequence[ReplicaState], rank: RankId) -> list[Cell]:
-    """One cell per replica: cursor, lag behind the replica furthest ahead, blocks, state."""
+    """One cell per replica: cursor, lag behind the replica furthest ahead, blocks, bootstrap
+    state, cold mark."""
     ref = _reference(states, rank)
     # A rank no replica has a cursor or blocks for holds nothing anywhere: the replicas agree
     # on it, whichever of them name it (a bootstrap state is all `/metrics` says of a rank
@@ -182,7 +192,7 @@ def rank_cells(states: Sequence[ReplicaState], rank: RankId) -> list[Cell]:
         )
         text = (
             f"{'-' if cursor is None else cursor:>7} {f'-{lag}' if lag else '':>5} "
-            f"{blocks:>8} {s.bootstrap.get(rank, '-'):<9}"
+            f"{blocks:>8} {s.bootstrap.get(rank, '-'):<9} {'cold' if rank in s.cold else '':<4}"
         )
         cells.append(Cell(text, differs))
     return cells
@@ -208,7 +218,7 @@ def frame(states: Sequence[ReplicaState], *, color: bool, header: str = "") -> l
         return lines
     width = max(len(str(r)) for r in ranks)
     columns = "".join(
-        f" | {letter + ' cursor':>7} {'lag':>5} {'blocks':>8} {'bootstrap':<9} "
+        f" | {letter + ' cursor':>7} {'lag':>5} {'blocks':>8} {'bootstrap':<9} {'view':<4} "
         for letter in letters
     )
     lines.append(f"{'rank':<{width}}{columns}")
@@ -262,7 +272,7 @@ def names_only_in(other: frozenset[str], ref: frozenset[str], other_is: str, ref
 def ranks_of(states: Sequence[ReplicaState]) -> list[RankId]:
     """The rows: every rank a replica names, as `kvrouter view` lists them. A rank registered
     with no batch yet has no cursor and no blocks: its cursor table names it (`empty_ranks`),
-    and with bootstrap on its bootstrap state (pending, or cold) does too; named by the
+    and with bootstrap on its bootstrap state (pending, or unseeded) does too; named by the
     bootstrap state alone, it was left out on a replica without bootstrap."""
     return sorted({r for s in states for r in (*s.ranks, *s.cursors, *s.blocks, *s.bootstrap)})
 

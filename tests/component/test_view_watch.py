@@ -139,15 +139,15 @@ def test_a_cursor_behind_the_replica_furthest_ahead_shows_its_lag_and_is_marked(
 
 
 def test_a_rank_registered_without_a_cursor_is_a_row_and_the_verdict_follows_the_marks() -> None:
-    # B registered w2#dp0 and its bootstrap ran cold: no batch yet, so no cursor and no
-    # blocks, only its bootstrap state (`kvrouter view` lists the rank). A says nothing of it:
-    # no replica holds anything of it, so they agree.
+    # B registered w2#dp0 and its bootstrap found no sibling's view: no batch yet, so no cursor
+    # and no blocks, only its bootstrap state (`kvrouter view` lists the rank). A says nothing
+    # of it: no replica holds anything of it, so they agree.
     held, cold = RankId("http://w1:8000", 0), RankId("http://w2:8000", 0)
     a = watch.ReplicaState("http://a", ready=True, cursors={held: 5}, blocks={held: 3})
     b = watch.ReplicaState("http://b", ready=True, cursors={held: 5}, blocks={held: 3})
-    b.bootstrap = {held: "recovered", cold: "cold"}
+    b.bootstrap = {held: "recovered", cold: "unseeded"}
     lines = watch.frame([a, b], color=False)
-    assert [c.split() for c in row(lines, cold)] == [["-", "0", "-"], ["-", "0", "cold"]]
+    assert [c.split() for c in row(lines, cold)] == [["-", "0", "-"], ["-", "0", "unseeded"]]
     assert lines[-1] == "the 2 replicas agree on cursors and blocks of 2 ranks"
     assert watch.verdict([a, b]) == 0
     # Its first batch reaches B: A lacks what B holds.
@@ -179,6 +179,28 @@ async def test_a_rank_registered_with_no_batch_yet_is_a_row_on_a_replica_without
         (one_shot,) = await view.collect([rt.url], token=TEST_TOKEN)
         assert one_shot.ranks == set(ranks) and not one_shot.cursors  # what view lists
         assert rt.replica.pump.rules.cursors == {}  # still no batch: the premise held
+
+
+async def test_a_failed_bootstrap_is_unseeded_and_only_a_rank_held_cold_is_marked_cold() -> None:
+    # Its only sibling down, the replica's bootstrap gives up (gauge 2), yet it reads the
+    # rank's stream from seq 0: its view is whole, not README's "cold" (which the watch said).
+    async with (
+        fake_worker_in_process() as fw,
+        router_in_process(
+            workers=[fw.url], peer=["http://127.0.0.1:9"], kv_bootstrap_timeout_ms=500
+        ) as rt,
+        watching([rt]) as frame_where,
+    ):
+        rank = RankId(fw.url, 0)
+        seq = await fw.store([list(range(1000, 1032))])
+        lines = await frame_where(
+            lambda f: row(f, rank)[0].split()[:3] == [str(seq), "2", "unseeded"]
+        )
+        assert row(lines, rank)[0].split() == [str(seq), "2", "unseeded"]  # not cold
+        assert rt.replica.pump.rules.cold == set()  # the premise: a whole view
+        rt.replica.pump.rules.cold.add(rank)  # as a lost batch leaves it until a re-pull
+        lines = await frame_where(lambda f: "cold" in row(f, rank)[0])
+        assert row(lines, rank)[0].split() == [str(seq), "2", "unseeded", "cold"]
 
 
 async def test_an_unreachable_replica_is_shown_as_an_error_and_the_others_still_drawn() -> None:
