@@ -203,11 +203,13 @@ async def fetch_view(
 ) -> ReplicaView:
     """Readiness, the cursor table and (unless `cursors_only`) a fresh full export."""
     view = ReplicaView(url.rstrip("/"))
+    at = view.url + "/readyz"
     try:
         view.ready, view.ready_detail = await _readiness(session, url, timeout_s)
+        at = view.url + "/metrics"
         view.pressure = await _pressure(session, url, timeout_s)
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        view.error = f"/readyz: {type(exc).__name__}: {exc}"
+        view.error = watch.failure(at, exc, timeout_s)
         return view
     table = await fetcher.fetch_cursors(url, budget_s=timeout_s)
     if not isinstance(table, Fetched):

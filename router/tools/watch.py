@@ -120,21 +120,23 @@ async def fetch_state(
     base = url.rstrip("/")
     state = ReplicaState(base)
     bound = aiohttp.ClientTimeout(total=timeout_s)
+    at = base + "/readyz"
     try:
-        async with session.get(base + "/readyz", timeout=bound) as resp:
+        async with session.get(at, timeout=bound) as resp:
             state.ready = resp.status == 200
             if not state.ready:
                 body = await resp.json(content_type=None)
                 reason = body.get("reason", "") if isinstance(body, dict) else ""
                 state.ready_detail = reason or f"HTTP {resp.status}"
-        async with session.get(base + "/metrics", timeout=bound) as resp:
+        at = base + "/metrics"
+        async with session.get(at, timeout=bound) as resp:
             text = await resp.text()
             if resp.status != 200:
                 state.error = f"/metrics: HTTP {resp.status}"
                 return state
         read_metrics(state, text)
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-        state.error = f"{type(exc).__name__}: {exc}"
+        state.error = failure(at, exc, timeout_s)
         return state
     table = await fetcher.fetch_cursors(base, budget_s=timeout_s)
     if not isinstance(table, Fetched):
@@ -144,6 +146,16 @@ async def fetch_state(
     state.ranks = named_ranks(table.snapshot)
     state.adapters = frozenset(table.snapshot.adapters)
     return state
+
+
+def failure(url: str, exc: Exception, timeout_s: float) -> str:
+    """What a failed GET of `url` says: a timeout (whose own message is empty) names the wait,
+    a body that did not parse the URL that sent it."""
+    if isinstance(exc, TimeoutError):
+        return f"{url}: no answer within {timeout_s:g} s"
+    if isinstance(exc, ValueError):
+        return f"{url}: the body does not parse: {exc}"
+    return f"{url}: {type(exc).__name__}: {exc}"
 
 
 def token_hint(result: Unreachable | Refused) -> str:

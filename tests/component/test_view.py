@@ -210,7 +210,7 @@ async def test_an_unreachable_replica_is_an_error() -> None:
         status, out, _ = await run_view(a.url, "http://127.0.0.1:9")
         assert status == 2
         assert "replica http://127.0.0.1:9: readiness unknown" in out
-        assert "error: /readyz" in out
+        assert "error: http://127.0.0.1:9/readyz: " in out
 
 
 async def test_a_timeout_or_interval_that_is_not_a_finite_positive_number_is_refused() -> None:

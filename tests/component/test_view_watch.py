@@ -13,12 +13,14 @@ import os
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
+from aiohttp import web
 
 from cachetree.ranks import RankId
 from peer.fetch import SnapshotFetcher
 from router.auth import TOKEN_ENV
 from router.tools import view, watch
 from tests.component.test_view import FIRST, TOK, fleet, quiesce, run_view
+from tests.support.adversary import stub_server
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.processes import kvrouter_argv
 from tests.support.router import TEST_TOKEN, RouterHandle, router_in_process
@@ -219,6 +221,34 @@ async def test_an_unreachable_replica_is_shown_as_an_error_and_the_others_still_
         colored = watch.frame([states[0], lacking], color=True)
         cell = row(colored, RankId(w1.url, 0))[1]
         assert cell.startswith(f"{watch.HIGHLIGHT[0]}absent ") and cell.endswith(watch.HIGHLIGHT[1])
+
+
+async def test_a_replica_that_does_not_answer_or_sends_no_metrics_is_named_with_the_url() -> None:
+    # Was "/readyz: TimeoutError: " (a timeout's message is empty) and a bare "ValueError:
+    # Invalid labels" that did not say the body came from /metrics.
+    async def hang(request: web.Request) -> web.Response:
+        await asyncio.Event().wait()  # cancelled when the client gives up
+        raise AssertionError("unreachable")
+
+    async def ready(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ready"})
+
+    async def garbage(request: web.Request) -> web.Response:
+        return web.Response(text="kvrouter_tree_nodes{oops 1\n")
+
+    async with (
+        stub_server({("GET", "/readyz"): hang}) as silent,
+        stub_server({("GET", "/readyz"): ready, ("GET", "/metrics"): garbage}) as bad,
+        aiohttp.ClientSession() as session,
+        SnapshotFetcher(per_fetch_s=0.2) as fetcher,
+    ):
+        state = await watch.fetch_state(fetcher, session, silent, 0.2)
+        assert state.error == f"{silent}/readyz: no answer within 0.2 s"
+        (one_shot,) = await view.collect([silent], timeout_s=0.2)
+        assert one_shot.error == state.error
+        state = await watch.fetch_state(fetcher, session, bad, 0.2)
+        assert state.error is not None
+        assert state.error.startswith(f"{bad}/metrics: the body does not parse: "), state.error
 
 
 async def watch_state(url: str, token: str | None = None) -> watch.ReplicaState:
