@@ -17,14 +17,17 @@ import argparse
 import signal
 import sys
 from pathlib import Path
+from typing import Final
 
 from bench import suite
 from bench.smg import from_environment
 
+PROG: Final = "kvrouter bench"  # the name operators run it by (`python -m bench` is the same)
+
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m bench",
+        prog=PROG,
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="benchmarks: " + ", ".join(suite.NAMES),
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         names = suite.select(args.only)
     except ValueError as exc:
-        sys.stderr.write(f"python -m bench: error: {exc}\n")
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
         return 2
     smg = from_environment()
     if args.no_smg:

@@ -160,5 +160,8 @@ def run(
         tables = f"; tables {', '.join(o.tables)} in {markdown}" if o.tables else ""
         say(f"  {o.name:<10} {o.seconds:5.0f} s: {', '.join(made)}{tables}")
     say(f"  total {time.monotonic() - ctx.started:.0f} s{' (--quick)' if quick else ''}")
-    say(f"  the child processes' logs: {ctx.workdir}")
+    if any(ctx.workdir.iterdir()):
+        say(f"  the child processes' logs: {ctx.workdir}")
+    else:  # no benchmark run started a child process (`--only index`): nothing to keep
+        ctx.workdir.rmdir()
     return 1 if any(o.error for o in outcomes) else 0

@@ -79,10 +79,17 @@ def test_kvrouter_bench_runs_python_m_bench_and_passes_its_flags_on() -> None:
         [str(kvrouter), "bench", "--only", "nope"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2
-    assert (
-        "unknown benchmark(s) nope; known: index, ingest, routing, pressure, proxy, bootstrap"
-        in (done.stderr)
+    assert done.stderr.startswith(
+        "kvrouter bench: error: unknown benchmark(s) nope; "
+        "known: index, ingest, routing, pressure, proxy, bootstrap"
     )
+    # Its usage names the command that was run, not `python -m bench`.
+    done = subprocess.run(
+        [str(kvrouter), "bench", "--nope"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("usage: kvrouter bench ")
+    assert "kvrouter bench: error: unrecognized arguments: --nope" in done.stderr
 
 
 @pytest.mark.timeout(120)

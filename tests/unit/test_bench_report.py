@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from bench import plots, suite
 from bench.__main__ import parse, tables_file
 from bench.report import MarkerError, cell, regenerate, table, update_file
+from bench.smg import Smg
 
 DOC = """# Benchmarks
 
@@ -171,3 +173,17 @@ def test_the_router_steps_timing_decodes_and_applies_every_ingest_batch(
     assert len(steps) == 10
     assert all(us > 0 for us in steps.values())
     assert "did not apply" not in capsys.readouterr().err
+
+
+def test_a_run_whose_benchmarks_start_no_process_leaves_no_empty_log_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every run left an empty /tmp/kvbench-* behind, `--only index` (no child process) too.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    said: list[str] = []
+    status = suite.run([], True, tmp_path / "results", None, Smg(tmp_path / "smg"), said.append)
+    assert status == 0
+    assert list(tmp.iterdir()) == []
+    assert not any("logs" in line for line in said)  # no folder to point at
