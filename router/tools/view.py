@@ -578,6 +578,9 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.timeout_s <= MAX_SECONDS:  # NaN fails this too
         sys.stderr.write(f"kvrouter: error: --timeout-s must be > 0 and at most {MAX_SECONDS:g}\n")
         return 2
+    if args.count and not args.watch:  # it was ignored: one report, whatever count was asked
+        sys.stderr.write("kvrouter: error: --count counts --watch frames: add --watch\n")
+        return 2
     if args.watch:
         return run_watch(args)
     views = asyncio.run(

@@ -230,6 +230,21 @@ async def test_a_timeout_or_interval_that_is_not_a_finite_positive_number_is_ref
         assert err.startswith("kvrouter: error: --") and "Traceback" not in err, (args, err)
 
 
+async def test_count_without_watch_is_refused_before_any_request() -> None:
+    # It was ignored: one report, as if --count had not been given.
+    asked: list[str] = []
+
+    async def count(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.json_response({})
+
+    async with stub_server({("GET", "/{tail:.*}"): count}) as url:
+        status, out, err = await run_view("--count", "3", url)
+    assert status == 2 and out == ""
+    assert err == "kvrouter: error: --count counts --watch frames: add --watch\n"
+    assert asked == []
+
+
 async def test_a_replica_whose_cursor_table_does_not_decode_is_an_error_on_its_own_line() -> None:
     """It crashed `view` (AttributeError, exit 1: "views differ") and lost the healthy
     replica's report with it."""
