@@ -48,12 +48,16 @@ class WorkerConfig:
             problems.append(f"port {self.port} is out of range")
         if self.dp_size < 1:
             problems.append("dp_size must be >= 1")
-        if self.kv_port_base < 1 or self.kv_port_base + self.dp_size - 1 > 65535:
+        if self.kv_port_base < 1:
             problems.append(f"kv_port_base {self.kv_port_base} must be an explicit port 1..65535")
-        if self.replay_port_base and (
-            self.replay_port_base < 1 or self.replay_port_base + self.dp_size - 1 > 65535
+        elif problem := _last_rank_problem("kv_port_base", self.kv_port_base, self.dp_size):
+            problems.append(problem)
+        if self.replay_port_base < 0:
+            problems.append(f"replay_port_base {self.replay_port_base} must be 1..65535, or 0")
+        elif self.replay_port_base and (
+            problem := _last_rank_problem("replay_port_base", self.replay_port_base, self.dp_size)
         ):
-            problems.append(f"replay_port_base {self.replay_port_base} is out of range")
+            problems.append(problem)
         if self.replay_port_base and _overlap(
             self.kv_port_base, self.replay_port_base, self.dp_size
         ):
@@ -91,6 +95,16 @@ class WorkerConfig:
     @property
     def metrics_engine(self) -> Literal["vllm", "sglang"]:
         return self.engine if self.engine is not None else self.flavour.engine
+
+
+def _last_rank_problem(name: str, base: int, dp_size: int) -> str | None:
+    """A base in range whose last rank's port is not (65535 with 2 ranks: rank 1 on 65536)."""
+    last = dp_size - 1
+    if base + last <= 65535:
+        return None
+    if last == 0:
+        return f"{name} {base} must be a port 1..65535"
+    return f"{name} {base} puts rank {last} of dp_size {dp_size} on port {base + last}, past 65535"
 
 
 def _overlap(a: int, b: int, n: int) -> bool:

@@ -162,7 +162,8 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise
+        # Its own message names no port ("Address already in use"): which one is the question.
+        raise OSError(exc.errno, f"HTTP port {host}:{port}: {exc.strerror}") from exc
     return sock

@@ -45,3 +45,22 @@ async def test_a_taken_kv_port_makes_the_process_exit_with_an_error(cluster: Clu
     done = await run_to_end(fake_worker_argv(*cli_args(clash)), within_s=15)
     assert done.status == 1
     assert "cannot start" in done.stderr
+
+
+async def test_a_taken_http_port_is_named_in_the_error(cluster: Cluster) -> None:
+    # It said only "[Errno 98] Address already in use", naming neither port nor which one.
+    fw = await cluster.worker("w")
+    clash = worker_config(port=fw.config.port)
+    done = await run_to_end(fake_worker_argv(*cli_args(clash)), within_s=15)
+    assert done.status == 1
+    assert f"HTTP port 127.0.0.1:{fw.config.port}: Address already in use" in done.stderr
+    await wait_healthy(fw)  # the first worker is untouched
+
+
+async def test_a_kv_port_base_whose_last_rank_is_past_65535_names_that_rank_and_port() -> None:
+    # It said "kv_port_base 65535 must be an explicit port 1..65535", which 65535 is.
+    done = await run_to_end(
+        fake_worker_argv("--port", "0", "--kv-port-base", "65535", "--dp-size", "2"), within_s=15
+    )
+    assert done.status == 2
+    assert "kv_port_base 65535 puts rank 1 of dp_size 2 on port 65536, past 65535" in done.stderr
