@@ -564,6 +564,17 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(**values)
 
 
+def unreachable_workers(config: ServeConfig) -> str | None:
+    """Why no worker can ever be registered (the replica could only answer 503), or None."""
+    if config.workers or config.worker_selector or config.internal_token:
+        return None
+    return (
+        "no worker can be registered: no --worker, no --worker-selector, and POST /workers "
+        f"needs --internal-token ({TOKEN_ENV}); every request will be answered 503 until this "
+        "replica is started with one of them"
+    )
+
+
 def _fail(message: str, status: int = 2) -> NoReturn:
     sys.stderr.write(f"kvrouter: error: {message}\n")
     raise SystemExit(status)
@@ -595,6 +606,9 @@ async def serve(config: ServeConfig, ready: Callable[[str], None] | None = None)
         stop.set()
     serving = await start_serving(config)
     try:
+        # Once it listens: a start that fails says one thing, why it failed.
+        if (problem := unreachable_workers(config)) is not None:
+            log.warning(problem)
         _tune_gc()
         url = serving.url
         log.info(

@@ -206,3 +206,17 @@ async def test_the_event_loop_flag_picks_the_loop_and_either_serves(
         async with rt.session.post(control + "/v1/completions", json={"prompt": "x"}) as resp:
             assert resp.status in (404, 405)
         assert (await fw.state())["requests"] == 1
+
+
+async def test_a_replica_no_worker_can_ever_reach_warns_once_at_start(cluster: Cluster) -> None:
+    # No --worker, no --worker-selector and no token (POST /workers refused): it started
+    # silently and answered every request 503.
+    warning = "no worker can be registered: no --worker, no --worker-selector"
+    lonely = await cluster.router("lonely", env={"KVROUTER_INTERNAL_TOKEN": ""})
+    assert lonely.child.output().count(warning) == 1
+    assert "--internal-token (KVROUTER_INTERNAL_TOKEN)" in lonely.child.output()
+    status, _, _ = await lonely.post("/v1/completions", {"prompt": "hi", "max_tokens": 1})
+    assert status == 503
+    # With the token, POST /workers can register them: nothing to warn about.
+    open_to_registration = await cluster.router("token")
+    assert warning not in open_to_registration.child.output()
