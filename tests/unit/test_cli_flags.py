@@ -296,3 +296,9 @@ def test_the_sibling_snapshot_bound_follows_the_index_cap_unless_given(
 ) -> None:
     config = serve_config(parse_args(["serve", *flags]))
     assert snapshot_body_bound(config) == bound
+
+
+def test_a_serve_configs_repr_never_holds_the_token() -> None:
+    config = ServeConfig(internal_token="s3cr3t-token-do-not-print")
+    assert "s3cr3t" not in repr(config)
+    assert config.internal_token == "s3cr3t-token-do-not-print"
