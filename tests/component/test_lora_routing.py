@@ -8,28 +8,14 @@ use). Each test asserts what the router matched against what the worker found ca
 
 from __future__ import annotations
 
-from router.tokenize import BytesTokenizer
+from tests.component.test_lora_snapshots import BLOCKS, BS, IDS, PROMPT, matched_blocks, routed
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.router import RouterHandle, router_in_process
-
-BS = 16
-TOK = BytesTokenizer()
-PROMPT = "SELECT the orders of every customer who bought twice; explain the plan step by step. "
-IDS = TOK.encode(PROMPT)
-BLOCKS = len(IDS) // BS  # 5
-
-
-def matched_blocks(rt: RouterHandle) -> float:
-    """The replica's sum of leading blocks the chosen rank held, over every routed request."""
-    registry = rt.replica.metrics.registry
-    return registry.get_sample_value("kvrouter_matched_blocks_sum") or 0.0
 
 
 async def completion(rt: RouterHandle, **body: object) -> tuple[int, int]:
     """(the dp rank a completion went to, the prompt tokens its worker found cached)."""
-    status, answer, headers = await rt.post("/v1/completions", {"max_tokens": 1, **body})
-    assert status == 200, answer
-    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    headers, cached = await routed(rt, **body)
     return int(headers["X-Kvrouter-Dp-Rank"]), cached
 
 

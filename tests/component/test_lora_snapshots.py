@@ -28,11 +28,17 @@ def matched_blocks(rt: RouterHandle) -> float:
     return registry.get_sample_value("kvrouter_matched_blocks_sum") or 0.0
 
 
-async def completion(rt: RouterHandle, **body: object) -> tuple[str, int]:
-    """(the worker a completion went to, the prompt tokens it found cached)."""
+async def routed(rt: RouterHandle, **body: object) -> tuple[dict[str, str], int]:
+    """(the route headers of a completion's answer, the prompt tokens its worker found cached)."""
     status, answer, headers = await rt.post("/v1/completions", {"max_tokens": 1, **body})
     assert status == 200, answer
-    return headers["X-Kvrouter-Worker"], answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return headers, answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def completion(rt: RouterHandle, **body: object) -> tuple[str, int]:
+    """(the worker a completion went to, the prompt tokens it found cached)."""
+    headers, cached = await routed(rt, **body)
+    return headers["X-Kvrouter-Worker"], cached
 
 
 async def test_a_workers_snapshot_keys_an_adapters_blocks_apart_from_the_base_models() -> None:

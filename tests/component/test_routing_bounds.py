@@ -11,7 +11,9 @@ Real sockets: a replica in process, scripted or fake workers on 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -110,10 +112,10 @@ def expected_ids(route: str, body: dict[str, Any]) -> bytes | list[int]:
     return encode(prompt[:MAX_ENCODED_CHARS]) if isinstance(prompt, str) else prompt
 
 
-@pytest.mark.parametrize("name", REAL)
-async def test_the_largest_real_requests_key_and_match_every_block(name: str) -> None:
-    route, body = REAL[name]
-    ids = expected_ids(route, body)
+@contextlib.asynccontextmanager
+async def second_worker_holding(ids: Any) -> AsyncIterator[tuple[RouterHandle, str]]:
+    """A replica over two fake workers, the second holding `ids`' blocks (its cursor there):
+    the replica, the second worker's URL."""
     async with (
         fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as a,
         fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as b,
@@ -122,13 +124,21 @@ async def test_the_largest_real_requests_key_and_match_every_block(name: str) ->
         for fw in (a, b):
             await rt.gate(fw)
         await rt.wait_cursor(b.url, 0, await b.store([list(ids)]))
+        yield rt, b.url
+
+
+@pytest.mark.parametrize("name", REAL)
+async def test_the_largest_real_requests_key_and_match_every_block(name: str) -> None:
+    route, body = REAL[name]
+    ids = expected_ids(route, body)
+    async with second_worker_holding(ids) as (rt, b_url):
         router = rt.plane.router
         decision = router.route(route.encode(), msgspec.json.encode(body))
         assert isinstance(decision, Decision)
         assert decision.prompt is not None
         blocks = len(ids) // BLOCK
         assert decision.prompt.keys == block_keys(ids, BLOCK)
-        assert (decision.ranked[0].rank.worker_url, decision.matched_blocks) == (b.url, blocks)
+        assert (decision.ranked[0].rank.worker_url, decision.matched_blocks) == (b_url, blocks)
         assert router.metrics.tokenize_failures[("too_large",)] == 0
 
 
@@ -137,19 +147,12 @@ async def test_a_text_prompt_past_the_encoded_bound_is_keyed_by_its_first_part()
     tokenizer, it keys the first `MAX_ENCODED_CHARS`, which are the engine's first blocks."""
     text = "a quick brown fox. " * (30_000_000 // 19)
     ids = BytesTokenizer().encode_bytes(text[:MAX_ENCODED_CHARS])
-    async with (
-        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as a,
-        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as b,
-        router_in_process(workers=[a.url, b.url]) as rt,
-    ):
-        for fw in (a, b):
-            await rt.gate(fw)
-        await rt.wait_cursor(b.url, 0, await b.store([list(ids)]))
+    async with second_worker_holding(ids) as (rt, b_url):
         raw = msgspec.json.encode({"prompt": text, "max_tokens": 1})
         decision = rt.plane.router.route(COMPLETIONS.encode(), raw)
         assert isinstance(decision, Decision) and decision.prompt is not None
         assert len(decision.prompt.keys) == MAX_ENCODED_CHARS // BLOCK
         assert (decision.ranked[0].rank.worker_url, decision.matched_blocks) == (
-            b.url,
+            b_url,
             MAX_ENCODED_CHARS // BLOCK,
         )
