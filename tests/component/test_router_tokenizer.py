@@ -164,29 +164,13 @@ async def test_a_chat_bringing_its_token_ids_matches_every_block_the_engine_cach
         **fields,
     }
     rendered = len(ModelChat(model, engine).chat_ids({"messages": chat["messages"]}))
-    async with (
-        fake_worker_in_process(tokenizer=model, engine=engine) as a,
-        fake_worker_in_process(tokenizer=model, engine=engine) as b,
-        router_in_process(
-            workers=[a.url, b.url], tokenizer=model, chat_rules=engine, expose_route_headers=True
-        ) as rt,
-    ):
-        for fw in (a, b):
-            await rt.gate(fw)
-        status, first, headers = await rt.post("/v1/chat/completions", chat)
-        assert status == 200, first
-        worker = a if headers["X-Kvrouter-Worker"] == a.url else b
-        await rt.wait_cursor(worker.url, 0, (await worker.state())["last_seq"])
-        matched_before = await matched_blocks_sum(rt)
-
-        status, second, headers = await rt.post("/v1/chat/completions", chat)
-        assert status == 200, second
-        assert headers["X-Kvrouter-Worker"] == worker.url
-        prompt_tokens = second["usage"]["prompt_tokens"]
-        assert prompt_tokens == (5 * BS if by_ids else rendered)
-        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached == prompt_tokens // BS * BS >= 2 * BS
-        assert await matched_blocks_sum(rt) - matched_before == cached // BS
+    second = await ask_twice(model, engine, "/v1/chat/completions", chat)
+    assert second.same_worker
+    prompt_tokens = second.answer["usage"]["prompt_tokens"]
+    assert prompt_tokens == (5 * BS if by_ids else rendered)
+    cached = second.answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == prompt_tokens // BS * BS >= 2 * BS
+    assert second.matched_blocks == cached // BS
 
 
 @dataclass
@@ -199,30 +183,45 @@ class SecondAsk:
     matched_blocks: float  # the replica's matched-blocks sum over the second request
 
 
-async def asked_twice(tmp_path: Path, body: dict[str, Any]) -> tuple[SecondAsk, str]:
-    """`body` as a completion, twice (see `SecondAsk`); and the fixture model's path."""
-    model = str(build_fixture_model(tmp_path / "llama3", "llama3.1_instruct.jinja"))
+async def ask_twice(
+    model: str,
+    engine: str,
+    path: str,
+    body: dict[str, Any],
+    refused: tuple[str, Any] | None = None,
+) -> SecondAsk:
+    """`body` to `path`, twice (see `SecondAsk`); then, with `refused` (a field and a value the
+    engine refuses) set in it, a 400 naming that field."""
     async with (
-        fake_worker_in_process(tokenizer=model, engine="vllm") as a,
-        fake_worker_in_process(tokenizer=model, engine="vllm") as b,
+        fake_worker_in_process(tokenizer=model, engine=engine) as a,
+        fake_worker_in_process(tokenizer=model, engine=engine) as b,
         router_in_process(
-            workers=[a.url, b.url], tokenizer=model, chat_rules="vllm", expose_route_headers=True
+            workers=[a.url, b.url], tokenizer=model, chat_rules=engine, expose_route_headers=True
         ) as rt,
     ):
         for fw in (a, b):
             await rt.gate(fw)
-        status, first, headers = await rt.post("/v1/completions", body)
+        status, first, headers = await rt.post(path, body)
         assert status == 200, first
         worker = a if headers["X-Kvrouter-Worker"] == a.url else b
         await rt.wait_cursor(worker.url, 0, (await worker.state())["last_seq"])
         matched_before = await matched_blocks_sum(rt)
-        status, second, headers = await rt.post("/v1/completions", body)
+        status, second, headers = await rt.post(path, body)
         assert status == 200, second
         matched = await matched_blocks_sum(rt) - matched_before
         same = headers["X-Kvrouter-Worker"] == worker.url
-        status, refused, _ = await rt.post("/v1/completions", {**body, "add_special_tokens": "x"})
-        assert status == 400 and refused["error"]["param"] == "add_special_tokens"
-    return SecondAsk(second, same, matched), model
+        if refused is not None:
+            param, value = refused
+            status, answer, _ = await rt.post(path, {**body, param: value})
+            assert status == 400 and answer["error"]["param"] == param
+    return SecondAsk(second, same, matched)
+
+
+async def asked_twice(tmp_path: Path, body: dict[str, Any]) -> tuple[SecondAsk, str]:
+    """`body` as a completion, twice (see `SecondAsk`); and the fixture model's path."""
+    model = str(build_fixture_model(tmp_path / "llama3", "llama3.1_instruct.jinja"))
+    refused = ("add_special_tokens", "x")
+    return await ask_twice(model, "vllm", "/v1/completions", body, refused), model
 
 
 async def test_a_completion_without_special_tokens_matches_every_block_the_engine_cached(
