@@ -8,9 +8,9 @@ listens on that port and hands every path to the control app (for peer and admin
 NetworkPolicy can single out), with the same head, body and idle timeouts and its own bound
 on connections.
 `stop_serving` stops them in the reverse order. A SIGTERM drain (`router.cli.serve`) sits
-between the two: `begin_drain`, then wait for in-flight requests; at its timeout, those still
-waiting for a connection to a worker (never sent) are answered 503 with `Retry-After`, and
-the rest are cut.
+between the two: `begin_drain`, then wait for in-flight requests; at its timeout, those never
+sent (waiting for a connection to a worker, a placer's answer or a long prompt's encode) are
+answered 503 with `Retry-After`, and the rest are cut.
 """
 
 from __future__ import annotations
@@ -236,9 +236,9 @@ async def serve_until(serving: Serving, stop: asyncio.Event, drain_timeout_s: fl
         turned = serving.plane.turn_away_waiting()
         if turned:
             log.warning(
-                "drain timeout: %d request(s) still waiting for a connection to a worker "
-                "(never sent) are answered 503 with Retry-After, for their clients to retry "
-                "on another replica",
+                "drain timeout: %d request(s) never sent (waiting for a connection to a "
+                "worker, a placer's answer or a long prompt's encode) are answered 503 with "
+                "Retry-After, for their clients to retry on another replica",
                 turned,
             )
         if serving.replica.inflight.total:

@@ -67,6 +67,14 @@ log = logging.getLogger(__name__)
 _ROUTING_FAILED: Final = Refusal(
     500, "the router failed to route this request", type="server_error"
 )
+# A request not routed yet (its placer's answer, its long prompt's encode) when the drain
+# ended: never sent, so safe for its client to send again elsewhere.
+_DRAINED: Final = Refusal(
+    503,
+    "the router stopped before this request was routed: send it again",
+    type="service_unavailable",
+    extra=((b"Retry-After", b"1"),),
+)
 
 # Complete requests one connection may have waiting behind the one being answered. A
 # pipelining client gains nothing past a few; the bound keeps one read's worth of tiny
@@ -349,7 +357,7 @@ class DataPlane:
         """The drain ended: each request still waiting for a connection to a worker (queued
         for a full pool, or connecting) was never sent, and is answered the 503 with
         `Retry-After` its wait running out would have given (`WorkerRelay.turn_away`), not cut
-        with what is in flight. How many."""
+        with what is in flight; so is one not routed yet (`turn_away_unrouted`). How many."""
         turned = 0
         for pool in self.pools.values():
             for who in pool.take_waiting():
@@ -359,7 +367,8 @@ class DataPlane:
                         "worker came free"
                     )
                     turned += 1
-        return turned
+        # Not routed yet (a placer's answer, a long prompt's encode): never sent either.
+        return turned + sum(conn.turn_away_unrouted() for conn in list(self.connections))
 
     def refuse_connection(self, transport: asyncio.Transport, bound: Bound) -> None:
         """A new connection past its listener's `bound`: a 503, counted, logged at most once a
@@ -847,6 +856,24 @@ class ClientConnection(asyncio.Protocol):
         self.turn_started = time.perf_counter()
         self._deferred = (head, body)
         self.plane.route_in_turn(self)
+
+    def turn_away_unrouted(self) -> bool:
+        """The drain ended while this connection's request waited for its placer's answer or
+        its long prompt's encode: never sent, it is answered a 503 with `Retry-After` (its
+        client may send it again elsewhere), not cut. Whether it was."""
+        if self._closed or (self._asking is None and self._encoding is None):
+            return False
+        asking, self._asking = self._asking, None
+        if asking is not None:
+            asking.cancel()
+            self.plane.asking.done()
+        encoding, self._encoding = self._encoding, None
+        if encoding is not None:
+            self.plane.encodes.cancel(encoding)
+        head = self._queue[0].head
+        assert head is not None  # a request is routed only once its head is read
+        self._send(head, b"", _DRAINED)
+        return True
 
     def route_now(self) -> None:
         """Route the request waiting at the head of the queue (its turn in the slice came)."""

@@ -19,6 +19,7 @@ from cachetree.ranks import RankId
 from router import placement, siblings
 from router.placement import PlaceQuestion, decode_answer, encode_answer, placer_of
 from router.policy import CacheAware
+from router.serving import serve_until
 from tests.component.test_pressure_routing import (
     CACHE_BLOCKS,
     PREFIX_CHARS,
@@ -311,3 +312,37 @@ async def test_a_drain_waits_for_a_new_prefix_whose_placer_has_not_answered_yet(
         assert await drain  # drained means answered, not cut
         assert request.done() and (await request)[0] == w1.url
         assert counts(asker)["answered"] == 1 and asker.plane.asking.count == 0
+
+
+async def test_a_new_prefix_whose_placer_has_not_answered_when_the_drain_ends_gets_a_503() -> None:
+    """Never sent, it is safe to send again elsewhere: a 503 with `Retry-After`, as a request
+    still queued for a worker's pool gets, where the shutdown cut it with no answer."""
+    never = asyncio.Event()
+    async with contextlib.AsyncExitStack() as stack:
+        w1 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+        w2 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+
+        async def place(request: web.Request) -> web.Response:
+            await never.wait()
+            raise AssertionError("unreachable")
+
+        async def take(request: web.Request) -> web.Response:
+            return web.Response(status=204)
+
+        routes = {("POST", placement.PATH): place, ("POST", siblings.PATH): take}
+        url = await stack.enter_async_context(stub_server(routes))
+        asker = await stack.enter_async_context(asker_of(url, [w1, w2], timeout_ms=5_000))
+        text = prefix(random.Random(9))
+        body = {"model": "fake-model", "prompt": text, "max_tokens": 1}
+        request = asyncio.create_task(asker.post("/v1/completions", body))
+        await eventually(lambda: asker.plane.asking.count == 1)
+        stop = asyncio.Event()
+        stop.set()  # as SIGTERM sets it
+        await asyncio.wait_for(serve_until(asker.serving, stop, drain_timeout_s=0.2), 10)
+        status, answer, headers = await request
+        assert status == 503 and headers["Retry-After"] == "1", answer
+        assert "send it again" in answer["error"]["message"]
+        assert asker.plane.asking.count == 0
+        assert asker.plane.metrics.requests["/v1/completions", "none", "503"] == 1
+        sent = {k: n for k, n in asker.plane.metrics.requests.items() if k[1] != "none"}
+        assert not any(sent.values()), sent  # nothing reached a worker
