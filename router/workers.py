@@ -613,7 +613,8 @@ class WorkerRegistry:
                     result.draining = url not in self._wanted
 
     async def _register(self, worker: Worker) -> None:
-        worker.reason = ""
+        # The reason of the last try stays while this one runs (what /workers shows meanwhile
+        # is why the worker is down), and goes when it is ready.
         try:
             body = await get_worker_json(self.session, f"{worker.url}/server_info", self._timeout)
         except _Absent:
@@ -726,7 +727,7 @@ class WorkerRegistry:
         self.subscribed_ranks += len(ranks)
         worker.subscribing_since = self._clock()
         holding_since = time.monotonic()  # after the subscribers started holding
-        worker.state = "ready"
+        worker.state, worker.reason = "ready", ""
         worker.healthy = await self._check_health(worker)
         self._check_still_added(worker)
         self.loads.add_worker(worker.url, worker.dp_size)
@@ -782,7 +783,7 @@ class WorkerRegistry:
 
     async def _register_for_routing(self, worker: Worker) -> None:
         """Ready for traffic, with no KV-event subscription: the index is not kept."""
-        worker.state = "ready"
+        worker.state, worker.reason = "ready", ""
         worker.healthy = await self._check_health(worker)
         self._check_still_added(worker)
         self.loads.add_worker(worker.url, worker.dp_size)

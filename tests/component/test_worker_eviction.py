@@ -7,6 +7,7 @@ loopback; the crash is `stop(send_end=False)`, the restart a new worker on the s
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import Counter
@@ -73,8 +74,31 @@ async def test_a_worker_answering_health_but_never_registering_is_tried_ever_les
             assert worker is not None and worker.state == "down"
             # Every try after the first failed and was counted (one may still be under way).
             assert tries - 1 - worker.reregister_failures in (0, 1), worker
-            # Between two tries (a try under way has cleared the last one's reason).
-            await eventually(lambda: "/server_info" in worker.reason, within_s=10)
+            assert "/server_info" in worker.reason  # a try under way keeps the last one's
+
+
+async def test_a_down_workers_reason_stays_while_its_next_registration_try_runs() -> None:
+    """A try cleared the reason as it began: `GET /workers` showed a down worker with no
+    reason for as long as the try took (its /server_info, its /v1/models)."""
+    asked: Counter[str] = Counter()
+    gate = asyncio.Event()
+
+    async def server_info(_: web.Request) -> web.Response:
+        asked["/server_info"] += 1
+        if asked["/server_info"] > 1:
+            await gate.wait()  # the second try hangs here
+        return web.Response(status=503, text="loading")
+
+    routes = stub_worker_routes({("GET", "/server_info"): server_info})
+    async with (
+        stub_server(routes) as url,
+        router_in_process(workers=[url], health_interval_s=0.02) as rt,
+    ):
+        await eventually(lambda: asked["/server_info"] >= 2, within_s=10)
+        worker = rt.replica.workers.get(url)
+        assert worker is not None and worker.state == "down"
+        assert "/server_info unreachable" in worker.reason
+        gate.set()
 
 
 async def test_a_dead_worker_leaves_the_index_and_a_restarted_one_is_learned_anew() -> None:
