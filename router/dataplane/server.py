@@ -581,13 +581,7 @@ class ClientConnection(asyncio.Protocol):
         link, self._link = self._link, None
         if link is not None:
             link.abort()
-        asking, self._asking = self._asking, None
-        if asking is not None:
-            asking.cancel()
-            self.plane.asking.done()
-        encoding, self._encoding = self._encoding, None
-        if encoding is not None:
-            self.plane.encodes.cancel(encoding)
+        self._stop_unrouted()
         # What it read is freed now, not by a pass of the cyclic collector: the parser (its
         # callbacks) and the deadline (`_expired`) hold this connection, which holds them, and
         # the replica's rare passes (`cli._tune_gc`) left the bodies of uploads cut short in
@@ -857,12 +851,9 @@ class ClientConnection(asyncio.Protocol):
         self._deferred = (head, body)
         self.plane.route_in_turn(self)
 
-    def turn_away_unrouted(self) -> bool:
-        """The drain ended while this connection's request waited for its placer's answer or
-        its long prompt's encode: never sent, it is answered a 503 with `Retry-After` (its
-        client may send it again elsewhere), not cut. Whether it was."""
-        if self._closed or (self._asking is None and self._encoding is None):
-            return False
+    def _stop_unrouted(self) -> bool:
+        """Drop the wait of a request not routed yet (its placer's question, its long prompt's
+        encode), its count with it; whether there was one."""
         asking, self._asking = self._asking, None
         if asking is not None:
             asking.cancel()
@@ -870,6 +861,14 @@ class ClientConnection(asyncio.Protocol):
         encoding, self._encoding = self._encoding, None
         if encoding is not None:
             self.plane.encodes.cancel(encoding)
+        return asking is not None or encoding is not None
+
+    def turn_away_unrouted(self) -> bool:
+        """The drain ended while this connection's request waited for its placer's answer or
+        its long prompt's encode: never sent, it is answered a 503 with `Retry-After` (its
+        client may send it again elsewhere), not cut. Whether it was."""
+        if self._closed or not self._stop_unrouted():
+            return False
         head = self._queue[0].head
         assert head is not None  # a request is routed only once its head is read
         self._send(head, b"", _DRAINED)
