@@ -160,11 +160,13 @@ async def asker_of(
 
 
 @contextlib.asynccontextmanager
-async def stub_placer(answer: str) -> AsyncIterator[str]:
+async def stub_placer(
+    answer: str, later: tuple[asyncio.Event, RankId] | None = None
+) -> AsyncIterator[str]:
     """A sibling that takes decision batches and answers a placement question: never
     (`hang`), with bytes that are not an answer (`garbage`), with a worker this replica does
-    not route to (`stranger`), with a 401 (`refuses`: another token); or that is not there
-    at all (`gone`)."""
+    not route to (`stranger`), with a 401 (`refuses`: another token), with `later`'s rank once
+    its event is set (`later`); or that is not there at all (`gone`)."""
     if answer == "gone":
         yield f"http://127.0.0.1:{free_tcp_port()}"
         return
@@ -180,6 +182,11 @@ async def stub_placer(answer: str) -> AsyncIterator[str]:
                 body=encode_answer(RankId("http://127.0.0.1:9", 0)),
                 content_type=placement.CONTENT_TYPE,
             )
+        if answer == "later" and later is not None:
+            released, rank = later
+            await request.read()
+            await released.wait()
+            return web.Response(body=encode_answer(rank), content_type=placement.CONTENT_TYPE)
         await never.wait()
         raise AssertionError("unreachable")
 
@@ -289,19 +296,8 @@ async def test_a_drain_waits_for_a_new_prefix_whose_placer_has_not_answered_yet(
     async with contextlib.AsyncExitStack() as stack:
         w1 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
         w2 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
-
-        async def place(request: web.Request) -> web.Response:
-            await request.read()
-            await gate.wait()
-            return web.Response(
-                body=encode_answer(RankId(w1.url, 0)), content_type=placement.CONTENT_TYPE
-            )
-
-        async def take(request: web.Request) -> web.Response:
-            return web.Response(status=204)
-
-        routes = {("POST", placement.PATH): place, ("POST", siblings.PATH): take}
-        url = await stack.enter_async_context(stub_server(routes))
+        placer = stub_placer("later", (gate, RankId(w1.url, 0)))
+        url = await stack.enter_async_context(placer)
         asker = await stack.enter_async_context(asker_of(url, [w1, w2], timeout_ms=5_000))
         request = asyncio.create_task(complete(asker, prefix(random.Random(8))))
         await eventually(lambda: asker.plane.asking.count == 1)
@@ -317,20 +313,10 @@ async def test_a_drain_waits_for_a_new_prefix_whose_placer_has_not_answered_yet(
 async def test_a_new_prefix_whose_placer_has_not_answered_when_the_drain_ends_gets_a_503() -> None:
     """Never sent, it is safe to send again elsewhere: a 503 with `Retry-After`, as a request
     still queued for a worker's pool gets, where the shutdown cut it with no answer."""
-    never = asyncio.Event()
     async with contextlib.AsyncExitStack() as stack:
         w1 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
         w2 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
-
-        async def place(request: web.Request) -> web.Response:
-            await never.wait()
-            raise AssertionError("unreachable")
-
-        async def take(request: web.Request) -> web.Response:
-            return web.Response(status=204)
-
-        routes = {("POST", placement.PATH): place, ("POST", siblings.PATH): take}
-        url = await stack.enter_async_context(stub_server(routes))
+        url = await stack.enter_async_context(stub_placer("hang"))
         asker = await stack.enter_async_context(asker_of(url, [w1, w2], timeout_ms=5_000))
         text = prefix(random.Random(9))
         body = {"model": "fake-model", "prompt": text, "max_tokens": 1}
