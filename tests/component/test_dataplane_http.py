@@ -26,7 +26,7 @@ import pytest
 
 from router.dataplane import server
 from router.dataplane.relay import WorkerRelay
-from router.dataplane.upstream import MAX_ANSWER_HEAD_BYTES, UpstreamConnection
+from router.dataplane.upstream import MAX_ANSWER_HEAD_BYTES, UpstreamConnection, UpstreamPool
 from router.serving import serve_until
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.model_dirs import build_fixture_model
@@ -79,6 +79,19 @@ async def one_worker_and_a_client(
     ):
         await routable(rt, w.url)
         yield w, rt, await RawClient.open(rt.url)
+
+
+async def queued_behind_one(
+    w: ScriptedWorker, rt: RouterHandle, client: RawClient
+) -> tuple[asyncio.Task[Any], UpstreamPool]:
+    """A request holding the worker's one pooled connection (its task), and `client`'s
+    request queued for that connection behind it (the pool it waits in)."""
+    holder = asyncio.create_task(rt.post("/v1/completions", json.loads(COMPLETION)))
+    await eventually(lambda: len(w.posts()) == 1)
+    client.send(post(b"/v1/completions", COMPLETION))
+    pool = rt.plane.pools[w.url]
+    await eventually(lambda: len(pool.waiting) == 1)
+    return holder, pool
 
 
 # -- section 1: the server side ------------------------------------------------------------
@@ -1063,11 +1076,7 @@ async def test_a_request_still_queued_when_the_drain_times_out_gets_its_503_not_
     async with one_worker_and_a_client(
         held_until(release), upstream_connections_per_worker=1, upstream_connect_timeout_s=20
     ) as (w, rt, client):
-        holder = asyncio.create_task(rt.post("/v1/completions", json.loads(COMPLETION)))
-        await eventually(lambda: len(w.posts()) == 1)
-        client.send(post(b"/v1/completions", COMPLETION))
-        pool = rt.plane.pools[w.url]
-        await eventually(lambda: len(pool.waiting) == 1)
+        holder, pool = await queued_behind_one(w, rt, client)
         stop = asyncio.Event()
         stop.set()  # as SIGTERM sets it
         with caplog.at_level(logging.WARNING, logger="router.serving"):
@@ -1154,11 +1163,7 @@ async def test_a_client_leaving_while_its_request_is_queued_leaves_the_queue() -
     async with one_worker_and_a_client(
         held_until(release), upstream_connections_per_worker=1, upstream_connect_timeout_s=20
     ) as (w, rt, client):
-        holder = asyncio.create_task(rt.post("/v1/completions", json.loads(COMPLETION)))
-        await eventually(lambda: len(w.posts()) == 1)
-        client.send(post(b"/v1/completions", COMPLETION))
-        pool = rt.plane.pools[w.url]
-        await eventually(lambda: len(pool.waiting) == 1)
+        holder, pool = await queued_behind_one(w, rt, client)
         client.close()
         await eventually(lambda: not pool.waiting)
         release.set()
