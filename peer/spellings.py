@@ -44,7 +44,7 @@ LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 # Folded as one replica's (see the module docstring); `::1` is another socket.
 _IPV4_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1"})
 WILDCARDS = frozenset({"", "0.0.0.0", "::"})
-_DEFAULT_PORTS = {"http": 80, "https": 443}
+DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +83,7 @@ def spelling(url: str, *, fold_loopback: bool) -> tuple[str, str, int]:
     host = canonical_host(parts.hostname or "")
     if fold_loopback and host in _IPV4_LOOPBACK_NAMES:
         host = "loopback"  # not the rest of 127/8: 127.0.0.2 is another address
-    return scheme, host, parts.port or _DEFAULT_PORTS.get(scheme, 0)
+    return scheme, host, parts.port or DEFAULT_PORTS.get(scheme, 0)
 
 
 def sort_out(urls: Iterable[str], me: Listener) -> Sorted:

@@ -31,10 +31,12 @@ snapshot fetches and a sibling's snapshot never worked: a worker stayed down, re
 at every health pass, and a joiner waited out its bootstrap for a sibling it never reached.
 The refusal names the dotted quad the resolver reads, the spelling to give instead.
 
-One engine is one worker however its address is spelt: the host is keyed as siblings' are
-(`peer.spellings.canonical_host`: an IPv6 literal compressed, an IPv4-mapped one as its IPv4
-address), else `http://[::ffff:7f00:1]:P` beside `http://127.0.0.1:P` was a second worker,
-subscribed to the same stream, its ranks counted again in the index and the loads. A worker's
+One engine is one worker however its address is spelt: it is keyed as siblings are
+(`peer.spellings.spelling`: scheme and host in lower case, an IPv6 literal compressed, an
+IPv4-mapped one as its IPv4 address, the scheme's default port written or not), else
+`http://[::ffff:7f00:1]:P` beside `http://127.0.0.1:P`, or `http://w:80` beside `http://w`,
+was a second worker, subscribed to the same stream, its ranks counted again in the index and
+the loads, its requests and in-flight counts split between the two. A worker's
 host may not be the unspecified address (`0.0.0.0`, `[::]`, what an engine's log says it
 listens on): a connect to it reaches whatever listens on the connecting machine, so it names
 no one worker, and no sibling can read it as this replica does.
@@ -49,7 +51,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from peer.spellings import canonical_host
+from peer.spellings import DEFAULT_PORTS, canonical_host, spelling
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -175,20 +177,19 @@ def is_unspecified(host: str) -> bool:
 
 
 def canonical_origin(url: str) -> str:
-    """`scheme://host[:port]`, scheme and host in lower case (an IP literal as
-    `peer.spellings.canonical_host` spells it), no trailing slash.
+    """`scheme://host[:port]` as `peer.spellings.spelling` reads it (scheme and host in lower
+    case, an IP literal as `canonical_host` spells it), no trailing slash, and the port left
+    out when it is the scheme's default (as a URL parser serializes an origin).
 
     Only for URLs `origin_problem` accepts; anything else is returned with its trailing
     slashes stripped, so a lookup of a malformed URL finds nothing rather than raising.
     """
     if origin_problem(url) is not None:
         return url.rstrip("/")
-    parts = urlsplit(url)
-    host = canonical_host(parts.hostname or "")
+    scheme, host, port = spelling(url, fold_loopback=False)
     if ":" in host:
         host = f"[{host}]"
-    port = f":{parts.port}" if parts.port is not None else ""
-    return f"{parts.scheme}://{host}{port}"
+    return f"{scheme}://{host}" if port == DEFAULT_PORTS[scheme] else f"{scheme}://{host}:{port}"
 
 
 def http_origin(host: str, port: int) -> str:

@@ -173,6 +173,23 @@ async def test_one_engine_under_other_spellings_is_one_worker() -> None:
         assert registry.workers() == []
 
 
+async def test_a_default_port_written_or_not_host_case_and_a_trailing_slash_are_one_worker() -> (
+    None
+):
+    """`http://127.0.0.1` and `http://127.0.0.1:80` were two workers (one connection, one
+    stream, two listings): its requests, in-flight counts and ranks split between them. Port
+    80 has no engine in the test, so each stays down; the listing is what splits."""
+    async with router_in_process() as rt:
+        for spelt in ("http://127.0.0.1", "http://127.0.0.1:80", "HTTP://127.0.0.1:80/"):
+            status, body, _ = await rt.post("/workers", {"url": spelt})
+            assert status == 200, (spelt, body)
+            assert body["url"] == "http://127.0.0.1", body
+        assert [w.url for w in rt.replica.workers.workers()] == ["http://127.0.0.1"]
+        status, body = await rt.delete("/workers?url=http://127.0.0.1:80/")
+        assert status == 200 and body == {"removed": "http://127.0.0.1"}, body
+        assert rt.replica.workers.workers() == []
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "[::]", "[::ffff:0.0.0.0]"])
 async def test_a_worker_on_the_unspecified_address_is_a_400_and_registers_nothing(
     host: str,

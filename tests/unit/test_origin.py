@@ -14,10 +14,19 @@ from router.origin import AllowList, canonical_origin, origin_problem, worker_or
     [
         ("http://127.0.0.1:8000", "http://127.0.0.1:8000"),
         ("http://127.0.0.1:8000/", "http://127.0.0.1:8000"),
-        ("https://Worker-0.EXAMPLE:443", "https://worker-0.example:443"),
+        ("https://Worker-0.EXAMPLE:8443", "https://worker-0.example:8443"),
         ("HTTP://w:1", "http://w:1"),
         ("http://[::1]:8000", "http://[::1]:8000"),
         ("http://w", "http://w"),
+        # The scheme's default port is one socket written or not: left out, as a URL parser
+        # serializes an origin (`http://w:80` beside `http://w` was a second worker).
+        ("http://w:80", "http://w"),
+        ("HTTP://W:80/", "http://w"),
+        ("https://w:443", "https://w"),
+        ("https://Worker-0.EXAMPLE:443/", "https://worker-0.example"),
+        ("http://[::1]:80", "http://[::1]"),
+        ("http://w:443", "http://w:443"),  # another scheme's default is a port like any other
+        ("https://w:80", "https://w:80"),
         ("http://xn--e1afmkfd.example:8000", "http://xn--e1afmkfd.example:8000"),
         ("http://w-0.svc.cluster.local.:8000", "http://w-0.svc.cluster.local.:8000"),
         # One engine, one key: an IPv6 literal compressed, an IPv4-mapped one as its IPv4
