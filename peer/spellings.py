@@ -44,6 +44,7 @@ LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 # Folded as one replica's (see the module docstring); `::1` is another socket.
 _IPV4_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1"})
 WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+FOLDED_LOOPBACK = "loopback"  # the host `spelling` gives `_IPV4_LOOPBACK_NAMES` when it folds
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -82,7 +83,7 @@ def spelling(url: str, *, fold_loopback: bool) -> tuple[str, str, int]:
     scheme = parts.scheme
     host = canonical_host(parts.hostname or "")
     if fold_loopback and host in _IPV4_LOOPBACK_NAMES:
-        host = "loopback"  # not the rest of 127/8: 127.0.0.2 is another address
+        host = FOLDED_LOOPBACK  # not the rest of 127/8: 127.0.0.2 is another address
     return scheme, host, parts.port or DEFAULT_PORTS.get(scheme, 0)
 
 
@@ -158,7 +159,7 @@ def canonical_host(host: str) -> str:
 
 def _on_this_machine(host: str, machine: set[str]) -> bool:
     # The wildcard listens on every local address, all of 127/8 included.
-    return host == "loopback" or host in machine or _is_loopback(host)
+    return host == FOLDED_LOOPBACK or host in machine or _is_loopback(host)
 
 
 def _is_loopback(host: str) -> bool:

@@ -310,7 +310,10 @@ async def _add_worker(request: web.Request) -> web.Response:
     if (problem := worker_origin_problem(url)) is not None:
         return bad_request(BadRequest(f"'url' {url!r} is not a worker's origin: {problem}", "url"))
     replica = request.app[REPLICA]
-    if (refusal := await allow_list_refusal(replica.workers.allow, host_of(url))) is not None:
+    # The host the replica will connect to: `localhost` is checked as 127.0.0.1 (whatever
+    # else it resolves to here), a mapped address as its IPv4 one.
+    host = host_of(canonical_origin(url))
+    if (refusal := await allow_list_refusal(replica.workers.allow, host)) is not None:
         log.warning("POST /workers %s refused: %s", url, refusal)
         return web.json_response(
             {"error": {"message": refusal, "type": "permission_error", "param": "url"}},

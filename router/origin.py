@@ -36,10 +36,20 @@ One engine is one worker however its address is spelt: it is keyed as siblings a
 IPv4-mapped one as its IPv4 address, the scheme's default port written or not), else
 `http://[::ffff:7f00:1]:P` beside `http://127.0.0.1:P`, or `http://w:80` beside `http://w`,
 was a second worker, subscribed to the same stream, its ranks counted again in the index and
-the loads, its requests and in-flight counts split between the two. A worker's
-host may not be the unspecified address (`0.0.0.0`, `[::]`, what an engine's log says it
-listens on): a connect to it reaches whatever listens on the connecting machine, so it names
-no one worker, and no sibling can read it as this replica does.
+the loads, its requests and in-flight counts split between the two.
+
+`localhost` is `127.0.0.1`, always (siblings fold the two only when this replica listens on
+loopback, which says whether a sibling's loopback is this machine's; a worker's loopback is
+this machine's wherever the replica listens): `http://localhost:P` is keyed, listed and
+reached as `http://127.0.0.1:P`. In theory another listener could hold port P on IPv6
+loopback, where a connect to `localhost` may go first; an engine told to listen on
+`localhost` listens on 127.0.0.1 (on ::1 too, at most), and one on IPv6 loopback alone is
+given unambiguously as `http://[::1]:P`, which stays apart. The registry logs the fold,
+naming both spellings.
+
+A worker's host may not be the unspecified address (`0.0.0.0`, `[::]`, what an engine's log
+says it listens on): a connect to it reaches whatever listens on the connecting machine, so it
+names no one worker, and no sibling can read it as this replica does.
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from peer.spellings import DEFAULT_PORTS, canonical_host, spelling
+from peer.spellings import DEFAULT_PORTS, FOLDED_LOOPBACK, canonical_host, spelling
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -178,16 +188,19 @@ def is_unspecified(host: str) -> bool:
 
 def canonical_origin(url: str) -> str:
     """`scheme://host[:port]` as `peer.spellings.spelling` reads it (scheme and host in lower
-    case, an IP literal as `canonical_host` spells it), no trailing slash, and the port left
-    out when it is the scheme's default (as a URL parser serializes an origin).
+    case, an IP literal as `canonical_host` spells it, `localhost` as 127.0.0.1), no trailing
+    slash, and the port left out when it is the scheme's default (as a URL parser serializes
+    an origin).
 
     Only for URLs `origin_problem` accepts; anything else is returned with its trailing
     slashes stripped, so a lookup of a malformed URL finds nothing rather than raising.
     """
     if origin_problem(url) is not None:
         return url.rstrip("/")
-    scheme, host, port = spelling(url, fold_loopback=False)
-    if ":" in host:
+    scheme, host, port = spelling(url, fold_loopback=True)
+    if host == FOLDED_LOOPBACK:
+        host = "127.0.0.1"
+    elif ":" in host:
         host = f"[{host}]"
     return f"{scheme}://{host}" if port == DEFAULT_PORTS[scheme] else f"{scheme}://{host}:{port}"
 

@@ -456,7 +456,15 @@ class WorkerRegistry:
         `WorkerRemoved` when it was removed before its registration ended."""
         if (problem := worker_origin_problem(url)) is not None:
             raise ValueError(f"{url!r} is not a worker URL: {problem}")
-        url = _normalize(url)
+        given, url = url, _normalize(url)
+        if host_of(given) == "localhost":
+            log.warning(
+                "worker %s is %s: localhost is taken for 127.0.0.1, one worker under either "
+                "spelling (router.origin); give an engine listening on IPv6 loopback only as "
+                "http://[::1]:port",
+                given,
+                url,
+            )
         async with self._exclusive(url):
             known = self._workers.get(url)
             if known is not None and known.state not in ("discovering", "down"):

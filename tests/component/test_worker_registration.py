@@ -190,6 +190,39 @@ async def test_a_default_port_written_or_not_host_case_and_a_trailing_slash_are_
         assert rt.replica.workers.workers() == []
 
 
+async def test_localhost_is_127_0_0_1_one_worker_and_the_fold_is_logged_naming_both(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`--worker http://localhost:P` and `POST /workers http://127.0.0.1:P` were two workers:
+    one stream subscribed twice, one engine's requests and in-flight counts split in two."""
+    async with fake_worker_in_process() as fw:
+        port = fw.url.rpartition(":")[2]
+        async with router_in_process(
+            workers=[f"http://localhost:{port}"], expose_route_headers=True
+        ) as rt:
+            registry = rt.replica.workers
+            assert [w.url for w in registry.workers()] == [fw.url]  # fw.url: 127.0.0.1
+            for spelt in (fw.url, f"http://LOCALHOST:{port}/"):
+                status, body, _ = await rt.post("/workers", {"url": spelt})
+                assert status == 200 and body["url"] == fw.url, (spelt, body)
+            assert [w.url for w in registry.workers()] == [fw.url]
+            assert registry.subscribed_ranks == 1
+            assert rt.replica.pump.rules.live == {RankId(fw.url, 0)}
+            await eventually(lambda: registry.routable() != [], 10)
+            for _ in range(2):
+                status, _, headers = await rt.post(
+                    "/v1/completions", {"prompt": "one engine", "max_tokens": 1}
+                )
+                assert status == 200 and headers["X-Kvrouter-Worker"] == fw.url, headers
+            assert (await fw.state())["requests"] == 2
+            status, body = await rt.delete(f"/workers?url=http://localhost:{port}")
+            assert status == 200 and body == {"removed": fw.url}, body
+            assert registry.workers() == []
+    folds = [r.getMessage() for r in caplog.records if "localhost is taken for" in r.getMessage()]
+    assert len(folds) == 2, folds  # the flag's and the POST's, each naming both spellings
+    assert f"http://localhost:{port} is {fw.url}" in folds[0], folds
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "[::]", "[::ffff:0.0.0.0]"])
 async def test_a_worker_on_the_unspecified_address_is_a_400_and_registers_nothing(
     host: str,

@@ -27,6 +27,12 @@ from router.origin import AllowList, canonical_origin, origin_problem, worker_or
         ("http://[::1]:80", "http://[::1]"),
         ("http://w:443", "http://w:443"),  # another scheme's default is a port like any other
         ("https://w:80", "https://w:80"),
+        # localhost is 127.0.0.1 (`router.origin`): one engine, one worker. The rest of
+        # 127/8 and IPv6 loopback are other addresses.
+        ("http://localhost:8000", "http://127.0.0.1:8000"),
+        ("http://LocalHost:80/", "http://127.0.0.1"),
+        ("http://127.0.0.2:8000", "http://127.0.0.2:8000"),
+        ("http://localhost.example:8000", "http://localhost.example:8000"),
         ("http://xn--e1afmkfd.example:8000", "http://xn--e1afmkfd.example:8000"),
         ("http://w-0.svc.cluster.local.:8000", "http://w-0.svc.cluster.local.:8000"),
         # One engine, one key: an IPv6 literal compressed, an IPv4-mapped one as its IPv4
