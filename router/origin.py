@@ -186,6 +186,18 @@ def is_unspecified(host: str) -> bool:
         return False
 
 
+def is_link_scoped(host: str) -> bool:
+    """Whether `host` (as `canonical_host` spells it) is an IPv6 address reached only through
+    a named interface: link-local (`fe80::/10`), or given with a zone (`%25eth0`)."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return isinstance(address, ipaddress.IPv6Address) and (
+        address.is_link_local or address.scope_id is not None
+    )
+
+
 def canonical_origin(url: str) -> str:
     """`scheme://host[:port]` as `peer.spellings.spelling` reads it (scheme and host in lower
     case, an IP literal as `canonical_host` spells it, `localhost` as 127.0.0.1), no trailing

@@ -7,7 +7,7 @@ add(url), for a URL not yet known:
   1. Read `GET {url}/server_info` for the `kv_events` block (SGLang style); without one, fall
      back to the flags (port base, replay port base, dp size). A wildcard endpoint host means
      the worker's own host. Endpoints no rank can be subscribed at (a rank's port outside
-     1..65535, a host that is none), or on a host other than its own outside
+     1..65535, a host that is none or link-local IPv6), or on a host other than its own outside
      `--worker-allow-cidr`, refuse the worker (as in 2) before anything subscribes.
      Read `GET {url}/v1/models` (`parse_models`): its engine, the base model names it serves
      (`served_models`, how a vLLM request's `model` is told from an adapter's name) and its
@@ -65,6 +65,7 @@ from router.origin import (
     canonical_origin,
     host_of,
     host_problem,
+    is_link_scoped,
     is_unspecified,
     worker_origin_problem,
 )
@@ -205,11 +206,24 @@ def reregister_after_s(failures: int, interval_s: float) -> float:
 
 def endpoint_problem(info: KvEventsInfo) -> str | None:
     """Why no rank of the worker can be subscribed where `info` says, or None: a host that
-    is none (as a worker URL's, `router.origin`), or a rank's port (the base plus the rank,
-    the replay one's too) outside 1..65535. Its subscribers retried such an endpoint for
-    good, one warning per rank every 2 s, while the worker was listed ready."""
+    is none (as a worker URL's, `router.origin`) or is link-local IPv6 (`is_link_scoped`),
+    or a rank's port (the base plus the rank, the replay one's too) outside 1..65535. Its
+    subscribers retried such an endpoint for good, one warning per rank every 2 s, while the
+    worker was listed ready."""
     if (problem := host_problem(info.host)) is not None:
         return f"its KV-event endpoint host is none: {problem}"
+    if is_link_scoped(info.host):
+        # Without a zone a connect to it fails (EINVAL); a zone names an interface of the
+        # machine that wrote it, the worker's, not of this replica's (and its URL spelling,
+        # `%25`, is no name the resolver or libzmq reads): the subscribers retried it for good.
+        address, _, zone = info.host.partition("%25")
+        return (
+            f"its KV-event endpoint host {address}{f' (zone {zone})' if zone else ''} is "
+            "reached only through a named network interface (a link-local IPv6 address, or "
+            "one given with a zone), an interface of this replica's machine that the worker "
+            "cannot name; publish the events on a routable address of the worker, or on a "
+            "wildcard (its own host)"
+        )
     bases = (("endpoint", info.port_base), ("replay endpoint", info.replay_port_base))
     for name, base in bases:
         if base is not None and not 1 <= base <= 65536 - info.dp_size:

@@ -133,8 +133,19 @@ async def test_an_endpoint_host_inside_the_allow_list_is_subscribed_to() -> None
         ({"endpoint_port_base": 70000, "dp_size": 1024}, "ports 70000..71023"),
         ({"endpoint_port_base": 5557, "replay_endpoint_port_base": 70000}, "replay endpoint"),
         ({"endpoint_host": "127.1", "endpoint_port_base": 5557}, "write it as 127.0.0.1"),
+        ({"endpoint_host": "fe80::1%eth0", "endpoint_port_base": 5557}, "(zone eth0) is reached"),
+        ({"endpoint_host": "fe80::1", "endpoint_port_base": 5557}, "a named network interface"),
     ],
-    ids=["past_65535", "negative", "last_rank_past", "1024_ranks", "replay", "legacy_ipv4"],
+    ids=[
+        "past_65535",
+        "negative",
+        "last_rank_past",
+        "1024_ranks",
+        "replay",
+        "legacy_ipv4",
+        "ipv6_zone",
+        "link_local",
+    ],
 )
 async def test_an_endpoint_no_rank_can_be_subscribed_at_is_a_409_and_nothing_subscribes(
     kv: dict[str, Any], words: str

@@ -55,6 +55,12 @@ def test_the_endpoint_host_is_spelt_as_a_worker_hosts_and_a_wildcard_is_the_work
         ({"endpoint_host": "evil host"}, "is not a host name"),
         ({"endpoint_host": "①②⑦.0.0.1"}, "IDNA"),
         ({"endpoint_host": 2130706433}, "IPv4 address"),
+        # Reached only through a named interface, which the worker's zone names on its own
+        # machine (or not at all): the subscribers' connects failed, retried for good.
+        ({"endpoint_host": "fe80::1%eth0"}, "host fe80::1 (zone eth0) is reached only through"),
+        ({"endpoint_host": "[FE80::1%25eth0]"}, "host fe80::1 (zone eth0)"),
+        ({"endpoint_host": "fe80::1"}, "host fe80::1 is reached only through a named network"),
+        ({"endpoint_host": "fd00::7%eth0"}, "host fd00::7 (zone eth0)"),
     ],
 )
 def test_an_endpoint_no_rank_can_be_subscribed_at_is_a_problem_naming_it(
