@@ -232,7 +232,10 @@ def host_of(url: str) -> str:
 class AllowList:
     """`--worker-allow-cidr`: networks an admin-added worker's addresses must all be in.
 
-    Empty means no restriction (the bearer token is then the only gate).
+    Empty means no restriction (the bearer token is then the only gate). An address is
+    checked as the one it connects to, an IPv4-mapped one as its IPv4 address, so an entry
+    inside `::ffff:0:0/96` is read as the IPv4 network it maps (`::ffff:10.0.0.0/104` as
+    `10.0.0.0/8`): kept in IPv6, it matched no address at all.
     """
 
     networks: tuple[IPNetwork, ...] = ()
@@ -243,7 +246,7 @@ class AllowList:
         networks = []
         for cidr in cidrs:
             try:
-                networks.append(ipaddress.ip_network(cidr.strip(), strict=False))
+                networks.append(_unmapped(ipaddress.ip_network(cidr.strip(), strict=False)))
             except ValueError as exc:
                 raise ValueError(f"{cidr!r} is not a CIDR network: {exc}") from None
         return cls(tuple(networks))
@@ -270,3 +273,14 @@ class AllowList:
                 allowed = ", ".join(str(n) for n in self.networks)
                 return f"{host} ({address}) is outside --worker-allow-cidr ({allowed})"
         return None
+
+
+_IPV4_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
+
+
+def _unmapped(network: IPNetwork) -> IPNetwork:
+    """A network inside `::ffff:0:0/96` as the IPv4 network it maps; any other as it is."""
+    if isinstance(network, ipaddress.IPv6Network) and network.subnet_of(_IPV4_MAPPED):
+        ipv4 = ipaddress.IPv4Address(int(network.network_address) & 0xFFFF_FFFF)
+        return ipaddress.IPv4Network((ipv4, network.prefixlen - 96))
+    return network

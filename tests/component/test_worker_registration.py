@@ -261,3 +261,24 @@ async def test_an_ipv4_mapped_address_cannot_pass_an_ipv4_allow_list_it_is_outsi
         status, body, _ = await rt.post("/workers", {"url": f"http://[::ffff:7f00:1]:{port}"})
         assert status == 200 and body["url"] == fw.url, body
         assert [w.url for w in rt.replica.workers.workers()] == [fw.url]
+
+
+async def test_an_ipv4_mapped_allow_list_admits_the_ipv4_workers_it_maps_and_no_other() -> None:
+    """`--worker-allow-cidr ::ffff:127.0.0.0/104` matched nothing: every worker was a 403,
+    the one on 127.0.0.1 it was written for too."""
+    async with fake_worker_in_process() as fw:
+        port = fw.url.rpartition(":")[2]
+        async with router_in_process(worker_allow_cidr=["::ffff:127.0.0.0/104"]) as rt:
+            for spelt in (fw.url, f"http://[::ffff:127.0.0.1]:{port}"):
+                status, body, _ = await rt.post("/workers", {"url": spelt})
+                assert status == 200 and body["url"] == fw.url, (spelt, body)
+            assert [w.url for w in rt.replica.workers.workers()] == [fw.url]
+            assert rt.replica.workers.subscribed_ranks == 1
+        async with router_in_process(worker_allow_cidr=["::ffff:10.0.0.0/104"]) as rt:
+            status, body, _ = await rt.post("/workers", {"url": fw.url})
+            assert status == 403, body
+            assert (
+                "127.0.0.1 (127.0.0.1) is outside --worker-allow-cidr (10.0.0.0/8)"
+                in (body["error"]["message"])
+            ), body
+            assert rt.replica.workers.workers() == []

@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import fields
+from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 
 import pytest
 
 from router.auth import PLACEHOLDER_TOKEN
 from router.cli import build_parser, parse_args, serve_config
+from router.origin import AllowList
 from router.replica import ServeConfig, snapshot_body_bound
 
 
@@ -264,6 +266,17 @@ def test_help_says_the_token_is_set_but_never_prints_it(
     with pytest.raises(SystemExit):
         parse_args(["serve", "--help"])
     assert "KVROUTER_INTERNAL_TOKEN; default unset]" in " ".join(capsys.readouterr().out.split())
+
+
+def test_an_ipv4_mapped_allow_cidr_flag_is_read_as_the_ipv4_network_it_maps() -> None:
+    """`--worker-allow-cidr ::ffff:10.0.0.0/104` was taken and matched nothing: a worker at
+    10.1.2.3 (or at ::ffff:10.1.2.3, checked as 10.1.2.3) was refused by the list meant for it."""
+    config = config_of(
+        "--worker-allow-cidr", "::ffff:10.0.0.0/104", "--worker-allow-cidr", "fd00::/8"
+    )
+    allow = AllowList.parse(config.worker_allow_cidr)
+    assert allow.networks == (IPv4Network("10.0.0.0/8"), IPv6Network("fd00::/8"))
+    assert allow.refusal("w", ["10.1.2.3", "::ffff:10.1.2.4", "fd00::1"]) is None
 
 
 def test_defaults_without_flags_or_environment() -> None:

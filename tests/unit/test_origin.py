@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 import pytest
@@ -135,6 +136,13 @@ def test_a_worker_origin_is_first_an_origin() -> None:
         (["127.0.0.1/32"], "::ffff:7f00:1", ["::ffff:127.0.0.1"], True),
         (["10.0.0.0/8"], "w", [], False),
         (["fe80::/10"], "w", ["fe80::1%eth0"], True),  # a scope id is not part of the address
+        # An IPv4-mapped entry is the IPv4 network it maps, as a mapped address is its IPv4
+        # one (kept in IPv6 it matched nothing: every address is checked as IPv4).
+        (["::ffff:10.0.0.0/104"], "w", ["10.1.2.3"], True),
+        (["::ffff:10.0.0.0/104"], "w", ["::ffff:10.1.2.3"], True),
+        (["::FFFF:a00:0/104"], "w", ["10.1.2.3"], True),
+        (["::ffff:10.0.0.0/104"], "w", ["11.0.0.1"], False),
+        (["::ffff:127.0.0.1/128"], "::ffff:7f00:2", ["::ffff:127.0.0.2"], False),
     ],
 )
 def test_the_allow_list(cidrs: list[str], host: str, addresses: list[str], allowed: bool) -> None:
@@ -145,3 +153,20 @@ def test_the_allow_list(cidrs: list[str], host: str, addresses: list[str], allow
 def test_an_allow_list_entry_that_is_not_a_network_is_named() -> None:
     with pytest.raises(ValueError, match=re.escape("'10.0.0.0/33'")):
         AllowList.parse(["10.0.0.0/8", "10.0.0.0/33"])
+
+
+@pytest.mark.parametrize(
+    "cidr,network",
+    [
+        ("::ffff:10.0.0.0/104", "10.0.0.0/8"),
+        ("::ffff:10.1.2.3/104", "10.0.0.0/8"),  # host bits dropped, as for any entry
+        ("::ffff:127.0.0.1/128", "127.0.0.1/32"),
+        ("::ffff:0:0/96", "0.0.0.0/0"),  # every IPv4-mapped address: every IPv4 one
+        ("fd00::/8", "fd00::/8"),
+        ("::/0", "::/0"),  # wider than the mapped block: IPv6 as written
+    ],
+)
+def test_an_allow_list_entry_inside_the_ipv4_mapped_block_is_its_ipv4_network(
+    cidr: str, network: str
+) -> None:
+    assert AllowList.parse([cidr]).networks == (ipaddress.ip_network(network),)
