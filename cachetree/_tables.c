@@ -24,9 +24,9 @@
  *   rule, which snapshot export relies on, and popitem's newest-first order, which a sliced
  *   rank clear relies on. A deletion leaves a dead entry and a dummy slot; both go at the
  *   next rebuild (when the entries run out), which sizes the table to 2.25x the live entries:
- *   the table shrinks after mass removals. When the live entries need a larger table instead,
- *   the map grows in steps, each insertion moving a few keys of the old table into the new one
- *   (see "Growth without a stall"): no insertion pays for millions of keys at once, which
+ *   the table grows, keeps its size (a map at a steady size), or shrinks after mass removals.
+ *   A rebuild goes in steps, each insertion moving a few entries into the new table (see
+ *   "Rebuilding without a stall"): no insertion pays for millions of keys at once, which
  *   would stand the replica's event loop still. Keys are hashed with a per-process random seed
  *   (murmur3's finalizer over key ^ seed), so crafted keys cannot aim at one probe chain.
  *   Iterators refuse to go on after the map changed shape (RuntimeError), as dict's do.
@@ -44,6 +44,7 @@
 #include <string.h>
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 static uint64_t seed;
@@ -553,22 +554,27 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    Entry *entries;       /* insertion order; an entry keeps its number through a growth */
+    Entry *entries;       /* insertion order */
     uint8_t *live;        /* live[i]: entries[i] is in the map; 0 from n_entries on */
     int32_t *slots;       /* 0 empty, -1 dummy (deleted), i + 1: entries[i] */
     uint8_t *tags;        /* per slot: TAG_EMPTY, TAG_DUMMY, or tag_of(its key's mix) */
     Py_ssize_t size;      /* slots, a power of two */
-    Py_ssize_t usable;    /* entries allocated: size * 2 / 3 */
+    Py_ssize_t blocks_size; /* the slots `entries` and `live` are allocated for: `size`, but
+                             * for a larger one's during a rebuild to a smaller table */
+    Py_ssize_t usable;    /* entries, and slots filled, before the next rebuild: BUDGET(size) */
     Py_ssize_t n_entries; /* entries written, dead ones included */
     Py_ssize_t used;      /* live entries */
     Py_ssize_t filled;    /* slots not empty: live entries and dummies */
-    /* A growth under way (see map_grow): the slots and tags of the table before it, whose
-     * slots from `moved` on may still hold keys; NULL when none is. */
+    /* A rebuild under way (see "Rebuilding without a stall"): the slots and tags of the table
+     * before it, NULL when none is; the entries before `read` are in the new table, slid to
+     * [0, written); the entries from `old_end` on were inserted during it. */
     int32_t *old_slots;
     uint8_t *old_tags;
     Py_ssize_t old_size;
-    Py_ssize_t moved;
-    /* The table of the next growth, paged in ahead of it (see map_prepare); NULL when none. */
+    Py_ssize_t read;
+    Py_ssize_t written;
+    Py_ssize_t old_end;
+    /* The table of the next rebuild, paged in ahead of it (see map_prepare); NULL when none. */
     int32_t *next_slots;
     Py_ssize_t next_size;
     Py_ssize_t next_touched; /* its bytes paged in */
@@ -596,6 +602,13 @@ tag_of(uint64_t h)
 #define MIN_SIZE 8
 #define MAX_SIZE ((Py_ssize_t)1 << 31)
 
+/* The entries a table of `size` slots has room for, and its budget: the entries (and slots
+ * filled) at which a rebuild starts, 1/32 short of them, so that the insertions made while
+ * the rebuild runs (one in REHASH_STEP - 1 of the entries it reads) have room in the same
+ * blocks (see "Rebuilding without a stall"). */
+#define ROOM(size) ((size) * 2 / 3)
+#define BUDGET(size) (ROOM(size) - ROOM(size) / 32 - 1)
+
 /* A map's arrays are three zeroed blocks: its entries, their live bytes, and its table (the
  * slots' words, then their tags), each sized by the map's slots. A map of HUGE_MIN or more has
  * its blocks on transparent huge pages: a lookup in a table of tens of MB is, beside its cache
@@ -603,8 +616,9 @@ tag_of(uint64_t h)
  * a hypervisor's nested paging); 2 MiB pages make those rare. Only from HUGE_MIN, so rounding
  * the blocks to whole huge pages wastes little of the map. A smaller block of MAP_MIN or more
  * is a plain mapping of its own. Either way a growth moves the entries and live bytes to their
- * larger blocks by remapping their pages (mremap) instead of copying them. Elsewhere than
- * Linux, calloc and copies. */
+ * larger blocks by remapping their pages (mremap) instead of copying them, and a shrinking
+ * gives the pages past the smaller blocks back (munmap). Elsewhere than Linux, calloc and
+ * copies. */
 #define MAP_MIN ((size_t)1 << 20)
 #define HUGE_PAGE ((size_t)2 << 20)
 #define HUGE_MIN ((size_t)16 << 20)
@@ -621,26 +635,19 @@ index_bytes(Py_ssize_t size)
     return (size_t)size * (sizeof(int32_t) + 1);
 }
 
-/* The bytes of a map's three blocks. */
-static size_t
-table_bytes(Py_ssize_t size, Py_ssize_t usable)
-{
-    return (size_t)usable * (sizeof(Entry) + 1) + index_bytes(size);
-}
-
 /* The bytes of block `which` of a map of `size` slots. */
 static inline size_t
 block_bytes(int which, Py_ssize_t size)
 {
-    const size_t usable = (size_t)(size * 2 / 3);
-    return which == ENTRIES ? usable * sizeof(Entry) : which == LIVE ? usable : index_bytes(size);
+    const size_t room = (size_t)ROOM(size);
+    return which == ENTRIES ? room * sizeof(Entry) : which == LIVE ? room : index_bytes(size);
 }
 
 #ifdef OWN_MAPPINGS
 static inline int
 on_huge_pages(Py_ssize_t size)
 {
-    return table_bytes(size, size * 2 / 3) >= HUGE_MIN;
+    return block_bytes(ENTRIES, size) + block_bytes(LIVE, size) + index_bytes(size) >= HUGE_MIN;
 }
 #endif
 
@@ -732,6 +739,36 @@ table_move(void *dst, void *src, int which, Py_ssize_t new_size, Py_ssize_t old_
     table_free(src, which, old_size);
 }
 
+/* Can block `which` of `old_size` slots keep its pages as the one of `new_size` (fewer)? Where
+ * both are mappings: see table_trim. */
+static inline int
+table_trims_in_place(int which, Py_ssize_t new_size, Py_ssize_t old_size)
+{
+#ifdef OWN_MAPPINGS
+    return mapped_len(which, old_size) > 0 && mapped_len(which, new_size) > 0;
+#else
+    (void)which, (void)new_size, (void)old_size;
+    return 0;
+#endif
+}
+
+/* Block `which` of `old_size` slots, `p`, made the one of `new_size` (fewer) slots where
+ * table_trims_in_place: the pages past the smaller block are given back. */
+static void
+table_trim(void *p, int which, Py_ssize_t new_size, Py_ssize_t old_size)
+{
+#ifdef OWN_MAPPINGS
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    const size_t keep = (mapped_len(which, new_size) + page - 1) & ~(page - 1);
+    const size_t len = mapped_len(which, old_size);
+    if (keep < len) {
+        munmap((uint8_t *)p + keep, len - keep);
+    }
+#else
+    (void)p, (void)which, (void)new_size, (void)old_size;
+#endif
+}
+
 /* A table of `size` slots: its slots' words, then its tags, zeroed. */
 static int
 index_alloc(Py_ssize_t size, int32_t **slots, uint8_t **tags)
@@ -765,23 +802,23 @@ map_alloc(MapObject *m, Py_ssize_t size)
     m->live = live;
     m->slots = slots;
     m->tags = tags;
-    m->size = size;
-    m->usable = size * 2 / 3;
+    m->size = m->blocks_size = size;
+    m->usable = BUDGET(size);
     return 0;
 }
 
-/* Free the blocks of `m` (not its values), the table of a growth under way included. */
+/* Free the blocks of `m` (not its values), the table of a rebuild under way included. */
 static void
 map_free_blocks(const MapObject *m)
 {
-    table_free(m->entries, ENTRIES, m->size);
-    table_free(m->live, LIVE, m->size);
+    table_free(m->entries, ENTRIES, m->blocks_size);
+    table_free(m->live, LIVE, m->blocks_size);
     table_free(m->slots, INDEX, m->size);
     table_free(m->old_slots, INDEX, m->old_size);
     table_free(m->next_slots, INDEX, m->next_size);
 }
 
-/* Free the table paged in for a growth that will not come as prepared. */
+/* Free the table paged in for a rebuild that will not come as prepared. */
 static void
 map_drop_next(MapObject *m)
 {
@@ -821,22 +858,35 @@ table_find(const Entry *entries, const int32_t *slots, const uint8_t *tags, Py_s
     }
 }
 
-/* Growth without a stall
- * ----------------------
- * When the entries run out and the live ones need a larger table, the map does not place them
- * all in it at once (at millions of keys, tens to hundreds of ms in which the replica's event
- * loop stands still). map_grow moves the entries and live bytes to larger blocks (their pages,
- * not their bytes: entry numbers do not change) and starts an empty table of twice the slots
- * beside the old one. From then on a key is in exactly one of the two: every insertion goes to
- * the new table and then moves the keys of the next REHASH_STEP slots of the old one into it
- * (a moved slot becomes a dummy, so the old table's probe chains still run through it), and a
- * lookup tries the new table, then the old. The old table is freed once its last slot moved:
- * after size / REHASH_STEP insertions, well before the new table's entries (as many again as
- * the old one had) can run out. Deletions and lookups move nothing, so a slot number that
- * map_find gave stays good until the map's next insertion, as before. */
+/* Rebuilding without a stall
+ * --------------------------
+ * A map is rebuilt when its entries run out, or its slots fill with dummies: the live entries
+ * slide to the front of the entries, in order, dropping the dead ones, and are placed in a
+ * fresh table sized for them, larger (a growth), the same (a map at a steady size: every
+ * insertion meets a deletion) or smaller (after mass removals). At millions of keys, placing
+ * them all at once takes tens to hundreds of ms in which the replica's event loop stands still,
+ * so the map does it in steps. map_rebuild_for starts an empty table of the new size beside the
+ * old one (for a growth, the entries and live bytes first move to larger blocks: their pages,
+ * not their bytes). From then on every insertion goes to the new table and then reads the next
+ * REHASH_STEP entries, from `read` on: each live one slides down to `written` and is placed in
+ * the new table under that number (an entry inserted during the rebuild is there already: only
+ * its slot's number changes). Entries from `read` on have not moved, so the old table, whose
+ * slots hold the entries' numbers from before the rebuild, still finds them; an old slot whose
+ * number is below `read` names an entry that moved, so a lookup tries the new table, then the
+ * old one, and takes an old slot's answer only from `read` on. Entries stay in insertion
+ * order throughout (slid entries, then dead ones, then the ones not read yet), so iteration
+ * and popitem need nothing of their own. Deletions and lookups move nothing, so a slot number
+ * that map_find gave stays good until the map's next insertion, as before.
+ *
+ * A rebuild reads the n entries it started with and the insertions made while it runs, at
+ * REHASH_STEP - 1 more than are inserted: it ends after n / (REHASH_STEP - 1) insertions. Those
+ * need room: a rebuild starts when a table's entries or slots reach its budget (`usable`),
+ * 1/32 short of its entries (see BUDGET), and sizes the new table for them too (rebuild_room).
+ * The old table is freed when the last entry is read; a rebuild to a smaller table then
+ * gives the larger blocks' pages beyond the smaller ones back. */
 #define REHASH_STEP 64
 
-/* map_find when the key is in no slot of the new table and a growth is under way: the old
+/* map_find when the key is in no slot of the new table and a rebuild is under way: the old
  * table's slot of it, given as m->size + its number, or -1 with `*slot` left as the new
  * table's. Out of line (and the key mixed again), to keep the common path's registers. */
 static Py_NO_INLINE Py_ssize_t
@@ -844,14 +894,15 @@ map_find_old(const MapObject *m, uint64_t key, Py_ssize_t *slot)
 {
     Py_ssize_t old_slot, ix = table_find(m->entries, m->old_slots, m->old_tags, m->old_size,
                                          mix(key), key, &old_slot);
-    if (ix >= 0) {
-        *slot = m->size + old_slot;
+    if (ix < m->read) {
+        return -1; /* not there, or moved (then the new table has it, or it was deleted since) */
     }
+    *slot = m->size + old_slot;
     return ix;
 }
 
 /* Entry number of `key`, or -1. `*slot` gets the slot holding it (a number past m->size: the
- * old table's, during a growth), or (absent) the slot of the table a new entry goes in. */
+ * old table's, during a rebuild), or (absent) the slot of the table a new entry goes in. */
 static inline Py_ssize_t
 map_find(const MapObject *m, uint64_t key, Py_ssize_t *slot)
 {
@@ -876,7 +927,7 @@ map_find(const MapObject *m, uint64_t key, Py_ssize_t *slot)
 #define PREFETCH(addr) ((void)(addr))
 #endif
 
-/* The slot `key` probes first (and during a growth, the old table's: a key absent from the
+/* The slot `key` probes first (and during a rebuild, the old table's: a key absent from the
  * new table is looked up there too). */
 static inline void
 map_prefetch_slot(const MapObject *m, uint64_t key)
@@ -980,72 +1031,135 @@ u64_run_free(U64Run *run)
     }
 }
 
-/* Slots and tags made again for entries[0:n], live and distinct, in an empty slot table. */
+/* The entries and live bytes into blocks for the table's slots, after a rebuild to a smaller
+ * table: a mapping keeps its pages up to the smaller length, another block is copied (into
+ * one on the heap: under MAP_MIN, a quick copy). Left as they are when there is no memory for
+ * a copy. */
 static void
-map_place_entries(MapObject *m, Py_ssize_t n)
+map_shrink_blocks(MapObject *m)
 {
-    const size_t mask = (size_t)m->size - 1;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        const uint64_t h = mix(m->entries[j].key);
-        size_t i = (size_t)h & mask;
-        while (m->tags[i] != TAG_EMPTY) {
-            i = (i + 1) & mask;
+    void *blocks[2] = {m->entries, m->live};
+    const size_t used[2] = {(size_t)m->n_entries * sizeof(Entry), (size_t)m->n_entries};
+    void *copies[2] = {NULL, NULL};
+    for (int which = ENTRIES; which <= LIVE; which++) {
+        if (!table_trims_in_place(which, m->size, m->blocks_size)
+            && (copies[which] = table_alloc(which, m->size)) == NULL) {
+            table_free(copies[ENTRIES], ENTRIES, m->size);
+            return;
         }
-        m->slots[i] = (int32_t)(j + 1);
-        m->tags[i] = tag_of(h);
     }
-    m->n_entries = n;
-    m->filled = n;
-    m->version++;
+    for (int which = ENTRIES; which <= LIVE; which++) {
+        if (copies[which] != NULL) {
+            memcpy(copies[which], blocks[which], used[which]);
+            table_free(blocks[which], which, m->blocks_size);
+            blocks[which] = copies[which];
+        }
+        else {
+            table_trim(blocks[which], which, m->size, m->blocks_size);
+        }
+    }
+    m->entries = blocks[ENTRIES];
+    m->live = blocks[LIVE];
+    m->blocks_size = m->size;
 }
 
-/* The keys of the old table's next REHASH_STEP slots into the new table (see "Growth without
- * a stall"); the old table freed once all are. */
+/* The end of the rebuild under way: the entries past `written` are dead (moved down, or
+ * deleted), the old table goes. */
+static void
+map_rebuild_done(MapObject *m)
+{
+    table_free(m->old_slots, INDEX, m->old_size);
+    m->old_slots = NULL;
+    m->old_tags = NULL;
+    m->old_size = 0;
+    if (m->n_entries > m->written) {
+        m->n_entries = m->written;
+    }
+    m->read = m->written = m->old_end = 0;
+    while (m->n_entries > 0 && !m->live[m->n_entries - 1]) {
+        m->n_entries--; /* moved, then deleted */
+    }
+    if (m->blocks_size > m->size) {
+        map_shrink_blocks(m);
+    }
+}
+
+/* The dead entries at the end go: the newest entries' room is reused at once (popitem, churn).
+ * A rebuild under way that has no live entry left to read is done. */
+static void
+map_trim(MapObject *m)
+{
+    while (m->n_entries > 0 && !m->live[m->n_entries - 1]) {
+        m->n_entries--;
+    }
+    if (m->old_tags != NULL) {
+        if (m->n_entries <= m->read) {
+            map_rebuild_done(m);
+        }
+        else if (m->n_entries < m->old_end) {
+            m->old_end = m->n_entries; /* the entries written from there on are insertions */
+        }
+    }
+}
+
+/* The rebuild's next REHASH_STEP entries read (see "Rebuilding without a stall"): each live one
+ * slid down to `written` and placed in the new table under that number; the rebuild done once
+ * all are. */
 static void
 map_migrate(MapObject *m)
 {
-    const Py_ssize_t first = m->moved;
-    const Py_ssize_t n = m->old_size - first < REHASH_STEP ? m->old_size - first : REHASH_STEP;
-    uint8_t *old_tags = m->old_tags + first;
-    const int32_t *old_slots = m->old_slots + first;
+    const Py_ssize_t first = m->read;
+    const Py_ssize_t n = m->n_entries - first < REHASH_STEP ? m->n_entries - first : REHASH_STEP;
     const size_t mask = (size_t)m->size - 1;
-    /* The keys' entries, then their first slots in the new table, are cache misses far apart:
-     * asked for all at once, they overlap. A moved slot becomes a dummy at once (nothing looks
-     * the keys up before they are placed, below). */
-    int32_t ixs[REHASH_STEP];
+    /* The entries are read in order; their slots in the new table are cache misses far apart:
+     * asked for all at once, they overlap. */
     uint64_t hs[REHASH_STEP];
-    Py_ssize_t k = 0;
     for (Py_ssize_t c = 0; c < n; c++) {
-        if (old_tags[c] > TAG_DUMMY) {
-            old_tags[c] = TAG_DUMMY;
-            ixs[k] = old_slots[c];
-            PREFETCH(&m->entries[ixs[k] - 1]);
-            k++;
+        if (m->live[first + c]) {
+            hs[c] = mix(m->entries[first + c].key);
+            PREFETCH(&m->tags[hs[c] & mask]);
+            PREFETCH(&m->slots[hs[c] & mask]);
         }
     }
-    for (Py_ssize_t j = 0; j < k; j++) {
-        hs[j] = mix(m->entries[ixs[j] - 1].key);
-        PREFETCH(&m->tags[hs[j] & mask]);
-    }
-    for (Py_ssize_t j = 0; j < k; j++) {
-        size_t i = (size_t)hs[j] & mask;
-        while (m->tags[i] > TAG_DUMMY) {
-            i = (i + 1) & mask; /* a dummy may take it: the key is in no slot of this table */
+    Py_ssize_t w = m->written;
+    for (Py_ssize_t c = 0; c < n; c++) {
+        const Py_ssize_t j = first + c;
+        if (!m->live[j]) {
+            continue;
         }
-        m->filled += m->tags[i] == TAG_EMPTY;
-        m->slots[i] = ixs[j];
-        m->tags[i] = tag_of(hs[j]);
+        size_t i = (size_t)hs[c] & mask;
+        if (j < m->old_end) {
+            while (m->tags[i] > TAG_DUMMY) {
+                i = (i + 1) & mask; /* a dummy may take it: the key is in no slot of this table */
+            }
+            m->filled += m->tags[i] == TAG_EMPTY;
+            m->tags[i] = tag_of(hs[c]);
+        }
+        else if (w == j) {
+            w++; /* inserted during the rebuild, with no dead entry before it: it stays */
+            continue;
+        }
+        else {
+            while (m->slots[i] != (int32_t)(j + 1)) {
+                i = (i + 1) & mask; /* its slot, as it was inserted during the rebuild */
+            }
+        }
+        m->slots[i] = (int32_t)(w + 1);
+        if (w != j) {
+            m->entries[w] = m->entries[j];
+            m->live[w] = 1;
+            m->live[j] = 0;
+        }
+        w++;
     }
-    m->moved = first + n;
-    if (m->moved == m->old_size) {
-        table_free(m->old_slots, INDEX, m->old_size);
-        m->old_slots = NULL;
-        m->old_tags = NULL;
-        m->old_size = m->moved = 0;
+    m->written = w;
+    m->read = first + n;
+    if (m->read == m->n_entries) {
+        map_rebuild_done(m);
     }
 }
 
-/* The rest of a growth under way, at once. */
+/* The rest of a rebuild under way, at once. */
 static void
 map_migrate_all(MapObject *m)
 {
@@ -1054,10 +1168,33 @@ map_migrate_all(MapObject *m)
     }
 }
 
-/* A new table's pages fault in as keys land in them. The keys a growth moves land anywhere,
+/* The room a rebuild starting now makes: half as many again as are live, and at least what
+ * the insertions made while it runs take (see "Rebuilding without a stall"). */
+static inline Py_ssize_t
+rebuild_room(const MapObject *m)
+{
+    const Py_ssize_t during = m->n_entries / (REHASH_STEP - 1) + 1;
+    return m->used + (m->used / 2 > during ? m->used / 2 : during) + 1;
+}
+
+/* The slots of the smallest table whose budget is above `room`; 0 past MAX_SIZE. */
+static Py_ssize_t
+size_for(Py_ssize_t room)
+{
+    Py_ssize_t size = MIN_SIZE;
+    while (BUDGET(size) <= room) {
+        if (size >= MAX_SIZE) {
+            return 0;
+        }
+        size <<= 1;
+    }
+    return size;
+}
+
+/* A new table's pages fault in as keys land in them. The keys a rebuild places land anywhere,
  * so with none of its pages in yet its first insertions would take every fault between them:
  * a huge page's fault can take tens of ms where the kernel compacts memory to find one. So
- * over the last eighth of the entries before a growth, each insertion pages in one more page
+ * over the last eighth of the budget before a rebuild, each insertion pages in one more page
  * of the table it will use: an insertion takes one page fault at most. */
 #define PAGE_STEP 4096
 
@@ -1065,14 +1202,13 @@ static void
 map_prepare(MapObject *m)
 {
     if (m->next_slots == NULL) {
-        const Py_ssize_t size = m->size * 2;
-        if (m->used + m->used / 2 + 1 < m->usable || size > MAX_SIZE
-            || index_bytes(size) < MAP_MIN) {
-            return; /* no growth in sight, or one whose table calloc pages in when zeroing */
+        const Py_ssize_t size = size_for(rebuild_room(m));
+        if (size == 0 || index_bytes(size) < MAP_MIN) {
+            return; /* past MAX_SIZE, or a table calloc pages in when zeroing */
         }
         m->next_slots = table_alloc(INDEX, size);
         if (m->next_slots == NULL) {
-            return; /* the growth allocates it, or says there is no memory */
+            return; /* the rebuild allocates it, or says there is no memory */
         }
         m->next_size = size;
         m->next_touched = 0;
@@ -1083,8 +1219,8 @@ map_prepare(MapObject *m)
     }
 }
 
-/* An insertion's share of a growth under way, or of paging in the next one's table (the last
- * eighth of the entries). Out of line: most insertions take neither. */
+/* An insertion's share of a rebuild under way, or of paging in the next one's table (the last
+ * eighth of the budget). Out of line: most insertions take neither. */
 static Py_NO_INLINE void
 map_after_insert(MapObject *m)
 {
@@ -1096,145 +1232,79 @@ map_after_insert(MapObject *m)
     }
 }
 
-/* Start a growth to `size` slots (see "Growth without a stall"); `m` unchanged on failure but
- * for the table paged in ahead, which goes. */
+/* Start a rebuild with room for `room` live entries (see "Rebuilding without a stall"); `m`
+ * unchanged on failure but for the table paged in ahead, which goes. No rebuild is under way. */
 static int
-map_grow(MapObject *m, Py_ssize_t size)
+map_rebuild_for(MapObject *m, Py_ssize_t room)
 {
-    const Py_ssize_t usable = size * 2 / 3;
+    const Py_ssize_t size = size_for(room);
     int32_t *slots = NULL;
     uint8_t *tags = NULL;
-    if (m->next_slots != NULL && m->next_size == size) {
+    if (size > 0 && m->next_slots != NULL && m->next_size == size) {
         slots = m->next_slots;
         tags = (uint8_t *)(slots + size);
         m->next_slots = NULL;
         m->next_size = m->next_touched = 0;
     }
     map_drop_next(m);
-    Entry *entries = table_alloc(ENTRIES, size);
-    uint8_t *live = table_alloc(LIVE, size);
-    if (entries == NULL || live == NULL
-        || (slots == NULL && index_alloc(size, &slots, &tags) < 0)) {
-        table_free(slots, INDEX, size);
-        table_free(entries, ENTRIES, size);
-        table_free(live, LIVE, size);
-        if (!PyErr_Occurred()) {
-            PyErr_NoMemory();
-        }
+    if (size == 0) {
+        PyErr_SetString(PyExc_MemoryError, "map past 2**31 slots");
         return -1;
     }
-    table_move(entries, m->entries, ENTRIES, size, m->size, (size_t)m->n_entries * sizeof(Entry));
-    table_move(live, m->live, LIVE, size, m->size, (size_t)m->n_entries);
-    m->entries = entries;
-    m->live = live;
+    if (slots == NULL && index_alloc(size, &slots, &tags) < 0) {
+        return -1;
+    }
+    if (size > m->blocks_size) {
+        Entry *entries = table_alloc(ENTRIES, size);
+        uint8_t *live = table_alloc(LIVE, size);
+        if (entries == NULL || live == NULL) {
+            table_free(slots, INDEX, size);
+            table_free(entries, ENTRIES, size);
+            table_free(live, LIVE, size);
+            PyErr_NoMemory();
+            return -1;
+        }
+        table_move(entries, m->entries, ENTRIES, size, m->blocks_size,
+                   (size_t)m->n_entries * sizeof(Entry));
+        table_move(live, m->live, LIVE, size, m->blocks_size, (size_t)m->n_entries);
+        m->entries = entries;
+        m->live = live;
+        m->blocks_size = size;
+    }
     m->old_slots = m->slots;
     m->old_tags = m->tags;
     m->old_size = m->size;
-    m->moved = 0;
+    m->read = m->written = 0;
+    m->old_end = m->n_entries;
     m->slots = slots;
     m->tags = tags;
     m->size = size;
-    m->usable = usable;
+    m->usable = BUDGET(size);
     m->filled = 0;
     m->version++;
     return 0;
 }
 
-/* The live entries slid to the front, in order, and the slots made again from them. */
-static void
-map_rebuild_in_place(MapObject *m)
-{
-    Py_ssize_t n = 0;
-    for (Py_ssize_t j = 0; j < m->n_entries; j++) {
-        if (m->live[j]) {
-            m->entries[n++] = m->entries[j];
-        }
-    }
-    memset(m->live, 1, (size_t)n);
-    memset(m->live + n, 0, (size_t)(m->n_entries - n));
-    memset(m->slots, 0, (size_t)m->size * sizeof(int32_t));
-    memset(m->tags, TAG_EMPTY, (size_t)m->size);
-    map_place_entries(m, n);
-}
-
-/* The slots of a table with room for `room` entries, or -1 (error set). */
-static Py_ssize_t
-size_for(Py_ssize_t room)
-{
-    Py_ssize_t size = MIN_SIZE;
-    while (size * 2 / 3 <= room) {
-        if (size >= MAX_SIZE) {
-            PyErr_SetString(PyExc_MemoryError, "map past 2**31 slots");
-            return -1;
-        }
-        size <<= 1;
-    }
-    return size;
-}
-
-/* Rebuild at once with room for `room` entries: dead entries and dummies go, the table grows
- * or shrinks (a growth under way is finished first). */
-static int
-map_rebuild_for(MapObject *m, Py_ssize_t room)
-{
-    Py_ssize_t size = size_for(room);
-    if (size < 0) {
-        return -1;
-    }
-    if (m->old_tags != NULL) {
-        map_migrate_all(m);
-    }
-    map_drop_next(m); /* a table paged in for a growth that did not come */
-    if (size == m->size && m->slots != NULL) {
-        /* A map at a steady size (as many deletions as insertions: the ledger at its cap)
-         * is rebuilt in its own blocks: fresh ones of the same size would be tens of MB of
-         * page faults, each zeroing a page the rebuild then writes anyway. */
-        map_rebuild_in_place(m);
-        return 0;
-    }
-    MapObject old = *m;
-    if (map_alloc(m, size) < 0) {
-        return -1;
-    }
-    Py_ssize_t n = 0;
-    for (Py_ssize_t j = 0; j < old.n_entries; j++) {
-        if (old.live[j]) {
-            m->entries[n] = old.entries[j];
-            m->live[n] = 1;
-            n++;
-        }
-    }
-    map_place_entries(m, n);
-    map_free_blocks(&old);
-    return 0;
-}
-
-/* When the entries run out: room for half as many again as are live, by a growth when that
- * takes a larger table (the dead entries stay until a rebuild), else by a rebuild. */
+/* When the entries or the slots filled reach the budget: a rebuild. */
 static int
 map_make_room(MapObject *m)
 {
-    const Py_ssize_t room = m->used + m->used / 2 + 1;
-    Py_ssize_t size = size_for(room);
-    if (size < 0) {
-        return -1;
-    }
     if (m->old_tags != NULL) {
-        /* Not reached while REHASH_STEP outpaces the insertions (see above): a safeguard. */
+        /* Not reached while the budget leaves the rebuild's insertions room: a safeguard. */
         map_migrate_all(m);
     }
-    if (size > m->size) {
-        return map_grow(m, size);
-    }
-    return map_rebuild_for(m, room);
+    return map_rebuild_for(m, rebuild_room(m));
 }
 
 /* Insert a key known to be absent (`slot` from map_find); the value is stolen on success. */
 static int
 map_insert_new(MapObject *m, uint64_t key, uint64_t value, Py_ssize_t slot)
 {
-    /* Dummies count: a table with no empty slot left would never end a probe. */
-    if (m->n_entries >= m->usable || m->filled >= m->usable) {
+    /* Dummies count: a table with no empty slot left would never end a probe. During a
+     * rebuild, the new table has room for what comes (rebuild_room): only the blocks' end
+     * counts. */
+    if (m->old_tags == NULL ? m->n_entries >= m->usable || m->filled >= m->usable
+                            : m->n_entries >= ROOM(m->blocks_size)) {
         if (map_make_room(m) < 0) {
             return -1;
         }
@@ -1254,8 +1324,8 @@ map_insert_new(MapObject *m, uint64_t key, uint64_t value, Py_ssize_t slot)
     m->tags[slot] = tag_of(mix(key));
     m->used++;
     m->version++;
-    if (m->old_tags != NULL
-        || (size_t)m->n_entries >= (size_t)m->usable - ((size_t)m->usable >> 3)) {
+    const Py_ssize_t spent = m->n_entries > m->filled ? m->n_entries : m->filled;
+    if (m->old_tags != NULL || spent >= m->usable - (m->usable >> 3)) {
         map_after_insert(m);
     }
     return 0;
@@ -1271,14 +1341,12 @@ map_delete_at(MapObject *m, Py_ssize_t ix, Py_ssize_t slot)
         m->tags[slot] = TAG_DUMMY;
     }
     else {
-        m->old_tags[slot - m->size] = TAG_DUMMY; /* its old slot, during a growth */
+        m->old_tags[slot - m->size] = TAG_DUMMY; /* its old slot, during a rebuild */
     }
     m->live[ix] = 0;
     m->used--;
     m->version++;
-    while (m->n_entries > 0 && !m->live[m->n_entries - 1]) {
-        m->n_entries--; /* the newest entries' room is reused at once (popitem, churn) */
-    }
+    map_trim(m);
     return value;
 }
 
@@ -1355,7 +1423,8 @@ map_clear_entries(MapObject *m)
     m->old_slots = NULL;
     m->old_tags = NULL;
     m->next_slots = NULL;
-    m->n_entries = m->used = m->filled = m->size = m->usable = m->old_size = m->moved = 0;
+    m->n_entries = m->used = m->filled = m->size = m->blocks_size = m->usable = 0;
+    m->old_size = m->read = m->written = m->old_end = 0;
     m->next_size = m->next_touched = 0;
     m->version++;
     if (held.objects) {
@@ -1842,8 +1911,11 @@ map_clear(MapObject *m, PyObject *unused)
 }
 
 /* reserve(n): room for n entries in all without another rebuild. A graft knows how many
- * nodes it brings: rebuilding once up front, while the map is small, replaces the rebuilds a
- * growing map makes on the way, the last of which copies millions of entries in one call. */
+ * nodes it brings: one rebuild up front, while the map is small, replaces the ones a growing
+ * map makes on the way, each of which reads all its entries again. The rebuild takes its
+ * first step here and its others with the insertions that follow, as any does (see
+ * "Rebuilding without a stall"): with a rebuild already under way, nothing is done now (it
+ * finishes as it goes, and the next one makes the room). */
 static PyObject *
 map_reserve(MapObject *m, PyObject *arg)
 {
@@ -1858,28 +1930,34 @@ map_reserve(MapObject *m, PyObject *arg)
     if (ensure_table(m) < 0) {
         return NULL;
     }
-    if (n > m->usable - (m->filled > m->n_entries ? m->filled : m->n_entries) + m->used
-        && map_rebuild_for(m, n) < 0) {
+    if (m->old_tags != NULL
+        || n <= m->usable - (m->filled > m->n_entries ? m->filled : m->n_entries) + m->used) {
+        Py_RETURN_NONE;
+    }
+    const Py_ssize_t room = rebuild_room(m);
+    if (map_rebuild_for(m, n > room ? n : room) < 0) {
         return NULL;
     }
+    map_migrate(m);
     Py_RETURN_NONE;
 }
 
 static PyObject *
 map_sizeof(MapObject *m, PyObject *unused)
 {
-    return PyLong_FromSsize_t(Py_TYPE(m)->tp_basicsize
-                              + (Py_ssize_t)(table_bytes(m->size, m->usable)
-                                             + index_bytes(m->old_size)
-                                             + index_bytes(m->next_size)));
+    return PyLong_FromSsize_t(
+        Py_TYPE(m)->tp_basicsize
+        + (Py_ssize_t)(block_bytes(ENTRIES, m->blocks_size) + block_bytes(LIVE, m->blocks_size)
+                       + index_bytes(m->size) + index_bytes(m->old_size)
+                       + index_bytes(m->next_size)));
 }
 
-/* rehash_left() -> int: the old table's slots a growth under way has yet to move (0: none is
- * under way). A test's and a benchmark's view of "Growth without a stall". */
+/* rehash_left() -> int: the entries a rebuild under way has yet to read (0: none is under
+ * way). A test's and a benchmark's view of "Rebuilding without a stall". */
 static PyObject *
 map_rehash_left(MapObject *m, PyObject *unused)
 {
-    return PyLong_FromSsize_t(m->old_size - m->moved);
+    return PyLong_FromSsize_t(m->old_tags != NULL ? m->n_entries - m->read : 0);
 }
 
 static PyObject *
@@ -2021,7 +2099,7 @@ static PyMethodDef map_methods[] = {
     {"reserve", (PyCFunction)map_reserve, METH_O,
      "reserve(n): room for n entries in all, rebuilding (once) now if need be"},
     {"rehash_left", (PyCFunction)map_rehash_left, METH_NOARGS,
-     "the old table's slots a growth under way has yet to move (0: none is)"},
+     "the entries a rebuild under way has yet to read (0: none is)"},
     {"keys", (PyCFunction)map_keys, METH_NOARGS, "an iterator over the keys, oldest first"},
     {"values", (PyCFunction)map_values, METH_NOARGS, "an iterator over the values"},
     {"items", (PyCFunction)map_items, METH_NOARGS, "an iterator over (key, value) pairs"},

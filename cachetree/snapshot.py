@@ -533,9 +533,10 @@ class SnapshotRestore:
 
     def _reserve(self, ranks: list[_Rank]) -> None:
         """Make room in the compiled tables for what the graft brings, once, before its first
-        chunk, so they do not rebuild (copy millions of entries in one call) on the way. A
-        dict cannot be presized; and a tree already bigger than the snapshot is left as is
-        (reserving would copy it now, for a graft that may add little)."""
+        chunk, so they do not rebuild again and again on the way (each rebuild reads all their
+        entries again, in steps: cachetree/_tables.c, "Rebuilding without a stall"). A dict
+        cannot be presized; and a tree already bigger than the snapshot is left as is
+        (reserving would read it all again, for a graft that may add little)."""
         nodes, snap = self._tree._nodes, self._snap
         reserve = getattr(nodes, "reserve", None)
         if reserve is None or len(nodes) >= len(snap):

@@ -169,16 +169,23 @@ def test_prefix_depths_answer_alike_on_both_layouts(seed: int, n_ranks: int) -> 
         assert trees[0].match(path) == trees[1].match(path)
 
 
+STEADY_BLOCKS = 500
+
+
 @pytest.mark.parametrize("seed", range(3))
-def test_the_layouts_answer_alike_while_the_compiled_tables_grow(seed: int) -> None:
+def test_the_layouts_answer_alike_while_the_compiled_tables_rebuild(seed: int) -> None:
     """Long chains of new blocks make the compiled maps grow again and again (the tables start
-    at 8 slots), so runs and prefix lookups often meet a growth under way: a key in the old
-    table or the new one (cachetree/_tables.c, "Growth without a stall")."""
-    mid_growth = {"place_run": 0, "remove_run": 0, "prefix_depths": 0}
+    at 8 slots); then, from empty again, each rank holds at most STEADY_BLOCKS, a chain stored
+    evicting its oldest blocks as a full cache does, so the maps keep their size and are
+    rebuilt at it. Runs and prefix lookups often meet a rebuild under way: a key in the old
+    table or the new one (cachetree/_tables.c, "Rebuilding without a stall")."""
+    phase = "growing"
+    runs = ("place_run", "remove_run", "prefix_depths")
+    mid_rebuild = {(name, p): 0 for name in runs for p in ("growing", "steady")}
 
     def counting(name: str, run: Callable[..., Any]) -> Any:
         def wrapped(*args: Any) -> Any:
-            mid_growth[name] += bool(args[0].rehash_left() or args[1].rehash_left())
+            mid_rebuild[name, phase] += bool(args[0].rehash_left() or args[1].rehash_left())
             return run(*args)
 
         return wrapped
@@ -191,11 +198,17 @@ def test_the_layouts_answer_alike_while_the_compiled_tables_grow(seed: int) -> N
     ranks = [RankId(f"http://w{i}:8000", 0) for i in range(3)]
     held: dict[RankId, list[int]] = {r: [] for r in ranks}
     next_hash = 0
-    for op in range(3_000):
+    for op in range(20_000):
+        if op == 2_000:
+            phase = "steady"
+            for rank in ranks:
+                assert compiled.clear_rank(rank) == pure.clear_rank(rank)
+                held[rank].clear()
         rank = rng.choice(ranks)
         roll = rng.random()
         if roll < 0.6:
-            n = rng.randint(1, 63)
+            # Short chains while steady: a rebuild then spans many runs.
+            n = rng.randint(1, 63 if phase == "growing" else 8)
             hashes = list(range(next_hash, next_hash + n))
             next_hash += n
             # Mostly new tokens; now and then a chain another rank stored (shared nodes).
@@ -205,6 +218,11 @@ def test_the_layouts_answer_alike_while_the_compiled_tables_grow(seed: int) -> N
             got = [t.store(rank, parent, hashes, tokens, BS, tier) for t in (compiled, pure)]
             assert got[0] == got[1]
             held[rank].extend(hashes)
+            if phase == "steady" and len(held[rank]) > STEADY_BLOCKS:
+                evicted = held[rank][: len(held[rank]) - STEADY_BLOCKS]
+                del held[rank][: len(evicted)]
+                got = [t.remove(rank, evicted, None) for t in (compiled, pure)]
+                assert got[0] == got[1]
         elif roll < 0.97:
             pool = held[rank]
             hashes = rng.sample(pool, min(len(pool), rng.randint(1, 40)))
@@ -215,11 +233,11 @@ def test_the_layouts_answer_alike_while_the_compiled_tables_grow(seed: int) -> N
             held[rank].clear()
         if compiled._nodes.rehash_left() and op % 3 == 0:
             for path in paths(pure, rng, 5):
-                mid_growth["prefix_depths"] += 1
+                mid_rebuild["prefix_depths", phase] += 1
                 answers = [
                     (d.any_tier, d.device, d.depth_runs(), d.depth_runs(device=True))
                     for d in (tree.prefix_depths(path) for tree in (compiled, pure))
                 ]
                 assert answers[0] == answers[1]
     assert state(compiled) == state(pure)
-    assert min(mid_growth.values()) > 30, mid_growth
+    assert min(mid_rebuild.values()) > 30, mid_rebuild
