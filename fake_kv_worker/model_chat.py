@@ -5,7 +5,8 @@ call) and turns a chat request into prompt ids the way each engine's OpenAI serv
 
 - vLLM: parse every message (content parts to a string joined with newlines, or kept as
   `{"type": "text"}` parts when the template loops over a message's content; `developer` sent
-  as `system` unless the template names it), parse tool-call arguments, dump the tools as its
+  as `system` unless the template names it; the deprecated `reasoning_content` read as
+  `reasoning`), parse tool-call arguments, dump the tools as its
   request model does, resolve the template kwargs (request fields over chat_template_kwargs,
   `enable_thinking` from `reasoning_effort` when the kwargs do not set it, filtered to the
   template's variables and apply_chat_template's parameters), render with
@@ -122,6 +123,7 @@ class ModelChat:
         parts_format = _loops_over_message_content(template)
         conversation = []
         for message in body["messages"]:
+            message = _vllm_renamed_reasoning(message)
             conversation.append(_vllm_parse_message(message, parts_format, template))
         for message in conversation:
             _vllm_fix_tool_calls(message)
@@ -394,6 +396,16 @@ _PART_FIELDS = {
     "file",
     "detail",
 }
+
+
+def _vllm_renamed_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """ChatCompletionRequest._normalize_messages_before (vLLM 0.22+): the deprecated
+    `reasoning_content` is taken away, and becomes `reasoning` unless that is set."""
+    message = dict(message)
+    legacy = message.pop("reasoning_content", None)
+    if legacy is not None and message.get("reasoning") is None:
+        message["reasoning"] = legacy
+    return message
 
 
 def _vllm_parse_message(message: dict[str, Any], parts_format: bool, template: str) -> dict:

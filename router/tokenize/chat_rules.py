@@ -19,6 +19,9 @@ they differ:
 - text parts into a string: vLLM joins with a newline, SGLang with a space.
 - `content: null`: vLLM gives `""` (string format) or `[]`; SGLang `""`.
 - `developer`: vLLM sends it as `system` unless the template names `developer`; SGLang keeps it.
+- an assistant's reasoning: vLLM reads `reasoning`, else the deprecated `reasoning_content`
+  (its request model renames it, 0.22+), and gives the template both; SGLang reads
+  `reasoning_content` alone.
 - tool-call `arguments` as a JSON string: both parse it; malformed, vLLM uses `{}`, SGLang
   refuses the request.
 - a last message from the assistant: vLLM renders it as it is; SGLang makes it a user turn, or
@@ -516,8 +519,11 @@ def _vllm_message(message: dict[str, Any], traits: TemplateTraits) -> dict[str, 
             calls = [_vllm_tool_call(c) for c in calls]
             if calls:  # an empty list would send templates down their tool-call path
                 out["tool_calls"] = calls
-        if message.get("reasoning") is not None:
-            out["reasoning"] = out["reasoning_content"] = message["reasoning"]
+        reasoning = message.get("reasoning")
+        if reasoning is None:  # vLLM renames the deprecated field before anything reads it
+            reasoning = message.get("reasoning_content")
+        if reasoning is not None:
+            out["reasoning"] = out["reasoning_content"] = reasoning
     elif role == "tool":
         if "tool_call_id" in message:
             out["tool_call_id"] = message["tool_call_id"]

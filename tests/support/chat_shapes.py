@@ -151,6 +151,22 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
             {"role": "user", "content": "Thanks!"},
         ]
     },
+    # The deprecated field (agent loops replaying an older server's answers): vLLM renames it
+    # to `reasoning`, SGLang reads it alone. Qwen3 renders it after the last user turn.
+    "reasoning_content_in_a_tool_loop": {
+        "messages": [
+            SYSTEM,
+            USER,
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": "The user wants the weather: call get_weather.",
+                "tool_calls": [TOOL_CALL],
+            },
+            {"role": "tool", "tool_call_id": "call12345", "content": "Sunny, 24 degrees."},
+        ],
+        "tools": [WEATHER_TOOL],
+    },
     "unicode": {"messages": [{"role": "user", "content": "東京の天気は? café résumé 😀 naïve"}]},
     "parallel_tool_calls": {
         "messages": [

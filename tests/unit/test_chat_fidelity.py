@@ -205,6 +205,17 @@ def test_null_content_and_string_arguments_render_as_empty_text_and_a_json_objec
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
 
 
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
+def test_an_assistants_reasoning_content_reaches_the_template_under_both_engines(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]], engine: str
+) -> None:
+    # vLLM renames the deprecated field to `reasoning` (and gives the template both); SGLang
+    # reads it as it is. Qwen3 renders the reasoning of the turns after the last user message.
+    _, worker = pairs[("qwen3.jinja", engine)]
+    text = rendered(worker, SHAPES["reasoning_content_in_a_tool_loop"])
+    assert "<think>\nThe user wants the weather: call get_weather.\n</think>" in text
+
+
 def test_chat_template_kwargs_reach_the_template(
     pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
 ) -> None:
