@@ -6,11 +6,11 @@ call) and turns a chat request into prompt ids the way each engine's OpenAI serv
 - vLLM: parse every message (content parts to a string joined with newlines, or kept as
   `{"type": "text"}` parts when the template loops over a message's content; `developer` sent
   as `system` unless the template names it; the deprecated `reasoning_content` read as
-  `reasoning`), parse tool-call arguments, dump the tools as its
-  request model does, resolve the template kwargs (request fields over chat_template_kwargs,
-  `enable_thinking` from `reasoning_effort` when the kwargs do not set it, filtered to the
-  template's variables and apply_chat_template's parameters), render with
-  `apply_chat_template(tokenize=False)` and encode without special tokens.
+  `reasoning`; Claude Code's billing-header line dropped from system text), parse tool-call
+  arguments, dump the tools as its request model does, resolve the template kwargs (request
+  fields over chat_template_kwargs, `enable_thinking` from `reasoning_effort` when the kwargs
+  do not set it, filtered to the template's variables and apply_chat_template's parameters),
+  render with `apply_chat_template(tokenize=False)` and encode without special tokens.
 - SGLang: dump the messages as its request models do, flatten content with spaces, turn a
   trailing assistant message into a user turn (or append it after the generation prompt with
   `continue_final_message`), read the reasoning effort as its request model does (also from
@@ -408,6 +408,22 @@ def _vllm_renamed_reasoning(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
+def _vllm_strip_billing_header(parts: list[Any]) -> list[Any]:
+    """vLLM 0.32+ `_strip_claude_code_billing_header`: a system text part starting with Claude
+    Code's `x-anthropic-billing-header` loses its first line, and goes if that was all of it."""
+    out = []
+    for part in parts:
+        is_text_dict = isinstance(part, dict) and part.get("type") == "text"
+        text = part if isinstance(part, str) else part.get("text") if is_text_dict else None
+        if isinstance(text, str) and text.startswith("x-anthropic-billing-header"):
+            rest = text.split("\n", 1)[1] if "\n" in text else ""
+            if not rest:
+                continue
+            part = {**part, "text": rest} if is_text_dict else rest
+        out.append(part)
+    return out
+
+
 def _vllm_parse_message(message: dict[str, Any], parts_format: bool, template: str) -> dict:
     role = message["role"]
     content = message.get("content")
@@ -415,6 +431,8 @@ def _vllm_parse_message(message: dict[str, Any], parts_format: bool, template: s
         content = []
     elif isinstance(content, str):
         content = [{"type": "text", "text": content}]
+    if role == "system":
+        content = _vllm_strip_billing_header(content)
     pieces: list[Any] = []
     for part in content:
         if isinstance(part, str):

@@ -19,6 +19,8 @@ they differ:
 - text parts into a string: vLLM joins with a newline, SGLang with a space.
 - `content: null`: vLLM gives `""` (string format) or `[]`; SGLang `""`.
 - `developer`: vLLM sends it as `system` unless the template names `developer`; SGLang keeps it.
+- Claude Code's billing header (`x-anthropic-billing-header: ...; cch=...;`, a per-request
+  value) starting a system text: vLLM drops that line (0.32+), SGLang keeps it.
 - an assistant's reasoning: vLLM reads `reasoning`, else the deprecated `reasoning_content`
   (its request model renames it, 0.22+), and gives the template both; SGLang reads
   `reasoning_content` alone.
@@ -508,6 +510,8 @@ def _vllm_message(message: dict[str, Any], traits: TemplateTraits) -> dict[str, 
     role = message["role"]
     out: dict[str, Any] = {"role": role}
     content = message.get("content")
+    if role == "system":
+        content = _without_billing_header(content)
     if isinstance(content, str) and not traits.content_as_parts:
         out["content"] = content  # the common case, without building parts
     else:
@@ -540,6 +544,38 @@ def _vllm_message(message: dict[str, Any], traits: TemplateTraits) -> dict[str, 
         else:
             out["role"] = "system"
     return out
+
+
+# The line Claude Code puts first in its system prompt; its `cch=` changes on every request.
+_CLAUDE_CODE_BILLING_HEADER: Final = "x-anthropic-billing-header"
+
+
+def _without_billing_header(content: Any) -> Any:
+    """A system message's content as vLLM 0.32+ reads it (`_strip_claude_code_billing_header`):
+    a text part, or the string, that starts with Claude Code's billing header loses its first
+    line, and is gone when nothing follows (gateways translating Anthropic requests keep the
+    line, and from it on nothing would be cached)."""
+    if isinstance(content, str):
+        if not content.startswith(_CLAUDE_CODE_BILLING_HEADER):
+            return content
+        content = [content]
+    if not isinstance(content, list):
+        return content
+    kept: list[Any] = []
+    for part in content:
+        if isinstance(part, str):
+            text = part
+        elif part.get("type") == "text":
+            text = part.get("text")
+        else:
+            text = None
+        if not (isinstance(text, str) and text.startswith(_CLAUDE_CODE_BILLING_HEADER)):
+            kept.append(part)
+            continue
+        rest = text.partition("\n")[2]
+        if rest:
+            kept.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return kept
 
 
 def _vllm_parts(content: Any) -> tuple[list[str], list[dict[str, Any]]]:

@@ -29,6 +29,8 @@ SEARCH_TOOL: Final = {  # no description: vLLM's request model dumps it as null
     "function": {"name": "search", "parameters": {"type": "object", "properties": {}}},
 }
 
+BILLING_HEADER: Final = "x-anthropic-billing-header: cc_version=2.1.3.e4f"
+
 TOOL_CALL: Final = {
     "id": "call12345",
     "type": "function",
@@ -166,6 +168,26 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
             {"role": "tool", "tool_call_id": "call12345", "content": "Sunny, 24 degrees."},
         ],
         "tools": [WEATHER_TOOL],
+    },
+    # Claude Code through a gateway translating Anthropic requests: its first system block is
+    # a billing header whose cch= changes on every request. vLLM drops the line; SGLang not.
+    "claude_code_billing_header": {
+        "messages": [
+            {
+                "role": "system",
+                "content": [
+                    {"type": "text", "text": f"{BILLING_HEADER}; cc_entrypoint=cli; cch=a1b2c;"},
+                    {"type": "text", "text": "You are Claude Code, an agent for the terminal."},
+                ],
+            },
+            USER,
+        ]
+    },
+    "claude_code_billing_header_line": {
+        "messages": [
+            {"role": "system", "content": f"{BILLING_HEADER}; cch=a1b2c;\nYou are Claude Code."},
+            USER,
+        ]
     },
     "unicode": {"messages": [{"role": "user", "content": "東京の天気は? café résumé 😀 naïve"}]},
     "parallel_tool_calls": {

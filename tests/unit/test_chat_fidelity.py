@@ -216,6 +216,20 @@ def test_an_assistants_reasoning_content_reaches_the_template_under_both_engines
     assert "<think>\nThe user wants the weather: call get_weather.\n</think>" in text
 
 
+@pytest.mark.parametrize("shape", ["claude_code_billing_header", "claude_code_billing_header_line"])
+def test_claude_codes_billing_header_is_dropped_by_vllm_so_its_per_request_value_keys_nothing(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]], shape: str
+) -> None:
+    router, vllm = pairs[("qwen3.jinja", "vllm")]
+    _, sglang = pairs[("qwen3.jinja", "sglang")]
+    body = SHAPES[shape]
+    next_request = json.loads(json.dumps(body).replace("cch=a1b2c", "cch=ffee9"))
+    assert "billing" not in rendered(vllm, body)
+    assert "You are Claude Code" in rendered(vllm, body)
+    assert router.encode_chat_request(body).ids == router.encode_chat_request(next_request).ids
+    assert "x-anthropic-billing-header: cc_version=2.1.3.e4f" in rendered(sglang, body)
+
+
 def test_chat_template_kwargs_reach_the_template(
     pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
 ) -> None:
