@@ -512,19 +512,33 @@ def _vllm_fix_tool_calls(message: dict[str, Any]) -> None:
 
 
 def _vllm_dump_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """ChatCompletionToolsParam(**tool).model_dump() in vLLM 0.27+: the declared fields only,
+    `strict` and `defer_loading` left out when null, and a tool-level `defer_loading` copied
+    into a function that has none (`_propagate_defer_loading`)."""
     if tool.get("type", "function") != "function":
         raise RequestError("tools must be of type 'function'", "tools")
+
+    def flag(holder: dict[str, Any], key: str) -> bool | None:
+        return None if holder.get(key) is None else lax_bool(holder[key], key)
+
     function = tool["function"]
+    tool_defer = flag(tool, "defer_loading")
+    fn_defer = flag(function, "defer_loading")
+    if fn_defer is None:
+        fn_defer = tool_defer
     dumped_fn = {
         "name": function["name"],
         "description": function.get("description"),
         "parameters": function.get("parameters"),
+        "strict": flag(function, "strict"),
+        "defer_loading": fn_defer,
     }
-    for key, value in function.items():
-        dumped_fn.setdefault(key, value)
-    dumped = {"type": "function", "function": dumped_fn}
-    for key, value in tool.items():
-        dumped.setdefault(key, value)
+    for optional in ("strict", "defer_loading"):
+        if dumped_fn[optional] is None:
+            del dumped_fn[optional]
+    dumped: dict[str, Any] = {"type": "function", "function": dumped_fn}
+    if tool_defer is not None:
+        dumped["defer_loading"] = tool_defer
     return dumped
 
 

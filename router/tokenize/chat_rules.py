@@ -38,7 +38,9 @@ they differ:
   [0, 0.99], also read from a `reasoning` object, deriving `thinking` too;
   `chat_template_kwargs.reasoning_effort` over the request's field.
 - `tools`: each engine's request model dump. vLLM: `{type, function: {name, description,
-  parameters, ...extra}}` (a missing description is `null`). SGLang: `{type, function:
+  parameters, strict, defer_loading}, defer_loading}`, its declared fields alone (a missing
+  description is `null`, a null flag left out; the tool's `defer_loading` is its function's
+  unless that has one). SGLang: `{type, function:
   {description, name, parameters, strict}, defer_loading}`, none when `tool_choice` is
   `none`, only the named one for a named choice.
 
@@ -62,7 +64,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final
 
-from router.tokenize.lax import lax_bool_field, lax_float, lax_int, shown
+from router.tokenize.lax import lax_bool, lax_bool_field, lax_float, lax_int, shown
 
 
 class Engine(StrEnum):
@@ -622,8 +624,11 @@ def _vllm_tool_call(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def _vllm_tool(tool: dict[str, Any]) -> dict[str, Any]:
-    """A tool as vLLM's pydantic request model dumps it: declared fields first, in order, with
-    their defaults (a missing description is `null`), then the extra keys as they came."""
+    """A tool as vLLM's request models dump it (0.27+, `ChatCompletionToolsParam` and
+    `FunctionDefinition`): their declared fields alone, in order, unknown keys dropped; a
+    missing description or parameters is `null`, a null `strict` or `defer_loading` is left
+    out, and the tool's `defer_loading` is its function's too unless that has its own.
+    (0.24-0.26 dumped the unknown keys after the declared ones; 0.22-0.23 had no `strict`.)"""
     if tool.get("type", "function") != "function":
         raise Unrenderable("tools", f"vLLM accepts function tools only, not {tool.get('type')!r}")
     fn = tool["function"]
@@ -632,10 +637,28 @@ def _vllm_tool(tool: dict[str, Any]) -> dict[str, Any]:
         "description": fn.get("description"),
         "parameters": fn.get("parameters"),
     }
-    function.update({k: v for k, v in fn.items() if k not in function})
+    strict = _tool_flag(fn, "strict")
+    if strict is not None:
+        function["strict"] = strict
+    deferred = _tool_flag(tool, "defer_loading")
+    own = _tool_flag(fn, "defer_loading")
+    if own is not None or deferred is not None:
+        function["defer_loading"] = deferred if own is None else own
     out: dict[str, Any] = {"type": "function", "function": function}
-    out.update({k: v for k, v in tool.items() if k not in out})
+    if deferred is not None:
+        out["defer_loading"] = deferred
     return out
+
+
+def _tool_flag(holder: dict[str, Any], key: str) -> bool | None:
+    """A `bool | None` field of vLLM's tool models, read as pydantic reads it."""
+    value = holder.get(key)
+    if value is None:
+        return None
+    try:
+        return lax_bool(value)
+    except ValueError:
+        raise ChatRequestError(f"a tool's '{key}' must be a boolean", "tools") from None
 
 
 # --- SGLang ---------------------------------------------------------------------------------

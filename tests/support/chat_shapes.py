@@ -53,6 +53,18 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
         ]
     },
     "tools": {"messages": [SYSTEM, USER], "tools": [WEATHER_TOOL, SEARCH_TOOL]},
+    # Keys vLLM's tool models do not declare are dropped, a null strict too; a tool-level
+    # defer_loading is copied into its function (Anthropic-translating gateways send these).
+    "tools_with_undeclared_keys": {
+        "messages": [SYSTEM, USER],
+        "tools": [
+            {**WEATHER_TOOL, "defer_loading": True, "cache_control": {"type": "ephemeral"}},
+            {
+                "type": "function",
+                "function": {**SEARCH_TOOL["function"], "strict": None, "examples": ["paris"]},
+            },
+        ],
+    },
     "tools_choice_none": {"messages": [USER], "tools": [WEATHER_TOOL], "tool_choice": "none"},
     "developer": {"messages": [{"role": "developer", "content": "You are terse."}, USER]},
     "text_parts": {

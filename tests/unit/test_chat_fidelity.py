@@ -179,6 +179,17 @@ def test_tools_reach_the_template_as_the_request_model_dumps_them(
     )
 
 
+def test_vllm_dumps_a_tools_declared_fields_alone_with_its_defer_loading_copied_in(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+) -> None:
+    _, vllm = pairs[("qwen3.jinja", "vllm")]
+    text = rendered(vllm, SHAPES["tools_with_undeclared_keys"])
+    assert '"required": ["city"]}, "defer_loading": true}, "defer_loading": true}' in text
+    assert '{"name": "search", "description": null, "parameters": {' in text
+    for dropped in ("cache_control", "examples", "strict"):
+        assert dropped not in text
+
+
 def test_a_developer_message_is_a_system_message_unless_the_template_names_developer(
     pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
 ) -> None:

@@ -324,6 +324,70 @@ def test_a_field_of_the_wrong_shape_is_a_chat_request_error_never_a_crash(
             assert render_call(body, traits, engine).conversation
 
 
+_BARE = {"name": "f", "description": None, "parameters": None}
+
+
+@pytest.mark.parametrize(
+    ("tool", "dumped"),
+    [
+        # vLLM 0.27+ (generate/base/protocol.py FunctionDefinition, chat_completion/protocol.py
+        # ChatCompletionToolsParam), the same in 0.34: declared fields alone, in their order.
+        (
+            {"function": {"parameters": {}, "description": "d", "name": "f"}},
+            {"type": "function", "function": {"name": "f", "description": "d", "parameters": {}}},
+        ),
+        (
+            {"type": "function", "defer_loading": True, "function": {"name": "f"}},
+            {
+                "type": "function",
+                "function": {**_BARE, "defer_loading": True},
+                "defer_loading": True,
+            },
+        ),
+        (
+            {"defer_loading": "on", "function": {"name": "f", "defer_loading": False}},
+            {
+                "type": "function",
+                "function": {**_BARE, "defer_loading": False},
+                "defer_loading": True,
+            },
+        ),
+        (
+            {
+                "defer_loading": None,
+                "function": {"name": "f", "strict": None, "defer_loading": None},
+            },
+            {"type": "function", "function": _BARE},
+        ),
+        (
+            {"cache_control": {"type": "ephemeral"}, "function": {"name": "f", "examples": [1]}},
+            {"type": "function", "function": _BARE},
+        ),
+        (
+            {"function": {"strict": "yes", "name": "f"}},
+            {"type": "function", "function": {**_BARE, "strict": True}},
+        ),
+    ],
+)
+def test_vllm_dumps_a_tool_as_its_request_models_do(
+    tool: dict[str, Any], dumped: dict[str, Any]
+) -> None:
+    traits = TemplateTraits(False, False, False, frozenset())
+    call = render_call(chat(MESSAGES, tools=[tool]), traits, Engine.VLLM)
+    assert json.dumps(call.tools) == json.dumps([dumped])  # in the order a template dumps
+
+
+@pytest.mark.parametrize("tool", [{"strict": "maybe"}, {"defer_loading": []}])
+def test_a_tool_flag_vllm_cannot_read_as_a_boolean_is_a_400_naming_tools(
+    tool: dict[str, Any],
+) -> None:
+    traits = TemplateTraits(False, False, False, frozenset())
+    body = chat(MESSAGES, tools=[{"function": {"name": "f", **tool}}])
+    with pytest.raises(ChatRequestError) as refused:
+        render_call(body, traits, Engine.VLLM)
+    assert refused.value.param == "tools"
+
+
 def test_a_tool_choice_of_the_wrong_shape_is_refused_where_sglang_picks_a_template() -> None:
     body = chat(MESSAGES, tools=[WEATHER_TOOL], tool_choice={"function": 3})
     with pytest.raises(ChatRequestError):
