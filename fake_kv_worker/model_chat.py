@@ -424,6 +424,23 @@ def _vllm_strip_billing_header(parts: list[Any]) -> list[Any]:
     return out
 
 
+def _vllm_parse_part(part: Any, parts_format: bool) -> Any:
+    """parse_chat_message_content_part for a text model: a dict in the openai format, else the
+    text itself; None for a text part without text."""
+    if isinstance(part, str):
+        return {"type": "text", "text": part} if parts_format else part
+    kind = part.get("type")
+    if kind not in _TEXT_TYPES:
+        raise RequestError(f"unsupported content part {kind!r} for a text model", "messages")
+    text = part.get(_TEXT_TYPES[kind])
+    if text is None:
+        return None
+    if parts_format:
+        extra = {k: v for k, v in part.items() if k not in _PART_FIELDS}
+        return {"type": "text", "text": text, **extra}
+    return text
+
+
 def _vllm_parse_message(message: dict[str, Any], parts_format: bool, template: str) -> dict:
     role = message["role"]
     content = message.get("content")
@@ -435,20 +452,9 @@ def _vllm_parse_message(message: dict[str, Any], parts_format: bool, template: s
         content = _vllm_strip_billing_header(content)
     pieces: list[Any] = []
     for part in content:
-        if isinstance(part, str):
-            pieces.append({"type": "text", "text": part} if parts_format else part)
-            continue
-        kind = part.get("type")
-        if kind not in _TEXT_TYPES:
-            raise RequestError(f"unsupported content part {kind!r} for a text model", "messages")
-        text = part.get(_TEXT_TYPES[kind])
-        if text is None:
-            continue
-        if parts_format:
-            extra = {k: v for k, v in part.items() if k not in _PART_FIELDS}
-            pieces.append({"type": "text", "text": text, **extra})
-        else:
-            pieces.append(text)
+        piece = _vllm_parse_part(part, parts_format)
+        if piece:  # parse_chat_message_content_parts: `if parse_res:` ("" too, in strings)
+            pieces.append(piece)
     result: dict[str, Any] = {
         "role": role,
         "content": pieces if parts_format else "\n".join(pieces),

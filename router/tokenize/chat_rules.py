@@ -16,7 +16,8 @@ they differ:
 - content as string or parts: vLLM passes parts when the template loops over a message's
   content (else one string); SGLang too, and also whenever the template names image, audio,
   video or vision.
-- text parts into a string: vLLM joins with a newline, SGLang with a space.
+- text parts into a string: vLLM joins with a newline, leaving empty texts out; SGLang with a
+  space, empty texts kept.
 - `content: null`: vLLM gives `""` (string format) or `[]`; SGLang `""`.
 - `developer`: vLLM sends it as `system` unless the template names `developer`; SGLang keeps it.
 - Claude Code's billing header (`x-anthropic-billing-header: ...; cch=...;`, a per-request
@@ -581,7 +582,8 @@ def _without_billing_header(content: Any) -> Any:
 
 
 def _vllm_parts(content: Any) -> tuple[list[str], list[dict[str, Any]]]:
-    """The text of each text part, and the parts as the template sees them (openai format)."""
+    """The texts vLLM joins into a string (empty ones left out), and the parts as the template
+    sees them (openai format)."""
     if content is None:
         return [], []
     if isinstance(content, str):
@@ -589,8 +591,11 @@ def _vllm_parts(content: Any) -> tuple[list[str], list[dict[str, Any]]]:
     texts: list[str] = []
     parts: list[dict[str, Any]] = []
     for part in content:
+        # vLLM keeps what a part parses to unless it is falsy: an empty text is left out of
+        # the string it joins (`Hello\nworld`, not `Hello\n\nworld`), but kept as a part.
         if isinstance(part, str):
-            texts.append(part)
+            if part:
+                texts.append(part)
             parts.append({"type": "text", "text": part})
             continue
         key = _TEXT_PART_KEYS.get(part.get("type"))  # type: ignore[arg-type]
@@ -599,7 +604,8 @@ def _vllm_parts(content: Any) -> tuple[list[str], list[dict[str, Any]]]:
         text = part.get(key)
         if text is None:
             continue  # vLLM skips a text part without text
-        texts.append(text)
+        if text:
+            texts.append(text)
         extra = {k: v for k, v in part.items() if k not in _KNOWN_PART_FIELDS}
         parts.append({"type": "text", "text": text, **extra})
     return texts, parts

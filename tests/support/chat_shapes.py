@@ -79,6 +79,33 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
             },
         ]
     },
+    # vLLM leaves an empty text out of the string it joins (kept as a part); SGLang keeps it.
+    "empty_text_parts": {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is the weather"},
+                    {"type": "text", "text": ""},
+                    {"type": "text", "text": "in Paris?"},
+                ],
+            },
+            {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+            {
+                "role": "tool",
+                "tool_call_id": "call12345",
+                "content": [
+                    {"type": "text", "text": "Sunny"},
+                    {"type": "text", "text": ""},
+                    {"type": "text", "text": "24C"},
+                ],
+            },
+        ],
+        "tools": [WEATHER_TOOL],
+    },
+    "empty_string_parts": {
+        "messages": [{"role": "user", "content": ["What is the weather", "", "in Paris?"]}]
+    },
     "tool_call_history": {"messages": [SYSTEM, *CALL_HISTORY], "tools": [WEATHER_TOOL]},
     "tool_call_dict_arguments": {
         "messages": [

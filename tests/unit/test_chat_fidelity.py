@@ -207,6 +207,17 @@ def test_text_parts_are_joined_with_newlines_by_vllm_and_spaces_by_sglang(
     assert "What is the weather in Paris?" in rendered(sglang, SHAPES["text_parts"])
 
 
+@pytest.mark.parametrize("shape", ["empty_text_parts", "empty_string_parts"])
+def test_vllm_leaves_empty_texts_out_of_the_string_it_joins_and_sglang_keeps_them(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]], shape: str
+) -> None:
+    _, vllm = pairs[("chatml.jinja", "vllm")]
+    _, sglang = pairs[("chatml.jinja", "sglang")]
+    assert "What is the weather\nin Paris?" in rendered(vllm, SHAPES[shape])
+    if shape == "empty_text_parts":  # SGLang's model refuses bare strings as parts
+        assert "What is the weather  in Paris?" in rendered(sglang, SHAPES[shape])
+
+
 def test_null_content_and_string_arguments_render_as_empty_text_and_a_json_object(
     pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
 ) -> None:
