@@ -430,6 +430,9 @@ def _vllm_parse_part(part: Any, parts_format: bool) -> Any:
     if isinstance(part, str):
         return {"type": "text", "text": part} if parts_format else part
     kind = part.get("type")
+    if kind == "tool_reference":  # vLLM 0.22+: passed through for the template to expand
+        name = part.get("name")
+        return {"type": "tool_reference", "name": name} if parts_format else name
     if kind not in _TEXT_TYPES:
         raise RequestError(f"unsupported content part {kind!r} for a text model", "messages")
     text = part.get(_TEXT_TYPES[kind])
@@ -689,6 +692,8 @@ def _sglang_content(message: dict[str, Any], parts_format: bool) -> dict[str, An
             kind = chunk.get("type") if isinstance(chunk, dict) else None
             if kind in ("text", "input_text"):
                 parts.append({"type": "text", "text": chunk["text"]})
+            elif kind == "tool_reference":  # the part as its model dumps it
+                parts.append({"type": "tool_reference", "name": chunk["name"]})
             elif kind in ("image_url", "input_image", "video_url", "audio_url"):
                 raise RequestError("this model serves text only", "messages")
         out = {k: v for k, v in message.items() if v is not None and k != "content"}

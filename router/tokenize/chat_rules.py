@@ -18,6 +18,8 @@ they differ:
   video or vision.
 - text parts into a string: vLLM joins with a newline, leaving empty texts out; SGLang with a
   space, empty texts kept.
+- a `tool_reference` part (a deferred tool's `name`): vLLM (0.22+) keeps it as a part, or joins
+  the name like a text; SGLang keeps it as a part, or leaves it out of the string.
 - `content: null`: vLLM gives `""` (string format) or `[]`; SGLang `""`.
 - `developer`: vLLM sends it as `system` unless the template names `developer`; SGLang keeps it.
 - Claude Code's billing header (`x-anthropic-billing-header: ...; cch=...;`, a per-request
@@ -598,6 +600,14 @@ def _vllm_parts(content: Any) -> tuple[list[str], list[dict[str, Any]]]:
                 texts.append(part)
             parts.append({"type": "text", "text": part})
             continue
+        if part.get("type") == "tool_reference":
+            # A deferred tool's name, for the template to expand (GLM's look it up in `tools`);
+            # as a string, the name joined like a text.
+            name = part.get("name")
+            if name:
+                texts.append(name)
+            parts.append({"type": "tool_reference", "name": name})
+            continue
         key = _TEXT_PART_KEYS.get(part.get("type"))  # type: ignore[arg-type]
         if key is None:
             raise Unrenderable("content", f"a {part.get('type')!r} content part is not text")
@@ -812,6 +822,8 @@ def _sglang_parts(content: list[Any]) -> list[dict[str, Any]]:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _SGLANG_TEXT_TYPES:
             parts.append({"type": "text", "text": part["text"]})
+        elif kind == "tool_reference":
+            parts.append({"type": "tool_reference", "name": part["name"]})
         elif kind in _SGLANG_MEDIA:
             raise Unrenderable("content", f"a {kind!r} content part is not text")
     return parts

@@ -106,6 +106,21 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
     "empty_string_parts": {
         "messages": [{"role": "user", "content": ["What is the weather", "", "in Paris?"]}]
     },
+    # A reference to a deferred tool (Claude Code's tool search through a gateway, GLM's
+    # templates): its name as a part, or as a text when the template takes strings.
+    "tool_reference": {
+        "messages": [
+            SYSTEM,
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Use the tool I found:"},
+                    {"type": "tool_reference", "name": "get_weather"},
+                ],
+            },
+        ],
+        "tools": [{**WEATHER_TOOL, "defer_loading": True}],
+    },
     "tool_call_history": {"messages": [SYSTEM, *CALL_HISTORY], "tools": [WEATHER_TOOL]},
     "tool_call_dict_arguments": {
         "messages": [

@@ -35,6 +35,7 @@ from tests.support.model_dirs import (
     HOLDOUT_TEMPLATES,
     build_fixture_model,
     build_holdout_model,
+    build_model_dir,
     holdout_dir,
 )
 
@@ -216,6 +217,43 @@ def test_vllm_leaves_empty_texts_out_of_the_string_it_joins_and_sglang_keeps_the
     assert "What is the weather\nin Paris?" in rendered(vllm, SHAPES[shape])
     if shape == "empty_text_parts":  # SGLang's model refuses bare strings as parts
         assert "What is the weather  in Paris?" in rendered(sglang, SHAPES[shape])
+
+
+# Renders each part of a message's content, a tool_reference as the tool it names (as GLM's
+# templates expand one); both engines hand it parts (it loops over `message.content`).
+EXPANDS_TOOL_REFERENCES = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.content is string %}{{ message.content }}{% else %}"
+    "{% for part in message.content %}{% if part.type == 'tool_reference' %}"
+    "{% for tool in tools if tool.function.name == part.name %}"
+    "[{{ tool.function | tojson }}]{% endfor %}"
+    "{% else %}{{ part.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
+def test_a_tool_reference_reaches_a_template_that_expands_it_as_each_engine_passes_it(
+    tmp_path: Path, engine: str
+) -> None:
+    path = build_model_dir(tmp_path, "qwen", EXPANDS_TOOL_REFERENCES)
+    router, worker = load_tokenizer(str(path), engine=engine), ModelChat(str(path), engine)
+    body = SHAPES["tool_reference"]
+    got = router.encode_chat_request(body, chat_params(body, router.engine))
+    assert got.failure is None
+    assert list(got.ids) == worker.chat_ids(copy.deepcopy(body))
+    assert 'Use the tool I found:[{"' in worker.tokenizer.decode(got.ids)
+
+
+def test_vllm_joins_a_tool_references_name_like_a_text_when_the_template_takes_strings(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+) -> None:
+    _, vllm = pairs[("chatml.jinja", "vllm")]
+    _, sglang = pairs[("chatml.jinja", "sglang")]
+    assert "Use the tool I found:\nget_weather<|im_end|>" in rendered(
+        vllm, SHAPES["tool_reference"]
+    )
+    assert "Use the tool I found:<|im_end|>" in rendered(sglang, SHAPES["tool_reference"])
 
 
 def test_null_content_and_string_arguments_render_as_empty_text_and_a_json_object(
