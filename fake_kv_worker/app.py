@@ -135,13 +135,23 @@ class WorkerState:
 
     def adapter_of(self, body: Mapping[str, Any]) -> str | None:
         """The loaded adapter a request names, as the engine reads it (None: the base model).
-        vLLM: `model` is the adapter's name. SGLang: `model` as "base:adapter" (after the
-        served name, or else the first colon; stripped), else `lora_path` (the first, for a
-        batch); either must name a loaded adapter."""
+        vLLM: `model` is the served model's name or an adapter's (absent or empty: the served
+        model); any other name is answered 404 as vLLM's `_check_model` answers it. SGLang:
+        `model` as "base:adapter" (after the served name, or else the first colon; stripped),
+        else `lora_path` (the first, for a batch); either must name a loaded adapter."""
         loaded = self.config.lora_modules
         model = body.get("model")
         if self.config.metrics_engine == "vllm":
-            return model if isinstance(model, str) and model in loaded else None
+            if not isinstance(model, str) or not model or model == self.config.model:
+                return None
+            if model not in loaded:
+                raise RequestError(
+                    f"The model `{model}` does not exist.",
+                    "model",
+                    status=404,
+                    type_="NotFoundError",
+                )
+            return model
         name, param = None, "model"
         if isinstance(model, str) and ":" in model and model != self.config.model:
             served = self.config.model + ":"

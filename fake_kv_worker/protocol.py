@@ -2,7 +2,8 @@
 
 No I/O here: the routes in `app.py` read bytes, call these, and write what they return. Every
 malformed input raises `RequestError` naming the offending field, which the app renders as an
-OpenAI-style error body: `{"error": {"message", "type": "invalid_request_error", "param"}}`.
+OpenAI-style error body: `{"error": {"message", "type": "invalid_request_error", "param",
+"code"}}` (`code` the HTTP status, as vLLM's and SGLang's carry it).
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ class RequestError(Exception):
         self.type = type_
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param)
+        # vLLM's ErrorInfo carries the status as `code`, and so does SGLang's error body.
+        body = error_body(self.message, self.type, self.param)
+        body["error"]["code"] = self.status
+        return body
 
 
 def error_body(message: str, type_: str, param: str | None) -> dict[str, Any]:

@@ -393,6 +393,31 @@ async def test_an_adapter_that_is_not_loaded_is_refused_by_name() -> None:
         assert (await fw.state())["last_seq"] == -1  # nothing cached, nothing published
 
 
+async def test_a_vllm_request_naming_a_model_it_does_not_serve_is_answered_404_as_vllm_does() -> (
+    None
+):
+    """vLLM's `_check_model`: a `model` that is neither a served name nor a loaded adapter is
+    refused before anything is cached; it was served as the base model."""
+    async with fake_worker_in_process(wire="vllm", lora_modules=("sql",)) as fw:
+        for path, prompt in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
+            text = "hello there, a prompt"
+            asked = [{"role": "user", "content": text}] if prompt == "messages" else text
+            status, answer, _ = await post(fw, path, {prompt: asked, "model": "other"})
+            assert status == 404
+            assert answer == {
+                "error": {
+                    "message": "The model `other` does not exist.",
+                    "type": "NotFoundError",
+                    "param": "model",
+                    "code": 404,
+                }
+            }
+        assert (await fw.state())["last_seq"] == -1  # nothing cached, nothing published
+        for named in ({}, {"model": ""}, {"model": "fake-model"}, {"model": "sql"}):
+            body = {"prompt": "hello there, a prompt", "max_tokens": 1, **named}
+            assert (await post(fw, "/v1/completions", body))[0] == 200
+
+
 async def test_kv_snapshot_is_not_served_without_the_flag() -> None:
     async with fake_worker_in_process() as fw, fw.session.get(fw.url + "/v1/kv-snapshot") as resp:
         assert resp.status == 404
