@@ -84,10 +84,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
 
 from cachetree.accel import speedups
-from cachetree.keys import MAX_ADAPTER_NAMES, namespace_seed
+from cachetree.keys import namespace_seed
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from peer.tasks import cancel_and_wait
+from router.adapter_names import AdapterNames
 from router.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -158,7 +159,7 @@ def apply_steps(
     events: Iterable[KVEvent],
     tally: Counter[tuple] | None = None,
     slice_blocks: int = SLICE_BLOCKS,
-    adapters: set[str] | None = None,
+    adapters: AdapterNames | None = None,
 ) -> Steps:
     """`apply_events`, yielding after every `slice_blocks` blocks of work; the LoRA adapter
     names the stores carry are added to `adapters` (see `IndexRules.adapters`).
@@ -225,12 +226,12 @@ def apply_steps(
             tally["cleared", None] += 1
 
 
-def _learn_adapter(adapters: set[str], namespace: str) -> None:
+def _learn_adapter(adapters: AdapterNames, namespace: str) -> None:
     """The adapter part of a store's namespace (`events.namespace_of`: "lora", "lora\0salt"
-    or "\0salt"; a bare adapter name is its own), remembered up to `MAX_ADAPTER_NAMES`."""
+    or "\0salt"; a bare adapter name is its own), learned or made the most recent."""
     lora = namespace.partition("\x00")[0]
-    if lora and lora not in adapters and len(adapters) < MAX_ADAPTER_NAMES:
-        adapters.add(lora)
+    if lora:
+        adapters.use(lora)
 
 
 def _seed_holds(tree: BlockTree, rank: RankId, event: BlockStored) -> bool:
@@ -340,18 +341,17 @@ class IndexRules:
         # The LoRA adapter names the engines' stores have carried (vLLM's and SGLang's
         # `lora_name`), and the worker snapshots, workers' /v1/models and sibling grafts
         # taught (`learn_adapters`): a request naming one of them is keyed in that adapter's
-        # namespace, as its blocks were published (`routing.namespace_for`). Only ever added to.
-        self.adapters: set[str] = set()
+        # namespace, as its blocks were published (`routing.namespace_for`). Bounded, the
+        # least recently learned forgotten first (`router.adapter_names`).
+        self.adapters = AdapterNames()
         self._on_loss: Callable[[RankId], None] = lambda rank: None
         # Set when peer bootstrap is on: it holds Pending ranks' batches and grafts.
         self.bootstrap: BootstrapRules | None = None
 
     def learn_adapters(self, names: Iterable[str]) -> None:
-        """Remember adapter names a worker snapshot, a worker's `/v1/models` or a sibling's
-        graft carried, as a live store's, up to `MAX_ADAPTER_NAMES`: in sorted order, so which
-        of more names than fit are learned does not hang on a set's order."""
-        for name in sorted(names):
-            _learn_adapter(self.adapters, name)
+        """Learn adapter names a worker snapshot, a worker's `/v1/models` or a sibling's
+        graft carried, as a live store's (`AdapterNames.learn`)."""
+        self.adapters.learn(names)
 
     def set_loss_handler(self, on_loss: Callable[[RankId], None]) -> None:
         """Called when a rank provably missed batches, so its owner can re-pull a snapshot."""

@@ -9,6 +9,7 @@ from cachetree.ranks import RankId
 from cachetree.snapshot import canonical_view
 from cachetree.tiers import DEVICE, HOST
 from cachetree.tree import BlockTree
+from router.dataplane.routing import namespace_for
 from router.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -19,6 +20,7 @@ from router.events import (
 )
 from router.index import IndexRules
 from router.subscriber import MAX_SEQ_JUMP, LiveBatch, PublisherReset, UnrepairedGap
+from router.tokenize.chat_rules import Engine
 from router.worker_snapshot import SnapshotBlock, SnapshotRank, WorkerSnapshot
 
 BS = 4
@@ -429,12 +431,13 @@ def test_a_worker_snapshot_teaches_the_adapter_names_its_roots_carry_within_the_
     assert rules.tree.prefix_depths(block_keys(tokens, BS, namespace_seed("sql"))).any_tier == {
         R: 1
     }
-    # Learned as the stores' names are: never past MAX_ADAPTER_NAMES.
-    rules.adapters.update(f"a{i}" for i in range(MAX_ADAPTER_NAMES - 2))  # one place left
+    # Learned as the stores' names are: never past MAX_ADAPTER_NAMES, the least recently
+    # learned making room.
+    rules.learn_adapters(f"a{i:04d}" for i in range(MAX_ADAPTER_NAMES - 2))  # one place left
     names = [SnapshotBlock(10 + i, None, tokens, lora_name=f"b{i}") for i in range(2)]
     assert rules.replace_ranks(R.worker_url, WorkerSnapshot([SnapshotRank(0, 5, names)], BS))
     assert len(rules.adapters) == MAX_ADAPTER_NAMES
-    assert {"b0", "b1"} & rules.adapters == {"b0"}
+    assert {"b0", "b1"} <= rules.adapters and "sql" not in rules.adapters
 
 
 def test_a_worker_snapshot_with_more_names_than_the_bound_teaches_the_first_in_sorted_order() -> (
@@ -449,6 +452,49 @@ def test_a_worker_snapshot_with_more_names_than_the_bound_teaches_the_first_in_s
     body = WorkerSnapshot([SnapshotRank(0, 4, blocks)], BS)
     assert rules.replace_ranks(R.worker_url, body) == "applied"
     assert rules.adapters == set(names[:MAX_ADAPTER_NAMES])
+
+
+def adapter_store(h: int, name: str) -> BlockStored:
+    return BlockStored([h], None, list(range(1, 1 + BS)), BS, DEVICE, "GPU", name)
+
+
+def test_a_new_adapter_past_the_bound_is_learned_in_place_of_the_least_recently_used() -> None:
+    """Names were only ever added: once MAX_ADAPTER_NAMES were learned, a fleet's newer
+    adapters were never learned, and a vLLM request naming one (no /v1/models readable) was
+    keyed as the base model's, a false hit on the base model's blocks."""
+    rules, _ = rules_with(R)
+    old = [f"old{i:04d}" for i in range(MAX_ADAPTER_NAMES)]
+    rules.apply_batch(R, 0, EventBatch(0.0, [adapter_store(i, n) for i, n in enumerate(old)], 0))
+    assert set(rules.adapters) == set(old)
+    rules.apply_batch(R, 1, EventBatch(0.0, [adapter_store(1 << 20, "new")], 0))
+    assert len(rules.adapters) == MAX_ADAPTER_NAMES
+    assert "new" in rules.adapters and old[0] not in rules.adapters  # the first stored went
+    assert set(old[1:]) <= rules.adapters
+    assert namespace_for({"model": "new"}, rules.adapters, frozenset(), Engine.VLLM) == "new"
+    # A graft or a worker's /v1/models past the bound is learned the same way.
+    rules.learn_adapters(["graft-a", "graft-b"])
+    assert {"graft-a", "graft-b", "new"} <= rules.adapters
+    assert not {old[1], old[2]} & rules.adapters
+
+
+def test_an_adapter_in_use_is_never_forgotten_however_many_names_come_after_it() -> None:
+    """In use: its blocks keep being stored, as every request an engine serves for it stores
+    the blocks it fills. Three bounds' worth of new names pass; it stays, and a name learned
+    once and never stored again goes."""
+    rules, _ = rules_with(R)
+    seq, h = 0, 0
+    rules.apply_batch(
+        R, seq, EventBatch(0.0, [adapter_store(h, "hot"), adapter_store(1, "once")], 0)
+    )
+    for round_ in range(3 * MAX_ADAPTER_NAMES // 1000):
+        names = [f"n{round_}-{i}" for i in range(999)]  # fewer than the bound between uses
+        events = [adapter_store(2 + i, n) for i, n in enumerate(names)]
+        events.append(adapter_store(h, "hot"))  # the adapter serves another request
+        seq += 1
+        rules.apply_batch(R, seq, EventBatch(0.0, events, 0))
+        assert "hot" in rules.adapters
+    assert "once" not in rules.adapters
+    assert len(rules.adapters) == MAX_ADAPTER_NAMES
 
 
 @pytest.mark.parametrize("name", ["sql\x00salt", "", "a" * (MAX_ADAPTER_NAME_CHARS + 1)])
