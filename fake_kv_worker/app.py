@@ -133,15 +133,17 @@ class WorkerState:
     def rank_from_body(self, body: Mapping[str, Any]) -> int:
         return dp_rank_of(body.get("dp_rank"), self.config.dp_size, "dp_rank")
 
-    def adapter_of(self, body: Mapping[str, Any]) -> str | None:
+    def adapter_of(self, body: Mapping[str, Any], *, native: bool) -> str | None:
         """The loaded adapter a request names, as the engine reads it (None: the base model).
         vLLM: `model` is the served model's name or an adapter's (absent or empty: the served
         model); any other name is answered 404 as vLLM's `_check_model` answers it. SGLang:
         `model` as "base:adapter" (after the served name, or else the first colon; stripped),
-        else `lora_path` (the first, for a batch); either must name a loaded adapter."""
+        else `lora_path` (the first, for a batch); either must name a loaded adapter. SGLang's
+        native `/generate` (`native`; read so whichever engine the fake plays) has no `model`
+        field (its GenerateReqInput drops it unread): `lora_path` alone names the adapter."""
         loaded = self.config.lora_modules
-        model = body.get("model")
-        if self.config.metrics_engine == "vllm":
+        model = None if native else body.get("model")
+        if self.config.metrics_engine == "vllm" and not native:
             if not isinstance(model, str) or not model or model == self.config.model:
                 return None
             if model not in loaded:
@@ -286,7 +288,7 @@ ShapeFactory = Callable[[str], ResponseShape]
 
 
 def _generation_route(
-    parse: Parser, shape_factory: ShapeFactory
+    parse: Parser, shape_factory: ShapeFactory, *, native: bool = False
 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handle(request: web.Request) -> web.StreamResponse:
         state = request.app[STATE_KEY]
@@ -304,7 +306,7 @@ def _generation_route(
         )
         body = await _read_body(request)
         req = parse(body, state.config.max_tokens_default)
-        lora_name = state.adapter_of(body)
+        lora_name = state.adapter_of(body, native=native)
         tokens = state.prompt_ids(req)
         if not tokens and not req.embeds:
             raise RequestError("the prompt is empty", req.prompt_param)
@@ -508,7 +510,7 @@ def build_app(state: WorkerState) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", _generation_route(parse_completion, CompletionShape))
     app.router.add_post("/v1/chat/completions", _generation_route(parse_chat, ChatShape))
-    app.router.add_post("/generate", _generation_route(parse_generate, GenerateShape))
+    app.router.add_post("/generate", _generation_route(parse_generate, GenerateShape, native=True))
     app.router.add_get("/v1/loads", loads)
     app.router.add_get("/metrics", metrics)
     if state.config.serve_kv_snapshot:

@@ -221,7 +221,11 @@ def param_of(route: bytes) -> str:
 
 
 def namespace_for(
-    body: dict[str, Any], adapters: Collection[str], served: Collection[str], engine: Engine
+    route: bytes,
+    body: dict[str, Any],
+    adapters: Collection[str],
+    served: Collection[str],
+    engine: Engine,
 ) -> str | None:
     """The key namespace of a request: its LoRA adapter and cache salt, as events carry them
     (`events.namespace_of`), the adapter named as its engine reads the name. `served` are the
@@ -236,17 +240,26 @@ def namespace_for(
       as an adapter's.
     - SGLang: `model` as "base:adapter" (a served name is a base model's, colons and all;
       the adapter part stripped), else `lora_path` (the first, for a batch), as SGLang picks
-      them. Both name the adapter outright, learned or not: SGLang refuses one not loaded."""
+      them. Both name the adapter outright, learned or not: SGLang refuses one not loaded.
+    - `/generate`, SGLang's native API (whichever engine: vLLM serves no such route):
+      `lora_path` alone. Its request (GenerateReqInput) has no `model` field, so SGLang
+      drops a `model` unread there, "base:adapter" or not."""
     salt = body.get("cache_salt")
-    lora = _adapter_of(body, adapters, served, engine)
+    lora = _adapter_of(route, body, adapters, served, engine)
     if lora is None and salt is None:  # most requests
         return None
     return namespace_of(lora, _str_or_none(salt))
 
 
 def _adapter_of(
-    body: dict[str, Any], adapters: Collection[str], served: Collection[str], engine: Engine
+    route: bytes,
+    body: dict[str, Any],
+    adapters: Collection[str],
+    served: Collection[str],
+    engine: Engine,
 ) -> str | None:
+    if route == GENERATE:
+        return _lora_path(body)
     model = body.get("model")
     if engine is Engine.VLLM:
         if type(model) is not str or not model or model in served:
@@ -256,6 +269,11 @@ def _adapter_of(
         name = _sglang_model_adapter(model, served)
         if name:
             return name
+    return _lora_path(body)
+
+
+def _lora_path(body: dict[str, Any]) -> str | None:
+    """SGLang's `lora_path`: the adapter it names (the first, for a batch), or None."""
     path = body.get("lora_path")
     if type(path) is list:
         path = path[0] if path else None
@@ -359,6 +377,7 @@ class RequestRouter:
 
     def _encode_first(
         self,
+        route: bytes,
         body: dict[str, Any],
         tokens: Offload[Sequence[int]],
         candidates: list[Candidate],
@@ -373,10 +392,10 @@ class RequestRouter:
             now = self.candidates()  # the ranks healthy now, after the wait
             if not now:
                 return self._no_candidates()
-            return self._counted_unless_asked(self._keyed(body, tokens, now))
+            return self._counted_unless_asked(self._keyed(route, body, tokens, now))
 
         def busy() -> Routed:  # counted by the data plane (`EncodeQueue.busy`)
-            return self._counted_unless_asked(self._keyed(body, (), candidates))
+            return self._counted_unless_asked(self._keyed(route, body, (), candidates))
 
         return EncodeFirst(tokens.map(encoded), busy)
 
@@ -452,7 +471,7 @@ class RequestRouter:
                 raise BadRequest(str(exc), exc.param) from None
             if isinstance(encoded, Offload):
                 ids = encoded.map(lambda outcome: self._chat_ids(outcome()))
-                return self._encode_first(body, ids, candidates)
+                return self._encode_first(route, body, ids, candidates)
             tokens = self._chat_ids(encoded)
         else:
             prompt = prompt_of(route, body)
@@ -472,12 +491,16 @@ class RequestRouter:
                 raise BadRequest(str(exc), param) from None
             if isinstance(encoded_prompt, Offload):
                 ids = encoded_prompt.map(partial(_prompt_ids, param))
-                return self._encode_first(body, ids, candidates)
+                return self._encode_first(route, body, ids, candidates)
             tokens = encoded_prompt
-        return self._keyed(body, tokens, candidates)
+        return self._keyed(route, body, tokens, candidates)
 
     def _keyed(
-        self, body: dict[str, Any] | None, tokens: Sequence[int], candidates: list[Candidate]
+        self,
+        route: bytes,
+        body: dict[str, Any] | None,
+        tokens: Sequence[int],
+        candidates: list[Candidate],
     ) -> Decision | AskFirst:
         """Key `tokens`, look their blocks up and decide (or ask the placer)."""
         engine = self.tokenizer.engine
@@ -487,7 +510,7 @@ class RequestRouter:
         namespace = (
             None
             if body is None
-            else namespace_for(body, self.rules.adapters, self.workers.served_models, engine)
+            else namespace_for(route, body, self.rules.adapters, self.workers.served_models, engine)
         )
         keys = block_keys(tokens, tree.block_size, namespace_seed(namespace))
         prompt = Prompt(len(tokens), tree.block_size, tree.prefix_depths(keys), keys)

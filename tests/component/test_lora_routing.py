@@ -8,6 +8,7 @@ use). Each test asserts what the router matched against what the worker found ca
 
 from __future__ import annotations
 
+from fake_kv_worker.app import CACHED_TOKENS_HEADER
 from tests.component.test_lora_snapshots import BLOCKS, BS, IDS, PROMPT, matched_blocks, routed
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.router import RouterHandle, router_in_process
@@ -79,3 +80,30 @@ async def test_an_sglang_request_naming_an_adapter_in_model_and_lora_path_is_key
         body = {"model": "fake-model", "lora_path": "chat", "prompt": f"{PROMPT}chat?"}
         assert await completion(rt, **body) == (1, BLOCKS * BS)
         assert matched_blocks(rt) == 2 * BLOCKS
+
+
+async def test_an_sglang_generate_request_names_its_adapter_by_lora_path_never_by_model() -> None:
+    """SGLang's `/generate` takes no `model` (its GenerateReqInput has none): "base:adapter"
+    there is served as the base model. Read as on the OpenAI routes, the router matched the
+    adapter's blocks on one rank and sent the request there, where the engine found none."""
+    async with (
+        fake_worker_in_process(wire="sglang", dp_size=2, lora_modules=("sql",)) as fw,
+        router_in_process(workers=[fw.url], expose_route_headers=True) as rt,
+    ):
+        for dp_rank in (0, 1):
+            await rt.gate(fw, dp_rank)
+        await fw.store([IDS], dp_rank=0, lora_name="sql")
+        await fw.store([IDS], dp_rank=1)  # the base model's
+        for dp_rank in (0, 1):
+            await settled(rt, fw, dp_rank)
+        one_token = {"sampling_params": {"max_new_tokens": 1}}
+        for named, rank, matched in (
+            ({"model": "fake-model:sql"}, "1", BLOCKS),  # the base model's blocks
+            ({"model": "fake-model", "lora_path": "sql"}, "0", 2 * BLOCKS),
+        ):
+            body = {"text": f"{PROMPT}{rank}?", **named, **one_token}
+            status, answer, headers = await rt.post("/generate", body)
+            assert status == 200, answer
+            cached = headers[CACHED_TOKENS_HEADER]
+            assert (headers["X-Kvrouter-Dp-Rank"], cached) == (rank, str(BLOCKS * BS))
+            assert matched_blocks(rt) == matched

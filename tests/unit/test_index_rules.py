@@ -24,6 +24,7 @@ from router.tokenize.chat_rules import Engine
 from router.worker_snapshot import SnapshotBlock, SnapshotRank, WorkerSnapshot
 
 BS = 4
+COMPLETIONS = b"/v1/completions"
 R = RankId("http://w:1", 0)
 OTHER = RankId("http://w:2", 0)
 
@@ -470,7 +471,8 @@ def test_a_new_adapter_past_the_bound_is_learned_in_place_of_the_least_recently_
     assert len(rules.adapters) == MAX_ADAPTER_NAMES
     assert "new" in rules.adapters and old[0] not in rules.adapters  # the first stored went
     assert set(old[1:]) <= rules.adapters
-    assert namespace_for({"model": "new"}, rules.adapters, frozenset(), Engine.VLLM) == "new"
+    body = {"model": "new"}
+    assert namespace_for(COMPLETIONS, body, rules.adapters, frozenset(), Engine.VLLM) == "new"
     # A graft or a worker's /v1/models past the bound is learned the same way.
     rules.learn_adapters(["graft-a", "graft-b"])
     assert {"graft-a", "graft-b", "new"} <= rules.adapters

@@ -131,6 +131,8 @@ def test_chat_messages_must_be_a_non_empty_list() -> None:
     assert param_of(b"/v1/chat/completions") == "messages"
 
 
+COMPLETIONS = b"/v1/completions"
+CHAT = b"/v1/chat/completions"
 ADAPTERS = frozenset({"sql", "chat-v2"})  # names learned (events, snapshots, /v1/models)
 SERVED = frozenset({"base-model", "s3://bucket/base"})  # the workers' /v1/models' base names
 
@@ -169,7 +171,36 @@ SERVED = frozenset({"base-model", "s3://bucket/base"})  # the workers' /v1/model
 def test_the_key_namespace_of_a_request_is_the_one_its_blocks_are_published_under(
     body: dict[str, Any], engine: Engine, namespace: str | None
 ) -> None:
-    assert namespace_for(body, ADAPTERS, SERVED, engine) == namespace
+    assert namespace_for(COMPLETIONS, body, ADAPTERS, SERVED, engine) == namespace
+    assert namespace_for(CHAT, body, ADAPTERS, SERVED, engine) == namespace
+
+
+@pytest.mark.parametrize(
+    ("body", "namespace"),
+    [
+        ({"lora_path": "sql"}, "sql"),
+        ({"lora_path": "unseen"}, "unseen"),  # learned or not, as on SGLang's OpenAI routes
+        ({"lora_path": ["chat-v2", "sql"]}, "chat-v2"),  # a batch: its first
+        ({"lora_path": [None, "sql"]}, None),
+        ({"lora_path": ""}, None),
+        # GenerateReqInput has no `model`: SGLang drops it unread, "base:adapter" or not.
+        ({"model": "base:sql"}, None),
+        ({"model": "base-model:sql"}, None),
+        ({"model": "base:sql", "lora_path": "chat-v2"}, "chat-v2"),
+        ({"model": "sql"}, None),
+        ({"model": "base:sql", "cache_salt": "s"}, "\x00s"),
+        ({"lora_path": "sql", "cache_salt": "s"}, "sql\x00s"),
+    ],
+)
+@pytest.mark.parametrize("engine", [Engine.SGLANG, Engine.VLLM])
+def test_a_generate_request_names_its_adapter_by_lora_path_alone_as_sglang_reads_it(
+    body: dict[str, Any], namespace: str | None, engine: Engine
+) -> None:
+    """`/generate` is SGLang's native API, whichever engine the fleet runs (vLLM serves no
+    such route). Read as an OpenAI route's, "base:sql" keyed the request in adapter sql's
+    namespace while SGLang served it as the base model: a false hit on sql's blocks, a miss
+    on the base model's."""
+    assert namespace_for(b"/generate", body, ADAPTERS, SERVED, engine) == namespace
 
 
 @pytest.mark.parametrize(
@@ -180,7 +211,8 @@ def test_with_no_served_name_known_only_a_learned_adapter_keys_a_vllm_request_ap
 ) -> None:
     """No worker's /v1/models was readable (a vLLM behind --api-key): names cannot be told
     apart, and keying every named model apart would make every request a miss."""
-    assert namespace_for({"model": model}, ADAPTERS, frozenset(), Engine.VLLM) == namespace
+    body = {"model": model}
+    assert namespace_for(COMPLETIONS, body, ADAPTERS, frozenset(), Engine.VLLM) == namespace
 
 
 @pytest.mark.parametrize(
