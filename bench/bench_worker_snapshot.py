@@ -1,25 +1,32 @@
-"""What a worker's own `/v1/kv-snapshot` costs the event loop: the decode, and the rank's rebuild.
+"""What a worker's own `/v1/kv-snapshot` costs the event loop: the decode, and the rank's install.
 
 Run: .venv/bin/python bench/bench_worker_snapshot.py [--prompts 2000] [--repeats 5]
-Prints figures; asserts nothing. One process, one core: every figure is time the event loop
-would be held (the decode is one C call, the rebuild is not sliced).
+Prints figures; asserts nothing. One process, one core, one event loop, the path a replica
+takes (`router.workers`): the body decoded on the loop, then installed by the pump
+(`IndexRules.replace_ranks`). Each stage prints its total time and the longest the event loop
+was held in one go meanwhile (a task that only yields notes the longest gap between its turns):
+the stall a request or `/healthz` answered meanwhile would have met.
 
 The body is a rank's cache as the fake worker lists it: 20 system prompts of 40 blocks, each
 with `--prompts / 20` conversations of 30 blocks below it, depth first (a prompt's blocks one
-after the other), 16 tokens a block. Timed, median [min-max] of `--repeats`: decoding it
-(`decode_worker_snapshot`), rebuilding the rank from it into an empty index, and rebuilding it
-again over itself (the rank cleared first, as when a worker re-registers).
+after the other), 16 tokens a block. Timed, median [min-max] of `--repeats`: decoding it,
+installing it into an empty index, and installing it again over itself (the rank's old state
+replaced, as when a worker's snapshot is pulled again after a gap).
 To compare with another commit, run the same command with that checkout first on PYTHONPATH.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
@@ -27,12 +34,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
-from router.worker_snapshot import decode_worker_snapshot, rebuild_rank
+from router.index import IndexRules, Pump
+from router.worker_snapshot import WorkerSnapshot, decode_worker_snapshot
 
 BLOCK_SIZE = 16
 SYSTEM_PROMPTS = 20
 SYSTEM_BLOCKS = 40
 PROMPT_BLOCKS = 30
+WORKER = "http://worker:8000"
+T = TypeVar("T")
 
 
 def body(prompts: int) -> bytes:
@@ -60,8 +70,66 @@ def body(prompts: int) -> bytes:
     return msgspec.json.encode({"block_size": BLOCK_SIZE, "ranks": ranks})
 
 
+async def held(work: Callable[[], Awaitable[T]]) -> tuple[T, float, float]:
+    """`work`'s result, its total time, and the longest the loop went without a turn."""
+    longest = 0.0
+    done = False
+
+    async def ticker() -> None:
+        nonlocal longest
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            longest = max(longest, now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    await asyncio.sleep(0)  # the ticker is running before the work begins
+    started = time.perf_counter()
+    result = await work()
+    total = time.perf_counter() - started
+    done = True
+    await tick
+    return result, total, longest
+
+
 def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs) * 1e3:7.1f} ms [{min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f}]"
+
+
+async def install(pump: Pump, snap: WorkerSnapshot) -> str:
+    return await pump.call(lambda rules: rules.replace_ranks(WORKER, snap))
+
+
+async def run(raw: bytes, repeats: int) -> None:
+    rank = RankId(WORKER, 0)
+    stages = ("decode", "install, an empty index", "install over itself")
+    totals: dict[str, list[float]] = {stage: [] for stage in stages}
+    longest: dict[str, list[float]] = {stage: [] for stage in stages}
+
+    async def decode() -> WorkerSnapshot:
+        return decode_worker_snapshot(raw, limit=len(raw))
+
+    for _ in range(repeats):
+        snap, total, hold = await held(decode)
+        totals["decode"].append(total)
+        longest["decode"].append(hold)
+        rules = IndexRules(BlockTree(BLOCK_SIZE))
+        rules.add_ranks([rank])
+        pump = Pump(rules)
+        pump.start()
+
+        for stage in stages[1:]:
+            verdict, total, hold = await held(partial(install, pump, snap))
+            assert verdict == "applied", verdict
+            totals[stage].append(total)
+            longest[stage].append(hold)
+        await pump.stop()
+    print(f"body: {len(raw) / 2**20:.1f} MiB, {rules.tree.block_count(rank):,} blocks")
+    print(f"{'stage':<26}{'total':<28}longest loop hold")
+    for stage in stages:
+        print(f"{stage:<26}{spread(totals[stage]):<28}{spread(longest[stage])}")
 
 
 def main() -> None:
@@ -69,24 +137,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    raw = body(args.prompts)
-    rank = RankId("http://worker:8000", 0)
-    decode, fresh, again = [], [], []
-    for _ in range(args.repeats):
-        started = time.perf_counter()
-        snap = decode_worker_snapshot(raw, limit=len(raw))
-        decode.append(time.perf_counter() - started)
-        tree = BlockTree(BLOCK_SIZE)
-        started = time.perf_counter()
-        placed = rebuild_rank(tree, rank, snap.ranks[0], BLOCK_SIZE)
-        fresh.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        rebuild_rank(tree, rank, snap.ranks[0], BLOCK_SIZE)
-        again.append(time.perf_counter() - started)
-    print(f"body: {len(raw) / 2**20:.1f} MiB, {placed:,} blocks")
-    print(f"decode                   {spread(decode)}")
-    print(f"rebuild, an empty index  {spread(fresh)}")
-    print(f"rebuild over itself      {spread(again)}")
+    asyncio.run(run(body(args.prompts), args.repeats))
 
 
 if __name__ == "__main__":
