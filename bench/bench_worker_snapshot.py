@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python bench/bench_worker_snapshot.py [--prompts 2000] [--repeats 5]
 Prints figures; asserts nothing. One process, one core, one event loop, the path a replica
-takes (`router.workers`): the body decoded on the loop, then installed by the pump
+takes (`router.workers`): the body decoded on the loop in slices, then installed by the pump
 (`IndexRules.replace_ranks`). Each stage prints its total time and the longest the event loop
 was held in one go meanwhile (a task that only yields notes the longest gap between its turns):
 the stall a request or `/healthz` answered meanwhile would have met.
@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
-from router.index import IndexRules, Pump
-from router.worker_snapshot import WorkerSnapshot, decode_worker_snapshot
+from router.bootstrap import run_in_slices
+from router.index import SLICE_BLOCKS, IndexRules, Pump
+from router.worker_snapshot import SnapshotDecode, WorkerSnapshot
 
 BLOCK_SIZE = 16
 SYSTEM_PROMPTS = 20
@@ -109,7 +110,9 @@ async def run(raw: bytes, repeats: int) -> None:
     longest: dict[str, list[float]] = {stage: [] for stage in stages}
 
     async def decode() -> WorkerSnapshot:
-        return decode_worker_snapshot(raw, limit=len(raw))
+        job = SnapshotDecode(raw, limit=len(raw))
+        await run_in_slices(job.step, SLICE_BLOCKS)
+        return job.result()
 
     for _ in range(repeats):
         snap, total, hold = await held(decode)

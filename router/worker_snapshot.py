@@ -25,14 +25,16 @@ when any one of its ranks is, a rank the worker does not have included
 Bounded memory: `read_body` streams the answer against `--worker-snapshot-max-body-mb`
 (a `Content-Length` over it is refused before a byte is read; a body that goes past it is cut
 off there), and refuses a compressed answer outright (we never ask for one, and inflating is
-where a bomb goes off). Decoded, a body takes about 4.6 times its size (token ids as Python
-ints) and its blocks about 320 B each in the index: the 32 MiB default (~160k blocks of 16
-tokens) peaks near 250 MB above the baseline, inside the manifest's 512 Mi with the rest of
-the index (README, "Memory").
+where a bomb goes off). It is decoded in slices (`SnapshotDecode`: its structure first, then
+its blocks a slice at a time, the event loop turning between them). Decoded, a body takes about
+4.6 times its size (token ids as Python ints) and its blocks about 320 B each in the index: the
+32 MiB default (~160k blocks of 16 tokens) peaks near 250 MB above the baseline, inside the
+manifest's 512 Mi with the rest of the index (README, "Memory").
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Annotated, Final
 
@@ -63,7 +65,10 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 class SnapshotBlock(msgspec.Struct, gc=False):
     engine_hash: int
     parent_engine_hash: int | None
-    token_ids: list[TokenId]
+    # A tuple, not a list: the collector stops tracking a tuple of ints at its first pass, so
+    # 160k decoded blocks do not pile up into a full collection (a list stays tracked: 150-270
+    # ms pauses inside a decode slice, BENCHMARKS.md, issue 13).
+    token_ids: tuple[TokenId, ...]
     tier: str | None = "device"
     lora_name: str | None = None
     cache_salt: str | None = None
@@ -80,7 +85,23 @@ class WorkerSnapshot(msgspec.Struct):
     block_size: int
 
 
-_decoder = msgspec.json.Decoder(WorkerSnapshot)
+class _ListedRank(msgspec.Struct):
+    dp_rank: int
+    last_seq: int
+    blocks: list[msgspec.Raw]  # each block's bytes, decoded later a slice at a time
+
+
+class _Listed(msgspec.Struct):
+    ranks: list[_ListedRank]
+    block_size: int
+
+
+_listing_decoder = msgspec.json.Decoder(_Listed)
+_blocks_decoder = msgspec.json.Decoder(list[SnapshotBlock])
+# Blocks a step of `decode_worker_snapshot` joins into one copy to decode: one step for the
+# whole body copied all of it again (+22 MB at 140k blocks).
+_JOINED_BLOCKS: Final = 4096
+_SLICE_PATH = re.compile(r"`\$\[(\d+)\]")  # where in a slice a decode error is
 
 
 async def read_body(resp: aiohttp.ClientResponse, limit: int) -> bytearray:
@@ -103,15 +124,73 @@ async def read_body(resp: aiohttp.ClientResponse, limit: int) -> bytearray:
     return body
 
 
+class SnapshotDecode:
+    """A body decoded in slices, so a large one never holds the event loop for long: call
+    `step()` until it returns True, then `result()`.
+
+    The first pass (at construction) reads the body's structure and leaves each block as its
+    raw bytes (`msgspec.Raw`, a view into the body, no copy): ~0.25 us a block, a seventh of a
+    whole decode. Each step then decodes up to `budget` blocks in one C call, their token ids
+    range-checked as before. Either raises WorkerSnapshotError, naming the block at fault as
+    the whole decode did (`$.ranks[r].blocks[i]`); nothing is installed before the last step.
+    Memory: the body and its raw views (48 B a block) are held until the job is dropped.
+    """
+
+    def __init__(self, body: bytes | bytearray, limit: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        if len(body) > limit:
+            raise WorkerSnapshotError(f"body of {len(body)} bytes is over {limit}")
+        try:
+            listed = _listing_decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            raise WorkerSnapshotError(f"not a kv-snapshot body: {exc}") from None
+        self._listed = listed.ranks
+        self._ranks = [SnapshotRank(r.dp_rank, r.last_seq, []) for r in listed.ranks]
+        self._block_size = listed.block_size
+        self._rank = 0  # the rank being decoded, and how far into its blocks
+        self._pos = 0
+
+    @property
+    def done(self) -> bool:
+        return self._rank == len(self._listed)
+
+    def step(self, budget: int) -> bool:
+        """Decode up to `budget` more blocks; True once every block is decoded."""
+        while not self.done and budget > 0:
+            raws = self._listed[self._rank].blocks
+            a = self._pos
+            b = min(a + budget, len(raws))
+            try:
+                blocks = _blocks_decoder.decode(b"[" + b",".join(raws[a:b]) + b"]")
+            except msgspec.DecodeError as exc:
+                detail = _in_body(str(exc), self._rank, a)
+                raise WorkerSnapshotError(f"not a kv-snapshot body: {detail}") from None
+            self._ranks[self._rank].blocks += blocks
+            budget -= b - a
+            self._pos = b
+            if b == len(raws):
+                self._rank += 1
+                self._pos = 0
+        return self.done
+
+    def result(self) -> WorkerSnapshot:
+        if not self.done:
+            raise RuntimeError("decode not finished: call step() until it returns True")
+        return WorkerSnapshot(self._ranks, self._block_size)
+
+
+def _in_body(detail: str, rank: int, first: int) -> str:
+    """A slice's decode error, its path (`$[i]`) as the block's place in the whole body."""
+    return _SLICE_PATH.sub(lambda m: f"`$.ranks[{rank}].blocks[{first + int(m[1])}]", detail)
+
+
 def decode_worker_snapshot(
     body: bytes | bytearray, limit: int = DEFAULT_MAX_BODY_BYTES
 ) -> WorkerSnapshot:
-    if len(body) > limit:
-        raise WorkerSnapshotError(f"body of {len(body)} bytes is over {limit}")
-    try:
-        return _decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise WorkerSnapshotError(f"not a kv-snapshot body: {exc}") from None
+    """The whole body decoded at once (`SnapshotDecode` run through): tests, benches."""
+    job = SnapshotDecode(body, limit)
+    while not job.step(_JOINED_BLOCKS):
+        pass
+    return job.result()
 
 
 def check_rank(snap: SnapshotRank, block_size: int, index_block_size: int) -> None:

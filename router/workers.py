@@ -54,11 +54,12 @@ from cachetree.tree import BlockTree
 from peer.spellings import canonical_host
 from peer.supervise import Supervisor, describe, doubling_s
 from peer.tasks import cancel_and_wait
+from router.bootstrap import run_in_slices
 from router.bounded import read_up_to
 from router.breaker import CircuitBreaker
 from router.dataplane.polling import PollClient
 from router.graft import LocalGraft
-from router.index import Pump
+from router.index import SLICE_BLOCKS, Pump
 from router.loads import MAX_DP_SIZE, LoadMonitor
 from router.origin import (
     AllowList,
@@ -77,9 +78,9 @@ from router.subscriber import (
 )
 from router.worker_snapshot import (
     DEFAULT_MAX_BODY_BYTES,
+    SnapshotDecode,
     WorkerSnapshot,
     WorkerSnapshotError,
-    decode_worker_snapshot,
     read_body,
 )
 
@@ -945,7 +946,11 @@ class WorkerRegistry:
             log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)
             return "rejected", None
         try:
-            return "fetched", decode_worker_snapshot(body, self.snapshot_max_body_bytes)
+            # In slices with the loop turning between them: a 32 MiB body decoded in one
+            # call held the loop for a quarter of a second (BENCHMARKS.md, issue 13).
+            job = SnapshotDecode(body, self.snapshot_max_body_bytes)
+            await run_in_slices(job.step, SLICE_BLOCKS)
+            return "fetched", job.result()
         except WorkerSnapshotError as exc:
             log.warning("worker %s: /v1/kv-snapshot refused: %s", worker.url, exc)
             return "rejected", None

@@ -358,6 +358,27 @@ async def test_a_worker_snapshot_with_one_refused_rank_installs_nothing(
         assert pulls == {"rejected": 1}, pulls
 
 
+async def test_a_bad_block_late_in_a_large_worker_snapshot_refuses_it_whole() -> None:
+    """The body is decoded in slices with the loop turning between them: the slices before the
+    bad block decode, and still nothing of the body goes in."""
+    blocks = [block(1, None)] + [block(i, i - 1) for i in range(2, 5001)]
+    blocks[4990]["token_ids"][3] = 1 << 32  # past a token id's range, in the fifth slice
+
+    async def snapshot(request: web.Request) -> web.Response:
+        body = {"block_size": 16, "ranks": [{"dp_rank": 0, "last_seq": 3, "blocks": blocks}]}
+        return web.json_response(body)
+
+    routes = stub_worker_routes({("GET", "/v1/kv-snapshot"): snapshot})
+    async with stub_server(routes) as worker, router_in_process() as rt:
+        status, body, _ = await rt.post("/workers", {"url": worker})
+        assert status == 200, body
+        registry = rt.replica.workers
+        await eventually(lambda: registry.stats.snapshot_pulls["rejected"] == 1)
+        assert registry.stats.snapshot_pulls["applied"] == 0
+        view = await rt.rank_view(worker, 0)
+        assert view is not None and view["blocks"] == 0 and view["cursor"] is None, view
+
+
 async def test_a_refused_registration_is_a_409_with_the_reason_and_stays_listed_refused() -> None:
     """It answered 200 with `state: refused`: automation checking the status saw success."""
     async with (
