@@ -224,6 +224,8 @@ class SnapshotExport:
         if walk_chunk is not None and self._walk_native(walk_chunk, objs, keys):
             return
         masks = list(map(_get_mask, objs))
+        if self._tree._hidden:  # a staged state, or a replaced one being dropped (`stage_rank`)
+            masks = list(map(and_, masks, repeat(~self._tree._hidden)))
         if 0 in masks:
             # Carrier-less: structure above carriers, or a node that has left the tree.
             alive = list(map(truth, map(or_, masks, map(_get_children, objs))))
@@ -290,7 +292,11 @@ class SnapshotExport:
         """`_walk`'s columns from `_tables.walk_chunk` (the compiled layout); False, having
         changed nothing, for a chunk it leaves to the Python walk (masks past 64 ranks)."""
         tree, snap = self._tree, self._snap
-        table = [-1 if st is None else self._table_index(st.rank) for st in tree._by_index]
+        # A hidden rank's index maps nowhere: a chunk it carries is left to the Python walk.
+        table = [
+            -1 if st is None or tree._hidden >> i & 1 else self._table_index(st.rank)
+            for i, st in enumerate(tree._by_index)
+        ]
         last = None if self._last_key is _NO_KEY else self._last_key
         out = walk_chunk(objs, keys, table, len(snap.keys), last)
         if out is None:

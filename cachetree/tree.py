@@ -32,6 +32,13 @@ Rules that are deliberate:
   existing parent, and a parent cannot be pruned while it has children. Snapshot export
   relies on this instead of a tree walk.
 
+A rank's whole state can be replaced behind the old one (a worker's own snapshot): the new
+one is built at an index of its own that readers skip (`stage_rank`, `store(staged=True)`;
+`prefix_depths`, the carriers, the counts and an export leave hidden indices out), then takes
+the old one's place in one step (`swap_staged_steps`), the old one hidden and dropped in slices.
+Routing never sees the rank half built or half cleared; its nodes count in `len(tree)` and
+`match`'s depth meanwhile.
+
 How it is fast: `store` and `remove` hand their blocks to runs (`place_run`, `remove_run`)
 that take the cases engines nearly always send (a new block or a new device-only carrier; a
 device-only carrier evicted) and stop, having changed nothing for it, at the first block that
@@ -55,7 +62,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator, MutableMapp
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import and_, attrgetter, neg
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import msgspec
 
@@ -64,6 +71,7 @@ from cachetree.keys import block_keys, namespace_seed
 from cachetree.ranks import RankId
 from cachetree.tiers import ALL_TIERS, DEVICE, TIER_NAMES
 
+T = TypeVar("T")
 _TIER_BITS = tuple(TIER_NAMES)  # (DEVICE, HOST, DISK, EXTERNAL), index = count slot
 _get_mask = attrgetter("mask")
 _get_tiers = attrgetter("tiers")
@@ -194,6 +202,10 @@ class BlockTree:
         # Sum of the ranks' carried blocks, kept by store/remove/clear; `recount` after
         # anything that fills `by_engine_hash` directly (snapshot restores).
         self._carried = 0
+        # A rank's next state, built aside (`stage_rank`), and rank indices readers must not
+        # see: those states, and the states they replaced while they are dropped.
+        self._staged: dict[RankId, _Rank] = {}
+        self._hidden = 0
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -316,7 +328,14 @@ class BlockTree:
             device_runs = _runs(list(accumulate(device_masks, and_)))
         else:
             device_runs = any_runs
+        if self._hidden:
+            any_runs, device_runs = self._visible(any_runs), self._visible(device_runs)
         return PrefixDepths(any_runs, device_runs, self._by_index)
+
+    def _visible(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """`runs` without the hidden ranks (a run is the ranks whose depth it is)."""
+        shown = ~self._hidden
+        return [(mask & shown, depth) for mask, depth in runs if mask & shown]
 
     # -- mutations -------------------------------------------------------------------------
 
@@ -329,8 +348,11 @@ class BlockTree:
         block_size: int,
         tier: int = DEVICE,
         namespace: str | None = None,
+        *,
+        staged: bool = False,
     ) -> int:
-        """Place each full block under its parent and OR `tier` into its carrier bits.
+        """Place each full block under its parent and OR `tier` into its carrier bits; into
+        the rank's staged state (`stage_rank`) when `staged`.
 
         Returns the number of blocks placed (0 when the event was dropped and counted).
         """
@@ -343,7 +365,7 @@ class BlockTree:
         if len(token_ids) != len(engine_hashes) * block_size:
             self.stats.malformed_store += 1
             return 0
-        st = self._ranks.get(rank)
+        st = (self._staged if staged else self._ranks).get(rank)
         if parent_engine_hash is None:
             parent_key: int | None = None
             seed = namespace_seed(namespace)
@@ -401,7 +423,8 @@ class BlockTree:
             st = self._add_rank(rank)
         before = len(st.by_engine_hash)
         self._place(st, parent_key, keys, engine_hashes, tier)
-        self._carried += len(st.by_engine_hash) - before
+        if not self._hidden >> st.index & 1:
+            self._carried += len(st.by_engine_hash) - before
         return len(keys)
 
     def remove(self, rank: RankId, engine_hashes: Iterable[int], tier: int | None = None) -> int:
@@ -457,12 +480,7 @@ class BlockTree:
 
     def clear_rank(self, rank: RankId) -> int:
         """Forget every block of `rank` (AllBlocksCleared, worker removal). Returns blocks."""
-        steps = self.clear_rank_steps(rank, 1 << 62)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+        return run_through(self.clear_rank_steps(rank, 1 << 62))
 
     def clear_rank_steps(self, rank: RankId, chunk: int) -> Generator[None, None, int]:
         """`clear_rank` in slices of `chunk` blocks, yielding between them; returns blocks.
@@ -475,10 +493,48 @@ class BlockTree:
         st = self._ranks.get(rank)
         if st is None:
             return 0
+        return (yield from self._drop_steps(st, chunk))
+
+    # -- a rank's state replaced behind the old one ----------------------------------------
+
+    def stage_rank(self, rank: RankId) -> None:
+        """Begin `rank`'s next state, empty, aside: `store(..., staged=True)` fills it, no
+        reader sees it (not `prefix_depths`, the carriers, the counts, an export), until
+        `swap_staged_steps` puts it in the old state's place at once."""
+        if rank in self._staged:
+            raise ValueError(f"{rank} already has a staged state")
+        st = self._staged[rank] = self._new_rank(rank)
+        self._hidden |= 1 << st.index
+
+    def swap_staged_steps(self, rank: RankId, chunk: int) -> Generator[None, None, None]:
+        """Put `rank`'s staged state in place of its state, in one step, then drop the old
+        one out of sight in slices of `chunk` blocks. The caller must not stage the rank
+        again before the generator is exhausted."""
+        new = self._staged.pop(rank)
+        old = self._ranks.get(rank)
+        self._ranks[rank] = new
+        self._hidden &= ~(1 << new.index)
+        self._carried += len(new.by_engine_hash)
+        if old is not None:
+            self._carried -= len(old.by_engine_hash)
+            self._hidden |= 1 << old.index
+            yield from self._drop_steps(old, chunk)
+
+    def drop_staged_steps(self, rank: RankId, chunk: int) -> Generator[None, None, int]:
+        """Forget `rank`'s staged state (a refused body), in slices; the rank is as it was."""
+        st = self._staged.pop(rank, None)
+        if st is None:
+            return 0
+        return (yield from self._drop_steps(st, chunk))
+
+    def _drop_steps(self, st: _Rank, chunk: int) -> Generator[None, None, int]:
+        """Forget every block of `st` in slices, then free its index. A rank the readers see
+        (`clear_rank_steps`) stays listed, shrinking, until its last slice."""
         nodes = self._nodes
         by_hash = st.by_engine_hash
         counts = st.counts
         index = st.index
+        seen = not self._hidden >> index & 1
         total = len(by_hash)
         while by_hash:
             n = min(chunk, len(by_hash))
@@ -487,10 +543,13 @@ class BlockTree:
                 node = nodes[key]
                 _count(counts, _bits_of(node, index), -1)
                 _drop_carrier(nodes, key, node, index)
-            self._carried -= n
+            if seen:
+                self._carried -= n
             if by_hash:
                 yield
-        del self._ranks[rank]
+        if self._ranks.get(st.rank) is st:
+            del self._ranks[st.rank]
+        self._hidden &= ~(1 << index)
         self._by_index[index] = None
         while self._by_index and self._by_index[-1] is None:
             self._by_index.pop()
@@ -510,9 +569,9 @@ class BlockTree:
         return st.rank
 
     def _carrier_bits(self, node: Node) -> Iterator[tuple[int, int]]:
-        """(rank index, tier bits) for each carrier of `node`, in index order."""
+        """(rank index, tier bits) for each carrier of `node` readers see, in index order."""
         tiers = node.tiers
-        for index in _indices(node.mask):
+        for index in _indices(node.mask & ~self._hidden):
             yield index, DEVICE if tiers is None else tiers.get(index, DEVICE)
 
     def _carriers_with_hash(self, node: Node) -> list[tuple[int, int, int]]:
@@ -590,6 +649,11 @@ class BlockTree:
             by_hash[eh] = key
 
     def _add_rank(self, rank: RankId) -> _Rank:
+        st = self._ranks[rank] = self._new_rank(rank)
+        return st
+
+    def _new_rank(self, rank: RankId) -> _Rank:
+        """A state for `rank` at the lowest free index, listed nowhere but in the index table."""
         try:
             index = self._by_index.index(None)
         except ValueError:
@@ -597,8 +661,16 @@ class BlockTree:
             self._by_index.append(None)
         st = _Rank(rank, index, self._layout.hash_map())
         self._by_index[index] = st
-        self._ranks[rank] = st
         return st
+
+
+def run_through(steps: Generator[None, None, T]) -> T:
+    """Run a job in steps at once; what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
 
 def _drop_carrier(nodes: Nodes, key: int, node: Node, index: int) -> None:

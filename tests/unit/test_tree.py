@@ -289,3 +289,64 @@ def test_device_blocks_are_each_ranks_device_count_in_order() -> None:
 def test_block_size_must_be_positive() -> None:
     with pytest.raises(ValueError):
         BlockTree(0)
+
+
+def seen_by_readers(tree: BlockTree, *prompts: list[int]) -> tuple:
+    """What routing, metrics and a sibling's graft read of the tree: depths per prompt (any
+    tier and device), each prompt block's carriers, the ranks and their counts, and the tree an
+    export of it restores."""
+    from cachetree.snapshot import canonical_view, export, restore
+
+    copy = BlockTree(BS)
+    restore(copy, export(tree))
+    depths = [tree.prefix_depths(keys_of(p)) for p in prompts]
+    return (
+        [(d.any_tier, d.device) for d in depths],
+        [tree.carriers(k) for p in prompts for k in keys_of(p)],
+        sorted(tree.ranks()),
+        tree.block_counts(),
+        tree.carried_blocks,
+        canonical_view(copy),
+    )
+
+
+def test_a_staged_state_is_seen_by_no_reader_until_one_step_swaps_it_for_the_old() -> None:
+    old, new, shared = toks(5), toks(4, start=500), toks(3)
+    tree = BlockTree(BS)
+    store_chain(tree, A, old, 1)
+    store_chain(tree, B, shared, 1)
+    store_chain(tree, B, toks(2, start=900), 90, tier=HOST)
+    before = seen_by_readers(tree, old, new)
+    tree.stage_rank(A)
+    tree.store(A, None, [1, 2, 3], shared, BS, staged=True)  # blocks the old state holds too
+    tree.store(A, None, [50, 51, 52, 53], new, BS, DISK, staged=True)
+    assert seen_by_readers(tree, old, new) == before
+    reference = BlockTree(BS)  # the rank cleared, then the new blocks stored
+    store_chain(reference, B, shared, 1)
+    store_chain(reference, B, toks(2, start=900), 90, tier=HOST)
+    store_chain(reference, A, shared, 1)
+    reference.store(A, None, [50, 51, 52, 53], new, BS, DISK)
+    after = seen_by_readers(reference, old, new)
+    swap = tree.swap_staged_steps(A, 1)  # the old state dropped a block a step
+    steps = 0
+    for _ in swap:
+        steps += 1
+        assert seen_by_readers(tree, old, new) == after  # the new state whole from step one
+    assert steps == 4  # 5 old blocks, a step between each two
+    assert seen_by_readers(tree, old, new) == after
+    assert tree._hidden == 0 and len(tree) == len(reference)
+    assert tree.block_count(A, DISK) == 4
+
+
+def test_a_dropped_stage_leaves_the_tree_as_it_was() -> None:
+    tree = BlockTree(BS)
+    store_chain(tree, A, toks(3), 1)
+    before = seen_by_readers(tree, toks(3), toks(2, start=500))
+    nodes = len(tree)
+    tree.stage_rank(A)
+    tree.store(A, None, [7, 8], toks(2, start=500), BS, staged=True)
+    tree.store(A, 7, [9], toks(1, start=600), BS, staged=True)
+    assert len(list(tree.drop_staged_steps(A, 1))) == 2
+    assert seen_by_readers(tree, toks(3), toks(2, start=500)) == before
+    assert tree._hidden == 0 and len(tree) == nodes
+    assert tree._by_index == [tree._ranks[A]]  # the stage's index freed
