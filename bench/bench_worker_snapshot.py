@@ -3,7 +3,7 @@
 Run: .venv/bin/python bench/bench_worker_snapshot.py [--prompts 2000] [--repeats 5]
 Prints figures; asserts nothing. One process, one core, one event loop, the path a replica
 takes (`router.workers`): the body decoded on the loop in slices, then installed by the pump
-(`IndexRules.replace_ranks`). Each stage prints its total time and the longest the event loop
+(`IndexRules.replace_ranks_steps`). Each stage prints its total time and the longest the event loop
 was held in one go meanwhile (a task that only yields notes the longest gap between its turns):
 the stall a request or `/healthz` answered meanwhile would have met.
 
@@ -100,7 +100,7 @@ def spread(xs: list[float]) -> str:
 
 
 async def install(pump: Pump, snap: WorkerSnapshot) -> str:
-    return await pump.call(lambda rules: rules.replace_ranks(WORKER, snap))
+    return await pump.call_steps(lambda rules: rules.replace_ranks_steps(WORKER, snap))
 
 
 async def run(raw: bytes, repeats: int) -> None:

@@ -529,31 +529,46 @@ class BlockTree:
 
     def _drop_steps(self, st: _Rank, chunk: int) -> Generator[None, None, int]:
         """Forget every block of `st` in slices, then free its index. A rank the readers see
-        (`clear_rank_steps`) stays listed, shrinking, until its last slice."""
+        (`clear_rank_steps`) stays listed, shrinking, until its last slice; closed before it
+        (the pump stopped), it stays as far as it was cleared, a state it could be in. A
+        hidden one is then dropped at once: nothing would ever drop it or free its index."""
+        total = len(st.by_engine_hash)
+        try:
+            while st.by_engine_hash:
+                self._drop_blocks(st, chunk)
+                if st.by_engine_hash:
+                    yield
+        except GeneratorExit:
+            if self._hidden >> st.index & 1:
+                self._drop_blocks(st, len(st.by_engine_hash))
+                self._free(st)
+            raise
+        self._free(st)
+        return total
+
+    def _drop_blocks(self, st: _Rank, n: int) -> None:
+        """Forget up to `n` blocks of `st`, the newest first."""
         nodes = self._nodes
         by_hash = st.by_engine_hash
         counts = st.counts
         index = st.index
-        seen = not self._hidden >> index & 1
-        total = len(by_hash)
-        while by_hash:
-            n = min(chunk, len(by_hash))
-            for _ in range(n):
-                key = by_hash.popitem()[1]
-                node = nodes[key]
-                _count(counts, _bits_of(node, index), -1)
-                _drop_carrier(nodes, key, node, index)
-            if seen:
-                self._carried -= n
-            if by_hash:
-                yield
+        n = min(n, len(by_hash))
+        for _ in range(n):
+            key = by_hash.popitem()[1]
+            node = nodes[key]
+            _count(counts, _bits_of(node, index), -1)
+            _drop_carrier(nodes, key, node, index)
+        if not self._hidden >> index & 1:
+            self._carried -= n
+
+    def _free(self, st: _Rank) -> None:
+        """`st` holds no block: unlist it and free its index."""
         if self._ranks.get(st.rank) is st:
             del self._ranks[st.rank]
-        self._hidden &= ~(1 << index)
-        self._by_index[index] = None
+        self._hidden &= ~(1 << st.index)
+        self._by_index[st.index] = None
         while self._by_index and self._by_index[-1] is None:
             self._by_index.pop()
-        return total
 
     # -- package internals (snapshot.py) ---------------------------------------------------
 

@@ -56,7 +56,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -64,12 +64,12 @@ import msgspec
 
 from cachetree.ranks import RankId
 from cachetree.snapshot import Snapshot, SnapshotError, SnapshotRestore, export, restore
-from cachetree.tree import BlockTree
+from cachetree.tree import BlockTree, run_through
 from peer.sweep import Gapped
 from peer.tracker import BootstrapState, BootstrapTracker, Obligation
 from router.events import BlockStored, EventBatch
 from router.subscriber import MAX_SEQ_JUMP, beyond_stream
-from router.worker_snapshot import WorkerSnapshot, adapter_names, rebuild_rank
+from router.worker_snapshot import WorkerSnapshot, adapter_names, check_steps, stage_steps
 
 log = logging.getLogger(__name__)
 
@@ -174,11 +174,21 @@ class LocalGraft:
         cls, worker_url: str, snap: WorkerSnapshot, block_size: int
     ) -> LocalGraft:
         """Raises WorkerSnapshotError when the body does not fit together."""
+        return run_through(cls.build_steps(worker_url, snap, block_size, 1 << 62))
+
+    @classmethod
+    def build_steps(
+        cls, worker_url: str, snap: WorkerSnapshot, block_size: int, slice_blocks: int
+    ) -> Generator[None, None, LocalGraft]:
+        """`from_worker_snapshot` in steps of `slice_blocks` blocks (a tree of its own: no
+        reader sees it before the graft)."""
         tree = BlockTree(block_size)
         cursors = {}
         for rank_snap in snap.ranks:
             rank = RankId(worker_url, rank_snap.dp_rank)
-            rebuild_rank(tree, rank, rank_snap, snap.block_size)
+            yield from check_steps(rank_snap, snap.block_size, block_size, slice_blocks)
+            yield from stage_steps(tree, rank, rank_snap, snap.block_size, slice_blocks)
+            yield from tree.swap_staged_steps(rank, slice_blocks)
             if rank_snap.last_seq >= 0:
                 cursors[rank] = rank_snap.last_seq
         return cls(tree, cursors, frozenset(adapter_names(snap.ranks)))

@@ -36,7 +36,9 @@ A rank's *cursor* is the seq of the last batch whose effects are in the tree.
   still draining cannot resurrect a removed rank.
 - `replace_ranks` installs a worker's own snapshot: it replaces each rank's state and sets its
   cursor, unless the snapshot is older than what the stream already applied; a body with one
-  refused rank is refused whole.
+  refused rank is refused whole. The pump runs it in steps (`replace_ranks_steps`): the body
+  checked in slices, each rank's new state built aside (`BlockTree.stage_rank`) while readers
+  keep the old one, then swapped in at once and the old one dropped out of sight.
 
 - A rank is *cold* (`IndexRules.cold`) when its view may miss blocks the engine holds: the
   first batch applied with no cursor was past seq 0 (the stream was joined mid-way: a replica
@@ -86,7 +88,7 @@ from typing import Any, Final, Literal, TypeVar
 from cachetree.accel import speedups
 from cachetree.keys import namespace_seed
 from cachetree.ranks import RankId
-from cachetree.tree import BlockTree
+from cachetree.tree import BlockTree, run_through
 from peer.tasks import cancel_and_wait
 from router.adapter_names import AdapterNames
 from router.events import (
@@ -111,8 +113,8 @@ from router.worker_snapshot import (
     WorkerSnapshot,
     WorkerSnapshotError,
     adapter_names,
-    check_rank,
-    rebuild_rank,
+    check_steps,
+    stage_steps,
 )
 
 log = logging.getLogger(__name__)
@@ -523,7 +525,7 @@ class IndexRules:
 
     def replace_rank(self, rank: RankId, snap: SnapshotRank, block_size: int) -> SnapshotVerdict:
         """`replace_ranks` of a body holding `rank` alone."""
-        return self._replace([(rank, snap)], block_size)
+        return run_through(self._replace_steps([(rank, snap)], block_size))
 
     def replace_ranks(self, worker_url: str, snap: WorkerSnapshot) -> SnapshotVerdict:
         """Install a worker's own snapshot, every rank of it, unless the stream is already past
@@ -533,44 +535,64 @@ class IndexRules:
         refused whole when one of its ranks is: nothing of it is installed (one rank's was,
         next to a refused one). `ignored`: its ranks are bootstrapping, and take snapshots
         only through the graft path."""
-        pairs = [(RankId(worker_url, rank_snap.dp_rank), rank_snap) for rank_snap in snap.ranks]
-        return self._replace(pairs, snap.block_size)
+        return run_through(self.replace_ranks_steps(worker_url, snap))
 
-    def _replace(
+    def replace_ranks_steps(
+        self, worker_url: str, snap: WorkerSnapshot
+    ) -> Generator[None, None, SnapshotVerdict]:
+        """`replace_ranks` in steps of `slice_blocks` blocks, for `Pump.call_steps`: the body
+        checked, each rank's new state built aside (`BlockTree.stage_rank`), then put in place
+        of the old one in one step, the old one dropped out of sight after. Routing reads a
+        rank's old state until its swap, its new one from then on, never a half-built or
+        half-cleared one; a refused body leaves nothing behind. The pump applies no batch
+        meanwhile: the ones that arrive queue, and the new cursor filters them after."""
+        pairs = [(RankId(worker_url, rank_snap.dp_rank), rank_snap) for rank_snap in snap.ranks]
+        return (yield from self._replace_steps(pairs, snap.block_size))
+
+    def _replace_steps(
         self, pairs: list[tuple[RankId, SnapshotRank]], block_size: int
-    ) -> SnapshotVerdict:
-        refusal = self._snapshot_refusal(pairs, block_size)
+    ) -> Generator[None, None, SnapshotVerdict]:
+        refusal = yield from self._snapshot_refusal(pairs, block_size)
         if refusal is not None:
             self.stats.worker_snapshots_rejected += 1
             log.warning("%s: worker snapshot refused, nothing of it installed: %s", *refusal)
             return "rejected"
+        tree = self._tree
         verdicts: set[SnapshotVerdict] = set()
-        applied: list[SnapshotRank] = []
-        for rank, snap in pairs:
-            if self.bootstrap is not None and self.bootstrap.intercepts(rank):
-                verdicts.add("ignored")
-                continue
-            cursor = self.cursors.get(rank)
-            if cursor is not None and snap.last_seq < cursor:
-                self.stats.worker_snapshots_stale += 1
-                verdicts.add("stale")
-                continue
-            placed = rebuild_rank(self._tree, rank, snap, block_size)
-            applied.append(snap)
-            if snap.last_seq >= 0:
-                self.cursors[rank] = snap.last_seq
-            self.cold.discard(rank)  # the worker's whole cache
-            self.stats.worker_snapshots_applied += 1
-            log.info(
-                "%s: worker snapshot applied: %d blocks at seq %d", rank, placed, snap.last_seq
-            )
-            verdicts.add("applied")
-        self.learn_adapters(adapter_names(applied))
+        staged: list[tuple[RankId, SnapshotRank, int]] = []
+        try:
+            for rank, snap in pairs:
+                if self.bootstrap is not None and self.bootstrap.intercepts(rank):
+                    verdicts.add("ignored")
+                    continue
+                cursor = self.cursors.get(rank)
+                if cursor is not None and snap.last_seq < cursor:
+                    self.stats.worker_snapshots_stale += 1
+                    verdicts.add("stale")
+                    continue
+                placed = yield from stage_steps(tree, rank, snap, block_size, self.slice_blocks)
+                staged.append((rank, snap, placed))
+            for rank, snap, placed in staged:
+                # The cursor and the cold mark change in the step that swaps the state in.
+                if snap.last_seq >= 0:
+                    self.cursors[rank] = snap.last_seq
+                self.cold.discard(rank)  # the worker's whole cache
+                self.stats.worker_snapshots_applied += 1
+                log.info(
+                    "%s: worker snapshot applied: %d blocks at seq %d", rank, placed, snap.last_seq
+                )
+                verdicts.add("applied")
+                yield from tree.swap_staged_steps(rank, self.slice_blocks)
+        finally:
+            # Closed before its end (the pump stopped): no state is left aside for good.
+            for rank, _ in pairs:
+                run_through(tree.drop_staged_steps(rank, 1 << 62))
+        self.learn_adapters(adapter_names(snap for _, snap, _ in staged))
         return next((v for v in ("applied", "stale") if v in verdicts), "ignored")
 
     def _snapshot_refusal(
         self, pairs: list[tuple[RankId, SnapshotRank]], block_size: int
-    ) -> tuple[RankId, str] | None:
+    ) -> Generator[None, None, tuple[RankId, str] | None]:
         """(the first rank refused, why), or None when every rank of the body may go in."""
         seen: set[RankId] = set()
         for rank, snap in pairs:
@@ -586,7 +608,7 @@ class IndexRules:
                     f"stream's {cursor}: every batch of the stream would look already reflected"
                 )
             try:
-                check_rank(snap, block_size, self._tree.block_size)
+                yield from check_steps(snap, block_size, self._tree.block_size, self.slice_blocks)
             except WorkerSnapshotError as exc:
                 return rank, str(exc)
         return None
@@ -673,6 +695,11 @@ class Pump:
             return await fn(self.rules)
         return await self.call(fn)  # type: ignore[return-value] - the pump awaits it
 
+    async def call_steps(self, fn: Callable[[IndexRules], Generator[None, None, T]]) -> T:
+        """Like `call_async`, for a job in steps (`IndexRules.replace_ranks_steps`): the loop
+        turns at each step; no item and no other control call is applied before its last."""
+        return await self.call_async(lambda rules: run_steps(fn(rules)))
+
     async def hold(self, job: Callable[[], Awaitable[None]]) -> None:
         """Run `job` while nothing is applied to the index; it may await (readers run
         meanwhile). The snapshot producer lists the tree's nodes this way."""
@@ -738,6 +765,16 @@ class Pump:
 
 
 _DONE: Final = object()
+
+
+async def run_steps(steps: Generator[None, None, T]) -> T:
+    """Run a job in steps with the loop turning at each; what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        await asyncio.sleep(0)  # a slice boundary: let readers and /healthz run
 
 
 def _blocks_in(item: SubscriberItem) -> int:

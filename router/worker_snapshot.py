@@ -35,7 +35,7 @@ manifest's 512 Mi with the rest of the index (README, "Memory").
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from typing import Annotated, Final
 
 import aiohttp
@@ -45,7 +45,7 @@ from aiohttp import hdrs
 from cachetree.keys import is_adapter_name
 from cachetree.ranks import RankId
 from cachetree.tiers import TIER_NAMES
-from cachetree.tree import BlockTree
+from cachetree.tree import BlockTree, run_through
 from router.events import namespace_of
 
 _TIER_BY_NAME = {name: bit for bit, name in TIER_NAMES.items()}
@@ -66,7 +66,7 @@ class SnapshotBlock(msgspec.Struct, gc=False):
     engine_hash: int
     parent_engine_hash: int | None
     # A tuple, not a list: the collector stops tracking a tuple of ints at its first pass, so
-    # 160k decoded blocks do not pile up into a full collection (a list stays tracked: 150-270
+    # 160k decoded blocks do not pile up into a full collection (a list stays tracked: 70-270
     # ms pauses inside a decode slice, BENCHMARKS.md, issue 13).
     token_ids: tuple[TokenId, ...]
     tier: str | None = "device"
@@ -129,10 +129,11 @@ class SnapshotDecode:
     `step()` until it returns True, then `result()`.
 
     The first pass (at construction) reads the body's structure and leaves each block as its
-    raw bytes (`msgspec.Raw`, a view into the body, no copy): ~0.25 us a block, a seventh of a
-    whole decode. Each step then decodes up to `budget` blocks in one C call, their token ids
-    range-checked as before. Either raises WorkerSnapshotError, naming the block at fault as
-    the whole decode did (`$.ranks[r].blocks[i]`); nothing is installed before the last step.
+    raw bytes (`msgspec.Raw`, a view into the body, no copy): ~0.25 us a block, about a sixth
+    of a whole decode. Each step then decodes up to `budget` blocks in one C call, their token
+    ids range-checked as before. Either raises WorkerSnapshotError, naming the block at fault
+    as the whole decode did (`$.ranks[r].blocks[i]`); nothing is installed before the last
+    step.
     Memory: the body and its raw views (48 B a block) are held until the job is dropped.
     """
 
@@ -194,13 +195,23 @@ def decode_worker_snapshot(
 
 
 def check_rank(snap: SnapshotRank, block_size: int, index_block_size: int) -> None:
+    """WorkerSnapshotError unless `snap`'s blocks fit together (`check_steps` at once)."""
+    run_through(check_steps(snap, block_size, index_block_size, len(snap.blocks) + 1))
+
+
+def check_steps(
+    snap: SnapshotRank, block_size: int, index_block_size: int, slice_blocks: int
+) -> Generator[None, None, None]:
     """WorkerSnapshotError unless `snap`'s blocks fit together: the body's block size is the
     index's, each block holds that many tokens, each parent is a block listed earlier, and
-    each `lora_name` is one an adapter may have (`is_adapter_name`, as a sibling's are)."""
+    each `lora_name` is one an adapter may have (`is_adapter_name`, as a sibling's are).
+    Yields after every `slice_blocks` blocks."""
     if block_size != index_block_size:
         raise WorkerSnapshotError(f"block size {block_size} differs from the index's")
     seen: set[int] = set()
     for i, block in enumerate(snap.blocks):
+        if i and not i % slice_blocks:
+            yield
         if len(block.token_ids) != block_size:
             raise WorkerSnapshotError(f"block {i} has {len(block.token_ids)} tokens")
         if block.lora_name is not None and not is_adapter_name(block.lora_name):
@@ -226,20 +237,30 @@ def adapter_names(ranks: Iterable[SnapshotRank]) -> set[str]:
 
 
 def rebuild_rank(tree: BlockTree, rank: RankId, snap: SnapshotRank, block_size: int) -> int:
-    """Replace `rank`'s blocks in `tree` with those of `snap`. Returns blocks placed.
+    """Replace `rank`'s blocks in `tree` with those of `snap` at once (tests, benches; the pump
+    installs in steps: `IndexRules.replace_ranks_steps`). Returns blocks placed. Checked
+    before anything changes (`check_rank`): a refused snapshot leaves the rank as it was."""
+    check_rank(snap, block_size, tree.block_size)
+    placed = run_through(stage_steps(tree, rank, snap, block_size, len(snap.blocks) + 1))
+    run_through(tree.swap_staged_steps(rank, 1 << 62))
+    return placed
 
-    Checked before anything changes: the block size, each block's token count, and that each
-    parent is a block listed earlier. Blocks with a tier name we do not know are skipped (an
-    unknown medium is never indexed), and so are their descendants (neither counts as a
-    refused store).
+
+def stage_steps(
+    tree: BlockTree, rank: RankId, snap: SnapshotRank, block_size: int, slice_blocks: int
+) -> Generator[None, None, int]:
+    """Build `snap`'s blocks as `rank`'s staged state (`BlockTree.stage_rank`: no reader sees
+    it before `swap_staged_steps`), yielding after every `slice_blocks` blocks; returns the
+    blocks placed. `snap` must have passed `check_rank`.
+
+    Blocks with a tier name we do not know are skipped (an unknown medium is never indexed),
+    and so are their descendants (neither counts as a refused store).
 
     Each run of blocks that continue one another on one tier (the body lists a cached prompt's
-    blocks one after the other) is stored as one chain, as a live BlockStored of them would be:
-    a store per block cost ~2 us of the event loop each (the rebuild of a 32 MiB body is not
-    sliced).
+    blocks one after the other) is stored as one chain, up to `slice_blocks` blocks, as a live
+    BlockStored of them would be: a store per block cost ~2 us each.
     """
-    check_rank(snap, block_size, tree.block_size)
-    tree.clear_rank(rank)
+    tree.stage_rank(rank)
     placed = 0
     skipped: set[int] = set()  # blocks of an unknown tier, and their descendants
     head: int | None = None  # the parent of the chain being gathered
@@ -247,7 +268,9 @@ def rebuild_rank(tree: BlockTree, rank: RankId, snap: SnapshotRank, block_size: 
     hashes: list[int] = []
     tokens: list[int] = []
     chain_tier = 0
-    for block in snap.blocks:
+    for i, block in enumerate(snap.blocks):
+        if i and not i % slice_blocks:
+            yield
         engine_hash = block.engine_hash & _U64_MASK
         parent = block.parent_engine_hash
         if parent is not None:
@@ -256,14 +279,18 @@ def rebuild_rank(tree: BlockTree, rank: RankId, snap: SnapshotRank, block_size: 
         if tier is None or parent in skipped:
             skipped.add(engine_hash)
             continue
-        if hashes and parent == hashes[-1] and tier == chain_tier:
+        if hashes and parent == hashes[-1] and tier == chain_tier and len(hashes) < slice_blocks:
             hashes.append(engine_hash)
             tokens += block.token_ids
             continue
         if hashes:
-            placed += tree.store(rank, head, hashes, tokens, block_size, chain_tier, namespace)
+            placed += tree.store(
+                rank, head, hashes, tokens, block_size, chain_tier, namespace, staged=True
+            )
         head, hashes, tokens, chain_tier = parent, [engine_hash], list(block.token_ids), tier
         namespace = namespace_of(block.lora_name, block.cache_salt) if parent is None else None
     if hashes:
-        placed += tree.store(rank, head, hashes, tokens, block_size, chain_tier, namespace)
+        placed += tree.store(
+            rank, head, hashes, tokens, block_size, chain_tier, namespace, staged=True
+        )
     return placed

@@ -251,6 +251,75 @@ def test_a_worker_snapshot_with_one_refused_rank_is_refused_whole(bad: SnapshotR
     assert rules.tree.block_count(r1) == 0 and r1 not in rules.cursors
 
 
+def read_rank(rules: IndexRules, *prompts: list[int]) -> tuple:
+    """What routing reads of the rank R: its depth along each prompt, its blocks, its cursor."""
+    depths = tuple(rules.tree.prefix_depths(block_keys(p, BS)).any_tier.get(R) for p in prompts)
+    return depths, rules.tree.block_count(R), rules.cursors.get(R)
+
+
+def test_routing_reads_a_ranks_old_state_until_one_step_of_its_install_swaps_in_the_new() -> None:
+    rules, _ = rules_with()
+    rules.slice_blocks = 2
+    old_prompt = list(range(500, 500 + 5 * BS))
+    chain = BlockStored(list(range(50, 55)), None, old_prompt, BS, DEVICE, "GPU", None)
+    rules.apply_batch(R, 3, EventBatch(0.0, [chain], 0))
+    new_prompt = list(range(1, 1 + 9 * BS))
+    old = read_rank(rules, old_prompt, new_prompt)
+    assert old == ((5, None), 5, 3)
+    body = WorkerSnapshot([snapshot(4, *range(1, 10))], BS)
+    seen = [old] + [
+        read_rank(rules, old_prompt, new_prompt)
+        for _ in rules.replace_ranks_steps(R.worker_url, body)
+    ]
+    new = ((None, 9), 9, 4)
+    assert read_rank(rules, old_prompt, new_prompt) == new
+    # 9 blocks checked in 5 slices of 2, built in 5; then the swap, one step, and the old
+    # state's 5 blocks dropped out of sight in 3 slices: never a half-built or half-cleared rank
+    assert seen == [old] * 9 + [new] * 2
+
+
+@pytest.mark.parametrize("steps_taken", [6, 10])  # closed while building, while dropping
+def test_an_install_closed_mid_way_leaves_no_state_out_of_sight(steps_taken: int) -> None:
+    """The pump stopped inside it: the rank is read whole (old before the swap, new after),
+    nothing is left aside, and the next install goes in."""
+    rules, _ = rules_with()
+    rules.slice_blocks = 2
+    old_prompt = list(range(500, 500 + 5 * BS))
+    chain = BlockStored(list(range(50, 55)), None, old_prompt, BS, DEVICE, "GPU", None)
+    rules.apply_batch(R, 3, EventBatch(0.0, [chain], 0))
+    old_nodes = len(rules.tree)
+    new_prompt = list(range(1, 1 + 9 * BS))
+    body = WorkerSnapshot([snapshot(4, *range(1, 10))], BS)
+    steps = rules.replace_ranks_steps(R.worker_url, body)
+    for _ in range(steps_taken):
+        next(steps)
+    steps.close()
+    expected = ((5, None), 5, 3) if steps_taken < 9 else ((None, 9), 9, 4)
+    assert read_rank(rules, old_prompt, new_prompt) == expected
+    assert rules.tree._hidden == 0 and rules.tree._staged == {}
+    assert len(rules.tree) == (old_nodes if steps_taken < 9 else 9)
+    assert rules.tree.carried_blocks == expected[1]
+    assert rules.replace_ranks(R.worker_url, body) == "applied"
+
+
+def test_a_bad_block_late_in_a_worker_snapshot_refuses_it_whole_with_nothing_installed() -> None:
+    """The body is checked in slices before anything is built: the rank keeps its state."""
+    r1 = RankId(R.worker_url, 1)
+    rules, _ = rules_with(R, r1)
+    rules.slice_blocks = 2
+    rules.apply_batch(R, 1, stored(50, 500))
+    before = canonical_view(rules.tree)
+    late = SnapshotRank(
+        1, 4, [*snapshot(4, *range(100, 110)).blocks, SnapshotBlock(9, 8, [1] * BS)]
+    )
+    body = WorkerSnapshot([snapshot(4, *range(1, 10)), late], BS)
+    steps = rules.replace_ranks_steps(R.worker_url, body)
+    assert sum(1 for _ in steps) == 9  # rank 0's 9 blocks and rank 1's first 10 checked
+    assert rules.stats.worker_snapshots_rejected == 1 and rules.stats.worker_snapshots_applied == 0
+    assert canonical_view(rules.tree) == before and rules.tree._hidden == 0
+    assert rules.cursors == {R: 1}
+
+
 # --- seq jumps past the bound -----------------------------------------------------------------
 
 

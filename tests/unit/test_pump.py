@@ -14,6 +14,8 @@ from cachetree.tree import BlockTree
 from router.events import BlockStored, EventBatch
 from router.index import IndexRules, Pump
 from router.subscriber import LiveBatch
+from router.worker_snapshot import SnapshotBlock, SnapshotRank, WorkerSnapshot
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -193,5 +195,43 @@ async def test_a_store_is_weighed_by_its_tokens_too_whatever_block_size_it_state
         assert pump.offer(LiveBatch(R, 0, EventBatch(0.0, [wide] * 10, 0))) is True
         assert pump.offer(LiveBatch(R, 1, EventBatch(0.0, [wide] * 10, 0))) is False
         await control
+    finally:
+        await pump.stop()
+
+
+def one_block(seq: int, engine_hash: int, start_token: int) -> LiveBatch:
+    tokens = list(range(start_token, start_token + BS))
+    event = BlockStored([engine_hash], None, tokens, BS, DEVICE, "GPU", None)
+    return LiveBatch(R, seq, EventBatch(0.0, [event], 0))
+
+
+async def test_batches_arriving_during_a_worker_snapshots_install_apply_once_after_it() -> None:
+    """The install runs in steps with the loop turning; the rank's batches queue meanwhile,
+    and its cursor then skips those the snapshot reflects and applies the rest, once each."""
+    pump = await started(slice_blocks=4, queue_size=64)
+    rules, tree = pump.rules, pump.rules.tree
+    assert tree is not None
+    blocks = [SnapshotBlock(1, None, list(range(1, 1 + BS)))]
+    blocks += [SnapshotBlock(h, h - 1, list(range(h * BS, (h + 1) * BS))) for h in range(2, 41)]
+    body = WorkerSnapshot([SnapshotRank(0, 5, blocks)], BS)
+    try:
+        await pump.deliver(chain(2, 100, 3, 1000))  # the rank's old state, at seq 2
+        install = asyncio.create_task(
+            pump.call_steps(lambda rules: rules.replace_ranks_steps(R.worker_url, body))
+        )
+        await eventually(lambda: R in tree._staged, poll_s=0)  # built, a slice a turn
+        for seq, engine_hash in ((3, 200), (5, 201), (6, 202), (7, 203)):
+            assert pump.offer(one_block(seq, engine_hash, 100 * engine_hash))
+        assert not install.done() and pump.backlog == 4  # queued behind the install
+        assert rules.cursors[R] == 2 and tree.block_count(R) == 3  # the old state is read
+        assert await install == "applied"
+        await pump.wait_idle()
+        assert rules.cursors[R] == 7
+        assert rules.stats.batches_skipped == 2  # seq 3 and 5: in the snapshot already
+        assert rules.stats.batches_applied == 3  # seq 2 before it, 6 and 7 after it
+        assert rules.stats.events["stored", "GPU"] == 3
+        assert tree.block_count(R) == 42  # the snapshot's 40, and seq 6's and 7's
+        for gone in (100, 200, 201):  # the old state's, and the skipped batches'
+            assert tree.key_of(R, gone) is None
     finally:
         await pump.stop()

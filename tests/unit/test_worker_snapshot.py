@@ -256,3 +256,28 @@ def test_decoded_token_ids_leave_the_collectors_watch() -> None:
     snap = decode_worker_snapshot(body_of(random_snapshot(random.Random(3), 50)))
     gc.collect()
     assert not any(gc.is_tracked(block.token_ids) for block in snap.ranks[0].blocks)
+
+
+def test_a_worker_graft_is_built_in_slices_into_the_tree_a_rebuild_leaves() -> None:
+    """The bootstrap path (a registering worker's own body grafted as a sibling's would be)
+    builds its private tree in steps too: it held the loop for the whole rebuild."""
+    from router.graft import LocalGraft
+
+    rng = random.Random(11)
+    ranks = [random_snapshot(rng, 60), random_snapshot(rng, 45)]
+    ranks[1].dp_rank = 1
+    steps = LocalGraft.build_steps(R.worker_url, WorkerSnapshot(ranks, BS), BS, 8)
+    turns = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            graft = done.value
+            break
+        turns += 1
+    assert turns == 2 * 7 + 2 * 5  # a rank's checks, then its build: 8 blocks a step
+    expected = BlockTree(BS)
+    for rank_snap in ranks:
+        rebuild_rank(expected, RankId(R.worker_url, rank_snap.dp_rank), rank_snap, BS)
+    assert canonical_view(graft.tree) == canonical_view(expected)
+    assert graft.cursors == {R: 7, OTHER: 7}
