@@ -88,6 +88,7 @@ from typing import Any, Final, Literal, TypeVar
 from cachetree.accel import speedups
 from cachetree.keys import namespace_seed
 from cachetree.ranks import RankId
+from cachetree.tiers import MEDIUM_TIERS
 from cachetree.tree import BlockTree, run_through
 from peer.tasks import cancel_and_wait
 from router.adapter_names import AdapterNames
@@ -148,10 +149,26 @@ def max_blocks_for(memory_limit_bytes: int) -> int:
 Steps = Generator[None, None, None]
 
 
+def medium_label(medium: str | None) -> str:
+    """The `medium` label of kvrouter_kv_events_total: an engine's spelling of a tier
+    (`cachetree.tiers`; "gpu" as "GPU"), "none" when absent, "other" for any other string.
+    The publisher picks the string: a label per string it sent grew the series, and the
+    tally, without bound."""
+    if medium is None:
+        return "none"
+    if medium in MEDIUM_TIERS:
+        return medium
+    upper = medium.upper()
+    return upper if upper in MEDIUM_TIERS else "other"
+
+
 def apply_events(
-    tree: BlockTree, rank: RankId, events: Iterable[KVEvent], tally: Counter[tuple] | None = None
+    tree: BlockTree,
+    rank: RankId,
+    events: Iterable[KVEvent],
+    tally: Counter[tuple[str, str]] | None = None,
 ) -> None:
-    """Apply events in order, counting them into `tally` by (kind, medium) for metrics."""
+    """Apply events in order, counting them into `tally` by (kind, `medium_label`)."""
     _exhaust(apply_steps(tree, rank, events, tally))
 
 
@@ -159,7 +176,7 @@ def apply_steps(
     tree: BlockTree,
     rank: RankId,
     events: Iterable[KVEvent],
-    tally: Counter[tuple] | None = None,
+    tally: Counter[tuple[str, str]] | None = None,
     slice_blocks: int = SLICE_BLOCKS,
     adapters: AdapterNames | None = None,
 ) -> Steps:
@@ -193,7 +210,7 @@ def apply_steps(
                     tree.remove(rank, removing[start : start + slice_blocks], event.tier)
             else:
                 tree.remove(rank, removing, event.tier)
-            tally["removed", event.medium] += count
+            tally["removed", medium_label(event.medium)] += count
             work += len(removing)
             i = end
             continue
@@ -221,11 +238,11 @@ def apply_steps(
                     event.tier,
                     event.namespace,
                 )
-            tally["stored", event.medium] += 1
+            tally["stored", medium_label(event.medium)] += 1
             work += n_blocks
         elif kind is AllBlocksCleared:
             yield from tree.clear_rank_steps(rank, slice_blocks)
-            tally["cleared", None] += 1
+            tally["cleared", "none"] += 1
 
 
 def _learn_adapter(adapters: AdapterNames, namespace: str) -> None:
@@ -316,7 +333,7 @@ class PumpStats:
     worker_snapshots_applied: int = 0
     worker_snapshots_stale: int = 0
     worker_snapshots_rejected: int = 0
-    events: Counter[tuple] = field(default_factory=Counter)  # (kind, medium)
+    events: Counter[tuple[str, str]] = field(default_factory=Counter)  # (kind, medium label)
     ignored_events: Counter[str] = field(default_factory=Counter)  # decoder's reasons
 
 

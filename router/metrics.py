@@ -272,10 +272,11 @@ class _StateCollector(Collector):
         )
         yield _counter(
             "kvrouter_kv_events",
-            "KV events received in batches the pump took, by kind and medium (those the index "
-            "could not apply: kvrouter_kv_events_refused_total)",
+            "KV events received in batches the pump took, by kind and medium (an engine's tier "
+            "name, none when absent, other for any other string; those the index could not "
+            "apply: kvrouter_kv_events_refused_total)",
             ["event", "medium"],
-            {(kind, medium or "none"): n for (kind, medium), n in stats.events.items()},
+            dict(stats.events),
         )
         refused = tree.stats if tree is not None else TreeStats()
         yield _counter(

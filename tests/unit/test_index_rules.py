@@ -171,7 +171,7 @@ def test_clear_event_empties_only_that_rank() -> None:
     rules.apply_batch(OTHER, 0, stored(9, 1))
     rules.apply_batch(R, 1, EventBatch(0.0, [AllBlocksCleared()], 0))
     assert rules.tree.ranks() == [OTHER]
-    assert rules.stats.events["cleared", None] == 1
+    assert rules.stats.events["cleared", "none"] == 1
 
 
 def snapshot(last_seq: int, *hashes: int) -> SnapshotRank:
@@ -592,3 +592,18 @@ def test_a_refused_worker_snapshot_teaches_no_adapter_name() -> None:
     body = WorkerSnapshot([SnapshotRank(0, 4, blocks)], BS)
     assert rules.replace_ranks(R.worker_url, body) == "rejected"
     assert rules.adapters == set()
+
+
+def test_the_medium_label_is_an_engines_tier_name_or_other_whatever_the_publisher_sends() -> None:
+    """3,000 made-up media were 3,000 kvrouter_kv_events_total series and tally keys for the
+    process's life: a publisher's string is a label only when it names a tier."""
+    rules, _ = rules_with()
+    media = [f"medium-{i}" for i in range(3000)] + ["GPU", "gpu", "CPU_PINNED", None]
+    for seq, medium in enumerate(media):
+        rules.apply_batch(R, seq, EventBatch(0.0, [BlockRemoved([seq + 1], None, medium)], 0))
+    assert dict(rules.stats.events) == {
+        ("removed", "other"): 3000,
+        ("removed", "GPU"): 2,
+        ("removed", "CPU_PINNED"): 1,
+        ("removed", "none"): 1,
+    }
