@@ -501,6 +501,7 @@ class ClientConnection(asyncio.Protocol):
         self._relay: Relay | None = None
         self._link: UpstreamConnection | None = None
         self._stopped = False  # no more parsing: a refusal closes the connection
+        self._close_reason = "answered"  # what its last answer's close is counted as
         self._closed = False
         self._head_size = 0  # bytes of reads that fell wholly inside the head being parsed
         self._chunks = 0  # body chunks parsed since reading last waited a turn (`YIELDING`)
@@ -773,7 +774,7 @@ class ClientConnection(asyncio.Protocol):
             return
         self._queue.popleft()
         if not keep_alive:
-            self._close("answered")
+            self._close(self._close_reason)
             return
         if self._queue:
             self._answer_next()
@@ -978,7 +979,8 @@ class ClientConnection(asyncio.Protocol):
             self._queue.append(incoming)
         if self.gate is not None:
             self.gate.pause(PIPELINED)
-        self.plane.stats.closed["malformed" if refusal.status == 400 else "refused"] += 1
+        # Counted once, when the answer's close comes (`exchange_done`), not here as well.
+        self._close_reason = "malformed" if refusal.status == 400 else "refused"
         if not self._answering and self._queue[0] is incoming:
             self._answer_next()
 

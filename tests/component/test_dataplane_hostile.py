@@ -19,6 +19,7 @@ import socket
 import tracemalloc
 import weakref
 from collections.abc import Iterator
+from typing import Final
 
 import pytest
 
@@ -263,3 +264,39 @@ async def test_each_listeners_refusals_are_logged_apart_with_their_own_limit_and
         ]
         for client in held:
             client.close()
+
+
+# One request each, the router answers itself: a 413, a 501 and a 400 that close, a 405 asked
+# to close.
+HTTP_LAYER_REFUSALS: Final = {
+    b"413": b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 99999999\r\n\r\n",
+    b"501": b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+    b"Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+    b"400": b"GARBAGE / HTTP/1.1\r\nHost: t\r\n\r\n",
+    b"405": b"GET /v1/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+}
+
+
+async def refused_at_the_http_layer(rt: RouterHandle) -> None:
+    """Each of `HTTP_LAYER_REFUSALS` on a connection of its own, read to the router's close."""
+
+    def answered(request: bytes) -> bytes:
+        with socket.create_connection(address(rt.url), timeout=10) as sock:
+            sock.sendall(request)
+            answer = b""
+            while chunk := sock.recv(65536):  # to its close: the close is counted first
+                answer += chunk
+            return answer
+
+    for status, request in HTTP_LAYER_REFUSALS.items():
+        answer = await asyncio.to_thread(answered, request)
+        assert answer.startswith(b"HTTP/1.1 " + status), answer
+
+
+async def test_a_connection_closed_after_a_refusal_is_counted_closed_once() -> None:
+    """A 413, a 501 or a malformed head counted its connection twice in
+    kvrouter_client_connections_closed_total: `refused` or `malformed`, then `answered` as the
+    refusal's answer closed it."""
+    async with router_in_process() as rt:
+        await refused_at_the_http_layer(rt)
+        assert dict(rt.plane.stats.closed) == {"refused": 2, "malformed": 1, "answered": 1}
