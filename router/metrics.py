@@ -884,7 +884,9 @@ class _RequestCollector(Collector):
         m = self._metrics
         yield _counter(
             "kvrouter_requests",
-            "Client requests by route, the worker that answered and its status",
+            "Client requests by route, the worker that answered and its status (worker none: "
+            "the router's own answer, a refusal at the HTTP layer included; route other: its "
+            "head did not parse, or a path that is not a generation route)",
             ["route", "worker", "status"],
             dict(m.requests),
         )

@@ -44,6 +44,7 @@ from router.workers import Worker
 
 if TYPE_CHECKING:
     from router.dataplane.server import ClientConnection, DataPlane
+    from router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,20 @@ log = logging.getLogger(__name__)
 # count): the generation routes a `WorkerRelay` answers, and every status code.
 _ROUTE_LABELS: Final = {route: route.decode("latin-1") for route in GENERATION_ROUTES}
 _STATUS_LABELS: Final = {status: str(status) for status in range(100, 600)}
+
+
+def route_label(head: RequestHead | None) -> str:
+    """The `route` label of a request the data plane refuses itself: its generation route, or
+    `other` (its head did not parse, or another path: the label set stays bounded)."""
+    return "other" if head is None else _ROUTE_LABELS.get(head.path, "other")
+
+
+def count_refused(metrics: RouterMetrics, head: RequestHead | None, status: int) -> None:
+    """A request the router answered itself, with no worker: in kvrouter_requests_total as
+    `worker="none"`, as every 4xx and 5xx of the router's own is."""
+    metrics.requests[route_label(head), "none", _STATUS_LABELS[status]] += 1
+
+
 # With the 503 for a request no pooled connection came free for: a retry that soon may find
 # one (the streams holding them end), and a client that honours it spreads its retries.
 _RETRY_SOON: Final = ((b"Retry-After", b"1"),)

@@ -55,7 +55,7 @@ from router.dataplane.exchange import (
 )
 from router.dataplane.flow import PIPELINED, YIELDING, Deadline, LogTally, Pending, ReadGate
 from router.dataplane.inflight import InflightTracker
-from router.dataplane.relay import ControlRelay, Relay, WorkerLookup, WorkerRelay
+from router.dataplane.relay import ControlRelay, Relay, WorkerLookup, WorkerRelay, count_refused
 from router.dataplane.routing import EncodeFirst, Routed, Router
 from router.dataplane.upstream import UpstreamConnection, UpstreamPool
 from router.metrics import RouterMetrics
@@ -831,7 +831,9 @@ class ClientConnection(asyncio.Protocol):
         self._answering = True
         head = incoming.head
         if incoming.refusal is not None or head is None:
-            self.refuse(incoming.refusal or Refusal(400, "malformed request", close=True))
+            refusal = incoming.refusal or Refusal(400, "malformed request", close=True)
+            count_refused(self.plane.metrics, head, refusal.status)
+            self.refuse(refusal)
             return
         body = incoming.body
         incoming.body = b""
@@ -846,6 +848,7 @@ class ClientConnection(asyncio.Protocol):
             self._start(ControlRelay(self, head, body))
             return
         if route == "not_allowed":
+            count_refused(self.plane.metrics, head, 405)
             self.refuse(not_allowed(head))
             return
         self.turn_started = time.perf_counter()
@@ -936,7 +939,7 @@ class ClientConnection(asyncio.Protocol):
     def _send(self, head: RequestHead, body: bytes, decision: Decision | Refusal) -> None:
         plane = self.plane
         if isinstance(decision, Refusal):
-            plane.metrics.requests[head.path.decode(), "none", str(decision.status)] += 1
+            count_refused(plane.metrics, head, decision.status)
             self.refuse(decision)
             return
         self._start(WorkerRelay(plane, self, head, body, decision))

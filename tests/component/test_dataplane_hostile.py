@@ -300,3 +300,18 @@ async def test_a_connection_closed_after_a_refusal_is_counted_closed_once() -> N
     async with router_in_process() as rt:
         await refused_at_the_http_layer(rt)
         assert dict(rt.plane.stats.closed) == {"refused": 2, "malformed": 1, "answered": 1}
+
+
+async def test_a_request_refused_at_the_http_layer_counts_in_the_requests() -> None:
+    """A 413, a 501, a malformed head's 400 and a 405 never reached kvrouter_requests_total,
+    where a 400 for a body that is not JSON did: dashboards and alerts on non-2xx answers
+    missed them."""
+    async with router_in_process() as rt:
+        await refused_at_the_http_layer(rt)
+        assert {k: n for k, n in rt.replica.metrics.requests.items() if n} == {
+            ("/v1/completions", "none", "413"): 1,
+            ("/v1/completions", "none", "405"): 1,
+            # Heads that did not parse (a transfer coding not served, garbage): no route.
+            ("other", "none", "501"): 1,
+            ("other", "none", "400"): 1,
+        }
