@@ -3,7 +3,9 @@
 An aiohttp application over a started `Replica` (`router.replica`). Nothing here is on the
 request path of a completion; these routes read the replica's parts or send them messages.
 Errors are JSON answers in the OpenAI error shape: a malformed call is a 400 naming the field.
-`/workers` and `/internal/*` are behind the bearer-token rule of `router.auth` (`_guard`);
+`/workers` and every path under `/internal/` are behind the bearer-token rule of
+`router.auth` (`_guard`, in front of routing: an unregistered internal path or a wrong method
+is refused for its token as a route is, never a 404 or 405 that names which exist);
 `/readyz` is 503 while a critical background loop cannot be kept alive (`peer.supervise`).
 """
 
@@ -82,7 +84,8 @@ MODELS: web.AppKey[SharedListing] = web.AppKey("models", SharedListing)
 def build_control_app(replica: Replica) -> web.Application:
     """The control app over a started replica (served through the data plane's hand-off)."""
     app = web.Application(
-        client_max_size=replica.config.max_request_bytes, middlewares=[_openai_not_found]
+        client_max_size=replica.config.max_request_bytes,
+        middlewares=[_guard, _openai_not_found],
     )
     app[REPLICA] = replica
     app[MODELS] = SharedListing()
@@ -95,12 +98,12 @@ def add_control_routes(app: web.Application) -> None:
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
-    app.router.add_get("/workers", _guard(_list_workers))
-    app.router.add_post("/workers", _guard(_add_worker))
-    app.router.add_delete("/workers", _guard(_remove_worker))
-    app.router.add_get("/internal/kv_snapshot", _guard(_kv_snapshot), allow_head=False)
-    app.router.add_post(siblings.PATH, _guard(_decisions))
-    app.router.add_post(placement.PATH, _guard(_place))
+    app.router.add_get("/workers", _list_workers)
+    app.router.add_post("/workers", _add_worker)
+    app.router.add_delete("/workers", _remove_worker)
+    app.router.add_get("/internal/kv_snapshot", _kv_snapshot, allow_head=False)
+    app.router.add_post(siblings.PATH, _decisions)
+    app.router.add_post(placement.PATH, _place)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -123,24 +126,24 @@ async def _openai_not_found(request: web.Request, handler: Handler) -> web.Strea
         )
 
 
-def _guard(handler: Handler) -> Handler:
-    """The bearer-token rule (`router.auth`) in front of a handler."""
-
-    async def guarded(request: web.Request) -> web.StreamResponse:
-        token = request.app[REPLICA].config.internal_token
-        denial = auth.check(token, request.headers.getall(hdrs.AUTHORIZATION, []))
-        if denial is None:
-            return await handler(request)
-        refusals = request.app[REPLICA].metrics.auth_refusals
-        refusals.refused(request.path, request.remote or "?", denial.status, denial.message)
-        headers = {hdrs.WWW_AUTHENTICATE: auth.CHALLENGE} if denial.challenge else {}
-        return web.json_response(
-            {"error": {"message": denial.message, "type": "authentication_error"}},
-            status=denial.status,
-            headers=headers,
-        )
-
-    return guarded
+@web.middleware
+async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The bearer-token rule (`router.auth`) in front of every guarded path, whether a route
+    answers it or not."""
+    if not auth.guarded(request.path):
+        return await handler(request)
+    token = request.app[REPLICA].config.internal_token
+    denial = auth.check(token, request.headers.getall(hdrs.AUTHORIZATION, []))
+    if denial is None:
+        return await handler(request)
+    refusals = request.app[REPLICA].metrics.auth_refusals
+    refusals.refused(request.path, request.remote or "?", denial.status, denial.message)
+    headers = {hdrs.WWW_AUTHENTICATE: auth.CHALLENGE} if denial.challenge else {}
+    return web.json_response(
+        {"error": {"message": denial.message, "type": "authentication_error"}},
+        status=denial.status,
+        headers=headers,
+    )
 
 
 class BadRequest(Exception):

@@ -105,6 +105,35 @@ async def test_every_registered_route_under_a_guarded_path_is_guarded() -> None:
             assert auth.route_family(path) != "other"  # its refusals counted under its name
 
 
+async def test_an_unregistered_path_or_method_under_internal_is_refused_for_its_token() -> None:
+    """`/internal/<anything>` answered 404 (a wrong method 405) without the token and
+    uncounted: an unauthenticated caller could tell which internal routes exist. Only with
+    the token does it learn that a path is not served."""
+    calls = [
+        ("GET", "/internal/nope"),
+        ("GET", "/internal/"),
+        ("POST", "/internal/kv_snapshot"),
+        ("PUT", "/workers"),
+    ]
+    async with router_in_process(internal_token=TOKEN) as rt:
+        for method, path in calls:
+            status, body, headers = await call(rt, method, path)
+            assert status == 401, (method, path, body)
+            assert headers["WWW-Authenticate"] == auth.CHALLENGE
+        counts = rt.replica.metrics.auth_refusals.counts
+        assert {route: n for route, n in counts.items() if n} == {
+            "other": 2,
+            "snapshot": 1,
+            "workers": 1,
+        }
+        bearer = {"Authorization": f"Bearer {TOKEN}"}
+        answers = []
+        for method, path in calls:
+            async with rt.session.request(method, rt.url + path, headers=bearer) as resp:
+                answers.append(resp.status)
+        assert answers == [404, 404, 405, 405]
+
+
 async def test_refused_tokens_are_counted_by_route_family_and_warned_once_per_family(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
