@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 from cachetree import accel
 from cachetree.tree import TreeStats
 from router.auth import Refusals
+from router.dataplane.exchange import GENERATION_ROUTES
 from router.loads import OUT_OF_RANGE_FIELDS, POLL_ERROR_LABELS, poll_error_label
 from router.tokenize.chat_rules import FAILURE_REASONS
 
@@ -134,6 +135,8 @@ class RouterMetrics:
         self.matched_blocks = PlainHistogram(MATCHED_BLOCKS_BUCKETS)
         self.upstream_failures = LabelledCounts()  # (worker, reason)
         self.tokenize_failures = LabelledCounts()  # (reason,)
+        # Bodies past routing's decode bounds, forwarded unread (`router.dataplane.routing`).
+        self.bodies_unread = LabelledCounts()  # (route,)
         # Guarded requests refused for their token, counted by the control app and by the data
         # plane's early check of an `Expect: 100-continue` (`router.auth.Refusals`).
         self.auth_refusals = Refusals()
@@ -142,6 +145,8 @@ class RouterMetrics:
         # failure, or the share-of-chats alert would never see the first burst.
         for reason in FAILURE_REASONS:
             self.tokenize_failures[(reason,)] = 0
+        for route in sorted(GENERATION_ROUTES):
+            self.bodies_unread[(route.decode(),)] = 0
         # Observed by router/dataplane/relay.py when a request's head is written to its first
         # worker: the time the router added (parse, tokenize, route, a pooled or new connection).
         self.added_seconds = PlainHistogram(ADDED_SECONDS_BUCKETS)
@@ -911,6 +916,14 @@ class _RequestCollector(Collector):
             "misses, by reason (see router/tokenize/chat_rules.py FAILURE_REASONS)",
             ["reason"],
             dict(m.tokenize_failures),
+        )
+        yield _counter(
+            "kvrouter_bodies_unread",
+            "Request bodies past what the router decodes on its loop (more JSON values or "
+            "object keys than any real request), by route: forwarded unread, routed by load "
+            "as a miss (a chat's also counts as a tokenize failure, too_large)",
+            ["route"],
+            dict(m.bodies_unread),
         )
         yield _counter(
             "kvrouter_auth_refusals",

@@ -9,7 +9,9 @@ deep included, never a 500), no healthy worker a 503.
 
 A body that may hold more than `MAX_BODY_VALUES` JSON values or `MAX_BODY_KEYS` object keys is
 not decoded at all (decoding and walking it held the loop for seconds): it is forwarded unread,
-routed by load as a miss, counted as `too_large` and logged once; the engine validates it.
+routed by load as a miss, counted in `bodies_unread` by route (and a chat's as a tokenize
+failure, `too_large`: a chat routed without its tokens) and logged once; the engine validates
+it.
 
 The calls into the tokenizer and the policy sit in one small method, `choose`, so a change of
 either interface touches only it.
@@ -413,14 +415,16 @@ class RequestRouter:
         return 0 < self.offload_chars < chars
 
     def _unread(self, route: bytes, size: int, past: str) -> None:
-        self.metrics.tokenize_failures[("too_large",)] += 1
+        self.metrics.bodies_unread[(route.decode(),)] += 1
+        if route == CHAT:  # the tokenize failures are chats'; the alert divides by chats
+            self.metrics.tokenize_failures[("too_large",)] += 1
         if self._logged_unread:
             return
         self._logged_unread = True
         log.warning(
             "a %s body of %d bytes holds %s, more than the router reads on its event "
             "loop: it is forwarded unread (the engine validates it), routed by "
-            "load as a miss and counted in kvrouter_tokenize_failures_total{reason='too_large'}. "
+            "load as a miss and counted in kvrouter_bodies_unread_total. "
             "No real request comes near this bound: look for the client that sends such "
             "bodies. Logged once.",
             route.decode(errors="replace"),

@@ -86,8 +86,9 @@ FAILURE_REASONS: Final = (
     "tools",  # a tool the engine's request model would not accept
     "deep_tools",  # JSON a template dumps nested past MAX_TOOL_NESTING: not rendered on the loop
     # More messages, tools or parts than MAX_CHAT_MESSAGES / MAX_CHAT_TOOLS / MAX_CHAT_PARTS,
-    # JSON to dump past MAX_DUMPED_VALUES; or a body of any route past routing's bounds on
-    # what it decodes (MAX_BODY_VALUES, MAX_BODY_KEYS), which is then not decoded at all.
+    # JSON to dump past MAX_DUMPED_VALUES; or a chat's body past routing's bounds on what it
+    # decodes (MAX_BODY_VALUES, MAX_BODY_KEYS), which is then not decoded at all (any route's
+    # such body: kvrouter_bodies_unread_total).
     "too_large",
     "no_template",  # the model has no chat template
     "render",  # the template raised (raise_exception, a type error, ...)

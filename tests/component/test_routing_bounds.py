@@ -3,8 +3,9 @@
 A 30 MiB chat of 10.5M empty content parts held the loop 4.6 s and turned `/healthz` 503: the
 router decoded and walked all of it in the parser callback. A body holding more JSON values or
 object keys than any real request is now forwarded unread, routed by load as a miss and
-counted (`tokenize_failures{reason="too_large"}`); a chat past the part count or the JSON a
-template dumps is too; a text is keyed by its first `MAX_ENCODED_CHARS` with every tokenizer.
+counted (`bodies_unread`; a chat's in `tokenize_failures{reason="too_large"}` too); a chat
+past the part count or the JSON a template dumps is too; a text is keyed by its first
+`MAX_ENCODED_CHARS` with every tokenizer.
 The largest real requests route exactly as before: every block keyed, every block matched.
 Real sockets: a replica in process, scripted or fake workers on 127.0.0.1.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -65,7 +67,10 @@ async def test_bodies_past_the_decode_bounds_are_forwarded_unread_by_load_and_co
                 sent = [p.body for p in (*a.posts(), *b.posts())]
                 assert sent.count(raw) == 1, name
         assert len(sent) == len(HOSTILE)
-        assert metrics.tokenize_failures[("too_large",)] == len(HOSTILE)
+        by_route = Counter(route for route, _ in HOSTILE.values())
+        assert {route: n for (route,), n in metrics.bodies_unread.items() if n} == by_route
+        # Only chats are tokenize failures: the alert on them divides by chat requests.
+        assert metrics.tokenize_failures[("too_large",)] == by_route[CHAT] < len(HOSTILE)
         assert metrics.decisions[policy, "cache_hit"] == 0
         unread = [r for r in caplog.records if "forwarded unread" in r.getMessage()]
         assert len(unread) == 1  # once, naming the bound and what to look for
