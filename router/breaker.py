@@ -42,6 +42,15 @@ errors: a 4xx (including 429, which is the engine shedding load, not being broke
 worker is alive and answering. Record those as `record_success()`, or `release(probe)` if a
 probe ended that way and you prefer no verdict. Count connection errors, timeouts and 5xx.
 
+What it shows (`status`: `GET /workers` and kvrouter_breaker_state): the state, except that an
+`open` breaker whose cooldown passed is `probe_due`. It refuses nothing then (its next
+`allow()` claims the probe), but only a request can claim it, and a policy that routes elsewhere
+(cache_aware, the worker's prefixes warm on other ranks) may send none for as long as the
+worker lives: shown `open`, a worker healthy for minutes fired the breaker alert. Closing it on
+a passed health check instead would close it on a worker that answers `/health` and fails
+every request (an engine shedding load with 503s), and reset its doubled cooldown each time;
+one request is still the only question whose answer is the worker's.
+
 `failure_threshold=0` disables the breaker: it always allows and never opens.
 
 Plain synchronous code with an injected clock; no tasks, no timers: the cooldown is checked
@@ -55,10 +64,12 @@ from collections.abc import Callable
 from typing import Final, Literal
 
 BreakerState = Literal["closed", "open", "half_open"]
+BreakerStatus = Literal["closed", "open", "probe_due", "half_open"]  # what `status` shows
 
 CLOSED: Final = "closed"
 OPEN: Final = "open"
 HALF_OPEN: Final = "half_open"
+PROBE_DUE: Final = "probe_due"
 
 
 class CircuitBreaker:
@@ -88,6 +99,14 @@ class CircuitBreaker:
     @property
     def state(self) -> BreakerState:
         """`open` until a probe is claimed, even after the cooldown passed (see `is_open`)."""
+        return self._state
+
+    @property
+    def status(self) -> BreakerStatus:
+        """The state as shown: `probe_due` for an `open` breaker whose cooldown passed (the
+        next request to the worker is let through as its probe)."""
+        if self._state == OPEN and self._cooldown_passed():
+            return PROBE_DUE
         return self._state
 
     @property

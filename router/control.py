@@ -263,7 +263,7 @@ def _worker_view(replica: Replica, worker: Any) -> dict[str, Any]:
         "reason": worker.reason,
         "healthy": worker.healthy,
         "draining": worker.draining,
-        "breaker": str(worker.breaker.state),
+        "breaker": worker.breaker.status,
         "snapshot_served": worker.snapshot_served,
         "engine": worker.engine,
         "kv_events": msgspec.to_builtins(worker.kv) if worker.kv else None,

@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 from cachetree import accel
 from cachetree.tree import TreeStats
 from router.auth import Refusals
+from router.breaker import BreakerStatus
 from router.dataplane.exchange import GENERATION_ROUTES
 from router.loads import OUT_OF_RANGE_FIELDS, POLL_ERROR_LABELS, poll_error_label
 from router.tokenize.chat_rules import FAILURE_REASONS
@@ -52,7 +53,12 @@ if TYPE_CHECKING:
     from router.workers import WorkerRegistry
 
 POLL_LABELS: Final = [(label,) for label in POLL_ERROR_LABELS]
-_BREAKER_STATE = {"closed": 0, "open": 1, "half_open": 2}
+_BREAKER_STATE: Final[dict[BreakerStatus, int]] = {
+    "closed": 0,
+    "open": 1,
+    "half_open": 2,
+    "probe_due": 3,
+}
 # The router's own share of a request's latency is tens of microseconds to a few milliseconds
 # when all is well; the upper buckets catch a saturated loop and slow connects to workers.
 ADDED_SECONDS_BUCKETS: Final = (
@@ -379,7 +385,7 @@ class _StateCollector(Collector):
                 bad_frames += sub.bad_frames
                 seq_jumps += sub.seq_jumps
                 disconnects += sub.disconnects
-            breaker_state.append(((worker.url,), _BREAKER_STATE.get(str(worker.breaker.state), 0)))
+            breaker_state.append(((worker.url,), _BREAKER_STATE[worker.breaker.status]))
             breaker_trips[(worker.url,)] = worker.breaker.trips
         yield _counter(
             "kvrouter_kv_replay",
@@ -411,7 +417,8 @@ class _StateCollector(Collector):
         )
         yield _gauge(
             "kvrouter_breaker_state",
-            "Circuit breaker: 0 closed, 1 open, 2 half-open",
+            "Circuit breaker: 0 closed, 1 open (refusing requests), 2 half-open (its probe "
+            "out), 3 probe due (the cooldown passed: the next request routed there is the probe)",
             breaker_state,
             ["worker"],
         )

@@ -701,8 +701,10 @@ ROWS: Final = (
             ),
             Panel(
                 "Circuit breakers",
-                "Per worker, the worst breaker state any replica holds: 0 closed, 1 open, "
-                "2 half-open (kvrouter_breaker_state).",
+                "Per worker, the highest breaker state any replica holds "
+                "(kvrouter_breaker_state): 0 closed, 1 open and 2 half-open (its probe out) "
+                "refuse requests; 3 probe due does not (the cooldown passed: the next request "
+                "routed there is the probe, and a worker none is routed to stays there).",
                 "short",
                 (
                     Query(

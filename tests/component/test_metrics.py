@@ -239,6 +239,36 @@ async def test_a_worker_that_503s_trips_its_breaker_and_the_metrics_say_so() -> 
         assert (await good.state())["requests"] == 10
 
 
+async def test_a_breaker_whose_cooldown_passed_shows_its_probe_due_not_open() -> None:
+    """cache_aware may never route to a tripped worker again (its prefixes are warm
+    elsewhere), and only a request claims the probe: the breaker of a worker healthy for
+    minutes showed 1 (open) all that time and fired KvrouterBreakerOpen."""
+    async with (
+        fake_worker_in_process() as bad,
+        fake_worker_in_process() as good,
+        router_in_process(
+            workers=[bad.url, good.url], policy="round_robin", breaker_cooldown_s=0.5
+        ) as rt,
+    ):
+        await bad.post("/control/fail", {"count": 3, "status": 503})
+        for _ in range(6):
+            status, body, _ = await rt.post("/v1/completions", {"prompt": "hi", "max_tokens": 1})
+            assert status == 200, body
+        assert (await scrape(rt)).value("kvrouter_breaker_trips_total", worker=bad.url) == 1
+
+        async def probe_due() -> bool:
+            return (await scrape(rt)).value("kvrouter_breaker_state", worker=bad.url) == 3
+
+        await eventually(probe_due, 10)  # with no request routed there since
+        status, listing = await rt.get("/workers")
+        assert status == 200
+        assert {w["url"]: w["breaker"] for w in listing["workers"]} == {
+            bad.url: "probe_due",
+            good.url: "closed",
+        }
+        assert (await bad.get("/control/state"))["failed_requests"] == 3
+
+
 @contextlib.asynccontextmanager
 async def worker_without_loads() -> AsyncIterator[str]:
     """An engine with /health only: no /server_info, no /v1/loads, no /metrics."""

@@ -172,3 +172,18 @@ def test_invalid_settings_are_refused() -> None:
         CircuitBreaker(failure_threshold=-1)
     with pytest.raises(ValueError):
         CircuitBreaker(cooldown_s=10.0, max_cooldown_s=5.0)
+
+
+def test_an_open_breaker_shows_its_probe_due_once_the_cooldown_passed_until_one_claims_it() -> None:
+    clock = ManualClock(100.0)
+    b = tripped(clock)
+    assert b.status == "open"
+    clock.advance(5.0)
+    assert (b.state, b.status) == ("open", "probe_due")  # refuses nothing, claims nothing
+    assert b.allow()
+    assert b.status == "half_open"
+    b.record_failure()  # the probe failed: open again, for twice the cooldown
+    clock.advance(5.0)
+    assert b.status == "open"
+    clock.advance(5.0)
+    assert b.status == "probe_due"
