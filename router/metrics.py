@@ -33,6 +33,7 @@ from cachetree.tree import TreeStats
 from router.auth import Refusals
 from router.breaker import BreakerStatus
 from router.dataplane.exchange import GENERATION_ROUTES
+from router.events import DECODE_ERROR_REASONS
 from router.loads import OUT_OF_RANGE_FIELDS, POLL_ERROR_LABELS, poll_error_label
 from router.tokenize.chat_rules import FAILURE_REASONS
 
@@ -395,9 +396,10 @@ class _StateCollector(Collector):
         )
         yield _counter(
             "kvrouter_kv_decode_errors",
-            "Event payloads dropped because they did not decode",
+            "Event payloads dropped because they did not decode (each reason at 0 from the "
+            "start, for rate() and the alert on the first)",
             ["reason"],
-            {(k,): v for k, v in decode_errors.items()},
+            {(k,): decode_errors[k] for k in sorted(DECODE_ERROR_REASONS | decode_errors.keys())},
         )
         yield _counter(
             "kvrouter_kv_bad_frames", "Malformed ZMQ messages dropped", [], {(): bad_frames}

@@ -573,8 +573,10 @@ ROWS: Final = (
                 "Per second: engine publishers that restarted (their rank is cleared and "
                 "re-learned), publisher connections that dropped (kvrouter_kv_disconnects_total: "
                 "the engine went away, or a message over --kv-events-max-message-bytes), seq "
-                "jumps handled as a new stream, and ZMQ frames that did not decode (an engine "
-                "version or wire format mismatch).",
+                "jumps handled as a new stream, ZMQ frames that did not decode, and batches "
+                "whose payload did not (kvrouter_kv_decode_errors_total; each counts lost unless "
+                "replay returns a good copy): either is an engine version or wire format "
+                "mismatch.",
                 "ops",
                 (
                     Query(
@@ -592,6 +594,10 @@ ROWS: Final = (
                     Query(
                         f"sum by (instance) ({_rate('kvrouter_kv_bad_frames_total')})",
                         "bad frames {{instance}}",
+                    ),
+                    Query(
+                        f"sum by (instance) ({_rate('kvrouter_kv_decode_errors_total')})",
+                        "undecodable batches {{instance}}",
                     ),
                 ),
             ),

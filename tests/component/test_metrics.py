@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from router.events import DECODE_ERROR_REASONS
 from router.tokenize import BytesTokenizer
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.metrics import Scrape
@@ -208,6 +209,17 @@ async def test_a_gap_without_replay_shows_as_lost_batches_of_that_rank() -> None
         assert m.series("kvrouter_kv_event_batches_lost_total") == {
             frozenset({("worker_url", fw.url), ("dp_rank", "0")}): 3
         }
+
+
+async def test_every_decode_error_reason_is_exported_at_0_before_the_first() -> None:
+    """A reason's series appeared with its first error, so increase() in KvrouterBadFrames and
+    rate() in the stream-faults panel never saw a first burst of undecodable batches."""
+    async with router_in_process() as rt:
+        m = await scrape(rt)
+        exported = m.series("kvrouter_kv_decode_errors_total")
+        assert {dict(labels)["reason"]: n for labels, n in exported.items()} == dict.fromkeys(
+            DECODE_ERROR_REASONS, 0
+        )
 
 
 # --- breakers and load probes ---------------------------------------------------------------
