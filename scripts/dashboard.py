@@ -373,17 +373,19 @@ ROWS: Final = (
             ),
             Panel(
                 "Bookings",
-                "Routed prompts waiting for their store events (kvrouter_bookings_held), and "
-                "bookings ended per second: confirmed by the index, or expired (engines queue "
-                "longer than --booking-ttl-ms, or store events are lost).",
+                "Per replica: routed prompts waiting for their store events "
+                "(kvrouter_bookings_held), and bookings ended per second: confirmed by the "
+                "index, or expired (engines queue longer than --booking-ttl-ms, or store events "
+                "are lost). Each replica books its siblings' shared decisions as well as its "
+                "own, so every replica counts each prompt: never sum them over replicas.",
                 "short",
                 (
                     Query(
                         f"sum by (instance) (kvrouter_bookings_held{_sel()})", "held {{instance}}"
                     ),
                     Query(
-                        f"sum by (outcome) ({_rate('kvrouter_bookings_total')})",
-                        "{{outcome}}/s",
+                        f"sum by (instance, outcome) ({_rate('kvrouter_bookings_total')})",
+                        "{{instance}} {{outcome}}/s",
                     ),
                 ),
                 width=6,

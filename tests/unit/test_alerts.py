@@ -12,6 +12,7 @@ promtool comes with Debian's `prometheus` package, which `scripts/test` installs
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -24,6 +25,7 @@ from tests.support.manifests import MANIFESTS, REPO
 from tests.support.prometheus import binary
 
 RULES: Final = MANIFESTS / "observability" / "alerts.yaml"
+DASHBOARD: Final = MANIFESTS / "observability" / "dashboard.json"
 SCENARIOS: Final = REPO / "tests" / "fixtures" / "alerts" / "scenarios.yaml"
 COMMON_LABELS: Final = {"namespace": "kvrouter", "job": "kvrouter"}
 RUNBOOK: Final = "README.md#alerts"
@@ -177,3 +179,26 @@ def test_the_dashboard_json_is_what_scripts_dashboard_generates() -> None:
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
+
+
+# Series every replica counts for the whole fleet: it books its siblings' shared decisions as
+# well as its own, so summed over replicas one prompt counts once per replica.
+COUNTED_BY_EVERY_REPLICA: Final = ("kvrouter_bookings_total",)
+_AGGREGATION: Final = re.compile(r"\b(sum|avg|max|min|count)\s*(by\s*\(([^)]*)\))?\s*\(")
+
+
+def dashboard_targets() -> list[tuple[str, str]]:
+    board = json.loads(DASHBOARD.read_text())
+    panels = [*board["panels"], *(p for row in board["panels"] for p in row.get("panels", []))]
+    return [(p["title"], t["expr"]) for p in panels for t in p.get("targets", [])]
+
+
+@pytest.mark.parametrize("series", COUNTED_BY_EVERY_REPLICA)
+def test_no_panel_sums_a_series_every_replica_counts_over_the_replicas(series: str) -> None:
+    """The Bookings panel summed kvrouter_bookings_total by outcome: 5 prompts to one of two
+    replicas drew 10 bookings ended."""
+    drawn = [(title, expr) for title, expr in dashboard_targets() if series in expr]
+    assert drawn
+    for title, expr in drawn:
+        for _, by, labels in _AGGREGATION.findall(expr):
+            assert by and "instance" in labels.replace(" ", "").split(","), (title, expr)
