@@ -17,7 +17,8 @@ A rank's *cursor* is the seq of the last batch whose effects are in the tree.
   the batch is a new stream, as a forward jump that long is (below).
 - A batch with `seq > cursor + 1` is applied, and the `seq - cursor - 1` batches between are
   counted as lost: a lost `BlockRemoved` can leave a false cache hit, so a loss is always
-  visible in metrics and logged, and it asks for the worker's snapshot to be pulled again.
+  visible in metrics and logged (per rank at most once a `LOSS_WARN_EVERY_S`, with the batches
+  lost since), and it asks for the worker's snapshot to be pulled again.
   Unless more than `MAX_SEQ_JUMP` (2**20) batches would be lost: no publisher does that (see
   `router.subscriber`), so it is a new stream: the rank is cleared first, as for a restart at
   0, the jump is counted in `seq_jumps`, nothing is counted lost, and the worker's snapshot is
@@ -80,6 +81,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -92,6 +94,7 @@ from cachetree.tiers import MEDIUM_TIERS
 from cachetree.tree import BlockTree, run_through
 from peer.tasks import cancel_and_wait
 from router.adapter_names import AdapterNames
+from router.dataplane.flow import LogTally
 from router.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -102,6 +105,7 @@ from router.events import (
 )
 from router.graft import BootstrapRules
 from router.subscriber import (
+    LOSS_WARN_EVERY_S,
     MAX_SEQ_JUMP,
     LiveBatch,
     PublisherReset,
@@ -346,6 +350,7 @@ class IndexRules:
         *,
         max_blocks: int | None = None,
         slice_blocks: int = SLICE_BLOCKS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_blocks is not None and max_blocks < 1:
             raise ValueError("max_blocks must be >= 1 (or None: no cap)")
@@ -363,7 +368,9 @@ class IndexRules:
         # namespace, as its blocks were published (`routing.namespace_for`). Bounded, the
         # least recently learned forgotten first (`router.adapter_names`).
         self.adapters = AdapterNames()
-        self._on_loss: Callable[[RankId], None] = lambda rank: None
+        self._on_loss: Callable[[RankId], bool] = lambda rank: False
+        self._clock = clock
+        self._loss_warnings: dict[RankId, LogTally] = {}  # per rank: see `_lost`
         # Set when peer bootstrap is on: it holds Pending ranks' batches and grafts.
         self.bootstrap: BootstrapRules | None = None
 
@@ -372,8 +379,9 @@ class IndexRules:
         graft carried, as a live store's (`AdapterNames.learn`)."""
         self.adapters.learn(names)
 
-    def set_loss_handler(self, on_loss: Callable[[RankId], None]) -> None:
-        """Called when a rank provably missed batches, so its owner can re-pull a snapshot."""
+    def set_loss_handler(self, on_loss: Callable[[RankId], bool]) -> None:
+        """Called when a rank provably missed batches, so its owner can re-pull a snapshot;
+        it says whether it does (False: the worker serves none)."""
         self._on_loss = on_loss
 
     def report_doubt(self, rank: RankId) -> None:
@@ -400,6 +408,7 @@ class IndexRules:
         for rank in ranks:
             self.live.discard(rank)
             self.clear_rank_state(rank)
+            self._loss_warnings.pop(rank, None)
 
     def clear_rank_state(self, rank: RankId) -> None:
         self.cursors.pop(rank, None)
@@ -446,17 +455,32 @@ class IndexRules:
             rank = item.rank
             held = bootstrap is not None and bootstrap.intercepts(rank)
             if rank not in self.cursors and not held:
-                lost = item.last - item.first + 1
-                self.stats.lost_batches[rank] += lost
-                log.warning(
-                    "%s: %d batch(es) of a restarted publisher lost (seq %d..%d); its index "
-                    "misses their blocks until the worker snapshot is re-pulled",
-                    rank,
-                    lost,
-                    item.first,
-                    item.last,
-                )
-            self._on_loss(rank)
+                self._lost(rank, item.first, item.last)
+            else:
+                self._on_loss(rank)
+
+    def _lost(self, rank: RankId, first: int, last: int) -> None:
+        """Batches [first, last] of `rank` are lost: counted, its owner asked to repair it, and
+        a warning at most once a `LOSS_WARN_EVERY_S` per rank with the batches lost since (a
+        publisher that drops every other batch wrote a line a batch, thousands a second)."""
+        lost = last - first + 1
+        self.stats.lost_batches[rank] += lost
+        repulled = self._on_loss(rank)
+        tally = self._loss_warnings.get(rank)
+        if tally is None:
+            tally = self._loss_warnings[rank] = LogTally(LOSS_WARN_EVERY_S)
+        if said := tally.count(self._clock(), lost):
+            log.warning(
+                "%s: %d batch(es) lost since the last such warning (the latest seq %d..%d); "
+                "its index may hold stale blocks and miss others until %s",
+                rank,
+                said,
+                first,
+                last,
+                "the worker's snapshot is re-pulled or they are re-announced"
+                if repulled
+                else "they are re-announced or evicted (the worker serves no /v1/kv-snapshot)",
+            )
 
     def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> None:
         _exhaust(self.apply_batch_steps(rank, seq, batch))
@@ -497,18 +521,8 @@ class IndexRules:
                 yield from self._tree.clear_rank_steps(rank, self.slice_blocks)
                 self._on_loss(rank)
             elif seq > cursor + 1:
-                lost = seq - cursor - 1
-                self.stats.lost_batches[rank] += lost
-                log.warning(
-                    "%s: %d batch(es) lost (seq %d..%d); its index may hold stale blocks "
-                    "until the worker snapshot is re-pulled or they are re-announced",
-                    rank,
-                    lost,
-                    cursor + 1,
-                    seq - 1,
-                )
                 self.cold.add(rank)
-                self._on_loss(rank)
+                self._lost(rank, cursor + 1, seq - 1)
         tree = self._tree
         yield from apply_steps(
             tree, rank, batch.events, self.stats.events, self.slice_blocks, self.adapters

@@ -133,6 +133,9 @@ CONNECT_BACKOFF_FIRST_S: Final = 0.05
 CONNECT_BACKOFF_MAX_S: Final = 2.0
 CONNECT_WARN_AFTER: Final = 5  # connections in a row without a frame before warning
 CONNECT_WARN_EVERY_S: Final = 60.0  # the most often a rank's failing connects warn after that
+# The most often a rank's gaps without replay warn, with the batches lost since: a publisher
+# whose every batch is a gap (dropping half of them) wrote a line a batch, thousands a second.
+LOSS_WARN_EVERY_S: Final = 60.0
 CONNECT_TIMEOUT_S: Final = 5.0
 HANDSHAKE_TIMEOUT_S: Final = 30.0  # libzmq's own ZMQ_HANDSHAKE_IVL default
 MAX_SEQ_JUMP: Final = 1 << 20  # a longer forward jump is a new stream (see above)
@@ -459,6 +462,7 @@ class RankSubscriber:
         self._max_message_bytes = max_message_bytes
         self._setups = 0  # socket setups since the last frame received
         self._connect_failures = LogTally(CONNECT_WARN_EVERY_S)  # those past CONNECT_WARN_AFTER
+        self._unreplayed = LogTally(LOSS_WARN_EVERY_S)  # batches lost with no replay to ask
 
     async def run(self) -> None:
         """Receive until cancelled; closes its connection on exit.
@@ -699,13 +703,15 @@ class RankSubscriber:
         missing = stop - first
         replay_endpoint = self.endpoint.replay_endpoint
         if replay_endpoint is None:
-            log.warning(
-                "rank %s: %d batch(es) lost (%s), replay unavailable; its index may miss "
-                "blocks until they are re-announced or the worker's snapshot is re-pulled",
-                self.rank,
-                missing,
-                _seqs(first, stop - 1),
-            )
+            if said := self._unreplayed.count(self._clock(), missing):
+                # What the index does about it (a snapshot pulled or not) is the pump's to say.
+                log.warning(
+                    "rank %s: %d batch(es) lost since the last such warning (the latest %s), "
+                    "replay unavailable: give the engine a replay endpoint to recover them",
+                    self.rank,
+                    said,
+                    _seqs(first, stop - 1),
+                )
             await self._emit(UnrepairedGap(self.rank, first, stop - 1))
             return
         started = self._clock()

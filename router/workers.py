@@ -878,10 +878,14 @@ class WorkerRegistry:
         await self.pump.call(lambda rules: rules.clear_rank_state(rank))
         self._on_rank_loss(rank)
 
-    def _on_rank_loss(self, rank: RankId) -> None:
+    def _on_rank_loss(self, rank: RankId) -> bool:
+        """Pull the rank's worker's snapshot again, unless it is known to serve none:
+        whether it is pulled."""
         worker = self._workers.get(rank.worker_url)
-        if worker is not None and worker.snapshot_served is not False:
-            self._kick_snapshot_pull(worker.url)
+        if worker is None or worker.snapshot_served is False:
+            return False
+        self._kick_snapshot_pull(worker.url)
+        return True
 
     def _kick_snapshot_pull(self, url: str) -> None:
         running = self._pulls.get(url)

@@ -1,5 +1,6 @@
 """The pump's rules, driven by messages: cursors, losses, restarts, worker snapshots."""
 
+import logging
 import random
 
 import pytest
@@ -19,9 +20,16 @@ from router.events import (
     fold_removal_runs,
 )
 from router.index import IndexRules
-from router.subscriber import MAX_SEQ_JUMP, LiveBatch, PublisherReset, UnrepairedGap
+from router.subscriber import (
+    LOSS_WARN_EVERY_S,
+    MAX_SEQ_JUMP,
+    LiveBatch,
+    PublisherReset,
+    UnrepairedGap,
+)
 from router.tokenize.chat_rules import Engine
 from router.worker_snapshot import SnapshotBlock, SnapshotRank, WorkerSnapshot
+from tests.support.clock import ManualClock
 
 BS = 4
 COMPLETIONS = b"/v1/completions"
@@ -607,3 +615,38 @@ def test_the_medium_label_is_an_engines_tier_name_or_other_whatever_the_publishe
         ("removed", "CPU_PINNED"): 1,
         ("removed", "none"): 1,
     }
+
+
+@pytest.mark.parametrize("serves_snapshot", [True, False])
+def test_lost_batches_warn_once_a_period_per_rank_with_the_count_since(
+    serves_snapshot: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A publisher dropping every other batch wrote a warning per batch (1,500 lines a second
+    here, twice with the subscriber's), and told of a snapshot re-pull for a worker known to
+    serve no /v1/kv-snapshot."""
+    clock = ManualClock()
+    rules = IndexRules(BlockTree(BS), clock=clock)
+    asked: list[RankId] = []
+    rules.set_loss_handler(lambda rank: asked.append(rank) or serves_snapshot)
+    rules.add_ranks([R, OTHER])
+
+    def lost_lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "lost since" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="router.index"):
+        for seq in range(0, 3000, 2):  # 1,499 gaps of one batch
+            rules.apply_batch(R, seq, stored(seq + 1, seq))
+        rules.apply_batch(OTHER, 0, stored(1, 0))
+        rules.apply_batch(OTHER, 5, stored(2, 10))  # another rank warns on its own
+        assert len(lost_lines()) == 2
+        clock.advance(LOSS_WARN_EVERY_S)
+        rules.apply_batch(R, 3000, stored(9999, 3000))
+    assert rules.stats.lost_batches == {R: 1500, OTHER: 4}
+    assert len(asked) == 1499 + 1 + 1  # every loss asks for its repair, warned or not
+    first, other, summary = lost_lines()
+    assert first.startswith(f"{R}: 1 batch(es) lost since the last such warning")
+    assert other.startswith(f"{OTHER}: 4 batch(es) lost")
+    assert summary.startswith(f"{R}: 1499 batch(es) lost since the last such warning")
+    assert "(the latest seq 2999..2999)" in summary
+    assert ("snapshot is re-pulled" in summary) is serves_snapshot
+    assert ("serves no /v1/kv-snapshot" in summary) is not serves_snapshot

@@ -8,6 +8,7 @@ connection on exit, the handshake, decode errors surfacing as gaps).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ from router.subscriber import (
     replay_outcome,
     replay_request,
 )
+from tests.support.clock import ManualClock
 from tests.support.waiting import eventually
 from tests.support.zmtp_publisher import (
     CLOSE,
@@ -436,6 +438,24 @@ async def test_a_payload_that_does_not_decode_surfaces_as_a_gap_at_the_next_batc
     assert isinstance(items[2], LiveBatch) and items[2].seq == 6
     assert sub.stats.decode_errors == {"malformed_msgpack": 1}
     assert (sub.stats.gaps, sub.stats.lost_batches, sub.stats.batches) == (1, 1, 2)
+
+
+async def test_gaps_without_replay_warn_once_a_period_with_the_batches_lost_since(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A publisher dropping every other batch, with no replay endpoint, wrote a warning per
+    gap (1,500 lines a second, and as many again from the pump)."""
+    clock = ManualClock()
+    seqs = range(0, 400, 2)  # 199 gaps of one batch
+    publisher = ScriptedPublisher(Script([frames(seq) for seq in seqs]))
+    with caplog.at_level(logging.WARNING, logger="router.subscriber"):
+        _, sub = await run_until(publisher, len(seqs) + 199, clock=clock)
+    assert sub.stats.lost_batches == 199
+    said = [r.getMessage() for r in caplog.records if "replay unavailable" in r.getMessage()]
+    assert said == [
+        f"rank {RANK}: 1 batch(es) lost since the last such warning (the latest seq 1), "
+        "replay unavailable: give the engine a replay endpoint to recover them"
+    ]
 
 
 async def test_a_regression_to_a_non_zero_seq_is_a_reset_then_the_new_streams_first_batches() -> (
