@@ -36,6 +36,7 @@ from router.dataplane.exchange import GENERATION_ROUTES
 from router.events import DECODE_ERROR_REASONS
 from router.loads import OUT_OF_RANGE_FIELDS, POLL_ERROR_LABELS, poll_error_label
 from router.tokenize.chat_rules import FAILURE_REASONS
+from router.workers import RESTART_REASONS
 
 if TYPE_CHECKING:
     from peer.endpointslices import SliceDiscovery
@@ -451,6 +452,13 @@ class _StateCollector(Collector):
             "Ready workers whose ranks left the index after failing /health too long",
             [],
             {(): registry_stats.evictions},
+        )
+        yield _counter(
+            "kvrouter_worker_restarts",
+            "Ready workers taken as restarted: kv_events_changed, their /server_info describes "
+            "other KV-event ranks (registered anew)",
+            ["reason"],
+            {(reason,): registry_stats.restarts[reason] for reason in RESTART_REASONS},
         )
         yield _counter(
             "kvrouter_ranks_distrusted",

@@ -22,6 +22,12 @@ add(url), for a URL not yet known:
 Re-adding a known URL changes nothing and pulls nothing: discovery sources re-announce
 workers all the time, and a pull per announcement would stampede the fleet.
 
+A ready worker whose engine restarts within `--worker-evict-after-s` is never evicted, so the
+health loop looks at it again: at the first pass that finds it healthy after any of its
+ranks' publisher connections dropped, its `/server_info` is read again (`_look_at_drops`).
+Other KV-event ranks (dp size, endpoints, ports) are registered anew: the old ranks leave as
+at an eviction, then steps 1-4 run again.
+
 remove(url): the ranks leave the live set and the tree (awaited through the pump, so the
 removal has taken effect when it returns), then the subscribers stop.
 
@@ -40,7 +46,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
@@ -107,6 +113,10 @@ DOWN_CHECKS_PER_PASS: Final = 16
 # A down worker that answers /health but whose registration anew keeps failing (its
 # /server_info unreachable or 5xx) is tried again after one health interval, doubling to this.
 REREGISTER_BACKOFF_MAX_S: Final = 60.0
+# Why a ready worker was taken as restarted (`WorkerRegistry._look_at_drops`):
+# `kv_events_changed`, its /server_info describes other KV-event ranks (dp size, endpoints,
+# ports), so it is registered anew.
+RESTART_REASONS: Final = ("kv_events_changed",)
 KNOWN_ENGINES: Final = ("vllm", "sglang")  # `owned_by` values of the engines' /v1/models
 # Base model names read of a worker's /v1/models: vLLM's --served-model-name takes a few.
 MAX_SERVED_NAMES: Final = 64
@@ -287,6 +297,7 @@ class Worker:
     unhealthy_since: float | None = None  # clock time of the first failed check in a row
     reregister_failures: int = 0  # down: registrations anew that failed in a row
     reregister_at: float = 0.0  # down: clock time of the next registration anew, at earliest
+    drops_seen: int = 0  # its ranks' publisher connection drops at its last look at them
     draining: bool = False
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     snapshot_served: bool | None = None  # None: not asked yet; False: 404
@@ -327,6 +338,8 @@ class RegistryStats:
     evictions: int = 0  # ready workers whose ranks left the index after failing /health
     snapshot_pulls: Counter[str] = field(default_factory=Counter)  # outcome
     distrusted: int = 0  # ranks cleared because they carried more than their engine can hold
+    # Ready workers taken as restarted (`RESTART_REASONS`).
+    restarts: Counter[str] = field(default_factory=Counter)
     health_checks_failed: int = 0
 
 
@@ -748,6 +761,7 @@ class WorkerRegistry:
                 )
             )
         self.subscribed_ranks += len(ranks)
+        worker.drops_seen = 0  # its ranks' subscriber stats are new
         worker.subscribing_since = self._clock()
         holding_since = time.monotonic()  # after the subscribers started holding
         worker.state, worker.reason = "ready", ""
@@ -1009,11 +1023,72 @@ class WorkerRegistry:
             self.on_unhealthy(worker.url)
         if healthy:
             worker.unhealthy_since = None
+            await self._look_at_drops(worker)
             return
         if worker.unhealthy_since is None:
             worker.unhealthy_since = now
         if evict_due(worker.unhealthy_since, now, self._evict_after_s):
             await self._evict(worker)
+
+    async def _look_at_drops(self, worker: Worker) -> None:
+        """A healthy worker whose ranks' publisher connections dropped since the last look
+        may be a new engine process: its /server_info is read again, and other KV-event
+        ranks than it was registered with are registered anew (`_register_anew`)."""
+        drops = sum(stats.disconnects for stats in worker.subscriber_stats.values())
+        if drops == worker.drops_seen:
+            return
+        info = await self._kv_events_now(worker)
+        if info is None or self._workers.get(worker.url) is not worker or worker.state != "ready":
+            return  # looked at again at the next pass
+        worker.drops_seen = drops
+        if info != worker.kv:
+            await self._register_anew(worker, info)
+
+    async def _kv_events_now(self, worker: Worker) -> KvEventsInfo | None:
+        """What the worker's /server_info says of its KV events now, read as `_register`
+        reads it (the flags' guess when it serves none or it is unreadable); None when it
+        cannot be reached or answers 5xx."""
+        try:
+            body = await get_worker_json(self.session, f"{worker.url}/server_info", self._timeout)
+        except (_Absent, ValueError):
+            body = None
+        except (aiohttp.ClientError, TimeoutError, _Unavailable) as exc:
+            log.info(
+                "worker %s: /server_info unreachable (%s) after its KV-event connections "
+                "dropped; read again at the next health pass",
+                worker.url,
+                describe(exc),
+            )
+            return None
+        return parse_server_info(body, worker.url, self.defaults)
+
+    async def _register_anew(self, worker: Worker, info: KvEventsInfo) -> None:
+        """A worker whose KV-event ranks changed while it was registered (its engine
+        restarted with another dp size, ports or endpoints) leaves the index and its
+        subscribers stop, then it is registered as a down worker is: its new ranks
+        subscribed, its snapshot pulled. Kept as they were, a rank the engine no longer had
+        kept its blocks and was routed to (the engine answered 400 for it), its subscriber
+        retried a dead port for good, and a rank it gained was never subscribed."""
+        change = kv_events_change(worker.kv, info)
+        async with self._exclusive(worker.url):
+            if self._workers.get(worker.url) is not worker or worker.state != "ready":
+                return  # removed, evicted or registered anew meanwhile
+            await self._detach(worker)
+            worker.state, worker.healthy = "down", False
+            worker.reason = f"its /server_info changed ({change}); registering it anew"
+            worker.reregister_failures, worker.reregister_at = 0, 0.0
+        self.stats.restarts["kv_events_changed"] += 1
+        log.warning(
+            "worker %s restarted with other KV-event ranks (%s): its old ranks left the index; "
+            "registering it anew",
+            worker.url,
+            change,
+        )
+        try:
+            with contextlib.suppress(WorkerRemoved):  # removed meanwhile: nothing to do
+                await self.add(worker.url)
+        finally:
+            self._back_off_if_down(worker)
 
     def _back_off_if_down(self, worker: Worker) -> None:
         """A registration anew that left the worker down waits longer before the next one:
@@ -1136,6 +1211,17 @@ def redirect_not_followed(status: int, location: str | None) -> str:
 def subscriber_name(rank: RankId) -> str:
     """The supervised task name of a rank's subscriber (`Supervisor.state` looks it up)."""
     return f"kv-sub {rank.worker_url}#dp{rank.dp_rank}"
+
+
+def kv_events_change(old: KvEventsInfo | None, new: KvEventsInfo) -> str:
+    """What differs between two descriptions of a worker's KV events, for the logs."""
+    if old is None:
+        return "none known before"
+    return ", ".join(
+        f"{f.name} {getattr(old, f.name)!r} -> {getattr(new, f.name)!r}"
+        for f in fields(KvEventsInfo)
+        if getattr(old, f.name) != getattr(new, f.name)
+    )
 
 
 def evict_due(unhealthy_since: float | None, now: float, evict_after_s: float) -> bool:
