@@ -410,6 +410,17 @@ class IndexRules:
             self.clear_rank_state(rank)
             self._loss_warnings.pop(rank, None)
 
+    def forget_streams(self, ranks: Iterable[RankId]) -> None:
+        """Live ranks whose engine is taken as restarted though their streams cannot show it
+        (`WorkerRegistry._forget_restarted`): cleared as for a publisher reset, and the next
+        batch decides their cursor and cold mark."""
+        for rank in ranks:
+            if rank not in self.live:
+                continue
+            if self.bootstrap is not None:
+                self.bootstrap.on_publisher_reset(rank)
+            self.clear_rank_state(rank)
+
     def clear_rank_state(self, rank: RankId) -> None:
         self.cursors.pop(rank, None)
         self.cold.discard(rank)

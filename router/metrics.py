@@ -456,7 +456,8 @@ class _StateCollector(Collector):
         yield _counter(
             "kvrouter_worker_restarts",
             "Ready workers taken as restarted: kv_events_changed, their /server_info describes "
-            "other KV-event ranks (registered anew)",
+            "other KV-event ranks (registered anew); suspected, /health failed and their event "
+            "connections dropped in between (their ranks cleared and re-learned)",
             ["reason"],
             {(reason,): registry_stats.restarts[reason] for reason in RESTART_REASONS},
         )

@@ -26,7 +26,9 @@ A ready worker whose engine restarts within `--worker-evict-after-s` is never ev
 health loop looks at it again: at the first pass that finds it healthy after any of its
 ranks' publisher connections dropped, its `/server_info` is read again (`_look_at_drops`).
 Other KV-event ranks (dp size, endpoints, ports) are registered anew: the old ranks leave as
-at an eviction, then steps 1-4 run again.
+at an eviction, then steps 1-4 run again. The same ones after a failed health check in
+between are taken as a restart its new stream may not show (a seq that reads as the old
+stream's next): the ranks are cleared and the snapshot pulled again where one is served.
 
 remove(url): the ranks leave the live set and the tree (awaited through the pump, so the
 removal has taken effect when it returns), then the subscribers stop.
@@ -115,8 +117,9 @@ DOWN_CHECKS_PER_PASS: Final = 16
 REREGISTER_BACKOFF_MAX_S: Final = 60.0
 # Why a ready worker was taken as restarted (`WorkerRegistry._look_at_drops`):
 # `kv_events_changed`, its /server_info describes other KV-event ranks (dp size, endpoints,
-# ports), so it is registered anew.
-RESTART_REASONS: Final = ("kv_events_changed",)
+# ports), so it is registered anew; `suspected`, its description is the same but /health
+# failed and its event connections dropped in between, so its ranks are cleared.
+RESTART_REASONS: Final = ("kv_events_changed", "suspected")
 KNOWN_ENGINES: Final = ("vllm", "sglang")  # `owned_by` values of the engines' /v1/models
 # Base model names read of a worker's /v1/models: vLLM's --served-model-name takes a few.
 MAX_SERVED_NAMES: Final = 64
@@ -297,7 +300,10 @@ class Worker:
     unhealthy_since: float | None = None  # clock time of the first failed check in a row
     reregister_failures: int = 0  # down: registrations anew that failed in a row
     reregister_at: float = 0.0  # down: clock time of the next registration anew, at earliest
-    drops_seen: int = 0  # its ranks' publisher connection drops at its last look at them
+    # Its ranks' publisher connection drops as of its last look at them (`_look_at_drops`),
+    # and whether a health check failed since: an engine restarted in between shows both.
+    drops_seen: int = 0
+    failed_since_drops_seen: bool = False
     draining: bool = False
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     snapshot_served: bool | None = None  # None: not asked yet; False: 404
@@ -338,7 +344,7 @@ class RegistryStats:
     evictions: int = 0  # ready workers whose ranks left the index after failing /health
     snapshot_pulls: Counter[str] = field(default_factory=Counter)  # outcome
     distrusted: int = 0  # ranks cleared because they carried more than their engine can hold
-    # Ready workers taken as restarted (`RESTART_REASONS`).
+    # Ready workers taken as restarted (`RESTART_REASONS`): registered anew, or ranks cleared.
     restarts: Counter[str] = field(default_factory=Counter)
     health_checks_failed: int = 0
 
@@ -761,7 +767,7 @@ class WorkerRegistry:
                 )
             )
         self.subscribed_ranks += len(ranks)
-        worker.drops_seen = 0  # its ranks' subscriber stats are new
+        worker.drops_seen, worker.failed_since_drops_seen = 0, False  # fresh subscriber stats
         worker.subscribing_since = self._clock()
         holding_since = time.monotonic()  # after the subscribers started holding
         worker.state, worker.reason = "ready", ""
@@ -1025,6 +1031,7 @@ class WorkerRegistry:
             worker.unhealthy_since = None
             await self._look_at_drops(worker)
             return
+        worker.failed_since_drops_seen = True
         if worker.unhealthy_since is None:
             worker.unhealthy_since = now
         if evict_due(worker.unhealthy_since, now, self._evict_after_s):
@@ -1032,17 +1039,24 @@ class WorkerRegistry:
 
     async def _look_at_drops(self, worker: Worker) -> None:
         """A healthy worker whose ranks' publisher connections dropped since the last look
-        may be a new engine process: its /server_info is read again, and other KV-event
-        ranks than it was registered with are registered anew (`_register_anew`)."""
+        may be a new engine process: its /server_info is read again. Other KV-event ranks
+        than it was registered with are registered anew (`_register_anew`); the same ones,
+        after a failed health check in between, are taken as a restart and cleared
+        (`_forget_restarted`). A drop with /health passing throughout (an oversized message,
+        a blip) or a failed check with every connection kept (a slow engine) clears nothing."""
         drops = sum(stats.disconnects for stats in worker.subscriber_stats.values())
         if drops == worker.drops_seen:
+            worker.failed_since_drops_seen = False
             return
         info = await self._kv_events_now(worker)
         if info is None or self._workers.get(worker.url) is not worker or worker.state != "ready":
             return  # looked at again at the next pass
-        worker.drops_seen = drops
+        restarted = worker.failed_since_drops_seen
+        worker.drops_seen, worker.failed_since_drops_seen = drops, False
         if info != worker.kv:
             await self._register_anew(worker, info)
+        elif restarted:
+            await self._forget_restarted(worker)
 
     async def _kv_events_now(self, worker: Worker) -> KvEventsInfo | None:
         """What the worker's /server_info says of its KV events now, read as `_register`
@@ -1089,6 +1103,30 @@ class WorkerRegistry:
                 await self.add(worker.url)
         finally:
             self._back_off_if_down(worker)
+
+    async def _forget_restarted(self, worker: Worker) -> None:
+        """Clear the ranks of a worker taken as restarted (`_look_at_drops`). A new engine
+        starts with an empty cache and numbers its batches from 0, and ZeroMQ drops what it
+        publishes before the replica has subscribed again, so its stream can look like the
+        old one's continuation (seq 3 after the old 0..2, or a gap that replay fills from the
+        new stream): nothing else would ever take the old process's blocks out, and the
+        index would send their prefixes to a cold cache for good. A false positive (a blip
+        that failed /health and dropped the connections of an engine that lived on) costs
+        misses until the ranks re-learn: its snapshot is pulled again where it serves one,
+        else the ranks re-learn from their next batches (cold until one at seq 0)."""
+        ranks = worker.ranks()
+        self.stats.restarts["suspected"] += 1
+        log.warning(
+            "worker %s failed /health and its KV-event connections dropped in between: taken "
+            "as a restarted engine (its new stream may read as the old one's continuation); "
+            "its %d rank(s) are cleared and re-learned from %s",
+            worker.url,
+            len(ranks),
+            "its next events" if worker.snapshot_served is False else "its /v1/kv-snapshot",
+        )
+        await self.pump.call(lambda rules: rules.forget_streams(ranks))
+        if worker.snapshot_served is not False:
+            self._kick_snapshot_pull(worker.url)
 
     def _back_off_if_down(self, worker: Worker) -> None:
         """A registration anew that left the worker down waits longer before the next one:

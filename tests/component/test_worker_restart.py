@@ -78,6 +78,7 @@ async def test_a_worker_restarted_with_another_dp_size_is_registered_anew_with_i
             entry = await eventually(registered_anew, within_s=10)
             assert entry["kv_events"]["dp_size"] == after
             assert await restarts(rt, "kv_events_changed") == 1
+            assert await restarts(rt, "suspected") == 0
             # Every rank of the new engine is subscribed, and the index holds exactly what
             # each caches: nothing of the old process's ranks.
             for rank in range(after):
@@ -103,3 +104,91 @@ async def test_a_worker_restarted_with_another_dp_size_is_registered_anew_with_i
                 assert status == 200
                 served.add(headers.get("X-Kvrouter-Dp-Rank", "0"))
             assert served <= {str(rank) for rank in range(after)}
+
+
+@pytest.mark.parametrize("serve_snapshot", [False, True], ids=["no_snapshot", "snapshot"])
+async def test_a_restarted_worker_whose_new_stream_reads_as_a_continuation_keeps_no_ghosts(
+    serve_snapshot: bool,
+) -> None:
+    """The old process published seq 0..n and was killed; /health failed; the new one
+    published 0..n before the replica subscribed again (ZeroMQ dropped them), so its next
+    batch, n + 1, read as the old stream's next: the old process's blocks stayed for good."""
+    kv_port_base = free_port_range(1)
+    async with (
+        fake_worker_in_process(kv_port_base=kv_port_base, serve_kv_snapshot=serve_snapshot) as old,
+        router_in_process(
+            workers=[old.url], health_interval_s=0.05, worker_evict_after_s=600
+        ) as rt,
+    ):
+        await rt.gate(old)
+        last_old = await old.store([chain(7, 3)])
+        view = await rt.wait_cursor(old.url, 0, last_old)
+        assert view["blocks"] == 1 + 3  # the gate's probe and the old chain
+        await crash(rt, old)
+
+        # /health fails while the new engine starts, as a real engine's does while it loads.
+        port = urlsplit(old.url).port
+        async with fake_worker_in_process(
+            port=port,
+            kv_port_base=kv_port_base,
+            serve_kv_snapshot=serve_snapshot,
+            startup_delay_s=1.5,
+        ) as new:
+            await new.post("/control/drop-next", {"count": last_old + 1})
+            for i in range(last_old + 1):  # seq 0..n, lost to the replica
+                await new.store([chain(40 + i, 1)])
+
+            # The old process's blocks leave; with a snapshot, the new one's come in.
+            held_now = last_old + 1 if serve_snapshot else 0
+
+            async def old_blocks_gone() -> bool:
+                view = await rt.rank_view(new.url, 0)
+                return view is not None and view["blocks"] == held_now
+
+            await eventually(old_blocks_gone, within_s=10)
+            assert await restarts(rt, "suspected") == 1
+            assert await restarts(rt, "kv_events_changed") == 0
+            probe = await rt.gate(new)
+            assert probe > last_old  # reads as the old stream's next (or a gap past it)
+            engine = await new.state()
+            if serve_snapshot:
+                # Re-pulled: the index holds exactly what the engine caches.
+                view = await rt.wait_cursor(new.url, 0, probe)
+                assert view["blocks"] == engine["blocks"] == (last_old + 1) + 1
+            else:
+                # Nothing of the old process; the new one's lost batches are missing (a miss,
+                # never a false hit) and the rank says so.
+                view = await rt.wait_cursor(new.url, 0, probe)
+                assert view["blocks"] == 1
+                scrape = await rt.scrape()
+                assert scrape.get("kvrouter_index_rank_cold", worker_url=new.url, dp_rank="0") == 1
+            assert rt.replica.workers.stats.restarts["suspected"] == 1
+            assert rt.replica.workers.stats.evictions == 0
+
+
+async def test_a_dropped_event_connection_with_health_passing_clears_nothing() -> None:
+    """The rule's other side: a drop the replica made itself (a message over
+    --kv-events-max-message-bytes) is no restart, and the engine's blocks stay."""
+    async with (
+        fake_worker_in_process() as fw,
+        router_in_process(
+            workers=[fw.url],
+            health_interval_s=0.05,
+            worker_evict_after_s=600,
+            kv_events_max_message_bytes=4096,
+        ) as rt,
+    ):
+        await rt.gate(fw)
+        await rt.wait_cursor(fw.url, 0, await fw.store([chain(7, 3)]))
+        worker = rt.replica.workers.get(fw.url)
+        assert worker is not None
+        await fw.store([chain(1000, 128)])  # ~6 KiB of tokens: the connection is dropped
+
+        # Looked at again: its /server_info read at a healthy check, as it was registered.
+        await eventually(lambda: worker.drops_seen == 1, within_s=10)
+        seq = await rt.gate(fw)
+        view = await rt.wait_cursor(fw.url, 0, seq)
+        assert view["blocks"] == 1 + 3  # the probe and the first chain: nothing cleared
+        assert await restarts(rt, "suspected") == 0
+        assert await restarts(rt, "kv_events_changed") == 0
+        assert worker.healthy and worker.state == "ready"
