@@ -426,7 +426,8 @@ def _vllm_strip_billing_header(parts: list[Any]) -> list[Any]:
 
 def _vllm_parse_part(part: Any, parts_format: bool) -> Any:
     """parse_chat_message_content_part for a text model: a dict in the openai format, else the
-    text itself; None for a text part without text."""
+    text itself; None for a part without text, but for a thinking, input_text or output_text
+    part in the openai format (`{"type": "text", "text": None}`)."""
     if isinstance(part, str):
         return {"type": "text", "text": part} if parts_format else part
     kind = part.get("type")
@@ -436,8 +437,8 @@ def _vllm_parse_part(part: Any, parts_format: bool) -> Any:
     if kind not in _TEXT_TYPES:
         raise RequestError(f"unsupported content part {kind!r} for a text model", "messages")
     text = part.get(_TEXT_TYPES[kind])
-    if text is None:
-        return None
+    if text is None and (kind in ("text", "refusal") or not parts_format):
+        return None  # PART_TYPES_TO_SKIP_NONE_CONTENT; the other text types stay, text null
     if parts_format:
         extra = {k: v for k, v in part.items() if k not in _PART_FIELDS}
         return {"type": "text", "text": text, **extra}
@@ -642,9 +643,14 @@ def _loops_over_fixed_names(template: str) -> bool:
 
 
 def _sglang_dump_message(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    for chunk in content if isinstance(content, list) else ():
+        kind = chunk.get("type") if isinstance(chunk, dict) else None
+        if kind == "text" and not isinstance(chunk.get("text"), str):
+            raise RequestError("a text part's 'text' must be a string", "messages")
     role = message["role"].lower()
     if role == "user":
-        return {"role": "user", "content": message.get("content")}
+        return {"role": "user", "content": content}
     allowed = ("system", "assistant", "tool", "function", "developer", "latest_reminder")
     if role not in allowed:
         raise RequestError(f"'role' must be one of {allowed}", "messages")

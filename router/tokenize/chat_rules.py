@@ -17,7 +17,9 @@ they differ:
   content (else one string); SGLang too, and also whenever the template names image, audio,
   video or vision.
 - text parts into a string: vLLM joins with a newline, leaving empty texts out; SGLang with a
-  space, empty texts kept.
+  space, empty texts kept. A part without text: vLLM skips a `text` or `refusal` one, and
+  keeps a `thinking`, `input_text` or `output_text` one as `{"type": "text", "text": null}`
+  where the template takes parts (left out of a string).
 - a `tool_reference` part (a deferred tool's `name`): vLLM (0.22+) keeps it as a part, or joins
   the name like a text; SGLang keeps it as a part, or leaves it out of the string.
 - `content: null`: vLLM gives `""` (string format) or `[]`; SGLang `""`.
@@ -390,6 +392,8 @@ _TEXT_PART_KEYS: Final = {
     "refusal": "refusal",
     "thinking": "thinking",
 }  # part type -> its key
+# The text part types vLLM drops when they hold no text; the others it keeps as a null text.
+_VLLM_SKIPPED_WITHOUT_TEXT: Final = frozenset({"text", "refusal"})
 # Fields of the OpenAI content-part shapes; anything else on a text part rides along (vLLM keeps
 # a part's unknown keys when the template takes parts).
 _KNOWN_PART_FIELDS: Final = frozenset(
@@ -613,8 +617,10 @@ def _vllm_parts(content: Any) -> tuple[list[str], list[dict[str, Any]]]:
         if key is None:
             raise Unrenderable("content", f"a {part.get('type')!r} content part is not text")
         text = part.get(key)
-        if text is None:
-            continue  # vLLM skips a text part without text
+        if text is None and part["type"] in _VLLM_SKIPPED_WITHOUT_TEXT:
+            continue
+        # A thinking, input_text or output_text part without text stays a part, its text
+        # null (`PART_TYPES_TO_SKIP_NONE_CONTENT` holds text and refusal alone).
         if text:
             texts.append(text)
         extra = {k: v for k, v in part.items() if k not in _KNOWN_PART_FIELDS}

@@ -103,6 +103,24 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
         ],
         "tools": [WEATHER_TOOL],
     },
+    # Parts without text: vLLM skips a text or refusal one, and keeps a thinking, input_text
+    # or output_text one as a text part whose text is null where the template takes parts.
+    "textless_parts": {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is the weather"},
+                    {"type": "thinking"},
+                    {"type": "input_text", "text": None},
+                    {"type": "output_text"},
+                    {"type": "text", "text": None},
+                    {"type": "refusal"},
+                    {"type": "text", "text": "in Paris?"},
+                ],
+            }
+        ]
+    },
     "empty_string_parts": {
         "messages": [{"role": "user", "content": ["What is the weather", "", "in Paris?"]}]
     },

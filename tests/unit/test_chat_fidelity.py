@@ -180,6 +180,17 @@ def test_tools_reach_the_template_as_the_request_model_dumps_them(
     )
 
 
+def test_vllm_keeps_a_part_without_text_as_a_null_text_unless_it_is_a_text_or_refusal(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+) -> None:
+    _, as_parts = pairs[("gemma3.jinja", "vllm")]  # gemma3 loops over a message's parts
+    _, as_string = pairs[("chatml.jinja", "vllm")]
+    body = SHAPES["textless_parts"]
+    # The thinking, input_text and output_text parts, their text null (Jinja prints None).
+    assert "What is the weatherNoneNoneNonein Paris?" in rendered(as_parts, body)
+    assert "What is the weather\nin Paris?" in rendered(as_string, body)
+
+
 def test_vllm_dumps_a_tools_declared_fields_alone_with_its_defer_loading_copied_in(
     pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
 ) -> None:

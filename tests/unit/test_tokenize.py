@@ -388,6 +388,28 @@ def test_a_tool_flag_vllm_cannot_read_as_a_boolean_is_a_400_naming_tools(
     assert refused.value.param == "tools"
 
 
+def test_vllm_keeps_a_thinking_input_or_output_text_part_without_text_as_a_null_text() -> None:
+    content = [
+        {"type": "text", "text": "a"},
+        {"type": "thinking"},
+        {"type": "input_text", "text": None},
+        {"type": "output_text", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": None},
+        {"type": "refusal"},
+    ]
+    body = chat([{"role": "user", "content": content}])
+    as_parts = render_call(body, TemplateTraits(False, True, True, frozenset()), Engine.VLLM)
+    null: dict[str, Any] = {"type": "text", "text": None}
+    assert as_parts.conversation[0]["content"] == [
+        {"type": "text", "text": "a"},
+        null,
+        null,
+        {**null, "cache_control": {"type": "ephemeral"}},
+    ]
+    as_string = render_call(body, TemplateTraits(False, False, False, frozenset()), Engine.VLLM)
+    assert as_string.conversation[0]["content"] == "a"
+
+
 def test_a_tool_choice_of_the_wrong_shape_is_refused_where_sglang_picks_a_template() -> None:
     body = chat(MESSAGES, tools=[WEATHER_TOOL], tool_choice={"function": 3})
     with pytest.raises(ChatRequestError):
