@@ -651,7 +651,7 @@ def _sglang_dump_message(message: dict[str, Any]) -> dict[str, Any]:
     role = message["role"].lower()
     if role == "user":
         return {"role": "user", "content": content}
-    allowed = ("system", "assistant", "tool", "function", "developer", "latest_reminder")
+    allowed = ("system", "assistant", "tool", "function", "developer", "latest_reminder", "root")
     if role not in allowed:
         raise RequestError(f"'role' must be one of {allowed}", "messages")
     calls = None

@@ -48,6 +48,7 @@ they differ:
   unless that has one). SGLang: `{type, function:
   {description, name, parameters, strict}, defer_loading}`, none when `tool_choice` is
   `none`, only the named one for a named choice.
+- roles: vLLM renders any; SGLang its list alone (`root` among them), lower-cased.
 
 A chat may also bring the token ids the engine is to use as they are, its template skipped
 (`given_ids`): SGLang's `input_ids`, vLLM's `kv_transfer_params.prompt_token_ids`. The router
@@ -686,8 +687,9 @@ def _tool_flag(holder: dict[str, Any], key: str) -> bool | None:
 
 # --- SGLang ---------------------------------------------------------------------------------
 
+# Rendered under their own names (0.5.23 takes `root`, as MiniMax M3's templates name it).
 _SGLANG_ROLES: Final = frozenset(
-    {"system", "user", "assistant", "tool", "function", "developer", "latest_reminder"}
+    {"system", "user", "assistant", "tool", "function", "developer", "latest_reminder", "root"}
 )
 _SGLANG_TEXT_TYPES: Final = ("text", "input_text")
 _SGLANG_MEDIA: Final = {

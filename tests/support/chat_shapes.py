@@ -67,6 +67,8 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
     },
     "tools_choice_none": {"messages": [USER], "tools": [WEATHER_TOOL], "tool_choice": "none"},
     "developer": {"messages": [{"role": "developer", "content": "You are terse."}, USER]},
+    # MiniMax M3's first message: vLLM renders any role, SGLang 0.5.23 takes this one as it is.
+    "root": {"messages": [{"role": "root", "content": "You are terse."}, USER]},
     "text_parts": {
         "messages": [
             SYSTEM,

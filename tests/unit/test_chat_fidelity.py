@@ -191,6 +191,13 @@ def test_vllm_keeps_a_part_without_text_as_a_null_text_unless_it_is_a_text_or_re
     assert "What is the weather\nin Paris?" in rendered(as_string, body)
 
 
+def test_sglang_renders_a_root_message_under_its_own_role(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+) -> None:
+    _, sglang = pairs[("chatml.jinja", "sglang")]
+    assert "<|im_start|>root\nYou are terse." in rendered(sglang, SHAPES["root"])
+
+
 def test_vllm_dumps_a_tools_declared_fields_alone_with_its_defer_loading_copied_in(
     pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
 ) -> None:

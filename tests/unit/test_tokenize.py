@@ -17,7 +17,12 @@ from router.tokenize import (
     load_tokenizer,
     render_chat_plain,
 )
-from router.tokenize.chat_rules import Engine, TemplateTraits, render_call, template_tools
+from router.tokenize.chat_rules import (
+    Engine,
+    TemplateTraits,
+    render_call,
+    template_tools,
+)
 from router.tokenize.lax import sglang_token_id
 from tests.support.chat_shapes import SHAPES, WEATHER_TOOL
 from tests.support.model_dirs import build_fixture_model, build_model_dir, fixture_template
@@ -408,6 +413,13 @@ def test_vllm_keeps_a_thinking_input_or_output_text_part_without_text_as_a_null_
     ]
     as_string = render_call(body, TemplateTraits(False, False, False, frozenset()), Engine.VLLM)
     assert as_string.conversation[0]["content"] == "a"
+
+
+def test_sglang_renders_a_root_message_under_its_own_role() -> None:
+    traits = TemplateTraits(False, False, False, frozenset())
+    body = chat([{"role": "Root", "content": "You are terse."}, MESSAGES[1]])
+    call = render_call(body, traits, Engine.SGLANG)
+    assert call.conversation[0] == {"role": "root", "content": "You are terse."}
 
 
 def test_a_tool_choice_of_the_wrong_shape_is_refused_where_sglang_picks_a_template() -> None:
