@@ -722,20 +722,32 @@ def _sglang_content(message: dict[str, Any], parts_format: bool) -> dict[str, An
 
 
 def _sglang_dump_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """Tool(**tool).model_dump() in SGLang 0.5.23: pydantic's bools, `_propagate_defer_loading`,
+    then Function's serializer: null `strict`/`defer_loading` popped, the client's key order
+    first (`key_order`), the fields it did not send after."""
+
+    def flag(holder: dict[str, Any], key: str) -> bool | None:
+        return None if holder.get(key) is None else lax_bool(holder[key], key)
+
     function = tool["function"]
-    dumped_fn: dict[str, Any] = {
+    tool_defer = flag(tool, "defer_loading")
+    data: dict[str, Any] = {
         "description": function.get("description"),
         "name": function["name"],
         "parameters": function.get("parameters"),
-        "strict": function.get("strict", False),
+        "strict": flag(function, "strict"),
+        "defer_loading": flag(function, "defer_loading"),
     }
-    defer = function.get("defer_loading")
-    if defer is None:
-        defer = tool.get("defer_loading")
-    if defer is not None:
-        dumped_fn["defer_loading"] = defer
+    if data["defer_loading"] is None:
+        data["defer_loading"] = tool_defer
+    for optional in ("defer_loading", "strict"):
+        if data[optional] is None:
+            data.pop(optional)
+    key_order = list(function.keys())
+    rest = [k for k in data if k not in key_order]
+    dumped_fn = {k: data[k] for k in key_order + rest if k in data}
     return {
         "type": tool.get("type", "function"),
         "function": dumped_fn,
-        "defer_loading": tool.get("defer_loading"),
+        "defer_loading": tool_defer,
     }

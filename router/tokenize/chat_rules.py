@@ -42,12 +42,13 @@ they differ:
   `normalize_reasoning_inputs`, `_convert_to_internal_request`): its eight words or a number in
   [0, 0.99], also read from a `reasoning` object, deriving `thinking` too;
   `chat_template_kwargs.reasoning_effort` over the request's field.
-- `tools`: each engine's request model dump. vLLM: `{type, function: {name, description,
-  parameters, strict, defer_loading}, defer_loading}`, its declared fields alone (a missing
-  description is `null`, a null flag left out; the tool's `defer_loading` is its function's
-  unless that has one). SGLang: `{type, function:
-  {description, name, parameters, strict}, defer_loading}`, none when `tool_choice` is
-  `none`, only the named one for a named choice.
+- `tools`: each engine's request model dump, flags read as pydantic reads them (a flag it
+  cannot read is a 400), the tool's `defer_loading` its function's unless that has one, a
+  function's null flag left out, a missing description `null`. vLLM: `{type, function: {name,
+  description, parameters, strict, defer_loading}, defer_loading}`, its declared fields alone.
+  SGLang (0.5.23): `{type, function, defer_loading}`, the function's declared fields in the
+  client's order (those it left out after); none when `tool_choice` is `none`, only the named
+  one for a named choice.
 - roles: vLLM renders any; SGLang its list alone (`root` among them), lower-cased.
 
 A chat may also bring the token ids the engine is to use as they are, its template skipped
@@ -675,7 +676,7 @@ def _vllm_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tool_flag(holder: dict[str, Any], key: str) -> bool | None:
-    """A `bool | None` field of vLLM's tool models, read as pydantic reads it."""
+    """A `bool | None` field of the engines' tool models, read as pydantic reads it."""
     value = holder.get(key)
     if value is None:
         return None
@@ -869,21 +870,28 @@ def _sglang_tools(tools: list[dict[str, Any]] | None, choice: Any) -> list[dict[
 
 
 def _sglang_tool_dump(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as SGLang 0.5.23's request models dump it (`Tool`, `Function`): the flags read as
+    pydantic reads them, the tool's `defer_loading` its function's too unless that has one, a
+    function's null `strict` or `defer_loading` left out, and its declared fields in the order
+    the client wrote them, those it left out after (a missing description is `null`). (0.5.22
+    and older dumped `strict` as false when unset, fields in their declared order.)"""
     fn = tool["function"]
-    function: dict[str, Any] = {
+    deferred = _tool_flag(tool, "defer_loading")
+    own = _tool_flag(fn, "defer_loading")
+    declared: dict[str, Any] = {
         "description": fn.get("description"),
         "name": fn["name"],
         "parameters": fn.get("parameters"),
-        "strict": fn.get("strict", False),
+        "strict": _tool_flag(fn, "strict"),
+        "defer_loading": deferred if own is None else own,
     }
-    defer = fn.get("defer_loading", tool.get("defer_loading"))
-    if defer is not None:
-        function["defer_loading"] = defer
-    return {
-        "type": tool.get("type", "function"),
-        "function": function,
-        "defer_loading": tool.get("defer_loading"),
+    order = [*(k for k in fn if k in declared), *(k for k in declared if k not in fn)]
+    function = {
+        k: declared[k]
+        for k in order
+        if declared[k] is not None or k not in ("strict", "defer_loading")
     }
+    return {"type": tool.get("type", "function"), "function": function, "defer_loading": deferred}
 
 
 def bare_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

@@ -65,6 +65,24 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
             },
         ],
     },
+    # Flags in pydantic's lax forms, a null strict, a function's keys in the client's order:
+    # both engines read the flags as booleans; SGLang 0.5.23 keeps the client's order.
+    "tools_with_lax_flags": {
+        "messages": [SYSTEM, USER],
+        "tools": [
+            {
+                "type": "function",
+                "defer_loading": 1,
+                "function": {
+                    "parameters": WEATHER_TOOL["function"]["parameters"],
+                    "name": "get_weather",
+                    "strict": "true",
+                },
+            },
+            {**SEARCH_TOOL, "function": {**SEARCH_TOOL["function"], "strict": None}},
+            {**SEARCH_TOOL, "function": {"defer_loading": "off", **SEARCH_TOOL["function"]}},
+        ],
+    },
     "tools_choice_none": {"messages": [USER], "tools": [WEATHER_TOOL], "tool_choice": "none"},
     "developer": {"messages": [{"role": "developer", "content": "You are terse."}, USER]},
     # MiniMax M3's first message: vLLM renders any role, SGLang 0.5.23 takes this one as it is.

@@ -175,9 +175,26 @@ def test_tools_reach_the_template_as_the_request_model_dumps_them(
     assert '{"type": "function", "function": {"name": "get_weather", "description": "Get' in (
         rendered(vllm, body)
     )
-    assert '{"type": "function", "function": {"description": "Get the weather' in (
-        rendered(sglang, body)
+    # SGLang 0.5.23 keeps the client's order and leaves an unset strict out.
+    as_sglang = rendered(sglang, body)
+    assert '{"type": "function", "function": {"name": "get_weather", "description": "Get' in (
+        as_sglang
     )
+    assert '"name": "search", "parameters": {"type": "object", "properties": {}}, "desc' in (
+        as_sglang
+    )
+    assert "strict" not in as_sglang
+
+
+def test_both_engines_read_a_tools_flags_as_booleans(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+) -> None:
+    for engine in ENGINE_NAMES:
+        _, worker = pairs[("qwen3.jinja", engine)]
+        text = rendered(worker, SHAPES["tools_with_lax_flags"])
+        assert '"strict": true' in text and '"defer_loading": true' in text
+        assert '"defer_loading": false' in text
+        assert '"true"' not in text and '"off"' not in text
 
 
 def test_vllm_keeps_a_part_without_text_as_a_null_text_unless_it_is_a_text_or_refusal(

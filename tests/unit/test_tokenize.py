@@ -382,14 +382,60 @@ def test_vllm_dumps_a_tool_as_its_request_models_do(
     assert json.dumps(call.tools) == json.dumps([dumped])  # in the order a template dumps
 
 
-@pytest.mark.parametrize("tool", [{"strict": "maybe"}, {"defer_loading": []}])
-def test_a_tool_flag_vllm_cannot_read_as_a_boolean_is_a_400_naming_tools(
-    tool: dict[str, Any],
+def sglang_dump(function: dict[str, Any], defer_loading: bool | None = None) -> dict[str, Any]:
+    return {"type": "function", "function": function, "defer_loading": defer_loading}
+
+
+@pytest.mark.parametrize(
+    ("tool", "dumped"),
+    [
+        # SGLang 0.5.23 (entrypoints/openai/protocol.py Tool, Function): the function's declared
+        # fields in the client's order, those it left out after; null flags left out.
+        (
+            {"function": {"parameters": {}, "description": "d", "name": "f"}},
+            sglang_dump({"parameters": {}, "description": "d", "name": "f"}),
+        ),
+        ({"function": {"name": "f", "strict": None, "examples": [1]}}, sglang_dump(_BARE)),
+        (
+            {"function": {"strict": "yes", "name": "f"}},
+            sglang_dump({"strict": True, "name": "f", "description": None, "parameters": None}),
+        ),
+        (
+            {"defer_loading": "on", "function": {"name": "f"}},
+            sglang_dump({**_BARE, "defer_loading": True}, defer_loading=True),
+        ),
+        (
+            {"defer_loading": 1, "function": {"defer_loading": "n", "name": "f"}},
+            sglang_dump(
+                {"defer_loading": False, "name": "f", "description": None, "parameters": None},
+                defer_loading=True,
+            ),
+        ),
+    ],
+)
+def test_sglang_dumps_a_tool_as_its_request_models_do(
+    tool: dict[str, Any], dumped: dict[str, Any]
 ) -> None:
     traits = TemplateTraits(False, False, False, frozenset())
-    body = chat(MESSAGES, tools=[{"function": {"name": "f", **tool}}])
+    call = render_call(chat(MESSAGES, tools=[tool]), traits, Engine.SGLANG)
+    assert json.dumps(call.tools) == json.dumps([dumped])  # in the order a template dumps
+
+
+@pytest.mark.parametrize("engine", list(Engine))
+@pytest.mark.parametrize(
+    "tool",
+    [
+        {"function": {"name": "f", "strict": "maybe"}},
+        {"function": {"name": "f", "defer_loading": []}},
+        {"function": {"name": "f"}, "defer_loading": 2},
+    ],
+)
+def test_a_tool_flag_the_engine_cannot_read_as_a_boolean_is_a_400_naming_tools(
+    tool: dict[str, Any], engine: Engine
+) -> None:
+    traits = TemplateTraits(False, False, False, frozenset())
     with pytest.raises(ChatRequestError) as refused:
-        render_call(body, traits, Engine.VLLM)
+        render_call(chat(MESSAGES, tools=[tool]), traits, engine)
     assert refused.value.param == "tools"
 
 
