@@ -642,10 +642,25 @@ def _loops_over_fixed_names(template: str) -> bool:
     )
 
 
+# SGLang 0.5.23's ChatCompletionMessageContentPart union, by its `type` literals.
+_SGLANG_PART_TYPES = (
+    "text",
+    "thinking",
+    "reasoning",
+    "image_url",
+    "video_url",
+    "audio_url",
+    "input_audio",
+    "tool_reference",
+)
+
+
 def _sglang_dump_message(message: dict[str, Any]) -> dict[str, Any]:
     content = message.get("content")
     for chunk in content if isinstance(content, list) else ():
         kind = chunk.get("type") if isinstance(chunk, dict) else None
+        if kind not in _SGLANG_PART_TYPES:
+            raise RequestError("Input tag does not match any of the expected tags", "messages")
         if kind == "text" and not isinstance(chunk.get("text"), str):
             raise RequestError("a text part's 'text' must be a string", "messages")
     role = message["role"].lower()

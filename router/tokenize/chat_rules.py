@@ -50,6 +50,10 @@ they differ:
   client's order (those it left out after); none when `tool_choice` is `none`, only the named
   one for a named choice.
 - roles: vLLM renders any; SGLang its list alone (`root` among them), lower-cased.
+- content parts: SGLang's request model takes `text`, `thinking`/`reasoning` (left out of
+  what the template sees), media and `tool_reference` parts alone: an `input_text` part or a
+  bare string is its 400, and the router routes such a chat as a miss, as a role SGLang
+  refuses.
 
 A chat may also bring the token ids the engine is to use as they are, its template skipped
 (`given_ids`): SGLang's `input_ids`, vLLM's `kv_transfer_params.prompt_token_ids`. The router
@@ -692,13 +696,21 @@ def _tool_flag(holder: dict[str, Any], key: str) -> bool | None:
 _SGLANG_ROLES: Final = frozenset(
     {"system", "user", "assistant", "tool", "function", "developer", "latest_reminder", "root"}
 )
-_SGLANG_TEXT_TYPES: Final = ("text", "input_text")
-_SGLANG_MEDIA: Final = {
-    "image_url": "image",
-    "input_image": "image",
-    "video_url": "video",
-    "audio_url": "audio",
-}
+# The content part types SGLang's request model takes (`ChatCompletionMessageContentPart`):
+# any other part, an `input_text` or a bare string too, is a 400 there.
+_SGLANG_PART_TYPES: Final = frozenset(
+    {
+        "text",
+        "thinking",
+        "reasoning",
+        "image_url",
+        "video_url",
+        "audio_url",
+        "input_audio",
+        "tool_reference",
+    }
+)
+_SGLANG_MEDIA: Final = frozenset({"image_url", "video_url", "audio_url", "input_audio"})
 
 
 def _sglang_call(
@@ -809,14 +821,14 @@ def _sglang_message(message: dict[str, Any], as_parts: bool) -> dict[str, Any]:
         dumped["content"] = ""
     content = dumped["content"]
     if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in _SGLANG_PART_TYPES:
+                raise Unrenderable("content", f"SGLang refuses a content part of type {kind!r}")
         if as_parts:
             dumped["content"] = _sglang_parts(content)
         else:
-            dumped["content"] = " ".join(
-                p["text"]
-                for p in content
-                if isinstance(p, dict) and p.get("type") in _SGLANG_TEXT_TYPES
-            )
+            dumped["content"] = " ".join(p["text"] for p in content if p["type"] == "text")
         if (
             role == "tool"
             and isinstance(dumped["content"], list)
@@ -826,11 +838,12 @@ def _sglang_message(message: dict[str, Any], as_parts: bool) -> dict[str, Any]:
     return {k: v for k, v in dumped.items() if v is not None}
 
 
-def _sglang_parts(content: list[Any]) -> list[dict[str, Any]]:
+def _sglang_parts(content: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The parts a template taking parts sees (a thinking part is left out)."""
     parts = []
     for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _SGLANG_TEXT_TYPES:
+        kind = part["type"]
+        if kind == "text":
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "tool_reference":
             parts.append({"type": "tool_reference", "name": part["name"]})

@@ -141,6 +141,19 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
             }
         ]
     },
+    # The Responses API's text part: vLLM reads it as a text; SGLang's request model refuses it.
+    "input_text_parts": {
+        "messages": [
+            SYSTEM,
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "What is the weather"},
+                    {"type": "text", "text": "in Paris?"},
+                ],
+            },
+        ]
+    },
     "empty_string_parts": {
         "messages": [{"role": "user", "content": ["What is the weather", "", "in Paris?"]}]
     },

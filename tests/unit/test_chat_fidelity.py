@@ -89,7 +89,9 @@ def assert_router_matches_engine(
         return  # both answer 400
     assert body == untouched  # the router never edits the body it forwards
     if expected is None:
-        return  # the engine answers 400; the router still routed it (no exception)
+        # The engine answers 400; the router still routed it (no exception), as a miss.
+        assert got.failure is not None, "the router rendered what the engine refuses"
+        return
     assert got.failure is None, f"the router failed ({got.failure}) where the engine serves"
     assert got.ids == expected
 
@@ -213,6 +215,16 @@ def test_sglang_renders_a_root_message_under_its_own_role(
 ) -> None:
     _, sglang = pairs[("chatml.jinja", "sglang")]
     assert "<|im_start|>root\nYou are terse." in rendered(sglang, SHAPES["root"])
+
+
+def test_sglang_refuses_an_input_text_part_that_vllm_reads_as_text(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+) -> None:
+    _, vllm = pairs[("chatml.jinja", "vllm")]
+    _, sglang = pairs[("chatml.jinja", "sglang")]
+    assert "What is the weather\nin Paris?" in rendered(vllm, SHAPES["input_text_parts"])
+    with pytest.raises(RequestError):
+        sglang.chat_ids(copy.deepcopy(SHAPES["input_text_parts"]))
 
 
 def test_vllm_dumps_a_tools_declared_fields_alone_with_its_defer_loading_copied_in(

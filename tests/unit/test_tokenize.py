@@ -20,6 +20,7 @@ from router.tokenize import (
 from router.tokenize.chat_rules import (
     Engine,
     TemplateTraits,
+    Unrenderable,
     render_call,
     template_tools,
 )
@@ -459,6 +460,29 @@ def test_vllm_keeps_a_thinking_input_or_output_text_part_without_text_as_a_null_
     ]
     as_string = render_call(body, TemplateTraits(False, False, False, frozenset()), Engine.VLLM)
     assert as_string.conversation[0]["content"] == "a"
+
+
+@pytest.mark.parametrize("as_parts", [True, False])
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "input_text", "text": "in Paris?"},
+        {"type": "output_text", "text": "in Paris?"},
+        {"type": "refusal", "refusal": "no"},
+        "in Paris?",
+    ],
+)
+def test_a_content_part_sglang_refuses_is_routed_as_a_miss_where_vllm_renders_it(
+    part: Any, as_parts: bool
+) -> None:
+    """SGLang's request model takes text, thinking, media and tool_reference parts alone; any
+    other is its 400. Like a role SGLang refuses, the router routes such a chat as a miss."""
+    traits = TemplateTraits(False, as_parts, as_parts, frozenset())
+    body = chat([{"role": "user", "content": [{"type": "text", "text": "Weather"}, part]}])
+    with pytest.raises(Unrenderable) as caught:
+        render_call(body, traits, Engine.SGLANG)
+    assert caught.value.reason == "content"
+    assert render_call(body, traits, Engine.VLLM).conversation
 
 
 def test_sglang_renders_a_root_message_under_its_own_role() -> None:
