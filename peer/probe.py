@@ -12,7 +12,9 @@ so any sibling that saw the rank is a witness, cold or not.
     never saw, the graft may miss a removal; the pump demotes the rank (gap resolution)
   - a cursor equal to it (and none above)  -> `no_advance`: the splice holds, `warm`
   - below it, or the rank absent everywhere -> `unknown`; after three unknowns the graft is
-    kept as `warm_unwitnessed` (silence alone never discards a graft)
+    kept as `warm_unwitnessed` (silence alone never discards a graft). A cursor below the
+    watermark is a lagging sibling or one whose publisher reset; the reset's new batches
+    reach this replica too, and the pump resolves them within seconds (`router.graft`)
 
 `judge` is the pure verdict; `probe_once` fetches each sibling's table once, in shuffled
 order, within a budget, and stops early once every target is `advanced`.

@@ -267,6 +267,7 @@ class PeerBootstrap:
     async def _probe_loop(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
+            await self.pump.call(lambda rules: _rules(rules).expire_behind())
             due = await self.pump.call(lambda rules: _rules(rules).due_proofs(PROOF_TIMEOUT_S))
             if not due:
                 continue

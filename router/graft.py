@@ -24,12 +24,36 @@ Pending rank, live batch (`last` = tail of the held queue, else the cursor):
 
 Graft (`apply_snapshot`): only obligations still owed (same epoch, live, Pending) count; the
 snapshot is filtered to their ranks and restored (failure: `tree_rejected` for all of them).
-Per owed rank: no cursor -> `uncovered`; first held seq past `cursor + 1`, or the last one more
-than `MAX_SEQ_JUMP` behind the cursor (no true cursor is that far ahead of the stream) -> gap
-resolution; nothing held -> a deferred proof, judged by the first live batch (the same two
-tests) or the splice probe. Then
-the cursor is seeded with max(existing, watermark), the rank is Recovered, and the held batches
-replay through the cursor filter; `warm` is counted only if a held batch proved the splice.
+Per owed rank, with W its cursor (the watermark): no cursor -> `uncovered`; then the splice.
+Only a batch at seq W + 1 proves it, held or live:
+  - a held batch is W + 1                  -> proven: `warm`
+  - held seqs pass W + 1 without it        -> gap resolution (the stream skipped the splice)
+  - nothing held, or held ends at or
+    below W                                -> a pending proof: the held batches stay held
+Then the cursor is seeded with max(existing, W), the rank is Recovered, and once the stream
+has reached W the held batches replay through the cursor filter (those at or below W are
+reflected in the snapshot). A pending proof is judged by the next live batches:
+  - seq 0                                  -> the engine restarted: `from_origin`
+  - seq W + 1                              -> `warm`
+  - seq past W + 1                         -> gap resolution
+  - seq at or below W                      -> held, proving nothing: a sibling may have
+                                              received a batch a few ms before this replica.
+                                              Tolerated while it is within `BEHIND_MAX`
+                                              batches of W and `BEHIND_WINDOW_S` of the
+                                              graft, else gap resolution (also checked at
+                                              the probe's tick, for a rank gone idle)
+or, when the rank is idle, by the splice probe (`peer.probe`). A probe witness whose cursor
+is below W (a sibling whose stream reset under the graft) is not acted on: the batches of the
+new stream reach this replica too and settle it within `BEHIND_WINDOW_S`, and a lagging
+sibling gives the same answer.
+
+Deviation from the reference (ARCHITECTURE.md and the README win): the reference counts
+`warm` on any batch that leaves no gap, including one at or below W, and grafts any held queue
+whose head is not past W + 1. Such a batch proves nothing: after an engine restart whose
+batch 0 was lost (its seqs start over under the old cursor), or under a sibling's cursor
+shifted ahead of the stream, the rank was counted `warm`, kept the old blocks as ghosts and
+filtered every new batch as "already reflected" until the seqs passed the cursor, possibly
+hours. The project promises "never wrong", so the proof waits for W + 1, within bounds.
 The rank takes the source's cold mark (`router.index`): a sibling that was cold for it hands
 on a partial view, which this replica's own export must not present as whole. A graft that
 covered a rank teaches the index the source's LoRA adapter names (`Grafted.adapters`), so the
@@ -58,7 +82,8 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from enum import Enum
+from typing import Final, Protocol
 
 import msgspec
 
@@ -68,13 +93,21 @@ from cachetree.tree import BlockTree, run_through
 from peer.sweep import Gapped
 from peer.tracker import BootstrapState, BootstrapTracker, Obligation
 from router.events import BlockStored, EventBatch
-from router.subscriber import MAX_SEQ_JUMP, beyond_stream
 from router.worker_snapshot import WorkerSnapshot, adapter_names, check_steps, stage_steps
 
 log = logging.getLogger(__name__)
 
 HELD_QUEUE_CAP = 1024
 MAX_UNKNOWN_PROBES = 3
+# How far a sibling's cursor may be ahead of this replica's stream, in batches and in time
+# after the graft. A sibling exports what it applied; this replica subscribed to the same
+# publisher first, so the batches up to the sibling's cursor it lacks at the graft are only
+# those still in flight to it: ZMQ delivery and its own pump queue, milliseconds, and at a
+# busy engine's ~1,000 batches a second a few dozen batches. More (a cursor 1,000 ahead) or
+# later (a restarted publisher's new stream, seq 1, 2, ... under an old cursor of 40) is a
+# stream that does not join the snapshot. Erring short only runs a rank cold, never wrong.
+BEHIND_MAX: Final = 64
+BEHIND_WINDOW_S: Final = 5.0  # also the probe's tick, which checks idle ranks (`expire_behind`)
 
 
 class IndexSurface(Protocol):
@@ -115,25 +148,6 @@ class Grafted(Protocol):
         ...
 
     def retain_workers(self, keep: Iterable[RankId]) -> Grafted: ...
-
-
-def _far_behind(rank: RankId, seq: int, watermark: int) -> bool:
-    """Whether the live stream at `seq` is more than `MAX_SEQ_JUMP` behind a snapshot's
-    cursor: no sibling's cursor can be that far ahead of a stream this replica receives too
-    (it subscribed first). Grafted, such a cursor marked every batch of the stream as already
-    reflected and froze the rank on what the snapshot said (a sibling sending 2**63 did).
-    Resolved as a gap: the stream does not join the watermark."""
-    if not beyond_stream(watermark, seq):
-        return False
-    log.warning(
-        "%s: the snapshot's cursor %d is more than %d batches past the live stream (seq %d): "
-        "it cannot be true; the graft is resolved as a gap (a retry elsewhere, else cold)",
-        rank,
-        watermark,
-        MAX_SEQ_JUMP,
-        seq,
-    )
-    return True
 
 
 @dataclass(slots=True)
@@ -208,6 +222,7 @@ class PendingProof:
     epoch: int
     since: float
     source: str
+    grafted_at: float  # `since` restarts at every probe; the window for batches behind does not
     unknown_probes: int = 0
 
 
@@ -215,6 +230,24 @@ class PendingProof:
 class HeldBatch:
     seq: int
     batch: EventBatch
+
+
+class Splice(Enum):
+    """What a graft's held queue says of its watermark (`_splice`)."""
+
+    PROVEN = "proven"  # a held batch is watermark + 1
+    PENDING = "pending"  # held, if anything, ends at or below the watermark
+    GAP = "gap"  # the stream skipped watermark + 1
+
+
+def _splice(held: list[HeldBatch], watermark: int) -> Splice:
+    """Only `watermark + 1` proves a splice: a batch at or below it is already reflected and
+    shows nothing about the next one. Held seqs rise (a regression ended the holding)."""
+    if not held or held[-1].seq <= watermark:
+        return Splice.PENDING
+    if held[0].seq <= watermark + 1 and any(h.seq == watermark + 1 for h in held):
+        return Splice.PROVEN
+    return Splice.GAP
 
 
 class BootstrapRules:
@@ -246,20 +279,7 @@ class BootstrapRules:
     def on_live_batch(self, rank: RankId, seq: int, batch: EventBatch) -> None:
         proof = self.proofs.get(rank)
         if proof is not None:
-            if seq == 0:
-                # The engine restarted: nothing is left to prove, the stream starts over.
-                del self.proofs[rank]
-                self.tracker.record_outcome(rank, "from_origin")
-                self.index.apply_batch(rank, seq, batch)
-                return
-            if seq > proof.watermark + 1 or _far_behind(rank, seq, proof.watermark):
-                self.held.setdefault(rank, []).append(HeldBatch(seq, _packed(batch)))
-                del self.proofs[rank]
-                self._resolve_gap(rank, proof.source, proof.watermark)
-                return
-            del self.proofs[rank]
-            self.tracker.record_outcome(rank, "warm")
-            self.index.apply_batch(rank, seq, batch)
+            self._judge_splice(rank, seq, batch, proof)
             return
         if not self.tracker.is_pending(rank):
             self.index.apply_batch(rank, seq, batch)
@@ -288,6 +308,7 @@ class BootstrapRules:
         inherited is being cleared, so the state gauge must stop saying "recovered".
         """
         if self.proofs.pop(rank, None) is not None:
+            self.held.pop(rank, None)  # batches of the old stream, at or below its watermark
             self.tracker.record_outcome(rank, "publisher_reset")
         if self.tracker.is_pending(rank):
             self.fail(rank, "publisher_reset", discard_held=True)
@@ -296,6 +317,7 @@ class BootstrapRules:
 
     def on_restart_at_zero(self, rank: RankId) -> None:
         if self.proofs.pop(rank, None) is not None:
+            self.held.pop(rank, None)
             self.tracker.record_outcome(rank, "from_origin")
 
     # -- control messages ------------------------------------------------------------------
@@ -356,20 +378,31 @@ class BootstrapRules:
             if watermark is None:
                 self.fail(rank, "uncovered", discard_held=False)
                 continue
-            held = self.held.get(rank)
-            if held and (held[0].seq > watermark + 1 or _far_behind(rank, held[-1].seq, watermark)):
+            held = self.held.get(rank, [])
+            splice = _splice(held, watermark)
+            if (
+                splice is Splice.PENDING
+                and held
+                and self._too_far_behind(rank, held[-1].seq, watermark, 0.0)
+            ):
+                splice = Splice.GAP
+            if splice is Splice.GAP:
                 self._resolve_gap(rank, job.source, watermark)
                 continue
-            if not held:
-                self.proofs[rank] = PendingProof(watermark, o.epoch, self._clock(), job.source)
+            if splice is Splice.PENDING:
+                now = self._clock()
+                self.proofs[rank] = PendingProof(watermark, o.epoch, now, job.source, now)
             index.cursors[rank] = max(index.cursors.get(rank, -1), watermark)
             if rank in job.vetted.cold_ranks:  # a partial view grafted stays partial
                 index.cold.add(rank)
             else:
                 index.cold.discard(rank)
             self.tracker.set(rank, BootstrapState.RECOVERED)
-            self._replay_held(rank)
-            if held:
+            if held and held[-1].seq >= watermark:
+                # The stream reached the watermark: what it held up to there is reflected
+                # (the cursor filters it), what comes after is applied on top.
+                self._replay_held(rank)
+            if splice is Splice.PROVEN:
                 self.tracker.record_outcome(rank, "warm")
             covered.append(rank)
         if covered:
@@ -404,13 +437,26 @@ class BootstrapRules:
             if rank in self.index.live and not self.tracker.is_pending(rank):
                 self._resolve_gap(rank, proof.source, proof.watermark)
         elif verdict == "no_advance":
-            del self.proofs[rank]
-            self.tracker.record_outcome(rank, "warm")
+            self._settle_proof(rank, "warm")
         else:
             proof.unknown_probes += 1
             if proof.unknown_probes >= MAX_UNKNOWN_PROBES:
+                self._settle_proof(rank, "warm_unwitnessed")
+
+    def expire_behind(self) -> None:
+        """Resolve as gaps the proofs still holding batches below their watermark
+        `BEHIND_WINDOW_S` after the graft: no batch is in flight that long, so the stream
+        never reached the watermark (an idle rank after a publisher restart, a cursor that ran
+        ahead of the stream); waiting for the next batch could take hours."""
+        now = self._clock()
+        for rank, proof in list(self.proofs.items()):
+            held = self.held.get(rank)
+            if held and self._too_far_behind(
+                rank, held[-1].seq, proof.watermark, now - proof.grafted_at
+            ):
                 del self.proofs[rank]
-                self.tracker.record_outcome(rank, "warm_unwitnessed")
+                if rank in self.index.live and not self.tracker.is_pending(rank):
+                    self._resolve_gap(rank, proof.source, proof.watermark)
 
     def due_proofs(self, timeout_s: float) -> list[tuple[RankId, int, int]]:
         """Proofs at least `timeout_s` old, as (rank, watermark, epoch); restarts their clock."""
@@ -428,6 +474,63 @@ class BootstrapRules:
             self.proofs.pop(rank, None)
 
     # -- resolutions -----------------------------------------------------------------------
+
+    def _judge_splice(self, rank: RankId, seq: int, batch: EventBatch, proof: PendingProof) -> None:
+        """A live batch for a grafted rank whose splice is not proven yet (see the top)."""
+        watermark = proof.watermark
+        if seq == 0:
+            # The engine restarted: nothing is left to prove, the stream starts over.
+            del self.proofs[rank]
+            self.held.pop(rank, None)
+            self.tracker.record_outcome(rank, "from_origin")
+            self.index.apply_batch(rank, seq, batch)
+            return
+        if seq == watermark + 1:
+            self._settle_proof(rank, "warm")
+            self.index.apply_batch(rank, seq, batch)
+            return
+        held = self.held.get(rank)
+        if held and seq < held[-1].seq:
+            # A regression under what it held: the publisher restarted (the subscriber says so
+            # with a PublisherReset first; a stream handed over raw does not).
+            self.on_publisher_reset(rank)
+            self.index.clear_rank_state(rank)
+            self.index.apply_batch(rank, seq, batch)
+            return
+        self.held.setdefault(rank, []).append(HeldBatch(seq, _packed(batch)))
+        if seq > watermark + 1 or self._too_far_behind(
+            rank, seq, watermark, self._clock() - proof.grafted_at
+        ):
+            del self.proofs[rank]
+            self._resolve_gap(rank, proof.source, watermark)
+        elif seq == watermark:
+            self._replay_held(rank)  # reached the watermark: all reflected, all filtered
+
+    def _too_far_behind(self, rank: RankId, seq: int, watermark: int, after_s: float) -> bool:
+        """Whether the stream at `seq`, `after_s` after the graft, can no longer reach the
+        watermark as batches in flight would (`BEHIND_MAX`, `BEHIND_WINDOW_S`)."""
+        if watermark - seq <= BEHIND_MAX and after_s <= BEHIND_WINDOW_S:
+            return False
+        log.warning(
+            "%s: the live stream is at seq %d, %.1f s after the graft, and the snapshot's "
+            "cursor is %d: more than %d batches ahead, or still ahead after %g s, so it is not "
+            "a batch in flight (a publisher restart whose first batch was lost, or a cursor "
+            "ahead of the stream); the graft is resolved as a gap",
+            rank,
+            seq,
+            after_s,
+            watermark,
+            BEHIND_MAX,
+            BEHIND_WINDOW_S,
+        )
+        return True
+
+    def _settle_proof(self, rank: RankId, outcome: str) -> None:
+        """End a pending proof with a keeping verdict; what it held is at or below the
+        watermark, reflected in the graft (the cursor filters it)."""
+        del self.proofs[rank]
+        self._replay_held(rank)
+        self.tracker.record_outcome(rank, outcome)
 
     def fail(self, rank: RankId, outcome: str, *, discard_held: bool) -> None:
         """Fail a Pending rank cold: clear it, then replay what was held unless discarded."""

@@ -291,7 +291,8 @@ async def test_a_sibling_refusing_the_token_is_waited_for_and_named_in_the_log(
 
 async def lagging_proxy(warm: RouterHandle, lag: int) -> tuple[web.AppRunner, str, list]:
     """A sibling that relays `warm`'s snapshot, claiming cursors `lag` batches older the first
-    time: the stream will not join that watermark, exactly like a snapshot taken too early."""
+    time (newer for a negative lag): the stream will not join that watermark, exactly like a
+    snapshot taken too early (or a sibling whose cursors ran ahead of the stream)."""
     served: list[dict] = []
 
     async def handler(request: web.Request) -> web.Response:
@@ -329,7 +330,9 @@ async def test_a_gap_between_snapshot_and_stream_is_retried_once_and_recovers() 
         tracker = bootstrap.tracker
         assert tracker.recorded_outcome(rank) is None  # grafted, proof deferred
         # The next live batch does not join the (lagging) watermark: gap, then one retry.
-        # Probing until one is applied also covers a subscription still joining.
+        # Probing until one is applied also covers a subscription still joining. The retry's
+        # snapshot may hold that batch already, which proves nothing: the next one proves it.
+        await new.gate(fw)
         last = await new.gate(fw)
         await warm.wait_cursor(fw.url, 0, last)
         assert len(served) >= 2
@@ -338,6 +341,67 @@ async def test_a_gap_between_snapshot_and_stream_is_retried_once_and_recovers() 
         # The new replica indexes only fw; compare what each holds for fw's rank.
         assert held_by(new, rank) == held_by(warm, rank)
         assert len(held_by(new, rank)) > 0
+
+
+async def test_a_sibling_cursor_ahead_of_the_stream_is_a_gap_not_a_frozen_warm_rank() -> None:
+    """Cursors 100 ahead (far under MAX_SEQ_JUMP) were grafted and counted `warm` by the first
+    live batch, which they filtered as already reflected, as every batch up to them."""
+    async with warm_fleet(n_chains=9) as (workers, warm, _), contextlib.AsyncExitStack() as stack:
+        fw = workers[0]
+        runner, url, served = await lagging_proxy(warm, lag=-100)
+        stack.push_async_callback(runner.cleanup)
+        new = await stack.enter_async_context(
+            router_in_process(peer=[url], kv_bootstrap_timeout_ms=20_000)
+        )
+        bootstrap = new.replica.bootstrap
+        await add_workers(new, [fw])
+        await ready(new)
+        rank = RankId(fw.url, 0)
+        await new.gate(fw)  # the first batch is 100 behind the cursor: a gap, then the retry
+        last = await fw.store([chain(random.Random(4), [], 3)])
+        await warm.wait_cursor(fw.url, 0, last)
+        await new.wait_cursor(fw.url, 0, last)
+        assert len(served) >= 2 and bootstrap.gaps_by_source() == {url: 1}
+        assert str(bootstrap.tracker.recorded_outcome(rank)) == "warm"  # the retry's graft
+        assert held_by(new, rank) == held_by(warm, rank)  # the new stores were not filtered
+
+
+async def test_an_engine_restart_under_an_idle_grafted_rank_is_a_gap_not_ghosts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Grafted while the rank was idle, then the engine restarts and its batch 0 is lost: its
+    new stream sits under the grafted cursor. The joiner counted `warm`, kept the old blocks
+    and filtered the new stores until the seqs passed the old cursor."""
+    monkeypatch.setattr("router.bootstrap.TICK_S", 0.2)  # expire_behind's check, sooner
+    monkeypatch.setattr("router.graft.BEHIND_WINDOW_S", 0.5)
+    rng = random.Random(8)
+    async with contextlib.AsyncExitStack() as stack:
+        fw = await stack.enter_async_context(fake_worker_in_process())
+        warm = await stack.enter_async_context(router_in_process(workers=[fw.url]))
+        await warm.gate(fw)
+        for _ in range(40):
+            last = await fw.store([chain(rng, [], 2)])
+        await warm.wait_cursor(fw.url, 0, last)
+        new = await join(warm, stack, workers=[fw.url])
+        await ready(new)
+        bootstrap = new.replica.bootstrap
+        rank = RankId(fw.url, 0)
+        assert bootstrap.tracker.recorded_outcome(rank) is None  # idle: the proof waits
+        await fw.post("/control/restart-publisher", {})
+        await fw.post("/control/drop-next", {"count": 1})
+        await fw.store([chain(rng, [], 2)])  # seq 0, lost to every replica
+        last = await fw.store([chain(rng, [], 2)])
+        assert last == 1
+        await warm.wait_cursor(fw.url, 0, last)  # the warm replica saw the seq regress
+        await eventually(lambda: bootstrap.gaps_by_source() == {warm.url: 1}, 10.0)
+        last = await fw.store([chain(rng, [], 2)])
+        await warm.wait_cursor(fw.url, 0, last)
+        await new.wait_cursor(fw.url, 0, last)
+        assert held_by(new, rank) == held_by(warm, rank)  # no ghost of the old cache
+        assert len(held_by(new, rank)) == 4  # seq 1's and seq 2's blocks
+        # The retry grafted the warm replica's view (cold since the reset) and seq 2 proved it.
+        assert str(bootstrap.tracker.recorded_outcome(rank)) == "warm"
+        assert rank in new.replica.pump.rules.cold
 
 
 async def frozen_sibling(warm: RouterHandle) -> tuple[web.AppRunner, str]:
@@ -378,7 +442,9 @@ async def test_a_gap_retry_grafts_the_warm_sibling_not_the_frozen_one_again() ->
                 workers=[fw.url], peer=order, seed=seed, kv_bootstrap_timeout_ms=20_000
             ) as new:
                 await ready(new)
-                # The stream moves on: a watermark from the frozen view does not join it.
+                # The stream moves on: a watermark from the frozen view does not join it. The
+                # retry's snapshot may hold that batch already; the next one proves it.
+                await gate([warm, new], fw)
                 await gate([warm, new], fw)
                 tracker = new.replica.bootstrap.tracker
                 await eventually(lambda t=tracker: t.recorded_outcome(rank) is not None, 10)

@@ -36,7 +36,8 @@ Checked after every item handed to the pump and every control call, except P1's 
 P1 Pending is always owed and always left. A Pending rank carries nothing in the tree, has no
    cursor, and some obligation for its current epoch is outstanding (minted by `register` or
    by an accepted gap retry, and not yet consumed by a graft or abandon message). Only a
-   Pending rank has held batches. At the end of the run, abandoning every outstanding
+   Pending rank has held batches, or one with an open proof (batches below its
+   watermark). At the end of the run, abandoning every outstanding
    obligation (queued retries included) leaves no rank Pending; three `unknown` probes per
    open proof then leave every registered rank with its outcome.
 
@@ -48,8 +49,9 @@ P2 Outcomes. Every registered rank is in exactly one of: Pending, holding a proo
    Failed with `gap`, and so it is when the granted retry is abandoned (every sibling behind
    the stream). Each outcome appears only on the step that justifies it (`_justify`); in
    particular `warm` only when
-     - a graft found a held batch at or below `watermark + 1` (the held stream joins), or
-     - the first live batch after a deferred graft had `1 <= seq <= watermark + 1`, or
+     - a graft found a held batch at exactly `watermark + 1` (the held stream joins), or
+     - a live batch after a deferred graft had `seq == watermark + 1` (one at or below the
+       watermark is reflected in the snapshot and proves nothing: router.graft), or
      - a probe reported `no_advance` for the rank's proof (same epoch and watermark);
    a batch 0 after a deferred graft is `from_origin`, a PublisherReset settles a Pending or
    unproven rank as `publisher_reset` (and always leaves the rank empty, without a cursor),
@@ -120,7 +122,13 @@ from cachetree.tree import BlockTree
 from peer.sweep import Gapped
 from peer.tracker import BootstrapState, BootstrapTracker, Obligation, RankOutcome, SweepOutcome
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
-from router.graft import HELD_QUEUE_CAP, MAX_UNKNOWN_PROBES, BootstrapRules, LocalGraft
+from router.graft import (
+    BEHIND_MAX,
+    HELD_QUEUE_CAP,
+    MAX_UNKNOWN_PROBES,
+    BootstrapRules,
+    LocalGraft,
+)
 from router.index import IndexRules, apply_events
 from router.subscriber import LiveBatch, PublisherReset, SequenceTracker, Step, UnrepairedGap
 
@@ -479,10 +487,19 @@ class BootstrapMachine(RuleBasedStateMachine):
                     # 2.4 and 5.9), never a proof of the splice.
                     assert outcome is RankOutcome.FROM_ORIGIN, why
                 elif outcome is WARM:
-                    assert seq <= wm + 1, why
+                    # Only watermark + 1 proves the splice (router.graft: a batch at or
+                    # below it is reflected and shows nothing of the next one).
+                    assert seq == wm + 1, why
                     note("warm on the deferred path")
+                elif outcome is RankOutcome.PUBLISHER_RESET:
+                    assert b.held and 0 < seq < b.held[-1], why
+                    note("publisher_reset from a regression under a proof")
                 else:
-                    assert outcome is RankOutcome.GAP and seq > wm + 1, why
+                    # Past watermark + 1 (a hole), or still behind it beyond what can be in
+                    # flight (BEHIND_MAX batches, BEHIND_WINDOW_S after the graft).
+                    assert outcome is RankOutcome.GAP and seq != wm + 1, why
+                    if seq <= wm:
+                        note("gap: the stream stayed behind the watermark")
                 return
             assert b.state is PENDING, why
             if outcome is RankOutcome.FROM_ORIGIN:
@@ -508,10 +525,11 @@ class BootstrapMachine(RuleBasedStateMachine):
             if wm is None:
                 assert outcome is RankOutcome.UNCOVERED, why
             elif outcome is WARM:
-                assert b.held and b.held[0] <= wm + 1, why
+                assert wm + 1 in b.held, why
                 note("warm on the held path")
             else:
-                assert outcome is RankOutcome.GAP and b.held and b.held[0] > wm + 1, why
+                assert outcome is RankOutcome.GAP and b.held and wm + 1 not in b.held, why
+                assert b.held[-1] > wm + 1 or wm - b.held[-1] > BEHIND_MAX, why
         elif kind == "probe":
             _, rank, epoch, wm, verdict = step
             assert rank == r and b.proof is not None and b.proof[:2] == (wm, epoch), why
@@ -530,8 +548,8 @@ class BootstrapMachine(RuleBasedStateMachine):
             if not (b.live and b.state is PENDING and Obligation(r, b.epoch) in obligations):
                 continue
             wm = cursors.get(r)
-            if wm is not None and not b.held:
-                note("deferred proof")
+            if wm is not None and (not b.held or wm - BEHIND_MAX <= b.held[-1] <= wm):
+                note("deferred proof" if not b.held else "deferred proof over held batches")
                 proof = self.rules.proofs.get(r)
                 assert proof is not None and proof.watermark == wm, f"{r}: no proof at {wm}"
                 assert self.tracker.state(r) is RECOVERED and self.index.cursors[r] == wm
@@ -561,7 +579,13 @@ class BootstrapMachine(RuleBasedStateMachine):
                 assert state is RECOVERED and proof.epoch == self.tracker.epoch(r)
                 assert self.index.cursors.get(r) == proof.watermark
             if r in self.rules.held:
-                assert self.rules.held[r] and state is PENDING, f"{r}: held while {state}"
+                # Held while Pending, or under an open proof: batches below its watermark
+                # that the stream has not caught up past yet (they prove nothing).
+                held = self.rules.held[r]
+                assert held, f"{r}: an empty held queue"
+                assert state is PENDING or (proof is not None and held[-1].seq < proof.watermark), (
+                    f"{r}: held {[h.seq for h in held]} while {state}, proof {proof}"
+                )
             self._check_safety(r)
             self._check_complete(r)
 
@@ -643,7 +667,7 @@ class BootstrapMachine(RuleBasedStateMachine):
                 gap = UnrepairedGap(r, verdict.missing_first, verdict.missing_last)
                 self._step(("unrepaired", r), lambda: self.index.handle(gap))
         held = self.rules.held.get(r)
-        if self.raw and held and self.tracker.is_pending(r) and item.seq < held[-1].seq:
+        if self.raw and held and item.seq < held[-1].seq:
             v.restart_seen = max(v.restart_seen, item.inc)  # reference 5.4.2
         v.delivered.add((item.inc, item.seq))
         v.introduced.update(item.stored)

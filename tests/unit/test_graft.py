@@ -185,13 +185,101 @@ def test_a_cursor_far_past_the_first_live_batch_gaps_on_the_deferred_path() -> N
     assert not holds(rig, 300) and holds(rig, 200)
 
 
-def test_a_cursor_ahead_of_the_held_stream_within_the_jump_bound_is_still_grafted() -> None:
-    """A sibling may have seen a few batches this replica has not received yet."""
+def test_a_cursor_a_few_batches_ahead_of_the_held_stream_waits_for_the_stream_to_reach_it() -> None:
+    """A sibling may have seen a few batches this replica has not received yet: the graft is
+    kept, but only the batch after its cursor proves the splice (was `warm` at once)."""
     rig = Rig()
     rig.live(R, 4, stored(2, 200))
     rig.rules.apply_snapshot(rig.obligations, sibling_graft(9, (7, 300)))
-    assert rig.outcome() == "warm"
+    assert rig.outcome() is None and R in rig.rules.proofs
     assert holds(rig, 300) and rig.index.cursors[R] == 9
+    for seq in range(5, 10):  # in flight: reflected in the snapshot, filtered
+        rig.live(R, seq, stored(seq, seq * 100))
+    assert rig.outcome() is None and R not in rig.rules.held
+    assert not holds(rig, 500) and rig.index.stats.batches_skipped == 6
+    rig.clock.now = 100.0  # idle long after: the stream reached the watermark, no gap
+    rig.rules.expire_behind()
+    assert rig.outcome() is None and R in rig.rules.proofs
+    rig.live(R, 10, stored(10, 1000))
+    assert rig.outcome() == "warm" and holds(rig, 1000) and rig.index.cursors[R] == 10
+
+
+@pytest.mark.parametrize("behind", [0, 3])
+def test_a_batch_at_or_below_the_watermark_never_proves_the_splice(behind: int) -> None:
+    rig = Rig()
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)))
+    rig.live(R, 5 - behind, stored(2, 200))
+    assert rig.outcome() is None and R in rig.rules.proofs
+    assert not holds(rig, 200)  # reflected in the snapshot (or still to be judged)
+    assert rig.index.cursors[R] == 5
+
+
+def test_held_batches_all_below_the_watermark_leave_the_proof_pending() -> None:
+    rig = Rig(retry_accepts=False)
+    rig.live(R, 1, stored(2, 200))
+    rig.live(R, 2, stored(3, 400))
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(40, (7, 300)))
+    assert rig.outcome() is None and R in rig.rules.proofs
+    assert [h.seq for h in rig.rules.held[R]] == [1, 2]  # kept: not yet known to be reflected
+    rig.clock.now = 6.0  # the stream never reached 40: not batches in flight
+    rig.rules.expire_behind()
+    assert rig.outcome() == "gap" and rig.rules.gaps == {"a sibling": 1}
+    assert not holds(rig, 300) and holds(rig, 200) and holds(rig, 400)  # cold, not wrong
+
+
+def test_an_engine_restart_whose_batch_0_was_lost_under_a_grafted_idle_rank_is_a_gap() -> None:
+    """Grafted with cursor 40 while idle; the engine restarts, its batch 0 is lost, and its
+    new stream (seq 1, 2, ...) sits under the old cursor. It was counted `warm`, kept the old
+    blocks as ghosts and filtered every new batch until seq 41."""
+    rig = Rig(retry_accepts=False)
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(40, (7, 300)))
+    rig.clock.now = 1.0
+    rig.live(R, 1, stored(2, 200))
+    assert rig.outcome() is None  # could still be in flight
+    rig.clock.now = 6.0
+    rig.live(R, 2, stored(3, 400))
+    assert rig.outcome() == "gap"
+    assert not holds(rig, 300) and holds(rig, 200) and holds(rig, 400)
+    assert R in rig.index.cold and rig.index.cursors[R] == 2
+
+
+def test_a_cursor_more_than_behind_max_ahead_of_the_stream_gaps_at_its_first_batch() -> None:
+    """A sibling whose cursors are shifted 1,000 ahead (well under MAX_SEQ_JUMP) was grafted
+    `warm` and froze the rank: every batch up to its cursor was filtered."""
+    rig = Rig()
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(1035, (7, 300)), "http://ahead")
+    rig.live(R, 35, removed(7))
+    assert rig.retries and rig.rules.gaps == {"http://ahead": 1}
+    assert rig.tracker.is_pending(R) and not holds(rig, 300)
+    assert [h.seq for h in rig.rules.held[R]] == [35]  # kept for the retry's graft
+    rig.rules.apply_snapshot(rig.retries, sibling_graft(34, (7, 300)))
+    assert rig.outcome() == "warm" and not holds(rig, 300)  # the removal applied
+
+
+def test_a_held_queue_more_than_behind_max_below_the_cursor_gaps_at_the_graft() -> None:
+    rig = Rig(retry_accepts=False)
+    rig.live(R, 35, stored(2, 200))
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(35 + 65, (7, 300)))
+    assert rig.outcome() == "gap" and holds(rig, 200) and not holds(rig, 300)
+
+
+def test_a_held_loss_past_the_watermark_is_a_gap_not_a_proof() -> None:
+    """Held 4 and 8 with watermark 5: batch 6 never came, so nothing joined the snapshot."""
+    rig = Rig(retry_accepts=False)
+    rig.live(R, 4, stored(1, 100))
+    rig.live(R, 8, stored(2, 200))
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(5, (7, 300)))
+    assert rig.outcome() == "gap"
+
+
+def test_a_publisher_reset_under_a_pending_proof_drops_what_it_held() -> None:
+    rig = Rig()
+    rig.rules.apply_snapshot(rig.obligations, sibling_graft(40, (7, 300)))
+    rig.live(R, 38, stored(2, 200))
+    rig.index.handle(PublisherReset(R))
+    assert rig.outcome() == "publisher_reset" and R not in rig.rules.held
+    rig.live(R, 1, stored(3, 400))
+    assert holds(rig, 400) and not holds(rig, 200)
 
 
 def test_a_stream_that_starts_at_seq_0_needs_no_snapshot() -> None:
