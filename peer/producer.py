@@ -521,8 +521,10 @@ class SnapshotProducer:
             workers=[WireWorker(rank.worker_url, rank.dp_rank) for rank in table],
             cursors=cursors,
             empty_ranks=[WireWorker(rank.worker_url, rank.dp_rank) for rank in empty],
-            cold_ranks=[
-                WireWorker(rank.worker_url, rank.dp_rank) for rank in table if rank in cold
+            cold_ranks=[  # an empty rank too: it holds nothing because it ran cold
+                WireWorker(rank.worker_url, rank.dp_rank)
+                for rank in [*table, *empty]
+                if rank in cold
             ],
             adapters=sorted(view.adapters),
         )

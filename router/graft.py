@@ -541,6 +541,10 @@ class BootstrapRules:
         self.tracker.set(rank, BootstrapState.FAILED)
         self.tracker.record_outcome(rank, outcome)
         self.index.clear_rank_state(rank)
+        # Cold at once: its view misses what the engine held before this replica subscribed,
+        # whether or not a batch comes to say so (an idle rank showed as merely empty). Its
+        # next batch decides as ever (`router.index`).
+        self.index.cold.add(rank)
         if discard_held:
             self.held.pop(rank, None)
         else:
@@ -583,6 +587,7 @@ class BootstrapRules:
             source,
         )
         self.tracker.record_outcome(rank, "gap")
+        self.index.cold.add(rank)  # as `fail` does
         self._replay_held(rank)
 
     def _replay_held(self, rank: RankId) -> None:

@@ -41,7 +41,8 @@ A rank's *cursor* is the seq of the last batch whose effects are in the tree.
   checked in slices, each rank's new state built aside (`BlockTree.stage_rank`) while readers
   keep the old one, then swapped in at once and the old one dropped out of sight.
 
-- A rank is *cold* (`IndexRules.cold`) when its view may miss blocks the engine holds: the
+- A rank is *cold* (`IndexRules.cold`) when its view may miss blocks the engine holds: its
+  bootstrap failed (`router.graft`: marked at once, before any batch), the
   first batch applied with no cursor was past seq 0 (the stream was joined mid-way: a replica
   with no sibling to graft from, or a bootstrap that ran cold and replayed its held batches),
   batches were lost, a seq jump began a stream mid-way, the index cap cleared the rank while

@@ -193,7 +193,7 @@ def rank_cells(states: Sequence[ReplicaState], rank: RankId) -> list[Cell]:
         if s.error is not None:
             cells.append(Cell(f"{'error':<{CELL_WIDTH}}", False))
             continue
-        if held and rank not in s.cursors and rank not in s.blocks:
+        if held and rank not in s.cursors and rank not in s.blocks and rank not in s.cold:
             cells.append(Cell(f"{'absent':<{CELL_WIDTH}}", True))
             continue
         cursor = s.cursors.get(rank)

@@ -161,6 +161,17 @@ def test_a_rank_registered_without_a_cursor_is_a_row_and_the_verdict_follows_the
     assert watch.verdict([a, watch.ReplicaState("http://c", error="refused")]) == 2
 
 
+def test_a_rank_that_ran_cold_with_no_batch_yet_is_cold_not_absent() -> None:
+    """A replica whose bootstrap of an idle rank ran cold holds nothing of it: it misses what
+    the warm replica holds, which is `cold`, not a rank it lacks (`absent`)."""
+    rank = RankId("http://w1:8000", 0)
+    a = watch.ReplicaState("http://a", ready=True, cursors={rank: 5}, blocks={rank: 3})
+    b = watch.ReplicaState("http://b", ready=True)
+    b.bootstrap, b.cold = {rank: "unseeded"}, {rank}
+    cells = row(watch.frame([a, b], color=False), rank)
+    assert cells[1].split() == ["-", "0", "unseeded", f"cold{watch.MARK}"]
+
+
 async def test_a_rank_registered_with_no_batch_yet_is_a_row_on_a_replica_without_bootstrap() -> (
     None
 ):

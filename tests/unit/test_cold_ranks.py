@@ -19,6 +19,7 @@ from peer.producer import SnapshotProducer
 from peer.vet import VettedSnapshot
 from peer.wire import COLUMNS, JSON, MSGPACK, WireWorker, decode
 from router.events import BlockStored, EventBatch
+from router.graft import LocalGraft
 from router.index import IndexRules
 from router.subscriber import MAX_SEQ_JUMP, LiveBatch, PublisherReset
 from router.worker_snapshot import SnapshotBlock, SnapshotRank
@@ -111,11 +112,12 @@ async def test_the_export_names_the_cold_ranks_it_carries_in_every_encoding(
     rules.add_ranks([R, OTHER, empty])
     rules.handle(LiveBatch(R, 3, chain(3)))  # joined mid-stream
     rules.handle(LiveBatch(OTHER, 0, chain(0)))  # from the origin
-    rules.report_doubt(empty)  # cold, but carrying nothing: not in the table
+    rules.report_doubt(empty)  # cold, carrying nothing: an empty rank, and a cold one
     body = decode(await export_of(rules, content_type), content_type)
-    assert body.cold_ranks == [WireWorker(R.worker_url, R.dp_rank)]
+    assert body.cold_ranks == [WireWorker(R.worker_url, R.dp_rank), WireWorker(*empty)]
+    assert body.empty_ranks == [WireWorker(*empty)]
     vetted = VettedSnapshot.from_wire(body, {R, OTHER, empty}, BS)
-    assert vetted.cold_ranks == {R}
+    assert vetted.cold_ranks == {R, empty}
     assert vetted.covers_warm([OTHER]) and not vetted.covers_warm([R])
     assert vetted.retain_workers([OTHER]).cold_ranks == frozenset()
 
@@ -166,6 +168,35 @@ def test_a_rank_whose_bootstrap_ran_cold_is_cold_once_it_replays_its_held_batche
     rig.rules.abandon(rig.obligations)
     assert rig.outcome() == "abandoned"
     assert R in rig.index.cold and rig.blocks() == 1
+
+
+def _abandon(rig: Rig) -> None:
+    rig.rules.abandon(rig.obligations)
+
+
+def _uncovered(rig: Rig) -> None:
+    rig.rules.apply_snapshot(rig.obligations, LocalGraft(BlockTree(BS), {}))
+
+
+def _probe_gap(rig: Rig) -> None:
+    rig.rules.apply_snapshot(rig.obligations, LocalGraft(BlockTree(BS), {R: 5}))
+    rig.rules.probe_verdict(R, rig.obligations[0].epoch, 5, "advanced")
+
+
+@pytest.mark.parametrize(
+    "settle,outcome", [(_abandon, "abandoned"), (_uncovered, "uncovered"), (_probe_gap, "gap")]
+)
+def test_a_rank_whose_bootstrap_ran_cold_is_cold_before_its_first_batch(
+    settle: Callable[[Rig], None], outcome: str
+) -> None:
+    """An idle rank that ran cold showed as merely empty (kvrouter_index_cold_ranks 0, the
+    export's empty_ranks only, `absent` in view --watch) until its first live batch."""
+    rig = Rig(retry_accepts=False)
+    settle(rig)
+    assert rig.outcome() == outcome
+    assert R in rig.index.cold and rig.blocks() == 0 and R not in rig.index.cursors
+    rig.live(R, 0, chain(0))  # its next batch decides, as ever: from the origin, whole
+    assert R not in rig.index.cold
 
 
 def test_a_pending_rank_whose_stream_starts_at_0_is_whole() -> None:
