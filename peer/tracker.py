@@ -336,6 +336,9 @@ class BootstrapTracker:
     def any_pending(self) -> bool:
         return BootstrapState.PENDING in self._states.values()
 
+    def pending_count(self) -> int:
+        return sum(1 for s in self._states.values() if s is BootstrapState.PENDING)
+
     def recorded_outcome(self, rank: RankId) -> RankOutcome | None:
         """The outcome counted for the rank's current incarnation, if any."""
         return self._verdicts.get(rank)
@@ -350,7 +353,7 @@ class BootstrapTracker:
         """Is every registered rank terminal, or has the deadline passed? Latches (see top)."""
         if self._latched:
             return True
-        pending = sum(1 for s in self._states.values() if s is BootstrapState.PENDING)
+        pending = self.pending_count()
         all_terminal = bool(self._states) and pending == 0
         expired = self._clock() >= self._deadline
         if not (all_terminal or expired):

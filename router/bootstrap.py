@@ -45,7 +45,7 @@ from peer.sweep import (
     sweep,
 )
 from peer.tasks import cancel_and_wait
-from peer.tracker import BootstrapTracker, Obligation, below_floor_warning
+from peer.tracker import BootstrapTracker, Obligation, PeerAttemptLog, below_floor_warning
 from peer.vet import Retaining, VetError, VettedSnapshot, Vetting
 from router.graft import BootstrapRules, Grafted, LocalGraft
 from router.index import IndexRules, Pump
@@ -84,6 +84,7 @@ class PeerBootstrap:
         self._capacity_blocks = capacity_blocks
         self.snapshot_outcomes: Counter[str] = Counter()  # per peer fetch
         self.sources: Counter[str] = Counter()  # grafts by source: peer / worker
+        self._attempts = PeerAttemptLog()  # how loudly a sibling's failed fetch is said
         self.started_at = clock()
         self.ready_at: float | None = None
         self.coordinator = Coordinator(
@@ -181,8 +182,10 @@ class PeerBootstrap:
         )
         result, cold = await sweep(obligations, deps, budget, floor, gaps)
         log.info(
-            "bootstrap sweep for %d rank(s): %s%s",
+            "bootstrap sweep for %d rank(s) (%d pending now, %d settled cold during it): %s%s",
             len(obligations),
+            tracker.pending_count(),
+            len(cold),
             result.outcome,
             f" ({result.peer})" if result.peer else f": {result.last_reason}".rstrip(": "),
         )
@@ -243,11 +246,22 @@ class PeerBootstrap:
             kind = CONNECTION_REFUSED if result.connection_refused else UNREACHABLE
             meaning = _REFUSAL_MEANS.get(result.status or 0)
             if meaning is not None:
+                reason = f"{reason}: {meaning}"
+            if kind == UNREACHABLE:
                 # Still a silence, not a cold witness (a sibling rolling its token or starting
                 # answers so for a moment, and the fleet is not cold for it), but said: the
-                # joiner waited out its whole bootstrap with nothing in its log.
-                reason = f"{reason}: {meaning}"
-                log.warning("sibling %s gave no snapshot: %s", peer, reason)
+                # joiner waited out its whole bootstrap with nothing in its log (a refused
+                # token, a body cut short mid Content-Length). Said again every 100th time
+                # or when the cause changes (`PeerAttemptLog`), not at every retry.
+                said = self._attempts.attempt(peer, kind, reason)
+                level = logging.WARNING if said.level == logging.INFO else logging.DEBUG
+                log.log(
+                    level,
+                    "sibling %s gave no snapshot (attempt %d): %s",
+                    peer,
+                    said.attempts,
+                    reason,
+                )
         return FetchOutcome(None, self._clock(), reason, kind)
 
     async def _vet(self, body: Any) -> VettedSnapshot:

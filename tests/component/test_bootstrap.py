@@ -289,6 +289,45 @@ async def test_a_sibling_refusing_the_token_is_waited_for_and_named_in_the_log(
     assert any(why in r.getMessage() and url in r.getMessage() for r in caplog.records)
 
 
+async def test_a_sibling_cutting_its_body_short_is_warned_of_once_by_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A body closed mid Content-Length was retried and counted `unreachable` with nothing
+    above INFO in the log until the sweep ended (a 401 warned at once)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = 100_000
+        await resp.prepare(request)
+        await resp.write(b'{"format": 1, "nodes": [')
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
+    runner, url = await serve_snapshot_route(handler)
+    caplog.set_level(logging.INFO, logger="router.bootstrap")
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            fw = await stack.enter_async_context(fake_worker_in_process())
+            new = await stack.enter_async_context(
+                router_in_process(workers=[fw.url], peer=[url], kv_bootstrap_timeout_ms=3_000)
+            )
+            await ready(new, within_s=10)
+            outcomes = new.replica.bootstrap.snapshot_outcomes
+            await eventually(lambda: outcomes["unreachable"] >= 2, 10)
+            await eventually(lambda: "bootstrap sweep for" in caplog.text, 10)
+    finally:
+        await runner.cleanup()
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "gave no snapshot" in r.getMessage()
+    ]
+    assert len(warned) == 1 and url in warned[0], warned  # the first try, not every one
+    sweeps = [r.getMessage() for r in caplog.records if "bootstrap sweep for" in r.getMessage()]
+    assert sweeps and "1 rank(s) (1 pending now" in sweeps[0], sweeps
+
+
 async def lagging_proxy(warm: RouterHandle, lag: int) -> tuple[web.AppRunner, str, list]:
     """A sibling that relays `warm`'s snapshot, claiming cursors `lag` batches older the first
     time (newer for a negative lag): the stream will not join that watermark, exactly like a
