@@ -517,12 +517,14 @@ class _BootstrapCollector(Collector):
         tracker = b.tracker
         yield _gauge(
             "kvrouter_kv_bootstrap_settled",
-            "1 once bootstrap settled",
+            "1 once every rank settled or --kv-bootstrap-timeout-ms passed; /readyz also "
+            "needs the seed gate with --kv-bootstrap-seed-required (seed_failed)",
             [((), int(tracker.settled()))],
         )
         yield _gauge(
             "kvrouter_kv_bootstrap_seed_failed",
-            "1 while the seed gate holds readiness after a timed-out sweep",
+            "1 after a sweep over live siblings timed out, until one finds a snapshot; with "
+            "--kv-bootstrap-seed-required it holds /readyz, at most max(3 x timeout, 60 s)",
             [((), int(tracker.seed_failed))],
         )
         yield _gauge(

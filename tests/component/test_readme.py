@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from peer.tracker import SEED_GATE_MIN_S, seed_gate_timeout
 from router.cli import build_parser
 from tests.support.fake_apiserver import FakeApiServer
 from tests.support.model_dirs import build_fixture_model
@@ -135,6 +136,26 @@ def test_every_flag_in_the_readme_table_is_a_serve_flag() -> None:
             assert any(k.startswith(flag) for k in known), flag
         else:
             assert flag in known, flag
+
+
+def test_the_readme_and_the_alert_state_the_seed_gates_hard_bound() -> None:
+    """`--kv-bootstrap-seed-required` holds /readyz for at most max(3 x timeout, 60 s); the
+    flags table, the readiness paragraph and the alert said only that it holds it."""
+    bound = "max(3 x `--kv-bootstrap-timeout-ms`, 60 s)"
+    assert seed_gate_timeout(0) == SEED_GATE_MIN_S == 60 and seed_gate_timeout(100) == 300
+    flag_row = next(
+        line
+        for line in section("Flags that matter").splitlines()
+        if line.startswith("| `--kv-bootstrap-seed-required`")
+    )
+    assert bound in flag_row
+    readiness = section("Peer bootstrap")
+    assert bound in readiness and "6 min at the default" in readiness
+    assert seed_gate_timeout(120) == 360  # the default timeout (120 s): 6 min
+    # What the settled gauge and readiness each mean, where they can disagree.
+    assert "can read 1 while `/readyz` answers 503" in readiness
+    alerts = (ROOT / "manifests/observability/alerts.yaml").read_text()
+    assert "max(3 x the bootstrap timeout, 60 s)" in alerts
 
 
 async def test_every_metric_the_readme_names_is_exported(tmp_path: Path) -> None:
