@@ -158,6 +158,19 @@ def test_the_readme_and_the_alert_state_the_seed_gates_hard_bound() -> None:
     assert "max(3 x the bootstrap timeout, 60 s)" in alerts
 
 
+def test_the_ranks_cold_alert_row_says_an_engine_restart_is_an_expected_abandoned() -> None:
+    """An evicted engine registered anew after its restart settles `abandoned` (its siblings
+    all hold nothing of it: the reference's per-rank cold settle), firing
+    KvrouterBootstrapRanksCold; the row said `abandoned` was expected only at a fleet's start."""
+    row = next(
+        line
+        for line in section("Alerts").splitlines()
+        if line.startswith("| `KvrouterBootstrapRanksCold`")
+    )
+    assert "evicted (`KvrouterWorkerEvicted`) and registered anew after a restart" in row
+    assert "`kvrouter_index_rank_cold`" in row
+
+
 async def test_every_metric_the_readme_names_is_exported(tmp_path: Path) -> None:
     # Bootstrap, discovery, ingest processes, prefix homes and a model tokenizer (its segment
     # cache) on, so that their series are exported too.
