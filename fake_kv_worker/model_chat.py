@@ -663,6 +663,16 @@ def _sglang_dump_message(message: dict[str, Any]) -> dict[str, Any]:
             raise RequestError("Input tag does not match any of the expected tags", "messages")
         if kind == "text" and not isinstance(chunk.get("text"), str):
             raise RequestError("a text part's 'text' must be a string", "messages")
+        if kind in ("thinking", "reasoning"):
+            if message["role"].lower() != "assistant":
+                raise RequestError(
+                    "thinking content parts are only valid in assistant messages", "messages"
+                )
+            payload = [chunk[k] for k in ("thinking", "text") if chunk.get(k) is not None]
+            if len(payload) != 1 or not isinstance(payload[0], str):
+                raise RequestError(
+                    "thinking parts require exactly one of 'thinking' or 'text'", "messages"
+                )
     role = message["role"].lower()
     if role == "user":
         return {"role": "user", "content": content}

@@ -53,7 +53,8 @@ they differ:
 - content parts: SGLang's request model takes `text`, `thinking`/`reasoning` (left out of
   what the template sees), media and `tool_reference` parts alone: an `input_text` part or a
   bare string is its 400, and the router routes such a chat as a miss, as a role SGLang
-  refuses.
+  refuses. A thinking part too unless in an assistant message, with exactly one of
+  `thinking` or `text`.
 
 A chat may also bring the token ids the engine is to use as they are, its template skipped
 (`given_ids`): SGLang's `input_ids`, vLLM's `kv_transfer_params.prompt_token_ids`. The router
@@ -711,6 +712,7 @@ _SGLANG_PART_TYPES: Final = frozenset(
     }
 )
 _SGLANG_MEDIA: Final = frozenset({"image_url", "video_url", "audio_url", "input_audio"})
+_SGLANG_THINKING_PARTS: Final = frozenset({"thinking", "reasoning"})
 
 
 def _sglang_call(
@@ -825,6 +827,8 @@ def _sglang_message(message: dict[str, Any], as_parts: bool) -> dict[str, Any]:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in _SGLANG_PART_TYPES:
                 raise Unrenderable("content", f"SGLang refuses a content part of type {kind!r}")
+            if kind in _SGLANG_THINKING_PARTS:
+                _sglang_check_thinking_part(part, role)
         if as_parts:
             dumped["content"] = _sglang_parts(content)
         else:
@@ -836,6 +840,18 @@ def _sglang_message(message: dict[str, Any], as_parts: bool) -> dict[str, Any]:
         ):
             dumped["content"] = " ".join(p["text"] for p in dumped["content"])
     return {k: v for k, v in dumped.items() if v is not None}
+
+
+def _sglang_check_thinking_part(part: dict[str, Any], role: str) -> None:
+    """SGLang's request models (`ChatCompletionMessageContentThinkingPart` and the messages'
+    validators) take a thinking part in an assistant message alone, holding exactly one of a
+    string `thinking` or `text`: any other is its 400, routed as a miss like a part it refuses
+    (the template never sees the part either way)."""
+    if role != "assistant":
+        raise Unrenderable("content", "SGLang takes thinking parts in assistant messages alone")
+    given = [part.get(key) for key in ("thinking", "text") if part.get(key) is not None]
+    if len(given) != 1 or type(given[0]) is not str:
+        raise Unrenderable("content", "an SGLang thinking part holds one of thinking or text")
 
 
 def _sglang_parts(content: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -141,6 +141,46 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
             }
         ]
     },
+    # An assistant's thinking parts: SGLang takes them there alone, with exactly one of
+    # thinking or text, and leaves them out of what the template sees.
+    "thinking_parts_in_history": {
+        "messages": [
+            USER,
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "The forecast says sun."},
+                    {"type": "reasoning", "text": "Answer briefly."},
+                    {"type": "text", "text": "Sunny."},
+                ],
+            },
+            {"role": "user", "content": "And tomorrow?"},
+        ]
+    },
+    "thinking_part_in_a_user_message": {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "thinking", "thinking": "I want it short."},
+                    {"type": "text", "text": "What is the weather in Paris?"},
+                ],
+            }
+        ]
+    },
+    "thinking_part_with_thinking_and_text": {
+        "messages": [
+            USER,
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "Sun.", "text": "Sun."},
+                    {"type": "text", "text": "Sunny."},
+                ],
+            },
+            {"role": "user", "content": "And tomorrow?"},
+        ]
+    },
     # The Responses API's text part: vLLM reads it as a text; SGLang's request model refuses it.
     "input_text_parts": {
         "messages": [

@@ -485,6 +485,52 @@ def test_a_content_part_sglang_refuses_is_routed_as_a_miss_where_vllm_renders_it
     assert render_call(body, traits, Engine.VLLM).conversation
 
 
+@pytest.mark.parametrize(
+    ("role", "part"),
+    [
+        ("user", {"type": "thinking", "thinking": "short"}),
+        ("system", {"type": "reasoning", "text": "short"}),
+        ("tool", {"type": "thinking", "thinking": "short"}),
+        ("assistant", {"type": "thinking"}),
+        ("assistant", {"type": "thinking", "thinking": "short", "text": "short"}),
+        ("assistant", {"type": "reasoning", "thinking": 3}),
+    ],
+)
+def test_sglang_routes_a_thinking_part_its_request_model_refuses_as_a_miss(
+    role: str, part: dict[str, Any]
+) -> None:
+    """SGLang takes a thinking part in an assistant message alone, with exactly one of a
+    string thinking or text; the router dropped every one and rendered what SGLang answers
+    400 for."""
+    traits = TemplateTraits(False, False, False, frozenset())
+    body = chat([{"role": role, "content": [part, {"type": "text", "text": "Weather"}]}])
+    with pytest.raises(Unrenderable) as caught:
+        render_call(body, traits, Engine.SGLANG)
+    assert caught.value.reason == "content"
+
+
+@pytest.mark.parametrize("as_parts", [True, False])
+def test_sglang_leaves_an_assistants_thinking_part_out_of_what_the_template_sees(
+    as_parts: bool,
+) -> None:
+    traits = TemplateTraits(False, as_parts, as_parts, frozenset())
+    body = chat(
+        [
+            MESSAGES[1],
+            {
+                "role": "Assistant",
+                "content": [
+                    {"type": "reasoning", "text": "sun"},
+                    {"type": "text", "text": "Sunny."},
+                ],
+            },
+            MESSAGES[1],
+        ]
+    )
+    content = render_call(body, traits, Engine.SGLANG).conversation[1]["content"]
+    assert content == ([{"type": "text", "text": "Sunny."}] if as_parts else "Sunny.")
+
+
 def test_sglang_renders_a_root_message_under_its_own_role() -> None:
     traits = TemplateTraits(False, False, False, frozenset())
     body = chat([{"role": "Root", "content": "You are terse."}, MESSAGES[1]])
