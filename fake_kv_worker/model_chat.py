@@ -702,14 +702,20 @@ def _sglang_dump_message(message: dict[str, Any]) -> dict[str, Any]:
                 }
             )
     tools = message.get("tools")
+    phase = message.get("phase")
+    if phase not in (None, "commentary", "final_answer"):
+        raise RequestError("'phase' must be 'commentary' or 'final_answer'", "messages")
+    prefix = message.get("prefix")
     return {
         "role": role,
         "content": message.get("content"),
         "tool_call_id": message.get("tool_call_id"),
         "name": message.get("name"),
+        "phase": phase,
         "reasoning_content": message.get("reasoning_content"),
         "tool_calls": calls,
         "tools": None if tools is None else [_sglang_dump_tool(t) for t in tools],
+        "prefix": None if prefix is None else lax_bool(prefix, "prefix"),
     }
 
 

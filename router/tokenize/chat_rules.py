@@ -50,6 +50,9 @@ they differ:
   client's order (those it left out after); none when `tool_choice` is `none`, only the named
   one for a named choice.
 - roles: vLLM renders any; SGLang its list alone (`root` among them), lower-cased.
+- message fields: SGLang (0.5.23) gives the template a message's `phase` (`commentary` or
+  `final_answer`) and `prefix` (DeepSeek's prefix completion, a boolean) but a user's; vLLM
+  neither.
 - content parts: SGLang's request model takes `text`, `thinking`/`reasoning` (left out of
   what the template sees), media and `tool_reference` parts alone: an `input_text` part or a
   bare string is its 400, and the router routes such a chat as a miss, as a role SGLang
@@ -813,12 +816,16 @@ def _sglang_message(message: dict[str, Any], as_parts: bool) -> dict[str, Any]:
         dumped: dict[str, Any] = {"role": role, "content": message.get("content")}
     else:
         dumped = {"role": role, "content": message.get("content")}
-        for key in ("tool_call_id", "name", "reasoning_content"):
+        for key in ("tool_call_id", "name"):
             dumped[key] = message.get(key)
+        dumped["phase"] = _sglang_phase(message.get("phase"))
+        dumped["reasoning_content"] = message.get("reasoning_content")
         calls = message.get("tool_calls")
         dumped["tool_calls"] = None if calls is None else [_sglang_tool_call(c) for c in calls]
         tools = message.get("tools")
         dumped["tools"] = None if tools is None else [_sglang_tool_dump(t) for t in tools]
+        prefix = message.get("prefix")
+        dumped["prefix"] = None if prefix is None else _sglang_message_flag(prefix, "prefix")
     if dumped["content"] is None:
         dumped["content"] = ""
     content = dumped["content"]
@@ -840,6 +847,26 @@ def _sglang_message(message: dict[str, Any], as_parts: bool) -> dict[str, Any]:
         ):
             dumped["content"] = " ".join(p["text"] for p in dumped["content"])
     return {k: v for k, v in dumped.items() if v is not None}
+
+
+_SGLANG_PHASES: Final = ("commentary", "final_answer")
+
+
+def _sglang_phase(phase: Any) -> str | None:
+    """A message's `phase` (0.5.23, the Responses API's): null or one of its two words, which
+    the template sees."""
+    if phase is not None and phase not in _SGLANG_PHASES:
+        raise ChatRequestError(
+            f"a message's 'phase' must be one of {list(_SGLANG_PHASES)}, not {shown(phase)}"
+        )
+    return phase  # type: ignore[no-any-return]
+
+
+def _sglang_message_flag(value: Any, key: str) -> bool:
+    try:
+        return lax_bool(value)
+    except ValueError:
+        raise ChatRequestError(f"a message's '{key}' must be a boolean") from None
 
 
 def _sglang_check_thinking_part(part: dict[str, Any], role: str) -> None:

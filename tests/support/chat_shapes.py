@@ -157,6 +157,18 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
             {"role": "user", "content": "And tomorrow?"},
         ]
     },
+    # The Responses API's phase and DeepSeek's prefix flag: SGLang 0.5.23 hands a non-user
+    # message's to the template (a prefix in pydantic's lax form read as a boolean).
+    "phase_and_prefix": {
+        "messages": [
+            {**USER, "phase": "commentary", "prefix": True},
+            {"role": "assistant", "content": "Let me look.", "phase": "commentary", "prefix": 1},
+            {"role": "user", "content": "Go on."},
+            {"role": "assistant", "content": "It is", "phase": "final_answer", "prefix": "yes"},
+        ],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    },
     "thinking_part_in_a_user_message": {
         "messages": [
             {

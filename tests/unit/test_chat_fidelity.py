@@ -292,6 +292,34 @@ def test_a_tool_reference_reaches_a_template_that_expands_it_as_each_engine_pass
     assert 'Use the tool I found:[{"' in worker.tokenizer.decode(got.ids)
 
 
+# Renders what templates of the Responses API (phase) and DeepSeek's (prefix) read.
+SHOWS_PHASE_AND_PREFIX = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}"
+    "{% if message.phase is defined %} phase={{ message.phase }}{% endif %}"
+    "{% if message.prefix is defined %} prefix={{ message.prefix }}{% endif %}"
+    ": {{ message.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
+def test_a_messages_phase_and_prefix_reach_the_template_as_each_engine_passes_them(
+    tmp_path: Path, engine: str
+) -> None:
+    path = build_model_dir(tmp_path, "qwen", SHOWS_PHASE_AND_PREFIX)
+    router, worker = load_tokenizer(str(path), engine=engine), ModelChat(str(path), engine)
+    body = SHAPES["phase_and_prefix"]
+    got = router.encode_chat_request(body, chat_params(body, router.engine))
+    assert got.failure is None
+    assert list(got.ids) == worker.chat_ids(copy.deepcopy(body))
+    text = worker.tokenizer.decode(got.ids)
+    if engine == "sglang":  # a user message's are not its model's fields
+        assert "<|im_start|>user: " in text
+        assert "<|im_start|>assistant phase=commentary prefix=True: " in text
+    else:
+        assert "phase=" not in text
+
+
 def test_vllm_joins_a_tool_references_name_like_a_text_when_the_template_takes_strings(
     pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
 ) -> None:

@@ -531,6 +531,29 @@ def test_sglang_leaves_an_assistants_thinking_part_out_of_what_the_template_sees
     assert content == ([{"type": "text", "text": "Sunny."}] if as_parts else "Sunny.")
 
 
+def test_sglang_gives_the_template_a_non_user_messages_phase_and_prefix() -> None:
+    traits = TemplateTraits(False, False, False, frozenset())
+    body = chat(
+        [
+            {**MESSAGES[0], "phase": "commentary", "prefix": "on"},
+            {**MESSAGES[1], "phase": "commentary", "prefix": True},
+        ]
+    )
+    system, user = render_call(body, traits, Engine.SGLANG).conversation
+    assert (system["phase"], system["prefix"]) == ("commentary", True)
+    assert "phase" not in user and "prefix" not in user
+    assert "phase" not in render_call(body, traits, Engine.VLLM).conversation[0]
+
+
+@pytest.mark.parametrize(("key", "value"), [("phase", "analysis"), ("prefix", "maybe")])
+def test_sglang_refuses_a_phase_or_prefix_its_request_model_cannot_read(
+    key: str, value: str
+) -> None:
+    traits = TemplateTraits(False, False, False, frozenset())
+    with pytest.raises(ChatRequestError):
+        render_call(chat([{**MESSAGES[0], key: value}, MESSAGES[1]]), traits, Engine.SGLANG)
+
+
 def test_sglang_renders_a_root_message_under_its_own_role() -> None:
     traits = TemplateTraits(False, False, False, frozenset())
     body = chat([{"role": "Root", "content": "You are terse."}, MESSAGES[1]])
