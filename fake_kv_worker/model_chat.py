@@ -30,6 +30,7 @@ RequestError (400), as the engine answers.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from functools import lru_cache
@@ -686,13 +687,15 @@ def _sglang_dump_message(message: dict[str, Any]) -> dict[str, Any]:
             arguments = call["function"].get("arguments")
             if isinstance(arguments, str):
                 try:
-                    arguments = json.loads(arguments)
+                    arguments = _orjson_loads(arguments)
                 except (ValueError, RecursionError):
                     raise RequestError(
                         "function.arguments must be valid JSON", "messages"
                     ) from None
                 if not isinstance(arguments, dict):
                     raise RequestError("function.arguments must be a JSON object", "messages")
+            elif arguments is not None and not isinstance(arguments, dict):
+                raise RequestError("function.arguments: str or dict", "messages")
             calls.append(
                 {
                     "id": call.get("id"),
@@ -717,6 +720,42 @@ def _sglang_dump_message(message: dict[str, Any]) -> dict[str, Any]:
         "tools": None if tools is None else [_sglang_dump_tool(t) for t in tools],
         "prefix": None if prefix is None else lax_bool(prefix, "prefix"),
     }
+
+
+def _orjson_loads(text: str) -> Any:
+    """orjson.loads (3.x), which SGLang parses tool-call arguments with: strict JSON (no NaN or
+    Infinity, no number overflowing a double, valid UTF-8 strings), integers past the i64/u64
+    range read as floats."""
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+        raise ValueError("str is not valid UTF-8: surrogates not allowed")
+
+    def refuse(word: str) -> Any:
+        raise ValueError(f"unexpected character: {word}")
+
+    def settle(value: Any) -> Any:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int):
+            if -(2**63) <= value <= 2**64 - 1:
+                return value
+            try:
+                return float(value)
+            except OverflowError:
+                raise ValueError("number is infinity when parsed as double") from None
+        if isinstance(value, float):
+            if value in (math.inf, -math.inf):
+                raise ValueError("number is infinity when parsed as double")
+            return value
+        if isinstance(value, str):
+            value.encode("utf-8")  # a lone surrogate from an escape: UnicodeEncodeError
+            return value
+        if isinstance(value, list):
+            return [settle(v) for v in value]
+        if isinstance(value, dict):
+            return {settle(k): settle(v) for k, v in value.items()}
+        return value
+
+    return settle(json.loads(text, parse_constant=refuse))
 
 
 def _sglang_content(message: dict[str, Any], parts_format: bool) -> dict[str, Any]:

@@ -29,8 +29,10 @@ they differ:
 - an assistant's reasoning: vLLM reads `reasoning`, else the deprecated `reasoning_content`
   (its request model renames it, 0.22+), and gives the template both; SGLang reads
   `reasoning_content` alone.
-- tool-call `arguments` as a JSON string: both parse it; malformed, vLLM uses `{}`, SGLang
-  refuses the request.
+- tool-call `arguments` as a JSON string: both parse it (vLLM with `json.loads`, SGLang with
+  orjson: no NaN, Infinity or lone surrogates, an integer past 64 bits read as a float);
+  malformed or no object, vLLM uses `{}`, SGLang refuses the request, as it does arguments
+  that are neither a string, an object nor null.
 - a last message from the assistant: vLLM renders it as it is; SGLang makes it a user turn, or
   with `continue_final_message` appends its text after the generation prompt.
 - `add_generation_prompt`, `documents`: vLLM takes them from the request; SGLang always adds
@@ -73,6 +75,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -335,11 +338,12 @@ def _within_dump_bounds(value: Any, levels: int, budget: int) -> int:
     return budget
 
 
-def _parsed_arguments(text: str) -> Any:
-    """Tool-call arguments as the engines parse them (`json.loads`: ValueError when they are
-    not JSON); nested past Python's recursion limit they are Unrenderable, not a crash."""
+def _parsed_arguments(text: str, **hooks: Callable[[str], Any]) -> Any:
+    """Tool-call arguments as vLLM parses them (`json.loads`, with SGLang's `hooks`: ValueError
+    when they are not JSON); nested past Python's recursion limit they are Unrenderable, not a
+    crash."""
     try:
-        return json.loads(text)
+        return json.loads(text, **hooks)
     except RecursionError:
         raise Unrenderable("tool_arguments", "tool-call arguments nested too deeply") from None
 
@@ -896,21 +900,77 @@ def _sglang_parts(content: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _sglang_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A history tool call as SGLang's `ToolCall` dumps it and
+    `normalize_assistant_tool_call_arguments` parses it: arguments null, an object, or a
+    string of a JSON object; anything else is its 400 (routed as a miss)."""
     function = call["function"]
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            arguments = _parsed_arguments(arguments)
+            arguments = _sglang_parsed_arguments(arguments)
         except ValueError:
             raise Unrenderable("tool_arguments", "tool-call arguments are not JSON") from None
         if not isinstance(arguments, dict):
             raise Unrenderable("tool_arguments", "tool-call arguments are not a JSON object")
+    elif arguments is not None and not isinstance(arguments, dict):
+        raise Unrenderable("tool_arguments", "tool-call arguments are no string or object")
     return {
         "id": call.get("id"),
         "index": call.get("index"),
         "type": "function",
         "function": {"name": function.get("name"), "arguments": arguments},
     }
+
+
+_U64_END: Final = 1 << 64
+_I64_START: Final = -(1 << 63)
+# A JSON escape of a UTF-16 surrogate: only then can a parsed string hold a lone one.
+_SURROGATE_ESCAPE: Final = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def _sglang_parsed_arguments(text: str) -> Any:
+    """Tool-call arguments as SGLang parses them (`orjson.loads`, 3.x), where that differs
+    from `json.loads`: NaN, Infinity, a number past a double's range and a lone surrogate are
+    not JSON (ValueError), and an integer outside [-2**63, 2**64) is read as a float (so the
+    template dumps `1.2345678901234568e+29`, not its digits)."""
+    if _has_surrogate(text):
+        raise ValueError("a lone surrogate")
+    parsed = _parsed_arguments(
+        text, parse_constant=_not_json, parse_float=_finite, parse_int=_orjson_int
+    )
+    if _SURROGATE_ESCAPE.search(text) and _holds_surrogate(parsed):
+        raise ValueError("a lone surrogate")
+    return parsed
+
+
+def _not_json(word: str) -> Any:
+    raise ValueError(f"{word} is not JSON")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if math.isinf(number):
+        raise ValueError("a number past a double's range")
+    return number
+
+
+def _orjson_int(text: str) -> int | float:
+    number = int(text)
+    return number if _I64_START <= number < _U64_END else _finite(text)
+
+
+def _has_surrogate(text: str) -> bool:
+    return not text.isascii() and any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+
+
+def _holds_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        return _has_surrogate(value)
+    if isinstance(value, dict):
+        return any(_has_surrogate(k) or _holds_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_surrogate(v) for v in value)
+    return False
 
 
 def _sglang_tools(tools: list[dict[str, Any]] | None, choice: Any) -> list[dict[str, Any]] | None:

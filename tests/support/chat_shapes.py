@@ -42,6 +42,20 @@ CALL_HISTORY: Final = [
     {"role": "tool", "tool_call_id": "call12345", "content": "Sunny, 24 degrees."},
 ]
 
+
+def _called_with(arguments: Any) -> dict[str, Any]:
+    """A tool-call history whose call carries these arguments."""
+    call = {**TOOL_CALL, "function": {"name": "get_weather", "arguments": arguments}}
+    return {
+        "messages": [
+            USER,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call12345", "content": "Sunny."},
+        ],
+        "tools": [WEATHER_TOOL],
+    }
+
+
 SHAPES: Final[dict[str, dict[str, Any]]] = {
     "plain": {"messages": [SYSTEM, USER]},
     "multi_turn": {
@@ -256,6 +270,12 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
         ],
         "tools": [WEATHER_TOOL],
     },
+    # Arguments json.loads reads and orjson (SGLang's parser) does not (NaN);
+    # an integer past 64 bits, which orjson reads as a float; arguments no string nor object
+    # (vLLM renders them as {}, SGLang's request model refuses them).
+    "tool_call_nan_arguments": _called_with('{"city": "Paris", "days": NaN}'),
+    "tool_call_big_int_arguments": _called_with('{"city": "Paris", "id": 123456789012345678901}'),
+    "tool_call_list_arguments": _called_with(["Paris"]),
     "tool_result_parts": {
         "messages": [
             USER,

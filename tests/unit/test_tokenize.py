@@ -554,6 +554,57 @@ def test_sglang_refuses_a_phase_or_prefix_its_request_model_cannot_read(
         render_call(chat([{**MESSAGES[0], key: value}, MESSAGES[1]]), traits, Engine.SGLANG)
 
 
+def sglang_call_arguments(arguments: Any) -> Any:
+    """The arguments of a history tool call as SGLang's rules hand them to the template."""
+    traits = TemplateTraits(False, False, False, frozenset())
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    body = chat([{"role": "assistant", "content": None, "tool_calls": [call]}, MESSAGES[1]])
+    conversation = render_call(body, traits, Engine.SGLANG).conversation
+    return conversation[0]["tool_calls"][0]["function"]["arguments"]
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"days": NaN}',
+        '{"days": -Infinity}',
+        '{"days": 1e400}',
+        '{"city": "Paris\\udc00"}',
+        '{"\\ud800": 1}',
+        '{"city": "Paris\ud800"}',
+        ["Paris"],
+        3,
+        True,
+    ],
+)
+def test_sglang_routes_tool_call_arguments_orjson_or_its_model_refuses_as_a_miss(
+    arguments: Any,
+) -> None:
+    """SGLang parses a history call's arguments with orjson, which refuses what json.loads
+    reads (NaN, Infinity, overflowing numbers, lone surrogates), and its request model takes
+    a string, an object or null alone: each is its 400, which the router rendered."""
+    with pytest.raises(Unrenderable) as caught:
+        sglang_call_arguments(arguments)
+    assert caught.value.reason == "tool_arguments"
+
+
+def test_sglang_reads_an_integer_past_64_bits_in_tool_call_arguments_as_a_float() -> None:
+    parsed = sglang_call_arguments(
+        '{"big": 123456789012345678901, "u64": 18446744073709551615, '
+        '"low": -9223372036854775809, "pair": "\\ud83d\\ude00", "null": null}'
+    )
+    assert parsed == {
+        "big": 1.2345678901234568e20,
+        "u64": 18446744073709551615,
+        "low": -9.223372036854776e18,
+        "pair": "\U0001f600",
+        "null": None,
+    }
+    assert type(parsed["big"]) is float and type(parsed["u64"]) is int
+    assert sglang_call_arguments(None) is None
+    assert sglang_call_arguments({"days": 2}) == {"days": 2}
+
+
 def test_sglang_renders_a_root_message_under_its_own_role() -> None:
     traits = TemplateTraits(False, False, False, frozenset())
     body = chat([{"role": "Root", "content": "You are terse."}, MESSAGES[1]])
