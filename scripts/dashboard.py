@@ -676,7 +676,10 @@ ROWS: Final = (
             Panel(
                 "Time to ready, and settled",
                 "Seconds from start to the first admitted readiness "
-                "(kvrouter_kv_bootstrap_duration_seconds), and 1 once bootstrap settled.",
+                "(kvrouter_kv_bootstrap_duration_seconds), and kvrouter_kv_bootstrap_settled: 1 "
+                "once every rank settled or --kv-bootstrap-timeout-ms passed. It can read 1 "
+                'while /readyz is 503 "seed gate closed" (--kv-bootstrap-seed-required: see '
+                "kvrouter_kv_bootstrap_seed_failed).",
                 "s",
                 (
                     Query(

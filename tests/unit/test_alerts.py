@@ -181,6 +181,22 @@ def test_the_dashboard_json_is_what_scripts_dashboard_generates() -> None:
     assert done.returncode == 0, done.stderr
 
 
+def test_the_dashboard_says_bootstrap_settled_can_read_1_while_the_seed_gate_holds_readyz() -> None:
+    """README: settled is "every rank settled or the timeout passed" only; the panel said
+    "1 once bootstrap settled", read as ready, beside a replica answering 503."""
+    board = json.loads(DASHBOARD.read_text())
+    panels = [*board["panels"], *(p for row in board["panels"] for p in row.get("panels", []))]
+    (panel,) = [
+        p
+        for p in panels
+        if any("kvrouter_kv_bootstrap_settled" in t["expr"] for t in p.get("targets", []))
+    ]
+    text = panel["description"]
+    assert "--kv-bootstrap-timeout-ms" in text
+    assert '/readyz is 503 "seed gate closed"' in text
+    assert "kvrouter_kv_bootstrap_seed_failed" in text
+
+
 # Series every replica counts for the whole fleet: it books its siblings' shared decisions as
 # well as its own, so summed over replicas one prompt counts once per replica.
 COUNTED_BY_EVERY_REPLICA: Final = ("kvrouter_bookings_total",)
