@@ -90,6 +90,7 @@ import msgspec
 from cachetree.ranks import RankId
 from cachetree.snapshot import Snapshot, SnapshotError, SnapshotRestore, export, restore
 from cachetree.tree import BlockTree, run_through
+from peer.probe import MAX_UNKNOWN_PROBES
 from peer.sweep import Gapped
 from peer.tracker import BootstrapState, BootstrapTracker, Obligation
 from router.events import BlockStored, EventBatch
@@ -98,7 +99,6 @@ from router.worker_snapshot import WorkerSnapshot, adapter_names, check_steps, s
 log = logging.getLogger(__name__)
 
 HELD_QUEUE_CAP = 1024
-MAX_UNKNOWN_PROBES = 3
 # How far a sibling's cursor may be ahead of this replica's stream, in batches and in time
 # after the graft. A sibling exports what it applied; this replica subscribed to the same
 # publisher first, so the batches up to the sibling's cursor it lacks at the graft are only

@@ -119,16 +119,11 @@ from cachetree.keys import block_keys, namespace_seed
 from cachetree.ranks import RankId
 from cachetree.tiers import DEVICE
 from cachetree.tree import BlockTree
+from peer.probe import MAX_UNKNOWN_PROBES
 from peer.sweep import Gapped
 from peer.tracker import BootstrapState, BootstrapTracker, Obligation, RankOutcome, SweepOutcome
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
-from router.graft import (
-    BEHIND_MAX,
-    HELD_QUEUE_CAP,
-    MAX_UNKNOWN_PROBES,
-    BootstrapRules,
-    LocalGraft,
-)
+from router.graft import BEHIND_MAX, HELD_QUEUE_CAP, BootstrapRules, LocalGraft
 from router.index import IndexRules, apply_events
 from router.subscriber import LiveBatch, PublisherReset, SequenceTracker, Step, UnrepairedGap
 
