@@ -88,7 +88,14 @@ from typing import Final, Protocol
 import msgspec
 
 from cachetree.ranks import RankId
-from cachetree.snapshot import Snapshot, SnapshotError, SnapshotRestore, export, restore
+from cachetree.snapshot import (
+    Snapshot,
+    SnapshotError,
+    SnapshotExport,
+    SnapshotRestore,
+    export,
+    restore,
+)
 from cachetree.tree import BlockTree, run_through
 from peer.probe import MAX_UNKNOWN_PROBES
 from peer.sweep import Gapped
@@ -161,10 +168,15 @@ class LocalGraft:
     tree: BlockTree
     cursors: dict[RankId, int]
     adapters: frozenset[str] = frozenset()  # its chain roots' (`adapter_names`)
+    # The tree's export, taken once (in slices by `build_steps`): nothing writes the tree
+    # after its build, and each export of 140k blocks held the loop 30-40 ms.
+    exported: Snapshot | None = None
 
     @property
     def snapshot(self) -> Snapshot:
-        return export(self.tree)
+        if self.exported is None:
+            self.exported = export(self.tree)
+        return self.exported
 
     def covered_ranks(self) -> frozenset[RankId]:
         return frozenset(self.cursors)
@@ -176,7 +188,7 @@ class LocalGraft:
     def retain_workers(self, keep: Iterable[RankId]) -> LocalGraft:
         keep = set(keep)
         copy = BlockTree(self.tree.block_size)
-        restore(copy, export(self.tree))
+        restore(copy, self.snapshot)
         for rank in copy.ranks():
             if rank not in keep:
                 copy.clear_rank(rank)
@@ -205,7 +217,12 @@ class LocalGraft:
             yield from tree.swap_staged_steps(rank, slice_blocks)
             if rank_snap.last_seq >= 0:
                 cursors[rank] = rank_snap.last_seq
-        return cls(tree, cursors, frozenset(adapter_names(snap.ranks)))
+        exporting = SnapshotExport(tree)
+        while not exporting.list_step(slice_blocks):
+            yield
+        while not exporting.step(slice_blocks):
+            yield
+        return cls(tree, cursors, frozenset(adapter_names(snap.ranks)), exporting.result())
 
 
 @dataclass(slots=True)
@@ -353,11 +370,14 @@ class BootstrapRules:
             return None
         owed_ranks = {o.rank for o in owed}
         # A caller may have filtered the snapshot already (in slices, off the pump).
-        filtered = set(vetted.snapshot.workers) <= owed_ranks and set(vetted.cursors) <= owed_ranks
+        snapshot = vetted.snapshot
+        filtered = set(snapshot.workers) <= owed_ranks and set(vetted.cursors) <= owed_ranks
         mine = vetted if filtered else vetted.retain_workers(owed_ranks)
         try:
             # Every graft source is vetted (`peer.vet`) or built by our own tree code.
-            restore_job = SnapshotRestore(index._tree, mine.snapshot, prevalidated=True)
+            restore_job = SnapshotRestore(
+                index._tree, snapshot if filtered else mine.snapshot, prevalidated=True
+            )
         except SnapshotError as exc:
             self.fail_graft(owed, exc)
             return None
