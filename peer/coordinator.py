@@ -18,6 +18,9 @@ While a sweep runs, more batches arrive. Afterwards:
   - a gap-retry batch (`late_join=False`) newer than the frozen floor is deferred to the
     next sweep: riding a snapshot taken before its gap would gap again by construction.
     Its `gaps` note (`peer.sweep.Gapped`) goes with its ranks into the sweep that serves them.
+    So is a rejoin's (a rank registered again after this replica forgot it,
+    `BootstrapTracker.rejoins`): a snapshot taken before it came back may hold blocks its
+    engine dropped while it was out, and no held batch of this replica says so.
   - `found` but some obligations have no cursor in it: each gets ONE more sweep (remembered
     per (rank, epoch)) instead of being resolved `uncovered`, which is final.
   - `ranks_resolved` sends nothing, so late joiners are re-queued for a sweep of their own.
@@ -48,7 +51,7 @@ ROUND_FAILED = "round_failed"  # not a sweep outcome: what a round that raised d
 class ObligationBatch:
     obligations: tuple[Any, ...]  # (rank, epoch) obligations
     holding_since: float
-    late_join: bool = True  # discovery: may ride an in-flight sweep; gap retries may not
+    late_join: bool = True  # discovery: may ride an in-flight sweep; gap retries, rejoins not
     # A gap retry's notes: whose snapshot gapped, and the least cursor that joins (by rank).
     gaps: Mapping[RankId, Gapped] = field(default_factory=lambda: NO_GAPS)
 

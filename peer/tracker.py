@@ -31,7 +31,9 @@ Two machines share one object.
   `forget` + `register` every message still carrying the old number is stale.
   `is_owed(rank, epoch)` is the gate each such message must pass: the rank is present, has the
   same epoch, and is PENDING. A gap retry keeps the epoch because it is the same incarnation
-  asking again.
+  asking again. `forget` also remembers the rank (the last `FORGOTTEN_MEMORY`), so that an
+  incarnation registered after it `rejoins`: a sibling's body fetched while it was out may
+  show blocks its engine dropped then, so it is swept for on its own (`router.bootstrap`).
 - `set` never creates an entry. A graft or abandon racing a `forget` must not resurrect the
   rank without an epoch, or a later `register` would keep that state instead of starting over.
 - Every incarnation gets exactly one *outcome* (`RankOutcome`), recorded when its verdict is
@@ -98,6 +100,9 @@ SEED_GATE_MIN_S: Final = 60.0
 # finite float. An int too large for a float would otherwise raise OverflowError on `now + t`.
 FOREVER_S: Final = 100 * 365 * 24 * 3600.0
 ATTEMPT_LOG_EVERY: Final = 100
+# Forgotten ranks remembered, so that registering one again is known as a rejoin (`rejoins`);
+# the oldest go first. A rank costs a few hundred bytes: bounded under workers that churn.
+FORGOTTEN_MEMORY: Final = 4096
 
 _E = TypeVar("_E", bound=StrEnum)
 
@@ -190,6 +195,8 @@ class BootstrapTracker:
         self._epochs: dict[RankId, int] = {}
         self._last_epoch = 0
         self._gap_retried: set[RankId] = set()
+        self._forgotten: dict[RankId, None] = {}  # oldest first, at most FORGOTTEN_MEMORY
+        self._rejoined: set[RankId] = set()  # incarnations begun after a forget of the rank
         self._verdicts: dict[RankId, RankOutcome] = {}  # this incarnation's recorded outcome
         self._rank_outcomes: Counter[RankOutcome] = Counter()
         self._sweep_outcomes: Counter[SweepOutcome] = Counter()
@@ -250,12 +257,21 @@ class BootstrapTracker:
             self._last_epoch += 1
             self._states[rank] = BootstrapState.PENDING
             self._epochs[rank] = self._last_epoch
+            if rank in self._forgotten:
+                del self._forgotten[rank]
+                self._rejoined.add(rank)
             obligations.append(Obligation(rank, self._last_epoch))
         return obligations
 
     def forget(self, ranks: Iterable[RankId]) -> None:
         """End each rank's incarnation: state, epoch, retry allowance and outcome mark go."""
         for rank in ranks:
+            if rank in self._states:
+                self._forgotten.pop(rank, None)
+                self._forgotten[rank] = None
+                if len(self._forgotten) > FORGOTTEN_MEMORY:
+                    del self._forgotten[next(iter(self._forgotten))]
+            self._rejoined.discard(rank)
             self._states.pop(rank, None)
             self._epochs.pop(rank, None)
             self._gap_retried.discard(rank)
@@ -315,6 +331,11 @@ class BootstrapTracker:
 
     def epoch(self, rank: RankId) -> int | None:
         return self._epochs.get(rank)
+
+    def rejoins(self, rank: RankId) -> bool:
+        """Whether the rank's incarnation began after this replica forgot it (a worker removed
+        or evicted, then registered again; remembered for the last `FORGOTTEN_MEMORY`)."""
+        return rank in self._rejoined
 
     def is_pending(self, rank: RankId) -> bool:
         return self._states.get(rank) is BootstrapState.PENDING

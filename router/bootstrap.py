@@ -128,8 +128,22 @@ class PeerBootstrap:
         self.tracker.forget(ranks)
 
     def sweep_for(self, obligations: Sequence[Obligation], holding_since: float) -> None:
-        if obligations:
-            self.coordinator.enqueue_or_detach(ObligationBatch(tuple(obligations), holding_since))
+        """Queue the obligations for a sweep.
+
+        A rank registered again after this replica forgot it waits for a sweep whose floor
+        is its own (`late_join=False`, as a gap retry): a body fetched since before it came
+        back may hold blocks its engine dropped while no stream of it was held here, and
+        grafted, they stayed as ghosts until the splice probe saw the stream had moved on.
+        A first registration still rides the sweep in flight: workers registering across
+        the boot sweep share its one fetch.
+        """
+        rejoins = tuple(o for o in obligations if self.tracker.rejoins(o.rank))
+        joins = tuple(o for o in obligations if o not in rejoins)
+        for batch, late_join in ((joins, True), (rejoins, False)):
+            if batch:
+                self.coordinator.enqueue_or_detach(
+                    ObligationBatch(batch, holding_since, late_join=late_join)
+                )
 
     async def graft_from_worker(
         self, obligations: Sequence[Obligation], graft: LocalGraft

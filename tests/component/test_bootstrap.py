@@ -709,3 +709,50 @@ async def test_a_joiner_grafts_the_sibling_warm_for_a_rank_not_one_that_ran_cold
                     assert (await new.scrape()).value("kvrouter_index_cold_ranks") == 0
     finally:
         await runner.cleanup()
+
+
+async def test_a_body_fetched_before_a_worker_was_removed_and_added_again_is_not_grafted() -> None:
+    """A sweep's fetch started, the worker was removed, evicted blocks while out, and was
+    registered again: the body exported before all that was grafted onto the new registration
+    (README: "an export no older than when the rank started holding"), its evicted blocks kept
+    as ghosts until the 30-s splice probe. The rejoin now waits for a sweep of its own."""
+    async with warm_fleet(n_chains=9) as (workers, warm, _), contextlib.AsyncExitStack() as stack:
+        fw = workers[0]
+        rank = RankId(fw.url, 0)
+        asked = asyncio.Event()
+        release = asyncio.Event()
+        served: list[dict] = []
+
+        async def held_back(request: web.Request) -> web.Response:
+            """Relays `warm`'s export taken at the request; the first one only once released."""
+            async with warm.session.get(
+                warm.url + "/internal/kv_snapshot",
+                params=request.query,
+                headers=warm.headers("/internal/kv_snapshot"),
+            ) as resp:
+                body, content_type = await resp.read(), resp.headers["Content-Type"]
+            served.append(dict(wire.decode(body, content_type).cursors))
+            if len(served) == 1:
+                asked.set()
+                await release.wait()
+            return web.Response(body=body, content_type=content_type)
+
+        runner, url = await serve_snapshot_route(held_back)
+        stack.push_async_callback(runner.cleanup)
+        new = await stack.enter_async_context(
+            router_in_process(peer=[url], kv_bootstrap_timeout_ms=20_000)
+        )
+        await add_workers(new, [fw])
+        await asyncio.wait_for(asked.wait(), 10)
+        status, _ = await new.delete(f"/workers?url={fw.url}")
+        assert status == 200
+        evicted = await fw.post("/control/evict", {"count": 3})
+        assert evicted["evicted"] > 0
+        await warm.wait_cursor(fw.url, 0, evicted["last_seq"])
+        await add_workers(new, [fw])
+        coordinator = new.replica.bootstrap.coordinator
+        await eventually(lambda: coordinator.queue.qsize() > 0, 10)
+        release.set()
+        await ready(new)
+        assert held_by(new, rank) == held_by(warm, rank) != set()  # no evicted block kept
+        assert len(served) == 2  # the rejoin's own sweep, with an export taken after it

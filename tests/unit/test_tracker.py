@@ -15,6 +15,7 @@ from cachetree.ranks import RankId
 from peer.tracker import (
     DEFAULT_FETCH_CAP_S,
     FOREVER_S,
+    FORGOTTEN_MEMORY,
     BootstrapState,
     BootstrapTracker,
     NoticeKind,
@@ -56,6 +57,27 @@ def test_reregistration_after_forget_mints_a_new_epoch(clock: ManualClock) -> No
     assert second.epoch != first.epoch
     assert not t.is_owed(A, first.epoch), "the old incarnation is stale"
     assert t.is_owed(A, second.epoch)
+
+
+def test_a_rank_registered_again_after_forget_rejoins_within_a_bounded_memory(
+    clock: ManualClock,
+) -> None:
+    """A rejoin waits for a sweep of its own (`router.bootstrap.sweep_for`); a first
+    registration rides the sweep in flight, and a long-gone rank counts as new again."""
+    t = tracker(clock)
+    t.register([A, B])
+    assert not t.rejoins(A) and not t.rejoins(B)
+    t.forget([A, B])
+    t.forget([C])  # never registered: nothing to remember
+    t.register([A, C])
+    assert t.rejoins(A) and not t.rejoins(C)
+    t.forget([A])
+    assert not t.rejoins(A)
+    others = [RankId(f"http://w{i}:8000", 0) for i in range(FORGOTTEN_MEMORY)]
+    t.register(others)
+    t.forget(others)  # A and B, forgotten before them, leave the memory
+    t.register([A, B, others[-1]])
+    assert t.rejoins(A) is False and t.rejoins(B) is False and t.rejoins(others[-1])
 
 
 def test_tracker_settles_when_all_ranks_terminal(clock: ManualClock) -> None:
