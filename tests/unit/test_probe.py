@@ -1,15 +1,7 @@
 import asyncio
 
 from cachetree.ranks import RankId
-from peer.probe import (
-    ADVANCED,
-    MAX_UNKNOWN_PROBES,
-    NO_ADVANCE,
-    UNKNOWN,
-    ProbeTarget,
-    judge,
-    probe_once,
-)
+from peer.probe import ADVANCED, NO_ADVANCE, UNKNOWN, ProbeTarget, judge, probe_once
 
 R = RankId("http://w", 0)
 T = ProbeTarget(R, watermark=5, epoch=1)
@@ -48,22 +40,3 @@ async def test_a_peer_that_hangs_past_the_budget_is_no_witness() -> None:
 
     verdicts = await probe_once([T], ["fast", "slow"], fetch, budget_s=0.05)
     assert verdicts == {T: NO_ADVANCE}
-
-
-def test_the_unknown_probe_limit_has_one_definition_the_graft_rules_read() -> None:
-    """router.graft and peer.probe each defined MAX_UNKNOWN_PROBES = 3: changing the probe's
-    left the pump settling proofs at the other count."""
-    import re
-    from pathlib import Path
-
-    import router.graft
-
-    repo = Path(__file__).resolve().parents[2]
-    defined = [
-        path.relative_to(repo).as_posix()
-        for package in ("cachetree", "peer", "router")
-        for path in sorted((repo / package).rglob("*.py"))
-        if re.search(r"^MAX_UNKNOWN_PROBES\b.*=", path.read_text(), re.MULTILINE)
-    ]
-    assert defined == ["peer/probe.py"]
-    assert router.graft.MAX_UNKNOWN_PROBES is MAX_UNKNOWN_PROBES
