@@ -94,7 +94,12 @@ that ends (the publisher went away, broke the protocol, sent a message over
 (`disconnects`, a warning with the reason) once what arrived before it is handled, and the
 subscriber connects and subscribes again (`socket_rebuilds`); what was published meanwhile
 shows up as a gap at the next batch: replayed if the replay buffer holds it, else an
-`UnrepairedGap` (counted lost, the worker's snapshot re-pulled).
+`UnrepairedGap` (counted lost, the worker's snapshot re-pulled). A drop whose next connect is
+refused (ECONNREFUSED: nothing listens on the port) is counted once in `listener_gone`: the
+listener went away with the connection, so the publisher's process ended (or closed its
+port), which a blip of a live engine or a drop the subscriber made itself never shows. The
+worker registry takes it as an engine restart its new stream may not show
+(`WorkerRegistry._look_at_drops`).
 
 Size bound: a message over `max_message_bytes` (`--kv-events-max-message-bytes`, 8 MiB by
 default; a real batch, one scheduler step, is far smaller: a 100k-token prefill is ~0.5 MB) ends
@@ -217,6 +222,9 @@ class SubscriberStats:
     socket_rebuilds: int = 0  # SUB sockets rebuilt after repeated recv errors
     seq_jumps: int = 0  # forward jumps past MAX_SEQ_JUMP, delivered as PublisherReset
     disconnects: int = 0  # publisher connections dropped (then the socket is rebuilt)
+    # Drops whose next connect was refused: nothing listened on the port, so the publisher's
+    # process (or its port) went away with the connection, never a blip of a live engine.
+    listener_gone: int = 0
     subscriptions: int = 0  # subscriptions sent, each once the publisher's handshake completed
 
 
@@ -461,6 +469,7 @@ class RankSubscriber:
         self._clock = clock
         self._max_message_bytes = max_message_bytes
         self._setups = 0  # socket setups since the last frame received
+        self._dropped_unanswered = False  # a connection dropped, and no connect answered since
         self._connect_failures = LogTally(CONNECT_WARN_EVERY_S)  # those past CONNECT_WARN_AFTER
         self._unreplayed = LogTally(LOSS_WARN_EVERY_S)  # batches lost with no replay to ask
 
@@ -501,8 +510,12 @@ class RankSubscriber:
                         functools.partial(_LiveStream, self, loop), host, port
                     )
             except (OSError, ValueError, TimeoutError) as exc:
+                if self._dropped_unanswered and isinstance(exc, ConnectionRefusedError):
+                    self.stats.listener_gone += 1
+                    self._dropped_unanswered = False
                 self._connect_failed(describe(exc))  # a TimeoutError's str() is empty
                 continue
+            self._dropped_unanswered = False
             return stream
 
     def _connect_failed(self, why: str) -> None:
@@ -545,6 +558,7 @@ class RankSubscriber:
     def _dropped(self, why: str) -> None:
         """The connection to the publisher ended: counted, and a warning that says why."""
         self.stats.disconnects += 1
+        self._dropped_unanswered = True
         log.warning(
             "rank %s: the connection to %s dropped (%s); resubscribing. Batches published "
             "meanwhile surface as a gap at the next one",

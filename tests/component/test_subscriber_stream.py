@@ -306,12 +306,16 @@ def seq_b(seq: int) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def bound(kind: int) -> AsyncIterator[tuple[zmq.asyncio.Socket, str]]:
+async def bound(kind: int, url: str | None = None) -> AsyncIterator[tuple[zmq.asyncio.Socket, str]]:
+    """A socket bound at `url`, or at a free loopback port."""
     sock = zmq.asyncio.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    if url is None:
+        url = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    else:
+        sock.bind(url)
     try:
-        yield sock, f"tcp://127.0.0.1:{port}"
+        yield sock, url
     finally:
         sock.close(linger=0)
 
@@ -426,6 +430,7 @@ async def test_an_oversized_message_is_refused_and_its_loss_shows_as_a_gap() -> 
         # The refused batch and the probes sent while it resubscribed: one gap, exactly them.
         assert (h.stats.gaps, h.stats.lost_batches) == (1, resumed - big)
         assert (h.stats.disconnects, h.stats.socket_rebuilds) == (1, 1)
+        assert h.stats.listener_gone == 0  # the reconnect was answered: no restart
         assert h.stats.frames - frames_before == 1  # the 1 MiB frame never reached Python
         assert h.stats.bad_frames == 0 and h.stats.decode_errors == {}
 
@@ -468,8 +473,9 @@ async def test_a_port_that_refuses_warns_once_then_once_an_interval_with_the_cou
     with socket.socket() as closed:  # bound, never listening: every connect is refused
         closed.bind(("127.0.0.1", 0))
         url = f"tcp://127.0.0.1:{closed.getsockname()[1]}"
-        async with subscribed(RankEndpoint(RANK, url), clock=clock):
+        async with subscribed(RankEndpoint(RANK, url), clock=clock) as h:
             await eventually(lambda: len(_connect_lines(caplog, logging.DEBUG)) >= 40)
+            assert h.stats.listener_gone == 0  # never connected: no listener went away
             first = _connect_lines(caplog, logging.WARNING)
             assert len(first) == 1
             assert "attempt 5:" in first[0] and "since the last warning" not in first[0]
@@ -479,6 +485,25 @@ async def test_a_port_that_refuses_warns_once_then_once_an_interval_with_the_cou
     said = _connect_lines(caplog, logging.WARNING)[1]
     attempt, failures = re.search(r"attempt (\d+):.*; (\d+) failed since", said).groups()  # type: ignore[union-attr]
     assert int(failures) == int(attempt) - 5  # every failure since the first, in one line
+
+
+async def test_a_drop_whose_reconnects_are_refused_counts_the_listener_gone_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The publisher's process went away with its connection (its port refuses): the sign of
+    an engine restarted faster than a health check can fail, counted once per drop however
+    many reconnects are refused, and not again once the new publisher answers."""
+    monkeypatch.setattr(subscriber, "CONNECT_BACKOFF_FIRST_S", 0.001)
+    monkeypatch.setattr(subscriber, "CONNECT_BACKOFF_MAX_S", 0.002)
+    caplog.set_level(logging.DEBUG, logger="router.subscriber")
+    async with bound(zmq.PUB) as (pub, url), subscribed(RankEndpoint(RANK, url)) as h:
+        await h.gate(pub_probe(pub, itertools.count()))
+        pub.close(linger=0)  # the listener and the connection go together, as at a SIGKILL
+        await eventually(lambda: len(_connect_lines(caplog, logging.DEBUG)) >= 5)
+        assert (h.stats.disconnects, h.stats.listener_gone) == (1, 1)
+        async with bound(zmq.PUB, url) as (restarted, _):
+            await h.gate(pub_probe(restarted, itertools.count()))
+        assert (h.stats.disconnects, h.stats.listener_gone, h.stats.subscriptions) == (1, 1, 2)
 
 
 async def test_a_connection_without_a_zmtp_handshake_is_not_logged_as_subscribed(
