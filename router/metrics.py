@@ -457,7 +457,9 @@ class _StateCollector(Collector):
             "kvrouter_worker_restarts",
             "Ready workers taken as restarted: kv_events_changed, their /server_info describes "
             "other KV-event ranks (registered anew); suspected, /health failed and their event "
-            "connections dropped in between (their ranks cleared and re-learned)",
+            "connections dropped in between; listener_gone, a dropped connection's reconnect "
+            "was refused, nothing listened on the port (both: their ranks cleared and "
+            "re-learned)",
             ["reason"],
             {(reason,): registry_stats.restarts[reason] for reason in RESTART_REASONS},
         )

@@ -27,7 +27,8 @@ health loop looks at it again: at the first pass that finds it healthy after any
 ranks' publisher connections dropped, its `/server_info` is read again (`_look_at_drops`).
 Other KV-event ranks (dp size, endpoints, ports) are registered anew: the old ranks leave as
 at an eviction, then steps 1-4 run again. The same ones after a failed health check in
-between are taken as a restart its new stream may not show (a seq that reads as the old
+between, or after a reconnect its publisher's port refused (the listener went away with the
+connection), are taken as a restart its new stream may not show (a seq that reads as the old
 stream's next): the ranks are cleared and the snapshot pulled again where one is served.
 
 remove(url): the ranks leave the live set and the tree (awaited through the pump, so the
@@ -118,8 +119,15 @@ REREGISTER_BACKOFF_MAX_S: Final = 60.0
 # Why a ready worker was taken as restarted (`WorkerRegistry._look_at_drops`):
 # `kv_events_changed`, its /server_info describes other KV-event ranks (dp size, endpoints,
 # ports), so it is registered anew; `suspected`, its description is the same but /health
-# failed and its event connections dropped in between, so its ranks are cleared.
-RESTART_REASONS: Final = ("kv_events_changed", "suspected")
+# failed and its event connections dropped in between, so its ranks are cleared;
+# `listener_gone`, /health passed throughout but a dropped connection's reconnect was refused
+# (its process went away, restarted faster than a health check could fail): cleared too.
+RESTART_REASONS: Final = ("kv_events_changed", "suspected", "listener_gone")
+# What `_forget_restarted` logs as the evidence of each reason that clears ranks.
+RESTART_EVIDENCE: Final = {
+    "suspected": "failed /health",
+    "listener_gone": "refused a reconnect (nothing listened on its KV-event port)",
+}
 KNOWN_ENGINES: Final = ("vllm", "sglang")  # `owned_by` values of the engines' /v1/models
 # Base model names read of a worker's /v1/models: vLLM's --served-model-name takes a few.
 MAX_SERVED_NAMES: Final = 64
@@ -300,9 +308,11 @@ class Worker:
     unhealthy_since: float | None = None  # clock time of the first failed check in a row
     reregister_failures: int = 0  # down: registrations anew that failed in a row
     reregister_at: float = 0.0  # down: clock time of the next registration anew, at earliest
-    # Its ranks' publisher connection drops as of its last look at them (`_look_at_drops`),
-    # and whether a health check failed since: an engine restarted in between shows both.
+    # Its ranks' publisher connection drops and refused reconnects after them as of its last
+    # look at them (`_look_at_drops`), and whether a health check failed since: an engine
+    # restarted in between shows a drop and either of the others.
     drops_seen: int = 0
+    listener_gone_seen: int = 0
     failed_since_drops_seen: bool = False
     draining: bool = False
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
@@ -767,7 +777,8 @@ class WorkerRegistry:
                 )
             )
         self.subscribed_ranks += len(ranks)
-        worker.drops_seen, worker.failed_since_drops_seen = 0, False  # fresh subscriber stats
+        # Fresh subscriber stats.
+        worker.drops_seen, worker.listener_gone_seen, worker.failed_since_drops_seen = 0, 0, False
         worker.subscribing_since = self._clock()
         holding_since = time.monotonic()  # after the subscribers started holding
         worker.state, worker.reason = "ready", ""
@@ -1041,22 +1052,31 @@ class WorkerRegistry:
         """A healthy worker whose ranks' publisher connections dropped since the last look
         may be a new engine process: its /server_info is read again. Other KV-event ranks
         than it was registered with are registered anew (`_register_anew`); the same ones,
-        after a failed health check in between, are taken as a restart and cleared
-        (`_forget_restarted`). A drop with /health passing throughout (an oversized message,
-        a blip) or a failed check with every connection kept (a slow engine) clears nothing."""
-        drops = sum(stats.disconnects for stats in worker.subscriber_stats.values())
-        if drops == worker.drops_seen:
+        after a failed health check in between (`suspected`) or a reconnect refused after a
+        drop (`listener_gone`: the process went away, restarted faster than a health check
+        could fail), are taken as a restart and cleared (`_forget_restarted`). A drop with
+        /health passing and the listener kept throughout (an oversized message, a blip) or a
+        failed check with every connection kept (a slow engine) clears nothing."""
+        stats = worker.subscriber_stats.values()
+        drops = sum(rank.disconnects for rank in stats)
+        # Counted by the subscriber just after the drop, possibly after a look that saw the
+        # drop: one seen late is a restart all the same.
+        gone = sum(rank.listener_gone for rank in stats)
+        if drops == worker.drops_seen and gone == worker.listener_gone_seen:
             worker.failed_since_drops_seen = False
             return
         info = await self._kv_events_now(worker)
         if info is None or self._workers.get(worker.url) is not worker or worker.state != "ready":
             return  # looked at again at the next pass
-        restarted = worker.failed_since_drops_seen
-        worker.drops_seen, worker.failed_since_drops_seen = drops, False
+        failed, listener_gone = worker.failed_since_drops_seen, gone != worker.listener_gone_seen
+        worker.drops_seen, worker.listener_gone_seen = drops, gone
+        worker.failed_since_drops_seen = False
         if info != worker.kv:
             await self._register_anew(worker, info)
-        elif restarted:
-            await self._forget_restarted(worker)
+        elif failed:
+            await self._forget_restarted(worker, "suspected")
+        elif listener_gone:
+            await self._forget_restarted(worker, "listener_gone")
 
     async def _kv_events_now(self, worker: Worker) -> KvEventsInfo | None:
         """What the worker's /server_info says of its KV events now, read as `_register`
@@ -1104,23 +1124,25 @@ class WorkerRegistry:
         finally:
             self._back_off_if_down(worker)
 
-    async def _forget_restarted(self, worker: Worker) -> None:
+    async def _forget_restarted(self, worker: Worker, reason: str) -> None:
         """Clear the ranks of a worker taken as restarted (`_look_at_drops`). A new engine
         starts with an empty cache and numbers its batches from 0, and ZeroMQ drops what it
         publishes before the replica has subscribed again, so its stream can look like the
         old one's continuation (seq 3 after the old 0..2, or a gap that replay fills from the
         new stream): nothing else would ever take the old process's blocks out, and the
         index would send their prefixes to a cold cache for good. A false positive (a blip
-        that failed /health and dropped the connections of an engine that lived on) costs
-        misses until the ranks re-learn: its snapshot is pulled again where it serves one,
-        else the ranks re-learn from their next batches (cold until one at seq 0)."""
+        that failed /health and dropped the connections of an engine that lived on, or a
+        publisher port closed and opened again by a live engine) costs misses until the ranks
+        re-learn: its snapshot is pulled again where it serves one, else the ranks re-learn
+        from their next batches (cold until one at seq 0)."""
         ranks = worker.ranks()
-        self.stats.restarts["suspected"] += 1
+        self.stats.restarts[reason] += 1
         log.warning(
-            "worker %s failed /health and its KV-event connections dropped in between: taken "
-            "as a restarted engine (its new stream may read as the old one's continuation); "
-            "its %d rank(s) are cleared and re-learned from %s",
+            "worker %s: its KV-event connections dropped and it %s meanwhile: taken as a "
+            "restarted engine (its new stream may read as the old one's continuation); its %d "
+            "rank(s) are cleared and re-learned from %s",
             worker.url,
+            RESTART_EVIDENCE[reason],
             len(ranks),
             "its next events" if worker.snapshot_served is False else "its /v1/kv-snapshot",
         )

@@ -2,7 +2,7 @@
 replica keeps of it must follow the new process all the same.
 
 Real fake workers and a real replica on loopback; a crash is `stop(send_end=False)` (no
-END_SEQ), the restart a new worker on the same HTTP and KV ports.
+END_SEQ) or a worker process SIGKILLed, the restart a new worker on the same HTTP and KV ports.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from tests.support.cluster import Cluster
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.ports import free_port_range
 from tests.support.router import RouterHandle, router_in_process
@@ -190,5 +191,67 @@ async def test_a_dropped_event_connection_with_health_passing_clears_nothing() -
         view = await rt.wait_cursor(fw.url, 0, seq)
         assert view["blocks"] == 1 + 3  # the probe and the first chain: nothing cleared
         assert await restarts(rt, "suspected") == 0
+        assert await restarts(rt, "listener_gone") == 0
         assert await restarts(rt, "kv_events_changed") == 0
+        assert worker.subscriber_stats[0].listener_gone == 0  # the reconnect was answered
         assert worker.healthy and worker.state == "ready"
+
+
+@pytest.mark.parametrize("ingest_processes", [0, 1], ids=["in_loop", "ingest_process"])
+async def test_a_worker_killed_and_restarted_between_two_health_checks_keeps_no_ghosts(
+    cluster: Cluster, ingest_processes: int
+) -> None:
+    """SIGKILLed and started again on the same ports before a health check could fail: /health
+    passed at every check and its description is the same, but the reconnect after the drop
+    was refused (nothing listened on the port), which an engine that lived on never shows.
+    Its new stream read as the old one's continuation: the old process's blocks stayed."""
+    kv_port_base = free_port_range(1)
+    old = await cluster.worker(
+        "old", replay=False, kv_port_base=kv_port_base, serve_kv_snapshot=False
+    )
+    # The replica's own health loop never runs: the test makes each pass, none in the restart.
+    async with router_in_process(
+        workers=[old.url],
+        health_interval_s=3600,
+        worker_evict_after_s=600,
+        kv_ingest_processes=ingest_processes,
+    ) as rt:
+        workers = rt.replica.workers
+        worker = workers.get(old.url)
+        assert worker is not None and old.child is not None
+        await rt.gate(old)
+        last_old = await old.store([chain(7, 3)])
+        assert (await rt.wait_cursor(old.url, 0, last_old))["blocks"] == 1 + 3
+        await old.child.kill()
+        await eventually(lambda: worker.subscriber_stats[0].listener_gone == 1, within_s=10)
+
+        new = await cluster.worker(
+            "new",
+            replay=False,
+            port=old.config.port,
+            kv_port_base=kv_port_base,
+            serve_kv_snapshot=False,
+        )
+        await new.post("/control/drop-next", {"count": last_old + 1})
+        for i in range(last_old + 1):  # seq 0..n, lost to the replica
+            await new.store([chain(40 + i, 1)])
+        probe = await rt.gate(new)
+        assert probe > last_old  # reads as the old stream's next (or a gap past it)
+        assert (await rt.rank_view(new.url, 0) or {})["blocks"] == 1 + 3  # the ghosts
+
+        await workers.check_health_once()
+        assert (await rt.rank_view(new.url, 0) or {})["blocks"] == 0
+        assert await restarts(rt, "listener_gone") == 1
+        assert await restarts(rt, "suspected") == 0
+        assert await restarts(rt, "kv_events_changed") == 0
+        assert workers.stats.health_checks_failed == 0
+        assert workers.stats.evictions == 0
+        # The new engine's batches are learned again; the rank says it missed some.
+        view = await rt.wait_cursor(new.url, 0, await rt.gate(new))
+        assert view["blocks"] == 1
+        scrape = await rt.scrape()
+        assert scrape.get("kvrouter_index_rank_cold", worker_url=new.url, dp_rank="0") == 1
+        # The drop was looked at once: the next pass clears nothing.
+        await workers.check_health_once()
+        assert (await rt.rank_view(new.url, 0) or {})["blocks"] == 1
+        assert await restarts(rt, "listener_gone") == 1
