@@ -1078,6 +1078,10 @@ class ClientConnection(asyncio.Protocol):
         self._closed = True
         if self.transport is not None:
             if not self._answering:
+                incoming = self._incoming
+                count_refused(
+                    self.plane.metrics, incoming.head if incoming is not None else None, 408
+                )
                 self.transport.write(
                     refusal_response(
                         Refusal(408, f"request {phase} not received in time", close=True),

@@ -1594,7 +1594,7 @@ async def test_a_probe_on_a_new_connection_is_answered_while_the_event_loop_is_b
 # -- section 4: timeouts and limits -----------------------------------------------------------
 
 
-async def test_a_head_not_finished_in_time_is_a_408_and_a_close() -> None:
+async def test_a_head_not_finished_in_time_is_a_counted_408_and_a_close() -> None:
     async with router_in_process(client_header_timeout_s=0.2) as rt:
         client = await RawClient.open(rt.url)
         client.send(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n")  # and nothing more
@@ -1604,9 +1604,11 @@ async def test_a_head_not_finished_in_time_is_a_408_and_a_close() -> None:
         silent = await RawClient.open(rt.url)  # a connection that never sends a byte
         assert await silent.closed()
         assert rt.plane.stats.closed["head_timeout"] == 2
+        # Each 408 is a request the router refused itself; no head parsed, so no route.
+        assert rt.plane.metrics.requests["other", "none", "408"] == 2
 
 
-async def test_a_body_not_finished_in_time_is_a_408_and_a_close() -> None:
+async def test_a_body_not_finished_in_time_is_a_counted_408_and_a_close() -> None:
     async with router_in_process(client_body_timeout_s=0.2) as rt:
         client = await RawClient.open(rt.url)
         client.send(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 50\r\n\r\n{")
@@ -1614,6 +1616,7 @@ async def test_a_body_not_finished_in_time_is_a_408_and_a_close() -> None:
         assert answer is not None and answer.status == 408
         assert await client.closed()
         assert rt.plane.stats.closed["body_timeout"] == 1
+        assert rt.plane.metrics.requests["/v1/completions", "none", "408"] == 1
 
 
 async def test_an_idle_client_connection_is_closed_after_the_keep_alive_timeout() -> None:
