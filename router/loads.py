@@ -402,6 +402,10 @@ class _Worker:
     read_at: float | None = None  # clock time of the last successful read
     source: str | None = None  # "loads" or "metrics": where `loads` came from
     failing: bool = False  # the last tick yielded nothing (for log de-duplication)
+    # Set when the poll in flight ends: a registration's poll and a tick meet often (the
+    # tick is due while the registration waits on its answer), and the second one waits for
+    # the first rather than asking again (a 404 is remembered: asked once, counted once).
+    polled: asyncio.Event | None = None
     out_of_range_logged: bool = False  # a figure above MAX_REPORTED was logged once
 
 
@@ -460,6 +464,7 @@ class LoadMonitor:
         w.loads = {r: load for r, load in w.loads.items() if r < dp_size}
         w.capacity = {}
         w.out_of_range_logged = False
+        w.polled = None  # the poll in flight asks the old probe: the next one asks afresh
 
     def close(self) -> None:
         """Drop every connection (the replica is stopping)."""
@@ -536,6 +541,10 @@ class LoadMonitor:
             await asyncio.gather(*(self._poll_guarded(w) for w in workers))
 
     async def _poll_guarded(self, w: _Worker) -> None:
+        if w.polled is not None:
+            await w.polled.wait()
+            return
+        polled = w.polled = asyncio.Event()
         try:
             await self._poll(w)
         except Exception:  # a bug here must not stop the other workers' polls or the loop
@@ -543,6 +552,10 @@ class LoadMonitor:
             if not w.failing:  # once while it lasts, as other failures: not twice a second
                 log.exception("load poll of %s failed", w.url)
                 w.failing = True
+        finally:
+            if w.polled is polled:
+                w.polled = None
+            polled.set()
 
     async def _poll(self, w: _Worker) -> None:
         probe = w.probe

@@ -408,6 +408,31 @@ async def test_a_poll_answered_after_the_worker_was_removed_is_discarded() -> No
         assert mon.get(eng.url) is None
 
 
+async def test_a_registration_s_poll_and_a_tick_at_once_ask_v1_loads_once() -> None:
+    # The tick comes due while the registration's poll waits on its 404: it waits for that
+    # poll's verdict rather than asking again, and the absent verdict is counted once.
+    async with ScriptedEngine({"/metrics": [reply(200, METRICS_TEXT)]}) as eng, monitor() as mon:
+        asked, answer = asyncio.Event(), asyncio.Event()
+
+        async def late_404(request: web.Request) -> web.Response:
+            asked.set()
+            await answer.wait()
+            return web.Response(status=404)
+
+        eng.scripts["/v1/loads"] = [late_404]
+        mon.add_worker(eng.url)
+        registration = asyncio.create_task(mon.poll_worker(eng.url))
+        await asyncio.wait_for(asked.wait(), 5)
+        tick = asyncio.create_task(mon.poll_once())
+        answer.set()
+        await asyncio.gather(registration, tick)
+        assert eng.paths == ["/v1/loads", "/metrics"]
+        assert mon.probe_outcomes == {"absent": 1}
+        assert mon.get(eng.url) == FROM_METRICS
+        await mon.poll_once()  # the next tick polls again, on the remembered verdict
+        assert eng.paths == ["/v1/loads", "/metrics", "/metrics"]
+
+
 async def test_workers_are_polled_concurrently() -> None:
     # Each engine answers only once both have been asked: a sequential poll would time out.
     both = asyncio.Barrier(2)
