@@ -674,9 +674,11 @@ def _sglang_dump_message(message: dict[str, Any]) -> dict[str, Any]:
                 raise RequestError(
                     "thinking parts require exactly one of 'thinking' or 'text'", "messages"
                 )
-    role = message["role"].lower()
-    if role == "user":
+    if message["role"] == "user":
         return {"role": "user", "content": content}
+    # The generic message model lower-cases its roles; the user model's Literal takes "user"
+    # exactly, so "User" fits neither.
+    role = message["role"].lower()
     allowed = ("system", "assistant", "tool", "function", "developer", "latest_reminder", "root")
     if role not in allowed:
         raise RequestError(f"'role' must be one of {allowed}", "messages")

@@ -51,7 +51,8 @@ they differ:
   SGLang (0.5.23): `{type, function, defer_loading}`, the function's declared fields in the
   client's order (those it left out after); none when `tool_choice` is `none`, only the named
   one for a named choice.
-- roles: vLLM renders any; SGLang its list alone (`root` among them), lower-cased.
+- roles: vLLM renders any; SGLang its list alone (`root` among them), lower-cased, but
+  `user` exactly (its user model's role is case-sensitive: `User` is its 400).
 - message fields: SGLang (0.5.23) gives the template a message's `phase` (`commentary` or
   `final_answer`) and `prefix` (DeepSeek's prefix completion, a boolean) but a user's; vLLM
   neither.
@@ -700,9 +701,11 @@ def _tool_flag(holder: dict[str, Any], key: str) -> bool | None:
 
 # --- SGLang ---------------------------------------------------------------------------------
 
-# Rendered under their own names (0.5.23 takes `root`, as MiniMax M3's templates name it).
-_SGLANG_ROLES: Final = frozenset(
-    {"system", "user", "assistant", "tool", "function", "developer", "latest_reminder", "root"}
+# The roles of 0.5.23's generic message model, taken in any case and rendered lower-cased
+# (`root` among them, as MiniMax M3's templates name it). `user` is not one: its own model
+# takes it exactly, so a `User` fits neither and is a 400.
+_SGLANG_GENERIC_ROLES: Final = frozenset(
+    {"system", "assistant", "tool", "function", "developer", "latest_reminder", "root"}
 )
 # The content part types SGLang's request model takes (`ChatCompletionMessageContentPart`):
 # any other part, an `input_text` or a bare string too, is a 400 there.
@@ -813,8 +816,8 @@ def _sglang_effort(effort: Any) -> str | float | None:
 
 
 def _sglang_message(message: dict[str, Any], as_parts: bool) -> dict[str, Any]:
-    role = message["role"].lower()
-    if role not in _SGLANG_ROLES:
+    role = message["role"]
+    if role != "user" and (role := role.lower()) not in _SGLANG_GENERIC_ROLES:
         raise Unrenderable("role", f"SGLang refuses the role {message['role']!r}")
     if role == "user":
         dumped: dict[str, Any] = {"role": role, "content": message.get("content")}

@@ -101,6 +101,10 @@ SHAPES: Final[dict[str, dict[str, Any]]] = {
     "developer": {"messages": [{"role": "developer", "content": "You are terse."}, USER]},
     # MiniMax M3's first message: vLLM renders any role, SGLang 0.5.23 takes this one as it is.
     "root": {"messages": [{"role": "root", "content": "You are terse."}, USER]},
+    # SGLang lower-cases every role but user, whose model takes it exactly: a 400 there.
+    "capitalised_roles": {
+        "messages": [{"role": "System", "content": "You are terse."}, {**USER, "role": "User"}]
+    },
     "text_parts": {
         "messages": [
             SYSTEM,

@@ -217,6 +217,18 @@ def test_sglang_renders_a_root_message_under_its_own_role(
     assert "<|im_start|>root\nYou are terse." in rendered(sglang, SHAPES["root"])
 
 
+def test_sglang_refuses_a_capitalised_user_role_and_lower_cases_the_others(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
+) -> None:
+    _, sglang = pairs[("chatml.jinja", "sglang")]
+    with pytest.raises(RequestError):
+        sglang.chat_ids(copy.deepcopy(SHAPES["capitalised_roles"]))
+    body = {
+        "messages": [{"role": "System", "content": "You are terse."}, SHAPES["root"]["messages"][1]]
+    }
+    assert "<|im_start|>system\nYou are terse." in rendered(sglang, body)
+
+
 def test_sglang_refuses_an_input_text_part_that_vllm_reads_as_text(
     pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
 ) -> None:

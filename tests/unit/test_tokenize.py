@@ -612,6 +612,21 @@ def test_sglang_renders_a_root_message_under_its_own_role() -> None:
     assert call.conversation[0] == {"role": "root", "content": "You are terse."}
 
 
+def test_sglang_routes_a_capitalised_user_role_as_a_miss_and_takes_other_roles_in_any_case() -> (
+    None
+):
+    """SGLang's user model takes `user` exactly and its generic model lower-cases the others:
+    a `User` fits neither and is its 400, which the router rendered as a user turn."""
+    traits = TemplateTraits(False, False, False, frozenset())
+    with pytest.raises(Unrenderable) as caught:
+        render_call(chat([{"role": "User", "content": "hi"}]), traits, Engine.SGLANG)
+    assert caught.value.reason == "role"
+    body = chat([{"role": "SYSTEM", "content": "You are terse."}, MESSAGES[1]])
+    assert render_call(body, traits, Engine.SGLANG).conversation[0]["role"] == "system"
+    user = chat([{"role": "User", "content": "hi"}])
+    assert render_call(user, traits, Engine.VLLM).conversation[0]["role"] == "User"
+
+
 def test_a_tool_choice_of_the_wrong_shape_is_refused_where_sglang_picks_a_template() -> None:
     body = chat(MESSAGES, tools=[WEATHER_TOOL], tool_choice={"function": 3})
     with pytest.raises(ChatRequestError):
