@@ -703,7 +703,10 @@ def _sglang_dump_message(message: dict[str, Any]) -> dict[str, Any]:
                     "id": call.get("id"),
                     "index": call.get("index"),
                     "type": "function",
-                    "function": {"name": call["function"].get("name"), "arguments": arguments},
+                    "function": {
+                        "name": _optional_str(call["function"].get("name")),
+                        "arguments": arguments,
+                    },
                 }
             )
     tools = message.get("tools")
@@ -714,14 +717,21 @@ def _sglang_dump_message(message: dict[str, Any]) -> dict[str, Any]:
     return {
         "role": role,
         "content": message.get("content"),
-        "tool_call_id": message.get("tool_call_id"),
-        "name": message.get("name"),
+        "tool_call_id": _optional_str(message.get("tool_call_id")),
+        "name": _optional_str(message.get("name")),
         "phase": phase,
         "reasoning_content": message.get("reasoning_content"),
         "tool_calls": calls,
         "tools": None if tools is None else [_sglang_dump_tool(t) for t in tools],
         "prefix": None if prefix is None else lax_bool(prefix, "prefix"),
     }
+
+
+def _optional_str(value: Any) -> str | None:
+    # pydantic's str takes no number (SGLang sets no coerce_numbers_to_str).
+    if value is not None and not isinstance(value, str):
+        raise RequestError("Input should be a valid string", "messages")
+    return value
 
 
 def _orjson_loads(text: str) -> Any:

@@ -55,7 +55,8 @@ they differ:
   `user` exactly (its user model's role is case-sensitive: `User` is its 400).
 - message fields: SGLang (0.5.23) gives the template a message's `phase` (`commentary` or
   `final_answer`) and `prefix` (DeepSeek's prefix completion, a boolean) but a user's; vLLM
-  neither.
+  neither. SGLang refuses a `name` or `tool_call_id` (a history tool call's `name` too) that
+  is not a string; vLLM passes them on.
 - content parts: SGLang's request model takes `text`, `thinking`/`reasoning` (left out of
   what the template sees), media and `tool_reference` parts alone: an `input_text` part or a
   bare string is its 400, and the router routes such a chat as a miss, as a role SGLang
@@ -824,7 +825,7 @@ def _sglang_message(message: dict[str, Any], as_parts: bool) -> dict[str, Any]:
     else:
         dumped = {"role": role, "content": message.get("content")}
         for key in ("tool_call_id", "name"):
-            dumped[key] = message.get(key)
+            dumped[key] = _sglang_optional_str(message.get(key), f"a message's '{key}'")
         dumped["phase"] = _sglang_phase(message.get("phase"))
         dumped["reasoning_content"] = message.get("reasoning_content")
         calls = message.get("tool_calls")
@@ -921,8 +922,18 @@ def _sglang_tool_call(call: dict[str, Any]) -> dict[str, Any]:
         "id": call.get("id"),
         "index": call.get("index"),
         "type": "function",
-        "function": {"name": function.get("name"), "arguments": arguments},
+        "function": {
+            "name": _sglang_optional_str(function.get("name"), "a tool call's function 'name'"),
+            "arguments": arguments,
+        },
     }
+
+
+def _sglang_optional_str(value: Any, what: str) -> str | None:
+    """A field SGLang's models declare `Optional[str]`: pydantic takes no number for it."""
+    if value is not None and not isinstance(value, str):
+        raise ChatRequestError(f"{what} must be a string, not {shown(value)}")
+    return value
 
 
 _U64_END: Final = 1 << 64

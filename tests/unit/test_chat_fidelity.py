@@ -229,6 +229,22 @@ def test_sglang_refuses_a_capitalised_user_role_and_lower_cases_the_others(
     assert "<|im_start|>system\nYou are terse." in rendered(sglang, body)
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "tool", "tool_call_id": 7, "content": "Sunny."},
+        {"role": "assistant", "name": 7, "content": "It is sunny."},
+        {"role": "assistant", "tool_calls": [{"function": {"name": 7, "arguments": "{}"}}]},
+    ],
+)
+def test_sglang_refuses_a_name_or_tool_call_id_that_is_not_a_string(
+    pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]], message: dict[str, Any]
+) -> None:
+    _, sglang = pairs[("chatml.jinja", "sglang")]
+    with pytest.raises(RequestError):
+        sglang.chat_ids({"messages": [SHAPES["root"]["messages"][1], message]})
+
+
 def test_sglang_refuses_an_input_text_part_that_vllm_reads_as_text(
     pairs: dict[tuple[str, str], tuple[RequestTokenizer, ModelChat]],
 ) -> None:

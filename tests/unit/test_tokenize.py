@@ -311,6 +311,15 @@ _FUNCTION_CALL = [{"function": {"name": "f", "arguments": "{}"}}]
             "sglang",
             "tool_choice",
         ),
+        # SGLang's models declare these Optional[str], which takes no number; vLLM's passes
+        # them on as they are.
+        (chat([{"role": "tool", "content": "x", "tool_call_id": 7}]), "sglang", "messages"),
+        (chat([{"role": "assistant", "content": "x", "name": 7}]), "sglang", "messages"),
+        (
+            chat([{"role": "assistant", "tool_calls": [{"function": {"name": 7}}]}]),
+            "sglang",
+            "messages",
+        ),
     ],
 )
 def test_a_field_of_the_wrong_shape_is_a_chat_request_error_never_a_crash(
