@@ -36,8 +36,11 @@ A rank's whole state can be replaced behind the old one (a worker's own snapshot
 one is built at an index of its own that readers skip (`stage_rank`, `store(staged=True)`;
 `prefix_depths`, the carriers, the counts and an export leave hidden indices out), then takes
 the old one's place in one step (`swap_staged_steps`), the old one hidden and dropped in slices.
-Routing never sees the rank half built or half cleared; its nodes count in `len(tree)` and
-`match`'s depth meanwhile.
+Routing never sees the rank half built or half cleared. `len(tree)` (the kvrouter_tree_nodes
+gauge) and `match`'s depth count the hidden states' nodes meanwhile, on purpose: they read the
+node map, which holds them (the gauge is its size), and telling a node only hidden states hold
+from one on the way to a visible carrier takes a walk of its subtree, which neither a scrape nor
+a lookup should pay; `match`'s carriers leave hidden ranks out.
 
 How it is fast: `store` and `remove` hand their blocks to runs (`place_run`, `remove_run`)
 that take the cases engines nearly always send (a new block or a new device-only carrier; a

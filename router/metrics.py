@@ -263,7 +263,9 @@ class _StateCollector(Collector):
             "kvrouter_block_size", "Fleet KV block size", [((), tree.block_size if tree else 0)]
         )
         yield _gauge(
-            "kvrouter_tree_nodes", "Nodes in the block index", [((), len(tree) if tree else 0)]
+            "kvrouter_tree_nodes",
+            "Nodes in the block index, a worker snapshot's being installed included",
+            [((), len(tree) if tree else 0)],
         )
         blocks = GaugeMetricFamily(
             "kvrouter_tree_blocks",

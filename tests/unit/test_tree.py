@@ -338,6 +338,19 @@ def test_a_staged_state_is_seen_by_no_reader_until_one_step_swaps_it_for_the_old
     assert tree.block_count(A, DISK) == 4
 
 
+def test_a_staged_state_s_nodes_count_in_len_and_match_depth_but_not_as_carriers() -> None:
+    # Documented: both read the node map, and telling a node only hidden states hold from one
+    # on the way to a visible carrier takes a walk of its subtree.
+    tree = BlockTree(BS)
+    store_chain(tree, A, toks(2), 1)
+    tree.stage_rank(A)
+    tree.store(A, None, [7, 8, 9], toks(3, start=500), BS, staged=True)
+    assert len(tree) == 5
+    staged = tree.match(keys_of(toks(3, start=500)))
+    assert (staged.blocks, staged.carriers) == (3, ())
+    assert tree.prefix_depths(keys_of(toks(3, start=500))).any_tier == {}
+
+
 def test_a_dropped_stage_leaves_the_tree_as_it_was() -> None:
     tree = BlockTree(BS)
     store_chain(tree, A, toks(3), 1)
