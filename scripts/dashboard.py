@@ -416,7 +416,8 @@ ROWS: Final = (
             Panel(
                 "Index nodes per replica",
                 "Blocks in each replica's index (kvrouter_tree_nodes); replicas that agree hold "
-                "the same number.",
+                "the same number, except while one installs a worker's snapshot (its staged "
+                "nodes count too).",
                 "short",
                 (Query(f"kvrouter_tree_nodes{_sel()}", "{{instance}}"),),
             ),
