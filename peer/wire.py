@@ -76,6 +76,8 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
+from cachetree.tree import run_through
+
 FORMAT: Final = 1
 MSGPACK: Final = "application/msgpack"
 JSON: Final = "application/json"
@@ -233,12 +235,7 @@ def encode_columns(head: ColumnsHead, columns: WireColumns) -> list[bytes | memo
 
 def decode_columns(body: bytes | bytearray) -> PeerColumns:
     """Decode a columnar body; every length is checked against the body before a copy."""
-    steps = decode_columns_steps(body)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+    return run_through(decode_columns_steps(body))
 
 
 COPY_PIECE: Final = 4 << 20  # bytes copied per step of `decode_columns_steps` (~1 ms)

@@ -84,7 +84,7 @@ import inspect
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
 
@@ -174,7 +174,7 @@ def apply_events(
     tally: Counter[tuple[str, str]] | None = None,
 ) -> None:
     """Apply events in order, counting them into `tally` by (kind, `medium_label`)."""
-    _exhaust(apply_steps(tree, rank, events, tally))
+    run_through(apply_steps(tree, rank, events, tally))
 
 
 def apply_steps(
@@ -319,11 +319,6 @@ def _store_sliced(tree: BlockTree, rank: RankId, event: BlockStored, slice_block
         parent = part[-1]
 
 
-def _exhaust(steps: Iterator[None]) -> None:
-    for _ in steps:
-        pass
-
-
 @dataclass(slots=True)
 class PumpStats:
     batches_applied: int = 0
@@ -434,7 +429,7 @@ class IndexRules:
             self.tree.recount()
 
     def handle(self, item: SubscriberItem) -> None:
-        _exhaust(self.steps(item))
+        run_through(self.steps(item))
 
     def steps(self, item: SubscriberItem) -> Steps:
         """Handle one item, yielding between slices of long work (see the module docstring)."""
@@ -495,7 +490,7 @@ class IndexRules:
             )
 
     def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> None:
-        _exhaust(self.apply_batch_steps(rank, seq, batch))
+        run_through(self.apply_batch_steps(rank, seq, batch))
 
     def apply_batch_steps(self, rank: RankId, seq: int, batch: EventBatch) -> Steps:
         cursor = self.cursors.get(rank)

@@ -63,6 +63,7 @@ import aiohttp
 import msgspec
 
 from cachetree.ranks import RankId
+from cachetree.tree import run_through
 from peer.supervise import doubling_s
 from router.bounded import read_up_to
 from router.homes import MAX_CHAIN_BLOCKS, Home
@@ -341,12 +342,7 @@ class DecisionSharing:
     def receive(self, body: bytes) -> int:
         """Adopt a sibling's batch at once; returns how many decisions were adopted.
         ValueError (and nothing adopted) when the batch is malformed."""
-        steps = self.adopt_steps(self.decode(body))
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+        return run_through(self.adopt_steps(self.decode(body)))
 
     def decode(self, body: bytes) -> DecisionBatch:
         """A sibling's batch, whole; ValueError (counted `refused`) when it is malformed."""
