@@ -137,6 +137,8 @@ class IndexSurface(Protocol):
 
     def clear_rank_state(self, rank: RankId) -> None: ...
 
+    def forget_streams(self, ranks: Iterable[RankId]) -> None: ...
+
 
 class Grafted(Protocol):
     """A vetted snapshot, as the pump needs it (`peer.vet.VettedSnapshot`)."""
@@ -513,8 +515,7 @@ class BootstrapRules:
         if held and seq < held[-1].seq:
             # A regression under what it held: the publisher restarted (the subscriber says so
             # with a PublisherReset first; a stream handed over raw does not).
-            self.on_publisher_reset(rank)
-            self.index.clear_rank_state(rank)
+            self.index.forget_streams((rank,))  # these rules' `on_publisher_reset`, then cleared
             self.index.apply_batch(rank, seq, batch)
             return
         self.held.setdefault(rank, []).append(HeldBatch(seq, _packed(batch)))
