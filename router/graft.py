@@ -101,7 +101,7 @@ from peer.probe import MAX_UNKNOWN_PROBES
 from peer.sweep import Gapped
 from peer.tracker import BootstrapState, BootstrapTracker, Obligation
 from router.events import BlockStored, EventBatch
-from router.worker_snapshot import WorkerSnapshot, adapter_names, check_steps, stage_steps
+from router.worker_snapshot import WorkerSnapshot, adapter_names, rebuild_steps
 
 log = logging.getLogger(__name__)
 
@@ -214,9 +214,7 @@ class LocalGraft:
         cursors = {}
         for rank_snap in snap.ranks:
             rank = RankId(worker_url, rank_snap.dp_rank)
-            yield from check_steps(rank_snap, snap.block_size, block_size, slice_blocks)
-            yield from stage_steps(tree, rank, rank_snap, snap.block_size, slice_blocks)
-            yield from tree.swap_staged_steps(rank, slice_blocks)
+            yield from rebuild_steps(tree, rank, rank_snap, snap.block_size, slice_blocks)
             if rank_snap.last_seq >= 0:
                 cursors[rank] = rank_snap.last_seq
         exporting = SnapshotExport(tree)

@@ -194,11 +194,6 @@ def decode_worker_snapshot(
     return job.result()
 
 
-def check_rank(snap: SnapshotRank, block_size: int, index_block_size: int) -> None:
-    """WorkerSnapshotError unless `snap`'s blocks fit together (`check_steps` at once)."""
-    run_through(check_steps(snap, block_size, index_block_size, len(snap.blocks) + 1))
-
-
 def check_steps(
     snap: SnapshotRank, block_size: int, index_block_size: int, slice_blocks: int
 ) -> Generator[None, None, None]:
@@ -237,12 +232,21 @@ def adapter_names(ranks: Iterable[SnapshotRank]) -> set[str]:
 
 
 def rebuild_rank(tree: BlockTree, rank: RankId, snap: SnapshotRank, block_size: int) -> int:
-    """Replace `rank`'s blocks in `tree` with those of `snap` at once (tests, benches; the pump
-    installs in steps: `IndexRules.replace_ranks_steps`). Returns blocks placed. Checked
-    before anything changes (`check_rank`): a refused snapshot leaves the rank as it was."""
-    check_rank(snap, block_size, tree.block_size)
-    placed = run_through(stage_steps(tree, rank, snap, block_size, len(snap.blocks) + 1))
-    run_through(tree.swap_staged_steps(rank, 1 << 62))
+    """`rebuild_steps` at once (tests, benches; the pump installs in steps:
+    `IndexRules.replace_ranks_steps`). Returns blocks placed."""
+    return run_through(rebuild_steps(tree, rank, snap, block_size, len(snap.blocks) + 1))
+
+
+def rebuild_steps(
+    tree: BlockTree, rank: RankId, snap: SnapshotRank, block_size: int, slice_blocks: int
+) -> Generator[None, None, int]:
+    """Replace `rank`'s blocks in `tree` with those of `snap`, yielding after every
+    `slice_blocks` blocks; returns the blocks placed. Checked before anything changes
+    (`check_steps`): a refused snapshot leaves the rank as it was. Built aside, then swapped in
+    (`stage_steps`, `BlockTree.swap_staged_steps`): no reader sees the rank half built."""
+    yield from check_steps(snap, block_size, tree.block_size, slice_blocks)
+    placed = yield from stage_steps(tree, rank, snap, block_size, slice_blocks)
+    yield from tree.swap_staged_steps(rank, slice_blocks)
     return placed
 
 
@@ -251,7 +255,7 @@ def stage_steps(
 ) -> Generator[None, None, int]:
     """Build `snap`'s blocks as `rank`'s staged state (`BlockTree.stage_rank`: no reader sees
     it before `swap_staged_steps`), yielding after every `slice_blocks` blocks; returns the
-    blocks placed. `snap` must have passed `check_rank`.
+    blocks placed. `snap` must have passed `check_steps`.
 
     Blocks with a tier name we do not know are skipped (an unknown medium is never indexed),
     and so are their descendants (neither counts as a refused store).
