@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from router.dataplane.flow import LogTally
+from router.log_tally import LogTally
 
 log = logging.getLogger(__name__)
 

@@ -95,7 +95,6 @@ from cachetree.tiers import MEDIUM_TIERS
 from cachetree.tree import BlockTree, run_through
 from peer.tasks import cancel_and_wait
 from router.adapter_names import AdapterNames
-from router.dataplane.flow import LogTally
 from router.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -105,6 +104,7 @@ from router.events import (
     RemovedRun,
 )
 from router.graft import BootstrapRules
+from router.log_tally import LogTally
 from router.subscriber import (
     LOSS_WARN_EVERY_S,
     MAX_SEQ_JUMP,

@@ -124,8 +124,8 @@ import zmq.asyncio
 
 from cachetree.ranks import RankId
 from peer.supervise import describe, doubling_s
-from router.dataplane.flow import LogTally
 from router.events import EventBatch, EventDecodeError, decode_batch
+from router.log_tally import LogTally
 from router.zmtp import ZmtpError, ZmtpReader, greeting_and_ready, subscription, tcp_host_port
 
 log = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from router.dataplane.exchange import json_response
-from router.dataplane.flow import LogTally
+from router.log_tally import LogTally
 
 log = logging.getLogger(__name__)
 

@@ -12,16 +12,11 @@ deadline moves earlier than the pending one, or none is pending.
 
 `Pending` counts requests a drain must wait for that are not in flight yet (a long prompt being
 encoded in a worker thread, a new prefix's question to its placer), with a wait for none.
-
-`LogTally` says a recurring event (a connection refused, an accept failing, a request that
-waited in vain for a pooled connection) at most once an interval, with how many there were
-since: under overload they come in crowds, and a line each would flood the log.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Callable
 from typing import Final
 
@@ -106,24 +101,6 @@ class Deadline:
             return
         self._at = None
         self._on_expiry()
-
-
-class LogTally:
-    __slots__ = ("_every_s", "_said_at", "_since")
-
-    def __init__(self, every_s: float) -> None:
-        self._every_s = every_s
-        self._said_at = -math.inf
-        self._since = 0
-
-    def count(self, now: float, events: int = 1) -> int:
-        """`events` more happened at `now`: how many to say now (all since the last time said),
-        or 0 while the interval since then runs."""
-        self._since += events
-        if now - self._said_at < self._every_s:
-            return 0
-        said, self._since, self._said_at = self._since, 0, now
-        return said
 
 
 class Pending:

@@ -53,11 +53,12 @@ from router.dataplane.exchange import (
     route_of,
     uninvited,
 )
-from router.dataplane.flow import PIPELINED, YIELDING, Deadline, LogTally, Pending, ReadGate
+from router.dataplane.flow import PIPELINED, YIELDING, Deadline, Pending, ReadGate
 from router.dataplane.inflight import InflightTracker
 from router.dataplane.relay import ControlRelay, Relay, WorkerLookup, WorkerRelay, count_refused
 from router.dataplane.routing import EncodeFirst, Routed, Router
 from router.dataplane.upstream import UpstreamConnection, UpstreamPool
+from router.log_tally import LogTally
 from router.metrics import RouterMetrics
 from router.placement import AskFirst
 from router.policy import Decision

@@ -42,7 +42,8 @@ from router.dataplane.exchange import (
     ResponseHead,
     read_response_head,
 )
-from router.dataplane.flow import Deadline, LogTally
+from router.dataplane.flow import Deadline
+from router.log_tally import LogTally
 
 log = logging.getLogger(__name__)
 BUSY_LOG_EVERY_S: Final = 10.0  # the most often requests queued past their bound are said

@@ -6,7 +6,8 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.dataplane.flow import PEER_BACKPRESSURE, PIPELINED, Deadline, LogTally, ReadGate
+from router.dataplane.flow import PEER_BACKPRESSURE, PIPELINED, Deadline, ReadGate
+from router.log_tally import LogTally
 
 
 @dataclass(order=True)
