@@ -690,14 +690,20 @@ def _vllm_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tool_flag(holder: dict[str, Any], key: str) -> bool | None:
-    """A `bool | None` field of the engines' tool models, read as pydantic reads it."""
+    """A `bool | None` field of the engines' tool models (`_optional_flag`)."""
+    return _optional_flag(holder, key, "a tool's", "tools")
+
+
+def _optional_flag(holder: dict[str, Any], key: str, whose: str, param: str) -> bool | None:
+    """A `bool | None` field of the engines' request models, read as pydantic reads it: null
+    or absent is None; what it cannot read as a boolean is a 400 naming `param`."""
     value = holder.get(key)
     if value is None:
         return None
     try:
         return lax_bool(value)
     except ValueError:
-        raise ChatRequestError(f"a tool's '{key}' must be a boolean", "tools") from None
+        raise ChatRequestError(f"{whose} '{key}' must be a boolean", param) from None
 
 
 # --- SGLang ---------------------------------------------------------------------------------
@@ -832,8 +838,7 @@ def _sglang_message(message: dict[str, Any], as_parts: bool) -> dict[str, Any]:
         dumped["tool_calls"] = None if calls is None else [_sglang_tool_call(c) for c in calls]
         tools = message.get("tools")
         dumped["tools"] = None if tools is None else [_sglang_tool_dump(t) for t in tools]
-        prefix = message.get("prefix")
-        dumped["prefix"] = None if prefix is None else _sglang_message_flag(prefix, "prefix")
+        dumped["prefix"] = _optional_flag(message, "prefix", "a message's", "messages")
     if dumped["content"] is None:
         dumped["content"] = ""
     content = dumped["content"]
@@ -868,13 +873,6 @@ def _sglang_phase(phase: Any) -> str | None:
             f"a message's 'phase' must be one of {list(_SGLANG_PHASES)}, not {shown(phase)}"
         )
     return phase  # type: ignore[no-any-return]
-
-
-def _sglang_message_flag(value: Any, key: str) -> bool:
-    try:
-        return lax_bool(value)
-    except ValueError:
-        raise ChatRequestError(f"a message's '{key}' must be a boolean") from None
 
 
 def _sglang_check_thinking_part(part: dict[str, Any], role: str) -> None:
