@@ -299,7 +299,7 @@ class WorkerRelay(Relay):
                 f"no worker answered ({self.attempts} attempt(s)): {reason}",
                 type="upstream_unavailable",
             )
-        plane.metrics.requests[self.route, "none", _STATUS_LABELS[refusal.status]] += 1
+        count_refused(plane.metrics, self.head, refusal.status)
         self.client.refuse(refusal)
 
     # -- Acquirer --------------------------------------------------------------------------
