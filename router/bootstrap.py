@@ -138,7 +138,7 @@ class PeerBootstrap:
         the boot sweep share its one fetch.
         """
         rejoins = tuple(o for o in obligations if self.tracker.rejoins(o.rank))
-        joins = tuple(o for o in obligations if o not in rejoins)
+        joins = tuple(o for o in obligations if not self.tracker.rejoins(o.rank))
         for batch, late_join in ((joins, True), (rejoins, False)):
             if batch:
                 self.coordinator.enqueue_or_detach(
