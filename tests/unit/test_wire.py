@@ -18,6 +18,7 @@ from peer.wire import (
     WireWorker,
     as_format1,
 )
+from tests.support.steps import counted_steps
 
 BODY = PeerSnapshot(
     format=1,
@@ -155,15 +156,7 @@ def test_a_columnar_body_is_not_encoded_from_columns_that_disagree_with_the_head
 
 def test_a_columnar_body_decodes_in_steps_of_a_few_bytes_each() -> None:
     body = wire.encode(BODY, COLUMNS)
-    steps = wire.decode_columns_steps(body, piece=8)
-    yields = 0
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            decoded = done.value
-            break
-        yields += 1
+    yields, decoded = counted_steps(wire.decode_columns_steps(body, piece=8))
     assert yields >= 6  # at least one step per column
     assert as_format1(decoded) == BODY
     bad_counts = columnar(carrier_counts=array("I", [2, 2]))  # 4 carriers, the header says 3

@@ -32,6 +32,7 @@ from router.worker_snapshot import (
     decode_worker_snapshot,
     rebuild_rank,
 )
+from tests.support.steps import counted_steps
 
 BS = 4
 R = RankId("http://w:8000", 0)
@@ -266,15 +267,9 @@ def test_a_worker_graft_is_built_in_slices_into_the_tree_a_rebuild_leaves() -> N
     rng = random.Random(11)
     ranks = [random_snapshot(rng, 60), random_snapshot(rng, 45)]
     ranks[1].dp_rank = 1
-    steps = LocalGraft.build_steps(R.worker_url, WorkerSnapshot(ranks, BS), BS, 8)
-    turns = 0
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            graft = done.value
-            break
-        turns += 1
+    turns, graft = counted_steps(
+        LocalGraft.build_steps(R.worker_url, WorkerSnapshot(ranks, BS), BS, 8)
+    )
     # A rank's checks, then its build, then the tree's export (listed, then walked): 8 a step.
     assert turns == 2 * 7 + 2 * 5 + 22
     expected = BlockTree(BS)
@@ -292,17 +287,11 @@ def test_a_worker_graft_exports_its_tree_once_in_the_build_slices_and_grafts_tha
     from router.graft import BootstrapRules, LocalGraft
     from router.index import IndexRules
 
-    steps = LocalGraft.build_steps(
-        R.worker_url, WorkerSnapshot([random_snapshot(random.Random(12), 60)], BS), BS, 8
+    turns, graft = counted_steps(
+        LocalGraft.build_steps(
+            R.worker_url, WorkerSnapshot([random_snapshot(random.Random(12), 60)], BS), BS, 8
+        )
     )
-    turns = 0
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            graft = done.value
-            break
-        turns += 1
     assert turns > 7 + 8  # the rank's checks and build, then its export: 8 blocks a step
     exported = graft.snapshot
     assert graft.snapshot is exported
