@@ -229,6 +229,19 @@ def own_url(self_url: str | None, host: str, port: int, pod_ip: str | None) -> s
     return http_origin(address, port)
 
 
+def election_url(
+    self_url: str | None, host: str, ports: Sequence[int], pod_ip: str | None, listed: Sequence[str]
+) -> str | None:
+    """This replica's URL for the placer election: on the one of its `ports` (`--port`, then
+    `--control-port`) a shared `--peer` list names it on, else on the first. Elected on its
+    main port while a shared list named every replica by its control port, each replica on one
+    host took itself for the placer (the host decides between machines, the port on one). A
+    list naming only the others cannot say which port it uses: the main port, or `--self-url`."""
+    urls = [url for port in ports if (url := own_url(self_url, host, port, pod_ip))]
+    named = {placer_key(url) for url in listed}
+    return next((url for url in urls if placer_key(url) in named), urls[0] if urls else None)
+
+
 def new_prefix(
     ranks: Sequence[RankId],
     keys: Sequence[int],

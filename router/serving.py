@@ -28,7 +28,7 @@ from router.control import build_control_app, liveness, readiness
 from router.dataplane.routing import RequestRouter
 from router.dataplane.server import DataPlane, Limits
 from router.origin import http_origin
-from router.placement import PlacementAsker, Placer, own_url
+from router.placement import PlacementAsker, Placer, election_url
 from router.replica import Replica, ServeConfig, start_replica, stop_replica
 
 log = logging.getLogger(__name__)
@@ -187,8 +187,13 @@ async def start_serving(config: ServeConfig) -> Serving:
             ) from None
         serving = Serving(replica, plane, control, listening_url(config.host, addresses[0][1]))
         if placement is not None:
-            placement.own = own_url(
-                config.self_url, config.host, addresses[0][1], os.environ.get("POD_IP")
+            ports = [addresses[0][1], config.control_port]
+            placement.own = election_url(
+                config.self_url,
+                config.host,
+                [port for port in ports if port],
+                os.environ.get("POD_IP"),
+                config.peer,
             )
             if router.placement is not None and placement.own is None:
                 log.warning(

@@ -31,7 +31,7 @@ from tests.component.test_pressure_routing import (
 from tests.support.adversary import stub_server
 from tests.support.clock import ManualClock
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
-from tests.support.ports import free_tcp_port
+from tests.support.ports import free_port_range, free_tcp_port
 from tests.support.router import (
     TEST_TOKEN,
     RouterHandle,
@@ -101,6 +101,38 @@ async def test_a_new_prefix_at_another_replica_goes_where_the_placer_puts_it_bot
         # The placer decides its own new prefixes: counted local, nothing asked.
         await complete(placer, prefix(random.Random(8)))
         assert counts(placer)["local"] == 1 and counts(placer)["asked"] == 0
+
+
+async def test_replicas_on_one_host_listed_by_their_control_ports_elect_one_placer() -> None:
+    """One shared `--peer` list naming every replica by its `--control-port`, no `--self-url`:
+    elected on their main ports, each took itself for the placer (every new prefix `local`)."""
+    async with contextlib.AsyncExitStack() as stack:
+        w1 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+        w2 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
+        base = free_port_range(4)
+        listed = [f"http://127.0.0.1:{base + 2 + k}" for k in range(2)]
+        replicas = [
+            await stack.enter_async_context(
+                router_in_process(
+                    port=base + k,
+                    control_port=base + 2 + k,
+                    peer=listed,
+                    workers=[w1.url, w2.url],
+                    kv_bootstrap_timeout_ms=1000,
+                    placement_timeout_ms=1000,
+                    expose_route_headers=True,
+                )
+            )
+            for k in range(2)
+        ]
+        await gate_fleet(replicas, [w1, w2])
+        for k, rt in enumerate(replicas):
+            await complete(rt, prefix(random.Random(20 + k)))
+        local = [counts(rt)["local"] for rt in replicas]
+        asked = [counts(rt)["asked"] for rt in replicas]
+        # The lower control URL places: its own new prefix local, the other's asked of it.
+        assert (local, asked) == ([1, 0], [0, 1])
+        assert counts(replicas[0])["placed"] == 1
 
 
 async def test_the_place_route_refuses_bad_callers_and_bad_questions_booking_nothing() -> None:

@@ -17,6 +17,7 @@ from router.placement import (
     PlaceQuestion,
     decode_answer,
     decode_question,
+    election_url,
     encode_answer,
     encode_question,
     new_prefix,
@@ -95,6 +96,36 @@ def test_own_url_is_as_siblings_list_it(
     self_url: str | None, host: str, pod_ip: str | None, url: str | None
 ) -> None:
     assert own_url(self_url, host, 9000, pod_ip) == url
+
+
+@pytest.mark.parametrize(
+    ("self_url", "host", "listed", "url"),
+    [
+        # A shared list naming every replica by its control port: elected on that port.
+        (
+            None,
+            "127.0.0.1",
+            ["http://127.0.0.1:9001", "http://127.0.0.1:9011"],
+            "http://127.0.0.1:9001",
+        ),
+        # ... by its main port, or spelled another way (loopback names are one machine).
+        (
+            None,
+            "127.0.0.1",
+            ["http://localhost:9000", "http://127.0.0.1:9010"],
+            "http://127.0.0.1:9000",
+        ),
+        # A list naming only the others: the main port.
+        (None, "127.0.0.1", ["http://127.0.0.1:9011"], "http://127.0.0.1:9000"),
+        (None, "0.0.0.0", ["http://10.0.0.5:9001"], None),  # it does not know its own URL
+        # --self-url is what the siblings list it by, whatever the ports.
+        ("http://r0.example:9001", "0.0.0.0", ["http://r0.example:9001"], "http://r0.example:9001"),
+    ],
+)
+def test_the_election_url_is_on_the_port_the_shared_list_names_this_replica_on(
+    self_url: str | None, host: str, listed: list[str], url: str | None
+) -> None:
+    assert election_url(self_url, host, [9000, 9001], None, listed) == url
 
 
 @pytest.mark.parametrize(
