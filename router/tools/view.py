@@ -51,13 +51,21 @@ from prometheus_client.parser import text_string_to_metric_families
 from cachetree.ranks import RankId
 from cachetree.snapshot import SnapshotError, canonical_view, restore
 from cachetree.tree import BlockTree
-from peer.fetch import Fetched, SnapshotFetcher
+from peer.fetch import Fetched, Refused, SnapshotFetcher
 from peer.vet import VetError, VettedSnapshot
 from peer.wire import MSGPACK, PeerSnapshot
 from router.auth import TOKEN_ENV
+from router.index import DEFAULT_INDEX_MAX_BLOCKS
+from router.replica import SNAPSHOT_BODY_BYTES_PER_CARRIED_BLOCK
 from router.tools import watch
 
 DEFAULT_TIMEOUT_S: Final = 30.0
+# What a replica of the default `--kv-index-max-blocks` accepts of a sibling (README "Memory"):
+# an index any replica may hold is read whole. At the fetcher's own 24 MiB default a replica
+# past ~550k blocks was refused, though the index is sized for millions.
+DEFAULT_MAX_BODY_MB: Final = -(
+    -DEFAULT_INDEX_MAX_BLOCKS * SNAPSHOT_BODY_BYTES_PER_CARRIED_BLOCK >> 20
+)
 EXAMPLES: Final = 3  # example keys shown per kind of difference
 
 CanonicalView = frozenset[tuple[int, int | None, tuple]]
@@ -226,6 +234,8 @@ async def fetch_view(
     full = await fetcher.fetch_snapshot(url, 0, budget_s=timeout_s)
     if not isinstance(full, Fetched):
         view.error = f"snapshot: {full.reason}"
+        if isinstance(full, Refused) and "-byte bound" in full.reason:
+            view.error += " (raise --max-body-mb)"
         return view
     view.snapshot = full.snapshot
     view.ranks |= watch.named_ranks(full.snapshot)
@@ -276,12 +286,19 @@ async def collect(
     token: str | None = None,
     cursors_only: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_body_mb: int = DEFAULT_MAX_BODY_MB,
 ) -> list[ReplicaView]:
     """Every replica's view, fetched concurrently and restored."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with (
         # Format 1 (msgpack, gzip) rather than the replicas' columns: this tool reads nodes.
-        SnapshotFetcher(token=token, per_fetch_s=timeout_s, accept=MSGPACK, gzip=True) as fetcher,
+        SnapshotFetcher(
+            max_body_bytes=max_body_mb << 20,
+            token=token,
+            per_fetch_s=timeout_s,
+            accept=MSGPACK,
+            gzip=True,
+        ) as fetcher,
         aiohttp.ClientSession(headers=headers) as session,
     ):
         views = list(
@@ -511,6 +528,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help=f"bound on each request [default {DEFAULT_TIMEOUT_S:g}]",
     )
     p.add_argument(
+        "--max-body-mb",
+        type=int,
+        default=DEFAULT_MAX_BODY_MB,
+        help="bound on each replica's export, as sent and inflated (msgpack: half of it goes; "
+        "decoded here it takes 9-18 times its size) [default %(default)s: what a replica of the "
+        "default --kv-index-max-blocks accepts of a sibling, a full index]",
+    )
+    p.add_argument(
         "--watch",
         action="store_true",
         help="redraw ranks, cursors, lag, blocks and bootstrap state per replica every "
@@ -578,6 +603,9 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.timeout_s <= MAX_SECONDS:  # NaN fails this too
         sys.stderr.write(f"kvrouter: error: --timeout-s must be > 0 and at most {MAX_SECONDS:g}\n")
         return 2
+    if args.max_body_mb < 1:
+        sys.stderr.write("kvrouter: error: --max-body-mb must be >= 1\n")
+        return 2
     if args.count and not args.watch:  # it was ignored: one report, whatever count was asked
         sys.stderr.write("kvrouter: error: --count counts --watch frames: add --watch\n")
         return 2
@@ -589,6 +617,7 @@ def run(args: argparse.Namespace) -> int:
             token=args.token or None,
             cursors_only=args.cursors_only,
             timeout_s=args.timeout_s,
+            max_body_mb=args.max_body_mb,
         )
     )
     comparison = compare(views, cursors_only=args.cursors_only)

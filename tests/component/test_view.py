@@ -10,10 +10,12 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from cachetree.ranks import RankId
 from router.auth import TOKEN_ENV
+from router.replica import ServeConfig, snapshot_body_bound
 from router.tokenize import BytesTokenizer
 from router.tools import view
 from tests.support.adversary import stub_server
@@ -264,3 +266,33 @@ async def test_a_replica_whose_cursor_table_does_not_decode_is_an_error_on_its_o
         at = lines.index(next(line for line in lines if line.startswith(f"replica {bad}")))
         assert lines[at + 1].startswith("  error: cursor table:"), out
         assert "--token" not in lines[at + 1]  # not a token problem
+
+
+async def test_an_export_over_the_bound_names_the_flag_that_raises_it() -> None:
+    """At the fetcher's 24 MiB default (12 MiB for msgpack) `view` refused any replica past
+    ~550k blocks; the bound is now a flag, by default what a replica accepts of a sibling."""
+    async with fleet() as ([a, _b], _), aiohttp.ClientSession() as session:
+
+        async def relay_or_oversize(request: web.Request) -> web.Response:
+            if request.path == "/internal/kv_snapshot" and "cursors_only" not in request.query:
+                filler = bytes(range(256)) * (6 << 10)  # 1.5 MiB
+                return web.Response(body=filler, content_type="application/msgpack")
+            headers = {"Authorization": f"Bearer {TEST_TOKEN}"}
+            async with session.get(a.url + request.path_qs, headers=headers) as resp:
+                return web.Response(
+                    status=resp.status, body=await resp.read(), content_type=resp.content_type
+                )
+
+        async with stub_server({("GET", "/{tail:.*}"): relay_or_oversize}) as big:
+            status, out, err = await run_view("--max-body-mb", "1", big)
+            assert status == 2, out + err
+            assert "bound (raise --max-body-mb)" in out, out
+            # Raised, the body is read (and found not to be a snapshot: a filler).
+            status, out, err = await run_view("--max-body-mb", "4", big)
+            assert status == 2, out + err
+            assert "error: snapshot:" in out and "bound" not in out, out
+
+
+def test_the_default_bound_reads_whatever_index_a_default_replica_may_hold() -> None:
+    accepted = snapshot_body_bound(ServeConfig())
+    assert accepted <= view.DEFAULT_MAX_BODY_MB << 20 < accepted + (1 << 20)
