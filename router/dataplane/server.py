@@ -544,7 +544,8 @@ class ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._stopped or self._closed:
             return
-        mid_head = self._incoming is not None and self._incoming.head is None
+        # The request whose head this read continues, if any.
+        in_head = self._incoming if self._incoming and self._incoming.head is None else None
         phase = self._phase
         refusal = self._feed(data)
         if self._stopped and refusal is None:
@@ -561,9 +562,9 @@ class ClientConnection(asyncio.Protocol):
             self._chunks = 0
             self.gate.pause(YIELDING)
             self.plane.loop.call_soon(self.gate.resume, YIELDING)
-        incoming = self._incoming
-        if mid_head and incoming is not None and incoming.head is None:
-            # The whole read fell inside one head: bound what the parser buffers of it.
+        if in_head is not None and in_head is self._incoming and in_head.head is None:
+            # The whole read fell inside one head: bound what the parser buffers of it (a
+            # read that ended another head on the way began this one's count afresh).
             self._head_size += len(data)
             if self._head_size > self.plane.limits.max_head_bytes:
                 self._stop(self._head_too_large())
