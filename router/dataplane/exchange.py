@@ -179,7 +179,7 @@ def read_request_head(
     Beyond llhttp's checks (RFC 9112): an HTTP/1.1 request has exactly one Host field, and an
     HTTP/1.0 one at most one (3.2); an absolute-form target is served as its origin form
     (3.2.2: a server MUST accept it), the asterisk form is refused (no resource here answers
-    for the server as a whole), and so is CONNECT's authority form (no tunnels); an HTTP/1.0
+    for the server as a whole), and so is CONNECT, whatever its target (no tunnels); an HTTP/1.0
     request's `Expect` is ignored (RFC 9110 10.1.1), and one framed by Transfer-Encoding
     closes the connection after it (6.1: its framing may be faulty)."""
     length: int | None = None
@@ -219,9 +219,10 @@ def read_request_head(
         )
     if chunked and not http_11:
         keep = False
+    if method == b"CONNECT":
+        # Whatever its target: llhttp stops at every CONNECT head as a protocol switch.
+        raise Malformed("CONNECT is not supported: the router is no tunnelling proxy")
     if target[:1] != b"/":
-        if method == b"CONNECT":
-            raise Malformed("CONNECT is not supported: the router is no tunnelling proxy")
         target = _origin_form(target)
     named = _connection_tokens(names, headers) if b"connection" in names else frozenset()
     path = target.split(b"?", 1)[0]

@@ -68,6 +68,8 @@ log = logging.getLogger(__name__)
 _ROUTING_FAILED: Final = Refusal(
     500, "the router failed to route this request", type="server_error"
 )
+# A head that stops the parser as a protocol switch and cannot be served as a plain request.
+_SWITCH_REFUSED: Final = Refusal(400, "malformed HTTP request: a protocol switch", close=True)
 # A request not routed yet (its placer's answer, its long prompt's encode) when the drain
 # ended: never sent, so safe for its client to send again elsewhere.
 _DRAINED: Final = Refusal(
@@ -990,45 +992,63 @@ class ClientConnection(asyncio.Protocol):
             self._answer_next()
 
     def _feed(self, data: bytes) -> Refusal | None:
-        """Parse `data`: the refusal it ends in, if any."""
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserCallbackError as exc:
-            cause = exc.__context__
-            if not isinstance(cause, _Refused):
-                self._failed(cause)
-                return None
-            return cause.refusal
-        except httptools.HttpParserUpgrade as exc:
-            upgrade_at = exc.args[0]
-        except httptools.HttpParserError as exc:
-            if data.startswith(b"PRI * HTTP/2.0"):  # llhttp calls it "Pause on PRI/Upgrade"
-                return Refusal(
-                    400, "HTTP/2 by prior knowledge is not served: send HTTP/1.1", close=True
-                )
-            return Refusal(400, f"malformed HTTP request: {exc}", close=True)
-        else:
-            return None
-        # Parsed again outside the handler: a refusal raised by a callback there would have
-        # the upgrade as its context, not the `_Refused` that says which answer it is.
-        return self._without_upgrade(data[upgrade_at:])
+        """Parse `data`: the refusal it ends in, if any.
 
-    def _without_upgrade(self, rest: bytes) -> Refusal | None:
+        A request asking to switch protocols stops llhttp after its head; it is parsed again
+        without its Upgrade field (`_without_upgrade`), then what the read held after it, in
+        turns of this loop, never a call deeper: a probe's answer goes out as it is parsed,
+        so no queue grows with such heads, and 600 of them pipelined in one read recursed
+        past Python's limit. Each turn moves past one head of the read: the head written
+        again has no Upgrade field, and one that stops the parser all the same ends the
+        parse with a 400, so the turns are bounded by the heads the read holds."""
+        pieces: list[bytes | memoryview] = [data]  # a stack: the next one to parse last
+        again: bytes | None = None  # the head last written again, being parsed
+        while pieces:
+            piece = pieces.pop()
+            try:
+                self._parser.feed_data(piece)
+            except httptools.HttpParserCallbackError as exc:
+                cause = exc.__context__
+                if not isinstance(cause, _Refused):
+                    self._failed(cause)
+                    return None
+                return cause.refusal
+            except httptools.HttpParserUpgrade as exc:
+                if piece is again:
+                    return _SWITCH_REFUSED
+                rest = memoryview(piece)[exc.args[0] :]
+            except httptools.HttpParserError as exc:
+                if piece[:14] == b"PRI * HTTP/2.0":  # llhttp calls it "Pause on PRI/Upgrade"
+                    return Refusal(
+                        400, "HTTP/2 by prior knowledge is not served: send HTTP/1.1", close=True
+                    )
+                return Refusal(400, f"malformed HTTP request: {exc}", close=True)
+            else:
+                continue
+            # Parsed again outside the handler: a refusal raised by a callback there would
+            # have the upgrade as its context, not the `_Refused` that says which answer it is.
+            again = self._without_upgrade()
+            if again is None:
+                return _SWITCH_REFUSED
+            if rest:
+                pieces.append(rest)
+            pieces.append(again)
+        return None
+
+    def _without_upgrade(self) -> bytes | None:
         """The request being parsed asked to switch protocols and llhttp stopped after its
-        head (`rest`: what the read held after it). Served as a plain request instead
-        (`head_without_upgrade`): its head parsed again without the Upgrade field, by a
-        fresh parser, then `rest`; the parse so far is dropped (the request had not
-        completed, so nothing of it was answered). Each head parsed again is one more
-        request queued, so `MAX_PIPELINED` bounds how often one read comes back here."""
+        head: it is served as a plain request instead (`head_without_upgrade`), its head
+        written again without the Upgrade field for a fresh parser (returned; None if no head
+        was read); the parse so far is dropped (the request had not completed, so nothing of
+        it was answered)."""
         incoming = self._incoming
         if incoming is None or incoming.head is None:
-            return Refusal(400, "malformed HTTP request: a protocol switch", close=True)
+            return None
         head = incoming.head
-        again = head_without_upgrade(head.method, incoming.url, head.http_11, head.headers)
         self._queue.remove(incoming)
         self._incoming = None
         self._parser = httptools.HttpRequestParser(self)
-        return self._feed(again + rest)
+        return head_without_upgrade(head.method, incoming.url, head.http_11, head.headers)
 
     def _failed(self, error: BaseException | None) -> None:
         """Something other than the client's bytes failed (a bug), inside a parser callback

@@ -388,6 +388,50 @@ async def test_a_request_asking_to_switch_protocols_is_served_as_a_plain_one() -
         assert bytes(client.raw).count(b"HTTP/1.1 ") == 4  # one answer per request, no more
 
 
+@pytest.mark.parametrize("served_first", [False, True])
+@pytest.mark.parametrize("target", [b"/v1/completions", b"/metrics"])
+async def test_connect_to_a_path_is_a_400_and_a_close_with_nothing_logged_at_error(
+    target: bytes, served_first: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """llhttp stops at every CONNECT head as a protocol switch, and one whose target was a
+    path was served again without its Upgrade field (it has none), which stopped again: an
+    unbounded recursion, ~175 kB of traceback a request in the log and no answer."""
+    async with one_worker_and_a_client() as (w, rt, client):
+        with caplog.at_level(logging.ERROR):
+            connect = b"CONNECT %s HTTP/1.1\r\nHost: r\r\n\r\n" % target
+            client.send((post(b"/v1/completions", COMPLETION) if served_first else b"") + connect)
+            if served_first:
+                served = await client.answer()
+                assert served is not None and served.status == 200
+            refused = await client.answer()
+            assert refused is not None and refused.status == 400
+            assert b"CONNECT is not supported" in refused.body
+            await client.closed()
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+        assert len(w.posts()) == int(served_first)
+        assert rt.plane.stats.closed["malformed"] == 1 and rt.plane.stats.closed["error"] == 0
+
+
+async def test_pipelined_protocol_switch_probes_in_one_write_are_all_answered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each head asking to switch protocols was parsed again one call deeper, and a probe's
+    answer goes out at once, so the queue (`MAX_PIPELINED`) never grew to bound the depth:
+    553 of 600 were answered, then a RecursionError."""
+    count = 2000
+    probe = b"GET /healthz HTTP/1.1\r\nHost: r\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n"
+    async with one_worker_and_a_client() as (w, rt, client):
+        with caplog.at_level(logging.ERROR):
+            client.send(probe * count)
+            statuses = [(await client.answer()) for _ in range(count)]
+            assert [a.status if a else None for a in statuses] == [200] * count
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+        assert rt.plane.stats.closed["error"] == 0 and len(rt.plane.connections) == 1
+        client.send(post(b"/v1/completions", COMPLETION))  # and the connection serves on
+        answer = await client.answer()
+        assert answer is not None and answer.status == 200 and len(w.posts()) == 1
+
+
 @pytest.mark.parametrize(
     ("after", "status"),
     [

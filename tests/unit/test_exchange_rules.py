@@ -170,8 +170,13 @@ def test_a_target_neither_a_path_nor_an_http_url_is_refused(target: bytes) -> No
     with pytest.raises(Malformed) as refused:
         head(b"OPTIONS", target)
     assert refused.value.status == 400
+
+
+@pytest.mark.parametrize("target", [b"worker:443", b"/v1/completions", b"http://r/x"])
+def test_connect_is_refused_whatever_its_target(target: bytes) -> None:
+    # llhttp stops at every CONNECT head as a protocol switch: no head of it may be served.
     with pytest.raises(Malformed, match="CONNECT is not supported"):
-        head(b"CONNECT", b"worker:443")  # a tunnel: no request for a worker
+        head(b"CONNECT", target)
 
 
 def test_a_request_asking_to_switch_protocols_is_written_again_without_its_upgrade() -> None:
