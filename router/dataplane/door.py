@@ -6,7 +6,8 @@ write) before the loop answers it, so `/healthz` and `/readyz` waited 80-130 ms 
 (issue 11 asks for 50). The door accepts every connection off the loop, looks at its first
 bytes (`read_probe`, without consuming them), and
 
-- a `GET` or `HEAD` of a probe path, with nothing after its head, is answered here. A loop
+- a `GET` or `HEAD` of a probe path, with nothing after its head and nothing in it the
+  loop's parser would refuse (a malformed field line), is answered here. A loop
   keeping up (its last heartbeat ran less than `BUSY_LAG_S` late) is asked for its answer
   (over `call_soon_threadsafe`), so the answer is as fresh as the loop's own; a busy one, or
   one that does not answer within `PROBE_WAIT_S`, is not waited for: the answer is the one the
@@ -32,6 +33,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import re
 import selectors
 import socket
 import sys
@@ -58,6 +60,13 @@ SWITCH_INTERVAL_S: Final = 0.0005  # see Door.start
 _ACCEPT_LOG_EVERY_S: Final = 60.0
 _OUT_OF_RESOURCES: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _BODY_FIELDS: Final = (b"content-length:", b"transfer-encoding:", b"expect:", b"upgrade:")
+# What the loop's parser (llhttp) takes as it is, and the door with it: a field line that is a
+# token, its colon and a value of HTAB, SP, VCHAR and obs-text; a request target of VCHAR.
+# Else (whitespace before the colon or at a line's start, a bare CR or LF, a control byte)
+# llhttp refuses the head, and a door answering it would read the bytes after it as the next
+# request, where a lenient front proxy saw this one's body.
+_PLAIN_FIELD: Final = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*")
+_PLAIN_TARGET: Final = re.compile(rb"[\x21-\x7e]+")
 
 # A health probe's answer: the status and a JSON-able body (`router.control.readiness`).
 Probe = Callable[[], tuple[int, Any]]
@@ -81,9 +90,11 @@ def read_probe(
 
     Only the plainest probe is the door's: `GET` or `HEAD` of one of `paths` (a query is
     allowed), HTTP/1.0 or 1.1, one Host field (none for HTTP/1.0 either), within the head
-    limits, no field that announces a body or a change of protocol, and no byte after the
-    head. Anything unusual is left to the loop's parser, which has every rule (and every
-    refusal: a 400 for an HTTP/1.1 request without its one Host, as kubelet never sends).
+    limits, every byte of it one the loop's parser takes as it is (`_PLAIN_FIELD`,
+    `_PLAIN_TARGET`), no field that announces a body or a change of protocol, and no byte
+    after the head. Anything unusual is left to the loop's parser, which has every rule (and
+    every refusal: a 400 for an HTTP/1.1 request without its one Host, as kubelet never
+    sends; a 400 for a malformed field line, whose connection it closes).
     """
     end = data.find(b"\r\n\r\n")
     line_end = data.find(b"\r\n")
@@ -96,14 +107,18 @@ def read_probe(
     if end + 4 != len(data) or end + 4 > max_head_bytes:
         return None  # pipelined bytes behind it: the loop answers them all, in order
     method, target, version = parts
+    if _PLAIN_TARGET.fullmatch(target) is None:
+        return None
     keep_alive = version == b"HTTP/1.1"
     fields = data[line_end + 2 : end].split(b"\r\n") if end > line_end else []
     if len(fields) > max_fields:
         return None
     hosts = 0
     for field in fields:
+        if _PLAIN_FIELD.fullmatch(field) is None:
+            return None
         low = field.lower()
-        if low.startswith(_BODY_FIELDS) or b":" not in low:
+        if low.startswith(_BODY_FIELDS):
             return None
         hosts += low.startswith(b"host:")
         if low.startswith(b"connection:"):

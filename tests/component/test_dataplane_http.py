@@ -1635,6 +1635,39 @@ async def test_a_probe_on_a_new_connection_is_answered_while_the_event_loop_is_b
         assert door.answered == 2 and (await fw.state())["requests"] == 1
 
 
+@pytest.mark.parametrize(
+    "field",
+    [
+        b"Content-Length : %d",  # whitespace before the colon
+        b"X-A: a\r\n Transfer-Encoding: chunked",  # an obs-fold line hiding the framing
+        b" Content-Length: %d",  # whitespace at a line's start
+        b"X-A: a\nContent-Length: %d",  # a bare LF
+        b"X-A: a\x01Content-Length: %d",  # a control byte
+    ],
+)
+async def test_a_probe_head_the_loops_parser_refuses_is_a_400_and_a_close_never_served(
+    field: bytes,
+) -> None:
+    """The door answered these heads 200 and handed the connection on idle, so the bytes after
+    them (what a lenient front proxy took for this request's body) were served as a request
+    of their own; the loop's parser refuses each one."""
+    smuggled = b"GET /workers HTTP/1.1\r\nHost: r\r\n\r\n"
+    if b"%d" in field:
+        field %= len(smuggled)
+    async with router_in_process() as rt:
+        door = rt.plane.doors[0]
+        client = await RawClient.open(rt.url)
+        client.send(b"GET /healthz HTTP/1.1\r\nHost: r\r\n" + field + b"\r\n\r\n")
+        refused = await client.answer()
+        assert refused is not None and refused.status == 400
+        assert b"malformed HTTP request" in refused.body
+        with contextlib.suppress(ConnectionError):  # what a front proxy sends next
+            client.send(smuggled)
+        await client.closed()
+        assert bytes(client.raw).count(b"HTTP/1.1 ") == 1  # its one answer, no other
+        assert door.answered == 0 and rt.plane.stats.closed["malformed"] == 1
+
+
 # -- section 4: timeouts and limits -----------------------------------------------------------
 
 

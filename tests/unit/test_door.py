@@ -89,6 +89,37 @@ def test_anything_else_goes_to_the_loop_untouched(data: bytes, why: str) -> None
     assert probe(data) is None, why
 
 
+@pytest.mark.parametrize(
+    ("field", "why"),
+    [
+        (b"Content-Length : 5", "whitespace before the colon"),
+        (b"X-A\t: b", "a tab before the colon"),
+        (b"X-A: a\r\n Transfer-Encoding: chunked", "an obs-fold line"),
+        (b" Content-Length: 5", "whitespace at a line's start"),
+        (b"X-A: a\nContent-Length: 5", "a bare LF"),
+        (b"X-A: a\rContent-Length: 5", "a bare CR"),
+        (b"X-A: a\x01b", "a control byte in a value"),
+        (b"X-A: a\x7fb", "DEL in a value"),
+        (b"X(A): b", "a separator in a name"),
+        (b": b", "no name"),
+    ],
+)
+def test_a_head_the_loops_parser_refuses_goes_to_the_loop(field: bytes, why: str) -> None:
+    """llhttp refuses each of these heads (a 400 and a close); the door answered them, and
+    the bytes after them were parsed as the next request."""
+    assert probe(b"GET /healthz HTTP/1.1\r\nHost: r\r\n" + field + b"\r\n\r\n") is None, why
+
+
+@pytest.mark.parametrize("target", [b"/healthz?a\x01b", b"/healthz?a\xe9", b"/healthz?\x7f"])
+def test_a_target_the_loops_parser_refuses_goes_to_the_loop(target: bytes) -> None:
+    assert probe(b"GET " + target + b" HTTP/1.1\r\nHost: r\r\n\r\n") is None
+
+
+def test_a_value_of_visible_bytes_tabs_and_obs_text_is_still_a_probe() -> None:
+    seen = probe(b"GET /healthz HTTP/1.1\r\nHost: r\r\nX-A:\tv a\xe9 \t\r\n\r\n")
+    assert seen == ProbeRequest(b"/healthz", False, True, True)
+
+
 def test_the_heartbeats_answer_holds_until_the_loop_stalls() -> None:
     published = Published(100.0, {b"/readyz": (503, {"ready": False, "reason": "draining"})})
     assert published_answer(published, b"/readyz", 100.0 + LOOP_STALL_S) == (
