@@ -290,8 +290,10 @@ def admit(head: RequestHead, max_body_bytes: int) -> Refusal | None:
 
 
 def control_path(head: RequestHead) -> str:
-    """The request's path as the control app matches it (percent-decoded)."""
-    return unquote(head.path.decode("latin-1"))
+    """The request's path as the control app matches it: aiohttp cuts the target at its
+    first `#` (a fragment, which llhttp lets by), then at its first `?`, and matches what is
+    left percent-decoded (`head.path`, cut at the `?` alone, keeps a fragment)."""
+    return unquote(head.target.partition(b"#")[0].partition(b"?")[0].decode("latin-1"))
 
 
 def uninvited(head: RequestHead, token: str | None) -> Refusal | None:

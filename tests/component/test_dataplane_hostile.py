@@ -191,12 +191,24 @@ async def expect_100(url: str, path: bytes, *fields: bytes) -> RawClient:
     return client
 
 
-@pytest.mark.parametrize("path", [b"/workers", siblings.PATH.encode(), b"/%77orkers"])
+@pytest.mark.parametrize(
+    ("path", "family"),
+    [
+        (b"/workers", "workers"),
+        (siblings.PATH.encode(), "decisions"),
+        (b"/%77orkers", "workers"),
+        (b"/workers#frag", "workers"),
+        (b"/workers?#x", "workers"),
+        (siblings.PATH.encode() + b"#x?y", "decisions"),
+    ],
+)
 async def test_an_upload_to_a_guarded_route_without_the_token_is_refused_not_invited(
-    path: bytes,
+    path: bytes, family: str
 ) -> None:
     """`Expect: 100-continue` was answered before the token was checked: a client without it
-    was invited to upload 32 MiB before its 401."""
+    was invited to upload 32 MiB before its 401; and with a fragment in its target, which
+    aiohttp cuts before it routes (`/workers#frag` is `/workers` to the control app), it
+    still was."""
     async with router_in_process(internal_token=TOKEN) as rt:
         for fields in ((), (b"Authorization: Bearer wrong",), (b"Authorization: Basic eDp5",)):
             client = await expect_100(rt.url, path, *fields)
@@ -207,7 +219,7 @@ async def test_an_upload_to_a_guarded_route_without_the_token_is_refused_not_inv
             assert await client.closed()  # the body is not read
         assert rt.plane.stats.closed["refused"] == 3
         refusals = rt.replica.metrics.auth_refusals.counts
-        assert refusals[auth.route_family(path.decode().replace("%77", "w"))] == 3  # counted
+        assert refusals[family] == 3  # counted
         # With the token it is invited (the data plane does not answer it: the control app does).
         client = await expect_100(rt.url, path, b"Authorization: Bearer " + TOKEN.encode())
         await eventually(lambda: b"\r\n\r\n" in client.raw or client._read(), 5)

@@ -245,6 +245,10 @@ _BEARER = (b"Authorization", b"Bearer s3cret")
         ("s3cret", b"/workers", [_BEARER, _BEARER], 401),  # two: refused, as the control app
         ("s3cret", b"/internal/kv_snapshot?cursors_only=true", [], 401),
         ("s3cret", b"/%77orkers", [], 401),  # matched percent-decoded, as the control app does
+        ("s3cret", b"/workers#frag", [], 401),  # the fragment cut, as aiohttp cuts it
+        ("s3cret", b"/internal/decisions#x?y", [], 401),  # a `?` after the `#` is the fragment's
+        ("s3cret", b"/workers?#x", [], 401),
+        ("s3cret", b"/workers%23x", [], None),  # an escaped `#` is the path's: /workers#x
         ("s3cret", b"/workers", [_BEARER], None),
         (None, b"/workers", [_BEARER], 403),  # no token configured: the route is off
         (None, b"/v1/completions", [], None),  # open routes are not its concern
