@@ -99,6 +99,8 @@ _NOTED_FIELDS: Final = re.compile(
 # the colon and no bare CR or LF, drops the value's leading whitespace and keeps its trailing.
 _FIELD_LINE: Final = re.compile(rb"\r\n([^:\r\n]+):[ \t]*([^\r]*)")
 
+# RFC 9112 4: reason-phrase = 1*( HTAB / SP / VCHAR / obs-text ).
+_REASON_PHRASE: Final = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
 _STATUS_STARTS: Final = {
     s.value: f"HTTP/1.1 {s.value} {s.phrase}".encode("latin-1") for s in HTTPStatus
 }
@@ -452,9 +454,13 @@ def read_response_head(status: int, raw: bytes, request_method: bytes) -> Respon
     start = _STATUS_STARTS.get(status)
     if start is None:
         # The reason phrase is informational (RFC 9112 4): a known status gets the standard
-        # one, another keeps the worker's.
+        # one, another keeps the worker's, unless it holds a byte no phrase may (llhttp lets
+        # control bytes by): then the client gets none.
         words = raw[:line_end].split(b" ", 2)
-        start = b"HTTP/1.1 %d %b" % (status, words[2] if len(words) > 2 else b"")
+        reason = words[2] if len(words) > 2 else b""
+        if _REASON_PHRASE.fullmatch(reason) is None:
+            reason = b""
+        start = b"HTTP/1.1 %d %b" % (status, reason)
     if not noted or noted == [b"content-length"]:
         framing_fields = []
         if noted:

@@ -869,6 +869,22 @@ async def test_an_answer_head_split_across_reads_is_relayed_as_the_worker_wrote_
         client.close()
 
 
+async def test_a_worker_reason_phrase_with_a_control_byte_is_not_relayed() -> None:
+    """A status the relay has no phrase for keeps the worker's, which went to the client byte
+    for byte, control bytes and all (llhttp lets them by in a status line)."""
+
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 299 Whatever\x01Phrase\r\nContent-Length: 2\r\n\r\n{}")
+
+    async with one_worker_and_a_client(script) as (w, _rt, client):
+        client.send(post(b"/v1/completions", COMPLETION))
+        answer = await client.answer()
+        assert answer is not None and answer.status == 299 and answer.body == b"{}"
+        assert bytes(client.raw).startswith(b"HTTP/1.1 299 \r\n")
+        assert len(w.posts()) == 1
+        client.close()
+
+
 async def test_idle_upstream_connections_expire() -> None:
     async with (
         scripted_worker() as w,

@@ -432,6 +432,10 @@ def test_what_of_a_workers_head_the_client_gets(
         (b"200 Fine", b"HTTP/1.1 200 OK"),  # a known status gets the standard phrase
         (b"599 Odd One", b"HTTP/1.1 599 Odd One"),
         (b"599", b"HTTP/1.1 599 "),
+        (b"299 Tab\tand obs-text \xe9", b"HTTP/1.1 299 Tab\tand obs-text \xe9"),
+        # A control byte (which llhttp lets by) is no reason phrase's: the client gets none.
+        (b"299 Whatever\x01Phrase", b"HTTP/1.1 299 "),
+        (b"299 Del\x7f", b"HTTP/1.1 299 "),
     ],
 )
 def test_the_status_line_to_the_client(status: bytes, line: bytes) -> None:
