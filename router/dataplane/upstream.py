@@ -9,7 +9,9 @@ says when it is complete, and the head is then read from the bytes received
 of a Python call per field). Its `Deadline` bounds the wait for the head, then every gap in
 the body (the stream idle timeout; not while the client's backpressure holds reading). It
 reports completion only after `feed_data` returns, so no sink ever re-enters the parser;
-bytes after a complete answer end the parse, and go with the connection, never reused.
+bytes after a complete answer end the parse, and go with the connection, never reused (as
+do bytes on an idle connection; stray bytes arriving once the connection was reused are read
+as the next answer: an early answer is legal, so nothing tells them apart).
 
 `UpstreamPool` holds one worker's connections: idle ones are reused most-recent first and
 closed after `idle_expiry_s` (shorter than an engine's keep-alive: uvicorn closes idle
