@@ -40,7 +40,9 @@ the probe was still out, and the next `allow()` sent a second probe.
 What counts as a failure is the caller's decision, and it must not count the client's own
 errors: a 4xx (including 429, which is the engine shedding load, not being broken) says the
 worker is alive and answering. Record those as `record_success()`, or `release(probe)` if a
-probe ended that way and you prefer no verdict. Count connection errors, timeouts and 5xx.
+probe ended that way and you prefer no verdict. Count connection errors, timeouts and 5xx;
+but a 5xx may be the client's error too (an engine that fails on an input answers 500): the
+relay counts one only once the request's outcome says it was the worker's (`relay.WorkerRelay`).
 
 What it shows (`status`: `GET /workers` and kvrouter_breaker_state): the state, except that an
 `open` breaker whose cooldown passed is `probe_due`. It refuses nothing then (its next

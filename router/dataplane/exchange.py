@@ -37,7 +37,12 @@ connection.
 Failures (`FAILURES`): before the first byte reached the client, a failure of a worker (no
 connection, no head in time, a 5xx head, the connection lost, health declaring it down) is
 counted by its breaker and the next rank is tried; a 5xx head from the last rank to try is
-relayed as it is instead (its status, `Retry-After` and body are the engine's to give). A
+relayed as it is instead (its status, `Retry-After` and body are the engine's to give). A 5xx
+other than 502, 503 and 504 (`WORKER_UNAVAILABLE`) may be the request's own doing (an engine
+that fails on an input answers 500), so its worker's breaker hears of it only when the
+request's outcome says it was the worker's (`relay.WorkerRelay`): another worker answered it,
+or none was left to ask; a second worker answering it such a 5xx too makes the request the
+cause, and that answer is relayed, counted by neither breaker. A
 request that waited its bound for one of a worker's pooled connections, all busy, goes to
 the next rank too, uncounted by the breaker (the worker is busy, not broken), and is a 503
 with a `Retry-After` when none is left. A reused idle connection found dead before it
@@ -601,6 +606,14 @@ FAILURES: Final[dict[Failure, FailureRule]] = {
     "worker_down": FailureRule(fail_over=True, breaker=True, same_worker=False),  # by health
     "stale": FailureRule(fail_over=False, breaker=False, same_worker=True),  # reused idle, dead
 }
+
+
+# 5xx statuses that speak of the worker's state whatever the request: an engine shedding load
+# or not ready (503), a gateway in front of it that found it broken or slow (502, 504). Any
+# other 5xx (500 above all: "an unexpected condition that prevented it from fulfilling the
+# request", RFC 9110 15.6.1) may come of the request itself, and a second worker's word on the
+# same request tells which it was.
+WORKER_UNAVAILABLE: Final = frozenset({502, 503, 504})
 
 
 def classify_lost(reused: bool, retried: bool, answered_bytes: int) -> Failure:

@@ -10,8 +10,15 @@ connection's reading, the worker's full write buffer pauses the client's.
 over before the first byte as `exchange.FAILURES` says, with the breaker, the in-flight
 counts and the request metrics. A 5xx head from the last rank it may try is relayed as the
 worker wrote it (a 503's `Retry-After` and body reach the client, which can honour them),
-not turned into a 502 of the relay's own. `ControlRelay` answers any other path from the
-control app, over the client connection's in-process link (`control_link`).
+not turned into a 502 of the relay's own. A 5xx that may be the request's own doing (not one
+of `exchange.WORKER_UNAVAILABLE`) is held from its worker's breaker until the request's
+outcome shows whose it was (`_settle_held`): another worker's answer makes it the worker's,
+another worker's 5xx of the same kind makes it the request's (relayed at once, with no third
+attempt: one client's poison request must not open every worker's breaker in turn), and so
+does a 4xx. The held worker's other ranks are not tried: the same engine's second answer to the
+request is no second opinion on it (a worker failing every request would pass for a poison
+request on its own two ranks). `ControlRelay` answers any other path from the control app,
+over the client connection's in-process link (`control_link`).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from router.dataplane.exchange import (
     FAILURES,
     GENERATION_ROUTES,
     LAST_CHUNK,
+    WORKER_UNAVAILABLE,
     Failure,
     Framing,
     Refusal,
@@ -194,11 +202,12 @@ class Relay:
 
 class WorkerRelay(Relay):
     __slots__ = (
-        "_busy",
         "_every_open",
+        "_held",
         "_in_hand",
         "_last_failure",
         "_next_pair",
+        "_passed_over",
         "_probe",
         "_retried",
         "_verdict",
@@ -239,9 +248,13 @@ class WorkerRelay(Relay):
         # The connection a 5xx head came on while `start` looks for another rank: dropped if
         # one is tried, relayed if none is left (`_failed_status`).
         self._in_hand: UpstreamConnection | None = None
-        # Workers whose pool had no connection free in time for this request: their other
-        # ranks share that pool, and would only queue it again (None until one had none).
-        self._busy: set[str] | None = None
+        # A 5xx that may be the request's doing, its worker and the probe ticket its attempt
+        # held, while the request's outcome says whose it was (`_settle_held`).
+        self._held: tuple[Worker, int] | None = None
+        # Workers whose other ranks this request skips (None until one is): its pool had no
+        # connection free in time (they share that pool, and would only queue it again), or
+        # it answered the held 5xx (they are the same engine).
+        self._passed_over: set[str] | None = None
 
     def start(self) -> None:
         plane = self.plane
@@ -250,7 +263,8 @@ class WorkerRelay(Relay):
             rank = ranked[self._next_pair].rank
             self._next_pair += 1
             worker = plane.workers.get(rank.worker_url)
-            if worker is None or (self._busy is not None and rank.worker_url in self._busy):
+            passed_over = self._passed_over
+            if worker is None or (passed_over is not None and rank.worker_url in passed_over):
                 continue
             every_open = self._every_open
             if not every_open and not worker.breaker.allow():
@@ -272,6 +286,7 @@ class WorkerRelay(Relay):
             pool = self.pool = plane.pool_for(worker.url)
             pool.acquire(self)
             return
+        self._settle_held(worker_at_fault=True)  # no other worker was left to ask
         if self._in_hand is not None:
             return  # no rank left: the 5xx answer in hand is relayed (`_failed_status`)
         self._give_up()
@@ -327,6 +342,9 @@ class WorkerRelay(Relay):
         assert worker is not None
         if status >= 500:
             return self._failed_status(status)
+        # Another worker served the request that the held 5xx failed: that one was its
+        # worker's. A 4xx says the request is at fault, there as here.
+        self._settle_held(worker_at_fault=status < 400)
         if status >= 400:
             worker.breaker.release(self._probe)  # a client error says nothing of the worker
             self.decision.refused()  # nor does it cache the prompt
@@ -365,9 +383,7 @@ class WorkerRelay(Relay):
             failure = "lost"  # a second dead connection in a row is the worker's
         self._count_failure(failure, detail)
         if failure == "queue":  # the pool says so, for every request that waited in vain
-            if self._busy is None:
-                self._busy = set()
-            self._busy.add(pool.url)
+            self._pass_over(pool.url)
         else:
             left = len(self.decision.ranked) - self._next_pair
             log.warning(
@@ -384,13 +400,34 @@ class WorkerRelay(Relay):
         self.start()
 
     def _failed_status(self, status: int) -> bool:
-        """A 5xx head: a failure of the worker, counted as any other and failed over before
-        its first byte is relayed; but when no rank is left to try, the worker's own answer
-        is the one relayed (True), counted under its own status: a 503's `Retry-After` and
-        body say more to the client than a 502 of the relay's own would."""
-        rank, conn = self.rank, self.conn
-        assert conn is not None
-        self._count_failure("status", f"status {status}")
+        """A 5xx head: a failure of the worker, failed over before its first byte is relayed;
+        but when no rank is left to try, the worker's own answer is the one relayed (True),
+        counted under its own status: a 503's `Retry-After` and body say more to the client
+        than a 502 of the relay's own would. One that may be the request's doing is held from
+        the breaker (the module's opening), and relayed at once when it is the second."""
+        rank, conn, worker = self.rank, self.conn, self.worker
+        assert conn is not None and worker is not None
+        detail = f"status {status}"
+        if status in WORKER_UNAVAILABLE:
+            self._count_failure("status", detail)
+        elif self._held is None:
+            self._held = (worker, self._probe)
+            self._verdict = True  # the held attempt's probe is settled with it
+            self._note_failure("status", detail)
+            self._pass_over(worker.url)
+        else:
+            self._settle_held(worker_at_fault=False)
+            worker.breaker.release(self._probe)  # nor is it this worker's
+            self._verdict = True
+            self._note_failure("status", detail)
+            log.warning(
+                "%s %s answered %d, as another worker did to the same request: taken as the "
+                "request's doing, relayed to the client and counted by neither breaker",
+                self.route,
+                rank,
+                status,
+            )
+            return self._relay_failed(status)
         self._in_hand = conn
         self.start()  # drops the connection in hand if it tries another rank
         if self._in_hand is None:
@@ -399,22 +436,25 @@ class WorkerRelay(Relay):
             )
             return False
         self._in_hand = None
-        worker = self.worker
-        assert worker is not None
         log.warning(
             "%s %s answered %d and no rank is left to try: relayed to the client as it is",
             self.route,
             rank,
             status,
         )
+        return self._relay_failed(status)
+
+    def _relay_failed(self, status: int) -> bool:
+        """The worker's 5xx answer is the client's: counted under its own status."""
+        worker = self.worker
+        assert worker is not None
         label = _STATUS_LABELS.get(status) or str(status)
         self.plane.metrics.requests[self.route, worker.url, label] += 1
         return True
 
     def _count_failure(self, failure: Failure, detail: str) -> None:
         """The attempt failed before its first byte: its breaker hears (unless the failure is
-        not the worker's, `exchange.FAILURES`), the failure is counted, and remembered for the
-        answer given if no rank is left."""
+        not the worker's, `exchange.FAILURES`), and the failure is noted."""
         worker = self.worker
         assert worker is not None
         if FAILURES[failure].breaker:
@@ -422,8 +462,31 @@ class WorkerRelay(Relay):
         else:
             worker.breaker.release(self._probe)  # a probe that ended without a verdict
         self._verdict = True
+        self._note_failure(failure, detail)
+
+    def _note_failure(self, failure: Failure, detail: str) -> None:
+        """The failure is counted, and remembered for the answer given if no rank is left."""
+        worker = self.worker
+        assert worker is not None
         self.plane.metrics.upstream_failures[worker.url, failure] += 1
         self._last_failure = (failure, f"{failure}: {detail}")
+
+    def _settle_held(self, worker_at_fault: bool) -> None:
+        """The request's outcome says whose the held 5xx was: its worker's breaker counts it,
+        or hears nothing of it (the probe its attempt held, if any, is given back)."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        worker, probe = held
+        if worker_at_fault:
+            worker.breaker.record_failure()
+        else:
+            worker.breaker.release(probe)
+
+    def _pass_over(self, url: str) -> None:
+        if self._passed_over is None:
+            self._passed_over = set()
+        self._passed_over.add(url)
 
     def _drop_in_hand(self) -> None:
         """Another rank is tried: the 5xx answer in hand goes, with its connection."""
@@ -441,6 +504,7 @@ class WorkerRelay(Relay):
         closed without an answer; no other rank is tried."""
         rank = self.rank
         assert rank is not None and self.conn is None
+        self._settle_held(worker_at_fault=False)  # whose it was, no other worker said
         self._count_failure("queue", detail)
         self.plane.inflight.end(rank)
         self.rank = None
@@ -455,6 +519,8 @@ class WorkerRelay(Relay):
         self.upstream_failed("worker_down", "health marked the worker down before it answered")
 
     def settle(self, outcome: str) -> None:
+        if outcome == "gone":
+            self._settle_held(worker_at_fault=False)  # left before another worker answered
         rank, worker = self.rank, self.worker
         if rank is None or worker is None:
             return

@@ -37,6 +37,7 @@ from tests.support.scripted_worker import (
     Request,
     Script,
     ScriptedWorker,
+    answer_ok,
     post,
     respond,
     scripted_worker,
@@ -1884,6 +1885,68 @@ async def test_a_lone_workers_500_is_relayed_with_its_body() -> None:
         assert worker is not None and worker.breaker.consecutive_failures == 1
         assert rt.plane.metrics.requests["/v1/completions", w.url, "500"] == 1
         client.close()
+
+
+POISON = b'{"prompt": "poison", "max_tokens": 4}'
+POISONED = b'{"detail": "the engine failed on this input"}'
+
+
+async def fails_on_poison(request: Request, writer: asyncio.StreamWriter) -> None:
+    """An engine with an input-triggered 500: it fails on the prompt `poison`, whatever rank."""
+    if b"poison" in request.body:
+        writer.write(respond(500, POISONED, b"Content-Type: application/json"))
+    else:
+        await answer_ok(request, writer)
+
+
+async def test_poison_requests_cost_two_attempts_each_and_leave_every_breaker_closed() -> None:
+    """A request two workers answer 500 is taken as the cause: the second 500 is relayed, no
+    third worker is asked, and no breaker counts either (six such requests opened all three
+    breakers, at three attempts each)."""
+    async with (
+        scripted_worker(fails_on_poison) as a,
+        scripted_worker(fails_on_poison) as b,
+        scripted_worker(fails_on_poison) as c,
+        router_in_process(workers=[a.url, b.url, c.url], policy="round_robin") as rt,
+    ):
+        await routable(rt, a.url, b.url, c.url)
+        client = await RawClient.open(rt.url)
+        for _ in range(6):  # twice the breakers' threshold, first attempts spread over all
+            client.send(post(b"/v1/completions", POISON))
+            answer = await client.answer()
+            assert answer is not None and (answer.status, answer.body) == (500, POISONED)
+        assert sum(len(w.posts()) for w in (a, b, c)) == 12
+        for w in (a, b, c):
+            worker = rt.replica.workers.get(w.url)
+            assert worker is not None
+            assert (worker.breaker.trips, worker.breaker.consecutive_failures) == (0, 0)
+        # Every worker still takes requests, first choice or not.
+        for _ in range(3):
+            client.send(post(b"/v1/completions", COMPLETION))
+            answer = await client.answer()
+            assert answer is not None and answer.status == 200
+        assert sum(len(w.posts()) for w in (a, b, c)) == 15
+        client.close()
+
+
+async def test_a_worker_that_500s_what_another_serves_still_trips_its_breaker() -> None:
+    async def broken(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(respond(500, b'{"detail": "CUDA error"}', b"Content-Type: application/json"))
+
+    async with (
+        scripted_worker(broken) as bad,
+        scripted_worker() as good,
+        router_in_process(workers=[bad.url, good.url], policy="round_robin") as rt,
+    ):
+        await routable(rt, bad.url, good.url)
+        for _ in range(10):
+            status, body, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
+            assert (status, body) == (200, {"ok": True})
+        assert len(bad.posts()) == 3  # the breaker's threshold; its cooldown outlasts the test
+        assert len(good.posts()) == 10
+        worker = rt.replica.workers.get(bad.url)
+        assert worker is not None and worker.breaker.trips == 1
+        assert rt.plane.metrics.upstream_failures[bad.url, "status"] == 3
 
 
 async def assert_lost_and_failed_over(script: Script) -> None:

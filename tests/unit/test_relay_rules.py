@@ -71,8 +71,11 @@ def breaker_in(state: str) -> CircuitBreaker:
     return breaker
 
 
-def relay_over(states: dict[str, str]) -> tuple[WorkerRelay, list[str], list[Refusal]]:
-    """A `WorkerRelay` over ranks of workers in the given breaker states, in that order."""
+def relay_over(
+    states: dict[str, str], ranked: list[RankId] | None = None
+) -> tuple[WorkerRelay, list[str], list[Refusal]]:
+    """A `WorkerRelay` over ranks of workers in the given breaker states: `ranked`, else rank 0
+    of each, in that order."""
     asked: list[str] = []
     refused: list[Refusal] = []
     workers = {
@@ -90,7 +93,9 @@ def relay_over(states: dict[str, str]) -> tuple[WorkerRelay, list[str], list[Ref
     )
     client = SimpleNamespace(refuse=refused.append, gate=None)  # a client without a socket
     head = read_request_head(b"POST", b"/v1/completions", True, [(b"Host", b"r")], True)
-    decision = Decision([Candidate(RankId(url, 0)) for url in states], "cache_miss", 0)
+    if ranked is None:
+        ranked = [RankId(url, 0) for url in states]
+    decision = Decision(list(map(Candidate, ranked)), "cache_miss", 0)
     relay = WorkerRelay(plane, client, head, b"{}", decision)  # type: ignore[arg-type]
     return relay, asked, refused
 
@@ -169,3 +174,122 @@ def test_the_probes_own_request_ending_without_a_verdict_frees_its_slot(how: str
     end_without_a_verdict(relay, how)
     assert breaker.state == "open"
     assert breaker.allow() is True  # the next request probes at once
+
+
+class _Conn:
+    """The connection an answer head came on (dropped when the relay moves on)."""
+
+    def discard(self) -> None:
+        pass
+
+
+Answer = int | str  # a head's status, or "connect" (refused)
+
+
+def answer_in_turn(relay: WorkerRelay, refused: list[Refusal], answers: list[Answer]) -> int:
+    """Each attempt the relay makes gets the next of `answers`: the status the client gets (a
+    worker's relayed head, or the relay's own refusal)."""
+    relay.start()
+    for answer in answers:
+        if answer == "connect":
+            relay.upstream_failed("connect", "refused")
+        else:
+            assert isinstance(answer, int)
+            relay.conn = _Conn()  # type: ignore[assignment]
+            if relay.accept_head(answer):
+                return answer
+        if refused:
+            return refused[-1].status
+    raise AssertionError(f"the relay made more attempts than the {len(answers)} scripted")
+
+
+def trips(relay: WorkerRelay) -> dict[str, int]:
+    return {url: w.breaker.trips for url, w in relay.plane.workers.items()}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("answers", "asked", "status", "counted"),
+    [
+        # Another worker served the request: the 5xx was its worker's.
+        ([500, 200], "ab", 200, "a"),
+        # A second worker's 500 to the same request: the request's doing, relayed at once
+        # (no third attempt), counted by neither breaker.
+        ([500, 500], "ab", 500, ""),
+        ([500, 501], "ab", 501, ""),
+        ([500, 400], "ab", 400, ""),  # a 4xx says so too
+        # 502, 503 and 504 speak of the worker whatever the request: counted at once, and
+        # they neither hold nor confirm.
+        ([503, 503, 503], "abc", 503, "abc"),
+        ([502, 504, 200], "abc", 200, "ab"),
+        ([503, 500, 500], "abc", 500, "a"),
+        ([500, 503, 200], "abc", 200, "ab"),
+        ([500, 503, 500], "abc", 500, "b"),
+        # A connection error says nothing of the request: counted as ever.
+        ([500, "connect", 500], "abc", 500, "b"),
+        ([500, "connect", 200], "abc", 200, "ab"),
+    ],
+)
+def test_a_5xx_counts_against_its_worker_unless_a_second_worker_answers_the_request_5xx_too(
+    answers: list[Answer], asked: str, status: int, counted: str
+) -> None:
+    relay, tried, refused = relay_over(dict.fromkeys("abc", "closed"))
+    assert answer_in_turn(relay, refused, answers) == status
+    assert tried == list(asked)
+    assert trips(relay) == {url: int(url in counted) for url in "abc"}
+
+
+@pytest.mark.parametrize(
+    ("answers", "status", "counted"),
+    [
+        ([500], 500, "a"),  # the last rank's own answer, relayed
+        ([500, "connect"], 502, "ab"),  # no other worker answered
+    ],
+)
+def test_a_held_5xx_counts_against_its_worker_when_no_other_worker_answers(
+    answers: list[Answer], status: int, counted: str
+) -> None:
+    relay, tried, refused = relay_over(dict.fromkeys("ab"[: len(answers)], "closed"))
+    assert answer_in_turn(relay, refused, answers) == status
+    assert trips(relay) == {url: int(url in counted) for url in tried}
+
+
+def test_a_workers_other_ranks_are_no_second_opinion_on_its_5xx() -> None:
+    """Its other rank is the same engine: a worker failing every request would pass for a
+    poison request on its own two ranks, and a poison request cost three attempts."""
+    relay, tried, refused = relay_over(
+        {"a": "closed", "b": "closed"}, [RankId("a", 0), RankId("a", 1), RankId("b", 0)]
+    )
+    assert answer_in_turn(relay, refused, [500, 500]) == 500
+    assert tried == ["a", "b"] and trips(relay) == {"a": 0, "b": 0}
+
+    relay, tried, refused = relay_over({"a": "closed"}, [RankId("a", 0), RankId("a", 1)])
+    assert answer_in_turn(relay, refused, [500]) == 500
+    assert tried == ["a"] and trips(relay) == {"a": 1}
+
+
+@pytest.mark.parametrize(
+    ("second", "state", "cooldown_s"),
+    [
+        (200, "open", 10.0),  # the probe failed: open again, its cooldown doubled
+        (500, "open", 5.0),  # no verdict: the slot freed, the next request probes at once
+        ("gone", "open", 5.0),  # the client left before the request's outcome: no verdict
+    ],
+)
+def test_a_probe_held_by_a_request_answered_5xx_ends_when_the_requests_outcome_is_known(
+    second: Answer, state: str, cooldown_s: float
+) -> None:
+    relay, tried, _ = relay_over({"a": "cooled", "b": "closed"})
+    breaker = relay.plane.workers["a"].breaker  # type: ignore[attr-defined]
+    relay.start()
+    assert breaker.state == "half_open"
+    relay.conn = _Conn()  # type: ignore[assignment]
+    assert not relay.accept_head(500)
+    assert tried == ["a", "b"] and breaker.state == "half_open"  # held while b answers
+    if second == "gone":
+        relay.client_gone()
+    else:
+        assert isinstance(second, int)
+        relay.conn = _Conn()  # type: ignore[assignment]
+        assert relay.accept_head(second)
+    assert (breaker.state, breaker.cooldown_s) == (state, cooldown_s)
+    assert breaker.allow() is (cooldown_s == 5.0)  # a freed slot is claimed at once
