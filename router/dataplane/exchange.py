@@ -287,6 +287,16 @@ class Refusal:
     extra: tuple[tuple[bytes, bytes], ...] = ()
 
 
+# With every 503 of the router's own: what it refuses for is a moment's state (no pooled
+# connection free, no worker healthy, this replica's connections at their maximum, its drain),
+# which a retry a second later may well not meet, on this replica or, through the load
+# balancer, another. A client that honours it (the openai SDK does) waits that second instead
+# of its own backoff; a longer value would hold it back from a worker back at its next health
+# check (every 2 s by default). The router cannot tell which of these is over sooner, so all
+# say the same.
+RETRY_SOON: Final = ((b"Retry-After", b"1"),)
+
+
 def admit(head: RequestHead, max_body_bytes: int) -> Refusal | None:
     """Whether the body may be read at all, decided at the end of the head."""
     if head.expect is not None and head.expect != b"100-continue":

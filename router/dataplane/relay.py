@@ -33,6 +33,7 @@ from router.dataplane.exchange import (
     FAILURES,
     GENERATION_ROUTES,
     LAST_CHUNK,
+    RETRY_SOON,
     WORKER_UNAVAILABLE,
     Failure,
     Framing,
@@ -74,9 +75,6 @@ def count_refused(metrics: RouterMetrics, head: RequestHead | None, status: int)
     metrics.requests[route_label(head), "none", _STATUS_LABELS[status]] += 1
 
 
-# With the 503 for a request no pooled connection came free for: a retry that soon may find
-# one (the streams holding them end), and a client that honours it spreads its retries.
-_RETRY_SOON: Final = ((b"Retry-After", b"1"),)
 _NO_FAILURE: Final[tuple[Failure | None, str]] = (None, "no routable worker")
 
 
@@ -306,7 +304,7 @@ class WorkerRelay(Relay):
                 f"no connection to a worker came free in time ({self.attempts} attempt(s)): "
                 f"{reason}; retry later",
                 type="service_unavailable",
-                extra=_RETRY_SOON,
+                extra=RETRY_SOON,
             )
         else:
             refusal = Refusal(

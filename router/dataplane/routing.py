@@ -42,7 +42,7 @@ from typing import Any, Final, Protocol
 import msgspec
 
 from cachetree.keys import block_keys, namespace_seed
-from router.dataplane.exchange import Refusal
+from router.dataplane.exchange import RETRY_SOON, Refusal
 from router.dataplane.inflight import InflightTracker
 from router.events import namespace_of
 from router.index import IndexRules
@@ -434,7 +434,9 @@ class RequestRouter:
 
     def _no_candidates(self) -> Refusal:
         self.metrics.decisions[self.policy.name, "no_candidates"] += 1
-        return Refusal(503, "no healthy worker to route to", type="service_unavailable")
+        return Refusal(
+            503, "no healthy worker to route to", type="service_unavailable", extra=RETRY_SOON
+        )
 
     def _counted(self, decision: Decision) -> Decision:
         self.metrics.decisions[self.policy.name, decision.outcome] += 1

@@ -39,6 +39,7 @@ from router.dataplane.door import Door, Probe
 from router.dataplane.encodes import EncodeQueue, Job
 from router.dataplane.exchange import (
     CONTINUE,
+    RETRY_SOON,
     Malformed,
     Refusal,
     RequestHead,
@@ -76,7 +77,7 @@ _DRAINED: Final = Refusal(
     503,
     "the router stopped before this request was routed: send it again",
     type="service_unavailable",
-    extra=((b"Retry-After", b"1"),),
+    extra=RETRY_SOON,
 )
 
 # Complete requests one connection may have waiting behind the one being answered. A
@@ -430,7 +431,12 @@ async def bind(loop: asyncio.AbstractEventLoop, host: str, port: int) -> list[so
 
 
 _BUSY: Final = refusal_response(
-    Refusal(503, "too many connections to this replica; retry", type="service_unavailable"),
+    Refusal(
+        503,
+        "too many connections to this replica; retry",
+        type="service_unavailable",
+        extra=RETRY_SOON,
+    ),
     client_11=True,
     keep_alive=False,
 )

@@ -2091,6 +2091,25 @@ async def test_connections_over_the_maximum_are_refused_with_a_503_and_few_log_l
             client.close()
 
 
+async def test_no_healthy_worker_and_too_many_connections_are_503s_saying_retry_after_1() -> None:
+    """They carried none, where its other 503s say `Retry-After: 1`: a client honouring it (the
+    openai SDK) fell back to its own backoff."""
+    async with router_in_process(max_connections=1) as rt:  # no worker at all
+        held = await RawClient.open(rt.url)
+        held.send(post(b"/v1/completions", COMPLETION))
+        answer = await held.answer()
+        assert answer is not None and answer.status == 503
+        assert b"no healthy worker" in answer.body
+        assert answer.header(b"Retry-After") == b"1"
+        extra = await RawClient.open(rt.url)  # past the maximum: held is the one
+        refused = await extra.answer()
+        assert refused is not None and refused.status == 503
+        assert b"too many connections" in refused.body
+        assert refused.header(b"Retry-After") == b"1"
+        assert rt.plane.stats.connections_refused == 1
+        held.close()
+
+
 async def test_a_client_sending_a_body_past_the_maximum_reads_its_503_not_a_reset() -> None:
     """Closed at once with the body unread, the refused connection was reset, and a client
     still sending (urllib, a 5 MB POST) saw `Connection reset by peer` instead of the 503."""
