@@ -987,7 +987,8 @@ class _DataPlaneCollector(Collector):
         yield _counter(
             "kvrouter_answers_broken",
             "Answers that did not end cleanly: cut (the worker's stream broke after the first "
-            "byte) or gone (the client left first)",
+            "byte) or gone (the client left first, routed or still waiting for its long prompt's "
+            "encode or its placer's answer)",
             ["outcome"],
             {(k,): stats.ended[k] for k in ("cut", "gone")},
         )

@@ -592,7 +592,10 @@ class ClientConnection(asyncio.Protocol):
         link, self._link = self._link, None
         if link is not None:
             link.abort()
-        self._stop_unrouted()
+        if self._stop_unrouted():
+            # It left while its request waited to be routed (its long prompt's encode, its
+            # placer's answer): gone, as a client that leaves after routing is.
+            self.plane.stats.ended["gone"] += 1
         # What it read is freed now, not by a pass of the cyclic collector: the parser (its
         # callbacks) and the deadline (`_expired`) hold this connection, which holds them, and
         # the replica's rare passes (`cli._tune_gc`) left the bodies of uploads cut short in

@@ -284,7 +284,7 @@ async def test_a_placer_refusing_the_token_is_warned_as_a_refusal_with_its_error
     ]
 
 
-async def test_a_client_that_leaves_while_its_question_waits_leaves_nothing_behind() -> None:
+async def test_a_client_leaving_while_its_question_waits_leaves_only_its_gone_count() -> None:
     async with contextlib.AsyncExitStack() as stack:
         w1 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
         w2 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
@@ -314,6 +314,7 @@ async def test_a_client_that_leaves_while_its_question_waits_leaves_nothing_behi
         ledger = policy_of(asker).ledger
         assert ledger.bookings.made == 0  # the short prompt books nothing; the gone one neither
         assert asker.replica.inflight.total == 0
+        assert asker.plane.stats.ended["gone"] == 1  # as a client that leaves after routing
         assert (rules.counts["asked"], rules.counts["timeout"], rules.counts["answered"]) == (
             1,
             0,

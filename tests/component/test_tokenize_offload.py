@@ -229,9 +229,11 @@ async def test_past_the_bound_a_long_prompt_is_routed_by_load_and_counted(big_mo
         assert decisions("kvrouter_routing_decisions_total", labels) == 2
 
 
-async def test_a_client_that_leaves_while_its_prompt_encodes_frees_its_slot(
+async def test_a_client_that_leaves_while_its_prompt_encodes_frees_its_slot_and_counts_gone(
     big_model: str,
 ) -> None:
+    """It was counted nowhere: only `tokenize_offloads{started}` moved, where a client that
+    leaves after routing counts in `answers_broken{outcome="gone"}`."""
     async with recorded_router(big_model) as (rt, seen):
         encodes = rt.plane.encodes
         encodes.most = 1
@@ -245,6 +247,9 @@ async def test_a_client_that_leaves_while_its_prompt_encodes_frees_its_slot(
         assert status == 200
         assert (encodes.started, encodes.busy) == (2, 0)
         assert prompts_seen(seen) == ["STAYED"]  # the one whose client left was never sent
+        scrape = await rt.scrape()
+        assert scrape.value("kvrouter_answers_broken_total", outcome="gone") == 1
+        assert sum(scrape.series("kvrouter_requests_total").values()) == 1  # STAYED's
 
 
 async def test_the_bytes_tokenizer_never_offloads() -> None:
