@@ -442,6 +442,10 @@ _BUSY: Final = refusal_response(
 )
 
 
+def _unserved_version(version: str) -> Refusal:
+    return Refusal(400, f"HTTP/{version} is not served here: send HTTP/1.1", close=True)
+
+
 def _fail_over(relays: Iterable[object]) -> None:
     """Requests waiting on a worker that is gone or down: each still unanswered fails over."""
     for relay in relays:
@@ -570,12 +574,36 @@ class ClientConnection(asyncio.Protocol):
             self._chunks = 0
             self.gate.pause(YIELDING)
             self.plane.loop.call_soon(self.gate.resume, YIELDING)
-        if in_head is not None and in_head is self._incoming and in_head.head is None:
+        incoming = self._incoming
+        if incoming is None or incoming.head is not None:
+            return
+        mid_head = in_head is incoming
+        if mid_head:
             # The whole read fell inside one head: bound what the parser buffers of it (a
             # read that ended another head on the way began this one's count afresh).
             self._head_size += len(data)
             if self._head_size > self.plane.limits.max_head_bytes:
                 self._stop(self._head_too_large())
+                return
+        if data[-1:] == b"\n" and incoming.url and self._versionless(data, began=not mid_head):
+            self._stop(_unserved_version("0.9"))
+
+    def _versionless(self, data: bytes, began: bool) -> bool:
+        """Whether the head being read, `data` its last read (`began`: its first too), is a
+        request line that ended without a version: HTTP/0.9, one line and nothing after it.
+        llhttp reads its version only at the next byte, and the client, waiting for the
+        answer to that line, got the head's 408. No version read on the connection yet says
+        so; after a request that had one, llhttp still reports that one's, and the line must
+        be in the read whole, after a line end (a header line cannot be `method target`:
+        llhttp refuses a field line without a colon)."""
+        parser = self._parser
+        if parser.get_http_version() == "0.0":
+            return True
+        incoming = self._incoming
+        assert incoming is not None
+        line = b"%s %s" % (parser.get_method(), incoming.url)
+        ends = (line + b"\r\n", line + b"\n")
+        return (began and data in ends) or data.endswith((b"\n" + ends[0], b"\n" + ends[1]))
 
     def eof_received(self) -> bool:
         # A client that stops sending is gone (as uvicorn and aiohttp see it): TCP does not
@@ -663,9 +691,7 @@ class ClientConnection(asyncio.Protocol):
         version = parser.get_http_version()
         if version not in _SERVED_VERSIONS:
             # llhttp reads a request line without a version as HTTP/0.9 and takes any digits.
-            raise _Refused(
-                Refusal(400, f"HTTP/{version} is not served here: send HTTP/1.1", close=True)
-            )
+            raise _Refused(_unserved_version(version))
         try:
             head = read_request_head(
                 parser.get_method(),

@@ -16,7 +16,7 @@ import logging
 import socket
 import struct
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -345,7 +345,9 @@ async def test_a_head_rfc_9112_makes_a_400_is_refused_before_any_worker_sees_it(
     "request_bytes",
     [
         b"POST /v1/completions HTTP/2.0\r\nHost: a\r\nContent-Length: 0\r\n\r\n",
-        b"GET /v1/models\r\n\r\n",  # HTTP/0.9: no version at all
+        b"GET /v1/models\r\n\r\n",  # no version at all, and a blank line
+        b"GET /v1/models\r\n",  # HTTP/0.9 as it is: one line, then the client waits
+        b"GET /healthz\n",  # a probe's path, which the accept thread hands to the loop
         b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",  # HTTP/2 by prior knowledge
     ],
 )
@@ -359,6 +361,46 @@ async def test_a_request_in_an_http_version_other_than_1_x_is_a_400(request_byte
         assert answer is not None and answer.status == 400
         assert b"send HTTP/1.1" in answer.body
         await client.closed()
+        assert w.posts() == []
+
+
+def reading_target(rt: RouterHandle, target: bytes) -> Callable[[], bool]:
+    """Whether a client connection of the replica read `target` of the head it reads."""
+
+    def read() -> bool:
+        return any(
+            c._incoming is not None and c._incoming.url == target for c in rt.plane.connections
+        )
+
+    return read
+
+
+async def test_an_http_09_line_is_a_400_at_once_in_pieces_or_after_an_http_11_request() -> None:
+    """HTTP/0.9 is one line with nothing after it: llhttp reads its version only at the next
+    byte, which never comes, and the client got the head's 408 after 30 s. A read that ends
+    with a field line holding such a line's words is no request line."""
+    async with one_worker_and_a_client(client_header_timeout_s=30) as (w, rt, client):
+        # In three reads: the line's end comes alone.
+        client.send(b"GET /v1/mo")
+        await eventually(reading_target(rt, b"/v1/mo"))
+        client.send(b"dels")
+        await eventually(reading_target(rt, b"/v1/models"))
+        client.send(b"\r\n")
+        answer = await client.answer()
+        assert answer is not None and answer.status == 400 and b"HTTP/0.9" in answer.body
+        await client.closed()
+        await eventually(lambda: not rt.plane.connections)
+
+        # Not a probe's path (the accept thread would answer it): the loop's parser reads it.
+        kept = await RawClient.open(rt.url)
+        kept.send(b"GET /v1/models HTTP/1.1\r\nHost: a\r\nX-Line: GET /v1/models\r\n")
+        await eventually(reading_target(rt, b"/v1/models"))
+        kept.send(b"\r\n")
+        assert (await kept.answer()).status == 200  # type: ignore[union-attr]
+        kept.send(b"GET /v1/models\r\n")  # llhttp still reports the last request's 1.1
+        answer = await kept.answer()
+        assert answer is not None and answer.status == 400 and b"HTTP/0.9" in answer.body
+        await kept.closed()
         assert w.posts() == []
 
 
