@@ -51,6 +51,8 @@ connection), on a fresh connection to the same worker, and counts nowhere. After
 byte nothing is retried: a stream cut by its worker must not look complete (`cut_tail`): the
 client connection is closed without the terminating chunk, after an OpenAI-style `data:
 {"error": ...}` event when the answer is SSE, so every client library reports the failure.
+An SSE answer is relayed in whole events for that (`WholeEvents`): the event the worker broke
+off in never reaches the client, which would parse it before the error event.
 (A close-delimited answer to an HTTP/1.0 client cannot show a cut except through that SSE
 event: its end is the close.)
 """
@@ -439,8 +441,8 @@ class ResponseHead:
 
     @property
     def sse(self) -> bool:
-        """text/event-stream (a cut sends an error event first). Read only when a stream is
-        cut, so an answer's head is not searched for it."""
+        """text/event-stream (relayed event by event, and a cut sends an error event). Read
+        once for a streamed answer, so an answer with a length is not searched for it."""
         return any(
             name.lower() == b"content-type" and value.startswith(b"text/event-stream")
             for name, value in _FIELD_LINE.findall(self.raw)
@@ -633,21 +635,67 @@ def classify_lost(reused: bool, retried: bool, answered_bytes: int) -> Failure:
     return "lost"
 
 
-def cut_tail(framing: Framing, sse: bool, reason: str, relayed_tail: bytes = b"") -> bytes:
+def cut_tail(framing: Framing, sse: bool, reason: str) -> bytes:
     """What the client gets before its connection is closed when a stream is cut: for an SSE
-    answer, an error event, after the line end and blank line that end the event the worker
-    broke off in (when `relayed_tail`, the last bytes relayed, ends none), which the error
-    would join else."""
+    answer, an error event. The relay sent whole events only (`WholeEvents`), so the error
+    event starts one of its own, and a client parses it as it parses any other."""
     if not sse or framing not in (Framing.CHUNKED, Framing.CLOSE):
         return b""  # a short Content-Length body, or a missing last chunk, shows the cut
     event = b"data: %b\n\n" % msgspec.json.encode(
         {"error": {"message": f"the worker's stream broke: {reason}", "type": "upstream_error"}}
     )
-    if relayed_tail and not relayed_tail.endswith(_EVENT_ENDS):
-        # After a line's LF, one more ends the event; else the line is ended first (a CR
-        # alone would make the LF after it one CRLF).
-        event = (b"\n" if relayed_tail.endswith(b"\n") else b"\n\n") + event
     return chunk(event) if framing is Framing.CHUNKED else event
 
 
+# The ends of an SSE event (a line end, then the blank line's: CRLF, LF or CR each) a read
+# most often ends with.
 _EVENT_ENDS: Final = (b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n", b"\r\n\n")
+# Every event end holds one of these: two line ends in a row, the second the blank line's
+# (CR LF alone is one line end).
+_BLANK_LINE_STARTS: Final = (b"\n\n", b"\r\r", b"\n\r")
+
+
+def events_end(data: bytes, before: bytes = b"") -> int:
+    """How many bytes of `data` the SSE events ending in it take: up to the end of the last
+    blank line in it (WHATWG SSE: lines end with CRLF, LF or CR; a blank line ends an event),
+    0 when none ends there. `before`: the byte before `data`, where that blank line's line
+    end may begin."""
+    at = max(map(data.rfind, _BLANK_LINE_STARTS))
+    if at < 0:
+        if not before or before + data[:1] not in _BLANK_LINE_STARTS:
+            return 0
+        at = -1  # the first byte of `data` ends the blank line
+    end = at + 2
+    if data[end - 1 : end] == b"\r" and data[end : end + 1] == b"\n":
+        end += 1  # the blank line ends with a CRLF, not a CR: its LF goes with it
+    return end
+
+
+@dataclass(slots=True)
+class WholeEvents:
+    """An SSE answer's bytes as the relay passes them on: whole events only, the event a read
+    ends inside held until the read that ends it. A stream its worker cuts then leaves the
+    client no half event that a client would parse on its own (the OpenAI SDK raised a
+    JSONDecodeError on it, not its APIError) before the relay's error event (`cut_tail`); the
+    held bytes are dropped. Most reads end at an event's end, and pass through uncopied."""
+
+    held: bytearray
+
+    def take(self, data: bytes) -> bytes:
+        """What of the held bytes and `data` goes to the client now (b"": nothing yet)."""
+        held = self.held
+        if not held and data.endswith(_EVENT_ENDS):
+            return data
+        end = events_end(data, bytes(held[-1:]))
+        if not end:
+            held += data
+            return b""
+        whole = bytes(held) + data[:end] if held else data[:end]
+        held[:] = data[end:]
+        return whole
+
+    def rest(self) -> bytes:
+        """The bytes held at the answer's end (a worker may end it without a blank line)."""
+        rest = bytes(self.held)
+        self.held.clear()
+        return rest

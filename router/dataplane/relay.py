@@ -1,8 +1,9 @@
 """One client request answered from upstream: the shell joining a client to a connection.
 
 `Relay` is the client half every answer shares: it writes the head `exchange.plan_response`
-chose, frames each piece of body as it arrives (never buffered: an SSE event is written the
-moment it is parsed), ends the exchange, or cuts the connection as `exchange.cut_tail` says.
+chose, frames each piece of body as it arrives (never buffered, but for a streamed SSE answer's
+event not ended yet: `exchange.WholeEvents`), ends the exchange, or cuts the connection as
+`exchange.cut_tail` says.
 It carries backpressure both ways: the client's full write buffer pauses the upstream
 connection's reading, the worker's full write buffer pauses the client's.
 
@@ -41,6 +42,7 @@ from router.dataplane.exchange import (
     RequestHead,
     ResponseHead,
     ResponsePlan,
+    WholeEvents,
     chunk,
     cut_tail,
     plan_response,
@@ -83,7 +85,7 @@ class WorkerLookup(Protocol):
 
 
 class Relay:
-    __slots__ = ("body", "client", "conn", "done", "head", "plan", "sse_tail")
+    __slots__ = ("body", "client", "conn", "done", "events", "head", "plan")
 
     def __init__(self, client: ClientConnection, head: RequestHead, body: bytes) -> None:
         self.client = client
@@ -92,7 +94,9 @@ class Relay:
         self.conn: UpstreamConnection | None = None
         self.plan: ResponsePlan | None = None
         self.done = False
-        self.sse_tail = b""  # the last bytes of an SSE answer relayed so far
+        # A streamed SSE answer's whole events (None for any other answer): a cut sends an
+        # error event after them.
+        self.events: WholeEvents | None = None
 
     # -- what subclasses decide ------------------------------------------------------------
 
@@ -120,6 +124,11 @@ class Relay:
             route_headers=self.route_headers(),
         )
         self.plan = plan
+        # Streamed (no length: a cut's error event has a place) and SSE. The type is read
+        # only then, not for an answer with a length (most JSON ones).
+        framing = plan.framing
+        if (framing is Framing.CHUNKED or framing is Framing.CLOSE) and answer.sse:
+            self.events = WholeEvents(bytearray())
         client.hold(plan.head)
         if client.write_paused and self.conn is not None:
             # The client's buffer went over its mark while the answer before this one ended
@@ -130,14 +139,19 @@ class Relay:
         plan = self.plan
         if plan is None or not data:
             return
-        if plan.answer.sse:  # the last 4 bytes, without copying a large read
-            self.sse_tail = data[-4:] if len(data) >= 4 else (self.sse_tail + data)[-4:]
+        events = self.events
+        if events is not None:
+            data = events.take(data)
+            if not data:
+                return
         self.client.hold(chunk(data) if plan.framing is Framing.CHUNKED else data)
 
     def upstream_end(self) -> None:
         plan = self.plan
         assert plan is not None
         self.conn = None
+        if self.events is not None and (rest := self.events.rest()):
+            self.client.hold(chunk(rest) if plan.framing is Framing.CHUNKED else rest)
         if plan.framing is Framing.CHUNKED:
             self.client.hold(LAST_CHUNK)
         self._end("ok")
@@ -148,7 +162,8 @@ class Relay:
         assert plan is not None
         self.conn = None
         log.warning("%s: the answer broke after its first byte: %s", self.describe(), reason)
-        self.client.write(cut_tail(plan.framing, plan.answer.sse, reason, self.sse_tail))
+        # The event the worker broke off in was held, and goes with it.
+        self.client.write(cut_tail(plan.framing, self.events is not None, reason))
         self._end("cut")
         self.client.cut()
 

@@ -1398,26 +1398,72 @@ async def test_a_close_delimited_stream_ended_by_a_reset_is_cut_not_complete() -
         assert rt.plane.stats.ended["cut"] == 1
 
 
-async def test_a_stream_cut_inside_an_event_ends_it_before_a_parseable_error_event() -> None:
+async def test_an_sse_stream_cut_inside_an_event_relays_whole_events_then_the_error_event() -> None:
+    """The client gets only events the worker ended, an event split across two reads once it
+    ends, then the error event: the broken event relayed, ended by a blank line, was parsed
+    first (the OpenAI SDK raised a JSONDecodeError on its JSON, never its APIError)."""
+    events = [b'data: {"n": %d, "text": "%s"}\n\n' % (n, b"x" * 40) for n in range(3)]
+    writes = [events[0] + events[1][:20], events[1][20:] + events[2][:30]]
+
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    chunks = [b"%x\r\n%b\r\n" % (len(data), data) for data in writes]
+    go_on = asyncio.Event()
+
     async def script(request: Request, writer: asyncio.StreamWriter) -> None:
-        event = b'data: {"choices": [{"te'
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n" % (len(event), event)
-        )
-        await writer.drain()
-        await asyncio.sleep(0.05)
-        writer.transport.abort()
+        writer.write(head)
+        for piece in chunks:
+            writer.write(piece)
+            await writer.drain()
+            await go_on.wait()
+            go_on.clear()
+        writer.transport.abort()  # the engine dies inside the third event
+
+    async def relayed(rt: RouterHandle, url: str, reads: int, client: RawClient) -> bytes:
+        """What the client has once the replica read the worker's first `reads` writes."""
+        written = len(head) + sum(map(len, chunks[:reads]))
+
+        def read_them() -> bool:
+            pool = rt.plane.pools.get(url)
+            return pool is not None and any(c.answered >= written for c in pool.busy)
+
+        await eventually(read_them)
+        # Relayed in the same callback as the read: the client's bytes are on their way.
+        wanted = events[reads - 1]
+        async with asyncio.timeout(5):
+            while wanted not in client.raw:
+                await client._read()
+        return bytes(client.raw)
 
     async with one_worker_and_a_client(script) as (w, rt, client):
         client.send(post(b"/v1/completions", STREAM))
+        first = await relayed(rt, w.url, 1, client)
+        assert events[1][:20] not in first  # the half event is held
+        go_on.set()
+        second = await relayed(rt, w.url, 2, client)
+        assert events[1] in second and events[2][:30] not in second  # the split one, whole
+        go_on.set()
         await client.closed()
         answer = await client.answer()
-        assert answer is not None and not answer.complete
-        broken, error = [e for e in answer.body.split(b"\n\n") if e]
-        assert broken == b'data: {"choices": [{"te'
-        assert json.loads(error.removeprefix(b"data: "))["error"]["type"] == "upstream_error"
+        assert answer is not None and answer.status == 200 and not answer.complete
+        *whole, error = sse_events(answer.body)
+        assert whole == [e.strip() for e in events[:2]]
+        parsed = [json.loads(e.removeprefix(b"data: ")) for e in [*whole, error]]
+        assert parsed[-1]["error"]["type"] == "upstream_error"
         assert rt.plane.stats.ended["cut"] == 1 and len(w.posts()) == 1
+
+
+def sse_events(body: bytes) -> list[bytes]:
+    """An SSE body's events as the OpenAI SDK splits them (its `SSEDecoder`: lines joined until
+    they end with a blank line); a last one not ended is none."""
+    events, pending = [], b""
+    for line in body.splitlines(keepends=True):
+        pending += line
+        if pending.endswith((b"\r\r", b"\n\n", b"\r\n\r\n")):
+            events.append(pending.strip())
+            pending = b""
+    return events
 
 
 @dataclass

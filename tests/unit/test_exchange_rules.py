@@ -14,9 +14,11 @@ from router.dataplane.exchange import (
     Malformed,
     RequestHead,
     ResponseHead,
+    WholeEvents,
     admit,
     chunk,
     cut_tail,
+    events_end,
     head_without_upgrade,
     lower_names,
     not_allowed,
@@ -593,34 +595,80 @@ def test_what_a_cut_stream_sends_before_the_close(framing: Framing, sse: bool, e
 
 
 @pytest.mark.parametrize(
-    ("relayed_tail", "ends_the_broken_event"),
+    ("data", "before", "end"),
     [
-        (b"", False),  # nothing relayed yet
-        (b"one\n\n", False),
-        (b"e\r\n\r\n", False),
-        (b"\r\r", False),
-        (b'{"te', True),  # the worker died inside an event
-        (b"one\n", True),  # inside one, between two of its lines
+        (b"data: one\n\n", b"", 11),
+        (b"data: one\n\ndata: tw", b"", 11),  # the second event is not ended yet
+        (b"data: one\r\n\r\ndata: tw", b"", 13),
+        (b"data: one\r\rdata: tw", b"", 11),
+        (b"data: one\n\r\ndata", b"", 12),  # LF, then a CRLF blank line
+        (b"data: one\r\n\ndata", b"", 12),  # CRLF, then an LF blank line
+        (b"data: one\n\rdata", b"", 11),  # LF, then a CR blank line
+        (b"data: one\r\n\r", b"", 12),  # a CR blank line, or a CRLF one cut by the read
+        (b"data: one\r\ndata: two\r\n", b"", 0),  # CR LF is one line end
+        (b'data: {"te', b"", 0),
+        (b"", b"\n", 0),
+        (b"\ndata: two", b"\n", 1),  # the blank line began in the read before
+        (b"\r\ndata: two", b"\n", 2),
+        (b"\rdata: two", b"\r", 1),
+        (b"data: two", b"\n", 0),
     ],
 )
-def test_an_sse_cut_inside_an_event_ends_that_event_before_the_error_event(
-    relayed_tail: bytes, ends_the_broken_event: bool
+def test_where_the_last_sse_event_in_a_read_ends(data: bytes, before: bytes, end: int) -> None:
+    assert events_end(data, before) == end
+
+
+def sse_events(body: bytes) -> list[bytes]:
+    """An SSE body's events as the OpenAI SDK splits them (its `SSEDecoder`: lines joined
+    until they end with a blank line's CR CR, LF LF or CRLF CRLF); a last one not ended is
+    not an event."""
+    events, pending = [], b""
+    for line in body.splitlines(keepends=True):
+        pending += line
+        if pending.endswith((b"\r\r", b"\n\n", b"\r\n\r\n")):
+            events.append(pending.strip())
+            pending = b""
+    return events
+
+
+ONE, TWO = b'data: {"n": 1}', b'data: {"n": 2}'
+
+
+@pytest.mark.parametrize(
+    ("reads", "ended"),
+    [
+        ([ONE + b"\n\n", TWO + b"\n\n"], [ONE, TWO]),
+        ([ONE[:5], ONE[5:] + b"\n\n" + TWO[:3], TWO[3:] + b"\n", b"\n"], [ONE, TWO]),
+        ([ONE + b"\r\n", b"\r\n", TWO + b"\r", b"\n\r\n"], [ONE, TWO]),
+        ([ONE + b"\n\n" + TWO + b"\n\nda"], [ONE, TWO]),
+        ([ONE + b"\n\n" + TWO[:12]], [ONE]),  # the worker died inside an event
+        ([ONE + b"\n\n", b"data: ", b"x" * 70_000], [ONE]),
+    ],
+)
+def test_an_sse_stream_cut_anywhere_reaches_the_client_as_whole_events_then_the_error(
+    reads: list[bytes], ended: list[bytes]
 ) -> None:
-    """Joined onto a half-sent `data:` line, the error event was no event a client could parse
-    (`data: {"choices": [{"tedata: {"error": ...}`)."""
-    tail = cut_tail(Framing.CLOSE, True, "reset", relayed_tail)
-    assert tail.startswith(b"\n") is ends_the_broken_event
-    # Events as an SSE client splits them: lines end with CRLF, LF or CR; a blank one ends
-    # an event.
-    lines = (relayed_tail + tail).replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-    events: list[list[bytes]] = [[]]
-    for line in lines:
-        if line:
-            events[-1].append(line)
-        elif events[-1]:
-            events.append([])
-    (last,) = [e for e in events if e][-1]
-    assert json.loads(last.removeprefix(b"data: "))["error"]["type"] == "upstream_error"
+    """The client gets the events the worker ended, and the error event parses on its own: a
+    half event relayed before it was parsed first (the OpenAI SDK raised a JSONDecodeError,
+    never its APIError)."""
+    events = WholeEvents(bytearray())
+    relayed = b"".join(events.take(read) for read in reads)
+    assert b"".join(reads).startswith(relayed)  # as the worker wrote them
+    body = relayed + cut_tail(Framing.CLOSE, True, "reset")
+    *whole, error = sse_events(body)
+    assert whole == ended
+    parsed = [json.loads(event.removeprefix(b"data: ")) for event in [*whole, error]]
+    assert parsed[-1]["error"]["type"] == "upstream_error"
+
+
+def test_sse_reads_ending_an_event_pass_through_and_a_split_one_is_relayed_once_ended() -> None:
+    events = WholeEvents(bytearray())
+    read = ONE + b"\n\n" + TWO + b"\n\n"
+    assert events.take(read) is read  # the common read: not copied
+    assert events.take(ONE[:7]) == b"" and events.take(ONE[7:] + b"\n") == b""
+    assert events.take(b"\n" + TWO[:3]) == ONE + b"\n\n"
+    assert events.rest() == TWO[:3]  # a worker that ends its answer mid-line: passed on
+    assert events.rest() == b""
 
 
 def test_a_connection_field_naming_content_length_leaves_the_answer_its_framing() -> None:
