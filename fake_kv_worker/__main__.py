@@ -107,6 +107,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
         "lora_name; /v1/models lists each with the served model as its parent",
     )
     p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="as vLLM's: /v1/* answers 401 without 'Authorization: Bearer <key>'",
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     try:
@@ -131,6 +136,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
             model=args.model,
             lora_modules=tuple(args.lora_modules),
             max_body_bytes=args.max_body_bytes,
+            api_key=args.api_key,
         )
     except ValueError as exc:
         p.error(str(exc))

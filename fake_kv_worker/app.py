@@ -17,6 +17,9 @@ by `/v1/kv-snapshot`) with the adapter's `lora_name`; `/control/store` takes `lo
 
 Two response headers say what a generation request cost, for tests that assert costs:
 `X-Fake-Worker-DP-Rank` and `X-Fake-Worker-Cached-Tokens`.
+
+With `--api-key`, as vLLM's: every `/v1/*` request without `Authorization: Bearer <key>` is a
+401 in the OpenAI error shape (`/health`, `/metrics` and the controls stay open).
 """
 
 from __future__ import annotations
@@ -198,6 +201,18 @@ async def _errors(
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
         keep = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         return _json(error_body(exc.reason, kind, None), status=exc.status, headers=keep)
+
+
+@web.middleware
+async def _api_key(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    key = request.app[STATE_KEY].config.api_key
+    if key is None or not request.path.startswith("/v1/"):
+        return await handler(request)
+    if request.headers.get("Authorization") != f"Bearer {key}":
+        return _json(error_body("Unauthorized", "authentication_error", None), status=401)
+    return await handler(request)
 
 
 async def _read_body(request: web.Request) -> dict[str, Any]:
@@ -503,7 +518,9 @@ async def control_state(request: web.Request) -> web.Response:
 
 
 def build_app(state: WorkerState) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=state.config.max_body_bytes)
+    app = web.Application(
+        middlewares=[_errors, _api_key], client_max_size=state.config.max_body_bytes
+    )
     app[STATE_KEY] = state
     app.router.add_get("/health", health)
     app.router.add_get("/server_info", server_info)

@@ -41,6 +41,8 @@ class WorkerConfig:
     max_tokens_default: int = 16
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     replay_buffer_steps: int = 10_000
+    # As vLLM's `--api-key`: every /v1/* request must carry `Authorization: Bearer <key>`.
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -82,6 +84,8 @@ class WorkerConfig:
             problems.append("max_body_bytes must be >= 1024")
         if self.replay_buffer_steps < 1:
             problems.append("replay_buffer_steps must be >= 1")
+        if self.api_key == "":
+            problems.append("api_key must not be empty")
         if any(not name or ":" in name for name in self.lora_modules):
             # SGLang reads `model` "base:adapter": a name with a colon could not be named so.
             problems.append("lora_modules must be non-empty names without ':'")

@@ -30,6 +30,7 @@ from router.origin import canonical_origin, host_of, worker_origin_problem
 from router.replica import Replica
 from router.workers import (
     WORKER_JSON_ERRORS,
+    Refused,
     TooManyWorkers,
     WorkerRemoved,
     allow_list_refusal,
@@ -48,10 +49,12 @@ MODELS_FRESH_S: Final = 1.0
 class SharedListing:
     """One answer, fetched once for every caller that asks while it is fetched or fresh.
 
-    `/v1/models` needs no token (clients read it) and asks every worker: uncached, each call
-    of a flood was one request to each worker. An answer is reused for `fresh_s` while the
-    `key` it was fetched for (the routable workers) stays the same; callers arriving during a
-    fetch await that fetch. A fetch that fails is not kept."""
+    `/v1/models` needs no token of the router's (clients read it) and asks every worker:
+    uncached, each call of a flood was one request to each worker. An answer is reused for
+    `fresh_s` while the `key` it was fetched for stays the same (the routable workers, and the
+    caller's `Authorization`, with which the workers were asked: an answer read with one
+    caller's credential is never another's); callers arriving during a fetch await that fetch.
+    A fetch that fails is not kept."""
 
     def __init__(
         self, fresh_s: float = MODELS_FRESH_S, clock: Callable[[], float] = time.monotonic
@@ -162,25 +165,51 @@ def bad_request(exc: BadRequest) -> web.Response:
 async def _models(request: web.Request) -> web.Response:
     replica = request.app[REPLICA]
     urls = tuple(w.url for w in replica.workers.routable())
-    listing = await request.app[MODELS].get(urls, lambda: _fetch_models(replica, urls))
-    return web.json_response(listing)
+    # Engines run with an API key (vLLM's and SGLang's `--api-key`) guard their /v1/models as
+    # their completions: the workers are asked with the caller's credential, as a completion
+    # relayed carries it.
+    authorization = request.headers.get(hdrs.AUTHORIZATION)
+    status, body = await request.app[MODELS].get(
+        (urls, authorization), lambda: _fetch_models(replica, urls, authorization)
+    )
+    headers = {hdrs.WWW_AUTHENTICATE: "Bearer"} if status == 401 else None
+    return web.json_response(body, status=status, headers=headers)
 
 
-async def _fetch_models(replica: Replica, urls: tuple[str, ...]) -> dict[str, Any]:
-    """Every model the workers `urls` list, each once (the first worker's card)."""
+async def _fetch_models(
+    replica: Replica, urls: tuple[str, ...], authorization: str | None
+) -> tuple[int, dict[str, Any]]:
+    """Every model the workers `urls` list, each once (the first worker's card), asked with
+    `authorization`; a worker that does not answer is left out. When every worker refused the
+    credential (401 or 403), their refusal instead: an empty list read as "no model served"."""
     session = replica.sessions[0]
     seen: dict[str, Any] = {}
+    refusals: list[int] = []
 
     async def one(url: str) -> None:
         try:
-            listing = await get_worker_json(session, f"{url}/v1/models", _MODELS_TIMEOUT)
+            listing = await get_worker_json(
+                session, f"{url}/v1/models", _MODELS_TIMEOUT, authorization
+            )
             for model in _listed_models(listing):
                 seen.setdefault(model["id"], model)
         except WORKER_JSON_ERRORS as exc:  # a redirect included: never followed
+            if isinstance(exc, Refused):
+                refusals.append(exc.status)
             log.info("worker %s: /v1/models unreadable (%s)", url, describe(exc))
 
     await asyncio.gather(*map(one, urls))
-    return {"object": "list", "data": list(seen.values())}
+    if urls and len(refusals) == len(urls):
+        status = 401 if 401 in refusals else 403
+        message = (
+            f"every worker refused to list its models ({status}): "
+            + ("send the engines' API key" if authorization is None else "check the API key")
+            + " in an 'Authorization: Bearer' header"
+        )
+        return status, {
+            "error": {"message": message, "type": "authentication_error", "param": None}
+        }
+    return 200, {"object": "list", "data": list(seen.values())}
 
 
 def _listed_models(listing: Any) -> list[dict[str, Any]]:

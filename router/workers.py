@@ -1232,19 +1232,26 @@ class WorkerRegistry:
 
 
 async def get_worker_json(
-    session: aiohttp.ClientSession, url: str, limits: aiohttp.ClientTimeout
+    session: aiohttp.ClientSession,
+    url: str,
+    limits: aiohttp.ClientTimeout,
+    authorization: str | None = None,
 ) -> Any:
     """A worker's JSON answer at `url` (`/server_info`, `/v1/models`), read within
-    `MAX_WORKER_JSON_BYTES`. Raises `_Absent` (the route is not served), `_Unavailable` (a 5xx),
-    ValueError (a redirect, which is never followed, another status, too long, not JSON), or
-    the transport's errors: `WORKER_JSON_ERRORS` are all of them."""
-    async with session.get(url, timeout=limits, allow_redirects=False) as resp:
+    `MAX_WORKER_JSON_BYTES`, asked with the `Authorization` field `authorization` if given.
+    Raises `_Absent` (the route is not served), `_Unavailable` (a 5xx), `Refused` (a 401 or
+    403), ValueError (a redirect, which is never followed, another status, too long, not
+    JSON), or the transport's errors: `WORKER_JSON_ERRORS` are all of them."""
+    headers = {"Authorization": authorization} if authorization is not None else None
+    async with session.get(url, timeout=limits, allow_redirects=False, headers=headers) as resp:
         if is_redirect(resp.status):
             raise ValueError(redirect_not_followed(resp.status, resp.headers.get("Location")))
         if resp.status in (404, 405, 501):
             raise _Absent
         if resp.status >= 500:
             raise _Unavailable(f"HTTP {resp.status}")
+        if resp.status in (401, 403):
+            raise Refused(resp.status)
         if resp.status != 200:
             raise ValueError(f"HTTP {resp.status}")
         body = await read_up_to(resp.content, MAX_WORKER_JSON_BYTES)
@@ -1311,6 +1318,14 @@ class _Absent(Exception):
 
 class _Unavailable(Exception):
     """The worker answered 5xx: up, but not serving yet (or failing)."""
+
+
+class Refused(ValueError):
+    """The worker answered 401 or 403: it wants credentials (an engine's `--api-key`)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}: the worker wants credentials")
+        self.status = status
 
 
 WORKER_JSON_ERRORS: Final = (_Absent, _Unavailable, aiohttp.ClientError, TimeoutError, ValueError)

@@ -220,6 +220,23 @@ async def test_injected_failures_fail_exactly_the_next_n_requests() -> None:
         assert state["ranks"][0]["requests"] == 2  # failed requests never reached the cache
 
 
+async def test_an_api_key_guards_v1_routes_as_vllms_does_and_leaves_health_open() -> None:
+    async with fake_worker_in_process(api_key="sk-1") as fw:
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        status, refusal, _ = await post(fw, "/v1/completions", body)
+        assert status == 401 and refusal["error"]["type"] == "authentication_error"
+        status, _, _ = await post(fw, "/v1/completions", body, {"Authorization": "Bearer sk-2"})
+        assert status == 401
+        status, answer, _ = await post(
+            fw, "/v1/completions", body, {"Authorization": "Bearer sk-1"}
+        )
+        assert status == 200 and answer["usage"]["completion_tokens"] == 2
+        async with fw.session.get(fw.url + "/v1/models") as resp:
+            assert resp.status == 401
+        async with fw.session.get(fw.url + "/health") as resp:
+            assert resp.status == 200
+
+
 async def test_health_is_503_until_the_startup_delay_has_passed() -> None:
     clock = ManualClock(1000.0)
     async with fake_worker_in_process(startup_delay_s=5.0, clock=clock) as fw:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import aiohttp
 
+from router.control import MODELS
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.router import router_in_process
 from tests.support.waiting import eventually
@@ -168,3 +170,39 @@ async def test_v1_models_is_the_union_of_the_workers_models() -> None:
         status, body = await rt.get("/v1/models")
         assert status == 200
         assert sorted(m["id"] for m in body["data"]) == ["model-a", "model-b"]
+
+
+async def test_v1_models_asks_workers_with_the_callers_key_and_relays_their_401_without_one() -> (
+    None
+):
+    """Engines run with `--api-key` guard /v1/models as their completions: the replica asked
+    without the caller's credential and answered an empty 200 list, while completions through
+    it worked. A listing read with one caller's key is never served to a caller without it."""
+    key = {"Authorization": "Bearer sk-fleet"}
+    async with contextlib.AsyncExitStack() as stack:
+        a = await stack.enter_async_context(
+            fake_worker_in_process(model="model-a", api_key="sk-fleet")
+        )
+        b = await stack.enter_async_context(
+            fake_worker_in_process(model="model-b", api_key="sk-fleet")
+        )
+        rt = await stack.enter_async_context(router_in_process(workers=[a.url, b.url]))
+        listing = rt.serving.control.app[MODELS]
+
+        async def models(headers: dict[str, str]) -> tuple[int, Any, str | None]:
+            async with rt.session.get(f"{rt.url}/v1/models", headers=headers) as resp:
+                body = await resp.json(content_type=None)
+                return resp.status, body, resp.headers.get("WWW-Authenticate")
+
+        status, body, challenge = await models({})
+        assert (status, body["error"]["type"], challenge) == (401, "authentication_error", "Bearer")
+        status, body, _ = await models(key)
+        assert status == 200
+        assert sorted(m["id"] for m in body["data"]) == ["model-a", "model-b"]
+        status, body, _ = await models({})  # within the keyed answer's second: not served it
+        assert status == 401 and "data" not in body
+        status, body, _ = await models({"Authorization": "Bearer wrong"})
+        assert status == 401 and "check the API key" in body["error"]["message"]
+        assert listing.fetches == 4  # one per credential in a row, each asking both workers
+        status, answer, _ = await rt.post("/v1/completions", COMPLETION, headers=key)
+        assert status == 200 and answer["choices"][0]["text"]
