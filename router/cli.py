@@ -32,6 +32,7 @@ from cachetree.keys import MAX_BLOCK_SIZE
 from peer.kubeconfig import KubeConfigError
 from router import launch
 from router.auth import TOKEN_ENV, token_problem
+from router.dataplane.cors import CorsPolicy
 from router.dataplane.routing import DEFAULT_OFFLOAD_CHARS
 from router.homes import DEFAULT_MAX_HOMES, MAX_HOMES_BOUND
 from router.index import DEFAULT_INDEX_MAX_BLOCKS
@@ -279,6 +280,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add("breaker-cooldown-s", finite, 5.0, "first open period of a breaker")
     f.add("breaker-max-cooldown-s", finite, 60.0, "longest open period (cooldown doubles)")
     f.add("expose-route-headers", _flag_bool, False, "add X-Kvrouter-Worker/-Dp-Rank to responses")
+    f.add(
+        "cors-allow-origin",
+        str,
+        [],
+        "an origin (scheme://host, and :port unless the default) whose web pages may call the "
+        "completion routes and /v1/models (CORS), or * for any (repeatable); none by default",
+        repeat=True,
+    )
     f.add(
         "internal-token",
         str,
@@ -531,6 +540,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         AllowList.parse(args.worker_allow_cidr)
     except ValueError as exc:
         _fail(f"--worker-allow-cidr: {exc}")
+    try:
+        CorsPolicy.parse(args.cors_allow_origin)
+    except ValueError as exc:
+        _fail(f"--cors-allow-origin: {exc}")
     if args.internal_token and (problem := token_problem(args.internal_token)):
         _fail(f"--internal-token ({TOKEN_ENV}) refused: {problem}")
     if (args.peer or args.kv_peer_selector) and not args.internal_token:
@@ -561,6 +574,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     values["kube_api_server"] = args.kube_api_server or None
     values["peer"] = list(args.peer)
     values["worker_allow_cidr"] = list(args.worker_allow_cidr)
+    values["cors_allow_origin"] = list(args.cors_allow_origin)
     return ServeConfig(**values)
 
 

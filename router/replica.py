@@ -111,6 +111,8 @@ class ServeConfig:
     breaker_cooldown_s: float = 5.0
     breaker_max_cooldown_s: float = 60.0
     expose_route_headers: bool = False
+    # Origins whose pages may call the browser routes (router.dataplane.cors); "*": any.
+    cors_allow_origin: list[str] = field(default_factory=list)
     # Never in a repr (a traceback's locals, a debug log of the config): a secret.
     internal_token: str | None = field(default=None, repr=False)
     drain_timeout_s: float = 30.0

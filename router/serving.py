@@ -25,6 +25,7 @@ from typing import Final
 from aiohttp import web
 
 from router.control import build_control_app, liveness, readiness
+from router.dataplane.cors import CorsPolicy
 from router.dataplane.routing import RequestRouter
 from router.dataplane.server import DataPlane, Limits
 from router.origin import http_origin
@@ -171,6 +172,7 @@ async def start_serving(config: ServeConfig) -> Serving:
             limits_of(config),
             expose_route_headers=config.expose_route_headers,
             internal_token=config.internal_token,
+            cors=CorsPolicy.parse(config.cors_allow_origin),
             probes={
                 b"/healthz": lambda: liveness(replica),
                 b"/readyz": lambda: readiness(replica),

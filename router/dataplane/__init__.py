@@ -9,6 +9,8 @@ loop already serves (`server.DataPlane.probes`).
 
     exchange.py      the HTTP exchange rules, socket-free: admission, framing, headers,
                      which failures fail over, what a cut stream sends (table-tested)
+    cors.py          which web pages may read the browser routes' answers (--cors-allow-origin):
+                     a preflight's answer, an answer's fields (table-tested)
     routing.py       what the router reads of a request, and the routing decision
     door.py          the accept thread: owns the listening sockets, answers health probes,
                      hands every other connection to the loop

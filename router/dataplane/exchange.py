@@ -18,9 +18,9 @@ says who answers: the data plane (a POST to a generation route), the data plane 
 The request goes upstream as `upstream_request`: the client's headers minus hop-by-hop ones
 (RFC 9110 7.6.1, including those the client's `Connection` header names), minus what the
 relay sets itself (Host, Content-Length, Expect; to a worker also Accept-Encoding: the relay
-never advertises gzip, so SSE reaches the client as the engine wrote it; and
-X-Data-Parallel-Rank: the rank is the router's choice, not the client's), with a
-Content-Length for the whole body.
+never advertises gzip, so SSE reaches the client as the engine wrote it; X-Data-Parallel-Rank:
+the rank is the router's choice, not the client's; and Origin: which pages may read an answer
+is the router's to say, `cors`), with a Content-Length for the whole body.
 
 The upstream answer's head is read from its bytes (`read_response_head`): its own framing
 (`upstream_framing`, RFC 9112 6.3: none for a HEAD, 1xx, 204 or 304; chunked; a
@@ -90,8 +90,13 @@ HOP_BY_HOP: Final = frozenset(
 # Request fields the relay sets itself.
 _SET_BY_RELAY: Final = frozenset({b"host", b"content-length", b"expect"})
 _TO_CONTROL_DROPPED: Final = HOP_BY_HOP | _SET_BY_RELAY
-# To a worker, also: no gzip (SSE as the engine wrote it), and the rank is the router's.
-_TO_WORKER_DROPPED: Final = _TO_CONTROL_DROPPED | {b"accept-encoding", b"x-data-parallel-rank"}
+# To a worker, also: no gzip (SSE as the engine wrote it), the rank is the router's, and so
+# is the answer to a page's origin (`cors`: an engine's own would join or replace it).
+_TO_WORKER_DROPPED: Final = _TO_CONTROL_DROPPED | {
+    b"accept-encoding",
+    b"x-data-parallel-rank",
+    b"origin",
+}
 ROUTE_HEADERS: Final = (b"x-kvrouter-worker", b"x-kvrouter-dp-rank")
 _RESPONSE_DROPPED: Final = HOP_BY_HOP | set(ROUTE_HEADERS)
 # The fields of an answer head the relay reads or drops: a head is scanned for these names
@@ -568,6 +573,25 @@ def refusal_response(
     )
 
 
+def no_content_response(
+    fields: tuple[tuple[bytes, bytes], ...], *, client_11: bool, keep_alive: bool
+) -> bytes:
+    """A 204 with `fields`: no body, and no Content-Length (RFC 9110 8.6)."""
+    parts = [_STATUS_LINES[204]]
+    for name, value in fields:
+        parts += (name, b": ", value, b"\r\n")
+    parts += (_connection_line(client_11, keep_alive), b"\r\n")
+    return b"".join(parts)
+
+
+def _connection_line(client_11: bool, keep_alive: bool) -> bytes:
+    """The Connection field one of the data plane's own answers needs (none: HTTP/1.1's
+    default, keep-alive)."""
+    if not keep_alive:
+        return b"Connection: close\r\n"
+    return b"" if client_11 else b"Connection: keep-alive\r\n"
+
+
 def json_response(
     status: int,
     body: object,
@@ -585,11 +609,7 @@ def json_response(
     ]
     for name, value in extra:
         parts += (name, b": ", value, b"\r\n")
-    if not keep_alive:
-        parts.append(b"Connection: close\r\n")
-    elif not client_11:
-        parts.append(b"Connection: keep-alive\r\n")
-    parts.append(b"\r\n")
+    parts += (_connection_line(client_11, keep_alive), b"\r\n")
     if not head_only:
         parts.append(payload)
     return b"".join(parts)

@@ -30,6 +30,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Final, Protocol
 
 from cachetree.ranks import RankId
+from router.dataplane.cors import lines as cors_lines
 from router.dataplane.exchange import (
     FAILURES,
     GENERATION_ROUTES,
@@ -105,8 +106,10 @@ class Relay:
         return True
 
     def route_headers(self) -> bytes:
-        """Field lines added to the answer (each ending with a CRLF)."""
-        return b""
+        """Field lines added to the answer (each ending with a CRLF): the CORS policy's, for
+        a page's request on a browser route (`cors`)."""
+        cors = self.client.plane.cors
+        return b"" if cors is None else cors_lines(cors.fields(self.head))
 
     def settle(self, outcome: str) -> None:
         """The exchange ended ("ok", "cut" or "gone"): release what it held."""
@@ -371,9 +374,12 @@ class WorkerRelay(Relay):
         return True
 
     def route_headers(self) -> bytes:
-        if not self.plane.expose_route_headers or self.worker is None or self.rank is None:
-            return b""
-        return b"X-Kvrouter-Worker: %b\r\nX-Kvrouter-Dp-Rank: %d\r\n" % (
+        plane = self.plane
+        # Inline, not the base's: one attribute read a request when no CORS is set.
+        fields = b"" if plane.cors is None else cors_lines(plane.cors.fields(self.head))
+        if not plane.expose_route_headers or self.worker is None or self.rank is None:
+            return fields
+        return fields + b"X-Kvrouter-Worker: %b\r\nX-Kvrouter-Dp-Rank: %d\r\n" % (
             self.worker.url.encode("latin-1"),
             self.rank.dp_rank,
         )

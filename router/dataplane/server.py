@@ -2,7 +2,8 @@
 
 `ClientConnection` parses requests with `httptools.HttpRequestParser` and answers them in
 order (pipelined requests wait their turn with reading paused). Its decisions come from
-`exchange` (admission, framing) and `routing` (the routing decision, run synchronously in the
+`exchange` (admission, framing), `cors` (a web page's preflight, answered here, and the fields
+its answers carry) and `routing` (the routing decision, run synchronously in the
 parser's message-complete callback, or once the placer replica answered for a new prefix:
 `router.placement.AskFirst`, cancelled if the client leaves first, or once a worker thread
 encoded a long prompt: `routing.EncodeFirst`, run by `encodes.EncodeQueue`, its slot freed if
@@ -26,7 +27,7 @@ import socket
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import chain
 from typing import Any, Final, cast
@@ -35,6 +36,7 @@ import httptools
 from aiohttp import web
 
 from router.dataplane.control_link import open_control_link
+from router.dataplane.cors import CorsPolicy
 from router.dataplane.door import Door, Probe
 from router.dataplane.encodes import EncodeQueue, Job
 from router.dataplane.exchange import (
@@ -48,6 +50,7 @@ from router.dataplane.exchange import (
     control_path,
     head_without_upgrade,
     json_response,
+    no_content_response,
     not_allowed,
     read_request_head,
     refusal_response,
@@ -163,6 +166,7 @@ class DataPlane:
         expose_route_headers: bool = False,
         probes: Mapping[bytes, Probe] | None = None,
         internal_token: str | None = None,
+        cors: CorsPolicy | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         # GET/HEAD on these paths is answered by the door (`door.py`) on a new connection,
@@ -176,6 +180,7 @@ class DataPlane:
         self.control = control
         self.limits = limits
         self.expose_route_headers = expose_route_headers
+        self.cors = cors  # which pages may read the browser routes' answers; None: none
         self.internal_token = internal_token  # `router.auth`'s, for `exchange.uninvited`
         self.stats = DataPlaneStats()
         self.connections: set[ClientConnection] = set()
@@ -799,6 +804,9 @@ class ClientConnection(asyncio.Protocol):
         client_11 = head.http_11 if head is not None else True
         keep = head is not None and self.keep_alive(head) and not refusal.close
         head_only = head is not None and head.method == b"HEAD"
+        cors = self.plane.cors
+        if cors is not None and head is not None and (fields := cors.fields(head)):
+            refusal = replace(refusal, extra=refusal.extra + fields)  # for the page to read
         self.write(
             refusal_response(refusal, client_11=client_11, keep_alive=keep, head_only=head_only)
         )
@@ -884,9 +892,12 @@ class ClientConnection(asyncio.Protocol):
             if probe is not None and head.method in (b"GET", b"HEAD"):
                 self._answer_probe(head, probe)
                 return
-            self._start(ControlRelay(self, head, body))
+            if not self._answered_preflight(head):
+                self._start(ControlRelay(self, head, body))
             return
         if route == "not_allowed":
+            if self._answered_preflight(head):
+                return
             count_refused(self.plane.metrics, head, 405)
             self.refuse(not_allowed(head))
             return
@@ -1003,6 +1014,17 @@ class ClientConnection(asyncio.Protocol):
             )
         )
         self.exchange_done(keep)
+
+    def _answered_preflight(self, head: RequestHead) -> bool:
+        """Whether `head` was a page's preflight the CORS policy answers (`cors`), and was."""
+        cors = self.plane.cors
+        fields = None if cors is None else cors.preflight(head)
+        if fields is None:
+            return False
+        keep = self.keep_alive(head)
+        self.write(no_content_response(fields, client_11=head.http_11, keep_alive=keep))
+        self.exchange_done(keep)
+        return True
 
     def _send_continue(self, incoming: _Incoming) -> None:
         incoming.continue_due = False

@@ -1579,6 +1579,65 @@ async def test_a_worker_switching_protocols_is_a_lost_answer_saying_so() -> None
         assert rt.plane.metrics.upstream_failures[w.url, "lost"] == 1 and len(w.posts()) == 1
 
 
+async def test_cors_answers_an_allowed_pages_preflight_and_marks_its_answers_and_no_others() -> (
+    None
+):
+    """Browser apps send a preflight before each POST with JSON or an `Authorization`: it was a
+    405, as vLLM and SGLang answer it. Answered by the router (never a worker's to answer:
+    the worker sees no preflight and no Origin), for the allowed origin only, on the browser
+    routes only."""
+    app = {"Origin": "https://app.example"}
+    asks = {**app, "Access-Control-Request-Headers": "authorization,content-type"}
+    async with one_worker_and_a_client(cors_allow_origin=["https://app.example"]) as (
+        w,
+        rt,
+        client,
+    ):
+        client.close()
+        for path, method in (("/v1/chat/completions", "POST"), ("/v1/models", "GET")):
+            headers = {**asks, "Access-Control-Request-Method": method}
+            async with rt.session.options(rt.url + path, headers=headers) as resp:
+                assert resp.status == 204 and await resp.read() == b""
+                assert resp.headers["Access-Control-Allow-Origin"] == "https://app.example"
+                assert resp.headers["Vary"] == "Origin"
+                assert resp.headers["Access-Control-Allow-Methods"] == method
+                assert resp.headers["Access-Control-Allow-Headers"] == "authorization,content-type"
+                assert resp.headers["Access-Control-Max-Age"] == "600"
+        assert not any(r.method == b"OPTIONS" for r in w.requests)
+
+        async def answer(method: str, path: str, headers: dict[str, str], body: bytes = b"") -> Any:
+            async with rt.session.request(method, rt.url + path, headers=headers, data=body) as r:
+                await r.read()
+                return r.status, r.headers.get("Access-Control-Allow-Origin")
+
+        assert await answer("POST", "/v1/completions", app, COMPLETION) == (
+            200,
+            "https://app.example",
+        )
+        assert w.posts()[0].header(b"origin") is None  # an engine's own CORS never joins in
+        assert await answer("POST", "/v1/completions", app, b"{") == (400, "https://app.example")
+        assert await answer("GET", "/v1/models", app) == (200, "https://app.example")
+        # Not for another origin, nor on the routes no page is to read.
+        evil = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+        assert await answer("OPTIONS", "/v1/completions", evil) == (405, None)
+        assert await answer("POST", "/v1/completions", evil, COMPLETION) == (200, None)
+        assert await answer("GET", "/metrics", app) == (200, None)
+        assert await answer("OPTIONS", "/workers", {**asks, **evil, **app}) == (401, None)
+        assert len(w.posts()) == 2
+
+
+async def test_without_cors_allow_origin_no_page_gets_a_cors_answer() -> None:
+    app = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    async with one_worker_and_a_client() as (w, rt, client):
+        client.close()
+        async with rt.session.options(rt.url + "/v1/completions", headers=app) as resp:
+            assert resp.status == 405 and "Access-Control-Allow-Origin" not in resp.headers
+        async with rt.session.post(rt.url + "/v1/completions", headers=app, data=COMPLETION) as r:
+            assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
+        (post_,) = w.posts()
+        assert post_.header(b"origin") is None
+
+
 # -- section 2: what the current path promises ---------------------------------------------
 
 

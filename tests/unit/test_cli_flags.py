@@ -166,6 +166,11 @@ def invalid_settings(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], st
             "127.0.0.1",
         ),
         "allow-cidr not a network": (["--worker-allow-cidr", "10.0.0.0/33"], {}, "33"),
+        "cors origin with a path": (
+            ["--cors-allow-origin", "https://app.example/ui"],
+            {},
+            "--cors-allow-origin",
+        ),
         "negative placement timeout": (
             ["--placement-timeout-ms", "-1"],
             {},

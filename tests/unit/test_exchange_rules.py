@@ -280,6 +280,7 @@ def test_the_upstream_request_drops_hop_by_hop_and_relay_owned_fields() -> None:
         (b"Proxy-Authorization", b"Basic x"),
         (b"Accept-Encoding", b"gzip"),
         (b"X-Data-Parallel-Rank", b"3"),
+        (b"Origin", b"https://app.example"),  # whose page may read the answer: the router's say
         (b"Content-Length", b"2"),
         (b"Expect", b"100-continue"),
         (b"Authorization", b"Bearer k"),
@@ -298,6 +299,7 @@ def test_the_upstream_request_drops_hop_by_hop_and_relay_owned_fields() -> None:
     # To the control app the client's Accept-Encoding (gzip snapshots) and rank header stay.
     control = fields(upstream_request(h, 2, b"router:8080", to_worker=False))
     assert control[b"accept-encoding"] == b"gzip" and control[b"x-data-parallel-rank"] == b"3"
+    assert control[b"origin"] == b"https://app.example"
     assert b"x-named" not in control and b"connection" not in control
 
 
