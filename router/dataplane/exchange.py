@@ -655,15 +655,19 @@ def classify_lost(reused: bool, retried: bool, answered_bytes: int) -> Failure:
     return "lost"
 
 
-def cut_tail(framing: Framing, sse: bool, reason: str) -> bytes:
+def cut_tail(framing: Framing, sse: bool, reason: str, inside_event: bool = False) -> bytes:
     """What the client gets before its connection is closed when a stream is cut: for an SSE
     answer, an error event. The relay sent whole events only (`WholeEvents`), so the error
-    event starts one of its own, and a client parses it as it parses any other."""
+    event starts one of its own, and a client parses it as it parses any other; but for an
+    event too long to hold, part of which went out (`inside_event`): it is ended first, else
+    the error would join its last line."""
     if not sse or framing not in (Framing.CHUNKED, Framing.CLOSE):
         return b""  # a short Content-Length body, or a missing last chunk, shows the cut
     event = b"data: %b\n\n" % msgspec.json.encode(
         {"error": {"message": f"the worker's stream broke: {reason}", "type": "upstream_error"}}
     )
+    if inside_event:
+        event = b"\n\n" + event  # after a CR, its LF makes one CRLF: one more LF ends it
     return chunk(event) if framing is Framing.CHUNKED else event
 
 
@@ -691,27 +695,39 @@ def events_end(data: bytes, before: bytes = b"") -> int:
     return end
 
 
+# The most of one SSE event held back (`WholeEvents`): an engine's event is a token or a few,
+# a few kB with logprobs; a stream with no blank line must not grow the router's memory.
+MAX_HELD_EVENT_BYTES: Final = 1 << 20
+
+
 @dataclass(slots=True)
 class WholeEvents:
     """An SSE answer's bytes as the relay passes them on: whole events only, the event a read
     ends inside held until the read that ends it. A stream its worker cuts then leaves the
     client no half event that a client would parse on its own (the OpenAI SDK raised a
     JSONDecodeError on it, not its APIError) before the relay's error event (`cut_tail`); the
-    held bytes are dropped. Most reads end at an event's end, and pass through uncopied."""
+    held bytes are dropped. Most reads end at an event's end, and pass through uncopied. An
+    event past `MAX_HELD_EVENT_BYTES` is passed on as it comes (`inside_event` until one ends)."""
 
     held: bytearray
+    inside_event: bool = False  # part of an event went out, and its end did not yet
 
     def take(self, data: bytes) -> bytes:
         """What of the held bytes and `data` goes to the client now (b"": nothing yet)."""
         held = self.held
         if not held and data.endswith(_EVENT_ENDS):
+            self.inside_event = False
             return data
         end = events_end(data, bytes(held[-1:]))
         if not end:
             held += data
-            return b""
+            if len(held) <= MAX_HELD_EVENT_BYTES:
+                return b""
+            self.inside_event = True
+            return self.rest()
         whole = bytes(held) + data[:end] if held else data[:end]
         held[:] = data[end:]
+        self.inside_event = False
         return whole
 
     def rest(self) -> bytes:

@@ -166,7 +166,9 @@ class Relay:
         self.conn = None
         log.warning("%s: the answer broke after its first byte: %s", self.describe(), reason)
         # The event the worker broke off in was held, and goes with it.
-        self.client.write(cut_tail(plan.framing, self.events is not None, reason))
+        events = self.events
+        inside = events is not None and events.inside_event
+        self.client.write(cut_tail(plan.framing, events is not None, reason, inside))
         self._end("cut")
         self.client.cut()
 

@@ -9,6 +9,7 @@ import pytest
 
 from router.dataplane.exchange import (
     FAILURES,
+    MAX_HELD_EVENT_BYTES,
     BadAnswer,
     Framing,
     Malformed,
@@ -661,6 +662,18 @@ def test_an_sse_stream_cut_anywhere_reaches_the_client_as_whole_events_then_the_
     assert whole == ended
     parsed = [json.loads(event.removeprefix(b"data: ")) for event in [*whole, error]]
     assert parsed[-1]["error"]["type"] == "upstream_error"
+
+
+def test_an_sse_event_too_long_to_hold_is_passed_on_and_a_cut_inside_it_ends_it_first() -> None:
+    """A stream with no blank line grew the router's memory by all of it, sent nowhere."""
+    events = WholeEvents(bytearray())
+    reads = [ONE + b"\n\n", b"data: ", b"x" * MAX_HELD_EVENT_BYTES]
+    relayed = b"".join(events.take(read) for read in reads)
+    assert relayed == b"".join(reads) and not events.held and events.inside_event
+    body = relayed + cut_tail(Framing.CLOSE, True, "reset", events.inside_event)
+    error = json.loads(sse_events(body)[-1].removeprefix(b"data: "))["error"]
+    assert error["type"] == "upstream_error"
+    assert events.take(b"x\r\n\r\n" + TWO[:3]) == b"x\r\n\r\n" and not events.inside_event
 
 
 def test_sse_reads_ending_an_event_pass_through_and_a_split_one_is_relayed_once_ended() -> None:
