@@ -23,7 +23,7 @@ from typing import Any
 from kubernetes_asyncio.client import ApiClient, Configuration, DiscoveryV1Api
 
 from peer.endpointslices import EndpointSliceWatch, WatchSettings
-from peer.slice_view import MODIFIED, SliceView
+from peer.slice_view import MODIFIED, Listing, SliceView
 from peer.slices import Extraction, Family, SelfIdentity, decode_slice
 from tests.support.fake_apiserver import FakeApiServer, endpoint, endpoint_slice
 from tests.support.waiting import eventually
@@ -62,7 +62,7 @@ def pure(raw: list[dict[str, Any]]) -> None:
         view.begin_relist()
         view.relist_page(slices)
         done = view.finish_relist("1")
-        assert done is not None and len(done.urls) == total
+        assert done is not None and len(done.listing.urls) == total
 
     relist_s = best_of(relist)
     changed = decode_slice({**raw[0], "metadata": {**raw[0]["metadata"], "resourceVersion": "2"}})
@@ -86,8 +86,8 @@ async def through_the_client(raw: list[dict[str, Any]], events: int) -> None:
         wanted = 1  # publishes to wait for: the list, then one per (URL-changing) event
         arrived = asyncio.Event()
 
-        def publish(urls: tuple[str, ...]) -> None:
-            published.append(urls)
+        def publish(listing: Listing) -> None:
+            published.append(listing.urls)
             if len(published) >= wanted:
                 arrived.set()
 

@@ -44,7 +44,7 @@ from kubernetes_asyncio.client import ApiClient, DiscoveryV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.client.rest import RESTResponse
 
-from peer.slice_view import SliceView
+from peer.slice_view import Listing, SliceView
 from peer.slices import EndpointSlice, Extraction, SliceError, decode_slice
 from peer.supervise import Supervisor
 from peer.tasks import cancel_and_wait
@@ -56,7 +56,7 @@ EVENT_TYPES: Final = frozenset({"ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERR
 KNOWN_STATUSES: Final = frozenset({400, 401, 403, 404, 409, 410, 422, 429, 500, 502, 503, 504})
 MAX_LIST_PAGES: Final = 100_000  # a list longer than this does not end (500 slices a page)
 
-Publish = Callable[[tuple[str, ...]], None]
+Publish = Callable[[Listing], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +100,7 @@ class WatchStats:
 
 
 class EndpointSliceWatch:
-    """Keeps one selector's URL set current and hands every new set to `publish`."""
+    """Keeps one selector's listing current and hands every new one to `publish`."""
 
     def __init__(
         self,
@@ -207,9 +207,9 @@ class EndpointSliceWatch:
             self.what,
             relisted.slices,
             self.view.resource_version,
-            len(relisted.urls),
+            len(relisted.listing.urls),
         )
-        self._publish(relisted.urls)
+        self._publish(relisted.listing)
 
     def _list(self, **kwargs: Any) -> Awaitable[Any]:
         if self.namespace:
@@ -305,17 +305,17 @@ class EndpointSliceWatch:
         if item is None:
             return False
         self._moved_on()
-        urls = self.view.apply(kind, item)
-        if urls is not None:
+        listing = self.view.apply(kind, item)
+        if listing is not None:
             log.info(
                 "%s: %s %s/%s: %d URL(s)",
                 self.what,
                 kind.lower(),
                 item.metadata.namespace,
                 item.metadata.name,
-                len(urls),
+                len(listing.urls),
             )
-            self._publish(urls)
+            self._publish(listing)
         return True
 
     def _moved_on(self) -> None:

@@ -1,8 +1,9 @@
 """SliceView: the current set of EndpointSlices behind one selector, and the URLs they name.
 
 Rules of this file: no I/O and no asyncio. The list+watch loop (`peer.endpointslices`) feeds
-it what the API server said; it answers with the URL set to publish, or None when there is
-nothing new to say. Only the methods below change its state.
+it what the API server said; it answers with the listing to publish (the ready URLs, and the
+unready ones when its rules keep them), or None when there is nothing new to say. Only the
+methods below change its state.
 
 Theory of operation
 -------------------
@@ -22,7 +23,9 @@ A list+watch consumer sees the world in two ways, and must never mix them up:
   fails between pages publishes nothing: a partial set would make siblings or workers that
   merely sat on a later page look gone.
 - A watch event upserts (ADDED, MODIFIED) or removes (DELETED) one slice, by namespace and
-  name, and publishes only when the URL set changed.
+  name, and publishes only when the listing changed.
+- A URL offered both ready and unready (one pod in two slices during controller churn) is
+  ready.
 - Errors never clear the view: the last complete picture stays in force until a new one
   arrives. Only `expire` forgets the resourceVersion, and even then the view is kept until the
   relist that replaces it completes.
@@ -44,8 +47,17 @@ class ViewError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class Listing:
+    """What the slices name: ready URLs, and apart those listed not ready (not terminating)
+    when the rules keep them (`Extraction.keep_unready`)."""
+
+    urls: tuple[str, ...] = ()
+    unready: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Relisted:
-    urls: tuple[str, ...]
+    listing: Listing
     slices: int  # how many slices the list returned (0: the selector matched nothing)
 
 
@@ -54,13 +66,18 @@ class SliceView:
         self.rules = rules
         self.resource_version: str | None = None
         self._backends: dict[tuple[str, str], tuple[Backend, ...]] = {}
-        self._merged = BackendSet()
+        self._ready = BackendSet()
+        self._unready = BackendSet()
         self._buffer: dict[tuple[str, str], tuple[Backend, ...]] | None = None
-        self._urls: tuple[str, ...] = ()
+        self._listing = Listing()
 
     @property
     def urls(self) -> tuple[str, ...]:
-        return self._urls
+        return self._listing.urls
+
+    @property
+    def listing(self) -> Listing:
+        return self._listing
 
     @property
     def slices(self) -> int:
@@ -90,12 +107,12 @@ class SliceView:
         if self._buffer is None:
             return None
         self._backends, self._buffer = self._buffer, None
-        self._merged = BackendSet()
+        self._ready, self._unready = BackendSet(), BackendSet()
         for group in self._backends.values():
-            self._merged.update((), group)
+            self._merge((), group)
         self.resource_version = resource_version
-        self._urls = self._merged.urls
-        return Relisted(self._urls, len(self._backends))
+        self._listing = self._merged()
+        return Relisted(self._listing, len(self._backends))
 
     def abandon_relist(self) -> None:
         self._buffer = None
@@ -106,8 +123,8 @@ class SliceView:
 
     # -- watch -----------------------------------------------------------------------------
 
-    def apply(self, kind: str, item: EndpointSlice) -> tuple[str, ...] | None:
-        """One ADDED/MODIFIED/DELETED event; the new URL set when it changed."""
+    def apply(self, kind: str, item: EndpointSlice) -> Listing | None:
+        """One ADDED/MODIFIED/DELETED event; the new listing when it changed."""
         if self._buffer is not None:
             raise ViewError("a watch event during a relist")
         if kind == DELETED:
@@ -119,17 +136,31 @@ class SliceView:
             self._backends[item.key] = new
         else:
             raise ViewError(f"unknown event type {kind!r}")
-        self._merged.update(old, new)
+        self._merge(old, new)
         if item.metadata.resource_version:
             self.resource_version = item.metadata.resource_version
-        urls = self._merged.urls
-        if urls == self._urls:
+        listing = self._merged()
+        if listing == self._listing:
             return None
-        self._urls = urls
-        return urls
+        self._listing = listing
+        return listing
 
     def bookmark(self, resource_version: str) -> None:
         """The server's progress marker: resume from here (it may skip writes we never see)."""
         if self._buffer is not None:
             raise ViewError("a bookmark during a relist")
         self.resource_version = resource_version
+
+    # -- merging ---------------------------------------------------------------------------
+
+    def _merge(self, removed: tuple[Backend, ...], added: tuple[Backend, ...]) -> None:
+        self._ready.update((b for b in removed if b.ready), (b for b in added if b.ready))
+        self._unready.update((b for b in removed if not b.ready), (b for b in added if not b.ready))
+
+    def _merged(self) -> Listing:
+        urls = self._ready.urls
+        unready = self._unready.urls
+        if unready:
+            ready = set(urls)
+            unready = tuple(u for u in unready if u not in ready)
+        return Listing(urls, unready)

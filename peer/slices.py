@@ -13,8 +13,12 @@ Extraction (what one slice contributes), after the SGLang router's peer watch:
 - The port is the slice's port equal to our preferred one (our own `--port` for siblings,
   `--worker-port` for workers), else the slice's first port, else the preferred one; a slice
   that yields no port at all contributes nothing.
-- Only ready endpoints count, and an absent `ready` means ready (the API's rule): the
-  controller clears `ready` for a terminating or unready pod, so those drop out at once.
+- A terminating endpoint drops out at once (it stays `ready` when its Service publishes
+  not-ready addresses, and goes all the same). Of the rest, ready ones count, and an absent
+  `ready` means ready (the API's rule). A not-ready one drops out too, unless the rules keep
+  it apart as unready (`keep_unready`, workers): a readiness probe that failed for a few
+  seconds (a slow engine, its node NotReady) says nothing of the engine's cache, so the
+  worker registry holds its ranks for a grace instead of forgetting them.
 - Self is dropped (siblings only): an endpoint whose address is our `POD_IP`, or whose
   targetRef is our pod (kind Pod or absent, name `POD_NAME`, same namespace when both known).
 - Only the first address is used (the controller writes exactly one); IPv6 is bracketed.
@@ -160,6 +164,7 @@ class Extraction:
     scheme: str = "http"
     one_per_pod: bool = False  # siblings: a pod is one backend whatever its ports
     control_port: int | None = None  # of a pod's ports, the one preferred (one_per_pod)
+    keep_unready: bool = False  # a not-ready, not-terminating endpoint is kept, as unready
 
     def port_choice(self, port: int) -> tuple[int, int]:
         """Sorts a pod's ports, best first: our control port, our port, then the lowest."""
@@ -175,6 +180,7 @@ class Backend:
     key: str  # targetRef.uid:port, else the URL (one_per_pod: the pod, see above)
     url: str
     choice: tuple[int, int] = (0, 0)  # the smallest (choice, url) among a key's offers wins
+    ready: bool = True  # False: listed not ready, not terminating (`Extraction.keep_unready`)
 
 
 def slice_port(ports: Iterable[EndpointPort] | None, preferred: int | None) -> int | None:
@@ -185,8 +191,8 @@ def slice_port(ports: Iterable[EndpointPort] | None, preferred: int | None) -> i
 
 
 def backends(slice_: EndpointSlice, rules: Extraction) -> tuple[Backend, ...]:
-    """What one slice contributes: its ready, non-terminating, non-self endpoints of our
-    family."""
+    """What one slice contributes: its ready (and, kept apart, unready), non-terminating,
+    non-self endpoints of our family."""
     address_type = slice_.address_type
     family = rules.family
     if (
@@ -201,9 +207,10 @@ def backends(slice_: EndpointSlice, rules: Extraction) -> tuple[Backend, ...]:
     out = []
     for endpoint in slice_.endpoints or ():
         conditions = endpoint.conditions
-        # A terminating endpoint stays `ready` when its Service publishes not-ready
-        # addresses; it is going all the same, so it takes nothing new.
-        if conditions is not None and (conditions.ready is False or conditions.terminating):
+        if conditions is not None and conditions.terminating:
+            continue
+        ready = conditions is None or conditions.ready is not False
+        if not ready and not rules.keep_unready:
             continue
         if not endpoint.addresses:
             continue
@@ -217,7 +224,7 @@ def backends(slice_: EndpointSlice, rules: Extraction) -> tuple[Backend, ...]:
             key = f"pod:{uid}" if uid else f"address:{address}"
         else:
             key = f"{uid}:{port}" if uid else url
-        out.append(Backend(key, url, rules.port_choice(port)))
+        out.append(Backend(key, url, rules.port_choice(port), ready))
     return tuple(out)
 
 

@@ -233,7 +233,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         "worker-evict-after-s",
         finite,
         30.0,
-        "a worker failing /health this long leaves the index until it answers again; 0 = never",
+        "a worker failing /health (or unready in its EndpointSlices) this long leaves the "
+        "index until it answers (is ready) again; 0 = never",
     )
     f.add(
         "max-workers",

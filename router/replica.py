@@ -28,6 +28,7 @@ from peer.fetch import SnapshotFetcher
 from peer.kubeconfig import kube_api_client, resolve_namespace
 from peer.producer import SnapshotProducer
 from peer.registry import PeerRegistry
+from peer.slice_view import Listing
 from peer.slices import Extraction, Family, SelfIdentity, listen_family
 from peer.spellings import Listener, machine_hosts, sort_out
 from peer.supervise import Supervisor
@@ -594,23 +595,28 @@ def _watch(
         discovery.start("siblings", config.kv_peer_selector, rules, _reachable(bootstrap.registry))
     if config.worker_selector:
         # Outbound connections to workers do not depend on the family we listen on.
-        rules = Extraction(Family.ANY, config.worker_port or None)
-        discovery.start("workers", config.worker_selector, rules, workers.discovered)
+        rules = Extraction(Family.ANY, config.worker_port or None, keep_unready=True)
+        discovery.start(
+            "workers",
+            config.worker_selector,
+            rules,
+            lambda listing: workers.discovered(listing.urls, listing.unready),
+        )
 
 
 _MAX_NAMED_SIBLINGS: Final = 1024  # refused sibling URLs remembered as logged
 
 
-def _reachable(registry: PeerRegistry) -> Callable[[tuple[str, ...]], None]:
+def _reachable(registry: PeerRegistry) -> Callable[[Listing], None]:
     """The sibling watch's URLs into `registry`, less those no client of ours reaches
     (`router.origin`; the API server takes an IPv4 address with leading zeros, which aiohttp
     refuses), each named in the log once (the watch calls this at every slice event): a
     joiner would wait out its bootstrap for it."""
     named: set[str] = set()
 
-    def replace(urls: tuple[str, ...]) -> None:
+    def replace(listing: Listing) -> None:
         kept = []
-        for url in urls:
+        for url in listing.urls:
             if (problem := origin_problem(url)) is None:
                 kept.append(url)
             elif url not in named and len(named) < _MAX_NAMED_SIBLINGS:

@@ -34,11 +34,17 @@ stream's next): the ranks are cleared and the snapshot pulled again where one is
 remove(url): the ranks leave the live set and the tree (awaited through the pump, so the
 removal has taken effect when it returns), then the subscribers stop.
 
-discovered(urls): the EndpointSlice watch's whole current set. A worker that left it (gone,
-unready, terminating) is marked draining at once, in the same call, so not one more request
-is routed to it; a background reconcile then removes it (requests already forwarded run to
-their end: the proxy holds their connections) and adds the newcomers. One that comes back
-before its removal simply stops draining. Only workers the watch named are removed by it.
+discovered(urls, unready): the EndpointSlice watch's whole current set, ready and listed not
+ready (not terminating). A worker that left the ready set is marked draining at once, in the
+same call, so not one more request is routed to it; a background reconcile then removes one
+gone or terminating (requests already forwarded run to their end: the proxy holds their
+connections) and adds the newcomers. One listed unready keeps its ranks (index, subscriptions)
+for `--worker-evict-after-s`, then is removed if still not ready: a readiness flap (a slow
+/health, its node NotReady for a moment) says nothing of its cache, and its blocks, forgotten,
+were routed cold and copied elsewhere (engines never re-announce what they hold). One that
+comes back ready before its removal simply stops draining, its index intact (a new process
+behind it is the restart detection's to find, above). Only workers the watch named are
+removed by it; an unready URL it never registered is not registered until ready.
 """
 
 from __future__ import annotations
@@ -430,7 +436,9 @@ class WorkerRegistry:
         self._health_task: asyncio.Task[None] | None = None
         self._bootstraps: set[asyncio.Task[None]] = set()
         self._discovered: set[str] = set()  # added by the EndpointSlice watch
-        self._wanted: set[str] = set()  # the watch's latest set
+        self._wanted: set[str] = set()  # the watch's latest ready set
+        # The watch's latest unready URLs (listed, not ready, not terminating): since when.
+        self._unready_since: dict[str, float] = {}
         self._reconcile_wake = asyncio.Event()
         self._reconciler: asyncio.Task[None] | None = None
         self._closing = False
@@ -625,17 +633,32 @@ class WorkerRegistry:
 
     # -- EndpointSlice discovery -----------------------------------------------------------
 
-    def discovered(self, urls: Iterable[str]) -> None:
-        """The discovered set changed: drain the departed now, reconcile in the background."""
+    def discovered(self, urls: Iterable[str], unready: Iterable[str] = ()) -> None:
+        """The discovered set changed: drain the departed and the unready now, reconcile in
+        the background."""
         if self._closing:
             return
         self._wanted = {_normalize(u) for u in urls}
+        now = self._clock()
+        since = self._unready_since
+        self._unready_since = {
+            u: since.get(u, now) for u in map(_normalize, unready) if u not in self._wanted
+        }
         for url in self._discovered:
             worker = self._workers.get(url)
             if worker is not None:
                 draining = url not in self._wanted
                 if draining and not worker.draining:
-                    log.info("worker %s left its EndpointSlices: no new requests", url)
+                    if url in self._unready_since:
+                        log.info(
+                            "worker %s is not ready in its EndpointSlices: no new requests; "
+                            "its ranks are kept while it is listed, for at most "
+                            "--worker-evict-after-s (%g s; 0: no limit)",
+                            url,
+                            self._evict_after_s,
+                        )
+                    else:
+                        log.info("worker %s left its EndpointSlices: no new requests", url)
                 worker.draining = draining
         self._reconcile_wake.set()
         if self._reconciler is None:
@@ -645,11 +668,23 @@ class WorkerRegistry:
 
     async def _reconcile(self) -> None:
         while True:
-            await self._reconcile_wake.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reconcile_wake.wait(), self._unready_wait_s())
             self._reconcile_wake.clear()
             if self._closing:
                 return
+            now = self._clock()
             for url in sorted(self._discovered - self._wanted):
+                since = self._unready_since.get(url)
+                if since is not None and not evict_due(since, now, self._evict_after_s):
+                    continue  # unready within its grace: drained, its ranks kept
+                if since is not None:
+                    log.warning(
+                        "worker %s not ready in its EndpointSlices for %g s "
+                        "(--worker-evict-after-s): removing it",
+                        url,
+                        self._evict_after_s,
+                    )
                 self._discovered.discard(url)
                 await self.remove(url)
             new = sorted(self._wanted - self._discovered)
@@ -663,6 +698,18 @@ class WorkerRegistry:
                 else:
                     # It may have left before the add created it.
                     result.draining = url not in self._wanted
+
+    def _unready_wait_s(self) -> float | None:
+        """How long until the first registered unready worker's grace runs out; None: no
+        such worker, or no grace ends (`--worker-evict-after-s 0`)."""
+        if self._evict_after_s <= 0:
+            return None
+        ends = [
+            since + self._evict_after_s
+            for url, since in self._unready_since.items()
+            if url in self._discovered
+        ]
+        return max(min(ends) - self._clock(), 0.0) if ends else None
 
     async def _register(self, worker: Worker) -> None:
         # The reason of the last try stays while this one runs (what /workers shows meanwhile

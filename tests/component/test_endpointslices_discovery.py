@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -13,6 +14,7 @@ import pytest
 
 from cachetree.ranks import RankId
 from cachetree.snapshot import canonical_view
+from router.tokenize import BytesTokenizer
 from tests.component.test_cli import run_cli
 from tests.support.fake_apiserver import FakeApiServer, endpoint, endpoint_slice
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
@@ -23,6 +25,7 @@ from tests.support.waiting import eventually
 
 WORKERS = "kubernetes.io/service-name=fake-kv-worker"
 SIBLINGS = "kubernetes.io/service-name=kvrouter"
+TOK = BytesTokenizer()
 
 
 def worker_slice(fw: FakeWorkerHandle, **conditions: bool | None) -> dict:
@@ -97,24 +100,22 @@ async def test_discovered_workers_take_traffic_and_departed_ones_are_drained_and
         await eventually(lambda: routable(rt) == {w1.url, w2.url}, 10.0)
         assert await requests_taken([w1, w2], rt, 4) == [2, 2]
 
+        # Terminating: removed at once, not after --worker-evict-after-s (30 s here).
         fake.put(worker_slice(w1, ready=False, serving=True, terminating=True))
         await eventually(lambda: rt.replica.workers.get(w1.url) is None, 10.0)
         assert RankId(w1.url, 0) not in rt.replica.pump.rules.live
         assert await requests_taken([w1, w2], rt, 4) == [0, 4]
 
-        # Back and ready: registered again. Not ready (no termination): drained and removed.
+        # Back and ready: registered again. Not ready (no termination): drained, and kept
+        # for its grace (--worker-evict-after-s).
         fake.put(worker_slice(w1))
         fake.put(worker_slice(w2, ready=False))
-        await eventually(
-            lambda: (
-                {w.url for w in rt.replica.workers.workers()} == {w1.url}
-                and routable(rt) == {w1.url}
-            ),  # listed as soon as its registration starts
-            10.0,
-        )
+        await eventually(lambda: routable(rt) == {w1.url}, 10.0)
+        assert {w.url for w in rt.replica.workers.workers()} == {w1.url, w2.url}
         assert await requests_taken([w1, w2], rt, 4) == [4, 0]
 
         fake.delete(worker_slice(w1)["metadata"]["name"])
+        fake.delete(worker_slice(w2)["metadata"]["name"])
         await eventually(lambda: rt.replica.workers.workers() == [], 10.0)
         status, _, _ = await rt.post("/v1/completions", {"prompt": "x", "max_tokens": 1})
         assert status == 503
@@ -123,13 +124,83 @@ async def test_discovered_workers_take_traffic_and_departed_ones_are_drained_and
         assert scrape.value("kvrouter_discovery_urls", what="workers") == 0
         assert scrape.value("kvrouter_discovery_relists_total", what="workers") == 1
         # After the list that found w1, the watch saw w2 added, w1 terminating, w1 back, w2
-        # unready, w1 deleted.
+        # unready, both deleted.
         events = scrape.series("kvrouter_discovery_events_total")
         assert {dict(labels)["type"]: n for labels, n in events.items()} == {
             "ADDED": 1,
             "MODIFIED": 3,
-            "DELETED": 1,
+            "DELETED": 2,
         }
+
+
+async def discovered_fleet(
+    stack: contextlib.AsyncExitStack, fake: FakeApiServer, n: int, **config: object
+) -> tuple[RouterHandle, list[FakeWorkerHandle]]:
+    """n fake workers in the slices, and a replica routing to all of them, subscribed."""
+    workers = [await stack.enter_async_context(fake_worker_in_process()) for _ in range(n)]
+    for fw in workers:
+        fake.put(worker_slice(fw))
+    rt = await stack.enter_async_context(
+        router_in_process(
+            worker_selector=WORKERS, kube_api_server=fake.url, namespace="default", **config
+        )
+    )
+    await eventually(lambda: routable(rt) == {fw.url for fw in workers}, 10.0)
+    for fw in workers:
+        await rt.gate(fw)
+    return rt, workers
+
+
+async def test_a_readiness_flap_within_the_grace_keeps_the_blocks_and_the_prefix_goes_back() -> (
+    None
+):
+    """A worker whose pod turns unready for a moment (engine up, cache intact) takes no new
+    request meanwhile, but keeps its ranks: ready again, its prefix is routed back to it. Its
+    blocks were forgotten at once, and the prefix routed cold and copied elsewhere."""
+    async with contextlib.AsyncExitStack() as stack:
+        fake = await stack.enter_async_context(FakeApiServer())
+        rt, (w1, w2) = await discovered_fleet(stack, fake, 2, worker_evict_after_s=600)
+        registry = rt.replica.workers
+        first = registry.get(w1.url)
+        system = "You are a careful assistant. " * 20  # 580 bytes: 36 blocks
+        held = (await rt.wait_cursor(w1.url, 0, await w1.store([TOK.encode(system)])))["blocks"]
+        assert held == 36 + 1  # the chain and the gate's probe
+
+        fake.put(worker_slice(w1, ready=False))
+        await eventually(lambda: routable(rt) == {w2.url}, 10.0)
+        assert await requests_taken([w1, w2], rt, 2) == [0, 2]  # no new requests
+        view = await rt.rank_view(w1.url, 0)
+        assert view is not None and view["blocks"] == held
+
+        fake.put(worker_slice(w1))
+        await eventually(lambda: routable(rt) == {w1.url, w2.url}, 10.0)
+        assert registry.get(w1.url) is first  # never removed, never registered anew
+        view = await rt.rank_view(w1.url, 0)
+        assert view is not None and view["blocks"] == held
+        before = [await served(w) for w in (w1, w2)]
+        status, body, _ = await rt.post(
+            "/v1/completions", {"prompt": f"{system}question?", "max_tokens": 1}
+        )
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 36 * 16
+        assert [await served(w) - b for w, b in zip((w1, w2), before, strict=True)] == [1, 0]
+
+
+async def test_a_worker_unready_past_the_grace_is_removed_then_registered_anew_when_ready() -> None:
+    grace_s = 1.0
+    async with contextlib.AsyncExitStack() as stack:
+        fake = await stack.enter_async_context(FakeApiServer())
+        rt, (w1, w2) = await discovered_fleet(stack, fake, 2, worker_evict_after_s=grace_s)
+        registry = rt.replica.workers
+        unready_at = time.monotonic()
+        fake.put(worker_slice(w1, ready=False))
+        await eventually(lambda: registry.get(w1.url) is None, 10.0)
+        assert time.monotonic() - unready_at >= grace_s
+        assert RankId(w1.url, 0) not in rt.replica.pump.rules.live
+        assert routable(rt) == {w2.url}
+        fake.put(worker_slice(w1))  # ready again: registered anew
+        await eventually(lambda: routable(rt) == {w1.url, w2.url}, 10.0)
+        assert registry.get(w1.url) is not None
 
 
 async def test_a_worker_leaving_the_discovered_set_is_out_of_routing_in_that_same_call() -> None:

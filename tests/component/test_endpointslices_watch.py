@@ -93,7 +93,7 @@ async def watching(
             namespace=namespace,
             selector=SELECTOR,
             rules=rules,
-            publish=harness.published.append,
+            publish=lambda listing: harness.published.append(listing.urls),
             settings=settings,
             sleep=sleeper,
             rng=random.Random(3),

@@ -9,6 +9,7 @@ from peer.slices import (
     Family,
     SelfIdentity,
     SliceError,
+    backends,
     decode_slice,
     listen_family,
     slice_port,
@@ -111,6 +112,30 @@ def test_unready_and_terminating_endpoints_are_skipped_and_absent_ready_counts_a
         ]
     )
     assert peers(s) == ("http://10.0.0.2:8080",)
+
+
+WORKERS = Extraction(Family.ANY, 8000, keep_unready=True)
+
+
+@pytest.mark.parametrize(
+    ("conditions", "listed"),
+    [
+        ({"ready": True}, "ready"),
+        ({"ready": None}, "ready"),  # absent: ready (the API's rule)
+        ({"ready": False}, "unready"),  # a readiness flap: kept apart, not dropped
+        ({"ready": False, "serving": False}, "unready"),
+        ({"ready": False, "serving": True, "terminating": True}, None),
+        ({"ready": False, "serving": False, "terminating": True}, None),
+        ({"ready": True, "serving": True, "terminating": True}, None),  # publishNotReady...
+    ],
+)
+def test_workers_keep_an_unready_endpoint_apart_and_drop_a_terminating_one(
+    conditions: dict, listed: str | None
+) -> None:
+    s = sl([endpoint("10.0.0.2", "w", **conditions)], ports=[8000])
+    found = {b.url: b.ready for b in backends(s, WORKERS)}
+    expected = {} if listed is None else {"http://10.0.0.2:8000": listed == "ready"}
+    assert found == expected
 
 
 def test_only_the_first_address_is_used() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from peer.endpointslices import Backoff
 from peer.kubeconfig import resolve_namespace
-from peer.slice_view import ADDED, DELETED, MODIFIED, SliceView, ViewError
+from peer.slice_view import ADDED, DELETED, MODIFIED, Listing, SliceView, ViewError
 from peer.slices import (
     Backend,
     EndpointSlice,
@@ -40,7 +40,7 @@ def listed(view: SliceView, *slices: EndpointSlice, rv: str = "10") -> tuple[str
     view.begin_relist()
     view.relist_page(slices)
     done = view.finish_relist(rv)
-    return done.urls if done is not None else None
+    return done.listing.urls if done is not None else None
 
 
 def test_a_relist_publishes_once_when_complete_even_an_empty_one() -> None:
@@ -50,7 +50,7 @@ def test_a_relist_publishes_once_when_complete_even_an_empty_one() -> None:
     view.relist_page([sl("a", "10.0.0.2")])
     view.relist_page([sl("b", "10.0.0.3")])
     done = view.finish_relist("10")
-    assert done is not None and done.urls == (url("10.0.0.2"), url("10.0.0.3"))
+    assert done is not None and done.listing == Listing((url("10.0.0.2"), url("10.0.0.3")))
     assert done.slices == 2 and view.resource_version == "10" and not view.needs_list
     empty = listed(SliceView(RULES))
     assert empty == ()
@@ -87,16 +87,44 @@ def test_a_relist_replaces_rather_than_merges() -> None:
 def test_events_upsert_and_delete_by_namespace_and_name_publishing_only_changes() -> None:
     view = SliceView(RULES)
     listed(view, sl("a", "10.0.0.2"))
-    assert view.apply(ADDED, sl("b", "10.0.0.3", rv="11")) == (url("10.0.0.2"), url("10.0.0.3"))
+    assert view.apply(ADDED, sl("b", "10.0.0.3", rv="11")) == Listing(
+        (url("10.0.0.2"), url("10.0.0.3"))
+    )
     assert view.resource_version == "11"
     # A MODIFIED that changes nothing we route by (e.g. a label) publishes nothing.
     assert view.apply(MODIFIED, sl("b", "10.0.0.3", rv="12")) is None
     assert view.resource_version == "12"
-    assert view.apply(MODIFIED, sl("a", "10.0.0.5", rv="13")) == (url("10.0.0.3"), url("10.0.0.5"))
-    assert view.apply(DELETED, sl("b", "10.0.0.3", rv="14")) == (url("10.0.0.5"),)
+    assert view.apply(MODIFIED, sl("a", "10.0.0.5", rv="13")) == Listing(
+        (url("10.0.0.3"), url("10.0.0.5"))
+    )
+    assert view.apply(DELETED, sl("b", "10.0.0.3", rv="14")) == Listing((url("10.0.0.5"),))
     other_ns = endpoint_slice("a", "kvrouter", [endpoint("10.0.0.6", "x")], namespace="other")
-    assert view.apply(ADDED, decode_slice(other_ns)) == (url("10.0.0.5"), url("10.0.0.6"))
+    assert view.apply(ADDED, decode_slice(other_ns)) == Listing((url("10.0.0.5"), url("10.0.0.6")))
     assert view.slices == 2
+
+
+def test_unready_workers_are_listed_apart_and_ready_wins_a_url_offered_both_ways() -> None:
+    rules = Extraction(Family.ANY, 8080, keep_unready=True)
+    view = SliceView(rules)
+
+    def worker(name: str, ip: str, rv: str, **conditions: bool) -> EndpointSlice:
+        raw = endpoint_slice(name, "w", [endpoint(ip, f"pod-{ip}", **conditions)])
+        raw["metadata"]["resourceVersion"] = rv
+        return decode_slice(raw)
+
+    listed(view, worker("a", "10.0.0.2", "1"), worker("b", "10.0.0.3", "1"))
+    both = (url("10.0.0.2"), url("10.0.0.3"))
+    assert view.listing == Listing(both)
+    flap = view.apply(MODIFIED, worker("a", "10.0.0.2", "2", ready=False))
+    assert flap == Listing((url("10.0.0.3"),), (url("10.0.0.2"),))
+    # The same pod listed ready in another slice (controller churn): ready.
+    assert view.apply(ADDED, worker("c", "10.0.0.2", "3")) == Listing(both)
+    assert view.apply(DELETED, worker("c", "10.0.0.2", "4")) == flap
+    assert view.apply(MODIFIED, worker("a", "10.0.0.2", "5", ready=True)) == Listing(both)
+    terminating = worker("a", "10.0.0.2", "6", ready=False, terminating=True)
+    assert view.apply(MODIFIED, terminating) == Listing((url("10.0.0.3"),))
+    # Siblings' rules drop an unready endpoint as before.
+    assert listed(SliceView(RULES), worker("a", "10.0.0.2", "1", ready=False)) == ()
 
 
 def test_deleting_an_unknown_slice_changes_nothing() -> None:
