@@ -10,6 +10,8 @@ The loop (the same division as client-go's Reflector):
     list (paged) ---> watch from the list's resourceVersion, with bookmarks ---> clean end:
       ^                 |                                                       watch again
       |                 +-- 410 Expired (an ERROR event or an HTTP 410) --> relist
+      |                 +-- cut (its connection broke after `cut_min_run_s`): watch again
+      |                 |   at once, the backoff reset
       |                 +-- any other error: back off (jittered, capped), keep the view and
       +-----------------    the resourceVersion; a later 410 forces the relist
 
@@ -20,6 +22,14 @@ The loop (the same division as client-go's Reflector):
 - A watch that ends cleanly within `min_watch_s` with no event at all is treated as a
   failure and backed off: a server (or proxy) that closes every watch at once must not turn
   the loop into a busy one.
+- A watch whose connection broke (FIN or RST mid-stream) after it was established (HTTP 200)
+  and ran `cut_min_run_s` is a cut (`is_cut`), not a failure: a proxy or load balancer whose
+  idle timeout is shorter than the API server's bookmark interval cuts every idle watch, and
+  backed off as failures the re-watches grew to the 30-s cap and kept it, so every change
+  reached the replica that late and the failing alert blamed the API server. A cut watches
+  again at once from its resourceVersion (at most one watch a `cut_min_run_s`), counted as
+  `cut` apart from the failures the alert reads, logged at INFO. A watch that breaks sooner
+  or never starts backs off as any failure.
 - `Watch` objects are closed on every path (`async with`).
 - Time is injected (`clock`, `sleep`, `rng`), so tests of the backoff never wait.
 
@@ -67,6 +77,7 @@ class WatchSettings:
     list_timeout_s: float = 60.0
     connect_timeout_s: float = 10.0
     min_watch_s: float = 1.0
+    cut_min_run_s: float = 2.0  # an established watch that broke after this long is a cut
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
 
@@ -95,8 +106,16 @@ class WatchStats:
 
     relists: int = 0  # complete lists that replaced the view
     events: Counter[str] = field(default_factory=Counter)  # ADDED/MODIFIED/DELETED/BOOKMARK
-    # expired, http_<status>, transport, short_watch, unexpected
+    # expired, cut (not a failure: `is_cut`), http_<status>, transport, short_watch, unexpected
     failures: Counter[str] = field(default_factory=Counter)
+
+
+def is_cut(opened_at: float | None, broke_at: float, min_run_s: float) -> bool:
+    """Whether a watch whose connection broke is a cut, watched again at once: it was
+    established (its HTTP 200 arrived at `opened_at`; None: it never was) and ran at least
+    `min_run_s`. One that broke sooner may be a server or a path that fails every watch: it is
+    backed off, so that cuts cannot make the loop a busy one."""
+    return opened_at is not None and broke_at - opened_at >= min_run_s
 
 
 class EndpointSliceWatch:
@@ -140,6 +159,15 @@ class EndpointSliceWatch:
                 if self.view.needs_list:
                     await self._relist()
                 await self._watch()
+            except _Cut as exc:
+                self.stats.failures["cut"] += 1
+                self.backoff.reset()
+                log.info(
+                    "%s: EndpointSlice watch cut (%s); watching again from resourceVersion %s",
+                    self.what,
+                    exc,
+                    self.view.resource_version,
+                )
             except ApiException as exc:
                 self.view.abandon_relist()
                 if exc.status == 410:
@@ -259,23 +287,40 @@ class EndpointSliceWatch:
         )
         args = (self.namespace,) if self.namespace else ()
         started = self._clock()
+        opened_at: float | None = None
         events = 0
-        # "object": events stay dicts; the client's typed models would be built and thrown
-        # away (we read `raw_object`), and they cost more than everything else per event.
-        async with watch.Watch(return_type="object") as stream:
-            async for event in stream.stream(
-                func,
-                *args,
-                label_selector=self.selector,
-                resource_version=self.view.resource_version,
-                allow_watch_bookmarks=True,
-                timeout_seconds=settings.watch_timeout_s,
-                _request_timeout=aiohttp.ClientTimeout(
-                    total=settings.watch_timeout_s + settings.request_grace_s,
-                    sock_connect=settings.connect_timeout_s,
-                ),
-            ):
-                events += self._on_event(event)
+
+        async def opened(*args: Any, **kwargs: Any) -> Any:
+            """The watch request, noting when its HTTP 200 arrived (an error status raises)."""
+            nonlocal opened_at
+            response = await func(*args, **kwargs)
+            opened_at = self._clock()
+            return response
+
+        try:
+            # "object": events stay dicts; the client's typed models would be built and
+            # thrown away (we read `raw_object`), and they cost more than everything else
+            # per event.
+            async with watch.Watch(return_type="object") as stream:
+                async for event in stream.stream(
+                    opened,
+                    *args,
+                    label_selector=self.selector,
+                    resource_version=self.view.resource_version,
+                    allow_watch_bookmarks=True,
+                    timeout_seconds=settings.watch_timeout_s,
+                    _request_timeout=aiohttp.ClientTimeout(
+                        total=settings.watch_timeout_s + settings.request_grace_s,
+                        sock_connect=settings.connect_timeout_s,
+                    ),
+                ):
+                    events += self._on_event(event)
+        except aiohttp.ClientError as exc:
+            # The connection broke. A client timeout is no cut: the server did not end the
+            # watch when it should have (a half-open connection), and is backed off.
+            if is_cut(opened_at, self._clock(), settings.cut_min_run_s):
+                raise _Cut(f"{type(exc).__name__}: {exc}") from exc
+            raise
         if events == 0 and self._clock() - started < settings.min_watch_s:
             raise _ShortWatch(
                 f"the watch ended after {self._clock() - started:.2f} s, with nothing new"
@@ -353,6 +398,10 @@ def _status_label(status: Any) -> str:
 
 class _ShortWatch(Exception):
     """A watch that ended at once with nothing in it."""
+
+
+class _Cut(Exception):
+    """An established watch whose connection broke after it ran a while (`is_cut`)."""
 
 
 def _api_problem(exc: ApiException, namespace: str) -> str:

@@ -679,7 +679,8 @@ class _DiscoveryCollector(Collector):
         )
         yield _counter(
             "kvrouter_discovery_failures",
-            "EndpointSlice list/watch failures by reason (http_403: RBAC; expired: a relist)",
+            "EndpointSlice list/watch failures by reason (http_403: RBAC; expired: a relist; "
+            "cut: a watch whose connection broke after it ran, watched again at once)",
             ["what", "reason"],
             {(w.what, why): n for w in watches for why, n in w.stats.failures.items()},
         )

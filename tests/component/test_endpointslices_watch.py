@@ -26,7 +26,9 @@ from tests.support.waiting import eventually
 SELECTOR = "kubernetes.io/service-name=kvrouter"
 ME = SelfIdentity(pod_name="router-a", namespace="default", pod_ip="10.0.0.1")
 RULES = Extraction(Family.IPV4, 8080, ME)
-FAST = WatchSettings(watch_timeout_s=30, request_grace_s=5, min_watch_s=0)
+# A watch cut here backs off as any failure, however long it ran (`cut_min_run_s`), unless
+# a test says otherwise: a reset a test makes must not turn into a cut on a slow host.
+FAST = WatchSettings(watch_timeout_s=30, request_grace_s=5, min_watch_s=0, cut_min_run_s=600)
 # The bound of every wait on the watch: generous, because a loaded CI host can take seconds
 # for the several API round trips a backoff test needs, and a met condition returns at once.
 WAIT_S = 20.0
@@ -265,6 +267,66 @@ async def test_a_reset_connection_resumes_from_the_last_resource_version() -> No
         await h.published_is(url("10.0.0.2"), url("10.0.0.3"), url("10.0.0.4"))
         assert fake.requests[-1].resource_version == seen  # replayed, not relisted
         assert fake.verbs() == ["list", "watch", "watch"]
+
+
+async def test_watches_cut_mid_stream_after_they_ran_resume_at_once_and_are_no_failure() -> None:
+    """A proxy whose idle timeout is shorter than the API server's bookmark interval cuts
+    every idle watch (a FIN or an RST mid-stream): each re-watches at once from where it was,
+    so a slice change reaches the replica as fast after ten cuts as after none. Backed off as
+    failures, the re-watches grew to the 30-s cap and stayed there, and every cut counted as
+    a transport failure (the failing alert)."""
+    settings = replace(FAST, cut_min_run_s=0)  # any established watch ran long enough
+    async with synced(router_slice("kvrouter-a", "10.0.0.2"), settings=settings) as h:
+        fake = h.fake
+        for i in range(1, 11):
+            await h.watching(count=i)
+            # An event seen proves the client has the stream (its HTTP 200): a bookmark at
+            # the same resourceVersion, which moves nothing on (an idle watch).
+            fake.bookmark()
+            await eventually(lambda i=i: h.watch.stats.events["BOOKMARK"] >= i, WAIT_S)
+            cut = fake.close_watches if i % 2 else fake.reset_watches
+            assert cut() == 1
+        await h.watching(count=11)
+        fake.put(router_slice("kvrouter-b", "10.0.0.3"))
+        await h.published_is(url("10.0.0.2"), url("10.0.0.3"))
+        assert h.sleeper.delays == []  # not one backoff
+        assert h.watch.stats.failures == {"cut": 10}
+        assert fake.verbs() == ["list"] + ["watch"] * 11  # resumed each time, never relisted
+        assert {r.resource_version for r in fake.requests[1:]} == {
+            fake.requests[1].resource_version
+        }
+
+
+async def test_a_watch_that_breaks_before_its_minimum_run_still_backs_off() -> None:
+    """Cuts of watches that had not run `cut_min_run_s` (a server or a path that fails every
+    watch at once) are failures: backed off, growing, and counted."""
+    async with synced(router_slice("kvrouter-a", "10.0.0.2")) as h:
+        fake = h.fake
+        for i in range(1, 4):
+            await h.watching(count=i)
+            fake.bookmark()
+            await eventually(lambda i=i: h.watch.stats.events["BOOKMARK"] >= i, WAIT_S)
+            assert fake.close_watches() == 1
+            await eventually(lambda i=i: len(h.sleeper.delays) == i, WAIT_S)
+        d = h.sleeper.delays
+        assert d[2] > d[1] > d[0]
+        assert h.watch.stats.failures == {"transport": 3}
+
+
+@pytest.mark.parametrize(
+    ("opened_at", "broke_at", "cut"),
+    [
+        (None, 100.0, False),  # never established: a failure to start
+        (100.0, 100.5, False),  # broke at once
+        (100.0, 101.99, False),
+        (100.0, 102.0, True),  # ran the minimum run
+        (100.0, 400.0, True),
+    ],
+)
+def test_a_broken_watch_is_a_cut_only_once_established_and_after_its_minimum_run(
+    opened_at: float | None, broke_at: float, cut: bool
+) -> None:
+    assert endpointslices.is_cut(opened_at, broke_at, 2.0) is cut
 
 
 async def test_a_bookmark_carries_the_watch_past_writes_the_selector_hides() -> None:

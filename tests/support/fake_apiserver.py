@@ -22,7 +22,8 @@ kubernetes-asyncio client (and kubectl) against this aiohttp server on 127.0.0.1
 - errors are `Status` bodies (400, 401, 403 with details, 404, 410).
 
 Test controls (call them on the test's loop; none waits): `put`, `delete`, `compact`,
-`bookmark`, `reset_watches` (abort every open watch's TCP connection mid-stream), `fail`
+`bookmark`, `reset_watches` (abort every open watch's TCP connection mid-stream: an RST),
+`close_watches` (close it mid-stream: a FIN with no chunked end, as a proxy's idle timeout), `fail`
 (answer a verb with an error status), `hang_watches`, `end_watches_at_once`, `endless_list`,
 and `requests` (what each client asked, in order).
 
@@ -37,7 +38,7 @@ import asyncio
 import itertools
 import re
 import ssl
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -373,12 +374,21 @@ class FakeApiServer:
                 watcher.queue.put_nowait(event)
 
     def reset_watches(self) -> int:
-        """Abort every open watch's connection mid-stream (no clean end); returns how many."""
+        """Abort every open watch's connection mid-stream (an RST, no clean end); returns how
+        many."""
+        return self._cut_watches(lambda transport: transport.abort())
+
+    def close_watches(self) -> int:
+        """Close every open watch's connection mid-stream (a FIN before the chunked end);
+        returns how many."""
+        return self._cut_watches(lambda transport: transport.close())
+
+    def _cut_watches(self, cut: Callable[[asyncio.Transport], None]) -> int:
         count = 0
         for watcher in list(self._watchers):
             self._watchers.discard(watcher)
             if watcher.transport is not None:
-                watcher.transport.abort()
+                cut(watcher.transport)
             watcher.queue.put_nowait(_STOP)
             count += 1
         return count
