@@ -11,8 +11,10 @@ Extraction (what one slice contributes), after the SGLang router's peer watch:
   address types are kept. `0.0.0.0` or any IPv4 literal listens on IPv4 only, a specific IPv6
   literal on IPv6 only, `::` or a host name on both.
 - The port is the slice's port equal to our preferred one (our own `--port` for siblings,
-  `--worker-port` for workers), else the slice's first port, else the preferred one; a slice
-  that yields no port at all contributes nothing.
+  `--worker-port` for workers), else the slice's first port, else (a slice that lists none)
+  the preferred one; a slice that yields no port at all contributes nothing. Siblings
+  (`one_per_pod`) are offered on each of a slice's ports equal to our `--control-port` or
+  `--port`, else on its first one (see below).
 - A terminating endpoint drops out at once (it stays `ready` when its Service publishes
   not-ready addresses, and goes all the same). Of the rest, ready ones count, and an absent
   `ready` means ready (the API's rule). A not-ready one drops out too, unless the rules keep
@@ -30,9 +32,10 @@ Extraction (what one slice contributes), after the SGLang router's peer watch:
   address, with no port. A replica's pod is in every Service that selects it, and the main
   port's Service and one for `--control-port` (for a NetworkPolicy) may both match the
   selector: keyed by port, each sibling was counted twice (two snapshots asked, two decision
-  posts, a replica count one too high in the cost). Of the ports a pod is offered on, the
-  one equal to our own `--control-port` wins (the port meant for replica-to-replica traffic,
-  the same flag across a Deployment), else the one equal to our `--port`, else the lowest.
+  posts, a replica count one too high in the cost). Of the ports a pod is offered on (by all
+  its slices; one Service listing both our ports offers both), the one equal to our own
+  `--control-port` wins (the port meant for replica-to-replica traffic, the same flag across a
+  Deployment), else the one equal to our `--port`, else the lowest.
   Workers keep the port in the key: one pod may run two engines.
 """
 
@@ -183,11 +186,17 @@ class Backend:
     ready: bool = True  # False: listed not ready, not terminating (`Extraction.keep_unready`)
 
 
-def slice_port(ports: Iterable[EndpointPort] | None, preferred: int | None) -> int | None:
+def slice_ports(ports: Iterable[EndpointPort] | None, rules: Extraction) -> tuple[int, ...]:
+    """The ports a slice offers its endpoints on (see the module's opening); none: it
+    contributes nothing."""
     numbers = [p.port for p in ports or () if p.port is not None]
-    if preferred is not None and preferred in numbers:
-        return preferred
-    return numbers[0] if numbers else preferred
+    preferred = rules.port
+    if not numbers:
+        return () if preferred is None else (preferred,)
+    if rules.one_per_pod:
+        ours = tuple(dict.fromkeys(p for p in numbers if p in (rules.control_port, preferred)))
+        return ours or (numbers[0],)
+    return (preferred,) if preferred in numbers else (numbers[0],)
 
 
 def backends(slice_: EndpointSlice, rules: Extraction) -> tuple[Backend, ...]:
@@ -201,9 +210,7 @@ def backends(slice_: EndpointSlice, rules: Extraction) -> tuple[Backend, ...]:
         and address_type != family.value
     ):
         return ()
-    port = slice_port(slice_.ports, rules.port)
-    if port is None:
-        return ()
+    ports = slice_ports(slice_.ports, rules)
     out = []
     for endpoint in slice_.endpoints or ():
         conditions = endpoint.conditions
@@ -218,13 +225,14 @@ def backends(slice_: EndpointSlice, rules: Extraction) -> tuple[Backend, ...]:
             continue
         address = endpoint.addresses[0]
         host = f"[{address}]" if ":" in address else address
-        url = f"{rules.scheme}://{host}:{port}"
         uid = endpoint.target_ref.uid if endpoint.target_ref is not None else None
-        if rules.one_per_pod:
-            key = f"pod:{uid}" if uid else f"address:{address}"
-        else:
-            key = f"{uid}:{port}" if uid else url
-        out.append(Backend(key, url, rules.port_choice(port), ready))
+        for port in ports:
+            url = f"{rules.scheme}://{host}:{port}"
+            if rules.one_per_pod:
+                key = f"pod:{uid}" if uid else f"address:{address}"
+            else:
+                key = f"{uid}:{port}" if uid else url
+            out.append(Backend(key, url, rules.port_choice(port), ready))
     return tuple(out)
 
 

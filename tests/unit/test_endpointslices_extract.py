@@ -12,7 +12,7 @@ from peer.slices import (
     backends,
     decode_slice,
     listen_family,
-    slice_port,
+    slice_ports,
     urls,
 )
 from tests.support.fake_apiserver import endpoint, endpoint_slice
@@ -205,10 +205,10 @@ def test_fqdn_slices_are_kept_for_either_family() -> None:
 
 def test_the_port_prefers_our_own_then_the_first_listed_then_our_own() -> None:
     ports = sl(None, ports=[9000, 8080]).ports
-    assert slice_port(ports, 8080) == 8080
-    assert slice_port(ports, 7000) == 9000
-    assert slice_port(None, 7000) == 7000
-    assert slice_port([], None) is None
+    assert slice_ports(ports, Extraction(Family.ANY, 8080)) == (8080,)
+    assert slice_ports(ports, Extraction(Family.ANY, 7000)) == (9000,)
+    assert slice_ports(None, Extraction(Family.ANY, 7000)) == (7000,)
+    assert slice_ports([], Extraction(Family.ANY, None)) == ()
     s = sl([endpoint("10.0.0.2", "b")], ports=[9000])
     assert peers(s) == ("http://10.0.0.2:9000",)
     assert peers(sl([endpoint("10.0.0.2", "b")], ports=None)) == ("http://10.0.0.2:8080",)
@@ -256,6 +256,27 @@ def test_without_a_control_port_a_sibling_on_two_ports_is_offered_on_ours_else_t
     assert peers(*two_services(9191, 9090), rules=ours) == (
         "http://10.0.0.2:9090",
         "http://10.0.0.3:9090",
+    )
+
+
+@pytest.mark.parametrize(
+    ("ports", "control_port", "port"),
+    [
+        ([8080, 8081], 8081, 8081),  # one Service listing both: the control port wins
+        ([8081, 8080], 8081, 8081),
+        ([8080, 8081], None, 8080),  # no control port: ours
+        ([9999, 8080], 8081, 8080),  # the control port not listed: ours
+        ([9999, 7000], 8081, 9999),  # neither: the slice's first
+    ],
+)
+def test_a_sibling_in_one_slice_of_two_ports_is_offered_on_each_and_our_control_port_wins(
+    ports: list[int], control_port: int | None, port: int
+) -> None:
+    rules = Extraction(Family.IPV4, 8080, ME, one_per_pod=True, control_port=control_port)
+    pods = [endpoint("10.0.0.2", "b"), endpoint("10.0.0.3", "c")]
+    assert peers(sl(pods, ports=ports), rules=rules) == (
+        f"http://10.0.0.2:{port}",
+        f"http://10.0.0.3:{port}",
     )
 
 
