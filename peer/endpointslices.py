@@ -55,7 +55,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.client.rest import RESTResponse
 
 from peer.slice_view import Listing, SliceView
-from peer.slices import EndpointSlice, Extraction, SliceError, decode_slice
+from peer.slices import EndpointSlice, Extraction, SliceError, decode_slice, unlisted_port
 from peer.supervise import Supervisor
 from peer.tasks import cancel_and_wait
 
@@ -149,6 +149,9 @@ class EndpointSliceWatch:
         self._sleep = sleep
         self._where = f"namespace {namespace}" if namespace else "all namespaces"
         self._expired_in_a_row = 0
+        # Slices skipped for not listing the port the rules require, with the ports they list
+        # as warned of: each is warned of once, and again only when its ports change.
+        self._unlisted: dict[tuple[str, str], tuple[int, ...]] = {}
         self.stats = WatchStats()
 
     async def run(self) -> None:
@@ -194,6 +197,7 @@ class EndpointSliceWatch:
 
     async def _relist(self) -> None:
         self.view.begin_relist()
+        unlisted: dict[tuple[str, str], tuple[int, ...]] = {}
         token: str | None = None
         tokens: set[str] = set()
         while True:
@@ -208,7 +212,10 @@ class EndpointSliceWatch:
             items = page.get("items") or []
             if not isinstance(items, list):
                 raise ValueError(f"the list's items are no list: {str(items)[:200]!r}")
-            self.view.relist_page(self._decode_all(items))
+            page_slices = self._decode_all(items)
+            for item in page_slices:
+                self._check_port(item, unlisted)
+            self.view.relist_page(page_slices)
             metadata = page.get("metadata") or {}
             token = metadata.get("continue") if isinstance(metadata, dict) else None
             if not token:
@@ -220,6 +227,7 @@ class EndpointSliceWatch:
             tokens.add(token)
         relisted = self.view.finish_relist(metadata.get("resourceVersion"))
         assert relisted is not None, "begun above"
+        self._unlisted = unlisted
         self.backoff.reset()
         self.stats.relists += 1
         if relisted.slices == 0:
@@ -349,6 +357,10 @@ class EndpointSliceWatch:
         item = self._decode(raw)
         if item is None:
             return False
+        if kind == "DELETED":
+            self._unlisted.pop(item.key, None)
+        else:
+            self._check_port(item, self._unlisted)
         self._moved_on()
         listing = self.view.apply(kind, item)
         if listing is not None:
@@ -362,6 +374,28 @@ class EndpointSliceWatch:
             )
             self._publish(listing)
         return True
+
+    def _check_port(
+        self, item: EndpointSlice, unlisted: dict[tuple[str, str], tuple[int, ...]]
+    ) -> None:
+        """Warn of a slice skipped for not listing the port the rules require (`--worker-port`),
+        once per slice and port list, and note it in `unlisted`."""
+        listed = unlisted_port(item, self.view.rules)
+        if listed is None:
+            unlisted.pop(item.key, None)
+            return
+        if self._unlisted.get(item.key) != listed:
+            log.warning(
+                "%s: EndpointSlice %s/%s lists port(s) %s, not --worker-port %d: its endpoints "
+                "are skipped, not registered at another port; give --worker-port the port the "
+                "slices list for the engines' HTTP API (the container's, not a Service's)",
+                self.what,
+                item.metadata.namespace,
+                item.metadata.name,
+                ", ".join(map(str, listed)),
+                self.view.rules.port,
+            )
+        unlisted[item.key] = listed
 
     def _moved_on(self) -> None:
         self.backoff.reset()

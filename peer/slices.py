@@ -12,9 +12,12 @@ Extraction (what one slice contributes), after the SGLang router's peer watch:
   literal on IPv6 only, `::` or a host name on both.
 - The port is the slice's port equal to our preferred one (our own `--port` for siblings,
   `--worker-port` for workers), else the slice's first port, else (a slice that lists none)
-  the preferred one; a slice that yields no port at all contributes nothing. Siblings
-  (`one_per_pod`) are offered on each of a slice's ports equal to our `--control-port` or
-  `--port`, else on its first one (see below).
+  the preferred one; a slice that yields no port at all contributes nothing. A preferred port
+  the rules require (`exact_port`: a `--worker-port` given) is never guessed: a slice that
+  lists ports, none of them it, contributes nothing (`unlisted_port` says which it lists):
+  its first port may be anything (an engine's KV-event port), and a worker registered there
+  answered nothing. Siblings (`one_per_pod`) are offered on each of a slice's ports equal to
+  our `--control-port` or `--port`, else on its first one (see below).
 - A terminating endpoint drops out at once (it stays `ready` when its Service publishes
   not-ready addresses, and goes all the same). Of the rest, ready ones count, and an absent
   `ready` means ready (the API's rule). A not-ready one drops out too, unless the rules keep
@@ -168,6 +171,7 @@ class Extraction:
     one_per_pod: bool = False  # siblings: a pod is one backend whatever its ports
     control_port: int | None = None  # of a pod's ports, the one preferred (one_per_pod)
     keep_unready: bool = False  # a not-ready, not-terminating endpoint is kept, as unready
+    exact_port: bool = False  # a `port` given must be listed by a slice that lists ports
 
     def port_choice(self, port: int) -> tuple[int, int]:
         """Sorts a pod's ports, best first: our control port, our port, then the lowest."""
@@ -196,7 +200,18 @@ def slice_ports(ports: Iterable[EndpointPort] | None, rules: Extraction) -> tupl
     if rules.one_per_pod:
         ours = tuple(dict.fromkeys(p for p in numbers if p in (rules.control_port, preferred)))
         return ours or (numbers[0],)
-    return (preferred,) if preferred in numbers else (numbers[0],)
+    if preferred in numbers:
+        return (preferred,)
+    return () if rules.exact_port and preferred is not None else (numbers[0],)
+
+
+def unlisted_port(slice_: EndpointSlice, rules: Extraction) -> tuple[int, ...] | None:
+    """The ports a slice lists when the port the rules require is not among them (its
+    endpoints are skipped); None when nothing is amiss."""
+    numbers = tuple(p.port for p in slice_.ports or () if p.port is not None)
+    if not rules.exact_port or rules.port is None or not numbers or rules.port in numbers:
+        return None
+    return numbers
 
 
 def backends(slice_: EndpointSlice, rules: Extraction) -> tuple[Backend, ...]:

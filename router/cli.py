@@ -302,7 +302,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add("kv-peer-selector", str, "", "EndpointSlice label selector naming sibling replicas")
     f.add("worker-selector", str, "", "EndpointSlice label selector naming the workers")
     f.add(
-        "worker-port", whole, 0, "the workers' port in their EndpointSlices; 0 = the first listed"
+        "worker-port",
+        whole,
+        0,
+        "the workers' port in their EndpointSlices (a slice not listing it is skipped); "
+        "0 = the first listed",
     )
     f.add(
         "namespace",

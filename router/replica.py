@@ -595,7 +595,9 @@ def _watch(
         discovery.start("siblings", config.kv_peer_selector, rules, _reachable(bootstrap.registry))
     if config.worker_selector:
         # Outbound connections to workers do not depend on the family we listen on.
-        rules = Extraction(Family.ANY, config.worker_port or None, keep_unready=True)
+        rules = Extraction(
+            Family.ANY, config.worker_port or None, keep_unready=True, exact_port=True
+        )
         discovery.start(
             "workers",
             config.worker_selector,

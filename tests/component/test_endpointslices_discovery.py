@@ -203,6 +203,47 @@ async def test_a_worker_unready_past_the_grace_is_removed_then_registered_anew_w
         assert registry.get(w1.url) is not None
 
 
+async def test_a_worker_port_the_slices_do_not_list_is_warned_of_once_and_nothing_registered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`--worker-port` naming a port the slices do not carry (a Service's port, not the
+    container's): the slice's first port, the engine's KV-event port here, was taken instead
+    and the worker registered there; the only log line was about its /server_info."""
+    async with contextlib.AsyncExitStack() as stack:
+        fake = await stack.enter_async_context(FakeApiServer())
+        fw = await stack.enter_async_context(fake_worker_in_process())
+        http = urlsplit(fw.url).port
+        kv = urlsplit(fw.kv_endpoint()).port
+        assert http is not None and kv is not None
+        absent = free_tcp_port()
+        pods = [endpoint("127.0.0.1", "engine-a")]
+        fake.put(endpoint_slice("engines", "fake-kv-worker", pods, ports=[kv, http]))
+        rt = await stack.enter_async_context(
+            router_in_process(
+                worker_selector=WORKERS,
+                kube_api_server=fake.url,
+                namespace="default",
+                worker_port=absent,
+            )
+        )
+        discovery = rt.replica.discovery
+        assert discovery is not None
+        (watch,) = discovery.watches
+        await eventually(lambda: watch.stats.relists == 1, 10.0)
+        # The same slice again, its ports as they were: no second warning.
+        pods.append(endpoint("127.0.0.2", "engine-b"))
+        fake.put(endpoint_slice("engines", "fake-kv-worker", pods, ports=[kv, http]))
+        await eventually(lambda: watch.stats.events["MODIFIED"] == 1, 10.0)
+        assert rt.replica.workers.workers() == []
+        warnings = [r.getMessage() for r in caplog.records if "--worker-port" in r.getMessage()]
+        assert warnings == [
+            f"workers: EndpointSlice default/engines lists port(s) {kv}, {http}, not "
+            f"--worker-port {absent}: its endpoints are skipped, not registered at another "
+            "port; give --worker-port the port the slices list for the engines' HTTP API (the "
+            "container's, not a Service's)"
+        ]
+
+
 async def test_a_worker_leaving_the_discovered_set_is_out_of_routing_in_that_same_call() -> None:
     async with (
         fake_worker_in_process() as w1,

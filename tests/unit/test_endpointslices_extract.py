@@ -13,6 +13,7 @@ from peer.slices import (
     decode_slice,
     listen_family,
     slice_ports,
+    unlisted_port,
     urls,
 )
 from tests.support.fake_apiserver import endpoint, endpoint_slice
@@ -278,6 +279,29 @@ def test_a_sibling_in_one_slice_of_two_ports_is_offered_on_each_and_our_control_
         f"http://10.0.0.2:{port}",
         f"http://10.0.0.3:{port}",
     )
+
+
+WORKERS_ON_80 = Extraction(Family.ANY, 80, exact_port=True)
+
+
+@pytest.mark.parametrize(
+    ("ports", "found", "unlisted"),
+    [
+        ([24110, 24100], (), (24110, 24100)),  # not guessed: the first is the ZMQ port
+        ([5557, 80], ("http://10.0.0.2:80",), None),
+        (None, ("http://10.0.0.2:80",), None),  # a slice that lists no port: the flag's
+    ],
+)
+def test_a_required_worker_port_the_slice_does_not_list_skips_the_slice(
+    ports: list[int] | None, found: tuple[str, ...], unlisted: tuple[int, ...] | None
+) -> None:
+    s = sl([endpoint("10.0.0.2", "w")], ports=ports)
+    assert peers(s, rules=WORKERS_ON_80) == found
+    assert unlisted_port(s, WORKERS_ON_80) == unlisted
+    assert unlisted_port(s, Extraction(Family.ANY, 80)) is None  # not required: no problem
+    no_flag = Extraction(Family.ANY, None, exact_port=True)  # no --worker-port: the first
+    first = (f"http://10.0.0.2:{ports[0]}",) if ports else ()
+    assert peers(s, rules=no_flag) == first
 
 
 def test_a_sibling_without_a_target_ref_is_one_sibling_by_its_address() -> None:
