@@ -538,6 +538,11 @@ class WorkerRegistry:
             except BaseException as exc:  # cancelled too: a client that left cancels its POST
                 await self._undo_registration(worker, exc, new=known is None)
                 raise
+            # Only an admitted worker names the fleet's engine: told before its refusals (its
+            # block size, its endpoints), a refused SGLang worker that registered first set
+            # the chat rules of a vLLM fleet.
+            if worker.state == "ready" and worker.engine is not None and self.on_engine:
+                self.on_engine(worker.url, worker.engine)
             return worker
 
     async def remove(self, url: str) -> bool:
@@ -757,8 +762,6 @@ class WorkerRegistry:
             # Before any store names them: a request naming one is keyed in its namespace.
             await self.pump.call(lambda rules: rules.learn_adapters(worker.models.adapters))
             self._check_still_added(worker)
-        if worker.engine is not None and self.on_engine is not None:
-            self.on_engine(worker.url, worker.engine)
         if not self.keeps_index:
             await self._register_for_routing(worker)
             return

@@ -43,3 +43,18 @@ async def test_a_fixed_chat_rules_flag_is_never_overridden_by_the_workers() -> N
         router_in_process(workers=[fw.url], chat_rules="vllm") as rt,
     ):
         assert rt.replica.tokenizer.engine == "vllm"
+
+
+async def test_a_refused_worker_never_sets_the_chat_rules() -> None:
+    """An SGLang worker refused for its block size registered first: the vLLM fleet's first
+    admitted worker decides, and its chats render by vLLM's rules."""
+    async with (
+        fake_worker_in_process(wire="sglang", block_size=32) as refused,
+        fake_worker_in_process(wire="vllm") as admitted,
+        router_in_process(block_size=16) as rt,
+    ):
+        status, body, _ = await rt.post("/workers", {"url": refused.url})
+        assert status == 409 and body["worker"]["state"] == "refused", body
+        status, body, _ = await rt.post("/workers", {"url": admitted.url})
+        assert status == 200, body
+        assert rt.replica.tokenizer.engine == "vllm"
