@@ -20,7 +20,12 @@ add(url), for a URL not yet known:
      subscribed are otherwise invisible. A 404 means the worker does not serve one; that is
      remembered and it is never asked again. It is pulled again only after an unrepaired gap.
 Re-adding a known URL changes nothing and pulls nothing: discovery sources re-announce
-workers all the time, and a pull per announcement would stampede the fleet.
+workers all the time, and a pull per announcement would stampede the fleet. Except a refused
+one: re-adding it (`POST /workers`) registers it anew, /server_info read again, as the health
+loop does one health interval after its refusal, doubling to `REREGISTER_BACKOFF_MAX_S`
+(`_recheck_refused`): an engine restarted with the fleet's block size was refused until the
+replica restarted. Its refusal is counted and logged when its reason differs from the last one
+of the worker; the same again is logged at info.
 
 A ready worker whose engine restarts within `--worker-evict-after-s` is never evicted, so the
 health loop looks at it again: at the first pass that finds it healthy after any of its
@@ -312,8 +317,9 @@ class Worker:
     kv: KvEventsInfo | None = None
     healthy: bool = False
     unhealthy_since: float | None = None  # clock time of the first failed check in a row
-    reregister_failures: int = 0  # down: registrations anew that failed in a row
-    reregister_at: float = 0.0  # down: clock time of the next registration anew, at earliest
+    reregister_failures: int = 0  # down or refused: registrations anew that failed in a row
+    reregister_at: float = 0.0  # down or refused: the next registration anew, at earliest
+    refusal: str = ""  # why it was last refused (kept once admitted again): counted once
     # Its ranks' publisher connection drops and refused reconnects after them as of its last
     # look at them (`_look_at_drops`), and whether a health check failed since: an engine
     # restarted in between shows a drop and either of the others.
@@ -519,7 +525,7 @@ class WorkerRegistry:
             )
         async with self._exclusive(url):
             known = self._workers.get(url)
-            if known is not None and known.state not in ("discovering", "down"):
+            if known is not None and known.state not in ("discovering", "down", "refused"):
                 return known  # re-registration: no new subscription, no new pull
             if known is None and len(self._workers) >= self.max_workers:
                 self.stats.refused["max_workers"] += 1
@@ -920,10 +926,26 @@ class WorkerRegistry:
         return run
 
     def _refuse(self, worker: Worker, reason: str, message: str) -> None:
+        """Refused: listed, no traffic, registered anew after a backoff (`_recheck_refused`).
+        Counted and logged as an error only when the reason changed: a worker refused again
+        for the same one at every look would count as many refusals as looks."""
         worker.state = "refused"
         worker.reason = message
+        worker.reregister_failures += 1
+        wait = reregister_after_s(worker.reregister_failures, self._health_interval_s)
+        worker.reregister_at = self._clock() + wait
+        if message == worker.refusal:
+            log.info("worker %s still refused: %s; next look in %.3g s", worker.url, message, wait)
+            return
+        worker.refusal = message
         self.stats.refused[reason] += 1
-        log.error("worker %s refused: %s", worker.url, message)
+        log.error(
+            "worker %s refused: %s (looked at again in %.3g s, doubling to %g s)",
+            worker.url,
+            message,
+            wait,
+            REREGISTER_BACKOFF_MAX_S,
+        )
 
     # -- worker snapshots ------------------------------------------------------------------
 
@@ -1051,7 +1073,8 @@ class WorkerRegistry:
             await self.check_health_once()
 
     async def check_health_once(self) -> None:
-        """Probe every ready or down worker; evict the long-dead, re-register the revived."""
+        """Probe every ready or down worker; evict the long-dead, re-register the revived;
+        register anew the refused whose backoff ended."""
         workers = [w for w in self._workers.values() if w.state == "ready"]
         workers += self._down_in_turn()
         results = await asyncio.gather(*(self._check_health_contained(w) for w in workers))
@@ -1062,6 +1085,28 @@ class WorkerRegistry:
             except Exception as exc:  # one worker's eviction or re-registration must not
                 # stop the others' checks, nor the loop (issue 13, row 1)
                 self.supervisor.failed("health", f"health verdict for {worker.url}", exc)
+        await self._recheck_refused(now)
+
+    async def _recheck_refused(self, now: float) -> None:
+        """Register anew the refused workers whose backoff ended, at most
+        `DOWN_CHECKS_PER_PASS` a pass, at once (each may wait out its timeouts): an engine
+        restarted with what it was refused for fixed (its block size, as the refusal's log
+        and KvrouterWorkerRefused say) stays at its address, and was refused until the
+        replica restarted."""
+        due = [w for w in self._workers.values() if w.state == "refused" and now >= w.reregister_at]
+        await asyncio.gather(*map(self._recheck, due[:DOWN_CHECKS_PER_PASS]))
+
+    async def _recheck(self, worker: Worker) -> None:
+        try:
+            with contextlib.suppress(WorkerRemoved):  # removed meanwhile: nothing to do
+                await self.add(worker.url)
+            if worker.state == "ready":
+                log.warning(
+                    "worker %s, refused before (%s), is admitted now", worker.url, worker.refusal
+                )
+            self._back_off_if_down(worker)
+        except Exception as exc:  # one worker's look must not stop the others', nor the loop
+            self.supervisor.failed("health", f"a look again at refused {worker.url}", exc)
 
     def _down_in_turn(self) -> list[Worker]:
         """This pass's share of the down workers: `DOWN_CHECKS_PER_PASS`, taking turns."""

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import itertools
+import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -393,6 +396,74 @@ async def test_a_refused_registration_is_a_409_with_the_reason_and_stays_listed_
         assert rt.replica.workers.stats.refused["block_size"] == 1
         assert [(w.url, w.state) for w in rt.replica.workers.workers()] == [(fw.url, "refused")]
         assert rt.replica.workers.routable() == []
+
+
+@contextlib.asynccontextmanager
+async def worker_of_block_size(size: int) -> AsyncIterator[tuple[str, dict[str, int], list[float]]]:
+    """A stub worker whose /server_info states `state["block_size"]`, which the test changes
+    (the engine restarted at the same address): (url, state, the clock times it was read)."""
+    state = {"block_size": size}
+    reads: list[float] = []
+    kv_port = free_tcp_port()
+
+    async def server_info(request: web.Request) -> web.Response:
+        reads.append(time.monotonic())
+        kv = {"endpoint_host": "127.0.0.1", "endpoint_port_base": kv_port, "dp_size": 1}
+        return web.json_response({"kv_events": {**kv, "block_size": state["block_size"]}})
+
+    routes = stub_worker_routes({("GET", "/server_info"): server_info})
+    async with stub_server(routes) as url:
+        yield url, state, reads
+
+
+async def test_a_refused_worker_posted_again_is_read_again_and_admitted_once_fixed() -> None:
+    """Its 409 came from what it stated when first refused, its /server_info never read again:
+    an engine restarted with the fleet's block size was refused until DELETE and POST."""
+    async with (
+        worker_of_block_size(32) as (url, state, reads),
+        router_in_process(block_size=16, health_interval_s=600) as rt,
+    ):
+        status, body, _ = await rt.post("/workers", {"url": url})
+        assert status == 409 and "block size 32" in body["error"]["message"], body
+        state["block_size"] = 16
+        status, body, _ = await rt.post("/workers", {"url": url})
+        assert status == 200 and body["state"] == "ready", body
+        assert len(reads) == 2
+        registry = rt.replica.workers
+        assert [w.url for w in registry.routable()] == [url]
+        assert registry.stats.refused["block_size"] == 1
+
+
+async def test_the_health_loop_looks_at_a_refused_worker_again_doubling_and_admits_it_fixed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A `--worker` or EndpointSlice worker keeps its address across a restart: nothing but
+    the replica looks at it again. Each look waits twice the one before (from one health
+    interval); refused again for the same reason, it is counted and logged as an error once."""
+    interval = 0.05
+    async with (
+        worker_of_block_size(32) as (url, state, reads),
+        router_in_process(block_size=16, health_interval_s=interval) as rt,
+    ):
+        with caplog.at_level(logging.INFO, logger="router.workers"):
+            status, body, _ = await rt.post("/workers", {"url": url})
+            assert status == 409, body
+            await eventually(lambda: len(reads) >= 4)
+            gaps = [b - a for a, b in itertools.pairwise(reads)]
+            for n, gap in enumerate(gaps[:3]):
+                assert gap >= interval * 2**n, gaps
+            registry = rt.replica.workers
+            worker = registry.get(url)
+            assert worker is not None and worker.state == "refused"
+            assert registry.stats.refused["block_size"] == 1
+            errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+            assert len(errors) == 1 and "block size 32" in errors[0].getMessage(), errors
+            state["block_size"] = 16
+            await eventually(lambda: worker.routable, within_s=10)
+        assert [w.url for w in registry.routable()] == [url]
+        assert registry.stats.refused["block_size"] == 1
+        scrape = await rt.scrape()
+        assert scrape.value("kvrouter_workers_refused_total", reason="block_size") == 1
 
 
 async def test_deleting_an_unknown_worker_is_a_404_in_the_error_shape() -> None:
