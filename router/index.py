@@ -268,6 +268,13 @@ def _seed_holds(tree: BlockTree, rank: RankId, event: BlockStored) -> bool:
     return event.seed is not None and tree.key_of(rank, parent) == event.seed
 
 
+def _foreign_block_size(events: Iterable[KVEvent], block_size: int) -> int:
+    """The first block size of `events`' stores other than `block_size` (one is there)."""
+    return next(
+        e.block_size for e in events if type(e) is BlockStored and e.block_size != block_size
+    )
+
+
 class _End:
     """Ends the event stream in `apply_steps`, so the last run of removals is flushed there."""
 
@@ -365,6 +372,7 @@ class IndexRules:
         # least recently learned forgotten first (`router.adapter_names`).
         self.adapters = AdapterNames()
         self._on_loss: Callable[[RankId], bool] = lambda rank: False
+        self._on_foreign_block_size: Callable[[RankId, int], None] = lambda rank, size: None
         self._clock = clock
         self._loss_warnings: dict[RankId, LogTally] = {}  # per rank: see `_lost`
         # Set when peer bootstrap is on: it holds Pending ranks' batches and grafts.
@@ -379,6 +387,12 @@ class IndexRules:
         """Called when a rank provably missed batches, so its owner can re-pull a snapshot;
         it says whether it does (False: the worker serves none)."""
         self._on_loss = on_loss
+
+    def set_block_size_handler(self, on_foreign: Callable[[RankId, int], None]) -> None:
+        """Called with a rank and the block size its stores carry when a batch of it held a
+        store of another block size than the tree's (the tree drops those): its worker, whose
+        /server_info stated none (vLLM), runs another block size than the fleet."""
+        self._on_foreign_block_size = on_foreign
 
     def report_doubt(self, rank: RankId) -> None:
         """A rank may have missed what its seqs cannot show (an ingest process started
@@ -531,9 +545,12 @@ class IndexRules:
                 self.cold.add(rank)
                 self._lost(rank, cursor + 1, seq - 1)
         tree = self._tree
+        foreign_before = tree.stats.wrong_block_size
         yield from apply_steps(
             tree, rank, batch.events, self.stats.events, self.slice_blocks, self.adapters
         )
+        if tree.stats.wrong_block_size != foreign_before:
+            self._on_foreign_block_size(rank, _foreign_block_size(batch.events, tree.block_size))
         if batch.ignored:
             self.stats.ignored_events.update(batch.ignored)
         self.cursors[rank] = seq

@@ -15,6 +15,8 @@ add(url), for a URL not yet known:
   2. Settle the fleet block size: `--block-size`, else the first worker that advertises one.
      A worker that disagrees is refused: it stays listed with state `refused` and a reason,
      and takes no traffic, because its events would key blocks the prompts never match.
+     One that states none (vLLM) is refused so at its ranks' first batch storing blocks of
+     another size (`_refuse_for_events`): its ranks leave the index.
   3. Mark its ranks live in the pump, then start one subscriber per rank.
   4. Pull its `/v1/kv-snapshot` at once (not on a later pass): blocks cached before we
      subscribed are otherwise invisible. A 404 means the worker does not serve one; that is
@@ -457,6 +459,8 @@ class WorkerRegistry:
         # Set by the replica under --chat-rules auto: told which engine a worker runs.
         self.on_engine: Callable[[str, str], None] | None = None
         pump.rules.set_loss_handler(self._on_rank_loss)
+        pump.rules.set_block_size_handler(self._on_foreign_block_size)
+        self._refusals: dict[str, asyncio.Task[None]] = {}  # by URL: `_refuse_for_events`
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -501,7 +505,7 @@ class WorkerRegistry:
     async def close(self) -> None:
         self._closing = True
         self._reconcile_wake.set()
-        await cancel_and_wait([self._health_task, *self._bootstraps])
+        await cancel_and_wait([self._health_task, *self._bootstraps, *self._refusals.values()])
         if self._reconciler is not None:
             # Awaited, not cancelled: a removal cut half-way would leave its subscribers running.
             await self._reconciler
@@ -946,6 +950,36 @@ class WorkerRegistry:
             wait,
             REREGISTER_BACKOFF_MAX_S,
         )
+
+    def _on_foreign_block_size(self, rank: RankId, block_size: int) -> None:
+        """A rank's stores carry another block size than the fleet's (the index drops them):
+        its worker is refused as a /server_info stating it is, from the pump, so in a task."""
+        url = rank.worker_url
+        worker = self._workers.get(url)
+        if worker is None or worker.state != "ready" or url in self._refusals:
+            return
+        task = asyncio.create_task(
+            self._refuse_for_events(worker, block_size), name=f"refuse {url}"
+        )
+        self._refusals[url] = task
+        task.add_done_callback(lambda _: self._refusals.pop(url, None))
+
+    async def _refuse_for_events(self, worker: Worker, block_size: int) -> None:
+        """A vLLM worker states no block size (no /server_info): one started with another
+        than the fleet's was admitted, its stores all dropped by the index, and it kept its
+        share of the traffic with nothing cached ever seen (repeats booked to it missed).
+        Its ranks leave the index and it is refused as at registration (`block_size`)."""
+        async with self._exclusive(worker.url):
+            if self._workers.get(worker.url) is not worker or worker.state != "ready":
+                return  # removed, evicted or registered anew meanwhile
+            await self._detach(worker)
+            self._refuse(
+                worker,
+                "block_size",
+                f"its KV events store blocks of {block_size} tokens, not the fleet's "
+                f"{self.block_size}; its ranks left the index. Start the engine with the "
+                f"fleet's block size (vLLM --block-size {self.block_size})",
+            )
 
     # -- worker snapshots ------------------------------------------------------------------
 

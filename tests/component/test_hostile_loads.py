@@ -8,19 +8,16 @@ counters, what its own /metrics exports.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 
-import aiohttp
 import msgspec
 import pytest
-from aiohttp import web
 
 from cachetree.ranks import RankId
 from router.loads import MAX_DP_SIZE
 from router.replica import check_capacity_once, engine_capacity_blocks
-from tests.support.adversary import stub_server
-from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
+from tests.support.adversary import front
+from tests.support.fake_worker import fake_worker_in_process
 from tests.support.metrics import Scrape
 from tests.support.router import RouterHandle, gate_fleet, router_in_process
 from tests.support.waiting import eventually
@@ -28,31 +25,6 @@ from tests.support.waiting import eventually
 pytestmark = pytest.mark.timeout(60)
 
 CACHE_BLOCKS = 64
-
-
-@contextlib.asynccontextmanager
-async def front(
-    fw: FakeWorkerHandle, answers: Mapping[str, tuple[int, bytes]]
-) -> AsyncIterator[str]:
-    """A front for `fw` on 127.0.0.1 that answers the paths of `answers` itself (status, body)
-    and relays every other request; yields its URL."""
-    async with aiohttp.ClientSession() as session:
-
-        async def handle(request: web.Request) -> web.StreamResponse:
-            answer = answers.get(request.path)
-            if answer is not None:
-                return web.Response(status=answer[0], body=answer[1])
-            async with session.request(
-                request.method,
-                fw.url + request.path_qs,
-                data=await request.read(),
-                headers={"Content-Type": request.content_type},
-            ) as resp:
-                headers = {k: v for k, v in resp.headers.items() if k.startswith("X-")}
-                return web.Response(status=resp.status, body=await resp.read(), headers=headers)
-
-        async with stub_server({("*", "/{tail:.*}"): handle}) as url:
-            yield url
 
 
 def loads_body(**figures: object) -> tuple[int, bytes]:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+
+import pytest
 
 from cachetree.ranks import RankId
 from cachetree.snapshot import canonical_view
 from cachetree.tree import BlockTree
 from router.subscriber import MAX_SEQ_JUMP
 from router.worker_snapshot import decode_worker_snapshot, rebuild_rank
+from tests.support.adversary import front
 from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
 from tests.support.ports import free_tcp_port
 from tests.support.router import RouterHandle, router_in_process
@@ -239,6 +244,55 @@ async def test_a_worker_with_another_block_size_is_refused_and_listed() -> None:
         # (an unhealthy-worker alert would fire on a worker nobody sends traffic to).
         scrape = await rt.scrape()
         assert scrape.names("kvrouter_worker_healthy") == []
+        assert scrape.value("kvrouter_workers_refused_total", reason="block_size") == 1
+
+
+@pytest.mark.parametrize("ingest_processes", [0, 1])
+async def test_a_worker_stating_no_block_size_is_refused_at_its_first_store_of_another(
+    ingest_processes: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A vLLM worker (no /server_info) started with --block-size 32 in a 16 fleet: its stores
+    were dropped by the index, counted unlabelled, and it stayed ready with nothing indexed,
+    taking its share of the traffic (repeats booked to it). Now it is refused as one whose
+    /server_info states 32 is, its ranks out of the index, logged once."""
+    async with (
+        fake_worker_in_process() as honest,
+        fake_worker_in_process(block_size=32) as other,
+        front(other, {"/server_info": (404, b"")}) as other_url,
+        router_in_process(
+            workers=[honest.url, other_url],
+            block_size=16,
+            kv_events_port_base=other.config.kv_port_base,
+            expose_route_headers=True,
+            health_interval_s=600,  # no look again at it in the test's time
+            kv_ingest_processes=ingest_processes,
+        ) as rt,
+    ):
+        registry = rt.replica.workers
+        worker = registry.get(other_url)
+        assert worker is not None and worker.state == "ready"
+        with caplog.at_level(logging.ERROR, logger="router.workers"):
+            async with asyncio.timeout(10):
+                # Published again until the subscription has one: a SUB misses what comes
+                # before it joined.
+                while worker.state == "ready":
+                    await other.store([list(range(32))])
+                    with contextlib.suppress(TimeoutError):
+                        await eventually(lambda: worker.state != "ready", within_s=0.2)
+        assert worker.state == "refused"
+        assert "blocks of 32 tokens, not the fleet's 16" in worker.reason
+        assert registry.stats.refused["block_size"] == 1
+        assert RankId(other_url, 0) not in rt.replica.pump.rules.live
+        assert [w.url for w in registry.routable()] == [honest.url]
+        refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(refusals) == 1, refusals
+        for i in range(4):
+            status, body, headers = await rt.post(
+                "/v1/completions",
+                {"model": "fake-model", "prompt": f"prompt {i} " + "x" * 64, "max_tokens": 1},
+            )
+            assert status == 200 and headers["X-Kvrouter-Worker"] == honest.url, body
+        scrape = await rt.scrape()
         assert scrape.value("kvrouter_workers_refused_total", reason="block_size") == 1
 
 

@@ -2,6 +2,8 @@
 
 - `stub_server`: an aiohttp app on a free loopback port, for hostile workers and siblings
   whose answers a test scripts (a body that never ends, a gzip bomb, a trickle).
+- `front`: a fake worker behind a front that answers some paths itself (a hostile body, or
+  a 404 for `/server_info` as real vLLM answers) and relays the rest.
 - `stub_worker`: the routes a replica reads from a worker (`/server_info`, `/health`,
   `/v1/models`), plus whatever the test adds; its KV events point at a port nothing serves.
 - `HealthWatch`: polls a replica's `/healthz` all through an attack and keeps every latency,
@@ -15,7 +17,7 @@ import asyncio
 import contextlib
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -24,6 +26,7 @@ import zmq
 from aiohttp import web
 
 from fake_kv_worker.wire import Stored, encode_sglang
+from tests.support.fake_worker import FakeWorkerHandle
 from tests.support.ports import free_tcp_port
 
 MiB: Final = 1 << 20
@@ -61,6 +64,31 @@ async def stub_server(routes: dict[tuple[str, str], Handler]) -> AsyncIterator[s
         yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def front(
+    fw: FakeWorkerHandle, answers: Mapping[str, tuple[int, bytes]]
+) -> AsyncIterator[str]:
+    """A front for `fw` on 127.0.0.1 that answers the paths of `answers` itself (status, body)
+    and relays every other request; yields its URL."""
+    async with aiohttp.ClientSession() as session:
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            answer = answers.get(request.path)
+            if answer is not None:
+                return web.Response(status=answer[0], body=answer[1])
+            async with session.request(
+                request.method,
+                fw.url + request.path_qs,
+                data=await request.read(),
+                headers={"Content-Type": request.content_type},
+            ) as resp:
+                headers = {k: v for k, v in resp.headers.items() if k.startswith("X-")}
+                return web.Response(status=resp.status, body=await resp.read(), headers=headers)
+
+        async with stub_server({("*", "/{tail:.*}"): handle}) as url:
+            yield url
 
 
 def stub_worker_routes(
