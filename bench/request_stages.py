@@ -63,7 +63,7 @@ def stub(part: str) -> None:
     nothing: dict[str, tuple[str, Any]] = {
         "record": ("record", lambda self, rank, keys, held=0, holds=None: len(keys)),
         "weigh": ("_weigh", lambda self, st, keys, w: len(keys)),
-        "book": ("_book", lambda self, now, rank, st, keys, held: None),
+        "book": ("_book", lambda self, now, rank, st, keys, held, batches: None),
     }
     names = [nothing[part]] if part in nothing else []
     if part == "prune":

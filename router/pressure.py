@@ -33,7 +33,15 @@ Every routed prompt is recorded against the rank it went to, block key by block 
   evicting those blocks later. A booking also ends early, `moved`, when the proxy failed over
   to another rank, and `refused`, when the engine answered a 4xx: it cached nothing, and kept
   booked, a stream of refused prompts (a hostile client's, or a misconfigured one's) would
-  make a rank look full for a TTL.
+  make a rank look full for a TTL. A refused prompt's demand goes with its booking: kept, 60
+  refused prompts made a rank's demand 15 times its capacity with nothing cached. What goes is
+  what its record put in its batches and is still there (blocks it weighed anew, blocks it
+  weighed again, taken from older records, and its own tail), dropped from the ledger; nothing
+  older is restored (a block it took from an older record leaves, and a record it superseded
+  stays superseded): the ledger keeps no history to restore from, and forgetting only
+  under-counts demand. What a fresh record kept (a hot preamble) is not this record's and
+  stays. A prompt the rank held whole books nothing, and with bookings off nothing is booked:
+  then a refusal takes back nothing.
 
 Working sets. A request's own tail (the blocks after the prefix it shares with the requests
 before it) is routed once and never again, yet it counts as demand until it decays: over a
@@ -144,6 +152,7 @@ class BookingStats:
 class _Booking:
     ends_at: float
     keys: Sequence[int]  # the blocks it books, root first
+    batches: tuple[_Batch, ...] = ()  # what its record filed: taken back when refused
     ended: bool = False
 
 
@@ -340,10 +349,13 @@ class PressureLedger:
         if st is None:
             st = self._ranks[rank] = _RankLedger(rank)
         if keys:
+            batches = st.batches
+            filed = len(batches)
             first, tail = self._weigh(st, keys, self._weight(now))
             stop -= tail
             if held < len(keys) and self.settings.booking_ttl_s > 0:
-                self._book(now, rank, st, keys, held)
+                made = tuple(batches[i] for i in range(filed - len(batches), 0))
+                self._book(now, rank, st, keys, held, made)
                 first = min(first, held)
         self._prune(st, now)
         self._sweep(now)
@@ -361,31 +373,42 @@ class PressureLedger:
         its live booking on `routed` ends (counted `moved`), and the prompt is recorded on
         `served`, which holds its first `held` blocks; its demand follows. Returns as `record`."""
         st = self._ranks.get(routed)
-        if st is not None and self._end_newest(routed, st, keys):
+        if st is not None and self._end_newest(routed, st, keys) is not None:
             self.bookings.moved += 1
             self._rebuild_booked(st)  # the older bookings of its keys still hold them
         return self.record(served, keys, held, holds)
 
     def refuse(self, routed: RankId, keys: Sequence[int]) -> None:
         """The engine behind `routed` refused the prompt `keys` (a 4xx): it caches none of it,
-        so the booking its record made ends (counted `refused`). The rank's booked map is not
-        rebuilt (a flood of refused requests must not cost a rebuild each): an older live
-        booking of the same keys stops counting with it, which only under-counts."""
+        so the booking its record made ends (counted `refused`), and the demand that record
+        put in its batches leaves the ledger (module docstring: nothing older is restored).
+        The rank's booked map is not rebuilt (a flood of refused requests must not cost a
+        rebuild each): an older live booking of the same keys stops counting with it, which
+        only under-counts."""
         st = self._ranks.get(routed)
-        if st is not None and self._end_newest(routed, st, keys):
-            self.bookings.refused += 1
+        if st is None or (booking := self._end_newest(routed, st, keys)) is None:
+            return
+        self.bookings.refused += 1
+        for batch in booking.batches:
+            if batch.live > 0:  # its pairs still mapped to it; the others moved on since
+                i, dropped = self._drop_run(batch.keys, batch.start, batch.live, batch)
+                st.listed -= i - batch.start
+                batch.start = i
+                self._unweigh(batch, dropped)
+        if not st.pairs:
+            st.total = st.superseded = 0.0  # no rounding residue on an empty rank
 
-    def _end_newest(self, rank: RankId, st: _RankLedger, keys: Sequence[int]) -> bool:
+    def _end_newest(self, rank: RankId, st: _RankLedger, keys: Sequence[int]) -> _Booking | None:
         """End the rank's newest live booking of the prompt `keys` (the one its decision made:
-        a booking holds the prompt's blocks past what the rank held); False if none is live."""
+        a booking holds the prompt's blocks past what the rank held); None if none is live."""
         if keys:
             for booking in reversed(st.bookings):
                 start = len(keys) - len(booking.keys)
                 if start >= 0 and booking.keys[0] == keys[start]:
                     st.bookings.remove(booking)
                     self._release(rank, st, booking)
-                    return True
-        return False
+                    return booking
+        return None
 
     def settle(self, holds: Holds | None) -> None:
         """End the bookings whose blocks the index now shows (`holds` asks it), or whose TTL
@@ -573,12 +596,18 @@ class PressureLedger:
             st.superseded -= batch.weight * count
 
     def _book(
-        self, now: float, rank: RankId, st: _RankLedger, keys: Sequence[int], held: int
+        self,
+        now: float,
+        rank: RankId,
+        st: _RankLedger,
+        keys: Sequence[int],
+        held: int,
+        batches: tuple[_Batch, ...],
     ) -> None:
         self.bookings.made += 1
         booked_keys = keys[held:]
         size = len(booked_keys)
-        booking = _Booking(now + self.settings.booking_ttl_s, booked_keys)
+        booking = _Booking(now + self.settings.booking_ttl_s, booked_keys, batches)
         st.bookings.append(booking)
         if len(st.booked) > 2 * st.booked_blocks + _STALE_SLACK:
             self._rebuild_booked(st)

@@ -663,6 +663,61 @@ def test_a_refused_prompt_ends_its_booking_and_no_other() -> None:
     assert led.bookings.expired == 1  # `other` alone
 
 
+PROMPT = keys(1, 12)
+
+
+@pytest.mark.parametrize(
+    ("before", "gap_s", "after", "demands", "working"),
+    [
+        # A new prompt: all its demand goes.
+        pytest.param([], 0.0, [], {A: 0, B: 0}, {A: 0}, id="new-prompt"),
+        # Below a preamble kept fresh on the rank: the preamble's record keeps it; the
+        # refused prompt's own tail, superseded, goes.
+        pytest.param([(A, 8)], 0.0, [], {A: 8, B: 0}, {A: 8}, id="tail-below-fresh-preamble"),
+        # Its prefix taken from B's older record: it goes, and B's is not restored.
+        pytest.param([(B, 8)], 1.0, [], {A: 0, B: 0}, {A: 0}, id="prefix-moved-from-another"),
+        # Its prefix weighed again on the same rank and its own tail in a batch of its own:
+        # both batches go (the older record, superseded by it, stays so).
+        pytest.param([(A, 8)], 1.0, [], {A: 0, B: 0}, {A: 0}, id="reweighed-and-own-tail"),
+        # A later record took its first 6 blocks over before the refusal: they stay there.
+        pytest.param([], 1.0, [(B, 6)], {A: 0, B: 6}, {A: 0}, id="blocks-taken-over-since"),
+    ],
+)
+def test_a_refused_prompt_takes_back_the_demand_its_record_added_or_moved_and_nothing_older(
+    before: list[tuple[RankId, int]],
+    gap_s: float,
+    after: list[tuple[RankId, int]],
+    demands: dict[RankId, float],
+    working: dict[RankId, float],
+) -> None:
+    """60 refused prompts left a rank's demand at 15x its capacity with nothing cached. Each
+    row: records of the prompt's first blocks (rank, blocks), `gap_s`, the refused prompt's
+    record on A (12 blocks, nothing held), more records, a live unrelated prompt of 5 blocks on
+    A, then the refusal; the demands and working sets less that unrelated prompt's 5."""
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=30.0, booking_ttl_s=5.0)
+    for rank, blocks in before:
+        led.record(rank, PROMPT[:blocks])
+    clock.advance(gap_s)  # 1 s: past the refresh window (30 s / 64), so nothing is kept fresh
+    led.record(A, PROMPT)
+    clock.advance(gap_s)
+    for rank, blocks in after:
+        led.record(rank, PROMPT[:blocks])
+    led.record(A, keys(2, 5))
+    led.refuse(A, PROMPT)
+    assert led.bookings.refused == 1
+    assert led.demand(A) - 5 == pytest.approx(demands[A], abs=1e-9)
+    assert led.demand(B) == pytest.approx(demands[B], abs=1e-9)
+    assert led.working_sets([A])[0] - 5 == pytest.approx(working[A], abs=1e-9)
+    assert led.tracked_blocks == 5 + round(sum(demands.values()))
+    assert_stale_entries_counted(led)
+    clock.advance(20 * 30.0)  # every pair forgotten: no residue of the refused one's is left
+    led.record(C, keys(3, 1))
+    led.record(C, keys(4, 1))
+    led.record(C, keys(5, 1))
+    assert led.demands([A, B]) == [0.0, 0.0]
+
+
 def test_ended_bookings_leave_a_bounded_trace_and_none_once_all_have_ended() -> None:
     """A booking ends without a pass over its blocks: their entries stay, ignored, in the
     rank's map until it holds more than twice its booked blocks plus a fixed slack."""
