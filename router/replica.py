@@ -368,7 +368,7 @@ async def _compose(
     # At once, not in turn: each may wait out its timeouts (a worker whose endpoints stall),
     # and the replica listens only after, so a dozen slow workers kept even /healthz from
     # answering for 13 s. The first failure, if any, is raised once all have ended.
-    added = await asyncio.gather(*map(workers.add, config.workers), return_exceptions=True)
+    added = await workers.add_listed(config.workers)
     for outcome in added:
         if isinstance(outcome, BaseException):
             raise outcome

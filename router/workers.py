@@ -61,7 +61,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
@@ -410,6 +410,9 @@ class WorkerRegistry:
         self.session = session
         self.loads = loads
         self.block_size = block_size
+        self._block_size_known = asyncio.Event()  # set once `block_size` is (`add_listed`)
+        if block_size is not None:
+            self._block_size_known.set()
         self.defaults = defaults
         self.stats = RegistryStats()
         self._breaker_factory = breaker_factory
@@ -554,6 +557,30 @@ class WorkerRegistry:
             if worker.state == "ready" and worker.engine is not None and self.on_engine:
                 self.on_engine(worker.url, worker.engine)
             return worker
+
+    async def add_listed(self, urls: Sequence[str]) -> list[Worker | BaseException]:
+        """Register the `--worker` list, all at once (each may wait out its timeouts), each
+        one's outcome in order. With no `--block-size`, the first listed decides it, as the
+        flag's help says: the others wait until it is learned or the first's registration
+        ends (its reads bounded by the request timeout: one unreachable, or stating none,
+        leaves it to the first of the others to answer). Registered together, whichever
+        answered first decided, and the first listed could be refused for the fleet's."""
+        if not urls:
+            return []
+        first = asyncio.ensure_future(self.add(urls[0]))
+        try:
+            if self.keeps_index and not self._block_size_known.is_set():
+                known = asyncio.ensure_future(self._block_size_known.wait())
+                try:
+                    await asyncio.wait((first, known), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    known.cancel()
+            rest = await asyncio.gather(*map(self.add, urls[1:]), return_exceptions=True)
+        except BaseException:  # cancelled: the first's registration goes with the others'
+            first.cancel()
+            raise
+        head = await asyncio.gather(first, return_exceptions=True)
+        return [*head, *rest]
 
     async def remove(self, url: str) -> bool:
         url = _normalize(url)
@@ -782,6 +809,7 @@ class WorkerRegistry:
         if info.block_size is not None:
             if self.block_size is None:
                 self.block_size = info.block_size
+                self._block_size_known.set()
                 log.info("fleet block size %d, learned from %s", info.block_size, worker.url)
             elif info.block_size != self.block_size:
                 self._refuse(

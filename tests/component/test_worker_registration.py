@@ -282,3 +282,36 @@ async def test_an_ipv4_mapped_allow_list_admits_the_ipv4_workers_it_maps_and_no_
                 in (body["error"]["message"])
             ), body
             assert rt.replica.workers.workers() == []
+
+
+async def test_without_block_size_the_first_listed_worker_decides_it_the_others_waiting() -> None:
+    """`--block-size 0` learns it "from the first worker": all registered at once, the one
+    that answered first decided, and the first listed (here 32, answering a little later)
+    was refused for a later one's 16. The others are not even asked until it decided (the
+    first's answer waits a bounded while to see whether the second is asked meanwhile)."""
+    second_asked = asyncio.Event()
+    asked_before_first_answered: list[bool] = []
+
+    async def first_info(request: web.Request) -> web.Response:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(second_asked.wait(), 0.3)
+        asked_before_first_answered.append(second_asked.is_set())
+        return web.json_response({"kv_events": {"block_size": 32, "endpoint_port_base": 1}})
+
+    async def second_info(request: web.Request) -> web.Response:
+        second_asked.set()
+        return web.json_response({"kv_events": {"block_size": 16, "endpoint_port_base": 1}})
+
+    async with (
+        stub_server(stub_worker_routes({("GET", "/server_info"): first_info})) as first,
+        stub_server(stub_worker_routes({("GET", "/server_info"): second_info})) as second,
+        router_in_process(workers=[first, second], block_size=None) as rt,
+    ):
+        registry = rt.replica.workers
+        assert asked_before_first_answered == [False]
+        assert registry.block_size == 32
+        assert [(w.url, w.state) for w in registry.workers()] == [
+            (first, "ready"),
+            (second, "refused"),
+        ]
+        assert "block size 16 differs from the fleet's 32" in registry.get(second).reason  # type: ignore[union-attr]
