@@ -62,7 +62,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
@@ -82,7 +82,7 @@ from router.breaker import CircuitBreaker
 from router.dataplane.polling import PollClient
 from router.graft import LocalGraft
 from router.index import SLICE_BLOCKS, Pump, run_steps
-from router.loads import MAX_DP_SIZE, LoadMonitor
+from router.loads import MAX_DP_SIZE, METRICS_MAX_BODY_BYTES, LoadMonitor, parse_metrics_text
 from router.origin import (
     AllowList,
     canonical_origin,
@@ -158,7 +158,11 @@ class KvEventsInfo:
     block_size: int | None
     dp_size: int
     replay_port_base: int | None
-    source: str  # "server_info" or "flags"
+    source: str  # "server_info", "flags", or `METRICS_DP_SOURCE`
+
+
+# The source of a worker's KV-event description made of the flags and its /metrics' dp size.
+METRICS_DP_SOURCE: Final = "flags, dp size of /metrics"
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +235,14 @@ def parse_models(body: Any) -> ServedModels:
         elif isinstance(parent, str) and len(adapters) < MAX_ADAPTER_NAMES:
             adapters.append(name)
     return ServedModels(owner if owner in KNOWN_ENGINES else None, tuple(bases), tuple(adapters))
+
+
+def engines_dp_size(ranks: Iterable[int]) -> int | None:
+    """A worker's dp size from the ranks its /metrics labels (`parse_metrics_text`: vLLM's
+    `engine`, one engine core per rank): n when they are 0..n-1, else None (none, or an
+    engine serving ranks other than its own from 0, as behind an external load balancer)."""
+    numbers = sorted(ranks)
+    return len(numbers) if numbers and numbers == list(range(len(numbers))) else None
 
 
 def reregister_after_s(failures: int, interval_s: float) -> float:
@@ -781,8 +793,8 @@ class WorkerRegistry:
                 exc,
             )
             body = None
+        info = await self._described(worker.url, body)
         self._check_still_added(worker)
-        info = parse_server_info(body, worker.url, self.defaults)
         if info.dp_size > MAX_DP_SIZE:  # before `kv` is set: its ranks are never built
             self._refuse(
                 worker,
@@ -1251,7 +1263,38 @@ class WorkerRegistry:
                 describe(exc),
             )
             return None
-        return parse_server_info(body, worker.url, self.defaults)
+        return await self._described(worker.url, body)
+
+    async def _described(self, url: str, body: Any) -> KvEventsInfo:
+        """`parse_server_info` of the worker's /server_info answer (`body`); for one without a
+        kv_events block (vLLM), with the dp size its /metrics states (`engines_dp_size`) in
+        place of `--dp-size` when it states one. One `--dp-size` for a fleet of engines with
+        different dp sizes routed to ranks an engine did not have (the engine answered 400)
+        and subscribed to ports nothing published on."""
+        info = parse_server_info(body, url, self.defaults)
+        if info.source != "flags":
+            return info
+        dp_size = await self._metrics_dp_size(url)
+        if dp_size is None:
+            return info
+        return replace(info, dp_size=dp_size, source=METRICS_DP_SOURCE)
+
+    async def _metrics_dp_size(self, url: str) -> int | None:
+        """The dp size the worker's /metrics states (`engines_dp_size`), None when it is
+        unreadable or states none."""
+        try:
+            async with self.session.get(
+                f"{url}/metrics", timeout=self._timeout, allow_redirects=False
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                body = await read_up_to(resp.content, METRICS_MAX_BODY_BYTES)
+            if len(body) > METRICS_MAX_BODY_BYTES:
+                return None
+            ranks = parse_metrics_text(body.decode("utf-8", "replace"))
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        return engines_dp_size(ranks)
 
     async def _register_anew(self, worker: Worker, info: KvEventsInfo) -> None:
         """A worker whose KV-event ranks changed while it was registered (its engine

@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 
 from cachetree.ranks import RankId
-from router.workers import subscriber_name
-from tests.support.adversary import stub_server, stub_worker_routes
+from router.workers import METRICS_DP_SOURCE, subscriber_name
+from tests.support.adversary import front, stub_server, stub_worker_routes
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.router import RouterHandle, router_in_process
 from tests.support.waiting import eventually
@@ -315,3 +315,39 @@ async def test_without_block_size_the_first_listed_worker_decides_it_the_others_
             (second, "refused"),
         ]
         assert "block size 16 differs from the fleet's 32" in registry.get(second).reason  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("engine_dp", "flag_dp"), [(1, 2), (2, 1)])
+async def test_a_vllm_worker_without_server_info_has_the_dp_size_its_metrics_state(
+    engine_dp: int, flag_dp: int
+) -> None:
+    """Real vLLM serves no /server_info (nor /v1/loads): `--dp-size` was every such worker's,
+    and one with fewer ranks than the flag was routed to a rank it did not have (the engine
+    answered 400), its subscriber retrying a port nothing published on; one with more had
+    ranks never routed to nor subscribed. Its /metrics label each engine core (`engine`)."""
+    hidden = {"/server_info": (404, b""), "/v1/loads": (404, b"")}
+    async with (
+        fake_worker_in_process(dp_size=engine_dp) as fw,
+        front(fw, hidden) as url,
+        router_in_process(
+            workers=[url],
+            dp_size=flag_dp,
+            kv_events_port_base=fw.config.kv_port_base,
+            expose_route_headers=True,
+        ) as rt,
+    ):
+        served: dict[str, int] = {}
+        for i in range(8):
+            status, body, headers = await rt.post(
+                "/v1/completions",
+                {"model": "fake-model", "prompt": f"prompt {i} " + "x" * 64, "max_tokens": 1},
+            )
+            assert status == 200, body
+            rank = headers["X-Kvrouter-Dp-Rank"]
+            served[rank] = served.get(rank, 0) + 1
+        assert set(served) <= {str(r) for r in range(engine_dp)}, served
+        worker = rt.replica.workers.get(url)
+        assert worker is not None and worker.state == "ready"
+        assert worker.ranks() == tuple(RankId(url, r) for r in range(engine_dp))
+        assert rt.replica.pump.rules.live == set(worker.ranks())
+        assert worker.kv is not None and worker.kv.source == METRICS_DP_SOURCE

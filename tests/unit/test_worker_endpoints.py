@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from router.workers import DiscoveryDefaults, endpoint_problem, parse_server_info
+from router.workers import DiscoveryDefaults, endpoint_problem, engines_dp_size, parse_server_info
 
 WORKER = "http://10.0.0.7:8000"
 
@@ -93,3 +93,19 @@ def test_the_flags_ports_are_checked_against_a_server_info_dp_size() -> None:
     info = parse_server_info(body, WORKER, DiscoveryDefaults(port_base=65530))
     problem = endpoint_problem(info)
     assert problem is not None and "ports 65530..65537" in problem, problem
+
+
+@pytest.mark.parametrize(
+    ("ranks", "dp_size"),
+    [
+        ([0], 1),
+        ([1, 0, 2], 3),
+        ([], None),  # no load gauge: --dp-size
+        ([1], None),  # one engine core of another's ranks (an external load balancer)
+        ([0, 2], None),
+    ],
+)
+def test_a_workers_dp_size_is_the_ranks_its_metrics_label_when_they_are_0_to_n(
+    ranks: list[int], dp_size: int | None
+) -> None:
+    assert engines_dp_size(ranks) == dp_size
