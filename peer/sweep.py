@@ -75,6 +75,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from cachetree.ranks import RankId
+from router.origin import canonical_origin
 
 log = logging.getLogger(__name__)
 
@@ -484,4 +485,5 @@ def _take_fallback(book: SweepBook, deps: SweepDeps) -> SweepResult:
 
 
 def _empty_ranks(body: Any) -> list[RankId]:
-    return [RankId(w.url.rstrip("/"), w.dp_rank) for w in getattr(body, "empty_ranks", ())]
+    """The ranks a body says it holds nothing of, as the registry spells their workers."""
+    return [RankId(canonical_origin(w.url), w.dp_rank) for w in getattr(body, "empty_ranks", ())]

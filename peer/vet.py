@@ -10,11 +10,14 @@ Theory of operation
 -------------------
 A sibling is trusted for one thing: what its tree held, as of its cursors. It is not trusted
 about who our workers are. The wire *names* workers by (url, dp_rank); vetting looks each name
-up in the live set the caller passed (a trailing slash on the url is ignored) and uses the
-live set's own `RankId`. A name that matches no live rank is dropped, together with every
-carrier and cursor that points at it. So a rank this replica did not discover itself can never
-enter the tree through a sibling, which is what keeps a stale or confused peer from planting
-ranks that no stream will ever clear.
+up in the live set the caller passed and uses the live set's own `RankId`. A url is compared
+as the registry keys it (`router.origin.canonical_origin`: `http://localhost:P` is
+`http://127.0.0.1:P`, `http://w:80` is `http://w`, a trailing slash is ignored), once per
+worker table entry, never per block: a sibling of another version, given the same `--worker`
+flags, may export the spelling as written. A name that matches no live rank is dropped,
+together with every carrier and cursor that points at it. So a rank this replica did not
+discover itself can never enter the tree through a sibling, which is what keeps a stale or
+confused peer from planting ranks that no stream will ever clear.
 
 A verdict is one of two outcomes:
 
@@ -23,14 +26,18 @@ A verdict is one of two outcomes:
     cold_peer   the body is sound but of no use yet (not ready, or nothing survives).
                 Retriable: the peer may warm up, or we may discover its workers later.
 
-A rejection depends only on the body and our block size, never on the live set, with two
+A rejection depends only on the body and our block size, never on the live set, with three
 exceptions for bodies that are implausible rather than stale: a rank of a worker we know
-that the worker does not have (`unknown_rank`: a dp rank past its dp size), and a rank
+that the worker does not have (`unknown_rank`: a dp rank past its dp size), a rank
 carrying more device blocks than its engine reports it can hold (`over_capacity`,
-`peer.capacity`: made-up blocks no `BlockRemoved` would ever clear). Both end the peer's
-part in this sweep only. Otherwise a verdict must not hinge on worker churn, so duplicates
-are judged on wire identities and the carriers of unknown workers are type-checked like
-any other.
+`peer.capacity`: made-up blocks no `BlockRemoved` would ever clear), and a worker table none
+of whose workers this replica knows (`unknown_workers`: the sibling finds or spells its
+workers otherwise, a different `--worker` list or version, and asking it again brings the
+same; counted as a cold peer, it held `/readyz` for the whole bootstrap timeout and looked
+like a fleet with nothing cached). All end the peer's part in this sweep only. Otherwise a
+verdict must not hinge on worker churn, so duplicates are judged on the identities as the
+registry spells them, whatever the live set, and the carriers of unknown workers are
+type-checked like any other.
 
 The checks, in the order they run (the first failure wins). `REASONS` below is the same list
 as data, reason -> outcome.
@@ -48,6 +55,7 @@ as data, reason -> outcome.
                   one worker index twice                       duplicate_cursor     rejected
     adapters      more names than MAX_ADAPTER_NAMES            too_many_adapters    rejected
                   a name empty or holding a NUL                malformed_adapter    rejected
+    live set      workers named, and none of them live here    unknown_workers      rejected
     each node     parent not null and not an earlier index     invalid_parent       rejected
                   key not a u64                                invalid_key          rejected
                   carrier not (int, int, int)                  malformed_carrier    rejected
@@ -140,6 +148,7 @@ from cachetree.snapshot import Snapshot
 from cachetree.tiers import ALL_TIERS, DEVICE
 from peer.capacity import CapacityBlocks, over_capacity, unknown_capacity
 from peer.wire import FORMAT, PeerBody, PeerColumns, WireColumns, WireWorker
+from router.origin import canonical_origin
 
 REJECTED: Final = "rejected"
 COLD_PEER: Final = "cold_peer"
@@ -159,6 +168,7 @@ REASONS: Final[dict[str, str]] = {
     "duplicate_cursor": REJECTED,
     "too_many_adapters": REJECTED,
     "malformed_adapter": REJECTED,
+    "unknown_workers": REJECTED,
     "invalid_parent": REJECTED,
     "invalid_key": REJECTED,
     "malformed_carrier": REJECTED,
@@ -169,6 +179,7 @@ REASONS: Final[dict[str, str]] = {
     "over_capacity": REJECTED,
 }
 
+_NAMES_SHOWN: Final = 3  # worker ranks named on either side in an unknown_workers refusal
 DEFAULT_BUDGET: Final = 4096  # nodes per step: a few milliseconds on a slow core
 _U64: Final = 1 << 64
 _KNOWN_TIERS: Final = bytes(b & ALL_TIERS for b in range(256))  # bytes.translate table
@@ -349,6 +360,8 @@ class Vetting(_Job[VettedSnapshot]):
         self._empty_ranks = _live_ranks(snap.empty_ranks, lookup)
         self._cold_ranks = _live_ranks(snap.cold_ranks, lookup)
         self._adapters = _adapters(snap.adapters)
+        if snap.workers and not self._table:
+            raise _unknown_workers(snap.workers, lookup)
         self._dropped_carriers = 0
         super().__init__()
 
@@ -763,19 +776,38 @@ def _identity(worker: WireWorker) -> tuple[str, int]:
     url, dp_rank = getattr(worker, "url", None), getattr(worker, "dp_rank", None)
     if type(url) is not str or type(dp_rank) is not int:
         raise VetError("malformed_worker", f"{worker!r} is not (url, dp_rank)")
-    return url.rstrip("/"), dp_rank
+    return canonical_origin(url), dp_rank
 
 
 def _live_lookup(live: Iterable[RankId]) -> dict[tuple[str, int], RankId]:
-    """(url without trailing slash, dp_rank) -> the live RankId. Should the live set hold two
-    spellings of one worker, the one without a trailing slash wins."""
+    """(url as the registry keys it, dp_rank) -> the live RankId. Should the live set hold two
+    spellings of one worker, the registry's own wins."""
     lookup: dict[tuple[str, int], RankId] = {}
     for rank in live:
-        url = rank.worker_url.rstrip("/")
+        url = canonical_origin(rank.worker_url)
         ident = (url, rank.dp_rank)
         if ident not in lookup or rank.worker_url == url:
             lookup[ident] = rank
     return lookup
+
+
+def _unknown_workers(workers: list[WireWorker], lookup: dict) -> VetError:
+    """The refusal of a worker table of which this replica knows no one: a few of the names
+    on either side, and what to do, for the log line that is all an operator sees of it."""
+
+    def some(names: list[str]) -> str:
+        more = len(names) - _NAMES_SHOWN
+        return ", ".join(names[:_NAMES_SHOWN]) + (f" and {more} more" if more > 0 else "")
+
+    theirs = sorted({f"{w.url}#dp{w.dp_rank}" for w in workers})
+    ours = sorted({f"{url}#dp{dp_rank}" for url, dp_rank in lookup})
+    return VetError(
+        "unknown_workers",
+        f"its export names {len(theirs)} worker rank(s), none known here: {some(theirs)} "
+        f"(this replica's: {some(ours) or 'none'}); give every replica the same worker list "
+        "(--worker, discovery) or finish the rollout: a replica of another version may spell "
+        "its workers otherwise",
+    )
 
 
 def _recount(counts: list[int], keep: list[bool]) -> list[int]:

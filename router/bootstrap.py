@@ -49,6 +49,7 @@ from peer.tracker import BootstrapTracker, Obligation, PeerAttemptLog, below_flo
 from peer.vet import Retaining, VetError, VettedSnapshot, Vetting
 from router.graft import BootstrapRules, Grafted, LocalGraft
 from router.index import IndexRules, Pump
+from router.origin import canonical_origin
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +318,7 @@ class PeerBootstrap:
         for index, seq in snap.cursors:
             if 0 <= index < len(snap.workers):
                 worker = snap.workers[index]
-                table[RankId(worker.url.rstrip("/"), worker.dp_rank)] = seq
+                table[RankId(canonical_origin(worker.url), worker.dp_rank)] = seq
         return table
 
 

@@ -59,6 +59,7 @@ import re
 import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from urllib.parse import urlsplit
 
 from peer.spellings import DEFAULT_PORTS, FOLDED_LOOPBACK, canonical_host, spelling
@@ -198,6 +199,7 @@ def is_link_scoped(host: str) -> bool:
     )
 
 
+@lru_cache(maxsize=4096)  # ~35 us a spelling; siblings name the same few workers again and again
 def canonical_origin(url: str) -> str:
     """`scheme://host[:port]` as `peer.spellings.spelling` reads it (scheme and host in lower
     case, an IP literal as `canonical_host` spells it, `localhost` as 127.0.0.1), no trailing

@@ -96,7 +96,7 @@ from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from peer.spellings import spelling
 from router.bounded import read_up_to
-from router.origin import http_origin
+from router.origin import canonical_origin, http_origin
 from router.policy import CacheAware, Candidate, Decision, Prompt
 from router.siblings import (
     MAX_KEYS_PER_DECISION,
@@ -193,7 +193,9 @@ def decode_answer(body: bytes) -> RankId:
     problem = rank_problem(a.worker_url, a.dp_rank)
     if problem is not None:
         raise ValueError(f"answer names no valid rank: {problem}")
-    return RankId(a.worker_url, a.dp_rank)
+    # As this replica's registry spells the worker: a placer of another version names it as
+    # its --worker flag was written (`http://localhost:P`, `http://w:80`).
+    return RankId(canonical_origin(a.worker_url), a.dp_rank)
 
 
 def placer_of(own: str | None, peers: Sequence[str]) -> str | None:

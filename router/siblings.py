@@ -67,6 +67,7 @@ from cachetree.tree import run_through
 from peer.supervise import doubling_s
 from router.bounded import read_up_to
 from router.homes import MAX_CHAIN_BLOCKS, Home
+from router.origin import canonical_origin
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +120,10 @@ class SharedHome(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
                    home.confirmed, home.tail_of)  # fmt: skip
 
     def home(self, set_at: float) -> Home:
-        return Home(RankId(self.worker_url, self.dp_rank), self.anchor, self.depth, self.join,
-                    self.chain, self.generation, set_at, self.stamp, self.length,
+        """The home, its worker as this replica's registry spells it (`adopt_steps`)."""
+        rank = RankId(canonical_origin(self.worker_url), self.dp_rank)
+        return Home(rank, self.anchor, self.depth, self.join, self.chain, self.generation,
+                    set_at, self.stamp, self.length,
                     confirmed=self.confirmed, tail_of=self.tail_of)  # fmt: skip
 
 
@@ -360,7 +363,10 @@ class DecisionSharing:
         for i, d in enumerate(batch.decisions):
             if i and not i % ADOPT_CHUNK:
                 yield
-            rank = RankId(d.worker_url, d.dp_rank)
+            # As the registry spells the worker, or the booking is made under a name no
+            # stream of ours confirms: a sibling of another version sends its --worker flag
+            # as written (`http://localhost:P`, `http://w:80`).
+            rank = RankId(canonical_origin(d.worker_url), d.dp_rank)
             if not self.known(rank):
                 self.stats.unknown += 1
                 continue

@@ -556,15 +556,16 @@ async def test_a_later_scale_up_never_unreadies_a_serving_replica() -> None:
 
 
 async def hostile_sibling(
-    fw: FakeWorkerHandle, nodes: list[wire.WireNode]
+    fw: FakeWorkerHandle, nodes: list[wire.WireNode], worker_url: str | None = None
 ) -> tuple[web.AppRunner, str]:
-    """A sibling answering one JSON body: `fw`'s rank 0 at cursor 0 and `nodes`."""
+    """A sibling answering one JSON body: `fw`'s rank 0 (named `worker_url`, else its url) at
+    cursor 0 and `nodes`."""
     snapshot = wire.PeerSnapshot(
         format=wire.FORMAT,
         block_size=16,
         key_scheme=KEY_SCHEME,
         producer_ready=True,
-        workers=[wire.WireWorker(fw.url, 0)],
+        workers=[wire.WireWorker(worker_url or fw.url, 0)],
         cursors=[(0, 0)],
         nodes=nodes,
     )
@@ -589,6 +590,56 @@ async def test_a_carrier_index_past_64_bits_is_dropped_and_the_rest_grafted() ->
                 assert new.replica.pump.rules.tree.block_count(RankId(fw.url, 0)) == 1
         finally:
             await runner.cleanup()
+
+
+async def test_a_sibling_naming_the_worker_as_its_flag_was_written_is_grafted_onto_ours() -> None:
+    """A sibling of another version exports `--worker http://localhost:P` as written, where
+    this replica's registry keys `http://127.0.0.1:P`: before, every fetch was vetted
+    `nothing_usable`, counted `cold_peer`, and the rank waited out the bootstrap cold."""
+    async with fake_worker_in_process() as fw:
+        port = urlsplit(fw.url).port
+        nodes = [wire.WireNode(None, 11, [(0, 1, 101)]), wire.WireNode(0, 12, [(0, 1, 102)])]
+        runner, url = await hostile_sibling(fw, nodes, f"http://LOCALHOST:{port}/")
+        try:
+            async with router_in_process(
+                workers=[fw.url], peer=[url], kv_bootstrap_timeout_ms=20_000
+            ) as new:
+                await ready(new, within_s=10)
+                outcomes = new.replica.bootstrap.snapshot_outcomes
+                rank = RankId(fw.url, 0)
+                assert dict(outcomes) == {"accepted": 1}, outcomes
+                assert new.replica.pump.rules.tree.block_count(rank) == 2
+                assert new.replica.pump.rules.tree.ranks() == [rank]
+        finally:
+            await runner.cleanup()
+
+
+async def test_a_sibling_none_of_whose_workers_is_known_here_is_rejected_and_named_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Not a cold sibling (retried all through the bootstrap, /readyz held to its timeout,
+    one INFO line naming nothing): refused at once, counted `rejected`, and the warning names
+    the sibling, the workers it names, ours, and what to do."""
+    async with fake_worker_in_process() as fw:
+        nodes = [wire.WireNode(None, 11, [(0, 1, 101)])]
+        runner, url = await hostile_sibling(fw, nodes, "http://other-name:8000")
+        try:
+            async with router_in_process(
+                workers=[fw.url], peer=[url], kv_bootstrap_timeout_ms=60_000
+            ) as new:
+                await ready(new, within_s=10)  # not at the 60 s timeout
+                outcomes = new.replica.bootstrap.snapshot_outcomes
+                assert dict(outcomes) == {"rejected": 1}, outcomes
+        finally:
+            await runner.cleanup()
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "unknown_workers" in r.getMessage()
+    ]
+    assert len(warnings) == 1, warnings
+    assert url in warnings[0] and "http://other-name:8000#dp0" in warnings[0], warnings
+    assert f"{fw.url}#dp0" in warnings[0] and "same worker list" in warnings[0], warnings
 
 
 async def test_a_refused_sibling_is_logged_with_what_was_wrong(

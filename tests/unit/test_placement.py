@@ -13,6 +13,7 @@ from aiohttp.base_protocol import BaseProtocol
 from cachetree.ranks import RankId
 from router import bounded, placement
 from router.placement import (
+    PlaceAnswer,
     Placement,
     PlaceQuestion,
     decode_answer,
@@ -418,6 +419,29 @@ def test_a_malformed_answer_is_an_error(body: bytes) -> None:
 
 def test_an_answer_round_trips() -> None:
     assert decode_answer(encode_answer(B)) == B
+
+
+@pytest.mark.parametrize(
+    ("written", "registered"),
+    [
+        ("http://localhost:27001", "http://127.0.0.1:27001"),
+        ("http://w:80", "http://w"),
+        ("HTTP://W/", "http://w"),
+    ],
+)
+def test_an_answer_naming_a_worker_as_written_is_booked_on_the_registrys_rank(
+    written: str, registered: str
+) -> None:
+    """A placer of another version answers with its --worker flag as written: before, the
+    rank matched no candidate here and the answer was counted `unusable`."""
+    rank = RankId(registered, 1)
+    s = Asker([LOW])
+    answer = decode_answer(msgspec.msgpack.encode(PlaceAnswer(written, 1)))
+    assert answer == rank
+    decision = s.rules.resolved([cand(A), cand(rank), cand(C)], s.p.prompt(), answer)
+    assert decision is not None and decision.ranked[0].rank == rank
+    assert s.p.policy.ledger.booked_depths(KEYS, {}) == {rank: len(KEYS)}
+    assert (s.rules.counts["answered"], s.rules.counts["unusable"]) == (1, 0)
 
 
 def answer_stream(loop: asyncio.AbstractEventLoop) -> aiohttp.StreamReader:

@@ -14,6 +14,7 @@ import pytest
 from cachetree.ranks import RankId
 from router import siblings
 from router.homes import MAX_CHAIN_BLOCKS, Home
+from router.origin import canonical_origin
 from router.siblings import DecisionBatch, Outbox, SharedDecision, SharedHome, decode_batch
 from tests.support.clock import ManualClock
 from tests.support.ports import free_tcp_port
@@ -249,6 +250,35 @@ async def test_a_dead_sibling_is_skipped_for_a_backoff_not_dialled_per_decision(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def test_decisions_and_homes_naming_a_worker_as_written_book_the_registrys_rank() -> None:
+    """A sibling of another version sends its --worker flag as written. `known` finds the
+    worker by any spelling (the registry's lookup does); the ledger and the homes must get
+    the registry's own rank, else a booking no stream of ours confirms."""
+    local, named = RankId("http://127.0.0.1:27001", 0), RankId("http://w", 1)
+    registered = {local, named}
+    adopted: list[RankId] = []
+    homes: list[Home] = []
+    sharing = siblings.DecisionSharing(
+        session=None,  # type: ignore[arg-type]
+        peers=list,
+        token="t",
+        adopt=lambda rank, keys, held: adopted.append(rank),
+        known=lambda rank: RankId(canonical_origin(rank.worker_url), rank.dp_rank) in registered,
+        adopt_home=homes.append,
+    )
+    written = [("http://localhost:27001", 0), ("http://W:80/", 1)]
+    body = msgspec.msgpack.encode(
+        DecisionBatch(
+            [SharedDecision(url, dp, 0, [7]) for url, dp in written],
+            [home(RankId(url, dp)) for url, dp in written],
+        )
+    )
+    assert sharing.receive(body) == 2
+    assert adopted == [local, named]
+    assert [h.rank for h in homes] == [local, named]
+    assert sharing.stats.unknown == 0
 
 
 def test_a_large_batch_is_adopted_in_chunks_with_the_loop_let_in_between() -> None:

@@ -212,10 +212,11 @@ async def test_a_membership_swap_of_the_same_size_discards_the_cold_verdict() ->
     assert result.outcome == FOUND and result.peer == "b"
 
 
-async def test_ranks_every_peer_holds_nothing_of_are_abandoned_mid_sweep() -> None:
+@pytest.mark.parametrize("written", ["http://w1", "HTTP://W1:80/"])  # as the registry spells it
+async def test_ranks_every_peer_holds_nothing_of_are_abandoned_mid_sweep(written: str) -> None:
     fleet = Fleet(
         {
-            "a": [Body([1], covers=frozenset(), empty_ranks=[W("http://w1", 0)])],
+            "a": [Body([1], covers=frozenset(), empty_ranks=[W(written, 0)])],
         }
     )
     owed = {Ob(R1, 1), Ob(R2, 1)}

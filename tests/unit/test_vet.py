@@ -221,6 +221,33 @@ def test_a_live_rank_spelled_with_a_trailing_slash_still_matches() -> None:
     assert vetted.snapshot.workers == live
 
 
+@pytest.mark.parametrize("columnar", [False, True])
+def test_a_workers_url_as_written_is_the_registrys_spelling_of_it(columnar: bool) -> None:
+    """A sibling of another version exports `--worker` as written; the registry keys the
+    worker as `canonical_origin` spells it (localhost as 127.0.0.1, no default port)."""
+    local, named = RankId("http://127.0.0.1:27001", 0), RankId("http://w", 1)
+    nodes = [(None, 11, [(0, DEVICE, 101), (1, HOST, 201)]), (0, 12, [(1, DEVICE, 202)])]
+    written = [("http://localhost:27001", 0), ("HTTP://W:80/", 1)]
+    snap = body(nodes, workers=written, empty_ranks=[WireWorker("http://w:80", 1)])
+    vetted = vet(as_columns(snap) if columnar else snap, [local, named, RankId("http://w", 0)])
+    assert vetted.snapshot.workers == [local, named]
+    assert vetted.cursors == {local: 10, named: 11}
+    assert vetted.empty_ranks == {named}
+    assert (vetted.dropped_workers, vetted.dropped_carriers) == (0, 0)
+    assert records(vetted) == [
+        (None, 11, ((local, DEVICE, 101), (named, HOST, 201))),
+        (0, 12, ((named, DEVICE, 202),)),
+    ]
+
+
+def test_a_worker_named_twice_is_rejected_even_through_another_spelling() -> None:
+    local = RankId("http://127.0.0.1:27001", 0)
+    twice = [("http://127.0.0.1:27001", 0), ("http://localhost:27001", 0)]
+    for live in ([local], [STRANGER]):
+        error = refused(body([(None, 11, [(0, DEVICE, 1)])], workers=twice), live)
+        assert (error.outcome, error.reason) == (REJECTED, "duplicate_worker")
+
+
 def test_a_worker_named_twice_is_rejected_even_through_a_trailing_slash() -> None:
     error = refused(body(CHAIN, workers=[A0, A1, ("http://a:8000/", 0)]))
     assert (error.outcome, error.reason) == (REJECTED, "duplicate_worker")
@@ -400,10 +427,22 @@ def test_a_snapshot_carried_only_on_unknown_tiers_is_nothing_usable() -> None:
     assert (error.outcome, error.reason) == (COLD_PEER, "nothing_usable")
 
 
-def test_a_snapshot_of_workers_we_do_not_know_is_nothing_usable_and_retriable() -> None:
-    error = refused(body(CHAIN), live=[STRANGER])
-    assert (error.outcome, error.reason) == (COLD_PEER, "nothing_usable")
-    assert "4 wire nodes, 3 dropped workers" in str(error)
+def test_a_snapshot_none_of_whose_workers_we_know_is_rejected_naming_a_few_of_each() -> None:
+    """Not a cold peer: it is asked again and again and brings the same (another --worker
+    list or version); the refusal is all the operator sees, so it names the workers."""
+    many = [RankId(f"http://w{i}:8000", 0) for i in range(5)]
+    error = refused(body(CHAIN, workers=many), live=[STRANGER])
+    assert (error.outcome, error.reason) == (REJECTED, "unknown_workers")
+    assert not error.retriable
+    text = str(error)
+    assert "names 5 worker rank(s), none known here" in text
+    assert "http://w0:8000#dp0, http://w1:8000#dp0, http://w2:8000#dp0 and 2 more" in text
+    assert "this replica's: http://stranger:8000#dp0" in text
+    assert "same worker list" in text
+
+
+def test_a_snapshot_some_of_whose_workers_we_know_is_not_refused_for_the_others() -> None:
+    assert vet(body(CHAIN, workers=[A0, STRANGER, B0])).dropped_workers == 1
 
 
 def test_carrier_less_interior_nodes_on_a_path_to_a_carrier_are_kept_as_structure() -> None:
