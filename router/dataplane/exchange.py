@@ -162,13 +162,19 @@ class Malformed(ValueError):
     """A request head the relay refuses with a 400 (the message says why)."""
 
     status = 400
+    head: RequestHead | None = None  # the head, when all but the refused part of it parsed
 
 
 class UnknownCoding(Malformed):
     """A request body in a transfer coding the relay does not decode (gzip, deflate, ...):
-    501, as RFC 9112 6.1 says, rather than its bytes passed on unlabelled."""
+    501, as RFC 9112 6.1 says, rather than its bytes passed on unlabelled. Raised once the
+    rest of the head parsed, with it: the refusal is counted under the request's route."""
 
     status = 501
+
+    def __init__(self, message: str, head: RequestHead) -> None:
+        super().__init__(message)
+        self.head = head
 
 
 class BadAnswer(ValueError):
@@ -198,6 +204,7 @@ def read_request_head(
     closes the connection after it (6.1: its framing may be faulty)."""
     length: int | None = None
     chunked = False
+    unknown_coding: bytes | None = None
     expect: bytes | None = None
     hosts = 0
     names = lower_names(headers)
@@ -218,10 +225,7 @@ def read_request_head(
             if chunked or b"chunked" in codings[:-1]:
                 raise Malformed("chunked applied more than once")  # RFC 9112 7
             if len(codings) > 1:
-                coding = codings[0].decode("latin-1")
-                raise UnknownCoding(
-                    f"transfer coding {coding!r} is not supported; send the body chunked only"
-                )
+                unknown_coding = codings[0]
             chunked = True
         elif low == b"expect" and http_11:
             expect = value.strip().lower()
@@ -240,9 +244,15 @@ def read_request_head(
         target = _origin_form(target)
     named = _connection_tokens(names, headers) if b"connection" in names else frozenset()
     path = target.split(b"?", 1)[0]
-    return RequestHead(
+    head = RequestHead(
         method, target, http_11, headers, keep, length, chunked, expect, names, named, path
     )
+    if unknown_coding is not None:
+        coding = unknown_coding.decode("latin-1")
+        raise UnknownCoding(
+            f"transfer coding {coding!r} is not supported; send the body chunked only", head
+        )
+    return head
 
 
 def _origin_form(target: bytes) -> bytes:

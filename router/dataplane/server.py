@@ -706,6 +706,7 @@ class ClientConnection(asyncio.Protocol):
                 parser.should_keep_alive(),
             )
         except Malformed as exc:
+            incoming.head = exc.head  # counted under its route when it parsed (a 501)
             raise _Refused(Refusal(exc.status, str(exc), close=True)) from None
         incoming.head = head
         plane = self.plane

@@ -15,6 +15,7 @@ from router.dataplane.exchange import (
     Malformed,
     RequestHead,
     ResponseHead,
+    UnknownCoding,
     WholeEvents,
     admit,
     chunk,
@@ -99,6 +100,23 @@ def test_request_heads_whose_body_framing_the_relay_refuses(
     with pytest.raises(Malformed, match=problem) as refused:
         head(b"POST", b"/v1/completions", *headers)
     assert refused.value.status == status
+
+
+def test_a_refused_transfer_coding_comes_with_the_head_for_its_route_and_400s_go_first() -> None:
+    """The 501 is the client's doing on a head that parsed: counted under its route (it was
+    `other`, beside the 413 and 400 of the same path), never in the router's own errors."""
+    with pytest.raises(UnknownCoding) as refused:
+        head(b"POST", b"/v1/completions?x=1", (b"Transfer-Encoding", b"gzip, chunked"))
+    assert refused.value.head is not None and refused.value.head.path == b"/v1/completions"
+    with pytest.raises(Malformed) as malformed:  # a malformed head is a 400, its head unread
+        head(
+            b"POST",
+            b"/v1/completions",
+            (b"Transfer-Encoding", b"gzip, chunked"),
+            (b"Host", b"a"),
+            (b"Host", b"b"),
+        )
+    assert (malformed.value.status, malformed.value.head) == (400, None)
 
 
 def test_a_request_head_reads_its_framing_and_expectation() -> None:
