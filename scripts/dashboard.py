@@ -713,15 +713,22 @@ ROWS: Final = (
             ),
             Panel(
                 "Circuit breakers",
-                "Per worker, the highest breaker state any replica holds "
-                "(kvrouter_breaker_state): 0 closed, 1 open and 2 half-open (its probe out) "
-                "refuse requests; 3 probe due does not (the cooldown passed: the next request "
-                "routed there is the probe, and a worker none is routed to stays there).",
+                "Per worker, the highest breaker state of the replicas whose breaker is not "
+                "probe due (kvrouter_breaker_state below 3): 0 closed, 1 open and 2 half-open "
+                "(its probe out), the last two refusing requests; and, as a series of its own, "
+                "how many replicas hold it probe due (3: the cooldown passed, the next request "
+                "routed there is the probe, and a worker none is routed to stays there). Probe "
+                "due refuses nothing, and drawn in the maximum it hid another replica's open "
+                "breaker.",
                 "short",
                 (
                     Query(
-                        f"max by (worker) (kvrouter_breaker_state{_sel()})",
+                        f"max by (worker) (kvrouter_breaker_state{_sel()} < 3)",
                         "{{worker}}",
+                    ),
+                    Query(
+                        f"sum by (worker) (kvrouter_breaker_state{_sel()} == bool 3)",
+                        "{{worker}} probe due (replicas)",
                     ),
                 ),
             ),

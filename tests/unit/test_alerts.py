@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from tests.support.manifests import MANIFESTS, REPO
-from tests.support.prometheus import binary
+from tests.support.prometheus import NAMESPACE, binary, substitute
 
 RULES: Final = MANIFESTS / "observability" / "alerts.yaml"
 DASHBOARD: Final = MANIFESTS / "observability" / "dashboard.json"
@@ -179,6 +179,54 @@ def test_the_dashboard_json_is_what_scripts_dashboard_generates() -> None:
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
+
+
+def dashboard_panel(title: str) -> dict[str, Any]:
+    board = json.loads(DASHBOARD.read_text())
+    panels = [*board["panels"], *(p for row in board["panels"] for p in row.get("panels", []))]
+    return next(p for p in panels if p.get("title") == title)
+
+
+def test_the_breaker_panel_shows_an_open_breaker_beside_another_replicas_probe_due(
+    promtool: str, tmp_path: Path
+) -> None:
+    """Probe due is 3, the highest state: `max by (worker)` drew one replica's harmless probe
+    due over another's open breaker (1, refusing). Evaluated by promtool on two replicas:
+    a holds w1 probe due, b holds it open; w2 is closed on both."""
+    states = {("a", "w1"): 3, ("b", "w1"): 1, ("a", "w2"): 0, ("b", "w2"): 0}
+    series = [
+        {
+            "series": f'kvrouter_breaker_state{{namespace="{NAMESPACE}", job="kvrouter", '
+            f'instance="{replica}:8080", worker="http://{worker}:8000"}}',
+            "values": f"{state}x5",
+        }
+        for (replica, worker), state in states.items()
+    ]
+    refusing, probe_due = (t["expr"] for t in dashboard_panel("Circuit breakers")["targets"])
+    expected = {refusing: {"w1": 1, "w2": 0}, probe_due: {"w1": 1, "w2": 0}}
+    tests = {
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "promql_expr_test": [
+                    {
+                        "expr": substitute(expr),
+                        "eval_time": "2m",
+                        "exp_samples": [
+                            {"labels": f'{{worker="http://{worker}:8000"}}', "value": value}
+                            for worker, value in by_worker.items()
+                        ],
+                    }
+                    for expr, by_worker in expected.items()
+                ],
+            }
+        ],
+    }
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests))
+    done = promtool_run(promtool, "test", "rules", "tests.yaml", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_the_dashboard_says_bootstrap_settled_can_read_1_while_the_seed_gate_holds_readyz() -> None:
