@@ -75,7 +75,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from cachetree.ranks import RankId
-from router.origin import canonical_origin
+from peer.origin import canonical_origin
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ Theory of operation
 A sibling is trusted for one thing: what its tree held, as of its cursors. It is not trusted
 about who our workers are. The wire *names* workers by (url, dp_rank); vetting looks each name
 up in the live set the caller passed and uses the live set's own `RankId`. A url is compared
-as the registry keys it (`router.origin.canonical_origin`: `http://localhost:P` is
+as the registry keys it (`peer.origin.canonical_origin`: `http://localhost:P` is
 `http://127.0.0.1:P`, `http://w:80` is `http://w`, a trailing slash is ignored), once per
 worker table entry, never per block: a sibling of another version, given the same `--worker`
 flags, may export the spelling as written. A name that matches no live rank is dropped,
@@ -147,8 +147,8 @@ from cachetree.ranks import RankId
 from cachetree.snapshot import Snapshot
 from cachetree.tiers import ALL_TIERS, DEVICE
 from peer.capacity import CapacityBlocks, over_capacity, unknown_capacity
+from peer.origin import canonical_origin
 from peer.wire import FORMAT, PeerBody, PeerColumns, WireColumns, WireWorker
-from router.origin import canonical_origin
 
 REJECTED: Final = "rejected"
 COLD_PEER: Final = "cold_peer"

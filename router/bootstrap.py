@@ -28,6 +28,7 @@ from cachetree.ranks import RankId
 from peer.capacity import CapacityBlocks, unknown_capacity
 from peer.coordinator import Coordinator, CoordinatorDeps, ObligationBatch
 from peer.fetch import Fetched, Refused, SnapshotFetcher
+from peer.origin import canonical_origin
 from peer.probe import PROOF_TIMEOUT_S, TICK_S, ProbeTarget, probe_once
 from peer.registry import PeerRegistry
 from peer.supervise import Supervisor
@@ -49,7 +50,6 @@ from peer.tracker import BootstrapTracker, Obligation, PeerAttemptLog, below_flo
 from peer.vet import Retaining, VetError, VettedSnapshot, Vetting
 from router.graft import BootstrapRules, Grafted, LocalGraft
 from router.index import IndexRules, Pump
-from router.origin import canonical_origin
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ from typing import Any, Final, NoReturn
 from cachetree import accel
 from cachetree.keys import MAX_BLOCK_SIZE
 from peer.kubeconfig import KubeConfigError
+from peer.origin import AllowList, origin_problem, url_problem, worker_origin_problem
 from router import launch
 from router.auth import TOKEN_ENV, token_problem
 from router.dataplane.cors import CorsPolicy
@@ -40,7 +41,6 @@ from router.ingest_pool import DEFAULT_INGEST_PROCESSES, DEFAULT_SILENCE_S
 from router.ingest_pool import MAX_PROCESSES as MAX_INGEST_PROCESSES
 from router.ingest_pool import MAX_SILENCE_S as MAX_INGEST_SILENCE_S
 from router.ingest_pool import MIN_SILENCE_S as MIN_INGEST_SILENCE_S
-from router.origin import AllowList, origin_problem, url_problem, worker_origin_problem
 from router.placement import DEFAULT_TIMEOUT_MS as DEFAULT_PLACEMENT_TIMEOUT_MS
 from router.placement import MAX_TIMEOUT_MS as MAX_PLACEMENT_TIMEOUT_MS
 from router.policy import POLICY_NAMES

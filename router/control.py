@@ -23,10 +23,10 @@ from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cachetree.ranks import RankId
+from peer.origin import canonical_origin, host_of, worker_origin_problem
 from peer.producer import serve_snapshot
 from peer.supervise import describe
 from router import auth, placement, siblings
-from router.origin import canonical_origin, host_of, worker_origin_problem
 from router.replica import Replica
 from router.workers import (
     WORKER_JSON_ERRORS,

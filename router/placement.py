@@ -94,9 +94,9 @@ import msgspec
 from cachetree.keys import MAX_BLOCK_SIZE
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
+from peer.origin import canonical_origin, http_origin
 from peer.spellings import spelling
 from router.bounded import read_up_to
-from router.origin import canonical_origin, http_origin
 from router.policy import CacheAware, Candidate, Decision, Prompt
 from router.siblings import (
     MAX_KEYS_PER_DECISION,

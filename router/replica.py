@@ -26,6 +26,7 @@ from cachetree.tiers import DEVICE
 from peer.capacity import CapacityBlocks, overfull_ranks
 from peer.fetch import SnapshotFetcher
 from peer.kubeconfig import kube_api_client, resolve_namespace
+from peer.origin import AllowList, origin_problem
 from peer.producer import SnapshotProducer
 from peer.registry import PeerRegistry
 from peer.slice_view import Listing
@@ -45,7 +46,6 @@ from router.index import DEFAULT_INDEX_MAX_BLOCKS, IndexRules, Pump
 from router.ingest_pool import DEFAULT_INGEST_PROCESSES, DEFAULT_SILENCE_S, IngestPool
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
-from router.origin import AllowList, origin_problem
 from router.placement import DEFAULT_TIMEOUT_MS, Placement, Placer, own_url
 from router.policy import CacheAware, Policy, make_policy
 from router.pressure import PressureLedger, PressureSettings
@@ -611,7 +611,7 @@ _MAX_NAMED_SIBLINGS: Final = 1024  # refused sibling URLs remembered as logged
 
 def _reachable(registry: PeerRegistry) -> Callable[[Listing], None]:
     """The sibling watch's URLs into `registry`, less those no client of ours reaches
-    (`router.origin`; the API server takes an IPv4 address with leading zeros, which aiohttp
+    (`peer.origin`; the API server takes an IPv4 address with leading zeros, which aiohttp
     refuses), each named in the log once (the watch calls this at every slice event): a
     joiner would wait out its bootstrap for it."""
     named: set[str] = set()

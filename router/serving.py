@@ -24,11 +24,11 @@ from typing import Final
 
 from aiohttp import web
 
+from peer.origin import http_origin
 from router.control import build_control_app, liveness, readiness
 from router.dataplane.cors import CorsPolicy
 from router.dataplane.routing import RequestRouter
 from router.dataplane.server import DataPlane, Limits
-from router.origin import http_origin
 from router.placement import PlacementAsker, Placer, election_url
 from router.replica import Replica, ServeConfig, start_replica, stop_replica
 

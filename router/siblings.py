@@ -64,10 +64,10 @@ import msgspec
 
 from cachetree.ranks import RankId
 from cachetree.tree import run_through
+from peer.origin import canonical_origin
 from peer.supervise import doubling_s
 from router.bounded import read_up_to
 from router.homes import MAX_CHAIN_BLOCKS, Home
-from router.origin import canonical_origin
 
 log = logging.getLogger(__name__)
 

@@ -73,6 +73,15 @@ import zmq.asyncio
 from cachetree.keys import MAX_ADAPTER_NAMES, MAX_BLOCK_SIZE, is_adapter_name
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
+from peer.origin import (
+    AllowList,
+    canonical_origin,
+    host_of,
+    host_problem,
+    is_link_scoped,
+    is_unspecified,
+    worker_origin_problem,
+)
 from peer.spellings import canonical_host
 from peer.supervise import Supervisor, describe, doubling_s
 from peer.tasks import cancel_and_wait
@@ -83,15 +92,6 @@ from router.dataplane.polling import PollClient
 from router.graft import LocalGraft
 from router.index import SLICE_BLOCKS, Pump, run_steps
 from router.loads import MAX_DP_SIZE, METRICS_MAX_BODY_BYTES, LoadMonitor, parse_metrics_text
-from router.origin import (
-    AllowList,
-    canonical_origin,
-    host_of,
-    host_problem,
-    is_link_scoped,
-    is_unspecified,
-    worker_origin_problem,
-)
 from router.subscriber import (
     DEFAULT_MAX_MESSAGE_BYTES,
     RankEndpoint,
@@ -253,7 +253,7 @@ def reregister_after_s(failures: int, interval_s: float) -> float:
 
 def endpoint_problem(info: KvEventsInfo) -> str | None:
     """Why no rank of the worker can be subscribed where `info` says, or None: a host that
-    is none (as a worker URL's, `router.origin`) or is link-local IPv6 (`is_link_scoped`),
+    is none (as a worker URL's, `peer.origin`) or is link-local IPv6 (`is_link_scoped`),
     or a rank's port (the base plus the rank, the replay one's too) outside 1..65535. Its
     subscribers retried such an endpoint for good, one warning per rank every 2 s, while the
     worker was listed ready."""
@@ -537,7 +537,7 @@ class WorkerRegistry:
         if host_of(given) == "localhost":
             log.warning(
                 "worker %s is %s: localhost is taken for 127.0.0.1, one worker under either "
-                "spelling (router.origin); give an engine listening on IPv6 loopback only as "
+                "spelling (peer.origin); give an engine listening on IPv6 loopback only as "
                 "http://[::1]:port",
                 given,
                 url,

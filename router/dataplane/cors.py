@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlsplit
 
+from peer.origin import origin_problem
 from peer.spellings import DEFAULT_PORTS
 from router.dataplane.exchange import GENERATION_ROUTES, RequestHead
-from router.origin import origin_problem
 
 ANY: Final = b"*"
 MAX_AGE_S: Final = 600

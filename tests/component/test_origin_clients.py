@@ -1,4 +1,4 @@
-"""`router.origin` against the clients a replica talks to workers and siblings with: aiohttp
+"""`peer.origin` against the clients a replica talks to workers and siblings with: aiohttp
 (`/server_info`, snapshots, a sibling's snapshot) and the data plane's pools (`PollClient`:
 health and loads; the relay uses the same pools), over real sockets on loopback.
 
@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from peer.origin import origin_problem
 from router.dataplane.polling import PollClient
-from router.origin import origin_problem
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from peer.origin import AllowList
 from router.auth import PLACEHOLDER_TOKEN
 from router.cli import build_parser, parse_args, serve_config
-from router.origin import AllowList
 from router.replica import ServeConfig, snapshot_body_bound
 
 
@@ -146,7 +146,7 @@ def invalid_settings(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], st
             {},
             "path",
         ),
-        # Shorthand IPv4: reachable by a plain connect, refused by aiohttp (router.origin);
+        # Shorthand IPv4: reachable by a plain connect, refused by aiohttp (peer.origin);
         # the error names the dotted quad to write instead.
         "worker at a shorthand IPv4 host": (["--worker", "http://127.1:1"], {}, "127.0.0.1"),
         # Where an engine listens, not where anyone connects: no one worker.

@@ -1,4 +1,4 @@
-"""Worker URLs are origins (`router.origin`): the table of what is accepted and how it is spelt."""
+"""Worker URLs are origins (`peer.origin`): the table of what is accepted and how it is spelt."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from router.origin import AllowList, canonical_origin, origin_problem, worker_origin_problem
+from peer.origin import AllowList, canonical_origin, origin_problem, worker_origin_problem
 
 
 @pytest.mark.parametrize(
@@ -28,7 +28,7 @@ from router.origin import AllowList, canonical_origin, origin_problem, worker_or
         ("http://[::1]:80", "http://[::1]"),
         ("http://w:443", "http://w:443"),  # another scheme's default is a port like any other
         ("https://w:80", "https://w:80"),
-        # localhost is 127.0.0.1 (`router.origin`): one engine, one worker. The rest of
+        # localhost is 127.0.0.1 (`peer.origin`): one engine, one worker. The rest of
         # 127/8 and IPv6 loopback are other addresses.
         ("http://localhost:8000", "http://127.0.0.1:8000"),
         ("http://LocalHost:80/", "http://127.0.0.1"),

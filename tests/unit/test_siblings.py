@@ -12,9 +12,9 @@ import msgspec
 import pytest
 
 from cachetree.ranks import RankId
+from peer.origin import canonical_origin
 from router import siblings
 from router.homes import MAX_CHAIN_BLOCKS, Home
-from router.origin import canonical_origin
 from router.siblings import DecisionBatch, Outbox, SharedDecision, SharedHome, decode_batch
 from tests.support.clock import ManualClock
 from tests.support.ports import free_tcp_port
