@@ -42,6 +42,7 @@ from tests.support.scripted_worker import (
     respond,
     scripted_worker,
 )
+from tests.support.sse import sse_events
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(30)
@@ -1456,18 +1457,6 @@ async def test_an_sse_stream_cut_inside_an_event_relays_whole_events_then_the_er
         parsed = [json.loads(e.removeprefix(b"data: ")) for e in [*whole, error]]
         assert parsed[-1]["error"]["type"] == "upstream_error"
         assert rt.plane.stats.ended["cut"] == 1 and len(w.posts()) == 1
-
-
-def sse_events(body: bytes) -> list[bytes]:
-    """An SSE body's events as the OpenAI SDK splits them (its `SSEDecoder`: lines joined until
-    they end with a blank line); a last one not ended is none."""
-    events, pending = [], b""
-    for line in body.splitlines(keepends=True):
-        pending += line
-        if pending.endswith((b"\r\r", b"\n\n", b"\r\n\r\n")):
-            events.append(pending.strip())
-            pending = b""
-    return events
 
 
 @dataclass

@@ -16,6 +16,19 @@ def sse_data(raw: bytes) -> list[bytes]:
     return [e[len(b"data: ") :] for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
 
 
+def sse_events(body: bytes) -> list[bytes]:
+    """An SSE body's events as the OpenAI SDK splits them (its `SSEDecoder`: lines joined
+    until they end with a blank line's CR CR, LF LF or CRLF CRLF); a last one not ended is
+    not an event."""
+    events, pending = [], b""
+    for line in body.splitlines(keepends=True):
+        pending += line
+        if pending.endswith((b"\r\r", b"\n\n", b"\r\n\r\n")):
+            events.append(pending.strip())
+            pending = b""
+    return events
+
+
 async def first_event(resp: aiohttp.ClientResponse, within_s: float = 10.0) -> bytes:
     """Read up to the end of the first SSE event; returns the bytes read."""
     read = b""

@@ -33,6 +33,7 @@ from router.dataplane.exchange import (
     upstream_framing,
     upstream_request,
 )
+from tests.support.sse import sse_events
 
 
 def head(
@@ -637,19 +638,6 @@ def test_what_a_cut_stream_sends_before_the_close(framing: Framing, sse: bool, e
 )
 def test_where_the_last_sse_event_in_a_read_ends(data: bytes, before: bytes, end: int) -> None:
     assert events_end(data, before) == end
-
-
-def sse_events(body: bytes) -> list[bytes]:
-    """An SSE body's events as the OpenAI SDK splits them (its `SSEDecoder`: lines joined
-    until they end with a blank line's CR CR, LF LF or CRLF CRLF); a last one not ended is
-    not an event."""
-    events, pending = [], b""
-    for line in body.splitlines(keepends=True):
-        pending += line
-        if pending.endswith((b"\r\r", b"\n\n", b"\r\n\r\n")):
-            events.append(pending.strip())
-            pending = b""
-    return events
 
 
 ONE, TWO = b'data: {"n": 1}', b'data: {"n": 2}'
