@@ -34,7 +34,9 @@ Theory of operation
   some rank holds deeper than half its length, is told apart from the index's depth runs,
   before anything else is read.
 - Asking: the question carries the prompt's token count, block size and block keys (at most
-  `MAX_KEYS`, its head); the placer decides with its own ledger, loads and in-flight
+  `MAX_KEYS`, its head), and the model the request names when not every rank serves it
+  (`router.model_servers`: the placer decides among the ranks serving it, the asker's
+  candidates are those alone); the placer decides with its own ledger, loads and in-flight
   (`CacheAware.decide`, which books the rank in its ledger and shares it with every sibling,
   the asker included) and answers the rank. The asker waits at most `--placement-timeout-ms`,
   then routes to the answered rank if it is still one of its healthy candidates, booked in
@@ -97,6 +99,7 @@ from cachetree.tree import BlockTree
 from peer.origin import canonical_origin, http_origin
 from peer.spellings import spelling
 from router.bounded import read_up_to
+from router.model_servers import ModelAsk
 from router.policy import CacheAware, Candidate, Decision, Prompt
 from router.siblings import (
     MAX_KEYS_PER_DECISION,
@@ -141,6 +144,10 @@ class PlaceQuestion(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
     tokens: int
     block_size: int
     keys: list[int]
+    # The model the prompt asks for, when not every rank serves it (`router.model_servers`):
+    # the placer decides among those serving it. Left out otherwise, so the common question
+    # is the three items a placer of an earlier version reads (`encode_question`).
+    model: str | None = None
 
 
 class PlaceAnswer(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -163,10 +170,12 @@ def _decode(decoder: msgspec.msgpack.Decoder[T], body: bytes, limit: int, what: 
         raise ValueError(f"not a placement {what}: {exc}") from None
 
 
-def encode_question(prompt: Prompt) -> bytes:
-    """The question about `prompt`: its head, for a prompt past the bounds."""
+def encode_question(prompt: Prompt, model: str | None = None) -> bytes:
+    """The question about `prompt` (its head, for a prompt past the bounds) asking `model`."""
     keys = list(prompt.keys[:MAX_KEYS])
-    return _encoder.encode(PlaceQuestion(min(prompt.tokens, MAX_TOKENS), prompt.block_size, keys))
+    question = (min(prompt.tokens, MAX_TOKENS), prompt.block_size, keys)
+    # Not a `PlaceQuestion`: msgspec writes an array-like struct's defaults too.
+    return _encoder.encode(question if model is None else (*question, model))
 
 
 def decode_question(body: bytes) -> PlaceQuestion:
@@ -271,6 +280,8 @@ class AskFirst:
     prompt: Prompt
     asker: PlacementAsker
     resume: Callable[[AskFirst], Decision | Refusal]  # the router's decision on the answer
+    model: ModelAsk | None = None  # what the request asks for: decided among its servers
+    narrowed: bool = False  # not every rank serves it: the question names it
     rank: RankId | None = None  # the placer's answer, once it came
     _task: asyncio.Task[None] | None = None
 
@@ -279,7 +290,8 @@ class AskFirst:
         self._task = asyncio.get_running_loop().create_task(self._ask(then))
 
     async def _ask(self, then: Callable[[AskFirst], None]) -> None:
-        self.rank = await self.asker.ask(self.placer, encode_question(self.prompt))
+        model = self.model[0] if self.narrowed and self.model is not None else None
+        self.rank = await self.asker.ask(self.placer, encode_question(self.prompt, model))
         try:
             then(self)
         except Exception:  # the data plane's callback: its own bug, never silent
@@ -521,7 +533,9 @@ class Placer:
 
     policy: CacheAware
     tree: Callable[[], BlockTree | None]
-    candidates: Callable[[], list[Candidate]]
+    # The healthy ranks (of the workers given alone), and the workers serving a model.
+    candidates: Callable[[frozenset[str] | None], list[Candidate]]
+    servers: Callable[[ModelAsk | None], frozenset[str] | None]
     counts: Counter[str]  # the replica's placement counts (`Placement.counts`)
 
     def place(self, body: bytes) -> bytes | None:
@@ -532,7 +546,9 @@ class Placer:
         if tree is None or tree.block_size != q.block_size:
             mine = None if tree is None else tree.block_size
             raise ValueError(f"block_size {q.block_size}; this replica's is {mine}")
-        candidates = self.candidates()
+        # The asker's model, read leniently: the asker checks the rank answered serves it.
+        on = None if q.model is None else self.servers((q.model, False))
+        candidates = self.candidates(on)
         if not candidates:
             return None
         prompt = Prompt(q.tokens, q.block_size, tree.prefix_depths(q.keys), q.keys)

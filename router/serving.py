@@ -153,7 +153,11 @@ async def start_serving(config: ServeConfig) -> Serving:
         if placement is not None:
             rules = replica.pump.rules
             replica.placer = Placer(
-                placement.policy, lambda: rules.tree, router.candidates, placement.counts
+                placement.policy,
+                lambda: rules.tree,
+                router.candidates,
+                router.servers,
+                placement.counts,
             )
             if config.placement_timeout_ms and config.internal_token:
                 router.placement = placement

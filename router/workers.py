@@ -11,7 +11,8 @@ add(url), for a URL not yet known:
      `--worker-allow-cidr`, refuse the worker (as in 2) before anything subscribes.
      Read `GET {url}/v1/models` (`parse_models`): its engine, the base model names it serves
      (`served_models`, how a vLLM request's `model` is told from an adapter's name) and its
-     LoRA adapters, which the index learns at once (`IndexRules.learn_adapters`).
+     LoRA adapters, which the index learns at once (`IndexRules.learn_adapters`); the
+     requests naming a model go only to the workers listing it (`router.model_servers`).
   2. Settle the fleet block size: `--block-size`, else the first worker that advertises one.
      A worker that disagrees is refused: it stays listed with state `refused` and a reason,
      and takes no traffic, because its events would key blocks the prompts never match.
@@ -213,12 +214,16 @@ class ServedModels:
     engine: str | None = None
     bases: tuple[str, ...] = ()
     adapters: tuple[str, ...] = ()
+    # Whether it lists a base model: else what it serves is unknown (unread, or an answer
+    # naming none), and requests naming any model may go to it (`router.model_servers`).
+    listed: bool = False
 
 
 def parse_models(body: Any) -> ServedModels:
     """A `/v1/models` answer's `ServedModels`: at most `MAX_SERVED_NAMES` base names and
     `MAX_ADAPTER_NAMES` adapter names, each a string an adapter may have
-    (`is_adapter_name`); a card that is not one is skipped."""
+    (`is_adapter_name`); a card that is not one is skipped. `listed` when it names a base
+    model and no name was left out for the bounds."""
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):
         return ServedModels()
@@ -226,15 +231,24 @@ def parse_models(body: Any) -> ServedModels:
     owner = cards[0].get("owned_by") if cards else None
     bases: list[str] = []
     adapters: list[str] = []
+    left_out = False  # a name past the bounds
     for card in cards:
         name, parent = card.get("id"), card.get("parent")
         if not is_adapter_name(name):
             continue
-        if parent is None and len(bases) < MAX_SERVED_NAMES:
-            bases.append(name)
-        elif isinstance(parent, str) and len(adapters) < MAX_ADAPTER_NAMES:
-            adapters.append(name)
-    return ServedModels(owner if owner in KNOWN_ENGINES else None, tuple(bases), tuple(adapters))
+        if parent is None:
+            names, bound = bases, MAX_SERVED_NAMES
+        elif isinstance(parent, str):
+            names, bound = adapters, MAX_ADAPTER_NAMES
+        else:  # a parent that is no name: neither
+            continue
+        if len(names) < bound:
+            names.append(name)
+        else:
+            left_out = True
+    engine = owner if owner in KNOWN_ENGINES else None
+    listed = bool(bases) and not left_out
+    return ServedModels(engine, tuple(bases), tuple(adapters), listed)
 
 
 def engines_dp_size(ranks: Iterable[int]) -> int | None:
@@ -319,8 +333,8 @@ class _RoutingEpoch:
 
 
 ROUTING_EPOCH: Final = _RoutingEpoch()
-# What `Worker.routable` and `Worker.ranks` read.
-ROUTING_FIELDS: Final = frozenset({"url", "state", "healthy", "draining", "kv"})
+# What `Worker.routable` and `Worker.ranks` read, and the models a request may ask it for.
+ROUTING_FIELDS: Final = frozenset({"url", "state", "healthy", "draining", "kv", "models"})
 
 
 @dataclass(slots=True)

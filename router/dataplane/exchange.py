@@ -302,6 +302,7 @@ class Refusal:
     param: str | None = None
     close: bool = False  # the connection closes after it (the body was left unread)
     extra: tuple[tuple[bytes, bytes], ...] = ()
+    code: int | None = None  # in the body where the engine's own answer has one (its status)
 
 
 # With every 503 of the router's own: what it refuses for is a moment's state (no pooled
@@ -572,7 +573,14 @@ def refusal_response(
 ) -> bytes:
     """One of the data plane's own answers: the OpenAI error JSON (its head alone for a
     HEAD request)."""
-    body = {"error": {"message": refusal.message, "type": refusal.type, "param": refusal.param}}
+    error: dict[str, object] = {
+        "message": refusal.message,
+        "type": refusal.type,
+        "param": refusal.param,
+    }
+    if refusal.code is not None:
+        error["code"] = refusal.code
+    body = {"error": error}
     return json_response(
         refusal.status,
         body,

@@ -13,6 +13,11 @@ routed by load as a miss, counted in `bodies_unread` by route (and a chat's as a
 failure, `too_large`: a chat routed without its tokens) and logged once; the engine validates
 it.
 
+A request naming a model is decided among the ranks of the workers serving it
+(`router.model_servers`, read by `model_asked`), and so are its placer's question, its
+decision after a long prompt's encode and its failover (the policy ranks those ranks alone);
+a model no worker serves is a 404 in vLLM's shape, no worker contacted.
+
 The calls into the tokenizer and the policy sit in one small method, `choose`, so a change of
 either interface touches only it.
 
@@ -48,6 +53,7 @@ from router.events import namespace_of
 from router.index import IndexRules
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
+from router.model_servers import ModelAsk, ModelServers, model_servers
 from router.placement import AskFirst, Placement, PlacementAsker
 from router.policy import Candidate, Decision, Policy, Prompt
 from router.tokenize import ChatRequestError, ChatTokens, Engine, RequestTokenizer
@@ -88,6 +94,9 @@ ORDER_POLICIES: Final = frozenset({"round_robin", "random"})
 NO_PROMPT: Final = Prompt(0, 1)  # what an index-free policy is told of a prompt
 CHAT = b"/v1/chat/completions"
 GENERATE = b"/generate"
+# Read on every request (`model_asked`): an enum member read through its class costs ~0.1 us
+# on Python 3.11, a module global a fifth of it.
+_VLLM: Final = Engine.VLLM
 
 
 # JSON values and object keys a body may hold for the router to read it (decode, check,
@@ -274,6 +283,25 @@ def _adapter_of(
     return _lora_path(body)
 
 
+def model_asked(
+    route: bytes, body: dict[str, Any], served: Collection[str], engine: Engine
+) -> ModelAsk | None:
+    """The model a request must go to a worker serving (`router.model_servers`), read as
+    `namespace_for` reads its adapter: vLLM's `model`, a base model's or an adapter's name;
+    SGLang's adapter ("base:adapter" or `lora_path`), else its `model`, which SGLang serves
+    whatever it names (not `strict`); on `/generate`, `lora_path` alone. None: any worker."""
+    if route == GENERATE:
+        lora = _lora_path(body)
+        return None if lora is None else (lora, True)
+    model = body.get("model")
+    if engine is _VLLM:
+        return (model, True) if type(model) is str and model else None
+    adapter = _adapter_of(route, body, (), served, engine)
+    if adapter is not None:
+        return (adapter, True)
+    return (model, False) if type(model) is str and model else None
+
+
 def _lora_path(body: dict[str, Any]) -> str | None:
     """SGLang's `lora_path`: the adapter it names (the first, for a batch), or None."""
     path = body.get("lora_path")
@@ -311,31 +339,61 @@ class RequestRouter:
     asker: PlacementAsker | None = None
     # A longer text is encoded off the loop (`EncodeFirst`); 0: never.
     offload_chars: int = DEFAULT_OFFLOAD_CHARS
-    # `ranks_alone`'s: the registry's routable ranks it last read (a new list whenever they
-    # change), and the candidates it made of them.
-    _alone_of: object = field(default=None, init=False, repr=False)
+    # Kept between requests (`_keep`): the registry's routable ranks last read (a new list
+    # whenever they or the workers' listings change), and what was made of them: the
+    # candidates of `ranks_alone`, those of each set of workers a model is served by, and
+    # the model table of `servers`.
+    _kept_of: object = field(default=None, init=False, repr=False)
     _alone: list[Candidate] = field(default_factory=list, init=False, repr=False)
+    _alone_on: dict[frozenset[str], list[Candidate]] = field(
+        default_factory=dict, init=False, repr=False
+    )
+    _servers: ModelServers = field(
+        default_factory=lambda: model_servers(()), init=False, repr=False
+    )
     _logged_unread: bool = field(default=False, init=False, repr=False)
 
-    def candidates(self) -> list[Candidate]:
-        """The healthy ranks with this replica's in-flight and their engines' loads."""
+    def candidates(self, on: frozenset[str] | None = None) -> list[Candidate]:
+        """The healthy ranks with this replica's in-flight and their engines' loads: of the
+        workers `on` alone, when given (`servers`)."""
         counts, fresh = self.inflight.counts, self.loads.fresh
         candidates = []
         for w, ranks in self.workers.routable_ranks():  # remade only when the workers change
+            if on is not None and w.url not in on:
+                continue
             engine = fresh(w.url)
             for r in ranks:
                 candidates.append(Candidate(r, counts[r], engine.get(r.dp_rank)))
         return candidates
 
-    def ranks_alone(self) -> list[Candidate]:
+    def ranks_alone(self, on: frozenset[str] | None = None) -> list[Candidate]:
         """The healthy ranks, in `candidates`' order, with no in-flight count or load: for an
-        `ORDER_POLICIES` policy, which reads neither. Made again only when the ranks change
-        (callers do not change the list)."""
+        `ORDER_POLICIES` policy, which reads neither; of the workers `on` alone, when given.
+        Made again only when the ranks change (callers do not change the list)."""
+        self._keep()
+        return self._alone if on is None else self._alone_on_workers(on)
+
+    def servers(self, ask: ModelAsk | None) -> frozenset[str] | None:
+        """The routable workers a request asking for `ask` may go to (None: every one; empty:
+        none serves it), by a table made again only when the ranks or listings change."""
+        self._keep()
+        return self._servers.workers_for(ask)
+
+    def _keep(self) -> None:
+        """What is kept between requests, made anew when the routable ranks changed."""
         routable = self.workers.routable_ranks()
-        if routable is not self._alone_of:
+        if routable is not self._kept_of:
             self._alone = [Candidate(r) for _, ranks in routable for r in ranks]
-            self._alone_of = routable
-        return self._alone
+            self._alone_on = {}
+            self._servers = model_servers((w.url, w.models) for w, _ in routable)
+            self._kept_of = routable
+
+    def _alone_on_workers(self, on: frozenset[str]) -> list[Candidate]:
+        alone = self._alone_on.get(on)
+        if alone is None:  # one list per set of workers serving a model: a bounded few
+            alone = [c for c in self._alone if c.rank.worker_url in on]
+            self._alone_on[on] = alone
+        return alone
 
     def route(self, route: bytes, raw: bytes) -> Routed | EncodeFirst:
         body: dict[str, Any] | None = None
@@ -347,12 +405,23 @@ class RequestRouter:
                 body = decode_body(raw)
             except BadRequest as exc:
                 return Refusal(400, str(exc), param=exc.param)
-        order_only = self.policy.name in ORDER_POLICIES
-        candidates = self.ranks_alone() if order_only else self.candidates()
+        ask = (
+            None
+            if body is None  # unread: the engine validates it
+            else model_asked(route, body, self.workers.served_models, self.tokenizer.engine)
+        )
+        self._keep()  # what follows reads the kept parts as `servers` and `ranks_alone` do
+        on = None if ask is None else self._servers.workers_for(ask)
+        if on is not None and not on:  # no worker serves it
+            return _no_model(ask)
+        if self.policy.name not in ORDER_POLICIES:
+            candidates = self.candidates(on)
+        else:
+            candidates = self._alone if on is None else self._alone_on_workers(on)
         if not candidates:
             return self._no_candidates()
         try:
-            decision = self.choose(route, body, candidates, len(raw))
+            decision = self.choose(route, body, candidates, len(raw), ask)
         except BadRequest as exc:
             return Refusal(400, str(exc), param=exc.param)
         except ValueError as exc:  # the tokenizer's: a chat it cannot take
@@ -363,8 +432,12 @@ class RequestRouter:
 
     def placed(self, ask: AskFirst) -> Decision | Refusal:
         """The decision for a new prefix once its placer answered (`ask.rank`) or did not:
-        on the ranks healthy now, by the index now (it may have changed while waiting)."""
-        candidates = self.candidates()
+        on the ranks healthy now serving its model, by the index now (either may have
+        changed while waiting)."""
+        on = self.servers(ask.model)
+        if on is not None and not on:  # no worker serves it
+            return _no_model(ask.model)
+        candidates = self.candidates(on)
         tree = self.rules.tree
         if not candidates or tree is None:
             return self._no_candidates()
@@ -383,6 +456,7 @@ class RequestRouter:
         body: dict[str, Any],
         tokens: Offload[Sequence[int]],
         candidates: list[Candidate],
+        ask: ModelAsk | None,
     ) -> EncodeFirst:
         """What `choose` does after tokenizing, once `tokens` is encoded off the loop."""
 
@@ -391,13 +465,16 @@ class RequestRouter:
                 tokens = ids()
             except BadRequest as exc:
                 return Refusal(400, str(exc), param=exc.param)
-            now = self.candidates()  # the ranks healthy now, after the wait
+            on = self.servers(ask)  # the ranks healthy now serving its model, after the wait
+            if on is not None and not on:  # no worker serves it
+                return _no_model(ask)
+            now = self.candidates(on)
             if not now:
                 return self._no_candidates()
-            return self._counted_unless_asked(self._keyed(route, body, tokens, now))
+            return self._counted_unless_asked(self._keyed(route, body, tokens, now, ask))
 
         def busy() -> Routed:  # counted by the data plane (`EncodeQueue.busy`)
-            return self._counted_unless_asked(self._keyed(route, body, (), candidates))
+            return self._counted_unless_asked(self._keyed(route, body, (), candidates, ask))
 
         return EncodeFirst(tokens.map(encoded), busy)
 
@@ -444,11 +521,18 @@ class RequestRouter:
         return decision
 
     def choose(
-        self, route: bytes, body: dict[str, Any] | None, candidates: list[Candidate], size: int
+        self,
+        route: bytes,
+        body: dict[str, Any] | None,
+        candidates: list[Candidate],
+        size: int,
+        ask: ModelAsk | None = None,
     ) -> Decision | AskFirst | EncodeFirst:
         """Tokenize, key, look up and decide: every call into the tokenizer and the policy.
         A body left unread (None: `past_bounds`) is routed by load, as a miss. A text longer
         than `offload_chars` (a chat: a body of `size` bytes) is encoded off the loop.
+        `candidates` serve the model the request asks for (`ask`): so do those its placer
+        or the continuation of its encode decide among.
 
         A policy that does not read the index (round_robin, random, least_load,
         power_of_two) decides on the candidates alone: the prompt is checked for its shape
@@ -477,7 +561,7 @@ class RequestRouter:
                 raise BadRequest(str(exc), exc.param) from None
             if isinstance(encoded, Offload):
                 ids = encoded.map(lambda outcome: self._chat_ids(outcome()))
-                return self._encode_first(route, body, ids, candidates)
+                return self._encode_first(route, body, ids, candidates, ask)
             tokens = self._chat_ids(encoded)
         else:
             prompt = prompt_of(route, body)
@@ -497,9 +581,9 @@ class RequestRouter:
                 raise BadRequest(str(exc), param) from None
             if isinstance(encoded_prompt, Offload):
                 ids = encoded_prompt.map(partial(_prompt_ids, param))
-                return self._encode_first(route, body, ids, candidates)
+                return self._encode_first(route, body, ids, candidates, ask)
             tokens = encoded_prompt
-        return self._keyed(route, body, tokens, candidates)
+        return self._keyed(route, body, tokens, candidates, ask)
 
     def _keyed(
         self,
@@ -507,6 +591,7 @@ class RequestRouter:
         body: dict[str, Any] | None,
         tokens: Sequence[int],
         candidates: list[Candidate],
+        ask: ModelAsk | None,
     ) -> Decision | AskFirst:
         """Key `tokens`, look their blocks up and decide (or ask the placer)."""
         engine = self.tokenizer.engine
@@ -523,8 +608,16 @@ class RequestRouter:
         if self.placement is not None and self.asker is not None:
             placer = self.placement.question(candidates, prompt)
             if placer is not None:  # a new prefix: its placer decides
-                return AskFirst(placer, prompt, self.asker, self.placed)
+                narrowed = self.servers(ask) is not None
+                return AskFirst(placer, prompt, self.asker, self.placed, ask, narrowed)
         return self.policy.decide(candidates, prompt)
+
+
+def _no_model(ask: ModelAsk | None) -> Refusal:
+    """No worker serves the model asked for: vLLM's own answer to a model it does not serve."""
+    assert ask is not None  # `servers` leaves no worker only to a request naming a model
+    message = f"The model `{ask[0]}` does not exist."
+    return Refusal(404, message, type="NotFoundError", param="model", code=404)
 
 
 def _prompt_ids(param: str, ids: Callable[[], Sequence[int]]) -> Sequence[int]:

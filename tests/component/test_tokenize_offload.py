@@ -24,9 +24,10 @@ from router.policy import Decision
 from router.tokenize.params import MAX_ENCODED_CHARS
 from tests.component.test_router_tokenizer import recording_worker
 from tests.support.chat_shapes import SYSTEM, WEATHER_TOOL
+from tests.support.fake_worker import fake_worker_in_process
 from tests.support.model_dirs import build_model_dir, corpus, fixture_template
 from tests.support.ports import free_tcp_port
-from tests.support.router import RouterHandle, router_in_process
+from tests.support.router import RouterHandle, gate_fleet, router_in_process
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -268,3 +269,24 @@ async def test_a_drain_waits_for_a_prompt_being_encoded(big_model: str) -> None:
         # Drained means answered: the request was not left to be cut by the shutdown.
         assert prompts_seen(seen) == ["LONG"]
         assert (await long)[0] == 200
+
+
+async def test_a_long_prompt_encoded_off_the_loop_goes_to_a_worker_serving_its_model(
+    big_model: str,
+) -> None:
+    """The decision after the encode reads the ranks healthy then, of the workers serving the
+    model the request names (`router.model_servers`): read afresh from every rank, half the
+    m2 prompts went to the m1 worker, a 404."""
+    async with (
+        fake_worker_in_process(model="m1") as a,
+        fake_worker_in_process(model="m2") as b,
+        router_in_process(workers=[a.url, b.url], tokenizer=big_model) as rt,
+    ):
+        await gate_fleet([rt], [a, b])
+        for i in range(6):
+            body = {"model": "m2", "prompt": long_text(f"M2-{i}", 20_000), "max_tokens": 1}
+            status, answer, _ = await rt.post("/v1/completions", body)
+            assert status == 200, answer
+        assert rt.plane.encodes.started == 6
+        served = [(await fw.state())["requests"] for fw in (a, b)]
+        assert served == [0, 6]

@@ -386,7 +386,8 @@ def _question(tokens: int, block_size: int, keys: list[int]) -> bytes:
     ("body", "problem"),
     [
         (b"\x93not a question", "not a placement question"),
-        (msgspec.msgpack.encode([64, 16, [1, 2], "extra"]), "not a placement question"),
+        (msgspec.msgpack.encode([64, 16, [1, 2], "m", "extra"]), "not a placement question"),
+        (msgspec.msgpack.encode([64, 16, [1, 2], 7]), "not a placement question"),  # a model
         (msgspec.msgpack.encode([64, 16, [1, "two"]]), "not a placement question"),
         (_question(64, 16, []), "keys must hold"),
         (_question(64, 0, [1]), "block_size"),

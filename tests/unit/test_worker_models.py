@@ -18,7 +18,8 @@ def card(name: Any, parent: Any = None, owner: str = "vllm") -> dict[str, Any]:
 
 def test_base_models_and_adapters_are_told_apart_by_their_parent() -> None:
     body = {"object": "list", "data": [card("llama"), card("llama-2"), card("sql", "llama")]}
-    assert parse_models(body) == ServedModels("vllm", ("llama", "llama-2"), ("sql",))
+    models = ServedModels("vllm", ("llama", "llama-2"), ("sql",), listed=True)
+    assert parse_models(body) == models
 
 
 @pytest.mark.parametrize(
@@ -32,16 +33,23 @@ def test_an_answer_that_lists_no_card_names_nothing(body: Any) -> None:
 def test_a_card_no_adapter_could_be_named_by_is_skipped() -> None:
     data = [card("llama", owner="sglang"), card(""), card(7), card("a\x00b", "llama")]
     data += [card("sql", 5), card("chat", "llama")]  # a parent that is no name: not a base
-    assert parse_models({"data": data}) == ServedModels("sglang", ("llama",), ("chat",))
+    expected = ServedModels("sglang", ("llama",), ("chat",), listed=True)
+    assert parse_models({"data": data}) == expected
 
 
 def test_an_engine_neither_vllm_nor_sglang_is_none() -> None:
     assert parse_models({"data": [card("llama", owner="someone")]}).engine is None
 
 
-def test_the_names_read_are_bounded() -> None:
+def test_the_names_read_are_bounded_and_a_listing_past_them_is_taken_as_unknown() -> None:
+    """A name left out would read as one the worker does not serve: requests naming it
+    would be kept from it (`router.model_servers`)."""
     data = [card(f"b{i}") for i in range(MAX_SERVED_NAMES + 5)]
     data += [card(f"a{i}", "b0") for i in range(MAX_ADAPTER_NAMES + 5)]
     models = parse_models({"data": data})
     assert len(models.bases) == MAX_SERVED_NAMES and models.bases[-1] == "b63"
     assert len(models.adapters) == MAX_ADAPTER_NAMES
+    assert not models.listed
+    assert parse_models({"data": data[:MAX_SERVED_NAMES]}).listed
+    adapters_past = data[:1] + data[-MAX_ADAPTER_NAMES - 1 :]
+    assert not parse_models({"data": adapters_past}).listed

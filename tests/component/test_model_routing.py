@@ -1,0 +1,244 @@
+"""Several models in one fleet: a replica in process over real fake workers on loopback, each
+serving its own model (`--model`), some with adapters (`--lora-modules`).
+
+A request goes only to a worker whose `/v1/models` lists the model it names
+(`router.model_servers`): before, the router never looked, and half the requests for one
+model went to the other model's worker (vLLM's 404 passed through, SGLang's answer from the
+wrong model), a prompt warmed under one model drew the other model's requests to its rank,
+and a model no worker serves got a random worker's 404. Each test asserts which worker got
+how many requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from cachetree.ranks import RankId
+from router.placement import placer_of
+from tests.component.test_placement import asker_of, counts, demand_on, policy_of, stub_placer
+from tests.component.test_pressure_routing import CACHE_BLOCKS, prefix, two_sharing_replicas
+from tests.support.fake_worker import FakeWorkerHandle, fake_worker_in_process
+from tests.support.router import RouterHandle, gate_fleet, quiesce, router_in_process
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+PER_MODEL = 8
+
+
+async def served_by(rt: RouterHandle, path: str = "/v1/completions", **body: Any) -> str:
+    """The worker that answered a request, asserting a 200."""
+    body.setdefault("max_tokens", 1)
+    status, answer, headers = await rt.post(path, body)
+    assert status == 200, answer
+    return headers["X-Kvrouter-Worker"]
+
+
+async def worker_requests(rt: RouterHandle) -> dict[str, float]:
+    """kvrouter_requests_total by worker ("none": the router's own answers)."""
+    scrape = await rt.scrape()
+    totals: Counter[str] = Counter()
+    for labels in scrape.names("kvrouter_requests_total"):
+        totals[labels["worker"]] += scrape.value("kvrouter_requests_total", **labels)
+    return dict(totals)
+
+
+async def routable(rt: RouterHandle, workers: list[FakeWorkerHandle]) -> None:
+    """Until every worker takes requests (their subscriptions live, where the policy reads
+    the index: `gate_fleet`)."""
+    if rt.replica.workers.keeps_index:
+        await gate_fleet([rt], workers)
+    await eventually(lambda: len(rt.replica.workers.routable()) == len(workers), within_s=10.0)
+
+
+async def admitted(fw: FakeWorkerHandle) -> int:
+    """The generation requests the worker served."""
+    return int((await fw.state())["requests"])
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
+async def test_each_model_and_adapter_goes_only_to_the_workers_serving_it(policy: str) -> None:
+    async with (
+        fake_worker_in_process(model="m1", lora_modules=("ad1",)) as a,
+        fake_worker_in_process(model="m2") as b,
+        router_in_process(workers=[a.url, b.url], policy=policy, expose_route_headers=True) as rt,
+    ):
+        await routable(rt, [a, b])
+        got: Counter[tuple[str, str]] = Counter()
+        for model in ("m1", "m2", "ad1"):
+            for i in range(PER_MODEL):
+                prompt = f"question {i} for {model}, with some words to fill a block or two"
+                got[model, await served_by(rt, model=model, prompt=prompt)] += 1
+        assert got == {
+            ("m1", a.url): PER_MODEL,
+            ("m2", b.url): PER_MODEL,
+            ("ad1", a.url): PER_MODEL,
+        }
+        # A request naming no model may go to either.
+        unnamed = Counter([await served_by(rt, prompt=f"no model {i}") for i in range(8)])
+        assert set(unnamed) <= {a.url, b.url} and sum(unnamed.values()) == 8
+        assert (await admitted(a), await admitted(b)) == (
+            2 * PER_MODEL + unnamed[a.url],
+            PER_MODEL + unnamed[b.url],
+        )
+
+
+async def test_a_model_no_worker_serves_is_the_routers_own_404_in_vllms_shape() -> None:
+    async with (
+        fake_worker_in_process(model="m1") as a,
+        fake_worker_in_process(model="m2") as b,
+        router_in_process(workers=[a.url, b.url], expose_route_headers=True) as rt,
+    ):
+        await routable(rt, [a, b])
+        for path, body in (
+            ("/v1/completions", {"model": "m3", "prompt": "hello there"}),
+            (
+                "/v1/chat/completions",
+                {"model": "m3", "messages": [{"role": "user", "content": "hi"}]},
+            ),
+        ):
+            status, answer, headers = await rt.post(path, body)
+            assert status == 404
+            assert "X-Kvrouter-Worker" not in headers
+            assert answer == {
+                "error": {
+                    "message": "The model `m3` does not exist.",
+                    "type": "NotFoundError",
+                    "param": "model",
+                    "code": 404,
+                }
+            }
+        # No worker was contacted: both counted as the router's own answers.
+        assert await worker_requests(rt) == {"none": 2}
+        assert (await admitted(a), await admitted(b)) == (0, 0)
+        scrape = await rt.scrape()
+        assert (
+            scrape.value(
+                "kvrouter_requests_total", route="/v1/chat/completions", worker="none", status="404"
+            )
+            == 1
+        )
+
+
+async def test_a_prompt_warmed_under_one_model_draws_no_request_of_another() -> None:
+    """The m1 worker holds the prompt's blocks: the m2 requests for it go to the m2 worker,
+    where nothing of it is cached (the router matched none: no false hit)."""
+    async with (
+        fake_worker_in_process(model="m1") as a,
+        fake_worker_in_process(model="m2") as b,
+        router_in_process(workers=[a.url, b.url], expose_route_headers=True) as rt,
+    ):
+        await routable(rt, [a, b])
+        prompt = "You are a helpful assistant for ACME. Answer politely and in detail. " * 2
+        assert await served_by(rt, model="m1", prompt=prompt) == a.url
+        await quiesce([rt], [a, b])
+        assert await served_by(rt, model="m1", prompt=prompt) == a.url  # warm there
+        for _ in range(4):
+            assert await served_by(rt, model="m2", prompt=prompt) == b.url
+        assert (await admitted(a), await admitted(b)) == (2, 4)
+
+
+async def test_sglang_workers_answer_each_model_from_its_own_worker() -> None:
+    """SGLang does not check `model`: sent to the m1 worker, an m2 request was answered 200 by
+    m1. A name no SGLang worker lists goes to any (SGLang serves it), not a 404."""
+    async with (
+        fake_worker_in_process(model="m1", wire="sglang", lora_modules=("ad1",)) as a,
+        fake_worker_in_process(model="m2", wire="sglang") as b,
+        router_in_process(workers=[a.url, b.url], expose_route_headers=True) as rt,
+    ):
+        await routable(rt, [a, b])
+        for i in range(PER_MODEL):
+            status, answer, headers = await rt.post(
+                "/v1/completions", {"model": "m2", "prompt": f"question {i}", "max_tokens": 1}
+            )
+            assert (status, answer["model"], headers["X-Kvrouter-Worker"]) == (200, "m2", b.url)
+        for i in range(PER_MODEL // 2):  # the adapter, by `lora_path` on /generate
+            body = {"text": f"adapter {i}", "lora_path": "ad1"}
+            assert await served_by(rt, "/generate", **body) == a.url
+        unlisted = Counter(
+            [await served_by(rt, model="default", prompt=f"x {i}") for i in range(6)]
+        )
+        assert sum(unlisted.values()) == 6
+        assert (await admitted(a), await admitted(b)) == (
+            PER_MODEL // 2 + unlisted[a.url],
+            PER_MODEL + unlisted[b.url],
+        )
+
+
+async def test_a_failed_worker_fails_over_only_to_another_serving_the_model() -> None:
+    """m1 on a and c, m2 on b: the m1 requests a refuses with a 503 go on to c, never b."""
+    async with (
+        fake_worker_in_process(model="m1") as a,
+        fake_worker_in_process(model="m2") as b,
+        fake_worker_in_process(model="m1") as c,
+        router_in_process(
+            workers=[a.url, b.url, c.url], policy="round_robin", expose_route_headers=True
+        ) as rt,
+    ):
+        await routable(rt, [a, b, c])
+        await a.post("/control/fail", {"count": 1000, "status": 503})
+        got = Counter([await served_by(rt, model="m1", prompt=f"q {i}") for i in range(6)])
+        assert got == {c.url: 6}
+        assert await admitted(b) == 0
+        # Alone with its model, a failing worker's 503 is relayed: b is never tried.
+        await c.post("/control/fail", {"count": 1000, "status": 503})
+        status, _, _ = await rt.post("/v1/completions", {"model": "m1", "prompt": "q"})
+        assert status == 503
+        assert await admitted(b) == 0
+
+
+async def test_the_placer_places_a_new_prefix_among_the_workers_serving_its_model() -> None:
+    """m1 on w1, m2 on w2 and w3. The placer's view: w1 idle, w2 busy, w3 less so; among every
+    rank it would answer w1, which the asker cannot use for m2; among m2's, w3. The asker alone
+    would pick w2 (its view: w3 busy)."""
+    async with contextlib.AsyncExitStack() as stack:
+        w1, w2, w3 = [
+            await stack.enter_async_context(
+                fake_worker_in_process(model=model, cache_blocks=CACHE_BLOCKS)
+            )
+            for model in ("m1", "m2", "m2")
+        ]
+        one, two = await two_sharing_replicas(stack, [w1, w2, w3], placement_timeout_ms=1000)
+        placer, asker = (one, two) if placer_of(one.url, [two.url]) is None else (two, one)
+        demand_on(placer, w2.url, 30, seed=1)
+        demand_on(placer, w3.url, 10, seed=2)
+        demand_on(asker, w3.url, 30, seed=3)
+        status, answer, headers = await asker.post(
+            "/v1/completions",
+            {"model": "m2", "prompt": prefix(random.Random(7)), "max_tokens": 1},
+        )
+        assert status == 200, answer
+        assert headers["X-Kvrouter-Worker"] == w3.url
+        assert counts(asker)["asked"] == counts(asker)["answered"] == 1
+        assert counts(asker).get("unusable", 0) == 0
+        assert policy_of(placer).ledger.demand(RankId(w1.url, 0)) == 0
+
+
+async def test_a_placers_answer_naming_a_worker_of_another_model_is_not_used() -> None:
+    """A placer that answers a rank the model is not served on (one of an earlier version,
+    which reads no model in the question): the asker decides among the model's ranks."""
+    async with contextlib.AsyncExitStack() as stack:
+        w1, w2, w3 = [
+            await stack.enter_async_context(
+                fake_worker_in_process(model=model, cache_blocks=CACHE_BLOCKS)
+            )
+            for model in ("m1", "m2", "m2")
+        ]
+        answered = asyncio.Event()
+        answered.set()
+        url = await stack.enter_async_context(stub_placer("later", (answered, RankId(w1.url, 0))))
+        asker = await stack.enter_async_context(asker_of(url, [w1, w2, w3], timeout_ms=1000))
+        status, answer, headers = await asker.post(
+            "/v1/completions",
+            {"model": "m2", "prompt": prefix(random.Random(3)), "max_tokens": 1},
+        )
+        assert status == 200, answer
+        assert headers["X-Kvrouter-Worker"] in {w2.url, w3.url}
+        assert (counts(asker)["asked"], counts(asker)["unusable"]) == (1, 1)
+        assert await admitted(w1) == 0
