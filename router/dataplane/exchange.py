@@ -98,7 +98,19 @@ _TO_WORKER_DROPPED: Final = _TO_CONTROL_DROPPED | {
     b"origin",
 }
 ROUTE_HEADERS: Final = (b"x-kvrouter-worker", b"x-kvrouter-dp-rank")
-_RESPONSE_DROPPED: Final = HOP_BY_HOP | set(ROUTE_HEADERS)
+# A worker's own CORS answer (an engine, or a proxy before it, that writes one whatever the
+# request's Origin: `Access-Control-Allow-Origin: *`) would let any page read the answers, and
+# next to the router's own (`--cors-allow-origin`) make two, which browsers refuse: only the
+# router's policy speaks for the routes it relays.
+_CORS_FIELDS: Final = {
+    b"access-control-allow-origin",
+    b"access-control-allow-credentials",
+    b"access-control-allow-methods",
+    b"access-control-allow-headers",
+    b"access-control-expose-headers",
+    b"access-control-max-age",
+}
+_RESPONSE_DROPPED: Final = HOP_BY_HOP | set(ROUTE_HEADERS) | _CORS_FIELDS
 # The fields of an answer head the relay reads or drops: a head is scanned for these names
 # only (in one pass of a compiled pattern over it, lower-cased), and every other field line
 # goes to the client as the worker wrote it.

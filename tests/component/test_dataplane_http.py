@@ -1631,6 +1631,41 @@ async def test_without_cors_allow_origin_no_page_gets_a_cors_answer() -> None:
         assert post_.header(b"origin") is None
 
 
+async def answer_with_a_cors_field_of_its_own(
+    request: Request, writer: asyncio.StreamWriter
+) -> None:
+    """A worker (or a proxy before it) that lets any page read its answers."""
+    writer.write(
+        respond(
+            200,
+            b'{"ok": true}',
+            b"Content-Type: application/json",
+            b"Access-Control-Allow-Origin: *",
+            b"Access-Control-Allow-Credentials: true",
+        )
+    )
+
+
+@pytest.mark.parametrize("allowed", [[], ["https://app.example"]])
+async def test_a_workers_own_cors_fields_never_reach_the_page(allowed: list[str]) -> None:
+    """Relayed, they let any origin read the answers whatever `--cors-allow-origin` says, and
+    beside the router's own made two `Access-Control-Allow-Origin` fields, which browsers
+    refuse."""
+    async with one_worker_and_a_client(
+        answer_with_a_cors_field_of_its_own, cors_allow_origin=allowed
+    ) as (_w, rt, client):
+        client.close()
+        for origin in ("https://evil.example", "https://app.example"):
+            headers = {"Origin": origin}
+            async with rt.session.post(
+                rt.url + "/v1/completions", headers=headers, data=COMPLETION
+            ) as r:
+                assert r.status == 200
+                expected = [origin] if origin in allowed else []
+                assert r.headers.getall("Access-Control-Allow-Origin", []) == expected
+                assert "Access-Control-Allow-Credentials" not in r.headers
+
+
 # -- section 2: what the current path promises ---------------------------------------------
 
 
