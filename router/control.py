@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -44,41 +45,62 @@ REPLICA: web.AppKey[Replica] = web.AppKey("replica", Replica)
 _MODELS_TIMEOUT: Final = aiohttp.ClientTimeout(total=2)  # each worker's, in a replica's own
 # How long the replica's own /v1/models answer is reused while its workers stay the same.
 MODELS_FRESH_S: Final = 1.0
+MODELS_KEYS: Final = 16  # the listings kept at once, one per credential (and none)
+MODELS_FETCHES: Final = 4  # listings fetched from the workers at once
 
 
 class SharedListing:
-    """One answer, fetched once for every caller that asks while it is fetched or fresh.
+    """Answers fetched once for every caller that asks while one is fetched or fresh.
 
     `/v1/models` needs no token of the router's (clients read it) and asks every worker:
     uncached, each call of a flood was one request to each worker. An answer is reused for
     `fresh_s` while the `key` it was fetched for stays the same (the routable workers, and the
-    caller's `Authorization`, with which the workers were asked: an answer read with one
-    caller's credential is never another's); callers arriving during a fetch await that fetch.
-    A fetch that fails is not kept."""
+    `Authorization` the workers were asked with: an answer read with one caller's credential
+    is never another's); callers arriving during a fetch await that fetch. A fetch that fails
+    is not kept. The answers of the last `most_keys` keys are kept, and at most
+    `most_fetches` fetches run at once, the others waiting their turn: callers varying their
+    `Authorization` cost at most that many fetches of every worker at a time (one answer for
+    all of them was pushed out by each, and the fetches ran unbounded)."""
 
     def __init__(
-        self, fresh_s: float = MODELS_FRESH_S, clock: Callable[[], float] = time.monotonic
+        self,
+        fresh_s: float = MODELS_FRESH_S,
+        clock: Callable[[], float] = time.monotonic,
+        most_keys: int = MODELS_KEYS,
+        most_fetches: int = MODELS_FETCHES,
     ):
         self.fresh_s = fresh_s
         self._clock = clock
-        self._key: object = None
-        self._at = 0.0
-        self._answer: asyncio.Future[Any] | None = None
+        self._most_keys = most_keys
+        self._turns = asyncio.Semaphore(most_fetches)
+        # key -> (the answer, when its fetch began), least recently asked first
+        self._answers: OrderedDict[object, tuple[asyncio.Future[Any], float]] = OrderedDict()
         self.fetches = 0
 
     async def get(self, key: object, fetch: Callable[[], Awaitable[Any]]) -> Any:
-        answer = self._answer
+        kept = self._answers.get(key)
         now = self._clock()
-        if answer is None or key != self._key or (answer.done() and now - self._at >= self.fresh_s):
+        if kept is None or (kept[0].done() and now - kept[1] >= self.fresh_s):
             self.fetches += 1
-            answer = self._answer = asyncio.ensure_future(fetch())
-            self._key, self._at = key, now
-            answer.add_done_callback(self._forget_failure)
+            answer = asyncio.ensure_future(self._in_turn(fetch))
+            self._answers[key] = (answer, now)
+            answer.add_done_callback(lambda done: self._forget_failure(key, done))
+            while len(self._answers) > self._most_keys:
+                self._answers.popitem(last=False)
+        else:
+            answer = kept[0]
+        self._answers.move_to_end(key)
         return await asyncio.shield(answer)
 
-    def _forget_failure(self, answer: asyncio.Future[Any]) -> None:
-        if (answer.cancelled() or answer.exception() is not None) and self._answer is answer:
-            self._answer = None
+    async def _in_turn(self, fetch: Callable[[], Awaitable[Any]]) -> Any:
+        async with self._turns:
+            return await fetch()
+
+    def _forget_failure(self, key: object, answer: asyncio.Future[Any]) -> None:
+        if answer.cancelled() or answer.exception() is not None:
+            kept = self._answers.get(key)
+            if kept is not None and kept[0] is answer:
+                del self._answers[key]
 
 
 MODELS: web.AppKey[SharedListing] = web.AppKey("models", SharedListing)
@@ -168,20 +190,28 @@ async def _models(request: web.Request) -> web.Response:
     # Engines run with an API key (vLLM's and SGLang's `--api-key`) guard their /v1/models as
     # their completions: the workers are asked with the caller's credential, as a completion
     # relayed carries it.
-    authorization = request.headers.get(hdrs.AUTHORIZATION)
-    status, body = await request.app[MODELS].get(
-        (urls, authorization), lambda: _fetch_models(replica, urls, authorization)
+    # Asked without a credential first: a fleet whose workers all list their models to anyone
+    # answers every caller with one listing, whatever `Authorization` each sends.
+    listings = request.app[MODELS]
+    status, body, refused = await listings.get(
+        (urls, None), lambda: _fetch_models(replica, urls, None)
     )
+    authorization = request.headers.get(hdrs.AUTHORIZATION)
+    if refused and authorization is not None:
+        status, body, _ = await listings.get(
+            (urls, authorization), lambda: _fetch_models(replica, urls, authorization)
+        )
     headers = {hdrs.WWW_AUTHENTICATE: "Bearer"} if status == 401 else None
     return web.json_response(body, status=status, headers=headers)
 
 
 async def _fetch_models(
     replica: Replica, urls: tuple[str, ...], authorization: str | None
-) -> tuple[int, dict[str, Any]]:
+) -> tuple[int, dict[str, Any], bool]:
     """Every model the workers `urls` list, each once (the first worker's card), asked with
     `authorization`; a worker that does not answer is left out. When every worker refused the
-    credential (401 or 403), their refusal instead: an empty list read as "no model served"."""
+    credential (401 or 403), their refusal instead: an empty list read as "no model served".
+    Last, whether any worker refused it."""
     session = replica.sessions[0]
     seen: dict[str, Any] = {}
     refusals: list[int] = []
@@ -206,10 +236,12 @@ async def _fetch_models(
             + ("send the engines' API key" if authorization is None else "check the API key")
             + " in an 'Authorization: Bearer' header"
         )
-        return status, {
-            "error": {"message": message, "type": "authentication_error", "param": None}
-        }
-    return 200, {"object": "list", "data": list(seen.values())}
+        return (
+            status,
+            {"error": {"message": message, "type": "authentication_error", "param": None}},
+            True,
+        )
+    return 200, {"object": "list", "data": list(seen.values())}, bool(refusals)
 
 
 def _listed_models(listing: Any) -> list[dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any
 
@@ -172,6 +173,29 @@ async def test_v1_models_is_the_union_of_the_workers_models() -> None:
         assert sorted(m["id"] for m in body["data"]) == ["model-a", "model-b"]
 
 
+async def test_v1_models_of_workers_listing_to_anyone_is_one_fetch_whatever_each_caller_sends() -> (
+    None
+):
+    """Callers varying their `Authorization` each had the workers asked anew (one answer was
+    kept, and each pushed the last out): a flood of made-up keys was a request to every worker
+    each. Workers that list their models to anyone are asked once for all of them."""
+    async with contextlib.AsyncExitStack() as stack:
+        a = await stack.enter_async_context(fake_worker_in_process(model="model-a"))
+        b = await stack.enter_async_context(fake_worker_in_process(model="model-b"))
+        rt = await stack.enter_async_context(router_in_process(workers=[a.url, b.url]))
+        listing = rt.serving.control.app[MODELS]
+
+        async def models(k: int) -> list[str]:
+            headers = {"Authorization": f"Bearer made-up-{k}"}
+            async with rt.session.get(f"{rt.url}/v1/models", headers=headers) as resp:
+                assert resp.status == 200
+                return sorted(m["id"] for m in (await resp.json())["data"])
+
+        answers = await asyncio.gather(*(models(k) for k in range(50)))
+        assert answers == [["model-a", "model-b"]] * 50
+        assert listing.fetches == 1
+
+
 async def test_v1_models_asks_workers_with_the_callers_key_and_relays_their_401_without_one() -> (
     None
 ):
@@ -203,6 +227,7 @@ async def test_v1_models_asks_workers_with_the_callers_key_and_relays_their_401_
         assert status == 401 and "data" not in body
         status, body, _ = await models({"Authorization": "Bearer wrong"})
         assert status == 401 and "check the API key" in body["error"]["message"]
-        assert listing.fetches == 4  # one per credential in a row, each asking both workers
+        # Without a credential once (every worker refused it), then once per other credential.
+        assert listing.fetches == 3
         status, answer, _ = await rt.post("/v1/completions", COMPLETION, headers=key)
         assert status == 200 and answer["choices"][0]["text"]

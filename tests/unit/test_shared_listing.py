@@ -53,3 +53,35 @@ async def test_a_caller_that_leaves_does_not_cancel_the_fetch_the_others_wait_fo
     first.cancel()
     assert await second == 1
     assert fetch.calls == 1
+
+
+async def test_answers_of_several_keys_are_kept_the_least_recently_asked_going_first() -> None:
+    """One answer was kept: callers alternating two keys had every call fetched anew."""
+    shared, fetch = SharedListing(fresh_s=60.0, clock=ManualClock(), most_keys=2), Fetcher()
+    assert [await shared.get(k, fetch) for k in ("a", "b", "a", "b")] == [1, 2, 1, 2]
+    assert await shared.get("c", fetch) == 3  # past two keys: "a", asked least lately, goes
+    assert await shared.get("b", fetch) == 2
+    assert await shared.get("a", fetch) == 4
+    assert fetch.calls == shared.fetches == 4
+
+
+async def test_at_most_most_fetches_run_at_once_the_others_waiting_their_turn() -> None:
+    running, most = 0, 0
+    release = asyncio.Event()
+
+    async def slow() -> str:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await release.wait()
+        running -= 1
+        return "listing"
+
+    shared = SharedListing(fresh_s=60.0, clock=ManualClock(), most_fetches=2)
+    callers = [asyncio.ensure_future(shared.get(k, slow)) for k in range(6)]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert (running, most) == (2, 2)
+    release.set()
+    assert await asyncio.gather(*callers) == ["listing"] * 6
+    assert most == 2 and shared.fetches == 6
