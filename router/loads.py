@@ -288,6 +288,18 @@ _FIELD_OF: Final = {
 }
 
 
+_VLLM_BLOCK_SIZE: Final = re.compile(
+    r'^vllm:cache_config_info\{[^}\r\n]*\bblock_size="([0-9]{1,9})"', re.MULTILINE
+)
+
+
+def vllm_block_size(text: str) -> int | None:
+    """The KV block size a vLLM `/metrics` states (`vllm:cache_config_info`'s `block_size`
+    label, one sample per engine core), or None when it states none or its cores differ."""
+    sizes = set(map(int, _VLLM_BLOCK_SIZE.findall(text)))
+    return sizes.pop() if len(sizes) == 1 else None
+
+
 class TooManySamples(ValueError):
     """A `/metrics` body with more lines of the load gauges than `MAX_METRIC_SAMPLES`."""
 

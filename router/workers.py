@@ -92,7 +92,13 @@ from router.breaker import CircuitBreaker
 from router.dataplane.polling import PollClient
 from router.graft import LocalGraft
 from router.index import SLICE_BLOCKS, Pump, run_steps
-from router.loads import MAX_DP_SIZE, METRICS_MAX_BODY_BYTES, LoadMonitor, parse_metrics_text
+from router.loads import (
+    MAX_DP_SIZE,
+    METRICS_MAX_BODY_BYTES,
+    LoadMonitor,
+    parse_metrics_text,
+    vllm_block_size,
+)
 from router.subscriber import (
     DEFAULT_MAX_MESSAGE_BYTES,
     RankEndpoint,
@@ -159,11 +165,12 @@ class KvEventsInfo:
     block_size: int | None
     dp_size: int
     replay_port_base: int | None
-    source: str  # "server_info", "flags", or `METRICS_DP_SOURCE`
+    source: str  # "server_info", "flags", or `METRICS_SOURCE`
 
 
-# The source of a worker's KV-event description made of the flags and its /metrics' dp size.
-METRICS_DP_SOURCE: Final = "flags, dp size of /metrics"
+# The source of a worker's KV-event description made of the flags and what its /metrics
+# states of its dp size and block size.
+METRICS_SOURCE: Final = "flags, /metrics"
 
 
 @dataclass(frozen=True, slots=True)
@@ -1281,34 +1288,42 @@ class WorkerRegistry:
 
     async def _described(self, url: str, body: Any) -> KvEventsInfo:
         """`parse_server_info` of the worker's /server_info answer (`body`); for one without a
-        kv_events block (vLLM), with the dp size its /metrics states (`engines_dp_size`) in
-        place of `--dp-size` when it states one. One `--dp-size` for a fleet of engines with
-        different dp sizes routed to ranks an engine did not have (the engine answered 400)
-        and subscribed to ports nothing published on."""
+        kv_events block (vLLM), with the dp size (`engines_dp_size`) and block size
+        (`vllm_block_size`) its /metrics states in place of the flags' when it states them.
+        One `--dp-size` for a fleet of engines with different dp sizes routed to ranks an
+        engine did not have (the engine answered 400) and subscribed to ports nothing
+        published on; and a vLLM of another block size was learned of only at its first
+        store, then admitted again at every look and refused again at its next store."""
         info = parse_server_info(body, url, self.defaults)
         if info.source != "flags":
             return info
-        dp_size = await self._metrics_dp_size(url)
-        if dp_size is None:
+        dp_size, block_size = await self._metrics_description(url)
+        if dp_size is None and block_size is None:
             return info
-        return replace(info, dp_size=dp_size, source=METRICS_DP_SOURCE)
+        return replace(
+            info,
+            dp_size=dp_size or info.dp_size,
+            block_size=block_size if block_size in range(1, MAX_BLOCK_SIZE + 1) else None,
+            source=METRICS_SOURCE,
+        )
 
-    async def _metrics_dp_size(self, url: str) -> int | None:
-        """The dp size the worker's /metrics states (`engines_dp_size`), None when it is
-        unreadable or states none."""
+    async def _metrics_description(self, url: str) -> tuple[int | None, int | None]:
+        """The dp size (`engines_dp_size`) and block size (`vllm_block_size`) the worker's
+        /metrics states, each None when it is unreadable or states none."""
         try:
             async with self.session.get(
                 f"{url}/metrics", timeout=self._timeout, allow_redirects=False
             ) as resp:
                 if resp.status != 200:
-                    return None
+                    return None, None
                 body = await read_up_to(resp.content, METRICS_MAX_BODY_BYTES)
             if len(body) > METRICS_MAX_BODY_BYTES:
-                return None
-            ranks = parse_metrics_text(body.decode("utf-8", "replace"))
+                return None, None
+            text = body.decode("utf-8", "replace")
+            ranks = parse_metrics_text(text)
         except (aiohttp.ClientError, TimeoutError, ValueError):
-            return None
-        return engines_dp_size(ranks)
+            return None, None
+        return engines_dp_size(ranks), vllm_block_size(text)
 
     async def _register_anew(self, worker: Worker, info: KvEventsInfo) -> None:
         """A worker whose KV-event ranks changed while it was registered (its engine

@@ -258,7 +258,8 @@ async def test_a_worker_stating_no_block_size_is_refused_at_its_first_store_of_a
     async with (
         fake_worker_in_process() as honest,
         fake_worker_in_process(block_size=32) as other,
-        front(other, {"/server_info": (404, b"")}) as other_url,
+        # Its /metrics hidden too (they state its block size): what the events show.
+        front(other, {"/server_info": (404, b""), "/metrics": (404, b"")}) as other_url,
         router_in_process(
             workers=[honest.url, other_url],
             block_size=16,

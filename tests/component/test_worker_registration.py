@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from cachetree.ranks import RankId
-from router.workers import METRICS_DP_SOURCE, subscriber_name
+from router.workers import METRICS_SOURCE, subscriber_name
 from tests.support.adversary import front, stub_server, stub_worker_routes
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.router import RouterHandle, router_in_process
@@ -350,4 +350,32 @@ async def test_a_vllm_worker_without_server_info_has_the_dp_size_its_metrics_sta
         assert worker is not None and worker.state == "ready"
         assert worker.ranks() == tuple(RankId(url, r) for r in range(engine_dp))
         assert rt.replica.pump.rules.live == set(worker.ranks())
-        assert worker.kv is not None and worker.kv.source == METRICS_DP_SOURCE
+        assert worker.kv is not None and worker.kv.source == METRICS_SOURCE
+
+
+@pytest.mark.parametrize("fleet_block_size", [16, None])
+async def test_a_vllm_worker_without_server_info_has_the_block_size_its_metrics_state(
+    fleet_block_size: int | None,
+) -> None:
+    """vLLM's /metrics states its block size (`vllm:cache_config_info`'s `block_size`): one of
+    another size than the fleet's was admitted, taking traffic until its first store refused
+    it, and admitted again at every later look; and `--block-size 0` could not learn from a
+    vLLM. Now it is read at registration: refused at once, or the fleet's size learned."""
+    hidden = {"/server_info": (404, b""), "/v1/loads": (404, b"")}
+    async with (
+        fake_worker_in_process(block_size=32) as fw,
+        front(fw, hidden) as url,
+        router_in_process(
+            workers=[url], block_size=fleet_block_size, kv_events_port_base=fw.config.kv_port_base
+        ) as rt,
+    ):
+        registry = rt.replica.workers
+        worker = registry.get(url)
+        assert worker is not None and worker.kv is not None
+        assert (worker.kv.block_size, worker.kv.source) == (32, METRICS_SOURCE)
+        if fleet_block_size is None:
+            assert worker.state == "ready" and registry.block_size == 32
+        else:
+            assert worker.state == "refused" and "block size 32 differs" in worker.reason
+            assert registry.stats.refused["block_size"] == 1
+            assert registry.routable() == []
