@@ -701,9 +701,11 @@ def cut_tail(framing: Framing, sse: bool, reason: str, inside_event: bool = Fals
     return chunk(event) if framing is Framing.CHUNKED else event
 
 
-# The ends of an SSE event (a line end, then the blank line's: CRLF, LF or CR each) a read
-# most often ends with.
-_EVENT_ENDS: Final = (b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n", b"\r\n\n")
+# The ends of an SSE event (a line end, then the blank line's: CRLF or LF) a read most often
+# ends with. Each ends with an LF, which is all a read after it needs of it (`events_end`):
+# a CR-only stream's end (a CR blank line) comes by `events_end`, as rare as such streams.
+_EVENT_ENDS: Final = (b"\n\n", b"\r\n\r\n", b"\n\r\n", b"\r\n\n")
+_AFTER_AN_EVENT_END: Final = b"\n"
 # Every event end holds one of these: two line ends in a row, the second the blank line's
 # (CR LF alone is one line end).
 _BLANK_LINE_STARTS: Final = (b"\n\n", b"\r\r", b"\n\r")
@@ -712,11 +714,18 @@ _BLANK_LINE_STARTS: Final = (b"\n\n", b"\r\r", b"\n\r")
 def events_end(data: bytes, before: bytes = b"") -> int:
     """How many bytes of `data` the SSE events ending in it take: up to the end of the last
     blank line in it (WHATWG SSE: lines end with CRLF, LF or CR; a blank line ends an event),
-    0 when none ends there. `before`: the byte before `data`, where that blank line's line
-    end may begin."""
+    0 when none ends there. `before`: the stream's last two bytes before `data` (fewer at its
+    start), where that blank line's line end may begin, or where a blank line ended with a CR
+    whose LF begins `data`."""
     at = max(map(data.rfind, _BLANK_LINE_STARTS))
     if at < 0:
-        if not before or before + data[:1] not in _BLANK_LINE_STARTS:
+        if data[:1] == b"\n" and before[-1:] == b"\r" and before[-2:-1] in (b"\r", b"\n"):
+            # The CR ended a blank line, and the event with it (a client that dispatches on
+            # the CR has it); this LF makes that line end a CRLF and goes at once: held until
+            # the next event ended, a reader that waits for the byte after a CR (httpx's
+            # iter_lines) got the event only with the next.
+            return 1
+        if before[-1:] + data[:1] not in _BLANK_LINE_STARTS:
             return 0
         at = -1  # the first byte of `data` ends the blank line
     end = at + 2
@@ -741,14 +750,22 @@ class WholeEvents:
 
     held: bytearray
     inside_event: bool = False  # part of an event went out, and its end did not yet
+    # The stream's last bytes read, held or sent, as many as `events_end` reads of its `before`
+    # (two, or the LF of an event's end): an event's end may begin in them, its bytes already
+    # sent (an event passed on as it came, a blank line's CR whose LF comes next), and no
+    # held byte says so.
+    tail: bytes = b""
 
     def take(self, data: bytes) -> bytes:
         """What of the held bytes and `data` goes to the client now (b"": nothing yet)."""
         held = self.held
         if not held and data.endswith(_EVENT_ENDS):
             self.inside_event = False
+            self.tail = _AFTER_AN_EVENT_END
             return data
-        end = events_end(data, bytes(held[-1:]))
+        before = self.tail
+        self.tail = data[-2:] if len(data) > 1 else (before + data)[-2:]
+        end = events_end(data, before)
         if not end:
             held += data
             if len(held) <= MAX_HELD_EVENT_BYTES:

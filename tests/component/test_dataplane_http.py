@@ -1302,6 +1302,42 @@ async def test_an_sse_event_reaches_the_client_before_the_worker_sends_the_next(
             assert await resp.content.read() == b"data: two\n\n"
 
 
+async def test_an_sse_event_split_between_its_blank_lines_cr_and_lf_arrives_at_once() -> None:
+    """sse-starlette ends lines with CRLF; a worker write ending between the CR and the LF of
+    an event's blank line had the LF held until the next event ended, and a reader that holds
+    a CR for the byte after it (httpx's iter_lines) got the event only with the next."""
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    first = b"c\r\ndata: one\r\n\r\r\n"  # the event up to its blank line's CR
+    read_first, next_event = asyncio.Event(), asyncio.Event()
+
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(head + first)
+        await writer.drain()
+        await read_first.wait()
+        writer.write(b"1\r\n\n\r\n")
+        await writer.drain()
+        await next_event.wait()
+        writer.write(b"d\r\ndata: two\r\n\r\n\r\n0\r\n\r\n")
+
+    async with scripted_worker(script) as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+
+        def replica_read_first() -> bool:
+            pool = rt.plane.pools.get(w.url)
+            return pool is not None and any(c.answered >= len(head + first) for c in pool.busy)
+
+        async with rt.session.post(f"{rt.url}/v1/completions", data=STREAM) as resp:
+            await eventually(replica_read_first)
+            read_first.set()  # the LF comes in a read of its own
+            async with asyncio.timeout(5):
+                assert await resp.content.readexactly(13) == b"data: one\r\n\r\n"
+            next_event.set()
+            assert await resp.content.read() == b"data: two\r\n\r\n"
+        assert len(w.posts()) == 1
+
+
 async def sse_then_death(request: Request, writer: asyncio.StreamWriter) -> None:
     writer.write(
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"

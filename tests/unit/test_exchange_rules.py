@@ -634,6 +634,10 @@ def test_what_a_cut_stream_sends_before_the_close(framing: Framing, sse: bool, e
         (b"\r\ndata: two", b"\n", 2),
         (b"\rdata: two", b"\r", 1),
         (b"data: two", b"\n", 0),
+        (b"\n", b"\n\r", 1),  # the LF of a blank line's CRLF whose CR ended the read before
+        (b"\ndata: two", b"\r\r", 1),  # a CR line end, then a CRLF blank line
+        (b"\ndata: two", b"e\r", 0),  # CR LF is one line end: no blank line
+        (b"\n\rdata", b"e\r", 2),  # a CRLF line end begun before, then a CR blank line
     ],
 )
 def test_where_the_last_sse_event_in_a_read_ends(data: bytes, before: bytes, end: int) -> None:
@@ -680,6 +684,35 @@ def test_an_sse_event_too_long_to_hold_is_passed_on_and_a_cut_inside_it_ends_it_
     error = json.loads(sse_events(body)[-1].removeprefix(b"data: "))["error"]
     assert error["type"] == "upstream_error"
     assert events.take(b"x\r\n\r\n" + TWO[:3]) == b"x\r\n\r\n" and not events.inside_event
+
+
+BIG = b"data: " + b"x" * MAX_HELD_EVENT_BYTES  # passed on as it comes
+
+
+@pytest.mark.parametrize(
+    ("reads", "passed"),
+    [
+        # CRLF blank lines (sse-starlette's), a read ending between the CR and the LF.
+        ([ONE + b"\r\n\r", b"\n", TWO + b"\r\n\r\n"], [ONE + b"\r\n\r", b"\n", TWO + b"\r\n\r\n"]),
+        ([ONE + b"\r\n\r", b"\n" + TWO[:3]], [ONE + b"\r\n\r", b"\n"]),
+        ([ONE + b"\r\r", b"\n"], [ONE + b"\r\r", b"\n"]),  # CR, then a CRLF blank line
+        ([ONE + b"\r", b"\n", b"\r\n"], [b"", b"", ONE + b"\r\n\r\n"]),  # CRLF line end
+        # An event too long to hold, whose blank line begins in a read of its own.
+        ([BIG + b"\n", b"\n"], [BIG + b"\n", b"\n"]),
+        ([BIG + b"\r\n", b"\r\n"], [BIG + b"\r\n", b"\r\n"]),
+        ([BIG + b"\r", b"\r", b"\n"], [BIG + b"\r", b"\r", b"\n"]),
+    ],
+)
+def test_a_read_ending_an_sse_event_passes_it_on_whole_when_its_start_went_out_before(
+    reads: list[bytes], passed: list[bytes]
+) -> None:
+    """The byte an event's end begins with may have gone to the client already, held nowhere:
+    the LF of its blank line's CRLF waited for the next event's end (2 s in a probe, which
+    httpx's iter_lines, holding a CR for the byte after it, saw the event that late), and so
+    did the end of an event passed on as it came."""
+    events = WholeEvents(bytearray())
+    assert [events.take(read) for read in reads] == passed
+    assert b"".join(passed) + events.rest() == b"".join(reads) and not events.inside_event
 
 
 def test_sse_reads_ending_an_event_pass_through_and_a_split_one_is_relayed_once_ended() -> None:
