@@ -280,7 +280,12 @@ def _origin_form(target: bytes) -> bytes:
 
 
 def head_without_upgrade(
-    method: bytes, target: bytes, http_11: bool, headers: list[tuple[bytes, bytes]]
+    method: bytes,
+    target: bytes,
+    http_11: bool,
+    headers: list[tuple[bytes, bytes]],
+    *,
+    invited: bool,
 ) -> bytes:
     """A request head asking to switch protocols (`Upgrade: h2c`, what `curl --http2` sends
     over plain HTTP; a WebSocket handshake), written again without its Upgrade field: the
@@ -288,9 +293,12 @@ def head_without_upgrade(
     server (nginx does the same). llhttp stops at such a head before its body, so the server
     parses this head afresh, followed by the bytes the client sent after the original one.
     The Connection field stays (the token it names is hop-by-hop and dropped upstream).
-    (CONNECT, which llhttp also stops at, never gets here: `read_request_head` refuses it.)"""
+    `invited`: the client was sent its `100 Continue` already, and the head goes without its
+    Expect field too, which would have it sent again (a client got two); one still owed keeps
+    it. (CONNECT, which llhttp also stops at, never gets here: `read_request_head` refuses it.)"""
+    dropped = (b"upgrade", b"expect") if invited else (b"upgrade",)
     lines = [b"%s %s HTTP/%s\r\n" % (method, target, b"1.1" if http_11 else b"1.0")]
-    lines += [b"%s: %s\r\n" % field for field in headers if field[0].lower() != b"upgrade"]
+    lines += [b"%s: %s\r\n" % field for field in headers if field[0].lower() not in dropped]
     lines.append(b"\r\n")
     return b"".join(lines)
 

@@ -1098,7 +1098,8 @@ class ClientConnection(asyncio.Protocol):
         head: it is served as a plain request instead (`head_without_upgrade`), its head
         written again without the Upgrade field for a fresh parser (returned; None if no head
         was read); the parse so far is dropped (the request had not completed, so nothing of
-        it was answered)."""
+        it was answered but a `100 Continue`, which the head written again does not ask for
+        again)."""
         incoming = self._incoming
         if incoming is None or incoming.head is None:
             return None
@@ -1106,7 +1107,10 @@ class ClientConnection(asyncio.Protocol):
         self._queue.remove(incoming)
         self._incoming = None
         self._parser = httptools.HttpRequestParser(self)
-        return head_without_upgrade(head.method, incoming.url, head.http_11, head.headers)
+        invited = head.expect is not None and not incoming.continue_due
+        return head_without_upgrade(
+            head.method, incoming.url, head.http_11, head.headers, invited=invited
+        )
 
     def _failed(self, error: BaseException | None) -> None:
         """Something other than the client's bytes failed (a bug), inside a parser callback

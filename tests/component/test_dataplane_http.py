@@ -436,6 +436,30 @@ async def test_a_request_asking_to_switch_protocols_is_served_as_a_plain_one() -
         assert bytes(client.raw).count(b"HTTP/1.1 ") == 4  # one answer per request, no more
 
 
+@pytest.mark.parametrize("behind_another", [False, True])
+async def test_a_request_asking_to_switch_protocols_and_for_a_100_continue_gets_one_100(
+    behind_another: bool,
+) -> None:
+    """Its head was parsed twice, with Upgrade and then written again without it, and each
+    parse sent a `100 Continue` (two interim answers); behind another request, the one 100 it
+    is owed goes out in its turn."""
+    async with one_worker_and_a_client() as (w, _rt, client):
+        client.send(
+            (post(b"/v1/completions", COMPLETION) if behind_another else b"")
+            + b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\n"
+            + b"Upgrade: h2c\r\nExpect: 100-continue\r\n"
+            + b"Content-Length: %d\r\n\r\n" % len(COMPLETION)
+        )
+        await eventually(lambda: b"100 Continue" in client.raw or client._read(), 5)
+        client.send(COMPLETION)
+        answers = [(await client.answer()) for _ in range(1 + behind_another)]
+        assert [a.status for a in answers if a] == [200] * (1 + behind_another)
+        assert bytes(client.raw).count(b"HTTP/1.1 100 Continue\r\n\r\n") == 1
+        assert [p.body for p in w.posts()] == [COMPLETION] * (1 + behind_another)
+        assert [p.header(b"Upgrade") for p in w.posts()] == [None] * (1 + behind_another)
+        client.close()
+
+
 @pytest.mark.parametrize("served_first", [False, True])
 @pytest.mark.parametrize("target", [b"/v1/completions", b"/metrics"])
 async def test_connect_to_a_path_is_a_400_and_a_close_with_nothing_logged_at_error(

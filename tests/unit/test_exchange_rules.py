@@ -209,7 +209,7 @@ def test_a_request_asking_to_switch_protocols_is_written_again_without_its_upgra
         (b"HTTP2-Settings", b"AAMAAABkAAQCAAAAAAIAAAAA"),
         (b"Content-Length", b"2"),
     ]
-    again = head_without_upgrade(b"POST", b"/v1/completions", True, fields)
+    again = head_without_upgrade(b"POST", b"/v1/completions", True, fields, invited=False)
     assert again == (
         b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nConnection: Upgrade, HTTP2-Settings\r\n"
         b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\nContent-Length: 2\r\n\r\n"
@@ -217,7 +217,19 @@ def test_a_request_asking_to_switch_protocols_is_written_again_without_its_upgra
     parser = httptools.HttpRequestParser(_HeadReader())
     parser.feed_data(again + b"{}")
     assert not parser.should_upgrade()  # llhttp reads it as a plain request now
-    assert head_without_upgrade(b"GET", b"/x", False, []) == b"GET /x HTTP/1.0\r\n\r\n"
+    assert (
+        head_without_upgrade(b"GET", b"/x", False, [], invited=False) == b"GET /x HTTP/1.0\r\n\r\n"
+    )
+
+
+@pytest.mark.parametrize(("invited", "expect_kept"), [(True, False), (False, True)])
+def test_a_protocol_switch_head_written_again_asks_for_a_100_continue_only_if_still_owed(
+    invited: bool, expect_kept: bool
+) -> None:
+    fields = [(b"Host", b"r"), (b"Upgrade", b"h2c"), (b"EXPECT", b"100-continue")]
+    again = head_without_upgrade(b"POST", b"/v1/completions", True, fields, invited=invited)
+    assert (b"EXPECT: 100-continue\r\n" in again) is expect_kept
+    assert again.startswith(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n")
 
 
 @pytest.mark.parametrize(
