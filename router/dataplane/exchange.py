@@ -775,6 +775,8 @@ class WholeEvents:
         self.tail = data[-2:] if len(data) > 1 else (before + data)[-2:]
         end = events_end(data, before)
         if not end:
+            if self.inside_event:
+                return data  # part of this event went out: held, the rest would gain nothing
             held += data
             if len(held) <= MAX_HELD_EVENT_BYTES:
                 return b""

@@ -713,6 +713,8 @@ BIG = b"data: " + b"x" * MAX_HELD_EVENT_BYTES  # passed on as it comes
         ([BIG + b"\n", b"\n"], [BIG + b"\n", b"\n"]),
         ([BIG + b"\r\n", b"\r\n"], [BIG + b"\r\n", b"\r\n"]),
         ([BIG + b"\r", b"\r", b"\n"], [BIG + b"\r", b"\r", b"\n"]),
+        # ... and the rest of it, passed on as it comes too, not held a MiB again.
+        ([BIG, b"y" * 64, b"z\n\n" + TWO[:3]], [BIG, b"y" * 64, b"z\n\n"]),
     ],
 )
 def test_a_read_ending_an_sse_event_passes_it_on_whole_when_its_start_went_out_before(
