@@ -102,9 +102,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
         nargs="*",
         default=list(defaults.lora_modules),
         metavar="NAME",
-        help="LoRA adapters served: a request naming one (vLLM: model; SGLang: model as "
-        "base:NAME, else lora_path) is cached under it, its blocks published with its "
-        "lora_name; /v1/models lists each with the served model as its parent",
+        help="LoRA adapters served from the start (as a vLLM, POST /v1/load_lora_adapter "
+        "and /v1/unload_lora_adapter change them): a request naming one (vLLM: model; "
+        "SGLang: model as base:NAME, else lora_path) is cached under it, its blocks published "
+        "with its lora_name; /v1/models lists each with the served model as its parent",
     )
     p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     p.add_argument(

@@ -14,6 +14,11 @@ A request naming one of `--lora-modules` (`WorkerState.adapter_of`) is served un
 adapter: its prompt hits only blocks cached under it, and its blocks are published (and listed
 by `/v1/kv-snapshot`) with the adapter's `lora_name`; `/control/store` takes `lora_name` too.
 `/v1/models` lists each adapter as the engines do: a model whose `parent` is the served one.
+The vLLM flavour also serves vLLM's runtime LoRA routes (those `VLLM_ALLOW_RUNTIME_LORA_UPDATING`
+turns on): `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` loads one (no weights: any
+path is taken) and `POST /v1/unload_lora_adapter {"lora_name"}` drops one, `--lora-modules`'
+too, changing what `/v1/models` lists and which names are served, with vLLM's 400s and 404.
+`/control/state` counts the `/v1/models` reads (`models_reads`).
 
 Two response headers say what a generation request cost, for tests that assert costs:
 `X-Fake-Worker-DP-Rank` and `X-Fake-Worker-Cached-Tokens`.
@@ -104,6 +109,10 @@ class WorkerState:
             )
             self.tokenizer = self.model
         self.failures = FailureBudget(config.fail_first)
+        # The loaded adapters, by name, with the path `/v1/models` gives as their root (vLLM's
+        # `lora_path`; a `--lora-modules` one's is its name), in the order they were loaded.
+        self.adapters: dict[str, str] = {name: name for name in config.lora_modules}
+        self.models_reads = 0  # GET /v1/models answered: what a router's listing reads cost
         self._clock = clock
         self._ready_at = clock() + config.startup_delay_s
 
@@ -144,7 +153,7 @@ class WorkerState:
         else `lora_path` (the first, for a batch); either must name a loaded adapter. SGLang's
         native `/generate` (`native`; read so whichever engine the fake plays) has no `model`
         field (its GenerateReqInput drops it unread): `lora_path` alone names the adapter."""
-        loaded = self.config.lora_modules
+        loaded = self.adapters
         model = None if native else body.get("model")
         if self.config.metrics_engine == "vllm" and not native:
             if not isinstance(model, str) or not model or model == self.config.model:
@@ -248,17 +257,67 @@ async def server_info(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    """The served model, then each of `--lora-modules` as a card whose `parent` is the served
+    """The served model, then each loaded adapter as a card whose `parent` is the served
     model, as vLLM's and SGLang's `/v1/models` list loaded adapters."""
-    cfg = request.app[STATE_KEY].config
+    state = request.app[STATE_KEY]
+    state.models_reads += 1
+    cfg = state.config
     created = int(time.time())
     card = {"object": "model", "created": created, "owned_by": cfg.metrics_engine}
     base = {**card, "id": cfg.model, "root": cfg.model, "parent": None}
     base["max_model_len"] = cfg.cache_blocks * cfg.block_size
     adapters = [
-        {**card, "id": name, "root": name, "parent": cfg.model} for name in cfg.lora_modules
+        {**card, "id": name, "root": root, "parent": cfg.model}
+        for name, root in state.adapters.items()
     ]
     return _json({"object": "list", "data": [base, *adapters]})
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's `/v1/load_lora_adapter`: the adapter is served and listed from now on. Both
+    names are required, and a name already loaded is refused (400s, as vLLM's
+    `_check_load_lora_adapter_request`); success is vLLM's plain-text 200."""
+    state = request.app[STATE_KEY]
+    body = await _read_body(request)
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not _name(name) or not _name(path):
+        raise RequestError(
+            "Both 'lora_name' and 'lora_path' must be provided.", None, type_="InvalidUserInput"
+        )
+    if name in state.adapters:
+        raise RequestError(
+            f"The lora adapter '{name}' has already been loaded.", None, type_="InvalidUserInput"
+        )
+    state.adapters[name] = path
+    log.info("loaded LoRA adapter %r (path %r)", name, path)
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's `/v1/unload_lora_adapter`: the adapter is no longer served nor listed; one not
+    loaded is vLLM's 404."""
+    state = request.app[STATE_KEY]
+    name = (await _read_body(request)).get("lora_name")
+    if not _name(name):
+        raise RequestError(
+            "'lora_name' needs to be provided to unload a LoRA adapter.",
+            None,
+            type_="InvalidUserInput",
+        )
+    if name not in state.adapters:
+        raise RequestError(
+            f"The lora adapter '{name}' cannot be found.",
+            None,
+            status=404,
+            type_="NotFoundError",
+        )
+    del state.adapters[name]
+    log.info("unloaded LoRA adapter %r", name)
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _name(value: object) -> bool:
+    return isinstance(value, str) and bool(value)
 
 
 async def loads(request: web.Request) -> web.Response:
@@ -405,9 +464,9 @@ async def control_store(request: web.Request) -> web.Response:
     if not isinstance(medium, str) or not medium:
         raise RequestError("'medium' must be a non-empty string", "medium")
     lora_name = body.get("lora_name")
-    if lora_name is not None and lora_name not in state.config.lora_modules:
+    if lora_name is not None and lora_name not in state.adapters:
         raise RequestError(
-            f"'lora_name' must name one of --lora-modules {list(state.config.lora_modules)}",
+            f"'lora_name' must name a loaded adapter, one of {list(state.adapters)}",
             "lora_name",
         )
     block_size = state.config.block_size
@@ -513,6 +572,7 @@ async def control_state(request: web.Request) -> web.Response:
             "failure_status": state.failures.status,
             "failed_requests": state.failures.failed,
             "healthy": state.healthy(),
+            "models_reads": state.models_reads,
         }
     )
 
@@ -525,6 +585,9 @@ def build_app(state: WorkerState) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/v1/models", models)
+    if state.config.metrics_engine == "vllm":
+        app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_post("/v1/completions", _generation_route(parse_completion, CompletionShape))
     app.router.add_post("/v1/chat/completions", _generation_route(parse_chat, ChatShape))
     app.router.add_post("/generate", _generation_route(parse_generate, GenerateShape, native=True))

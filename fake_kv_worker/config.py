@@ -34,9 +34,10 @@ class WorkerConfig:
     max_concurrency: int = 0  # per rank; 0 = unlimited, otherwise the rest queue
     topic: str = ""
     model: str = "fake-model"
-    # LoRA adapters it serves: a request naming one (`app.adapter_of`) is cached under it and
-    # its blocks published under its `lora_name`, as vLLM's `--lora-modules` and SGLang's
-    # `--lora-paths` make an engine do.
+    # LoRA adapters it serves from its start (the vLLM flavour loads and unloads adapters at
+    # run time: `app.load_lora_adapter`): a request naming one (`app.adapter_of`) is cached
+    # under it and its blocks published under its `lora_name`, as vLLM's `--lora-modules`
+    # and SGLang's `--lora-paths` make an engine do.
     lora_modules: tuple[str, ...] = ()
     max_tokens_default: int = 16
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES

@@ -435,6 +435,61 @@ async def test_a_vllm_request_naming_a_model_it_does_not_serve_is_answered_404_a
             assert (await post(fw, "/v1/completions", body))[0] == 200
 
 
+async def test_vllms_runtime_lora_routes_change_what_it_serves_and_lists() -> None:
+    """vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (with
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING): a loaded adapter is listed with its path as its root and
+    served; an unloaded one, `--lora-modules`' too, is neither; their 400s and 404 as vLLM's."""
+    async with fake_worker_in_process(wire="vllm", model="m1", lora_modules=("sql",)) as fw:
+        body = {"prompt": "hello there, a prompt", "max_tokens": 1, "model": "chat"}
+        assert (await post(fw, "/v1/completions", body))[0] == 404
+        async with fw.session.post(
+            fw.url + "/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": "/a/chat"}
+        ) as resp:
+            assert (resp.status, await resp.text()) == (
+                200,
+                "Success: LoRA adapter 'chat' added successfully.",
+            )
+        cards = (await fw.get("/v1/models"))["data"]
+        assert [(c["id"], c["root"], c["parent"]) for c in cards] == [
+            ("m1", "m1", None),
+            ("sql", "sql", "m1"),
+            ("chat", "/a/chat", "m1"),
+        ]
+        assert (await post(fw, "/v1/completions", body))[0] == 200
+        for refused, status, message in (
+            ({"lora_name": "chat", "lora_path": "/a/chat"}, 400, "has already been loaded"),
+            ({"lora_name": "x"}, 400, "Both 'lora_name' and 'lora_path' must be provided."),
+            ({"lora_path": "/a/x", "lora_name": ""}, 400, "Both 'lora_name'"),
+        ):
+            status_got, answer, _ = await post(fw, "/v1/load_lora_adapter", refused)
+            assert status_got == status and message in answer["error"]["message"]
+        assert await fw.lora_adapter("unload", "sql") == (
+            200,
+            "Success: LoRA adapter 'sql' removed successfully.",
+        )
+        assert [c["id"] for c in (await fw.get("/v1/models"))["data"]] == ["m1", "chat"]
+        assert (await post(fw, "/v1/completions", {**body, "model": "sql"}))[0] == 404
+        status, answer, _ = await post(fw, "/v1/unload_lora_adapter", {"lora_name": "sql"})
+        assert (status, answer["error"]) == (
+            404,
+            {
+                "message": "The lora adapter 'sql' cannot be found.",
+                "type": "NotFoundError",
+                "param": None,
+                "code": 404,
+            },
+        )
+        assert (await post(fw, "/v1/unload_lora_adapter", {}))[0] == 400
+        # Every /v1/models read is counted: the cost a router's listing reads put on it.
+        assert await fw.models_reads() == 2
+
+
+async def test_an_sglang_fake_serves_no_runtime_lora_route() -> None:
+    async with fake_worker_in_process(wire="sglang") as fw:
+        assert (await fw.lora_adapter("load", "chat"))[0] == 404
+        assert [c["id"] for c in (await fw.get("/v1/models"))["data"]] == ["fake-model"]
+
+
 async def test_kv_snapshot_is_not_served_without_the_flag() -> None:
     async with fake_worker_in_process() as fw, fw.session.get(fw.url + "/v1/kv-snapshot") as resp:
         assert resp.status == 404

@@ -113,6 +113,16 @@ class FakeWorkerHandle:
     async def state(self, dp_rank: int = 0) -> dict[str, Any]:
         return (await self.get("/control/state"))["ranks"][dp_rank]
 
+    async def models_reads(self) -> int:
+        """The `/v1/models` reads it answered."""
+        return int((await self.get("/control/state"))["models_reads"])
+
+    async def lora_adapter(self, action: str, name: str) -> tuple[int, str]:
+        """vLLM's runtime LoRA route: `action` "load" (the path is the name) or "unload"."""
+        body = {"lora_name": name, "lora_path": name} if action == "load" else {"lora_name": name}
+        async with self.session.post(f"{self.url}/v1/{action}_lora_adapter", json=body) as resp:
+            return resp.status, await resp.text()
+
 
 @contextlib.asynccontextmanager
 async def fake_worker_in_process(
