@@ -8,14 +8,20 @@ model drew another model's requests to its rank.
 
 - A worker whose listing is unknown (its `/v1/models` unreadable, or naming no base model)
   serves any name: it is never filtered out because the router could not read it.
-- A name no listing holds goes to those workers alone; with none, the request is refused
-  (`strict`: a 404 in vLLM's shape) unless the engine serves any name there (SGLang's
-  `model` outside an adapter's: `ModelAsk`'s `strict` False), when it goes to any worker.
+- A name no listing holds goes to those workers alone; with none, to any worker, whose engine
+  answers: its 404 for a name it does not serve, or a LoRA resolver's adapter loaded on its
+  first request. Refused by the router, an adapter loaded at run time (vLLM's
+  `/v1/load_lora_adapter`, a resolver) was a 404 until its worker registered again.
+- Such a name is `unheard` when the engine serves only the names it lists (`ModelAsk`'s
+  `strict`: vLLM's `model`, an adapter's name; not SGLang's `model` outside an adapter's,
+  which it serves whatever it names) and some listing is known: the listings may be stale,
+  and the replica reads them again (`WorkerRegistry.reread_listings`, at most once per
+  `MODELS_REREAD_S`), after which an adapter loaded since goes to its workers alone.
 - A request naming no model goes to any worker.
 
 The table is made once per change of the routable workers or their listings; a request costs
-a dict lookup. In the common fleet, one model on every worker, each name maps to `EVERY`, and
-nothing is filtered.
+a dict lookup. In the common fleet, one model on every
+worker, each name maps to `EVERY`, and nothing is filtered.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ from typing import Final
 
 from router.workers import ServedModels
 
-# The model a request asks for, and whether a name no worker lists is refused (`strict`). A
-# plain tuple: made per request, and a NamedTuple's or a dataclass's constructor costs ~20
-# times a tuple's.
+# The model a request asks for, and whether its engine serves only the names it lists
+# (`strict`: then a name no worker lists goes only to the workers whose listing is unknown,
+# and is `unheard`). A plain tuple: made per request, and a NamedTuple's or a dataclass's
+# constructor costs ~20 times a tuple's.
 ModelAsk = tuple[str, bool]
 
 
@@ -42,10 +49,14 @@ class ModelServers:
     """Per model name, the worker URLs serving it (`EVERY`: all the routable ones)."""
 
     by_name: dict[str, frozenset[str] | None]
-    unlisted: frozenset[str] | None  # the workers whose listing is unknown (`EVERY`: all)
+    # Where a strict name no listing holds goes: the workers whose listing is unknown, or
+    # every one when there are none (by name: an object no name maps to, which `unheard`
+    # tells apart), or when there are only those (`EVERY`).
+    unlisted: frozenset[str] | None
+    listed: bool  # some worker's listing is known
 
     def workers_for(self, ask: ModelAsk | None) -> frozenset[str] | None:
-        """The workers a request asking `ask` may go to; empty: none serves it."""
+        """The workers a request asking `ask` may go to: never none."""
         if ask is None:
             return EVERY
         name, strict = ask
@@ -53,6 +64,12 @@ class ModelServers:
         if servers is not _UNLISTED:
             return servers
         return self.unlisted if strict else EVERY
+
+    def unheard(self, servers: frozenset[str] | None) -> bool:
+        """Whether `servers`, what `workers_for` answered, is its answer to a strict name no
+        listing holds while some listing is known: an adapter loaded since the listings were
+        read, or a name no worker serves. Told by identity: no lookup more per request."""
+        return servers is self.unlisted and self.listed
 
 
 def model_servers(workers: Iterable[tuple[str, ServedModels]]) -> ModelServers:
@@ -71,4 +88,6 @@ def model_servers(workers: Iterable[tuple[str, ServedModels]]) -> ModelServers:
     for name, urls in serving.items():
         urls |= unlisted
         by_name[name] = EVERY if urls == every else frozenset(urls)
-    return ModelServers(by_name, EVERY if unlisted == every else frozenset(unlisted))
+    if unlisted == every:
+        return ModelServers(by_name, EVERY, False)
+    return ModelServers(by_name, frozenset(unlisted or every), True)

@@ -13,6 +13,8 @@ add(url), for a URL not yet known:
      (`served_models`, how a vLLM request's `model` is told from an adapter's name) and its
      LoRA adapters, which the index learns at once (`IndexRules.learn_adapters`); the
      requests naming a model go only to the workers listing it (`router.model_servers`).
+     It is read again at a request naming a model no listing holds (`reread_listings`): an
+     adapter loaded at run time.
   2. Settle the fleet block size: `--block-size`, else the first worker that advertises one.
      A worker that disagrees is refused: it stays listed with state `refused` and a reason,
      and takes no traffic, because its events would key blocks the prompts never match.
@@ -60,6 +62,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
@@ -155,6 +158,14 @@ RESOLVE_TIMEOUT_S: Final = 2.0  # a host checked against --worker-allow-cidr
 # The longest a starting replica's /readyz waits for a worker's ranks to be subscribed (an
 # ingest process subscribes ~0.1 s after registration, and reports it within a second).
 SUBSCRIBE_WAIT_S: Final = 10.0
+# A request naming a model no listing holds has the routable workers' /v1/models read again
+# at most this often (`reread_listings`): an adapter loaded at run time is routed to its
+# workers alone within this and one read, and a flood of names served nowhere costs one read
+# of each worker per interval.
+MODELS_REREAD_S: Final = 5.0
+# Workers' /v1/models read at once by a read again: each may hold a connection for the
+# request timeout, as a down worker's health check does (`DOWN_CHECKS_PER_PASS`).
+LISTING_READS_AT_ONCE: Final = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +281,28 @@ def reregister_after_s(failures: int, interval_s: float) -> float:
     """How long a down worker waits for its next registration anew after `failures` in a
     row: one health interval, doubling, at most `REREGISTER_BACKOFF_MAX_S`."""
     return doubling_s(interval_s, REREGISTER_BACKOFF_MAX_S, failures)
+
+
+@dataclass(slots=True)
+class ListingRereads:
+    """When the routable workers' `/v1/models` are read again (`WorkerRegistry.reread_listings`),
+    as plain code on the registry's clock: one read of them all at a time, begun at most once
+    per `interval_s`, so a flood of requests naming a model no listing holds costs one read
+    of each worker per interval, not one per request."""
+
+    interval_s: float
+    began: float = -math.inf  # when the last read began
+    reading: bool = False
+
+    def begin(self, now: float) -> bool:
+        """Whether a read begins now (`ended` is called once it has)."""
+        if self.reading or now - self.began < self.interval_s:
+            return False
+        self.reading, self.began = True, now
+        return True
+
+    def ended(self) -> None:
+        self.reading = False
 
 
 def endpoint_problem(info: KvEventsInfo) -> str | None:
@@ -430,13 +463,16 @@ class WorkerRegistry:
         subscribe: Subscribe | None = None,
         keeps_index: bool = True,
         allow: AllowList | None = None,
+        models_reread_s: float = MODELS_REREAD_S,
     ) -> None:
         """`subscribe(endpoint, stats)`: the life of a rank's subscription as a coroutine
         (`router.ingest_pool.IngestPool.subscription`); None runs a `RankSubscriber` here.
         `keeps_index` False: a replica whose policy never reads the index registers workers
         for routing only (no KV-event subscriptions, no snapshot pulls, no block size).
         `allow`: `--worker-allow-cidr`, where `POST /workers` may point and where a worker's
-        KV-event endpoints may be when not on its own host (None: anywhere)."""
+        KV-event endpoints may be when not on its own host (None: anywhere).
+        `models_reread_s`: how often a request naming a model no listing holds may have the
+        listings read again (`reread_listings`)."""
         self.keeps_index = keeps_index
         self.allow = allow if allow is not None else AllowList()
         self.pump = pump
@@ -497,6 +533,8 @@ class WorkerRegistry:
         pump.rules.set_loss_handler(self._on_rank_loss)
         pump.rules.set_block_size_handler(self._on_foreign_block_size)
         self._refusals: dict[str, asyncio.Task[None]] = {}  # by URL: `_refuse_for_events`
+        self._rereads = ListingRereads(models_reread_s)
+        self._rereading: asyncio.Task[None] | None = None  # `reread_listings`' read
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -541,7 +579,9 @@ class WorkerRegistry:
     async def close(self) -> None:
         self._closing = True
         self._reconcile_wake.set()
-        await cancel_and_wait([self._health_task, *self._bootstraps, *self._refusals.values()])
+        await cancel_and_wait(
+            [self._health_task, self._rereading, *self._bootstraps, *self._refusals.values()]
+        )
         if self._reconciler is not None:
             # Awaited, not cancelled: a removal cut half-way would leave its subscribers running.
             await self._reconciler
@@ -1452,6 +1492,61 @@ class WorkerRegistry:
             )
             return ServedModels()
         return parse_models(body)
+
+    def reread_listings(self) -> None:
+        """A request named a model no listing holds (`ModelServers.unheard`): the routable
+        workers' `/v1/models` are read again in the background, at most once per
+        `MODELS_REREAD_S` (`ListingRereads`), so an adapter loaded at run time (vLLM's
+        `/v1/load_lora_adapter`, a LoRA resolver on a first request) goes to its workers
+        alone after one read; until then such requests go to any worker."""
+        if self._closing or not self._rereads.begin(self._clock()):
+            return
+        self._rereading = asyncio.get_running_loop().create_task(
+            self._reread_listings(), name="kvrouter-reread-listings"
+        )
+
+    async def _reread_listings(self) -> None:
+        slots = asyncio.Semaphore(LISTING_READS_AT_ONCE)
+
+        async def reread(worker: Worker) -> None:
+            async with slots:
+                await self._reread_listing(worker)
+
+        try:
+            await asyncio.gather(*map(reread, self.routable()))
+        finally:
+            self._rereads.ended()
+
+    async def _reread_listing(self, worker: Worker) -> None:
+        """The worker's `/v1/models` read again: a listing that changed is its `models` (a
+        routing field: the model table is made anew), its new adapters learned by the index;
+        a failed read keeps the last listing."""
+        before = worker.models
+        try:
+            body = await get_worker_json(self.session, f"{worker.url}/v1/models", self._timeout)
+        except WORKER_JSON_ERRORS as exc:
+            log.info(
+                "worker %s: /v1/models unreadable (%s) when read again: its last listing is kept",
+                worker.url,
+                "not served" if isinstance(exc, _Absent) else describe(exc),
+            )
+            return
+        except Exception as exc:  # one worker's read must not stop the others'
+            self.supervisor.failed("health", f"a read again of {worker.url}/v1/models", exc)
+            return
+        models = parse_models(body)
+        if models == before or worker.models is not before or worker.state != "ready":
+            return  # the same, or registered anew (its own read is newer) or removed meanwhile
+        worker.models = models
+        self._count_served()
+        log.info(
+            "worker %s: /v1/models lists %s now (it listed %s)",
+            worker.url,
+            list((*models.bases, *models.adapters)),
+            list((*before.bases, *before.adapters)),
+        )
+        if learned := set(models.adapters) - set(before.adapters):
+            await self.pump.call(lambda rules: rules.learn_adapters(learned))
 
     def _count_served(self) -> None:
         """`served_models` anew, from the registered workers' `/v1/models`."""

@@ -322,7 +322,6 @@ class Refusal:
     param: str | None = None
     close: bool = False  # the connection closes after it (the body was left unread)
     extra: tuple[tuple[bytes, bytes], ...] = ()
-    code: int | None = None  # in the body where the engine's own answer has one (its status)
 
 
 # With every 503 of the router's own: what it refuses for is a moment's state (no pooled
@@ -593,14 +592,7 @@ def refusal_response(
 ) -> bytes:
     """One of the data plane's own answers: the OpenAI error JSON (its head alone for a
     HEAD request)."""
-    error: dict[str, object] = {
-        "message": refusal.message,
-        "type": refusal.type,
-        "param": refusal.param,
-    }
-    if refusal.code is not None:
-        error["code"] = refusal.code
-    body = {"error": error}
+    body = {"error": {"message": refusal.message, "type": refusal.type, "param": refusal.param}}
     return json_response(
         refusal.status,
         body,

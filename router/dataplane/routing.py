@@ -16,7 +16,8 @@ it.
 A request naming a model is decided among the ranks of the workers serving it
 (`router.model_servers`, read by `model_asked`), and so are its placer's question, its
 decision after a long prompt's encode and its failover (the policy ranks those ranks alone);
-a model no worker serves is a 404 in vLLM's shape, no worker contacted.
+one naming a model no listing holds goes to any worker, whose engine answers, and has the
+registry read the listings again (`WorkerRegistry.reread_listings`).
 
 The calls into the tokenizer and the policy sit in one small method, `choose`, so a change of
 either interface touches only it.
@@ -53,7 +54,7 @@ from router.events import namespace_of
 from router.index import IndexRules
 from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
-from router.model_servers import ModelAsk, ModelServers, model_servers
+from router.model_servers import EVERY, ModelAsk, ModelServers, model_servers
 from router.placement import AskFirst, Placement, PlacementAsker
 from router.policy import Candidate, Decision, Policy, Prompt
 from router.tokenize import ChatRequestError, ChatTokens, Engine, RequestTokenizer
@@ -374,8 +375,8 @@ class RequestRouter:
         return self._alone if on is None else self._alone_on_workers(on)
 
     def servers(self, ask: ModelAsk | None) -> frozenset[str] | None:
-        """The routable workers a request asking for `ask` may go to (None: every one; empty:
-        none serves it), by a table made again only when the ranks or listings change."""
+        """The routable workers a request asking for `ask` may go to (None: every one), by a
+        table made again only when the ranks or listings change."""
         self._keep()
         return self._servers.workers_for(ask)
 
@@ -411,9 +412,11 @@ class RequestRouter:
             else model_asked(route, body, self.workers.served_models, self.tokenizer.engine)
         )
         self._keep()  # what follows reads the kept parts as `servers` and `ranks_alone` do
-        on = None if ask is None else self._servers.workers_for(ask)
-        if on is not None and not on:  # no worker serves it
-            return _no_model(ask)
+        on = EVERY
+        if ask is not None:
+            on = self._servers.workers_for(ask)
+            if self._servers.unheard(on):  # loaded since the listings were read, or nowhere
+                self.workers.reread_listings()
         if self.policy.name not in ORDER_POLICIES:
             candidates = self.candidates(on)
         else:
@@ -434,10 +437,7 @@ class RequestRouter:
         """The decision for a new prefix once its placer answered (`ask.rank`) or did not:
         on the ranks healthy now serving its model, by the index now (either may have
         changed while waiting)."""
-        on = self.servers(ask.model)
-        if on is not None and not on:  # no worker serves it
-            return _no_model(ask.model)
-        candidates = self.candidates(on)
+        candidates = self.candidates(self.servers(ask.model))
         tree = self.rules.tree
         if not candidates or tree is None:
             return self._no_candidates()
@@ -465,10 +465,8 @@ class RequestRouter:
                 tokens = ids()
             except BadRequest as exc:
                 return Refusal(400, str(exc), param=exc.param)
-            on = self.servers(ask)  # the ranks healthy now serving its model, after the wait
-            if on is not None and not on:  # no worker serves it
-                return _no_model(ask)
-            now = self.candidates(on)
+            # The ranks healthy now serving its model, after the wait.
+            now = self.candidates(self.servers(ask))
             if not now:
                 return self._no_candidates()
             return self._counted_unless_asked(self._keyed(route, body, tokens, now, ask))
@@ -611,13 +609,6 @@ class RequestRouter:
                 narrowed = self.servers(ask) is not None
                 return AskFirst(placer, prompt, self.asker, self.placed, ask, narrowed)
         return self.policy.decide(candidates, prompt)
-
-
-def _no_model(ask: ModelAsk | None) -> Refusal:
-    """No worker serves the model asked for: vLLM's own answer to a model it does not serve."""
-    assert ask is not None  # `servers` leaves no worker only to a request naming a model
-    message = f"The model `{ask[0]}` does not exist."
-    return Refusal(404, message, type="NotFoundError", param="model", code=404)
 
 
 def _prompt_ids(param: str, ids: Callable[[], Sequence[int]]) -> Sequence[int]:

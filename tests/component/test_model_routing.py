@@ -4,9 +4,10 @@ serving its own model (`--model`), some with adapters (`--lora-modules`).
 A request goes only to a worker whose `/v1/models` lists the model it names
 (`router.model_servers`): before, the router never looked, and half the requests for one
 model went to the other model's worker (vLLM's 404 passed through, SGLang's answer from the
-wrong model), a prompt warmed under one model drew the other model's requests to its rank,
-and a model no worker serves got a random worker's 404. Each test asserts which worker got
-how many requests.
+wrong model), and a prompt warmed under one model drew the other model's requests to its
+rank. A model no listing holds goes to any worker, whose engine answers, and has the listings
+read again (an adapter loaded at run time). Each test asserts which worker got how many
+requests.
 """
 
 from __future__ import annotations
@@ -89,13 +90,16 @@ async def test_each_model_and_adapter_goes_only_to_the_workers_serving_it(policy
         )
 
 
-async def test_a_model_no_worker_serves_is_the_routers_own_404_in_vllms_shape() -> None:
+async def test_a_model_no_worker_lists_reaches_a_worker_whose_404_is_relayed() -> None:
+    """Not the router's own 404: the name may be an adapter loaded since the listings were
+    read, or one a LoRA resolver loads on its first request. vLLM answers 404 for the rest."""
     async with (
         fake_worker_in_process(model="m1") as a,
         fake_worker_in_process(model="m2") as b,
         router_in_process(workers=[a.url, b.url], expose_route_headers=True) as rt,
     ):
         await routable(rt, [a, b])
+        answered: Counter[str] = Counter()
         for path, body in (
             ("/v1/completions", {"model": "m3", "prompt": "hello there"}),
             (
@@ -105,25 +109,83 @@ async def test_a_model_no_worker_serves_is_the_routers_own_404_in_vllms_shape() 
         ):
             status, answer, headers = await rt.post(path, body)
             assert status == 404
-            assert "X-Kvrouter-Worker" not in headers
-            assert answer == {
-                "error": {
-                    "message": "The model `m3` does not exist.",
-                    "type": "NotFoundError",
-                    "param": "model",
-                    "code": 404,
-                }
-            }
-        # No worker was contacted: both counted as the router's own answers.
-        assert await worker_requests(rt) == {"none": 2}
-        assert (await admitted(a), await admitted(b)) == (0, 0)
-        scrape = await rt.scrape()
-        assert (
-            scrape.value(
-                "kvrouter_requests_total", route="/v1/chat/completions", worker="none", status="404"
-            )
-            == 1
+            answered[headers["X-Kvrouter-Worker"]] += 1
+            assert answer["error"]["message"] == "The model `m3` does not exist."
+        # Each went to a worker, counted under it, none as the router's own answer.
+        assert set(answered) <= {a.url, b.url}
+        assert await worker_requests(rt) == dict(answered)
+
+
+async def listings_read(workers: list[FakeWorkerHandle]) -> list[int]:
+    """Each worker's `/v1/models` reads so far."""
+    return [await fw.models_reads() for fw in workers]
+
+
+async def read_again_once(workers: list[FakeWorkerHandle], before: list[int]) -> None:
+    """Until each worker's listing was read again since `before`; then, that it was once."""
+
+    async def read_again() -> bool:
+        return all(n > b for n, b in zip(await listings_read(workers), before, strict=True))
+
+    await eventually(read_again, within_s=10.0)
+    assert await listings_read(workers) == [b + 1 for b in before]
+
+
+def listing_of(rt: RouterHandle, fw: FakeWorkerHandle) -> tuple[str, ...]:
+    """The names the replica's listing of the worker holds (`Worker.models`)."""
+    worker = rt.replica.workers.get(fw.url)
+    assert worker is not None
+    return (*worker.models.bases, *worker.models.adapters)
+
+
+async def test_an_adapter_loaded_at_run_time_goes_to_its_worker_alone_after_one_read() -> None:
+    """vLLM's /v1/load_lora_adapter on a, after both registered: the first request naming it
+    may go to either (b answers 404) and has the listings read again; then every one goes to
+    a. Before, the router's own 404 refused it until a registered again."""
+    async with (
+        fake_worker_in_process(model="m1") as a,
+        fake_worker_in_process(model="m1") as b,
+        router_in_process(workers=[a.url, b.url], expose_route_headers=True) as rt,
+    ):
+        await routable(rt, [a, b])
+        reads = await listings_read([a, b])
+        assert (await a.lora_adapter("load", "ad2"))[0] == 200
+        status, _, headers = await rt.post(
+            "/v1/completions", {"model": "ad2", "prompt": "first", "max_tokens": 1}
         )
+        first = headers["X-Kvrouter-Worker"]
+        assert (first, status) in {(a.url, 200), (b.url, 404)}
+        await eventually(lambda: "ad2" in listing_of(rt, a), within_s=10.0)
+        assert listing_of(rt, b) == ("m1",)
+        got = Counter(
+            [await served_by(rt, model="ad2", prompt=f"question {i}") for i in range(PER_MODEL)]
+        )
+        assert got == {a.url: PER_MODEL}
+        assert (await admitted(a), await admitted(b)) == (PER_MODEL + (first == a.url), 0)
+        await read_again_once([a, b], reads)  # one read of each listing did it
+
+
+async def test_a_burst_of_requests_naming_an_unlisted_model_reads_each_listing_once() -> None:
+    """20 requests at once naming an adapter no listing holds: one read of each worker's
+    /v1/models (`MODELS_REREAD_S`), not one per request."""
+    async with (
+        fake_worker_in_process(model="m1") as a,
+        fake_worker_in_process(model="m1") as b,
+        router_in_process(workers=[a.url, b.url], expose_route_headers=True) as rt,
+    ):
+        await routable(rt, [a, b])
+        reads = await listings_read([a, b])
+        assert (await a.lora_adapter("load", "ad2"))[0] == 200
+        answers = await asyncio.gather(
+            *(
+                rt.post("/v1/completions", {"model": "ad2", "prompt": f"q {i}", "max_tokens": 1})
+                for i in range(20)
+            )
+        )
+        statuses = Counter(status for status, _, _ in answers)
+        assert set(statuses) <= {200, 404} and statuses.total() == 20  # a's, b's
+        await eventually(lambda: "ad2" in listing_of(rt, a), within_s=10.0)
+        await read_again_once([a, b], reads)
 
 
 async def test_a_prompt_warmed_under_one_model_draws_no_request_of_another() -> None:

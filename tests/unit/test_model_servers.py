@@ -13,7 +13,6 @@ from router.tokenize import Engine
 from router.workers import ServedModels
 
 COMPLETIONS = b"/v1/completions"
-NONE: frozenset[str] = frozenset()
 A, B, C = "http://a", "http://b", "http://c"
 
 
@@ -35,8 +34,9 @@ MIXED = [(A, listing("m1", adapters=("ad1",))), (B, listing("m2"))]
         (MIXED, ("m1", True), frozenset({A})),
         (MIXED, ("m2", True), frozenset({B})),
         (MIXED, ("ad1", True), frozenset({A})),
-        # A name no worker lists: none serves it (vLLM's 404), or any does (SGLang's `model`).
-        (MIXED, ("m3", True), NONE),
+        # A name no worker lists: any worker, whose engine answers (vLLM's 404, or its
+        # resolver loading the adapter; SGLang serves any `model`).
+        (MIXED, ("m3", True), frozenset({A, B})),
         (MIXED, ("m3", False), EVERY),
         # No model named: any worker.
         (MIXED, None, EVERY),
@@ -58,6 +58,27 @@ def test_a_model_goes_to_the_workers_listing_it_or_whose_listing_is_unknown(
     workers: list[tuple[str, ServedModels]], ask: ModelAsk | None, servers: frozenset[str] | None
 ) -> None:
     assert model_servers(workers).workers_for(ask) == servers
+
+
+@pytest.mark.parametrize(
+    ("workers", "ask", "unheard"),
+    [
+        # A strict name no listing holds: an adapter loaded since, or a name served nowhere.
+        (MIXED, ("m3", True), True),
+        ([*MIXED, (C, UNKNOWN)], ("m3", True), True),
+        # Listed somewhere, or SGLang's `model`, which it serves whatever it names.
+        (MIXED, ("ad1", True), False),
+        (MIXED, ("m3", False), False),
+        # No listing known: reading them again tells nothing new.
+        ([(A, UNKNOWN), (B, UNKNOWN)], ("m3", True), False),
+        ((), ("m3", True), False),
+    ],
+)
+def test_a_strict_name_no_listing_holds_is_unheard_while_some_listing_is_known(
+    workers: list[tuple[str, ServedModels]], ask: ModelAsk, unheard: bool
+) -> None:
+    table = model_servers(workers)
+    assert table.unheard(table.workers_for(ask)) is unheard
 
 
 def test_no_routable_worker_filters_nothing() -> None:

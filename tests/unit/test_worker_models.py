@@ -1,6 +1,6 @@
 """What the router reads of a worker's `/v1/models` (`router.workers.parse_models`): vLLM's and
 SGLang's ModelCards list the served base model(s) without a `parent` and each loaded LoRA
-adapter with the base model as its `parent`."""
+adapter with the base model as its `parent`; and how often they are read again."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from cachetree.keys import MAX_ADAPTER_NAMES
-from router.workers import MAX_SERVED_NAMES, ServedModels, parse_models
+from router.workers import MAX_SERVED_NAMES, ListingRereads, ServedModels, parse_models
 
 
 def card(name: Any, parent: Any = None, owner: str = "vllm") -> dict[str, Any]:
@@ -53,3 +53,14 @@ def test_the_names_read_are_bounded_and_a_listing_past_them_is_taken_as_unknown(
     assert parse_models({"data": data[:MAX_SERVED_NAMES]}).listed
     adapters_past = data[:1] + data[-MAX_ADAPTER_NAMES - 1 :]
     assert not parse_models({"data": adapters_past}).listed
+
+
+def test_listings_are_read_again_one_read_at_a_time_at_most_once_per_interval() -> None:
+    """`WorkerRegistry.reread_listings`' pacing: a flood of requests naming a model no listing
+    holds begins one read per interval, never a second while one runs."""
+    rereads = ListingRereads(5.0)
+    assert rereads.begin(100.0)  # the first, at once
+    assert not rereads.begin(100.0) and not rereads.begin(106.0)  # one at a time
+    rereads.ended()
+    assert not rereads.begin(104.9)
+    assert rereads.begin(105.0)
