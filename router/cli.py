@@ -49,7 +49,7 @@ from router.serving import StartError, serve_until, start_serving, stop_serving
 from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from router.tokenize import ENGINES, load_tokenizer
 from router.tools import demo, pools, view
-from router.workers import DEFAULT_MAX_WORKERS
+from router.workers import DEFAULT_MAX_WORKERS, MODELS_REFRESH_S
 
 log = logging.getLogger("kvrouter")
 
@@ -229,6 +229,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add("dp-size", whole, 1, "data-parallel ranks per worker when /server_info has none")
     f.add("load-interval-ms", whole, 500, "how often engine load is polled")
     f.add("health-interval-s", finite, 2.0, "how often each worker's /health is polled")
+    f.add(
+        "worker-models-refresh-s",
+        finite,
+        MODELS_REFRESH_S,
+        "how often the health loop reads the routable workers' /v1/models again, so an "
+        "adapter unloaded (or loaded) at run time is routed by it; 0 = never",
+    )
     f.add(
         "worker-evict-after-s",
         finite,
@@ -448,6 +455,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         (args.load_interval_ms > 0, "--load-interval-ms must be > 0"),
         (args.health_interval_s > 0, "--health-interval-s must be > 0"),
         (args.worker_evict_after_s >= 0, "--worker-evict-after-s must be >= 0"),
+        (args.worker_models_refresh_s >= 0, "--worker-models-refresh-s must be >= 0"),
         (args.max_workers >= 1, "--max-workers must be >= 1"),
         (
             len({*args.worker}) <= args.max_workers,

@@ -53,7 +53,12 @@ from router.siblings import DecisionSharing
 from router.socket_budget import SocketBudget
 from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from router.tokenize import RequestTokenizer, load_tokenizer
-from router.workers import DEFAULT_MAX_WORKERS, DiscoveryDefaults, WorkerRegistry
+from router.workers import (
+    DEFAULT_MAX_WORKERS,
+    MODELS_REFRESH_S,
+    DiscoveryDefaults,
+    WorkerRegistry,
+)
 from router.zmq_term import terminate_context
 
 if TYPE_CHECKING:
@@ -91,6 +96,8 @@ class ServeConfig:
     dp_size: int = 1
     load_interval_ms: int = 500
     health_interval_s: float = 2.0
+    # The health loop reads the workers' /v1/models again this often (0: never).
+    worker_models_refresh_s: float = MODELS_REFRESH_S
     max_workers: int = DEFAULT_MAX_WORKERS
     worker_evict_after_s: float = 30.0
     max_request_bytes: int = 32 * 1024 * 1024
@@ -284,6 +291,7 @@ async def _compose(
         subscribe=None if ingest is None else ingest.subscription,
         keeps_index=config.keeps_index,
         allow=AllowList.parse(config.worker_allow_cidr),
+        models_refresh_s=config.worker_models_refresh_s,
     )
     capacity_blocks = engine_capacity_blocks(loads, pump)
     bootstrap = (

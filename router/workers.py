@@ -13,8 +13,9 @@ add(url), for a URL not yet known:
      (`served_models`, how a vLLM request's `model` is told from an adapter's name) and its
      LoRA adapters, which the index learns at once (`IndexRules.learn_adapters`); the
      requests naming a model go only to the workers listing it (`router.model_servers`).
-     It is read again at a request naming a model no listing holds (`reread_listings`): an
-     adapter loaded at run time.
+     It is read again at a request naming a model no listing holds (`reread_listings`: an
+     adapter loaded at run time) and by the health loop every `--worker-models-refresh-s`
+     (an adapter unloaded); a read that fails keeps the last listing.
   2. Settle the fleet block size: `--block-size`, else the first worker that advertises one.
      A worker that disagrees is refused: it stays listed with state `refused` and a reason,
      and takes no traffic, because its events would key blocks the prompts never match.
@@ -163,6 +164,9 @@ SUBSCRIBE_WAIT_S: Final = 10.0
 # workers alone within this and one read, and a flood of names served nowhere costs one read
 # of each worker per interval.
 MODELS_REREAD_S: Final = 5.0
+# The health loop reads them again this often (`--worker-models-refresh-s`): an adapter
+# unloaded at run time stops drawing requests its worker answers 404.
+MODELS_REFRESH_S: Final = 30.0
 # Workers' /v1/models read at once by a read again: each may hold a connection for the
 # request timeout, as a down worker's health check does (`DOWN_CHECKS_PER_PASS`).
 LISTING_READS_AT_ONCE: Final = 16
@@ -285,20 +289,31 @@ def reregister_after_s(failures: int, interval_s: float) -> float:
 
 @dataclass(slots=True)
 class ListingRereads:
-    """When the routable workers' `/v1/models` are read again (`WorkerRegistry.reread_listings`),
-    as plain code on the registry's clock: one read of them all at a time, begun at most once
-    per `interval_s`, so a flood of requests naming a model no listing holds costs one read
-    of each worker per interval, not one per request."""
+    """When the routable workers' `/v1/models` are read again, as plain code on the
+    registry's clock: one read of them all at a time; for requests naming a model no listing
+    holds (`WorkerRegistry.reread_listings`) at most once per `interval_s` after the last
+    began, so a flood of them costs one read of each worker per interval, not one per
+    request; and at a health pass `refresh_s` after the last began (0: never)."""
 
     interval_s: float
+    refresh_s: float
+    next_refresh: float  # a health pass from then on reads them (the registrations read them)
     began: float = -math.inf  # when the last read began
     reading: bool = False
 
-    def begin(self, now: float) -> bool:
-        """Whether a read begins now (`ended` is called once it has)."""
-        if self.reading or now - self.began < self.interval_s:
+    def unheard(self, now: float) -> bool:
+        """A request named a model no listing holds: whether a read begins now (`ended` is
+        called once it has)."""
+        return now - self.began >= self.interval_s and self._begin(now)
+
+    def refresh(self, now: float) -> bool:
+        """A health pass: whether a read begins now."""
+        return self.refresh_s > 0 and now >= self.next_refresh and self._begin(now)
+
+    def _begin(self, now: float) -> bool:
+        if self.reading:
             return False
-        self.reading, self.began = True, now
+        self.reading, self.began, self.next_refresh = True, now, now + self.refresh_s
         return True
 
     def ended(self) -> None:
@@ -464,6 +479,7 @@ class WorkerRegistry:
         keeps_index: bool = True,
         allow: AllowList | None = None,
         models_reread_s: float = MODELS_REREAD_S,
+        models_refresh_s: float = MODELS_REFRESH_S,
     ) -> None:
         """`subscribe(endpoint, stats)`: the life of a rank's subscription as a coroutine
         (`router.ingest_pool.IngestPool.subscription`); None runs a `RankSubscriber` here.
@@ -472,7 +488,8 @@ class WorkerRegistry:
         `allow`: `--worker-allow-cidr`, where `POST /workers` may point and where a worker's
         KV-event endpoints may be when not on its own host (None: anywhere).
         `models_reread_s`: how often a request naming a model no listing holds may have the
-        listings read again (`reread_listings`)."""
+        listings read again (`reread_listings`); `models_refresh_s`: how often the health loop
+        reads them (0: never)."""
         self.keeps_index = keeps_index
         self.allow = allow if allow is not None else AllowList()
         self.pump = pump
@@ -533,7 +550,9 @@ class WorkerRegistry:
         pump.rules.set_loss_handler(self._on_rank_loss)
         pump.rules.set_block_size_handler(self._on_foreign_block_size)
         self._refusals: dict[str, asyncio.Task[None]] = {}  # by URL: `_refuse_for_events`
-        self._rereads = ListingRereads(models_reread_s)
+        self._rereads = ListingRereads(
+            models_reread_s, models_refresh_s, next_refresh=clock() + models_refresh_s
+        )
         self._rereading: asyncio.Task[None] | None = None  # `reread_listings`' read
 
     # -- queries ---------------------------------------------------------------------------
@@ -1209,7 +1228,9 @@ class WorkerRegistry:
 
     async def check_health_once(self) -> None:
         """Probe every ready or down worker; evict the long-dead, re-register the revived;
-        register anew the refused whose backoff ended."""
+        register anew the refused whose backoff ended; every `models_refresh_s`, read the
+        routable workers' `/v1/models` again (`ListingRereads`): an adapter unloaded at run
+        time."""
         workers = [w for w in self._workers.values() if w.state == "ready"]
         workers += self._down_in_turn()
         results = await asyncio.gather(*(self._check_health_contained(w) for w in workers))
@@ -1221,6 +1242,8 @@ class WorkerRegistry:
                 # stop the others' checks, nor the loop (issue 13, row 1)
                 self.supervisor.failed("health", f"health verdict for {worker.url}", exc)
         await self._recheck_refused(now)
+        if not self._closing and self._rereads.refresh(now):  # in the background
+            self._begin_rereading()
 
     async def _recheck_refused(self, now: float) -> None:
         """Register anew the refused workers whose backoff ended, at most
@@ -1499,8 +1522,10 @@ class WorkerRegistry:
         `MODELS_REREAD_S` (`ListingRereads`), so an adapter loaded at run time (vLLM's
         `/v1/load_lora_adapter`, a LoRA resolver on a first request) goes to its workers
         alone after one read; until then such requests go to any worker."""
-        if self._closing or not self._rereads.begin(self._clock()):
-            return
+        if not self._closing and self._rereads.unheard(self._clock()):
+            self._begin_rereading()
+
+    def _begin_rereading(self) -> None:
         self._rereading = asyncio.get_running_loop().create_task(
             self._reread_listings(), name="kvrouter-reread-listings"
         )
@@ -1525,7 +1550,10 @@ class WorkerRegistry:
         try:
             body = await get_worker_json(self.session, f"{worker.url}/v1/models", self._timeout)
         except WORKER_JSON_ERRORS as exc:
-            log.info(
+            # At debug for one never read: its registration warned, and every read fails alike
+            # (a vLLM with --api-key).
+            log.log(
+                logging.INFO if before.listed else logging.DEBUG,
                 "worker %s: /v1/models unreadable (%s) when read again: its last listing is kept",
                 worker.url,
                 "not served" if isinstance(exc, _Absent) else describe(exc),

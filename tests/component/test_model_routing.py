@@ -6,7 +6,8 @@ A request goes only to a worker whose `/v1/models` lists the model it names
 model went to the other model's worker (vLLM's 404 passed through, SGLang's answer from the
 wrong model), and a prompt warmed under one model drew the other model's requests to its
 rank. A model no listing holds goes to any worker, whose engine answers, and has the listings
-read again (an adapter loaded at run time). Each test asserts which worker got how many
+read again (an adapter loaded at run time); the health loop reads them every
+`--worker-models-refresh-s` (one unloaded). Each test asserts which worker got how many
 requests.
 """
 
@@ -186,6 +187,29 @@ async def test_a_burst_of_requests_naming_an_unlisted_model_reads_each_listing_o
         assert set(statuses) <= {200, 404} and statuses.total() == 20  # a's, b's
         await eventually(lambda: "ad2" in listing_of(rt, a), within_s=10.0)
         await read_again_once([a, b], reads)
+
+
+async def test_an_adapter_unloaded_at_run_time_stops_drawing_requests_after_a_refresh() -> None:
+    """ad1 on both; unloaded from b (vLLM's /v1/unload_lora_adapter), it goes to a alone once
+    the health loop has read the listings again (`--worker-models-refresh-s`, short here)."""
+    async with (
+        fake_worker_in_process(model="m1", lora_modules=("ad1",)) as a,
+        fake_worker_in_process(model="m1", lora_modules=("ad1",)) as b,
+        router_in_process(
+            workers=[a.url, b.url],
+            policy="round_robin",
+            expose_route_headers=True,
+            worker_models_refresh_s=0.3,
+        ) as rt,
+    ):
+        await routable(rt, [a, b])
+        before = Counter([await served_by(rt, model="ad1", prompt=f"q {i}") for i in range(4)])
+        assert before == {a.url: 2, b.url: 2}  # round robin over both
+        assert (await b.lora_adapter("unload", "ad1"))[0] == 200
+        await eventually(lambda: "ad1" not in listing_of(rt, b), within_s=10.0)
+        after = Counter([await served_by(rt, model="ad1", prompt=f"r {i}") for i in range(6)])
+        assert after == {a.url: 6}
+        assert (await admitted(a), await admitted(b)) == (2 + 6, 2)
 
 
 async def test_a_prompt_warmed_under_one_model_draws_no_request_of_another() -> None:

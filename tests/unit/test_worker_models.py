@@ -58,9 +58,25 @@ def test_the_names_read_are_bounded_and_a_listing_past_them_is_taken_as_unknown(
 def test_listings_are_read_again_one_read_at_a_time_at_most_once_per_interval() -> None:
     """`WorkerRegistry.reread_listings`' pacing: a flood of requests naming a model no listing
     holds begins one read per interval, never a second while one runs."""
-    rereads = ListingRereads(5.0)
-    assert rereads.begin(100.0)  # the first, at once
-    assert not rereads.begin(100.0) and not rereads.begin(106.0)  # one at a time
+    rereads = ListingRereads(5.0, 30.0, next_refresh=130.0)
+    assert rereads.unheard(100.0)  # the first, at once
+    assert not rereads.unheard(100.0) and not rereads.unheard(106.0)  # one at a time
     rereads.ended()
-    assert not rereads.begin(104.9)
-    assert rereads.begin(105.0)
+    assert not rereads.unheard(104.9)
+    assert rereads.unheard(105.0)
+
+
+def test_the_health_loop_reads_the_listings_every_refresh_interval() -> None:
+    """From the registrations' reads on, every `refresh_s`; a read for a request naming a
+    model no listing holds counts as one."""
+    rereads = ListingRereads(5.0, 30.0, next_refresh=30.0)
+    assert not rereads.refresh(29.9)
+    assert rereads.refresh(30.0)
+    rereads.ended()
+    assert not rereads.refresh(59.9)
+    assert rereads.unheard(50.0)  # the next refresh is 30 s after this one
+    rereads.ended()
+    assert not rereads.refresh(79.9)
+    assert rereads.refresh(80.0)
+    assert not rereads.refresh(200.0)  # one at a time
+    assert not ListingRereads(5.0, 0.0, next_refresh=0.0).refresh(1e9)  # 0: never
