@@ -36,7 +36,7 @@ from router.dataplane.exchange import GENERATION_ROUTES
 from router.events import DECODE_ERROR_REASONS
 from router.loads import OUT_OF_RANGE_FIELDS, POLL_ERROR_LABELS, poll_error_label
 from router.tokenize.chat_rules import FAILURE_REASONS
-from router.workers import RESTART_REASONS
+from router.workers import LISTING_READ_REASONS, RESTART_REASONS
 
 if TYPE_CHECKING:
     from peer.endpointslices import SliceDiscovery
@@ -471,6 +471,14 @@ class _StateCollector(Collector):
             "it can (made-up or lost removals); re-learned from the worker",
             [],
             {(): registry_stats.distrusted},
+        )
+        yield _counter(
+            "kvrouter_worker_listing_reads",
+            "Reads again of the routable workers' /v1/models begun (one read of each), by "
+            "reason: unlisted_model, a request named a model no listing holds (at most one "
+            "per 5 s); refresh, the health loop's every --worker-models-refresh-s",
+            ["reason"],
+            {(reason,): registry_stats.listing_reads[reason] for reason in LISTING_READ_REASONS},
         )
         yield _counter(
             "kvrouter_worker_snapshot_pulls",

@@ -167,6 +167,9 @@ MODELS_REREAD_S: Final = 5.0
 # The health loop reads them again this often (`--worker-models-refresh-s`): an adapter
 # unloaded at run time stops drawing requests its worker answers 404.
 MODELS_REFRESH_S: Final = 30.0
+# Why the routable workers' /v1/models were read again (`RegistryStats.listing_reads`): a
+# request named a model no listing holds, or the health loop's refresh.
+LISTING_READ_REASONS: Final = ("unlisted_model", "refresh")
 # Workers' /v1/models read at once by a read again: each may hold a connection for the
 # request timeout, as a down worker's health check does (`DOWN_CHECKS_PER_PASS`).
 LISTING_READS_AT_ONCE: Final = 16
@@ -452,6 +455,8 @@ class RegistryStats:
     # Ready workers taken as restarted (`RESTART_REASONS`): registered anew, or ranks cleared.
     restarts: Counter[str] = field(default_factory=Counter)
     health_checks_failed: int = 0
+    # Reads again of the routable workers' /v1/models begun, by `LISTING_READ_REASONS`.
+    listing_reads: Counter[str] = field(default_factory=Counter)
 
 
 class WorkerRegistry:
@@ -1243,7 +1248,7 @@ class WorkerRegistry:
                 self.supervisor.failed("health", f"health verdict for {worker.url}", exc)
         await self._recheck_refused(now)
         if not self._closing and self._rereads.refresh(now):  # in the background
-            self._begin_rereading()
+            self._begin_rereading("refresh")
 
     async def _recheck_refused(self, now: float) -> None:
         """Register anew the refused workers whose backoff ended, at most
@@ -1523,9 +1528,10 @@ class WorkerRegistry:
         `/v1/load_lora_adapter`, a LoRA resolver on a first request) goes to its workers
         alone after one read; until then such requests go to any worker."""
         if not self._closing and self._rereads.unheard(self._clock()):
-            self._begin_rereading()
+            self._begin_rereading("unlisted_model")
 
-    def _begin_rereading(self) -> None:
+    def _begin_rereading(self, reason: str) -> None:
+        self.stats.listing_reads[reason] += 1
         self._rereading = asyncio.get_running_loop().create_task(
             self._reread_listings(), name="kvrouter-reread-listings"
         )

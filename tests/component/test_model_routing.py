@@ -166,9 +166,14 @@ async def test_an_adapter_loaded_at_run_time_goes_to_its_worker_alone_after_one_
         await read_again_once([a, b], reads)  # one read of each listing did it
 
 
-async def test_a_burst_of_requests_naming_an_unlisted_model_reads_each_listing_once() -> None:
-    """20 requests at once naming an adapter no listing holds: one read of each worker's
-    /v1/models (`MODELS_REREAD_S`), not one per request."""
+async def listing_reads(rt: RouterHandle, reason: str) -> float:
+    """kvrouter_worker_listing_reads_total: reads again begun, counted as each begins."""
+    return (await rt.scrape()).value("kvrouter_worker_listing_reads_total", reason=reason)
+
+
+async def test_bursts_of_requests_naming_unlisted_models_read_each_listing_once() -> None:
+    """20 requests at once naming an adapter no listing holds, then 20 naming a model served
+    nowhere: one read of each worker's /v1/models (`MODELS_REREAD_S`), not one per request."""
     async with (
         fake_worker_in_process(model="m1") as a,
         fake_worker_in_process(model="m1") as b,
@@ -177,16 +182,25 @@ async def test_a_burst_of_requests_naming_an_unlisted_model_reads_each_listing_o
         await routable(rt, [a, b])
         reads = await listings_read([a, b])
         assert (await a.lora_adapter("load", "ad2"))[0] == 200
-        answers = await asyncio.gather(
-            *(
-                rt.post("/v1/completions", {"model": "ad2", "prompt": f"q {i}", "max_tokens": 1})
-                for i in range(20)
+
+        async def burst(model: str) -> Counter[int]:
+            answers = await asyncio.gather(
+                *(
+                    rt.post("/v1/completions", {"model": model, "prompt": f"q {i}"})
+                    for i in range(20)
+                )
             )
-        )
-        statuses = Counter(status for status, _, _ in answers)
-        assert set(statuses) <= {200, 404} and statuses.total() == 20  # a's, b's
+            assert all(headers["X-Kvrouter-Worker"] for _, _, headers in answers)
+            return Counter(status for status, _, _ in answers)
+
+        statuses = await burst("ad2")
+        assert set(statuses) <= {200, 404}  # a's, b's
         await eventually(lambda: "ad2" in listing_of(rt, a), within_s=10.0)
         await read_again_once([a, b], reads)
+        assert await burst("served-nowhere") == {404: 20}  # the workers' 404s, relayed
+        # Counted as each read begins, on the request path: every one the bursts began.
+        assert await listing_reads(rt, "unlisted_model") == 1
+        assert await listings_read([a, b]) == [n + 1 for n in reads]
 
 
 async def test_an_adapter_unloaded_at_run_time_stops_drawing_requests_after_a_refresh() -> None:
@@ -207,6 +221,7 @@ async def test_an_adapter_unloaded_at_run_time_stops_drawing_requests_after_a_re
         assert before == {a.url: 2, b.url: 2}  # round robin over both
         assert (await b.lora_adapter("unload", "ad1"))[0] == 200
         await eventually(lambda: "ad1" not in listing_of(rt, b), within_s=10.0)
+        assert await listing_reads(rt, "refresh") >= 1
         after = Counter([await served_by(rt, model="ad1", prompt=f"r {i}") for i in range(6)])
         assert after == {a.url: 6}
         assert (await admitted(a), await admitted(b)) == (2 + 6, 2)
