@@ -1431,7 +1431,7 @@ class WorkerRegistry:
         that failed /health and dropped the connections of an engine that lived on, or a
         publisher port closed and opened again by a live engine) costs misses until the ranks
         re-learn: its snapshot is pulled again where it serves one, else the ranks re-learn
-        from their next batches (cold until one at seq 0)."""
+        from their next batches (cold until one at seq 0). Its `/v1/models` is read again."""
         ranks = worker.ranks()
         self.stats.restarts[reason] += 1
         log.warning(
@@ -1446,6 +1446,8 @@ class WorkerRegistry:
         await self.pump.call(lambda rules: rules.forget_streams(ranks))
         if worker.snapshot_served is not False:
             self._kick_snapshot_pull(worker.url)
+        # The new process may serve other models: read now, not at the next refresh.
+        await self._reread_listing(worker)
 
     def _back_off_if_down(self, worker: Worker) -> None:
         """A registration anew that left the worker down waits longer before the next one:

@@ -255,3 +255,28 @@ async def test_a_worker_killed_and_restarted_between_two_health_checks_keeps_no_
         await workers.check_health_once()
         assert (await rt.rank_view(new.url, 0) or {})["blocks"] == 1
         assert await restarts(rt, "listener_gone") == 1
+
+
+async def test_a_worker_restarted_serving_another_model_has_its_new_listing_read_at_once() -> None:
+    """Its old listing was kept (only a restart that changed its KV-event description read
+    it again): requests for the new model went anywhere, those for the old one to it."""
+    kv_port_base = free_port_range(1)
+    async with (
+        fake_worker_in_process(kv_port_base=kv_port_base, model="m-old") as old,
+        router_in_process(
+            workers=[old.url],
+            health_interval_s=0.05,
+            worker_evict_after_s=600,
+            worker_models_refresh_s=0,  # no refresh: the restart alone reads it
+        ) as rt,
+    ):
+        await rt.gate(old)
+        await crash(rt, old)
+        port = urlsplit(old.url).port
+        async with fake_worker_in_process(
+            port=port, kv_port_base=kv_port_base, model="m-new", startup_delay_s=1.5
+        ) as new:
+            worker = rt.replica.workers.get(new.url)
+            assert worker is not None
+            await eventually(lambda: worker.models.bases == ("m-new",), within_s=10)
+            assert rt.replica.workers.stats.restarts["suspected"] == 1
