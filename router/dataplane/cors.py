@@ -94,11 +94,17 @@ class CorsPolicy:
         return origin if origin.lower() in self.origins else None
 
     def fields(self, head: RequestHead) -> Fields:
-        """The fields an answer to `head` carries for its page (none for any other request)."""
+        """The fields an answer to `head` carries for its page: on a browser route, its
+        `Access-Control-Allow-Origin` when its origin is allowed, and `Vary: Origin` whenever
+        the answer depends on the origin (not `*`), allowed or not: a shared cache that stored
+        the answer to a request without an allowed origin served it, without the field, to the
+        allowed page. None for any other request."""
         allow = self.allowed(head)
-        if allow is None:
-            return ()
-        return _origin_fields(allow)
+        if allow is not None:
+            return _origin_fields(allow)
+        if head.path in BROWSER_ROUTES and ANY not in self.origins:
+            return _VARY_ORIGIN
+        return ()
 
     def preflight(self, head: RequestHead) -> Fields | None:
         """The fields of the 204 answering `head` when it is a preflight of a browser route
@@ -124,6 +130,9 @@ class CorsPolicy:
 def lines(fields: Fields) -> bytes:
     """`fields` as field lines, each ending with a CRLF."""
     return b"".join(b"%s: %s\r\n" % field for field in fields)
+
+
+_VARY_ORIGIN: Final[Fields] = ((b"Vary", b"Origin"),)
 
 
 def _origin_fields(allow: bytes) -> Fields:

@@ -123,8 +123,11 @@ def test_which_preflights_are_answered_and_with_what(
             ((b"Access-Control-Allow-Origin", APP), (b"Vary", b"Origin")),
         ),
         (ANY, b"POST", b"/v1/chat/completions", OTHER, ((b"Access-Control-Allow-Origin", b"*"),)),
-        (ONE, b"POST", b"/v1/completions", OTHER, ()),
-        (ONE, b"POST", b"/v1/completions", None, ()),  # not a page's request
+        # Not allowed, or no page's request: no origin, but the answer depends on it.
+        (ONE, b"POST", b"/v1/completions", OTHER, ((b"Vary", b"Origin"),)),
+        (ONE, b"GET", b"/v1/models", None, ((b"Vary", b"Origin"),)),
+        (ANY, b"GET", b"/v1/models", None, ()),  # every page's: it depends on no origin
+        (ONE, b"GET", b"/workers", None, ()),
         (ANY, b"GET", b"/workers", APP, ()),
         (ANY, b"GET", b"/internal/kv_snapshot", APP, ()),
         (ANY, b"GET", b"/metrics", APP, ()),
