@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import random
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -139,10 +140,13 @@ def listing_of(rt: RouterHandle, fw: FakeWorkerHandle) -> tuple[str, ...]:
     return (*worker.models.bases, *worker.models.adapters)
 
 
-async def test_an_adapter_loaded_at_run_time_goes_to_its_worker_alone_after_one_read() -> None:
-    """vLLM's /v1/load_lora_adapter on a, after both registered: the first request naming it
-    may go to either (b answers 404) and has the listings read again; then every one goes to
-    a. Before, the router's own 404 refused it until a registered again."""
+@contextlib.asynccontextmanager
+async def adapter_loaded_on_one() -> AsyncIterator[
+    tuple[FakeWorkerHandle, FakeWorkerHandle, RouterHandle, list[int]]
+]:
+    """Two workers serving m1, registered; then vLLM's /v1/load_lora_adapter loads ad2 on the
+    first, which no listing the replica read holds. Yields them, the replica and how often
+    each worker's /v1/models was read by then."""
     async with (
         fake_worker_in_process(model="m1") as a,
         fake_worker_in_process(model="m1") as b,
@@ -151,6 +155,14 @@ async def test_an_adapter_loaded_at_run_time_goes_to_its_worker_alone_after_one_
         await routable(rt, [a, b])
         reads = await listings_read([a, b])
         assert (await a.lora_adapter("load", "ad2"))[0] == 200
+        yield a, b, rt, reads
+
+
+async def test_an_adapter_loaded_at_run_time_goes_to_its_worker_alone_after_one_read() -> None:
+    """vLLM's /v1/load_lora_adapter on a, after both registered: the first request naming it
+    may go to either (b answers 404) and has the listings read again; then every one goes to
+    a. Before, the router's own 404 refused it until a registered again."""
+    async with adapter_loaded_on_one() as (a, b, rt, reads):
         status, _, headers = await rt.post(
             "/v1/completions", {"model": "ad2", "prompt": "first", "max_tokens": 1}
         )
@@ -174,14 +186,7 @@ async def listing_reads(rt: RouterHandle, reason: str) -> float:
 async def test_bursts_of_requests_naming_unlisted_models_read_each_listing_once() -> None:
     """20 requests at once naming an adapter no listing holds, then 20 naming a model served
     nowhere: one read of each worker's /v1/models (`MODELS_REREAD_S`), not one per request."""
-    async with (
-        fake_worker_in_process(model="m1") as a,
-        fake_worker_in_process(model="m1") as b,
-        router_in_process(workers=[a.url, b.url], expose_route_headers=True) as rt,
-    ):
-        await routable(rt, [a, b])
-        reads = await listings_read([a, b])
-        assert (await a.lora_adapter("load", "ad2"))[0] == 200
+    async with adapter_loaded_on_one() as (a, b, rt, reads):
 
         async def burst(model: str) -> Counter[int]:
             answers = await asyncio.gather(
