@@ -1377,19 +1377,17 @@ class WorkerRegistry:
 
     async def _metrics_description(self, url: str) -> tuple[int | None, int | None]:
         """The dp size (`engines_dp_size`) and block size (`vllm_block_size`) the worker's
-        /metrics states, each None when it is unreadable or states none."""
+        /metrics states, each None when it is unreadable or states none. Read as /health is
+        (the bounded poll client: no redirect followed, the body bounded)."""
+        answer = await self._health.get(
+            f"{url}/metrics", self._request_timeout_s, METRICS_MAX_BODY_BYTES
+        )
+        if answer.status != 200 or answer.body is None:
+            return None, None
+        text = answer.body.decode("utf-8", "replace")
         try:
-            async with self.session.get(
-                f"{url}/metrics", timeout=self._timeout, allow_redirects=False
-            ) as resp:
-                if resp.status != 200:
-                    return None, None
-                body = await read_up_to(resp.content, METRICS_MAX_BODY_BYTES)
-            if len(body) > METRICS_MAX_BODY_BYTES:
-                return None, None
-            text = body.decode("utf-8", "replace")
             ranks = parse_metrics_text(text)
-        except (aiohttp.ClientError, TimeoutError, ValueError):
+        except ValueError:
             return None, None
         return engines_dp_size(ranks), vllm_block_size(text)
 
@@ -1515,8 +1513,8 @@ class WorkerRegistry:
         except WORKER_JSON_ERRORS as exc:
             log.warning(
                 "worker %s: /v1/models unreadable (%s): its engine, model and adapter names "
-                "are unknown until it registers anew. Check that the route answers without "
-                "credentials",
+                "are unknown until a read again succeeds (--worker-models-refresh-s). Check "
+                "that the route answers without credentials",
                 url,
                 "not served" if isinstance(exc, _Absent) else describe(exc),
             )
