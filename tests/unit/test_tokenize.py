@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 
@@ -342,92 +342,87 @@ def test_a_field_of_the_wrong_shape_is_a_chat_request_error_never_a_crash(
 _BARE = {"name": "f", "description": None, "parameters": None}
 
 
-@pytest.mark.parametrize(
-    ("tool", "dumped"),
-    [
-        # vLLM 0.27+ (generate/base/protocol.py FunctionDefinition, chat_completion/protocol.py
-        # ChatCompletionToolsParam), the same in 0.34: declared fields alone, in their order.
-        (
-            {"function": {"parameters": {}, "description": "d", "name": "f"}},
-            {"type": "function", "function": {"name": "f", "description": "d", "parameters": {}}},
-        ),
-        (
-            {"type": "function", "defer_loading": True, "function": {"name": "f"}},
-            {
-                "type": "function",
-                "function": {**_BARE, "defer_loading": True},
-                "defer_loading": True,
-            },
-        ),
-        (
-            {"defer_loading": "on", "function": {"name": "f", "defer_loading": False}},
-            {
-                "type": "function",
-                "function": {**_BARE, "defer_loading": False},
-                "defer_loading": True,
-            },
-        ),
-        (
-            {
-                "defer_loading": None,
-                "function": {"name": "f", "strict": None, "defer_loading": None},
-            },
-            {"type": "function", "function": _BARE},
-        ),
-        (
-            {"cache_control": {"type": "ephemeral"}, "function": {"name": "f", "examples": [1]}},
-            {"type": "function", "function": _BARE},
-        ),
-        (
-            {"function": {"strict": "yes", "name": "f"}},
-            {"type": "function", "function": {**_BARE, "strict": True}},
-        ),
-    ],
-)
-def test_vllm_dumps_a_tool_as_its_request_models_do(
-    tool: dict[str, Any], dumped: dict[str, Any]
-) -> None:
-    traits = TemplateTraits(False, False, False, frozenset())
-    call = render_call(chat(MESSAGES, tools=[tool]), traits, Engine.VLLM)
-    assert json.dumps(call.tools) == json.dumps([dumped])  # in the order a template dumps
+VLLM_TOOL_DUMPS: Final = [
+    # vLLM 0.27+ (generate/base/protocol.py FunctionDefinition, chat_completion/protocol.py
+    # ChatCompletionToolsParam), the same in 0.34: declared fields alone, in their order.
+    (
+        {"function": {"parameters": {}, "description": "d", "name": "f"}},
+        {"type": "function", "function": {"name": "f", "description": "d", "parameters": {}}},
+    ),
+    (
+        {"type": "function", "defer_loading": True, "function": {"name": "f"}},
+        {
+            "type": "function",
+            "function": {**_BARE, "defer_loading": True},
+            "defer_loading": True,
+        },
+    ),
+    (
+        {"defer_loading": "on", "function": {"name": "f", "defer_loading": False}},
+        {
+            "type": "function",
+            "function": {**_BARE, "defer_loading": False},
+            "defer_loading": True,
+        },
+    ),
+    (
+        {
+            "defer_loading": None,
+            "function": {"name": "f", "strict": None, "defer_loading": None},
+        },
+        {"type": "function", "function": _BARE},
+    ),
+    (
+        {"cache_control": {"type": "ephemeral"}, "function": {"name": "f", "examples": [1]}},
+        {"type": "function", "function": _BARE},
+    ),
+    (
+        {"function": {"strict": "yes", "name": "f"}},
+        {"type": "function", "function": {**_BARE, "strict": True}},
+    ),
+]
 
 
 def sglang_dump(function: dict[str, Any], defer_loading: bool | None = None) -> dict[str, Any]:
     return {"type": "function", "function": function, "defer_loading": defer_loading}
 
 
+SGLANG_TOOL_DUMPS: Final = [
+    # SGLang 0.5.23 (entrypoints/openai/protocol.py Tool, Function): the function's declared
+    # fields in the client's order, those it left out after; null flags left out.
+    (
+        {"function": {"parameters": {}, "description": "d", "name": "f"}},
+        sglang_dump({"parameters": {}, "description": "d", "name": "f"}),
+    ),
+    ({"function": {"name": "f", "strict": None, "examples": [1]}}, sglang_dump(_BARE)),
+    (
+        {"function": {"strict": "yes", "name": "f"}},
+        sglang_dump({"strict": True, "name": "f", "description": None, "parameters": None}),
+    ),
+    (
+        {"defer_loading": "on", "function": {"name": "f"}},
+        sglang_dump({**_BARE, "defer_loading": True}, defer_loading=True),
+    ),
+    (
+        {"defer_loading": 1, "function": {"defer_loading": "n", "name": "f"}},
+        sglang_dump(
+            {"defer_loading": False, "name": "f", "description": None, "parameters": None},
+            defer_loading=True,
+        ),
+    ),
+]
+
+
 @pytest.mark.parametrize(
-    ("tool", "dumped"),
-    [
-        # SGLang 0.5.23 (entrypoints/openai/protocol.py Tool, Function): the function's declared
-        # fields in the client's order, those it left out after; null flags left out.
-        (
-            {"function": {"parameters": {}, "description": "d", "name": "f"}},
-            sglang_dump({"parameters": {}, "description": "d", "name": "f"}),
-        ),
-        ({"function": {"name": "f", "strict": None, "examples": [1]}}, sglang_dump(_BARE)),
-        (
-            {"function": {"strict": "yes", "name": "f"}},
-            sglang_dump({"strict": True, "name": "f", "description": None, "parameters": None}),
-        ),
-        (
-            {"defer_loading": "on", "function": {"name": "f"}},
-            sglang_dump({**_BARE, "defer_loading": True}, defer_loading=True),
-        ),
-        (
-            {"defer_loading": 1, "function": {"defer_loading": "n", "name": "f"}},
-            sglang_dump(
-                {"defer_loading": False, "name": "f", "description": None, "parameters": None},
-                defer_loading=True,
-            ),
-        ),
-    ],
+    ("engine", "tool", "dumped"),
+    [(Engine.VLLM, *case) for case in VLLM_TOOL_DUMPS]
+    + [(Engine.SGLANG, *case) for case in SGLANG_TOOL_DUMPS],
 )
-def test_sglang_dumps_a_tool_as_its_request_models_do(
-    tool: dict[str, Any], dumped: dict[str, Any]
+def test_each_engine_dumps_a_tool_as_its_request_models_do(
+    engine: Engine, tool: dict[str, Any], dumped: dict[str, Any]
 ) -> None:
     traits = TemplateTraits(False, False, False, frozenset())
-    call = render_call(chat(MESSAGES, tools=[tool]), traits, Engine.SGLANG)
+    call = render_call(chat(MESSAGES, tools=[tool]), traits, engine)
     assert json.dumps(call.tools) == json.dumps([dumped])  # in the order a template dumps
 
 
