@@ -99,6 +99,7 @@ from cachetree.tree import BlockTree
 from peer.origin import canonical_origin, http_origin
 from peer.spellings import spelling
 from router.bounded import read_up_to
+from router.log_tally import LogTally
 from router.model_servers import ModelAsk
 from router.policy import CacheAware, Candidate, Decision, Prompt
 from router.siblings import (
@@ -440,7 +441,7 @@ class PlacementAsker:
     token: str
     placement: Placement
     timeout_s: float = DEFAULT_TIMEOUT_MS / 1000
-    _logged_at: float = -_LOG_EVERY_S
+    _failures: LogTally = field(default_factory=lambda: LogTally(_LOG_EVERY_S))
 
     async def ask(self, placer: str, question: bytes) -> RankId | None:
         """The placer's rank, or None after a timeout or an error (counted and logged)."""
@@ -485,9 +486,7 @@ class PlacementAsker:
                 self.placement.cancelled()
             else:
                 self.placement.finished(outcome, asked_at)
-        now = self.placement.clock()
-        if now - self._logged_at >= _LOG_EVERY_S:
-            self._logged_at = now
+        if self._failures.count(self.placement.clock()):
             if refused in (401, 403):
                 log.warning(
                     "placement: the placer %s refused the question (%s); new prefixes are "

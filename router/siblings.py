@@ -68,6 +68,7 @@ from peer.origin import canonical_origin
 from peer.supervise import doubling_s
 from router.bounded import read_up_to
 from router.homes import MAX_CHAIN_BLOCKS, Home
+from router.log_tally import LogTally
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +330,7 @@ class DecisionSharing:
     timeout_s: float = POST_TIMEOUT_S
     clock: Callable[[], float] = time.monotonic
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
-    _logged_at: dict[str, float] = field(default_factory=dict)
+    _warned: dict[str, LogTally] = field(default_factory=dict)  # per sibling
     _failing: dict[str, tuple[int, float]] = field(default_factory=dict)  # in a row, retry at
 
     def share(self, rank: RankId, keys: Sequence[int], held: int) -> None:
@@ -401,7 +402,7 @@ class DecisionSharing:
                     # Its failure and log times go with it (its cancelled lane writes no more):
                     # kept, every pod a rollout replaced left its own for good.
                     self._failing.pop(gone, None)
-                    self._logged_at.pop(gone, None)
+                    self._warned.pop(gone, None)
                 for peer in peers - lanes.keys():
                     lane = _Lane(Outbox(self.outbox.max_pending_keys), asyncio.Event())
                     lane.task = group.create_task(self._post_lane(peer, lane))
@@ -454,8 +455,7 @@ class DecisionSharing:
         # A sibling that fails is skipped for a while (batches for it are counted `skipped`).
         in_a_row = self._failing.get(peer, (0, now))[0] + 1
         self._failing[peer] = (in_a_row, now + failure_backoff_s(in_a_row))
-        if now - self._logged_at.get(peer, -_LOG_EVERY_S) >= _LOG_EVERY_S:
-            self._logged_at[peer] = now
+        if self._warned.setdefault(peer, LogTally(_LOG_EVERY_S)).count(now):
             log.warning(
                 "decision sharing: sibling %s did not take a batch (%s); until it does, its "
                 "placements of new prefixes may differ from this replica's. Check that it "

@@ -220,11 +220,11 @@ async def test_a_sibling_gone_from_the_registry_leaves_no_failure_or_log_time_be
         try:
             sharing.share(RankId("http://w:1", 0), [1], 0)
             await eventually(lambda: sharing.stats.failed == 1, 5)
-            assert set(sharing._failing) == set(sharing._logged_at) == {urls["old"]}
+            assert set(sharing._failing) == set(sharing._warned) == {urls["old"]}
             peers[:] = [urls["new"]]  # rolled: the old pod left, its successor joined
             sharing.share(RankId("http://w:1", 0), [2], 0)
             await eventually(lambda: got == [2], 5)
-            assert sharing._failing == {} and sharing._logged_at == {}
+            assert sharing._failing == {} and sharing._warned == {}
             assert sharing.stats.failed == 1 and sharing.stats.sent == 1
         finally:
             running.cancel()
