@@ -11,8 +11,9 @@ Order for a worker that registers (the reference's `add_worker`):
   2. the ranks go live in the pump and the subscribers start, so live batches are held;
   3. `holding_since` is stamped after that;
   4. if the worker serves `/v1/kv-snapshot`, it is itself the source for its own ranks: the
-     body is grafted like a sibling's, its seq as the watermark; only ranks it does not cover
-     are handed to the coordinator, which sweeps the siblings for them.
+     body is grafted like a sibling's, its seq as the watermark (a rank it never published
+     and holds nothing of is covered, empty); only ranks it does not cover are handed to the
+     coordinator, which sweeps the siblings for them.
 """
 
 from __future__ import annotations
@@ -151,8 +152,9 @@ class PeerBootstrap:
     ) -> list[Obligation]:
         """Graft a worker's own snapshot for the ranks it covers; returns the other obligations.
 
-        A rank the worker's body has no cursor for is left to the siblings, not settled
-        `uncovered`.
+        A rank the worker's body has no cursor for (blocks without a `last_seq`) is left to
+        the siblings, not settled `uncovered`; one it never published and holds nothing of
+        is covered, as empty (`LocalGraft`).
         """
         mine = [o for o in obligations if o.rank in graft.cursors]
         if mine:

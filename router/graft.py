@@ -30,6 +30,8 @@ Only a batch at seq W + 1 proves it, held or live:
   - held seqs pass W + 1 without it        -> gap resolution (the stream skipped the splice)
   - nothing held, or held ends at or
     below W                                -> a pending proof: the held batches stay held
+  - nothing held and W is -1 (a worker's
+    own empty snapshot: it never published) -> `warm` at once, no cursor (`_splice`)
 Then the cursor is seeded with max(existing, W), the rank is Recovered, and once the stream
 has reached W the held batches replay through the cursor filter (those at or below W are
 reflected in the snapshot). A pending proof is judged by the next live batches:
@@ -101,7 +103,12 @@ from peer.probe import MAX_UNKNOWN_PROBES
 from peer.sweep import Gapped
 from peer.tracker import BootstrapState, BootstrapTracker, Obligation
 from router.events import BlockStored, EventBatch
-from router.worker_snapshot import WorkerSnapshot, adapter_names, rebuild_steps
+from router.worker_snapshot import (
+    NOTHING_PUBLISHED,
+    WorkerSnapshot,
+    adapter_names,
+    rebuild_steps,
+)
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +171,9 @@ class LocalGraft:
     """A graft source built in this process: a worker's own `/v1/kv-snapshot`.
 
     It is trusted like a vetted snapshot because its ranks were minted from our own worker
-    registry and its blocks were placed by our own tree code.
+    registry and its blocks were placed by our own tree code. A rank the engine says it never
+    published and holds nothing of has the cursor `NOTHING_PUBLISHED`: it covers the rank, as
+    empty.
     """
 
     tree: BlockTree
@@ -217,6 +226,11 @@ class LocalGraft:
             yield from rebuild_steps(tree, rank, rank_snap, snap.block_size, slice_blocks)
             if rank_snap.last_seq >= 0:
                 cursors[rank] = rank_snap.last_seq
+            elif not rank_snap.blocks:
+                # The engine itself says it never published and holds nothing: complete
+                # knowledge of an empty rank, which no sibling can better (one may still hold
+                # a restarted engine's old blocks). Blocks without a seq cannot be spliced.
+                cursors[rank] = NOTHING_PUBLISHED
         exporting = SnapshotExport(tree)
         while not exporting.list_step(slice_blocks):
             yield
@@ -259,8 +273,16 @@ class Splice(Enum):
 
 def _splice(held: list[HeldBatch], watermark: int) -> Splice:
     """Only `watermark + 1` proves a splice: a batch at or below it is already reflected and
-    shows nothing about the next one. Held seqs rise (a regression ended the holding)."""
-    if not held or held[-1].seq <= watermark:
+    shows nothing about the next one. Held seqs rise (a regression ended the holding).
+
+    A worker's own empty snapshot from before its first batch (`NOTHING_PUBLISHED`) with
+    nothing held needs no proof: its stream must start at seq 0, which the index judges at
+    the rank's first batch as for any rank without a cursor (past 0 it is cold). A probe
+    could only mislead it: a sibling still holding a restarted engine's old cursor reads as
+    a stream that moved on. Held batches are never seq 0 (that settles `from_origin`)."""
+    if not held:
+        return Splice.PROVEN if watermark == NOTHING_PUBLISHED else Splice.PENDING
+    if held[-1].seq <= watermark:
         return Splice.PENDING
     if held[0].seq <= watermark + 1 and any(h.seq == watermark + 1 for h in held):
         return Splice.PROVEN
@@ -412,7 +434,8 @@ class BootstrapRules:
             if splice is Splice.PENDING:
                 now = self._clock()
                 self.proofs[rank] = PendingProof(watermark, o.epoch, now, job.source, now)
-            index.cursors[rank] = max(index.cursors.get(rank, -1), watermark)
+            if watermark != NOTHING_PUBLISHED:  # else no cursor: see `_splice`
+                index.cursors[rank] = max(index.cursors.get(rank, -1), watermark)
             if rank in job.vetted.cold_ranks:  # a partial view grafted stays partial
                 index.cold.add(rank)
             else:

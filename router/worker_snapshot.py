@@ -49,6 +49,8 @@ from cachetree.tree import BlockTree, run_through
 from router.events import namespace_of
 
 _TIER_BY_NAME = {name: bit for bit, name in TIER_NAMES.items()}
+# A rank's `last_seq` before its first batch: the engine published nothing yet.
+NOTHING_PUBLISHED: Final = -1
 _U64_MASK = (1 << 64) - 1
 DEFAULT_MAX_BODY_BYTES: Final = 32 * 1024 * 1024  # --worker-snapshot-max-body-mb
 

@@ -197,6 +197,27 @@ async def test_a_cold_sibling_is_not_used_and_the_replica_turns_ready_cold() -> 
         assert new.replica.bootstrap.sources["peer"] == 0
 
 
+async def test_an_idle_workers_own_empty_snapshot_settles_its_rank_warm_not_cold() -> None:
+    """An engine that never published (its /v1/kv-snapshot: no blocks, `last_seq` -1) was
+    left to the siblings and, none holding it, settled `abandoned`: cold until its first
+    batch, though the engine itself said it holds nothing."""
+    async with contextlib.AsyncExitStack() as stack:
+        fw = await stack.enter_async_context(fake_worker_in_process(serve_kv_snapshot=True))
+        sibling = await stack.enter_async_context(router_in_process(workers=[fw.url]))
+        new = await join(sibling, stack, workers=[fw.url])
+        await ready(new)
+        bootstrap = new.replica.bootstrap
+        assert dict(bootstrap.tracker.rank_outcomes) == {"warm": 1}
+        assert dict(bootstrap.sources) == {"worker": 1}
+        assert dict(bootstrap.snapshot_outcomes) == {}  # no sibling was asked
+        scrape = await new.scrape()
+        assert scrape.value("kvrouter_index_cold_ranks") == 0
+        assert scrape.by("kvrouter_kv_bootstrap_grafts_total", "source") == {"worker": 1}
+        view = await new.rank_view(fw.url, 0)
+        assert view is not None and (view["blocks"], view["cursor"]) == (0, None)
+        assert (await fw.state())["last_seq"] == -1
+
+
 async def serve_snapshot_route(handler: Any) -> tuple[web.AppRunner, str]:
     """A stand-in sibling serving only `/internal/kv_snapshot` on a free loopback port."""
     app = web.Application()

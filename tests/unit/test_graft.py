@@ -17,6 +17,7 @@ from router.events import BlockRemoved, BlockStored, EventBatch
 from router.graft import BootstrapRules, LocalGraft
 from router.index import IndexRules
 from router.subscriber import LiveBatch, PublisherReset
+from router.worker_snapshot import SnapshotBlock, SnapshotRank, WorkerSnapshot
 
 BS = 4
 R = RankId("http://w", 0)
@@ -353,6 +354,51 @@ def test_a_snapshot_without_a_cursor_for_the_rank_is_uncovered() -> None:
     assert rig.outcome(R) == "uncovered"
     assert holds(rig, 100, R)  # ran cold: the held batch was replayed
     assert rig.outcome(Q) is None  # Q's proof is deferred
+
+
+def workers_own(last_seq: int, *blocks: SnapshotBlock) -> LocalGraft:
+    """What the worker's `/v1/kv-snapshot` says of R, built as the bootstrap builds it."""
+    snap = WorkerSnapshot([SnapshotRank(R.dp_rank, last_seq, list(blocks))], BS)
+    return LocalGraft.from_worker_snapshot(R.worker_url, snap, BS)
+
+
+def test_a_workers_own_empty_snapshot_before_its_first_batch_covers_the_rank_warm() -> None:
+    """An idle engine that never published (`last_seq` -1) was left to the siblings and, none
+    holding it, settled `abandoned`: cold until its first batch, though it said it holds
+    nothing. No proof is opened (a probe of a sibling holding a restarted engine's old cursor
+    would read it as a stream that moved on) and no cursor set (seq 0 is no restart)."""
+    rig = Rig()
+    assert rig.rules.apply_snapshot(rig.obligations, workers_own(-1), "worker") == [R]
+    assert rig.outcome() == "warm" and rig.tracker.settled()
+    assert R not in rig.index.cold and rig.blocks() == 0 and R not in rig.index.cursors
+    assert rig.rules.proofs == {} and rig.retries == []
+    rig.clock.now = 3600.0  # idle for an hour: nothing to probe, nothing expires
+    rig.rules.expire_behind()
+    assert rig.rules.due_proofs(30.0) == [] and rig.outcome() == "warm"
+    rig.live(R, 0, stored(1, 100))
+    assert holds(rig, 100) and rig.index.cursors[R] == 0 and R not in rig.index.cold
+    assert rig.index.stats.restarts_at_zero == 0
+
+
+def test_a_workers_empty_rank_whose_first_batch_is_past_0_is_cold() -> None:
+    rig = Rig()
+    rig.rules.apply_snapshot(rig.obligations, workers_own(-1), "worker")
+    rig.live(R, 3, stored(1, 100))  # batches 0..2 lost after the snapshot
+    assert holds(rig, 100) and R in rig.index.cold
+
+
+def test_a_workers_empty_snapshot_under_held_batches_past_0_is_a_gap() -> None:
+    rig = Rig()
+    rig.live(R, 2, stored(1, 100))  # held: batch 0 and 1 never seen
+    rig.rules.apply_snapshot(rig.obligations, workers_own(-1), "worker")
+    assert rig.retries == rig.obligations and rig.notes == [Gapped("worker", 1)]
+    assert rig.tracker.is_pending(R) and R not in rig.index.cursors
+
+
+def test_a_workers_blocks_without_a_seq_are_left_to_the_siblings() -> None:
+    """A body holding blocks at `last_seq` -1 cannot be spliced to any stream."""
+    graft = workers_own(-1, SnapshotBlock(7, None, tuple(tokens(300))))
+    assert graft.cursors == {}
 
 
 def test_abandon_fails_only_ranks_still_owed() -> None:
