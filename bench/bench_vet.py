@@ -6,9 +6,11 @@ Prints figures; asserts only that the vetted snapshot restores to the exported t
 
 The wire object is what a consumer really holds: a tree built through `BlockTree.store`,
 exported with `cachetree.snapshot.export`, converted to format-1 wire nodes, encoded as
-msgpack (or as the columnar body) and decoded by `peer.wire.decode`. Four ranks (two workers,
-two dp ranks each); one chain in four is also stored by a second rank, so some nodes have
-two carriers.
+msgpack (or as the columnar body) and decoded by `peer.wire.decode`. Four ranks (three
+workers, the first with two dp ranks); one chain in four is also stored by a second rank, so
+some nodes have two carriers. The last rank is a worker of its own, so "one rank of four
+unknown" is a worker this replica does not know, whose carriers are dropped: a dp rank of a
+known worker that the worker does not have refuses the body (`unknown_rank`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from peer.vet import DEFAULT_BUDGET, VettedSnapshot, Vetting
 from peer.wire import PeerSnapshot, WireNode, WireWorker
 
 BLOCK = 16
-RANKS = [RankId(f"http://10.0.0.{w}:8000", dp) for w in (1, 2) for dp in (0, 1)]
+RANKS = [RankId(f"http://10.0.0.{w}:8000", dp) for w, dp in ((1, 0), (1, 1), (2, 0), (3, 0))]
 
 
 def build_tree(n_blocks: int, chain: int = 8, seed: int = 1) -> BlockTree:
