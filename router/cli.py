@@ -404,7 +404,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
         "cache_aware with siblings: how long a request for a new prefix waits for the placer "
         "replica's answer (POST /internal/place) before deciding alone (up to 4x when this "
         "replica itself stalled meanwhile, or while the placer answered the latest question); "
-        "0 = never ask",
+        f"at most {MAX_PLACEMENT_TIMEOUT_MS}; 0 = never ask",
     )
     f.add(
         "prefix-homes",

@@ -17,6 +17,7 @@ import pytest
 
 from peer.tracker import SEED_GATE_MIN_S, seed_gate_timeout
 from router.cli import build_parser
+from router.placement import MAX_TIMEOUT_MS as MAX_PLACEMENT_TIMEOUT_MS
 from tests.support.fake_apiserver import FakeApiServer
 from tests.support.model_dirs import build_fixture_model
 from tests.support.ports import free_port_range, listening
@@ -136,6 +137,17 @@ def test_every_flag_in_the_readme_table_is_a_serve_flag() -> None:
             assert any(k.startswith(flag) for k in known), flag
         else:
             assert flag in known, flag
+
+
+def test_the_flags_table_states_the_placement_timeouts_cap() -> None:
+    """A --placement-timeout-ms over MAX_TIMEOUT_MS is refused at start; the row did not say
+    there was a cap."""
+    row = next(
+        line
+        for line in section("Flags that matter").splitlines()
+        if line.startswith("| `--placement-timeout-ms`")
+    )
+    assert f"at most {MAX_PLACEMENT_TIMEOUT_MS:,} (a longer one is refused at start)" in row
 
 
 def test_the_readme_and_the_alert_state_the_seed_gates_hard_bound() -> None:
