@@ -235,14 +235,17 @@ def param_of(route: bytes) -> str:
 def namespace_for(
     route: bytes,
     body: dict[str, Any],
+    ask: ModelAsk | None,
     adapters: Collection[str],
     served: Collection[str],
     engine: Engine,
 ) -> str | None:
     """The key namespace of a request: its LoRA adapter and cache salt, as events carry them
-    (`events.namespace_of`), the adapter named as its engine reads the name. `served` are the
-    base model names the workers' `/v1/models` list (`WorkerRegistry.served_models`),
-    `adapters` the adapter names learned (`IndexRules.adapters`).
+    (`events.namespace_of`), the adapter named as its engine reads the name. `ask` is what
+    the request asks for (`model_asked`, read once per request: its adapter, when it names
+    one, is in it), `served` the base model names the workers' `/v1/models` list
+    (`WorkerRegistry.served_models`), `adapters` the adapter names learned
+    (`IndexRules.adapters`).
     - vLLM: `model` is a served base model's name or an adapter's (absent: the base model). A
       name that is neither a served one nor a learned adapter is keyed in its own namespace
       once any served name is known: it names an adapter loaded since (its blocks are keyed
@@ -257,49 +260,52 @@ def namespace_for(
       `lora_path` alone. Its request (GenerateReqInput) has no `model` field, so SGLang
       drops a `model` unread there, "base:adapter" or not."""
     salt = body.get("cache_salt")
-    lora = _adapter_of(route, body, adapters, served, engine)
+    lora = _adapter_asked(route, ask, adapters, served, engine)
     if lora is None and salt is None:  # most requests
         return None
     return namespace_of(lora, _str_or_none(salt))
 
 
-def _adapter_of(
+def _adapter_asked(
     route: bytes,
-    body: dict[str, Any],
+    ask: ModelAsk | None,
     adapters: Collection[str],
     served: Collection[str],
     engine: Engine,
 ) -> str | None:
-    if route == GENERATE:
-        return _lora_path(body)
-    model = body.get("model")
-    if engine is Engine.VLLM:
-        if type(model) is not str or not model or model in served:
-            return None
-        return model if served or model in adapters else None
-    if type(model) is str and ":" in model and model not in served:
-        name = _sglang_model_adapter(model, served)
-        if name:
-            return name
-    return _lora_path(body)
+    """The adapter in what a request asks for: a strict name is an adapter's (`model_asked`)
+    but for vLLM's `model`, which may name a base model too."""
+    if ask is None or not ask[1]:
+        return None
+    name = ask[0]
+    if engine is not _VLLM or route == GENERATE:
+        return name
+    if name in served:
+        return None
+    return name if served or name in adapters else None
 
 
 def model_asked(
     route: bytes, body: dict[str, Any], served: Collection[str], engine: Engine
 ) -> ModelAsk | None:
-    """The model a request must go to a worker serving (`router.model_servers`), read as
-    `namespace_for` reads its adapter: vLLM's `model`, a base model's or an adapter's name;
-    SGLang's adapter ("base:adapter" or `lora_path`), else its `model`, which SGLang serves
-    whatever it names (not `strict`); on `/generate`, `lora_path` alone. None: any worker."""
+    """The model a request must go to a worker serving (`router.model_servers`): vLLM's
+    `model`, a base model's or an adapter's name; SGLang's adapter ("base:adapter" or
+    `lora_path`), else its `model`, which SGLang serves whatever it names (not `strict`); on
+    `/generate`, `lora_path` alone. None: any worker. Whatever names an adapter is strict, so
+    `namespace_for` reads the adapter from here rather than from the body again."""
     if route == GENERATE:
         lora = _lora_path(body)
         return None if lora is None else (lora, True)
     model = body.get("model")
     if engine is _VLLM:
         return (model, True) if type(model) is str and model else None
-    adapter = _adapter_of(route, body, (), served, engine)
-    if adapter is not None:
-        return (adapter, True)
+    if type(model) is str and ":" in model and model not in served:
+        adapter = _sglang_model_adapter(model, served)
+        if adapter:
+            return (adapter, True)
+    lora = _lora_path(body)
+    if lora is not None:
+        return (lora, True)
     return (model, False) if type(model) is str and model else None
 
 
@@ -524,13 +530,13 @@ class RequestRouter:
         body: dict[str, Any] | None,
         candidates: list[Candidate],
         size: int,
-        ask: ModelAsk | None = None,
+        ask: ModelAsk | None,
     ) -> Decision | AskFirst | EncodeFirst:
         """Tokenize, key, look up and decide: every call into the tokenizer and the policy.
         A body left unread (None: `past_bounds`) is routed by load, as a miss. A text longer
         than `offload_chars` (a chat: a body of `size` bytes) is encoded off the loop.
-        `candidates` serve the model the request asks for (`ask`): so do those its placer
-        or the continuation of its encode decide among.
+        `candidates` serve the model the request asks for (`ask`, whose adapter keys it):
+        so do those its placer or the continuation of its encode decide among.
 
         A policy that does not read the index (round_robin, random, least_load,
         power_of_two) decides on the candidates alone: the prompt is checked for its shape
@@ -599,7 +605,9 @@ class RequestRouter:
         namespace = (
             None
             if body is None
-            else namespace_for(route, body, self.rules.adapters, self.workers.served_models, engine)
+            else namespace_for(
+                route, body, ask, self.rules.adapters, self.workers.served_models, engine
+            )
         )
         keys = block_keys(tokens, tree.block_size, namespace_seed(namespace))
         prompt = Prompt(len(tokens), tree.block_size, tree.prefix_depths(keys), keys)

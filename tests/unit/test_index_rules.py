@@ -10,7 +10,7 @@ from cachetree.ranks import RankId
 from cachetree.snapshot import canonical_view
 from cachetree.tiers import DEVICE, HOST
 from cachetree.tree import BlockTree
-from router.dataplane.routing import namespace_for
+from router.dataplane.routing import model_asked, namespace_for
 from router.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -549,7 +549,8 @@ def test_a_new_adapter_past_the_bound_is_learned_in_place_of_the_least_recently_
     assert "new" in rules.adapters and old[0] not in rules.adapters  # the first stored went
     assert set(old[1:]) <= rules.adapters
     body = {"model": "new"}
-    assert namespace_for(COMPLETIONS, body, rules.adapters, frozenset(), Engine.VLLM) == "new"
+    ask = model_asked(COMPLETIONS, body, frozenset(), Engine.VLLM)
+    assert namespace_for(COMPLETIONS, body, ask, rules.adapters, frozenset(), Engine.VLLM) == "new"
     # A graft or a worker's /v1/models past the bound is learned the same way.
     rules.learn_adapters(["graft-a", "graft-b"])
     assert {"graft-a", "graft-b", "new"} <= rules.adapters

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -14,6 +15,7 @@ from router.dataplane.routing import (
     decode_body,
     embeds_only,
     messages_of,
+    model_asked,
     namespace_for,
     param_of,
     past_bounds,
@@ -137,6 +139,14 @@ ADAPTERS = frozenset({"sql", "chat-v2"})  # names learned (events, snapshots, /v
 SERVED = frozenset({"base-model", "s3://bucket/base"})  # the workers' /v1/models' base names
 
 
+def keyed_in(
+    route: bytes, body: dict[str, Any], engine: Engine, served: frozenset[str] = SERVED
+) -> str | None:
+    """A request's key namespace as the router reads it: from what it asks for."""
+    ask = model_asked(route, body, served, engine)
+    return namespace_for(route, body, ask, ADAPTERS, served, engine)
+
+
 @pytest.mark.parametrize(
     ("body", "engine", "namespace"),
     [
@@ -171,8 +181,40 @@ SERVED = frozenset({"base-model", "s3://bucket/base"})  # the workers' /v1/model
 def test_the_key_namespace_of_a_request_is_the_one_its_blocks_are_published_under(
     body: dict[str, Any], engine: Engine, namespace: str | None
 ) -> None:
-    assert namespace_for(COMPLETIONS, body, ADAPTERS, SERVED, engine) == namespace
-    assert namespace_for(CHAT, body, ADAPTERS, SERVED, engine) == namespace
+    assert keyed_in(COMPLETIONS, body, engine) == namespace
+    assert keyed_in(CHAT, body, engine) == namespace
+
+
+class ReadCounting(dict[str, Any]):
+    """A request body that counts the reads of each field."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        super().__init__(fields)
+        self.reads: Counter[str] = Counter()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.reads[key] += 1
+        return super().get(key, default)
+
+
+@pytest.mark.parametrize(
+    ("fields", "reads"),
+    [
+        ({"model": "base-model:sql"}, {"model": 1, "cache_salt": 1}),
+        (
+            {"model": "base-model", "lora_path": ["sql"]},
+            {"model": 1, "lora_path": 1, "cache_salt": 1},
+        ),
+    ],
+)
+def test_an_sglang_requests_adapter_is_read_once_for_its_servers_and_its_keys(
+    fields: dict[str, Any], reads: dict[str, int]
+) -> None:
+    """`model_asked` and `namespace_for` each read the adapter from the body: `model` and
+    `lora_path` twice per request, "base:adapter" split against every served name twice."""
+    body = ReadCounting(fields)
+    assert keyed_in(CHAT, body, Engine.SGLANG) == "sql"
+    assert body.reads == reads
 
 
 @pytest.mark.parametrize(
@@ -200,7 +242,7 @@ def test_a_generate_request_names_its_adapter_by_lora_path_alone_as_sglang_reads
     such route). Read as an OpenAI route's, "base:sql" keyed the request in adapter sql's
     namespace while SGLang served it as the base model: a false hit on sql's blocks, a miss
     on the base model's."""
-    assert namespace_for(b"/generate", body, ADAPTERS, SERVED, engine) == namespace
+    assert keyed_in(b"/generate", body, engine) == namespace
 
 
 @pytest.mark.parametrize(
@@ -212,7 +254,7 @@ def test_with_no_served_name_known_only_a_learned_adapter_keys_a_vllm_request_ap
     """No worker's /v1/models was readable (a vLLM behind --api-key): names cannot be told
     apart, and keying every named model apart would make every request a miss."""
     body = {"model": model}
-    assert namespace_for(COMPLETIONS, body, ADAPTERS, frozenset(), Engine.VLLM) == namespace
+    assert keyed_in(COMPLETIONS, body, Engine.VLLM, frozenset()) == namespace
 
 
 @pytest.mark.parametrize(
