@@ -12,10 +12,13 @@ is refused for its token as a route is, never a 404 or 405 that names which exis
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
@@ -45,8 +48,18 @@ REPLICA: web.AppKey[Replica] = web.AppKey("replica", Replica)
 _MODELS_TIMEOUT: Final = aiohttp.ClientTimeout(total=2)  # each worker's, in a replica's own
 # How long the replica's own /v1/models answer is reused while its workers stay the same.
 MODELS_FRESH_S: Final = 1.0
-MODELS_KEYS: Final = 16  # the listings kept at once, one per credential (and none)
-MODELS_FETCHES: Final = 4  # listings fetched from the workers at once
+# How long after its fetch began a kept answer is still served while it is fetched anew: a
+# fetch takes at most `_MODELS_TIMEOUT`, so callers at least this often never wait for one.
+MODELS_STALE_S: Final = 10.0
+MODELS_KEYS: Final = 16  # the keyed listings kept at once, one per credential
+MODELS_FETCHES: Final = 4  # keyed listings fetched from the workers at once
+
+
+@dataclass
+class _Kept:
+    answer: Any = None
+    began: float = -math.inf  # when the fetch of `answer` began: never, while there is none
+    fetch: asyncio.Future[tuple[float, Any]] | None = None  # the fetch in flight
 
 
 class SharedListing:
@@ -54,56 +67,74 @@ class SharedListing:
 
     `/v1/models` needs no token of the router's (clients read it) and asks every worker:
     uncached, each call of a flood was one request to each worker. An answer is reused for
-    `fresh_s` while the `key` it was fetched for stays the same (the routable workers, and the
-    `Authorization` the workers were asked with: an answer read with one caller's credential
-    is never another's); callers arriving during a fetch await that fetch. A fetch that fails
-    is not kept. The answers of the last `most_keys` keys are kept, and at most
-    `most_fetches` fetches run at once, the others waiting their turn: callers varying their
-    `Authorization` cost at most that many fetches of every worker at a time (one answer for
-    all of them was pushed out by each, and the fetches ran unbounded)."""
+    `fresh_s` after its fetch began while the `key` it was fetched for stays the same; the
+    next caller has it fetched anew, and until that fetch ends the last answer is served while
+    it is younger than `stale_s` (then callers await the fetch, as they do while none was
+    kept). A fetch that fails leaves the last answer kept. The answers of the last
+    `most_keys` keys are kept, and at most `most_fetches` fetches run at once, the others
+    waiting their turn: keys varying call by call cost at most that many fetches at a time."""
 
     def __init__(
         self,
         fresh_s: float = MODELS_FRESH_S,
+        stale_s: float = MODELS_STALE_S,
         clock: Callable[[], float] = time.monotonic,
         most_keys: int = MODELS_KEYS,
         most_fetches: int = MODELS_FETCHES,
     ):
         self.fresh_s = fresh_s
+        self.stale_s = stale_s
         self._clock = clock
         self._most_keys = most_keys
         self._turns = asyncio.Semaphore(most_fetches)
-        # key -> (the answer, when its fetch began), least recently asked first
-        self._answers: OrderedDict[object, tuple[asyncio.Future[Any], float]] = OrderedDict()
+        self._kept: OrderedDict[object, _Kept] = OrderedDict()  # least recently asked first
         self.fetches = 0
 
     async def get(self, key: object, fetch: Callable[[], Awaitable[Any]]) -> Any:
-        kept = self._answers.get(key)
-        now = self._clock()
-        if kept is None or (kept[0].done() and now - kept[1] >= self.fresh_s):
+        kept = self._kept.get(key)
+        if kept is None:
+            kept = self._kept[key] = _Kept()
+            while len(self._kept) > self._most_keys:
+                self._kept.popitem(last=False)
+        self._kept.move_to_end(key)
+        age = self._clock() - kept.began
+        if age < self.fresh_s:
+            return kept.answer
+        if kept.fetch is None:
             self.fetches += 1
-            answer = asyncio.ensure_future(self._in_turn(fetch))
-            self._answers[key] = (answer, now)
-            answer.add_done_callback(lambda done: self._forget_failure(key, done))
-            while len(self._answers) > self._most_keys:
-                self._answers.popitem(last=False)
-        else:
-            answer = kept[0]
-        self._answers.move_to_end(key)
-        return await asyncio.shield(answer)
+            kept.fetch = asyncio.ensure_future(self._in_turn(fetch))
+            kept.fetch.add_done_callback(functools.partial(self._ended, kept))
+        if age < self.stale_s:
+            return kept.answer
+        return (await asyncio.shield(kept.fetch))[1]
 
-    async def _in_turn(self, fetch: Callable[[], Awaitable[Any]]) -> Any:
+    async def _in_turn(self, fetch: Callable[[], Awaitable[Any]]) -> tuple[float, Any]:
         async with self._turns:
-            return await fetch()
+            # Its age counts from here: an answer fetched after a wait for its turn is as new.
+            began = self._clock()
+            return began, await fetch()
 
-    def _forget_failure(self, key: object, answer: asyncio.Future[Any]) -> None:
-        if answer.cancelled() or answer.exception() is not None:
-            kept = self._answers.get(key)
-            if kept is not None and kept[0] is answer:
-                del self._answers[key]
+    @staticmethod
+    def _ended(kept: _Kept, fetch: asyncio.Future[tuple[float, Any]]) -> None:
+        kept.fetch = None
+        if not fetch.cancelled() and fetch.exception() is None:
+            kept.began, kept.answer = fetch.result()
 
 
-MODELS: web.AppKey[SharedListing] = web.AppKey("models", SharedListing)
+@dataclass
+class ModelListings:
+    """The replica's own `/v1/models` answers for the routable workers: the one asked without
+    a credential, in a slot of its own (a flood of made-up keys queued its refetch, and every
+    caller, behind their fetches), and those asked with a caller's `Authorization`, one per
+    credential (an answer read with one caller's credential is never another's)."""
+
+    anonymous: SharedListing = field(
+        default_factory=lambda: SharedListing(most_keys=1, most_fetches=1)
+    )
+    keyed: SharedListing = field(default_factory=SharedListing)
+
+
+MODELS: web.AppKey[ModelListings] = web.AppKey("models", ModelListings)
 
 
 def build_control_app(replica: Replica) -> web.Application:
@@ -113,7 +144,7 @@ def build_control_app(replica: Replica) -> web.Application:
         middlewares=[_guard, _openai_not_found],
     )
     app[REPLICA] = replica
-    app[MODELS] = SharedListing()
+    app[MODELS] = ModelListings()
     add_control_routes(app)
     return app
 
@@ -193,12 +224,12 @@ async def _models(request: web.Request) -> web.Response:
     # Asked without a credential first: a fleet whose workers all list their models to anyone
     # answers every caller with one listing, whatever `Authorization` each sends.
     listings = request.app[MODELS]
-    status, body, refused = await listings.get(
-        (urls, None), lambda: _fetch_models(replica, urls, None)
+    status, body, refused = await listings.anonymous.get(
+        urls, lambda: _fetch_models(replica, urls, None)
     )
     authorization = request.headers.get(hdrs.AUTHORIZATION)
     if refused and authorization is not None:
-        status, body, _ = await listings.get(
+        status, body, _ = await listings.keyed.get(
             (urls, authorization), lambda: _fetch_models(replica, urls, authorization)
         )
     headers = {hdrs.WWW_AUTHENTICATE: "Bearer"} if status == 401 else None

@@ -7,8 +7,10 @@ import contextlib
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
-from router.control import MODELS
+from router.control import MODELS, MODELS_FETCHES
+from tests.support.adversary import stub_server, stub_worker_routes
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.router import router_in_process
 from tests.support.waiting import eventually
@@ -193,7 +195,55 @@ async def test_v1_models_of_workers_listing_to_anyone_is_one_fetch_whatever_each
 
         answers = await asyncio.gather(*(models(k) for k in range(50)))
         assert answers == [["model-a", "model-b"]] * 50
-        assert listing.fetches == 1
+        assert (listing.anonymous.fetches, listing.keyed.fetches) == (1, 0)
+
+
+async def test_v1_models_without_a_key_is_answered_while_made_up_keys_hold_every_keyed_fetch() -> (
+    None
+):
+    """Callers varying their `Authorization` queued the listing asked without one behind their
+    fetches (4 at a time, each as slow as the slowest keyed worker): 40 made-up keys against
+    a worker answering keyed listings in 1.9 s kept an anonymous caller waiting 18 s. That
+    listing has a slot of its own."""
+    held: list[str] = []  # the keys the keyed worker holds unanswered
+    release = asyncio.Event()
+
+    async def keyed_models(request: web.Request) -> web.Response:
+        key = request.headers.get("Authorization")
+        if key is None:
+            return web.json_response({"error": {"message": "no key"}}, status=401)
+        held.append(key)
+        await release.wait()
+        return web.json_response({"object": "list", "data": [{"id": "keyed"}]})
+
+    async with contextlib.AsyncExitStack() as stack:
+        keyed = await stack.enter_async_context(
+            stub_server(stub_worker_routes({("GET", "/v1/models"): keyed_models}))
+        )
+        a = await stack.enter_async_context(fake_worker_in_process(model="model-a"))
+        b = await stack.enter_async_context(fake_worker_in_process(model="model-b"))
+        rt = await stack.enter_async_context(router_in_process(workers=[keyed, a.url]))
+
+        async def models(headers: dict[str, str]) -> tuple[int, list[str]]:
+            async with rt.session.get(f"{rt.url}/v1/models", headers=headers) as resp:
+                return resp.status, sorted(m["id"] for m in (await resp.json())["data"])
+
+        # Ten turns of keyed fetches, each held until the replica gives up on it (2 s).
+        flood = [
+            asyncio.ensure_future(models({"Authorization": f"Bearer made-up-{k}"}))
+            for k in range(10 * MODELS_FETCHES)
+        ]
+        await eventually(lambda: len(held) == MODELS_FETCHES)
+        # Another worker: the listing without a credential is fetched anew, none kept for it.
+        status, body, _ = await rt.post("/workers", {"url": b.url})
+        assert status == 200 and body["state"] == "ready", body
+        async with asyncio.timeout(10):  # the flood's turns took 20 s
+            assert await models({}) == (200, ["model-a", "model-b"])
+        # Answered before the last made-up keys were even asked (it waited for all of them).
+        assert len(held) < len(flood) and not all(caller.done() for caller in flood)
+        release.set()
+        assert [status for status, _ in await asyncio.gather(*flood)] == [200] * len(flood)
+        assert sorted(held) == sorted(f"Bearer made-up-{k}" for k in range(len(flood)))
 
 
 async def test_v1_models_asks_workers_with_the_callers_key_and_relays_their_401_without_one() -> (
@@ -228,6 +278,6 @@ async def test_v1_models_asks_workers_with_the_callers_key_and_relays_their_401_
         status, body, _ = await models({"Authorization": "Bearer wrong"})
         assert status == 401 and "check the API key" in body["error"]["message"]
         # Without a credential once (every worker refused it), then once per other credential.
-        assert listing.fetches == 3
+        assert (listing.anonymous.fetches, listing.keyed.fetches) == (1, 2)
         status, answer, _ = await rt.post("/v1/completions", COMPLETION, headers=key)
         assert status == 200 and answer["choices"][0]["text"]
