@@ -215,64 +215,73 @@ def bad_request(exc: BadRequest) -> web.Response:
     )
 
 
+# A worker's /v1/models as read: the models it lists, the status it refused the credential
+# with (401 or 403), or None when it could not be read.
+WorkerListing = list[dict[str, Any]] | int | None
+
+
 async def _models(request: web.Request) -> web.Response:
     replica = request.app[REPLICA]
     urls = tuple(w.url for w in replica.workers.routable())
     # Engines run with an API key (vLLM's and SGLang's `--api-key`) guard their /v1/models as
-    # their completions: the workers are asked with the caller's credential, as a completion
-    # relayed carries it.
-    # Asked without a credential first: a fleet whose workers all list their models to anyone
-    # answers every caller with one listing, whatever `Authorization` each sends.
+    # their completions: the workers that refuse a read without a credential are asked with
+    # the caller's, as a completion relayed carries it. The others never see it: a worker that
+    # lists its models to anyone may be another team's engine.
     listings = request.app[MODELS]
-    status, body, refused = await listings.anonymous.get(
-        urls, lambda: _fetch_models(replica, urls, None)
-    )
+    anonymous = await listings.anonymous.get(urls, lambda: _read_listings(replica, urls, None))
+    refused = tuple(url for url in urls if isinstance(anonymous[url], int))
     authorization = request.headers.get(hdrs.AUTHORIZATION)
+    keyed: dict[str, WorkerListing] = {}
     if refused and authorization is not None:
-        status, body, _ = await listings.keyed.get(
-            (urls, authorization), lambda: _fetch_models(replica, urls, authorization)
+        keyed = await listings.keyed.get(
+            (refused, authorization), lambda: _read_listings(replica, refused, authorization)
         )
+    # A worker's keyed read that failed otherwise than by a refusal keeps its refusal.
+    read = [anonymous[url] if keyed.get(url) is None else keyed[url] for url in urls]
+    status, body = _merged(read, authorization)
     headers = {hdrs.WWW_AUTHENTICATE: "Bearer"} if status == 401 else None
     return web.json_response(body, status=status, headers=headers)
 
 
-async def _fetch_models(
+async def _read_listings(
     replica: Replica, urls: tuple[str, ...], authorization: str | None
-) -> tuple[int, dict[str, Any], bool]:
-    """Every model the workers `urls` list, each once (the first worker's card), asked with
-    `authorization`; a worker that does not answer is left out. When every worker refused the
-    credential (401 or 403), their refusal instead: an empty list read as "no model served".
-    Last, whether any worker refused it."""
+) -> dict[str, WorkerListing]:
+    """What each worker of `urls` lists at `/v1/models`, asked with `authorization`."""
     session = replica.sessions[0]
-    seen: dict[str, Any] = {}
-    refusals: list[int] = []
 
-    async def one(url: str) -> None:
+    async def one(url: str) -> WorkerListing:
         try:
             listing = await get_worker_json(
                 session, f"{url}/v1/models", _MODELS_TIMEOUT, authorization
             )
-            for model in _listed_models(listing):
-                seen.setdefault(model["id"], model)
+            return _listed_models(listing)
         except WORKER_JSON_ERRORS as exc:  # a redirect included: never followed
-            if isinstance(exc, Refused):
-                refusals.append(exc.status)
             log.info("worker %s: /v1/models unreadable (%s)", url, describe(exc))
+            return exc.status if isinstance(exc, Refused) else None
 
-    await asyncio.gather(*map(one, urls))
-    if urls and len(refusals) == len(urls):
-        status = 401 if 401 in refusals else 403
+    return dict(zip(urls, await asyncio.gather(*map(one, urls)), strict=True))
+
+
+def _merged(listings: list[WorkerListing], authorization: str | None) -> tuple[int, dict[str, Any]]:
+    """The replica's answer from its workers' `listings`: every model listed, each once (the
+    first worker's card), a worker that could not be read left out. When every worker refused
+    the credential (401 or 403), their refusal instead: an empty list read as "no model
+    served"."""
+    if listings and all(isinstance(listing, int) for listing in listings):
+        status = 401 if 401 in listings else 403
         message = (
             f"every worker refused to list its models ({status}): "
             + ("send the engines' API key" if authorization is None else "check the API key")
             + " in an 'Authorization: Bearer' header"
         )
-        return (
-            status,
-            {"error": {"message": message, "type": "authentication_error", "param": None}},
-            True,
-        )
-    return 200, {"object": "list", "data": list(seen.values())}, bool(refusals)
+        return status, {
+            "error": {"message": message, "type": "authentication_error", "param": None}
+        }
+    seen: dict[str, Any] = {}
+    for listing in listings:
+        for model in listing if isinstance(listing, list) else ():
+            seen.setdefault(model["id"], model)
+    return 200, {"object": "list", "data": list(seen.values())}
 
 
 def _listed_models(listing: Any) -> list[dict[str, Any]]:

@@ -279,5 +279,38 @@ async def test_v1_models_asks_workers_with_the_callers_key_and_relays_their_401_
         assert status == 401 and "check the API key" in body["error"]["message"]
         # Without a credential once (every worker refused it), then once per other credential.
         assert (listing.anonymous.fetches, listing.keyed.fetches) == (1, 2)
+        # A key over the workers' head limit (a 400 each, not a refusal) keeps their refusal.
+        status, body, _ = await models({"Authorization": "Bearer " + "A" * 9000})
+        assert status == 401 and "check the API key" in body["error"]["message"]
         status, answer, _ = await rt.post("/v1/completions", COMPLETION, headers=key)
         assert status == 200 and answer["choices"][0]["text"]
+
+
+async def test_v1_models_sends_a_callers_key_only_to_the_workers_that_refused_without_one() -> None:
+    """The caller's key went to every worker, those that list their models to anyone (another
+    team's engine) too; and a key every worker failed on otherwise than by refusing it (9 KB,
+    over their head limit) made the listing an empty 200, the open worker's model gone."""
+    seen: list[str | None] = []  # the open worker's: each /v1/models read's Authorization
+
+    async def open_models(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"object": "list", "data": [{"id": "model-of-team-b"}]})
+
+    async with contextlib.AsyncExitStack() as stack:
+        team_b = await stack.enter_async_context(
+            stub_server(stub_worker_routes({("GET", "/v1/models"): open_models}))
+        )
+        team_a = await stack.enter_async_context(
+            fake_worker_in_process(model="model-of-team-a", api_key="TEAM-A-SECRET")
+        )
+        rt = await stack.enter_async_context(router_in_process(workers=[team_b, team_a.url]))
+
+        async def models(key: str) -> tuple[int, list[str]]:
+            headers = {"Authorization": f"Bearer {key}"}
+            async with rt.session.get(f"{rt.url}/v1/models", headers=headers) as resp:
+                return resp.status, sorted(m["id"] for m in (await resp.json())["data"])
+
+        assert await models("TEAM-A-SECRET") == (200, ["model-of-team-a", "model-of-team-b"])
+        assert await models("A" * 9000) == (200, ["model-of-team-b"])
+        assert await models("wrong") == (200, ["model-of-team-b"])
+        assert seen and set(seen) == {None}
