@@ -31,6 +31,7 @@ from peer.origin import canonical_origin, host_of, worker_origin_problem
 from peer.producer import serve_snapshot
 from peer.supervise import describe
 from router import auth, placement, siblings
+from router.log_tally import LogTally
 from router.replica import Replica
 from router.workers import (
     WORKER_JSON_ERRORS,
@@ -53,6 +54,7 @@ MODELS_FRESH_S: Final = 1.0
 MODELS_STALE_S: Final = 10.0
 MODELS_KEYS: Final = 16  # the keyed listings kept at once, one per credential
 MODELS_FETCHES: Final = 4  # keyed listings fetched from the workers at once
+MODELS_LOG_EVERY_S: Final = 60.0  # a worker's unreadable /v1/models: warned of at most so often
 
 
 @dataclass
@@ -121,6 +123,11 @@ class SharedListing:
             kept.began, kept.answer = fetch.result()
 
 
+# A worker's /v1/models as read: the models it lists, the status it refused the credential
+# with (401 or 403), or None when it could not be read.
+WorkerListing = list[dict[str, Any]] | int | None
+
+
 @dataclass
 class ModelListings:
     """The replica's own `/v1/models` answers for the routable workers: the one asked without
@@ -132,6 +139,66 @@ class ModelListings:
         default_factory=lambda: SharedListing(most_keys=1, most_fetches=1)
     )
     keyed: SharedListing = field(default_factory=SharedListing)
+    clock: Callable[[], float] = time.monotonic
+    _unreadable: dict[str, LogTally] = field(default_factory=dict)  # per worker: `_failed`
+
+    async def answer(
+        self, session: aiohttp.ClientSession, urls: tuple[str, ...], authorization: str | None
+    ) -> tuple[int, dict[str, Any]]:
+        """The status and body of `GET /v1/models` asked with `authorization` (`_merged`).
+
+        Engines run with an API key (vLLM's and SGLang's `--api-key`) guard their /v1/models
+        as their completions: the workers that refuse a read without a credential are asked
+        with the caller's, as a completion relayed carries it. The others never see it: a
+        worker that lists its models to anyone may be another team's engine."""
+        anonymous = await self.anonymous.get(urls, lambda: self._read(session, urls, None))
+        refused = tuple(url for url in urls if isinstance(anonymous[url], int))
+        keyed: dict[str, WorkerListing] = {}
+        if refused and authorization is not None:
+            keyed = await self.keyed.get(
+                (refused, authorization), lambda: self._read(session, refused, authorization)
+            )
+        # A worker's keyed read that failed otherwise than by a refusal keeps its refusal.
+        read = [anonymous[url] if keyed.get(url) is None else keyed[url] for url in urls]
+        return _merged(read, authorization)
+
+    async def _read(
+        self, session: aiohttp.ClientSession, urls: tuple[str, ...], authorization: str | None
+    ) -> dict[str, WorkerListing]:
+        """What each worker of `urls` lists at `/v1/models`, asked with `authorization`."""
+        if authorization is None:  # every routable worker's read: the gone ones' tallies go
+            for gone in self._unreadable.keys() - set(urls):
+                del self._unreadable[gone]
+
+        async def one(url: str) -> WorkerListing:
+            try:
+                listing = await get_worker_json(
+                    session, f"{url}/v1/models", _MODELS_TIMEOUT, authorization
+                )
+                return _listed_models(listing)
+            except WORKER_JSON_ERRORS as exc:  # a redirect included: never followed
+                self._failed(url, exc)
+                return exc.status if isinstance(exc, Refused) else None
+
+        return dict(zip(urls, await asyncio.gather(*map(one, urls)), strict=True))
+
+    def _failed(self, url: str, exc: Exception) -> None:
+        """A refusal is said at debug: an engine run with `--api-key` refuses every read
+        without its key, and every made-up one (a line each was a line per worker a second,
+        or per call of a flood). Other failures are warned of at most once a
+        `MODELS_LOG_EVERY_S` per worker, with how many since."""
+        if isinstance(exc, Refused):
+            log.debug("worker %s: /v1/models refused (HTTP %d)", url, exc.status)
+        elif said := self._unreadable.setdefault(url, LogTally(MODELS_LOG_EVERY_S)).count(
+            self.clock()
+        ):
+            log.warning(
+                "worker %s: /v1/models unreadable %d time(s) since the last such warning (the "
+                "latest: %s); it is left out of this replica's own /v1/models meanwhile",
+                url,
+                said,
+                describe(exc),
+            )
 
 
 MODELS: web.AppKey[ModelListings] = web.AppKey("models", ModelListings)
@@ -215,51 +282,13 @@ def bad_request(exc: BadRequest) -> web.Response:
     )
 
 
-# A worker's /v1/models as read: the models it lists, the status it refused the credential
-# with (401 or 403), or None when it could not be read.
-WorkerListing = list[dict[str, Any]] | int | None
-
-
 async def _models(request: web.Request) -> web.Response:
     replica = request.app[REPLICA]
     urls = tuple(w.url for w in replica.workers.routable())
-    # Engines run with an API key (vLLM's and SGLang's `--api-key`) guard their /v1/models as
-    # their completions: the workers that refuse a read without a credential are asked with
-    # the caller's, as a completion relayed carries it. The others never see it: a worker that
-    # lists its models to anyone may be another team's engine.
-    listings = request.app[MODELS]
-    anonymous = await listings.anonymous.get(urls, lambda: _read_listings(replica, urls, None))
-    refused = tuple(url for url in urls if isinstance(anonymous[url], int))
     authorization = request.headers.get(hdrs.AUTHORIZATION)
-    keyed: dict[str, WorkerListing] = {}
-    if refused and authorization is not None:
-        keyed = await listings.keyed.get(
-            (refused, authorization), lambda: _read_listings(replica, refused, authorization)
-        )
-    # A worker's keyed read that failed otherwise than by a refusal keeps its refusal.
-    read = [anonymous[url] if keyed.get(url) is None else keyed[url] for url in urls]
-    status, body = _merged(read, authorization)
+    status, body = await request.app[MODELS].answer(replica.sessions[0], urls, authorization)
     headers = {hdrs.WWW_AUTHENTICATE: "Bearer"} if status == 401 else None
     return web.json_response(body, status=status, headers=headers)
-
-
-async def _read_listings(
-    replica: Replica, urls: tuple[str, ...], authorization: str | None
-) -> dict[str, WorkerListing]:
-    """What each worker of `urls` lists at `/v1/models`, asked with `authorization`."""
-    session = replica.sessions[0]
-
-    async def one(url: str) -> WorkerListing:
-        try:
-            listing = await get_worker_json(
-                session, f"{url}/v1/models", _MODELS_TIMEOUT, authorization
-            )
-            return _listed_models(listing)
-        except WORKER_JSON_ERRORS as exc:  # a redirect included: never followed
-            log.info("worker %s: /v1/models unreadable (%s)", url, describe(exc))
-            return exc.status if isinstance(exc, Refused) else None
-
-    return dict(zip(urls, await asyncio.gather(*map(one, urls)), strict=True))
 
 
 def _merged(listings: list[WorkerListing], authorization: str | None) -> tuple[int, dict[str, Any]]:
