@@ -354,11 +354,11 @@ class PressureLedger:
             first, tail = self._weigh(st, keys, self._weight(now))
             stop -= tail
             if held < len(keys) and self.settings.booking_ttl_s > 0:
-                made = tuple(batches[i] for i in range(filed - len(batches), 0))
+                made = tuple(map(batches.__getitem__, range(filed - len(batches), 0)))
                 self._book(now, rank, st, keys, held, made)
                 first = min(first, held)
         self._prune(st, now)
-        self._sweep(now)
+        self._sweep(now, st)
         return first, stop
 
     def move(
@@ -683,16 +683,20 @@ class PressureLedger:
         st.batches = batches
         st.listed = st.pairs
 
-    def _sweep(self, now: float) -> None:
+    def _sweep(self, now: float, pruned: _RankLedger) -> None:
         """Prune one more rank per record, in turn, so ranks no longer routed to shrink too;
-        forget a rank once it has neither pairs nor live bookings."""
+        forget a rank once it has neither pairs nor live bookings. The rank the record has
+        just pruned (`pruned`, at the same `now`) is not pruned again: a prune leaves nothing
+        the next one at that time would drop or compact (in a two-rank fleet, every other
+        record's sweep)."""
         if not self._ranks:
             return
         ranks = list(self._ranks)
         rank = ranks[self._sweep_next % len(ranks)]
         self._sweep_next += 1
         st = self._ranks[rank]
-        self._prune(st, now)
+        if st is not pruned:
+            self._prune(st, now)
         if not st.pairs and not st.bookings:
             del self._ranks[rank]
 

@@ -131,6 +131,31 @@ def test_a_rank_no_longer_routed_to_is_swept_and_forgotten() -> None:
     assert led.tracked_blocks == 4
 
 
+def test_a_record_whose_sweep_lands_on_its_own_rank_prunes_that_rank_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a two-rank fleet every other record's sweep lands on the rank it recorded: pruned
+    again at the same time it would drop nothing, so it is not (the property test of the
+    bounds pins that nothing changes)."""
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=1.0, booking_ttl_s=0.0)
+    led.record(A, keys(1, 4))
+    led.record(B, keys(2, 4))
+    pruned: list[RankId] = []
+    prune = led._prune
+
+    def counted(state: object, now: float) -> None:
+        pruned.append(state.rank)  # type: ignore[attr-defined]
+        prune(state, now)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(led, "_prune", counted)
+    for seed in range(4):
+        pruned.clear()
+        led.record(A, keys(10 + seed, 2))
+        # The sweep visits A and B in turn: A is pruned by the record alone, B by the sweep.
+        assert pruned == ([A] if seed % 2 == 0 else [A, B])
+
+
 def test_memory_is_bounded_each_rank_keeping_its_share_of_the_newest() -> None:
     clock = ManualClock()
     led = ledger(clock, max_tracked_blocks=100, booking_ttl_s=0.0)
