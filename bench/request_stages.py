@@ -14,7 +14,10 @@ request's KV events are ingested here), and reads `time.thread_time_ns` around
 counted requests: per request, the loop thread's CPU, the routing, the ingest and the rest
 (the relay and the client). Then it calls `route` alone over the same prompts, back to back
 (`route hot`: its working set in the caches), so the two figures show how much of routing is
-memory. The wrappers cost ~1 us a call of their own.
+memory. The replay ingests no events, so its bookings are never confirmed and each prompt's
+tail stays booked: `route hot` also walks those bookings (~60 blocks a request in the full
+regime, against ~0.2 live), so it is no floor for the live figure, and a profile of the replay
+overstates `booked_depths`. The wrappers cost ~1 us a call of their own.
 
 `--baseline REV` also runs another commit's router (its C extensions compiled, as
 `bench/proxy_ab.py` does), the runs alternated. `--stub` replaces a part of the pressure
