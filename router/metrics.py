@@ -182,7 +182,8 @@ class RouterMetrics:
 
     def forget_worker(self, url: str) -> None:
         """A worker left the registry: its request and failure series go with it (a worker
-        address is a label, and a fleet that rolls its pods would grow them forever)."""
+        address is a label, and a fleet that rolls its pods would grow them forever). Its
+        requests still in flight count under `worker="removed"` (`relay._worker_label`)."""
         for counts, at in ((self.requests, 1), (self.upstream_failures, 0)):
             for labels in [k for k in counts if k[at] == url]:
                 del counts[labels]
@@ -923,8 +924,9 @@ class _RequestCollector(Collector):
         yield _counter(
             "kvrouter_requests",
             "Client requests by route, the worker that answered and its status (worker none: "
-            "the router's own answer, a refusal at the HTTP layer included; route other: its "
-            "head did not parse, or a path that is not a generation route)",
+            "the router's own answer, a refusal at the HTTP layer included; worker removed: "
+            "a worker answering after it left the registry; route other: its head did not "
+            "parse, or a path that is not a generation route)",
             ["route", "worker", "status"],
             dict(m.requests),
         )
@@ -939,7 +941,8 @@ class _RequestCollector(Collector):
         )
         yield _counter(
             "kvrouter_upstream_failures",
-            "Upstream attempts that failed before the first byte and were failed over",
+            "Upstream attempts that failed before the first byte and were failed over (worker "
+            "removed: one that failed after its worker left the registry)",
             ["worker", "reason"],
             dict(m.upstream_failures),
         )

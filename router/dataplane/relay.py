@@ -78,6 +78,13 @@ def count_refused(metrics: RouterMetrics, head: RequestHead | None, status: int)
     metrics.requests[route_label(head), "none", _STATUS_LABELS[status]] += 1
 
 
+def _worker_label(worker: Worker) -> str:
+    """The `worker` label of an answer or failed attempt of `worker`'s: its URL, or `removed`
+    once it left the registry. Its series went then (`RouterMetrics.forget_worker`), and a
+    request still in flight to it, counted under its URL, would bring them back for good."""
+    return "removed" if worker.state == "removed" else worker.url
+
+
 _NO_FAILURE: Final[tuple[Failure | None, str]] = (None, "no routable worker")
 
 
@@ -372,7 +379,7 @@ class WorkerRelay(Relay):
                 self.decision.served(self.rank)
         self._verdict = True
         label = _STATUS_LABELS.get(status) or str(status)
-        self.plane.metrics.requests[self.route, worker.url, label] += 1
+        self.plane.metrics.requests[self.route, _worker_label(worker), label] += 1
         return True
 
     def route_headers(self) -> bytes:
@@ -470,7 +477,7 @@ class WorkerRelay(Relay):
         worker = self.worker
         assert worker is not None
         label = _STATUS_LABELS.get(status) or str(status)
-        self.plane.metrics.requests[self.route, worker.url, label] += 1
+        self.plane.metrics.requests[self.route, _worker_label(worker), label] += 1
         return True
 
     def _count_failure(self, failure: Failure, detail: str) -> None:
@@ -489,7 +496,7 @@ class WorkerRelay(Relay):
         """The failure is counted, and remembered for the answer given if no rank is left."""
         worker = self.worker
         assert worker is not None
-        self.plane.metrics.upstream_failures[worker.url, failure] += 1
+        self.plane.metrics.upstream_failures[_worker_label(worker), failure] += 1
         self._last_failure = (failure, f"{failure}: {detail}")
 
     def _settle_held(self, worker_at_fault: bool) -> None:

@@ -21,6 +21,7 @@ from tests.support.adversary import stub_server, stub_worker_routes
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.ports import free_tcp_port
 from tests.support.router import router_in_process
+from tests.support.scripted_worker import Request, respond, scripted_worker
 from tests.support.waiting import eventually
 
 
@@ -134,6 +135,38 @@ async def test_a_removed_worker_leaves_no_pool_and_no_series_behind() -> None:
         assert f'worker="{fw.url}"' not in after, [
             line for line in after.splitlines() if fw.url in line
         ]
+
+
+async def test_a_worker_removed_with_requests_in_flight_leaves_no_series_once_they_end() -> None:
+    """Its in-flight requests end after its series went: counted under its URL, each brought
+    them back for good (one stale series a deleted worker, in a soak). They count under
+    `worker="removed"`: an answer, and a 503 whose failed attempt counts there too."""
+    release = asyncio.Event()
+
+    async def held(request: Request, writer: asyncio.StreamWriter) -> None:
+        await release.wait()
+        status = 503 if b"fail" in request.body else 200
+        writer.write(respond(status, b"{}", b"Content-Type: application/json"))
+
+    async with scripted_worker(held) as w, router_in_process() as rt:
+        assert (await rt.post("/workers", {"url": w.url}))[0] == 200
+        answers = [
+            asyncio.create_task(rt.post("/v1/completions", {"prompt": p, "max_tokens": 1}))
+            for p in ("served", "fail")
+        ]
+        await eventually(lambda: len(w.posts()) == 2)
+        assert (await rt.delete(f"/workers?url={w.url}"))[0] == 200
+        release.set()
+        assert sorted(status for status, _, _ in await asyncio.gather(*answers)) == [200, 503]
+        _, text = await rt.text("/metrics")
+        assert [line for line in text.splitlines() if w.url in line] == []
+        scrape = await rt.scrape()
+        route = {"route": "/v1/completions", "worker": "removed"}
+        assert scrape.by("kvrouter_requests_total", "status") == {"200": 1, "503": 1}
+        assert scrape.value("kvrouter_requests_total", **route, status="200") == 1
+        assert scrape.value("kvrouter_requests_total", **route, status="503") == 1
+        failures = scrape.series("kvrouter_upstream_failures_total")
+        assert failures == {frozenset({("worker", "removed"), ("reason", "status")}): 1}
 
 
 async def test_a_non_ascii_or_overlong_host_or_port_0_is_a_400_and_registers_nothing() -> None:
