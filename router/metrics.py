@@ -765,14 +765,16 @@ class _PressureCollector(Collector):
         yield _counter(
             "kvrouter_bookings",
             "Bookings by how they ended: confirmed (the index showed the blocks), expired, "
-            "moved (the proxy failed over and another rank served the prompt), or refused (the "
-            "engine answered a 4xx: it cached nothing)",
+            "moved (the proxy failed over and another rank served the prompt), refused (the "
+            "engine answered a 4xx: it cached nothing), or departed (the rank's worker left "
+            "the registry)",
             ["outcome"],
             {
                 ("confirmed",): stats.confirmed,
                 ("expired",): stats.expired,
                 ("moved",): stats.moved,
                 ("refused",): stats.refused,
+                ("departed",): stats.departed,
             },
         )
         yield _counter(

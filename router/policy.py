@@ -665,6 +665,12 @@ class CacheAware:
         if prompt is not None and prompt.keys and decision.ranked:
             self.ledger.refuse(decision.ranked[0].rank, prompt.keys)
 
+    def forget_ranks(self, ranks: Sequence[RankId]) -> None:
+        """The ranks' worker left the registry: the ledger forgets them now, not ~16
+        half-lives later (`PressureLedger.forget_ranks`), and so does `outgrown`."""
+        self.ledger.forget_ranks(ranks)
+        self.outgrown.difference_update(ranks)
+
     def place(
         self, candidates: Sequence[Candidate], prompt: Prompt, rank: RankId
     ) -> Decision | None:

@@ -91,7 +91,8 @@ booked no more, and ending one touches none of its blocks.
 Bounds: each rank's pairs are kept in last-routed order; pairs older than 16 half-lives
 (weight < 1/65536) are dropped as the rank is recorded, and the whole ledger holds at most
 `max_tracked_blocks` pairs (each rank its share; a rank's oldest go first), so memory is
-bounded whatever the traffic. A rank no longer routed to is swept a little on every record.
+bounded whatever the traffic. A rank no longer routed to is swept a little on every record;
+one whose worker left the registry is forgotten at once (`forget_ranks`).
 Stale entries are compacted away whenever a rank pruned lists more than twice its pairs plus
 `_STALE_SLACK`, and a rank's booked map is rebuilt from its live bookings when it holds more
 than twice their blocks plus the same slack (emptied when none is left). Booked blocks are
@@ -146,6 +147,7 @@ class BookingStats:
     expired: int = 0  # it did not
     moved: int = 0  # ended early: the proxy failed over and another rank served the prompt
     refused: int = 0  # ended early: the engine refused the prompt (a 4xx), caching nothing
+    departed: int = 0  # ended early: the rank's worker left the registry (`forget_ranks`)
 
 
 @dataclass(slots=True, eq=False)
@@ -397,6 +399,22 @@ class PressureLedger:
                 self._unweigh(batch, dropped)
         if not st.pairs:
             st.total = st.superseded = 0.0  # no rounding residue on an empty rank
+
+    def forget_ranks(self, ranks: Iterable[RankId]) -> None:
+        """The ranks' worker left the registry: their pairs and bookings go now (the bookings
+        counted `departed`). Left to decay, their pairs kept their share of
+        `max_tracked_blocks` for 16 half-lives, and after a rollout to new addresses the live
+        ranks' shares, their demand with them, were cut to about half."""
+        for rank in ranks:
+            st = self._ranks.pop(rank, None)
+            if st is None:
+                continue
+            for batch in st.batches:
+                if batch.live > 0:
+                    self._drop_run(batch.keys, batch.start, batch.live, batch)
+            self.bookings.departed += len(st.bookings)
+            self._booked_blocks -= st.booked_blocks
+            self._booking_ranks.discard(rank)
 
     def _end_newest(self, rank: RankId, st: _RankLedger, keys: Sequence[int]) -> _Booking | None:
         """End the rank's newest live booking of the prompt `keys` (the one its decision made:

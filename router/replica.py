@@ -309,8 +309,10 @@ async def _compose(
     if isinstance(policy, CacheAwareHome):
         metrics.watch_pressure(policy.inner, workers)
         metrics.watch_homes(policy.table)
+        workers.on_ranks_left = policy.inner.forget_ranks
     elif isinstance(policy, CacheAware):
         metrics.watch_pressure(policy, workers)
+        workers.on_ranks_left = policy.forget_ranks
     placement = None
     if sharing is not None:
         metrics.watch_sharing(sharing)

@@ -550,6 +550,9 @@ class WorkerRegistry:
         # still waiting for that worker's answer fail over at once.
         self.on_unhealthy: Callable[[str], None] | None = None
         self.on_removed: Callable[[str], None] | None = None  # the data plane drops its pool
+        # Set by the replica under cache_aware: told a removed worker's ranks, which the
+        # pressure ledger then stops giving a share of its bound.
+        self.on_ranks_left: Callable[[Sequence[RankId]], None] | None = None
         # Set by the replica under --chat-rules auto: told which engine a worker runs.
         self.on_engine: Callable[[str, str], None] | None = None
         pump.rules.set_loss_handler(self._on_rank_loss)
@@ -729,6 +732,8 @@ class WorkerRegistry:
         self._health.forget(worker.url)
         if self.on_removed is not None:
             self.on_removed(worker.url)
+        if self.on_ranks_left is not None:
+            self.on_ranks_left(worker.ranks())
 
     async def _undo_registration(self, worker: Worker, exc: BaseException, *, new: bool) -> None:
         """A registration that raised leaves nothing running: what it started is stopped, a

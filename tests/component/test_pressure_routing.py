@@ -352,3 +352,39 @@ async def test_a_prompt_the_engine_refuses_ends_its_booking_at_once() -> None:
         scrape = await rt.scrape()
         assert scrape.value("kvrouter_bookings_total", outcome="confirmed") == 1
         assert scrape.value("kvrouter_bookings_total", outcome="refused") == 5
+
+
+async def test_a_removed_workers_ranks_leave_the_ledger_and_their_share_of_its_bound() -> None:
+    """After a rollout to new addresses the departed ranks held their share of
+    --pressure-max-tracked-blocks for 16 half-lives, halving the live ranks' demand."""
+    async with (
+        fake_worker_in_process() as w1,
+        fake_worker_in_process() as w2,
+        router_in_process(
+            workers=[w1.url, w2.url],
+            pressure_max_tracked_blocks=60,
+            booking_ttl_ms=60_000,
+            expose_route_headers=True,
+        ) as rt,
+    ):
+        await gate_fleet([rt], [w1, w2])
+        policy = rt.replica.policy
+        assert isinstance(policy, CacheAware)
+        ledger = policy.ledger
+        rng = random.Random(13)
+        served: set[str] = set()
+        while len(served) < 2:  # both ranks hold demand, 30 pairs each at most
+            last, _ = await complete(rt, prefix(rng))
+            served.add(last)
+        gone = RankId(last, 0)
+        booked = ledger.live_bookings(gone)  # its last decision's, at least: not settled yet
+        assert booked >= 1
+        assert (await rt.delete(f"/workers?url={last}"))[0] == 200
+        kept = next(url for url in served if url != last)
+        assert ledger.ranks() == [RankId(kept, 0)]
+        for _ in range(3):
+            assert (await complete(rt, prefix(rng)))[0] == kept
+        scrape = await rt.scrape()
+        assert scrape.value("kvrouter_bookings_total", outcome="departed") == booked
+        demand = scrape.value("kvrouter_rank_demand_blocks", worker_url=kept, dp_rank="0")
+        assert 55 < demand <= 60  # the whole bound (decaying by the wall clock), not half

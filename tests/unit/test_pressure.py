@@ -168,6 +168,27 @@ def test_memory_is_bounded_each_rank_keeping_its_share_of_the_newest() -> None:
     assert led.demand(A) == pytest.approx(50)
 
 
+def test_a_forgotten_rank_goes_at_once_with_its_pairs_and_bookings_its_share_to_the_rest() -> None:
+    """A worker that left the registry: its ranks' pairs held their share of the bound for 16
+    half-lives, halving a live rank's demand after a rollout to new addresses."""
+    clock = ManualClock()
+    led = ledger(clock, max_tracked_blocks=100, booking_ttl_s=5.0)
+    gone = keys(1, 80)
+    led.record(A, gone, held=70)  # its last 10 blocks booked
+    led.record(B, keys(2, 80), held=80)  # two ranks: 50 pairs each
+    assert led.demand(B) == pytest.approx(50) and led.booked_blocks == 10
+    led.forget_ranks([A, C])  # C: never recorded, nothing to forget
+    assert led.ranks() == [B]
+    assert led.tracked_blocks == 50 and not any(map(led.routed, gone))
+    assert led.bookings.departed == 1 and led.booked_blocks == 0 and led.pending(A) == 0
+    assert led.booked_depths(gone, {}) == {}
+    led.record(B, keys(3, 80), held=80)  # B's share is the whole bound now
+    assert led.demand(B) == pytest.approx(100)
+    clock.advance(5.0)
+    led.settle(None)  # nothing of A's is left to expire
+    assert (led.bookings.expired, led.bookings.departed) == (0, 1)
+
+
 def test_demand_stays_exact_across_a_rebase_of_the_weights_origin() -> None:
     clock = ManualClock()
     led = ledger(clock, demand_half_life_s=1.0, booking_ttl_s=0.0)
