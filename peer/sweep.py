@@ -26,9 +26,12 @@ Per peer: a transport failure (`unreachable`) clears what it last told us; each 
 (unreachable, cold, or a body that covers none of our ranks) sits the peer out for
 min(4 x 2^(n-1), 120) passes; a `rejected` body (another format, key scheme or block size, a
 malformed structure, a body over the size bound or a gzip bomb, an implausible one) excludes
-the peer for the rest of the sweep: fetching it again would bring the same. A peer whose
-address refuses the connection has no replica listening: that is a cold witness at once
-(`connection_refused`), not a silence that vetoes the fleet's cold verdict until the deadline.
+the peer for the rest of the sweep: fetching it again would bring the same. So does an answer
+that says the peer is no sibling of ours (`not_a_sibling`: a 401 or 403, its token is another
+or none, or a 404, no kvrouter serves there): a replica's token and what listens at an address
+hold for the life of its process. A peer whose address refuses the connection has no replica
+listening: that is a cold witness at once (`connection_refused`), not a silence that vetoes the
+fleet's cold verdict until the deadline.
 
 One pass asks its candidates hedged, not one at a time: the first fetch starts at once, and
 whenever `hedge_after_s` passes with no usable answer (or a fetch ends without one) the next
@@ -87,6 +90,7 @@ SUMMARY_REASONS = 3  # siblings named, with why they gave nothing, in a sweep's 
 
 # How a fetch came back without a body (`FetchOutcome.kind`).
 UNREACHABLE, CONNECTION_REFUSED, BODY_REFUSED = "unreachable", "connection_refused", "rejected"
+NOT_A_SIBLING = "not_a_sibling"  # a 401, 403 or 404: another token, none, or no kvrouter there
 
 FETCHED_ACCEPTED = "accepted"
 STALE = "stale"  # a body behind what a gap-retried rank's stream needs (see Gapped)
@@ -251,7 +255,8 @@ class FetchOutcome:
     body: Any | None  # peer.wire.PeerBody
     arrival: float
     failure: str = ""
-    kind: str = UNREACHABLE  # without a body: UNREACHABLE, CONNECTION_REFUSED, BODY_REFUSED
+    # Without a body: UNREACHABLE, CONNECTION_REFUSED, BODY_REFUSED, NOT_A_SIBLING.
+    kind: str = UNREACHABLE
 
 
 class VetFailure(Exception):
@@ -424,6 +429,11 @@ async def _try_peer(
     if body is None:
         if outcome.kind == BODY_REFUSED:
             log.warning("sibling %s rejected for this bootstrap: %s", peer, outcome.failure)
+            book.reject(peer)
+        elif outcome.kind == NOT_A_SIBLING:
+            log.warning(
+                "%s left out of this bootstrap as holding nothing: %s", peer, outcome.failure
+            )
             book.reject(peer)
         elif outcome.kind == CONNECTION_REFUSED:
             book.nobody_listening(peer)

@@ -37,6 +37,7 @@ from peer.sweep import (
     BODY_REFUSED,
     CONNECTION_REFUSED,
     FOUND,
+    NOT_A_SIBLING,
     RANKS_RESOLVED,
     UNREACHABLE,
     FetchOutcome,
@@ -54,8 +55,9 @@ from router.index import IndexRules, Pump
 
 log = logging.getLogger(__name__)
 
-# What a sibling's refusal of a snapshot request most likely means, for the log.
-_REFUSAL_MEANS: Final = {
+# A sibling's answers to a snapshot request that no retry changes (a replica's token, and what
+# listens at an address, hold for the life of its process): what each means, for the log.
+_NOT_A_SIBLING: Final = {
     401: "it refuses this replica's --internal-token (the replicas' tokens differ)",
     403: "it refuses this replica's --internal-token (the replicas' tokens differ)",
     404: "it serves no snapshot there (not a kvrouter replica, or one too old)",
@@ -259,17 +261,19 @@ class PeerBootstrap:
         reason = result.reason
         if isinstance(result, Refused):
             kind = BODY_REFUSED
+        elif (meaning := _NOT_A_SIBLING.get(result.status or 0)) is not None:
+            # Asking again in this bootstrap brings the same answer: it holds nothing for this
+            # replica, a cold witness at once. Waited for as a silence, it held /readyz for the
+            # whole bootstrap timeout at every new pod of a token rotation, which then ran cold.
+            kind = NOT_A_SIBLING
+            reason = f"{reason}: {meaning}"
         else:
             kind = CONNECTION_REFUSED if result.connection_refused else UNREACHABLE
-            meaning = _REFUSAL_MEANS.get(result.status or 0)
-            if meaning is not None:
-                reason = f"{reason}: {meaning}"
             if kind == UNREACHABLE:
-                # Still a silence, not a cold witness (a sibling rolling its token or starting
-                # answers so for a moment, and the fleet is not cold for it), but said: the
-                # joiner waited out its whole bootstrap with nothing in its log (a refused
-                # token, a body cut short mid Content-Length). Said again every 100th time
-                # or when the cause changes (`PeerAttemptLog`), not at every retry.
+                # Still a silence, not a cold witness, but said: the joiner waited out its whole
+                # bootstrap with nothing in its log (a body cut short mid Content-Length, a
+                # 5xx). Said again every 100th time or when the cause changes
+                # (`PeerAttemptLog`), not at every retry.
                 said = self._attempts.attempt(peer, kind, reason)
                 level = logging.WARNING if said.level == logging.INFO else logging.DEBUG
                 log.log(

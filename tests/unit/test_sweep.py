@@ -16,6 +16,7 @@ from peer.sweep import (
     FLEET_COLD,
     FOUND,
     NO_PEERS,
+    NOT_A_SIBLING,
     RANKS_RESOLVED,
     STALE,
     TIMED_OUT,
@@ -258,7 +259,13 @@ async def test_unreachable_peers_time_out_with_the_last_reason() -> None:
 # -- hardening: bodies refused, addresses refused, hedged passes (issue 13 rows 6, 7) -------
 
 
-async def test_a_refused_body_rejects_the_peer_for_good_and_is_never_fetched_again() -> None:
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [(BODY_REFUSED, "inflated body exceeds the bound"), (NOT_A_SIBLING, "HTTP 401 Unauthorized")],
+)
+async def test_a_refused_body_or_a_refusing_sibling_is_left_out_for_good_fetched_once(
+    kind: str, why: str
+) -> None:
     fleet = Fleet({"bomb": [None], "cold": [Body([])]})
     refused = {"bomb"}
     plain_fetch = fleet.fetch
@@ -266,14 +273,14 @@ async def test_a_refused_body_rejects_the_peer_for_good_and_is_never_fetched_aga
     async def fetch(peer: str, max_age_s: float) -> FetchOutcome:
         out = await plain_fetch(peer, max_age_s)
         if peer in refused:
-            return FetchOutcome(None, fleet.now, "inflated body exceeds the bound", BODY_REFUSED)
+            return FetchOutcome(None, fleet.now, why, kind)
         return out
 
     fleet.fetch = fetch  # type: ignore[method-assign]
     result, _ = await sweep([Ob(R1, 1)], fleet.deps(Registry(["bomb", "cold"])), 60.0, 100.0)
-    assert result.outcome == FLEET_COLD  # the bomb counts as an answer: rejected
+    assert result.outcome == FLEET_COLD  # the refusal counts as an answer: it holds nothing
     assert [peer for peer, _ in fleet.asked].count("bomb") == 1
-    assert fleet.tallies.count(BODY_REFUSED) == 1 and fleet.now < 110  # no deadline waited
+    assert fleet.tallies.count(kind) == 1 and fleet.now < 110  # no deadline waited
 
 
 async def test_a_refused_connection_is_a_cold_witness_at_once() -> None:
