@@ -115,7 +115,7 @@ class Relay:
     def route_headers(self) -> bytes:
         """Field lines added to the answer (each ending with a CRLF): the CORS policy's, for
         a page's request on a browser route (`cors`)."""
-        cors = self.client.plane.cors
+        cors = self.client.cors
         return b"" if cors is None else cors_lines(cors.fields(self.head))
 
     def settle(self, outcome: str) -> None:

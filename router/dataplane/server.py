@@ -15,8 +15,8 @@ idle time between requests.
 (`door`), the limits, the routing parts, one `UpstreamPool` per worker, the control app's
 aiohttp server (for `control_link`), the open connections (at most `max_connections`: one
 more is answered with a 503 and closed, counted, and logged at most once a minute; the
-`--control-port` listener's are bounded and logged apart) and the counters behind the data
-plane's metrics.
+`--control-port` listener's are bounded and logged apart; it answers no CORS) and the counters
+behind the data plane's metrics.
 """
 
 from __future__ import annotations
@@ -506,6 +506,9 @@ class ClientConnection(asyncio.Protocol):
         self.plane = plane
         self._control_only = control_only
         self._bound = plane.control_bound if control_only else plane.client_bound
+        # None on the `--control-port` listener: it serves no browser route, and a preflight
+        # of one answered there let a page send a POST that was the control app's 404.
+        self.cors = None if control_only else plane.cors
         self._first = data  # what the door read of the connection before handing it over
         self.transport: asyncio.Transport | None = None
         self.gate: ReadGate | None = None
@@ -805,7 +808,7 @@ class ClientConnection(asyncio.Protocol):
         client_11 = head.http_11 if head is not None else True
         keep = head is not None and self.keep_alive(head) and not refusal.close
         head_only = head is not None and head.method == b"HEAD"
-        cors = self.plane.cors
+        cors = self.cors
         if cors is not None and head is not None and (fields := cors.fields(head)):
             refusal = replace(refusal, extra=refusal.extra + fields)  # for the page to read
         self.write(
@@ -1018,7 +1021,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _answered_preflight(self, head: RequestHead) -> bool:
         """Whether `head` was a page's preflight the CORS policy answers (`cors`), and was."""
-        cors = self.plane.cors
+        cors = self.cors
         fields = None if cors is None else cors.preflight(head)
         if fields is None:
             return False

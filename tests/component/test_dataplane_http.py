@@ -1691,6 +1691,29 @@ async def test_without_cors_allow_origin_no_page_gets_a_cors_answer() -> None:
         assert post_.header(b"origin") is None
 
 
+async def test_the_control_port_answers_no_page_while_the_main_port_does() -> None:
+    """The --control-port listener answered a page's preflight of POST /v1/completions with a
+    204 allowing it, then the POST was the control app's 404 carrying
+    Access-Control-Allow-Origin: it serves no browser route, so it answers no CORS."""
+    origin = "https://app.example"
+    asks = {"Origin": origin, "Access-Control-Request-Method": "POST"}
+    port = free_tcp_port()
+    async with router_in_process(control_port=port, cors_allow_origin=[origin]) as rt:
+
+        async def answer(method: str, url: str, headers: dict[str, str], body: bytes = b"") -> Any:
+            async with rt.session.request(method, url, headers=headers, data=body) as r:
+                await r.read()
+                return r.status, r.headers.get("Access-Control-Allow-Origin")
+
+        assert await answer("OPTIONS", rt.url + "/v1/completions", asks) == (204, origin)
+        control = f"http://127.0.0.1:{port}"
+        assert await answer("OPTIONS", control + "/v1/completions", asks) == (404, None)
+        assert await answer("POST", control + "/v1/completions", asks, COMPLETION) == (404, None)
+        page = {"Origin": origin}
+        assert await answer("GET", control + "/v1/models", page) == (200, None)
+        assert await answer("GET", rt.url + "/v1/models", page) == (200, origin)
+
+
 async def answer_with_a_cors_field_of_its_own(
     request: Request, writer: asyncio.StreamWriter
 ) -> None:
