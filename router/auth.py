@@ -81,6 +81,15 @@ MISSING: Final = Denial(401, "bearer token required: send 'Authorization: Bearer
 TWO_HEADERS: Final = Denial(401, "more than one Authorization header")
 NOT_BEARER: Final = Denial(401, "the Authorization scheme must be Bearer")
 WRONG: Final = Denial(401, "bearer token refused")
+# What a refusal's warning tells the operator, by the status it answered.
+_ANOTHER_TOKEN: Final = (
+    f"A sibling or an admin tool calls with another token than this replica's, or none: "
+    f"check that {TOKEN_FLAG} ({TOKEN_ENV}) is the same on both sides"
+)
+_NO_TOKEN_HERE: Final = (
+    f"This replica has no token, so it serves these routes to no one (its siblings "
+    f"included): start it with {TOKEN_FLAG} ({TOKEN_ENV}), the same as its siblings'"
+)
 
 
 def guarded(path: str) -> bool:
@@ -128,15 +137,13 @@ class Refusals:
         if said:
             log.warning(
                 "refused %d request(s) to the %s routes since the last warning (the latest "
-                "from %s: %d, %s). A sibling or an admin tool calls with another token than "
-                "this replica's: check that %s (%s) is the same on both sides",
+                "from %s: %d, %s). %s",
                 said,
                 route,
                 peer,
                 status,
                 message,
-                TOKEN_FLAG,
-                TOKEN_ENV,
+                _NO_TOKEN_HERE if status == NOT_CONFIGURED.status else _ANOTHER_TOKEN,
             )
 
 

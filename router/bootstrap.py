@@ -58,9 +58,12 @@ log = logging.getLogger(__name__)
 # A sibling's answers to a snapshot request that no retry changes (a replica's token, and what
 # listens at an address, hold for the life of its process): what each means, for the log.
 _NOT_A_SIBLING: Final = {
-    401: "it refuses this replica's --internal-token (the replicas' tokens differ)",
-    403: "it refuses this replica's --internal-token (the replicas' tokens differ)",
-    404: "it serves no snapshot there (not a kvrouter replica, or one too old)",
+    401: "it refuses this replica's --internal-token: the replicas' tokens differ (give every "
+    "replica the same one)",
+    403: "it has no --internal-token, so it serves siblings nothing (start it with this "
+    "replica's), or it is no kvrouter replica",
+    404: "it serves no snapshot there: no kvrouter replica (or one too old) answers at that "
+    "address (check --peer, or the port the peer selector's slices give)",
 }
 
 GRAFT_CHUNK = 4096

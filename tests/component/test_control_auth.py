@@ -157,6 +157,22 @@ async def test_refused_tokens_are_counted_by_route_family_and_warned_once_per_fa
         "refused 1 request(s) to the decisions",
     ]
     assert all("the latest from 127.0.0.1: 401" in line for line in said)
+    assert all("is the same on both sides" in line for line in said)
+
+
+async def test_a_replica_without_a_token_warns_that_it_has_none_not_that_tokens_differ(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its 403 says no token is configured, but its warning read "check that --internal-token
+    is the same on both sides", as if it had one."""
+    async with router_in_process(internal_token=None) as rt:
+        status, body, _ = await call(
+            rt, "GET", "/internal/kv_snapshot", {"Authorization": f"Bearer {TOKEN}"}
+        )
+        assert status == 403 and "none is configured" in body["error"]["message"]
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "router.auth"]
+    assert "the latest from 127.0.0.1: 403" in said and "This replica has no token" in said
+    assert "both sides" not in said
 
 
 async def test_the_probes_the_scrape_and_the_model_list_stay_open() -> None:
