@@ -103,9 +103,9 @@ FAILURE_REASONS: Final = (
     "tools",  # a tool the engine's request model would not accept
     "deep_tools",  # JSON a template dumps nested past MAX_TOOL_NESTING: not rendered on the loop
     # More messages, tools or parts than MAX_CHAT_MESSAGES / MAX_CHAT_TOOLS / MAX_CHAT_PARTS,
-    # JSON to dump past MAX_DUMPED_VALUES; or a chat's body past routing's bounds on what it
-    # decodes (MAX_BODY_VALUES, MAX_BODY_KEYS), which is then not decoded at all (any route's
-    # such body: kvrouter_bodies_unread_total).
+    # JSON to dump past MAX_DUMPED_VALUES, text past MAX_CHAT_CHARS; or a chat's body past
+    # routing's bounds on what it decodes (MAX_BODY_VALUES, MAX_BODY_KEYS), which is then not
+    # decoded at all (any route's such body: kvrouter_bodies_unread_total).
     "too_large",
     "no_template",  # the model has no chat template
     "render",  # the template raised (raise_exception, a type error, ...)
@@ -135,6 +135,13 @@ MAX_CHAT_TOOLS: Final = 2_048
 # message (a million empty parts in one message held the loop 2.7 s). Two per message at the
 # message bound; a real chat has a few per turn.
 MAX_CHAT_PARTS: Final = 20_000
+# Characters of text a chat may hold for the router to render it, all strings the template is
+# given together (contents, tool calls, any other message field, tools, template variables,
+# keys included): four times what is encoded of it (params.MAX_ENCODED_CHARS). A template's
+# time may grow faster than its text: DeepSeek-V3.1's appends each system message to those
+# before it, so 8,000 of 1.5 KB (12 MB) rendered for 17.9 s in a worker thread, holding it;
+# 10,000 messages of 2 Mi characters in all, 6.5 s. Past it the chat is routed by load.
+MAX_CHAT_CHARS: Final = 1 << 21
 
 
 class ChatRequestError(ValueError):
@@ -301,6 +308,26 @@ def within_counts(body: dict[str, Any]) -> None:
         raise Unrenderable(
             "too_large", f"more than {MAX_CHAT_PARTS} content parts and tool calls ({parts})"
         )
+
+
+def within_text(call: RenderCall) -> None:
+    """Unrenderable when the strings `call` gives the template, keys included, hold more than
+    MAX_CHAT_CHARS characters: checked before rendering. A stack, not recursion: a message's
+    other fields nest as deep as the client wrote them."""
+    left = MAX_CHAT_CHARS
+    stack: list[Any] = [call.conversation, call.tools, list(call.kwargs.values())]
+    while stack:
+        value = stack.pop()
+        kind = type(value)
+        if kind is str:
+            left -= len(value)
+            if left < 0:
+                raise Unrenderable("too_large", f"more than {MAX_CHAT_CHARS} characters of text")
+        elif kind is dict:
+            stack.extend(value)
+            stack.extend(value.values())
+        elif kind is list:
+            stack.extend(value)
 
 
 def _within_nesting(call: RenderCall) -> None:

@@ -35,6 +35,7 @@ from router.tokenize.chat_rules import (
     bare_tools,
     render_call,
     template_tools,
+    within_text,
 )
 from router.tokenize.offload import Offload
 from router.tokenize.params import MAX_ENCODED_CHARS, TokenizeParams, kept
@@ -102,7 +103,9 @@ class HfModel:
         """`call` rendered and encoded. Safe in a worker thread: what it shares with the loop
         is the backend (Rust, thread-safe), the segment cache (locked) and two memo dicts, the
         compiled templates and the sandbox's checks, each read or written in one step under
-        the GIL (a race computes an entry twice, the same)."""
+        the GIL (a race computes an entry twice, the same). Raises Unrenderable for a chat
+        whose text is too long to render (`within_text`)."""
+        within_text(call)
         text = self._render(call, template) + call.suffix
         try:
             if params.keep is not None:

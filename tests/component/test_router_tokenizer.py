@@ -270,7 +270,7 @@ async def recording_worker() -> AsyncIterator[tuple[str, list[tuple[str, bytes]]
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200)
 
-    app = web.Application()
+    app = web.Application(client_max_size=64 << 20)  # as large as the router forwards
     app.router.add_get("/health", health)
     for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
         app.router.add_post(path, record)

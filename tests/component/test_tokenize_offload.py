@@ -21,6 +21,7 @@ pytest.importorskip("transformers", reason="needs the hf extra")
 
 from router.dataplane.routing import EncodeFirst
 from router.policy import Decision
+from router.tokenize.chat_rules import MAX_CHAT_CHARS
 from router.tokenize.params import MAX_ENCODED_CHARS
 from tests.component.test_router_tokenizer import recording_worker
 from tests.support.chat_shapes import SYSTEM, WEATHER_TOOL
@@ -40,6 +41,15 @@ def big_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = tmp_path_factory.mktemp("offload") / "llama3"
     template = fixture_template("llama3.1_instruct.jinja")
     return str(build_model_dir(root, "llama3", template, big=True))
+
+
+@pytest.fixture(scope="module")
+def raising_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A model whose template raises whatever it is given: a chat it counts as `render` was
+    rendered, one it counts otherwise was not."""
+    root = tmp_path_factory.mktemp("offload") / "raising"
+    template = "{{ raise_exception('rendered') }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    return str(build_model_dir(root, "qwen", template))
 
 
 def long_text(tag: str, chars: int = MAX_ENCODED_CHARS) -> str:
@@ -290,3 +300,34 @@ async def test_a_long_prompt_encoded_off_the_loop_goes_to_a_worker_serving_its_m
         assert rt.plane.encodes.started == 6
         served = [(await fw.state())["requests"] for fw in (a, b)]
         assert served == [0, 6]
+
+
+def chat_of(tag: str, chars: int, messages: int = 100) -> dict[str, Any]:
+    """`messages` user messages of `chars` characters of content in all, the first `tag`."""
+    each = chars // messages
+    return {
+        "prompt_tag": tag,
+        "messages": [
+            {"role": "user", "content": (f"{tag} " if i == 0 else "") + "x" * each}
+            for i in range(messages)
+        ],
+    }
+
+
+async def test_a_chat_past_the_text_bound_is_routed_by_load_without_being_rendered(
+    raising_model: str,
+) -> None:
+    """DeepSeek-V3.1's template joins system messages in time quadratic in their count: 8,000
+    of 1.5 KB held a tokenize thread 17.9 s, and two such chats every long prompt behind them.
+    A chat of more text than MAX_CHAT_CHARS is not rendered at all."""
+    async with recorded_router(raising_model, max_request_bytes=8 << 20) as (rt, seen):
+        for tag, chars in (("UNDER", MAX_CHAT_CHARS // 2), ("OVER", MAX_CHAT_CHARS + 1000)):
+            status, _, _ = await rt.post("/v1/chat/completions", chat_of(tag, chars))
+            assert status == 200
+        assert [json.loads(raw)["prompt_tag"] for _, raw in seen] == ["UNDER", "OVER"]
+        scrape = await rt.scrape()
+        failures = scrape.by("kvrouter_tokenize_failures_total", "reason")
+        assert {k: v for k, v in failures.items() if v} == {"render": 1, "too_large": 1}
+        labels = {"policy": "cache_aware", "outcome": "cache_miss"}
+        decisions = rt.replica.metrics.registry.get_sample_value
+        assert decisions("kvrouter_routing_decisions_total", labels) == 2
