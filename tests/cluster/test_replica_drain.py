@@ -3,17 +3,19 @@ follows `/readyz` as a Kubernetes Service does.
 
 The stream through the stopping replica completes; its `/readyz` turns 503 at once, so the
 balancer sends every new request to the other replica, which serves it; the stopping replica
-exits 0 once its stream is done.
+exits 0 once its stream is done. One whose tokenize threads are rendering exits once stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+from pathlib import Path
 
 import pytest
 
 from tests.support.cluster import Cluster, RouterProcess, wait_all_ready
+from tests.support.model_dirs import build_model_dir
 from tests.support.router import RouterClient
 from tests.support.sse import assert_complete_completion, first_event
 from tests.support.waiting import eventually
@@ -76,3 +78,37 @@ async def test_sigterm_mid_stream_completes_the_stream_and_new_requests_go_to_th
     assert await stopping.child.wait_exit(10) == 0, stopping.child.tail()
     assert await completions_forwarded(staying) == 3
     assert (await fw.state())["requests"] == 1 + 3  # nothing retried, nothing lost
+
+
+# Minutes per chat: 100,000 steps of the template's own loop a message (jinja's range bound).
+SLOW_TEMPLATE = (
+    "{% for m in messages %}{% for _ in range(99999) %}{% endfor %}{{ m.content }}{% endfor %}"
+)
+
+
+async def test_a_replica_whose_threads_are_rendering_exits_once_stopped(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Its encodes ran in a ThreadPoolExecutor, whose threads the interpreter joins at exit:
+    a replica SIGTERMed while a slow template rendered logged "stopped" and lived on ~90 s."""
+    pytest.importorskip("transformers", reason="needs the hf extra")
+    model = build_model_dir(tmp_path / "slow", "qwen", SLOW_TEMPLATE)
+    fw = await cluster.worker("w")
+    replica = await cluster.router(
+        "r", "--tokenizer", str(model), "--drain-timeout-s", "0.5", workers=[fw]
+    )
+    await replica.wait_ready()
+    chat = {"messages": [{"role": "user", "content": f"turn {i} " * 8} for i in range(5000)]}
+    rendering = asyncio.create_task(replica.post("/v1/chat/completions", chat))
+
+    async def started() -> bool:
+        scrape = await replica.scrape()
+        return scrape.value("kvrouter_tokenize_offloads_total", outcome="started") == 1
+
+    try:
+        await eventually(started, 10)
+        replica.child.send(signal.SIGTERM)
+        assert await replica.child.wait_exit(10) == 0, replica.child.tail()
+    finally:
+        rendering.cancel()
+    assert (await fw.state())["requests"] == 0  # never routed: the render never ended
