@@ -32,6 +32,7 @@ from cachetree import accel
 from cachetree.tree import TreeStats
 from router.auth import Refusals
 from router.breaker import BreakerStatus
+from router.dataplane.encodes import MAX_ENCODE_WAIT_S
 from router.dataplane.exchange import GENERATION_ROUTES
 from router.events import DECODE_ERROR_REASONS
 from router.loads import OUT_OF_RANGE_FIELDS, POLL_ERROR_LABELS, poll_error_label
@@ -1023,9 +1024,10 @@ class _DataPlaneCollector(Collector):
         yield _counter(
             "kvrouter_tokenize_offloads",
             "Prompts past --tokenize-offload-chars, by outcome: started (encoded in a worker "
-            "thread) or busy (the threads' queue was full: routed by load as a miss)",
+            "thread), busy (the threads' queue was full) or late (no thread took it within "
+            f"{MAX_ENCODE_WAIT_S:g} s): the last two routed by load as misses",
             ["outcome"],
-            {("started",): encodes.started, ("busy",): encodes.busy},
+            {("started",): encodes.started, ("busy",): encodes.busy, ("late",): encodes.late},
         )
         yield _counter(
             "kvrouter_upstream_connects",

@@ -33,8 +33,9 @@ the text rendered from it) is checked and rewritten on the loop, then rendered a
 in a worker thread (`router.tokenize.offload`): `route` returns an `EncodeFirst`, the data
 plane runs its work off the loop and its continuation on it, which keys, looks up and
 decides, on the ranks healthy then, as the synchronous path does (the same keys). When the
-data plane's bound on such encodes is full, `EncodeFirst.busy` routes it by load as a miss
-(no keys). Every other request is decided synchronously as above.
+data plane's bound on such encodes is full, or its encode waited too long for a thread,
+`EncodeFirst.busy` routes it by load as a miss (no keys). Every other request is decided
+synchronously as above.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class EncodeFirst:
     """`RequestRouter.route`'s answer for a prompt too long to encode on the loop: the data
     plane runs `work.run` in a worker thread, then `work.then` on the loop with its outcome,
     which decides; or, when its bound on such encodes is full, `busy` at once (by load, a
-    miss). Each is called once at most, and neither when the client left first."""
+    miss), as it is when no thread took the encode in time (`EncodeQueue.late`). Each is
+    called once at most, and neither when the client left first."""
 
     work: Offload[Routed]
     busy: Callable[[], Routed]
@@ -477,7 +479,7 @@ class RequestRouter:
                 return self._no_candidates()
             return self._counted_unless_asked(self._keyed(route, body, tokens, now, ask))
 
-        def busy() -> Routed:  # counted by the data plane (`EncodeQueue.busy`)
+        def busy() -> Routed:  # counted by the data plane (`EncodeQueue.busy`, `.late`)
             return self._counted_unless_asked(self._keyed(route, body, (), candidates, ask))
 
         return EncodeFirst(tokens.map(encoded), busy)

@@ -942,7 +942,8 @@ class ClientConnection(asyncio.Protocol):
             decision = self.plane.router.route(head.path, body)
             if isinstance(decision, EncodeFirst):  # a long prompt: routed once encoded
                 then = partial(self._encoded, head, body, decision.work.then)
-                self._encoding = self.plane.encodes.submit(decision.work.run, then)
+                late = partial(self._routed_after_wait, head, body, decision.busy)
+                self._encoding = self.plane.encodes.submit(decision.work.run, then, late)
                 if self._encoding is not None:
                     return
                 decision = decision.busy()
@@ -958,13 +959,20 @@ class ClientConnection(asyncio.Protocol):
         then: Callable[[Callable[[], Any]], Routed],
         outcome: Callable[[], Any],
     ) -> None:
+        self._routed_after_wait(head, body, partial(then, outcome))
+
+    def _routed_after_wait(
+        self, head: RequestHead, body: bytes, decide: Callable[[], Routed]
+    ) -> None:
+        """A long prompt's decision once encoded, or without its ids once it waited too long
+        for a thread (`EncodeQueue.late`)."""
         self._encoding = None
         if self._closed:
             return
         try:
-            decision = then(outcome)
+            decision = decide()
         except Exception:  # a bug must not leave the client hanging, nor pass unlogged
-            log.exception("routing a long prompt after its encode failed: answered 500")
+            log.exception("routing a long prompt after its encode or wait failed: answered 500")
             decision = _ROUTING_FAILED
         self._decided(head, body, decision)
 

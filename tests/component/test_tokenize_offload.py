@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -331,3 +332,42 @@ async def test_a_chat_past_the_text_bound_is_routed_by_load_without_being_render
         labels = {"policy": "cache_aware", "outcome": "cache_miss"}
         decisions = rt.replica.metrics.registry.get_sample_value
         assert decisions("kvrouter_routing_decisions_total", labels) == 2
+
+
+async def test_a_long_prompt_no_thread_takes_in_time_is_routed_by_load_and_never_encoded(
+    big_model: str,
+) -> None:
+    """Two chats a slow template renders for seconds each held both threads, and the long
+    prompts behind them waited for their turn: an ordinary 10 KB chat 205 s. One whose encode
+    has not started within MAX_ENCODE_WAIT_S is routed without its ids, and its encode
+    dropped; one whose client leaves first is dropped at once."""
+    async with recorded_router(big_model) as (rt, seen):
+        encodes = rt.plane.encodes
+        release = threading.Event()
+        for _ in range(2):  # both threads held, as two slow renders hold them
+            assert encodes.submit(release.wait, lambda outcome: None, lambda: None) is not None
+        try:
+            await eventually(lambda: encodes.started == 2)
+            host, port = rt.url.removeprefix("http://").split(":")
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(await raw_post("/v1/completions", {"prompt": long_text("GONE")}))
+            await eventually(lambda: encodes.held.count == 3, within_s=10)
+            writer.close()
+            await eventually(lambda: encodes.held.count == 2, within_s=10)
+            waited = time.perf_counter()
+            post = rt.post("/v1/completions", {"prompt": long_text("LATE")})
+            status, _, _ = await asyncio.wait_for(post, 10)
+            waited = time.perf_counter() - waited
+            assert status == 200
+            assert encodes.wait_s <= waited < encodes.wait_s + 2, waited
+            assert prompts_seen(seen) == ["LATE"]
+            assert (encodes.started, encodes.busy, encodes.late) == (2, 0, 1)
+        finally:
+            release.set()
+        await eventually(lambda: encodes.held.count == 0, within_s=10)
+        assert encodes.started == 2  # neither queued encode ran once the threads were free
+        scrape = await rt.scrape()
+        assert scrape.value("kvrouter_tokenize_offloads_total", outcome="late") == 1
+        labels = {"policy": "cache_aware", "outcome": "cache_miss"}
+        decisions = rt.replica.metrics.registry.get_sample_value
+        assert decisions("kvrouter_routing_decisions_total", labels) == 1
