@@ -108,7 +108,7 @@ class EncodeQueue:
         self._waiting.clear()
 
     def _next(self) -> None:
-        while self._running < self._threads and self._waiting:
+        while self._running < self._threads and self._waiting and not self._closed:
             job = self._waiting.popleft()
             assert job.timer is not None
             job.timer.cancel()

@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="needs the hf extra")
 
+from router.dataplane.encodes import EncodeQueue
 from router.dataplane.routing import EncodeFirst
 from router.policy import Decision
 from router.tokenize.chat_rules import MAX_CHAT_CHARS
@@ -371,3 +372,15 @@ async def test_a_long_prompt_no_thread_takes_in_time_is_routed_by_load_and_never
         labels = {"policy": "cache_aware", "outcome": "cache_miss"}
         decisions = rt.replica.metrics.registry.get_sample_value
         assert decisions("kvrouter_routing_decisions_total", labels) == 1
+
+
+async def test_a_closed_queue_runs_nothing_more_and_routes_what_comes_late() -> None:
+    """The executor it replaced refused work once shut down; a thread of its own each would
+    have started anyway, for a replica that stopped."""
+    encodes = EncodeQueue(asyncio.get_running_loop(), wait_s=0.01)
+    encodes.close()
+    ran: list[str] = []
+    encodes.submit(lambda: ran.append("run"), lambda outcome: None, lambda: ran.append("late"))
+    await eventually(lambda: ran)
+    assert ran == ["late"]
+    assert (encodes.started, encodes.late, encodes.held.count) == (0, 1, 0)
