@@ -104,17 +104,16 @@ async def test_short_requests_are_answered_while_a_long_prompt_encodes(big_model
         assert (encodes.started, encodes.busy, encodes.held.count) == (1, 0, 0)
 
 
-async def ticked_gap(rt: RouterHandle, body: dict[str, Any]) -> float:
-    """The longest the loop went without running a 1 ms ticker while `body` was routed."""
+async def ticks_while_encoding(rt: RouterHandle, body: dict[str, Any]) -> int:
+    """How many times a 1 ms ticker ran while `body`'s encode was held off the loop (queued
+    or in its thread): none when it is encoded on the loop, which runs nothing meanwhile."""
     loop = asyncio.get_running_loop()
-    gaps: list[float] = []
-    last = time.perf_counter()
+    held = rt.plane.encodes.held
+    ticks = 0
 
     def tick() -> None:
-        nonlocal last, handle
-        now = time.perf_counter()
-        gaps.append(now - last)
-        last = now
+        nonlocal ticks, handle
+        ticks += held.count > 0
         handle = loop.call_later(0.001, tick)
 
     handle = loop.call_later(0.001, tick)
@@ -123,19 +122,18 @@ async def ticked_gap(rt: RouterHandle, body: dict[str, Any]) -> float:
     finally:
         handle.cancel()
     assert status == 200
-    return max(gaps)
+    return ticks
 
 
 async def test_the_loop_keeps_turning_while_a_long_prompt_encodes(big_model: str) -> None:
+    # Counted turns, not timed gaps: on a busy machine a gap measures the scheduler. The
+    # encode of a prompt this long takes ~100 ms or more, the ticker's period 1 ms.
     async with recorded_router(big_model) as (rt, _):
         router = rt.plane.router
         router.offload_chars = 0  # on the loop, as before: the yardstick
-        on_loop = await ticked_gap(rt, {"prompt": long_text("SYNC")})
+        assert await ticks_while_encoding(rt, {"prompt": long_text("SYNC")}) == 0
         router.offload_chars = 8192
-        off_loop = await ticked_gap(rt, {"prompt": long_text("OFFLOADED")})
-        # Measured: 190-270 ms on the loop, 3-20 ms off it (the body's decoding, the ids'
-        # conversion to a list and their keying still run on it).
-        assert off_loop < on_loop / 3, (on_loop, off_loop)
+        assert await ticks_while_encoding(rt, {"prompt": long_text("OFFLOADED")}) >= 10
         assert rt.plane.encodes.started == 1
 
 
