@@ -4,12 +4,17 @@ it holds then, against tree size; plus the snapshot's wire size per block.
 Run: .venv/bin/python bench/bench_bootstrap.py [--sizes 10000,100000,1000000] [--quick]
      [--log-dir DIR] [--profile-dir DIR]
 
-Prints figures and the budget; asserts nothing. Progress goes to stderr.
+Prints figures and the budget. Exits 1, naming the size, when a new replica did not accept
+the warm snapshot (`kvrouter_kv_peer_snapshot_total` with another outcome than `accepted`, or
+none): its figures would be those of a cold start, not of the bootstrap. Progress goes to
+stderr.
 
 What runs, per size (a fresh fleet each time):
 
 - Three fake workers in this process (`fake_kv_worker`, real HTTP and ZMQ on loopback), the
-  second with dp 2: four ranks.
+  second with dp 2: four ranks, each with a KV cache of the size's blocks. The new replica
+  vets the snapshot against the capacity the workers report (`peer/capacity.py`): a rank
+  carrying more blocks than its engine holds is made up, and the snapshot is rejected.
 - A warm replica in this process (the real replica, `router.serving.start_serving`, through
   `tests.support.router.router_in_process`) registered with them. Its tree is filled through
   its own pump, `rules.apply_batch(rank, seq, batch)`, with synthetic `EventBatch`es of
@@ -83,6 +88,7 @@ from cachetree.ranks import RankId
 from cachetree.snapshot import SnapshotRestore
 from cachetree.tiers import DEVICE
 from cachetree.tree import BlockTree
+from peer.sweep import FETCHED_ACCEPTED
 from peer.vet import Vetting
 from peer.wire import COLUMNS, JSON, MSGPACK, decode_columns
 from router.bootstrap import GRAFT_CHUNK, VET_CHUNK
@@ -103,6 +109,7 @@ READY_BOUND_S = 180.0
 POLL_S = 0.01
 SNAPSHOT = "/internal/kv_snapshot"
 ANY_AGE = "?max_age_ms=3600000"  # reuse the export the new replica caused
+PEER_SNAPSHOT = re.compile(r'^kvrouter_kv_peer_snapshot_total\{outcome="([^"]+)"\} (\S+)$', re.M)
 LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (\w+) ([\w.]+): (.*)$")
 WIRE_VARIANTS = (  # (label, Accept, Accept-Encoding)
     ("columns", COLUMNS, None),
@@ -323,6 +330,18 @@ class Result:
     share: float | None = None
     lines: list[str] = field(default_factory=list)  # details, printed after the table
     wire: dict[str, int] = field(default_factory=dict)  # variant -> body bytes
+    snapshot_outcomes: dict[str, int] = field(default_factory=dict)  # the new replica's
+
+    def not_bootstrapped(self) -> str | None:
+        """Why the new replica's figures are not a bootstrap's, or None: it fetched the warm
+        snapshot and accepted it, and nothing else."""
+        if self.snapshot_outcomes.keys() == {FETCHED_ACCEPTED}:
+            return None
+        seen = ", ".join(f"{k} {v}" for k, v in sorted(self.snapshot_outcomes.items()))
+        return (
+            f"{self.blocks:,} blocks: the new replica's peer snapshot outcomes were "
+            f"{seen or 'none read'}, not accepted (its warnings are in the details)"
+        )
 
 
 class WarmStamps:
@@ -362,8 +381,13 @@ async def run_size(n_blocks: int, args: argparse.Namespace, workdir: Path) -> Re
     res = Result(n_blocks)
     async with contextlib.AsyncExitStack() as stack:
         progress(f"{n_blocks:,} blocks: starting 3 fake workers and the warm replica")
+        # A rank carries each block at most once: engines of n_blocks hold any share of the
+        # fill, which the new replica's capacity vetting then takes as real.
         workers = [
-            await stack.enter_async_context(fake_worker_in_process(dp_size=dp)) for dp in DP_SIZES
+            await stack.enter_async_context(
+                fake_worker_in_process(dp_size=dp, cache_blocks=n_blocks)
+            )
+            for dp in DP_SIZES
         ]
         warm = await stack.enter_async_context(
             router_in_process(
@@ -464,6 +488,7 @@ async def compare_views(
     }
     held = sum(min(new_counts.get(rank, 0), n) for rank, n in warm_counts.items())
     res.share = held / max(1, sum(warm_counts.values()))
+    res.snapshot_outcomes = {k: int(float(v)) for k, v in PEER_SNAPSHOT.findall(metrics)}
     nodes = metric_value(metrics, "kvrouter_tree_nodes")
     res.lines.append(
         f"view: nodes new {int(nodes or 0):,} / warm {warm_nodes:,}; (key, carrier) pairs per "
@@ -655,7 +680,8 @@ def fmt_s(value: float | None) -> str:
     return "   -   " if value is None else f"{value:6.2f} s"
 
 
-def print_results(results: list[Result]) -> None:
+def print_results(results: list[Result]) -> bool:
+    """Prints the tables and details; False when a size did not measure a bootstrap."""
     print()
     print(
         f"{'blocks':>9} {'pairs':>9} {'fill':>7} {'start->listen':>14} {'start->ready':>13} "
@@ -691,9 +717,13 @@ def print_results(results: list[Result]) -> None:
         verdict = "within" if big.reg_to_ready <= BUDGET_S else "OVER"
         full = "" if big.share == 1 else f", holding only {100 * (big.share or 0):.1f}%"
         print(f"{budget}: {big.reg_to_ready:.2f} s, {verdict} budget{full}")
+    failures = [why for r in results if (why := r.not_bootstrapped()) is not None]
+    for why in failures:
+        print(f"FAILED: {why}")
+    return not failures
 
 
-async def amain(args: argparse.Namespace) -> None:
+async def amain(args: argparse.Namespace) -> bool:
     # SIGTERM (and SIGINT, even where the shell started us with it ignored) cancels the run,
     # so the new replica, the fake workers and the warm replica are all stopped on the way out.
     main_task = asyncio.current_task()
@@ -712,9 +742,10 @@ async def amain(args: argparse.Namespace) -> None:
                 gc.collect()
         except asyncio.CancelledError:
             progress("interrupted: every child process was stopped; partial results follow")
-        print_results(results)
+        bootstrapped = print_results(results)
         if not args.log_dir:
             print("(the new replicas' logs were temporary; keep them with --log-dir DIR)")
+    return bootstrapped
 
 
 def main() -> None:
@@ -742,7 +773,8 @@ def main() -> None:
         "`kvrouter serve --peer` process; no events flow during the bootstrap"
     )
     sys.stdout.flush()
-    asyncio.run(amain(args))
+    if not asyncio.run(amain(args)):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

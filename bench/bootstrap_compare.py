@@ -3,7 +3,8 @@
 kvrouter rows: `bench_bootstrap.run_size` per tree size (see that script: a warm replica
 holding N blocks over 4 ranks, a new `kvrouter serve --peer <warm>` process, time from its
 first worker registration and from its spawn to `/readyz` 200, and the share of the warm view
-it holds at that moment, from per-rank block counts).
+it holds at that moment, from per-rank block counts). A new replica that did not accept the
+warm snapshot fails the benchmark: its figures would be a cold start's.
 
 smg rows: smg's HA mesh (`--enable-mesh`, gossip between router replicas; it replicates the
 cache-aware policy's tree as deltas of new insertions, and asks a peer for a repair only when
@@ -61,6 +62,8 @@ async def kvrouter_rows(ctx: Any, sizes: list[int]) -> list[dict[str, Any]]:
     for n in sizes:
         ctx.progress(f"kvrouter: a replica joining a warm one holding {n:,} blocks")
         r = await bench_bootstrap.run_size(n, args, workdir)
+        if (why := r.not_bootstrapped()) is not None:
+            raise RuntimeError(f"{why}: " + "; ".join(r.lines))
         rows.append(
             {
                 "blocks": r.blocks,

@@ -8,6 +8,7 @@ Figures are checked to be numbers, never against a speed.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -157,6 +158,31 @@ def test_ledger_memory_measures_a_ledger_of_the_asked_size_in_its_own_process() 
     # one row per size, each from a child whose ledger tracks exactly that many pairs
     assert [r.split()[1] for r in rows] == ["5,000", "10,000"]
     assert all("B/pair" in r and "full GC pass" in r for r in rows)
+
+
+@pytest.mark.timeout(120)
+async def test_bench_bootstrap_measures_a_new_replica_that_accepted_the_whole_warm_view(
+    tmp_path: Path,
+) -> None:
+    """At 10,000 blocks a rank of the fill carries 5,008: fake workers of the default 4,096
+    blocks had the new replica reject the snapshot as over capacity, and the bench printed
+    its cold start (share 0%) as the bootstrap's figures."""
+    from bench import bench_bootstrap
+
+    args = argparse.Namespace(profile_dir=None, log_dir=None, quick=False)
+    r = await bench_bootstrap.run_size(10_000, args, tmp_path)
+    assert r.snapshot_outcomes == {"accepted": 1}, r.lines
+    assert (r.pairs, r.share, r.not_bootstrapped()) == (12_504, 1.0, None)
+
+
+def test_bench_bootstrap_names_a_size_whose_new_replica_did_not_accept_the_snapshot() -> None:
+    from bench.bench_bootstrap import Result
+
+    rejected = Result(10_000, snapshot_outcomes={"rejected": 1}).not_bootstrapped()
+    assert rejected is not None and "10,000 blocks" in rejected and "rejected 1" in rejected
+    assert Result(10_000).not_bootstrapped() is not None  # never fetched: no outcome at all
+    retried = Result(10_000, snapshot_outcomes={"accepted": 1, "unreachable": 2})
+    assert retried.not_bootstrapped() is not None
 
 
 @pytest.mark.timeout(120)
