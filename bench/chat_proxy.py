@@ -30,8 +30,8 @@ machine's noise (other people's processes) hits every target alike:
    kvrouter's window closes once it applied the KV events of the round's requests), req/s,
    latency, and the cached prompt tokens per request the workers report (routing quality);
 3. c=1: each chat request is sent straight to a worker (the baseline) and through the router,
-   one right after the other, alternating which goes first; added latency = routed pXX -
-   direct pXX.
+   one right after the other, alternating which goes first; added latency pXX = the pXX of
+   the pairs' differences, routed - direct (`bench_proxy.added_percentile`).
 Last, with the fleets stopped, this process times the tokenizer the routers run on the same
 bodies in the same order (cache emptied first): `encode_chat_request` with the cache and
 without, and a bare encode of the rendered prompts (no rules, no template), per request; the
@@ -420,8 +420,8 @@ def figures_json(m: ChatMeasured) -> dict[str, Any]:
             "errors": f.loaded.errors + f.direct.errors + f.routed.errors,
             "cached_tokens_per_req": f.loaded.cached_tokens / ok if ok else float("nan"),
             "workers_cpu_us": f.workers_cpu_us,
-            "added_p50_ms": pct(r, 50) - pct(d, 50),
-            "added_p99_ms": pct(r, 99) - pct(d, 99),
+            "added_p50_ms": bp.added_percentile(r, d, 50),
+            "added_p99_ms": bp.added_percentile(r, d, 99),
             "direct_p50_ms": pct(d, 50),
         }
         if f.label in (CACHE_ON, CACHE_OFF):
@@ -482,8 +482,9 @@ def chat_table(j: dict[str, Any]) -> str:
         f"c={j['concurrency']} in {j['rounds']} rounds interleaving the routers (median round "
         f"[range]); prompts median {j['prompt_tokens_median']:.0f} tokens, max "
         f"{j['prompt_tokens_max']}; model: {j['model']}; two fake workers per router render "
-        "and tokenize with the same model directory. Added latency: c=1, routed minus direct "
-        "(same fleet, alternating). Cached tokens/req: what the workers found cached.",
+        "and tokenize with the same model directory. Added latency: c=1, the percentile of "
+        "each request's routed minus direct time (same fleet, alternating). Cached "
+        "tokens/req: what the workers found cached.",
         "Tokenize us/req: the routers' tokenizer timed alone on the same bodies in the same "
         "order (fleets stopped), and its share of that router's CPU per request; "
         f"encode_chat_request with the cache {median_range(t['cache on'])} us, without "

@@ -15,7 +15,8 @@ another commit, extracted with `git archive`, its C extensions compiled there), 
 cache_aware, and the bare relay of `relay_floor.py` (kvrouter's data plane before it decides
 anything). Phases, as in `bench_proxy.py`: caches not full, 16-token SSE
 streams (caches not full), the worker caches filled to capacity, hop latency at c=1 (direct and
-routed legs interleaved, added = routed pXX - direct pXX), caches full (evicting). Router CPU is
+routed legs interleaved, added pXX = the pXX of routed - direct over the requests paired by
+their place in a round), caches full (evicting). Router CPU is
 the router process's CPU (all threads, /proc schedstat) over a round, which closes once a
 kvrouter applied the KV events of its requests, divided by its requests; the figure is the
 median round, [min-max] beside it. Idle targets poll their workers meanwhile, alike for all.
@@ -215,7 +216,7 @@ def report(args: argparse.Namespace, runs: Sequence[Running]) -> None:
     pct = bp.percentile
 
     def added(run: Running, q: float) -> float:
-        return pct(run.routed.latencies_ms, q) - pct(run.direct.latencies_ms, q)
+        return bp.added_percentile(run.routed.latencies_ms, run.direct.latencies_ms, q)
 
     for run in runs:
         delta = f"{added(run, 50) - added(smg, 50):+.2f}" if smg is not None else ""

@@ -4,7 +4,8 @@ Runs `bench_proxy.py`'s method (see its docstring) for kvrouter `cache_aware`, k
 `round_robin`, smg `cache_aware` and the bare relay of `relay_floor.py` (kvrouter's data plane
 before it decides anything), one after the other in one run, each with fresh fake workers:
 2,000-token non-streaming completions; at c=1 each routed request is interleaved with the
-same kind of request sent straight to a worker (the direct baseline); at c=32 the router
+same kind of request sent straight to a worker (the direct baseline), and the added latency
+pXX is the pXX of the pairs' differences (`bench_proxy.added_percentile`); at c=32 the router
 process's CPU (every thread's scheduler run time from /proc, smg's and ours alike) is divided
 by the requests it served, with worker caches not full, then 16-token SSE streams (caches
 still not full), then caches full (evicting). kvrouter's
@@ -48,8 +49,8 @@ def figures(f: bench_proxy.PolicyFigures) -> dict[str, Any]:
             "direct_p99_ms": pct(d, 99),
             "routed_p50_ms": pct(r, 50),
             "routed_p99_ms": pct(r, 99),
-            "added_p50_ms": pct(r, 50) - pct(d, 50),
-            "added_p99_ms": pct(r, 99) - pct(d, 99),
+            "added_p50_ms": bench_proxy.added_percentile(r, d, 50),
+            "added_p99_ms": bench_proxy.added_percentile(r, d, 99),
             "router_cpu_us": f.c1_cpu_us,
             "errors": f.direct.errors + f.routed.errors,
         },
@@ -200,7 +201,8 @@ def tables(result: dict[str, Any]) -> dict[str, str]:
         ],
         c1_rows,
         note=f"Concurrency 1, {s['requests_c1']} requests per target, each interleaved with a "
-        "direct request to a worker (its own baseline); caches full. "
+        "direct request to a worker (its own baseline); added pXX = the pXX of the pairs' "
+        "differences (routed - direct); caches full. "
         + (f"smg: {result['smg_skipped']}." if result["smg_skipped"] else ""),
     )
     cpu_rows = []
