@@ -51,6 +51,7 @@ import httptools
 
 from bench.bench_proxy import free_port
 from router.cli import _tune_gc as tune_gc
+from router.tools.demo import pdeathsig_preexec
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -156,9 +157,12 @@ def start_workers(
             *("--prefill-us-per-token", "0", "--decode-ms-per-token", "0"),
             *("--log-level", "WARNING"),
         ]
-        # valgrind must not follow the workers: they start from a clean environment.
+        # valgrind must not follow the workers: they start from a clean environment. They
+        # stop with this process however it ends: killed, it runs no `finally`.
         env = {k: v for k, v in os.environ.items() if not k.startswith("LD_PRELOAD")}
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=pdeathsig_preexec()
+        )
         procs.append(proc)
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -256,7 +260,15 @@ def instructions(
         # The script runs by its path, so `code` on PYTHONPATH is where `router` and
         # `bench.relay_floor` come from. A fixed string-hash seed: the same count each run.
         env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(code)}
-        done = subprocess.run(argv, capture_output=True, text=True, check=True, env=env)
+        # Ctrl-C here kills the child (subprocess.run), which then takes its workers along.
+        done = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
+            preexec_fn=pdeathsig_preexec(),
+        )
         found = re.search(r"Collected : (\d+)", done.stderr)
         if found is None:
             raise RuntimeError(f"callgrind printed no total for {target}:\n{done.stderr[-2000:]}")

@@ -43,6 +43,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from router.tools.demo import pdeathsig_preexec
+
 HERE = Path(__file__).resolve().parent
 STUBS = ("record", "weigh", "book", "prune")
 FIGURES = ("loop thread", "route", "ingest", "rest", "route hot")
@@ -159,7 +161,16 @@ def run(
     argv += ["--cache-blocks", str(cache_blocks)]
     argv += ["--stub", part] if part else []
     env = {**os.environ, "PYTHONPATH": str(code)}
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    # Ctrl-C here kills the child (subprocess.run) without its `finally`; its workers stop
+    # with it (`relay_instructions.start_workers`), and it with this process.
+    done = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        preexec_fn=pdeathsig_preexec(),
+    )
     found = re.search(r"^figures (.*)$", done.stdout, re.M)
     held = re.search(r"^blocks held (\d+)$", done.stdout, re.M)
     if done.returncode or found is None or held is None:

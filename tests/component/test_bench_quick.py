@@ -289,3 +289,48 @@ def test_sigterm_to_kvrouter_bench_stops_the_fleet_it_started() -> None:
     finally:
         if run.poll() is None:
             run.kill()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
+@pytest.mark.timeout(120)
+def test_ctrl_c_to_request_stages_stops_its_child_and_the_fake_workers() -> None:
+    """Ctrl-C to `python -m bench.request_stages`: `subprocess.run` killed its `--child`, whose
+    `finally` that stops the two fake workers never ran, and they kept running."""
+    argv = [sys.executable, "-m", "bench.request_stages", "--rounds", "1", "--requests", "3000"]
+    run = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        # Ctrl-C's SIGINT as a terminal has it, even where this test was started with it ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        started: set[int] = set()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and run.poll() is None:
+            started = _descendants(run.pid)
+            if sum("fake-kv-worker" in _cmdline(p) for p in started) == 2:
+                break
+            time.sleep(0.1)
+        assert sum("fake-kv-worker" in _cmdline(p) for p in started) == 2, "no workers started"
+        run.send_signal(signal.SIGINT)
+        run.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [(p, _cmdline(p)) for p in started if _alive(p)]
+    finally:
+        if run.poll() is None:
+            run.kill()
+        for p in started:
+            if _alive(p):
+                os.kill(p, signal.SIGTERM)  # a failed run's strays
