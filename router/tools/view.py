@@ -524,8 +524,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout-s",
         type=float,
-        default=DEFAULT_TIMEOUT_S,
-        help=f"bound on each request [default {DEFAULT_TIMEOUT_S:g}]",
+        help=f"bound on each request [default {DEFAULT_TIMEOUT_S:g}; with --watch, "
+        "--interval-s or 1 s, whichever is longer, so that a silent replica does not hold "
+        "the frames back]",
     )
     p.add_argument(
         "--max-body-mb",
@@ -582,7 +583,7 @@ def run_watch(args: argparse.Namespace) -> int:
                 interval_s=args.interval_s,
                 count=args.count,
                 color=color,
-                timeout_s=min(args.timeout_s, max(args.interval_s, 1.0)),
+                timeout_s=max(args.interval_s, 1.0) if args.timeout_s is None else args.timeout_s,
             )
         )
     except KeyboardInterrupt:
@@ -600,7 +601,7 @@ def run(args: argparse.Namespace) -> int:
         if not url.startswith(("http://", "https://")):
             sys.stderr.write(f"kvrouter: error: {url!r} is not an http(s) URL\n")
             return 2
-    if not 0 < args.timeout_s <= MAX_SECONDS:  # NaN fails this too
+    if args.timeout_s is not None and not 0 < args.timeout_s <= MAX_SECONDS:  # NaN too
         sys.stderr.write(f"kvrouter: error: --timeout-s must be > 0 and at most {MAX_SECONDS:g}\n")
         return 2
     if args.max_body_mb < 1:
@@ -616,7 +617,7 @@ def run(args: argparse.Namespace) -> int:
             args.urls,
             token=args.token or None,
             cursors_only=args.cursors_only,
-            timeout_s=args.timeout_s,
+            timeout_s=DEFAULT_TIMEOUT_S if args.timeout_s is None else args.timeout_s,
             max_body_mb=args.max_body_mb,
         )
     )

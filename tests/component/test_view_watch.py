@@ -295,6 +295,22 @@ async def test_the_command_exits_as_view_does_after_count_frames_1_when_they_dif
         assert status == 2 and "B http://127.0.0.1:9  error: " in out, out + err
 
 
+async def test_the_command_waits_for_a_replica_as_long_as_timeout_s_says() -> None:
+    """`--watch --timeout-s 30` gave up on a replica after 1 s (the interval or 1 s bounded
+    it, silently): a replica answering in 2 s was reported as no answer within 1 s."""
+
+    async def hang(request: web.Request) -> web.Response:
+        await asyncio.Event().wait()  # cancelled when the client gives up
+        raise AssertionError("unreachable")
+
+    async with stub_server({("GET", "/readyz"): hang}) as silent:
+        watched = ("--watch", "--count", "1", "--interval-s", "0.05")
+        _, out, err = await run_view(*watched, "--timeout-s", "2.5", silent)
+        assert f"{silent}/readyz: no answer within 2.5 s" in out, out + err
+        _, out, err = await run_view(*watched, silent)  # the default: the interval or 1 s
+        assert f"{silent}/readyz: no answer within 1 s" in out, out + err
+
+
 async def test_a_wrong_token_is_an_error_that_says_to_pass_one() -> None:
     async with fleet() as ([a, _], _):
         state = await watch_state(a.url)  # no token
