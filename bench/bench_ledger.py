@@ -149,8 +149,10 @@ def per_request_us(
 
 def module_at(rev: str) -> ModuleType:
     """`router/pressure.py` as it was at `rev`, loaded as a module of its own."""
+    from bench.bench_proxy import commit_or_exit
+
     source = subprocess.run(
-        ["git", "show", f"{rev}:router/pressure.py"],
+        ["git", "show", f"{commit_or_exit(rev)}:router/pressure.py"],
         cwd=ROOT,
         capture_output=True,
         text=True,

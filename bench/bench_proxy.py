@@ -277,12 +277,29 @@ def router_args(
     return [*args, "--event-loop", event_loop]
 
 
+def commit_or_exit(rev: str) -> str:
+    """The commit git resolves `rev` to in this repository. A revision git does not know ends
+    the benchmark with git's message and exit status 2 (a command-line error), not with a
+    traceback of the command that failed on it."""
+    argv = ["git", "-C", str(HERE.parent), "rev-parse", "--verify", "--end-of-options"]
+    done = subprocess.run([*argv, f"{rev}^{{commit}}"], capture_output=True, text=True)
+    if done.returncode:
+        said = done.stderr.strip() or f"exit status {done.returncode}"
+        where = f"{rev!r} is not a commit of {HERE.parent} (git: {said})"
+        sys.stderr.write(f"{Path(sys.argv[0]).name}: error: {where}\n")
+        raise SystemExit(2)
+    return done.stdout.strip()
+
+
 def checkout(rev: str, into: Path) -> Path:
     """The repository at `rev`, extracted (not a worktree: nothing to clean up in git), with
     its C extensions (`cachetree/_*.c`: the accelerator, the index's tables) compiled in
-    place, so the old code runs compiled as a deployment would, not on its pure path."""
+    place, so the old code runs compiled as a deployment would, not on its pure path. Called
+    before a benchmark's other work, so that a bad `rev` ends it at once (`commit_or_exit`)."""
     archive = subprocess.run(
-        ["git", "-C", str(HERE.parent), "archive", rev], capture_output=True, check=True
+        ["git", "-C", str(HERE.parent), "archive", commit_or_exit(rev)],
+        capture_output=True,
+        check=True,
     ).stdout
     into.mkdir(parents=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)

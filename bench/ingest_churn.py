@@ -287,22 +287,24 @@ def summary(rows: list[dict[str, Any]], key: str) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    loads = [workload(seed, args.cache_blocks, args.prompts) for seed in range(1, args.workers + 1)]
-    stored = sum(w.stored_blocks for w in loads)
-    print(
-        f"{args.workers} workers x {args.prompts} prompts of {PROMPT_TOKENS} tokens into full "
-        f"caches of {args.cache_blocks} blocks: {stored:,} blocks stored (and as many evicted) "
-        f"in {sum(len(w.measured) for w in loads):,} batches, published at {args.rate:g} "
-        "batches/s",
-        flush=True,
-    )
     codes = [Code("new", ROOT, {})]
     if args.pure:
         codes.append(Code("new, pure", ROOT, {"KVROUTER_NO_EXTENSIONS": "1"}))
     with tempfile.TemporaryDirectory(prefix="kvchurn-") as tmp:
-        if args.baseline:
+        if args.baseline:  # first: a bad revision ends the run before any work
             old = checkout(args.baseline, Path(tmp) / "old")
             codes.insert(0, Code(f"old ({args.baseline})", old, {}))
+        loads = [
+            workload(seed, args.cache_blocks, args.prompts) for seed in range(1, args.workers + 1)
+        ]
+        stored = sum(w.stored_blocks for w in loads)
+        print(
+            f"{args.workers} workers x {args.prompts} prompts of {PROMPT_TOKENS} tokens into "
+            f"full caches of {args.cache_blocks} blocks: {stored:,} blocks stored (and as many "
+            f"evicted) in {sum(len(w.measured) for w in loads):,} batches, published at "
+            f"{args.rate:g} batches/s",
+            flush=True,
+        )
         workdir = Path(tmp)
         rows: dict[str, list[dict[str, Any]]] = {c.label: [] for c in codes}
         async with contextlib.AsyncExitStack() as stack:

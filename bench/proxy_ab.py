@@ -246,6 +246,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.baseline:
+        bp.commit_or_exit(args.baseline)  # before smg is set up, which can take minutes
     print(f"$ {shlex.join([sys.executable, *sys.argv])}", flush=True)
     smg_binary = None
     if args.smg:

@@ -334,3 +334,22 @@ def test_ctrl_c_to_request_stages_stops_its_child_and_the_fake_workers() -> None
         for p in started:
             if _alive(p):
                 os.kill(p, signal.SIGTERM)  # a failed run's strays
+
+
+@pytest.mark.timeout(60)
+def test_a_baseline_git_does_not_know_ends_the_run_at_once_with_gits_message(
+    tmp_path: Path,
+) -> None:
+    """`--baseline nosuchrev` ran the benchmark's own side first (ingest_churn: its workloads,
+    ~15 s), then died with a CalledProcessError traceback that kept git's message to itself."""
+    from bench.bench_proxy import checkout
+
+    argv = [sys.executable, "-m", "bench.ingest_churn", "--baseline", "nosuchrev"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "'nosuchrev' is not a commit of" in done.stderr
+    assert "Needed a single revision" in done.stderr  # git's own words
+    assert done.stdout == ""  # no workload was made
+    with pytest.raises(SystemExit) as exited:
+        checkout("nosuchrev", tmp_path / "old")
+    assert exited.value.code == 2 and not (tmp_path / "old").exists()
