@@ -1327,6 +1327,19 @@ async def _main(opts: Options, log_dir: Path) -> int:
     return status
 
 
+def make_log_dir(given: str | None, prefix: str) -> Path | None:
+    """`--log-dir` made (or a new temporary directory named `prefix`...); None, the error
+    said in one line, when it cannot be made."""
+    if not given:
+        return Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        Path(given).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        sys.stderr.write(f"kvrouter: error: --log-dir {given}: {exc.strerror or exc}\n")
+        return None
+    return Path(given)
+
+
 def run(args: argparse.Namespace) -> int:
     """`kvrouter demo`: returns the exit status."""
     try:
@@ -1334,13 +1347,7 @@ def run(args: argparse.Namespace) -> int:
     except DemoError as exc:
         sys.stderr.write(f"kvrouter: error: {exc}\n")
         return 2
-    if opts.log_dir:
-        log_dir = Path(opts.log_dir)
-        try:
-            log_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            sys.stderr.write(f"kvrouter: error: --log-dir {opts.log_dir}: {exc.strerror or exc}\n")
-            return 2
-    else:
-        log_dir = Path(tempfile.mkdtemp(prefix="kvrouter-demo-"))
+    log_dir = make_log_dir(opts.log_dir, "kvrouter-demo-")
+    if log_dir is None:
+        return 2
     return asyncio.run(_main(opts, log_dir))

@@ -28,7 +28,6 @@ import asyncio
 import itertools
 import shutil
 import sys
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +47,7 @@ from router.tools.demo import (
     Worker,
     _flags,
     free_ports,
+    make_log_dir,
     probe_every_rank,
     quiesce,
 )
@@ -303,8 +303,9 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write("kvrouter: error: --pools must be 2..8\n")
         return 2
     workers = 2  # per pool
-    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvpools-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = make_log_dir(args.log_dir, "kvpools-")
+    if log_dir is None:
+        return 2
     status = asyncio.run(run_pools(args.pools, workers, log_dir))
     if status == 0 and not args.log_dir:
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -99,11 +99,15 @@ async def test_ctrl_c_stops_every_child(tmp_path: Path) -> None:
     assert [p for p in ports if listening(p)] == []
 
 
-async def test_a_log_dir_that_cannot_be_made_is_a_one_line_error(tmp_path: Path) -> None:
-    """It was a FileNotFoundError traceback, exit 1."""
+@pytest.mark.parametrize("pools", [(), ("--pools", "2")], ids=["demo", "pools"])
+async def test_a_log_dir_that_cannot_be_made_is_a_one_line_error(
+    tmp_path: Path, pools: tuple[str, ...]
+) -> None:
+    """It was a FileNotFoundError traceback, exit 1 (`--pools` kept it after the demo's
+    own was fixed)."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    proc = await start_demo("--log-dir", str(blocker / "logs"))
+    proc = await start_demo(*pools, "--log-dir", str(blocker / "logs"))
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2, err.decode()
     assert err.decode().startswith("kvrouter: error: --log-dir ") and b"Traceback" not in err
