@@ -13,6 +13,7 @@ Run: .venv/bin/python bench/bench_ingest.py
 
 from __future__ import annotations
 
+import argparse
 import gc
 import random
 import time
@@ -87,6 +88,9 @@ def run(payloads: list[bytes]) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()  # --help, and no argument the figures would silently ignore
     for name, mixed in (("store only", False), ("store + evict", True)):
         payloads, blocks = stream(mixed)
         best = min(run(payloads) for _ in range(3))

@@ -1,6 +1,6 @@
 """Routing decision latency per policy, for 8 and 64 candidate ranks.
 
-Run: .venv/bin/python bench/bench_policy.py [--candidates 8,64] [--iterations 20000]
+Run: .venv/bin/python bench/bench_policy.py [--candidates 8,64] [--iterations 2000]
 Prints figures; asserts nothing. One core, one process.
 
 Two scenarios, both a 2,000-token prompt (125 blocks of 16) with an engine load on every rank:

@@ -54,6 +54,9 @@ class GcWatch:
 
 
 def run() -> None:
+    if len(sys.argv) < 4:  # a usage error, not an IndexError
+        sys.stderr.write(__doc__.split("\n\n")[1] + "\n")  # the Run: line
+        sys.exit(2)
     out, clock = Path(sys.argv[1]), sys.argv[2]
     # `cpu`: the event-loop thread's CPU time. A wall-clock profile on a busy machine charges
     # preemption (e.g. right after a loopback send() wakes the receiver) to whatever function

@@ -503,11 +503,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         r["processes"] = None
                         ingest.append(r)
                         print(f"ingest {r}", flush=True)
-    result = {"sizes": sizes, "rows": rows, "ingest": ingest}
-    print()
-    for text in tables(result).values():
-        print(text + "\n")
-    return result
+    return {"sizes": sizes, "rows": rows, "ingest": ingest}
 
 
 def row_line(r: dict[str, Any]) -> str:
@@ -640,7 +636,10 @@ def main() -> None:
         args.sizes = QUICK_SIZES
     if args.workdir:  # the replicas' logs go there: a missing folder failed every size
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    asyncio.run(main_async(args))
+    result = asyncio.run(main_async(args))
+    print()  # `kvrouter bench` prints the tables itself (suite.run_one)
+    for text in tables(result).values():
+        print(text + "\n")
 
 
 if __name__ == "__main__":

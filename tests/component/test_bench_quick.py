@@ -353,3 +353,21 @@ def test_a_baseline_git_does_not_know_ends_the_run_at_once_with_gits_message(
     with pytest.raises(SystemExit) as exited:
         checkout("nosuchrev", tmp_path / "old")
     assert exited.value.code == 2 and not (tmp_path / "old").exists()
+
+
+@pytest.mark.timeout(60)
+def test_bench_ingest_help_prints_its_usage_without_running() -> None:
+    """`bench_ingest.py --help` ran the benchmark (it read no arguments)."""
+    argv = [sys.executable, str(ROOT / "bench" / "bench_ingest.py"), "--help"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0 and done.stdout.startswith("usage: "), done.stderr
+    assert "blocks/s" not in done.stdout  # the figures' unit: nothing was measured
+
+
+@pytest.mark.timeout(60)
+def test_profiled_router_without_arguments_says_how_to_run_it() -> None:
+    """It was an IndexError traceback."""
+    argv = [sys.executable, str(ROOT / "bench" / "profiled_router.py")]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("Run: ") and "OUT.prof {cpu,wall}" in done.stderr
