@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return 2
+    try:
+        args.results.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # before any run starts a fleet or makes its work directory
+        sys.stderr.write(f"{PROG}: error: --results {args.results}: {exc.strerror or exc}\n")
+        return 2
     smg = from_environment()
     if args.no_smg:
         smg.skip("left out with --no-smg")

@@ -93,6 +93,17 @@ def test_kvrouter_bench_runs_python_m_bench_and_passes_its_flags_on() -> None:
     assert "kvrouter bench: error: unrecognized arguments: --nope" in done.stderr
 
 
+def test_a_results_directory_that_cannot_be_made_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from bench.__main__ import main
+
+    assert main(["--quick", "--results", "/proc/kvrouter-nope/results"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvrouter bench: error: --results /proc/kvrouter-nope/results:"), err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("pure", [False, True])
 def test_tree_memory_measures_each_size_in_its_own_process(pure: bool) -> None:
