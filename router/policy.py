@@ -223,6 +223,32 @@ below). A new prefix (its next block routed nowhere) is placed by the cost as be
 weight of its own. Its cost: one ledger lookup per decision where every candidate holds the
 prompt equally deep, and a working-set read when that block was routed.
 
+A repeat stays with its holder. The repeat of a prefix one rank holds deeper than the others
+was sent to another rank whenever the holder's queue (a few requests more in flight) or its
+pressure terms outweighed the few blocks it held beyond a shared header: its demand counts the
+requests' own tails, so a holder looked fuller than it was. In a fleet whose demand exceeds its
+caches, each such request made a copy that pushed some other prefix out of its new rank
+(`bench/pressure_sim.py`'s "away" copies: u2203.4, 7 workers, 15 prefixes of 16-40 blocks
+under a 12-block header at c=12, 5.2 a run, its prefixes on 1.42 ranks). So when the cost puts
+another rank first, the one deepest holder keeps the prompt if it has no more than
+`keep_holder_load` (4) requests in flight beyond that rank and that rank would end at least as
+full of its capacity, by its working set with the blocks the prompt would store there,
+`(ws + n - depth) / C`, as the holder is by its own (`ws / C`, which counts the prefix).
+It applies at any fullness: in a fleet with room, a repeat then waits behind up to 4 requests
+on its holder where the queue term alone sent it to an idler rank (the routing trace, inside
+every cache, kept its ratio and TTFT: BENCHMARKS.md).
+It is a repeat when the block past the holder's match was routed lately (the rest of a prefix
+its engine evicted; as in "Shared preamble", it stays with its holder) or when the holder has
+more of the prompt beyond the others' depth than it lacks (a tail below the prefix); otherwise
+it is a new prefix below a preamble that rank holds, which the cost places. In
+`bench/pressure_sim.py` (`--unseen 8 --placer --placer-rtt-ms 7`, draws 2201-2204 and
+2301-2304, 12 seeds) u2203.4 went from 0.964x the ideal partition to 0.982x and u2204.1 from
+0.973x to 0.980x (BENCHMARKS.md, "A repeat stays with its holder"). Without the load bound, a
+holder kept its repeats through any queue, u2304.7's simulated TTFT p99 +12%; without telling a
+repeat from a new prefix, a new prefix below a one-rank preamble stayed with it (u2302.3
+0.988x -> 0.981x). No other shape of the 64 lost more than 0.002. Its cost: one ledger lookup
+and a working-set read of two ranks when the cost's choice is not the one deepest holder.
+
 Defaults (`CacheAwareWeights`): prefill 1.0, queue 1.0, queued_request_tokens 256,
 lower_tier_discount 0.5, backlog 1.0 (a typical rank with one request in flight halves a
 queued request's price; in `bench/pressure_sim.py` 0.5 and 2 did no better, and multiplying
@@ -238,8 +264,12 @@ demanded block is prefilled again once), fill 2.0 (a new block on a rank full of
 fleet full of demand, displaces a demanded block, which displaces another when it returns; in
 `bench/pressure_sim.py` 2 kept every workload of the pressure benchmark's family at the ideal
 partition's ratio where 0.5 and 1 let a one-request load difference place a prefix on a fuller
-rank; unscaled by the fleet it cost the routing trace 8% of TTFT p50, see BENCHMARKS.md), and
-tie_margin 32. So a fully cached 2,048-token prompt (128 blocks of 16) is worth 2048 / 256 = 8
+rank; unscaled by the fleet it cost the routing trace 8% of TTFT p50, see BENCHMARKS.md),
+keep_holder_load 4 (a repeat stays with its holder through that many requests in flight more
+than the cost's choice; in `bench/pressure_sim.py`, 12 seeds, 2 left u2204.1 where it was,
+0.973x against 0.980x with 4, u2203.4 at 0.972x against 0.982x, and took u2304.7 from 0.991x
+to 0.984x; with no bound, u2304.7's simulated TTFT p99 rose 12%), and tie_margin 32. So a
+fully cached 2,048-token prompt (128 blocks of 16) is worth 2048 / 256 = 8
 queued requests against an empty idle rank with no demand (on an engine that states no slots):
 the holder wins with up to 7 waiting, ties at 8 (the tie goes to the lower load, the idle one),
 and loses at 9; against a rank full of demand in a full fleet the move would also pay 2 x 2048
@@ -527,6 +557,9 @@ class CacheAwareWeights:
     backlog: float = 1.0  # the queue term is divided by 1 + backlog * (typical load)
     running_share: float = 0.25  # an in-flight request with an engine slot, of a queued one
     fill: float = 2.0  # surcharge per newly stored token, times the rank's demand / capacity
+    # A repeat stays on its prefix's holder with up to this many requests in flight more than
+    # the rank the cost chose (module docstring, "A repeat stays with its holder").
+    keep_holder_load: int = 4
     tie_margin: float = 32.0  # with siblings, costs this close to the best tie (rendezvous)
     imbalance_abs: int = 32  # fall back to least load when max - min load exceeds this ...
     imbalance_rel: float = 1.5  # ... and max load exceeds min load times this
@@ -546,6 +579,8 @@ class CacheAwareWeights:
             raise ValueError("lower_tier_discount must be within [0, 1]")
         if not 0.0 <= self.running_share <= 1.0:  # a share of a queued request's price
             raise ValueError("running_share must be within [0, 1]")
+        if self.keep_holder_load < 0:
+            raise ValueError("keep_holder_load must be >= 0")
         if self.imbalance_abs < 0 or self.imbalance_rel < 1.0:
             raise ValueError("need imbalance_abs >= 0 and imbalance_rel >= 1")
 
@@ -746,6 +781,8 @@ class CacheAware:
         relief = self._relief(loads, pressure, prompt)
         if relief is None:
             relief = self._regone(loads, pressure, prompt, order)
+        if relief is None:
+            relief = self._holder(loads, pressure, prompt, order)
         if relief is not None and relief != order[0]:
             order.remove(relief)
             order.insert(0, relief)
@@ -838,6 +875,36 @@ class CacheAware:
             if c and loads[i] <= bound and i != home and (ws[i] + stored) / c < least:
                 best, least = i, (ws[i] + stored) / c
         return best
+
+    def _holder(
+        self, loads: Sequence[int], p: _Pressure, prompt: Prompt, order: Sequence[int]
+    ) -> int | None:
+        """The prompt's one deepest holder, when the cost chose another rank for a repeat of
+        the prefix it holds and that rank would end no less full of its capacity (module
+        docstring, "A repeat stays with its holder"); None to keep the cost's order."""
+        depth = p.depth
+        first = order[0]
+        deepest = max(depth, default=0)
+        if not deepest or depth[first] == deepest or depth.count(deepest) != 1:
+            return None
+        held = depth.index(deepest)
+        keys = prompt.keys
+        n = prompt.blocks
+        # A repeat: the block past the match was routed lately (the rest of the prefix, its
+        # holder's engine evicted it), or the holder has more of the prompt beyond what the
+        # others hold than it lacks (a tail below the prefix). Otherwise a new prefix below
+        # a preamble one rank holds, which the cost places ("Shared preamble").
+        if not (deepest < len(keys) and self.ledger.routed(keys[deepest])):
+            second = max(d for i, d in enumerate(depth) if i != held)
+            if deepest - second <= n - deepest:
+                return None
+        if loads[held] > loads[first] + self.weights.keep_holder_load:
+            return None
+        c_held, c_first = p.capacity[held], p.capacity[first]
+        if not c_held or not c_first:
+            return None
+        ws_held, ws_first = self.ledger.working_sets((p.ranks[held], p.ranks[first]))
+        return held if (ws_first + n - depth[first]) / c_first >= ws_held / c_held else None
 
     def _pressure(
         self,

@@ -1026,3 +1026,51 @@ def test_a_prefix_gone_from_every_cache_goes_where_it_ends_least_full_home_at_an
         p.demand(rank, blocks - 120 if routed and rank == A else blocks, seed)
     candidates = [cand(r, q) for r, q in zip((A, B, C), loads, strict=True)]
     assert p.policy.decide(candidates, p.prompt()).ranked[0].rank == first
+
+
+# A repeat sent away from its holder: a 96-block header on B and C, A holding the prompt
+# deeper (its prefix, routed there), 3 requests in flight on A and none elsewhere, so the
+# queue term outweighs A's few blocks of saving and the cost alone sends the prompt to B or
+# C. A's working set is 176 blocks of its 256; B's and C's `ws_b` and `ws_c`, to which the
+# prompt would add the 32 blocks below the header.
+@pytest.mark.parametrize(
+    ("held", "routed", "header", "load", "ws_b", "ws_c", "known", "first"),
+    [
+        # A tail below the prefix A holds (20 blocks of it beyond the header, 12 new): B or
+        # C would end fuller (150 + 32) than A is (176): A keeps it.
+        (116, 116, 96, 3, 150, 150, True, {A}),
+        (116, 116, 96, 4, 150, 150, True, {A}),  # ... with up to 4 more in flight than B
+        (116, 116, 96, 5, 150, 150, True, {B, C}),  # ... not 5: the cost's choice
+        (116, 116, 96, 3, 50, 150, True, {B}),  # B would end less full: the cost's choice
+        # The rest of the prefix A's engine evicted (the block past its match routed there):
+        # A holds 100 of 128 routed blocks, fewer of the prompt than it lacks, and keeps it.
+        (100, 128, 96, 3, 150, 150, True, {A}),
+        # A 32-block preamble on A alone and 96 blocks below it routed nowhere: a new prefix,
+        # which the cost places.
+        (32, 32, 0, 3, 150, 150, True, {B, C}),
+        (116, 116, 96, 3, 150, 150, False, {B, C}),  # no capacity known: the cost's choice
+    ],
+)
+def test_a_repeat_stays_with_its_holder_unless_the_cost_choice_ends_less_full(
+    held: int,
+    routed: int,
+    header: int,
+    load: int,
+    ws_b: int,
+    ws_c: int,
+    known: bool,
+    first: set[RankId],
+) -> None:
+    fleet = Fleet()
+    p = Pressured(fleet, even() if known else {}, ttl_s=0.0)  # no bookings: the index alone
+    fleet.hold(A, held)
+    for rank in (B, C):
+        if header:
+            fleet.hold(rank, header)
+    p.policy.ledger.record(A, KEYS[:routed], held=routed)
+    for seed, (rank, blocks) in enumerate(zip((A, B, C), (176 - routed, ws_b, ws_c), strict=True)):
+        p.demand(rank, blocks, seed)
+    candidates = [cand(A, load), cand(B), cand(C)]
+    costs = p.policy.costs(candidates, p.prompt())
+    assert costs[0] > min(costs)  # the cost alone sends it away from A every time
+    assert p.policy.decide(candidates, p.prompt()).ranked[0].rank in first
