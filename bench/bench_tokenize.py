@@ -145,7 +145,7 @@ def main() -> None:
     assert hits is not None
     hit_rate = hits.hits / max(1, hits.hits + hits.misses)
     for body, ref in zip(bodies, reference, strict=True):
-        assert cached.encode_chat_request(body).ids == ref.ids
+        assert list(cached.encode_chat_request(body).ids) == ref.ids
 
     def fmt(values: list[float]) -> str:
         return f"{statistics.median(values):8.1f} us  ({min(values):.1f}-{max(values):.1f})"

@@ -311,7 +311,7 @@ def time_tokenizer(
         start = time.thread_time_ns()
         got = [fresh.encode_chat_request(b).ids for b in bodies]
         out["cache on"].append((time.thread_time_ns() - start) / len(bodies) / 1000)
-        assert got == reference, "cached ids differ from uncached ones"
+        assert list(map(list, got)) == reference, "cached ids differ from uncached ones"
         start = time.thread_time_ns()
         for b in bodies:
             uncached.encode_chat_request(b)

@@ -911,7 +911,7 @@ class _TokenizerCollector(Collector):
         )
         yield _gauge(
             "kvrouter_tokenize_cache_bytes",
-            "Estimated bytes held by the tokenization cache (bounded by --tokenize-cache-mb)",
+            "Bytes the tokenization cache holds (bounded by --tokenize-cache-mb)",
             [((), cache.bytes)],
         )
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache, partial
 from pathlib import Path
 from typing import Any, Final
@@ -72,7 +72,7 @@ class HfModel:
 
     def encode_text(
         self, text: str, params: TokenizeParams, *, offload: bool = False
-    ) -> list[int] | Offload[list[int]]:
+    ) -> Sequence[int] | Offload[Sequence[int]]:
         """A completion prompt: encoded with the tokenizer's special tokens (BOS) unless the
         request says not to, as engines do; the first `MAX_ENCODED_CHARS` of it (see there);
         cut as the request says (`params.py`). With `offload`, the encode is returned to be
@@ -81,7 +81,7 @@ class HfModel:
             return Offload(partial(self._text_ids, text, params))
         return self._text_ids(text, params)
 
-    def _text_ids(self, text: str, params: TokenizeParams) -> list[int]:
+    def _text_ids(self, text: str, params: TokenizeParams) -> Sequence[int]:
         if params.keep is not None:
             return self._truncated(self._plain, text, params, params.keep)
         special = params.add_special_tokens
@@ -89,7 +89,7 @@ class HfModel:
 
     def encode_chat(
         self, body: dict[str, Any], params: TokenizeParams, *, offload: bool = False
-    ) -> list[int] | Offload[list[int]]:
+    ) -> Sequence[int] | Offload[Sequence[int]]:
         """Raises ChatRequestError (a 400) or Unrenderable (route as a miss). With `offload`,
         the request is checked and rewritten here, and its render and encode are returned to
         be run in a worker thread (`offload.py`), where they raise Unrenderable."""
@@ -99,7 +99,7 @@ class HfModel:
             return Offload(partial(self._chat_ids, call, template, params))
         return self._chat_ids(call, template, params)
 
-    def _chat_ids(self, call: RenderCall, template: str, params: TokenizeParams) -> list[int]:
+    def _chat_ids(self, call: RenderCall, template: str, params: TokenizeParams) -> Sequence[int]:
         """`call` rendered and encoded. Safe in a worker thread: what it shares with the loop
         is the backend (Rust, thread-safe), the segment cache (locked) and two memo dicts, the
         compiled templates and the sandbox's checks, each read or written in one step under
@@ -123,7 +123,7 @@ class HfModel:
         return self._encode(text, False)
 
     def _truncated(
-        self, encode: Callable[[str], list[int]], text: str, params: TokenizeParams, keep: int
+        self, encode: Callable[[str], Sequence[int]], text: str, params: TokenizeParams, keep: int
     ) -> list[int]:
         """`text` encoded by `encode` (no special tokens), with them if asked, cut to
         `params.keep` ids as vLLM cuts it (`params.py`). Past `MAX_ENCODED_CHARS`, only a cut
@@ -344,7 +344,7 @@ def _special_affixes(encode: Callable[[str, bool], list[int]]) -> tuple[list[int
     return [], []  # a post-processor that rewrites the text's ids: none known adds tokens so
 
 
-def _encoded_within_bound(encode: Callable[[str], list[int]], text: str) -> list[int]:
+def _encoded_within_bound(encode: Callable[[str], Sequence[int]], text: str) -> Sequence[int]:
     """`encode(text)`, or for a text past `MAX_ENCODED_CHARS` the ids of its first part less
     those the rest could have changed."""
     if len(text) <= MAX_ENCODED_CHARS:

@@ -6,8 +6,8 @@ The contract, for the data plane:
   special tokens; a list of token ids is checked and used as it is, or read id by id as the
   engine's request model reads it when its items are not all ints (`lax.py`). A malformed
   prompt raises ValueError: answer 400. Ids come as a sequence of ints: a list, or for the
-  `bytes` tokenizer a bytes object of one id a byte, which `cachetree.keys.block_keys` reads as
-  it is.
+  `bytes` tokenizer a bytes object of one id a byte, or for a chat encoded by segments an
+  `array('I')` (`segments.py`), each of which `cachetree.keys.block_keys` reads as it is.
 - `encode_chat_request(body)` (the whole `/v1/chat/completions` body) returns `ChatTokens`:
   - `ids`: the ids the engine will compute for this request (its chat rules, template, tokenizer),
     or those the body brings for it to use as they are (`chat_rules.given_ids`);

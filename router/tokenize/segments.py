@@ -22,23 +22,33 @@ of one: the same pipeline and ids as `encode`, without tracking each token's cha
 which is a fifth of an encode's CPU (bench/bench_tokenize.py); `ids_encoder` falls back to
 `encode` on a `tokenizers` without it.
 
-The cache is an LRU bounded by an estimate of its memory: per entry the segment's characters,
-8 bytes per id and a fixed overhead. A segment larger than a tenth of the budget is encoded
-without being kept. It is read and written from the event loop and from the worker thread a
-long chat is encoded in (`offload.py`), so each lookup and insertion holds a lock (an
-eviction between a lookup and its move to the end raised KeyError); the encoding itself runs
-outside it.
+A segment's ids are kept as an `array('I')`, 4 bytes an id: a tuple held 36 (its 8-byte slot
+and, past the 256 small ints Python shares, a 28-byte int object per id), so the cache held 3x
+the memory it counted. A chat's ids are built as one array too (a cached segment is copied as
+bytes, no int made), which `block_keys` reads as it is. The cache is an LRU bounded by the
+memory its entries hold (`entry_bytes`: the key's three strings and the array as
+`sys.getsizeof` has them, and a fixed overhead for the key tuple and the dict's slot), which
+tracemalloc agrees with (a test holds them together). A segment larger than a tenth of the
+budget is encoded without being kept. It is read and written from the event loop and from the
+worker thread a long chat is encoded in (`offload.py`), so each lookup and insertion holds a
+lock (an eviction between a lookup and its move to the end raised KeyError); the encoding
+itself runs outside it.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 import threading
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
 
-ENTRY_OVERHEAD: Final = 200  # bytes of a dict slot, the key tuple and the two objects
+# The key tuple and the entry's share of the OrderedDict (its table slot and index, its node
+# in the order list): 140-170 bytes under tracemalloc, with the table's slack.
+ENTRY_OVERHEAD: Final = 160
+Key = tuple[str, str, str]  # (boundary before, segment, boundary after)
 
 
 class BackendTokenizer(Protocol):
@@ -60,8 +70,15 @@ def ids_encoder(backend: Any) -> IdsEncoder:
     return lambda text, special: list(fast([text], add_special_tokens=special)[0].ids)
 
 
+def entry_bytes(key: Key, ids: array[int]) -> int:
+    """The memory one cache entry holds."""
+    prev, segment, nxt = key
+    strings = sys.getsizeof(prev) + sys.getsizeof(segment) + sys.getsizeof(nxt)
+    return strings + sys.getsizeof(ids) + ENTRY_OVERHEAD
+
+
 class SegmentCache:
-    """LRU of segment -> ids, bounded by an estimate of bytes held."""
+    """LRU of segment -> ids, bounded by the bytes its entries hold."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
@@ -70,38 +87,36 @@ class SegmentCache:
         self.bytes = 0
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[tuple[str, str, str], tuple[tuple[int, ...], int]] = (
-            OrderedDict()
-        )
+        self._entries: OrderedDict[Key, array[int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: tuple[str, str, str]) -> tuple[int, ...] | None:
+    def get(self, key: Key) -> array[int] | None:
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
+            ids = self._entries.get(key)
+            if ids is None:
                 self.misses += 1
                 return None
             self.hits += 1
             self._entries.move_to_end(key)
-            return entry[0]
+            return ids
 
-    def put(self, key: tuple[str, str, str], ids: tuple[int, ...]) -> None:
-        size = len(key[1]) + 8 * len(ids) + ENTRY_OVERHEAD
+    def put(self, key: Key, ids: array[int]) -> None:
+        size = entry_bytes(key, ids)
         with self._lock:
             if size * 10 > self.max_bytes or key in self._entries:
                 return
-            self._entries[key] = (ids, size)
+            self._entries[key] = ids
             self.bytes += size
             while self.bytes > self.max_bytes:
-                _, (_, evicted) = self._entries.popitem(last=False)
-                self.bytes -= evicted
+                self.bytes -= entry_bytes(*self._entries.popitem(last=False))
 
 
 class SegmentEncoder:
-    """`encode(text)` equals `backend.encode(text, add_special_tokens=False).ids`, by segments."""
+    """`encode(text)`'s ids are `backend.encode(text, add_special_tokens=False).ids`, by
+    segments (an `array('I')`; a list when the cache is off)."""
 
     def __init__(
         self, backend: BackendTokenizer, max_bytes: int, *, split_special: bool = False
@@ -121,12 +136,12 @@ class SegmentEncoder:
         longest_first = sorted(boundaries, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> Sequence[int]:
         if not self.enabled:
             return self._encode(text, False)
         # [text, token, text, token, ..., text]: even items are segments, odd ones boundaries.
         pieces = self._split.split(text)
-        ids: list[int] = []
+        ids = array("I")
         last = len(pieces) - 1
         for i in range(0, len(pieces), 2):
             segment = pieces[i]
@@ -138,12 +153,12 @@ class SegmentEncoder:
                 ids.append(self._ids[nxt])
         return ids
 
-    def _segment(self, prev: str, segment: str, nxt: str) -> tuple[int, ...]:
+    def _segment(self, prev: str, segment: str, nxt: str) -> array[int]:
         key = (prev, segment, nxt)
         cached = self.cache.get(key)
         if cached is not None:
             return cached
         encoded = self._encode(prev + segment + nxt, False)
-        ids = tuple(encoded[(1 if prev else 0) : len(encoded) - (1 if nxt else 0)])
+        ids = array("I", encoded[(1 if prev else 0) : len(encoded) - (1 if nxt else 0)])
         self.cache.put(key, ids)
         return ids

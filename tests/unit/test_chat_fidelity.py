@@ -93,7 +93,7 @@ def assert_router_matches_engine(
         assert got.failure is not None, "the router rendered what the engine refuses"
         return
     assert got.failure is None, f"the router failed ({got.failure}) where the engine serves"
-    assert got.ids == expected
+    assert list(got.ids) == expected
 
 
 def test_most_comparisons_are_served_by_the_engine(
@@ -449,7 +449,7 @@ def test_a_legacy_sentencepiece_json_is_rebuilt_as_transformers_loads_it(
     text = vllm.tokenizer.apply_chat_template(
         SHAPES["plain"]["messages"], tokenize=False, add_generation_prompt=True
     )
-    ids = router.encode_chat_request(SHAPES["plain"]).ids
+    ids = list(router.encode_chat_request(SHAPES["plain"]).ids)
     assert ids == vllm.chat_ids(SHAPES["plain"])
     assert ids != as_written.encode(text, add_special_tokens=False).ids  # the json as written
 

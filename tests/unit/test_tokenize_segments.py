@@ -9,9 +9,12 @@ whole text. A hand-built tokenizer adds the hard cases: added tokens that swallo
 
 from __future__ import annotations
 
+import gc
 import random
 import sys
 import threading
+import tracemalloc
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
-from router.tokenize.segments import ENTRY_OVERHEAD, SegmentCache, SegmentEncoder, ids_encoder
+from router.tokenize.segments import SegmentCache, SegmentEncoder, entry_bytes, ids_encoder
 from tests.support.model_dirs import (
     FIXTURE_TEMPLATES,
     HOLDOUT_TEMPLATES,
@@ -93,7 +96,7 @@ def assert_cached_ids_equal_fresh_ones(
         for messages in (conversation, [*conversation, *grown], conversation):
             text = render(tokenizer, messages)
             fresh = backend.encode(text, add_special_tokens=False).ids
-            assert encoder.encode(text) == fresh, (name, text)
+            assert list(encoder.encode(text)) == fresh, (name, text)
 
 
 HOLDOUT_DIR = holdout_dir()
@@ -169,8 +172,8 @@ def test_neighbouring_tokens_that_strip_whitespace_and_the_start_prefix_are_repr
     encoder = SegmentEncoder(tok, 1 << 20)
     assert encoder.enabled
     expected = tok.encode(text, add_special_tokens=False).ids
-    assert encoder.encode(text) == expected
-    assert encoder.encode(text) == expected  # from the cache
+    assert list(encoder.encode(text)) == expected
+    assert list(encoder.encode(text)) == expected  # from the cache
 
 
 class EncodeOnly:
@@ -197,7 +200,7 @@ def test_ids_are_the_same_with_and_without_the_offset_free_encode() -> None:
     assert fast(text, True) == tok.encode(text, add_special_tokens=True).ids
     backend = EncodeOnly(tok)
     encoder = SegmentEncoder(backend, 1 << 20)
-    assert encoder.encode(text) == expected and backend.calls > 0  # the fallback ran
+    assert list(encoder.encode(text)) == expected and backend.calls > 0  # the fallback ran
 
 
 def test_a_single_word_added_token_turns_the_cache_off_and_stays_exact() -> None:
@@ -206,7 +209,7 @@ def test_a_single_word_added_token_turns_the_cache_off_and_stays_exact() -> None
     encoder = SegmentEncoder(tok, 1 << 20)
     assert not encoder.enabled
     for text in ("a<W>b", "a <W> b", "<R> x <W>"):
-        assert encoder.encode(text) == tok.encode(text, add_special_tokens=False).ids
+        assert list(encoder.encode(text)) == tok.encode(text, add_special_tokens=False).ids
 
 
 def test_split_special_tokens_makes_specials_text_not_boundaries() -> None:
@@ -214,27 +217,60 @@ def test_split_special_tokens_makes_specials_text_not_boundaries() -> None:
     tok.encode_special_tokens = True
     encoder = SegmentEncoder(tok, 1 << 20, split_special=True)
     for text in ("a<L> b", "<R>  c<plain>d"):
-        assert encoder.encode(text) == tok.encode(text, add_special_tokens=False).ids
+        assert list(encoder.encode(text)) == tok.encode(text, add_special_tokens=False).ids
 
 
-def test_the_cache_is_an_lru_bounded_by_its_byte_estimate() -> None:
-    cache = SegmentCache(max_bytes=10 * (ENTRY_OVERHEAD + 10 + 8))
+def segment_key(i: int) -> tuple[str, str, str]:
+    return ("", f"{i:010d}", "")
+
+
+def test_the_cache_is_an_lru_bounded_by_the_bytes_its_entries_hold() -> None:
+    cache = SegmentCache(max_bytes=10 * entry_bytes(segment_key(0), array("I", [0])))
     for i in range(100):
-        cache.put(("", f"{i:010d}", ""), (i,))
+        cache.put(segment_key(i), array("I", [i]))
         assert cache.bytes <= cache.max_bytes
     assert len(cache) == 10
-    assert cache.get(("", f"{90:010d}", "")) == (90,)  # refreshed: now the most recent
-    cache.put(("", "x" * 10, ""), (1,))
-    assert cache.get(("", f"{91:010d}", "")) is None  # the least recent went first
-    assert cache.get(("", f"{90:010d}", "")) == (90,)
+    assert cache.get(segment_key(90)) == array("I", [90])  # refreshed: now the most recent
+    cache.put(("", "x" * 10, ""), array("I", [1]))
+    assert cache.get(segment_key(91)) is None  # the least recent went first
+    assert cache.get(segment_key(90)) == array("I", [90])
 
 
 def test_a_segment_larger_than_a_tenth_of_the_budget_is_not_kept() -> None:
     cache = SegmentCache(max_bytes=10_000)
-    cache.put(("", "y" * 2000, ""), (1, 2))
+    cache.put(("", "y" * 2000, ""), array("I", [1, 2]))
     assert len(cache) == 0 and cache.bytes == 0
     with pytest.raises(ValueError, match=">= 0"):
         SegmentCache(-1)
+
+
+@pytest.mark.parametrize("script", ["english", "cjk"])
+def test_the_bytes_the_cache_counts_are_the_memory_it_holds(
+    loaded: dict[str, tuple[Any, SegmentEncoder]], script: str
+) -> None:
+    # kvrouter_tokenize_cache_bytes and --tokenize-cache-mb are this count: ids kept as a
+    # tuple of Python ints held 3x what it said (a 28-byte int and an 8-byte slot per id).
+    tokenizer, _ = loaded["qwen3.jinja"]
+    rng = random.Random(0)
+    words = " ".join(corpus()).split()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        encoder = SegmentEncoder(tokenizer.backend_tokenizer, 1 << 20)
+        held_before = tracemalloc.get_traced_memory()[0]
+        for i in range(1500):  # past the bound: entries are evicted as it goes
+            if script == "english":
+                body = " ".join(rng.choice(words) for _ in range(200))
+            else:
+                body = "".join(chr(rng.randint(0x4E00, 0x62FF)) for _ in range(300))
+            encoder.encode(f"<|im_start|>system\n{i} {body}<|im_end|>\n")
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - held_before
+    finally:
+        tracemalloc.stop()
+    cache = encoder.cache
+    assert 0.9 * cache.max_bytes < cache.bytes <= cache.max_bytes
+    assert abs(held - cache.bytes) < 0.1 * cache.bytes, (held, cache.bytes, len(cache))
 
 
 def test_a_zero_budget_encodes_whole_texts(tmp_path: Path) -> None:
@@ -248,7 +284,7 @@ def test_the_cache_stays_consistent_when_a_worker_thread_shares_it() -> None:
     # A long chat is encoded in a worker thread (router.tokenize.offload) while the loop
     # encodes others with the same cache: lookups, insertions and evictions interleave (an
     # eviction between a lookup and its move to the end raised KeyError).
-    cache = SegmentCache(40 * (ENTRY_OVERHEAD + 3 + 16))
+    cache = SegmentCache(40 * entry_bytes(segment_key(0), array("I", [0, 0])))
     errors: list[BaseException] = []
     rounds = 50_000
 
@@ -258,7 +294,7 @@ def test_the_cache_stays_consistent_when_a_worker_thread_shares_it() -> None:
             for i in range(rounds):
                 key = ("", f"{tag}{rng.randrange(30):02d}", "")
                 if cache.get(key) is None:
-                    cache.put(key, (i, i))
+                    cache.put(key, array("I", [i, i]))
         except BaseException as exc:
             errors.append(exc)
 
@@ -275,6 +311,6 @@ def test_the_cache_stays_consistent_when_a_worker_thread_shares_it() -> None:
     finally:
         sys.setswitchinterval(switch)
     assert errors == []
-    sizes = [len(key[1]) + 16 + ENTRY_OVERHEAD for key in cache._entries]
+    sizes = [entry_bytes(key, ids) for key, ids in cache._entries.items()]
     assert cache.bytes == sum(sizes) <= cache.max_bytes
     assert cache.hits + cache.misses == 2 * rounds
