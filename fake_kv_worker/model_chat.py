@@ -18,6 +18,9 @@ call) and turns a chat request into prompt ids the way each engine's OpenAI serv
   `chat_template_kwargs.reasoning_effort` over it), render with `add_generation_prompt=True`
   and retry with bare function tools when the template refuses the wrapped ones.
 
+A multimodal model's processor has a template of its own (its `chat_template.json`): vLLM
+renders a request without tools by it, SGLang every request.
+
 Both take the prompt's ids as they are, the template skipped, when a chat brings them: SGLang's
 `input_ids`, vLLM's `kv_transfer_params.prompt_token_ids` (`given_chat_ids`).
 
@@ -63,6 +66,11 @@ class ModelChat:
         )
         self.engine = engine
         self.max_model_len = max_model_len  # what truncate_prompt_tokens=-1 reaches for
+        self.processor_template = _processor_template(directory)
+        if engine == "sglang" and self.processor_template:
+            # SGLang's template manager puts a multimodal model's processor template in
+            # place of the tokenizer's.
+            self.tokenizer.chat_template = self.processor_template
         self._apply_params = _apply_params(self.tokenizer)
 
     def encode(
@@ -161,6 +169,9 @@ class ModelChat:
             raise RequestError(str(exc), "messages") from None
 
     def _template(self, tools: Any) -> str:
+        # vLLM's resolve_chat_template: the processor's template for a request without tools.
+        if self.engine == "vllm" and tools is None and self.processor_template is not None:
+            return self.processor_template
         try:
             return self.tokenizer.get_chat_template(None, tools)  # type: ignore[no-any-return]
         except ValueError as exc:
@@ -225,6 +236,21 @@ class ModelChat:
 
 
 Truncation = tuple[int | None, str | None]  # truncate_prompt_tokens, truncation_side
+
+
+def _processor_template(directory: str) -> Any:
+    """The chat template of the directory's AutoProcessor when it is a processor (a multimodal
+    model's; a text model's AutoProcessor is its tokenizer), as vLLM and SGLang load it. One
+    that fails to load has none: vLLM then renders by the tokenizer's template."""
+    from transformers import AutoProcessor, ProcessorMixin
+
+    try:
+        processor = AutoProcessor.from_pretrained(
+            str(Path(directory)), local_files_only=True, trust_remote_code=False
+        )
+    except Exception:
+        return None
+    return processor.chat_template if isinstance(processor, ProcessorMixin) else None
 
 
 def given_chat_ids(body: Mapping[str, Any], engine: str) -> list[int] | None:

@@ -50,7 +50,8 @@ def load_tokenizer(
     """`bytes`, or a model directory (a `tokenizer.json` path means its directory).
 
     The directory is loaded as the engines load it (transformers' AutoTokenizer: its
-    tokenizer.json, tokenizer_config.json, config.json, chat_template.jinja). `engine` picks
+    tokenizer.json, tokenizer_config.json, config.json, chat_template.jinja; a processor's
+    chat_template.json). `engine` picks
     whose chat rules apply (`vllm` or `sglang`); `cache_mb` bounds the segment cache.
 
     Raises ValueError for a missing or unloadable model, ImportError without the hf extra.

@@ -20,6 +20,7 @@ template inspection (template_traits.py) and the cache.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -54,8 +55,15 @@ CUT_MARGIN_TOKENS: Final = 64
 class HfModel:
     """One model's tokenizer and chat template, as the engine has them."""
 
-    def __init__(self, tokenizer: Any, engine: Engine, cache_bytes: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        engine: Engine,
+        cache_bytes: int,
+        processor_template: str | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
+        self._processor_template = processor_template
         self._backend = tokenizer.backend_tokenizer
         self._encode = ids_encoder(self._backend)
         self.engine = engine
@@ -68,7 +76,7 @@ class HfModel:
 
     @property
     def has_template(self) -> bool:
-        return self._tokenizer.chat_template is not None
+        return self._processor_template is not None or self._tokenizer.chat_template is not None
 
     def encode_text(
         self, text: str, params: TokenizeParams, *, offload: bool = False
@@ -141,13 +149,26 @@ class HfModel:
         return list(kept([*prefix, *body, *suffix], keep, params.side))
 
     def template_name(self, tools: Any) -> str:
-        """Which template a request uses, for logs: 'default', 'tool_use', or 'none'."""
+        """Which template a request uses, for logs: 'processor', 'default', 'tool_use', or
+        'none'."""
+        if self._uses_processor_template(tools):
+            return "processor"
         chat_template = self._tokenizer.chat_template
         if isinstance(chat_template, dict):
             return "tool_use" if tools is not None and "tool_use" in chat_template else "default"
         return "default" if chat_template is not None else "none"
 
+    def _uses_processor_template(self, tools: Any) -> bool:
+        # vLLM renders a request without tools (None, not []) by the processor's template,
+        # one with tools by the tokenizer's; SGLang loads the processor's in place of the
+        # tokenizer's, for every request.
+        return self._processor_template is not None and (
+            tools is None or self.engine is Engine.SGLANG
+        )
+
     def _template(self, tools: list[Any] | None) -> str:
+        if self._uses_processor_template(tools):
+            return self._processor_template  # type: ignore[return-value]
         try:
             # transformers' own choice: a dict of templates gives "tool_use" to requests with
             # tools when there is one, else "default".
@@ -306,7 +327,8 @@ def _apply_chat_template_params(tokenizer: Any) -> frozenset[str]:
 
 
 def load_model(directory: Path, engine: Engine, cache_bytes: int) -> HfModel:
-    """`AutoTokenizer.from_pretrained(directory)`, offline, no remote code.
+    """`AutoTokenizer.from_pretrained(directory)`, offline, no remote code, and the template
+    of the directory's processor (`processor_template`).
 
     Raises ValueError when the directory is not a loadable model, ImportError without the extra.
     """
@@ -330,7 +352,22 @@ def load_model(directory: Path, engine: Engine, cache_bytes: int) -> HfModel:
             f"{directory}: {type(tokenizer).__name__} is not backed by a tokenizer.json; "
             "kvrouter needs the fast (tokenizers) tokenizer the engines use"
         )
-    return HfModel(tokenizer, engine, cache_bytes)
+    return HfModel(tokenizer, engine, cache_bytes, processor_template(directory))
+
+
+def processor_template(directory: Path) -> str | None:
+    """The chat template of a multimodal model's processor: the `chat_template` of
+    `chat_template.json`, which transformers' processors read (over a `chat_template.jinja`,
+    which the tokenizer reads too) and its tokenizers do not, so such a directory's tokenizer
+    has no template or another one. vLLM and SGLang render by it (`_uses_processor_template`).
+    A file that cannot be read gives None: the processor fails to load and vLLM falls back to
+    the tokenizer's template."""
+    try:
+        document = json.loads((directory / "chat_template.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    template = document.get("chat_template") if isinstance(document, dict) else None
+    return template if isinstance(template, str) else None
 
 
 def _special_affixes(encode: Callable[[str, bool], list[int]]) -> tuple[list[int], list[int]]:

@@ -589,6 +589,36 @@ def build_model_dir(
     return root
 
 
+def build_multimodal_model_dir(
+    root: Path, tokenizer_template: str | None, processor_template: str
+) -> Path:
+    """A Llava-style directory on the qwen tokenizer whose processor has a chat template of
+    its own, in `chat_template.json` as such models ship it (transformers' AutoProcessor
+    loads a LlavaProcessor from it); the tokenizer has `tokenizer_template`, or none."""
+    build_model_dir(root, "qwen", tokenizer_template)
+    config = {
+        "model_type": "llava",
+        "architectures": ["LlavaForConditionalGeneration"],
+        "text_config": {"model_type": "qwen2"},
+        "vision_config": {"model_type": "clip_vision_model"},
+    }
+    processor = {
+        "processor_class": "LlavaProcessor",
+        "patch_size": 14,
+        "vision_feature_select_strategy": "default",
+        "image_token": "<|endoftext|>",
+    }
+    image_processor = {"image_processor_type": "CLIPImageProcessor", **processor}
+    for name, document in (
+        ("config.json", config),
+        ("processor_config.json", processor),
+        ("preprocessor_config.json", image_processor),
+        ("chat_template.json", {"chat_template": processor_template}),
+    ):
+        (root / name).write_text(json.dumps(document), encoding="utf-8")
+    return root
+
+
 def fixture_template(name: str) -> str:
     return (TEMPLATES_DIR / name).read_text(encoding="utf-8")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from tests.support.model_dirs import (
     build_fixture_model,
     build_holdout_model,
     build_model_dir,
+    build_multimodal_model_dir,
     holdout_dir,
 )
 
@@ -547,3 +549,37 @@ def test_the_engine_mirror_refuses_arguments_nested_past_pythons_limit_with_a_40
     }
     with pytest.raises(RequestError):
         mirror.chat_ids(body)
+
+
+def marked_template(mark: str) -> str:
+    return (
+        mark + "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
+@pytest.mark.parametrize("tokenizer_template", [None, marked_template("TOKENIZER ")])
+def test_a_multimodal_models_processor_template_is_rendered_where_the_engine_renders_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, engine: str, tokenizer_template: str | None
+) -> None:
+    # vLLM renders a request without tools by the processor's template (chat_template.json),
+    # one with tools by the tokenizer's; SGLang loads the processor's in place of the
+    # tokenizer's. The router read only the tokenizer's: no template at all, every chat a
+    # no_template miss, or the other template's ids.
+    directory = build_multimodal_model_dir(tmp_path, tokenizer_template, marked_template("PROC "))
+    with caplog.at_level(logging.WARNING):
+        router = load_tokenizer(str(directory), engine=engine)
+    assert "no chat template" not in caplog.text
+    worker = ModelChat(str(directory), engine)
+    plain = SHAPES["plain"]
+    with_tools = {**plain, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    tools_mark = "PROC " if engine == "sglang" else tokenizer_template and "TOKENIZER "
+    for body, mark in ((plain, "PROC "), (with_tools, tools_mark)):
+        expected = engine_ids(worker, body)
+        got = router.encode_chat_request(copy.deepcopy(body), chat_params(body, router.engine))
+        if not mark:  # vLLM: no template for a request with tools; the engine refuses it
+            assert (expected, got.failure) == (None, "no_template")
+            continue
+        assert expected is not None and worker.tokenizer.decode(expected).startswith(mark)
+        assert (got.failure, list(got.ids)) == (None, expected)
