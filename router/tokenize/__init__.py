@@ -77,7 +77,8 @@ def load_tokenizer(
 
         logging.getLogger(__name__).warning(
             "%s has no chat template: chat requests are routed by load as misses "
-            "(the engine refuses them too unless it was given --chat-template)",
+            "(the engine refuses them too unless it was given --chat-template FILE: copy "
+            "that file into the directory as chat_template.jinja)",
             spec,
         )
     return RequestTokenizer(f"hf:{path}", model)
