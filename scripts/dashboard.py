@@ -660,8 +660,8 @@ ROWS: Final = (
                 "Sibling snapshot fetches",
                 "Snapshots fetched from siblings since each replica started, by outcome "
                 "(kvrouter_kv_peer_snapshot_total): accepted, cold_peer, stale, rejected, "
-                "unreachable, connection_refused, not_a_sibling; and the exports each replica built for its siblings "
-                "(kvrouter_kv_snapshot_exports_total).",
+                "unreachable, connection_refused, not_a_sibling; and the exports each replica "
+                "built for its siblings (kvrouter_kv_snapshot_exports_total).",
                 "short",
                 (
                     Query(
