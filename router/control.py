@@ -287,30 +287,44 @@ async def _models(request: web.Request) -> web.Response:
     urls = tuple(w.url for w in replica.workers.routable())
     authorization = request.headers.get(hdrs.AUTHORIZATION)
     status, body = await request.app[MODELS].answer(replica.sessions[0], urls, authorization)
-    headers = {hdrs.WWW_AUTHENTICATE: "Bearer"} if status == 401 else None
+    headers = (
+        {hdrs.WWW_AUTHENTICATE: "Bearer"}
+        if status == 401
+        else {hdrs.RETRY_AFTER: "1"}
+        if status == 503
+        else None
+    )
     return web.json_response(body, status=status, headers=headers)
 
 
 def _merged(listings: list[WorkerListing], authorization: str | None) -> tuple[int, dict[str, Any]]:
     """The replica's answer from its workers' `listings`: every model listed, each once (the
-    first worker's card), a worker that could not be read left out. When every worker refused
-    the credential (401 or 403), their refusal instead: an empty list read as "no model
-    served"."""
-    if listings and all(isinstance(listing, int) for listing in listings):
-        status = 401 if 401 in listings else 403
-        message = (
-            f"every worker refused to list its models ({status}): "
-            + ("send the engines' API key" if authorization is None else "check the API key")
-            + " in an 'Authorization: Bearer' header"
-        )
-        return status, {
-            "error": {"message": message, "type": "authentication_error", "param": None}
-        }
+    first worker's card), a worker that could not be read left out. When no worker listed
+    its models, an error, never an empty list read as "no model served": the workers'
+    refusal (401 or 403) if any refused the credential, else a 503 (none could be read)."""
     seen: dict[str, Any] = {}
+    listed = False
     for listing in listings:
-        for model in listing if isinstance(listing, list) else ():
-            seen.setdefault(model["id"], model)
-    return 200, {"object": "list", "data": list(seen.values())}
+        if isinstance(listing, list):
+            listed = True
+            for model in listing:
+                seen.setdefault(model["id"], model)
+    if listed or not listings:
+        return 200, {"object": "list", "data": list(seen.values())}
+    refusals = [listing for listing in listings if isinstance(listing, int)]
+    unread = len(listings) - len(refusals)
+    if not refusals:
+        message = f"no worker's model listing could be read ({unread} tried): see the log"
+        return 503, {"error": {"message": message, "type": "service_unavailable", "param": None}}
+    status = 401 if 401 in refusals else 403
+    message = (
+        f"every worker refused to list its models ({status})"
+        + (f" or could not be read ({unread})" if unread else "")
+        + ": "
+        + ("send the engines' API key" if authorization is None else "check the API key")
+        + " in an 'Authorization: Bearer' header"
+    )
+    return status, {"error": {"message": message, "type": "authentication_error", "param": None}}
 
 
 def _listed_models(listing: Any) -> list[dict[str, Any]]:

@@ -51,3 +51,29 @@ async def test_refusals_are_said_at_debug_other_failures_once_a_minute_per_worke
     refusals = [r for r in caplog.records if "refused" in r.getMessage()]
     assert len(refusals) >= 2 + 21  # without a key, both; with each key, the first
     assert {r.levelno for r in refusals} == {logging.DEBUG}
+
+
+async def unreadable(request: web.Request) -> web.Response:
+    """An engine whose listing cannot be read (an error, a timeout: the same to the router)."""
+    return web.json_response({}, status=500)
+
+
+async def test_no_worker_listing_its_models_is_an_error_never_an_empty_list() -> None:
+    """With one worker refusing and the other unreadable, the answer was a 200 with an empty
+    list, which a client reads as "no model served"."""
+    listings = ModelListings(clock=ManualClock())
+    async with (
+        stub_server({("GET", "/v1/models"): refusing}) as keyed,
+        stub_server({("GET", "/v1/models"): unreadable}) as broken,
+        aiohttp.ClientSession() as session,
+    ):
+        status, body = await listings.answer(session, (keyed, broken), None)
+        assert status == 401
+        assert (
+            "refused to list its models (401) or could not be read (1)" in body["error"]["message"]
+        )
+        status, body = await listings.answer(session, (broken,), None)
+        assert status == 503
+        assert body["error"]["type"] == "service_unavailable"
+        status, body = await listings.answer(session, (), None)
+        assert (status, body["data"]) == (200, [])  # no worker: nothing served, truly
