@@ -88,6 +88,12 @@ async def raw_post(path: str, body: dict[str, Any]) -> bytes:
     ).encode() + raw
 
 
+def cache_misses(rt: RouterHandle) -> float | None:
+    """The replica's cache_aware decisions that found no cached prefix (routed by load)."""
+    labels = {"policy": "cache_aware", "outcome": "cache_miss"}
+    return rt.replica.metrics.registry.get_sample_value("kvrouter_routing_decisions_total", labels)
+
+
 async def test_short_requests_are_answered_while_a_long_prompt_encodes(big_model: str) -> None:
     async with recorded_router(big_model) as (rt, seen):
         encodes = rt.plane.encodes
@@ -235,9 +241,7 @@ async def test_past_the_bound_a_long_prompt_is_routed_by_load_and_counted(big_mo
         scrape = await rt.scrape()
         assert scrape.value("kvrouter_tokenize_offloads_total", outcome="busy") == 1
         assert scrape.value("kvrouter_tokenize_offloads_total", outcome="started") == 1
-        labels = {"policy": "cache_aware", "outcome": "cache_miss"}
-        decisions = rt.replica.metrics.registry.get_sample_value
-        assert decisions("kvrouter_routing_decisions_total", labels) == 2
+        assert cache_misses(rt) == 2
 
 
 async def test_a_client_that_leaves_while_its_prompt_encodes_frees_its_slot_and_counts_gone(
@@ -328,9 +332,7 @@ async def test_a_chat_past_the_text_bound_is_routed_by_load_without_being_render
         scrape = await rt.scrape()
         failures = scrape.by("kvrouter_tokenize_failures_total", "reason")
         assert {k: v for k, v in failures.items() if v} == {"render": 1, "too_large": 1}
-        labels = {"policy": "cache_aware", "outcome": "cache_miss"}
-        decisions = rt.replica.metrics.registry.get_sample_value
-        assert decisions("kvrouter_routing_decisions_total", labels) == 2
+        assert cache_misses(rt) == 2
 
 
 async def test_a_long_prompt_no_thread_takes_in_time_is_routed_by_load_and_never_encoded(
@@ -367,9 +369,7 @@ async def test_a_long_prompt_no_thread_takes_in_time_is_routed_by_load_and_never
         assert encodes.started == 2  # neither queued encode ran once the threads were free
         scrape = await rt.scrape()
         assert scrape.value("kvrouter_tokenize_offloads_total", outcome="late") == 1
-        labels = {"policy": "cache_aware", "outcome": "cache_miss"}
-        decisions = rt.replica.metrics.registry.get_sample_value
-        assert decisions("kvrouter_routing_decisions_total", labels) == 1
+        assert cache_misses(rt) == 1
 
 
 async def test_a_closed_queue_runs_nothing_more_and_routes_what_comes_late() -> None:
