@@ -88,6 +88,19 @@ async def raw_post(path: str, body: dict[str, Any]) -> bytes:
     ).encode() + raw
 
 
+async def leave_while_held(rt: RouterHandle, tag: str) -> None:
+    """A client sends a long prompt and leaves while the replica holds its encode: its slot
+    is free again once this returns."""
+    held = rt.plane.encodes.held
+    before = held.count
+    host, port = rt.url.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(await raw_post("/v1/completions", {"prompt": long_text(tag)}))
+    await eventually(lambda: held.count == before + 1, within_s=10)
+    writer.close()
+    await eventually(lambda: held.count == before, within_s=10)
+
+
 def cache_misses(rt: RouterHandle) -> float | None:
     """The replica's cache_aware decisions that found no cached prefix (routed by load)."""
     labels = {"policy": "cache_aware", "outcome": "cache_miss"}
@@ -252,12 +265,7 @@ async def test_a_client_that_leaves_while_its_prompt_encodes_frees_its_slot_and_
     async with recorded_router(big_model) as (rt, seen):
         encodes = rt.plane.encodes
         encodes.most = 1
-        host, port = rt.url.removeprefix("http://").split(":")
-        _, writer = await asyncio.open_connection(host, int(port))
-        writer.write(await raw_post("/v1/completions", {"prompt": long_text("GONE")}))
-        await eventually(lambda: encodes.held.count == 1, within_s=10)
-        writer.close()
-        await eventually(lambda: encodes.held.count == 0, within_s=10)
+        await leave_while_held(rt, "GONE")
         status, _, _ = await rt.post("/v1/completions", {"prompt": long_text("STAYED")})
         assert status == 200
         assert (encodes.started, encodes.busy) == (2, 0)
@@ -349,12 +357,7 @@ async def test_a_long_prompt_no_thread_takes_in_time_is_routed_by_load_and_never
             assert encodes.submit(release.wait, lambda outcome: None, lambda: None) is not None
         try:
             await eventually(lambda: encodes.started == 2)
-            host, port = rt.url.removeprefix("http://").split(":")
-            _, writer = await asyncio.open_connection(host, int(port))
-            writer.write(await raw_post("/v1/completions", {"prompt": long_text("GONE")}))
-            await eventually(lambda: encodes.held.count == 3, within_s=10)
-            writer.close()
-            await eventually(lambda: encodes.held.count == 2, within_s=10)
+            await leave_while_held(rt, "GONE")
             waited = time.perf_counter()
             post = rt.post("/v1/completions", {"prompt": long_text("LATE")})
             status, _, _ = await asyncio.wait_for(post, 10)
