@@ -355,13 +355,22 @@ def load_model(directory: Path, engine: Engine, cache_bytes: int) -> HfModel:
     return HfModel(tokenizer, engine, cache_bytes, processor_template(directory))
 
 
+# The files AutoProcessor builds a multimodal model's processor from; without one it returns
+# the tokenizer.
+PROCESSOR_CONFIGS: Final = ("processor_config.json", "preprocessor_config.json")
+
+
 def processor_template(directory: Path) -> str | None:
     """The chat template of a multimodal model's processor: the `chat_template` of
     `chat_template.json`, which transformers' processors read (over a `chat_template.jinja`,
     which the tokenizer reads too) and its tokenizers do not, so such a directory's tokenizer
     has no template or another one. vLLM and SGLang render by it (`_uses_processor_template`).
     A file that cannot be read gives None: the processor fails to load and vLLM falls back to
-    the tokenizer's template."""
+    the tokenizer's template. So does a directory with no processor's configuration
+    (`processor_config.json`, `preprocessor_config.json`): a text model's AutoProcessor is its
+    tokenizer, and the file is read by nothing the engine loads."""
+    if not any((directory / name).is_file() for name in PROCESSOR_CONFIGS):
+        return None
     try:
         document = json.loads((directory / "chat_template.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):

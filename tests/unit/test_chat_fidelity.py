@@ -583,3 +583,23 @@ def test_a_multimodal_models_processor_template_is_rendered_where_the_engine_ren
             continue
         assert expected is not None and worker.tokenizer.decode(expected).startswith(mark)
         assert (got.failure, list(got.ids)) == (None, expected)
+
+
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
+def test_a_text_models_chat_template_json_is_not_rendered_as_no_processor_reads_it(
+    tmp_path: Path, engine: str
+) -> None:
+    # A text model's AutoProcessor is its tokenizer, which never reads chat_template.json: the
+    # engines render by the tokenizer's template. Read as a processor's, the router rendered
+    # the file's other template, and every chat's ids differed from the engine's.
+    directory = build_model_dir(tmp_path / "text", "qwen", marked_template("TOKENIZER "))
+    (directory / "chat_template.json").write_text(
+        json.dumps({"chat_template": marked_template("PROC ")}), encoding="utf-8"
+    )
+    router = load_tokenizer(str(directory), engine=engine)
+    worker = ModelChat(str(directory), engine)
+    body = SHAPES["plain"]
+    expected = engine_ids(worker, body)
+    assert expected is not None and worker.tokenizer.decode(expected).startswith("TOKENIZER ")
+    got = router.encode_chat_request(copy.deepcopy(body), chat_params(body, router.engine))
+    assert (got.failure, list(got.ids)) == (None, expected)
