@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import itertools
 import shutil
+import signal
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -298,6 +299,10 @@ def report(
     return 0 if all(ok for ok, _ in checks) else 1
 
 
+def _as_ctrl_c(signum: int, frame: object) -> None:
+    signal.raise_signal(signal.SIGINT)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.pools < 2 or args.pools > 8:
         sys.stderr.write("kvrouter: error: --pools must be 2..8\n")
@@ -306,7 +311,16 @@ def run(args: argparse.Namespace) -> int:
     log_dir = make_log_dir(args.log_dir, "kvpools-")
     if log_dir is None:
         return 2
-    status = asyncio.run(run_pools(args.pools, workers, log_dir))
+    # SIGTERM ends it as Ctrl-C does: asyncio.run cancels the run, whose `finally` stops every
+    # child, then raises KeyboardInterrupt (a traceback, the logs' directory left unsaid).
+    previous = signal.signal(signal.SIGTERM, _as_ctrl_c)
+    try:
+        status = asyncio.run(run_pools(args.pools, workers, log_dir))
+    except KeyboardInterrupt:
+        sys.stderr.write("kvrouter demo --pools: interrupted; every child process is stopped\n")
+        status = 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if status == 0 and not args.log_dir:
         shutil.rmtree(log_dir, ignore_errors=True)
     elif not args.log_dir:

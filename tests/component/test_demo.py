@@ -8,6 +8,7 @@ it started is gone (each URL it printed refuses connections). A Ctrl-C mid-run s
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.ports import listening
+from tests.support.waiting import eventually
 
 URL = re.compile(r"http://127\.0\.0\.1:(\d+)")
 # Smaller than the default workload, and still enough for the policies to differ.
@@ -112,3 +114,35 @@ async def test_a_log_dir_that_cannot_be_made_is_a_one_line_error(
     assert proc.returncode == 2, err.decode()
     assert err.decode().startswith("kvrouter: error: --log-dir ") and b"Traceback" not in err
     assert err.count(b"\n") == 1 and out == b""
+
+
+def files_held_open_under(root: Path) -> list[str]:
+    """The files under `root` some process holds open (Linux: /proc/*/fd)."""
+    held = []
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            target = os.readlink(fd)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if target.startswith(str(root)):
+            held.append(target)
+    return held
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.timeout(90)
+async def test_the_pools_demo_interrupted_stops_every_child_and_says_so(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """It ended in a KeyboardInterrupt traceback (Ctrl-C) or status 143 (SIGTERM), and did
+    not say where the children's logs were left."""
+    proc = await start_demo("--pools", "2", "--log-dir", str(tmp_path))
+    # Its children write their logs here: interrupted once one is running.
+    await eventually(lambda: any(tmp_path.glob("*.log")), within_s=60)
+    proc.send_signal(sig)
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 130, err.decode()
+    assert "interrupted; every child process is stopped" in err.decode()
+    assert "Traceback" not in err.decode()
+    assert files_held_open_under(tmp_path) == []  # no child of it lives on
