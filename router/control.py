@@ -287,21 +287,15 @@ async def _models(request: web.Request) -> web.Response:
     urls = tuple(w.url for w in replica.workers.routable())
     authorization = request.headers.get(hdrs.AUTHORIZATION)
     status, body = await request.app[MODELS].answer(replica.sessions[0], urls, authorization)
-    headers = (
-        {hdrs.WWW_AUTHENTICATE: "Bearer"}
-        if status == 401
-        else {hdrs.RETRY_AFTER: "1"}
-        if status == 503
-        else None
-    )
+    headers = {hdrs.WWW_AUTHENTICATE: "Bearer"} if status == 401 else None
     return web.json_response(body, status=status, headers=headers)
 
 
 def _merged(listings: list[WorkerListing], authorization: str | None) -> tuple[int, dict[str, Any]]:
     """The replica's answer from its workers' `listings`: every model listed, each once (the
-    first worker's card), a worker that could not be read left out. When no worker listed
-    its models, an error, never an empty list read as "no model served": the workers'
-    refusal (401 or 403) if any refused the credential, else a 503 (none could be read)."""
+    first worker's card), a worker that could not be read left out. When no worker listed its
+    models and some refused the credential (401 or 403), their refusal instead (the others
+    unreadable): an empty list read as "no model served" where a key would list them."""
     seen: dict[str, Any] = {}
     listed = False
     for listing in listings:
@@ -309,13 +303,10 @@ def _merged(listings: list[WorkerListing], authorization: str | None) -> tuple[i
             listed = True
             for model in listing:
                 seen.setdefault(model["id"], model)
-    if listed or not listings:
-        return 200, {"object": "list", "data": list(seen.values())}
     refusals = [listing for listing in listings if isinstance(listing, int)]
+    if listed or not refusals:
+        return 200, {"object": "list", "data": list(seen.values())}
     unread = len(listings) - len(refusals)
-    if not refusals:
-        message = f"no worker's model listing could be read ({unread} tried): see the log"
-        return 503, {"error": {"message": message, "type": "service_unavailable", "param": None}}
     status = 401 if 401 in refusals else 403
     message = (
         f"every worker refused to list its models ({status})"
