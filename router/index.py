@@ -795,9 +795,11 @@ class Pump:
                     result = fn(rules)
                     if inspect.isawaitable(result):
                         result = await result
-                    future.set_result(result)
+                    if not future.done():  # a caller cancelled while its job awaited
+                        future.set_result(result)
                 except Exception as exc:  # the caller gets it; the pump goes on
-                    future.set_exception(exc)
+                    if not future.done():
+                        future.set_exception(exc)
                 rules.after_control()
             if not items:
                 self._wake.clear()

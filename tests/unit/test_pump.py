@@ -4,6 +4,7 @@ else, long items finished in slices with the loop running between them, backpres
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Generator
 
 import pytest
 
@@ -233,5 +234,32 @@ async def test_batches_arriving_during_a_worker_snapshots_install_apply_once_aft
         assert tree.block_count(R) == 42  # the snapshot's 40, and seq 6's and 7's
         for gone in (100, 200, 201):  # the old state's, and the skipped batches'
             assert tree.key_of(R, gone) is None
+    finally:
+        await pump.stop()
+
+
+async def test_a_caller_cancelled_while_its_job_in_steps_runs_leaves_the_pump_running() -> None:
+    # A removal cancelled mid-clear (the health loop's eviction at shutdown), a snapshot pull
+    # cancelled by its worker's removal: the pump ran the job to its end, then set the result
+    # of the cancelled call, and died of the InvalidStateError.
+    pump = await started()
+    cancelled = False
+    steps_after_cancel = 0
+
+    def job(rules: IndexRules) -> Generator[None, None, None]:
+        nonlocal steps_after_cancel
+        while steps_after_cancel < 3:  # runs until its caller is gone, then a few steps more
+            steps_after_cancel += cancelled
+            yield
+
+    try:
+        caller = asyncio.create_task(pump.call_steps(job))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the pump is inside the job, between two steps
+        caller.cancel()
+        cancelled = True
+        await pump.deliver(chain(0, 1, 3, 1))
+        await eventually(lambda: pump.rules.cursors.get(R) == 0, 5)  # a live pump applied it
+        assert steps_after_cancel == 3  # the job ran to its end: the writer is never cut
     finally:
         await pump.stop()
