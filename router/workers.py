@@ -763,7 +763,7 @@ class WorkerRegistry:
             self.bootstrap.forget_ranks(ranks)  # first: makes an in-flight graft a no-op
         # Leave the live set and the tree first, so nothing a subscriber still delivers
         # can bring the ranks back.
-        await self.pump.call(lambda rules: rules.forget_ranks(ranks))
+        await self.pump.call_steps(lambda rules: rules.forget_ranks_steps(ranks))
         tasks, worker.tasks = worker.tasks, []  # taken at once: a second detach finds none
         if tasks:
             self.subscribed_ranks -= len(ranks)
