@@ -141,11 +141,8 @@ async def smg_row(ctx: Any, prompts_n: int, settle_s: float) -> dict[str, Any]:
         return flags + (["--mesh-peer-urls", f"127.0.0.1:{peer}"] if peer else [])
 
     async with contextlib.AsyncExitStack() as stack:
-        # A cache far larger than the prompts: a full one reports KV usage 1.0, and smg then
-        # treats every worker as overloaded and routes without consulting its tree.
         workers = [
-            await stack.enter_async_context(fake_worker_in_process(cache_blocks=1 << 20))
-            for _ in range(SMG_WORKERS)
+            await stack.enter_async_context(fake_worker_in_process()) for _ in range(SMG_WORKERS)
         ]
         urls = [w.url for w in workers]
         session = await stack.enter_async_context(aiohttp.ClientSession())

@@ -86,6 +86,7 @@ class RankEngine:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.running = 0
+        self._referenced_blocks = 0
         self.waiting = 0
         self.waiting_uncached_tokens = 0
 
@@ -113,7 +114,9 @@ class RankEngine:
         finally:
             self.waiting -= 1
             self.waiting_uncached_tokens -= uncached
+        blocks = -(-len(token_ids) // self._block_size)  # a partial last block is allocated too
         self.running += 1
+        self._referenced_blocks += blocks
         try:
             served = self.admit_request(token_ids, lora_name)
             prefill_s = self._prefill_s_per_token * (served.prompt_tokens - served.cached_tokens)
@@ -122,6 +125,7 @@ class RankEngine:
             yield served
         finally:
             self.running -= 1
+            self._referenced_blocks -= blocks
             if self._slots is not None:
                 self._slots.release()
 
@@ -140,6 +144,17 @@ class RankEngine:
         self.prompt_tokens += len(token_ids)
         self.cached_tokens += cached
         return Served(prompt_tokens=len(token_ids), cached_tokens=cached, seq=seq)
+
+    @property
+    def used_blocks(self) -> int:
+        """KV blocks held by running requests: what the engines report as used.
+
+        An idle cached block is evictable, so both engines count it as free: SGLang's usage is
+        the pool less its available and evictable tokens, vLLM v1's free queue holds cached
+        blocks no request references. Counting the cache instead reads a warm engine as full.
+        Capped at the pool, which a real engine never exceeds (it queues instead).
+        """
+        return min(self._referenced_blocks, self.cache.capacity)
 
     # --- test controls ------------------------------------------------------------------
 

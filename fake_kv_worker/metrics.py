@@ -7,6 +7,8 @@ signal", exactly as with an idle real engine.
 The KV pool's size is stated as the engines state it: SGLang's `max_total_num_tokens` (in
 `/v1/loads` and as the `sglang:max_total_num_tokens` gauge), and vLLM's info gauge
 `vllm:cache_config_info`, whose labels carry `num_gpu_blocks` and `block_size` (value 1).
+Its usage (`token_usage`, `num_used_tokens`, `vllm:kv_cache_usage_perc`) counts the blocks
+running requests hold, not the cache: see `RankEngine.used_blocks`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from fake_kv_worker.engine import RankEngine
 
 
 def _token_usage(rank: RankEngine) -> float:
-    return len(rank.cache) / rank.cache.capacity
+    return rank.used_blocks / rank.cache.capacity
 
 
 def _hit_rate(rank: RankEngine) -> float:
@@ -43,7 +45,7 @@ def loads_body(ranks: Sequence[RankEngine]) -> dict[str, Any]:
                 "num_waiting_reqs": rank.waiting,
                 "num_waiting_uncached_tokens": rank.waiting_uncached_tokens,
                 "num_total_reqs": rank.running + rank.waiting,
-                "num_used_tokens": len(rank.cache) * block_size,
+                "num_used_tokens": rank.used_blocks * block_size,
                 "max_total_num_tokens": rank.cache.capacity * block_size,
                 "token_usage": _token_usage(rank),
                 "gen_throughput": 0.0,
@@ -166,7 +168,7 @@ def prometheus_text(
             (
                 "sglang:num_used_tokens",
                 "The number of used tokens.",
-                lambda r: len(r.cache) * r.cache.block_size,
+                lambda r: r.used_blocks * r.cache.block_size,
             ),
             (
                 "sglang:max_total_num_tokens",

@@ -325,8 +325,8 @@ async def test_loads_follow_the_smg_schema_per_rank() -> None:
             "gen_throughput", "cache_hit_rate", "utilization", "max_running_requests",
         }  # fmt: skip
         assert (rank0["dp_rank"], rank1["dp_rank"]) == (0, 1)
-        assert (rank0["num_used_tokens"], rank0["max_total_num_tokens"]) == (32, 128)
-        assert rank0["token_usage"] == 0.25
+        assert (rank0["num_used_tokens"], rank0["max_total_num_tokens"]) == (0, 128)
+        assert rank0["token_usage"] == 0.0
         assert rank0["cache_hit_rate"] == 32 / 88
         assert rank1["num_used_tokens"] == 0
 
@@ -347,7 +347,7 @@ async def test_metrics_use_vllm_or_sglang_names() -> None:
         labels = '{engine="0",model_name="fake-model"}'
         assert metric_value(text, f"vllm:num_requests_running{labels}") == 0
         assert metric_value(text, f"vllm:num_requests_waiting{labels}") == 0
-        assert metric_value(text, f"vllm:kv_cache_usage_perc{labels}") == 0.25
+        assert metric_value(text, f"vllm:kv_cache_usage_perc{labels}") == 0.0
         assert metric_value(text, f"vllm:prefix_cache_queries_total{labels}") == 88
         assert metric_value(text, f"vllm:prefix_cache_hits_total{labels}") == 32
         # vLLM states its KV pool in the labels of an info gauge, one sample per engine core.
@@ -367,6 +367,45 @@ async def test_metrics_use_vllm_or_sglang_names() -> None:
         for rank in (0, 1):
             sample = f'sglang:max_total_num_tokens{{model_name="fake-model",dp_rank="{rank}"}}'
             assert metric_value(text, sample) == 8 * 16
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_kv_usage_counts_the_blocks_running_requests_hold_not_the_idle_cache(
+    engine: str,
+) -> None:
+    """SGLang counts evictable tokens as free, vLLM v1 blocks no request references: a warm,
+    idle engine reports usage 0, however full its cache."""
+    sleep = GatedSleep()
+    async with fake_worker_in_process(
+        wire=engine, cache_blocks=8, prefill_us_per_token=1.0, sleep=sleep
+    ) as fw:
+        await fw.post("/control/store", {"token_chains": [list(range(3, 3 + 8 * 16))]})
+
+        async def usage() -> tuple[float, int, float]:
+            loads = (await fw.get("/v1/loads"))["loads"][0]
+            async with fw.session.get(fw.url + "/metrics") as resp:
+                text = await resp.text()
+            if engine == "vllm":
+                metric = metric_value(
+                    text, 'vllm:kv_cache_usage_perc{engine="0",model_name="fake-model"}'
+                )
+            else:
+                labels = '{model_name="fake-model",dp_rank="0"}'
+                metric = metric_value(text, f"sglang:token_usage{labels}")
+                used = metric_value(text, f"sglang:num_used_tokens{labels}")
+                assert used == loads["num_used_tokens"]
+            return loads["token_usage"], loads["num_used_tokens"], metric
+
+        assert (await fw.state())["blocks"] == 8
+        assert await usage() == (0.0, 0, 0.0)
+        held = asyncio.create_task(post(fw, "/v1/completions", {"prompt": PROMPT, "max_tokens": 0}))
+        await asyncio.wait_for(sleep.entered.wait(), 5)  # in prefill, holding its blocks
+        # 44 tokens: 2 full blocks and the partial one the engine allocates for the rest.
+        assert await usage() == (3 / 8, 3 * 16, 3 / 8)
+        sleep.release.set()
+        assert (await held)[0] == 200
+        assert (await fw.state())["blocks"] == 8  # still full, of idle blocks
+        assert await usage() == (0.0, 0, 0.0)
 
 
 @pytest.mark.parametrize(
