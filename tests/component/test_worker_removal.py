@@ -20,6 +20,7 @@ from router.loads import LoadMonitor
 from router.workers import WorkerRegistry
 from router.zmq_term import terminate_context
 from tests.support.fake_worker import fake_worker_in_process
+from tests.support.waiting import eventually
 
 BS = 16
 SLICE = 64
@@ -59,12 +60,18 @@ async def fill(pump: Pump, rank: RankId, first_hash: int, n_blocks: int) -> None
     assert stored and pump.rules._tree.block_count(rank) >= n_blocks
 
 
+async def filled_worker(workers: WorkerRegistry, url: str) -> RankId:
+    """`url` registered, its one rank holding HELD blocks."""
+    await workers.add(url)
+    (rank,) = workers.get(url).ranks()  # type: ignore[union-attr]
+    await fill(workers.pump, rank, 1, HELD)
+    return rank
+
+
 async def test_a_removal_lets_the_loop_run_between_slices_of_its_ranks_clear() -> None:
     async with fake_worker_in_process() as worker, registry() as workers:
-        await workers.add(worker.url)
-        (rank,) = workers.get(worker.url).ranks()  # type: ignore[union-attr]
+        rank = await filled_worker(workers, worker.url)
         pump = workers.pump
-        await fill(pump, rank, 1, HELD)
         tree = pump.rules._tree
         loop = asyncio.get_running_loop()
         seen: list[int] = []  # the rank's blocks at each turn of the loop during the removal
@@ -88,12 +95,10 @@ async def test_a_removal_lets_the_loop_run_between_slices_of_its_ranks_clear() -
 async def test_a_worker_registered_again_right_after_its_removal_keeps_its_new_ranks() -> None:
     # Its ranks are the same ids (URL, dp rank): the old clear's tail must not reach the new.
     async with fake_worker_in_process() as worker, registry() as workers:
-        await workers.add(worker.url)
-        (rank,) = workers.get(worker.url).ranks()  # type: ignore[union-attr]
+        rank = await filled_worker(workers, worker.url)
         pump = workers.pump
-        await fill(pump, rank, 1, HELD)
         removal = asyncio.create_task(workers.remove(worker.url))
-        await asyncio.sleep(0)  # the removal has begun: out of the registry, its clear queued
+        await eventually(lambda: workers.get(worker.url) is None)  # out, its clear queued
         again = await workers.add(worker.url)
         assert await removal
         assert again.state == "ready" and again.ranks() == (rank,)
