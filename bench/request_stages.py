@@ -66,13 +66,13 @@ def stub(part: str) -> None:
     from router.pressure import PressureLedger
 
     nothing: dict[str, tuple[str, Any]] = {
-        "record": ("record", lambda self, rank, keys, held=0, holds=None: len(keys)),
-        "weigh": ("_weigh", lambda self, st, keys, w: len(keys)),
+        "record": ("record", lambda self, rank, keys, held=0, holds=None: (len(keys),) * 2),
+        "weigh": ("_weigh", lambda self, st, keys, w: (len(keys), 0)),
         "book": ("_book", lambda self, now, rank, st, keys, held, batches: None),
     }
     names = [nothing[part]] if part in nothing else []
     if part == "prune":
-        names = [("_prune", lambda self, st, now: None), ("_sweep", lambda self, now: None)]
+        names = [("_prune", lambda self, st, now: None), ("_sweep", lambda self, now, pruned: None)]
     for name, replacement in names:
         assert hasattr(PressureLedger, name), f"PressureLedger.{name} is gone: update --stub"
         setattr(PressureLedger, name, replacement)
