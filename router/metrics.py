@@ -40,6 +40,7 @@ from router.tokenize.chat_rules import FAILURE_REASONS
 from router.workers import LISTING_READ_REASONS, RESTART_REASONS
 
 if TYPE_CHECKING:
+    from cachetree.ranks import RankId
     from peer.endpointslices import SliceDiscovery
     from peer.producer import SnapshotProducer
     from peer.supervise import Supervisor
@@ -278,11 +279,17 @@ class _StateCollector(Collector):
             for (rank, tier), n in tree.block_counts().items():
                 blocks.add_metric([rank.worker_url, str(rank.dp_rank), tier], n)
         yield blocks
+        # Every admitted rank, as GET /workers lists it: one holding nothing (a restarted
+        # engine's) or with no batch applied yet too, not only the ranks the index carries.
+        admitted = _admitted_ranks(self._workers) if tree is not None else []
         # Summing kvrouter_tree_blocks over tiers counts a block held on two tiers twice.
         yield _gauge(
             "kvrouter_index_rank_blocks",
             "Blocks per rank on any tier, a block on two tiers once (GET /workers' blocks)",
-            [((r.worker_url, str(r.dp_rank)), tree.block_count(r)) for r in tree.ranks()]
+            [
+                ((r.worker_url, str(r.dp_rank)), tree.block_count(r))
+                for r in dict.fromkeys([*admitted, *tree.ranks()])
+            ]
             if tree is not None
             else [],
             ["worker_url", "dp_rank"],
@@ -335,8 +342,12 @@ class _StateCollector(Collector):
         yield _gauge(
             "kvrouter_kv_cursor",
             "Per rank, the seq of the last event batch applied: where the replica is in the "
-            "rank's stream (a replica behind its siblings lags by the difference)",
-            [((r.worker_url, str(r.dp_rank)), seq) for r, seq in rules.cursors.items()],
+            "rank's stream (a replica behind its siblings lags by the difference); -1 before "
+            "the first",
+            [
+                ((r.worker_url, str(r.dp_rank)), rules.cursors.get(r, -1))
+                for r in dict.fromkeys([*admitted, *rules.cursors])
+            ],
             ["worker_url", "dp_rank"],
         )
         yield _gauge(
@@ -595,6 +606,12 @@ class _BootstrapCollector(Collector):
             )
 
 
+def _admitted_ranks(workers: WorkerRegistry) -> list[RankId]:
+    """The ranks of the workers admitted (ready) only: a refused worker's dp size is whatever
+    it claimed (200,000 ranks were 400,000 series and seconds of a scrape on the loop)."""
+    return [r for w in workers.workers() if w.state == "ready" for r in w.ranks()]
+
+
 def _gauge(
     name: str, doc: str, rows: list[tuple[tuple[str, ...], float]], labels: list[str] | None = None
 ) -> GaugeMetricFamily:
@@ -709,9 +726,7 @@ class _PressureCollector(Collector):
         policy = self._policy
         policy.settle()
         ledger = policy.ledger
-        # Admitted workers' ranks only: a refused worker's dp size is whatever it claimed
-        # (200,000 ranks were 400,000 series and seconds of a scrape on the loop).
-        ranks = [r for w in self._workers.workers() if w.state == "ready" for r in w.ranks()]
+        ranks = _admitted_ranks(self._workers)
         loads = self._workers.loads
         capacity, demand, booked, pressure, slots = [], [], [], [], []
         for rank, d in zip(ranks, ledger.demands(ranks), strict=True):

@@ -14,6 +14,7 @@ from router.tokenize import BytesTokenizer
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.metrics import Scrape
 from tests.support.router import router_in_process
+from tests.support.waiting import eventually
 
 TOK = BytesTokenizer()
 
@@ -47,6 +48,31 @@ async def test_the_cursor_gauge_is_each_ranks_applied_seq() -> None:
         assert got == want
         assert got[(a.url, "0")] == last_a and got[(b.url, "1")] == last_b1
         assert got[(b.url, "1")] != got[(b.url, "0")]  # a rank each, not a worker each
+
+
+async def test_a_rank_holding_nothing_keeps_its_blocks_at_0_and_its_cursor_at_minus_1() -> None:
+    """As GET /workers lists it (a restarted engine's rank, or one that never published):
+    per-rank series are every admitted rank's, not only the ranks the index carries."""
+    async with (
+        fake_worker_in_process() as busy,
+        fake_worker_in_process(dp_size=2) as idle,
+        router_in_process(workers=[busy.url, idle.url]) as rt,
+    ):
+        await rt.gate(busy)
+        last = await busy.store([TOK.encode("x" * 32)])
+        await rt.wait_cursor(busy.url, 0, last)
+        for rank in (0, 1):
+            view = await eventually(lambda rank=rank: rt.rank_view(idle.url, rank))
+            assert (view["cursor"], view["blocks"]) == (None, 0)
+        m = await rt.scrape()
+        blocks = {
+            (dict(labels)["worker_url"], dict(labels)["dp_rank"]): v
+            for labels, v in m.series("kvrouter_index_rank_blocks").items()
+        }
+        busy_blocks = (await rt.rank_view(busy.url, 0))["blocks"]  # type: ignore[index]
+        assert busy_blocks > 0
+        assert blocks == {(busy.url, "0"): busy_blocks, (idle.url, "0"): 0, (idle.url, "1"): 0}
+        assert cursors(m) == {(busy.url, "0"): last, (idle.url, "0"): -1, (idle.url, "1"): -1}
 
 
 async def test_added_latency_counts_each_routed_request_once_within_its_round_trip() -> None:
