@@ -193,6 +193,26 @@ def decode_question(body: bytes) -> PlaceQuestion:
     return q
 
 
+def refusal_advice(status: int, text: str) -> str:
+    """What to check when the placer refused a question with `status`, its body's head in
+    `text`. A question it could not read is most often one of another version's (an earlier
+    placer reads three items, a question naming a model has four), not a flag to set."""
+    if status in (401, 403):
+        return "Check that both replicas have the same --internal-token"
+    if status == 400 and "block_size" in text:
+        return "Check its --block-size against this replica's"
+    if status == 404:
+        return "Its placement is off: the reason above says what it lacks"
+    if status == 503:
+        return "It has no healthy worker: give every replica the same worker list"
+    if 400 <= status < 500:
+        return (
+            "A sibling of another version? Finish the rollout: replicas of one version read "
+            "each other's questions"
+        )
+    return "Its log says why"
+
+
 def encode_answer(rank: RankId) -> bytes:
     return _encoder.encode(PlaceAnswer(rank.worker_url, rank.dp_rank))
 
@@ -487,21 +507,13 @@ class PlacementAsker:
             else:
                 self.placement.finished(outcome, asked_at)
         if self._failures.count(self.placement.clock()):
-            if refused in (401, 403):
+            if refused:
                 log.warning(
                     "placement: the placer %s refused the question (%s); new prefixes are "
-                    "placed here meanwhile. Check that both replicas have the same "
-                    "--internal-token",
+                    "placed here meanwhile. %s",
                     placer,
                     problem,
-                )
-            elif refused:
-                log.warning(
-                    "placement: the placer %s refused the question (%s); new prefixes are "
-                    "placed here meanwhile. Check its --block-size and --policy against this "
-                    "replica's",
-                    placer,
-                    problem,
+                    refusal_advice(refused, problem),
                 )
             else:
                 log.warning(

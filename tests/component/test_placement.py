@@ -191,17 +191,27 @@ async def asker_of(
         yield rt
 
 
+class EarlierQuestion(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """`PlaceQuestion` as placers read it before questions named a model."""
+
+    tokens: int
+    block_size: int
+    keys: list[int]
+
+
 @contextlib.asynccontextmanager
 async def stub_placer(
     answer: str, later: tuple[asyncio.Event, RankId] | None = None
 ) -> AsyncIterator[str]:
     """A sibling that takes decision batches and answers a placement question: never
     (`hang`), with bytes that are not an answer (`garbage`), with a worker this replica does
-    not route to (`stranger`), with a 401 (`refuses`: another token), with `later`'s rank once
-    its event is set (`later`); or that is not there at all (`gone`)."""
+    not route to (`stranger`), with a 401 (`refuses`: another token), with a 400 to a question
+    naming a model (`older`: a placer of an earlier version), with `later`'s rank once its
+    event is set (`later`); or that is not there at all (`gone`)."""
     if answer == "gone":
         yield f"http://127.0.0.1:{free_tcp_port()}"
         return
+    older = msgspec.msgpack.Decoder(EarlierQuestion)
     never = asyncio.Event()
 
     async def place(request: web.Request) -> web.Response:
@@ -209,6 +219,13 @@ async def stub_placer(
             return web.Response(body=b"\x92\xa3not an answer", content_type=placement.CONTENT_TYPE)
         if answer == "refuses":
             return web.json_response({"error": "missing or wrong bearer token"}, status=401)
+        if answer == "older":  # refused as such a placer's control app refused it
+            try:
+                older.decode(await request.read())
+            except msgspec.DecodeError as exc:
+                message = f"placement question refused: not a placement question: {exc}"
+                return web.json_response({"error": {"message": message}}, status=400)
+            raise AssertionError("asked without naming a model: an earlier placer reads it")
         if answer == "stranger":
             return web.Response(
                 body=encode_answer(RankId("http://127.0.0.1:9", 0)),
@@ -266,21 +283,40 @@ async def test_a_slow_dead_or_wrong_placer_leaves_the_replica_deciding_alone(
             assert counts(asker)["asked"] == 2
 
 
-async def test_a_placer_refusing_the_token_is_warned_as_a_refusal_with_its_error_text(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize(
+    ("answer", "refusal", "advice"),
+    [
+        (
+            "refuses",
+            'status 401: {"error": "missing or wrong bearer token"}',
+            "Check that both replicas have the same --internal-token",
+        ),
+        (
+            "older",
+            'status 400: {"error": {"message": "placement question refused: not a placement '
+            'question: Expected `array` of at most length 3, got 4"}}',
+            "A sibling of another version? Finish the rollout: replicas of one version read "
+            "each other's questions",
+        ),
+    ],
+)
+async def test_a_placer_refusing_the_question_is_warned_with_its_error_text_and_what_to_check(
+    answer: str, refusal: str, advice: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with contextlib.AsyncExitStack() as stack:
         w1 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
         w2 = await stack.enter_async_context(fake_worker_in_process(cache_blocks=CACHE_BLOCKS))
-        url = await stack.enter_async_context(stub_placer("refuses"))
-        asker = await stack.enter_async_context(asker_of(url, [w1, w2], timeout_ms=50))
-        await complete(asker, prefix(random.Random(3)))
-        assert counts(asker)["error"] == 1
+        # A worker of another model: the question names the model its prompt asks for.
+        other = await stack.enter_async_context(fake_worker_in_process(model="other-model"))
+        url = await stack.enter_async_context(stub_placer(answer))
+        asker = await stack.enter_async_context(asker_of(url, [w1, w2, other], timeout_ms=50))
+        served, _ = await complete(asker, prefix(random.Random(3)))
+        assert served in (w1.url, w2.url)
+        assert (counts(asker)["asked"], counts(asker)["error"]) == (1, 1)
     said = [r.getMessage() for r in caplog.records if r.name == "router.placement"]
     assert said == [
-        f"placement: the placer {url} refused the question (status 401: "
-        '{"error": "missing or wrong bearer token"}); new prefixes are placed here meanwhile. '
-        "Check that both replicas have the same --internal-token"
+        f"placement: the placer {url} refused the question ({refusal}); new prefixes are "
+        f"placed here meanwhile. {advice}"
     ]
 
 

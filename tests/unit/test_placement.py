@@ -24,6 +24,7 @@ from router.placement import (
     new_prefix,
     own_url,
     placer_of,
+    refusal_advice,
 )
 from router.policy import Prompt
 from tests.unit.test_policy import BS, KEYS, PROMPT, A, B, C, Fleet, Pressured, cand, even
@@ -401,6 +402,24 @@ def _question(tokens: int, block_size: int, keys: list[int]) -> bytes:
 def test_a_malformed_question_is_refused_whole(body: bytes, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         decode_question(body)
+
+
+@pytest.mark.parametrize(
+    ("status", "text", "check"),
+    [
+        (401, "missing or wrong bearer token", "--internal-token"),
+        (400, "placement question refused: block_size 32; this replica's is 16", "--block-size"),
+        (400, "not a placement question: Expected `array` of at most length 3", "another version"),
+        (413, "a placement question is at most 4624 bytes", "another version"),  # a longer one
+        (404, "placement is off on this replica: it runs with --policy cache_aware", "is off"),
+        (503, "no healthy worker to place on", "the same worker list"),
+        (500, "Internal Server Error", "Its log"),
+    ],
+)
+def test_a_refusal_is_told_what_to_check_by_its_status_and_reason(
+    status: int, text: str, check: str
+) -> None:
+    assert check in refusal_advice(status, text)
 
 
 @pytest.mark.parametrize(
