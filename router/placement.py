@@ -371,8 +371,10 @@ class Placement:
     peers: Callable[[], Sequence[str]]
     max_asking: int = DEFAULT_MAX_ASKING
     clock: Callable[[], float] = time.monotonic
+    known: Callable[[RankId], bool] = lambda _rank: True  # a registered worker's rank
     counts: Counter[str] = field(default_factory=lambda: Counter(dict.fromkeys(OUTCOMES, 0)))
     asking: int = 0
+    _unusable: LogTally = field(default_factory=lambda: LogTally(_LOG_EVERY_S))
     _failing: tuple[int, float] = (0, 0.0)  # failures in a row, not asked again until
     _failed_at: float = -math.inf  # when the latest failure was counted in the row
 
@@ -449,8 +451,29 @@ class Placement:
         if rank is None:
             return None
         decision = self.policy.place(candidates, prompt, rank)
-        self.counts["answered" if decision is not None else "unusable"] += 1
-        return decision
+        if decision is not None:
+            self.counts["answered"] += 1
+            return decision
+        self.counts["unusable"] += 1
+        if said := self._unusable.count(self.clock()):
+            # The placer booked the rank and shared it; this replica's own decision is shared
+            # too, so the fleet books the prefix twice until the placer's booking expires.
+            if self.known(rank):
+                why = "a worker this replica finds unhealthy: replicas see its health differently"
+            else:
+                why = (
+                    "a worker this replica was not given: give every replica the same worker "
+                    "list (--worker, or one --worker-selector)"
+                )
+            log.warning(
+                "placement: %d answers of the placer since this was last said named no healthy "
+                "candidate here, the last %s, %s; this replica decided those new prefixes "
+                "alone, and the placer booked them there",
+                said,
+                rank,
+                why,
+            )
+        return None
 
 
 @dataclass

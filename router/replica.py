@@ -318,7 +318,7 @@ async def _compose(
         metrics.watch_sharing(sharing)
         if isinstance(policy, CacheAware) and bootstrap is not None:
             registry = bootstrap.registry
-            placement = Placement(policy, None, lambda: registry.peers)
+            placement = Placement(policy, None, lambda: registry.peers, known=workers.knows)
             metrics.watch_placement(placement)
     inflight = InflightTracker()
     settled = bootstrap.tracker.settled if bootstrap is not None else (lambda: True)
@@ -437,17 +437,12 @@ def _sharing(
     ):
         return None
     registry = bootstrap.registry
-
-    def known(rank: RankId) -> bool:
-        worker = workers.get(rank.worker_url)
-        return worker is not None and rank.dp_rank < worker.dp_size
-
     sharing = DecisionSharing(
         session,
         lambda: registry.peers,
         config.internal_token,
         policy.adopt,
-        known,
+        workers.knows,
         adopt_home=None if homes is None else homes.adopt,
     )
     policy.share = sharing.share

@@ -331,6 +331,7 @@ class DecisionSharing:
     clock: Callable[[], float] = time.monotonic
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _warned: dict[str, LogTally] = field(default_factory=dict)  # per sibling
+    _strangers: LogTally = field(default_factory=lambda: LogTally(_LOG_EVERY_S))
     _failing: dict[str, tuple[int, float]] = field(default_factory=dict)  # in a row, retry at
 
     def share(self, rank: RankId, keys: Sequence[int], held: int) -> None:
@@ -361,6 +362,8 @@ class DecisionSharing:
         runs between them (a batch of 4,096 decisions of 100 new blocks each held it for
         130-310 ms); returns how many decisions were adopted."""
         adopted = 0
+        stranger: RankId | None = None  # the last rank named that this replica does not know
+        strangers = 0
         for i, d in enumerate(batch.decisions):
             if i and not i % ADOPT_CHUNK:
                 yield
@@ -369,7 +372,7 @@ class DecisionSharing:
             # as written (`http://localhost:P`, `http://w:80`).
             rank = RankId(canonical_origin(d.worker_url), d.dp_rank)
             if not self.known(rank):
-                self.stats.unknown += 1
+                stranger, strangers = rank, strangers + 1
                 continue
             self.adopt(rank, d.keys, d.held)
             adopted += 1
@@ -379,11 +382,29 @@ class DecisionSharing:
             for h in batch.homes:
                 home = h.home(now)
                 if not self.known(home.rank):
-                    self.stats.unknown += 1
+                    stranger, strangers = home.rank, strangers + 1
                     continue
                 self.adopt_home(home)
                 self.stats.homes_received += 1
+        if stranger is not None:
+            self._unknown(stranger, strangers)
         return adopted
+
+    def _unknown(self, rank: RankId, count: int) -> None:
+        """`count` decisions and homes of a batch named ranks this replica does not know,
+        `rank` the last. For a moment that is a worker registered on the sibling first; for
+        good, replicas given different workers: the placer places new prefixes on workers an
+        asker lacks, and the asker places them alone (`unusable` placements)."""
+        self.stats.unknown += count
+        if said := self._strangers.count(self.clock(), count):
+            log.warning(
+                "decision sharing: siblings shared %d decisions on ranks this replica does not "
+                "know since this was last said (%s the last); they are not booked here. If it "
+                "lasts, give every replica the same worker list (--worker, or one "
+                "--worker-selector)",
+                said,
+                rank,
+            )
 
     async def run(self) -> None:
         """Hand decisions to the siblings' lanes as they come, forever (run under the

@@ -574,6 +574,12 @@ class WorkerRegistry:
         worker = self._workers.get(url)
         return worker if worker is not None else self._workers.get(_normalize(url))
 
+    def knows(self, rank: RankId) -> bool:
+        """Whether `rank` is one of a registered worker's (a sibling's decision or placement
+        may name a worker this replica was not given)."""
+        worker = self.get(rank.worker_url)
+        return worker is not None and rank.dp_rank < worker.dp_size
+
     def routable(self) -> list[Worker]:
         return [w for w in self._workers.values() if w.routable]
 

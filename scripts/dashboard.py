@@ -408,6 +408,37 @@ ROWS: Final = (
                 ),
                 width=6,
             ),
+            Panel(
+                "Placements of new prefixes",
+                "Per replica, questions about new prefixes per second by outcome "
+                "(kvrouter_placements_total): answered (routed to the placer's rank), placed "
+                "(answered for siblings, on the placer), local, and those decided alone: "
+                "timeout, error, busy, unusable. Steady unusable: the placer names workers this "
+                "replica lacks or finds unhealthy (give every replica the same worker list).",
+                "ops",
+                (
+                    Query(
+                        f"sum by (instance, outcome) ({_rate('kvrouter_placements_total')})",
+                        "{{instance}} {{outcome}}",
+                    ),
+                ),
+                width=12,
+            ),
+            Panel(
+                "Shared decisions",
+                "Per replica, siblings' routing decisions per second by outcome "
+                "(kvrouter_shared_decisions_total): sent, received (booked here), dropped and "
+                "skipped (siblings slow or failing), unknown (on a rank this replica does not "
+                "know: replicas given different workers when it lasts).",
+                "ops",
+                (
+                    Query(
+                        f"sum by (instance, outcome) ({_rate('kvrouter_shared_decisions_total')})",
+                        "{{instance}} {{outcome}}",
+                    ),
+                ),
+                width=12,
+            ),
         ),
     ),
     Row(

@@ -356,6 +356,32 @@ def test_on_an_answer_the_asker_books_the_placers_rank_first_without_sharing_it(
     assert s.rules.counts["answered"] == 1
 
 
+def test_an_unusable_answer_is_warned_once_a_minute_naming_the_rank_and_what_differs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Replicas given different workers: 9 of 10 placements were `unusable`, said nowhere."""
+    s = Asker([LOW])
+    stranger = RankId("http://not-given-here:8000", 0)
+    s.rules.known = lambda rank: rank != stranger
+    caplog.set_level("WARNING", logger="router.placement")
+    for _ in range(3):
+        assert s.rules.resolved([cand(A), cand(B)], s.p.prompt(), stranger) is None
+    s.p.clock.advance(60.0)
+    assert s.rules.resolved([cand(A), cand(B)], s.p.prompt(), C) is None  # known, unhealthy
+    said = [r.getMessage() for r in caplog.records if r.name == "router.placement"]
+    assert said == [
+        f"placement: 1 answers of the placer since this was last said named no healthy "
+        f"candidate here, the last {stranger}, a worker this replica was not given: give every "
+        "replica the same worker list (--worker, or one --worker-selector); this replica "
+        "decided those new prefixes alone, and the placer booked them there",
+        f"placement: 3 answers of the placer since this was last said named no healthy "
+        f"candidate here, the last {C}, a worker this replica finds unhealthy: replicas see "
+        "its health differently; this replica decided those new prefixes alone, and the "
+        "placer booked them there",
+    ]
+    assert s.rules.counts["unusable"] == 4
+
+
 def test_an_answer_naming_no_healthy_candidate_is_unusable_and_books_nothing() -> None:
     s = Asker([LOW])
     gone = RankId("http://gone:8000", 0)

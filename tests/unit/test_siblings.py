@@ -223,6 +223,39 @@ def test_a_batch_is_adopted_for_known_ranks_and_the_rest_counted_unknown() -> No
     assert (sharing.stats.received, sharing.stats.unknown, sharing.stats.refused) == (2, 1, 0)
 
 
+def test_decisions_on_ranks_this_replica_lacks_are_warned_once_a_minute_naming_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Replicas given different workers: the placer's placements on a worker this replica
+    lacks were counted `unknown` and nothing said so."""
+    clock = ManualClock()
+    sharing = siblings.DecisionSharing(
+        session=None,  # type: ignore[arg-type]
+        peers=list,
+        token="t",
+        adopt=lambda rank, keys, held: None,
+        known=lambda rank: rank == A,
+        clock=clock,
+    )
+    stranger = SharedDecision(B.worker_url, 1, 0, [7])
+    caplog.set_level("WARNING", logger="router.siblings")
+    sharing.receive(encoded(GOOD, stranger, stranger))
+    clock.advance(30.0)
+    sharing.receive(encoded(stranger))  # within the minute: counted, not said
+    clock.advance(30.0)
+    sharing.receive(encoded(GOOD))  # nothing unknown: nothing to say
+    sharing.receive(encoded(stranger))
+    said = [r.getMessage() for r in caplog.records if r.name == "router.siblings"]
+    advice = "give every replica the same worker list (--worker, or one --worker-selector)"
+    assert len(said) == 2 and all(advice in line for line in said)
+    assert said[0].startswith(
+        f"decision sharing: siblings shared 2 decisions on ranks this replica does not know "
+        f"since this was last said ({RankId(B.worker_url, 1)} the last)"
+    )
+    assert "shared 2 decisions" in said[1]  # the one held back, and this one
+    assert sharing.stats.unknown == 4
+
+
 async def test_a_dead_sibling_is_skipped_for_a_backoff_not_dialled_per_decision() -> None:
     clock = ManualClock()
     dead = f"http://127.0.0.1:{free_tcp_port()}"  # nothing listens there
