@@ -6,8 +6,10 @@ Each size is recorded in a fresh child process: `PressureLedger.record` of 125-b
 of new random keys on 8 ranks, each prompt held by the index (nothing booked), the clock
 moving 1 ms a prompt, until it tracks that many pairs (`--pressure-max-tracked-blocks`' default
 is 1,000,000, which a busy replica reaches in minutes). Reports VmRSS after minus before, per
-pair, and a full pass of the cyclic collector with the ledger alive. `--pure`: without the
-compiled accelerator. Prints figures; asserts nothing.
+pair, and a full pass of the cyclic collector with the ledger alive. Then as many blocks booked
+(125-block prompts of new keys the index does not hold, within `--booking-ttl-ms`: bookings
+have a bound of their own, the same figure) and VmRSS again, per booked pair; and once every
+booking expired. `--pure`: without the compiled accelerator. Prints figures; asserts nothing.
 """
 
 from __future__ import annotations
@@ -45,13 +47,28 @@ def build(pairs: int) -> dict[str, Any]:
     gc.collect()
     after = rss_bytes()
     tracked = ledger.tracked_blocks
+    full_gc_ms = full_gc_pass_ms()
+    # Then as many new blocks booked (nothing held: their store events not in yet), within
+    # the TTL: the bookings' bound is the same figure, and the demand stays at it.
+    for i in range(pairs // PROMPT):
+        ledger.record(ranks[i % RANKS], [rng.getrandbits(64) for _ in range(PROMPT)], 0)
+    gc.collect()
+    booked = rss_bytes()
+    booked_pairs = sum(ledger.pending(rank) for rank in ranks)
+    now[0] += ledger.settings.booking_ttl_s
+    ledger.settle(None)  # every booking expired
+    gc.collect()
     return {
         "implementation": IMPLEMENTATION,
         "pairs": tracked,
         "rss_mib": (after - before) / 2**20,
         "bytes_per_pair": (after - before) / tracked,
         "record_us_per_prompt": cpu / (pairs // PROMPT) * 1e6,
-        "full_gc_ms": full_gc_pass_ms(),
+        "full_gc_ms": full_gc_ms,
+        "booked_pairs": booked_pairs,
+        "booked_mib": (booked - after) / 2**20,
+        "bytes_per_booked_pair": (booked - after) / booked_pairs,
+        "expired_mib": (rss_bytes() - before) / 2**20,
     }
 
 
@@ -59,7 +76,10 @@ def describe(r: dict[str, Any]) -> str:
     return (
         f"{r['implementation']:>8}  {r['pairs']:>10,} pairs  RSS +{r['rss_mib']:.0f} MiB = "
         f"{r['bytes_per_pair']:.0f} B/pair  record {r['record_us_per_prompt']:.1f} us a "
-        f"{PROMPT}-block prompt  full GC pass {r['full_gc_ms']:.1f} ms"
+        f"{PROMPT}-block prompt  full GC pass {r['full_gc_ms']:.1f} ms\n"
+        f"{'':>8}  + {r['booked_pairs']:>8,} booked  RSS +{r['booked_mib']:.0f} MiB = "
+        f"{r['bytes_per_booked_pair']:.0f} B/pair; after they expired, RSS +"
+        f"{r['expired_mib']:.0f} MiB over the empty ledger"
     )
 
 

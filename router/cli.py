@@ -44,6 +44,7 @@ from router.ingest_pool import MIN_SILENCE_S as MIN_INGEST_SILENCE_S
 from router.placement import DEFAULT_TIMEOUT_MS as DEFAULT_PLACEMENT_TIMEOUT_MS
 from router.placement import MAX_TIMEOUT_MS as MAX_PLACEMENT_TIMEOUT_MS
 from router.policy import POLICY_NAMES
+from router.pressure import DEFAULT_MAX_TRACKED_BLOCKS
 from router.replica import AUTO_CHAT_RULES_START, ServeConfig
 from router.serving import StartError, serve_until, start_serving, stop_serving
 from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
@@ -379,7 +380,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add(
         "pressure-max-tracked-blocks",
         whole,
-        1_000_000,
+        DEFAULT_MAX_TRACKED_BLOCKS,
         "cache_aware: bound on (rank, block) pairs remembered for demand and bookings",
     )
     f.add(

@@ -106,6 +106,7 @@ from router.events import (
 )
 from router.graft import BootstrapRules
 from router.log_tally import LogTally
+from router.pressure import BYTES_PER_TRACKED_PAIR, DEFAULT_MAX_TRACKED_BLOCKS
 from router.subscriber import (
     LOSS_WARN_EVERY_S,
     MAX_SEQ_JUMP,
@@ -137,19 +138,22 @@ DEFAULT_QUEUE_SIZE = 1024
 # pure path), so this is ~50 MB, and over a second of backlog at 400k blocks/s.
 DEFAULT_QUEUE_BLOCKS: Final = 1 << 20
 SLICE_BLOCKS: Final = 1024  # blocks of work between two yields to the loop (~1 ms)
-DEFAULT_INDEX_MAX_BLOCKS: Final = 4_000_000  # a 1.1 GiB replica: see `max_blocks_for`
+DEFAULT_INDEX_MAX_BLOCKS: Final = 4_000_000  # a 1.4 GiB replica: see `max_blocks_for`
 # Memory sizing (README, "Index memory"; measured by bench/scale.py): a replica's resident
 # memory is about PROCESS_BYTES plus BYTES_PER_CARRIED_BLOCK per (rank, block) pair: ~157 B of
 # index (RSS with the compiled tables, at 1.25 carriers a block with distinct engine hashes),
-# ~28 B for the export a sibling may be fetching, and ~18% for a graft's peak. (The pure
-# layout, without the compiled accelerator, takes ~290 B of index a pair: size it at 375.)
+# ~28 B for the export a sibling may be fetching, and ~18% for a graft's peak (the pure
+# layout, without the compiled accelerator, takes ~290 B of index a pair: size it at 375);
+# plus the pressure ledger at its bound (`router.pressure.BYTES_PER_TRACKED_PAIR`).
 PROCESS_BYTES: Final = 200 << 20
 BYTES_PER_CARRIED_BLOCK: Final = 250
 
 
-def max_blocks_for(memory_limit_bytes: int) -> int:
-    """The `--kv-index-max-blocks` a replica with this memory limit can hold."""
-    return max(0, memory_limit_bytes - PROCESS_BYTES) // BYTES_PER_CARRIED_BLOCK
+def max_blocks_for(memory_limit_bytes: int, ledger_pairs: int = DEFAULT_MAX_TRACKED_BLOCKS) -> int:
+    """The `--kv-index-max-blocks` a replica with this memory limit can hold beside a pressure
+    ledger bounded at `ledger_pairs` (`--pressure-max-tracked-blocks`)."""
+    spare = memory_limit_bytes - PROCESS_BYTES - ledger_pairs * BYTES_PER_TRACKED_PAIR
+    return max(0, spare) // BYTES_PER_CARRIED_BLOCK
 
 
 Steps = Generator[None, None, None]

@@ -110,11 +110,20 @@ from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import repeat
+from typing import Final
 
 from cachetree.accel import tables
 from cachetree.ranks import RankId
 
 Holds = Callable[[RankId, int], bool]  # does the index hold this block key on this rank?
+
+DEFAULT_MAX_TRACKED_BLOCKS: Final = 1_000_000  # --pressure-max-tracked-blocks
+# A replica's resident memory per pair of the bound, demand and bookings both at it (each has
+# the bound to itself): ~100 B a demand pair (39 B of the ledger's own with the compiled tables,
+# `bench/ledger_memory.py`; the rest what the allocator keeps of siblings' decoded batches,
+# measured through POST /internal/decisions), ~110-180 B more a booked block, and the allocator
+# keeps the bookings' pages once they expired (README, "Memory").
+BYTES_PER_TRACKED_PAIR: Final = 300
 
 _FORGET_AFTER_HALF_LIVES = 16.0
 _REBASE_AFTER_HALF_LIVES = 256.0  # 2 ** 256 is far from overflowing a double
@@ -129,7 +138,7 @@ class PressureSettings:
 
     booking_ttl_s: float = 5.0
     demand_half_life_s: float = 30.0
-    max_tracked_blocks: int = 1_000_000
+    max_tracked_blocks: int = DEFAULT_MAX_TRACKED_BLOCKS
 
     def __post_init__(self) -> None:
         if not self.booking_ttl_s >= 0:

@@ -48,7 +48,7 @@ from router.loads import LoadMonitor
 from router.metrics import RouterMetrics
 from router.placement import DEFAULT_TIMEOUT_MS, Placement, Placer, own_url
 from router.policy import CacheAware, Policy, make_policy
-from router.pressure import PressureLedger, PressureSettings
+from router.pressure import DEFAULT_MAX_TRACKED_BLOCKS, PressureLedger, PressureSettings
 from router.siblings import DecisionSharing
 from router.socket_budget import SocketBudget
 from router.subscriber import DEFAULT_MAX_MESSAGE_BYTES
@@ -142,7 +142,7 @@ class ServeConfig:
     worker_allow_cidr: list[str] = field(default_factory=list)  # for admin-added workers
     booking_ttl_ms: int = 5000
     demand_half_life_s: float = 30.0
-    pressure_max_tracked_blocks: int = 1_000_000
+    pressure_max_tracked_blocks: int = DEFAULT_MAX_TRACKED_BLOCKS
     share_decisions: bool = True  # cache_aware with siblings: post decisions to them
     # cache_aware with siblings: a new prefix waits this long for the placer's answer
     # (router.placement); 0 = never ask, decide alone.

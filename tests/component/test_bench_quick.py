@@ -166,9 +166,13 @@ def test_ledger_memory_measures_a_ledger_of_the_asked_size_in_its_own_process() 
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr
     rows = done.stdout.splitlines()
-    # one row per size, each from a child whose ledger tracks exactly that many pairs
-    assert [r.split()[1] for r in rows] == ["5,000", "10,000"]
-    assert all("B/pair" in r and "full GC pass" in r for r in rows)
+    # two rows per size, each from a child whose ledger tracks exactly that many pairs, then
+    # books as many blocks (the bookings' own bound)
+    demand, booked = rows[0::2], rows[1::2]
+    assert [r.split()[1] for r in demand] == ["5,000", "10,000"]
+    assert all("B/pair" in r and "full GC pass" in r for r in demand)
+    assert [r.split()[1:3] for r in booked] == [["5,000", "booked"], ["10,000", "booked"]]
+    assert all("B/pair" in r and "after they expired" in r for r in booked)
 
 
 @pytest.mark.timeout(120)

@@ -40,9 +40,10 @@ def test_the_router_deployment_caps_its_index_at_what_its_memory_limit_holds() -
 @pytest.mark.parametrize(
     ("limit", "at_least", "at_most"),
     [
-        ("512Mi", 1_250_000, 1_350_000),
-        ("1536Mi", 5_500_000, 5_700_000),
-        ("8Gi", 33_000_000, 34_000_000),
+        ("512Mi", 100_000, 120_000),  # the pressure ledger's ~290 MiB at its default bound
+        ("1536Mi", 4_350_000, 4_450_000),
+        ("1792Mi", 5_450_000, 5_500_000),
+        ("8Gi", 32_000_000, 32_500_000),
     ],
 )
 def test_the_readme_sizing_rows_follow_from_the_rule(
@@ -51,5 +52,9 @@ def test_the_readme_sizing_rows_follow_from_the_rule(
     assert at_least <= max_blocks_for(quantity(limit)) <= at_most
 
 
-def test_the_default_cap_needs_less_than_one_and_a_quarter_gib() -> None:
-    assert max_blocks_for(5 << 28) >= DEFAULT_INDEX_MAX_BLOCKS
+def test_the_default_cap_needs_less_than_one_and_a_half_gib() -> None:
+    assert max_blocks_for(3 << 29) >= DEFAULT_INDEX_MAX_BLOCKS
+
+
+def test_a_smaller_pressure_ledger_leaves_its_share_to_the_index() -> None:
+    assert max_blocks_for(512 << 20, ledger_pairs=100_000) == 1_188_622
