@@ -1558,12 +1558,20 @@ map_setdefault(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
     return Py_NewRef(args[1]);
 }
 
-/* The loop of setdefault_run and put_run over `keys`, the run's lookups overlapped (see
- * PREFETCH_AHEAD): a key absent is set to `value`; a key present keeps its value and goes in
- * the list returned (`setdefault`), or is set to `value` and None is returned (`put`). A key
- * that is no u64 int raises TypeError, with the keys before it set. */
+/* What map_set_run does with a key it finds: keeps its value and lists it (`setdefault_run`),
+ * keeps it and sums the run up (`weigh_run`), or sets it to the value (`put_run`). */
+enum { SET_LIST, SET_RUNS, SET_PUT };
+
+/* The loop of setdefault_run, weigh_run and put_run over `keys`, the run's lookups overlapped
+ * (see PREFETCH_AHEAD): a key absent is set to `value`; a key present keeps its value and goes
+ * in the list returned (SET_LIST), or is set to `value` and None is returned (SET_PUT). In
+ * SET_RUNS the values are summed up as (head, lead, olds): the first key's value, the length
+ * of the leading run of keys mapped to it, and None when every key after that run maps to
+ * `value` (the values are [head] * lead + [value] * (n - lead)), else the list SET_LIST
+ * returns, made only once the values leave that shape. A key that is no u64 int raises
+ * TypeError, with the keys before it set. */
 static PyObject *
-map_set_run(MapObject *m, PyObject *keys, PyObject *value_obj, int setdefault)
+map_set_run(MapObject *m, PyObject *keys, PyObject *value_obj, int mode)
 {
     PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
     if (seq == NULL) {
@@ -1571,14 +1579,21 @@ map_set_run(MapObject *m, PyObject *keys, PyObject *value_obj, int setdefault)
     }
     PyObject **items = PySequence_Fast_ITEMS(seq);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject *out = setdefault ? PyList_New(n) : Py_NewRef(Py_None), *result = NULL;
+    PyObject *out = mode == SET_LIST ? PyList_New(n) : NULL, *result = NULL;
     U64Run run;
     run.v = run.local;
-    if (out == NULL || ensure_table(m) < 0) {
+    if ((mode == SET_LIST && out == NULL) || ensure_table(m) < 0) {
         goto done;
     }
     Py_ssize_t ok = u64_run(&run, items, n);
     if (ok < 0) {
+        goto done;
+    }
+    /* SET_RUNS while `out` is NULL: the values so far are [head] * lead + [value] * rest. */
+    uint64_t value_word = m->objects ? (uint64_t)(uintptr_t)value_obj : 0, head = 0;
+    Py_ssize_t lead = 0;
+    if (mode == SET_RUNS && !m->objects && !as_u64(value_obj, &value_word)) {
+        unbox(m, value_obj, &value_word); /* raises: no u64 */
         goto done;
     }
     map_prefetch_start(m, run.v, ok);
@@ -1591,7 +1606,32 @@ map_set_run(MapObject *m, PyObject *keys, PyObject *value_obj, int setdefault)
         map_prefetch_run(m, run.v, i, ok);
         uint64_t value;
         Py_ssize_t slot, ix = map_find(m, run.v[i], &slot);
-        if (ix >= 0 && setdefault) {
+        if (ix >= 0 && mode != SET_PUT) {
+            if (out == NULL) {
+                uint64_t held = m->entries[ix].value;
+                if (i == 0) {
+                    head = held;
+                }
+                if (held == head && lead == i) {
+                    lead++;
+                    continue;
+                }
+                if (held == value_word) {
+                    continue;
+                }
+                /* The shape ends here: the list of the values so far, then on as SET_LIST. */
+                out = PyList_New(n);
+                if (out == NULL) {
+                    goto done;
+                }
+                for (Py_ssize_t j = 0; j < i; j++) {
+                    PyObject *v = j < lead ? box(m, head) : Py_NewRef(value_obj);
+                    if (v == NULL) {
+                        goto done;
+                    }
+                    PyList_SET_ITEM(out, j, v);
+                }
+            }
             PyObject *held = box(m, m->entries[ix].value);
             if (held == NULL) {
                 goto done;
@@ -1612,11 +1652,30 @@ map_set_run(MapObject *m, PyObject *keys, PyObject *value_obj, int setdefault)
             drop_value(m, value);
             goto done;
         }
-        if (setdefault) {
+        if (out != NULL) {
             PyList_SET_ITEM(out, i, Py_NewRef(value_obj));
         }
+        else if (mode == SET_RUNS) {
+            if (i == 0) {
+                head = value_word;
+            }
+            if (head == value_word && lead == i) {
+                lead++;
+            }
+        }
     }
-    result = Py_NewRef(out);
+    if (mode != SET_RUNS) {
+        result = Py_NewRef(out != NULL ? out : Py_None);
+    }
+    else if (n == 0) {
+        result = Py_BuildValue("(OnO)", Py_None, (Py_ssize_t)0, Py_None);
+    }
+    else {
+        PyObject *first = box(m, head);
+        if (first != NULL) {
+            result = Py_BuildValue("(NnO)", first, lead, out != NULL ? out : Py_None);
+        }
+    }
 done:
     u64_run_free(&run);
     Py_XDECREF(out);
@@ -1632,7 +1691,21 @@ map_setdefault_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "setdefault_run(keys, default)");
         return NULL;
     }
-    return map_set_run(m, args[0], args[1], 1);
+    return map_set_run(m, args[0], args[1], SET_LIST);
+}
+
+/* weigh_run(keys, default) -> (head, lead, olds): setdefault_run summed up, the list made
+ * only when the values are not [head] * lead + [default] * (n - lead) (else None); head is
+ * None and lead 0 for no keys. (The pressure ledger's record: a prompt whose head is a prefix
+ * one record weighed and whose tail is new to the ledger, the common case, needs no list.) */
+static PyObject *
+map_weigh_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "weigh_run(keys, default)");
+        return NULL;
+    }
+    return map_set_run(m, args[0], args[1], SET_RUNS);
 }
 
 /* put_run(keys, value): map[k] = value for each of keys. (The pressure ledger's bookings: a
@@ -1644,7 +1717,7 @@ map_put_run(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "put_run(keys, value)");
         return NULL;
     }
-    return map_set_run(m, args[0], args[1], 0);
+    return map_set_run(m, args[0], args[1], SET_PUT);
 }
 
 /* The u64 keys of `obj` when it is a buffer of them (an array('Q'), a replica's ledger keeps
@@ -2093,6 +2166,8 @@ static PyMethodDef map_methods[] = {
      "move_run(keys, start, stop, old, new) -> moved: a NodeMap's"},
     {"setdefault_run", (PyCFunction)(void (*)(void))map_setdefault_run, METH_FASTCALL,
      "setdefault_run(keys, default) -> [setdefault(k, default) for k in keys]"},
+    {"weigh_run", (PyCFunction)(void (*)(void))map_weigh_run, METH_FASTCALL,
+     "weigh_run(keys, default) -> (head, lead, olds): setdefault_run summed up"},
     {"pop", (PyCFunction)(void (*)(void))map_pop, METH_FASTCALL, "pop(key[, default])"},
     {"popitem", (PyCFunction)map_popitem, METH_NOARGS, "the newest (key, value), removed"},
     {"clear", (PyCFunction)map_clear, METH_NOARGS, "remove every entry"},

@@ -239,19 +239,19 @@ class PressureLedger:
         # is built (a prompt's lookups overlapped in C: `_weigh` is most of a record), a dict
         # otherwise.
         self._pairs: MutableMapping[int, _Batch]
-        self._setdefault_run: Callable[[Sequence[int], _Batch], list[_Batch]]
+        self._weigh_run: Callable[[Sequence[int], _Batch], _Runs]
         self._drop_run: Callable[[Sequence[int], int, int, _Batch], tuple[int, int]]
         self._move_run: Callable[[Sequence[int], int, int, _Batch, _Batch], int]
         self._kept_run: Callable[[array[int], int, _Batch], bytes]
         if tables is not None:
             self._pairs = tables.NodeMap()
-            self._setdefault_run = self._pairs.setdefault_run
+            self._weigh_run = self._pairs.weigh_run
             self._drop_run = self._pairs.drop_run
             self._move_run = self._pairs.move_run
             self._kept_run = self._pairs.kept_run
         else:
             self._pairs = pairs = {}
-            self._setdefault_run = lambda keys, b: list(map(pairs.setdefault, keys, repeat(b)))
+            self._weigh_run = partial(_weigh_run_py, pairs)
             self._drop_run = partial(_drop_run_py, pairs)
             self._move_run = partial(_move_run_py, pairs)
             self._kept_run = partial(_kept_run_py, pairs)
@@ -474,14 +474,21 @@ class PressureLedger:
         before = len(pairs)
         # One C-level pass maps the blocks new to the ledger (a new prompt's, most often) to
         # the batch and reads what the others map to: the table's lookups and stores are most
-        # of the cost, so no block is looked up twice.
-        olds = self._setdefault_run(keys, batch)
+        # of the cost, so no block is looked up twice. It sums the answers up when they are a
+        # prefix one record weighed and then blocks new to the ledger (`olds` None), the common
+        # case, which needs no list of them.
+        head, lead, olds = self._weigh_run(keys, batch)
         added = len(pairs) - before
         tail = 0
         if added == n:
             first = 0
+        elif olds is None and head is not batch:
+            first, reweighed, tail = self._take_prefix(st, batch, keys, head, lead, w)
+            added += reweighed
         else:
-            first, reweighed, tail = self._reweigh(st, batch, keys, olds, w * _REFRESH_FACTOR)
+            first, reweighed, tail = self._reweigh(
+                st, batch, keys, [batch] * n if olds is None else olds, w * _REFRESH_FACTOR
+            )
             added += reweighed
         if not added:
             return first, 0
@@ -518,12 +525,12 @@ class PressureLedger:
         fresh: float,
     ) -> tuple[int, int, int]:
         """The slow path of `_weigh`, for a prompt with blocks already weighed (`olds`, what
-        each key mapped to): those weighed on the rank within the last 1/64 of a half-life
-        (`fresh`) keep their weight and their place, so a hot prefix routed again and again
-        costs one lookup per block; the others are weighed again in `batch`. Returns the
-        first key weighed, new ones included, or `len(keys)`; how many were weighed again;
-        and how many of the last keys, new to the ledger, are the prompt's own tail (0: none
-        is)."""
+        each key mapped to) in another shape than `_take_prefix`'s: those weighed on the rank
+        within the last 1/64 of a half-life (`fresh`) keep their weight and their place, so a
+        hot prefix routed again and again costs one lookup per block; the others are weighed
+        again in `batch`. Returns the first key weighed, new ones included, or `len(keys)`;
+        how many were weighed again; and how many of the last keys, new to the ledger, are the
+        prompt's own tail (0: none is)."""
         pairs = self._pairs
         get = pairs.get
         kept: _Batch | None = None  # the last batch found fresh on this rank
@@ -531,32 +538,7 @@ class PressureLedger:
         run = 0  # their number so far
         reweighed = 0
         n = first = len(keys)
-        start = 0
-        head = olds[0]
-        if head is not batch and head.rank is st and head.weight >= fresh:
-            # A hot prefix (or a whole prompt) kept fresh from one earlier record: skipped
-            # at C speed, the most common case once a system prompt is cached.
-            kept = head
-            start = olds.count(head)
-            if start == n:
-                return n, 0, 0
-            if olds[:start].count(head) != start:
-                start = 0
-            elif olds.count(batch) == n - start:
-                # ... and the rest new to the ledger (a cached system prompt and a new tail):
-                # weighed already, in `batch`.
-                return start, 0, _tail(start, n - start)
-        elif head is not batch:
-            # A prefix weighed by one earlier record, on another rank or long enough ago,
-            # then (if anything) blocks new to the ledger: the prefix moves to `batch` in one
-            # C-level pass. (A system prompt cached on two ranks, routed to each in turn.)
-            prefix = olds.count(head)
-            if olds[:prefix].count(head) == prefix and olds.count(batch) == n - prefix:
-                moved = self._move_run(keys, 0, prefix, head, batch)
-                self._unweigh(head, moved)
-                _taken_over(head, moved)
-                return 0, moved, _tail(moved, n - prefix)
-        i = start
+        i = 0
         while i < n:
             old = olds[i]
             if old is kept:
@@ -611,6 +593,24 @@ class PressureLedger:
             elif prior is not batch:
                 tail = _tail(n - new, new)
         return first, reweighed, tail
+
+    def _take_prefix(
+        self, st: _RankLedger, batch: _Batch, keys: Sequence[int], head: _Batch, lead: int, w: float
+    ) -> tuple[int, int, int]:
+        """The common path of `_weigh`, as `_reweigh` would take it: the prompt's first `lead`
+        keys are weighed by one earlier record (`head`), and the rest are new to the ledger
+        (weighed already, in `batch`)."""
+        n = len(keys)
+        if head.rank is st and head.weight >= w * _REFRESH_FACTOR:
+            # A hot prefix (or a whole prompt) kept fresh: kept where it is, the most common
+            # case once a system prompt is cached.
+            return (n, 0, 0) if lead == n else (lead, 0, _tail(lead, n - lead))
+        # On another rank, or weighed long enough ago: the prefix moves to `batch` in one
+        # C-level pass. (A system prompt cached on two ranks, routed to each in turn.)
+        moved = self._move_run(keys, 0, lead, head, batch)
+        self._unweigh(head, moved)
+        _taken_over(head, moved)
+        return 0, moved, _tail(moved, n - lead)
 
     @staticmethod
     def _unweigh(batch: _Batch, count: int) -> None:
@@ -758,6 +758,26 @@ def _tail(shared: int, new: int) -> int:
     its own tail when shorter than what it shares (then `new`; module docstring, "Working
     sets"), else another prefix below a shared preamble, still in use (0)."""
     return new if new < shared else 0
+
+
+_Runs = tuple["_Batch | None", int, "list[_Batch] | None"]
+
+
+def _weigh_run_py(pairs: MutableMapping[int, _Batch], keys: Sequence[int], batch: _Batch) -> _Runs:
+    """Map each of `keys` not in `pairs` to `batch`: (what the first key maps to, the length
+    of the leading run of keys mapped to it, None when every key after that run maps to
+    `batch`, else the list of what each key maps to). The compiled twin is
+    `NodeMap.weigh_run`."""
+    olds = list(map(pairs.setdefault, keys, repeat(batch)))
+    if not olds:
+        return None, 0, None
+    head = olds[0]
+    n = lead = len(olds)
+    for i, old in enumerate(olds):
+        if old is not head:
+            lead = i
+            break
+    return head, lead, None if olds[lead:].count(batch) == n - lead else olds
 
 
 def _move_run_py(

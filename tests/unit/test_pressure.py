@@ -5,16 +5,21 @@ The clock is a ManualClock; the index a booking is confirmed against is a real B
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import router.pressure as pressure_module
 from cachetree.keys import block_keys
 from cachetree.ranks import RankId
 from cachetree.tree import BlockTree
 from router.pressure import PressureLedger, PressureSettings
 from tests.support.clock import ManualClock
 
+T = TypeVar("T")
 BS = 16
 A, B, C = (RankId(f"http://{h}:8000", 0) for h in "abc")
 
@@ -841,3 +846,90 @@ def test_a_ttl_of_zero_books_nothing_and_booked_blocks_are_bounded() -> None:
 def test_invalid_settings_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         PressureSettings(**bad)  # type: ignore[arg-type]
+
+
+# --- the compiled tables and the pure twin ---------------------------------------------------
+
+
+class _Twins:
+    """One ledger on the compiled tables and one on the pure twin, driven alike: the module's
+    choice of tables is set to None for each call of the pure one."""
+
+    def __init__(self, clock: ManualClock, monkeypatch: pytest.MonkeyPatch, bound: int) -> None:
+        self.monkeypatch = monkeypatch
+        self.compiled = ledger(clock, demand_half_life_s=30.0, max_tracked_blocks=bound)
+        self.pure = self.on_pure(ledger, clock, demand_half_life_s=30.0, max_tracked_blocks=bound)
+
+    def on_pure(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        with self.monkeypatch.context() as patch:
+            patch.setattr(pressure_module, "tables", None)
+            return call(*args, **kwargs)
+
+    def both(self, name: str, *args: object) -> object:
+        got = getattr(self.compiled, name)(*args)
+        assert got == self.on_pure(getattr(self.pure, name), *args), name
+        return got
+
+    def reads(self, prompts: list[list[int]], held: dict[RankId, int]) -> tuple[object, ...]:
+        def of(led: PressureLedger) -> tuple[object, ...]:
+            ranks = [A, B, C]
+            return (
+                led.demands(ranks),
+                led.working_sets(ranks),
+                led.pendings(ranks),
+                [led.live_bookings(r) for r in ranks],
+                [led.booked_depths(p, held) for p in prompts],
+                [[led.last_routed(k) for k in p] for p in prompts],
+                led.booked_blocks,
+                led.tracked_blocks,
+                led.bookings,
+            )
+
+        return of(self.compiled), self.on_pure(of, self.pure)
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["record", "move", "refuse", "settle", "forget"]),
+        st.sampled_from([A, B, C]),
+        st.sampled_from([A, B, C]),
+        st.integers(0, 3),  # the prompt's head: one of 4 families
+        st.integers(0, 8),  # its length in blocks
+        st.lists(st.integers(1, 30), max_size=10),  # its tail: keys shared across prompts
+        st.integers(0, 20),  # blocks the rank holds
+        st.sampled_from([0.0, 0.1, 0.5, 3.0, 40.0]),  # seconds since the previous operation
+    ),
+    max_size=60,
+)
+
+
+@pytest.mark.skipif(pressure_module.tables is None, reason="the compiled accelerator is not built")
+@settings(max_examples=200, deadline=None)
+@given(_OPS, st.sampled_from([12, 40, 1000]))
+def test_the_compiled_ledger_reads_as_the_pure_one_through_any_sequence_of_operations(
+    ops: list[tuple[str, RankId, RankId, int, int, list[int], int, float]],
+    bound: int,
+) -> None:
+    clock = ManualClock()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        twins = _Twins(clock, monkeypatch, bound)
+        stored: set[tuple[RankId, int]] = set()  # what the index holds: confirms bookings
+        prompts: list[list[int]] = []
+        for op, rank, other, family, length, tail, held, wait in ops:
+            clock.advance(wait)
+            prompt = keys(family, length) + tail
+            prompts.append(prompt)
+            held = min(held, len(prompt))
+            if op == "record":
+                twins.both("record", rank, prompt, held)
+            elif op == "move":
+                twins.both("move", rank, other, prompt, held)
+            elif op == "refuse":
+                twins.both("refuse", rank, prompt)
+            elif op == "settle":
+                stored.update((rank, k) for k in prompt[:held])
+                twins.both("settle", lambda r, k: (r, k) in stored)
+            else:
+                twins.both("forget_ranks", [rank])
+            compiled, pure = twins.reads(prompts[-4:], {rank: held})
+            assert compiled == pure

@@ -784,3 +784,39 @@ def test_a_table_paged_in_for_a_growth_that_does_not_come_goes_at_the_rebuild() 
             break  # the rebuild, done
     assert m.__sizeof__() == plain and m.rehash_left() == 0
     assert len(m) == 40_000 and list(m) == list(range(40_000, 80_000))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_weigh_run_sums_up_the_values_setdefault_run_reads_as_the_pure_twin_does(seed: int) -> None:
+    from router.pressure import _weigh_run_py
+
+    rng = random.Random(seed)
+    batches = [object() for _ in range(3)]
+    alone = [sys.getrefcount(b) for b in batches]
+    native, ref = tables.NodeMap(), {}
+    shapes = 0
+    head = None
+    for keys in _runs_over_random_pairs(rng, batches, native, ref):
+        if -1 in keys:
+            continue
+        if keys and rng.random() < 0.5:  # the ledger's common shape: a run of one, then new
+            lead = rng.randrange(len(keys) + 1)
+            head = ref.get(keys[0])
+            keys = [k for k in keys[:lead] if ref.get(k) is head] + [
+                rng.randrange(U64) for _ in range(len(keys) - lead)
+            ]
+        batch = rng.choice(batches)
+        got = native.weigh_run(keys, batch)
+        want = _weigh_run_py(ref, keys, batch)
+        assert got[:2] == want[:2]
+        assert got[2] == want[2]
+        shapes += got[2] is None
+        assert list(native.items()) == list(ref.items())
+    assert shapes  # the summed-up shape came up
+    assert native.weigh_run([], batches[0]) == (None, 0, None)
+    native.clear()
+    ref.clear()
+    del batch, got, want, head
+    assert [sys.getrefcount(b) for b in batches] == alone  # one reference per entry, no more
+    with pytest.raises(TypeError, match="keys are ints"):
+        native.weigh_run([1, -1], batches[0])
