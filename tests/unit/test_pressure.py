@@ -897,7 +897,7 @@ _OPS = st.lists(
         st.integers(0, 8),  # its length in blocks
         st.lists(st.integers(1, 30), max_size=10),  # its tail: keys shared across prompts
         st.integers(0, 20),  # blocks the rank holds
-        st.sampled_from([0.0, 0.1, 0.5, 3.0, 40.0]),  # seconds since the previous operation
+        st.sampled_from([0.0, 0.1, 0.5, 3.0, 40.0, 3000.0]),  # seconds since the last operation
     ),
     max_size=60,
 )
