@@ -901,16 +901,24 @@ map_find_old(const MapObject *m, uint64_t key, Py_ssize_t *slot)
     return ix;
 }
 
-/* Entry number of `key`, or -1. `*slot` gets the slot holding it (a number past m->size: the
- * old table's, during a rebuild), or (absent) the slot of the table a new entry goes in. */
+/* Entry number of `key` (mixed: `h`), or -1. `*slot` gets the slot holding it (a number past
+ * m->size: the old table's, during a rebuild), or (absent) the slot of the table a new entry
+ * goes in. */
 static inline Py_ssize_t
-map_find(const MapObject *m, uint64_t key, Py_ssize_t *slot)
+map_find_mixed(const MapObject *m, uint64_t key, uint64_t h, Py_ssize_t *slot)
 {
-    Py_ssize_t ix = table_find(m->entries, m->slots, m->tags, m->size, mix(key), key, slot);
+    Py_ssize_t ix = table_find(m->entries, m->slots, m->tags, m->size, h, key, slot);
     if (ix < 0 && m->old_tags != NULL) {
         return map_find_old(m, key, slot);
     }
     return ix;
+}
+
+/* map_find_mixed, `key` mixed here. */
+static inline Py_ssize_t
+map_find(const MapObject *m, uint64_t key, Py_ssize_t *slot)
+{
+    return map_find_mixed(m, key, mix(key), slot);
 }
 
 /* Prefetching. On an index of a few hundred thousand blocks the tables are far larger than
@@ -927,12 +935,11 @@ map_find(const MapObject *m, uint64_t key, Py_ssize_t *slot)
 #define PREFETCH(addr) ((void)(addr))
 #endif
 
-/* The slot `key` probes first (and during a rebuild, the old table's: a key absent from the
- * new table is looked up there too). */
+/* The slot a key mixed to `h` probes first (and during a rebuild, the old table's: a key absent
+ * from the new table is looked up there too). */
 static inline void
-map_prefetch_slot(const MapObject *m, uint64_t key)
+map_prefetch_mixed(const MapObject *m, uint64_t h)
 {
-    const uint64_t h = mix(key);
     size_t i = h & ((size_t)m->size - 1);
     PREFETCH(&m->tags[i]);
     PREFETCH(&m->slots[i]);
@@ -943,57 +950,72 @@ map_prefetch_slot(const MapObject *m, uint64_t key)
     }
 }
 
-/* The entry in `key`'s first slot, or NULL (empty, a dummy): read after map_prefetch_slot
+/* The entry in the first slot of a key mixed to `h`, or NULL (empty, a dummy): read after map_prefetch_slot
  * had time to land, it is a guess at where `key` lives (a collision makes it another key's). */
 static inline const Entry *
-map_peek(const MapObject *m, uint64_t key)
+map_peek(const MapObject *m, uint64_t h)
 {
-    uint64_t h = mix(key);
     size_t i = h & ((size_t)m->size - 1);
     return m->tags[i] == tag_of(h) ? &m->entries[m->slots[i] - 1] : NULL;
 }
 
-/* The entry `key` lives in, when its first slot has it (a guess: see above). */
+/* The entry `key` (mixed: `h`) lives in, when its first slot has it (a guess: see above). */
 static inline const Entry *
-map_peek_found(const MapObject *m, uint64_t key)
+map_peek_found(const MapObject *m, uint64_t key, uint64_t h)
 {
-    const Entry *e = map_peek(m, key);
+    const Entry *e = map_peek(m, h);
     return e != NULL && e->key == key ? e : NULL;
 }
 
-/* The prefetch stages of a run of lookups of the keys `ks[0:n]` in `m`, the run at key i:
+/* The prefetch stages of a run of lookups of the keys `ks[0:n]` in `m` (mixed: `hs[0:n]`, or
+ * NULL to mix them here), the run at key i:
  * key i + 3 * PREFETCH_AHEAD gets its slot fetched, key i + 2 * PREFETCH_AHEAD its entry (its
  * slot has landed by then), key i + PREFETCH_AHEAD the object its entry points to (a
  * NodeMap's node). i may be negative (the stages of a run's first keys, before its loop). */
 static inline void
-map_prefetch_run(const MapObject *m, const uint64_t *ks, Py_ssize_t i, Py_ssize_t n)
+map_prefetch_run_mixed(const MapObject *m, const uint64_t *ks, const uint64_t *hs, Py_ssize_t i,
+                       Py_ssize_t n)
 {
     const Py_ssize_t a = PREFETCH_AHEAD;
     const Entry *e;
     Py_ssize_t j = i + 3 * a;
     if (j >= 0 && j < n) {
-        map_prefetch_slot(m, ks[j]);
+        map_prefetch_mixed(m, hs != NULL ? hs[j] : mix(ks[j]));
     }
     j -= a;
-    if (j >= 0 && j < n && (e = map_peek(m, ks[j])) != NULL) {
+    if (j >= 0 && j < n && (e = map_peek(m, hs != NULL ? hs[j] : mix(ks[j]))) != NULL) {
         PREFETCH(e);
     }
     j -= a;
-    if (m->objects && j >= 0 && j < n && (e = map_peek_found(m, ks[j])) != NULL) {
+    if (m->objects && j >= 0 && j < n &&
+        (e = map_peek_found(m, ks[j], hs != NULL ? hs[j] : mix(ks[j]))) != NULL) {
         PREFETCH((const void *)(uintptr_t)e->value);
     }
 }
 
+/* map_prefetch_run_mixed with the keys mixed as they are read. */
+static inline void
+map_prefetch_run(const MapObject *m, const uint64_t *ks, Py_ssize_t i, Py_ssize_t n)
+{
+    map_prefetch_run_mixed(m, ks, NULL, i, n);
+}
+
 /* The stages for every key before the first's own: called before a run's loop. */
 static inline void
-map_prefetch_start(const MapObject *m, const uint64_t *ks, Py_ssize_t n)
+map_prefetch_start_mixed(const MapObject *m, const uint64_t *ks, const uint64_t *hs, Py_ssize_t n)
 {
     if (m->slots == NULL) {
         return;
     }
     for (Py_ssize_t p = -3 * PREFETCH_AHEAD; p < 0; p++) {
-        map_prefetch_run(m, ks, p, n);
+        map_prefetch_run_mixed(m, ks, hs, p, n);
     }
+}
+
+static inline void
+map_prefetch_start(const MapObject *m, const uint64_t *ks, Py_ssize_t n)
+{
+    map_prefetch_start_mixed(m, ks, NULL, n);
 }
 
 /* A run's keys as u64s, converted once (prefetching reads each several times): on the stack
@@ -1296,9 +1318,10 @@ map_make_room(MapObject *m)
     return map_rebuild_for(m, rebuild_room(m));
 }
 
-/* Insert a key known to be absent (`slot` from map_find); the value is stolen on success. */
+/* Insert a key known to be absent (`slot` from map_find), mixed: `h`; the value is stolen on
+ * success. */
 static int
-map_insert_new(MapObject *m, uint64_t key, uint64_t value, Py_ssize_t slot)
+map_insert_mixed(MapObject *m, uint64_t key, uint64_t h, uint64_t value, Py_ssize_t slot)
 {
     /* Dummies count: a table with no empty slot left would never end a probe. During a
      * rebuild, the new table has room for what comes (rebuild_room): only the blocks' end
@@ -1321,7 +1344,7 @@ map_insert_new(MapObject *m, uint64_t key, uint64_t value, Py_ssize_t slot)
         m->filled++;
     }
     m->slots[slot] = (int32_t)(n + 1);
-    m->tags[slot] = tag_of(mix(key));
+    m->tags[slot] = tag_of(h);
     m->used++;
     m->version++;
     const Py_ssize_t spent = m->n_entries > m->filled ? m->n_entries : m->filled;
@@ -1329,6 +1352,13 @@ map_insert_new(MapObject *m, uint64_t key, uint64_t value, Py_ssize_t slot)
         map_after_insert(m);
     }
     return 0;
+}
+
+/* map_insert_mixed, `key` mixed here. */
+static inline int
+map_insert_new(MapObject *m, uint64_t key, uint64_t value, Py_ssize_t slot)
+{
+    return map_insert_mixed(m, key, mix(key), value, slot);
 }
 
 /* Remove entry `ix` found at `slot`; returns its value (a reference, in a NodeMap). */
@@ -1582,12 +1612,22 @@ map_set_run(MapObject *m, PyObject *keys, PyObject *value_obj, int mode)
     PyObject *out = mode == SET_LIST ? PyList_New(n) : NULL, *result = NULL;
     U64Run run;
     run.v = run.local;
+    uint64_t hs_local[U64_LOCAL], *hs = hs_local;
     if ((mode == SET_LIST && out == NULL) || ensure_table(m) < 0) {
         goto done;
     }
     Py_ssize_t ok = u64_run(&run, items, n);
     if (ok < 0) {
         goto done;
+    }
+    /* Each key mixed once: the prefetch stages, the lookup and the insertion each mixed it. */
+    hs = ok <= U64_LOCAL ? hs_local : PyMem_Malloc((size_t)ok * sizeof(uint64_t));
+    if (hs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < ok; i++) {
+        hs[i] = mix(run.v[i]);
     }
     /* SET_RUNS while `out` is NULL: the values so far are [head] * lead + [value] * rest. */
     uint64_t value_word = m->objects ? (uint64_t)(uintptr_t)value_obj : 0, head = 0;
@@ -1596,16 +1636,16 @@ map_set_run(MapObject *m, PyObject *keys, PyObject *value_obj, int mode)
         unbox(m, value_obj, &value_word); /* raises: no u64 */
         goto done;
     }
-    map_prefetch_start(m, run.v, ok);
+    map_prefetch_start_mixed(m, run.v, hs, ok);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i == ok) {
             uint64_t k;
             key_for_insert(m, items[i], &k); /* raises: no u64 */
             goto done;
         }
-        map_prefetch_run(m, run.v, i, ok);
+        map_prefetch_run_mixed(m, run.v, hs, i, ok);
         uint64_t value;
-        Py_ssize_t slot, ix = map_find(m, run.v[i], &slot);
+        Py_ssize_t slot, ix = map_find_mixed(m, run.v[i], hs[i], &slot);
         if (ix >= 0 && mode != SET_PUT) {
             if (out == NULL) {
                 uint64_t held = m->entries[ix].value;
@@ -1648,7 +1688,7 @@ map_set_run(MapObject *m, PyObject *keys, PyObject *value_obj, int mode)
             drop_value(m, old);
             continue;
         }
-        if (map_insert_new(m, run.v[i], value, slot) < 0) {
+        if (map_insert_mixed(m, run.v[i], hs[i], value, slot) < 0) {
             drop_value(m, value);
             goto done;
         }
@@ -1677,6 +1717,9 @@ map_set_run(MapObject *m, PyObject *keys, PyObject *value_obj, int mode)
         }
     }
 done:
+    if (hs != hs_local) {
+        PyMem_Free(hs);
+    }
     u64_run_free(&run);
     Py_XDECREF(out);
     Py_DECREF(seq);
@@ -2381,7 +2424,7 @@ py_remove_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     for (; i < n; i++) {
         if (i - base + 2 * PREFETCH_AHEAD < ok) {
-            map_prefetch_slot(by_hash, run.v[i - base + 2 * PREFETCH_AHEAD]);
+            map_prefetch_mixed(by_hash, mix(run.v[i - base + 2 * PREFETCH_AHEAD]));
         }
         PyObject *eh_obj = PyList_GET_ITEM(hashes, i);
         uint64_t eh;
