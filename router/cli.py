@@ -267,6 +267,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> _Flags:
     f.add("upstream-head-timeout-s", finite, 300.0, "a worker's response head must come within")
     f.add("stream-idle-timeout-s", finite, 300.0, "the longest gap within a worker's answer")
     f.add(
+        "client-write-timeout-s",
+        finite,
+        120.0,
+        "a client that reads nothing of its answer for this long, its writes paused, is cut",
+    )
+    f.add(
         "upstream-idle-expiry-s",
         finite,
         4.0,
@@ -477,6 +483,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         (args.upstream_connect_timeout_s > 0, "--upstream-connect-timeout-s must be > 0"),
         (args.upstream_head_timeout_s > 0, "--upstream-head-timeout-s must be > 0"),
         (args.stream_idle_timeout_s > 0, "--stream-idle-timeout-s must be > 0"),
+        (args.client_write_timeout_s > 0, "--client-write-timeout-s must be > 0"),
         (args.upstream_idle_expiry_s > 0, "--upstream-idle-expiry-s must be > 0"),
         (
             args.upstream_connections_per_worker >= 1,

@@ -1009,7 +1009,7 @@ class _DataPlaneCollector(Collector):
         )
         yield _counter(
             "kvrouter_client_connections_closed",
-            "Client connections the router closed, by reason (idle, head_timeout, "
+            "Client connections the router closed, by reason (idle, head_timeout, write_timeout, "
             "body_timeout, malformed, refused, cut, drain, ...)",
             ["reason"],
             {(k,): v for k, v in stats.closed.items()},

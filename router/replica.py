@@ -112,6 +112,7 @@ class ServeConfig:
     upstream_connect_timeout_s: float = 5.0
     upstream_head_timeout_s: float = 300.0
     stream_idle_timeout_s: float = 300.0
+    client_write_timeout_s: float = 120.0
     upstream_idle_expiry_s: float = 4.0
     upstream_connections_per_worker: int = 256
     control_port: int = 0  # also serve the control app alone on this port; 0 = not

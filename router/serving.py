@@ -97,6 +97,7 @@ def limits_of(config: ServeConfig) -> Limits:
         connect_timeout_s=config.upstream_connect_timeout_s,
         head_timeout_s=config.upstream_head_timeout_s,
         stream_idle_timeout_s=config.stream_idle_timeout_s,
+        client_write_timeout_s=config.client_write_timeout_s,
         upstream_idle_expiry_s=config.upstream_idle_expiry_s,
         upstream_connections_per_worker=config.upstream_connections_per_worker,
         max_attempts=config.max_attempts,

@@ -10,6 +10,9 @@ one reason going away never undoes another.
 fires early, re-schedules itself for the stored time. A new handle is made only when a
 deadline moves earlier than the pending one, or none is pending.
 
+`WriteStall` says when a client whose writes are paused has stopped reading: no byte the router
+wrote it has left the router's buffer for a whole timeout (`--client-write-timeout-s`).
+
 `Pending` counts requests a drain must wait for that are not in flight yet (a long prompt being
 encoded in a worker thread, a new prefix's question to its placer), with a wait for none.
 """
@@ -101,6 +104,45 @@ class Deadline:
             return
         self._at = None
         self._on_expiry()
+
+
+# Checks of a paused client's progress within one write timeout: a stall is cut between 1 and
+# 1 + 1/STALL_CHECKS timeouts after the client's last progress.
+STALL_CHECKS: Final = 4
+
+
+class WriteStall:
+    """When a paused client's answer has made no write progress for `timeout_s`.
+
+    Progress is the count of bytes that left the router's write buffer for the kernel (what
+    the connection wrote, less what its transport still buffers), read at each check. Not
+    `resume_writing` alone: asyncio says that only once the buffer is below its low-water
+    mark, which a reader of 16 B/s, behind a 64 KiB high-water mark, reaches after an hour.
+    Not the buffer's size alone either: a paused answer still writes (the rest of an upstream
+    read, a cut's tail), which would hide a client's reading. The kernel sends more only when
+    the client's window opens, which a receiver does once an MSS of its buffer is free (RFC
+    1122's silly-window avoidance): the timeout must outlast a slow reader's MSS."""
+
+    __slots__ = ("_sent", "_since", "timeout_s")
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._sent = 0
+        self._since = 0.0  # when progress was last seen
+
+    def start(self, now: float, sent: int) -> float:
+        """The client's writes paused at `now` with `sent` bytes gone so far: the delay until
+        the first check."""
+        self._sent, self._since = sent, now
+        return self.timeout_s / STALL_CHECKS
+
+    def check(self, now: float, sent: int) -> float | None:
+        """The delay until the next check, or None: stalled, no progress for the timeout."""
+        if sent > self._sent:
+            self._sent, self._since = sent, now
+        elif now - self._since >= self.timeout_s:
+            return None
+        return min(self.timeout_s / STALL_CHECKS, self._since + self.timeout_s - now)
 
 
 class Pending:

@@ -9,7 +9,9 @@ parser's message-complete callback, or once the placer replica answered for a ne
 encoded a long prompt: `routing.EncodeFirst`, run by `encodes.EncodeQueue`, its slot freed if
 the client leaves first); `relay` moves the answer.
 One `Deadline` per connection bounds, in turn, the request head, the request body and the
-idle time between requests.
+idle time between requests; another, made at its first `pause_writing`, checks that a client
+whose writes are paused still reads (`flow.WriteStall`): one that stopped is cut, its upstream
+request aborted, so that it holds no connection to a worker.
 
 `DataPlane` holds what every connection shares: the listening sockets and their accept thread
 (`door`), the limits, the routing parts, one `UpstreamPool` per worker, the control app's
@@ -57,7 +59,7 @@ from router.dataplane.exchange import (
     route_of,
     uninvited,
 )
-from router.dataplane.flow import PIPELINED, YIELDING, Deadline, Pending, ReadGate
+from router.dataplane.flow import PIPELINED, YIELDING, Deadline, Pending, ReadGate, WriteStall
 from router.dataplane.inflight import InflightTracker
 from router.dataplane.relay import ControlRelay, Relay, WorkerLookup, WorkerRelay, count_refused
 from router.dataplane.routing import EncodeFirst, Routed, Router
@@ -102,7 +104,7 @@ _SERVED_VERSIONS: Final = frozenset({"1.1", "1.0"})
 # turn would otherwise route every request that arrived, and a turn of 64 routings takes
 # tens of milliseconds, which every probe, stream chunk and accept then waits for.
 ROUTING_SLICE_S: Final = 0.004
-_REFUSAL_LOG_EVERY_S: Final = 60.0
+_LOG_EVERY_S: Final = 60.0
 # What a chunk of a chunked request body costs of its bound besides its data: its framing at
 # the least (a one-digit size line and the CRLF after the data, RFC 9112 7.1).
 CHUNK_FRAMING: Final = 5
@@ -126,6 +128,8 @@ class Limits:
     connect_timeout_s: float = 5.0  # to connect to a worker, or to wait for a pooled connection
     head_timeout_s: float = 300.0  # from sending a request upstream to its response head
     stream_idle_timeout_s: float = 300.0  # the longest gap between pieces of an answer
+    # A client whose writes are paused and which takes none of the answer for this long.
+    client_write_timeout_s: float = 120.0
     upstream_idle_expiry_s: float = 4.0  # an idle pooled connection is closed after this
     upstream_connections_per_worker: int = 256
     max_attempts: int = 3
@@ -138,7 +142,7 @@ class Bound:
     members: set[ClientConnection]  # its open connections
     most: int
     limit: str  # what a refusal's log line says of it: which limit, and what to do
-    refusals: LogTally = field(default_factory=lambda: LogTally(_REFUSAL_LOG_EVERY_S))
+    refusals: LogTally = field(default_factory=lambda: LogTally(_LOG_EVERY_S))
 
 
 @dataclass(slots=True)
@@ -183,6 +187,7 @@ class DataPlane:
         self.cors = cors  # which pages may read the browser routes' answers; None: none
         self.internal_token = internal_token  # `router.auth`'s, for `exchange.uninvited`
         self.stats = DataPlaneStats()
+        self.write_stalls = LogTally(_LOG_EVERY_S)  # clients cut for not reading
         self.connections: set[ClientConnection] = set()
         # On the `--control-port` listener, bounded apart (`CONTROL_MAX_CONNECTIONS`), so that
         # clients filling `--max-connections` do not shut peers and admins out.
@@ -381,7 +386,7 @@ class DataPlane:
 
     def refuse_connection(self, transport: asyncio.Transport, bound: Bound) -> None:
         """A new connection past its listener's `bound`: a 503, counted, logged at most once a
-        `_REFUSAL_LOG_EVERY_S` per bound, with that bound's refusals since (a tally shared by
+        `_LOG_EVERY_S` per bound, with that bound's refusals since (a tally shared by
         both listeners summed their refusals under whichever limit refused last). Its close
         lingers (`LINGER_S`, as after any refusal whose request the router left unread), so a
         client still sending a body reads the 503 rather than a reset; at most
@@ -534,6 +539,9 @@ class ClientConnection(asyncio.Protocol):
         # Over its write buffer's high-water mark: asyncio says so once, maybe as one answer ends
         # (its last write), so the next answer reads it here (`Relay.upstream_head`).
         self.write_paused = False
+        self._written = 0  # bytes handed to the transport, for `_write_progress`
+        # Made at the first pause (most connections never pause): the stall rule and its check.
+        self._stall: tuple[WriteStall, Deadline] | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -637,6 +645,8 @@ class ClientConnection(asyncio.Protocol):
         # the replica's rare passes (`cli._tune_gc`) left the bodies of uploads cut short in
         # memory, 31 MiB each, until some 1,500 other requests went by.
         self._deadline.close()
+        if self._stall is not None:
+            self._stall[1].close()
         self._parser = _DETACHED
         self._incoming = None
         self._queue.clear()
@@ -647,11 +657,21 @@ class ClientConnection(asyncio.Protocol):
         self.write_paused = True
         if self._relay is not None:
             self._relay.client_paused(True)
+        stall = self._stall
+        if stall is None:
+            stall = self._stall = (
+                WriteStall(self.plane.limits.client_write_timeout_s),
+                Deadline(self.plane.loop, self._check_stall),
+            )
+        rule, deadline = stall
+        deadline.set(rule.start(self.plane.loop.time(), self._write_progress()))
 
     def resume_writing(self) -> None:
         self.write_paused = False
         if self._relay is not None:
             self._relay.client_paused(False)
+        if self._stall is not None:
+            self._stall[1].cancel()
 
     # -- httptools callbacks ---------------------------------------------------------------
 
@@ -785,6 +805,7 @@ class ClientConnection(asyncio.Protocol):
         if self._held is not None:
             self._held.append(data)
         elif self.transport is not None and not self._closed:
+            self._written += len(data)
             self.transport.write(data)
 
     def hold(self, data: bytes) -> None:
@@ -800,7 +821,9 @@ class ClientConnection(asyncio.Protocol):
     def flush(self) -> None:
         held, self._held = self._held, None
         if held and self.transport is not None and not self._closed:
-            self.transport.write(held[0] if len(held) == 1 else b"".join(held))
+            data = held[0] if len(held) == 1 else b"".join(held)
+            self._written += len(data)
+            self.transport.write(data)
 
     def refuse(self, refusal: Refusal) -> None:
         """Answer the request being answered with one of the data plane's own answers."""
@@ -1185,6 +1208,35 @@ class ClientConnection(asyncio.Protocol):
                     )
                 )
             self.transport.close()
+
+    def _write_progress(self) -> int:
+        """Bytes of what was written that have left the transport's buffer for the kernel."""
+        assert self.transport is not None
+        return self._written - self.transport.get_write_buffer_size()
+
+    def _check_stall(self) -> None:
+        """A paused client's progress is checked (`flow.WriteStall`): one that took nothing
+        for the timeout is cut (the abort drops what it was owed; `connection_lost` aborts
+        the upstream request, which frees its connection to the worker)."""
+        if self._closed or not self.write_paused or self._stall is None:
+            return
+        rule, deadline = self._stall
+        plane = self.plane
+        delay = rule.check(plane.loop.time(), self._write_progress())
+        if delay is not None:
+            deadline.set(delay)
+            return
+        if said := plane.write_stalls.count(plane.loop.time()):
+            log.warning(
+                "%d client connection(s) cut since the last such warning: their writes were "
+                "paused and they read nothing of their answers for --client-write-timeout-s "
+                "(%g s); their upstream requests were aborted (said at most every %g s; "
+                'kvrouter_client_connections_closed_total{reason="write_timeout"} counts them)',
+                said,
+                rule.timeout_s,
+                _LOG_EVERY_S,
+            )
+        self.abort("write_timeout")
 
     def _close(self, why: str) -> None:
         if self._closed:

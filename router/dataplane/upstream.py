@@ -171,6 +171,12 @@ class UpstreamConnection(asyncio.Protocol):
                     self._deadline.set(self._idle_timeout_s)
 
     @property
+    def held(self) -> bool:
+        """Reading its answer is paused: its client does not read as fast as the worker
+        writes."""
+        return self._held
+
+    @property
     def sink(self) -> ResponseSink | None:
         return self._sink
 
@@ -571,15 +577,20 @@ class UpstreamPool:
         if waiting:
             self._wait_expiry.set(waiting[0][1] + bound - now)
         if expired and (said := self._expired_tally.count(now, expired)):
+            held = sum(1 for conn in self.busy if conn.held)
             log.warning(
                 "%d request(s) since the last such warning found all %d connection(s) to %s "
                 "busy with this replica's requests for --upstream-connect-timeout-s; each went "
                 "to another worker, or got a 503 with Retry-After (said at most every %g s; "
                 'kvrouter_upstream_failures_total{reason="queue"} counts them all). The worker '
                 "is busy, not failing: raise --upstream-connections-per-worker if it can take "
-                "more at once",
+                "more at once%s",
                 said,
                 self.cap,
                 self.url,
                 BUSY_LOG_EVERY_S,
+                f"; {held} of them wait for clients reading slower than the worker writes "
+                "(one that reads nothing for --client-write-timeout-s is cut)"
+                if held
+                else "",
             )

@@ -2561,6 +2561,63 @@ async def test_a_stream_its_client_holds_back_is_not_timed_as_an_idle_worker() -
         client.close()
 
 
+async def sse_forever(request: Request, writer: asyncio.StreamWriter) -> None:
+    """A streamed SSE answer that never ends: 1 KiB events as fast as they are taken."""
+    writer.write(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    event = b'data: {"text": "%s"}\n\n' % (b"x" * 1000)
+    while True:
+        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        await writer.drain()
+
+
+async def test_a_client_that_stops_reading_is_cut_and_frees_its_worker_connection() -> None:
+    """A streaming client that never reads held its connection to the worker for good: with
+    one connection per worker, every other request waited for it in vain (a 503)."""
+    async with one_worker_and_a_client(
+        sse_forever, client_write_timeout_s=0.5, upstream_connections_per_worker=1
+    ) as (w, rt, stuck):
+        stuck.send(post(b"/v1/completions", STREAM))  # and never reads
+        await eventually(lambda: reading_held(rt, w.url), 10)
+        await eventually(lambda: rt.plane.stats.closed["write_timeout"] == 1, 10)
+        assert await stuck.closed()
+        # Its upstream request was aborted: the worker saw the close, the pool has its slot.
+        await eventually(lambda: w.posts()[0].connection in w.closed_by_peer, 5)
+        pool = rt.plane.pools[w.url]
+        assert not pool.busy and not pool.waiting
+        assert rt.plane.stats.ended["gone"] == 1
+        w.script = answer_ok
+        status, _, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
+        assert status == 200 and len(w.posts()) == 2
+        stuck.close()
+
+
+async def test_a_slow_client_that_keeps_reading_is_not_cut_for_its_paused_writes() -> None:
+    total, piece = 24 * 1024 * 1024, 256 * 1024
+
+    async def flood(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(total // piece):
+            writer.write(b"%x\r\n%s\r\n" % (piece, b"x" * piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+
+    async with one_worker_and_a_client(flood, client_write_timeout_s=1.0) as (w, rt, client):
+        client.send(post(b"/v1/completions", COMPLETION))
+        await eventually(lambda: reading_held(rt, w.url), 10)  # its writes are paused
+        got = bytearray()
+        async with asyncio.timeout(20):
+            while not got.endswith(b"\r\n0\r\n\r\n"):
+                data = await client.reader.read(piece)
+                assert data, "the router closed the connection"
+                got += data
+                await asyncio.sleep(0.02)  # reads slower than the worker writes, steadily
+        assert len(got) > total and rt.plane.stats.closed["write_timeout"] == 0
+        assert len(rt.plane.connections) == 1
+        client.close()
+
+
 async def test_a_worker_that_does_not_read_pauses_reading_from_the_client() -> None:
     big = b'{"prompt": "' + b"y" * (24 * 1024 * 1024) + b'", "max_tokens": 1}'
     async with (

@@ -78,6 +78,7 @@ def invalid_settings(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], st
         "connect timeout 0": (["--upstream-connect-timeout-s", "0"], {}, "--upstream-connect"),
         "head timeout 0": (["--upstream-head-timeout-s", "0"], {}, "--upstream-head-timeout-s"),
         "stream idle 0": (["--stream-idle-timeout-s", "0"], {}, "--stream-idle-timeout-s"),
+        "write stall 0": (["--client-write-timeout-s", "0"], {}, "--client-write-timeout-s"),
         "idle expiry 0": (["--upstream-idle-expiry-s", "0"], {}, "--upstream-idle-expiry-s"),
         "per-worker 0": (["--upstream-connections-per-worker", "0"], {}, "--upstream-connections"),
         "control port = port": (["--port", "9000", "--control-port", "9000"], {}, "--control-port"),

@@ -6,7 +6,14 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.dataplane.flow import PEER_BACKPRESSURE, PIPELINED, Deadline, ReadGate
+from router.dataplane.flow import (
+    PEER_BACKPRESSURE,
+    PIPELINED,
+    STALL_CHECKS,
+    Deadline,
+    ReadGate,
+    WriteStall,
+)
 from router.log_tally import LogTally
 
 
@@ -143,3 +150,35 @@ def test_a_tally_says_the_first_event_then_the_rest_at_most_once_an_interval() -
     assert tally.count(110.0) == 4  # the three held back and this one
     assert tally.count(111.0, events=5) == 0
     assert tally.count(125.0, events=2) == 7  # a pass's crowd counts whole
+
+
+def run_stall(timeout_s: float, sent_at: Callable[[float], int], until: float) -> float | None:
+    """When `WriteStall` calls a client stalled (None: not by `until`), checked as the
+    connection checks it: first at its pause, at t=0, then at each delay it gives."""
+    rule = WriteStall(timeout_s)
+    now = 0.0
+    delay: float | None = rule.start(now, sent_at(now))
+    while delay is not None:
+        now += delay
+        if now > until:
+            return None
+        delay = rule.check(now, sent_at(now))
+    return now
+
+
+def test_a_paused_client_that_takes_nothing_is_stalled_at_the_timeout() -> None:
+    assert run_stall(60.0, lambda t: 1000, until=600) == 60.0
+
+
+def test_a_slow_client_that_keeps_taking_bytes_is_never_stalled() -> None:
+    # 16 B/s, seen a byte count at a time: every check finds more gone.
+    assert run_stall(60.0, lambda t: int(16 * t), until=3600) is None
+    # Its window opens in steps (a small receive buffer): each under a timeout apart.
+    assert run_stall(60.0, lambda t: 2048 * int(t // 50), until=3600) is None
+
+
+def test_a_client_that_stops_reading_is_stalled_within_a_check_of_the_timeout() -> None:
+    stopped = 100.0
+    at = run_stall(60.0, lambda t: int(16 * min(t, stopped)), until=3600)
+    assert at is not None
+    assert stopped + 60.0 <= at <= stopped + 60.0 * (1 + 1 / STALL_CHECKS)
