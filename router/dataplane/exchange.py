@@ -685,16 +685,23 @@ def classify_lost(reused: bool, retried: bool, answered_bytes: int) -> Failure:
     return "lost"
 
 
-def cut_tail(framing: Framing, sse: bool, reason: str, inside_event: bool = False) -> bytes:
-    """What the client gets before its connection is closed when a stream is cut: for an SSE
-    answer, an error event. The relay sent whole events only (`WholeEvents`), so the error
+def cut_tail(
+    framing: Framing,
+    sse: bool,
+    message: str,
+    inside_event: bool = False,
+    error_type: str = "upstream_error",
+) -> bytes:
+    """What the client gets before its connection is closed when a stream is cut (by its
+    worker, or by the replica's shutdown at the drain's end): for an SSE answer, an error
+    event saying `message`. The relay sent whole events only (`WholeEvents`), so the error
     event starts one of its own, and a client parses it as it parses any other; but for an
     event too long to hold, part of which went out (`inside_event`): it is ended first, else
     the error would join its last line."""
     if not sse or framing not in (Framing.CHUNKED, Framing.CLOSE):
         return b""  # a short Content-Length body, or a missing last chunk, shows the cut
     event = b"data: %b\n\n" % msgspec.json.encode(
-        {"error": {"message": f"the worker's stream broke: {reason}", "type": "upstream_error"}}
+        {"error": {"message": message, "type": error_type}}
     )
     if inside_event:
         event = b"\n\n" + event  # after a CR, its LF makes one CRLF: one more LF ends it

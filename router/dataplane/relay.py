@@ -172,12 +172,31 @@ class Relay:
         assert plan is not None
         self.conn = None
         log.warning("%s: the answer broke after its first byte: %s", self.describe(), reason)
-        # The event the worker broke off in was held, and goes with it.
-        events = self.events
-        inside = events is not None and events.inside_event
-        self.client.write(cut_tail(plan.framing, events is not None, reason, inside))
+        self.client.write(self._cut_tail(plan, f"the worker's stream broke: {reason}"))
         self._end("cut")
         self.client.cut()
+
+    def shut_down(self) -> None:
+        """The replica stops (its drain ran out) with this answer begun: the worker's request
+        is dropped, and the client gets what a stream its worker cut gets (`cut_tail`), so
+        that an answer cut here never looks complete either (over HTTP/1.0 the close alone
+        reads as its end). Its outcome is counted as the client's connection closes
+        (`client_gone`), as before."""
+        plan = self.plan
+        assert plan is not None
+        if self.conn is not None:
+            self.conn.abort()  # the pools' close would report it to this relay as a cut
+            self.conn = None
+        message = "the router shut down before the answer ended: send the request again"
+        self.client.write(self._cut_tail(plan, message, "service_unavailable"))
+
+    def _cut_tail(
+        self, plan: ResponsePlan, message: str, error_type: str = "upstream_error"
+    ) -> bytes:
+        # The event the stream broke off in was held, and goes with it.
+        events = self.events
+        inside = events is not None and events.inside_event
+        return cut_tail(plan.framing, events is not None, message, inside, error_type)
 
     def upstream_read(self) -> None:
         self.client.flush()

@@ -279,7 +279,7 @@ class DataPlane:
         for task in self._adopting:
             task.cancel()
         for conn in [*self.connections, *self.control_connections]:
-            conn.abort("shutdown")
+            conn.shut_down()
         for pool in self.pools.values():
             pool.close()
         self.encodes.close()
@@ -875,6 +875,17 @@ class ClientConnection(asyncio.Protocol):
     def close_if_idle(self) -> None:
         if not self._answering and not self._queue and self._incoming is None:
             self._close("drain")
+
+    def shut_down(self) -> None:
+        """The replica stops: an answer begun gets a cut stream's tail (`Relay.shut_down`)
+        and its connection closes after it; any other connection is aborted."""
+        relay = self._relay
+        if relay is None or relay.plan is None or relay.done or self._closed:
+            self.abort("shutdown")
+            return
+        relay.shut_down()
+        self.flush()
+        self._close("shutdown")
 
     def abort(self, why: str) -> None:
         self.plane.stats.closed[why] += 1

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
+import httptools
 import pytest
 from aiohttp import web
 
@@ -112,6 +114,57 @@ async def test_a_stream_longer_than_the_drain_timeout_is_cut_at_the_timeout_and_
     assert b"[DONE]" not in raw
     assert len(sse_data(raw)) < max_tokens
     assert "drain timeout: 1 request(s) still in flight are cut" in rt.child.output()
+
+
+class _Answer:
+    """An answer's body, de-chunked, and whether its framing ended it."""
+
+    def __init__(self) -> None:
+        self.body = bytearray()
+        self.complete = False
+
+    def on_body(self, data: bytes) -> None:
+        self.body += data
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+
+@pytest.mark.parametrize("version", [b"1.0", b"1.1"])
+async def test_a_stream_cut_at_the_drain_timeout_ends_with_an_error_event_as_a_worker_cut_does(
+    cluster: Cluster, version: bytes
+) -> None:
+    """Cut at the drain's end, a stream closed with no error event: over HTTP/1.0 (no chunk
+    framing) a clean close, which reads as a complete answer."""
+    max_tokens = 500  # 10 s of decoding
+    fw, rt = await worker_and_router(cluster, drain_timeout_s=1.0)
+    host, port = rt.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = b'{"prompt": "an endless story", "max_tokens": %d, "stream": true}' % max_tokens
+    writer.write(
+        b"POST /v1/completions HTTP/%b\r\nHost: r\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (version, len(body), body)
+    )
+    raw = await asyncio.wait_for(
+        reader.readuntil(b"\n\n\r\n" if version == b"1.1" else b"}\n\n"), 10
+    )
+    rt.child.send(signal.SIGTERM)
+    raw += await asyncio.wait_for(reader.read(), 15)  # to the close
+    writer.close()
+    assert await rt.child.wait_exit(15) == 0, rt.child.output()
+
+    answer = _Answer()
+    httptools.HttpResponseParser(answer).feed_data(raw)
+    assert raw.startswith(b"HTTP/1.1 200")
+    if version == b"1.1":
+        assert b"transfer-encoding: chunked" in raw.partition(b"\r\n\r\n")[0].lower()
+        assert not answer.complete  # no last chunk: the cut shows
+    events = sse_data(bytes(answer.body))
+    assert b"[DONE]" not in events and 0 < len(events) < max_tokens
+    error = json.loads(events[-1])["error"]
+    assert error["type"] == "service_unavailable"
+    assert "shut down before the answer ended" in error["message"]
+    assert (await fw.state())["requests"] == 1  # nothing retried
 
 
 @contextlib.asynccontextmanager
