@@ -16,8 +16,9 @@ request aborted, so that it holds no connection to a worker.
 `DataPlane` holds what every connection shares: the listening sockets and their accept thread
 (`door`), the limits, the routing parts, one `UpstreamPool` per worker, the control app's
 aiohttp server (for `control_link`), the open connections (at most `max_connections`: one
-more is answered with a 503 and closed, counted, and logged at most once a minute; the
-`--control-port` listener's are bounded and logged apart; it answers no CORS) and the counters
+more is answered with a 503 and closed, counted, and logged at most once a minute, but for a
+scrape of the metrics, let in past it for one answer; the `--control-port` listener's are
+bounded and logged apart; it answers no CORS) and the counters
 behind the data plane's metrics.
 """
 
@@ -98,6 +99,11 @@ MAX_PIPELINED: Final = 32
 LINGER_S: Final = 2.0
 MAX_LINGERING_REFUSALS: Final = 64
 CONTROL_MAX_CONNECTIONS: Final = 256  # on the `--control-port` listener
+# Metrics scrapes admitted past `--max-connections` at once (`ClientConnection._admit_scrape`):
+# a Prometheus pair, an operator's curl, and some to spare.
+SCRAPE_MAX_CONNECTIONS: Final = 8
+# A connection whose first bytes are one of these asks for the metrics.
+_SCRAPE_LINES: Final = (b"GET /metrics ", b"GET /metrics?")
 _SERVED_VERSIONS: Final = frozenset({"1.1", "1.0"})
 # Routing work (decode, tokenize, keys, index, policy, the first write upstream) one turn of
 # the event loop may do before the rest waits for the next turn. On a saturated loop every
@@ -203,6 +209,14 @@ class DataPlane:
             f"the control port's fixed limit ({CONTROL_MAX_CONNECTIONS}); find what holds "
             "so many peer or admin connections open",
         )
+        # Scrapes of the metrics let in past `--max-connections`, for one answer each.
+        self.scrape_connections: set[ClientConnection] = set()
+        self.scrape_bound = Bound(
+            self.scrape_connections,
+            SCRAPE_MAX_CONNECTIONS,
+            f"the --max-connections limit and the {SCRAPE_MAX_CONNECTIONS} metrics scrapes "
+            "let in past it; raise it (and the file limit) or add replicas",
+        )
         self.pools: dict[str, UpstreamPool] = {}
         self.draining = False
         self.doors: list[Door] = []
@@ -268,7 +282,7 @@ class DataPlane:
     def begin_drain(self) -> None:
         """Answers from now on close their connection; idle connections close now."""
         self.draining = True
-        for conn in [*self.connections, *self.control_connections]:
+        for conn in self._every_connection():
             conn.close_if_idle()
 
     async def close(self) -> None:
@@ -278,13 +292,16 @@ class DataPlane:
             door.close()
         for task in self._adopting:
             task.cancel()
-        for conn in [*self.connections, *self.control_connections]:
+        for conn in self._every_connection():
             conn.shut_down()
         for pool in self.pools.values():
             pool.close()
         self.encodes.close()
         if self._adopting:
             await asyncio.gather(*self._adopting, return_exceptions=True)
+
+    def _every_connection(self) -> list[ClientConnection]:
+        return [*self.connections, *self.control_connections, *self.scrape_connections]
 
     # -- shared parts ----------------------------------------------------------------------
 
@@ -511,6 +528,7 @@ class ClientConnection(asyncio.Protocol):
         self.plane = plane
         self._control_only = control_only
         self._bound = plane.control_bound if control_only else plane.client_bound
+        self._scrape = False  # let in past the bound for one metrics scrape (`_admit_scrape`)
         # None on the `--control-port` listener: it serves no browser route, and a preflight
         # of one answered there let a page send a POST that was the control app's 404.
         self.cors = None if control_only else plane.cors
@@ -549,8 +567,7 @@ class ClientConnection(asyncio.Protocol):
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = transport = cast(asyncio.Transport, transport)
         plane = self.plane
-        members = self._bound.members
-        if len(members) >= self._bound.most:
+        if len(self._bound.members) >= self._bound.most and not self._admit_scrape():
             self._closed = True
             if self._phase == "idle":
                 # The door answered a probe on it, which asked to keep it: that answer was
@@ -562,12 +579,30 @@ class ClientConnection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        members.add(self)
+        self._bound.members.add(self)
         self.gate = ReadGate(transport)
         self._arm()
         first, self._first = self._first, b""
         if first:
             self.data_received(first)
+
+    def _admit_scrape(self) -> bool:
+        """Past `--max-connections`, a connection whose first request is a scrape of the
+        metrics is let in, up to `SCRAPE_MAX_CONNECTIONS` at once, for that answer alone (it
+        closes after it, and what came behind it is never read), as the door answers the
+        probes past it: the refusals at the limit are seen by that scrape (the
+        `KvrouterConnectionsRefused` alert), which was refused with the rest."""
+        plane = self.plane
+        scrape = plane.scrape_bound
+        if (
+            self._bound is not plane.client_bound
+            or not self._first.startswith(_SCRAPE_LINES)
+            or len(scrape.members) >= scrape.most
+        ):
+            return False
+        self._bound = scrape
+        self._scrape = True
+        return True
 
     def data_received(self, data: bytes) -> None:
         if self._stopped or self._closed:
@@ -799,7 +834,7 @@ class ClientConnection(asyncio.Protocol):
     # -- answering -------------------------------------------------------------------------
 
     def keep_alive(self, head: RequestHead) -> bool:
-        return head.keep_alive and not self.plane.draining
+        return head.keep_alive and not self.plane.draining and not self._scrape
 
     def write(self, data: bytes) -> None:
         if self._held is not None:

@@ -278,6 +278,45 @@ async def test_each_listeners_refusals_are_logged_apart_with_their_own_limit_and
             client.close()
 
 
+async def test_the_metrics_are_scraped_at_the_connection_limit_and_nothing_else_gets_in() -> None:
+    """At `--max-connections` the scrape of /metrics was refused with the rest (the probes
+    were answered by the door): the refusals, which the critical `KvrouterConnectionsRefused`
+    alert reads, could not be scraped while they happened."""
+    async with router_in_process(max_connections=2) as rt:
+        held = [await RawClient.open(rt.url) for _ in range(2)]
+        await eventually(lambda: len(rt.plane.connections) == 2)
+        refused = await RawClient.open(rt.url)
+        refused.send(b"GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n")
+        answer = await refused.answer()
+        assert answer is not None and answer.status == 503
+        # A scrape gets its answer, then the close: what it sent behind it is never served.
+        scrape = await RawClient.open(rt.url)
+        scrape.send(
+            b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\n{}"
+        )
+        answer = await scrape.answer()
+        assert answer is not None and answer.status == 200
+        assert answer.header(b"Connection") == b"close"
+        assert b"kvrouter_client_connections_refused_total 1.0" in answer.body
+        assert await scrape.closed()
+        assert await scrape.answer() is None
+        assert rt.plane.stats.connections_refused == 1
+        assert not rt.plane.scrape_connections and len(rt.plane.connections) == 2
+        # The reserve is for scrapes at once: as many as it holds, then refused.
+        scrapes = [await RawClient.open(rt.url) for _ in range(server.SCRAPE_MAX_CONNECTIONS)]
+        for client in scrapes:
+            client.send(b"GET /metrics HTTP/1.1\r\nHo")  # its head not ended: it stays
+        await eventually(lambda: len(rt.plane.scrape_connections) == server.SCRAPE_MAX_CONNECTIONS)
+        extra = await RawClient.open(rt.url)
+        extra.send(b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
+        answer = await extra.answer()
+        assert answer is not None and answer.status == 503
+        assert rt.plane.stats.connections_refused == 2
+        for client in [*held, *scrapes]:
+            client.close()
+
+
 # One request each, the router answers itself: a 413, a 501 and a 400 that close, a 405 asked
 # to close.
 HTTP_LAYER_REFUSALS: Final = {
