@@ -742,8 +742,11 @@ def events_end(data: bytes, before: bytes = b"") -> int:
 
 
 # The most of one SSE event held back (`WholeEvents`): an engine's event is a token or a few,
-# a few kB with logprobs; a stream with no blank line must not grow the router's memory.
-MAX_HELD_EVENT_BYTES: Final = 1 << 20
+# a few kB with logprobs; a stream with no blank line must not grow the router's memory. It is
+# also what a client that does not read costs past its write buffer's mark (64 KiB) and the
+# read that went over it: an event held whole is written whole. At 1 MiB, events of ~1 MB (a
+# vLLM `echo` of a long prompt) cost ~1 MB a client that did not read them (300: +267 MB).
+MAX_HELD_EVENT_BYTES: Final = 64 * 1024
 
 
 @dataclass(slots=True)

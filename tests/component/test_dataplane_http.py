@@ -2593,6 +2593,46 @@ async def test_a_client_that_stops_reading_is_cut_and_frees_its_worker_connectio
         stuck.close()
 
 
+async def test_a_client_that_does_not_read_big_sse_events_costs_a_bounded_share_of_memory() -> None:
+    """Events of 1,000,000 B (a vLLM `echo` of a long prompt) were held whole, up to 1 MiB,
+    then written whole past the write buffer's mark: ~1 MB of the router's memory for each
+    client that does not read (300 of them: RSS 52 -> 319 MB)."""
+    event = b'data: {"text": "%s"}\n\n' % (b"x" * 1_000_000)
+
+    async def big_events(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        for _ in range(4):
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+        await asyncio.Event().wait()  # the stream goes on, silent
+
+    async with scripted_worker(big_events) as w, router_in_process(workers=[w.url]) as rt:
+        await routable(rt, w.url)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client's small window
+        sock.setblocking(False)
+        host, port = rt.url.removeprefix("http://").rsplit(":", 1)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        client = RawClient(*await asyncio.open_connection(sock=sock))
+        await eventually(lambda: rt.plane.connections)
+        (conn,) = rt.plane.connections
+        assert conn.transport is not None
+        # The send buffer of a network path (loopback's grows to 4 MiB and hides the cost).
+        conn.transport.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024
+        )
+        client.send(post(b"/v1/completions", STREAM))  # and never reads
+        await eventually(lambda: reading_held(rt, w.url), 10)
+        # README "Memory": the event held (64 KiB at most), the write buffer's high-water mark
+        # (64 KiB) and the upstream read that went past it (256 KiB at most).
+        kept = conn.transport.get_write_buffer_size()
+        assert kept <= 384 * 1024, kept
+        client.close()
+
+
 async def test_a_slow_client_that_keeps_reading_is_not_cut_for_its_paused_writes() -> None:
     total, piece = 24 * 1024 * 1024, 256 * 1024
 

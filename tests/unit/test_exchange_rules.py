@@ -667,7 +667,7 @@ ONE, TWO = b'data: {"n": 1}', b'data: {"n": 2}'
         ([ONE + b"\r\n", b"\r\n", TWO + b"\r", b"\n\r\n"], [ONE, TWO]),
         ([ONE + b"\n\n" + TWO + b"\n\nda"], [ONE, TWO]),
         ([ONE + b"\n\n" + TWO[:12]], [ONE]),  # the worker died inside an event
-        ([ONE + b"\n\n", b"data: ", b"x" * 70_000], [ONE]),
+        ([ONE + b"\n\n", b"data: ", b"x" * (MAX_HELD_EVENT_BYTES - 100)], [ONE]),  # held
     ],
 )
 def test_an_sse_stream_cut_anywhere_reaches_the_client_as_whole_events_then_the_error(
