@@ -1263,8 +1263,10 @@ class ClientConnection(asyncio.Protocol):
     def _check_stall(self) -> None:
         """A paused client's progress is checked (`flow.WriteStall`): one that took nothing
         for the timeout is cut (the abort drops what it was owed; `connection_lost` aborts
-        the upstream request, which frees its connection to the worker)."""
-        if self._closed or not self.write_paused or self._stall is None:
+        the upstream request, which frees its connection to the worker). So is one closed
+        already (idle after its answer, draining) whose last answer it does not read: a close
+        waits for the buffer to be sent, and kept its socket and buffer for as long."""
+        if not self.write_paused or self._stall is None or self.transport is None:
             return
         rule, deadline = self._stall
         plane = self.plane
@@ -1282,7 +1284,10 @@ class ClientConnection(asyncio.Protocol):
                 rule.timeout_s,
                 _LOG_EVERY_S,
             )
-        self.abort("write_timeout")
+        if self._closed:
+            self.transport.abort()  # its close was counted, under the reason it closed for
+        else:
+            self.abort("write_timeout")
 
     def _close(self, why: str) -> None:
         if self._closed:

@@ -2593,6 +2593,50 @@ async def test_a_client_that_stops_reading_is_cut_and_frees_its_worker_connectio
         stuck.close()
 
 
+async def open_small_window(rt: RouterHandle) -> tuple[RawClient, server.ClientConnection]:
+    """A client with a small receive buffer, and its connection in the replica with the send
+    buffer of a network path (loopback's grows to 4 MiB and takes whole answers in)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    host, port = rt.url.removeprefix("http://").rsplit(":", 1)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    client = RawClient(*await asyncio.open_connection(sock=sock))
+    await eventually(lambda: rt.plane.connections)
+    (conn,) = rt.plane.connections
+    assert conn.transport is not None
+    conn.transport.get_extra_info("socket").setsockopt(
+        socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024
+    )
+    return client, conn
+
+
+async def test_a_connection_closed_idle_with_its_last_answer_unread_goes_at_the_write_timeout() -> (
+    None
+):
+    """A close waits for the write buffer to be sent: a client that took its answer's head
+    and nothing more, then idled past the keep-alive timeout, kept its socket and buffer."""
+    body = b"x" * 300_000
+
+    async def big(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(respond(200, body, b"Content-Type: application/json"))
+
+    async with (
+        scripted_worker(big) as w,
+        router_in_process(
+            workers=[w.url], keepalive_timeout_s=0.2, client_write_timeout_s=0.5
+        ) as rt,
+    ):
+        await routable(rt, w.url)
+        client, conn = await open_small_window(rt)
+        client.send(post(b"/v1/completions", COMPLETION))  # and never reads
+        await eventually(lambda: rt.plane.stats.closed["idle"] == 1, 10)
+        assert conn.write_paused  # its answer was relayed whole, and is still unsent
+        await eventually(lambda: not rt.plane.connections, 10)
+        assert rt.plane.stats.closed == {"idle": 1}  # each connection counted once
+        client.close()
+
+
 async def test_a_client_that_does_not_read_big_sse_events_costs_a_bounded_share_of_memory() -> None:
     """Events of 1,000,000 B (a vLLM `echo` of a long prompt) were held whole, up to 1 MiB,
     then written whole past the write buffer's mark: ~1 MB of the router's memory for each
@@ -2611,19 +2655,7 @@ async def test_a_client_that_does_not_read_big_sse_events_costs_a_bounded_share_
 
     async with scripted_worker(big_events) as w, router_in_process(workers=[w.url]) as rt:
         await routable(rt, w.url)
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client's small window
-        sock.setblocking(False)
-        host, port = rt.url.removeprefix("http://").rsplit(":", 1)
-        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
-        client = RawClient(*await asyncio.open_connection(sock=sock))
-        await eventually(lambda: rt.plane.connections)
-        (conn,) = rt.plane.connections
-        assert conn.transport is not None
-        # The send buffer of a network path (loopback's grows to 4 MiB and hides the cost).
-        conn.transport.get_extra_info("socket").setsockopt(
-            socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024
-        )
+        client, conn = await open_small_window(rt)
         client.send(post(b"/v1/completions", STREAM))  # and never reads
         await eventually(lambda: reading_held(rt, w.url), 10)
         # README "Memory": the event held (64 KiB at most), the write buffer's high-water mark
