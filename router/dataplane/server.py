@@ -209,13 +209,11 @@ class DataPlane:
             f"the control port's fixed limit ({CONTROL_MAX_CONNECTIONS}); find what holds "
             "so many peer or admin connections open",
         )
-        # Scrapes of the metrics let in past `--max-connections`, for one answer each.
+        # Scrapes of the metrics let in past `--max-connections`, for one answer each. Never
+        # refused under this bound: one past it is refused under the client port's.
         self.scrape_connections: set[ClientConnection] = set()
         self.scrape_bound = Bound(
-            self.scrape_connections,
-            SCRAPE_MAX_CONNECTIONS,
-            f"the --max-connections limit and the {SCRAPE_MAX_CONNECTIONS} metrics scrapes "
-            "let in past it; raise it (and the file limit) or add replicas",
+            self.scrape_connections, SCRAPE_MAX_CONNECTIONS, self.client_bound.limit
         )
         self.pools: dict[str, UpstreamPool] = {}
         self.draining = False
