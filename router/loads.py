@@ -55,8 +55,10 @@ stated 1e308 reached the cost function (an OverflowError on every request), the 
 check and the /metrics scrape. A rank at or past `MAX_DP_SIZE` is never built, and what a
 poll reads is bounded too: a `/v1/loads` body at most `LOADS_MAX_BODY_BYTES`, a `/metrics`
 body at most `METRICS_MAX_BODY_BYTES`, of which at most `MAX_METRIC_SAMPLES` lines of the
-gauges we read are handed to the parser (more is a parse failure, `too_many_samples`): the
-parse runs on the event loop, and 8 MiB of wanted gauge lines took 1.6 s of it every tick.
+gauges we read, `MAX_METRIC_SAMPLE_BYTES` in all, are parsed (more is a parse failure,
+`too_many_samples`): the parse runs on the event loop, and 8 MiB of wanted gauge lines took
+1.6 s of it every tick, as 900 lines of 250 labels each (1.9 MiB) took 3.3 s with
+prometheus_client's parser, which the parse no longer uses (`_SAMPLE_LINE`).
 
 The parsers and the probe are plain functions and a small class; `LoadMonitor` is the thin
 asyncio shell that does HTTP and keeps counters. Counters are plain `collections.Counter`s:
@@ -78,7 +80,6 @@ from types import MappingProxyType
 from typing import Final
 
 import msgspec
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.dataplane.polling import PollClient
 
@@ -92,9 +93,14 @@ ABSENT_STATUSES: Final = frozenset({404, 405, 501})
 # LoRAs); the bounds leave room for that and no more, since the poll parses on the loop.
 LOADS_MAX_BODY_BYTES: Final = 512 * 1024  # ~500 B a rank at MAX_DP_SIZE ranks
 METRICS_MAX_BODY_BYTES: Final = 2 * 1024 * 1024
-# Lines of the gauges we read handed to prometheus_client's pure-Python parser (~11 us each):
-# four a rank and served model name for vLLM, so 512 ranks of one model. ~25 ms at the bound.
+# Lines of the gauges we read, and their bytes, that a poll parses on the loop (`_SAMPLE_LINE`,
+# a regex call a line): four lines a rank and served model name for vLLM, so 512 ranks of one
+# model; ~1.1 KiB of them a rank with its long cache config line, so ~230 ranks by bytes. The
+# bytes bound the labels all lines may carry, which the parse pays for one by one: the worst
+# shape within both (256 KiB of 5-byte labels) costs ~7x what 2,048 real lines do, and about
+# what 2,048 real lines cost prometheus_client's parser.
 MAX_METRIC_SAMPLES: Final = 2048
+MAX_METRIC_SAMPLE_BYTES: Final = 256 * 1024
 MAX_REPORTED: Final = 2**48  # the largest count, capacity or slot figure believed
 OUT_OF_RANGE_FIELDS: Final = ("running", "waiting", "usage", "capacity", "slots")
 # The most dp ranks one worker may have: registration refuses a worker stating more
@@ -273,9 +279,24 @@ _WANTED: Final = frozenset(
 )
 # A sample line of a gauge we read: found by one C-level scan of the text, so a body of
 # histogram buckets costs no Python per line. Comment lines are left out: every name read is a
-# gauge, which the parser takes as the same samples untyped.
+# gauge, whose TYPE and HELP lines say nothing its samples do not.
 _WANTED_LINE: Final = re.compile(
     "^(?:" + "|".join(map(re.escape, sorted(_WANTED))) + ")[{ \t][^\r\n]*", re.MULTILINE
+)
+# A kept line is read by these two, in C but for a Python call a line: prometheus_client's
+# parser steps through a line a character at a time in Python (~1.5 us a byte on a busy core),
+# so a worker sending long label sets on lines of the gauges we read held the loop seconds a
+# poll. A value is what the line states between its label set and an optional timestamp, read
+# by float(); a label's value is kept escaped (every label read is a number, which no escape
+# spells).
+_NAME: Final = r"[a-zA-Z_][a-zA-Z0-9_]*"
+_ESCAPED: Final = r'(?:[^"\\\n]|\\.)*'
+_LABEL: Final = re.compile(rf'({_NAME})[ \t]*=[ \t]*"({_ESCAPED})"')  # name, value
+_ONE_LABEL: Final = rf'[ \t]*{_NAME}[ \t]*=[ \t]*"{_ESCAPED}"[ \t]*'
+# name, label set (without its braces), value
+_SAMPLE_LINE: Final = re.compile(
+    rf"([^{{ \t]+)(?:\{{((?:{_ONE_LABEL},)*(?:{_ONE_LABEL})?)\}})?"
+    r"[ \t]+([^\s_]+)(?:[ \t]+\S+)?[ \t]*"  # the value, then a timestamp, not read
 )
 _NO_LOADS: Final[Mapping[int, EngineLoad]] = MappingProxyType({})
 _RANK_LABELS: Final = ("dp_rank", "engine")  # SGLang's, then vLLM's (one engine core per rank)
@@ -301,7 +322,8 @@ def vllm_block_size(text: str) -> int | None:
 
 
 class TooManySamples(ValueError):
-    """A `/metrics` body with more lines of the load gauges than `MAX_METRIC_SAMPLES`."""
+    """A `/metrics` body with more lines of the load gauges than `MAX_METRIC_SAMPLES`, or more
+    bytes of them than `MAX_METRIC_SAMPLE_BYTES`."""
 
 
 def parse_metrics_text(
@@ -315,36 +337,44 @@ def parse_metrics_text(
     name) are added up for the request counts; for KV usage, a fraction, and for capacity
     the largest one is taken. vLLM's capacity is `num_gpu_blocks * block_size` from the
     labels of `vllm:cache_config_info`. A figure above `MAX_REPORTED` (a sample, or a sum of
-    them) is unknown, counted by field in `out_of_range`. Raises ValueError when the text
-    does not parse, or holds more than `MAX_METRIC_SAMPLES` lines of the gauges we read.
+    them) is unknown, counted by field in `out_of_range`. Raises ValueError when a line of
+    the gauges we read does not parse, and TooManySamples (a ValueError) when there are more
+    than `MAX_METRIC_SAMPLES` of them or more than `MAX_METRIC_SAMPLE_BYTES` in all, before
+    reading any.
 
-    Only the lines of the gauges we read are handed to the parser: a vLLM `/metrics` is
-    mostly histogram buckets, and the pure-Python parser would spend its time on them.
+    Only the lines of the gauges we read are parsed: a vLLM `/metrics` is mostly histogram
+    buckets, which one regex scan of the text skips.
     """
     kept = _WANTED_LINE.findall(text)
     if len(kept) > MAX_METRIC_SAMPLES:
         raise TooManySamples(
             f"too many samples: {len(kept)} lines of the load gauges, at most {MAX_METRIC_SAMPLES}"
         )
+    size = sum(map(len, kept))
+    if size > MAX_METRIC_SAMPLE_BYTES:
+        raise TooManySamples(
+            f"too many samples: {size} bytes of load gauge lines, at most {MAX_METRIC_SAMPLE_BYTES}"
+        )
     found: dict[str, dict[int, list[float]]] = {}
     try:
-        for family in text_string_to_metric_families("\n".join(kept) + "\n"):
-            for sample in family.samples:
-                name = sample.name
-                if name not in _WANTED:
-                    continue
-                value = float(sample.value)
-                if name == _VLLM_CACHE_INFO:
-                    # An info gauge: the figures are in the labels, the value is always 1.
-                    value = _vllm_pool_tokens(sample.labels)
-                if not value >= 0:  # NaN too (a vLLM still profiling: "None" blocks)
-                    continue
-                if _past_belief(value, _FIELD_OF[name], out_of_range):
-                    continue
-                rank = _rank_label(sample.labels)
-                if rank < ranks:
-                    found.setdefault(name, {}).setdefault(rank, []).append(value)
-    except (ValueError, TypeError, IndexError, OverflowError) as exc:
+        for line in kept:
+            sample = _SAMPLE_LINE.fullmatch(line)
+            if sample is None:
+                raise ValueError(f"not a sample line: {line[:80]!r}")
+            name, label_text, value_text = sample.groups()
+            value = float(value_text)
+            labels = dict(_LABEL.findall(label_text)) if label_text else {}
+            if name == _VLLM_CACHE_INFO:
+                # An info gauge: the figures are in the labels, the value is always 1.
+                value = _vllm_pool_tokens(labels)
+            if not value >= 0:  # NaN too (a vLLM still profiling: "None" blocks)
+                continue
+            if _past_belief(value, _FIELD_OF[name], out_of_range):
+                continue
+            rank = _rank_label(labels)
+            if rank < ranks:
+                found.setdefault(name, {}).setdefault(rank, []).append(value)
+    except ValueError as exc:
         raise ValueError(f"unparseable Prometheus text: {exc}") from None
     running = _pick(found, _RUNNING_NAMES, sum)
     waiting = _pick(found, _WAITING_NAMES, sum)

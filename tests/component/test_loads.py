@@ -326,11 +326,33 @@ async def test_crafted_metrics_figures_are_unknown_counted_and_logged_once(
         assert warnings[0].exc_info is None  # a figure past belief, not a traceback
 
 
+def many_labels_metrics(lines: int = 900, labels: int = 250) -> str:
+    """Load gauge lines within `MAX_METRIC_SAMPLES` and `METRICS_MAX_BODY_BYTES` (1.9 MiB) whose
+    label sets prometheus_client's parser took 3.3 s to read, every poll."""
+    many = ",".join(f'l{j}="v"' for j in range(labels))
+    return "".join(
+        f'vllm:num_requests_running{{engine="0",{many},m="{i}"}} 1\n' for i in range(lines)
+    )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param(
+            "".join(
+                f'vllm:num_requests_waiting{{engine="0",model_name="m{i}"}} 0\n'
+                for i in range(MAX_METRIC_SAMPLES + 1)
+            ),
+            id="lines",
+        ),
+        pytest.param(many_labels_metrics(), id="labels"),
+    ],
+)
 async def test_a_metrics_body_of_too_many_load_gauge_lines_is_a_counted_failure_logged_once(
-    caplog: pytest.LogCaptureFixture,
+    text: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    line = 'vllm:num_requests_waiting{{engine="0",model_name="m{}"}} 0\n'
-    scripts = {"/metrics": [reply(200, "".join(map(line.format, range(MAX_METRIC_SAMPLES + 1))))]}
+    assert len(text) < METRICS_MAX_BODY_BYTES
+    scripts = {"/metrics": [reply(200, text)]}
     async with ScriptedEngine(scripts) as eng, monitor() as mon:
         mon.add_worker(eng.url)
         await mon.poll_once()

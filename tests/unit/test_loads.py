@@ -9,6 +9,7 @@ import pytest
 
 from router.loads import (
     MAX_DP_SIZE,
+    MAX_METRIC_SAMPLE_BYTES,
     MAX_METRIC_SAMPLES,
     MAX_REPORTED,
     METRICS_MAX_BODY_BYTES,
@@ -356,6 +357,54 @@ def test_metrics_with_more_load_gauge_lines_than_the_bound_fail_before_parsing()
     assert parse_metrics_text(text) == {0: EngineLoad(waiting=0)}
     with pytest.raises(TooManySamples, match="too many samples"):
         parse_metrics_text(text + line.format("last"))
+
+
+def test_metrics_with_more_load_gauge_bytes_than_the_bound_fail_before_parsing() -> None:
+    # 900 lines of 250 labels: within the line bound, and each line read cost the loop ~4 ms.
+    many = ",".join(f'l{j}="v"' for j in range(250))
+    line = 'vllm:num_requests_running{{engine="0",{},m="{}"}} 1\n'
+    text = "".join(line.format(many, i) for i in range(900))
+    assert len(text) < METRICS_MAX_BODY_BYTES
+    with pytest.raises(TooManySamples, match="bytes of load gauge lines"):
+        parse_metrics_text(text)
+    within = "".join(
+        line.format(many, i) for i in range(MAX_METRIC_SAMPLE_BYTES // len(line.format(many, 999)))
+    )
+    assert parse_metrics_text(within) == {0: EngineLoad(running=len(within.splitlines()))}
+
+
+@pytest.mark.parametrize(
+    ("line", "rank"),
+    [
+        # A value spelling another label, quotes and braces escaped: read as one value.
+        ('vllm:num_requests_running{model_name="a,engine=\\"7\\"} x",engine="1"} 3', 1),
+        ('vllm:num_requests_running{model_name="a\\\\",engine="1",} 3', 1),
+        ('vllm:num_requests_running{ engine = "1" , model_name="m\\nn" } 3 1700000000000', 1),
+        ('vllm:num_requests_running{model_name="engine=\\"1\\""} 3', 0),
+        ("vllm:num_requests_running 3", 0),
+        ("vllm:num_requests_running{} 3", 0),
+    ],
+)
+def test_a_sample_line_is_read_label_by_label_as_prometheus_writes_them(
+    line: str, rank: int
+) -> None:
+    assert parse_metrics_text(line + "\n") == {rank: EngineLoad(running=3)}
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'vllm:num_requests_running{engine="1" 3',
+        'vllm:num_requests_running{engine="1} 3',
+        "vllm:num_requests_running{engine=1} 3",
+        'vllm:num_requests_running{engine="1"engine="2"} 3',
+        'vllm:num_requests_running{engine="1"} 1_000',
+        'vllm:num_requests_running{engine="1"}',
+    ],
+)
+def test_a_sample_line_that_prometheus_would_refuse_is_unparseable(line: str) -> None:
+    with pytest.raises(ValueError, match="unparseable"):
+        parse_metrics_text(line + "\n")
 
 
 def test_metrics_samples_of_ranks_past_the_dp_size_are_dropped() -> None:
