@@ -410,6 +410,9 @@ def _worker_view(replica: Replica, worker: Any) -> dict[str, Any]:
                 "inflight": replica.inflight[rank],
                 "subscriber": _subscriber_view(replica, rank),
                 "load": msgspec.to_builtins(replica.loads.get(worker.url, rank.dp_rank)),
+                # What the policy and the capacity check price: the last pool stated and
+                # believed, kept while `load` (the latest read) goes stale or reads unknown.
+                "capacity_tokens": replica.loads.capacity_tokens(worker.url, rank.dp_rank),
             }
             for rank in worker.ranks()
         ],

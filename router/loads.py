@@ -43,14 +43,17 @@ last value a read reported is kept while the worker stays registered, stale or n
 forgotten when the worker is removed or registered again. A capacity of 0, a vLLM
 `num_gpu_blocks="None"` (an engine still profiling its memory) or a missing `block_size` label
 is unknown (None), never 0: a rank that seems to hold nothing would look full. So is a pool
-below one block in `capacity_blocks` (the capacity check had read it as 0 blocks and cleared
-the rank every 10 s, while the policy read it as unknown).
+below one block of the fleet's size (the capacity check had read it as 0 blocks and cleared
+the rank every 10 s, while the policy read it as unknown): read as unknown at the poll once
+the block size is known (`block_size`), counted and logged as a figure out of range, and in
+`capacity_blocks` whatever was kept before it was known.
 
 Every number read from a worker is bounded here, at the parse, once per poll (the request
 path and the scrape read the figures as they are): a count, a capacity in tokens or in blocks
 times the block size, or a slot count above `MAX_REPORTED` (2**48, ~2.8e14; the largest real
 KV pool is ~1e7 tokens) is unknown, as if not reported, and counted per field in
-`LoadMonitor.out_of_range` (logged once per registration of the worker). Unbounded, a
+`LoadMonitor.out_of_range` (logged once per registration of the worker), as is a capacity
+below one block. Unbounded, a
 stated 1e308 reached the cost function (an OverflowError on every request), the capacity
 check and the /metrics scrape. A rank at or past `MAX_DP_SIZE` is never built, and what a
 poll reads is bounded too: a `/v1/loads` body at most `LOADS_MAX_BODY_BYTES`, a `/metrics`
@@ -68,6 +71,7 @@ the app reads them at scrape time, so nothing here imports prometheus_client's r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import re
@@ -471,7 +475,10 @@ class LoadMonitor:
         stale_after_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Sleep = asyncio.sleep,
+        block_size: Callable[[], int | None] = lambda: None,
     ) -> None:
+        """`block_size`: the fleet's block size, None while unknown (a capacity below one
+        block is then read as unknown at the poll)."""
         if interval_s <= 0 or timeout_s <= 0:
             raise ValueError("interval_s and timeout_s must be > 0")
         self.interval_s = interval_s
@@ -480,11 +487,13 @@ class LoadMonitor:
         self.stale_after_s = 3 * interval_s + timeout_s if stale_after_s is None else stale_after_s
         self.probe_outcomes: Counter[str] = Counter()  # ProbeOutcome value -> count
         self.poll_errors: Counter[str] = Counter()  # reason -> ticks that yielded no loads
-        # field (running, waiting, usage, capacity, slots) -> figures above MAX_REPORTED
+        # field (running, waiting, usage, capacity, slots) -> figures above MAX_REPORTED, and
+        # capacities below one block
         self.out_of_range: Counter[str] = Counter()
         self._client = client
         self._clock = clock
         self._sleep = sleep
+        self._block_size = block_size
         self._workers: dict[str, _Worker] = {}
 
     # -- registry --------------------------------------------------------------------------
@@ -544,7 +553,9 @@ class LoadMonitor:
         """The rank's KV pool in blocks of `block_size` tokens (rounded down); None when
         unknown. The most blocks of that size the engine can hold at once, on the device. A
         pool below one block is unknown too, as a stated 0 is: every reader (the policy's
-        pressure terms, the capacity check) reads it so, and none as "holds nothing"."""
+        pressure terms, the capacity check) reads it so, and none as "holds nothing" (the
+        poll reads it so once the fleet's block size is known; one kept from before is read
+        so here)."""
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         tokens = self.capacity_tokens(url, dp_rank)
@@ -607,6 +618,8 @@ class LoadMonitor:
                 return  # removed or registered again while we waited
             seen = sum(self.out_of_range.values())
             outcome, loads = probe.observe(status, body, w.dp_size, self.out_of_range)
+            if loads:
+                loads = self._pools_of_a_block(loads)
             self._warn_out_of_range(w, seen, "/v1/loads")
             self.probe_outcomes[outcome.value] += 1
             if outcome is ProbeOutcome.AVAILABLE:
@@ -639,11 +652,26 @@ class LoadMonitor:
         except ValueError as exc:
             self._failed(w, "/metrics", "unparseable", f"{exc}; is it an engine's /metrics?")
             return
+        loads = self._pools_of_a_block(loads)
         self._warn_out_of_range(w, seen, "/metrics")
         if not loads:
             self._failed(w, "/metrics", "no_load_metrics")
             return
         self._store(w, loads, "metrics")
+
+    def _pools_of_a_block(self, loads: dict[int, EngineLoad]) -> dict[int, EngineLoad]:
+        """`loads` with a capacity below one block of the fleet's size read as unknown (as
+        if not stated: the last one stated stays) and counted as out of range."""
+        block_size = self._block_size()
+        if block_size is None:
+            return loads
+        out: dict[int, EngineLoad] = {}
+        for rank, load in loads.items():
+            if load.capacity_tokens is not None and load.capacity_tokens < block_size:
+                self.out_of_range["capacity"] += 1
+                load = dataclasses.replace(load, capacity_tokens=None)
+            out[rank] = load
+        return out
 
     def _current(self, w: _Worker, probe: LoadsProbe) -> bool:
         return self._workers.get(w.url) is w and w.probe is probe
@@ -681,8 +709,9 @@ class LoadMonitor:
             return
         w.out_of_range_logged = True
         log.warning(
-            "%s states load figures above %d in %s (%s so far): read as unknown; its ranks "
-            "are routed as if it had not said. Check what answers at that URL",
+            "%s states load figures above %d, or a KV capacity below one block, in %s (%s so "
+            "far): read as unknown; its ranks are routed as if it had not said. Check what "
+            "answers at that URL",
             w.url,
             MAX_REPORTED,
             path,

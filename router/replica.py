@@ -228,7 +228,11 @@ async def _compose(
     pump: Pump,
     control_session: aiohttp.ClientSession,
 ) -> Replica:
-    loads = LoadMonitor(PollClient(), interval_s=config.load_interval_ms / 1000)
+    loads = LoadMonitor(
+        PollClient(),
+        interval_s=config.load_interval_ms / 1000,
+        block_size=lambda: None if pump.rules.tree is None else pump.rules.tree.block_size,
+    )
 
     def breaker() -> CircuitBreaker:
         return CircuitBreaker(

@@ -71,10 +71,23 @@ BIG = 10**400
             },
             id="metrics-1e308",
         ),
+        # Half a block (the fleet's is 16 tokens): unknown, and was neither counted nor logged.
+        pytest.param({"/v1/loads": loads_body(max_total_num_tokens=8)}, id="loads-below-a-block"),
+        pytest.param(
+            {
+                "/v1/loads": (404, b""),
+                "/metrics": (
+                    200,
+                    b'sglang:num_queue_reqs{dp_rank="0"} 0\n'
+                    b'sglang:max_total_num_tokens{dp_rank="0"} 15\n',
+                ),
+            },
+            id="metrics-below-a-block",
+        ),
     ],
 )
-async def test_a_capacity_past_belief_is_unknown_and_every_request_is_served(
-    answers: Mapping[str, tuple[int, bytes]],
+async def test_a_capacity_past_belief_or_below_a_block_is_unknown_counted_and_logged_once(
+    answers: Mapping[str, tuple[int, bytes]], caplog: pytest.LogCaptureFixture
 ) -> None:
     async with (
         fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as liar,
@@ -95,6 +108,28 @@ async def test_a_capacity_past_belief_is_unknown_and_every_request_is_served(
         }
         assert scrape.value("kvrouter_load_values_out_of_range_total", field="capacity") >= 1
         assert scrape.value("kvrouter_load_poll_errors_total", reason="internal") == 0
+        logged = [r for r in caplog.records if "states load figures" in r.getMessage()]
+        assert len(logged) == 1 and liar_url in logged[0].getMessage()
+
+
+async def test_workers_shows_the_capacity_the_policy_prices_beside_the_latest_read() -> None:
+    """A read stating the pool past belief or below a block is unknown in `load`, while the
+    policy keeps pricing the pool last stated: `capacity_tokens` shows that one."""
+    answers = {"/v1/loads": loads_body(max_total_num_tokens=4096)}
+    async with (
+        fake_worker_in_process(cache_blocks=CACHE_BLOCKS) as fw,
+        front(fw, answers) as url,
+        router_in_process(workers=[url]) as rt,
+    ):
+        loads = rt.replica.loads
+        await eventually(lambda: loads.capacity_tokens(url) == 4096)
+        answers["/v1/loads"] = loads_body(max_total_num_tokens=8)
+        await eventually(lambda: loads.out_of_range["capacity"] >= 1)
+        status, body = await rt.get("/workers")
+        assert status == 200, body
+        rank = body["workers"][0]["ranks"][0]
+        assert rank["load"]["capacity_tokens"] is None and rank["capacity_tokens"] == 4096
+        assert engine_capacity_blocks(loads, rt.replica.pump)(RankId(url, 0)) == 4096 // 16
 
 
 async def test_slots_past_belief_are_unknown_and_the_scrape_stays_whole() -> None:
