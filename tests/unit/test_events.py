@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 
 from cachetree.keys import MAX_ADAPTER_NAME_CHARS
 from cachetree.tiers import DEVICE, DISK, EXTERNAL, HOST
+from router import events
 from router.events import (
     DECODE_ERROR_REASONS,
     IGNORE_REASONS,
@@ -320,6 +322,45 @@ def test_an_unknown_event_tag_is_ignored_and_counted(unknown: Any) -> None:
     got = decode(batch(stored_map(), unknown, unknown, removed_map()))
     assert [type(e) for e in got.events] == [BlockStored, BlockRemoved]
     assert got.ignored == {"unknown_type": 2}
+
+
+@pytest.mark.parametrize("fold_removals", [False, True])
+@pytest.mark.parametrize(
+    ("event", "unknown"),
+    [
+        (lambda i: stored_map(block_hashes=[i], token_ids=TOKENS[:16]), {"type": "Foo"}),
+        (lambda i: ["BlockStored", [i], None, TOKENS[:16], 16], ["Foo", 1]),
+        (lambda i: stored_map(block_hashes=[i], token_ids=_PAIRS[:16]), {"type": "Foo"}),
+    ],
+    ids=["map", "positional", "bigram-map"],
+)
+def test_an_unknown_event_type_leaves_its_batch_to_the_fast_paths_not_the_generic_one(
+    event: Callable[[int], Any],
+    unknown: Any,
+    fold_removals: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The generic path builds every event in Python: a batch of 60,000 one-block stores and
+    one event of an unknown type took it 1.9 s of the loop, 0.24 s without that event."""
+    removals = [
+        removed_map(block_hashes=[i]) if "type" in unknown else ["BlockRemoved", [i]]
+        for i in range(1, 51)
+    ]
+    stores = [event(i) for i in range(100, 2100)]
+    payload = batch(*stores[:1000], unknown, *removals, *stores[1000:], unknown)
+    want = _decode_generic(payload)
+    assert want.ignored == {"unknown_type": 2} and len(want.events) == 2050
+    generic_reads: list[bytes] = []
+
+    def generic(payload: bytes) -> EventBatch:
+        generic_reads.append(payload)
+        return _decode_generic(payload)
+
+    monkeypatch.setattr(events, "_decode_generic", generic)
+    got = decode_batch(payload, fold_removals=fold_removals)
+    assert generic_reads == []
+    assert got.ignored == want.ignored
+    assert got.events == (fold_removal_runs(want.events) if fold_removals else want.events)
 
 
 # --- hashes ----------------------------------------------------------------------------------
