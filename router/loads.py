@@ -48,17 +48,16 @@ the rank every 10 s, while the policy read it as unknown): read as unknown at th
 the block size is known (`block_size`), counted and logged as a figure out of range, and in
 `capacity_blocks` whatever was kept before it was known.
 
-Every number read from a worker is bounded here, at the parse, once per poll (the request
-path and the scrape read the figures as they are): a count, a capacity in tokens or in blocks
-times the block size, or a slot count above `MAX_REPORTED` (2**48, ~2.8e14; the largest real
-KV pool is ~1e7 tokens) is unknown, as if not reported, and counted per field in
-`LoadMonitor.out_of_range` (logged once per registration of the worker), as is a capacity
-below one block. Unbounded, a
-stated 1e308 reached the cost function (an OverflowError on every request), the capacity
-check and the /metrics scrape. A rank at or past `MAX_DP_SIZE` is never built, and what a
-poll reads is bounded too: a `/v1/loads` body at most `LOADS_MAX_BODY_BYTES`, a `/metrics`
-body at most `METRICS_MAX_BODY_BYTES`, of which at most `MAX_METRIC_SAMPLES` lines of the
-gauges we read, `MAX_METRIC_SAMPLE_BYTES` in all, are parsed (more is a parse failure,
+Every number read from a worker is bounded here, at the parse, once per poll (the request path
+and the scrape read the figures as they are): a count, a capacity in tokens or in blocks times
+the block size, or a slot count above `MAX_REPORTED` (2**48, ~2.8e14; the largest real KV pool
+is ~1e7 tokens) is unknown, as if not reported, and counted per field in
+`LoadMonitor.out_of_range` (logged once per registration of the worker), as is a capacity below
+one block. Unbounded, a stated 1e308 reached the cost function (an OverflowError on every
+request), the capacity check and the /metrics scrape. A rank at or past `MAX_DP_SIZE` is never
+built, and what a poll reads is bounded too: a `/v1/loads` body at most `LOADS_MAX_BODY_BYTES`,
+a `/metrics` body at most `METRICS_MAX_BODY_BYTES`, of which at most `MAX_METRIC_SAMPLES` lines
+of the gauges we read, `MAX_METRIC_SAMPLE_BYTES` in all, are parsed (more is a parse failure,
 `too_many_samples`): the parse runs on the event loop, and 8 MiB of wanted gauge lines took
 1.6 s of it every tick, as 900 lines of 250 labels each (1.9 MiB) took 3.3 s with
 prometheus_client's parser, which the parse no longer uses (`_SAMPLE_LINE`).
@@ -619,7 +618,7 @@ class LoadMonitor:
             seen = sum(self.out_of_range.values())
             outcome, loads = probe.observe(status, body, w.dp_size, self.out_of_range)
             if loads:
-                loads = self._pools_of_a_block(loads)
+                loads = self._pools_below_a_block_unknown(loads)
             self._warn_out_of_range(w, seen, "/v1/loads")
             self.probe_outcomes[outcome.value] += 1
             if outcome is ProbeOutcome.AVAILABLE:
@@ -652,14 +651,14 @@ class LoadMonitor:
         except ValueError as exc:
             self._failed(w, "/metrics", "unparseable", f"{exc}; is it an engine's /metrics?")
             return
-        loads = self._pools_of_a_block(loads)
+        loads = self._pools_below_a_block_unknown(loads)
         self._warn_out_of_range(w, seen, "/metrics")
         if not loads:
             self._failed(w, "/metrics", "no_load_metrics")
             return
         self._store(w, loads, "metrics")
 
-    def _pools_of_a_block(self, loads: dict[int, EngineLoad]) -> dict[int, EngineLoad]:
+    def _pools_below_a_block_unknown(self, loads: dict[int, EngineLoad]) -> dict[int, EngineLoad]:
         """`loads` with a capacity below one block of the fleet's size read as unknown (as
         if not stated: the last one stated stays) and counted as out of range."""
         block_size = self._block_size()
