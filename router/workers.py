@@ -16,6 +16,10 @@ add(url), for a URL not yet known:
      It is read again at a request naming a model no listing holds (`reread_listings`: an
      adapter loaded at run time) and by the health loop every `--worker-models-refresh-s`
      (an adapter unloaded); a read that fails keeps the last listing.
+     A rank whose endpoint (its resolved address and port, as its subscriber connects) is
+     another registered worker's is refused too (`shared_kv_events_endpoint`): one port is
+     one engine's publisher, so its events would be read as this worker's too, and this
+     engine's own went unread. The claim is the worker's until its ranks leave (`_detach`).
   2. Settle the fleet block size: `--block-size`, else the first worker that advertises one.
      A worker that disagrees is refused: it stays listed with state `refused` and a reason,
      and takes no traffic, because its events would key blocks the prompts never match.
@@ -62,8 +66,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import math
+import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
@@ -369,6 +375,30 @@ async def allow_list_refusal(allow: AllowList, host: str) -> str | None:
 
 
 Subscribe = Callable[[RankEndpoint, SubscriberStats], Coroutine[None, None, None]]
+# A rank's KV-event endpoint as its subscriber connects: an address (or a host name that did
+# not resolve) and a port.
+Endpoint = tuple[str, int]
+
+
+async def resolved_endpoints(info: KvEventsInfo) -> frozenset[Endpoint]:
+    """The addresses and ports the worker's ranks' subscribers connect to: each address its
+    endpoint host resolves to (a subscriber tries them in turn) by each rank's port. A name
+    that does not resolve now is kept as it is spelt."""
+    addresses = {info.host}
+    try:
+        ipaddress.ip_address(info.host)
+    except ValueError:  # a name
+        try:
+            async with asyncio.timeout(RESOLVE_TIMEOUT_S):
+                found = await asyncio.get_running_loop().getaddrinfo(
+                    info.host, None, type=socket.SOCK_STREAM
+                )
+        except (OSError, TimeoutError):
+            pass
+        else:
+            addresses = {canonical_host(str(entry[4][0])) for entry in found} or addresses
+    ports = range(info.port_base, info.port_base + info.dp_size)
+    return frozenset((address, port) for address in addresses for port in ports)
 
 
 def _int(value: object, default: int) -> int:
@@ -413,6 +443,9 @@ class Worker:
     listener_gone_seen: int = 0
     failed_since_drops_seen: bool = False
     draining: bool = False
+    # Its ranks' KV-event endpoints as subscribed (`resolved_endpoints`): claimed once they
+    # pass `_shared_endpoint_refusal`, given up when its ranks leave (`_detach`).
+    event_endpoints: frozenset[Endpoint] = frozenset()
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     snapshot_served: bool | None = None  # None: not asked yet; False: 404
     models: ServedModels = ServedModels()  # what its /v1/models lists
@@ -755,7 +788,7 @@ class WorkerRegistry:
             await self._teardown(worker)
             log.error("worker %s not registered: %s", worker.url, why)
             return
-        if worker.state == "ready" or worker.tasks:  # its ranks may be live: take them out
+        if worker.state == "ready" or worker.event_endpoints:  # its ranks may be live: out
             await self._detach(worker)
         worker.state = "down"
         worker.healthy = False
@@ -780,6 +813,7 @@ class WorkerRegistry:
         self._repull.discard(url)
         self.loads.remove_worker(url)
         worker.subscriber_stats.clear()
+        worker.event_endpoints = frozenset()  # its subscribers stopped: free for another
 
     # -- EndpointSlice discovery -----------------------------------------------------------
 
@@ -945,6 +979,14 @@ class WorkerRegistry:
                 "(ulimit -n) or split the fleet across router deployments",
             )
             return
+        endpoints = await resolved_endpoints(info)
+        self._check_still_added(worker)
+        # Checked and claimed with no await between: two registrations at once (the --worker
+        # list) cannot both pass.
+        if (refusal := self._shared_endpoint_refusal(worker, info, endpoints)) is not None:
+            self._refuse(worker, "shared_kv_events_endpoint", refusal)
+            return
+        worker.event_endpoints = endpoints
         rules = self.pump.rules
         if rules.tree is None:
             rules.tree = BlockTree(self.block_size)
@@ -1030,6 +1072,32 @@ class WorkerRegistry:
             f"host {own}, and {refusal}: publish them on its own host (or a wildcard), or "
             "widen --worker-allow-cidr"
         )
+
+    def _shared_endpoint_refusal(
+        self, worker: Worker, info: KvEventsInfo, endpoints: frozenset[Endpoint]
+    ) -> str | None:
+        """Why the worker's ranks may not be subscribed at `endpoints`: another registered
+        worker's are subscribed at one of them. Two vLLM engines on one host, both taking
+        the flags' port base, were both subscribed to the one publishing there: the second
+        "held" every block the first cached and drew its requests, missing, while its own
+        events went to a port nobody read; a /server_info naming another worker's port drew
+        that worker's prompts alike."""
+        for other in self._workers.values():
+            shared = other.event_endpoints & endpoints if other is not worker else None
+            if not shared or other.kv is None:
+                continue
+            address, port = min(shared)
+            return (
+                f"its rank {port - info.port_base}'s KV-event endpoint "
+                f"{_tcp(address, port)} ({info.source}) is where worker {other.url}'s rank "
+                f"{port - other.kv.port_base} is subscribed already: one port is one engine's "
+                "publisher, so that engine's events would be read as this worker's too, and "
+                "this engine's own would go unread. Give each engine its own KV-event port, "
+                "described by its /server_info: --kv-events-port-base is one port base for "
+                "the whole fleet, so engines without /server_info (vLLM) sharing a host "
+                "cannot be told apart by it"
+            )
+        return None
 
     async def _register_for_routing(self, worker: Worker) -> None:
         """Ready for traffic, with no KV-event subscription: the index is not kept."""

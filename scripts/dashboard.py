@@ -783,7 +783,8 @@ ROWS: Final = (
                 "Workers refused, ranks distrusted",
                 "Workers refused at registration since each replica started, by reason "
                 "(kvrouter_workers_refused_total: block_size, socket_limit, dp_size, "
-                "kv_events_endpoint, max_workers), and ranks cleared because the index held "
+                "kv_events_endpoint, shared_kv_events_endpoint, max_workers), and ranks "
+                "cleared because the index held "
                 "more device blocks "
                 "than the engine can "
                 "(kvrouter_ranks_distrusted_total: removals lost or made up).",

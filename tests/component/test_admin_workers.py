@@ -17,7 +17,7 @@ from aiohttp import web
 
 from cachetree.ranks import RankId
 from router.workers import subscriber_name
-from tests.support.adversary import stub_server, stub_worker_routes
+from tests.support.adversary import Handler, stub_server, stub_worker_routes
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.ports import free_tcp_port
 from tests.support.router import router_in_process
@@ -563,16 +563,20 @@ async def test_the_workers_a_replica_starts_with_register_at_once_not_in_turn(
     timed out and the workers came up `down`."""
     everyone = asyncio.Barrier(3)
 
-    async def server_info(request: web.Request) -> web.Response:
-        await everyone.wait()
-        return await routes[("GET", "/server_info")](request)
+    def slow() -> dict[tuple[str, str], Handler]:
+        """A worker's routes (KV events on a port of its own) whose /server_info waits."""
+        routes = stub_worker_routes()
 
-    routes = stub_worker_routes()
-    slow = {("GET", "/server_info"): server_info}
+        async def server_info(request: web.Request) -> web.Response:
+            await everyone.wait()
+            return await routes[("GET", "/server_info")](request)
+
+        return {**routes, ("GET", "/server_info"): server_info}
+
     async with (
-        stub_server(stub_worker_routes(slow)) as a,
-        stub_server(stub_worker_routes(slow)) as b,
-        stub_server(stub_worker_routes(slow)) as c,
+        stub_server(slow()) as a,
+        stub_server(slow()) as b,
+        stub_server(slow()) as c,
         router_in_process(workers=[a, b, c]) as rt,
     ):
         assert {w.url: w.state for w in rt.replica.workers.workers()} == {

@@ -379,3 +379,100 @@ async def test_a_vllm_worker_without_server_info_has_the_block_size_its_metrics_
             assert worker.state == "refused" and "block size 32 differs" in worker.reason
             assert registry.stats.refused["block_size"] == 1
             assert registry.routable() == []
+
+
+VLLM_STYLE = {"/server_info": (404, b""), "/v1/loads": (404, b"")}  # no description of its own
+
+
+async def completions_to(rt: RouterHandle, n: int) -> set[str]:
+    """`n` new prompts through the router: the workers that served them."""
+    served = set()
+    for i in range(n):
+        status, body, headers = await rt.post(
+            "/v1/completions", {"prompt": f"shared endpoint {i} " + "x" * 64, "max_tokens": 1}
+        )
+        assert status == 200, body
+        served.add(headers["X-Kvrouter-Worker"])
+    return served
+
+
+async def test_a_worker_on_a_kv_event_endpoint_another_is_subscribed_at_is_a_409_naming_it() -> (
+    None
+):
+    """Two vLLM-style workers on one host (no /server_info) both took the flags' port base:
+    both were subscribed to the first's publisher, the second "held" every block the first
+    cached and drew half of its repeats, missing each, while its own events went unread.
+    Refused now, until the holder leaves; then the holder, registered again, is refused."""
+    async with (
+        fake_worker_in_process() as a,
+        fake_worker_in_process() as c,
+        front(a, VLLM_STYLE) as a_url,
+        front(c, VLLM_STYLE) as c_url,
+        router_in_process(
+            workers=[a_url], kv_events_port_base=a.config.kv_port_base, expose_route_headers=True
+        ) as rt,
+    ):
+        registry = rt.replica.workers
+        endpoint = f"tcp://127.0.0.1:{a.config.kv_port_base}"
+        status, body, _ = await rt.post("/workers", {"url": c_url})
+        assert status == 409, body
+        assert body["worker"]["state"] == "refused", body
+        assert (
+            f"rank 0's KV-event endpoint {endpoint} (flags, /metrics) is where worker {a_url}'s "
+            "rank 0 is subscribed already" in body["error"]["message"]
+        ), body
+        assert registry.stats.refused == {"shared_kv_events_endpoint": 1}
+        assert registry.subscribed_ranks == 1
+        assert rt.replica.pump.rules.live == {RankId(a_url, 0)}
+        scrape = await rt.scrape()
+        assert (
+            scrape.value("kvrouter_workers_refused_total", reason="shared_kv_events_endpoint") == 1
+        )
+        await eventually(lambda: registry.routable() != [], 10)
+        assert await completions_to(rt, 4) == {a_url}
+        assert ((await a.state())["requests"], (await c.state())["requests"]) == (4, 0)
+
+        status, _ = await rt.delete(f"/workers?url={a_url}")
+        assert status == 200
+        # The health loop's next look at the refused worker admits it: the endpoint is free.
+        await eventually(lambda: registry.get(c_url).state == "ready", 10)  # type: ignore[union-attr]
+        assert rt.replica.pump.rules.live == {RankId(c_url, 0)}
+        status, body, _ = await rt.post("/workers", {"url": a_url})
+        assert status == 409, body
+        assert f"is where worker {c_url}'s rank 0 is subscribed already" in body["error"]["message"]
+
+
+async def test_of_two_listed_workers_on_one_kv_event_endpoint_one_is_refused_naming_the_other() -> (
+    None
+):
+    """`--worker A --worker C` register at once: both passed any check made before either
+    was subscribed."""
+    async with (
+        fake_worker_in_process() as a,
+        fake_worker_in_process() as c,
+        front(a, VLLM_STYLE) as a_url,
+        front(c, VLLM_STYLE) as c_url,
+        router_in_process(workers=[a_url, c_url], kv_events_port_base=a.config.kv_port_base) as rt,
+    ):
+        states = {w.url: (w.state, w.reason) for w in rt.replica.workers.workers()}
+        assert sorted(state for state, _ in states.values()) == ["ready", "refused"], states
+        (refused, (_, reason)), *_ = [(u, s) for u, s in states.items() if s[0] == "refused"]
+        other = c_url if refused == a_url else a_url
+        assert f"is where worker {other}'s rank 0 is subscribed already" in reason, reason
+        assert rt.replica.workers.subscribed_ranks == 1
+
+
+async def test_a_server_info_naming_another_workers_endpoint_by_a_host_name_is_refused() -> None:
+    """A worker's /server_info may name any host: `localhost` resolves to the address the
+    first worker's events are subscribed at, and that worker drew all of the first's repeats."""
+    async with (
+        fake_worker_in_process() as a,
+        router_in_process(workers=[a.url]) as rt,
+        worker_announcing(
+            endpoint_host="localhost", endpoint_port_base=a.config.kv_port_base
+        ) as url,
+    ):
+        status, body, _ = await rt.post("/workers", {"url": url})
+        assert status == 409, body
+        assert f"is where worker {a.url}'s rank 0 is subscribed already" in body["error"]["message"]
+        assert rt.replica.workers.subscribed_ranks == 1

@@ -3,8 +3,10 @@
 For the data plane's conformance tests: what real engines do only when they misbehave (close
 mid-stream, answer 1xx first, send a body with neither length nor chunking, never answer)
 is written here byte by byte. The worker answers `GET /health` (200, or 503 after
-`healthy = False`) and 404 to every other GET, so a replica registers it (with `--block-size`
-and no KV events); each POST is recorded and handed to `script(request, writer)`, which writes
+`healthy = False`), `GET /server_info` with KV events on a port of its own where nothing
+publishes (on the flags' port, a second worker on the host would be refused: one endpoint is
+one engine's), and 404 to every other GET, so a replica registers it (with `--block-size`
+and no KV events heard); each POST is recorded and handed to `script(request, writer)`, which writes
 what it wants and may close. Requests on one connection are read in turn (keep-alive).
 
 `RawClient` speaks bytes over one TCP connection and reads answers with httptools, so a test
@@ -19,6 +21,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httptools
+
+from tests.support.ports import free_tcp_port
 
 
 @dataclass
@@ -94,6 +98,7 @@ class ScriptedWorker:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set at each POST
     server: asyncio.Server | None = None
     reading: asyncio.Event = field(default_factory=asyncio.Event)  # cleared: reads nothing
+    kv_port: int = field(default_factory=free_tcp_port)  # its /server_info's; nothing there
 
     def __post_init__(self) -> None:
         self.reading.set()
@@ -148,6 +153,9 @@ class ScriptedWorker:
             if request.path == b"/health":
                 status = 200 if self.healthy else 503
                 writer.write(respond(status, b"{}"))
+            elif request.path == b"/server_info":
+                info = b'{"kv_events": {"endpoint_port_base": %d}}' % self.kv_port
+                writer.write(respond(200, info))
             else:
                 writer.write(respond(404, b"{}"))
             return
