@@ -391,6 +391,7 @@ class _StateCollector(Collector):
         replay: Counter[str] = Counter()
         decode_errors: Counter[str] = Counter()
         bad_frames = 0
+        duplicates = 0
         seq_jumps = stats.seq_jumps
         disconnects = 0
         breaker_state = []
@@ -400,6 +401,7 @@ class _StateCollector(Collector):
                 replay.update(sub.replay)
                 decode_errors.update(sub.decode_errors)
                 bad_frames += sub.bad_frames
+                duplicates += sub.duplicates
                 seq_jumps += sub.seq_jumps
                 disconnects += sub.disconnects
             breaker_state.append(((worker.url,), _BREAKER_STATE[worker.breaker.status]))
@@ -419,6 +421,13 @@ class _StateCollector(Collector):
         )
         yield _counter(
             "kvrouter_kv_bad_frames", "Malformed ZMQ messages dropped", [], {(): bad_frames}
+        )
+        yield _counter(
+            "kvrouter_kv_duplicate_batches",
+            "Batches at their rank's last seq again (not 0), dropped: a batch sent again, "
+            "not an engine restart (nothing cleared, nothing counted lost)",
+            [],
+            {(): duplicates},
         )
         yield _counter(
             "kvrouter_kv_seq_jumps",

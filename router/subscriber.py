@@ -25,10 +25,12 @@ For a decoded batch at `seq`:
     n         n + 1                        NEXT               nothing
     n         0                            RESTART_AT_ZERO    nothing: the pump resolves a
                                                               restart at 0 itself
-    n         1 <= seq <= min(n, J)        RESET [0, seq-1]   PublisherReset, then the new
+    n > 0     n                            DUPLICATE          nothing, and the batch is
+                                                              dropped (`duplicates`)
+    n         1 <= seq <= min(n - 1, J)    RESET [0, seq-1]   PublisherReset, then the new
                                                               stream's first batches as a
                                                               gap: GAP's items for [0, seq-1]
-    n         J < seq <= n                 JUMP               PublisherReset, jumped
+    n         J < seq < n                  JUMP               PublisherReset, jumped
     n         n + 1 < seq <= n + 1 + J     GAP [n+1, seq-1]   what replay recovers, in seq
                                                               order, with an UnrepairedGap
                                                               at every hole that remains
@@ -44,7 +46,13 @@ before the subscriber has reconnected: so a stream seen again at seq k > 0 after
 regression, or a first batch after END_SEQ) has batches [0, k-1] this subscriber never saw.
 They are a gap like any other: replayed when the new engine's buffer holds them, else an
 `UnrepairedGap`, which re-pulls the worker's snapshot; the pump, which has no cursor for the
-new stream yet, counts them lost itself.
+new stream yet, counts them lost itself. What is counted lost is what the new stream's seq
+says it sent unseen, never the old stream's position. The same seq again is taken as no
+restart (a new stream would have to stand at exactly the old one's seq, every batch before it
+unseen): it is the last batch sent again, which the rank holds already, dropped and counted
+(`duplicates`). Read as a restart, each copy of seq 1,000,002 cleared the rank and counted
+1,000,002 batches lost. A restart that does land there is the worker registry's to find
+(`WorkerRegistry._look_at_drops`: its connections dropped).
 
 J is `MAX_SEQ_JUMP` (2**20 batches). No publisher skips that many seqs and lives on: engines
 buffer 10,000 batches for replay, so a router that missed 2**20 could repair none of them, and
@@ -221,6 +229,7 @@ class SubscriberStats:
     lost_batches: int = 0  # batches reported in UnrepairedGap items
     socket_rebuilds: int = 0  # SUB sockets rebuilt after repeated recv errors
     seq_jumps: int = 0  # forward jumps past MAX_SEQ_JUMP, delivered as PublisherReset
+    duplicates: int = 0  # batches at the last seq again (not 0), dropped
     disconnects: int = 0  # publisher connections dropped (then the socket is rebuilt)
     # Drops whose next connect was refused: nothing listened on the port, so the publisher's
     # process (or its port) went away with the connection, never a blip of a live engine.
@@ -275,7 +284,8 @@ class Step(enum.Enum):
     FIRST = "first"  # no last seq: the subscriber joined mid-stream; the pump decides
     NEXT = "next"  # last + 1
     RESTART_AT_ZERO = "restart_at_zero"  # 0 after a last: left for the pump to resolve
-    RESET = "reset"  # 1 <= seq <= last: PublisherReset, the new stream's [0, seq-1], the batch
+    DUPLICATE = "duplicate"  # seq == last > 0: the last batch again, dropped
+    RESET = "reset"  # 1 <= seq < last: PublisherReset, the new stream's [0, seq-1], the batch
     GAP = "gap"  # seq > last + 1: batches [missing_first, missing_last] were not seen
     JUMP = "jump"  # a new stream begun unseen: PublisherReset(jumped), then the batch
     RESUMED = "resumed"  # the first batch after END_SEQ, at seq > 0: [0, seq-1] first
@@ -296,6 +306,7 @@ class Verdict:
 _FIRST: Final = Verdict(Step.FIRST)
 _NEXT: Final = Verdict(Step.NEXT)
 _RESTART_AT_ZERO: Final = Verdict(Step.RESTART_AT_ZERO)
+_DUPLICATE: Final = Verdict(Step.DUPLICATE)
 _JUMP: Final = Verdict(Step.JUMP)
 
 
@@ -326,7 +337,9 @@ class SequenceTracker:
             return _NEXT
         if seq == 0:
             return _RESTART_AT_ZERO
-        if seq <= last:
+        if seq == last:
+            return _DUPLICATE
+        if seq < last:
             return Verdict(Step.RESET, 0, seq - 1) if seq <= MAX_SEQ_JUMP else _JUMP
         if seq - last - 1 > MAX_SEQ_JUMP:
             return _JUMP
@@ -609,6 +622,19 @@ class RankSubscriber:
         live = LiveBatch(self.rank, frame.seq, batch)
         if step is Step.NEXT:
             return self._put(live)
+        if step is Step.DUPLICATE:
+            self.stats.duplicates += 1
+            if _often(self.stats.duplicates):
+                log.warning(
+                    "rank %s: seq %d came again, the last batch sent again (no restart: a new "
+                    "engine numbers from 0 on a new connection); dropped (%d such so far). If "
+                    "it repeats, check what publishes on %s",
+                    self.rank,
+                    frame.seq,
+                    self.stats.duplicates,
+                    self.endpoint.endpoint,
+                )
+            return None
         if step is Step.FIRST:
             log.info("rank %s: first batch seen is seq %d", self.rank, frame.seq)
         elif step is Step.RESTART_AT_ZERO:

@@ -2,8 +2,9 @@
 
 Before: one 1 GiB frame took the replica to 2.16 GB (no maximum message size, row 3); events
 for 8.2 M distinct blocks grew memory without a cap and stalled `/healthz` up to 1.2 s while
-they were applied (row 4); a seq jump to 2^63-1 added 9.2e18 to the lost-batches counter
-(row 10). The fixes are in `router/subscriber.py` and `router/index.py`.
+they were applied (row 4); a seq jump to 2^63-1 added 9.2e18 to the lost-batches counter, and
+each copy of the last seq sent again added that seq (row 10). The fixes are in
+`router/subscriber.py` and `router/index.py`.
 """
 
 from __future__ import annotations
@@ -112,3 +113,28 @@ async def test_a_seq_jump_to_the_end_of_the_range_is_a_reset_not_9e18_lost_batch
     assert (lost or 0) < 1000, lost
     resets = after.value("kvrouter_kv_publisher_resets_total")
     assert resets >= before.value("kvrouter_kv_publisher_resets_total") + 1
+
+
+async def test_the_last_seq_sent_again_is_dropped_not_a_restart_whose_batches_were_all_lost(
+    cluster: Cluster,
+) -> None:
+    """Row 10's promise, for a seq that does not move: each copy of the last seq was read as
+    an engine restart whose batches 0..seq-1 went unseen, the rank cleared and all of them
+    counted lost (100 copies of seq 1,000,002: 1.0e8 lost batches, 100 resets)."""
+    async with hostile_publisher(cluster) as (rt, publisher, worker, seq):
+        publisher.send(seq, batch([stored_chain(1, 3)]))
+        await rt.wait_cursor(worker, 0, seq)
+        before = await rt.scrape()
+        for copy in range(100):  # new blocks in each copy: none of them is applied
+            publisher.send(seq, batch([stored_chain(1_000 + 10 * copy, 2)]))
+        publisher.send(seq + 1, batch([stored_chain(5_000, 1)]))
+        view = await rt.wait_cursor(worker, 0, seq + 1)
+        after = await rt.scrape()
+
+    def counted(name: str, **labels: str) -> float:
+        return (after.get(name, **labels) or 0) - (before.get(name, **labels) or 0)
+
+    assert view["blocks"] == 4, view  # the first batch's 3 and the next one's: nothing cleared
+    assert counted("kvrouter_kv_duplicate_batches_total") == 100
+    assert counted("kvrouter_kv_publisher_resets_total") == 0
+    assert counted("kvrouter_kv_event_batches_lost_total", worker_url=worker, dp_rank="0") == 0

@@ -17,8 +17,8 @@ rarely `AllBlocksCleared`. A batch is delivered now, queued in flight (delivered
 order) or lost (its seq consumed, never delivered). An engine restart empties its cache and
 starts again at seq 0, optionally announced by END_SEQ (`PublisherReset`, in stream order).
 Delivery goes through the real `SequenceTracker`, as `RankSubscriber` does (a regression to a
-non-zero seq puts a `PublisherReset` first), or, in "raw" examples, straight to the pump, so
-the pump's own regression rules are reached too.
+non-zero seq puts a `PublisherReset` first, the last seq again is dropped), or, in "raw"
+examples, straight to the pump, so the pump's own regression rules are reached too.
 
 Other operations: graft a sibling's snapshot (`apply_snapshot`) for outstanding obligations
 (the coordinator's one message for them) or for stale ones (any obligation ever minted); the
@@ -654,6 +654,13 @@ class BootstrapMachine(RuleBasedStateMachine):
             return
         if not self.raw:
             verdict = v.sub.advance(item.seq)
+            if verdict.step is Step.DUPLICATE:
+                # The old stream's last seq again, the new one's first seen after a restart
+                # whose earlier batches were all lost: dropped as `RankSubscriber` drops it
+                # (the pump was shown no restart; the registry's restart detection is what
+                # clears such a rank).
+                note("the last seq again dropped by the subscriber")
+                return
             if verdict.step is Step.RESET:
                 v.restart_seen = max(v.restart_seen, item.inc)
                 note("regression reset by the subscriber")

@@ -110,10 +110,14 @@ def test_malformed_messages_are_refused_with_a_reason(frames: list[bytes], reaso
         # Back to 0: a restart the pump resolves itself, not a reset.
         ([5, 0, 1], [Verdict(Step.FIRST), Verdict(Step.RESTART_AT_ZERO), Verdict(Step.NEXT)]),
         ([0, 0], [Verdict(Step.FIRST), Verdict(Step.RESTART_AT_ZERO)]),
-        # Back to a non-zero seq, or the same seq again: the publisher restarted, and its new
-        # stream's batches before this one were not seen.
+        # Back to a non-zero seq: the publisher restarted, and its new stream's batches before
+        # this one were not seen.
         ([5, 3, 4], [Verdict(Step.FIRST), Verdict(Step.RESET, 0, 2), Verdict(Step.NEXT)]),
-        ([5, 5], [Verdict(Step.FIRST), Verdict(Step.RESET, 0, 4)]),
+        # The same seq again is the last batch sent again, not a restart at that seq (it was
+        # a RESET [0, 4]: a rank cleared and 5 batches lost a copy).
+        ([5, 5, 6], [Verdict(Step.FIRST), Verdict(Step.DUPLICATE), Verdict(Step.NEXT)]),
+        ([5, 3, 3], [Verdict(Step.FIRST), Verdict(Step.RESET, 0, 2), Verdict(Step.DUPLICATE)]),
+        ([2**63 - 1, 2**63 - 1], [Verdict(Step.FIRST), Verdict(Step.DUPLICATE)]),
         ([5, 1, 3], [Verdict(Step.FIRST), Verdict(Step.RESET, 0, 0), Verdict(Step.GAP, 2, 2)]),
         # ... unless that is more than MAX_SEQ_JUMP batches: too far back to replay.
         (
@@ -472,6 +476,21 @@ async def test_a_regression_to_a_non_zero_seq_is_a_reset_then_the_new_streams_fi
         LiveBatch(RANK, 4, items[4].batch),  # type: ignore[union-attr]
     ]
     assert (sub.stats.resets, sub.stats.gaps, sub.stats.lost_batches) == (1, 1, 3)
+
+
+async def test_the_last_seq_again_is_dropped_and_counted_never_a_reset_nor_a_loss() -> None:
+    """Seq 1,000,001 a hundred times: each copy was a reset and an UnrepairedGap of the
+    1,000,001 batches 0..1,000,000, so the pump cleared the rank and counted 1.0e8 lost."""
+    copies = [frames(1_000_001)] * 100
+    script = Script([frames(1_000_000), frames(1_000_001), *copies, frames(1_000_002)])
+    items, sub = await run_until(ScriptedPublisher(script), 3)
+    assert [(type(i), i.seq) for i in items] == [  # type: ignore[union-attr]
+        (LiveBatch, 1_000_000),
+        (LiveBatch, 1_000_001),
+        (LiveBatch, 1_000_002),
+    ]
+    assert (sub.stats.duplicates, sub.stats.resets, sub.stats.gaps) == (100, 0, 0)
+    assert (sub.stats.lost_batches, sub.stats.frames) == (0, 103)
 
 
 async def test_end_seq_then_a_new_stream_at_3_asks_for_its_batches_0_to_2() -> None:
