@@ -298,7 +298,7 @@ _LABEL: Final = re.compile(rf'({_NAME})[ \t]*=[ \t]*"({_ESCAPED})"')  # name, va
 _ONE_LABEL: Final = rf'[ \t]*{_NAME}[ \t]*=[ \t]*"{_ESCAPED}"[ \t]*'
 # name, label set (without its braces), value
 _SAMPLE_LINE: Final = re.compile(
-    rf"([^{{ \t]+)(?:\{{((?:{_ONE_LABEL},)*(?:{_ONE_LABEL})?)\}})?"
+    rf"([^{{ \t]+)[ \t]*(?:\{{((?:{_ONE_LABEL},)*(?:{_ONE_LABEL})?)\}})?"
     r"[ \t]+([^\s_]+)(?:[ \t]+\S+)?[ \t]*"  # the value, then a timestamp, not read
 )
 _NO_LOADS: Final[Mapping[int, EngineLoad]] = MappingProxyType({})

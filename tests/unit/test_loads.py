@@ -383,6 +383,9 @@ def test_metrics_with_more_load_gauge_bytes_than_the_bound_fail_before_parsing()
         ('vllm:num_requests_running{model_name="engine=\\"1\\""} 3', 0),
         ("vllm:num_requests_running 3", 0),
         ("vllm:num_requests_running{} 3", 0),
+        # Blanks between a name and its labels: the text format allows them between tokens.
+        ('vllm:num_requests_running {engine="1"} 3', 1),
+        ('vllm:num_requests_running\t {engine="1"} 3', 1),
     ],
 )
 def test_a_sample_line_is_read_label_by_label_as_prometheus_writes_them(
