@@ -10,8 +10,8 @@ one reason going away never undoes another.
 fires early, re-schedules itself for the stored time. A new handle is made only when a
 deadline moves earlier than the pending one, or none is pending.
 
-`WriteStall` says when a client whose writes are paused has stopped reading: no byte the router
-wrote it has left the router's buffer for a whole timeout (`--client-write-timeout-s`).
+`WriteStall` says when a client whose writes are paused has stopped reading: it has taken
+(acknowledged) no byte the router wrote it for a whole timeout (`--client-write-timeout-s`).
 
 `Pending` counts requests a drain must wait for that are not in flight yet (a long prompt being
 encoded in a worker thread, a new prefix's question to its placer), with a wait for none.
@@ -114,14 +114,17 @@ STALL_CHECKS: Final = 4
 class WriteStall:
     """When a paused client's answer has made no write progress for `timeout_s`.
 
-    Progress is the count of bytes that left the router's write buffer for the kernel (what
-    the connection wrote, less what its transport still buffers), read at each check. Not
-    `resume_writing` alone: asyncio says that only once the buffer is below its low-water
-    mark, which a reader of 16 B/s, behind a 64 KiB high-water mark, reaches after an hour.
-    Not the buffer's size alone either: a paused answer still writes (the rest of an upstream
-    read, a cut's tail), which would hide a client's reading. The kernel sends more only when
-    the client's window opens, which a receiver does once an MSS of its buffer is free (RFC
-    1122's silly-window avoidance): the timeout must outlast a slow reader's MSS."""
+    Progress is a count of the bytes the client has taken, read at each check (the
+    connection's `_write_progress`: what it wrote, less what its transport still buffers,
+    less what the kernel holds unacknowledged). Not `resume_writing` alone: asyncio says that
+    only once the buffer is below its low-water mark, which a reader of 16 B/s, behind a 64
+    KiB high-water mark, reaches after an hour. Not the buffer's size alone either: a paused
+    answer still writes (the rest of an upstream read, a cut's tail), which would hide a
+    client's reading. Nor what left the buffer for the kernel: the kernel wakes a writer only
+    once a third or more of its send buffer is free, which a reader of 200 B/s through a
+    network path's 100 KB did not reach in 120 s. A client acknowledges more once its window
+    opens, which a receiver does once an MSS of its buffer is free (RFC 1122's silly-window
+    avoidance): the timeout must outlast a slow reader's MSS."""
 
     __slots__ = ("_sent", "_since", "timeout_s")
 

@@ -2593,11 +2593,14 @@ async def test_a_client_that_stops_reading_is_cut_and_frees_its_worker_connectio
         stuck.close()
 
 
-async def open_small_window(rt: RouterHandle) -> tuple[RawClient, server.ClientConnection]:
+async def open_small_window(
+    rt: RouterHandle, receive_buffer: int = 4096, send_buffer: int | None = 64 * 1024
+) -> tuple[RawClient, server.ClientConnection]:
     """A client with a small receive buffer, and its connection in the replica with the send
-    buffer of a network path (loopback's grows to 4 MiB and takes whole answers in)."""
+    buffer of a network path (loopback's grows to 4 MiB and takes whole answers in), or
+    loopback's own (`send_buffer` None)."""
     sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
     sock.setblocking(False)
     host, port = rt.url.removeprefix("http://").rsplit(":", 1)
     await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
@@ -2605,9 +2608,10 @@ async def open_small_window(rt: RouterHandle) -> tuple[RawClient, server.ClientC
     await eventually(lambda: rt.plane.connections)
     (conn,) = rt.plane.connections
     assert conn.transport is not None
-    conn.transport.get_extra_info("socket").setsockopt(
-        socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024
-    )
+    if send_buffer is not None:
+        conn.transport.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer
+        )
     return client, conn
 
 
@@ -2687,6 +2691,30 @@ async def test_a_slow_client_that_keeps_reading_is_not_cut_for_its_paused_writes
                 await asyncio.sleep(0.02)  # reads slower than the worker writes, steadily
         assert len(got) > total and rt.plane.stats.closed["write_timeout"] == 0
         assert len(rt.plane.connections) == 1
+        client.close()
+
+
+async def test_a_client_reading_steadily_through_a_small_window_is_never_cut() -> None:
+    """Progress was what left the router's buffer for the kernel, which wakes a writer only
+    once a third or more of its send buffer is free: over loopback (a send buffer of MiBs) a
+    client reading 64 KiB/s was cut at a 4 s timeout, and at 120 s one reading 200 B/s
+    through a network path's 100 KB. What the client acknowledges is progress now."""
+    async with (
+        scripted_worker(sse_forever) as w,
+        router_in_process(workers=[w.url], client_write_timeout_s=0.5) as rt,
+    ):
+        await routable(rt, w.url)
+        client, conn = await open_small_window(rt, receive_buffer=8192, send_buffer=None)
+        client.send(post(b"/v1/completions", STREAM))
+        await eventually(lambda: conn.write_paused, 10)
+        got = 0
+        while got < 1_000_000:  # ~5 s: ten timeouts
+            data = await client.reader.read(4096)
+            assert data, f"the router closed the connection after {got} bytes"
+            got += len(data)
+            await asyncio.sleep(0.02)  # ~200 KB/s, steadily: slower than the worker writes
+        assert rt.plane.stats.closed["write_timeout"] == 0
+        assert conn.write_paused and rt.plane.connections == {conn}  # held back all along
         client.close()
 
 
