@@ -466,7 +466,7 @@ class Placement:
                     "list (--worker, or one --worker-selector)"
                 )
             log.warning(
-                "placement: %d answers of the placer since this was last said named no healthy "
+                "placement: %d answer(s) of the placer since this was last said named no healthy "
                 "candidate here, the last %s, %s; this replica decided those new prefixes "
                 "alone, and the placer booked them there",
                 said,

@@ -398,7 +398,7 @@ class DecisionSharing:
         self.stats.unknown += count
         if said := self._strangers.count(self.clock(), count):
             log.warning(
-                "decision sharing: siblings shared %d decisions on ranks this replica does not "
+                "decision sharing: siblings shared %d decision(s) on ranks this replica does not "
                 "know since this was last said (%s the last); they are not booked here. If it "
                 "lasts, give every replica the same worker list (--worker, or one "
                 "--worker-selector)",

@@ -370,11 +370,11 @@ def test_an_unusable_answer_is_warned_once_a_minute_naming_the_rank_and_what_dif
     assert s.rules.resolved([cand(A), cand(B)], s.p.prompt(), C) is None  # known, unhealthy
     said = [r.getMessage() for r in caplog.records if r.name == "router.placement"]
     assert said == [
-        f"placement: 1 answers of the placer since this was last said named no healthy "
+        f"placement: 1 answer(s) of the placer since this was last said named no healthy "
         f"candidate here, the last {stranger}, a worker this replica was not given: give every "
         "replica the same worker list (--worker, or one --worker-selector); this replica "
         "decided those new prefixes alone, and the placer booked them there",
-        f"placement: 3 answers of the placer since this was last said named no healthy "
+        f"placement: 3 answer(s) of the placer since this was last said named no healthy "
         f"candidate here, the last {C}, a worker this replica finds unhealthy: replicas see "
         "its health differently; this replica decided those new prefixes alone, and the "
         "placer booked them there",

@@ -249,10 +249,10 @@ def test_decisions_on_ranks_this_replica_lacks_are_warned_once_a_minute_naming_o
     advice = "give every replica the same worker list (--worker, or one --worker-selector)"
     assert len(said) == 2 and all(advice in line for line in said)
     assert said[0].startswith(
-        f"decision sharing: siblings shared 2 decisions on ranks this replica does not know "
+        f"decision sharing: siblings shared 2 decision(s) on ranks this replica does not know "
         f"since this was last said ({RankId(B.worker_url, 1)} the last)"
     )
-    assert "shared 2 decisions" in said[1]  # the one held back, and this one
+    assert "shared 2 decision(s)" in said[1]  # the one held back, and this one
     assert sharing.stats.unknown == 4
 
 
