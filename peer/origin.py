@@ -132,6 +132,8 @@ def _ipv4_spelling_problem(host: str, name: str) -> str:
         # Leading zeros: the C resolver reads them as octal, where most who write them (and
         # the Kubernetes API server, which takes them) mean decimal: name both readings.
         decimal = ".".join(str(int(p)) for p in parts)
+        if name == decimal:  # a quad but for its root dot
+            return f"host {host!r} is an IPv4 address with a trailing dot: write it as {name}"
         if decimal == str(address):
             return f"host {host!r} is an IPv4 address with leading zeros: write it as {decimal}"
         return (

@@ -83,13 +83,13 @@ def test_an_origin_is_accepted_and_spelt_one_way(url: str, canonical: str) -> No
         # test_origin_clients.py), so each names the quad to write instead.
         ("http://127.1:8000", "write it as 127.0.0.1"),
         ("http://2130706433:8000", "write it as 127.0.0.1"),
-        ("http://127.000.000.001:8000", "write it as 127.0.0.1"),
+        ("http://127.000.000.001:8000", "leading zeros: write it as 127.0.0.1"),
         ("http://0x7f.1:8000", "write it as 127.0.0.1"),
         (
             "http://010.0.0.1:8000",
             "as octal (8.0.0.1, how the C resolver reads it) or as decimal (10.0.0.1",
         ),
-        ("http://10.0.0.1.:8000", "write it as 10.0.0.1"),
+        ("http://10.0.0.1.:8000", "with a trailing dot: write it as 10.0.0.1"),
         ("http://256.1.1.1:8000", "is not one"),
         ("http://example.123:8000", "is not one"),
     ],
