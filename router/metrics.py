@@ -534,7 +534,8 @@ class _StateCollector(Collector):
         )
         yield _counter(
             "kvrouter_load_values_out_of_range",
-            "Figures a worker stated above 2**48, read as unknown, by field",
+            "Figures a worker stated above 2**48, or a KV capacity below one block, read as "
+            "unknown, by field",
             ["field"],
             {(f,): self._loads.out_of_range[f] for f in OUT_OF_RANGE_FIELDS},
         )

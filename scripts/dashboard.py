@@ -607,7 +607,8 @@ ROWS: Final = (
                 "Per second: engine publishers that restarted (their rank is cleared and "
                 "re-learned), publisher connections that dropped (kvrouter_kv_disconnects_total: "
                 "the engine went away, or a message over --kv-events-max-message-bytes), seq "
-                "jumps handled as a new stream, ZMQ frames that did not decode, and batches "
+                "jumps handled as a new stream, the last batch sent again (dropped: a publisher "
+                "doing so for long is faulty), ZMQ frames that did not decode, and batches "
                 "whose payload did not (kvrouter_kv_decode_errors_total; each counts lost unless "
                 "replay returns a good copy): either is an engine version or wire format "
                 "mismatch.",
@@ -624,6 +625,10 @@ ROWS: Final = (
                     Query(
                         f"sum by (instance) ({_rate('kvrouter_kv_seq_jumps_total')})",
                         "seq jumps {{instance}}",
+                    ),
+                    Query(
+                        f"sum by (instance) ({_rate('kvrouter_kv_duplicate_batches_total')})",
+                        "duplicate batches {{instance}}",
                     ),
                     Query(
                         f"sum by (instance) ({_rate('kvrouter_kv_bad_frames_total')})",
