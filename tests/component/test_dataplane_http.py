@@ -2528,19 +2528,22 @@ async def test_a_client_that_does_not_read_holds_the_worker_back_not_the_routers
         client.close()
 
 
+FLOOD_BYTES, FLOOD_PIECE = 24 * 1024 * 1024, 256 * 1024
+
+
+async def chunked_flood(request: Request, writer: asyncio.StreamWriter) -> None:
+    """A chunked answer of `FLOOD_BYTES`, written as fast as it is taken."""
+    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for _ in range(FLOOD_BYTES // FLOOD_PIECE):
+        writer.write(b"%x\r\n%s\r\n" % (FLOOD_PIECE, b"x" * FLOOD_PIECE))
+        await writer.drain()
+    writer.write(b"0\r\n\r\n")
+
+
 async def test_a_stream_its_client_holds_back_is_not_timed_as_an_idle_worker() -> None:
     """The stream idle gap times the worker: while the router stops reading it because the
     client does not read, the worker is not idle, and the answer must not be cut for it."""
-    total, piece = 24 * 1024 * 1024, 256 * 1024
-
-    async def flood(request: Request, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        for _ in range(total // piece):
-            writer.write(b"%x\r\n%s\r\n" % (piece, b"x" * piece))
-            await writer.drain()
-        writer.write(b"0\r\n\r\n")
-
-    async with one_worker_and_a_client(flood, stream_idle_timeout_s=0.2) as (w, rt, client):
+    async with one_worker_and_a_client(chunked_flood, stream_idle_timeout_s=0.2) as (w, rt, client):
         client.send(post(b"/v1/completions", COMPLETION))
 
         def held() -> list[UpstreamConnection]:
@@ -2556,7 +2559,7 @@ async def test_a_stream_its_client_holds_back_is_not_timed_as_an_idle_worker() -
         assert not conn.deadline_pending  # no idle gap timed while held
         await asyncio.sleep(0.5)  # the client reads nothing for longer than the idle gap
         answer = await client.answer(within_s=60)
-        assert answer is not None and answer.complete and len(answer.body) == total
+        assert answer is not None and answer.complete and len(answer.body) == FLOOD_BYTES
         assert rt.plane.stats.ended["cut"] == 0
         client.close()
 
@@ -2670,16 +2673,12 @@ async def test_a_client_that_does_not_read_big_sse_events_costs_a_bounded_share_
 
 
 async def test_a_slow_client_that_keeps_reading_is_not_cut_for_its_paused_writes() -> None:
-    total, piece = 24 * 1024 * 1024, 256 * 1024
-
-    async def flood(request: Request, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        for _ in range(total // piece):
-            writer.write(b"%x\r\n%s\r\n" % (piece, b"x" * piece))
-            await writer.drain()
-        writer.write(b"0\r\n\r\n")
-
-    async with one_worker_and_a_client(flood, client_write_timeout_s=1.0) as (w, rt, client):
+    total, piece = FLOOD_BYTES, FLOOD_PIECE
+    async with one_worker_and_a_client(chunked_flood, client_write_timeout_s=1.0) as (
+        w,
+        rt,
+        client,
+    ):
         client.send(post(b"/v1/completions", COMPLETION))
         await eventually(lambda: reading_held(rt, w.url), 10)  # its writes are paused
         got = bytearray()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -184,18 +184,24 @@ def test_a_batch_with_a_malformed_home_is_refused_whole(
     assert (sharing.stats.received, sharing.stats.homes_received) == (1, 1)
 
 
-def test_siblings_homes_are_adopted_for_known_ranks_and_only_with_homes_on() -> None:
-    homes: list[Home] = []
-    clock = ManualClock(7.0)
-    sharing = siblings.DecisionSharing(
+def knowing_a(
+    clock: ManualClock, adopt_home: Callable[[Home], None] | None = None
+) -> siblings.DecisionSharing:
+    """A receiving end that knows rank A alone and adopts nothing."""
+    return siblings.DecisionSharing(
         session=None,  # type: ignore[arg-type]
         peers=list,
         token="t",
         adopt=lambda rank, keys, held: None,
         known=lambda rank: rank == A,
         clock=clock,
-        adopt_home=homes.append,
+        adopt_home=adopt_home,
     )
+
+
+def test_siblings_homes_are_adopted_for_known_ranks_and_only_with_homes_on() -> None:
+    homes: list[Home] = []
+    sharing = knowing_a(ManualClock(7.0), homes.append)
     sharing.receive(
         with_homes(home(A), home(B), home(A, anchor=9, join=10, chain=[9, 10], confirmed=5))
     )
@@ -229,14 +235,7 @@ def test_decisions_on_ranks_this_replica_lacks_are_warned_once_a_minute_naming_o
     """Replicas given different workers: the placer's placements on a worker this replica
     lacks were counted `unknown` and nothing said so."""
     clock = ManualClock()
-    sharing = siblings.DecisionSharing(
-        session=None,  # type: ignore[arg-type]
-        peers=list,
-        token="t",
-        adopt=lambda rank, keys, held: None,
-        known=lambda rank: rank == A,
-        clock=clock,
-    )
+    sharing = knowing_a(clock)
     stranger = SharedDecision(B.worker_url, 1, 0, [7])
     caplog.set_level("WARNING", logger="router.siblings")
     sharing.receive(encoded(GOOD, stranger, stranger))
