@@ -382,6 +382,45 @@ def test_a_tail_below_a_preamble_weighed_since_is_superseded_by_its_prefixs_next
 
 
 @pytest.mark.parametrize("preamble_since", [False, True])
+@pytest.mark.parametrize(
+    ("routed", "superseded"),
+    [
+        # The first request's own 4 blocks below the header: its tail, superseded when a new
+        # prefix takes the header over.
+        (1, True),
+        # Routed twice: the prefix's own blocks, weighed again by its second record, are no
+        # tail of it (4 blocks, shorter than the 12-block header all the same); they stay.
+        (2, False),
+    ],
+)
+def test_only_a_records_own_new_blocks_are_superseded_when_a_new_prefix_takes_its_header_over(
+    routed: int, superseded: bool, preamble_since: bool
+) -> None:
+    """A prefix of 4 blocks below a 12-block header every prefix shares, routed `routed`
+    times 1 s apart, then a new 14-block prefix below the same header. With a preamble (the
+    header's first 4 blocks) weighed since by another prompt's record, the same."""
+    clock = ManualClock()
+    led = ledger(clock, demand_half_life_s=30.0)
+    header = tokens(3, 12)
+    prefix = block_keys(header + tokens(1, 4), BS)
+    for _ in range(routed):
+        led.record(A, prefix, held=len(prefix))
+        clock.advance(1.0)
+    others = 0
+    if preamble_since:
+        other = block_keys(header[: 4 * BS] + tokens(5, 10), BS)
+        led.record(A, other, held=len(other))
+        others = 10
+    taking = block_keys(header + tokens(8, 14), BS)
+    led.record(A, taking, held=len(taking))
+    own = 4 * 2.0 ** (-1.0 / 30.0)  # what the prefix's own blocks weigh now
+    assert led.demand(A) == pytest.approx(12 + 14 + others + own)
+    kept = 0.0 if superseded else own
+    assert led.working_sets([A]) == pytest.approx([12 + 14 + others + kept])
+    assert_stale_entries_counted(led)
+
+
+@pytest.mark.parametrize("preamble_since", [False, True])
 def test_a_prefix_routed_again_while_fresh_leaves_its_requests_tails_out(
     preamble_since: bool,
 ) -> None:
