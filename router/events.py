@@ -665,7 +665,11 @@ class _ArrayTag(Struct, array_like=True, gc=False):
 _MAP_TAGS: Final = _batch_decoder(_MapTag)
 _ARRAY_TAGS: Final = _batch_decoder(_ArrayTag)
 _RAW_EVENTS: Final = _batch_decoder(Raw)
-_KNOWN_TAGS: Final = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+# The tags the typed decoders take, as their event types declare them.
+_KNOWN_TAGS: Final = frozenset(
+    event.__struct_config__.tag
+    for event in (_MapStored, _MapRemoved, _MapCleared, _ArrayStored, _ArrayRemoved, _ArrayCleared)
+)
 _ENCODER: Final = msgspec.msgpack.Encoder()
 
 
