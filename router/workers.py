@@ -360,6 +360,14 @@ def endpoint_problem(info: KvEventsInfo) -> str | None:
     return None
 
 
+async def host_addresses(host: str) -> set[str]:
+    """The addresses `host` resolves to now; OSError, or TimeoutError past
+    `RESOLVE_TIMEOUT_S`, when it does not."""
+    async with asyncio.timeout(RESOLVE_TIMEOUT_S):
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    return {str(info[4][0]) for info in infos}
+
+
 async def allow_list_refusal(allow: AllowList, host: str) -> str | None:
     """Why `--worker-allow-cidr` refuses `host`: every address it resolves to must be inside.
     (Checked when it is registered: a name that resolves elsewhere later, DNS rebinding, is
@@ -367,11 +375,10 @@ async def allow_list_refusal(allow: AllowList, host: str) -> str | None:
     if not allow.restricts:
         return None
     try:
-        async with asyncio.timeout(RESOLVE_TIMEOUT_S):
-            infos = await asyncio.get_running_loop().getaddrinfo(host, None)
+        addresses = await host_addresses(host)
     except (OSError, TimeoutError) as exc:
         return f"{host} does not resolve ({exc or 'timed out'})"
-    return allow.refusal(host, sorted({str(info[4][0]) for info in infos}))
+    return allow.refusal(host, sorted(addresses))
 
 
 Subscribe = Callable[[RankEndpoint, SubscriberStats], Coroutine[None, None, None]]
@@ -389,14 +396,11 @@ async def resolved_endpoints(info: KvEventsInfo) -> frozenset[Endpoint]:
         ipaddress.ip_address(info.host)
     except ValueError:  # a name
         try:
-            async with asyncio.timeout(RESOLVE_TIMEOUT_S):
-                found = await asyncio.get_running_loop().getaddrinfo(
-                    info.host, None, type=socket.SOCK_STREAM
-                )
+            found = await host_addresses(info.host)
         except (OSError, TimeoutError):
             pass
         else:
-            addresses = {canonical_host(str(entry[4][0])) for entry in found} or addresses
+            addresses = {canonical_host(address) for address in found} or addresses
     ports = range(info.port_base, info.port_base + info.dp_size)
     return frozenset((address, port) for address in addresses for port in ports)
 
