@@ -950,8 +950,9 @@ map_prefetch_mixed(const MapObject *m, uint64_t h)
     }
 }
 
-/* The entry in the first slot of a key mixed to `h`, or NULL (empty, a dummy): read after map_prefetch_slot
- * had time to land, it is a guess at where `key` lives (a collision makes it another key's). */
+/* The entry in the first slot of a key mixed to `h`, or NULL (empty, a dummy): read after
+ * map_prefetch_mixed had time to land, it is a guess at where the key lives (a collision makes
+ * it another key's). */
 static inline const Entry *
 map_peek(const MapObject *m, uint64_t h)
 {
@@ -1592,6 +1593,21 @@ map_setdefault(MapObject *m, PyObject *const *args, Py_ssize_t nargs)
  * keeps it and sums the run up (`weigh_run`), or sets it to the value (`put_run`). */
 enum { SET_LIST, SET_RUNS, SET_PUT };
 
+/* SET_RUNS: whether key i's value `v` extends the leading run of the first key's value (`head`,
+ * set at key 0), counted in `lead`. */
+static inline int
+runs_lead(uint64_t v, Py_ssize_t i, uint64_t *head, Py_ssize_t *lead)
+{
+    if (i == 0) {
+        *head = v;
+    }
+    if (v == *head && *lead == i) {
+        (*lead)++;
+        return 1;
+    }
+    return 0;
+}
+
 /* The loop of setdefault_run, weigh_run and put_run over `keys`, the run's lookups overlapped
  * (see PREFETCH_AHEAD): a key absent is set to `value`; a key present keeps its value and goes
  * in the list returned (SET_LIST), or is set to `value` and None is returned (SET_PUT). In
@@ -1649,11 +1665,7 @@ map_set_run(MapObject *m, PyObject *keys, PyObject *value_obj, int mode)
         if (ix >= 0 && mode != SET_PUT) {
             if (out == NULL) {
                 uint64_t held = m->entries[ix].value;
-                if (i == 0) {
-                    head = held;
-                }
-                if (held == head && lead == i) {
-                    lead++;
+                if (runs_lead(held, i, &head, &lead)) {
                     continue;
                 }
                 if (held == value_word) {
@@ -1696,12 +1708,7 @@ map_set_run(MapObject *m, PyObject *keys, PyObject *value_obj, int mode)
             PyList_SET_ITEM(out, i, Py_NewRef(value_obj));
         }
         else if (mode == SET_RUNS) {
-            if (i == 0) {
-                head = value_word;
-            }
-            if (head == value_word && lead == i) {
-                lead++;
-            }
+            runs_lead(value_word, i, &head, &lead);
         }
     }
     if (mode != SET_RUNS) {
