@@ -769,7 +769,9 @@ class WorkerRegistry:
         """Stop all a worker that left the registry has running (once, however many ask)."""
         if worker.state == "removed":
             return
-        if worker.state != "down":  # a down worker left the index already
+        # A down worker left the index already, unless a registration anew had claimed its
+        # endpoints and put its ranks back before this removal came.
+        if worker.state != "down" or worker.event_endpoints:
             await self._detach(worker)
         worker.state = "removed"
         self._health.forget(worker.url)

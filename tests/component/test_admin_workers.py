@@ -311,6 +311,43 @@ async def test_a_delete_during_the_posts_registration_leaves_nothing_of_the_work
         assert registry._locks == {}  # no lock kept for a URL nobody is adding
 
 
+async def test_a_down_worker_removed_while_its_ranks_go_live_leaves_no_rank_live() -> None:
+    """A worker down after its first try is registered anew (here by a second POST); a
+    DELETE landing while the new registration put its ranks in the index's live set found
+    the worker still `down`, and the teardown skipped the detach a down worker needs no more:
+    its rank stayed live in the index for good, with nobody subscribed to it."""
+    answers = [503]  # the first /server_info: up, not serving yet
+    routes = stub_worker_routes()
+    server_info = routes[("GET", "/server_info")]
+
+    async def unready_once(request: web.Request) -> web.StreamResponse:
+        if answers:
+            return web.Response(status=answers.pop())
+        return await server_info(request)
+
+    routes[("GET", "/server_info")] = unready_once
+    async with stub_server(routes) as worker, router_in_process() as rt:
+        registry, pump = rt.replica.workers, rt.replica.pump
+        status, body, _ = await rt.post("/workers", {"url": worker})
+        assert status == 200 and body["state"] == "down", body
+        removals: list[asyncio.Task[bool]] = []
+        call = pump.call
+
+        async def call_then_remove(fn: Any) -> Any:
+            result = await call(fn)
+            if not removals and RankId(worker, 0) in pump.rules.live:  # just added
+                removals.append(asyncio.create_task(registry.remove(worker)))
+                await asyncio.sleep(0)  # one turn: the removal takes it out of the registry
+            return result
+
+        pump.call = call_then_remove  # type: ignore[method-assign]
+        status, body, _ = await rt.post("/workers", {"url": worker})
+        assert status == 409 and "removed" in body["error"]["message"], body
+        assert removals and await removals[0]
+        assert RankId(worker, 0) not in pump.rules.live
+        assert registry.workers() == [] and registry.subscribed_ranks == 0
+
+
 async def test_adding_and_removing_many_urls_keeps_no_lock_behind() -> None:
     async with router_in_process() as rt:
         for port in range(1, 51):
