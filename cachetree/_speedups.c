@@ -27,12 +27,13 @@
  *   SGLang >= 0.5.20 send): the root, ts and dp_rank are read here, and the two events a busy
  *   engine sends are built without any intermediate object: a one-block BlockRemoved of the
  *   usual shape, and a BlockStored of the usual shape (flat token ids read once, straight into
- *   the packed u32 array, hashes to u64). Every other event's bytes are handed to the Python
- *   decoder of single events, which decides what it is (ignored, bigram pairs, salted, an
- *   error). Anything else about the batch (positional events, extra root elements, odd
- *   encodings) returns None, and the Python decoders take the whole batch: they alone name
- *   errors. The twin of both is the typed path of router/events.py; the tests hold them to the
- *   generic reference decoder, shape by shape and under mutation.
+ *   the packed u32 array, hashes to u64). Every other event's bytes (and its index) are
+ *   handed to the Python decoder of single events, which decides what it is (ignored, bigram
+ *   pairs, salted, an error, which it names and which ends the batch here). Anything else
+ *   about the batch (positional events, extra root elements, odd encodings) returns None, and
+ *   the Python decoders take the whole batch: they alone name errors. The twin of both is the
+ *   typed path of router/events.py; the tests hold them to the generic reference decoder,
+ *   shape by shape and under mutation.
  * - XXH3-64 is written from its published specification (xxHash's doc/xxhash_spec.md, "XXH3
  *   algorithm description"), every length class including the seeded long-input path, and
  *   tested bit-exact against the `xxhash` package. Engines' block sizes put a block in the
@@ -1453,9 +1454,10 @@ fold_event(Fold *f, PyObject *out, PyObject *event, PyObject *block_removed)
  *   the Python decoders, which decide everything). `spec` is (removal_tiers, stored_tiers, BlockRemoved,
  *   BlockStored, TokenIds, EventBatch, max_hashes, max_tokens, max_hash_bytes).
  * One-block removals and the usual BlockStored are built here; every other event's bytes go
- * to `decode_event`, which returns its normalized event or the reason it is ignored, or
- * raises. With `run_type` (RemovedRun; None or absent: not), runs of one-block removals of
- * one medium come as one RemovedRun each (`Fold`), with no event built per block. */
+ * to `decode_event` with the event's index in the batch, which returns its normalized event
+ * or the reason it is ignored, or raises (naming the event: the error passes through). With
+ * `run_type` (RemovedRun; None or absent: not), runs of one-block removals of one medium come
+ * as one RemovedRun each (`Fold`), with no event built per block. */
 static PyObject *
 py_decode_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1573,8 +1575,15 @@ py_decode_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (span == NULL) {
                 goto error;
             }
-            event = PyObject_CallOneArg(decode_event, span);
+            PyObject *index = PyLong_FromSsize_t(i);
+            if (index == NULL) {
+                Py_DECREF(span);
+                goto error;
+            }
+            PyObject *call_args[2] = {span, index};
+            event = PyObject_Vectorcall(decode_event, call_args, 2, NULL);
             Py_DECREF(span);
+            Py_DECREF(index);
             if (event == NULL) {
                 goto error;
             }

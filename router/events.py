@@ -50,7 +50,7 @@ not for the index:
 - `unknown_type`: an event whose tag is a string this file does not know. Tolerated, because an
   engine that adds an event type must not stop the router indexing the types it knows; the
   count makes the new type visible. Only its tag can be checked. It leaves the rest of its
-  batch to the fast paths (below), not to the generic one.
+  batch to the fast paths (below).
 A valid event is counted once, under the first of these reasons that applies.
 
 Tolerant where the wire has variants in the field: shapes, hash and token encodings, unknown
@@ -93,19 +93,24 @@ per block (half a churn batch's decode), and the other paths fold what they deco
 leave `token_ids` undecoded (`msgspec.Raw`) and `_speedups.parse_tokens` reads the ids, flat
 or bigram pairs, straight into a `TokenIds` u32 array, with the same checks and without a
 Python int per token. `TokenIds` compares equal to the list of the same ids, so a batch
-decodes to equal events on every path. An event of an unknown type is read by the generic
-path alone where the compiled reader hands it over; elsewhere a batch the typed decoders refuse
-is read for its events' tags, and one holding unknown ones is decoded again by the fast paths
-without them (`_decode_without_unknown`): one such event in a batch of 60,000 stores had the
-generic path read it all, 1.9 s of the loop against 0.24 s. Whatever else the typed decoders
-refuse (mixed shapes, any malformation) is decoded again by the generic path:
-a plain msgpack decode followed by explicit Python checks. The generic path is the reference.
-It accepts everything the typed path accepts, with the same result, and it alone chooses the
-error reason and detail, so neither depends on which path ran. The one difference: a string
-the decoder never reads (an unknown key, an ignored field) is skipped by the typed path without
-a UTF-8 check, which the generic path would refuse. Engines encode Python strings, so only
-corruption produces that, and no decoder catches corruption in general: a flipped bit in a
-token id is still valid msgpack. The tests fuzz the two paths against each other.
+decodes to equal events on every path. The events the compiled reader does not build go to
+`_decode_event` with their index in the batch: the typed decoders of their shape, and where
+those refuse, the generic path's reading of that one event, which names an error as the
+generic path names it for the batch. Elsewhere a batch the typed decoders refuse is read for
+its events' tags, and one holding events of an unknown type is decoded again by the fast paths
+without them (`_decode_without_unknown`). Whatever else they refuse (mixed shapes, any
+malformation) is read one event at a time (`_decode_each`), each by `_decode_event`: so no
+batch, however malformed, has the generic path build all its events in Python (60,000
+one-block stores and one malformed event held the loop 0.5-1.9 s there; now 1-3 times what
+the batch without it costs). The generic path is the reference: a plain msgpack decode followed
+by explicit Python checks. It accepts everything the typed path accepts, with the same
+result, and it alone chooses the error reason and detail, so neither depends on which path
+ran. The one difference: a string the decoder never reads (an unknown key, an ignored field,
+anything after the first bad event) is skipped by the other paths without a UTF-8 check,
+which the generic path would refuse (`malformed_msgpack`, ahead of any event's error).
+Engines encode Python strings, so only corruption produces that, and no decoder catches
+corruption in general: a flipped bit in a token id is still valid msgpack. The tests fuzz
+the paths against each other.
 """
 
 from __future__ import annotations
@@ -251,31 +256,41 @@ def decode_batch(payload: bytes, *, fold_removals: bool = False) -> EventBatch:
     `fold_removals`, runs of one-block removals come as `RemovedRun`s (`fold_removal_runs`):
     the compiled decoder builds no event per block then.
     """
-    try:
-        return _decode_fast(payload, fold_removals)
-    except _REFUSED:
-        pass
-    try:
-        batch = _decode_without_unknown(payload, fold_removals)
-    except _REFUSED:
-        batch = None
+    batch = _decode_fast(payload, fold_removals)
     if batch is None:
-        # Anything unusual or wrong: the generic path decides, and names the reason.
-        batch = _decode_generic(payload)
+        batch = _decode_without_unknown(payload, fold_removals)
+    if batch is None:
+        # Anything unusual or wrong: one event at a time, each the typed decoders do not take
+        # read by the generic path, which names the reason.
+        batch = _decode_each(payload)
         if fold_removals:
             batch.events = fold_removal_runs(batch.events)
     return batch
 
 
-def _decode_fast(payload: bytes, fold_removals: bool) -> EventBatch:
-    """The compiled reader, then the typed path. Raises one of `_REFUSED` on anything they
-    do not take."""
+def _decode_fast(payload: bytes, fold_removals: bool) -> EventBatch | None:
+    """The compiled reader, then the typed path; None when they do not take the batch.
+
+    Raises `EventDecodeError` only where `_decode_each` would raise the same: the compiled
+    reader hands the events it does not build to `_decode_event`, which names the first
+    malformed one, and the rest of the batch is read as `_decode_each` reads it first.
+    """
     if speedups is not None:
         run_type = RemovedRun if fold_removals else None
-        batch = speedups.decode_map_batch(payload, _MAP_BATCH_SPEC, _decode_map_event, run_type)
+        try:
+            batch = speedups.decode_map_batch(payload, _MAP_BATCH_SPEC, _decode_event, run_type)
+        except EventDecodeError:
+            try:
+                _RAW_EVENTS.decode(payload)  # the root, dp_rank included, read before events
+            except _REFUSED:
+                return None
+            raise
         if batch is not None:
             return batch  # type: ignore[no-any-return]
-    batch = _decode_typed(payload)
+    try:
+        batch = _decode_typed(payload)
+    except _REFUSED:
+        return None
     if fold_removals:
         batch.events = fold_removal_runs(batch.events)
     return batch
@@ -283,25 +298,60 @@ def _decode_fast(payload: bytes, fold_removals: bool) -> EventBatch:
 
 def _decode_without_unknown(payload: bytes, fold_removals: bool) -> EventBatch | None:
     """A batch the fast paths refused whole, read by them again without its events of a type
-    this file does not know (counted as `unknown_type`); None when it has none.
+    this file does not know (counted as `unknown_type`); None when it has none, or when they
+    refuse the rest too (mixed shapes, any malformation).
 
-    One such event sent the whole batch to the generic path, which builds every event in
-    Python: 60,000 one-block stores and one took 1.9 s of the loop, 0.24 s without it. Now
-    such a batch costs the fast paths about twice (the refusal, then the batch without it),
-    plus a read of the events' tags and a copy of the rest. Only the tag of an unknown event
-    is read, and must be a string, as the generic path checks it. Raises one of `_REFUSED`
-    on anything else (mixed shapes, any malformation)."""
-    positional = _first_event_is_array(payload)
-    tagged = (_ARRAY_TAGS if positional else _MAP_TAGS).decode(payload)
+    The compiled reader takes such events in its stride; the typed decoders refuse the batch
+    at the first, and reading it again without them costs about what `_decode_each` would,
+    and less where one-block removals, which the typed path normalizes in C, are many.
+    Only the tag of an unknown event is read, and must be a string, as the generic path checks
+    it."""
+    try:
+        tagged = (_ARRAY_TAGS if _first_event_is_array(payload) else _MAP_TAGS).decode(payload)
+    except _REFUSED:
+        return None
     known = [event.tag in _KNOWN_TAGS for event in tagged.events]
     unknown = known.count(False)
     if not unknown:
         return None
     events = _RAW_EVENTS.decode(payload).events
     rest = _ENCODER.encode([tagged.ts, list(compress(events, known)), tagged.dp_rank])
-    batch = _decode_fast(rest, fold_removals)
-    batch.ignored["unknown_type"] = batch.ignored.get("unknown_type", 0) + unknown
+    try:
+        batch = _decode_fast(rest, fold_removals)
+    except EventDecodeError:  # named for an event of `rest`: `_decode_each` names it anew
+        return None
+    if batch is not None:
+        batch.ignored["unknown_type"] = batch.ignored.get("unknown_type", 0) + unknown
     return batch
+
+
+def _decode_each(payload: bytes) -> EventBatch:
+    """A batch the fast paths do not take, read one event at a time (`_decode_event`): what
+    the generic path returns for it, or the error it raises, at about the typed path's cost.
+
+    The generic path builds every event in Python: a batch of 60,000 one-block stores with
+    one malformed event held the loop 0.5-1.9 s there. Here it reads only the events the
+    typed decoders do not take, and nothing after the first malformed one is read but its
+    msgpack framing: so the error is that event's even where a later string is not UTF-8,
+    which the generic path, decoding the whole payload first, names `malformed_msgpack`. A
+    root that is not `[ts, events, dp_rank?]` is left to the generic path to name.
+    """
+    try:
+        root = _RAW_EVENTS.decode(payload)
+    except _REFUSED:
+        return _decode_generic(payload)
+    ts = root.ts
+    if not math.isfinite(ts):
+        raise EventDecodeError("bad_ts", f"ts is {_describe(ts)}")
+    out: list[KVEvent] = []
+    ignored: dict[str, int] = {}
+    for index, span in enumerate(root.events):
+        result = _decode_event(span, index)
+        if type(result) is str:
+            ignored[result] = ignored.get(result, 0) + 1
+        else:
+            out.append(result)  # type: ignore[arg-type]
+    return EventBatch(float(ts), out, root.dp_rank, ignored)
 
 
 def fold_removal_runs(events: list[KVEvent]) -> list[KVEvent]:
@@ -550,13 +600,6 @@ class _ArrayStoredPackedBigram(_ArrayStored):
         return _ArrayStored.normalize(self)
 
 
-# One map event at a time, for `_speedups.decode_map_batch` (the events it does not build).
-_MAP_EVENT_DECODERS: Final = (
-    msgspec.msgpack.Decoder(_MapStoredPacked | _MapRemoved | _MapCleared),
-    msgspec.msgpack.Decoder(_MapStoredPackedBigram | _MapRemoved | _MapCleared),
-)
-
-
 # What `_speedups.decode_map_batch` builds events with, and the caps it keeps.
 _MAP_BATCH_SPEC: Final = (
     _REMOVAL_TIER,
@@ -569,19 +612,6 @@ _MAP_BATCH_SPEC: Final = (
     MAX_TOKENS_PER_EVENT,
     MAX_HASH_BYTES,
 )
-
-
-def _decode_map_event(span: bytes) -> KVEvent | str:
-    """One map event's bytes as a normalized event, or the reason it is ignored. One the typed
-    decoders refuse (a type this file does not know) is read as the generic path reads it,
-    which raises for what it refuses: so the compiled reader takes a batch with such an
-    event whole."""
-    for decoder in _MAP_EVENT_DECODERS:
-        try:
-            return decoder.decode(span).normalize()  # type: ignore[no-any-return]
-        except msgspec.ValidationError:
-            pass
-    return _generic_event(_GENERIC_DECODER.decode(span))
 
 
 def _packed_tokens(raw: Raw, pairs: bool) -> TokenIds:
@@ -627,29 +657,37 @@ def _batch_decoder(*event_types: type) -> msgspec.msgpack.Decoder[Any]:
     return msgspec.msgpack.Decoder(batch)
 
 
-# (flat tokens, bigram tokens) decoders for batches of map events, and of positional events;
+# The event types of map events and of positional ones, with flat and with bigram token ids;
 # with the compiled accelerator, their twins whose token ids `parse_tokens` reads.
-_MAP_DECODERS: Final = (
-    (
-        _batch_decoder(_MapStored, _MapRemoved, _MapCleared),
-        _batch_decoder(_MapStoredBigram, _MapRemoved, _MapCleared),
-    )
+_MAP_EVENTS: Final = (
+    ((_MapStored, _MapRemoved, _MapCleared), (_MapStoredBigram, _MapRemoved, _MapCleared))
     if speedups is None
     else (
-        _batch_decoder(_MapStoredPacked, _MapRemoved, _MapCleared),
-        _batch_decoder(_MapStoredPackedBigram, _MapRemoved, _MapCleared),
+        (_MapStoredPacked, _MapRemoved, _MapCleared),
+        (_MapStoredPackedBigram, _MapRemoved, _MapCleared),
     )
 )
-_POSITIONAL_DECODERS: Final = (
+_POSITIONAL_EVENTS: Final = (
     (
-        _batch_decoder(_ArrayStored, _ArrayRemoved, _ArrayCleared),
-        _batch_decoder(_ArrayStoredBigram, _ArrayRemoved, _ArrayCleared),
+        (_ArrayStored, _ArrayRemoved, _ArrayCleared),
+        (_ArrayStoredBigram, _ArrayRemoved, _ArrayCleared),
     )
     if speedups is None
     else (
-        _batch_decoder(_ArrayStoredPacked, _ArrayRemoved, _ArrayCleared),
-        _batch_decoder(_ArrayStoredPackedBigram, _ArrayRemoved, _ArrayCleared),
+        (_ArrayStoredPacked, _ArrayRemoved, _ArrayCleared),
+        (_ArrayStoredPackedBigram, _ArrayRemoved, _ArrayCleared),
     )
+)
+# (flat tokens, bigram tokens) decoders of whole batches, and of one event at a time.
+_MAP_DECODERS: Final = tuple(_batch_decoder(*types) for types in _MAP_EVENTS)
+_POSITIONAL_DECODERS: Final = tuple(_batch_decoder(*types) for types in _POSITIONAL_EVENTS)
+_MAP_EVENT_DECODERS: Final = tuple(
+    msgspec.msgpack.Decoder(Union[types])  # type: ignore[valid-type]  # noqa: UP007
+    for types in _MAP_EVENTS
+)
+_POSITIONAL_EVENT_DECODERS: Final = tuple(
+    msgspec.msgpack.Decoder(Union[types])  # type: ignore[valid-type]  # noqa: UP007
+    for types in _POSITIONAL_EVENTS
 )
 
 
@@ -671,6 +709,27 @@ _KNOWN_TAGS: Final = frozenset(
     for event in (_MapStored, _MapRemoved, _MapCleared, _ArrayStored, _ArrayRemoved, _ArrayCleared)
 )
 _ENCODER: Final = msgspec.msgpack.Encoder()
+
+
+def _decode_event(span: bytes | Raw, index: int) -> KVEvent | str:
+    """The bytes of a batch's `index`th event as a normalized event, or the reason it is
+    ignored: read by the typed decoders of its shape (flat token ids, then bigram pairs), or
+    where they refuse it (a type this file does not know, a malformation) as the generic path
+    reads it. Raises `EventDecodeError` only, naming the event as the generic path does.
+    `_speedups.decode_map_batch` hands it the events it does not build."""
+    b = memoryview(span)[0]
+    positional = 0x90 <= b <= 0x9F or b == 0xDC or b == 0xDD
+    try:
+        for decoder in _POSITIONAL_EVENT_DECODERS if positional else _MAP_EVENT_DECODERS:
+            try:
+                return decoder.decode(span).normalize()  # type: ignore[no-any-return]
+            except (msgspec.DecodeError, RecursionError):
+                pass
+        return _generic_event(_GENERIC_DECODER.decode(span))
+    except EventDecodeError as exc:
+        raise EventDecodeError(exc.reason, f"event {index}: {exc.detail}") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise EventDecodeError("malformed_msgpack", str(exc)) from None
 
 
 def _first_event_is_array(p: bytes) -> bool:

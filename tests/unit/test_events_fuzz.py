@@ -3,9 +3,10 @@
 Three seeded generators: random bytes, random mutations of real captures and hand-built
 batches, and structure-aware batches whose every field is drawn from valid and invalid values.
 For each input: decode_batch returns a batch or raises EventDecodeError (nothing else); when it
-returns, the generic reference path returns the same batch; when the typed fast path accepts
-an input, the reference accepts it too, with the same result. So the fast path is never more
-lenient than the reference, and never different.
+returns, the generic reference path returns the same batch, and when it raises, the reference
+raises the same reason and detail (but for one documented difference); when the typed fast path
+accepts an input, the reference accepts it too, with the same result. So the fast path is
+never more lenient than the reference, and never different.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def check(payload: bytes) -> EventBatch | None:
         got = decode_batch(payload)
     except EventDecodeError as exc:
         assert exc.reason in DECODE_ERROR_REASONS
+        with pytest.raises(EventDecodeError) as reference:
+            _decode_generic(payload)
+        if str(reference.value) != str(exc):  # the same reason and detail, as the metric and log
+            # The generic path decodes the whole payload before any event; the others read no
+            # further than the first bad event, and skip strings they do not read.
+            assert str(reference.value) == "malformed_msgpack: Invalid UTF-8 encoded string"
         return None
     # decode_batch returned the typed path's result when that path took the input, so this
     # also checks that the typed path never accepts what the reference refuses or reads apart.

@@ -30,8 +30,8 @@ from router.events import (
     EventDecodeError,
     RemovedRun,
     TokenIds,
+    _decode_event,
     _decode_generic,
-    _decode_map_event,
     decode_batch,
     fold_removal_runs,
 )
@@ -304,14 +304,14 @@ def test_parse_tokens_refuses_more_ids_than_the_cap_before_reading_them() -> Non
 
 
 def _compiled_batch(
-    payload: bytes, decode_event: Callable[[bytes], Any] | None = None, *, fold: bool = False
+    payload: bytes, decode_event: Callable[[bytes, int], Any] | None = None, *, fold: bool = False
 ) -> Any:
     from router import events
 
     return speedups.decode_map_batch(
         payload,
         events._MAP_BATCH_SPEC,
-        decode_event or events._decode_map_event,
+        decode_event or events._decode_event,
         RemovedRun if fold else None,
     )
 
@@ -342,9 +342,9 @@ def test_decode_map_batch_builds_churn_batches_without_the_python_decoder() -> N
 
     handed: list[bytes] = []
 
-    def decode_event(span: bytes) -> Any:
+    def decode_event(span: bytes, index: int) -> Any:
         handed.append(span)
-        return _decode_map_event(span)
+        return _decode_event(span, index)
 
     batches = workload(1, 256, 20).measured
     removals = stores = 0
@@ -508,9 +508,9 @@ STORED_IN_PYTHON = [
 def test_decode_map_batch_equals_the_reference_for_every_stored_shape(event: Any) -> None:
     handed: list[bytes] = []
 
-    def decode_event(span: bytes) -> Any:
+    def decode_event(span: bytes, index: int) -> Any:
         handed.append(span)
-        return _decode_map_event(span)
+        return _decode_event(span, index)
 
     payload = _enc([1767225600.0, [REMOVED, event, REMOVED], 3])
     try:
