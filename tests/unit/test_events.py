@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from cachetree.accel import speedups
 from cachetree.keys import MAX_ADAPTER_NAME_CHARS
 from cachetree.tiers import DEVICE, DISK, EXTERNAL, HOST
 from router import events
@@ -427,6 +428,37 @@ def test_a_malformed_event_fails_its_batch_as_the_generic_path_says_reading_it_a
     assert (got.value.reason, got.value.detail) == (want.value.reason, want.value.detail)
     assert got.value.detail.startswith("event 2050: ")
     assert len(read_generically) <= 1  # that event alone, or none (the count: typed, then raised)
+
+
+@pytest.mark.skipif(speedups is None, reason="the twins read token ids apart only when compiled")
+def test_a_positional_batch_refused_while_decoding_is_not_decoded_again_by_its_bigram_twin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Compiled, the twins differ only in how `normalize` reads the token ids, so the bigram
+    one refused at the same event, after as long: 60,000 positional one-block stores and one
+    event of an unknown type were decoded three times over, and are twice now."""
+    decoded: list[str] = []
+
+    class Counted:
+        def __init__(self, name: str, decoder: msgspec.msgpack.Decoder[Any]) -> None:
+            self.name, self.decoder = name, decoder
+
+        def decode(self, payload: bytes) -> Any:
+            decoded.append(self.name)
+            return self.decoder.decode(payload)
+
+    flat, bigram = events._POSITIONAL_DECODERS
+    monkeypatch.setattr(
+        events, "_POSITIONAL_DECODERS", (Counted("flat", flat), Counted("bigram", bigram))
+    )
+    stores = [["BlockStored", [i], None, TOKENS[:16], 16] for i in range(1, 2001)]
+    got = decode_batch(batch(*stores, ["Foo", 1]))
+    assert len(got.events) == 2000 and got.ignored == {"unknown_type": 1}
+    assert decoded == ["flat", "flat"]  # refused at "Foo"; then the batch without it
+    decoded.clear()
+    pairs = [[t, t + 1] for t in TOKENS[:16]]
+    got = decode_batch(batch(*(["BlockStored", [i], None, pairs, 16] for i in range(1, 11))))
+    assert len(got.events) == 10 and decoded == ["flat", "bigram"]  # pairs: read by the twin
 
 
 def test_a_malformed_event_behind_a_bad_dp_rank_fails_as_the_dp_rank() -> None:
