@@ -764,7 +764,8 @@ def _decode_typed(payload: bytes) -> EventBatch:
     # SGLang with EAGLE sends token pairs in every event, which the bigram twin reads. With the
     # compiled accelerator the twins differ only in how `normalize` reads the token ids: a
     # batch one refuses while decoding it (an event of a type this file does not know, say)
-    # the other refuses at the same event, after as long.
+    # the other refuses at the same event, after as long; and the other takes no batch whose
+    # first stored event's token ids are not pairs (a malformed token later, say).
     try:
         batch = flat.decode(payload)
     except msgspec.ValidationError:
@@ -773,8 +774,28 @@ def _decode_typed(payload: bytes) -> EventBatch:
         return _normalized(bigram.decode(payload))
     try:
         return _normalized(batch)
-    except msgspec.ValidationError:  # packed token ids that are pairs
+    except msgspec.ValidationError:  # packed token ids: pairs, or malformed
+        if not _first_tokens_are_pairs(batch.events):
+            raise
         return _normalized(bigram.decode(payload))
+
+
+def _first_tokens_are_pairs(events: list[Any]) -> bool:
+    """Whether the token ids of the first typed event that has them start with an array: they
+    are still `msgspec.Raw` there unless `normalize` read them (as flat ids) already."""
+    for event in events:
+        tokens = getattr(event, "token_ids", None)
+        if tokens is not None:
+            if type(tokens) is not Raw:
+                return False
+            raw = memoryview(tokens)
+            b = raw[0]
+            first = 1 if 0x90 <= b <= 0x9F else 3 if b == 0xDC else 5 if b == 0xDD else len(raw)
+            if first >= len(raw):
+                return False
+            b = raw[first]
+            return 0x90 <= b <= 0x9F or b == 0xDC or b == 0xDD
+    return False
 
 
 def _normalized(batch: Any) -> EventBatch:

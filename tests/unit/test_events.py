@@ -430,13 +430,8 @@ def test_a_malformed_event_fails_its_batch_as_the_generic_path_says_reading_it_a
     assert len(read_generically) <= 1  # that event alone, or none (the count: typed, then raised)
 
 
-@pytest.mark.skipif(speedups is None, reason="the twins read token ids apart only when compiled")
-def test_a_positional_batch_refused_while_decoding_is_not_decoded_again_by_its_bigram_twin(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Compiled, the twins differ only in how `normalize` reads the token ids, so the bigram
-    one refused at the same event, after as long: 60,000 positional one-block stores and one
-    event of an unknown type were decoded three times over, and are twice now."""
+def _positional_decodes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names ("flat", "bigram") of the positional batch decoders, as they are used."""
     decoded: list[str] = []
 
     class Counted:
@@ -451,6 +446,17 @@ def test_a_positional_batch_refused_while_decoding_is_not_decoded_again_by_its_b
     monkeypatch.setattr(
         events, "_POSITIONAL_DECODERS", (Counted("flat", flat), Counted("bigram", bigram))
     )
+    return decoded
+
+
+@pytest.mark.skipif(speedups is None, reason="the twins read token ids apart only when compiled")
+def test_a_positional_batch_refused_while_decoding_is_not_decoded_again_by_its_bigram_twin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Compiled, the twins differ only in how `normalize` reads the token ids, so the bigram
+    one refused at the same event, after as long: 60,000 positional one-block stores and one
+    event of an unknown type were decoded three times over, and are twice now."""
+    decoded = _positional_decodes(monkeypatch)
     stores = [["BlockStored", [i], None, TOKENS[:16], 16] for i in range(1, 2001)]
     got = decode_batch(batch(*stores, ["Foo", 1]))
     assert len(got.events) == 2000 and got.ignored == {"unknown_type": 1}
@@ -459,6 +465,20 @@ def test_a_positional_batch_refused_while_decoding_is_not_decoded_again_by_its_b
     pairs = [[t, t + 1] for t in TOKENS[:16]]
     got = decode_batch(batch(*(["BlockStored", [i], None, pairs, 16] for i in range(1, 11))))
     assert len(got.events) == 10 and decoded == ["flat", "bigram"]  # pairs: read by the twin
+
+
+@pytest.mark.skipif(speedups is None, reason="the twins read token ids apart only when compiled")
+def test_a_positional_batch_with_a_malformed_token_later_is_not_decoded_by_its_bigram_twin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Compiled, the token ids are read after the batch decodes: the bigram twin decoded all
+    of it again to refuse it at its first store, whose ids are not pairs."""
+    decoded = _positional_decodes(monkeypatch)
+    stores = [["BlockStored", [i], None, TOKENS[:16], 16] for i in range(1, 2001)]
+    assert reason(batch(*stores, ["BlockStored", [7], None, [*TOKENS[:15], "x"], 16])) == (
+        "bad_tokens"
+    )
+    assert decoded == ["flat", "flat"]  # by decode_batch, then by `reason`'s own typed decode
 
 
 def test_a_malformed_event_behind_a_bad_dp_rank_fails_as_the_dp_rank() -> None:
