@@ -2395,6 +2395,46 @@ check_maps(PyObject *nodes, PyObject *by_hash, const char *usage)
     return 0;
 }
 
+/* The prefetch stages of a run of removals of the engine hashes `ehs[0:n]` (mixed: `hs[0:n]`),
+ * the run at hash i. A removal is a chain of dependent loads: the by_hash slot, its entry (the
+ * block's key), the nodes slot of that key, its entry, the node. The blocks an engine evicts
+ * are its coldest, so each is a cache miss; each stage fetches one link PREFETCH_AHEAD hashes
+ * after the stage before it did the link before (read then, it has landed): hash i + 5 *
+ * PREFETCH_AHEAD gets its by_hash slot, ..., hash i + PREFETCH_AHEAD its node. The node's
+ * parent is not fetched: engines evict leaf first, so it is nearly always the next hash's
+ * node, or a shared prefix's, which is warm. i may be negative (before the run's loop). */
+static inline void
+remove_prefetch_run(const MapObject *nodes, const MapObject *by_hash, const uint64_t *ehs,
+                    const uint64_t *hs, Py_ssize_t i, Py_ssize_t n)
+{
+    const Py_ssize_t a = PREFETCH_AHEAD;
+    const Entry *e, *ne;
+    Py_ssize_t j = i + 5 * a;
+    if (j >= 0 && j < n) {
+        map_prefetch_mixed(by_hash, hs[j]);
+    }
+    j -= a;
+    if (j >= 0 && j < n && (e = map_peek(by_hash, hs[j])) != NULL) {
+        PREFETCH(e);
+        PREFETCH(&by_hash->live[e - by_hash->entries]); /* the deletion clears it */
+    }
+    j -= a;
+    if (j >= 0 && j < n && (e = map_peek_found(by_hash, ehs[j], hs[j])) != NULL) {
+        map_prefetch_mixed(nodes, mix(e->value));
+    }
+    j -= a;
+    if (j >= 0 && j < n && (e = map_peek_found(by_hash, ehs[j], hs[j])) != NULL
+        && (ne = map_peek(nodes, mix(e->value))) != NULL) {
+        PREFETCH(ne);
+        PREFETCH(&nodes->live[ne - nodes->entries]);
+    }
+    j -= a;
+    if (j >= 0 && j < n && (e = map_peek_found(by_hash, ehs[j], hs[j])) != NULL
+        && (ne = map_peek_found(nodes, e->value, mix(e->value))) != NULL) {
+        PREFETCH((const void *)(uintptr_t)ne->value);
+    }
+}
+
 /* remove_run(nodes, by_hash, hashes, start, index, device) -> (stop, found, dropped, unknown) */
 static PyObject *
 py_remove_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -2426,13 +2466,24 @@ py_remove_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     const Py_ssize_t base = i < n ? i : n; /* run.v[k] is hashes[base + k] */
     Py_ssize_t ok = u64_run(&run, PySequence_Fast_ITEMS(hashes) + base, n - base);
     PyObject *result = NULL;
+    uint64_t hs_local[U64_LOCAL], *hs = hs_local;
     if (ok < 0) {
         goto done;
     }
+    /* Each hash mixed once: the prefetch stages read it several times. */
+    if (ok > U64_LOCAL && (hs = PyMem_Malloc((size_t)ok * sizeof(uint64_t))) == NULL) {
+        hs = hs_local;
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < ok; k++) {
+        hs[k] = mix(run.v[k]);
+    }
+    for (Py_ssize_t p = -5 * PREFETCH_AHEAD; p < 0; p++) {
+        remove_prefetch_run(nodes, by_hash, run.v, hs, p, ok);
+    }
     for (; i < n; i++) {
-        if (i - base + 2 * PREFETCH_AHEAD < ok) {
-            map_prefetch_mixed(by_hash, mix(run.v[i - base + 2 * PREFETCH_AHEAD]));
-        }
+        remove_prefetch_run(nodes, by_hash, run.v, hs, i - base, ok);
         PyObject *eh_obj = PyList_GET_ITEM(hashes, i);
         uint64_t eh;
         if (i - base < ok) {
@@ -2445,14 +2496,16 @@ py_remove_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             break;
         }
-        Py_ssize_t hslot, hix = map_find(by_hash, eh, &hslot);
+        Py_ssize_t hslot, hix = i - base < ok ? map_find_mixed(by_hash, eh, hs[i - base], &hslot)
+                                              : map_find(by_hash, eh, &hslot);
         if (hix < 0) {
             unknown++;
             continue;
         }
         uint64_t key = by_hash->entries[hix].value;
-        NodeObject *node = node_at(nodes, key);
-        if (node == NULL) {
+        Py_ssize_t nslot, nix = map_find(nodes, key, &nslot);
+        NodeObject *node = nix < 0 ? NULL : (NodeObject *)(uintptr_t)nodes->entries[nix].value;
+        if (node == NULL || Py_TYPE(node) != &NodeType) {
             break; /* the general path raises */
         }
         int named = tiers_name(node, index_obj);
@@ -2469,7 +2522,8 @@ py_remove_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             node->mask = 0;
             int has_parent = node->flags & F_PARENT;
             uint64_t parent_key = node->parent;
-            delete_node(nodes, key);
+            /* Its slot as found above: nothing was inserted since (a deletion moves nothing). */
+            drop_value(nodes, map_delete_at(nodes, nix, nslot));
             if (!has_parent) {
                 continue;
             }
@@ -2493,6 +2547,9 @@ py_remove_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     result = Py_BuildValue("(nnnn)", i, found, found, unknown);
 done:
+    if (hs != hs_local) {
+        PyMem_Free(hs);
+    }
     u64_run_free(&run);
     return result;
 }

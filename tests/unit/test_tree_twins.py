@@ -241,3 +241,35 @@ def test_the_layouts_answer_alike_while_the_compiled_tables_rebuild(seed: int) -
                 assert answers[0] == answers[1]
     assert state(compiled) == state(pure)
     assert min(mid_rebuild.values()) > 30, mid_rebuild
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_long_leaf_first_eviction_runs_leave_the_tree_as_the_pure_one(seed: int) -> None:
+    """Evictions as a full cache sends them: runs of up to 600 hashes (past the run's prefetch
+    stages and its 256 keys on the stack), each chain leaf first, with a hash unknown now and
+    then and a block another rank also carries, so the staged lookups of a run meet removals,
+    prunes and misses."""
+    rng = random.Random(seed)
+    compiled, pure = BlockTree(BS, compiled_with()), BlockTree(BS, PURE_LAYOUT)
+    ranks = [RankId(f"http://w{i}:8000", 0) for i in range(3)]
+    chains: dict[RankId, list[list[int]]] = {r: [] for r in ranks}
+    shared = [rng.randrange(1, 4) for _ in range(BS * 4)]
+    next_hash = 0
+    for _ in range(300):
+        rank = rng.choice(ranks)
+        n = rng.randint(1, 150)
+        hashes = list(range(next_hash, next_hash + 4 + n))
+        next_hash += 4 + n
+        tokens = shared + [rng.randrange(1, 10_000) for _ in range(n * BS)]
+        got = [t.store(rank, None, hashes, tokens, BS, DEVICE) for t in (compiled, pure)]
+        assert got[0] == got[1]
+        chains[rank].append(hashes)
+        if len(chains[rank]) > 6 and rng.random() < 0.5:
+            evicted: list[int] = []
+            while len(chains[rank]) > 2:
+                evicted.extend(reversed(chains[rank].pop(0)))
+                if rng.random() < 0.2:
+                    evicted.append(2**64 - 1 - rng.randrange(1000))
+            got = [t.remove(rank, evicted, None) for t in (compiled, pure)]
+            assert got[0] == got[1]
+    assert state(compiled) == state(pure)
