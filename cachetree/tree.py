@@ -436,7 +436,8 @@ class BlockTree:
         Returns how many of the hashes the rank carried.
         """
         st = self._ranks.get(rank)
-        hashes = list(engine_hashes)
+        # A list is read as it is (an event's own: nothing here changes it), not copied.
+        hashes = engine_hashes if type(engine_hashes) is list else list(engine_hashes)
         if st is None:
             self.stats.unknown_removal += len(hashes)
             return 0

@@ -129,6 +129,7 @@ from typing import Any, Final, Literal, cast
 
 import zmq
 import zmq.asyncio
+from msgspec import Struct
 
 from cachetree.ranks import RankId
 from peer.supervise import describe, doubling_s
@@ -182,8 +183,10 @@ class RankEndpoint:
     replay_endpoint: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class LiveBatch:
+# LiveBatch and LiveFrame are msgspec Structs rather than dataclasses, as the events are: one
+# of each is built per batch on the ingest path, and a frozen dataclass's __init__ (a setattr
+# call per field) took ~0.5 us, msgspec's, built in C, ~0.07. gc=False: they hold no cycles.
+class LiveBatch(Struct, frozen=True, gc=False):
     """A decoded batch, in seq order per rank (replayed batches included)."""
 
     rank: RankId
@@ -252,8 +255,7 @@ class FrameError(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True, slots=True)
-class LiveFrame:
+class LiveFrame(Struct, frozen=True, gc=False):
     topic: bytes
     seq: int  # END_SEQ (-1) is the end marker
     payload: bytes

@@ -8,6 +8,7 @@ connection on exit, the handshake, decode errors surfacing as gaps).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -71,6 +72,17 @@ def batch(ts: float = 0.0) -> EventBatch:
 def test_a_well_formed_message_parses_to_topic_seq_and_payload() -> None:
     assert parse_live_frames([b"kv", seq_b(7), b"p"]) == LiveFrame(b"kv", 7, b"p")
     assert parse_live_frames([b"", seq_b(2**62), b""]).seq == 2**62
+
+
+def test_a_batchs_frame_and_item_are_frozen_and_left_out_of_the_cyclic_collector() -> None:
+    """One of each is built per batch on the ingest path: built in C and never tracked by the
+    cyclic GC (a slots dataclass was both a Python __init__ and a tracked object a batch)."""
+    frame = parse_live_frames([b"kv", seq_b(7), b"p"])
+    item = LiveBatch(RANK, 7, batch())
+    assert not gc.is_tracked(frame) and not gc.is_tracked(item)
+    assert item == LiveBatch(RANK, 7, batch()) and item.seq == 7
+    with pytest.raises(AttributeError):
+        item.seq = 8  # type: ignore[misc]
 
 
 def test_eight_ff_bytes_are_the_end_marker() -> None:

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from cachetree.keys import block_keys
@@ -363,3 +365,25 @@ def test_a_dropped_stage_leaves_the_tree_as_it_was() -> None:
     assert seen_by_readers(tree, toks(3), toks(2, start=500)) == before
     assert tree._hidden == 0 and len(tree) == nodes
     assert tree._by_index == [tree._ranks[A]]  # the stage's index freed
+
+
+def test_a_removal_hands_the_runs_the_callers_hash_list_itself_not_a_copy() -> None:
+    """An evicting engine's batch is a list of dozens of hashes: `remove` reads it as it is
+    (it never changes it), where it copied it on every call; any other iterable is listed."""
+    seen: list[object] = []
+    base = BlockTree(BS)._layout
+
+    def recording(nodes: object, by_hash: object, hashes: list[int], *rest: object) -> object:
+        seen.append(hashes)
+        return base.remove_run(nodes, by_hash, hashes, *rest)
+
+    tree = BlockTree(BS, dataclasses.replace(base, remove_run=recording))
+    hashes = store_chain(tree, A, toks(3), 10)
+    evicted = list(reversed(hashes))
+    assert tree.remove(A, evicted) == 3
+    assert seen and all(h is evicted for h in seen)
+    assert evicted == [12, 11, 10]  # untouched
+    store_chain(tree, A, toks(3), 10)
+    assert tree.remove(A, iter(evicted)) == 3
+    assert seen[-1] == evicted and seen[-1] is not evicted
+    assert len(tree) == 0
