@@ -33,7 +33,7 @@ from cachetree.tree import TreeStats
 from router.auth import Refusals
 from router.breaker import BreakerStatus
 from router.dataplane.encodes import MAX_ENCODE_WAIT_S
-from router.dataplane.exchange import GENERATION_ROUTES
+from router.dataplane.exchange import GENERATION_ROUTES, STALE_WINDOW_S
 from router.events import DECODE_ERROR_REASONS
 from router.loads import OUT_OF_RANGE_FIELDS, POLL_ERROR_LABELS, poll_error_label
 from router.tokenize.chat_rules import FAILURE_REASONS
@@ -1034,7 +1034,8 @@ class _DataPlaneCollector(Collector):
         )
         yield _counter(
             "kvrouter_upstream_safe_retries",
-            "Requests resent once because a reused idle connection was found closed",
+            "Requests resent once because a reused idle connection was found closed within "
+            f"{STALE_WINDOW_S:g} s of the request's write (the worker's idle close crossed it)",
             [],
             {(): stats.safe_retries},
         )

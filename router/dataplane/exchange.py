@@ -46,8 +46,10 @@ cause, and that answer is relayed, counted by neither breaker. A
 request that waited its bound for one of a worker's pooled connections, all busy, goes to
 the next rank too, uncounted by the breaker (the worker is busy, not broken), and is a 503
 with a `Retry-After` when none is left. A reused idle connection found dead before it
-answered anything is the one safe retry (the worker never saw the request: it closed an idle
-connection), on a fresh connection to the same worker, and counts nowhere. After the first
+answered anything, within `STALE_WINDOW_S` of the request's write, is the one safe retry (the
+worker never saw the request: it closed an idle connection), on a fresh connection to the same
+worker, and counts nowhere; found dead later, the worker had read the request and worked on it,
+and the connection is lost as any other. After the first
 byte nothing is retried: a stream cut by its worker must not look complete (`cut_tail`): the
 client connection is closed without the terminating chunk, after an OpenAI-style `data:
 {"error": ...}` event when the answer is SSE, so every client library reports the failure.
@@ -678,9 +680,20 @@ FAILURES: Final[dict[Failure, FailureRule]] = {
 WORKER_UNAVAILABLE: Final = frozenset({502, 503, 504})
 
 
-def classify_lost(reused: bool, retried: bool, answered_bytes: int) -> Failure:
-    """A connection lost before any head: the safe retry, or a failure of the worker."""
-    if reused and not retried and answered_bytes == 0:
+# How soon after its request went out a reused connection's close may be the worker's close of
+# it as an idle one, crossing the request on the wire: that close reaches the router within
+# about a round trip (under a millisecond on a LAN), plus the loop's own lag. A worker that
+# read the request and worked on it before its connection died (an engine dying mid-generation
+# of a non-streamed completion, whose head comes at its end) takes far longer, and sending the
+# request to it again would run it twice.
+STALE_WINDOW_S: Final = 0.25
+
+
+def classify_lost(reused: bool, answered_bytes: int, sent_at: float, lost_at: float) -> Failure:
+    """A connection lost before any head (at loop time `lost_at`, its request written at
+    `sent_at`): the safe retry when it can only be an idle close that crossed the request,
+    else a failure of the worker."""
+    if reused and answered_bytes == 0 and lost_at - sent_at <= STALE_WINDOW_S:
         return "stale"
     return "lost"
 

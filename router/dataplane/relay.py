@@ -420,8 +420,8 @@ class WorkerRelay(Relay):
         assert rank is not None and pool is not None
         plane = self.plane
         if FAILURES[failure].same_worker and not self._retried:
-            # The worker closed an idle connection as we wrote into it: it never saw the
-            # request. Once, on a fresh connection, and no one counts it.
+            # The worker closed an idle connection as we wrote into it (`classify_lost`): it
+            # never saw the request. Once, on a fresh connection, and no one counts it.
             self._retried = True
             plane.stats.safe_retries += 1
             pool.acquire(self, fresh=True)

@@ -42,6 +42,7 @@ from router.dataplane.exchange import (
     Failure,
     Framing,
     ResponseHead,
+    classify_lost,
     read_response_head,
 )
 from router.dataplane.flow import Deadline
@@ -111,6 +112,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._head_done = False
         self._framing = Framing.NONE
         self.answered = 0  # bytes received for the current request
+        self._sent_at = 0.0  # the loop's time as the current request was written
         self._complete = False
         self._keep_alive = False  # the worker keeps the connection open after this answer
         self._reusable = True
@@ -138,6 +140,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._head_at = 0
         self._head_done = False
         self.answered = 0
+        self._sent_at = self.loop.time()
         self._complete = False
         if self._held:  # left paused by the last answer's client, which filled up at its end
             self._held = False
@@ -252,9 +255,11 @@ class UpstreamConnection(asyncio.Protocol):
         elif self._head_done:  # a reset is no end, even of a close-delimited body
             sink.upstream_cut(f"the worker closed the connection ({exc or 'EOF'})")
         else:
-            stale = self.reused and self.answered == 0
+            now = self.loop.time()
             sink.upstream_failed(
-                "stale" if stale else "lost", f"connection closed before a head ({exc or 'EOF'})"
+                classify_lost(self.reused, self.answered, self._sent_at, now),
+                f"connection closed before a head, {now - self._sent_at:.2f} s after the "
+                f"request ({exc or 'EOF'})",
             )
 
     def pause_writing(self) -> None:

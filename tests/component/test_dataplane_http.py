@@ -25,6 +25,7 @@ import aiohttp
 import pytest
 
 from router.dataplane import server
+from router.dataplane.exchange import STALE_WINDOW_S
 from router.dataplane.relay import WorkerRelay
 from router.dataplane.upstream import MAX_ANSWER_HEAD_BYTES, UpstreamConnection, UpstreamPool
 from router.serving import serve_until
@@ -1018,6 +1019,40 @@ async def test_a_reused_connection_found_dead_is_retried_once_on_a_fresh_one_unc
         assert worker is not None and worker.breaker.consecutive_failures == 0
         scrape = await rt.scrape()
         assert sum(scrape.series("kvrouter_upstream_failures_total").values()) == 0
+
+
+async def test_a_reused_connection_dying_after_the_worker_worked_is_lost_not_sent_again() -> None:
+    """A worker that read the request on a reused connection and worked on it (well past
+    `STALE_WINDOW_S`) before the connection died, with no head (an engine dying mid-generation
+    of a non-streamed completion), is no idle close: the request is not sent to it again (it
+    would run twice), the failure is the worker's, counted and failed over."""
+
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        if request.index_on_connection == 1:
+            await asyncio.sleep(4 * STALE_WINDOW_S)  # the work, not a synchronization
+            writer.transport.abort()
+            return
+        writer.write(respond(200, b"{}"))
+
+    async with (
+        scripted_worker(script) as w,
+        scripted_worker() as good,
+        router_in_process(workers=[w.url, good.url], policy="round_robin") as rt,
+    ):
+        await routable(rt, w.url, good.url)
+        # w, good, then w again on its reused connection: it dies there, and good answers.
+        statuses = [(await rt.post("/v1/completions", json.loads(COMPLETION)))[0] for _ in range(3)]
+        assert statuses == [200] * 3
+        posts = w.posts()
+        assert [(p.connection, p.index_on_connection) for p in posts] == [
+            (posts[0].connection, 0),
+            (posts[0].connection, 1),  # read, worked on, its connection died: not sent again
+        ]
+        assert len(good.posts()) == 2  # its own turn, and the failover
+        assert rt.plane.stats.safe_retries == 0
+        assert rt.replica.workers.get(w.url).breaker.consecutive_failures == 1  # type: ignore[union-attr]
+        scrape = await rt.scrape()
+        assert scrape.by("kvrouter_upstream_failures_total", "reason") == {"lost": 1}
 
 
 async def test_a_second_dead_connection_is_a_failure_of_the_worker() -> None:

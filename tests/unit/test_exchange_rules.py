@@ -10,6 +10,7 @@ import pytest
 from router.dataplane.exchange import (
     FAILURES,
     MAX_HELD_EVENT_BYTES,
+    STALE_WINDOW_S,
     BadAnswer,
     Framing,
     Malformed,
@@ -19,6 +20,7 @@ from router.dataplane.exchange import (
     WholeEvents,
     admit,
     chunk,
+    classify_lost,
     cut_tail,
     events_end,
     head_without_upgrade,
@@ -600,6 +602,23 @@ def test_which_failures_fail_over_and_which_the_breaker_counts(
 ) -> None:
     rule = FAILURES[failure]  # type: ignore[index]
     assert (rule.fail_over, rule.breaker, rule.same_worker) == (fail_over, breaker, same_worker)
+
+
+@pytest.mark.parametrize(
+    ("reused", "answered", "after_s", "failure"),
+    [
+        (True, 0, 0.0, "stale"),  # the worker's idle close crossed the request
+        (True, 0, STALE_WINDOW_S, "stale"),
+        (True, 0, STALE_WINDOW_S + 0.01, "lost"),  # it read the request and worked on it
+        (True, 0, 3.0, "lost"),
+        (True, 5, 0.0, "lost"),  # it began an answer
+        (False, 0, 0.0, "lost"),  # a new connection is no idle one
+    ],
+)
+def test_a_lost_connection_is_the_safe_retry_only_within_the_idle_close_window(
+    reused: bool, answered: int, after_s: float, failure: str
+) -> None:
+    assert classify_lost(reused, answered, 100.0, 100.0 + after_s) == failure
 
 
 @pytest.mark.parametrize(
