@@ -498,9 +498,11 @@ def read_response_head(status: int, raw: bytes, request_method: bytes) -> Respon
     a `Connection` field names, RFC 9110 7.6.1) and forged route headers; the relay adds the
     framing and route fields of its own answer (`plan_response`). A Content-Length stays as
     it is: the body is relayed byte for byte. Most answers carry no field to drop but their
-    framing one, and their head is not split into fields at all. A status past 599 is no
-    status (RFC 9110 15: three digits, 1xx to 5xx): `BadAnswer`, as a malformed head."""
-    if status > 599:
+    framing one, and their head is not split into fields at all. A status below 100 or past
+    599 is no status (RFC 9110 15: three digits, 1xx to 5xx): `BadAnswer`, as a malformed
+    head (one below 100 taken for an interim 1xx left its request waiting for a head until
+    the head timeout)."""
+    if not 100 <= status <= 599:
         raise BadAnswer(f"status {status} is not an HTTP status (100-599)")
     low = raw.lower()
     noted = _NOTED_FIELDS.findall(low)

@@ -285,8 +285,9 @@ class UpstreamConnection(asyncio.Protocol):
         if end > MAX_ANSWER_HEAD_BYTES:  # ended in the read that crossed the bound
             self._head_too_large()
             return
-        if status < 200:
+        if 100 <= status < 200:
             # An interim answer (RFC 9110 15.2): skipped; its own message end is ignored.
+            # Below 100 is no status: `read_response_head` refuses it.
             self._reads = [raw]
             self._head_at = end
             return

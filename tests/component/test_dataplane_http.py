@@ -2332,6 +2332,19 @@ async def test_bytes_after_a_complete_answer_are_dropped_with_the_worker_connect
         client.close()
 
 
+@pytest.mark.parametrize("status", [b"099", b"000"])
+async def test_a_worker_status_below_100_is_lost_and_fails_over_not_taken_for_a_1xx(
+    status: bytes,
+) -> None:
+    """A complete answer with a status below 100 was skipped as an interim 1xx: its request
+    waited for a head until --upstream-head-timeout-s (300 s by default)."""
+
+    async def odd(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 %s Odd\r\nContent-Length: 2\r\n\r\n{}" % status)
+
+    await assert_lost_and_failed_over(odd)
+
+
 async def test_a_worker_answer_in_a_transfer_coding_never_offered_is_lost_and_fails_over() -> None:
     async def gzipped(request: Request, writer: asyncio.StreamWriter) -> None:
         body = gzip.compress(b'{"choices": []}')

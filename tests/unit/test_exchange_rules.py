@@ -340,12 +340,13 @@ def test_the_upstream_request_drops_hop_by_hop_and_relay_owned_fields() -> None:
 # -- answers -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("status", [b"600 Odd", b"999 Odd"])
-def test_a_worker_status_past_599_is_a_bad_answer_never_relayed(status: bytes) -> None:
+@pytest.mark.parametrize("status", [b"600 Odd", b"999 Odd", b"099 Odd", b"000 Odd"])
+def test_a_worker_status_outside_100_to_599_is_a_bad_answer_never_relayed(status: bytes) -> None:
     # llhttp reads any three digits; a client library may fail on a status it cannot class.
     with pytest.raises(BadAnswer, match="not an HTTP status"):
         answer(b"Content-Length: 0", status=status)
     assert answer(b"Content-Length: 0", status=b"599 Edge").status == 599
+    assert answer(b"Content-Length: 0", status=b"100 Edge").status == 100
 
 
 @pytest.mark.parametrize(
