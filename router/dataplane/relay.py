@@ -1,9 +1,9 @@
 """One client request answered from upstream: the shell joining a client to a connection.
 
 `Relay` is the client half every answer shares: it writes the head `exchange.plan_response`
-chose, frames each piece of body as it arrives (never buffered, but for a streamed SSE answer's
-event not ended yet: `exchange.WholeEvents`), ends the exchange, or cuts the connection as
-`exchange.cut_tail` says.
+chose, frames the body each upstream read brings as it arrives, one chunk a read (never
+buffered, but for a streamed SSE answer's event not ended yet: `exchange.WholeEvents`), ends
+the exchange, or cuts the connection as `exchange.cut_tail` says.
 It carries backpressure both ways: the client's full write buffer pauses the upstream
 connection's reading, the worker's full write buffer pauses the client's.
 

@@ -2,16 +2,17 @@
 
 `UpstreamConnection` sends one request at a time and parses the answer with
 `httptools.HttpResponseParser`, reporting to the exchange that sent it (a `ResponseSink`):
-the final head (1xx answers are skipped, see `exchange`), each piece of body as it arrives,
-the end, or why it stopped. The parser has no per-field callbacks: it checks the head and
-says when it is complete, and the head is then read from the bytes received
-(`exchange.read_response_head`: most heads go to the client as they are, a splice instead
-of a Python call per field). Its `Deadline` bounds the wait for the head, then every gap in
-the body (the stream idle timeout; not while the client's backpressure holds reading). It
-reports completion only after `feed_data` returns, so no sink ever re-enters the parser;
-bytes after a complete answer end the parse, and go with the connection, never reused (as
-do bytes on an idle connection; stray bytes arriving once the connection was reused are read
-as the next answer: an early answer is legal, so nothing tells them apart).
+the final head (1xx answers are skipped, see `exchange`), the body each read brings, in one
+piece however many chunks it held, the end, or why it stopped. The parser has no per-field
+callbacks: it checks the head and says when it is complete, and the head is then read from
+the bytes received (`exchange.read_response_head`: most heads go to the client as they are,
+a splice instead of a Python call per field). Its `Deadline` bounds the wait for the head,
+then every gap in the body (the stream idle timeout; not while the client's backpressure
+holds reading). It reports completion only after `feed_data` returns, so no sink ever
+re-enters the parser; bytes after a complete answer end the parse, and go with the
+connection, never reused (as do bytes on an idle connection; stray bytes arriving once the
+connection was reused are read as the next answer: an early answer is legal, so nothing
+tells them apart).
 
 `UpstreamPool` holds one worker's connections: idle ones are reused most-recent first and
 closed after `idle_expiry_s` (shorter than an engine's keep-alive: uvicorn closes idle
@@ -62,7 +63,8 @@ class ResponseSink(Protocol):
 
     def upstream_head(self, answer: ResponseHead) -> None: ...
 
-    def upstream_body(self, data: bytes) -> None: ...
+    def upstream_body(self, data: bytes) -> None:
+        """The body bytes of one read (never empty), as they arrived."""
 
     def upstream_end(self) -> None: ...
 
@@ -101,6 +103,13 @@ class UpstreamConnection(asyncio.Protocol):
         self.reused = False  # served an answer before the current request
         self.idle_since = 0.0
         self._idle_timeout_s = idle_timeout_s
+        # The body pieces the parse of a read yields, joined for the sink at its end
+        # (`_pass_body`): a worker may send chunks of a byte each (legal), and a Python call
+        # a piece cost ~600 times the CPU of the same bytes in large chunks, and a client
+        # chunk a piece six times their size. Appended by llhttp's callback itself, the
+        # parser takes `on_body` as it is made.
+        self._pieces: list[bytes] = []
+        self.on_body = self._pieces.append
         self._parser = httptools.HttpResponseParser(self)
         self._deadline = Deadline(loop, self._expired)
         self._sink: ResponseSink | None = None  # the exchange in progress
@@ -207,6 +216,7 @@ class UpstreamConnection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._pass_body()  # what parsed before the error goes before its cut
             self._reusable = False
             if not self._complete:
                 if isinstance(exc, httptools.HttpParserUpgrade):  # its text is a byte offset
@@ -217,6 +227,8 @@ class UpstreamConnection(asyncio.Protocol):
                 return
             # Bytes after a complete answer in the same read (another answer, junk): dropped
             # with the connection (RFC 9112 6.3), the answer ends as it is.
+        else:
+            self._pass_body()
         if self._complete:
             # No `upstream_read` after it: `upstream_end` is the sink's last word, and writes
             # what it holds (most answers: the whole answer in this one read).
@@ -309,10 +321,16 @@ class UpstreamConnection(asyncio.Protocol):
             self._complete = True
         sink.upstream_head(answer)
 
-    def on_body(self, data: bytes) -> None:
-        sink = self._sink
-        if sink is not None:
-            sink.upstream_body(data)
+    def _pass_body(self) -> None:
+        """The body pieces of the read just parsed go to the sink, in one (none when the
+        exchange was dropped in the read: a 5xx head failed over, a refused head)."""
+        pieces = self._pieces
+        if not pieces:
+            return
+        body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        if self._sink is not None:
+            self._sink.upstream_body(body)
 
     def on_message_begin(self) -> None:
         if self._complete:  # another answer after the complete one: see `data_received`

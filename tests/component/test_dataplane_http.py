@@ -1397,6 +1397,41 @@ async def test_an_sse_event_split_between_its_blank_lines_cr_and_lf_arrives_at_o
         assert len(w.posts()) == 1
 
 
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        (b"application/json", b'{"text": "' + b"x" * 4000 + b'"}'),
+        (b"text/event-stream", b"".join(b"data: %d\n\n" % i for i in range(400))),
+    ],
+)
+async def test_a_worker_s_one_byte_chunks_reach_the_client_as_one_chunk_a_read(
+    content_type: bytes, body: bytes
+) -> None:
+    """A worker writing its answer in chunks of one byte (legal) got one client chunk and one
+    Python call a chunk: 6x the bytes to the client, and 10 MB of them held a replica's loop
+    for seconds (its /metrics, its health checks). The chunks of one read go out as one; an SSE
+    answer's events as they end, whole."""
+
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nTransfer-Encoding: chunked\r\n\r\n"
+            % content_type
+            + b"".join(b"1\r\n%c\r\n" % byte for byte in body)
+            + b"0\r\n\r\n"
+        )
+
+    async with one_worker_and_a_client(script) as (_w, _rt, client):
+        client.send(post(b"/v1/completions", COMPLETION))
+        answer = await client.answer()
+        assert answer is not None and answer.complete and answer.body == body
+        head_end = bytes(client.raw).index(b"\r\n\r\n") + 4
+        # The body's framing: a chunk size line a read (a few reads), not one a byte (6x).
+        assert len(client.raw) - head_end < len(body) + 200
+        if content_type == b"text/event-stream":
+            assert sse_events(answer.body) == [b"data: %d" % i for i in range(400)]
+        client.close()
+
+
 async def sse_then_death(request: Request, writer: asyncio.StreamWriter) -> None:
     writer.write(
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
