@@ -236,13 +236,14 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 async def _openai_not_found(request: web.Request, handler: Handler) -> web.StreamResponse:
     """An OpenAI-looking path the router does not serve (`/v1/embeddings`, a trailing slash,
     another case) is a 404 in the OpenAI error shape, as OpenAI clients read it, not
-    aiohttp's plain text."""
+    aiohttp's plain text. It names the target as the client sent it: decoded,
+    `/v1/%63ompletions` would read as a route the router serves."""
     try:
         return await handler(request)
     except web.HTTPNotFound:
         if not request.path.startswith("/v1/"):
             raise
-        message = f"this router serves no {request.method} {request.path[:200]}"
+        message = f"this router serves no {request.method} {request.raw_path[:200]}"
         return web.json_response(
             {"error": {"message": message, "type": "invalid_request_error", "param": None}},
             status=404,

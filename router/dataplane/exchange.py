@@ -113,6 +113,9 @@ _CORS_FIELDS: Final = {
     b"access-control-max-age",
 }
 _RESPONSE_DROPPED: Final = HOP_BY_HOP | set(ROUTE_HEADERS) | _CORS_FIELDS
+# A 204 MUST NOT carry a Content-Length (RFC 9110 8.6): a worker's is not passed on. (A 304's
+# states the length a 200 would have had, which it may.)
+_NO_CONTENT_DROPPED: Final = _RESPONSE_DROPPED | {b"content-length"}
 # The fields of an answer head the relay reads or drops: a head is scanned for these names
 # only (in one pass of a compiled pattern over it, lower-cased), and every other field line
 # goes to the client as the worker wrote it.
@@ -215,7 +218,9 @@ def read_request_head(
     (3.2.2: a server MUST accept it), the asterisk form is refused (no resource here answers
     for the server as a whole), and so is CONNECT, whatever its target (no tunnels); an HTTP/1.0
     request's `Expect` is ignored (RFC 9110 10.1.1), and one framed by Transfer-Encoding
-    closes the connection after it (6.1: its framing may be faulty)."""
+    closes the connection after it (6.1: its framing may be faulty); a target with a fragment
+    is refused (3.2: no form of it has one; llhttp lets `#` by, and the control app would
+    route `/v1/completions#x` as `/v1/completions`)."""
     length: int | None = None
     chunked = False
     unknown_coding: bytes | None = None
@@ -254,6 +259,8 @@ def read_request_head(
     if method == b"CONNECT":
         # Whatever its target: llhttp stops at every CONNECT head as a protocol switch.
         raise Malformed("CONNECT is not supported: the router is no tunnelling proxy")
+    if b"#" in target:
+        raise Malformed("a request target has no fragment (#)")
     if target[:1] != b"/":
         target = _origin_form(target)
     named = _connection_tokens(names, headers) if b"connection" in names else frozenset()
@@ -346,10 +353,9 @@ def admit(head: RequestHead, max_body_bytes: int) -> Refusal | None:
 
 
 def control_path(head: RequestHead) -> str:
-    """The request's path as the control app matches it: aiohttp cuts the target at its
-    first `#` (a fragment, which llhttp lets by), then at its first `?`, and matches what is
-    left percent-decoded (`head.path`, cut at the `?` alone, keeps a fragment)."""
-    return unquote(head.target.partition(b"#")[0].partition(b"?")[0].decode("latin-1"))
+    """The request's path as the control app matches it: percent-decoded (`head.path` is as
+    the client sent it; a target with a fragment never gets here, `read_request_head`)."""
+    return unquote(head.path.decode("latin-1"))
 
 
 def uninvited(head: RequestHead, token: str | None) -> Refusal | None:
@@ -494,14 +500,14 @@ def read_response_head(status: int, raw: bytes, request_method: bytes) -> Respon
     """The final head `raw` (as llhttp accepted it, blank line included) of the answer to a
     `request_method` request: its framing, and what of it the client gets.
 
-    The client gets the worker's field lines as they are, minus the hop-by-hop ones (and those
-    a `Connection` field names, RFC 9110 7.6.1) and forged route headers; the relay adds the
-    framing and route fields of its own answer (`plan_response`). A Content-Length stays as
-    it is: the body is relayed byte for byte. Most answers carry no field to drop but their
-    framing one, and their head is not split into fields at all. A status below 100 or past
-    599 is no status (RFC 9110 15: three digits, 1xx to 5xx): `BadAnswer`, as a malformed
-    head (one below 100 taken for an interim 1xx left its request waiting for a head until
-    the head timeout)."""
+    The client gets the worker's field lines as they are, minus the hop-by-hop ones (and
+    those a `Connection` field names, RFC 9110 7.6.1) and forged route headers; the relay
+    adds the framing and route fields of its own answer (`plan_response`). A Content-Length
+    stays as it is (but a 204's, which it must not have): the body is relayed byte for byte.
+    Most answers carry no field to drop but their framing one, and their head is not split
+    into fields at all. A status below 100 or past 599 is no status (RFC 9110 15: three
+    digits, 1xx to 5xx): `BadAnswer`, as a malformed head (one below 100 taken for an
+    interim 1xx left its request waiting for a head until the head timeout)."""
     if not 100 <= status <= 599:
         raise BadAnswer(f"status {status} is not an HTTP status (100-599)")
     low = raw.lower()
@@ -517,7 +523,7 @@ def read_response_head(status: int, raw: bytes, request_method: bytes) -> Respon
         if _REASON_PHRASE.fullmatch(reason) is None:
             reason = b""
         start = b"HTTP/1.1 %d %b" % (status, reason)
-    if not noted or noted == [b"content-length"]:
+    if not noted or (noted == [b"content-length"] and status != 204):
         framing_fields = []
         if noted:
             at = low.index(_LENGTH_FIELD) + len(_LENGTH_FIELD)
@@ -536,7 +542,7 @@ def read_response_head(status: int, raw: bytes, request_method: bytes) -> Respon
     lines = list(_FIELD_LINE.finditer(raw))
     headers = [(m.group(1), m.group(2)) for m in lines]
     names = lower_names(headers)
-    dropped = _RESPONSE_DROPPED
+    dropped = _NO_CONTENT_DROPPED if status == 204 else _RESPONSE_DROPPED
     if b"connection" in names:
         dropped = dropped | _connection_tokens(names, headers)
     framing, length = upstream_framing(status, headers, request_method, names)

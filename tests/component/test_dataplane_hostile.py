@@ -197,18 +197,14 @@ async def expect_100(url: str, path: bytes, *fields: bytes) -> RawClient:
         (b"/workers", "workers"),
         (siblings.PATH.encode(), "decisions"),
         (b"/%77orkers", "workers"),
-        (b"/workers#frag", "workers"),
-        (b"/workers?#x", "workers"),
-        (siblings.PATH.encode() + b"#x?y", "decisions"),
     ],
 )
 async def test_an_upload_to_a_guarded_route_without_the_token_is_refused_not_invited(
     path: bytes, family: str
 ) -> None:
     """`Expect: 100-continue` was answered before the token was checked: a client without it
-    was invited to upload 32 MiB before its 401; and with a fragment in its target, which
-    aiohttp cuts before it routes (`/workers#frag` is `/workers` to the control app), it
-    still was."""
+    was invited to upload 32 MiB before its 401 (a target with a fragment, which aiohttp cut
+    before it routed, is a 400 now: `test_a_target_with_a_fragment_is_a_400_never_invited`)."""
     async with router_in_process(internal_token=TOKEN) as rt:
         for fields in ((), (b"Authorization: Bearer wrong",), (b"Authorization: Basic eDp5",)):
             client = await expect_100(rt.url, path, *fields)
@@ -226,6 +222,25 @@ async def test_an_upload_to_a_guarded_route_without_the_token_is_refused_not_inv
         assert bytes(client.raw) == b"HTTP/1.1 100 Continue\r\n\r\n"
         client.close()
         assert rt.replica.workers.workers() == []
+
+
+@pytest.mark.parametrize(
+    "path",
+    [b"/workers#frag", b"/workers?#x", siblings.PATH.encode() + b"#x?y", b"/v1/completions#x"],
+)
+async def test_a_target_with_a_fragment_is_a_400_never_invited(path: bytes) -> None:
+    """No form of a request target has a fragment (RFC 9112 3.2); the control app cut it and
+    routed the rest: `/workers#frag` as `/workers`, `/v1/completions#x` to its 404 saying the
+    router serves no POST /v1/completions."""
+    async with router_in_process(internal_token=TOKEN) as rt:
+        client = await expect_100(rt.url, path, b"Authorization: Bearer " + TOKEN.encode())
+        answer = await client.answer()
+        assert answer is not None and answer.status == 400
+        assert b"fragment" in answer.body
+        assert b"100 Continue" not in client.raw
+        assert await client.closed()  # the body is not read
+        assert rt.plane.stats.closed["malformed"] == 1
+        assert not any(rt.replica.metrics.auth_refusals.counts.values())  # refused before
 
 
 async def test_with_no_token_configured_an_upload_to_a_guarded_route_is_a_403_not_invited() -> None:

@@ -958,6 +958,35 @@ async def test_a_worker_reason_phrase_with_a_control_byte_is_not_relayed() -> No
         client.close()
 
 
+async def test_a_worker_s_204_reaches_the_client_without_its_content_length() -> None:
+    """RFC 9110 8.6: a 204 MUST NOT carry a Content-Length; a worker's was relayed as it was."""
+
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\nX-Engine: e\r\n\r\n")
+
+    async with one_worker_and_a_client(script) as (w, _rt, client):
+        for _ in range(2):  # the connection stays in step: no body was awaited
+            client.send(post(b"/v1/completions", COMPLETION))
+            answer = await client.answer()
+            assert answer is not None and answer.status == 204 and answer.body == b""
+            assert answer.header(b"X-Engine") == b"e" and not answer.has(b"Content-Length")
+        assert len(w.posts()) == 2
+        client.close()
+
+
+async def test_a_404_for_an_openai_path_names_the_target_as_the_client_sent_it() -> None:
+    """`/v1/%63ompletions` is not the route the data plane serves (it matches the target as
+    sent); the control app's 404 named it decoded: "serves no POST /v1/completions"."""
+    async with one_worker_and_a_client() as (w, _rt, client):
+        client.send(post(b"/v1/%63ompletions?x=1", COMPLETION))
+        answer = await client.answer()
+        assert answer is not None and answer.status == 404
+        message = json.loads(answer.body)["error"]["message"]
+        assert message == "this router serves no POST /v1/%63ompletions?x=1"
+        assert w.posts() == []
+        client.close()
+
+
 async def test_idle_upstream_connections_expire() -> None:
     async with (
         scripted_worker() as w,
