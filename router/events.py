@@ -105,9 +105,12 @@ one-block stores and one malformed event held the loop 0.5-1.9 s there; now 1-3 
 the batch without it costs). The generic path is the reference: a plain msgpack decode followed
 by explicit Python checks. It accepts everything the typed path accepts, with the same
 result, and it alone chooses the error reason and detail, so neither depends on which path
-ran. The one difference: a string the decoder never reads (an unknown key, an ignored field,
+ran. The differences: a string the decoder never reads (an unknown key, an ignored field,
 anything after the first bad event) is skipped by the other paths without a UTF-8 check,
-which the generic path would refuse (`malformed_msgpack`, ahead of any event's error).
+which the generic path would refuse (`malformed_msgpack`, ahead of any event's error); and
+an event whose msgpack the batch's framing passed over but which does not decode (a map key
+that is a map) is `malformed_msgpack` on every path, named by its index with the byte offset
+counted in its own bytes where the event is read alone, in the payload's by the generic path.
 Engines encode Python strings, so only corruption produces that, and no decoder catches
 corruption in general: a flipped bit in a token id is still valid msgpack. The tests fuzz
 the paths against each other.
@@ -731,7 +734,11 @@ def _decode_event(span: bytes | Raw, index: int) -> KVEvent | str:
     except EventDecodeError as exc:
         raise EventDecodeError(exc.reason, f"event {index}: {exc.detail}") from None
     except (msgspec.DecodeError, RecursionError) as exc:
-        raise EventDecodeError("malformed_msgpack", str(exc)) from None
+        # Read alone, its bytes are counted from its start: named, the offset is not taken
+        # for the payload's (the generic path, decoding the payload whole, counts from there).
+        raise EventDecodeError(
+            "malformed_msgpack", f"event {index} (its own bytes): {exc}"
+        ) from None
 
 
 def _first_event_is_array(p: bytes) -> bool:

@@ -430,6 +430,19 @@ def test_a_malformed_event_fails_its_batch_as_the_generic_path_says_reading_it_a
     assert len(read_generically) <= 1  # that event alone, or none (the count: typed, then raised)
 
 
+def test_an_event_that_is_no_msgpack_read_alone_is_named_with_its_own_offset() -> None:
+    """The batch's framing passes over an event whose map has a map for a key; read alone,
+    msgspec counts its offset from the event's start: the detail said "byte 3", taken for the
+    payload's (the generic path, reading it whole, says byte 284), and named no event."""
+    stored = [stored_map(block_hashes=[h], token_ids=TOKENS[:16]) for h in (1, 2)]
+    payload = batch(*stored, "PLACEHOLDER").replace(b"\xabPLACEHOLDER", b"\x81\x80\x01")
+    with pytest.raises(EventDecodeError) as got:
+        decode_batch(payload)
+    assert got.value.reason == "malformed_msgpack"
+    assert got.value.detail.startswith("event 2 (its own bytes): ")
+    assert got.value.detail.endswith("map keys must be hashable (byte 3)")
+
+
 def _positional_decodes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names ("flat", "bigram") of the positional batch decoders, as they are used."""
     decoded: list[str] = []
