@@ -211,6 +211,10 @@ class Door:
         self._accept_errors = LogTally(_ACCEPT_LOG_EVERY_S)
         self._heartbeat: asyncio.TimerHandle | None = None
         self._beat_due = 0.0
+        # The loop's own time at its last heartbeat that ran on time (None: none yet): after a
+        # callback held the loop, a timer may run before the I/O it held back (uvloop's do),
+        # so the late beat does not count as the loop seen free.
+        self.free_at: float | None = None
         self._thread = threading.Thread(target=self._run, name="kvrouter-door", daemon=True)
         self.answered = 0  # probes answered by the door
         self.from_heartbeat = 0  # of which with the heartbeat's answer (the loop was busy)
@@ -261,6 +265,8 @@ class Door:
                 log.exception("health probe %s failed", path.decode())
                 answers[path] = (503, {"status": "error", "reason": str(exc)})
         self._published = Published(now, answers, lag)
+        if lag <= HEARTBEAT_S:  # on time: the loop was free until now; late, held since
+            self.free_at = self._loop.time()
         self._beat_due = now + HEARTBEAT_S
         self._heartbeat = self._loop.call_later(HEARTBEAT_S, self._beat)
 

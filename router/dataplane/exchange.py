@@ -697,11 +697,25 @@ WORKER_UNAVAILABLE: Final = frozenset({502, 503, 504})
 STALE_WINDOW_S: Final = 0.25
 
 
-def classify_lost(reused: bool, answered_bytes: int, sent_at: float, lost_at: float) -> Failure:
-    """A connection lost before any head (at loop time `lost_at`, its request written at
-    `sent_at`): the safe retry when it can only be an idle close that crossed the request,
-    else a failure of the worker."""
-    if reused and answered_bytes == 0 and lost_at - sent_at <= STALE_WINDOW_S:
+def close_came_by(
+    sent_at: float, lost_at: float, free_at: float | None = None, beat_s: float = 0.0
+) -> float:
+    """The latest a connection's close can be said to have come, by the loop's clock: when it
+    was noticed (`lost_at`), or earlier when the loop was held meanwhile. A loop that beats
+    every `beat_s` while it is free, last on time at `free_at` (None: unknown), and noticed the
+    close more than a beat after that, was held by a callback (a large event batch's decode):
+    the close may have come as soon as a beat after the loop was last seen free (it was free
+    when it wrote the request too)."""
+    if free_at is None:
+        return lost_at
+    return min(lost_at, max(free_at, sent_at) + beat_s)
+
+
+def classify_lost(reused: bool, answered_bytes: int, sent_at: float, came_by: float) -> Failure:
+    """A connection lost before any head (its close came by loop time `came_by`:
+    `close_came_by`, its request written at `sent_at`): the safe retry when it can only be an
+    idle close that crossed the request, else a failure of the worker."""
+    if reused and answered_bytes == 0 and came_by - sent_at <= STALE_WINDOW_S:
         return "stale"
     return "lost"
 

@@ -321,9 +321,14 @@ class DataPlane:
                 idle_expiry_s=limits.upstream_idle_expiry_s,
                 idle_timeout_s=limits.stream_idle_timeout_s,
                 on_connect=self._connected,
+                free_at=self._free_at,
             )
             self.pools[url] = pool
         return pool
+
+    def _free_at(self) -> float | None:
+        """The loop's time at its doors' last heartbeat on time (None before any)."""
+        return max((d.free_at for d in self.doors if d.free_at is not None), default=None)
 
     def _connected(self) -> None:
         self.stats.upstream_connects += 1

@@ -38,12 +38,14 @@ from typing import Final, Protocol, cast
 
 import httptools
 
+from router.dataplane.door import HEARTBEAT_S
 from router.dataplane.exchange import (
     BadAnswer,
     Failure,
     Framing,
     ResponseHead,
     classify_lost,
+    close_came_by,
     read_response_head,
 )
 from router.dataplane.flow import Deadline
@@ -267,11 +269,14 @@ class UpstreamConnection(asyncio.Protocol):
         elif self._head_done:  # a reset is no end, even of a close-delimited body
             sink.upstream_cut(f"the worker closed the connection ({exc or 'EOF'})")
         else:
-            now = self.loop.time()
+            now, sent = self.loop.time(), self._sent_at
+            free_at = None if self.pool is None else self.pool.free_at()
+            came_by = close_came_by(sent, now, free_at, HEARTBEAT_S)
+            held = f"; the loop was held {now - came_by:.2f} s more" if came_by < now else ""
             sink.upstream_failed(
-                classify_lost(self.reused, self.answered, self._sent_at, now),
-                f"connection closed before a head, {now - self._sent_at:.2f} s after the "
-                f"request ({exc or 'EOF'})",
+                classify_lost(self.reused, self.answered, sent, came_by),
+                f"connection closed before a head, by {came_by - sent:.2f} s after the "
+                f"request{held} ({exc or 'EOF'})",
             )
 
     def pause_writing(self) -> None:
@@ -412,6 +417,7 @@ class UpstreamPool:
         idle_expiry_s: float,
         idle_timeout_s: float,
         on_connect: Callable[[], None] | None = None,
+        free_at: Callable[[], float | None] = lambda: None,
     ) -> None:
         scheme, _, rest = url.partition("://")
         host, _, port = rest.rpartition(":") if ":" in rest.split("]")[-1] else (rest, "", "")
@@ -428,6 +434,10 @@ class UpstreamPool:
         self._idle_expiry_s = idle_expiry_s
         self._idle_timeout_s = idle_timeout_s
         self._on_connect = on_connect
+        # The loop's time when it was last seen free, at a heartbeat on time (every
+        # `HEARTBEAT_S`; None: no heartbeat): a close noticed after a held loop may have come
+        # well before it was noticed.
+        self.free_at = free_at
         self.idle: deque[UpstreamConnection] = deque()  # oldest left, most recent right
         self.busy: set[UpstreamConnection] = set()
         self.total = 0  # connecting, busy and idle

@@ -16,6 +16,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -1082,6 +1083,38 @@ async def test_a_reused_connection_dying_after_the_worker_worked_is_lost_not_sen
         assert rt.replica.workers.get(w.url).breaker.consecutive_failures == 1  # type: ignore[union-attr]
         scrape = await rt.scrape()
         assert scrape.by("kvrouter_upstream_failures_total", "reason") == {"lost": 1}
+
+
+async def test_an_idle_close_noticed_after_a_held_loop_is_still_the_safe_retry() -> None:
+    """The worker closes the reused connection as the request arrives (the idle-close race),
+    and the replica's loop is then held past `STALE_WINDOW_S` (a large event batch's decode):
+    the close was noticed late, not made late. Taken for a worker that worked on the
+    request, it was a 502 (one worker) or a failover, and a failure on a healthy worker."""
+    held: list[bool] = []
+
+    def hold() -> None:  # the loop held, as by a long callback: the condition under test
+        held.append(True)
+        time.sleep(2 * STALE_WINDOW_S)
+
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        if request.index_on_connection == 1 and not held:
+            writer.transport.abort()
+            asyncio.get_running_loop().call_soon(hold)  # before the replica sees the close
+            return
+        writer.write(respond(200, b"{}"))
+
+    async with (
+        scripted_worker(script) as w,
+        router_in_process(workers=[w.url], policy="round_robin") as rt,
+    ):
+        await routable(rt, w.url)
+        statuses = [(await rt.post("/v1/completions", json.loads(COMPLETION)))[0] for _ in range(2)]
+        assert statuses == [200, 200] and held
+        assert len(w.posts()) == 3  # the first, the one its idle close crossed, the retry
+        assert rt.plane.stats.safe_retries == 1
+        assert rt.replica.workers.get(w.url).breaker.consecutive_failures == 0  # type: ignore[union-attr]
+        scrape = await rt.scrape()
+        assert scrape.by("kvrouter_upstream_failures_total", "reason") == {}
 
 
 async def test_a_second_dead_connection_is_a_failure_of_the_worker() -> None:

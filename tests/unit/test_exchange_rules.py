@@ -21,6 +21,7 @@ from router.dataplane.exchange import (
     admit,
     chunk,
     classify_lost,
+    close_came_by,
     cut_tail,
     events_end,
     head_without_upgrade,
@@ -651,6 +652,21 @@ def test_a_lost_connection_is_the_safe_retry_only_within_the_idle_close_window(
     reused: bool, answered: int, after_s: float, failure: str
 ) -> None:
     assert classify_lost(reused, answered, 100.0, 100.0 + after_s) == failure
+
+
+@pytest.mark.parametrize(
+    ("free_at", "lost_at", "came_by"),
+    [
+        (None, 100.66, 100.66),  # no heartbeat known: when it was noticed
+        (100.6, 100.66, 100.66),  # the loop beat lately: noticed as it came
+        (99.97, 100.66, 100.1),  # held since the request went out: one beat after the write
+        (102.9, 103.5, 103.0),  # held after the worker had worked 3 s: still late
+    ],
+)
+def test_a_close_noticed_after_a_held_loop_came_by_a_beat_after_the_loop_was_last_free(
+    free_at: float | None, lost_at: float, came_by: float
+) -> None:
+    assert close_came_by(100.0, lost_at, free_at, 0.1) == pytest.approx(came_by)
 
 
 @pytest.mark.parametrize(
