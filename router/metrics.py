@@ -262,9 +262,9 @@ class _StateCollector(Collector):
         rules = self._pump.rules
         stats = rules.stats
         tree = rules.tree
-        yield _gauge(
-            "kvrouter_block_size", "Fleet KV block size", [((), tree.block_size if tree else 0)]
-        )
+        # Known from --block-size before the first registration makes the index; else 0.
+        block_size = tree.block_size if tree else self._workers.block_size or 0
+        yield _gauge("kvrouter_block_size", "Fleet KV block size", [((), block_size)])
         yield _gauge(
             "kvrouter_tree_nodes",
             "Nodes in the block index, a worker snapshot's being installed included",

@@ -122,6 +122,14 @@ async def test_no_healthy_worker_is_a_no_candidates_decision() -> None:
         assert m.get("kvrouter_matched_blocks_count") == 0
 
 
+async def test_the_block_size_given_by_its_flag_is_exported_before_any_worker_registers() -> None:
+    """`--block-size 32` and no worker yet: `kvrouter_block_size` read 0 (the index, which
+    holds it, is made at the first registration), though the fleet's block size was known."""
+    async with router_in_process(block_size=32) as rt:
+        m = await scrape(rt)
+        assert m.value("kvrouter_block_size") == 32
+
+
 # --- the index ------------------------------------------------------------------------------
 
 
