@@ -36,22 +36,23 @@ connection.
 
 Failures (`FAILURES`): before the first byte reached the client, a failure of a worker (no
 connection, no head in time, a 5xx head, the connection lost, health declaring it down) is
-counted by its breaker and the next rank is tried; a 5xx head from the last rank to try is
-relayed as it is instead (its status, `Retry-After` and body are the engine's to give). A 5xx
-other than 502, 503 and 504 (`WORKER_UNAVAILABLE`) may be the request's own doing (an engine
-that fails on an input answers 500), so its worker's breaker hears of it only when the
-request's outcome says it was the worker's (`relay.WorkerRelay`): another worker answered it,
-or none was left to ask; a second worker answering it such a 5xx too makes the request the
-cause, and that answer is relayed, counted by neither breaker. A
+counted by its breaker and the next rank of another worker is tried (the worker's other ranks
+are behind the same host, port and engine front: `FailureRule.whole_worker`); a 5xx head from
+the last rank to try is relayed as it is instead (its status, `Retry-After` and body are the
+engine's to give). A 5xx other than 502, 503 and 504 (`WORKER_UNAVAILABLE`) may be the
+request's own doing (an engine that fails on an input answers 500), so its worker's breaker
+hears of it only when the request's outcome says it was the worker's (`relay.WorkerRelay`):
+another worker answered it, or none was left to ask; a second worker answering it such a 5xx
+too makes the request the cause, and that answer is relayed, counted by neither breaker. A
 request that waited its bound for one of a worker's pooled connections, all busy, goes to
-the next rank too, uncounted by the breaker (the worker is busy, not broken), and is a 503
-with a `Retry-After` when none is left. A reused idle connection found dead before it
+another worker's rank too, uncounted by the breaker (the worker is busy, not broken), and is a
+503 with a `Retry-After` when none is left. A reused idle connection found dead before it
 answered anything, within `STALE_WINDOW_S` of the request's write, is the one safe retry (the
 worker never saw the request: it closed an idle connection), on a fresh connection to the same
-worker, and counts nowhere; found dead later, the worker had read the request and worked on it,
-and the connection is lost as any other. After the first
-byte nothing is retried: a stream cut by its worker must not look complete (`cut_tail`): the
-client connection is closed without the terminating chunk, after an OpenAI-style `data:
+worker, and counts nowhere; found dead later, the worker had read the request and worked on
+it, and the connection is lost as any other. After the first byte nothing is retried: a
+stream cut by its worker must not look complete (`cut_tail`): the client connection is closed
+without the terminating chunk, after an OpenAI-style `data:
 {"error": ...}` event when the answer is SSE, so every client library reports the failure.
 An SSE answer is relayed in whole events for that (`WholeEvents`): the event the worker broke
 off in never reaches the client, which would parse it before the error event.
@@ -665,18 +666,31 @@ class FailureRule:
     fail_over: bool  # try the next rank (before the first byte only)
     breaker: bool  # counts as a failure of the worker
     same_worker: bool  # retried on the same worker, once, not as a failover
+    # The failure is the worker's, not its rank's: the request skips the worker's other ranks.
+    # Its ranks share one host and port, one pool and one API server in front of the engine,
+    # so a refused or timed-out connect, a head not in time, a 5xx, a lost connection or a
+    # health verdict would meet them all; trying them in turn spent every attempt of the
+    # request (`--max-attempts`) on one broken worker while another was healthy.
+    whole_worker: bool
 
 
 FAILURES: Final[dict[Failure, FailureRule]] = {
-    "connect": FailureRule(fail_over=True, breaker=True, same_worker=False),  # refused, timeout
+    # Refused, or no connection in time.
+    "connect": FailureRule(fail_over=True, breaker=True, same_worker=False, whole_worker=True),
     # Waited its bound for one of the worker's pooled connections, all busy: never sent, so
-    # safe to try elsewhere, and no fault of the worker (busy with this replica's streams).
-    "queue": FailureRule(fail_over=True, breaker=False, same_worker=False),
-    "timeout": FailureRule(fail_over=True, breaker=True, same_worker=False),  # no head in time
-    "status": FailureRule(fail_over=True, breaker=True, same_worker=False),  # a 5xx head
-    "lost": FailureRule(fail_over=True, breaker=True, same_worker=False),  # closed before a head
-    "worker_down": FailureRule(fail_over=True, breaker=True, same_worker=False),  # by health
-    "stale": FailureRule(fail_over=False, breaker=False, same_worker=True),  # reused idle, dead
+    # safe to try elsewhere, and no fault of the worker (busy with this replica's streams);
+    # its other ranks share that pool, and would only queue the request again.
+    "queue": FailureRule(fail_over=True, breaker=False, same_worker=False, whole_worker=True),
+    # No head in time.
+    "timeout": FailureRule(fail_over=True, breaker=True, same_worker=False, whole_worker=True),
+    # A 5xx head (one that may be the request's doing is held: `relay.WorkerRelay`).
+    "status": FailureRule(fail_over=True, breaker=True, same_worker=False, whole_worker=True),
+    # The connection closed before a head.
+    "lost": FailureRule(fail_over=True, breaker=True, same_worker=False, whole_worker=True),
+    # Health declared the worker down while the request waited for its head.
+    "worker_down": FailureRule(fail_over=True, breaker=True, same_worker=False, whole_worker=True),
+    # A reused idle connection found dead: retried once, on a fresh one to the same worker.
+    "stale": FailureRule(fail_over=False, breaker=False, same_worker=True, whole_worker=False),
 }
 
 

@@ -16,9 +16,10 @@ of `exchange.WORKER_UNAVAILABLE`) is held from its worker's breaker until the re
 outcome shows whose it was (`_settle_held`): another worker's answer makes it the worker's,
 another worker's 5xx of the same kind makes it the request's (relayed at once, with no third
 attempt: one client's poison request must not open every worker's breaker in turn), and so
-does a 4xx. The held worker's other ranks are not tried: the same engine's second answer to the
-request is no second opinion on it (a worker failing every request would pass for a poison
-request on its own two ranks). `ControlRelay` answers any other path from the control app,
+does a 4xx. No failure's worker has its other ranks tried (`FailureRule.whole_worker`): they
+share its host, port and engine front, and the same engine's second answer to the request is
+no second opinion on it (a worker failing every request would pass for a poison request on
+its own two ranks). `ControlRelay` answers any other path from the control app,
 over the client connection's in-process link (`control_link`).
 """
 
@@ -295,9 +296,8 @@ class WorkerRelay(Relay):
         # A 5xx that may be the request's doing, its worker and the probe ticket its attempt
         # held, while the request's outcome says whose it was (`_settle_held`).
         self._held: tuple[Worker, int] | None = None
-        # Workers whose other ranks this request skips (None until one is): its pool had no
-        # connection free in time (they share that pool, and would only queue it again), or
-        # it answered the held 5xx (they are the same engine).
+        # Workers whose other ranks this request skips (None until one is): an attempt on
+        # one of its ranks failed in a way that is the worker's (`FailureRule.whole_worker`).
         self._passed_over: set[str] | None = None
 
     def start(self) -> None:
@@ -429,9 +429,9 @@ class WorkerRelay(Relay):
         if failure == "stale":
             failure = "lost"  # a second dead connection in a row is the worker's
         self._count_failure(failure, detail)
-        if failure == "queue":  # the pool says so, for every request that waited in vain
+        if FAILURES[failure].whole_worker:
             self._pass_over(pool.url)
-        else:
+        if failure != "queue":  # the pool says so, for every request that waited in vain
             left = len(self.decision.ranked) - self._next_pair
             log.warning(
                 "%s %s failed before the first byte (%s); %s",
@@ -455,13 +455,13 @@ class WorkerRelay(Relay):
         rank, conn, worker = self.rank, self.conn, self.worker
         assert conn is not None and worker is not None
         detail = f"status {status}"
+        self._pass_over(worker.url)  # `FAILURES["status"].whole_worker`; a second held 500 ends it
         if status in WORKER_UNAVAILABLE:
             self._count_failure("status", detail)
         elif self._held is None:
             self._held = (worker, self._probe)
             self._verdict = True  # the held attempt's probe is settled with it
             self._note_failure("status", detail)
-            self._pass_over(worker.url)
         else:
             self._settle_held(worker_at_fault=False)
             worker.breaker.release(self._probe)  # nor is it this worker's

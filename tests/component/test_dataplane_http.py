@@ -2260,6 +2260,52 @@ async def test_a_5xx_followed_by_a_200_from_the_next_rank_is_the_200() -> None:
         await eventually(lambda: busy.posts()[0].connection in busy.closed_by_peer)
 
 
+async def never_answer(request: Request, writer: asyncio.StreamWriter) -> None:
+    await asyncio.Event().wait()
+
+
+async def close_unanswered(request: Request, writer: asyncio.StreamWriter) -> None:
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("script", "failure"),
+    [
+        (None, "connect"),  # stopped: refused
+        (never_answer, "timeout"),
+        (answer_busy, "status"),
+        (close_unanswered, "lost"),
+    ],
+)
+async def test_a_failing_multi_rank_worker_costs_one_attempt_not_one_per_rank(
+    script: Script | None, failure: str
+) -> None:
+    """Its ranks share its host, port and engine: a request fails over to another worker at
+    once (it tried three of the failing worker's four ranks in turn, a 502 or three head
+    timeouts though another worker was healthy)."""
+    async with (
+        scripted_worker(script or answer_ok) as bad,
+        scripted_worker() as good,
+        router_in_process(
+            workers=[bad.url, good.url],
+            policy="round_robin",
+            dp_size=4,
+            health_interval_s=60,
+            upstream_head_timeout_s=0.3,
+            expose_route_headers=True,
+        ) as rt,
+    ):
+        await routable(rt, bad.url, good.url)
+        if script is None:
+            await bad.stop()
+        for _ in range(2):  # round_robin starts each request at another of bad's ranks
+            status, _, headers = await rt.post("/v1/completions", json.loads(COMPLETION))
+            assert status == 200 and headers["X-Kvrouter-Worker"] == good.url
+        assert len(bad.posts()) == (0 if script is None else 2)
+        assert len(good.posts()) == 2
+        assert rt.plane.metrics.upstream_failures[bad.url, failure] == 2
+
+
 async def test_a_lone_workers_500_is_relayed_with_its_body() -> None:
     async def broken(request: Request, writer: asyncio.StreamWriter) -> None:
         writer.write(respond(500, b'{"detail": "CUDA error"}', b"Content-Type: application/json"))

@@ -619,22 +619,27 @@ def test_a_refusal_is_openai_error_json_with_its_framing() -> None:
 
 
 @pytest.mark.parametrize(
-    ("failure", "fail_over", "breaker", "same_worker"),
+    ("failure", "fail_over", "breaker", "same_worker", "whole_worker"),
     [
-        ("connect", True, True, False),
-        ("queue", True, False, False),  # never sent, and the worker is busy, not broken
-        ("timeout", True, True, False),
-        ("status", True, True, False),
-        ("lost", True, True, False),
-        ("worker_down", True, True, False),
-        ("stale", False, False, True),
+        ("connect", True, True, False, True),
+        ("queue", True, False, False, True),  # never sent, and the worker is busy, not broken
+        ("timeout", True, True, False, True),
+        ("status", True, True, False, True),
+        ("lost", True, True, False, True),
+        ("worker_down", True, True, False, True),
+        ("stale", False, False, True, False),
     ],
 )
-def test_which_failures_fail_over_and_which_the_breaker_counts(
-    failure: str, fail_over: bool, breaker: bool, same_worker: bool
+def test_which_failures_fail_over_which_the_breaker_counts_and_which_skip_the_workers_ranks(
+    failure: str, fail_over: bool, breaker: bool, same_worker: bool, whole_worker: bool
 ) -> None:
     rule = FAILURES[failure]  # type: ignore[index]
-    assert (rule.fail_over, rule.breaker, rule.same_worker) == (fail_over, breaker, same_worker)
+    assert (rule.fail_over, rule.breaker, rule.same_worker, rule.whole_worker) == (
+        fail_over,
+        breaker,
+        same_worker,
+        whole_worker,
+    )
 
 
 @pytest.mark.parametrize(
