@@ -129,6 +129,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A worker's requests waiting for its head fail over at this many failed health checks in a
+# row; the first takes it out of new routing. One check slower than the poll timeout (an
+# engine's API loop busy for a moment) is no sign its generations stopped: vLLM writes a
+# non-streamed answer's head at its end, so "waiting for the head" is the whole generation,
+# and failing over at the first check sent 8 such requests again to another worker, twice the
+# work and 6 -> 9.2 s a request. Two checks put it about one health interval and one poll
+# timeout after the first (a frozen worker's: ~6 s at the defaults, from ~2.4 s).
+FAIL_OVER_AFTER_FAILED_CHECKS: Final = 2
 HEALTH_MAX_BODY_BYTES: Final = 64 * 1024  # engines answer /health with nothing or a line
 # /server_info and /v1/models answers are a few KB; past this (or a gzip bomb inflating past
 # it: 0.5 MB per worker made 512 MB) the answer is unreadable.
@@ -437,6 +445,7 @@ class Worker:
     kv: KvEventsInfo | None = None
     healthy: bool = False
     unhealthy_since: float | None = None  # clock time of the first failed check in a row
+    failed_checks: int = 0  # failed health checks in a row
     reregister_failures: int = 0  # down or refused: registrations anew that failed in a row
     reregister_at: float = 0.0  # down or refused: the next registration anew, at earliest
     refusal: str = ""  # why it was last refused (kept once admitted again): counted once
@@ -583,8 +592,9 @@ class WorkerRegistry:
         self._closing = False
         # Set by the app when peer bootstrap is on (a --peer or --kv-peer-selector is given).
         self.bootstrap: PeerBootstrap | None = None
-        # Set by the data plane: told when health declares a worker down, so that requests
-        # still waiting for that worker's answer fail over at once.
+        # Set by the data plane: told when health declares a worker down (its checks failed
+        # `FAIL_OVER_AFTER_FAILED_CHECKS` times in a row), so that requests still waiting for
+        # that worker's answer fail over at once.
         self.on_unhealthy: Callable[[str], None] | None = None
         self.on_removed: Callable[[str], None] | None = None  # the data plane drops its pool
         # Set by the replica under cache_aware: told a removed worker's ranks, which the
@@ -1375,11 +1385,11 @@ class WorkerRegistry:
                 finally:
                     self._back_off_if_down(worker)
             return
-        went_down = worker.healthy and not healthy
         if worker.healthy != healthy:
             log.warning("worker %s is now %s", worker.url, "healthy" if healthy else "unhealthy")
-        worker.healthy = healthy
-        if went_down and self.on_unhealthy is not None:
+        worker.healthy = healthy  # out of new routing at the first failed check
+        worker.failed_checks = 0 if healthy else worker.failed_checks + 1
+        if fails_over_in_flight(worker.failed_checks) and self.on_unhealthy is not None:
             self.on_unhealthy(worker.url)
         if healthy:
             worker.unhealthy_since = None
@@ -1561,7 +1571,7 @@ class WorkerRegistry:
             f"/health failing for {self._evict_after_s:g} s: its ranks left the index; "
             "registered anew when /health answers 200"
         )
-        worker.unhealthy_since = None
+        worker.unhealthy_since, worker.failed_checks = None, 0
         worker.reregister_failures, worker.reregister_at = 0, 0.0  # a new down spell
         self.stats.evictions += 1
         log.warning("worker %s evicted: %s", worker.url, worker.reason)
@@ -1732,6 +1742,12 @@ def kv_events_change(old: KvEventsInfo | None, new: KvEventsInfo) -> str:
         for f in fields(KvEventsInfo)
         if getattr(old, f.name) != getattr(new, f.name)
     )
+
+
+def fails_over_in_flight(failed_checks: int) -> bool:
+    """Whether the worker's requests waiting for its head fail over at this check (once a
+    spell of failed checks): `FAIL_OVER_AFTER_FAILED_CHECKS` in a row."""
+    return failed_checks == FAIL_OVER_AFTER_FAILED_CHECKS
 
 
 def evict_due(unhealthy_since: float | None, now: float, evict_after_s: float) -> bool:

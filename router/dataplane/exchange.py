@@ -36,24 +36,25 @@ connection.
 
 Failures (`FAILURES`): before the first byte reached the client, a failure of a worker (no
 connection, no head in time, a 5xx head, the connection lost, health declaring it down) is
-counted by its breaker and the next rank of another worker is tried (the worker's other ranks
-are behind the same host, port and engine front: `FailureRule.whole_worker`); a 5xx head from
-the last rank to try is relayed as it is instead (its status, `Retry-After` and body are the
-engine's to give). A 5xx other than 502, 503 and 504 (`WORKER_UNAVAILABLE`) may be the
-request's own doing (an engine that fails on an input answers 500), so its worker's breaker
-hears of it only when the request's outcome says it was the worker's (`relay.WorkerRelay`):
-another worker answered it, or none was left to ask; a second worker answering it such a 5xx
-too makes the request the cause, and that answer is relayed, counted by neither breaker. A
-request that waited its bound for one of a worker's pooled connections, all busy, goes to
-another worker's rank too, uncounted by the breaker (the worker is busy, not broken), and is a
-503 with a `Retry-After` when none is left. A reused idle connection found dead before it
-answered anything, within `STALE_WINDOW_S` of the request's write, is the one safe retry (the
-worker never saw the request: it closed an idle connection), on a fresh connection to the same
-worker, and counts nowhere; found dead later, the worker had read the request and worked on
-it, and the connection is lost as any other. After the first byte nothing is retried: a
-stream cut by its worker must not look complete (`cut_tail`): the client connection is closed
-without the terminating chunk, after an OpenAI-style `data:
-{"error": ...}` event when the answer is SSE, so every client library reports the failure.
+counted by its breaker (not health's verdict: the breaker is for failed requests) and the next
+rank of another worker is tried (the worker's other ranks are behind the same host, port and
+engine front: `FailureRule.whole_worker`); a 5xx head from the last rank to try is relayed as
+it is instead (its status, `Retry-After` and body are the engine's to give). A 5xx other than
+502, 503 and 504 (`WORKER_UNAVAILABLE`) may be the request's own doing (an engine that fails
+on an input answers 500), so its worker's breaker hears of it only when the request's outcome
+says it was the worker's (`relay.WorkerRelay`): another worker answered it, or none was left
+to ask; a second worker answering it such a 5xx too makes the request the cause, and that
+answer is relayed, counted by neither breaker. A request that waited its bound for one of a
+worker's pooled connections, all busy, goes to another worker's rank too, uncounted by the
+breaker (the worker is busy, not broken), and is a 503 with a `Retry-After` when none is left.
+A reused idle connection found dead before it answered anything, within `STALE_WINDOW_S` of
+the request's write, is the one safe retry (the worker never saw the request: it closed an
+idle connection), on a fresh connection to the same worker, and counts nowhere; found dead
+later, the worker had read the request and worked on it, and the connection is lost as any
+other. After the first byte nothing is retried: a stream cut by its worker must not look
+complete (`cut_tail`): the client connection is closed without the terminating chunk, after an
+OpenAI-style `data: {"error": ...}` event when the answer is SSE, so every client library
+reports the failure.
 An SSE answer is relayed in whole events for that (`WholeEvents`): the event the worker broke
 off in never reaches the client, which would parse it before the error event.
 (A close-delimited answer to an HTTP/1.0 client cannot show a cut except through that SSE
@@ -687,8 +688,9 @@ FAILURES: Final[dict[Failure, FailureRule]] = {
     "status": FailureRule(fail_over=True, breaker=True, same_worker=False, whole_worker=True),
     # The connection closed before a head.
     "lost": FailureRule(fail_over=True, breaker=True, same_worker=False, whole_worker=True),
-    # Health declared the worker down while the request waited for its head.
-    "worker_down": FailureRule(fail_over=True, breaker=True, same_worker=False, whole_worker=True),
+    # Health declared the worker down while the request waited for its head: the breaker is
+    # for failed requests, and health has its own verdict (the worker is out of routing).
+    "worker_down": FailureRule(fail_over=True, breaker=False, same_worker=False, whole_worker=True),
     # A reused idle connection found dead: retried once, on a fresh one to the same worker.
     "stale": FailureRule(fail_over=False, breaker=False, same_worker=True, whole_worker=False),
 }

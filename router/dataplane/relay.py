@@ -53,7 +53,7 @@ from router.dataplane.exchange import (
 from router.dataplane.flow import PEER_BACKPRESSURE
 from router.dataplane.upstream import UpstreamConnection, UpstreamPool
 from router.policy import Candidate, Decision
-from router.workers import Worker
+from router.workers import FAIL_OVER_AFTER_FAILED_CHECKS, Worker
 
 if TYPE_CHECKING:
     from router.dataplane.server import ClientConnection, DataPlane
@@ -563,7 +563,11 @@ class WorkerRelay(Relay):
             self.conn.abort()
         elif self.pool is not None:
             self.pool.cancel(self)
-        self.upstream_failed("worker_down", "health marked the worker down before it answered")
+        self.upstream_failed(
+            "worker_down",
+            f"its health checks failed {FAIL_OVER_AFTER_FAILED_CHECKS} times in a row before it "
+            "answered",
+        )
 
     def settle(self, outcome: str) -> None:
         if outcome == "gone":

@@ -1999,6 +1999,45 @@ async def test_a_worker_that_health_declares_down_while_a_request_waits_is_faile
             "kvrouter_upstream_failures_total", worker=stuck.url, reason="worker_down"
         ) == 1
         assert rt.replica.inflight.total == 0
+        # Health took it out, not a failed request: the breaker is for those.
+        worker = rt.replica.workers.get(stuck.url)
+        assert worker is not None and worker.breaker.consecutive_failures == 0
+        assert not worker.breaker.is_open()
+
+
+async def test_one_failed_health_check_leaves_the_workers_requests_in_flight_where_they_are() -> (
+    None
+):
+    """A /health answer slower than the poll timeout (an engine's API loop busy a moment)
+    takes the worker out of new routing, but the generations it works on are no reason to
+    run again elsewhere: it fails over only after `FAIL_OVER_AFTER_FAILED_CHECKS`."""
+    release = asyncio.Event()
+
+    async def slow(request: Request, writer: asyncio.StreamWriter) -> None:
+        await release.wait()  # a non-streamed generation: its head comes at its end
+        await answer_ok(request, writer)
+
+    async with (
+        scripted_worker(slow) as busy,
+        scripted_worker() as good,
+        router_in_process(
+            workers=[busy.url, good.url], policy="round_robin", health_interval_s=0.1
+        ) as rt,
+    ):
+        await routable(rt, busy.url, good.url)
+        worker = rt.replica.workers.get(busy.url)
+        assert worker is not None
+        request = asyncio.create_task(rt.post("/v1/completions", json.loads(COMPLETION)))
+        await eventually(lambda: len(busy.posts()) == 1)
+        busy.failing_checks = 1
+        await eventually(lambda: not worker.healthy)
+        await eventually(lambda: worker.healthy)  # the next check passed
+        release.set()
+        status, _, _ = await request
+        assert status == 200
+        assert len(busy.posts()) == 1 and good.posts() == []  # run once, where it was
+        assert rt.plane.metrics.upstream_failures[busy.url, "worker_down"] == 0
+        assert worker.breaker.consecutive_failures == 0
 
 
 # -- item 5: health probes off the event loop -----------------------------------------------

@@ -15,7 +15,12 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from router.workers import REREGISTER_BACKOFF_MAX_S, evict_due, reregister_after_s
+from router.workers import (
+    REREGISTER_BACKOFF_MAX_S,
+    evict_due,
+    fails_over_in_flight,
+    reregister_after_s,
+)
 from tests.support.adversary import stub_server, stub_worker_routes
 from tests.support.fake_worker import fake_worker_in_process
 from tests.support.metrics import Scrape
@@ -39,6 +44,10 @@ def test_eviction_is_due_only_after_the_whole_window_and_never_when_off() -> Non
     assert not evict_due(80.0, 109.9, 30.0)
     assert evict_due(80.0, 110.0, 30.0)
     assert not evict_due(0.0, 1e9, 0.0)
+
+
+def test_requests_in_flight_fail_over_once_a_spell_at_the_second_failed_check() -> None:
+    assert [fails_over_in_flight(n) for n in (0, 1, 2, 3, 10)] == [False, False, True] + [False] * 2
 
 
 def test_registration_anew_backs_off_from_one_health_interval_doubling_to_a_minute() -> None:

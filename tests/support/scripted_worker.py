@@ -1,13 +1,14 @@
 """A worker whose answers to generation requests are scripted bytes, and a raw HTTP client.
 
 For the data plane's conformance tests: what real engines do only when they misbehave (close
-mid-stream, answer 1xx first, send a body with neither length nor chunking, never answer)
-is written here byte by byte. The worker answers `GET /health` (200, or 503 after
-`healthy = False`), `GET /server_info` with KV events on a port of its own where nothing
-publishes (on the flags' port, a second worker on the host would be refused: one endpoint is
-one engine's), and 404 to every other GET, so a replica registers it (with `--block-size`
-and no KV events heard); each POST is recorded and handed to `script(request, writer)`, which writes
-what it wants and may close. Requests on one connection are read in turn (keep-alive).
+mid-stream, answer 1xx first, send a body with neither length nor chunking, never answer) is
+written here byte by byte. The worker answers `GET /health` (200, or 503 after `healthy =
+False` and to the next `failing_checks`), `GET /server_info` with KV events on a port of its
+own where nothing publishes (on the flags' port, a second worker on the host would be refused:
+one endpoint is one engine's), and 404 to every other GET, so a replica registers it (with
+`--block-size` and no KV events heard); each POST is recorded and handed to `script(request,
+writer)`, which writes what it wants and may close. Requests on one connection are read in
+turn (keep-alive).
 
 `RawClient` speaks bytes over one TCP connection and reads answers with httptools, so a test
 sees exactly what went over the wire: the framing, every header, a missing last chunk.
@@ -86,6 +87,7 @@ class _RequestReader:
 class ScriptedWorker:
     script: Script = answer_ok
     healthy: bool = True
+    failing_checks: int = 0  # the next this many /health checks answer 503, healthy or not
     url: str = ""
     requests: list[Request] = field(default_factory=list)
     accepted: int = 0
@@ -151,7 +153,8 @@ class ScriptedWorker:
         self.requests.append(request)
         if request.method == b"GET":
             if request.path == b"/health":
-                status = 200 if self.healthy else 503
+                status = 200 if self.healthy and not self.failing_checks else 503
+                self.failing_checks = max(0, self.failing_checks - 1)
                 writer.write(respond(status, b"{}"))
             elif request.path == b"/server_info":
                 info = b'{"kv_events": {"endpoint_port_base": %d}}' % self.kv_port

@@ -626,7 +626,7 @@ def test_a_refusal_is_openai_error_json_with_its_framing() -> None:
         ("timeout", True, True, False, True),
         ("status", True, True, False, True),
         ("lost", True, True, False, True),
-        ("worker_down", True, True, False, True),
+        ("worker_down", True, False, False, True),  # health's verdict, not a failed request
         ("stale", False, False, True, False),
     ],
 )
