@@ -55,12 +55,16 @@ one request is still the only question whose answer is the worker's.
 
 `failure_threshold=0` disables the breaker: it always allows and never opens.
 
+Each opening and each closing is logged once, naming the worker (`name`): an opened breaker
+sends a worker no requests for its cooldown, and nothing else said so but a metric.
+
 Plain synchronous code with an injected clock; no tasks, no timers: the cooldown is checked
 lazily on `allow()` / `is_open()`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Final, Literal
@@ -73,6 +77,8 @@ OPEN: Final = "open"
 HALF_OPEN: Final = "half_open"
 PROBE_DUE: Final = "probe_due"
 
+log = logging.getLogger(__name__)
+
 
 class CircuitBreaker:
     def __init__(
@@ -81,6 +87,7 @@ class CircuitBreaker:
         cooldown_s: float = 5.0,
         max_cooldown_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        name: str = "a worker",  # what it guards, for its log lines
     ) -> None:
         if failure_threshold < 0:
             raise ValueError("failure_threshold must be >= 0")
@@ -90,6 +97,7 @@ class CircuitBreaker:
         self.base_cooldown_s = cooldown_s
         self.max_cooldown_s = max_cooldown_s
         self.trips = 0  # times it opened, from closed or from a failed probe
+        self.name = name
         self._clock = clock
         self._state: BreakerState = CLOSED
         self._failures = 0  # consecutive, while closed
@@ -162,6 +170,7 @@ class CircuitBreaker:
             self._probe = 0
             self._failures = 0
             self._cooldown_s = self.base_cooldown_s
+            log.warning("circuit breaker of %s closed: its probe request succeeded", self.name)
 
     def record_failure(self) -> None:
         if not self.failure_threshold:
@@ -169,10 +178,10 @@ class CircuitBreaker:
         if self._state == CLOSED:
             self._failures += 1
             if self._failures >= self.failure_threshold:
-                self._open()
+                self._open(f"{self._failures} failed requests in a row")
         elif self._state == HALF_OPEN:
             self._cooldown_s = min(self._cooldown_s * 2, self.max_cooldown_s)
-            self._open()
+            self._open("its probe request failed")
 
     def release(self, probe: int) -> None:
         """The probe with ticket `probe` ended without a verdict (a 4xx, the client went
@@ -182,12 +191,21 @@ class CircuitBreaker:
             self._state = OPEN  # _opened_at is unchanged, so the cooldown has passed
             self._probe = 0
 
-    def _open(self) -> None:
+    def _open(self, why: str) -> None:
         self._state = OPEN
         self._probe = 0
         self._failures = 0
         self._opened_at = self._clock()
         self.trips += 1
+        log.warning(
+            "circuit breaker of %s opened (%s): it gets no requests for %g s, then one probe "
+            "(the cooldown doubles, up to %g s, at each failed probe); its "
+            "kvrouter_upstream_failures_total reasons and the engine's log say what failed",
+            self.name,
+            why,
+            self._cooldown_s,
+            self.max_cooldown_s,
+        )
 
     def _cooldown_passed(self) -> bool:
         return self._clock() - self._opened_at >= self._cooldown_s

@@ -234,11 +234,12 @@ async def _compose(
         block_size=lambda: None if pump.rules.tree is None else pump.rules.tree.block_size,
     )
 
-    def breaker() -> CircuitBreaker:
+    def breaker(url: str) -> CircuitBreaker:
         return CircuitBreaker(
             config.breaker_failure_threshold,
             config.breaker_cooldown_s,
             config.breaker_max_cooldown_s,
+            name=url,
         )
 
     zmq_context = zmq.asyncio.Context()

@@ -99,7 +99,7 @@ from peer.tasks import cancel_and_wait
 from router.bootstrap import run_in_slices
 from router.bounded import read_up_to
 from router.breaker import CircuitBreaker
-from router.dataplane.polling import PollClient
+from router.dataplane.polling import PollAnswer, PollClient
 from router.graft import LocalGraft
 from router.index import SLICE_BLOCKS, Pump, run_steps
 from router.loads import (
@@ -514,7 +514,7 @@ class WorkerRegistry:
         *,
         block_size: int | None,
         defaults: DiscoveryDefaults = DiscoveryDefaults(),
-        breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker,
+        breaker_factory: Callable[[str], CircuitBreaker] = lambda url: CircuitBreaker(name=url),
         health_interval_s: float = 2.0,
         evict_after_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
@@ -693,7 +693,7 @@ class WorkerRegistry:
                     f"{url} not registered: this replica has {len(self._workers)} workers, "
                     f"its --max-workers; remove one (DELETE /workers) or raise --max-workers"
                 )
-            worker = known or Worker(url, breaker=self._breaker_factory())
+            worker = known or Worker(url, breaker=self._breaker_factory(url))
             self._workers[url] = worker
             try:
                 await self._register(worker)
@@ -1036,7 +1036,7 @@ class WorkerRegistry:
         worker.subscribing_since = self._clock()
         holding_since = time.monotonic()  # after the subscribers started holding
         worker.state, worker.reason = "ready", ""
-        worker.healthy = await self._check_health(worker)
+        worker.healthy = await self._check_health(worker) is None
         self._check_still_added(worker)
         self.loads.add_worker(worker.url, worker.dp_size)
         # Its load and capacity, now rather than at the next load tick (up to an interval
@@ -1118,7 +1118,7 @@ class WorkerRegistry:
     async def _register_for_routing(self, worker: Worker) -> None:
         """Ready for traffic, with no KV-event subscription: the index is not kept."""
         worker.state, worker.reason = "ready", ""
-        worker.healthy = await self._check_health(worker)
+        worker.healthy = await self._check_health(worker) is None
         self._check_still_added(worker)
         self.loads.add_worker(worker.url, worker.dp_size)
         log.info(
@@ -1335,9 +1335,9 @@ class WorkerRegistry:
         workers += self._down_in_turn()
         results = await asyncio.gather(*(self._check_health_contained(w) for w in workers))
         now = self._clock()
-        for worker, healthy in zip(workers, results, strict=True):
+        for worker, failure in zip(workers, results, strict=True):
             try:
-                await self._health_verdict(worker, healthy, now)
+                await self._health_verdict(worker, failure, now)
             except Exception as exc:  # one worker's eviction or re-registration must not
                 # stop the others' checks, nor the loop (issue 13, row 1)
                 self.supervisor.failed("health", f"health verdict for {worker.url}", exc)
@@ -1375,7 +1375,9 @@ class WorkerRegistry:
         self._down_turn = start + DOWN_CHECKS_PER_PASS
         return (down[start:] + down[:start])[:DOWN_CHECKS_PER_PASS]
 
-    async def _health_verdict(self, worker: Worker, healthy: bool, now: float) -> None:
+    async def _health_verdict(self, worker: Worker, failure: str | None, now: float) -> None:
+        """`failure`: None for a passed check, else what the failed one met."""
+        healthy = failure is None
         if worker.state == "down":
             if healthy and self._workers.get(worker.url) is worker and now >= worker.reregister_at:
                 log.info("worker %s answers /health again: registering it anew", worker.url)
@@ -1385,8 +1387,16 @@ class WorkerRegistry:
                 finally:
                     self._back_off_if_down(worker)
             return
-        if worker.healthy != healthy:
-            log.warning("worker %s is now %s", worker.url, "healthy" if healthy else "unhealthy")
+        if worker.healthy and not healthy:
+            log.warning(
+                "worker %s is now unhealthy: /health %s; it takes no new requests, and those "
+                "waiting for its answer fail over if %d checks in a row fail",
+                worker.url,
+                failure,
+                FAIL_OVER_AFTER_FAILED_CHECKS,
+            )
+        elif healthy and not worker.healthy:
+            log.warning("worker %s is now healthy", worker.url)
         worker.healthy = healthy  # out of new routing at the first failed check
         worker.failed_checks = 0 if healthy else worker.failed_checks + 1
         if fails_over_in_flight(worker.failed_checks) and self.on_unhealthy is not None:
@@ -1576,7 +1586,7 @@ class WorkerRegistry:
         self.stats.evictions += 1
         log.warning("worker %s evicted: %s", worker.url, worker.reason)
 
-    async def _check_health_contained(self, worker: Worker) -> bool:
+    async def _check_health_contained(self, worker: Worker) -> str | None:
         """`_check_health`, a raise counted as a failed check: one worker's check that
         cannot even be made must not stop the others' (a gather of them raised as a whole)."""
         try:
@@ -1584,22 +1594,23 @@ class WorkerRegistry:
         except Exception as exc:
             self.stats.health_checks_failed += 1
             self.supervisor.failed("health", f"health check of {worker.url}", exc)
-            return False
+            return f"the check raised {describe(exc)}"
 
-    async def _check_health(self, worker: Worker) -> bool:
+    async def _check_health(self, worker: Worker) -> str | None:
+        """None when the worker's `/health` answered 200, else what went wrong."""
         answer = await self._health.get(
             f"{worker.url}/health", self._request_timeout_s, HEALTH_MAX_BODY_BYTES
         )
-        ok = answer.status == 200 and answer.error is None
-        if not ok:
-            self.stats.health_checks_failed += 1
-            if answer.status is not None and is_redirect(answer.status) and worker.healthy:
-                log.warning(
-                    "worker %s: /health %s; a failed check",
-                    worker.url,
-                    redirect_not_followed(answer.status, None),
-                )
-        return ok
+        if answer.status == 200 and answer.error is None:
+            return None
+        self.stats.health_checks_failed += 1
+        if answer.status is not None and is_redirect(answer.status) and worker.healthy:
+            log.warning(
+                "worker %s: /health %s; a failed check",
+                worker.url,
+                redirect_not_followed(answer.status, None),
+            )
+        return health_failure(answer, self._request_timeout_s)
 
     async def _models_of(self, url: str) -> ServedModels:
         """What a worker's `/v1/models` lists (`parse_models`); nothing when it is unreadable."""
@@ -1742,6 +1753,17 @@ def kv_events_change(old: KvEventsInfo | None, new: KvEventsInfo) -> str:
         for f in fields(KvEventsInfo)
         if getattr(old, f.name) != getattr(new, f.name)
     )
+
+
+def health_failure(answer: PollAnswer, timeout_s: float) -> str:
+    """What a failed `/health` check met, for the log line saying the worker is unhealthy."""
+    if answer.error == "timeout":
+        return f"no answer within {timeout_s:g} s"
+    if answer.error == "connection":
+        return f"no connection: {answer.detail}" if answer.detail else "no connection"
+    if answer.error is not None:
+        return f"answered {answer.status}, its body {answer.error.replace('_', ' ')}"
+    return f"answered {answer.status}"
 
 
 def fails_over_in_flight(failed_checks: int) -> bool:

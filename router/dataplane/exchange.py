@@ -659,7 +659,9 @@ def json_response(
 
 # -- failures ----------------------------------------------------------------------------
 
-Failure = Literal["connect", "queue", "timeout", "status", "lost", "worker_down", "stale"]
+Failure = Literal[
+    "connect", "queue", "timeout", "status", "lost", "worker_down", "removed", "stale"
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -691,6 +693,9 @@ FAILURES: Final[dict[Failure, FailureRule]] = {
     # Health declared the worker down while the request waited for its head: the breaker is
     # for failed requests, and health has its own verdict (the worker is out of routing).
     "worker_down": FailureRule(fail_over=True, breaker=False, same_worker=False, whole_worker=True),
+    # The worker left the registry (`DELETE /workers`, discovery) while the request waited for
+    # a connection to it: no fault of the worker.
+    "removed": FailureRule(fail_over=True, breaker=False, same_worker=False, whole_worker=True),
     # A reused idle connection found dead: retried once, on a fresh one to the same worker.
     "stale": FailureRule(fail_over=False, breaker=False, same_worker=True, whole_worker=False),
 }

@@ -17,7 +17,7 @@ Redirects are not followed: the status is the answer.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from router.dataplane.exchange import Failure, ResponseHead
@@ -31,6 +31,7 @@ class PollAnswer:
     status: int | None  # None: no answer (see `error`)
     body: bytes | None  # the whole body of an answer that came whole
     error: str | None = None  # connection, timeout, too_large, broken
+    detail: str = field(default="", compare=False)  # what the connection's failure said
 
 
 class _Exchange:
@@ -81,7 +82,7 @@ class _Exchange:
         conn.send(self, b"GET", self._head, b"", head_timeout_s=3600.0)  # the caller's bound
 
     def connection_failed(self, failure: Failure, detail: str) -> None:
-        self._end(PollAnswer(None, None, "connection"))
+        self._end(PollAnswer(None, None, "connection", detail))
 
     # -- ResponseSink ----------------------------------------------------------------------
 
@@ -111,7 +112,8 @@ class _Exchange:
             self._retried = True
             self._pool.acquire(self, fresh=True)
             return
-        self._end(PollAnswer(None, None, "timeout" if failure == "timeout" else "connection"))
+        error = "timeout" if failure == "timeout" else "connection"
+        self._end(PollAnswer(None, None, error, detail))
 
     def upstream_cut(self, reason: str) -> None:
         self._conn = None

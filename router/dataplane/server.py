@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import chain
-from typing import Any, Final, cast
+from typing import Any, Final, Literal, cast
 
 import httptools
 from aiohttp import web
@@ -200,6 +200,8 @@ class DataPlane:
         self.internal_token = internal_token  # `router.auth`'s, for `exchange.uninvited`
         self.stats = DataPlaneStats()
         self.write_stalls = LogTally(_LOG_EVERY_S)  # clients cut for not reading
+        # Each worker's failed attempts, said at most once a minute (`WorkerRelay._say_failed`).
+        self.failure_warnings: dict[str, LogTally] = {}
         self.connections: set[ClientConnection] = set()
         # On the `--control-port` listener, bounded apart (`CONTROL_MAX_CONNECTIONS`), so that
         # clients filling `--max-connections` do not shut peers and admins out.
@@ -375,7 +377,8 @@ class DataPlane:
         end; a request still waiting for a connection fails over), and so do its series."""
         pool = self.pools.pop(url, None)
         if pool is not None:
-            _fail_over(pool.retire())
+            _fail_over(pool.retire(), "removed")
+        self.failure_warnings.pop(url, None)
         self.metrics.forget_worker(url)
 
     def worker_down(self, url: str) -> None:
@@ -385,7 +388,7 @@ class DataPlane:
             return
         relays = [c.sink for c in pool.waiting_for_head()]
         relays += pool.take_waiting()
-        _fail_over(relays)
+        _fail_over(relays, "worker_down")
         if relays:
             log.warning(
                 "worker %s declared down: %d request(s) waiting for its answer fail over",
@@ -482,11 +485,11 @@ def _unserved_version(version: str) -> Refusal:
     return Refusal(400, f"HTTP/{version} is not served here: send HTTP/1.1", close=True)
 
 
-def _fail_over(relays: Iterable[object]) -> None:
+def _fail_over(relays: Iterable[object], why: Literal["worker_down", "removed"]) -> None:
     """Requests waiting on a worker that is gone or down: each still unanswered fails over."""
     for relay in relays:
         if isinstance(relay, WorkerRelay) and not relay.done:
-            relay.worker_down()
+            relay.worker_gone(why)
 
 
 # In place of a lost connection's parser (see `ClientConnection.connection_lost`): it has no

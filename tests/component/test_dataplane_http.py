@@ -1978,7 +1978,9 @@ async def _refusing(port: int) -> bool:
     return False
 
 
-async def test_a_worker_that_health_declares_down_while_a_request_waits_is_failed_over() -> None:
+async def test_a_worker_that_health_declares_down_while_a_request_waits_is_failed_over(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     async def never(request: Request, writer: asyncio.StreamWriter) -> None:
         stuck.healthy = False  # the engine froze: its health check fails from now on
         await asyncio.Event().wait()
@@ -1999,6 +2001,8 @@ async def test_a_worker_that_health_declares_down_while_a_request_waits_is_faile
             "kvrouter_upstream_failures_total", worker=stuck.url, reason="worker_down"
         ) == 1
         assert rt.replica.inflight.total == 0
+        said = [r.getMessage() for r in caplog.records if "is now unhealthy" in r.getMessage()]
+        assert said and "/health answered 503" in said[0], said  # what the check met
         # Health took it out, not a failed request: the breaker is for those.
         worker = rt.replica.workers.get(stuck.url)
         assert worker is not None and worker.breaker.consecutive_failures == 0
@@ -2343,6 +2347,71 @@ async def test_a_failing_multi_rank_worker_costs_one_attempt_not_one_per_rank(
         assert len(bad.posts()) == (0 if script is None else 2)
         assert len(good.posts()) == 2
         assert rt.plane.metrics.upstream_failures[bad.url, failure] == 2
+
+
+async def test_a_worker_failing_every_request_is_one_warning_a_minute_not_one_an_attempt(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every worker answering 503: 1,000 requests wrote 2,965 warnings, one an attempt. Each
+    worker's are said once a minute, with how many there were since."""
+    async with (
+        scripted_worker(answer_busy) as a,
+        scripted_worker(answer_busy) as b,
+        router_in_process(workers=[a.url, b.url], policy="round_robin") as rt,
+    ):
+        await routable(rt, a.url, b.url)
+        with caplog.at_level(logging.WARNING, logger="router.dataplane.relay"):
+            for _ in range(5):
+                status, _, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
+                assert status == 503
+        assert len(a.posts()) == len(b.posts()) == 5
+        said = [r.getMessage() for r in caplog.records if r.name == "router.dataplane.relay"]
+        assert len(said) == 2, said  # one a worker
+        assert all("(1 failed attempt(s) on this worker since its last" in m for m in said), said
+        assert rt.plane.metrics.upstream_failures[a.url, "status"] == 5
+
+
+async def test_a_request_queued_for_a_removed_worker_fails_over_counted_as_removed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    release = asyncio.Event()
+
+    async def slow(request: Request, writer: asyncio.StreamWriter) -> None:
+        await release.wait()
+        await answer_ok(request, writer)
+
+    async with (
+        scripted_worker(slow) as leaving,
+        scripted_worker() as good,
+        router_in_process(
+            workers=[leaving.url, good.url],
+            policy="round_robin",
+            upstream_connections_per_worker=1,
+        ) as rt,
+    ):
+        await routable(rt, leaving.url, good.url)
+        # round_robin: the first request holds leaving's one connection, the second goes to
+        # good, the third queues for leaving's.
+        holder = asyncio.create_task(rt.post("/v1/completions", json.loads(COMPLETION)))
+        await eventually(lambda: len(leaving.posts()) == 1)
+        assert (await rt.post("/v1/completions", json.loads(COMPLETION)))[0] == 200
+        client = await RawClient.open(rt.url)
+        client.send(post(b"/v1/completions", COMPLETION))
+        pool = rt.plane.pools[leaving.url]
+        await eventually(lambda: len(pool.waiting) == 1)
+        with caplog.at_level(logging.WARNING, logger="router.dataplane.relay"):
+            assert await rt.replica.workers.remove(leaving.url)
+            answer = await client.answer()
+        assert answer is not None and answer.status == 200
+        assert len(leaving.posts()) == 1 and len(good.posts()) == 2
+        # Under worker="removed", as every count of a worker that left (`_worker_label`).
+        assert rt.plane.metrics.upstream_failures["removed", "removed"] == 1
+        assert rt.plane.metrics.upstream_failures["removed", "worker_down"] == 0
+        said = [r.getMessage() for r in caplog.records if r.name == "router.dataplane.relay"]
+        assert len(said) == 1 and "was removed from the registry" in said[0], said
+        release.set()
+        assert (await holder)[0] == 200
+        client.close()
 
 
 async def test_a_lone_workers_500_is_relayed_with_its_body() -> None:

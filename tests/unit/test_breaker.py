@@ -187,3 +187,26 @@ def test_an_open_breaker_shows_its_probe_due_once_the_cooldown_passed_until_one_
     assert b.status == "open"
     clock.advance(5.0)
     assert b.status == "probe_due"
+
+
+def test_each_opening_and_closing_is_one_line_naming_the_worker_and_the_cooldown(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = ManualClock(100.0)
+    b = CircuitBreaker(2, 5.0, 60.0, clock=clock, name="http://w:8000")
+    with caplog.at_level("WARNING", logger="router.breaker"):
+        for _ in range(4):  # failures past the opening are ignored, and said nothing
+            b.record_failure()
+        clock.advance(5.0)
+        assert b.allow()
+        b.record_failure()  # the probe failed: open again, the cooldown doubled
+        clock.advance(10.0)
+        assert b.allow()
+        b.record_success()
+        b.record_success()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3, said
+    assert said[0].startswith("circuit breaker of http://w:8000 opened (2 failed requests in a ")
+    assert "no requests for 5 s" in said[0]
+    assert "(its probe request failed)" in said[1] and "no requests for 10 s" in said[1]
+    assert said[2] == "circuit breaker of http://w:8000 closed: its probe request succeeded"

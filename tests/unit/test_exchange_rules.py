@@ -627,6 +627,7 @@ def test_a_refusal_is_openai_error_json_with_its_framing() -> None:
         ("status", True, True, False, True),
         ("lost", True, True, False, True),
         ("worker_down", True, False, False, True),  # health's verdict, not a failed request
+        ("removed", True, False, False, True),  # it left the registry: no fault of its own
         ("stale", False, False, True, False),
     ],
 )

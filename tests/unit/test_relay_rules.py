@@ -90,6 +90,7 @@ def relay_over(
         pool_for=lambda url: _Pool(url, asked),
         metrics=SimpleNamespace(requests=Counter(), upstream_failures=Counter()),
         stats=SimpleNamespace(safe_retries=0, ended=Counter()),
+        failure_warnings={},
     )
     client = SimpleNamespace(refuse=refused.append, gate=None)  # a client without a socket
     head = read_request_head(b"POST", b"/v1/completions", True, [(b"Host", b"r")], True)
