@@ -134,8 +134,9 @@ log = logging.getLogger(__name__)
 # engine's API loop busy for a moment) is no sign its generations stopped: vLLM writes a
 # non-streamed answer's head at its end, so "waiting for the head" is the whole generation,
 # and failing over at the first check sent 8 such requests again to another worker, twice the
-# work and 6 -> 9.2 s a request. Two checks put it about one health interval and one poll
-# timeout after the first (a frozen worker's: ~6 s at the defaults, from ~2.4 s).
+# work and 6 -> 9.2 s a request. Two checks put it one health interval and one poll timeout
+# after the first: a frozen worker's requests fail over 6-8 s after it froze at the defaults
+# (measured 7.8 s; 2-4 s at the first check).
 FAIL_OVER_AFTER_FAILED_CHECKS: Final = 2
 HEALTH_MAX_BODY_BYTES: Final = 64 * 1024  # engines answer /health with nothing or a line
 # /server_info and /v1/models answers are a few KB; past this (or a gzip bomb inflating past
