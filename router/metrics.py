@@ -37,7 +37,7 @@ from router.dataplane.exchange import GENERATION_ROUTES, STALE_WINDOW_S
 from router.events import DECODE_ERROR_REASONS
 from router.loads import OUT_OF_RANGE_FIELDS, POLL_ERROR_LABELS, poll_error_label
 from router.tokenize.chat_rules import FAILURE_REASONS
-from router.workers import LISTING_READ_REASONS, RESTART_REASONS
+from router.workers import ADMITTED_STATES, LISTING_READ_REASONS, RESTART_REASONS
 
 if TYPE_CHECKING:
     from cachetree.ranks import RankId
@@ -396,7 +396,10 @@ class _StateCollector(Collector):
         disconnects = 0
         breaker_state = []
         breaker_trips = {}
+        worker_states: Counter[tuple[str, str]] = Counter({(s, ""): 0 for s in ADMITTED_STATES})
         for worker in self._workers.workers():
+            refused = worker.state == "refused"
+            worker_states[(worker.state, worker.refused_for if refused else "")] += 1
             for sub in worker.subscriber_stats.values():
                 replay.update(sub.replay)
                 decode_errors.update(sub.decode_errors)
@@ -509,9 +512,17 @@ class _StateCollector(Collector):
             {(k,): v for k, v in registry_stats.snapshot_pulls.items()},
         )
         yield _gauge(
+            "kvrouter_workers",
+            "Registered workers by state (discovering, ready, down: at 0 too), and refused by "
+            "reason: a refused one stays listed, takes no traffic and is looked at again until "
+            "its engine is fixed",
+            list(worker_states.items()),
+            ["state", "reason"],
+        )
+        yield _gauge(
             "kvrouter_worker_healthy",
             "1 when the worker passes its health check (a refused worker is not checked and "
-            "not listed: kvrouter_workers_refused_total tells of it)",
+            'not listed: kvrouter_workers{state="refused"} counts it)',
             [((w.url,), int(w.healthy)) for w in self._workers.workers() if w.state != "refused"],
             ["worker"],
         )

@@ -438,6 +438,11 @@ ROUTING_EPOCH: Final = _RoutingEpoch()
 ROUTING_FIELDS: Final = frozenset({"url", "state", "healthy", "draining", "kv", "models"})
 
 
+# The states of a registered worker (`Worker.state`) but `refused`, which goes with its
+# reason; `removed` is one that left the registry.
+ADMITTED_STATES: Final = ("discovering", "ready", "down")
+
+
 @dataclass(slots=True)
 class Worker:
     url: str
@@ -450,6 +455,7 @@ class Worker:
     reregister_failures: int = 0  # down or refused: registrations anew that failed in a row
     reregister_at: float = 0.0  # down or refused: the next registration anew, at earliest
     refusal: str = ""  # why it was last refused (kept once admitted again): counted once
+    refused_for: str = ""  # refused: the reason counted (`block_size`, ...), as its metrics say
     # Its ranks' publisher connection drops and refused reconnects after them as of its last
     # look at them (`_look_at_drops`), and whether a health check failed since: an engine
     # restarted in between shows a drop and either of the others.
@@ -1154,7 +1160,7 @@ class WorkerRegistry:
         """Refused: listed, no traffic, registered anew after a backoff (`_recheck_refused`).
         Counted and logged as an error only when the reason changed: a worker refused again
         for the same one at every look would count as many refusals as looks."""
-        worker.state = "refused"
+        worker.state, worker.refused_for = "refused", reason
         worker.reason = message
         worker.reregister_failures += 1
         wait = reregister_after_s(worker.reregister_failures, self._health_interval_s)

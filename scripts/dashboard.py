@@ -732,6 +732,28 @@ ROWS: Final = (
         "Workers, tasks and discovery",
         (
             Panel(
+                "Workers by state",
+                "Per replica, its registered workers by state (kvrouter_workers): "
+                "discovering, ready, down (failed /health), and refused by reason (listed, "
+                "taking no traffic, looked at again until its engine is fixed: the fleet runs "
+                "that many workers short).",
+                "short",
+                (
+                    Query(
+                        "sum by (instance, state) (kvrouter_workers"
+                        + _sel('state!="refused"')
+                        + ")",
+                        "{{state}} {{instance}}",
+                    ),
+                    Query(
+                        "sum by (instance, reason) (kvrouter_workers"
+                        + _sel('state="refused"')
+                        + ")",
+                        "refused {{reason}} {{instance}}",
+                    ),
+                ),
+            ),
+            Panel(
                 "Unhealthy workers",
                 "Per replica, workers failing their /health check (kvrouter_worker_healthy "
                 "0), and workers evicted from the index after failing it too long.",

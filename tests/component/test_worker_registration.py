@@ -317,6 +317,39 @@ async def test_without_block_size_the_first_listed_worker_decides_it_the_others_
         assert "block size 16 differs from the fleet's 32" in registry.get(second).reason  # type: ignore[union-attr]
 
 
+async def test_a_refused_worker_is_counted_by_state_while_it_stays_refused() -> None:
+    """A worker restarted with another block size left /metrics only a counter of its
+    refusal, whose increase the alert saw for 10 minutes: then the fleet ran one worker short
+    with nothing telling of it (no kvrouter_worker_healthy for a refused worker, its breaker
+    closed). The states a worker is admitted in are exposed at 0 too; a refused one with its
+    reason, as the alert names it."""
+
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response({"kv_events": {"block_size": 32, "endpoint_port_base": 1}})
+
+    async with (
+        worker_announcing(endpoint_port_base=1) as good,
+        stub_server(stub_worker_routes({("GET", "/server_info"): server_info})) as refused,
+        router_in_process(workers=[good, refused], block_size=16) as rt,
+    ):
+        assert [(w.url, w.state) for w in rt.replica.workers.workers()] == [
+            (good, "ready"),
+            (refused, "refused"),
+        ]
+        scrape = await rt.scrape()
+        assert {
+            dict(labels)["state"]: v for labels, v in scrape.series("kvrouter_workers").items()
+        } == {
+            "discovering": 0,
+            "ready": 1,
+            "down": 0,
+            "refused": 1,
+        }
+        assert scrape.value("kvrouter_workers", state="refused", reason="block_size") == 1
+        assert scrape.value("kvrouter_workers_refused_total", reason="block_size") == 1
+        assert scrape.by("kvrouter_worker_healthy", "worker") == {good: 1}
+
+
 @pytest.mark.parametrize(("engine_dp", "flag_dp"), [(1, 2), (2, 1)])
 async def test_a_vllm_worker_without_server_info_has_the_dp_size_its_metrics_state(
     engine_dp: int, flag_dp: int
