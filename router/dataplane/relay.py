@@ -436,7 +436,7 @@ class WorkerRelay(Relay):
         if FAILURES[failure].whole_worker:
             self._pass_over(pool.url)
         if failure != "queue":  # the pool says so, for every request that waited in vain
-            left = len(self.decision.ranked) - self._next_pair
+            left = self._ranks_left()
             self._say_failed(
                 rank.worker_url,
                 "%s %s failed before the first byte (%s); %s",
@@ -556,6 +556,14 @@ class WorkerRelay(Relay):
             worker.breaker.record_failure()
         else:
             worker.breaker.release(probe)
+
+    def _ranks_left(self) -> int:
+        """The ranked ranks not tried yet, those of the workers passed over left out."""
+        rest = self.decision.ranked[self._next_pair :]
+        passed_over = self._passed_over
+        if not passed_over:
+            return len(rest)
+        return sum(c.rank.worker_url not in passed_over for c in rest)
 
     def _pass_over(self, url: str) -> None:
         if self._passed_over is None:

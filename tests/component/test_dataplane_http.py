@@ -2349,6 +2349,26 @@ async def test_a_failing_multi_rank_worker_costs_one_attempt_not_one_per_rank(
         assert rt.plane.metrics.upstream_failures[bad.url, failure] == 2
 
 
+async def test_a_failed_attempt_with_only_the_failing_workers_ranks_left_says_none_is_left(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its other ranks are passed over, so none is left to try: the warning said "failing
+    over" (it counted them), and the client got a 502 right after."""
+    async with (
+        scripted_worker(answer_ok) as bad,
+        router_in_process(
+            workers=[bad.url], policy="round_robin", dp_size=2, health_interval_s=60
+        ) as rt,
+    ):
+        await routable(rt, bad.url)
+        await bad.stop()
+        with caplog.at_level(logging.WARNING, logger="router.dataplane.relay"):
+            status, _, _ = await rt.post("/v1/completions", json.loads(COMPLETION))
+        assert status == 502
+        said = [r.getMessage() for r in caplog.records if r.name == "router.dataplane.relay"]
+        assert len(said) == 1 and "; no rank left (" in said[0], said
+
+
 async def test_a_worker_failing_every_request_is_one_warning_a_minute_not_one_an_attempt(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
