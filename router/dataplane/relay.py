@@ -460,7 +460,9 @@ class WorkerRelay(Relay):
         rank, conn, worker = self.rank, self.conn, self.worker
         assert conn is not None and worker is not None
         detail = f"status {status}"
-        self._pass_over(worker.url)  # `FAILURES["status"].whole_worker`; a second held 500 ends it
+        # The rule `upstream_failed` reads for every other failure (a second held 500 ends it).
+        if FAILURES["status"].whole_worker:
+            self._pass_over(worker.url)
         if status in WORKER_UNAVAILABLE:
             self._count_failure("status", detail)
         elif self._held is None:
